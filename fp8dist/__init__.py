@@ -1,0 +1,27 @@
+"""fp8dist: FP8 training on sharded data parallelism in one call.
+
+    model = fp8dist.wrap_model(model, strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters())
+"""
+
+from .api import WrapInfo, get_wrap_info, wrap_model
+from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
+from .env import DistEnv, init_distributed
+from .report import sharding_summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "wrap_model",
+    "get_wrap_info",
+    "WrapInfo",
+    "Config",
+    "StrategyConfig",
+    "FP8Config",
+    "resolve_config",
+    "load_config_file",
+    "init_distributed",
+    "DistEnv",
+    "sharding_summary",
+    "__version__",
+]

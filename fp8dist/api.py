@@ -1,0 +1,105 @@
+"""``wrap_model``: the one pipeline. Each step is one call into its own module."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from .config import FP8_BACKENDS, Config, resolve_config
+from .env import DistEnv, detect_launch_env, init_distributed, resolve_device
+from .strategies import ShardingInfo, apply_strategy, warn_unused_options
+
+__all__ = ["wrap_model", "WrapInfo", "get_wrap_info"]
+
+_INFO_ATTR = "_fp8dist_info"
+
+
+@dataclass(frozen=True)
+class WrapInfo:
+    """What ``wrap_model`` did, attached to the model it returns (see :func:`get_wrap_info`)."""
+
+    config: Config
+    env: DistEnv
+    sharding: ShardingInfo
+
+
+def get_wrap_info(model: nn.Module) -> WrapInfo:
+    """The :class:`WrapInfo` of a model returned by :func:`wrap_model`."""
+    info = getattr(model, _INFO_ATTR, None)
+    if info is None:
+        raise ValueError(f"{type(model).__name__} was not returned by fp8dist.wrap_model.")
+    return info
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
+    if getattr(model, _INFO_ATTR, None) is not None:
+        raise ValueError("this model was already wrapped by fp8dist.wrap_model; wrap the original model once.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: there is nothing to shard or train. "
+                         "Check that its layers are registered as submodules (nn.ModuleList, not a Python list).")
+
+
+def _not_yet(cfg: Config) -> None:
+    """Parts of the pipeline that are separate work; asking for them is a clear error, not a deep trace."""
+    if cfg.parallel.strategy == "deepspeed":
+        raise NotImplementedError("strategy='deepspeed' is not implemented yet in this fp8dist version; "
+                                  "use strategy='fsdp' (ZeRO-3-like), 'fsdp1' or 'ddp'.")
+    if cfg.precision.fp8 is not None:
+        raise NotImplementedError(f"fp8={cfg.precision.fp8!r} is not implemented yet in this fp8dist version "
+                                  f"(backends planned: {', '.join(FP8_BACKENDS)}); use fp8=None for the strategy's "
+                                  "bf16 mixed precision.")
+
+
+def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
+               config: Config | Mapping[str, Any] | str | Path | None = None, **options: Any) -> nn.Module:
+    """Shard or replicate ``model`` for training with bf16 mixed precision (FP8 layered on top).
+
+    Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
+
+    Args:
+        model: the model, on CPU (or meta-free on any device), identical on every rank.
+        strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
+        fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
+        config: a :class:`Config`, a flat dict or a YAML/JSON path; keyword options override it.
+        **options: any config key, e.g. ``param_dtype="bf16"``, ``reduce_dtype="fp32"``, ``block_classes=[...]``.
+
+    Returns:
+        The model to train: the same module sharded in place (fsdp), or its DDP / FSDP1 wrapper.
+
+    Example::
+
+        model = wrap_model(LlamaForCausalLM(cfg), strategy="fsdp")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    """
+    explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
+    cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
+    _not_yet(cfg)
+    _check_model(model)
+    warn_unused_options(cfg.parallel)
+    env = _environment(cfg)                                               # 2. check environment
+    # 3./4. plan and FP8 conversion come here (FP8 backends are separate work, see _not_yet)
+    wrapped, sharding = apply_strategy(model, cfg.parallel, env)          # 5. shard
+    if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
+        warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
+                      "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)
+    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, sharding))            # 6. attach what was done
+    return wrapped
+
+
+def _environment(cfg: Config) -> DistEnv:
+    """The process group (initialized if needed) and device; "none" needs no process group."""
+    strategy = cfg.parallel.strategy
+    if strategy == "none":
+        launch = detect_launch_env()
+        if launch.world_size > 1:
+            warnings.warn(f"strategy='none' in a {launch.world_size}-process launch: every rank trains its own "
+                          "copy with no gradient sync. Use strategy='ddp' or 'fsdp'.", UserWarning, stacklevel=3)
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank,
+                       resolve_device(cfg.parallel.device, launch.local_rank), None, launch.launcher)
+    return init_distributed(device=cfg.parallel.device)

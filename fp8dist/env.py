@@ -1,0 +1,178 @@
+"""Process group and device: found from the launcher's environment, initialized once.
+
+Launchers recognised, in this order:
+- torchrun / ``deepspeed`` / any launcher that exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT``;
+- SLURM ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``), the head node taken from
+  ``MASTER_ADDR`` or ``scontrol show hostnames $SLURM_JOB_NODELIST``;
+- nothing: one process, world size 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "init_distributed", "resolve_device"]
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is incomplete or inconsistent (says which variable to set)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from the launcher's environment variables."""
+
+    launcher: str
+    """"env" (torchrun, deepspeed, ...), "slurm" or "none"."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The initialized job as fp8dist uses it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    launcher: str
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={value!r} must be an integer (set by the launcher).") from None
+
+
+def _slurm_head_node(environ: Mapping[str, str]) -> str:
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise LaunchError("SLURM job without SLURM_JOB_NODELIST: set MASTER_ADDR to the head node's address.")
+    if shutil.which("scontrol") is None:
+        raise LaunchError("SLURM job but `scontrol` is not on PATH: set MASTER_ADDR to the head node's address.")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True)
+    return out.stdout.split()[0]
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from a launcher's environment variables.
+
+    Args:
+        environ: the variables to read; defaults to ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        local = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
+        port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
+        launcher = "env"
+        addr = environ.get("MASTER_ADDR")
+    elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
+        rank = _int(environ, "SLURM_PROCID")
+        world = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
+        local = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
+        launcher = "slurm"
+        addr = environ.get("MASTER_ADDR") or (_slurm_head_node(environ) if world > 1 else None)
+        if "MASTER_PORT" in environ:
+            port = _int(environ, "MASTER_PORT")
+        else:  # same on every task of the job, distinct between jobs sharing a node
+            port = 20000 + _int(environ, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in environ else None
+    else:
+        return LaunchEnv("none", 0, 1, 0, None, None)
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside world size {world}: check the launcher's environment.")
+    if world > 1 and (addr is None or port is None):
+        raise LaunchError(f"{launcher} launch with world size {world} but no rendezvous address: "
+                           "set MASTER_ADDR and MASTER_PORT.")
+    return LaunchEnv(launcher, rank, world, local, addr, port)
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """``"auto"`` -> cuda:LOCAL_RANK when CUDA is available, else cpu; ``"cuda"`` without CUDA is an error."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("device='cuda' but torch sees no CUDA device: use device='auto' or 'cpu'.")
+    if device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    return torch.device("cuda", index)
+
+
+def init_distributed(*, device: str = "auto", backend: str | None = None,
+                     timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Initialize the default process group from the launcher's environment, unless it already is.
+
+    nccl on CUDA, gloo on CPU. With no launcher (world size 1) a single-process group is created in memory,
+    so DDP and FSDP run the same code path as in a multi-process job.
+
+    Args:
+        device: "auto", "cpu" or "cuda".
+        backend: process-group backend; None picks nccl for CUDA and gloo for CPU.
+        timeout: collective timeout; None keeps torch's default.
+    """
+    if dist.is_initialized():
+        launch = detect_launch_env()
+        local = launch.local_rank if launch.launcher != "none" else 0
+        dev = resolve_device(device, local)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, dist.get_backend(), launch.launcher)
+    launch = detect_launch_env()
+    dev = resolve_device(device, launch.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if launch.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        # env:// honours torchrun's agent-owned store (TORCHELASTIC_USE_AGENT_STORE); SLURM has no such store
+        method = "env://" if launch.launcher == "env" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        dist.init_process_group(backend, init_method=method, rank=launch.rank, world_size=launch.world_size,
+                                **kwargs)
+    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)
+
+
+_PACKAGES = ("torch", "transformers", "deepspeed", "torchao", "transformer_engine", "msamp")
+
+
+def package_version(name: str) -> str | None:
+    """Installed version of a distribution, without importing it; None when absent."""
+    from importlib import metadata
+
+    for dist_name in (name, name.replace("_", "-")):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def describe_environment() -> str:
+    """Versions, devices, FP8 capability and the launcher seen: what ``fp8dist env`` prints."""
+    lines = [f"{name:<20} {package_version(name) or 'not installed'}" for name in _PACKAGES]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            fp8 = "FP8 tensor cores" if (major, minor) >= (8, 9) else "no FP8 tensor cores (sm < 8.9)"
+            lines.append(f"cuda:{i:<15} {torch.cuda.get_device_name(i)} (sm_{major}{minor}, {fp8})")
+    else:
+        lines.append(f"{'device':<20} cpu only (gloo); torchao float8 runs here, TE and MS-AMP need CUDA sm >= 8.9")
+    launch = detect_launch_env()
+    lines.append(f"{'launcher':<20} {launch.launcher} (rank {launch.rank} of {launch.world_size})")
+    return "\n".join(lines)

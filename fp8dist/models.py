@@ -1,0 +1,46 @@
+"""Small Llama models built from a config (no download), for the training job, tests and examples.
+
+Dimensions are multiples of 16 so every Linear is FP8-eligible; embeddings are untied so the output
+projection is its own Linear, as in Llama.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .data import VOCAB_SIZE
+
+__all__ = ["LLAMA_SIZES", "llama_config", "build_llama"]
+
+ModelSize = Literal["tiny", "small", "medium"]
+
+# name: (hidden, intermediate, layers, heads, kv_heads)
+LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (128, 384, 2, 4, 2),
+    "small": (256, 768, 4, 8, 4),
+    "medium": (512, 1536, 8, 8, 4),
+}
+
+
+def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int = VOCAB_SIZE):
+    """A ``transformers.LlamaConfig`` for one of :data:`LLAMA_SIZES`."""
+    from transformers import LlamaConfig
+
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"model_size={size!r} is not valid; choose one of: {', '.join(LLAMA_SIZES)}.")
+    hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_seq_len,
+                       tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512):
+    """A freshly initialized ``LlamaForCausalLM``, identical on every rank for the same ``seed`` (fp32, CPU)."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(size, max_seq_len=max_seq_len)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)

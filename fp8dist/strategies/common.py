@@ -1,0 +1,81 @@
+"""Pieces every strategy shares: finding the transformer blocks, casting buffers, autocast forward."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+__all__ = ["find_blocks", "cast_buffers", "apply_autocast"]
+
+
+def _no_split_names(model: nn.Module) -> list[str]:
+    """Hugging Face ``_no_split_modules`` of the model or of any submodule (a HF model inside a wrapper)."""
+    names: list[str] = []
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or ():
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The blocks FSDP shards one by one, with how they were found.
+
+    Order of precedence: the user's ``block_classes``; Hugging Face ``_no_split_modules``; the children of the
+    largest ``nn.ModuleList`` (by parameter count). Returns ``([(fqn, module), ...], how)``, innermost first so
+    nested blocks are sharded before their parents. An empty list means only the root is sharded.
+
+    Raises:
+        ValueError: a class in ``block_classes`` does not occur in the model (lists the classes that do).
+    """
+    classes_in_model = {type(m).__name__ for m in model.modules()}
+    if block_classes:
+        missing = [c for c in block_classes if c not in classes_in_model]
+        if missing:
+            with_params = sorted({type(m).__name__ for m in model.modules()
+                                  if any(True for _ in m.parameters(recurse=False))} - {type(model).__name__})
+            raise ValueError(
+                f"block_classes={list(block_classes)}: {missing} not found in {type(model).__name__}. "
+                f"Classes that hold parameters in this model: {with_params}. "
+                "Pass one of them, or leave block_classes empty to detect the blocks.")
+        wanted, how = set(block_classes), f"block_classes={list(block_classes)}"
+    else:
+        wanted = {n for n in _no_split_names(model) if n in classes_in_model}
+        how = f"Hugging Face _no_split_modules {sorted(wanted)}"
+    if wanted:
+        blocks = [(fqn, m) for fqn, m in model.named_modules() if type(m).__name__ in wanted and m is not model]
+        return blocks[::-1], how
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return [], "no blocks found (no block_classes, no _no_split_modules, no nn.ModuleList): root only"
+    fqn, largest = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    blocks = [(f"{fqn}.{i}", child) for i, child in enumerate(largest)]
+    return blocks[::-1], f"children of the largest nn.ModuleList {fqn!r}"
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point buffers in place (FSDP2 and DDP do not cast buffers themselves)."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                setattr(module, name, buf.to(dtype))
+
+
+def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)``; parameters keep their dtype.
+
+    The backward pass runs outside autocast, as PyTorch recommends. fp32 means no autocast.
+    """
+    if dtype == torch.float32 or getattr(module.forward, "_fp8dist_autocast", None) is not None:
+        return
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    autocast_forward._fp8dist_autocast = dtype  # type: ignore[attr-defined]
+    module.forward = autocast_forward  # type: ignore[method-assign]

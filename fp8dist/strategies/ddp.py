@@ -1,0 +1,49 @@
+"""DDP and single-process ("none"): fp32 parameters, forward under autocast to the compute dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .common import apply_autocast
+
+__all__ = ["apply_ddp", "apply_single"]
+
+
+def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
+    """DDP's own gradient-compression hook for a bf16/fp16 reduce; it needs NCCL, so CUDA only."""
+    if reduce_dtype == torch.float32:
+        return None
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[reduce_dtype]
+    if device.type != "cuda":
+        raise ValueError(
+            f"reduce_dtype={name!r} with strategy='ddp' on {device.type}: DDP reduces in {name} through its "
+            f"{name}_compress_hook, which needs NCCL (CUDA). Use reduce_dtype='fp32' here, or strategy='fsdp', "
+            "whose reduce_dtype works on every backend.")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook if name == "bf16" else default_hooks.fp16_compress_hook
+
+
+def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
+              reduce_dtype: torch.dtype) -> DistributedDataParallel:
+    """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``.
+
+    Returns the DDP wrapper; ``wrapper.module`` is the model.
+    """
+    hook = _compression_hook(reduce_dtype, device)
+    model.to(device)
+    apply_autocast(model, device.type, compute_dtype)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if hook is not None:
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+    return ddp
+
+
+def apply_single(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    """One process, no wrapper: move to ``device`` and run the forward under autocast to ``compute_dtype``."""
+    model.to(device)
+    apply_autocast(model, device.type, compute_dtype)
+    return model

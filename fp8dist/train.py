@@ -1,0 +1,192 @@
+"""The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus.
+
+Launch it any of these ways (distributed mode is read from the launcher's environment):
+
+    fp8dist train                                    # spawns 2 CPU processes (or one per GPU) itself
+    fp8dist train --strategy fsdp1 --steps 100 --model-size small
+    torchrun --nproc-per-node 2 -m fp8dist.cli train # under torchrun: runs in the launched processes
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ._schema import check_fields
+from .api import get_wrap_info, wrap_model
+from .config import Config
+from .data import Batches
+from .models import ModelSize, build_llama
+from .report import sharding_summary
+
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The training job's own knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
+
+    model_size: ModelSize = "tiny"
+    """Llama preset: tiny (0.46M parameters), small (3.3M) or medium (25M)."""
+
+    steps: int = 60
+    """Optimizer steps."""
+
+    batch_size: int = 8
+    """Global batch in sequences per step; split evenly over the processes."""
+
+    seq_len: int = 128
+    """Tokens (bytes) per sequence."""
+
+    lr: float = 3e-3
+    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, then cosine decay to 10%)."""
+
+    seed: int = 0
+    """Seed of the model initialization and of the batch order."""
+
+    nproc: int | None = None
+    """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive.")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be at least 1.")
+
+
+def default_nproc() -> int:
+    """One process per GPU, or 2 CPU processes."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+@dataclass
+class TrainResult:
+    """What a finished run measured (every rank gets the same values)."""
+
+    losses: list[float]
+    """Mean loss over ranks, per step."""
+    tokens_per_s: float
+    """Global tokens per second, steps after the first (which includes warm-up)."""
+    peak_memory_mib: list[float]
+    """Per rank: peak CUDA memory allocated, or peak RSS on CPU."""
+    sharding: list[str] = field(default_factory=list)
+    """Per rank: how its parameters are stored (see :func:`fp8dist.sharding_summary`)."""
+    device: str = "cpu"
+    """Device type the ranks trained on."""
+    wall_s: float = 0.0
+
+
+def _lr_lambda(steps: int) -> Callable[[int], float]:
+    warmup = max(1, steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / total)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
+
+
+def _set_cpu_threads() -> None:
+    """Share the CPU cores between the processes of this node instead of oversubscribing them."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None) -> TrainResult:
+    """Train ``train.model_size`` Llama with ``config``'s strategy in this process (one rank of the job).
+
+    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print).
+    """
+    log = log or (lambda line: print(line, flush=True))
+    start = time.perf_counter()
+    model = build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    wrapped = wrap_model(model, config=config)
+    env = get_wrap_info(wrapped).env
+    if env.device.type == "cpu":
+        _set_cpu_threads()
+    batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
+                      world_size=env.world_size, seed=train.seed)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(train.steps))
+    leader = env.rank == 0
+    if leader:
+        info = get_wrap_info(wrapped)
+        log(f"fp8dist train: llama-{train.model_size} ({n_params / 1e6:.2f}M params), strategy "
+            f"{config.parallel.strategy}, fp8 {config.precision.fp8 or 'none'}, {env.world_size} x "
+            f"{env.device.type} ({env.backend or 'no process group'}), global batch {train.batch_size} x "
+            f"{train.seq_len} tokens; layout: {info.sharding.blocks_found_by}")
+    losses, step_times = [], []
+    for step in range(train.steps):
+        t0 = time.perf_counter()
+        ids = batches[step].to(env.device)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().float()
+        if env.world_size > 1:
+            dist.all_reduce(mean_loss)
+            mean_loss /= env.world_size
+        losses.append(mean_loss.item())
+        step_times.append(time.perf_counter() - t0)
+        if leader:
+            eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
+            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
+                f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
+    timed = step_times[1:] or step_times
+    tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed)
+    mine = [_peak_memory_mib(env.device), str(sharding_summary(wrapped))]
+    gathered: list[Any] = [mine]
+    if env.world_size > 1:
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, mine)
+    result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
+                         sharding=[g[1] for g in gathered], device=env.device.type, wall_s=time.perf_counter() - start)
+    if leader:
+        log(format_summary(result, config, train))
+    return result
+
+
+def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
+    """The end-of-run summary ``fp8dist train`` prints."""
+    tail = result.losses[-5:]
+    lines = [
+        "== fp8dist train: summary ==",
+        f"loss            {result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {len(tail)} steps "
+        f"{sum(tail) / len(tail):.4f})",
+        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps 2-{train.steps})",
+        "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
+        + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
+        f"parameters      strategy {config.parallel.strategy}",
+    ]
+    lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
+    lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
+    return "\n".join(lines)
+

@@ -1,0 +1,113 @@
+"""A small multi-process harness on the model of PyTorch's MultiProcessTestCase.
+
+``run_ranks(fn, *args, world_size=2)`` spawns ``world_size`` real processes, each joining a gloo process group
+that rendezvous through a file in a fresh temp dir (no ports, so it is safe under ``pytest -n auto``), runs
+``fn(rank, world_size, *args)`` and returns every rank's return value to the test, in rank order.
+
+- A rank that raises fails the test with every rank's traceback.
+- A per-call timeout: hung ranks are asked for a stack dump of all their threads (faulthandler on SIGUSR1),
+  then killed; the test fails with those dumps.
+- ``pytest.skip`` inside a rank is passed back as an exit code and skips the test.
+
+``fn`` must be a module-level function (it is pickled by reference into spawned processes).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+SKIP_EXIT_CODE = 77
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple) -> None:
+    work = Path(workdir)
+    dump = open(work / f"stack.{rank}", "w")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: no interface guessing, no traffic off the box
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several ranks share two cores
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        with open(work / f"result.{rank}", "wb") as f:
+            pickle.dump(result, f)
+    except pytest.skip.Exception as skip:
+        (work / f"skip.{rank}").write_text(str(skip))
+        code = SKIP_EXIT_CODE
+    except BaseException:
+        (work / f"error.{rank}").write_text(traceback.format_exc())
+        code = 1
+    finally:
+        if dist.is_initialized() and code == 0:
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: a rank with a failed peer must not hang in atexit handlers
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
+              timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results in rank order."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fp8dist-ranks-") as workdir:
+        work = Path(workdir)
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, workdir, args), name=f"rank{r}")
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        timed_out = False
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0, SKIP_EXIT_CODE) for p in procs):
+                failed_at = now  # peers of a failed rank usually hang in a collective: give them a moment
+            if now > deadline or (failed_at is not None and now > failed_at + 15):
+                timed_out = now > deadline
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.join()
+        codes = [p.exitcode for p in procs]
+        if codes == [SKIP_EXIT_CODE] * world_size or (SKIP_EXIT_CODE in codes and set(codes) <= {0, SKIP_EXIT_CODE}):
+            pytest.skip(_read(work / f"skip.{codes.index(SKIP_EXIT_CODE)}"))
+        if timed_out or any(c != 0 for c in codes):
+            report = [f"{fn.__name__} on {world_size} ranks: exit codes {codes}"
+                      + (f", timed out after {timeout:.0f}s" if timed_out else "")]
+            for r in range(world_size):
+                text = _read(work / f"error.{r}") or _read(work / f"stack.{r}") or "(no traceback: killed or exited)"
+                report.append(f"--- rank {r} (exit {codes[r]}) ---\n{text}")
+            pytest.fail("\n".join(report), pytrace=False)
+        results = []
+        for r in range(world_size):
+            with open(work / f"result.{r}", "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,47 @@
+"""Shared by the tests: one tiny training loop, run identically on fp8dist-wrapped and hand-wired models."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from fp8dist.data import Batches
+
+STEPS = 4
+BATCH = 4  # global
+SEQ = 64
+
+
+def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
+                 autocast_dtype: torch.dtype | None = None, lr: float = 1e-3) -> list[float]:
+    """Per-step losses of this rank: AdamW built after wrapping, byte batches from fp8dist.data."""
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids = batches[step]
+        ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def linear_dtypes(model: nn.Module, linear: nn.Module, rank: int, world: int) -> dict[str, str]:
+    """Dtypes a Linear really sees in one forward: its input, its weight while computing, its output."""
+    seen: dict[str, str] = {}
+
+    def hook(module, inputs, output):
+        seen.update(input=str(inputs[0].dtype), weight=str(module.weight.dtype), output=str(output.dtype))
+
+    handle = linear.register_forward_hook(hook)
+    ids = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)[0]
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return seen
