@@ -132,8 +132,8 @@ def _flag_type(hint: Any) -> tuple[dict[str, Any], str]:
     if hint is bool:
         return {"action": argparse.BooleanOptionalAction}, ""
     if origin is tuple:
-        return {"nargs": "+", "type": args[0]}, ""
-    return {"type": hint}, ""
+        return {"nargs": "+", "type": args[0], "metavar": "NAME"}, ""
+    return {"type": hint, "metavar": {int: "N", float: "X"}.get(hint, "VALUE")}, ""
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None,
@@ -152,5 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         kwargs, _ = _flag_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = "none" if default is None else default
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-                           help=f"{docs.get(f.name, '')} (default: {shown})", **kwargs)
+        text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, help=text,
+                           **kwargs)

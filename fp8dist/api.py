@@ -13,7 +13,7 @@ from .config import FP8_BACKENDS, Config, resolve_config
 from .env import DistEnv, detect_launch_env, init_distributed, resolve_device
 from .strategies import ShardingInfo, apply_strategy, warn_unused_options
 
-__all__ = ["wrap_model", "WrapInfo", "get_wrap_info"]
+__all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "check_supported"]
 
 _INFO_ATTR = "_fp8dist_info"
 
@@ -45,8 +45,9 @@ def _check_model(model: Any) -> None:
                          "Check that its layers are registered as submodules (nn.ModuleList, not a Python list).")
 
 
-def _not_yet(cfg: Config) -> None:
-    """Parts of the pipeline that are separate work; asking for them is a clear error, not a deep trace."""
+def check_supported(cfg: Config) -> None:
+    """Raise NotImplementedError for parts of the pipeline that are separate work (a clear error, not a deep
+    trace). Callers that start processes call it first, so the error comes before any process starts."""
     if cfg.parallel.strategy == "deepspeed":
         raise NotImplementedError("strategy='deepspeed' is not implemented yet in this fp8dist version; "
                                   "use strategy='fsdp' (ZeRO-3-like), 'fsdp1' or 'ddp'.")
@@ -79,11 +80,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
-    _not_yet(cfg)
+    check_supported(cfg)
     _check_model(model)
     warn_unused_options(cfg.parallel)
     env = _environment(cfg)                                               # 2. check environment
-    # 3./4. plan and FP8 conversion come here (FP8 backends are separate work, see _not_yet)
+    # 3./4. plan and FP8 conversion come here (FP8 backends are separate work, see check_supported)
     wrapped, sharding = apply_strategy(model, cfg.parallel, env)          # 5. shard
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "

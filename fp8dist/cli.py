@@ -53,10 +53,13 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any]) -> No
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from .api import check_supported
+    from .data import check_batch_split
     from .env import detect_launch_env
     from .train import default_nproc, run_training
 
     config, train = _split_train_keys(args)
+    check_supported(config)
     strategy = config.parallel.strategy
     if detect_launch_env().launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
         run_training(config, train)
@@ -65,6 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
+    check_batch_split(train.batch_size, nproc)  # before any process starts
     if nproc == 1:
         run_training(config, train)
         return 0

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "make_corpus", "Batches"]
+__all__ = ["VOCAB_SIZE", "make_corpus", "Batches", "check_batch_split"]
 
 VOCAB_SIZE = 256  # bytes
 
@@ -38,6 +38,16 @@ def make_corpus(num_sentences: int = 4000, seed: int = 1234) -> str:
     return " ".join(sentences)
 
 
+def check_batch_split(batch_size: int, world_size: int) -> None:
+    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks."""
+    if batch_size % world_size != 0:
+        lower = batch_size - batch_size % world_size
+        raise ValueError(
+            f"batch_size={batch_size} does not split over world size {world_size}: each rank needs the same "
+            f"number of sequences. Use a multiple of {world_size}, e.g. {lower or world_size} or "
+            f"{lower + world_size}.")
+
+
 class Batches:
     """Global batches of byte sequences, the same for every world size; each rank takes its contiguous slice.
 
@@ -50,12 +60,7 @@ class Batches:
 
     def __init__(self, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  corpus: str | None = None) -> None:
-        if batch_size % world_size != 0:
-            lower = batch_size - batch_size % world_size
-            raise ValueError(
-                f"batch_size={batch_size} does not split over world size {world_size}: each rank needs the same "
-                f"number of sequences. Use a multiple of {world_size}, e.g. {lower or world_size} or "
-                f"{lower + world_size}.")
+        check_batch_split(batch_size, world_size)
         self.data = torch.tensor(list((corpus or make_corpus()).encode("utf-8")), dtype=torch.long)
         if seq_len + 1 > len(self.data):
             raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.data)} bytes).")

@@ -35,7 +35,7 @@ def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[
         missing = [c for c in block_classes if c not in classes_in_model]
         if missing:
             with_params = sorted({type(m).__name__ for m in model.modules()
-                                  if any(True for _ in m.parameters(recurse=False))} - {type(model).__name__})
+                                  if m is not model and any(True for _ in m.parameters())})
             raise ValueError(
                 f"block_classes={list(block_classes)}: {missing} not found in {type(model).__name__}. "
                 f"Classes that hold parameters in this model: {with_params}. "

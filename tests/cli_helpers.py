@@ -1,0 +1,23 @@
+"""Run fp8dist's command, scripts and torchrun as a user would: real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def run(cmd: list[str], *, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion; output captured as text. ``fp8dist`` and ``torchrun`` resolve to this venv."""
+    exe = {"fp8dist": str(BIN / "fp8dist"), "torchrun": str(BIN / "torchrun")}.get(cmd[0], cmd[0])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([exe, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` picks a free port itself, so parallel tests do not collide."""
+    return run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(script), *args], timeout=timeout)

@@ -1,0 +1,109 @@
+"""The config schema: defaults defined once, kwargs / YAML / CLI all land in it, bad values are clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp8dist
+from fp8dist import Config, FP8Config, StrategyConfig, resolve_config, wrap_model
+from fp8dist.cli import main
+from fp8dist.train import TrainConfig
+
+
+def test_defaults_are_bf16_params_fp32_reduce_fp32_buffers_fsdp2():
+    cfg = resolve_config()
+    assert cfg.parallel == StrategyConfig(strategy="fsdp", param_dtype="bf16", reduce_dtype="fp32",
+                                          buffer_dtype="fp32")
+    assert cfg.precision.fp8 is None
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, "bfloat16", "BF16", "torch.bfloat16"])
+def test_dtype_spellings_normalize(given):
+    assert StrategyConfig(param_dtype=given).param_dtype == "bf16"
+
+
+def test_fp8_none_string_means_no_fp8():
+    assert FP8Config(fp8="none").fp8 is None
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("strategy", "fdsp", ["strategy='fdsp'", "'fsdp1'", "'ddp'", "Did you mean 'fsdp'"]),
+    ("param_dtype", "int8", ["param_dtype='int8'", "'fp32', 'bf16', 'fp16'"]),
+    ("reduce_dtype", "fp64", ["reduce_dtype='fp64'", "'fp32', 'bf16', 'fp16'"]),
+    ("buffer_dtype", 3, ["buffer_dtype=3", "'fp32'"]),
+    ("reshard_after_forward", "yes", ["reshard_after_forward='yes'", "true or false"]),
+    ("fp8", "fp8e4", ["fp8='fp8e4'", "'te', 'torchao', 'msamp'"]),
+])
+def test_bad_values_name_field_value_and_choices(key, value, expected):
+    with pytest.raises(ValueError) as err:
+        resolve_config(**{key: value})
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_unknown_option_is_an_error_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"reduce_dtpye.*Did you mean 'reduce_dtype'"):
+        wrap_model(torch.nn.Linear(4, 4), strategy="fsdp", reduce_dtpye="bf16")
+
+
+def test_yaml_file_then_keyword_overrides(tmp_path):
+    path = tmp_path / "fp8dist.yaml"
+    path.write_text("strategy: fsdp1\nparam_dtype: fp32\nblock_classes: [LlamaDecoderLayer]\n")
+    cfg = resolve_config(path, param_dtype="bf16")
+    assert cfg.parallel.strategy == "fsdp1"
+    assert cfg.parallel.param_dtype == "bf16"  # the keyword wins over the file
+    assert cfg.parallel.block_classes == ("LlamaDecoderLayer",)
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_yaml_unknown_key_and_bad_value_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("strategy: fsdp\nparam_dtpye: bf16\n")
+    with pytest.raises(ValueError, match=r"param_dtpye.*bad\.yaml.*Did you mean 'param_dtype'"):
+        resolve_config(path)
+    path.write_text("reduce_dtype: int4\n")
+    with pytest.raises(ValueError, match=r"reduce_dtype='int4'"):
+        resolve_config(path)
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        resolve_config(tmp_path / "missing.yaml")
+
+
+def test_cli_flags_come_from_the_dataclasses(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for cls in (StrategyConfig, FP8Config, TrainConfig):
+        for f in dataclasses.fields(cls):
+            assert f"--{f.name.replace('_', '-')}" in help_text
+    assert "(default: fsdp)" in help_text and "(default: fp32)" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--strategy", "fdsp"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fdsp'" in capsys.readouterr().err
+
+
+def test_deepspeed_and_fp8_backends_are_clear_not_implemented_errors():
+    model = torch.nn.Linear(16, 16)
+    before = model.weight.detach().clone()
+    with pytest.raises(NotImplementedError, match="strategy='deepspeed' is not implemented yet.*use strategy="):
+        wrap_model(model, strategy="deepspeed")
+    for backend in ("te", "torchao", "msamp"):
+        with pytest.raises(NotImplementedError, match=f"fp8='{backend}' is not implemented yet.*fp8=None"):
+            wrap_model(model, strategy="fsdp", fp8=backend)
+    assert torch.equal(model.weight, before) and not torch.distributed.is_initialized()
+
+
+def test_train_config_rejects_bad_numbers():
+    with pytest.raises(ValueError, match="steps=0 must be at least 1"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="model_size='huge'.*'tiny', 'small', 'medium'"):
+        TrainConfig(model_size="huge")
+
+
+def test_public_api_is_explicit():
+    assert "wrap_model" in fp8dist.__all__
+    for name in fp8dist.__all__:
+        assert hasattr(fp8dist, name)

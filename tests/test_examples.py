@@ -1,0 +1,32 @@
+"""Every example runs the way its docstring says to launch it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from cli_helpers import ROOT, run, torchrun
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", stdout, flags=re.M)]
+
+
+@pytest.mark.parametrize("name,layout", [("ddp", "replicated"), ("fsdp", "DTensor Shard(dim=0)"),
+                                         ("fsdp1", "FlatParameter shards")])
+def test_distributed_example_under_torchrun(name, layout):
+    script = ROOT / "examples" / f"{name}.py"
+    assert f"torchrun --standalone --nproc-per-node 2 examples/{name}.py" in script.read_text()
+    proc = torchrun(script, "--steps", "15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
+    assert layout in proc.stdout and "over 2 rank(s)" in proc.stdout
+
+
+def test_single_device_example_with_plain_python():
+    proc = run(["python", str(ROOT / "examples" / "single_device.py"), "--steps", "15"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
+    assert "not distributed" in proc.stdout and "compute in bf16" in proc.stdout
