@@ -1,4 +1,4 @@
-"""Train a small Llama with DDP: fp32 parameters replicated, forward under bf16 autocast.
+"""Train a small Llama with DDP (fp32 parameters replicated, bf16 autocast) and gradient accumulation.
 
 Launch (from the repository root):
 
@@ -7,6 +7,7 @@ Launch (from the repository root):
 """
 
 import argparse
+import contextlib
 
 import torch
 
@@ -17,21 +18,25 @@ from fp8dist.models import build_llama
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--fp8", default="none", choices=["none", "torchao", "te", "msamp"], help="FP8 backend")
 parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
 args = parser.parse_args()
 
-model = build_llama("tiny", seed=0)  # same seed, same weights on every rank
-model = fp8dist.wrap_model(model, strategy="ddp", fp8=args.fp8)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # built after wrap_model: it replaces the parameters
-
+model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="ddp", fp8=args.fp8)  # returns the DDP wrapper
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 env = fp8dist.get_wrap_info(model).env
+
 batches = Batches(batch_size=8, seq_len=128, rank=env.rank, world_size=env.world_size)
 for step in range(args.steps):
-    ids = batches[step].to(env.device)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    for micro in range(args.accum):
+        ids = batches[step * args.accum + micro].to(env.device)
+        # all-reduce gradients only on the last micro-batch
+        sync = contextlib.nullcontext() if micro == args.accum - 1 else model.no_sync()
+        with sync:
+            loss = model(input_ids=ids, labels=ids).loss / args.accum
+            loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if env.rank == 0:
-        print(f"step {step:3d} loss {loss.item():.4f}", flush=True)
+        print(f"step {step:3d} loss {loss.item() * args.accum:.4f}", flush=True)
 if env.rank == 0:
     print(fp8dist.sharding_summary(model))

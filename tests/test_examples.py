@@ -22,6 +22,8 @@ def test_distributed_example_under_torchrun(name, layout):
     losses = _losses(proc.stdout)
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
     assert layout in proc.stdout and "over 2 rank(s)" in proc.stdout
+    if name != "ddp":
+        assert "full state dict on rank 0: 459,392 elements" in proc.stdout
 
 
 def test_single_device_example_with_plain_python():
@@ -30,3 +32,4 @@ def test_single_device_example_with_plain_python():
     losses = _losses(proc.stdout)
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
     assert "not distributed" in proc.stdout and "compute in bf16" in proc.stdout
+    assert re.search(r"^sample: The cat ", proc.stdout, flags=re.M), "the trained model generates from a prompt"

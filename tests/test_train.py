@@ -68,3 +68,11 @@ def test_training_loss_falls_on_every_strategy(strategy):
     first, second = run_ranks(_train_case, strategy)
     assert first == second, "the logged loss is the mean over ranks"
     assert first[-1] < first[0] - 1.5
+
+
+def test_fp8dist_train_under_torchrun_runs_in_the_launched_processes():
+    proc = run(["torchrun", "--standalone", "--nproc-per-node=2", "-m", "fp8dist", "train", "--steps", "3",
+                "--strategy", "ddp"], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "starting 2 processes" not in proc.stdout, "no second launch inside torchrun"
+    assert "strategy ddp" in proc.stdout and "2 x cpu (gloo)" in proc.stdout and len(_losses(proc.stdout)) == 3
