@@ -4,9 +4,10 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
-from .api import WrapInfo, get_wrap_info, wrap_model
+from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
+from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .report import sharding_summary
 
 __version__ = "0.1.0"
@@ -14,6 +15,10 @@ __version__ = "0.1.0"
 __all__ = [
     "wrap_model",
     "get_wrap_info",
+    "get_plan",
+    "plan_precision",
+    "PrecisionPlan",
+    "PlanEntry",
     "WrapInfo",
     "Config",
     "StrategyConfig",

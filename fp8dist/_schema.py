@@ -137,10 +137,11 @@ def _flag_type(hint: Any) -> tuple[dict[str, Any], str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None,
-                  skip: Iterable[str] = ()) -> None:
+                  skip: Iterable[str] = (), shown_defaults: Mapping[str, str] | None = None) -> None:
     """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass.
 
     Flags default to "not given" (absent from the namespace), so a YAML file can sit under the command line.
+    ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
     """
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
@@ -151,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
             continue
         kwargs, _ = _flag_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        shown = "none" if default is None else default
+        shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, help=text,
                            **kwargs)

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
-from .config import FP8_BACKENDS, Config, resolve_config
+from .config import Config, resolve_config
 from .env import DistEnv, detect_launch_env, init_distributed, resolve_device
-from .strategies import ShardingInfo, apply_strategy, warn_unused_options
+from .fp8 import get_backend
+from .plan import FP8Filter, PrecisionPlan, plan_precision
+from .strategies import ShardingInfo, apply_strategy
 
-__all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "check_supported"]
+__all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan", "check_supported"]
 
 _INFO_ATTR = "_fp8dist_info"
 
@@ -24,6 +27,7 @@ class WrapInfo:
 
     config: Config
     env: DistEnv
+    plan: PrecisionPlan
     sharding: ShardingInfo
 
 
@@ -33,6 +37,11 @@ def get_wrap_info(model: nn.Module) -> WrapInfo:
     if info is None:
         raise ValueError(f"{type(model).__name__} was not returned by fp8dist.wrap_model.")
     return info
+
+
+def get_plan(model: nn.Module) -> PrecisionPlan:
+    """The per-module precision plan of a model returned by :func:`wrap_model`; ``print`` it for a table."""
+    return get_wrap_info(model).plan
 
 
 def _check_model(model: Any) -> None:
@@ -51,14 +60,14 @@ def check_supported(cfg: Config) -> None:
     if cfg.parallel.strategy == "deepspeed":
         raise NotImplementedError("strategy='deepspeed' is not implemented yet in this fp8dist version; "
                                   "use strategy='fsdp' (ZeRO-3-like), 'fsdp1' or 'ddp'.")
-    if cfg.precision.fp8 is not None:
-        raise NotImplementedError(f"fp8={cfg.precision.fp8!r} is not implemented yet in this fp8dist version "
-                                  f"(backends planned: {', '.join(FP8_BACKENDS)}); use fp8=None for the strategy's "
-                                  "bf16 mixed precision.")
+    if cfg.precision.fp8 in ("te", "msamp"):
+        raise NotImplementedError(f"fp8={cfg.precision.fp8!r} is not implemented yet in this fp8dist version; "
+                                  "use fp8='torchao', or fp8=None for the strategy's bf16 mixed precision.")
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
-               config: Config | Mapping[str, Any] | str | Path | None = None, **options: Any) -> nn.Module:
+               config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
+               fp8_group: Any = None, **options: Any) -> nn.Module:
     """Shard or replicate ``model`` for training with bf16 mixed precision (FP8 layered on top).
 
     Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
@@ -68,7 +77,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
         config: a :class:`Config`, a flat dict or a YAML/JSON path; keyword options override it.
-        **options: any config key, e.g. ``param_dtype="bf16"``, ``reduce_dtype="fp32"``, ``block_classes=[...]``.
+        fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
+            files and the CLI use the ``fp8_exclude`` patterns).
+        fp8_group: process group for FP8 amax reduction (TE); default the world group.
+        **options: any config key, e.g. ``param_dtype="bf16"``, ``torchao_recipe="rowwise"``,
+            ``block_classes=[...]``.
 
     Returns:
         The model to train: the same module sharded in place (fsdp), or its DDP / FSDP1 wrapper.
@@ -82,14 +95,24 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
     check_supported(cfg)
     _check_model(model)
-    warn_unused_options(cfg.parallel)
+    for note in cfg.unused_options():
+        warnings.warn(note, UserWarning, stacklevel=2)
     env = _environment(cfg)                                               # 2. check environment
-    # 3./4. plan and FP8 conversion come here (FP8 backends are separate work, see check_supported)
+    plan = plan_precision(model, cfg, device=env.device, fp8_filter=fp8_filter)  # 3. plan
+    backend = get_backend(cfg.precision.fp8) if plan.converted else None
+    if plan.detail.startswith("fallback"):
+        warnings.warn(f"fp8={cfg.precision.fp8!r}: {plan.detail}; every layer trains in the strategy's "
+                      f"{cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
+    if backend is not None:
+        backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
     wrapped, sharding = apply_strategy(model, cfg.parallel, env)          # 5. shard
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
                       "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)
-    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, sharding))            # 6. attach what was done
+    if backend is not None:                                               # 6. FP8 autocast / hooks
+        group = fp8_group if fp8_group is not None else (torch.distributed.group.WORLD if env.backend else None)
+        backend.after_shard(wrapped, plan, cfg, env, group)
+    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
     return wrapped
 
 

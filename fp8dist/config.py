@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -62,6 +62,11 @@ def _dtype_name(value: Any) -> Any:
     return value
 
 
+def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
+    """Field metadata: the field is read only when every named key has one of the given values."""
+    return {"only": allowed}
+
+
 @dataclass(kw_only=True, frozen=True)
 class StrategyConfig:
     """How the model is replicated or sharded, and the mixed precision of the strategy."""
@@ -74,18 +79,18 @@ class StrategyConfig:
     """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
     parameters and run the forward under autocast to it."""
 
-    reduce_dtype: DtypeName = "fp32"
+    reduce_dtype: DtypeName = field(default="fp32", metadata=_only(strategy=("ddp", "fsdp", "fsdp1", "deepspeed")))
     """Dtype in which gradients are reduced across ranks. Under ddp, bf16/fp16 use DDP's compression hooks,
     which need NCCL (CUDA)."""
 
     buffer_dtype: DtypeName = "fp32"
     """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
 
-    block_classes: tuple[str, ...] = ()
+    block_classes: tuple[str, ...] = field(default=(), metadata=_only(strategy=("fsdp", "fsdp1")))
     """Class names of the blocks FSDP shards one by one before the root. Empty: Hugging Face
     _no_split_modules, else the children of the largest nn.ModuleList."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = field(default=True, metadata=_only(strategy=("fsdp", "fsdp1")))
     """FSDP: free gathered parameters after forward (ZeRO-3 style). False keeps them until backward
     (ZeRO-2 style: more memory, less communication)."""
 
@@ -97,31 +102,117 @@ class StrategyConfig:
             object.__setattr__(self, name, _dtype_name(getattr(self, name)))
         if isinstance(self.strategy, str):
             object.__setattr__(self, "strategy", self.strategy.lower())
-        if isinstance(self.block_classes, (list, set, frozenset)) or isinstance(self.block_classes, type):
-            blocks = [self.block_classes] if isinstance(self.block_classes, type) else list(self.block_classes)
-            object.__setattr__(self, "block_classes", tuple(blocks))
-        if isinstance(self.block_classes, tuple):
-            names = tuple(b.__name__ if isinstance(b, type) else b for b in self.block_classes)
-            object.__setattr__(self, "block_classes", names)
+        blocks = self.block_classes
+        if isinstance(blocks, (type, str)):
+            blocks = (blocks,)
+        if isinstance(blocks, (list, tuple, set, frozenset)):
+            object.__setattr__(self, "block_classes",
+                               tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
         check_fields(self)
 
 
 @dataclass(kw_only=True, frozen=True)
 class FP8Config:
-    """Which FP8 backend is layered on top of the strategy."""
+    """Which FP8 backend is layered on top of the strategy, and its knobs. Knobs of other backends are
+    reported when set, never silently ignored."""
 
     fp8: FP8Backend | None = None
     """FP8 backend: te (Transformer Engine), torchao (float8 training) or msamp (MS-AMP); none keeps the
     strategy's mixed precision everywhere."""
 
+    on_unsupported: Literal["error", "fallback"] = "error"
+    """When the backend is not installed or the hardware has no FP8: error, or fallback to the strategy's
+    mixed precision (one warning; the plan says so)."""
+
+    fp8_exclude: tuple[str, ...] = ()
+    """Module names (fnmatch patterns, e.g. "lm_head" or "*.mlp.*") kept in the strategy's mixed precision."""
+
+    keep_first_last_linear: bool = field(default=True, metadata=_only(fp8=("torchao",)))
+    """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
+
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = field(
+        default="tensorwise", metadata=_only(fp8=("torchao",)))
+    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
+
+    fp8_all_gather: bool | None = field(default=None, metadata=_only(fp8=("torchao",), strategy=("fsdp",)))
+    """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
+    off for rowwise recipes (torchao supports it for tensorwise only)."""
+
+    te_recipe: Literal["delayed", "current", "mxfp8"] = field(default="delayed", metadata=_only(fp8=("te",)))
+    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
+    mxfp8 (MXFP8BlockScaling, Blackwell)."""
+
+    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata=_only(fp8=("te",)))
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
+
+    margin: int = field(default=0, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
+
+    interval: int = field(default=1, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    """TE delayed scaling: steps between scale updates. Accepted for Accelerate compatibility; TE 2.x ignores
+    it (a warning says so when it is not 1)."""
+
+    amax_history_len: int = field(default=1024, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    """TE delayed scaling: length of the amax history window."""
+
+    amax_compute_algo: Literal["max", "most_recent"] = field(
+        default="max", metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
+
+    override_linear_precision: tuple[bool, bool, bool] = field(
+        default=(False, False, False), metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8."""
+
+    use_autocast_during_eval: bool = field(default=False, metadata=_only(fp8=("te",)))
+    """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
+
+    opt_level: Literal["O1", "O2", "O3"] = field(default="O2", metadata=_only(fp8=("msamp",)))
+    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
+
     def __post_init__(self) -> None:
-        if isinstance(self.fp8, str):
-            value = self.fp8.lower()
-            object.__setattr__(self, "fp8", None if value == "none" else value)
+        for name, case in (("fp8", str.lower), ("torchao_recipe", str.lower), ("te_recipe", str.lower),
+                           ("fp8_format", str.upper), ("opt_level", str.upper), ("on_unsupported", str.lower)):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, case(value))
+        if self.fp8 == "none":
+            object.__setattr__(self, "fp8", None)
+        for name in ("fp8_exclude", "override_linear_precision"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.fp8_exclude, str):
+            object.__setattr__(self, "fp8_exclude", (self.fp8_exclude,))
+        if self.fp8_format == "E5M2":
+            raise ValueError("fp8_format='E5M2' is not supported: E5M2 alone lacks the precision forward "
+                             "activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 gradients) or "
+                             "'E4M3'.")
         check_fields(self)
+        if len(self.override_linear_precision) != 3:
+            raise ValueError(f"override_linear_precision={self.override_linear_precision!r} must be three booleans "
+                             "(fprop, dgrad, wgrad).")
+        for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")
 
 
 _SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}
+
+
+def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
+    """Cross-section rules: combinations no engine supports are errors naming what works instead."""
+    strategy, fp8 = parallel.strategy, precision.fp8
+    if fp8 == "msamp" and strategy in ("fsdp", "fsdp1"):
+        raise ValueError(f"fp8='msamp' with strategy={strategy!r}: MS-AMP has no FSDP integration here. Use "
+                         "strategy='ddp' or 'none' with MS-AMP, 'deepspeed' for MS-AMP with ZeRO, or "
+                         "fp8='torchao' / 'te' with FSDP.")
+    if fp8 == "msamp" and precision.opt_level == "O3" and strategy != "deepspeed":
+        raise ValueError(f"opt_level='O3' with strategy={strategy!r}: MS-AMP O3 is its ZeRO optimizer and runs only "
+                         "under strategy='deepspeed'. Use opt_level='O1' or 'O2'.")
+    if precision.fp8_all_gather and precision.torchao_recipe != "tensorwise":
+        raise ValueError(f"fp8_all_gather=True with torchao_recipe={precision.torchao_recipe!r}: torchao all-gathers "
+                         "in FP8 only with the tensorwise recipe. Use torchao_recipe='tensorwise' or leave "
+                         "fp8_all_gather unset.")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -134,13 +225,32 @@ class Config:
     precision: FP8Config = field(default_factory=FP8Config)
     """FP8 backend and its knobs."""
 
+    def __post_init__(self) -> None:
+        _check_combination(self.parallel, self.precision)
+
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take."""
         flat: dict[str, Any] = {}
         for name in _SECTIONS:
             flat.update(asdict(getattr(self, name)))
-        flat["block_classes"] = list(flat["block_classes"])
-        return flat
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}
+
+    def unused_options(self) -> list[str]:
+        """Messages for options changed from their default that the chosen strategy / backend does not read."""
+        values = self.to_dict()
+        notes = []
+        for section in _SECTIONS.values():
+            for f in fields(section):
+                only = f.metadata.get("only")
+                default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                if not only or values[f.name] == (list(default) if isinstance(default, tuple) else default):
+                    continue
+                unmet = {k: v for k, v in only.items() if values[k] not in v}
+                if unmet:
+                    needs = " and ".join(f"{k} in {list(v)}" for k, v in only.items())
+                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
+                                 + ", ".join(f"{k}={values[k]!r}" for k in unmet) + ").")
+        return notes
 
     @classmethod
     def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config") -> "Config":

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from ._schema import check_fields
-from .api import get_wrap_info, wrap_model
+from .api import get_plan, get_wrap_info, wrap_model
 from .config import Config
 from .data import Batches
 from .models import ModelSize, build_llama
 from .report import sharding_summary
 
-__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc"]
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,6 +66,19 @@ class TrainConfig:
             raise ValueError(f"nproc={self.nproc} must be at least 1.")
 
 
+def default_fp8() -> str | None:
+    """The training job's FP8 backend when ``--fp8`` is not given: torchao wherever it runs for real (CPU, where
+    torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to none."""
+    from .env import package_version
+    from .fp8 import fp8_hardware_reason
+
+    if package_version("torchao") is None:
+        return None
+    if torch.cuda.is_available() and fp8_hardware_reason(torch.device("cuda", 0)) is not None:
+        return None
+    return "torchao"
+
+
 def default_nproc() -> int:
     """One process per GPU, or 2 CPU processes."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -83,6 +96,8 @@ class TrainResult:
     """Per rank: peak CUDA memory allocated, or peak RSS on CPU."""
     sharding: list[str] = field(default_factory=list)
     """Per rank: how its parameters are stored (see :func:`fp8dist.sharding_summary`)."""
+    plan_counts: str = ""
+    """FP8 and fallback layers and parameters (see :func:`fp8dist.get_plan`)."""
     device: str = "cpu"
     """Device type the ranks trained on."""
     wall_s: float = 0.0
@@ -141,6 +156,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
             f"{config.parallel.strategy}, fp8 {config.precision.fp8 or 'none'}, {env.world_size} x "
             f"{env.device.type} ({env.backend or 'no process group'}), global batch {train.batch_size} x "
             f"{train.seq_len} tokens; layout: {info.sharding.blocks_found_by}")
+        if config.precision.fp8:
+            log(str(info.plan))
     losses, step_times = [], []
     for step in range(train.steps):
         t0 = time.perf_counter()
@@ -168,7 +185,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, mine)
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
-                         sharding=[g[1] for g in gathered], device=env.device.type, wall_s=time.perf_counter() - start)
+                         sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
+                         device=env.device.type, wall_s=time.perf_counter() - start)
     if leader:
         log(format_summary(result, config, train))
     return result
@@ -184,6 +202,7 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
         f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps 2-{train.steps})",
         "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
         + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
+        f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
         f"parameters      strategy {config.parallel.strategy}",
     ]
     lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]

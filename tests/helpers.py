@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,8 +16,10 @@ SEQ = 64
 
 
 def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
-                 autocast_dtype: torch.dtype | None = None, lr: float = 1e-3) -> list[float]:
-    """Per-step losses of this rank: AdamW built after wrapping, byte batches from fp8dist.data."""
+                 autocast_dtype: torch.dtype | None = None, lr: float = 1e-3,
+                 after_step: Callable[[], None] | None = None) -> list[float]:
+    """Per-step losses of this rank: AdamW built after wrapping, byte batches from fp8dist.data.
+    ``after_step`` runs after each optimizer step (what a hand-wired script must remember to call)."""
     batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
@@ -27,6 +30,8 @@ def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
@@ -45,3 +50,9 @@ def linear_dtypes(model: nn.Module, linear: nn.Module, rank: int, world: int) ->
         model(input_ids=ids)
     handle.remove()
     return seen
+
+
+def first_last_filter(model: nn.Module):
+    """torchao module filter keeping the first and last nn.Linear in high precision, written by hand."""
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    return lambda module, fqn: fqn not in (names[0], names[-1])

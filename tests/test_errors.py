@@ -68,7 +68,8 @@ def test_root_only_sharding_is_announced(one_rank_group):
 
 
 def test_option_the_strategy_does_not_read_is_reported(one_rank_group):
-    with pytest.warns(UserWarning, match=r"block_classes=\('LlamaDecoderLayer',\) has no effect with strategy='ddp'"):
+    with pytest.warns(UserWarning, match=r"block_classes=\['LlamaDecoderLayer'\] has no effect here \(read only when "
+                                         r"strategy in \['fsdp', 'fsdp1'\]; strategy='ddp'\)"):
         wrap_model(build_llama("tiny"), strategy="ddp", block_classes=["LlamaDecoderLayer"])
 
 

@@ -20,7 +20,9 @@ def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
     proc = run(["fp8dist", "train"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "starting 2 processes" in out and "strategy fsdp" in out and "2 x cpu (gloo)" in out
+    assert "starting 2 processes" in out and "strategy fsdp, fp8 torchao" in out and "2 x cpu (gloo)" in out
+    assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on)" in out, "the plan is printed first"
+    assert "fp8 plan        fp8=torchao: FP8 13 layers / 376,832 params (82.0%)" in out
     losses = _losses(out)
     assert len(losses) == TrainConfig().steps
     assert losses[-1] < losses[0] - 2.0, f"loss did not fall: {losses[0]} -> {losses[-1]}"

@@ -6,8 +6,7 @@ take explicit dtypes and devices, not the whole config, so they can be used on t
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -19,14 +18,6 @@ from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy
 
 __all__ = ["apply_strategy", "ShardingInfo", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks"]
 
-# Options that only some strategies read; setting them elsewhere is reported, never silently ignored.
-_READ_BY = {
-    "reduce_dtype": {"ddp", "fsdp", "fsdp1", "deepspeed"},
-    "block_classes": {"fsdp", "fsdp1"},
-    "reshard_after_forward": {"fsdp", "fsdp1"},
-}
-
-
 @dataclass(frozen=True)
 class ShardingInfo:
     """What the strategy did: which blocks were sharded and how they were found."""
@@ -34,16 +25,6 @@ class ShardingInfo:
     strategy: str
     blocks: tuple[str, ...]
     blocks_found_by: str
-
-
-def warn_unused_options(cfg: StrategyConfig) -> None:
-    """Warn once per option that was changed from its default but is not read by ``cfg.strategy``."""
-    defaults = StrategyConfig()
-    for f in fields(cfg):
-        readers = _READ_BY.get(f.name)
-        if readers and cfg.strategy not in readers and getattr(cfg, f.name) != getattr(defaults, f.name):
-            warnings.warn(f"{f.name}={getattr(cfg, f.name)!r} has no effect with strategy={cfg.strategy!r} "
-                          f"(read by: {', '.join(sorted(readers))}).", UserWarning, stacklevel=3)
 
 
 def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv) -> tuple[nn.Module, ShardingInfo]:

@@ -1,0 +1,182 @@
+"""The precision plan: per module, FP8 (by which backend) or the strategy's mixed precision, and why.
+
+Decided before any conversion; attached to the wrapped model (``fp8dist.get_plan(model)``) and printable as a
+table. Nothing is converted that the plan does not list as FP8, and every fallback has its reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import torch
+from torch import nn
+
+from .config import Config
+
+__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "FP8UnavailableError"]
+
+FP8Filter = Callable[[nn.Module, str], bool]
+
+
+class FP8UnavailableError(RuntimeError):
+    """The FP8 backend is not installed or the hardware has no FP8 (the message says which and the way out)."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module's decision."""
+
+    name: str
+    """Fully qualified module name."""
+    module_type: str
+    """Class name before conversion."""
+    precision: str
+    """What the layer computes in: "fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
+    reason: str
+    """Why: the backend converts it, or why it falls back."""
+    converted_to: str | None
+    """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
+    params: int
+    """Parameters the module holds itself."""
+
+
+def _fallback_precision(module: nn.Module, cfg: Config) -> str:
+    """What a non-FP8 layer computes in under the strategy: FSDP/DeepSpeed cast parameters to param_dtype;
+    under autocast (ddp, none) only GEMM-like layers run in param_dtype, the rest stays fp32."""
+    if cfg.parallel.strategy in ("fsdp", "fsdp1", "deepspeed"):
+        return cfg.parallel.param_dtype
+    gemm_like = isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    return cfg.parallel.param_dtype if gemm_like else "fp32"
+
+
+class PrecisionPlan(Sequence[PlanEntry]):
+    """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
+
+    def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "") -> None:
+        self._entries = entries
+        self.backend = backend
+        self.strategy = strategy
+        self.detail = detail
+
+    @overload
+    def __getitem__(self, index: int) -> PlanEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[PlanEntry]: ...
+    def __getitem__(self, index):  # noqa: E301
+        return self._entries[index]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[PlanEntry]:
+        return iter(self._entries)
+
+    def by_name(self, name: str) -> PlanEntry:
+        """The entry of module ``name``."""
+        for entry in self._entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no module {name!r} in the plan")
+
+    @property
+    def converted(self) -> list[PlanEntry]:
+        """Entries the backend replaces (FP8 GEMMs, and TE's norms)."""
+        return [e for e in self._entries if e.converted_to is not None]
+
+    @property
+    def fp8(self) -> list[PlanEntry]:
+        """Entries that compute in FP8."""
+        return [e for e in self._entries if e.precision == "fp8"]
+
+    def counts(self) -> str:
+        """One line: FP8 and fallback layers and parameters."""
+        fp8 = self.fp8
+        rest = [e for e in self._entries if e.precision != "fp8"]
+        total = sum(e.params for e in self._entries) or 1
+        fp8_params = sum(e.params for e in fp8)
+        return (f"FP8 {len(fp8)} layers / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
+                f"fallback {len(rest)} layers / {sum(e.params for e in rest):,} params")
+
+    def __str__(self) -> str:
+        head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
+                f"strategy={self.strategy} -- {self.counts()}")
+        rows = [("module", "type", "precision", "converted to", "reason")]
+        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"PrecisionPlan(backend={self.backend!r}, strategy={self.strategy!r}, {self.counts()})"
+
+
+def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_filter: FP8Filter | None = None,
+                   check_hardware: bool = True) -> PrecisionPlan:
+    """Decide per module whether it runs in FP8, and why. Call before conversion and sharding.
+
+    Args:
+        model: the unwrapped model.
+        cfg: the resolved config (backend, its knobs, the strategy's mixed precision).
+        device: where the model will run (for the hardware gate).
+        fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
+        check_hardware: False plans as if the backend and FP8 hardware were present (``fp8dist plan``).
+
+    Raises:
+        FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
+    """
+    from .fp8 import get_backend
+
+    fp8 = cfg.precision.fp8
+    backend = get_backend(fp8) if fp8 else None
+    gate = backend.unavailable_reason(cfg, device) if backend and check_hardware else None
+    if gate and cfg.precision.on_unsupported == "error":
+        raise FP8UnavailableError(
+            f"fp8={fp8!r} cannot run here: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
+            f"{cfg.parallel.param_dtype} mixed precision instead, or choose another backend (fp8='torchao' runs on "
+            "CPU and CUDA sm_89+).")
+    reserved = backend.model_exclusions(model, cfg) if backend else {}
+    entries = []
+    for name, module in model.named_modules():
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if params == 0:
+            continue
+        fallback = _fallback_precision(module, cfg)
+        kind = type(module).__name__
+        reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
+        if reason is None:
+            target = backend.converted_class(module)
+            computes_fp8 = backend.computes_in_fp8(module)
+            reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
+            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params))
+        else:
+            entries.append(PlanEntry(name, kind, fallback, reason, None, params))
+    detail = backend.describe(cfg) if backend else ""
+    if gate:
+        detail = f"fallback: {gate}"
+    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail)
+
+
+def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None, reserved: dict[str, str],
+            fp8_filter: FP8Filter | None) -> str | None:
+    """None when the module converts; else the reason it keeps the strategy's precision."""
+    if backend is None:
+        return "fp8 off: strategy mixed precision"
+    if gate:
+        return f"no FP8 here ({gate}); on_unsupported='fallback'"
+    if not backend.supports(module):
+        return f"{type(module).__name__} is not converted by {backend.NAME}"
+    for pattern in cfg.precision.fp8_exclude:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"matches fp8_exclude {pattern!r}"
+    if fp8_filter is not None and not fp8_filter(module, name):
+        return "excluded by fp8_filter"
+    if name in reserved:
+        return reserved[name]
+    return backend.ineligible_reason(module, name, cfg)
