@@ -19,7 +19,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from ._schema import check_fields, route_keys
+from ._schema import check_fields, choice_error, route_keys
 
 __all__ = [
     "StrategyConfig",
@@ -264,8 +264,52 @@ def config_keys() -> list[str]:
     return [f.name for section in _SECTIONS.values() for f in fields(section)]
 
 
+_ACCELERATE_BACKENDS = {"TE": "te", "AO": "torchao", "MSAMP": "msamp"}
+_ACCELERATE_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
+
+
+def _set_once(flat: dict[str, Any], key: str, value: Any, source: str) -> None:
+    if key in flat and flat[key] != value:
+        raise ValueError(f"{source} sets {key}={value!r} but the file also says {key}={flat[key]!r}: keep one.")
+    flat[key] = value
+
+
+def translate_accelerate_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Accept Accelerate's ``mixed_precision`` + ``fp8_config`` keys beside fp8dist's own flat keys.
+
+    ``mixed_precision: fp8`` needs ``fp8_config.backend`` (TE, AO or MSAMP); ``no``/``fp16``/``bf16`` set
+    ``param_dtype`` and no FP8. ``fp8_config`` keys are fp8dist keys of the same name.
+    """
+    flat = {k: v for k, v in data.items() if k not in ("mixed_precision", "fp8_config")}
+    fp8_config = data.get("fp8_config") or {}
+    if not isinstance(fp8_config, Mapping):
+        raise ValueError(f"fp8_config must be a mapping of keys to values, got {fp8_config!r}.")
+    fp8_keys = {f.name for f in fields(FP8Config)}
+    for key, value in fp8_config.items():
+        if key == "backend":
+            name = str(value).upper()
+            if name not in _ACCELERATE_BACKENDS:
+                raise choice_error("fp8_config.backend", value, list(_ACCELERATE_BACKENDS))
+            _set_once(flat, "fp8", _ACCELERATE_BACKENDS[name], "fp8_config.backend")
+        elif key in fp8_keys and key != "fp8":
+            _set_once(flat, key, value, f"fp8_config.{key}")
+        else:
+            raise choice_error(f"key {key!r} in fp8_config", key, ["backend", *sorted(fp8_keys - {"fp8"})])
+    if "mixed_precision" in data:
+        mode = str(data["mixed_precision"]).lower()
+        if mode not in _ACCELERATE_PRECISION:
+            raise choice_error("mixed_precision", data["mixed_precision"], list(_ACCELERATE_PRECISION))
+        if mode == "fp8" and flat.get("fp8") in (None, "none"):
+            raise ValueError("mixed_precision: fp8 needs a backend: set fp8_config.backend to TE, AO or MSAMP "
+                             "(or fp8: te | torchao | msamp).")
+        if mode != "fp8":
+            _set_once(flat, "fp8", None, f"mixed_precision: {mode}")
+        _set_once(flat, "param_dtype", _ACCELERATE_PRECISION[mode], f"mixed_precision: {mode}")
+    return flat
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a flat dict (not validated yet)."""
+    """Read a YAML or JSON file into a flat dict (not validated yet); Accelerate's keys are translated."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist.")
@@ -280,7 +324,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of keys to values, got {type(data).__name__}.")
-    return data
+    return translate_accelerate_keys(data)
 
 
 def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, **overrides: Any) -> Config:
@@ -302,7 +346,7 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = load_config_file(config)
         source = str(config)
     elif isinstance(config, Mapping):
-        base = dict(config)
+        base = translate_accelerate_keys(config)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
     base_cfg = Config.from_dict(base, source=source)

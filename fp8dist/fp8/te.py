@@ -1,0 +1,158 @@
+"""Transformer Engine: nn.Linear -> te.Linear, nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights
+copied), and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
+
+Written against TE's documented API (``transformer_engine.pytorch`` modules, ``fp8_autocast(enabled,
+fp8_recipe, fp8_group)``, ``transformer_engine.common.recipe``, ``distributed.prepare_te_modules_for_fsdp``).
+TE needs CUDA; on CPU the wiring is tested through a stand-in of that API surface, never counted as proof that TE
+itself works.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import dims_reason, fp8_hardware_reason
+
+NAME = "te"
+
+
+def describe(cfg) -> str:
+    p = cfg.precision
+    if p.te_recipe == "delayed":
+        return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
+                f"amax_compute_algo {p.amax_compute_algo}")
+    return f"{p.te_recipe} scaling {p.fp8_format}"
+
+
+def unavailable_reason(cfg, device: torch.device) -> str | None:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
+    needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
+    return fp8_hardware_reason(device, min_capability=needs)
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")) and \
+        isinstance(weight, torch.Tensor) and weight.dim() == 1
+
+
+def supports(module: nn.Module) -> bool:
+    return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module)
+
+
+def converted_class(module: nn.Module) -> str:
+    if type(module) is nn.Linear:
+        return "te.Linear"
+    return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
+
+
+def computes_in_fp8(module: nn.Module) -> bool:
+    return type(module) is nn.Linear
+
+
+def model_exclusions(model: nn.Module, cfg) -> dict[str, str]:
+    return {}
+
+
+def ineligible_reason(module: nn.Module, fqn: str, cfg) -> str | None:
+    if type(module) is nn.Linear:
+        return dims_reason(module)
+    if type(module) is nn.LayerNorm:
+        if len(module.normalized_shape) != 1:
+            return f"normalized_shape={tuple(module.normalized_shape)}: te.LayerNorm normalizes one dim"
+        if module.weight is None or module.bias is None:
+            return "nn.LayerNorm without affine weight and bias: te.LayerNorm always has both"
+    return None
+
+
+def _rmsnorm_eps(module: nn.Module) -> float:
+    eps = getattr(module, "eps", None)
+    if eps is None:
+        eps = getattr(module, "variance_epsilon", None)
+    return float(eps) if eps is not None else torch.finfo(module.weight.dtype).eps
+
+
+def _te_module(te: Any, module: nn.Module) -> nn.Module:
+    weight = module.weight
+    common = {"params_dtype": weight.dtype, "device": weight.device}
+    if type(module) is nn.Linear:
+        new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **common)
+    elif type(module) is nn.LayerNorm:
+        new = te.LayerNorm(module.normalized_shape[0], eps=module.eps, **common)
+    else:
+        new = te.RMSNorm(weight.shape[0], eps=_rmsnorm_eps(module), **common)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if getattr(module, "bias", None) is not None:
+            new.bias.copy_(module.bias)
+    return new
+
+
+def convert(model: nn.Module, plan, cfg) -> None:
+    """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
+    Ineligible modules are skipped, never a reason to stop. Call before sharding."""
+    import transformer_engine.pytorch as te
+
+    for entry in plan.converted:
+        parent_name, _, child = entry.name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _te_module(te, getattr(parent, child)))
+
+
+def build_recipe(cfg) -> Any:
+    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling)."""
+    from transformer_engine.common import recipe
+
+    p = cfg.precision
+    fmt = getattr(recipe.Format, p.fp8_format)
+    if p.te_recipe == "current":
+        return recipe.Float8CurrentScaling(fp8_format=fmt)
+    if p.te_recipe == "mxfp8":
+        return recipe.MXFP8BlockScaling(fp8_format=fmt)
+    if p.interval != 1:
+        warnings.warn(f"interval={p.interval}: Transformer Engine 2.x updates scales every step and has no "
+                      "interval; the value is accepted for Accelerate compatibility and not used.",
+                      UserWarning, stacklevel=4)
+    return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
+                                 amax_compute_algo=p.amax_compute_algo,
+                                 override_linear_precision=tuple(p.override_linear_precision))
+
+
+def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
+    """Run ``module``'s forward under ``te.fp8_autocast(fp8_recipe, fp8_group=group)`` while training (and in
+    eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's pre/post-forward
+    hooks, which ``__call__`` runs around ``forward``, stay in place."""
+    import transformer_engine.pytorch as te
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def fp8_forward(*args, **kwargs):
+        with te.fp8_autocast(enabled=module.training or during_eval, fp8_recipe=fp8_recipe, fp8_group=group):
+            return forward(*args, **kwargs)
+
+    module.forward = fp8_forward  # type: ignore[method-assign]
+
+
+def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
+    """FP8 autocast on the user's model (inside DDP / FSDP1 wrappers); FSDP1 also gets TE's preparation."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        import transformer_engine.pytorch as te
+
+        te.distributed.prepare_te_modules_for_fsdp(model)
+    inner = model.module if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) else model
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    apply_fp8_autocast(inner, fp8_recipe=build_recipe(cfg), group=group,
+                       during_eval=cfg.precision.use_autocast_during_eval)

@@ -1,0 +1,27 @@
+"""Put the Transformer Engine / MS-AMP stand-ins (tests/standins, NOT the real libraries) on the path, and open
+the hardware gate that would otherwise (rightly) refuse FP8 on this CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+STANDINS = str(Path(__file__).parent / "standins")
+
+
+def use_standins() -> None:
+    """For spawned ranks: import path + gate, for the life of the process."""
+    import fp8dist.fp8.te as te_backend
+
+    if STANDINS not in sys.path:
+        sys.path.insert(0, STANDINS)
+    te_backend.fp8_hardware_reason = lambda device, **kwargs: None
+
+
+def drop_standins() -> None:
+    """For in-process tests: forget the stand-in modules so later imports see the real (absent) libraries."""
+    while STANDINS in sys.path:
+        sys.path.remove(STANDINS)
+    for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")
+                 or n == "msamp" or n.startswith("msamp.")]:
+        del sys.modules[name]

@@ -1,0 +1,1 @@
+"""STAND-IN (see tests/standins/README.md)."""
