@@ -13,6 +13,7 @@ from torch import nn
 from .config import Config, resolve_config
 from .env import DistEnv, detect_launch_env, init_distributed, resolve_device
 from .fp8 import get_backend
+from .optim import OptimizerSpec, build_optimizer
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .strategies import ShardingInfo, apply_strategy
 
@@ -60,14 +61,11 @@ def check_supported(cfg: Config) -> None:
     if cfg.parallel.strategy == "deepspeed":
         raise NotImplementedError("strategy='deepspeed' is not implemented yet in this fp8dist version; "
                                   "use strategy='fsdp' (ZeRO-3-like), 'fsdp1' or 'ddp'.")
-    if cfg.precision.fp8 == "msamp":
-        raise NotImplementedError("fp8='msamp' is not implemented yet in this fp8dist version; use fp8='torchao' "
-                                  "or 'te', or fp8=None for the strategy's bf16 mixed precision.")
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, **options: Any) -> nn.Module:
+               fp8_group: Any = None, optimizer: OptimizerSpec | None = None, **options: Any) -> Any:
     """Shard or replicate ``model`` for training with bf16 mixed precision (FP8 layered on top).
 
     Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
@@ -80,11 +78,14 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
             files and the CLI use the ``fp8_exclude`` patterns).
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
+        optimizer: an optimizer spec (see :func:`fp8dist.optim.build_optimizer`); required for fp8="msamp",
+            which owns the optimizer. When given, ``(model, optimizer)`` is returned, built after sharding.
         **options: any config key, e.g. ``param_dtype="bf16"``, ``torchao_recipe="rowwise"``,
             ``block_classes=[...]``.
 
     Returns:
-        The model to train: the same module sharded in place (fsdp), or its DDP / FSDP1 wrapper.
+        The model to train: the same module sharded in place (fsdp), or its DDP / FSDP1 wrapper; with
+        ``optimizer=``, the pair ``(model, optimizer)``.
 
     Example::
 
@@ -103,8 +104,14 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if plan.detail.startswith("fallback"):
         warnings.warn(f"fp8={cfg.precision.fp8!r}: {plan.detail}; every layer trains in the strategy's "
                       f"{cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
+    if cfg.precision.fp8 == "msamp" and optimizer is None:
+        raise ValueError("fp8='msamp' owns the optimizer: pass optimizer={'type': 'AdamW', 'lr': ...} (or a callable "
+                         "params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
+    built = None
     if backend is not None:
         backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
+        if cfg.precision.fp8 == "msamp":  # MS-AMP converts inside initialize, with the optimizer, before DDP
+            model, built = backend.initialize(model, build_optimizer(optimizer, model.parameters()), cfg)
     wrapped, sharding = apply_strategy(model, cfg.parallel, env)          # 5. shard
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
@@ -113,7 +120,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         group = fp8_group if fp8_group is not None else (torch.distributed.group.WORLD if env.backend else None)
         backend.after_shard(wrapped, plan, cfg, env, group)
     setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
-    return wrapped
+    if optimizer is None:
+        return wrapped
+    return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 
 def _environment(cfg: Config) -> DistEnv:

@@ -11,15 +11,24 @@ STANDINS = str(Path(__file__).parent / "standins")
 
 def use_standins() -> None:
     """For spawned ranks: import path + gate, for the life of the process."""
+    import fp8dist.fp8.msamp as msamp_backend
     import fp8dist.fp8.te as te_backend
 
     if STANDINS not in sys.path:
         sys.path.insert(0, STANDINS)
-    te_backend.fp8_hardware_reason = lambda device, **kwargs: None
+    for backend in (te_backend, msamp_backend):
+        backend.fp8_hardware_reason = lambda device, **kwargs: None
 
 
 def drop_standins() -> None:
-    """For in-process tests: forget the stand-in modules so later imports see the real (absent) libraries."""
+    """For in-process tests: forget the stand-in modules so later imports see the real (absent) libraries,
+    and close the hardware gate again."""
+    import fp8dist.fp8 as fp8_pkg
+    import fp8dist.fp8.msamp as msamp_backend
+    import fp8dist.fp8.te as te_backend
+
+    for backend in (te_backend, msamp_backend):
+        backend.fp8_hardware_reason = fp8_pkg.fp8_hardware_reason
     while STANDINS in sys.path:
         sys.path.remove(STANDINS)
     for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")

@@ -20,14 +20,10 @@ from fp8dist.plan import FP8UnavailableError
 
 
 @pytest.fixture
-def standin_te(monkeypatch):
+def standin_te():
     use_standins()
-    import fp8dist.fp8 as fp8_pkg
-
-    monkeypatch.setattr("fp8dist.fp8.te.fp8_hardware_reason", lambda device, **kw: None)
     yield
     drop_standins()
-    monkeypatch.setattr("fp8dist.fp8.te.fp8_hardware_reason", fp8_pkg.fp8_hardware_reason)
 
 
 class Mixed(nn.Module):
