@@ -3,6 +3,7 @@
 Launch (from the repository root):
 
     torchrun --standalone --nproc-per-node 2 examples/ddp.py            # 2 CPU processes, or 2 GPUs
+    torchrun --standalone --nproc-per-node 2 examples/ddp.py --fp8 torchao
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$HEAD:29500" examples/ddp.py
 """
 
@@ -21,8 +22,12 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
 args = parser.parse_args()
 
-model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="ddp", fp8=args.fp8)  # returns the DDP wrapper
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+model = build_llama("tiny", seed=0)
+if args.fp8 == "msamp":  # MS-AMP owns the optimizer: msamp.initialize runs before DDP, wrap_model returns both
+    model, optimizer = fp8dist.wrap_model(model, strategy="ddp", fp8="msamp", optimizer={"type": "AdamW", "lr": 3e-3})
+else:
+    model = fp8dist.wrap_model(model, strategy="ddp", fp8=args.fp8)  # returns the DDP wrapper
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 env = fp8dist.get_wrap_info(model).env
 
 batches = Batches(batch_size=8, seq_len=128, rank=env.rank, world_size=env.world_size)

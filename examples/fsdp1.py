@@ -4,6 +4,7 @@ FSDP1's own gradient clipping, then a full state dict gathered to rank 0.
 Launch (from the repository root):
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp1.py          # 2 CPU processes, or 2 GPUs
+    torchrun --standalone --nproc-per-node 2 examples/fsdp1.py --fp8 torchao
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$HEAD:29500" examples/fsdp1.py
 """
 
@@ -17,7 +18,8 @@ from fp8dist.data import Batches
 from fp8dist.models import build_llama
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--fp8", default="none", choices=["none", "torchao", "te", "msamp"], help="FP8 backend")
+parser.add_argument("--fp8", default="none", choices=["none", "torchao", "te"],
+                    help="FP8 backend (MS-AMP has no FSDP integration: use examples/ddp.py for it)")
 parser.add_argument("--steps", type=int, default=20)
 args = parser.parse_args()
 

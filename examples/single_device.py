@@ -3,7 +3,7 @@
 Launch (from the repository root):
 
     python examples/single_device.py
-    python examples/single_device.py --fp8 torchao --steps 50
+    python examples/single_device.py --fp8 torchao      # real FP8 GEMMs on CPU too (torch's _scaled_mm)
 """
 
 import argparse
@@ -19,8 +19,12 @@ parser.add_argument("--fp8", default="none", choices=["none", "torchao", "te", "
 parser.add_argument("--steps", type=int, default=40)
 args = parser.parse_args()
 
-model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8=args.fp8)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # built after wrap_model, always
+model = build_llama("tiny", seed=0)
+if args.fp8 == "msamp":  # MS-AMP owns the optimizer: wrap_model builds it and hands it back
+    model, optimizer = fp8dist.wrap_model(model, strategy="none", fp8="msamp", optimizer={"type": "AdamW", "lr": 3e-3})
+else:
+    model = fp8dist.wrap_model(model, strategy="none", fp8=args.fp8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # built after wrap_model, always
 device = fp8dist.get_wrap_info(model).env.device
 
 batches = Batches(batch_size=8, seq_len=128)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import Config, resolve_config
-from .env import DistEnv, detect_launch_env, init_distributed, resolve_device
+from .env import DistEnv, LaunchEnv, detect_launch_env, init_distributed, resolve_device
 from .fp8 import get_backend
 from .optim import OptimizerSpec, build_optimizer
 from .plan import FP8Filter, PrecisionPlan, plan_precision
@@ -98,8 +98,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     _check_model(model)
     for note in cfg.unused_options():
         warnings.warn(note, UserWarning, stacklevel=2)
-    env = _environment(cfg)                                               # 2. check environment
-    plan = plan_precision(model, cfg, device=env.device, fp8_filter=fp8_filter)  # 3. plan
+    launch = detect_launch_env()                                          # 2. check environment
+    device = resolve_device(cfg.parallel.device, launch.local_rank)
+    plan = plan_precision(model, cfg, device=device, fp8_filter=fp8_filter)  # 3. plan (FP8 gate first)
     backend = get_backend(cfg.precision.fp8) if plan.converted else None
     if plan.detail.startswith("fallback"):
         warnings.warn(f"fp8={cfg.precision.fp8!r}: {plan.detail}; every layer trains in the strategy's "
@@ -107,6 +108,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if cfg.precision.fp8 == "msamp" and optimizer is None:
         raise ValueError("fp8='msamp' owns the optimizer: pass optimizer={'type': 'AdamW', 'lr': ...} (or a callable "
                          "params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
+    if backend is not None:
+        backend.check_plan(plan)
+    env = _environment(cfg, launch, device)                               # process group, once all checks passed
     built = None
     if backend is not None:
         backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
@@ -125,14 +129,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 
-def _environment(cfg: Config) -> DistEnv:
-    """The process group (initialized if needed) and device; "none" needs no process group."""
-    strategy = cfg.parallel.strategy
-    if strategy == "none":
-        launch = detect_launch_env()
+def _environment(cfg: Config, launch: LaunchEnv, device: torch.device) -> DistEnv:
+    """The process group (initialized if needed); "none" needs no process group."""
+    if cfg.parallel.strategy == "none":
         if launch.world_size > 1:
             warnings.warn(f"strategy='none' in a {launch.world_size}-process launch: every rank trains its own "
                           "copy with no gradient sync. Use strategy='ddp' or 'fsdp'.", UserWarning, stacklevel=3)
-        return DistEnv(launch.rank, launch.world_size, launch.local_rank,
-                       resolve_device(cfg.parallel.device, launch.local_rank), None, launch.launcher)
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank, device, None, launch.launcher)
     return init_distributed(device=cfg.parallel.device)

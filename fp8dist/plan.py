@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import Config
 
-__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "FP8UnavailableError"]
+__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
 
@@ -117,6 +117,24 @@ class PrecisionPlan(Sequence[PlanEntry]):
         return f"PrecisionPlan(backend={self.backend!r}, strategy={self.strategy!r}, {self.counts()})"
 
 
+def check_fp8_available(cfg: Config, device: torch.device) -> str | None:
+    """Why the configured FP8 backend cannot run on ``device`` (None when it can, or when there is no FP8).
+
+    Raises:
+        FP8UnavailableError: it cannot, and ``on_unsupported`` is "error" (the default).
+    """
+    from .fp8 import get_backend
+
+    fp8 = cfg.precision.fp8
+    gate = get_backend(fp8).unavailable_reason(cfg, device) if fp8 else None
+    if gate and cfg.precision.on_unsupported == "error":
+        raise FP8UnavailableError(
+            f"fp8={fp8!r} cannot run here: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
+            f"{cfg.parallel.param_dtype} mixed precision instead, or choose another backend (fp8='torchao' runs on "
+            "CPU and CUDA sm_89+).")
+    return gate
+
+
 def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_filter: FP8Filter | None = None,
                    check_hardware: bool = True) -> PrecisionPlan:
     """Decide per module whether it runs in FP8, and why. Call before conversion and sharding.
@@ -135,12 +153,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
 
     fp8 = cfg.precision.fp8
     backend = get_backend(fp8) if fp8 else None
-    gate = backend.unavailable_reason(cfg, device) if backend and check_hardware else None
-    if gate and cfg.precision.on_unsupported == "error":
-        raise FP8UnavailableError(
-            f"fp8={fp8!r} cannot run here: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
-            f"{cfg.parallel.param_dtype} mixed precision instead, or choose another backend (fp8='torchao' runs on "
-            "CPU and CUDA sm_89+).")
+    gate = check_fp8_available(cfg, device) if check_hardware else None
     reserved = backend.model_exclusions(model, cfg) if backend else {}
     entries = []
     for name, module in model.named_modules():

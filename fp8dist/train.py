@@ -141,13 +141,14 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     start = time.perf_counter()
     model = build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    wrapped = wrap_model(model, config=config)
+    # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
+    wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
+                                                                     "betas": (0.9, 0.95), "weight_decay": 0.0})
     env = get_wrap_info(wrapped).env
     if env.device.type == "cpu":
         _set_cpu_threads()
     batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
                       world_size=env.world_size, seed=train.seed)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(train.steps))
     leader = env.rank == 0
     if leader:

@@ -32,7 +32,8 @@ SKIP_EXIT_CODE = 77
 DEFAULT_TIMEOUT_S = 240.0
 
 
-def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple) -> None:
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple,
+                backend: str = "gloo") -> None:
     work = Path(workdir)
     dump = open(work / f"stack.{rank}", "w")
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
@@ -40,10 +41,13 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # several ranks share two cores
+    if backend == "gloo":
+        torch.set_num_threads(1)  # several CPU ranks share two cores
     code = 0
     try:
-        dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{work / 'rendezvous'}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
         with open(work / f"result.{rank}", "wb") as f:
@@ -66,13 +70,14 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
-              timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results in rank order."""
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
+              backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results in rank order.
+    ``backend="nccl"`` puts rank r on cuda:r (GPU tests)."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fp8dist-ranks-") as workdir:
         work = Path(workdir)
-        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, workdir, args), name=f"rank{r}")
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, workdir, args, backend), name=f"rank{r}")
                  for r in range(world_size)]
         for p in procs:
             p.start()

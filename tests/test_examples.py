@@ -12,12 +12,13 @@ def _losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", stdout, flags=re.M)]
 
 
+@pytest.mark.parametrize("fp8", ["none", "torchao"])
 @pytest.mark.parametrize("name,layout", [("ddp", "replicated"), ("fsdp", "DTensor Shard(dim=0)"),
                                          ("fsdp1", "FlatParameter shards")])
-def test_distributed_example_under_torchrun(name, layout):
+def test_distributed_example_under_torchrun(name, layout, fp8):
     script = ROOT / "examples" / f"{name}.py"
     assert f"torchrun --standalone --nproc-per-node 2 examples/{name}.py" in script.read_text()
-    proc = torchrun(script, "--steps", "15")
+    proc = torchrun(script, "--steps", "15", "--fp8", fp8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _losses(proc.stdout)
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
@@ -26,8 +27,9 @@ def test_distributed_example_under_torchrun(name, layout):
         assert "full state dict on rank 0: 459,392 elements" in proc.stdout
 
 
-def test_single_device_example_with_plain_python():
-    proc = run(["python", str(ROOT / "examples" / "single_device.py"), "--steps", "15"])
+@pytest.mark.parametrize("fp8", ["none", "torchao"])
+def test_single_device_example_with_plain_python(fp8):
+    proc = run(["python", str(ROOT / "examples" / "single_device.py"), "--steps", "15", "--fp8", fp8])
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _losses(proc.stdout)
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0

@@ -49,7 +49,8 @@ def test_fp8dist_train_reads_yaml_and_flags_override(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "5"], "batch_size=5 does not split over world size 2"),
     (["--strategy", "none", "--nproc", "2"], "nproc=2 with strategy='none'"),
-    (["--fp8", "te"], "fp8='te' is not implemented yet"),
+    (["--fp8", "te"], "fp8='te' cannot run here: Transformer Engine is not installed"),
+    (["--fp8", "msamp", "--strategy", "fsdp"], "fp8='msamp' with strategy='fsdp'"),
     (["--strategy", "deepspeed"], "strategy='deepspeed' is not implemented yet"),
     (["--steps", "0"], "steps=0 must be at least 1"),
 ])

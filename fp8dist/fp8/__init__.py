@@ -6,6 +6,7 @@
 - ``model_exclusions(model, cfg) -> {fqn: reason}``: model-level rules (torchao's first/last Linear)
 - ``ineligible_reason(module, fqn, cfg) -> str | None``: per-layer rules (dims divisible by 16, ...)
 - ``converted_class(module) -> str`` and ``computes_in_fp8(module) -> bool``: what the plan records
+- ``check_plan(plan)``: refuse, before anything changes, a plan the backend cannot follow
 - ``convert(model, plan, cfg)``: swap exactly the plan's converted modules; called before sharding
 - ``after_shard(model, plan, cfg, env, group)``: FP8 autocast / hooks on the sharded model
 

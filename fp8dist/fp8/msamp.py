@@ -50,8 +50,11 @@ def ineligible_reason(module: nn.Module, fqn: str, cfg) -> str | None:
 
 
 def convert(model: nn.Module, plan, cfg) -> None:
-    """Nothing to do before the optimizer exists: :func:`initialize` converts. Refuse a plan MS-AMP cannot
-    follow: ``msamp.initialize`` converts every nn.Linear and takes no layer filter."""
+    """Nothing to do before the optimizer exists: :func:`initialize` converts."""
+
+
+def check_plan(plan) -> None:
+    """Refuse a plan MS-AMP cannot follow: ``msamp.initialize`` converts every nn.Linear, with no layer filter."""
     kept = [e.name for e in plan if e.module_type == "Linear" and e.converted_to is None]
     if kept:
         raise ValueError(

@@ -96,6 +96,10 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
     return new
 
 
+def check_plan(plan) -> None:
+    """Any plan can be followed: ineligible layers are simply not converted."""
+
+
 def convert(model: nn.Module, plan, cfg) -> None:
     """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
     Ineligible modules are skipped, never a reason to stop. Call before sharding."""
