@@ -209,6 +209,12 @@ def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
     if fp8 == "msamp" and precision.opt_level == "O3" and strategy != "deepspeed":
         raise ValueError(f"opt_level='O3' with strategy={strategy!r}: MS-AMP O3 is its ZeRO optimizer and runs only "
                          "under strategy='deepspeed'. Use opt_level='O1' or 'O2'.")
+    if (fp8 == "torchao" and precision.torchao_recipe == "rowwise_with_gw_hp" and strategy in ("none", "ddp")
+            and parallel.param_dtype != "fp32"):
+        raise ValueError(f"torchao_recipe='rowwise_with_gw_hp' with strategy={strategy!r} and param_dtype="
+                         f"{parallel.param_dtype!r}: its high-precision weight-gradient GEMM mixes the autocast dtype "
+                         "with fp32 and fails (torchao 0.18). Use strategy='fsdp' or 'fsdp1' (no autocast), "
+                         "torchao_recipe='rowwise', or param_dtype='fp32'.")
     if precision.fp8_all_gather and precision.torchao_recipe != "tensorwise":
         raise ValueError(f"fp8_all_gather=True with torchao_recipe={precision.torchao_recipe!r}: torchao all-gathers "
                          "in FP8 only with the tensorwise recipe. Use torchao_recipe='tensorwise' or leave "

@@ -67,6 +67,34 @@ def test_fsdp2_torchao_fp8_all_gather_matches_hand_wired():
         assert r["off"] != r["ours"] and abs(r["off"][-1] - r["ours"][-1]) < 0.05
 
 
+def _rowwise_case(rank: int, world: int, recipe: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    base = build_llama("tiny", seed=0)
+    ours = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_recipe=recipe)
+    ref = copy.deepcopy(base)
+    convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=first_last_filter(ref))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in ref.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    q = ours.model.layers[1].self_attn.q_proj
+    return dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
+                granularity=str(q.config.cast_config_weight.scaling_granularity),
+                local_type=type(q.weight._local_tensor).__name__)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fsdp2_torchao_rowwise_recipes_match_hand_wired(recipe):
+    for r in run_ranks(_rowwise_case, recipe):
+        assert r["ours"] == r["ref"]
+        assert "AXISWISE" in r["granularity"], "rowwise scaling really configured"
+        assert r["local_type"] == "Tensor", "no FP8 all-gather for rowwise recipes (torchao: tensorwise only)"
+
+
 def _engine_case(rank: int, world: int, strategy: str) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision

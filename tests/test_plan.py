@@ -95,6 +95,7 @@ def test_torchao_missing_is_a_clear_error_or_an_announced_fallback(monkeypatch):
     (dict(fp8="te", override_linear_precision=(True,)), "must be three booleans"),
     (dict(fp8="torchao", torchao_recipe="rowwise", fp8_all_gather=True), "FP8 only with the tensorwise recipe"),
     (dict(fp8="torchao", on_unsupported="ignore"), "on_unsupported='ignore' is not valid"),
+    (dict(fp8="torchao", torchao_recipe="rowwise_with_gw_hp"), "mixes the autocast dtype with fp32.*'fsdp'"),
 ])
 def test_bad_fp8_values_fail_before_any_backend_is_touched(options, message):
     # TE is not installed here: the value is reported first all the same
