@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import first_last_filter, train_losses
+from helpers import first_last_filter, hand_wired_fsdp2, train_losses
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install 'fp8dist[torchao]')")
 
@@ -26,8 +26,6 @@ def _float8_names(model: torch.nn.Module) -> list[str]:
 
 
 def _fsdp_case(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     base = build_llama("tiny", seed=0)
@@ -35,11 +33,7 @@ def _fsdp_case(rank: int, world: int) -> dict:
     ref = copy.deepcopy(base)
     convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                module_filter_fn=first_last_filter(ref))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in ref.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world)
     weight = ours.model.layers[1].self_attn.q_proj.weight
     scale_before = weight._local_tensor._precomputed_scale  # to_local() would return a fresh view
     out = dict(
@@ -68,19 +62,12 @@ def test_fsdp2_torchao_fp8_all_gather_matches_hand_wired():
 
 
 def _rowwise_case(rank: int, world: int, recipe: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     base = build_llama("tiny", seed=0)
     ours = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_recipe=recipe)
     ref = copy.deepcopy(base)
     convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=first_last_filter(ref))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in ref.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world)
     q = ours.model.layers[1].self_attn.q_proj
     return dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
                 granularity=str(q.config.cast_config_weight.scaling_granularity),

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, SEQ, linear_dtypes, train_losses
+from helpers import BATCH, SEQ, hand_wired_fsdp2, linear_dtypes, train_losses
 
 from fp8dist import sharding_summary, wrap_model
 from fp8dist.data import Batches
@@ -18,20 +18,11 @@ from fp8dist.models import build_llama
 
 
 def _fsdp_case(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     base = build_llama("tiny", seed=0)
-    mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
-    for reduce in ("fp32", "bf16"):
+    for reduce, reduce_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ours = wrap_model(copy.deepcopy(base), strategy="fsdp", reduce_dtype=reduce)
-        ref = copy.deepcopy(base)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, {
-            "fp32": "float32", "bf16": "bfloat16"}[reduce]))
-        for layer in ref.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(ref, mesh=mesh, mp_policy=policy)
+        ref = hand_wired_fsdp2(copy.deepcopy(base), world, reduce_dtype)
         # one backward on the same batch: the gradients the two reduce dtypes produce
         ids = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world)[0]
         ours(input_ids=ids, labels=ids).loss.backward()
