@@ -58,9 +58,10 @@ def _check_model(model: Any) -> None:
 def check_supported(cfg: Config) -> None:
     """Raise NotImplementedError for parts of the pipeline that are separate work (a clear error, not a deep
     trace). Callers that start processes call it first, so the error comes before any process starts."""
-    if cfg.parallel.strategy == "deepspeed":
-        raise NotImplementedError("strategy='deepspeed' is not implemented yet in this fp8dist version; "
-                                  "use strategy='fsdp' (ZeRO-3-like), 'fsdp1' or 'ddp'.")
+    if cfg.parallel.strategy == "deepspeed" and cfg.precision.fp8 == "msamp":
+        raise NotImplementedError("fp8='msamp' with strategy='deepspeed' (MS-AMP's DeepSpeed entry point) is not "
+                                  "implemented yet; use fp8='msamp' with strategy='ddp', or fp8='torchao' / 'te' "
+                                  "with DeepSpeed.")
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
@@ -72,7 +73,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
 
     Args:
         model: the model, on CPU (or meta-free on any device), identical on every rank.
-        strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
+        strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed" (returns the DeepSpeed engine);
+            None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
         config: a :class:`Config`, a flat dict or a YAML/JSON path; keyword options override it.
         fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
@@ -116,7 +118,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
         if cfg.precision.fp8 == "msamp":  # MS-AMP converts inside initialize, with the optimizer, before DDP
             model, built = backend.initialize(model, build_optimizer(optimizer, model.parameters()), cfg)
-    wrapped, sharding = apply_strategy(model, cfg.parallel, env)          # 5. shard
+    wrapped, sharding = apply_strategy(model, cfg.parallel, env,          # 5. shard
+                                       optimizer=optimizer if cfg.parallel.strategy == "deepspeed" else None)
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
                       "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)
@@ -126,6 +129,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
     if optimizer is None:
         return wrapped
+    if cfg.parallel.strategy == "deepspeed":
+        return wrapped, wrapped.optimizer
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 

@@ -97,6 +97,27 @@ class StrategyConfig:
     device: Device = "auto"
     """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""
 
+    zero_stage: Literal[1, 2, 3] = field(default=2, metadata=_only(strategy=("deepspeed",)))
+    """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
+
+    micro_batch_size: int = field(default=1, metadata=_only(strategy=("deepspeed",)))
+    """DeepSpeed train_micro_batch_size_per_gpu (sequences per rank per forward)."""
+
+    grad_accum: int = field(default=1, metadata=_only(strategy=("deepspeed",)))
+    """DeepSpeed gradient_accumulation_steps."""
+
+    gradient_clipping: float = field(default=1.0, metadata=_only(strategy=("deepspeed",)))
+    """DeepSpeed gradient clipping (max global norm); 0 turns it off."""
+
+    offload_optimizer: bool = field(default=False, metadata=_only(strategy=("deepspeed",)))
+    """DeepSpeed: keep optimizer states on the CPU."""
+
+    offload_param: bool = field(default=False, metadata=_only(strategy=("deepspeed",), zero_stage=(3,)))
+    """DeepSpeed ZeRO-3: keep parameters on the CPU."""
+
+    ds_config: str | None = field(default=None, metadata=_only(strategy=("deepspeed",)))
+    """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             object.__setattr__(self, name, _dtype_name(getattr(self, name)))
@@ -109,6 +130,11 @@ class StrategyConfig:
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
         check_fields(self)
+        for name in ("micro_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 turns clipping off).")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -206,6 +232,9 @@ def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
         raise ValueError(f"fp8='msamp' with strategy={strategy!r}: MS-AMP has no FSDP integration here. Use "
                          "strategy='ddp' or 'none' with MS-AMP, 'deepspeed' for MS-AMP with ZeRO, or "
                          "fp8='torchao' / 'te' with FSDP.")
+    if parallel.offload_param and parallel.zero_stage != 3 and strategy == "deepspeed":
+        raise ValueError(f"offload_param=True with zero_stage={parallel.zero_stage}: only ZeRO-3 partitions "
+                         "parameters. Use zero_stage=3 or offload_optimizer=True.")
     if fp8 == "msamp" and precision.opt_level == "O3" and strategy != "deepspeed":
         raise ValueError(f"opt_level='O3' with strategy={strategy!r}: MS-AMP O3 is its ZeRO optimizer and runs only "
                          "under strategy='deepspeed'. Use opt_level='O1' or 'O2'.")

@@ -53,7 +53,11 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    from .strategies.deepspeed import is_deepspeed_engine
+
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if is_deepspeed_engine(model):
+        return _deepspeed_summary(model, world)
     if isinstance(model, FullyShardedDataParallel):
         flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
         mp = model.mixed_precision
@@ -84,6 +88,25 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
         world_size=world, total_numel=total, local_numel=total, sharded_tensors=0, tensors=len(params),
         storage_dtypes=storage, compute_dtype=_short(autocast) if autocast else storage[0],
         reduce_dtype=_ddp_reduce_dtype(model))
+
+
+def _deepspeed_summary(engine, world: int) -> ShardingSummary:
+    """ZeRO-3 partitions parameters (``ds_tensor`` holds this rank's part); ZeRO-1/2 keep them whole and
+    partition optimizer states (and gradients)."""
+    stage = engine.zero_optimization_stage()
+    params = list(engine.module.parameters())
+    if stage == 3:
+        local = sum(p.ds_tensor.numel() for p in params)
+        total = sum(p.ds_numel for p in params)
+        sharded = sum(1 for p in params if p.ds_tensor.numel() < p.ds_numel)
+        storage = tuple(sorted({_short(p.ds_tensor.dtype) for p in params}))
+    else:
+        total = local = sum(p.numel() for p in params)
+        sharded, storage = 0, tuple(sorted({_short(p.dtype) for p in params}))
+    compute = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return ShardingSummary(layout=f"DeepSpeed ZeRO-{stage}", world_size=world, total_numel=total, local_numel=local,
+                           sharded_tensors=sharded, tensors=len(params), storage_dtypes=storage,
+                           compute_dtype=compute, reduce_dtype=_short(engine.communication_data_type))
 
 
 def _ddp_reduce_dtype(model: nn.Module) -> str:

@@ -14,7 +14,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -23,7 +23,9 @@ import torch.distributed as dist
 from ._schema import check_fields
 from .api import get_plan, get_wrap_info, wrap_model
 from .config import Config
-from .data import Batches
+from .data import Batches, check_batch_split
+from .env import detect_launch_env
+from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
 from .report import sharding_summary
 
@@ -142,6 +144,10 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     model = build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
+    if config.parallel.strategy == "deepspeed":  # DeepSpeed's micro batch is this job's per-rank batch
+        world = detect_launch_env().world_size if not dist.is_initialized() else dist.get_world_size()
+        check_batch_split(train.batch_size, world)
+        config = replace(config, parallel=replace(config.parallel, micro_batch_size=train.batch_size // world))
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
                                                                      "betas": (0.9, 0.95), "weight_decay": 0.0})
     env = get_wrap_info(wrapped).env
@@ -149,7 +155,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         _set_cpu_threads()
     batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
                       world_size=env.world_size, seed=train.seed)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(train.steps))
+    lr_factor = _lr_lambda(train.steps)
+    engine = is_deepspeed_engine(wrapped)
     leader = env.rank == 0
     if leader:
         info = get_wrap_info(wrapped)
@@ -164,10 +171,15 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         t0 = time.perf_counter()
         ids = batches[step].to(env.device)
         loss = wrapped(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.param_groups:  # works for torch, MS-AMP and DeepSpeed optimizers alike
+            group["lr"] = train.lr * lr_factor(step)
+        if engine:  # DeepSpeed: the engine scales, clips, steps and zeroes
+            wrapped.backward(loss)
+            wrapped.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().float()
         if env.world_size > 1:
             dist.all_reduce(mean_loss)

@@ -14,9 +14,10 @@ BIN = Path(sys.executable).parent
 def run(cmd: list[str], *, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion; output captured as text. ``python``, ``fp8dist`` and ``torchrun`` resolve to
     this interpreter's environment, activated or not."""
-    exe = {"python": sys.executable, "fp8dist": str(BIN / "fp8dist"),
-           "torchrun": str(BIN / "torchrun")}.get(cmd[0], cmd[0])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    exe = {"python": sys.executable, "fp8dist": str(BIN / "fp8dist"), "torchrun": str(BIN / "torchrun"),
+           "deepspeed": str(BIN / "deepspeed")}.get(cmd[0], cmd[0])
+    # the deepspeed launcher starts `python` from PATH: make it this environment's
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run([exe, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -69,3 +69,16 @@ def hand_wired_fsdp2(model: nn.Module, world: int, reduce_dtype: torch.dtype = t
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def engine_losses(engine, rank: int, world: int, *, steps: int = STEPS) -> list[float]:
+    """Per-step losses of a DeepSpeed engine (it scales, clips, steps and zeroes itself)."""
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+    losses = []
+    for step in range(steps):
+        ids = batches[step]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -85,11 +85,11 @@ def test_cli_flags_come_from_the_dataclasses(capsys):
     assert "invalid choice: 'fdsp'" in capsys.readouterr().err
 
 
-def test_deepspeed_is_a_clear_not_implemented_error():
+def test_msamp_under_deepspeed_is_a_clear_not_implemented_error():
     model = torch.nn.Linear(16, 16)
     before = model.weight.detach().clone()
-    with pytest.raises(NotImplementedError, match="strategy='deepspeed' is not implemented yet.*use strategy="):
-        wrap_model(model, strategy="deepspeed")
+    with pytest.raises(NotImplementedError, match="fp8='msamp' with strategy='deepspeed'.*is not implemented yet"):
+        wrap_model(model, strategy="deepspeed", fp8="msamp", opt_level="O3")
     assert torch.equal(model.weight, before) and not torch.distributed.is_initialized()
 
 

@@ -51,7 +51,7 @@ def test_fp8dist_train_reads_yaml_and_flags_override(tmp_path):
     (["--strategy", "none", "--nproc", "2"], "nproc=2 with strategy='none'"),
     (["--fp8", "te"], "fp8='te' cannot run here: Transformer Engine is not installed"),
     (["--fp8", "msamp", "--strategy", "fsdp"], "fp8='msamp' with strategy='fsdp'"),
-    (["--strategy", "deepspeed"], "strategy='deepspeed' is not implemented yet"),
+    (["--strategy", "deepspeed", "--zero-stage", "4"], "invalid choice: 4"),
     (["--steps", "0"], "steps=0 must be at least 1"),
 ])
 def test_fp8dist_train_bad_input_exits_2_with_the_reason(args, message):
@@ -66,7 +66,7 @@ def _train_case(rank: int, world: int, strategy: str) -> list[float]:
     return run_training(config, TrainConfig(steps=25, seq_len=64), log=lambda line: None).losses
 
 
-@pytest.mark.parametrize("strategy", ["fsdp1", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp1", "ddp", "deepspeed"])
 def test_training_loss_falls_on_every_strategy(strategy):
     first, second = run_ranks(_train_case, strategy)
     assert first == second, "the logged loss is the mean over ranks"

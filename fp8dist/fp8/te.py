@@ -147,7 +147,8 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
 
 
 def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
-    """FP8 autocast on the user's model (inside DDP / FSDP1 wrappers); FSDP1 also gets TE's preparation."""
+    """FP8 autocast on the user's model (inside DDP / FSDP1 / DeepSpeed wrappers); FSDP1 also gets TE's
+    preparation."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -155,7 +156,10 @@ def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
         import transformer_engine.pytorch as te
 
         te.distributed.prepare_te_modules_for_fsdp(model)
-    inner = model.module if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) else model
+    from ..strategies.deepspeed import is_deepspeed_engine
+
+    wrapper = isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model)
+    inner = model.module if wrapper else model  # DDP, FSDP1 and the DeepSpeed engine keep the user's model in .module
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     apply_fp8_autocast(inner, fp8_recipe=build_recipe(cfg), group=group,

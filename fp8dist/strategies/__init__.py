@@ -6,7 +6,9 @@ take explicit dtypes and devices, not the whole config, so they can be used on t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -14,9 +16,11 @@ from ..config import StrategyConfig, torch_dtype
 from ..env import DistEnv
 from .common import cast_buffers, find_blocks
 from .ddp import apply_ddp, apply_single
+from .deepspeed import apply_deepspeed, merge_user_config, validate_with_deepspeed, zero_config
 from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy
 
-__all__ = ["apply_strategy", "ShardingInfo", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks"]
+__all__ = ["apply_strategy", "ShardingInfo", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config",
+           "deepspeed_config_for"]
 
 @dataclass(frozen=True)
 class ShardingInfo:
@@ -27,9 +31,40 @@ class ShardingInfo:
     blocks_found_by: str
 
 
-def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv) -> tuple[nn.Module, ShardingInfo]:
-    """Shard or replicate ``model`` as ``cfg`` says; returns the model to train and what was done."""
+def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None) -> dict:
+    """The DeepSpeed config ``wrap_model`` uses: built from the model and ``cfg``, merged under the user's json
+    (``ds_config``) when given, and validated. A mapping optimizer spec becomes the config's optimizer block."""
+    block = None
+    if isinstance(optimizer, Mapping):
+        spec = dict(optimizer)
+        block = {"type": spec.pop("type", None), "params": spec}
+    built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
+                        grad_accum=cfg.grad_accum, world_size=env.world_size, param_dtype=cfg.param_dtype,
+                        reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
+                        offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
+                        validate=cfg.ds_config is None)
+    if cfg.ds_config is None:
+        return built
+    merged = merge_user_config(cfg.ds_config, built)
+    validate_with_deepspeed(merged, world_size=env.world_size)
+    return merged
+
+
+def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv,
+                   optimizer: Any = None) -> tuple[nn.Module, ShardingInfo]:
+    """Shard or replicate ``model`` as ``cfg`` says; returns the model to train (the engine for DeepSpeed, whose
+    ``.optimizer`` is the one it built) and what was done."""
     param, reduce, buffer = (torch_dtype(d) for d in (cfg.param_dtype, cfg.reduce_dtype, cfg.buffer_dtype))
+    if cfg.strategy == "deepspeed":
+        config = deepspeed_config_for(model, cfg, env, optimizer)
+        if "optimizer" not in config and not callable(optimizer):
+            raise ValueError("strategy='deepspeed' builds the optimizer inside deepspeed.initialize: pass "
+                             "optimizer={'type': 'AdamW', 'lr': ...} (or a callable params -> optimizer), or a "
+                             "ds_config with an 'optimizer' block.")
+        cast_buffers(model, buffer)
+        engine, _ = apply_deepspeed(model, config, optimizer=optimizer if callable(optimizer) else None,
+                                    local_rank=env.local_rank)
+        return engine, ShardingInfo("deepspeed", (), f"DeepSpeed ZeRO-{config['zero_optimization']['stage']}")
     if cfg.strategy in ("fsdp", "fsdp1"):
         found, how = find_blocks(model, cfg.block_classes)
         names, blocks = tuple(n for n, _ in found), [m for _, m in found]

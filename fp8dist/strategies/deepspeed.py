@@ -1,0 +1,194 @@
+"""DeepSpeed ZeRO 1-3: a complete config built from the model (no "auto" left), and ``deepspeed.initialize``.
+
+Bucket sizes follow Hugging Face's "auto" rules from the hidden size h: reduce_bucket_size = h^2,
+stage3_prefetch_bucket_size = 0.9 h^2, stage3_param_persistence_threshold = 10 h.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["zero_config", "merge_user_config", "validate_with_deepspeed", "apply_deepspeed", "model_hidden_size",
+           "is_deepspeed_engine"]
+
+_STAGES = (1, 2, 3)
+_DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16"}
+
+
+def model_hidden_size(model: nn.Module) -> int | None:
+    """The hidden size from a Hugging Face config (``hidden_size``, or the largest of ``hidden_sizes``)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if getattr(config, "hidden_size", None):
+        return int(config.hidden_size)
+    sizes = getattr(config, "hidden_sizes", None)
+    return int(max(sizes)) if sizes else None
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: int | None = None,
+                micro_batch_size: int = 1, grad_accum: int = 1, world_size: int | None = None,
+                param_dtype: str = "bf16", reduce_dtype: str = "fp32", gradient_clipping: float = 1.0,
+                optimizer: Mapping[str, Any] | None = None, scheduler: Mapping[str, Any] | None = None,
+                offload_optimizer: bool = False, offload_param: bool = False, validate: bool = True) -> dict:
+    """A complete DeepSpeed ZeRO config as a plain dict: every value concrete, checked by DeepSpeed's parser.
+
+    Args:
+        stage: ZeRO stage 1, 2 or 3.
+        model / hidden_size: where bucket sizes come from (``model.config.hidden_size``); neither keeps
+            DeepSpeed's fixed defaults, written out.
+        micro_batch_size, grad_accum: per-GPU micro batch and accumulation steps.
+        world_size: data-parallel ranks; given, ``train_batch_size`` = micro x accum x world is written; None
+            leaves it out and DeepSpeed derives it from the world it is launched on.
+        param_dtype: "bf16" (default; fp32 master weights in the optimizer), "fp16" (dynamic loss scaling) or
+            "fp32".
+        reduce_dtype: dtype of the gradient communication (``communication_data_type``).
+        optimizer, scheduler: DeepSpeed blocks (``{"type": "AdamW", "params": {...}}``); None leaves them out
+            (pass a torch optimizer to ``deepspeed.initialize`` instead).
+        offload_optimizer: optimizer states on CPU (stages 1-3); offload_param: parameters on CPU (stage 3).
+        validate: run DeepSpeed's own config parser on the result.
+
+    Returns:
+        The config dict, ready for ``json.dump`` and ``deepspeed --deepspeed_config``.
+    """
+    if stage not in _STAGES:
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; choose one of 1, 2, 3 (stage 0 is plain data "
+                         "parallelism: use strategy='ddp').")
+    _check_positive("micro_batch_size", micro_batch_size)
+    _check_positive("grad_accum", grad_accum)
+    if world_size is not None:
+        _check_positive("world_size", world_size)
+    if param_dtype not in ("bf16", "fp16", "fp32") or reduce_dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"param_dtype={param_dtype!r} / reduce_dtype={reduce_dtype!r}: choose 'bf16', 'fp16' or "
+                         "'fp32'.")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param=True needs stage 3 (ZeRO-{stage} does not partition parameters).")
+    h = hidden_size if hidden_size is not None else (model_hidden_size(model) if model is not None else None)
+    if h is not None:
+        _check_positive("hidden_size", h)
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": h * h if h else 500_000_000,
+        "allgather_bucket_size": 500_000_000,
+    }
+    if stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": int(0.9 * h * h) if h else 50_000_000,
+            "stage3_param_persistence_threshold": 10 * h if h else 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+        del zero["allgather_bucket_size"]
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": gradient_clipping,
+        "bf16": {"enabled": param_dtype == "bf16"},
+        "fp16": {"enabled": param_dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "communication_data_type": reduce_dtype,
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+    if world_size is not None:
+        config["train_batch_size"] = micro_batch_size * grad_accum * world_size
+    if optimizer is not None:
+        config["optimizer"] = dict(optimizer)
+    if scheduler is not None:
+        config["scheduler"] = dict(scheduler)
+    if validate:
+        validate_with_deepspeed(config, world_size=world_size)
+    return config
+
+
+def _batch_check(config: Mapping[str, Any], world_size: int | None) -> None:
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accum = config.get("gradient_accumulation_steps", 1)
+    total = config.get("train_batch_size")
+    if world_size is not None and None not in (micro, total) and micro * accum * world_size != total:
+        raise ValueError(f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
+                         f"gradient_accumulation_steps={accum} x world size {world_size} = {micro * accum * world_size}:"
+                         " fix one of them, or drop train_batch_size and let DeepSpeed derive it.")
+
+
+def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None = None) -> None:
+    """Check ``config`` with fp8dist's rules (batch equation, one of fp16/bf16, a real stage) and then with
+    DeepSpeed's own parser (``DeepSpeedConfig``); raise ValueError saying what is wrong."""
+    if "auto" in json.dumps(config):
+        raise ValueError("the DeepSpeed config still holds an \"auto\" value: fp8dist writes concrete values only.")
+    if config.get("bf16", {}).get("enabled") and config.get("fp16", {}).get("enabled"):
+        raise ValueError("the DeepSpeed config enables both fp16 and bf16: keep one (fp8dist's default is bf16).")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, *_STAGES):
+        raise ValueError(f"zero_optimization.stage={stage!r} does not exist; choose 1, 2 or 3.")
+    _batch_check(config, world_size)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = copy.deepcopy(dict(config))
+    probe.pop("train_batch_size", None)  # without a process group DeepSpeed assumes world size 1
+    try:
+        DeepSpeedConfig(probe)
+    except Exception as err:  # DeepSpeed raises AssertionError / ValueError / pydantic errors
+        raise ValueError(f"DeepSpeed rejects the config: {err}") from err
+
+
+def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, Any]) -> dict:
+    """The user's DeepSpeed config, with only the keys it lacks filled from ``built`` (nested blocks merged
+    key by key). The user's values always win; contradictions are reported by :func:`validate_with_deepspeed`."""
+    if isinstance(user, (str, Path)):
+        path = Path(user)
+        if not path.is_file():
+            raise FileNotFoundError(f"DeepSpeed config {str(path)!r} does not exist.")
+        user = json.loads(path.read_text())
+    merged = copy.deepcopy(dict(user))
+    for key, value in built.items():
+        if key not in merged:
+            merged[key] = copy.deepcopy(value)
+        elif isinstance(value, Mapping) and isinstance(merged[key], Mapping):
+            merged[key] = {**value, **merged[key]}
+    if "train_batch_size" in merged and "train_batch_size" not in user:
+        del merged["train_batch_size"]  # derived by DeepSpeed from the user's own micro/accum and the world
+    return merged
+
+
+def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0):
+    """``deepspeed.initialize`` with ``config``; returns ``(engine, optimizer)``. Call after FP8 conversion.
+
+    DeepSpeed insists on LOCAL_RANK in the environment (its launcher and torchrun set it); a process group
+    created otherwise gets it set here from the rank fp8dist found.
+    """
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
+                                                      config=config)
+    return engine, ds_optimizer
+
+
+def is_deepspeed_engine(model: Any) -> bool:
+    """True for a ``DeepSpeedEngine`` (without importing DeepSpeed when nothing did)."""
+    deepspeed = sys.modules.get("deepspeed")
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)

@@ -1,0 +1,144 @@
+"""DeepSpeed ZeRO 1-3 for real (CPU accelerator, gloo, 2 processes): configs built from the model, wrap_model
+against raw deepspeed.initialize (+ raw torchao), and the real `deepspeed` launcher."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import socket
+
+import pytest
+import torch
+from cli_helpers import ROOT, run
+from dist_harness import run_ranks
+from helpers import BATCH, engine_losses, first_last_filter
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
+
+from fp8dist import wrap_model  # noqa: E402
+from fp8dist.models import build_llama  # noqa: E402
+from fp8dist.strategies.deepspeed import merge_user_config, validate_with_deepspeed, zero_config  # noqa: E402
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_config_is_complete_concrete_and_parsed_by_deepspeed(stage):
+    config = zero_config(stage, model=build_llama("tiny"), micro_batch_size=2, grad_accum=3, world_size=2)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == stage and zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert zero["reduce_bucket_size"] == 128 * 128, "h^2 for hidden size 128"
+    if stage == 3:
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 128 * 128)
+        assert zero["stage3_param_persistence_threshold"] == 10 * 128
+    assert config["train_batch_size"] == 2 * 3 * 2
+    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    assert config["communication_data_type"] == "fp32" and config["gradient_clipping"] == 1.0
+    assert "auto" not in json.dumps(config)
+    validate_with_deepspeed(config, world_size=2)
+
+
+def test_without_world_size_deepspeed_derives_the_global_batch():
+    assert "train_batch_size" not in zero_config(2, hidden_size=64)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: zero_config(4), "stage=4 is not a ZeRO stage; choose one of 1, 2, 3"),
+    (lambda: zero_config(2, micro_batch_size=0), "micro_batch_size=0 must be a positive integer"),
+    (lambda: zero_config(2, offload_param=True), "offload_param=True needs stage 3"),
+    (lambda: validate_with_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True},
+                                      "train_micro_batch_size_per_gpu": 1}), "enables both fp16 and bf16"),
+    (lambda: validate_with_deepspeed({"zero_optimization": {"stage": 5}, "train_micro_batch_size_per_gpu": 1}),
+     r"zero_optimization.stage=5 does not exist"),
+    (lambda: validate_with_deepspeed({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
+                                      "gradient_accumulation_steps": 1}, world_size=2),
+     r"train_batch_size=10 but train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 x world size 2 = 4"),
+    (lambda: validate_with_deepspeed({"train_micro_batch_size_per_gpu": "auto"}), 'still holds an "auto"'),
+    (lambda: validate_with_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                                      "zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}}),
+     "DeepSpeed rejects the config"),
+])
+def test_bad_deepspeed_configs_are_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_user_json_wins_and_only_missing_keys_are_filled(tmp_path):
+    user = tmp_path / "mine.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3,
+                                                                                          "overlap_comm": False}}))
+    merged = merge_user_config(user, zero_config(2, hidden_size=64, world_size=2, micro_batch_size=1))
+    assert merged["train_micro_batch_size_per_gpu"] == 4 and "train_batch_size" not in merged
+    assert merged["zero_optimization"]["stage"] == 3 and merged["zero_optimization"]["overlap_comm"] is False
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 64 * 64 and merged["bf16"]["enabled"]
+
+
+def test_ds_config_cli_writes_the_committed_example_configs(tmp_path):
+    for stage in (1, 2, 3):
+        out = tmp_path / f"ds_zero{stage}.json"
+        proc = run(["fp8dist", "ds-config", "--stage", str(stage), "--model", "llama-tiny", "--micro-batch-size",
+                    "4", "--optimizer", "AdamW", "--lr", "3e-3", "-o", str(out)], timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        committed = ROOT / "examples" / "deepspeed" / f"ds_zero{stage}.json"
+        assert json.loads(out.read_text()) == json.loads(committed.read_text()), f"{committed} is stale"
+    proc = run(["fp8dist", "ds-config", "--stage", "2", "--offload-param", "-o", str(tmp_path / "bad.json")])
+    assert proc.returncode == 2 and "offload_param=True needs stage 3" in proc.stderr
+    assert not (tmp_path / "bad.json").exists() and list(tmp_path.glob(".bad.json*")) == []
+
+
+def _hand_config(stage: int, world: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
+            "train_batch_size": BATCH, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "communication_data_type": "fp32", "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _zero_case(rank: int, world: int, stage: int) -> dict:
+    import deepspeed
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    base = build_llama("tiny", seed=0)
+    out = {}
+    for fp8 in (None, "torchao"):
+        engine, optimizer = wrap_model(copy.deepcopy(base), strategy="deepspeed", zero_stage=stage, fp8=fp8,
+                                       micro_batch_size=BATCH // world, optimizer={"type": "AdamW", "lr": 1e-3})
+        ref_model = copy.deepcopy(base)
+        if fp8:
+            convert_to_float8_training(ref_model, config=Float8LinearConfig(),
+                                       module_filter_fn=first_last_filter(ref_model))
+        ref, *_ = deepspeed.initialize(model=ref_model, model_parameters=list(ref_model.parameters()),
+                                       config=_hand_config(stage, world))
+        q = engine.module.model.layers[1].self_attn.q_proj
+        out[fp8] = dict(ours=engine_losses(engine, rank, world), ref=engine_losses(ref, rank, world),
+                        q_type=type(q).__name__, optimizer=type(optimizer).__name__,
+                        partition=(q.weight.ds_tensor.numel(), q.weight.ds_numel) if stage == 3 else None)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
+    for rank, r in enumerate(run_ranks(_zero_case, stage, timeout=400)):
+        for fp8 in (None, "torchao"):
+            assert r[fp8]["ours"] == r[fp8]["ref"], f"rank {rank} fp8={fp8}"
+            assert r[fp8]["optimizer"].startswith("DeepSpeedZeroOptimizer")
+            if stage == 3:
+                local, full = r[fp8]["partition"]
+                assert local * 2 == full, "ZeRO-3 really partitions parameters"
+        assert r[None]["q_type"] == "Linear" and r["torchao"]["q_type"] == "Float8Linear"
+        assert r[None]["ours"] != r["torchao"]["ours"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_deepspeed_launcher_runs_the_example_with_a_generated_config():
+    proc = run(["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()),
+                str(ROOT / "examples" / "deepspeed" / "train.py"), "--deepspeed_config",
+                str(ROOT / "examples" / "deepspeed" / "ds_zero2.json"), "--fp8", "torchao", "--steps", "8"],
+               timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", proc.stdout, flags=re.M)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0
+    assert "DeepSpeed ZeRO-2: 0/21 tensors sharded over 2 rank(s)" in proc.stdout
