@@ -17,7 +17,7 @@ from .optim import OptimizerSpec, build_optimizer
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .strategies import ShardingInfo, apply_strategy
 
-__all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan", "check_supported"]
+__all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
 _INFO_ATTR = "_fp8dist_info"
 
@@ -55,15 +55,6 @@ def _check_model(model: Any) -> None:
                          "Check that its layers are registered as submodules (nn.ModuleList, not a Python list).")
 
 
-def check_supported(cfg: Config) -> None:
-    """Raise NotImplementedError for parts of the pipeline that are separate work (a clear error, not a deep
-    trace). Callers that start processes call it first, so the error comes before any process starts."""
-    if cfg.parallel.strategy == "deepspeed" and cfg.precision.fp8 == "msamp":
-        raise NotImplementedError("fp8='msamp' with strategy='deepspeed' (MS-AMP's DeepSpeed entry point) is not "
-                                  "implemented yet; use fp8='msamp' with strategy='ddp', or fp8='torchao' / 'te' "
-                                  "with DeepSpeed.")
-
-
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
                fp8_group: Any = None, optimizer: OptimizerSpec | None = None, **options: Any) -> Any:
@@ -96,7 +87,6 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
-    check_supported(cfg)
     _check_model(model)
     for note in cfg.unused_options():
         warnings.warn(note, UserWarning, stacklevel=2)
@@ -107,7 +97,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if plan.detail.startswith("fallback"):
         warnings.warn(f"fp8={cfg.precision.fp8!r}: {plan.detail}; every layer trains in the strategy's "
                       f"{cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
-    if cfg.precision.fp8 == "msamp" and optimizer is None:
+    ds_msamp = cfg.parallel.strategy == "deepspeed" and cfg.precision.fp8 == "msamp"
+    if cfg.precision.fp8 == "msamp" and optimizer is None and not ds_msamp:
         raise ValueError("fp8='msamp' owns the optimizer: pass optimizer={'type': 'AdamW', 'lr': ...} (or a callable "
                          "params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
     if backend is not None:
@@ -116,10 +107,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     built = None
     if backend is not None:
         backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
-        if cfg.precision.fp8 == "msamp":  # MS-AMP converts inside initialize, with the optimizer, before DDP
+        if cfg.precision.fp8 == "msamp" and not ds_msamp:  # MS-AMP converts in initialize, with the optimizer
             model, built = backend.initialize(model, build_optimizer(optimizer, model.parameters()), cfg)
-    wrapped, sharding = apply_strategy(model, cfg.parallel, env,          # 5. shard
-                                       optimizer=optimizer if cfg.parallel.strategy == "deepspeed" else None)
+    wrapped, sharding = apply_strategy(                                   # 5. shard
+        model, cfg.parallel, env, optimizer=optimizer if cfg.parallel.strategy == "deepspeed" else None,
+        ds_hooks=backend.deepspeed_hooks(cfg) if ds_msamp and backend is not None else None)
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
                       "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)

@@ -69,14 +69,12 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any]) -> No
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .api import check_supported
     from .data import check_batch_split
     from .env import detect_launch_env, resolve_device
     from .plan import check_fp8_available
     from .train import default_nproc, run_training
 
     config, train = _split_train_keys(args)
-    check_supported(config)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     strategy = config.parallel.strategy
     if detect_launch_env().launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank

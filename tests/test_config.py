@@ -85,14 +85,6 @@ def test_cli_flags_come_from_the_dataclasses(capsys):
     assert "invalid choice: 'fdsp'" in capsys.readouterr().err
 
 
-def test_msamp_under_deepspeed_is_a_clear_not_implemented_error():
-    model = torch.nn.Linear(16, 16)
-    before = model.weight.detach().clone()
-    with pytest.raises(NotImplementedError, match="fp8='msamp' with strategy='deepspeed'.*is not implemented yet"):
-        wrap_model(model, strategy="deepspeed", fp8="msamp", opt_level="O3")
-    assert torch.equal(model.weight, before) and not torch.distributed.is_initialized()
-
-
 def test_train_config_rejects_bad_numbers():
     with pytest.raises(ValueError, match="steps=0 must be at least 1"):
         TrainConfig(steps=0)

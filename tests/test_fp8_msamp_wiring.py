@@ -95,3 +95,25 @@ def test_optimizer_spec_works_for_every_backend():
     model, optimizer = wrap_model(nn.Linear(16, 16), strategy="none", optimizer=lambda ps: torch.optim.SGD(ps, 0.1))
     assert isinstance(optimizer, torch.optim.SGD)
     assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+
+
+def _deepspeed_case(rank: int, world: int) -> dict:
+    use_standins()
+    import msamp
+    import msamp.deepspeed
+    from helpers import engine_losses
+
+    engine, optimizer = wrap_model(build_llama("tiny", seed=0), strategy="deepspeed", zero_stage=3, fp8="msamp",
+                                   opt_level="O3", micro_batch_size=BATCH // world,
+                                   optimizer={"type": "AdamW", "lr": 3e-3})
+    return dict(block=msamp.deepspeed.CALLS[-1], init_calls=len(msamp.INIT_CALLS),
+                fp8_linears=sum(type(m) is msamp.FP8Linear for m in engine.module.modules()),
+                stage=engine.zero_optimization_stage(), losses=engine_losses(engine, rank, world))
+
+
+def test_msamp_under_deepspeed_goes_through_its_own_entry_point():
+    for r in run_ranks(_deepspeed_case, timeout=400):
+        assert r["block"] == {"enabled": True, "opt_level": "O3"}, "the msamp config block reaches MS-AMP"
+        assert r["init_calls"] == 0, "msamp.initialize is not used under DeepSpeed"
+        assert r["fp8_linears"] == 15 and r["stage"] == 3
+        assert r["losses"][-1] < r["losses"][0]

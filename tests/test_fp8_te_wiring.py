@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from helpers import train_losses
+from helpers import BATCH, engine_losses, train_losses
 from standin import drop_standins, use_standins
 from torch import nn
 
@@ -102,10 +102,16 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
     from transformer_engine.common import recipe
 
     group = dist.new_group([0, 1])
+    ds = dict(micro_batch_size=BATCH // world, optimizer={"type": "AdamW", "lr": 1e-3}) \
+        if strategy == "deepspeed" else {}
     model = wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="te", fp8_format="E4M3",
                        amax_history_len=16, amax_compute_algo="most_recent", margin=1,
-                       override_linear_precision=(False, False, True))
-    losses = train_losses(model, rank, world, steps=2)
+                       override_linear_precision=(False, False, True), **ds)
+    if strategy == "deepspeed":
+        model = model[0]
+        losses = engine_losses(model, rank, world, steps=2)
+    else:
+        losses = train_losses(model, rank, world, steps=2)
     train_call = te.AUTOCAST_CALLS[-1]
     inner = model.module if hasattr(model, "module") else model
     fp8_forwards = {n: m.fp8_forwards for n, m in inner.named_modules() if type(m) is te.Linear}
@@ -114,7 +120,8 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     eval_call = te.AUTOCAST_CALLS[-1]
     custom = wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="te", fp8_group=group,
-                        use_autocast_during_eval=True)
+                        use_autocast_during_eval=True, **ds)
+    custom = custom[0] if strategy == "deepspeed" else custom
     custom.eval()
     with torch.no_grad():
         custom(input_ids=torch.zeros(1, 8, dtype=torch.long))
@@ -127,7 +134,7 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
                 prepared=list(te.distributed.PREPARED))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "deepspeed"])
 def test_autocast_gets_recipe_and_world_group_under_each_strategy(strategy):
     for r in run_ranks(_te_rank_case, strategy):
         assert r["train_enabled"] and r["recipe_ok"] and r["world_group"]

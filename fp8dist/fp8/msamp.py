@@ -1,6 +1,7 @@
 """MS-AMP: ``msamp.initialize(model, optimizer, opt_level)`` converts every nn.Linear to FP8 and the Adam/AdamW
 optimizer to MS-AMP's (O1: FP8 weights and gradients; O2: also FP8/FP16 optimizer states). MS-AMP owns the
-optimizer, so wrap_model takes an optimizer spec and returns the optimizer MS-AMP built.
+optimizer, so wrap_model takes an optimizer spec and returns the optimizer MS-AMP built. Under DeepSpeed it goes
+through ``msamp.deepspeed.initialize`` with an "msamp" config block (O1/O2, and O3 with ZeRO).
 
 Written against MS-AMP's documented API; MS-AMP is not on the package index and needs CUDA, so on CPU the wiring is
 tested through a stand-in of that API, never counted as proof that MS-AMP works.
@@ -71,6 +72,14 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg) -> tuple
         raise ValueError(f"fp8='msamp' needs torch.optim.Adam or AdamW (MS-AMP swaps it for its own), got "
                          f"{type(optimizer).__name__}.")
     return msamp.initialize(model, optimizer, opt_level=cfg.precision.opt_level)
+
+
+def deepspeed_hooks(cfg) -> tuple[dict, Any]:
+    """Under DeepSpeed, MS-AMP goes through its own entry point: the config's "msamp" block and
+    ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
+    from msamp import deepspeed as msamp_deepspeed
+
+    return {"msamp": {"enabled": True, "opt_level": cfg.precision.opt_level}}, msamp_deepspeed.initialize
 
 
 def after_shard(model: nn.Module, plan, cfg, env, group) -> None:

@@ -50,20 +50,22 @@ def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, op
     return merged
 
 
-def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv,
-                   optimizer: Any = None) -> tuple[nn.Module, ShardingInfo]:
+def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None,
+                   ds_hooks: tuple[Mapping[str, Any], Any] | None = None) -> tuple[nn.Module, ShardingInfo]:
     """Shard or replicate ``model`` as ``cfg`` says; returns the model to train (the engine for DeepSpeed, whose
-    ``.optimizer`` is the one it built) and what was done."""
+    ``.optimizer`` is the one it built) and what was done. ``ds_hooks`` = (extra config, initialize function)
+    lets an FP8 backend with its own DeepSpeed entry point (MS-AMP) take over ``deepspeed.initialize``."""
     param, reduce, buffer = (torch_dtype(d) for d in (cfg.param_dtype, cfg.reduce_dtype, cfg.buffer_dtype))
     if cfg.strategy == "deepspeed":
-        config = deepspeed_config_for(model, cfg, env, optimizer)
+        extra, initialize = ds_hooks or ({}, None)
+        config = {**deepspeed_config_for(model, cfg, env, optimizer), **extra}
         if "optimizer" not in config and not callable(optimizer):
             raise ValueError("strategy='deepspeed' builds the optimizer inside deepspeed.initialize: pass "
                              "optimizer={'type': 'AdamW', 'lr': ...} (or a callable params -> optimizer), or a "
                              "ds_config with an 'optimizer' block.")
         cast_buffers(model, buffer)
         engine, _ = apply_deepspeed(model, config, optimizer=optimizer if callable(optimizer) else None,
-                                    local_rank=env.local_rank)
+                                    local_rank=env.local_rank, initialize=initialize)
         return engine, ShardingInfo("deepspeed", (), f"DeepSpeed ZeRO-{config['zero_optimization']['stage']}")
     if cfg.strategy in ("fsdp", "fsdp1"):
         found, how = find_blocks(model, cfg.block_classes)

@@ -173,18 +173,21 @@ def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, 
     return merged
 
 
-def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0):
-    """``deepspeed.initialize`` with ``config``; returns ``(engine, optimizer)``. Call after FP8 conversion.
+def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0,
+                    initialize: Any = None):
+    """``deepspeed.initialize`` (or ``initialize``, e.g. MS-AMP's DeepSpeed entry point) with ``config``; returns
+    ``(engine, optimizer)``. Call after FP8 conversion.
 
     DeepSpeed insists on LOCAL_RANK in the environment (its launcher and torchrun set it); a process group
     created otherwise gets it set here from the rank fp8dist found.
     """
-    import deepspeed
+    if initialize is None:
+        import deepspeed
 
+        initialize = deepspeed.initialize
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                                      config=config)
+    engine, ds_optimizer, _, _ = initialize(model=model, optimizer=optimizer, model_parameters=params, config=config)
     return engine, ds_optimizer
 
 
