@@ -133,12 +133,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_real_deepspeed_launcher_runs_the_example_with_a_generated_config():
+@pytest.mark.parametrize("stage,fp8,sharded", [(1, "none", "0/21"), (2, "torchao", "0/21"), (3, "torchao", "21/21")])
+def test_real_deepspeed_launcher_runs_the_example_with_each_generated_config(stage, fp8, sharded):
     proc = run(["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()),
                 str(ROOT / "examples" / "deepspeed" / "train.py"), "--deepspeed_config",
-                str(ROOT / "examples" / "deepspeed" / "ds_zero2.json"), "--fp8", "torchao", "--steps", "8"],
+                str(ROOT / "examples" / "deepspeed" / f"ds_zero{stage}.json"), "--fp8", fp8, "--steps", "8"],
                timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 1.0
-    assert "DeepSpeed ZeRO-2: 0/21 tensors sharded over 2 rank(s)" in proc.stdout
+    assert f"DeepSpeed ZeRO-{stage}: {sharded} tensors sharded over 2 rank(s)" in proc.stdout
