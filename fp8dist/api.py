@@ -116,8 +116,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
                       "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)
     if backend is not None:                                               # 6. FP8 autocast / hooks
-        group = fp8_group if fp8_group is not None else (torch.distributed.group.WORLD if env.backend else None)
-        backend.after_shard(wrapped, plan, cfg, env, group)
+        backend.after_shard(wrapped, plan, cfg, env, fp8_group)  # None: the backend uses the world group
     setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
     if optimizer is None:
         return wrapped
