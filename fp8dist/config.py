@@ -28,17 +28,12 @@ __all__ = [
     "resolve_config",
     "load_config_file",
     "torch_dtype",
-    "STRATEGIES",
-    "FP8_BACKENDS",
 ]
 
 Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 FP8Backend = Literal["te", "torchao", "msamp"]
 Device = Literal["auto", "cpu", "cuda"]
-
-STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
-FP8_BACKENDS: tuple[str, ...] = FP8Backend.__args__  # type: ignore[attr-defined]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_ALIASES = {
@@ -292,11 +287,6 @@ class Config:
         """Build from flat keys; unknown keys and bad values raise ValueError."""
         routed = route_keys(flat, _SECTIONS.values(), source=source)
         return cls(**{name: section(**routed[section]) for name, section in _SECTIONS.items()})
-
-
-def config_keys() -> list[str]:
-    """Every key ``wrap_model``, a config file and the CLI accept."""
-    return [f.name for section in _SECTIONS.values() for f in fields(section)]
 
 
 _ACCELERATE_BACKENDS = {"TE": "te", "AO": "torchao", "MSAMP": "msamp"}

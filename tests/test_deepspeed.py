@@ -9,7 +9,6 @@ import re
 import socket
 
 import pytest
-import torch
 from cli_helpers import ROOT, run
 from dist_harness import run_ranks
 from helpers import BATCH, engine_losses, first_last_filter

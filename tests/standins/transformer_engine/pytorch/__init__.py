@@ -6,7 +6,6 @@ that ran with FP8 enabled.
 
 import contextlib
 
-import torch
 from torch import nn
 
 from . import distributed  # noqa: F401
