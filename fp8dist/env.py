@@ -38,6 +38,8 @@ class LaunchEnv:
     local_rank: int
     master_addr: str | None
     master_port: int | None
+    node_rank: int = 0
+    """Index of this node in the job: torchrun's GROUP_RANK, deepspeed's CROSS_RANK or SLURM_NODEID; 0 alone."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if world > 1 and (addr is None or port is None):
         raise LaunchError(f"{launcher} launch with world size {world} but no rendezvous address: "
                            "set MASTER_ADDR and MASTER_PORT.")
-    return LaunchEnv(launcher, rank, world, local, addr, port)
+    node = next((_int(environ, name) for name in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if name in environ), 0)
+    return LaunchEnv(launcher, rank, world, local, addr, port, node)
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:

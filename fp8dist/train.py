@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -153,6 +154,11 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     env = get_wrap_info(wrapped).env
     if env.device.type == "cpu":
         _set_cpu_threads()
+    if env.world_size > 1:  # one line per rank: which node and host each rank landed on
+        launch = detect_launch_env()
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
+              f"host {host} device {env.device} ready", flush=True)
     batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
                       world_size=env.world_size, seed=train.seed)
     lr_factor = _lr_lambda(train.steps)
