@@ -60,25 +60,38 @@ def _quiet_cpu_noise() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress output
 
 
+def _train_this_rank(config: Config, train: Any) -> None:
+    """Run the job in this process, then take the process group down before the interpreter exits: leaving it
+    to interpreter shutdown aborts gloo ranks of a multi-node job ("terminate called without an active
+    exception") after the training has finished."""
+    import torch.distributed as dist
+
+    from .train import run_training
+
+    run_training(config, train)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any]) -> None:
     """Entry point of each spawned training process."""
-    from .train import TrainConfig, run_training
+    from .train import TrainConfig
 
     _quiet_cpu_noise()
-    run_training(Config.from_dict(flat_config), TrainConfig(**flat_train))
+    _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .data import check_batch_split
     from .env import detect_launch_env, resolve_device
     from .plan import check_fp8_available
-    from .train import default_nproc, run_training
+    from .train import default_nproc
 
     config, train = _split_train_keys(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     strategy = config.parallel.strategy
     if detect_launch_env().launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
-        run_training(config, train)
+        _train_this_rank(config, train)
         return 0
     nproc = train.nproc or (1 if strategy == "none" else default_nproc())
     if strategy == "none" and nproc > 1:
@@ -86,7 +99,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
     check_batch_split(train.batch_size, nproc)  # before any process starts
     if nproc == 1:
-        run_training(config, train)
+        _train_this_rank(config, train)
         return 0
     return _spawn(nproc, config, train)
 
