@@ -5,6 +5,7 @@
 """
 
 from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
+from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
 from .plan import PlanEntry, PrecisionPlan, plan_precision
@@ -28,5 +29,9 @@ __all__ = [
     "init_distributed",
     "DistEnv",
     "sharding_summary",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointState",
+    "CheckpointError",
     "__version__",
 ]

@@ -1,0 +1,169 @@
+"""Checkpoints on real gloo ranks: bit-exact resume in fresh processes for every strategy and FP8 setting,
+resharding (2 -> 1 -> 2 ranks), atomic saves, and a clear error for every bad checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from helpers import BATCH, SEQ
+
+from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
+from fp8dist.data import Batches
+from fp8dist.models import build_llama
+
+N = 3  # steps before the checkpoint, and after it
+FP8 = (None, "torchao")
+
+
+def _build(strategy: str, fp8: str | None, **options):
+    model = build_llama("tiny", seed=0)
+    if strategy == "deepspeed":
+        return wrap_model(model, strategy=strategy, fp8=fp8, micro_batch_size=BATCH // 2,
+                          optimizer={"type": "AdamW", "lr": 1e-3}, **options)
+    wrapped = wrap_model(model, strategy=strategy, fp8=fp8, **options)
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+
+
+def _train(model, optimizer, steps: range, rank: int, world: int, engine: bool = False) -> list[float]:
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+    losses = []
+    for step in steps:
+        loss = model(input_ids=batches[step], labels=batches[step]).loss
+        if engine:
+            model.backward(loss)
+            model.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _local_params(model, engine: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's part of every parameter, in fp32 (DeepSpeed: the full fp32 master weights)."""
+    if engine:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).clone() for n, p in model.module.named_parameters()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out = {}
+    for name, value in get_model_state_dict(model).items():
+        if hasattr(value, "to_local"):
+            value = value.to_local()
+        elif hasattr(value, "local_shards"):
+            value = torch.cat([s.tensor.flatten() for s in value.local_shards()]) if value.local_shards() \
+                else torch.empty(0)
+        out[name] = value.detach().clone()
+    return out
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+
+
+def _cases(strategies):
+    for strategy in strategies:
+        stages = (1, 2, 3) if strategy == "deepspeed" else (None,)
+        for stage in stages:
+            for fp8 in FP8:
+                options = {"zero_stage": stage} if stage else {}
+                yield f"{strategy}{stage or ''}-{fp8}", strategy, fp8, options
+
+
+def _straight_and_first_half(rank: int, world: int, root: str, strategies: tuple[str, ...]) -> dict:
+    out = {}
+    for key, strategy, fp8, options in _cases(strategies):
+        engine = strategy == "deepspeed"
+        model, opt = _build(strategy, fp8, **options)
+        losses = _train(model, opt, range(2 * N), rank, world, engine)
+        out[key] = dict(losses=losses, params=_local_params(model, engine))
+        model, opt = _build(strategy, fp8, **options)
+        _train(model, opt, range(N), rank, world, engine)
+        save_checkpoint(Path(root) / key, model, opt, step=N, extra={"note": key})
+        if strategy == "fsdp" and fp8 is None:
+            out["full_at_N"] = _full_params(model)
+    return out
+
+
+def _second_half(rank: int, world: int, root: str, strategies: tuple[str, ...]) -> dict:
+    out = {}
+    for key, strategy, fp8, options in _cases(strategies):
+        engine = strategy == "deepspeed"
+        model, opt = _build(strategy, fp8, **options)
+        state = load_checkpoint(Path(root) / key, model, opt)
+        losses = _train(model, opt, range(state.step, 2 * N), rank, world, engine)
+        out[key] = dict(losses=losses, params=_local_params(model, engine), step=state.step, extra=state.extra)
+    if "fsdp" in strategies:  # the strategy and FP8 backend are checked before anything is loaded
+        errors = {}
+        for what, source, strategy, fp8 in (("strategy", "fsdp1-None", "fsdp", None),
+                                            ("fp8", "fsdp-torchao", "fsdp", None)):
+            model, opt = _build(strategy, fp8)
+            try:
+                load_checkpoint(Path(root) / source, model, opt)
+            except CheckpointError as err:
+                errors[what] = str(err)
+        out["errors"] = errors
+    return out
+
+
+def _check_bit_exact(first: list[dict], second: list[dict], strategies: tuple[str, ...]) -> None:
+    for rank, (a, b) in enumerate(zip(first, second)):
+        for key, *_ in _cases(strategies):
+            assert b[key]["step"] == N and b[key]["extra"] == {"note": key}
+            assert b[key]["losses"] == a[key]["losses"][N:], f"{key} rank {rank}: losses after resuming differ"
+            assert a[key]["params"].keys() == b[key]["params"].keys()
+            for name, value in a[key]["params"].items():
+                assert torch.equal(value, b[key]["params"][name]), f"{key} rank {rank}: {name} differs"
+        assert a[key]["losses"][0] != a[key]["losses"][-1], "the model really trained"
+
+
+def test_resume_is_bit_exact_fsdp_fsdp1_ddp_and_reshards(tmp_path):
+    strategies = ("fsdp", "fsdp1", "ddp")
+    first = run_ranks(_straight_and_first_half, str(tmp_path), strategies)
+    second = run_ranks(_second_half, str(tmp_path), strategies)
+    _check_bit_exact(first, second, strategies)
+    errors = second[0]["errors"]
+    assert "strategy: checkpoint 'fsdp1', this model 'fsdp'" in errors["strategy"]
+    assert "fp8: checkpoint 'torchao', this model None" in errors["fp8"]
+    # 2 -> 1 rank: DCP reshards; 1 -> 2 ranks: back again
+    single = run_ranks(_reshard_to_one, str(tmp_path), world_size=1)[0]
+    for name, value in first[0]["full_at_N"].items():
+        assert torch.equal(single["loaded"][name], value), name
+    again = run_ranks(_reshard_to_two, str(tmp_path))
+    for r in again:
+        assert r["step"] == N + 1
+        for name, value in single["saved"].items():
+            assert torch.equal(r["loaded"][name], value), name
+
+
+def _reshard_to_one(rank: int, world: int, root: str) -> dict:
+    model, opt = _build("fsdp", None)
+    state = load_checkpoint(Path(root) / "fsdp-None", model, opt)
+    assert state.world_size == 2 and state.step == N
+    loaded = _full_params(model)
+    _train(model, opt, range(N, N + 1), rank, world)
+    save_checkpoint(Path(root) / "fsdp-one-rank", model, opt, step=N + 1)
+    return dict(loaded=loaded, saved=_full_params(model))
+
+
+def _reshard_to_two(rank: int, world: int, root: str) -> dict:
+    model, opt = _build("fsdp", None)
+    state = load_checkpoint(Path(root) / "fsdp-one-rank", model, opt)
+    loaded = _full_params(model)
+    _train(model, opt, range(N + 1, N + 2), rank, world)  # the loaded optimizer state trains on
+    return dict(step=state.step, loaded=loaded)
+
+
+def test_resume_is_bit_exact_deepspeed_zero_1_2_3(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
+    strategies = ("deepspeed",)
+    first = run_ranks(_straight_and_first_half, str(tmp_path), strategies, timeout=600)
+    second = run_ranks(_second_half, str(tmp_path), strategies, timeout=600)
+    _check_bit_exact(first, second, strategies)
