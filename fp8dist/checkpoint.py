@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .api import get_wrap_info
 
@@ -168,12 +169,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_reader(path: Path):
+    """DCP's file reader, reading ``.metadata`` through :class:`_MetadataUnpickler` (checked before DCP starts)."""
     import torch.distributed.checkpoint as dcp
+
+    with open(path / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(path / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is not None:
                 metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -219,8 +222,9 @@ def _read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    reader = _safe_reader(path)
     state = _dcp_state(model, optimizer)
-    dcp.load(state, storage_reader=_safe_reader(path), planner=_safe_planner())
+    dcp.load(state, storage_reader=reader, planner=_safe_planner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -313,12 +317,16 @@ def _check_matches(meta: dict[str, Any], model: nn.Module, path: Path) -> None:
     keys = ["strategy", "fp8", "zero_stage"] + (["world_size"] if now["strategy"] == "deepspeed" else [])
     diffs = [f"{k}: checkpoint {meta.get(k)!r}, this model {now[k]!r}" for k in keys if meta.get(k) != now[k]]
     saved, ours = meta.get("parameters", {}), _shapes(model, now["strategy"])
-    diffs += [f"{n}: only in the checkpoint" for n in saved if n not in ours]
-    diffs += [f"{n}: only in this model" for n in ours if n not in saved]
-    diffs += [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
+    shapes = [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
               for n in saved if n in ours and list(saved[n]) != list(ours[n])]
+    diffs += shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
+    for names, where in (([n for n in saved if n not in ours], "the checkpoint"),
+                         ([n for n in ours if n not in saved], "this model")):
+        if names:
+            diffs.append(f"{len(names)} tensor(s) only in {where}: {', '.join(names[:3])}"
+                         + (", ..." if len(names) > 3 else ""))
     if diffs:
-        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        shown = "; ".join(diffs)
         hint = (" DeepSpeed checkpoints load on the world size they were saved with (convert with DeepSpeed's "
                 "ds_to_universal to change it)." if now["strategy"] == "deepspeed" else "")
         raise CheckpointError(f"{path} does not match this model: {shown}. Load it into the model, strategy and FP8 "
@@ -481,7 +489,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any) -
         _read_state(checkpoint, model, optimizer, info.config.parallel.strategy)
     except CheckpointError:
         raise
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"could not load {checkpoint}: {type(err).__name__}: {err}. Its files may be damaged; "
                               "load an older checkpoint (its step_* folders).") from err
     _after_load_fp8(model, info)

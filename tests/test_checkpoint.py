@@ -12,6 +12,7 @@ from helpers import BATCH, SEQ
 
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
 from fp8dist.data import Batches
+from fp8dist.checkpoint import latest_checkpoint
 from fp8dist.models import build_llama
 
 N = 3  # steps before the checkpoint, and after it
@@ -167,3 +168,126 @@ def test_resume_is_bit_exact_deepspeed_zero_1_2_3(tmp_path):
     first = run_ranks(_straight_and_first_half, str(tmp_path), strategies, timeout=600)
     second = run_ranks(_second_half, str(tmp_path), strategies, timeout=600)
     _check_bit_exact(first, second, strategies)
+
+
+# ---- one process, strategy "none": the directory, atomicity and every bad checkpoint
+
+@pytest.fixture
+def none_model():
+    torch.set_num_threads(1)
+    return lambda fp8=None, size="tiny": _wrap_none(fp8, size)
+
+
+def _wrap_none(fp8, size):
+    model = wrap_model(build_llama(size, seed=0), strategy="none", fp8=fp8)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_none_resumes_bit_exact_keeps_the_last_k_and_leaves_nothing_half_written(tmp_path, none_model):
+    model, opt = none_model()
+    straight = _train(model, opt, range(2 * N), 0, 1)
+    model, opt = none_model()
+    for step in range(N):
+        _train(model, opt, range(step, step + 1), 0, 1)
+        save_checkpoint(tmp_path, model, opt, step=step + 1, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000003"
+    assert sorted(p.name for p in (tmp_path / "step_00000003").iterdir()) == [
+        ".metadata", "__0_0.distcp", "meta.json", "rng_rank0.pt"]
+    torch.manual_seed(123)
+    model, opt = none_model()
+    state = load_checkpoint(tmp_path, model, opt)
+    assert state.step == N and state.path == tmp_path / "step_00000003" and state.world_size == 1
+    assert _train(model, opt, range(N, 2 * N), 0, 1) == straight[N:]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _damage(ckpt: Path, how: str) -> None:
+    import json
+    import pickle
+
+    step = ckpt / "step_00000001"
+    if how == "truncated shard":
+        data = (step / "__0_0.distcp").read_bytes()
+        (step / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    elif how == "missing rng":
+        (step / "rng_rank0.pt").unlink()
+    elif how == "truncated meta":
+        (step / "meta.json").write_text((step / "meta.json").read_text()[:100])
+    elif how == "missing meta":
+        (step / "meta.json").unlink()
+    elif how == "dangling latest":
+        (ckpt / "latest").write_text("step_00000007\n")
+    elif how == "forged metadata":  # a pickle that would run a command, with meta.json updated to match it
+        (step / ".metadata").write_bytes(pickle.dumps(__import__("os").system))
+        meta = json.loads((step / "meta.json").read_text())
+        meta["files"][".metadata"] = (step / ".metadata").stat().st_size
+        (step / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("how,fp8,size,error,message", [
+    ("truncated shard", None, "tiny", CheckpointError, r"__0_0.distcp is \d+ bytes, expected \d+ bytes: the "
+     r"checkpoint is truncated or damaged"),
+    ("missing rng", None, "tiny", CheckpointError, r"rng_rank0.pt is missing, expected \d+ bytes"),
+    ("truncated meta", None, "tiny", CheckpointError, r"meta.json is truncated or damaged"),
+    ("missing meta", None, "tiny", CheckpointError, r"has no meta.json: it is not a complete fp8dist checkpoint"),
+    ("dangling latest", None, "tiny", CheckpointError, r"latest names 'step_00000007', which is not in"),
+    ("forged metadata", None, "tiny", CheckpointError, r"refers to posix.system, which a DCP checkpoint never "
+     r"contains: refusing to unpickle it"),
+    ("", "torchao", "tiny", CheckpointError, r"does not match this model: fp8: checkpoint None, this model "
+     r"'torchao'. Load it into the model, strategy and FP8 backend it was saved from"),
+    ("", None, "small", CheckpointError, r"model.embed_tokens.weight: shape \(256, 128\) in the checkpoint, "
+     r"\(256, 256\) in this model"),
+])
+def test_bad_checkpoints_are_clear_errors_and_change_nothing(tmp_path, none_model, how, fp8, size, error,
+                                                             message):
+    model, opt = none_model()
+    _train(model, opt, range(1), 0, 1)
+    save_checkpoint(tmp_path, model, opt, step=1)
+    _damage(tmp_path, how)
+    before = _snapshot(tmp_path)
+    model, opt = none_model(fp8, size)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(error, match=message):
+        load_checkpoint(tmp_path, model, opt)
+    assert _snapshot(tmp_path) == before, "a failed load writes nothing"
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters()), "the model is untouched"
+
+
+def test_missing_checkpoints_and_bad_save_arguments(tmp_path, none_model):
+    model, opt = none_model()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere", model, opt)
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        load_checkpoint(tmp_path, model, opt)
+    with pytest.raises(ValueError, match="step=-1 must be a non-negative int"):
+        save_checkpoint(tmp_path, model, opt, step=-1)
+    with pytest.raises(ValueError, match="keep_last=0 must be a positive int"):
+        save_checkpoint(tmp_path, model, opt, step=1, keep_last=0)
+    with pytest.raises(ValueError, match="must hold JSON values only"):
+        save_checkpoint(tmp_path, model, opt, step=1, extra={"model": model})
+    with pytest.raises(ValueError, match="was not returned by fp8dist.wrap_model"):
+        save_checkpoint(tmp_path, build_llama("tiny"), opt, step=1)
+    assert list(tmp_path.iterdir()) == [], "bad arguments write nothing"
+
+
+def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint(tmp_path, none_model, monkeypatch):
+    import fp8dist.checkpoint as ckpt
+
+    model, opt = none_model()
+    _train(model, opt, range(1), 0, 1)
+    save_checkpoint(tmp_path, model, opt, step=1)
+    before = _snapshot(tmp_path)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_publish", crash)
+    _train(model, opt, range(1, 2), 0, 1)
+    with pytest.raises(CheckpointError, match="saving .*step_00000002 failed on rank 0: OSError: disk full"):
+        save_checkpoint(tmp_path, model, opt, step=2)
+    assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".tmp-*")), "nothing half-written is left"
+    assert load_checkpoint(tmp_path, *none_model()).step == 1
