@@ -67,6 +67,11 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _no_dist() -> bool:
+    """strategy="none" runs without a process group: DCP then reads and writes as a single process."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _barrier() -> None:
     if _rank_world()[1] > 1:
         dist.barrier()
@@ -149,7 +154,7 @@ def _write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> 
         return
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    dcp.save(_dcp_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_no_dist())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -224,7 +229,7 @@ def _read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> 
 
     reader = _safe_reader(path)
     state = _dcp_state(model, optimizer)
-    dcp.load(state, storage_reader=reader, planner=_safe_planner())
+    dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=_no_dist())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

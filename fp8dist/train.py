@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import os
 import resource
+import signal
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from ._schema import check_fields
 from .api import get_plan, get_wrap_info, wrap_model
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
 from .env import detect_launch_env
@@ -58,6 +60,21 @@ class TrainConfig:
     nproc: int | None = None
     """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
 
+    checkpoint_dir: str | None = None
+    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); none: no
+    checkpoints."""
+
+    save_every: int | None = None
+    """Save a checkpoint every N steps, and after the last step; needs checkpoint_dir (none: after the last step
+    only)."""
+
+    keep_last: int = 3
+    """Newest checkpoints kept in checkpoint_dir; 0 keeps them all."""
+
+    resume: bool = False
+    """Continue from the newest checkpoint in checkpoint_dir when there is one, else start at step 0: the same
+    command starts a job and restarts it after a crash."""
+
     def __post_init__(self) -> None:
         check_fields(self)
         for name in ("steps", "batch_size", "seq_len"):
@@ -67,6 +84,14 @@ class TrainConfig:
             raise ValueError(f"lr={self.lr} must be positive.")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"nproc={self.nproc} must be at least 1.")
+        if self.save_every is not None and self.save_every < 1:
+            raise ValueError(f"save_every={self.save_every} must be at least 1.")
+        if self.keep_last < 0:
+            raise ValueError(f"keep_last={self.keep_last} must be 0 (keep all) or more.")
+        if self.checkpoint_dir is None and (self.resume or self.save_every is not None):
+            flag = "resume" if self.resume else "save_every"
+            raise ValueError(f"{flag} needs checkpoint_dir: pass --checkpoint-dir DIR (where checkpoints are written "
+                             "and read).")
 
 
 def default_fp8() -> str | None:
@@ -103,6 +128,8 @@ class TrainResult:
     """FP8 and fallback layers and parameters (see :func:`fp8dist.get_plan`)."""
     device: str = "cpu"
     """Device type the ranks trained on."""
+    start_step: int = 0
+    """Steps already done when this run started (from a checkpoint); ``losses`` are of the steps after it."""
     wall_s: float = 0.0
 
 
@@ -133,6 +160,51 @@ def _set_cpu_threads() -> None:
     """Share the CPU cores between the processes of this node instead of oversubscribing them."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+_KILL_ENV = "FP8DIST_TEST_KILL_AT_STEP"  # test hook "RANK:STEP", see _test_fault_hook
+
+
+def _test_fault_hook(step: int, rank: int) -> None:
+    """Test hook: rank RANK kills itself (SIGKILL) before step STEP on torchrun's first attempt, to test restarts."""
+    spec = os.environ.get(_KILL_ENV)
+    if spec == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print(f"fp8dist train: test hook {_KILL_ENV}={spec}: rank {rank} kills itself", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume(train: TrainConfig, model: Any, optimizer: Any, log: Callable[[str], Any] | None) -> int:
+    """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model)."""
+    log = log or (lambda line: None)
+    if not train.resume:
+        return 0
+    if latest_checkpoint(train.checkpoint_dir) is None:
+        log(f"resume: no checkpoint in {train.checkpoint_dir} yet, starting at step 0")
+        return 0
+    t0 = time.perf_counter()
+    state = load_checkpoint(train.checkpoint_dir, model, optimizer)
+    log(f"resume: loaded {state.path} (step {state.step}, saved on {state.world_size} rank(s)) in "
+        f"{time.perf_counter() - t0:.2f}s")
+    saved = state.extra.get("train", {})
+    changed = [f"{k} {saved[k]} -> {getattr(train, k)}" for k in ("seed", "batch_size", "seq_len", "lr", "steps")
+               if k in saved and saved[k] != getattr(train, k)]
+    if changed:
+        log(f"resume: note, the job changed since the checkpoint: {', '.join(changed)}")
+    return state.step
+
+
+def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callable[[str], Any] | None) -> None:
+    """Save a checkpoint after ``done`` steps when ``save_every`` says so, and after the last step."""
+    if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
+                                                                 or done % train.save_every)):
+        return
+    t0 = time.perf_counter()
+    job = {k: v for k, v in asdict(train).items() if k not in ("nproc", "resume")}
+    path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra={"train": job},
+                           keep_last=train.keep_last or None)
+    if log is not None:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None) -> TrainResult:
@@ -172,8 +244,10 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
             f"{train.seq_len} tokens; layout: {info.sharding.blocks_found_by}")
         if config.precision.fp8:
             log(str(info.plan))
+    first = _resume(train, wrapped, optimizer, log if leader else None)
     losses, step_times = [], []
-    for step in range(train.steps):
+    for step in range(first, train.steps):
+        _test_fault_hook(step, env.rank)
         t0 = time.perf_counter()
         ids = batches[step].to(env.device)
         loss = wrapped(input_ids=ids, labels=ids).loss
@@ -196,8 +270,9 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
             eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
             log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
                 f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
+        _save(train, wrapped, optimizer, step + 1, log if leader else None)
     timed = step_times[1:] or step_times
-    tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed)
+    tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     mine = [_peak_memory_mib(env.device), str(sharding_summary(wrapped))]
     gathered: list[Any] = [mine]
     if env.world_size > 1:
@@ -205,7 +280,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         dist.all_gather_object(gathered, mine)
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
-                         device=env.device.type, wall_s=time.perf_counter() - start)
+                         device=env.device.type, wall_s=time.perf_counter() - start, start_step=first)
     if leader:
         log(format_summary(result, config, train))
     return result
@@ -214,11 +289,13 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
 def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
     """The end-of-run summary ``fp8dist train`` prints."""
     tail = result.losses[-5:]
+    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {len(tail)} steps "
+            f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
     lines = [
         "== fp8dist train: summary ==",
-        f"loss            {result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {len(tail)} steps "
-        f"{sum(tail) / len(tail):.4f})",
-        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps 2-{train.steps})",
+        f"loss            {loss}",
+        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
         "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
         + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
         f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",

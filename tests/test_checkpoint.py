@@ -3,10 +3,17 @@ resharding (2 -> 1 -> 2 ranks), atomic saves, and a clear error for every bad ch
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run
 from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
@@ -291,3 +298,52 @@ def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint(tmp_p
         save_checkpoint(tmp_path, model, opt, step=2)
     assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".tmp-*")), "nothing half-written is left"
     assert load_checkpoint(tmp_path, *none_model()).step == 1
+
+
+# ---- `fp8dist train --checkpoint-dir D --save-every N --resume` as a user runs it, killed at the worst moments
+
+def _step_losses(stdout: str) -> list[tuple[int, str]]:
+    return [(int(s), loss) for s, loss in re.findall(r"^step +(\d+)/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
+
+
+def _train_args(ckpt: Path, *args: str) -> list[str]:
+    return ["train", "--fp8", "none", "--seq-len", "32", "--batch-size", "4", "--save-every", "2",
+            "--checkpoint-dir", str(ckpt), "--resume", *args]
+
+
+def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = _train_args(ckpt, "--strategy", "none", "--nproc", "1", "--steps", "6")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8DIST_TEST_PAUSE_BEFORE_RENAME": "4"}
+    proc = subprocess.Popen([sys.executable, "-m", "fp8dist", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    paused = ckpt / ".tmp-step_00000004" / "meta.json"  # written last, just before the rename
+    deadline = time.monotonic() + 180
+    while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    first = proc.communicate()[0]
+    assert paused.exists(), first[-3000:]
+    assert latest_checkpoint(ckpt) == ckpt / "step_00000002", "the previous checkpoint is still the latest"
+    assert [s for s, _ in _step_losses(first)] == [1, 2, 3, 4]
+    resumed = run(["fp8dist", *args], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: loaded {ckpt / 'step_00000002'} (step 2, saved on 1 rank(s))" in resumed.stdout
+    again = _step_losses(resumed.stdout)
+    assert [s for s, _ in again] == [3, 4, 5, 6] and again[:2] == _step_losses(first)[2:], "same losses again"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_checkpoint(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("FP8DIST_TEST_KILL_AT_STEP", "1:5")  # rank 1 is SIGKILLed before step 6, first attempt only
+    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "fp8dist.cli",
+                *_train_args(ckpt, "--strategy", "fsdp", "--steps", "6")], timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 kills itself" in out and f"resume: loaded {ckpt / 'step_00000004'} (step 4" in out
+    before, after = out.split("resume: loaded", 1)
+    first, second = dict(_step_losses(before)), dict(_step_losses(after))
+    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [5, 6]
+    assert second[5] == first[5], "after the restart the loss curve is the uninterrupted one"
+    assert "(resumed at step 4)" in out and latest_checkpoint(ckpt) == ckpt / "step_00000006"
