@@ -71,7 +71,7 @@ else
   if [[ -n "${NODELIST:-}" ]]; then  # write the hostfile: one line per node
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
       hostfile=${HOSTFILE:-${TMPDIR:-/tmp}/fp8dist-hostfile}
-      printf 'cat > %q <<EOF\n%sEOF\n' "$hostfile" "$(hostfile_lines)"$'\n'
+      printf "cat > %q <<'EOF'\n%sEOF\n" "$hostfile" "$(hostfile_lines)"$'\n'
     else
       hostfile=${HOSTFILE:-$(mktemp "${TMPDIR:-/tmp}/fp8dist-hostfile.XXXXXX")}
       [[ -n "${HOSTFILE:-}" ]] || trap 'rm -f "$hostfile"' EXIT

@@ -1,5 +1,47 @@
+import importlib.util
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Spawned ranks import test modules by name: make the tests folder importable for them as well.
 sys.path.insert(0, str(Path(__file__).parent))
+
+_DS_OPS = {"FusedAdamBuilder": "fused_adam", "ShareMemCommBuilder": "deepspeed_shm_comm"}
+
+
+def _extensions_dir() -> Path:
+    """Where torch's JIT extension builds go (torch.utils.cpp_extension's default on a CPU build)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    return Path(os.path.expanduser("~")) / ".cache" / "torch_extensions" / tag
+
+
+def pytest_configure(config):
+    """Build DeepSpeed's two CPU ops once, in parallel, before any test starts. Otherwise the first DeepSpeed
+    tests on every xdist worker wait together on DeepSpeed's JIT build lock (minutes on a fresh machine)."""
+    if hasattr(config, "workerinput") or importlib.util.find_spec("deepspeed") is None:
+        return  # an xdist worker (the controller built them), or no DeepSpeed
+    todo = [b for b, name in _DS_OPS.items() if not list((_extensions_dir() / name).glob(f"{name}*.so"))]
+    if not todo or _has_cuda():  # CUDA builds differ; those machines build on first use
+        return
+    print(f"fp8dist tests: building DeepSpeed's CPU ops once ({', '.join(_DS_OPS[b] for b in todo)}; about a "
+          "minute, cached in ~/.cache/torch_extensions)", flush=True)
+    start = time.monotonic()
+    code = "import sys; from deepspeed.accelerator import get_accelerator as a; " \
+           "a().create_op_builder(sys.argv[1]).load(verbose=False)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, b], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for b in todo]
+    for builder, proc in zip(todo, procs):
+        _, err = proc.communicate()
+        if proc.returncode != 0:  # the DeepSpeed tests will fail with the full error; say why here too
+            print(f"fp8dist tests: building {builder} failed:\n{err[-2000:]}", file=sys.stderr)
+    print(f"fp8dist tests: DeepSpeed ops ready in {time.monotonic() - start:.0f}s", flush=True)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

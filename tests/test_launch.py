@@ -1,0 +1,229 @@
+"""launch/: the torchrun and deepspeed scripts and the SLURM sbatch templates, run for real.
+
+Static checks (bash -n, shellcheck), the exact commands their dry-run prints, their errors, a real 2-process job
+through each script, and real 2-node submissions to a SLURM cluster that the module fixture starts on this
+machine (tests/slurm_cluster.py). CI installs shellcheck and SLURM and sets FP8DIST_CI=1: there a missing tool
+fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import time
+
+import pytest
+from cli_helpers import BIN, ROOT, run
+from slurm_cluster import SlurmCluster, missing_reason
+
+LAUNCH = ROOT / "launch"
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*LAUNCH.glob("[!_]*.sh"), *LAUNCH.glob("slurm/*.sbatch")])
+IN_CI = os.environ.get("FP8DIST_CI") == "1"
+
+
+def _need(reason: str | None) -> None:
+    if reason is not None:
+        if IN_CI:
+            pytest.fail(f"CI must run this test: {reason}")
+        pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^(?:\d+: )?step +\d+/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
+
+
+def _ready(stdout: str) -> list[tuple[int, int, int, str]]:
+    """(rank, world, node, host) of every rank's start-up line."""
+    found = re.findall(r"fp8dist train: rank (\d+)/(\d+) local rank \d+ node (\d+) host (\S+) device", stdout)
+    return sorted((int(r), int(w), int(n), h) for r, w, n, h in found)
+
+
+def _script(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    return run(["bash", str(LAUNCH / name), *args], env=env, timeout=timeout)
+
+
+def test_launch_folder_has_every_script_the_readme_names():
+    assert SCRIPTS == ["launch/deepspeed.sh", "launch/slurm/deepspeed.sbatch", "launch/slurm/torchrun.sbatch",
+                       "launch/torchrun.sh"]
+    readme = (ROOT / "README.md").read_text()
+    for script in SCRIPTS:
+        assert script in readme, f"README shows no one-line use of {script}"
+        assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ["launch/_common.sh"])
+def test_scripts_parse_and_are_shellcheck_clean(script):
+    assert run(["bash", "-n", script]).returncode == 0
+    _need(None if shutil.which("shellcheck") else "shellcheck is not installed: apt-get install shellcheck")
+    proc = run(["shellcheck", "-x", "--severity=style", script])
+    assert proc.returncode == 0, proc.stdout
+    text = (ROOT / script).read_text()
+    if script != "launch/_common.sh":
+        assert "set -euo pipefail" in text
+
+
+def _dry(name: str, *args: str, **env: str) -> list[list[str]]:
+    proc = _script(name, "--dry-run", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line) for line in proc.stdout.splitlines()]
+
+
+TRICKY = ["--run-name", "two words", "--note", "it's $HOME; `x`"]
+
+
+def test_torchrun_dry_run_prints_the_exact_command_with_every_argument_quoted():
+    one = _dry("torchrun.sh", "--strategy", "fsdp", *TRICKY, NPROC_PER_NODE="2")
+    assert one == [["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0", "--standalone",
+                    "-m", "fp8dist.cli", "train", "--strategy", "fsdp", *TRICKY]]
+    multi = _dry("torchrun.sh", "examples/fsdp.py", "--fp8", "torchao", NNODES="2", NPROC_PER_NODE="8",
+                 MASTER_ADDR="10.1.2.3", MASTER_PORT="29600", RDZV_ID="job 7", MAX_RESTARTS="1")
+    assert multi == [["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--max-restarts", "1", "--rdzv-backend",
+                      "c10d", "--rdzv-endpoint", "10.1.2.3:29600", "--rdzv-id", "job 7", "examples/fsdp.py",
+                      "--fp8", "torchao"]]
+    module = _dry("torchrun.sh", "-m", "my.train", "x y", NPROC_PER_NODE="1", TORCHRUN="/opt/torch run")
+    assert module[0][0] == "/opt/torch run" and module[0][-3:] == ["-m", "my.train", "x y"]
+    explicit = _dry("torchrun.sh", "train", "--steps", "3", NPROC_PER_NODE="1")
+    assert explicit[0][-5:] == ["-m", "fp8dist.cli", "train", "--steps", "3"]
+
+
+def test_torchrun_defaults_to_the_nodes_gpus_from_slurm():
+    assert _dry("torchrun.sh", SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="")[0][4] == "4"
+    assert _dry("torchrun.sh", CUDA_VISIBLE_DEVICES="0,1,2")[0][4] == "3"
+
+
+def test_deepspeed_dry_run_writes_a_hostfile_from_the_node_list_and_runs_one_launcher_per_node():
+    lines = _dry("deepspeed.sh", "--zero-stage", "3", *TRICKY, NODELIST="gpu-a, gpu-b", NODE_RANK="1",
+                 NPROC_PER_NODE="4", MASTER_PORT="29700", HOSTFILE="/tmp/my hosts")
+    assert lines[:4] == [["cat", ">", "/tmp/my hosts", "<<EOF"], ["gpu-a", "slots=4"], ["gpu-b", "slots=4"],
+                         ["EOF"]]
+    assert lines[4] == ["deepspeed", "--hostfile", "/tmp/my hosts", "--master_addr", "gpu-a", "--no_ssh",
+                        "--node_rank", "1", "--master_port", "29700", "--no_local_rank", "--module", "fp8dist.cli",
+                        "train", "--strategy", "deepspeed", "--zero-stage", "3", *TRICKY]
+    assert not os.path.exists("/tmp/my hosts"), "a dry run writes nothing"
+    alone = _dry("deepspeed.sh", "examples/deepspeed/train.py", "--deepspeed_config", "a b.json", NPROC_PER_NODE="2")
+    assert alone == [["deepspeed", "--num_accelerators", "2", "--master_addr", "127.0.0.1", "--master_port", "29500",
+                      "examples/deepspeed/train.py", "--deepspeed_config", "a b.json"]]
+    pdsh = _dry("deepspeed.sh", NODELIST="a,b", SSH="1", MASTER_ADDR="10.0.0.1", NPROC_PER_NODE="1")
+    assert "--no_ssh" not in pdsh[-1] and pdsh[-1][3:5] == ["--master_addr", "10.0.0.1"]
+
+
+@pytest.mark.parametrize("name,args,env,message", [
+    ("torchrun.sh", [], {"NNODES": "2"}, "NNODES=2 but MASTER_ADDR is not set"),
+    ("torchrun.sh", [], {"NNODES": "two"}, "NNODES='two' must be a node count (2) or a range (1:4)"),
+    ("torchrun.sh", [], {"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0' must be a positive integer"),
+    ("torchrun.sh", [], {"DRY_RUN": "yes"}, "DRY_RUN='yes' must be 0 or 1"),
+    ("torchrun.sh", ["no_such_train.py"], {}, "script 'no_such_train.py' not found"),
+    ("torchrun.sh", ["-m"], {}, "-m needs a module name"),
+    ("torchrun.sh", [], {"TORCHRUN": "no-such-torchrun"}, "'no-such-torchrun' is not on PATH. Activate the"),
+    ("deepspeed.sh", [], {"DEEPSPEED": "no-such-ds"}, "'no-such-ds' is not on PATH. Install DeepSpeed"),
+    ("deepspeed.sh", [], {"NODELIST": "n[1-2]"}, "is a compressed SLURM list: expand it first"),
+    ("deepspeed.sh", [], {"NODELIST": "a,b", "NODE_RANK": "2"}, "NODE_RANK=2 but the host list has 2 hosts (a b)"),
+    ("deepspeed.sh", [], {"HOSTFILE": "/no/such/hostfile"}, "HOSTFILE='/no/such/hostfile' not found"),
+    ("deepspeed.sh", [], {"SSH": "maybe"}, "SSH='maybe' must be 0"),
+    ("slurm/torchrun.sbatch", [], {"SLURM_JOB_ID": ""}, "not inside a SLURM job: submit this file with sbatch"),
+    ("slurm/deepspeed.sbatch", [], {"SLURM_JOB_ID": ""}, "not inside a SLURM job: submit this file with sbatch"),
+])
+def test_bad_input_stops_with_a_clear_message_before_anything_runs(name, args, env, message):
+    proc = _script(name, *args, env=env)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert proc.stdout == "" or "fp8dist train" not in proc.stdout
+
+
+def test_torchrun_sh_trains_two_cpu_processes():
+    proc = _script("torchrun.sh", "--strategy", "ddp", "--steps", "4", env={"NPROC_PER_NODE": "2"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r[:3] for r in _ready(proc.stdout)] == [(0, 2, 0), (1, 2, 0)]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_deepspeed_sh_runs_the_example_from_a_written_hostfile_and_removes_it(tmp_path):
+    proc = _script("deepspeed.sh", "examples/deepspeed/train.py", "--deepspeed_config",
+                   "examples/deepspeed/ds_zero1.json", "--steps", "6",
+                   env={"NODELIST": "localhost", "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                        "TMPDIR": str(tmp_path)}, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", proc.stdout, flags=re.M)]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert "DeepSpeed ZeRO-1: 0/21 tensors sharded over 2 rank(s)" in proc.stdout
+    assert list(tmp_path.glob("*hostfile*")) == [], "the temporary hostfile is removed"
+
+
+# --- a real 2-node SLURM cluster on this machine ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    _need(missing_reason())
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    start = time.monotonic()
+    cluster.start()
+    print(f"SLURM test cluster up in {time.monotonic() - start:.1f}s")
+    yield cluster
+    cluster.stop()
+
+
+def _submit(slurm: SlurmCluster, template: str, *args: str, **env: str) -> str:
+    bin_path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"  # sbatch exports it: the job runs this venv
+    code, output = slurm.sbatch("--nodes=2", str(LAUNCH / "slurm" / template), *args, cwd=ROOT,
+                                env={"PATH": bin_path, "PYTHONUNBUFFERED": "1", **env})
+    assert code == 0, f"{output[-4000:]}\n{slurm.logs()}"
+    return output
+
+
+# one worker runs every SLURM test (pytest runs with --dist loadgroup), so one cluster serves them all
+on_the_cluster = pytest.mark.xdist_group("slurm")
+
+
+@on_the_cluster
+def test_sbatch_dry_runs_print_each_nodes_command(slurm):
+    out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--run-name", "a b", DRY_RUN="1",
+                  NPROC_PER_NODE="2")
+    head = re.search(r"head (\S+):(\d+)", out)
+    assert head and head.group(1) == "127.0.0.1", "the head node's NodeAddr, not its unresolvable name"
+    per_node = sorted(line for line in out.splitlines() if re.match(r"^[01]: ", line))
+    assert len(per_node) == 2
+    for task, line in enumerate(per_node):
+        words = shlex.split(line.split(": ", 1)[1])
+        assert words[:4] == ["torchrun", "--nnodes", "2", "--nproc-per-node"] and words[-4:] == [
+            "--strategy", "fsdp", "--run-name", "a b"]
+        assert f"127.0.0.1:{head.group(2)}" in words
+    assert "step " not in out, "a dry run trains nothing"
+    out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "3", DRY_RUN="1", NPROC_PER_NODE="1")
+    for rank in (0, 1):
+        assert re.search(rf"^{rank}: deepspeed --hostfile \S+ --master_addr 127\.0\.0\.1 --no_ssh --node_rank {rank} ",
+                         out, flags=re.M), out
+    assert re.search(r"^0: n1 slots=1$", out, flags=re.M) and re.search(r"^0: n2 slots=1$", out, flags=re.M)
+
+
+@on_the_cluster
+def test_torchrun_sbatch_trains_across_two_nodes(slurm):
+    out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--steps", "6", "--seq-len", "64",
+                  NPROC_PER_NODE="2")
+    ready = _ready(out)
+    assert [(r, w) for r, w, _, _ in ready] == [(0, 4), (1, 4), (2, 4), (3, 4)], out[-3000:]
+    hosts = {node: {h for _, _, n, h in ready if n == node} for node in (0, 1)}
+    assert [n for _, _, n, _ in ready] == [0, 0, 1, 1], "torchrun's node ranks: 2 processes on each node"
+    assert hosts[0] | hosts[1] == {"n1", "n2"} and len(hosts[0]) == len(hosts[1]) == 1, hosts
+    losses = _losses(out)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, out[-3000:]
+    assert "over 4 rank(s)" in out
+
+
+@on_the_cluster
+def test_deepspeed_sbatch_trains_across_two_nodes(slurm):
+    out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "2", "--steps", "6", "--seq-len", "64",
+                  NPROC_PER_NODE="1")
+    assert [(r, w, n) for r, w, n, _ in _ready(out)] == [(0, 2, 0), (1, 2, 1)], out[-3000:]
+    assert {h for *_, h in _ready(out)} == {"n1", "n2"}
+    losses = _losses(out)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, out[-3000:]
+    assert "DeepSpeed ZeRO-2" in out and "over 2 rank(s)" in out
