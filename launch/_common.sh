@@ -54,12 +54,18 @@ default_nproc() {  # processes per node: this node's GPUs (SLURM, CUDA_VISIBLE_D
 }
 
 # What to run, from the script's arguments. Sets TARGET_KIND (train | script | module) and TARGET_ARGS.
+#   --dry-run first                             DRY_RUN=1, then as below
 #   (nothing) / --flag ... / train --flag ...   fp8dist's training job with those flags
 #   path/to/script.py ARGS...                   a user script
 #   -m package.module ARGS...                   a user module
 # shellcheck disable=SC2034  # the TARGET_* variables are read by the script that sources this file
 parse_target() {
   TARGET_ARGS=()
+  if [[ "${1:-}" == --dry-run ]]; then
+    DRY_RUN=1
+    shift
+  fi
+  check_dry_run
   if [[ $# -eq 0 || "$1" == train || ( "$1" == -* && "$1" != -m ) ]]; then
     TARGET_KIND=train
     [[ "${1:-}" == train ]] && shift

@@ -25,11 +25,6 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/_common.sh
 source "$here/_common.sh"
 
-if [[ "${1:-}" == --dry-run ]]; then
-  DRY_RUN=1
-  shift
-fi
-check_dry_run
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(default_nproc)}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 MASTER_PORT=${MASTER_PORT:-29500}

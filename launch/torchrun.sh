@@ -22,11 +22,6 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/_common.sh
 source "$here/_common.sh"
 
-if [[ "${1:-}" == --dry-run ]]; then
-  DRY_RUN=1
-  shift
-fi
-check_dry_run
 NNODES=${NNODES:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(default_nproc)}
 MASTER_PORT=${MASTER_PORT:-29500}
