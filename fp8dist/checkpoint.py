@@ -17,6 +17,7 @@ FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AM
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -139,13 +140,27 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _is_extra_state(key: str) -> bool:
+    return key == "_extra_state" or key.endswith("._extra_state")
+
+
+def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """Take the modules' ``_extra_state`` (Transformer Engine: FP8 scales and amax history) out of a model state
+    dict. It is saved per rank beside the DCP shards: its size changes once FP8 has run, which DCP's in-place
+    loading into a fresh model's (smaller) state cannot follow."""
+    extra = {k: model_sd.pop(k) for k in [k for k in model_sd if _is_extra_state(k)]}
+    return {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
+            for k, v in extra.items() if v is not None}
+
+
 def _shapes(model: nn.Module, strategy: str) -> dict[str, list[int]]:
     """Global shape of every parameter (and, for DCP, every tensor of the model state dict) by its plain name."""
     if strategy == "deepspeed":  # ZeRO-3 partitions parameters; ds_shape is the full shape
         return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.module.named_parameters()}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {k: list(v.shape) for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    return {k: list(v.shape) for k, v in get_model_state_dict(model).items()
+            if isinstance(v, torch.Tensor) and not _is_extra_state(k)}
 
 
 def _write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
@@ -154,7 +169,11 @@ def _write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> 
         return
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_no_dist())
+    state = _dcp_state(model, optimizer)
+    extra_state = _pop_extra_state(state["model"])
+    if extra_state:
+        torch.save(extra_state, tmp / f"fp8_state_rank{_rank_world()[0]}.pt")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_no_dist())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -229,7 +248,11 @@ def _read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> 
 
     reader = _safe_reader(path)
     state = _dcp_state(model, optimizer)
+    expected = _pop_extra_state(state["model"])
     dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=_no_dist())
+    if expected:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
+        mine = path / f"fp8_state_rank{_rank_world()[0]}.pt"
+        state["model"].update(torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", weights_only=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

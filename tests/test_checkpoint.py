@@ -347,3 +347,41 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_ch
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [5, 6]
     assert second[5] == first[5], "after the restart the loss curve is the uninterrupted one"
     assert "(resumed at step 4)" in out and latest_checkpoint(ckpt) == ckpt / "step_00000006"
+
+
+class _AmaxHistoryLinear(torch.nn.Linear):
+    """Keeps FP8-style state in ``_extra_state`` as Transformer Engine's modules do: a tensor (TE: serialized
+    scales and amax history) that grows once forwards have run. Not TE: only its state-dict behaviour."""
+
+    def __init__(self):
+        super().__init__(16, 16)
+        self.amax_history: list[float] = []
+
+    def forward(self, x):
+        self.amax_history.append(float(x.abs().max()))
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return torch.tensor(self.amax_history, dtype=torch.float64)
+
+    def set_extra_state(self, state):
+        self.amax_history = state.tolist()
+
+
+def test_module_extra_state_fp8_scales_and_amax_history_round_trip(tmp_path):
+    torch.set_num_threads(1)
+
+    def build():
+        model = wrap_model(torch.nn.Sequential(_AmaxHistoryLinear(), _AmaxHistoryLinear()), strategy="none")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    for step in range(3):
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path, model, opt, step=3)
+    fresh, fresh_opt = build()
+    load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert [m.amax_history for m in fresh] == [m.amax_history for m in model]
+    assert len(fresh[0].amax_history) == 3 and (tmp_path / "step_00000003" / "fp8_state_rank0.pt").is_file()
