@@ -7,21 +7,21 @@ A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
         .metadata __R_0.distcp   torch.distributed.checkpoint (fsdp, fsdp1, ddp, none): each rank writes its part
         deepspeed/          DeepSpeed's own engine checkpoint (strategy="deepspeed")
         rng_rank{R}.pt      rank R's RNG states: torch CPU and CUDA, python, numpy
+        fp8_state_rank{R}.pt   rank R's modules' ``_extra_state`` (Transformer Engine's FP8 scales, amax history)
     D/latest                name of the newest complete checkpoint, replaced atomically after the rename
     D/.tmp-step_00000040/   a save in progress, or one that crashed: never loaded, removed by the next save
 
-FP8 state: Transformer Engine keeps scales and amax history in each module's ``_extra_state``, which is part of
-the model state dict and saved with it. torchao's dynamic scaling keeps no state; the FP8 weight scales that
-FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AMP is not supported yet.
+FP8 state: Transformer Engine keeps scales and amax history in each module's ``_extra_state``, saved per rank
+(DeepSpeed: inside the engine's module state). torchao's dynamic scaling keeps no state; the FP8 weight scales
+that FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AMP is not supported yet.
+What each engine writes, and how loading avoids unpickling anything but tensors and plain values, is in
+:mod:`fp8dist._checkpoint_io`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
-import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,23 +29,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ._checkpoint_io import (
+    CheckpointError,
+    after_load_fp8,
+    barrier,
+    check_supported,
+    engine,
+    from_rank0,
+    global_shapes,
+    rank_world,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_state,
+)
 from .api import get_wrap_info
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
 FORMAT = "fp8dist-checkpoint"
 FORMAT_VERSION = 1
-_DS_TAG = "deepspeed"
 # test hook: the save of this step pauses between writing and renaming until the process is killed
 _PAUSE_ENV = "FP8DIST_TEST_PAUSE_BEFORE_RENAME"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, damaged or does not match the model it is loaded into (says what differs)."""
 
 
 @dataclass(frozen=True)
@@ -60,212 +68,6 @@ class CheckpointState:
     """The checkpoint directory loaded."""
     world_size: int
     """World size the checkpoint was saved with."""
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _no_dist() -> bool:
-    """strategy="none" runs without a process group: DCP then reads and writes as a single process."""
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
-        dist.barrier()
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if _rank_world()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _engine(strategy: str) -> str:
-    return "deepspeed" if strategy == "deepspeed" else "dcp"
-
-
-def _check_supported(info) -> None:
-    cfg = info.config
-    if cfg.precision.fp8 == "msamp":
-        raise NotImplementedError("checkpointing fp8='msamp' is not supported yet: MS-AMP's optimizer keeps "
-                                  "ScalingTensor state that fp8dist cannot yet save safely. Use fp8='te' or "
-                                  "'torchao', or MS-AMP's own checkpointing.")
-    if cfg.parallel.strategy == "none" and info.env.world_size > 1:
-        raise CheckpointError(f"strategy='none' in a {info.env.world_size}-process launch: every process trains "
-                              "its own copy and would write the same checkpoint. Use one process, or strategy='ddp'.")
-
-
-# ---- RNG states: per rank, plain tensors and numbers only, so they load with weights_only=True
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached": float(cached)}
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
-
-
-# ---- the model and optimizer: torch.distributed.checkpoint, or DeepSpeed's engine checkpoint
-
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _is_extra_state(key: str) -> bool:
-    return key == "_extra_state" or key.endswith("._extra_state")
-
-
-def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
-    """Take the modules' ``_extra_state`` (Transformer Engine: FP8 scales and amax history) out of a model state
-    dict. It is saved per rank beside the DCP shards: its size changes once FP8 has run, which DCP's in-place
-    loading into a fresh model's (smaller) state cannot follow."""
-    extra = {k: model_sd.pop(k) for k in [k for k in model_sd if _is_extra_state(k)]}
-    return {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
-            for k, v in extra.items() if v is not None}
-
-
-def _shapes(model: nn.Module, strategy: str) -> dict[str, list[int]]:
-    """Global shape of every parameter (and, for DCP, every tensor of the model state dict) by its plain name."""
-    if strategy == "deepspeed":  # ZeRO-3 partitions parameters; ds_shape is the full shape
-        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.module.named_parameters()}
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return {k: list(v.shape) for k, v in get_model_state_dict(model).items()
-            if isinstance(v, torch.Tensor) and not _is_extra_state(k)}
-
-
-def _write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
-    if strategy == "deepspeed":
-        model.save_checkpoint(str(tmp), tag=_DS_TAG, save_latest=False)
-        return
-    import torch.distributed.checkpoint as dcp
-
-    state = _dcp_state(model, optimizer)
-    extra_state = _pop_extra_state(state["model"])
-    if extra_state:
-        torch.save(extra_state, tmp / f"fp8_state_rank{_rank_world()[0]}.pt")
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_no_dist())
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: read it with only DCP's metadata classes, torch sizes and dtypes allowed."""
-
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module in self._MODULES and not name.startswith("__")) or (module, name) in self._NAMES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise CheckpointError(f"the checkpoint's .metadata refers to {module}.{name}, which a DCP checkpoint "
-                                  "never contains: refusing to unpickle it.")
-        return super().find_class(module, name)
-
-
-def _safe_reader(path: Path):
-    """DCP's file reader, reading ``.metadata`` through :class:`_MetadataUnpickler` (checked before DCP starts)."""
-    import torch.distributed.checkpoint as dcp
-
-    with open(path / ".metadata", "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            if getattr(metadata, "storage_meta", None) is not None:
-                metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(path))
-
-
-def _safe_planner():
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element
-
-    class SafePlanner(DefaultLoadPlanner):
-        """Non-tensor entries (optimizer hyperparameters) load with ``weights_only=True``, not plain pickle."""
-
-        def load_bytes(self, read_item, value) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return SafePlanner()
-
-
-# DeepSpeed's own checkpoint files hold these classes besides tensors; DeepSpeed loads them with plain pickle,
-# so every file is checked first and anything else is refused.
-_DS_GLOBALS = {"deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
-               "deepspeed.runtime.fp16.loss_scaler.LossScaler"}
-
-
-def _read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
-    if strategy == "deepspeed":
-        for file in sorted((path / _DS_TAG).glob("*.pt")):
-            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - _DS_GLOBALS
-            if unsafe:
-                raise CheckpointError(f"{file} refers to {sorted(unsafe)}, which fp8dist's DeepSpeed checkpoints "
-                                      "never contain: refusing to unpickle it.")
-        loaded, _ = model.load_checkpoint(str(path), tag=_DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {path / _DS_TAG}.")
-        return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    reader = _safe_reader(path)
-    state = _dcp_state(model, optimizer)
-    expected = _pop_extra_state(state["model"])
-    dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=_no_dist())
-    if expected:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
-        mine = path / f"fp8_state_rank{_rank_world()[0]}.pt"
-        state["model"].update(torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", weights_only=True))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def _after_load_fp8(model: nn.Module, info) -> None:
-    """torchao + FSDP2 FP8 all-gather: the precomputed weight scales belong to the old weights; recompute them."""
-    if info.config.precision.fp8 != "torchao" or not info.plan.fp8:
-        return
-    from .fp8.torchao import fp8_all_gather
-
-    if fp8_all_gather(info.config):
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 # ---- meta.json: what was saved, checked against the model before anything is loaded
@@ -295,7 +97,7 @@ def _write_meta(tmp: Path, model: nn.Module, step: int, extra: dict[str, Any], s
     described = _describe(model)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,
             "torch_version": torch.__version__, "step": step, **described,
-            "engine": _engine(described["strategy"]), "extra": extra, "parameters": shapes, "files": _manifest(tmp)}
+            "engine": engine(described["strategy"]), "extra": extra, "parameters": shapes, "files": _manifest(tmp)}
     _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
@@ -344,7 +146,7 @@ def _check_matches(meta: dict[str, Any], model: nn.Module, path: Path) -> None:
     now = _describe(model)
     keys = ["strategy", "fp8", "zero_stage"] + (["world_size"] if now["strategy"] == "deepspeed" else [])
     diffs = [f"{k}: checkpoint {meta.get(k)!r}, this model {now[k]!r}" for k in keys if meta.get(k) != now[k]]
-    saved, ours = meta.get("parameters", {}), _shapes(model, now["strategy"])
+    saved, ours = meta.get("parameters", {}), global_shapes(model, now["strategy"])
     shapes = [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
               for n in saved if n in ours and list(saved[n]) != list(ours[n])]
     diffs += shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
@@ -463,20 +265,20 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         save_checkpoint("ckpt", model, optimizer, step=step + 1, keep_last=3)
     """
     info = get_wrap_info(model)
-    _check_supported(info)
+    check_supported(info)
     extra = _check_save_args(step, extra, keep_last)
-    strategy, (rank, _) = info.config.parallel.strategy, _rank_world()
+    strategy, (rank, _) = info.config.parallel.strategy, rank_world()
     root, name = Path(path), f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
-    shapes = _shapes(model, strategy)
+    shapes = global_shapes(model, strategy)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
         tmp.mkdir()
-    _barrier()
-    _write_state(tmp, model, optimizer, strategy)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier()  # every rank's part is on disk
+    barrier()
+    write_state(tmp, model, optimizer, strategy)
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    barrier()  # every rank's part is on disk
     error = None
     if rank == 0:
         try:
@@ -488,7 +290,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         except Exception as err:  # every rank raises, none hangs waiting for rank 0
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{type(err).__name__}: {err}"
-    error = _from_rank0(error)
+    error = from_rank0(error)
     if error is not None:
         raise CheckpointError(f"saving {root / name} failed on rank 0: {error}")
     return root / name
@@ -509,20 +311,20 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any) -
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``) and ``extra``.
     """
     info = get_wrap_info(model)
-    _check_supported(info)
+    check_supported(info)
     checkpoint = _resolve(path)
     meta = _read_meta(checkpoint)
     _check_matches(meta, model, checkpoint)
     try:
-        _read_state(checkpoint, model, optimizer, info.config.parallel.strategy)
+        read_state(checkpoint, model, optimizer, info.config.parallel.strategy)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"could not load {checkpoint}: {type(err).__name__}: {err}. Its files may be damaged; "
                               "load an older checkpoint (its step_* folders).") from err
-    _after_load_fp8(model, info)
-    rng = checkpoint / f"rng_rank{_rank_world()[0]}.pt"
+    after_load_fp8(model, info)
+    rng = checkpoint / f"rng_rank{rank_world()[0]}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
+        set_rng_state(torch.load(rng, weights_only=True))
     return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
                            world_size=int(meta["world_size"]))
