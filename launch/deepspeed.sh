@@ -86,6 +86,6 @@ case "$TARGET_KIND" in
   module) cmd+=(--module "$TARGET_MODULE" "${TARGET_ARGS[@]}") ;;
   script) cmd+=("$TARGET_SCRIPT" "${TARGET_ARGS[@]}") ;;
 esac
-[[ "${DRY_RUN:-0}" == 1 ]] || need "$DEEPSPEED" \
-  "Install DeepSpeed where fp8dist is installed (pip install deepspeed), activate that environment, or set DEEPSPEED=/path/to/deepspeed."
+hint="Install DeepSpeed where fp8dist is installed (pip install deepspeed), activate that environment,"
+[[ "${DRY_RUN:-0}" == 1 ]] || need "$DEEPSPEED" "$hint or set DEEPSPEED=/path/to/deepspeed."
 run "${cmd[@]}"
