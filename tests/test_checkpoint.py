@@ -321,7 +321,8 @@ def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
     deadline = time.monotonic() + 180
     while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
     first = proc.communicate()[0]
     assert paused.exists(), first[-3000:]
     assert latest_checkpoint(ckpt) == ckpt / "step_00000002", "the previous checkpoint is still the latest"
@@ -385,3 +386,16 @@ def test_module_extra_state_fp8_scales_and_amax_history_round_trip(tmp_path):
     load_checkpoint(tmp_path, fresh, fresh_opt)
     assert [m.amax_history for m in fresh] == [m.amax_history for m in model]
     assert len(fresh[0].amax_history) == 3 and (tmp_path / "step_00000003" / "fp8_state_rank0.pt").is_file()
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(resume=True), "resume needs checkpoint_dir: pass --checkpoint-dir DIR"),
+    (dict(save_every=5), "save_every needs checkpoint_dir"),
+    (dict(checkpoint_dir="d", save_every=0), "save_every=0 must be at least 1"),
+    (dict(checkpoint_dir="d", keep_last=-1), "keep_last=-1 must be 0 .keep all. or more"),
+])
+def test_train_checkpoint_options_are_checked(options, message):
+    from fp8dist.train import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**options)
