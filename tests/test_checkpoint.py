@@ -4,6 +4,7 @@ resharding (2 -> 1 -> 2 ranks), atomic saves, and a clear error for every bad ch
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cli_helpers import run
@@ -201,11 +203,17 @@ def test_none_resumes_bit_exact_keeps_the_last_k_and_leaves_nothing_half_written
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000003"
     assert sorted(p.name for p in (tmp_path / "step_00000003").iterdir()) == [
         ".metadata", "__0_0.distcp", "meta.json", "rng_rank0.pt"]
-    torch.manual_seed(123)
+    draws = _random_draws()  # what the RNGs give right after the save
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
     model, opt = none_model()
     state = load_checkpoint(tmp_path, model, opt)
     assert state.step == N and state.path == tmp_path / "step_00000003" and state.world_size == 1
+    assert _random_draws() == draws, "torch, python and numpy RNG states are restored"
     assert _train(model, opt, range(N, 2 * N), 0, 1) == straight[N:]
+
+
+def _random_draws() -> tuple:
+    return torch.rand(3).tolist(), random.random(), np.random.rand(3).tolist()
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
