@@ -75,7 +75,8 @@ def _local_params(model, engine: bool = False) -> dict[str, torch.Tensor]:
 def _full_params(model) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.clone() for k, v in full.items()}
 
 
 def _cases(strategies):
@@ -349,7 +350,7 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_ch
     proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "fp8dist.cli",
                 *_train_args(ckpt, "--strategy", "fsdp", "--steps", "6")], timeout=300)
     out = proc.stdout
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "rank 1 kills itself" in out and f"resume: loaded {ckpt / 'step_00000004'} (step 4" in out
     before, after = out.split("resume: loaded", 1)
     first, second = dict(_step_losses(before)), dict(_step_losses(after))
