@@ -5,7 +5,7 @@
 """
 
 from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
-from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
 from .plan import PlanEntry, PrecisionPlan, plan_precision
@@ -31,6 +31,7 @@ __all__ = [
     "sharding_summary",
     "save_checkpoint",
     "load_checkpoint",
+    "latest_checkpoint",
     "CheckpointState",
     "CheckpointError",
     "__version__",

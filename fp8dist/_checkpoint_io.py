@@ -219,7 +219,8 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> N
     dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=no_dist())
     if expected:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
         mine = path / f"fp8_state_rank{rank_world()[0]}.pt"
-        state["model"].update(torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", weights_only=True))
+        source = mine if mine.is_file() else path / "fp8_state_rank0.pt"
+        state["model"].update(torch.load(source, map_location="cpu", weights_only=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

@@ -325,6 +325,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any) -
     after_load_fp8(model, info)
     rng = checkpoint / f"rng_rank{rank_world()[0]}.pt"
     if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=True))
+        set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
     return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
                            world_size=int(meta["world_size"]))
