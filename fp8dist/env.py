@@ -116,6 +116,11 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _restarted_under_torchrun(launch: LaunchEnv) -> bool:
+    return (launch.launcher == "env" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
 def init_distributed(*, device: str = "auto", backend: str | None = None,
                      timeout: datetime.timedelta | None = None) -> DistEnv:
     """Initialize the default process group from the launcher's environment, unless it already is.
@@ -143,6 +148,14 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if launch.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    elif _restarted_under_torchrun(launch):
+        # torch 2.13's torchrun keeps one store for every attempt of the worker group, so the keys a dead attempt
+        # wrote (gloo's peer addresses) are still there and a restarted rank may wait on its old peer forever
+        # (1 restart in 3 hung): each attempt gets its own key prefix
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fp8dist/attempt_{attempt}", store),
+                                rank=launch.rank, world_size=launch.world_size, **kwargs)
     else:
         # env:// honours torchrun's agent-owned store (TORCHELASTIC_USE_AGENT_STORE); SLURM has no such store
         method = "env://" if launch.launcher == "env" else f"tcp://{launch.master_addr}:{launch.master_port}"

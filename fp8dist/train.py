@@ -27,7 +27,7 @@ from .api import get_plan, get_wrap_info, wrap_model
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
-from .env import detect_launch_env, resolve_device
+from .env import detect_launch_env
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
 from .report import sharding_summary
@@ -178,22 +178,6 @@ def _test_fault_hook(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _init_restarted_worker(device: str) -> None:
-    """Under ``torchrun --max-restarts``, give each attempt of the worker group its own key prefix in torchrun's
-    store. torchrun keeps one TCPStore for every attempt, so the keys a dead attempt wrote (gloo's peer addresses)
-    are still there: a restarted rank may read its peer's old address and wait for it forever."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
-        return
-    launch = detect_launch_env()
-    dev = resolve_device(device, launch.local_rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=launch.rank, world_size=launch.world_size,
-                            store=dist.PrefixStore(f"attempt_{attempt}", store))
-
-
 def _resume(train: TrainConfig, model: Any, optimizer: Any, log: Callable[[str], Any] | None) -> int:
     """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model)."""
     log = log or (lambda line: None)
@@ -235,8 +219,6 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     """
     log = log or (lambda line: print(line, flush=True))
     start = time.perf_counter()
-    if config.parallel.strategy != "none":
-        _init_restarted_worker(config.parallel.device)
     model = build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves

@@ -22,13 +22,17 @@ def _extensions_dir() -> Path:
 def pytest_configure(config):
     """Build DeepSpeed's two CPU ops once, in parallel, before any test starts. Otherwise the first DeepSpeed
     tests on every xdist worker wait together on DeepSpeed's JIT build lock (minutes on a fresh machine)."""
-    if hasattr(config, "workerinput") or importlib.util.find_spec("deepspeed") is None:
-        return  # an xdist worker (the controller built them), or no DeepSpeed
-    todo = [b for b, name in _DS_OPS.items() if not list((_extensions_dir() / name).glob(f"{name}*.so"))]
-    if not todo or _has_cuda():  # CUDA builds differ; those machines build on first use
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # an xdist worker (the controller built them), or no workers to wait together
+    if importlib.util.find_spec("deepspeed") is None:
         return
-    print(f"fp8dist tests: building DeepSpeed's CPU ops once ({', '.join(_DS_OPS[b] for b in todo)}; about a "
-          "minute, cached in ~/.cache/torch_extensions)", flush=True)
+    if _has_cuda():  # CUDA builds differ; those machines build on first use
+        return
+    # always ask DeepSpeed: a cached build made by another environment (other include paths) is rebuilt
+    todo = list(_DS_OPS)
+    fresh = not all(list((_extensions_dir() / name).glob(f"{name}*.so")) for name in _DS_OPS.values())
+    print(f"fp8dist tests: checking DeepSpeed's CPU ops ({', '.join(_DS_OPS.values())})"
+          + ("; first build on this machine, about 1-2 minutes" if fresh else ""), flush=True)
     start = time.monotonic()
     code = "import sys; from deepspeed.accelerator import get_accelerator as a; " \
            "a().create_op_builder(sys.argv[1]).load(verbose=False)"
