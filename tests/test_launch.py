@@ -220,10 +220,10 @@ def test_torchrun_sbatch_trains_across_two_nodes(slurm):
 
 @on_the_cluster
 def test_deepspeed_sbatch_trains_across_two_nodes(slurm):
-    out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "2", "--steps", "6", "--seq-len", "64",
-                  NPROC_PER_NODE="1")
+    out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "2", "--fp8", "torchao", "--steps", "6", "--seq-len",
+                  "64", NPROC_PER_NODE="1")
     assert [(r, w, n) for r, w, n, _ in _ready(out)] == [(0, 2, 0), (1, 2, 1)], out[-3000:]
     assert {h for *_, h in _ready(out)} == {"n1", "n2"}
     losses = _losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, out[-3000:]
-    assert "DeepSpeed ZeRO-2" in out and "over 2 rank(s)" in out
+    assert "DeepSpeed ZeRO-2" in out and "over 2 rank(s)" in out and "strategy deepspeed, fp8 torchao" in out
