@@ -8,6 +8,7 @@ address (``NodeAddr=127.0.0.1``), which is what the sbatch templates must find.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -17,12 +18,31 @@ import time
 from pathlib import Path
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
-INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+INSTALL = f"apt-get install -y --no-install-recommends {' '.join(PACKAGES)}"
 NODES = ("n1", "n2")
 
 
+def install_debian_packages(packages: list[str]) -> str | None:
+    """``apt-get install --no-install-recommends`` (about 10 s) when running as root on Debian; one process at a
+    time (xdist workers share the machine). Returns why it could not, or None."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return "not root on a Debian/Ubuntu machine: install them yourself"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    with open("/tmp/fp8dist-tests-apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:  # a fresh machine may have no package lists yet
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+            proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    return None if proc.returncode == 0 else f"apt-get install failed: {proc.stderr.strip()[-500:]}"
+
+
 def missing_reason() -> str | None:
-    """Why no cluster can start here, or None."""
+    """Why no cluster can start here, or None. Installs Debian's packages first where it can."""
+    if any(shutil.which(tool) is None for tool in TOOLS):
+        install_debian_packages(PACKAGES)
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
         return f"SLURM/munge not installed ({', '.join(missing)} missing): {INSTALL}"

@@ -2,8 +2,9 @@
 
 Static checks (bash -n, shellcheck), the exact commands their dry-run prints, their errors, a real 2-process job
 through each script, and real 2-node submissions to a SLURM cluster that the module fixture starts on this
-machine (tests/slurm_cluster.py). CI installs shellcheck and SLURM and sets FP8DIST_CI=1: there a missing tool
-fails the test instead of skipping it.
+machine (tests/slurm_cluster.py). Missing Debian packages (shellcheck, SLURM, munge) are installed by the tests
+when they run as root; elsewhere the tests skip with the reason. CI sets FP8DIST_CI=1: there a missing tool fails
+the test instead of skipping it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 import pytest
 from cli_helpers import BIN, ROOT, run
-from slurm_cluster import SlurmCluster, missing_reason
+from slurm_cluster import SlurmCluster, install_debian_packages, missing_reason
 
 LAUNCH = ROOT / "launch"
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*LAUNCH.glob("[!_]*.sh"), *LAUNCH.glob("slurm/*.sbatch")])
@@ -63,6 +64,8 @@ def test_launch_folder_has_every_script_the_readme_names():
 @pytest.mark.parametrize("script", SCRIPTS + ["launch/_common.sh"])
 def test_scripts_parse_and_are_shellcheck_clean(script):
     assert run(["bash", "-n", script]).returncode == 0
+    if shutil.which("shellcheck") is None:
+        install_debian_packages(["shellcheck"])
     _need(None if shutil.which("shellcheck") else "shellcheck is not installed: apt-get install shellcheck")
     proc = run(["shellcheck", "-x", "--severity=style", script])
     assert proc.returncode == 0, proc.stdout
