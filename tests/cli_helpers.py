@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +28,15 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = ROOT,
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` picks a free port itself, so parallel tests do not collide."""
     return run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", str(script), *args], timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for launchers that take --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_losses_printed(stdout: str) -> list[float]:
+    """The per-step losses ``fp8dist train`` printed (lines may carry ``srun --label``'s "N: " prefix)."""
+    return [float(x) for x in re.findall(r"^(?:\d+: )?step +\d+/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]

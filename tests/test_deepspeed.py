@@ -6,10 +6,9 @@ from __future__ import annotations
 import copy
 import json
 import re
-import socket
 
 import pytest
-from cli_helpers import ROOT, run
+from cli_helpers import ROOT, free_port, run
 from dist_harness import run_ranks
 from helpers import BATCH, engine_losses, first_last_filter
 
@@ -126,17 +125,11 @@ def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
         assert r[None]["ours"] != r["torchao"]["ours"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Through the real launcher elsewhere: stage 1 (bf16) via launch/deepspeed.sh, and stage 2 + torchao on two SLURM
 # nodes via launch/slurm/deepspeed.sbatch (test_launch.py)
 @pytest.mark.parametrize("stage,fp8,sharded", [(3, "torchao", "21/21")])
 def test_real_deepspeed_launcher_runs_the_example_with_each_generated_config(stage, fp8, sharded):
-    proc = run(["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()),
+    proc = run(["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()),
                 str(ROOT / "examples" / "deepspeed" / "train.py"), "--deepspeed_config",
                 str(ROOT / "examples" / "deepspeed" / f"ds_zero{stage}.json"), "--fp8", fp8, "--steps", "8"],
                timeout=400)

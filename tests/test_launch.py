@@ -13,11 +13,11 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import time
 
 import pytest
-from cli_helpers import BIN, ROOT, run
+from cli_helpers import BIN, ROOT, free_port, run
+from cli_helpers import train_losses_printed as _losses
 from slurm_cluster import SlurmCluster, install_debian_packages, missing_reason
 
 LAUNCH = ROOT / "launch"
@@ -30,16 +30,6 @@ def _need(reason: str | None) -> None:
         if IN_CI:
             pytest.fail(f"CI must run this test: {reason}")
         pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _losses(stdout: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^(?:\d+: )?step +\d+/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
 
 
 def _ready(stdout: str) -> list[tuple[int, int, int, str]]:
@@ -152,7 +142,7 @@ def test_torchrun_sh_trains_two_cpu_processes():
 def test_deepspeed_sh_runs_the_example_from_a_written_hostfile_and_removes_it(tmp_path):
     proc = _script("deepspeed.sh", "examples/deepspeed/train.py", "--deepspeed_config",
                    "examples/deepspeed/ds_zero1.json", "--steps", "6",
-                   env={"NODELIST": "localhost", "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                   env={"NODELIST": "localhost", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
                         "TMPDIR": str(tmp_path)}, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", proc.stdout, flags=re.M)]

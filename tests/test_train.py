@@ -6,14 +6,11 @@ import re
 
 import pytest
 from cli_helpers import run
+from cli_helpers import train_losses_printed as _losses
 from dist_harness import run_ranks
 
 from fp8dist.config import resolve_config
 from fp8dist.train import TrainConfig, run_training
-
-
-def _losses(stdout: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^step +\d+/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
 
 
 def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
