@@ -9,7 +9,8 @@ from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, loa
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
 from .plan import PlanEntry, PrecisionPlan, plan_precision
-from .report import sharding_summary
+from .report import PrecisionReport, report
+from .sharding import sharding_summary
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,8 @@ __all__ = [
     "init_distributed",
     "DistEnv",
     "sharding_summary",
+    "report",
+    "PrecisionReport",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

@@ -1,124 +1,181 @@
-"""What the wrapped model really is: how its parameters are sharded and in which dtypes, read from the tensors
-and the engine's own policy objects, not from the config."""
+"""The precision and memory report of a live wrapped model: the row of the MS-AMP/Accelerate precision chart for
+the run as configured (GEMM, communication, weight, master weight, weight gradient and optimizer-state dtypes),
+per part of the model, and the bytes per parameter each category of model state takes on this rank.
+
+Everything is read from the modules, the engines' policy objects, the optimizer and the tensors themselves; the
+config is only used to name the run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-__all__ = ["ShardingSummary", "sharding_summary"]
+from ._memory import CATEGORIES, StateTally, leaves, model_state_tensors
 
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+__all__ = ["PrecisionRow", "PrecisionReport", "report"]
+
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3",
+          torch.float8_e5m2: "fp8 e5m2", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
+_PARTS = ("FP8 Linear", "Linear (high precision)", "other (embeddings, norms)")
+_FP8_LIBRARIES = ("torchao", "transformer_engine", "msamp")
 
 
-def _short(dtype: torch.dtype | None) -> str:
-    return "fp32 (no cast)" if dtype is None else _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """Short name of a dtype: fp32, bf16, fp8 e4m3, ..."""
+    return "none" if dtype is None else _NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _names(dtypes: set[torch.dtype], empty: str = "none") -> str:
+    return "/".join(sorted(dtype_name(d) for d in dtypes)) or empty
 
 
 @dataclass(frozen=True)
-class ShardingSummary:
-    """Per-rank view of the parameters of a wrapped model."""
+class PrecisionRow:
+    """One part of the model (FP8 Linears, high-precision Linears, everything else) as the chart shows it."""
 
-    layout: str
-    """"DTensor Shard(0)", "FlatParameter shards", "replicated" or "not distributed"."""
+    part: str
+    modules: int
+    params: int
+    """Elements of the full model in this part (all ranks together)."""
+    gemm: str
+    all_gather: str
+    """What the weights travel in when they are gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
+    reduce: str
+    """What gradients travel in when they are reduced."""
+    weight: str
+    """What the weights are stored in on this rank."""
+    master_weight: str
+    weight_grad: str
+    optimizer_states: str
+
+
+@dataclass(frozen=True)
+class PrecisionReport:
+    """Returned by :func:`report`; ``print`` it for the two tables."""
+
+    strategy: str
+    fp8: str
+    rank: int
     world_size: int
-    total_numel: int
+    rows: tuple[PrecisionRow, ...]
+    bytes: Mapping[str, int]
+    """Bytes on this rank per category: parameters, master_weights, gradients, optimizer_states, fp8_buffers."""
+    dtypes: Mapping[str, str]
+    """The dtypes found in each category."""
+    total_params: int
     """Elements of all parameters of the full model."""
-    local_numel: int
-    """Elements this rank stores."""
-    sharded_tensors: int
-    tensors: int
-    storage_dtypes: tuple[str, ...]
-    compute_dtype: str
-    reduce_dtype: str
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
+        n = max(self.total_params, 1)
+        return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), model_state_bytes=self.model_state_bytes,
+                   bytes_per_param=self.bytes_per_param)
+        return out
 
     def __str__(self) -> str:
-        share = 100.0 * self.local_numel / max(self.total_numel, 1)
-        return (f"{self.layout}: {self.sharded_tensors}/{self.tensors} tensors sharded over {self.world_size} "
-                f"rank(s); this rank stores {self.local_numel:,} of {self.total_numel:,} elements ({share:.1f}%) "
-                f"in {'/'.join(self.storage_dtypes)}; compute in {self.compute_dtype}, "
-                f"gradients reduced in {self.reduce_dtype}")
+        head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
+                f"{self.total_params:,} parameters")
+        cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
+                "weight grad", "optimizer states"]
+        rows = [[r.part, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight, r.master_weight,
+                 r.weight_grad, r.optimizer_states] for r in self.rows]
+        per_param = self.bytes_per_param
+        mem = [[c.replace("_", " "), f"{per_param[c]:.3f}", f"{self.bytes[c] / 2**20:,.2f}", self.dtypes[c]]
+               for c in CATEGORIES]
+        mem.append(["total model states", f"{per_param['total']:.3f}", f"{self.model_state_bytes / 2**20:,.2f}", ""])
+        return "\n".join([head, _table(cols, rows), "", _table(["model state (this rank)", "bytes/param", "MiB",
+                                                                 "dtypes"], mem)])
 
 
-def _fsdp2_policy(model: nn.Module):
-    state = getattr(model, "_get_fsdp_state", None)
-    return state()._mp_policy if state is not None else None
+def _table(cols: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def sharding_summary(model: nn.Module) -> ShardingSummary:
-    """Summarize the parameters of a model returned by ``wrap_model`` (any strategy) on this rank."""
+def _inner(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / FSDP1 / the DeepSpeed engine."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     from .strategies.deepspeed import is_deepspeed_engine
 
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if is_deepspeed_engine(model):
-        return _deepspeed_summary(model, world)
-    if isinstance(model, FullyShardedDataParallel):
-        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
-        mp = model.mixed_precision
-        return ShardingSummary(
-            layout="FlatParameter shards", world_size=world,
-            total_numel=sum(f._unpadded_unsharded_size.numel() for f in flats),
-            local_numel=sum(f.numel() for f in flats),
-            sharded_tensors=sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
-            tensors=len(flats), storage_dtypes=tuple(sorted({_short(f.dtype) for f in flats})),
-            compute_dtype=_short(mp.param_dtype), reduce_dtype=_short(mp.reduce_dtype))
-    params = list(model.parameters())
-    storage = tuple(sorted({_short(p.dtype) for p in params}))
-    policy = _fsdp2_policy(model)
-    if policy is not None:
-        dtensors = [p for p in params if isinstance(p, DTensor)]
-        placements = sorted({repr(pl) for p in dtensors for pl in p.placements})
-        return ShardingSummary(
-            layout=f"DTensor {'/'.join(placements)}", world_size=world,
-            total_numel=sum(p.numel() for p in params), local_numel=sum(p.to_local().numel() for p in dtensors),
-            sharded_tensors=sum(1 for p in dtensors if any(pl.is_shard() for pl in p.placements)),
-            tensors=len(params), storage_dtypes=storage,
-            compute_dtype=_short(policy.param_dtype), reduce_dtype=_short(policy.reduce_dtype))
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    autocast = getattr(inner.forward, "_fp8dist_autocast", None)
-    total = sum(p.numel() for p in params)
-    return ShardingSummary(
-        layout="replicated" if isinstance(model, DistributedDataParallel) else "not distributed",
-        world_size=world, total_numel=total, local_numel=total, sharded_tensors=0, tensors=len(params),
-        storage_dtypes=storage, compute_dtype=_short(autocast) if autocast else storage[0],
-        reduce_dtype=_ddp_reduce_dtype(model))
+    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model):
+        return model.module
+    return model
 
 
-def _deepspeed_summary(engine, world: int) -> ShardingSummary:
-    """ZeRO-3 partitions parameters (``ds_tensor`` holds this rank's part); ZeRO-1/2 keep them whole and
-    partition optimizer states (and gradients)."""
-    stage = engine.zero_optimization_stage()
-    params = list(engine.module.parameters())
-    if stage == 3:
-        local = sum(p.ds_tensor.numel() for p in params)
-        total = sum(p.ds_numel for p in params)
-        sharded = sum(1 for p in params if p.ds_tensor.numel() < p.ds_numel)
-        storage = tuple(sorted({_short(p.ds_tensor.dtype) for p in params}))
-    else:
-        total = local = sum(p.numel() for p in params)
-        sharded, storage = 0, tuple(sorted({_short(p.dtype) for p in params}))
-    compute = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    return ShardingSummary(layout=f"DeepSpeed ZeRO-{stage}", world_size=world, total_numel=total, local_numel=local,
-                           sharded_tensors=sharded, tensors=len(params), storage_dtypes=storage,
-                           compute_dtype=compute, reduce_dtype=_short(engine.communication_data_type))
+def _is_fp8_gemm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return type(module).__module__.split(".")[0] in _FP8_LIBRARIES and "Linear" in name
 
 
-def _ddp_reduce_dtype(model: nn.Module) -> str:
-    from torch.nn.parallel import DistributedDataParallel
+def _part(module: nn.Module) -> str:
+    if _is_fp8_gemm(module):
+        return _PARTS[0]
+    return _PARTS[1] if isinstance(module, nn.Linear) else _PARTS[2]
 
-    if not isinstance(model, DistributedDataParallel):
-        return "n/a (no reduction)"
-    hook = getattr(model, "_comm_hook", None)  # DDP keeps the registered Python hook here
-    name = getattr(hook, "__name__", "")
-    if name.startswith("bf16"):
-        return "bf16"
-    if name.startswith("fp16"):
-        return "fp16"
-    grads = {p.dtype for p in model.parameters()}
-    return "/".join(sorted(_short(d) for d in grads))
+
+def _modules_by_part(inner: nn.Module) -> dict[str, list[nn.Module]]:
+    parts: dict[str, list[nn.Module]] = {p: [] for p in _PARTS}
+    for module in inner.modules():
+        if "FullyShardedDataParallel" in type(module).__name__:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            parts[_part(module)].append(module)
+    return {p: ms for p, ms in parts.items() if ms}
+
+
+def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
+    """What precision each part of ``model`` (returned by :func:`fp8dist.wrap_model`) really trains in, and the
+    bytes of model state per parameter on this rank. Local to this rank: no collectives.
+
+    Call it after ``optimizer.step()`` and before ``zero_grad`` (DeepSpeed: after ``engine.backward(loss)``,
+    before ``engine.step()``): the gradients counted are those held at the moment of the call, and optimizer
+    states exist only after the first step.
+
+    Args:
+        model: the model ``wrap_model`` returned (the DeepSpeed engine for strategy "deepspeed").
+        optimizer: its optimizer (ignored for DeepSpeed, whose engine holds it); None counts no optimizer state.
+
+    Example::
+
+        loss.backward(); optimizer.step()
+        print(fp8dist.report(model, optimizer))
+        optimizer.zero_grad()
+    """
+    from ._report_dtypes import row_for
+
+    from .api import get_wrap_info
+    from .sharding import sharding_summary
+
+    info = get_wrap_info(model)
+    inner = _inner(model)
+    parts = _modules_by_part(inner)
+    tally = StateTally()
+    for category, tensors in model_state_tensors(model, optimizer, parts.get(_PARTS[0], [])).items():
+        tally.add(category, tensors)
+    rows = tuple(row_for(model, optimizer, part, modules) for part, modules in parts.items())
+    return PrecisionReport(
+        strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
+        world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
+        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel)
+
+
+def local_leaves(tensors: list[Any]) -> list[torch.Tensor]:
+    """The plain tensors this rank stores for ``tensors``."""
+    return [leaf for t in tensors for leaf in leaves(t)]

@@ -30,7 +30,8 @@ from .data import Batches, check_batch_split
 from .env import detect_launch_env
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
-from .report import sharding_summary
+from .report import report
+from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 
@@ -212,6 +213,24 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callab
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
+def _backward_and_step(wrapped: Any, optimizer: Any, loss: torch.Tensor, *, engine: bool,
+                       show_report: Callable[[str], Any] | None) -> None:
+    """One backward and optimizer step; ``show_report`` gets the precision/memory report while gradients and
+    optimizer states are both held: after a torch optimizer's step, before zero_grad; for DeepSpeed, whose step
+    frees the gradient partitions, between backward and step (states exist from its first step on)."""
+    if engine:  # DeepSpeed: the engine scales, clips, steps and zeroes
+        wrapped.backward(loss)
+        if show_report is not None:
+            show_report(str(report(wrapped, optimizer)))
+        wrapped.step()
+        return
+    loss.backward()
+    optimizer.step()
+    if show_report is not None:
+        show_report(str(report(wrapped, optimizer)))
+    optimizer.zero_grad(set_to_none=True)
+
+
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None) -> TrainResult:
     """Train ``train.model_size`` Llama with ``config``'s strategy in this process (one rank of the job).
 
@@ -258,13 +277,9 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         loss = wrapped(input_ids=ids, labels=ids).loss
         for group in optimizer.param_groups:  # works for torch, MS-AMP and DeepSpeed optimizers alike
             group["lr"] = train.lr * lr_factor(step)
-        if engine:  # DeepSpeed: the engine scales, clips, steps and zeroes
-            wrapped.backward(loss)
-            wrapped.step()
-        else:
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
+        show = log if leader and step == min(first + (1 if engine else 0), train.steps - 1) else None
+        _backward_and_step(wrapped, optimizer, loss, engine=engine, show_report=show)
         mean_loss = loss.detach().float()
         if env.world_size > 1:
             dist.all_reduce(mean_loss)

@@ -14,6 +14,7 @@ from helpers import BATCH, engine_losses, train_losses
 from standin import drop_standins, use_standins
 from torch import nn
 
+import fp8dist
 from fp8dist import get_plan, wrap_model
 from fp8dist.models import build_llama
 from fp8dist.plan import FP8UnavailableError
@@ -113,6 +114,7 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
     else:
         losses = train_losses(model, rank, world, steps=2)
     train_call = te.AUTOCAST_CALLS[-1]
+    rows = {row.part: row for row in fp8dist.report(model).rows}
     inner = model.module if hasattr(model, "module") else model
     fp8_forwards = {n: m.fp8_forwards for n, m in inner.named_modules() if type(m) is te.Linear}
     model.eval()
@@ -131,13 +133,16 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
                 world_group=train_call[2] is dist.group.WORLD, fp8_forwards=fp8_forwards,
                 eval_enabled=eval_call[0], custom_group=te.AUTOCAST_CALLS[-1][2] is group,
                 custom_eval_enabled=te.AUTOCAST_CALLS[-1][0],
-                prepared=list(te.distributed.PREPARED))
+                prepared=list(te.distributed.PREPARED), report_gemm=rows["FP8 Linear"].gemm,
+                report_fp8_modules=rows["FP8 Linear"].modules)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "deepspeed"])
 def test_autocast_gets_recipe_and_world_group_under_each_strategy(strategy):
     for r in run_ranks(_te_rank_case, strategy):
         assert r["train_enabled"] and r["recipe_ok"] and r["world_group"]
+        assert r["report_gemm"] == "fp8 e4m3 (DelayedScaling)", "fp8dist.report reads the recipe on the forward"
+        assert r["report_fp8_modules"] == len(r["fp8_forwards"])
         assert len(r["fp8_forwards"]) == 15 and all(n > 0 for n in r["fp8_forwards"].values()), \
             "every te.Linear ran inside the FP8 autocast (FSDP2 did not lose it)"
         assert r["eval_enabled"] is False, "eval turns FP8 autocast off"

@@ -20,6 +20,10 @@ def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
     assert "starting 2 processes" in out and "strategy fsdp, fp8 torchao" in out and "2 x cpu (gloo)" in out
     assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on)" in out, "the plan is printed first"
     assert "fp8 plan        fp8=torchao: FP8 13 layers / 376,832 params (82.0%)" in out
+    report = out[out.index("fp8dist report: strategy fsdp, fp8 torchao, rank 0 of 2"):out.index("step    1/60")]
+    assert re.search(r"FP8 Linear +13 +376,832 +fp8 e4m3 fwd, e5m2 grads \(tensorwise\) +fp8 e4m3 \(FP8 all-gather\) "
+                     r"+fp32 +fp32", report), "printed after the first step: FP8 GEMMs and FP8 all-gather, read live"
+    assert re.search(r"total model states +8\.0\d\d", report), "fp32 params + grads + AdamW states over 2 ranks"
     losses = _losses(out)
     assert len(losses) == TrainConfig().steps
     assert losses[-1] < losses[0] - 2.0, f"loss did not fall: {losses[0]} -> {losses[-1]}"

@@ -143,6 +143,7 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
         with te.fp8_autocast(enabled=module.training or during_eval, fp8_recipe=fp8_recipe, fp8_group=group):
             return forward(*args, **kwargs)
 
+    fp8_forward._fp8dist_fp8_recipe = fp8_recipe  # type: ignore[attr-defined]  # read by fp8dist.report
     module.forward = fp8_forward  # type: ignore[method-assign]
 
 
