@@ -34,6 +34,7 @@ from ._estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamI
                                fp8_buffer_bytes, rank_states, worst_rank)
 from ._schema import add_arguments, choice_error
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config, torch_dtype
+from .models import LLAMA_SIZES
 
 __all__ = ["MemoryEstimate", "estimate_memory", "add_parser", "run", "OPTIMIZER_STATES"]
 
@@ -262,7 +263,7 @@ def add_parser(sub: Any) -> None:
                                    "one rank, and the activations of one micro-batch.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model-size", choices=["tiny", "small", "medium"], default="tiny",
+    source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
                         help="built-in Llama preset (default: tiny)")
     source.add_argument("--model-config", metavar="JSON", help="a Hugging Face config.json of a causal LM")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
