@@ -20,7 +20,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "init_distributed", "resolve_device"]
+__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "init_distributed", "resolve_device",
+           "share_cpu_threads"]
 
 
 class LaunchError(RuntimeError):
@@ -161,7 +162,33 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
         method = "env://" if launch.launcher == "env" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(backend, init_method=method, rank=launch.rank, world_size=launch.world_size,
                                 **kwargs)
+    if dev.type == "cpu":
+        share_cpu_threads()
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)
+
+
+# processes per node, as torchrun, the deepspeed launcher and srun export it
+_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
+    """Give each CPU rank of this node ``cores // ranks-per-node`` intra-op threads.
+
+    torch gives every process all the cores, so N ranks on a node oversubscribe them N times, and OpenMP's
+    spin-waiting makes that several times slower than sharing. torchrun guards against it with
+    OMP_NUM_THREADS=1; the deepspeed launcher and a bare spawn do not. An OMP_NUM_THREADS set by the user or the
+    launcher wins. Called by :func:`init_distributed` for CPU jobs. Returns the thread count set, or None.
+    """
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    local = next((int(environ[n]) for n in _LOCAL_WORLD if environ.get(n, "").isdigit()), 1)
+    if local <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local)
+    torch.set_num_threads(threads)
+    return threads
 
 
 _PACKAGES = ("torch", "transformers", "deepspeed", "torchao", "transformer_engine", "msamp")

@@ -157,12 +157,6 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
 
 
-def _set_cpu_threads() -> None:
-    """Share the CPU cores between the processes of this node instead of oversubscribing them."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-
-
 _KILL_ENV = "FP8DIST_TEST_KILL_AT_STEP"  # test hook "RANK:STEP", see _test_fault_hook
 
 
@@ -248,8 +242,6 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
                                                                      "betas": (0.9, 0.95), "weight_decay": 0.0})
     env = get_wrap_info(wrapped).env
-    if env.device.type == "cpu":
-        _set_cpu_threads()
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
         launch = detect_launch_env()
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -112,3 +112,26 @@ def test_launch_env_errors_say_what_to_set(monkeypatch):
     with pytest.raises(LaunchError, match="scontrol.*not on PATH: set MASTER_ADDR"):
         detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]",
                            "SLURM_JOB_ID": "7"})
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({"LOCAL_WORLD_SIZE": "2"}, "half"),                         # torchrun / elastic spawn
+    ({"LOCAL_SIZE": "2"}, "half"),                               # the deepspeed launcher
+    ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, None),         # the user's setting wins
+    ({}, None),                                                  # one process: keep torch's default
+])
+def test_cpu_ranks_share_the_cores_instead_of_oversubscribing(environ, expected):
+    import os
+
+    import torch
+
+    from fp8dist.env import share_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        got = share_cpu_threads(environ)
+        cores = len(os.sched_getaffinity(0))
+        assert got == (max(1, cores // 2) if expected == "half" else None)
+        assert torch.get_num_threads() == (got if got else before)
+    finally:
+        torch.set_num_threads(before)
