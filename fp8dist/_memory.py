@@ -79,7 +79,9 @@ def _deepspeed_tensors(engine: Any) -> dict[str, list[Any]]:
     params = list(engine.module.parameters())
     stage3 = all(hasattr(p, "ds_tensor") for p in params)
     found: dict[str, list[Any]] = {
-        "parameters": [p.ds_tensor if stage3 else p for p in params],
+        # ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition
+        "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
+                       for p in params],
         "master_weights": [getattr(zero, name, None) for name in ("single_partition_of_fp32_groups",
                                                                    "fp32_partitioned_groups_flat")],
         "gradients": [p.grad for p in params],

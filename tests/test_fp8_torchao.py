@@ -143,3 +143,25 @@ def test_torchao_fp8_loss_tracks_bf16_within_tolerance():
     assert r[None] != r["torchao"], "FP8 really changed the numerics"
     assert abs(fp8 - bf16) < FP8_LOSS_TOLERANCE, (bf16, fp8)
     assert fp8 < r["torchao"][0] - 2.0
+
+
+def _uneven_case(rank: int, world: int) -> dict:
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 32), torch.nn.Linear(32, 96),
+                                   torch.nn.Linear(96, 96))
+
+    with pytest.raises(ValueError) as err:
+        wrap_model(model(), strategy="fsdp", fp8="torchao")
+    kept = wrap_model(model(), strategy="fsdp", fp8="torchao", fp8_all_gather=False)  # the first way out
+    out = kept(torch.randn(4, 96))
+    out.sum().backward()
+    return dict(message=str(err.value), fp8=len(get_plan(kept).fp8))
+
+
+def test_uneven_fp8_all_gather_shards_are_refused_with_the_ways_out():
+    """torchao's FP8 all-gather breaks on shards that don't divide evenly (pytorch/ao#3982): 3 ranks, 32 rows."""
+    for r in run_ranks(_uneven_case, world_size=3):
+        assert "needs every FP8 weight's rows divisible by the 3 ranks; 1 (32 rows) are not" in r["message"]
+        assert "fp8_all_gather=False" in r["message"] and "fp8_exclude" in r["message"]
+        assert r["fp8"] == 2, "with fp8_all_gather=False the same layers train in FP8"

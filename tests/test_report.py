@@ -17,7 +17,7 @@ from fp8dist.models import build_llama
 
 # (strategy, fp8, extra options) run on the tiny Llama
 CASES = [("fsdp", None, {}), ("fsdp", "torchao", {}), ("fsdp", None, {"reduce_dtype": "bf16"}),
-         ("fsdp1", "torchao", {}), ("ddp", "torchao", {})]
+         ("fsdp1", None, {}), ("fsdp1", "torchao", {}), ("ddp", None, {}), ("ddp", "torchao", {})]
 HIDDEN, LAYERS = 64, 4  # the hand-countable model: LAYERS bias-free Linear(HIDDEN, HIDDEN)
 
 
@@ -101,6 +101,11 @@ def _fsdp1_ddp_read_their_policies_and_hooks(reports):
         assert fsdp1["FP8 Linear"].all_gather == "bf16", "FSDP1 has no FP8 all-gather: weights gather in bf16"
         assert fsdp1["FP8 Linear"].params == 376_832, "full sizes, not FSDP1's per-rank views"
         assert fsdp1["Linear (high precision)"].reduce == "fp32"
+        for strategy in ("fsdp1", "ddp"):
+            rows = r[(strategy, None, ())]["rows"]
+            assert "FP8 Linear" not in rows and rows["Linear (high precision)"].gemm == "bf16", strategy
+            assert (rows["Linear (high precision)"].weight, rows["Linear (high precision)"].weight_grad) == \
+                ("fp32", "fp32"), strategy
         ddp = r[("ddp", "torchao", ())]
         rows = ddp["rows"]
         assert rows["FP8 Linear"].gemm.startswith("fp8 e4m3 fwd")
@@ -166,6 +171,8 @@ def test_deepspeed_report_bf16_weights_fp32_master_and_states():
 
 
 def test_report_without_distribution_and_before_any_step():
+    plain = _rows(fp8dist.report(fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")))
+    assert "FP8 Linear" not in plain and plain["Linear (high precision)"].gemm == "bf16", "bf16 autocast, no FP8"
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")
     rep = fp8dist.report(model)
     rows = _rows(rep)

@@ -83,7 +83,25 @@ def convert(model: nn.Module, plan, cfg) -> None:
     from torchao.float8 import convert_to_float8_training
 
     names = {e.name for e in plan.fp8}
+    _check_even_shards(model, names, cfg)
     convert_to_float8_training(model, config=float8_config(cfg), module_filter_fn=lambda m, fqn: fqn in names)
+
+
+def _check_even_shards(model: nn.Module, names: set[str], cfg) -> None:
+    """torchao's FP8 all-gather fails on uneven FSDP2 shards (gloo: "Received data size doesn't match";
+    pytorch/ao#3982): refuse before converting, with the ways out."""
+    if not fp8_all_gather(cfg) or not torch.distributed.is_initialized():
+        return
+    world = torch.distributed.get_world_size()
+    uneven = [f"{n} ({m.out_features} rows)" for n, m in model.named_modules()
+              if n in names and m.out_features % world]
+    if uneven:
+        more = f" and {len(uneven) - 3} more" if len(uneven) > 3 else ""
+        raise ValueError(
+            f"FP8 all-gather (torchao under FSDP2) needs every FP8 weight's rows divisible by the {world} ranks; "
+            f"{', '.join(uneven[:3])}{more} are not, and torchao's FP8 all-gather of uneven shards fails "
+            "(pytorch/ao#3982). Pass fp8_all_gather=False (bf16 all-gather, FP8 GEMMs kept), keep these layers "
+            "out of FP8 with fp8_exclude, or use a world size that divides their rows.")
 
 
 def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
