@@ -21,6 +21,7 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (128, 384, 2, 4, 2),
     "small": (256, 768, 4, 8, 4),
     "medium": (512, 1536, 8, 8, 4),
+    "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
 }
 
 
