@@ -1,0 +1,256 @@
+"""One cell of ``fp8dist bench``, run in every rank of a fresh process group: build, wrap (with fp8dist, or the
+same wiring by hand), train a few steps, and measure step time, memory, model-state bytes and communication."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import CommCounter
+
+__all__ = ["Cell", "run_cell", "TIMING_WARMUP"]
+
+TIMING_WARMUP = 2
+"""Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One run of the matrix."""
+
+    strategy: str
+    fp8: str | None
+    size: str
+    wiring: str = "fp8dist"
+    """"fp8dist": ``wrap_model``; "vs-raw": ``wrap_model`` side by side with the same FSDP2 (+ torchao) wiring
+    written by hand without fp8dist, for the overhead ratio."""
+    steps: int = 10
+    batch_size: int = 4
+    """Sequences per rank per step."""
+    seq_len: int = 128
+    seed: int = 0
+    lr: float = 1e-3
+    zero_stage: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy}/{self.fp8 or 'bf16'}/{self.size}" + ("/vs-raw" if self.wiring == "vs-raw" else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **asdict(self)}
+
+
+_Wired = tuple[Any, Any, Callable[[], None], tuple[int, int]]
+"""model, optimizer, what to call after each optimizer step, (FP8 layers, their parameters)."""
+
+
+def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
+    """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
+    from .api import get_plan, wrap_model
+
+    options: dict[str, Any] = {}
+    if cell.strategy == "deepspeed":
+        options = {"zero_stage": cell.zero_stage, "micro_batch_size": cell.batch_size}
+    wrapped, optimizer = wrap_model(model, strategy=cell.strategy, fp8=cell.fp8, optimizer=_optimizer_spec(cell),
+                                    **options)
+    fp8 = get_plan(wrapped).fp8
+    return wrapped, optimizer, lambda: None, (len(fp8), sum(e.params for e in fp8))
+
+
+def _optimizer_spec(cell: Cell) -> dict[str, Any]:
+    return {"type": "AdamW", "lr": cell.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+
+
+def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
+    """The reference FSDP2 wiring by hand, no fp8dist: torchao's convert_to_float8_training with the same filter
+    (every Linear but the first and last, dims multiples of 16) and FP8 all-gather, fully_shard per decoder layer
+    then the root with bf16 params / fp32 reduction, the scale precompute called after each optimizer step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    after_step: Callable[[], None] = lambda: None  # noqa: E731
+    fp8_layers: tuple[int, int] = (0, 0)
+    if cell.fp8 == "torchao":
+        from torchao.float8 import (
+            Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp)
+
+        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+        keep = {linears[0], linears[-1]}
+
+        def module_filter(module: nn.Module, fqn: str) -> bool:
+            return fqn not in keep and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                   module_filter_fn=module_filter)
+        fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        fp8_layers = (len(fp8), sum(m.weight.numel() for m in fp8))
+        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), **{k: v for k, v in _optimizer_spec(cell).items()
+                                                         if k != "type"})
+    return model, optimizer, after_step, fp8_layers
+
+
+def _init_process_group(cell: Cell) -> torch.device:
+    """The process group from the launcher's environment (outside any timed step), and this rank's device."""
+    from .env import init_distributed
+
+    return init_distributed().device if cell.strategy != "none" else _local_device()
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
+    from .report import report
+
+    rep = report(model, optimizer)
+    return {"bytes": dict(rep.bytes), "total_bytes": rep.model_state_bytes, "total_params": rep.total_params,
+            "bytes_per_param": dict(rep.bytes_per_param)}
+
+
+class _Run:
+    """One wired model in a cell, and what its steps measured on this rank."""
+
+    def __init__(self, cell: Cell, wiring: str, device: torch.device) -> None:
+        from .models import build_llama
+        from .strategies.deepspeed import is_deepspeed_engine
+
+        model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len)
+        self.params = sum(p.numel() for p in model.parameters())
+        wire = _raw_fsdp2 if wiring == "raw" else _fp8dist_wiring
+        self.model, self.optimizer, self.after_step, fp8 = wire(cell, model, device)
+        self.fp8_layers, self.fp8_params = fp8
+        self.wiring, self.device, self.last = wiring, device, cell.steps - 1
+        self.engine = is_deepspeed_engine(self.model)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.counter = CommCounter()
+        self.state: dict[str, Any] = {}
+
+    def step(self, step: int, ids: torch.Tensor) -> None:
+        """One step as a user writes it, timed; the last one counted (collectives, model-state bytes)."""
+        counting = step == self.last
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with self.counter if counting else contextlib.nullcontext():
+            loss = self.model(input_ids=ids, labels=ids).loss
+            if self.engine:  # DeepSpeed: the engine steps and zeroes; gradients are held until its step
+                self.model.backward(loss)
+                self._record_state(counting)
+                self.model.step()
+            else:
+                loss.backward()
+                self.optimizer.step()
+                self.after_step()
+                self._record_state(counting)
+                self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.device)
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss.detach().float().item())
+
+    def _record_state(self, counting: bool) -> None:
+        if counting and self.wiring == "fp8dist":  # fp8dist.report reads what wrap_model recorded
+            self.state = _model_state(self.model, self.optimizer)
+
+    def figures(self) -> dict[str, Any]:
+        return {"losses": self.losses, "times": self.times, "peak_mib": _peak_memory_mib(self.device),
+                "comm": self.counter.counts.to_dict(), "state": self.state}
+
+
+def _set_cpu_threads(world: int) -> None:
+    """Share this node's cores between its ranks instead of oversubscribing them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def run_cell(cell: Cell) -> dict[str, Any] | None:
+    """Run ``cell`` in this rank (call it in every rank); rank 0 returns the cell's figures, the others None.
+
+    Steps ``TIMING_WARMUP`` .. ``steps - 2`` are timed; the last step runs under a :class:`CommCounter`, which
+    slows it, so it is counted but not timed. A "vs-raw" cell trains the fp8dist model and the hand-wired one
+    side by side in the same processes, alternating which goes first, so that both see the same machine load.
+    """
+    from .data import Batches
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    device = _init_process_group(cell)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if device.type == "cpu":
+        _set_cpu_threads(world)
+    runs = [_Run(cell, "fp8dist", device)] + ([_Run(cell, "raw", device)] if cell.wiring == "vs-raw" else [])
+    batches = Batches(batch_size=cell.batch_size * world, seq_len=cell.seq_len, rank=rank, world_size=world,
+                      seed=cell.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(cell.steps):
+        ids = batches[step].to(device)
+        for run in (runs if step % 2 == 0 else runs[::-1]):
+            run.step(step, ids)
+    gathered = _gather([run.figures() for run in runs], world)  # [rank][run]
+    if rank != 0:
+        return None
+    figures = [_combine(cell, [g[i] for g in gathered], run, world, device) for i, run in enumerate(runs)]
+    result = {**cell.to_dict(), **figures[0]}
+    if cell.wiring == "vs-raw":
+        result["raw"] = figures[1]
+        result["peak_memory_mib"] = None  # two models in one process: memory belongs to the plain cells
+    return result
+
+
+def _gather(mine: Any, world: int) -> list[Any]:
+    """Every rank's figures, in rank order."""
+    if world == 1:
+        return [mine]
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
+             device: torch.device) -> dict[str, Any]:
+    """One run's figures over the ranks: losses averaged, each step as slow as its slowest rank."""
+    losses = [sum(r["losses"][s] for r in ranks) / world for s in range(cell.steps)]
+    times = [max(r["times"][s] for r in ranks) for s in range(cell.steps)]
+    median = statistics.median(times[TIMING_WARMUP:cell.steps - 1])
+    tokens = cell.batch_size * world * cell.seq_len
+    return {"world_size": world, "device": device.type, "params": run.params, "fp8_layers": run.fp8_layers,
+            "fp8_params": run.fp8_params,
+            "losses": losses, "step_times_s": times, "timed_steps": [TIMING_WARMUP, cell.steps - 2],
+            "median_step_s": median, "tokens_per_step": tokens, "tokens_per_s": tokens / median,
+            "peak_memory_mib": [r["peak_mib"] for r in ranks],
+            "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
+            "comm_step": cell.steps - 1, "comm": ranks[0]["comm"], "comm_per_rank": [r["comm"] for r in ranks],
+            "model_state": ranks[0]["state"] or None,
+            "model_state_per_rank": [r["state"] for r in ranks] if ranks[0]["state"] else None}

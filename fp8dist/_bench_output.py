@@ -1,0 +1,209 @@
+"""What ``fp8dist bench`` writes: the results document (cells, comparisons, device, versions, date), the JSON and
+PNG files (atomically), the Markdown table and the one-line summary of a cell."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes"]
+
+SCHEMA = 1
+COMM_TYPES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each collective counted at its full "
+                   "buffer size (nccl-tests' message size: the gathered output of an all-gather, the input of a "
+                   "reduce-scatter, the tensor of an all-reduce or broadcast)")
+
+
+def fmt_bytes(n: float) -> str:
+    """52 B, 12.5 KiB, 1.03 MiB, 2.10 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit != "KiB" else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _device(device_type: str, nproc: int) -> dict[str, Any]:
+    import torch
+
+    if device_type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
+                "nproc": nproc, "backend": "nccl", "capability": "sm_%d%d" % torch.cuda.get_device_capability(0)}
+    return {"type": "cpu", "name": _cpu_name(), "count": os.cpu_count(), "nproc": nproc, "backend": "gloo",
+            "threads_per_process": max(1, (os.cpu_count() or 1) // nproc)}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _versions() -> dict[str, str | None]:
+    from . import __version__
+    from .env import package_version
+
+    names = ("torch", "torchao", "deepspeed", "transformers", "transformer_engine", "msamp")
+    return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
+
+
+def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
+    keys = ("strategy", "fp8", "size", "wiring")
+    want = {**{k: cell[k] for k in keys}, **change}
+    return next((c for c in cells if all(c[k] == want[k] for k in keys) and "error" not in c), None)
+
+
+def _max_delta(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _compare(cells: list[dict[str, Any]]) -> None:
+    """Each FP8 cell against the bf16 cell of the same strategy, size and seed; each vs-raw cell's overhead."""
+    for cell in cells:
+        if "error" in cell:
+            continue
+        bf16 = _counterpart(cells, cell, fp8=None) if cell["fp8"] else None
+        if bf16 is not None:
+            cell["vs_bf16"] = {"bf16_cell": bf16["name"], "max_abs_delta_loss": _max_delta(cell["losses"],
+                                                                                             bf16["losses"]),
+                               "final_delta_loss": cell["losses"][-1] - bf16["losses"][-1],
+                               "bf16_losses": bf16["losses"]}
+        if cell["wiring"] == "vs-raw":
+            cell["overhead"] = _overhead(cell, cell["raw"])
+
+
+def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """fp8dist against the hand-wired engine trained beside it: the median over the timed steps of the ratio of
+    the two step times (each pair ran back to back, so machine load hits both alike), and the losses."""
+    first, last = cell["timed_steps"]
+    pairs = [a / b for a, b in zip(cell["step_times_s"][first:last + 1], raw["step_times_s"][first:last + 1])]
+    return {"fp8dist_median_step_s": cell["median_step_s"], "raw_median_step_s": raw["median_step_s"],
+            "step_time_ratio": statistics.median(pairs), "ratio_of_medians": cell["median_step_s"]
+            / raw["median_step_s"], "step_time_ratios": pairs, "losses_identical": cell["losses"] == raw["losses"],
+            "max_abs_delta_loss": _max_delta(cell["losses"], raw["losses"])}
+
+
+def results_document(results: list[dict[str, Any]], settings: Any, device_type: str, *, command: str,
+                     load_average: list[Any], wall_s: float) -> dict[str, Any]:
+    """The JSON written by ``fp8dist bench``: what ran where, when, with which versions, and every cell."""
+    cells = [dict(r) for r in results]
+    _compare(cells)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"fp8dist_bench": SCHEMA, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": _device(device_type, settings.nproc), "versions": _versions(), "command": command,
+            "settings": {**asdict(settings), "timing": "median step time over the timed steps, each step as slow "
+                                                        "as its slowest rank"},
+            "comm_bytes": COMM_DEFINITION, "load_average": {"start": list(load_average[0]),
+                                                            "end": list(load_average[1])},
+            "wall_s": wall_s, "cells": cells}
+
+
+def _slug(doc: dict[str, Any]) -> str:
+    device = doc["device"]
+    name = "cpu" if device["type"] == "cpu" else re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")
+    return f"{name}-x{device['nproc']}"
+
+
+def results_stem(doc: dict[str, Any]) -> str:
+    """``bench_<date>_<device>-x<processes>``, e.g. bench_2026-01-31_cpu-x2."""
+    return f"bench_{doc['date'][:10]}_{_slug(doc)}"
+
+
+def _atomic_write(target: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp_path)`` then rename over ``target``: no half-written file is ever visible."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; results are ordinary files
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_results(doc: dict[str, Any], out: Path, *, plot: bool) -> list[Path]:
+    """Write ``<stem>.json`` (and ``<stem>.png`` with ``plot``) into ``out``; returns the paths."""
+    stem = out / results_stem(doc)
+    paths = [stem.with_suffix(".json")]
+    _atomic_write(paths[0], lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
+    if plot:
+        from ._bench_plot import plot_results
+
+        paths.append(stem.with_suffix(".png"))
+        _atomic_write(paths[1], lambda tmp: plot_results(doc, tmp))
+    return paths
+
+
+def _comm(cell: dict[str, Any], kind: str) -> str:
+    entry = cell["comm"].get(kind)
+    return fmt_bytes(entry["bytes"]) if entry else "-"
+
+
+def _state(cell: dict[str, Any]) -> str:
+    state = cell.get("model_state")
+    return f"{state['bytes_per_param']['total']:.2f}" if state else "-"
+
+
+def _memory(cell: dict[str, Any]) -> str:
+    return f"{max(cell['peak_memory_mib']):,.0f}" if cell.get("peak_memory_mib") else "-"
+
+
+def cell_line(cell: dict[str, Any]) -> str:
+    """One line per finished cell, for the progress output."""
+    if "error" in cell:
+        return f"{cell['name']:<28} FAILED: {cell['error'].strip().splitlines()[-1][:200]}"
+    comm = ", ".join(f"{k} {fmt_bytes(v['bytes'])}" for k, v in cell["comm"].items()) or "none"
+    line = (f"{cell['name']:<28} {cell['tokens_per_s']:>10,.0f} tok/s  step {1000 * cell['median_step_s']:7.1f} ms"
+            f"  peak {_memory(cell)} MiB  state {_state(cell)} B/param  comm/step: {comm}")
+    if cell["wiring"] == "vs-raw":
+        raw = cell["raw"]
+        ratio = _overhead(cell, raw)["step_time_ratio"]
+        line += f"  | raw step {1000 * raw['median_step_s']:.1f} ms, ratio {ratio:.3f}"
+    return line
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The figures as Markdown tables (README), headed by device, date and versions."""
+    device, versions = doc["device"], doc["versions"]
+    memory = "peak RSS" if device["type"] == "cpu" else "peak CUDA allocated"
+    head = (f"{device['name']} ({device['type']}), {device['nproc']} process(es) per cell, {doc['date'][:10]}; "
+            f"torch {versions['torch']}, torchao {versions['torchao']}, transformers {versions['transformers']}")
+    cols = ["cell", "tokens/s", "step (ms)", f"{memory} (MiB)", "model state (B/param)",
+            *[f"{k.replace('_', '-')} /step" for k in COMM_TYPES], "max \\|Δloss\\| vs bf16"]
+    rows = []
+    for c in doc["cells"]:
+        if "error" in c:
+            rows.append([c["name"], "failed", *["-"] * (len(cols) - 2)])
+        elif c["wiring"] == "fp8dist":
+            delta = f"{c['vs_bf16']['max_abs_delta_loss']:.4f}" if "vs_bf16" in c else "-"
+            rows.append([c["name"], f"{c['tokens_per_s']:,.0f}", f"{1000 * c['median_step_s']:.1f}", _memory(c),
+                         _state(c), *[_comm(c, k) for k in COMM_TYPES], delta])
+    lines = [head, "", _md(cols, rows)]
+    overhead = [c for c in doc["cells"] if "overhead" in c]
+    if overhead:
+        ocols = ["FSDP2 cell", "fp8dist step (ms)", "hand-wired step (ms)", "fp8dist / raw", "losses identical"]
+        orows = [[c["name"].removesuffix("/vs-raw"), f"{1000 * c['overhead']['fp8dist_median_step_s']:.1f}",
+                  f"{1000 * c['overhead']['raw_median_step_s']:.1f}", f"{c['overhead']['step_time_ratio']:.3f}",
+                  "yes" if c["overhead"]["losses_identical"] else "no"] for c in overhead]
+        lines += ["", _md(ocols, orows)]
+    return "\n".join(lines)
+
+
+def _md(cols: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])

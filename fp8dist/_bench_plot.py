@@ -1,0 +1,117 @@
+"""The PNG of ``fp8dist bench``: throughput, peak memory and communication bars per cell, loss curves (FP8 against
+bf16) per model size, and the fp8dist / hand-wired step-time ratio. Needs matplotlib (``fp8dist[bench]``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._bench_output import COMM_TYPES
+
+__all__ = ["plot_results"]
+
+_FP8_COLORS = {None: "#4c72b0", "torchao": "#dd8452", "te": "#55a868", "msamp": "#8172b3"}
+_COMM_COLORS = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868",
+                "broadcast": "#c44e52", "other": "#937860"}
+_STRATEGY_COLORS = {"fsdp": "#4c72b0", "fsdp1": "#55a868", "ddp": "#c44e52", "none": "#8c8c8c",
+                    "deepspeed": "#8172b3"}
+
+
+def _bars(ax, cells: list[dict[str, Any]], values: list[float], title: str, fmt: str) -> None:
+    y = range(len(cells))
+    ax.barh(y, values, color=[_FP8_COLORS.get(c["fp8"], "#999999") for c in cells])
+    for i, v in zip(y, values):
+        ax.text(v, i, " " + format(v, fmt), va="center", fontsize=7)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(0, max(values, default=1) * 1.25 or 1)
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=8)
+
+
+def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
+    left = [0.0] * len(cells)
+    kinds = list(COMM_TYPES) + ["other"]
+    for kind in kinds:
+        widths = [sum(v["bytes"] for k, v in c["comm"].items() if (k == kind or (kind == "other" and
+                                                                                 k not in COMM_TYPES))) / 2**20
+                  for c in cells]
+        if any(widths):
+            ax.barh(range(len(cells)), widths, left=left, color=_COMM_COLORS[kind], label=kind.replace("_", "-"))
+            left = [a + b for a, b in zip(left, widths)]
+    for i, total in enumerate(left):
+        ax.text(total, i, f" {total:.2f}", va="center", fontsize=7)
+    ax.set_xlim(0, max(left, default=1) * 1.25 or 1)
+    ax.set_title("bytes communicated per step and rank (MiB)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=8)
+
+
+def _loss_panel(ax, cells: list[dict[str, Any]], size: str) -> None:
+    """The loss curves of one model size, with the FP8 - bf16 difference per step in an inset."""
+    delta = ax.inset_axes([0.5, 0.5, 0.47, 0.3])
+    for c in (c for c in cells if c["size"] == size):
+        color = _STRATEGY_COLORS.get(c["strategy"])
+        steps = range(1, len(c["losses"]) + 1)
+        label = f"{c['strategy']} {c['fp8'] or 'bf16'}"
+        if "vs_bf16" in c:
+            label += f" (max |Δ| {c['vs_bf16']['max_abs_delta_loss']:.4f})"
+            diff = [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])]
+            delta.plot(steps, diff, "--", color=color, linewidth=1)
+        ax.plot(steps, c["losses"], "-" if c["fp8"] is None else "--", color=color, label=label, linewidth=1.2)
+    delta.axhline(0.0, color="black", linewidth=0.6)
+    delta.set_title("FP8 - bf16", fontsize=7)
+    delta.tick_params(labelsize=6)
+    ax.set_title(f"loss, llama-{size}: FP8 (dashed) vs bf16 (solid), same seed and batches", fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.tick_params(labelsize=8)
+
+
+def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
+    pairs = [c for c in cells if "overhead" in c]
+    names = [c["name"].removesuffix("/vs-raw") for c in pairs]
+    ratios = [c["overhead"]["step_time_ratio"] for c in pairs]
+    ax.barh(range(len(pairs)), ratios, color=[_FP8_COLORS.get(c["fp8"], "#999999") for c in pairs])
+    for i, (r, c) in enumerate(zip(ratios, pairs)):
+        same = "losses identical" if c["overhead"]["losses_identical"] else "losses differ"
+        ax.text(r, i, f" {r:.3f} ({same})", va="center", fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(pairs)), names, fontsize=8)
+    ax.set_xlim(min([0.8, *ratios]), max([1.2, *ratios]) * 1.15)
+    ax.invert_yaxis()
+    ax.set_title("step time fp8dist / hand-wired FSDP2 (same processes, alternating)", fontsize=10)
+    ax.tick_params(labelsize=8)
+
+
+def plot_results(doc: dict[str, Any], path: str) -> None:
+    """Draw ``doc`` (see :func:`fp8dist._bench_output.results_document`) into a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in doc["cells"] if "error" not in c]
+    plain = [c for c in cells if c["wiring"] == "fp8dist"]
+    sizes = list(dict.fromkeys(c["size"] for c in plain))
+    bottom = len(sizes) + (1 if any("overhead" in c for c in cells) else 0)
+    ncols = max(3, bottom)
+    fig = plt.figure(figsize=(6 * ncols, 4 + 0.28 * len(plain) + 4.5), constrained_layout=True)
+    grid = fig.add_gridspec(2, ncols, height_ratios=[1 + 0.07 * len(plain), 1])
+    names = [c["name"] for c in plain]
+    top = [fig.add_subplot(grid[0, i]) for i in range(3)]
+    _bars(top[0], plain, [c["tokens_per_s"] for c in plain], "throughput (tokens/s, global)", ",.0f")
+    memory = "peak RSS per rank (MiB)" if doc["device"]["type"] == "cpu" else "peak CUDA memory per rank (MiB)"
+    _bars(top[1], plain, [max(c["peak_memory_mib"]) for c in plain], memory, ",.0f")
+    _comm_bars(top[2], plain)
+    for ax in top:
+        ax.set_yticks(range(len(plain)), names if ax is top[0] else [""] * len(plain), fontsize=8)
+    for i, size in enumerate(sizes):
+        _loss_panel(fig.add_subplot(grid[1, i]), plain, size)
+    if bottom > len(sizes):
+        _overhead_panel(fig.add_subplot(grid[1, len(sizes)]), cells)
+    device, versions = doc["device"], doc["versions"]
+    fig.suptitle(f"fp8dist bench: {device['name']} x {device['nproc']} ({device['backend']}), {doc['date'][:10]}; "
+                 f"torch {versions['torch']}, torchao {versions['torchao']}; bars colored by FP8 backend "
+                 "(blue bf16, orange torchao)", fontsize=11)
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)

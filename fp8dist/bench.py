@@ -1,0 +1,327 @@
+"""``fp8dist bench``: a matrix of strategy x FP8 backend x model size, each cell trained for a few steps in
+fresh processes, measuring throughput, peak memory, model-state bytes per parameter, bytes communicated per
+step by collective type, the loss curve against the bf16 run of the same seed, and, for FSDP2 (bf16 and
+torchao), the step time of fp8dist against the same wiring written by hand.
+
+    fp8dist bench                                       # CPU: tiny + small Llama, 2 processes, a few minutes
+    fp8dist bench --strategies fsdp,ddp,deepspeed --fp8 none,torchao --sizes tiny --steps 12
+    fp8dist bench --sizes 1b                            # GPU default: a 1.1B Llama, one process per GPU
+
+Results go to ``benchmarks/results/bench_<date>_<device>.json`` and ``.png`` (written atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._bench_cell import TIMING_WARMUP, Cell
+
+__all__ = ["add_parser", "run", "BenchSettings", "plan_cells"]
+
+STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
+FP8_CHOICES = ("none", "torchao", "te", "msamp")
+OVERHEAD_FP8 = (None, "torchao")
+"""FSDP2 cells measured against the hand-wired engine (bf16 and torchao)."""
+
+# defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
+# deepspeed joins the CPU strategies when it is installed (an optional extra)
+DEFAULTS = {"cpu": ("fsdp,fsdp1,ddp", "none,torchao", "tiny,small", 16, 4, 128),
+            "cuda": ("fsdp,ddp", "none,torchao", "1b", 20, 4, 2048)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """The matrix and the job of every cell, validated."""
+
+    strategies: tuple[str, ...]
+    fp8: tuple[str | None, ...]
+    sizes: tuple[str, ...]
+    steps: int
+    batch_size: int
+    seq_len: int
+    nproc: int
+    seed: int
+    lr: float
+    zero_stage: int
+    raw: bool
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``fp8dist bench`` on an argparse subparsers object."""
+    p = sub.add_parser("bench", help="benchmark strategy x FP8 backend x model size: throughput, memory, "
+                                     "communication, loss vs bf16, overhead vs the raw engine",
+                       description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
+                                   "steps in fresh processes; record throughput, peak memory, model-state bytes per "
+                                   "parameter, bytes communicated per step by collective type, the loss curve "
+                                   "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine. "
+                                   "Writes JSON and PNG named by date and device.")
+    from .models import LLAMA_SIZES
+
+    def default(i: int) -> str:
+        cpu, gpu = DEFAULTS["cpu"][i], DEFAULTS["cuda"][i]
+        return f"default: {cpu}" if cpu == gpu else f"default: {cpu} on CPU, {gpu} on GPU"
+
+    p.add_argument("--strategies", metavar="LIST", default=None,
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} ({default(0)}; on CPU also deepspeed "
+                        "when it is installed)")
+    p.add_argument("--fp8", metavar="LIST", default=None,
+                   help=f"comma-separated FP8 backends, from {', '.join(FP8_CHOICES)}; each FP8 cell also runs its "
+                        f"bf16 (none) counterpart ({default(1)}; none only where torchao cannot run)")
+    p.add_argument("--sizes", metavar="LIST", default=None,
+                   help=f"comma-separated Llama presets, from {', '.join(LLAMA_SIZES)} ({default(2)})")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help=f"steps per cell: {TIMING_WARMUP} warm-up, then timed, the last one counted "
+                        f"(communication, model state) and not timed ({default(3)})")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help=f"sequences per process per step ({default(4)})")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help=f"tokens per sequence ({default(5)})")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="processes per cell (default: one per GPU, or 2 on CPU; strategy none always runs 1)")
+    p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2,
+                   help="ZeRO stage of deepspeed cells (default: 2)")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW learning rate, constant (default: 1e-3)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="model initialization and batch order seed (default: 0)")
+    p.add_argument("--no-raw", dest="raw", action="store_false",
+                   help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
+    p.add_argument("--no-plot", dest="plot", action="store_false",
+                   help="write the JSON only; default: JSON and PNG (the PNG needs matplotlib: "
+                        "pip install 'fp8dist[bench]')")
+    p.add_argument("--out", metavar="DIR", default="benchmarks/results",
+                   help="directory for the JSON and PNG (default: benchmarks/results)")
+
+
+def _device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _split(flag: str, value: str, choices: tuple[str, ...], example: str) -> tuple[str, ...]:
+    """A comma-separated flag value, every item checked against ``choices``; duplicates dropped."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{flag} {value!r} is empty; give a comma-separated list, e.g. {flag} {example}.")
+    for item in items:
+        if item not in choices:
+            raise ValueError(f"{flag}: {item!r} is not one of {', '.join(choices)} (comma-separated, e.g. "
+                             f"{flag} {example}).")
+    return tuple(dict.fromkeys(items))
+
+
+def _at_least(flag: str, value: int, low: int, why: str) -> int:
+    if value < low:
+        raise ValueError(f"{flag} {value}: needs at least {low} ({why}).")
+    return value
+
+
+def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
+    """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
+    from .data import make_corpus
+    from .env import package_version
+    from .models import LLAMA_SIZES
+    from .train import default_fp8, default_nproc
+
+    strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
+    if device_type == "cpu" and package_version("deepspeed") is not None:
+        strategies += ",deepspeed"
+    if default_fp8() is None:  # torchao cannot run here (a GPU without FP8): bf16 cells only unless asked
+        fp8 = "none"
+    given = lambda value, default: default if value is None else value  # noqa: E731
+    fp8_items = _split("--fp8", given(args.fp8, fp8), FP8_CHOICES, "none,torchao")
+    settings = BenchSettings(
+        strategies=_split("--strategies", given(args.strategies, strategies), STRATEGIES, "fsdp,ddp"),
+        fp8=tuple(None if f == "none" else f for f in fp8_items),
+        sizes=_split("--sizes", given(args.sizes, sizes), tuple(LLAMA_SIZES), "tiny,small"),
+        steps=_at_least("--steps", given(args.steps, steps), TIMING_WARMUP + 2,
+                        f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step"),
+        batch_size=_at_least("--batch-size", given(args.batch_size, batch), 1, "sequences per process"),
+        seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
+        nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
+        seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw)
+    corpus = len(make_corpus())
+    if settings.seq_len >= corpus:
+        raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
+                         f"use at most {corpus - 1}.")
+    if args.lr <= 0:
+        raise ValueError(f"--lr {args.lr}: must be positive.")
+    return settings
+
+
+def plan_cells(settings: BenchSettings) -> list[Cell]:
+    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells, then the FSDP2 overhead cells."""
+    job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,
+               lr=settings.lr, zero_stage=settings.zero_stage)
+    backends = tuple(dict.fromkeys((None, *settings.fp8)))  # every FP8 cell gets its bf16 counterpart
+    cells = []
+    for size in settings.sizes:
+        for strategy in settings.strategies:
+            cells += [Cell(strategy=strategy, fp8=f, size=size, **job) for f in backends]
+        if settings.raw and "fsdp" in settings.strategies:
+            cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
+                      for f in backends if f in OVERHEAD_FP8]
+    return cells
+
+
+def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:
+    """Every cell is a valid configuration that can run here, before any process starts."""
+    import torch
+
+    from .config import resolve_config
+    from .env import package_version
+    from .fp8 import get_backend
+
+    if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
+        raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
+                         "install it or leave deepspeed out of --strategies.")
+    if device_type == "cuda" and settings.nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc {settings.nproc}: this machine has {torch.cuda.device_count()} GPU(s); use at "
+                         "most that many (one process per GPU).")
+    for cell in cells:
+        options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
+        config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, **options)
+        device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+        gate = get_backend(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
+        if gate:
+            raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (torchao runs on "
+                             "CPU and on CUDA sm_89+).")
+
+
+def _check_plotting(plot: bool) -> None:
+    if not plot:
+        return
+    try:  # checked before the matrix runs, not after it
+        importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise ValueError("the PNG plot needs matplotlib, which is not installed: pip install 'fp8dist[bench]' "
+                         "(or pass --no-plot to write the JSON only).") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
+    from ._bench_output import cell_line, markdown_table, results_document, write_results
+
+    device_type = _device_type()
+    settings = resolve_settings(args, device_type)
+    cells = plan_cells(settings)
+    check_cells(cells, settings, device_type)
+    _check_plotting(args.plot)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started, load_start = time.time(), os.getloadavg()
+    print(f"fp8dist bench: {len(cells)} cells on {device_type}, {settings.nproc} process(es) each, "
+          f"{settings.steps} steps; results in {out}/", flush=True)
+    results = _run_cells(cells, settings, cell_line)
+    doc = results_document(results, settings, device_type, command=_command_line(),
+                           load_average=[load_start, os.getloadavg()], wall_s=time.time() - started)
+    paths = write_results(doc, out, plot=args.plot)
+    print(markdown_table(doc))
+    print("wrote " + ", ".join(str(p) for p in paths), flush=True)
+    failed = [r["name"] for r in results if "error" in r]
+    if failed:
+        print(f"fp8dist bench: {len(failed)} cell(s) failed: {', '.join(failed)} (errors in the JSON)",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _command_line() -> str:
+    return shlex.join(["fp8dist", *sys.argv[1:]]) if Path(sys.argv[0]).name == "fp8dist" else shlex.join(sys.argv)
+
+
+def _run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list[dict[str, Any]]:
+    """Each cell in fresh processes, one after another, under a progress bar."""
+    from tqdm import tqdm
+
+    start_method = _start_method(cells)
+    tqdm.monitor_interval = 0  # no monitor thread: the cells' processes may be forked from this one
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fp8dist-bench-") as logs, \
+            tqdm(total=len(cells), desc="fp8dist bench", unit="cell", file=sys.stderr) as bar:
+        for cell in cells:
+            bar.set_postfix_str(cell.name)
+            nproc = 1 if cell.strategy == "none" else settings.nproc
+            result = _launch_cell(cell, nproc, Path(logs), start_method)
+            results.append(result)
+            bar.write(describe(result))
+            bar.update()
+    return results
+
+
+def _start_method(cells: list[Cell]) -> str:
+    """CPU: fork the cells' processes from this one, with the heavy imports done once here (a spawned process
+    spends 5-10 s importing torch, transformers and torchao on a busy 2-core machine, more than a tiny cell
+    trains). CUDA: spawn, as a CUDA context does not survive a fork."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "spawn"
+    importlib.import_module("transformers.models.llama.modeling_llama")
+    importlib.import_module("fp8dist.api")
+    for module, used in (("torchao.float8", any(c.fp8 == "torchao" for c in cells)),
+                         ("deepspeed", any(c.strategy == "deepspeed" for c in cells))):
+        if used:
+            importlib.import_module(module)
+    return "fork"
+
+
+def _launch_cell(cell: Cell, nproc: int, logs: Path, start_method: str) -> dict[str, Any]:
+    """Run one cell on ``nproc`` fresh processes with torch's elastic launch (what torchrun runs); rank 0's
+    figures, or the cell with the first failing rank's error."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1, start_method=start_method,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(logs / run_id), redirects=Std.ALL))
+    try:
+        returned = elastic_launch(config, _cell_worker)(cell)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        return {**cell.to_dict(), "error": f"rank {rank} exited with {failure.exitcode}: "
+                                           f"{_error_text(failure, logs / run_id, rank)}"}
+    return returned[0]
+
+
+def _error_text(failure: Any, logs: Path, rank: int) -> str:
+    """The failing rank's traceback (recorded by ``@record``), else the tail of its stderr."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if message and "To enable traceback" not in str(message):
+        return str(message)[-4000:]
+    tails = [p.read_text(errors="replace")[-4000:] for p in sorted(logs.rglob(f"{rank}/stderr.log"))]
+    return tails[-1] if tails else str(message)
+
+
+def _cell_worker(cell: Cell) -> dict[str, Any] | None:
+    """Entry point of each spawned process (module level: it is pickled by reference)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run_and_close)(cell)
+
+
+def _run_and_close(cell: Cell) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    from ._bench_cell import run_cell
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    try:
+        return run_cell(cell)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Count the collectives a training step really issues, and the bytes they move, by collective type.
+
+Every collective of ``torch.distributed`` goes through the dispatcher as a ``c10d`` op (``dist.all_reduce``,
+FSDP2's ``all_gather_into_tensor``, DDP's C++ reducer, DeepSpeed's ``deepspeed.comm``) or a ``_c10d_functional``
+op (DTensor redistribution, torchao's FP8 scale all-reduce), so one ``TorchDispatchMode`` sees them all, whatever
+the engine. Like torch's ``CommDebugMode`` it lets DTensor desugar into its collectives first; unlike it, it counts
+bytes.
+
+Bytes are the size of the full buffer of each collective, what nccl-tests calls the message size: the gathered
+output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast. Over a ring of
+n ranks each rank sends (n-1)/n of it for an all-gather or reduce-scatter, 2(n-1)/n for an all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CommCounts", "CommCounter", "collective_kind"]
+
+# op name (without namespace and overload) -> collective type; c10d's in-place ops end in "_"
+_KINDS = {
+    "all_gather": ("_allgather_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+                   "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out"),
+    "reduce_scatter": ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
+                       "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+    "all_reduce": ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_coalesced"),
+    "broadcast": ("broadcast_", "broadcast"),
+    "all_to_all": ("alltoall_", "alltoall_base_", "all_to_all_single"),
+    "reduce": ("reduce_",),
+    "gather": ("gather_",),
+    "scatter": ("scatter_",),
+    "send_recv": ("send", "recv_", "recv_any_source_"),
+}
+_KIND_OF = {name: kind for kind, names in _KINDS.items() for name in names}
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def collective_kind(func: torch._ops.OpOverload) -> str | None:
+    """The collective type of a dispatcher op ("all_gather", "all_reduce", ...), or None if it is not one
+    (``wait_tensor``, ``barrier`` and other bookkeeping ops move no payload and are not counted)."""
+    if getattr(func, "namespace", None) not in _NAMESPACES:
+        return None
+    return _KIND_OF.get(func._opname)
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class CommCounts:
+    """Collectives seen, by type: how many calls and how many bytes (full-buffer size, see the module doc)."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dtypes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    """Element types carried, by collective type (FSDP2 moves mixed FP8/bf16 groups as uint8)."""
+
+    def add(self, kind: str, nbytes: int, dtypes: set[str]) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+        self.dtypes[kind] |= dtypes
+
+    def to_dict(self) -> dict[str, dict]:
+        """``{type: {"calls": n, "bytes": b, "dtypes": [...]}}``, types sorted."""
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "dtypes": sorted(self.dtypes[k])}
+                for k in sorted(self.calls)}
+
+
+class CommCounter(TorchDispatchMode):
+    """Count the collectives issued while active, on this rank.
+
+    Example::
+
+        with CommCounter() as comm:
+            loss = model(ids).loss; loss.backward(); optimizer.step()
+        comm.counts.to_dict()   # {"all_gather": {"calls": 6, "bytes": ...}, "reduce_scatter": {...}}
+
+    Every op of the step passes through Python while it is active: count one step, time the others.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = CommCounts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run and issue its collectives, which come back here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = collective_kind(func)
+        if kind is not None:
+            # the full buffer is the largest of the op's tensor arguments (outputs, inputs) and its result
+            parts = [*args[:2], out] if kind != "send_recv" else [args[0]]
+            dtypes = {str(t.dtype).removeprefix("torch.") for t in tree_leaves(parts[0])
+                      if isinstance(t, torch.Tensor)}
+            self.counts.add(kind, max(_nbytes(p) for p in parts), dtypes)
+        return out

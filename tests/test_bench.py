@@ -1,0 +1,147 @@
+"""``fp8dist bench``: the collective counter, a real (tiny) benchmark run on 2 gloo ranks, and its flag errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cli_helpers import run
+from dist_harness import run_ranks
+from fp8dist.cli import main
+
+STEPS = 5
+
+
+def _collectives(rank: int, world: int) -> dict:
+    """Each collective type once, through torch.distributed, the functional API and DDP's C++ reducer."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fp8dist.comm import CommCounter
+
+    with CommCounter() as comm:
+        dist.all_reduce(torch.ones(1000))                                          # 4000 B
+        out = torch.empty(1000, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, torch.ones(500, dtype=torch.bfloat16))   # 2000 B gathered
+        dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))             # 4000 B scattered
+        dist.broadcast(torch.ones(10, dtype=torch.int64), src=0)                   # 80 B
+        funcol.all_reduce(torch.ones(10), "sum", dist.group.WORLD).wait()          # 40 B
+    with CommCounter() as ddp_comm:
+        model = DistributedDataParallel(torch.nn.Linear(8, 8))  # its constructor broadcasts the state
+        model(torch.ones(2, 8)).sum().backward()                # the reducer all-reduces 72 fp32 gradients
+    return {"c10d": comm.counts.to_dict(), "ddp": ddp_comm.counts.to_dict()}
+
+
+def test_comm_counter_sees_every_collective_at_its_full_buffer_size():
+    counts = run_ranks(_collectives)
+    assert counts[0] == counts[1]
+    c10d = {k: (v["calls"], v["bytes"]) for k, v in counts[0]["c10d"].items()}
+    assert c10d == {"all_reduce": (2, 4040), "all_gather": (1, 2000), "reduce_scatter": (1, 4000),
+                    "broadcast": (1, 80)}
+    assert counts[0]["c10d"]["all_gather"]["dtypes"] == ["bfloat16"]
+    assert counts[0]["ddp"]["all_reduce"]["bytes"] == (64 + 8) * 4  # DDP's C++ reducer goes through c10d too
+
+
+def _fsdp_cells(rank: int, world: int) -> list:
+    """FSDP2 bf16 and FSDP2 + torchao (FP8 all-gather) on the tiny Llama, as fp8dist bench runs its cells."""
+    from fp8dist._bench_cell import Cell, run_cell
+
+    return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS)) for fp8 in (None, "torchao")]
+
+
+def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights():
+    """torchao's FP8 all-gather sends 1 byte per converted weight element where bf16 sends 2; the scales are not
+    gathered but made by one all-reduce of the FP8 layers' fp32 amaxes per step (the precompute after the step)."""
+    bf16, fp8 = run_ranks(_fsdp_cells)[0]
+    n_fp8, layers, n_all = fp8["fp8_params"], fp8["fp8_layers"], fp8["params"]
+    assert n_fp8 > 0.8 * n_all and layers == 13  # every Linear but the first and last
+    gathered_bf16 = bf16["comm"]["all_gather"]["bytes"]
+    gathers = gathered_bf16 / (2 * n_all)  # how many times per step each parameter is gathered
+    assert gathers == 2.0  # forward and backward (reshard_after_forward)
+    other = gathers * 2 * (n_all - n_fp8)  # embeddings, norms, first/last Linear: bf16 in both runs
+    converted_bf16 = gathered_bf16 - other
+    converted_fp8 = fp8["comm"]["all_gather"]["bytes"] - other
+    assert converted_fp8 == gathers * n_fp8  # exactly 1 byte per element per gather
+    # blocks holding FP8 weights travel as bytes (FSDP2 packs mixed dtypes as uint8), the root group in bf16
+    assert fp8["comm"]["all_gather"]["dtypes"] == ["bfloat16", "uint8"]
+    scales = fp8["comm"]["all_reduce"]["bytes"]
+    assert scales == 4 * layers and "all_reduce" not in bf16["comm"]
+    ratio = (converted_fp8 + scales) / converted_bf16
+    assert 0.45 < ratio < 0.6
+    assert ratio == pytest.approx(0.5 + 2 * layers / (gathers * n_fp8), rel=1e-9)
+    assert fp8["comm"]["reduce_scatter"] == bf16["comm"]["reduce_scatter"]  # gradients reduce in fp32 either way
+
+
+def _check_cell(cell: dict) -> None:
+    assert cell["tokens_per_s"] > 0 and cell["median_step_s"] > 0
+    assert len(cell["losses"]) == len(cell["step_times_s"]) == STEPS
+    assert all(2.0 < loss < 6.0 for loss in cell["losses"])
+    assert cell["comm"]["all_gather"]["bytes"] > 0 and cell["comm"]["reduce_scatter"]["bytes"] > 0
+    # FSDP2 over 2 ranks: each keeps half of the fp32 parameters, gradients and both Adam moments
+    assert cell["model_state"]["bytes_per_param"]["total"] == pytest.approx(8.0, rel=0.01)
+
+
+def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
+    """A real (tiny) run of the command: FSDP2 bf16 and torchao, 2 processes, each also against the hand-wired
+    engine trained beside it."""
+    proc = run(["fp8dist", "bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--steps",
+                str(STEPS), "--nproc", "2", "--out", str(tmp_path)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("bench_*_cpu-x2.json")
+    doc = json.loads(json_path.read_text())
+    assert doc["device"]["type"] == "cpu" and doc["device"]["nproc"] == 2 and doc["device"]["name"]
+    assert doc["versions"]["torch"] == torch.__version__ and doc["versions"]["torchao"]
+    assert json_path.name == f"bench_{doc['date'][:10]}_cpu-x2.json" and doc["command"].startswith("fp8dist bench")
+    cells = {c["name"]: c for c in doc["cells"]}
+    assert list(cells) == ["fsdp/bf16/tiny", "fsdp/torchao/tiny", "fsdp/bf16/tiny/vs-raw",
+                           "fsdp/torchao/tiny/vs-raw"]
+    for cell in cells.values():
+        _check_cell(cell)
+    for name in ("fsdp/bf16/tiny", "fsdp/torchao/tiny"):
+        assert all(m > 100 for m in cells[name]["peak_memory_mib"])
+    vs_bf16 = cells["fsdp/torchao/tiny"]["vs_bf16"]
+    assert vs_bf16["bf16_cell"] == "fsdp/bf16/tiny" and vs_bf16["bf16_losses"] == cells["fsdp/bf16/tiny"]["losses"]
+    assert 0 < vs_bf16["max_abs_delta_loss"] < 0.05  # FP8 follows bf16 closely, but is not bf16
+    for fp8 in ("bf16", "torchao"):
+        pair = cells[f"fsdp/{fp8}/tiny/vs-raw"]
+        assert pair["overhead"]["losses_identical"] and pair["losses"] == pair["raw"]["losses"]
+        assert 0.2 < pair["overhead"]["step_time_ratio"] < 5
+        assert len(pair["overhead"]["step_time_ratios"]) == STEPS - 3  # 2 warm-up steps, 1 counted
+        assert pair["raw"]["fp8_params"] == pair["fp8_params"]  # the hand-wired filter converts the same layers
+    assert cells["fsdp/torchao/tiny/vs-raw"]["losses"] == cells["fsdp/torchao/tiny"]["losses"]
+    png = json_path.with_suffix(".png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [json_path.name, json_path.with_suffix(".png").name]
+    assert "| fsdp/torchao/tiny |" in proc.stdout and "fp8dist / raw" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--strategies", "fsdp,zero3"], ["--strategies", "'zero3'", "fsdp, fsdp1, ddp, none, deepspeed",
+                                      "e.g. --strategies fsdp,ddp"]),
+    (["--fp8", "fp4"], ["--fp8", "'fp4'", "none, torchao, te, msamp"]),
+    (["--sizes", "tiny,huge"], ["--sizes", "'huge'", "tiny, small, medium"]),
+    (["--sizes", ","], ["--sizes", "empty"]),
+    (["--steps", "3"], ["--steps 3", "at least 4", "warm-up"]),
+    (["--nproc", "0"], ["--nproc 0", "at least 1"]),
+    (["--seq-len", "10000000"], ["--seq-len 10000000", "corpus"]),
+    (["--strategies", "fsdp", "--fp8", "msamp"], ["msamp", "fsdp"]),
+])
+def test_bad_flags_are_errors_naming_the_value_and_the_choices(flags, expected, capsys, tmp_path):
+    assert main(["bench", *flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp8dist bench: error: ")
+    for text in expected:
+        assert text in err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_missing_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import matplotlib.pyplot raises ImportError
+    assert main(["bench", "--sizes", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'fp8dist[bench]'" in err and "--no-plot" in err
+    assert not list(tmp_path.iterdir())
