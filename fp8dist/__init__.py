@@ -8,6 +8,7 @@ from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
+from .estimate import MemoryEstimate, estimate_memory
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .report import PrecisionReport, report
 from .sharding import sharding_summary
@@ -32,6 +33,8 @@ __all__ = [
     "sharding_summary",
     "report",
     "PrecisionReport",
+    "estimate_memory",
+    "MemoryEstimate",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
