@@ -134,7 +134,7 @@ def _measure_cases(rank: int, world: int, cases: list[dict]) -> list[tuple[dict,
             optimizer.step()
             measured = fp8dist.report(model, optimizer)
         estimated = estimate_memory(_llama(41), world_size=world, rank=rank, micro_batch_size=2, **kw)
-        out.append((dict(measured.bytes), dict(estimated.bytes)))
+        out.append((dict(measured.bytes), dict(estimated.bytes), {r.part: r for r in measured.rows}))
     return out
 
 
@@ -143,17 +143,25 @@ def test_estimate_matches_the_measured_report_fsdp_fsdp1_ddp():
     cases = [dict(strategy="fsdp"), dict(strategy="fsdp", fp8="torchao"), dict(strategy="fsdp1"),
              dict(strategy="ddp")]
     for rank, results in enumerate(run_ranks(_measure_cases, cases, timeout=300)):
-        for kw, (measured, estimated) in zip(cases, results):
+        for kw, (measured, estimated, _) in zip(cases, results):
             _within(measured, estimated, f"rank {rank} {kw}")
 
 
 @pytest.mark.slow
 def test_estimate_matches_the_measured_report_deepspeed_zero_1_2_3():
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
-    cases = [dict(strategy="deepspeed", zero_stage=stage) for stage in (1, 2, 3)]
+    cases = [dict(strategy="deepspeed", zero_stage=1), dict(strategy="deepspeed", zero_stage=2),
+             dict(strategy="deepspeed", zero_stage=3, fp8="torchao")]
     for rank, results in enumerate(run_ranks(_measure_cases, cases, timeout=400)):
-        for kw, (measured, estimated) in zip(cases, results):
+        for kw, (measured, estimated, rows) in zip(cases, results):
             _within(measured, estimated, f"rank {rank} {kw}")
+            # and the report's dtypes, read from the engine: bf16 weights and gradients, fp32 master and states
+            row = rows["Linear (high precision)"]
+            assert (row.weight, row.master_weight, row.weight_grad, row.optimizer_states, row.reduce) == \
+                ("bf16", "fp32 (ZeRO partition)", "bf16", "fp32+fp32", "fp32"), kw
+            gather = "bf16" if kw["zero_stage"] == 3 else "bf16 (updated weights, after the step)"
+            assert row.all_gather == gather, kw
+        assert results[2][2]["FP8 Linear"].gemm == "fp8 e4m3 fwd, e5m2 grads (tensorwise)", "ZeRO-3 + torchao"
 
 
 def _saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor, autocast: bool) -> int:
