@@ -1,4 +1,4 @@
-"""The ``fp8dist`` command line: ``train``, ``plan``, ``estimate``, ``ds-config`` and ``env``.
+"""The ``fp8dist`` command line: ``train``, ``plan``, ``estimate``, ``bench``, ``ds-config`` and ``env``.
 
 Every flag of ``train`` is a field of :class:`fp8dist.StrategyConfig`, :class:`fp8dist.FP8Config` or
 :class:`fp8dist.train.TrainConfig`, with the default and help text taken from there; ``--config FILE`` reads the
@@ -15,7 +15,7 @@ import sys
 import uuid
 from typing import Any, Sequence
 
-from . import estimate
+from . import bench, estimate
 from ._schema import add_arguments, route_keys
 from .config import Config, FP8Config, StrategyConfig, load_config_file
 from .env import LaunchError
@@ -260,12 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _train_parser(sub)
     _plan_parser(sub)
     estimate.add_parser(sub)
+    bench.add_parser(sub)
     _ds_config_parser(sub)
     sub.add_parser("env", help="versions, devices, installed FP8 backends and the launcher seen")
     args = parser.parse_args(argv)
     _quiet_cpu_noise()
     try:
-        commands = {"train": _cmd_train, "plan": _cmd_plan, "estimate": estimate.run,
+        commands = {"train": _cmd_train, "plan": _cmd_plan, "estimate": estimate.run, "bench": bench.run,
                     "ds-config": _cmd_ds_config, "env": _cmd_env}
         return commands[args.command](args)
     except (ValueError, NotImplementedError, FileNotFoundError, LaunchError, FP8UnavailableError) as err:
