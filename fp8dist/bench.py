@@ -36,7 +36,7 @@ OVERHEAD_FP8 = (None, "torchao")
 
 # defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
 # deepspeed joins the CPU strategies when it is installed (an optional extra)
-DEFAULTS = {"cpu": ("fsdp,fsdp1,ddp", "none,torchao", "tiny,small", 16, 4, 128),
+DEFAULTS = {"cpu": ("fsdp,fsdp1,ddp", "none,torchao", "tiny,small", 10, 4, 128),
             "cuda": ("fsdp,ddp", "none,torchao", "1b", 20, 4, 2048)}
 
 
@@ -282,7 +282,8 @@ def _launch_cell(cell: Cell, nproc: int, logs: Path, start_method: str) -> dict[
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # a failed cell is reported with its traceback in the results, not as a log flood over the progress bar
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1, start_method=start_method,
@@ -298,9 +299,10 @@ def _launch_cell(cell: Cell, nproc: int, logs: Path, start_method: str) -> dict[
 
 def _error_text(failure: Any, logs: Path, rank: int) -> str:
     """The failing rank's traceback (recorded by ``@record``), else the tail of its stderr."""
-    message = failure.message
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message", failure.message)
     if isinstance(message, dict):
-        message = message.get("message", "")
+        message = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
     if message and "To enable traceback" not in str(message):
         return str(message)[-4000:]
     tails = [p.read_text(errors="replace")[-4000:] for p in sorted(logs.rglob(f"{rank}/stderr.log"))]
