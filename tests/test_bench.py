@@ -85,6 +85,7 @@ def _check_cell(cell: dict) -> None:
     assert cell["model_state"]["bytes_per_param"]["total"] == pytest.approx(8.0, rel=0.01)
 
 
+@pytest.mark.slow
 def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
     """A real (tiny) run of the command: FSDP2 bf16 and torchao, 2 processes, each also against the hand-wired
     engine trained beside it."""
