@@ -19,6 +19,7 @@ from . import bench, estimate
 from ._schema import add_arguments, route_keys
 from .config import Config, FP8Config, StrategyConfig, load_config_file
 from .env import LaunchError
+from .models import LLAMA_SIZES
 from .plan import FP8UnavailableError
 
 __all__ = ["main"]
@@ -131,7 +132,7 @@ def _plan_parser(sub: Any) -> None:
                                    "run in FP8 and why the others fall back.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model-size", choices=["tiny", "small", "medium"], default="tiny",
+    source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
                         help="built-in Llama preset (default: tiny)")
     source.add_argument("--model-config", metavar="JSON", help="a Hugging Face config.json of a causal LM")
     p.add_argument("--ignore-hardware", action="store_true",
@@ -179,7 +180,7 @@ def _ds_config_parser(sub: Any) -> None:
                                    "the model's hidden size), checked by DeepSpeed's own parser.")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage (default: 2)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", choices=["llama-tiny", "llama-small", "llama-medium"],
+    source.add_argument("--model", choices=[f"llama-{size}" for size in LLAMA_SIZES],
                         help="take the hidden size from a built-in Llama")
     source.add_argument("--model-config", metavar="JSON", help="take the hidden size from a HF config.json")
     source.add_argument("--hidden-size", type=int, metavar="N", help="the model's hidden size")

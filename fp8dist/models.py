@@ -14,7 +14,7 @@ from .data import VOCAB_SIZE
 
 __all__ = ["LLAMA_SIZES", "llama_config", "build_llama"]
 
-ModelSize = Literal["tiny", "small", "medium"]
+ModelSize = Literal["tiny", "small", "medium", "1b"]
 
 # name: (hidden, intermediate, layers, heads, kv_heads)
 LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {

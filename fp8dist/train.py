@@ -41,7 +41,7 @@ class TrainConfig:
     """The training job's own knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
 
     model_size: ModelSize = "tiny"
-    """Llama preset: tiny (0.46M parameters), small (3.3M) or medium (25M)."""
+    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M) or 1b (1.08B, for GPUs)."""
 
     steps: int = 60
     """Optimizer steps."""
