@@ -110,6 +110,9 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not cfg.parallel.reshard_after_forward:
         total = sum(p.numel() for p in model.parameters())
         items.append(("unsharded weights kept (reshard_after_forward=False)", total * c))
+    elif cfg.parallel.strategy == "fsdp" and blocks:  # FSDP2's root keeps its gathered weights for backward
+        root = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{b}.") for b in blocks))
+        items.append(("root module's gathered weights, kept for backward", root * c))
     notes = ["activations assume no activation checkpointing and flash-style attention (no seq x seq scores)",
              f"the forward's peak also holds an fp32 copy of the logits ({_mib(4 * T * dims['V'])}) while the "
              "loss is computed"]

@@ -86,8 +86,9 @@ class StrategyConfig:
     _no_split_modules, else the children of the largest nn.ModuleList."""
 
     reshard_after_forward: bool = field(default=True, metadata=_only(strategy=("fsdp", "fsdp1")))
-    """FSDP: free gathered parameters after forward (ZeRO-3 style). False keeps them until backward
-    (ZeRO-2 style: more memory, less communication)."""
+    """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward
+    (ZeRO-2 style: more memory, less communication). FSDP2's root module (embeddings, output layer) always keeps
+    them: backward needs them first."""
 
     device: Device = "auto"
     """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from cli_helpers import run
 from dist_harness import run_ranks
 from fp8dist.cli import main
+from fp8dist.models import build_llama
 
 STEPS = 5
 
@@ -60,11 +61,14 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights():
     n_fp8, layers, n_all = fp8["fp8_params"], fp8["fp8_layers"], fp8["params"]
     assert n_fp8 > 0.8 * n_all and layers == 13  # every Linear but the first and last
     gathered_bf16 = bf16["comm"]["all_gather"]["bytes"]
-    gathers = gathered_bf16 / (2 * n_all)  # how many times per step each parameter is gathered
-    assert gathers == 2.0  # forward and backward (reshard_after_forward)
-    other = gathers * 2 * (n_all - n_fp8)  # embeddings, norms, first/last Linear: bf16 in both runs
+    # decoder blocks are gathered twice per step (forward, and again in backward: reshard_after_forward); the
+    # root (embeddings, final norm, lm_head) once, kept gathered for backward
+    n_root = sum(p.numel() for n, p in build_llama("tiny").named_parameters() if not n.startswith("model.layers."))
+    assert gathered_bf16 == 2 * (2 * (n_all - n_root) + n_root)
+    other = 2 * (2 * (n_all - n_root - n_fp8) + n_root)  # every non-FP8 weight: bf16 in both runs
     converted_bf16 = gathered_bf16 - other
     converted_fp8 = fp8["comm"]["all_gather"]["bytes"] - other
+    gathers = 2  # every FP8 weight is in a block
     assert converted_fp8 == gathers * n_fp8  # exactly 1 byte per element per gather
     # blocks holding FP8 weights travel as bytes (FSDP2 packs mixed dtypes as uint8), the root group in bf16
     assert fp8["comm"]["all_gather"]["dtypes"] == ["bfloat16", "uint8"]

@@ -34,8 +34,8 @@ def _fsdp_case(rank: int, world: int) -> dict:
             out["weight"] = dict(type=type(w).__name__, placements=[repr(p) for p in w.placements],
                                  local_rows=w.to_local().shape[0], rows=w.shape[0], dtype=str(w.dtype),
                                  lm_head_type=type(ours.lm_head.weight).__name__)
+            summary = sharding_summary(ours)  # before the eval forward below: the root stays gathered after it
             out["compute"] = linear_dtypes(ours, ours.model.layers[0].mlp.up_proj, rank, world)
-            summary = sharding_summary(ours)
             out["summary"] = dict(compute=summary.compute_dtype, reduce=summary.reduce_dtype,
                                   local=summary.local_numel, total=summary.total_numel)
             out["buffer"] = str(ours.model.rotary_emb.inv_freq.dtype)

@@ -33,6 +33,7 @@ def build_fsdp1_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | None, device: torch.device,
                mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> nn.Module:
     """Shard each block with ``fully_shard``, then the root. In place: returns ``model`` itself.
+    ``reshard_after_forward`` applies to the blocks; the root keeps its gathered parameters for backward.
 
     Call after FP8 conversion and before building the optimizer.
     """
@@ -40,7 +41,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | 
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # the root's parameters (embeddings, final norm, output layer) are the first backward needs: freeing them
+    # after forward only gathers them again at once (torch's default for the root, as torchtitan does)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
 
 
