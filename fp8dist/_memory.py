@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "StateTally", "leaves", "model_state_tensors", "deepspeed_gradients"]
+__all__ = ["CATEGORIES", "StateBytes", "StateTally", "leaves", "model_state_tensors", "deepspeed_gradients"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 # scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
@@ -48,6 +48,24 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         for value in vars(obj).values():
             if isinstance(value, (torch.Tensor, list, tuple, dict)):
                 yield from leaves(value, depth + 1)
+
+
+class StateBytes:
+    """Totals shared by the measured report and the estimate: both hold ``bytes`` per category and
+    ``total_params``."""
+
+    bytes: Any
+    total_params: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
+        n = max(self.total_params, 1)
+        return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
 
 
 class StateTally:

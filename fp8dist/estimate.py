@@ -32,6 +32,7 @@ from torch import nn
 from ._estimate_activations import activation_items
 from ._estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
                                fp8_buffer_bytes, rank_states, worst_rank)
+from ._memory import StateBytes
 from ._schema import add_arguments, choice_error
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config, torch_dtype
 from .models import LLAMA_SIZES
@@ -42,7 +43,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
+class MemoryEstimate(StateBytes):
     """Predicted bytes on one rank, per category of model state, plus activations; ``print`` it for a table."""
 
     strategy: str
@@ -69,18 +70,8 @@ class MemoryEstimate:
     notes: tuple[str, ...]
 
     @property
-    def model_state_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    @property
     def activation_bytes(self) -> int:
         return sum(b for _, b in self.activations)
-
-    @property
-    def bytes_per_param(self) -> dict[str, float]:
-        """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
-        n = max(self.total_params, 1)
-        return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

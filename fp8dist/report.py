@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._memory import CATEGORIES, StateTally, leaves, model_state_tensors
+from ._memory import CATEGORIES, StateBytes, StateTally, leaves, model_state_tensors
 
 __all__ = ["PrecisionRow", "PrecisionReport", "report"]
 
@@ -55,7 +55,7 @@ class PrecisionRow:
 
 
 @dataclass(frozen=True)
-class PrecisionReport:
+class PrecisionReport(StateBytes):
     """Returned by :func:`report`; ``print`` it for the two tables."""
 
     strategy: str
@@ -69,16 +69,6 @@ class PrecisionReport:
     """The dtypes found in each category."""
     total_params: int
     """Elements of all parameters of the full model."""
-
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    @property
-    def bytes_per_param(self) -> dict[str, float]:
-        """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
-        n = max(self.total_params, 1)
-        return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
