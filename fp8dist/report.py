@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._memory import CATEGORIES, StateBytes, StateTally, leaves, model_state_tensors
+from ._memory import CATEGORIES, StateBytes, StateTally, model_state_tensors
 
 __all__ = ["PrecisionRow", "PrecisionReport", "report"]
 
@@ -164,8 +164,3 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
         dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel)
-
-
-def local_leaves(tensors: list[Any]) -> list[torch.Tensor]:
-    """The plain tensors this rank stores for ``tensors``."""
-    return [leaf for t in tensors for leaf in leaves(t)]
