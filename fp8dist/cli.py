@@ -126,15 +126,21 @@ def _spawn(nproc: int, config: Config, train: Any) -> int:
     return 0
 
 
-def _plan_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="print the per-layer FP8 precision plan without training",
-                       description="Build the model on the meta device (nothing allocated) and print which layers "
-                                   "run in FP8 and why the others fall back.")
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and the model to build on the meta device: ``--model-size`` or ``--model-config``
+    (read by :func:`_meta_model`); shared by ``plan`` and ``estimate``."""
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
                         help="built-in Llama preset (default: tiny)")
     source.add_argument("--model-config", metavar="JSON", help="a Hugging Face config.json of a causal LM")
+
+
+def _plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="print the per-layer FP8 precision plan without training",
+                       description="Build the model on the meta device (nothing allocated) and print which layers "
+                                   "run in FP8 and why the others fall back.")
+    add_model_source(p)
     p.add_argument("--ignore-hardware", action="store_true",
                    help="plan as if the backend and FP8 hardware were present (plan for another machine)")
     add_arguments(p, StrategyConfig, title="strategy")

@@ -35,7 +35,6 @@ from ._estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamI
 from ._memory import StateBytes
 from ._schema import add_arguments, choice_error
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config, torch_dtype
-from .models import LLAMA_SIZES
 
 __all__ = ["MemoryEstimate", "estimate_memory", "add_parser", "run", "OPTIMIZER_STATES"]
 
@@ -248,15 +247,13 @@ _OWN_FLAGS = ("command", "config", "model_size", "model_config", "world_size", "
 
 def add_parser(sub: Any) -> None:
     """Register ``fp8dist estimate``."""
+    from .cli import add_model_source
+
     p = sub.add_parser("estimate", help="predict per-rank memory (model states, activations) before allocating",
                        description="Build the model on the meta device (nothing allocated) and predict the bytes "
                                    "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
                                    "one rank, and the activations of one micro-batch.")
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
-                        help="built-in Llama preset (default: tiny)")
-    source.add_argument("--model-config", metavar="JSON", help="a Hugging Face config.json of a causal LM")
+    add_model_source(p)
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
     p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="tokens per sequence (default: 2048)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
