@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import statistics
 import time
 import warnings
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
+from .env import peak_memory_mib, share_cpu_threads
 
 __all__ = ["Cell", "run_cell", "TIMING_WARMUP"]
 
@@ -125,12 +125,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
     """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
     from .report import report
@@ -185,14 +179,8 @@ class _Run:
             self.state = _model_state(self.model, self.optimizer)
 
     def figures(self) -> dict[str, Any]:
-        return {"losses": self.losses, "times": self.times, "peak_mib": _peak_memory_mib(self.device),
+        return {"losses": self.losses, "times": self.times, "peak_mib": peak_memory_mib(self.device),
                 "comm": self.counter.counts.to_dict(), "state": self.state}
-
-
-def _set_cpu_threads(world: int) -> None:
-    """Share this node's cores between its ranks instead of oversubscribing them."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def run_cell(cell: Cell) -> dict[str, Any] | None:
@@ -208,7 +196,7 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
     device = _init_process_group(cell)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if device.type == "cpu":
-        _set_cpu_threads(world)
+        share_cpu_threads()
     runs = [_Run(cell, "fp8dist", device)] + ([_Run(cell, "raw", device)] if cell.wiring == "vs-raw" else [])
     batches = Batches(batch_size=cell.batch_size * world, seq_len=cell.seq_len, rank=rank, world_size=world,
                       seed=cell.seed)

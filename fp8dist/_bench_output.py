@@ -9,10 +9,11 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from ._files import atomic_write
 
 __all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes"]
 
@@ -123,31 +124,16 @@ def results_stem(doc: dict[str, Any]) -> str:
     return f"bench_{doc['date'][:10]}_{_slug(doc)}"
 
 
-def _atomic_write(target: Path, write: Callable[[str], None]) -> None:
-    """``write(tmp_path)`` then rename over ``target``: no half-written file is ever visible."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; results are ordinary files
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_results(doc: dict[str, Any], out: Path, *, plot: bool) -> list[Path]:
     """Write ``<stem>.json`` (and ``<stem>.png`` with ``plot``) into ``out``; returns the paths."""
     stem = out / results_stem(doc)
     paths = [stem.with_suffix(".json")]
-    _atomic_write(paths[0], lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
+    atomic_write(paths[0], lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
     if plot:
         from ._bench_plot import plot_results
 
         paths.append(stem.with_suffix(".png"))
-        _atomic_write(paths[1], lambda tmp: plot_results(doc, tmp))
+        atomic_write(paths[1], lambda tmp: plot_results(doc, tmp))
     return paths
 
 

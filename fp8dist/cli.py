@@ -209,10 +209,9 @@ def _ds_config_parser(sub: Any) -> None:
 
 def _cmd_ds_config(args: argparse.Namespace) -> int:
     import json
-    import os
-    import tempfile
     from pathlib import Path
 
+    from ._files import atomic_write
     from .strategies.deepspeed import model_hidden_size, zero_config
 
     hidden = args.hidden_size
@@ -237,17 +236,7 @@ def _cmd_ds_config(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     target = Path(args.output)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a config is an ordinary file
-        os.replace(tmp, target)  # all or nothing: no half-written json on disk
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(target, lambda tmp: Path(tmp).write_text(text))  # all or nothing: no half-written json on disk
     print(f"wrote {target} (ZeRO-{args.stage}, hidden size {hidden or 'unknown: DeepSpeed default buckets'})",
           file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "init_distributed", "resolve_device",
-           "share_cpu_threads"]
+           "share_cpu_threads", "peak_memory_mib"]
 
 
 class LaunchError(RuntimeError):
@@ -165,6 +165,15 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     if dev.type == "cpu":
         share_cpu_threads()
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory: CUDA memory allocated on ``device``, or peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 # processes per node, as torchrun, the deepspeed launcher and srun export it

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import signal
 import socket
 import time
@@ -27,7 +26,7 @@ from .api import get_plan, get_wrap_info, wrap_model
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
-from .env import detect_launch_env
+from .env import detect_launch_env, peak_memory_mib
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
 from .report import report
@@ -144,12 +143,6 @@ def _lr_lambda(steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def _peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -285,7 +278,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         _save(train, wrapped, optimizer, step + 1, log if leader else None)
     timed = step_times[1:] or step_times
     tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
-    mine = [_peak_memory_mib(env.device), str(sharding_summary(wrapped))]
+    mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
     gathered: list[Any] = [mine]
     if env.world_size > 1:
         gathered = [None] * env.world_size
