@@ -13,7 +13,7 @@ from torch import nn
 from .config import Config, resolve_config
 from .env import DistEnv, LaunchEnv, detect_launch_env, init_distributed, resolve_device
 from .fp8 import get_backend
-from .optim import OptimizerSpec, build_optimizer
+from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .strategies import ShardingInfo, apply_strategy
 
@@ -88,6 +88,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
     _check_model(model)
+    before = list(model.parameters())  # an optimizer built over these before now would train nothing
     for note in cfg.unused_options():
         warnings.warn(note, UserWarning, stacklevel=2)
     launch = detect_launch_env()                                          # 2. check environment
@@ -118,6 +119,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if backend is not None:                                               # 6. FP8 autocast / hooks
         backend.after_shard(wrapped, plan, cfg, env, fp8_group)  # None: the backend uses the world group
     setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
+    watch_replaced_parameters(before, wrapped.parameters())
     if optimizer is None:
         return wrapped
     if cfg.parallel.strategy == "deepspeed":

@@ -19,7 +19,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from ._schema import check_fields, choice_error, route_keys
+from ._schema import choice_error, normalize_fields, route_keys
 
 __all__ = [
     "StrategyConfig",
@@ -41,6 +41,7 @@ _DTYPE_ALIASES = {
     "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
 }
+"""Other spellings of the dtype names (a torch dtype is read as its ``str``), in Python, files and flags alike."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -48,18 +49,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _dtype_name(value: Any) -> Any:
-    """Accept torch dtypes and common spellings ("bfloat16", torch.bfloat16) for the short names."""
-    if isinstance(value, torch.dtype):
-        value = str(value)
-    if isinstance(value, str):
-        return _DTYPE_ALIASES.get(value.lower(), value.lower())
-    return value
-
-
 def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
     """Field metadata: the field is read only when every named key has one of the given values."""
     return {"only": allowed}
+
+
+_DTYPE = {"aliases": _DTYPE_ALIASES}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -70,15 +65,16 @@ class StrategyConfig:
     """How the model is spread over ranks: none (one process), ddp, fsdp (FSDP2 fully_shard), fsdp1
     (FullyShardedDataParallel) or deepspeed (ZeRO)."""
 
-    param_dtype: DtypeName = "bf16"
+    param_dtype: DtypeName = field(default="bf16", metadata=_DTYPE)
     """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
     parameters and run the forward under autocast to it."""
 
-    reduce_dtype: DtypeName = field(default="fp32", metadata=_only(strategy=("ddp", "fsdp", "fsdp1", "deepspeed")))
+    reduce_dtype: DtypeName = field(default="fp32", metadata={**_DTYPE, **_only(strategy=("ddp", "fsdp", "fsdp1",
+                                                                                       "deepspeed"))})
     """Dtype in which gradients are reduced across ranks. Under ddp, bf16/fp16 use DDP's compression hooks,
     which need NCCL (CUDA)."""
 
-    buffer_dtype: DtypeName = "fp32"
+    buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
     """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
 
     block_classes: tuple[str, ...] = field(default=(), metadata=_only(strategy=("fsdp", "fsdp1")))
@@ -115,17 +111,13 @@ class StrategyConfig:
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-            object.__setattr__(self, name, _dtype_name(getattr(self, name)))
-        if isinstance(self.strategy, str):
-            object.__setattr__(self, "strategy", self.strategy.lower())
-        blocks = self.block_classes
-        if isinstance(blocks, (type, str)):
+        blocks = self.block_classes  # classes are taken by name
+        if isinstance(blocks, type):
             blocks = (blocks,)
         if isinstance(blocks, (list, tuple, set, frozenset)):
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
-        check_fields(self)
+        normalize_fields(self)
         for name in ("micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
@@ -193,26 +185,11 @@ class FP8Config:
     """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
 
     def __post_init__(self) -> None:
-        for name, case in (("fp8", str.lower), ("torchao_recipe", str.lower), ("te_recipe", str.lower),
-                           ("fp8_format", str.upper), ("opt_level", str.upper), ("on_unsupported", str.lower)):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, case(value))
-        if self.fp8 == "none":
-            object.__setattr__(self, "fp8", None)
-        for name in ("fp8_exclude", "override_linear_precision"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        if isinstance(self.fp8_exclude, str):
-            object.__setattr__(self, "fp8_exclude", (self.fp8_exclude,))
-        if self.fp8_format == "E5M2":
+        if isinstance(self.fp8_format, str) and self.fp8_format.upper() == "E5M2":
             raise ValueError("fp8_format='E5M2' is not supported: E5M2 alone lacks the precision forward "
                              "activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 gradients) or "
                              "'E4M3'.")
-        check_fields(self)
-        if len(self.override_linear_precision) != 3:
-            raise ValueError(f"override_linear_precision={self.override_linear_precision!r} must be three booleans "
-                             "(fprop, dgrad, wgrad).")
+        normalize_fields(self)
         for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")

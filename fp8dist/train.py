@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ._schema import check_fields
+from ._schema import normalize_fields
 from .api import get_plan, get_wrap_info, wrap_model
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
@@ -76,7 +76,7 @@ class TrainConfig:
     command starts a job and restarts it after a crash."""
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        normalize_fields(self)
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")

@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # Spawned ranks import test modules by name: make the tests folder importable for them as well.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -49,3 +51,13 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-process gloo group in this pytest process, removed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

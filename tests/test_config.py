@@ -34,7 +34,11 @@ def test_fp8_none_string_means_no_fp8():
     ("param_dtype", "int8", ["param_dtype='int8'", "'fp32', 'bf16', 'fp16'"]),
     ("reduce_dtype", "fp64", ["reduce_dtype='fp64'", "'fp32', 'bf16', 'fp16'"]),
     ("buffer_dtype", 3, ["buffer_dtype=3", "'fp32'"]),
-    ("reshard_after_forward", "yes", ["reshard_after_forward='yes'", "true or false"]),
+    ("reshard_after_forward", "maybe", ["reshard_after_forward='maybe'", "true or false (also yes/no, 1/0)"]),
+    ("zero_stage", "4", ["zero_stage='4'", "1, 2, 3"]),
+    ("fp8_exclude", 5, ["fp8_exclude=5", "a list of names", "['lm_head', '*.mlp.*']", "not int"]),
+    ("fp8_exclude", {"lm_head": True}, ["fp8_exclude={'lm_head': True}", "a list of names", "not dict"]),
+    ("override_linear_precision", [True, False], ["a list of 3 booleans, got 2"]),
     ("fp8", "fp8e4", ["fp8='fp8e4'", "'te', 'torchao', 'msamp'"]),
 ])
 def test_bad_values_name_field_value_and_choices(key, value, expected):
@@ -82,7 +86,64 @@ def test_cli_flags_come_from_the_dataclasses(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--strategy", "fdsp"])
     assert exit_info.value.code == 2
-    assert "invalid choice: 'fdsp'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --strategy: strategy='fdsp' is not valid; choose one of: 'none', 'ddp', 'fsdp'" in err
+    assert "Did you mean 'fsdp'?" in err
+
+
+# Python, files and the command line read every value the same way
+SAME_VALUES = [
+    ("strategy", "FSDP", "fsdp"), ("param_dtype", "bfloat16", "bf16"), ("param_dtype", "BF16", "bf16"),
+    ("fp8_format", "hybrid", "HYBRID"), ("opt_level", "o1", "O1"), ("fp8", "none", None), ("fp8", "TorchAO", "torchao"),
+    ("zero_stage", "3", 3), ("micro_batch_size", "4", 4), ("gradient_clipping", "0.5", 0.5),
+    ("reshard_after_forward", "no", False), ("reshard_after_forward", "Yes", True), ("reshard_after_forward", "0", False),
+    ("override_linear_precision", ["false", "yes", "1"], (False, True, True)),
+    ("fp8_exclude", "lm_head", ("lm_head",)),
+]
+
+
+@pytest.mark.parametrize("key,given,expected", SAME_VALUES)
+def test_python_files_and_flags_normalize_the_same_way(key, given, expected, tmp_path):
+    assert getattr(Config.from_dict({key: given}).parallel if key in {f.name for f in dataclasses.fields(
+        StrategyConfig)} else Config.from_dict({key: given}).precision, key) == expected
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{key}: {given!r}\n" if not isinstance(given, list) else f"{key}: {given}\n")
+    assert resolve_config(path).to_dict()[key] == (list(expected) if isinstance(expected, tuple) else expected)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--override-linear-precision", "false", "false", "false"], (False, False, False)),
+    (["--override-linear-precision", "yes", "no", "1"], (True, False, True)),
+    (["--keep-first-last-linear", "false"], False),
+    (["--keep-first-last-linear", "no"], False),
+    (["--keep-first-last-linear"], True),
+    (["--no-keep-first-last-linear"], False),
+    (["--fp8-all-gather", "none"], None),
+    (["--strategy", "FSDP1"], "fsdp1"),
+    (["--param-dtype", "bfloat16"], "bf16"),
+])
+def test_cli_bool_and_choice_flags_parse_like_python(argv, expected, monkeypatch):
+    from fp8dist import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_cmd_plan", lambda args: seen.update(vars(args)) or 0)
+    assert main(["plan", *argv]) == 0
+    key = argv[0].removeprefix("--").removeprefix("no-").replace("-", "_")
+    assert Config.from_dict({key: seen[key]}).to_dict()[key] == (list(expected) if isinstance(expected, tuple)
+                                                                 else expected)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--override-linear-precision", "false", "maybe", "true"], "override_linear_precision='maybe' must be true or false"),
+    (["--override-linear-precision", "false", "false"], "expected 3 arguments"),
+    (["--keep-first-last-linear", "perhaps"], "keep_first_last_linear='perhaps' must be true or false"),
+    (["--no-keep-first-last-linear", "true"], "unrecognized arguments: true"),
+])
+def test_cli_bad_bool_flags_exit_2_naming_the_choices(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_train_config_rejects_bad_numbers():

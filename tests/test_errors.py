@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp8dist import wrap_model
@@ -12,14 +11,6 @@ from fp8dist.data import Batches
 from fp8dist.env import LaunchError, detect_launch_env
 from fp8dist.models import build_llama
 from fp8dist.strategies import find_blocks
-
-
-@pytest.fixture
-def one_rank_group():
-    """A 1-process gloo group in this pytest process, removed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_not_a_module():

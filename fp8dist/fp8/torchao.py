@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..optim import ProcessStepHook, param_count
 from . import dims_reason, fp8_hardware_reason
 
 NAME = "torchao"
@@ -111,25 +112,38 @@ def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
         register_scale_precompute(model)
 
 
-def register_scale_precompute(model: nn.Module):
-    """Hook ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
-    that holds ``model``'s parameters; returns the hook handle. The user never has to call it."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+# models whose FP8 weight scales are recomputed after their optimizer's step; a model leaves with its last reference
+_PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# per optimizer: its parameter count when checked, and which of the models it steps over
+_OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, weakref.WeakKeyDictionary]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    count = param_count(optimizer)
+    known = _OWNERS.get(optimizer)
+    if known is None or known[0] != count:
+        known = (count, weakref.WeakKeyDictionary())
+        _OWNERS[optimizer] = known
+    if model not in known[1]:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        known[1][model] = any(id(p) in ids for p in model.parameters())
+    return known[1][model]
+
+
+def _precompute_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    model_ref = weakref.ref(model)
-    param_ids = {id(p) for p in model.parameters()}
-    owns: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+    for model in list(_PRECOMPUTE):
+        if _owns(optimizer, model):
+            precompute_float8_dynamic_scale_for_fsdp(model)
 
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        target = model_ref()
-        if target is None:
-            handle.remove()
-            return
-        if optimizer not in owns:
-            owns[optimizer] = any(id(p) in param_ids for g in optimizer.param_groups for p in g["params"])
-        if owns[optimizer]:
-            precompute_float8_dynamic_scale_for_fsdp(target)
 
-    handle = register_optimizer_step_post_hook(hook)
-    return handle
+_HOOK = ProcessStepHook(_precompute_after_step, pre=False)
+
+
+def register_scale_precompute(model: nn.Module) -> None:
+    """Run ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
+    that holds ``model``'s parameters, for as long as ``model`` lives. The user never has to call it."""
+    _PRECOMPUTE.add(model)
+    _HOOK.ensure_registered()
