@@ -50,9 +50,30 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
     if getattr(model, _INFO_ATTR, None) is not None:
         raise ValueError("this model was already wrapped by fp8dist.wrap_model; wrap the original model once.")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no trainable parameters: there is nothing to shard or train. "
-                         "Check that its layers are registered as submodules (nn.ModuleList, not a Python list).")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train. Check that "
+                         "its layers are registered as submodules (nn.ModuleList, not a Python list).")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
+                         "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"{type(model).__name__} has {len(meta)} parameters on the meta device (e.g. {meta[0]!r}): "
+                         "wrap_model needs real weights. Build the model on the CPU, or materialize it first "
+                         "(model.to_empty(device='cpu') and initialize or load its weights); fp8dist plan and "
+                         "fp8dist.estimate_memory take meta-device models as they are.")
+
+
+def _ignored_arguments(cfg: Config, fp8_filter: Any, fp8_group: Any) -> list[str]:
+    """Arguments the configured backend does not read: said once each, never silently dropped."""
+    notes = []
+    if fp8_filter is not None and cfg.precision.fp8 is None:
+        notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
+    if fp8_group is not None and cfg.precision.fp8 != "te":
+        notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: only Transformer Engine reduces its "
+                     "amax over a process group you choose (torchao and MS-AMP take no group).")
+    return notes
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
@@ -95,9 +116,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     plan = plan_precision(model, cfg, device=device, fp8_filter=fp8_filter)  # 3. plan (FP8 gate first)
     backend = get_backend(cfg.precision.fp8) if plan.converted else None
-    if plan.detail.startswith("fallback"):
-        warnings.warn(f"fp8={cfg.precision.fp8!r}: {plan.detail}; every layer trains in the strategy's "
-                      f"{cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
+    for note in _ignored_arguments(cfg, fp8_filter, fp8_group) + list(plan.notes):
+        warnings.warn(note, UserWarning, stacklevel=2)
+    if plan.unavailable:
+        warnings.warn(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "
+                      f"strategy's {cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
     ds_msamp = cfg.parallel.strategy == "deepspeed" and cfg.precision.fp8 == "msamp"
     if cfg.precision.fp8 == "msamp" and optimizer is None and not ds_msamp:
         raise ValueError("fp8='msamp' owns the optimizer: pass optimizer={'type': 'AdamW', 'lr': ...} (or a callable "

@@ -159,8 +159,12 @@ def _meta_model(args: argparse.Namespace):
             return build_llama(args.model_size)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        data = json.loads(open(args.model_config).read())
-        if "model_type" not in data:
+        try:
+            data = json.loads(open(args.model_config).read())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{args.model_config} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                             f"{err.msg}): pass a Hugging Face config.json.") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{args.model_config}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**data))
 
@@ -174,9 +178,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              if k not in ("command", "config", "model_size", "model_config", "ignore_hardware")}
     merged = {"fp8": "torchao", **flat, **given}
     config = Config.from_dict(merged, source=args.config or "the command line")
+    for note in config.unused_options():
+        print(f"fp8dist plan: note: {note}", file=sys.stderr)
     model = _meta_model(args)
     device = resolve_device(config.parallel.device, 0)
-    print(plan_precision(model, config, device=device, check_hardware=not args.ignore_hardware))
+    plan = plan_precision(model, config, device=device, check_hardware=not args.ignore_hardware)
+    blocks = None
+    if config.parallel.strategy in ("fsdp", "fsdp1"):
+        from .strategies.common import find_blocks
+
+        blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
+    print(plan)
+    if blocks is not None:
+        print(f"sharded per block: {len(blocks[0])} blocks ({blocks[1]}), then the root")
     return 0
 
 
@@ -265,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = {"train": _cmd_train, "plan": _cmd_plan, "estimate": estimate.run, "bench": bench.run,
                     "ds-config": _cmd_ds_config, "env": _cmd_env}
         return commands[args.command](args)
-    except (ValueError, NotImplementedError, FileNotFoundError, LaunchError, FP8UnavailableError) as err:
+    except (ValueError, TypeError, NotImplementedError, OSError, LaunchError, FP8UnavailableError) as err:
         print(f"fp8dist {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ table. Nothing is converted that the plan does not list as FP8, and every fallba
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,11 +56,16 @@ def _fallback_precision(module: nn.Module, cfg: Config) -> str:
 class PrecisionPlan(Sequence[PlanEntry]):
     """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
 
-    def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "") -> None:
+    def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
+                 unavailable: str | None = None, notes: Sequence[str] = ()) -> None:
         self._entries = entries
         self.backend = backend
         self.strategy = strategy
         self.detail = detail
+        self.unavailable = unavailable
+        """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
+        self.notes = tuple(notes)
+        """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
 
     @overload
     def __getitem__(self, index: int) -> PlanEntry: ...
@@ -106,7 +112,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [head]
+        lines = [head] + [f"note: {note}" for note in self.notes]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
             if i == 0:
@@ -151,6 +157,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
     """
     from .fp8 import get_backend
 
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise TypeError(f"fp8_filter={fp8_filter!r} is not callable: pass a function (module, fqn) -> bool, or "
+                        "fp8_exclude=[patterns] to keep modules out of FP8 by name.")
     fp8 = cfg.precision.fp8
     backend = get_backend(fp8) if fp8 else None
     gate = check_fp8_available(cfg, device) if check_hardware else None
@@ -173,7 +182,32 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
     detail = backend.describe(cfg) if backend else ""
     if gate:
         detail = f"fallback: {gate}"
-    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail)
+    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
+                         notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else ())
+
+
+def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
+    """A pattern that matches no module holding parameters excludes nothing: say so (a typo, or a container's
+    name where its layers' names were meant)."""
+    notes = []
+    for pattern in cfg.precision.fp8_exclude:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            container = any(name.startswith(pattern + ".") for name in names)
+            close = difflib.get_close_matches(pattern, names, n=1)
+            hint = (f"; to exclude the layers inside {pattern!r}, use {pattern + '.*'!r}" if container else
+                    f"; did you mean {close[0]!r}?" if close else
+                    "; patterns are fnmatch patterns on full module names, e.g. 'lm_head' or '*.mlp.*'")
+            notes.append(f"fp8_exclude pattern {pattern!r} matches no module that holds parameters{hint}")
+    return notes
+
+
+def _filter_says(fp8_filter: FP8Filter, module: nn.Module, name: str) -> bool:
+    keep = fp8_filter(module, name)
+    if not isinstance(keep, bool):
+        raise TypeError(f"fp8_filter returned {keep!r} ({type(keep).__name__}) for {name!r}: it must return True "
+                        "(convert to FP8) or False (keep the strategy's precision), e.g. lambda module, fqn: "
+                        "fqn != 'lm_head'.")
+    return keep
 
 
 def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None, reserved: dict[str, str],
@@ -188,7 +222,7 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None
     for pattern in cfg.precision.fp8_exclude:
         if fnmatch.fnmatchcase(name, pattern):
             return f"matches fp8_exclude {pattern!r}"
-    if fp8_filter is not None and not fp8_filter(module, name):
+    if fp8_filter is not None and not _filter_says(fp8_filter, module, name):
         return "excluded by fp8_filter"
     if name in reserved:
         return reserved[name]

@@ -1,44 +1,14 @@
-"""Bad models, blocks, batches and launch environments: each a clear error naming the value and the way out."""
+"""Block detection, launch environments and CPU thread sharing (each bad input's error is a row of
+tests/test_bad_inputs.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
-from fp8dist import wrap_model
-from fp8dist.data import Batches
 from fp8dist.env import LaunchError, detect_launch_env
 from fp8dist.models import build_llama
 from fp8dist.strategies import find_blocks
-
-
-def test_not_a_module():
-    with pytest.raises(TypeError, match="expects a torch.nn.Module, got dict"):
-        wrap_model({"weight": torch.zeros(2)}, strategy="fsdp")
-
-
-class _NoParams(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = [nn.Linear(4, 4)]  # a plain list: not registered, a classic mistake
-
-    def forward(self, x):
-        return self.layers[0](x)
-
-
-def test_model_without_parameters():
-    with pytest.raises(ValueError, match="_NoParams has no trainable parameters.*nn.ModuleList"):
-        wrap_model(_NoParams(), strategy="fsdp")
-
-
-def test_missing_block_class_lists_the_classes_present(one_rank_group):
-    with pytest.raises(ValueError) as err:
-        wrap_model(build_llama("tiny"), strategy="fsdp", block_classes=["GPT2Block"])
-    text = str(err.value)
-    assert "block_classes=['GPT2Block']" in text and "not found in LlamaForCausalLM" in text
-    assert "'LlamaDecoderLayer'" in text and "'LlamaMLP'" in text  # the classes that hold parameters
-    assert "leave block_classes empty" in text
 
 
 def test_block_detection_order():
@@ -53,33 +23,6 @@ def test_block_detection_order():
     assert find_blocks(nn.Linear(4, 4))[0] == []
 
 
-def test_root_only_sharding_is_announced(one_rank_group):
-    with pytest.warns(UserWarning, match="root only.*block_classes"):
-        wrap_model(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)), strategy="fsdp")
-
-
-def test_option_the_strategy_does_not_read_is_reported(one_rank_group):
-    with pytest.warns(UserWarning, match=r"block_classes=\['LlamaDecoderLayer'\] has no effect here \(read only when "
-                                         r"strategy in \['fsdp', 'fsdp1'\]; strategy='ddp'\)"):
-        wrap_model(build_llama("tiny"), strategy="ddp", block_classes=["LlamaDecoderLayer"])
-
-
-def test_ddp_low_precision_reduce_needs_nccl(one_rank_group):
-    with pytest.raises(ValueError, match=r"reduce_dtype='bf16' with strategy='ddp' on cpu.*strategy='fsdp'"):
-        wrap_model(build_llama("tiny"), strategy="ddp", reduce_dtype="bf16")
-
-
-def test_wrapping_twice_is_an_error(one_rank_group):
-    model = wrap_model(nn.Linear(16, 16), strategy="ddp")
-    with pytest.raises(ValueError, match="already wrapped"):
-        wrap_model(model, strategy="ddp")
-
-
-def test_batch_that_does_not_split_over_the_world():
-    with pytest.raises(ValueError, match=r"batch_size=5 does not split over world size 2.*e\.g\. 4 or 6"):
-        Batches(batch_size=5, seq_len=8, rank=0, world_size=2)
-
-
 def test_launch_env_from_torchrun_slurm_and_nothing(monkeypatch, tmp_path):
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     env = detect_launch_env(torchrun)
@@ -92,13 +35,8 @@ def test_launch_env_from_torchrun_slurm_and_nothing(monkeypatch, tmp_path):
     assert detect_launch_env({}).launcher == "none" and detect_launch_env({}).world_size == 1
 
 
-def test_launch_env_errors_say_what_to_set(monkeypatch):
-    with pytest.raises(LaunchError, match="no rendezvous address: set MASTER_ADDR and MASTER_PORT"):
-        detect_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
-    with pytest.raises(LaunchError, match="RANK='one' must be an integer"):
-        detect_launch_env({"RANK": "one", "WORLD_SIZE": "2"})
-    with pytest.raises(LaunchError, match="rank 2 is outside world size 2"):
-        detect_launch_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+def test_slurm_without_scontrol_says_to_set_master_addr(monkeypatch):
+    """(The other launch-environment errors are rows of tests/test_bad_inputs.py.)"""
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(LaunchError, match="scontrol.*not on PATH: set MASTER_ADDR"):
         detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]",

@@ -20,6 +20,14 @@ def _no_split_names(model: nn.Module) -> list[str]:
     return names
 
 
+def _with_params(model: nn.Module) -> str:
+    """The way out of a bad ``block_classes``: the classes that could be blocks."""
+    with_params = sorted({type(m).__name__ for m in model.modules()
+                          if m is not model and any(True for _ in m.parameters())})
+    return (f"Classes that hold parameters in this model: {with_params}. Pass one of them, or leave block_classes "
+            "empty to detect the blocks.")
+
+
 def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[list[tuple[str, nn.Module]], str]:
     """The blocks FSDP shards one by one, with how they were found.
 
@@ -34,12 +42,13 @@ def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[
     if block_classes:
         missing = [c for c in block_classes if c not in classes_in_model]
         if missing:
-            with_params = sorted({type(m).__name__ for m in model.modules()
-                                  if m is not model and any(True for _ in m.parameters())})
-            raise ValueError(
-                f"block_classes={list(block_classes)}: {missing} not found in {type(model).__name__}. "
-                f"Classes that hold parameters in this model: {with_params}. "
-                "Pass one of them, or leave block_classes empty to detect the blocks.")
+            raise ValueError(f"block_classes={list(block_classes)}: {missing} not found in {type(model).__name__}. "
+                             f"{_with_params(model)}")
+        empty = [c for c in block_classes if not any(True for m in model.modules() if type(m).__name__ == c
+                                                      for _ in m.parameters())]
+        if empty:
+            raise ValueError(f"block_classes={list(block_classes)}: {empty} hold no parameters in "
+                             f"{type(model).__name__}, so there is nothing to shard per block. {_with_params(model)}")
         wanted, how = set(block_classes), f"block_classes={list(block_classes)}"
     else:
         wanted = {n for n in _no_split_names(model) if n in classes_in_model}
