@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import Config, resolve_config
-from .env import DistEnv, LaunchEnv, detect_launch_env, init_distributed, resolve_device
+from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
 from .fp8 import get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
@@ -112,7 +112,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
     for note in cfg.unused_options():
         warnings.warn(note, UserWarning, stacklevel=2)
-    launch = detect_launch_env()                                          # 2. check environment
+    launch = current_launch()                                             # 2. check environment
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     plan = plan_precision(model, cfg, device=device, fp8_filter=fp8_filter)  # 3. plan (FP8 gate first)
     backend = get_backend(cfg.precision.fp8) if plan.converted else None

@@ -20,8 +20,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "init_distributed", "resolve_device",
-           "share_cpu_threads", "peak_memory_mib"]
+__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
+           "init_distributed", "resolve_device", "share_cpu_threads", "peak_memory_mib"]
 
 
 class LaunchError(RuntimeError):
@@ -33,7 +33,7 @@ class LaunchEnv:
     """Where this process sits in the job, read from the launcher's environment variables."""
 
     launcher: str
-    """"env" (torchrun, deepspeed, ...), "slurm" or "none"."""
+    """"env" (torchrun, deepspeed, ...), "slurm", "none", or "initialized" (a process group the user set up)."""
     rank: int
     world_size: int
     local_rank: int
@@ -107,6 +107,32 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(launcher, rank, world, local, addr, port, node)
 
 
+def _ranks_per_node(environ: Mapping[str, str], world: int) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    given = next((environ[n] for n in _LOCAL_WORLD if environ.get(n, "").isdigit()), None)
+    return int(given) if given else world  # nothing says otherwise: one node
+
+
+def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """This process's place in a job whose default process group is already initialized (by the user, with any
+    ``init_method``: ``env://``, ``tcp://``, ``file://``). The group is the truth for rank and world size; the
+    local rank comes from ``LOCAL_RANK`` (or ``SLURM_LOCALID``), else ``rank % ranks per node`` (CUDA devices
+    on this node, or ``LOCAL_WORLD_SIZE``). No rendezvous address is needed: the group has rendezvoused."""
+    environ = os.environ if environ is None else environ
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
+    local = _int(environ, name) if name else rank % max(1, _ranks_per_node(environ, world))
+    node = next((_int(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
+    return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, node)
+
+
+def current_launch() -> LaunchEnv:
+    """The initialized process group's view (:func:`launch_from_group`) if there is one, else the launcher's
+    environment (:func:`detect_launch_env`)."""
+    return launch_from_group() if dist.is_available() and dist.is_initialized() else detect_launch_env()
+
+
 def resolve_device(device: str, local_rank: int) -> torch.device:
     """``"auto"`` -> cuda:LOCAL_RANK when CUDA is available, else cpu; ``"cuda"`` without CUDA is an error."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -134,13 +160,12 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
         backend: process-group backend; None picks nccl for CUDA and gloo for CPU.
         timeout: collective timeout; None keeps torch's default.
     """
-    if dist.is_initialized():
-        launch = detect_launch_env()
-        local = launch.local_rank if launch.launcher != "none" else 0
-        dev = resolve_device(device, local)
+    if dist.is_initialized():  # the user's group: its rank and world size are the truth
+        launch = launch_from_group()
+        dev = resolve_device(device, launch.local_rank)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, dist.get_backend(), launch.launcher)
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, dist.get_backend(), launch.launcher)
     launch = detect_launch_env()
     dev = resolve_device(device, launch.local_rank)
     if dev.type == "cuda":

@@ -26,7 +26,7 @@ from .api import get_plan, get_wrap_info, wrap_model
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
-from .env import detect_launch_env, peak_memory_mib
+from .env import current_launch, peak_memory_mib
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
 from .report import report
@@ -229,14 +229,14 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     n_params = sum(p.numel() for p in model.parameters())
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
     if config.parallel.strategy == "deepspeed":  # DeepSpeed's micro batch is this job's per-rank batch
-        world = detect_launch_env().world_size if not dist.is_initialized() else dist.get_world_size()
+        world = current_launch().world_size
         check_batch_split(train.batch_size, world)
         config = replace(config, parallel=replace(config.parallel, micro_batch_size=train.batch_size // world))
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
                                                                      "betas": (0.9, 0.95), "weight_decay": 0.0})
     env = get_wrap_info(wrapped).env
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
-        launch = detect_launch_env()
+        launch = current_launch()
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
               f"host {host} device {env.device} ready", flush=True)

@@ -64,3 +64,33 @@ def test_cpu_ranks_share_the_cores_instead_of_oversubscribing(environ, expected)
         assert torch.get_num_threads() == (got if got else before)
     finally:
         torch.set_num_threads(before)
+
+
+def _user_initialized_group(rank: int, world: int, port: int) -> list[tuple]:
+    """wrap_model inside a process group the user initialized: file:// (the harness's) with RANK / WORLD_SIZE set
+    but no MASTER_ADDR, then tcp:// with no launcher variables at all."""
+    import os
+
+    import torch.distributed as dist
+
+    from fp8dist import get_wrap_info, wrap_model
+
+    seen = []
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    for style in ("file", "tcp"):
+        if style == "tcp":
+            dist.destroy_process_group()
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(name, None)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        env = get_wrap_info(wrap_model(nn.Linear(16, 16), strategy="ddp")).env
+        seen.append((style, env.rank, env.world_size, env.local_rank, env.launcher))
+    return seen
+
+
+def test_a_process_group_the_user_initialized_is_the_truth():
+    from cli_helpers import free_port
+    from dist_harness import run_ranks
+
+    for rank, seen in enumerate(run_ranks(_user_initialized_group, free_port())):
+        assert seen == [("file", rank, 2, rank, "initialized"), ("tcp", rank, 2, rank, "initialized")]
