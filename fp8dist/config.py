@@ -67,7 +67,7 @@ class StrategyConfig:
 
     param_dtype: DtypeName = field(default="bf16", metadata=_DTYPE)
     """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
-    parameters and run the forward under autocast to it."""
+    parameters and run the forward under autocast to it. fp16 needs loss scaling: strategy deepspeed only."""
 
     reduce_dtype: DtypeName = field(default="fp32", metadata={**_DTYPE, **_only(strategy=("ddp", "fsdp", "fsdp1",
                                                                                        "deepspeed"))})
@@ -201,6 +201,11 @@ _SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}
 def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
     """Cross-section rules: combinations no engine supports are errors naming what works instead."""
     strategy, fp8 = parallel.strategy, precision.fp8
+    if parallel.param_dtype == "fp16" and strategy != "deepspeed":
+        raise ValueError(f"param_dtype='fp16' with strategy={strategy!r}: fp16 compute needs loss scaling, which "
+                         "fp8dist does not add to your training loop, and without it small gradients underflow to "
+                         "zero silently. Use param_dtype='bf16' (no scaling needed; every FP8 GPU has it), or "
+                         "strategy='deepspeed', whose fp16 mode scales the loss dynamically.")
     if fp8 == "msamp" and strategy in ("fsdp", "fsdp1"):
         raise ValueError(f"fp8='msamp' with strategy={strategy!r}: MS-AMP has no FSDP integration here. Use "
                          "strategy='ddp' or 'none' with MS-AMP, 'deepspeed' for MS-AMP with ZeRO, or "

@@ -97,6 +97,8 @@ WRAP = [
     Bad("fp8 backend unknown", _wrap(fp8="fp8e4"), ValueError, ("fp8='fp8e4' is not valid", "'te', 'torchao'")),
     Bad("param_dtype unknown", _wrap(param_dtype="int8"), ValueError,
         ("param_dtype='int8' is not valid", "'fp32', 'bf16', 'fp16'")),
+    Bad("fp16 compute without loss scaling", _wrap(strategy="fsdp", param_dtype="fp16"), ValueError,
+        ("param_dtype='fp16' with strategy='fsdp'", "underflow", "param_dtype='bf16'", "strategy='deepspeed'")),
     Bad("reduce_dtype unknown", _wrap(reduce_dtype="fp64"), ValueError, ("reduce_dtype='fp64'", "'bf16'")),
     Bad("buffer_dtype a number", _wrap(buffer_dtype=3), ValueError, ("buffer_dtype=3", "'fp32'")),
     Bad("device unknown", _wrap(device="tpu"), ValueError, ("device='tpu' is not valid", "'auto', 'cpu', 'cuda'")),
