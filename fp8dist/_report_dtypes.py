@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ._memory import deepspeed_gradients, leaves
-from .report import PrecisionRow, _inner, _names, dtype_name
+from .report import Part, PrecisionRow, _inner, _Members, _names, dtype_name
 
 __all__ = ["row_for"]
 
@@ -30,10 +30,24 @@ def _autocast_dtype(model: nn.Module) -> torch.dtype | None:
     return getattr(_inner(model).forward, "_fp8dist_autocast", None)
 
 
+def _ddp_reduce(ddp: nn.Module) -> str:
+    """What DDP's gradients travel in: the dtype its registered compression hook casts them to, else their own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
+    if not hooks:
+        return _names({p.dtype for p in ddp.parameters()})
+    compress = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+    dtype = compress.get(hooks[-1])
+    if dtype is None:
+        return f"set by the comm hook {getattr(hooks[-1], '__qualname__', hooks[-1])}"
+    return dtype_name(dtype)
+
+
 def _engine(model: nn.Module) -> _Engine:
     from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
 
-    from .sharding import _ddp_reduce_dtype
     from .strategies.deepspeed import is_deepspeed_engine
 
     if is_deepspeed_engine(model):
@@ -49,9 +63,9 @@ def _engine(model: nn.Module) -> _Engine:
         policy = state()._mp_policy
         reduce = policy.reduce_dtype or policy.param_dtype
         return _Engine(policy.param_dtype, None, dtype_name(reduce) if reduce else "the stored dtype")
-    reduce = _ddp_reduce_dtype(model)
-    return _Engine(_autocast_dtype(model), "none (replicated)" if "no reduction" not in reduce else "none",
-                   reduce if "no reduction" not in reduce else "none")
+    if isinstance(model, DistributedDataParallel):
+        return _Engine(_autocast_dtype(model), "none (replicated)", _ddp_reduce(model))
+    return _Engine(_autocast_dtype(model), "none", "none")  # one process: nothing gathered or reduced
 
 
 def _stored(model: nn.Module, params: list[nn.Parameter], engine: _Engine) -> list[torch.Tensor]:
@@ -73,7 +87,9 @@ def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
         fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"
-    return f"fp8 ({type(module).__module__.split('.')[0]})"
+    from .api import get_plan
+
+    return f"fp8 ({get_plan(model).backend})"
 
 
 def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.Tensor]) -> str:
@@ -116,35 +132,19 @@ def _master(engine: _Engine) -> str:
     return f"{_names(masters)} (ZeRO partition)" if masters else "none"
 
 
-def _fsdp1_full_numels(model: nn.Module) -> dict[tuple[int, str], int]:
-    """FSDP1's original parameters are views of this rank's shard; their full sizes are in the flat params."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    full: dict[tuple[int, str], int] = {}
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        for info, shape in zip(getattr(flat, "_param_infos", ()), getattr(flat, "_shapes", ())):
-            full[(id(info.module), info.param_name)] = shape.numel()
-    return full
-
-
-def row_for(model: nn.Module, optimizer: Any, part: str, modules: list[nn.Module]) -> PrecisionRow:
-    """The chart row for ``part`` of ``model`` (its ``modules`` hold their own parameters)."""
-    from .report import _PARTS
-
+def row_for(model: nn.Module, optimizer: Any, part: Part, members: _Members) -> PrecisionRow:
+    """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
     engine = _engine(model)
-    params = [p for m in modules for p in m.parameters(recurse=False)]
+    params = [h.param for h in members.params]
     stored = _stored(model, params, engine)
     weight = _names({t.dtype for t in stored})
-    compute = dtype_name(engine.compute) if engine.compute is not None else weight
-    if part == _PARTS[0]:
-        gemm = _fp8_gemm(modules[0], model)
+    if part is Part.FP8_GEMM:
+        gemm = _fp8_gemm(members.modules[0], model)
+    elif part is Part.GEMM:
+        gemm = dtype_name(engine.compute) if engine.compute is not None else weight
     else:
-        gemm = compute if part == _PARTS[1] else "no GEMM"
-    full = _fsdp1_full_numels(model)
-    numel = sum(full.get((id(m), name)) or getattr(p, "ds_numel", None) or p.numel()
-                for m in modules for name, p in m.named_parameters(recurse=False))
-    return PrecisionRow(part=part, modules=len(modules), params=numel, gemm=gemm,
-                        all_gather=_all_gather(params, engine, stored), reduce=engine.reduce, weight=weight,
-                        master_weight=_master(engine), weight_grad=_weight_grad(params, engine),
+        gemm = "no GEMM"
+    return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
+                        gemm=gemm, all_gather=_all_gather(params, engine, stored), reduce=engine.reduce,
+                        weight=weight, master_weight=_master(engine), weight_grad=_weight_grad(params, engine),
                         optimizer_states=_optimizer_states(optimizer, params, engine))

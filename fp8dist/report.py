@@ -3,13 +3,19 @@ the run as configured (GEMM, communication, weight, master weight, weight gradie
 per part of the model, and the bytes per parameter each category of model state takes on this rank.
 
 Everything is read from the modules, the engines' policy objects, the optimizer and the tensors themselves; the
-config is only used to name the run.
+config is only used to name the run. The parts are what a module computes: an FP8 GEMM where the precision plan
+converted it; a high-precision GEMM where it holds a matrix operand (a parameter of 2 or more dimensions: nn.Linear,
+GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table; nothing else runs a GEMM
+(embeddings, norms, 1-D parameters).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -17,12 +23,33 @@ from torch import nn
 
 from ._memory import CATEGORIES, StateBytes, StateTally, model_state_tensors
 
-__all__ = ["PrecisionRow", "PrecisionReport", "report"]
+__all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3",
           torch.float8_e5m2: "fp8 e5m2", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
-_PARTS = ("FP8 Linear", "Linear (high precision)", "other (embeddings, norms)")
-_FP8_LIBRARIES = ("torchao", "transformer_engine", "msamp")
+
+
+class Part(str, Enum):
+    """What a part of the model computes: the key of a report row (``rows`` come in this order). ``label`` is
+    only its printed name."""
+
+    FP8_GEMM = "fp8_gemm"
+    """Modules the precision plan converted to FP8 GEMMs (torchao Float8Linear, te.Linear, MS-AMP's Linear)."""
+    GEMM = "gemm"
+    """Every other module holding a matrix operand: nn.Linear, GPT-2's Conv1D, a MoE router, fused experts."""
+    OTHER = "other"
+    """Lookup tables (embeddings) and modules with only 1-D parameters (norms): no GEMM."""
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D table read by index: no GEMM
+# attributes through which wrappers hold the module they wrap (FSDP1, activation checkpointing, torch.compile):
+# absent from the module names the plan recorded before wrapping
+_WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
@@ -36,12 +63,14 @@ def _names(dtypes: set[torch.dtype], empty: str = "none") -> str:
 
 @dataclass(frozen=True)
 class PrecisionRow:
-    """One part of the model (FP8 Linears, high-precision Linears, everything else) as the chart shows it."""
+    """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
 
-    part: str
+    part: Part
     modules: int
+    """Modules of this kind that hold parameters."""
     params: int
-    """Elements of the full model in this part (all ranks together)."""
+    """Elements of the full model in this part (all ranks together), each parameter once: a weight tied between
+    an embedding and the output head is a GEMM operand, counted in the GEMM part."""
     gemm: str
     all_gather: str
     """What the weights travel in when they are gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
@@ -72,6 +101,8 @@ class PrecisionReport(StateBytes):
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        for row in out["rows"]:
+            row["part"] = row["part"].value
         out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), model_state_bytes=self.model_state_bytes,
                    bytes_per_param=self.bytes_per_param)
         return out
@@ -81,8 +112,8 @@ class PrecisionReport(StateBytes):
                 f"{self.total_params:,} parameters")
         cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
                 "weight grad", "optimizer states"]
-        rows = [[r.part, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight, r.master_weight,
-                 r.weight_grad, r.optimizer_states] for r in self.rows]
+        rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,
+                 r.master_weight, r.weight_grad, r.optimizer_states] for r in self.rows]
         per_param = self.bytes_per_param
         mem = [[c.replace("_", " "), f"{per_param[c]:.3f}", f"{self.bytes[c] / 2**20:,.2f}", self.dtypes[c]]
                for c in CATEGORIES]
@@ -109,25 +140,101 @@ def _inner(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_fp8_gemm(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return type(module).__module__.split(".")[0] in _FP8_LIBRARIES and "Linear" in name
+@dataclass(frozen=True)
+class _Held:
+    """A parameter of ``module`` (attribute ``name``) with its full shape, all ranks together."""
+
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
-def _part(module: nn.Module) -> str:
-    if _is_fp8_gemm(module):
-        return _PARTS[0]
-    return _PARTS[1] if isinstance(module, nn.Linear) else _PARTS[2]
+@dataclass
+class _Members:
+    """The modules of one part, and the parameters counted in it (each parameter in one part only)."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    params: list[_Held] = field(default_factory=list)
 
 
-def _modules_by_part(inner: nn.Module) -> dict[str, list[nn.Module]]:
-    parts: dict[str, list[nn.Module]] = {p: [] for p in _PARTS}
-    for module in inner.modules():
-        if "FullyShardedDataParallel" in type(module).__name__:
+def _fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
+    """FSDP1's original parameters are flat views of this rank's shard; their full shapes are in the flat
+    parameters (tied ones under their shared entries)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    full: dict[tuple[int, str], tuple[int, ...]] = {}
+    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
+        flat = fsdp._flat_param
+        if flat is None:
             continue
-        if any(True for _ in module.parameters(recurse=False)):
-            parts[_part(module)].append(module)
-    return {p: ms for p, ms in parts.items() if ms}
+        for info, shape in zip(flat._param_infos, flat._shapes):
+            full[(id(info.module), info.param_name)] = tuple(shape)
+        for shared in flat._shared_param_infos or ():
+            full[(id(shared.module), shared.param_name)] = full[(id(shared.prim_module), shared.prim_param_name)]
+    return full
+
+
+def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[_Held]:
+    """``module``'s own parameters, full shapes read from FSDP1's flat parameter, ZeRO-3's ``ds_shape``, or the
+    tensor (a DTensor's shape is the global one)."""
+    return [_Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
+                                            or p.shape))
+            for name, p in module.named_parameters(recurse=False)]
+
+
+def _plan_name(name: str) -> str:
+    """A wrapped module's name as the plan recorded it on the unwrapped model."""
+    return ".".join(a for a in name.split(".") if a not in _WRAPPER_ATTRS)
+
+
+def _part(module: nn.Module, name: str, held: list[_Held], fp8_names: set[str]) -> Part:
+    """The plan's record says which modules run FP8 GEMMs (``name`` as the plan has it); the parameters' shapes
+    say which run any GEMM."""
+    if name in fp8_names:
+        return Part.FP8_GEMM
+    if not isinstance(module, _LOOKUPS) and any(len(h.shape) >= 2 for h in held):
+        return Part.GEMM
+    return Part.OTHER
+
+
+def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, _Members]:
+    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
+
+    Args:
+        model: as :func:`fp8dist.wrap_model` returned it.
+        fp8_names: the plan's FP8 module names (``{e.name for e in get_plan(model).fp8}``).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = _fsdp1_full_shapes(model)
+    members = {p: _Members() for p in Part}
+    owner: dict[int, tuple[Part, _Held]] = {}
+    order = list(Part)
+    # a wrapper and the module it wraps share a planned name: the wrapped module, visited later, keeps it
+    names = {_plan_name(name): module for name, module in _inner(model).named_modules()}
+    if fp8_names - names.keys():
+        warnings.warn(f"fp8dist.report: the plan's FP8 modules {sorted(fp8_names - names.keys())} are not in the "
+                      "wrapped model under their planned names; where they are, they are reported as high-precision "
+                      "GEMMs", stacklevel=3)
+    for name, module in names.items():
+        if isinstance(module, FullyShardedDataParallel):  # FSDP1's wrapper holds only its flat parameter
+            continue
+        held = _own_params(module, fsdp1)
+        if not held:
+            continue
+        part = _part(module, name, held, fp8_names)
+        members[part].modules.append(module)
+        for h in held:  # a tied parameter goes to its GEMM holder (FP8 before high precision before none)
+            if id(h.param) not in owner or order.index(part) < order.index(owner[id(h.param)][0]):
+                owner[id(h.param)] = (part, h)
+    for part, h in owner.values():
+        members[part].params.append(h)
+    return {p: m for p, m in members.items() if m.modules}
 
 
 def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
@@ -154,12 +261,12 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     from .sharding import sharding_summary
 
     info = get_wrap_info(model)
-    inner = _inner(model)
-    parts = _modules_by_part(inner)
+    parts = _group_by_part(model, {e.name for e in info.plan.fp8})
+    fp8_modules = parts[Part.FP8_GEMM].modules if Part.FP8_GEMM in parts else []
     tally = StateTally()
-    for category, tensors in model_state_tensors(model, optimizer, parts.get(_PARTS[0], [])).items():
+    for category, tensors in model_state_tensors(model, optimizer, fp8_modules).items():
         tally.add(category, tensors)
-    rows = tuple(row_for(model, optimizer, part, modules) for part, modules in parts.items())
+    rows = tuple(row_for(model, optimizer, part, members) for part, members in parts.items())
     return PrecisionReport(
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),

@@ -156,12 +156,12 @@ def test_estimate_matches_the_measured_report_deepspeed_zero_1_2_3():
         for kw, (measured, estimated, rows) in zip(cases, results):
             _within(measured, estimated, f"rank {rank} {kw}")
             # and the report's dtypes, read from the engine: bf16 weights and gradients, fp32 master and states
-            row = rows["Linear (high precision)"]
+            row = rows["gemm"]
             assert (row.weight, row.master_weight, row.weight_grad, row.optimizer_states, row.reduce) == \
                 ("bf16", "fp32 (ZeRO partition)", "bf16", "fp32+fp32", "fp32"), kw
             gather = "bf16" if kw["zero_stage"] == 3 else "bf16 (updated weights, after the step)"
             assert row.all_gather == gather, kw
-        assert results[2][2]["FP8 Linear"].gemm == "fp8 e4m3 fwd, e5m2 grads (tensorwise)", "ZeRO-3 + torchao"
+        assert results[2][2]["fp8_gemm"].gemm == "fp8 e4m3 fwd, e5m2 grads (tensorwise)", "ZeRO-3 + torchao"
 
 
 def _saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor, autocast: bool) -> int:

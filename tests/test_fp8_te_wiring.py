@@ -133,8 +133,8 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
                 world_group=train_call[2] is dist.group.WORLD, fp8_forwards=fp8_forwards,
                 eval_enabled=eval_call[0], custom_group=te.AUTOCAST_CALLS[-1][2] is group,
                 custom_eval_enabled=te.AUTOCAST_CALLS[-1][0],
-                prepared=list(te.distributed.PREPARED), report_gemm=rows["FP8 Linear"].gemm,
-                report_fp8_modules=rows["FP8 Linear"].modules)
+                prepared=list(te.distributed.PREPARED), report_gemm=rows["fp8_gemm"].gemm,
+                report_fp8_modules=rows["fp8_gemm"].modules)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "deepspeed"])

@@ -1,9 +1,11 @@
 """fp8dist.report on live wrapped models (2 real gloo ranks): the dtypes read from the engines match the
-configuration, and the bytes per parameter are exactly what a hand count of the tensors gives. DeepSpeed's report
-(dtypes and bytes) is checked in test_estimate.py's ZeRO-1/2/3 spawn, to start DeepSpeed once."""
+configuration, each module lands in the part it computes in (a Mixtral's experts and router, GPT-2's Conv1D are
+GEMMs), and the bytes per parameter are exactly what a hand count of the tensors gives. DeepSpeed's report (dtypes
+and bytes) is checked in test_estimate.py's ZeRO-1/2/3 spawn, to start DeepSpeed once."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -11,15 +13,21 @@ import torch
 from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 import fp8dist
 from fp8dist.data import Batches
 from fp8dist.models import build_llama
+from fp8dist.report import Part
 
 # (strategy, fp8, extra options) run on the tiny Llama
 CASES = [("fsdp", None, {}), ("fsdp", "torchao", {}), ("fsdp", None, {"reduce_dtype": "bf16"}),
          ("fsdp1", None, {}), ("fsdp1", "torchao", {}), ("ddp", None, {}), ("ddp", "torchao", {})]
 HIDDEN, LAYERS = 64, 4  # the hand-countable model: LAYERS bias-free Linear(HIDDEN, HIDDEN)
+# a tiny Mixtral (fused 3-D expert weights, a router that is no nn.Linear) and a tiny GPT-2 (Conv1D, tied lm_head)
+MIXTRAL = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+GPT2 = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
 
 
 class Stack(nn.Module):
@@ -50,7 +58,9 @@ def _report_case(rank: int, world: int) -> dict:
         model, opt = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8=fp8,
                                         optimizer={"type": "AdamW", "lr": 1e-3}, **options)
         _one_step(model, opt, rank, world)
-        rep = fp8dist.report(model, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every planned FP8 module found under its wrapped name
+            rep = fp8dist.report(model, opt)
         out[(strategy, fp8, tuple(options.items()))] = dict(
             rows=_rows(rep), bytes_per_param=rep.bytes_per_param, text=str(rep),
             plan_fp8=sum(e.params for e in fp8dist.get_plan(model) if e.precision == "fp8"))
@@ -65,6 +75,35 @@ def _report_case(rank: int, world: int) -> dict:
         rep = fp8dist.report(model, opt)
         out[("stack", strategy, fp8)] = dict(bytes=dict(rep.bytes), total=rep.total_params,
                                              per_param=rep.bytes_per_param, rows=_rows(rep))
+    out["ddp fp16 hook reduce"] = _ddp_with_fp16_hook_reduce()
+    return {**out, **_mixtral_gpt2_cases(rank, world)}
+
+
+def _ddp_with_fp16_hook_reduce() -> str:
+    """DDP's fp16 compression hook (fp8dist registers it for reduce_dtype="fp16" on CUDA; the bf16 one refuses to
+    register without NCCL), registered by hand: the report reads the hook DDP holds. It never runs here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no blocks found"
+        model = fp8dist.wrap_model(Stack(), strategy="ddp")
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return _rows(fp8dist.report(model))[Part.GEMM].reduce
+
+
+def _mixtral_gpt2_cases(rank: int, world: int) -> dict:
+    """One FSDP2 step each: the tiny Mixtral in bf16 and with torchao, the tiny GPT-2 in bf16."""
+    out: dict = {}
+    for name, build, fp8 in (("mixtral", lambda: MixtralForCausalLM(MIXTRAL), None),
+                             ("mixtral", lambda: MixtralForCausalLM(MIXTRAL), "torchao"),
+                             ("gpt2", lambda: GPT2LMHeadModel(GPT2), None)):
+        torch.manual_seed(0)
+        model = fp8dist.wrap_model(build(), strategy="fsdp", fp8=fp8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _one_step(model, opt, rank, world)
+        rep = fp8dist.report(model, opt)
+        out[(name, fp8)] = dict(rows=_rows(rep), bytes=dict(rep.bytes), total=rep.total_params,
+                                plan_fp8=sum(e.params for e in fp8dist.get_plan(model).fp8))
     return out
 
 
@@ -75,46 +114,50 @@ def test_report_on_live_models_reads_the_engines_and_counts_bytes_exactly():
     _fsdp1_ddp_read_their_policies_and_hooks(reports)
     _bytes_per_param_exact_for_a_hand_counted_model(reports)
     _report_prints_both_tables(reports)
+    _mixtral_experts_and_router_are_bf16_gemms(reports)
+    _gpt2_conv1d_and_tied_head_are_gemms(reports)
 
 
 def _fsdp_reads_bf16_compute_fp32_reduce_and_fp8_only_where_planned(reports):
     for r in reports:
         bf16 = r[("fsdp", None, ())]["rows"]
-        assert "FP8 Linear" not in bf16, "no FP8 GEMM without an FP8 backend"
-        linear = bf16["Linear (high precision)"]
+        assert Part.FP8_GEMM not in bf16, "no FP8 GEMM without an FP8 backend"
+        linear = bf16[Part.GEMM]
         assert (linear.gemm, linear.all_gather, linear.reduce, linear.weight) == ("bf16", "bf16", "fp32", "fp32")
         assert (linear.weight_grad, linear.optimizer_states, linear.master_weight) == \
             ("fp32", "fp32+fp32", "n/a (the stored weight)")
         case = r[("fsdp", "torchao", ())]
-        fp8 = case["rows"]["FP8 Linear"]
+        fp8 = case["rows"][Part.FP8_GEMM]
         assert fp8.gemm == "fp8 e4m3 fwd, e5m2 grads (tensorwise)"
         assert fp8.all_gather == "fp8 e4m3 (FP8 all-gather)", "torchao's FP8 all-gather is visible on the weights"
         assert fp8.params == case["plan_fp8"] == 376_832 and fp8.modules == 13, "FP8 exactly where the plan says"
-        kept = case["rows"]["Linear (high precision)"]
+        kept = case["rows"][Part.GEMM]
         assert (kept.gemm, kept.all_gather, kept.modules) == ("bf16", "bf16", 2), "first/last Linear stay bf16"
-        assert r[("fsdp", None, (("reduce_dtype", "bf16"),))]["rows"]["Linear (high precision)"].reduce == "bf16"
+        assert r[("fsdp", None, (("reduce_dtype", "bf16"),))]["rows"][Part.GEMM].reduce == "bf16"
         assert case["bytes_per_param"]["parameters"] == pytest.approx(2.0, abs=0.01), "fp32 sharded over 2 ranks"
 
 
 def _fsdp1_ddp_read_their_policies_and_hooks(reports):
     for r in reports:
         fsdp1 = r[("fsdp1", "torchao", ())]["rows"]
-        assert fsdp1["FP8 Linear"].all_gather == "bf16", "FSDP1 has no FP8 all-gather: weights gather in bf16"
-        assert fsdp1["FP8 Linear"].params == 376_832, "full sizes, not FSDP1's per-rank views"
-        assert fsdp1["Linear (high precision)"].reduce == "fp32"
+        assert fsdp1[Part.FP8_GEMM].all_gather == "bf16", "FSDP1 has no FP8 all-gather: weights gather in bf16"
+        assert fsdp1[Part.FP8_GEMM].params == 376_832, "full sizes, not FSDP1's per-rank views"
+        assert fsdp1[Part.GEMM].reduce == "fp32"
         for strategy in ("fsdp1", "ddp"):
             rows = r[(strategy, None, ())]["rows"]
-            assert "FP8 Linear" not in rows and rows["Linear (high precision)"].gemm == "bf16", strategy
-            assert (rows["Linear (high precision)"].weight, rows["Linear (high precision)"].weight_grad) == \
+            assert Part.FP8_GEMM not in rows and rows[Part.GEMM].gemm == "bf16", strategy
+            assert (rows[Part.GEMM].weight, rows[Part.GEMM].weight_grad) == \
                 ("fp32", "fp32"), strategy
         ddp = r[("ddp", "torchao", ())]
         rows = ddp["rows"]
-        assert rows["FP8 Linear"].gemm.startswith("fp8 e4m3 fwd")
-        assert (rows["Linear (high precision)"].gemm, rows["Linear (high precision)"].all_gather) == \
+        assert rows[Part.FP8_GEMM].gemm.startswith("fp8 e4m3 fwd")
+        assert (rows[Part.GEMM].gemm, rows[Part.GEMM].all_gather) == \
             ("bf16", "none (replicated)"), "DDP: bf16 autocast, nothing gathered"
-        assert rows["Linear (high precision)"].weight == "fp32"
+        assert rows[Part.GEMM].weight == "fp32"
         assert ddp["bytes_per_param"]["gradients"] == pytest.approx(4.0, abs=0.01), \
             "fp32 gradients as views of DDP's buckets: one copy"
+        assert rows[Part.GEMM].reduce == "fp32", "no comm hook: DDP reduces the fp32 gradients as they are"
+        assert r["ddp fp16 hook reduce"] == "fp16", "the reduce dtype of DDP's registered compression hook"
 
 
 def _bytes_per_param_exact_for_a_hand_counted_model(reports):
@@ -130,7 +173,7 @@ def _bytes_per_param_exact_for_a_hand_counted_model(reports):
         ddp = r[("stack", "ddp", None)]
         assert ddp["bytes"] == {"parameters": 4 * n, "master_weights": 0, "gradients": 4 * n,
                                 "optimizer_states": 2 * 4 * n + step_tensors, "fp8_buffers": 0}
-    assert reports[0][("stack", "fsdp", "torchao")]["rows"]["FP8 Linear"].modules == LAYERS - 2
+    assert reports[0][("stack", "fsdp", "torchao")]["rows"][Part.FP8_GEMM].modules == LAYERS - 2
 
 
 def _report_prints_both_tables(reports):
@@ -139,17 +182,72 @@ def _report_prints_both_tables(reports):
     for header in ("part", "GEMM", "all-gather", "reduce", "master weight", "weight grad", "optimizer states",
                    "model state (this rank)", "bytes/param", "total model states"):
         assert header in text
+    for label in ("\nFP8 GEMM ", "\nGEMM (high precision) ", "\nother (embeddings, norms) "):
+        assert label in text, "each part printed under its label"
+
+
+def _mixtral_params() -> dict[str, int]:
+    """Parameters of the tiny Mixtral's module kinds, from its config. Only the attention projections and lm_head
+    are nn.Linear; the experts and the router multiply matrices too."""
+    c, h = MIXTRAL, MIXTRAL.hidden_size
+    kv = c.num_key_value_heads * h // c.num_attention_heads  # k_proj and v_proj rows
+    layers = c.num_hidden_layers
+    return {"experts": layers * 3 * c.num_local_experts * c.intermediate_size * h,  # (E, 2I, H) + (E, H, I)
+            "router": layers * c.num_local_experts * h, "attention": layers * (2 * h * h + 2 * h * kv),
+            "first q_proj": h * h, "lm_head": c.vocab_size * h, "embedding": c.vocab_size * h,
+            "norms": (2 * layers + 1) * h}
+
+
+def _mixtral_experts_and_router_are_bf16_gemms(reports):
+    p, layers = _mixtral_params(), MIXTRAL.num_hidden_layers
+    gemm = p["experts"] + p["router"] + p["attention"] + p["lm_head"]
+    n = gemm + p["embedding"] + p["norms"]
+    for r in reports:
+        case = r[("mixtral", None)]
+        rows = case["rows"]
+        assert set(rows) == {Part.GEMM, Part.OTHER} and case["total"] == n
+        assert (rows[Part.GEMM].modules, rows[Part.GEMM].params) == (6 * layers + 1, gemm), "experts, router: GEMMs"
+        assert (rows[Part.OTHER].modules, rows[Part.OTHER].params) == (2 * layers + 2, p["embedding"] + p["norms"])
+        assert (rows[Part.GEMM].gemm, rows[Part.GEMM].all_gather, rows[Part.OTHER].gemm) == ("bf16", "bf16", "no GEMM")
+        tensors = 9 * layers + 3  # per layer q, k, v, o, router, gate_up, down, 2 norms; embedding, norm, lm_head
+        assert case["bytes"] == {"parameters": 4 * n // 2, "master_weights": 0, "gradients": 4 * n // 2,
+                                 "optimizer_states": 2 * 4 * n // 2 + 4 * tensors, "fp8_buffers": 0}, \
+            "every dim 0 is even: fp32 shards without padding, AdamW's two moments and a step scalar each"
+        fp8 = r[("mixtral", "torchao")]["rows"]
+        # torchao converts nn.Linear only, and keeps the first (layer 0's q_proj) and the last (lm_head) in bf16
+        assert (fp8[Part.FP8_GEMM].modules, fp8[Part.FP8_GEMM].params) == \
+            (4 * layers - 1, p["attention"] - p["first q_proj"]) == \
+            (4 * layers - 1, r[("mixtral", "torchao")]["plan_fp8"])
+        assert (fp8[Part.GEMM].modules, fp8[Part.GEMM].params, fp8[Part.GEMM].gemm) == \
+            (2 * layers + 2, p["experts"] + p["router"] + p["first q_proj"] + p["lm_head"], "bf16"), \
+            "experts and router stay bf16 GEMMs"
+
+
+def _gpt2_conv1d_and_tied_head_are_gemms(reports):
+    h, layers, vocab = GPT2.n_embd, GPT2.n_layer, GPT2.vocab_size
+    conv1d = (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)  # c_attn, c_proj, c_fc, c_proj
+    other = GPT2.n_positions * h + (2 * layers + 1) * 2 * h  # wpe; LayerNorm weights and biases
+    for r in reports:
+        case = r[("gpt2", None)]
+        rows = case["rows"]
+        assert (rows[Part.GEMM].modules, rows[Part.GEMM].params, rows[Part.GEMM].gemm) == \
+            (4 * layers + 1, layers * conv1d + vocab * h, "bf16"), "Conv1D biases with their GEMM; lm_head tied"
+        assert (rows[Part.OTHER].modules, rows[Part.OTHER].params) == (2 * layers + 3, other), \
+            "wte, wpe, norms; wte's weight counted once, with lm_head's GEMM"
+        assert case["total"] == layers * conv1d + vocab * h + other
 
 
 def test_report_without_distribution_and_before_any_step():
     plain = _rows(fp8dist.report(fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")))
-    assert "FP8 Linear" not in plain and plain["Linear (high precision)"].gemm == "bf16", "bf16 autocast, no FP8"
+    assert Part.FP8_GEMM not in plain and plain[Part.GEMM].gemm == "bf16", "bf16 autocast, no FP8"
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")
     rep = fp8dist.report(model)
     rows = _rows(rep)
-    assert rows["Linear (high precision)"].gemm == "bf16" and rows["Linear (high precision)"].reduce == "none"
-    assert rows["FP8 Linear"].weight_grad == "none held now (report after backward)"
-    assert rows["FP8 Linear"].optimizer_states == "none yet (after the first step)"
+    assert rows[Part.GEMM].gemm == "bf16" and rows[Part.GEMM].reduce == "none"
+    assert rows[Part.FP8_GEMM].weight_grad == "none held now (report after backward)"
+    assert rows[Part.FP8_GEMM].optimizer_states == "none yet (after the first step)"
     assert rep.bytes["parameters"] == 4 * 459_392 and rep.bytes["gradients"] == rep.bytes["optimizer_states"] == 0
+    as_json = json.loads(json.dumps(rep.to_dict()))
+    assert [row["part"] for row in as_json["rows"]] == ["fp8_gemm", "gemm", "other"], "the parts' keys, in order"
     with pytest.raises(ValueError, match="was not returned by fp8dist.wrap_model"):
         fp8dist.report(build_llama("tiny"))

@@ -21,7 +21,7 @@ def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
     assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on)" in out, "the plan is printed first"
     assert "fp8 plan        fp8=torchao: FP8 13 layers / 376,832 params (82.0%)" in out
     report = out[out.index("fp8dist report: strategy fsdp, fp8 torchao, rank 0 of 2"):out.index("step    1/60")]
-    assert re.search(r"FP8 Linear +13 +376,832 +fp8 e4m3 fwd, e5m2 grads \(tensorwise\) +fp8 e4m3 \(FP8 all-gather\) "
+    assert re.search(r"FP8 GEMM +13 +376,832 +fp8 e4m3 fwd, e5m2 grads \(tensorwise\) +fp8 e4m3 \(FP8 all-gather\) "
                      r"+fp32 +fp32", report), "printed after the first step: FP8 GEMMs and FP8 all-gather, read live"
     assert re.search(r"total model states +8\.0\d\d", report), "fp32 params + grads + AdamW states over 2 ranks"
     losses = _losses(out)
