@@ -240,9 +240,41 @@ def package_version(name: str) -> str | None:
     return None
 
 
+def supported_range(name: str) -> str | None:
+    """The versions of ``name`` that fp8dist's own package metadata takes (its dependencies and extras, as
+    pyproject.toml declares them); None when it names none (MS-AMP: not on the package index)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        requirements = [Requirement(text) for text in metadata.requires("fp8dist") or ()]
+    except metadata.PackageNotFoundError:
+        return None
+    wanted = canonicalize_name(name)
+    return next((str(r.specifier) for r in requirements if canonicalize_name(r.name) == wanted), None)
+
+
+def _version_line(name: str) -> str:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version, wanted = package_version(name), supported_range(name)
+    if version is None or not wanted:
+        return f"{name:<20} {version or 'not installed'}"
+    try:
+        inside = SpecifierSet(wanted).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        inside = False
+    verdict = "in range" if inside else "OUTSIDE the range fp8dist supports: install a version in range"
+    return f"{name:<20} {version} ({verdict} {wanted})"
+
+
 def describe_environment() -> str:
-    """Versions, devices, FP8 capability and the launcher seen: what ``fp8dist env`` prints."""
-    lines = [f"{name:<20} {package_version(name) or 'not installed'}" for name in _PACKAGES]
+    """Versions (each checked against the range fp8dist supports), devices, FP8 capability and the launcher
+    seen: what ``fp8dist env`` prints."""
+    lines = [_version_line(name) for name in _PACKAGES]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
@@ -250,6 +282,6 @@ def describe_environment() -> str:
             lines.append(f"cuda:{i:<15} {torch.cuda.get_device_name(i)} (sm_{major}{minor}, {fp8})")
     else:
         lines.append(f"{'device':<20} cpu only (gloo); torchao float8 runs here, TE and MS-AMP need CUDA sm >= 8.9")
-    launch = detect_launch_env()
+    launch = current_launch()
     lines.append(f"{'launcher':<20} {launch.launcher} (rank {launch.rank} of {launch.world_size})")
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import torch
 from dist_harness import run_ranks
 from helpers import first_last_filter, hand_wired_fsdp2, train_losses
 
-pytest.importorskip("torchao", reason="torchao is not installed (pip install 'fp8dist[torchao]')")
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

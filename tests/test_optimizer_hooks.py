@@ -13,7 +13,7 @@ from fp8dist import wrap_model
 from fp8dist.models import build_llama
 from fp8dist.optim import StaleOptimizerError
 
-pytest.importorskip("torchao", reason="torchao is not installed (pip install 'fp8dist[torchao]')")
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 

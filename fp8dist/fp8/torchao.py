@@ -33,7 +33,9 @@ def fp8_all_gather(cfg) -> bool:
 
 def unavailable_reason(cfg, device: torch.device) -> str | None:
     if not _installed():
-        return "torchao is not installed (pip install 'fp8dist[torchao]')"
+        from ..env import supported_range
+
+        return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
     if device.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
         return fp8_hardware_reason(device)
     return None
