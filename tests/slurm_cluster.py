@@ -134,12 +134,13 @@ class SlurmCluster:
         return "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in sorted((self.root / "log").iterdir()))
 
     def sbatch(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-               timeout: float = 600) -> tuple[int, str]:
-        """Submit a batch job and wait for it; returns its exit code and its output (or sbatch's error).
+               timeout: float = 600, submit: tuple[str, ...] = ("sbatch",)) -> tuple[int, str]:
+        """Submit a batch job with ``submit`` (sbatch, or a command that runs it, e.g. ``fp8dist launch slurm
+        torchrun``) and wait for it; returns its exit code and its output (or the submission's error).
 
         Polls every half second: ``sbatch --wait`` sleeps in growing steps and adds up to half a minute."""
         out = self.root / f"job-{time.monotonic_ns()}.out"
-        proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", *args], env={**self.env, **(env or {})},
+        proc = subprocess.run([*submit, "--parsable", f"--output={out}", *args], env={**self.env, **(env or {})},
                               cwd=cwd, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             return proc.returncode, f"sbatch failed: {proc.stderr}"

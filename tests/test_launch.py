@@ -88,6 +88,25 @@ def test_torchrun_dry_run_prints_the_exact_command_with_every_argument_quoted():
     assert explicit[0][-5:] == ["-m", "fp8dist.cli", "train", "--steps", "3"]
 
 
+def test_fp8dist_launch_runs_the_packaged_scripts_and_prints_the_sbatch_command():
+    from fp8dist.cli import LAUNCH_DIR
+
+    assert LAUNCH.resolve() == LAUNCH_DIR, "the repository's launch/ is the package's folder, one copy"
+    for name in ("torchrun", "deepspeed"):
+        env = {"NODELIST": "localhost", "NPROC_PER_NODE": "2"} if name == "deepspeed" else {}
+        via_cli = run(["fp8dist", "launch", name, "--dry-run", *TRICKY], env=env)
+        direct = _script(f"{name}.sh", "--dry-run", *TRICKY, env=env)
+        assert via_cli.returncode == direct.returncode == 0, via_cli.stderr
+        assert via_cli.stdout == direct.stdout and TRICKY[-1] in shlex.split(via_cli.stdout.splitlines()[-1])
+    proc = run(["fp8dist", "launch", "slurm", "deepspeed", "--dry-run", "--nodes=4", "--gpus-per-node=8", "--",
+                "--zero-stage", "3", "--run-name", "two words"])
+    assert proc.returncode == 0, proc.stderr
+    assert shlex.split(proc.stdout) == [f"FP8DIST_LAUNCH_DIR={LAUNCH_DIR}", "sbatch", "--nodes=4", "--gpus-per-node=8",
+                                        str(LAUNCH_DIR / "slurm" / "deepspeed.sbatch"), "--zero-stage", "3",
+                                        "--run-name", "two words"]
+    assert run(["fp8dist", "launch", "path"]).stdout.strip() == str(LAUNCH_DIR)
+
+
 def test_torchrun_defaults_to_the_nodes_gpus_from_slurm():
     assert _dry("torchrun.sh", SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="")[0][4] == "4"
     assert _dry("torchrun.sh", CUDA_VISIBLE_DEVICES="0,1,2")[0][4] == "3"
@@ -164,10 +183,16 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _submit(slurm: SlurmCluster, template: str, *args: str, **env: str) -> str:
+def _submit(slurm: SlurmCluster, template: str, *args: str, via_cli: bool = False, **env: str) -> str:
+    """Submit launch/slurm/TEMPLATE on 2 nodes with sbatch, or (``via_cli``) through ``fp8dist launch slurm``,
+    which submits the copy installed with the package."""
     bin_path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"  # sbatch exports it: the job runs this venv
-    code, output = slurm.sbatch("--nodes=2", str(LAUNCH / "slurm" / template), *args, cwd=ROOT,
-                                env={"PATH": bin_path, "PYTHONUNBUFFERED": "1", **env})
+    env = {"PATH": bin_path, "PYTHONUNBUFFERED": "1", **env}
+    if via_cli:
+        code, output = slurm.sbatch("--nodes=2", "--", *args, cwd=ROOT, env=env,
+                                    submit=(str(BIN / "fp8dist"), "launch", "slurm", template.split(".")[0]))
+    else:
+        code, output = slurm.sbatch("--nodes=2", str(LAUNCH / "slurm" / template), *args, cwd=ROOT, env=env)
     assert code == 0, f"{output[-4000:]}\n{slurm.logs()}"
     return output
 
@@ -198,9 +223,9 @@ def test_sbatch_dry_runs_print_each_nodes_command(slurm):
 
 
 @on_the_cluster
-def test_torchrun_sbatch_trains_across_two_nodes(slurm):
+def test_torchrun_sbatch_trains_across_two_nodes_submitted_by_fp8dist_launch(slurm):
     out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--steps", "6", "--seq-len", "64",
-                  NPROC_PER_NODE="2")
+                  NPROC_PER_NODE="2", via_cli=True)
     ready = _ready(out)
     assert [(r, w) for r, w, _, _ in ready] == [(0, 4), (1, 4), (2, 4), (3, 4)], out[-3000:]
     hosts = {node: {h for _, _, n, h in ready if n == node} for node in (0, 1)}

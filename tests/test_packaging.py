@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tomllib
 import venv
+import zipfile
 
 import pytest
 from cli_helpers import ROOT
@@ -76,3 +78,19 @@ def test_pip_keeps_a_users_torch_of_another_supported_version(tmp_path):
     installs = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert "fp8dist" in installs and "torchao" in installs
     assert "torch" not in installs, f"pip would replace the user's torch 2.11.0 with {installs.get('torch')}"
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_launch_scripts_executable(tmp_path):
+    """A pip install without a checkout gets launch/ too (fp8dist launch runs it), with the exec bits srun needs."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("fp8dist-*.whl")
+    with zipfile.ZipFile(wheel) as zipped:
+        modes = {i.filename: i.external_attr >> 16 for i in zipped.infolist() if "/launch/" in i.filename}
+    scripts = sorted(p.relative_to(ROOT / "launch").as_posix() for p in (ROOT / "launch").rglob("*") if p.is_file())
+    assert sorted(name.removeprefix("fp8dist/launch/") for name in modes) == scripts
+    for name, mode in modes.items():
+        if name.endswith((".sbatch", "torchrun.sh", "deepspeed.sh")):
+            assert mode & 0o111, f"{name} is not executable in the wheel"
