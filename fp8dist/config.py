@@ -19,7 +19,8 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from ._schema import choice_error, normalize_fields, route_keys
+from ._schema import normalize_fields, route_keys
+from .accelerate_config import translate_accelerate_config
 
 __all__ = [
     "StrategyConfig",
@@ -272,67 +273,51 @@ class Config:
         return cls(**{name: section(**routed[section]) for name, section in _SECTIONS.items()})
 
 
-_ACCELERATE_BACKENDS = {"TE": "te", "AO": "torchao", "MSAMP": "msamp"}
-_ACCELERATE_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
+def _read_config_text(path: Path) -> Any:
+    """The file parsed as JSON (``.json``) or YAML, None when empty; a syntax error names the file, the line and
+    the column."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+    if not text.strip():
+        return None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file {str(path)!r} is not valid JSON: line {err.lineno}, column {err.colno}: "
+                             f"{err.msg}.") from None
+    import yaml
 
-
-def _set_once(flat: dict[str, Any], key: str, value: Any, source: str) -> None:
-    if key in flat and flat[key] != value:
-        raise ValueError(f"{source} sets {key}={value!r} but the file also says {key}={flat[key]!r}: keep one.")
-    flat[key] = value
-
-
-def translate_accelerate_keys(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Accept Accelerate's ``mixed_precision`` + ``fp8_config`` keys beside fp8dist's own flat keys.
-
-    ``mixed_precision: fp8`` needs ``fp8_config.backend`` (TE, AO or MSAMP); ``no``/``fp16``/``bf16`` set
-    ``param_dtype`` and no FP8. ``fp8_config`` keys are fp8dist keys of the same name.
-    """
-    flat = {k: v for k, v in data.items() if k not in ("mixed_precision", "fp8_config")}
-    fp8_config = data.get("fp8_config") or {}
-    if not isinstance(fp8_config, Mapping):
-        raise ValueError(f"fp8_config must be a mapping of keys to values, got {fp8_config!r}.")
-    fp8_keys = {f.name for f in fields(FP8Config)}
-    for key, value in fp8_config.items():
-        if key == "backend":
-            name = str(value).upper()
-            if name not in _ACCELERATE_BACKENDS:
-                raise choice_error("fp8_config.backend", value, list(_ACCELERATE_BACKENDS))
-            _set_once(flat, "fp8", _ACCELERATE_BACKENDS[name], "fp8_config.backend")
-        elif key in fp8_keys and key != "fp8":
-            _set_once(flat, key, value, f"fp8_config.{key}")
-        else:
-            raise choice_error(f"key {key!r} in fp8_config", key, ["backend", *sorted(fp8_keys - {"fp8"})])
-    if "mixed_precision" in data:
-        mode = str(data["mixed_precision"]).lower()
-        if mode not in _ACCELERATE_PRECISION:
-            raise choice_error("mixed_precision", data["mixed_precision"], list(_ACCELERATE_PRECISION))
-        if mode == "fp8" and flat.get("fp8") in (None, "none"):
-            raise ValueError("mixed_precision: fp8 needs a backend: set fp8_config.backend to TE, AO or MSAMP "
-                             "(or fp8: te | torchao | msamp).")
-        if mode != "fp8":
-            _set_once(flat, "fp8", None, f"mixed_precision: {mode}")
-        _set_once(flat, "param_dtype", _ACCELERATE_PRECISION[mode], f"mixed_precision: {mode}")
-    return flat
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {where}{problem}.") from None
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a flat dict (not validated yet); Accelerate's keys are translated."""
+    """Read a YAML or JSON file into a flat dict (not validated yet); the keys of a file written by
+    ``accelerate config`` are translated (:mod:`fp8dist.accelerate_config`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is empty, not valid YAML/JSON (naming the line and column) or not a mapping, or an
+            Accelerate key or value has no fp8dist equivalent.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist.")
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    if data is None:
-        return {}
+    data = _read_config_text(path)
+    if data is None:  # nothing, or only comments
+        raise ValueError(f"config file {str(path)!r} is empty: write at least one key (e.g. strategy: fsdp), or "
+                         "pass no config file.")
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of keys to values, got {type(data).__name__}.")
-    return translate_accelerate_keys(data)
+    return translate_accelerate_config(data, source=str(path))
 
 
 def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, **overrides: Any) -> Config:
@@ -354,7 +339,7 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = load_config_file(config)
         source = str(config)
     elif isinstance(config, Mapping):
-        base = translate_accelerate_keys(config)
+        base = translate_accelerate_config(config)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
     base_cfg = Config.from_dict(base, source=source)
