@@ -282,7 +282,7 @@ def _read_config_text(path: Path) -> Any:
         raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
     if not text.strip():
         return None
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         try:
             return json.loads(text)
         except json.JSONDecodeError as err:
