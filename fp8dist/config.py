@@ -293,9 +293,11 @@ def _read_config_text(path: Path) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
+        mark, context, start = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line
+        if context and start is not None:  # where the unfinished construct began ("while scanning a quoted scalar")
+            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {where}{problem}.") from None
 
 

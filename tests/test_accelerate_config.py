@@ -424,6 +424,9 @@ def test_no_suggestion_points_at_a_key_of_another_meaning():
     ("broken.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n bad: [1,\n",
      "broken.yaml' is not valid YAML: line 4, column 2: "),
     ("broken.yml", "fsdp_config: {fsdp_version: 2\n", "broken.yml' is not valid YAML: line 2, column 1: "),
+    ("quote.yaml", 'mixed_precision: fp8\nfp8_config: {backend: "TE}\n',
+     "quote.yaml' is not valid YAML: line 3, column 1: found unexpected end of stream (while scanning a quoted "
+     "scalar at line 2, column 23)."),
     ("broken.json", '{\n  "distributed_type": "FSDP",\n}\n',
      "broken.json' is not valid JSON: line 3, column 1: Expecting property name enclosed in double quotes."),
     ("empty.yaml", "# nothing here yet\n", "empty.yaml' is empty: write at least one key"),
