@@ -57,8 +57,9 @@ def _only(why: str, *accepted: Any) -> _Rule:
 
 def _listed(value: Any) -> Any:
     """A list Accelerate writes as text: "LlamaDecoderLayer,LlamaMLP", "(false, false, true)" (its docs)."""
-    return [item.strip() for item in value.strip("()[] ").split(",") if item.strip()] if isinstance(value, str) \
-        else value
+    if isinstance(value, str):
+        return [item.strip() for item in value.strip("()[] ").split(",") if item.strip()]
+    return value
 
 
 _LAUNCHER = _Rule(launcher=True)
@@ -105,11 +106,11 @@ _RESHARD = {True: True, False: False, "FULL_SHARD": True, "SHARD_GRAD_OP": False
             "HYBRID_SHARD": _Refuse(_NO_HSDP), "HYBRID_SHARD_ZERO2": _Refuse(_NO_HSDP)}
 _PREFETCH = _only("fp8dist keeps torch's backward prefetch (BACKWARD_PRE under FSDP1; FSDP2 prefetches the next "
                   "block itself)", "BACKWARD_PRE")
-_WRAP = ("fp8dist shards block by block: the classes in fsdp_transformer_layer_cls_to_wrap, else the "
-                "model's _no_split_modules. Use TRANSFORMER_BASED_WRAP")
-_CHECKPOINTS = ("fp8dist.save_checkpoint writes sharded checkpoints (torch.distributed.checkpoint, each "
-                       "rank its shard). Use SHARDED_STATE_DICT; for one full file convert a checkpoint with "
-                       "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
+_WRAP = ("fp8dist shards block by block: the classes in fsdp_transformer_layer_cls_to_wrap, else the model's "
+         "_no_split_modules. Use TRANSFORMER_BASED_WRAP")
+_CHECKPOINTS = ("fp8dist.save_checkpoint writes sharded checkpoints (torch.distributed.checkpoint, each rank its "
+                "shard). Use SHARDED_STATE_DICT; for one full file convert a checkpoint with "
+                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
 
 _FSDP: dict[str, _Rule] = {
     "fsdp_version": _to("strategy", {1: "fsdp1", 2: "fsdp"}),
