@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from ._memory import deepspeed_gradients, leaves
-from .report import Part, PrecisionRow, _inner, _Members, _names, dtype_name
+from .dtypes import dtype_name
+from .dtypes import dtype_names as _names
+from .report import Part, PrecisionRow, _Members
 
 __all__ = ["row_for"]
 
@@ -26,46 +28,23 @@ class _Engine:
     deepspeed: Any = None
 
 
-def _autocast_dtype(model: nn.Module) -> torch.dtype | None:
-    return getattr(_inner(model).forward, "_fp8dist_autocast", None)
-
-
-def _ddp_reduce(ddp: nn.Module) -> str:
-    """What DDP's gradients travel in: the dtype its registered compression hook casts them to, else their own."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
-    if not hooks:
-        return _names({p.dtype for p in ddp.parameters()})
-    compress = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
-    dtype = compress.get(hooks[-1])
-    if dtype is None:
-        return f"set by the comm hook {getattr(hooks[-1], '__qualname__', hooks[-1])}"
-    return dtype_name(dtype)
-
-
 def _engine(model: nn.Module) -> _Engine:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
+    """The report's view of the engine dtypes (read once, in :mod:`fp8dist.strategies.introspect`)."""
+    from .api import get_wrap_info
+    from .strategies.introspect import engine_dtypes
 
-    from .strategies.deepspeed import is_deepspeed_engine
-
-    if is_deepspeed_engine(model):
-        compute = torch.bfloat16 if model.bfloat16_enabled() else torch.float16 if model.fp16_enabled() else None
-        stage = model.zero_optimization_stage()
-        gather = None if stage == 3 else f"{dtype_name(compute or torch.float32)} (updated weights, after the step)"
-        return _Engine(compute, gather, dtype_name(model.communication_data_type), deepspeed=model)
-    if isinstance(model, FullyShardedDataParallel):
-        mp = model.mixed_precision
-        return _Engine(mp.param_dtype, None, dtype_name(mp.reduce_dtype or mp.param_dtype or torch.float32))
-    state = getattr(model, "_get_fsdp_state", None)
-    if state is not None:
-        policy = state()._mp_policy
-        reduce = policy.reduce_dtype or policy.param_dtype
-        return _Engine(policy.param_dtype, None, dtype_name(reduce) if reduce else "the stored dtype")
-    if isinstance(model, DistributedDataParallel):
-        return _Engine(_autocast_dtype(model), "none (replicated)", _ddp_reduce(model))
-    return _Engine(_autocast_dtype(model), "none", "none")  # one process: nothing gathered or reduced
+    e = engine_dtypes(model, get_wrap_info(model).sharding.autocast)
+    if e.engine == "deepspeed":
+        gather = None if e.zero_stage == 3 else \
+            f"{dtype_name(e.compute or torch.float32)} (updated weights, after the step)"
+        return _Engine(e.compute, gather, dtype_name(e.reduce), deepspeed=model)
+    if e.engine in ("fsdp", "fsdp1"):
+        return _Engine(e.compute, None, dtype_name(e.reduce) if e.reduce else "the stored dtype")
+    if e.engine == "ddp":
+        reduce = f"set by the comm hook {e.reduce_hook}" if e.reduce_hook else \
+            dtype_name(e.reduce) if e.reduce else _names({p.dtype for p in model.parameters()})
+        return _Engine(e.compute, "none (replicated)", reduce)
+    return _Engine(e.compute, "none", "none")  # one process: nothing gathered or reduced
 
 
 def _stored(model: nn.Module, params: list[nn.Parameter], engine: _Engine) -> list[torch.Tensor]:
@@ -82,14 +61,14 @@ def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
         granularity = config.cast_config_input.scaling_granularity.value
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({granularity})"
-    recipe = getattr(_inner(model).forward, "_fp8dist_fp8_recipe", None)
+    from .api import get_wrap_info
+
+    recipe = get_wrap_info(model).fp8.autocast_recipe
     if recipe is not None:  # TE: HYBRID is E4M3 forward, E5M2 gradients
         fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"
-    from .api import get_plan
-
-    return f"fp8 ({get_plan(model).backend})"
+    return f"fp8 ({get_wrap_info(model).plan.backend})"
 
 
 def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.Tensor]) -> str:

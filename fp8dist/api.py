@@ -12,10 +12,10 @@ from torch import nn
 
 from .config import Config, resolve_config
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
-from .fp8 import get_backend
+from .fp8 import FP8Backend, FP8Wiring, get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
-from .strategies import ShardingInfo, apply_strategy
+from .strategies import ShardingInfo, apply_strategy, unwrap_model
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
@@ -30,6 +30,17 @@ class WrapInfo:
     env: DistEnv
     plan: PrecisionPlan
     sharding: ShardingInfo
+    fp8: FP8Wiring = FP8Wiring()
+    """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
+
+
+class _NoFP8(FP8Backend):
+    """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
+
+    name = "none"
+
+
+NO_FP8 = _NoFP8()
 
 
 def get_wrap_info(model: nn.Module) -> WrapInfo:
@@ -107,47 +118,44 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
-    cfg = resolve_config(config, **explicit, **options)                   # 1. resolve config
+    cfg = resolve_config(config, **explicit, **options)                    # 1. resolve config
     _check_model(model)
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
-    for note in cfg.unused_options():
-        warnings.warn(note, UserWarning, stacklevel=2)
-    launch = current_launch()                                             # 2. check environment
+    launch = current_launch()                                              # 2. check environment
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     plan = plan_precision(model, cfg, device=device, fp8_filter=fp8_filter)  # 3. plan (FP8 gate first)
-    backend = get_backend(cfg.precision.fp8) if plan.converted else None
-    for note in _ignored_arguments(cfg, fp8_filter, fp8_group) + list(plan.notes):
+    _announce(cfg, plan, fp8_filter, fp8_group)
+    backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
+    backend.check_plan(plan)
+    if backend.owns_optimizer and optimizer is None and cfg.parallel.strategy != "deepspeed":
+        raise ValueError(f"fp8={backend.name!r} owns the optimizer: pass optimizer={{'type': 'AdamW', 'lr': ...}} "
+                         "(or a callable params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
+    env = _environment(cfg, launch, device)                                # process group, once all checks passed
+    backend.convert(model, plan, cfg)                                      # 4. convert, before sharding
+    entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
+    model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
+    wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 5. shard
+                                       ds_entry=entry)
+    for note in sharding.notes:
         warnings.warn(note, UserWarning, stacklevel=2)
-    if plan.unavailable:
-        warnings.warn(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "
-                      f"strategy's {cfg.parallel.param_dtype} mixed precision.", UserWarning, stacklevel=2)
-    ds_msamp = cfg.parallel.strategy == "deepspeed" and cfg.precision.fp8 == "msamp"
-    if cfg.precision.fp8 == "msamp" and optimizer is None and not ds_msamp:
-        raise ValueError("fp8='msamp' owns the optimizer: pass optimizer={'type': 'AdamW', 'lr': ...} (or a callable "
-                         "params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
-    if backend is not None:
-        backend.check_plan(plan)
-    env = _environment(cfg, launch, device)                               # process group, once all checks passed
-    built = None
-    if backend is not None:
-        backend.convert(model, plan, cfg)                                 # 4. convert, before sharding
-        if cfg.precision.fp8 == "msamp" and not ds_msamp:  # MS-AMP converts in initialize, with the optimizer
-            model, built = backend.initialize(model, build_optimizer(optimizer, model.parameters()), cfg)
-    wrapped, sharding = apply_strategy(                                   # 5. shard
-        model, cfg.parallel, env, optimizer=optimizer if cfg.parallel.strategy == "deepspeed" else None,
-        ds_hooks=backend.deepspeed_hooks(cfg) if ds_msamp and backend is not None else None)
-    if cfg.parallel.strategy in ("fsdp", "fsdp1") and not sharding.blocks:
-        warnings.warn(f"{type(model).__name__}: {sharding.blocks_found_by}. All parameters are gathered at once; "
-                      "pass block_classes=[...] to shard block by block.", UserWarning, stacklevel=2)
-    if backend is not None:                                               # 6. FP8 autocast / hooks
-        backend.after_shard(wrapped, plan, cfg, env, fp8_group)  # None: the backend uses the world group
-    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding))      # attach what was done
+    wiring = backend.after_shard(wrapped, unwrap_model(wrapped), plan, cfg, fp8_group)  # 6. FP8 autocast, hooks
+    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding, wiring))  # what was done, as data
     watch_replaced_parameters(before, wrapped.parameters())
     if optimizer is None:
         return wrapped
     if cfg.parallel.strategy == "deepspeed":
         return wrapped, wrapped.optimizer
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
+
+
+def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:
+    """One warning for each thing the user asked for that will not happen as asked."""
+    notes = cfg.unused_options() + _ignored_arguments(cfg, fp8_filter, fp8_group) + list(plan.notes)
+    if plan.unavailable:
+        notes.append(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "
+                     f"strategy's {cfg.parallel.param_dtype} mixed precision.")
+    for note in notes:
+        warnings.warn(note, UserWarning, stacklevel=3)
 
 
 def _environment(cfg: Config, launch: LaunchEnv, device: torch.device) -> DistEnv:

@@ -17,10 +17,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import torch
-
 from ._schema import normalize_fields, route_keys
 from .accelerate_config import translate_accelerate_config
+from .dtypes import DTYPE_ALIASES, torch_dtype
 
 __all__ = [
     "StrategyConfig",
@@ -33,21 +32,8 @@ __all__ = [
 
 Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
-FP8Backend = Literal["te", "torchao", "msamp"]
+FP8BackendName = Literal["te", "torchao", "msamp"]
 Device = Literal["auto", "cpu", "cuda"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-}
-"""Other spellings of the dtype names (a torch dtype is read as its ``str``), in Python, files and flags alike."""
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a validated dtype name ("fp32", "bf16", "fp16")."""
-    return _DTYPES[name]
 
 
 def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
@@ -55,7 +41,7 @@ def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
     return {"only": allowed}
 
 
-_DTYPE = {"aliases": _DTYPE_ALIASES}
+_DTYPE = {"aliases": DTYPE_ALIASES}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -131,7 +117,7 @@ class FP8Config:
     """Which FP8 backend is layered on top of the strategy, and its knobs. Knobs of other backends are
     reported when set, never silently ignored."""
 
-    fp8: FP8Backend | None = None
+    fp8: FP8BackendName | None = None
     """FP8 backend: te (Transformer Engine), torchao (float8 training) or msamp (MS-AMP); none keeps the
     strategy's mixed precision everywhere."""
 

@@ -18,16 +18,13 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-import torch
 from torch import nn
 
 from ._memory import CATEGORIES, StateBytes, StateTally, model_state_tensors
+from .dtypes import dtype_names as _names
+from .strategies import unwrap_model
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
-
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3",
-          torch.float8_e5m2: "fp8 e5m2", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
-
 
 class Part(str, Enum):
     """What a part of the model computes: the key of a report row (``rows`` come in this order). ``label`` is
@@ -50,15 +47,6 @@ _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D table read by index: no GEMM
 # attributes through which wrappers hold the module they wrap (FSDP1, activation checkpointing, torch.compile):
 # absent from the module names the plan recorded before wrapping
 _WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    """Short name of a dtype: fp32, bf16, fp8 e4m3, ..."""
-    return "none" if dtype is None else _NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def _names(dtypes: set[torch.dtype], empty: str = "none") -> str:
-    return "/".join(sorted(dtype_name(d) for d in dtypes)) or empty
 
 
 @dataclass(frozen=True)
@@ -126,18 +114,6 @@ def _table(cols: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / FSDP1 / the DeepSpeed engine."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .strategies.deepspeed import is_deepspeed_engine
-
-    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model):
-        return model.module
-    return model
 
 
 @dataclass(frozen=True)
@@ -216,7 +192,7 @@ def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, _Members
     owner: dict[int, tuple[Part, _Held]] = {}
     order = list(Part)
     # a wrapper and the module it wraps share a planned name: the wrapped module, visited later, keeps it
-    names = {_plan_name(name): module for name, module in _inner(model).named_modules()}
+    names = {_plan_name(name): module for name, module in unwrap_model(model).named_modules()}
     if fp8_names - names.keys():
         warnings.warn(f"fp8dist.report: the plan's FP8 modules {sorted(fp8_names - names.keys())} are not in the "
                       "wrapped model under their planned names; where they are, they are reported as high-precision "

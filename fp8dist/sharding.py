@@ -9,13 +9,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .dtypes import dtype_name, dtype_names
+from .strategies.introspect import EngineDtypes, engine_dtypes
+
 __all__ = ["ShardingSummary", "sharding_summary"]
-
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _short(dtype: torch.dtype | None) -> str:
-    return "fp32 (no cast)" if dtype is None else _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -43,82 +40,65 @@ class ShardingSummary:
                 f"gradients reduced in {self.reduce_dtype}")
 
 
-def _fsdp2_policy(model: nn.Module):
-    state = getattr(model, "_get_fsdp_state", None)
-    return state()._mp_policy if state is not None else None
+def _reduce_name(engine: EngineDtypes, params: list[nn.Parameter]) -> str:
+    if engine.engine == "none":
+        return "n/a (no reduction)"
+    if engine.reduce_hook is not None:
+        return f"set by the comm hook {engine.reduce_hook}"
+    return dtype_name(engine.reduce) if engine.reduce is not None else dtype_names({p.dtype for p in params})
 
 
 def sharding_summary(model: nn.Module) -> ShardingSummary:
     """Summarize the parameters of a model returned by ``wrap_model`` (any strategy) on this rank."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
 
-    from .strategies.deepspeed import is_deepspeed_engine
+    from .api import get_wrap_info
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if is_deepspeed_engine(model):
-        return _deepspeed_summary(model, world)
-    if isinstance(model, FullyShardedDataParallel):
-        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
-        mp = model.mixed_precision
-        return ShardingSummary(
-            layout="FlatParameter shards", world_size=world,
-            total_numel=sum(f._unpadded_unsharded_size.numel() for f in flats),
-            local_numel=sum(f.numel() for f in flats),
-            sharded_tensors=sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
-            tensors=len(flats), storage_dtypes=tuple(sorted({_short(f.dtype) for f in flats})),
-            compute_dtype=_short(mp.param_dtype), reduce_dtype=_short(mp.reduce_dtype))
+    engine = engine_dtypes(model, get_wrap_info(model).sharding.autocast)
+    if engine.engine == "deepspeed":
+        return _deepspeed_summary(model, world, engine)
     params = list(model.parameters())
-    storage = tuple(sorted({_short(p.dtype) for p in params}))
-    policy = _fsdp2_policy(model)
-    if policy is not None:
+    common = dict(world_size=world, compute_dtype=dtype_name(engine.compute) if engine.compute else None,
+                  reduce_dtype=_reduce_name(engine, params))
+    if engine.engine == "fsdp1":
+        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        return _summary(layout="FlatParameter shards", total_numel=sum(f._unpadded_unsharded_size.numel()
+                                                                       for f in flats),
+                        local_numel=sum(f.numel() for f in flats), tensors=len(flats),
+                        sharded_tensors=sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
+                        storage={f.dtype for f in flats}, **common)
+    if engine.engine == "fsdp":
         dtensors = [p for p in params if isinstance(p, DTensor)]
         placements = sorted({repr(pl) for p in dtensors for pl in p.placements})
-        return ShardingSummary(
-            layout=f"DTensor {'/'.join(placements)}", world_size=world,
-            total_numel=sum(p.numel() for p in params), local_numel=sum(p.to_local().numel() for p in dtensors),
-            sharded_tensors=sum(1 for p in dtensors if any(pl.is_shard() for pl in p.placements)),
-            tensors=len(params), storage_dtypes=storage,
-            compute_dtype=_short(policy.param_dtype), reduce_dtype=_short(policy.reduce_dtype))
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    autocast = getattr(inner.forward, "_fp8dist_autocast", None)
+        return _summary(layout=f"DTensor {'/'.join(placements)}", total_numel=sum(p.numel() for p in params),
+                        local_numel=sum(p.to_local().numel() for p in dtensors), tensors=len(params),
+                        sharded_tensors=sum(1 for p in dtensors if any(pl.is_shard() for pl in p.placements)),
+                        storage={p.dtype for p in params}, **common)
     total = sum(p.numel() for p in params)
-    return ShardingSummary(
-        layout="replicated" if isinstance(model, DistributedDataParallel) else "not distributed",
-        world_size=world, total_numel=total, local_numel=total, sharded_tensors=0, tensors=len(params),
-        storage_dtypes=storage, compute_dtype=_short(autocast) if autocast else storage[0],
-        reduce_dtype=_ddp_reduce_dtype(model))
+    return _summary(layout="replicated" if engine.engine == "ddp" else "not distributed", total_numel=total,
+                    local_numel=total, sharded_tensors=0, tensors=len(params), storage={p.dtype for p in params},
+                    **common)
 
 
-def _deepspeed_summary(engine, world: int) -> ShardingSummary:
+def _summary(*, storage: set[torch.dtype], compute_dtype: str | None, **fields) -> ShardingSummary:
+    """The summary; no cast means compute in the stored dtype."""
+    names = tuple(sorted(dtype_name(d) for d in storage))
+    return ShardingSummary(storage_dtypes=names, compute_dtype=compute_dtype or "/".join(names), **fields)
+
+
+def _deepspeed_summary(engine, world: int, dtypes: EngineDtypes) -> ShardingSummary:
     """ZeRO-3 partitions parameters (``ds_tensor`` holds this rank's part); ZeRO-1/2 keep them whole and
     partition optimizer states (and gradients)."""
-    stage = engine.zero_optimization_stage()
     params = list(engine.module.parameters())
-    if stage == 3:
+    if dtypes.zero_stage == 3:
         local = sum(p.ds_tensor.numel() for p in params)
         total = sum(p.ds_numel for p in params)
         sharded = sum(1 for p in params if p.ds_tensor.numel() < p.ds_numel)
-        storage = tuple(sorted({_short(p.ds_tensor.dtype) for p in params}))
+        storage = {p.ds_tensor.dtype for p in params}
     else:
         total = local = sum(p.numel() for p in params)
-        sharded, storage = 0, tuple(sorted({_short(p.dtype) for p in params}))
-    compute = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    return ShardingSummary(layout=f"DeepSpeed ZeRO-{stage}", world_size=world, total_numel=total, local_numel=local,
-                           sharded_tensors=sharded, tensors=len(params), storage_dtypes=storage,
-                           compute_dtype=compute, reduce_dtype=_short(engine.communication_data_type))
-
-
-def _ddp_reduce_dtype(model: nn.Module) -> str:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return "n/a (no reduction)"
-    hook = getattr(model, "_comm_hook", None)  # DDP keeps the registered Python hook here
-    name = getattr(hook, "__name__", "")
-    if name.startswith("bf16"):
-        return "bf16"
-    if name.startswith("fp16"):
-        return "fp16"
-    grads = {p.dtype for p in model.parameters()}
-    return "/".join(sorted(_short(d) for d in grads))
+        sharded, storage = 0, {p.dtype for p in params}
+    return _summary(layout=f"DeepSpeed ZeRO-{dtypes.zero_stage}", world_size=world, total_numel=total,
+                    local_numel=local, sharded_tensors=sharded, tensors=len(params), storage=storage,
+                    compute_dtype=dtype_name(dtypes.compute or torch.float32), reduce_dtype=dtype_name(dtypes.reduce))

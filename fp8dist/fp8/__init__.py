@@ -1,34 +1,108 @@
-"""FP8 backends, one module each, behind the same small interface (module-level functions):
+"""FP8 backends, one module each, each a class that implements :class:`FP8Backend` (explicitly subclassing it,
+so every hook it does not need is the Protocol's documented no-op). ``wrap_model`` calls the hooks in one fixed
+order, the same for every backend:
 
-- ``NAME``; ``describe(cfg)`` one line for the plan header
-- ``unavailable_reason(cfg, device) -> str | None``: not installed / no FP8 hardware (None: runs here)
-- ``supports(module) -> bool``: the module types the backend replaces
-- ``model_exclusions(model, cfg) -> {fqn: reason}``: model-level rules (torchao's first/last Linear)
-- ``ineligible_reason(module, fqn, cfg) -> str | None``: per-layer rules (dims divisible by 16, ...)
-- ``converted_class(module) -> str`` and ``computes_in_fp8(module) -> bool``: what the plan records
-- ``check_plan(plan)``: refuse, before anything changes, a plan the backend cannot follow
-- ``convert(model, plan, cfg)``: swap exactly the plan's converted modules; called before sharding
-- ``after_shard(model, plan, cfg, env, group)``: FP8 autocast / hooks on the sharded model
+    unavailable_reason -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
+    -> check_plan -> convert -> before_shard (or deepspeed_entry under DeepSpeed) -> shard -> after_shard
 
-Backend modules import their library only inside functions, so configs validate where it is not installed.
+A backend knows no sharding engine: the pipeline hands it the module to convert, the DeepSpeed entry point to use
+and, after sharding, the user's model inside whatever wrapper the strategy made. Backend modules import their
+library only inside methods, so configs validate where it is not installed.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["get_backend", "dims_reason", "fp8_hardware_reason"]
+__all__ = ["FP8Backend", "FP8Wiring", "get_backend", "BACKENDS", "dims_reason", "fp8_hardware_reason"]
 
-_MODULES = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
+BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
+"""Backend name -> module of fp8dist.fp8 that holds its class."""
 
 
-def get_backend(name: str) -> ModuleType:
-    """The backend module for ``name`` ("torchao", "te", "msamp")."""
-    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+@dataclass(frozen=True)
+class FP8Wiring:
+    """What a backend did to the sharded model after conversion, as data (``WrapInfo.fp8``): nothing reads it back
+    from the modules' attributes or forwards."""
+
+    autocast_recipe: Any = None
+    """The recipe the forward runs under (Transformer Engine), or None."""
+    amax_group: Any = None
+    """The process group FP8 amax is reduced over, or None."""
+    scale_precompute: bool = False
+    """FP8 weight scales are recomputed after every optimizer step (torchao's FP8 all-gather)."""
+
+
+class FP8Backend(Protocol):
+    """The interface of an FP8 backend. Subclass it: the defaults below are the no-ops of a backend that needs no
+    such step."""
+
+    name: ClassVar[str]
+    owns_optimizer: ClassVar[bool] = False
+    """The backend builds the optimizer itself (in :meth:`before_shard`, from the optimizer spec)."""
+
+    def describe(self, cfg: Any) -> str:
+        """One line for the plan header (recipe, knobs)."""
+        return ""
+
+    def unavailable_reason(self, cfg: Any, device: torch.device) -> str | None:
+        """Why the backend cannot run on ``device`` (not installed, no FP8 hardware); None when it can."""
+        return fp8_hardware_reason(device)
+
+    def supports(self, module: nn.Module) -> bool:
+        """Whether the backend replaces modules of this type."""
+        return type(module) is nn.Linear
+
+    def converted_class(self, module: nn.Module) -> str:
+        """What the plan records as the module's replacement."""
+        return type(module).__name__
+
+    def computes_in_fp8(self, module: nn.Module) -> bool:
+        """False for modules swapped without FP8 compute (TE's norms)."""
+        return True
+
+    def model_exclusions(self, model: nn.Module, cfg: Any) -> dict[str, str]:
+        """Model-level rules: ``{fqn: reason}`` of modules kept in high precision (torchao's first/last Linear)."""
+        return {}
+
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any) -> str | None:
+        """Per-layer rules: why this supported module cannot run FP8 (dims not divisible by 16), or None."""
+        return dims_reason(module)
+
+    def check_plan(self, plan: Any) -> None:
+        """Refuse, before anything changes, a plan the backend cannot follow."""
+
+    def convert(self, model: nn.Module, plan: Any, cfg: Any) -> None:
+        """Swap exactly the plan's converted modules, in place; called before sharding."""
+
+    def before_shard(self, model: nn.Module, optimizer: Any, cfg: Any) -> tuple[nn.Module, Any]:
+        """After conversion, before sharding: ``(model, built optimizer or None)``; a backend that owns the
+        optimizer (MS-AMP) builds it here from the optimizer spec."""
+        return model, None
+
+    def deepspeed_entry(self, cfg: Any) -> tuple[Mapping[str, Any], Callable[..., Any]] | None:
+        """``(extra DeepSpeed config, initialize function)`` for a backend with its own DeepSpeed entry point."""
+        return None
+
+    def after_shard(self, model: nn.Module, inner: nn.Module, plan: Any, cfg: Any, group: Any) -> FP8Wiring:
+        """On the sharded model: FP8 autocast, hooks. ``model`` is what the strategy returned (a wrapper, or the
+        model itself), ``inner`` the user's model inside it; ``group`` the amax reduction group (None: the world
+        group). Returns what was done."""
+        return FP8Wiring()
+
+
+@functools.cache
+def get_backend(name: str) -> FP8Backend:
+    """The backend for ``name`` ("torchao", "te", "msamp")."""
+    module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
+    return module.BACKEND
 
 
 def dims_reason(module: nn.Linear) -> str | None:

@@ -15,72 +15,55 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dims_reason, fp8_hardware_reason
-
-NAME = "msamp"
-
-
-def describe(cfg) -> str:
-    return f"opt_level {cfg.precision.opt_level}"
+from ..optim import build_optimizer
+from . import FP8Backend, fp8_hardware_reason
 
 
-def unavailable_reason(cfg, device: torch.device) -> str | None:
-    if importlib.util.find_spec("msamp") is None:
-        return "MS-AMP is not installed (not on the package index: build it from its repository on a CUDA machine)"
-    return fp8_hardware_reason(device)
+class MSAMPBackend(FP8Backend):
+    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, and MS-AMP builds the optimizer
+    (``msamp.initialize`` before DDP; under DeepSpeed its own ``msamp.deepspeed.initialize``)."""
+
+    name = "msamp"
+    owns_optimizer = True
+
+    def describe(self, cfg) -> str:
+        return f"opt_level {cfg.precision.opt_level}"
+
+    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+        if importlib.util.find_spec("msamp") is None:
+            return ("MS-AMP is not installed (not on the package index: build it from its repository on a CUDA "
+                    "machine)")
+        return fp8_hardware_reason(device)
+
+    def converted_class(self, module: nn.Module) -> str:
+        return "msamp FP8 Linear"
+
+    def check_plan(self, plan) -> None:
+        """``msamp.initialize`` converts every nn.Linear, with no layer filter."""
+        kept = [e.name for e in plan if e.module_type == "Linear" and e.converted_to is None]
+        if kept:
+            raise ValueError(
+                f"fp8='msamp' converts every nn.Linear (msamp.initialize has no layer filter), but the plan keeps "
+                f"{kept} in high precision. Use fp8='te' or 'torchao' for per-layer fallback, or remove the "
+                "exclusion / make the dims multiples of 16.")
+
+    def before_shard(self, model: nn.Module, optimizer, cfg) -> tuple[nn.Module, Any]:
+        """``msamp.initialize`` on the unwrapped model and its Adam/AdamW optimizer, before DDP (under DeepSpeed
+        the pipeline calls :meth:`deepspeed_entry` instead)."""
+        import msamp
+
+        built = build_optimizer(optimizer, model.parameters())
+        if not isinstance(built, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(f"fp8='msamp' needs torch.optim.Adam or AdamW (MS-AMP swaps it for its own), got "
+                             f"{type(built).__name__}.")
+        return msamp.initialize(model, built, opt_level=cfg.precision.opt_level)
+
+    def deepspeed_entry(self, cfg) -> tuple[dict, Any]:
+        """Under DeepSpeed, MS-AMP goes through its own entry point: the config's "msamp" block and
+        ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
+        from msamp import deepspeed as msamp_deepspeed
+
+        return {"msamp": {"enabled": True, "opt_level": cfg.precision.opt_level}}, msamp_deepspeed.initialize
 
 
-def supports(module: nn.Module) -> bool:
-    return type(module) is nn.Linear
-
-
-def converted_class(module: nn.Module) -> str:
-    return "msamp FP8 Linear"
-
-
-def computes_in_fp8(module: nn.Module) -> bool:
-    return True
-
-
-def model_exclusions(model: nn.Module, cfg) -> dict[str, str]:
-    return {}
-
-
-def ineligible_reason(module: nn.Module, fqn: str, cfg) -> str | None:
-    return dims_reason(module)
-
-
-def convert(model: nn.Module, plan, cfg) -> None:
-    """Nothing to do before the optimizer exists: :func:`initialize` converts."""
-
-
-def check_plan(plan) -> None:
-    """Refuse a plan MS-AMP cannot follow: ``msamp.initialize`` converts every nn.Linear, with no layer filter."""
-    kept = [e.name for e in plan if e.module_type == "Linear" and e.converted_to is None]
-    if kept:
-        raise ValueError(
-            f"fp8='msamp' converts every nn.Linear (msamp.initialize has no layer filter), but the plan keeps "
-            f"{kept} in high precision. Use fp8='te' or 'torchao' for per-layer fallback, or remove the exclusion "
-            "/ make the dims multiples of 16.")
-
-
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg) -> tuple[nn.Module, Any]:
-    """``msamp.initialize`` on the unwrapped model and its Adam/AdamW optimizer; before DDP."""
-    import msamp
-
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(f"fp8='msamp' needs torch.optim.Adam or AdamW (MS-AMP swaps it for its own), got "
-                         f"{type(optimizer).__name__}.")
-    return msamp.initialize(model, optimizer, opt_level=cfg.precision.opt_level)
-
-
-def deepspeed_hooks(cfg) -> tuple[dict, Any]:
-    """Under DeepSpeed, MS-AMP goes through its own entry point: the config's "msamp" block and
-    ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
-    from msamp import deepspeed as msamp_deepspeed
-
-    return {"msamp": {"enabled": True, "opt_level": cfg.precision.opt_level}}, msamp_deepspeed.initialize
-
-
-def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
-    """MS-AMP needs nothing after DDP wrapping."""
+BACKEND = MSAMPBackend()

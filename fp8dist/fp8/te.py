@@ -18,59 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import dims_reason, fp8_hardware_reason
-
-NAME = "te"
-
-
-def describe(cfg) -> str:
-    p = cfg.precision
-    if p.te_recipe == "delayed":
-        return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
-                f"amax_compute_algo {p.amax_compute_algo}")
-    return f"{p.te_recipe} scaling {p.fp8_format}"
-
-
-def unavailable_reason(cfg, device: torch.device) -> str | None:
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
-    needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
-    return fp8_hardware_reason(device, min_capability=needs)
+from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")) and \
         isinstance(weight, torch.Tensor) and weight.dim() == 1
-
-
-def supports(module: nn.Module) -> bool:
-    return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module)
-
-
-def converted_class(module: nn.Module) -> str:
-    if type(module) is nn.Linear:
-        return "te.Linear"
-    return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
-
-
-def computes_in_fp8(module: nn.Module) -> bool:
-    return type(module) is nn.Linear
-
-
-def model_exclusions(model: nn.Module, cfg) -> dict[str, str]:
-    return {}
-
-
-def ineligible_reason(module: nn.Module, fqn: str, cfg) -> str | None:
-    if type(module) is nn.Linear:
-        return dims_reason(module)
-    if type(module) is nn.LayerNorm:
-        if len(module.normalized_shape) != 1:
-            return f"normalized_shape={tuple(module.normalized_shape)}: te.LayerNorm normalizes one dim"
-        if module.weight is None or module.bias is None:
-            return "nn.LayerNorm without affine weight and bias: te.LayerNorm always has both"
-    return None
 
 
 def _rmsnorm_eps(module: nn.Module) -> float:
@@ -94,21 +48,6 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
         if getattr(module, "bias", None) is not None:
             new.bias.copy_(module.bias)
     return new
-
-
-def check_plan(plan) -> None:
-    """Any plan can be followed: ineligible layers are simply not converted."""
-
-
-def convert(model: nn.Module, plan, cfg) -> None:
-    """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
-    Ineligible modules are skipped, never a reason to stop. Call before sharding."""
-    import transformer_engine.pytorch as te
-
-    for entry in plan.converted:
-        parent_name, _, child = entry.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _te_module(te, getattr(parent, child)))
 
 
 def build_recipe(cfg) -> Any:
@@ -143,25 +82,70 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
         with te.fp8_autocast(enabled=module.training or during_eval, fp8_recipe=fp8_recipe, fp8_group=group):
             return forward(*args, **kwargs)
 
-    fp8_forward._fp8dist_fp8_recipe = fp8_recipe  # type: ignore[attr-defined]  # read by fp8dist.report
     module.forward = fp8_forward  # type: ignore[method-assign]
 
 
-def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
-    """FP8 autocast on the user's model (inside DDP / FSDP1 / DeepSpeed wrappers); FSDP1 also gets TE's
-    preparation."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
+class TEBackend(FP8Backend):
+    name = "te"
 
-    if isinstance(model, FullyShardedDataParallel):
+    def describe(self, cfg) -> str:
+        p = cfg.precision
+        if p.te_recipe == "delayed":
+            return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
+                    f"amax_compute_algo {p.amax_compute_algo}")
+        return f"{p.te_recipe} scaling {p.fp8_format}"
+
+    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
+        needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
+        return fp8_hardware_reason(device, min_capability=needs)
+
+    def supports(self, module: nn.Module) -> bool:
+        return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module)
+
+    def converted_class(self, module: nn.Module) -> str:
+        if type(module) is nn.Linear:
+            return "te.Linear"
+        return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
+
+    def computes_in_fp8(self, module: nn.Module) -> bool:
+        return type(module) is nn.Linear
+
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+        if type(module) is nn.Linear:
+            return dims_reason(module)
+        if type(module) is nn.LayerNorm:
+            if len(module.normalized_shape) != 1:
+                return f"normalized_shape={tuple(module.normalized_shape)}: te.LayerNorm normalizes one dim"
+            if module.weight is None or module.bias is None:
+                return "nn.LayerNorm without affine weight and bias: te.LayerNorm always has both"
+        return None
+
+    def convert(self, model: nn.Module, plan, cfg) -> None:
+        """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
+        Ineligible modules are skipped, never a reason to stop. Call before sharding."""
         import transformer_engine.pytorch as te
 
-        te.distributed.prepare_te_modules_for_fsdp(model)
-    from ..strategies.deepspeed import is_deepspeed_engine
+        for entry in plan.converted:
+            parent_name, _, child = entry.name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, _te_module(te, getattr(parent, child)))
 
-    wrapper = isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model)
-    inner = model.module if wrapper else model  # DDP, FSDP1 and the DeepSpeed engine keep the user's model in .module
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    apply_fp8_autocast(inner, fp8_recipe=build_recipe(cfg), group=group,
-                       during_eval=cfg.precision.use_autocast_during_eval)
+    def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
+        """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
+        world group); a torch FSDP1 root (``model``) first gets TE's own preparation."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel):
+            import transformer_engine.pytorch as te
+
+            te.distributed.prepare_te_modules_for_fsdp(model)
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        recipe = build_recipe(cfg)
+        apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
+        return FP8Wiring(autocast_recipe=recipe, amax_group=group)
+
+
+BACKEND = TEBackend()

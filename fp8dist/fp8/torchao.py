@@ -10,9 +10,7 @@ import torch
 from torch import nn
 
 from ..optim import ProcessStepHook, param_count
-from . import dims_reason, fp8_hardware_reason
-
-NAME = "torchao"
+from . import FP8Backend, FP8Wiring, fp8_hardware_reason
 
 
 def _installed() -> bool:
@@ -21,51 +19,10 @@ def _installed() -> bool:
     return package_version("torchao") is not None
 
 
-def describe(cfg) -> str:
-    return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {'on' if fp8_all_gather(cfg) else 'off'}"
-
-
 def fp8_all_gather(cfg) -> bool:
     """FP8 all-gather is used under FSDP2 with the tensorwise recipe unless the user turned it off."""
     p = cfg.precision
     return cfg.parallel.strategy == "fsdp" and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
-
-
-def unavailable_reason(cfg, device: torch.device) -> str | None:
-    if not _installed():
-        from ..env import supported_range
-
-        return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
-    if device.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
-        return fp8_hardware_reason(device)
-    return None
-
-
-def supports(module: nn.Module) -> bool:
-    return type(module) is nn.Linear
-
-
-def converted_class(module: nn.Module) -> str:
-    return "Float8Linear"
-
-
-def computes_in_fp8(module: nn.Module) -> bool:
-    return True
-
-
-def model_exclusions(model: nn.Module, cfg) -> dict[str, str]:
-    """The first and last nn.Linear stay in high precision when ``keep_first_last_linear`` (the default)."""
-    if not cfg.precision.keep_first_last_linear:
-        return {}
-    linears = [name for name, m in model.named_modules() if supports(m)]
-    if not linears:
-        return {}
-    return {linears[0]: "first Linear, kept in high precision (keep_first_last_linear=True)",
-            linears[-1]: "last Linear, kept in high precision (keep_first_last_linear=True)"}
-
-
-def ineligible_reason(module: nn.Module, fqn: str, cfg) -> str | None:
-    return dims_reason(module)
 
 
 def float8_config(cfg) -> Any:
@@ -77,17 +34,52 @@ def float8_config(cfg) -> Any:
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
 
 
-def check_plan(plan) -> None:
-    """Any plan can be followed: ineligible layers are simply not converted."""
+class TorchaoBackend(FP8Backend):
+    name = "torchao"
+
+    def describe(self, cfg) -> str:
+        return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {'on' if fp8_all_gather(cfg) else 'off'}"
+
+    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+        if not _installed():
+            from ..env import supported_range
+
+            return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
+        if device.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
+            return fp8_hardware_reason(device)
+        return None
+
+    def converted_class(self, module: nn.Module) -> str:
+        return "Float8Linear"
+
+    def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
+        """The first and last nn.Linear stay in high precision when ``keep_first_last_linear`` (the default)."""
+        if not cfg.precision.keep_first_last_linear:
+            return {}
+        linears = [name for name, m in model.named_modules() if self.supports(m)]
+        if not linears:
+            return {}
+        return {linears[0]: "first Linear, kept in high precision (keep_first_last_linear=True)",
+                linears[-1]: "last Linear, kept in high precision (keep_first_last_linear=True)"}
+
+    def convert(self, model: nn.Module, plan, cfg) -> None:
+        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``. Call before sharding."""
+        from torchao.float8 import convert_to_float8_training
+
+        names = {e.name for e in plan.fp8}
+        _check_even_shards(model, names, cfg)
+        convert_to_float8_training(model, config=float8_config(cfg), module_filter_fn=lambda m, fqn: fqn in names)
+
+    def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
+        """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
+        model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
+        if plan.fp8 and fp8_all_gather(cfg):
+            register_scale_precompute(inner)
+            return FP8Wiring(scale_precompute=True)
+        return FP8Wiring()
 
 
-def convert(model: nn.Module, plan, cfg) -> None:
-    """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``. Call before sharding."""
-    from torchao.float8 import convert_to_float8_training
-
-    names = {e.name for e in plan.fp8}
-    _check_even_shards(model, names, cfg)
-    convert_to_float8_training(model, config=float8_config(cfg), module_filter_fn=lambda m, fqn: fqn in names)
+BACKEND = TorchaoBackend()
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg) -> None:
@@ -105,13 +97,6 @@ def _check_even_shards(model: nn.Module, names: set[str], cfg) -> None:
             f"{', '.join(uneven[:3])}{more} are not, and torchao's FP8 all-gather of uneven shards fails "
             "(pytorch/ao#3982). Pass fp8_all_gather=False (bf16 all-gather, FP8 GEMMs kept), keep these layers "
             "out of FP8 with fp8_exclude, or use a world size that divides their rows.")
-
-
-def after_shard(model: nn.Module, plan, cfg, env, group) -> None:
-    """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
-    model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
-    if plan.fp8 and fp8_all_gather(cfg):
-        register_scale_precompute(model)
 
 
 # models whose FP8 weight scales are recomputed after their optimizer's step; a model leaves with its last reference

@@ -10,25 +10,42 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import StrategyConfig, torch_dtype
 from ..env import DistEnv
 from .common import cast_buffers, find_blocks
 from .ddp import apply_ddp, apply_single
-from .deepspeed import apply_deepspeed, merge_user_config, validate_with_deepspeed, zero_config
+from .deepspeed import apply_deepspeed, is_deepspeed_engine, merge_user_config, validate_with_deepspeed, zero_config
 from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy
 
-__all__ = ["apply_strategy", "ShardingInfo", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config",
-           "deepspeed_config_for"]
+__all__ = ["apply_strategy", "ShardingInfo", "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks",
+           "zero_config", "deepspeed_config_for", "is_deepspeed_engine"]
 
 @dataclass(frozen=True)
 class ShardingInfo:
-    """What the strategy did: which blocks were sharded and how they were found."""
+    """What the strategy did: which blocks were sharded and how they were found, and the autocast it put around
+    the forward (ddp, none)."""
 
     strategy: str
     blocks: tuple[str, ...]
     blocks_found_by: str
+    autocast: torch.dtype | None = None
+    """The dtype the forward runs under ``torch.autocast`` in (ddp, none); None: no autocast."""
+    notes: tuple[str, ...] = ()
+    """What the user should know (a model sharded as one unit)."""
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside what :func:`fp8dist.wrap_model` returned: the ``.module`` of DDP, FSDP1 and the
+    DeepSpeed engine; the model itself under FSDP2 (sharded in place) and strategy "none"."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model):
+        return model.module
+    return model
 
 
 def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None) -> dict:
@@ -51,13 +68,14 @@ def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, op
 
 
 def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None,
-                   ds_hooks: tuple[Mapping[str, Any], Any] | None = None) -> tuple[nn.Module, ShardingInfo]:
+                   ds_entry: tuple[Mapping[str, Any], Any] | None = None) -> tuple[nn.Module, ShardingInfo]:
     """Shard or replicate ``model`` as ``cfg`` says; returns the model to train (the engine for DeepSpeed, whose
-    ``.optimizer`` is the one it built) and what was done. ``ds_hooks`` = (extra config, initialize function)
-    lets an FP8 backend with its own DeepSpeed entry point (MS-AMP) take over ``deepspeed.initialize``."""
+    ``.optimizer`` is the one it built from ``optimizer``) and what was done. ``ds_entry`` = (extra config,
+    initialize function) lets an FP8 backend with its own DeepSpeed entry point (MS-AMP) take over
+    ``deepspeed.initialize``."""
     param, reduce, buffer = (torch_dtype(d) for d in (cfg.param_dtype, cfg.reduce_dtype, cfg.buffer_dtype))
     if cfg.strategy == "deepspeed":
-        extra, initialize = ds_hooks or ({}, None)
+        extra, initialize = ds_entry or ({}, None)
         config = {**deepspeed_config_for(model, cfg, env, optimizer), **extra}
         if "optimizer" not in config and not callable(optimizer):
             raise ValueError("strategy='deepspeed' builds the optimizer inside deepspeed.initialize: pass "
@@ -80,9 +98,13 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
                                 mixed_precision=build_fsdp1_policy(param_dtype=param, reduce_dtype=reduce,
                                                                    buffer_dtype=buffer),
                                 reshard_after_forward=cfg.reshard_after_forward)
-        return model, ShardingInfo(cfg.strategy, names, how)
+        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                  "block_classes=[...] to shard block by block.",)
+        return model, ShardingInfo(cfg.strategy, names, how, notes=notes)
     cast_buffers(model, buffer)
+    autocast = param if param != torch.float32 else None
     if cfg.strategy == "ddp":
         return apply_ddp(model, device=env.device, compute_dtype=param, reduce_dtype=reduce), \
-            ShardingInfo("ddp", (), "replicated (DDP)")
-    return apply_single(model, device=env.device, compute_dtype=param), ShardingInfo("none", (), "single process")
+            ShardingInfo("ddp", (), "replicated (DDP)", autocast=autocast)
+    return apply_single(model, device=env.device, compute_dtype=param), \
+        ShardingInfo("none", (), "single process", autocast=autocast)

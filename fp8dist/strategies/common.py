@@ -77,7 +77,7 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
 
     The backward pass runs outside autocast, as PyTorch recommends. fp32 means no autocast.
     """
-    if dtype == torch.float32 or getattr(module.forward, "_fp8dist_autocast", None) is not None:
+    if dtype == torch.float32:
         return
     forward = module.forward
 
@@ -86,5 +86,4 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
         with torch.autocast(device_type=device_type, dtype=dtype):
             return forward(*args, **kwargs)
 
-    autocast_forward._fp8dist_autocast = dtype  # type: ignore[attr-defined]
     module.forward = autocast_forward  # type: ignore[method-assign]
