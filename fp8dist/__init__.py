@@ -12,6 +12,7 @@ from .estimate import MemoryEstimate, estimate_memory
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .report import PrecisionReport, report
 from .sharding import sharding_summary
+from .strategies import unwrap_model
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "init_distributed",
     "DistEnv",
     "sharding_summary",
+    "unwrap_model",
     "report",
     "PrecisionReport",
     "estimate_memory",
