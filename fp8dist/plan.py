@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import Config
 
-__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
+__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError", "runs_gemm"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
 
@@ -44,13 +44,25 @@ class PlanEntry:
     """Parameters the module holds itself."""
 
 
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+"""Modules whose 2-D parameter is a table read by index: no GEMM."""
+
+
+def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:
+    """Whether ``module`` multiplies by its own parameters: it holds a matrix operand (a parameter of 2 or more
+    dims: nn.Linear, GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table. ``shapes``:
+    its parameters' full shapes where the module holds flat shards (FSDP1); default, the parameters' own."""
+    if shapes is None:
+        shapes = [p.shape for p in module.parameters(recurse=False)]
+    return not isinstance(module, LOOKUPS) and any(len(shape) >= 2 for shape in shapes)
+
+
 def _fallback_precision(module: nn.Module, cfg: Config) -> str:
     """What a non-FP8 layer computes in under the strategy: FSDP/DeepSpeed cast parameters to param_dtype;
-    under autocast (ddp, none) only GEMM-like layers run in param_dtype, the rest stays fp32."""
+    under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls), the rest stays fp32."""
     if cfg.parallel.strategy in ("fsdp", "fsdp1", "deepspeed"):
         return cfg.parallel.param_dtype
-    gemm_like = isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
-    return cfg.parallel.param_dtype if gemm_like else "fp32"
+    return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
@@ -218,7 +230,7 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None
     if gate:
         return f"no FP8 here ({gate}); on_unsupported='fallback'"
     if not backend.supports(module):
-        return f"{type(module).__name__} is not converted by {backend.NAME}"
+        return f"{type(module).__name__} is not converted by {backend.name}"
     for pattern in cfg.precision.fp8_exclude:
         if fnmatch.fnmatchcase(name, pattern):
             return f"matches fp8_exclude {pattern!r}"

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._memory import CATEGORIES, StateBytes, StateTally, model_state_tensors
 from .dtypes import dtype_names as _names
+from .plan import runs_gemm
 from .strategies import unwrap_model
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
@@ -43,7 +44,6 @@ class Part(str, Enum):
 
 
 _LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
-_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D table read by index: no GEMM
 # attributes through which wrappers hold the module they wrap (FSDP1, activation checkpointing, torch.compile):
 # absent from the module names the plan recorded before wrapping
 _WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -173,7 +173,7 @@ def _part(module: nn.Module, name: str, held: list[_Held], fp8_names: set[str]) 
     say which run any GEMM."""
     if name in fp8_names:
         return Part.FP8_GEMM
-    if not isinstance(module, _LOOKUPS) and any(len(h.shape) >= 2 for h in held):
+    if runs_gemm(module, [h.shape for h in held]):
         return Part.GEMM
     return Part.OTHER
 

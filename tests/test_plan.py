@@ -163,3 +163,23 @@ def test_fp8dist_plan_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "in_features=200 and out_features=200 not divisible by 16" in proc.stdout
     assert "te.RMSNorm" in proc.stdout
+
+
+def test_under_autocast_the_plan_says_bf16_for_every_gemm_not_only_nn_linear():
+    """ddp/none run the forward under autocast, which casts every matmul: Mixtral's router and fused experts and
+    GPT-2's Conv1D compute in bf16 like nn.Linear; embeddings and norms stay fp32."""
+    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               num_local_experts=4))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=4, n_positions=64))
+    expected = {mixtral: {"model.layers.0.mlp.gate": "bf16", "model.layers.0.mlp.experts": "bf16",
+                          "model.layers.0.self_attn.q_proj": "bf16", "model.embed_tokens": "fp32",
+                          "model.layers.0.input_layernorm": "fp32", "model.norm": "fp32"},
+                gpt2: {"transformer.h.0.attn.c_attn": "bf16", "transformer.h.0.mlp.c_fc": "bf16",
+                       "transformer.wte": "fp32", "transformer.wpe": "fp32", "transformer.h.0.ln_1": "fp32"}}
+    for model, precisions in expected.items():
+        for strategy in ("ddp", "none"):
+            plan = plan_precision(model, resolve_config(strategy=strategy), device=torch.device("cpu"))
+            assert {name: plan.by_name(name).precision for name in precisions} == precisions
