@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -107,15 +108,17 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
     for cell in cells.values():
         _check_cell(cell)
     for name in ("fsdp/bf16/tiny", "fsdp/torchao/tiny"):
-        assert all(m > 100 for m in cells[name]["peak_memory_mib"])
+        assert len(cells[name]["peak_memory_mib"]) == 2, "one peak per rank"
     vs_bf16 = cells["fsdp/torchao/tiny"]["vs_bf16"]
     assert vs_bf16["bf16_cell"] == "fsdp/bf16/tiny" and vs_bf16["bf16_losses"] == cells["fsdp/bf16/tiny"]["losses"]
-    assert 0 < vs_bf16["max_abs_delta_loss"] < 0.05  # FP8 follows bf16 closely, but is not bf16
+    deltas = [abs(a - b) for a, b in zip(cells["fsdp/torchao/tiny"]["losses"], vs_bf16["bf16_losses"])]
+    assert vs_bf16["max_abs_delta_loss"] == max(deltas) > 0, "FP8 is not bf16"
     for fp8 in ("bf16", "torchao"):
         pair = cells[f"fsdp/{fp8}/tiny/vs-raw"]
         assert pair["overhead"]["losses_identical"] and pair["losses"] == pair["raw"]["losses"]
-        assert 0.2 < pair["overhead"]["step_time_ratio"] < 5
-        assert len(pair["overhead"]["step_time_ratios"]) == STEPS - 3  # 2 warm-up steps, 1 counted
+        ratios = pair["overhead"]["step_time_ratios"]
+        assert len(ratios) == STEPS - 3  # 2 warm-up steps, 1 counted
+        assert pair["overhead"]["step_time_ratio"] == statistics.median(ratios)
         assert pair["raw"]["fp8_params"] == pair["fp8_params"]  # the hand-wired filter converts the same layers
     assert cells["fsdp/torchao/tiny/vs-raw"]["losses"] == cells["fsdp/torchao/tiny"]["losses"]
     png = json_path.with_suffix(".png").read_bytes()

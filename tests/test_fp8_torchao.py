@@ -132,9 +132,10 @@ def _fp8_vs_bf16_case(rank: int, world: int) -> dict:
             for fp8 in (None, "torchao")}
 
 
-# Stated tolerance: after 30 steps on the tiny Llama, FP8 (tensorwise, first/last Linear in bf16) stays within
-# 0.05 nats of the bf16 run, mean of the last 5 steps; measured difference on CPU: about 0.005.
-FP8_LOSS_TOLERANCE = 0.05
+# After 30 steps on the tiny Llama, FP8 (tensorwise, first/last Linear in bf16) vs the bf16 run, mean of the last 5
+# steps: measured 0.0085 nats on CPU (2.4624 vs 2.4709; runs are bit-identical, so it does not drift between
+# runs). The tolerance leaves room for other CPUs' GEMM orders.
+FP8_LOSS_TOLERANCE = 0.02
 
 
 def test_torchao_fp8_loss_tracks_bf16_within_tolerance():
