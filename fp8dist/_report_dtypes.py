@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +78,19 @@ def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.
     if engine.gather is not None:
         return engine.gather
     locals_ = [p.to_local() for p in params if isinstance(p, DTensor)]
-    if locals_ and all("Float8" in type(t).__name__ for t in locals_):  # torchao's FP8 all-gather weight wrapper
+    fp8_weight = _torchao_fp8_weight_class()
+    if locals_ and fp8_weight is not None and all(isinstance(t, fp8_weight) for t in locals_):
         return "fp8 e4m3 (FP8 all-gather)"
     return dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored})
+
+
+def _torchao_fp8_weight_class() -> type | None:
+    """torchao's FP8 all-gather weight wrapper, if torchao was imported (no such weights exist otherwise)."""
+    if "torchao" not in sys.modules:
+        return None
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return WeightWithDynamicFloat8CastTensor
 
 
 def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: _Engine) -> str:
