@@ -226,7 +226,7 @@ def test_cli_bad_values_are_clear_errors(argv, message, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--optimizer", "adam8bit"], ("invalid choice: 'adam8bit'", "sgd_momentum")),
-    (["--strategy", "fsdp3"], ("invalid choice: 'fsdp3'", "fsdp1")),
+    (["--strategy", "fsdp3"], ("strategy='fsdp3' is not valid", "'fsdp1'", "Did you mean 'fsdp'?")),
     (["--model-size", "small", "--model-config", "x.json"], ("not allowed with argument",)),
 ])
 def test_cli_bad_flags_exit_2_naming_the_choices(argv, message, capsys):

@@ -63,7 +63,7 @@ def test_fp8dist_train_reads_yaml_and_flags_override(tmp_path):
     (["--strategy", "none", "--nproc", "2"], "nproc=2 with strategy='none'"),
     (["--fp8", "te"], "fp8='te' cannot run here: Transformer Engine is not installed"),
     (["--fp8", "msamp", "--strategy", "fsdp"], "fp8='msamp' with strategy='fsdp'"),
-    (["--strategy", "deepspeed", "--zero-stage", "4"], "invalid choice: 4"),
+    (["--strategy", "deepspeed", "--zero-stage", "4"], "zero_stage='4' is not valid; choose one of: 1, 2, 3"),
     (["--steps", "0"], "steps=0 must be at least 1"),
 ])
 def test_fp8dist_train_bad_input_exits_2_with_the_reason(args, message):
