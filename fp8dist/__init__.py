@@ -4,17 +4,16 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
+from ._version import __version__
 from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
-from .estimate import MemoryEstimate, estimate_memory
 from .plan import PlanEntry, PrecisionPlan, plan_precision
-from .report import PrecisionReport, report
+from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
 from .sharding import sharding_summary
 from .strategies import unwrap_model
 
-__version__ = "0.1.0"
 
 __all__ = [
     "wrap_model",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._schema import BOOL_WORDS, choice_error, normalize_value
+from .options import FP8Config, StrategyConfig
 
 __all__ = ["translate_accelerate_config"]
 
@@ -220,8 +221,6 @@ class _State:
 @functools.cache
 def _schema() -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
     """fp8dist's fields by key, their types, and the FP8 keys (the config dataclasses are the one source)."""
-    from .config import FP8Config, StrategyConfig  # config.py imports this module: import at call time
-
     by_key = {f.name: f for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
     hints = {**typing.get_type_hints(StrategyConfig), **typing.get_type_hints(FP8Config)}
     return by_key, hints, tuple(f.name for f in fields(FP8Config) if f.name != "fp8")

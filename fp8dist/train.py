@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from ._schema import normalize_fields
 from .api import get_plan, get_wrap_info, wrap_model
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
 from .env import current_launch, peak_memory_mib
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
-from .report import report
+from .memory import report
 from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]

@@ -23,7 +23,7 @@ def _collectives(rank: int, world: int) -> dict:
     import torch.distributed._functional_collectives as funcol
     from torch.nn.parallel import DistributedDataParallel
 
-    from fp8dist.comm import CommCounter
+    from fp8dist.bench.comm import CommCounter
 
     with CommCounter() as comm:
         dist.all_reduce(torch.ones(1000))                                          # 4000 B
@@ -50,7 +50,7 @@ def test_comm_counter_sees_every_collective_at_its_full_buffer_size():
 
 def _fsdp_cells(rank: int, world: int) -> list:
     """FSDP2 bf16 and FSDP2 + torchao (FP8 all-gather) on the tiny Llama, as fp8dist bench runs its cells."""
-    from fp8dist._bench_cell import Cell, run_cell
+    from fp8dist.bench.cell import Cell, run_cell
 
     return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS)) for fp8 in (None, "torchao")]
 

@@ -291,7 +291,7 @@ def test_missing_checkpoints_and_bad_save_arguments(tmp_path, none_model):
 
 
 def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint(tmp_path, none_model, monkeypatch):
-    import fp8dist.checkpoint as ckpt
+    import fp8dist.checkpoint.save_load as ckpt
 
     model, opt = none_model()
     _train(model, opt, range(1), 0, 1)

@@ -126,7 +126,7 @@ def test_cli_bool_and_choice_flags_parse_like_python(argv, expected, monkeypatch
     from fp8dist import cli
 
     seen = {}
-    monkeypatch.setattr(cli, "_cmd_plan", lambda args: seen.update(vars(args)) or 0)
+    monkeypatch.setattr(cli.plan, "run", lambda args: seen.update(vars(args)) or 0)
     assert main(["plan", *argv]) == 0
     key = argv[0].removeprefix("--").removeprefix("no-").replace("-", "_")
     assert Config.from_dict({key: seen[key]}).to_dict()[key] == (list(expected) if isinstance(expected, tuple)

@@ -15,7 +15,7 @@ from dist_harness import run_ranks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8dist import cli
-from fp8dist.estimate import estimate_memory
+from fp8dist import estimate_memory
 
 # h=32, i=96, 2 layers, 2 heads of 16, 1 kv head. Per layer: q 32x32=1024, k 16x32=512, v 512, o 1024,
 # gate/up 96x32=3072 each, down 32x96=3072, two norms of 32: 12352; embed and lm_head vocab x 32, final norm 32.
@@ -200,7 +200,7 @@ def test_cli_prints_the_table_for_a_hugging_face_config(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "vocab_size": 40, **DIMS}))
     code = cli.main(["estimate", "--model-config", str(config), "--strategy", "deepspeed", "--zero-stage", "1",
-                     "--world-size", "3", "--micro-batch-size", "2", "--seq-len", "16"])
+                     "--fp8", "none", "--world-size", "3", "--micro-batch-size", "2", "--seq-len", "16"])
     out = capsys.readouterr().out
     assert code == 0
     assert "fp8dist estimate: strategy deepspeed (ZeRO-1), fp8 none, world size 3, rank 1, 27,296 parameters" in out

@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForC
 import fp8dist
 from fp8dist.data import Batches
 from fp8dist.models import build_llama
-from fp8dist.report import Part
+from fp8dist.memory import Part
 
 # (strategy, fp8, extra options) run on the tiny Llama
 CASES = [("fsdp", None, {}), ("fsdp", "torchao", {}), ("fsdp", None, {"reduce_dtype": "bf16"}),

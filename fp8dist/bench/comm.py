@@ -36,6 +36,8 @@ _KINDS = {
     "scatter": ("scatter_",),
     "send_recv": ("send", "recv_", "recv_any_source_"),
 }
+SHOWN_TYPES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+"""The collective types the results table and the plot show a column for (the rest are summed as "other")."""
 _KIND_OF = {name: kind for kind, names in _KINDS.items() for name in names}
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 

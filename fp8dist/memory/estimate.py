@@ -5,7 +5,7 @@ Works on a model built on the meta device, so a 70B config is estimated on a lap
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    est = fp8dist.estimate.estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=8, seq_len=4096)
+    est = fp8dist.estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=8, seq_len=4096)
     print(est)                 # a table in GiB/MiB, per category, with the dtypes
     est.model_state_bytes      # parameters + master weights + gradients + optimizer states + FP8 buffers
 
@@ -13,15 +13,13 @@ The categories are those :func:`fp8dist.report` measures on a live run (after ``
 ``zero_grad``), and for fsdp, fsdp1, ddp, none and DeepSpeed ZeRO-1/2/3 the model-state figures are tested against
 it on real CPU runs (within 10%). Transformer Engine and MS-AMP rows are *derived* from their documented behaviour
 (TE's FP8 scaling buffers; MS-AMP's precision chart), not measured: neither runs here. Activations are a
-transparent formula for a Llama-style decoder (see ``fp8dist/_estimate_activations.py``), an estimate only.
+transparent formula for a Llama-style decoder (see ``fp8dist/memory/estimate_activations.py``), an estimate only.
 Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets when not gradient views) are listed
 as notes, not counted.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -29,16 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._estimate_activations import activation_items
-from ._estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
+from .estimate_activations import activation_items
+from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
                                fp8_buffer_bytes, rank_states, worst_rank)
-from ._memory import StateBytes
-from ._schema import add_arguments, choice_error
-from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config, torch_dtype
+from .rows import text_table
+from .tensors import StateBytes
+from .._schema import choice_error
+from ..config import Config, resolve_config
+from ..dtypes import DTYPES
 
-__all__ = ["MemoryEstimate", "estimate_memory", "add_parser", "run", "OPTIMIZER_STATES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the config dtypes, by torch dtype
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ class MemoryEstimate(StateBytes):
         rows.append(["total model states", f"{per_param['total']:.3f}", _size(self.model_state_bytes), ""])
         acts = [[item, _size(b)] for item, b in self.activations]
         acts.append(["total activations (estimate)", _size(self.activation_bytes)])
-        lines = [head, _table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
-                 _table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
+        lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
+                 text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", f"total: {_size(self.model_state_bytes + self.activation_bytes)} per rank"]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -104,13 +104,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _table(cols: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def _check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
+def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):
@@ -124,7 +118,7 @@ def _check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy
 def _deepspeed_facts(model: nn.Module, cfg: Config, world: int) -> dict[str, Any]:
     """Stage, module dtype, persistence threshold, buckets and offload from the DeepSpeed config wrap_model
     would build (merged under the user's ds_config, whose values win)."""
-    from .strategies.deepspeed import merge_user_config, zero_config
+    from ..strategies.deepspeed import merge_user_config, zero_config
 
     p = cfg.parallel
     built = zero_config(p.zero_stage, model=model, micro_batch_size=p.micro_batch_size, grad_accum=p.grad_accum,
@@ -197,13 +191,13 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     Raises:
         ValueError: a bad option, named with its choices and the way out.
     """
-    from .fp8 import get_backend
-    from .plan import plan_precision
-    from .strategies.common import find_blocks
+    from ..fp8 import get_backend
+    from ..plan import plan_precision
+    from ..strategies.common import find_blocks
 
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
-    _check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
     if optimizer not in OPTIMIZER_STATES:
         raise choice_error("optimizer", optimizer, OPTIMIZER_STATES,
                            "Its states per parameter decide the optimizer_states bytes.")
@@ -239,45 +233,3 @@ def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:
         return ()
     return (("master_weights", "optimizer_states") if ds["offload_optimizer"] else ()) + \
         (("parameters",) if ds["offload_param"] else ())
-
-
-_OWN_FLAGS = ("command", "config", "model_size", "model_config", "world_size", "seq_len", "optimizer", "rank",
-              "model_dtype", "json")
-
-
-def add_parser(sub: Any) -> None:
-    """Register ``fp8dist estimate``."""
-    from .cli import add_model_source
-
-    p = sub.add_parser("estimate", help="predict per-rank memory (model states, activations) before allocating",
-                       description="Build the model on the meta device (nothing allocated) and predict the bytes "
-                                   "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
-                                   "one rank, and the activations of one micro-batch.")
-    add_model_source(p)
-    p.add_argument("--world-size", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
-    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="tokens per sequence (default: 2048)")
-    p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
-                   help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
-    p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
-    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default="fp32",
-                   help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
-                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype)")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
-                  shown_defaults={"micro_batch_size": "1; also the activations' micro-batch"})
-    add_arguments(p, FP8Config, title="fp8", skip=("on_unsupported", "use_autocast_during_eval"))
-
-
-def run(args: argparse.Namespace) -> int:
-    """``fp8dist estimate``: print the table (or JSON); bad values raise ValueError (exit 2 in the CLI)."""
-    from .cli import _meta_model
-
-    flat = load_config_file(args.config) if args.config else {}
-    given = {k: v for k, v in vars(args).items() if k not in _OWN_FLAGS}
-    config = Config.from_dict({**flat, **given}, source=args.config or "the command line")
-    _check_counts(args.world_size, config.parallel.micro_batch_size, args.seq_len, config.parallel.strategy)
-    model = _meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
-    est = estimate_memory(model, config, world_size=args.world_size, seq_len=args.seq_len,
-                          optimizer=args.optimizer, rank=args.rank)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else est)
-    return 0

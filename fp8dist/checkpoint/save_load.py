@@ -15,7 +15,7 @@ FP8 state: Transformer Engine keeps scales and amax history in each module's ``_
 (DeepSpeed: inside the engine's module state). torchao's dynamic scaling keeps no state; the FP8 weight scales
 that FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AMP is not supported yet.
 What each engine writes, and how loading avoids unpickling anything but tensors and plain values, is in
-:mod:`fp8dist._checkpoint_io`.
+:mod:`fp8dist.checkpoint.io`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ._checkpoint_io import (
+from .io import (
     CheckpointError,
     after_load_fp8,
     barrier,
@@ -46,7 +46,7 @@ from ._checkpoint_io import (
     set_rng_state,
     write_state,
 )
-from .api import get_wrap_info
+from ..api import get_wrap_info
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
@@ -92,7 +92,7 @@ def _manifest(directory: Path) -> dict[str, int]:
 
 
 def _write_meta(tmp: Path, model: nn.Module, step: int, extra: dict[str, Any], shapes: dict[str, list[int]]) -> None:
-    from . import __version__
+    from .._version import __version__
 
     described = _describe(model)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,

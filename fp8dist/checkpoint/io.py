@@ -1,5 +1,5 @@
 """What each engine writes into a checkpoint and reads back, and nothing unsafe on the way in (the layout,
-meta.json and atomicity live in :mod:`fp8dist.checkpoint`).
+meta.json and atomicity live in :mod:`fp8dist.checkpoint.save_load`).
 
 - fsdp, fsdp1, ddp, none: torch.distributed.checkpoint (DCP) of ``get_state_dict(model, optimizer)``; each rank
   writes its part. DCP's ``.metadata`` pickle is read through an allow-list and its non-tensor entries with
@@ -228,7 +228,7 @@ def after_load_fp8(model: nn.Module, info) -> None:
     """torchao + FSDP2 FP8 all-gather: the precomputed weight scales belong to the old weights; recompute them."""
     if info.config.precision.fp8 != "torchao" or not info.plan.fp8:
         return
-    from .fp8.torchao import fp8_all_gather
+    from ..fp8.torchao import fp8_all_gather
 
     if fp8_all_gather(info.config):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

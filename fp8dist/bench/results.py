@@ -13,12 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ._files import atomic_write
+from .._files import atomic_write
+from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes"]
 
 SCHEMA = 1
-COMM_TYPES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each collective counted at its full "
                    "buffer size (nccl-tests' message size: the gathered output of an all-gather, the input of a "
                    "reduce-scatter, the tensor of an all-reduce or broadcast)")
@@ -53,8 +53,8 @@ def _cpu_name() -> str:
 
 
 def _versions() -> dict[str, str | None]:
-    from . import __version__
-    from .env import package_version
+    from .._version import __version__
+    from ..env import package_version
 
     names = ("torch", "torchao", "deepspeed", "transformers", "transformer_engine", "msamp")
     return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
@@ -130,7 +130,7 @@ def write_results(doc: dict[str, Any], out: Path, *, plot: bool) -> list[Path]:
     paths = [stem.with_suffix(".json")]
     atomic_write(paths[0], lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
     if plot:
-        from ._bench_plot import plot_results
+        from .plot import plot_results
 
         paths.append(stem.with_suffix(".png"))
         atomic_write(paths[1], lambda tmp: plot_results(doc, tmp))

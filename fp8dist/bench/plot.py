@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._bench_output import COMM_TYPES
+from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results"]
 
@@ -84,7 +84,7 @@ def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
 
 
 def plot_results(doc: dict[str, Any], path: str) -> None:
-    """Draw ``doc`` (see :func:`fp8dist._bench_output.results_document`) into a PNG at ``path``."""
+    """Draw ``doc`` (see :func:`fp8dist.bench.results.results_document`) into a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -11,64 +11,24 @@ GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table; n
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
 
-from ._memory import CATEGORIES, StateBytes, StateTally, model_state_tensors
-from .dtypes import dtype_names as _names
-from .plan import runs_gemm
-from .strategies import unwrap_model
+from .rows import Held, Members, Part, PrecisionRow, text_table
+from .tensors import CATEGORIES, StateBytes, StateTally, model_state_tensors
+from ..dtypes import dtype_names as _names
+from ..plan import runs_gemm
+from ..strategies import unwrap_model
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
-class Part(str, Enum):
-    """What a part of the model computes: the key of a report row (``rows`` come in this order). ``label`` is
-    only its printed name."""
-
-    FP8_GEMM = "fp8_gemm"
-    """Modules the precision plan converted to FP8 GEMMs (torchao Float8Linear, te.Linear, MS-AMP's Linear)."""
-    GEMM = "gemm"
-    """Every other module holding a matrix operand: nn.Linear, GPT-2's Conv1D, a MoE router, fused experts."""
-    OTHER = "other"
-    """Lookup tables (embeddings) and modules with only 1-D parameters (norms): no GEMM."""
-
-    @property
-    def label(self) -> str:
-        return _LABELS[self]
-
-
-_LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
 # attributes through which wrappers hold the module they wrap (FSDP1, activation checkpointing, torch.compile):
 # absent from the module names the plan recorded before wrapping
 _WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-@dataclass(frozen=True)
-class PrecisionRow:
-    """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
-
-    part: Part
-    modules: int
-    """Modules of this kind that hold parameters."""
-    params: int
-    """Elements of the full model in this part (all ranks together), each parameter once: a weight tied between
-    an embedding and the output head is a GEMM operand, counted in the GEMM part."""
-    gemm: str
-    all_gather: str
-    """What the weights travel in when they are gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
-    reduce: str
-    """What gradients travel in when they are reduced."""
-    weight: str
-    """What the weights are stored in on this rank."""
-    master_weight: str
-    weight_grad: str
-    optimizer_states: str
 
 
 @dataclass(frozen=True)
@@ -106,36 +66,8 @@ class PrecisionReport(StateBytes):
         mem = [[c.replace("_", " "), f"{per_param[c]:.3f}", f"{self.bytes[c] / 2**20:,.2f}", self.dtypes[c]]
                for c in CATEGORIES]
         mem.append(["total model states", f"{per_param['total']:.3f}", f"{self.model_state_bytes / 2**20:,.2f}", ""])
-        return "\n".join([head, _table(cols, rows), "", _table(["model state (this rank)", "bytes/param", "MiB",
+        return "\n".join([head, text_table(cols, rows), "", text_table(["model state (this rank)", "bytes/param", "MiB",
                                                                  "dtypes"], mem)])
-
-
-def _table(cols: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-@dataclass(frozen=True)
-class _Held:
-    """A parameter of ``module`` (attribute ``name``) with its full shape, all ranks together."""
-
-    module: nn.Module
-    name: str
-    param: nn.Parameter
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class _Members:
-    """The modules of one part, and the parameters counted in it (each parameter in one part only)."""
-
-    modules: list[nn.Module] = field(default_factory=list)
-    params: list[_Held] = field(default_factory=list)
 
 
 def _fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
@@ -155,10 +87,10 @@ def _fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...
     return full
 
 
-def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[_Held]:
+def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[Held]:
     """``module``'s own parameters, full shapes read from FSDP1's flat parameter, ZeRO-3's ``ds_shape``, or the
     tensor (a DTensor's shape is the global one)."""
-    return [_Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
+    return [Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
                                             or p.shape))
             for name, p in module.named_parameters(recurse=False)]
 
@@ -168,7 +100,7 @@ def _plan_name(name: str) -> str:
     return ".".join(a for a in name.split(".") if a not in _WRAPPER_ATTRS)
 
 
-def _part(module: nn.Module, name: str, held: list[_Held], fp8_names: set[str]) -> Part:
+def _part(module: nn.Module, name: str, held: list[Held], fp8_names: set[str]) -> Part:
     """The plan's record says which modules run FP8 GEMMs (``name`` as the plan has it); the parameters' shapes
     say which run any GEMM."""
     if name in fp8_names:
@@ -178,7 +110,7 @@ def _part(module: nn.Module, name: str, held: list[_Held], fp8_names: set[str]) 
     return Part.OTHER
 
 
-def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, _Members]:
+def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, Members]:
     """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
 
     Args:
@@ -188,8 +120,8 @@ def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, _Members
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = _fsdp1_full_shapes(model)
-    members = {p: _Members() for p in Part}
-    owner: dict[int, tuple[Part, _Held]] = {}
+    members = {p: Members() for p in Part}
+    owner: dict[int, tuple[Part, Held]] = {}
     order = list(Part)
     # a wrapper and the module it wraps share a planned name: the wrapped module, visited later, keeps it
     names = {_plan_name(name): module for name, module in unwrap_model(model).named_modules()}
@@ -231,10 +163,10 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         print(fp8dist.report(model, optimizer))
         optimizer.zero_grad()
     """
-    from ._report_dtypes import row_for
+    from .row_dtypes import row_for
 
-    from .api import get_wrap_info
-    from .sharding import sharding_summary
+    from ..api import get_wrap_info
+    from ..sharding import sharding_summary
 
     info = get_wrap_info(model)
     parts = _group_by_part(model, {e.name for e in info.plan.fp8})

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
-from .env import peak_memory_mib, share_cpu_threads
+from ..env import peak_memory_mib, share_cpu_threads
 
 __all__ = ["Cell", "run_cell", "TIMING_WARMUP"]
 
@@ -56,7 +56,7 @@ _Wired = tuple[Any, Any, Callable[[], None], tuple[int, int]]
 
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
-    from .api import get_plan, wrap_model
+    from ..api import get_plan, wrap_model
 
     options: dict[str, Any] = {}
     if cell.strategy == "deepspeed":
@@ -107,7 +107,7 @@ def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
 
 def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step), and this rank's device."""
-    from .env import init_distributed
+    from ..env import init_distributed
 
     return init_distributed().device if cell.strategy != "none" else _local_device()
 
@@ -127,7 +127,7 @@ def _sync(device: torch.device) -> None:
 
 def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
     """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
-    from .report import report
+    from ..memory import report
 
     rep = report(model, optimizer)
     return {"bytes": dict(rep.bytes), "total_bytes": rep.model_state_bytes, "total_params": rep.total_params,
@@ -138,8 +138,8 @@ class _Run:
     """One wired model in a cell, and what its steps measured on this rank."""
 
     def __init__(self, cell: Cell, wiring: str, device: torch.device) -> None:
-        from .models import build_llama
-        from .strategies.deepspeed import is_deepspeed_engine
+        from ..models import build_llama
+        from ..strategies.deepspeed import is_deepspeed_engine
 
         model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len)
         self.params = sum(p.numel() for p in model.parameters())
@@ -190,7 +190,7 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
     slows it, so it is counted but not timed. A "vs-raw" cell trains the fp8dist model and the hand-wired one
     side by side in the same processes, alternating which goes first, so that both see the same machine load.
     """
-    from .data import Batches
+    from ..data import Batches
 
     warnings.filterwarnings("ignore", category=UserWarning)
     device = _init_process_group(cell)

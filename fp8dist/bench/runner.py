@@ -15,19 +15,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
-import shlex
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._bench_cell import TIMING_WARMUP, Cell
+from .cell import TIMING_WARMUP, Cell
 
-__all__ = ["add_parser", "run", "BenchSettings", "plan_cells"]
+__all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "run_cells", "device_type", "STRATEGIES",
+           "FP8_CHOICES", "DEFAULTS"]
 
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
 FP8_CHOICES = ("none", "torchao", "te", "msamp")
@@ -57,52 +55,7 @@ class BenchSettings:
     raw: bool
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``fp8dist bench`` on an argparse subparsers object."""
-    p = sub.add_parser("bench", help="benchmark strategy x FP8 backend x model size: throughput, memory, "
-                                     "communication, loss vs bf16, overhead vs the raw engine",
-                       description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
-                                   "steps in fresh processes; record throughput, peak memory, model-state bytes per "
-                                   "parameter, bytes communicated per step by collective type, the loss curve "
-                                   "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine. "
-                                   "Writes JSON and PNG named by date and device.")
-    from .models import LLAMA_SIZES
-
-    def default(i: int) -> str:
-        cpu, gpu = DEFAULTS["cpu"][i], DEFAULTS["cuda"][i]
-        return f"default: {cpu}" if cpu == gpu else f"default: {cpu} on CPU, {gpu} on GPU"
-
-    p.add_argument("--strategies", metavar="LIST", default=None,
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} ({default(0)}; on CPU also deepspeed "
-                        "when it is installed)")
-    p.add_argument("--fp8", metavar="LIST", default=None,
-                   help=f"comma-separated FP8 backends, from {', '.join(FP8_CHOICES)}; each FP8 cell also runs its "
-                        f"bf16 (none) counterpart ({default(1)}; none only where torchao cannot run)")
-    p.add_argument("--sizes", metavar="LIST", default=None,
-                   help=f"comma-separated Llama presets, from {', '.join(LLAMA_SIZES)} ({default(2)})")
-    p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=f"steps per cell: {TIMING_WARMUP} warm-up, then timed, the last one counted "
-                        f"(communication, model state) and not timed ({default(3)})")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help=f"sequences per process per step ({default(4)})")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help=f"tokens per sequence ({default(5)})")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="processes per cell (default: one per GPU, or 2 on CPU; strategy none always runs 1)")
-    p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2,
-                   help="ZeRO stage of deepspeed cells (default: 2)")
-    p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW learning rate, constant (default: 1e-3)")
-    p.add_argument("--seed", type=int, default=0, metavar="N",
-                   help="model initialization and batch order seed (default: 0)")
-    p.add_argument("--no-raw", dest="raw", action="store_false",
-                   help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
-    p.add_argument("--no-plot", dest="plot", action="store_false",
-                   help="write the JSON only; default: JSON and PNG (the PNG needs matplotlib: "
-                        "pip install 'fp8dist[bench]')")
-    p.add_argument("--out", metavar="DIR", default="benchmarks/results",
-                   help="directory for the JSON and PNG (default: benchmarks/results)")
-
-
-def _device_type() -> str:
+def device_type() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,10 +81,10 @@ def _at_least(flag: str, value: int, low: int, why: str) -> int:
 
 def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
-    from .data import make_corpus
-    from .env import package_version
-    from .models import LLAMA_SIZES
-    from .train import default_fp8, default_nproc
+    from ..data import make_corpus
+    from ..env import package_version
+    from ..models import LLAMA_SIZES
+    from ..train import default_fp8, default_nproc
 
     strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
     if device_type == "cpu" and package_version("deepspeed") is not None:
@@ -178,9 +131,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     """Every cell is a valid configuration that can run here, before any process starts."""
     import torch
 
-    from .config import resolve_config
-    from .env import package_version
-    from .fp8 import get_backend
+    from ..config import resolve_config
+    from ..env import package_version
+    from ..fp8 import get_backend
 
     if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
         raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
@@ -198,48 +151,7 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
                              "CPU and on CUDA sm_89+).")
 
 
-def _check_plotting(plot: bool) -> None:
-    if not plot:
-        return
-    try:  # checked before the matrix runs, not after it
-        importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise ValueError("the PNG plot needs matplotlib, which is not installed: pip install 'fp8dist[bench]' "
-                         "(or pass --no-plot to write the JSON only).") from None
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
-    from ._bench_output import cell_line, markdown_table, results_document, write_results
-
-    device_type = _device_type()
-    settings = resolve_settings(args, device_type)
-    cells = plan_cells(settings)
-    check_cells(cells, settings, device_type)
-    _check_plotting(args.plot)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started, load_start = time.time(), os.getloadavg()
-    print(f"fp8dist bench: {len(cells)} cells on {device_type}, {settings.nproc} process(es) each, "
-          f"{settings.steps} steps; results in {out}/", flush=True)
-    results = _run_cells(cells, settings, cell_line)
-    doc = results_document(results, settings, device_type, command=_command_line(),
-                           load_average=[load_start, os.getloadavg()], wall_s=time.time() - started)
-    paths = write_results(doc, out, plot=args.plot)
-    print(markdown_table(doc))
-    print("wrote " + ", ".join(str(p) for p in paths), flush=True)
-    failed = [r["name"] for r in results if "error" in r]
-    if failed:
-        print(f"fp8dist bench: {len(failed)} cell(s) failed: {', '.join(failed)} (errors in the JSON)",
-              file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _command_line() -> str:
-    return shlex.join(["fp8dist", *sys.argv[1:]]) if Path(sys.argv[0]).name == "fp8dist" else shlex.join(sys.argv)
-
-
-def _run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list[dict[str, Any]]:
+def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list[dict[str, Any]]:
     """Each cell in fresh processes, one after another, under a progress bar."""
     from tqdm import tqdm
 
@@ -319,7 +231,7 @@ def _cell_worker(cell: Cell) -> dict[str, Any] | None:
 def _run_and_close(cell: Cell) -> dict[str, Any] | None:
     import torch.distributed as dist
 
-    from ._bench_cell import run_cell
+    from .cell import run_cell
 
     logging.getLogger("torchao").setLevel(logging.ERROR)
     try:

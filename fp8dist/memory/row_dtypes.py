@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._memory import deepspeed_gradients, leaves
-from .dtypes import dtype_name
-from .dtypes import dtype_names as _names
-from .report import Part, PrecisionRow, _Members
+from .tensors import deepspeed_gradients, leaves
+from ..dtypes import dtype_name
+from ..dtypes import dtype_names as _names
+from .rows import Members, Part, PrecisionRow
 
 __all__ = ["row_for"]
 
@@ -31,8 +31,8 @@ class _Engine:
 
 def _engine(model: nn.Module) -> _Engine:
     """The report's view of the engine dtypes (read once, in :mod:`fp8dist.strategies.introspect`)."""
-    from .api import get_wrap_info
-    from .strategies.introspect import engine_dtypes
+    from ..api import get_wrap_info
+    from ..strategies.introspect import engine_dtypes
 
     e = engine_dtypes(model, get_wrap_info(model).sharding.autocast)
     if e.engine == "deepspeed":
@@ -62,7 +62,7 @@ def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
         granularity = config.cast_config_input.scaling_granularity.value
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({granularity})"
-    from .api import get_wrap_info
+    from ..api import get_wrap_info
 
     recipe = get_wrap_info(model).fp8.autocast_recipe
     if recipe is not None:  # TE: HYBRID is E4M3 forward, E5M2 gradients
@@ -122,7 +122,7 @@ def _master(engine: _Engine) -> str:
     return f"{_names(masters)} (ZeRO partition)" if masters else "none"
 
 
-def row_for(model: nn.Module, optimizer: Any, part: Part, members: _Members) -> PrecisionRow:
+def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
     """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
     engine = _engine(model)
     params = [h.param for h in members.params]

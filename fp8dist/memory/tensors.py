@@ -129,7 +129,7 @@ def model_state_tensors(model: nn.Module, optimizer: Any, fp8_modules: list[nn.M
     """The tensors of each category, for any wrapped model (FSDP2, FSDP1, DDP, plain, DeepSpeed engine)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from .strategies.deepspeed import is_deepspeed_engine
+    from ..strategies.deepspeed import is_deepspeed_engine
 
     fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
                                                                    for b in m.buffers(recurse=False)]

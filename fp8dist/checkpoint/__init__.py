@@ -1,0 +1,6 @@
+"""Checkpoints for every strategy (``save_load``: layout, meta.json, atomic publish; ``io``: what each engine
+writes and reads back)."""
+
+from .save_load import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]

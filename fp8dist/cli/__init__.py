@@ -1,0 +1,41 @@
+"""The ``fp8dist`` command line: one module per subcommand (``train``, ``plan``, ``estimate``, ``bench``,
+``ds-config``, ``env``, ``launch``), each with ``add_parser(sub)`` and ``run(args)``.
+
+Every strategy/FP8 flag is a field of :class:`fp8dist.StrategyConfig` or :class:`fp8dist.FP8Config` (and ``train``'s
+job flags of :class:`fp8dist.train.TrainConfig`), with the default and help text taken from there; ``--config FILE``
+reads the same keys from YAML/JSON and flags override the file (:func:`fp8dist.cli.common.config_from_args`, the
+one path for every subcommand). The CLI imports the library; the library never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..env import LaunchError
+from ..plan import FP8UnavailableError
+from . import bench, ds_config, env, estimate, launch, plan, train
+from .common import quiet_cpu_noise
+from .launch import LAUNCH_DIR
+
+__all__ = ["main", "LAUNCH_DIR"]
+
+COMMANDS = {"train": train, "plan": plan, "estimate": estimate, "bench": bench, "ds-config": ds_config, "env": env,
+            "launch": launch}
+"""Subcommand name -> its module, in the order ``fp8dist --help`` lists them."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``fp8dist`` command; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="fp8dist", description="FP8 training on sharded data parallelism.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    quiet_cpu_noise()
+    try:
+        return COMMANDS[args.command].run(args)
+    except (ValueError, TypeError, NotImplementedError, OSError, LaunchError, FP8UnavailableError) as err:
+        print(f"fp8dist {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,81 @@
+"""What several subcommands share: the model to build on the meta device, the Config the flags and ``--config``
+file make together, and the quieting of CPU-only log noise."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from ..config import Config, FP8Config, StrategyConfig, load_config_file
+from ..models import LLAMA_SIZES
+
+__all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise"]
+
+FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+), else none"
+"""Every subcommand's ``--fp8`` default, shown in its help (the Python API's default is none)."""
+
+
+def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
+    """The one path from parsed flags and ``--config FILE`` to a :class:`Config`: the file's keys, overridden by
+    the flags the user gave (only flags that are config fields; a command's own flags are not), ``fp8`` defaulting
+    to :func:`fp8dist.train.default_fp8`. ``extra`` dataclasses (``TrainConfig``) take their keys too; their kwargs
+    come back routed by class."""
+    import dataclasses
+
+    from .._schema import route_keys
+    from ..train import default_fp8
+
+    classes = [StrategyConfig, FP8Config, *extra]
+    fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    flat = load_config_file(args.config) if args.config else {}
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    merged = {**flat, **given}
+    if "fp8" not in merged:
+        merged["fp8"] = default_fp8()
+    routed = route_keys(merged, classes, source=args.config or "the command line")
+    config = Config(parallel=StrategyConfig(**routed[StrategyConfig]), precision=FP8Config(**routed[FP8Config]))
+    return config, routed
+
+
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and the model to build on the meta device: ``--model-size`` or ``--model-config``
+    (read by :func:`meta_model`); shared by ``plan`` and ``estimate``."""
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
+                        help="built-in Llama preset (default: tiny)")
+    source.add_argument("--model-config", metavar="JSON", help="a Hugging Face config.json of a causal LM")
+
+
+def meta_model(args: argparse.Namespace):
+    import json
+
+    import torch
+
+    with torch.device("meta"):
+        if args.model_config is None:
+            from ..models import build_llama
+
+            return build_llama(args.model_size)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            data = json.loads(open(args.model_config).read())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{args.model_config} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                             f"{err.msg}): pass a Hugging Face config.json.") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ValueError(f"{args.model_config}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**data))
+
+
+def quiet_cpu_noise() -> None:
+    """On a CPU-only torch, torchao logs that its CUDA kernels did not load, and torch that torchao registers
+    enums the old way: true, and irrelevant to the user of this command."""
+    import torch
+
+    if not torch.cuda.is_available():
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress output

@@ -1,0 +1,48 @@
+"""``fp8dist estimate``: per-rank memory of a model built on the meta device, before anything is allocated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .._schema import add_arguments
+from ..config import FP8Config, StrategyConfig, torch_dtype
+from ..memory.estimate import check_counts, estimate_memory
+from ..memory.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
+from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``fp8dist estimate``."""
+    p = sub.add_parser("estimate", help="predict per-rank memory (model states, activations) before allocating",
+                       description="Build the model on the meta device (nothing allocated) and predict the bytes "
+                                   "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
+                                   "one rank, and the activations of one micro-batch.")
+    add_model_source(p)
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
+    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="tokens per sequence (default: 2048)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
+                   help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
+    p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
+    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default="fp32",
+                   help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
+                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
+                  shown_defaults={"micro_batch_size": "1; also the activations' micro-batch"})
+    add_arguments(p, FP8Config, title="fp8", skip=("on_unsupported", "use_autocast_during_eval"),
+                  shown_defaults={"fp8": FP8_DEFAULT_HELP})
+
+
+def run(args: argparse.Namespace) -> int:
+    """``fp8dist estimate``: print the table (or JSON); bad values raise ValueError (exit 2 in the CLI)."""
+    config, _ = config_from_args(args)
+    check_counts(args.world_size, config.parallel.micro_batch_size, args.seq_len, config.parallel.strategy)
+    model = meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
+    est = estimate_memory(model, config, world_size=args.world_size, seq_len=args.seq_len,
+                          optimizer=args.optimizer, rank=args.rank)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else est)
+    return 0

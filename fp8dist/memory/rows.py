@@ -1,0 +1,80 @@
+"""What the memory tools share: the parts of a model a report row describes, the row itself, the parameters
+counted in a part, and the plain-text table both the report and the estimate print."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from torch import nn
+
+__all__ = ["Part", "PrecisionRow", "Held", "Members", "text_table"]
+
+
+class Part(str, Enum):
+    """What a part of the model computes: the key of a report row (``rows`` come in this order). ``label`` is
+    only its printed name."""
+
+    FP8_GEMM = "fp8_gemm"
+    """Modules the precision plan converted to FP8 GEMMs (torchao Float8Linear, te.Linear, MS-AMP's Linear)."""
+    GEMM = "gemm"
+    """Every other module holding a matrix operand: nn.Linear, GPT-2's Conv1D, a MoE router, fused experts."""
+    OTHER = "other"
+    """Lookup tables (embeddings) and modules with only 1-D parameters (norms): no GEMM."""
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
+@dataclass(frozen=True)
+class PrecisionRow:
+    """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
+
+    part: Part
+    modules: int
+    """Modules of this kind that hold parameters."""
+    params: int
+    """Elements of the full model in this part (all ranks together), each parameter once: a weight tied between
+    an embedding and the output head is a GEMM operand, counted in the GEMM part."""
+    gemm: str
+    all_gather: str
+    """What the weights travel in when they are gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
+    reduce: str
+    """What gradients travel in when they are reduced."""
+    weight: str
+    """What the weights are stored in on this rank."""
+    master_weight: str
+    weight_grad: str
+    optimizer_states: str
+
+
+@dataclass(frozen=True)
+class Held:
+    """A parameter of ``module`` (attribute ``name``) with its full shape, all ranks together."""
+
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Members:
+    """The modules of one part, and the parameters counted in it (each parameter in one part only)."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    params: list[Held] = field(default_factory=list)
+
+
+
+def text_table(cols: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])

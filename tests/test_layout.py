@@ -1,0 +1,130 @@
+"""The package's layout as a graph: every import between fp8dist's modules, at module level or inside a function,
+read from the source (nothing is imported). The pipeline never depends on a tool, the FP8 backends never on a
+sharding engine, the library never on the CLI, and nothing imports itself back in a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fp8dist
+
+PACKAGE = Path(fp8dist.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The fp8dist modules ``name`` imports: ``from X import y`` names module X.y when that is a module, else X."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _edges(graph: dict[str, set[str]], source: str, target: str) -> list[tuple[str, str]]:
+    inside = lambda m, p: m == p or m.startswith(p + ".")  # noqa: E731
+    return sorted((a, b) for a, bs in graph.items() for b in bs if inside(a, source) and inside(b, target))
+
+
+def test_the_graph_reads_real_imports():
+    """The reader sees what is there: known edges, module-level and lazy, are found (so an empty answer below
+    means no such import, not a blind reader)."""
+    graph = _graph()
+    assert "fp8dist.memory.rows" in graph["fp8dist.memory.precision_report"]  # module level, relative
+    assert "fp8dist.strategies.introspect" in graph["fp8dist.memory.row_dtypes"]  # inside a function
+    assert "fp8dist.cli.common" in graph["fp8dist.cli.train"]
+    assert {"fp8dist.checkpoint", "fp8dist.memory"} <= graph["fp8dist"]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_fp8_backends_and_sharding_strategies_do_not_import_each_other():
+    graph = _graph()
+    assert _edges(graph, "fp8dist.fp8", "fp8dist.strategies") == []
+    assert _edges(graph, "fp8dist.strategies", "fp8dist.fp8") == []
+
+
+def test_the_library_never_imports_the_cli():
+    graph = _graph()
+    users = sorted(a for a, bs in graph.items() for b in bs
+                   if (b == "fp8dist.cli" or b.startswith("fp8dist.cli.")) and not a.startswith("fp8dist.cli")
+                   and a != "fp8dist.__main__")
+    assert users == []
+
+
+def test_tools_live_in_their_folders_and_the_top_level_is_the_pipeline():
+    """No private ``_x.py`` helper of one tool at the top level: a tool's files are in its folder."""
+    top = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert top == ["_files.py", "_schema.py", "_version.py"]  # shared by the pipeline and every tool
+    for folder in ("checkpoint", "memory", "bench", "cli", "fp8", "strategies"):
+        assert (PACKAGE / folder / "__init__.py").is_file()
+
+
+def test_every_public_name_is_importable_from_the_top():
+    for name in fp8dist.__all__:
+        assert getattr(fp8dist, name) is not None
