@@ -10,12 +10,13 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .blocks import BlockWiring, check_block_options, compile_decision, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
 from .fp8 import FP8Backend, FP8Wiring, get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
-from .strategies import ShardingInfo, apply_strategy, unwrap_model
+from .strategies import ShardingInfo, apply_strategy, find_blocks, unwrap_model
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
@@ -32,6 +33,8 @@ class WrapInfo:
     sharding: ShardingInfo
     fp8: FP8Wiring = FP8Wiring()
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
+    blocks: BlockWiring = BlockWiring("none", False, "")
+    """Activation checkpointing and compile of the blocks, and why compile is on or off."""
 
 
 class _NoFP8(FP8Backend):
@@ -130,22 +133,52 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if backend.owns_optimizer and optimizer is None and cfg.parallel.strategy != "deepspeed":
         raise ValueError(f"fp8={backend.name!r} owns the optimizer: pass optimizer={{'type': 'AdamW', 'lr': ...}} "
                          "(or a callable params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
+    compiled, why = _compile_decision(cfg, backend, plan, device)
     env = _environment(cfg, launch, device)                                # process group, once all checks passed
     backend.convert(model, plan, cfg)                                      # 4. convert, before sharding
+    blocks, block_wiring = _wrap_blocks(model, cfg, compiled, why)         # 5. checkpoint, compile per block
     entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
     model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
-    wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 5. shard
-                                       ds_entry=entry)
-    for note in sharding.notes:
+    wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 6. shard
+                                       ds_entry=entry, blocks=blocks)
+    for note in (*block_wiring.notes, *sharding.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
-    wiring = backend.after_shard(wrapped, unwrap_model(wrapped), plan, cfg, fp8_group)  # 6. FP8 autocast, hooks
-    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding, wiring))  # what was done, as data
+    wiring = backend.after_shard(wrapped, unwrap_model(wrapped), plan, cfg, fp8_group)  # 7. FP8 autocast, hooks
+    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding, wiring, block_wiring))  # what was done, as data
     watch_replaced_parameters(before, wrapped.parameters())
     if optimizer is None:
         return wrapped
     if cfg.parallel.strategy == "deepspeed":
         return wrapped, wrapped.optimizer
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
+
+
+_DEEPSPEED_COMPILE = ("DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under "
+                      "it; compile the engine wrap_model returns with engine.compile()")
+
+
+def _compile_decision(cfg: Config, backend: FP8Backend, plan: PrecisionPlan, device: torch.device) -> tuple[bool, str]:
+    """Whether blocks are compiled and why; impossible combinations are errors, before anything changes."""
+    fp8 = f"fp8={backend.name!r}"
+    compile_refusal = (fp8, backend.compile_refusal) if backend.compile_refusal else \
+        (f"strategy={cfg.parallel.strategy!r}", _DEEPSPEED_COMPILE) if cfg.parallel.strategy == "deepspeed" else None
+    checkpointing_refusal = (fp8, backend.checkpointing_refusal) if backend.checkpointing_refusal else None
+    check_block_options(cfg, compile_refusal, checkpointing_refusal)
+    refusal = compile_refusal[1] if compile_refusal else None
+    return compile_decision(cfg.parallel.compile, backend.name, bool(plan.converted), device, refusal)
+
+
+def _wrap_blocks(model: nn.Module, cfg: Config, compiled: bool, why: str) -> tuple[Any, BlockWiring]:
+    """Checkpoint and compile the blocks FSDP will shard; returns the blocks to shard (None: let the strategy
+    find them) and what was done."""
+    if cfg.parallel.activation_checkpointing == "none" and not compiled:
+        return None, BlockWiring("none", False, why)
+    found, how = find_blocks(model, cfg.parallel.block_classes)
+    if not found:
+        raise ValueError(f"activation checkpointing and compile work per block, and {type(model).__name__} has none "
+                         f"({how}): pass block_classes=[...] naming its repeated block class.")
+    wrapped, wiring = wrap_blocks(model, found, cfg.parallel.activation_checkpointing, compiled, why)
+    return (wrapped, how), wiring
 
 
 def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:

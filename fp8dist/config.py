@@ -92,14 +92,19 @@ class Config:
         for section in _SECTIONS.values():
             for f in fields(section):
                 only = f.metadata.get("only")
+                any_of = f.metadata.get("only_any")
                 default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                if not only or values[f.name] == (list(default) if isinstance(default, tuple) else default):
+                if not (only or any_of) or values[f.name] == (list(default) if isinstance(default, tuple) else default):
                     continue
-                unmet = {k: v for k, v in only.items() if values[k] not in v}
-                if unmet:
-                    needs = " and ".join(f"{k} in {list(v)}" for k, v in only.items())
-                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
-                                 + ", ".join(f"{k}={values[k]!r}" for k in unmet) + ").")
+                if only:
+                    unmet = {k: v for k, v in only.items() if values[k] not in v}
+                    if unmet:
+                        needs = " and ".join(f"{k} in {list(v)}" for k, v in only.items())
+                        notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
+                                     + ", ".join(f"{k}={values[k]!r}" for k in unmet) + ").")
+                elif not any(all(values[k] in v for k, v in alt.items()) for alt in any_of):
+                    needs = " or ".join(" and ".join(f"{k} in {list(v)}" for k, v in alt.items()) for alt in any_of)
+                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}).")
         return notes
 
     @classmethod

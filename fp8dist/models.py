@@ -34,7 +34,7 @@ def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int 
     hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
     return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_seq_len,
-                       tie_word_embeddings=False, attn_implementation="sdpa")
+                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)  # training: no KV cache
 
 
 def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512):

@@ -11,12 +11,14 @@ from typing import Any, Literal
 from ._schema import normalize_fields
 from .dtypes import DTYPE_ALIASES
 
-__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "Device"]
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "Device",
+           "CheckpointingMode"]
 
 Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 FP8BackendName = Literal["te", "torchao", "msamp"]
 Device = Literal["auto", "cpu", "cuda"]
+CheckpointingMode = Literal["none", "full", "selective"]
 
 
 def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
@@ -47,9 +49,19 @@ class StrategyConfig:
     buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
     """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
 
-    block_classes: tuple[str, ...] = field(default=(), metadata=_only(strategy=("fsdp", "fsdp1")))
-    """Class names of the blocks FSDP shards one by one before the root. Empty: Hugging Face
-    _no_split_modules, else the children of the largest nn.ModuleList."""
+    block_classes: tuple[str, ...] = field(default=(), metadata={"only_any": (
+        {"strategy": ("fsdp", "fsdp1")}, {"activation_checkpointing": ("full", "selective")}, {"compile": (True,)})})
+    """Class names of the blocks FSDP shards one by one before the root, and that activation checkpointing and
+    compile wrap. Empty: Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
+
+    activation_checkpointing: CheckpointingMode = "none"
+    """Recompute activations in backward instead of keeping them, per block: none; full (a block keeps only its
+    input); selective (a block keeps the outputs of its matrix multiplies and attention, torchtitan's "op" mode,
+    and recomputes the cheap rest)."""
+
+    compile: bool | None = None
+    """torch.compile each block (in place: names and state-dict keys do not change). None (auto): on where FP8
+    runs on a CUDA GPU, off elsewhere (on a CPU compiling costs more than it saves)."""
 
     reshard_after_forward: bool = field(default=True, metadata=_only(strategy=("fsdp", "fsdp1")))
     """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward

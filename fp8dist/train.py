@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ._schema import normalize_fields
 from .api import get_plan, get_wrap_info, wrap_model
+from .blocks import describe_blocks
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
@@ -131,6 +132,8 @@ class TrainResult:
     start_step: int = 0
     """Steps already done when this run started (from a checkpoint); ``losses`` are of the steps after it."""
     wall_s: float = 0.0
+    blocks: str = ""
+    """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
 
 
 def _lr_lambda(steps: int) -> Callable[[int], float]:
@@ -285,7 +288,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         dist.all_gather_object(gathered, mine)
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
-                         device=env.device.type, wall_s=time.perf_counter() - start, start_step=first)
+                         device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
+                         blocks=describe_blocks(get_wrap_info(wrapped).blocks))
     if leader:
         log(format_summary(result, config, train))
     return result
@@ -304,6 +308,7 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
         "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
         + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
         f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
+        f"blocks          {result.blocks}",
         f"parameters      strategy {config.parallel.strategy}",
     ]
     lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]

@@ -46,6 +46,10 @@ class FP8Backend(Protocol):
 
     name: ClassVar[str]
     owns_optimizer: ClassVar[bool] = False
+    compile_refusal: ClassVar[str | None] = None
+    """Why this backend's modules cannot run in torch.compile'd blocks; None: they can."""
+    checkpointing_refusal: ClassVar[str | None] = None
+    """Why this backend cannot run under torch's activation checkpointing; None: it can."""
     """The backend builds the optimizer itself (in :meth:`before_shard`, from the optimizer spec)."""
 
     def describe(self, cfg: Any) -> str:

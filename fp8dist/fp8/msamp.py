@@ -25,6 +25,8 @@ class MSAMPBackend(FP8Backend):
 
     name = "msamp"
     owns_optimizer = True
+    compile_refusal = "MS-AMP's ScalingTensor weights do not trace under torch.compile"
+    checkpointing_refusal = "MS-AMP's FP8 weights and gradients are not verified under activation checkpointing"
 
     def describe(self, cfg) -> str:
         return f"opt_level {cfg.precision.opt_level}"

@@ -87,6 +87,11 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
 
 class TEBackend(FP8Backend):
     name = "te"
+    compile_refusal = ("fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU "
+                       "(TE prepared te.Linear for compile in v2.16); its fused kernels run uncompiled")
+    checkpointing_refusal = ("torch's activation checkpointing would run Transformer Engine's FP8 forward twice "
+                             "per step and update its amax history twice; TE's own te.distributed.checkpoint is "
+                             "not wired in yet")
 
     def describe(self, cfg) -> str:
         p = cfg.precision

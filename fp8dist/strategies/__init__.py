@@ -68,11 +68,13 @@ def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, op
 
 
 def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None,
-                   ds_entry: tuple[Mapping[str, Any], Any] | None = None) -> tuple[nn.Module, ShardingInfo]:
+                   ds_entry: tuple[Mapping[str, Any], Any] | None = None,
+                   blocks: tuple[list[tuple[str, nn.Module]], str] | None = None) -> tuple[nn.Module, ShardingInfo]:
     """Shard or replicate ``model`` as ``cfg`` says; returns the model to train (the engine for DeepSpeed, whose
     ``.optimizer`` is the one it built from ``optimizer``) and what was done. ``ds_entry`` = (extra config,
     initialize function) lets an FP8 backend with its own DeepSpeed entry point (MS-AMP) take over
-    ``deepspeed.initialize``."""
+    ``deepspeed.initialize``. ``blocks`` = (``[(name, module), ...]``, how they were found): the blocks FSDP shards
+    when an earlier step already found (and wrapped) them; None: found here from ``cfg.block_classes``."""
     param, reduce, buffer = (torch_dtype(d) for d in (cfg.param_dtype, cfg.reduce_dtype, cfg.buffer_dtype))
     if cfg.strategy == "deepspeed":
         extra, initialize = ds_entry or ({}, None)
@@ -86,7 +88,7 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
                                     local_rank=env.local_rank, initialize=initialize)
         return engine, ShardingInfo("deepspeed", (), f"DeepSpeed ZeRO-{config['zero_optimization']['stage']}")
     if cfg.strategy in ("fsdp", "fsdp1"):
-        found, how = find_blocks(model, cfg.block_classes)
+        found, how = blocks if blocks is not None else find_blocks(model, cfg.block_classes)
         names, blocks = tuple(n for n, _ in found), [m for _, m in found]
         if cfg.strategy == "fsdp":
             cast_buffers(model, buffer)
