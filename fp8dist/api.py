@@ -10,10 +10,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .blocks import BlockWiring, check_block_options, compile_decision, wrap_blocks
+from .blocks import BlockWiring, block_refusals, check_block_options, compile_decision, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
-from .fp8 import FP8Backend, FP8Wiring, get_backend
+from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .strategies import ShardingInfo, apply_strategy, find_blocks, unwrap_model
@@ -37,13 +37,6 @@ class WrapInfo:
     """Activation checkpointing and compile of the blocks, and why compile is on or off."""
 
 
-class _NoFP8(FP8Backend):
-    """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
-
-    name = "none"
-
-
-NO_FP8 = _NoFP8()
 
 
 def get_wrap_info(model: nn.Module) -> WrapInfo:
@@ -153,16 +146,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 
-_DEEPSPEED_COMPILE = ("DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under "
-                      "it; compile the engine wrap_model returns with engine.compile()")
-
-
 def _compile_decision(cfg: Config, backend: FP8Backend, plan: PrecisionPlan, device: torch.device) -> tuple[bool, str]:
     """Whether blocks are compiled and why; impossible combinations are errors, before anything changes."""
-    fp8 = f"fp8={backend.name!r}"
-    compile_refusal = (fp8, backend.compile_refusal) if backend.compile_refusal else \
-        (f"strategy={cfg.parallel.strategy!r}", _DEEPSPEED_COMPILE) if cfg.parallel.strategy == "deepspeed" else None
-    checkpointing_refusal = (fp8, backend.checkpointing_refusal) if backend.checkpointing_refusal else None
+    compile_refusal, checkpointing_refusal = block_refusals(cfg, backend)
     check_block_options(cfg, compile_refusal, checkpointing_refusal)
     refusal = compile_refusal[1] if compile_refusal else None
     return compile_decision(cfg.parallel.compile, backend.name, bool(plan.converted), device, refusal)

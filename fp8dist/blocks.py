@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BlockWiring", "compile_decision", "check_block_options", "wrap_blocks", "describe_blocks",
+__all__ = ["BlockWiring", "compile_decision", "block_refusals", "check_block_options", "wrap_blocks", "describe_blocks",
            "graph_breaks", "SAVED_BY_SELECTIVE"]
 
 SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
@@ -57,6 +57,20 @@ def compile_decision(compile: bool | None, fp8: str | None, converted: bool, dev
     if not converted:
         return False, "auto: off without FP8 layers (compile=True turns it on)"
     return True, f"auto: on ({fp8} FP8 on CUDA: compiled blocks fuse the casts and scaling)"
+
+
+_DEEPSPEED_COMPILE = ("DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under "
+                      "it; compile the engine wrap_model returns with engine.compile()")
+
+
+def block_refusals(cfg: Any, backend: Any) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """Who refuses compile and activation checkpointing for this config and FP8 backend, and why (None: nobody):
+    the backend's own data first, then the strategy."""
+    fp8 = f"fp8={backend.name!r}"
+    compile_refusal = (fp8, backend.compile_refusal) if backend.compile_refusal else \
+        (f"strategy={cfg.parallel.strategy!r}", _DEEPSPEED_COMPILE) if cfg.parallel.strategy == "deepspeed" else None
+    checkpointing_refusal = (fp8, backend.checkpointing_refusal) if backend.checkpointing_refusal else None
+    return compile_refusal, checkpointing_refusal
 
 
 def check_block_options(cfg: Any, compile_refusal: tuple[str, str] | None,

@@ -137,6 +137,10 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
     (["--nproc", "0"], ["--nproc 0", "at least 1"]),
     (["--seq-len", "10000000"], ["--seq-len 10000000", "corpus"]),
     (["--strategies", "fsdp", "--fp8", "msamp"], ["msamp", "fsdp"]),
+    (["--compile", "off,maybe"], ["--compile", "'maybe'", "off, on"]),
+    (["--activation-checkpointing", "some"], ["--activation-checkpointing", "'some'", "none, full, selective"]),
+    (["--strategies", "deepspeed", "--compile", "on"], ["cell deepspeed/bf16+compile/tiny: compile=True with "
+                                                         "strategy='deepspeed'", "engine.compile()"]),
 ])
 def test_bad_flags_are_errors_naming_the_value_and_the_choices(flags, expected, capsys, tmp_path):
     assert main(["bench", *flags, "--out", str(tmp_path)]) == 2
@@ -145,6 +149,24 @@ def test_bad_flags_are_errors_naming_the_value_and_the_choices(flags, expected, 
     for text in expected:
         assert text in err
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_compile_and_checkpointing_are_matrix_dimensions():
+    import argparse
+
+    from fp8dist.bench.runner import plan_cells, resolve_settings
+    from fp8dist.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--compile",
+                              "off,on", "--activation-checkpointing", "none,full", "--no-raw"])
+    cells = plan_cells(resolve_settings(args, "cpu"))
+    assert [c.name for c in cells] == [
+        f"fsdp/{fp8}{blocks}/tiny" for blocks in ("", "+ac-full", "+compile", "+compile+ac-full")
+        for fp8 in ("bf16", "torchao")]
+    assert {(c.compile, c.activation_checkpointing) for c in cells} == {(False, "none"), (False, "full"),
+                                                                         (True, "none"), (True, "full")}
 
 
 def test_missing_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys, tmp_path):

@@ -41,10 +41,16 @@ class Cell:
     seed: int = 0
     lr: float = 1e-3
     zero_stage: int = 2
+    compile: bool = False
+    """torch.compile each block (wrap_model's ``compile``)."""
+    activation_checkpointing: str = "none"
 
     @property
     def name(self) -> str:
-        return f"{self.strategy}/{self.fp8 or 'bf16'}/{self.size}" + ("/vs-raw" if self.wiring == "vs-raw" else "")
+        blocks = ("+compile" if self.compile else "") + \
+            (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "")
+        return f"{self.strategy}/{self.fp8 or 'bf16'}{blocks}/{self.size}" + \
+            ("/vs-raw" if self.wiring == "vs-raw" else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
@@ -58,9 +64,9 @@ def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wire
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
     from ..api import get_plan, wrap_model
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing}
     if cell.strategy == "deepspeed":
-        options = {"zero_stage": cell.zero_stage, "micro_batch_size": cell.batch_size}
+        options.update(zero_stage=cell.zero_stage, micro_batch_size=cell.batch_size)
     wrapped, optimizer = wrap_model(model, strategy=cell.strategy, fp8=cell.fp8, optimizer=_optimizer_spec(cell),
                                     **options)
     fp8 = get_plan(wrapped).fp8

@@ -61,7 +61,7 @@ def _versions() -> dict[str, str | None]:
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
-    keys = ("strategy", "fp8", "size", "wiring")
+    keys = ("strategy", "fp8", "size", "wiring", "compile", "activation_checkpointing")
     want = {**{k: cell[k] for k in keys}, **change}
     return next((c for c in cells if all(c[k] == want[k] for k in keys) and "error" not in c), None)
 

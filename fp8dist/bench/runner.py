@@ -53,6 +53,9 @@ class BenchSettings:
     lr: float
     zero_stage: int
     raw: bool
+    compile: tuple[bool, ...] = (False,)
+    """Compile off and/or on: a matrix dimension."""
+    activation_checkpointing: tuple[str, ...] = ("none",)
 
 
 def device_type() -> str:
@@ -102,7 +105,10 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         batch_size=_at_least("--batch-size", given(args.batch_size, batch), 1, "sequences per process"),
         seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
         nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
-        seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw)
+        seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
+        compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
+        activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
+                                        ("none", "full", "selective"), "none,full"))
     corpus = len(make_corpus())
     if settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
@@ -118,9 +124,11 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
                lr=settings.lr, zero_stage=settings.zero_stage)
     backends = tuple(dict.fromkeys((None, *settings.fp8)))  # every FP8 cell gets its bf16 counterpart
     cells = []
+    blocks = [dict(compile=c, activation_checkpointing=a) for c in settings.compile
+              for a in settings.activation_checkpointing]
     for size in settings.sizes:
         for strategy in settings.strategies:
-            cells += [Cell(strategy=strategy, fp8=f, size=size, **job) for f in backends]
+            cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends]
         if settings.raw and "fsdp" in settings.strategies:
             cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
                       for f in backends if f in OVERHEAD_FP8]
@@ -131,9 +139,10 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     """Every cell is a valid configuration that can run here, before any process starts."""
     import torch
 
+    from ..blocks import block_refusals, check_block_options
     from ..config import resolve_config
     from ..env import package_version
-    from ..fp8 import get_backend
+    from ..fp8 import NO_FP8, get_backend
 
     if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
         raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
@@ -143,7 +152,14 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
                          "most that many (one process per GPU).")
     for cell in cells:
         options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
-        config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, **options)
+        config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
+                                activation_checkpointing=cell.activation_checkpointing, **options)
+        refusals = block_refusals(config, get_backend(cell.fp8) if cell.fp8 else NO_FP8)
+        try:
+            check_block_options(config, *refusals)
+        except ValueError as err:
+            raise ValueError(f"cell {cell.name}: {err} Leave it out of --compile / --activation-checkpointing, or "
+                             "the strategy or backend out of the matrix.") from None
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         gate = get_backend(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
         if gate:

@@ -50,6 +50,10 @@ def add_parser(sub: Any) -> None:
                    help="processes per cell (default: one per GPU, or 2 on CPU; strategy none always runs 1)")
     p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2,
                    help="ZeRO stage of deepspeed cells (default: 2)")
+    p.add_argument("--compile", metavar="LIST", default="off",
+                   help="comma-separated, from off, on: torch.compile each block (a matrix dimension; default: off)")
+    p.add_argument("--activation-checkpointing", metavar="LIST", default="none",
+                   help="comma-separated, from none, full, selective (a matrix dimension; default: none)")
     p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW learning rate, constant (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="model initialization and batch order seed (default: 0)")

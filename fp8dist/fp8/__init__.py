@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-__all__ = ["FP8Backend", "FP8Wiring", "get_backend", "BACKENDS", "dims_reason", "fp8_hardware_reason"]
+__all__ = ["FP8Backend", "FP8Wiring", "NO_FP8", "get_backend", "BACKENDS", "dims_reason", "fp8_hardware_reason"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
@@ -103,6 +103,15 @@ class FP8Backend(Protocol):
 
 
 @functools.cache
+class _NoFP8(FP8Backend):
+    """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
+
+    name = "none"
+
+
+NO_FP8 = _NoFP8()
+
+
 def get_backend(name: str) -> FP8Backend:
     """The backend for ``name`` ("torchao", "te", "msamp")."""
     module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
