@@ -9,6 +9,7 @@ from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
+from .grads import clip_grad_norm_, no_sync
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
 from .sharding import sharding_summary
@@ -32,6 +33,8 @@ __all__ = [
     "DistEnv",
     "sharding_summary",
     "unwrap_model",
+    "no_sync",
+    "clip_grad_norm_",
     "report",
     "PrecisionReport",
     "estimate_memory",
