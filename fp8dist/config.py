@@ -104,7 +104,9 @@ class Config:
                                      + ", ".join(f"{k}={values[k]!r}" for k in unmet) + ").")
                 elif not any(all(values[k] in v for k, v in alt.items()) for alt in any_of):
                     needs = " or ".join(" and ".join(f"{k} in {list(v)}" for k, v in alt.items()) for alt in any_of)
-                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}).")
+                    keys = dict.fromkeys(k for alt in any_of for k in alt)
+                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
+                                 + ", ".join(f"{k}={values[k]!r}" for k in keys) + ").")
         return notes
 
     @classmethod
