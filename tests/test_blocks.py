@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import fp8dist
 from fp8dist.blocks import SAVED_BY_SELECTIVE
+from fp8dist.data import Batches
 from fp8dist.models import build_llama
 
 from dist_harness import run_ranks
@@ -202,3 +203,49 @@ def test_a_model_without_blocks_cannot_be_checkpointed_per_block():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     with pytest.raises(ValueError, match="has none .*pass block_classes"):
         fp8dist.wrap_model(model, strategy="none", activation_checkpointing="full")
+
+
+def _round_trip_case(rank: int, world: int, root: str) -> dict:
+    """Train 2 steps with checkpointing on (or off), save; load into the same model with it off (or on); the next
+    step's loss and the weights after it equal those of the run that never stopped."""
+    import copy
+    from pathlib import Path
+
+    base = build_llama("tiny", seed=0)
+    batches = Batches(batch_size=2, seq_len=32, rank=rank, world_size=world, seed=0)
+    out = {}
+    for saved_mode, loaded_mode in (("full", "none"), ("none", "selective")):
+        def fresh(mode):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m = fp8dist.wrap_model(copy.deepcopy(base), strategy="fsdp", activation_checkpointing=mode)
+            return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(m, opt, i):
+            loss = m(input_ids=batches[i], labels=batches[i]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        model, opt = fresh(saved_mode)
+        for i in range(2):
+            step(model, opt, i)
+        directory = Path(root) / f"{saved_mode}-{loaded_mode}"
+        fp8dist.save_checkpoint(directory, model, opt, step=2)
+        straight = step(model, opt, 2)
+        resumed_model, resumed_opt = fresh(loaded_mode)
+        state = fp8dist.load_checkpoint(directory, resumed_model, resumed_opt)
+        resumed = step(resumed_model, resumed_opt, 2)
+        same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(),
+                                                                              resumed_model.parameters()))
+        out[(saved_mode, loaded_mode)] = dict(step=state.step, straight=straight, resumed=resumed, same=same)
+    return out
+
+
+def test_a_checkpoint_saved_with_activation_checkpointing_loads_without_it_and_back(tmp_path):
+    for rank, r in enumerate(run_ranks(_round_trip_case, str(tmp_path))):
+        for (saved, loaded), c in r.items():
+            assert c["step"] == 2
+            assert c["resumed"] == c["straight"], f"rank {rank}: saved with {saved}, loaded with {loaded}"
+            assert c["same"], f"rank {rank}: weights after the resumed step ({saved} -> {loaded})"
