@@ -20,6 +20,9 @@ def add_parser(sub: Any) -> None:
     add_model_source(p)
     p.add_argument("--ignore-hardware", action="store_true",
                    help="plan as if the backend and FP8 hardware were present (plan for another machine)")
+    p.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="ranks to shard over: with --strategy fsdp, a note says when FSDP2's dim-0 padding is large "
+                        "(default: 1)")
     add_arguments(p, StrategyConfig, title="strategy")
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
@@ -39,7 +42,14 @@ def run(args: argparse.Namespace) -> int:
         from ..strategies.common import find_blocks
 
         blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
+    padding = ()
+    if config.parallel.strategy == "fsdp":
+        from ..strategies.fsdp import fsdp_padding_notes
+
+        padding = fsdp_padding_notes(model, args.world_size)  # a bad --world-size is an error here
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {len(blocks[0])} blocks ({blocks[1]}), then the root")
+    for note in padding:
+        print(f"note: {note}")
     return 0

@@ -11,11 +11,14 @@ Works on a model built on the meta device, so a 70B config is estimated on a lap
 
 The categories are those :func:`fp8dist.report` measures on a live run (after ``optimizer.step()``, before
 ``zero_grad``), and for fsdp, fsdp1, ddp, none and DeepSpeed ZeRO-1/2/3 the model-state figures are tested against
-it on real CPU runs (within 10%). Transformer Engine and MS-AMP rows are *derived* from their documented behaviour
-(TE's FP8 scaling buffers; MS-AMP's precision chart), not measured: neither runs here. Activations are a
-transparent formula for a Llama-style decoder (see ``fp8dist/memory/estimate_activations.py``), an estimate only.
-Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets when not gradient views) are listed
-as notes, not counted.
+it on real CPU runs (to the byte). Transformer Engine and MS-AMP rows are *derived* from their documented
+behaviour (TE's FP8 scaling buffers; MS-AMP's precision chart), not measured: neither runs here. FSDP2's padding
+(every rank allocates the first dim-0 chunk: Mixtral's 8 fused experts on 64 ranks cost 8x) is in the bytes, and
+a note says when it is large and the way out (:mod:`fp8dist.strategies.padding`). Activations are transparent
+formulas per model family -- llama, mixtral, gpt2, gpt_neox, chosen by the config's ``model_type`` (see
+``fp8dist/memory/activation_families.py``) -- an estimate only; another family gets none
+(``activations_modelled`` False). Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets
+when not gradient views) are listed as notes, not counted.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .estimate_activations import activation_items
+from .estimate_activations import Activations, activation_items
 from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
                                fp8_buffer_bytes, rank_states, worst_rank)
 from .rows import text_table
@@ -35,6 +38,7 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
+from ..strategies.fsdp import fsdp_padding_notes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
@@ -62,6 +66,9 @@ class MemoryEstimate(StateBytes):
     seq_len: int
     activations: tuple[tuple[str, int], ...]
     """(item, bytes) of the activations saved for backward for one micro-batch (an estimate)."""
+    activations_modelled: bool
+    """False when no activation formula covers the model (its family) or the setting (activation checkpointing):
+    ``activations`` is empty, a note says why, and only the model-state figures hold."""
     derived: bool
     """True where TE / MS-AMP figures come from their documentation, not from a measured run."""
     offloaded: tuple[str, ...]
@@ -89,10 +96,15 @@ class MemoryEstimate(StateBytes):
                  _size(self.bytes[c]), self.dtypes[c]] for c in CATEGORIES]
         rows.append(["total model states", f"{per_param['total']:.3f}", _size(self.model_state_bytes), ""])
         acts = [[item, _size(b)] for item, b in self.activations]
-        acts.append(["total activations (estimate)", _size(self.activation_bytes)])
+        if self.activations_modelled:
+            acts.append(["total activations (estimate)", _size(self.activation_bytes)])
+            total = f"total: {_size(self.model_state_bytes + self.activation_bytes)} per rank"
+        else:
+            acts.append(["not estimated for this model (see the note)", "-"])
+            total = f"total: {_size(self.model_state_bytes)} per rank in model states; activations not estimated"
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
-                 "", f"total: {_size(self.model_state_bytes + self.activation_bytes)} per rank"]
+                 "", total]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -116,20 +128,20 @@ def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy:
 
 
 def _deepspeed_facts(model: nn.Module, cfg: Config, world: int) -> dict[str, Any]:
-    """Stage, module dtype, persistence threshold, buckets and offload from the DeepSpeed config wrap_model
-    would build (merged under the user's ds_config, whose values win)."""
-    from ..strategies.deepspeed import merge_user_config, zero_config
+    """Stage, module dtype, persistence threshold, buckets and offload from the config wrap_model builds
+    (:func:`fp8dist.strategies.deepspeed.build_deepspeed_config`), validated as wrap_model validates it when
+    DeepSpeed is installed here (its parser needs it; the estimate itself does not)."""
+    import importlib.util
 
-    p = cfg.parallel
-    built = zero_config(p.zero_stage, model=model, micro_batch_size=p.micro_batch_size, grad_accum=p.grad_accum,
-                        world_size=world, param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
-                        offload_optimizer=p.offload_optimizer, offload_param=p.offload_param, validate=False)
-    ds = merge_user_config(p.ds_config, built) if p.ds_config else built
+    from ..strategies.deepspeed import build_deepspeed_config
+
+    checked = importlib.util.find_spec("deepspeed") is not None
+    ds = build_deepspeed_config(model, cfg.parallel, world_size=world, validate=checked)
     zero = ds.get("zero_optimization", {})
     dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     return {"stage": int(zero.get("stage", 0)), "dtype": dtype, "bucket": int(zero.get("reduce_bucket_size", 5e8)),
             "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
-            "comm": ds.get("communication_data_type") or dtype,
+            "comm": ds.get("communication_data_type") or dtype, "checked": checked,
             "offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero}
 
 
@@ -144,12 +156,13 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
     infos = []
     for name, p in model.named_parameters():
         stored = _DTYPE_NAMES.get(p.dtype, "fp32")
-        infos.append(ParamInfo(name, p.numel(), p.shape[0] if p.dim() else 1, unit_of.get(name, ""),
+        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
                                element_bytes(cfg, optimizer, stored, name in msamp, ds_dtype)))
     return infos
 
 
-def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.Module, c: int) -> list[str]:
+def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.Module, c: int,
+           world: int) -> list[str]:
     strategy, notes = cfg.parallel.strategy, []
     if cfg.precision.fp8 in ("te", "msamp"):
         notes.append(f"fp8={cfg.precision.fp8}: figures derived from its documented behaviour, not measured here")
@@ -157,11 +170,15 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
         biggest = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
         notes.append(f"transient, not counted: all-gathered weights of about 2 blocks at a time "
                      f"({_size(2 * biggest * c)} in the compute dtype)")
+    if strategy == "fsdp":
+        notes += fsdp_padding_notes(model, world)
     if ds is not None:
         comm = DTYPE_BYTES.get(ds["comm"], 4)
         kept = "allocated for the whole run" if ds["stage"] == 3 else "during backward"
         notes.append(f"DeepSpeed reduce bucket, not counted as model state: {ds['bucket']:,} elements in "
                      f"{ds['comm']} ({_size(ds['bucket'] * comm)}), {kept}")
+        if not ds["checked"]:
+            notes.append("DeepSpeed is not installed here: its parser did not check the config (wrap_model will)")
     if strategy == "ddp":
         notes.append("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no second copy")
     return notes
@@ -175,7 +192,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     Call it on a model built on the meta device (nothing is allocated) or on a real one (nothing is changed).
 
     Args:
-        model: the unwrapped model (a Hugging Face causal LM for the activation estimate).
+        model: the unwrapped model (a Hugging Face causal LM of a modelled family for the activation estimate:
+            llama, mixtral, gpt2, gpt_neox).
         config, **overrides: as for :func:`fp8dist.wrap_model` (strategy, fp8, param_dtype, zero_stage, ...).
         world_size: data-parallel ranks.
         micro_batch_size: sequences per rank per forward; default: the config's ``micro_batch_size``.
@@ -216,15 +234,15 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     fp8_bytes = fp8_buffer_bytes(cfg, plan)
     c = DTYPE_BYTES[ds["dtype"] if ds else cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
-    items, act_notes = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
-                                        stored_bytes=stored, c=c)
+    acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
+                                         stored_bytes=stored, c=c)
     return MemoryEstimate(
         strategy=cfg.parallel.strategy, zero_stage=ds and ds["stage"], fp8=cfg.precision.fp8 or "none",
         world_size=world_size, rank=chosen, total_params=sum(p.numel for p in params),
         bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes}, dtypes=category_dtypes(params, fp8_bytes),
-        micro_batch_size=micro, seq_len=seq_len, activations=tuple(items),
+        micro_batch_size=micro, seq_len=seq_len, activations=tuple(acts.items), activations_modelled=acts.modelled,
         derived=cfg.precision.fp8 in ("te", "msamp"), offloaded=_offloaded(ds),
-        notes=tuple(_notes(cfg, ds, blocks, model, c) + act_notes))
+        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes))
 
 
 def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:

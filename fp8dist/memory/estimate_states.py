@@ -6,7 +6,8 @@ Each strategy's layout is followed exactly where it runs here (and is tested aga
   optimizer states, in the parameters' stored dtype; torch's Adam/AdamW add a 4-byte ``step`` per parameter.
 - ``fsdp`` (FSDP2): each parameter is cut along dim 0 with ``torch.chunk``; every rank's storage is padded to
   ``ceil(dim0 / W)`` rows (parameters and the reduce-scatter output that holds the gradients), while the
-  optimizer states follow the unpadded local rows.
+  optimizer states follow the unpadded local rows (:mod:`fp8dist.strategies.padding`, which also says when a
+  dim 0 shorter than W -- Mixtral's fused experts -- multiplies the bytes).
 - ``fsdp1``: each wrapped unit's parameters are flattened (each start aligned to 16 bytes of the compute
   dtype, as ``use_orig_params=True`` does), padded to a multiple of W and cut into W equal shards; optimizer
   states follow the original parameters' unpadded pieces.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from typing import Any
+
+from ..strategies.padding import shard_padding
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
            "rank_states", "fp8_buffer_bytes", "category_dtypes", "worst_rank"]
@@ -59,7 +62,7 @@ class ParamInfo:
 
     name: str
     numel: int
-    dim0: int
+    shape: tuple[int, ...]
     unit: str
     """The FSDP unit (block) that owns it; "" for the root."""
     bytes: ElementBytes
@@ -116,20 +119,21 @@ def _replicated(params: list[ParamInfo], world: int, optimizer: str) -> list[dic
 
 
 def _fsdp2(params: list[ParamInfo], world: int, optimizer: str) -> list[dict[str, int]]:
-    """torch.chunk along dim 0: ``ceil(dim0 / W)`` rows per rank, storage padded to that on every rank."""
-    padded = 0
-    change = [0] * (world + 1)  # difference array: ranks [0, full) hold a whole chunk, rank ``full`` the rest
-    for p in params:
-        row = p.numel // max(p.dim0, 1)
-        chunk = -(-p.dim0 // world)
-        padded += chunk * row
-        full = p.dim0 // chunk if chunk else 0
-        change[0] += chunk * row * p.bytes.states
-        change[full] -= chunk * row * p.bytes.states
+    """torch.chunk along dim 0: every rank's storage padded to the first chunk (:func:`shard_padding`); the
+    optimizer states on each rank's real rows: ranks before the last chunk a full one, the rank of the last chunk
+    the rest, later ranks none (summed through a difference array, so 1024 ranks cost no more than 2)."""
+    padding = shard_padding({p.name: p.shape for p in params}, world)
+    change = [0] * (world + 1)
+    for p, pad in zip(params, padding):
+        full = pad.dim0 // pad.rows_per_rank if pad.rows_per_rank else 0
+        change[0] += pad.padded_numel * p.bytes.states
+        change[full] -= pad.padded_numel * p.bytes.states
         if full < world:
-            change[full] += (p.dim0 - full * chunk) * row * p.bytes.states
-            change[full + 1] -= (p.dim0 - full * chunk) * row * p.bytes.states
+            rest = pad.rows_on(full) * pad.row_numel * p.bytes.states
+            change[full] += rest
+            change[full + 1] -= rest
     states = list(itertools.accumulate(change[:world]))
+    padded = sum(pad.padded_numel for pad in padding)
     b = params[0].bytes
     steps = _steps(optimizer) * len(params)
     return [{"parameters": padded * b.weight, "master_weights": 0, "gradients": padded * b.grad,

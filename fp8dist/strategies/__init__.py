@@ -17,8 +17,8 @@ from ..config import StrategyConfig, torch_dtype
 from ..env import DistEnv
 from .common import cast_buffers, find_blocks
 from .ddp import apply_ddp, apply_single
-from .deepspeed import apply_deepspeed, is_deepspeed_engine, merge_user_config, validate_with_deepspeed, zero_config
-from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy
+from .deepspeed import apply_deepspeed, build_deepspeed_config, is_deepspeed_engine, zero_config
+from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy, fsdp_padding_notes
 
 __all__ = ["apply_strategy", "ShardingInfo", "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks",
            "zero_config", "deepspeed_config_for", "is_deepspeed_engine"]
@@ -34,7 +34,7 @@ class ShardingInfo:
     autocast: torch.dtype | None = None
     """The dtype the forward runs under ``torch.autocast`` in (ddp, none); None: no autocast."""
     notes: tuple[str, ...] = ()
-    """What the user should know (a model sharded as one unit)."""
+    """What the user should know (a model sharded as one unit, FSDP2's padding of short dim-0 parameters)."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -49,22 +49,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None) -> dict:
-    """The DeepSpeed config ``wrap_model`` uses: built from the model and ``cfg``, merged under the user's json
-    (``ds_config``) when given, and validated. A mapping optimizer spec becomes the config's optimizer block."""
-    block = None
-    if isinstance(optimizer, Mapping):
-        spec = dict(optimizer)
-        block = {"type": spec.pop("type", None), "params": spec}
-    built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
-                        grad_accum=cfg.grad_accum, world_size=env.world_size, param_dtype=cfg.param_dtype,
-                        reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
-                        offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
-                        validate=cfg.ds_config is None)
-    if cfg.ds_config is None:
-        return built
-    merged = merge_user_config(cfg.ds_config, built)
-    validate_with_deepspeed(merged, world_size=env.world_size)
-    return merged
+    """The DeepSpeed config ``wrap_model`` uses: :func:`build_deepspeed_config` for this job's world size, validated
+    (the memory estimate calls the same builder)."""
+    return build_deepspeed_config(model, cfg, world_size=env.world_size, optimizer=optimizer)
 
 
 def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None,
@@ -102,6 +89,8 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
                                 reshard_after_forward=cfg.reshard_after_forward)
         notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
                                   "block_classes=[...] to shard block by block.",)
+        if cfg.strategy == "fsdp":
+            notes += fsdp_padding_notes(model, env.world_size)
         return model, ShardingInfo(cfg.strategy, names, how, notes=notes)
     cast_buffers(model, buffer)
     autocast = param if param != torch.float32 else None

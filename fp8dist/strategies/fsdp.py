@@ -14,7 +14,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-__all__ = ["build_fsdp_policy", "build_fsdp1_policy", "apply_fsdp", "apply_fsdp1"]
+from .padding import padding_note, shard_padding
+
+__all__ = ["build_fsdp_policy", "build_fsdp1_policy", "apply_fsdp", "apply_fsdp1", "fsdp_padding_notes"]
 
 
 def build_fsdp_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -45,6 +47,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | 
     # after forward only gathers them again at once (torch's default for the root, as torchtitan does)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
+
+
+def fsdp_padding_notes(model: nn.Module, world_size: int) -> tuple[str, ...]:
+    """What FSDP2's dim-0 padding costs ``model`` on ``world_size`` ranks, with the way out, when it is large
+    (:func:`fp8dist.strategies.padding.padding_note`); empty otherwise. Reads shapes only: a meta model works."""
+    note = padding_note(shard_padding({n: tuple(p.shape) for n, p in model.named_parameters()}, world_size))
+    return (note,) if note else ()
 
 
 def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.device,

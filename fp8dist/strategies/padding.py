@@ -1,0 +1,125 @@
+"""What FSDP2 (``fully_shard``) allocates per rank, parameter by parameter, and when its padding deserves a note.
+
+FSDP2 cuts each parameter along dim 0 with ``torch.chunk`` into ``world_size`` pieces and every rank allocates the
+first (largest) piece: ``ceil(dim0 / world_size)`` rows, the missing rows zero padding. A parameter whose dim 0 is
+shorter than the world size is therefore held as whole rows: Mixtral's fused experts (``gate_up_proj`` of shape
+``(num_experts, 2 * intermediate, hidden)``, ``down_proj`` ``(num_experts, hidden, intermediate)``) have dim 0 = 8,
+so on 64 ranks every rank holds one expert's full row, 1/8 of the tensor instead of 1/64: 8x. The same layout
+holds the gradients (FSDP2's reduce-scatter output); optimizer states follow the unpadded rows.
+
+The way out is to shard such parameters on a longer dim (``fully_shard(module, shard_placement_fn=...)`` returning
+``Shard(1)`` for them) or to split the experts across ranks (expert parallelism) instead of sharding each one.
+
+Pure functions of shapes: used by the memory estimate, ``fp8dist plan`` and ``wrap_model``'s sharding notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["PaddedParam", "shard_padding", "padding_note", "NOTE_ABOVE"]
+
+NOTE_ABOVE = 1.10
+"""The padding note appears when the padded total is at least this many times an even split of the elements."""
+
+
+@dataclass(frozen=True)
+class PaddedParam:
+    """One parameter as FSDP2 shards it on dim 0 over ``world_size`` ranks."""
+
+    name: str
+    shape: tuple[int, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def dim0(self) -> int:
+        """Rows along the sharded dim (a 0-d parameter counts as one row)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row of dim 0."""
+        return self.numel // self.dim0 if self.dim0 else 0
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows every rank allocates: the first chunk's, ``ceil(dim0 / world_size)``."""
+        return -(-self.dim0 // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements every rank allocates for this parameter, padding included."""
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def factor(self) -> float:
+        """Allocated over an even split: ``padded_numel * world_size / numel`` (1.0: no padding)."""
+        return self.padded_numel * self.world_size / self.numel if self.numel else 1.0
+
+    def rows_on(self, rank: int) -> int:
+        """Real (unpadded) rows ``rank`` holds; ranks past the last chunk hold none."""
+        return max(0, min(self.rows_per_rank, self.dim0 - rank * self.rows_per_rank))
+
+    def better_dim(self) -> int | None:
+        """A dim to shard on instead of dim 0: the first other one the world size divides (FSDP2 refuses uneven
+        sharding on any dim but 0, and an even one needs no padding); None when there is none."""
+        return next((dim for dim, size in enumerate(self.shape[1:], start=1) if size % self.world_size == 0), None)
+
+
+def shard_padding(shapes: Mapping[str, Sequence[int]], world_size: int) -> list[PaddedParam]:
+    """Each parameter's per-rank allocation under FSDP2's dim-0 sharding.
+
+    Args:
+        shapes: parameter name -> full (unsharded) shape, in model order.
+        world_size: ranks sharding the parameters.
+
+    Returns:
+        One :class:`PaddedParam` per parameter, in the order given.
+
+    Example::
+
+        padded = shard_padding({n: p.shape for n, p in model.named_parameters()}, world_size=64)
+        per_rank = sum(p.padded_numel for p in padded)
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (the ranks FSDP2 shards over).")
+    return [PaddedParam(name, tuple(int(s) for s in shape), world_size) for name, shape in shapes.items()]
+
+
+def padding_note(padded: Sequence[PaddedParam]) -> str | None:
+    """One line on FSDP2's padding when it costs at least ``NOTE_ABOVE`` times an even split: the parameters held
+    as whole rows (dim 0 shorter than the world size) and the way out; None when the padding is small."""
+    if not padded:
+        return None
+    world = padded[0].world_size
+    allocated = sum(p.padded_numel for p in padded)
+    even = sum(p.numel for p in padded) / world
+    if allocated < NOTE_ABOVE * even:
+        return None
+    head = (f"FSDP2 pads each rank's shard to the first of {world} chunks along dim 0: every rank allocates "
+            f"{allocated:,} elements where an even split is {even:,.0f} ({allocated / even:.2f}x)")
+    whole = [p for p in padded if p.dim0 < world]
+    if not whole:
+        return head + "; fewer ranks, or dim-0 sizes the world size divides, shrink it"
+    groups: dict[tuple[int, ...], list[PaddedParam]] = {}
+    for p in sorted(whole, key=lambda p: -p.padded_numel):
+        groups.setdefault(p.shape, []).append(p)
+    named = "; ".join(f"{len(g)} x {shape} like {g[0].name} ({g[0].factor:.1f}x)" for shape, g in groups.items())
+    dims = {p.better_dim() for p in whole}
+    if dims == {1}:
+        where = (f"shard them on dim 1, which {world} divides: torch's fully_shard(module, shard_placement_fn="
+                 f"lambda p: Shard(1) if p.dim() > 1 and p.shape[0] < {world} else None)")
+    else:
+        where = (f"shard each on a dim {world} divides (FSDP2 shards dims other than 0 only evenly) with torch's "
+                 "fully_shard(module, shard_placement_fn=lambda p: Shard(dim) or None)")
+    return (f"{head}; {len(whole)} parameters have dim 0 < {world} ranks and are held as whole rows: {named}. "
+            f"The way out: {where} (fp8dist's strategy='fsdp' shards on dim 0), or expert parallelism (each rank "
+            "holds whole experts) with FSDP over the remaining ranks")
