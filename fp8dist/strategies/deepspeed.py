@@ -12,12 +12,15 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-__all__ = ["zero_config", "merge_user_config", "validate_with_deepspeed", "apply_deepspeed", "model_hidden_size",
-           "is_deepspeed_engine"]
+if TYPE_CHECKING:
+    from ..config import StrategyConfig
+
+__all__ = ["zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
+           "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine"]
 
 _STAGES = (1, 2, 3)
 _DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16"}
@@ -121,6 +124,32 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
     if validate:
         validate_with_deepspeed(config, world_size=world_size)
     return config
+
+
+def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size: int, optimizer: Any = None,
+                           validate: bool = True) -> dict:
+    """The DeepSpeed config of a job: :func:`zero_config` from the model and ``cfg``, merged under the user's json
+    (``cfg.ds_config``) when given. ``wrap_model`` uses it, and so does the memory estimate (one builder, so the two
+    cannot disagree). A mapping ``optimizer`` spec becomes the config's optimizer block.
+
+    Args:
+        validate: check the result (fp8dist's rules, then DeepSpeed's own parser, which needs DeepSpeed installed).
+    """
+    block = None
+    if isinstance(optimizer, Mapping):
+        spec = dict(optimizer)
+        block = {"type": spec.pop("type", None), "params": spec}
+    built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
+                        grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
+                        reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
+                        offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
+                        validate=validate and cfg.ds_config is None)
+    if cfg.ds_config is None:
+        return built
+    merged = merge_user_config(cfg.ds_config, built)
+    if validate:
+        validate_with_deepspeed(merged, world_size=world_size)
+    return merged
 
 
 def _batch_check(config: Mapping[str, Any], world_size: int | None) -> None:
