@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -153,22 +152,6 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
 
 
-_KILL_ENV = "FP8DIST_TEST_KILL_AT_STEP"  # test hook "RANK:STEP", see _test_fault_hook
-
-
-def _test_fault_hook(step: int, rank: int) -> None:
-    """Test hook: rank RANK kills itself (SIGKILL) before step STEP on torchrun's first attempt, to test restarts.
-    Every rank waits for the others first, so that all of them have logged the steps before it."""
-    victim, _, at = os.environ.get(_KILL_ENV, "").partition(":")
-    if at != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if dist.is_initialized():
-        dist.barrier()
-    if victim == str(rank):
-        print(f"fp8dist train: test hook {_KILL_ENV}={victim}:{at}: rank {rank} kills itself", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _resume(train: TrainConfig, model: Any, optimizer: Any, log: Callable[[str], Any] | None) -> int:
     """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model)."""
     log = log or (lambda line: None)
@@ -259,7 +242,6 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     first = _resume(train, wrapped, optimizer, log if leader else None)
     losses, step_times = [], []
     for step in range(first, train.steps):
-        _test_fault_hook(step, env.rank)
         t0 = time.perf_counter()
         ids = batches[step].to(env.device)
         loss = wrapped(input_ids=ids, labels=ids).loss

@@ -1,21 +1,15 @@
 """Checkpoints on real gloo ranks: bit-exact resume in fresh processes for every strategy and FP8 setting,
-resharding (2 -> 1 -> 2 ranks), atomic saves, and a clear error for every bad checkpoint."""
+resharding (2 -> 1 -> 2 ranks), the directory (latest, keep_last), FP8 extra state, and a clear error for every bad
+checkpoint. Across strategies and FP8 on/off: test_checkpoint_across.py; crashes: test_checkpoint_crash.py."""
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cli_helpers import run
 from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
@@ -111,16 +105,6 @@ def _second_half(rank: int, world: int, root: str, strategies: tuple[str, ...]) 
         state = load_checkpoint(Path(root) / key, model, opt)
         losses = _train(model, opt, range(state.step, 2 * N), rank, world, engine)
         out[key] = dict(losses=losses, params=_local_params(model, engine), step=state.step, extra=state.extra)
-    if "fsdp" in strategies:  # the strategy and FP8 backend are checked before anything is loaded
-        errors = {}
-        for what, source, strategy, fp8 in (("strategy", "fsdp1-None", "fsdp", None),
-                                            ("fp8", "fsdp-torchao", "fsdp", None)):
-            model, opt = _build(strategy, fp8)
-            try:
-                load_checkpoint(Path(root) / source, model, opt)
-            except CheckpointError as err:
-                errors[what] = str(err)
-        out["errors"] = errors
     return out
 
 
@@ -140,9 +124,6 @@ def test_resume_is_bit_exact_fsdp_fsdp1_ddp_and_reshards(tmp_path):
     first = run_ranks(_straight_and_first_half, str(tmp_path), strategies)
     second = run_ranks(_second_half, str(tmp_path), strategies)
     _check_bit_exact(first, second, strategies)
-    errors = second[0]["errors"]
-    assert "strategy: checkpoint 'fsdp1', this model 'fsdp'" in errors["strategy"]
-    assert "fp8: checkpoint 'torchao', this model None" in errors["fp8"]
     # 2 -> 1 rank: DCP reshards; 1 -> 2 ranks: back again
     single = run_ranks(_reshard_to_one, str(tmp_path), world_size=1)[0]
     for name, value in first[0]["full_at_N"].items():
@@ -253,10 +234,9 @@ def _damage(ckpt: Path, how: str) -> None:
     ("dangling latest", None, "tiny", CheckpointError, r"latest names 'step_00000007', which is not in"),
     ("forged metadata", None, "tiny", CheckpointError, r"refers to posix.system, which a DCP checkpoint never "
      r"contains: refusing to unpickle it"),
-    ("", "torchao", "tiny", CheckpointError, r"does not match this model: fp8: checkpoint None, this model "
-     r"'torchao'. Load it into the model, strategy and FP8 backend it was saved from"),
-    ("", None, "small", CheckpointError, r"model.embed_tokens.weight: shape \(256, 128\) in the checkpoint, "
-     r"\(256, 256\) in this model"),
+    ("", None, "small", CheckpointError, r"does not match this model: model.embed_tokens.weight: shape "
+     r"\(256, 128\) in the checkpoint, \(256, 256\) in this model; .*Load it into the model architecture and size "
+     r"it was saved from"),
 ])
 def test_bad_checkpoints_are_clear_errors_and_change_nothing(tmp_path, none_model, how, fp8, size, error,
                                                              message):
@@ -288,81 +268,6 @@ def test_missing_checkpoints_and_bad_save_arguments(tmp_path, none_model):
     with pytest.raises(ValueError, match="was not returned by fp8dist.wrap_model"):
         save_checkpoint(tmp_path, build_llama("tiny"), opt, step=1)
     assert list(tmp_path.iterdir()) == [], "bad arguments write nothing"
-
-
-def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint(tmp_path, none_model, monkeypatch):
-    import fp8dist.checkpoint.save_load as ckpt
-
-    model, opt = none_model()
-    _train(model, opt, range(1), 0, 1)
-    save_checkpoint(tmp_path, model, opt, step=1)
-    before = _snapshot(tmp_path)
-
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(ckpt, "_publish", crash)
-    _train(model, opt, range(1, 2), 0, 1)
-    with pytest.raises(CheckpointError, match="saving .*step_00000002 failed on rank 0: OSError: disk full"):
-        save_checkpoint(tmp_path, model, opt, step=2)
-    assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".tmp-*")), "nothing half-written is left"
-    assert load_checkpoint(tmp_path, *none_model()).step == 1
-
-
-# ---- `fp8dist train --checkpoint-dir D --save-every N --resume` as a user runs it, killed at the worst moments
-
-def _step_losses(stdout: str) -> list[tuple[int, str]]:
-    return [(int(s), loss) for s, loss in re.findall(r"^step +(\d+)/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
-
-
-def _train_args(ckpt: Path, *args: str) -> list[str]:
-    return ["train", "--fp8", "none", "--seq-len", "32", "--batch-size", "4", "--save-every", "2",
-            "--checkpoint-dir", str(ckpt), "--resume", *args]
-
-
-def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    args = _train_args(ckpt, "--strategy", "none", "--nproc", "1", "--steps", "6")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8DIST_TEST_PAUSE_BEFORE_RENAME": "4"}
-    proc = subprocess.Popen([sys.executable, "-m", "fp8dist", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    paused = ckpt / ".tmp-step_00000004" / "meta.json"  # written last, just before the rename
-    deadline = time.monotonic() + 180
-    while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    first = proc.communicate()[0]
-    assert paused.exists(), first[-3000:]
-    assert latest_checkpoint(ckpt) == ckpt / "step_00000002", "the previous checkpoint is still the latest"
-    assert [s for s, _ in _step_losses(first)] == [1, 2, 3, 4]
-    resumed = run(["fp8dist", *args], timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resume: loaded {ckpt / 'step_00000002'} (step 2, saved on 1 rank(s))" in resumed.stdout
-    again = _step_losses(resumed.stdout)
-    assert [s for s, _ in again] == [3, 4, 5, 6] and again[:2] == _step_losses(first)[2:], "same losses again"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
-
-
-def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_checkpoint(tmp_path, monkeypatch):
-    ckpt = tmp_path / "ckpt"
-    monkeypatch.setenv("FP8DIST_TEST_KILL_AT_STEP", "1:5")  # rank 1 is SIGKILLed before step 6, first attempt only
-    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "fp8dist.cli",
-                *_train_args(ckpt, "--strategy", "fsdp", "--steps", "6")], timeout=300)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    assert "rank 1 kills itself" in out and f"resume: loaded {ckpt / 'step_00000004'} (step 4" in out
-    before, after = out.split("resume: loaded", 1)
-    first, second = dict(_step_losses(before)), dict(_step_losses(after))
-    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [5, 6]
-    assert "(resumed at step 4)" in out and latest_checkpoint(ckpt) == ckpt / "step_00000006"
-    monkeypatch.delenv("FP8DIST_TEST_KILL_AT_STEP")
-    straight = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fp8dist.cli",
-                    *_train_args(tmp_path / "straight", "--strategy", "fsdp", "--steps", "6")], timeout=300)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    uninterrupted = dict(_step_losses(straight.stdout))
-    assert [first[s] for s in range(1, 6)] == [uninterrupted[s] for s in range(1, 6)]
-    assert second == {5: uninterrupted[5], 6: uninterrupted[6]}, "after the restart: the uninterrupted curve"
 
 
 class _AmaxHistoryLinear(torch.nn.Linear):

@@ -115,19 +115,33 @@ def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
     """Take the modules' ``_extra_state`` (Transformer Engine: FP8 scales and amax history) out of a model state
     dict. It is saved per rank beside the DCP shards: its size changes once FP8 has run, which DCP's in-place
     loading into a fresh model's (smaller) state cannot follow."""
-    extra = {k: model_sd.pop(k) for k in [k for k in model_sd if _is_extra_state(k)]}
+    return {k: model_sd.pop(k) for k in [k for k in model_sd if _is_extra_state(k)]}
+
+
+def _as_tensors(extra: dict[str, Any]) -> dict[str, Any]:
+    """Extra states as tensors (older TE versions return a BytesIO), so that they load with weights_only=True."""
     return {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
             for k, v in extra.items() if v is not None}
 
 
-def global_shapes(model: nn.Module, strategy: str) -> dict[str, list[int]]:
-    """Global shape of every parameter (and, for DCP, every tensor of the model state dict) by its plain name."""
+def _has_extra_state(module: nn.Module) -> bool:
+    """What ``nn.Module.state_dict`` itself asks before it writes ``_extra_state``."""
+    return getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state
+
+
+def model_layout(model: nn.Module, strategy: str) -> tuple[dict[str, list[int]], list[str]]:
+    """Global shape of every tensor of the model's state dict by its plain name (DeepSpeed: every parameter), and
+    the names of its ``_extra_state`` entries (FP8 state)."""
     if strategy == "deepspeed":  # ZeRO-3 partitions parameters; ds_shape is the full shape
-        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.module.named_parameters()}
+        module = model.module
+        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules() if _has_extra_state(m)]
+        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}, sorted(extra)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {k: list(v.shape) for k, v in get_model_state_dict(model).items()
-            if isinstance(v, torch.Tensor) and not _is_extra_state(k)}
+    state = get_model_state_dict(model)
+    extra = sorted(k for k in state if _is_extra_state(k))
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and not _is_extra_state(k)}, \
+        extra
 
 
 def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
@@ -137,7 +151,7 @@ def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> N
     import torch.distributed.checkpoint as dcp
 
     state = _dcp_state(model, optimizer)
-    extra_state = _pop_extra_state(state["model"])
+    extra_state = _as_tensors(_pop_extra_state(state["model"]))
     if extra_state:
         torch.save(extra_state, tmp / f"fp8_state_rank{rank_world()[0]}.pt")
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=no_dist())
@@ -198,7 +212,9 @@ _DS_GLOBALS = {"deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.ru
                "deepspeed.runtime.fp16.loss_scaler.LossScaler"}
 
 
-def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
+def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_state: tuple[str, ...]) -> None:
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; of the modules' ``_extra_state`` only the
+    ``fp8_state`` entries (the others keep their own)."""
     if strategy == "deepspeed":
         for file in sorted((path / DS_TAG).glob("*.pt")):
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - _DS_GLOBALS
@@ -215,12 +231,14 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str) -> N
 
     reader = _safe_reader(path)
     state = _dcp_state(model, optimizer)
-    expected = _pop_extra_state(state["model"])
+    own = _pop_extra_state(state["model"])
     dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=no_dist())
-    if expected:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
+    state["model"].update(own)
+    if fp8_state:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
         mine = path / f"fp8_state_rank{rank_world()[0]}.pt"
-        source = mine if mine.is_file() else path / "fp8_state_rank0.pt"
-        state["model"].update(torch.load(source, map_location="cpu", weights_only=True))
+        saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
+                           weights_only=True)
+        state["model"].update({k: saved[k] for k in fp8_state if k in saved})
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

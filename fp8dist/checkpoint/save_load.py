@@ -3,7 +3,8 @@
 A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
 
     D/step_00000040/        one complete checkpoint; it only ever appears by a rename
-        meta.json           strategy, FP8 backend, world size, parameter shapes, step, extra, every file's size
+        meta.json           engine, strategy, FP8 backend, FP8 state entries, ZeRO stage, world size, every
+                            tensor's name and shape, step, extra, every file's size (see compat.describe)
         .metadata __R_0.distcp   torch.distributed.checkpoint (fsdp, fsdp1, ddp, none): each rank writes its part
         deepspeed/          DeepSpeed's own engine checkpoint (strategy="deepspeed")
         rng_rank{R}.pt      rank R's RNG states: torch CPU and CUDA, python, numpy
@@ -15,7 +16,8 @@ FP8 state: Transformer Engine keeps scales and amax history in each module's ``_
 (DeepSpeed: inside the engine's module state). torchao's dynamic scaling keeps no state; the FP8 weight scales
 that FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AMP is not supported yet.
 What each engine writes, and how loading avoids unpickling anything but tensors and plain values, is in
-:mod:`fp8dist.checkpoint.io`.
+:mod:`fp8dist.checkpoint.io`; what loads into what (across strategies, world sizes and FP8 on/off) in
+:mod:`fp8dist.checkpoint.compat`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,28 +33,26 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._files import atomic_write_text, fsync_dir
+from ..api import get_wrap_info
+from .compat import check_loadable, describe
 from .io import (
     CheckpointError,
     after_load_fp8,
     barrier,
     check_supported,
-    engine,
     from_rank0,
-    global_shapes,
     rank_world,
     read_state,
     rng_state,
     set_rng_state,
     write_state,
 )
-from ..api import get_wrap_info
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
 FORMAT = "fp8dist-checkpoint"
-FORMAT_VERSION = 1
-# test hook: the save of this step pauses between writing and renaming until the process is killed
-_PAUSE_ENV = "FP8DIST_TEST_PAUSE_BEFORE_RENAME"
+FORMAT_VERSION = 1  # later fields are additions: an older fp8dist still reads what it knows
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,12 @@ class CheckpointState:
     """The checkpoint directory loaded."""
     world_size: int
     """World size the checkpoint was saved with."""
+    differences: tuple[str, ...] = ()
+    """How the model it was loaded into differs from the saved one, all of it allowed: e.g. ``"strategy 'fsdp' ->
+    'ddp'"``, ``"fp8 'torchao' -> None"``, ``"world_size 2 -> 1"``."""
 
 
 # ---- meta.json: what was saved, checked against the model before anything is loaded
-
-def _describe(model: nn.Module) -> dict[str, Any]:
-    info = get_wrap_info(model)
-    cfg = info.config
-    fp8 = cfg.precision.fp8 if info.plan.fp8 else None
-    return {"strategy": cfg.parallel.strategy, "fp8": fp8,
-            "zero_stage": cfg.parallel.zero_stage if cfg.parallel.strategy == "deepspeed" else None,
-            "world_size": info.env.world_size}
-
 
 def _manifest(directory: Path) -> dict[str, int]:
     """Size of every file under ``directory``, each synced to disk."""
@@ -91,31 +84,12 @@ def _manifest(directory: Path) -> dict[str, int]:
     return files
 
 
-def _write_meta(tmp: Path, model: nn.Module, step: int, extra: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any]) -> None:
     from .._version import __version__
 
-    described = _describe(model)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,
-            "torch_version": torch.__version__, "step": step, **described,
-            "engine": engine(described["strategy"]), "extra": extra, "parameters": shapes, "files": _manifest(tmp)}
-    _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
-
-
-def _write_atomic(target: Path, text: str) -> None:
-    part = target.with_name(f".{target.name}.part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, target)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            "torch_version": torch.__version__, "step": step, **described, "extra": extra, "files": _manifest(tmp)}
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -139,28 +113,6 @@ def _read_meta(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path / rel} is {found}, expected {size} bytes: the checkpoint is truncated or "
                                   "damaged. Load an older checkpoint (its step_* folders).")
     return meta
-
-
-def _check_matches(meta: dict[str, Any], model: nn.Module, path: Path) -> None:
-    """Raise CheckpointError naming every difference between the checkpoint and ``model``."""
-    now = _describe(model)
-    keys = ["strategy", "fp8", "zero_stage"] + (["world_size"] if now["strategy"] == "deepspeed" else [])
-    diffs = [f"{k}: checkpoint {meta.get(k)!r}, this model {now[k]!r}" for k in keys if meta.get(k) != now[k]]
-    saved, ours = meta.get("parameters", {}), global_shapes(model, now["strategy"])
-    shapes = [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
-              for n in saved if n in ours and list(saved[n]) != list(ours[n])]
-    diffs += shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
-    for names, where in (([n for n in saved if n not in ours], "the checkpoint"),
-                         ([n for n in ours if n not in saved], "this model")):
-        if names:
-            diffs.append(f"{len(names)} tensor(s) only in {where}: {', '.join(names[:3])}"
-                         + (", ..." if len(names) > 3 else ""))
-    if diffs:
-        shown = "; ".join(diffs)
-        hint = (" DeepSpeed checkpoints load on the world size they were saved with (convert with DeepSpeed's "
-                "ds_to_universal to change it)." if now["strategy"] == "deepspeed" else "")
-        raise CheckpointError(f"{path} does not match this model: {shown}. Load it into the model, strategy and FP8 "
-                              f"backend it was saved from.{hint}")
 
 
 # ---- the directory: latest pointer, publish by rename, retention
@@ -210,9 +162,8 @@ def _publish(tmp: Path, root: Path, name: str, keep_last: int | None) -> None:
     if final.exists():  # saving a step again after resuming from an older checkpoint
         _discard(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / "latest", name + "\n")
-    _fsync_dir(root)
+    fsync_dir(root)
+    atomic_write_text(root / "latest", name + "\n")
     if keep_last is not None:
         for old in _step_dirs(root)[:-keep_last]:
             if old.name != name:
@@ -220,9 +171,11 @@ def _publish(tmp: Path, root: Path, name: str, keep_last: int | None) -> None:
 
 
 def _remove_leftovers(root: Path) -> None:
-    """Saves that crashed before their rename, and half-done removals."""
+    """Saves that crashed before their rename, half-done removals, a ``latest`` killed while being written."""
     for leftover in list(root.glob(".tmp-step_*")) + list(root.glob(".trash-*")):
         shutil.rmtree(leftover, ignore_errors=True)
+    for partial in root.glob(".latest.*"):
+        partial.unlink(missing_ok=True)
 
 
 def _check_save_args(step: Any, extra: Any, keep_last: Any) -> dict[str, Any]:
@@ -270,7 +223,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     strategy, (rank, _) = info.config.parallel.strategy, rank_world()
     root, name = Path(path), f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
-    shapes = global_shapes(model, strategy)
+    described = describe(model)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
@@ -282,10 +235,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     error = None
     if rank == 0:
         try:
-            _write_meta(tmp, model, step, extra, shapes)
-            if os.environ.get(_PAUSE_ENV) == str(step):
-                print(f"fp8dist checkpoint: test hook {_PAUSE_ENV}: pausing before renaming {tmp}", flush=True)
-                time.sleep(3600)
+            _write_meta(tmp, described, step, extra)
             _publish(tmp, root, name, keep_last)
         except Exception as err:  # every rank raises, none hangs waiting for rank 0
             shutil.rmtree(tmp, ignore_errors=True)
@@ -296,27 +246,48 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     return root / name
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> CheckpointState:
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *,
+                    drop_fp8_state: bool = False) -> CheckpointState:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in place, and restore
     this rank's RNG states. Call it on every rank, after ``wrap_model`` and building the optimizer.
 
     ``path`` is the checkpoint directory (its ``latest`` is followed) or one ``step_*`` folder. The checkpoint is
-    checked before anything is loaded: strategy, FP8 backend, ZeRO stage and every parameter's shape must match,
-    and every file must be complete; otherwise :class:`CheckpointError` says what differs. fsdp, fsdp1, ddp and
-    none load on any world size (DCP reshards); ranks the checkpoint had no RNG state for keep theirs. DeepSpeed
-    needs the world size it was saved with. Nothing is unpickled beyond tensors and plain values (DCP metadata
-    through an allow-list, ``weights_only=True``; DeepSpeed's files are checked for foreign classes first).
+    checked before anything is loaded (every file complete, every tensor's name and shape equal), and what may
+    differ is decided from meta.json (see :mod:`fp8dist.checkpoint.compat`):
+
+    - fsdp, fsdp1, ddp and none load into each other, on any world size (DCP reshards); ranks the checkpoint had
+      no RNG state for keep theirs. torchao may be turned on or off (it keeps no FP8 state).
+    - Transformer Engine's FP8 state loads only into modules that hold it (TE modules, any of those strategies);
+      ``drop_fp8_state=True`` loads the rest without it.
+    - DeepSpeed loads DeepSpeed checkpoints of the same ZeRO stage, world size and FP8 backend only.
+
+    Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out. Nothing
+    is unpickled beyond tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``;
+    DeepSpeed's files are checked for foreign classes first).
+
+    Args:
+        path: a checkpoint directory, or one of its ``step_*`` folders.
+        model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
+        optimizer: its optimizer, built after ``wrap_model`` (DeepSpeed: ``engine.optimizer``).
+        drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``); the model's FP8 modules, if
+            any, start their scaling afresh. Needed to load a Transformer Engine checkpoint into a model without TE.
 
     Returns:
-        The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``) and ``extra``.
+        The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
+
+    Example::
+
+        state = load_checkpoint("ckpt", model, optimizer)   # e.g. saved by fsdp on 8 ranks, loaded by ddp on 2
     """
     info = get_wrap_info(model)
     check_supported(info)
+    if not isinstance(drop_fp8_state, bool):
+        raise TypeError(f"drop_fp8_state={drop_fp8_state!r} must be True or False.")
     checkpoint = _resolve(path)
     meta = _read_meta(checkpoint)
-    _check_matches(meta, model, checkpoint)
+    decision = check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state)
     try:
-        read_state(checkpoint, model, optimizer, info.config.parallel.strategy)
+        read_state(checkpoint, model, optimizer, info.config.parallel.strategy, decision.fp8_state)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
@@ -327,4 +298,4 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any) -
     if rng.is_file():
         set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
     return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
-                           world_size=int(meta["world_size"]))
+                           world_size=int(meta["world_size"]), differences=decision.differences)

@@ -1,0 +1,140 @@
+"""What loads into what: the engine data a checkpoint's meta.json records, checked against the model it is loaded
+into, before anything is read.
+
+- fsdp, fsdp1, ddp and none all save through torch.distributed.checkpoint (DCP) under the same names (DCP's
+  ``get_state_dict`` strips FSDP1's ``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed
+  by those names too), so each loads into any other, on any world size.
+- torchao on or off: torchao keeps no FP8 state and its Float8Linear keeps ``weight`` / ``bias``; the FP8
+  all-gather scales FSDP2 precomputes are recomputed after loading. Adding Transformer Engine is allowed too: its
+  modules start their scaling afresh, as at step 0.
+- Transformer Engine's FP8 state (scales, amax history in ``_extra_state``) never loads into a model without a
+  place for it, unless the caller drops it explicitly (``drop_fp8_state=True``).
+- DeepSpeed checkpoints (the engine's own format) load into DeepSpeed with the same ZeRO stage, world size and
+  FP8 backend only; DeepSpeed <-> DCP is refused with the converters to use instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..api import get_wrap_info
+from .io import CheckpointError, engine, model_layout
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """What :func:`check_loadable` allows."""
+
+    fp8_state: tuple[str, ...]
+    """The ``_extra_state`` entries to load from the checkpoint (the rest of the model's keep their own)."""
+    differences: tuple[str, ...]
+    """How this model differs from the saved one, all of it allowed (e.g. ``"strategy 'fsdp' -> 'ddp'"``)."""
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """The engine data meta.json records, and that loading decides on. Call it on every rank (FSDP1's state dict
+    hooks run on all of them)."""
+    info = get_wrap_info(model)
+    cfg = info.config
+    strategy = cfg.parallel.strategy
+    shapes, fp8_state = model_layout(model, strategy)
+    return {"strategy": strategy, "engine": engine(strategy),
+            "fp8": cfg.precision.fp8 if info.plan.fp8 else None,
+            "zero_stage": cfg.parallel.zero_stage if strategy == "deepspeed" else None,
+            "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes}
+
+
+def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
+    """meta.json's ``fp8_state``; checkpoints from before it was recorded hold it in their rank-0 file."""
+    if "fp8_state" in meta:
+        return list(meta["fp8_state"])
+    file = path / "fp8_state_rank0.pt"
+    return sorted(torch.load(file, map_location="cpu", weights_only=True)) if file.is_file() else []
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> list[str]:
+    shapes = [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
+              for n in saved if n in ours and list(saved[n]) != list(ours[n])]
+    diffs = shapes[:4] + ([f"{len(shapes) - 4} more shapes differ"] if len(shapes) > 4 else [])
+    for names, where in (([n for n in saved if n not in ours], "the checkpoint"),
+                         ([n for n in ours if n not in saved], "this model")):
+        if names:
+            diffs.append(f"{len(names)} tensor(s) only in {where}: {_names(names)}")
+    return diffs
+
+
+def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
+    saved = f"{path} was saved with strategy {meta['strategy']!r}"
+    if meta["engine"] == "deepspeed":
+        return (f"{saved}, in DeepSpeed's own checkpoint format; this model uses strategy {now['strategy']!r} "
+                "(torch.distributed.checkpoint), and fp8dist does not convert between the two. Way out: load it "
+                f"into strategy='deepspeed' with zero_stage={meta['zero_stage']} on {meta['world_size']} rank(s), or "
+                f"turn it into a full fp32 state dict with DeepSpeed's script (python {path}/zero_to_fp32.py {path} "
+                "OUT_DIR --tag deepspeed), load that into the model before wrap_model and start a new optimizer.")
+    return (f"{saved} (torch.distributed.checkpoint); this model is a DeepSpeed engine, which loads only DeepSpeed's "
+            "own checkpoint format, and fp8dist does not convert between the two. Way out: load it into strategy "
+            "'fsdp', 'fsdp1', 'ddp' or 'none', or turn it into one file with torch's converter (python -m "
+            f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into "
+            "the model before wrap_model and start a new optimizer; or save from the strategy you load into.")
+
+
+def _check_deepspeed(meta: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    keys = ("zero_stage", "world_size", "fp8")
+    diffs = [f"{k}: checkpoint {meta.get(k)!r}, this model {now[k]!r}" for k in keys if meta.get(k) != now[k]]
+    if diffs:
+        raise CheckpointError(
+            f"{path} does not match this model: {'; '.join(diffs)}. A DeepSpeed checkpoint loads into the ZeRO "
+            "stage, world size and FP8 backend it was saved with. Way out: convert it with DeepSpeed's "
+            "ds_to_universal (python -m deepspeed.checkpoint.ds_to_universal) and load the universal checkpoint "
+            "with DeepSpeed, or turn it into a full fp32 state dict with its zero_to_fp32.py script.")
+
+
+def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str], path: Path) -> str:
+    modules = [k.removesuffix("._extra_state") for k in lost]
+    what = ("Transformer Engine FP8 state (scales and amax history, in `_extra_state`)" if meta.get("fp8") == "te"
+            else "module extra state (`_extra_state`, e.g. FP8 scales)")
+    model = f"strategy {now['strategy']!r}, fp8 {now['fp8']!r}"
+    into = ("a model with fp8='te' (strategy 'fsdp', 'fsdp1', 'ddp' or 'none', any world size)"
+            if meta.get("fp8") == "te" else "a model with those modules")
+    return (f"{path} holds {what} of {len(lost)} module(s) ({_names(modules)}) that this model ({model}) has no "
+            f"place for: loading would drop it silently. Way out: load it into {into}, or pass "
+            "drop_fp8_state=True to load the weights and optimizer without it (FP8 scaling then starts afresh).")
+
+
+def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_fp8_state: bool) -> LoadDecision:
+    """Raise :class:`CheckpointError` when the checkpoint cannot load soundly into ``model`` (saying what was saved,
+    what is loading and the way out); otherwise say which FP8 state to load and what differs."""
+    now = describe(model)
+    saved_engine = meta.get("engine", engine(meta["strategy"]))
+    if saved_engine != now["engine"]:
+        raise CheckpointError(_engine_refusal({**meta, "engine": saved_engine}, now, path))
+    layout = _layout_diffs(meta.get("parameters", {}), now["parameters"])
+    if layout:
+        raise CheckpointError(f"{path} does not match this model: {'; '.join(layout)}. Load it into the model "
+                              "architecture and size it was saved from.")
+    if now["engine"] == "deepspeed":
+        _check_deepspeed(meta, now, path)
+        return LoadDecision(fp8_state=(), differences=())
+    saved_state, ours = _saved_fp8_state(meta, path), set(now["fp8_state"])
+    lost = [k for k in saved_state if k not in ours]
+    if lost and not drop_fp8_state:
+        raise CheckpointError(_fp8_state_refusal(meta, now, lost, path))
+    load = () if drop_fp8_state else tuple(k for k in saved_state if k in ours)
+    differences = [f"{k} {meta.get(k)!r} -> {now[k]!r}" for k in ("strategy", "fp8", "world_size")
+                   if meta.get(k) != now[k]]
+    if drop_fp8_state and saved_state:
+        differences.append(f"the checkpoint's FP8 state of {len(saved_state)} module(s) dropped (drop_fp8_state=True)")
+    fresh = [k for k in now["fp8_state"] if k not in load]
+    if fresh:
+        differences.append(f"this model's FP8 state of {len(fresh)} module(s) starts afresh"
+                           + ("" if drop_fp8_state else " (none in the checkpoint)"))
+    return LoadDecision(fp8_state=load, differences=tuple(differences))

@@ -1,0 +1,160 @@
+"""Crashes at the worst moments: a failing file write, a save that fails or is killed before its rename, a rank
+killed mid-run under torchrun. The faults are injected from the tests (tests/checkpoint_faults.py wraps the
+library's functions); the library ships no test hooks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import ROOT, run
+
+import fp8dist._files as files
+from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
+from fp8dist.checkpoint import latest_checkpoint
+from fp8dist.data import Batches
+from fp8dist.models import build_llama
+
+FAULTS = str(Path(__file__).parent / "checkpoint_faults.py")
+
+
+# ---- the one atomic writer (results, configs, meta.json, latest)
+
+def test_atomic_write_syncs_the_file_renames_then_syncs_the_directory(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    target = tmp_path / "result.json"
+    files.atomic_write_text(target, "new\n")
+    assert target.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+    tmp = events[1][1]
+    assert Path(tmp).parent == tmp_path and Path(tmp).name.startswith(".result.json.")
+    assert events == [("fsync", tmp), ("replace", tmp, str(target)), ("fsync", str(tmp_path))]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask, "an ordinary file, not mkstemp's private one"
+
+
+@pytest.mark.parametrize("fails", ["write", "fsync", "rename"])
+def test_a_failing_atomic_write_leaves_the_old_file_and_nothing_else(tmp_path, monkeypatch, fails):
+    target = tmp_path / "latest"
+    target.write_text("step_00000002\n")
+
+    def write(tmp):
+        Path(tmp).write_text("step_000")  # half of the new content, then the failure
+        if fails == "write":
+            raise OSError("disk full")
+
+    def broken(*args):
+        raise OSError(f"{fails} failed")
+
+    if fails != "write":
+        monkeypatch.setattr(os, "fsync" if fails == "fsync" else "replace", broken)
+    with pytest.raises(OSError, match="disk full" if fails == "write" else f"{fails} failed"):
+        files.atomic_write(target, write)
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"] and target.read_text() == "step_00000002\n"
+
+
+# ---- save_checkpoint failing or killed before its rename
+
+def _none_model():
+    torch.set_num_threads(1)
+    model = wrap_model(build_llama("tiny", seed=0), strategy="none")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train_one(model, optimizer, step: int) -> None:
+    ids = Batches(batch_size=4, seq_len=64, rank=0, world_size=1, seed=0)[step]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import fp8dist.checkpoint.save_load as ckpt
+
+    model, opt = _none_model()
+    _train_one(model, opt, 0)
+    save_checkpoint(tmp_path, model, opt, step=1)
+    before = _snapshot(tmp_path)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_publish", crash)
+    _train_one(model, opt, 1)
+    with pytest.raises(CheckpointError, match="saving .*step_00000002 failed on rank 0: OSError: disk full"):
+        save_checkpoint(tmp_path, model, opt, step=2)
+    assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".tmp-*")), "nothing half-written is left"
+    assert load_checkpoint(tmp_path, *_none_model()).step == 1
+
+
+# ---- `fp8dist train --checkpoint-dir D --save-every N --resume` as a user runs it, killed at the worst moments
+
+def _step_losses(stdout: str) -> list[tuple[int, str]]:
+    return [(int(s), loss) for s, loss in re.findall(r"^step +(\d+)/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
+
+
+def _train_args(ckpt: Path, *args: str) -> list[str]:
+    return ["train", "--fp8", "none", "--seq-len", "32", "--batch-size", "4", "--save-every", "2",
+            "--checkpoint-dir", str(ckpt), "--resume", *args]
+
+
+def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = _train_args(ckpt, "--strategy", "none", "--nproc", "1", "--steps", "6")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, FAULTS, "pause-before-rename", "4", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    paused = ckpt / ".tmp-step_00000004" / "meta.json"  # written last, just before the rename
+    deadline = time.monotonic() + 180
+    while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None:
+        time.sleep(0.5)  # past the write of meta.json, into the pause
+        os.killpg(proc.pid, signal.SIGKILL)
+    first = proc.communicate()[0]
+    assert paused.exists() and "checkpoint_faults: pausing before renaming" in first, first[-3000:]
+    assert latest_checkpoint(ckpt) == ckpt / "step_00000002", "the previous checkpoint is still the latest"
+    assert [s for s, _ in _step_losses(first)] == [1, 2, 3, 4]
+    resumed = run(["fp8dist", *args], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: loaded {ckpt / 'step_00000002'} (step 2, saved on 1 rank(s))" in resumed.stdout
+    again = _step_losses(resumed.stdout)
+    assert [s for s, _ in again] == [3, 4, 5, 6] and again[:2] == _step_losses(first)[2:], "same losses again"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # rank 1 is SIGKILLed once 5 steps are done (checkpoints at 2 and 4), on the first attempt only
+    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", FAULTS, "kill-rank", "1:5",
+                *_train_args(ckpt, "--strategy", "fsdp", "--steps", "6")], timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "checkpoint_faults: rank 1 kills itself after step 5" in out
+    assert f"resume: loaded {ckpt / 'step_00000004'} (step 4" in out
+    before, after = out.split("resume: loaded", 1)
+    first, second = dict(_step_losses(before)), dict(_step_losses(after))
+    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [5, 6]
+    assert "(resumed at step 4)" in out and latest_checkpoint(ckpt) == ckpt / "step_00000006"
+    straight = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fp8dist.cli",
+                    *_train_args(tmp_path / "straight", "--strategy", "fsdp", "--steps", "6")], timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    uninterrupted = dict(_step_losses(straight.stdout))
+    assert [first[s] for s in range(1, 6)] == [uninterrupted[s] for s in range(1, 6)]
+    assert second == {5: uninterrupted[5], 6: uninterrupted[6]}, "after the restart: the uninterrupted curve"
