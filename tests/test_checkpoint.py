@@ -308,6 +308,37 @@ def test_module_extra_state_fp8_scales_and_amax_history_round_trip(tmp_path):
     assert len(fresh[0].amax_history) == 3 and (tmp_path / "step_00000003" / "fp8_state_rank0.pt").is_file()
 
 
+@pytest.mark.parametrize("meta_without_fp8_state", [False, True], ids=["meta.json", "older meta.json"])
+def test_extra_state_into_a_model_without_it_is_refused_unless_dropped(tmp_path, meta_without_fp8_state):
+    import json
+
+    torch.set_num_threads(1)
+    model = wrap_model(torch.nn.Sequential(_AmaxHistoryLinear(), _AmaxHistoryLinear()), strategy="none")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    path = save_checkpoint(tmp_path, model, opt, step=1)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["fp8_state"] == ["0._extra_state", "1._extra_state"]
+    if meta_without_fp8_state:  # written before meta.json recorded it: read from the rank-0 file
+        del meta["fp8_state"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    plain = wrap_model(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)), strategy="none")
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(tmp_path, plain, plain_opt)
+    assert str(refused.value) == (
+        f"{path} holds module extra state (`_extra_state`, e.g. FP8 scales) of 2 module(s) (0, 1) that this model "
+        "(strategy 'none', fp8 None) has no place for: loading would drop it silently. Way out: load it into a "
+        "model with those modules, or pass drop_fp8_state=True to load the weights and optimizer without it (FP8 "
+        "scaling then starts afresh).")
+    state = load_checkpoint(tmp_path, plain, plain_opt, drop_fp8_state=True)
+    assert state.differences == ("the checkpoint's FP8 state of 2 module(s) dropped (drop_fp8_state=True)",)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    with pytest.raises(TypeError, match="drop_fp8_state='yes' must be True or False"):
+        load_checkpoint(tmp_path, plain, plain_opt, drop_fp8_state="yes")
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(resume=True), "resume needs checkpoint_dir: pass --checkpoint-dir DIR"),
     (dict(save_every=5), "save_every needs checkpoint_dir"),
