@@ -245,6 +245,14 @@ def test_family_variants_are_what_autograd_saves(model_type, extra):
     assert abs(ratio - 1) <= _FORMULA_ERROR, f"{model_type} {extra}: estimate / saved = {ratio:.4f}"
 
 
+def test_compiled_blocks_are_counted_without_the_kv_cache_wrap_model_turns_off():
+    kw = dict(strategy="fsdp", world_size=2, micro_batch_size=2, seq_len=128)
+    compiled = estimate_memory(_family_model("gpt2"), compile=True, **kw)
+    assert compiled.activations == estimate_memory(_family_model("gpt2", use_cache=False), **kw).activations
+    assert compiled.activations != estimate_memory(_family_model("gpt2"), compile=False, **kw).activations
+    assert any(note.startswith("compile=True: counted as the eager forward") for note in compiled.notes)
+
+
 def test_dropout_masks_count_every_dropped_element():
     """GPT-2's embedding, attention-residual and MLP dropouts: CPU saves a noise tensor in the input's dtype (bf16
     here) where CUDA keeps a 1-byte mask: the same elements, which is what the estimate counts."""

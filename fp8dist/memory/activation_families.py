@@ -59,7 +59,8 @@ _FP32 = 4
 @dataclass(frozen=True)
 class Saves:
     """One micro-batch as the formulas need it: T tokens; c, r, n bytes (module docstring); per module name
-    its plan precision; whether FP8 Linears save an FP8 copy (TE, MS-AMP) and whether TE swapped the norms."""
+    its plan precision; whether FP8 Linears save an FP8 copy (TE, MS-AMP), whether TE swapped the norms, and
+    whether the forward builds a KV cache (the config's ``use_cache``, which wrap_model turns off under compile)."""
 
     T: int
     c: int
@@ -68,6 +69,7 @@ class Saves:
     decisions: Mapping[str, str]
     fp8_saves: bool
     te_norms: bool
+    kv_cache: bool
 
     def inputs(self, names: Sequence[str], elements: int, in_bytes: int) -> int:
         """Bytes the GEMMs ``names`` save of the one tensor they read (``elements`` per copy, ``in_bytes`` each)."""
@@ -147,7 +149,7 @@ def _activation(config: Any, key: str) -> tuple[int, str | None]:
 def _gpt2_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
     T, h, i, a = s.T, d["h"], d["i"], d["a"]
     total = s.layer_norm(h) + s.inputs(_names(prefix, "attn.c_attn"), T * h, s.n)
-    total += s.c * T * h * (3 + (2 if config.use_cache else 0) + 1) + _FP32 * T * a  # q's storage, k, v, output
+    total += s.c * T * h * (3 + (2 if s.kv_cache else 0) + 1) + _FP32 * T * a  # q's storage, k, v, output
     total += s.fp8_copies(_names(prefix, "attn.c_proj"), T * h)
     total += s.layer_norm(h) + s.inputs(_names(prefix, "mlp.c_fc"), T * h, s.n)
     total += _activation(config, "activation_function")[0] * s.c * T * i
@@ -160,7 +162,7 @@ def _gpt_neox_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> in
     shared = config.use_parallel_residual and s.n == s.r  # both norms read the layer's input, saved once
     total = s.layer_norm(h) + s.layer_norm(h, input_saved=not shared)
     total += s.inputs(_names(prefix, "attention.query_key_value"), T * h, s.n)
-    total += s.c * T * h * (2 + (1 if config.use_cache else 3) + 1) + _FP32 * T * a  # q, k, v's storage, output
+    total += s.c * T * h * (2 + (1 if s.kv_cache else 3) + 1) + _FP32 * T * a  # q, k, v's storage, output
     total += s.inputs(_names(prefix, "attention.dense"), T * h, s.c)  # a contiguous copy of the output
     total += s.inputs(_names(prefix, "mlp.dense_h_to_4h"), T * h, s.n)
     total += _activation(config, "hidden_act")[0] * s.c * T * i

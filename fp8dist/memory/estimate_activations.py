@@ -77,7 +77,8 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     decisions = {e.name: e.precision for e in plan} if plan is not None else {}
     s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
               fp8_saves=backend in _FP8_WEIGHT_COPY,
-              te_norms=backend == "te" and any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan))
+              te_norms=backend == "te" and any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
+              kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True)
     prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
     items = [(f"{len(prefixes)} decoder layers", sum(family.layer(s, d, p, config) for p in prefixes))]
     if family.embeddings is not None and family.embeddings(s, d, config):
@@ -92,6 +93,12 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
              "dropout masks at 1 byte per element, as CUDA keeps them",
              f"the forward's peak also holds an fp32 copy of the logits ({_mib(4 * T * d['V'])}) while the "
              "loss is computed"]
+    if cfg.parallel.compile:
+        notes.append("compile=True: counted as the eager forward without the KV cache wrap_model turns off; "
+                     "inductor may save fewer tensors")
+    elif cfg.parallel.compile is None:
+        notes.append("compile auto turns on with FP8 on CUDA: then wrap_model turns the KV cache off and inductor "
+                     "may save fewer tensors than this eager count")
     extra = activation_note(family, config)
     return Activations(items, notes + ([extra] if extra else []), modelled=True)
 
