@@ -1,5 +1,5 @@
 """Checkpoints for every strategy (``save_load``: layout, meta.json, atomic publish; ``io``: what each engine
-writes and reads back)."""
+writes and reads back; ``compat``: what loads into what, across strategies and FP8 on/off)."""
 
 from .save_load import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 
