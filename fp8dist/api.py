@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .blocks import BlockWiring, block_refusals, check_block_options, compile_decision, wrap_blocks
+from .blocks import BlockWiring, block_refusals, check_block_options, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
@@ -126,10 +126,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     if backend.owns_optimizer and optimizer is None and cfg.parallel.strategy != "deepspeed":
         raise ValueError(f"fp8={backend.name!r} owns the optimizer: pass optimizer={{'type': 'AdamW', 'lr': ...}} "
                          "(or a callable params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
-    compiled, why = _compile_decision(cfg, backend, plan, device)
+    _check_blocks(cfg, backend)
     env = _environment(cfg, launch, device)                                # process group, once all checks passed
     backend.convert(model, plan, cfg)                                      # 4. convert, before sharding
-    blocks, block_wiring = _wrap_blocks(model, cfg, compiled, why)         # 5. checkpoint, compile per block
+    blocks, block_wiring = _wrap_blocks(model, cfg, plan.compile, plan.compile_reason)  # 5. checkpoint, compile
     entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
     model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
     wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 6. shard
@@ -146,12 +146,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 
-def _compile_decision(cfg: Config, backend: FP8Backend, plan: PrecisionPlan, device: torch.device) -> tuple[bool, str]:
-    """Whether blocks are compiled and why; impossible combinations are errors, before anything changes."""
-    compile_refusal, checkpointing_refusal = block_refusals(cfg, backend)
-    check_block_options(cfg, compile_refusal, checkpointing_refusal)
-    refusal = compile_refusal[1] if compile_refusal else None
-    return compile_decision(cfg.parallel.compile, backend.name, bool(plan.converted), device, refusal)
+def _check_blocks(cfg: Config, backend: FP8Backend) -> None:
+    """Compile or activation checkpointing that cannot run here is an error, before anything changes."""
+    check_block_options(cfg, *block_refusals(cfg, backend))
 
 
 def _wrap_blocks(model: nn.Module, cfg: Config, compiled: bool, why: str) -> tuple[Any, BlockWiring]:

@@ -69,7 +69,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
     """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
-                 unavailable: str | None = None, notes: Sequence[str] = ()) -> None:
+                 unavailable: str | None = None, notes: Sequence[str] = (),
+                 blocks: tuple[str, bool, str] = ("none", False, "")) -> None:
         self._entries = entries
         self.backend = backend
         self.strategy = strategy
@@ -78,6 +79,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
         self.notes = tuple(notes)
         """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
+        self.activation_checkpointing, self.compile, self.compile_reason = blocks
+        """Per block: activation checkpointing mode, whether compiled, and why (see :mod:`fp8dist.blocks`)."""
 
     @overload
     def __getitem__(self, index: int) -> PlanEntry: ...
@@ -124,7 +127,10 @@ class PrecisionPlan(Sequence[PlanEntry]):
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [head] + [f"note: {note}" for note in self.notes]
+        compiled = "on" if self.compile else "off"
+        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
+                  f"({self.compile_reason})")
+        lines = [head, blocks] + [f"note: {note}" for note in self.notes]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
             if i == 0:
@@ -167,7 +173,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
     """
-    from .fp8 import get_backend
+    from .blocks import block_refusals, compile_decision
+    from .fp8 import NO_FP8, get_backend
 
     if fp8_filter is not None and not callable(fp8_filter):
         raise TypeError(f"fp8_filter={fp8_filter!r} is not callable: pass a function (module, fqn) -> bool, or "
@@ -194,8 +201,13 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
     detail = backend.describe(cfg) if backend else ""
     if gate:
         detail = f"fallback: {gate}"
+    converted = any(e.converted_to for e in entries)
+    compile_refusal, _ = block_refusals(cfg, backend if backend and converted else NO_FP8)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, device,
+                                     compile_refusal[1] if compile_refusal else None)
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
-                         notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else ())
+                         notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else (),
+                         blocks=(cfg.parallel.activation_checkpointing, compiled, why))
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
