@@ -84,6 +84,29 @@ def test_checkpointing_keeps_what_each_mode_promises():
     assert selective.alive() == full.alive() + kept_ops
 
 
+def test_the_estimate_counts_what_checkpointing_keeps():
+    """fp8dist.estimate_memory on the meta device against the bytes measured above: what the forward keeps
+    (the recompute of backward is a separate item, not held after the forward)."""
+    from fp8dist import estimate_memory
+    from fp8dist.memory.estimate_activations import RECOMPUTE_ITEM
+
+    for mode in ("none", "full"):
+        tracker, out, blocks = _forward(mode)
+        with torch.device("meta"):
+            model = build_llama("tiny", seed=0)
+        est = estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, activation_checkpointing=mode,
+                              micro_batch_size=BATCH, seq_len=SEQ)
+        items = dict(est.activations)
+        kept = sum(n for item, n in items.items() if item != RECOMPUTE_ITEM)
+        # measured: 0.997 (none), 0.984 (full); unmodelled: input ids, rotary cos/sin, the loss's targets
+        assert 0.98 <= kept / tracker.alive() <= 1.0, (mode, kept, tracker.alive())
+        assert (RECOMPUTE_ITEM in items) == (mode == "full")
+    # one recomputed layer is what a layer keeps without checkpointing
+    plain = dict(estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, micro_batch_size=BATCH,
+                                 seq_len=SEQ).activations)
+    assert items[RECOMPUTE_ITEM] * len(blocks) == plain[f"{len(blocks)} decoder layers"]
+
+
 # ---- 2 gloo ranks: against the hand-wired engine, and AC on vs off in the engines that keep parameters ----------
 
 def _hand_wired_fsdp2_ac_compile(model, world: int):

@@ -294,8 +294,8 @@ def test_a_family_without_a_formula_gets_model_states_and_a_flag_not_another_fam
     assert "activations not estimated: model_type 'gptj' has no formula (families modelled: llama, mixtral, " \
            "gpt2, gpt_neox)" in est.notes[-1]
     assert "activations not estimated" in str(est) and est.to_dict()["activations_modelled"] is False
-    checkpointed = estimate_memory(_llama(40), strategy="fsdp", activation_checkpointing="full")
-    assert not checkpointed.activations_modelled and "activation_checkpointing='full'" in checkpointed.notes[-1]
+    selective = estimate_memory(_llama(40), strategy="fsdp", activation_checkpointing="selective")
+    assert not selective.activations_modelled and "activation_checkpointing='selective'" in selective.notes[-1]
 
 
 # --- DeepSpeed: the config wrap_model builds ------------------------------------------------------------------

@@ -23,11 +23,13 @@ from torch import nn
 
 from .activation_families import FAMILIES, Saves, activation_note, dims
 
-__all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM"]
+__all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _FP8_WEIGHT_COPY = {"te": 2, "msamp": 1}
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
 ROOT_WEIGHTS_ITEM = "root module's gathered weights, kept for backward"
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
+"""Under full activation checkpointing: the transient of backward's recompute (not held after the forward)."""
 """The one item that is FSDP2's gathered parameters, not a tensor autograd saves."""
 
 
@@ -67,10 +69,10 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     if family is None or d is None:
         return _unmodelled(config)
     checkpointing = cfg.parallel.activation_checkpointing
-    if checkpointing != "none":  # the formulas count a forward that keeps everything until backward
-        return Activations([], [f"activations not estimated with activation_checkpointing={checkpointing!r}: the "
-                                "formulas count what a forward without checkpointing saves (pass "
-                                "activation_checkpointing='none' for that upper bound)"], modelled=False)
+    if checkpointing == "selective":  # the formulas do not split a layer's saves into matmul outputs and the rest
+        return Activations([], ["activations not estimated with activation_checkpointing='selective': between "
+                                "'full' and 'none', whose figures are the bounds (selective keeps every matmul and "
+                                "attention output)"], modelled=False)
     T, backend = micro_batch_size * seq_len, cfg.precision.fp8
     r = stored_bytes if cfg.parallel.strategy in ("ddp", "none") else c
     autocast = cfg.parallel.strategy in ("ddp", "none") and c != 4
@@ -78,9 +80,16 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
               fp8_saves=backend in _FP8_WEIGHT_COPY,
               te_norms=backend == "te" and any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
-              kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True)
+              kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
+              and checkpointing == "none")
     prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
-    items = [(f"{len(prefixes)} decoder layers", sum(family.layer(s, d, p, config) for p in prefixes))]
+    layers = [family.layer(s, d, p, config) for p in prefixes]
+    if checkpointing == "full":  # a block keeps only its input; backward recomputes one block at a time
+        items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
+                  len(prefixes) * r * T * d["h"]),
+                 (RECOMPUTE_ITEM, max(layers))]
+    else:
+        items = [(f"{len(prefixes)} decoder layers", sum(layers))]
     if family.embeddings is not None and family.embeddings(s, d, config):
         items.append(("embedding dropout mask", family.embeddings(s, d, config)))
     head = _module_name(model, model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
@@ -89,7 +98,9 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
     items += _kept_weights(model, plan, cfg, family.cast_types, blocks, r, c)
     notes = [f"activations: the {config.model_type} formula (fp8dist/memory/activation_families.py)",
-             "activations assume no activation checkpointing and flash-style attention (no seq x seq scores); "
+             ("activations with full checkpointing: each layer's input, and one layer's saves while backward "
+              "recomputes it; " if checkpointing == "full" else "activations assume no activation checkpointing, ")
+             + "flash-style attention (no seq x seq scores); "
              "dropout masks at 1 byte per element, as CUDA keeps them",
              f"the forward's peak also holds an fp32 copy of the logits ({_mib(4 * T * d['V'])}) while the "
              "loss is computed"]
