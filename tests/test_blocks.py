@@ -146,11 +146,15 @@ def _parity_case(rank: int, world: int) -> dict:
         ours = fp8dist.wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", compile=True,
                                   activation_checkpointing="full")
     keys = list(ours.state_dict())
+    summary = fp8dist.sharding_summary(ours)
+    parts = {row.part.value: row.modules for row in fp8dist.report(ours).rows}
+    plan_fp8 = len(fp8dist.get_plan(ours).fp8)
     torch._dynamo.utils.counters.clear()
     out = dict(ours=train_losses(ours, rank, world), keys=keys, plain_keys=list(base.state_dict()),
                wiring=fp8dist.get_wrap_info(ours).blocks,
                stats=dict(torch._dynamo.utils.counters["stats"]),
-               breaks=sum(torch._dynamo.utils.counters["graph_break"].values()))
+               breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
+               sharded=(summary.local_numel, summary.total_numel), parts=parts, plan_fp8=plan_fp8)
     ref = _hand_wired_fsdp2_ac_compile(copy.deepcopy(base), world)
     out["ref"] = train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref))
     # checkpointing changes no number in the engines that keep the parameters (and FSDP2 without FP8)
@@ -171,6 +175,10 @@ def test_fsdp2_torchao_compile_and_checkpointing_match_the_hand_wired_engine():
         assert (w.activation_checkpointing, w.compiled, w.compile_reason) == ("full", True, "asked for")
         assert w.blocks == ("model.layers.1", "model.layers.0")
         assert r["breaks"] == 0, "no graph break inside a compiled block"
+        # the tools read the checkpointed, compiled model as they read a plain one
+        assert r["sharded"][0] * 2 == r["sharded"][1], "sharding_summary: half the elements on each rank"
+        assert r["parts"]["fp8_gemm"] == r["plan_fp8"] > 0, "report: every FP8 module of the plan, found inside " \
+                                                            "the checkpoint wrappers"
         assert r["stats"]["unique_graphs"] >= 1
         for strategy in ("fsdp", "fsdp1", "ddp"):
             plain, full, selective = r[strategy]
