@@ -23,12 +23,10 @@ from .tensors import CATEGORIES, StateBytes, StateTally, model_state_tensors
 from ..dtypes import dtype_names as _names
 from ..plan import runs_gemm
 from ..strategies import unwrap_model
+from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes
+from ..strategies.local_shards import plain_name as _plan_name
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
-
-# attributes through which wrappers hold the module they wrap (FSDP1, activation checkpointing, torch.compile):
-# absent from the module names the plan recorded before wrapping
-_WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 @dataclass(frozen=True)
@@ -70,34 +68,12 @@ class PrecisionReport(StateBytes):
                                                                  "dtypes"], mem)])
 
 
-def _fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
-    """FSDP1's original parameters are flat views of this rank's shard; their full shapes are in the flat
-    parameters (tied ones under their shared entries)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    full: dict[tuple[int, str], tuple[int, ...]] = {}
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        if flat is None:
-            continue
-        for info, shape in zip(flat._param_infos, flat._shapes):
-            full[(id(info.module), info.param_name)] = tuple(shape)
-        for shared in flat._shared_param_infos or ():
-            full[(id(shared.module), shared.param_name)] = full[(id(shared.prim_module), shared.prim_param_name)]
-    return full
-
-
 def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[Held]:
     """``module``'s own parameters, full shapes read from FSDP1's flat parameter, ZeRO-3's ``ds_shape``, or the
     tensor (a DTensor's shape is the global one)."""
     return [Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
                                             or p.shape))
             for name, p in module.named_parameters(recurse=False)]
-
-
-def _plan_name(name: str) -> str:
-    """A wrapped module's name as the plan recorded it on the unwrapped model."""
-    return ".".join(a for a in name.split(".") if a not in _WRAPPER_ATTRS)
 
 
 def _part(module: nn.Module, name: str, held: list[Held], fp8_names: set[str]) -> Part:
