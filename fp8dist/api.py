@@ -16,6 +16,7 @@ from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_d
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
+from .pretrained import LoadReport, check_fits, is_meta_model, materialize, to_empty
 from .strategies import ShardingInfo, apply_strategy, find_blocks, unwrap_model
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
@@ -35,6 +36,10 @@ class WrapInfo:
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
     blocks: BlockWiring = BlockWiring("none", False, "")
     """Activation checkpointing and compile of the blocks, and why compile is on or off."""
+    pretrained: LoadReport | None = None
+    """What loading ``pretrained=`` read on this rank (bytes read of the checkpoint's bytes); None: not loaded."""
+    materialized: str = ""
+    """How a meta-device model was materialized ("" for a model with real weights)."""
 
 
 
@@ -64,12 +69,25 @@ def _check_model(model: Any) -> None:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
                          "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(f"{type(model).__name__} has {len(meta)} parameters on the meta device (e.g. {meta[0]!r}): "
-                         "wrap_model needs real weights. Build the model on the CPU, or materialize it first "
-                         "(model.to_empty(device='cpu') and initialize or load its weights); fp8dist plan and "
-                         "fp8dist.estimate_memory take meta-device models as they are.")
+
+
+def _check_meta(model: nn.Module, cfg: Config) -> bool:
+    """Whether ``model`` is on the meta device, and refused where it cannot be materialized."""
+    meta = is_meta_model(model)
+    real = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta]
+    if meta and real:
+        raise ValueError(f"{type(model).__name__} is partly on the meta device and partly not (e.g. {real[0]!r} is "
+                         "not): build the whole model under `with torch.device('meta'):`, or none of it.")
+    p = cfg.parallel
+    if meta and cfg.precision.fp8 == "msamp":
+        raise ValueError("fp8='msamp' with a meta-device model: MS-AMP converts real weights. Build the model on the "
+                         "CPU (with pretrained=, wrap_model loads it there), or use fp8='torchao' / 'te'.")
+    if meta and p.strategy == "deepspeed" and p.zero_stage == 3:
+        raise ValueError("strategy='deepspeed' with zero_stage=3 and a meta-device model: fp8dist does not partition "
+                         "a meta model into ZeRO-3 itself. Use strategy='fsdp' (each rank materializes its shard), "
+                         "or build the model on the CPU (wrap_model then loads pretrained= into it before "
+                         "deepspeed.initialize partitions it).")
+    return meta
 
 
 def _ignored_arguments(cfg: Config, fp8_filter: Any, fp8_group: Any) -> list[str]:
@@ -91,7 +109,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
 
     Args:
-        model: the model, on CPU (or meta-free on any device), identical on every rank.
+        model: the model, identical on every rank: on the CPU (or any device), or built on the meta device
+            (``with torch.device("meta"):``), which is materialized after sharding: each rank allocates only
+            what it holds (fsdp, fsdp1; the others allocate the whole model) and fills it from ``pretrained=``
+            or with the model's own initialization.
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed" (returns the DeepSpeed engine);
             None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
@@ -116,6 +137,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                    # 1. resolve config
     _check_model(model)
+    meta = _check_meta(model, cfg)
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
     launch = current_launch()                                              # 2. check environment
     device = resolve_device(cfg.parallel.device, launch.local_rank)
@@ -132,18 +154,46 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     blocks, block_wiring = _wrap_blocks(model, cfg, plan.compile, plan.compile_reason)  # 5. checkpoint, compile
     entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
     model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
+    sharded = cfg.parallel.strategy in ("fsdp", "fsdp1")  # the others hold the whole model until they shard it
+    loaded, how = (None, "") if sharded else _materialize(model, cfg, env.device, meta)  # 5b. whole model
     wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 6. shard
-                                       ds_entry=entry, blocks=blocks)
+                                       ds_entry=entry, blocks=blocks, param_init_fn=_fsdp1_init(cfg, env, meta))
+    if sharded:
+        loaded, how = _materialize(wrapped, cfg, env.device, meta)        # 5b. this rank's shards
     for note in (*block_wiring.notes, *sharding.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(wrapped, unwrap_model(wrapped), plan, cfg, fp8_group)  # 7. FP8 autocast, hooks
-    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding, wiring, block_wiring))  # what was done, as data
+    setattr(wrapped, _INFO_ATTR, WrapInfo(cfg, env, plan, sharding, wiring, block_wiring, loaded, how))
     watch_replaced_parameters(before, wrapped.parameters())
     if optimizer is None:
         return wrapped
     if cfg.parallel.strategy == "deepspeed":
         return wrapped, wrapped.optimizer
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
+
+
+def _fsdp1_init(cfg: Config, env: DistEnv, meta: bool) -> Any:
+    """FSDP1 materializes a meta model unit by unit, each just before it is sharded (no init: 5b fills it)."""
+    if not meta or cfg.parallel.strategy != "fsdp1":
+        return None
+    return lambda module: to_empty(module, env.device, recurse=False)
+
+
+def _materialize(model: nn.Module, cfg: Config, device: torch.device, meta: bool) -> tuple[Any, str]:
+    """Step 5b: allocate a meta model (FSDP2: this rank's shards; FSDP1: done unit by unit while sharding; the
+    others: the whole model, refused when it cannot fit), then fill it from ``pretrained`` or its own init."""
+    strategy, path = cfg.parallel.strategy, cfg.parallel.pretrained
+    if not meta and path is None:
+        return None, ""
+    how = ""
+    if meta:
+        if strategy not in ("fsdp", "fsdp1"):
+            check_fits(model, device, strategy)
+        if strategy != "fsdp1":
+            to_empty(model, device)
+        how = (f"materialized on {device}: " + ("this rank's shards only" if strategy in ("fsdp", "fsdp1") else
+               "the whole model on every rank") + (f", filled from {path}" if path else ", by its own initialization"))
+    return materialize(model, device, path, meta=meta), how
 
 
 def _check_blocks(cfg: Config, backend: FP8Backend) -> None:

@@ -5,6 +5,7 @@ keys into these fields. Both read the schema from here, so neither imports the o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -92,6 +93,11 @@ class StrategyConfig:
     ds_config: str | None = field(default=None, metadata=_only(strategy=("deepspeed",)))
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
+    pretrained: str | None = None
+    """A Hugging Face model directory (model.safetensors, or sharded files + model.safetensors.index.json) loaded
+    into the wrapped model: each rank reads only the part it holds. With a model built on the meta device, only
+    that part is ever allocated; none: the model keeps its weights (a meta model gets its own initialization)."""
+
     def __post_init__(self) -> None:
         blocks = self.block_classes  # classes are taken by name
         if isinstance(blocks, type):
@@ -99,6 +105,8 @@ class StrategyConfig:
         if isinstance(blocks, (list, tuple, set, frozenset)):
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
+        if isinstance(self.pretrained, os.PathLike):
+            object.__setattr__(self, "pretrained", os.fspath(self.pretrained))
         normalize_fields(self)
         for name in ("micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:

@@ -56,12 +56,14 @@ def deepspeed_config_for(model: nn.Module, cfg: StrategyConfig, env: DistEnv, op
 
 def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimizer: Any = None,
                    ds_entry: tuple[Mapping[str, Any], Any] | None = None,
-                   blocks: tuple[list[tuple[str, nn.Module]], str] | None = None) -> tuple[nn.Module, ShardingInfo]:
+                   blocks: tuple[list[tuple[str, nn.Module]], str] | None = None,
+                   param_init_fn: Any = None) -> tuple[nn.Module, ShardingInfo]:
     """Shard or replicate ``model`` as ``cfg`` says; returns the model to train (the engine for DeepSpeed, whose
     ``.optimizer`` is the one it built from ``optimizer``) and what was done. ``ds_entry`` = (extra config,
     initialize function) lets an FP8 backend with its own DeepSpeed entry point (MS-AMP) take over
     ``deepspeed.initialize``. ``blocks`` = (``[(name, module), ...]``, how they were found): the blocks FSDP shards
-    when an earlier step already found (and wrapped) them; None: found here from ``cfg.block_classes``."""
+    when an earlier step already found (and wrapped) them; None: found here from ``cfg.block_classes``.
+    ``param_init_fn`` (FSDP1) materializes a meta-device module unit by unit before it is sharded."""
     param, reduce, buffer = (torch_dtype(d) for d in (cfg.param_dtype, cfg.reduce_dtype, cfg.buffer_dtype))
     if cfg.strategy == "deepspeed":
         extra, initialize = ds_entry or ({}, None)
@@ -86,7 +88,7 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
             model = apply_fsdp1(model, blocks, device=env.device,
                                 mixed_precision=build_fsdp1_policy(param_dtype=param, reduce_dtype=reduce,
                                                                    buffer_dtype=buffer),
-                                reshard_after_forward=cfg.reshard_after_forward)
+                                reshard_after_forward=cfg.reshard_after_forward, param_init_fn=param_init_fn)
         notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
                                   "block_classes=[...] to shard block by block.",)
         if cfg.strategy == "fsdp":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -57,11 +59,13 @@ def fsdp_padding_notes(model: nn.Module, world_size: int) -> tuple[str, ...]:
 
 
 def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.device,
-                mixed_precision: MixedPrecision, reshard_after_forward: bool) -> FullyShardedDataParallel:
+                mixed_precision: MixedPrecision, reshard_after_forward: bool,
+                param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
     """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
 
     ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
-    ``device_id`` is set for CPU too, which FSDP1 needs to run there.
+    ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
+    module, one unit at a time, before FSDP1 shards it.
     """
     block_ids = {id(b) for b in blocks}
     return FullyShardedDataParallel(
@@ -71,4 +75,5 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.devi
         sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
         device_id=device,
         use_orig_params=True,
+        param_init_fn=param_init_fn,
     )

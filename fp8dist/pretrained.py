@@ -1,0 +1,337 @@
+"""Step 5b of :func:`fp8dist.wrap_model`: a model built on the meta device is materialized after sharding, each rank
+allocating only what it holds, and filled from a Hugging Face safetensors directory (``pretrained=``) or by the
+model's own initialization; ``pretrained=`` also loads into a model that has real weights (one code path).
+
+- Each rank reads only its part of every tensor (safetensors' lazy ``get_slice``): FSDP2's rows (a box of the
+  DTensor), FSDP1's and ZeRO-3's flat ranges. :class:`SafetensorsDir` counts the bytes it read.
+- Names go through the wrappers (FP8 conversion keeps ``.weight``; activation checkpointing and compile prefixes
+  are dropped: :func:`fp8dist.strategies.local_shards.plain_name`); tied parameters load from whichever of their
+  names the checkpoint holds.
+- Without ``pretrained=``, each module is initialized at full size, one module at a time, by the model's own
+  ``_init_weights`` (Hugging Face) or ``reset_parameters``, and each rank keeps its part: the same weights for any
+  strategy and world size under the same seed (not those of an eager construction with that seed, whose module
+  constructors draw random numbers a meta construction does not).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .strategies.local_shards import LocalParam, Region, local_params, plain_name
+
+__all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "is_meta_model", "to_empty", "check_fits",
+           "load_pretrained", "init_weights", "materialize", "INDEX_FILE", "SINGLE_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_SHOWN = 5  # mismatches listed in an error
+
+
+class PretrainedError(ValueError):
+    """A pretrained directory that is missing, malformed, or does not match the model (says what differs)."""
+
+
+class SafetensorsDir:
+    """A Hugging Face model directory's safetensors weights (one ``model.safetensors``, or shards named by
+    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.bytes_read = 0
+        """Bytes of tensor data read so far (what this rank materialized from the files)."""
+        if not self.path.is_dir():
+            raise PretrainedError(f"pretrained={str(path)!r} is not a directory. Pass a Hugging Face model "
+                                  "directory (model.safetensors, or model-0000x-of-0000y.safetensors + "
+                                  f"{INDEX_FILE}), e.g. one written by model.save_pretrained() or "
+                                  "fp8dist.save_pretrained().")
+        self._files = self._weight_files()
+        self._handles: dict[str, Any] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for name, file in self._files.items():
+            piece = self._open(file).get_slice(name)
+            self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+
+    def _weight_files(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise PretrainedError(f"{index} is not a safetensors index (no readable 'weight_map': {err}). "
+                                      "Write the directory again with save_pretrained.") from None
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise PretrainedError(f"{index} names {len(missing)} file(s) that are not in {self.path}: "
+                                      f"{missing[:_SHOWN]}. Copy the whole directory.")
+            return dict(weight_map)
+        if (self.path / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}
+        there = sorted(p.name for p in self.path.iterdir())[:8]
+        raise PretrainedError(f"pretrained={str(self.path)!r} holds no safetensors weights ({SINGLE_FILE} or "
+                              f"{INDEX_FILE}); it has {there or 'nothing'}. fp8dist reads safetensors only (no "
+                              "pickled .bin files): convert with model.save_pretrained(dir, safe_serialization=True) "
+                              "or fp8dist.save_pretrained().")
+
+    def _open(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
+        that cover it)."""
+        piece = self._open(self._files[name]).get_slice(name)
+        shape = self.shapes[name]
+        if region.flat is None:
+            out = piece[tuple(slice(start, start + length) for start, length in region.box)] if shape else piece[:]
+        elif region.numel == 0:
+            return torch.empty(0)
+        else:
+            start, stop = region.flat
+            row = 1
+            for size in shape[1:]:
+                row *= size
+            first, last = start // row, (stop - 1) // row + 1
+            rows = piece[first:last] if shape else piece[:]
+            out = rows.reshape(-1)[start - first * row: stop - first * row]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading a pretrained directory read on this rank."""
+
+    path: str
+    bytes_read: int
+    """Tensor bytes this rank read from the files."""
+    checkpoint_bytes: int
+    """Tensor bytes of the whole checkpoint."""
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """True when any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -> nn.Module:
+    """``module.to_empty(device)`` keeping tied parameters tied: tensors are swapped in place, so two modules
+    holding one Parameter still hold one (plain ``to_empty`` gives each its own)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return module.to_empty(device=device, recurse=recurse)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
+    """A strategy that materializes the whole model on every rank (ddp, none, ZeRO-1/2) refuses a meta model
+    larger than the device's free memory, before allocating it."""
+    need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
+                                                                         *model.buffers())}.values())
+    free = _available_bytes(device)
+    if free is not None and need > free:
+        raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
+                          f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "
+                          f"{free / 2**30:,.1f} GiB free. Use strategy='fsdp' or 'fsdp1' (each rank materializes "
+                          "its shard only) or deepspeed with zero_stage=3.")
+    if free is not None and need > free // 2:
+        warnings.warn(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
+                      f"{need / 2**30:,.1f} GiB of {free / 2**30:,.1f} GiB free on {device}, before gradients and "
+                      "optimizer states. strategy='fsdp' materializes 1/world_size of it.", UserWarning, stacklevel=3)
+
+
+# ---- pretrained weights into whatever this rank holds
+
+
+def _ignored(model: nn.Module) -> list[str]:
+    """Checkpoint keys the model's class says to ignore (Hugging Face ``_keys_to_ignore_on_load_unexpected``)."""
+    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {plain_name(f"{prefix}.{name}" if prefix else name): buf
+            for prefix, module in model.named_modules() for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
+
+
+def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[str, torch.Tensor],
+                ignore: list[str]) -> list[str]:
+    def listed(kind: str, items: list[str]) -> list[str]:
+        more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+        return [f"{len(items)} {kind}: {', '.join(items[:_SHOWN])}{more}"] if items else []
+
+    missing, shapes, known = [], [], set()
+    for p in params:
+        known.update(p.names)
+        found = [n for n in p.names if n in source]
+        if not found:
+            missing.append(p.names[0])
+        elif source.shapes[found[0]] != p.shape:
+            shapes.append(f"{found[0]} {list(source.shapes[found[0]])} in the checkpoint, {list(p.shape)} in the model")
+    for name, buf in buffers.items():
+        known.add(name)
+        if name in source and source.shapes[name] != tuple(buf.shape):
+            shapes.append(f"{name} {list(source.shapes[name])} in the checkpoint, {list(buf.shape)} in the model")
+    unexpected = [n for n in source.names() if n not in known and not any(re.search(pat, n) for pat in ignore)]
+    return (listed("shape mismatch(es)", shapes) + listed("parameter(s) missing from the checkpoint", missing)
+            + listed("checkpoint tensor(s) the model does not have", unexpected))
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None
+                    ) -> LoadReport:
+    """Fill every parameter's part on this rank (and the persistent buffers) from the safetensors in ``path``,
+    casting to each parameter's dtype. ``model`` is the wrapped model (or the user's module); ``params`` defaults
+    to :func:`~fp8dist.strategies.local_shards.local_params` of it.
+
+    Raises:
+        PretrainedError: no safetensors in ``path``, or names or shapes that differ (the first ones listed).
+    """
+    source = SafetensorsDir(path)
+    params = local_params(model) if params is None else params
+    inner = getattr(model, "module", model)
+    buffers = _persistent_buffers(inner)
+    problems = _mismatches(source, params, buffers, _ignored(inner))
+    if problems:
+        raise PretrainedError(f"pretrained={str(path)!r} does not match {type(inner).__name__}: "
+                              + "; ".join(problems) + ". Build the model from the config the checkpoint was saved "
+                              "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
+                              "checkpoint.")
+    with torch.no_grad():
+        for p in params:
+            name = next(n for n in p.names if n in source)
+            if p.region.numel:
+                p.local.copy_(source.read(name, p.region).view(p.local.shape))
+        for name, buf in buffers.items():
+            if name in source:
+                buf.copy_(source.read(name, Region(box=tuple((0, s) for s in buf.shape))))
+    total = sum(source.shapes[n] and _numel(source.shapes[n]) * _itemsize(source.dtypes[n]) or
+                _itemsize(source.dtypes[n]) for n in source.names())
+    report = LoadReport(str(path), source.bytes_read, total)
+    source.close()
+    return report
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(safetensors_dtype, 4)
+
+
+# ---- the model's own initialization, run module by module at full size
+
+
+def _init_fn(model: nn.Module):
+    """The model's per-module initializer: Hugging Face ``_init_weights``, else each module's
+    ``reset_parameters``."""
+    hf_init = getattr(model, "_init_weights", None)
+    if callable(hf_init):
+        return hf_init
+    return lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
+
+
+def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]]) -> nn.Module:
+    """A childless copy of ``module`` with its own parameters and buffers at full size on ``device``."""
+    shadow = copy.copy(module)
+    shadow.__dict__ = dict(module.__dict__)
+    shadow._modules = {}
+    shadow._parameters = {n: None if p is None else nn.Parameter(
+        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for n, p in module._parameters.items()}
+    shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
+                       for n, b in module._buffers.items()}
+    return shadow
+
+
+def _post_order(module: nn.Module, prefix: str = ""):
+    """Modules children first, as Hugging Face's ``initialize_weights`` visits them."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalParam] | None = None,
+                 buffers_only: bool = False) -> None:
+    """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
+    part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
+    come from elsewhere (a checkpoint)."""
+    inner = getattr(model, "module", model)
+    params = local_params(model) if params is None else params
+    by_name = {n: p for p in params for n in p.names}
+    init = _init_fn(inner)
+    with torch.no_grad():
+        for prefix, module in _post_order(inner):
+            if not module._parameters and not module._buffers:
+                continue
+            names = {n: plain_name(f"{prefix}.{n}" if prefix else n) for n in module._parameters}
+            shadow = _full_size_copy(module, device, {n: by_name[q].shape for n, q in names.items() if q in by_name})
+            init(shadow)
+            for n, buf in module._buffers.items():
+                if buf is not None:
+                    buf.copy_(shadow._buffers[n])
+            if buffers_only:
+                continue
+            for n, full in shadow._parameters.items():
+                piece = by_name.get(names[n])
+                if full is not None and piece is not None and piece.region.numel:  # tied: the last module wins
+                    piece.local.copy_(_cut(full.data, piece.region).view(piece.local.shape))
+
+
+def _cut(full: torch.Tensor, region: Region) -> torch.Tensor:
+    if region.flat is not None:
+        return full.reshape(-1)[region.flat[0]: region.flat[1]]
+    return full[tuple(slice(start, start + length) for start, length in region.box)]
+
+
+def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
+                meta: bool) -> LoadReport | None:
+    """Fill the sharded (or whole) ``model``: its part of the pretrained weights, or (a meta model without
+    ``pretrained``) its own initialization. Buffers of a meta model are set by its initialization either way."""
+    params = local_params(model)
+    if meta:
+        init_weights(model, device, params=params, buffers_only=pretrained is not None)
+    if pretrained is None:
+        return None
+    return load_pretrained(model, pretrained, params=params)
