@@ -10,6 +10,13 @@ import pytest
 # Spawned ranks import test modules by name: make the tests folder importable for them as well.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# One ninja for every process of the run. DeepSpeed JIT-builds its CPU ops with whichever `ninja` is first on PATH:
+# this environment's (pip's ninja 1.13, a DeepSpeed dependency) for the launchers and CLI subprocesses, which put
+# its bin folder first, and the system's (1.11) for a pytest started as `.venv/bin/python -m pytest`. Each version
+# reads the other's build log as foreign and rebuilds both ops (25-70 s a rank, under the build lock), so every
+# DeepSpeed test paid a rebuild. With this environment's bin folder first everywhere, the ops build once.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
 _DS_OPS = {"FusedAdamBuilder": "fused_adam", "ShareMemCommBuilder": "deepspeed_shm_comm"}
 
 
