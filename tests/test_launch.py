@@ -172,7 +172,7 @@ def test_deepspeed_sh_runs_the_example_from_a_written_hostfile_and_removes_it(tm
 
 # --- a real 2-node SLURM cluster on this machine ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def slurm(tmp_path_factory):
     _need(missing_reason())
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
@@ -197,12 +197,15 @@ def _submit(slurm: SlurmCluster, template: str, *args: str, via_cli: bool = Fals
     return output
 
 
-# one worker runs every SLURM test (pytest runs with --dist loadgroup), so one cluster serves them all
-on_the_cluster = pytest.mark.xdist_group("slurm")
+def test_sbatch_templates_on_a_two_node_cluster(slurm, subtests):
+    """One test, so one cluster serves every submission whichever xdist worker runs it."""
+    for case in (_dry_runs_print_each_nodes_command, _torchrun_sbatch_trains_across_two_nodes_via_fp8dist_launch,
+                 _deepspeed_sbatch_trains_across_two_nodes):
+        with subtests.test(case.__name__.strip("_")):
+            case(slurm)
 
 
-@on_the_cluster
-def test_sbatch_dry_runs_print_each_nodes_command(slurm):
+def _dry_runs_print_each_nodes_command(slurm):
     out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--run-name", "a b", DRY_RUN="1",
                   NPROC_PER_NODE="2")
     head = re.search(r"head (\S+):(\d+)", out)
@@ -222,8 +225,7 @@ def test_sbatch_dry_runs_print_each_nodes_command(slurm):
     assert re.search(r"^0: n1 slots=1$", out, flags=re.M) and re.search(r"^0: n2 slots=1$", out, flags=re.M)
 
 
-@on_the_cluster
-def test_torchrun_sbatch_trains_across_two_nodes_submitted_by_fp8dist_launch(slurm):
+def _torchrun_sbatch_trains_across_two_nodes_via_fp8dist_launch(slurm):
     out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--steps", "6", "--seq-len", "64",
                   NPROC_PER_NODE="2", via_cli=True)
     ready = _ready(out)
@@ -236,8 +238,7 @@ def test_torchrun_sbatch_trains_across_two_nodes_submitted_by_fp8dist_launch(slu
     assert "over 4 rank(s)" in out
 
 
-@on_the_cluster
-def test_deepspeed_sbatch_trains_across_two_nodes(slurm):
+def _deepspeed_sbatch_trains_across_two_nodes(slurm):
     out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "2", "--fp8", "torchao", "--steps", "6", "--seq-len",
                   "64", NPROC_PER_NODE="1")
     assert [(r, w, n) for r, w, n, _ in _ready(out)] == [(0, 2, 0), (1, 2, 1)], out[-3000:]
