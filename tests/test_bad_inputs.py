@@ -299,6 +299,14 @@ CLI = [
     ("train strategy misspelt", ["train", "--strategy", "fdsp"], {},
      ("argument --strategy: strategy='fdsp' is not valid", "Did you mean 'fsdp'?")),
     ("train steps zero", ["train", "--steps", "0"], {}, ("steps=0 must be at least 1",)),
+    ("train fp8 te without Transformer Engine", ["train", "--fp8", "te"], {},
+     ("fp8='te' cannot run here: Transformer Engine is not installed",)),
+    ("train msamp under fsdp", ["train", "--fp8", "msamp", "--strategy", "fsdp"], {},
+     ("fp8='msamp' with strategy='fsdp'",)),
+    ("train zero stage 4", ["train", "--strategy", "deepspeed", "--zero-stage", "4"], {},
+     ("zero_stage='4' is not valid; choose one of: 1, 2, 3",)),
+    ("plan fp8 te without Transformer Engine", ["plan", "--model-config", "TMP/llama.json", "--fp8", "te"],
+     {"llama.json": LLAMA_JSON}, ("Transformer Engine is not installed",)),
     ("train steps not a number", ["train", "--steps", "abc"], {}, ("argument --steps: steps='abc' must be an integer",)),
     ("train lr zero", ["train", "--lr", "0"], {}, ("lr=0.0 must be positive",)),
     ("train keep_last negative", ["train", "--keep-last", "-1"], {}, ("keep_last=-1 must be 0 (keep all) or more",)),
@@ -347,9 +355,10 @@ def test_bad_command_line_exits_2_with_the_message_and_no_traceback(case_id, arg
         code = main(_cli(tmp_path, *argv, files=files))
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2
     assert "Traceback" not in err
+    assert "starting" not in out, "rejected before any process starts"
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"fp8dist {argv[0]}: error: ") or last.startswith("fp8dist: error: "), err
     for text in texts:

@@ -71,16 +71,17 @@ def test_user_json_wins_and_only_missing_keys_are_filled(tmp_path):
 
 
 def test_ds_config_cli_writes_the_committed_example_configs(tmp_path):
+    """In-process (cli.main); its bad inputs are rows of tests/test_bad_inputs.py's CLI table."""
+    from fp8dist.cli import main
+
     for stage in (1, 2, 3):
         out = tmp_path / f"ds_zero{stage}.json"
-        proc = run(["fp8dist", "ds-config", "--stage", str(stage), "--model", "llama-tiny", "--micro-batch-size",
-                    "4", "--optimizer", "AdamW", "--lr", "3e-3", "-o", str(out)], timeout=120)
-        assert proc.returncode == 0, proc.stderr
+        assert main(["ds-config", "--stage", str(stage), "--model", "llama-tiny", "--micro-batch-size", "4",
+                     "--optimizer", "AdamW", "--lr", "3e-3", "-o", str(out)]) == 0
         committed = ROOT / "examples" / "deepspeed" / f"ds_zero{stage}.json"
         assert json.loads(out.read_text()) == json.loads(committed.read_text()), f"{committed} is stale"
-    proc = run(["fp8dist", "ds-config", "--stage", "2", "--offload-param", "-o", str(tmp_path / "bad.json")])
-    assert proc.returncode == 2 and "offload_param=True needs stage 3" in proc.stderr
-    assert not (tmp_path / "bad.json").exists() and list(tmp_path.glob(".bad.json*")) == []
+    assert main(["ds-config", "--stage", "2", "--offload-param", "-o", str(tmp_path / "bad.json")]) == 2
+    assert not (tmp_path / "bad.json").exists() and list(tmp_path.glob(".bad.json*")) == [], "nothing half-written"
 
 
 def _hand_config(stage: int, world: int) -> dict:

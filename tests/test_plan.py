@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from cli_helpers import run
 from torch import nn
 
 from fp8dist import FP8Config, get_plan, plan_precision, resolve_config, wrap_model
@@ -152,20 +151,20 @@ def test_knob_of_another_backend_is_reported():
         wrap_model(build_llama("tiny"), strategy="none", fp8="torchao", amax_history_len=16)
 
 
-def test_fp8dist_plan_cli(tmp_path):
-    proc = run(["fp8dist", "plan", "--strategy", "fsdp"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on), strategy=fsdp" in proc.stdout
-    assert "FP8 13 layers / 376,832 params (82.0%)" in proc.stdout
+def test_fp8dist_plan_cli(tmp_path, capsys):
+    """In-process (cli.main): the console script itself is run by tests/test_train.py."""
+    assert main(["plan", "--strategy", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on), strategy=fsdp" in out
+    assert "FP8 13 layers / 376,832 params (82.0%)" in out
     cfg = tmp_path / "config.json"
     cfg.write_text('{"model_type": "llama", "vocab_size": 100, "hidden_size": 200, "intermediate_size": 512, '
                    '"num_hidden_layers": 1, "num_attention_heads": 4}')
-    proc = run(["fp8dist", "plan", "--model-config", str(cfg), "--fp8", "te"], timeout=120)
-    assert proc.returncode == 2 and "Transformer Engine is not installed" in proc.stderr
-    proc = run(["fp8dist", "plan", "--model-config", str(cfg), "--fp8", "te", "--ignore-hardware"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "in_features=200 and out_features=200 not divisible by 16" in proc.stdout
-    assert "te.RMSNorm" in proc.stdout
+    # without --ignore-hardware this is an error (a row of tests/test_bad_inputs.py's CLI table)
+    assert main(["plan", "--model-config", str(cfg), "--fp8", "te", "--ignore-hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "in_features=200 and out_features=200 not divisible by 16" in out
+    assert "te.RMSNorm" in out
 
 
 def test_under_autocast_the_plan_says_bf16_for_every_gemm_not_only_nn_linear():
