@@ -7,6 +7,7 @@
 from ._version import __version__
 from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint.hf import save_pretrained
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from .env import DistEnv, init_distributed
 from .grads import clip_grad_norm_, no_sync
@@ -44,5 +45,6 @@ __all__ = [
     "latest_checkpoint",
     "CheckpointState",
     "CheckpointError",
+    "save_pretrained",
     "__version__",
 ]

@@ -88,6 +88,24 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_tensor", t)
 
 
+def _inner(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the user's: inside DDP and the DeepSpeed engine; FSDP1's root wrapper
+    is kept (its flat parameter is one of the units), its prefixes dropped by :func:`plain_name`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) or is_deepspeed_engine(model) else model
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward (in the compute dtype, as plain tensors, until
+    backward): put every unit back to its sharded DTensors first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -135,7 +153,8 @@ def local_params(model: nn.Module) -> list[LocalParam]:
     rank's part of it, in the model's parameter order."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    inner = model.module if is_deepspeed_engine(model) else model
+    inner = _inner(model)
+    _reshard(inner)
     names = _names_by_param(inner)
     if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
         return _fsdp1_params(inner, names)
@@ -162,7 +181,8 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     keep = lambda t: _plain_tensor(t).detach().cpu() if rank == 0 or not to_rank0 else None  # noqa: E731
     engine = model if is_deepspeed_engine(model) else None
-    inner = model.module if engine is not None else model
+    inner = _inner(model)
+    _reshard(inner)
     names = _names_by_param(inner)
     units = FullyShardedDataParallel.fsdp_modules(inner)
     if units:
@@ -171,9 +191,10 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
                 continue
             infos = list(unit._flat_param._param_infos)
             with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
-                for info in infos:
+                for info in infos:  # views of the unit's gathered storage, freed on leaving: copied out
                     p = getattr(info.module, info.param_name)
-                    yield tuple(names.get(id(p), ())), keep(p)
+                    full = keep(p)
+                    yield tuple(names.get(id(p), ())), None if full is None else full.clone()
         return
     from torch.distributed.tensor import DTensor
 

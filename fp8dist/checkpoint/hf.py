@@ -1,0 +1,201 @@
+"""Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors (``model.safetensors``, or
+shards + ``model.safetensors.index.json``) with ``config.json``, under the user's module names, FP8 modules as the
+high-precision weights they train, in the dtype asked; ``AutoModelForCausalLM.from_pretrained(dir)`` reloads it.
+
+Parameters are gathered one at a time (FSDP2 ``full_tensor``, ZeRO-3 ``safe_get_full_fp32_param``) or one unit
+at a time (FSDP1 ``summon_full_params``); rank 0 keeps at most one shard file's tensors (``max_shard_size``) and
+writes each file atomically (:func:`fp8dist._files.atomic_write`). Reading it back is
+:mod:`fp8dist.pretrained` (``wrap_model(..., pretrained=dir)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._files import atomic_write, atomic_write_text
+from ..dtypes import torch_dtype
+from ..pretrained import INDEX_FILE, SINGLE_FILE
+from ..strategies import unwrap_model
+from ..strategies.local_shards import gather_full, local_params, plain_name
+from .io import from_rank0, rank_world
+
+__all__ = ["save_pretrained"]
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _shard_bytes(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size={size!r} is not a size: pass bytes (an int) or text such as '2GB', "
+                         "'500MB', '1GiB'.")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={dtype} is not an export dtype; choose torch.bfloat16, torch.float32 or "
+                             "torch.float16.")
+        return dtype
+    return torch_dtype(dtype)
+
+
+def _original_class(module: nn.Module) -> type:
+    """The user's class: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) that must not reach config.json."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(plain_name(f"{prefix}.{name}" if prefix else name), buf)
+            for prefix, module in inner.named_modules() for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set]
+
+
+def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Names grouped into files of at most ``limit`` bytes (a tensor larger than that gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in entries:
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
+    written = []
+    config = getattr(inner, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        config = copy.deepcopy(config)
+        config.architectures = [_original_class(inner).__name__]
+        config.dtype = dtype
+        atomic_write_text(out / "config.json", config.to_json_string())
+        written.append("config.json")
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None and hasattr(generation, "to_json_string"):
+        atomic_write_text(out / "generation_config.json", generation.to_json_string())
+        written.append("generation_config.json")
+    return written
+
+
+def _remove_stale(out: Path, written: set[str]) -> None:
+    """Weight files of an earlier export into ``out`` that this one did not write (other shard counts)."""
+    for path in out.glob("model*.safetensors*"):
+        if path.name not in written and (path.name == INDEX_FILE or path.suffix == ".safetensors"):
+            path.unlink()
+
+
+def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
+
+    Call it on every rank (the parameters are gathered collectively); rank 0 writes. Files are written one at a
+    time, each atomically: a failure removes this call's files and raises on every rank. Weight files of an
+    earlier export into ``out_dir`` that this one did not replace are removed; other files stay (a tokenizer).
+
+    Args:
+        model: the trained model; FP8 layers are written as their high-precision weights.
+        out_dir: the directory (created if needed).
+        dtype: the dtype of the written weights: torch.bfloat16 (default), torch.float32 or torch.float16.
+        max_shard_size: largest file, in bytes or as text ("2GB"); larger models are split into
+            ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``. Rank 0 holds at most one
+            file's tensors in CPU memory.
+
+    Returns:
+        The directory.
+
+    Example::
+
+        fp8dist.save_pretrained(model, "out", dtype=torch.bfloat16)     # after training, on every rank
+        AutoModelForCausalLM.from_pretrained("out")                       # anywhere, no fp8dist needed
+    """
+    from safetensors.torch import save_file
+
+    dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
+    out = Path(out_dir)
+    rank = rank_world()[0]
+    inner = unwrap_model(model)
+    params = local_params(model)
+    buffers = _persistent_buffers(inner)
+    size = torch.tensor([], dtype=dtype).element_size()
+    entries = [(p.names[0], _numel(p.shape) * size) for p in params]
+    entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size())) for name, buf in buffers]
+    files = _plan_files(entries, limit)
+    names = _file_names(len(files))
+    file_of = {name: names[i] for i, group in enumerate(files) for name in group}
+    closes = {group[-1]: names[i] for i, group in enumerate(files)}  # the tensor that completes each file
+    written: list[str] = []
+    pending: dict[str, torch.Tensor] = {}
+    failure = None
+
+    def flush(file: str) -> None:
+        nonlocal failure
+        if rank == 0 and failure is None:
+            try:
+                atomic_write(out / file, lambda tmp: save_file(pending, tmp, metadata={"format": "pt"}))
+                written.append(file)
+            except Exception as err:  # every rank must learn of it: they wait in the next gather otherwise
+                failure = f"{type(err).__name__}: {err}"
+        pending.clear()
+        status = from_rank0(failure)
+        if status is not None:
+            if rank == 0:
+                for name in written:
+                    (out / name).unlink(missing_ok=True)
+            raise OSError(f"fp8dist.save_pretrained: writing {out / file} on rank 0 failed ({status}); nothing "
+                          f"of this export was kept in {out}.")
+
+    if rank == 0:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            failure = f"{type(err).__name__}: {err}"
+    tensors = ((names[0], full) for names, full in gather_full(model))
+    tensors = _chain(tensors, ((name, buf.detach().cpu() if rank == 0 else None) for name, buf in buffers))
+    for name, full in tensors:
+        if rank == 0:
+            pending[name] = (full.to(dtype) if full.is_floating_point() else full).contiguous()
+        if name in closes:
+            flush(closes[name])
+    if rank == 0:
+        if len(names) > 1:
+            index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": file_of}
+            atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            written.append(INDEX_FILE)
+        written += _write_config(inner, out, dtype)
+        _remove_stale(out, set(written))
+    from_rank0(None)  # every rank returns once the directory is complete
+    return out
+
+
+def _chain(*iterables):
+    for iterable in iterables:
+        yield from iterable
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

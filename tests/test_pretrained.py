@@ -1,0 +1,170 @@
+"""Meta-device models, ``pretrained=`` and ``fp8dist.save_pretrained``: 2 real gloo ranks, checkpoints written into
+tmp_path by ``save_pretrained`` (no download). Each multi-rank test runs its cases in one spawn."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from helpers import train_losses
+
+STEPS = 2
+
+
+def _tiny(tied: bool = False):
+    from fp8dist.models import build_llama
+
+    model = build_llama("tiny", seed=1)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _write(model, path, **kwargs) -> str:
+    """A pretrained directory written by fp8dist.save_pretrained of an unwrapped model (fp32 keeps it exact)."""
+    import fp8dist
+
+    fp8dist.save_pretrained(model, path, dtype=torch.float32, **kwargs)
+    return str(path)
+
+
+def _meta_from(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def _held_fraction(model) -> float:
+    """Bytes of parameter storage this rank holds, as a fraction of the full parameters."""
+    from fp8dist.strategies.local_shards import local_params
+
+    params = local_params(model)
+    held = sum(p.local.numel() * p.local.element_size() for p in params)
+    full = sum(torch.Size(p.shape).numel() * p.local.element_size() for p in params)
+    return held / full
+
+
+def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import fp8dist
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for key, path, strategy, fp8 in (("fsdp", single, "fsdp", None), ("fsdp+torchao", single, "fsdp", "torchao"),
+                                     ("fsdp1", single, "fsdp1", None), ("ddp", single, "ddp", None),
+                                     ("fsdp sharded files", sharded, "fsdp", None),
+                                     ("fsdp1 sharded files", sharded, "fsdp1", None),
+                                     ("fsdp tied", tied, "fsdp", None), ("fsdp1 tied", tied, "fsdp1", None)):
+        eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8)
+        expected = train_losses(eager, rank, world, steps=STEPS)
+        wrapped = fp8dist.wrap_model(_meta_from(path), strategy=strategy, fp8=fp8, pretrained=path)
+        info = fp8dist.get_wrap_info(wrapped)
+        read = info.pretrained.bytes_read / info.pretrained.checkpoint_bytes
+        held = _held_fraction(wrapped)
+        out[key] = (expected, train_losses(wrapped, rank, world, steps=STEPS), read, held, info.materialized)
+    # a meta model larger than this machine's memory under ddp: refused before anything is allocated
+    from fp8dist.models import llama_config
+
+    huge = llama_config("1b")
+    huge.num_hidden_layers = 2000  # ~0.4 T parameters
+    with torch.device("meta"):
+        big = AutoModelForCausalLM.from_config(huge)
+    try:
+        fp8dist.wrap_model(big, strategy="ddp")
+        out["ddp too large"] = "no error"
+    except MemoryError as err:
+        out["ddp too large"] = str(err)
+    return out
+
+
+def test_meta_model_with_pretrained_trains_like_eager_from_pretrained_reading_half_per_rank(tmp_path):
+    """Meta init + pretrained= gives exactly the eager from_pretrained + wrap_model losses (fsdp with and without
+    torchao, fsdp1, ddp; one file, sharded files, tied embeddings); under fsdp and fsdp1 each rank reads half the
+    checkpoint's bytes and holds half the parameters, never the whole."""
+    single = _write(_tiny(), tmp_path / "single")
+    sharded = _write(_tiny(), tmp_path / "sharded", max_shard_size=400_000)
+    tied = _write(_tiny(tied=True), tmp_path / "tied")
+    assert len(json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == 21
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) >= 3
+    results = run_ranks(_load_cases, single, sharded, tied)
+    for rank, result in enumerate(results):
+        assert "materializes the whole meta-device model on every rank" in result.pop("ddp too large")
+        for key, (expected, losses, read, held, how) in result.items():
+            assert losses == expected, (rank, key)
+            if key == "ddp":
+                assert read == 1.0 and held == 1.0 and "the whole model on every rank" in how
+            else:  # 0.5 exactly for the tiny Llama (every dim 0 even); FSDP1 reads a row more at shard edges
+                assert abs(read - 0.5) < 0.01 and abs(held - 0.5) < 0.01, (rank, key, read, held)
+                assert "this rank's shards only" in how
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter's full value by its first plain name (on every rank)."""
+    from fp8dist.strategies.local_shards import gather_full
+
+    return {names[0]: full for names, full in gather_full(model, to_rank0=False)}
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _export_cases(rank: int, world: int, root: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import fp8dist
+    from fp8dist.data import Batches
+    from fp8dist.models import build_llama, llama_config
+
+    warnings.simplefilter("ignore")
+    ids = Batches(batch_size=4, seq_len=32, rank=rank, world_size=world, seed=3)[0]
+    out = {}
+    for key, strategy, fp8, meta, dtype in (("fsdp bf16", "fsdp", None, False, torch.bfloat16),
+                                            ("fsdp torchao fp32", "fsdp", "torchao", False, torch.float32),
+                                            ("fsdp torchao bf16", "fsdp", "torchao", False, torch.bfloat16),
+                                            ("fsdp meta-init bf16", "fsdp", None, True, torch.bfloat16),
+                                            ("fsdp1 fp32", "fsdp1", None, False, torch.float32),
+                                            ("ddp fp32", "ddp", None, False, torch.float32)):
+        torch.manual_seed(0)
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(llama_config("tiny"))
+        else:
+            model = build_llama("tiny", seed=2)
+        wrapped = fp8dist.wrap_model(model, strategy=strategy, fp8=fp8)
+        train_losses(wrapped, rank, world, steps=STEPS)
+        trained, logits = _full_weights(wrapped), _logits(wrapped, ids)
+        path = f"{root}/{key.replace(' ', '-')}"
+        fp8dist.save_pretrained(wrapped, path, dtype=dtype)
+        reloaded = AutoModelForCausalLM.from_pretrained(path)
+        weights, loaded_dtype = reloaded.state_dict(), reloaded.dtype
+        same = sorted(weights) == sorted(trained) and all(
+            weights[n].dtype == dtype and torch.equal(weights[n], trained[n].to(dtype)) for n in trained)
+        rewrapped = fp8dist.wrap_model(reloaded, strategy=strategy, fp8=fp8)
+        out[key] = (same, torch.equal(_logits(rewrapped, ids), logits), loaded_dtype)
+    return out
+
+
+def test_save_pretrained_reloads_with_from_pretrained_exactly(tmp_path):
+    """Train 2 steps, export, AutoModelForCausalLM.from_pretrained: the same names and weights in the dtype asked
+    (bf16 or fp32), and wrapped again the same logits; FP8 layers are written as their high-precision weights;
+    also a meta-initialized model and each strategy's way of gathering (FSDP2, FSDP1, DDP)."""
+    results = run_ranks(_export_cases, str(tmp_path))
+    for rank, result in enumerate(results):
+        for key, (same, logits, dtype) in result.items():
+            assert same, (rank, key)
+            assert dtype == (torch.float32 if "fp32" in key else torch.bfloat16), (rank, key)
+            # FP8 scales come from the weights: bf16 weights give other scales than the fp32 masters trained
+            assert logits or key == "fsdp torchao bf16", (rank, key)
+    files = sorted(p.name for p in (tmp_path / "fsdp-bf16").iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "fsdp-bf16" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
