@@ -168,3 +168,65 @@ def test_save_pretrained_reloads_with_from_pretrained_exactly(tmp_path):
     assert files == ["config.json", "generation_config.json", "model.safetensors"]
     config = json.loads((tmp_path / "fsdp-bf16" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+
+
+def test_bad_pretrained_directories_are_errors_naming_what_differs_and_the_way_out(tmp_path):
+    """No safetensors, another model's checkpoint (shapes, names), a damaged index: errors listing the first
+    mismatches, before any weight is copied (strategy 'none': no process group needed)."""
+    import fp8dist
+    from fp8dist.models import build_llama, llama_config
+    from fp8dist.pretrained import PretrainedError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(PretrainedError, match=r"holds no safetensors weights .*pytorch_model\.bin.*save_pretrained"):
+        fp8dist.wrap_model(build_llama("tiny"), strategy="none", pretrained=tmp_path / "empty")
+    with pytest.raises(PretrainedError, match="is not a directory"):
+        fp8dist.wrap_model(build_llama("tiny"), strategy="none", pretrained=tmp_path / "nowhere")
+    wider = _write(build_llama("small"), tmp_path / "small")
+    with pytest.raises(PretrainedError, match=r"shape mismatch\(es\): model\.embed_tokens\.weight \[256, 256\] in "
+                                              r"the checkpoint, \[256, 128\] in the model.* and \d+ more.*"
+                                              r"AutoConfig\.from_pretrained"):
+        fp8dist.wrap_model(build_llama("tiny"), strategy="none", pretrained=wider)
+    config = llama_config("tiny")
+    config.num_hidden_layers = 3
+    from transformers import LlamaForCausalLM
+
+    deeper = _write(LlamaForCausalLM(config), tmp_path / "deeper")
+    with pytest.raises(PretrainedError, match=r"9 checkpoint tensor\(s\) the model does not have: "
+                                              r"model\.layers\.2\.input_layernorm\.weight"):
+        fp8dist.wrap_model(build_llama("tiny"), strategy="none", pretrained=deeper)
+    with pytest.raises(PretrainedError, match=r"9 parameter\(s\) missing from the checkpoint: model\.layers\.2\."):
+        fp8dist.wrap_model(LlamaForCausalLM(config), strategy="none",
+                           pretrained=_write(build_llama("tiny"), tmp_path / "tiny"))
+    (tmp_path / "tiny" / "model.safetensors.index.json").write_text('{"weight_map": {"x": "gone.safetensors"}}')
+    with pytest.raises(PretrainedError, match=r"names 1 file\(s\) that are not in .*gone\.safetensors"):
+        fp8dist.wrap_model(build_llama("tiny"), strategy="none", pretrained=tmp_path / "tiny")
+
+
+def test_save_pretrained_bad_arguments_and_a_failed_write_leave_nothing(tmp_path):
+    import fp8dist
+    from fp8dist.models import build_llama
+
+    model = build_llama("tiny")
+    with pytest.raises(ValueError, match=r"max_shard_size='lots' is not a size.*'2GB'"):
+        fp8dist.save_pretrained(model, tmp_path / "a", max_shard_size="lots")
+    with pytest.raises(ValueError, match=r"dtype=torch.int8 is not an export dtype; choose torch.bfloat16"):
+        fp8dist.save_pretrained(model, tmp_path / "a", dtype=torch.int8)
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    fp8dist.save_pretrained(model, out, max_shard_size=400_000)  # sharded, then one file: the shards go
+    assert (out / "model.safetensors.index.json").is_file()
+    fp8dist.save_pretrained(model, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json"]
+    # the second of several files cannot be written (a directory holds its name): the first is removed again
+    sharded = tmp_path / "c"
+    fp8dist.save_pretrained(model, sharded, max_shard_size=400_000)
+    second = sorted(p.name for p in sharded.glob("model-*.safetensors"))[1]
+    failing = tmp_path / "d"
+    (failing / second).mkdir(parents=True)
+    with pytest.raises(OSError, match=rf"writing .*{second} on rank 0 failed .*nothing of this export was kept"):
+        fp8dist.save_pretrained(model, failing, max_shard_size=400_000)
+    assert [p.name for p in failing.iterdir()] == [second]
