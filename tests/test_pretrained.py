@@ -230,3 +230,43 @@ def test_save_pretrained_bad_arguments_and_a_failed_write_leave_nothing(tmp_path
     with pytest.raises(OSError, match=rf"writing .*{second} on rank 0 failed .*nothing of this export was kept"):
         fp8dist.save_pretrained(model, failing, max_shard_size=400_000)
     assert [p.name for p in failing.iterdir()] == [second]
+
+
+def _init_cases(rank: int, world: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    import fp8dist
+    from fp8dist.models import llama_config
+
+    warnings.simplefilter("ignore")
+    weights, buffers = {}, {}
+    for key, strategy in (("fsdp", "fsdp"), ("fsdp again", "fsdp"), ("fsdp1", "fsdp1"), ("ddp", "ddp")):
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config("tiny"))
+        wrapped = fp8dist.wrap_model(model, strategy=strategy)
+        weights[key] = _full_weights(wrapped)
+        buffers[key] = {n: b.clone() for n, b in fp8dist.unwrap_model(wrapped).named_buffers()}
+    torch.manual_seed(5)
+    eager = LlamaForCausalLM(llama_config("tiny"))
+    reference = weights["fsdp"]
+    return {
+        "same for every strategy and run": all(
+            all(torch.equal(w[n], reference[n]) for n in reference) for w in weights.values()),
+        "buffers as eager": all(all(torch.equal(b[n], dict(eager.named_buffers())[n]) for n in b)
+                                for b in buffers.values()),
+        "std of q_proj": reference["model.layers.0.self_attn.q_proj.weight"].std().item(),
+        "norms are ones": bool((reference["model.norm.weight"] == 1).all()),
+        "equals eager init": all(torch.equal(reference[n], p) for n, p in eager.named_parameters()),
+    }
+
+
+def test_meta_model_without_pretrained_gets_its_own_init_the_same_on_every_strategy():
+    """No pretrained=: Hugging Face's _init_weights, module by module at full size: identical weights under fsdp,
+    fsdp1 and ddp and on a second run with the seed, buffers (rotary frequencies) as an eager model's; the weights
+    follow the config (std 0.02, norms 1) but are not an eager construction's (its module constructors draw
+    random numbers first)."""
+    for result in run_ranks(_init_cases):
+        assert result["same for every strategy and run"] and result["buffers as eager"] and result["norms are ones"]
+        assert abs(result["std of q_proj"] - 0.02) < 0.002
+        assert not result["equals eager init"]
