@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ._schema import normalize_fields
 from .api import get_plan, get_wrap_info, wrap_model
 from .blocks import describe_blocks
+from .checkpoint.hf import save_pretrained
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Batches, check_batch_split
@@ -74,6 +75,10 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest checkpoint in checkpoint_dir when there is one, else start at step 0: the same
     command starts a job and restarts it after a crash."""
+
+    save_pretrained: str | None = None
+    """Directory the trained model is written to after the last step, as Hugging Face safetensors in bf16
+    (fp8dist.save_pretrained; AutoModelForCausalLM.from_pretrained reads it); none: not written."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -186,6 +191,42 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callab
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
+def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
+    """The built-in Llama, or with ``pretrained`` the model of that directory's config.json, built on the meta
+    device (each rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
+    path = config.parallel.pretrained
+    if path is None:
+        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len), f"llama-{train.model_size}"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .data import VOCAB_SIZE
+
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
+                         "directory written by save_pretrained.") from None
+    if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
+        raise ValueError(f"pretrained={path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
+                         f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
+    zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(train.seed)
+        with torch.device("cpu" if zero3 else "meta"):
+            return AutoModelForCausalLM.from_config(model_config), f"{type(model_config).__name__} from {path}"
+
+
+def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:
+    """``save_pretrained``: the trained model as Hugging Face safetensors (every rank gathers, rank 0 writes)."""
+    if train.save_pretrained is None:
+        return
+    t0 = time.perf_counter()
+    path = save_pretrained(model, train.save_pretrained)
+    if log is not None:
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, bf16) in {time.perf_counter() - t0:.2f}s")
+
+
 def _backward_and_step(wrapped: Any, optimizer: Any, loss: torch.Tensor, *, engine: bool,
                        show_report: Callable[[str], Any] | None) -> None:
     """One backward and optimizer step; ``show_report`` gets the precision/memory report while gradients and
@@ -211,7 +252,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     """
     log = log or (lambda line: print(line, flush=True))
     start = time.perf_counter()
-    model = build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
+    model, name = _build_model(config, train)
     n_params = sum(p.numel() for p in model.parameters())
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
     if config.parallel.strategy == "deepspeed":  # DeepSpeed's micro batch is this job's per-rank batch
@@ -233,7 +274,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     leader = env.rank == 0
     if leader:
         info = get_wrap_info(wrapped)
-        log(f"fp8dist train: llama-{train.model_size} ({n_params / 1e6:.2f}M params), strategy "
+        log(f"fp8dist train: {name} ({n_params / 1e6:.2f}M params), strategy "
             f"{config.parallel.strategy}, fp8 {config.precision.fp8 or 'none'}, {env.world_size} x "
             f"{env.device.type} ({env.backend or 'no process group'}), global batch {train.batch_size} x "
             f"{train.seq_len} tokens; layout: {info.sharding.blocks_found_by}")
@@ -261,6 +302,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
             log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
                 f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
         _save(train, wrapped, optimizer, step + 1, log if leader else None)
+    _export(train, wrapped, log if leader else None)
     timed = step_times[1:] or step_times
     tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]

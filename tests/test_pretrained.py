@@ -270,3 +270,50 @@ def test_meta_model_without_pretrained_gets_its_own_init_the_same_on_every_strat
         assert result["same for every strategy and run"] and result["buffers as eager"] and result["norms are ones"]
         assert abs(result["std of q_proj"] - 0.02) < 0.002
         assert not result["equals eager init"]
+
+
+def _train_job(rank: int, world: int, source: str, out: str) -> list[float]:
+    from fp8dist.config import Config
+    from fp8dist.train import TrainConfig, run_training
+
+    warnings.simplefilter("ignore")
+    config = Config.from_dict({"strategy": "fsdp", "fp8": "torchao", "pretrained": source})
+    job = TrainConfig(steps=2, batch_size=4, seq_len=32, save_pretrained=out)
+    losses = run_training(config, job, log=lambda line: None).losses
+    # the first step's loss, by hand: the eager model of the same directory, wrapped the same way
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import fp8dist
+    from fp8dist.data import Batches
+
+    eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(source), config=config.to_dict() | {
+        "pretrained": None})
+    ids = Batches(batch_size=4, seq_len=32, rank=rank, world_size=world, seed=job.seed)[0]
+    with torch.no_grad():
+        first = eager(input_ids=ids, labels=ids).loss.detach().float()
+    dist.all_reduce(first)
+    return losses + [(first / world).item()]
+
+
+def test_fp8dist_train_pretrained_and_save_pretrained(tmp_path):
+    """`fp8dist train --pretrained DIR --save-pretrained OUT`: the flags land in the one config, the job starts
+    from DIR's weights on a meta model and writes OUT, which from_pretrained reads back as bf16."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--pretrained", "src", "--save-pretrained", "out", "--fp8", "none"])
+    config, job = train_cli._config_and_job(args)
+    assert config.parallel.pretrained == "src" and job.save_pretrained == "out"
+    source = _write(_tiny(), tmp_path / "src")
+    *losses, by_hand = run_ranks(_train_job, source, str(tmp_path / "out"))[0]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert losses[0] == by_hand, "the job starts from the pretrained weights"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.dtype == torch.bfloat16
+    assert not torch.equal(reloaded.lm_head.weight, _tiny().lm_head.weight.to(torch.bfloat16)), "trained, not copied"
