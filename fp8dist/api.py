@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from .blocks import BlockWiring, block_refusals, check_block_options, wrap_blocks
-from .config import Config, resolve_config
+from .config import Config, resolve_config, torch_dtype
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .pretrained import LoadReport, check_fits, is_meta_model, materialize, to_empty
-from .strategies import ShardingInfo, apply_strategy, find_blocks, unwrap_model
+from .strategies import ShardingInfo, apply_strategy, deepspeed_config_for, find_blocks, unwrap_model
+from .strategies.deepspeed import partition_meta_zero3
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
@@ -78,15 +79,9 @@ def _check_meta(model: nn.Module, cfg: Config) -> bool:
     if meta and real:
         raise ValueError(f"{type(model).__name__} is partly on the meta device and partly not (e.g. {real[0]!r} is "
                          "not): build the whole model under `with torch.device('meta'):`, or none of it.")
-    p = cfg.parallel
     if meta and cfg.precision.fp8 == "msamp":
         raise ValueError("fp8='msamp' with a meta-device model: MS-AMP converts real weights. Build the model on the "
                          "CPU (with pretrained=, wrap_model loads it there), or use fp8='torchao' / 'te'.")
-    if meta and p.strategy == "deepspeed" and p.zero_stage == 3:
-        raise ValueError("strategy='deepspeed' with zero_stage=3 and a meta-device model: fp8dist does not partition "
-                         "a meta model into ZeRO-3 itself. Use strategy='fsdp' (each rank materializes its shard), "
-                         "or build the model on the CPU (wrap_model then loads pretrained= into it before "
-                         "deepspeed.initialize partitions it).")
     return meta
 
 
@@ -155,11 +150,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
     model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
     sharded = cfg.parallel.strategy in ("fsdp", "fsdp1")  # the others hold the whole model until they shard it
-    loaded, how = (None, "") if sharded else _materialize(model, cfg, env.device, meta)  # 5b. whole model
+    loaded, how = (None, "") if sharded else _materialize(model, cfg, env, meta, optimizer)  # 5b. whole / ZeRO-3
     wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 6. shard
                                        ds_entry=entry, blocks=blocks, param_init_fn=_fsdp1_init(cfg, env, meta))
     if sharded:
-        loaded, how = _materialize(wrapped, cfg, env.device, meta)        # 5b. this rank's shards
+        loaded, how = _materialize(wrapped, cfg, env, meta)                # 5b. this rank's shards
     for note in (*block_wiring.notes, *sharding.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(wrapped, unwrap_model(wrapped), plan, cfg, fp8_group)  # 7. FP8 autocast, hooks
@@ -179,20 +174,27 @@ def _fsdp1_init(cfg: Config, env: DistEnv, meta: bool) -> Any:
     return lambda module: to_empty(module, env.device, recurse=False)
 
 
-def _materialize(model: nn.Module, cfg: Config, device: torch.device, meta: bool) -> tuple[Any, str]:
-    """Step 5b: allocate a meta model (FSDP2: this rank's shards; FSDP1: done unit by unit while sharding; the
-    others: the whole model, refused when it cannot fit), then fill it from ``pretrained`` or its own init."""
-    strategy, path = cfg.parallel.strategy, cfg.parallel.pretrained
+def _materialize(model: nn.Module, cfg: Config, env: DistEnv, meta: bool, optimizer: Any = None) -> tuple[Any, str]:
+    """Step 5b: allocate a meta model (FSDP2: this rank's shards; FSDP1: done unit by unit while sharding; ZeRO-3:
+    partitioned module by module through DeepSpeed's zero.Init; the others: the whole model, refused when it cannot
+    fit), then fill what this rank holds from ``pretrained`` or with the model's own init."""
+    p, device = cfg.parallel, env.device
+    path = p.pretrained
     if not meta and path is None:
         return None, ""
     how = ""
     if meta:
-        if strategy not in ("fsdp", "fsdp1"):
-            check_fits(model, device, strategy)
-        if strategy != "fsdp1":
+        zero3 = p.strategy == "deepspeed" and p.zero_stage == 3
+        if zero3:
+            partition_meta_zero3(model, deepspeed_config_for(model, p, env, optimizer), device=device,
+                                 dtype=torch_dtype(p.param_dtype))
+        elif p.strategy != "fsdp1":
+            if p.strategy != "fsdp":
+                check_fits(model, device, p.strategy)
             to_empty(model, device)
-        how = (f"materialized on {device}: " + ("this rank's shards only" if strategy in ("fsdp", "fsdp1") else
-               "the whole model on every rank") + (f", filled from {path}" if path else ", by its own initialization"))
+        how = (f"materialized on {device}: " + ("this rank's shards only" if p.strategy in ("fsdp", "fsdp1") or zero3
+               else "the whole model on every rank") + (f", filled from {path}" if path else
+                                                        ", by its own initialization"))
     return materialize(model, device, path, meta=meta), how
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .strategies.local_shards import LocalParam, Region, local_params, plain_name
+from .strategies.local_shards import LocalParam, Region, local_params, plain_name, to_empty
 
 __all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "is_meta_model", "to_empty", "check_fits",
            "load_pretrained", "init_weights", "materialize", "INDEX_FILE", "SINGLE_FILE"]
@@ -137,17 +137,6 @@ class LoadReport:
 def is_meta_model(model: nn.Module) -> bool:
     """True when any parameter or buffer of ``model`` is on the meta device."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -> nn.Module:
-    """``module.to_empty(device)`` keeping tied parameters tied: tensors are swapped in place, so two modules
-    holding one Parameter still hold one (plain ``to_empty`` gives each its own)."""
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        return module.to_empty(device=device, recurse=recurse)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def _available_bytes(device: torch.device) -> int | None:

@@ -224,3 +224,29 @@ def is_deepspeed_engine(model: Any) -> bool:
     """True for a ``DeepSpeedEngine`` (without importing DeepSpeed when nothing did)."""
     deepspeed = sys.modules.get("deepspeed")
     return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: Any) -> None:
+    """ZeRO-3 partitions a meta-device model through DeepSpeed's own ``zero.Init(module=...)``, one module at a
+    time (children first): the module's own parameters are allocated at full size in ``dtype`` (what
+    ``deepspeed.initialize`` would cast them to) for a moment, then each rank keeps its partition. The values are
+    not set here: the caller writes them into the partitions (``ds_tensor``) before ``deepspeed.initialize``."""
+    import deepspeed
+    import torch
+
+    from .local_shards import to_empty
+
+    def post_order(module: nn.Module):
+        for child in module.children():
+            yield from post_order(child)
+        yield module
+
+    for module in post_order(model):
+        if not any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+            continue
+        to_empty(module, device, recurse=False)
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype and not hasattr(param, "ds_id"):
+                param.data = torch.empty(param.shape, dtype=dtype, device=device)
+        if any(not hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+            deepspeed.zero.Init(module=module, config_dict_or_path=config, dtype=dtype)
