@@ -317,3 +317,49 @@ def test_fp8dist_train_pretrained_and_save_pretrained(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert reloaded.dtype == torch.bfloat16
     assert not torch.equal(reloaded.lm_head.weight, _tiny().lm_head.weight.to(torch.bfloat16)), "trained, not copied"
+
+
+def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    import fp8dist
+    from fp8dist.models import llama_config
+    from helpers import engine_losses
+
+    warnings.simplefilter("ignore")
+    zero3 = dict(strategy="deepspeed", zero_stage=3, micro_batch_size=2, optimizer={"type": "AdamW", "lr": 1e-3})
+    result = {}
+    for fp8 in (None, "torchao"):
+        eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **zero3)
+        expected = engine_losses(eager, rank, world, steps=STEPS)
+        engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **zero3)
+        loaded = fp8dist.get_wrap_info(engine).pretrained
+        losses = engine_losses(engine, rank, world, steps=STEPS)
+        result[f"load fp8={fp8}"] = (expected, losses, loaded.bytes_read / loaded.checkpoint_bytes, _held_fraction(engine))
+    trained = _full_weights(engine)  # the optimizer's fp32 master weights
+    fp8dist.save_pretrained(engine, out, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    result["export"] = sorted(reloaded) == sorted(trained) and all(torch.equal(reloaded[n], trained[n]) for n in trained)
+    inits = []
+    for kwargs in (zero3, {"strategy": "fsdp"}):
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config("tiny"))
+        wrapped = fp8dist.wrap_model(model, **kwargs)
+        inits.append(_full_weights(wrapped[0] if isinstance(wrapped, tuple) else wrapped))
+    bf16 = {n: w.to(torch.bfloat16) for n, w in inits[1].items()}  # ZeRO-3 holds bf16 module weights
+    result["init as fsdp's"] = all(torch.equal(inits[0][n].to(torch.bfloat16), bf16[n]) for n in bf16)
+    return result
+
+
+def test_deepspeed_zero3_meta_model_loads_its_partitions_and_exports(tmp_path):
+    """ZeRO-3: a meta model partitioned through DeepSpeed's zero.Init module by module, each rank writing its
+    slice of pretrained= (half the bytes) into its partitions: the eager from_pretrained losses exactly, with and
+    without torchao; the export writes the optimizer's fp32 master weights; the model's own init matches fsdp's."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
+    path = _write(_tiny(), tmp_path / "src")
+    for result in run_ranks(_zero3_cases, path, str(tmp_path / "out"), timeout=480):
+        assert result.pop("export") and result.pop("init as fsdp's")
+        for key, (expected, losses, read, held) in result.items():
+            assert losses == expected, key
+            assert abs(read - 0.5) < 0.01 and abs(held - 0.5) < 0.01, (key, read, held)
