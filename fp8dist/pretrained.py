@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .strategies.local_shards import LocalParam, Region, local_params, plain_name, to_empty
+from .strategies.common import to_empty
+from .strategies.local_shards import LocalParam, Region, local_params, plain_name
 
 __all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "is_meta_model", "to_empty", "check_fits",
            "load_pretrained", "init_weights", "materialize", "INDEX_FILE", "SINGLE_FILE"]

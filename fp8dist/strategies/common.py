@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "cast_buffers", "apply_autocast"]
+__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty"]
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
@@ -87,3 +87,14 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
             return forward(*args, **kwargs)
 
     module.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -> nn.Module:
+    """``module.to_empty(device)`` keeping tied parameters tied: tensors are swapped in place, so two modules
+    holding one Parameter still hold one (plain ``to_empty`` gives each its own)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return module.to_empty(device=device, recurse=recurse)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

@@ -234,7 +234,7 @@ def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: 
     import deepspeed
     import torch
 
-    from .local_shards import to_empty
+    from .common import to_empty
 
     def post_order(module: nn.Module):
         for child in module.children():

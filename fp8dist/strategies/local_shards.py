@@ -18,7 +18,7 @@ from torch import nn
 from .deepspeed import is_deepspeed_engine
 
 __all__ = ["WRAPPER_ATTRS", "plain_name", "fsdp1_full_shapes", "Region", "LocalParam", "local_params",
-           "gather_full", "to_empty"]
+           "gather_full"]
 
 WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 """Attributes through which wrappers hold the module they wrap: absent from the user's module names."""
@@ -27,17 +27,6 @@ WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module",
 def plain_name(name: str) -> str:
     """A wrapped module's or parameter's name as it is on the unwrapped model (and in its checkpoints)."""
     return ".".join(a for a in name.split(".") if a not in WRAPPER_ATTRS)
-
-
-def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -> nn.Module:
-    """``module.to_empty(device)`` keeping tied parameters tied: tensors are swapped in place, so two modules
-    holding one Parameter still hold one (plain ``to_empty`` gives each its own)."""
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        return module.to_empty(device=device, recurse=recurse)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
