@@ -71,6 +71,13 @@ def _meta_llama() -> nn.Module:
         return _llama()
 
 
+def _partly_meta_llama() -> nn.Module:
+    """A whole meta-device model is materialized after sharding (tests/test_pretrained.py); half of one is not."""
+    model = _llama()
+    model.lm_head.to("meta")
+    return model
+
+
 def _write(tmp: Path, name: str, text: str) -> str:
     path = tmp / name
     path.write_text(text)
@@ -89,8 +96,8 @@ WRAP = [
         ("_ListLayers has no parameters", "nn.ModuleList, not a Python list")),
     Bad("every parameter frozen", _wrap(model=_Frozen, strategy="fsdp"), ValueError,
         ("all 2 parameters have requires_grad=False", "requires_grad_(True)")),
-    Bad("a meta-device model", _wrap(model=_meta_llama, strategy="fsdp"), ValueError,
-        ("parameters on the meta device", "model.embed_tokens.weight", "to_empty(device='cpu')")),
+    Bad("a model partly on the meta device", _wrap(model=_partly_meta_llama, strategy="fsdp"), ValueError,
+        ("partly on the meta device", "'model.embed_tokens.weight' is not", "torch.device('meta')")),
     Bad("strategy misspelt", _wrap(strategy="fdsp"), ValueError,
         ("strategy='fdsp' is not valid", "'ddp', 'fsdp', 'fsdp1', 'deepspeed'", "Did you mean 'fsdp'?")),
     Bad("strategy not a string", _wrap(strategy=5), ValueError, ("strategy=5 is not valid", "'fsdp'")),
