@@ -15,7 +15,6 @@ model's own initialization; ``pretrained=`` also loads into a model that has rea
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from .strategies.common import to_empty
-from .strategies.local_shards import LocalParam, Region, local_params, plain_name
+from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
 __all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "is_meta_model", "to_empty", "check_fits",
            "load_pretrained", "init_weights", "materialize", "INDEX_FILE", "SINGLE_FILE"]
@@ -261,13 +260,15 @@ def _init_fn(model: nn.Module):
     return lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
 
 
-def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]]) -> nn.Module:
-    """A childless copy of ``module`` with its own parameters and buffers at full size on ``device``."""
-    shadow = copy.copy(module)
+def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]],
+                    param_device: torch.device | str) -> nn.Module:
+    """A childless copy of ``module`` with its own buffers at full size on ``device``, its parameters on
+    ``param_device`` (the meta device when only the buffers are wanted)."""
+    shadow = object.__new__(original_class(module))
     shadow.__dict__ = dict(module.__dict__)
     shadow._modules = {}
     shadow._parameters = {n: None if p is None else nn.Parameter(
-        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device), requires_grad=p.requires_grad)
         for n, p in module._parameters.items()}
     shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
                        for n, b in module._buffers.items()}
@@ -293,10 +294,11 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     init = _init_fn(inner)
     with torch.no_grad():
         for prefix, module in _post_order(inner):
-            if not module._parameters and not module._buffers:
+            if not module._buffers and (buffers_only or not module._parameters):
                 continue
             names = {n: plain_name(f"{prefix}.{n}" if prefix else n) for n in module._parameters}
-            shadow = _full_size_copy(module, device, {n: by_name[q].shape for n, q in names.items() if q in by_name})
+            shapes = {n: by_name[q].shape for n, q in names.items() if q in by_name}
+            shadow = _full_size_copy(module, device, shapes, "meta" if buffers_only else device)
             init(shadow)
             for n, buf in module._buffers.items():
                 if buf is not None:

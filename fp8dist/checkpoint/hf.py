@@ -23,7 +23,7 @@ from .._files import atomic_write, atomic_write_text
 from ..dtypes import torch_dtype
 from ..pretrained import INDEX_FILE, SINGLE_FILE
 from ..strategies import unwrap_model
-from ..strategies.local_shards import gather_full, local_params, plain_name
+from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
 from .io import from_rank0, rank_world
 
 __all__ = ["save_pretrained"]
@@ -49,13 +49,6 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
                              "torch.float16.")
         return dtype
     return torch_dtype(dtype)
-
-
-def _original_class(module: nn.Module) -> type:
-    """The user's class: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) that must not reach config.json."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -88,7 +81,7 @@ def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
     config = getattr(inner, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         config = copy.deepcopy(config)
-        config.architectures = [_original_class(inner).__name__]
+        config.architectures = [original_class(inner).__name__]
         config.dtype = dtype
         atomic_write_text(out / "config.json", config.to_json_string())
         written.append("config.json")

@@ -18,7 +18,7 @@ from torch import nn
 from .deepspeed import is_deepspeed_engine
 
 __all__ = ["WRAPPER_ATTRS", "plain_name", "fsdp1_full_shapes", "Region", "LocalParam", "local_params",
-           "gather_full"]
+           "gather_full", "original_class"]
 
 WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 """Attributes through which wrappers hold the module they wrap: absent from the user's module names."""
@@ -27,6 +27,14 @@ WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module",
 def plain_name(name: str) -> str:
     """A wrapped module's or parameter's name as it is on the unwrapped model (and in its checkpoints)."""
     return ".".join(a for a in name.split(".") if a not in WRAPPER_ATTRS)
+
+
+def original_class(module: nn.Module) -> type:
+    """The user's class of ``module``: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) whose ``__new__``
+    also runs ``__init__``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
