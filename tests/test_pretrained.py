@@ -57,14 +57,18 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
 
     warnings.simplefilter("ignore")
     out = {}
-    for key, path, strategy, fp8 in (("fsdp", single, "fsdp", None), ("fsdp+torchao", single, "fsdp", "torchao"),
-                                     ("fsdp1", single, "fsdp1", None), ("ddp", single, "ddp", None),
-                                     ("fsdp sharded files", sharded, "fsdp", None),
-                                     ("fsdp1 sharded files", sharded, "fsdp1", None),
-                                     ("fsdp tied", tied, "fsdp", None), ("fsdp1 tied", tied, "fsdp1", None)):
-        eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8)
+    for key, path, strategy, fp8, extra in (
+            ("fsdp", single, "fsdp", None, {}), ("fsdp+torchao", single, "fsdp", "torchao", {}),
+            ("fsdp1", single, "fsdp1", None, {}), ("ddp", single, "ddp", None, {}),
+            ("fsdp sharded files", sharded, "fsdp", None, {}), ("fsdp1 sharded files", sharded, "fsdp1", None, {}),
+            ("fsdp tied", tied, "fsdp", None, {}), ("fsdp1 tied", tied, "fsdp1", None, {}),
+            ("fsdp+torchao activation checkpointing", single, "fsdp", "torchao", {"activation_checkpointing": "full"}),
+            ("fsdp, a CPU model", single, "fsdp", None, {"cpu": True})):
+        cpu = extra.pop("cpu", False)
+        eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8, **extra)
         expected = train_losses(eager, rank, world, steps=STEPS)
-        wrapped = fp8dist.wrap_model(_meta_from(path), strategy=strategy, fp8=fp8, pretrained=path)
+        model = _tiny() if cpu else _meta_from(path)  # pretrained= into real weights: a plain load
+        wrapped = fp8dist.wrap_model(model, strategy=strategy, fp8=fp8, pretrained=path, **extra)
         info = fp8dist.get_wrap_info(wrapped)
         read = info.pretrained.bytes_read / info.pretrained.checkpoint_bytes
         held = _held_fraction(wrapped)
@@ -86,8 +90,9 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
 
 def test_meta_model_with_pretrained_trains_like_eager_from_pretrained_reading_half_per_rank(tmp_path):
     """Meta init + pretrained= gives exactly the eager from_pretrained + wrap_model losses (fsdp with and without
-    torchao, fsdp1, ddp; one file, sharded files, tied embeddings); under fsdp and fsdp1 each rank reads half the
-    checkpoint's bytes and holds half the parameters, never the whole."""
+    torchao, fsdp1, ddp; one file, sharded files, tied embeddings, activation-checkpointed blocks; and pretrained=
+    into a CPU model); under fsdp and fsdp1 each rank reads half the checkpoint's bytes and holds half the
+    parameters, never the whole."""
     single = _write(_tiny(), tmp_path / "single")
     sharded = _write(_tiny(), tmp_path / "sharded", max_shard_size=400_000)
     tied = _write(_tiny(tied=True), tmp_path / "tied")
@@ -102,7 +107,7 @@ def test_meta_model_with_pretrained_trains_like_eager_from_pretrained_reading_ha
                 assert read == 1.0 and held == 1.0 and "the whole model on every rank" in how
             else:  # 0.5 exactly for the tiny Llama (every dim 0 even); FSDP1 reads a row more at shard edges
                 assert abs(read - 0.5) < 0.01 and abs(held - 0.5) < 0.01, (rank, key, read, held)
-                assert "this rank's shards only" in how
+                assert "this rank's shards only" in how or key == "fsdp, a CPU model" and how == ""
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
