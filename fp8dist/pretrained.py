@@ -229,8 +229,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
         for name, buf in buffers.items():
             if name in source:
                 buf.copy_(source.read(name, Region(box=tuple((0, s) for s in buf.shape))))
-    total = sum(source.shapes[n] and _numel(source.shapes[n]) * _itemsize(source.dtypes[n]) or
-                _itemsize(source.dtypes[n]) for n in source.names())
+    total = sum(_numel(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
     report = LoadReport(str(path), source.bytes_read, total)
     source.close()
     return report

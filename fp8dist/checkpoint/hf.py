@@ -76,8 +76,7 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
-    written = []
+def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
     config = getattr(inner, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         config = copy.deepcopy(config)
@@ -89,7 +88,6 @@ def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
     if generation is not None and hasattr(generation, "to_json_string"):
         atomic_write_text(out / "generation_config.json", generation.to_json_string())
         written.append("generation_config.json")
-    return written
 
 
 def _remove_stale(out: Path, written: set[str]) -> None:
@@ -104,8 +102,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
 
     Call it on every rank (the parameters are gathered collectively); rank 0 writes. Files are written one at a
-    time, each atomically: a failure removes this call's files and raises on every rank. Weight files of an
-    earlier export into ``out_dir`` that this one did not replace are removed; other files stay (a tokenizer).
+    time, each atomically (never half-written): a failure removes the files this call wrote and raises on every
+    rank. Weight files of an earlier export into ``out_dir`` that this one did not replace are removed; other
+    files stay (a tokenizer).
 
     Args:
         model: the trained model; FP8 layers are written as their high-precision weights.
@@ -123,63 +122,71 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
         fp8dist.save_pretrained(model, "out", dtype=torch.bfloat16)     # after training, on every rank
         AutoModelForCausalLM.from_pretrained("out")                       # anywhere, no fp8dist needed
     """
-    from safetensors.torch import save_file
-
     dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
     out = Path(out_dir)
     rank = rank_world()[0]
     inner = unwrap_model(model)
-    params = local_params(model)
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()
-    entries = [(p.names[0], _numel(p.shape) * size) for p in params]
+    entries = [(p.names[0], _numel(p.shape) * size) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size())) for name, buf in buffers]
     files = _plan_files(entries, limit)
     names = _file_names(len(files))
     file_of = {name: names[i] for i, group in enumerate(files) for name in group}
     closes = {group[-1]: names[i] for i, group in enumerate(files)}  # the tensor that completes each file
-    written: list[str] = []
+    writer = _Writer(out, rank)
+    writer.run(f"creating {out}", lambda: out.mkdir(parents=True, exist_ok=True) or [])
     pending: dict[str, torch.Tensor] = {}
-    failure = None
-
-    def flush(file: str) -> None:
-        nonlocal failure
-        if rank == 0 and failure is None:
-            try:
-                atomic_write(out / file, lambda tmp: save_file(pending, tmp, metadata={"format": "pt"}))
-                written.append(file)
-            except Exception as err:  # every rank must learn of it: they wait in the next gather otherwise
-                failure = f"{type(err).__name__}: {err}"
-        pending.clear()
-        status = from_rank0(failure)
-        if status is not None:
-            if rank == 0:
-                for name in written:
-                    (out / name).unlink(missing_ok=True)
-            raise OSError(f"fp8dist.save_pretrained: writing {out / file} on rank 0 failed ({status}); nothing "
-                          f"of this export was kept in {out}.")
-
-    if rank == 0:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            failure = f"{type(err).__name__}: {err}"
     tensors = ((names[0], full) for names, full in gather_full(model))
-    tensors = _chain(tensors, ((name, buf.detach().cpu() if rank == 0 else None) for name, buf in buffers))
-    for name, full in tensors:
+    for name, full in _chain(tensors, ((n, buf.detach().cpu() if rank == 0 else None) for n, buf in buffers)):
         if rank == 0:
             pending[name] = (full.to(dtype) if full.is_floating_point() else full).contiguous()
         if name in closes:
-            flush(closes[name])
-    if rank == 0:
+            writer.run(f"writing {out / closes[name]}", lambda: _write_file(out / closes[name], pending))
+            pending = {}
+
+    def finish() -> list[str]:  # what it writes is recorded as it goes: a failure removes it too
         if len(names) > 1:
             index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": file_of}
             atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
-            written.append(INDEX_FILE)
-        written += _write_config(inner, out, dtype)
-        _remove_stale(out, set(written))
-    from_rank0(None)  # every rank returns once the directory is complete
+            writer.written.append(INDEX_FILE)
+        _write_config(inner, out, dtype, writer.written)
+        _remove_stale(out, set(writer.written))
+        return []
+
+    writer.run(f"writing {INDEX_FILE} and config.json into {out}", finish)  # every rank returns once it is complete
     return out
+
+
+class _Writer:
+    """Rank 0 writes; after each write every rank learns whether it worked (the others would wait in the next
+    gather otherwise). A failure removes this export's files and raises on every rank."""
+
+    def __init__(self, out: Path, rank: int):
+        self.out, self.rank = out, rank
+        self.written: list[str] = []
+
+    def run(self, what: str, write) -> None:
+        failure = None
+        if self.rank == 0:
+            try:
+                self.written += write()
+            except Exception as err:
+                failure = f"{type(err).__name__}: {err}"
+        failure = from_rank0(failure)
+        if failure is not None:
+            if self.rank == 0:
+                for name in self.written:
+                    (self.out / name).unlink(missing_ok=True)
+            raise OSError(f"fp8dist.save_pretrained: {what} on rank 0 failed ({failure}); nothing of this export "
+                          f"was kept in {self.out}.")
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
+    from safetensors.torch import save_file
+
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    return [path.name]
 
 
 def _chain(*iterables):
