@@ -118,7 +118,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         optimizer: an optimizer spec (see :func:`fp8dist.optim.build_optimizer`); required for fp8="msamp",
             which owns the optimizer. When given, ``(model, optimizer)`` is returned, built after sharding.
         **options: any config key, e.g. ``param_dtype="bf16"``, ``torchao_recipe="rowwise"``,
-            ``block_classes=[...]``.
+            ``block_classes=[...]``, ``pretrained="hf_dir"`` (each rank loads its part of the safetensors there).
 
     Returns:
         The model to train: the same module sharded in place (fsdp), or its DDP / FSDP1 wrapper; with
