@@ -19,6 +19,7 @@ from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .pretrained import LoadReport, check_fits, is_meta_model, materialize, to_empty
 from .strategies import ShardingInfo, apply_strategy, deepspeed_config_for, find_blocks, unwrap_model
 from .strategies.deepspeed import partition_meta_zero3
+from .strategies.fsdp import check_replicate_degree
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
@@ -136,6 +137,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
     launch = current_launch()                                              # 2. check environment
     device = resolve_device(cfg.parallel.device, launch.local_rank)
+    check_replicate_degree(cfg.parallel.replicate_degree, launch.world_size)
     plan = plan_precision(model, cfg, device=device, fp8_filter=fp8_filter)  # 3. plan (FP8 gate first)
     _announce(cfg, plan, fp8_filter, fp8_group)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8

@@ -66,8 +66,14 @@ class StrategyConfig:
 
     reshard_after_forward: bool = field(default=True, metadata=_only(strategy=("fsdp", "fsdp1")))
     """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward
-    (ZeRO-2 style: more memory, less communication). FSDP2's root module (embeddings, output layer) always keeps
+    (ZeRO-2 style: more memory, less communication). FSDP2's unit of final norm and output layer always keeps
     them: backward needs them first."""
+
+    replicate_degree: int = field(default=1, metadata=_only(strategy=("fsdp",)))
+    """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
+    the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
+    reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
+    a node and replicate across nodes. 1: shard over every rank."""
 
     device: Device = "auto"
     """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""
@@ -108,7 +114,7 @@ class StrategyConfig:
         if isinstance(self.pretrained, os.PathLike):
             object.__setattr__(self, "pretrained", os.fspath(self.pretrained))
         normalize_fields(self)
-        for name in ("micro_batch_size", "grad_accum"):
+        for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.gradient_clipping < 0:

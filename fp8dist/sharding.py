@@ -31,11 +31,14 @@ class ShardingSummary:
     storage_dtypes: tuple[str, ...]
     compute_dtype: str
     reduce_dtype: str
+    replicas: int = 1
+    """Whole copies of the model over the ranks: HSDP's replicate degree (1: sharded over every rank)."""
 
     def __str__(self) -> str:
         share = 100.0 * self.local_numel / max(self.total_numel, 1)
-        return (f"{self.layout}: {self.sharded_tensors}/{self.tensors} tensors sharded over {self.world_size} "
-                f"rank(s); this rank stores {self.local_numel:,} of {self.total_numel:,} elements ({share:.1f}%) "
+        copies = f" in each of {self.replicas} replicas" if self.replicas > 1 else ""
+        return (f"{self.layout}: {self.sharded_tensors}/{self.tensors} tensors sharded over "
+                f"{self.world_size // self.replicas} rank(s){copies}; this rank stores {self.local_numel:,} of {self.total_numel:,} elements ({share:.1f}%) "
                 f"in {'/'.join(self.storage_dtypes)}; compute in {self.compute_dtype}, "
                 f"gradients reduced in {self.reduce_dtype}")
 
@@ -71,7 +74,9 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
     if engine.engine == "fsdp":
         dtensors = [p for p in params if isinstance(p, DTensor)]
         placements = sorted({repr(pl) for p in dtensors for pl in p.placements})
+        replicas = max((_replicas(p) for p in dtensors), default=1)
         return _summary(layout=f"DTensor {'/'.join(placements)}", total_numel=sum(p.numel() for p in params),
+                        replicas=replicas,
                         local_numel=sum(p.to_local().numel() for p in dtensors), tensors=len(params),
                         sharded_tensors=sum(1 for p in dtensors if any(pl.is_shard() for pl in p.placements)),
                         storage={p.dtype for p in params}, **common)
@@ -79,6 +84,16 @@ def sharding_summary(model: nn.Module) -> ShardingSummary:
     return _summary(layout="replicated" if engine.engine == "ddp" else "not distributed", total_numel=total,
                     local_numel=total, sharded_tensors=0, tensors=len(params), storage={p.dtype for p in params},
                     **common)
+
+
+def _replicas(p: DTensor) -> int:
+    """How many ranks hold the same piece of ``p``: the product of its mesh dimensions that replicate it."""
+    shape = p.device_mesh.shape
+    copies = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            copies *= shape[dim]
+    return copies
 
 
 def _summary(*, storage: set[torch.dtype], compute_dtype: str | None, **fields) -> ShardingSummary:

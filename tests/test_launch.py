@@ -218,6 +218,10 @@ def _dry_runs_print_each_nodes_command(slurm):
             "--strategy", "fsdp", "--run-name", "a b"]
         assert f"127.0.0.1:{head.group(2)}" in words
     assert "step " not in out, "a dry run trains nothing"
+    out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", DRY_RUN="1", NPROC_PER_NODE="2", HSDP="1")
+    per_node = [line for line in out.splitlines() if re.match(r"^[01]: torchrun", line)]
+    assert len(per_node) == 2 and all(shlex.split(line.split(": ", 1)[1])[-4:] == [
+        "--strategy", "fsdp", "--replicate-degree", "2"] for line in per_node), "HSDP=1: one replica per node"
     out = _submit(slurm, "deepspeed.sbatch", "--zero-stage", "3", DRY_RUN="1", NPROC_PER_NODE="1")
     for rank in (0, 1):
         assert re.search(rf"^{rank}: deepspeed --hostfile \S+ --master_addr 127\.0\.0\.1 --no_ssh --node_rank {rank} ",

@@ -38,7 +38,7 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
-from ..strategies.fsdp import fsdp_padding_notes
+from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
@@ -171,7 +171,10 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
         notes.append(f"transient, not counted: all-gathered weights of about 2 blocks at a time "
                      f"({_size(2 * biggest * c)} in the compute dtype)")
     if strategy == "fsdp":
-        notes += fsdp_padding_notes(model, world)
+        notes += fsdp_padding_notes(model, world // cfg.parallel.replicate_degree)
+        if cfg.parallel.replicate_degree > 1:
+            notes.append(f"HSDP: {cfg.parallel.replicate_degree} replicas, each sharded over "
+                         f"{world // cfg.parallel.replicate_degree} rank(s)")
     if ds is not None:
         comm = DTYPE_BYTES.get(ds["comm"], 4)
         kept = "allocated for the whole run" if ds["stage"] == 3 else "during backward"
@@ -216,6 +219,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    if cfg.parallel.strategy == "fsdp":
+        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
     if optimizer not in OPTIMIZER_STATES:
         raise choice_error("optimizer", optimizer, OPTIMIZER_STATES,
                            "Its states per parameter decide the optimizer_states bytes.")

@@ -21,13 +21,14 @@ from typing import Any
 
 from torch import nn
 
+from ..strategies.fsdp import root_units
 from .activation_families import FAMILIES, Saves, activation_note, dims
 
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _FP8_WEIGHT_COPY = {"te": 2, "msamp": 1}
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-ROOT_WEIGHTS_ITEM = "root module's gathered weights, kept for backward"
+ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
 RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
 """Under full activation checkpointing: the transient of backward's recompute (not held after the forward)."""
 """The one item that is FSDP2's gathered parameters, not a tensor autograd saves."""
@@ -127,9 +128,11 @@ def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, 
     if cfg.parallel.strategy in ("fsdp", "fsdp1") and not cfg.parallel.reshard_after_forward:
         items.append(("unsharded weights kept (reshard_after_forward=False)",
                       sum(p.numel() for p in model.parameters()) * c))
-    elif cfg.parallel.strategy == "fsdp" and blocks:  # FSDP2's root keeps its gathered weights for backward
-        root = sum(p.numel() for n, p in model.named_parameters() if not any(n.startswith(f"{b}.") for b in blocks))
-        items.append((ROOT_WEIGHTS_ITEM, root * c))
+    elif cfg.parallel.strategy == "fsdp" and blocks:  # the units outside the blocks kept gathered for backward
+        freed = tuple(f"{name}." for name in blocks) + tuple(
+            f"{name}." for unit in root_units(model, blocks) if unit.reshard_after_forward for name in unit.names)
+        root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
+        items.append((ROOT_WEIGHTS_ITEM, sum(root.values()) * c))
     return items
 
 

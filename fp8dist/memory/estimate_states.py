@@ -220,8 +220,9 @@ def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str,
         if cfg.precision.fp8 == "msamp":
             return _zero_chart(params, world, stage)
         return _zero3(params, world, ds["persistence"]) if stage == 3 else _zero12(params, world)
-    if strategy == "fsdp":
-        return _fsdp2(params, world, optimizer)
+    if strategy == "fsdp":  # HSDP: each replica's ranks hold what FSDP2 over one shard group holds
+        shard = world // cfg.parallel.replicate_degree
+        return _fsdp2(params, shard, optimizer) * cfg.parallel.replicate_degree
     if strategy == "fsdp1":
         return _fsdp1(params, world, optimizer, DTYPE_BYTES[cfg.parallel.param_dtype])
     return _replicated(params, world, optimizer)

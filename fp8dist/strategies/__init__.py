@@ -18,7 +18,7 @@ from ..env import DistEnv
 from .common import cast_buffers, find_blocks
 from .ddp import apply_ddp, apply_single
 from .deepspeed import apply_deepspeed, build_deepspeed_config, is_deepspeed_engine, zero_config
-from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy, fsdp_padding_notes
+from .fsdp import apply_fsdp, apply_fsdp1, build_fsdp1_policy, build_fsdp_policy, fsdp_mesh, fsdp_padding_notes
 
 __all__ = ["apply_strategy", "ShardingInfo", "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks",
            "zero_config", "deepspeed_config_for", "is_deepspeed_engine"]
@@ -81,9 +81,10 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
         names, blocks = tuple(n for n, _ in found), [m for _, m in found]
         if cfg.strategy == "fsdp":
             cast_buffers(model, buffer)
-            model = apply_fsdp(model, blocks, mesh=None, device=env.device,
+            model = apply_fsdp(model, blocks, mesh=fsdp_mesh(env.device, env.world_size, cfg.replicate_degree),
+                               device=env.device,
                                mp_policy=build_fsdp_policy(param_dtype=param, reduce_dtype=reduce),
-                               reshard_after_forward=cfg.reshard_after_forward)
+                               reshard_after_forward=cfg.reshard_after_forward, block_names=names)
         else:
             model = apply_fsdp1(model, blocks, device=env.device,
                                 mixed_precision=build_fsdp1_policy(param_dtype=param, reduce_dtype=reduce,
@@ -92,7 +93,7 @@ def apply_strategy(model: nn.Module, cfg: StrategyConfig, env: DistEnv, optimize
         notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
                                   "block_classes=[...] to shard block by block.",)
         if cfg.strategy == "fsdp":
-            notes += fsdp_padding_notes(model, env.world_size)
+            notes += fsdp_padding_notes(model, env.world_size // cfg.replicate_degree)
         return model, ShardingInfo(cfg.strategy, names, how, notes=notes)
     cast_buffers(model, buffer)
     autocast = param if param != torch.float32 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,7 +19,8 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from .padding import padding_note, shard_padding
 
-__all__ = ["build_fsdp_policy", "build_fsdp1_policy", "apply_fsdp", "apply_fsdp1", "fsdp_padding_notes"]
+__all__ = ["build_fsdp_policy", "build_fsdp1_policy", "apply_fsdp", "apply_fsdp1", "fsdp_padding_notes", "fsdp_mesh",
+           "check_replicate_degree", "root_units", "RootUnit"]
 
 
 def build_fsdp_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -34,19 +36,96 @@ def build_fsdp1_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
     return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
 
 
+def fsdp_mesh(device: torch.device, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
+    """FSDP2's mesh: 1-D over every rank, or 2-D ``(replicate, shard)`` for HSDP (``fully_shard`` shards on the last
+    dimension and replicates on the first; rank ``r`` is in shard group ``r // shard_degree``)."""
+    check_replicate_degree(replicate_degree, world_size)
+    if replicate_degree == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device.type, (replicate_degree, world_size // replicate_degree),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def check_replicate_degree(replicate_degree: int, world_size: int) -> None:
+    """ValueError unless ``replicate_degree`` splits ``world_size`` ranks into equal shard groups."""
+    if replicate_degree < 1 or world_size % replicate_degree:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"replicate_degree={replicate_degree} does not split world size {world_size} into equal "
+                         f"shard groups: choose one of {divisors} (the number of nodes shards within a node), or 1 "
+                         "to shard over every rank.")
+
+
+@dataclass(frozen=True)
+class RootUnit:
+    """Modules outside the blocks that FSDP2 shards together as one unit, before the root."""
+
+    names: tuple[str, ...]
+    reshard_after_forward: bool
+    """False for the unit the backward needs first (final norm, output layer): torchtitan's choice."""
+
+
+def root_units(model: nn.Module, block_names: list[str] | tuple[str, ...],
+               reshard_after_forward: bool = True) -> tuple[RootUnit, ...]:
+    """How FSDP2 shards what the blocks leave, as torchtitan does: the input embedding as a unit of its own
+    (freed after forward, gathered again at the end of backward), the rest (final norm, output layer) as one unit
+    kept gathered from its forward to its backward. Without that, all of them stay in the root unit, gathered for
+    the whole step. A tied embedding and output layer share a weight, so they stay one unit (gathered the whole
+    step). Empty without blocks (the model is then one unit). Reads names and shapes only: a meta model works."""
+    if not block_names:
+        return ()
+    inside = tuple(f"{b}." for b in block_names)
+    held = [(name, module) for name, module in model.named_modules()
+            if name and not name.startswith(inside) and name not in block_names
+            and any(True for _ in module.parameters(recurse=False))]
+    if not held:
+        return ()
+    embedding = _input_embedding(model, held)
+    if embedding is None:
+        return (RootUnit(tuple(n for n, _ in held), False),)
+    rest = [(n, m) for n, m in held if n != embedding]
+    mine = {id(p) for p in dict(held)[embedding].parameters()}
+    if not rest or any(id(p) in mine for _, m in rest for p in m.parameters(recurse=False)):  # tied, or alone
+        return (RootUnit(tuple(n for n, _ in held), not rest and reshard_after_forward),)
+    return (RootUnit((embedding,), reshard_after_forward), RootUnit(tuple(n for n, _ in rest), False))
+
+
+def _input_embedding(model: nn.Module, held: list[tuple[str, nn.Module]]) -> str | None:
+    """The name of the input embedding among ``held``: Hugging Face's get_input_embeddings(), else the first
+    nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    found = None
+    if callable(getter):
+        try:
+            found = getter()
+        except (NotImplementedError, AttributeError):
+            found = None
+    for name, module in held:
+        if module is found or found is None and isinstance(module, nn.Embedding):
+            return name
+    return None
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | None, device: torch.device,
-               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> nn.Module:
-    """Shard each block with ``fully_shard``, then the root. In place: returns ``model`` itself.
-    ``reshard_after_forward`` applies to the blocks; the root keeps its gathered parameters for backward.
+               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+               block_names: tuple[str, ...] = ()) -> nn.Module:
+    """Shard each block with ``fully_shard``, then what the blocks leave (:func:`root_units`, when
+    ``block_names`` names the blocks), then the root. In place: returns ``model`` itself.
+    ``reshard_after_forward`` applies to the blocks and the input embedding. ``mesh``: None shards over every rank;
+    a 2-D mesh (:func:`fsdp_mesh`) is HSDP.
 
     Call after FP8 conversion and before building the optimizer.
     """
     if mesh is None:
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mesh = fsdp_mesh(device, torch.distributed.get_world_size())
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    # the root's parameters (embeddings, final norm, output layer) are the first backward needs: freeing them
-    # after forward only gathers them again at once (torch's default for the root, as torchtitan does)
+    modules = dict(model.named_modules())
+    for unit in root_units(model, block_names, reshard_after_forward):
+        group = [modules[n] for n in unit.names]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=unit.reshard_after_forward)
+    # what is left in the root is what backward needs first: freeing it after forward only gathers it again at
+    # once (torch's default for the root, as torchtitan does)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
 
