@@ -194,9 +194,13 @@ def _materialize(model: nn.Module, cfg: Config, env: DistEnv, meta: bool, optimi
             if p.strategy != "fsdp":
                 check_fits(model, device, p.strategy)
             to_empty(model, device)
-        how = (f"materialized on {device}: " + ("this rank's shards only" if p.strategy in ("fsdp", "fsdp1") or zero3
-               else "the whole model on every rank") + (f", filled from {path}" if path else
-                                                        ", by its own initialization"))
+        whole = not (p.strategy in ("fsdp", "fsdp1") or zero3)
+        how = (f"materialized on {device}: " + ("the whole model on every rank" if whole else "this rank's shards only")
+               + (f", filled from {path}" if path else ", by its own initialization"))
+        if whole:  # said once: a meta model is usually built because it is large
+            warnings.warn(f"strategy={p.strategy!r} keeps the whole model on every rank: the meta-device model was "
+                          f"{how}. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size of it.",
+                          UserWarning, stacklevel=3)
     return materialize(model, device, path, meta=meta), how
 
 

@@ -68,11 +68,14 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
         eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8, **extra)
         expected = train_losses(eager, rank, world, steps=STEPS)
         model = _tiny() if cpu else _meta_from(path)  # pretrained= into real weights: a plain load
-        wrapped = fp8dist.wrap_model(model, strategy=strategy, fp8=fp8, pretrained=path, **extra)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = fp8dist.wrap_model(model, strategy=strategy, fp8=fp8, pretrained=path, **extra)
+        said = [str(w.message) for w in caught if "keeps the whole model on every rank" in str(w.message)]
         info = fp8dist.get_wrap_info(wrapped)
         read = info.pretrained.bytes_read / info.pretrained.checkpoint_bytes
         held = _held_fraction(wrapped)
-        out[key] = (expected, train_losses(wrapped, rank, world, steps=STEPS), read, held, info.materialized)
+        out[key] = (expected, train_losses(wrapped, rank, world, steps=STEPS), read, held, info.materialized, said)
     # a meta model larger than this machine's memory under ddp: refused before anything is allocated
     from fp8dist.models import llama_config
 
@@ -101,8 +104,9 @@ def test_meta_model_with_pretrained_trains_like_eager_from_pretrained_reading_ha
     results = run_ranks(_load_cases, single, sharded, tied)
     for rank, result in enumerate(results):
         assert "materializes the whole meta-device model on every rank" in result.pop("ddp too large")
-        for key, (expected, losses, read, held, how) in result.items():
+        for key, (expected, losses, read, held, how, said) in result.items():
             assert losses == expected, (rank, key)
+            assert len(said) == (key == "ddp"), (rank, key, said)  # said once, and only where it is so
             if key == "ddp":
                 assert read == 1.0 and held == 1.0 and "the whole model on every rank" in how
             else:  # 0.5 exactly for the tiny Llama (every dim 0 even); FSDP1 reads a row more at shard edges
