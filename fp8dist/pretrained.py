@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .strategies import unwrap_model
 from .strategies.common import to_empty
 from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
@@ -213,7 +214,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
     """
     source = SafetensorsDir(path)
     params = local_params(model) if params is None else params
-    inner = getattr(model, "module", model)
+    inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     problems = _mismatches(source, params, buffers, _ignored(inner))
     if problems:
@@ -287,7 +288,7 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
     part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
     come from elsewhere (a checkpoint)."""
-    inner = getattr(model, "module", model)
+    inner = unwrap_model(model)
     params = local_params(model) if params is None else params
     by_name = {n: p for p in params for n in p.names}
     init = _init_fn(inner)
