@@ -378,3 +378,17 @@ def test_deepspeed_zero3_meta_model_loads_its_partitions_and_exports(tmp_path):
         for key, (expected, losses, read, held) in result.items():
             assert losses == expected, key
             assert abs(read - 0.5) < 0.01 and abs(held - 0.5) < 0.01, (key, read, held)
+
+
+def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys):
+    """`fp8dist plan --pretrained DIR` plans DIR's model (its config.json, on the meta device), not the built-in one."""
+    from fp8dist.cli import main
+    from fp8dist.models import build_llama
+
+    path = _write(build_llama("small"), tmp_path / "small")
+    assert main(["plan", "--pretrained", path, "--fp8", "none"]) == 0
+    assert "model.layers.3.mlp.down_proj" in capsys.readouterr().out  # 4 layers: the small preset, not tiny's 2
+    assert main(["estimate", "--pretrained", path, "--world-size", "2"]) == 0
+    assert "3,279,104 parameters" in capsys.readouterr().out
+    assert main(["plan", "--pretrained", str(tmp_path / "nowhere")]) == 2
+    assert "no readable Hugging Face config.json there" in capsys.readouterr().err

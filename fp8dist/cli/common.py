@@ -40,7 +40,8 @@ def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
     """``--config FILE`` and the model to build on the meta device: ``--model-size`` or ``--model-config``
-    (read by :func:`meta_model`); shared by ``plan`` and ``estimate``."""
+    (read by :func:`meta_model`, which also takes ``--pretrained DIR``'s config.json); shared by ``plan`` and
+    ``estimate``."""
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
@@ -49,11 +50,22 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
 
 
 def meta_model(args: argparse.Namespace):
+    """The model on the meta device: ``--model-config``, else the config.json of ``--pretrained DIR``, else the
+    built-in ``--model-size``."""
     import json
 
     import torch
 
+    pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):
+        if args.model_config is None and pretrained is not None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            try:
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained))
+            except OSError as err:
+                raise ValueError(f"pretrained={pretrained!r}: no readable Hugging Face config.json there ({err}). "
+                                 "Pass a model directory written by save_pretrained, or --model-config.") from None
         if args.model_config is None:
             from ..models import build_llama
 
