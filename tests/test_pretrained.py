@@ -344,13 +344,15 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
     warnings.simplefilter("ignore")
     zero3 = dict(strategy="deepspeed", zero_stage=3, micro_batch_size=2, optimizer={"type": "AdamW", "lr": 1e-3})
     result = {}
-    for fp8 in (None, "torchao"):
-        eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **zero3)
+    for stage, fp8 in ((2, None), (3, None), (3, "torchao")):  # ZeRO-2 keeps whole parameters: materialized whole
+        kwargs = {**zero3, "zero_stage": stage}
+        eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **kwargs)
         expected = engine_losses(eager, rank, world, steps=STEPS)
-        engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **zero3)
+        engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **kwargs)
         loaded = fp8dist.get_wrap_info(engine).pretrained
         losses = engine_losses(engine, rank, world, steps=STEPS)
-        result[f"load fp8={fp8}"] = (expected, losses, loaded.bytes_read / loaded.checkpoint_bytes, _held_fraction(engine))
+        result[f"ZeRO-{stage} fp8={fp8}"] = (expected, losses, loaded.bytes_read / loaded.checkpoint_bytes,
+                                            _held_fraction(engine))
     trained = _full_weights(engine)  # the optimizer's fp32 master weights
     fp8dist.save_pretrained(engine, out, dtype=torch.float32)
     reloaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -370,14 +372,16 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
 def test_deepspeed_zero3_meta_model_loads_its_partitions_and_exports(tmp_path):
     """ZeRO-3: a meta model partitioned through DeepSpeed's zero.Init module by module, each rank writing its
     slice of pretrained= (half the bytes) into its partitions: the eager from_pretrained losses exactly, with and
-    without torchao; the export writes the optimizer's fp32 master weights; the model's own init matches fsdp's."""
+    without torchao (ZeRO-2: materialized whole, the same losses); the export writes the optimizer's fp32 master
+    weights; the model's own init matches fsdp's."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
     path = _write(_tiny(), tmp_path / "src")
     for result in run_ranks(_zero3_cases, path, str(tmp_path / "out"), timeout=480):
         assert result.pop("export") and result.pop("init as fsdp's")
         for key, (expected, losses, read, held) in result.items():
             assert losses == expected, key
-            assert abs(read - 0.5) < 0.01 and abs(held - 0.5) < 0.01, (key, read, held)
+            share = 1.0 if key.startswith("ZeRO-2") else 0.5
+            assert abs(read - share) < 0.01 and abs(held - share) < 0.01, (key, read, held)
 
 
 def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys):
