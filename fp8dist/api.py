@@ -149,10 +149,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     env = _environment(cfg, launch, device)                                # process group, once all checks passed
     backend.convert(model, plan, cfg)                                      # 4. convert, before sharding
     blocks, block_wiring = _wrap_blocks(model, cfg, plan.compile, plan.compile_reason)  # 5. checkpoint, compile
-    entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
-    model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)
     sharded = cfg.parallel.strategy in ("fsdp", "fsdp1")  # the others hold the whole model until they shard it
     loaded, how = (None, "") if sharded else _materialize(model, cfg, env, meta, optimizer)  # 5b. whole / ZeRO-3
+    entry = backend.deepspeed_entry(cfg) if cfg.parallel.strategy == "deepspeed" else None
+    model, built = backend.before_shard(model, optimizer, cfg) if entry is None else (model, None)  # MS-AMP: loaded
     wrapped, sharding = apply_strategy(model, cfg.parallel, env, optimizer=optimizer,  # 6. shard
                                        ds_entry=entry, blocks=blocks, param_init_fn=_fsdp1_init(cfg, env, meta))
     if sharded:
