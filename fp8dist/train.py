@@ -213,7 +213,9 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(train.seed)
         with torch.device("cpu" if zero3 else "meta"):
-            return AutoModelForCausalLM.from_config(model_config), f"{type(model_config).__name__} from {path}"
+            # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            return model, f"{type(model_config).__name__} from {path}"
 
 
 def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:

@@ -294,7 +294,8 @@ def _train_job(rank: int, world: int, source: str, out: str) -> list[float]:
     warnings.simplefilter("ignore")
     config = Config.from_dict({"strategy": "fsdp", "fp8": "torchao", "pretrained": source})
     job = TrainConfig(steps=2, batch_size=4, seq_len=32, save_pretrained=out)
-    losses = run_training(config, job, log=lambda line: None).losses
+    result = run_training(config, job, log=lambda line: None)
+    losses = result.losses
     # the first step's loss, by hand: the eager model of the same directory, wrapped the same way
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -302,13 +303,13 @@ def _train_job(rank: int, world: int, source: str, out: str) -> list[float]:
     import fp8dist
     from fp8dist.data import Batches
 
-    eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(source), config=config.to_dict() | {
-        "pretrained": None})
+    eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32),
+                               config=config.to_dict() | {"pretrained": None})
     ids = Batches(batch_size=4, seq_len=32, rank=rank, world_size=world, seed=job.seed)[0]
     with torch.no_grad():
         first = eager(input_ids=ids, labels=ids).loss.detach().float()
     dist.all_reduce(first)
-    return losses + [(first / world).item()]
+    return losses + [(first / world).item()], result.sharding[rank]
 
 
 def test_fp8dist_train_pretrained_and_save_pretrained(tmp_path):
@@ -318,6 +319,7 @@ def test_fp8dist_train_pretrained_and_save_pretrained(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    import fp8dist
     from fp8dist.cli import train as train_cli
 
     parser = argparse.ArgumentParser()
@@ -325,10 +327,12 @@ def test_fp8dist_train_pretrained_and_save_pretrained(tmp_path):
     args = parser.parse_args(["train", "--pretrained", "src", "--save-pretrained", "out", "--fp8", "none"])
     config, job = train_cli._config_and_job(args)
     assert config.parallel.pretrained == "src" and job.save_pretrained == "out"
-    source = _write(_tiny(), tmp_path / "src")
-    *losses, by_hand = run_ranks(_train_job, source, str(tmp_path / "out"))[0]
+    source = str(tmp_path / "src")
+    fp8dist.save_pretrained(_tiny(), source)  # bf16, as checkpoints usually are: the job still trains fp32 weights
+    (*losses, by_hand), stored = run_ranks(_train_job, source, str(tmp_path / "out"))[0]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert losses[0] == by_hand, "the job starts from the pretrained weights"
+    assert "elements (50.0%) in fp32; compute in bf16" in stored, stored
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert reloaded.dtype == torch.bfloat16
     assert not torch.equal(reloaded.lm_head.weight, _tiny().lm_head.weight.to(torch.bfloat16)), "trained, not copied"

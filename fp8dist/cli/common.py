@@ -62,7 +62,8 @@ def meta_model(args: argparse.Namespace):
             from transformers import AutoConfig, AutoModelForCausalLM
 
             try:
-                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained))
+                # trained in fp32 (master weights), whatever dtype the checkpoint was saved in
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained), dtype=torch.float32)
             except OSError as err:
                 raise ValueError(f"pretrained={pretrained!r}: no readable Hugging Face config.json there ({err}). "
                                  "Pass a model directory written by save_pretrained, or --model-config.") from None
