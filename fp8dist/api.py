@@ -197,10 +197,10 @@ def _materialize(model: nn.Module, cfg: Config, env: DistEnv, meta: bool, optimi
         whole = not (p.strategy in ("fsdp", "fsdp1") or zero3)
         how = (f"materialized on {device}: " + ("the whole model on every rank" if whole else "this rank's shards only")
                + (f", filled from {path}" if path else ", by its own initialization"))
-        if whole:  # said once: a meta model is usually built because it is large
-            warnings.warn(f"strategy={p.strategy!r} keeps the whole model on every rank: the meta-device model was "
-                          f"{how}. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size of it.",
-                          UserWarning, stacklevel=3)
+        if whole and p.strategy != "none":  # said once: a meta model is usually built because it is large
+            warnings.warn(f"strategy={p.strategy!r} keeps the whole model on every rank, so the meta-device model "
+                          f"was materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates "
+                          "1/world_size of it per rank.", UserWarning, stacklevel=3)
     return materialize(model, device, path, meta=meta), how
 
 

@@ -297,6 +297,8 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     params = local_params(model) if params is None else params
     by_name = {n: p for p in params for n in p.names}
     init = _init_fn(inner)
+    if not buffers_only:
+        _check_initializable(inner, by_name)
     with torch.no_grad():
         for prefix, module in _post_order(inner):
             if not module._buffers and (buffers_only or not module._parameters):
@@ -314,6 +316,21 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
                 piece = by_name.get(names[n])
                 if full is not None and piece is not None and piece.region.numel:  # tied: the last module wins
                     piece.local.copy_(_cut(full.data, piece.region).view(piece.local.shape))
+
+
+def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> None:
+    """Without Hugging Face's ``_init_weights``, a module whose parameters no ``reset_parameters`` sets would keep
+    uninitialized memory: refused, naming them."""
+    if callable(getattr(inner, "_init_weights", None)):
+        return
+    bare = [plain_name(f"{prefix}.{n}" if prefix else n) for prefix, module in _post_order(inner)
+            if not hasattr(module, "reset_parameters") for n in module._parameters
+            if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]
+    if bare:
+        raise ValueError(f"{type(inner).__name__} was built on the meta device and {len(bare)} parameter(s) have no "
+                         f"initialization to run (their module has no reset_parameters), e.g. {bare[:_SHOWN]}: they "
+                         "would hold uninitialized memory. Pass pretrained=DIR, give those modules a "
+                         "reset_parameters(), or build the model on the CPU.")
 
 
 def _cut(full: torch.Tensor, region: Region) -> torch.Tensor:

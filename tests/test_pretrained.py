@@ -400,3 +400,30 @@ def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys
     assert "3,279,104 parameters" in capsys.readouterr().out
     assert main(["plan", "--pretrained", str(tmp_path / "nowhere")]) == 2
     assert "no readable Hugging Face config.json there" in capsys.readouterr().err
+
+
+class _Scaled(torch.nn.Module):
+    """A parameter no initializer knows: a meta model of it cannot be initialized by fp8dist."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def test_a_meta_model_without_pretrained_and_without_an_initializer_is_refused():
+    import fp8dist
+
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) have no initialization to run .*\['scale'\].*"
+                                         r"pretrained=DIR"):
+        fp8dist.wrap_model(model, strategy="none", param_dtype="fp32")
+    with torch.device("meta"):
+        plain = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    torch.manual_seed(0)
+    wrapped = fp8dist.wrap_model(plain, strategy="none", param_dtype="fp32")  # reset_parameters per module
+    assert bool((wrapped[1].weight == 1).all()) and wrapped[0].weight.abs().max() <= 0.25  # kaiming bound 1/sqrt(16)
