@@ -360,7 +360,8 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
     trained = _full_weights(engine)  # the optimizer's fp32 master weights
     fp8dist.save_pretrained(engine, out, dtype=torch.float32)
     reloaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    result["export"] = sorted(reloaded) == sorted(trained) and all(torch.equal(reloaded[n], trained[n]) for n in trained)
+    result["export"] = sorted(reloaded) == sorted(trained) and all(
+        torch.equal(reloaded[n], trained[n]) for n in trained)
     inits = []
     for kwargs in (zero3, {"strategy": "fsdp"}):
         torch.manual_seed(5)

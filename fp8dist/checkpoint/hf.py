@@ -129,7 +129,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()
     entries = [(p.names[0], _numel(p.shape) * size) for p in local_params(model)]
-    entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size())) for name, buf in buffers]
+    entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))
+                for name, buf in buffers]
     files = _plan_files(entries, limit)
     names = _file_names(len(files))
     file_of = {name: names[i] for i, group in enumerate(files) for name in group}
