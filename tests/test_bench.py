@@ -62,11 +62,14 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights():
     n_fp8, layers, n_all = fp8["fp8_params"], fp8["fp8_layers"], fp8["params"]
     assert n_fp8 > 0.8 * n_all and layers == 13  # every Linear but the first and last
     gathered_bf16 = bf16["comm"]["all_gather"]["bytes"]
-    # decoder blocks are gathered twice per step (forward, and again in backward: reshard_after_forward); the
-    # root (embeddings, final norm, lm_head) once, kept gathered for backward
-    n_root = sum(p.numel() for n, p in build_llama("tiny").named_parameters() if not n.startswith("model.layers."))
-    assert gathered_bf16 == 2 * (2 * (n_all - n_root) + n_root)
-    other = 2 * (2 * (n_all - n_root - n_fp8) + n_root)  # every non-FP8 weight: bf16 in both runs
+    # decoder blocks and the input embedding are gathered twice per step (forward, and again in backward:
+    # reshard_after_forward); the final norm + lm_head unit once, kept gathered for backward
+    tiny = build_llama("tiny")
+    n_root = sum(p.numel() for n, p in tiny.named_parameters() if not n.startswith("model.layers."))
+    n_embed = tiny.model.embed_tokens.weight.numel()
+    twice, once = n_all - n_root + n_embed, n_root - n_embed
+    assert gathered_bf16 == 2 * (2 * twice + once)
+    other = 2 * (2 * (twice - n_fp8) + once)  # every non-FP8 weight: bf16 in both runs
     converted_bf16 = gathered_bf16 - other
     converted_fp8 = fp8["comm"]["all_gather"]["bytes"] - other
     gathers = 2  # every FP8 weight is in a block

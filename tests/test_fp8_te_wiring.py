@@ -116,7 +116,8 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
     train_call = te.AUTOCAST_CALLS[-1]
     rows = {row.part: row for row in fp8dist.report(model).rows}
     inner = model.module if hasattr(model, "module") else model
-    fp8_forwards = {n: m.fp8_forwards for n, m in inner.named_modules() if type(m) is te.Linear}
+    # isinstance: FSDP2 gives each module it shards a subclass of its own (lm_head, in the final norm + output unit)
+    fp8_forwards = {n: m.fp8_forwards for n, m in inner.named_modules() if isinstance(m, te.Linear)}
     model.eval()
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))

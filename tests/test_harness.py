@@ -25,6 +25,9 @@ def _rank1_raises(rank: int, world: int) -> None:
 def _rank0_hangs(rank: int, world: int) -> None:
     if rank == 0:
         time.sleep(3600)
+    # the peer waits for it: had it exited at once, a rank 0 still finishing gloo's connection set-up would fail
+    # with "connection closed by peer" instead of hanging (seen on a loaded machine)
+    dist.barrier()
 
 
 def _skips(rank: int, world: int) -> None:

@@ -103,9 +103,11 @@ def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # torchtitan's units: blocks, embedding, final norm + output layer, root
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=policy)
+    fully_shard([model.model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(model.parameters(), **{k: v for k, v in _optimizer_spec(cell).items()
                                                          if k != "type"})
     return model, optimizer, after_step, fp8_layers
