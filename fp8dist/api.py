@@ -228,6 +228,9 @@ def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any)
     if plan.unavailable:
         notes.append(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "
                      f"strategy's {cfg.parallel.param_dtype} mixed precision.")
+    low = plan.low_coverage_warning()
+    if low:
+        notes.append(low)
     for note in notes:
         warnings.warn(note, UserWarning, stacklevel=3)
 

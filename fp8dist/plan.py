@@ -17,7 +17,8 @@ from torch import nn
 
 from .config import Config
 
-__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError", "runs_gemm"]
+__all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
+           "runs_gemm", "MIN_FP8_SHARE"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
 
@@ -42,6 +43,76 @@ class PlanEntry:
     """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
     params: int
     """Parameters the module holds itself."""
+    gemm_flops: int = 0
+    """Estimated forward GEMM FLOPs per token: 2 x the module's parameters where it runs a GEMM (x top_k / experts
+    for a MoE experts module, whose tokens each visit top_k experts), 0 where it runs none."""
+
+
+MIN_FP8_SHARE = 0.5
+"""``wrap_model`` warns when an FP8 backend was asked for and covers less than this share of the model's GEMM
+parameters (nothing converted included)."""
+
+
+@dataclass(frozen=True)
+class FP8Coverage:
+    """How much of the model's GEMM work the plan runs in FP8: the numbers behind the plan's share line and
+    ``wrap_model``'s low-coverage warning."""
+
+    gemm_modules: int
+    """Modules that run a GEMM with their own parameters (:func:`runs_gemm`)."""
+    fp8_modules: int
+    gemm_params: int
+    fp8_params: int
+    gemm_flops: int
+    """Estimated forward GEMM FLOPs per token (see :attr:`PlanEntry.gemm_flops`)."""
+    fp8_flops: int
+    kept: tuple[tuple[str, int, int], ...]
+    """The GEMM modules not in FP8, grouped by reason: ``(reason, modules, params)``, most parameters first."""
+
+    @property
+    def param_share(self) -> float:
+        return self.fp8_params / self.gemm_params if self.gemm_params else 0.0
+
+    @property
+    def flop_share(self) -> float:
+        return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
+
+    @property
+    def low(self) -> bool:
+        """Less than :data:`MIN_FP8_SHARE` of the GEMM parameters in FP8 (or none at all)."""
+        return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
+
+    def summary(self) -> str:
+        return (f"FP8 share of GEMMs: {self.fp8_params:,} of {self.gemm_params:,} params "
+                f"({100 * self.param_share:.1f}%)"
+                f", {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params of each GEMM module, MoE "
+                "experts x top_k/experts)")
+
+
+def _coverage(entries: list[PlanEntry]) -> FP8Coverage:
+    gemm = [e for e in entries if e.gemm_flops]
+    fp8 = [e for e in gemm if e.precision == "fp8"]
+    kept: dict[str, list[int]] = {}
+    for e in gemm:
+        if e.precision != "fp8":
+            count = kept.setdefault(e.reason, [0, 0])
+            count[0] += 1
+            count[1] += e.params
+    groups = sorted(((reason, n, params) for reason, (n, params) in kept.items()), key=lambda g: -g[2])
+    return FP8Coverage(len(gemm), len(fp8), sum(e.params for e in gemm), sum(e.params for e in fp8),
+                       sum(e.gemm_flops for e in gemm), sum(e.gemm_flops for e in fp8), tuple(groups))
+
+
+def _gemm_flops(module: nn.Module, params: int) -> int:
+    """2 x params per token, scaled by top_k / experts for an experts module (transformers' num_experts and its
+    config's num_experts_per_tok)."""
+    if not runs_gemm(module):
+        return 0
+    experts = getattr(module, "num_experts", None)
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k <= experts:
+        return 2 * params * top_k // experts
+    return 2 * params
 
 
 LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
@@ -81,6 +152,21 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
         self.activation_checkpointing, self.compile, self.compile_reason = blocks
         """Per block: activation checkpointing mode, whether compiled, and why (see :mod:`fp8dist.blocks`)."""
+        self.coverage = _coverage(entries) if backend else None
+        """The share of GEMM parameters and FLOPs in FP8 (None without an FP8 backend)."""
+
+    def low_coverage_warning(self) -> str | None:
+        """The warning ``wrap_model`` gives when a backend runs (it is not :attr:`unavailable`) and converts
+        nothing, or less than :data:`MIN_FP8_SHARE` of the GEMM parameters; None otherwise."""
+        c = self.coverage
+        if c is None or self.unavailable or not c.low or not c.gemm_params:
+            return None
+        kept = "; ".join(f"{n} module{'s' * (n > 1)} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
+        more = f"; and {len(c.kept) - 4} more reasons" if len(c.kept) > 4 else ""
+        return (f"fp8={self.backend!r} runs {c.fp8_modules} of {c.gemm_modules} GEMM modules in FP8: {c.fp8_params:,} "
+                f"of {c.gemm_params:,} GEMM params ({100 * c.param_share:.1f}%, below {100 * MIN_FP8_SHARE:.0f}%), "
+                f"{100 * c.flop_share:.1f}% of the estimated GEMM FLOPs. Kept in high precision: {kept}{more}. "
+                "print(fp8dist.get_plan(model)) shows every module; FP8 casts cost time where little runs in FP8.")
 
     @overload
     def __getitem__(self, index: int) -> PlanEntry: ...
@@ -130,7 +216,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         compiled = "on" if self.compile else "off"
         blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
                   f"({self.compile_reason})")
-        lines = [head, blocks] + [f"note: {note}" for note in self.notes]
+        lines = [head] + ([self.coverage.summary()] if self.coverage else []) + [blocks]
+        lines += [f"note: {note}" for note in self.notes]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
             if i == 0:
@@ -188,6 +275,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params == 0:
             continue
+        flops = _gemm_flops(module, params)
         fallback = _fallback_precision(module, cfg)
         kind = type(module).__name__
         reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
@@ -195,9 +283,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
             target = backend.converted_class(module)
             computes_fp8 = backend.computes_in_fp8(module)
             reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
-            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params))
+            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops))
         else:
-            entries.append(PlanEntry(name, kind, fallback, reason, None, params))
+            entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops))
     detail = backend.describe(cfg) if backend else ""
     if gate:
         detail = f"fallback: {gate}"
