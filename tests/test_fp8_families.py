@@ -52,3 +52,88 @@ def test_a_well_covered_model_does_not_warn_and_the_plan_shows_the_shares():
     plan = fp8dist.get_plan(model)
     assert plan.coverage.param_share > MIN_FP8_SHARE
     assert "FP8 share of GEMMs: 376,832 of 425,984 params (88.5%), 88.5% of est. GEMM FLOPs" in str(plan)
+
+
+def gpt2_tiny(seed: int = 0):
+    """A tiny GPT-2 (transformers' Conv1D layers, tied embeddings), no dropout so runs compare step for step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def _hand_wired_gpt2(model, world: int, names: list[str]):
+    """The reference: each planned Conv1D swapped by hand for an nn.Linear holding its transposed weight, then
+    raw torchao convert_to_float8_training and fully_shard per block + root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    for name in names:
+        conv = model.get_submodule(name)
+        linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda m, fqn: fqn in names)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _gpt2_case(rank: int, world: int, out_dir: str) -> dict:
+    from helpers import train_losses
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from transformers import GPT2LMHeadModel
+
+    from fp8dist.fp8.conv1d import is_conv1d
+
+    ours = fp8dist.wrap_model(gpt2_tiny(), strategy="fsdp", fp8="torchao")
+    plan = fp8dist.get_plan(ours)
+    names = [e.name for e in plan.fp8]
+    ref = _hand_wired_gpt2(gpt2_tiny(), world, names)
+    result = dict(
+        plan={e.name: (e.module_type, e.precision, e.converted_to) for e in plan if e.module_type == "Conv1D"},
+        coverage=(plan.coverage.fp8_params, plan.coverage.gemm_params),
+        modules={n: type(m).__name__ for n, m in ours.named_modules() if n in names},
+        local_shape=tuple(ours.transformer.h[1].mlp.c_fc.weight.to_local().shape),
+        ours=train_losses(ours, rank, world),
+        ref=train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref)),
+    )
+    full = get_model_state_dict(ours, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    fp8dist.save_pretrained(ours, out_dir, dtype=torch.float32)
+    if rank == 0:  # the state dict and the export load into a GPT-2 that knows nothing of FP8
+        plain = gpt2_tiny(seed=1)
+        result["load"] = str(plain.load_state_dict(full, strict=True))
+        sd = plain.state_dict()
+        result["values_equal"] = all(torch.equal(sd[k], v.to(sd[k].dtype)) for k, v in full.items())
+        result["conv1d_kept"] = all(is_conv1d(plain.get_submodule(n)) for n in names)
+        back = GPT2LMHeadModel.from_pretrained(out_dir).state_dict()
+        result["pretrained_equal"] = sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    return result
+
+
+def test_gpt2_conv1d_runs_fp8_like_the_hand_wired_swap_and_checkpoints_stay_gpt2(tmp_path):
+    from dist_harness import run_ranks
+
+    results = run_ranks(_gpt2_case, str(tmp_path / "export"))
+    r = results[0]
+    assert r["plan"]["transformer.h.0.attn.c_attn"] == ("Conv1D", "bf16", None)  # the first Linear-like layer
+    converted = {n: v for n, v in r["plan"].items() if v[1] == "fp8"}
+    assert len(converted) == 7 and set(converted.values()) == {("Conv1D", "fp8", "Float8Conv1D")}
+    assert set(r["modules"].values()) == {"Float8Conv1D"}
+    assert r["local_shape"] == (64, 512)  # Conv1D's (in=128, out=512) weight, sharded on dim 0 over 2 ranks
+    for rank in results:
+        assert rank["ours"] == rank["ref"], (rank["ours"], rank["ref"])
+    assert r["ours"][-1] < r["ours"][0]
+    assert r["load"] == "<All keys matched successfully>" and r["values_equal"] and r["conv1d_kept"]
+    assert r["pretrained_equal"]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ..optim import ProcessStepHook, param_count
-from . import FP8Backend, FP8Wiring, fp8_hardware_reason
+from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 
 
 def _installed() -> bool:
@@ -49,26 +50,45 @@ class TorchaoBackend(FP8Backend):
             return fp8_hardware_reason(device)
         return None
 
+    def supports(self, module: nn.Module) -> bool:
+        return type(module) is nn.Linear or is_conv1d(module)
+
     def converted_class(self, module: nn.Module) -> str:
-        return "Float8Linear"
+        return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
+
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+        return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """The first and last nn.Linear stay in high precision when ``keep_first_last_linear`` (the default)."""
+        """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
+        ``keep_first_last_linear`` (the default)."""
         if not cfg.precision.keep_first_last_linear:
             return {}
-        linears = [name for name, m in model.named_modules() if self.supports(m)]
+        linears = [(name, m) for name, m in model.named_modules() if self.supports(m)]
         if not linears:
             return {}
-        return {linears[0]: "first Linear, kept in high precision (keep_first_last_linear=True)",
-                linears[-1]: "last Linear, kept in high precision (keep_first_last_linear=True)"}
+
+        def kind(m: nn.Module) -> str:
+            return "Linear (a Conv1D)" if is_conv1d(m) else "Linear"
+
+        (first, m_first), (last, m_last) = linears[0], linears[-1]
+        return {first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
+                last: f"last {kind(m_last)}, kept in high precision (keep_first_last_linear=True)"}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``. Call before sharding."""
+        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear`` and its FP8 Conv1Ds for
+        ``Float8Conv1D`` (same parameters). Call before sharding."""
         from torchao.float8 import convert_to_float8_training
 
         names = {e.name for e in plan.fp8}
         _check_even_shards(model, names, cfg)
-        convert_to_float8_training(model, config=float8_config(cfg), module_filter_fn=lambda m, fqn: fqn in names)
+        config = float8_config(cfg)
+        conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
+        linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
+        for name in sorted(conv1ds):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, to_float8_conv1d(model.get_submodule(name), config))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -88,8 +108,8 @@ def _check_even_shards(model: nn.Module, names: set[str], cfg) -> None:
     if not fp8_all_gather(cfg) or not torch.distributed.is_initialized():
         return
     world = torch.distributed.get_world_size()
-    uneven = [f"{n} ({m.out_features} rows)" for n, m in model.named_modules()
-              if n in names and m.out_features % world]
+    uneven = [f"{n} ({m.weight.shape[0]} rows)" for n, m in model.named_modules()  # Conv1D: (in, out)
+              if n in names and m.weight.shape[0] % world]
     if uneven:
         more = f" and {len(uneven) - 3} more" if len(uneven) > 3 else ""
         raise ValueError(
