@@ -38,14 +38,15 @@ def make_corpus(num_sentences: int = 4000, seed: int = 1234) -> str:
     return " ".join(sentences)
 
 
-def check_batch_split(batch_size: int, world_size: int) -> None:
-    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks."""
+def check_batch_split(batch_size: int, world_size: int, over: str = "") -> None:
+    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks (or, ``over`` naming
+    them, ranks x micro-batches)."""
     if batch_size % world_size != 0:
         lower = batch_size - batch_size % world_size
         raise ValueError(
-            f"batch_size={batch_size} does not split over world size {world_size}: each rank needs the same "
-            f"number of sequences. Use a multiple of {world_size}, e.g. {lower or world_size} or "
-            f"{lower + world_size}.")
+            f"batch_size={batch_size} does not split over {over or f'world size {world_size}'}: each rank needs the "
+            f"same number of sequences in every micro-batch. Use a multiple of {world_size}, e.g. "
+            f"{lower or world_size} or {lower + world_size}.")
 
 
 class Batches:

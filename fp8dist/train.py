@@ -28,6 +28,7 @@ from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_check
 from .config import Config
 from .data import Batches, check_batch_split
 from .env import current_launch, peak_memory_mib
+from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama
 from .memory import report
@@ -229,22 +230,37 @@ def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) ->
         log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, bf16) in {time.perf_counter() - t0:.2f}s")
 
 
-def _backward_and_step(wrapped: Any, optimizer: Any, loss: torch.Tensor, *, engine: bool,
-                       show_report: Callable[[str], Any] | None) -> None:
-    """One backward and optimizer step; ``show_report`` gets the precision/memory report while gradients and
-    optimizer states are both held: after a torch optimizer's step, before zero_grad; for DeepSpeed, whose step
-    frees the gradient partitions, between backward and step (states exist from its first step on)."""
-    if engine:  # DeepSpeed: the engine scales, clips, steps and zeroes
-        wrapped.backward(loss)
-        if show_report is not None:
-            show_report(str(report(wrapped, optimizer)))
-        wrapped.step()
-        return
-    loss.backward()
+def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
+                       show_report: Callable[[str], Any] | None) -> torch.Tensor:
+    """One optimizer step over the micro-batches ``micro`` (``grad_accum`` of them): forward and backward each,
+    gradients reduced once, at the last (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not
+    clipped) and stepped; returns the step's loss, the mean over the micro-batches. DeepSpeed's engine counts its
+    gradient_accumulation_steps, clips and zeroes itself. ``show_report`` gets the precision/memory report while
+    gradients and optimizer states are both held: after a torch optimizer's step, before zero_grad; for DeepSpeed,
+    whose step frees the gradient partitions, between the last backward and step."""
+    total = torch.zeros((), device=micro[0].device)
+    for i, ids in enumerate(micro):
+        last = i == len(micro) - 1
+        if engine:
+            loss = wrapped(input_ids=ids, labels=ids).loss
+            wrapped.backward(loss)
+            if last and show_report is not None:
+                show_report(str(report(wrapped, optimizer)))
+            wrapped.step()
+        else:
+            with no_sync(wrapped, last=last):
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                (loss / len(micro)).backward()
+        total += loss.detach().float()
+    if engine:
+        return total / len(micro)
+    if clip > 0:
+        clip_grad_norm_(wrapped, clip)
     optimizer.step()
     if show_report is not None:
         show_report(str(report(wrapped, optimizer)))
     optimizer.zero_grad(set_to_none=True)
+    return total / len(micro)
 
 
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None) -> TrainResult:
@@ -257,10 +273,16 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     model, name = _build_model(config, train)
     n_params = sum(p.numel() for p in model.parameters())
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
-    if config.parallel.strategy == "deepspeed":  # DeepSpeed's micro batch is this job's per-rank batch
-        world = current_launch().world_size
-        check_batch_split(train.batch_size, world)
-        config = replace(config, parallel=replace(config.parallel, micro_batch_size=train.batch_size // world))
+    # grad_accum micro-batches make one step's global batch, under every strategy; DeepSpeed counts them itself
+    accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
+    world = current_launch().world_size
+    check_batch_split(train.batch_size, world * accum, f"world size {world} x grad_accum {accum}")
+    if config.parallel.strategy == "deepspeed":
+        config = replace(config, parallel=replace(config.parallel,
+                                                  micro_batch_size=train.batch_size // (world * accum)))
+    else:  # the loop below accumulates and clips: wrap_model has nothing of them to do
+        config = replace(config, parallel=replace(config.parallel, grad_accum=1,
+                                                  gradient_clipping=type(config.parallel)().gradient_clipping))
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
                                                                      "betas": (0.9, 0.95), "weight_decay": 0.0})
     env = get_wrap_info(wrapped).env
@@ -286,14 +308,12 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     losses, step_times = [], []
     for step in range(first, train.steps):
         t0 = time.perf_counter()
-        ids = batches[step].to(env.device)
-        loss = wrapped(input_ids=ids, labels=ids).loss
+        micro = list(batches[step].to(env.device).chunk(accum))
         for group in optimizer.param_groups:  # works for torch, MS-AMP and DeepSpeed optimizers alike
             group["lr"] = train.lr * lr_factor(step)
         # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
         show = log if leader and step == min(first + (1 if engine else 0), train.steps - 1) else None
-        _backward_and_step(wrapped, optimizer, loss, engine=engine, show_report=show)
-        mean_loss = loss.detach().float()
+        mean_loss = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip, show_report=show)
         if env.world_size > 1:
             dist.all_reduce(mean_loss)
             mean_loss /= env.world_size

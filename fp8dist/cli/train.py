@@ -46,6 +46,7 @@ def _train_this_rank(config: Config, train: Any) -> None:
 
     run_training(config, train)
     if dist.is_initialized():
+        dist.barrier()  # no rank takes its connections down while a peer may still be using them
         dist.destroy_process_group()
 
 
@@ -73,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
-    check_batch_split(train.batch_size, nproc)  # before any process starts
+    accum = config.parallel.grad_accum  # before any process starts
+    check_batch_split(train.batch_size, nproc * accum, f"world size {nproc} x grad_accum {accum}" if accum > 1 else "")
     if nproc == 1:
         _train_this_rank(config, train)
         return 0
