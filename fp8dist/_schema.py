@@ -209,7 +209,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
                   skip: Iterable[str] = (), shown_defaults: Mapping[str, str] | None = None) -> None:
     """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
     are parsed as in Python (:func:`normalize_value`). A boolean field takes ``--flag`` (true), ``--flag VALUE``
-    (true/false/yes/no/1/0) and ``--no-flag`` (false).
+    (true/false/yes/no/1/0) and ``--no-flag`` (false). A field's ``cli_aliases`` metadata adds other spellings of
+    its flag (another tool's name for the same knob).
 
     Flags default to "not given" (absent from the namespace), so a YAML file can sit under the command line.
     ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
@@ -226,7 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %
         flag = f"--{f.name.replace('_', '-')}"
-        group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=text, **kwargs)
+        group.add_argument(flag, *f.metadata.get("cli_aliases", ()), dest=f.name, default=argparse.SUPPRESS,
+                           help=text, **kwargs)
         if kwargs.get("const") is True:  # a boolean: --flag, --flag VALUE, --no-flag
             group.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_const", const=False,
                                default=argparse.SUPPRESS, help=f"the same as {flag} false")

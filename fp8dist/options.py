@@ -84,11 +84,13 @@ class StrategyConfig:
     micro_batch_size: int = field(default=1, metadata=_only(strategy=("deepspeed",)))
     """DeepSpeed train_micro_batch_size_per_gpu (sequences per rank per forward)."""
 
-    grad_accum: int = field(default=1, metadata=_only(strategy=("deepspeed",)))
+    grad_accum: int = field(default=1, metadata={**_only(strategy=("deepspeed",)),
+                                                 "cli_aliases": ("--gradient-accumulation-steps",)})
     """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
     under every strategy (its global batch split over ranks x micro-batches); in your own loop, fp8dist.no_sync."""
 
-    gradient_clipping: float = field(default=1.0, metadata=_only(strategy=("deepspeed",)))
+    gradient_clipping: float = field(default=1.0, metadata={**_only(strategy=("deepspeed",)),
+                                                            "cli_aliases": ("--max-grad-norm",)})
     """Largest global gradient norm (0: no clipping): DeepSpeed's gradient_clipping. fp8dist train clips under
     every strategy; in your own loop, fp8dist.clip_grad_norm_."""
 

@@ -123,3 +123,18 @@ def test_grad_accum_keeps_the_global_batch_and_clipping_applies_on_every_strateg
         assert abs(one[0] - two[0]) < 1e-6, (strategy, one, two)
         assert max(abs(a - b) for a, b in zip(one, two)) < 5e-4, (strategy, one, two)
         assert unclipped[0] == one[0] and unclipped[1:] != one[1:], f"{strategy}: clipping at 1.0 changes the steps"
+
+
+def test_hugging_face_trainers_flag_names_reach_the_same_fields():
+    """--max-grad-norm and --gradient-accumulation-steps (HF Trainer's spellings) set gradient_clipping and
+    grad_accum, as --gradient-clipping and --grad-accum do."""
+    import argparse
+
+    from fp8dist.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    for argv in (["--max-grad-norm", "0.5", "--gradient-accumulation-steps", "2"],
+                 ["--gradient-clipping", "0.5", "--grad-accum", "2"]):
+        config, _ = train_cli._config_and_job(parser.parse_args(["train", *argv]))
+        assert (config.parallel.gradient_clipping, config.parallel.grad_accum) == (0.5, 2)
