@@ -280,7 +280,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
         kind = type(module).__name__
         reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
         if reason is None:
-            target = backend.converted_class(module)
+            target = backend.converted_class(module, cfg)
             computes_fp8 = backend.computes_in_fp8(module)
             reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
             entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops))
@@ -329,8 +329,8 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None
         return "fp8 off: strategy mixed precision"
     if gate:
         return f"no FP8 here ({gate}); on_unsupported='fallback'"
-    if not backend.supports(module):
-        return f"{type(module).__name__} is not converted by {backend.name}"
+    if not backend.supports(module):  # the backend's model rule may say why more precisely (a MoE router)
+        return reserved.get(name) or f"{type(module).__name__} is not converted by {backend.name}"
     for pattern in cfg.precision.fp8_exclude:
         if fnmatch.fnmatchcase(name, pattern):
             return f"matches fp8_exclude {pattern!r}"

@@ -64,8 +64,8 @@ class FP8Backend(Protocol):
         """Whether the backend replaces modules of this type."""
         return type(module) is nn.Linear
 
-    def converted_class(self, module: nn.Module) -> str:
-        """What the plan records as the module's replacement."""
+    def converted_class(self, module: nn.Module, cfg: Any) -> str:
+        """What the plan records as the module's replacement (under ``cfg``: a recipe may name it)."""
         return type(module).__name__
 
     def computes_in_fp8(self, module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ class MSAMPBackend(FP8Backend):
                     "machine)")
         return fp8_hardware_reason(device)
 
-    def converted_class(self, module: nn.Module) -> str:
+    def converted_class(self, module: nn.Module, cfg) -> str:
         return "msamp FP8 Linear"
 
     def check_plan(self, plan) -> None:

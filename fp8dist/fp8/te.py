@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from .conv1d import is_conv1d
+from .moe import is_experts
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -107,9 +109,10 @@ class TEBackend(FP8Backend):
         return fp8_hardware_reason(device, min_capability=needs)
 
     def supports(self, module: nn.Module) -> bool:
-        return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module)
+        return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module) or is_conv1d(module) or \
+            is_experts(module)
 
-    def converted_class(self, module: nn.Module) -> str:
+    def converted_class(self, module: nn.Module, cfg) -> str:
         if type(module) is nn.Linear:
             return "te.Linear"
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
@@ -118,6 +121,12 @@ class TEBackend(FP8Backend):
         return type(module) is nn.Linear
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+        if is_conv1d(module):  # named, so a GPT-2 user learns the way out instead of "not converted"
+            return ("Conv1D (weight stored (in, out)): te.Linear holds (out, in), and fp8dist does not yet transpose "
+                    "it through TE's checkpoints; fp8='torchao' runs Conv1D in FP8 (Float8Conv1D)")
+        if is_experts(module):
+            return ("MoE experts (fused 3-D weights): TE's GroupedLinear is not wired in yet; fp8='torchao' runs them "
+                    "through torchao's MoE conversion (torchao_moe_recipe)")
         if type(module) is nn.Linear:
             return dims_reason(module)
         if type(module) is nn.LayerNorm:

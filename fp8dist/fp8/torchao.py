@@ -12,6 +12,7 @@ from torch import nn
 from ..optim import ProcessStepHook, param_count
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
+from .moe import convert_experts, experts_reason, experts_target, is_experts, moe_routers
 
 
 def _installed() -> bool:
@@ -35,6 +36,17 @@ def float8_config(cfg) -> Any:
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
 
 
+def _device(cfg) -> torch.device:
+    """The device the model trains on (every local GPU is the same kind): MoE recipes depend on it."""
+    from ..env import resolve_device
+
+    return resolve_device(cfg.parallel.device, 0)
+
+
+def _linear_like(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or is_conv1d(module)
+
+
 class TorchaoBackend(FP8Backend):
     name = "torchao"
 
@@ -51,37 +63,45 @@ class TorchaoBackend(FP8Backend):
         return None
 
     def supports(self, module: nn.Module) -> bool:
-        return type(module) is nn.Linear or is_conv1d(module)
+        return _linear_like(module) or is_experts(module)
 
-    def converted_class(self, module: nn.Module) -> str:
+    def converted_class(self, module: nn.Module, cfg) -> str:
+        if is_experts(module):
+            return experts_target(cfg, _device(cfg))
         return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+        if is_experts(module):
+            return experts_reason(module, cfg, _device(cfg))
         return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
         ``keep_first_last_linear`` (the default)."""
+        routers = {name: "MoE router, kept in high precision (as torchtitan keeps it)" for name in moe_routers(model)}
         if not cfg.precision.keep_first_last_linear:
-            return {}
-        linears = [(name, m) for name, m in model.named_modules() if self.supports(m)]
+            return routers
+        linears = [(name, m) for name, m in model.named_modules() if _linear_like(m)]  # MoE experts are not
         if not linears:
-            return {}
+            return routers
 
         def kind(m: nn.Module) -> str:
             return "Linear (a Conv1D)" if is_conv1d(m) else "Linear"
 
         (first, m_first), (last, m_last) = linears[0], linears[-1]
-        return {first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
+        return {**routers, first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
                 last: f"last {kind(m_last)}, kept in high precision (keep_first_last_linear=True)"}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear`` and its FP8 Conv1Ds for
-        ``Float8Conv1D`` (same parameters). Call before sharding."""
+        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``, its FP8 Conv1Ds for ``Float8Conv1D``
+        (same parameters) and its MoE experts for torchao's MoE training form. Call before sharding."""
         from torchao.float8 import convert_to_float8_training
 
-        names = {e.name for e in plan.fp8}
+        planned = {e.name for e in plan.fp8}
+        experts = {n for n in planned if is_experts(model.get_submodule(n))}
+        names = planned - experts
         _check_even_shards(model, names, cfg)
+        convert_experts(model, experts, cfg, _device(cfg))
         config = float8_config(cfg)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter

@@ -1,0 +1,113 @@
+"""MoE experts in FP8 through torchao's MoE training conversion (``torchao.prototype.moe_training``).
+
+transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``MixtralExperts``:
+``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) and, with ``experts_implementation="grouped_mm"`` (its
+default), runs them as ``torch._grouped_mm`` calls. torchao's conversion (``quantize_`` with a
+``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``) wraps those parameters in a tensor subclass that turns each
+``_grouped_mm`` into a dynamically quantized FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards the 3-D weights on
+their expert dim like any parameter (the subclass all-gathers them in the mixed-precision dtype). The router
+(``MixtralTopKRouter``) is not a Linear and stays in high precision, as torchtitan keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts"]
+
+RECIPES = {
+    "fp8_rowwise": "FP8 rowwise grouped GEMM",
+    "mxfp8": "MXFP8 grouped GEMM",
+    "mxfp8_emulated": "MXFP8 grouped GEMM, emulated",
+}
+"""torchao_moe_recipe -> what the plan calls the converted experts."""
+
+
+def is_experts(module: nn.Module) -> bool:
+    """transformers' fused experts module (``@use_experts_implementation``): 3-D parameters, one row per expert."""
+    experts = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return isinstance(experts, int) and hasattr(module, "is_transposed") and bool(params) and \
+        all(p.dim() == 3 and p.shape[0] == experts for p in params)
+
+
+def moe_routers(model: nn.Module) -> list[str]:
+    """The routers beside experts modules: a sibling that is not the experts and holds a 2-D weight (Mixtral's
+    ``mlp.gate``, a MixtralTopKRouter)."""
+    names = []
+    for parent_name, parent in model.named_modules():
+        children = dict(parent.named_children())
+        if any(is_experts(child) for child in children.values()):
+            for child_name, child in children.items():
+                weight = getattr(child, "weight", None)
+                if not is_experts(child) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                    names.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return names
+
+
+def experts_recipe(cfg, device: torch.device) -> tuple[str | None, str | None]:
+    """``(recipe, None)`` for the configured ``torchao_moe_recipe`` on ``device``, or ``(None, why not)``."""
+    recipe = cfg.precision.torchao_moe_recipe
+    if recipe == "mxfp8_emulated":
+        return recipe, None
+    if device.type != "cuda":
+        return None, (f"no FP8 grouped GEMM on {device.type}: torchao's FP8 rowwise grouped GEMM needs CUDA sm_90 "
+                      "(and triton), MXFP8 needs sm_100; torchao_moe_recipe='mxfp8_emulated' runs the same "
+                      "conversion with emulated GEMMs (checks the wiring, no FP8 speed)")
+    capability = torch.cuda.get_device_capability(device)
+    if recipe == "auto":
+        recipe = "mxfp8" if capability >= (10, 0) else "fp8_rowwise"
+    needs = (10, 0) if recipe == "mxfp8" else (9, 0)
+    if capability < needs:
+        return None, (f"torchao_moe_recipe={recipe!r} needs sm_{needs[0]}{needs[1]}+, this GPU is "
+                      f"sm_{capability[0]}{capability[1]}")
+    return recipe, None
+
+
+def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
+    """Why torchao's MoE conversion cannot take this experts module here (None: it can)."""
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation != "grouped_mm":
+        return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
+                "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
+                "default) before wrap_model")
+    if getattr(module, "is_transposed", False):
+        return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
+    recipe, why = experts_recipe(cfg, device)
+    if recipe is None:
+        return why
+    tile = 32 if recipe.startswith("mxfp8") else 16
+    dims = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:]})
+    bad = [d for d in dims if d % tile]
+    if bad:
+        return f"expert dims {bad} not divisible by {tile} ({RECIPES[recipe]} tiles)"
+    return None
+
+
+def experts_target(cfg, device: torch.device) -> str:
+    """What the plan records as the converted experts' form."""
+    recipe, _ = experts_recipe(cfg, device)
+    return f"torchao MoE: {RECIPES.get(recipe or '', 'grouped GEMM')}"
+
+
+def _op_config(recipe: str):
+    from torchao.prototype.moe_training.config import (Float8TrainingOpConfig, MXFP8TrainingOpConfig,
+                                                       MXFP8TrainingRecipe)
+
+    if recipe == "fp8_rowwise":
+        return Float8TrainingOpConfig()
+    name = "MXFP8_EMULATED_RCEIL" if recipe == "mxfp8_emulated" else "MXFP8_RCEIL"
+    return MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
+
+
+def convert_experts(model: nn.Module, names: set[str], cfg, device: torch.device) -> None:
+    """torchao's MoE training conversion on exactly the experts modules ``names``. Call before sharding."""
+    from torchao.quantization import quantize_
+
+    recipe, why = experts_recipe(cfg, device)
+    if not names:
+        return
+    if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
+        raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
+    quantize_(model, _op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
