@@ -14,6 +14,7 @@ from .blocks import BlockWiring, block_refusals, check_block_options, wrap_block
 from .config import Config, resolve_config, torch_dtype
 from .env import DistEnv, LaunchEnv, current_launch, init_distributed, resolve_device
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
+from .lean import build_lean_optimizer, cast_params_bf16, lean_config, lean_optimizer_kwargs
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .pretrained import LoadReport, check_fits, is_meta_model, materialize, to_empty
@@ -117,7 +118,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
             files and the CLI use the ``fp8_exclude`` patterns).
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
         optimizer: an optimizer spec (see :func:`fp8dist.optim.build_optimizer`); required for fp8="msamp",
-            which owns the optimizer. When given, ``(model, optimizer)`` is returned, built after sharding.
+            which owns the optimizer, and for ``memory="lean"`` (an AdamW mapping, see :mod:`fp8dist.lean`). When
+            given, ``(model, optimizer)`` is returned, built after sharding.
         **options: any config key, e.g. ``param_dtype="bf16"``, ``torchao_recipe="rowwise"``,
             ``block_classes=[...]``, ``pretrained="hf_dir"`` (each rank loads its part of the safetensors there).
 
@@ -131,7 +133,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
-    cfg = resolve_config(config, **explicit, **options)                    # 1. resolve config
+    cfg = lean_config(resolve_config(config, **explicit, **options))      # 1. resolve config
+    lean = cfg.parallel.memory == "lean"
+    if lean:
+        lean_optimizer_kwargs(optimizer)  # the level builds the optimizer: its spec is checked before anything
     _check_model(model)
     meta = _check_meta(model, cfg)
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
@@ -147,7 +152,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
                          "(or a callable params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
     _check_blocks(cfg, backend)
     env = _environment(cfg, launch, device)                                # process group, once all checks passed
+    if lean:
+        cast_params_bf16(model)                                            # bf16 weights, no fp32 master
     backend.convert(model, plan, cfg)                                      # 4. convert, before sharding
+    if lean:
+        cast_params_bf16(model)                                            # and the backend's new modules
     blocks, block_wiring = _wrap_blocks(model, cfg, plan.compile, plan.compile_reason)  # 5. checkpoint, compile
     sharded = cfg.parallel.strategy in ("fsdp", "fsdp1")  # the others hold the whole model until they shard it
     loaded, how = (None, "") if sharded else _materialize(model, cfg, env, meta, optimizer)  # 5b. whole / ZeRO-3
@@ -166,6 +175,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         return wrapped
     if cfg.parallel.strategy == "deepspeed":
         return wrapped, wrapped.optimizer
+    if lean:
+        return wrapped, build_lean_optimizer(optimizer, wrapped.parameters(), env.device)
     return wrapped, built if built is not None else build_optimizer(optimizer, wrapped.parameters())
 
 

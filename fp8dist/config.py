@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from ._schema import route_keys
 from .accelerate_config import translate_accelerate_config
 from .dtypes import torch_dtype
+from .lean import lean_refusal
 from .options import SECTIONS, FP8Config, StrategyConfig
 
 __all__ = [
@@ -43,6 +44,9 @@ def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
                          "fp8dist does not add to your training loop, and without it small gradients underflow to "
                          "zero silently. Use param_dtype='bf16' (no scaling needed; every FP8 GPU has it), or "
                          "strategy='deepspeed', whose fp16 mode scales the loss dynamically.")
+    lean = lean_refusal(parallel, precision)
+    if lean:
+        raise ValueError(lean)
     if fp8 == "msamp" and strategy in ("fsdp", "fsdp1"):
         raise ValueError(f"fp8='msamp' with strategy={strategy!r}: MS-AMP has no FSDP integration here. Use "
                          "strategy='ddp' or 'none' with MS-AMP, 'deepspeed' for MS-AMP with ZeRO, or "

@@ -103,6 +103,12 @@ class StrategyConfig:
     ds_config: str | None = field(default=None, metadata=_only(strategy=("deepspeed",)))
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
+    memory: Literal["standard", "lean"] = "standard"
+    """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, about 6
+    bytes per parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states
+    (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds
+    the optimizer: pass optimizer={"type": "AdamW", "lr": ...}. Strategies fsdp, ddp and none."""
+
     pretrained: str | None = None
     """A Hugging Face model directory (model.safetensors, or sharded files + model.safetensors.index.json) loaded
     into the wrapped model: each rank reads only the part it holds. With a model built on the meta device, only

@@ -1,0 +1,165 @@
+"""``memory="lean"``: MS-AMP O2-class model-state memory from maintained parts (torch, torchao's low-bit
+optimizers, FSDP2).
+
+- Weights are stored in bf16 with no fp32 master copy; torchao's AdamW rounds each update back to bf16
+  stochastically (``bf16_stochastic_round=True``), so small updates are not lost on average.
+- The two Adam states are 8-bit, blockwise scaled (256 elements per scale): torchao ``AdamWFp8`` (e4m3) on a GPU
+  with FP8 (CUDA sm >= 8.9), ``AdamW8bit`` (bitsandbytes' dynamic 8-bit map) elsewhere. torchao keeps tensors of
+  fewer than 4096 elements, or not a multiple of 256, in the parameter's dtype (bf16).
+- Gradients are bf16: FSDP2 reduce-scatters them in bf16 and keeps them so; DDP all-reduces the bf16 gradients.
+
+torchao's optimizers step FSDP2's DTensors through a ``torch.compile``d function that fails on CPU (torch 2.13,
+torchao 0.18: the compiled step asks the 8-bit state for ``aten.view.dtype``). :class:`LocalShardStep` steps the
+same torchao update function (``single_param_adam``) eagerly on each DTensor's local shard, which aliases the
+sharded parameter's storage: the update lands in the parameter, the states hold only this rank's rows, and the
+optimizer's ``param_groups`` and ``state`` stay keyed by the real parameters (DCP checkpoints see the usual names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LEAN_STATES", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class", "build_lean_optimizer", "cast_params_bf16",
+           "LocalShardStep"]
+
+LEAN_STATES = {"AdamW8bit": "8-bit dynamic", "AdamWFp8": "fp8 e4m3"}
+"""The torchao optimizer classes the lean level builds, and what their states are stored in."""
+_ADAM_TYPES = ("adamw", "adam")
+_WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
+
+
+def lean_refusal(parallel: Any, precision: Any) -> str | None:
+    """Why ``memory="lean"`` cannot run with this strategy / precision config (None: it can), way out included."""
+    if getattr(parallel, "memory", "standard") != "lean":
+        return None
+    if parallel.strategy == "deepspeed":
+        return ("memory='lean' with strategy='deepspeed': DeepSpeed ZeRO keeps its own fp32 master partitions and "
+                "builds its own optimizer, so bf16 weights without masters and 8-bit states cannot be had there. "
+                "Use strategy='fsdp' (FSDP2) with memory='lean', or keep deepspeed with memory='standard'.")
+    if parallel.strategy == "fsdp1":
+        return ("memory='lean' with strategy='fsdp1': FSDP1's flat parameters are not supported by the lean level. "
+                "Use strategy='fsdp' (FSDP2), which shards the same way with per-parameter DTensors.")
+    if precision.fp8 == "msamp":
+        return ("memory='lean' with fp8='msamp': MS-AMP owns the weights and the optimizer (its opt_level O2 is its "
+                "own low-memory level). Use fp8='torchao' (or 'te') with memory='lean', or fp8='msamp' with "
+                "memory='standard'.")
+    if parallel.param_dtype != "bf16":
+        return (f"memory='lean' with param_dtype={parallel.param_dtype!r}: the lean level stores and computes in "
+                f"bf16 (no fp32 master). Use param_dtype='bf16', or {_WAY_OUT}.")
+    if parallel.reduce_dtype == "fp16":
+        return ("memory='lean' with reduce_dtype='fp16': lean gradients are bf16 and reduced in bf16. Leave "
+                "reduce_dtype at its default.")
+    return None
+
+
+def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
+    """torchao's ``AdamWFp8`` on a CUDA GPU with FP8 (sm >= 8.9), ``AdamW8bit`` elsewhere, with the local-shard
+    step (:class:`LocalShardStep`)."""
+    try:
+        from torchao.optim import AdamW8bit, AdamWFp8
+    except ImportError as err:
+        raise ImportError(f"memory='lean' needs torchao's low-bit optimizers ({err}): pip install 'torchao>=0.18', "
+                          f"or {_WAY_OUT}.") from None
+    fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return _local_shard_class(AdamWFp8 if fp8 else AdamW8bit)
+
+
+def lean_config(cfg: Any) -> Any:
+    """``cfg`` as the lean level runs it: FSDP2 reduce-scatters the bf16 gradients in bf16 (DDP all-reduces the
+    gradients in their own dtype, bf16, with no hook). Other configs are returned unchanged."""
+    if cfg.parallel.memory != "lean" or cfg.parallel.strategy != "fsdp":
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reduce_dtype="bf16"))
+
+
+def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
+    """The torchao AdamW keyword arguments of an Adam/AdamW spec ``{"type": "AdamW", "lr": ..., "betas": ...,
+    "eps": ..., "weight_decay": ...}``; ValueError naming the way out for anything else. ``type: "Adam"`` is taken
+    when its weight_decay is 0 (AdamW with no decay is Adam)."""
+    if spec is None or callable(spec) or not isinstance(spec, Mapping):
+        got = "no optimizer" if spec is None else f"a {type(spec).__name__}"
+        raise ValueError(f"memory='lean' builds the optimizer itself (torchao 8-bit AdamW, bf16 stochastic rounding) "
+                         f"and got {got}: pass optimizer={{'type': 'AdamW', 'lr': ...}} and take model, optimizer = "
+                         f"wrap_model(...); or {_WAY_OUT}.")
+    kwargs = dict(spec)
+    name = str(kwargs.pop("type", None)).lower()
+    if name not in _ADAM_TYPES or name == "adam" and kwargs.get("weight_decay", 0):
+        raise ValueError(f"memory='lean' trains with 8-bit AdamW; optimizer type {spec.get('type')!r}"
+                         f"{' with weight_decay' if name == 'adam' else ''} is not available at this level. Pass "
+                         f"{{'type': 'AdamW', 'lr': ...}}, or {_WAY_OUT}.")
+    if name == "adam":
+        kwargs["weight_decay"] = 0.0
+    allowed = {"lr", "betas", "eps", "weight_decay"}
+    if set(kwargs) - allowed:
+        raise ValueError(f"memory='lean': optimizer options {sorted(set(kwargs) - allowed)} are not taken by torchao's "
+                         f"8-bit AdamW; it takes {sorted(allowed)}.")
+    return kwargs
+
+
+def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """The lean level's optimizer from an Adam/AdamW spec (:func:`lean_optimizer_kwargs`): torchao's 8-bit AdamW
+    with bf16 stochastic rounding (:func:`lean_optimizer_class`). Build it after sharding."""
+    return lean_optimizer_class(device)(params, bf16_stochastic_round=True, **lean_optimizer_kwargs(spec))
+
+
+def cast_params_bf16(model: nn.Module) -> int:
+    """Store every floating-point parameter of ``model`` in bf16, in place (buffers are left alone: rotary
+    frequencies stay fp32). Call before FP8 conversion (torchao wraps the bf16 weight for its FP8 all-gather) and
+    again after it (a backend's new modules); FP8 weight wrappers, already bf16 inside, are left alone. Returns how
+    many were cast."""
+    cast = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.bfloat16 and type(p.data) is torch.Tensor:
+                p.data = p.data.to(torch.bfloat16)
+                cast += 1
+    return cast
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalShardStep:
+    """Mixin for a torchao ``_AdamBase`` optimizer: run its update function eagerly on each parameter's local
+    shard (the DTensor's local tensor aliases the sharded parameter) instead of compiling it over DTensors.
+    The states are created by torchao's own ``_new_buffer`` (DTensors over this rank's 8-bit shard)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        from torchao.optim.adam import single_param_adam
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+                state["step"] += 1
+                single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                                  _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0],
+                                  group["betas"][1], group["weight_decay"], group["eps"], True,
+                                  self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        return loss
+
+
+@functools.cache
+def _local_shard_class(base: type) -> type:
+    """``base`` (a torchao AdamW) with :class:`LocalShardStep`'s step; one class per base, made on first use."""
+    return type(base.__name__, (LocalShardStep, base),
+                {"__module__": __name__, "__doc__": f"torchao {base.__name__}, stepped on local shards (fp8dist.lean)."})
