@@ -166,8 +166,10 @@ def _hand_wired_mixtral(model, world: int):
     return hand_wired_fsdp2(model, world)
 
 
-def _mixtral_case(rank: int, world: int) -> dict:
+def _mixtral_case(rank: int, world: int, out_dir: str) -> dict:
     from helpers import train_losses
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import MixtralForCausalLM
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
 
@@ -176,7 +178,7 @@ def _mixtral_case(rank: int, world: int) -> dict:
     experts = ours.model.layers[0].mlp.experts
     ref = _hand_wired_mixtral(mixtral_tiny(), world)
     bf16 = fp8dist.wrap_model(mixtral_tiny(), strategy="fsdp")
-    return dict(
+    result = dict(
         experts={e.name: (e.precision, e.converted_to, e.params) for e in plan if e.module_type == "MixtralExperts"},
         router=plan.by_name("model.layers.0.mlp.gate").reason,
         coverage=(plan.coverage.fp8_params, plan.coverage.gemm_params, round(plan.coverage.flop_share, 3)),
@@ -186,13 +188,30 @@ def _mixtral_case(rank: int, world: int) -> dict:
         ref=train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref)),
         bf16=train_losses(bf16, rank, world),
     )
+    # checkpoints and exports hold the experts' plain weights: they load back, and into a Mixtral without FP8
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(ours, options=options)
+    fp8dist.save_checkpoint(f"{out_dir}/ckpt", ours, torch.optim.AdamW(ours.parameters()), step=4)
+    again = fp8dist.wrap_model(mixtral_tiny(seed=5), strategy="fsdp", fp8="torchao",
+                               torchao_moe_recipe="mxfp8_emulated")
+    fp8dist.load_checkpoint(f"{out_dir}/ckpt", again, torch.optim.AdamW(again.parameters()))
+    loaded = get_model_state_dict(again, options=options)
+    result["checkpoint_equal"] = sorted(loaded) == sorted(full) and all(torch.equal(loaded[k], full[k]) for k in full)
+    fp8dist.save_pretrained(ours, f"{out_dir}/export", dtype=torch.float32)
+    if rank == 0:
+        plain = mixtral_tiny(seed=1)
+        result["load"] = str(plain.load_state_dict(full, strict=True))
+        sd = plain.state_dict()
+        back = MixtralForCausalLM.from_pretrained(f"{out_dir}/export").state_dict()
+        result["pretrained_equal"] = sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    return result
 
 
 @pytest.mark.slow
-def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu():
+def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu(tmp_path):
     from dist_harness import run_ranks
 
-    results = run_ranks(_mixtral_case)
+    results = run_ranks(_mixtral_case, str(tmp_path))
     r = results[0]
     expert_params = 4 * (2 * 256 * 128 + 128 * 256)
     assert r["experts"] == {f"model.layers.{i}.mlp.experts": ("fp8", "torchao MoE: MXFP8 grouped GEMM, emulated",
@@ -205,6 +224,8 @@ def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu():
         # emulated MXFP8 (E4M3 values, one power-of-two scale per 32) vs bf16: a few 1e-3 on a loss of ~5.5
         assert max(abs(a - b) for a, b in zip(rank["ours"], rank["bf16"])) < 0.02, (rank["ours"], rank["bf16"])
     assert r["ours"][-1] < r["ours"][0]
+    assert all(rank["checkpoint_equal"] for rank in results)
+    assert r["load"] == "<All keys matched successfully>" and r["pretrained_equal"]
 
 
 def test_mixtral_experts_on_cpu_without_emulation_say_why_and_the_way_out():

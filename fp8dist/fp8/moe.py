@@ -111,3 +111,27 @@ def convert_experts(model: nn.Module, names: set[str], cfg, device: torch.device
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
         raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
     quantize_(model, _op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
+    for name in names:
+        model.get_submodule(name).register_state_dict_post_hook(_plain_state)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor inside torchao's MoE training wrapper (itself, or a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+
+    if isinstance(t, TrainingWeightWrapperBaseTensor):
+        return t._data
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, TrainingWeightWrapperBaseTensor):
+        return DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t
+
+
+def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State dicts (checkpoints, exports) hold the experts' plain tensors, sharing the parameters' storage, so
+    they save and load like any weight (torchao's wrapper would be pickled as its class, which a weights-only
+    load refuses) and loading into them writes the parameters."""
+    for name, _ in module.named_parameters(recurse=False):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = _plain(state_dict[prefix + name])

@@ -91,9 +91,14 @@ def _whole(shape: tuple[int, ...]) -> Region:
 
 
 def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    """torchao's FP8 all-gather wraps the high-precision weight (``WeightWithDynamicFloat8CastTensor``): the
+    """torchao wraps the high-precision weight in a tensor subclass (FP8 all-gather's
+    ``WeightWithDynamicFloat8CastTensor`` holds it as ``_tensor``, the MoE training wrapper as ``_data``): the
     tensor inside is the weight trained."""
-    return getattr(t, "_tensor", t)
+    for attr in ("_tensor", "_data"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor):
+            return inner
+    return t
 
 
 def _inner(model: nn.Module) -> nn.Module:
