@@ -248,3 +248,33 @@ def test_mixtral_experts_outside_grouped_mm_are_not_claimed():
                                   device=torch.device("cpu"))
     reason = plan.by_name("model.layers.1.mlp.experts").reason
     assert reason.startswith("experts_implementation='eager' runs per-expert slices") and "grouped_mm" in reason
+
+
+FAMILY_CONFIGS = {
+    "gpt_neox": ({"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4},
+                 "FP8 share of GEMMs: 345,984 of 428,288 params (80.8%), 80.8% of est. GEMM FLOPs"),
+    "gpt2": ({"n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 64},
+             "FP8 share of GEMMs: 345,984 of 428,288 params (80.8%), 80.8% of est. GEMM FLOPs"),
+    "mixtral": ({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "tie_word_embeddings": False},
+                "FP8 share of GEMMs: 868,352 of 918,528 params (94.5%), 90.4% of est. GEMM FLOPs"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_fp8dist_plan_reads_each_familys_config(family, tmp_path, capsys):
+    import json
+
+    from fp8dist.cli import main
+
+    fields, share = FAMILY_CONFIGS[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": family, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0,
+                                **fields}))
+    assert main(["plan", "--model-config", str(path), "--fp8", "torchao",
+                 "--torchao-moe-recipe", "mxfp8_emulated"]) == 0
+    out = capsys.readouterr().out
+    assert share in out
+    converted = {"gpt_neox": "Float8Linear", "gpt2": "Float8Conv1D", "mixtral": "torchao MoE: MXFP8 grouped GEMM"}
+    assert converted[family] in out
