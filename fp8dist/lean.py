@@ -98,7 +98,7 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     allowed = {"lr", "betas", "eps", "weight_decay"}
     if set(kwargs) - allowed:
         raise ValueError(f"memory='lean': optimizer options {sorted(set(kwargs) - allowed)} are not taken by torchao's "
-                         f"8-bit AdamW; it takes {sorted(allowed)}.")
+                         f"8-bit AdamW; it takes {sorted(allowed)}. Leave them out, or {_WAY_OUT}.")
     return kwargs
 
 

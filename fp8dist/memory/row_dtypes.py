@@ -100,9 +100,21 @@ def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: _Engin
     else:
         state = getattr(optimizer, "state", None) or {}
         states = [state[p] for p in params if p in state]
-    kinds = sorted({"+".join(dtype_name(leaf.dtype) for k, v in s.items() if k != "step" for leaf in leaves(v))
-                    for s in states})
+    kinds = sorted({"+".join(_state_kind(v) for k, v in s.items() if k != "step") for s in states})
     return ", ".join(k for k in kinds if k) or "none yet (after the first step)"
+
+
+# torchao's low-bit optimizer states (memory="lean"): blockwise codes with an fp32 scale per block
+_LOW_BIT = {"OptimState8bit": "8-bit", "OptimStateFp8": "fp8 e4m3", "OptimState4bit": "4-bit"}
+
+
+def _state_kind(value: Any) -> str:
+    """One optimizer state's dtype name; torchao's low-bit states as their format and scale block."""
+    local = getattr(value, "_local_tensor", value)
+    kind = _LOW_BIT.get(type(local).__name__)
+    if kind is not None:
+        return f"{kind} (fp32 scale/{local.block_size})"
+    return "+".join(dtype_name(leaf.dtype) for leaf in leaves(value))
 
 
 def _weight_grad(params: list[nn.Parameter], engine: _Engine) -> str:
@@ -113,9 +125,12 @@ def _weight_grad(params: list[nn.Parameter], engine: _Engine) -> str:
     return _names(grads, "none held now (report after backward)")
 
 
-def _master(engine: _Engine) -> str:
+def _master(model: nn.Module, engine: _Engine) -> str:
     if engine.deepspeed is None:
-        return "n/a (the stored weight)"
+        from ..api import get_wrap_info
+
+        lean = get_wrap_info(model).config.parallel.memory == "lean"
+        return "none (stochastic rounding)" if lean else "n/a (the stored weight)"
     zero = engine.deepspeed.optimizer
     masters = {leaf.dtype for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
                for leaf in leaves(getattr(zero, name, None))}
@@ -136,5 +151,5 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
         gemm = "no GEMM"
     return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
                         gemm=gemm, all_gather=_all_gather(params, engine, stored), reduce=engine.reduce,
-                        weight=weight, master_weight=_master(engine), weight_grad=_weight_grad(params, engine),
+                        weight=weight, master_weight=_master(model, engine), weight_grad=_weight_grad(params, engine),
                         optimizer_states=_optimizer_states(optimizer, params, engine))
