@@ -89,6 +89,36 @@ def _hand_wired_gpt2(model, world: int, names: list[str]):
     return model
 
 
+def neox_tiny(seed: int = 0):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(config)
+
+
+def _neox_losses(rank: int, world: int) -> tuple[list[float], list[float], int]:
+    """GPT-NeoX under fsdp + torchao, and by hand: convert_to_float8_training + fully_shard per layer + root."""
+    from helpers import first_last_filter, train_losses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    ours = fp8dist.wrap_model(neox_tiny(), strategy="fsdp", fp8="torchao")
+    ref = neox_tiny()
+    convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=first_last_filter(ref))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in ref.gpt_neox.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    return (train_losses(ours, rank, world),
+            train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref)),
+            len(fp8dist.get_plan(ours).fp8))
+
+
 def _gpt2_case(rank: int, world: int, out_dir: str) -> dict:
     from helpers import train_losses
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -119,11 +149,12 @@ def _gpt2_case(rank: int, world: int, out_dir: str) -> dict:
         result["conv1d_kept"] = all(is_conv1d(plain.get_submodule(n)) for n in names)
         back = GPT2LMHeadModel.from_pretrained(out_dir).state_dict()
         result["pretrained_equal"] = sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    result["neox"] = _neox_losses(rank, world)  # in the same spawn: GPT-NeoX's Linears, for the support table
     return result
 
 
 @pytest.mark.slow
-def test_gpt2_conv1d_runs_fp8_like_the_hand_wired_swap_and_checkpoints_stay_gpt2(tmp_path):
+def test_gpt2_conv1d_and_neox_run_fp8_like_the_hand_wired_and_gpt2_checkpoints_stay_gpt2(tmp_path):
     from dist_harness import run_ranks
 
     results = run_ranks(_gpt2_case, str(tmp_path / "export"))
@@ -138,6 +169,9 @@ def test_gpt2_conv1d_runs_fp8_like_the_hand_wired_swap_and_checkpoints_stay_gpt2
     assert r["ours"][-1] < r["ours"][0]
     assert r["load"] == "<All keys matched successfully>" and r["values_equal"] and r["conv1d_kept"]
     assert r["pretrained_equal"]
+    for rank in results:
+        ours, ref, fp8_layers = rank["neox"]
+        assert ours == ref and fp8_layers == 7, rank["neox"]
 
 
 def mixtral_tiny(seed: int = 0):
