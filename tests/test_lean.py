@@ -93,7 +93,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     for fp8 in (None, "torchao"):
         for memory in ("standard", "lean"):
             losses, rep = _llama(rank, world, fp8, memory, SHORT)
-            out[(fp8, memory)] = dict(losses=losses, per_param=rep.bytes_per_param["total"],
+            out[(fp8, memory)] = dict(losses=losses, per_param=rep.bytes_per_param["total"], bytes=dict(rep.bytes),
                                       dtypes=dict(rep.dtypes), text=str(rep))
     out["resume"] = _resume(rank, world, f"{tmp}/ckpt")
     return out
@@ -120,9 +120,25 @@ def test_bytes_per_category_exact(results, strategy):
         assert got["opt"] == "AdamW8bit"  # no FP8 GPU here
         weight, master, grad, reduce, states = got["rows"]["gemm"]
         assert (weight, grad) == ("bf16", "bf16") and master.startswith("none")
-        assert states.startswith("8-bit")
+        assert states == "8-bit x2 (fp32 scale/256)"
         if strategy == "fsdp":
             assert reduce == "bf16"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "none"])
+def test_estimate_predicts_the_report_exactly(results, strategy):
+    for rank, got in enumerate(results):
+        world = 1 if strategy == "none" else 2  # each "none" rank trains alone
+        est = fp8dist.estimate_memory(Stack(), world_size=world, rank=min(rank, world - 1), strategy=strategy,
+                                      memory="lean")
+        assert dict(est.bytes) == got[f"stack {strategy}"]["bytes"]
+
+
+@pytest.mark.parametrize("fp8", [None, "torchao"])
+def test_estimate_predicts_the_llama_report_exactly(results, fp8):
+    for rank, got in enumerate(results):
+        est = fp8dist.estimate_memory(build_llama("tiny", seed=0), world_size=2, rank=rank, fp8=fp8, memory="lean")
+        assert dict(est.bytes) == got[(fp8, "lean")]["bytes"]
 
 
 @pytest.mark.parametrize("fp8", [None, "torchao"])

@@ -34,7 +34,7 @@ from typing import Any
 from ..strategies.padding import shard_padding
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "rank_states", "fp8_buffer_bytes", "category_dtypes", "worst_rank"]
+           "rank_states", "lean_state_bytes", "fp8_buffer_bytes", "category_dtypes", "worst_rank"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -42,6 +42,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""
 _STEP_BYTES = 4  # torch Adam/AdamW: one fp32 ``step`` tensor per parameter (DeepSpeed keeps it in the group)
 _SCALING_META_BYTES = 12  # MS-AMP ScalingMeta: scale, scale_inv and a 1-long amax window, fp32
+_LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized tensor, elements per scale
 _TE_FP8_TENSORS = 5  # per te.Linear GEMM: input, weight, output (forward); grad output, grad input (backward)
 
 
@@ -85,6 +86,8 @@ def element_bytes(cfg: Any, optimizer: str, stored_dtype: str, msamp_converted: 
     """Bytes per element of one parameter under ``cfg`` (strategy, FP8 backend). ``stored_dtype``: the model's
     own dtype for this parameter; ``ds_dtype``: the dtype DeepSpeed casts the module to (its bf16/fp16 block)."""
     n_states = OPTIMIZER_STATES[optimizer]
+    if getattr(cfg.parallel, "memory", "standard") == "lean":  # states counted per local tensor: lean_state_bytes
+        return ElementBytes(2, 0, 2, 0, ("bf16", "none", "bf16", "8-bit/bf16"))
     if cfg.parallel.strategy == "deepspeed":
         model = ds_dtype or cfg.parallel.param_dtype  # gradients accumulate in the module's dtype too
         base = ElementBytes(DTYPE_BYTES[model], 4, DTYPE_BYTES[model], 4 * n_states,
@@ -210,6 +213,26 @@ def _zero_chart(params: list[ParamInfo], world: int, stage: int) -> list[dict[st
     return [dict(out) for _ in range(world)]
 
 
+def lean_state_bytes(numel: int) -> int:
+    """``memory="lean"``: torchao's 8-bit AdamW states (exp_avg, exp_avg_sq) of a local tensor of ``numel``
+    elements. torchao quantizes a tensor of at least 4096 elements that is a multiple of its 256-element block: one
+    byte per element, an fp32 scale per block and a 256-entry fp32 code map per state; others stay bf16."""
+    if numel >= _LEAN_MIN and numel % _LEAN_BLOCK == 0:
+        return 2 * (numel + numel // _LEAN_BLOCK * 4 + _LEAN_BLOCK * 4)
+    return 2 * 2 * numel
+
+
+def _add_lean_states(per_rank: list[dict[str, int]], params: list[ParamInfo], world: int, strategy: str) -> None:
+    """Each rank's lean states, from the elements it holds of each parameter (FSDP2: its dim-0 rows)."""
+    if strategy != "fsdp":
+        for states in per_rank:
+            states["optimizer_states"] += sum(lean_state_bytes(p.numel) for p in params)
+        return
+    for p, pad in zip(params, shard_padding({p.name: p.shape for p in params}, world)):
+        for rank, states in enumerate(per_rank):
+            states["optimizer_states"] += lean_state_bytes(pad.rows_on(rank) * pad.row_numel)
+
+
 def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str,
                 ds: dict[str, Any] | None = None) -> list[dict[str, int]]:
     """Bytes per category (fp8_buffers excluded) on each of the ``world`` ranks. ``ds``: the DeepSpeed config's
@@ -222,10 +245,16 @@ def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str,
         return _zero3(params, world, ds["persistence"]) if stage == 3 else _zero12(params, world)
     if strategy == "fsdp":  # HSDP: each replica's ranks hold what FSDP2 over one shard group holds
         shard = world // cfg.parallel.replicate_degree
-        return _fsdp2(params, shard, optimizer) * cfg.parallel.replicate_degree
+        group = _fsdp2(params, shard, optimizer)
+        if getattr(cfg.parallel, "memory", "standard") == "lean":
+            _add_lean_states(group, params, shard, strategy)
+        return [dict(d) for _ in range(cfg.parallel.replicate_degree) for d in group]
     if strategy == "fsdp1":
         return _fsdp1(params, world, optimizer, DTYPE_BYTES[cfg.parallel.param_dtype])
-    return _replicated(params, world, optimizer)
+    out = _replicated(params, world, optimizer)
+    if getattr(cfg.parallel, "memory", "standard") == "lean":
+        _add_lean_states(out, params, world, strategy)
+    return out
 
 
 def fp8_buffer_bytes(cfg: Any, plan: Any) -> int:

@@ -100,7 +100,7 @@ def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: _Engin
     else:
         state = getattr(optimizer, "state", None) or {}
         states = [state[p] for p in params if p in state]
-    kinds = sorted({"+".join(_state_kind(v) for k, v in s.items() if k != "step") for s in states})
+    kinds = sorted({_join([_state_kind(v) for k, v in s.items() if k != "step"]) for s in states})
     return ", ".join(k for k in kinds if k) or "none yet (after the first step)"
 
 
@@ -115,6 +115,14 @@ def _state_kind(value: Any) -> str:
     if kind is not None:
         return f"{kind} (fp32 scale/{local.block_size})"
     return "+".join(dtype_name(leaf.dtype) for leaf in leaves(value))
+
+
+def _join(kinds: list[str]) -> str:
+    """``"fp32+fp32"``; low-bit states alike as ``"8-bit x2 (fp32 scale/256)"``."""
+    if len(set(kinds)) == 1 and len(kinds) > 1 and " (" in kinds[0]:
+        name, _, rest = kinds[0].partition(" (")
+        return f"{name} x{len(kinds)} ({rest}"
+    return "+".join(kinds)
 
 
 def _weight_grad(params: list[nn.Parameter], engine: _Engine) -> str:
