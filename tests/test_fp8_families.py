@@ -312,3 +312,16 @@ def test_fp8dist_plan_reads_each_familys_config(family, tmp_path, capsys):
     assert share in out
     converted = {"gpt_neox": "Float8Linear", "gpt2": "Float8Conv1D", "mixtral": "torchao MoE: MXFP8 grouped GEMM"}
     assert converted[family] in out
+
+
+def test_transformer_engine_names_what_it_does_not_convert_yet():
+    """TE runs neither Conv1D nor fused MoE experts yet: the plan says so and names fp8='torchao' (plan only: TE
+    itself needs CUDA)."""
+    cfg = fp8dist.resolve_config(strategy="fsdp", fp8="te")
+    gpt2 = fp8dist.plan_precision(gpt2_tiny(), cfg, device=torch.device("cpu"), check_hardware=False)
+    conv = gpt2.by_name("transformer.h.1.mlp.c_fc")
+    assert conv.precision == "bf16" and conv.reason.startswith("Conv1D (weight stored (in, out)): te.Linear holds")
+    assert "fp8='torchao' runs Conv1D in FP8" in conv.reason
+    mixtral = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), check_hardware=False)
+    experts = mixtral.by_name("model.layers.0.mlp.experts")
+    assert experts.precision == "bf16" and "TE's GroupedLinear is not wired in yet" in experts.reason
