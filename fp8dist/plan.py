@@ -136,15 +136,20 @@ def _fallback_precision(module: nn.Module, cfg: Config) -> str:
     return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
 
 
+_LEAN_HEAD = ", memory=lean (bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients)"
+
+
 class PrecisionPlan(Sequence[PlanEntry]):
     """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
-                 blocks: tuple[str, bool, str] = ("none", False, "")) -> None:
+                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard") -> None:
         self._entries = entries
         self.backend = backend
         self.strategy = strategy
+        self.memory = memory
+        """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
         self.detail = detail
         self.unavailable = unavailable
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
@@ -209,7 +214,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def __str__(self) -> str:
         head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
-                f"strategy={self.strategy} -- {self.counts()}")
+                f"strategy={self.strategy}{_LEAN_HEAD if self.memory == 'lean' else ''} -- {self.counts()}")
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -295,7 +300,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
                                      compile_refusal[1] if compile_refusal else None)
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
                          notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else (),
-                         blocks=(cfg.parallel.activation_checkpointing, compiled, why))
+                         blocks=(cfg.parallel.activation_checkpointing, compiled, why), memory=cfg.parallel.memory)
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:

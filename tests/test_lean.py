@@ -149,6 +149,7 @@ def test_llama_fsdp2_lean_memory_and_losses(results, fp8):
         assert standard["per_param"] * 2 == pytest.approx(16.0, abs=0.1)
         assert lean["dtypes"]["parameters"] == "bf16" and lean["dtypes"]["gradients"] == "bf16"
         assert lean["dtypes"]["master_weights"] == "none"
+        assert "memory lean" in lean["text"].splitlines()[0]
         diffs = [abs(a - b) for a, b in zip(lean["losses"], standard["losses"])]
         assert max(diffs) < 0.01, (lean["losses"], standard["losses"])
 
@@ -184,6 +185,12 @@ def test_unsupported_combinations_name_the_way_out(options, needle):
 def test_memory_is_a_config_key_and_a_flag():
     from fp8dist.config import Config
 
-    assert Config.from_dict({"memory": "LEAN"}).parallel.memory == "lean"
+    from fp8dist.plan import plan_precision
+
+    cfg = Config.from_dict({"memory": "LEAN", "fp8": "torchao"})
+    assert cfg.parallel.memory == "lean"
+    plan = str(plan_precision(build_llama("tiny", seed=0), cfg, device=torch.device("cpu")))
+    assert "memory=lean (bf16 weights, no fp32 master" in plan.splitlines()[0]
+    assert "memory lean" in str(fp8dist.estimate_memory(Stack(), memory="lean", strategy="none")).splitlines()[0]
     with pytest.raises(ValueError, match="'standard', 'lean'"):
         Config.from_dict({"memory": "tiny"})

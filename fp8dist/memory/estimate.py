@@ -74,6 +74,8 @@ class MemoryEstimate(StateBytes):
     offloaded: tuple[str, ...]
     """Categories DeepSpeed keeps in host memory (offload_optimizer / offload_param); included in ``bytes``."""
     notes: tuple[str, ...]
+    memory: str = "standard"
+    """The model-state memory level (``memory=``): standard or lean."""
 
     @property
     def activation_bytes(self) -> int:
@@ -89,7 +91,7 @@ class MemoryEstimate(StateBytes):
     def __str__(self) -> str:
         strategy = self.strategy + (f" (ZeRO-{self.zero_stage})" if self.zero_stage else "")
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters" + (" (TE/MS-AMP rows derived, not measured)"
+                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory) + (" (TE/MS-AMP rows derived, not measured)"
                                                                      if self.derived else ""))
         per_param = self.bytes_per_param
         rows = [[c.replace("_", " ") + (" (host)" if c in self.offloaded else ""), f"{per_param[c]:.3f}",
@@ -107,6 +109,10 @@ class MemoryEstimate(StateBytes):
                  "", total]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _memory_head(memory: str) -> str:
+    return ", memory lean (bf16 weights, no master, 8-bit AdamW states)" if memory == "lean" else ""
 
 
 def _size(n: int) -> str:
@@ -247,7 +253,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes}, dtypes=category_dtypes(params, fp8_bytes),
         micro_batch_size=micro, seq_len=seq_len, activations=tuple(acts.items), activations_modelled=acts.modelled,
         derived=cfg.precision.fp8 in ("te", "msamp"), offloaded=_offloaded(ds),
-        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes))
+        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes), memory=cfg.parallel.memory)
 
 
 def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:

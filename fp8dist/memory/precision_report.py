@@ -44,6 +44,8 @@ class PrecisionReport(StateBytes):
     """The dtypes found in each category."""
     total_params: int
     """Elements of all parameters of the full model."""
+    memory: str = "standard"
+    """The model-state memory level (``memory=``): standard or lean."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -55,7 +57,7 @@ class PrecisionReport(StateBytes):
 
     def __str__(self) -> str:
         head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
-                f"{self.total_params:,} parameters")
+                f"{self.total_params:,} parameters" + (", memory lean" if self.memory == "lean" else ""))
         cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
                 "weight grad", "optimizer states"]
         rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,
@@ -154,4 +156,5 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     return PrecisionReport(
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
-        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel)
+        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel,
+        memory=info.config.parallel.memory)
