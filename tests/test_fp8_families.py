@@ -185,19 +185,20 @@ def mixtral_tiny(seed: int = 0):
     return MixtralForCausalLM(config)
 
 
-def _hand_wired_mixtral(model, world: int):
+def _hand_wired_mixtral(model, world: int, strategy: str = "fsdp"):
     """The reference: raw torchao MoE conversion (emulated MXFP8) on the experts, raw convert_to_float8_training
-    on the Linears but the first and last, fully_shard per decoder layer + root."""
+    on the Linears but the first and last, then fully_shard per decoder layer + root (or DDP)."""
     from helpers import first_last_filter, hand_wired_fsdp2
+    from torch.nn.parallel import DistributedDataParallel
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.quantization import quantize_
 
     quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
               filter_fn=lambda module, fqn: fqn.endswith("mlp.experts"))
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp"),
                                module_filter_fn=first_last_filter(model))
-    return hand_wired_fsdp2(model, world)
+    return hand_wired_fsdp2(model, world) if strategy == "fsdp" else DistributedDataParallel(model)
 
 
 def _mixtral_case(rank: int, world: int, out_dir: str) -> dict:
@@ -222,6 +223,10 @@ def _mixtral_case(rank: int, world: int, out_dir: str) -> dict:
         ref=train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref)),
         bf16=train_losses(bf16, rank, world),
     )
+    ddp = fp8dist.wrap_model(mixtral_tiny(), strategy="ddp", fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
+    ddp_ref = _hand_wired_mixtral(mixtral_tiny(), world, "ddp")
+    result["ddp"] = (train_losses(ddp, rank, world, steps=2),
+                     train_losses(ddp_ref, rank, world, steps=2, autocast_dtype=torch.bfloat16))
     # checkpoints and exports hold the experts' plain weights: they load back, and into a Mixtral without FP8
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(ours, options=options)
@@ -259,6 +264,7 @@ def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu(tmp_path):
         assert max(abs(a - b) for a, b in zip(rank["ours"], rank["bf16"])) < 0.02, (rank["ours"], rank["bf16"])
     assert r["ours"][-1] < r["ours"][0]
     assert all(rank["checkpoint_equal"] for rank in results)
+    assert all(rank["ddp"][0] == rank["ddp"][1] for rank in results), [rank["ddp"] for rank in results]
     assert r["load"] == "<All keys matched successfully>" and r["pretrained_equal"]
 
 
@@ -272,6 +278,14 @@ def test_mixtral_experts_on_cpu_without_emulation_say_why_and_the_way_out():
     assert "torchao_moe_recipe='mxfp8_emulated'" in entry.reason
     low = [str(w.message) for w in caught if "GEMM modules in FP8" in str(w.message)]
     assert len(low) == 1 and "81,920 of 918,528 GEMM params (8.9%, below 50%)" in low[0]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp1", "deepspeed"])
+def test_mixtral_experts_under_strategies_that_break_torchaos_wrapper_say_so(strategy):
+    cfg = fp8dist.resolve_config(strategy=strategy, fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
+    plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"))
+    entry = plan.by_name("model.layers.0.mlp.experts")
+    assert entry.precision == "bf16" and "strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8" in entry.reason
 
 
 def test_mixtral_experts_outside_grouped_mm_are_not_claimed():

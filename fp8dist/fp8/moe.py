@@ -24,6 +24,15 @@ RECIPES = {
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
 
+STRATEGY_REFUSALS = {
+    "fsdp1": ("FSDP1 flattens the experts into a FlatParameter, which drops torchao's MoE weight wrapper (the grouped "
+              "GEMM then fails on a shape mismatch); strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8"),
+    "deepspeed": ("DeepSpeed's parameter handling cannot swap torchao's MoE weight wrapper (_apply(): Couldn't swap "
+                  "MixtralExperts.gate_up_proj, ZeRO 2 and 3); strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8"),
+}
+"""Strategies tried with torchao's MoE conversion on 2 gloo ranks that failed, and what happened."""
+
+
 def is_experts(module: nn.Module) -> bool:
     """transformers' fused experts module (``@use_experts_implementation``): 3-D parameters, one row per expert."""
     experts = getattr(module, "num_experts", None)
@@ -72,6 +81,9 @@ def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
                 "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
                 "default) before wrap_model")
+    strategy = cfg.parallel.strategy
+    if strategy in STRATEGY_REFUSALS:
+        return STRATEGY_REFUSALS[strategy]
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
     recipe, why = experts_recipe(cfg, device)
