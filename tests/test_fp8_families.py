@@ -339,3 +339,34 @@ def test_transformer_engine_names_what_it_does_not_convert_yet():
     mixtral = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), check_hardware=False)
     experts = mixtral.by_name("model.layers.0.mlp.experts")
     assert experts.precision == "bf16" and "TE's GroupedLinear is not wired in yet" in experts.reason
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_conv1d_equals_the_linear_swap_in_one_process(recipe):
+    """Float8Conv1D (Conv1D's own (in, out) weight) computes what the Conv1D -> nn.Linear swap + torchao
+    computes, loss and weight gradients, under both scaling granularities (rowwise scales along the other dim)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.set_num_threads(1)
+    ours = fp8dist.wrap_model(gpt2_tiny(), strategy="none", fp8="torchao", torchao_recipe=recipe)
+    names = [e.name for e in fp8dist.get_plan(ours).fp8]
+    ref = gpt2_tiny()
+    for name in names:
+        conv = ref.get_submodule(name)
+        linear = nn.Linear(*conv.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(ref.get_submodule(parent), child, linear)
+    convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda m, fqn: fqn in names)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = ours(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what strategy "none" wraps the forward in
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert loss.item() == ref_loss.item()
+    for name in names:
+        assert torch.equal(ours.get_submodule(name).weight.grad, ref.get_submodule(name).weight.grad.t()), name
