@@ -370,3 +370,16 @@ def test_float8_conv1d_equals_the_linear_swap_in_one_process(recipe):
     assert loss.item() == ref_loss.item()
     for name in names:
         assert torch.equal(ours.get_submodule(name).weight.grad, ref.get_submodule(name).weight.grad.t()), name
+
+
+def test_mixtral_experts_that_fsdp2_would_shard_unevenly_stay_bf16_and_say_why(monkeypatch):
+    """4 experts over 3 ranks: FSDP2 pads, torchao's MoE wrapper does not (tried: FSDP2's assertion on the padded
+    shard size), so the plan keeps them in bf16 (the launcher's environment gives the world size)."""
+    for key, value in dict(WORLD_SIZE="3", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    cfg = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
+    plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"))
+    entry = plan.by_name("model.layers.1.mlp.experts")
+    assert entry.precision == "bf16"
+    assert entry.reason.startswith("4 experts do not split evenly over 3 FSDP2 shards")

@@ -55,6 +55,21 @@ def moe_routers(model: nn.Module) -> list[str]:
     return names
 
 
+def _uneven_shards(module: nn.Module, cfg) -> str | None:
+    """FSDP2 pads an expert dim that the shard group does not divide, and torchao's MoE wrapper does not (its
+    fsdp_pre_all_gather returns the unpadded shard: FSDP2 asserts on 3 ranks and 4 experts)."""
+    from ..env import current_launch
+
+    if cfg.parallel.strategy != "fsdp":
+        return None
+    shards = max(1, current_launch().world_size // max(1, cfg.parallel.replicate_degree))
+    if module.num_experts % shards:
+        return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
+                "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
+                "the experts")
+    return None
+
+
 def experts_recipe(cfg, device: torch.device) -> tuple[str | None, str | None]:
     """``(recipe, None)`` for the configured ``torchao_moe_recipe`` on ``device``, or ``(None, why not)``."""
     recipe = cfg.precision.torchao_moe_recipe
@@ -84,6 +99,9 @@ def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
     strategy = cfg.parallel.strategy
     if strategy in STRATEGY_REFUSALS:
         return STRATEGY_REFUSALS[strategy]
+    uneven = _uneven_shards(module, cfg)
+    if uneven:
+        return uneven
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
     recipe, why = experts_recipe(cfg, device)
