@@ -153,7 +153,6 @@ def _gpt2_case(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
-@pytest.mark.slow
 def test_gpt2_conv1d_and_neox_run_fp8_like_the_hand_wired_and_gpt2_checkpoints_stay_gpt2(tmp_path):
     from dist_harness import run_ranks
 
@@ -246,7 +245,6 @@ def _mixtral_case(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
-@pytest.mark.slow
 def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu(tmp_path):
     from dist_harness import run_ranks
 
