@@ -44,11 +44,14 @@ class Cell:
     compile: bool = False
     """torch.compile each block (wrap_model's ``compile``)."""
     activation_checkpointing: str = "none"
+    memory: str = "standard"
+    """wrap_model's ``memory`` level: standard (fp32 masters) or lean (bf16 weights, 8-bit AdamW states)."""
 
     @property
     def name(self) -> str:
         blocks = ("+compile" if self.compile else "") + \
-            (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "")
+            (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
+            ("+lean" if self.memory == "lean" else "")
         return f"{self.strategy}/{self.fp8 or 'bf16'}{blocks}/{self.size}" + \
             ("/vs-raw" if self.wiring == "vs-raw" else "")
 
@@ -64,7 +67,8 @@ def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wire
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
     from ..api import get_plan, wrap_model
 
-    options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing}
+    options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing,
+                               "memory": cell.memory}
     if cell.strategy == "deepspeed":
         options.update(zero_stage=cell.zero_stage, micro_batch_size=cell.batch_size)
     wrapped, optimizer = wrap_model(model, strategy=cell.strategy, fp8=cell.fp8, optimizer=_optimizer_spec(cell),

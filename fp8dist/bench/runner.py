@@ -30,6 +30,7 @@ __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "ru
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
 FP8_CHOICES = ("none", "torchao", "te", "msamp")
 OVERHEAD_FP8 = (None, "torchao")
+_LEAN_STRATEGIES = ("fsdp", "ddp", "none")  # where memory="lean" runs (fp8dist.lean.lean_refusal)
 """FSDP2 cells measured against the hand-wired engine (bf16 and torchao)."""
 
 # defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
@@ -56,6 +57,8 @@ class BenchSettings:
     compile: tuple[bool, ...] = (False,)
     """Compile off and/or on: a matrix dimension."""
     activation_checkpointing: tuple[str, ...] = ("none",)
+    memory: tuple[str, ...] = ("standard",)
+    """Memory levels: a matrix dimension (lean cells only where the level runs: fsdp, ddp, none)."""
 
 
 def device_type() -> str:
@@ -108,7 +111,8 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
         compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
-                                        ("none", "full", "selective"), "none,full"))
+                                        ("none", "full", "selective"), "none,full"),
+        memory=_split("--memory", getattr(args, "memory", "standard"), ("standard", "lean"), "standard,lean"))
     corpus = len(make_corpus())
     if settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
@@ -124,11 +128,12 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
                lr=settings.lr, zero_stage=settings.zero_stage)
     backends = tuple(dict.fromkeys((None, *settings.fp8)))  # every FP8 cell gets its bf16 counterpart
     cells = []
-    blocks = [dict(compile=c, activation_checkpointing=a) for c in settings.compile
-              for a in settings.activation_checkpointing]
+    blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
+              for a in settings.activation_checkpointing for m in settings.memory]
     for size in settings.sizes:
         for strategy in settings.strategies:
-            cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends]
+            cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends
+                      if b["memory"] == "standard" or strategy in _LEAN_STRATEGIES]
         if settings.raw and "fsdp" in settings.strategies:
             cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
                       for f in backends if f in OVERHEAD_FP8]
@@ -153,7 +158,7 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     for cell in cells:
         options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
         config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
-                                activation_checkpointing=cell.activation_checkpointing, **options)
+                                activation_checkpointing=cell.activation_checkpointing, memory=cell.memory, **options)
         refusals = block_refusals(config, get_backend(cell.fp8) if cell.fp8 else NO_FP8)
         try:
             check_block_options(config, *refusals)

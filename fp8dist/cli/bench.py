@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
                    help="comma-separated, from off, on: torch.compile each block (a matrix dimension; default: off)")
     p.add_argument("--activation-checkpointing", metavar="LIST", default="none",
                    help="comma-separated, from none, full, selective (a matrix dimension; default: none)")
+    p.add_argument("--memory", metavar="LIST", default="standard",
+                   help="comma-separated, from standard, lean: the model-state memory level (a matrix dimension; lean "
+                        "cells for fsdp, ddp and none only; default: standard)")
     p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW learning rate, constant (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="model initialization and batch order seed (default: 0)")
