@@ -44,6 +44,10 @@ class TrainConfig:
     model_size: ModelSize = "tiny"
     """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M) or 1b (1.08B, for GPUs)."""
 
+    model_config: str | None = None
+    """A Hugging Face config.json of a causal LM (Llama, GPT-2, GPT-NeoX, Mixtral, ...; vocab_size >= 256) to
+    train from its own initialization instead of the Llama preset; no download."""
+
     steps: int = 60
     """Optimizer steps."""
 
@@ -196,20 +200,36 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
     """The built-in Llama, or with ``pretrained`` the model of that directory's config.json, built on the meta
     device (each rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
     path = config.parallel.pretrained
-    if path is None:
+    if path is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len), f"llama-{train.model_size}"
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .data import VOCAB_SIZE
 
-    try:
-        model_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
-                         "directory written by save_pretrained.") from None
+    if path is not None and train.model_config is not None:
+        raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
+                         "builds the model from that directory's config.json).")
+    if path is None:
+        model_config = _read_model_config(train.model_config)
+        path = train.model_config
+    else:
+        try:
+            model_config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a "
+                             "model directory written by save_pretrained.") from None
     if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
-        raise ValueError(f"pretrained={path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
+        raise ValueError(f"{path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
                          f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < train.seq_len:
+        raise ValueError(f"{path!r} holds {positions} positions and seq_len={train.seq_len}: pass --seq-len "
+                         f"{positions} or less, or a config with max_position_embeddings >= {train.seq_len}.")
+    if config.parallel.pretrained is None:  # a fresh model: its own initialization, the same on every rank
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(train.seed)
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            return model, f"{type(model_config).__name__} from {path}"
     zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(train.seed)
@@ -217,6 +237,22 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
             # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
             model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
             return model, f"{type(model_config).__name__} from {path}"
+
+
+def _read_model_config(path: str) -> Any:
+    """``--model-config``: a Hugging Face config.json (needs its model_type)."""
+    import json
+
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"model_config={path!r} is not a readable JSON file ({err}): pass a Hugging Face "
+                         "config.json.") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"model_config={path!r}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
+    return AutoConfig.for_model(**data)
 
 
 def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:

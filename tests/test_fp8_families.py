@@ -381,3 +381,27 @@ def test_mixtral_experts_that_fsdp2_would_shard_unevenly_stay_bf16_and_say_why(m
     entry = plan.by_name("model.layers.1.mlp.experts")
     assert entry.precision == "bf16"
     assert entry.reason.startswith("4 experts do not split evenly over 3 FSDP2 shards")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral"])
+def test_the_training_job_trains_a_familys_config(family, tmp_path):
+    """fp8dist train --model-config: the training job builds the family from its config.json (one process here;
+    the CLI's ranks run the same function)."""
+    import json
+
+    from fp8dist.train import TrainConfig, run_training
+
+    fields, _ = FAMILY_CONFIGS[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": family, "vocab_size": 256, **fields}))
+    cfg = fp8dist.resolve_config(strategy="none", fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
+    result = run_training(cfg, TrainConfig(model_config=str(path), steps=3, seq_len=32, batch_size=2),
+                          log=lambda line: None)
+    assert result.losses[-1] < result.losses[0]
+    expected = {"gpt2": "FP8 7 layers / 345,984 params", "mixtral": "FP8 9 layers / 868,352 params"}[family]
+    assert result.plan_counts.startswith(expected), result.plan_counts
+    with pytest.raises(ValueError, match="holds 64 positions and seq_len=128: pass --seq-len 64 or less") \
+            if family == "gpt2" else pytest.raises(ValueError, match="pass one"):
+        other = {"pretrained": str(tmp_path)} if family == "mixtral" else {}
+        run_training(fp8dist.resolve_config(strategy="none", **other), TrainConfig(model_config=str(path),
+                                                                                   seq_len=128, steps=1))
