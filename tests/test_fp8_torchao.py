@@ -132,10 +132,11 @@ def _fp8_vs_bf16_case(rank: int, world: int) -> dict:
             for fp8 in (None, "torchao")}
 
 
-# After 30 steps on the tiny Llama, FP8 (tensorwise, first/last Linear in bf16) vs the bf16 run, mean of the last 5
-# steps: measured 0.0085 nats on CPU (2.4624 vs 2.4709; runs are bit-identical, so it does not drift between
-# runs). The tolerance leaves room for other CPUs' GEMM orders.
-FP8_LOSS_TOLERANCE = 0.02
+# After 30 steps of fp8dist train on the tiny Llama (gradients clipped at 1.0, its default under every strategy since
+# 2026-11-23), FP8 (tensorwise, first/last Linear in bf16) vs the bf16 run, mean of the last 5 steps: measured
+# 0.0274 nats on CPU (bf16 2.3036, FP8 2.3310; without clipping it was 0.0085, 2.4624 vs 2.4709). Runs are
+# bit-identical, so it does not drift between runs; the tolerance leaves room for other CPUs' GEMM orders.
+FP8_LOSS_TOLERANCE = 0.035
 
 
 def test_torchao_fp8_loss_tracks_bf16_within_tolerance():
