@@ -84,7 +84,14 @@ def _resume(rank, world, tmp):
     resumed = _losses(model2, opt2, rank, world, 2, start=start)
     same = all(torch.equal(weights[n], p.full_tensor()) for n, p in model2.named_parameters())
     states = {type(v.to_local()).__name__ for s in opt2.state.values() for k, v in s.items() if k == "exp_avg"}
-    return after, resumed, same, states
+    standard, opt3 = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao",
+                                        optimizer=ADAMW)
+    try:
+        fp8dist.load_checkpoint(tmp, standard, opt3)
+        refused = ""
+    except fp8dist.CheckpointError as err:
+        refused = str(err)
+    return after, resumed, same, states, refused
 
 
 def _ranks(rank: int, world: int, tmp: str) -> dict:
@@ -156,10 +163,11 @@ def test_llama_fsdp2_lean_memory_and_losses(results, fp8):
 
 def test_resume_is_bit_exact_with_8bit_states(results):
     for rank in results:
-        after, resumed, same, states = rank["resume"]
+        after, resumed, same, states, refused = rank["resume"]
         assert resumed == after
         assert same
         assert states == {"OptimState8bit", "Tensor"}  # norms (< 4096 elements) keep bf16 states in torchao
+        assert "saved with memory='lean'" in refused and "dcp_to_torch" in refused  # into memory='standard'
 
 
 @pytest.mark.parametrize("options, needle", [

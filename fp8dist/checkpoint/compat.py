@@ -46,7 +46,8 @@ def describe(model: nn.Module) -> dict[str, Any]:
     return {"strategy": strategy, "engine": engine(strategy),
             "fp8": cfg.precision.fp8 if info.plan.fp8 else None,
             "zero_stage": cfg.parallel.zero_stage if strategy == "deepspeed" else None,
-            "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes}
+            "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes,
+            "memory": cfg.parallel.memory}
 
 
 def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
@@ -121,6 +122,13 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     if layout:
         raise CheckpointError(f"{path} does not match this model: {'; '.join(layout)}. Load it into the model "
                               "architecture and size it was saved from.")
+    if meta.get("memory", "standard") != now["memory"]:
+        raise CheckpointError(
+            f"{path} was saved with memory={meta.get('memory', 'standard')!r} and this model uses memory="
+            f"{now['memory']!r}: the optimizer states differ in kind (fp32 AdamW moments vs torchao's 8-bit ones) and "
+            f"fp8dist does not convert them. Load it into a model wrapped with memory={meta.get('memory', 'standard')!r}"
+            "; to change level, take the weights only (python -m torch.distributed.checkpoint.format_utils "
+            "dcp_to_torch) into the model before wrap_model and start a new optimizer.")
     if now["engine"] == "deepspeed":
         _check_deepspeed(meta, now, path)
         return LoadDecision(fp8_state=(), differences=())
