@@ -94,9 +94,34 @@ def _resume(rank, world, tmp):
     return after, resumed, same, states, refused
 
 
+def _sharded_vs_whole(dtype: torch.dtype) -> float:
+    """The lean optimizer (stochastic rounding off: no random draws) on FSDP2 shards against the same optimizer on
+    the whole model, same inputs on every rank: the largest weight difference after 3 steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8dist.lean import lean_optimizer_class
+
+    def run(shard: bool) -> dict:
+        torch.manual_seed(0)
+        model = Stack().to(dtype)
+        if shard:
+            fully_shard(model)
+        opt = lean_optimizer_class(torch.device("cpu"))(model.parameters(), lr=1e-2, bf16_stochastic_round=False)
+        inputs = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(8, HIDDEN, generator=inputs).to(dtype)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: (p.full_tensor() if shard else p).detach().float() for n, p in model.named_parameters()}
+
+    sharded, whole = run(True), run(False)
+    return max((sharded[n] - whole[n]).abs().max().item() for n in whole)
+
+
 def _ranks(rank: int, world: int, tmp: str) -> dict:
     warnings.simplefilter("ignore")  # strategy none on 2 ranks, a model sharded as one unit: as meant
     out = {f"stack {s}": _stack_bytes(s) for s in ("fsdp", "ddp", "none")}
+    out["sharded vs whole"] = [_sharded_vs_whole(d) for d in (torch.float32, torch.bfloat16)]
     for fp8 in (None, "torchao"):
         for memory in ("standard", "lean"):
             losses, rep = _llama(rank, world, fp8, memory, SHORT)
@@ -159,6 +184,13 @@ def test_llama_fsdp2_lean_memory_and_losses(results, fp8):
         assert "memory lean" in lean["text"].splitlines()[0]
         diffs = [abs(a - b) for a, b in zip(lean["losses"], standard["losses"])]
         assert max(diffs) < 0.01, (lean["losses"], standard["losses"])
+
+
+def test_sharded_steps_equal_whole_model_steps(results):
+    """FSDP2 shards are whole rows (64 of 128 here: 8192 elements, a multiple of torchao's 256-element block), so
+    the 8-bit blocks hold the same elements as on the whole tensor and the updates are bit-identical."""
+    for rank in results:
+        assert rank["sharded vs whole"] == [0.0, 0.0]
 
 
 def test_resume_is_bit_exact_with_8bit_states(results):
