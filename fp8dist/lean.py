@@ -25,11 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LEAN_STATES", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class", "build_lean_optimizer", "cast_params_bf16",
-           "LocalShardStep"]
+__all__ = ["lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class", "build_lean_optimizer",
+           "cast_params_bf16", "LocalShardStep"]
 
-LEAN_STATES = {"AdamW8bit": "8-bit dynamic", "AdamWFp8": "fp8 e4m3"}
-"""The torchao optimizer classes the lean level builds, and what their states are stored in."""
 _ADAM_TYPES = ("adamw", "adam")
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
