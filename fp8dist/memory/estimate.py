@@ -91,8 +91,8 @@ class MemoryEstimate(StateBytes):
     def __str__(self) -> str:
         strategy = self.strategy + (f" (ZeRO-{self.zero_stage})" if self.zero_stage else "")
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory) + (" (TE/MS-AMP rows derived, not measured)"
-                                                                     if self.derived else ""))
+                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory)
+                + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
         per_param = self.bytes_per_param
         rows = [[c.replace("_", " ") + (" (host)" if c in self.offloaded else ""), f"{per_param[c]:.3f}",
                  _size(self.bytes[c]), self.dtypes[c]] for c in CATEGORIES]
