@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from .._schema import add_arguments
 from ..config import Config, FP8Config, StrategyConfig
@@ -50,6 +51,17 @@ def _train_this_rank(config: Config, train: Any) -> None:
         dist.destroy_process_group()
 
 
+def _exit_launched_rank() -> NoReturn:
+    """End a rank started by a launcher once its job is done (all ranks met at the barrier, the process group is
+    destroyed, the checkpoint and the export are written): exit 0 without interpreter teardown. In that teardown,
+    after all their work, gloo ranks now and then aborted ("terminate called without an active exception", seen
+    under torchrun and the deepspeed launcher on a loaded 2-core machine), and the launcher reported the finished
+    job as failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any]) -> None:
     """Entry point of each spawned training process."""
     from ..train import TrainConfig
@@ -69,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     strategy = config.parallel.strategy
     if detect_launch_env().launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
         _train_this_rank(config, train)
-        return 0
+        _exit_launched_rank()
     nproc = train.nproc or (1 if strategy == "none" else default_nproc())
     if strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
