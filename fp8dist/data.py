@@ -38,15 +38,17 @@ def make_corpus(num_sentences: int = 4000, seed: int = 1234) -> str:
     return " ".join(sentences)
 
 
-def check_batch_split(batch_size: int, world_size: int, over: str = "") -> None:
-    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks (or, ``over`` naming
-    them, ranks x micro-batches)."""
-    if batch_size % world_size != 0:
-        lower = batch_size - batch_size % world_size
+def check_batch_split(batch_size: int, world_size: int, grad_accum: int = 1) -> None:
+    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks x ``grad_accum``
+    micro-batches."""
+    parts = world_size * grad_accum
+    if batch_size % parts != 0:
+        lower = batch_size - batch_size % parts
+        over = f"world size {world_size}" + (f" x grad_accum {grad_accum}" if grad_accum > 1 else "")
         raise ValueError(
-            f"batch_size={batch_size} does not split over {over or f'world size {world_size}'}: each rank needs the "
-            f"same number of sequences in every micro-batch. Use a multiple of {world_size}, e.g. "
-            f"{lower or world_size} or {lower + world_size}.")
+            f"batch_size={batch_size} does not split over {over}: each rank needs the "
+            f"same number of sequences in every micro-batch. Use a multiple of {parts}, e.g. "
+            f"{lower or parts} or {lower + parts}.")
 
 
 class Batches:

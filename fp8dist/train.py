@@ -312,7 +312,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     # grad_accum micro-batches make one step's global batch, under every strategy; DeepSpeed counts them itself
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     world = current_launch().world_size
-    check_batch_split(train.batch_size, world * accum, f"world size {world} x grad_accum {accum}")
+    check_batch_split(train.batch_size, world, accum)
     if config.parallel.strategy == "deepspeed":
         config = replace(config, parallel=replace(config.parallel,
                                                   micro_batch_size=train.batch_size // (world * accum)))

@@ -86,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
-    accum = config.parallel.grad_accum  # before any process starts
-    check_batch_split(train.batch_size, nproc * accum, f"world size {nproc} x grad_accum {accum}" if accum > 1 else "")
+    check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
     if nproc == 1:
         _train_this_rank(config, train)
         return 0
