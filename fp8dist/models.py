@@ -12,7 +12,7 @@ import torch
 
 from .data import VOCAB_SIZE
 
-__all__ = ["LLAMA_SIZES", "llama_config", "build_llama"]
+__all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b"]
 
@@ -45,3 +45,34 @@ def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
+
+
+def read_model_config(path: str):
+    """``--model-config``: a Hugging Face config.json (it needs its ``model_type``) as a transformers config;
+    ValueError naming the file otherwise."""
+    import json
+
+    from transformers import AutoConfig
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"{path} is not a readable file ({err.strerror}): pass a Hugging Face config.json.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}): pass a "
+                         "Hugging Face config.json.") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{path}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
+    return AutoConfig.for_model(**data)
+
+
+def pretrained_config(path: str):
+    """The transformers config of the model directory ``path`` (``pretrained=``); ValueError naming it otherwise."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
+                         "directory written by save_pretrained.") from None

@@ -30,7 +30,7 @@ from .data import Batches, check_batch_split
 from .env import current_launch, peak_memory_mib
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
-from .models import ModelSize, build_llama
+from .models import ModelSize, build_llama, pretrained_config, read_model_config
 from .memory import report
 from .sharding import sharding_summary
 
@@ -202,7 +202,7 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len), f"llama-{train.model_size}"
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .data import VOCAB_SIZE
 
@@ -210,14 +210,10 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")
     if path is None:
-        model_config = _read_model_config(train.model_config)
+        model_config = read_model_config(train.model_config)
         path = train.model_config
     else:
-        try:
-            model_config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a "
-                             "model directory written by save_pretrained.") from None
+        model_config = pretrained_config(path)
     if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
         raise ValueError(f"{path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
                          f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
@@ -237,22 +233,6 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
             # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
             model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
             return model, f"{type(model_config).__name__} from {path}"
-
-
-def _read_model_config(path: str) -> Any:
-    """``--model-config``: a Hugging Face config.json (needs its model_type)."""
-    import json
-
-    from transformers import AutoConfig
-
-    try:
-        data = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"model_config={path!r} is not a readable JSON file ({err}): pass a Hugging Face "
-                         "config.json.") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"model_config={path!r}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
-    return AutoConfig.for_model(**data)
 
 
 def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:

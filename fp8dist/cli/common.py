@@ -52,35 +52,20 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
 def meta_model(args: argparse.Namespace):
     """The model on the meta device: ``--model-config``, else the config.json of ``--pretrained DIR``, else the
     built-in ``--model-size``."""
-    import json
-
     import torch
+
+    from ..models import build_llama, pretrained_config, read_model_config
 
     pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):
-        if args.model_config is None and pretrained is not None:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            try:
-                # trained in fp32 (master weights), whatever dtype the checkpoint was saved in
-                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained), dtype=torch.float32)
-            except OSError as err:
-                raise ValueError(f"pretrained={pretrained!r}: no readable Hugging Face config.json there ({err}). "
-                                 "Pass a model directory written by save_pretrained, or --model-config.") from None
-        if args.model_config is None:
-            from ..models import build_llama
-
+        if args.model_config is None and pretrained is None:
             return build_llama(args.model_size)
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        try:
-            data = json.loads(open(args.model_config).read())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{args.model_config} is not valid JSON (line {err.lineno}, column {err.colno}: "
-                             f"{err.msg}): pass a Hugging Face config.json.") from None
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise ValueError(f"{args.model_config}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**data))
+        if args.model_config is not None:
+            return AutoModelForCausalLM.from_config(read_model_config(args.model_config))
+        # trained in fp32 (master weights), whatever dtype the checkpoint was saved in
+        return AutoModelForCausalLM.from_config(pretrained_config(pretrained), dtype=torch.float32)
 
 
 def quiet_cpu_noise() -> None:
