@@ -46,6 +46,9 @@ class PlanEntry:
     gemm_flops: int = 0
     """Estimated forward GEMM FLOPs per token: 2 x the module's parameters where it runs a GEMM (x top_k / experts
     for a MoE experts module, whose tokens each visit top_k experts), 0 where it runs none."""
+    grouped: bool = False
+    """A MoE experts module (fused 3-D weights, one GEMM per expert): in FP8 it runs grouped GEMMs, whose weights
+    keep no scale between steps and are all-gathered in the strategy's dtype."""
 
 
 MIN_FP8_SHARE = 0.5
@@ -267,6 +270,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
     """
     from .blocks import block_refusals, compile_decision
     from .fp8 import NO_FP8, get_backend
+    from .fp8.moe import is_experts
 
     if fp8_filter is not None and not callable(fp8_filter):
         raise TypeError(f"fp8_filter={fp8_filter!r} is not callable: pass a function (module, fqn) -> bool, or "
@@ -282,15 +286,16 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
             continue
         flops = _gemm_flops(module, params)
         fallback = _fallback_precision(module, cfg)
-        kind = type(module).__name__
+        kind, grouped = type(module).__name__, is_experts(module)
         reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
         if reason is None:
             target = backend.converted_class(module, cfg)
             computes_fp8 = backend.computes_in_fp8(module)
             reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
-            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops))
+            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops,
+                                     grouped))
         else:
-            entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops))
+            entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops, grouped))
     detail = backend.describe(cfg) if backend else ""
     if gate:
         detail = f"fallback: {gate}"

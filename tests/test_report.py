@@ -92,18 +92,27 @@ def _ddp_with_fp16_hook_reduce() -> str:
 
 
 def _mixtral_gpt2_cases(rank: int, world: int) -> dict:
-    """One FSDP2 step each: the tiny Mixtral in bf16 and with torchao, the tiny GPT-2 in bf16."""
+    """One FSDP2 step each: the tiny Mixtral in bf16, with torchao (experts: no FP8 grouped GEMM on CPU) and with
+    torchao's emulated MXFP8 experts, the tiny GPT-2 in bf16; each with the estimate for this rank."""
     out: dict = {}
-    for name, build, fp8 in (("mixtral", lambda: MixtralForCausalLM(MIXTRAL), None),
-                             ("mixtral", lambda: MixtralForCausalLM(MIXTRAL), "torchao"),
-                             ("gpt2", lambda: GPT2LMHeadModel(GPT2), None)):
+    moe = {"torchao_moe_recipe": "mxfp8_emulated"}
+    for name, build, fp8, options in (("mixtral", lambda: MixtralForCausalLM(MIXTRAL), None, {}),
+                                      ("mixtral", lambda: MixtralForCausalLM(MIXTRAL), "torchao", {}),
+                                      ("mixtral", lambda: MixtralForCausalLM(MIXTRAL), "torchao-moe", moe),
+                                      ("gpt2", lambda: GPT2LMHeadModel(GPT2), None, {})):
         torch.manual_seed(0)
-        model = fp8dist.wrap_model(build(), strategy="fsdp", fp8=fp8)
+        backend = fp8 and fp8.removesuffix("-moe")
+        model = fp8dist.wrap_model(build(), strategy="fsdp", fp8=backend, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _one_step(model, opt, rank, world)
         rep = fp8dist.report(model, opt)
+        with torch.device("meta"):
+            meta = build()
+        estimate = fp8dist.estimate_memory(meta, strategy="fsdp", fp8=backend, world_size=world, rank=rank,
+                                           micro_batch_size=BATCH, seq_len=SEQ, **options)
         out[(name, fp8)] = dict(rows=_rows(rep), bytes=dict(rep.bytes), total=rep.total_params,
-                                plan_fp8=sum(e.params for e in fp8dist.get_plan(model).fp8))
+                                plan_fp8=sum(e.params for e in fp8dist.get_plan(model).fp8),
+                                estimate=dict(estimate.bytes))
     return out
 
 
@@ -221,6 +230,27 @@ def _mixtral_experts_and_router_are_bf16_gemms(reports):
         assert (fp8[Part.GEMM].modules, fp8[Part.GEMM].params, fp8[Part.GEMM].gemm) == \
             (2 * layers + 2, p["experts"] + p["router"] + p["first q_proj"] + p["lm_head"], "bf16"), \
             "experts and router stay bf16 GEMMs"
+        _mixtral_emulated_mxfp8_experts_row(r[("mixtral", "torchao-moe")], p, layers)
+        for fp8 in (None, "torchao", "torchao-moe"):
+            assert r[("mixtral", fp8)]["estimate"] == r[("mixtral", fp8)]["bytes"], f"estimate == measured, {fp8}"
+
+
+def _mixtral_emulated_mxfp8_experts_row(case, p, layers):
+    """torchao's MoE conversion: the experts get a row of their own, labelled from torchao's op config on their
+    weights; they gather in bf16 and keep no scale, while the Float8Linears beside them keep the FP8 all-gather."""
+    rows = case["rows"]
+    assert set(rows) == {Part.FP8_GEMM, Part.FP8_GROUPED_GEMM, Part.GEMM, Part.OTHER}
+    experts = rows[Part.FP8_GROUPED_GEMM]
+    assert (experts.modules, experts.params) == (layers, p["experts"])
+    assert experts.gemm == "mxfp8 e4m3 fwd+grads (32-element blocks, e8m0 scales, emulated)"
+    assert experts.all_gather == "bf16", "torchao's MoE wrapper all-gathers in the mixed-precision dtype"
+    linears = rows[Part.FP8_GEMM]
+    assert (linears.modules, linears.gemm, linears.all_gather) == \
+        (4 * layers - 1, "fp8 e4m3 fwd, e5m2 grads (tensorwise)", "fp8 e4m3 (FP8 all-gather)")
+    assert case["plan_fp8"] == linears.params + experts.params
+    assert (rows[Part.GEMM].modules, rows[Part.GEMM].params) == (layers + 2, p["router"] + p["first q_proj"] +
+                                                                 p["lm_head"]), "router, first q_proj, lm_head"
+    assert case["bytes"]["fp8_buffers"] == 4 * linears.modules, "one fp32 scale per Float8Linear, none per expert"
 
 
 def _gpt2_conv1d_and_tied_head_are_gemms(reports):

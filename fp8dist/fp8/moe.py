@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts"]
+__all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
+           "experts_gemm_formats"]
 
 RECIPES = {
     "fp8_rowwise": "FP8 rowwise grouped GEMM",
@@ -143,6 +144,40 @@ def convert_experts(model: nn.Module, names: set[str], cfg, device: torch.device
     quantize_(model, _op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
     for name in names:
         model.get_submodule(name).register_state_dict_post_hook(_plain_state)
+
+
+def _wrapper(t: torch.Tensor):
+    """torchao's MoE training wrapper holding ``t`` (itself, or a DTensor's local shard), or None."""
+    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+
+    local = getattr(t, "_local_tensor", t)
+    return local if isinstance(local, TrainingWeightWrapperBaseTensor) else None
+
+
+def experts_gemm_formats(module: nn.Module) -> str | None:
+    """What a converted experts module's grouped GEMMs quantize to, read from torchao's op config on its weights
+    (None when they are not wrapped). Both recipes quantize inputs, weights and output gradients alike."""
+    import sys
+
+    from ..dtypes import dtype_name
+
+    if "torchao.prototype.moe_training" not in sys.modules:  # nothing can have been converted
+        return None
+    wrapped = [w for w in map(_wrapper, module.parameters(recurse=False)) if w is not None]
+    if not wrapped:
+        return None
+    config = wrapped[0].config
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    if isinstance(config, Float8TrainingOpConfig):
+        return f"{dtype_name(config.float8_dtype)} fwd+grads (rowwise scales)"
+    how = ["32-element blocks, e8m0 scales"]
+    if config.wgrad_with_hp:
+        how.append("weight grads in high precision")
+    if config.kernel_preference == KernelPreference.EMULATED:
+        how.append("emulated")
+    return f"mxfp8 e4m3 fwd+grads ({', '.join(how)})"
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

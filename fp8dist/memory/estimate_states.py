@@ -259,9 +259,10 @@ def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str,
 
 def fp8_buffer_bytes(cfg: Any, plan: Any) -> int:
     """FP8 scaling state on every rank (replicated): TE's fp8_meta per FP8 te.Linear, MS-AMP's scaling metas;
-    torchao's dynamic scaling keeps only the weight scales FSDP2's FP8 all-gather precomputes (4 bytes each)."""
+    torchao's dynamic scaling keeps only the weight scales FSDP2's FP8 all-gather precomputes (4 bytes each).
+    MoE experts in FP8 grouped GEMMs keep none: their scales are computed inside each GEMM."""
     fp8 = cfg.precision.fp8
-    linears = len(plan.fp8) if plan is not None else 0
+    linears = sum(not e.grouped for e in plan.fp8) if plan is not None else 0
     if fp8 == "te":
         history = cfg.precision.amax_history_len if cfg.precision.te_recipe == "delayed" else 0
         per_tensor = 4 * (1 + history) if history else 0  # a scale and the amax history, fp32

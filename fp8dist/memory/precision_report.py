@@ -78,22 +78,22 @@ def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]
             for name, p in module.named_parameters(recurse=False)]
 
 
-def _part(module: nn.Module, name: str, held: list[Held], fp8_names: set[str]) -> Part:
-    """The plan's record says which modules run FP8 GEMMs (``name`` as the plan has it); the parameters' shapes
-    say which run any GEMM."""
-    if name in fp8_names:
-        return Part.FP8_GEMM
+def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) -> Part:
+    """The plan's record says which modules run FP8 GEMMs, grouped or not (``name`` as the plan has it); the
+    parameters' shapes say which run any GEMM."""
+    if name in fp8:
+        return Part.FP8_GROUPED_GEMM if fp8[name] else Part.FP8_GEMM
     if runs_gemm(module, [h.shape for h in held]):
         return Part.GEMM
     return Part.OTHER
 
 
-def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, Members]:
+def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members]:
     """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
 
     Args:
         model: as :func:`fp8dist.wrap_model` returned it.
-        fp8_names: the plan's FP8 module names (``{e.name for e in get_plan(model).fp8}``).
+        fp8: the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -103,8 +103,8 @@ def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, Members]
     order = list(Part)
     # a wrapper and the module it wraps share a planned name: the wrapped module, visited later, keeps it
     names = {_plan_name(name): module for name, module in unwrap_model(model).named_modules()}
-    if fp8_names - names.keys():
-        warnings.warn(f"fp8dist.report: the plan's FP8 modules {sorted(fp8_names - names.keys())} are not in the "
+    if fp8.keys() - names.keys():
+        warnings.warn(f"fp8dist.report: the plan's FP8 modules {sorted(fp8.keys() - names.keys())} are not in the "
                       "wrapped model under their planned names; where they are, they are reported as high-precision "
                       "GEMMs", stacklevel=3)
     for name, module in names.items():
@@ -113,7 +113,7 @@ def _group_by_part(model: nn.Module, fp8_names: set[str]) -> dict[Part, Members]
         held = _own_params(module, fsdp1)
         if not held:
             continue
-        part = _part(module, name, held, fp8_names)
+        part = _part(module, name, held, fp8)
         members[part].modules.append(module)
         for h in held:  # a tied parameter goes to its GEMM holder (FP8 before high precision before none)
             if id(h.param) not in owner or order.index(part) < order.index(owner[id(h.param)][0]):
@@ -147,8 +147,8 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     from ..sharding import sharding_summary
 
     info = get_wrap_info(model)
-    parts = _group_by_part(model, {e.name for e in info.plan.fp8})
-    fp8_modules = parts[Part.FP8_GEMM].modules if Part.FP8_GEMM in parts else []
+    parts = _group_by_part(model, {e.name: e.grouped for e in info.plan.fp8})
+    fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
     tally = StateTally()
     for category, tensors in model_state_tensors(model, optimizer, fp8_modules).items():
         tally.add(category, tensors)

@@ -72,6 +72,13 @@ def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
     return f"fp8 ({get_wrap_info(model).plan.backend})"
 
 
+def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
+    """The formats of MoE experts' FP8 grouped GEMMs, read from torchao's wrapper on each module's weights."""
+    from ..fp8.moe import experts_gemm_formats
+
+    return " / ".join(sorted({experts_gemm_formats(m) or "not wrapped (high precision)" for m in modules}))
+
+
 def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.Tensor]) -> str:
     from torch.distributed.tensor import DTensor
 
@@ -153,6 +160,8 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
         gemm = _fp8_gemm(members.modules[0], model)
+    elif part is Part.FP8_GROUPED_GEMM:
+        gemm = _fp8_grouped_gemm(members.modules)
     elif part is Part.GEMM:
         gemm = dtype_name(engine.compute) if engine.compute is not None else weight
     else:

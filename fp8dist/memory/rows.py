@@ -18,6 +18,8 @@ class Part(str, Enum):
 
     FP8_GEMM = "fp8_gemm"
     """Modules the precision plan converted to FP8 GEMMs (torchao Float8Linear, te.Linear, MS-AMP's Linear)."""
+    FP8_GROUPED_GEMM = "fp8_grouped_gemm"
+    """MoE experts the precision plan converted to FP8 grouped GEMMs (torchao's MoE training conversion)."""
     GEMM = "gemm"
     """Every other module holding a matrix operand: nn.Linear, GPT-2's Conv1D, a MoE router, fused experts."""
     OTHER = "other"
@@ -28,7 +30,8 @@ class Part(str, Enum):
         return _LABELS[self]
 
 
-_LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
+_LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.FP8_GROUPED_GEMM: "FP8 grouped GEMM (MoE experts)",
+           Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
 @dataclass(frozen=True)
 class PrecisionRow:
     """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
