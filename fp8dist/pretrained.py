@@ -62,6 +62,23 @@ class SafetensorsDir:
         for name, file in self._files.items():
             piece = self._open(file).get_slice(name)
             self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+        self._aliases: dict[str, Any] = {}
+        """Names the model has that the files hold under an older layout: the file's name, or the per-expert
+        tensors of a fused experts parameter (:mod:`fp8dist.checkpoint.hf_layouts`)."""
+
+    def adopt_layout(self, wanted: list[str], model_type: str | None) -> None:
+        """Answer for the names in ``wanted`` that the files hold in ``model_type``'s older layout (Mixtral's
+        per-expert ``block_sparse_moe.experts.N.w1``, ...): they are then found, shaped and read as the model
+        names them, and the files' own names for them are no longer listed."""
+        from .checkpoint.hf_layouts import resolve
+
+        for name, found in resolve(wanted, self.shapes, self.dtypes, model_type).items():
+            self._aliases[name] = found
+            sources = [found] if isinstance(found, str) else [n for expert in found.parts for n in expert]
+            self.shapes[name] = self.shapes[found] if isinstance(found, str) else found.shape
+            self.dtypes[name] = self.dtypes[found] if isinstance(found, str) else found.dtype
+            for source in sources:
+                self.shapes.pop(source, None), self.dtypes.pop(source, None)
 
     def _weight_files(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -95,16 +112,53 @@ class SafetensorsDir:
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self.shapes
 
     def names(self) -> list[str]:
-        return list(self._files)
+        """The tensors' names, as the model names them where :meth:`adopt_layout` mapped an older layout."""
+        return list(self.shapes)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
         """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
         that cover it)."""
+        found = self._aliases.get(name)
+        if isinstance(found, str):
+            return self._read_file(found, region, self.shapes[name])
+        if found is not None:
+            return self._read_fused(found, region)
+        return self._read_file(name, region, self.shapes[name])
+
+    def _read_fused(self, fused: Any, region: Region) -> torch.Tensor:
+        """A region of a fused experts tensor from the per-expert tensors: of each expert in it, the rows of
+        each of its tensors that fall in the region (a flat range reads the experts that cover it)."""
+        if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
+            if region.numel == 0:
+                return torch.empty(0)
+            experts, rows, rest = fused.shape[0], fused.shape[1], tuple((0, s) for s in fused.shape[2:])
+            row = _numel(fused.shape[2:])
+            start, stop = region.flat
+            first, last = start // row, (stop - 1) // row + 1
+            pieces = []
+            for e in range(first // rows, (last - 1) // rows + 1):
+                lo, hi = max(first, e * rows) - e * rows, min(last, (e + 1) * rows) - e * rows
+                pieces.append(self._read_fused(fused, Region(box=((e, 1), (lo, hi - lo), *rest))).reshape(-1))
+            return torch.cat(pieces)[start - first * row: stop - first * row]
+        (e0, experts), (r0, rows), *rest = region.box
+        stacked = []
+        for expert in fused.parts[e0:e0 + experts]:
+            pieces, offset = [], 0
+            for source, length in zip(expert, fused.rows):
+                lo, hi = max(r0, offset), min(r0 + rows, offset + length)
+                if lo < hi:
+                    box = ((lo - offset, hi - lo), *rest)
+                    pieces.append(self._read_file(source, Region(box=box), (length, *fused.shape[2:])))
+                offset += length
+            stacked.append(torch.cat(pieces))
+        return torch.stack(stacked)
+
+    def _read_file(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
+        """``region`` of the tensor the files hold as ``name`` (of ``shape``)."""
         piece = self._open(self._files[name]).get_slice(name)
-        shape = self.shapes[name]
         if region.flat is None:
             out = piece[tuple(slice(start, start + length) for start, length in region.box)] if shape else piece[:]
         elif region.numel == 0:
@@ -221,6 +275,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
     params = local_params(model) if params is None else params
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
+    source.adopt_layout([n for p in params for n in p.names] + list(buffers),
+                        getattr(getattr(inner, "config", None), "model_type", None))
     problems = _mismatches(source, params, buffers, _ignored(inner))
     if problems:
         raise PretrainedError(f"pretrained={str(path)!r} does not match {type(inner).__name__}: "

@@ -428,3 +428,107 @@ def test_a_meta_model_without_pretrained_and_without_an_initializer_is_refused()
     torch.manual_seed(0)
     wrapped = fp8dist.wrap_model(plain, strategy="none", param_dtype="fp32")  # reset_parameters per module
     assert bool((wrapped[1].weight == 1).all()) and wrapped[0].weight.abs().max() <= 0.25  # kaiming bound 1/sqrt(16)
+
+
+# ---- MoE checkpoints in the per-expert layout of the Hub (Mixtral's experts.N.w1/w2/w3, Qwen-MoE's experts.N.*)
+
+def _moe_tiny(family: str):
+    """A tiny MoE of ``family`` (transformers 5: fused 3-D experts), fp32, seed 0."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2)
+    if family == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=4, **common))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=48, num_experts=4,
+                                              shared_expert_intermediate_size=64, **common))
+
+
+def _write_per_expert(model, path) -> dict[str, torch.Tensor]:
+    """``model``'s weights in its family's per-expert Hub layout (Mixtral: ``block_sparse_moe.experts.N.w1`` gate,
+    ``w3`` up, ``w2`` down, and the router under ``block_sparse_moe``; Qwen2-MoE: ``mlp.experts.N.gate_proj``,
+    ``up_proj``, ``down_proj``), written by hand in two safetensors files + index; returns the fused state dict."""
+    from safetensors.torch import save_file
+
+    mixtral = model.config.model_type == "mixtral"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    legacy = {}
+    for key, value in state.items():
+        module, _, attr = key.rpartition(".")
+        old = module.replace(".mlp.", ".block_sparse_moe.") + "." if mixtral and ".mlp." in key else module + "."
+        if attr == "gate_up_proj":
+            half = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                legacy[f"{old}{e}.{names[0]}.weight"] = value[e, :half].contiguous()
+                legacy[f"{old}{e}.{names[1]}.weight"] = value[e, half:].contiguous()
+        elif attr == "down_proj" and module.endswith(".experts"):
+            for e in range(value.shape[0]):
+                legacy[f"{old}{e}.{names[2]}.weight"] = value[e].contiguous()
+        else:
+            legacy[old + attr] = value
+    if model.config.tie_word_embeddings:
+        legacy.pop("lm_head.weight")
+    first = {k: v for k, v in legacy.items() if ".layers.0." in k}
+    files = {"model-00001-of-00002.safetensors": first,
+             "model-00002-of-00002.safetensors": {k: v for k, v in legacy.items() if k not in first}}
+    path.mkdir()
+    for file, tensors in files.items():
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, tensors in files.items() for k in tensors}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model.config.save_pretrained(path)
+    return state
+
+
+def _per_expert_cases(rank: int, world: int, dirs: dict[str, str]) -> dict:
+    import fp8dist
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for family, path in dirs.items():
+        for strategy in ("fsdp", "fsdp1"):
+            wrapped = fp8dist.wrap_model(_meta_from(path), strategy=strategy, pretrained=path)
+            info = fp8dist.get_wrap_info(wrapped)
+            out[(family, strategy)] = (_full_weights(wrapped),
+                                       info.pretrained.bytes_read / info.pretrained.checkpoint_bytes)
+    return out
+
+
+def test_per_expert_moe_checkpoints_load_as_transformers_loads_them(tmp_path):
+    """Mixtral and Qwen2-MoE checkpoints as the Hub holds them (one tensor per expert) load into transformers 5's
+    fused experts: transformers' own from_pretrained and fp8dist's pretrained= (a meta model, fsdp: whole experts
+    per rank; fsdp1: flat ranges cutting through experts) give the weights they were written from, each rank
+    reading half the checkpoint; any box of a fused tensor reads as the same box of the fused weights."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.pretrained import SafetensorsDir
+    from fp8dist.strategies.local_shards import Region
+
+    dirs, states = {}, {}
+    for family in ("mixtral", "qwen2_moe"):
+        path = tmp_path / family
+        states[family] = _write_per_expert(_moe_tiny(family), path)
+        dirs[family] = str(path)
+        theirs = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        assert theirs.keys() == states[family].keys()
+        assert all(torch.equal(theirs[k], v) for k, v in states[family].items()), f"{family}: transformers' reading"
+        source = SafetensorsDir(path)
+        fused = [k for k in states[family] if k.endswith("gate_up_proj")]
+        source.adopt_layout(list(states[family]), _meta_from(path).config.model_type)
+        assert fused and all(k in source for k in fused) and "lm_head.weight" in source
+        assert not [n for n in source.names() if ".experts.0." in n], "the per-expert names are answered for"
+        gate_up = states[family][fused[1]]
+        half = gate_up.shape[1] // 2
+        box = ((1, 2), (half - 3, 7), (5, 9))  # experts 1-2, rows across gate | up, a column window
+        assert torch.equal(source.read(fused[1], Region(box=box)), gate_up[1:3, half - 3: half + 4, 5:14])
+        flat = (gate_up[0].numel() - 11, 2 * gate_up[0].numel() + 5)  # the end of expert 0 to into expert 2
+        assert torch.equal(source.read(fused[1], Region(flat=flat)), gate_up.reshape(-1)[flat[0]: flat[1]])
+    for rank, result in enumerate(run_ranks(_per_expert_cases, dirs)):
+        for (family, strategy), (weights, read) in result.items():
+            assert weights.keys() == states[family].keys() - ({"lm_head.weight"} if "lm_head.weight" not in
+                                                              weights else set()), (family, strategy)
+            for name, value in weights.items():
+                assert torch.equal(value, states[family][name]), (rank, family, strategy, name)
+            assert abs(read - 0.5) < 0.02, (rank, family, strategy, read)
