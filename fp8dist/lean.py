@@ -13,6 +13,13 @@ torchao 0.18: the compiled step asks the 8-bit state for ``aten.view.dtype``). :
 same torchao update function (``single_param_adam``) eagerly on each DTensor's local shard, which aliases the
 sharded parameter's storage: the update lands in the parameter, the states hold only this rank's rows, and the
 optimizer's ``param_groups`` and ``state`` stay keyed by the real parameters (DCP checkpoints see the usual names).
+
+Stochastic rounding draws from torch's default generator, seeded for each parameter and step from the run's
+rounding seed (rank 0's ``torch.initial_seed()`` when the optimizer is built, kept in ``param_groups``), the step,
+the parameter's index in the optimizer and its shard's coordinates, and put back afterwards: ranks that hold the
+same elements (DDP ranks, the replicas of HSDP) round them the same way whatever each rank's own stream did (with
+each rank's stream, a ``torch.manual_seed(seed + rank)`` made them drift apart), the training script's stream is
+left as it was, and a resumed run rounds as the uninterrupted one (seed and step are in the checkpoint).
 """
 
 from __future__ import annotations
@@ -102,8 +109,20 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
 
 def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
     """The lean level's optimizer from an Adam/AdamW spec (:func:`lean_optimizer_kwargs`): torchao's 8-bit AdamW
-    with bf16 stochastic rounding (:func:`lean_optimizer_class`). Build it after sharding."""
-    return lean_optimizer_class(device)(params, bf16_stochastic_round=True, **lean_optimizer_kwargs(spec))
+    with bf16 stochastic rounding (:func:`lean_optimizer_class`), its rounding seed rank 0's
+    ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is broadcast)."""
+    return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
+                                        **lean_optimizer_kwargs(spec))
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (the seed the script set, whatever each rank set)."""
+    import torch.distributed as dist
+
+    seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def cast_params_bf16(model: nn.Module) -> int:
@@ -126,10 +145,46 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _shard_index(p: torch.Tensor) -> int:
+    """Which shard of ``p`` this rank holds: its mesh coordinates on the sharded dimensions (mixed radix); 0 for a
+    replicated DTensor or a plain tensor. Replicas of one shard get the same index."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return 0
+    index, coordinate = 0, p.device_mesh.get_coordinate() or ()
+    for dim, (placement, c) in enumerate(zip(p.placements, coordinate)):
+        if placement.is_shard():
+            index = index * p.device_mesh.size(dim) + c
+    return index
+
+
+def _rounding_seed(seed: int, step: int, index: int, shard: int) -> int:
+    """The stochastic-rounding seed of a parameter's shard at a step: the same on every replica of the shard,
+    different across runs' seeds, steps, parameters and shards."""
+    return (seed + step * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + shard * 0x94D049BB133111EB) % 2**63
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch's random functions use on ``device`` (torchao's stochastic rounding calls randint)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type)
+    return module.default_generators[device.index if device.index is not None else module.current_device()]
+
+
 class LocalShardStep:
     """Mixin for a torchao ``_AdamBase`` optimizer: run its update function eagerly on each parameter's local
     shard (the DTensor's local tensor aliases the sharded parameter) instead of compiling it over DTensors.
-    The states are created by torchao's own ``_new_buffer`` (DTensors over this rank's 8-bit shard)."""
+    The states are created by torchao's own ``_new_buffer`` (DTensors over this rank's 8-bit shard). Stochastic
+    rounding is seeded per parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical;
+    ``rounding_seed`` (in every param group) is the run's part of that seed."""
+
+    def __init__(self, params: Any, *args: Any, rounding_seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.defaults["rounding_seed"] = rounding_seed  # groups added later take it too
+        for group in self.param_groups:
+            group.setdefault("rounding_seed", rounding_seed)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -139,20 +194,32 @@ class LocalShardStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = self._new_buffer(p, True)
-                    state["exp_avg_sq"] = self._new_buffer(p, False)
-                state["step"] += 1
-                single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
-                                  _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0],
-                                  group["betas"][1], group["weight_decay"], group["eps"], True,
-                                  self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        saved: dict[torch.Generator, torch.Tensor] = {}  # the script's RNG states, put back after the step
+        try:
+            index = -1
+            for group in self.param_groups:
+                for p in group["params"]:
+                    index += 1
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                    if rounding:
+                        generator = _default_generator(p.device)
+                        saved.setdefault(generator, generator.get_state())
+                        generator.manual_seed(_rounding_seed(group["rounding_seed"], int(state["step"]), index,
+                                                             _shard_index(p)))
+                    single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                                      _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0],
+                                      group["betas"][1], group["weight_decay"], group["eps"], True, rounding)
+        finally:
+            for generator, rng_state in saved.items():
+                generator.set_state(rng_state)
         return loss
 
 
