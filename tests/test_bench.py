@@ -89,25 +89,34 @@ def _check_cell(cell: dict) -> None:
     assert len(cell["losses"]) == len(cell["step_times_s"]) == STEPS
     assert all(2.0 < loss < 6.0 for loss in cell["losses"])
     assert cell["comm"]["all_gather"]["bytes"] > 0 and cell["comm"]["reduce_scatter"]["bytes"] > 0
-    # FSDP2 over 2 ranks: each keeps half of the fp32 parameters, gradients and both Adam moments
-    assert cell["model_state"]["bytes_per_param"]["total"] == pytest.approx(8.0, rel=0.01)
+    # FSDP2 over 2 ranks: each keeps half of the fp32 parameters, gradients and both Adam moments; lean: half of
+    # the bf16 weights and gradients and of the 8-bit states (+ their scales, code maps and steps: 3.09)
+    per_param = 3.09 if cell["memory"] == "lean" else 8.0
+    assert cell["model_state"]["bytes_per_param"]["total"] == pytest.approx(per_param, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """A real (tiny) run of the command: FSDP2 bf16 and torchao at both memory levels, 2 processes, the standard
+    cells also against the hand-wired engine trained beside them."""
+    out = tmp_path_factory.mktemp("bench")
+    proc = run(["fp8dist", "bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--steps",
+                str(STEPS), "--nproc", "2", "--memory", "standard,lean", "--out", str(out)], timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
 
 
 @pytest.mark.slow
-def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
-    """A real (tiny) run of the command: FSDP2 bf16 and torchao, 2 processes, each also against the hand-wired
-    engine trained beside it."""
-    proc = run(["fp8dist", "bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--steps",
-                str(STEPS), "--nproc", "2", "--out", str(tmp_path)], timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_bench_writes_json_and_png_with_device_figures_and_overhead(bench_run):
+    tmp_path, proc = bench_run
     (json_path,) = tmp_path.glob("bench_*_cpu-x2.json")
     doc = json.loads(json_path.read_text())
     assert doc["device"]["type"] == "cpu" and doc["device"]["nproc"] == 2 and doc["device"]["name"]
     assert doc["versions"]["torch"] == torch.__version__ and doc["versions"]["torchao"]
     assert json_path.name == f"bench_{doc['date'][:10]}_cpu-x2.json" and doc["command"].startswith("fp8dist bench")
     cells = {c["name"]: c for c in doc["cells"]}
-    assert list(cells) == ["fsdp/bf16/tiny", "fsdp/torchao/tiny", "fsdp/bf16/tiny/vs-raw",
-                           "fsdp/torchao/tiny/vs-raw"]
+    assert list(cells) == ["fsdp/bf16/tiny", "fsdp/torchao/tiny", "fsdp/bf16+lean/tiny", "fsdp/torchao+lean/tiny",
+                           "fsdp/bf16/tiny/vs-raw", "fsdp/torchao/tiny/vs-raw"]
     for cell in cells.values():
         _check_cell(cell)
     for name in ("fsdp/bf16/tiny", "fsdp/torchao/tiny"):
@@ -128,6 +137,40 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     assert sorted(p.name for p in tmp_path.iterdir()) == [json_path.name, json_path.with_suffix(".png").name]
     assert "| fsdp/torchao/tiny |" in proc.stdout and "fp8dist / raw" in proc.stdout
+
+
+@pytest.mark.slow
+def test_each_lean_cell_carries_and_plots_its_standard_twins_curve(bench_run):
+    """A lean cell is compared with the fp32-master cell of the same strategy, FP8 backend, size and seed (its bf16
+    counterpart is the lean bf16 cell): the JSON holds both curves, their gap and the last steps' means, the PNG's
+    lean panel draws both curves and their difference, and the table has a row per lean cell."""
+    from fp8dist.bench.plot import loss_panels
+
+    tmp_path, proc = bench_run
+    doc = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
+    cells = {c["name"]: c for c in doc["cells"]}
+    panels = {p["title"]: p for p in loss_panels(doc)}
+    fp8_panel = panels["loss, llama-tiny: FP8 (dashed) vs bf16 (solid), same seed and batches"]
+    assert [c["cell"] for c in fp8_panel["curves"]] == ["fsdp/bf16/tiny", "fsdp/torchao/tiny"]
+    lean_panel = panels["loss, llama-tiny: memory lean (dashed) vs standard fp32 master (solid)"]
+    drawn = {(c["label"].split(" (")[0], c["dashed"]): c["losses"] for c in lean_panel["curves"]}
+    for fp8 in ("bf16", "torchao"):
+        lean, standard = cells[f"fsdp/{fp8}+lean/tiny"], cells[f"fsdp/{fp8}/tiny"]
+        v = lean["vs_standard"]
+        assert v["standard_cell"] == standard["name"] and v["standard_losses"] == standard["losses"]
+        deltas = [a - b for a, b in zip(lean["losses"], standard["losses"])]
+        assert v["max_abs_delta_loss"] == max(map(abs, deltas)) > 0, "8-bit states are not fp32 ones"
+        assert v["final_delta_loss"] == deltas[-1] and v["tail_steps"] == STEPS
+        assert v["tail_mean_loss"] == {"lean": statistics.fmean(lean["losses"]),
+                                       "standard": statistics.fmean(standard["losses"])}
+        assert abs(v["tail_relative_gap"]) < 0.01  # 5 steps: the curves have not parted
+        assert drawn[(f"fsdp {fp8} standard", False)] == standard["losses"]
+        assert drawn[(f"fsdp {fp8} lean", True)] == lean["losses"]
+        assert [d["losses"] for d in lean_panel["deltas"] if d["label"] == f"fsdp {fp8}"] == [deltas]
+        assert f"| fsdp/{fp8}+lean/tiny | fsdp/{fp8}/tiny |" in proc.stdout
+        assert "lean" not in "".join(c["label"] for c in fp8_panel["curves"])
+    assert cells["fsdp/torchao+lean/tiny"]["vs_bf16"]["bf16_cell"] == "fsdp/bf16+lean/tiny"
+    assert "vs_standard" not in cells["fsdp/torchao/tiny"]
 
 
 @pytest.mark.parametrize("flags, expected", [

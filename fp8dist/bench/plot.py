@@ -1,5 +1,6 @@
-"""The PNG of ``fp8dist bench``: throughput, peak memory and communication bars per cell, loss curves (FP8 against
-bf16) per model size, and the fp8dist / hand-wired step-time ratio. Needs matplotlib (``fp8dist[bench]``)."""
+"""The PNG of ``fp8dist bench``: throughput, peak memory and communication bars per cell, loss curves per model size
+(FP8 against bf16; each lean cell beside its fp32-master twin), and the fp8dist / hand-wired step-time ratio. Needs
+matplotlib (``fp8dist[bench]``); :func:`loss_panels` (what the loss panels show) does not."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from typing import Any
 
 from .comm import SHOWN_TYPES as COMM_TYPES
 
-__all__ = ["plot_results"]
+__all__ = ["plot_results", "loss_panels"]
 
 _FP8_COLORS = {None: "#4c72b0", "torchao": "#dd8452", "te": "#55a868", "msamp": "#8172b3"}
 _COMM_COLORS = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868",
                 "broadcast": "#c44e52", "other": "#937860"}
 _STRATEGY_COLORS = {"fsdp": "#4c72b0", "fsdp1": "#55a868", "ddp": "#c44e52", "none": "#8c8c8c",
                     "deepspeed": "#8172b3"}
+_PAIR_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
 def _bars(ax, cells: list[dict[str, Any]], values: list[float], title: str, fmt: str) -> None:
@@ -46,22 +48,66 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     ax.tick_params(labelsize=8)
 
 
-def _loss_panel(ax, cells: list[dict[str, Any]], size: str) -> None:
-    """The loss curves of one model size, with the FP8 - bf16 difference per step in an inset."""
-    delta = ax.inset_axes([0.5, 0.5, 0.47, 0.3])
-    for c in (c for c in cells if c["size"] == size):
+def _curve(cell: dict[str, Any], losses: list[float], label: str, dashed: bool, color: str | None) -> dict[str, Any]:
+    return {"cell": cell["name"], "label": label, "losses": losses, "dashed": dashed, "color": color}
+
+
+def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
+    """One size's curves, FP8 (dashed) against bf16 (solid), with the FP8 - bf16 difference per step; the
+    standard-memory cells where there are any (lean cells get their own panel)."""
+    mine = [c for c in cells if c["size"] == size]
+    mine = [c for c in mine if c.get("memory", "standard") == "standard"] or mine
+    curves, deltas = [], []
+    for c in mine:
         color = _STRATEGY_COLORS.get(c["strategy"])
-        steps = range(1, len(c["losses"]) + 1)
-        label = f"{c['strategy']} {c['fp8'] or 'bf16'}"
+        label = f"{c['strategy']} {c['fp8'] or 'bf16'}{' lean' if c.get('memory') == 'lean' else ''}"
         if "vs_bf16" in c:
             label += f" (max |Δ| {c['vs_bf16']['max_abs_delta_loss']:.4f})"
-            diff = [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])]
-            delta.plot(steps, diff, "--", color=color, linewidth=1)
-        ax.plot(steps, c["losses"], "-" if c["fp8"] is None else "--", color=color, label=label, linewidth=1.2)
+            deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])], label, True,
+                                 color))
+        curves.append(_curve(c, c["losses"], label, c["fp8"] is not None, color))
+    return {"title": f"loss, llama-{size}: FP8 (dashed) vs bf16 (solid), same seed and batches", "curves": curves,
+            "deltas": deltas, "delta_title": "FP8 - bf16"}
+
+
+def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
+    """One size's lean cells (dashed), each beside its fp32-master twin (solid, same color: same strategy, FP8
+    backend, seed and batches), with the lean - standard difference per step."""
+    curves, deltas = [], []
+    for i, c in enumerate(c for c in cells if c["size"] == size and "vs_standard" in c):
+        v, color = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)]
+        means, name = v["tail_mean_loss"], f"{c['strategy']} {c['fp8'] or 'bf16'}"
+        curves.append(_curve(c, v["standard_losses"], f"{name} standard (last {v['tail_steps']}: "
+                                                      f"{means['standard']:.4f})", False, color))
+        curves.append(_curve(c, c["losses"], f"{name} lean (last {v['tail_steps']}: {means['lean']:.4f}, "
+                                             f"{100 * v['tail_relative_gap']:+.2f}%)", True, color))
+        deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], v["standard_losses"])], name, True, color))
+    return {"title": f"loss, llama-{size}: memory lean (dashed) vs standard fp32 master (solid)", "curves": curves,
+            "deltas": deltas, "delta_title": "lean - standard"}
+
+
+def loss_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """What each loss panel of the PNG draws: per model size the FP8-vs-bf16 panel, then per size with lean cells
+    the lean-vs-standard panel. A panel is ``{"title", "curves", "deltas", "delta_title"}``, each curve ``{"cell",
+    "label", "losses", "dashed", "color"}`` (deltas: the per-step difference drawn in the inset)."""
+    plain = [c for c in doc["cells"] if "error" not in c and c["wiring"] == "fp8dist"]
+    sizes = list(dict.fromkeys(c["size"] for c in plain))
+    lean_sizes = [s for s in sizes if any("vs_standard" in c and c["size"] == s for c in plain)]
+    return [_fp8_panel(plain, s) for s in sizes] + [_lean_panel(plain, s) for s in lean_sizes]
+
+
+def _loss_panel(ax, panel: dict[str, Any]) -> None:
+    """Draw one of :func:`loss_panels`, its differences in an inset."""
+    delta = ax.inset_axes([0.5, 0.5, 0.47, 0.3])
+    for d in panel["deltas"]:
+        delta.plot(range(1, len(d["losses"]) + 1), d["losses"], "--", color=d["color"], linewidth=1)
+    for c in panel["curves"]:
+        ax.plot(range(1, len(c["losses"]) + 1), c["losses"], "--" if c["dashed"] else "-", color=c["color"],
+                label=c["label"], linewidth=1.2)
     delta.axhline(0.0, color="black", linewidth=0.6)
-    delta.set_title("FP8 - bf16", fontsize=7)
+    delta.set_title(panel["delta_title"], fontsize=7)
     delta.tick_params(labelsize=6)
-    ax.set_title(f"loss, llama-{size}: FP8 (dashed) vs bf16 (solid), same seed and batches", fontsize=10)
+    ax.set_title(panel["title"], fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.legend(fontsize=7, loc="lower left")
     ax.tick_params(labelsize=8)
@@ -77,7 +123,7 @@ def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
         ax.text(r, i, f" {r:.3f} ({same})", va="center", fontsize=7)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(pairs)), names, fontsize=8)
-    ax.set_xlim(min([0.8, *ratios]), max([1.2, *ratios]) * 1.15)
+    ax.set_xlim(min([0.8, *ratios]) * 0.95, max([1.2, *ratios]) * 1.15)  # a ratio under 0.8 still shows a bar
     ax.invert_yaxis()
     ax.set_title("step time fp8dist / hand-wired FSDP2 (same processes, alternating)", fontsize=10)
     ax.tick_params(labelsize=8)
@@ -92,8 +138,8 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
 
     cells = [c for c in doc["cells"] if "error" not in c]
     plain = [c for c in cells if c["wiring"] == "fp8dist"]
-    sizes = list(dict.fromkeys(c["size"] for c in plain))
-    bottom = len(sizes) + (1 if any("overhead" in c for c in cells) else 0)
+    panels = loss_panels(doc)
+    bottom = len(panels) + (1 if any("overhead" in c for c in cells) else 0)
     ncols = max(3, bottom)
     fig = plt.figure(figsize=(6 * ncols, 4 + 0.28 * len(plain) + 4.5), constrained_layout=True)
     grid = fig.add_gridspec(2, ncols, height_ratios=[1 + 0.07 * len(plain), 1])
@@ -105,10 +151,10 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
     _comm_bars(top[2], plain)
     for ax in top:
         ax.set_yticks(range(len(plain)), names if ax is top[0] else [""] * len(plain), fontsize=8)
-    for i, size in enumerate(sizes):
-        _loss_panel(fig.add_subplot(grid[1, i]), plain, size)
-    if bottom > len(sizes):
-        _overhead_panel(fig.add_subplot(grid[1, len(sizes)]), cells)
+    for i, panel in enumerate(panels):
+        _loss_panel(fig.add_subplot(grid[1, i]), panel)
+    if bottom > len(panels):
+        _overhead_panel(fig.add_subplot(grid[1, len(panels)]), cells)
     device, versions = doc["device"], doc["versions"]
     fig.suptitle(f"fp8dist bench: {device['name']} x {device['nproc']} ({device['backend']}), {doc['date'][:10]}; "
                  f"torch {versions['torch']}, torchao {versions['torchao']}; bars colored by FP8 backend "

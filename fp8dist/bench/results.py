@@ -60,10 +60,14 @@ def _versions() -> dict[str, str | None]:
     return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
 
 
+TAIL_STEPS = 20
+"""The lean-vs-standard comparison also compares the mean loss of the last 20 steps (all of a shorter run)."""
+
+
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
-    keys = ("strategy", "fp8", "size", "wiring", "compile", "activation_checkpointing")
-    want = {**{k: cell[k] for k in keys}, **change}
-    return next((c for c in cells if all(c[k] == want[k] for k in keys) and "error" not in c), None)
+    keys = ("strategy", "fp8", "size", "wiring", "compile", "activation_checkpointing", "memory")
+    want = {**{k: cell.get(k) for k in keys}, **change}
+    return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
 
 
 def _max_delta(a: list[float], b: list[float]) -> float:
@@ -71,7 +75,8 @@ def _max_delta(a: list[float], b: list[float]) -> float:
 
 
 def _compare(cells: list[dict[str, Any]]) -> None:
-    """Each FP8 cell against the bf16 cell of the same strategy, size and seed; each vs-raw cell's overhead."""
+    """Each FP8 cell against the bf16 cell of the same strategy, size, memory level and seed; each lean cell
+    against its standard (fp32-master) twin, same FP8 backend; each vs-raw cell's overhead."""
     for cell in cells:
         if "error" in cell:
             continue
@@ -81,8 +86,22 @@ def _compare(cells: list[dict[str, Any]]) -> None:
                                                                                              bf16["losses"]),
                                "final_delta_loss": cell["losses"][-1] - bf16["losses"][-1],
                                "bf16_losses": bf16["losses"]}
+        standard = _counterpart(cells, cell, memory="standard") if cell.get("memory") == "lean" else None
+        if standard is not None:
+            cell["vs_standard"] = _vs_standard(cell, standard)
         if cell["wiring"] == "vs-raw":
             cell["overhead"] = _overhead(cell, cell["raw"])
+
+
+def _vs_standard(lean: dict[str, Any], standard: dict[str, Any]) -> dict[str, Any]:
+    """A lean cell's loss curve against its fp32-master twin's (same strategy, FP8 backend, size, seed, batches):
+    the twin's curve, the largest and the final difference, and the means of the last TAIL_STEPS steps."""
+    tail = min(TAIL_STEPS, len(lean["losses"]))
+    means = {"lean": statistics.fmean(lean["losses"][-tail:]), "standard": statistics.fmean(standard["losses"][-tail:])}
+    return {"standard_cell": standard["name"], "standard_losses": standard["losses"],
+            "max_abs_delta_loss": _max_delta(lean["losses"], standard["losses"]),
+            "final_delta_loss": lean["losses"][-1] - standard["losses"][-1], "tail_steps": tail,
+            "tail_mean_loss": means, "tail_relative_gap": (means["lean"] - means["standard"]) / means["standard"]}
 
 
 def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +201,11 @@ def markdown_table(doc: dict[str, Any]) -> str:
             rows.append([c["name"], f"{c['tokens_per_s']:,.0f}", f"{1000 * c['median_step_s']:.1f}", _memory(c),
                          _state(c), *[_comm(c, k) for k in COMM_TYPES], delta])
     lines = [head, "", _md(cols, rows)]
+    lean = [c for c in doc["cells"] if "vs_standard" in c]
+    if lean:
+        lcols = ["lean cell", "standard (fp32 master) cell", "max \\|Δloss\\|", "final Δloss",
+                 "mean loss of the last steps: lean / standard (gap)", "model state (B/param): lean / standard"]
+        lines += ["", _md(lcols, [_lean_row(c, doc["cells"]) for c in lean])]
     overhead = [c for c in doc["cells"] if "overhead" in c]
     if overhead:
         ocols = ["FSDP2 cell", "fp8dist step (ms)", "hand-wired step (ms)",
@@ -198,6 +222,15 @@ def _overhead_row(cell: dict[str, Any]) -> list[str]:
     return [cell["name"].removesuffix("/vs-raw"), f"{1000 * o['fp8dist_median_step_s']:.1f}",
             f"{1000 * o['raw_median_step_s']:.1f}", f"{o['step_time_ratio']:.3f} ({q1:.2f}-{q3:.2f})",
             " / ".join(gathered), "yes" if o["losses_identical"] else "no"]
+
+
+def _lean_row(cell: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
+    v = cell["vs_standard"]
+    standard = next(c for c in cells if c["name"] == v["standard_cell"])
+    means = v["tail_mean_loss"]
+    return [cell["name"], v["standard_cell"], f"{v['max_abs_delta_loss']:.4f}", f"{v['final_delta_loss']:+.4f}",
+            f"{means['lean']:.4f} / {means['standard']:.4f} over {v['tail_steps']} "
+            f"({100 * v['tail_relative_gap']:+.2f}%)", f"{_state(cell)} / {_state(standard)}"]
 
 
 def _md(cols: list[str], rows: list[list[str]]) -> str:
