@@ -251,8 +251,9 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
         found = [n for n in p.names if n in source]
         if not found:
             missing.append(p.names[0])
-        elif source.shapes[found[0]] != p.shape:
-            shapes.append(f"{found[0]} {list(source.shapes[found[0]])} in the checkpoint, {list(p.shape)} in the model")
+        elif source.shapes[found[0]] != p.checkpoint_shape:
+            shapes.append(f"{found[0]} {list(source.shapes[found[0]])} in the checkpoint, {list(p.checkpoint_shape)} "
+                          "in the model")
     for name, buf in buffers.items():
         known.add(name)
         if name in source and source.shapes[name] != tuple(buf.shape):
@@ -287,7 +288,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
         for p in params:
             name = next(n for n in p.names if n in source)
             if p.region.numel:
-                p.local.copy_(source.read(name, p.region).view(p.local.shape))
+                p.local.copy_(_read_local(source, name, p))
         for name, buf in buffers.items():
             if name in source:
                 buf.copy_(source.read(name, Region(box=tuple((0, s) for s in buf.shape))))
@@ -295,6 +296,21 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
     report = LoadReport(str(path), source.bytes_read, total)
     source.close()
     return report
+
+
+def _read_local(source: SafetensorsDir, name: str, p: LocalParam) -> torch.Tensor:
+    """This rank's part of ``p`` from the checkpoint's tensor ``name``, shaped as ``p.local``. A transposed
+    parameter (out, in) reads the transposed box of the (in, out) tensor; for a flat range, the columns of the
+    out-rows that cover it."""
+    if not p.transposed:
+        return source.read(name, p.region).view(p.local.shape)
+    if p.region.flat is None:
+        return source.read(name, Region(box=p.region.box[::-1])).t().reshape(p.local.shape)
+    _, in_features = p.shape
+    start, stop = p.region.flat
+    first, last = start // in_features, (stop - 1) // in_features + 1
+    columns = source.read(name, Region(box=((0, in_features), (first, last - first))))
+    return columns.t().reshape(-1)[start - first * in_features: stop - first * in_features]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -150,3 +150,149 @@ def test_autocast_gets_recipe_and_world_group_under_each_strategy(strategy):
         assert r["custom_group"] and r["custom_eval_enabled"] is True
         assert r["prepared"] == (["FullyShardedDataParallel"] * 2 if strategy == "fsdp1" else [])
         assert r["losses"][1] < r["losses"][0]
+
+
+# ---- GPT-2's Conv1D under Transformer Engine: TEConv1D computes (out, in), checkpoints keep GPT-2's (in, out)
+
+def _conv1d_as_linears(model):
+    """GPT-2 with every Conv1D swapped by hand for the nn.Linear it is (weight transposed, bias copied)."""
+    from fp8dist.fp8.conv1d import is_conv1d
+
+    for name, conv in [(n, m) for n, m in model.named_modules() if is_conv1d(m)]:
+        linear = nn.Linear(*conv.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    return model
+
+
+def _steps(model, opt, rank, world, first, last) -> list[float]:
+    from fp8dist.data import Batches
+    from helpers import SEQ
+
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+    losses = []
+    for step in range(first, last):
+        loss = model(input_ids=batches[step], labels=batches[step]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _full_optim(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: s["exp_avg_sq"] for name, s in state.get("state", {}).items()}  # rank 0 only
+
+
+def _te_gpt2_case(rank: int, world: int, root: str) -> dict:
+    """Per strategy: TE GPT-2 vs the hand-swapped Linear GPT-2 (same math under the stand-in); a checkpoint of the
+    TE model loaded into a plain GPT-2 and into a fresh TE GPT-2; pretrained= of a plain GPT-2's export; the TE
+    model's save_pretrained."""
+    from pathlib import Path
+
+    use_standins()
+    from test_fp8_families import gpt2_tiny
+    from transformers import GPT2LMHeadModel
+
+    from fp8dist.strategies.local_shards import local_params
+
+    warnings_off()
+    out = {}
+    for strategy in ("fsdp", "fsdp1"):
+        where = Path(root) / strategy
+        ours = wrap_model(gpt2_tiny(), strategy=strategy, fp8="te")
+        opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+        ref = wrap_model(_conv1d_as_linears(gpt2_tiny()), strategy=strategy)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        case = dict(losses=_steps(ours, opt, rank, world, 0, 2), ref=_steps(ref, ref_opt, rank, world, 0, 2))
+        case["transposed"] = sorted(n for p in local_params(ours) if p.transposed for n in p.names)
+        fp8dist.save_checkpoint(where / "ckpt", ours, opt, step=2)
+        weights = _full(ours)
+        moments = _full_optim(ours, opt)
+        case["next"] = _steps(ours, opt, rank, world, 2, 3)
+        fresh = wrap_model(gpt2_tiny(seed=1), strategy=strategy, fp8="te")
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        fp8dist.load_checkpoint(where / "ckpt", fresh, fresh_opt)
+        case["resumed"] = _steps(fresh, fresh_opt, rank, world, 2, 3)
+        plain = wrap_model(gpt2_tiny(seed=1), strategy=strategy)  # Conv1D, no FP8
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        fp8dist.load_checkpoint(where / "ckpt", plain, plain_opt)
+        plain_weights = _full(plain)
+        case["plain_weights_equal"] = weights.keys() == plain_weights.keys() and \
+            all(torch.equal(v, plain_weights[k]) for k, v in weights.items())
+        plain_moments = _full_optim(plain, plain_opt)
+        case["plain_moments_equal"] = {k: torch.equal(v.t() if k in case["transposed"] else v, plain_moments[k])
+                                       for k, v in moments.items()}
+        fp8dist.save_pretrained(fresh, where / "export", dtype=torch.float32)
+        meta = _meta_gpt2()
+        loaded = wrap_model(meta, strategy=strategy, fp8="te", pretrained=str(Path(root) / "source"))
+        case["pretrained"] = _full(loaded)
+        if rank == 0:
+            back = GPT2LMHeadModel.from_pretrained(where / "export").state_dict()
+            mine = _full(fresh)
+            case["export_equal"] = all(torch.equal(back[k], v) for k, v in mine.items()) and \
+                set(mine) <= set(back)
+        else:
+            _full(fresh)  # a collective: every rank iterates it
+        out[strategy] = case
+    return out
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (checkpoint layout) by its first plain name, on every rank."""
+    from fp8dist.strategies.local_shards import gather_full
+
+    return {names[0]: full for names, full in gather_full(model, to_rank0=False)}
+
+
+def warnings_off() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+
+
+def _meta_gpt2():
+    from test_fp8_families import gpt2_tiny
+
+    with torch.device("meta"):
+        return gpt2_tiny()
+
+
+def test_gpt2_conv1d_under_te_trains_as_linears_and_its_checkpoints_stay_gpt2(tmp_path):
+    """TEConv1D (stand-in te.Linear) trains exactly as the Conv1D swapped by hand for nn.Linear; its checkpoint
+    loads into a plain GPT-2 (weights equal, Adam moments equal after transposing) and resumes a TE GPT-2 exactly;
+    pretrained= reads a plain GPT-2's export into it, and its save_pretrained reloads with from_pretrained."""
+    from test_fp8_families import gpt2_tiny
+
+    source = gpt2_tiny(seed=3)
+    source.save_pretrained(tmp_path / "source")
+    expected = {k: v for k, v in source.state_dict().items()}
+    use_standins()
+    try:
+        plan = get_plan(wrap_model(gpt2_tiny(), strategy="none", fp8="te"))
+    finally:
+        drop_standins()
+    conv1d = {e.name: (e.precision, e.converted_to) for e in plan if e.module_type == "Conv1D"}
+    assert len(conv1d) == 4 * source.config.n_layer and \
+        set(conv1d.values()) == {("fp8", "TEConv1D (te.Linear, checkpoints keep (in, out))")}
+    head = plan.by_name("lm_head")
+    assert head.converted_to is None and head.reason.startswith("weight tied to transformer.wte.weight"), head
+    for rank, result in enumerate(run_ranks(_te_gpt2_case, str(tmp_path), timeout=400)):
+        for strategy, case in result.items():
+            what = (rank, strategy)
+            assert case["losses"] == case["ref"], what
+            assert case["transposed"] == sorted(f"{n}.weight" for n in conv1d), what
+            assert case["resumed"] == case["next"], what
+            assert case["plain_weights_equal"], what
+            assert all(case["plain_moments_equal"].values()), (what, case["plain_moments_equal"])
+            assert len(case["plain_moments_equal"]) == (len(expected) - 1 if rank == 0 else 0), what  # tied once
+            assert case["pretrained"].keys() == expected.keys() - {"lm_head.weight"}, what
+            assert all(torch.equal(v, expected[k]) for k, v in case["pretrained"].items()), what
+            if rank == 0:
+                assert case["export_equal"], what

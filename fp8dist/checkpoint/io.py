@@ -101,10 +101,45 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---- the model and optimizer: torch.distributed.checkpoint, or DeepSpeed's engine checkpoint
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state dicts by plain names, in the layout checkpoints hold: the optimizer's
+    matrices of a parameter held transposed (a Conv1D run by Transformer Engine, whose state dict already gives
+    the Conv1D's layout) are transposed views too, so a checkpoint loads into the model with or without it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _transpose_states(optim_sd, _transposed_names(model))
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _transposed_names(model: nn.Module) -> set[str]:
+    from ..strategies.local_shards import local_params
+
+    return {n for p in local_params(model) if p.transposed for n in p.names}
+
+
+def _transpose_states(optim_sd: dict[str, Any], names: set[str]) -> None:
+    """Put transposed views of the 2-D optimizer states of the parameters ``names`` in ``optim_sd`` (a new dict
+    per parameter: the optimizer's state dict shares the optimizer's own)."""
+    for name in names & set(optim_sd.get("state", {})):
+        optim_sd["state"][name] = {key: _transposed(value) if isinstance(value, torch.Tensor) and value.dim() == 2
+                                   else value for key, value in optim_sd["state"][name].items()}
+
+
+def _transposed(value: torch.Tensor) -> torch.Tensor:
+    """``value.t()``; a ShardedTensor (FSDP1's sharded optimizer state), which has no ``t``, as the ShardedTensor
+    of the transposed shards (rows of the parameter become columns), built from this rank's shards without a
+    collective, as FSDP1 builds its own."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+    if not isinstance(value, ShardedTensor):
+        return value.t()
+    flip = lambda m: ShardMetadata(m.shard_offsets[::-1], m.shard_sizes[::-1], m.placement)  # noqa: E731
+    meta = value.metadata()
+    shards = [Shard(s.tensor.t().contiguous(), flip(s.metadata)) for s in value.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata([flip(m) for m in meta.shards_metadata], torch.Size(meta.size[::-1]),
+                                      meta.tensor_properties), process_group=value._process_group)
 
 
 def _is_extra_state(key: str) -> bool:
@@ -239,6 +274,7 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_
         saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
                            weights_only=True)
         state["model"].update({k: saved[k] for k in fp8_state if k in saved})
+    _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

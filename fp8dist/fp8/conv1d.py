@@ -1,5 +1,5 @@
 """GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out), y = x @ W
-+ b) in torchao FP8.
++ b) in FP8: torchao (``Float8Conv1D``, below) and Transformer Engine (``te_conv1d``, at the end).
 
 ``Float8Conv1D`` is torchao's ``Float8Linear`` computing with Conv1D's own (in, out) parameter: the same
 ``matmul_with_hp_or_float8_args`` GEMM a converted ``nn.Linear`` runs on ``weight.t()``, fed the (in, out) weight
@@ -15,7 +15,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d"]
+__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d",
+           "checkpoint_transposed", "transposed_params"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -69,4 +70,62 @@ def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
         new.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(new.weight, new.linear_mm_config,
                                                                     config.cast_config_weight.target_dtype),
                                   requires_grad=new.weight.requires_grad)
+    return new
+
+
+# ---- Transformer Engine: te.Linear holds its weight (out, in); checkpoints keep the Conv1D's (in, out)
+
+_TRANSPOSED: set[type] = set()
+"""Classes whose ``weight`` is the transpose of what checkpoints hold (``TEConv1D``): the one record every tool
+that reads or writes weights by name consults (:func:`checkpoint_transposed`)."""
+
+
+def checkpoint_transposed(module: nn.Module) -> bool:
+    """Whether ``module``'s ``weight`` is held transposed relative to its checkpoints (a Conv1D run by a te.Linear).
+    Its state dict already holds the checkpoint layout; tools that read the parameters themselves (``pretrained=``,
+    ``save_pretrained``, the optimizer's moments in checkpoints) transpose."""
+    return bool(_TRANSPOSED) and isinstance(module, tuple(_TRANSPOSED))
+
+
+def transposed_params(model: nn.Module) -> set[int]:
+    """``id`` of every parameter held transposed relative to its checkpoints, in ``model``."""
+    return {id(m.weight) for m in model.modules() if checkpoint_transposed(m)}
+
+
+def _weight_out(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """The state dict's weight as (in, out): a contiguous copy (FSDP1 chunks it after this hook, and only a
+    contiguous tensor can be chunked); loading writes through :func:`_weight_in`, never into this copy."""
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t().contiguous()
+
+
+def _weight_in(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+
+
+@functools.cache
+def _te_conv1d_class(linear: type) -> type:
+    class TEConv1D(linear):
+        """Transformer Engine's ``Linear`` in place of a GPT-2 ``Conv1D``: it computes with the weight as (out, in),
+        as te.Linear must; its state dict (checkpoints, DCP, ``load_state_dict``) holds and takes the Conv1D's
+        (in, out), so keys and values are a GPT-2's."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_state_dict_post_hook(_weight_out)
+            self.register_load_state_dict_pre_hook(_weight_in)
+
+    _TRANSPOSED.add(TEConv1D)
+    return TEConv1D
+
+
+def te_conv1d(te, module: nn.Module, **common) -> nn.Module:
+    """A ``TEConv1D`` computing what the Conv1D ``module`` computes (weight transposed into it, bias copied)."""
+    in_features, out_features = conv1d_dims(module)
+    new = _te_conv1d_class(te.Linear)(in_features, out_features, bias=module.bias is not None, **common)
+    with torch.no_grad():
+        new.weight.copy_(module.weight.t())
+        if module.bias is not None:
+            new.bias.copy_(module.bias)
     return new

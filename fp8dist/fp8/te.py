@@ -1,5 +1,5 @@
-"""Transformer Engine: nn.Linear -> te.Linear, nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights
-copied), and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
+"""Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (a te.Linear whose state dict keeps the
+Conv1D's (in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied), and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
 
 Written against TE's documented API (``transformer_engine.pytorch`` modules, ``fp8_autocast(enabled,
 fp8_recipe, fp8_group)``, ``transformer_engine.common.recipe``, ``distributed.prepare_te_modules_for_fsdp``).
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
-from .conv1d import is_conv1d
+from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
 from .moe import is_experts
 
 
@@ -39,6 +39,8 @@ def _rmsnorm_eps(module: nn.Module) -> float:
 def _te_module(te: Any, module: nn.Module) -> nn.Module:
     weight = module.weight
     common = {"params_dtype": weight.dtype, "device": weight.device}
+    if is_conv1d(module):
+        return te_conv1d(te, module, **common)
     if type(module) is nn.Linear:
         new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **common)
     elif type(module) is nn.LayerNorm:
@@ -115,15 +117,33 @@ class TEBackend(FP8Backend):
     def converted_class(self, module: nn.Module, cfg) -> str:
         if type(module) is nn.Linear:
             return "te.Linear"
+        if is_conv1d(module):
+            return "TEConv1D (te.Linear, checkpoints keep (in, out))"
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
-        return type(module) is nn.Linear
+        return type(module) is nn.Linear or is_conv1d(module)
+
+    def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
+        """A module whose weight is tied to another module's (an output head tied to the embedding) keeps it:
+        TE's modules allocate their own weight, which would untie them silently."""
+        owners: dict[int, list[str]] = {}
+        for name, module in model.named_modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), []).append(name)
+        out = {}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            tied = [n for n in owners.get(id(weight), ()) if n != name] if weight is not None else []
+            if tied and self.supports(module):
+                out[name] = (f"weight tied to {tied[0]}.weight: Transformer Engine's module would hold a weight of its "
+                             "own and untie them; kept in high precision")
+        return out
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
-        if is_conv1d(module):  # named, so a GPT-2 user learns the way out instead of "not converted"
-            return ("Conv1D (weight stored (in, out)): te.Linear holds (out, in), and fp8dist does not yet transpose "
-                    "it through TE's checkpoints; fp8='torchao' runs Conv1D in FP8 (Float8Conv1D)")
+        if is_conv1d(module):
+            return conv1d_dims_reason(module)
         if is_experts(module):
             return ("MoE experts (fused 3-D weights): TE's GroupedLinear is not wired in yet; fp8='torchao' runs them "
                     "through torchao's MoE conversion (torchao_moe_recipe)")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .deepspeed import is_deepspeed_engine
+from ..fp8.conv1d import checkpoint_transposed, transposed_params
 
 __all__ = ["WRAPPER_ATTRS", "plain_name", "fsdp1_full_shapes", "Region", "LocalParam", "local_params",
            "gather_full", "original_class"]
@@ -84,6 +85,14 @@ class LocalParam:
     """This rank's part, shaped as the region (a box, or 1-D for a flat range): written into under no_grad, it
     is the engine's storage."""
     region: Region
+    transposed: bool = False
+    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.fp8.conv1d.checkpoint_transposed`:
+    a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's own."""
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape checkpoints hold it in."""
+        return self.shape[::-1] if self.transposed else self.shape
 
 
 def _whole(shape: tuple[int, ...]) -> Region:
@@ -148,7 +157,9 @@ def _fsdp1_params(model: nn.Module, names: dict[int, list[str]]) -> list[LocalPa
         for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
             view = getattr(info.module, info.param_name)
             start, stop = (shard.intra_param_start_idx, shard.intra_param_end_idx + 1) if shard.in_shard else (0, 0)
-            out.append(LocalParam(tuple(names.get(id(view), ())), tuple(shape), view.data, Region(flat=(start, stop))))
+            transposed = info.param_name == "weight" and checkpoint_transposed(info.module)
+            out.append(LocalParam(tuple(names.get(id(view), ())), tuple(shape), view.data, Region(flat=(start, stop)),
+                                  transposed))
     return out
 
 
@@ -171,6 +182,7 @@ def local_params(model: nn.Module) -> list[LocalParam]:
     names = _names_by_param(inner)
     if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
         return _fsdp1_params(inner, names)
+    transposed = transposed_params(inner)
     out = []
     for p in dict.fromkeys(inner.parameters()):
         if hasattr(p, "ds_tensor"):  # ZeRO-3 partition
@@ -179,24 +191,31 @@ def local_params(model: nn.Module) -> list[LocalParam]:
         else:
             local, region = _dtensor_piece(p)
             shape = tuple(p.shape)
-        out.append(LocalParam(tuple(names[id(p)]), shape, local, region))
+        out.append(LocalParam(tuple(names[id(p)]), shape, local, region, id(p) in transposed))
     return out
 
 
 def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tuple[str, ...], torch.Tensor | None]]:
     """The full value of every parameter, one at a time (a collective: every rank must iterate it to the end):
-    ``(names, tensor)``, the tensor on the CPU, None on ranks other than 0 when ``to_rank0``. Peak memory is one
-    FSDP1 unit or one parameter (FSDP2, ZeRO-3) beyond the shards. ZeRO-3 yields the optimizer's fp32 master
-    weights when it has them (DeepSpeed's ``safe_get_full_fp32_param``), the module's weights otherwise."""
+    ``(names, tensor)``, the tensor on the CPU in the layout checkpoints hold (a transposed parameter transposed
+    back), None on ranks other than 0 when ``to_rank0``. Peak memory is one FSDP1 unit or one parameter (FSDP2,
+    ZeRO-3) beyond the shards. ZeRO-3 yields the optimizer's fp32 master weights when it has them (DeepSpeed's
+    ``safe_get_full_fp32_param``), the module's weights otherwise."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    keep = lambda t: _plain_tensor(t).detach().cpu() if rank == 0 or not to_rank0 else None  # noqa: E731
     engine = model if is_deepspeed_engine(model) else None
     inner = _inner(model)
     _reshard(inner)
     names = _names_by_param(inner)
+    transposed = transposed_params(inner)
+
+    def keep(t: torch.Tensor, flip: bool) -> torch.Tensor | None:
+        if rank != 0 and to_rank0:
+            return None
+        plain = _plain_tensor(t).detach().cpu()
+        return plain.t() if flip else plain
     units = FullyShardedDataParallel.fsdp_modules(inner)
     if units:
         for unit in units:
@@ -206,18 +225,18 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
             with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
                 for info in infos:  # views of the unit's gathered storage, freed on leaving: copied out
                     p = getattr(info.module, info.param_name)
-                    full = keep(p)
+                    full = keep(p, info.param_name == "weight" and checkpoint_transposed(info.module))
                     yield tuple(names.get(id(p), ())), None if full is None else full.clone()
         return
     from torch.distributed.tensor import DTensor
 
     for p in dict.fromkeys(inner.parameters()):
         if hasattr(p, "ds_tensor"):
-            yield tuple(names[id(p)]), keep(_zero3_full(p, engine))
+            yield tuple(names[id(p)]), keep(_zero3_full(p, engine), id(p) in transposed)
         elif isinstance(p, DTensor):
-            yield tuple(names[id(p)]), keep(p.full_tensor())
+            yield tuple(names[id(p)]), keep(p.full_tensor(), id(p) in transposed)
         else:
-            yield tuple(names[id(p)]), keep(p)
+            yield tuple(names[id(p)]), keep(p, id(p) in transposed)
 
 
 def _zero3_full(p: torch.Tensor, engine) -> torch.Tensor:
