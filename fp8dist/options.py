@@ -156,10 +156,11 @@ class FP8Config:
     rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
 
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = field(
-        default="auto", metadata=_only(fp8=("torchao",)))
-    """torchao MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
-    torchao.prototype.moe_training. auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says
-    why); mxfp8_emulated runs MXFP8's quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
+        default="auto", metadata=_only(fp8=("torchao", "te")))
+    """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
+    torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
+    auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
+    quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
 
     fp8_all_gather: bool | None = field(default=None, metadata=_only(fp8=("torchao",), strategy=("fsdp",)))
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,

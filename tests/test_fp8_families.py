@@ -326,17 +326,23 @@ def test_fp8dist_plan_reads_each_familys_config(family, tmp_path, capsys):
     assert converted[family] in out
 
 
-def test_transformer_engine_names_what_it_does_not_convert_yet():
-    """TE runs neither Conv1D nor fused MoE experts yet: the plan says so and names fp8='torchao' (plan only: TE
-    itself needs CUDA)."""
+def test_transformer_engine_plans_conv1d_and_routes_experts_to_torchao(monkeypatch):
+    """TE converts Conv1D (TEConv1D) and hands fused MoE experts to torchao's grouped GEMMs; on CPU, where no FP8
+    grouped GEMM exists, and without torchao, the plan says why (plan only: TE itself needs CUDA)."""
     cfg = fp8dist.resolve_config(strategy="fsdp", fp8="te")
     gpt2 = fp8dist.plan_precision(gpt2_tiny(), cfg, device=torch.device("cpu"), check_hardware=False)
     conv = gpt2.by_name("transformer.h.1.mlp.c_fc")
-    assert conv.precision == "bf16" and conv.reason.startswith("Conv1D (weight stored (in, out)): te.Linear holds")
-    assert "fp8='torchao' runs Conv1D in FP8" in conv.reason
+    assert (conv.precision, conv.converted_to) == ("fp8", "TEConv1D (te.Linear, checkpoints keep (in, out))")
     mixtral = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), check_hardware=False)
     experts = mixtral.by_name("model.layers.0.mlp.experts")
-    assert experts.precision == "bf16" and "TE's GroupedLinear is not wired in yet" in experts.reason
+    assert experts.precision == "bf16" and experts.reason.startswith("no FP8 grouped GEMM on cpu")
+    emulated = fp8dist.resolve_config(strategy="fsdp", fp8="te", torchao_moe_recipe="mxfp8_emulated")
+    planned = fp8dist.plan_precision(mixtral_tiny(), emulated, device=torch.device("cpu"), check_hardware=False)
+    assert planned.by_name("model.layers.0.mlp.experts").converted_to == "torchao MoE: MXFP8 grouped GEMM, emulated"
+    monkeypatch.setattr("fp8dist.fp8.te.torchao_installed", lambda: False)
+    without = fp8dist.plan_precision(mixtral_tiny(), emulated, device=torch.device("cpu"), check_hardware=False)
+    reason = without.by_name("model.layers.0.mlp.experts").reason
+    assert "Transformer Engine has no module for them" in reason and "(pip install torchao)" in reason
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

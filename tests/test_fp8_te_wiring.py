@@ -296,3 +296,64 @@ def test_gpt2_conv1d_under_te_trains_as_linears_and_its_checkpoints_stay_gpt2(tm
             assert all(torch.equal(v, expected[k]) for k, v in case["pretrained"].items()), what
             if rank == 0:
                 assert case["export_equal"], what
+
+
+# ---- MoE experts under fp8="te": TE has no module for fused experts; torchao's MoE grouped GEMMs run them
+
+def _te_mixtral_case(rank: int, world: int) -> dict:
+    use_standins()
+    import transformer_engine.pytorch as te
+    from helpers import hand_wired_fsdp2
+    from test_fp8_families import mixtral_tiny
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+    from torchao.quantization import quantize_
+
+    # norms kept: the stand-in's te.RMSNorm is torch's nn.RMSNorm, whose arithmetic differs from MixtralRMSNorm's
+    # (the losses part by 7e-5 at step 3 with them swapped)
+    ours = wrap_model(mixtral_tiny(), strategy="fsdp", fp8="te", torchao_moe_recipe="mxfp8_emulated",
+                      fp8_exclude=["*norm"])
+    plan = get_plan(ours)
+    ref = mixtral_tiny()  # by hand: torchao's MoE conversion on the experts; the stand-in te.Linear is nn.Linear
+    quantize_(ref, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
+              filter_fn=lambda module, fqn: fqn.endswith("mlp.experts"))
+    ref = hand_wired_fsdp2(ref, world)
+    losses = dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world))
+    rows = {row.part: row for row in _report_after_step(ours, rank, world)}
+    return dict(**losses,
+        plan={e.name: (e.precision, e.converted_to, e.reason) for e in plan if e.name.endswith(("experts", "gate"))},
+        te_linears=sum(isinstance(m, te.Linear) for m in ours.modules()),
+        wrapped=isinstance(ours.model.layers[0].mlp.experts.gate_up_proj.to_local(), MXFP8TrainingWeightWrapperTensor),
+        experts_row=(rows["fp8_grouped_gemm"].modules, rows["fp8_grouped_gemm"].gemm),
+        linears_row=(rows["fp8_gemm"].modules, rows["fp8_gemm"].gemm))
+
+
+def _report_after_step(model, rank, world):
+    """fp8dist.report after one more step."""
+    from fp8dist.data import Batches
+    from helpers import SEQ
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=9)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    rows = fp8dist.report(model, opt).rows
+    opt.zero_grad(set_to_none=True)
+    return rows
+
+
+def test_mixtral_experts_under_te_run_torchaos_moe_grouped_gemms():
+    """fp8='te' on a Mixtral: attention Linears -> te.Linear (stand-in), the experts through torchao's MoE
+    conversion (emulated MXFP8 on CPU), the router kept; losses equal to torchao's MoE conversion + fully_shard by
+    hand (the stand-in computes te.Linear in plain precision); fp8dist.report labels both kinds of FP8 GEMM."""
+    results = run_ranks(_te_mixtral_case)
+    r = results[0]
+    assert {n: v[:2] for n, v in r["plan"].items()} == {
+        **{f"model.layers.{i}.mlp.experts": ("fp8", "torchao MoE: MXFP8 grouped GEMM, emulated") for i in range(2)},
+        **{f"model.layers.{i}.mlp.gate": ("bf16", None) for i in range(2)}}
+    assert r["plan"]["model.layers.0.mlp.gate"][2] == "MoE router, kept in high precision (as torchtitan keeps it)"
+    assert r["te_linears"] == 2 * 4 + 1 and r["wrapped"], "q, k, v, o per layer and lm_head; experts wrapped"
+    assert r["experts_row"] == (2, "mxfp8 e4m3 fwd+grads (32-element blocks, e8m0 scales, emulated)")
+    assert r["linears_row"] == (9, "fp8 e4m3 fwd, e5m2 grads (DelayedScaling)")
+    for rank in results:
+        assert rank["ours"] == rank["ref"], (rank["ours"], rank["ref"])

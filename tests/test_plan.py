@@ -78,7 +78,7 @@ def test_fsdp_fallback_precision_is_param_dtype():
 
 
 def test_torchao_missing_is_a_clear_error_or_an_announced_fallback(monkeypatch):
-    monkeypatch.setattr("fp8dist.fp8.torchao._installed", lambda: False)
+    monkeypatch.setattr("fp8dist.fp8.torchao.torchao_installed", lambda: False)
     hint = re.escape(f"(pip install 'torchao{supported_range('torchao')}')")  # the range pyproject.toml declares
     with pytest.raises(FP8UnavailableError, match="fp8='torchao' cannot run here: torchao is not installed " + hint):
         wrap_model(build_llama("tiny"), strategy="none", fp8="torchao")

@@ -15,7 +15,22 @@ import torch
 from torch import nn
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats"]
+           "experts_gemm_formats", "experts_device", "torchao_installed", "ROUTER_REASON"]
+
+ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
+
+
+def torchao_installed() -> bool:
+    from ..env import package_version
+
+    return package_version("torchao") is not None
+
+
+def experts_device(cfg) -> torch.device:
+    """The device the model trains on (every local GPU is the same kind): MoE recipes depend on it."""
+    from ..env import resolve_device
+
+    return resolve_device(cfg.parallel.device, 0)
 
 RECIPES = {
     "fp8_rowwise": "FP8 rowwise grouped GEMM",

@@ -1,5 +1,7 @@
 """Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (a te.Linear whose state dict keeps the
-Conv1D's (in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied), and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
+Conv1D's (in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied); MoE experts held
+fused (transformers 5) through torchao's MoE grouped GEMMs (TE's GroupedLinear holds one weight per expert, so it
+is no drop-in for them; torchtitan uses torchao's for the same reason); and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
 
 Written against TE's documented API (``transformer_engine.pytorch`` modules, ``fp8_autocast(enabled,
 fp8_recipe, fp8_group)``, ``transformer_engine.common.recipe``, ``distributed.prepare_te_modules_for_fsdp``).
@@ -20,7 +22,8 @@ from torch import nn
 
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
-from .moe import is_experts
+from .moe import (ROUTER_REASON, convert_experts, experts_device, experts_reason, experts_target, is_experts,
+                  moe_routers, torchao_installed)
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -119,20 +122,23 @@ class TEBackend(FP8Backend):
             return "te.Linear"
         if is_conv1d(module):
             return "TEConv1D (te.Linear, checkpoints keep (in, out))"
+        if is_experts(module):
+            return experts_target(cfg, experts_device(cfg))
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
-        return type(module) is nn.Linear or is_conv1d(module)
+        return type(module) is nn.Linear or is_conv1d(module) or is_experts(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """A module whose weight is tied to another module's (an output head tied to the embedding) keeps it:
-        TE's modules allocate their own weight, which would untie them silently."""
+        TE's modules allocate their own weight, which would untie them silently. MoE routers stay in high
+        precision, as under torchao."""
         owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
             for p in module._parameters.values():
                 if p is not None:
                     owners.setdefault(id(p), []).append(name)
-        out = {}
+        out = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             tied = [n for n in owners.get(id(weight), ()) if n != name] if weight is not None else []
@@ -144,9 +150,12 @@ class TEBackend(FP8Backend):
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
         if is_conv1d(module):
             return conv1d_dims_reason(module)
-        if is_experts(module):
-            return ("MoE experts (fused 3-D weights): TE's GroupedLinear is not wired in yet; fp8='torchao' runs them "
-                    "through torchao's MoE conversion (torchao_moe_recipe)")
+        if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
+            if not torchao_installed():
+                return ("MoE experts (fused 3-D weights): Transformer Engine has no module for them (its GroupedLinear "
+                        "holds one weight per expert), and fp8dist runs them through torchao's MoE grouped GEMMs, "
+                        "which needs torchao (pip install torchao)")
+            return experts_reason(module, cfg, experts_device(cfg))
         if type(module) is nn.Linear:
             return dims_reason(module)
         if type(module) is nn.LayerNorm:
@@ -161,7 +170,11 @@ class TEBackend(FP8Backend):
         Ineligible modules are skipped, never a reason to stop. Call before sharding."""
         import transformer_engine.pytorch as te
 
+        experts = {e.name for e in plan.converted if e.grouped}
+        convert_experts(model, experts, cfg, experts_device(cfg))  # torchao's MoE grouped GEMMs
         for entry in plan.converted:
+            if entry.name in experts:
+                continue
             parent_name, _, child = entry.name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, _te_module(te, getattr(parent, child)))

@@ -12,13 +12,8 @@ from torch import nn
 from ..optim import ProcessStepHook, param_count
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
-from .moe import convert_experts, experts_reason, experts_target, is_experts, moe_routers
-
-
-def _installed() -> bool:
-    from ..env import package_version
-
-    return package_version("torchao") is not None
+from .moe import (ROUTER_REASON, convert_experts, experts_device, experts_reason, experts_target, is_experts,
+                  moe_routers, torchao_installed)
 
 
 def fp8_all_gather(cfg) -> bool:
@@ -36,13 +31,6 @@ def float8_config(cfg) -> Any:
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
 
 
-def _device(cfg) -> torch.device:
-    """The device the model trains on (every local GPU is the same kind): MoE recipes depend on it."""
-    from ..env import resolve_device
-
-    return resolve_device(cfg.parallel.device, 0)
-
-
 def _linear_like(module: nn.Module) -> bool:
     return type(module) is nn.Linear or is_conv1d(module)
 
@@ -54,7 +42,7 @@ class TorchaoBackend(FP8Backend):
         return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {'on' if fp8_all_gather(cfg) else 'off'}"
 
     def unavailable_reason(self, cfg, device: torch.device) -> str | None:
-        if not _installed():
+        if not torchao_installed():
             from ..env import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
@@ -67,18 +55,18 @@ class TorchaoBackend(FP8Backend):
 
     def converted_class(self, module: nn.Module, cfg) -> str:
         if is_experts(module):
-            return experts_target(cfg, _device(cfg))
+            return experts_target(cfg, experts_device(cfg))
         return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
         if is_experts(module):
-            return experts_reason(module, cfg, _device(cfg))
+            return experts_reason(module, cfg, experts_device(cfg))
         return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
         ``keep_first_last_linear`` (the default)."""
-        routers = {name: "MoE router, kept in high precision (as torchtitan keeps it)" for name in moe_routers(model)}
+        routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
         linears = [(name, m) for name, m in model.named_modules() if _linear_like(m)]  # MoE experts are not
@@ -101,7 +89,7 @@ class TorchaoBackend(FP8Backend):
         experts = {n for n in planned if is_experts(model.get_submodule(n))}
         names = planned - experts
         _check_even_shards(model, names, cfg)
-        convert_experts(model, experts, cfg, _device(cfg))
+        convert_experts(model, experts, cfg, experts_device(cfg))
         config = float8_config(cfg)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
