@@ -177,8 +177,8 @@ class FP8Config:
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
 
     interval: int = field(default=1, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
-    """TE delayed scaling: steps between scale updates. Accepted for Accelerate compatibility; TE 2.x ignores
-    it (a warning says so when it is not 1)."""
+    """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
+    accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
 
     amax_history_len: int = field(default=1024, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
     """TE delayed scaling: length of the amax history window."""
@@ -189,7 +189,8 @@ class FP8Config:
 
     override_linear_precision: tuple[bool, bool, bool] = field(
         default=(False, False, False), metadata=_only(fp8=("te",), te_recipe=("delayed",)))
-    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8."""
+    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
+    DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
 
     use_autocast_during_eval: bool = field(default=False, metadata=_only(fp8=("te",)))
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""

@@ -5,6 +5,8 @@ every strategy, eval turning FP8 off. The real TE runs in tests/test_fp8_gpu.py 
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -73,7 +75,10 @@ def test_llama_rmsnorm_is_swapped_with_its_epsilon(standin_te):
     assert sum(type(m) is te.Linear for m in model.modules()) == 15, "TE converts first and last Linear too"
 
 
-def test_recipes_by_name_and_interval_warning(standin_te):
+def test_recipes_by_name_under_te_autocast_and_dropped_knobs_refused(standin_te):
+    """Against TE 2.20's API (the stand-in's default): the forward runs under ``te.autocast`` (not the deprecated
+    ``fp8_autocast``); DelayedScaling knobs TE 2.x dropped, which it would ignore without a word, are refused at
+    their non-default values before any module is swapped, naming the TE version; their defaults pass."""
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe
 
@@ -81,8 +86,40 @@ def test_recipes_by_name_and_interval_warning(standin_te):
         model = wrap_model(Mixed(), strategy="none", fp8="te", te_recipe=name, fp8_format="E4M3")
         model(torch.randn(2, 32))
         assert te.AUTOCAST_CALLS[-1][1] == cls(fp8_format=recipe.Format.E4M3)
-    with pytest.warns(UserWarning, match="interval=4: Transformer Engine 2.x .* has no interval"):
-        wrap_model(Mixed(), strategy="none", fp8="te", interval=4)
+        assert te.AUTOCAST_CALLS[-1][3] == "autocast"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        model = wrap_model(Mixed(), strategy="none", fp8="te", margin=2, interval=1,
+                           override_linear_precision=(False, False, False))
+        model(torch.randn(2, 32))
+    assert te.AUTOCAST_CALLS[-1][1] == recipe.DelayedScaling(margin=2)
+    for knob, value, why in (("interval", 4, "updates the scales after every step"),
+                             ("override_linear_precision", (False, False, True), "backward_override='high_precision'")):
+        mixed = Mixed()
+        with pytest.raises(ValueError, match=re.escape(f"{knob}={value!r}: Transformer Engine 2.20.0+standin's "
+                                                       f"DelayedScaling has no {knob} and would drop it without a "
+                                                       "word (") + f".*{re.escape(why)}.*Leave {knob} at its default"):
+            wrap_model(mixed, strategy="none", fp8="te", **{knob: value})
+        assert all(type(m).__module__.startswith("torch.") for m in mixed.modules() if m is not mixed), \
+            "refused before any module was swapped"
+
+
+def test_before_te_2_9_fp8_autocast_and_the_old_knobs_are_used(monkeypatch):
+    """One code path: where TE has no ``te.autocast`` (before 2.9), ``fp8_autocast(fp8_recipe, fp8_group)`` runs,
+    and DelayedScaling still takes interval and override_linear_precision."""
+    monkeypatch.setenv("FP8DIST_TE_STANDIN_API", "2.8")
+    use_standins()
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
+
+        assert not hasattr(te, "autocast")
+        model = wrap_model(Mixed(), strategy="none", fp8="te", interval=2, override_linear_precision=(False, True, True))
+        model(torch.randn(2, 32))
+        assert te.AUTOCAST_CALLS[-1][3] == "fp8_autocast"
+        assert te.AUTOCAST_CALLS[-1][1] == recipe.DelayedScaling(interval=2, override_linear_precision=(False, True, True))
+    finally:
+        drop_standins()
 
 
 def test_real_te_is_gated_with_a_clear_error_or_an_announced_fallback():
@@ -106,8 +143,7 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
     ds = dict(micro_batch_size=BATCH // world, optimizer={"type": "AdamW", "lr": 1e-3}) \
         if strategy == "deepspeed" else {}
     model = wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="te", fp8_format="E4M3",
-                       amax_history_len=16, amax_compute_algo="most_recent", margin=1,
-                       override_linear_precision=(False, False, True), **ds)
+                       amax_history_len=16, amax_compute_algo="most_recent", margin=1, **ds)
     if strategy == "deepspeed":
         model = model[0]
         losses = engine_losses(model, rank, world, steps=2)
@@ -129,7 +165,7 @@ def _te_rank_case(rank: int, world: int, strategy: str) -> dict:
     with torch.no_grad():
         custom(input_ids=torch.zeros(1, 8, dtype=torch.long))
     expected = recipe.DelayedScaling(margin=1, fp8_format=recipe.Format.E4M3, amax_history_len=16,
-                                     amax_compute_algo="most_recent", override_linear_precision=(False, False, True))
+                                     amax_compute_algo="most_recent")
     return dict(losses=losses, train_enabled=train_call[0], recipe_ok=train_call[1] == expected,
                 world_group=train_call[2] is dist.group.WORLD, fp8_forwards=fp8_forwards,
                 eval_enabled=eval_call[0], custom_group=te.AUTOCAST_CALLS[-1][2] is group,

@@ -1,19 +1,22 @@
 """Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (a te.Linear whose state dict keeps the
 Conv1D's (in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied); MoE experts held
 fused (transformers 5) through torchao's MoE grouped GEMMs (TE's GroupedLinear holds one weight per expert, so it
-is no drop-in for them; torchtitan uses torchao's for the same reason); and the forward under ``te.fp8_autocast`` with the configured recipe and amax reduction group.
+is no drop-in for them; torchtitan uses torchao's for the same reason); and the forward under TE's FP8 autocast
+with the configured recipe and amax reduction group.
 
-Written against TE's documented API (``transformer_engine.pytorch`` modules, ``fp8_autocast(enabled,
-fp8_recipe, fp8_group)``, ``transformer_engine.common.recipe``, ``distributed.prepare_te_modules_for_fsdp``).
-TE needs CUDA; on CPU the wiring is tested through a stand-in of that API surface, never counted as proof that TE
-itself works.
-"""
+Written against TE 2.20's API as its sources define it (``te.autocast(enabled, recipe, amax_reduction_group)``;
+before TE 2.9 ``te.fp8_autocast(enabled, fp8_recipe, fp8_group)``, since then its deprecated shim; the recipes
+of ``transformer_engine.common.recipe``, pydantic dataclasses that drop unknown keywords; and
+``distributed.prepare_te_modules_for_fsdp``). One code path serves both: the new name where it exists. TE needs
+CUDA; on CPU the wiring is tested through a stand-in of that API surface, never counted as proof that TE itself
+works."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
-import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,8 +60,46 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
     return new
 
 
+_RETIRED_KNOBS = {
+    "override_linear_precision": ("TE 2.x's nearest is Float8CurrentScaling(backward_override='high_precision'), "
+                                  "backward GEMMs from high-precision operands, which fp8dist does not offer yet"),
+    "interval": "TE 2.x updates the scales after every step; nothing replaced it",
+}
+"""DelayedScaling knobs that Transformer Engine 2.x dropped (its recipes silently ignore them), and what, if
+anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
+
+
+def te_version() -> str:
+    import transformer_engine
+
+    return str(getattr(transformer_engine, "__version__", "unknown"))
+
+
+def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
+    """The retired knobs the installed ``DelayedScaling`` still has, with the configured values; a non-default
+    value of one it lacks is an error (TE would drop it silently)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(type(precision))}
+    have = {f.name for f in dataclasses.fields(recipe_cls)}
+    out = {}
+    for name, replaced in _RETIRED_KNOBS.items():
+        value = getattr(precision, name)
+        value = tuple(value) if isinstance(value, (list, tuple)) else value
+        if name in have:
+            out[name] = value
+        elif value != defaults[name]:
+            raise ValueError(f"{name}={value!r}: Transformer Engine {te_version()}'s DelayedScaling has no {name} and "
+                             f"would drop it without a word ({replaced}). Leave {name} at its default "
+                             f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
+    return out
+
+
 def build_recipe(cfg) -> Any:
-    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling)."""
+    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling), with the
+    knobs the installed TE has; a knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
+
+    Raises:
+        ValueError: such a knob.
+    """
     from transformer_engine.common import recipe
 
     p = cfg.precision
@@ -67,26 +108,29 @@ def build_recipe(cfg) -> Any:
         return recipe.Float8CurrentScaling(fp8_format=fmt)
     if p.te_recipe == "mxfp8":
         return recipe.MXFP8BlockScaling(fp8_format=fmt)
-    if p.interval != 1:
-        warnings.warn(f"interval={p.interval}: Transformer Engine 2.x updates scales every step and has no "
-                      "interval; the value is accepted for Accelerate compatibility and not used.",
-                      UserWarning, stacklevel=4)
     return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
-                                 amax_compute_algo=p.amax_compute_algo,
-                                 override_linear_precision=tuple(p.override_linear_precision))
+                                 amax_compute_algo=p.amax_compute_algo, **_delayed_knobs(recipe.DelayedScaling, p))
+
+
+def _autocast_fn(te: Any) -> Callable[..., Any]:
+    """``(enabled, recipe, group) -> context``: TE >= 2.9's ``te.autocast(recipe=, amax_reduction_group=)``, else
+    the older ``te.fp8_autocast(fp8_recipe=, fp8_group=)`` (a deprecated shim of the former since 2.9)."""
+    if hasattr(te, "autocast"):
+        return lambda enabled, recipe, group: te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return lambda enabled, recipe, group: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
 
 
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
-    """Run ``module``'s forward under ``te.fp8_autocast(fp8_recipe, fp8_group=group)`` while training (and in
-    eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's pre/post-forward
-    hooks, which ``__call__`` runs around ``forward``, stay in place."""
+    """Run ``module``'s forward under TE's FP8 autocast with ``fp8_recipe``, amax reduced over ``group``, while
+    training (and in eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's
+    pre/post-forward hooks, which ``__call__`` runs around ``forward``, stay in place."""
     import transformer_engine.pytorch as te
 
-    forward = module.forward
+    forward, autocast = module.forward, _autocast_fn(te)
 
     @functools.wraps(forward)
     def fp8_forward(*args, **kwargs):
-        with te.fp8_autocast(enabled=module.training or during_eval, fp8_recipe=fp8_recipe, fp8_group=group):
+        with autocast(module.training or during_eval, fp8_recipe, group):
             return forward(*args, **kwargs)
 
     module.forward = fp8_forward  # type: ignore[method-assign]
@@ -170,6 +214,7 @@ class TEBackend(FP8Backend):
         Ineligible modules are skipped, never a reason to stop. Call before sharding."""
         import transformer_engine.pytorch as te
 
+        build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
         experts = {e.name for e in plan.converted if e.grouped}
         convert_experts(model, experts, cfg, experts_device(cfg))  # torchao's MoE grouped GEMMs
         for entry in plan.converted:

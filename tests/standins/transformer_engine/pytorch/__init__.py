@@ -1,13 +1,16 @@
-"""STAND-IN of transformer_engine.pytorch: modules compute in plain precision; fp8_autocast records its calls.
+"""STAND-IN of transformer_engine.pytorch: modules compute in plain precision; the autocast records its calls.
 
-``AUTOCAST_CALLS`` lists (enabled, recipe, group) per fp8_autocast entry; ``Linear.fp8_forwards`` counts forwards
-that ran with FP8 enabled.
+``AUTOCAST_CALLS`` lists (enabled, recipe, group, the name called) per autocast entry; ``Linear.fp8_forwards``
+counts forwards that ran with FP8 enabled. TE 2.20's ``autocast`` exists unless the stand-in is TE 2.8's (see the
+package docstring); ``fp8_autocast`` warns there as TE's deprecated shim does.
 """
 
 import contextlib
+import warnings
 
 from torch import nn
 
+from .. import API
 from . import distributed  # noqa: F401
 
 AUTOCAST_CALLS: list = []
@@ -15,14 +18,26 @@ _STATE = {"enabled": False}
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
-    AUTOCAST_CALLS.append((enabled, fp8_recipe, fp8_group))
+def _autocast(name, enabled, recipe, group):
+    AUTOCAST_CALLS.append((enabled, recipe, group, name))
     previous = _STATE["enabled"]
     _STATE["enabled"] = enabled
     try:
         yield
     finally:
         _STATE["enabled"] = previous
+
+
+def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
+    if API != "2.8":
+        warnings.warn("fp8_autocast is deprecated and will be removed in a future release. Use autocast(enabled=..., "
+                      "calibrating=..., recipe=..., group=..., _graph=...) instead.", DeprecationWarning, stacklevel=2)
+    return _autocast("fp8_autocast", enabled, fp8_recipe, fp8_group)
+
+
+if API != "2.8":
+    def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False):
+        return _autocast("autocast", enabled, recipe, amax_reduction_group)
 
 
 class Linear(nn.Linear):
