@@ -82,3 +82,21 @@ def engine_losses(engine, rank: int, world: int, *, steps: int = STEPS) -> list[
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def conv1d_as_linears(model: nn.Module, names: list[str] | None = None) -> nn.Module:
+    """GPT-2's Conv1Ds ``names`` (default: all) swapped by hand for the nn.Linear each is (weight transposed, bias
+    copied): the reference the FP8 Conv1D paths are compared with."""
+    from fp8dist.fp8.conv1d import is_conv1d
+
+    if names is None:
+        names = [n for n, m in model.named_modules() if is_conv1d(m)]
+    for name in names:
+        conv = model.get_submodule(name)
+        linear = nn.Linear(*conv.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    return model

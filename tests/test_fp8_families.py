@@ -12,6 +12,7 @@ from torch import nn
 
 import fp8dist
 from fp8dist.plan import MIN_FP8_SHARE
+from helpers import conv1d_as_linears
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -71,14 +72,7 @@ def _hand_wired_gpt2(model, world: int, names: list[str]):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    for name in names:
-        conv = model.get_submodule(name)
-        linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
-        with torch.no_grad():
-            linear.weight.copy_(conv.weight.t())
-            linear.bias.copy_(conv.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, linear)
+    conv1d_as_linears(model, names)
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                module_filter_fn=lambda m, fqn: fqn in names)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -354,15 +348,7 @@ def test_float8_conv1d_equals_the_linear_swap_in_one_process(recipe):
     torch.set_num_threads(1)
     ours = fp8dist.wrap_model(gpt2_tiny(), strategy="none", fp8="torchao", torchao_recipe=recipe)
     names = [e.name for e in fp8dist.get_plan(ours).fp8]
-    ref = gpt2_tiny()
-    for name in names:
-        conv = ref.get_submodule(name)
-        linear = nn.Linear(*conv.weight.shape)
-        with torch.no_grad():
-            linear.weight.copy_(conv.weight.t())
-            linear.bias.copy_(conv.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(ref.get_submodule(parent), child, linear)
+    ref = conv1d_as_linears(gpt2_tiny(), names)
     convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda m, fqn: fqn in names)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

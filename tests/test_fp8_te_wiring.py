@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from helpers import BATCH, engine_losses, train_losses
+from helpers import BATCH, conv1d_as_linears, engine_losses, train_losses
 from standin import drop_standins, use_standins
 from torch import nn
 
@@ -114,10 +114,11 @@ def test_before_te_2_9_fp8_autocast_and_the_old_knobs_are_used(monkeypatch):
         from transformer_engine.common import recipe
 
         assert not hasattr(te, "autocast")
-        model = wrap_model(Mixed(), strategy="none", fp8="te", interval=2, override_linear_precision=(False, True, True))
+        knobs = dict(interval=2, override_linear_precision=(False, True, True))
+        model = wrap_model(Mixed(), strategy="none", fp8="te", **knobs)
         model(torch.randn(2, 32))
         assert te.AUTOCAST_CALLS[-1][3] == "fp8_autocast"
-        assert te.AUTOCAST_CALLS[-1][1] == recipe.DelayedScaling(interval=2, override_linear_precision=(False, True, True))
+        assert te.AUTOCAST_CALLS[-1][1] == recipe.DelayedScaling(**knobs)
     finally:
         drop_standins()
 
@@ -190,20 +191,6 @@ def test_autocast_gets_recipe_and_world_group_under_each_strategy(strategy):
 
 # ---- GPT-2's Conv1D under Transformer Engine: TEConv1D computes (out, in), checkpoints keep GPT-2's (in, out)
 
-def _conv1d_as_linears(model):
-    """GPT-2 with every Conv1D swapped by hand for the nn.Linear it is (weight transposed, bias copied)."""
-    from fp8dist.fp8.conv1d import is_conv1d
-
-    for name, conv in [(n, m) for n, m in model.named_modules() if is_conv1d(m)]:
-        linear = nn.Linear(*conv.weight.shape)
-        with torch.no_grad():
-            linear.weight.copy_(conv.weight.t())
-            linear.bias.copy_(conv.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, linear)
-    return model
-
-
 def _steps(model, opt, rank, world, first, last) -> list[float]:
     from fp8dist.data import Batches
     from helpers import SEQ
@@ -244,7 +231,7 @@ def _te_gpt2_case(rank: int, world: int, root: str) -> dict:
         where = Path(root) / strategy
         ours = wrap_model(gpt2_tiny(), strategy=strategy, fp8="te")
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
-        ref = wrap_model(_conv1d_as_linears(gpt2_tiny()), strategy=strategy)
+        ref = wrap_model(conv1d_as_linears(gpt2_tiny()), strategy=strategy)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         case = dict(losses=_steps(ours, opt, rank, world, 0, 2), ref=_steps(ref, ref_opt, rank, world, 0, 2))
         case["transposed"] = sorted(n for p in local_params(ours) if p.transposed for n in p.names)

@@ -15,8 +15,9 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d",
-           "checkpoint_transposed", "transposed_params"]
+from ..weight_layout import register_transposed
+
+__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -75,23 +76,6 @@ def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
 
 # ---- Transformer Engine: te.Linear holds its weight (out, in); checkpoints keep the Conv1D's (in, out)
 
-_TRANSPOSED: set[type] = set()
-"""Classes whose ``weight`` is the transpose of what checkpoints hold (``TEConv1D``): the one record every tool
-that reads or writes weights by name consults (:func:`checkpoint_transposed`)."""
-
-
-def checkpoint_transposed(module: nn.Module) -> bool:
-    """Whether ``module``'s ``weight`` is held transposed relative to its checkpoints (a Conv1D run by a te.Linear).
-    Its state dict already holds the checkpoint layout; tools that read the parameters themselves (``pretrained=``,
-    ``save_pretrained``, the optimizer's moments in checkpoints) transpose."""
-    return bool(_TRANSPOSED) and isinstance(module, tuple(_TRANSPOSED))
-
-
-def transposed_params(model: nn.Module) -> set[int]:
-    """``id`` of every parameter held transposed relative to its checkpoints, in ``model``."""
-    return {id(m.weight) for m in model.modules() if checkpoint_transposed(m)}
-
-
 def _weight_out(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """The state dict's weight as (in, out): a contiguous copy (FSDP1 chunks it after this hook, and only a
     contiguous tensor can be chunked); loading writes through :func:`_weight_in`, never into this copy."""
@@ -116,8 +100,7 @@ def _te_conv1d_class(linear: type) -> type:
             self.register_state_dict_post_hook(_weight_out)
             self.register_load_state_dict_pre_hook(_weight_in)
 
-    _TRANSPOSED.add(TEConv1D)
-    return TEConv1D
+    return register_transposed(TEConv1D)
 
 
 def te_conv1d(te, module: nn.Module, **common) -> nn.Module:
