@@ -26,28 +26,25 @@ def _ignoring_extras(cls):
     return cls
 
 
+@dataclass
+class DelayedScaling:  # TE 2.20's fields
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: object = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+
 if API == "2.8":
     @dataclass
-    class DelayedScaling:
-        margin: int = 0
-        fp8_format: Format = Format.HYBRID
-        amax_history_len: int = 1024
-        amax_compute_algo: str = "max"
+    class DelayedScaling(DelayedScaling):  # noqa: F811 -- and the two TE 2.x dropped
         override_linear_precision: tuple = (False, False, False)
         interval: int = 1
-        reduce_amax: bool = True
 else:
-    @_ignoring_extras
-    @dataclass
-    class DelayedScaling:
-        margin: int = 0
-        fp8_format: Format = Format.HYBRID
-        amax_history_len: int = 1024
-        amax_compute_algo: str = "max"
-        scaling_factor_compute_algo: object = None
-        reduce_amax: bool = True
-        fp8_dpa: bool = False
-        fp8_mha: bool = False
+    DelayedScaling = _ignoring_extras(DelayedScaling)
 
 
 @dataclass
