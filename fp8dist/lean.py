@@ -15,11 +15,12 @@ sharded parameter's storage: the update lands in the parameter, the states hold 
 optimizer's ``param_groups`` and ``state`` stay keyed by the real parameters (DCP checkpoints see the usual names).
 
 Stochastic rounding draws from torch's default generator, seeded for each parameter and step from the run's
-rounding seed (rank 0's ``torch.initial_seed()`` when the optimizer is built, kept in ``param_groups``), the step,
-the parameter's index in the optimizer and its shard's coordinates, and put back afterwards: ranks that hold the
-same elements (DDP ranks, the replicas of HSDP) round them the same way whatever each rank's own stream did (with
-each rank's stream, a ``torch.manual_seed(seed + rank)`` made them drift apart), the training script's stream is
-left as it was, and a resumed run rounds as the uninterrupted one (seed and step are in the checkpoint).
+rounding seed (rank 0's ``torch.initial_seed()`` when the optimizer is built: the script's ``torch.manual_seed``,
+else the random seed torch starts with; kept in ``param_groups``), the step, the parameter's index in the optimizer
+and its shard's coordinates, and put back afterwards: ranks that hold the same elements (DDP ranks, the replicas of
+HSDP) round them the same way whatever each rank's own stream did (with each rank's stream, a
+``torch.manual_seed(seed + rank)`` made them drift apart), the training script's stream is left as it was, and a
+resumed run rounds as the uninterrupted one (seed and step are in the checkpoint).
 """
 
 from __future__ import annotations

@@ -66,8 +66,9 @@ def _stack_bytes(strategy: str) -> dict:
 
 
 def _llama(rank, world, fp8, memory, steps, **options):
-    model, opt = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8=fp8, memory=memory,
-                                    optimizer=ADAMW, **options)
+    model = build_llama("tiny", seed=0)
+    torch.manual_seed(0)  # the script's seed: lean's rounding seed (else the random one torch starts with)
+    model, opt = fp8dist.wrap_model(model, strategy="fsdp", fp8=fp8, memory=memory, optimizer=ADAMW, **options)
     torch.manual_seed(1000 + rank)  # each rank's own random stream, as a per-rank seed gives: replicas ignore it
     losses = _losses(model, opt, rank, world, steps - 1)
     batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
@@ -314,6 +315,7 @@ def _pretrained(rank: int, world: int, path: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     warnings.simplefilter("ignore")
+    torch.manual_seed(0)
     out = {}
     for fp8 in (None, "torchao"):
         eager, opt = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy="fsdp", fp8=fp8,

@@ -98,7 +98,7 @@ def loss_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _loss_panel(ax, panel: dict[str, Any]) -> None:
     """Draw one of :func:`loss_panels`, its differences in an inset."""
-    delta = ax.inset_axes([0.5, 0.5, 0.47, 0.3])
+    delta = ax.inset_axes([0.45, 0.3, 0.52, 0.3])  # under the legend, above where long runs end
     for d in panel["deltas"]:
         delta.plot(range(1, len(d["losses"]) + 1), d["losses"], "--", color=d["color"], linewidth=1)
     for c in panel["curves"]:
@@ -109,7 +109,7 @@ def _loss_panel(ax, panel: dict[str, Any]) -> None:
     delta.tick_params(labelsize=6)
     ax.set_title(panel["title"], fontsize=10)
     ax.set_xlabel("step", fontsize=8)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper right")
     ax.tick_params(labelsize=8)
 
 
