@@ -45,3 +45,5 @@ for step in range(args.steps):
         print(f"step {step:3d} loss {loss.item() * args.accum:.4f}", flush=True)
 if env.rank == 0:
     print(fp8dist.sharding_summary(model))
+
+fp8dist.shutdown()  # barrier, destroy the process group, let gloo/nccl threads finish before exit

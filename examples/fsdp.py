@@ -46,3 +46,5 @@ if env.rank == 0:
           f"last grad norm {grad_norm.full_tensor().item():.3f}")
     if args.save:
         torch.save(full, args.save)
+
+fp8dist.shutdown()  # barrier, destroy the process group, let gloo/nccl threads finish before exit

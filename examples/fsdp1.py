@@ -45,3 +45,5 @@ if env.rank == 0:
     print(fp8dist.sharding_summary(model))
     print(f"full state dict on rank 0: {sum(t.numel() for t in full.values()):,} elements; "
           f"last grad norm {grad_norm.item():.3f}")
+
+fp8dist.shutdown()  # barrier, destroy the process group, let gloo/nccl threads finish before exit

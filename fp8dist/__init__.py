@@ -9,7 +9,7 @@ from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint.hf import save_pretrained
 from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from .env import DistEnv, init_distributed
+from .env import DistEnv, init_distributed, shutdown
 from .grads import clip_grad_norm_, no_sync
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
@@ -31,6 +31,7 @@ __all__ = [
     "resolve_config",
     "load_config_file",
     "init_distributed",
+    "shutdown",
     "DistEnv",
     "sharding_summary",
     "unwrap_model",

@@ -41,3 +41,5 @@ for step in range(args.steps):
         print(f"step {step:3d} loss {loss.item():.4f}", flush=True)
 if env.rank == 0:
     print(fp8dist.sharding_summary(engine))
+
+fp8dist.shutdown()  # barrier, destroy the process group, let gloo/nccl threads finish before exit
