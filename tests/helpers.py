@@ -37,6 +37,22 @@ def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
     return losses
 
 
+def optimizer_losses(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: int, *,
+                     start: int = 0, device: torch.device | str | None = None, seq_len: int = SEQ) -> list[float]:
+    """Per-step losses of this rank training ``model`` with the caller's ``opt`` on the byte batches of steps
+    ``start`` .. ``start + steps - 1`` (on ``device`` when given): the loop a resumed run continues."""
+    batches = Batches(batch_size=BATCH, seq_len=seq_len, rank=rank, world_size=world, seed=0)
+    losses = []
+    for step in range(start, start + steps):
+        ids = batches[step] if device is None else batches[step].to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def linear_dtypes(model: nn.Module, linear: nn.Module, rank: int, world: int) -> dict[str, str]:
     """Dtypes a Linear really sees in one forward: its input, its weight while computing, its output."""
     seen: dict[str, str] = {}

@@ -89,32 +89,22 @@ def test_msamp_real_fp8_trains():
 
 # ---- written without a GPU (2026-11-23) for the first session that has one (issue 18): run, fix, keep
 
-def _steps(model, opt, ids, n: int) -> list[float]:
-    losses = []
-    for _ in range(n):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def _te_resume_case(rank: int, world: int, root: str) -> dict:
     import fp8dist
-    from fp8dist.data import Batches
     from fp8dist.models import build_llama
+    from helpers import optimizer_losses
 
-    ids = Batches(batch_size=4, seq_len=256, rank=rank, world_size=world)[0].cuda()
     model = fp8dist.wrap_model(build_llama("small", seed=0), strategy="fsdp", fp8="te")
+    device = fp8dist.get_wrap_info(model).env.device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _steps(model, opt, ids, 3)
+    optimizer_losses(model, opt, rank, world, 3, device=device, seq_len=256)
     fp8dist.save_checkpoint(root, model, opt, step=3)
-    expected = _steps(model, opt, ids, 2)
+    expected = optimizer_losses(model, opt, rank, world, 2, start=3, device=device, seq_len=256)
     fresh = fp8dist.wrap_model(build_llama("small", seed=1), strategy="fsdp", fp8="te")
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     fp8dist.load_checkpoint(root, fresh, fresh_opt)
-    return dict(expected=expected, resumed=_steps(fresh, fresh_opt, ids, 2))
+    return dict(expected=expected,
+                resumed=optimizer_losses(fresh, fresh_opt, rank, world, 2, start=3, device=device, seq_len=256))
 
 
 @needs_fp8_gpu
@@ -132,7 +122,7 @@ def test_transformer_engine_fsdp2_checkpoint_resumes_bit_exact(tmp_path):
 
 def _moe_case(rank: int, world: int, fp8: str | None) -> dict:
     import fp8dist
-    from fp8dist.data import Batches
+    from helpers import optimizer_losses
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -141,15 +131,8 @@ def _moe_case(rank: int, world: int, fp8: str | None) -> dict:
     model = fp8dist.wrap_model(MixtralForCausalLM(config), strategy="fsdp", fp8=fp8)
     plan = fp8dist.get_plan(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = Batches(batch_size=8, seq_len=256, rank=rank, world_size=world)
-    losses = []
-    for step in range(30):
-        ids = batches[step].cuda()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses = optimizer_losses(model, opt, rank, world, 30, device=fp8dist.get_wrap_info(model).env.device,
+                              seq_len=256)
     experts = [e for e in plan if e.grouped]
     return dict(losses=losses, experts=[(e.precision, e.converted_to) for e in experts])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
-from helpers import BATCH, conv1d_as_linears, engine_losses, train_losses
+from helpers import BATCH, conv1d_as_linears, engine_losses, optimizer_losses, train_losses
 from standin import drop_standins, use_standins
 from torch import nn
 
@@ -191,21 +191,6 @@ def test_autocast_gets_recipe_and_world_group_under_each_strategy(strategy):
 
 # ---- GPT-2's Conv1D under Transformer Engine: TEConv1D computes (out, in), checkpoints keep GPT-2's (in, out)
 
-def _steps(model, opt, rank, world, first, last) -> list[float]:
-    from fp8dist.data import Batches
-    from helpers import SEQ
-
-    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
-    losses = []
-    for step in range(first, last):
-        loss = model(input_ids=batches[step], labels=batches[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def _full_optim(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -233,16 +218,17 @@ def _te_gpt2_case(rank: int, world: int, root: str) -> dict:
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
         ref = wrap_model(conv1d_as_linears(gpt2_tiny()), strategy=strategy)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        case = dict(losses=_steps(ours, opt, rank, world, 0, 2), ref=_steps(ref, ref_opt, rank, world, 0, 2))
+        case = dict(losses=optimizer_losses(ours, opt, rank, world, 2),
+                    ref=optimizer_losses(ref, ref_opt, rank, world, 2))
         case["transposed"] = sorted(n for p in local_params(ours) if p.transposed for n in p.names)
         fp8dist.save_checkpoint(where / "ckpt", ours, opt, step=2)
         weights = _full(ours)
         moments = _full_optim(ours, opt)
-        case["next"] = _steps(ours, opt, rank, world, 2, 3)
+        case["next"] = optimizer_losses(ours, opt, rank, world, 1, start=2)
         fresh = wrap_model(gpt2_tiny(seed=1), strategy=strategy, fp8="te")
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         fp8dist.load_checkpoint(where / "ckpt", fresh, fresh_opt)
-        case["resumed"] = _steps(fresh, fresh_opt, rank, world, 2, 3)
+        case["resumed"] = optimizer_losses(fresh, fresh_opt, rank, world, 1, start=2)
         plain = wrap_model(gpt2_tiny(seed=1), strategy=strategy)  # Conv1D, no FP8
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
         fp8dist.load_checkpoint(where / "ckpt", plain, plain_opt)

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, SEQ
+from helpers import BATCH, SEQ, optimizer_losses
 from torch import nn
 
 import fp8dist
@@ -42,16 +42,7 @@ class Stack(nn.Module):
 
 
 def _losses(model, opt, rank, world, steps, start=0):
-    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
-    out = []
-    for step in range(start, start + steps):
-        ids = batches[step]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
+    return optimizer_losses(model, opt, rank, world, steps, start=start)
 
 
 def _stack_bytes(strategy: str) -> dict:
