@@ -17,7 +17,8 @@ from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
 from .lean import build_lean_optimizer, cast_params_bf16, lean_config, lean_optimizer_kwargs
 from .optim import OptimizerSpec, build_optimizer, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
-from .pretrained import LoadReport, check_fits, is_meta_model, materialize, to_empty
+from .meta_init import check_fits, is_meta_model, to_empty
+from .pretrained import LoadReport, materialize
 from .strategies import ShardingInfo, apply_strategy, deepspeed_config_for, find_blocks, unwrap_model
 from .strategies.deepspeed import partition_meta_zero3
 from .strategies.fsdp import check_replicate_degree

@@ -1,16 +1,13 @@
 """Step 5b of :func:`fp8dist.wrap_model`: a model built on the meta device is materialized after sharding, each rank
 allocating only what it holds, and filled from a Hugging Face safetensors directory (``pretrained=``) or by the
-model's own initialization; ``pretrained=`` also loads into a model that has real weights (one code path).
+model's own initialization (:mod:`fp8dist.meta_init`); ``pretrained=`` also loads into a model that has real
+weights (one code path).
 
 - Each rank reads only its part of every tensor (safetensors' lazy ``get_slice``): FSDP2's rows (a box of the
   DTensor), FSDP1's and ZeRO-3's flat ranges. :class:`SafetensorsDir` counts the bytes it read.
 - Names go through the wrappers (FP8 conversion keeps ``.weight``; activation checkpointing and compile prefixes
   are dropped: :func:`fp8dist.strategies.local_shards.plain_name`); tied parameters load from whichever of their
   names the checkpoint holds.
-- Without ``pretrained=``, each module is initialized at full size, one module at a time, by the model's own
-  ``_init_weights`` (Hugging Face) or ``reset_parameters``, and each rank keeps its part: the same weights for any
-  strategy and world size under the same seed (not those of an eager construction with that seed, whose module
-  constructors draw random numbers a meta construction does not).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .meta_init import init_weights
 from .strategies import unwrap_model
-from .strategies.common import to_empty
-from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
+from .strategies.local_shards import LocalParam, Region, local_params, plain_name
 
-__all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "is_meta_model", "to_empty", "check_fits",
-           "load_pretrained", "init_weights", "materialize", "INDEX_FILE", "SINGLE_FILE"]
+__all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize", "INDEX_FILE",
+           "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -189,42 +185,6 @@ class LoadReport:
     """Tensor bytes of the whole checkpoint."""
 
 
-def is_meta_model(model: nn.Module) -> bool:
-    """True when any parameter or buffer of ``model`` is on the meta device."""
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:  # MemAvailable counts the page cache the kernel would give back; free pages alone undercount it
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
-    """A strategy that materializes the whole model on every rank (ddp, none, ZeRO-1/2) refuses a meta model
-    larger than the device's free memory, before allocating it."""
-    need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
-                                                                         *model.buffers())}.values())
-    free = _available_bytes(device)
-    if free is not None and need > free:
-        raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
-                          f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "
-                          f"{free / 2**30:,.1f} GiB free. Use strategy='fsdp' or 'fsdp1' (each rank materializes "
-                          "its shard only) or deepspeed with zero_stage=3.")
-    if free is not None and need > free // 2:
-        warnings.warn(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
-                      f"{need / 2**30:,.1f} GiB of {free / 2**30:,.1f} GiB free on {device}, before gradients and "
-                      "optimizer states. strategy='fsdp' materializes 1/world_size of it.", UserWarning, stacklevel=3)
-
-
 # ---- pretrained weights into whatever this rank holds
 
 
@@ -323,92 +283,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _itemsize(safetensors_dtype: str) -> int:
     return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(safetensors_dtype, 4)
-
-
-# ---- the model's own initialization, run module by module at full size
-
-
-def _init_fn(model: nn.Module):
-    """The model's per-module initializer: Hugging Face ``_init_weights``, else each module's
-    ``reset_parameters``."""
-    hf_init = getattr(model, "_init_weights", None)
-    if callable(hf_init):
-        return hf_init
-    return lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
-
-
-def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]],
-                    param_device: torch.device | str) -> nn.Module:
-    """A childless copy of ``module`` with its own buffers at full size on ``device``, its parameters on
-    ``param_device`` (the meta device when only the buffers are wanted)."""
-    shadow = object.__new__(original_class(module))
-    shadow.__dict__ = dict(module.__dict__)
-    shadow._modules = {}
-    shadow._parameters = {n: None if p is None else nn.Parameter(
-        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device), requires_grad=p.requires_grad)
-        for n, p in module._parameters.items()}
-    shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
-                       for n, b in module._buffers.items()}
-    return shadow
-
-
-def _post_order(module: nn.Module, prefix: str = ""):
-    """Modules children first, as Hugging Face's ``initialize_weights`` visits them."""
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
-    yield prefix, module
-
-
-def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalParam] | None = None,
-                 buffers_only: bool = False) -> None:
-    """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
-    part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
-    come from elsewhere (a checkpoint)."""
-    inner = unwrap_model(model)
-    params = local_params(model) if params is None else params
-    by_name = {n: p for p in params for n in p.names}
-    init = _init_fn(inner)
-    if not buffers_only:
-        _check_initializable(inner, by_name)
-    with torch.no_grad():
-        for prefix, module in _post_order(inner):
-            if not module._buffers and (buffers_only or not module._parameters):
-                continue
-            names = {n: plain_name(f"{prefix}.{n}" if prefix else n) for n in module._parameters}
-            shapes = {n: by_name[q].shape for n, q in names.items() if q in by_name}
-            shadow = _full_size_copy(module, device, shapes, "meta" if buffers_only else device)
-            init(shadow)
-            for n, buf in module._buffers.items():
-                if buf is not None:
-                    buf.copy_(shadow._buffers[n])
-            if buffers_only:
-                continue
-            for n, full in shadow._parameters.items():
-                piece = by_name.get(names[n])
-                if full is not None and piece is not None and piece.region.numel:  # tied: the last module wins
-                    piece.local.copy_(_cut(full.data, piece.region).view(piece.local.shape))
-
-
-def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> None:
-    """Without Hugging Face's ``_init_weights``, a module whose parameters no ``reset_parameters`` sets would keep
-    uninitialized memory: refused, naming them."""
-    if callable(getattr(inner, "_init_weights", None)):
-        return
-    bare = [plain_name(f"{prefix}.{n}" if prefix else n) for prefix, module in _post_order(inner)
-            if not hasattr(module, "reset_parameters") for n in module._parameters
-            if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]
-    if bare:
-        raise ValueError(f"{type(inner).__name__} was built on the meta device and {len(bare)} parameter(s) have no "
-                         f"initialization to run (their module has no reset_parameters), e.g. {bare[:_SHOWN]}: they "
-                         "would hold uninitialized memory. Pass pretrained=DIR, give those modules a "
-                         "reset_parameters(), or build the model on the CPU.")
-
-
-def _cut(full: torch.Tensor, region: Region) -> torch.Tensor:
-    if region.flat is not None:
-        return full.reshape(-1)[region.flat[0]: region.flat[1]]
-    return full[tuple(slice(start, start + length) for start, length in region.box)]
 
 
 def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
