@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .config import Config
+from .lean import LEAN_SUMMARY
 
 __all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
            "runs_gemm", "MIN_FP8_SHARE"]
@@ -106,15 +107,14 @@ def _coverage(entries: list[PlanEntry]) -> FP8Coverage:
                        sum(e.gemm_flops for e in gemm), sum(e.gemm_flops for e in fp8), tuple(groups))
 
 
-def _gemm_flops(module: nn.Module, params: int) -> int:
-    """2 x params per token, scaled by top_k / experts for an experts module (transformers' num_experts and its
-    config's num_experts_per_tok)."""
+def _gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
+    """2 x params per token, scaled by top_k / experts for an experts module (``grouped``: transformers'
+    num_experts and its config's num_experts_per_tok)."""
     if not runs_gemm(module):
         return 0
-    experts = getattr(module, "num_experts", None)
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-    if isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k <= experts:
-        return 2 * params * top_k // experts
+    if grouped and isinstance(top_k, int) and 0 < top_k <= module.num_experts:
+        return 2 * params * top_k // module.num_experts
     return 2 * params
 
 
@@ -139,7 +139,7 @@ def _fallback_precision(module: nn.Module, cfg: Config) -> str:
     return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
 
 
-_LEAN_HEAD = ", memory=lean (bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients)"
+_LEAN_HEAD = f", memory=lean ({LEAN_SUMMARY})"
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
@@ -284,9 +284,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params == 0:
             continue
-        flops = _gemm_flops(module, params)
-        fallback = _fallback_precision(module, cfg)
         kind, grouped = type(module).__name__, is_experts(module)
+        flops = _gemm_flops(module, params, grouped)
+        fallback = _fallback_precision(module, cfg)
         reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
         if reason is None:
             target = backend.converted_class(module, cfg)

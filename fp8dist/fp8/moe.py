@@ -32,6 +32,7 @@ def experts_device(cfg) -> torch.device:
 
     return resolve_device(cfg.parallel.device, 0)
 
+
 RECIPES = {
     "fp8_rowwise": "FP8 rowwise grouped GEMM",
     "mxfp8": "MXFP8 grouped GEMM",
@@ -198,14 +199,14 @@ def experts_gemm_formats(module: nn.Module) -> str | None:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The high-precision tensor inside torchao's MoE training wrapper (itself, or a DTensor's local shard)."""
     from torch.distributed.tensor import DTensor
-    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
 
-    if isinstance(t, TrainingWeightWrapperBaseTensor):
-        return t._data
-    if isinstance(t, DTensor) and isinstance(t._local_tensor, TrainingWeightWrapperBaseTensor):
-        return DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return t
+    wrapped = _wrapper(t)
+    if wrapped is None:
+        return t
+    if wrapped is t:
+        return wrapped._data
+    return DTensor.from_local(wrapped._data, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

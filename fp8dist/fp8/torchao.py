@@ -85,9 +85,8 @@ class TorchaoBackend(FP8Backend):
         (same parameters) and its MoE experts for torchao's MoE training form. Call before sharding."""
         from torchao.float8 import convert_to_float8_training
 
-        planned = {e.name for e in plan.fp8}
-        experts = {n for n in planned if is_experts(model.get_submodule(n))}
-        names = planned - experts
+        experts = {e.name for e in plan.fp8 if e.grouped}
+        names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, names, cfg)
         convert_experts(model, experts, cfg, experts_device(cfg))
         config = float8_config(cfg)
