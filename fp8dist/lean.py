@@ -33,8 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class", "build_lean_optimizer",
-           "cast_params_bf16", "LocalShardStep"]
+__all__ = ["LEAN_SUMMARY", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class",
+           "build_lean_optimizer", "cast_params_bf16", "LocalShardStep"]
+
+LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
+"""What the level is, in the plan's and the estimate's header."""
 
 _ADAM_TYPES = ("adamw", "adam")
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"

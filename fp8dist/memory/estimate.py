@@ -38,6 +38,7 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
+from ..lean import LEAN_SUMMARY
 from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
@@ -112,7 +113,7 @@ class MemoryEstimate(StateBytes):
 
 
 def _memory_head(memory: str) -> str:
-    return ", memory lean (bf16 weights, no master, 8-bit AdamW states)" if memory == "lean" else ""
+    return f", memory lean ({LEAN_SUMMARY})" if memory == "lean" else ""
 
 
 def _size(n: int) -> str:
