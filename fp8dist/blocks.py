@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .hardware import Hardware
+
 __all__ = ["BlockWiring", "compile_decision", "block_refusals", "check_block_options", "wrap_blocks", "describe_blocks",
            "graph_breaks", "SAVED_BY_SELECTIVE"]
 
@@ -44,7 +46,7 @@ class BlockWiring:
     notes: tuple[str, ...] = ()
 
 
-def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device,
+def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
     """Whether blocks are compiled, and why. ``refusal`` is the FP8 backend's (or the strategy's) reason it cannot
     run compiled blocks; asking for compile there is an error (see :func:`check_block_options`)."""

@@ -75,7 +75,9 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
     except ImportError as err:
         raise ImportError(f"memory='lean' needs torchao's low-bit optimizers ({err}): pip install 'torchao>=0.18', "
                           f"or {_WAY_OUT}.") from None
-    fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    from .fp8 import fp8_hardware_reason
+
+    fp8 = fp8_hardware_reason(device) is None
     return _local_shard_class(AdamWFp8 if fp8 else AdamW8bit)
 
 

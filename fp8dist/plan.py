@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .config import Config
+from .hardware import Hardware, hardware_of
 from .lean import LEAN_SUMMARY
 
 __all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
@@ -147,8 +148,11 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
-                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard") -> None:
+                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard",
+                 hardware: Hardware = Hardware("cpu")) -> None:
         self._entries = entries
+        self.hardware = hardware
+        """The machine the plan was made for: the device the model trains on, or a named target."""
         self.backend = backend
         self.strategy = strategy
         self.memory = memory
@@ -236,8 +240,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
         return f"PrecisionPlan(backend={self.backend!r}, strategy={self.strategy!r}, {self.counts()})"
 
 
-def check_fp8_available(cfg: Config, device: torch.device) -> str | None:
+def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_installed: bool = True) -> str | None:
     """Why the configured FP8 backend cannot run on ``device`` (None when it can, or when there is no FP8).
+    ``check_installed=False`` asks only about the hardware (planning for another machine).
 
     Raises:
         FP8UnavailableError: it cannot, and ``on_unsupported`` is "error" (the default).
@@ -245,25 +250,29 @@ def check_fp8_available(cfg: Config, device: torch.device) -> str | None:
     from .fp8 import get_backend
 
     fp8 = cfg.precision.fp8
-    gate = get_backend(fp8).unavailable_reason(cfg, device) if fp8 else None
+    gate = get_backend(fp8).unavailable_reason(cfg, device, check_installed=check_installed) if fp8 else None
     if gate and cfg.precision.on_unsupported == "error":
+        where = "here" if check_installed else "on the target"
         raise FP8UnavailableError(
-            f"fp8={fp8!r} cannot run here: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
+            f"fp8={fp8!r} cannot run {where}: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
             f"{cfg.parallel.param_dtype} mixed precision instead, or choose another backend (fp8='torchao' runs on "
             "CPU and CUDA sm_89+).")
     return gate
 
 
-def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_filter: FP8Filter | None = None,
-                   check_hardware: bool = True) -> PrecisionPlan:
+def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware,
+                   fp8_filter: FP8Filter | None = None, check_hardware: bool = True,
+                   check_installed: bool = True) -> PrecisionPlan:
     """Decide per module whether it runs in FP8, and why. Call before conversion and sharding.
 
     Args:
         model: the unwrapped model.
         cfg: the resolved config (backend, its knobs, the strategy's mixed precision).
-        device: where the model will run (for the hardware gate).
+        device: where the model will run (for the hardware gate and the MoE experts' recipe), or a
+            :class:`~fp8dist.hardware.Hardware` to plan for another machine (``fp8dist plan --target h100``).
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
-        check_hardware: False plans as if the backend and FP8 hardware were present (``fp8dist plan``).
+        check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
+        check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
 
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
@@ -277,7 +286,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
                         "fp8_exclude=[patterns] to keep modules out of FP8 by name.")
     fp8 = cfg.precision.fp8
     backend = get_backend(fp8) if fp8 else None
-    gate = check_fp8_available(cfg, device) if check_hardware else None
+    hardware = hardware_of(device)
+    gate = check_fp8_available(cfg, hardware, check_installed=check_installed) if check_hardware else None
     reserved = backend.model_exclusions(model, cfg) if backend else {}
     entries = []
     for name, module in model.named_modules():
@@ -287,9 +297,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
         kind, grouped = type(module).__name__, is_experts(module)
         flops = _gemm_flops(module, params, grouped)
         fallback = _fallback_precision(module, cfg)
-        reason = _decide(backend, module, name, cfg, gate, reserved, fp8_filter)
+        reason = _decide(backend, module, name, cfg, hardware, gate, reserved, fp8_filter)
         if reason is None:
-            target = backend.converted_class(module, cfg)
+            target = backend.converted_class(module, cfg, hardware)
             computes_fp8 = backend.computes_in_fp8(module)
             reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
             entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops,
@@ -301,11 +311,12 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device, fp8_f
         detail = f"fallback: {gate}"
     converted = any(e.converted_to for e in entries)
     compile_refusal, _ = block_refusals(cfg, backend if backend and converted else NO_FP8)
-    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, device,
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware,
                                      compile_refusal[1] if compile_refusal else None)
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
                          notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else (),
-                         blocks=(cfg.parallel.activation_checkpointing, compiled, why), memory=cfg.parallel.memory)
+                         blocks=(cfg.parallel.activation_checkpointing, compiled, why), memory=cfg.parallel.memory,
+                         hardware=hardware)
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
@@ -332,8 +343,8 @@ def _filter_says(fp8_filter: FP8Filter, module: nn.Module, name: str) -> bool:
     return keep
 
 
-def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None, reserved: dict[str, str],
-            fp8_filter: FP8Filter | None) -> str | None:
+def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardware, gate: str | None,
+            reserved: dict[str, str], fp8_filter: FP8Filter | None) -> str | None:
     """None when the module converts; else the reason it keeps the strategy's precision."""
     if backend is None:
         return "fp8 off: strategy mixed precision"
@@ -348,4 +359,4 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, gate: str | None
         return "excluded by fp8_filter"
     if name in reserved:
         return reserved[name]
-    return backend.ineligible_reason(module, name, cfg)
+    return backend.ineligible_reason(module, name, cfg, hardware)

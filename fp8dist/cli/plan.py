@@ -18,8 +18,13 @@ def add_parser(sub: Any) -> None:
                        description="Build the model on the meta device (nothing allocated) and print which layers "
                                    "run in FP8 and why the others fall back.")
     add_model_source(p)
-    p.add_argument("--ignore-hardware", action="store_true",
-                   help="plan as if the backend and FP8 hardware were present (plan for another machine)")
+    machine = p.add_mutually_exclusive_group()
+    machine.add_argument("--target", metavar="GPU",
+                         help="plan for this machine instead of the one you are on, its FP8 library assumed "
+                              "installed: a GPU (h100, h200, b200, l40s, a100, ...), a CUDA capability (sm_90, "
+                              "sm_100) or cpu")
+    machine.add_argument("--ignore-hardware", action="store_true",
+                         help="plan as if the backend and FP8 hardware were present, whatever they are")
     p.add_argument("--world-size", type=int, default=1, metavar="N",
                    help="ranks to shard over: with --strategy fsdp, a note says when FSDP2's dim-0 padding is large "
                         "(default: 1)")
@@ -29,14 +34,19 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..env import resolve_device
+    from ..hardware import parse_target
     from ..plan import plan_precision
 
     config, _ = config_from_args(args)
     for note in config.unused_options():
         print(f"fp8dist plan: note: {note}", file=sys.stderr)
+    if args.target is not None and config.parallel.device != "auto":
+        raise ValueError(f"--target {args.target} and --device {config.parallel.device} both name the machine to plan "
+                         "for: give --target alone to plan for another machine, --device alone for this one.")
     model = meta_model(args)
-    device = resolve_device(config.parallel.device, 0)
-    plan = plan_precision(model, config, device=device, check_hardware=not args.ignore_hardware)
+    device = parse_target(args.target) if args.target is not None else resolve_device(config.parallel.device, 0)
+    plan = plan_precision(model, config, device=device, check_hardware=not args.ignore_hardware,
+                          check_installed=args.target is None)
     blocks = None
     if config.parallel.strategy in ("fsdp", "fsdp1"):
         from ..strategies.common import find_blocks
@@ -47,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         from ..strategies.fsdp import fsdp_padding_notes
 
         padding = fsdp_padding_notes(model, args.world_size)  # a bad --world-size is an error here
+    if args.target is not None:
+        print(f"planned for {device} (--target; its FP8 library assumed installed)")
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {len(blocks[0])} blocks ({blocks[1]}), then the root")

@@ -2,7 +2,8 @@
 so every hook it does not need is the Protocol's documented no-op). ``wrap_model`` calls the hooks in one fixed
 order, the same for every backend:
 
-    unavailable_reason -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
+    unavailable_reason (missing_reason, hardware_reason)
+    -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
     -> check_plan -> convert -> before_shard (or deepspeed_entry under DeepSpeed) -> shard -> after_shard
 
 A backend knows no sharding engine: the pipeline hands it the module to convert, the DeepSpeed entry point to use
@@ -20,6 +21,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
+
+from ..hardware import Hardware, hardware_of
 
 __all__ = ["FP8Backend", "FP8Wiring", "NO_FP8", "get_backend", "BACKENDS", "dims_reason", "fp8_hardware_reason"]
 
@@ -46,26 +49,38 @@ class FP8Backend(Protocol):
 
     name: ClassVar[str]
     owns_optimizer: ClassVar[bool] = False
+    """The backend builds the optimizer itself (in :meth:`before_shard`, from the optimizer spec)."""
     compile_refusal: ClassVar[str | None] = None
     """Why this backend's modules cannot run in torch.compile'd blocks; None: they can."""
     checkpointing_refusal: ClassVar[str | None] = None
     """Why this backend cannot run under torch's activation checkpointing; None: it can."""
-    """The backend builds the optimizer itself (in :meth:`before_shard`, from the optimizer spec)."""
 
     def describe(self, cfg: Any) -> str:
         """One line for the plan header (recipe, knobs)."""
         return ""
 
-    def unavailable_reason(self, cfg: Any, device: torch.device) -> str | None:
-        """Why the backend cannot run on ``device`` (not installed, no FP8 hardware); None when it can."""
-        return fp8_hardware_reason(device)
+    def missing_reason(self, cfg: Any) -> str | None:
+        """Why the backend's library cannot be used on this machine (not installed); None when it can."""
+        return None
+
+    def hardware_reason(self, cfg: Any, hardware: Hardware) -> str | None:
+        """Why the backend cannot compute FP8 on ``hardware`` (no FP8 tensor cores); None when it can."""
+        return fp8_hardware_reason(hardware)
+
+    def unavailable_reason(self, cfg: Any, device: torch.device | Hardware, *, check_installed: bool = True) -> \
+            str | None:
+        """Why the backend cannot run on ``device``: :meth:`missing_reason` (skipped when ``check_installed`` is
+        False: planning for another machine), then :meth:`hardware_reason`; None when it can. Backends override
+        those two, not this."""
+        missing = self.missing_reason(cfg) if check_installed else None
+        return missing or self.hardware_reason(cfg, hardware_of(device))
 
     def supports(self, module: nn.Module) -> bool:
         """Whether the backend replaces modules of this type."""
         return type(module) is nn.Linear
 
-    def converted_class(self, module: nn.Module, cfg: Any) -> str:
-        """What the plan records as the module's replacement (under ``cfg``: a recipe may name it)."""
+    def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
+        """What the plan records as the module's replacement (under ``cfg`` on ``hardware``: a recipe may name it)."""
         return type(module).__name__
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
@@ -76,15 +91,17 @@ class FP8Backend(Protocol):
         """Model-level rules: ``{fqn: reason}`` of modules kept in high precision (torchao's first/last Linear)."""
         return {}
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any) -> str | None:
-        """Per-layer rules: why this supported module cannot run FP8 (dims not divisible by 16), or None."""
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware) -> str | None:
+        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` (dims not divisible by 16,
+        no grouped GEMM for MoE experts there), or None."""
         return dims_reason(module)
 
     def check_plan(self, plan: Any) -> None:
         """Refuse, before anything changes, a plan the backend cannot follow."""
 
     def convert(self, model: nn.Module, plan: Any, cfg: Any) -> None:
-        """Swap exactly the plan's converted modules, in place; called before sharding."""
+        """Swap exactly the plan's converted modules, in place (as planned for ``plan.hardware``); called before
+        sharding."""
 
     def before_shard(self, model: nn.Module, optimizer: Any, cfg: Any) -> tuple[nn.Module, Any]:
         """After conversion, before sharding: ``(model, built optimizer or None)``; a backend that owns the
@@ -124,13 +141,12 @@ def dims_reason(module: nn.Linear) -> str | None:
     return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
 
 
-def fp8_hardware_reason(device: torch.device, *, min_capability: tuple[int, int] = (8, 9)) -> str | None:
+def fp8_hardware_reason(device: torch.device | Hardware, *, min_capability: tuple[int, int] = (8, 9)) -> str | None:
     """None on a CUDA device with FP8 tensor cores (sm_89+ by default); else why not."""
-    if device.type != "cuda":
-        return f"needs a CUDA GPU with FP8 tensor cores (sm_{min_capability[0]}{min_capability[1]}+), device is " \
-               f"{device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < min_capability:
-        return (f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; FP8 needs "
-                f"sm_{min_capability[0]}{min_capability[1]}+")
+    hardware, need = hardware_of(device), f"sm_{min_capability[0]}{min_capability[1]}+"
+    if hardware.type != "cuda":
+        return f"needs a CUDA GPU with FP8 tensor cores ({need}), device is {hardware.type}"
+    if hardware.capability < min_capability:
+        return f"this FP8 recipe needs {need}, not {hardware}" if min_capability > (8, 9) else \
+            f"{hardware} has no FP8 tensor cores: FP8 needs {need}"
     return None

@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..hardware import Hardware
+
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats", "experts_device", "torchao_installed", "ROUTER_REASON"]
+           "experts_gemm_formats", "torchao_installed", "ROUTER_REASON"]
 
 ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
@@ -24,13 +26,6 @@ def torchao_installed() -> bool:
     from ..env import package_version
 
     return package_version("torchao") is not None
-
-
-def experts_device(cfg) -> torch.device:
-    """The device the model trains on (every local GPU is the same kind): MoE recipes depend on it."""
-    from ..env import resolve_device
-
-    return resolve_device(cfg.parallel.device, 0)
 
 
 RECIPES = {
@@ -87,26 +82,25 @@ def _uneven_shards(module: nn.Module, cfg) -> str | None:
     return None
 
 
-def experts_recipe(cfg, device: torch.device) -> tuple[str | None, str | None]:
-    """``(recipe, None)`` for the configured ``torchao_moe_recipe`` on ``device``, or ``(None, why not)``."""
+def experts_recipe(cfg, hardware: Hardware) -> tuple[str | None, str | None]:
+    """``(recipe, None)`` for the configured ``torchao_moe_recipe`` on ``hardware``, or ``(None, why not)``."""
     recipe = cfg.precision.torchao_moe_recipe
     if recipe == "mxfp8_emulated":
         return recipe, None
-    if device.type != "cuda":
-        return None, (f"no FP8 grouped GEMM on {device.type}: torchao's FP8 rowwise grouped GEMM needs CUDA sm_90 "
+    if hardware.type != "cuda":
+        return None, (f"no FP8 grouped GEMM on {hardware.type}: torchao's FP8 rowwise grouped GEMM needs CUDA sm_90 "
                       "(and triton), MXFP8 needs sm_100; torchao_moe_recipe='mxfp8_emulated' runs the same "
                       "conversion with emulated GEMMs (checks the wiring, no FP8 speed)")
-    capability = torch.cuda.get_device_capability(device)
+    capability = hardware.capability
     if recipe == "auto":
         recipe = "mxfp8" if capability >= (10, 0) else "fp8_rowwise"
     needs = (10, 0) if recipe == "mxfp8" else (9, 0)
     if capability < needs:
-        return None, (f"torchao_moe_recipe={recipe!r} needs sm_{needs[0]}{needs[1]}+, this GPU is "
-                      f"sm_{capability[0]}{capability[1]}")
+        return None, f"torchao_moe_recipe={recipe!r} needs sm_{needs[0]}{needs[1]}+, not {hardware}"
     return recipe, None
 
 
-def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
+def experts_reason(module: nn.Module, cfg, hardware: Hardware) -> str | None:
     """Why torchao's MoE conversion cannot take this experts module here (None: it can)."""
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if implementation != "grouped_mm":
@@ -121,7 +115,7 @@ def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
         return uneven
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
-    recipe, why = experts_recipe(cfg, device)
+    recipe, why = experts_recipe(cfg, hardware)
     if recipe is None:
         return why
     tile = 32 if recipe.startswith("mxfp8") else 16
@@ -132,9 +126,9 @@ def experts_reason(module: nn.Module, cfg, device: torch.device) -> str | None:
     return None
 
 
-def experts_target(cfg, device: torch.device) -> str:
+def experts_target(cfg, hardware: Hardware) -> str:
     """What the plan records as the converted experts' form."""
-    recipe, _ = experts_recipe(cfg, device)
+    recipe, _ = experts_recipe(cfg, hardware)
     return f"torchao MoE: {RECIPES.get(recipe or '', 'grouped GEMM')}"
 
 
@@ -148,11 +142,11 @@ def _op_config(recipe: str):
     return MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
 
 
-def convert_experts(model: nn.Module, names: set[str], cfg, device: torch.device) -> None:
+def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) -> None:
     """torchao's MoE training conversion on exactly the experts modules ``names``. Call before sharding."""
     from torchao.quantization import quantize_
 
-    recipe, why = experts_recipe(cfg, device)
+    recipe, why = experts_recipe(cfg, hardware)
     if not names:
         return
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs

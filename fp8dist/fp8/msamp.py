@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..optim import build_optimizer
+from ..hardware import Hardware
 from . import FP8Backend, fp8_hardware_reason
 
 
@@ -31,13 +32,16 @@ class MSAMPBackend(FP8Backend):
     def describe(self, cfg) -> str:
         return f"opt_level {cfg.precision.opt_level}"
 
-    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+    def missing_reason(self, cfg) -> str | None:
         if importlib.util.find_spec("msamp") is None:
             return ("MS-AMP is not installed (not on the package index: build it from its repository on a CUDA "
                     "machine)")
-        return fp8_hardware_reason(device)
+        return None
 
-    def converted_class(self, module: nn.Module, cfg) -> str:
+    def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
+        return fp8_hardware_reason(hardware)
+
+    def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         return "msamp FP8 Linear"
 
     def check_plan(self, plan) -> None:

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hardware import Hardware
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
-from .moe import (ROUTER_REASON, convert_experts, experts_device, experts_reason, experts_target, is_experts,
+from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
 
 
@@ -151,23 +152,26 @@ class TEBackend(FP8Backend):
                     f"amax_compute_algo {p.amax_compute_algo}")
         return f"{p.te_recipe} scaling {p.fp8_format}"
 
-    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+    def missing_reason(self, cfg) -> str | None:
         if importlib.util.find_spec("transformer_engine") is None:
             return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
+        return None
+
+    def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
         needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
-        return fp8_hardware_reason(device, min_capability=needs)
+        return fp8_hardware_reason(hardware, min_capability=needs)
 
     def supports(self, module: nn.Module) -> bool:
         return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module) or is_conv1d(module) or \
             is_experts(module)
 
-    def converted_class(self, module: nn.Module, cfg) -> str:
+    def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if type(module) is nn.Linear:
             return "te.Linear"
         if is_conv1d(module):
             return "TEConv1D (te.Linear, checkpoints keep (in, out))"
         if is_experts(module):
-            return experts_target(cfg, experts_device(cfg))
+            return experts_target(cfg, hardware)
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
@@ -191,7 +195,7 @@ class TEBackend(FP8Backend):
                              "own and untie them; kept in high precision")
         return out
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware) -> str | None:
         if is_conv1d(module):
             return conv1d_dims_reason(module)
         if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
@@ -199,7 +203,7 @@ class TEBackend(FP8Backend):
                 return ("MoE experts (fused 3-D weights): Transformer Engine has no module for them (its GroupedLinear "
                         "holds one weight per expert), and fp8dist runs them through torchao's MoE grouped GEMMs, "
                         "which needs torchao (pip install torchao)")
-            return experts_reason(module, cfg, experts_device(cfg))
+            return experts_reason(module, cfg, hardware)
         if type(module) is nn.Linear:
             return dims_reason(module)
         if type(module) is nn.LayerNorm:
@@ -216,7 +220,7 @@ class TEBackend(FP8Backend):
 
         build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
         experts = {e.name for e in plan.converted if e.grouped}
-        convert_experts(model, experts, cfg, experts_device(cfg))  # torchao's MoE grouped GEMMs
+        convert_experts(model, experts, cfg, plan.hardware)  # torchao's MoE grouped GEMMs
         for entry in plan.converted:
             if entry.name in experts:
                 continue

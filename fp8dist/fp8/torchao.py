@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from ..optim import ProcessStepHook, param_count
+from ..hardware import Hardware
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
-from .moe import (ROUTER_REASON, convert_experts, experts_device, experts_reason, experts_target, is_experts,
+from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
 
 
@@ -41,26 +42,29 @@ class TorchaoBackend(FP8Backend):
     def describe(self, cfg) -> str:
         return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {'on' if fp8_all_gather(cfg) else 'off'}"
 
-    def unavailable_reason(self, cfg, device: torch.device) -> str | None:
+    def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
             from ..env import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
-        if device.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
-            return fp8_hardware_reason(device)
+        return None
+
+    def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
+        if hardware.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
+            return fp8_hardware_reason(hardware)
         return None
 
     def supports(self, module: nn.Module) -> bool:
         return _linear_like(module) or is_experts(module)
 
-    def converted_class(self, module: nn.Module, cfg) -> str:
+    def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
-            return experts_target(cfg, experts_device(cfg))
+            return experts_target(cfg, hardware)
         return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg) -> str | None:
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware) -> str | None:
         if is_experts(module):
-            return experts_reason(module, cfg, experts_device(cfg))
+            return experts_reason(module, cfg, hardware)
         return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
@@ -88,7 +92,7 @@ class TorchaoBackend(FP8Backend):
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, names, cfg)
-        convert_experts(model, experts, cfg, experts_device(cfg))
+        convert_experts(model, experts, cfg, plan.hardware)
         config = float8_config(cfg)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
