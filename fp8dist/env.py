@@ -301,12 +301,15 @@ def _version_line(name: str) -> str:
 def describe_environment() -> str:
     """Versions (each checked against the range fp8dist supports), devices, FP8 capability and the launcher
     seen: what ``fp8dist env`` prints."""
+    from .fp8 import fp8_hardware_reason
+    from .hardware import hardware_of
+
     lines = [_version_line(name) for name in _PACKAGES]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
-            major, minor = torch.cuda.get_device_capability(i)
-            fp8 = "FP8 tensor cores" if (major, minor) >= (8, 9) else "no FP8 tensor cores (sm < 8.9)"
-            lines.append(f"cuda:{i:<15} {torch.cuda.get_device_name(i)} (sm_{major}{minor}, {fp8})")
+            hardware = hardware_of(torch.device("cuda", i))
+            fp8 = "no FP8 tensor cores (sm < 8.9)" if fp8_hardware_reason(hardware) else "FP8 tensor cores"
+            lines.append(f"cuda:{i:<15} {hardware.name} ({hardware.sm}, {fp8})")
     else:
         lines.append(f"{'device':<20} cpu only (gloo); torchao float8 runs here, TE and MS-AMP need CUDA sm >= 8.9")
     launch = current_launch()
