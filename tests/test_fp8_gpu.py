@@ -172,3 +172,25 @@ def test_lean_memory_uses_adamwfp8_on_an_fp8_gpu():
         losses.append(loss.item())
     assert any(s.startswith("fp8 e4m3 x2") for s in states), states
     assert losses[-1] < losses[0] - 1.0
+
+
+@needs_fp8_gpu
+@_needs("torchao")
+def test_a_plan_for_this_gpus_target_equals_the_plan_made_on_it():
+    """``fp8dist plan --target sm_XY`` on a login node promises the plan this GPU makes: every entry equal, for a
+    Mixtral (the experts' recipe depends on the capability) under torchao."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import fp8dist
+    from fp8dist.hardware import parse_target
+
+    config = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    cfg = fp8dist.resolve_config(strategy="fsdp", fp8="torchao")
+    major, minor = torch.cuda.get_device_capability(0)
+    here = fp8dist.plan_precision(model, cfg, device=torch.device("cuda", 0))
+    there = fp8dist.plan_precision(model, cfg, device=parse_target(f"sm_{major}{minor}"), check_installed=False)
+    assert list(here) == list(there) and (here.compile, here.compile_reason) == (there.compile, there.compile_reason)
