@@ -14,7 +14,7 @@ from .data import VOCAB_SIZE
 
 __all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config"]
 
-ModelSize = Literal["tiny", "small", "medium", "1b"]
+ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
 
 # name: (hidden, intermediate, layers, heads, kv_heads)
 LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -22,6 +22,7 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "small": (256, 768, 4, 8, 4),
     "medium": (512, 1536, 8, 8, 4),
     "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
+    "3b": (3072, 8192, 28, 24, 8),  # 2.82B (Llama 3.2 3B's widths, byte vocab): one 80 GB GPU with full AC
 }
 
 

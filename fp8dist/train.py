@@ -42,7 +42,8 @@ class TrainConfig:
     """The training job's own knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
 
     model_size: ModelSize = "tiny"
-    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M) or 1b (1.08B, for GPUs)."""
+    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M), 1b (1.08B, for GPUs) or 3b (2.82B, one
+    80 GB GPU with activation checkpointing)."""
 
     model_config: str | None = None
     """A Hugging Face config.json of a causal LM (Llama, GPT-2, GPT-NeoX, Mixtral, ...; vocab_size >= 256) to

@@ -1,7 +1,9 @@
-"""``fp8dist bench``: the collective counter, a real (tiny) benchmark run on 2 gloo ranks, and its flag errors."""
+"""``fp8dist bench``: the collective counter, a real (tiny) benchmark run on 2 gloo ranks, its flag errors, and the
+3b preset against fp8dist's own memory estimate (the bench's GPU pre-flight)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -197,16 +199,19 @@ def test_bad_flags_are_errors_naming_the_value_and_the_choices(flags, expected, 
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
 
 
-def test_compile_and_checkpointing_are_matrix_dimensions():
-    import argparse
-
-    from fp8dist.bench.runner import plan_cells, resolve_settings
+def _bench_args(*flags: str) -> argparse.Namespace:
     from fp8dist.cli import bench
 
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--compile",
-                              "off,on", "--activation-checkpointing", "none,full", "--no-raw"])
+    return parser.parse_args(["bench", *flags])
+
+
+def test_compile_and_checkpointing_are_matrix_dimensions():
+    from fp8dist.bench.runner import plan_cells, resolve_settings
+
+    args = _bench_args("--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--compile", "off,on",
+                       "--activation-checkpointing", "none,full", "--no-raw")
     cells = plan_cells(resolve_settings(args, "cpu"))
     assert [c.name for c in cells] == [
         f"fsdp/{fp8}{blocks}/tiny" for blocks in ("", "+ac-full", "+compile", "+compile+ac-full")
@@ -221,3 +226,92 @@ def test_missing_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "pip install 'fp8dist[bench]'" in err and "--no-plot" in err
     assert not list(tmp_path.iterdir())
+
+
+H100_USABLE = 78 * 2**30
+"""What one 80 GB H100 leaves for training (its 79.6 GiB less the CUDA context and what the runtime holds)."""
+
+
+def _meta_llama(size: str):
+    from fp8dist.models import build_llama
+
+    with torch.device("meta"):
+        return build_llama(size)
+
+
+def _llama_params(size: str) -> int:
+    """Parameters of a preset from its widths: untied embedding and output over the byte vocabulary, the final norm,
+    and per layer two norms, q/o (hidden^2), k/v (hidden x kv_heads x head_dim) and the gated MLP (3 matrices)."""
+    from fp8dist.data import VOCAB_SIZE
+    from fp8dist.models import LLAMA_SIZES
+
+    hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
+    per_layer = 2 * hidden + 2 * hidden * hidden + 2 * hidden * kv * (hidden // heads) + 3 * hidden * inter
+    return 2 * VOCAB_SIZE * hidden + hidden + layers * per_layer
+
+
+def test_3b_preset_is_llama_3_2_3b_widths_over_the_byte_vocabulary():
+    from fp8dist.models import LLAMA_SIZES
+
+    assert LLAMA_SIZES["3b"] == (3072, 8192, 28, 24, 8)  # Llama 3.2 3B's hidden, MLP, layers, heads, kv heads
+    n = sum(p.numel() for p in _meta_llama("3b").parameters())
+    assert n == _llama_params("3b") and 2.5e9 < n < 3.5e9  # "about 3B"
+    assert _llama_params("1b") < n  # the largest preset
+
+
+@pytest.mark.parametrize("fp8", [None, "torchao"])
+def test_3b_with_full_checkpointing_fits_one_h100_at_the_bench_gpu_batch(fp8):
+    """fp8dist's own estimate: the 3b preset with full activation checkpointing, at the bench's GPU batch and
+    sequence length, on one rank of each GPU strategy, holds fp32 weights, gradients and two Adam moments (16
+    bytes/parameter) plus activations, within what an 80 GB H100 leaves, with the bench's margin to spare."""
+    from fp8dist.bench.fits import MEMORY_FRACTION
+    from fp8dist.bench.runner import DEFAULTS
+    from fp8dist.memory import estimate_memory
+
+    strategies, _, _, _, batch, seq = DEFAULTS["cuda"]
+    model, n = _meta_llama("3b"), _llama_params("3b")
+    for strategy in strategies.split(","):
+        est = estimate_memory(model, strategy=strategy, fp8=fp8, activation_checkpointing="full", world_size=1,
+                              micro_batch_size=batch, seq_len=seq)
+        assert est.total_params == n and est.activations_modelled and est.offloaded == ()
+        assert est.bytes["parameters"] == est.bytes["gradients"] == 4 * n
+        assert est.bytes_per_param["total"] == pytest.approx(16, rel=1e-4)
+        without = estimate_memory(model, strategy=strategy, fp8=fp8, world_size=1, micro_batch_size=batch,
+                                  seq_len=seq)
+        assert est.activation_bytes < without.activation_bytes  # one layer's saves instead of every layer's
+        assert est.model_state_bytes + est.activation_bytes < MEMORY_FRACTION * H100_USABLE, strategy
+
+
+def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
+    """On one H100 the bench's GPU defaults (batch, sequence, steps) run the 3b cells with --activation-checkpointing
+    full --no-raw; DDP without checkpointing and the side-by-side hand-wired cells (two models in one process) are
+    refused before anything starts, with the flag that makes them fit."""
+    from fp8dist.bench.cell import TIMING_WARMUP
+    from fp8dist.bench.fits import MEMORY_FRACTION, check_memory
+    from fp8dist.bench.runner import DEFAULTS, plan_cells, resolve_settings
+    from fp8dist.data import make_corpus
+
+    _, _, _, steps, batch, seq = DEFAULTS["cuda"]
+    assert steps >= TIMING_WARMUP + 2 and seq < len(make_corpus())
+    budget = int(MEMORY_FRACTION * H100_USABLE)
+    settings = resolve_settings(_bench_args("--sizes", "3b", "--activation-checkpointing", "full", "--no-raw",
+                                            "--nproc", "1", "--fp8", "none,torchao"), "cuda")
+    assert (settings.steps, settings.batch_size, settings.seq_len) == (steps, batch, seq)
+    cells = plan_cells(settings)
+    assert [c.name for c in cells] == [f"{s}/{f}+ac-full/3b" for s in ("fsdp", "ddp") for f in ("bf16", "torchao")]
+    check_memory(cells, 1, budget)
+    plain = resolve_settings(_bench_args("--sizes", "3b", "--nproc", "1", "--fp8", "torchao"), "cuda")
+    cells = plan_cells(plain)
+    ddp = [c for c in cells if c.strategy == "ddp"]
+    with pytest.raises(ValueError) as err:
+        check_memory(ddp, 1, budget)
+    for text in ("cell ddp/bf16/3b will not fit", f"activations of {batch} x {seq} tokens",
+                 "Pass --activation-checkpointing full (estimated", "--strategies fsdp",
+                 f"fp8dist estimate --model-size 3b --strategy ddp --world-size 1 --seq-len {seq} "
+                 f"--micro-batch-size {batch} --fp8 none --activation-checkpointing none"):
+        assert text in str(err.value)
+    raw = [c for c in cells if c.wiring == "vs-raw"]
+    assert len(raw) == 2
+    with pytest.raises(ValueError, match=r"cell fsdp/bf16/3b/vs-raw will not fit.*pass --no-raw"):
+        check_memory(raw, 1, budget)
+    check_memory(raw, 8, budget)  # eight GPUs: FSDP2 shards both models' states

@@ -18,10 +18,12 @@ from torch import nn
 from .comm import CommCounter
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "TIMING_WARMUP"]
+__all__ = ["Cell", "run_cell", "TIMING_WARMUP", "LEAN_STRATEGIES"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
+LEAN_STRATEGIES = ("fsdp", "ddp", "none")
+"""Where memory="lean" runs (fp8dist.lean.lean_refusal): the strategies that get lean cells."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,10 @@ torchao), the step time of fp8dist against the same wiring written by hand.
     fp8dist bench                                       # CPU: tiny + small Llama, 2 processes, a few minutes
     fp8dist bench --strategies fsdp,ddp,deepspeed --fp8 none,torchao --sizes tiny --steps 12
     fp8dist bench --sizes 1b                            # GPU default: a 1.1B Llama, one process per GPU
+    fp8dist bench --sizes 3b --activation-checkpointing full --no-raw   # a 2.8B Llama on one 80 GB GPU
+
+On a GPU every cell is checked against fp8dist's memory estimate first (:mod:`.fits`): one that will not fit is
+refused, with the flag that makes it fit.
 
 Results go to ``benchmarks/results/bench_<date>_<device>.json`` and ``.png`` (written atomically).
 """
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cell import TIMING_WARMUP, Cell
+from .cell import LEAN_STRATEGIES, TIMING_WARMUP, Cell
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "run_cells", "device_type", "STRATEGIES",
            "FP8_CHOICES", "DEFAULTS"]
@@ -30,7 +34,6 @@ __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "ru
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
 FP8_CHOICES = ("none", "torchao", "te", "msamp")
 OVERHEAD_FP8 = (None, "torchao")
-_LEAN_STRATEGIES = ("fsdp", "ddp", "none")  # where memory="lean" runs (fp8dist.lean.lean_refusal)
 """FSDP2 cells measured against the hand-wired engine (bf16 and torchao)."""
 
 # defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
@@ -133,7 +136,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
     for size in settings.sizes:
         for strategy in settings.strategies:
             cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends
-                      if b["memory"] == "standard" or strategy in _LEAN_STRATEGIES]
+                      if b["memory"] == "standard" or strategy in LEAN_STRATEGIES]
         if settings.raw and "fsdp" in settings.strategies:
             cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
                       for f in backends if f in OVERHEAD_FP8]
@@ -170,6 +173,10 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
         if gate:
             raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (torchao runs on "
                              "CPU and on CUDA sm_89+).")
+    if device_type == "cuda":  # fp8dist's own estimate of every cell against the GPU's memory
+        from .fits import check_memory, gpu_budget
+
+        check_memory(cells, settings.nproc, gpu_budget(settings.nproc))
 
 
 def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list[dict[str, Any]]:
