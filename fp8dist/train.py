@@ -34,7 +34,8 @@ from .models import ModelSize, build_llama, pretrained_config, read_model_config
 from .memory import report
 from .sharding import sharding_summary
 
-__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8", "lr_schedule", "set_lr",
+           "LR_SCHEDULES"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -59,7 +60,8 @@ class TrainConfig:
     """Tokens (bytes) per sequence."""
 
     lr: float = 3e-3
-    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, then cosine decay to 10%)."""
+    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, then cosine decay to 10%:
+    :func:`lr_schedule` "cosine")."""
 
     seed: int = 0
     """Seed of the model initialization and of the batch order."""
@@ -146,7 +148,18 @@ class TrainResult:
     """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
 
 
-def _lr_lambda(steps: int) -> Callable[[int], float]:
+LR_SCHEDULES = ("constant", "cosine")
+"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps, then
+cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench --lr-schedule)."""
+
+
+def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
+    """The factor of the peak learning rate at each step (0-based) of a ``steps``-step run; set each param group's
+    ``lr`` to peak x factor before the step. ValueError names an unknown ``name``."""
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {name!r} is not valid; choose one of: {', '.join(LR_SCHEDULES)}.")
+    if name == "constant":
+        return lambda step: 1.0
     warmup = max(1, steps // 10)
 
     def factor(step: int) -> float:
@@ -156,6 +169,17 @@ def _lr_lambda(steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
+    tensor (torchao's low-bit AdamW, memory="lean": its step is compiled for a tensor lr); torch, MS-AMP and
+    DeepSpeed optimizers alike."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -310,7 +334,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
               f"host {host} device {env.device} ready", flush=True)
     batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
                       world_size=env.world_size, seed=train.seed)
-    lr_factor = _lr_lambda(train.steps)
+    lr_factor = lr_schedule("cosine", train.steps)
     engine = is_deepspeed_engine(wrapped)
     leader = env.rank == 0
     if leader:
@@ -326,8 +350,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     for step in range(first, train.steps):
         t0 = time.perf_counter()
         micro = list(batches[step].to(env.device).chunk(accum))
-        for group in optimizer.param_groups:  # works for torch, MS-AMP and DeepSpeed optimizers alike
-            group["lr"] = train.lr * lr_factor(step)
+        set_lr(optimizer, train.lr * lr_factor(step))
         # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
         show = log if leader and step == min(first + (1 if engine else 0), train.steps - 1) else None
         mean_loss = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip, show_report=show)

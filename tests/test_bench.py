@@ -1,10 +1,11 @@
-"""``fp8dist bench``: the collective counter, a real (tiny) benchmark run on 2 gloo ranks, its flag errors, and the
-3b preset against fp8dist's own memory estimate (the bench's GPU pre-flight)."""
+"""``fp8dist bench``: the collective counter, a real (tiny) benchmark run on 2 gloo ranks, its flag errors, the
+learning-rate schedule, and the 3b preset against fp8dist's own memory estimate (the bench's GPU pre-flight)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 
@@ -57,10 +58,15 @@ def _fsdp_cells(rank: int, world: int) -> list:
     return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS)) for fp8 in (None, "torchao")]
 
 
-def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights():
+@pytest.fixture(scope="module")
+def fsdp_cells() -> list:
+    return run_ranks(_fsdp_cells)[0]
+
+
+def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights(fsdp_cells):
     """torchao's FP8 all-gather sends 1 byte per converted weight element where bf16 sends 2; the scales are not
     gathered but made by one all-reduce of the FP8 layers' fp32 amaxes per step (the precompute after the step)."""
-    bf16, fp8 = run_ranks(_fsdp_cells)[0]
+    bf16, fp8 = fsdp_cells
     n_fp8, layers, n_all = fp8["fp8_params"], fp8["fp8_layers"], fp8["params"]
     assert n_fp8 > 0.8 * n_all and layers == 13  # every Linear but the first and last
     gathered_bf16 = bf16["comm"]["all_gather"]["bytes"]
@@ -84,6 +90,7 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights():
     assert 0.45 < ratio < 0.6
     assert ratio == pytest.approx(0.5 + 2 * layers / (gathers * n_fp8), rel=1e-9)
     assert fp8["comm"]["reduce_scatter"] == bf16["comm"]["reduce_scatter"]  # gradients reduce in fp32 either way
+    assert bf16["lrs"] == fp8["lrs"] == [1e-3] * STEPS  # the default schedule: constant
 
 
 def _check_cell(cell: dict) -> None:
@@ -100,10 +107,11 @@ def _check_cell(cell: dict) -> None:
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     """A real (tiny) run of the command: FSDP2 bf16 and torchao at both memory levels, 2 processes, the standard
-    cells also against the hand-wired engine trained beside them."""
+    cells also against the hand-wired engine trained beside them; warm-up + cosine learning rate."""
     out = tmp_path_factory.mktemp("bench")
     proc = run(["fp8dist", "bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--steps",
-                str(STEPS), "--nproc", "2", "--memory", "standard,lean", "--out", str(out)], timeout=500)
+                str(STEPS), "--nproc", "2", "--memory", "standard,lean", "--lr-schedule", "cosine", "--out", str(out)],
+               timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -139,6 +147,36 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(bench_run):
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     assert sorted(p.name for p in tmp_path.iterdir()) == [json_path.name, json_path.with_suffix(".png").name]
     assert "| fsdp/torchao/tiny |" in proc.stdout and "fp8dist / raw" in proc.stdout
+    assert doc["settings"]["lr_schedule"] == "cosine" and "AdamW lr 0.001 (warm-up + cosine decay)" in proc.stdout
+
+
+def _cosine_lrs(steps: int, peak: float) -> list[float]:
+    """fp8dist train's schedule written out for a run shorter than 20 steps (warm-up: 1 step, at the peak), then
+    cosine from the peak toward a tenth of it."""
+    assert steps < 20
+    return [peak] + [peak * (0.1 + 0.45 * (1 + math.cos(math.pi * k / (steps - 1)))) for k in range(steps - 1)]
+
+
+@pytest.mark.slow
+def test_cosine_schedule_is_what_every_optimizer_stepped_with(bench_run, fsdp_cells):
+    """--lr-schedule cosine: the learning rate each cell's optimizers (fp8dist's and the hand-wired twin's) held at
+    each step is fp8dist train's schedule, it is recorded in the JSON, and it trains differently from constant."""
+    tmp_path, _ = bench_run
+    doc = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
+    expected = _cosine_lrs(STEPS, 1e-3)
+    assert expected[2] < expected[1] == expected[0] == 1e-3 and expected[-1] > 1e-4
+    for cell in doc["cells"]:
+        assert cell["lr_schedule"] == "cosine"
+        rel = 1e-7 if cell["memory"] == "lean" else 1e-15  # lean's torchao AdamW holds it in an fp32 tensor
+        assert cell["lrs"] == pytest.approx(expected, rel=rel), cell["name"]
+        if cell["wiring"] == "vs-raw":
+            assert cell["raw"]["lrs"] == cell["lrs"]
+    # the same cell at a constant rate (fsdp_cells: the defaults, same seed and batches): the first three losses
+    # come before any update at a lower rate, then the curves part
+    cosine = next(c for c in doc["cells"] if c["name"] == "fsdp/bf16/tiny")["losses"]
+    constant = fsdp_cells[0]["losses"]
+    assert cosine[:3] == pytest.approx(constant[:3], abs=1e-5)
+    assert abs(cosine[3] - constant[3]) > 1e-4
 
 
 @pytest.mark.slow
@@ -187,6 +225,8 @@ def test_each_lean_cell_carries_and_plots_its_standard_twins_curve(bench_run):
     (["--strategies", "fsdp", "--fp8", "msamp"], ["msamp", "fsdp"]),
     (["--compile", "off,maybe"], ["--compile", "'maybe'", "off, on"]),
     (["--activation-checkpointing", "some"], ["--activation-checkpointing", "'some'", "none, full, selective"]),
+    (["--lr-schedule", "linear"], ["--lr-schedule 'linear'", "constant, cosine", "e.g. --lr-schedule cosine"]),
+    (["--lr-schedule", "constant,cosine"], ["--lr-schedule 'constant,cosine'", "one value"]),
     (["--strategies", "deepspeed", "--compile", "on"], ["cell deepspeed/bf16+compile/tiny: compile=True with "
                                                          "strategy='deepspeed'", "engine.compile()"]),
 ])
@@ -226,6 +266,21 @@ def test_missing_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "pip install 'fp8dist[bench]'" in err and "--no-plot" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_lr_schedules_rise_then_decay_toward_a_tenth():
+    """One schedule for fp8dist train and fp8dist bench: constant, or a linear warm-up over the first 10% of the
+    steps to the peak, then a cosine decay that passes half-way (0.55) at the middle of the decay and ends a step
+    short of a tenth."""
+    from fp8dist.train import lr_schedule
+
+    assert [lr_schedule("constant", 100)(s) for s in range(100)] == [1.0] * 100
+    f = [lr_schedule("cosine", 100)(s) for s in range(101)]
+    assert f[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert f[10] == 1.0 and f[55] == pytest.approx(0.55) and f[100] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(f[10:], f[11:]))
+    with pytest.raises(ValueError, match="'linear' is not valid; choose one of: constant, cosine"):
+        lr_schedule("linear", 100)
 
 
 H100_USABLE = 78 * 2**30

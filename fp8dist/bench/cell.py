@@ -18,7 +18,7 @@ from torch import nn
 from .comm import CommCounter
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "TIMING_WARMUP", "LEAN_STRATEGIES"]
+__all__ = ["Cell", "run_cell", "describe_job", "TIMING_WARMUP", "LEAN_STRATEGIES"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
@@ -42,6 +42,9 @@ class Cell:
     seq_len: int = 128
     seed: int = 0
     lr: float = 1e-3
+    """AdamW's peak learning rate."""
+    lr_schedule: str = "constant"
+    """constant or cosine (linear warm-up, then cosine decay: fp8dist.train.lr_schedule, over ``steps``)."""
     zero_stage: int = 2
     compile: bool = False
     """torch.compile each block (wrap_model's ``compile``)."""
@@ -59,6 +62,14 @@ class Cell:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
+
+
+def describe_job(settings: dict[str, Any]) -> str:
+    """Every cell's job in words, from a results document's ``settings``: the table's and the plot's heading.
+    Documents written before --lr-schedule trained at a constant learning rate."""
+    schedule = {"constant": "constant", "cosine": "warm-up + cosine decay"}[settings.get("lr_schedule", "constant")]
+    return (f"AdamW lr {settings['lr']:g} ({schedule}), {settings['steps']} steps of {settings['batch_size']} x "
+            f"{settings['seq_len']} tokens per process, seed {settings['seed']}")
 
 
 _Wired = tuple[Any, Any, Callable[[], None], tuple[int, int]]
@@ -154,6 +165,7 @@ class _Run:
     def __init__(self, cell: Cell, wiring: str, device: torch.device) -> None:
         from ..models import build_llama
         from ..strategies.deepspeed import is_deepspeed_engine
+        from ..train import lr_schedule, set_lr
 
         model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len)
         self.params = sum(p.numel() for p in model.parameters())
@@ -162,8 +174,12 @@ class _Run:
         self.model, self.optimizer, self.after_step, fp8 = wire(cell, model, device)
         self.fp8_layers, self.fp8_params = fp8
         self.wiring, self.device, self.last = wiring, device, cell.steps - 1
+        factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
+        self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
         self.engine = is_deepspeed_engine(self.model)
         self.losses: list[float] = []
+        self.lrs: list[float] = []
+        """The learning rate the optimizer stepped with, per step (read back from it)."""
         self.times: list[float] = []
         self.counter = CommCounter()
         self.state: dict[str, Any] = {}
@@ -171,6 +187,7 @@ class _Run:
     def step(self, step: int, ids: torch.Tensor) -> None:
         """One step as a user writes it, timed; the last one counted (collectives, model-state bytes)."""
         counting = step == self.last
+        self.schedule_lr(step)
         _sync(self.device)
         t0 = time.perf_counter()
         with self.counter if counting else contextlib.nullcontext():
@@ -188,14 +205,15 @@ class _Run:
         _sync(self.device)
         self.times.append(time.perf_counter() - t0)
         self.losses.append(loss.detach().float().item())
+        self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
 
     def _record_state(self, counting: bool) -> None:
         if counting and self.wiring == "fp8dist":  # fp8dist.report reads what wrap_model recorded
             self.state = _model_state(self.model, self.optimizer)
 
     def figures(self) -> dict[str, Any]:
-        return {"losses": self.losses, "times": self.times, "peak_mib": peak_memory_mib(self.device),
-                "comm": self.counter.counts.to_dict(), "state": self.state}
+        return {"losses": self.losses, "lrs": self.lrs, "times": self.times,
+                "peak_mib": peak_memory_mib(self.device), "comm": self.counter.counts.to_dict(), "state": self.state}
 
 
 def run_cell(cell: Cell) -> dict[str, Any] | None:
@@ -249,8 +267,8 @@ def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
     median = statistics.median(times[TIMING_WARMUP:cell.steps - 1])
     tokens = cell.batch_size * world * cell.seq_len
     return {"world_size": world, "device": device.type, "params": run.params, "fp8_layers": run.fp8_layers,
-            "fp8_params": run.fp8_params,
-            "losses": losses, "step_times_s": times, "timed_steps": [TIMING_WARMUP, cell.steps - 2],
+            "fp8_params": run.fp8_params, "losses": losses, "lrs": ranks[0]["lrs"],
+            "step_times_s": times, "timed_steps": [TIMING_WARMUP, cell.steps - 2],
             "median_step_s": median, "tokens_per_step": tokens, "tokens_per_s": tokens / median,
             "peak_memory_mib": [r["peak_mib"] for r in ranks],
             "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",

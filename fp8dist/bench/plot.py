@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results", "loss_panels"]
@@ -158,6 +159,6 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
     device, versions = doc["device"], doc["versions"]
     fig.suptitle(f"fp8dist bench: {device['name']} x {device['nproc']} ({device['backend']}), {doc['date'][:10]}; "
                  f"torch {versions['torch']}, torchao {versions['torchao']}; bars colored by FP8 backend "
-                 "(blue bf16, orange torchao)", fontsize=11)
+                 f"(blue bf16, orange torchao)\n{describe_job(doc['settings'])}", fontsize=11)
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._files import atomic_write
+from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes"]
@@ -189,7 +190,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     device, versions = doc["device"], doc["versions"]
     memory = "peak RSS" if device["type"] == "cpu" else "peak CUDA allocated"
     head = (f"{device['name']} ({device['type']}), {device['nproc']} process(es) per cell, {doc['date'][:10]}; "
-            f"torch {versions['torch']}, torchao {versions['torchao']}, transformers {versions['transformers']}")
+            f"torch {versions['torch']}, torchao {versions['torchao']}, transformers {versions['transformers']}; "
+            f"{describe_job(doc['settings'])}")
     cols = ["cell", "tokens/s", "step (ms)", f"{memory} (MiB)", "model state (B/param)",
             *[f"{k.replace('_', '-')} /step" for k in COMM_TYPES], "max \\|Δloss\\| vs bf16"]
     rows = []

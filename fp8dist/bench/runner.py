@@ -7,6 +7,7 @@ torchao), the step time of fp8dist against the same wiring written by hand.
     fp8dist bench --strategies fsdp,ddp,deepspeed --fp8 none,torchao --sizes tiny --steps 12
     fp8dist bench --sizes 1b                            # GPU default: a 1.1B Llama, one process per GPU
     fp8dist bench --sizes 3b --activation-checkpointing full --no-raw   # a 2.8B Llama on one 80 GB GPU
+    fp8dist bench --lr-schedule cosine --steps 300      # warm-up + cosine decay (fp8dist train's) instead of constant
 
 On a GPU every cell is checked against fp8dist's memory estimate first (:mod:`.fits`): one that will not fit is
 refused, with the flag that makes it fit.
@@ -57,6 +58,8 @@ class BenchSettings:
     lr: float
     zero_stage: int
     raw: bool
+    lr_schedule: str = "constant"
+    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.train.lr_schedule)."""
     compile: tuple[bool, ...] = (False,)
     """Compile off and/or on: a matrix dimension."""
     activation_checkpointing: tuple[str, ...] = ("none",)
@@ -82,6 +85,12 @@ def _split(flag: str, value: str, choices: tuple[str, ...], example: str) -> tup
     return tuple(dict.fromkeys(items))
 
 
+def _one_of(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)} (one value, e.g. {flag} {choices[-1]}).")
+    return value
+
+
 def _at_least(flag: str, value: int, low: int, why: str) -> int:
     if value < low:
         raise ValueError(f"{flag} {value}: needs at least {low} ({why}).")
@@ -93,7 +102,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     from ..data import make_corpus
     from ..env import package_version
     from ..models import LLAMA_SIZES
-    from ..train import default_fp8, default_nproc
+    from ..train import LR_SCHEDULES, default_fp8, default_nproc
 
     strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
     if device_type == "cpu" and package_version("deepspeed") is not None:
@@ -112,6 +121,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
         nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
         seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
+        lr_schedule=_one_of("--lr-schedule", getattr(args, "lr_schedule", "constant"), LR_SCHEDULES),
         compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
                                         ("none", "full", "selective"), "none,full"),
@@ -128,7 +138,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
 def plan_cells(settings: BenchSettings) -> list[Cell]:
     """The cells in run order: per size and strategy the bf16 cell, its FP8 cells, then the FSDP2 overhead cells."""
     job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,
-               lr=settings.lr, zero_stage=settings.zero_stage)
+               lr=settings.lr, lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage)
     backends = tuple(dict.fromkeys((None, *settings.fp8)))  # every FP8 cell gets its bf16 counterpart
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile

@@ -15,6 +15,7 @@ from ..bench.cell import TIMING_WARMUP
 from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, check_cells, device_type, plan_cells, resolve_settings,
                             run_cells)
 from ..models import LLAMA_SIZES
+from ..train import LR_SCHEDULES
 
 __all__ = ["add_parser", "run"]
 
@@ -57,7 +58,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--memory", metavar="LIST", default="standard",
                    help="comma-separated, from standard, lean: the model-state memory level (a matrix dimension; lean "
                         "cells for fsdp, ddp and none only; default: standard)")
-    p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW learning rate, constant (default: 1e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="X",
+                   help="AdamW's (peak) learning rate (default: 1e-3)")
+    p.add_argument("--lr-schedule", default="constant", metavar="{" + ",".join(LR_SCHEDULES) + "}",
+                   help="constant: --lr at every step; cosine: fp8dist train's schedule, linear warm-up over the first "
+                        "10%% of --steps, then cosine decay toward 10%% of --lr (default: constant, as the committed "
+                        "results)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="model initialization and batch order seed (default: 0)")
     p.add_argument("--no-raw", dest="raw", action="store_false",
