@@ -58,6 +58,36 @@ def _fsdp_cells(rank: int, world: int) -> list:
     return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS)) for fp8 in (None, "torchao")]
 
 
+def _te_vs_raw_cell(rank: int, world: int):
+    """FSDP2 + Transformer Engine through the STAND-IN (tests/standins: high-precision modules that record what
+    autocast got; not TE): fp8dist's wiring beside TE wired by hand, as the bench's vs-raw cell runs them."""
+    from standin import use_standins
+
+    use_standins()
+    import transformer_engine.pytorch as te
+
+    from fp8dist.bench.cell import Cell, run_cell
+
+    cell = run_cell(Cell(strategy="fsdp", fp8="te", size="tiny", steps=STEPS, wiring="vs-raw"))
+    autocasts = [(enabled, type(recipe).__name__, group is dist.group.WORLD, name)
+                 for enabled, recipe, group, name in te.AUTOCAST_CALLS]
+    return cell, autocasts
+
+
+def test_the_hand_wired_transformer_engine_cell_matches_fp8dists_wiring():
+    """The TE overhead cell compares like with like: the hand-wired engine converts the same layers (every Linear
+    of the tiny Llama, counted from the model) and gives the same losses; the step-time ratio is measured. The
+    stand-in checks the wiring only: TE's speed and numerics need a GPU."""
+    (cell, autocasts), (_, rank1_autocasts) = run_ranks(_te_vs_raw_cell)
+    linears = [m for m in build_llama("tiny").modules() if type(m) is torch.nn.Linear]
+    assert cell["raw"]["fp8_layers"] == cell["fp8_layers"] == len(linears)
+    assert cell["raw"]["fp8_params"] == cell["fp8_params"] == sum(m.weight.numel() for m in linears)
+    assert cell["losses"] == cell["raw"]["losses"]
+    assert len(cell["step_times_s"]) == len(cell["raw"]["step_times_s"]) == STEPS
+    # both wirings ran every forward under TE's autocast: DelayedScaling, amax over the world group
+    assert autocasts == rank1_autocasts == [(True, "DelayedScaling", True, "autocast")] * (2 * STEPS)
+
+
 @pytest.fixture(scope="module")
 def fsdp_cells() -> list:
     return run_ranks(_fsdp_cells)[0]

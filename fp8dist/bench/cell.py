@@ -72,8 +72,18 @@ def describe_job(settings: dict[str, Any]) -> str:
             f"{settings['seq_len']} tokens per process, seed {settings['seed']}")
 
 
-_Wired = tuple[Any, Any, Callable[[], None], tuple[int, int]]
-"""model, optimizer, what to call after each optimizer step, (FP8 layers, their parameters)."""
+@dataclass
+class _Wired:
+    """A model wired for training, and what each step of it calls besides forward, backward and the step."""
+
+    model: Any
+    optimizer: Any
+    fp8_layers: tuple[int, int]
+    """(FP8 GEMM layers, their parameters)."""
+    after_step: Callable[[], None] = lambda: None
+    """After each optimizer step (torchao's scale precompute, wired by hand)."""
+    forward_context: Callable[[], Any] = contextlib.nullcontext
+    """Around each forward (Transformer Engine's autocast, wired by hand; fp8dist wraps the forward itself)."""
 
 
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
@@ -87,22 +97,54 @@ def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wire
     wrapped, optimizer = wrap_model(model, strategy=cell.strategy, fp8=cell.fp8, optimizer=_optimizer_spec(cell),
                                     **options)
     fp8 = get_plan(wrapped).fp8
-    return wrapped, optimizer, lambda: None, (len(fp8), sum(e.params for e in fp8))
+    return _Wired(wrapped, optimizer, (len(fp8), sum(e.params for e in fp8)))
 
 
 def _optimizer_spec(cell: Cell) -> dict[str, Any]:
     return {"type": "AdamW", "lr": cell.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
 
+def _raw_te(model: nn.Module) -> tuple[tuple[int, int], Callable[[], Any]]:
+    """Transformer Engine by hand, as its documentation wires a Hugging Face Llama: every nn.Linear -> te.Linear
+    and every LlamaRMSNorm -> te.RMSNorm with the weights copied; the forward under ``te.autocast`` with TE's
+    default DelayedScaling, amax reduced over the world group. Returns (FP8 layers, params) and that context."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        kw = {"params_dtype": weight.dtype, "device": weight.device} if weight is not None else {}
+        if type(module) is nn.Linear:
+            new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **kw)
+        elif type(module).__name__ == "LlamaRMSNorm":
+            new = te.RMSNorm(weight.shape[0], eps=module.variance_epsilon, **kw)
+        else:
+            continue
+        with torch.no_grad():
+            new.weight.copy_(weight)
+            if getattr(module, "bias", None) is not None:
+                new.bias.copy_(module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    linears = [m for m in model.modules() if isinstance(m, te.Linear)]
+    recipe = DelayedScaling()
+    return ((len(linears), sum(m.weight.numel() for m in linears)),
+            lambda: te.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD))
+
+
 def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """The reference FSDP2 wiring by hand, no fp8dist: torchao's convert_to_float8_training with the same filter
-    (every Linear but the first and last, dims multiples of 16) and FP8 all-gather, fully_shard per decoder layer
-    then the root with bf16 params / fp32 reduction, the scale precompute called after each optimizer step."""
+    (every Linear but the first and last, dims multiples of 16) and FP8 all-gather, the scale precompute called
+    after each optimizer step; or Transformer Engine's modules and autocast (:func:`_raw_te`); fully_shard per
+    decoder layer then the root with bf16 params / fp32 reduction."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     after_step: Callable[[], None] = lambda: None  # noqa: E731
+    forward_context: Callable[[], Any] = contextlib.nullcontext
     fp8_layers: tuple[int, int] = (0, 0)
+    if cell.fp8 == "te":
+        fp8_layers, forward_context = _raw_te(model)
     if cell.fp8 == "torchao":
         from torchao.float8 import (
             Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp)
@@ -127,7 +169,7 @@ def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(model.parameters(), **{k: v for k, v in _optimizer_spec(cell).items()
                                                          if k != "type"})
-    return model, optimizer, after_step, fp8_layers
+    return _Wired(model, optimizer, fp8_layers, after_step, forward_context)
 
 
 def _init_process_group(cell: Cell) -> torch.device:
@@ -171,8 +213,10 @@ class _Run:
         self.params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(cell.seed)  # as a script seeds: memory="lean" takes its rounding seed from it
         wire = _raw_fsdp2 if wiring == "raw" else _fp8dist_wiring
-        self.model, self.optimizer, self.after_step, fp8 = wire(cell, model, device)
-        self.fp8_layers, self.fp8_params = fp8
+        wired = wire(cell, model, device)
+        self.model, self.optimizer, self.after_step = wired.model, wired.optimizer, wired.after_step
+        self.forward_context = wired.forward_context
+        self.fp8_layers, self.fp8_params = wired.fp8_layers
         self.wiring, self.device, self.last = wiring, device, cell.steps - 1
         factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
         self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
@@ -191,7 +235,8 @@ class _Run:
         _sync(self.device)
         t0 = time.perf_counter()
         with self.counter if counting else contextlib.nullcontext():
-            loss = self.model(input_ids=ids, labels=ids).loss
+            with self.forward_context():
+                loss = self.model(input_ids=ids, labels=ids).loss
             if self.engine:  # DeepSpeed: the engine steps and zeroes; gradients are held until its step
                 self.model.backward(loss)
                 self._record_state(counting)

@@ -34,8 +34,8 @@ __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "ru
 
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
 FP8_CHOICES = ("none", "torchao", "te", "msamp")
-OVERHEAD_FP8 = (None, "torchao")
-"""FSDP2 cells measured against the hand-wired engine (bf16 and torchao)."""
+OVERHEAD_FP8 = (None, "torchao", "te")
+"""FSDP2 cells measured against the hand-wired engine (bf16, torchao and Transformer Engine)."""
 
 # defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
 # deepspeed joins the CPU strategies when it is installed (an optional extra)
