@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LEAN_SUMMARY", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class",
+__all__ = ["LEAN_SUMMARY", "STRATEGY_REFUSALS", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class",
            "build_lean_optimizer", "cast_params_bf16", "LocalShardStep"]
 
 LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
@@ -43,17 +43,22 @@ _ADAM_TYPES = ("adamw", "adam")
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
 
+STRATEGY_REFUSALS = {
+    "deepspeed": ("memory='lean' with strategy='deepspeed': DeepSpeed ZeRO keeps its own fp32 master partitions and "
+                  "builds its own optimizer, so bf16 weights without masters and 8-bit states cannot be had there. "
+                  "Use strategy='fsdp' (FSDP2) with memory='lean', or keep deepspeed with memory='standard'."),
+    "fsdp1": ("memory='lean' with strategy='fsdp1': FSDP1's flat parameters are not supported by the lean level. "
+              "Use strategy='fsdp' (FSDP2), which shards the same way with per-parameter DTensors."),
+}
+"""Strategies the lean level does not run under, and why (every other strategy runs it)."""
+
+
 def lean_refusal(parallel: Any, precision: Any) -> str | None:
     """Why ``memory="lean"`` cannot run with this strategy / precision config (None: it can), way out included."""
     if getattr(parallel, "memory", "standard") != "lean":
         return None
-    if parallel.strategy == "deepspeed":
-        return ("memory='lean' with strategy='deepspeed': DeepSpeed ZeRO keeps its own fp32 master partitions and "
-                "builds its own optimizer, so bf16 weights without masters and 8-bit states cannot be had there. "
-                "Use strategy='fsdp' (FSDP2) with memory='lean', or keep deepspeed with memory='standard'.")
-    if parallel.strategy == "fsdp1":
-        return ("memory='lean' with strategy='fsdp1': FSDP1's flat parameters are not supported by the lean level. "
-                "Use strategy='fsdp' (FSDP2), which shards the same way with per-parameter DTensors.")
+    if parallel.strategy in STRATEGY_REFUSALS:
+        return STRATEGY_REFUSALS[parallel.strategy]
     if precision.fp8 == "msamp":
         return ("memory='lean' with fp8='msamp': MS-AMP owns the weights and the optimizer (its opt_level O2 is its "
                 "own low-memory level). Use fp8='torchao' (or 'te') with memory='lean', or fp8='msamp' with "

@@ -10,7 +10,6 @@ Launch it any of these ways (distributed mode is read from the launcher's enviro
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
@@ -32,10 +31,10 @@ from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama, pretrained_config, read_model_config
 from .memory import report
+from .schedule import lr_schedule, set_lr
 from .sharding import sharding_summary
 
-__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8", "lr_schedule", "set_lr",
-           "LR_SCHEDULES"]
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -61,7 +60,7 @@ class TrainConfig:
 
     lr: float = 3e-3
     """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, then cosine decay to 10%:
-    :func:`lr_schedule` "cosine")."""
+    :func:`fp8dist.schedule.lr_schedule` "cosine")."""
 
     seed: int = 0
     """Seed of the model initialization and of the batch order."""
@@ -146,40 +145,6 @@ class TrainResult:
     wall_s: float = 0.0
     blocks: str = ""
     """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
-
-
-LR_SCHEDULES = ("constant", "cosine")
-"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps, then
-cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench --lr-schedule)."""
-
-
-def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
-    """The factor of the peak learning rate at each step (0-based) of a ``steps``-step run; set each param group's
-    ``lr`` to peak x factor before the step. ValueError names an unknown ``name``."""
-    if name not in LR_SCHEDULES:
-        raise ValueError(f"lr schedule {name!r} is not valid; choose one of: {', '.join(LR_SCHEDULES)}.")
-    if name == "constant":
-        return lambda step: 1.0
-    warmup = max(1, steps // 10)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def set_lr(optimizer: Any, lr: float) -> None:
-    """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
-    tensor (torchao's low-bit AdamW, memory="lean": its step is compiled for a tensor lr); torch, MS-AMP and
-    DeepSpeed optimizers alike."""
-    for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

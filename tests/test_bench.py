@@ -302,7 +302,7 @@ def test_lr_schedules_rise_then_decay_toward_a_tenth():
     """One schedule for fp8dist train and fp8dist bench: constant, or a linear warm-up over the first 10% of the
     steps to the peak, then a cosine decay that passes half-way (0.55) at the middle of the decay and ends a step
     short of a tenth."""
-    from fp8dist.train import lr_schedule
+    from fp8dist.schedule import lr_schedule
 
     assert [lr_schedule("constant", 100)(s) for s in range(100)] == [1.0] * 100
     f = [lr_schedule("cosine", 100)(s) for s in range(101)]

@@ -18,12 +18,10 @@ from torch import nn
 from .comm import CommCounter
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "describe_job", "TIMING_WARMUP", "LEAN_STRATEGIES"]
+__all__ = ["Cell", "run_cell", "describe_job", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
-LEAN_STRATEGIES = ("fsdp", "ddp", "none")
-"""Where memory="lean" runs (fp8dist.lean.lean_refusal): the strategies that get lean cells."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +42,7 @@ class Cell:
     lr: float = 1e-3
     """AdamW's peak learning rate."""
     lr_schedule: str = "constant"
-    """constant or cosine (linear warm-up, then cosine decay: fp8dist.train.lr_schedule, over ``steps``)."""
+    """constant or cosine (linear warm-up, then cosine decay: fp8dist.schedule.lr_schedule, over ``steps``)."""
     zero_stage: int = 2
     compile: bool = False
     """torch.compile each block (wrap_model's ``compile``)."""
@@ -207,7 +205,7 @@ class _Run:
     def __init__(self, cell: Cell, wiring: str, device: torch.device) -> None:
         from ..models import build_llama
         from ..strategies.deepspeed import is_deepspeed_engine
-        from ..train import lr_schedule, set_lr
+        from ..schedule import lr_schedule, set_lr
 
         model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len)
         self.params = sum(p.numel() for p in model.parameters())

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cell import LEAN_STRATEGIES, TIMING_WARMUP, Cell
+from ..lean import STRATEGY_REFUSALS as LEAN_REFUSED
+from .cell import TIMING_WARMUP, Cell
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "run_cells", "device_type", "STRATEGIES",
            "FP8_CHOICES", "DEFAULTS"]
@@ -59,7 +60,7 @@ class BenchSettings:
     zero_stage: int
     raw: bool
     lr_schedule: str = "constant"
-    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.train.lr_schedule)."""
+    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.schedule.lr_schedule)."""
     compile: tuple[bool, ...] = (False,)
     """Compile off and/or on: a matrix dimension."""
     activation_checkpointing: tuple[str, ...] = ("none",)
@@ -102,7 +103,8 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     from ..data import make_corpus
     from ..env import package_version
     from ..models import LLAMA_SIZES
-    from ..train import LR_SCHEDULES, default_fp8, default_nproc
+    from ..schedule import LR_SCHEDULES
+    from ..train import default_fp8, default_nproc
 
     strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
     if device_type == "cpu" and package_version("deepspeed") is not None:
@@ -121,7 +123,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
         nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
         seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
-        lr_schedule=_one_of("--lr-schedule", getattr(args, "lr_schedule", "constant"), LR_SCHEDULES),
+        lr_schedule=_one_of("--lr-schedule", args.lr_schedule, LR_SCHEDULES),
         compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
                                         ("none", "full", "selective"), "none,full"),
@@ -146,7 +148,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
     for size in settings.sizes:
         for strategy in settings.strategies:
             cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends
-                      if b["memory"] == "standard" or strategy in LEAN_STRATEGIES]
+                      if b["memory"] == "standard" or strategy not in LEAN_REFUSED]
         if settings.raw and "fsdp" in settings.strategies:
             cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
                       for f in backends if f in OVERHEAD_FP8]

@@ -15,7 +15,7 @@ from ..bench.cell import TIMING_WARMUP
 from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, check_cells, device_type, plan_cells, resolve_settings,
                             run_cells)
 from ..models import LLAMA_SIZES
-from ..train import LR_SCHEDULES
+from ..schedule import LR_SCHEDULES
 
 __all__ = ["add_parser", "run"]
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..optim import build_optimizer
 from ..hardware import Hardware
-from . import FP8Backend, fp8_hardware_reason
+from . import FP8Backend
 
 
 class MSAMPBackend(FP8Backend):
@@ -37,9 +37,6 @@ class MSAMPBackend(FP8Backend):
             return ("MS-AMP is not installed (not on the package index: build it from its repository on a CUDA "
                     "machine)")
         return None
-
-    def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        return fp8_hardware_reason(hardware)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         return "msamp FP8 Linear"

@@ -1,0 +1,45 @@
+"""The learning-rate schedule of ``fp8dist train`` and ``fp8dist bench --lr-schedule``, and the one way both set
+the rate on an optimizer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["LR_SCHEDULES", "lr_schedule", "set_lr"]
+
+
+LR_SCHEDULES = ("constant", "cosine")
+"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps, then
+cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench --lr-schedule)."""
+
+
+def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
+    """The factor of the peak learning rate at each step (0-based) of a ``steps``-step run; set each param group's
+    ``lr`` to peak x factor before the step. ValueError names an unknown ``name``."""
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {name!r} is not valid; choose one of: {', '.join(LR_SCHEDULES)}.")
+    if name == "constant":
+        return lambda step: 1.0
+    warmup = max(1, steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
+    tensor (torchao's low-bit AdamW, memory="lean": its step is compiled for a tensor lr); torch, MS-AMP and
+    DeepSpeed optimizers alike."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
