@@ -96,12 +96,14 @@ def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
     raise choice_error(name, value, choices)
 
 
-def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None) -> Any:
+def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
+                    none: str | None = None) -> Any:
     """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices.
 
     One normalization for Python, files and the command line: choices match case-insensitively ("FSDP"),
     ``aliases`` map other spellings ("bfloat16", ``torch.bfloat16``), text parses as the field's type ("3",
-    "false"), "none" is None where None is allowed, a list is a tuple.
+    "false"), "none" is None where None is allowed, a list is a tuple. ``none`` says what None means for this
+    field ("auto"), in the error for a value that is neither None nor of the field's type.
     """
     if aliases is not None and value is not None and not isinstance(value, (bool, int, float, tuple, list)):
         value = aliases.get(str(value).lower(), value)
@@ -116,6 +118,8 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
                 return normalize_value(name, value, option)
             except ValueError as err:
                 errors.append(err)
+        if type(None) in args:  # say that None is a choice too, and what it means
+            raise ValueError(f"{str(errors[0]).rstrip('.')}, or none{f' ({none})' if none else ''}.") from None
         raise errors[0]
     if origin is typing.Literal:
         return _normalize_choice(name, value, args)
@@ -133,7 +137,8 @@ def normalize_fields(obj: Any) -> None:
     """
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"))
+        value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"),
+                                f.metadata.get("none"))
         object.__setattr__(obj, f.name, value)
 
 
@@ -172,12 +177,12 @@ def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str)
     return routed
 
 
-def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None) -> Any:
+def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> Any:
     """argparse ``type=``: the same normalization as Python and files, errors as argparse's own."""
 
     def parse(text: str) -> Any:
         try:
-            return normalize_value(name, text, hint, aliases)
+            return normalize_value(name, text, hint, aliases, none)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -185,7 +190,7 @@ def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None) -> Any:
     return parse
 
 
-def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None) -> dict[str, Any]:
+def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> dict[str, Any]:
     """argparse kwargs for a field annotation: values parsed by :func:`normalize_value`, choices shown."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     optional = origin in (typing.Union, types.UnionType) and type(None) in args
@@ -193,7 +198,7 @@ def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None) -> dic
     inner_origin, inner_args = typing.get_origin(inner), typing.get_args(inner)
     if inner is bool:
         words = "/".join(BOOL_WORDS) + ("/none" if optional else "")
-        return {"nargs": "?", "const": True, "type": _cli_type(name, hint, aliases), "metavar": f"{{{words}}}"}
+        return {"nargs": "?", "const": True, "type": _cli_type(name, hint, aliases, none), "metavar": f"{{{words}}}"}
     if inner_origin is tuple:
         item = inner_args[0]
         count = "+" if Ellipsis in inner_args else len(inner_args)
@@ -222,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kwargs = _flag_kwargs(f.name, hints[f.name], f.metadata.get("aliases"))
+        kwargs = _flag_kwargs(f.name, hints[f.name], f.metadata.get("aliases"), f.metadata.get("none"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %

@@ -1,9 +1,16 @@
 """Files written by ``accelerate config``, read as fp8dist keys.
 
 The tables below say what each key of Accelerate's config format (``config_args.py``, the wizard in ``cluster.py``,
-the spellings its launcher also takes) becomes: an fp8dist key and value; nothing, quietly, when the value is what
-fp8dist does anyway (``fsdp_use_orig_params: true``); a name in the one launcher notice (``num_processes``); or a
-ValueError naming the key, the value, what fp8dist accepts and the way out. fp8dist's own keys may stand beside.
+the spellings its launcher also takes) becomes: an fp8dist option and value; nothing, quietly, when the value is
+what fp8dist does anyway (``fsdp_use_orig_params: true``); a name in the one launcher notice (``num_processes``);
+a line in the one notice about building the model (``fsdp_cpu_ram_efficient_loading``: fp8dist does it when the
+model is built on the meta device); or a ValueError naming the key, the value, what fp8dist accepts and the way
+out. fp8dist's own keys may stand beside.
+
+It cannot drift from the library: every target is an option of :mod:`fp8dist.options` (its values are normalized
+and checked there), every option is either a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and
+an Accelerate key that sets an option the chosen strategy / backend does not read is refused with the reason the
+combination table gives (:func:`fp8dist.combine.unused_options`), not one written here.
 
 Example::
 
@@ -13,201 +20,18 @@ Example::
 from __future__ import annotations
 
 import difflib
-import enum
-import functools
-import typing
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from ._schema import BOOL_WORDS, choice_error, normalize_value
-from .options import FP8Config, StrategyConfig
+from .accelerate_keys import (_DS_FILE_DECIDES, _FP8, _FSDP, _HYBRID, _SECTIONS, _TOP, NO_ACCELERATE_KEY, _Mark,
+                              _Refuse, _Rule, _schema, _Section, _to, targets)
+from .options import SECTIONS
 
-__all__ = ["translate_accelerate_config"]
-
-
-class _Mark(enum.Enum):
-    SAME = "accepted: fp8dist does this anyway"
-    LEAVE = "set by another key"
-
-
-class _Refuse(str):
-    """A value fp8dist has no equivalent for; the text says what fp8dist does instead and the way out."""
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """What one Accelerate key becomes."""
-
-    to: tuple[str, ...] = ()  # the fp8dist keys it sets (with several, each value below is a tuple)
-    values: Mapping[Any, Any] | None = None  # Accelerate -> fp8dist value, SAME or _Refuse; None: as given
-    convert: Callable[[Any], Any] | None = None  # Accelerate's spelling of a value given as is -> fp8dist's
-    other: str = ""  # why any value outside ``values`` is refused; empty: it is a typo among the choices
-    launcher: bool = False  # read only by ``accelerate launch``: named in the launcher notice
-
-
-def _to(key: str, values: Mapping[Any, Any] | None = None, convert: Callable[[Any], Any] | None = None) -> _Rule:
-    return _Rule(to=(key,), values=values, convert=convert)
-
-
-def _only(why: str, *accepted: Any) -> _Rule:
-    """A key fp8dist accepts only with the values it has anyway; any other value is refused with ``why``."""
-    return _Rule(values={value: _Mark.SAME for value in accepted}, other=why)
-
-
-def _listed(value: Any) -> Any:
-    """A list Accelerate writes as text: "LlamaDecoderLayer,LlamaMLP", "(false, false, true)" (its docs)."""
-    if isinstance(value, str):
-        return [item.strip() for item in value.strip("()[] ").split(",") if item.strip()]
-    return value
-
-
-_LAUNCHER = _Rule(launcher=True)
-_TPU = ("TPUs are not fp8dist's: it runs on CUDA GPUs and CPUs. Remove the key, or start TPU jobs with "
-        "accelerate launch")
-_COMPILE = ("fp8dist does not torch.compile the model. Remove dynamo_config (or set dynamo_backend: 'NO'), or "
-            "compile in your script")
-_NO_HSDP = "fp8dist has no hybrid sharding: it shards over every rank. Use FULL_SHARD (or SHARD_GRAD_OP)"
-_NVME = ("fp8dist offloads to the CPU only. Use cpu, or put the NVMe offload block in your own DeepSpeed json "
-         "(deepspeed_config_file)")
-_OTHER_DEVICE = _Refuse("fp8dist runs on CUDA GPUs and CPUs. Use MULTI_GPU, FSDP or DEEPSPEED on GPUs, NO or "
-                        "MULTI_CPU on CPUs")
-
-_TOP: dict[str, _Rule] = {
-    "compute_environment": _only("fp8dist does not start SageMaker jobs. Run it on the instances with torchrun, "
-                                 "deepspeed or srun and write LOCAL_MACHINE", "LOCAL_MACHINE"),
-    "distributed_type": _Rule(to=("strategy", "device"), values={
-        "NO": ("none", _Mark.LEAVE), "MULTI_GPU": ("ddp", _Mark.LEAVE), "MULTI_CPU": ("ddp", "cpu"),
-        "FSDP": (_Mark.LEAVE, _Mark.LEAVE),  # fsdp or fsdp1: fsdp_config.fsdp_version decides
-        "DEEPSPEED": ("deepspeed", _Mark.LEAVE),
-        "MEGATRON_LM": _Refuse("fp8dist has no Megatron-LM tensor/pipeline parallelism. Use FSDP or DEEPSPEED"),
-        "XLA": _Refuse(_TPU),
-        **dict.fromkeys(("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU",
-                         "MULTI_NEURON"), _OTHER_DEVICE)}),
-    "mixed_precision": _Rule(to=("param_dtype", "fp8"), values={
-        "no": ("fp32", None), "fp16": ("fp16", None), "bf16": ("bf16", None),
-        "fp8": ("bf16", _Mark.LEAVE)}),  # the backend comes from fp8_config.backend
-    "fp16": _to("param_dtype", {True: "fp16", False: _Mark.SAME}),  # Accelerate's older spelling of fp16
-    "use_cpu": _to("device", {True: "cpu", False: _Mark.SAME}),
-    "debug": _only("Accelerate's debug mode checks the shapes of every collective; fp8dist has none. For torch's "
-                   "own checks set TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment", False),
-    "enable_cpu_affinity": _only("fp8dist does not pin processes to NUMA nodes. Launch with torchrun "
-                                 "--numa-binding node (or numactl)", False),
-    "downcast_bf16": _only(_TPU, "no", False),
-    "dynamo_backend": _only(_COMPILE, "NO"),  # Accelerate's older place for dynamo_config.dynamo_backend
-    **dict.fromkeys(("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                     "rdzv_backend", "same_network", "gpu_ids", "main_training_function"), _LAUNCHER),
-    **dict.fromkeys(("tpu_name", "tpu_zone", "tpu_vm", "tpu_env", "commands", "command_file"), _only(_TPU)),
-    **dict.fromkeys(("tpu_use_cluster", "tpu_use_sudo"), _only(_TPU, False)),
-}
-
-_RESHARD = {True: True, False: False, "FULL_SHARD": True, "SHARD_GRAD_OP": False,
-            "NO_SHARD": _Refuse("NO_SHARD does not shard: use distributed_type: MULTI_GPU (strategy ddp)"),
-            "HYBRID_SHARD": _Refuse(_NO_HSDP), "HYBRID_SHARD_ZERO2": _Refuse(_NO_HSDP)}
-_PREFETCH = _only("fp8dist keeps torch's backward prefetch (BACKWARD_PRE under FSDP1; FSDP2 prefetches the next "
-                  "block itself)", "BACKWARD_PRE")
-_WRAP = ("fp8dist shards block by block: the classes in fsdp_transformer_layer_cls_to_wrap, else the model's "
-         "_no_split_modules. Use TRANSFORMER_BASED_WRAP")
-_CHECKPOINTS = ("fp8dist.save_checkpoint writes sharded checkpoints (torch.distributed.checkpoint, each rank its "
-                "shard). Use SHARDED_STATE_DICT; for one full file convert a checkpoint with "
-                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
-
-_FSDP: dict[str, _Rule] = {
-    "fsdp_version": _to("strategy", {1: "fsdp1", 2: "fsdp"}),
-    "fsdp_reshard_after_forward": _to("reshard_after_forward", _RESHARD),
-    "fsdp_sharding_strategy": _to("reshard_after_forward", _RESHARD),  # FSDP1's older spelling
-    "fsdp_transformer_layer_cls_to_wrap": _to("block_classes", convert=_listed),
-    "fsdp_auto_wrap_policy": _Rule(values={"TRANSFORMER_BASED_WRAP": _Mark.SAME}, other=_WRAP),
-    "fsdp_min_num_params": _only("it belongs to SIZE_BASED_WRAP; fp8dist shards block by block. Remove it "
-                                 "(fsdp_transformer_layer_cls_to_wrap picks the blocks)"),
-    "fsdp_offload_params": _only("fp8dist does not offload FSDP parameters to the CPU. For CPU offload use "
-                                 "distributed_type: DEEPSPEED with deepspeed_config.offload_param_device: cpu "
-                                 "(ZeRO-3)", False),
-    "fsdp_backward_prefetch": _PREFETCH,
-    "fsdp_backward_prefetch_policy": _PREFETCH,  # the older spelling in Accelerate's docs
-    "fsdp_forward_prefetch": _only("fp8dist does not prefetch the next forward all-gather explicitly", False),
-    "fsdp_state_dict_type": _Rule(values={"SHARDED_STATE_DICT": _Mark.SAME}, other=_CHECKPOINTS),
-    "fsdp_use_orig_params": _only("fp8dist's FSDP1 always uses use_orig_params=True: FP8 layers need the real "
-                                  "parameters (FSDP2 has nothing else)", True),
-    "fsdp_cpu_ram_efficient_loading": _only("fp8dist takes a model that is complete on every rank (no loading "
-                                            "on rank 0 only). Load the weights on every rank", False),
-    "fsdp_sync_module_states": _only("fp8dist does not broadcast rank 0's weights. Build the same model on every "
-                                     "rank (same seed or the same checkpoint)", False),
-    "fsdp_activation_checkpointing": _only("fp8dist does not apply activation checkpointing. Enable it in the "
-                                           "model before wrap_model (Hugging Face: "
-                                           "model.gradient_checkpointing_enable())", False),
-}
-
-_DS_OFFLOAD = {"none": False, "cpu": True, "nvme": _Refuse(_NVME)}
-_DEEPSPEED: dict[str, _Rule] = {
-    "deepspeed_config_file": _to("ds_config"),
-    "zero_stage": _to("zero_stage", {
-        0: _Refuse("stage 0 is plain data parallelism. Use zero_stage 1, or distributed_type: MULTI_GPU "
-                   "(strategy ddp)"), 1: 1, 2: 2, 3: 3}),
-    "offload_optimizer_device": _to("offload_optimizer", _DS_OFFLOAD),
-    "offload_param_device": _to("offload_param", _DS_OFFLOAD),
-    "offload_optimizer_nvme_path": _only(f"it is read only with NVMe offload. {_NVME}", "none"),
-    "offload_param_nvme_path": _only(f"it is read only with NVMe offload. {_NVME}", "none"),
-    "gradient_accumulation_steps": _to("grad_accum"),
-    "gradient_clipping": _to("gradient_clipping"),
-    "zero3_init_flag": _only("fp8dist takes the model built in full, not under deepspeed.zero.Init", False),
-    "zero3_save_16bit_model": _only(
-        "fp8dist saves DeepSpeed checkpoints with the engine's own partitioned checkpointing. For 16-bit weights "
-        "set zero_optimization.stage3_gather_16bit_weights_on_model_save in your own DeepSpeed json "
-        "(deepspeed_config_file) and call engine.save_16bit_model", False),
-    "deepspeed_moe_layer_cls_names": _only("fp8dist does not mark MoE layers as ZeRO-3 leaf modules. Call "
-                                           "deepspeed.utils.set_z3_leaf_modules(model, [YourMoEBlock]) before "
-                                           "wrap_model and remove the key"),
-    **dict.fromkeys(("deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_inclusion_filter",
-                     "deepspeed_exclusion_filter"), _LAUNCHER),
-}
-
-_DS_FILE_DECIDES = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
-                    "gradient_clipping", "zero3_save_16bit_model")  # beside a DeepSpeed json: refused, as Accelerate
-
-_FP8: dict[str, _Rule] = {
-    "backend": _to("fp8", {"TE": "te", "AO": "torchao", "MSAMP": "msamp"}),
-    **{key: _to(key) for key in ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
-                                 "use_autocast_during_eval", "opt_level")},
-    "override_linear_precision": _to("override_linear_precision", convert=_listed),
-    "amax_history_length": _to("amax_history_len"),  # the wizard's spellings of the three above
-    "amax_compute_algorithm": _to("amax_compute_algo"),
-    "optimization_level": _to("opt_level"),
-    "use_mxfp8_block_scaling": _to("te_recipe", {True: "mxfp8", False: _Mark.SAME}),
-    "enable_fsdp_float8_all_gather": _to("fp8_all_gather"),
-    "pad_inner_dim": _only("fp8dist does not pad: a Linear whose dims are not multiples of 16 stays in the "
-                           "strategy's precision, and the plan lists it", False),
-}
-
-_PARALLELISM: dict[str, _Rule] = {f"parallelism_config_{name}": _only(why, 1) for name, why in (
-    ("dp_replicate_size", "fp8dist has no hybrid sharding (HSDP). Remove it: fsdp shards over every rank"),
-    ("dp_shard_size", "fp8dist's fsdp shards over every rank. Remove it"),
-    ("tp_size", "fp8dist has no tensor parallelism"), ("cp_size", "fp8dist has no context parallelism"),
-    ("sp_size", "fp8dist has no sequence parallelism"))}
-
-
-@dataclass(frozen=True)
-class _Section:
-    """One of Accelerate's nested blocks."""
-
-    rules: Mapping[str, _Rule]
-    prefix: str = ""  # Accelerate's launcher takes its keys with or without it ("version" is "fsdp_version")
-    needs: str = ""  # the distributed_type with which Accelerate reads the block
-    rest: _Rule | None = None  # the rule for keys not in ``rules``; None: such a key is unknown
-    own_keys: bool = False  # fp8dist's FP8 keys are accepted in it under their own names
-
-
-_SECTIONS: dict[str, _Section] = {
-    "fsdp_config": _Section(_FSDP, prefix="fsdp_", needs="FSDP"),
-    "deepspeed_config": _Section(_DEEPSPEED, needs="DEEPSPEED"),
-    "fp8_config": _Section(_FP8, prefix="fp8_", own_keys=True),
-    "dynamo_config": _Section({"dynamo_backend": _only(_COMPILE, "NO")}, prefix="dynamo_",
-                              rest=_only(_COMPILE, False)),  # dynamo_mode, dynamo_use_fullgraph, ...
-    "parallelism_config": _Section(_PARALLELISM, rest=_only("fp8dist has no context or sequence parallelism")),
-    "megatron_lm_config": _Section({}, rest=_only("fp8dist has no Megatron-LM: use distributed_type FSDP/DEEPSPEED")),
-    "mpirun_config": _Section({}, rest=_LAUNCHER),
-}
+__all__ = ["translate_accelerate_config", "NO_ACCELERATE_KEY", "targets"]
 
 
 @dataclass
@@ -216,14 +40,8 @@ class _State:
     origin: dict[str, str] = field(default_factory=dict)  # fp8dist key -> the Accelerate key that set it
     seen: dict[str, Any] = field(default_factory=dict)  # "section.key" -> the table's value it matched
     launcher: list[str] = field(default_factory=list)  # "key=value" for the launcher notice
-
-
-@functools.cache
-def _schema() -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
-    """fp8dist's fields by key, their types, and the FP8 keys (the config dataclasses are the one source)."""
-    by_key = {f.name: f for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
-    hints = {**typing.get_type_hints(StrategyConfig), **typing.get_type_hints(FP8Config)}
-    return by_key, hints, tuple(f.name for f in fields(FP8Config) if f.name != "fp8")
+    model: list[str] = field(default_factory=list)  # lines of the notice about building the model
+    data: Mapping[str, Any] = field(default_factory=dict)  # the file as given
 
 
 def _normalized(key: str, value: Any, name: str | None = None) -> Any:
@@ -284,12 +102,17 @@ def _apply(where: str, rule: _Rule, value: Any, state: _State, name: str) -> Non
     if rule.launcher:
         state.launcher.append(f"{where}={value!r}")
         return
+    if rule.values is None and not rule.to:  # accepted as given: fp8dist derives it (the shard group size)
+        state.seen[name] = value
+        return
     if rule.values is None:
         key = rule.to[0]
         matched = result = _normalized(key, rule.convert(value) if rule.convert else value, where)
     else:
         matched, result = _match(where, rule, value)
     state.seen[name] = matched
+    if rule.model and matched is True:
+        state.model.append(rule.model)
     if result is _Mark.SAME:
         return
     for key, item in zip(rule.to, result if len(rule.to) > 1 else (result,)):
@@ -340,8 +163,41 @@ def _check_foreign(key: str) -> None:
         raise ValueError(f"option {key!r} is neither fp8dist's nor Accelerate's. Did you mean {close[0]!r}?")
 
 
+def _hybrid(state: _State) -> None:
+    """HYBRID_SHARD(_ZERO2) shards within a node and replicates across nodes: FSDP2's HSDP with one replica per
+    node (``replicate_degree`` = ``num_machines``)."""
+    where = next((f"fsdp_config.{k}" for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
+                  if str(state.seen.get(f"fsdp_config.{k}", "")).startswith(_HYBRID)), None)
+    if where is None:
+        return
+    nodes = state.data.get("num_machines", 1)
+    if not isinstance(nodes, int) or nodes < 2:
+        raise ValueError(f"{where}={state.seen[where]!r} replicates across "
+                         f"nodes and shards within one, and num_machines is {nodes!r}: set num_machines to the nodes "
+                         "of the job, or parallelism_config_dp_replicate_size, or use FULL_SHARD.")
+    _set_once(state, "replicate_degree", nodes, f"{where} with num_machines: {nodes}")
+
+
+def _unread(state: _State) -> None:
+    """An Accelerate key that set an option the chosen strategy / backend does not read did nothing: refused, with
+    the combination table's words for who reads it (fp8dist's own keys stay a warning, as anywhere)."""
+    from ._schema import route_keys
+    from .combine import unread_options
+
+    known = {k: v for k, v in state.flat.items() if k in _schema()[0]}
+    routed = route_keys(known, SECTIONS.values(), source="the file")
+    try:
+        cfg = SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()})
+    except ValueError:
+        return  # a bad value: named with the file when the config is built
+
+    for option, note in unread_options(cfg).items():
+        if option in state.origin:
+            raise ValueError(f"{state.origin[option]} sets {note} Remove it, or change what it depends on.")
+
+
 def _finish(state: _State) -> None:
-    """What depends on several keys: FSDP's version, the FP8 backend, DeepSpeed's json and its offload."""
+    """What depends on several keys: FSDP's version, HSDP, the FP8 backend, DeepSpeed's json and its offload."""
     if state.seen.get("distributed_type") == "FSDP" and "fsdp_config.fsdp_version" not in state.seen:
         _set_once(state, "strategy", _FSDP["fsdp_version"].values[1],  # type: ignore[index]
                   "distributed_type: FSDP without fsdp_config.fsdp_version (Accelerate's default is 1)")
@@ -360,6 +216,8 @@ def _finish(state: _State) -> None:
         raise ValueError(f"deepspeed_config.offload_param_device='cpu' with zero_stage {stage}: only ZeRO-3 "
                          "partitions parameters. Use zero_stage: 3, or offload_param_device: none "
                          "(offload_optimizer_device: cpu offloads the optimizer states).")
+    _hybrid(state)
+    _unread(state)
 
 
 def translate_accelerate_config(data: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
@@ -378,7 +236,7 @@ def translate_accelerate_config(data: Mapping[str, Any], *, source: str = "confi
         a ValueError names a key or value with no fp8dist equivalent, what fp8dist accepts and the way out.
     """
     ours = [*_TOP, *_SECTIONS]  # this order: distributed_type before the blocks it gates
-    state = _State(flat={k: v for k, v in data.items() if k not in ours})
+    state = _State(flat={k: v for k, v in data.items() if k not in ours}, data=data)
     try:
         for key in state.flat:
             _check_foreign(str(key))
@@ -394,4 +252,7 @@ def translate_accelerate_config(data: Mapping[str, Any], *, source: str = "confi
         warnings.warn(f"{source}: Accelerate keys for the launcher, not read here: {', '.join(state.launcher)}. "
                       "fp8dist takes the processes from the launcher that starts them (torchrun, deepspeed, srun; "
                       "see launch/).", UserWarning, stacklevel=3)
+    if state.model:
+        warnings.warn(f"{source}: Accelerate keys about how the model is built, which fp8dist does from the model "
+                      f"you pass: {'; '.join(state.model)}.", UserWarning, stacklevel=3)
     return state.flat

@@ -23,7 +23,7 @@ from torch import nn
 
 from .hardware import Hardware
 
-__all__ = ["BlockWiring", "compile_decision", "block_refusals", "check_block_options", "wrap_blocks", "describe_blocks",
+__all__ = ["BlockWiring", "compile_decision", "wrap_blocks", "describe_blocks",
            "graph_breaks", "SAVED_BY_SELECTIVE"]
 
 SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
@@ -48,8 +48,9 @@ class BlockWiring:
 
 def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why. ``refusal`` is the FP8 backend's (or the strategy's) reason it cannot
-    run compiled blocks; asking for compile there is an error (see :func:`check_block_options`)."""
+    """Whether blocks are compiled, and why. ``refusal`` is why the combination table refuses compile for this
+    config (an FP8 backend's or the strategy's rule), which turns auto off; asking for compile there is an error
+    when the config is built (:mod:`fp8dist.combine`)."""
     if compile is not None:
         return compile, "asked for" if compile else "turned off"
     if refusal is not None:
@@ -59,34 +60,6 @@ def compile_decision(compile: bool | None, fp8: str | None, converted: bool, dev
     if not converted:
         return False, "auto: off without FP8 layers (compile=True turns it on)"
     return True, f"auto: on ({fp8} FP8 on CUDA: compiled blocks fuse the casts and scaling)"
-
-
-_DEEPSPEED_COMPILE = ("DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under "
-                      "it; compile the engine wrap_model returns with engine.compile()")
-
-
-def block_refusals(cfg: Any, backend: Any) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-    """Who refuses compile and activation checkpointing for this config and FP8 backend, and why (None: nobody):
-    the backend's own data first, then the strategy."""
-    fp8 = f"fp8={backend.name!r}"
-    compile_refusal = (fp8, backend.compile_refusal) if backend.compile_refusal else \
-        (f"strategy={cfg.parallel.strategy!r}", _DEEPSPEED_COMPILE) if cfg.parallel.strategy == "deepspeed" else None
-    checkpointing_refusal = (fp8, backend.checkpointing_refusal) if backend.checkpointing_refusal else None
-    return compile_refusal, checkpointing_refusal
-
-
-def check_block_options(cfg: Any, compile_refusal: tuple[str, str] | None,
-                        checkpointing_refusal: tuple[str, str] | None) -> None:
-    """Combinations that cannot run are errors naming the way out, before anything is changed. A refusal is
-    (who refuses, e.g. "fp8='te'", why)."""
-    p = cfg.parallel
-    if p.compile and compile_refusal is not None:
-        who, why = compile_refusal
-        raise ValueError(f"compile=True with {who}: {why}. Use compile=False (or None: auto decides).")
-    if p.activation_checkpointing != "none" and checkpointing_refusal is not None:
-        who, why = checkpointing_refusal
-        raise ValueError(f"activation_checkpointing={p.activation_checkpointing!r} with {who}: {why}. Use "
-                         "activation_checkpointing='none'.")
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,14 +14,14 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import combine
 from ._schema import route_keys
 from .accelerate_config import translate_accelerate_config
 from .dtypes import torch_dtype
-from .lean import lean_refusal
 from .options import SECTIONS, FP8Config, StrategyConfig
 
 __all__ = [
@@ -36,39 +36,6 @@ __all__ = [
 _SECTIONS = SECTIONS
 
 
-def _check_combination(parallel: StrategyConfig, precision: FP8Config) -> None:
-    """Cross-section rules: combinations no engine supports are errors naming what works instead."""
-    strategy, fp8 = parallel.strategy, precision.fp8
-    if parallel.param_dtype == "fp16" and strategy != "deepspeed":
-        raise ValueError(f"param_dtype='fp16' with strategy={strategy!r}: fp16 compute needs loss scaling, which "
-                         "fp8dist does not add to your training loop, and without it small gradients underflow to "
-                         "zero silently. Use param_dtype='bf16' (no scaling needed; every FP8 GPU has it), or "
-                         "strategy='deepspeed', whose fp16 mode scales the loss dynamically.")
-    lean = lean_refusal(parallel, precision)
-    if lean:
-        raise ValueError(lean)
-    if fp8 == "msamp" and strategy in ("fsdp", "fsdp1"):
-        raise ValueError(f"fp8='msamp' with strategy={strategy!r}: MS-AMP has no FSDP integration here. Use "
-                         "strategy='ddp' or 'none' with MS-AMP, 'deepspeed' for MS-AMP with ZeRO, or "
-                         "fp8='torchao' / 'te' with FSDP.")
-    if parallel.offload_param and parallel.zero_stage != 3 and strategy == "deepspeed":
-        raise ValueError(f"offload_param=True with zero_stage={parallel.zero_stage}: only ZeRO-3 partitions "
-                         "parameters. Use zero_stage=3 or offload_optimizer=True.")
-    if fp8 == "msamp" and precision.opt_level == "O3" and strategy != "deepspeed":
-        raise ValueError(f"opt_level='O3' with strategy={strategy!r}: MS-AMP O3 is its ZeRO optimizer and runs only "
-                         "under strategy='deepspeed'. Use opt_level='O1' or 'O2'.")
-    if (fp8 == "torchao" and precision.torchao_recipe == "rowwise_with_gw_hp" and strategy in ("none", "ddp")
-            and parallel.param_dtype != "fp32"):
-        raise ValueError(f"torchao_recipe='rowwise_with_gw_hp' with strategy={strategy!r} and param_dtype="
-                         f"{parallel.param_dtype!r}: its high-precision weight-gradient GEMM mixes the autocast dtype "
-                         "with fp32 and fails (torchao 0.18). Use strategy='fsdp' or 'fsdp1' (no autocast), "
-                         "torchao_recipe='rowwise', or param_dtype='fp32'.")
-    if precision.fp8_all_gather and precision.torchao_recipe != "tensorwise":
-        raise ValueError(f"fp8_all_gather=True with torchao_recipe={precision.torchao_recipe!r}: torchao all-gathers "
-                         "in FP8 only with the tensorwise recipe. Use torchao_recipe='tensorwise' or leave "
-                         "fp8_all_gather unset.")
-
-
 @dataclass(kw_only=True, frozen=True)
 class Config:
     """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section."""
@@ -80,7 +47,7 @@ class Config:
     """FP8 backend and its knobs."""
 
     def __post_init__(self) -> None:
-        _check_combination(self.parallel, self.precision)
+        combine.check(self)  # the one table of what combines (fp8dist.combine), before anything uses the config
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take."""
@@ -90,28 +57,9 @@ class Config:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}
 
     def unused_options(self) -> list[str]:
-        """Messages for options changed from their default that the chosen strategy / backend does not read."""
-        values = self.to_dict()
-        notes = []
-        for section in _SECTIONS.values():
-            for f in fields(section):
-                only = f.metadata.get("only")
-                any_of = f.metadata.get("only_any")
-                default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                if not (only or any_of) or values[f.name] == (list(default) if isinstance(default, tuple) else default):
-                    continue
-                if only:
-                    unmet = {k: v for k, v in only.items() if values[k] not in v}
-                    if unmet:
-                        needs = " and ".join(f"{k} in {list(v)}" for k, v in only.items())
-                        notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
-                                     + ", ".join(f"{k}={values[k]!r}" for k in unmet) + ").")
-                elif not any(all(values[k] in v for k, v in alt.items()) for alt in any_of):
-                    needs = " or ".join(" and ".join(f"{k} in {list(v)}" for k, v in alt.items()) for alt in any_of)
-                    keys = dict.fromkeys(k for alt in any_of for k in alt)
-                    notes.append(f"{f.name}={values[f.name]!r} has no effect here (read only when {needs}; "
-                                 + ", ".join(f"{k}={values[k]!r}" for k in keys) + ").")
-        return notes
+        """Messages for options changed from their default that the chosen strategy / backend / memory level does
+        not read (:func:`fp8dist.combine.unused_options`)."""
+        return combine.unused_options(self)
 
     @classmethod
     def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config") -> "Config":
@@ -169,17 +117,22 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return translate_accelerate_config(data, source=str(path))
 
 
-def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, **overrides: Any) -> Config:
-    """Merge a base config (Config, flat dict, or YAML/JSON path) with keyword overrides and validate.
+def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, *,
+                   defaults: Mapping[str, Any] | None = None, source: str = "wrap_model options",
+                   **overrides: Any) -> Config:
+    """The one path from Python keywords, a dict, a YAML/JSON file (fp8dist's keys or a file written by
+    ``accelerate config``) and command-line flags to a validated :class:`Config`, built once.
 
     Args:
-        config: the base; None means all defaults.
+        config: the base: a Config, a flat dict, or a YAML/JSON path; None means all defaults.
+        defaults: values used where neither ``config`` nor ``overrides`` gives the key (a command's own default,
+            e.g. the CLI's ``fp8``); the dataclasses' defaults stand under them.
+        source: where a mapping ``config`` came from, for the error text (a path names itself).
         **overrides: flat keys (``strategy="fsdp1"``, ``param_dtype="bf16"``); they win over ``config``.
 
     Returns:
         A validated :class:`Config`.
     """
-    source = "wrap_model options"
     if config is None:
         base: dict[str, Any] = {}
     elif isinstance(config, Config):
@@ -188,9 +141,8 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = load_config_file(config)
         source = str(config)
     elif isinstance(config, Mapping):
-        base = translate_accelerate_config(config)
+        base = translate_accelerate_config(config, source=source)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
-    base_cfg = Config.from_dict(base, source=source)
-    merged = {**base_cfg.to_dict(), **overrides}
-    return Config.from_dict(merged, source="wrap_model options")
+    route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from
+    return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source)

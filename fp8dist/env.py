@@ -21,6 +21,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from .packages import package_version, supported_range
+
 __all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
            "init_distributed", "shutdown", "resolve_device", "share_cpu_threads", "peak_memory_mib"]
 
@@ -253,34 +255,6 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 _PACKAGES = ("torch", "transformers", "deepspeed", "torchao", "transformer_engine", "msamp")
-
-
-def package_version(name: str) -> str | None:
-    """Installed version of a distribution, without importing it; None when absent."""
-    from importlib import metadata
-
-    for dist_name in (name, name.replace("_", "-")):
-        try:
-            return metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def supported_range(name: str) -> str | None:
-    """The versions of ``name`` that fp8dist's own package metadata takes (its dependencies and extras, as
-    pyproject.toml declares them); None when it names none (MS-AMP: not on the package index)."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    try:
-        requirements = [Requirement(text) for text in metadata.requires("fp8dist") or ()]
-    except metadata.PackageNotFoundError:
-        return None
-    wanted = canonicalize_name(name)
-    return next((str(r.specifier) for r in requirements if canonicalize_name(r.name) == wanted), None)
 
 
 def _version_line(name: str) -> str:

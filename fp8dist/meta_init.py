@@ -9,14 +9,11 @@ constructors draw random numbers a meta construction does not).
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
 from torch import nn
 
 from .strategies import unwrap_model
-from .strategies.common import to_empty
+from .strategies.common import check_fits, to_empty
 from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
 __all__ = ["is_meta_model", "to_empty", "check_fits", "init_weights"]
@@ -25,37 +22,6 @@ __all__ = ["is_meta_model", "to_empty", "check_fits", "init_weights"]
 def is_meta_model(model: nn.Module) -> bool:
     """True when any parameter or buffer of ``model`` is on the meta device."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:  # MemAvailable counts the page cache the kernel would give back; free pages alone undercount it
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
-    """A strategy that materializes the whole model on every rank (ddp, none, ZeRO-1/2) refuses a meta model
-    larger than the device's free memory, before allocating it."""
-    need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
-                                                                         *model.buffers())}.values())
-    free = _available_bytes(device)
-    if free is not None and need > free:
-        raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
-                          f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "
-                          f"{free / 2**30:,.1f} GiB free. Use strategy='fsdp' or 'fsdp1' (each rank materializes "
-                          "its shard only) or deepspeed with zero_stage=3.")
-    if free is not None and need > free // 2:
-        warnings.warn(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
-                      f"{need / 2**30:,.1f} GiB of {free / 2**30:,.1f} GiB free on {device}, before gradients and "
-                      "optimizer states. strategy='fsdp' materializes 1/world_size of it.", UserWarning, stacklevel=3)
 
 
 def _init_fn(model: nn.Module):

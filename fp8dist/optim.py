@@ -1,6 +1,6 @@
 """Optimizers: specs for engines that own the optimizer (MS-AMP, DeepSpeed) and for users who like one call, and
-the process-wide optimizer-step hooks fp8dist needs (an optimizer built before ``wrap_model``; torchao's scale
-precompute after each step)."""
+the one registry of what fp8dist does around an optimizer's step (:data:`STEP_HOOKS`: an optimizer built before
+``wrap_model`` is stopped; torchao's scale precompute after each step)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "build_optimizer", "ProcessStepHook", "watch_replaced_parameters",
-           "StaleOptimizerError"]
+__all__ = ["OptimizerSpec", "build_optimizer", "STEP_HOOKS", "StepAction", "watch_replaced_parameters",
+           "StaleOptimizerError", "param_count"]
 
 OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | Mapping[str, Any]
 
@@ -48,26 +48,68 @@ def param_count(optimizer: torch.optim.Optimizer) -> int:
     return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
-class ProcessStepHook:
-    """A process-wide ``optimizer.step()`` hook, registered on first use and never removed.
+StepAction = Callable[[nn.Module, torch.optim.Optimizer], None]
+"""``(model, optimizer) -> None``: what fp8dist does around a step of an optimizer that holds the model's
+parameters."""
 
+
+class _StepHooks:
+    """fp8dist's optimizer-step hooks: one process-wide pre-step and one post-step hook (torch's
+    ``register_optimizer_step_pre_hook`` / ``_post_hook``), registered on first use and never removed, dispatching
+    to the actions registered for each model, for the optimizers that hold that model's parameters.
+
+    Why process-wide rather than on one optimizer: the README's loop builds its own optimizer after ``wrap_model``
+    (``torch.optim.AdamW(model.parameters())``), which fp8dist never sees, and fp8dist must still act on its steps
+    (torchao's scale precompute, the check for an optimizer built too early): "nothing to call". Why never removed:
     torch iterates its global hook dict while calling the hooks, so a hook that removes itself there raises
-    "OrderedDict mutated during iteration" in the *next* model's first step. A hook that stays, and reads what
-    it acts on from weak references, never needs removing.
+    "OrderedDict mutated during iteration" in the next model's first step. Everything here is held weakly: a model or
+    an optimizer dropped in any order takes its entries with it.
     """
 
-    def __init__(self, hook: Callable[[torch.optim.Optimizer, Any, Any], None], *, pre: bool) -> None:
-        self._hook = hook
-        self._pre = pre
-        self._handle: Any = None
+    def __init__(self) -> None:
+        self._actions: "weakref.WeakKeyDictionary[nn.Module, dict[str, list[StepAction]]]" = \
+            weakref.WeakKeyDictionary()
+        # per optimizer: its parameter count when its models were found, and which registered models it steps
+        self._owners: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, weakref.WeakSet]]" = \
+            weakref.WeakKeyDictionary()
+        self._handles: list[Any] = []
 
-    def ensure_registered(self) -> None:
-        if self._handle is not None:
+    def add(self, model: nn.Module, *, pre: StepAction | None = None, post: StepAction | None = None) -> None:
+        """Run ``pre`` before / ``post`` after every step of an optimizer holding ``model``'s parameters, while
+        ``model`` lives."""
+        actions = self._actions.setdefault(model, {"pre": [], "post": []})
+        for when, action in (("pre", pre), ("post", post)):
+            if action is not None:
+                actions[when].append(action)
+        self._owners.clear()  # a new model: every optimizer's models are found again
+        if not self._handles:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            self._handles = [register_optimizer_step_pre_hook(lambda opt, a, k: self._run(opt, "pre")),
+                             register_optimizer_step_post_hook(lambda opt, a, k: self._run(opt, "post"))]
+
+    def _models_of(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
+        count = param_count(optimizer)
+        known = self._owners.get(optimizer)
+        if known is None or known[0] != count:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            mine = weakref.WeakSet(m for m in list(self._actions) if any(id(p) in ids for p in m.parameters()))
+            known = (count, mine)
+            self._owners[optimizer] = known
+        return list(known[1])
+
+    def _run(self, optimizer: torch.optim.Optimizer, when: str) -> None:
+        if when == "pre":
+            _check_not_stale(optimizer)
+        if not self._actions:
             return
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        for model in self._models_of(optimizer):
+            for action in self._actions.get(model, {}).get(when, ()):
+                action(model, optimizer)
 
-        register = register_optimizer_step_pre_hook if self._pre else register_optimizer_step_post_hook
-        self._handle = register(self._hook)
+
+STEP_HOOKS = _StepHooks()
+"""The one registry of fp8dist's optimizer-step actions (see :class:`_StepHooks`)."""
 
 
 class StaleOptimizerError(RuntimeError):
@@ -80,7 +122,7 @@ _REPLACED: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueD
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 
-def _check_not_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
     count = param_count(optimizer)
     if not _REPLACED or _CHECKED.get(optimizer) == count:
         return
@@ -94,10 +136,7 @@ def _check_not_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     _CHECKED[optimizer] = count
 
 
-_STALE_CHECK = ProcessStepHook(_check_not_stale, pre=True)
-
-
-def watch_replaced_parameters(before: Iterable[nn.Parameter], after: Iterable[nn.Parameter]) -> int:
+def watch_replaced_parameters(before: Iterable[nn.Parameter], after: Iterable[nn.Parameter], model: nn.Module) -> int:
     """Remember the parameters of ``before`` that are not in ``after`` (the model's parameters before and after
     ``wrap_model``): any optimizer that steps over one of them raises :class:`StaleOptimizerError` at its first
     step. Returns how many were replaced."""
@@ -106,5 +145,5 @@ def watch_replaced_parameters(before: Iterable[nn.Parameter], after: Iterable[nn
     for p in replaced:
         _REPLACED[id(p)] = p
     if replaced:
-        _STALE_CHECK.ensure_registered()
+        STEP_HOOKS.add(model)  # installs the process-wide hooks, which check every optimizer before its step
     return len(replaced)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from ._schema import normalize_fields
 from .dtypes import DTYPE_ALIASES
@@ -20,11 +20,6 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 FP8BackendName = Literal["te", "torchao", "msamp"]
 Device = Literal["auto", "cpu", "cuda"]
 CheckpointingMode = Literal["none", "full", "selective"]
-
-
-def _only(**allowed: tuple[Any, ...]) -> dict[str, Any]:
-    """Field metadata: the field is read only when every named key has one of the given values."""
-    return {"only": allowed}
 
 
 _DTYPE = {"aliases": DTYPE_ALIASES}
@@ -42,16 +37,14 @@ class StrategyConfig:
     """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
     parameters and run the forward under autocast to it. fp16 needs loss scaling: strategy deepspeed only."""
 
-    reduce_dtype: DtypeName = field(default="fp32", metadata={**_DTYPE, **_only(strategy=("ddp", "fsdp", "fsdp1",
-                                                                                       "deepspeed"))})
+    reduce_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
     """Dtype in which gradients are reduced across ranks. Under ddp, bf16/fp16 use DDP's compression hooks,
     which need NCCL (CUDA)."""
 
     buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
     """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
 
-    block_classes: tuple[str, ...] = field(default=(), metadata={"only_any": (
-        {"strategy": ("fsdp", "fsdp1")}, {"activation_checkpointing": ("full", "selective")}, {"compile": (True,)})})
+    block_classes: tuple[str, ...] = ()
     """Class names of the blocks FSDP shards one by one before the root, and that activation checkpointing and
     compile wrap. Empty: Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
 
@@ -60,16 +53,16 @@ class StrategyConfig:
     input); selective (a block keeps the outputs of its matrix multiplies and attention, torchtitan's "op" mode,
     and recomputes the cheap rest)."""
 
-    compile: bool | None = None
+    compile: bool | None = field(default=None, metadata={"none": "auto, the default"})
     """torch.compile each block (in place: names and state-dict keys do not change). None (auto): on where FP8
     runs on a CUDA GPU, off elsewhere (on a CPU compiling costs more than it saves)."""
 
-    reshard_after_forward: bool = field(default=True, metadata=_only(strategy=("fsdp", "fsdp1")))
+    reshard_after_forward: bool = True
     """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward
     (ZeRO-2 style: more memory, less communication). FSDP2's unit of final norm and output layer always keeps
     them: backward needs them first."""
 
-    replicate_degree: int = field(default=1, metadata=_only(strategy=("fsdp",)))
+    replicate_degree: int = 1
     """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
     the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
     reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
@@ -78,29 +71,27 @@ class StrategyConfig:
     device: Device = "auto"
     """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""
 
-    zero_stage: Literal[1, 2, 3] = field(default=2, metadata=_only(strategy=("deepspeed",)))
+    zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
 
-    micro_batch_size: int = field(default=1, metadata=_only(strategy=("deepspeed",)))
+    micro_batch_size: int = 1
     """DeepSpeed train_micro_batch_size_per_gpu (sequences per rank per forward)."""
 
-    grad_accum: int = field(default=1, metadata={**_only(strategy=("deepspeed",)),
-                                                 "cli_aliases": ("--gradient-accumulation-steps",)})
+    grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",)})
     """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
     under every strategy (its global batch split over ranks x micro-batches); in your own loop, fp8dist.no_sync."""
 
-    gradient_clipping: float = field(default=1.0, metadata={**_only(strategy=("deepspeed",)),
-                                                            "cli_aliases": ("--max-grad-norm",)})
+    gradient_clipping: float = field(default=1.0, metadata={"cli_aliases": ("--max-grad-norm",)})
     """Largest global gradient norm (0: no clipping): DeepSpeed's gradient_clipping. fp8dist train clips under
     every strategy; in your own loop, fp8dist.clip_grad_norm_."""
 
-    offload_optimizer: bool = field(default=False, metadata=_only(strategy=("deepspeed",)))
+    offload_optimizer: bool = False
     """DeepSpeed: keep optimizer states on the CPU."""
 
-    offload_param: bool = field(default=False, metadata=_only(strategy=("deepspeed",), zero_stage=(3,)))
+    offload_param: bool = False
     """DeepSpeed ZeRO-3: keep parameters on the CPU."""
 
-    ds_config: str | None = field(default=None, metadata=_only(strategy=("deepspeed",)))
+    ds_config: str | None = None
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
     memory: Literal["standard", "lean"] = "standard"
@@ -108,6 +99,12 @@ class StrategyConfig:
     bytes per parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states
     (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds
     the optimizer: pass optimizer={"type": "AdamW", "lr": ...}. Strategies fsdp, ddp and none."""
+
+    check_ranks: Literal["all", "settings", "off"] = "all"
+    """wrap_model compares every rank's resolved settings, plan, model structure and weights (one all-gather) and
+    fails on every rank naming what differs, instead of a hang or a silent mixture: all; settings (weights may
+    differ on purpose; they are never compared where the strategy copies rank 0's, ddp and deepspeed, nor before
+    they are loaded: meta models, pretrained=); off."""
 
     pretrained: str | None = None
     """A Hugging Face model directory (model.safetensors, or sharded files + model.safetensors.index.json) loaded
@@ -127,8 +124,9 @@ class StrategyConfig:
         for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-        if self.gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 turns clipping off).")
+        if not 0 <= self.gradient_clipping < float("inf"):  # nan fails this too
+            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be a finite number >= 0 (0 turns "
+                             "clipping off).")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -147,55 +145,51 @@ class FP8Config:
     fp8_exclude: tuple[str, ...] = ()
     """Module names (fnmatch patterns, e.g. "lm_head" or "*.mlp.*") kept in the strategy's mixed precision."""
 
-    keep_first_last_linear: bool = field(default=True, metadata=_only(fp8=("torchao",)))
+    keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
 
-    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = field(
-        default="tensorwise", metadata=_only(fp8=("torchao",)))
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
     rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
 
-    torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = field(
-        default="auto", metadata=_only(fp8=("torchao", "te")))
+    torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
     auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
     quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
 
-    fp8_all_gather: bool | None = field(default=None, metadata=_only(fp8=("torchao",), strategy=("fsdp",)))
+    fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default"})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
     off for rowwise recipes (torchao supports it for tensorwise only)."""
 
-    te_recipe: Literal["delayed", "current", "mxfp8"] = field(default="delayed", metadata=_only(fp8=("te",)))
+    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
     mxfp8 (MXFP8BlockScaling, Blackwell)."""
 
-    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata=_only(fp8=("te",)))
+    fp8_format: Literal["E4M3", "HYBRID"] = "HYBRID"
     """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
 
-    margin: int = field(default=0, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    margin: int = 0
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
 
-    interval: int = field(default=1, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    interval: int = 1
     """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
     accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
 
-    amax_history_len: int = field(default=1024, metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    amax_history_len: int = 1024
     """TE delayed scaling: length of the amax history window."""
 
-    amax_compute_algo: Literal["max", "most_recent"] = field(
-        default="max", metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
     """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
 
-    override_linear_precision: tuple[bool, bool, bool] = field(
-        default=(False, False, False), metadata=_only(fp8=("te",), te_recipe=("delayed",)))
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
     DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
 
-    use_autocast_during_eval: bool = field(default=False, metadata=_only(fp8=("te",)))
+    use_autocast_during_eval: bool = False
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
 
-    opt_level: Literal["O1", "O2", "O3"] = field(default="O2", metadata=_only(fp8=("msamp",)))
+    opt_level: Literal["O1", "O2", "O3"] = "O2"
     """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
 
     def __post_init__(self) -> None:

@@ -15,9 +15,10 @@ from typing import overload
 import torch
 from torch import nn
 
+from .axis import StrategyFacts
 from .config import Config
 from .hardware import Hardware, hardware_of
-from .lean import LEAN_SUMMARY
+from .levels import get_level
 
 __all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
            "runs_gemm", "MIN_FP8_SHARE"]
@@ -132,15 +133,13 @@ def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) 
     return not isinstance(module, LOOKUPS) and any(len(shape) >= 2 for shape in shapes)
 
 
-def _fallback_precision(module: nn.Module, cfg: Config) -> str:
-    """What a non-FP8 layer computes in under the strategy: FSDP/DeepSpeed cast parameters to param_dtype;
-    under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls), the rest stays fp32."""
-    if cfg.parallel.strategy in ("fsdp", "fsdp1", "deepspeed"):
+def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
+    """What a non-FP8 layer computes in under the strategy: an engine that casts parameters (FSDP, DeepSpeed) runs
+    every layer in param_dtype; under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls),
+    the rest stays fp32."""
+    if not facts.autocast_forward:
         return cfg.parallel.param_dtype
     return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
-
-
-_LEAN_HEAD = f", memory=lean ({LEAN_SUMMARY})"
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
@@ -149,10 +148,13 @@ class PrecisionPlan(Sequence[PlanEntry]):
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
                  blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard",
-                 hardware: Hardware = Hardware("cpu")) -> None:
+                 hardware: Hardware = Hardware("cpu"), facts: StrategyFacts = StrategyFacts()) -> None:
         self._entries = entries
         self.hardware = hardware
         """The machine the plan was made for: the device the model trains on, or a named target."""
+        self.facts = facts
+        """What the strategy does to parameters (on the world size planned for): the backends' conversion and
+        wiring read these, never the strategy's name."""
         self.backend = backend
         self.strategy = strategy
         self.memory = memory
@@ -220,8 +222,10 @@ class PrecisionPlan(Sequence[PlanEntry]):
                 f"fallback {len(rest)} layers / {sum(e.params for e in rest):,} params")
 
     def __str__(self) -> str:
+        summary = get_level(self.memory).summary
+        level = f", memory={self.memory} ({summary})" if summary else ""
         head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
-                f"strategy={self.strategy}{_LEAN_HEAD if self.memory == 'lean' else ''} -- {self.counts()}")
+                f"strategy={self.strategy}{level} -- {self.counts()}")
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -260,16 +264,18 @@ def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_i
     return gate
 
 
-def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware,
+def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware, world_size: int = 1,
                    fp8_filter: FP8Filter | None = None, check_hardware: bool = True,
                    check_installed: bool = True) -> PrecisionPlan:
-    """Decide per module whether it runs in FP8, and why. Call before conversion and sharding.
+    """Decide per module whether it runs in FP8, and why. Call before conversion and sharding. A pure function of
+    the model, the config, the hardware and the world size: it reads no environment variable and no process group.
 
     Args:
         model: the unwrapped model.
         cfg: the resolved config (backend, its knobs, the strategy's mixed precision).
         device: where the model will run (for the hardware gate and the MoE experts' recipe), or a
             :class:`~fp8dist.hardware.Hardware` to plan for another machine (``fp8dist plan --target h100``).
+        world_size: the ranks the model will be sharded over (how evenly each FP8 weight shards).
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
         check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
         check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
@@ -277,8 +283,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
     """
-    from .blocks import block_refusals, compile_decision
-    from .fp8 import NO_FP8, get_backend
+    from .blocks import compile_decision
+    from .combine import facts_of, refusing_rule
+    from .fp8 import get_backend
     from .fp8.moe import is_experts
 
     if fp8_filter is not None and not callable(fp8_filter):
@@ -286,7 +293,13 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
                         "fp8_exclude=[patterns] to keep modules out of FP8 by name.")
     fp8 = cfg.precision.fp8
     backend = get_backend(fp8) if fp8 else None
-    hardware = hardware_of(device)
+    from .strategies import STRATEGIES
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (the ranks the model is sharded over).")
+    STRATEGIES[cfg.parallel.strategy].check_launch(cfg, world_size)  # HSDP groups that do not divide the world
+    hardware, facts = hardware_of(device), facts_of(cfg, world_size)
+    others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     gate = check_fp8_available(cfg, hardware, check_installed=check_installed) if check_hardware else None
     reserved = backend.model_exclusions(model, cfg) if backend else {}
     entries = []
@@ -296,8 +309,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
             continue
         kind, grouped = type(module).__name__, is_experts(module)
         flops = _gemm_flops(module, params, grouped)
-        fallback = _fallback_precision(module, cfg)
-        reason = _decide(backend, module, name, cfg, hardware, gate, reserved, fp8_filter)
+        fallback = _fallback_precision(module, cfg, facts)
+        reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
             computes_fp8 = backend.computes_in_fp8(module)
@@ -306,17 +319,25 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
                                      grouped))
         else:
             entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops, grouped))
-    detail = backend.describe(cfg) if backend else ""
+    detail = backend.describe(cfg, facts) if backend else ""
     if gate:
         detail = f"fallback: {gate}"
     converted = any(e.converted_to for e in entries)
-    compile_refusal, _ = block_refusals(cfg, backend if backend and converted else NO_FP8)
-    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware,
-                                     compile_refusal[1] if compile_refusal else None)
+    refusal = refusing_rule(cfg, compile=True)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refusal and refusal.reason)
+    notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries)] if backend else []
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
-                         notes=_unmatched_excludes(cfg, [e.name for e in entries]) if backend else (),
-                         blocks=(cfg.parallel.activation_checkpointing, compiled, why), memory=cfg.parallel.memory,
-                         hardware=hardware)
+                         notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
+                         memory=cfg.parallel.memory, hardware=hardware, facts=facts)
+
+
+def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
+    """``torchao_moe_recipe`` set on a model without MoE experts does nothing: say so."""
+    default = type(cfg.precision)().torchao_moe_recipe
+    if cfg.precision.torchao_moe_recipe == default or any(e.grouped for e in entries):
+        return []
+    return [f"torchao_moe_recipe={cfg.precision.torchao_moe_recipe!r} has no effect: the model has no MoE experts "
+            "module (fused 3-D expert weights) for it to convert"]
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
@@ -343,8 +364,9 @@ def _filter_says(fp8_filter: FP8Filter, module: nn.Module, name: str) -> bool:
     return keep
 
 
-def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardware, gate: str | None,
-            reserved: dict[str, str], fp8_filter: FP8Filter | None) -> str | None:
+def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardware, facts: StrategyFacts,
+            gate: str | None, reserved: dict[str, str], fp8_filter: FP8Filter | None,
+            others: dict[str, StrategyFacts]) -> str | None:
     """None when the module converts; else the reason it keeps the strategy's precision."""
     if backend is None:
         return "fp8 off: strategy mixed precision"
@@ -359,4 +381,12 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardwa
         return "excluded by fp8_filter"
     if name in reserved:
         return reserved[name]
-    return backend.ineligible_reason(module, name, cfg, hardware)
+    reason = backend.ineligible_reason(module, name, cfg, hardware, facts)
+    if reason is None:
+        return None
+    # a layer kept out by what the strategy does to parameters: the strategies under which it would convert
+    converts = [n for n, f in others.items() if backend.ineligible_reason(module, name, cfg, hardware, f) is None]
+    if not converts:
+        return reason
+    shown = ", ".join(repr(n) for n in converts[:-1]) + (" or " if len(converts) > 1 else "") + repr(converts[-1])
+    return f"{reason}; strategy={shown} runs it in FP8"

@@ -60,13 +60,13 @@ class SafetensorsDir:
             self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
         self._aliases: dict[str, Any] = {}
         """Names the model has that the files hold under an older layout: the file's name, or the per-expert
-        tensors of a fused experts parameter (:mod:`fp8dist.checkpoint.hf_layouts`)."""
+        tensors of a fused experts parameter (:mod:`fp8dist.hf_layouts`)."""
 
     def adopt_layout(self, wanted: list[str], model_type: str | None) -> None:
         """Answer for the names in ``wanted`` that the files hold in ``model_type``'s older layout (Mixtral's
         per-expert ``block_sparse_moe.experts.N.w1``, ...): they are then found, shaped and read as the model
         names them, and the files' own names for them are no longer listed."""
-        from .checkpoint.hf_layouts import resolve
+        from .hf_layouts import resolve
 
         for name, found in resolve(wanted, self.shapes, self.dtypes, model_type).items():
             self._aliases[name] = found

@@ -258,15 +258,17 @@ def test_launcher_spellings_and_documented_forms(tmp_path):
         "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer, LlamaMLP",
                         "reshard_after_forward": "false", "backward_prefetch_policy": "BACKWARD_PRE"},
         "fp8_config": {"fp8_backend": "te", "override_linear_precision": "(false, true, false)",
-                       "use_mxfp8_block_scaling": True, "fp8_exclude": ["lm_head"]},
+                       "use_mxfp8_block_scaling": False, "fp8_exclude": ["lm_head"]},
         "main_process_ip": None, "gpu_ids": None, "main_process_port": None,
         "megatron_lm_config": {}, "dynamo_config": {"dynamo_backend": "NO"}, "compute_environment": "LOCAL_MACHINE",
     })
     assert notes == []  # null and empty launcher keys ask the launcher for nothing
     assert _changed(config) == {"strategy": "fsdp", "block_classes": ["LlamaDecoderLayer", "LlamaMLP"],
                                 "reshard_after_forward": False,
-                                "fp8": "te", "te_recipe": "mxfp8", "override_linear_precision": [False, True, False],
+                                "fp8": "te", "override_linear_precision": [False, True, False],
                                 "fp8_exclude": ["lm_head"]}
+    mxfp8, _ = _resolve({"mixed_precision": "fp8", "fp8_config": {"backend": "TE", "use_mxfp8_block_scaling": True}})
+    assert mxfp8.precision.te_recipe == "mxfp8"
     ddp, _ = _resolve({"distributed_type": "MULTI_CPU", "mixed_precision": "no", "fp16": False})
     assert _changed(ddp) == {"strategy": "ddp", "device": "cpu", "param_dtype": "fp32", "fp8": None}
     fsdp1, _ = _resolve({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}})
@@ -274,6 +276,8 @@ def test_launcher_spellings_and_documented_forms(tmp_path):
     ds, _ = _resolve({"distributed_type": "DEEPSPEED", "mixed_precision": "fp16",
                       "deepspeed_config": {"deepspeed_config_file": "ds.json", "zero3_init_flag": False}})
     assert _changed(ds) == {"strategy": "deepspeed", "param_dtype": "fp16", "ds_config": "ds.json", "fp8": None}
+    old_place, _ = _resolve({"dynamo_backend": "INDUCTOR"})  # Accelerate's older place for the dynamo backend
+    assert old_place.parallel.compile is True
 
 
 def _yaml(**blocks) -> str:
@@ -301,13 +305,27 @@ REFUSED = [
     ("downcast", _yaml(downcast_bf16="yes"), ["downcast_bf16='yes'", "TPUs are not fp8dist's"]),
     ("tpu cluster", _yaml(tpu_use_cluster=True), ["tpu_use_cluster=True", "TPUs are not fp8dist's"]),
     ("tpu name", _yaml(tpu_name="pod"), ["tpu_name='pod'", "TPUs are not fp8dist's", "Remove the key"]),
-    ("dynamo", _yaml(dynamo_config={"dynamo_backend": "INDUCTOR"}),
-     ["dynamo_config.dynamo_backend='INDUCTOR'", "does not torch.compile", "Accepted here: 'NO'"]),
-    ("dynamo old place", _yaml(dynamo_backend="INDUCTOR"), ["dynamo_backend='INDUCTOR'", "does not torch.compile"]),
     ("tensor parallel", _yaml(parallelism_config={"parallelism_config_tp_size": 2}),
      ["parallelism_config.parallelism_config_tp_size=2", "no tensor parallelism", "Accepted here: 1"]),
-    ("hsdp", _yaml(parallelism_config={"parallelism_config_dp_replicate_size": 2}),
-     ["parallelism_config_dp_replicate_size=2", "no hybrid sharding", "Remove it"]),
+    ("dynamo backend", _yaml(dynamo_config={"dynamo_backend": "EAGER"}),
+     ["dynamo_config.dynamo_backend='EAGER'", "default backend (inductor)", "Accepted here: 'NO', 'INDUCTOR'"]),
+    ("dynamo mode", _yaml(dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_mode": "max-autotune"}),
+     ["dynamo_config.dynamo_mode='max-autotune'", "torch.compile's defaults", "Accepted here: 'default'"]),
+    ("dynamo fullgraph", _yaml(dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_use_fullgraph": True}),
+     ["dynamo_config.dynamo_use_fullgraph=True", "each block on its own", "Accepted here: False"]),
+    ("hybrid shard on one node", _yaml(**FSDP, num_machines=1, fsdp_config={"fsdp_version": 2,
+                                                                          "fsdp_sharding_strategy": "HYBRID_SHARD"}),
+     ["fsdp_config.fsdp_sharding_strategy='HYBRID_SHARD' replicates across nodes", "num_machines is 1",
+      "parallelism_config_dp_replicate_size", "use FULL_SHARD"]),
+    # what no chosen axis reads is refused with the combination table's words (fp8dist.combine), not the translator's
+    ("hsdp under fsdp1", _yaml(**FSDP, fsdp_config={"fsdp_version": 1},
+                               parallelism_config={"parallelism_config_dp_replicate_size": 2}),
+     ["parallelism_config.parallelism_config_dp_replicate_size sets replicate_degree=2 has no effect here (read only "
+      "when strategy in ['fsdp']; strategy='fsdp1')"]),
+    ("fp8 all-gather under fsdp1", _yaml(**FSDP, mixed_precision="fp8", fsdp_config={"fsdp_version": 1},
+                                         fp8_config={"backend": "AO", "enable_fsdp_float8_all_gather": True}),
+     ["fp8_config.enable_fsdp_float8_all_gather sets fp8_all_gather=True has no effect here (read only when fp8 in "
+      "['torchao'] and strategy in ['fsdp']"]),
     ("megatron block", _yaml(megatron_lm_config={"megatron_lm_tp_degree": 2}),
      ["megatron_lm_config.megatron_lm_tp_degree=2", "no Megatron-LM"]),
     ("fsdp offload", _yaml(**FSDP, fsdp_config={"fsdp_offload_params": True}),
@@ -318,8 +336,6 @@ REFUSED = [
     ("no shard", _yaml(**FSDP, fsdp_config={"fsdp_reshard_after_forward": "NO_SHARD"}),
      ["fsdp_config.fsdp_reshard_after_forward='NO_SHARD'", "distributed_type: MULTI_GPU",
       "Accepted here: True, False, 'FULL_SHARD', 'SHARD_GRAD_OP'"]),
-    ("hybrid shard", _yaml(**FSDP, fsdp_config={"fsdp_sharding_strategy": "HYBRID_SHARD"}),
-     ["fsdp_config.fsdp_sharding_strategy='HYBRID_SHARD'", "no hybrid sharding", "Use FULL_SHARD"]),
     ("size wrap", _yaml(**FSDP, fsdp_config={"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}),
      ["fsdp_auto_wrap_policy='SIZE_BASED_WRAP'", "shards block by block", "Use TRANSFORMER_BASED_WRAP"]),
     ("no wrap", _yaml(**FSDP, fsdp_config={"fsdp_auto_wrap_policy": "NO_WRAP"}),
@@ -335,12 +351,6 @@ REFUSED = [
       "Accepted here: 'SHARDED_STATE_DICT'"]),
     ("orig params off", _yaml(**FSDP, fsdp_config={"fsdp_use_orig_params": False}),
      ["fsdp_use_orig_params=False", "always uses use_orig_params=True", "Accepted here: True"]),
-    ("ram efficient loading", _yaml(**FSDP, fsdp_config={"fsdp_cpu_ram_efficient_loading": True}),
-     ["fsdp_cpu_ram_efficient_loading=True", "complete on every rank", "Accepted here: False"]),
-    ("sync module states", _yaml(**FSDP, fsdp_config={"fsdp_sync_module_states": True}),
-     ["fsdp_sync_module_states=True", "does not broadcast rank 0's weights", "same model on every rank"]),
-    ("activation checkpointing", _yaml(**FSDP, fsdp_config={"fsdp_activation_checkpointing": True}),
-     ["fsdp_activation_checkpointing=True", "model.gradient_checkpointing_enable()"]),
     ("fsdp block without FSDP", _yaml(distributed_type="MULTI_GPU", fsdp_config={"fsdp_version": 2}),
      ["fsdp_config is read only with distributed_type: FSDP (this file: MULTI_GPU)", "Set distributed_type: FSDP"]),
     ("fsdp key typo", _yaml(**FSDP, fsdp_config={"fsdp_offload_param": False}),
@@ -363,8 +373,6 @@ REFUSED = [
      ["offload_param_nvme_path='/nvme'", "read only with NVMe offload"]),
     ("param offload below stage 3", _yaml(**DS, deepspeed_config={"zero_stage": 2, "offload_param_device": "cpu"}),
      ["offload_param_device='cpu' with zero_stage 2", "Use zero_stage: 3, or offload_param_device: none"]),
-    ("zero init", _yaml(**DS, deepspeed_config={"zero3_init_flag": True}),
-     ["deepspeed_config.zero3_init_flag=True", "not under deepspeed.zero.Init", "Accepted here: False"]),
     ("16-bit save", _yaml(**DS, deepspeed_config={"zero3_save_16bit_model": True}),
      ["zero3_save_16bit_model=True", "stage3_gather_16bit_weights_on_model_save", "engine.save_16bit_model"]),
     ("moe", _yaml(**DS, deepspeed_config={"deepspeed_moe_layer_cls_names": "MixtralSparseMoeBlock"}),
@@ -449,3 +457,103 @@ def test_plan_cli_with_a_broken_file_exits_2_with_one_line(tmp_path, capsys):
     assert captured.err.splitlines() == [captured.err.strip()]
     assert captured.err.startswith(f"fp8dist plan: error: config file '{path}' is not valid YAML: line 4, column 2: ")
     assert "Traceback" not in captured.err
+
+
+# ---- files as Accelerate 1.15 writes them: its own ClusterConfig.to_yaml_file, with the wizard's answers -----------
+
+def _written_by_accelerate(tmp_path: Path, name: str, **answers) -> Path:
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import ComputeEnvironment
+
+    path = tmp_path / name
+    config = ClusterConfig(compute_environment=ComputeEnvironment.LOCAL_MACHINE, use_cpu=False, debug=False, **answers)
+    config.to_yaml_file(path) if name.endswith(".yaml") else config.to_json_file(path)
+    return path
+
+
+# the wizard's FSDP answers, its defaults for the rest: cpu-RAM-efficient loading is the wizard's default answer,
+# and with it sync_module_states is set for the user (accelerate/commands/config/cluster.py)
+FSDP2_ANSWERS = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_offload_params": False,
+                 "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                 "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                 "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,
+                 "fsdp_activation_checkpointing": True}
+
+
+def test_accelerate_written_fsdp2_checkpointing_dynamo_hsdp_ao_loads_as_those_options(tmp_path):
+    from accelerate.utils import DistributedType, DynamoBackend
+
+    path = _written_by_accelerate(
+        tmp_path, "fsdp2.yaml", distributed_type=DistributedType.FSDP, mixed_precision="fp8", num_processes=4,
+        num_machines=2, fsdp_config=FSDP2_ANSWERS,
+        parallelism_config={"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
+                            "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1},
+        dynamo_config={"dynamo_backend": DynamoBackend.INDUCTOR.value, "dynamo_mode": "default",
+                       "dynamo_use_fullgraph": False, "dynamo_use_dynamic": False,
+                       "dynamo_use_regional_compilation": True},
+        fp8_config={"backend": "AO", "enable_fsdp_float8_all_gather": True, "pad_inner_dim": False})
+    config, notes = _resolve(path)
+    assert _changed(config) == {"strategy": "fsdp", "block_classes": ["LlamaDecoderLayer"],
+                                "activation_checkpointing": "full", "compile": True, "replicate_degree": 2,
+                                "fp8": "torchao", "fp8_all_gather": True}
+    model_notice = [n for n in notes if "about how the model is built" in n]
+    assert len(model_notice) == 1 and "build the model on the meta device" in model_notice[0]
+    assert "check_ranks" in model_notice[0]  # sync_module_states: fp8dist checks instead of broadcasting
+
+
+def test_accelerate_written_hybrid_shard_replicates_over_the_nodes(tmp_path):
+    from accelerate.utils import DistributedType
+
+    path = _written_by_accelerate(tmp_path, "hybrid.json", distributed_type=DistributedType.FSDP,
+                                  mixed_precision="bf16", num_processes=16, num_machines=2,
+                                  fsdp_config={**FSDP2_ANSWERS, "fsdp_reshard_after_forward": "HYBRID_SHARD_ZERO2",
+                                               "fsdp_activation_checkpointing": False})
+    config, _ = _resolve(path)
+    assert (config.parallel.replicate_degree, config.parallel.reshard_after_forward) == (2, False)
+
+
+def test_accelerate_written_zero3_init_is_honoured_by_building_on_meta(tmp_path):
+    from accelerate.utils import DistributedType
+
+    path = _written_by_accelerate(tmp_path, "zero3.yaml", distributed_type=DistributedType.DEEPSPEED,
+                                  mixed_precision="bf16",
+                                  deepspeed_config={"zero_stage": 3, "offload_optimizer_device": "none",
+                                                    "offload_param_device": "none", "gradient_accumulation_steps": 1,
+                                                    "zero3_save_16bit_model": False, "zero3_init_flag": True})
+    config, notes = _resolve(path)
+    assert (config.parallel.strategy, config.parallel.zero_stage) == ("deepspeed", 3)
+    assert any("zero3_init_flag: build the model on the meta device" in n and "deepspeed.zero.Init" in n
+               for n in notes)
+
+
+# ---- the translator cannot drift from the schema --------------------------------------------------------------------
+
+def test_every_target_is_an_option_and_every_option_is_mapped_or_listed_as_not_in_accelerate():
+    """A new fp8dist option fails here until an Accelerate key maps to it or NO_ACCELERATE_KEY says why none does
+    (the translator once refused dynamo_config, activation checkpointing and HSDP after fp8dist had all three)."""
+    from fp8dist.accelerate_config import NO_ACCELERATE_KEY, targets
+
+    options = set(Config().to_dict())
+    assert targets() <= options
+    assert targets() | set(NO_ACCELERATE_KEY) == options
+    assert not targets() & set(NO_ACCELERATE_KEY)
+
+
+def test_every_value_the_tables_set_is_valid_for_its_option():
+    """Each value a table writes into an option is one the option's own type takes (its schema decides)."""
+    import fp8dist.accelerate_keys as translator
+    from fp8dist.accelerate_config import _normalized
+
+    checked = 0
+    for table in (translator._TOP, translator._FSDP, translator._DEEPSPEED, translator._FP8, translator._DYNAMO):
+        for rule in table.values():
+            for result in (rule.values or {}).values():
+                if isinstance(result, (translator._Refuse, translator._Mark)):
+                    continue
+                items = result if len(rule.to) > 1 else (result,)
+                for key, item in zip(rule.to, items):
+                    if isinstance(item, (translator._Refuse, translator._Mark)):
+                        continue
+                    assert _normalized(key, item) == item or isinstance(item, bool)
+                    checked += 1
+    assert checked >= 20  # the tables write at least that many values (a blind loop would check none)

@@ -117,17 +117,22 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights(fsdp_
     scales = fp8["comm"]["all_reduce"]["bytes"]
     assert scales == 4 * layers and "all_reduce" not in bf16["comm"]
     ratio = (converted_fp8 + scales) / converted_bf16
-    assert 0.45 < ratio < 0.6
     assert ratio == pytest.approx(0.5 + 2 * layers / (gathers * n_fp8), rel=1e-9)
     assert fp8["comm"]["reduce_scatter"] == bf16["comm"]["reduce_scatter"]  # gradients reduce in fp32 either way
     assert bf16["lrs"] == fp8["lrs"] == [1e-3] * STEPS  # the default schedule: constant
 
 
-def _check_cell(cell: dict) -> None:
-    assert cell["tokens_per_s"] > 0 and cell["median_step_s"] > 0
+def _check_cell(cell: dict, settings: dict) -> None:
+    """The figures of a cell are what their definitions make them, from the cell's own step times."""
+    from fp8dist.bench.cell import TIMING_WARMUP
+
     assert len(cell["losses"]) == len(cell["step_times_s"]) == STEPS
-    assert all(2.0 < loss < 6.0 for loss in cell["losses"])
-    assert cell["comm"]["all_gather"]["bytes"] > 0 and cell["comm"]["reduce_scatter"]["bytes"] > 0
+    assert cell["tokens_per_step"] == settings["batch_size"] * cell["world_size"] * settings["seq_len"]
+    assert cell["median_step_s"] == statistics.median(cell["step_times_s"][TIMING_WARMUP:STEPS - 1])
+    assert cell["tokens_per_s"] == cell["tokens_per_step"] / cell["median_step_s"]
+    assert cell["losses"][-1] < cell["losses"][0], "it trains"
+    # FSDP2 reduce-scatters every gradient once per step: fp32, or bf16 at the lean level
+    assert cell["comm"]["reduce_scatter"]["bytes"] == (2 if cell["memory"] == "lean" else 4) * cell["params"]
     # FSDP2 over 2 ranks: each keeps half of the fp32 parameters, gradients and both Adam moments; lean: half of
     # the bf16 weights and gradients and of the 8-bit states (+ their scales, code maps and steps: 3.09)
     per_param = 3.09 if cell["memory"] == "lean" else 8.0
@@ -158,7 +163,7 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(bench_run):
     assert list(cells) == ["fsdp/bf16/tiny", "fsdp/torchao/tiny", "fsdp/bf16+lean/tiny", "fsdp/torchao+lean/tiny",
                            "fsdp/bf16/tiny/vs-raw", "fsdp/torchao/tiny/vs-raw"]
     for cell in cells.values():
-        _check_cell(cell)
+        _check_cell(cell, doc["settings"])
     for name in ("fsdp/bf16/tiny", "fsdp/torchao/tiny"):
         assert len(cells[name]["peak_memory_mib"]) == 2, "one peak per rank"
     vs_bf16 = cells["fsdp/torchao/tiny"]["vs_bf16"]

@@ -252,8 +252,9 @@ def test_mixtral_experts_run_torchaos_moe_conversion_emulated_on_cpu(tmp_path):
     assert r["wrapped"] and r["full"] == (4, 512, 128) and r["local"] == (2, 512, 128)  # experts sharded on dim 0
     for rank in results:
         assert rank["ours"] == rank["ref"], (rank["ours"], rank["ref"])
-        # emulated MXFP8 (E4M3 values, one power-of-two scale per 32) vs bf16: a few 1e-3 on a loss of ~5.5
-        assert max(abs(a - b) for a, b in zip(rank["ours"], rank["bf16"])) < 0.02, (rank["ours"], rank["bf16"])
+        # emulated MXFP8 (E4M3 values, one power-of-two scale per 32) vs bf16 on a loss of ~5.5: measured 0.0033 and
+        # 0.0037 (ranks 0, 1; 2026-11-24)
+        assert max(abs(a - b) for a, b in zip(rank["ours"], rank["bf16"])) < 0.005, (rank["ours"], rank["bf16"])
     assert r["ours"][-1] < r["ours"][0]
     assert all(rank["checkpoint_equal"] for rank in results)
     assert all(rank["ddp"][0] == rank["ddp"][1] for rank in results), [rank["ddp"] for rank in results]
@@ -277,7 +278,8 @@ def test_mixtral_experts_under_strategies_that_break_torchaos_wrapper_say_so(str
     cfg = fp8dist.resolve_config(strategy=strategy, fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
     plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"))
     entry = plan.by_name("model.layers.0.mlp.experts")
-    assert entry.precision == "bf16" and "strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8" in entry.reason
+    # the way out is asked of the backend with each other strategy's facts
+    assert entry.precision == "bf16" and entry.reason.endswith("; strategy='fsdp', 'ddp' or 'none' runs it in FP8")
 
 
 def test_mixtral_experts_outside_grouped_mm_are_not_claimed():
@@ -364,15 +366,19 @@ def test_float8_conv1d_equals_the_linear_swap_in_one_process(recipe):
 
 def test_mixtral_experts_that_fsdp2_would_shard_unevenly_stay_bf16_and_say_why(monkeypatch):
     """4 experts over 3 ranks: FSDP2 pads, torchao's MoE wrapper does not (tried: FSDP2's assertion on the padded
-    shard size), so the plan keeps them in bf16 (the launcher's environment gives the world size)."""
-    for key, value in dict(WORLD_SIZE="3", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+    shard size), so the plan keeps them in bf16. The world size is the plan's argument: a launcher's environment
+    saying otherwise changes nothing (the plan is a pure function of model, config, hardware and world size)."""
+    for key, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29999").items():
         monkeypatch.setenv(key, value)
     cfg = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", torchao_moe_recipe="mxfp8_emulated")
-    plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"))
+    plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), world_size=3)
     entry = plan.by_name("model.layers.1.mlp.experts")
     assert entry.precision == "bf16"
     assert entry.reason.startswith("4 experts do not split evenly over 3 FSDP2 shards")
+    assert entry.reason.endswith("; strategy='ddp' or 'none' runs it in FP8")  # replicated: nothing to split
+    even = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), world_size=2)
+    assert even.by_name("model.layers.1.mlp.experts").precision == "fp8"
 
 
 @pytest.mark.parametrize("family", ["gpt2", "mixtral"])

@@ -50,9 +50,12 @@ def test_msamp_needs_an_optimizer_and_all_linears_eligible(standin_msamp):
 
 
 def test_combinations_msamp_cannot_do_are_config_errors():
-    with pytest.raises(ValueError, match="fp8='msamp' with strategy='fsdp'.*strategy='ddp' or 'none'"):
+    # the ways out come from the combination table: what would combine with each value as given
+    with pytest.raises(ValueError, match="fp8='msamp' with strategy='fsdp'.*With strategy='fsdp' use fp8='te' or "
+                                         "'torchao'; with fp8='msamp' use strategy='none', 'ddp' or 'deepspeed'"):
         wrap_model(build_llama("tiny"), strategy="fsdp", fp8="msamp")
-    with pytest.raises(ValueError, match="opt_level='O3' with strategy='ddp'.*only under strategy='deepspeed'"):
+    with pytest.raises(ValueError, match="opt_level='O3' with strategy='ddp'.*With strategy='ddp' use "
+                                         "opt_level='O1' or 'O2'; with opt_level='O3' use strategy='deepspeed'"):
         wrap_model(build_llama("tiny"), strategy="ddp", fp8="msamp", opt_level="O3")
 
 

@@ -1,6 +1,7 @@
 """The package's layout as a graph: every import between fp8dist's modules, at module level or inside a function,
-read from the source (nothing is imported). The pipeline never depends on a tool, the FP8 backends never on a
-sharding engine, the library never on the CLI, and nothing imports itself back in a cycle."""
+with the package ``__init__`` each import runs, read from the source (nothing is imported; imports under
+``if TYPE_CHECKING:`` never run and do not count). The FP8 backends never depend on a sharding engine nor read its
+name, the library never imports the CLI, and nothing imports itself back in a cycle of any kind."""
 
 from __future__ import annotations
 
@@ -21,11 +22,33 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: imports there never run."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def _packages_run(target: str, importer: str, modules: dict[str, Path]) -> set[str]:
+    """The sub-package ``__init__``s importing ``target`` runs: every package on its path, but the root (the public
+    facade every import passes) and the packages the importer itself is inside (already running)."""
+    parts = target.split(".")
+    return {p for p in (".".join(parts[:i]) for i in range(2, len(parts)))
+            if p in modules and not (importer == p or importer.startswith(p + "."))}
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The fp8dist modules ``name`` imports: ``from X import y`` names module X.y when that is a module, else X."""
+    """The fp8dist modules ``name`` imports, lazily or not: ``from X import y`` names module X.y when that is a
+    module, else X; and the package ``__init__``s each import runs on its way."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_blocks(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -37,6 +60,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
+    found |= {p for m in list(found) for p in _packages_run(m, name, modules)}
     return {m for m in found if m in modules and m != name}
 
 
@@ -86,13 +110,25 @@ def _edges(graph: dict[str, set[str]], source: str, target: str) -> list[tuple[s
 
 
 def test_the_graph_reads_real_imports():
-    """The reader sees what is there: known edges, module-level and lazy, are found (so an empty answer below
-    means no such import, not a blind reader)."""
+    """The reader sees what is there: known edges, module-level and lazy, and the package ``__init__`` an import
+    runs, are found (so an empty answer below means no such import, not a blind reader)."""
     graph = _graph()
     assert "fp8dist.memory.rows" in graph["fp8dist.memory.precision_report"]  # module level, relative
     assert "fp8dist.strategies.introspect" in graph["fp8dist.memory.row_dtypes"]  # inside a function
     assert "fp8dist.cli.common" in graph["fp8dist.cli.train"]
     assert {"fp8dist.checkpoint", "fp8dist.memory"} <= graph["fp8dist"]
+    # importing fp8dist.strategies.local_shards runs fp8dist/strategies/__init__.py first
+    assert {"fp8dist.strategies.local_shards", "fp8dist.strategies"} <= graph["fp8dist.meta_init"]
+    # ... but a module inside a package does not run its own package's __init__ again
+    assert "fp8dist.strategies" not in graph["fp8dist.strategies.fsdp"]
+
+
+def test_the_reader_counts_package_inits_and_skips_type_checking(tmp_path):
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x\n"
+    (tmp_path / "a.py").write_text(source + "def f():\n    from .pkg.c import y\n")
+    modules = {"fp8dist.a": tmp_path / "a.py", "fp8dist.b": tmp_path / "b.py", "fp8dist.pkg": tmp_path / "p.py",
+               "fp8dist.pkg.c": tmp_path / "c.py"}
+    assert _imports("fp8dist.a", tmp_path / "a.py", modules) == {"fp8dist.pkg", "fp8dist.pkg.c"}
 
 
 def test_no_import_cycles():
@@ -109,6 +145,18 @@ def test_fp8_backends_and_sharding_strategies_do_not_import_each_other():
     assert _edges(graph, "fp8dist.strategies", "fp8dist.fp8") == []
 
 
+_STRATEGY_NAMES = {"fsdp", "fsdp1", "ddp", "deepspeed"}
+
+
+def test_no_fp8_backend_compares_a_strategy_name():
+    """No string constant in fp8/ is a strategy's name: a backend decides on the strategy's facts, so no
+    ``strategy == "fsdp"`` can hide there (prose in messages may name strategies)."""
+    found = [(path.name, node.lineno, node.value) for path in (PACKAGE / "fp8").rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value in _STRATEGY_NAMES]
+    assert found == []
+
+
 def test_the_library_never_imports_the_cli():
     graph = _graph()
     users = sorted(a for a, bs in graph.items() for b in bs
@@ -118,13 +166,24 @@ def test_the_library_never_imports_the_cli():
 
 
 def test_tools_live_in_their_folders_and_the_top_level_is_the_pipeline():
-    """No private ``_x.py`` helper of one tool at the top level: a tool's files are in its folder."""
+    """No private ``_x.py`` helper of one tool at the top level: a tool's files are in its folder; each axis is a
+    package with one module per value."""
     top = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert top == ["_files.py", "_schema.py", "_version.py"]  # shared by the pipeline and every tool
-    for folder in ("checkpoint", "memory", "bench", "cli", "fp8", "strategies"):
+    for folder in ("checkpoint", "memory", "bench", "cli", "fp8", "strategies", "levels"):
         assert (PACKAGE / folder / "__init__.py").is_file()
+    from fp8dist.fp8 import BACKENDS
+    from fp8dist.levels import LEVELS
+    from fp8dist.strategies import STRATEGIES
+
+    for folder, names in (("strategies", STRATEGIES), ("fp8", BACKENDS), ("levels", LEVELS)):
+        homes = {type(v).__module__ for v in names.values()} if folder != "fp8" else \
+            {f"fp8dist.fp8.{module}" for module in names.values()}
+        assert len(homes) >= len(names) - (folder == "levels"), (folder, homes)  # the standard level lives in __init__
 
 
-def test_every_public_name_is_importable_from_the_top():
+def test_every_public_name_is_fp8dists_own():
+    """``fp8dist.__all__`` names objects defined in fp8dist (nothing re-exported from elsewhere by accident)."""
     for name in fp8dist.__all__:
-        assert getattr(fp8dist, name) is not None
+        value = getattr(fp8dist, name)
+        assert name == "__version__" and isinstance(value, str) or value.__module__.startswith("fp8dist"), name

@@ -344,8 +344,8 @@ def test_meta_model_with_pretrained_loads_bf16_weights_and_trains_as_the_eager_l
 
 @pytest.mark.parametrize("options, needle", [
     ({"strategy": "deepspeed"}, "fp32 master partitions"),
-    ({"strategy": "fsdp1"}, "strategy='fsdp' (FSDP2)"),
-    ({"strategy": "ddp", "fp8": "msamp"}, "fp8='torchao'"),
+    ({"strategy": "fsdp1"}, "with memory='lean' use strategy='none', 'ddp' or 'fsdp'"),
+    ({"strategy": "ddp", "fp8": "msamp"}, "with memory='lean' use fp8='te' or 'torchao'"),
     ({"param_dtype": "fp32"}, "param_dtype='bf16'"),
     ({"reduce_dtype": "fp16"}, "reduce_dtype"),
     ({"optimizer": None}, "optimizer={'type': 'AdamW'"),

@@ -348,13 +348,15 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
     warnings.simplefilter("ignore")
     zero3 = dict(strategy="deepspeed", zero_stage=3, micro_batch_size=2, optimizer={"type": "AdamW", "lr": 1e-3})
     result = {}
-    for stage, fp8 in ((2, None), (3, None), (3, "torchao")):  # ZeRO-2 keeps whole parameters: materialized whole
+    # ZeRO-3 + meta + pretrained= is this fresh process's first distributed call, as in a user's script: zero.Init
+    # once read DeepSpeed's world size (1) before deepspeed.comm was set up, and refused the batch size
+    for stage, fp8 in ((3, None), (2, None), (3, "torchao")):  # ZeRO-2 keeps whole parameters: materialized whole
         kwargs = {**zero3, "zero_stage": stage}
-        eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **kwargs)
-        expected = engine_losses(eager, rank, world, steps=STEPS)
         engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **kwargs)
         loaded = fp8dist.get_wrap_info(engine).pretrained
         losses = engine_losses(engine, rank, world, steps=STEPS)
+        eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **kwargs)
+        expected = engine_losses(eager, rank, world, steps=STEPS)
         result[f"ZeRO-{stage} fp8={fp8}"] = (expected, losses, loaded.bytes_read / loaded.checkpoint_bytes,
                                             _held_fraction(engine))
     trained = _full_weights(engine)  # the optimizer's fp32 master weights

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..lean import STRATEGY_REFUSALS as LEAN_REFUSED
+from ..combine import refusal_of
 from .cell import Cell
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
@@ -100,7 +100,7 @@ def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str
         tries.append(("--activation-checkpointing full", replace(cell, activation_checkpointing="full")))
     tries += [(f"--batch-size {n}", replace(cell, batch_size=n)) for n in (cell.batch_size // 2, 1)
               if 1 <= n < cell.batch_size]
-    if cell.memory == "standard" and cell.strategy not in LEAN_REFUSED:
+    if cell.memory == "standard" and refusal_of(strategy=cell.strategy, memory="lean") is None:
         tries.append(("--memory lean", replace(cell, memory="lean")))
     fitting = next(((flag, need) for flag, other in tries
                     if (need := cell_bytes(other, nproc, models[cell.size])[0]) <= budget), None)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..lean import STRATEGY_REFUSALS as LEAN_REFUSED
+from ..combine import refusal_of
 from .cell import TIMING_WARMUP, Cell
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "run_cells", "device_type", "STRATEGIES",
@@ -148,7 +148,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
     for size in settings.sizes:
         for strategy in settings.strategies:
             cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends
-                      if b["memory"] == "standard" or strategy not in LEAN_REFUSED]
+                      if b["memory"] == "standard" or refusal_of(strategy=strategy, memory=b["memory"]) is None]
         if settings.raw and "fsdp" in settings.strategies:
             cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
                       for f in backends if f in OVERHEAD_FP8]
@@ -159,10 +159,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     """Every cell is a valid configuration that can run here, before any process starts."""
     import torch
 
-    from ..blocks import block_refusals, check_block_options
     from ..config import resolve_config
     from ..env import package_version
-    from ..fp8 import NO_FP8, get_backend
+    from ..fp8 import get_backend
 
     if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
         raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
@@ -172,11 +171,10 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
                          "most that many (one process per GPU).")
     for cell in cells:
         options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
-        config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
-                                activation_checkpointing=cell.activation_checkpointing, memory=cell.memory, **options)
-        refusals = block_refusals(config, get_backend(cell.fp8) if cell.fp8 else NO_FP8)
-        try:
-            check_block_options(config, *refusals)
+        try:  # the combination table refuses what cannot run (compile or checkpointing with a backend, say)
+            config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
+                                    activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
+                                    **options)
         except ValueError as err:
             raise ValueError(f"cell {cell.name}: {err} Leave it out of --compile / --activation-checkpointing, or "
                              "the strategy or backend out of the matrix.") from None

@@ -280,11 +280,7 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_
 
 def after_load_fp8(model: nn.Module, info) -> None:
     """torchao + FSDP2 FP8 all-gather: the precomputed weight scales belong to the old weights; recompute them."""
-    if info.config.precision.fp8 != "torchao" or not info.plan.fp8:
-        return
-    from ..fp8.torchao import fp8_all_gather
-
-    if fp8_all_gather(info.config):
+    if info.fp8.scale_precompute:  # what the backend wired, as recorded
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

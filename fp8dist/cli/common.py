@@ -7,7 +7,9 @@ import argparse
 import logging
 from typing import Any
 
-from ..config import Config, FP8Config, StrategyConfig, load_config_file
+from dataclasses import fields
+
+from ..config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from ..models import LLAMA_SIZES
 
 __all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise"]
@@ -17,25 +19,26 @@ FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+
 
 
 def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
-    """The one path from parsed flags and ``--config FILE`` to a :class:`Config`: the file's keys, overridden by
-    the flags the user gave (only flags that are config fields; a command's own flags are not), ``fp8`` defaulting
-    to :func:`fp8dist.train.default_fp8`. ``extra`` dataclasses (``TrainConfig``) take their keys too; their kwargs
-    come back routed by class."""
+    """The flags the user gave over the ``--config FILE`` keys, through the one merge path
+    (:func:`fp8dist.resolve_config`), with the commands' own default for ``fp8`` (:func:`fp8dist.train.default_fp8`:
+    torchao where it runs; the Python API's default is none). ``extra`` dataclasses (``TrainConfig``) take their keys
+    from the same file and flags; their kwargs come back routed by class."""
     import dataclasses
 
     from .._schema import route_keys
     from ..train import default_fp8
 
-    classes = [StrategyConfig, FP8Config, *extra]
-    fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    own = {f.name for cls in extra for f in dataclasses.fields(cls)}
     flat = load_config_file(args.config) if args.config else {}
-    given = {k: v for k, v in vars(args).items() if k in fields}
+    given = {k: v for k, v in vars(args).items() if k in _CONFIG_KEYS or k in own}
     merged = {**flat, **given}
-    if "fp8" not in merged:
-        merged["fp8"] = default_fp8()
-    routed = route_keys(merged, classes, source=args.config or "the command line")
-    config = Config(parallel=StrategyConfig(**routed[StrategyConfig]), precision=FP8Config(**routed[FP8Config]))
-    return config, routed
+    jobs = route_keys({k: v for k, v in merged.items() if k in own}, extra, source=args.config or "the command line")
+    options = {k: v for k, v in merged.items() if k not in own}
+    config = resolve_config(options, defaults={"fp8": default_fp8()}, source=args.config or "the command line")
+    return config, jobs
+
+
+_CONFIG_KEYS = frozenset(f.name for section in (StrategyConfig, FP8Config) for f in fields(section))
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:

@@ -26,8 +26,8 @@ def add_parser(sub: Any) -> None:
     machine.add_argument("--ignore-hardware", action="store_true",
                          help="plan as if the backend and FP8 hardware were present, whatever they are")
     p.add_argument("--world-size", type=int, default=1, metavar="N",
-                   help="ranks to shard over: with --strategy fsdp, a note says when FSDP2's dim-0 padding is large "
-                        "(default: 1)")
+                   help="ranks to shard over: how evenly FP8 weights and MoE experts shard, and with --strategy "
+                        "fsdp a note when FSDP2's dim-0 padding is large (default: 1)")
     add_arguments(p, StrategyConfig, title="strategy")
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
@@ -45,18 +45,18 @@ def run(args: argparse.Namespace) -> int:
                          "for: give --target alone to plan for another machine, --device alone for this one.")
     model = meta_model(args)
     device = parse_target(args.target) if args.target is not None else resolve_device(config.parallel.device, 0)
-    plan = plan_precision(model, config, device=device, check_hardware=not args.ignore_hardware,
-                          check_installed=args.target is None)
+    plan = plan_precision(model, config, device=device, world_size=args.world_size,
+                          check_hardware=not args.ignore_hardware, check_installed=args.target is None)
     blocks = None
-    if config.parallel.strategy in ("fsdp", "fsdp1"):
+    if plan.facts.shards_params:  # FSDP shards block by block
         from ..strategies.common import find_blocks
 
         blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
     padding = ()
-    if config.parallel.strategy == "fsdp":
+    if plan.facts.dtensor_shards:
         from ..strategies.fsdp import fsdp_padding_notes
 
-        padding = fsdp_padding_notes(model, args.world_size)  # a bad --world-size is an error here
+        padding = fsdp_padding_notes(model, plan.facts.shard_degree)  # a bad --world-size is an error here
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
     print(plan)

@@ -2,13 +2,14 @@
 so every hook it does not need is the Protocol's documented no-op). ``wrap_model`` calls the hooks in one fixed
 order, the same for every backend:
 
-    unavailable_reason (missing_reason, hardware_reason)
+    rules (the combination table) -> unavailable_reason (missing_reason, hardware_reason)
     -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
-    -> check_plan -> convert -> before_shard (or deepspeed_entry under DeepSpeed) -> shard -> after_shard
+    -> check_plan -> convert -> engine_hooks -> (the strategy shards) -> after_shard
 
-A backend knows no sharding engine: the pipeline hands it the module to convert, the DeepSpeed entry point to use
-and, after sharding, the user's model inside whatever wrapper the strategy made. Backend modules import their
-library only inside methods, so configs validate where it is not installed.
+A backend knows no sharding engine: it learns what the strategy does to parameters as data
+(:class:`~fp8dist.axis.StrategyFacts`, recorded in ``plan.facts``), hands the strategy its own steps as data
+(:class:`EngineHooks`), and after sharding gets the user's model inside whatever wrapper the strategy made. Backend
+modules import their library only inside methods, so configs validate where it is not installed.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from ..axis import Rule, StrategyFacts, When
 from ..hardware import Hardware, hardware_of
 
-__all__ = ["FP8Backend", "FP8Wiring", "NO_FP8", "get_backend", "BACKENDS", "dims_reason", "fp8_hardware_reason"]
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "dims_reason",
+           "fp8_hardware_reason"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
@@ -43,20 +46,35 @@ class FP8Wiring:
     """FP8 weight scales are recomputed after every optimizer step (torchao's FP8 all-gather)."""
 
 
+@dataclass(frozen=True)
+class EngineHooks:
+    """A backend's own steps inside the strategy's sharding, handed over as data (the strategy runs them)."""
+
+    prepare: Callable[[nn.Module], tuple[nn.Module, Any]] | None = None
+    """On the filled, unwrapped model before the engine wraps it; returns the model and the optimizer it built."""
+    entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
+    """``(extra engine config, initialize function)``: the backend's own entry into an engine that builds the
+    optimizer (MS-AMP's ``msamp.deepspeed.initialize``)."""
+
+
 class FP8Backend(Protocol):
     """The interface of an FP8 backend. Subclass it: the defaults below are the no-ops of a backend that needs no
     such step."""
 
     name: ClassVar[str]
     owns_optimizer: ClassVar[bool] = False
-    """The backend builds the optimizer itself (in :meth:`before_shard`, from the optimizer spec)."""
-    compile_refusal: ClassVar[str | None] = None
-    """Why this backend's modules cannot run in torch.compile'd blocks; None: they can."""
-    checkpointing_refusal: ClassVar[str | None] = None
-    """Why this backend cannot run under torch's activation checkpointing; None: it can."""
+    """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
+    options: ClassVar[Mapping[str, When]] = {}
+    """Options only this backend reads, each with the condition under which it is read (:class:`~fp8dist.axis.When`): an option set but not read is reported (:func:`fp8dist.combine.unused_options`)."""
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    """What this backend refuses to combine with (its rows of the combination table)."""
+    takes_amax_group: ClassVar[bool] = False
+    """The backend reduces FP8 amax over a process group the user may choose (``fp8_group=``)."""
+    meta_model_refusal: ClassVar[str | None] = None
+    """Why the backend cannot convert a meta-device model; None: it can."""
 
-    def describe(self, cfg: Any) -> str:
-        """One line for the plan header (recipe, knobs)."""
+    def describe(self, cfg: Any, facts: StrategyFacts) -> str:
+        """One line for the plan header (recipe, knobs) under a strategy with ``facts``."""
         return ""
 
     def missing_reason(self, cfg: Any) -> str | None:
@@ -91,9 +109,10 @@ class FP8Backend(Protocol):
         """Model-level rules: ``{fqn: reason}`` of modules kept in high precision (torchao's first/last Linear)."""
         return {}
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware) -> str | None:
-        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` (dims not divisible by 16,
-        no grouped GEMM for MoE experts there), or None."""
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware,
+                          facts: StrategyFacts) -> str | None:
+        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under a strategy with
+        ``facts`` (dims not divisible by 16, no grouped GEMM for MoE experts there), or None."""
         return dims_reason(module)
 
     def check_plan(self, plan: Any) -> None:
@@ -103,19 +122,15 @@ class FP8Backend(Protocol):
         """Swap exactly the plan's converted modules, in place (as planned for ``plan.hardware``); called before
         sharding."""
 
-    def before_shard(self, model: nn.Module, optimizer: Any, cfg: Any) -> tuple[nn.Module, Any]:
-        """After conversion, before sharding: ``(model, built optimizer or None)``; a backend that owns the
-        optimizer (MS-AMP) builds it here from the optimizer spec."""
-        return model, None
-
-    def deepspeed_entry(self, cfg: Any) -> tuple[Mapping[str, Any], Callable[..., Any]] | None:
-        """``(extra DeepSpeed config, initialize function)`` for a backend with its own DeepSpeed entry point."""
-        return None
+    def engine_hooks(self, optimizer: Any, cfg: Any, facts: StrategyFacts) -> EngineHooks:
+        """The backend's own steps inside the strategy's sharding (a backend that owns the optimizer builds it
+        there from the optimizer spec); none by default."""
+        return EngineHooks()
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan: Any, cfg: Any, group: Any) -> FP8Wiring:
         """On the sharded model: FP8 autocast, hooks. ``model`` is what the strategy returned (a wrapper, or the
         model itself), ``inner`` the user's model inside it; ``group`` the amax reduction group (None: the world
-        group). Returns what was done."""
+        group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
         return FP8Wiring()
 
 

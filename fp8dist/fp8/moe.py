@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..axis import StrategyFacts
 from ..hardware import Hardware
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
@@ -23,7 +24,7 @@ ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
 
 def torchao_installed() -> bool:
-    from ..env import package_version
+    from ..packages import package_version
 
     return package_version("torchao") is not None
 
@@ -36,13 +37,15 @@ RECIPES = {
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
 
-STRATEGY_REFUSALS = {
-    "fsdp1": ("FSDP1 flattens the experts into a FlatParameter, which drops torchao's MoE weight wrapper (the grouped "
-              "GEMM then fails on a shape mismatch); strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8"),
-    "deepspeed": ("DeepSpeed's parameter handling cannot swap torchao's MoE weight wrapper (_apply(): Couldn't swap "
-                  "MixtralExperts.gate_up_proj, ZeRO 2 and 3); strategy='fsdp' (FSDP2) or 'ddp' runs them in FP8"),
-}
-"""Strategies tried with torchao's MoE conversion on 2 gloo ranks that failed, and what happened."""
+def _engine_reason(facts: StrategyFacts) -> str | None:
+    """Engines tried with torchao's MoE conversion on 2 gloo ranks that failed, and what happened."""
+    if facts.flat_params:
+        return ("flat parameters (FSDP1) drop torchao's MoE weight wrapper (the grouped GEMM then fails on a shape "
+                "mismatch)")
+    if facts.engine_owns_params:
+        return ("DeepSpeed's parameter handling cannot swap torchao's MoE weight wrapper (_apply(): Couldn't swap "
+                "MixtralExperts.gate_up_proj, ZeRO 2 and 3)")
+    return None
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -67,14 +70,12 @@ def moe_routers(model: nn.Module) -> list[str]:
     return names
 
 
-def _uneven_shards(module: nn.Module, cfg) -> str | None:
+def _uneven_shards(module: nn.Module, facts: StrategyFacts) -> str | None:
     """FSDP2 pads an expert dim that the shard group does not divide, and torchao's MoE wrapper does not (its
     fsdp_pre_all_gather returns the unpadded shard: FSDP2 asserts on 3 ranks and 4 experts)."""
-    from ..env import current_launch
-
-    if cfg.parallel.strategy != "fsdp":
+    shards = facts.shard_degree
+    if not facts.dtensor_shards or not shards:
         return None
-    shards = max(1, current_launch().world_size // max(1, cfg.parallel.replicate_degree))
     if module.num_experts % shards:
         return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
                 "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
@@ -100,17 +101,18 @@ def experts_recipe(cfg, hardware: Hardware) -> tuple[str | None, str | None]:
     return recipe, None
 
 
-def experts_reason(module: nn.Module, cfg, hardware: Hardware) -> str | None:
-    """Why torchao's MoE conversion cannot take this experts module here (None: it can)."""
+def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFacts) -> str | None:
+    """Why torchao's MoE conversion cannot take this experts module on ``hardware`` under a strategy with
+    ``facts`` (None: it can)."""
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if implementation != "grouped_mm":
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
                 "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
                 "default) before wrap_model")
-    strategy = cfg.parallel.strategy
-    if strategy in STRATEGY_REFUSALS:
-        return STRATEGY_REFUSALS[strategy]
-    uneven = _uneven_shards(module, cfg)
+    engine = _engine_reason(facts)
+    if engine:
+        return engine
+    uneven = _uneven_shards(module, facts)
     if uneven:
         return uneven
     if getattr(module, "is_transposed", False):

@@ -15,9 +15,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..optim import build_optimizer
+from ..axis import ALWAYS, Rule, StrategyFacts
 from ..hardware import Hardware
-from . import FP8Backend
+from ..optim import build_optimizer
+from . import EngineHooks, FP8Backend
+
+_RULES = (
+    Rule(("fp8", "strategy"), lambda cfg, facts: facts.shards_params,
+         "MS-AMP has no integration for FSDP's sharded parameters here"),
+    Rule(("opt_level", "strategy"),
+         lambda cfg, facts: cfg.precision.opt_level == "O3" and not facts.engine_builds_optimizer,
+         "MS-AMP O3 is its ZeRO optimizer and runs only inside DeepSpeed's engine"),
+    Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
+         "MS-AMP's ScalingTensor weights do not trace under torch.compile", "Use compile=False (or None: auto decides)."),
+    Rule(("activation_checkpointing", "fp8"), lambda cfg, facts: cfg.parallel.activation_checkpointing != "none",
+         "MS-AMP's FP8 weights and gradients are not verified under activation checkpointing",
+         "Use activation_checkpointing='none'."),
+)
 
 
 class MSAMPBackend(FP8Backend):
@@ -26,10 +40,12 @@ class MSAMPBackend(FP8Backend):
 
     name = "msamp"
     owns_optimizer = True
-    compile_refusal = "MS-AMP's ScalingTensor weights do not trace under torch.compile"
-    checkpointing_refusal = "MS-AMP's FP8 weights and gradients are not verified under activation checkpointing"
+    options = {"opt_level": ALWAYS}
+    rules = _RULES
+    meta_model_refusal = ("MS-AMP converts real weights. Build the model on the CPU (with pretrained=, wrap_model "
+                          "loads it there), or use fp8='torchao' / 'te'")
 
-    def describe(self, cfg) -> str:
+    def describe(self, cfg, facts: StrategyFacts) -> str:
         return f"opt_level {cfg.precision.opt_level}"
 
     def missing_reason(self, cfg) -> str | None:
@@ -50,23 +66,26 @@ class MSAMPBackend(FP8Backend):
                 f"{kept} in high precision. Use fp8='te' or 'torchao' for per-layer fallback, or remove the "
                 "exclusion / make the dims multiples of 16.")
 
-    def before_shard(self, model: nn.Module, optimizer, cfg) -> tuple[nn.Module, Any]:
-        """``msamp.initialize`` on the unwrapped model and its Adam/AdamW optimizer, before DDP (under DeepSpeed
-        the pipeline calls :meth:`deepspeed_entry` instead)."""
-        import msamp
+    def engine_hooks(self, optimizer, cfg, facts: StrategyFacts) -> EngineHooks:
+        """``msamp.initialize`` on the unwrapped model and its Adam/AdamW optimizer before the engine wraps it; an
+        engine that builds the optimizer itself goes through MS-AMP's own entry into it instead: the config's
+        "msamp" block and ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
+        if facts.engine_builds_optimizer:
+            from msamp import deepspeed as msamp_deepspeed
 
-        built = build_optimizer(optimizer, model.parameters())
-        if not isinstance(built, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ValueError(f"fp8='msamp' needs torch.optim.Adam or AdamW (MS-AMP swaps it for its own), got "
-                             f"{type(built).__name__}.")
-        return msamp.initialize(model, built, opt_level=cfg.precision.opt_level)
+            return EngineHooks(entry=({"msamp": {"enabled": True, "opt_level": cfg.precision.opt_level}},
+                                      msamp_deepspeed.initialize))
+        return EngineHooks(prepare=lambda model: _initialize(model, optimizer, cfg.precision.opt_level))
 
-    def deepspeed_entry(self, cfg) -> tuple[dict, Any]:
-        """Under DeepSpeed, MS-AMP goes through its own entry point: the config's "msamp" block and
-        ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
-        from msamp import deepspeed as msamp_deepspeed
 
-        return {"msamp": {"enabled": True, "opt_level": cfg.precision.opt_level}}, msamp_deepspeed.initialize
+def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:
+    import msamp
+
+    built = build_optimizer(optimizer, model.parameters())
+    if not isinstance(built, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"fp8='msamp' needs torch.optim.Adam or AdamW (MS-AMP swaps it for its own), got "
+                         f"{type(built).__name__}.")
+    return msamp.initialize(model, built, opt_level=opt_level)
 
 
 BACKEND = MSAMPBackend()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
@@ -137,15 +138,28 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
     module.forward = fp8_forward  # type: ignore[method-assign]
 
 
+_RULES = (
+    Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
+         "fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU (TE prepared "
+         "te.Linear for compile in v2.16); its fused kernels run uncompiled",
+         "Use compile=False (or None: auto decides)."),
+    Rule(("activation_checkpointing", "fp8"), lambda cfg, facts: cfg.parallel.activation_checkpointing != "none",
+         "torch's activation checkpointing would run Transformer Engine's FP8 forward twice per step and update its "
+         "amax history twice; TE's own te.distributed.checkpoint is not wired in yet",
+         "Use activation_checkpointing='none'."),
+)
+
+
 class TEBackend(FP8Backend):
     name = "te"
-    compile_refusal = ("fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU "
-                       "(TE prepared te.Linear for compile in v2.16); its fused kernels run uncompiled")
-    checkpointing_refusal = ("torch's activation checkpointing would run Transformer Engine's FP8 forward twice "
-                             "per step and update its amax history twice; TE's own te.distributed.checkpoint is "
-                             "not wired in yet")
+    options = {"te_recipe": ALWAYS, "fp8_format": ALWAYS, "use_autocast_during_eval": ALWAYS,
+               "torchao_moe_recipe": ALWAYS,
+               **dict.fromkeys(("margin", "interval", "amax_history_len", "amax_compute_algo",
+                                "override_linear_precision"), When({"te_recipe": ("delayed",)}))}
+    rules = _RULES
+    takes_amax_group = True
 
-    def describe(self, cfg) -> str:
+    def describe(self, cfg, facts: StrategyFacts) -> str:
         p = cfg.precision
         if p.te_recipe == "delayed":
             return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
@@ -195,7 +209,8 @@ class TEBackend(FP8Backend):
                              "own and untie them; kept in high precision")
         return out
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware) -> str | None:
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
+                          facts: StrategyFacts) -> str | None:
         if is_conv1d(module):
             return conv1d_dims_reason(module)
         if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
@@ -203,7 +218,7 @@ class TEBackend(FP8Backend):
                 return ("MoE experts (fused 3-D weights): Transformer Engine has no module for them (its GroupedLinear "
                         "holds one weight per expert), and fp8dist runs them through torchao's MoE grouped GEMMs, "
                         "which needs torchao (pip install torchao)")
-            return experts_reason(module, cfg, hardware)
+            return experts_reason(module, cfg, hardware, facts)
         if type(module) is nn.Linear:
             return dims_reason(module)
         if type(module) is nn.LayerNorm:
@@ -230,10 +245,9 @@ class TEBackend(FP8Backend):
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
-        world group); a torch FSDP1 root (``model``) first gets TE's own preparation."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if isinstance(model, FullyShardedDataParallel):
+        world group); an engine with flat parameters (FSDP1) first gets TE's own preparation of its root
+        (``model``)."""
+        if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
             te.distributed.prepare_te_modules_for_fsdp(model)

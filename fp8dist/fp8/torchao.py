@@ -3,33 +3,46 @@ FSDP2 with the scale precompute wired to every optimizer step of the model's opt
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..optim import ProcessStepHook, param_count
+from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
+from ..optim import STEP_HOOKS
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
 
 
-def fp8_all_gather(cfg) -> bool:
-    """FP8 all-gather is used under FSDP2 with the tensorwise recipe unless the user turned it off."""
+def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
+    """FP8 all-gather is used where parameters are per-parameter DTensor shards (the engine calls torchao's
+    all-gather hooks: FSDP2) with the tensorwise recipe, unless the user turned it off."""
     p = cfg.precision
-    return cfg.parallel.strategy == "fsdp" and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
+    return facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
 
 
-def float8_config(cfg) -> Any:
+def float8_config(cfg, facts: StrategyFacts) -> Any:
     """The ``Float8LinearConfig`` for the recipe; FP8 all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
     if cfg.precision.torchao_recipe == "tensorwise":
-        return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg))
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg, facts))
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
+
+
+_RULES = (
+    Rule(("fp8_all_gather", "torchao_recipe"),
+         lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
+         "torchao all-gathers in FP8 only with the tensorwise recipe",
+         "Use torchao_recipe='tensorwise' or leave fp8_all_gather unset."),
+    Rule(("torchao_recipe", "strategy", "param_dtype"),
+         lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
+         and cfg.parallel.param_dtype != "fp32",
+         "its high-precision weight-gradient GEMM mixes the autocast dtype with fp32 and fails (torchao 0.18)"),
+)
 
 
 def _linear_like(module: nn.Module) -> bool:
@@ -38,13 +51,17 @@ def _linear_like(module: nn.Module) -> bool:
 
 class TorchaoBackend(FP8Backend):
     name = "torchao"
+    options = {"keep_first_last_linear": ALWAYS, "torchao_recipe": ALWAYS, "torchao_moe_recipe": ALWAYS,
+               "fp8_all_gather": When(facts=("dtensor_shards",))}
+    rules = _RULES
 
-    def describe(self, cfg) -> str:
-        return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {'on' if fp8_all_gather(cfg) else 'off'}"
+    def describe(self, cfg, facts: StrategyFacts) -> str:
+        on = "on" if fp8_all_gather(cfg, facts) else "off"
+        return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {on}"
 
     def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
-            from ..env import supported_range
+            from ..packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
         return None
@@ -62,9 +79,10 @@ class TorchaoBackend(FP8Backend):
             return experts_target(cfg, hardware)
         return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
 
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware) -> str | None:
+    def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
+                          facts: StrategyFacts) -> str | None:
         if is_experts(module):
-            return experts_reason(module, cfg, hardware)
+            return experts_reason(module, cfg, hardware, facts)
         return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
@@ -91,9 +109,9 @@ class TorchaoBackend(FP8Backend):
 
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
-        _check_even_shards(model, names, cfg)
+        _check_even_shards(model, names, cfg, plan.facts)
         convert_experts(model, experts, cfg, plan.hardware)
-        config = float8_config(cfg)
+        config = float8_config(cfg, plan.facts)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
         for name in sorted(conv1ds):
@@ -104,7 +122,7 @@ class TorchaoBackend(FP8Backend):
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
-        if plan.fp8 and fp8_all_gather(cfg):
+        if plan.fp8 and fp8_all_gather(cfg, plan.facts):
             register_scale_precompute(inner)
             return FP8Wiring(scale_precompute=True)
         return FP8Wiring()
@@ -113,55 +131,30 @@ class TorchaoBackend(FP8Backend):
 BACKEND = TorchaoBackend()
 
 
-def _check_even_shards(model: nn.Module, names: set[str], cfg) -> None:
+def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:
     """torchao's FP8 all-gather fails on uneven FSDP2 shards (gloo: "Received data size doesn't match";
     pytorch/ao#3982): refuse before converting, with the ways out."""
-    if not fp8_all_gather(cfg) or not torch.distributed.is_initialized():
+    shards = facts.shard_degree
+    if not fp8_all_gather(cfg, facts) or not shards or shards == 1:
         return
-    world = torch.distributed.get_world_size()
     uneven = [f"{n} ({m.weight.shape[0]} rows)" for n, m in model.named_modules()  # Conv1D: (in, out)
-              if n in names and m.weight.shape[0] % world]
+              if n in names and m.weight.shape[0] % shards]
     if uneven:
         more = f" and {len(uneven) - 3} more" if len(uneven) > 3 else ""
         raise ValueError(
-            f"FP8 all-gather (torchao under FSDP2) needs every FP8 weight's rows divisible by the {world} ranks; "
+            f"FP8 all-gather (torchao under FSDP2) needs every FP8 weight's rows divisible by the {shards} ranks; "
             f"{', '.join(uneven[:3])}{more} are not, and torchao's FP8 all-gather of uneven shards fails "
             "(pytorch/ao#3982). Pass fp8_all_gather=False (bf16 all-gather, FP8 GEMMs kept), keep these layers "
-            "out of FP8 with fp8_exclude, or use a world size that divides their rows.")
+            "out of FP8 with fp8_exclude, or use a shard group size that divides their rows.")
 
 
-# models whose FP8 weight scales are recomputed after their optimizer's step; a model leaves with its last reference
-_PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-# per optimizer: its parameter count when checked, and which of the models it steps over
-_OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, weakref.WeakKeyDictionary]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def _owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    count = param_count(optimizer)
-    known = _OWNERS.get(optimizer)
-    if known is None or known[0] != count:
-        known = (count, weakref.WeakKeyDictionary())
-        _OWNERS[optimizer] = known
-    if model not in known[1]:
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        known[1][model] = any(id(p) in ids for p in model.parameters())
-    return known[1][model]
-
-
-def _precompute_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    for model in list(_PRECOMPUTE):
-        if _owns(optimizer, model):
-            precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-_HOOK = ProcessStepHook(_precompute_after_step, pre=False)
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def register_scale_precompute(model: nn.Module) -> None:
     """Run ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
     that holds ``model``'s parameters, for as long as ``model`` lives. The user never has to call it."""
-    _PRECOMPUTE.add(model)
-    _HOOK.ensure_registered()
+    STEP_HOOKS.add(model, post=_precompute)

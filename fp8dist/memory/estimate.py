@@ -38,7 +38,7 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
-from ..lean import LEAN_SUMMARY
+from ..levels import get_level
 from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
@@ -113,7 +113,8 @@ class MemoryEstimate(StateBytes):
 
 
 def _memory_head(memory: str) -> str:
-    return f", memory lean ({LEAN_SUMMARY})" if memory == "lean" else ""
+    summary = get_level(memory).summary
+    return f", memory {memory} ({summary})" if summary else ""
 
 
 def _size(n: int) -> str:
@@ -233,7 +234,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
-    plan = plan_precision(model, cfg, device=torch.device("cpu"), fp8_filter=fp8_filter, check_hardware=False)
+    plan = plan_precision(model, cfg, device=torch.device("cpu"), world_size=world_size, fp8_filter=fp8_filter,
+                          check_hardware=False)
     if cfg.precision.fp8:
         get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]

@@ -272,7 +272,7 @@ def fp8_buffer_bytes(cfg: Any, plan: Any) -> int:
     if fp8 == "torchao":
         from ..fp8.torchao import fp8_all_gather
 
-        return 4 * linears if fp8_all_gather(cfg) else 0  # the fp32 scale precomputed after each step
+        return 4 * linears if fp8_all_gather(cfg, plan.facts) else 0  # the fp32 scale precomputed after each step
     return 0
 
 

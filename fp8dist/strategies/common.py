@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty"]
+__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty", "check_fits"]
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
@@ -98,3 +100,34 @@ def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -
         return module.to_empty(device=device, recurse=recurse)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # MemAvailable counts the page cache the kernel would give back; free pages alone undercount it
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
+    """A strategy that materializes the whole model on every rank (ddp, none, ZeRO-1/2) refuses a meta model
+    larger than the device's free memory, before allocating it."""
+    need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
+                                                                         *model.buffers())}.values())
+    free = _available_bytes(device)
+    if free is not None and need > free:
+        raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
+                          f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "
+                          f"{free / 2**30:,.1f} GiB free. Use strategy='fsdp' or 'fsdp1' (each rank materializes "
+                          "its shard only) or deepspeed with zero_stage=3.")
+    if free is not None and need > free // 2:
+        warnings.warn(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
+                      f"{need / 2**30:,.1f} GiB of {free / 2**30:,.1f} GiB free on {device}, before gradients and "
+                      "optimizer states. strategy='fsdp' materializes 1/world_size of it.", UserWarning, stacklevel=5)

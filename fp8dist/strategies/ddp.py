@@ -1,4 +1,5 @@
-"""DDP and single-process ("none"): fp32 parameters, forward under autocast to the compute dtype."""
+"""strategy="ddp": DistributedDataParallel. fp32 parameters and gradients, the forward under autocast to the compute
+dtype; the :class:`DDP` strategy."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import apply_autocast
+from ..axis import ALWAYS, StrategyFacts
+from ..dtypes import torch_dtype
+from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .common import apply_autocast, cast_buffers
 
-__all__ = ["apply_ddp", "apply_single"]
+__all__ = ["DDP", "apply_ddp", "STRATEGY"]
 
 
 def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
@@ -44,8 +48,25 @@ def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dt
     return ddp
 
 
-def apply_single(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    """One process, no wrapper: move to ``device`` and run the forward under autocast to ``compute_dtype``."""
-    model.to(device)
-    apply_autocast(model, device.type, compute_dtype)
-    return model
+class DDP(Strategy):
+    """DDP: the whole model on every rank (a meta model allocated whole, then filled), the backend's step before
+    the wrapper, buffers cast, gradients all-reduced in their own dtype or through a compression hook."""
+
+    name = "ddp"
+    options = {"reduce_dtype": ALWAYS}
+
+    def facts(self, cfg, world_size=None) -> StrategyFacts:
+        return StrategyFacts(autocast_forward=True, broadcasts_weights=True, shard_degree=None if world_size is None else 1)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        p, device = job.cfg.parallel, job.env.device
+        loaded, how = fill_whole(model, job, self.name)
+        model, built = prepared(model, job)
+        param = torch_dtype(p.param_dtype)
+        cast_buffers(model, torch_dtype(p.buffer_dtype))
+        wrapped = apply_ddp(model, device=device, compute_dtype=param, reduce_dtype=torch_dtype(p.reduce_dtype))
+        autocast = param if param != torch.float32 else None
+        return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
+
+
+STRATEGY = DDP()

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO 1-3: a complete config built from the model (no "auto" left), and ``deepspeed.initialize``.
+"""strategy="deepspeed": DeepSpeed ZeRO 1-3. A complete config built from the model (no "auto" left),
+``deepspeed.initialize``, and the :class:`DeepSpeed` strategy.
 
 Bucket sizes follow Hugging Face's "auto" rules from the hidden size h: reduce_bucket_size = h^2,
 stage3_prefetch_bucket_size = 0.9 h^2, stage3_param_persistence_threshold = 10 h.
@@ -12,15 +13,20 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from ..config import StrategyConfig
+from ..axis import ALWAYS, Rule, StrategyFacts, When
+from ..dtypes import torch_dtype
+from ..env import DistEnv
+from ..options import StrategyConfig
+from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, materialized_how
+from .common import cast_buffers
 
-__all__ = ["zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
-           "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine"]
+__all__ = ["DeepSpeed", "zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
+           "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine", "partition_meta_zero3", "STRATEGY"]
 
 _STAGES = (1, 2, 3)
 _DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16"}
@@ -208,7 +214,7 @@ def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, lo
     ``(engine, optimizer)``. Call after FP8 conversion.
 
     DeepSpeed insists on LOCAL_RANK in the environment (its launcher and torchrun set it); a process group
-    created otherwise gets it set here from the rank fp8dist found.
+    created otherwise gets it set here from the rank fp8dist found (as ``wrap_model`` sets it before).
     """
     if initialize is None:
         import deepspeed
@@ -232,7 +238,6 @@ def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: 
     ``deepspeed.initialize`` would cast them to) for a moment, then each rank keeps its partition. The values are
     not set here: the caller writes them into the partitions (``ds_tensor``) before ``deepspeed.initialize``."""
     import deepspeed
-    import torch
 
     from .common import to_empty
 
@@ -250,3 +255,68 @@ def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: 
                 param.data = torch.empty(param.shape, dtype=dtype, device=device)
         if any(not hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
             deepspeed.zero.Init(module=module, config_dict_or_path=config, dtype=dtype)
+
+
+def _zero3(cfg: Any) -> bool:
+    return cfg.parallel.zero_stage == 3
+
+
+def _deepspeed_comm(env: DistEnv) -> None:
+    """DeepSpeed's communication layer over torch's process group, and the LOCAL_RANK it insists on: ``zero.Init``
+    (ZeRO-3 meta init) reads both before ``deepspeed.initialize`` would set them up (it then saw a world of 1 and
+    refused the batch size); a process group created without a launcher gets LOCAL_RANK from the rank fp8dist
+    found."""
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False, verbose=False)
+
+
+class DeepSpeed(Strategy):
+    """DeepSpeed ZeRO: the engine builds the optimizer from the spec (or the config's block), accumulates, clips and
+    casts itself. A meta model is partitioned module by module through ``zero.Init`` under ZeRO-3 (each rank
+    allocates its partitions only), allocated whole under ZeRO-1/2; then filled, then handed to
+    ``deepspeed.initialize`` (or an FP8 backend's own entry into it)."""
+
+    name = "deepspeed"
+    options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
+                                "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
+               "offload_param": When({"zero_stage": (3,)})}
+    rules = (
+        Rule(("offload_param", "zero_stage"), lambda cfg, facts: cfg.parallel.offload_param and not _zero3(cfg),
+             "only ZeRO-3 partitions parameters", "Use zero_stage=3 or offload_optimizer=True."),
+        Rule(("compile", "strategy"), lambda cfg, facts: cfg.parallel.compile is True,
+             "DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under it; "
+             "compile the engine wrap_model returns with engine.compile()",
+             "Use compile=False (or None: auto decides)."),
+    )
+
+    def facts(self, cfg, world_size=None) -> StrategyFacts:
+        partitions = None if world_size is None else (world_size if _zero3(cfg) else 1)
+        return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
+                             broadcasts_weights=True,
+                             shard_degree=partitions)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        p, env = job.cfg.parallel, job.env
+        extra, initialize = job.engine_entry or ({}, None)
+        config = {**build_deepspeed_config(model, p, world_size=env.world_size, optimizer=job.optimizer), **extra}
+        if "optimizer" not in config and not callable(job.optimizer):
+            raise ValueError("strategy='deepspeed' builds the optimizer inside deepspeed.initialize: pass "
+                             "optimizer={'type': 'AdamW', 'lr': ...} (or a callable params -> optimizer), or a "
+                             "ds_config with an 'optimizer' block.")
+        _deepspeed_comm(env)
+        if job.meta and _zero3(job.cfg):  # each rank allocates its partitions only
+            partition_meta_zero3(model, config, device=env.device, dtype=torch_dtype(p.param_dtype))
+            loaded = job.fill(model) if job.fill is not None else None
+            how = materialized_how(env.device, whole=False, pretrained=p.pretrained)
+        else:
+            loaded, how = fill_whole(model, job, self.name)
+        cast_buffers(model, torch_dtype(p.buffer_dtype))
+        engine, _ = apply_deepspeed(model, config, optimizer=job.optimizer if callable(job.optimizer) else None,
+                                    local_rank=env.local_rank, initialize=initialize)
+        info = ShardingInfo(self.name, (), f"DeepSpeed ZeRO-{config['zero_optimization']['stage']}")
+        return Sharded(engine, info, loaded, how, engine.optimizer)
+
+
+STRATEGY = DeepSpeed()

@@ -1,39 +1,29 @@
-"""FSDP2 (``fully_shard``) and FSDP1 (``FullyShardedDataParallel``): policies and their application."""
+"""strategy="fsdp": FSDP2 (``fully_shard``), per-parameter DTensor shards; HSDP on a 2-D mesh. Its policy, its
+application (torchtitan's units) and the :class:`FSDP2` strategy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    FullyShardedDataParallel,
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    ShardingStrategy,
-    fully_shard,
-)
-from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..axis import ALWAYS, StrategyFacts
+from ..dtypes import torch_dtype
+from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
+from .common import cast_buffers, find_blocks, to_empty
 from .padding import padding_note, shard_padding
 
-__all__ = ["build_fsdp_policy", "build_fsdp1_policy", "apply_fsdp", "apply_fsdp1", "fsdp_padding_notes", "fsdp_mesh",
-           "check_replicate_degree", "root_units", "RootUnit"]
+__all__ = ["FSDP2", "build_fsdp_policy", "apply_fsdp", "fsdp_padding_notes", "fsdp_mesh", "check_replicate_degree",
+           "root_units", "RootUnit", "STRATEGY"]
 
 
 def build_fsdp_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
     """FSDP2 mixed precision: gathered parameters in ``param_dtype``, gradients reduce-scattered in
     ``reduce_dtype``. FSDP2 leaves buffers alone (fp8dist casts them separately)."""
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-
-
-def build_fsdp1_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                       buffer_dtype: torch.dtype) -> MixedPrecision:
-    """FSDP1 mixed precision with all three dtypes explicit (FSDP1 would otherwise cast buffers to
-    ``param_dtype``, which Llama-style rotary buffers do not tolerate)."""
-    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
 
 
 def fsdp_mesh(device: torch.device, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
@@ -137,22 +127,39 @@ def fsdp_padding_notes(model: nn.Module, world_size: int) -> tuple[str, ...]:
     return (note,) if note else ()
 
 
-def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.device,
-                mixed_precision: MixedPrecision, reshard_after_forward: bool,
-                param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
-    """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
+class FSDP2(Strategy):
+    """FSDP2: each block, then torchtitan's units outside the blocks, then the root, sharded with ``fully_shard``
+    (in place); a meta model is materialized after sharding, each rank allocating and filling only its shards."""
 
-    ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
-    ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
-    module, one unit at a time, before FSDP1 shards it.
-    """
-    block_ids = {id(b) for b in blocks}
-    return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids),
-        mixed_precision=mixed_precision,
-        sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        device_id=device,
-        use_orig_params=True,
-        param_init_fn=param_init_fn,
-    )
+    name = "fsdp"
+    options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
+               "reduce_dtype": ALWAYS}
+
+    def facts(self, cfg, world_size=None) -> StrategyFacts:
+        shards = None if world_size is None else world_size // max(1, cfg.parallel.replicate_degree)
+        return StrategyFacts(dtensor_shards=True, casts_gradients=True, shard_degree=shards)
+
+    def check_launch(self, cfg, world_size: int) -> None:
+        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        p, env = job.cfg.parallel, job.env
+        found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
+        names = tuple(n for n, _ in found)
+        model, built = prepared(model, job)
+        cast_buffers(model, torch_dtype(p.buffer_dtype))
+        policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype))
+        apply_fsdp(model, [m for _, m in found], mesh=fsdp_mesh(env.device, env.world_size, p.replicate_degree),
+                   device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
+                   block_names=names)
+        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                  "block_classes=[...] to shard block by block.",)
+        notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
+        if job.meta:
+            to_empty(model, env.device)  # this rank's shards only
+        loaded = job.fill(model) if job.fill is not None else None
+        how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
+        return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
+
+
+STRATEGY = FSDP2()

@@ -33,7 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LEAN_SUMMARY", "STRATEGY_REFUSALS", "lean_refusal", "lean_config", "lean_optimizer_kwargs", "lean_optimizer_class",
+from ..axis import Rule, StrategyFacts
+from .base import MemoryLevel
+
+__all__ = ["LEAN_SUMMARY", "LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class",
            "build_lean_optimizer", "cast_params_bf16", "LocalShardStep"]
 
 LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
@@ -43,33 +46,56 @@ _ADAM_TYPES = ("adamw", "adam")
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
 
-STRATEGY_REFUSALS = {
-    "deepspeed": ("memory='lean' with strategy='deepspeed': DeepSpeed ZeRO keeps its own fp32 master partitions and "
-                  "builds its own optimizer, so bf16 weights without masters and 8-bit states cannot be had there. "
-                  "Use strategy='fsdp' (FSDP2) with memory='lean', or keep deepspeed with memory='standard'."),
-    "fsdp1": ("memory='lean' with strategy='fsdp1': FSDP1's flat parameters are not supported by the lean level. "
-              "Use strategy='fsdp' (FSDP2), which shards the same way with per-parameter DTensors."),
-}
-"""Strategies the lean level does not run under, and why (every other strategy runs it)."""
+def _backend_owns_optimizer(cfg: Any) -> bool:
+    from ..fp8 import get_backend
+
+    return cfg.precision.fp8 is not None and get_backend(cfg.precision.fp8).owns_optimizer
 
 
-def lean_refusal(parallel: Any, precision: Any) -> str | None:
-    """Why ``memory="lean"`` cannot run with this strategy / precision config (None: it can), way out included."""
-    if getattr(parallel, "memory", "standard") != "lean":
-        return None
-    if parallel.strategy in STRATEGY_REFUSALS:
-        return STRATEGY_REFUSALS[parallel.strategy]
-    if precision.fp8 == "msamp":
-        return ("memory='lean' with fp8='msamp': MS-AMP owns the weights and the optimizer (its opt_level O2 is its "
-                "own low-memory level). Use fp8='torchao' (or 'te') with memory='lean', or fp8='msamp' with "
-                "memory='standard'.")
-    if parallel.param_dtype != "bf16":
-        return (f"memory='lean' with param_dtype={parallel.param_dtype!r}: the lean level stores and computes in "
-                f"bf16 (no fp32 master). Use param_dtype='bf16', or {_WAY_OUT}.")
-    if parallel.reduce_dtype == "fp16":
-        return ("memory='lean' with reduce_dtype='fp16': lean gradients are bf16 and reduced in bf16. Leave "
-                "reduce_dtype at its default.")
-    return None
+_RULES = (
+    Rule(("memory", "strategy"), lambda cfg, facts: facts.engine_builds_optimizer,
+         "the engine keeps its own fp32 master partitions and builds its own optimizer, so bf16 weights without "
+         "masters and 8-bit states cannot be had there"),
+    Rule(("memory", "strategy"), lambda cfg, facts: facts.flat_params,
+         "flat parameters (one FlatParameter per unit) are not supported by the lean level, which steps each "
+         "parameter's own shard"),
+    Rule(("memory", "fp8"), lambda cfg, facts: _backend_owns_optimizer(cfg),
+         "this FP8 backend owns the weights and builds the optimizer itself (MS-AMP's opt_level O2 is its own "
+         "low-memory level)"),
+    Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
+         "the lean level stores and computes in bf16 (no fp32 master)", f"Use param_dtype='bf16', or {_WAY_OUT}."),
+    Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
+         "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
+)
+
+
+class LeanLevel(MemoryLevel):
+    """bf16 weights with no fp32 master, updated with stochastic rounding by torchao's 8-bit AdamW (stepped on each
+    rank's shard), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
+
+    name = "lean"
+    summary = LEAN_SUMMARY
+    rules = _RULES
+    builds_optimizer = True
+
+    def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
+        """An engine that casts gradients for their reduction (FSDP2) reduces these bf16 gradients in bf16; DDP
+        all-reduces them in their own dtype (bf16) with no hook."""
+        if not facts.casts_gradients:
+            return cfg
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reduce_dtype="bf16"))
+
+    def check_optimizer(self, spec: Any) -> None:
+        lean_optimizer_kwargs(spec)
+
+    def before_convert(self, model: nn.Module) -> None:
+        cast_params_bf16(model)
+
+    def after_convert(self, model: nn.Module) -> None:
+        cast_params_bf16(model)  # the backend's new modules
+
+    def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+        return build_lean_optimizer(spec, params, device)
 
 
 def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
@@ -80,18 +106,10 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
     except ImportError as err:
         raise ImportError(f"memory='lean' needs torchao's low-bit optimizers ({err}): pip install 'torchao>=0.18', "
                           f"or {_WAY_OUT}.") from None
-    from .fp8 import fp8_hardware_reason
+    from ..fp8 import fp8_hardware_reason
 
     fp8 = fp8_hardware_reason(device) is None
     return _local_shard_class(AdamWFp8 if fp8 else AdamW8bit)
-
-
-def lean_config(cfg: Any) -> Any:
-    """``cfg`` as the lean level runs it: FSDP2 reduce-scatters the bf16 gradients in bf16 (DDP all-reduces the
-    gradients in their own dtype, bf16, with no hook). Other configs are returned unchanged."""
-    if cfg.parallel.memory != "lean" or cfg.parallel.strategy != "fsdp":
-        return cfg
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reduce_dtype="bf16"))
 
 
 def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
@@ -115,7 +133,29 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     if set(kwargs) - allowed:
         raise ValueError(f"memory='lean': optimizer options {sorted(set(kwargs) - allowed)} are not taken by torchao's "
                          f"8-bit AdamW; it takes {sorted(allowed)}. Leave them out, or {_WAY_OUT}.")
+    for key, value in kwargs.items():
+        _check_hyperparameter(key, value)
     return kwargs
+
+
+_RANGES = {"lr": ("a number >= 0", lambda x: x >= 0), "eps": ("a number >= 0", lambda x: x >= 0),
+           "weight_decay": ("a number >= 0", lambda x: x >= 0), "beta": ("a number in [0, 1)", lambda x: 0 <= x < 1)}
+"""What torchao's AdamW takes for each hyperparameter (torch's AdamW checks the same ranges)."""
+
+
+def _check_hyperparameter(key: str, value: Any) -> None:
+    """A value torchao's AdamW would fail on deep inside (a string lr, one beta) is refused here, naming it."""
+    if key == "betas":
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise ValueError(f"memory='lean': optimizer betas={value!r} must be two numbers (beta1, beta2), e.g. "
+                             "(0.9, 0.999).")
+        for beta in value:
+            _check_hyperparameter("beta", beta)
+        return
+    what, ok = _RANGES[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value != value or value in (float("inf"), float("-inf")) or not ok(value):
+        raise ValueError(f"memory='lean': optimizer {key}={value!r} must be {what} (a Python number, not a string).")
 
 
 def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
@@ -240,3 +280,6 @@ def _local_shard_class(base: type) -> type:
     return type(base.__name__, (LocalShardStep, base),
                 {"__module__": __name__,
                  "__doc__": f"torchao {base.__name__}, stepped on local shards (fp8dist.lean)."})
+
+
+LEVEL = LeanLevel()

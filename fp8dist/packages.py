@@ -1,0 +1,34 @@
+"""Installed versions of fp8dist's dependencies and the ranges fp8dist supports, read from package metadata
+without importing the packages (a leaf: the FP8 backends and ``fp8dist env`` both read it)."""
+
+from __future__ import annotations
+
+__all__ = ["package_version", "supported_range"]
+
+
+def package_version(name: str) -> str | None:
+    """Installed version of a distribution, without importing it; None when absent."""
+    from importlib import metadata
+
+    for dist_name in (name, name.replace("_", "-")):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def supported_range(name: str) -> str | None:
+    """The versions of ``name`` that fp8dist's own package metadata takes (its dependencies and extras, as
+    pyproject.toml declares them); None when it names none (MS-AMP: not on the package index)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        requirements = [Requirement(text) for text in metadata.requires("fp8dist") or ()]
+    except metadata.PackageNotFoundError:
+        return None
+    wanted = canonicalize_name(name)
+    return next((str(r.specifier) for r in requirements if canonicalize_name(r.name) == wanted), None)

@@ -1,0 +1,159 @@
+"""The interface of a sharding strategy, symmetric to :class:`fp8dist.fp8.FP8Backend`: each strategy is a class in
+its own module under ``strategies/`` that subclasses :class:`Strategy`, and ``wrap_model`` calls it in one fixed
+order, the same for every strategy:
+
+    facts, rules (the combination table)  ->  check_launch  ->  environment  ->  shard (materializing a meta model
+    where the strategy says)  ->  the model to train, what was done, and the optimizer the engine built (if any)
+
+A strategy knows no FP8 backend: a backend that needs its own entry into the engine (MS-AMP under DeepSpeed) hands
+it over as data (:attr:`ShardJob.engine_entry`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from ..env import DistEnv, LaunchEnv, init_distributed
+from ..axis import Rule, StrategyFacts, When
+
+__all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "materialized_how", "fill_whole", "prepared",
+           "FP16_RULE"]
+
+
+@dataclass(frozen=True)
+class ShardingInfo:
+    """What the strategy did: which blocks were sharded and how they were found, and the autocast it put around
+    the forward (ddp, none)."""
+
+    strategy: str
+    blocks: tuple[str, ...]
+    blocks_found_by: str
+    autocast: torch.dtype | None = None
+    """The dtype the forward runs under ``torch.autocast`` in (ddp, none); None: no autocast."""
+    notes: tuple[str, ...] = ()
+    """What the user should know (a model sharded as one unit, FSDP2's padding of short dim-0 parameters)."""
+
+
+Fill = Callable[[nn.Module], Any]
+"""Fills what this rank holds of a materialized model (its part of ``pretrained=``, or the model's own init) and
+returns the load report (None when nothing was loaded)."""
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Everything a strategy needs to shard one model."""
+
+    cfg: Any
+    """The resolved :class:`~fp8dist.config.Config` (a strategy reads its ``parallel`` section)."""
+    env: DistEnv
+    blocks: tuple[list[tuple[str, nn.Module]], str] | None = None
+    """The blocks found (and checkpointed / compiled) by the block step, with how they were found; None: the
+    strategy finds them itself."""
+    meta: bool = False
+    """The model is on the meta device: the strategy allocates it (whole, per unit, or this rank's shards only)."""
+    fill: Fill | None = None
+    """Called once the model is allocated (None: nothing to fill, a real model without ``pretrained=``)."""
+    optimizer: Any = None
+    """The optimizer spec, for an engine that builds the optimizer itself."""
+    prepare: Callable[[nn.Module], tuple[nn.Module, Any]] | None = None
+    """An FP8 backend's step on the filled, unwrapped model before the engine wraps it, returning the model and
+    the optimizer it built (MS-AMP's ``initialize``); None: no such step."""
+    engine_entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
+    """``(extra engine config, initialize function)`` of an FP8 backend with its own entry into the engine."""
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """What :meth:`Strategy.shard` returns."""
+
+    model: nn.Module
+    """The model to train: the module itself (fsdp, none) or the engine's wrapper (ddp, fsdp1, deepspeed)."""
+    info: ShardingInfo
+    loaded: Any = None
+    """What loading ``pretrained=`` read on this rank (a LoadReport); None: nothing loaded."""
+    materialized: str = ""
+    """How a meta-device model was materialized ("" for a model with real weights)."""
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer the engine (DeepSpeed) or the backend's :attr:`ShardJob.prepare` built, or None."""
+
+
+def materialized_how(device: torch.device, *, whole: bool, pretrained: str | None) -> str:
+    """The record of how a meta model became real, as ``WrapInfo.materialized`` says it."""
+    return (f"materialized on {device}: " + ("the whole model on every rank" if whole else "this rank's shards only")
+            + (f", filled from {pretrained}" if pretrained else ", by its own initialization"))
+
+
+FP16_RULE = Rule(
+    ("param_dtype", "strategy"),
+    lambda cfg, facts: cfg.parallel.param_dtype == "fp16",
+    "fp16 compute needs loss scaling, which fp8dist does not add to your training loop, and without it small "
+    "gradients underflow to zero silently",
+    "Use param_dtype='bf16' (no scaling needed; every FP8 GPU has it), or strategy='deepspeed', whose fp16 mode "
+    "scales the loss dynamically.")
+"""Every strategy but one with its own loss scaling refuses fp16 compute."""
+
+
+class Strategy(Protocol):
+    """The interface of a sharding strategy. Subclass it: the defaults below are those of a strategy that needs no
+    such step."""
+
+    name: ClassVar[str]
+    options: ClassVar[Mapping[str, When]] = {}
+    """Options only this strategy reads, each with the condition under which it is read (:class:`~fp8dist.axis.When`): an option set but not read is reported (:func:`fp8dist.combine.unused_options`)."""
+    rules: ClassVar[tuple[Rule, ...]] = (FP16_RULE,)
+    """What this strategy refuses to combine with (its rows of the combination table)."""
+    process_group: ClassVar[bool] = True
+    """The strategy needs a process group (``"none"`` does not)."""
+
+    def facts(self, cfg: Any, world_size: int | None = None) -> StrategyFacts:
+        """What the strategy does to parameters under ``cfg`` on ``world_size`` ranks (None: not known yet)."""
+        return StrategyFacts()
+
+    def check_launch(self, cfg: Any, world_size: int) -> None:
+        """Refuse, before anything changes, a launch this strategy cannot run (HSDP groups that do not divide the
+        world, say)."""
+
+    def environment(self, cfg: Any, launch: LaunchEnv, device: torch.device) -> DistEnv:
+        """The process group, initialized if needed."""
+        return init_distributed(device=cfg.parallel.device)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """Shard or replicate ``model`` (converted, blocks wrapped), materializing a meta model where the strategy
+        allocates it; returns the model to train and what was done."""
+        raise NotImplementedError
+
+
+def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
+    """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole
+    (refused when it cannot fit, a warning when the world has several ranks), then what it holds is filled.
+    Returns (load report, how it was materialized)."""
+    from .common import check_fits, to_empty
+
+    device, pretrained = job.env.device, job.cfg.parallel.pretrained
+    if job.meta:
+        check_fits(model, device, strategy)
+        to_empty(model, device)
+    loaded = job.fill(model) if job.fill is not None else None
+    if not job.meta:
+        return loaded, ""
+    if warn:
+        warn_whole_meta(strategy)
+    return loaded, materialized_how(device, whole=True, pretrained=pretrained)
+
+
+def prepared(model: nn.Module, job: ShardJob) -> tuple[nn.Module, Any]:
+    """The backend's step before the engine wraps the model (:attr:`ShardJob.prepare`), if any."""
+    return job.prepare(model) if job.prepare is not None else (model, None)
+
+
+def warn_whole_meta(strategy: str) -> None:
+    """Said once: a meta model is usually built because it is large, and this strategy holds all of it per rank."""
+    warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
+                  "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size "
+                  "of it per rank.", UserWarning, stacklevel=5)

@@ -1,0 +1,76 @@
+"""strategy="fsdp1": FSDP1 (``FullyShardedDataParallel``), one FlatParameter per unit. Its policy, its application
+and the :class:`FSDP1` strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import CustomPolicy
+
+from ..axis import ALWAYS, StrategyFacts
+from ..dtypes import torch_dtype
+from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
+from .common import find_blocks, to_empty
+
+__all__ = ["FSDP1", "build_fsdp1_policy", "apply_fsdp1", "STRATEGY"]
+
+
+def build_fsdp1_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                       buffer_dtype: torch.dtype) -> MixedPrecision:
+    """FSDP1 mixed precision with all three dtypes explicit (FSDP1 would otherwise cast buffers to
+    ``param_dtype``, which Llama-style rotary buffers do not tolerate)."""
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
+
+
+def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.device,
+                mixed_precision: MixedPrecision, reshard_after_forward: bool,
+                param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
+    """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
+
+    ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
+    ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
+    module, one unit at a time, before FSDP1 shards it.
+    """
+    block_ids = {id(b) for b in blocks}
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids),
+        mixed_precision=mixed_precision,
+        sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        device_id=device,
+        use_orig_params=True,
+        param_init_fn=param_init_fn,
+    )
+
+
+class FSDP1(Strategy):
+    """FSDP1: blocks, then the root, wrapped in ``FullyShardedDataParallel``; a meta model is allocated unit by unit
+    just before FSDP1 shards it, then each rank fills its shards."""
+
+    name = "fsdp1"
+    options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
+
+    def facts(self, cfg, world_size=None) -> StrategyFacts:
+        return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        p, device = job.cfg.parallel, job.env.device
+        found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
+        names = tuple(n for n, _ in found)
+        model, built = prepared(model, job)
+        init = (lambda module: to_empty(module, device, recurse=False)) if job.meta else None
+        policy = build_fsdp1_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype),
+                                    buffer_dtype=torch_dtype(p.buffer_dtype))
+        wrapped = apply_fsdp1(model, [m for _, m in found], device=device, mixed_precision=policy,
+                              reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
+        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                  "block_classes=[...] to shard block by block.",)
+        loaded = job.fill(wrapped) if job.fill is not None else None
+        how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
+        return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
+
+
+STRATEGY = FSDP1()

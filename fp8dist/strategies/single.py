@@ -1,0 +1,53 @@
+"""strategy="none": one process, no wrapper, no process group: the forward under autocast to the compute dtype; the
+:class:`Single` strategy."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..axis import StrategyFacts
+from ..dtypes import torch_dtype
+from ..env import DistEnv, LaunchEnv
+from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .common import apply_autocast, cast_buffers
+
+__all__ = ["Single", "apply_single", "STRATEGY"]
+
+
+def apply_single(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    """One process, no wrapper: move to ``device`` and run the forward under autocast to ``compute_dtype``."""
+    model.to(device)
+    apply_autocast(model, device.type, compute_dtype)
+    return model
+
+
+class Single(Strategy):
+    """One process: the model as it is, on the device, under autocast."""
+
+    name = "none"
+    process_group = False
+
+    def facts(self, cfg, world_size=None) -> StrategyFacts:
+        return StrategyFacts(autocast_forward=True, shard_degree=1)
+
+    def environment(self, cfg, launch: LaunchEnv, device: torch.device) -> DistEnv:
+        if launch.world_size > 1:
+            warnings.warn(f"strategy='none' in a {launch.world_size}-process launch: every rank trains its own "
+                          "copy with no gradient sync. Use strategy='ddp' or 'fsdp'.", UserWarning, stacklevel=3)
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank, device, None, launch.launcher)
+
+    def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        p, device = job.cfg.parallel, job.env.device
+        loaded, how = fill_whole(model, job, self.name, warn=False)
+        model, built = prepared(model, job)
+        param = torch_dtype(p.param_dtype)
+        cast_buffers(model, torch_dtype(p.buffer_dtype))
+        autocast = param if param != torch.float32 else None
+        return Sharded(apply_single(model, device=device, compute_dtype=param),
+                       ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
+
+
+STRATEGY = Single()
