@@ -26,10 +26,12 @@ N = 3  # steps before the checkpoint
 AFTER = 2  # steps after it on each side: the loss of the loaded weights, then after a step with the loaded optimizer
 # Loss tolerances, about 1.5 x the largest gap measured (tiny Llama, 2 gloo ranks, the 2 steps after loading):
 # FSDP2 and FSDP1 share the numerics (bf16 parameters, fp32 reduction): equal losses. DDP and none share theirs
-# (fp32 weights, bf16 autocast); 2 ranks vs 1 sum the gradients in another order: 1.6e-5. Across the two: 2.1e-3.
+# (fp32 weights, bf16 autocast); 2 ranks vs 1 sum the gradients in another order: 1.6e-5 measured on one CPU of this
+# machine pool (2026-11-23), 1.3e-4 on another (AMD EPYC, AVX2 only: other bf16 GEMM kernels; 2026-11-24, the same
+# on main before and after that day's changes). Across the two: 2.1e-3.
 # FP8 on vs off, same strategy: torchao 1.5e-3 (TE's stand-in 2.5e-4); with a strategy change too: 3.0e-3.
 NUMERICS = {"fsdp": "bf16 parameters", "fsdp1": "bf16 parameters", "ddp": "autocast", "none": "autocast"}
-WORLD_TOL = 3e-5
+WORLD_TOL = 2e-4
 STRATEGY_TOL = 3e-3
 FP8_TOL = 2e-3
 

@@ -58,7 +58,8 @@ def test_fsdp2_torchao_fp8_all_gather_matches_hand_wired():
             "the FP8 scale precompute ran after optimizer.step() without being called"
         assert r["lm_head_local"] == "Tensor", "the last Linear is not FP8"
         # bf16 all-gather of the same FP8 model: same recipe, a different communication path
-        assert r["off"] != r["ours"] and abs(r["off"][-1] - r["ours"][-1]) < 0.05
+        # measured 0.0022 and 0.0033 (ranks 0, 1; 2026-11-24): the gathered FP8 weight vs a bf16 one cast after
+        assert r["off"] != r["ours"] and abs(r["off"][-1] - r["ours"][-1]) < 0.005
 
 
 def _rowwise_case(rank: int, world: int, recipe: str) -> dict:
