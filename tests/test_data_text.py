@@ -209,3 +209,27 @@ def test_bad_tokenizer_corpus_size_and_vocab_are_refused(made, tmp_path):
     check_vocab_fits(320, 320)
     with pytest.raises(ValueError, match=r"the tokenizer has 32,000 token ids and the model's embedding has 256 rows"):
         check_vocab_fits(32000, 256)
+
+
+def test_prepare_script_writes_a_corpus_its_tokenizer_reads(made, tmp_path):
+    import importlib.util
+
+    from cli_helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("prepare", ROOT / "benchmarks" / "real_text" / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    pages = tmp_path / "_sources"
+    for i, doc in enumerate(made.docs[:30]):
+        page = pages / ("library" if i % 2 else "howto") / f"page{i:02}.rst.txt"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f"Page {i}\n=======\n\n{doc}\n")
+    assert prepare.main(["--out", str(tmp_path / "out"), "--source", str(pages), "--vocab-size", "300"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "corpus.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in rows] == sorted(str(p.relative_to(pages))[:-4] for p in pages.rglob("*.txt"))
+    assert rows[0]["text"] == (pages / (rows[0]["source"] + ".txt")).read_text().strip()
+    record = json.loads((tmp_path / "out" / "SOURCE.json").read_text())
+    assert (record["pages"], record["vocab_size"]) == (30, 300) and "PSF License" in record["licence"]
+    corpus = load_text_corpus([tmp_path / "out" / "corpus.jsonl"], tokenizer=tmp_path / "out" / "tokenizer",
+                              cache_dir=tmp_path / "cache", progress=False)
+    assert corpus.num_documents == 30 and corpus.vocab_size == 300

@@ -151,7 +151,7 @@ def _build(source: Path, kind: str, text_field: str, tokenizer: Any, tokens_path
         in_document = 0  # tokens of the document being read (a plain-text file comes in several pieces)
         with open(tmp, "wb") as out:
             for texts, ends in read_pieces(source, kind, text_field, digest=digest, progress=bar.update):
-                for encoding, end in zip(backend.encode_batch(texts, add_special_tokens=False), ends):
+                for encoding, end in zip(backend.encode_batch_fast(texts, add_special_tokens=False), ends):
                     out.write(np.asarray(encoding.ids, dtype=dtype).tobytes())
                     in_document += len(encoding.ids)
                     if end:

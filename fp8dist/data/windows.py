@@ -115,12 +115,15 @@ class TextBatches:
             ValueError: fewer held-out windows than ``num_batches`` global batches need.
         """
         full = len(self.eval_windows) // self.batch_size
+        if num_batches is not None and num_batches < 1:
+            raise ValueError(f"num_batches={num_batches} must be at least 1 (None: every full held-out batch).")
         wanted = full if num_batches is None else num_batches
-        if wanted < 1 or wanted > full:
-            raise ValueError(f"{wanted} held-out batch(es) of {self.batch_size} windows need {wanted * self.batch_size:,} "
-                             f"held-out windows; eval_fraction={self.eval_fraction} holds out "
+        if full == 0 or wanted > full:
+            asked = f"{wanted} held-out batch(es)" if wanted else "a held-out batch"
+            raise ValueError(f"{asked} of {self.batch_size} windows need {max(wanted, 1) * self.batch_size:,} "
+                             f"held-out windows; eval_fraction={self.eval_fraction:g} holds out "
                              f"{len(self.eval_windows):,} of this corpus's windows ({full} full batches). Ask for "
-                             "at most that many batches, or raise eval_fraction.")
+                             "fewer batches, or raise eval_fraction.")
         for b in range(wanted):
             start = b * self.batch_size + self.rank * self.per_rank
             yield self._stack(self.eval_windows[start:start + self.per_rank].tolist())
