@@ -197,6 +197,10 @@ def test_bad_tokenizer_corpus_size_and_vocab_are_refused(made, tmp_path):
     with pytest.raises(ValueError, match="has no EOS token"):
         load(tmp_path / "no-eos")
     assert not (tmp_path / "cache").exists()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"token cache '.*a-file/cache' cannot be made a directory \(.*\): pass "
+                                         "cache_dir= a writable directory"):
+        load_text_corpus([made.jsonl], tokenizer=made.tokenizer, cache_dir=tmp_path / "a-file" / "cache")
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "The cat."}\n')
     corpus = _load(made, tmp_path, short)

@@ -86,7 +86,11 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
     field = text_field if kind == "jsonl" else None
     key = hashlib.sha256(json.dumps([str(source), kind, field, fingerprint, CACHE_FORMAT]).encode()).hexdigest()[:24]
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"token cache {str(directory)!r} cannot be made a directory ({err.strerror}): pass "
+                         "cache_dir= a writable directory.") from None
     index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
     dtype = token_dtype(len(tokenizer))
     identity = file_identity(source)
