@@ -64,34 +64,34 @@ def test_mfu_and_fp8_aware_mfu_by_hand_and_null_without_a_peak():
 
 def test_metrics_file_has_the_keys_for_every_logged_step(tmp_path):
     torch.manual_seed(0)
-    model = fp8dist.wrap_model(build_llama("tiny", max_seq_len=32), strategy="none")
+    model = fp8dist.wrap_model(build_llama("tiny", max_seq_len=16), strategy="none")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    figures = TrainingFigures(model, seq_len=32)
+    figures = TrainingFigures(model, seq_len=16)
     assert "MFU: null (no dense bf16 peak is known for cpu)" in figures.header()
     path, expected = tmp_path / "metrics.jsonl", []
     with MetricsWriter(path) as out:
-        for step in range(1, 4):
+        for step in range(1, 3):
             t0 = time.perf_counter()
-            ids = torch.randint(0, 256, (4, 32))
+            ids = torch.randint(0, 256, (2, 16))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             norm = fp8dist.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.zero_grad()
-            record = figures.step(step=step, loss=loss.detach(), tokens=4 * 32, step_time_s=time.perf_counter() - t0,
+            record = figures.step(step=step, loss=loss.detach(), tokens=2 * 16, step_time_s=time.perf_counter() - t0,
                                   grad_norm=norm, lr=1e-3, skipped_steps=0)
             out.write(record)
-            expected.append((loss.item(), norm.item(), 128 / record.step_time_s))
+            expected.append((loss.item(), norm.item(), 32 / record.step_time_s))
     with MetricsWriter(path, append=True) as out:  # a resumed run adds its steps
-        out.write(figures.step(step=4, loss=float("nan"), tokens=128, step_time_s=0.5))
+        out.write(figures.step(step=3, loss=float("nan"), tokens=32, step_time_s=0.5))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row, (loss, norm, tps) in zip(rows, expected):
         assert KEYS <= set(row)
         assert row["loss"] == pytest.approx(loss) and row["grad_norm"] == pytest.approx(norm)
         assert row["tokens_per_s"] == pytest.approx(tps) and row["lr"] == 1e-3
         assert row["mfu"] is None and row["fp8_aware_mfu"] is None and row["peak_memory_bytes"] > 2**20
-    assert rows[3]["loss"] is None and rows[3]["grad_norm"] is None  # not finite / not given: null
+    assert rows[2]["loss"] is None and rows[2]["grad_norm"] is None  # not finite / not given: null
 
 
 def test_tensorboard_scalars(tmp_path):
