@@ -14,6 +14,7 @@ from .grads import clip_grad_norm_, no_sync
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
 from .sharding import sharding_summary
+from .speed import predict_fp8_speedup
 from .strategies import unwrap_model
 
 
@@ -22,6 +23,7 @@ __all__ = [
     "get_wrap_info",
     "get_plan",
     "plan_precision",
+    "predict_fp8_speedup",
     "PrecisionPlan",
     "PlanEntry",
     "WrapInfo",
