@@ -4,8 +4,8 @@ GPUs by their datasheets (:mod:`fp8dist.gpus`); ``benchmarks/speed_model/README.
 its accuracy and what it does not see.
 
     >>> from fp8dist.speed import predict_linear
-    >>> predict_linear(8192, 2048, 5632, target="h100", recipe="rowwise").describe()  # doctest: +SKIP
-    'predicted 0.87x on H100 at 8,192 tokens (rowwise)'
+    >>> predict_linear(8192, 2048, 5632, target="h100", recipe="rowwise").describe()
+    'predicted 0.83x on H100 at 8,192 tokens (rowwise)'
 """
 
 from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolve_gpu
