@@ -4,8 +4,10 @@ kernels that cast each operand (input, weight, grad_output) with the bytes they 
 The accounting follows how each backend does it: torchao's casts are torch ops that ``torch.compile`` fuses with
 the op that produced the tensor (eager runs each as its own kernel: an amax pass, a scale, a cast, a transpose);
 Transformer Engine's are fused CUDA kernels (cast + transpose, amax as a by-product) that compile does not touch.
-The torchao rows follow the kernel breakdown in torchao's ``torchao/testing/training/roofline_utils.py``
-(``get_tensor_memory_traffic_ovhd_s``), re-derived here; bf16 is 2 bytes, FP8 1, an MX scale 1 per 32."""
+The torchao rows are re-derived from the kernel breakdown in torchao's ``torchao/testing/training/roofline_utils.py``
+(``get_tensor_memory_traffic_ovhd_s``); rowwise's second cast is one column-wise scaling pass here (its bf16
+transposed copy folded in), the pass whose cost the H100 fit measures. bf16 is 2 bytes, FP8 1, an MX scale 1 per
+32."""
 
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ class Recipe:
 def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = None) -> tuple[Kernel, ...]:
     """Kernels moving ``passes`` bytes per element each; with ``fused_first`` the first rides in the producer;
     from index ``columnwise_from`` on they scale along the first dimension."""
-    return tuple(Kernel(b, fused=fused_first and i == 0, columnwise=columnwise_from is not None and i >= columnwise_from)
-                 for i, b in enumerate(passes))
+    column = len(passes) if columnwise_from is None else columnwise_from
+    return tuple(Kernel(b, fused=fused_first and i == 0, columnwise=i >= column) for i, b in enumerate(passes))
 
 
 # torchao tensorwise: amax (fused into the producer under compile) + a tiny second stage, then one cast writing
