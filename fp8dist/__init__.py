@@ -15,6 +15,7 @@ from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
 from .metrics import MetricsWriter, TrainingFigures
 from .sharding import sharding_summary
+from .speed import predict_fp8_speedup
 from .strategies import unwrap_model
 
 
@@ -23,6 +24,7 @@ __all__ = [
     "get_wrap_info",
     "get_plan",
     "plan_precision",
+    "predict_fp8_speedup",
     "PrecisionPlan",
     "PlanEntry",
     "WrapInfo",

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Hardware", "hardware_of", "parse_target", "TARGETS"]
+from .gpus import GPUS, GpuSpec, gpu_by_device_name, gpu_by_key
+
+__all__ = ["Hardware", "hardware_of", "parse_target", "TARGETS", "GpuLookup", "find_gpu"]
 
 
 @dataclass(frozen=True)
@@ -48,15 +50,7 @@ def hardware_of(device: torch.device | Hardware) -> Hardware:
 
 TARGETS: dict[str, Hardware] = {
     "cpu": Hardware("cpu"),
-    "a100": Hardware("cuda", (8, 0), "A100"),
-    "l4": Hardware("cuda", (8, 9), "L4"),
-    "l40s": Hardware("cuda", (8, 9), "L40S"),
-    "rtx4090": Hardware("cuda", (8, 9), "RTX 4090"),
-    "h100": Hardware("cuda", (9, 0), "H100"),
-    "h200": Hardware("cuda", (9, 0), "H200"),
-    "gh200": Hardware("cuda", (9, 0), "GH200"),
-    "b200": Hardware("cuda", (10, 0), "B200"),
-    "gb200": Hardware("cuda", (10, 0), "GB200"),
+    **{spec.key: Hardware("cuda", spec.capability, spec.label) for spec in GPUS},
 }
 """Named targets (lower case) and their hardware; any ``sm_XY`` / ``sm_XYZ`` capability is accepted too."""
 
@@ -78,3 +72,33 @@ def parse_target(text: str) -> Hardware:
     gpus = ", ".join(k for k in TARGETS if k != "cpu")
     raise ValueError(f"target {text!r} is not a known machine: name a GPU ({gpus}), a CUDA compute capability "
                      "(sm_89, sm_90, sm_100) or cpu.")
+
+
+@dataclass(frozen=True)
+class GpuLookup:
+    """The GPU record of a :class:`Hardware`, or why there is none."""
+
+    spec: GpuSpec | None
+    """The record (:data:`fp8dist.gpus.GPUS`); None when the hardware is not a GPU the table knows."""
+    reason: str = ""
+    """Why ``spec`` is None, with the way out; empty when found."""
+
+
+def find_gpu(hardware: Hardware) -> GpuLookup:
+    """The GPU record of ``hardware``: a named target (``TARGETS["h100"]``) or a real device, matched by the name
+    CUDA gives it. Call it before asking for a GPU's peaks or a speed prediction.
+
+    Returns:
+        A :class:`GpuLookup`: the record, or None and the reason (a CPU; a bare capability such as ``sm_90``,
+        which several GPUs share; a GPU the table does not list).
+    """
+    if hardware.type != "cuda":
+        return GpuLookup(None, f"{hardware} is not a GPU: FP8 speed applies to CUDA GPUs only")
+    named = next((key for key, target in TARGETS.items() if target == hardware), None)
+    spec = gpu_by_key(named) if named else gpu_by_device_name(hardware.name)
+    if spec is not None and spec.capability == hardware.capability:
+        return GpuLookup(spec)
+    known = ", ".join(s.key for s in GPUS)
+    what = "a compute capability, not one GPU" if hardware.name in ("", hardware.sm) else "not in fp8dist's GPU table"
+    return GpuLookup(None, f"{hardware} is {what}: its peaks are unknown. Plan with --target naming one of "
+                           f"{known}, the closest to it.")

@@ -194,3 +194,61 @@ def test_a_plan_for_this_gpus_target_equals_the_plan_made_on_it():
     here = fp8dist.plan_precision(model, cfg, device=torch.device("cuda", 0))
     there = fp8dist.plan_precision(model, cfg, device=parse_target(f"sm_{major}{minor}"), check_installed=False)
     assert list(here) == list(there) and (here.compile, here.compile_reason) == (there.compile, there.compile_reason)
+
+
+SPEED_SHAPES = ((8192, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 16384))
+SPEED_TOLERANCE = 0.30  # |measured / predicted - 1| per shape; the largest error on the published H100 table is 0.25
+
+
+def _timed_fwd_bwd_s(model: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int = 20) -> float:
+    """Median GPU time of one forward + backward, by CUDA events, after warm-up (compilation included there)."""
+    for _ in range(3):
+        model(x).backward(grad)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(x).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _measured_rig_speedup(m: int, k: int, n: int, recipe: str) -> float:
+    """What torchao's table measures: LayerNorm -> Linear -> Sigmoid, forward + backward, compiled, bf16 / FP8."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    rig = torch.nn.Sequential(torch.nn.LayerNorm(k, elementwise_affine=False), torch.nn.Linear(k, n, bias=False),
+                              torch.nn.Sigmoid()).cuda().bfloat16()
+    fp8 = convert_to_float8_training(copy.deepcopy(rig), config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    bf16_s = _timed_fwd_bwd_s(torch.compile(rig), x, grad)
+    torch._dynamo.reset()
+    return bf16_s / _timed_fwd_bwd_s(torch.compile(fp8), x, grad)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_speed_model_predicts_the_measured_linear_speedup_on_this_gpu(recipe):
+    """The speed model's figure for this GPU (calibrated on the H100 rowwise table; other GPUs and tensorwise are
+    datasheet-scaled predictions) against a measurement here of the quantity the table measures. Within
+    SPEED_TOLERANCE per shape, and on the same side of 1 wherever the prediction is outside 0.9-1.1."""
+    from fp8dist.hardware import find_gpu, hardware_of
+    from fp8dist.speed.calibration import rig_speedup
+
+    lookup = find_gpu(hardware_of(torch.device("cuda", 0)))
+    if lookup.spec is None:
+        pytest.skip(lookup.reason)
+    rows = [(shape, rig_speedup(*shape, lookup.spec, recipe), _measured_rig_speedup(*shape, recipe))
+            for shape in SPEED_SHAPES]
+    report = "; ".join(f"{s}: predicted {p:.2f}, measured {q:.2f}" for s, p, q in rows)
+    print(f"{lookup.spec.label} {recipe}: {report}")
+    for _, predicted, measured in rows:
+        assert abs(measured / predicted - 1) <= SPEED_TOLERANCE, report
+        if not 0.9 <= predicted <= 1.1:
+            assert (predicted > 1) == (measured > 1), report
