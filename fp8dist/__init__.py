@@ -13,6 +13,7 @@ from .env import DistEnv, init_distributed, shutdown
 from .grads import clip_grad_norm_, no_sync
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
+from .numerics import NumericsReport, measure_fp8_numerics
 from .sharding import sharding_summary
 from .strategies import unwrap_model
 
@@ -47,5 +48,7 @@ __all__ = [
     "CheckpointState",
     "CheckpointError",
     "save_pretrained",
+    "measure_fp8_numerics",
+    "NumericsReport",
     "__version__",
 ]
