@@ -21,7 +21,7 @@ import torch
 
 from ..dtypes import dtype_name
 
-__all__ = ["CastSpec", "Cast", "USES", "CONTRACTION_DIM", "MX_BLOCK", "recipe_casts"]
+__all__ = ["CastSpec", "Cast", "USES", "CONTRACTION_DIM", "MX_BLOCK", "recipe_casts", "float8_linear_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -130,13 +130,11 @@ def _mx_round_trip(x: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch
     return back[..., :length].movedim(-1, dim), saturated[..., :length].movedim(-1, dim)
 
 
-def _torchao_linear_casts(cfg) -> dict[tuple[str, str], CastSpec | None]:
-    """Read from the ``Float8LinearConfig`` fp8dist converts with (one source: the backend's own config)."""
+def float8_linear_casts(config) -> dict[tuple[str, str], CastSpec | None]:
+    """The casts of torchao's ``Float8LinearConfig`` ``config`` (what a ``Float8Linear`` does), per use."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 
-    from ..fp8.torchao import float8_config
-
-    c = float8_config(cfg)
+    c = config
     configs = {("input", "output"): c.cast_config_input, ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
                ("weight", "output"): c.cast_config_weight, ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
                ("grad_output", "grad_input"): c.cast_config_grad_output,
@@ -184,7 +182,9 @@ def recipe_casts(cfg, entry, hardware) -> dict[tuple[str, str], CastSpec | None]
     if entry.grouped:
         return _experts_casts(cfg, hardware)
     if cfg.precision.fp8 == "torchao":
-        return _torchao_linear_casts(cfg)
+        from ..fp8.torchao import float8_config
+
+        return float8_linear_casts(float8_config(cfg))  # one source: the config fp8dist converts with
     if cfg.precision.fp8 == "te":
         return _te_casts(cfg)
     raise NotImplementedError(f"fp8={cfg.precision.fp8!r}: the numerics probe models the casts of torchao and "
