@@ -60,8 +60,9 @@ class FP8Telemetry:
 
     Create it after ``wrap_model`` and call :meth:`step` after every optimizer step (or pass ``optimizer`` and it
     is called for you). Steps 0, every, 2 x every, ... are sampled: their forwards and backwards (all of a step's
-    micro-batches) are measured, and the step's record is written when that step ends. Call :meth:`step` on every
-    rank: it reduces over the world group.
+    micro-batches) are measured, and the step's record is written when that step ends; the weights are read then,
+    as updated by the step (what the next forward casts). Call :meth:`step` on every rank: it reduces over the world
+    group.
 
     Args:
         model: what :func:`fp8dist.wrap_model` returned (fsdp, fsdp1, ddp or none with fp8="torchao").
@@ -70,6 +71,7 @@ class FP8Telemetry:
         thresholds: the limits a layer is warned about (once per layer and problem).
         optimizer: hook :meth:`step` to run after each of its steps.
         log: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
+        step: the number of the step about to run (a resumed run's: the checkpoint's step).
 
     Raises:
         ValueError: ``every`` < 1, or the model has no torchao FP8 layer.
@@ -77,7 +79,7 @@ class FP8Telemetry:
 
     def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,
                  thresholds: Thresholds = DEFAULT_THRESHOLDS, optimizer: torch.optim.Optimizer | None = None,
-                 log: Callable[[str], Any] | None = None) -> None:
+                 log: Callable[[str], Any] | None = None, step: int = 0) -> None:
         from torchao.float8.float8_linear import Float8Linear
 
         from ..strategies import unwrap_model
@@ -92,14 +94,15 @@ class FP8Telemetry:
         if not self.layers:
             raise ValueError("FP8Telemetry found no torchao FP8 layer (Float8Linear) in the model: wrap it with "
                              "fp8='torchao' first, and check fp8dist.get_plan(model) lists FP8 layers.")
-        self.steps = 0
-        """Optimizer steps done."""
+        self.steps = step
+        """Optimizer steps done (the number of the step under way)."""
         self.records: list[dict[str, Any]] = []
         """One record per sampled step (the same as the JSON lines)."""
         self.warned: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
         self._step_hook = optimizer.register_step_post_hook(lambda *args: self.step()) if optimizer else None
-        self._arm()
+        if self.sampling:
+            self._arm()
 
     @property
     def sampling(self) -> bool:
