@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from helpers import optimizer_losses
 
 import fp8dist
 from fp8dist import load_checkpoint, save_checkpoint, save_pretrained, wrap_model
@@ -31,17 +32,6 @@ def _build(fp8: str | None, exclude: list[str] = ()):
     model = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8=fp8, keep_first_last_linear=False,
                        fp8_exclude=list(exclude))
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
-
-
-def _train(model, opt, batches, steps) -> list[float]:
-    losses = []
-    for step in steps:
-        loss = model(input_ids=batches[step], labels=batches[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -105,23 +95,22 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     from fp8dist.numerics.telemetry import FP8Telemetry
 
     torch.set_num_threads(1)
-    batches = Batches(batch_size=4, seq_len=64, rank=rank, world_size=world, seed=0)
     out = {}
     # 1. every eligible layer in FP8, 3 steps, checkpoint; then uninterrupted, with telemetry on its steps 0, 2
     a, opt_a = _build("torchao")
     out["fp8_layers"] = len(fp8dist.get_plan(a).fp8)
-    losses_a = _train(a, opt_a, batches, range(SAVED_AT))
+    losses_a = optimizer_losses(a, opt_a, rank, world, SAVED_AT)
     save_checkpoint(f"{tmp}/fp8", a, opt_a, step=SAVED_AT)
     saved_a = _state(a, opt_a)
     save_pretrained(a, f"{tmp}/export")
     out["exclude"] = _probe_exclusions(rank, f"{tmp}/export")
     telemetry = FP8Telemetry(a, every=3, step=SAVED_AT)
     (inputs, grads), handle = _telemetry_by_hand(a)
-    losses_a += _train(a, opt_a, batches, [SAVED_AT])
+    losses_a += optimizer_losses(a, opt_a, rank, world, 1, start=SAVED_AT)
     handle.remove()
     telemetry.step()
     out["hooks_between_samples"] = len(telemetry._handles)
-    losses_a += _train(a, opt_a, batches, [SAVED_AT + 1])
+    losses_a += optimizer_losses(a, opt_a, rank, world, 1, start=SAVED_AT + 1)
     out["telemetry"] = telemetry.records
     out["by_hand"] = [(float(t.abs().max()), t) for t in (inputs[0], grads[0])]
     # 2. resumed with the probe's exclusions
@@ -129,17 +118,17 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     out["b_fp8_layers"] = len(fp8dist.get_plan(b).fp8)
     out["b_step"] = load_checkpoint(f"{tmp}/fp8", b, opt_b).step
     out["b_exact"] = _same(saved_a, _state(b, opt_b))
-    losses_b = _train(b, opt_b, batches, range(SAVED_AT, SAVED_AT + AFTER))
+    losses_b = optimizer_losses(b, opt_b, rank, world, AFTER, start=SAVED_AT)
     # 3. the reverse: bf16 for 3 steps, resumed with every eligible layer in FP8
     c, opt_c = _build(None)
-    losses_c = _train(c, opt_c, batches, range(SAVED_AT))
+    losses_c = optimizer_losses(c, opt_c, rank, world, SAVED_AT)
     save_checkpoint(f"{tmp}/bf16", c, opt_c, step=SAVED_AT)
     saved_c = _state(c, opt_c)
-    losses_c += _train(c, opt_c, batches, range(SAVED_AT, SAVED_AT + AFTER))
+    losses_c += optimizer_losses(c, opt_c, rank, world, AFTER, start=SAVED_AT)
     d, opt_d = _build("torchao")
     load_checkpoint(f"{tmp}/bf16", d, opt_d)
     out["d_exact"] = _same(saved_c, _state(d, opt_d))
-    losses_d = _train(d, opt_d, batches, range(SAVED_AT, SAVED_AT + AFTER))
+    losses_d = optimizer_losses(d, opt_d, rank, world, AFTER, start=SAVED_AT)
     out.update(a=losses_a, b=losses_b, c=losses_c, d=losses_d)
     return out
 

@@ -66,25 +66,11 @@ def probe_batches(args: argparse.Namespace, probe: ProbeConfig) -> list:
     return [corpus[step] for step in range(probe.batches)]
 
 
-def _check_fits_corpus(model: Any, probe: ProbeConfig) -> None:
-    """The built-in corpus is bytes: the model needs 256 token ids, and positions for seq_len tokens."""
-    from ..data import VOCAB_SIZE
-
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", VOCAB_SIZE)
-    if vocab < VOCAB_SIZE:
-        raise ValueError(f"the model has vocab_size={vocab}; the built-in corpus is bytes (token ids up to "
-                         f"{VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
-    positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions < probe.seq_len:
-        raise ValueError(f"the model holds {positions} positions and seq_len={probe.seq_len}: pass --seq-len "
-                         f"{positions} or less.")
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from .._files import atomic_write_text
+    from ..data import check_fits_corpus
     from ..numerics import measure_fp8_numerics
 
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
@@ -92,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     for note in config.unused_options():
         print(f"fp8dist probe: note: {note}", file=sys.stderr)
     model = meta_model(args)
-    _check_fits_corpus(model, probe)
+    source = args.model_config or getattr(args, "pretrained", None)
+    check_fits_corpus(model.config, probe.seq_len, repr(source) if source else "the built-in model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(probe.seed)  # the meta model's own initialization
         report = measure_fp8_numerics(model, probe_batches(args, probe), target=args.target, thresholds=thresholds,

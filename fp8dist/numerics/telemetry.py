@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .casts import CONTRACTION_DIM, Cast, CastSpec, float8_linear_casts
+from .casts import CONTRACTION_DIM, CastSpec, float8_linear_casts
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds
 
 __all__ = ["FP8Telemetry", "ROLES"]
@@ -45,11 +45,20 @@ class _Layer:
 
     @torch.no_grad()
     def sample(self, role: str, x: torch.Tensor) -> None:
+        """Cast ``x`` as torchao does (its amax, scale and cast functions) and count what flushes to zero."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
         spec = self.specs[role]
         x = x.detach().reshape(-1, x.shape[-1])
-        back, _ = Cast(spec)(x, CONTRACTION_DIM[_USE[role]])
+        rowwise = spec.scaling == "rowwise"
+        amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE if rowwise else
+                              ScalingGranularity.TENSORWISE, axiswise_dim=CONTRACTION_DIM[_USE[role]] if rowwise else None)
+        scale = amax_to_scale(amax, spec.dtype, round_scales_to_power_of_2=spec.pow2)
+        bits = hp_tensor_and_scale_to_float8(x, scale, spec.dtype)._data
         nonzero = x != 0
-        now = torch.stack([x.abs().max().double(), nonzero.sum().double(), (nonzero & (back == 0)).sum().double()])
+        now = torch.stack([amax.max().double(), nonzero.sum().double(), (nonzero & (bits == 0)).sum().double()])
         old = self.acc.get(role)
         self.acc[role] = now if old is None else torch.stack([old[0].maximum(now[0]), old[1] + now[1],
                                                                old[2] + now[2]])
