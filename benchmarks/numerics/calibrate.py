@@ -79,13 +79,31 @@ def train(model, steps: int, lr: float, seed: int) -> list[float]:
     return losses
 
 
+def _compact(report: dict) -> dict:
+    """What calibration.json keeps of a report: per layer, per operand the worst of its casts (rounded)."""
+    def number(v):
+        return float(f"{v:.6g}") if isinstance(v, float) else v
+
+    layers = []
+    for layer in report["layers"]:
+        row = {"name": layer["name"], "gemm": layer["gemm"], "output_sqnr_db": number(layer["output_sqnr_db"])}
+        for c in layer["casts"]:
+            old = row.get(c["role"], {})
+            shares = {k: max(old.get(k, 0.0), number(c[k])) for k in ("flushed_share", "saturated_share")}
+            if not old or (c["sqnr_db"] or math.inf) < (old["sqnr_db"] or math.inf):
+                old = {"cast": c["cast"], "sqnr_db": number(c["sqnr_db"]), "amax": number(c["amax"])}
+            row[c["role"]] = {**old, **shares}
+        layers.append(row)
+    return {**{k: v for k, v in report.items() if k != "layers"}, "layers": layers}
+
+
 def probe_all(model, batches, recipes=tuple(RECIPES)) -> dict:
     out = {}
     for name in recipes:
         backend, options, target = RECIPES[name]
         report = fp8dist.measure_fp8_numerics(model, batches, fp8=backend, target=target,
                                               keep_first_last_linear=False, **options)
-        out[name] = report.to_dict()
+        out[name] = _compact(report.to_dict())
     return out
 
 
@@ -103,16 +121,19 @@ def plant_outlier(model, value: float = 1e5):
 
 
 def _worst(layers: list[dict], skip: set[str] = frozenset()) -> dict:
-    """The worst value of each statistic over ``layers`` (by role), excluding module names in ``skip``."""
+    """The worst value of each statistic over ``layers`` (compact rows, by role), leaving out the names in
+    ``skip``."""
     w = {"output_sqnr_db": math.inf}
     for layer in layers:
-        if layer["name"] in skip or not layer["calls"]:
+        if layer["name"] in skip or layer["output_sqnr_db"] is None:
             continue
-        w["output_sqnr_db"] = min(w["output_sqnr_db"], layer["output_sqnr_db"] or math.inf)
-        for c in layer["casts"]:
-            key = c["role"]
-            w[f"{key}_sqnr_db"] = min(w.get(f"{key}_sqnr_db", math.inf), c["sqnr_db"] or math.inf)
-            w[f"{key}_flushed"] = max(w.get(f"{key}_flushed", 0.0), c["flushed_share"])
+        w["output_sqnr_db"] = min(w["output_sqnr_db"], layer["output_sqnr_db"])
+        for role in ("input", "weight", "grad_output"):
+            c = layer.get(role)
+            if c is None:
+                continue
+            w[f"{role}_sqnr_db"] = min(w.get(f"{role}_sqnr_db", math.inf), c["sqnr_db"] or math.inf)
+            w[f"{role}_flushed"] = max(w.get(f"{role}_flushed", 0.0), c["flushed_share"])
             w["saturated"] = max(w.get("saturated", 0.0), c["saturated_share"])
     return w
 
@@ -133,10 +154,41 @@ def markdown(results: dict, meta: dict) -> str:
             w = _worst(report["layers"])
             cells = [f"{w.get(c, math.nan):.1f}" if "sqnr" in c else f"{100 * w.get(c, 0.0):.2f}%" for c in cols]
             lines.append(f"| {family} | {stage} | {recipe} | " + " | ".join(cells) + " |")
-    lines += ["", "Losses (trained stage): " + "; ".join(
+    lines += ["", *_summary(results), "", "Losses (trained stage): " + "; ".join(
         f"{family} {v['losses'][0]:.2f} -> {v['losses'][-1]:.2f}" for (family, stage), v in results.items()
         if stage == "trained")]
     return "\n".join(lines) + "\n"
+
+
+def _summary(results: dict) -> list[str]:
+    """The worst healthy value of each statistic over every model, stage and recipe, where it was, and the
+    thresholds in use beside it."""
+    from fp8dist.numerics import DEFAULT_THRESHOLDS as t
+
+    healthy = [(f"{family} {stage} {recipe}", report) for (family, stage), v in results.items()
+               if "planted" not in family for recipe, report in v["reports"].items()]
+    first_last = {n for _, r in healthy for n in (r["layers"][0]["name"], r["layers"][-1]["name"])}
+
+    def worst(key: str, skip: set[str]) -> tuple[float, str]:
+        values = [(_worst([layer], skip).get(key), f"{where}, {layer['name']}") for where, r in healthy
+                  for layer in r["layers"]]
+        values = [(v, w) for v, w in values if v is not None and not (isinstance(v, float) and math.isinf(v))]
+        return min(values) if "sqnr" in key else max(values)
+
+    rows = [("output SQNR >= (dB)", "output_sqnr_db", t.min_output_sqnr_db, 1),
+            ("input flushed <=", "input_flushed", t.max_flushed_share, 100),
+            ("weight flushed <=", "weight_flushed", t.max_flushed_share, 100),
+            ("grad out flushed <=", "grad_output_flushed", t.max_grad_flushed_share, 100),
+            ("saturated <=", "saturated", t.max_saturated_share, 100)]
+    lines = ["## Thresholds against the healthy layers", "",
+             "| threshold | value | worst healthy layer, all | where | worst, first/last Linear left out | where |",
+             "|---|---|---|---|---|---|"]
+    for name, key, value, scale in rows:
+        unit = "" if scale == 1 else "%"
+        everything, rest = worst(key, set()), worst(key, first_last)
+        lines.append(f"| {name} | {scale * value:g}{unit} | {scale * everything[0]:.2f}{unit} | {everything[1]} | "
+                     f"{scale * rest[0]:.2f}{unit} | {rest[1]} |")
+    return lines
 
 
 def main() -> None:
@@ -145,7 +197,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--from-json", action="store_true", help="rewrite results.md from calibration.json only")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.from_json:
+        data = json.loads((out / "calibration.json").read_text())
+        results = {(r["model"], r["stage"]): r for r in data["results"]}
+        (out / "results.md").write_text(markdown(results, data["meta"]))
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     start = time.time()
     probe_batches = [Batches(batch_size=8, seq_len=128, seed=1)[i] for i in range(4)]
@@ -167,9 +226,8 @@ def main() -> None:
             "transformers": package_version("transformers"), "python": platform.python_version(),
             "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)", "wall_s": time.time() - start,
             "steps": args.steps, "lr": args.lr}
-    out = Path(args.out)
     (out / "calibration.json").write_text(json.dumps(
-        {"meta": meta, "results": [{"model": f, "stage": s, **v} for (f, s), v in results.items()]}) + "\n")
+        {"meta": meta, "results": [{"model": f, "stage": s, **v} for (f, s), v in results.items()]}, indent=0) + "\n")
     (out / "results.md").write_text(markdown(results, meta))
     print(markdown(results, meta))
 

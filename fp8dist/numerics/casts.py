@@ -135,8 +135,10 @@ def float8_linear_casts(config) -> dict[tuple[str, str], CastSpec | None]:
     from torchao.float8.config import ScalingGranularity, ScalingType
 
     c = config
-    configs = {("input", "output"): c.cast_config_input, ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
-               ("weight", "output"): c.cast_config_weight, ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
+    configs = {("input", "output"): c.cast_config_input,
+               ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
+               ("weight", "output"): c.cast_config_weight,
+               ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
                ("grad_output", "grad_input"): c.cast_config_grad_output,
                ("grad_output", "grad_weight"): c.cast_config_grad_output_for_grad_weight}
     return {use: None if cc.scaling_type is ScalingType.DISABLED else CastSpec(

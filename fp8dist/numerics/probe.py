@@ -136,10 +136,15 @@ def _notes(plan, cfg, modes, hardware: Hardware | None) -> list[str]:
         notes.append(f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE "
                      "needs a GPU)" + ("; the amax history starts warmed up (the first batch's own amax; TE starts "
                                        "at scale 1)" if delayed else ""))
+    left_out: dict[str, list[str]] = {}
     for entry in plan:
         if entry.grouped and entry.precision != "fp8":
-            how = "" if hardware is not None else " (target='h100' measures them as an H100 would run them)"
-            notes.append(f"MoE experts {entry.name} not measured: not FP8 in this plan ({entry.reason}){how}")
+            left_out.setdefault(entry.reason, []).append(entry.name)
+    for reason, names in left_out.items():
+        how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an "
+                                               "H100 runs them")
+        notes.append(f"MoE experts not measured ({len(names)} module(s), e.g. {names[0]}): not FP8 in this plan, "
+                     f"{reason}{how}")
     for name, mode in modes:
         if mode.seen == 0:
             notes.append(f"MoE experts {name}: no grouped GEMM on its weights was seen (another "

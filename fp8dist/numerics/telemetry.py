@@ -52,9 +52,11 @@ class _Layer:
 
         spec = self.specs[role]
         x = x.detach().reshape(-1, x.shape[-1])
-        rowwise = spec.scaling == "rowwise"
-        amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE if rowwise else
-                              ScalingGranularity.TENSORWISE, axiswise_dim=CONTRACTION_DIM[_USE[role]] if rowwise else None)
+        if spec.scaling == "rowwise":
+            amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE,
+                                  axiswise_dim=CONTRACTION_DIM[_USE[role]])
+        else:
+            amax = tensor_to_amax(x)
         scale = amax_to_scale(amax, spec.dtype, round_scales_to_power_of_2=spec.pow2)
         bits = hp_tensor_and_scale_to_float8(x, scale, spec.dtype)._data
         nonzero = x != 0
