@@ -5,7 +5,8 @@
 from .probe import measure_fp8_numerics
 from .report import NumericsReport
 from .stats import CastStats, LayerNumerics
+from .telemetry import FP8Telemetry
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds
 
 __all__ = ["measure_fp8_numerics", "NumericsReport", "LayerNumerics", "CastStats", "Thresholds",
-           "DEFAULT_THRESHOLDS"]
+           "DEFAULT_THRESHOLDS", "FP8Telemetry"]

@@ -132,6 +132,8 @@ class FP8Telemetry:
     @staticmethod
     def _forward_hook(layer: _Layer) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if not module.training:  # an evaluation inside a sampled step is not what training casts
+                return
             x = args[0]
             if torch.is_autocast_enabled():  # as Float8Linear.forward casts it
                 x = x.to(torch.get_autocast_gpu_dtype())
