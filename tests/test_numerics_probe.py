@@ -118,6 +118,11 @@ def test_probe_names_the_planted_bad_layer_with_numbers_equal_to_a_hand_computat
     table = str(report)
     assert f"recommended_exclude (1 of {len(report.layers)} modules): {BAD}" in table
     assert table.count("EXCLUDE") == 1
+    # Transformer Engine's delayed scaling, emulated: per-tensor scales too, so the same layer, and only it
+    te = fp8dist.measure_fp8_numerics(model, batches, fp8="te")
+    assert te.recommended_exclude == [BAD] and "emulated" in te.notes[0]
+    assert {c.cast for l in te.layers for c in l.casts} == {"e4m3 delayed (history 1024, max)",
+                                                           "e5m2 delayed (history 1024, max)"}
 
 
 def test_moe_experts_are_measured_through_their_grouped_gemms():
