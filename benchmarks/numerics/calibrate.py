@@ -227,7 +227,7 @@ def main() -> None:
             "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)", "wall_s": time.time() - start,
             "steps": args.steps, "lr": args.lr}
     (out / "calibration.json").write_text(json.dumps(
-        {"meta": meta, "results": [{"model": f, "stage": s, **v} for (f, s), v in results.items()]}, indent=0) + "\n")
+        {"meta": meta, "results": [{"model": f, "stage": s, **v} for (f, s), v in results.items()]}) + "\n")
     (out / "results.md").write_text(markdown(results, meta))
     print(markdown(results, meta))
 
