@@ -14,6 +14,7 @@ from .grads import clip_grad_norm_, no_sync
 from .plan import PlanEntry, PrecisionPlan, plan_precision
 from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
 from .metrics import MetricsWriter, TrainingFigures
+from .numerics import NumericsReport, measure_fp8_numerics
 from .sharding import sharding_summary
 from .speed import predict_fp8_speedup
 from .strategies import unwrap_model
@@ -52,5 +53,7 @@ __all__ = [
     "save_pretrained",
     "TrainingFigures",
     "MetricsWriter",
+    "measure_fp8_numerics",
+    "NumericsReport",
     "__version__",
 ]

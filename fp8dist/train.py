@@ -25,7 +25,7 @@ from .blocks import describe_blocks
 from .checkpoint.hf import save_pretrained
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
-from .data import Batches, check_batch_split
+from .data import Batches, check_batch_split, check_fits_corpus
 from .env import current_launch, peak_memory_mib
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
@@ -194,8 +194,6 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len), f"llama-{train.model_size}"
     from transformers import AutoModelForCausalLM
 
-    from .data import VOCAB_SIZE
-
     if path is not None and train.model_config is not None:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")
@@ -204,13 +202,7 @@ def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
         path = train.model_config
     else:
         model_config = pretrained_config(path)
-    if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
-        raise ValueError(f"{path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
-                         f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions < train.seq_len:
-        raise ValueError(f"{path!r} holds {positions} positions and seq_len={train.seq_len}: pass --seq-len "
-                         f"{positions} or less, or a config with max_position_embeddings >= {train.seq_len}.")
+    check_fits_corpus(model_config, train.seq_len, repr(path))
     if config.parallel.pretrained is None:  # a fresh model: its own initialization, the same on every rank
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(train.seed)

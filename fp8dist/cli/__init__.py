@@ -15,14 +15,14 @@ from typing import Sequence
 
 from ..env import LaunchError
 from ..plan import FP8UnavailableError
-from . import bench, ds_config, env, estimate, launch, plan, train
+from . import bench, ds_config, env, estimate, launch, plan, probe, train
 from .common import quiet_cpu_noise
 from .launch import LAUNCH_DIR
 
 __all__ = ["main", "LAUNCH_DIR"]
 
-COMMANDS = {"train": train, "plan": plan, "estimate": estimate, "bench": bench, "ds-config": ds_config, "env": env,
-            "launch": launch}
+COMMANDS = {"train": train, "plan": plan, "probe": probe, "estimate": estimate, "bench": bench, "ds-config": ds_config,
+            "env": env, "launch": launch}
 """Subcommand name -> its module, in the order ``fp8dist --help`` lists them."""
 
 

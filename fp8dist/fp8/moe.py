@@ -18,7 +18,7 @@ from ..axis import StrategyFacts
 from ..hardware import Hardware
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats", "torchao_installed", "ROUTER_REASON"]
+           "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON"]
 
 ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
@@ -134,7 +134,8 @@ def experts_target(cfg, hardware: Hardware) -> str:
     return f"torchao MoE: {RECIPES.get(recipe or '', 'grouped GEMM')}"
 
 
-def _op_config(recipe: str):
+def op_config(recipe: str):
+    """torchao's MoE training op config for ``recipe`` (what the experts are converted with)."""
     from torchao.prototype.moe_training.config import (Float8TrainingOpConfig, MXFP8TrainingOpConfig,
                                                        MXFP8TrainingRecipe)
 
@@ -153,7 +154,7 @@ def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) 
         return
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
         raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
-    quantize_(model, _op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
+    quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
     for name in names:
         model.get_submodule(name).register_state_dict_post_hook(_plain_state)
 

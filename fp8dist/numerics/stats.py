@@ -1,0 +1,137 @@
+"""What the probe measures, pooled over batches: per operand cast (:class:`CastStats`) and per GEMM's output
+(:class:`OutputStats`), gathered per layer (:class:`LayerNumerics`). Sums of squares pool as if every batch's
+tensor were one: SQNR = 10 log10(sum x^2 / sum (x - fp8(x))^2), torchao's ``compute_error`` over the whole."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CastStats", "OutputStats", "LayerNumerics", "sqnr_db"]
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) from sums of squares; inf when there is no error, nan for no signal."""
+    if noise == 0:
+        return math.inf if signal > 0 else math.nan
+    if not math.isfinite(noise) or not math.isfinite(signal):
+        return math.nan
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _number(value: float) -> float | None:
+    """JSON has no inf/nan: None stands for an exact round trip (inf) or no data (nan)."""
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class CastStats:
+    """One operand's FP8 round trip in one or two GEMMs (a tensorwise cast is the same in both)."""
+
+    role: str
+    """input, weight or grad_output."""
+    gemms: str
+    """The GEMMs it is cast for: output, grad_input, grad_weight, or two joined by '+'."""
+    cast: str
+    """How it is cast (e.g. "e4m3 tensorwise", "e5m2 delayed (history 1024, max)")."""
+    elements: int = 0
+    nonzero: int = 0
+    flushed: int = 0
+    """Non-zero values that the cast turns to zero."""
+    saturated: int = 0
+    """Values beyond the largest magnitude the cast represents (clamped to it)."""
+    nonfinite: int = 0
+    signal: float = 0.0
+    noise: float = 0.0
+    amax: float = 0.0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor) -> None:
+        """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped."""
+        x, back = x.detach().float().reshape(-1), back.reshape(-1)
+        finite = torch.isfinite(x)
+        if not bool(finite.all()):
+            self.nonfinite += int((~finite).sum())
+            x, back = x.where(finite, 0.0), back.where(finite, 0.0)
+        nonzero = x != 0
+        exact, diff = x.double(), x.double() - back.double()
+        counts = torch.stack([nonzero.sum(), (nonzero & (back == 0)).sum(), saturated.sum()]).tolist()
+        self.elements += x.numel()
+        self.nonzero += counts[0]
+        self.flushed += counts[1]
+        self.saturated += counts[2]
+        self.signal += float(exact.dot(exact))
+        self.noise += float(diff.dot(diff))
+        if x.numel():
+            self.amax = max(self.amax, float(x.abs().max()))
+
+    @property
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+    @property
+    def flushed_share(self) -> float:
+        """Share of the non-zero values flushed to zero."""
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.elements if self.elements else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": _number(self.sqnr_db),
+                "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
+                "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
+                "saturated": self.saturated, "nonfinite": self.nonfinite}
+
+
+@dataclass
+class OutputStats:
+    """The forward GEMM's output with FP8 operands against the same GEMM in high precision."""
+
+    signal: float = 0.0
+    noise: float = 0.0
+
+    @torch.no_grad()
+    def add(self, exact: torch.Tensor, fp8: torch.Tensor) -> None:
+        self.signal += float(exact.double().square().sum())
+        self.noise += float((exact.double() - fp8.double()).square().sum())
+
+    @property
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+
+@dataclass
+class LayerNumerics:
+    """One FP8 GEMM of the plan: a Linear, or one of a MoE experts module's grouped GEMMs."""
+
+    name: str
+    """The module's full name (what ``fp8_exclude`` takes)."""
+    gemm: str
+    """"" for a Linear; the experts' parameter (gate_up_proj, down_proj) for a grouped GEMM."""
+    module_type: str
+    casts: list[CastStats] = field(default_factory=list)
+    output: OutputStats = field(default_factory=OutputStats)
+    calls: int = 0
+    """Forward GEMM calls measured (batches, or expert groups x batches)."""
+    problems: tuple[str, ...] = ()
+    """Thresholds this layer crosses (empty: within every threshold), set by the report."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.gemm}]" if self.gemm else self.name
+
+    def worst(self, role: str) -> CastStats | None:
+        """The role's cast with the lowest SQNR (its uses differ only under rowwise and MX scaling)."""
+        mine = [c for c in self.casts if c.role == role and c.elements]
+        return min(mine, key=lambda c: (c.sqnr_db if not math.isnan(c.sqnr_db) else math.inf, -c.flushed_share),
+                   default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "gemm": self.gemm, "module_type": self.module_type, "calls": self.calls,
+                "output_sqnr_db": _number(self.output.sqnr_db), "casts": [c.to_dict() for c in self.casts],
+                "problems": list(self.problems)}

@@ -1,0 +1,75 @@
+"""Where a layer's FP8 numerics stop being healthy: the one place the probe's and the telemetry's limits are
+written, with the measurements they come from.
+
+Source: benchmarks/numerics/results.md (``python benchmarks/numerics/calibrate.py``, 2026-11-24): every
+FP8-eligible GEMM of Llama, GPT-2, Mixtral and Qwen3 (3-4 M parameter configs, no download) measured by
+:func:`fp8dist.measure_fp8_numerics` at initialization and after 200 steps on the built-in corpus, under torchao
+tensorwise and rowwise and Transformer Engine's delayed, current and MXFP8 recipes (emulated). The limits sit
+outside everything those healthy layers showed, with a margin, and inside what a planted outlier channel does (1e5
+in one input channel: tensorwise e4m3 then flushes most of the layer's ordinary values). Small models trained
+briefly: outliers that grow over billions of tokens (Fishman et al., arXiv 2409.12517) are stood in for by the
+planted one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .stats import LayerNumerics
+
+__all__ = ["Thresholds", "DEFAULT_THRESHOLDS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    """Limits past which a layer is recommended to stay out of FP8."""
+
+    min_output_sqnr_db: float = 20.0
+    """The forward GEMM's output with FP8 operands against high precision: below this, excluded. Healthy layers
+    measured >= 27.6 dB (an e4m3 x e4m3 GEMM of well-scaled operands gives about 28 dB); 20 dB is an error a tenth
+    of the output's amplitude. It misses an outlier channel (the outlier dominates input and output alike: the
+    planted one measured 32 dB); the flushed share below catches it."""
+
+    max_flushed_share: float = 0.01
+    """Share of an input's or a weight's non-zero values flushed to zero by the cast. Healthy layers measured
+    <= 0.15% (inputs: SwiGLU down projections after training) and <= 0.01% (weights); the planted outlier channel
+    (1e5) flushed 52% of a trained layer's input, 99.7% of an initialized one's."""
+
+    max_grad_flushed_share: float = 0.5
+    """The same for the output gradient. Gradients flush a lot in healthy layers: up to 12.8% (Mixtral experts,
+    e4m3 rowwise) and 35% (the output layer under torchao rowwise, e4m3 gradients: its softmax gradient spans
+    more than e4m3's range); small gradient values carry little of the update, so only a gradient that loses most
+    of its values is flagged."""
+
+    max_saturated_share: float = 0.001
+    """Share of values the cast clamped (beyond what rounds to the format's max): only delayed scaling clamps (a
+    value larger than the amax history's). Healthy layers measured <= 0.01% (TE delayed, after training)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}={value} must be a share between 0 and 1 (0.01 is 1%).")
+
+    def problems(self, layer: LayerNumerics) -> tuple[str, ...]:
+        """What in ``layer`` crosses these limits, one phrase each (empty when nothing does)."""
+        out = []
+        sqnr = layer.output.sqnr_db
+        if layer.calls and (math.isnan(sqnr) or sqnr < self.min_output_sqnr_db):
+            out.append(f"output SQNR {sqnr:.1f} dB < {self.min_output_sqnr_db:g} dB")
+        for cast in layer.casts:
+            limit = self.max_grad_flushed_share if cast.role == "grad_output" else self.max_flushed_share
+            if cast.nonfinite:
+                out.append(f"{cast.role}: {cast.nonfinite:,} non-finite values")
+            if cast.flushed_share > limit:
+                out.append(f"{cast.role} ({cast.gemms}): {100 * cast.flushed_share:.1f}% flushed to zero "
+                           f"> {100 * limit:g}%")
+            if cast.saturated_share > self.max_saturated_share:
+                out.append(f"{cast.role} ({cast.gemms}): {100 * cast.saturated_share:.2f}% saturated "
+                           f"> {100 * self.max_saturated_share:g}%")
+        return tuple(dict.fromkeys(out))
+
+
+DEFAULT_THRESHOLDS = Thresholds()
+"""The calibrated limits (see the module docstring for their source)."""
