@@ -211,5 +211,5 @@ def test_telemetry_warns_once_per_layer_and_writes_one_line_per_sampled_step(tmp
     assert [r["step"] for r in records] == [0, 2] and len(lines) == 2
     assert records[0]["layers"][BAD]["input"]["flushed_share"] > 0.9
     assert records[0]["layers"][BAD]["input"]["amax"] == 99840.0  # 1e5 in bf16: autocast made the input bf16
-    assert f"input flushed <= " in lines[0] and BAD in lines[0]
+    assert "input flushed <= " in lines[0] and BAD in lines[0]
     telemetry.close()
