@@ -15,6 +15,7 @@ from .blocks import BlockWiring, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, current_launch, resolve_device
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
+from .guard import StepGuard
 from .levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
@@ -43,6 +44,13 @@ class WrapInfo:
     """What loading ``pretrained=`` read on this rank (bytes read of the checkpoint's bytes); None: not loaded."""
     materialized: str = ""
     """How a meta-device model was materialized ("" for a model with real weights)."""
+    guard: StepGuard | None = None
+    """The guard of non-finite steps (``nonfinite_step``); None: off."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because their gradients were non-finite (the same on every rank)."""
+        return self.guard.skipped_steps if self.guard is not None else 0
 
 
 
@@ -186,8 +194,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     for note in (*block_wiring.notes, *sharded.info.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(sharded.model, unwrap_model(sharded.model), plan, cfg, fp8_group)  # 9. FP8 wiring
-    setattr(sharded.model, _INFO_ATTR, WrapInfo(cfg, env, plan, sharded.info, wiring, block_wiring,  # 10. record
-                                                sharded.loaded, sharded.materialized))
+    guard = _guard(engine, sharded.model, cfg, env)                                       # 10. guard, record
+    setattr(sharded.model, _INFO_ATTR, WrapInfo(cfg, env, plan, sharded.info, wiring, block_wiring,
+                                                sharded.loaded, sharded.materialized, guard))
     watch_replaced_parameters(before, sharded.model.parameters(), sharded.model)
     return _result(sharded, optimizer, memory, env)                                      # and the optimizer
 
@@ -201,6 +210,15 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
     if built is None:
         built = memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
     return sharded.model, built
+
+
+def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:
+    """Keep a non-finite step off the weights (``nonfinite_step``), watched the way the strategy steps."""
+    if cfg.parallel.nonfinite_step == "off":
+        return None
+    guard = StepGuard.for_model(model, cfg, env.device)
+    engine.watch_steps(model, guard)
+    return guard
 
 
 def _filler(cfg: Config, env: DistEnv, meta: bool) -> Any:

@@ -30,8 +30,12 @@ from .strategies import STRATEGIES, get_strategy
 
 __all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of", "choices"]
 
-BLOCK_STEP = {"block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)}))}
-"""Options the block step (activation checkpointing and compile, per block) reads, and when."""
+PIPELINE_STEPS = {
+    "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
+    "max_skipped_steps": (When({"nonfinite_step": ("skip",)}),),
+}
+"""Options a step of the pipeline reads, and when: the block step (activation checkpointing and compile, per
+block), the guard of non-finite steps."""
 
 
 def facts_of(cfg: Any, world_size: int | None = None) -> StrategyFacts:
@@ -152,14 +156,14 @@ def _defaults() -> dict[str, Any]:
 
 
 def _owners() -> list[tuple[str, str, When]]:
-    """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for the block
+    """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for a pipeline
     step, When)``."""
     out = []
     axes = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
     for key, values in axes:
         for name, axis in values.items():
             out += [(option, key, name, when) for option, when in axis.options.items()]
-    out += [(option, "", "", when) for option, whens in BLOCK_STEP.items() for when in whens]
+    out += [(option, "", "", when) for option, whens in PIPELINE_STEPS.items() for when in whens]
     return out
 
 

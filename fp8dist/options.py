@@ -100,6 +100,17 @@ class StrategyConfig:
     (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds
     the optimizer: pass optimizer={"type": "AdamW", "lr": ...}. Strategies fsdp, ddp and none."""
 
+    nonfinite_step: Literal["skip", "error", "off"] = "skip"
+    """What a step whose gradients hold an inf or NaN on any rank does: skip (the optimizer step is skipped on
+    every rank alike, weights and optimizer state as before; a warning names the step and the modules;
+    get_wrap_info(model).skipped_steps counts them), error (raise at once, nothing updated), off (no check: one such
+    step turns every weight NaN). DeepSpeed checks inside its own step (bf16 check_grad_overflow, fp16 loss
+    scaling): skip and off set that check; fp8dist counts, warns and stops the same way."""
+
+    max_skipped_steps: int = 5
+    """Consecutive skipped steps after which the run raises, naming the modules and the way out (lower the learning
+    rate, keep the layers out of FP8, resume from a checkpoint); 0: never."""
+
     check_ranks: Literal["all", "settings", "off"] = "all"
     """wrap_model compares every rank's resolved settings, plan, model structure and weights (one all-gather) and
     fails on every rank naming what differs, instead of a hang or a silent mixture: all; settings (weights may
@@ -121,6 +132,8 @@ class StrategyConfig:
         if isinstance(self.pretrained, os.PathLike):
             object.__setattr__(self, "pretrained", os.fspath(self.pretrained))
         normalize_fields(self)
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be 0 (never stop) or more.")
         for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")

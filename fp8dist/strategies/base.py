@@ -128,6 +128,13 @@ class Strategy(Protocol):
         allocates it; returns the model to train and what was done."""
         raise NotImplementedError
 
+    def watch_steps(self, model: nn.Module, guard: Any) -> None:
+        """Put ``guard`` (a :class:`fp8dist.guard.StepGuard`) before every step of an optimizer holding the
+        sharded ``model``'s parameters (torch optimizers: the process-wide step hooks)."""
+        from ..optim import STEP_HOOKS
+
+        STEP_HOOKS.add(model, pre=guard.before_step)
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

@@ -52,7 +52,8 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
                 micro_batch_size: int = 1, grad_accum: int = 1, world_size: int | None = None,
                 param_dtype: str = "bf16", reduce_dtype: str = "fp32", gradient_clipping: float = 1.0,
                 optimizer: Mapping[str, Any] | None = None, scheduler: Mapping[str, Any] | None = None,
-                offload_optimizer: bool = False, offload_param: bool = False, validate: bool = True) -> dict:
+                offload_optimizer: bool = False, offload_param: bool = False, check_grad_overflow: bool = True,
+                validate: bool = True) -> dict:
     """A complete DeepSpeed ZeRO config as a plain dict: every value concrete, checked by DeepSpeed's parser.
 
     Args:
@@ -68,6 +69,8 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
         optimizer, scheduler: DeepSpeed blocks (``{"type": "AdamW", "params": {...}}``); None leaves them out
             (pass a torch optimizer to ``deepspeed.initialize`` instead).
         offload_optimizer: optimizer states on CPU (stages 1-3); offload_param: parameters on CPU (stage 3).
+        check_grad_overflow: bf16: the engine skips a step with non-finite gradients (DeepSpeed's default; fp16's
+            loss scaler always does).
         validate: run DeepSpeed's own config parser on the result.
 
     Returns:
@@ -113,7 +116,7 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": gradient_clipping,
-        "bf16": {"enabled": param_dtype == "bf16"},
+        "bf16": {"enabled": param_dtype == "bf16", "check_grad_overflow": check_grad_overflow},
         "fp16": {"enabled": param_dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "communication_data_type": reduce_dtype,
@@ -149,7 +152,7 @@ def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size:
                         grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
                         reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
                         offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
-                        validate=validate and cfg.ds_config is None)
+                        check_grad_overflow=cfg.nonfinite_step != "off", validate=validate and cfg.ds_config is None)
     if cfg.ds_config is None:
         return built
     merged = merge_user_config(cfg.ds_config, built)
@@ -289,6 +292,10 @@ class DeepSpeed(Strategy):
              "DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under it; "
              "compile the engine wrap_model returns with engine.compile()",
              "Use compile=False (or None: auto decides)."),
+        Rule(("nonfinite_step", "strategy"), lambda cfg, facts: cfg.parallel.nonfinite_step == "error",
+             "DeepSpeed's engine checks the gradients inside its own step (bf16 check_grad_overflow, fp16 loss "
+             "scaling) and skips a non-finite step rather than raising", "Use nonfinite_step='skip' (the engine's "
+             "check, counted and stopped after max_skipped_steps by fp8dist) or 'off'."),
     )
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
@@ -317,6 +324,20 @@ class DeepSpeed(Strategy):
                                     local_rank=env.local_rank, initialize=initialize)
         info = ShardingInfo(self.name, (), f"DeepSpeed ZeRO-{config['zero_optimization']['stage']}")
         return Sharded(engine, info, loaded, how, engine.optimizer)
+
+    def watch_steps(self, model: nn.Module, guard: Any) -> None:
+        """The engine checks and skips inside ``engine.step()`` (its ``skipped_steps``); the guard reads its
+        verdict at each optimizer step (a gradient-accumulation boundary: ``global_steps`` moves)."""
+        step = model.step
+
+        def step_and_count(*args: Any, **kwargs: Any) -> Any:
+            steps, skipped = model.global_steps, model.skipped_steps
+            out = step(*args, **kwargs)
+            if model.global_steps != steps:
+                guard.after_engine_step(model.skipped_steps != skipped)
+            return out
+
+        model.step = step_and_count
 
 
 STRATEGY = DeepSpeed()
