@@ -216,7 +216,7 @@ def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuar
     """Keep a non-finite step off the weights (``nonfinite_step``), watched the way the strategy steps."""
     if cfg.parallel.nonfinite_step == "off":
         return None
-    guard = StepGuard.for_model(model, cfg, env.device)
+    guard = StepGuard.for_model(unwrap_model(model), cfg, env.device)  # the user's names
     engine.watch_steps(model, guard)
     return guard
 
