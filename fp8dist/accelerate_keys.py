@@ -224,6 +224,8 @@ NO_ACCELERATE_KEY = {
     "micro_batch_size": "Accelerate takes the batch size from the script's DataLoader, not from the config file",
     "memory": "Accelerate has no model-state memory level (MS-AMP's opt_level, under fp8_config, is the nearest)",
     "check_ranks": "Accelerate does not compare the ranks' settings or weights",
+    "nonfinite_step": "Accelerate's config file has no key for what a step with non-finite gradients does",
+    "max_skipped_steps": "Accelerate's config file has no key for what a step with non-finite gradients does",
     "pretrained": "Accelerate loads weights in the script (from_pretrained), not from the config file",
 }
 """fp8dist options no key of Accelerate's config format sets, and why: every other option is a target of the

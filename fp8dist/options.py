@@ -175,14 +175,6 @@ class FP8Config:
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
     off for rowwise recipes (torchao supports it for tensorwise only)."""
 
-    fp8_health_every: int = 0
-    """torchao: every this many optimizer steps, per FP8 layer the amax, scale and share flushed to zero of its input,
-    weight and output gradient (fp8dist.numerics.FP8Telemetry; about +25-30% on a sampled CPU step, nothing between
-    them), logged and warned about when a layer crosses the probe's thresholds; 0: off."""
-
-    fp8_health_file: str | None = None
-    """torchao with fp8_health_every: append one JSON line per sampled step here (rank 0); none: no file."""
-
     te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
     mxfp8 (MXFP8BlockScaling, Blackwell)."""
@@ -219,7 +211,7 @@ class FP8Config:
                              "activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 gradients) or "
                              "'E4M3'.")
         normalize_fields(self)
-        for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1), ("fp8_health_every", 0)):
+        for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")
 

@@ -158,27 +158,24 @@ def test_error_mode_raises_before_anything_changes():
     assert fp8dist.get_wrap_info(off).guard is None
 
 
-def test_fp8_health_is_sampled_through_the_users_own_optimizer(tmp_path):
-    """fp8_health_every=2 (off by default): steps 0 and 2 of 4 are sampled after the steps of an optimizer fp8dist
-    never saw, one JSON line each, the records on the wiring; nothing when the option is left at 0."""
+def test_fp8_health_is_sampled_after_the_steps_of_the_users_own_optimizer(tmp_path):
+    """FP8Telemetry(model, every=2) with no optimizer given: steps 0 and 2 of 4 are sampled after the steps of an
+    optimizer it never saw (fp8dist's step registry), one JSON line each, one layer entry per FP8 layer."""
     import json
 
     import fp8dist
     from fp8dist.models import build_llama
+    from fp8dist.numerics import FP8Telemetry
 
     path = tmp_path / "health.jsonl"
-    model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", fp8_health_every=2,
-                               fp8_health_file=str(path))
+    model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")
+    telemetry = FP8Telemetry(model, every=2, jsonl=path)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(4):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    telemetry = fp8dist.get_wrap_info(model).fp8.telemetry
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    fp8_layers = len(fp8dist.get_plan(model).fp8)
     assert [r["step"] for r in telemetry.records] == [r["step"] for r in lines] == [0, 2]
-    assert len(lines[0]["layers"]) == fp8_layers
-    plain = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")
-    assert fp8dist.get_wrap_info(plain).fp8.telemetry is None
+    assert len(lines[0]["layers"]) == len(fp8dist.get_plan(model).fp8)

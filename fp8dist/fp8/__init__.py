@@ -44,8 +44,6 @@ class FP8Wiring:
     """The process group FP8 amax is reduced over, or None."""
     scale_precompute: bool = False
     """FP8 weight scales are recomputed after every optimizer step (torchao's FP8 all-gather)."""
-    telemetry: Any = None
-    """The sampled FP8 health of the layers (``fp8_health_every``), or None."""
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,7 @@ def _linear_like(module: nn.Module) -> bool:
 class TorchaoBackend(FP8Backend):
     name = "torchao"
     options = {"keep_first_last_linear": ALWAYS, "torchao_recipe": ALWAYS, "torchao_moe_recipe": ALWAYS,
-               "fp8_all_gather": When(facts=("dtensor_shards",)), "fp8_health_every": ALWAYS,
-               "fp8_health_file": ALWAYS}
+               "fp8_all_gather": When(facts=("dtensor_shards",))}
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
@@ -122,12 +121,11 @@ class TorchaoBackend(FP8Backend):
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
-        model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents); with
-        ``fp8_health_every``, sample the FP8 layers' health after the steps it says."""
+        model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
         precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
         if precompute:
             register_scale_precompute(inner)
-        return FP8Wiring(scale_precompute=precompute, telemetry=_health(model, plan, cfg))
+        return FP8Wiring(scale_precompute=precompute)
 
 
 BACKEND = TorchaoBackend()
@@ -154,18 +152,6 @@ def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def _health(model: nn.Module, plan, cfg) -> Any:
-    """``fp8_health_every``: the FP8 layers' sampled health, ended after each step of the model's optimizer."""
-    every = cfg.precision.fp8_health_every
-    if not every or not any(not e.grouped for e in plan.fp8):
-        return None
-    from ..numerics.telemetry import FP8Telemetry
-
-    telemetry = FP8Telemetry(model, every=every, jsonl=cfg.precision.fp8_health_file)
-    STEP_HOOKS.add(model, post=lambda model, optimizer: telemetry.step())
-    return telemetry
 
 
 def register_scale_precompute(model: nn.Module) -> None:

@@ -69,8 +69,9 @@ class _Layer:
 class FP8Telemetry:
     """Sampled FP8 health of a wrapped model's torchao FP8 layers.
 
-    Create it after ``wrap_model`` and call :meth:`step` after every optimizer step (or pass ``optimizer`` and it
-    is called for you). Steps 0, every, 2 x every, ... are sampled: their forwards and backwards (all of a step's
+    Create it after ``wrap_model``; it ends each step itself, after every step of any optimizer that holds the
+    model's parameters (fp8dist's step registry, so your own optimizer needs nothing), or only ``optimizer``'s
+    when you pass one. Steps 0, every, 2 x every, ... are sampled: their forwards and backwards (all of a step's
     micro-batches) are measured, and the step's record is written when that step ends; the weights are read then,
     as updated by the step (what the next forward casts). Call :meth:`step` on every rank: it reduces over the world
     group.
@@ -80,7 +81,7 @@ class FP8Telemetry:
         every: sample one step in this many (>= 1).
         jsonl: append one JSON line per sampled step here (rank 0); None: no file.
         thresholds: the limits a layer is warned about (once per layer and problem).
-        optimizer: hook :meth:`step` to run after each of its steps.
+        optimizer: end steps after this optimizer's steps only; None: after any optimizer holding the model.
         log: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
         step: the number of the step about to run (a resumed run's: the checkpoint's step).
 
@@ -112,6 +113,10 @@ class FP8Telemetry:
         self.warned: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
         self._step_hook = optimizer.register_step_post_hook(lambda *args: self.step()) if optimizer else None
+        if optimizer is None:  # any optimizer of the model, the user's own included; held while the model lives
+            from ..optim import STEP_HOOKS
+
+            STEP_HOOKS.add(model, post=lambda model, optimizer: self.step())
         if self.sampling:
             self._arm()
 
