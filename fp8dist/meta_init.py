@@ -15,11 +15,12 @@ import warnings
 import torch
 from torch import nn
 
+from ._args import require_bool
 from .strategies import unwrap_model
 from .strategies.common import to_empty
 from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
-__all__ = ["is_meta_model", "to_empty", "check_fits", "init_weights"]
+__all__ = ["is_meta_model", "to_empty", "available_bytes", "check_fits", "init_weights"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -27,7 +28,8 @@ def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, or the memory the kernel can give this machine's processes; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:  # MemAvailable counts the page cache the kernel would give back; free pages alone undercount it
@@ -46,7 +48,7 @@ def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
     larger than the device's free memory, before allocating it."""
     need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
                                                                          *model.buffers())}.values())
-    free = _available_bytes(device)
+    free = available_bytes(device)
     if free is not None and need > free:
         raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
                           f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "
@@ -95,6 +97,7 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
     part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
     come from elsewhere (a checkpoint)."""
+    require_bool("buffers_only", buffers_only)
     inner = unwrap_model(model)
     params = local_params(model) if params is None else params
     by_name = {n: p for p in params for n in p.names}
