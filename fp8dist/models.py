@@ -6,13 +6,14 @@ projection is its own Linear, as in Llama.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from .data import VOCAB_SIZE
 
-__all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config"]
+__all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config", "job_model_config",
+           "build_job_model"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
 
@@ -69,11 +70,59 @@ def read_model_config(path: str):
 
 
 def pretrained_config(path: str):
-    """The transformers config of the model directory ``path`` (``pretrained=``); ValueError naming it otherwise."""
+    """The transformers config of the model directory ``path`` (``pretrained=``), read from that directory only
+    (never the Hub: a name that is not a directory is an error); ValueError naming it otherwise."""
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    if not Path(path).is_dir():
+        raise ValueError(f"pretrained={path!r}: the directory does not exist. Pass a local model directory (written "
+                         "by save_pretrained, or downloaded with `hf download NAME --local-dir DIR`); fp8dist never "
+                         "downloads.")
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
                          "directory written by save_pretrained.") from None
+
+
+def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
+    """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
+    the config.json of ``pretrained`` (checked against the corpus' vocabulary and ``seq_len``)."""
+    path = config.parallel.pretrained
+    if path is None and train.model_config is None:
+        return llama_config(train.model_size, max_seq_len=train.seq_len), f"llama-{train.model_size}"
+    if path is not None and train.model_config is not None:
+        raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
+                         "builds the model from that directory's config.json).")
+    if path is None:
+        model_config = read_model_config(train.model_config)
+        path = train.model_config
+    else:
+        model_config = pretrained_config(path)
+    if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
+        raise ValueError(f"{path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
+                         f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < train.seq_len:
+        raise ValueError(f"{path!r} holds {positions} positions and seq_len={train.seq_len}: pass --seq-len "
+                         f"{positions} or less, or a config with max_position_embeddings >= {train.seq_len}.")
+    return model_config, f"{type(model_config).__name__} from {path}"
+
+
+def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
+    """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
+    Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
+    rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
+    from transformers import AutoModelForCausalLM
+
+    if config.parallel.pretrained is None and train.model_config is None:
+        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
+    zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
+    device = "cpu" if config.parallel.pretrained is None or zero3 else "meta"
+    with torch.random.fork_rng(devices=[]):  # a fresh model: its own initialization, the same on every rank
+        torch.manual_seed(train.seed)
+        with torch.device(device):
+            # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
+            return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
