@@ -7,7 +7,8 @@ FSDP shards.
   ``selective`` keeps the outputs of matrix multiplies and attention (torchtitan's "op" mode) and recomputes the
   rest.
 - Compile is ``block.compile()`` in place, so names and state-dict keys do not change either (``torch.compile``
-  would add ``_orig_mod``); FSDP's hooks then run outside the compiled graph.
+  would add ``_orig_mod``); FSDP's hooks then run outside the compiled graph. One inductor option works around a
+  torch bug on CPU (:data:`COMPILE_OPTIONS`).
 
 What was decided, and why, is returned as :class:`BlockWiring` data.
 """
@@ -23,13 +24,22 @@ from torch import nn
 
 from .hardware import Hardware
 
-__all__ = ["BlockWiring", "compile_decision", "block_refusals", "check_block_options", "wrap_blocks", "describe_blocks",
+__all__ = ["BlockWiring", "COMPILE_OPTIONS", "compile_decision", "block_refusals", "check_block_options", "wrap_blocks", "describe_blocks",
            "graph_breaks", "SAVED_BY_SELECTIVE"]
 
 SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                       "_scaled_dot_product_flash_attention_for_cpu")
 """aten ops whose outputs selective checkpointing keeps (everything else in a block is recomputed)."""
+
+
+COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
+"""Inductor options of every compiled block. On CPU (inductor's C++ backend; ``cpp.*`` options do nothing for CUDA
+kernels), torch 2.13's vectorized code declares the same variable twice when one bf16 reduction is stored into two
+outputs -- the two bias gradients of GPT-NeoX's parallel residual (two biased Linears whose outputs are summed) --
+and the kernel fails to compile (``conflicting declaration 'auto at_BFloat16_tmp_acc0_vec'``; pytorch/pytorch#194706,
+open; tests/test_blocks.py keeps the reproduction as an expected failure). Without horizontal fusion the two
+outputs come from two loops, each stored once; every other fusion, and vectorization, stays."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str,
             block = _checkpointed(block, mode)
             _replace(model, name, block)
         if compiled:
-            block.compile()
+            block.compile(options=COMPILE_OPTIONS)
         out.append((name, block))
     return out, BlockWiring(mode, compiled, reason, tuple(n for n, _ in found), (note,) if note else ())
 

@@ -12,7 +12,7 @@ import torch
 
 from .data import VOCAB_SIZE
 
-__all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config", "job_model_config",
+__all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config", "job_model_config",
            "build_job_model"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
@@ -25,6 +25,12 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
     "3b": (3072, 8192, 28, 24, 8),  # 2.82B (Llama 3.2 3B's widths, byte vocab): one 80 GB GPU with full AC
 }
+
+
+JOB_POSITIONS = 8192
+"""Positions (``max_position_embeddings``) of the built-in presets in ``fp8dist train``: Llama 3's pretraining
+context. Rotary positions would take any length, but a longer ``--seq-len`` is a typo more often than a plan (its
+attention costs seq_len squared per step); a config.json with more positions takes more."""
 
 
 def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int = VOCAB_SIZE):
@@ -89,10 +95,11 @@ def pretrained_config(path: str):
 
 def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
     """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
-    the config.json of ``pretrained`` (checked against the corpus' vocabulary and ``seq_len``)."""
+    the config.json of ``pretrained`` (checked against the corpus' vocabulary; its positions against ``seq_len``
+    by :func:`fp8dist.train_checks.check_positions`)."""
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
-        return llama_config(train.model_size, max_seq_len=train.seq_len), f"llama-{train.model_size}"
+        return llama_config(train.model_size, max_seq_len=JOB_POSITIONS), f"llama-{train.model_size}"
     if path is not None and train.model_config is not None:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")
@@ -104,10 +111,6 @@ def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
     if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
         raise ValueError(f"{path!r} has vocab_size={model_config.vocab_size}; the built-in corpus is "
                          f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions < train.seq_len:
-        raise ValueError(f"{path!r} holds {positions} positions and seq_len={train.seq_len}: pass --seq-len "
-                         f"{positions} or less, or a config with max_position_embeddings >= {train.seq_len}.")
     return model_config, f"{type(model_config).__name__} from {path}"
 
 

@@ -34,7 +34,8 @@ from .agree import on_all_ranks
 from .models import ModelSize, build_job_model, job_model_config
 from .memory import report
 from .schedule import describe_schedule, lr_schedule, set_lr
-from .train_checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, memory_need
+from .train_checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
+                           job_memory_need)
 from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
@@ -190,16 +191,6 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callab
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
-def _memory_need(config: Config, train: TrainConfig, model_config: Any, world: int) -> MemoryNeed:
-    """The per-rank estimate for the job's model, built again on the meta device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    micro = train.batch_size // (world * config.parallel.grad_accum)
-    return memory_need(model, config, world=world, micro_batch=micro, seq_len=train.seq_len)
-
-
 def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:
     """``save_pretrained``: the trained model as Hugging Face safetensors (every rank gathers, rank 0 writes)."""
     if train.save_pretrained is None:
@@ -286,6 +277,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     start = time.perf_counter()
     check_checkpoint_dir(train)
     model_config, name = job_model_config(config, train)
+    check_positions(model_config, name, config, train, current_launch().world_size)
     model = build_job_model(config, train, model_config)
     n_params = sum(p.numel() for p in model.parameters())
     world = current_launch().world_size
@@ -296,7 +288,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
               f"host {host} device {env.device} ready", flush=True)
-    need = _memory_need(config, train, model_config, env.world_size)
+    need = job_memory_need(config, train, model_config, env.world_size)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # one node unless the launcher says
     on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
                  passthrough=(MemoryError,))

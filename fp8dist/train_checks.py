@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "memory_need", "check_memory",
-           "check_checkpoint_dir"]
+__all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "memory_need", "job_memory_need",
+           "check_memory", "check_positions", "check_checkpoint_dir"]
 
 MAX_NONFINITE_STEPS = 5
 """Consecutive steps of non-finite loss after which the job stops. Without a guard that keeps a non-finite step
@@ -74,6 +74,27 @@ def memory_need(model: torch.nn.Module, config: Any, *, world: int, micro_batch:
     est = estimate_memory(model, config, world_size=world, micro_batch_size=micro_batch, seq_len=seq_len)
     return MemoryNeed(est.model_state_bytes, est.activation_bytes if est.activations_modelled else None,
                       micro_batch, seq_len)
+
+
+def job_memory_need(config: Any, train: Any, model_config: Any, world: int) -> MemoryNeed:
+    """The per-rank estimate of ``fp8dist train``'s model (``model_config``, built again on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    micro = max(1, train.batch_size // (world * config.parallel.grad_accum))
+    return memory_need(model, config, world=world, micro_batch=micro, seq_len=train.seq_len)
+
+
+def check_positions(model_config: Any, name: str, config: Any, train: Any, world: int) -> None:
+    """ValueError when ``seq_len`` exceeds the model's positions, saying what that length would need in memory."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or train.seq_len <= positions:
+        return
+    need = job_memory_need(config, train, model_config, world)
+    raise ValueError(f"seq_len={train.seq_len:,} and {name} holds {positions:,} positions: pass --seq-len {positions} "
+                     f"or less, or --model-config with max_position_embeddings >= {train.seq_len}. At that length "
+                     f"the job would need {need.describe()}.")
 
 
 def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> None:

@@ -39,5 +39,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = exit_code(err)
         if code is None:
             raise
-        print(error_line(args.command, str(err)), file=sys.stderr)
+        if _leads():
+            print(error_line(args.command, str(err)), file=sys.stderr)
         return code
+
+
+def _leads() -> bool:
+    """Whether this process says the error: every rank of a launched job checks the same flags, rank 0 says it."""
+    from ..env import LaunchError, detect_launch_env
+
+    try:
+        return detect_launch_env().rank == 0
+    except LaunchError:  # the launcher's environment is what is wrong: said by every process
+        return True

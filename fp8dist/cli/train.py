@@ -156,18 +156,18 @@ def run(args: argparse.Namespace) -> int:
     from ..models import job_model_config
     from ..plan import check_fp8_available
     from ..train import default_nproc
-    from ..train_checks import check_checkpoint_dir
+    from ..train_checks import check_checkpoint_dir, check_positions
 
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
-    job_model_config(config, train)  # --pretrained / --model-config read and checked here first
     launch = detect_launch_env()
+    nproc = train.nproc or (1 if config.parallel.strategy == "none" else default_nproc())
+    model_config, name = job_model_config(config, train)  # --pretrained / --model-config read here first
+    check_positions(model_config, name, config, train, launch.world_size if launch.launcher != "none" else nproc)
     if launch.launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
         _run_launched(config, train, launch.rank)
-    strategy = config.parallel.strategy
-    nproc = train.nproc or (1 if strategy == "none" else default_nproc())
-    if strategy == "none" and nproc > 1:
+    if config.parallel.strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
