@@ -81,9 +81,11 @@ def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Excep
     if not failed:
         return result
     first, detail, cls, own = failed[0]
-    others = sorted({r[0] for r in failed} - {first})
-    everywhere = len(failed) == world and len({r[1] for r in failed}) == 1  # not one rank's: said once
+    ranks = {r[0] for r in failed}
+    everywhere = len(ranks) == world and len({r[1] for r in failed}) == 1  # not one rank's: said once
     where = "" if everywhere else f" on rank {first}" + (
-        f" (also on rank {', '.join(map(str, others))})" if others else "")
+        f" (also on rank {', '.join(map(str, sorted(ranks - {first})))})" if len(ranks) > 1 else "")
     message = detail if everywhere and own else f"{what} failed{where}: {detail}"  # a refusal: as raised
-    raise cls(message + (f" {way_out}" if way_out else "")) from failure
+    if way_out:
+        message += ("" if message.endswith((".", ")")) else ".") + f" {way_out}"
+    raise cls(message) from failure

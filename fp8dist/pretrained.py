@@ -25,6 +25,7 @@ from torch import nn
 
 from ._args import require_bool
 from .agree import on_all_ranks
+from .dtypes import dtype_name
 from .meta_init import init_weights
 from .strategies import unwrap_model
 from .strategies.local_shards import LocalParam, Region, local_params, plain_name
@@ -312,7 +313,7 @@ def _warn_precision(model: nn.Module, source: SafetensorsDir, params: list[Local
     low = {p.local.dtype for p in params if p.local.dtype in _LOW}
     if not low:
         return
-    dtype = str(next(iter(low))).removeprefix("torch.")
+    dtype = dtype_name(next(iter(low)))
     master = _fp32_master(model, strategy)
     if master is False:
         warnings.warn(f"pretrained={str(source.path)!r} is loaded into {dtype} parameters (the model was built in "

@@ -319,7 +319,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     require_bool("drop_fp8_state", drop_fp8_state)
     rank, strategy = rank_world()[0], info.config.parallel.strategy
     refusals = (CheckpointError, FileNotFoundError)
-    checkpoint, meta = on_all_ranks(f"load_checkpoint({str(path)!r})", lambda: _found(path), error=CheckpointError,
+    checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
                                     passthrough=refusals)
     decision, optimizer_note = on_all_ranks(
         f"loading {checkpoint}", lambda: (check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state),
