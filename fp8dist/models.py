@@ -12,8 +12,8 @@ import torch
 
 from .data import VOCAB_SIZE
 
-__all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config", "job_model_config",
-           "build_job_model"]
+__all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
+           "job_model_config", "build_job_model"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
 

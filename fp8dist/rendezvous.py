@@ -62,8 +62,8 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
                               wait_for_workers=False, multi_tenant=True)
     except (RuntimeError, ValueError) as err:  # DistNetworkError / DistStoreError are RuntimeErrors
         if rank == 0:
-            raise LaunchError(f"rank 0 could not host the rendezvous at {where} (MASTER_ADDR:MASTER_PORT): {err}. Use an "
-                        "address of this machine and a free port.") from None
+            raise LaunchError(f"rank 0 could not host the rendezvous at {where} (MASTER_ADDR:MASTER_PORT): {err}. "
+                              "Use an address of this machine and a free port.") from None
         raise LaunchError(f"rank {rank} of {world} could not reach rank 0 at {where} (MASTER_ADDR:MASTER_PORT) within "
                     f"{timeout_s:g} s: rank 0 is not running there. Start every rank with the same MASTER_ADDR and "
                     f"MASTER_PORT (torchrun --nnodes N --nproc-per-node M sets them); {longer}.") from None

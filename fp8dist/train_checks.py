@@ -111,8 +111,8 @@ def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> Non
     if total > share:
         where = f"{device} has {_gib(free)} free" if device.type == "cuda" else \
             f"this node has {_gib(free)} available for {ranks_here} rank(s): {_gib(share)} each"
-        raise MemoryError(f"the job needs about {_gib(total)} per rank ({need.describe()}) and {where}. Lower --seq-len "
-                          f"(now {need.seq_len:,}) or --batch-size, add --grad-accum, or "
+        raise MemoryError(f"the job needs about {_gib(total)} per rank ({need.describe()}) and {where}. Lower "
+                          f"--seq-len (now {need.seq_len:,}) or --batch-size, add --grad-accum, or "
                           "--activation-checkpointing full.")
 
 

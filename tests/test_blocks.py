@@ -346,13 +346,16 @@ def _bias_grads(options: dict | None) -> list[torch.Tensor]:
 
 
 @pytest.mark.xfail(strict=True, raises=torch._inductor.exc.InductorError,
-                   reason="pytorch/pytorch#194706: inductor's CPU bf16 codegen declares 'auto at_BFloat16_tmp_acc0_vec' "
-                          "twice; an XPASS means torch fixed it and fp8dist.blocks.COMPILE_OPTIONS can go")
+                   reason="pytorch/pytorch#194706: inductor's CPU bf16 codegen declares 'auto "
+                          "at_BFloat16_tmp_acc0_vec' twice; an XPASS means torch fixed it and "
+                          "fp8dist.blocks.COMPILE_OPTIONS can go")
 def test_inductor_compiles_two_summed_biased_linears_in_bf16_on_cpu():
-    """No fp8dist in it. First fp8dist's workaround (blocks are compiled with COMPILE_OPTIONS): the bias gradients
-    equal eager's; then torch's defaults, which fail to compile the backward (the expected failure)."""
-    from fp8dist.blocks import COMPILE_OPTIONS
+    """No fp8dist in it. First fp8dist's workaround (a block with a biased GEMM is compiled with COMPILE_OPTIONS):
+    the bias gradients equal eager's; then torch's defaults, which fail to compile the backward (the expected
+    failure)."""
+    from fp8dist.blocks import COMPILE_OPTIONS, has_biased_gemm
 
+    assert has_biased_gemm(_ParallelResidual()) and not has_biased_gemm(build_llama().model.layers[0])
     eager = _bias_grads(None)
     worked_around = _bias_grads(COMPILE_OPTIONS)
     assert all(torch.equal(a, b) for a, b in zip(worked_around, eager))  # a sum of 16 bf16 values: exact here

@@ -139,13 +139,13 @@ def test_one_rank_failing_alone_fails_every_rank_with_the_same_clear_error(tmp_p
         assert results[0][key] == results[1][key], f"{key}: every rank raises the same error"
     r = results[0]
     step2 = tmp_path / "ckpt" / "step_00000002"
-    assert r["read-only"] == ("CheckpointError", f"saving {step2} (creating {tmp_path / 'ckpt' / '.tmp-step_00000002'}) "
-                                                 f"failed on rank 0: OSError: [Errno 30] Read-only file system: "
-                                                 f"'{tmp_path / 'ckpt'}'")
+    tmp = tmp_path / "ckpt" / ".tmp-step_00000002"
+    assert r["read-only"] == ("CheckpointError", f"saving {step2} (creating {tmp}) failed on rank 0: OSError: "
+                                                 f"[Errno 30] Read-only file system: '{tmp_path / 'ckpt'}'")
     kind, message = r["disk full"]
     assert kind == "CheckpointError"  # an Exception: torch's CheckpointException is a BaseException
-    assert message.startswith(f"saving {step2} (writing {tmp_path / 'ckpt' / '.tmp-step_00000002'}) failed on rank 1: "
-                              "OSError: [Errno 27] File too large. Nothing of it was kept; ")
+    assert message.startswith(f"saving {step2} (writing {tmp}) failed on rank 1: OSError: [Errno 27] File too "
+                              "large. Nothing of it was kept; ")
     assert f"{tmp_path / 'ckpt' / 'step_00000001'} (named by latest) is intact" in message and "\n" not in message
     assert r["left after"] == ["latest", "step_00000001"], "the partial .tmp-step_00000002 is removed"
     assert r["existing step"] == ("CheckpointError", f"{tmp_path / 'ckpt' / 'step_00000001'} exists already: "

@@ -295,9 +295,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     - The optimizer must be of the class saved (AdamW's state does not fill SGD's); ``optimizer=None`` loads the
       model's weights only (``differences`` says the optimizer state was left).
 
-    A failure on any rank raises on every rank with the same message. Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out. Nothing
-    is unpickled beyond tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``;
-    DeepSpeed's files are checked for foreign classes first).
+    Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out; a
+    failure on one rank (a file it cannot read) raises the same error on every rank. Nothing is unpickled beyond
+    tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``; DeepSpeed's files are
+    checked for foreign classes first).
 
     Args:
         path: a checkpoint directory, or one of its ``step_*`` folders.
