@@ -281,6 +281,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     model = build_job_model(config, train, model_config)
     n_params = sum(p.numel() for p in model.parameters())
     world = current_launch().world_size
+    asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
     config, wrapped, optimizer = _wrap(config, train, model, world)
     env = get_wrap_info(wrapped).env
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
@@ -288,7 +289,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
               f"host {host} device {env.device} ready", flush=True)
-    need = job_memory_need(config, train, model_config, env.world_size)
+    need = job_memory_need(asked, train, model_config, env.world_size)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # one node unless the launcher says
     on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
                  passthrough=(MemoryError,))
@@ -298,7 +299,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         if config.precision.fp8:
             log(str(get_wrap_info(wrapped).plan))
     first = _resume(train, wrapped, optimizer, log if leader else None)
-    losses, step_times = _train_steps(config, train, wrapped, optimizer, first, log if leader else None, progress)
+    losses, step_times = _train_steps(asked, train, wrapped, optimizer, first, log if leader else None, progress)
     _export(train, wrapped, log if leader else None)
     timed = step_times[1:] or step_times
     tokens_per_step = train.batch_size * train.seq_len
@@ -320,7 +321,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
 def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, first: int,
                  log: Callable[[str], Any] | None, progress: Callable[[int], Any] | None) -> tuple[list, list]:
     """Steps ``first`` .. ``train.steps``: the loss (mean over ranks) and time of each; stops when the loss stays
-    non-finite (:class:`~fp8dist.train_checks.LossWatch`)."""
+    non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
+    micro-batches per step, its ``gradient_clipping``."""
     env = get_wrap_info(wrapped).env
     batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
                       world_size=env.world_size, seed=train.seed)

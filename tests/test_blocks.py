@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -345,7 +346,7 @@ def _bias_grads(options: dict | None) -> list[torch.Tensor]:
     return [module.attn_out.bias.grad, module.mlp_out.bias.grad]
 
 
-@pytest.mark.xfail(strict=True, raises=torch._inductor.exc.InductorError,
+@pytest.mark.xfail(strict=True, raises=InductorError,
                    reason="pytorch/pytorch#194706: inductor's CPU bf16 codegen declares 'auto "
                           "at_BFloat16_tmp_acc0_vec' twice; an XPASS means torch fixed it and "
                           "fp8dist.blocks.COMPILE_OPTIONS can go")
