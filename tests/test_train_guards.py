@@ -65,6 +65,7 @@ def _states(pids: list[str]) -> dict[str, str]:
     return states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("who", ["launcher", "process group"])
 def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tmp_path):
     """A real ``fp8dist train`` with 2 spawned ranks, SIGINT after its third step: to the launcher alone (``kill
