@@ -58,7 +58,9 @@ def _checkpoint_cases(rank: int, world: int, root: str) -> dict:
     def read_only(directory: Path) -> None:  # rank 0 alone touches the directory first: a read-only mount
         raise OSError(errno.EROFS, "Read-only file system", str(directory))
 
-    leftovers, save_load._remove_leftovers = save_load._remove_leftovers, read_only if rank == 0 else None
+    leftovers = save_load._remove_leftovers
+    if rank == 0:
+        save_load._remove_leftovers = read_only
     out["read-only"] = _error(lambda: save_checkpoint(ckpt, model, opt, step=2))
     save_load._remove_leftovers = leftovers
     with _file_size_limit(4096) if rank == 1 else contextlib.nullcontext():  # rank 1's shard is ~25 KB
