@@ -189,7 +189,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     memory.after_convert(model)
     blocks, block_wiring = _wrap_blocks(model, cfg, plan)                                 # 7. blocks
     hooks = backend.engine_hooks(optimizer, cfg, plan.facts)
-    sharded = engine.shard(model, ShardJob(cfg, env, blocks, meta, _filler(cfg, env, meta),   # 8. shard
+    sharded = engine.shard(model, ShardJob(cfg, env, blocks, meta, _filler(cfg, env, meta, plan),   # 8. shard
                                            optimizer, hooks.prepare, hooks.entry))
     for note in (*block_wiring.notes, *sharded.info.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
@@ -221,12 +221,13 @@ def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuar
     return guard
 
 
-def _filler(cfg: Config, env: DistEnv, meta: bool) -> Any:
+def _filler(cfg: Config, env: DistEnv, meta: bool, plan: PrecisionPlan) -> Any:
     """What fills the model once the strategy has allocated it: its part of ``pretrained=`` or (a meta model) its
     own initialization; None when there is nothing to fill."""
     if not meta and cfg.parallel.pretrained is None:
         return None
-    return lambda model: materialize(model, env.device, cfg.parallel.pretrained, meta=meta)
+    master = plan.facts.engine_builds_optimizer  # DeepSpeed's optimizer keeps fp32 masters of bf16 parameters
+    return lambda model: materialize(model, env.device, cfg.parallel.pretrained, meta=meta, fp32_master=master)
 
 
 def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[Any, BlockWiring]:

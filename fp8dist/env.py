@@ -22,13 +22,10 @@ import torch
 import torch.distributed as dist
 
 from .packages import package_version, supported_range
+from .rendezvous import LaunchError, rendezvous_store, rendezvous_timeout
 
 __all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
            "init_distributed", "shutdown", "resolve_device", "share_cpu_threads", "peak_memory_mib"]
-
-
-class LaunchError(RuntimeError):
-    """The launcher's environment is incomplete or inconsistent (says which variable to set)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +80,11 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         environ: the variables to read; defaults to ``os.environ``.
     """
     environ = os.environ if environ is None else environ
+    if ("RANK" in environ) != ("WORLD_SIZE" in environ):
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
+        raise LaunchError(f"{given}={environ[given]} is set but {missing} is not: a launcher sets both (and "
+                          "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
+                          f"{missing} too, or unset {given} to run as one process.")
     if "RANK" in environ and "WORLD_SIZE" in environ:
         rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
         local = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
@@ -142,8 +144,14 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
         raise LaunchError("device='cuda' but torch sees no CUDA device: use device='auto' or 'cpu'.")
     if device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = local_rank % torch.cuda.device_count()
-    return torch.device("cuda", index)
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:  # two ranks on one GPU: nccl fails later, less clearly
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise LaunchError(f"LOCAL_RANK={local_rank} but torch sees {count} CUDA device(s) on this node"
+                          + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "") + ": each rank "
+                          f"needs its own GPU. Start at most {count} processes per node (torchrun --nproc-per-node "
+                          f"{count}), or make more devices visible.")
+    return torch.device("cuda", local_rank)
 
 
 def _restarted_under_torchrun(launch: LaunchEnv) -> bool:
@@ -161,7 +169,9 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     Args:
         device: "auto", "cpu" or "cuda".
         backend: process-group backend; None picks nccl for CUDA and gloo for CPU.
-        timeout: collective timeout; None keeps torch's default.
+        timeout: collective timeout; None keeps torch's default. The ranks wait for each other to start for
+            :data:`fp8dist.rendezvous.RENDEZVOUS_TIMEOUT_S` (``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds when set), then
+            raise LaunchError saying how many joined; under torchrun its own rendezvous decides.
     """
     if dist.is_initialized():  # the user's group: its rank and world size are the truth
         launch = launch_from_group()
@@ -185,11 +195,13 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
         store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False)
         dist.init_process_group(backend, store=dist.PrefixStore(f"fp8dist/attempt_{attempt}", store),
                                 rank=launch.rank, world_size=launch.world_size, **kwargs)
-    else:
-        # env:// honours torchrun's agent-owned store (TORCHELASTIC_USE_AGENT_STORE); SLURM has no such store
-        method = "env://" if launch.launcher == "env" else f"tcp://{launch.master_addr}:{launch.master_port}"
-        dist.init_process_group(backend, init_method=method, rank=launch.rank, world_size=launch.world_size,
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent rendezvoused already
+        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
                                 **kwargs)
+    else:  # RANK/WORLD_SIZE by hand, deepspeed's launcher, SLURM: a rendezvous that gives up with a clear error
+        store = rendezvous_store(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
+                                 rendezvous_timeout())
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, **kwargs)
     if dev.type == "cpu":
         share_cpu_threads()
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)

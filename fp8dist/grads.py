@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._args import require_bool
+
 __all__ = ["no_sync", "clip_grad_norm_"]
 
 _DEEPSPEED = ("strategy='deepspeed': the DeepSpeed engine {what} itself; {how}")
@@ -38,7 +40,9 @@ def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
     can wrap every micro-batch the same way.
 
     fsdp: ``set_requires_gradient_sync(False)`` (FSDP2); fsdp1 and ddp: their ``no_sync()``; none: nothing to skip.
+    ``last`` must be True or False (TypeError otherwise: ``'no'`` would be truthy).
     """
+    require_bool("last", last)
     strategy = _strategy(model)
     if strategy == "deepspeed":
         raise ValueError(_DEEPSPEED.format(what="accumulates gradients over grad_accum micro-batches",

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._args import require_bool
 from .strategies import unwrap_model
-from .strategies.common import check_fits, to_empty
+from .strategies.common import available_bytes, check_fits, to_empty
 from .strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
-__all__ = ["is_meta_model", "to_empty", "check_fits", "init_weights"]
+__all__ = ["is_meta_model", "to_empty", "available_bytes", "check_fits", "init_weights"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -61,6 +62,7 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
     part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
     come from elsewhere (a checkpoint)."""
+    require_bool("buffers_only", buffers_only)
     inner = unwrap_model(model)
     params = local_params(model) if params is None else params
     by_name = {n: p for p in params for n in p.names}

@@ -6,13 +6,14 @@ projection is its own Linear, as in Llama.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from .data import VOCAB_SIZE
+from .data import VOCAB_SIZE, check_fits_corpus
 
-__all__ = ["LLAMA_SIZES", "llama_config", "build_llama", "read_model_config", "pretrained_config"]
+__all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
+           "job_model_config", "build_job_model"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
 
@@ -24,6 +25,12 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
     "3b": (3072, 8192, 28, 24, 8),  # 2.82B (Llama 3.2 3B's widths, byte vocab): one 80 GB GPU with full AC
 }
+
+
+JOB_POSITIONS = 8192
+"""Positions (``max_position_embeddings``) of the built-in presets in ``fp8dist train``: Llama 3's pretraining
+context. Rotary positions would take any length, but a longer ``--seq-len`` is a typo more often than a plan (its
+attention costs seq_len squared per step); a config.json with more positions takes more."""
 
 
 def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int = VOCAB_SIZE):
@@ -69,11 +76,54 @@ def read_model_config(path: str):
 
 
 def pretrained_config(path: str):
-    """The transformers config of the model directory ``path`` (``pretrained=``); ValueError naming it otherwise."""
+    """The transformers config of the model directory ``path`` (``pretrained=``), read from that directory only
+    (never the Hub: a name that is not a directory is an error); ValueError naming it otherwise."""
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    if not Path(path).is_dir():
+        raise ValueError(f"pretrained={path!r}: the directory does not exist. Pass a local model directory (written "
+                         "by save_pretrained, or downloaded with `hf download NAME --local-dir DIR`); fp8dist never "
+                         "downloads.")
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
                          "directory written by save_pretrained.") from None
+
+
+def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
+    """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
+    the config.json of ``pretrained`` (checked against the corpus' vocabulary; its positions against ``seq_len``
+    by :func:`fp8dist.train_checks.check_positions`)."""
+    path = config.parallel.pretrained
+    if path is None and train.model_config is None:
+        return llama_config(train.model_size, max_seq_len=JOB_POSITIONS), f"llama-{train.model_size}"
+    if path is not None and train.model_config is not None:
+        raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
+                         "builds the model from that directory's config.json).")
+    if path is None:
+        model_config = read_model_config(train.model_config)
+        path = train.model_config
+    else:
+        model_config = pretrained_config(path)
+    check_fits_corpus(model_config, None, repr(path))  # positions: train_checks.check_positions, with the memory
+    return model_config, f"{type(model_config).__name__} from {path}"
+
+
+def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
+    """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
+    Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
+    rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
+    from transformers import AutoModelForCausalLM
+
+    if config.parallel.pretrained is None and train.model_config is None:
+        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
+    zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
+    device = "cpu" if config.parallel.pretrained is None or zero3 else "meta"
+    with torch.random.fork_rng(devices=[]):  # a fresh model: its own initialization, the same on every rank
+        torch.manual_seed(train.seed)
+        with torch.device(device):
+            # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
+            return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)

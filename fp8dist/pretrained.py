@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._args import require_bool
+from .agree import on_all_ranks
+from .dtypes import dtype_name
 from .meta_init import init_weights
 from .strategies import unwrap_model
 from .strategies.local_shards import LocalParam, Region, local_params, plain_name
@@ -51,8 +55,8 @@ class SafetensorsDir:
                                   "directory (model.safetensors, or model-0000x-of-0000y.safetensors + "
                                   f"{INDEX_FILE}), e.g. one written by model.save_pretrained() or "
                                   "fp8dist.save_pretrained().")
-        self._files = self._weight_files()
         self._handles: dict[str, Any] = {}
+        self._files = self._weight_files()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for name, file in self._files.items():
@@ -90,10 +94,7 @@ class SafetensorsDir:
                                       f"{missing[:_SHOWN]}. Copy the whole directory.")
             return dict(weight_map)
         if (self.path / SINGLE_FILE).is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
-                return {name: SINGLE_FILE for name in f.keys()}
+            return {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
         there = sorted(p.name for p in self.path.iterdir())[:8]
         raise PretrainedError(f"pretrained={str(self.path)!r} holds no safetensors weights ({SINGLE_FILE} or "
                               f"{INDEX_FILE}); it has {there or 'nothing'}. fp8dist reads safetensors only (no "
@@ -101,11 +102,22 @@ class SafetensorsDir:
                               "or fp8dist.save_pretrained().")
 
     def _open(self, file: str) -> Any:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise PretrainedError(f"{self.path / file} is not a readable safetensors file ({err}): it is truncated "
+                                      "or damaged. Copy it again, or write the directory again with "
+                                      "save_pretrained.") from None
         return self._handles[file]
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name`` (of a fused experts tensor, the file of its first part)."""
+        found = self._aliases.get(name, name)
+        source = found if isinstance(found, str) else found.parts[0][0]
+        return self.path / self._files[source]
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -223,17 +235,27 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
             + listed("checkpoint tensor(s) the model does not have", unexpected))
 
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None
-                    ) -> LoadReport:
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None,
+                    fp32_master: bool | None = None) -> LoadReport:
     """Fill every parameter's part on this rank (and the persistent buffers) from the safetensors in ``path``,
     casting to each parameter's dtype. ``model`` is the wrapped model (or the user's module); ``params`` defaults
-    to :func:`~fp8dist.strategies.local_shards.local_params` of it.
+    to :func:`~fp8dist.strategies.local_shards.local_params` of it. Call it on every rank: a failure on any rank
+    (its part of a tensor non-finite, a file it cannot read) raises on every rank. ``fp32_master``: whether the
+    engine keeps fp32 master weights of bf16 parameters (None: read from the model where it can be); it decides
+    the warning about bf16 parameters.
 
     Raises:
-        PretrainedError: no safetensors in ``path``, or names or shapes that differ (the first ones listed).
+        PretrainedError: no safetensors in ``path``, a file truncated or damaged, names or shapes that differ (the
+            first ones listed), or non-finite values (naming the file and the tensor).
     """
-    source = SafetensorsDir(path)
     params = local_params(model) if params is None else params
+    return on_all_ranks(f"loading pretrained={str(path)!r}", lambda: _load(model, path, params, fp32_master),
+                        error=PretrainedError, passthrough=(PretrainedError,))
+
+
+def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
+          fp32_master: bool | None) -> LoadReport:
+    source = SafetensorsDir(path)
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     source.adopt_layout([n for p in params for n in p.names] + list(buffers),
@@ -244,18 +266,71 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
                               + "; ".join(problems) + ". Build the model from the config the checkpoint was saved "
                               "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
                               "checkpoint.")
+    _warn_precision(model, source, params, fp32_master)
     with torch.no_grad():
         for p in params:
             name = next(n for n in p.names if n in source)
             if p.region.numel:
-                p.local.copy_(_read_local(source, name, p))
+                p.local.copy_(_finite(source, name, _read_local(source, name, p)))
         for name, buf in buffers.items():
             if name in source:
-                buf.copy_(source.read(name, Region(box=tuple((0, s) for s in buf.shape))))
+                buf.copy_(_finite(source, name, source.read(name, Region(box=tuple((0, s) for s in buf.shape)))))
     total = sum(_numel(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
     report = LoadReport(str(path), source.bytes_read, total)
     source.close()
     return report
+
+
+def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tensor:
+    """``part`` (of tensor ``name``, as read), refused when it holds NaN or inf: a damaged file, or a model saved
+    after it diverged, would otherwise train on without a word."""
+    if part.is_floating_point():
+        bad = part.numel() - int(torch.isfinite(part).sum())
+        if bad:
+            raise PretrainedError(f"{source.file_of(name)} holds non-finite values (NaN or inf) in {name}: {bad:,} "
+                                  f"of the {part.numel():,} values read: the file is damaged, or the model had "
+                                  "diverged when it was saved. Load a copy saved before that, or copy the file again.")
+    return part
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _fp32_master(model: nn.Module, fp32_master: bool | None) -> bool | None:
+    """Whether the engine keeps fp32 master weights of low-precision parameters (DeepSpeed's optimizer does;
+    FSDP, DDP and none train the parameters as they are): as given, else as the model shows; None where it does
+    not say."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if fp32_master is not None:
+        return fp32_master
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions
+        return True
+    return False if isinstance(model, (FSDPModule, FullyShardedDataParallel)) else None
+
+
+def _warn_precision(model: nn.Module, source: SafetensorsDir, params: list[LocalParam],
+                    fp32_master: bool | None) -> None:
+    """One warning when the parameters loaded into are bf16/fp16: without DeepSpeed they train so, with no fp32
+    master (usually a model built without ``dtype=torch.float32``); under DeepSpeed an fp32 checkpoint is rounded
+    to them (its fp32 master weights start from the rounded values)."""
+    low = {p.local.dtype for p in params if p.local.dtype in _LOW}
+    if not low:
+        return
+    dtype = dtype_name(next(iter(low)))
+    master = _fp32_master(model, fp32_master)
+    if master is False:
+        warnings.warn(f"pretrained={str(source.path)!r} is loaded into {dtype} parameters (the model was built in "
+                      f"{dtype}, e.g. from a config whose dtype is {dtype}): they train as {dtype} with no fp32 master "
+                      "copy, so small updates round away. Build the model with dtype=torch.float32 "
+                      "(AutoModelForCausalLM.from_config(config, dtype=torch.float32)); mixed precision still computes "
+                      "in bf16.", UserWarning, stacklevel=4)
+    elif master and any(source.dtypes.get(n) in ("F32", "F64") for p in params for n in p.names if n in source):
+        warnings.warn(f"pretrained={str(source.path)!r} holds fp32 weights and DeepSpeed's {dtype} mode holds the "
+                      f"parameters in {dtype} (its fp32 master weights, in the optimizer, start from them): the "
+                      f"checkpoint is rounded to {dtype} once, as deepspeed.initialize rounds any model. "
+                      "strategy='fsdp' keeps fp32 parameters (bf16 compute) if the fp32 values matter.",
+                      UserWarning, stacklevel=4)
 
 
 def _read_local(source: SafetensorsDir, name: str, p: LocalParam) -> torch.Tensor:
@@ -286,12 +361,14 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 
 def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
-                meta: bool) -> LoadReport | None:
+                meta: bool, fp32_master: bool | None = None) -> LoadReport | None:
     """Fill the sharded (or whole) ``model``: its part of the pretrained weights, or (a meta model without
-    ``pretrained``) its own initialization. Buffers of a meta model are set by its initialization either way."""
+    ``pretrained``) its own initialization. Buffers of a meta model are set by its initialization either way.
+    ``fp32_master``: see :func:`load_pretrained`."""
+    require_bool("meta", meta)
     params = local_params(model)
     if meta:
         init_weights(model, device, params=params, buffers_only=pretrained is not None)
     if pretrained is None:
         return None
-    return load_pretrained(model, pretrained, params=params)
+    return load_pretrained(model, pretrained, params=params, fp32_master=fp32_master)

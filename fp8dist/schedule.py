@@ -8,12 +8,30 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["LR_SCHEDULES", "lr_schedule", "set_lr"]
+__all__ = ["LR_SCHEDULES", "MAX_WARMUP_STEPS", "lr_schedule", "warmup_steps", "describe_schedule", "set_lr"]
 
 
 LR_SCHEDULES = ("constant", "cosine")
-"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps, then
-cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench --lr-schedule)."""
+"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps (at most
+:data:`MAX_WARMUP_STEPS`), then cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench
+--lr-schedule)."""
+
+MAX_WARMUP_STEPS = 2000
+"""The longest warm-up: Llama 2 and nanoGPT's GPT-2 runs warm up over 2000 steps whatever their length (torchtitan's
+default is 200). 10% of a very long run (100M steps of 1e9) would keep the learning rate near zero for the whole
+of any run that is stopped early."""
+
+
+def warmup_steps(steps: int) -> int:
+    """Warm-up steps of the cosine schedule over ``steps``: 10% of them, at least 1, at most MAX_WARMUP_STEPS."""
+    return max(1, min(steps // 10, MAX_WARMUP_STEPS))
+
+
+def describe_schedule(name: str, steps: int) -> str:
+    """The schedule in words, as the run header says it."""
+    if name == "constant":
+        return "constant"
+    return f"linear warm-up over {warmup_steps(steps):,} steps, then cosine decay to 10% at step {steps:,}"
 
 
 def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
@@ -23,7 +41,7 @@ def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
         raise ValueError(f"lr schedule {name!r} is not valid; choose one of: {', '.join(LR_SCHEDULES)}.")
     if name == "constant":
         return lambda step: 1.0
-    warmup = max(1, steps // 10)
+    warmup = warmup_steps(steps)
 
     def factor(step: int) -> float:
         if step < warmup:

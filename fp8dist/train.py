@@ -10,6 +10,7 @@ Launch it any of these ways (distributed mode is read from the launcher's enviro
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -25,13 +26,16 @@ from .blocks import describe_blocks
 from .checkpoint.hf import save_pretrained
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
-from .data import Batches, check_batch_split, check_fits_corpus
+from .data import Batches, check_batch_split
 from .env import current_launch, peak_memory_mib
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
-from .models import ModelSize, build_llama, pretrained_config, read_model_config
+from .agree import on_all_ranks
+from .models import ModelSize, build_job_model, job_model_config
 from .memory import report
-from .schedule import lr_schedule, set_lr
+from .schedule import describe_schedule, lr_schedule, set_lr
+from .train_checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
+                           job_memory_need)
 from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
@@ -59,8 +63,8 @@ class TrainConfig:
     """Tokens (bytes) per sequence."""
 
     lr: float = 3e-3
-    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, then cosine decay to 10%:
-    :func:`fp8dist.schedule.lr_schedule` "cosine")."""
+    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to
+    10%: :func:`fp8dist.schedule.lr_schedule` "cosine")."""
 
     seed: int = 0
     """Seed of the model initialization and of the batch order."""
@@ -92,8 +96,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be positive.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr} must be positive and finite (the peak learning rate, e.g. 3e-3).")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"nproc={self.nproc} must be at least 1.")
         if self.save_every is not None and self.save_every < 1:
@@ -179,42 +183,12 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callab
         return
     t0 = time.perf_counter()
     job = {k: v for k, v in asdict(train).items() if k not in ("nproc", "resume")}
+    # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
     path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra={"train": job},
-                           keep_last=train.keep_last or None)
+                           keep_last=train.keep_last or None, overwrite=train.resume)
     if log is not None:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
-
-
-def _build_model(config: Config, train: TrainConfig) -> tuple[Any, str]:
-    """The built-in Llama, or with ``pretrained`` the model of that directory's config.json, built on the meta
-    device (each rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
-    path = config.parallel.pretrained
-    if path is None and train.model_config is None:
-        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len), f"llama-{train.model_size}"
-    from transformers import AutoModelForCausalLM
-
-    if path is not None and train.model_config is not None:
-        raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
-                         "builds the model from that directory's config.json).")
-    if path is None:
-        model_config = read_model_config(train.model_config)
-        path = train.model_config
-    else:
-        model_config = pretrained_config(path)
-    check_fits_corpus(model_config, train.seq_len, repr(path))
-    if config.parallel.pretrained is None:  # a fresh model: its own initialization, the same on every rank
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(train.seed)
-            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-            return model, f"{type(model_config).__name__} from {path}"
-    zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(train.seed)
-        with torch.device("cpu" if zero3 else "meta"):
-            # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
-            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-            return model, f"{type(model_config).__name__} from {path}"
 
 
 def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:
@@ -261,19 +235,10 @@ def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], 
     return total / len(micro)
 
 
-def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None) -> TrainResult:
-    """Train ``train.model_size`` Llama with ``config``'s strategy in this process (one rank of the job).
-
-    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print).
-    """
-    log = log or (lambda line: print(line, flush=True))
-    start = time.perf_counter()
-    model, name = _build_model(config, train)
-    n_params = sum(p.numel() for p in model.parameters())
-    # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
-    # grad_accum micro-batches make one step's global batch, under every strategy; DeepSpeed counts them itself
-    accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
-    world = current_launch().world_size
+def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
+    """wrap_model with the job's optimizer; grad_accum micro-batches make one step's global batch under every
+    strategy (DeepSpeed counts them itself; the loop accumulates and clips for the others)."""
+    accum = config.parallel.grad_accum
     check_batch_split(train.batch_size, world, accum)
     if config.parallel.strategy == "deepspeed":
         config = replace(config, parallel=replace(config.parallel,
@@ -281,49 +246,64 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     else:  # the loop below accumulates and clips: wrap_model has nothing of them to do
         config = replace(config, parallel=replace(config.parallel, grad_accum=1,
                                                   gradient_clipping=type(config.parallel)().gradient_clipping))
+    # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
                                                                      "betas": (0.9, 0.95), "weight_decay": 0.0})
+    return config, wrapped, optimizer
+
+
+def _header(config: Config, train: TrainConfig, wrapped: Any, name: str, n_params: int, need: MemoryNeed) -> str:
+    """The run's first lines: the model, the job, the learning-rate schedule and the memory it needs."""
+    info = get_wrap_info(wrapped)
+    env, group = info.env, info.env.backend or "no process group"
+    return (f"fp8dist train: {name} ({n_params / 1e6:.2f}M params), strategy {config.parallel.strategy}, fp8 "
+            f"{config.precision.fp8 or 'none'}, {env.world_size} x {env.device.type} ({group}), global batch "
+            f"{train.batch_size} x {train.seq_len} tokens; layout: {info.sharding.blocks_found_by}\n"
+            f"lr {train.lr:g}: {describe_schedule('cosine', train.steps)}; memory: {need.describe()}")
+
+
+def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
+                 progress: Callable[[int], Any] | None = None) -> TrainResult:
+    """Train ``train.model_size`` Llama with ``config``'s strategy in this process (one rank of the job).
+
+    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print); ``progress``
+    gets the steps done after each step (and at the start).
+
+    Raises:
+        TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
+        MemoryError: the estimate of what a rank needs exceeds its memory (before the first step).
+    """
+    log = log or (lambda line: print(line, flush=True))
+    start = time.perf_counter()
+    check_checkpoint_dir(train)
+    model_config, name = job_model_config(config, train)
+    check_positions(model_config, name, config, train, current_launch().world_size)
+    model = build_job_model(config, train, model_config)
+    n_params = sum(p.numel() for p in model.parameters())
+    world = current_launch().world_size
+    asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
+    config, wrapped, optimizer = _wrap(config, train, model, world)
     env = get_wrap_info(wrapped).env
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
         launch = current_launch()
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
               f"host {host} device {env.device} ready", flush=True)
-    batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
-                      world_size=env.world_size, seed=train.seed)
-    lr_factor = lr_schedule("cosine", train.steps)
-    engine = is_deepspeed_engine(wrapped)
+    need = job_memory_need(asked, train, model_config, env.world_size)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # one node unless the launcher says
+    on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
+                 passthrough=(MemoryError,))
     leader = env.rank == 0
     if leader:
-        info = get_wrap_info(wrapped)
-        log(f"fp8dist train: {name} ({n_params / 1e6:.2f}M params), strategy "
-            f"{config.parallel.strategy}, fp8 {config.precision.fp8 or 'none'}, {env.world_size} x "
-            f"{env.device.type} ({env.backend or 'no process group'}), global batch {train.batch_size} x "
-            f"{train.seq_len} tokens; layout: {info.sharding.blocks_found_by}")
+        log(_header(config, train, wrapped, name, n_params, need))
         if config.precision.fp8:
-            log(str(info.plan))
+            log(str(get_wrap_info(wrapped).plan))
     first = _resume(train, wrapped, optimizer, log if leader else None)
-    losses, step_times = [], []
-    for step in range(first, train.steps):
-        t0 = time.perf_counter()
-        micro = list(batches[step].to(env.device).chunk(accum))
-        set_lr(optimizer, train.lr * lr_factor(step))
-        # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
-        show = log if leader and step == min(first + (1 if engine else 0), train.steps - 1) else None
-        mean_loss = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip, show_report=show)
-        if env.world_size > 1:
-            dist.all_reduce(mean_loss)
-            mean_loss /= env.world_size
-        losses.append(mean_loss.item())
-        step_times.append(time.perf_counter() - t0)
-        if leader:
-            eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
-            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
-                f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
-        _save(train, wrapped, optimizer, step + 1, log if leader else None)
+    losses, step_times = _train_steps(asked, train, wrapped, optimizer, first, log if leader else None, progress)
     _export(train, wrapped, log if leader else None)
     timed = step_times[1:] or step_times
-    tokens_per_s = batches.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
+    tokens_per_step = train.batch_size * train.seq_len
+    tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
     gathered: list[Any] = [mine]
     if env.world_size > 1:
@@ -336,6 +316,44 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     if leader:
         log(format_summary(result, config, train))
     return result
+
+
+def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, first: int,
+                 log: Callable[[str], Any] | None, progress: Callable[[int], Any] | None) -> tuple[list, list]:
+    """Steps ``first`` .. ``train.steps``: the loss (mean over ranks) and time of each; stops when the loss stays
+    non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
+    micro-batches per step, its ``gradient_clipping``."""
+    env = get_wrap_info(wrapped).env
+    batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
+                      world_size=env.world_size, seed=train.seed)
+    lr_factor, engine = lr_schedule("cosine", train.steps), is_deepspeed_engine(wrapped)
+    accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
+    watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
+    losses: list[float] = []
+    step_times: list[float] = []
+    if progress is not None:
+        progress(first)
+    for step in range(first, train.steps):
+        t0 = time.perf_counter()
+        micro = list(batches[step].to(env.device).chunk(accum))
+        set_lr(optimizer, train.lr * lr_factor(step))
+        # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
+        show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
+        mean_loss = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip, show_report=show)
+        if env.world_size > 1:
+            dist.all_reduce(mean_loss)
+            mean_loss /= env.world_size
+        losses.append(mean_loss.item())
+        step_times.append(time.perf_counter() - t0)
+        if log is not None:
+            eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
+            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
+                f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
+        watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
+        _save(train, wrapped, optimizer, step + 1, log)
+        if progress is not None:
+            progress(step + 1)
+    return losses, step_times
 
 
 def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:

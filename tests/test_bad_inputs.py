@@ -19,11 +19,14 @@ import pytest
 import torch
 from torch import nn
 
-from fp8dist import estimate_memory, get_plan, load_checkpoint, report, resolve_config, save_checkpoint, wrap_model
+from fp8dist import (estimate_memory, get_plan, load_checkpoint, no_sync, report, resolve_config, save_checkpoint,
+                     save_pretrained, wrap_model)
 from fp8dist.cli import main
 from fp8dist.data import Batches
 from fp8dist.env import LaunchError, detect_launch_env, resolve_device
-from fp8dist.models import build_llama
+from fp8dist.models import build_llama, pretrained_config
+from fp8dist.pretrained import PretrainedError, SafetensorsDir
+from fp8dist.rendezvous import rendezvous_timeout
 from fp8dist.optim import build_optimizer
 from fp8dist.plan import FP8UnavailableError
 from fp8dist.train import TrainConfig
@@ -292,6 +295,50 @@ OTHER = [
 ]
 
 
+def _on_two_gpus(call: Callable[[], Any]) -> Any:
+    """``call()`` as on a node whose torch sees 2 CUDA devices."""
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=2):
+        return call()
+
+
+def _safetensors(tmp: Path, damage: Callable[[bytes], bytes]) -> str:
+    """A pretrained directory whose model.safetensors is ``damage`` of a good one."""
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(64, 64)}, tmp / "good.safetensors")
+    (tmp / "model.safetensors").write_bytes(damage((tmp / "good.safetensors").read_bytes()))
+    return str(tmp)
+
+
+TRIALS = [  # issue 24: tried as a new user would
+    Bad("RANK without WORLD_SIZE", lambda tmp: detect_launch_env({"RANK": "1"}), LaunchError,
+        ("RANK=1 is set but WORLD_SIZE is not", "Set WORLD_SIZE too, or unset RANK to run as one process")),
+    Bad("LOCAL_RANK beyond the GPUs", lambda tmp: _on_two_gpus(lambda: resolve_device("auto", 3)), LaunchError,
+        ("LOCAL_RANK=3 but torch sees 2 CUDA device(s)", "torchrun --nproc-per-node 2")),
+    Bad("rendezvous timeout not a number", lambda tmp: rendezvous_timeout({"FP8DIST_RENDEZVOUS_TIMEOUT": "soon"}),
+        LaunchError, ("FP8DIST_RENDEZVOUS_TIMEOUT='soon' must be a positive number of seconds (default 600)",)),
+    Bad("no_sync last not a bool", lambda tmp: no_sync(wrap_model(nn.Linear(16, 16), strategy="none"),
+                                                       last="no").__enter__(), TypeError,
+        ("last='no' must be True or False, not str",)),
+    Bad("checkpoint overwrite not a bool", lambda tmp: _save(tmp, step=1, overwrite="yes"), TypeError,
+        ("overwrite='yes' must be True or False",)),
+    Bad("train lr NaN", lambda tmp: TrainConfig(lr=float("nan")), ValueError, ("lr=nan must be positive and finite",)),
+    Bad("train lr infinite", lambda tmp: TrainConfig(lr=float("inf")), ValueError,
+        ("lr=inf must be positive and finite",)),
+    Bad("save_pretrained dtype int8", lambda tmp: save_pretrained(nn.Linear(4, 4), tmp / "out", dtype="int8"),
+        ValueError, ("dtype='int8' is not an export dtype", "torch.bfloat16", "'bf16'")),
+    Bad("safetensors truncated", lambda tmp: SafetensorsDir(_safetensors(tmp, lambda b: b[:len(b) // 2])),
+        PretrainedError, ("model.safetensors is not a readable safetensors file", "truncated or damaged")),
+    Bad("safetensors garbage header", lambda tmp: SafetensorsDir(_safetensors(tmp, lambda b: b"\xff" * 8 + b[8:])),
+        PretrainedError, ("model.safetensors is not a readable safetensors file", "header")),
+    Bad("pretrained directory missing", lambda tmp: pretrained_config(str(tmp / "missing")), ValueError,
+        ("the directory does not exist", "fp8dist never downloads")),
+]
+
+
 def _check(case: Bad, tmp_path: Path) -> None:
     if issubclass(case.expected, Warning):
         with warnings.catch_warnings(record=True) as caught:
@@ -307,13 +354,14 @@ def _check(case: Bad, tmp_path: Path) -> None:
         assert text in str(err.value), f"{text!r} not in: {err.value}"
 
 
-@pytest.mark.parametrize("case", WRAP + WARN + OTHER, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", WRAP + WARN + OTHER + TRIALS, ids=lambda c: c.id)
 def test_bad_input_is_a_clear_error_or_one_warning(case, tmp_path, one_rank_group):
     _check(case, tmp_path)
 
 
 def _cli(tmp: Path, *argv: str, files: dict[str, str] | None = None) -> list[str]:
     for name, text in (files or {}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(text)
     return [a.replace("TMP", str(tmp)) for a in argv]
 
@@ -379,6 +427,16 @@ CLI = [
     ("ds-config offload_param below ZeRO-3", ["ds-config", "--stage", "2", "--offload-param"], {},
      ("offload_param=True needs stage 3",)),
     ("unknown command", ["trian"], {}, ("invalid choice: 'trian'",)),
+    ("train lr NaN", ["train", "--lr", "nan"], {}, ("lr=nan must be positive and finite",)),
+    ("train lr infinite", ["train", "--lr", "inf"], {}, ("lr=inf must be positive and finite",)),
+    ("train pretrained directory missing", ["train", "--pretrained", "TMP/missing_dir"], {},
+     ("pretrained='", "missing_dir': the directory does not exist", "fp8dist never downloads")),
+    ("train seq-len beyond the positions", ["train", "--seq-len", "100000"], {},
+     ("seq_len=100,000 and llama-tiny holds 8,192 positions: pass --seq-len 8192 or less",
+      "activations 5.36 GiB (micro-batch 4 x 100,000 tokens) per rank, estimated")),
+    ("train checkpoint dir of another run", ["train", "--checkpoint-dir", "TMP/ckpt"],
+     {"ckpt/latest": "step_00000005\n", "ckpt/step_00000005/meta.json": "{}"},
+     ("already holds checkpoints (newest step_00000005): pass --resume to continue from it",)),
 ]
 
 

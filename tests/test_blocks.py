@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch._inductor.exc import InductorError
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -321,3 +322,42 @@ def test_a_checkpoint_saved_with_checkpointing_and_compile_loads_without_them_an
             assert c["loaded"] == (True, True), f"rank {rank}: weights loaded {there} -> {back} -> {there}"
             assert c["resumed"] == c["straight"], f"rank {rank}: the next step after {there} -> {back} -> {there}"
             assert c["same"], f"rank {rank}: weights after the resumed step ({there} -> {back} -> {there})"
+
+
+class _ParallelResidual(torch.nn.Module):
+    """GPT-NeoX's parallel residual, reduced: two biased Linears whose outputs are summed (their bias gradients are
+    one bf16 reduction stored twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_out, self.mlp_out = torch.nn.Linear(32, 64), torch.nn.Linear(48, 64)
+
+    def forward(self, x, y):
+        return self.attn_out(x) + self.mlp_out(y)
+
+
+def _bias_grads(options: dict | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = _ParallelResidual().to(torch.bfloat16)
+    if options is not None:
+        module.compile(options=options)
+    x, y = torch.randn(2, 8, 32, dtype=torch.bfloat16), torch.randn(2, 8, 48, dtype=torch.bfloat16)
+    module(x, y).sum().backward()
+    return [module.attn_out.bias.grad, module.mlp_out.bias.grad]
+
+
+@pytest.mark.xfail(strict=True, raises=InductorError,
+                   reason="pytorch/pytorch#194706: inductor's CPU bf16 codegen declares 'auto "
+                          "at_BFloat16_tmp_acc0_vec' twice; an XPASS means torch fixed it and "
+                          "fp8dist.blocks.COMPILE_OPTIONS can go")
+def test_inductor_compiles_two_summed_biased_linears_in_bf16_on_cpu():
+    """No fp8dist in it. First fp8dist's workaround (a block with a biased GEMM is compiled with COMPILE_OPTIONS):
+    the bias gradients equal eager's; then torch's defaults, which fail to compile the backward (the expected
+    failure)."""
+    from fp8dist.blocks import COMPILE_OPTIONS, has_biased_gemm
+
+    assert has_biased_gemm(_ParallelResidual()) and not has_biased_gemm(build_llama().model.layers[0])
+    eager = _bias_grads(None)
+    worked_around = _bias_grads(COMPILE_OPTIONS)
+    assert all(torch.equal(a, b) for a, b in zip(worked_around, eager))  # a sum of 16 bf16 values: exact here
+    _bias_grads({})

@@ -242,7 +242,7 @@ def test_save_pretrained_bad_arguments_and_a_failed_write_leave_nothing(tmp_path
     second = sorted(p.name for p in sharded.glob("model-*.safetensors"))[1]
     failing = tmp_path / "d"
     (failing / second).mkdir(parents=True)
-    with pytest.raises(OSError, match=rf"writing .*{second} on rank 0 failed .*nothing of this export was kept"):
+    with pytest.raises(OSError, match=rf"writing .*{second} failed: .*Nothing of this export was kept"):
         fp8dist.save_pretrained(model, failing, max_shard_size=400_000)
     assert [p.name for p in failing.iterdir()] == [second]
 
@@ -352,13 +352,18 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
     # once read DeepSpeed's world size (1) before deepspeed.comm was set up, and refused the batch size
     for stage, fp8 in ((3, None), (2, None), (3, "torchao")):  # ZeRO-2 keeps whole parameters: materialized whole
         kwargs = {**zero3, "zero_stage": stage}
-        engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, _ = fp8dist.wrap_model(_meta_from(path), pretrained=path, fp8=fp8, **kwargs)
+        rounded = sum("holds fp32 weights and DeepSpeed's bf16 mode holds the parameters in bf16" in str(w.message)
+                      for w in caught)
+        warnings.simplefilter("ignore")
         loaded = fp8dist.get_wrap_info(engine).pretrained
         losses = engine_losses(engine, rank, world, steps=STEPS)
         eager, _ = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), fp8=fp8, **kwargs)
         expected = engine_losses(eager, rank, world, steps=STEPS)
         result[f"ZeRO-{stage} fp8={fp8}"] = (expected, losses, loaded.bytes_read / loaded.checkpoint_bytes,
-                                            _held_fraction(engine))
+                                            _held_fraction(engine), rounded)
     trained = _full_weights(engine)  # the optimizer's fp32 master weights
     fp8dist.save_pretrained(engine, out, dtype=torch.float32)
     reloaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -379,16 +384,19 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
 def test_deepspeed_zero3_meta_model_loads_its_partitions_and_exports(tmp_path):
     """ZeRO-3: a meta model partitioned through DeepSpeed's zero.Init module by module, each rank writing its
     slice of pretrained= (half the bytes) into its partitions: the eager from_pretrained losses exactly, with and
-    without torchao (ZeRO-2: materialized whole, the same losses); the export writes the optimizer's fp32 master
+    without torchao (ZeRO-2: materialized whole, the same losses), and one warning that the fp32 checkpoint is
+    rounded to ZeRO-3's bf16 parameters; the export writes the optimizer's fp32 master
     weights; the model's own init matches fsdp's."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
     path = _write(_tiny(), tmp_path / "src")
     for result in run_ranks(_zero3_cases, path, str(tmp_path / "out"), timeout=480):
         assert result.pop("export") and result.pop("init as fsdp's")
-        for key, (expected, losses, read, held) in result.items():
+        for key, (expected, losses, read, held, rounded) in result.items():
             assert losses == expected, key
             share = 1.0 if key.startswith("ZeRO-2") else 0.5
             assert abs(read - share) < 0.01 and abs(held - share) < 0.01, (key, read, held)
+            # the fp32 checkpoint rounded into ZeRO-3's bf16 partitions is said once
+            assert rounded == (0 if key.startswith("ZeRO-2") else 1), (key, rounded)
 
 
 def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys):
@@ -402,7 +410,7 @@ def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys
     assert main(["estimate", "--pretrained", path, "--world-size", "2"]) == 0
     assert "3,279,104 parameters" in capsys.readouterr().out
     assert main(["plan", "--pretrained", str(tmp_path / "nowhere")]) == 2
-    assert "no readable Hugging Face config.json there" in capsys.readouterr().err
+    assert "nowhere': the directory does not exist" in capsys.readouterr().err  # never asks the Hub
 
 
 class _Scaled(torch.nn.Module):

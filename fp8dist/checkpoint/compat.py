@@ -11,6 +11,7 @@ into, before anything is read.
   place for it, unless the caller drops it explicitly (``drop_fp8_state=True``).
 - DeepSpeed checkpoints (the engine's own format) load into DeepSpeed with the same ZeRO stage, world size and
   FP8 backend only; DeepSpeed <-> DCP is refused with the converters to use instead.
+- The optimizer state loads into an optimizer of the class that saved it, or is left out (``optimizer=None``).
 """
 
 from __future__ import annotations
@@ -146,3 +147,27 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
         differences.append(f"this model's FP8 state of {len(fresh)} module(s) starts afresh"
                            + ("" if drop_fp8_state else " (none in the checkpoint)"))
     return LoadDecision(fp8_state=load, differences=tuple(differences))
+
+
+def optimizer_name(optimizer: Any) -> str | None:
+    """The optimizer's class as meta.json records it; None for no optimizer."""
+    return None if optimizer is None else type(optimizer).__name__
+
+
+def check_optimizer(meta: dict[str, Any], optimizer: Any, path: Path) -> str | None:
+    """Raise :class:`CheckpointError` when ``optimizer`` cannot take the checkpoint's optimizer state (another
+    class, or none saved); returns the difference to report when ``optimizer`` is None and state was saved.
+    Checkpoints from before the class was recorded are not checked."""
+    if "optimizer" not in meta:
+        return None
+    saved, now = meta["optimizer"], optimizer_name(optimizer)
+    if now is None:
+        return f"the checkpoint's {saved} optimizer state not loaded (optimizer=None)" if saved else None
+    if saved is None:
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved with optimizer=None) and a {now} was "
+                              f"passed: pass optimizer=None to load the model weights only (the {now} starts afresh).")
+    if saved != now:
+        raise CheckpointError(f"{path} holds the state of a {saved} optimizer and this optimizer is a {now}: one "
+                              f"cannot fill the other. Build a {saved} to resume exactly, or pass optimizer=None to "
+                              f"load the model weights only and start the {now} afresh.")
+    return None

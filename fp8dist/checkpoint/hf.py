@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from .._files import atomic_write, atomic_write_text
-from ..dtypes import torch_dtype
+from ..dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
 from ..pretrained import INDEX_FILE, SINGLE_FILE
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
-from .io import from_rank0, rank_world
+from ..agree import on_all_ranks, rank_world
 
 __all__ = ["save_pretrained"]
 
@@ -43,12 +43,12 @@ def _shard_bytes(size: int | str) -> int:
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={dtype} is not an export dtype; choose torch.bfloat16, torch.float32 or "
-                             "torch.float16.")
-        return dtype
-    return torch_dtype(dtype)
+    """The export dtype: a torch dtype or a name of one ("bf16", "float32", ...: :mod:`fp8dist.dtypes`)."""
+    name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if isinstance(dtype, str) else None
+    if dtype in DTYPES.values() or name in DTYPES:
+        return dtype if isinstance(dtype, torch.dtype) else torch_dtype(name)
+    raise ValueError(f"dtype={dtype!r} is not an export dtype; choose torch.bfloat16, torch.float32 or torch.float16 "
+                     f"(or one of {', '.join(repr(n) for n in DTYPES)}).")
 
 
 def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -168,19 +168,15 @@ class _Writer:
         self.written: list[str] = []
 
     def run(self, what: str, write) -> None:
-        failure = None
-        if self.rank == 0:
-            try:
-                self.written += write()
-            except Exception as err:
-                failure = f"{type(err).__name__}: {err}"
-        failure = from_rank0(failure)
-        if failure is not None:
+        try:
+            self.written += on_all_ranks(f"fp8dist.save_pretrained: {what}", write if self.rank == 0 else None,
+                                         error=OSError, way_out=f"Nothing of this export was kept in {self.out}.") \
+                or []
+        except OSError:
             if self.rank == 0:
                 for name in self.written:
                     (self.out / name).unlink(missing_ok=True)
-            raise OSError(f"fp8dist.save_pretrained: {what} on rank 0 failed ({failure}); nothing of this export "
-                          f"was kept in {self.out}.")
+            raise
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> list[str]:

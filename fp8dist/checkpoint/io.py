@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agree import RankFailure, rank_world
+
 DS_TAG = "deepspeed"
 
 
@@ -29,20 +31,21 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, damaged or does not match the model it is loaded into (says what differs)."""
 
 
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def no_dist() -> bool:
     """strategy="none" runs without a process group: DCP then reads and writes as a single process."""
     return not (dist.is_available() and dist.is_initialized())
 
 
-def barrier() -> None:
-    if rank_world()[1] > 1:
-        dist.barrier()
+def dcp_failure(err: BaseException, then: str = "") -> RankFailure:
+    """torch.distributed.checkpoint's ``CheckpointException`` (a ``BaseException``, which ``except Exception``
+    misses; DCP raises it on every rank) as its first failing rank's own error, in one line: e.g.
+    ``OSError: [Errno 28] No space left on device``; ``then`` is appended."""
+    failures = getattr(err, "failures", None) or {}
+    if not failures:
+        return RankFailure(rank_world()[0], f"{type(err).__name__}: {err}{then}")
+    rank = min(failures)
+    exc = failures[rank][0]
+    return RankFailure(rank, f"{type(exc).__name__}: {exc}{then}")
 
 
 def from_rank0(value: Any) -> Any:
@@ -100,12 +103,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- the model and optimizer: torch.distributed.checkpoint, or DeepSpeed's engine checkpoint
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The model's and optimizer's state dicts by plain names, in the layout checkpoints hold: the optimizer's
     matrices of a parameter held transposed (a Conv1D run by Transformer Engine, whose state dict already gives
-    the Conv1D's layout) are transposed views too, so a checkpoint loads into the model with or without it."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    the Conv1D's layout) are transposed views too, so a checkpoint loads into the model with or without it.
+    Without an optimizer, the model's alone."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _transpose_states(optim_sd, _transposed_names(model))
     return {"model": model_sd, "optim": optim_sd}
@@ -187,9 +193,9 @@ def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> N
 
     state = _dcp_state(model, optimizer)
     extra_state = _as_tensors(_pop_extra_state(state["model"]))
-    if extra_state:
-        torch.save(extra_state, tmp / f"fp8_state_rank{rank_world()[0]}.pt")
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=no_dist())
+    if extra_state:  # after DCP's collectives: a failure here is this rank's alone, shared by the caller
+        torch.save(extra_state, tmp / f"fp8_state_rank{rank_world()[0]}.pt")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -256,24 +262,28 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_
             if unsafe:
                 raise CheckpointError(f"{file} refers to {sorted(unsafe)}, which fp8dist's DeepSpeed checkpoints "
                                       "never contain: refusing to unpickle it.")
-        loaded, _ = model.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+        loaded, _ = model.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=optimizer is not None,
+                                          load_lr_scheduler_states=optimizer is not None)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {path / DS_TAG}.")
         return
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    saved: dict[str, Any] = {}
+    if fp8_state:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks; read before DCP's
+        mine = path / f"fp8_state_rank{rank_world()[0]}.pt"  # collectives, so that a failure here hangs no peer
+        saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
+                           weights_only=True)
     reader = _safe_reader(path)
     state = _dcp_state(model, optimizer)
     own = _pop_extra_state(state["model"])
     dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=no_dist())
     state["model"].update(own)
-    if fp8_state:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks
-        mine = path / f"fp8_state_rank{rank_world()[0]}.pt"
-        saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
-                           weights_only=True)
-        state["model"].update({k: saved[k] for k in fp8_state if k in saved})
+    state["model"].update({k: saved[k] for k in fp8_state if k in saved})
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+        return
     _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

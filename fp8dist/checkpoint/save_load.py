@@ -33,16 +33,17 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._args import require_bool
 from .._files import atomic_write_text, fsync_dir
+from ..agree import on_all_ranks, rank_world
 from ..api import get_wrap_info
-from .compat import check_loadable, describe
+from .compat import check_loadable, check_optimizer, describe, optimizer_name
 from .io import (
     CheckpointError,
     after_load_fp8,
-    barrier,
     check_supported,
+    dcp_failure,
     from_rank0,
-    rank_world,
     read_state,
     rng_state,
     set_rng_state,
@@ -178,11 +179,12 @@ def _remove_leftovers(root: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _check_save_args(step: Any, extra: Any, keep_last: Any) -> dict[str, Any]:
+def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> dict[str, Any]:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int (optimizer steps done so far).")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be a positive int, or None to keep every checkpoint.")
+    require_bool("overwrite", overwrite)
     extra = dict(extra or {})
     try:
         json.dumps(extra)
@@ -192,15 +194,42 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any) -> dict[str, Any]:
     return extra
 
 
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    tmp.mkdir()
+
+
+def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: str, rank: int) -> None:
+    """This rank's part: the engine's shards (DCP shares a failure of any rank with all: raised as that rank's),
+    then its own files."""
+    try:
+        write_state(tmp, model, optimizer, strategy)
+    except CheckpointException as err:
+        raise dcp_failure(err) from None
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+
+
+def _kept(root: Path) -> str:
+    """What a failed save leaves: the checkpoint ``latest`` names, as the way-out sentence says it."""
+    try:
+        previous = latest_checkpoint(root)
+    except (OSError, CheckpointError):
+        previous = None
+    return f"{previous} (named by latest) is intact" if previous else "no earlier checkpoint was there"
+
+
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *, step: int,
-                    extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                    overwrite: bool = False) -> Path:
     """Save ``model`` (from :func:`fp8dist.wrap_model`), ``optimizer``, ``step``, every rank's RNG states and the
     FP8 state into ``path/step_{step:08d}``, atomically. Call it on every rank, after ``optimizer.step()``.
 
     Each rank writes its own shard (torch.distributed.checkpoint; DeepSpeed: the engine's own checkpoint) into a
     temporary directory; once every rank has finished, rank 0 renames it into place, then points ``path/latest``
     at it, then removes the oldest beyond ``keep_last``. A crash at any moment leaves the previous checkpoint
-    intact and ``latest`` naming it.
+    intact and ``latest`` naming it. A failure on any rank (a read-only directory, a full disk) raises
+    :class:`CheckpointError` on every rank, with the same message, and removes the temporary directory.
 
     Args:
         path: the checkpoint directory (created if needed), on a filesystem every rank sees.
@@ -209,9 +238,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         step: optimizer steps done; also the data position to resume from.
         extra: JSON values to keep with the checkpoint (returned by :func:`load_checkpoint`).
         keep_last: keep only this many newest checkpoints; None keeps all.
+        overwrite: replace a checkpoint of the same step already in ``path`` (e.g. after resuming from an older
+            one); without it that is an error naming it.
 
     Returns:
         The checkpoint's directory.
+
+    Raises:
+        CheckpointError: on every rank, when the save failed on any (nothing of it is kept), or the step exists.
 
     Example::
 
@@ -219,31 +253,29 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     """
     info = get_wrap_info(model)
     check_supported(info)
-    extra = _check_save_args(step, extra, keep_last)
+    extra = _check_save_args(step, extra, keep_last, overwrite)
     strategy, (rank, _) = info.config.parallel.strategy, rank_world()
     root, name = Path(path), f"step_{step:08d}"
-    tmp = root / f".tmp-{name}"
+    tmp, final, lead = root / f".tmp-{name}", root / name, rank == 0
+    if not overwrite and from_rank0(final.is_dir() if lead else None):
+        raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
+                              "after resuming from an older checkpoint), or save a step not saved yet.")
     described = describe(model)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-        tmp.mkdir()
-    barrier()
-    write_state(tmp, model, optimizer, strategy)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    barrier()  # every rank's part is on disk
-    error = None
-    if rank == 0:
-        try:
-            _write_meta(tmp, described, step, extra)
-            _publish(tmp, root, name, keep_last)
-        except Exception as err:  # every rank raises, none hangs waiting for rank 0
+    described["optimizer"] = optimizer_name(optimizer)
+    on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
+                 error=CheckpointError)
+    try:
+        on_all_ranks(f"saving {final} (writing {tmp})", lambda: _write_rank(tmp, model, optimizer, strategy, rank),
+                     error=CheckpointError, way_out=f"Nothing of it was kept; {_kept(root)}. Free space on that "
+                     "filesystem or save elsewhere (keep_last=N keeps fewer checkpoints).")
+        on_all_ranks(f"saving {final}", (lambda: (_write_meta(tmp, described, step, extra),
+                                                  _publish(tmp, root, name, keep_last))) if lead else None,
+                     error=CheckpointError, way_out=f"{_kept(root).capitalize()}.")
+    except CheckpointError:
+        if lead:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = f"{type(err).__name__}: {err}"
-    error = from_rank0(error)
-    if error is not None:
-        raise CheckpointError(f"saving {root / name} failed on rank 0: {error}")
-    return root / name
+        raise
+    return final
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *,
@@ -260,15 +292,19 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     - Transformer Engine's FP8 state loads only into modules that hold it (TE modules, any of those strategies);
       ``drop_fp8_state=True`` loads the rest without it.
     - DeepSpeed loads DeepSpeed checkpoints of the same ZeRO stage, world size and FP8 backend only.
+    - The optimizer must be of the class saved (AdamW's state does not fill SGD's); ``optimizer=None`` loads the
+      model's weights only (``differences`` says the optimizer state was left).
 
-    Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out. Nothing
-    is unpickled beyond tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``;
-    DeepSpeed's files are checked for foreign classes first).
+    Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out; a
+    failure on one rank (a file it cannot read) raises the same error on every rank. Nothing is unpickled beyond
+    tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``; DeepSpeed's files are
+    checked for foreign classes first).
 
     Args:
         path: a checkpoint directory, or one of its ``step_*`` folders.
         model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
-        optimizer: its optimizer, built after ``wrap_model`` (DeepSpeed: ``engine.optimizer``).
+        optimizer: its optimizer, built after ``wrap_model`` (DeepSpeed: ``engine.optimizer``); None loads the
+            model's weights only.
         drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``); the model's FP8 modules, if
             any, start their scaling afresh. Needed to load a Transformer Engine checkpoint into a model without TE.
 
@@ -281,21 +317,42 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     """
     info = get_wrap_info(model)
     check_supported(info)
-    if not isinstance(drop_fp8_state, bool):
-        raise TypeError(f"drop_fp8_state={drop_fp8_state!r} must be True or False.")
+    require_bool("drop_fp8_state", drop_fp8_state)
+    rank, strategy = rank_world()[0], info.config.parallel.strategy
+    refusals = (CheckpointError, FileNotFoundError)
+    checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
+                                    passthrough=refusals)
+    decision, optimizer_note = on_all_ranks(
+        f"loading {checkpoint}", lambda: (check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state),
+                                          check_optimizer(meta, optimizer, checkpoint)), error=CheckpointError,
+        passthrough=refusals)
+    on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state),
+                 error=CheckpointError)
+    after_load_fp8(model, info)
+    rng = checkpoint / f"rng_rank{rank}.pt"
+    on_all_ranks(f"loading {rng}", lambda: set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+                 if rng.is_file() else None, error=CheckpointError)
+    return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
+                           world_size=int(meta["world_size"]),
+                           differences=decision.differences + ((optimizer_note,) if optimizer_note else ()))
+
+
+def _found(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     checkpoint = _resolve(path)
-    meta = _read_meta(checkpoint)
-    decision = check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state)
+    return checkpoint, _read_meta(checkpoint)
+
+
+_DAMAGED = ". Its files may be damaged; load an older checkpoint (its step_* folders)."
+
+
+def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_state: tuple[str, ...]) -> None:
+    """Read the checkpoint's state into the model and optimizer; what goes wrong past the checks made before
+    (every file's size, every tensor's name and shape, the optimizer's class) is damage."""
     try:
-        read_state(checkpoint, model, optimizer, info.config.parallel.strategy, decision.fp8_state)
+        read_state(checkpoint, model, optimizer, strategy, fp8_state)
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"could not load {checkpoint}: {type(err).__name__}: {err}. Its files may be damaged; "
-                              "load an older checkpoint (its step_* folders).") from err
-    after_load_fp8(model, info)
-    rng = checkpoint / f"rng_rank{rank_world()[0]}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
-    return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
-                           world_size=int(meta["world_size"]), differences=decision.differences)
+    except CheckpointException as err:  # DCP's, a BaseException, raised on every rank
+        raise dcp_failure(err, _DAMAGED) from err
+    except Exception as err:
+        raise CheckpointError(f"{type(err).__name__}: {err}{_DAMAGED}") from err

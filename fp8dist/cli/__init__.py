@@ -13,10 +13,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..env import LaunchError
-from ..plan import FP8UnavailableError
 from . import bench, ds_config, env, estimate, launch, plan, probe, train
 from .common import quiet_cpu_noise
+from .errors import error_line, exit_code
 from .launch import LAUNCH_DIR
 
 __all__ = ["main", "LAUNCH_DIR"]
@@ -36,6 +35,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_cpu_noise()
     try:
         return COMMANDS[args.command].run(args)
-    except (ValueError, TypeError, NotImplementedError, OSError, LaunchError, FP8UnavailableError) as err:
-        print(f"fp8dist {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # one line for what fp8dist explains (fp8dist.cli.errors), a traceback for the rest
+        code = exit_code(err)
+        if code is None:
+            raise
+        if _leads():
+            print(error_line(args.command, str(err)), file=sys.stderr)
+        return code
+
+
+def _leads() -> bool:
+    """Whether this process says the error: every rank of a launched job checks the same flags, rank 0 says it."""
+    from ..env import LaunchError, detect_launch_env
+
+    try:
+        return detect_launch_env().rank == 0
+    except LaunchError:  # the launcher's environment is what is wrong: said by every process
+        return True

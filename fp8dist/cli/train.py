@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import uuid
+from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from .._schema import add_arguments
 from ..config import Config, FP8Config, StrategyConfig
 from .common import FP8_DEFAULT_HELP, config_from_args, quiet_cpu_noise
+from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
 __all__ = ["add_parser", "run"]
 
@@ -37,14 +44,58 @@ def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
     return config, TrainConfig(**routed[TrainConfig])
 
 
-def _train_this_rank(config: Config, train: Any) -> None:
+class _Progress:
+    """Steps done so far, as rank 0 counts them; in a file too when another process (the launcher) reads them."""
+
+    def __init__(self, path: Path | None = None):
+        self.path, self.step = path, None
+
+    def __call__(self, step: int) -> None:
+        self.step = step
+        if self.path is not None:  # replaced whole: the reader never sees half a number
+            self.path.with_suffix(".tmp").write_text(str(step))
+            os.replace(self.path.with_suffix(".tmp"), self.path)
+
+    @staticmethod
+    def read(path: Path) -> int | None:
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def _interrupted(train: Any, step: int | None) -> int:
+    """Say where an interrupted job stood, once, and return the exit code (130)."""
+    from ..checkpoint.save_load import latest_checkpoint
+
+    if train.checkpoint_dir is None:
+        saved = "no checkpoint (no --checkpoint-dir)"
+    else:
+        try:
+            newest = latest_checkpoint(train.checkpoint_dir)
+        except (OSError, ValueError):
+            newest = None
+        saved = f"last checkpoint step {int(newest.name[5:])}" if newest else "no checkpoint saved yet"
+    done = "before the first step" if step is None else f"at step {step}"
+    print(f"fp8dist train: interrupted {done}; {saved}", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT
+
+
+def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
     """Run the job in this process, then take the process group down before the interpreter exits
     (:func:`fp8dist.shutdown`)."""
     from ..env import shutdown
     from ..train import run_training
 
-    run_training(config, train)
+    run_training(config, train, progress=progress)
     shutdown()
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without interpreter teardown (see :func:`_exit_launched_rank`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_launched_rank() -> NoReturn:
@@ -57,57 +108,139 @@ def _exit_launched_rank() -> NoReturn:
     alive for Python, so the release takes the GIL, and taking the GIL while the interpreter finalizes ends the
     thread (``pthread_exit``), whose forced unwind through a noexcept destructor calls ``std::terminate``.
     :func:`fp8dist.shutdown` makes it rare (0 aborts in 60 runs); exiting without teardown makes it impossible."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now(0)
 
 
-def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any]) -> None:
-    """Entry point of each spawned training process."""
+def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
+    """This process is one rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt
+    is one line from rank 0 (every rank exits with its code), anything else a traceback."""
+    progress = _Progress()
+    try:
+        _train_this_rank(config, train, progress)
+    except KeyboardInterrupt:
+        code = _interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT
+        _exit_now(code)
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        if rank == 0:
+            print(error_line("train", str(err)), file=sys.stderr)
+        _exit_now(code)
+    _exit_launched_rank()
+
+
+def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
+    """Entry point of each spawned training process: an explained error is reported to the launching process
+    (which prints it once), an interrupt ends the rank quietly."""
     from ..train import TrainConfig
 
     quiet_cpu_noise()
-    _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train))
+    rank = int(os.environ["RANK"])
+    try:
+        _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train),
+                         _Progress(Path(state) / "progress" if rank == 0 else None))
+    except KeyboardInterrupt:
+        _exit_now(INTERRUPTED_EXIT)
+    except Exception as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        report_error(state, rank, err, code)
+        _exit_now(code)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..data import check_batch_split
     from ..env import detect_launch_env, resolve_device
+    from ..models import job_model_config
     from ..plan import check_fp8_available
     from ..train import default_nproc
+    from ..train_checks import check_checkpoint_dir, check_positions
 
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
-    strategy = config.parallel.strategy
-    if detect_launch_env().launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
-        _train_this_rank(config, train)
-        _exit_launched_rank()
-    nproc = train.nproc or (1 if strategy == "none" else default_nproc())
-    if strategy == "none" and nproc > 1:
+    check_checkpoint_dir(train)
+    launch = detect_launch_env()
+    nproc = train.nproc or (1 if config.parallel.strategy == "none" else default_nproc())
+    model_config, name = job_model_config(config, train)  # --pretrained / --model-config read here first
+    check_positions(model_config, name, config, train, launch.world_size if launch.launcher != "none" else nproc)
+    if launch.launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
+        _run_launched(config, train, launch.rank)
+    if config.parallel.strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
     if nproc == 1:
-        _train_this_rank(config, train)
+        progress = _Progress()
+        try:
+            _train_this_rank(config, train, progress)
+        except KeyboardInterrupt:
+            return _interrupted(train, progress.step)
         return 0
     return _spawn(nproc, config, train)
 
 
+SHUTDOWN_GRACE_S = 5
+"""After an interrupt, how long the ranks get to exit before they are killed (torch's default is 30 s): a rank
+waiting in a collective for a peer that already left never returns to Python to see the interrupt, and
+checkpoints are atomic, so only the step in flight is lost. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
+
+
 def _spawn(nproc: int, config: Config, train: Any) -> int:
-    """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs)."""
+    """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs); a rank's
+    explained error is printed once, an interrupt says where the job stood; every child is reaped."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S))
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fp8dist-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
+                          start_method="spawn", shutdown_timeout=grace)
     print(f"fp8dist train: starting {nproc} processes", flush=True)
+    state = Path(tempfile.mkdtemp(prefix="fp8dist-train-"))
     try:
-        elastic_launch(launch, _train_worker)(config.to_dict(), dataclasses.asdict(train))
+        with _quiet_launcher_logs():
+            elastic_launch(launch, _train_worker)(config.to_dict(), dataclasses.asdict(train), str(state))
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        print(f"fp8dist train: rank {rank} failed (exit code {failure.exitcode}):\n{failure.message}",
-              file=sys.stderr)
-        return 1
+        multiprocessing.active_children()  # joins the ranks that ended: none is left <defunct> as we report
+        return _failed(err, state, train)
+    except (KeyboardInterrupt, SignalException):
+        multiprocessing.active_children()
+        return _interrupted(train, _Progress.read(state / "progress"))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_launcher_logs() -> Iterator[None]:
+    """The elastic agent logs a failed or interrupted rank with a traceback of its own monitor loop (each of its
+    loggers sets its level when created): this command says what happened once, so they are silenced meanwhile."""
+    names = [n for n in list(logging.Logger.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    saved = {n: logging.getLogger(n).level for n in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _failed(err: Any, state: Path, train: Any) -> int:
+    """The exit code and the one line for ranks that failed: an explained error a rank reported, an interrupt,
+    or (a bug) the first failure's traceback."""
+    report = read_report(state)
+    if report is not None:
+        print(error_line("train", report["message"]), file=sys.stderr)
+        return report["code"]
+    if all(f.exitcode in (INTERRUPTED_EXIT, -signal.SIGINT) for f in err.failures.values()):
+        return _interrupted(train, _Progress.read(state / "progress"))
+    rank, failure = err.get_first_failure()
+    print(f"fp8dist train: rank {rank} failed (exit code {failure.exitcode}):\n{failure.message}", file=sys.stderr)
+    return FAILED_EXIT

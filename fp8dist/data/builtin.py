@@ -51,14 +51,14 @@ def check_batch_split(batch_size: int, world_size: int, grad_accum: int = 1) -> 
             f"{lower or parts} or {lower + parts}.")
 
 
-def check_fits_corpus(model_config, seq_len: int, source: str) -> None:
+def check_fits_corpus(model_config, seq_len: int | None, source: str) -> None:
     """Raise ValueError unless the model of ``model_config`` (a transformers config, from ``source``) can read the
-    corpus: :data:`VOCAB_SIZE` token ids, and positions for ``seq_len`` tokens."""
+    corpus: :data:`VOCAB_SIZE` token ids, and positions for ``seq_len`` tokens (None: not checked here)."""
     if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
         raise ValueError(f"{source} has vocab_size={model_config.vocab_size}; the built-in corpus is "
                          f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
     positions = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions < seq_len:
+    if seq_len is not None and isinstance(positions, int) and positions < seq_len:
         raise ValueError(f"{source} holds {positions} positions and seq_len={seq_len}: pass --seq-len "
                          f"{positions} or less, or a config with max_position_embeddings >= {seq_len}.")
 

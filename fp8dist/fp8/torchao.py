@@ -13,6 +13,7 @@ from ..hardware import Hardware
 from ..optim import STEP_HOOKS
 from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
+from .order import gemm_order
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
 
@@ -91,14 +92,15 @@ class TorchaoBackend(FP8Backend):
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        linears = [(name, m) for name, m in model.named_modules() if _linear_like(m)]  # MoE experts are not
-        if not linears:
+        order = gemm_order(model, _linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj; MoE experts
+        if order.first is None:                  # are not linear-like
             return routers
 
         def kind(m: nn.Module) -> str:
             return "Linear (a Conv1D)" if is_conv1d(m) else "Linear"
 
-        (first, m_first), (last, m_last) = linears[0], linears[-1]
+        first, last = order.first, order.last
+        m_first, m_last = model.get_submodule(first), model.get_submodule(last)
         return {**routers, first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
                 last: f"last {kind(m_last)}, kept in high precision (keep_first_last_linear=True)"}
 

@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty", "check_fits"]
+__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty", "check_fits", "available_bytes"]
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
@@ -102,7 +102,8 @@ def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, or the memory the kernel can give this machine's processes; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:  # MemAvailable counts the page cache the kernel would give back; free pages alone undercount it
@@ -121,7 +122,7 @@ def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
     larger than the device's free memory, before allocating it."""
     need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
                                                                          *model.buffers())}.values())
-    free = _available_bytes(device)
+    free = available_bytes(device)
     if free is not None and need > free:
         raise MemoryError(f"strategy={strategy!r} materializes the whole meta-device model on every rank: "
                           f"{need / 2**30:,.1f} GiB of parameters and buffers, and {device} has "

@@ -1,0 +1,57 @@
+"""How the command line ends on an error it can explain: one line ``fp8dist COMMAND: error: MESSAGE`` on stderr,
+no traceback, and an exit code that says what happened. The same whether the error was raised in the command's
+own process (a flag checked before any process starts) or inside a training rank (a spawned rank reports it to
+the launching process, which prints it once; a rank started by torchrun or srun prints it itself, rank 0 only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..env import LaunchError
+from ..guard import NonFiniteStepsError
+from ..plan import FP8UnavailableError
+from ..train_checks import TrainingDiverged
+
+__all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "EXPLAINED", "exit_code", "error_line", "report_error",
+           "read_report"]
+
+USAGE_EXIT = 2
+"""Bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors."""
+FAILED_EXIT = 1
+"""The run started as asked and failed (its loss diverged, or its gradients stayed non-finite)."""
+INTERRUPTED_EXIT = 130
+"""Interrupted (Ctrl-C): 128 + SIGINT, as shells report it."""
+
+EXPLAINED: dict[type[BaseException], int] = {
+    ValueError: USAGE_EXIT, TypeError: USAGE_EXIT, NotImplementedError: USAGE_EXIT, OSError: USAGE_EXIT,
+    MemoryError: USAGE_EXIT, LaunchError: USAGE_EXIT, FP8UnavailableError: USAGE_EXIT,
+    TrainingDiverged: FAILED_EXIT, NonFiniteStepsError: FAILED_EXIT,
+}
+"""Errors whose message is the whole story, and the exit code of each (subclasses included): fp8dist raises them
+with the value, the choices and the way out."""
+
+
+def exit_code(err: BaseException) -> int | None:
+    """The exit code for an error the command explains in one line; None for anything else (a bug: traceback)."""
+    return next((code for cls, code in EXPLAINED.items() if isinstance(err, cls)), None)
+
+
+def error_line(command: str, message: str) -> str:
+    return f"fp8dist {command}: error: {message}"
+
+
+def report_error(directory: str | os.PathLike, rank: int, err: BaseException, code: int) -> None:
+    """A spawned rank's explained error, for the launching process to print once (written before the rank exits)."""
+    text = json.dumps({"rank": rank, "type": type(err).__name__, "message": str(err), "code": code})
+    path = Path(directory) / f"error_rank{rank}.json"
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def read_report(directory: str | os.PathLike) -> dict | None:
+    """The lowest rank's reported error in ``directory``, or None when no rank reported one."""
+    reports = sorted(Path(directory).glob("error_rank*.json"), key=lambda p: int(p.stem.removeprefix("error_rank")))
+    return json.loads(reports[0].read_text()) if reports else None

@@ -1,0 +1,100 @@
+"""The first and last GEMM a model runs, for ``keep_first_last_linear``: in execution order, which is not always
+the order modules are registered in (Phi-3 registers ``o_proj`` before ``qkv_proj``, which runs first).
+
+A Hugging Face causal LM is traced: a copy of it whose parameters and buffers are bf16 tensors on the meta device
+(nothing allocated, no weight copied; bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs
+one forward of a few tokens, and hooks record the order in which its GEMM modules are called (0.1-0.2 s for the
+families of tests/test_fp8_families.py and tests/test_fp8_order.py). Any other model, or one whose trace fails,
+falls back to the declared order, and says so. Deterministic: the same model gives the same answer, whatever
+the machine (the plan stays a pure function of the model and config).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["GemmOrder", "gemm_order", "TRACE_TOKENS"]
+
+TRACE_TOKENS = 4
+"""Tokens of the traced forward: any length runs every layer once."""
+
+
+@dataclass(frozen=True)
+class GemmOrder:
+    """The GEMM modules of a model in the order they run."""
+
+    names: tuple[str, ...]
+    """Every GEMM module, by the first time it runs (those that never ran, after them in declared order)."""
+    last: str | None
+    """The GEMM module that runs last (usually the output head)."""
+    traced: bool
+    """True when the order comes from a traced forward; False: the declared (registration) order."""
+    why_declared: str = ""
+    """Why the declared order was used (not a Hugging Face causal LM, or the trace failed and how)."""
+
+    @property
+    def first(self) -> str | None:
+        return self.names[0] if self.names else None
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter and buffer replaced by a bf16 (floating) meta tensor of its shape: the
+    modules are copied, never the data (tied parameters stay tied)."""
+    memo: dict[int, object] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in memo:
+            continue
+        dtype = torch.bfloat16 if tensor.is_floating_point() else tensor.dtype
+        meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
+    """The GEMM modules' names, once per call, in the order a meta-device forward calls them."""
+    shadow = _meta_copy(model)
+    calls: list[str] = []
+    for name, module in shadow.named_modules():
+        if is_gemm(module):
+            module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
+    ids = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shadow(input_ids=ids)
+    return calls
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    return getattr(model, "config", None) is not None and getattr(model, "main_input_name", None) == "input_ids"
+
+
+def gemm_order(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> GemmOrder:
+    """The modules of ``model`` for which ``is_gemm`` holds, in execution order (see the module's docstring).
+
+    Args:
+        model: the unwrapped model (real or on the meta device: it is neither changed nor run).
+        is_gemm: which modules count (e.g. ``nn.Linear`` and GPT-2's ``Conv1D``).
+    """
+    declared = [name for name, module in model.named_modules() if is_gemm(module)]
+    if not declared:
+        return GemmOrder((), None, traced=False, why_declared="no GEMM module")
+    if not _is_causal_lm(model):
+        return GemmOrder(tuple(declared), declared[-1], traced=False,
+                         why_declared="declared order (not a Hugging Face causal LM: no input to trace it with)")
+    try:
+        calls = _calls(model, is_gemm)
+    except Exception as err:  # any model code may refuse the meta device; the declared order then stands
+        return GemmOrder(tuple(declared), declared[-1], traced=False,
+                         why_declared=f"declared order (a meta-device forward failed: {type(err).__name__}: {err})")
+    if not calls:
+        return GemmOrder(tuple(declared), declared[-1], traced=False,
+                         why_declared="declared order (the traced forward ran none of them)")
+    ran = list(dict.fromkeys(calls))
+    return GemmOrder(tuple(ran + [n for n in declared if n not in ran]), calls[-1], traced=True)

@@ -1,0 +1,136 @@
+"""What a new user meets when a run goes wrong: a diverged loss stops the job with one line, a rank's error is one
+line from the launching process, Ctrl-C says where the job stood (rc 130, every child reaped), a rendezvous that
+misses a process says so instead of hanging, and a very long run does not warm up forever."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch.distributed as dist
+
+from cli_helpers import BIN, free_port
+from fp8dist.cli import main
+
+
+def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys):
+    from fp8dist.train_checks import MAX_NONFINITE_STEPS
+
+    code = main(["train", "--strategy", "none", "--nproc", "1", "--fp8", "none", "--lr", "1e4", "--steps", "40",
+                 "--batch-size", "2", "--seq-len", "32"])
+    out, err = capsys.readouterr()
+    printed = re.findall(r"^step +\d+/40 .* loss (\S+) \|", out, flags=re.M)
+    first = next(i for i, loss in enumerate(printed) if not math.isfinite(float(loss)))
+    assert code == 1 and len(printed) == first + MAX_NONFINITE_STEPS, "stopped at the 5th non-finite step in a row"
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"fp8dist train: error: loss non-finite ({printed[-1]}) for 5 consecutive steps (steps {first + 1}-"
+        f"{first + 5}): training diverged. Lower --lr (now 10000), or clip gradients (--gradient-clipping 1.0)."]
+
+
+def test_a_long_run_warms_up_over_at_most_2000_steps_and_the_header_says_so():
+    from fp8dist.schedule import MAX_WARMUP_STEPS, describe_schedule, lr_schedule, warmup_steps
+
+    factor = lr_schedule("cosine", 10**9)
+    assert warmup_steps(10**9) == MAX_WARMUP_STEPS == 2000 and factor(MAX_WARMUP_STEPS - 1) == 1.0
+    assert factor(0) == 1 / 2000
+    assert warmup_steps(60) == 6 and lr_schedule("cosine", 60)(5) == 1.0, "short runs keep 10%"
+    assert describe_schedule("cosine", 10**9) == ("linear warm-up over 2,000 steps, then cosine decay to 10% at step "
+                                                   "1,000,000,000")
+
+
+def test_an_error_inside_a_spawned_rank_is_one_line_with_exit_code_2(capfd):
+    code = main(["train", "--replicate-degree", "3", "--nproc", "2", "--steps", "1", "--fp8", "none"])
+    out, err = capfd.readouterr()  # the ranks' own file descriptors too
+    assert code == 2 and "fp8dist train: starting 2 processes" in out
+    assert "Traceback" not in err and "Terminating process" not in err, err
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [
+        "fp8dist train: error: replicate_degree=3 does not split world size 2 into equal shard groups: choose one of "
+        "[1, 2] (the number of nodes shards within a node), or 1 to shard over every rank."]
+
+
+def _states(pids: list[str]) -> dict[str, str]:
+    states = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                states[pid] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            states[pid] = "gone"
+    return states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["launcher", "process group"])
+def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tmp_path):
+    """A real ``fp8dist train`` with 2 spawned ranks, SIGINT after its third step: to the launcher alone (``kill
+    -INT``), or to its whole process group (Ctrl-C in a terminal)."""
+    cmd = [str(BIN / "fp8dist"), "train", "--steps", "500", "--fp8", "none", "--batch-size", "2", "--seq-len", "32",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:
+            if re.match(r"step +3/500 ", line):
+                break
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        (os.killpg if who == "process group" else os.kill)(proc.pid, signal.SIGINT)
+        said = proc.stderr.readline()  # printed once every rank has been joined
+        at_report = _states(children)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = int(re.match(r"fp8dist train: interrupted at step (\d+); last checkpoint step (\d+)\n", said).group(1))
+    assert said == f"fp8dist train: interrupted at step {done}; last checkpoint step {done - done % 2}\n"
+    assert proc.returncode == 130 and done >= 3
+    assert len(children) >= 2 and "Z" not in at_report.values(), f"a <defunct> child: {at_report}"
+    assert "Traceback" not in proc.stderr.read()
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("FP8DIST_RENDEZVOUS_TIMEOUT", "1")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_missing(rank, launcher_env):
+    from fp8dist.env import LaunchError, init_distributed
+
+    launcher_env.setenv("RANK", rank)
+    launcher_env.setenv("WORLD_SIZE", "2")
+    where = f"127.0.0.1:{os.environ['MASTER_PORT']}"
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        init_distributed(device="cpu")
+    waited = time.monotonic() - start
+    assert 1.0 <= waited < 15, waited  # the 1 s asked for, not torch's 30 minutes
+    assert not dist.is_initialized()
+    if rank == "0":
+        assert str(err.value) == (f"rank 0: only 1 of WORLD_SIZE=2 processes joined the rendezvous at {where} in 1 s: "
+                                  "1 never started or cannot reach it. Start all 2 (torchrun --nproc-per-node N sets "
+                                  "RANK and WORLD_SIZE for each), or set WORLD_SIZE to the number you start; "
+                                  "FP8DIST_RENDEZVOUS_TIMEOUT=SECONDS waits longer (now 1 s).")
+    else:
+        assert str(err.value).startswith(f"rank 1 of 2 could not reach rank 0 at {where} (MASTER_ADDR:MASTER_PORT) "
+                                         "within 1 s: rank 0 is not running there.")
+
+
+def test_the_rendezvous_default_is_torchruns_join_timeout():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    from fp8dist.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_timeout
+
+    assert rendezvous_timeout({}) == RENDEZVOUS_TIMEOUT_S == RendezvousTimeout().join.total_seconds()
+    assert rendezvous_timeout({"FP8DIST_RENDEZVOUS_TIMEOUT": "2.5"}) == 2.5
