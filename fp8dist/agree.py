@@ -17,22 +17,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_ranks_agree", "fingerprint", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure"]
+__all__ = ["check_ranks_agree", "fingerprint", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure",
+           "alone"]
 
 T = TypeVar("T")
 
 
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8dist_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Inside, this process works on its own even within a job (the numerics probe on one rank): :func:`on_all_ranks`
+    shares nothing with the other ranks, which are not taking part."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
 def rank_world() -> tuple[int, int]:
-    """This process's rank and the world size of the default process group; (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
+    """This process's rank and the world size of the default process group; (0, 1) without one, or :func:`alone`."""
+    if dist.is_available() and dist.is_initialized() and not _ALONE.get():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 

@@ -99,7 +99,20 @@ class StepGuard:
                                       f"), each skipped; the run is not recovering. {_WAY_OUT}.")
         warnings.warn(f"step {self.steps} skipped: non-finite gradients{where} on some rank; weights and optimizer "
                       f"state are as before the step ({self.skipped_steps} skipped so far).", RuntimeWarning,
-                      stacklevel=4)
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The stack level of the first frame outside fp8dist and torch: the user's ``optimizer.step()`` line, where
+    the warning belongs (hooks run it from inside torch)."""
+    import inspect
+    import os
+
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level - 1
 
 
 _WAY_OUT = ("Lower the learning rate, keep the layers named out of FP8 (fp8_exclude=[...]; fp8dist probe measures "

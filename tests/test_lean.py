@@ -100,7 +100,7 @@ def _sharded_vs_whole(dtype: torch.dtype) -> float:
     the whole model, same inputs on every rank: the largest weight difference after 3 steps."""
     from torch.distributed.fsdp import fully_shard
 
-    from fp8dist.lean import lean_optimizer_class
+    from fp8dist.levels.lean import lean_optimizer_class
 
     def run(shard: bool) -> dict:
         torch.manual_seed(0)

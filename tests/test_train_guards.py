@@ -18,17 +18,29 @@ from cli_helpers import BIN, free_port
 from fp8dist.cli import main
 
 
-def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys):
+@pytest.mark.parametrize("guard", ["skip", "off"])
+def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys, guard):
+    """lr 1e4: the gradients go non-finite. With the guard (nonfinite_step, on by default) those steps are skipped,
+    the weights stay finite and the 5th skip in a row stops the run, naming the modules; without it the weights go
+    NaN and the 5th non-finite loss in a row stops it. One line, rc 1, either way."""
     from fp8dist.train_checks import MAX_NONFINITE_STEPS
 
     code = main(["train", "--strategy", "none", "--nproc", "1", "--fp8", "none", "--lr", "1e4", "--steps", "40",
-                 "--batch-size", "2", "--seq-len", "32"])
+                 "--batch-size", "2", "--seq-len", "32", "--nonfinite-step", guard])
     out, err = capsys.readouterr()
     printed = re.findall(r"^step +\d+/40 .* loss (\S+) \|", out, flags=re.M)
+    lines = [line for line in err.strip().splitlines() if line.startswith("fp8dist train: error:")]
+    assert code == 1 and "Traceback" not in err and len(lines) == 1, err
+    if guard == "skip":
+        assert all(math.isfinite(float(loss)) for loss in printed), "no skipped step reached the weights"
+        assert lines[0].startswith(f"fp8dist train: error: {MAX_NONFINITE_STEPS} consecutive steps had non-finite "
+                                   "gradients (the last in model.embed_tokens, ")
+        assert lines[0].endswith("Lower the learning rate, keep the layers named out of FP8 (fp8_exclude=[...]; "
+                                 "fp8dist probe measures them), or resume from the last checkpoint.")
+        return
     first = next(i for i, loss in enumerate(printed) if not math.isfinite(float(loss)))
-    assert code == 1 and len(printed) == first + MAX_NONFINITE_STEPS, "stopped at the 5th non-finite step in a row"
-    assert "Traceback" not in err
-    assert err.strip().splitlines() == [
+    assert len(printed) == first + MAX_NONFINITE_STEPS, "stopped at the 5th non-finite step in a row"
+    assert lines == [
         f"fp8dist train: error: loss non-finite ({printed[-1]}) for 5 consecutive steps (steps {first + 1}-"
         f"{first + 5}): training diverged. Lower --lr (now 10000), or clip gradients (--gradient-clipping 1.0)."]
 

@@ -279,7 +279,7 @@ def _local_shard_class(base: type) -> type:
     """``base`` (a torchao AdamW) with :class:`LocalShardStep`'s step; one class per base, made on first use."""
     return type(base.__name__, (LocalShardStep, base),
                 {"__module__": __name__,
-                 "__doc__": f"torchao {base.__name__}, stepped on local shards (fp8dist.lean)."})
+                 "__doc__": f"torchao {base.__name__}, stepped on local shards (fp8dist.levels.lean)."})
 
 
 LEVEL = LeanLevel()

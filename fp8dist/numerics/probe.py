@@ -90,6 +90,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` loaded
     into a copy too: measuring leaves the user's model as it was)."""
+    from ..agree import alone
     from ..meta_init import is_meta_model, to_empty
     from ..pretrained import materialize
 
@@ -99,7 +100,8 @@ def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     copied = copy.deepcopy(model)
     if meta:
         to_empty(copied, device)
-    materialize(copied, device, pretrained, meta=meta)
+    with alone():  # the probe runs in this process only, even on one rank of a job
+        materialize(copied, device, pretrained, meta=meta)
     return copied
 
 
