@@ -32,6 +32,7 @@ from .strategies.deepspeed import is_deepspeed_engine
 from .models import ModelSize, build_llama, pretrained_config, read_model_config
 from .memory import report
 from .schedule import lr_schedule, set_lr
+from .selection import with_read_options
 from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
@@ -275,10 +276,9 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     world = current_launch().world_size
     check_batch_split(train.batch_size, world, accum)
-    if config.parallel.strategy == "deepspeed":
-        config = replace(config, parallel=replace(config.parallel,
-                                                  micro_batch_size=train.batch_size // (world * accum)))
-    else:  # the loop below accumulates and clips: wrap_model has nothing of them to do
+    # the job's batch, where an axis reads it: DeepSpeed's micro-batch, the FP8 speed prediction's tokens
+    config = with_read_options(config, micro_batch_size=train.batch_size // (world * accum), seq_len=train.seq_len)
+    if config.parallel.strategy != "deepspeed":  # the loop below accumulates and clips: nothing of them for wrap_model
         config = replace(config, parallel=replace(config.parallel, grad_accum=1,
                                                   gradient_clipping=type(config.parallel)().gradient_clipping))
     wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
