@@ -43,6 +43,8 @@ class Selection:
     unpredicted: str = ""
     """Why no figure was predicted (a CPU, a GPU missing from the table, a backend without a speed model); empty
     where figures were."""
+    asked: str | None = None
+    """fp8_select as given (None: the hardware's default)."""
     numerics: str = ""
     """The probe report applied, in words; empty: none given."""
 
@@ -56,7 +58,7 @@ class Selection:
             lines.append(f"predicted at {self.tokens:,} tokens per rank per micro-batch ({self.tokens_from}): the "
                          "GEMMs only, not a step time (benchmarks/speed_model/README.md)")
             lines.append(self.gemm_summary())
-        elif self.unpredicted:
+        elif self.unpredicted and self.asked == "all":  # otherwise ``why`` says it
             lines.append(f"FP8 speed not predicted: {self.unpredicted}")
         if self.numerics:
             lines.append(f"numerics: {self.numerics}")
@@ -235,8 +237,25 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     Raises:
         ValueError: a numerics report naming modules this model does not have.
     """
-    mode, why, notes = _mode(cfg, hardware)
+    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware)
     tokens, tokens_from = _tokens(cfg)
+    margin = cfg.precision.fp8_select_margin
+    verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
+                                                                           cfg.precision.fp8)
+    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware)
+    out = [_decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback)
+           if e.precision == "fp8" else e for e in entries]
+    step = _step(model, out, gpu, recipe, compile, margin)
+    if verdicts is not None:
+        unsafe = sum(1 for e in out if e.numerics)
+        said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+    return out, Selection(mode, why, tokens, tokens_from, margin, step, unpredicted="" if step else unpredicted,
+                          asked=cfg.precision.fp8_select, numerics=said), notes
+
+
+def _resolve(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str], Any, str | None, str]:
+    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted)."""
+    mode, why, notes = _mode(cfg, hardware)
     lookup = find_gpu(hardware)
     gpu, unpredicted = lookup.spec, lookup.reason
     if gpu is not None and not gpu.has_fp8:
@@ -248,19 +267,10 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
         if cfg.precision.fp8_select == "auto":
             notes.append(f"fp8_select='auto' cannot predict here ({unpredicted}): every eligible layer converts as "
                          "under fp8_select='all'.")
-    margin = cfg.precision.fp8_select_margin
-    if mode == "all" and margin != type(cfg.precision)().fp8_select_margin:
-        notes.append(f"fp8_select_margin={margin:g} has no effect: the selection is 'all' here ({why}).")
-    verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
-                                                                           cfg.precision.fp8)
-    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware)
-    out = [_decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback)
-           if e.precision == "fp8" else e for e in entries]
-    step = _step(model, out, gpu, recipe, compile, margin)
-    if verdicts is not None:
-        unsafe = sum(1 for e in out if e.numerics)
-        said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
-    return out, Selection(mode, why, tokens, tokens_from, margin, step, "" if step else unpredicted, said), notes
+    if mode == "all" and cfg.precision.fp8_select_margin != type(cfg.precision)().fp8_select_margin:
+        notes.append(f"fp8_select_margin={cfg.precision.fp8_select_margin:g} has no effect: the selection is 'all' "
+                     f"here ({why}).")
+    return mode, why, notes, gpu, recipe, unpredicted
 
 
 def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,

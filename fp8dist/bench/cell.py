@@ -18,7 +18,7 @@ from torch import nn
 from .comm import CommCounter
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "describe_job", "predicted_figures", "TIMING_WARMUP"]
+__all__ = ["Cell", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
@@ -89,6 +89,17 @@ class _Wired:
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
     from ..api import get_plan, wrap_model
+
+    wrapped, optimizer = wrap_model(model, config=cell_config(cell), optimizer=_optimizer_spec(cell))
+    plan = get_plan(wrapped)
+    fp8 = (len(plan.fp8), sum(e.params for e in plan.fp8))
+    return _Wired(wrapped, optimizer, fp8, predicted=predicted_figures(plan))
+
+
+def cell_config(cell: Cell) -> Any:
+    """The config a cell's fp8dist run wraps with: every eligible layer in FP8 (``fp8_select='all'``, as the
+    hand-wired run converts them), each with its predicted speedup at the cell's tokens per rank, so a GPU run
+    checks the speed model's figures at once."""
     from ..config import resolve_config
     from ..selection import with_read_options
 
@@ -97,12 +108,7 @@ def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wire
     if cell.strategy == "deepspeed":
         options.update(zero_stage=cell.zero_stage)
     config = resolve_config(strategy=cell.strategy, fp8=cell.fp8, **options)
-    # every eligible layer in FP8, as the hand-wired run converts them, each with its predicted speedup at the
-    # cell's tokens: a GPU run checks the speed model's figures at once
-    config = with_read_options(config, micro_batch_size=cell.batch_size, seq_len=cell.seq_len, fp8_select="all")
-    wrapped, optimizer = wrap_model(model, config=config, optimizer=_optimizer_spec(cell))
-    plan = get_plan(wrapped)
-    return _Wired(wrapped, optimizer, (len(plan.fp8), sum(e.params for e in plan.fp8)), predicted_figures(plan))
+    return with_read_options(config, micro_batch_size=cell.batch_size, seq_len=cell.seq_len, fp8_select="all")
 
 
 def predicted_figures(plan: Any) -> dict[str, Any] | None:
