@@ -20,7 +20,7 @@ from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
 __all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
 
-Verdicts = Mapping[str, "tuple[str, ...] | None"]
+Verdicts = Mapping[str, tuple[str, ...] | None]
 
 
 @dataclass(frozen=True)
