@@ -118,19 +118,20 @@ def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, m
 @overload
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, optimizer: None = None, **options: Any) -> nn.Module: ...
+               fp8_group: Any = None, optimizer: None = None, numerics: Any = None,
+               **options: Any) -> nn.Module: ...
 
 
 @overload
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, optimizer: OptimizerSpec, **options: Any) -> tuple[nn.Module,
-                                                                                          torch.optim.Optimizer]: ...
+               fp8_group: Any = None, optimizer: OptimizerSpec, numerics: Any = None,
+               **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, optimizer: OptimizerSpec | None = None,
+               fp8_group: Any = None, optimizer: OptimizerSpec | None = None, numerics: Any = None,
                **options: Any) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard or replicate ``model`` for training with bf16 mixed precision (FP8 layered on top).
 
@@ -148,6 +149,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
             files and the CLI use the ``fp8_exclude`` patterns).
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
+        numerics: a :class:`fp8dist.NumericsReport` of this model (``fp8dist.measure_fp8_numerics``): a layer it
+            flags stays out of FP8, and each row of the plan says whether the probe found it safe.
         optimizer: an optimizer spec (see :func:`fp8dist.optim.build_optimizer`); required where something else
             than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an optimizer
             block) and ``memory="lean"`` (an AdamW mapping, see :mod:`fp8dist.levels.lean`). When given,
@@ -176,7 +179,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     engine.check_launch(cfg, launch.world_size)
     plan = plan_precision(model, cfg, device=device, world_size=launch.world_size,        # 3. plan
-                          fp8_filter=fp8_filter)
+                          fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
     backend.check_plan(plan)
     _check_optimizer(optimizer, backend, plan, memory)

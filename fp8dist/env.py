@@ -288,7 +288,7 @@ def describe_environment() -> str:
     """Versions (each checked against the range fp8dist supports), devices, FP8 capability and the launcher
     seen: what ``fp8dist env`` prints."""
     from .fp8 import fp8_hardware_reason
-    from .hardware import hardware_of
+    from .hardware import find_gpu, hardware_of
 
     lines = [_version_line(name) for name in _PACKAGES]
     if torch.cuda.is_available():
@@ -296,6 +296,8 @@ def describe_environment() -> str:
             hardware = hardware_of(torch.device("cuda", i))
             fp8 = "no FP8 tensor cores (sm < 8.9)" if fp8_hardware_reason(hardware) else "FP8 tensor cores"
             lines.append(f"cuda:{i:<15} {hardware.name} ({hardware.sm}, {fp8})")
+            lookup = find_gpu(hardware)  # the figures the FP8 speed prediction reads
+            lines.append(f"{'':<20} {lookup.spec.describe() if lookup.spec else lookup.reason}")
     else:
         lines.append(f"{'device':<20} cpu only (gloo); torchao float8 runs here, TE and MS-AMP need CUDA sm >= 8.9")
     launch = current_launch()

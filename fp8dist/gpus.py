@@ -104,6 +104,16 @@ class GpuSpec:
         """True when the GPU has FP8 tensor cores."""
         return self.fp8_tflops is not None
 
+    def describe(self) -> str:
+        """The record in a line: dense peaks, bandwidth, the datasheet and how the speed model's constants were
+        obtained (what ``fp8dist env`` prints for a GPU it sees)."""
+        fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
+        fitted = "fitted on its own published measurements" if self.calibrated else \
+            f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)"
+        return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
+                f"TB/s ({self.source.document}, {self.source.url}: {self.source.note}); speed model constants "
+                f"{fitted}")
+
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
                  "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")

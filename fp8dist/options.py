@@ -11,9 +11,13 @@ from typing import Literal
 
 from ._schema import normalize_fields
 from .dtypes import DTYPE_ALIASES
+from .speed.step import DEFAULT_MARGIN
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence assumed where ``seq_len`` is not given (the plan's header says so)."""
 
 __all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "Device",
-           "CheckpointingMode"]
+           "CheckpointingMode", "DEFAULT_SEQ_LEN"]
 
 Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -75,7 +79,13 @@ class StrategyConfig:
     """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
 
     micro_batch_size: int = 1
-    """DeepSpeed train_micro_batch_size_per_gpu (sequences per rank per forward)."""
+    """Sequences per rank per forward: DeepSpeed's train_micro_batch_size_per_gpu, and with seq_len the tokens
+    the FP8 speed prediction is made at (fp8_select). fp8dist train and bench set it from their batch."""
+
+    seq_len: int | None = field(default=None, metadata={"none": f"{DEFAULT_SEQ_LEN} assumed, said in the plan"})
+    """Tokens per sequence: with micro_batch_size, the tokens per rank per forward that the FP8 speed prediction
+    is made at (fp8_select). None: DEFAULT_SEQ_LEN (2048) assumed, and the plan says so. fp8dist train and bench
+    set it."""
 
     grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",)})
     """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
@@ -137,6 +147,9 @@ class StrategyConfig:
         for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be a positive integer (tokens per sequence), or none "
+                             f"({DEFAULT_SEQ_LEN} assumed).")
         if not 0 <= self.gradient_clipping < float("inf"):  # nan fails this too
             raise ValueError(f"gradient_clipping={self.gradient_clipping} must be a finite number >= 0 (0 turns "
                              "clipping off).")
@@ -157,6 +170,16 @@ class FP8Config:
 
     fp8_exclude: tuple[str, ...] = ()
     """Module names (fnmatch patterns, e.g. "lm_head" or "*.mlp.*") kept in the strategy's mixed precision."""
+
+    fp8_select: Literal["auto", "all"] | None = field(default=None, metadata={"none": "auto on a GPU, all on a CPU"})
+    """Which eligible layers run in FP8: auto, only those the speed model predicts faster than bf16 on the plan's
+    GPU (by fp8_select_margin, at micro_batch_size x seq_len tokens per rank); all, every eligible layer. None:
+    auto where the plan's hardware is a CUDA GPU (a CUDA device or --target), all on a CPU (FP8 there is for
+    numerics and tests). fp8_exclude, fp8_filter and keep_first_last_linear apply on top."""
+
+    fp8_select_margin: float = DEFAULT_MARGIN
+    """fp8_select auto: a layer runs in FP8 where its predicted speedup over bf16 is at least this (1.0: every layer
+    predicted faster; above 1 demands a clearer gain)."""
 
     keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
@@ -214,6 +237,9 @@ class FP8Config:
         for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")
+        if not 0 < self.fp8_select_margin < float("inf"):  # nan fails this too
+            raise ValueError(f"fp8_select_margin={self.fp8_select_margin} must be a finite number > 0: the speedup "
+                             f"over bf16 a layer must reach to run in FP8 ({DEFAULT_MARGIN}: any predicted gain).")
 
 
 SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
 
 from .axis import StrategyFacts
 from .config import Config
+from .coverage import MIN_FP8_SHARE, FP8Coverage, coverage, gemm_flops, runs_gemm
 from .hardware import Hardware, hardware_of
 from .levels import get_level
+from .selection import Selection, select, speedup_of
+from .speed import LinearPrediction
+
+if TYPE_CHECKING:
+    from .numerics import NumericsReport
 
 __all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
-           "runs_gemm", "MIN_FP8_SHARE"]
+           "runs_gemm", "MIN_FP8_SHARE"]  # FP8Coverage, runs_gemm, MIN_FP8_SHARE: defined in fp8dist.coverage
 
 FP8Filter = Callable[[nn.Module, str], bool]
 
@@ -52,85 +58,18 @@ class PlanEntry:
     grouped: bool = False
     """A MoE experts module (fused 3-D weights, one GEMM per expert): in FP8 it runs grouped GEMMs, whose weights
     keep no scale between steps and are all-gathered in the strategy's dtype."""
-
-
-MIN_FP8_SHARE = 0.5
-"""``wrap_model`` warns when an FP8 backend was asked for and covers less than this share of the model's GEMM
-parameters (nothing converted included)."""
-
-
-@dataclass(frozen=True)
-class FP8Coverage:
-    """How much of the model's GEMM work the plan runs in FP8: the numbers behind the plan's share line and
-    ``wrap_model``'s low-coverage warning."""
-
-    gemm_modules: int
-    """Modules that run a GEMM with their own parameters (:func:`runs_gemm`)."""
-    fp8_modules: int
-    gemm_params: int
-    fp8_params: int
-    gemm_flops: int
-    """Estimated forward GEMM FLOPs per token (see :attr:`PlanEntry.gemm_flops`)."""
-    fp8_flops: int
-    kept: tuple[tuple[str, int, int], ...]
-    """The GEMM modules not in FP8, grouped by reason: ``(reason, modules, params)``, most parameters first."""
+    predicted: tuple[LinearPrediction, ...] = ()
+    """The speed model's figures for this module on the plan's GPU at the plan's tokens (:mod:`fp8dist.selection`):
+    one per GEMM weight (a MoE experts module: its grouped GEMMs). Empty where none was made: not an FP8
+    candidate, or no GPU to predict for (a CPU)."""
+    numerics: tuple[str, ...] | None = None
+    """The numerics probe's verdict where a report was given: () within its thresholds, else the thresholds it
+    crossed (kept out of FP8); None: no report, or the report did not measure it."""
 
     @property
-    def param_share(self) -> float:
-        return self.fp8_params / self.gemm_params if self.gemm_params else 0.0
-
-    @property
-    def flop_share(self) -> float:
-        return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
-
-    @property
-    def low(self) -> bool:
-        """Less than :data:`MIN_FP8_SHARE` of the GEMM parameters in FP8 (or none at all)."""
-        return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
-
-    def summary(self) -> str:
-        return (f"FP8 share of GEMMs: {self.fp8_params:,} of {self.gemm_params:,} params "
-                f"({100 * self.param_share:.1f}%)"
-                f", {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params of each GEMM module, MoE "
-                "experts x top_k/experts)")
-
-
-def _coverage(entries: list[PlanEntry]) -> FP8Coverage:
-    gemm = [e for e in entries if e.gemm_flops]
-    fp8 = [e for e in gemm if e.precision == "fp8"]
-    kept: dict[str, list[int]] = {}
-    for e in gemm:
-        if e.precision != "fp8":
-            count = kept.setdefault(e.reason, [0, 0])
-            count[0] += 1
-            count[1] += e.params
-    groups = sorted(((reason, n, params) for reason, (n, params) in kept.items()), key=lambda g: -g[2])
-    return FP8Coverage(len(gemm), len(fp8), sum(e.params for e in gemm), sum(e.params for e in fp8),
-                       sum(e.gemm_flops for e in gemm), sum(e.gemm_flops for e in fp8), tuple(groups))
-
-
-def _gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
-    """2 x params per token, scaled by top_k / experts for an experts module (``grouped``: transformers'
-    num_experts and its config's num_experts_per_tok)."""
-    if not runs_gemm(module):
-        return 0
-    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-    if grouped and isinstance(top_k, int) and 0 < top_k <= module.num_experts:
-        return 2 * params * top_k // module.num_experts
-    return 2 * params
-
-
-LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
-"""Modules whose 2-D parameter is a table read by index: no GEMM."""
-
-
-def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:
-    """Whether ``module`` multiplies by its own parameters: it holds a matrix operand (a parameter of 2 or more
-    dims: nn.Linear, GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table. ``shapes``:
-    its parameters' full shapes where the module holds flat shards (FSDP1); default, the parameters' own."""
-    if shapes is None:
-        shapes = [p.shape for p in module.parameters(recurse=False)]
-    return not isinstance(module, LOOKUPS) and any(len(shape) >= 2 for shape in shapes)
+    def speedup(self) -> float | None:
+        """Predicted FP8 speedup over bf16 of the module's GEMMs together (None: not predicted)."""
+        return speedup_of(self.predicted)
 
 
 def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
@@ -148,8 +87,12 @@ class PrecisionPlan(Sequence[PlanEntry]):
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
                  blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard",
-                 hardware: Hardware = Hardware("cpu"), facts: StrategyFacts = StrategyFacts()) -> None:
+                 hardware: Hardware = Hardware("cpu"), facts: StrategyFacts = StrategyFacts(),
+                 selection: Selection | None = None) -> None:
         self._entries = entries
+        self.selection = selection
+        """How the FP8 candidates were chosen (all, or by predicted speed; the probe's verdicts) and their predicted
+        GEMM time; None without an FP8 backend that runs."""
         self.hardware = hardware
         """The machine the plan was made for: the device the model trains on, or a named target."""
         self.facts = facts
@@ -166,7 +109,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
         self.activation_checkpointing, self.compile, self.compile_reason = blocks
         """Per block: activation checkpointing mode, whether compiled, and why (see :mod:`fp8dist.blocks`)."""
-        self.coverage = _coverage(entries) if backend else None
+        self.coverage = coverage(entries) if backend else None
         """The share of GEMM parameters and FLOPs in FP8 (None without an FP8 backend)."""
 
     def low_coverage_warning(self) -> str | None:
@@ -232,7 +175,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         compiled = "on" if self.compile else "off"
         blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
                   f"({self.compile_reason})")
-        lines = [head] + ([self.coverage.summary()] if self.coverage else []) + [blocks]
+        lines = [head] + ([self.coverage.summary()] if self.coverage else [])
+        lines += (self.selection.lines() if self.selection else []) + [blocks]
         lines += [f"note: {note}" for note in self.notes]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
@@ -265,42 +209,75 @@ def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_i
 
 
 def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware, world_size: int = 1,
-                   fp8_filter: FP8Filter | None = None, check_hardware: bool = True,
-                   check_installed: bool = True) -> PrecisionPlan:
+                   fp8_filter: FP8Filter | None = None, check_hardware: bool = True, check_installed: bool = True,
+                   numerics: NumericsReport | dict[str, Any] | None = None) -> PrecisionPlan:
     """Decide per module whether it runs in FP8, and why. Call before conversion and sharding. A pure function of
     the model, the config, the hardware and the world size: it reads no environment variable and no process group.
 
     Args:
         model: the unwrapped model.
-        cfg: the resolved config (backend, its knobs, the strategy's mixed precision).
-        device: where the model will run (for the hardware gate and the MoE experts' recipe), or a
-            :class:`~fp8dist.hardware.Hardware` to plan for another machine (``fp8dist plan --target h100``).
+        cfg: the resolved config (backend, its knobs, the strategy's mixed precision, ``fp8_select`` and the
+            tokens per rank the speed prediction is made at).
+        device: where the model will run (for the hardware gate, the MoE experts' recipe and the FP8 speed
+            prediction), or a :class:`~fp8dist.hardware.Hardware` to plan for another machine (``fp8dist plan
+            --target h100``).
         world_size: the ranks the model will be sharded over (how evenly each FP8 weight shards).
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
         check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
         check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
+        numerics: a numerics probe's report of this model (:func:`fp8dist.measure_fp8_numerics`, or the JSON
+            ``fp8dist probe --json`` writes, as a dict): layers past its thresholds stay out of FP8.
 
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
+        ValueError: a bad world size, or a numerics report of another model.
     """
     from .blocks import compile_decision
     from .combine import facts_of, refusing_rule
-    from .fp8 import get_backend
-    from .fp8.moe import is_experts
+    from .strategies import STRATEGIES
 
     if fp8_filter is not None and not callable(fp8_filter):
         raise TypeError(f"fp8_filter={fp8_filter!r} is not callable: pass a function (module, fqn) -> bool, or "
                         "fp8_exclude=[patterns] to keep modules out of FP8 by name.")
-    fp8 = cfg.precision.fp8
-    backend = get_backend(fp8) if fp8 else None
-    from .strategies import STRATEGIES
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer (the ranks the model is sharded over).")
     STRATEGIES[cfg.parallel.strategy].check_launch(cfg, world_size)  # HSDP groups that do not divide the world
+    fp8 = cfg.precision.fp8
     hardware, facts = hardware_of(device), facts_of(cfg, world_size)
-    others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     gate = check_fp8_available(cfg, hardware, check_installed=check_installed) if check_hardware else None
+    entries = _entries(model, cfg, hardware, world_size, gate, fp8_filter)
+    refusal = refusing_rule(cfg, compile=True)
+    refused = refusal and refusal.reason
+    selection, notes = None, []
+    if fp8 and not gate:  # FP8 runs: the candidates are chosen by predicted speed and measured numerics
+        compiles_with_fp8, _ = compile_decision(cfg.parallel.compile, fp8, True, hardware, refused)
+        entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
+                                           numerics=numerics, fallback=lambda m: _fallback_precision(m, cfg, facts))
+    detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
+    converted = any(e.converted_to for e in entries)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refused)
+    if fp8:
+        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
+    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
+                         notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
+                         memory=cfg.parallel.memory, hardware=hardware, facts=facts, selection=selection)
+
+
+def _backend(cfg: Config) -> Any:
+    from .fp8 import get_backend
+
+    return get_backend(cfg.precision.fp8) if cfg.precision.fp8 else None
+
+
+def _entries(model: nn.Module, cfg: Config, hardware: Hardware, world_size: int, gate: str | None,
+             fp8_filter: FP8Filter | None) -> list[PlanEntry]:
+    """Every module that holds parameters, FP8 where the backend converts it (before the selection)."""
+    from .combine import facts_of
+    from .fp8.moe import is_experts
+    from .strategies import STRATEGIES
+
+    backend, fp8, facts = _backend(cfg), cfg.precision.fp8, facts_of(cfg, world_size)
+    others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     reserved = backend.model_exclusions(model, cfg) if backend else {}
     entries = []
     for name, module in model.named_modules():
@@ -308,7 +285,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         if params == 0:
             continue
         kind, grouped = type(module).__name__, is_experts(module)
-        flops = _gemm_flops(module, params, grouped)
+        flops = gemm_flops(module, params, grouped)
         fallback = _fallback_precision(module, cfg, facts)
         reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
         if reason is None:
@@ -319,16 +296,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
                                      grouped))
         else:
             entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops, grouped))
-    detail = backend.describe(cfg, facts) if backend else ""
-    if gate:
-        detail = f"fallback: {gate}"
-    converted = any(e.converted_to for e in entries)
-    refusal = refusing_rule(cfg, compile=True)
-    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refusal and refusal.reason)
-    notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries)] if backend else []
-    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
-                         notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
-                         memory=cfg.parallel.memory, hardware=hardware, facts=facts)
+    return entries
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:

@@ -34,6 +34,7 @@ from .agree import on_all_ranks
 from .models import ModelSize, build_job_model, job_model_config
 from .memory import report
 from .schedule import describe_schedule, lr_schedule, set_lr
+from .selection import with_read_options
 from .train_checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
                            job_memory_need)
 from .sharding import sharding_summary
@@ -240,10 +241,9 @@ def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[C
     strategy (DeepSpeed counts them itself; the loop accumulates and clips for the others)."""
     accum = config.parallel.grad_accum
     check_batch_split(train.batch_size, world, accum)
-    if config.parallel.strategy == "deepspeed":
-        config = replace(config, parallel=replace(config.parallel,
-                                                  micro_batch_size=train.batch_size // (world * accum)))
-    else:  # the loop below accumulates and clips: wrap_model has nothing of them to do
+    # the job's batch, where an axis reads it: DeepSpeed's micro-batch, the FP8 speed prediction's tokens
+    config = with_read_options(config, micro_batch_size=train.batch_size // (world * accum), seq_len=train.seq_len)
+    if config.parallel.strategy != "deepspeed":  # the loop below accumulates and clips: nothing of them for wrap_model
         config = replace(config, parallel=replace(config.parallel, grad_accum=1,
                                                   gradient_clipping=type(config.parallel)().gradient_clipping))
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves

@@ -166,6 +166,7 @@ def test_bench_writes_json_and_png_with_device_figures_and_overhead(bench_run):
                            "fsdp/bf16/tiny/vs-raw", "fsdp/torchao/tiny/vs-raw"]
     for cell in cells.values():
         _check_cell(cell, doc["settings"])
+        assert cell["predicted"] is None  # a CPU run: no GPU speed to predict (a GPU cell records its figures)
     for name in ("fsdp/bf16/tiny", "fsdp/torchao/tiny"):
         assert len(cells[name]["peak_memory_mib"]) == 2, "one peak per rank"
     vs_bf16 = cells["fsdp/torchao/tiny"]["vs_bf16"]

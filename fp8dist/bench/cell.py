@@ -18,7 +18,7 @@ from torch import nn
 from .comm import CommCounter
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "describe_job", "TIMING_WARMUP"]
+__all__ = ["Cell", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
@@ -82,20 +82,41 @@ class _Wired:
     """After each optimizer step (torchao's scale precompute, wired by hand)."""
     forward_context: Callable[[], Any] = contextlib.nullcontext
     """Around each forward (Transformer Engine's autocast, wired by hand; fp8dist wraps the forward itself)."""
+    predicted: dict[str, Any] | None = None
+    """The speed model's figures for the plan (:func:`predicted_figures`); None for the hand-wired run."""
 
 
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
     from ..api import get_plan, wrap_model
 
+    wrapped, optimizer = wrap_model(model, config=cell_config(cell), optimizer=_optimizer_spec(cell))
+    plan = get_plan(wrapped)
+    fp8 = (len(plan.fp8), sum(e.params for e in plan.fp8))
+    return _Wired(wrapped, optimizer, fp8, predicted=predicted_figures(plan))
+
+
+def cell_config(cell: Cell) -> Any:
+    """The config a cell's fp8dist run wraps with: every eligible layer in FP8 (``fp8_select='all'``, as the
+    hand-wired run converts them), each with its predicted speedup at the cell's tokens per rank, so a GPU run
+    checks the speed model's figures at once."""
+    from ..config import resolve_config
+    from ..selection import with_read_options
+
     options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing,
                                "memory": cell.memory}
     if cell.strategy == "deepspeed":
-        options.update(zero_stage=cell.zero_stage, micro_batch_size=cell.batch_size)
-    wrapped, optimizer = wrap_model(model, strategy=cell.strategy, fp8=cell.fp8, optimizer=_optimizer_spec(cell),
-                                    **options)
-    fp8 = get_plan(wrapped).fp8
-    return _Wired(wrapped, optimizer, (len(fp8), sum(e.params for e in fp8)))
+        options.update(zero_stage=cell.zero_stage)
+    config = resolve_config(strategy=cell.strategy, fp8=cell.fp8, **options)
+    return with_read_options(config, micro_batch_size=cell.batch_size, seq_len=cell.seq_len, fp8_select="all")
+
+
+def predicted_figures(plan: Any) -> dict[str, Any] | None:
+    """What the speed model predicts for a cell's plan (:meth:`fp8dist.selection.Selection.to_dict`: each
+    eligible layer's speedup and whether it runs in FP8, the GEMM time per micro-batch); None where nothing was
+    predicted (a CPU, no FP8 backend with a speed model)."""
+    selection = plan.selection
+    return selection.to_dict() if selection is not None and selection.step is not None else None
 
 
 def _optimizer_spec(cell: Cell) -> dict[str, Any]:
@@ -215,6 +236,7 @@ class _Run:
         self.model, self.optimizer, self.after_step = wired.model, wired.optimizer, wired.after_step
         self.forward_context = wired.forward_context
         self.fp8_layers, self.fp8_params = wired.fp8_layers
+        self.predicted = wired.predicted
         self.wiring, self.device, self.last = wiring, device, cell.steps - 1
         factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
         self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
@@ -317,4 +339,5 @@ def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
             "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
             "comm_step": cell.steps - 1, "comm": ranks[0]["comm"], "comm_per_rank": [r["comm"] for r in ranks],
             "model_state": ranks[0]["state"] or None,
-            "model_state_per_rank": [r["state"] for r in ranks] if ranks[0]["state"] else None}
+            "model_state_per_rank": [r["state"] for r in ranks] if ranks[0]["state"] else None,
+            "predicted": run.predicted}

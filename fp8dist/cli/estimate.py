@@ -8,6 +8,8 @@ from typing import Any
 
 from .._schema import add_arguments
 from ..config import FP8Config, StrategyConfig, torch_dtype
+from ..hardware import parse_target
+from ..options import DEFAULT_SEQ_LEN
 from ..memory.estimate import check_counts, estimate_memory
 from ..memory.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
@@ -23,7 +25,9 @@ def add_parser(sub: Any) -> None:
                                    "one rank, and the activations of one micro-batch.")
     add_model_source(p)
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="data-parallel ranks (default: 1)")
-    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="tokens per sequence (default: 2048)")
+    p.add_argument("--target", metavar="GPU",
+                   help="the GPU the run is for (h100, b200, ...): planned for it (fp8_select, MoE experts), with its "
+                        "predicted GEMM time per micro-batch beside the memory (default: none, no GEMM time)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
                    help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
@@ -32,7 +36,8 @@ def add_parser(sub: Any) -> None:
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
-                  shown_defaults={"micro_batch_size": "1; also the activations' micro-batch"})
+                  shown_defaults={"micro_batch_size": "1; also the activations' micro-batch",
+                                  "seq_len": f"none: {DEFAULT_SEQ_LEN}; also the activations' sequence"})
     add_arguments(p, FP8Config, title="fp8", skip=("on_unsupported", "use_autocast_during_eval"),
                   shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
@@ -40,9 +45,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """``fp8dist estimate``: print the table (or JSON); bad values raise ValueError (exit 2 in the CLI)."""
     config, _ = config_from_args(args)
-    check_counts(args.world_size, config.parallel.micro_batch_size, args.seq_len, config.parallel.strategy)
+    seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
+    check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config.parallel.strategy)
+    target = parse_target(args.target) if args.target is not None else None
     model = meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
-    est = estimate_memory(model, config, world_size=args.world_size, seq_len=args.seq_len,
-                          optimizer=args.optimizer, rank=args.rank)
+    est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
+                          target=target)
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -28,6 +29,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=int, default=1, metavar="N",
                    help="ranks to shard over: how evenly FP8 weights and MoE experts shard, and with --strategy "
                         "fsdp a note when FSDP2's dim-0 padding is large (default: 1)")
+    p.add_argument("--compare-recipes", action="store_true",
+                   help="also print, for this model and batch on the GPU planned for, the predicted GEMM time per "
+                        "micro-batch under bf16 and each FP8 recipe of the backend (a prediction)")
+    p.add_argument("--numerics", metavar="FILE",
+                   help="a numerics report of this model (fp8dist probe --json FILE): layers past its thresholds "
+                        "stay out of FP8")
     add_arguments(p, StrategyConfig, title="strategy")
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
@@ -45,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
                          "for: give --target alone to plan for another machine, --device alone for this one.")
     model = meta_model(args)
     device = parse_target(args.target) if args.target is not None else resolve_device(config.parallel.device, 0)
+    numerics = _read_report(args.numerics) if args.numerics is not None else None
     plan = plan_precision(model, config, device=device, world_size=args.world_size,
-                          check_hardware=not args.ignore_hardware, check_installed=args.target is None)
+                          check_hardware=not args.ignore_hardware, check_installed=args.target is None,
+                          numerics=numerics)
     blocks = None
     if plan.facts.shards_params:  # FSDP shards block by block
         from ..strategies.common import find_blocks
@@ -64,4 +73,57 @@ def run(args: argparse.Namespace) -> int:
         print(f"sharded per block: {len(blocks[0])} blocks ({blocks[1]}), then the root")
     for note in padding:
         print(f"note: {note}")
+    if args.compare_recipes:
+        print(compare_text(plan))
     return 0
+
+
+def _read_report(path: str) -> dict[str, Any]:
+    """The JSON ``fp8dist probe --json`` wrote."""
+    from pathlib import Path
+
+    try:
+        report = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--numerics {path}: not valid JSON (line {err.lineno}): pass the file fp8dist probe "
+                         "--json FILE wrote.") from None
+    if not isinstance(report, dict) or "layers" not in report:
+        raise ValueError(f"--numerics {path}: not a numerics report (no 'layers'): pass the file fp8dist probe "
+                         "--json FILE wrote.")
+    return report
+
+
+def compare_text(plan: Any) -> str:
+    """The predicted GEMM time per micro-batch of the plan's eligible Linear layers under bf16 and each recipe of
+    its backend that the GPU runs (:func:`fp8dist.speed.compare_recipes`), as a table.
+
+    Raises:
+        ValueError: nothing was predicted (no GPU planned for, a backend without a speed model).
+    """
+    from ..memory.rows import text_table
+    from ..speed import Gemm, compare_recipes
+
+    selection = plan.selection
+    if selection is None or selection.step is None:
+        why = selection.unpredicted if selection is not None else "no FP8 backend runs in this plan"
+        raise ValueError(f"--compare-recipes needs a GPU to predict for ({why}): pass --target h100 (or the GPU "
+                         "you will run on) with --fp8 torchao or te.")
+    step = selection.step
+    gemms = [Gemm(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in step.layers
+             if c.prediction.groups == 1]
+    steps = compare_recipes(gemms, target=step.gpu, backend=plan.backend, compile=step.compile,
+                            margin=selection.margin)
+    ms = lambda seconds: f"{seconds * 1e3:.3f}"  # noqa: E731
+    bf16 = steps[0].bf16_s
+    rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]]
+    for s in steps:
+        rows.append([s.recipe, ms(s.chosen_s), f"{bf16 / s.chosen_s:.2f}x", ms(s.all_fp8_s),
+                     f"{bf16 / s.all_fp8_s:.2f}x", "yes" if s.calibrated else "no"])
+    experts = len(step.layers) - len(gemms)
+    head = (f"recipes compared on {step.gpu_label}: predicted GEMM time per micro-batch of the {len(gemms)} eligible "
+            f"Linear layers at {selection.tokens:,} tokens per rank ({'compiled' if step.compile else 'eager'}; "
+            "forward + backward, one rank; a prediction, GEMMs only)"
+            + (f"; {experts} MoE grouped GEMMs not compared (their recipe is torchao_moe_recipe's)" if experts else ""))
+    table = text_table(["recipe", "FP8 where it pays (ms)", "vs bf16", "every layer FP8 (ms)", "vs bf16",
+                        "calibrated"], rows)
+    return f"{head}\n{table}"

@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the whole report as JSON")
     add_arguments(p, ProbeConfig, title="probe")
     add_arguments(p, Thresholds, title="thresholds")
-    add_arguments(p, StrategyConfig, title="strategy")
+    add_arguments(p, StrategyConfig, title="strategy", skip=("seq_len",))  # --seq-len: the probe's batches
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
 

@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
                                    "built-in corpus. Spawns --nproc processes itself unless started by torchrun, "
                                    "deepspeed or srun.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with any of the keys below; flags override it")
-    add_arguments(p, StrategyConfig, title="strategy")
+    add_arguments(p, StrategyConfig, title="strategy", skip=("seq_len",))  # the job's --seq-len sets it
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
     add_arguments(p, TrainConfig, title="training job")
 

@@ -26,11 +26,20 @@ from torch import nn
 from ..axis import Rule, StrategyFacts, When
 from ..hardware import Hardware, hardware_of
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "dims_reason",
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
+           "dims_reason",
            "fp8_hardware_reason"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
+
+SELECTION_OPTIONS: Mapping[str, When] = {
+    "fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
+    "fp8_select_margin": When({"fp8_select": (None, "auto")}),
+}
+"""The options the plan's choice of FP8 layers by predicted speed reads (:mod:`fp8dist.selection`), in the
+``options`` of every backend the speed model covers (torchao, te). The tokens are read for the figures shown under
+"all" too; the margin only where "auto" may apply (None: auto on a GPU)."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
-from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
@@ -153,7 +153,7 @@ _RULES = (
 class TEBackend(FP8Backend):
     name = "te"
     options = {"te_recipe": ALWAYS, "fp8_format": ALWAYS, "use_autocast_during_eval": ALWAYS,
-               "torchao_moe_recipe": ALWAYS,
+               "torchao_moe_recipe": ALWAYS, **SELECTION_OPTIONS,
                **dict.fromkeys(("margin", "interval", "amax_history_len", "amax_compute_algo",
                                 "override_linear_precision"), When({"te_recipe": ("delayed",)}))}
     rules = _RULES

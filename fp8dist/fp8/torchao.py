@@ -11,7 +11,7 @@ from torch import nn
 from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
 from ..optim import STEP_HOOKS
-from . import FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .order import gemm_order
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
@@ -53,7 +53,7 @@ def _linear_like(module: nn.Module) -> bool:
 class TorchaoBackend(FP8Backend):
     name = "torchao"
     options = {"keep_first_last_linear": ALWAYS, "torchao_recipe": ALWAYS, "torchao_moe_recipe": ALWAYS,
-               "fp8_all_gather": When(facts=("dtensor_shards",))}
+               "fp8_all_gather": When(facts=("dtensor_shards",)), **SELECTION_OPTIONS}
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:

@@ -24,7 +24,7 @@ when not gradient views) are listed as notes, not counted.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
+from ..hardware import Hardware, parse_target
+from ..options import DEFAULT_SEQ_LEN
 from ..levels import get_level
 from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
@@ -77,6 +79,9 @@ class MemoryEstimate(StateBytes):
     notes: tuple[str, ...]
     memory: str = "standard"
     """The model-state memory level (``memory=``): standard or lean."""
+    speed: Any = None
+    """The plan's FP8 selection and predicted GEMM time (:class:`fp8dist.selection.Selection`) on the GPU
+    ``target=`` named; None without a target, or where nothing runs in FP8."""
 
     @property
     def activation_bytes(self) -> int:
@@ -86,7 +91,7 @@ class MemoryEstimate(StateBytes):
         out = asdict(self)
         out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), activations=[list(a) for a in self.activations],
                    offloaded=list(self.offloaded), notes=list(self.notes), model_state_bytes=self.model_state_bytes,
-                   activation_bytes=self.activation_bytes)
+                   activation_bytes=self.activation_bytes, speed=self.speed.to_dict() if self.speed else None)
         return out
 
     def __str__(self) -> str:
@@ -108,6 +113,8 @@ class MemoryEstimate(StateBytes):
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", total]
+        if self.speed is not None and self.speed.step is not None:
+            lines.append(self.speed.gemm_summary())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -196,8 +203,8 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
 
 
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
-                    seq_len: int = 2048, optimizer: str = "adamw", rank: int | None = None, fp8_filter: Any = None,
-                    **overrides: Any) -> MemoryEstimate:
+                    seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
+                    fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
     """Predict per-rank model-state bytes (and activations for one micro-batch) of ``wrap_model(model, ...)``.
 
     Call it on a model built on the meta device (nothing is allocated) or on a real one (nothing is changed).
@@ -208,11 +215,14 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         config, **overrides: as for :func:`fp8dist.wrap_model` (strategy, fp8, param_dtype, zero_stage, ...).
         world_size: data-parallel ranks.
         micro_batch_size: sequences per rank per forward; default: the config's ``micro_batch_size``.
-        seq_len: tokens per sequence.
+        seq_len: tokens per sequence; default: the config's ``seq_len``, else ``DEFAULT_SEQ_LEN`` (2048).
         optimizer: "adamw" / "adam" (2 states), "sgd_momentum" (1) or "sgd" (none).
         rank: the rank to describe; default: the one holding the most model state (ranks differ when shards are
             uneven).
         fp8_filter: ``(module, fqn) -> bool``, as for ``wrap_model``.
+        target: the GPU the run is for ("h100", a :class:`~fp8dist.hardware.Hardware`): the plan is made for it
+            (``fp8_select``, MoE experts) and its predicted GEMM time is given (``speed``); None: planned as
+            if FP8 ran here, no GEMM time.
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -226,6 +236,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
 
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
+    seq_len = seq_len if seq_len is not None else cfg.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
     if cfg.parallel.strategy == "fsdp":
         check_replicate_degree(cfg.parallel.replicate_degree, world_size)
@@ -234,8 +245,11 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
-    plan = plan_precision(model, cfg, device=torch.device("cpu"), world_size=world_size, fp8_filter=fp8_filter,
-                          check_hardware=False)
+    # the plan predicts FP8 speed at the tokens estimated here
+    shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
+    hardware = parse_target(target) if isinstance(target, str) else target
+    plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
+                          fp8_filter=fp8_filter, check_hardware=False)
     if cfg.precision.fp8:
         get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
@@ -256,7 +270,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes}, dtypes=category_dtypes(params, fp8_bytes),
         micro_batch_size=micro, seq_len=seq_len, activations=tuple(acts.items), activations_modelled=acts.modelled,
         derived=cfg.precision.fp8 in ("te", "msamp"), offloaded=_offloaded(ds),
-        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes), memory=cfg.parallel.memory)
+        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes), memory=cfg.parallel.memory,
+        speed=plan.selection if hardware is not None else None)
 
 
 def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:

@@ -59,7 +59,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     from ..env import resolve_device
     from ..plan import plan_precision
 
-    cfg = resolve_config(fp8=fp8, **options)
+    # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
+    cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
     if cfg.precision.fp8 is None:
         raise ValueError("fp8=None: there is no FP8 cast to measure. Pass fp8='torchao' or fp8='te'.")
     device = resolve_device(cfg.parallel.device, 0)
