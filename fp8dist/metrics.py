@@ -2,7 +2,7 @@
 FP8-aware utilization and peak memory; written one JSON object per logged step, and optionally as TensorBoard
 scalars. :class:`TrainingFigures` gives your own loop what ``fp8dist train`` logs:
 
-    figures = fp8dist.TrainingFigures(model, seq_len=1024, peaks=gpu)      # after wrap_model
+    figures = fp8dist.TrainingFigures(model, seq_len=1024)   # after wrap_model; peaks: the GPU table's
     with fp8dist.MetricsWriter("metrics.jsonl") as out:
         for step in range(steps):
             t0 = time.perf_counter()
@@ -24,7 +24,8 @@ checkpointing) added: the figures compare with torchtitan's and Megatron's.
 MFU = achieved FLOP/s per device / the device's dense bf16 peak, counting every FLOP as bf16 — torchtitan's figure,
 which with FP8 overstates what is left to gain. FP8-aware MFU = (time the step's FLOPs need at peak: the FP8
 layers' GEMM FLOPs at the dense FP8 peak, the rest at the bf16 peak) / the step's time: 100% means every GEMM ran
-at its precision's peak. Both are null, with the reason, where the peak is unknown (a CPU).
+at its precision's peak. Both are null, with the reason, where the peak is unknown (a CPU). The peaks come from
+fp8dist's GPU table (:mod:`fp8dist.gpus`), the one the FP8 speed model reads.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["DevicePeaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization", "utilization",
-           "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS"]
+__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization", "utilization",
+           "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "fp8_aware_mfu",
                "peak_memory_bytes", "skipped_steps")
@@ -47,13 +48,28 @@ METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s",
 
 
 class DevicePeaks(Protocol):
-    """A device's dense (no sparsity) peak throughputs in FLOP/s; None where not known."""
+    """A device's dense (no sparsity) tensor-core peaks, as :class:`fp8dist.gpus.GpuSpec` holds them (a GpuSpec is
+    one); None where not known."""
 
     @property
-    def bf16_dense_flops(self) -> float | None: ...
+    def label(self) -> str: ...
 
     @property
-    def fp8_dense_flops(self) -> float | None: ...
+    def bf16_tflops(self) -> float | None: ...
+
+    @property
+    def fp8_tflops(self) -> float | None: ...
+
+
+def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
+    """The dense peaks of ``device`` from fp8dist's GPU table (:func:`fp8dist.hardware.find_gpu`: the one source of
+    every GPU figure), or None and why there are none (a CPU, a GPU the table does not list)."""
+    from .hardware import find_gpu, hardware_of
+
+    if device.type != "cuda":
+        return None, f"MFU is a fraction of a GPU's dense tensor-core peak, and {device.type} is not a GPU"
+    lookup = find_gpu(hardware_of(device))
+    return lookup.spec, lookup.reason
 
 
 @dataclass(frozen=True)
@@ -140,17 +156,24 @@ class Utilization:
 def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: DevicePeaks | None,
                 device: str = "this device") -> Utilization:
     """:class:`Utilization` of a device that trains ``tokens_per_s_per_device`` tokens per second."""
-    bf16 = getattr(peaks, "bf16_dense_flops", None)
+    bf16 = (getattr(peaks, "bf16_tflops", None) or 0) * 1e12
     if not bf16:
         return Utilization(None, None, f"no dense bf16 peak is known for {device}")
     mfu = tokens_per_s_per_device * flops.total / bf16
     if flops.gemm_fp8 == 0:
         return Utilization(mfu, mfu)
-    fp8 = getattr(peaks, "fp8_dense_flops", None)
+    fp8 = (getattr(peaks, "fp8_tflops", None) or 0) * 1e12
     if not fp8:
         return Utilization(mfu, None, f"no dense FP8 peak is known for {device}")
     ideal_s = (flops.gemm_high + flops.attention) / bf16 + flops.gemm_fp8 / fp8
     return Utilization(mfu, tokens_per_s_per_device * ideal_s)
+
+
+def _float(value: Any) -> float | None:
+    """A float of ``value`` (a tensor too), non-finite values kept (the step line shows them; JSON gets null)."""
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _number(value: Any) -> float | None:
@@ -167,6 +190,7 @@ class StepRecord:
 
     step: int
     loss: float | None
+    """The step's loss; nan or inf as measured (its JSON value is then null)."""
     grad_norm: float | None
     lr: float | None
     tokens_per_s: float
@@ -187,21 +211,32 @@ class StepRecord:
         return {k: _number(v) if isinstance(v, float) else v for k, v in out.items()}
 
     def line(self) -> str:
-        """The step's figures on one line."""
+        """The step's figures on one line: ``step N | loss ... |`` (:meth:`figures`)."""
+        return f"step {self.step} | {self.figures()}"
+
+    def figures(self) -> str:
+        """The figures without the step number, ``|``-separated: loss, grad norm, learning rate, tokens/s, step
+        time, MFU (``n/a`` where null), peak memory, skipped steps, and a validation loss when ``extra`` has one."""
         def pct(v: float | None) -> str:
             return "n/a" if v is None else f"{100 * v:.1f}%"
 
-        parts = [f"step {self.step}", "loss n/a" if self.loss is None else f"loss {self.loss:.4f}"]
+        parts = ["loss n/a" if self.loss is None else f"loss {self.loss:.4f}"]
         if self.grad_norm is not None:
             parts.append(f"grad norm {self.grad_norm:.3g}")
         if self.lr is not None:
             parts.append(f"lr {self.lr:.2e}")
-        parts += [f"{self.tokens_per_s:,.0f} tok/s", f"{self.step_time_s:.3f} s/step",
-                  f"MFU {pct(self.mfu)} (bf16 peak)", f"FP8-aware MFU {pct(self.fp8_aware_mfu)}"]
+        parts += [f"{self.tokens_per_s:,.0f} tok/s", f"{self.step_time_s:.3f} s/step"]
+        if self.mfu is None and self.fp8_aware_mfu is None:
+            parts.append("MFU n/a")
+        else:
+            parts += [f"MFU {pct(self.mfu)} (bf16 peak)", f"FP8-aware MFU {pct(self.fp8_aware_mfu)}"]
         if self.peak_memory_bytes is not None:
             parts.append(f"peak mem {self.peak_memory_bytes / 2**30:.2f} GiB")
-        if self.skipped_steps:
-            parts.append(f"skipped {self.skipped_steps}")
+        parts.append(f"skipped {self.skipped_steps}")
+        val = _number(self.extra.get("val_loss"))
+        if val is not None:
+            ppl = _number(self.extra.get("val_perplexity"))
+            parts.append(f"val loss {val:.4f}" + (f" (ppl {ppl:.2f})" if ppl is not None else ""))
         return " | ".join(parts)
 
 
@@ -212,13 +247,13 @@ class TrainingFigures:
     Args:
         model: the wrapped model (or an unwrapped one: no FP8 layers counted).
         seq_len: tokens per sequence.
-        peaks: the device's dense peaks (``.bf16_dense_flops``, ``.fp8_dense_flops`` in FLOP/s); None: unknown,
-            MFU is null.
+        peaks: the device's dense peaks (a :class:`DevicePeaks`: a :class:`fp8dist.gpus.GpuSpec`); "auto": the
+            model's device in fp8dist's GPU table (:func:`device_peaks`); None: unknown, MFU is null.
         world_size: devices sharing the work; default the wrapped model's world size (1 unwrapped).
         attention: see :func:`flops_per_token`.
     """
 
-    def __init__(self, model: nn.Module, *, seq_len: int, peaks: DevicePeaks | None = None,
+    def __init__(self, model: nn.Module, *, seq_len: int, peaks: DevicePeaks | None | str = "auto",
                  world_size: int | None = None, attention: AttentionShape | None = None) -> None:
         from .api import get_wrap_info
 
@@ -229,20 +264,28 @@ class TrainingFigures:
             env = None
         self.world_size = world_size or (env.world_size if env else 1)
         self.device = env.device if env else next(model.parameters()).device
+        why = None
+        if isinstance(peaks, str):
+            if peaks != "auto":
+                raise ValueError(f"peaks={peaks!r}: pass a DevicePeaks (an fp8dist.gpus.GpuSpec), 'auto' or None.")
+            peaks, why = device_peaks(self.device)
         self.peaks = peaks
-        self.device_name = getattr(peaks, "name", None) or str(self.device)
-        self._note = utilization(self.flops, 1.0, peaks, self.device_name).note
+        self.device_name = getattr(peaks, "label", None) or str(self.device)
+        note = utilization(self.flops, 1.0, peaks, self.device_name).note
+        self.null_reason: str | None = f"{note}; {why}" if note and why else note
+        """Why MFU (or the FP8-aware figure) is null on this device; None when both are known."""
 
     def header(self) -> str:
         """What the figures mean, for the run's header: the FLOPs count, the peaks, and why MFU is null."""
         lines = [f"figures: {self.flops.describe()}"]
-        if self.peaks is not None and getattr(self.peaks, "bf16_dense_flops", None):
-            fp8 = getattr(self.peaks, "fp8_dense_flops", None)
-            lines.append(f"MFU: achieved FLOP/s per device / {self.device_name}'s dense bf16 peak "
-                         f"{self.peaks.bf16_dense_flops / 1e12:,.0f} TFLOP/s; FP8-aware MFU counts the FP8 layers' "
-                         f"GEMMs at the dense FP8 peak ({f'{fp8 / 1e12:,.0f} TFLOP/s' if fp8 else 'unknown'})")
-        if self._note:
-            lines.append(f"MFU: null ({self._note})")
+        bf16 = getattr(self.peaks, "bf16_tflops", None)
+        if bf16:
+            fp8 = getattr(self.peaks, "fp8_tflops", None)
+            lines.append(f"MFU: achieved FLOP/s per device / {self.device_name}'s dense bf16 peak {bf16:,.0f} "
+                         f"TFLOP/s; FP8-aware MFU counts the FP8 layers' GEMMs at the dense FP8 peak "
+                         f"({f'{fp8:,.0f} TFLOP/s' if fp8 else 'unknown'}); peaks from fp8dist.gpus")
+        if self.null_reason:
+            lines.append(f"MFU: null ({self.null_reason})")
         return "\n".join(lines)
 
     def step(self, *, step: int, loss: Any, tokens: int, step_time_s: float, grad_norm: Any = None,
@@ -258,7 +301,7 @@ class TrainingFigures:
         use = utilization(self.flops, tokens_per_s / self.world_size, self.peaks, self.device_name)
         if peak_memory_bytes is None:
             peak_memory_bytes = round(peak_memory_mib(self.device) * 2**20)
-        return StepRecord(step, _number(loss), _number(grad_norm), _number(lr), tokens_per_s, step_time_s, use.mfu,
+        return StepRecord(step, _float(loss), _float(grad_norm), _number(lr), tokens_per_s, step_time_s, use.mfu,
                           use.fp8_aware_mfu, peak_memory_bytes, skipped_steps, dict(extra or {}))
 
 
@@ -308,3 +351,17 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def truncate_jsonl(path: str | os.PathLike, *, before_step: int) -> None:
+    """Keep the lines of JSON-lines file ``path`` whose ``step`` is below ``before_step`` (a resumed run drops what
+    was logged after the checkpoint it resumes from, and logs those steps again); replaced atomically. A missing
+    file is left missing."""
+    from ._files import atomic_write_text
+
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) < before_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from .data import VOCAB_SIZE, check_fits_corpus
+from .data import VOCAB_SIZE, check_fits_corpus, check_vocab_fits
 
 __all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
            "job_model_config", "build_job_model"]
@@ -45,11 +45,11 @@ def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int 
                        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)  # training: no KV cache
 
 
-def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512):
+def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512, vocab_size: int = VOCAB_SIZE):
     """A freshly initialized ``LlamaForCausalLM``, identical on every rank for the same ``seed`` (fp32, CPU)."""
     from transformers import LlamaForCausalLM
 
-    config = llama_config(size, max_seq_len=max_seq_len)
+    config = llama_config(size, max_seq_len=max_seq_len, vocab_size=vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
@@ -93,13 +93,24 @@ def pretrained_config(path: str):
                          "directory written by save_pretrained.") from None
 
 
-def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
+def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
     """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
-    the config.json of ``pretrained`` (checked against the corpus' vocabulary; its positions against ``seq_len``
-    by :func:`fp8dist.train_checks.check_positions`)."""
+    the config.json of ``pretrained``; its positions are checked against ``seq_len`` by
+    :func:`fp8dist.train_checks.check_positions`.
+
+    Args:
+        tokenizer: the job's text corpus (a :class:`fp8dist.data.TokenCorpus`: its ``vocab_size`` and
+            ``tokenizer_dir``), or None for the built-in byte corpus. The preset's vocabulary is then the
+            tokenizer's; a model from a config must have an embedding row for every token id.
+
+    Raises:
+        ValueError: both a config and ``pretrained``, or a vocabulary too small for the corpus (both sizes named).
+    """
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
-        return llama_config(train.model_size, max_seq_len=JOB_POSITIONS), f"llama-{train.model_size}"
+        vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
+        return (llama_config(train.model_size, max_seq_len=JOB_POSITIONS, vocab_size=vocab),
+                f"llama-{train.model_size}" + ("" if tokenizer is None else f" (vocabulary {vocab:,}: the tokenizer's)"))
     if path is not None and train.model_config is not None:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")
@@ -108,7 +119,11 @@ def job_model_config(config: Any, train: Any) -> tuple[Any, str]:
         path = train.model_config
     else:
         model_config = pretrained_config(path)
-    check_fits_corpus(model_config, None, repr(path))  # positions: train_checks.check_positions, with the memory
+    if tokenizer is None:
+        check_fits_corpus(model_config, None, repr(path))  # positions: train_checks.check_positions
+    else:
+        check_vocab_fits(tokenizer.vocab_size, model_config.vocab_size,
+                         tokenizer=f"tokenizer {tokenizer.tokenizer_dir}", model=f"the model of {path}")
     return model_config, f"{type(model_config).__name__} from {path}"
 
 
@@ -119,7 +134,8 @@ def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     if config.parallel.pretrained is None and train.model_config is None:
-        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len)
+        return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
+                           vocab_size=model_config.vocab_size)
     zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
     device = "cpu" if config.parallel.pretrained is None or zero3 else "meta"
     with torch.random.fork_rng(devices=[]):  # a fresh model: its own initialization, the same on every rank

@@ -1,9 +1,11 @@
-"""The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus.
+"""The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus, or any causal LM
+(``--model-config``, ``--pretrained``) on your text files (``--data``, ``--tokenizer``).
 
 Launch it any of these ways (distributed mode is read from the launcher's environment):
 
     fp8dist train                                    # spawns 2 CPU processes (or one per GPU) itself
     fp8dist train --strategy fsdp1 --steps 100 --model-size small
+    fp8dist train --pretrained DIR --data notes.jsonl --save-pretrained OUT --metrics-file run.jsonl  # fine-tune
     torchrun --nproc-per-node 2 -m fp8dist.cli train # under torchrun: runs in the launched processes
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
 """
@@ -20,95 +22,28 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ._schema import normalize_fields
 from .api import get_plan, get_wrap_info, wrap_model
 from .blocks import describe_blocks
 from .checkpoint.hf import save_pretrained
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
-from .data import Batches, check_batch_split
-from .env import current_launch, peak_memory_mib
+from .data import check_batch_split
+from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
+from .env import current_launch, init_distributed, peak_memory_mib
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
 from .agree import on_all_ranks
-from .models import ModelSize, build_job_model, job_model_config
+from .models import build_job_model, job_model_config
 from .memory import report
 from .schedule import describe_schedule, lr_schedule, set_lr
 from .selection import with_read_options
 from .train_checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
                            job_memory_need)
+from .train_config import TrainConfig
+from .train_log import JobLog, check_outputs
 from .sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
-
-
-@dataclass(kw_only=True, frozen=True)
-class TrainConfig:
-    """The training job's own knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
-
-    model_size: ModelSize = "tiny"
-    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M), 1b (1.08B, for GPUs) or 3b (2.82B, one
-    80 GB GPU with activation checkpointing)."""
-
-    model_config: str | None = None
-    """A Hugging Face config.json of a causal LM (Llama, GPT-2, GPT-NeoX, Mixtral, ...; vocab_size >= 256) to
-    train from its own initialization instead of the Llama preset; no download."""
-
-    steps: int = 60
-    """Optimizer steps."""
-
-    batch_size: int = 8
-    """Global batch in sequences per step; split evenly over the processes."""
-
-    seq_len: int = 128
-    """Tokens (bytes) per sequence."""
-
-    lr: float = 3e-3
-    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to
-    10%: :func:`fp8dist.schedule.lr_schedule` "cosine")."""
-
-    seed: int = 0
-    """Seed of the model initialization and of the batch order."""
-
-    nproc: int | None = None
-    """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
-
-    checkpoint_dir: str | None = None
-    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); none: no
-    checkpoints."""
-
-    save_every: int | None = None
-    """Save a checkpoint every N steps, and after the last step; needs checkpoint_dir (none: after the last step
-    only)."""
-
-    keep_last: int = 3
-    """Newest checkpoints kept in checkpoint_dir; 0 keeps them all."""
-
-    resume: bool = False
-    """Continue from the newest checkpoint in checkpoint_dir when there is one, else start at step 0: the same
-    command starts a job and restarts it after a crash."""
-
-    save_pretrained: str | None = None
-    """Directory the trained model is written to after the last step, as Hugging Face safetensors in bf16
-    (fp8dist.save_pretrained; AutoModelForCausalLM.from_pretrained reads it); none: not written."""
-
-    def __post_init__(self) -> None:
-        normalize_fields(self)
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr={self.lr} must be positive and finite (the peak learning rate, e.g. 3e-3).")
-        if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"nproc={self.nproc} must be at least 1.")
-        if self.save_every is not None and self.save_every < 1:
-            raise ValueError(f"save_every={self.save_every} must be at least 1.")
-        if self.keep_last < 0:
-            raise ValueError(f"keep_last={self.keep_last} must be 0 (keep all) or more.")
-        if self.checkpoint_dir is None and (self.resume or self.save_every is not None):
-            flag = "resume" if self.resume else "save_every"
-            raise ValueError(f"{flag} needs checkpoint_dir: pass --checkpoint-dir DIR (where checkpoints are written "
-                             "and read).")
 
 
 def default_fp8() -> str | None:
@@ -150,6 +85,10 @@ class TrainResult:
     wall_s: float = 0.0
     blocks: str = ""
     """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (the guard, ``nonfinite_step``), this run's and before."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, held-out loss) of each evaluation of this run (text data only)."""
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -157,8 +96,14 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
 
 
-def _resume(train: TrainConfig, model: Any, optimizer: Any, log: Callable[[str], Any] | None) -> int:
-    """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model)."""
+def _as_saved(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value  # JSON keeps a tuple as a list
+
+
+def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
+            log: Callable[[str], Any] | None) -> int:
+    """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model, its
+    data position into ``batches``)."""
     log = log or (lambda line: None)
     if not train.resume:
         return 0
@@ -169,71 +114,95 @@ def _resume(train: TrainConfig, model: Any, optimizer: Any, log: Callable[[str],
     state = load_checkpoint(train.checkpoint_dir, model, optimizer)
     log(f"resume: loaded {state.path} (step {state.step}, saved on {state.world_size} rank(s)) in "
         f"{time.perf_counter() - t0:.2f}s")
+    if batches.text is not None:
+        if "data" not in state.extra:
+            raise ValueError(f"{state.path} holds no position in --data (its run trained on the built-in corpus), so "
+                             "the text cannot continue where a run stopped. Resume without --data, or start a new "
+                             "--checkpoint-dir (with --pretrained for weights saved by --save-pretrained).")
+        batches.text.load_state_dict(state.extra["data"])
     saved = state.extra.get("train", {})
-    changed = [f"{k} {saved[k]} -> {getattr(train, k)}" for k in ("seed", "batch_size", "seq_len", "lr", "steps")
-               if k in saved and saved[k] != getattr(train, k)]
+    changed = [f"{k} {saved[k]} -> {_as_saved(getattr(train, k))}"
+               for k in ("seed", "batch_size", "seq_len", "lr", "steps", "data")
+               if k in saved and saved[k] != _as_saved(getattr(train, k))]
     if changed:
         log(f"resume: note, the job changed since the checkpoint: {', '.join(changed)}")
     return state.step
 
 
-def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, log: Callable[[str], Any] | None) -> None:
-    """Save a checkpoint after ``done`` steps when ``save_every`` says so, and after the last step."""
+def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, batches: JobBatches,
+          log: Callable[[str], Any] | None) -> None:
+    """Save a checkpoint after ``done`` steps when ``save_every`` says so, and after the last step, with the data
+    position (text) in its ``extra``."""
     if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
                                                                  or done % train.save_every)):
         return
     t0 = time.perf_counter()
-    job = {k: v for k, v in asdict(train).items() if k not in ("nproc", "resume")}
+    job = {k: _as_saved(v) for k, v in asdict(train).items() if k not in ("nproc", "resume")}
+    position = batches.state_dict()
+    extra = {"train": job, **({"data": position} if position is not None else {})}
     # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
-    path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra={"train": job},
+    path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra=extra,
                            keep_last=train.keep_last or None, overwrite=train.resume)
     if log is not None:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
-def _export(train: TrainConfig, model: Any, log: Callable[[str], Any] | None) -> None:
-    """``save_pretrained``: the trained model as Hugging Face safetensors (every rank gathers, rank 0 writes)."""
+def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None) -> None:
+    """``save_pretrained``: the trained model as Hugging Face safetensors (every rank gathers, rank 0 writes), and
+    the tokenizer of the text beside it, so that the directory is a model to load and to train on again."""
     if train.save_pretrained is None:
         return
     t0 = time.perf_counter()
     path = save_pretrained(model, train.save_pretrained)
-    if log is not None:
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, bf16) in {time.perf_counter() - t0:.2f}s")
+    if log is None:
+        return
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    tokenizer = ""
+    if batches.corpus is not None:
+        from .data import load_tokenizer
+
+        load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
+        tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
+    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, bf16){tokenizer} in {time.perf_counter() - t0:.2f}s")
+
+
+NORM_ONLY = float(torch.finfo(torch.float32).max)
+"""The limit under which clip_grad_norm_ only measures the gradients' norm (it scales them by exactly 1.0): with
+gradient clipping off, the step line still shows the norm."""
 
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
-                       show_report: Callable[[str], Any] | None) -> torch.Tensor:
+                       windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
     """One optimizer step over the micro-batches ``micro`` (``grad_accum`` of them): forward and backward each,
     gradients reduced once, at the last (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not
-    clipped) and stepped; returns the step's loss, the mean over the micro-batches. DeepSpeed's engine counts its
-    gradient_accumulation_steps, clips and zeroes itself. ``show_report`` gets the precision/memory report while
-    gradients and optimizer states are both held: after a torch optimizer's step, before zero_grad; for DeepSpeed,
-    whose step frees the gradient partitions, between the last backward and step."""
+    clipped) and stepped; returns the step's loss (the mean over the micro-batches) and the gradients' global norm
+    before clipping. DeepSpeed's engine counts its gradient_accumulation_steps, clips and zeroes itself.
+    ``show_report`` gets the precision/memory report while gradients and optimizer states are both held: after a
+    torch optimizer's step, before zero_grad; for DeepSpeed, whose step frees the gradient partitions, between the
+    last backward and step."""
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
         if engine:
-            loss = wrapped(input_ids=ids, labels=ids).loss
+            loss = lm_loss(wrapped, ids, windows=windows)
             wrapped.backward(loss)
             if last and show_report is not None:
                 show_report(str(report(wrapped, optimizer)))
             wrapped.step()
         else:
             with no_sync(wrapped, last=last):
-                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss = lm_loss(wrapped, ids, windows=windows)
                 (loss / len(micro)).backward()
         total += loss.detach().float()
     if engine:
-        return total / len(micro)
-    if clip > 0:
-        clip_grad_norm_(wrapped, clip)
+        return total / len(micro), wrapped.get_global_grad_norm()
+    norm = clip_grad_norm_(wrapped, clip if clip > 0 else NORM_ONLY)
     optimizer.step()
     if show_report is not None:
         show_report(str(report(wrapped, optimizer)))
     optimizer.zero_grad(set_to_none=True)
-    return total / len(micro)
+    return total / len(micro), norm
 
 
 def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
@@ -262,9 +231,21 @@ def _header(config: Config, train: TrainConfig, wrapped: Any, name: str, n_param
             f"lr {train.lr:g}: {describe_schedule('cosine', train.steps)}; memory: {need.describe()}")
 
 
+def _load_corpus(config: Config, train: TrainConfig) -> Any:
+    """The job's text corpus (None: the built-in corpus), tokenized once per node: in a job of several processes
+    the process group is started first, so that local rank 0 tokenizes while the others wait for its cache."""
+    if not train.data:
+        return None
+    local = 0
+    if current_launch().world_size > 1:
+        local = init_distributed(device=config.parallel.device).local_rank
+    return load_on_each_node(lambda: load_job_corpus(train, config.parallel.pretrained), local)
+
+
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
-    """Train ``train.model_size`` Llama with ``config``'s strategy in this process (one rank of the job).
+    """Train the job's model (``train.model_size`` Llama, ``--model-config``, ``--pretrained``) on the built-in
+    corpus or ``train.data`` with ``config``'s strategy in this process (one rank of the job).
 
     Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print); ``progress``
     gets the steps done after each step (and at the start).
@@ -272,11 +253,14 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
         MemoryError: the estimate of what a rank needs exceeds its memory (before the first step).
+        ValueError: bad data, a tokenizer the model cannot read, a checkpoint of another data stream.
     """
     log = log or (lambda line: print(line, flush=True))
     start = time.perf_counter()
     check_checkpoint_dir(train)
-    model_config, name = job_model_config(config, train)
+    check_outputs(train)
+    corpus = _load_corpus(config, train)
+    model_config, name = job_model_config(config, train, corpus)
     check_positions(model_config, name, config, train, current_launch().world_size)
     model = build_job_model(config, train, model_config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -293,17 +277,25 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # one node unless the launcher says
     on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
                  passthrough=(MemoryError,))
+    batches = JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, rank=env.rank,
+                         world_size=env.world_size, eval_batches=train.eval_batches)
     leader = env.rank == 0
     if leader:
-        log(_header(config, train, wrapped, name, n_params, need))
+        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), batches.describe()])))
         if config.precision.fp8:
             log(str(get_wrap_info(wrapped).plan))
-    first = _resume(train, wrapped, optimizer, log if leader else None)
-    losses, step_times = _train_steps(asked, train, wrapped, optimizer, first, log if leader else None, progress)
-    _export(train, wrapped, log if leader else None)
+    first = _resume(train, wrapped, optimizer, batches, log if leader else None)
+    job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
+    if leader:
+        log(job_log.header())
+    try:
+        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, first, job_log,
+                                                 log if leader else None, progress)
+    finally:
+        job_log.close()
+    _export(train, wrapped, batches, log if leader else None)
     timed = step_times[1:] or step_times
-    tokens_per_step = train.batch_size * train.seq_len
-    tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
+    tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
     mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
     gathered: list[Any] = [mine]
     if env.world_size > 1:
@@ -312,48 +304,61 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
-                         blocks=describe_blocks(get_wrap_info(wrapped).blocks))
+                         blocks=describe_blocks(get_wrap_info(wrapped).blocks),
+                         skipped_steps=get_wrap_info(wrapped).skipped_steps, eval_losses=evals)
     if leader:
         log(format_summary(result, config, train))
     return result
 
 
-def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, first: int,
-                 log: Callable[[str], Any] | None, progress: Callable[[int], Any] | None) -> tuple[list, list]:
-    """Steps ``first`` .. ``train.steps``: the loss (mean over ranks) and time of each; stops when the loss stays
-    non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
-    micro-batches per step, its ``gradient_clipping``."""
-    env = get_wrap_info(wrapped).env
-    batches = Batches(batch_size=train.batch_size, seq_len=train.seq_len, rank=env.rank,
-                      world_size=env.world_size, seed=train.seed)
+def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches, first: int,
+                 job_log: JobLog, log: Callable[[str], Any] | None,
+                 progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
+    """Steps ``first`` .. ``train.steps``: the loss (mean over ranks) and time of each, and the held-out loss of
+    each evaluation; stops when the loss stays non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as
+    the user gave it: its ``grad_accum`` micro-batches per step, its ``gradient_clipping``."""
+    info = get_wrap_info(wrapped)
+    env = info.env
     lr_factor, engine = lr_schedule("cosine", train.steps), is_deepspeed_engine(wrapped)
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
+    evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
     losses: list[float] = []
     step_times: list[float] = []
+    evals: list[tuple[int, float]] = []
     if progress is not None:
         progress(first)
     for step in range(first, train.steps):
         t0 = time.perf_counter()
-        micro = list(batches[step].to(env.device).chunk(accum))
-        set_lr(optimizer, train.lr * lr_factor(step))
+        micro = list(batches.take(step).to(env.device).chunk(accum))
+        lr = train.lr * lr_factor(step)
+        set_lr(optimizer, lr)
         # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
         show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
-        mean_loss = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip, show_report=show)
+        mean_loss, norm = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip,
+                                             windows=batches.windows, show_report=show)
         if env.world_size > 1:
             dist.all_reduce(mean_loss)
             mean_loss /= env.world_size
         losses.append(mean_loss.item())
         step_times.append(time.perf_counter() - t0)
+        extra = {}
+        if step + 1 in evaluate_after:
+            val = batches.evaluate(wrapped, env.device)
+            evals.append((step + 1, val))
+            extra = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+        record = job_log.step(step=step + 1, loss=losses[-1], tokens=train.batch_size * train.seq_len,
+                              step_time_s=step_times[-1], grad_norm=norm, lr=lr, skipped_steps=info.skipped_steps,
+                              extra=extra)
         if log is not None:
             eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
-            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} loss {losses[-1]:.4f} | "
-                f"{batches.tokens_per_step / step_times[-1]:>9,.0f} tok/s | eta {eta:5.1f}s")
+            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
+                f"eta {eta:.1f}s")
         watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
-        _save(train, wrapped, optimizer, step + 1, log)
+        _save(train, wrapped, optimizer, step + 1, batches, log)
         if progress is not None:
             progress(step + 1)
-    return losses, step_times
+    return losses, step_times, evals
 
 
 def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
@@ -365,6 +370,13 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
     lines = [
         "== fp8dist train: summary ==",
         f"loss            {loss}",
+    ]
+    if result.eval_losses:
+        step, val = result.eval_losses[-1]
+        lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "
+                     f"step {step})")
+    lines += [
+        f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
         f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
         "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
         + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
@@ -375,4 +387,3 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
     lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
     lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
     return "\n".join(lines)
-

@@ -51,14 +51,20 @@ def test_tied_output_head_counts_and_the_embeddings_do_not():
 
 def test_mfu_and_fp8_aware_mfu_by_hand_and_null_without_a_peak():
     flops = FlopsPerToken(gemm_high=600, gemm_fp8=1200, attention=200)
-    peaks = SimpleNamespace(bf16_dense_flops=1000.0, fp8_dense_flops=2000.0)
+    peaks = SimpleNamespace(bf16_tflops=1000e-12, fp8_tflops=2000e-12)  # 1000 and 2000 FLOP/s
     use = utilization(flops, 0.5, peaks)
     assert use.mfu == pytest.approx(0.5 * 2000 / 1000)
     assert use.fp8_aware_mfu == pytest.approx(0.5 * (800 / 1000 + 1200 / 2000))
     assert utilization(FlopsPerToken(600, 0, 200), 0.5, peaks).fp8_aware_mfu == pytest.approx(0.4)
+    from fp8dist.hardware import TARGETS, find_gpu
+
+    h100 = find_gpu(TARGETS["h100"]).spec  # the GPU table's record is the peaks (one source with the speed model)
+    on_h100 = utilization(flops, 1e9, h100)
+    assert on_h100.mfu == pytest.approx(1e9 * 2000 / 989.4e12)
+    assert on_h100.fp8_aware_mfu == pytest.approx(1e9 * (800 / 989.4e12 + 1200 / 1978.9e12))
     none = utilization(flops, 0.5, None, "cpu")
     assert (none.mfu, none.fp8_aware_mfu, none.note) == (None, None, "no dense bf16 peak is known for cpu")
-    no_fp8 = utilization(flops, 0.5, SimpleNamespace(bf16_dense_flops=1000.0, fp8_dense_flops=None), "A100")
+    no_fp8 = utilization(flops, 0.5, SimpleNamespace(bf16_tflops=1000e-12, fp8_tflops=None), "A100")
     assert no_fp8.mfu == pytest.approx(1.0) and no_fp8.fp8_aware_mfu is None and "FP8 peak" in no_fp8.note
 
 
@@ -67,7 +73,8 @@ def test_metrics_file_has_the_keys_for_every_logged_step(tmp_path):
     model = fp8dist.wrap_model(build_llama("tiny", max_seq_len=16), strategy="none")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     figures = TrainingFigures(model, seq_len=16)
-    assert "MFU: null (no dense bf16 peak is known for cpu)" in figures.header()
+    assert figures.header().splitlines()[-1] == ("MFU: null (no dense bf16 peak is known for cpu; MFU is a fraction of "
+                                                 "a GPU's dense tensor-core peak, and cpu is not a GPU)")
     path, expected = tmp_path / "metrics.jsonl", []
     with MetricsWriter(path) as out:
         for step in range(1, 3):

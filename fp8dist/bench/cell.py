@@ -9,6 +9,7 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -16,12 +17,28 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
+from ..data.job import lm_loss
 from ..env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
+__all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextJob:
+    """Real text a cell trains on (the names of :class:`fp8dist.train.TrainConfig`'s fields), and when it
+    measures the held-out loss."""
+
+    data: tuple[str, ...]
+    tokenizer: str
+    text_field: str = "text"
+    data_cache: str | None = None
+    eval_every: int = 0
+    """Held-out loss after every N steps and after the last (0: after the last only)."""
+    eval_batches: int | None = None
+    """Held-out global batches per evaluation (fp8dist.data.job.eval_batch_count)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +66,21 @@ class Cell:
     activation_checkpointing: str = "none"
     memory: str = "standard"
     """wrap_model's ``memory`` level: standard (fp32 masters) or lean (bf16 weights, 8-bit AdamW states)."""
+    torchao_recipe: str | None = None
+    """torchao's scaling recipe (tensorwise, rowwise, ...) of a torchao cell; None for the others."""
+    text: TextJob | None = None
+    """Real text to train on and evaluate; None: the built-in grammar corpus."""
+    label_seed: bool = False
+    """The name ends with the seed (a matrix over several seeds)."""
 
     @property
     def name(self) -> str:
         blocks = ("+compile" if self.compile else "") + \
             (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
             ("+lean" if self.memory == "lean" else "")
-        return f"{self.strategy}/{self.fp8 or 'bf16'}{blocks}/{self.size}" + \
-            ("/vs-raw" if self.wiring == "vs-raw" else "")
+        recipe = f"-{self.torchao_recipe}" if self.torchao_recipe not in (None, "tensorwise") else ""
+        return f"{self.strategy}/{self.fp8 or 'bf16'}{recipe}{blocks}/{self.size}" + \
+            ("/vs-raw" if self.wiring == "vs-raw" else "") + (f"/seed{self.seed}" if self.label_seed else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
@@ -66,8 +90,12 @@ def describe_job(settings: dict[str, Any]) -> str:
     """Every cell's job in words, from a results document's ``settings``: the table's and the plot's heading.
     Documents written before --lr-schedule trained at a constant learning rate."""
     schedule = {"constant": "constant", "cosine": "warm-up + cosine decay"}[settings.get("lr_schedule", "constant")]
+    seeds = settings.get("seeds", [settings.get("seed")])
+    text = settings.get("text")
+    data = f"; text {', '.join(Path(p).name for p in text['data'])}" if text else "; the built-in grammar corpus"
     return (f"AdamW lr {settings['lr']:g} ({schedule}), {settings['steps']} steps of {settings['batch_size']} x "
-            f"{settings['seq_len']} tokens per process, seed {settings['seed']}")
+            f"{settings['seq_len']} tokens per process, seed{'s' if len(seeds) > 1 else ''} "
+            f"{', '.join(map(str, seeds))}{data}")
 
 
 @dataclass
@@ -105,6 +133,8 @@ def cell_config(cell: Cell) -> Any:
 
     options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing,
                                "memory": cell.memory}
+    if cell.torchao_recipe is not None:
+        options.update(torchao_recipe=cell.torchao_recipe)
     if cell.strategy == "deepspeed":
         options.update(zero_stage=cell.zero_stage)
     config = resolve_config(strategy=cell.strategy, fp8=cell.fp8, **options)
@@ -223,12 +253,15 @@ def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
 class _Run:
     """One wired model in a cell, and what its steps measured on this rank."""
 
-    def __init__(self, cell: Cell, wiring: str, device: torch.device) -> None:
+    def __init__(self, cell: Cell, wiring: str, device: torch.device, batches: Any) -> None:
+        from ..data import VOCAB_SIZE
         from ..models import build_llama
         from ..strategies.deepspeed import is_deepspeed_engine
         from ..schedule import lr_schedule, set_lr
 
-        model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len)
+        vocab = batches.corpus.vocab_size if batches.corpus is not None else VOCAB_SIZE
+        model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len, vocab_size=vocab)
+        self.windows = batches.windows
         self.params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(cell.seed)  # as a script seeds: memory="lean" takes its rounding seed from it
         wire = _raw_fsdp2 if wiring == "raw" else _fp8dist_wiring
@@ -247,6 +280,8 @@ class _Run:
         self.times: list[float] = []
         self.counter = CommCounter()
         self.state: dict[str, Any] = {}
+        self.eval_losses: list[list[float]] = []
+        """[step, held-out loss] of each evaluation (text cells)."""
 
     def step(self, step: int, ids: torch.Tensor) -> None:
         """One step as a user writes it, timed; the last one counted (collectives, model-state bytes)."""
@@ -256,7 +291,7 @@ class _Run:
         t0 = time.perf_counter()
         with self.counter if counting else contextlib.nullcontext():
             with self.forward_context():
-                loss = self.model(input_ids=ids, labels=ids).loss
+                loss = lm_loss(self.model, ids, windows=self.windows)
             if self.engine:  # DeepSpeed: the engine steps and zeroes; gradients are held until its step
                 self.model.backward(loss)
                 self._record_state(counting)
@@ -277,7 +312,7 @@ class _Run:
             self.state = _model_state(self.model, self.optimizer)
 
     def figures(self) -> dict[str, Any]:
-        return {"losses": self.losses, "lrs": self.lrs, "times": self.times,
+        return {"losses": self.losses, "lrs": self.lrs, "times": self.times, "eval_losses": self.eval_losses,
                 "peak_mib": peak_memory_mib(self.device), "comm": self.counter.counts.to_dict(), "state": self.state}
 
 
@@ -288,22 +323,28 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
     slows it, so it is counted but not timed. A "vs-raw" cell trains the fp8dist model and the hand-wired one
     side by side in the same processes, alternating which goes first, so that both see the same machine load.
     """
-    from ..data import Batches
+    from ..data.job import JobBatches, eval_steps, load_job_corpus
 
     warnings.filterwarnings("ignore", category=UserWarning)
     device = _init_process_group(cell)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if device.type == "cpu":
         share_cpu_threads()
-    runs = [_Run(cell, "fp8dist", device)] + ([_Run(cell, "raw", device)] if cell.wiring == "vs-raw" else [])
-    batches = Batches(batch_size=cell.batch_size * world, seq_len=cell.seq_len, rank=rank, world_size=world,
-                      seed=cell.seed)
+    text = cell.text
+    corpus = load_job_corpus(text, None, progress=False) if text is not None else None  # the parent cached it
+    batches = JobBatches(corpus, batch_size=cell.batch_size * world, seq_len=cell.seq_len, seed=cell.seed,
+                         rank=rank, world_size=world, eval_batches=text.eval_batches if text else None)
+    runs = [_Run(cell, "fp8dist", device, batches)] + \
+        ([_Run(cell, "raw", device, batches)] if cell.wiring == "vs-raw" else [])
+    evaluate_after = set(eval_steps(cell.steps, text.eval_every)) if text and cell.wiring == "fp8dist" else set()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(cell.steps):
-        ids = batches[step].to(device)
+        ids = batches.take(step).to(device)
         for run in (runs if step % 2 == 0 else runs[::-1]):
             run.step(step, ids)
+        if step + 1 in evaluate_after:  # outside the timed step
+            runs[0].eval_losses.append([step + 1, batches.evaluate(runs[0].model, device)])
     gathered = _gather([run.figures() for run in runs], world)  # [rank][run]
     if rank != 0:
         return None
@@ -340,4 +381,4 @@ def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
             "comm_step": cell.steps - 1, "comm": ranks[0]["comm"], "comm_per_rank": [r["comm"] for r in ranks],
             "model_state": ranks[0]["state"] or None,
             "model_state_per_rank": [r["state"] for r in ranks] if ranks[0]["state"] else None,
-            "predicted": run.predicted}
+            "predicted": run.predicted, "eval_losses": ranks[0]["eval_losses"]}

@@ -1,5 +1,6 @@
 """The PNG of ``fp8dist bench``: throughput, peak memory and communication bars per cell, loss curves per model size
-(FP8 against bf16; each lean cell beside its fp32-master twin), and the fp8dist / hand-wired step-time ratio. Needs
+(FP8 against bf16; each lean cell beside its fp32-master twin; on real text, the held-out loss over the seeds), and
+the fp8dist / hand-wired step-time ratio. Needs
 matplotlib (``fp8dist[bench]``); :func:`loss_panels` (what the loss panels show) does not."""
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     ax.tick_params(labelsize=8)
 
 
+_RECIPE_COLORS = {"rowwise": "#dd8452", "rowwise_with_gw_hp": "#8172b3"}
+"""torchao cells of a recipe other than tensorwise: their own color beside their strategy's."""
+
+
+def _label(cell: dict[str, Any]) -> str:
+    """``fsdp torchao``, ``fsdp torchao-rowwise``, ``fsdp bf16``."""
+    recipe = cell.get("torchao_recipe")
+    return f"{cell['strategy']} {cell['fp8'] or 'bf16'}" + (f"-{recipe}" if recipe not in (None, "tensorwise") else "")
+
+
 def _curve(cell: dict[str, Any], losses: list[float], label: str, dashed: bool, color: str | None) -> dict[str, Any]:
     return {"cell": cell["name"], "label": label, "losses": losses, "dashed": dashed, "color": color}
 
@@ -60,8 +71,9 @@ def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
     mine = [c for c in mine if c.get("memory", "standard") == "standard"] or mine
     curves, deltas = [], []
     for c in mine:
-        color = _STRATEGY_COLORS.get(c["strategy"])
-        label = f"{c['strategy']} {c['fp8'] or 'bf16'}{' lean' if c.get('memory') == 'lean' else ''}"
+        recipe = c.get("torchao_recipe")
+        color = _RECIPE_COLORS.get(recipe) or _STRATEGY_COLORS.get(c["strategy"])
+        label = f"{_label(c)}{' lean' if c.get('memory') == 'lean' else ''}"
         if "vs_bf16" in c:
             label += f" (max |Δ| {c['vs_bf16']['max_abs_delta_loss']:.4f})"
             deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])], label, True,
@@ -77,7 +89,7 @@ def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
     curves, deltas = [], []
     for i, c in enumerate(c for c in cells if c["size"] == size and "vs_standard" in c):
         v, color = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)]
-        means, name = v["tail_mean_loss"], f"{c['strategy']} {c['fp8'] or 'bf16'}"
+        means, name = v["tail_mean_loss"], _label(c)
         curves.append(_curve(c, v["standard_losses"], f"{name} standard (last {v['tail_steps']}: "
                                                       f"{means['standard']:.4f})", False, color))
         curves.append(_curve(c, c["losses"], f"{name} lean (last {v['tail_steps']}: {means['lean']:.4f}, "
@@ -87,24 +99,49 @@ def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
             "deltas": deltas, "delta_title": "lean - standard"}
 
 
+def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
+    """One size's held-out loss per configuration at each evaluated step, the mean over the seeds (FP8 dashed),
+    with each configuration's gap to bf16 (mean over the seeds, paired by seed) in the inset."""
+    curves, deltas = [], []
+    for i, entry in enumerate(e for e in doc["convergence"] if e["size"] == size):
+        color, mean = _PAIR_COLORS[i % len(_PAIR_COLORS)], [h["mean"] for h in entry["held_out"]]
+        last, gap = entry["held_out"][-1], (entry["gap_vs_bf16"] or [None])[-1]
+        label = f"{entry['config']}: {last['mean']:.4f}" + (f" ± {last['std']:.4f}" if last["std"] is not None else "")
+        if gap is not None:
+            label += f", vs bf16 {gap['mean']:+.4f}" + (f" ± {gap['std']:.4f}" if gap["std"] is not None else "")
+            deltas.append({"cell": entry["config"], "label": entry["config"], "losses": [g["mean"] for g in
+                                                                                         entry["gap_vs_bf16"]],
+                           "steps": entry["steps"], "dashed": True, "color": color})
+        curves.append({"cell": entry["config"], "label": label, "losses": mean, "steps": entry["steps"],
+                       "dashed": entry["fp8"] is not None, "color": color})
+    seeds = len(doc["convergence"][0]["seeds"]) if doc["convergence"] else 0
+    return {"title": f"held-out loss, llama-{size}: mean over {seeds} seed(s) (± sample std at the last step)",
+            "curves": curves, "deltas": deltas, "delta_title": "minus bf16 (paired by seed)"}
+
+
 def loss_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """What each loss panel of the PNG draws: per model size the FP8-vs-bf16 panel, then per size with lean cells
-    the lean-vs-standard panel. A panel is ``{"title", "curves", "deltas", "delta_title"}``, each curve ``{"cell",
-    "label", "losses", "dashed", "color"}`` (deltas: the per-step difference drawn in the inset)."""
+    the lean-vs-standard panel (the first seed's cells), then per size with held-out losses their panel. A panel is
+    ``{"title", "curves", "deltas", "delta_title"}``, each curve ``{"cell", "label", "losses", "dashed", "color"}``
+    and, where its points are not every step, ``"steps"`` (deltas: the difference drawn in the inset)."""
     plain = [c for c in doc["cells"] if "error" not in c and c["wiring"] == "fp8dist"]
+    plain = [c for c in plain if c["seed"] == plain[0]["seed"]] if plain else plain
     sizes = list(dict.fromkeys(c["size"] for c in plain))
     lean_sizes = [s for s in sizes if any("vs_standard" in c and c["size"] == s for c in plain)]
-    return [_fp8_panel(plain, s) for s in sizes] + [_lean_panel(plain, s) for s in lean_sizes]
+    held = list(dict.fromkeys(e["size"] for e in doc.get("convergence") or []))
+    return ([_fp8_panel(plain, s) for s in sizes] + [_lean_panel(plain, s) for s in lean_sizes]
+            + [_held_out_panel(doc, s) for s in held])
 
 
 def _loss_panel(ax, panel: dict[str, Any]) -> None:
     """Draw one of :func:`loss_panels`, its differences in an inset."""
     delta = ax.inset_axes([0.45, 0.3, 0.52, 0.3])  # under the legend, above where long runs end
     for d in panel["deltas"]:
-        delta.plot(range(1, len(d["losses"]) + 1), d["losses"], "--", color=d["color"], linewidth=1)
+        delta.plot(d.get("steps") or range(1, len(d["losses"]) + 1), d["losses"], "--", color=d["color"],
+                   linewidth=1)
     for c in panel["curves"]:
-        ax.plot(range(1, len(c["losses"]) + 1), c["losses"], "--" if c["dashed"] else "-", color=c["color"],
-                label=c["label"], linewidth=1.2)
+        ax.plot(c.get("steps") or range(1, len(c["losses"]) + 1), c["losses"], "--" if c["dashed"] else "-",
+                color=c["color"], label=c["label"], linewidth=1.2, marker="." if c.get("steps") else None)
     delta.axhline(0.0, color="black", linewidth=0.6)
     delta.set_title(panel["delta_title"], fontsize=7)
     delta.tick_params(labelsize=6)

@@ -17,7 +17,8 @@ from .._files import atomic_write
 from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 
-__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes"]
+__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes", "convergence",
+           "convergence_table", "config_name"]
 
 SCHEMA = 1
 COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each collective counted at its full "
@@ -66,7 +67,8 @@ TAIL_STEPS = 20
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
-    keys = ("strategy", "fp8", "size", "wiring", "compile", "activation_checkpointing", "memory")
+    keys = ("strategy", "fp8", "torchao_recipe", "size", "wiring", "compile", "activation_checkpointing", "memory",
+            "seed")
     want = {**{k: cell.get(k) for k in keys}, **change}
     return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
 
@@ -81,12 +83,15 @@ def _compare(cells: list[dict[str, Any]]) -> None:
     for cell in cells:
         if "error" in cell:
             continue
-        bf16 = _counterpart(cells, cell, fp8=None) if cell["fp8"] else None
+        bf16 = _counterpart(cells, cell, fp8=None, torchao_recipe=None) if cell["fp8"] else None
         if bf16 is not None:
             cell["vs_bf16"] = {"bf16_cell": bf16["name"], "max_abs_delta_loss": _max_delta(cell["losses"],
                                                                                              bf16["losses"]),
                                "final_delta_loss": cell["losses"][-1] - bf16["losses"][-1],
                                "bf16_losses": bf16["losses"]}
+            if cell.get("eval_losses") and bf16.get("eval_losses"):
+                cell["vs_bf16"]["held_out_delta"] = [[s, a - b] for (s, a), (_, b) in zip(cell["eval_losses"],
+                                                                                          bf16["eval_losses"])]
         standard = _counterpart(cells, cell, memory="standard") if cell.get("memory") == "lean" else None
         if standard is not None:
             cell["vs_standard"] = _vs_standard(cell, standard)
@@ -118,6 +123,42 @@ def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             "max_abs_delta_loss": _max_delta(cell["losses"], raw["losses"])}
 
 
+def config_name(cell: dict[str, Any]) -> str:
+    """A cell's name without its seed: the configuration it runs."""
+    return cell["name"].rsplit("/seed", 1)[0] if cell.get("label_seed") else cell["name"]
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+            "values": values}
+
+
+def convergence(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration (a cell's name without its seed), over its seeds: the held-out loss at each evaluated step
+    (mean, sample standard deviation, each seed's value), and its gap to the bf16 cell with fp32 master weights of
+    the same strategy, size and seed (paired by seed: the same initialization and batches); [] without held-out
+    losses. The answer to "does FP8 train as well as bf16 on this text"."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for cell in cells:
+        if "error" not in cell and cell["wiring"] == "fp8dist" and cell.get("eval_losses"):
+            groups.setdefault(config_name(cell), []).append(cell)
+    out = []
+    for name, group in groups.items():
+        steps = [s for s, _ in group[0]["eval_losses"]]
+        base = [_counterpart(cells, c, fp8=None, torchao_recipe=None, memory="standard") for c in group]
+        paired = [(c, b) for c, b in zip(group, base) if b is not None and b is not c and b.get("eval_losses")]
+        entry = {"config": name, "fp8": group[0]["fp8"], "torchao_recipe": group[0].get("torchao_recipe"),
+                 "memory": group[0]["memory"], "size": group[0]["size"], "seeds": [c["seed"] for c in group],
+                 "steps": steps, "held_out": [_spread([c["eval_losses"][i][1] for c in group])
+                                              for i in range(len(steps))],
+                 "bf16_config": config_name(paired[0][1]) if paired else None, "gap_vs_bf16": None}
+        if paired:
+            entry["gap_vs_bf16"] = [_spread([c["eval_losses"][i][1] - b["eval_losses"][i][1] for c, b in paired])
+                                    for i in range(len(steps))]
+        out.append(entry)
+    return out
+
+
 def results_document(results: list[dict[str, Any]], settings: Any, device_type: str, *, command: str,
                      load_average: list[Any], wall_s: float) -> dict[str, Any]:
     """The JSON written by ``fp8dist bench``: what ran where, when, with which versions, and every cell."""
@@ -130,7 +171,7 @@ def results_document(results: list[dict[str, Any]], settings: Any, device_type: 
                                                         "as its slowest rank"},
             "comm_bytes": COMM_DEFINITION, "load_average": {"start": list(load_average[0]),
                                                             "end": list(load_average[1])},
-            "wall_s": wall_s, "cells": cells}
+            "wall_s": wall_s, "cells": cells, "convergence": convergence(cells)}
 
 
 def _slug(doc: dict[str, Any]) -> str:
@@ -178,6 +219,9 @@ def cell_line(cell: dict[str, Any]) -> str:
     comm = ", ".join(f"{k} {fmt_bytes(v['bytes'])}" for k, v in cell["comm"].items()) or "none"
     line = (f"{cell['name']:<28} {cell['tokens_per_s']:>10,.0f} tok/s  step {1000 * cell['median_step_s']:7.1f} ms"
             f"  peak {_memory(cell)} MiB  state {_state(cell)} B/param  comm/step: {comm}")
+    if cell.get("eval_losses"):
+        step, loss = cell["eval_losses"][-1]
+        line += f"  held-out loss {loss:.4f} (step {step})"
     if cell["wiring"] == "vs-raw":
         raw = cell["raw"]
         ratio = _overhead(cell, raw)["step_time_ratio"]
@@ -208,6 +252,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
         lcols = ["lean cell", "standard (fp32 master) cell", "max \\|Δloss\\|", "final Δloss",
                  "mean loss of the last steps: lean / standard (gap)", "model state (B/param): lean / standard"]
         lines += ["", _md(lcols, [_lean_row(c, doc["cells"]) for c in lean])]
+    if doc.get("convergence"):
+        lines += ["", convergence_table(doc)]
     overhead = [c for c in doc["cells"] if "overhead" in c]
     if overhead:
         ocols = ["FSDP2 cell", "fp8dist step (ms)", "hand-wired step (ms)",
@@ -215,6 +261,32 @@ def markdown_table(doc: dict[str, Any]) -> str:
                  "losses identical"]
         lines += ["", _md(ocols, [_overhead_row(c) for c in overhead])]
     return "\n".join(lines)
+
+
+def _pm(spread: dict[str, Any] | None, sign: str = "") -> str:
+    if spread is None:
+        return "-"
+    sd = f" ± {spread['std']:.4f}" if spread["std"] is not None else ""
+    return f"{spread['mean']:{sign}.4f}{sd}"
+
+
+def convergence_table(doc: dict[str, Any]) -> str:
+    """The held-out loss per configuration at its last evaluation, mean ± sample standard deviation over the seeds,
+    and the gap to bf16 (paired by seed) there and averaged over the second half of the evaluations."""
+    rows = []
+    for entry in doc["convergence"]:
+        gaps = entry["gap_vs_bf16"]
+        half = len(entry["steps"]) // 2
+        late = None
+        if gaps:
+            means = [statistics.fmean(g["values"][k] for g in gaps[half:]) for k in range(len(gaps[0]["values"]))]
+            late = _spread(means)
+        rows.append([entry["config"], str(len(entry["seeds"])), _pm(entry["held_out"][-1]),
+                     _pm(gaps[-1], "+") if gaps else "-", _pm(late, "+")])
+    last = doc["convergence"][0]["steps"]
+    cols = ["configuration", "seeds", f"held-out loss at step {last[-1]}", f"gap vs bf16 at step {last[-1]}",
+            f"gap vs bf16, mean of steps {last[len(last) // 2]}-{last[-1]}"]
+    return _md(cols, rows)
 
 
 def _overhead_row(cell: dict[str, Any]) -> list[str]:

@@ -8,6 +8,8 @@ torchao), the step time of fp8dist against the same wiring written by hand.
     fp8dist bench --sizes 1b                            # GPU default: a 1.1B Llama, one process per GPU
     fp8dist bench --sizes 3b --activation-checkpointing full --no-raw   # a 2.8B Llama on one 80 GB GPU
     fp8dist bench --lr-schedule cosine --steps 300      # warm-up + cosine decay (fp8dist train's) instead of constant
+    fp8dist bench --data docs.jsonl --tokenizer tok/ --fp8 none,torchao --torchao-recipe tensorwise,rowwise \
+        --seed 0,1,2 --eval-every 50 --no-raw          # held-out loss on real text, FP8 vs bf16 over three seeds
 
 On a GPU every cell is checked against fp8dist's memory estimate first (:mod:`.fits`): one that will not fit is
 refused, with the flag that makes it fit.
@@ -28,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from ..combine import refusal_of
-from .cell import TIMING_WARMUP, Cell
+from .cell import TIMING_WARMUP, Cell, TextJob
 
-__all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "run_cells", "device_type", "STRATEGIES",
-           "FP8_CHOICES", "DEFAULTS"]
+__all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
+           "STRATEGIES", "FP8_CHOICES", "TORCHAO_RECIPES", "DEFAULTS"]
 
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
 FP8_CHOICES = ("none", "torchao", "te", "msamp")
@@ -55,7 +57,6 @@ class BenchSettings:
     batch_size: int
     seq_len: int
     nproc: int
-    seed: int
     lr: float
     zero_stage: int
     raw: bool
@@ -66,6 +67,12 @@ class BenchSettings:
     activation_checkpointing: tuple[str, ...] = ("none",)
     memory: tuple[str, ...] = ("standard",)
     """Memory levels: a matrix dimension (lean cells only where the level runs: fsdp, ddp, none)."""
+    torchao_recipe: tuple[str, ...] = ("tensorwise",)
+    """torchao's scaling recipes: a matrix dimension of the torchao cells."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds (model initialization, batch order): a matrix dimension, for the spread of the figures across seeds."""
+    text: TextJob | None = None
+    """Real text every cell trains on and evaluates; None: the built-in grammar corpus."""
 
 
 def device_type() -> str:
@@ -122,14 +129,16 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         batch_size=_at_least("--batch-size", given(args.batch_size, batch), 1, "sequences per process"),
         seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
         nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
-        seed=args.seed, lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
+        seeds=_seeds(args.seed), lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
         lr_schedule=_one_of("--lr-schedule", args.lr_schedule, LR_SCHEDULES),
         compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
                                         ("none", "full", "selective"), "none,full"),
-        memory=_split("--memory", getattr(args, "memory", "standard"), ("standard", "lean"), "standard,lean"))
+        memory=_split("--memory", getattr(args, "memory", "standard"), ("standard", "lean"), "standard,lean"),
+        torchao_recipe=_split("--torchao-recipe", args.torchao_recipe, TORCHAO_RECIPES, "tensorwise,rowwise"),
+        text=_text_job(args))
     corpus = len(make_corpus())
-    if settings.seq_len >= corpus:
+    if settings.text is None and settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
                          f"use at most {corpus - 1}.")
     if args.lr <= 0:
@@ -137,21 +146,70 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     return settings
 
 
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seed``: one seed or a comma-separated list of them (non-negative integers)."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items or not all(t.isdigit() for t in items):
+        raise ValueError(f"--seed {text!r}: give a non-negative integer or a comma-separated list, e.g. --seed 0,1,2.")
+    return tuple(dict.fromkeys(int(t) for t in items))
+
+
+def _text_job(args: argparse.Namespace) -> TextJob | None:
+    """``--data`` and its options (``fp8dist train``'s flags, validated as there) as every cell's :class:`TextJob`;
+    None without ``--data`` (the grammar)."""
+    from dataclasses import fields
+
+    from ..data.job import job_tokenizer
+    from ..train_config import TrainConfig
+
+    names = [f.name for f in fields(TextJob)]
+    job = TrainConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    tokenizer = job_tokenizer(job.data, job.tokenizer, None)
+    if tokenizer is None:
+        return None
+    return TextJob(**{**{name: getattr(job, name) for name in names}, "tokenizer": tokenizer})
+
+
+def check_text(settings: BenchSettings) -> str:
+    """Tokenize the cells' text here, once (the cells read the token cache), and check it holds a global batch and
+    the held-out batches of every cell; returns the corpus in a line ("" without text).
+
+    Raises:
+        ValueError: a bad file or tokenizer, a corpus too short (with the way out).
+    """
+    from ..data.job import JobBatches, load_job_corpus
+
+    if settings.text is None:
+        return ""
+    corpus = load_job_corpus(settings.text, None)
+    batches = JobBatches(corpus, batch_size=settings.batch_size * settings.nproc, seq_len=settings.seq_len, seed=0,
+                         world_size=settings.nproc, eval_batches=settings.text.eval_batches)
+    return batches.describe()
+
+
 def plan_cells(settings: BenchSettings) -> list[Cell]:
     """The cells in run order: per size and strategy the bf16 cell, its FP8 cells, then the FSDP2 overhead cells."""
-    job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, seed=settings.seed,
-               lr=settings.lr, lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage)
-    backends = tuple(dict.fromkeys((None, *settings.fp8)))  # every FP8 cell gets its bf16 counterpart
+    job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, lr=settings.lr,
+               lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
+               label_seed=len(settings.seeds) > 1)
+    # every FP8 cell gets its bf16 counterpart; a torchao cell per recipe
+    backends = [(f, r) for f in dict.fromkeys((None, *settings.fp8))
+                for r in (settings.torchao_recipe if f == "torchao" else (None,))]
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
               for a in settings.activation_checkpointing for m in settings.memory]
-    for size in settings.sizes:
-        for strategy in settings.strategies:
-            cells += [Cell(strategy=strategy, fp8=f, size=size, **job, **b) for b in blocks for f in backends
-                      if b["memory"] == "standard" or refusal_of(strategy=strategy, memory=b["memory"]) is None]
-        if settings.raw and "fsdp" in settings.strategies:
-            cells += [Cell(strategy="fsdp", fp8=f, size=size, wiring="vs-raw", **job)
-                      for f in backends if f in OVERHEAD_FP8]
+    for seed in settings.seeds:
+        for size in settings.sizes:
+            for strategy in settings.strategies:
+                cells += [Cell(strategy=strategy, fp8=f, torchao_recipe=r, size=size, seed=seed, **job, **b)
+                          for b in blocks for f, r in backends
+                          if b["memory"] == "standard" or refusal_of(strategy=strategy, memory=b["memory"]) is None]
+            if settings.raw and "fsdp" in settings.strategies:  # the hand-wired engine: torchao's tensorwise
+                cells += [Cell(strategy="fsdp", fp8=f, torchao_recipe=r, size=size, seed=seed, wiring="vs-raw", **job)
+                          for f, r in backends if f in OVERHEAD_FP8 and r in (None, "tensorwise")]
     return cells
 
 
@@ -171,6 +229,8 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
                          "most that many (one process per GPU).")
     for cell in cells:
         options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
+        if cell.torchao_recipe is not None:
+            options.update(torchao_recipe=cell.torchao_recipe)
         try:  # the combination table refuses what cannot run (compile or checkpointing with a backend, say)
             config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
                                     activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,

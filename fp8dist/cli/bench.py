@@ -8,12 +8,15 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..bench.cell import TIMING_WARMUP
-from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, check_cells, device_type, plan_cells, resolve_settings,
-                            run_cells)
+from .._schema import add_arguments
+from ..bench.cell import TIMING_WARMUP, TextJob
+from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, TORCHAO_RECIPES, check_cells, check_text, device_type,
+                            plan_cells, resolve_settings, run_cells)
+from ..train_config import TrainConfig
 from ..models import LLAMA_SIZES
 from ..schedule import LR_SCHEDULES
 
@@ -27,8 +30,9 @@ def add_parser(sub: Any) -> None:
                        description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
                                    "steps in fresh processes; record throughput, peak memory, model-state bytes per "
                                    "parameter, bytes communicated per step by collective type, the loss curve "
-                                   "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine. "
-                                   "Writes JSON and PNG named by date and device.")
+                                   "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine; "
+                                   "with --data, on real text, with the held-out loss at fixed steps and its spread "
+                                   "across --seed values. Writes JSON and PNG named by date and device.")
     def default(i: int) -> str:
         cpu, gpu = DEFAULTS["cpu"][i], DEFAULTS["cuda"][i]
         return f"default: {cpu}" if cpu == gpu else f"default: {cpu} on CPU, {gpu} on GPU"
@@ -64,8 +68,12 @@ def add_parser(sub: Any) -> None:
                    help="constant: --lr at every step; cosine: fp8dist train's schedule, linear warm-up over the first "
                         "10%% of --steps, then cosine decay toward 10%% of --lr (default: constant, as the committed "
                         "results)")
-    p.add_argument("--seed", type=int, default=0, metavar="N",
-                   help="model initialization and batch order seed (default: 0)")
+    p.add_argument("--seed", default="0", metavar="LIST",
+                   help="model initialization and batch order seed, or comma-separated seeds (a matrix dimension: "
+                        "the spread of each figure across seeds; default: 0)")
+    p.add_argument("--torchao-recipe", metavar="LIST", default="tensorwise",
+                   help=f"comma-separated torchao scaling recipes, from {', '.join(TORCHAO_RECIPES)} (a matrix "
+                        "dimension of the torchao cells; default: tensorwise)")
     p.add_argument("--no-raw", dest="raw", action="store_false",
                    help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
     p.add_argument("--no-plot", dest="plot", action="store_false",
@@ -73,6 +81,11 @@ def add_parser(sub: Any) -> None:
                         "pip install 'fp8dist[bench]')")
     p.add_argument("--out", metavar="DIR", default="benchmarks/results",
                    help="directory for the JSON and PNG (default: benchmarks/results)")
+    # fp8dist train's data flags, documented there: every cell trains on the text and records its held-out loss
+    keep = {f.name for f in fields(TextJob)}
+    add_arguments(p, TrainConfig, title="real text (instead of the built-in grammar corpus)",
+                  skip=[f.name for f in fields(TrainConfig) if f.name not in keep],
+                  shown_defaults={"data": "none, the built-in corpus"})
 
 
 def _check_plotting(plot: bool) -> None:
@@ -94,11 +107,14 @@ def run(args: argparse.Namespace) -> int:
     cells = plan_cells(settings)
     check_cells(cells, settings, device)
     _check_plotting(args.plot)
+    text = check_text(settings)  # tokenized here once; the cells read the cache
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.time(), os.getloadavg()
     print(f"fp8dist bench: {len(cells)} cells on {device}, {settings.nproc} process(es) each, "
           f"{settings.steps} steps; results in {out}/", flush=True)
+    if text:
+        print(text, flush=True)
     results = run_cells(cells, settings, cell_line)
     doc = results_document(results, settings, device, command=_command_line(),
                            load_average=[load_start, os.getloadavg()], wall_s=time.time() - started)

@@ -27,14 +27,17 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     from ..train import TrainConfig
 
-    p = sub.add_parser("train", help="train a small Llama on the built-in corpus (the reference job)",
+    p = sub.add_parser("train", help="train a small Llama on the built-in corpus, or fine-tune a model on your text "
+                                     "files (the reference job)",
                        description="Train a small Llama (built from a config, no download) on a deterministic "
-                                   "built-in corpus. Spawns --nproc processes itself unless started by torchrun, "
-                                   "deepspeed or srun.")
+                                   "built-in corpus, or any causal LM (--model-config, --pretrained) on text files "
+                                   "(--data, --tokenizer): step lines with loss, grad norm, lr, tokens/s, MFU, peak "
+                                   "memory and skipped steps; --metrics-file for the same as JSON lines. Spawns "
+                                   "--nproc processes itself unless started by torchrun, deepspeed or srun.")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with any of the keys below; flags override it")
     add_arguments(p, StrategyConfig, title="strategy", skip=("seq_len",))  # the job's --seq-len sets it
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
-    add_arguments(p, TrainConfig, title="training job")
+    add_arguments(p, TrainConfig, title="training job", shown_defaults={"data": "none, the built-in corpus"})
 
 
 def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
@@ -152,25 +155,36 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 def run(args: argparse.Namespace) -> int:
     from ..data import check_batch_split
+    from ..data.job import JobBatches, load_job_corpus
     from ..env import detect_launch_env, resolve_device
     from ..models import job_model_config
     from ..plan import check_fp8_available
     from ..train import default_nproc
     from ..train_checks import check_checkpoint_dir, check_positions
+    from ..train_log import check_outputs
 
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
     launch = detect_launch_env()
     nproc = train.nproc or (1 if config.parallel.strategy == "none" else default_nproc())
-    model_config, name = job_model_config(config, train)  # --pretrained / --model-config read here first
-    check_positions(model_config, name, config, train, launch.world_size if launch.launcher != "none" else nproc)
+    check_outputs(train)
     if launch.launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
+        if not train.data:  # with data, the ranks check the model against the tokenizer once they have it
+            model_config, name = job_model_config(config, train)
+            check_positions(model_config, name, config, train, launch.world_size)
         _run_launched(config, train, launch.rank)
     if config.parallel.strategy == "none" and nproc > 1:
         raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
+    # the text tokenized here, once, before any process starts: a bad file is one line, the ranks read the cache
+    corpus = load_job_corpus(train, config.parallel.pretrained)
+    model_config, name = job_model_config(config, train, corpus)  # --pretrained / --model-config read here first
+    check_positions(model_config, name, config, train, nproc)
+    if corpus is not None:  # enough windows for a global batch and the held-out batches
+        JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, world_size=nproc,
+                   eval_batches=train.eval_batches)
     if nproc == 1:
         progress = _Progress()
         try:
