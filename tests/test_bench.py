@@ -267,6 +267,12 @@ def test_each_lean_cell_carries_and_plots_its_standard_twins_curve(bench_run):
     (["--lr-schedule", "constant,cosine"], ["--lr-schedule 'constant,cosine'", "one value"]),
     (["--strategies", "deepspeed", "--compile", "on"], ["cell deepspeed/bf16+compile/tiny: compile=True with "
                                                          "strategy='deepspeed'", "engine.compile()"]),
+    (["--torchao-recipe", "blockwise"], ["--torchao-recipe", "'blockwise'", "tensorwise, rowwise, rowwise_with_gw_hp"]),
+    (["--seed", "0,x"], ["--seed '0,x'", "e.g. --seed 0,1,2"]),
+    (["--data", "docs.jsonl"], ["--data needs a tokenizer: pass --tokenizer DIR"]),
+    (["--eval-every", "5"], ["eval_every needs data"]),
+    (["--data", "/no/such/docs.jsonl", "--tokenizer", "/no/such/tokenizer"], ["data file '/no/such/docs.jsonl' does "
+                                                                               "not exist"]),
 ])
 def test_bad_flags_are_errors_naming_the_value_and_the_choices(flags, expected, capsys, tmp_path):
     assert main(["bench", *flags, "--out", str(tmp_path)]) == 2
@@ -408,3 +414,60 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     with pytest.raises(ValueError, match=r"cell fsdp/bf16/3b/vs-raw will not fit.*pass --no-raw"):
         check_memory(raw, 1, budget)
     check_memory(raw, 8, budget)  # eight GPUs: FSDP2 shards both models' states
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    from text_corpus import write_text_corpus
+
+    return write_text_corpus(tmp_path_factory.mktemp("text"))
+
+
+def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp_path):
+    """--data: every cell trains on the text (a vocabulary of the tokenizer's size) and evaluates the same held-out
+    windows at fixed steps; --torchao-recipe and --seed are matrix dimensions; the convergence summary gives each
+    configuration's held-out loss over the seeds and its gap to bf16, paired by seed (strategy none: the cells run
+    in this process, for real)."""
+    import warnings
+
+    from fp8dist.bench.cell import cell_config, run_cell
+    from fp8dist.bench.plot import loss_panels
+    from fp8dist.bench.results import convergence_table, results_document
+    from fp8dist.bench.runner import check_text, plan_cells, resolve_settings
+
+    args = _bench_args("--data", str(text.jsonl), "--tokenizer", str(text.tokenizer), "--data-cache",
+                       str(tmp_path / "cache"), "--strategies", "none", "--fp8", "torchao", "--torchao-recipe",
+                       "rowwise", "--sizes", "tiny", "--seed", "0,1", "--steps", "4", "--seq-len", "16",
+                       "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--no-raw")
+    settings = resolve_settings(args, "cpu")
+    cells = plan_cells(settings)
+    assert [c.name for c in cells] == ["none/bf16/tiny/seed0", "none/torchao-rowwise/tiny/seed0",
+                                       "none/bf16/tiny/seed1", "none/torchao-rowwise/tiny/seed1"]
+    assert cell_config(cells[1]).precision.torchao_recipe == "rowwise"
+    assert "data: 1 file(s), 120 documents" in check_text(settings)  # tokenized here, once
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.env.share_cpu_threads)
+    try:
+        with warnings.catch_warnings():
+            results = [run_cell(cell) for cell in cells]
+    finally:
+        torch.set_num_threads(threads)
+    assert {r["params"] for r in results} == {sum(p.numel() for p in build_llama("tiny", vocab_size=320).parameters())}
+    for r in results:
+        assert [step for step, _ in r["eval_losses"]] == [2, 4] and r["losses"][-1] < r["losses"][0]
+    assert results[0]["eval_losses"] != results[2]["eval_losses"], "another seed, another run"
+    doc = results_document(results, settings, "cpu", command="test", load_average=[(0, 0, 0)] * 2, wall_s=1.0)
+    bf16, fp8 = doc["convergence"]
+    assert (bf16["config"], fp8["config"], fp8["seeds"], fp8["steps"]) == ("none/bf16/tiny",
+                                                                         "none/torchao-rowwise/tiny", [0, 1], [2, 4])
+    last = [results[1]["eval_losses"][-1][1], results[3]["eval_losses"][-1][1]]
+    gaps = [last[0] - results[0]["eval_losses"][-1][1], last[1] - results[2]["eval_losses"][-1][1]]
+    assert fp8["held_out"][-1] == {"mean": statistics.fmean(last), "std": statistics.stdev(last), "values": last}
+    assert fp8["gap_vs_bf16"][-1]["values"] == gaps and fp8["bf16_config"] == "none/bf16/tiny"
+    assert bf16["gap_vs_bf16"] is None
+    row = (f"| none/torchao-rowwise/tiny | 2 | {statistics.fmean(last):.4f} ± {statistics.stdev(last):.4f} | "
+           f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f} |")
+    assert row in convergence_table(doc)
+    held = loss_panels(doc)[-1]
+    assert held["title"] == "held-out loss, llama-tiny: mean over 2 seed(s) (± sample std at the last step)"
+    assert [c["losses"][-1] for c in held["curves"]] == [bf16["held_out"][-1]["mean"], statistics.fmean(last)]

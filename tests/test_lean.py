@@ -380,7 +380,7 @@ def test_bench_has_lean_cells_where_the_level_runs():
     from fp8dist.bench.runner import BenchSettings, plan_cells
 
     settings = BenchSettings(strategies=("fsdp", "fsdp1", "ddp"), fp8=(None, "torchao"), sizes=("tiny",), steps=5,
-                             batch_size=4, seq_len=128, nproc=2, seed=0, lr=1e-3, zero_stage=2, raw=False,
+                             batch_size=4, seq_len=128, nproc=2, seeds=(0,), lr=1e-3, zero_stage=2, raw=False,
                              memory=("standard", "lean"))
     names = [c.name for c in plan_cells(settings)]
     assert "fsdp/torchao+lean/tiny" in names and "ddp/bf16+lean/tiny" in names
