@@ -222,6 +222,7 @@ NO_ACCELERATE_KEY = {
     "reduce_dtype": "Accelerate's FSDP plugin takes its mixed-precision policy in code, not from the config file",
     "buffer_dtype": "Accelerate's FSDP plugin takes its mixed-precision policy in code, not from the config file",
     "micro_batch_size": "Accelerate takes the batch size from the script's DataLoader, not from the config file",
+    "seq_len": "Accelerate takes the sequence length from the script's data, not from the config file",
     "memory": "Accelerate has no model-state memory level (MS-AMP's opt_level, under fp8_config, is the nearest)",
     "check_ranks": "Accelerate does not compare the ranks' settings or weights",
     "nonfinite_step": "Accelerate's config file has no key for what a step with non-finite gradients does",

@@ -15,7 +15,9 @@ def _losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", stdout, flags=re.M)]
 
 
-@pytest.mark.parametrize("fp8", ["none", "torchao"])
+# each example once, with FP8 (the run without it is the same script with one call less; wrap_model's plain paths
+# are tested against the hand-wired engines in tests/test_parity.py): the suite must fit CI's 10 minutes
+@pytest.mark.parametrize("fp8", ["torchao"])
 @pytest.mark.parametrize("name,layout", [("ddp", "replicated"), ("fsdp", "DTensor Shard(dim=0)"),
                                          ("fsdp1", "FlatParameter shards")])
 def test_distributed_example_under_torchrun(name, layout, fp8):
@@ -30,7 +32,7 @@ def test_distributed_example_under_torchrun(name, layout, fp8):
         assert "full state dict on rank 0: 459,392 elements" in proc.stdout
 
 
-@pytest.mark.parametrize("fp8", ["none", "torchao"])
+@pytest.mark.parametrize("fp8", ["torchao"])
 def test_single_device_example_with_plain_python(fp8):
     proc = run(["python", str(ROOT / "examples" / "single_device.py"), "--steps", str(STEPS), "--fp8", fp8])
     assert proc.returncode == 0, proc.stderr[-3000:]

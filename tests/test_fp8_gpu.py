@@ -14,7 +14,10 @@ from fp8dist.train import TrainConfig, run_training
 
 pytestmark = pytest.mark.gpu
 
-FP8_LOSS_TOLERANCE = 0.05  # mean of the last 5 of 40 steps, FP8 vs bf16, small Llama
+# mean of the last 5 of 40 steps, FP8 vs bf16, small Llama: measured 0.0071 on a CPU, where torchao's casts are the
+# same arithmetic (same job, strategy none, 2026-11-24); not yet measured on a GPU: about twice the CPU gap, to be
+# set from the first GPU run's figure
+FP8_LOSS_TOLERANCE = 0.015
 
 
 def _fp8_gpu() -> bool:

@@ -88,11 +88,12 @@ def test_models_and_optimizers_created_and_dropped_in_any_order(one_rank_group):
     """The one registry of step actions (fp8dist.optim.STEP_HOOKS) follows models and optimizers as they come and
     go: each optimizer precomputes the scales of the models it holds, and only those; an optimizer may outlive its
     model or die before it; a model may gain an optimizer late (add_param_group); nothing is left behind."""
-    from fp8dist.optim import STEP_HOOKS
+    import weakref
 
     a = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao")
     b = wrap_model(build_llama("tiny", seed=1), strategy="fsdp", fp8="torchao")
     opt_b, opt_a = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (b, a))  # built in the other order
+    held = [weakref.ref(x) for x in (a, b, opt_a, opt_b)]
     _step(b, opt_b)
     assert _scale(b) is not None and _scale(a) is None, "b's optimizer precomputes b's scales only"
     del opt_b  # an optimizer dropped before its model
@@ -108,4 +109,4 @@ def test_models_and_optimizers_created_and_dropped_in_any_order(one_rank_group):
     assert _scale(b) is not before, "found again after add_param_group: b's scales are recomputed"
     del b, opt_a
     gc.collect()
-    assert len(STEP_HOOKS._actions) == 0 and len(STEP_HOOKS._owners) == 0, "held weakly: nothing left behind"
+    assert [r() for r in held] == [None] * 4, "the registry holds models and optimizers weakly: none kept alive"
