@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -105,14 +107,26 @@ def _pretrained_dir(made, directory: Path) -> Path:
     return directory
 
 
-def test_pretrained_fp8_fine_tune_on_text_writes_a_model_and_its_tokenizer(made, tmp_path, capsys):
+def _readme_fine_tune_command() -> list[str]:
+    """The README's fine-tune command (`fp8dist train --pretrained ... --data ...`), split as a shell would."""
+    from cli_helpers import ROOT
+
+    blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    command = next(b for b in blocks if "fp8dist train --pretrained" in b and "--data" in b)
+    return shlex.split(command.replace("\\\n", " "))
+
+
+def test_readmes_fp8_fine_tune_on_text_writes_a_model_and_its_tokenizer(made, tmp_path, capsys):
+    """The README's command with this test's files in place of its paths, shortened (later flags win)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, out = _pretrained_dir(made, tmp_path / "model"), tmp_path / "out"
-    code = main(["train", "--pretrained", str(source), "--data", str(made.jsonl), "--save-pretrained", str(out),
-                 "--strategy", "fsdp", "--nproc", "1", "--fp8", "torchao", "--steps", "3", "--batch-size", "4",
-                 "--seq-len", "32", "--data-cache", str(tmp_path / "cache"), "--metrics-file",
-                 str(tmp_path / "m.jsonl")])
+    files = {"path/to/hf_dir": [str(source)], "notes.txt": [str(made.jsonl)], "docs.jsonl": [], "out_dir": [str(out)],
+             "run/metrics.jsonl": [str(tmp_path / "m.jsonl")]}
+    argv = [a for arg in _readme_fine_tune_command()[1:] for a in files.get(arg, [arg])]
+    assert argv[:3] == ["train", "--pretrained", str(source)] and {"fsdp", "torchao", "--save-pretrained"} <= set(argv)
+    code = main([*argv, "--nproc", "1", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
+                 "--data-cache", str(tmp_path / "cache")])
     stdout = capsys.readouterr().out
     assert code == 0
     assert "LlamaConfig from" in stdout and "fp8 torchao" in stdout and "Float8Linear" in stdout
