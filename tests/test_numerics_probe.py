@@ -213,3 +213,28 @@ def test_telemetry_warns_once_per_layer_and_writes_one_line_per_sampled_step(tmp
     assert records[0]["layers"][BAD]["input"]["amax"] == 99840.0  # 1e5 in bf16: autocast made the input bf16
     assert "input flushed <= " in lines[0] and BAD in lines[0]
     telemetry.close()
+
+
+def test_probe_command_reads_the_text_fp8dist_train_reads(tmp_path, capsys):
+    """--data/--tokenizer as in fp8dist train: the built-in model takes the tokenizer's vocabulary, the batches are
+    the job's first training windows (each token predicted once: the loss the probe differentiates is the job's)."""
+    from text_corpus import write_text_corpus
+
+    from fp8dist.cli import main
+    from fp8dist.cli.probe import ProbeConfig, probe_batches
+    from fp8dist.data import load_text_corpus
+    from fp8dist.data.job import lm_loss
+
+    made = write_text_corpus(tmp_path)
+    data = ["--data", str(made.jsonl), "--tokenizer", str(made.tokenizer), "--data-cache", str(tmp_path / "cache")]
+    out = tmp_path / "probe.json"
+    assert main(["probe", *data, "--batches", "2", "--batch-size", "2", "--seq-len", "32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 2 * 2 * 32 and "lm_head" not in capsys.readouterr().out  # the last layer stays bf16
+    corpus = load_text_corpus([str(made.jsonl)], tokenizer=str(made.tokenizer), cache_dir=str(tmp_path / "cache"))
+    model = build_llama("tiny", vocab_size=corpus.vocab_size)
+    batches = probe_batches(ProbeConfig(batches=1, batch_size=2, seq_len=32), corpus)
+    window = torch.cat([batches[0]["input_ids"], batches[0]["labels"][:, -1:]], dim=1)
+    assert torch.equal(model(**batches[0]).loss, lm_loss(model, window, windows=True))
+    assert main(["probe", "--data", str(made.jsonl)]) == 2
+    assert "--data needs a tokenizer: pass --tokenizer DIR" in capsys.readouterr().err

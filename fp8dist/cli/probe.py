@@ -1,12 +1,13 @@
-"""``fp8dist probe``: measure each planned FP8 layer's numerics on the built-in corpus and print the table
-(:func:`fp8dist.measure_fp8_numerics`)."""
+"""``fp8dist probe``: measure each planned FP8 layer's numerics on the built-in corpus or on the text ``fp8dist
+train --data`` reads, and print the table (:func:`fp8dist.measure_fp8_numerics`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
 
 from .._schema import add_arguments, normalize_fields
@@ -14,7 +15,10 @@ from ..config import FP8Config, StrategyConfig
 from ..numerics import Thresholds
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
-__all__ = ["add_parser", "run", "ProbeConfig", "probe_batches"]
+__all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
+
+DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
+"""The options of ``fp8dist train`` (:class:`fp8dist.train.TrainConfig`) the probe takes to read the same text."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -28,7 +32,7 @@ class ProbeConfig:
     """Sequences per batch."""
 
     seq_len: int = 128
-    """Tokens (bytes) per sequence."""
+    """Tokens per sequence (bytes of the built-in corpus, or tokens of --data)."""
 
     seed: int = 0
     """Seed of the model initialization (a model without --pretrained) and of the batch order."""
@@ -41,8 +45,11 @@ class ProbeConfig:
 
 
 def add_parser(sub: Any) -> None:
+    from ..train_config import TrainConfig
+
     p = sub.add_parser("probe", help="measure each FP8 layer's numerics and name the layers to keep out of FP8",
-                       description="Run the model in high precision on the built-in corpus and, for every layer the "
+                       description="Run the model in high precision on the built-in corpus (or on --data, as fp8dist "
+                                   "train reads it) and, for every layer the "
                                    "plan runs in FP8, cast its input, weight and output gradient as the recipe does: "
                                    "SQNR, values flushed to zero, saturated, and the output's SQNR. Layers past the "
                                    "thresholds are listed as recommended_exclude (pass them as --fp8-exclude).")
@@ -52,37 +59,70 @@ def add_parser(sub: Any) -> None:
                         "only for a GPU target (default: this machine, as if it had FP8)")
     p.add_argument("--json", metavar="FILE", help="also write the whole report as JSON")
     add_arguments(p, ProbeConfig, title="probe")
+    add_arguments(p, TrainConfig, title="data (as fp8dist train reads it)",
+                  skip=[f.name for f in fields(TrainConfig) if f.name not in DATA_OPTIONS])
     add_arguments(p, Thresholds, title="thresholds")
     add_arguments(p, StrategyConfig, title="strategy", skip=("seq_len",))  # --seq-len: the probe's batches
     add_arguments(p, FP8Config, title="fp8", shown_defaults={"fp8": FP8_DEFAULT_HELP})
 
 
-def probe_batches(args: argparse.Namespace, probe: ProbeConfig) -> list:
-    """The batches the probe runs: the built-in corpus, steps 0 .. batches-1 of its order under ``seed`` (one
-    rank). The data source of ``fp8dist train`` plugs in here when it gains one (``--data``)."""
-    from ..data import Batches
+def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
+    """The batches the probe runs, in the order ``fp8dist train`` reads them under ``seed`` (one rank): the built-in
+    corpus's first ones, or with ``corpus`` (a :class:`fp8dist.data.TokenCorpus`) the first training windows of
+    ``seq_len + 1`` tokens, each read as the job does (inputs ``w[:, :-1]``, targets ``w[:, 1:]``, predicted once)."""
+    from ..data import Batches, TextBatches
 
-    corpus = Batches(batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
-    return [corpus[step] for step in range(probe.batches)]
+    if corpus is None:
+        grammar = Batches(batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
+        return [grammar[step] for step in range(probe.batches)]
+    windows = TextBatches(corpus, batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
+    taken = [windows.next_batch() for _ in range(probe.batches)]
+    return [dict(input_ids=w[:, :-1], labels=w[:, 1:], shift_labels=w[:, 1:].contiguous()) for w in taken]
+
+
+def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corpus: Any) -> Any:
+    """The model on the meta device, its vocabulary the tokenizer's where the built-in preset reads --data (as in
+    ``fp8dist train``); a model from a config must read the corpus's ids and ``seq_len`` positions."""
+    import torch
+
+    from ..data import check_fits_corpus
+    from ..models import job_model_config
+
+    if corpus is None:
+        model = meta_model(args)
+        source = args.model_config or getattr(args, "pretrained", None)
+        check_fits_corpus(model.config, probe.seq_len, repr(source) if source else "the built-in model")
+        return model
+    from transformers import AutoModelForCausalLM
+
+    model_config, name = job_model_config(config, SimpleNamespace(model_config=args.model_config,
+                                                                  model_size=args.model_size), corpus)
+    positions = getattr(model_config, "max_position_embeddings", probe.seq_len)
+    if positions < probe.seq_len:
+        raise ValueError(f"{name} holds {positions} positions and seq_len={probe.seq_len}: pass --seq-len "
+                         f"{positions} or less.")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from .._files import atomic_write_text
-    from ..data import check_fits_corpus
+    from ..data.job import load_job_corpus
     from ..numerics import measure_fp8_numerics
+    from ..train_config import TrainConfig
 
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
     probe, thresholds = ProbeConfig(**routed[ProbeConfig]), Thresholds(**routed[Thresholds])
     for note in config.unused_options():
         print(f"fp8dist probe: note: {note}", file=sys.stderr)
-    model = meta_model(args)
-    source = args.model_config or getattr(args, "pretrained", None)
-    check_fits_corpus(model.config, probe.seq_len, repr(source) if source else "the built-in model")
+    data = TrainConfig(**{k: getattr(args, k) for k in DATA_OPTIONS if hasattr(args, k)})
+    corpus = load_job_corpus(data, config.parallel.pretrained)  # None: the built-in corpus
+    model = _probe_model(args, config, probe, corpus)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(probe.seed)  # the meta model's own initialization
-        report = measure_fp8_numerics(model, probe_batches(args, probe), target=args.target, thresholds=thresholds,
+        report = measure_fp8_numerics(model, probe_batches(probe, corpus), target=args.target, thresholds=thresholds,
                                       **config.to_dict())
     print(report)
     if args.json is not None:
