@@ -1,0 +1,72 @@
+"""Merge `fp8dist bench` result files of one convergence study into one: the same data, model size, steps, batch and
+seeds, run as several matrices (say bf16 + torchao recipes in one, the lean memory level in another, so that lean
+runs for bf16 alone instead of for every FP8 backend). The cells are compared again over the union — each lean or
+FP8 cell against the bf16 cell of its seed, whichever file holds it — and the JSON, PNG and tables written as
+`fp8dist bench` writes them.
+
+    python benchmarks/real_text/combine.py A.json B.json --out benchmarks/results --name convergence_python-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fp8dist.bench.results import _compare, convergence, convergence_table, markdown_table
+
+SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "seeds", "lr", "lr_schedule",
+        "compile", "activation_checkpointing")
+"""Settings every merged file must share: otherwise the curves are not of one study."""
+
+
+def combine(docs: list[dict]) -> dict:
+    """One result document of ``docs``: the first one's header, every cell (each cell name once), compared anew."""
+    first = docs[0]
+    for doc in docs[1:]:
+        differ = [k for k in SAME if doc["settings"].get(k) != first["settings"].get(k)]
+        if differ:
+            raise ValueError(f"the files differ in {', '.join(differ)}: they are not one study; merge runs made "
+                             "with the same --data, --sizes, --steps, --batch-size, --seq-len, --seed, ... only.")
+    cells, names = [], set()
+    for doc in docs:
+        for cell in doc["cells"]:
+            if cell["name"] in names:
+                raise ValueError(f"cell {cell['name']} is in two files: run each configuration once.")
+            names.add(cell["name"])
+            cells.append({k: v for k, v in cell.items() if k not in ("vs_bf16", "vs_standard", "overhead")})
+    _compare(cells)
+    merged = dict(first, cells=cells, convergence=convergence(cells))
+    merged["commands"] = [doc["command"] for doc in docs]
+    merged["runs"] = [{"date": d["date"], "wall_s": d["wall_s"], "load_average": d["load_average"]} for d in docs]
+    merged["settings"] = dict(first["settings"], fp8=sorted({c["fp8"] or "none" for c in cells}),
+                              torchao_recipe=sorted({c["torchao_recipe"] for c in cells if c["torchao_recipe"]}),
+                              memory=sorted({c["memory"] for c in cells}))
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, help="fp8dist bench JSON files of one study")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the merged JSON and PNG")
+    parser.add_argument("--name", required=True, help="file stem of the merged JSON and PNG")
+    args = parser.parse_args(argv)
+    try:
+        doc = combine([json.loads(path.read_text()) for path in args.files])
+    except (OSError, ValueError, KeyError) as err:
+        print(f"combine: error: {err}", file=sys.stderr)
+        return 2
+    from fp8dist._files import atomic_write
+    from fp8dist.bench.plot import plot_results
+
+    stem = args.out / args.name
+    atomic_write(stem.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
+    atomic_write(stem.with_suffix(".png"), lambda tmp: plot_results(doc, tmp))
+    print(markdown_table(doc), convergence_table(doc), sep="\n\n")
+    print(f"wrote {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
