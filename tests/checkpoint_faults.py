@@ -37,8 +37,8 @@ def kill_rank(rank: int, step: int) -> None:
         return  # the restarted attempt trains on
     save = train._save
 
-    def save_then_kill(config, model, optimizer, done, log):
-        save(config, model, optimizer, done, log)
+    def save_then_kill(job, model, optimizer, done, *rest):  # rest: the data position and the log
+        save(job, model, optimizer, done, *rest)
         if done != step:
             return
         dist.barrier()  # every rank has logged its steps before the kill

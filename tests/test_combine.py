@@ -57,10 +57,12 @@ def test_the_bench_plans_only_cells_the_table_allows_and_refuses_the_rest():
 
     from fp8dist.bench.runner import check_cells, plan_cells, resolve_settings
 
-    args = argparse.Namespace(strategies="fsdp,fsdp1,deepspeed", fp8="none", sizes="tiny", steps=None,
-                              batch_size=None, seq_len=None, nproc=None, seed=0, lr=1e-3, zero_stage=2, raw=False,
-                              lr_schedule="constant", compile="off", activation_checkpointing="none",
-                              memory="standard,lean")
+    from fp8dist.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--strategies", "fsdp,fsdp1,deepspeed", "--fp8", "none", "--sizes", "tiny",
+                              "--memory", "standard,lean", "--no-raw"])
     settings = resolve_settings(args, "cpu")
     lean = sorted(c.strategy for c in plan_cells(settings) if c.memory == "lean")
     assert lean == ["fsdp"], "fsdp1's flat parameters and DeepSpeed's own optimizer refuse the lean level"
