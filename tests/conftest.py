@@ -54,6 +54,14 @@ def pytest_configure(config):
     print(f"fp8dist tests: DeepSpeed ops ready in {time.monotonic() - start:.0f}s", flush=True)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules holding a test marked slow run first, each module's tests kept together and in order (their module
+    fixtures set up once): with two xdist workers on two cores, a long test left for the end of the run keeps one
+    core idle while the other finishes it; short tests fill the end instead."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)  # stable: the order within each group stays
+
+
 def _has_cuda() -> bool:
     import torch
 

@@ -188,6 +188,7 @@ def _parity_case(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_torchao_compile_and_checkpointing_match_the_hand_wired_engine():
     for rank, r in enumerate(run_ranks(_parity_case, timeout=600)):
         assert r["ours"] == r["ref"], f"rank {rank}: fp8dist vs convert -> checkpoint -> compile -> shard by hand"

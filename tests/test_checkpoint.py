@@ -119,6 +119,7 @@ def _check_bit_exact(first: list[dict], second: list[dict], strategies: tuple[st
         assert a[key]["losses"][0] != a[key]["losses"][-1], "the model really trained"
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_fsdp_fsdp1_ddp_and_reshards(tmp_path):
     strategies = ("fsdp", "fsdp1", "ddp")
     first = run_ranks(_straight_and_first_half, str(tmp_path), strategies)
@@ -153,6 +154,7 @@ def _reshard_to_two(rank: int, world: int, root: str) -> dict:
     return dict(step=state.step, loaded=loaded)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_deepspeed_zero_1_2_3(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
     strategies = ("deepspeed",)

@@ -188,6 +188,7 @@ def _tolerance(src, dst) -> float:
     return strategy + (FP8_TOL if src[1] != dst[1] else 0.0)
 
 
+@pytest.mark.slow
 def test_fsdp_fsdp1_ddp_none_and_fp8_on_off_load_into_each_other(tmp_path, subtests, monkeypatch):
     torch.set_num_threads(1)
     model, opt = _build("none", None)  # the "none" source, in this process

@@ -114,6 +114,7 @@ def _train_args(ckpt: Path, *args: str) -> list[str]:
             "--checkpoint-dir", str(ckpt), "--resume", *args]
 
 
+@pytest.mark.slow
 def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = _train_args(ckpt, "--strategy", "none", "--nproc", "1", "--steps", "6")
@@ -139,6 +140,7 @@ def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     # rank 1 is SIGKILLed once 5 steps are done (checkpoints at 2 and 4), on the first attempt only

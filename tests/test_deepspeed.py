@@ -128,6 +128,7 @@ def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
 
 # Through the real launcher elsewhere: stage 1 (bf16) via launch/deepspeed.sh, and stage 2 + torchao on two SLURM
 # nodes via launch/slurm/deepspeed.sbatch (test_launch.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,fp8,sharded", [(3, "torchao", "21/21")])
 def test_real_deepspeed_launcher_runs_the_example_with_the_zero3_config(stage, fp8, sharded):
     proc = run(["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()),

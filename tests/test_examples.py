@@ -32,6 +32,7 @@ def test_distributed_example_under_torchrun(name, layout, fp8):
         assert "full state dict on rank 0: 459,392 elements" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", ["torchao"])
 def test_single_device_example_with_plain_python(fp8):
     proc = run(["python", str(ROOT / "examples" / "single_device.py"), "--steps", str(STEPS), "--fp8", fp8])

@@ -140,6 +140,7 @@ def _fp8_vs_bf16_case(rank: int, world: int) -> dict:
 FP8_LOSS_TOLERANCE = 0.035
 
 
+@pytest.mark.slow
 def test_torchao_fp8_loss_tracks_bf16_within_tolerance():
     r = run_ranks(_fp8_vs_bf16_case)[0]
     bf16, fp8 = (sum(r[k][-5:]) / 5 for k in (None, "torchao"))

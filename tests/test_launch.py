@@ -88,6 +88,7 @@ def test_torchrun_dry_run_prints_the_exact_command_with_every_argument_quoted():
     assert explicit[0][-5:] == ["-m", "fp8dist.cli", "train", "--steps", "3"]
 
 
+@pytest.mark.slow
 def test_fp8dist_launch_runs_the_packaged_scripts_and_prints_the_sbatch_command():
     from fp8dist.cli import LAUNCH_DIR
 
@@ -158,6 +159,7 @@ def test_torchrun_sh_trains_two_cpu_processes():
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_deepspeed_sh_runs_the_example_from_a_written_hostfile_and_removes_it(tmp_path):
     proc = _script("deepspeed.sh", "examples/deepspeed/train.py", "--deepspeed_config",
                    "examples/deepspeed/ds_zero1.json", "--steps", "6",
@@ -197,6 +199,7 @@ def _submit(slurm: SlurmCluster, template: str, *args: str, via_cli: bool = Fals
     return output
 
 
+@pytest.mark.slow
 def test_sbatch_templates_on_a_two_node_cluster(slurm, subtests):
     """One test, so one cluster serves every submission whichever xdist worker runs it."""
     for case in (_dry_runs_print_each_nodes_command, _torchrun_sbatch_trains_across_two_nodes_via_fp8dist_launch,
@@ -230,16 +233,18 @@ def _dry_runs_print_each_nodes_command(slurm):
 
 
 def _torchrun_sbatch_trains_across_two_nodes_via_fp8dist_launch(slurm):
+    # one process per node (the dry runs above check NPROC_PER_NODE=2's commands): two nodes are the point, and
+    # four processes on the CI's two cores cost twice the time
     out = _submit(slurm, "torchrun.sbatch", "--strategy", "fsdp", "--steps", "6", "--seq-len", "64",
-                  NPROC_PER_NODE="2", via_cli=True)
+                  NPROC_PER_NODE="1", via_cli=True)
     ready = _ready(out)
-    assert [(r, w) for r, w, _, _ in ready] == [(0, 4), (1, 4), (2, 4), (3, 4)], out[-3000:]
+    assert [(r, w) for r, w, _, _ in ready] == [(0, 2), (1, 2)], out[-3000:]
     hosts = {node: {h for _, _, n, h in ready if n == node} for node in (0, 1)}
-    assert [n for _, _, n, _ in ready] == [0, 0, 1, 1], "torchrun's node ranks: 2 processes on each node"
+    assert [n for _, _, n, _ in ready] == [0, 1], "torchrun's node ranks: one process on each node"
     assert hosts[0] | hosts[1] == {"n1", "n2"} and len(hosts[0]) == len(hosts[1]) == 1, hosts
     losses = _losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, out[-3000:]
-    assert "over 4 rank(s)" in out
+    assert "over 2 rank(s)" in out
 
 
 def _deepspeed_sbatch_trains_across_two_nodes(slurm):

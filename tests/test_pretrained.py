@@ -91,6 +91,7 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
     return out
 
 
+@pytest.mark.slow
 def test_meta_model_with_pretrained_trains_like_eager_from_pretrained_reading_half_per_rank(tmp_path):
     """Meta init + pretrained= gives exactly the eager from_pretrained + wrap_model losses (fsdp with and without
     torchao, fsdp1, ddp; one file, sharded files, tied embeddings, activation-checkpointed blocks; and pretrained=
