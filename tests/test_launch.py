@@ -160,15 +160,17 @@ def test_torchrun_sh_trains_two_cpu_processes():
 
 
 @pytest.mark.slow
-def test_deepspeed_sh_runs_the_example_from_a_written_hostfile_and_removes_it(tmp_path):
+def test_deepspeed_sh_runs_the_zero3_example_with_fp8_from_a_written_hostfile_and_removes_it(tmp_path):
+    """The real `deepspeed` launcher (which deepspeed.sh runs) on the example with its ZeRO-3 config and torchao;
+    ZeRO-2 + torchao runs through it on two SLURM nodes below."""
     proc = _script("deepspeed.sh", "examples/deepspeed/train.py", "--deepspeed_config",
-                   "examples/deepspeed/ds_zero1.json", "--steps", "6",
+                   "examples/deepspeed/ds_zero3.json", "--fp8", "torchao", "--steps", "8",
                    env={"NODELIST": "localhost", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
                         "TMPDIR": str(tmp_path)}, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step +\d+ loss (\d+\.\d+)$", proc.stdout, flags=re.M)]
-    assert len(losses) == 6 and losses[-1] < losses[0]
-    assert "DeepSpeed ZeRO-1: 0/21 tensors sharded over 2 rank(s)" in proc.stdout
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0
+    assert "DeepSpeed ZeRO-3: 21/21 tensors sharded over 2 rank(s)" in proc.stdout
     assert list(tmp_path.glob("*hostfile*")) == [], "the temporary hostfile is removed"
 
 
