@@ -155,6 +155,8 @@ def test_torchrun_sh_trains_two_cpu_processes():
     proc = _script("torchrun.sh", "--strategy", "ddp", "--steps", "4", env={"NPROC_PER_NODE": "2"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r[:3] for r in _ready(proc.stdout)] == [(0, 2, 0), (1, 2, 0)]
+    assert "starting 2 processes" not in proc.stdout, "fp8dist train runs in torchrun's processes, no second launch"
+    assert "strategy ddp" in proc.stdout and "2 x cpu (gloo)" in proc.stdout
     losses = _losses(proc.stdout)
     assert len(losses) == 4 and losses[-1] < losses[0]
 
