@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     command = f"python benchmarks/real_text/run_cells.py --only {shlex.quote(args.only)} -- {shlex.join(flags)}"
     doc = results_document(results, settings, device, command=command, load_average=load,
                            wall_s=time.perf_counter() - start)
+    Path(options.out).mkdir(parents=True, exist_ok=True)
     paths = write_results(doc, Path(options.out), plot=True)
     print(markdown_table(doc), convergence_table(doc) if doc["convergence"] else "", sep="\n\n")
     print("wrote " + ", ".join(map(str, paths)))
