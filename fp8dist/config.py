@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import combine
+from .combine import check as check_combination
+from .combine import unused_options as options_unused
 from ._schema import route_keys
 from .accelerate_config import translate_accelerate_config
 from .dtypes import torch_dtype
@@ -47,7 +48,7 @@ class Config:
     """FP8 backend and its knobs."""
 
     def __post_init__(self) -> None:
-        combine.check(self)  # the one table of what combines (fp8dist.combine), before anything uses the config
+        check_combination(self)  # the one table of what combines (fp8dist.combine), before anything uses the config
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take."""
@@ -59,7 +60,7 @@ class Config:
     def unused_options(self) -> list[str]:
         """Messages for options changed from their default that the chosen strategy / backend / memory level does
         not read (:func:`fp8dist.combine.unused_options`)."""
-        return combine.unused_options(self)
+        return options_unused(self)
 
     @classmethod
     def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config") -> "Config":
