@@ -138,11 +138,16 @@ def current_launch() -> LaunchEnv:
     return launch_from_group() if dist.is_available() and dist.is_initialized() else detect_launch_env()
 
 
+def runs_on_cpu(device: str) -> bool:
+    """Whether the ``device`` option puts a job started here on the CPU (``"auto"`` without CUDA)."""
+    return device == "cpu" or not torch.cuda.is_available()
+
+
 def resolve_device(device: str, local_rank: int) -> torch.device:
     """``"auto"`` -> cuda:LOCAL_RANK when CUDA is available, else cpu; ``"cuda"`` without CUDA is an error."""
     if device == "cuda" and not torch.cuda.is_available():
         raise LaunchError("device='cuda' but torch sees no CUDA device: use device='auto' or 'cpu'.")
-    if device == "cpu" or not torch.cuda.is_available():
+    if runs_on_cpu(device):
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:  # two ranks on one GPU: nccl fails later, less clearly

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # DeepSpeed test paid a rebuild. With this environment's bin folder first everywhere, the ops build once.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
-_DS_OPS = {"FusedAdamBuilder": "fused_adam", "ShareMemCommBuilder": "deepspeed_shm_comm"}
+from ds_ops import DS_OPS as _DS_OPS  # noqa: E402  (the tests folder is on sys.path from the line above)
 
 
 def _extensions_dir() -> Path:
@@ -29,7 +29,7 @@ def _extensions_dir() -> Path:
 
 
 def pytest_configure(config):
-    """Build DeepSpeed's two CPU ops once, in parallel, before any test starts. Otherwise the first DeepSpeed
+    """Build DeepSpeed's CPU ops once, before any test starts. Otherwise the first DeepSpeed
     tests on every xdist worker wait together on DeepSpeed's JIT build lock (minutes on a fresh machine)."""
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return  # an xdist worker (the controller built them), or no workers to wait together

@@ -15,7 +15,8 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 
 from fp8dist import wrap_model  # noqa: E402
 from fp8dist.models import build_llama  # noqa: E402
-from fp8dist.strategies.deepspeed import merge_user_config, validate_with_deepspeed, zero_config  # noqa: E402
+from fp8dist.strategies.deepspeed import (  # noqa: E402
+    merge_user_config, torch_adam_on_cpu, validate_with_deepspeed, zero_config)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -69,6 +70,20 @@ def test_user_json_wins_and_only_missing_keys_are_filled(tmp_path):
     assert merged["zero_optimization"]["reduce_bucket_size"] == 64 * 64 and merged["bf16"]["enabled"]
 
 
+def test_on_a_cpu_adam_is_torch_unless_the_config_says_or_offloads():
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3}}
+    assert torch_adam_on_cpu({"optimizer": adamw})["optimizer"]["params"] == {"torch_adam": True, "lr": 1e-3}
+    assert adamw == {"type": "AdamW", "params": {"lr": 1e-3}}, "the caller's block is not changed"
+    assert torch_adam_on_cpu({"optimizer": {"type": "adam"}})["optimizer"]["params"] == {"torch_adam": True}
+    said = {"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}
+    assert torch_adam_on_cpu(said) == said
+    lamb = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    assert torch_adam_on_cpu(lamb) == lamb
+    offloaded = {"optimizer": adamw, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert torch_adam_on_cpu(offloaded) == offloaded, "DeepSpeed refuses any optimizer but its CPU Adam there"
+    assert torch_adam_on_cpu({"zero_optimization": {"stage": 1}}) == {"zero_optimization": {"stage": 1}}
+
+
 def test_ds_config_cli_writes_the_committed_example_configs(tmp_path):
     """In-process (cli.main); its bad inputs are rows of tests/test_bad_inputs.py's CLI table."""
     from fp8dist.cli import main
@@ -87,7 +102,7 @@ def _hand_config(stage: int, world: int) -> dict:
     return {"train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
             "train_batch_size": BATCH, "gradient_clipping": 1.0, "bf16": {"enabled": True},
             "communication_data_type": "fp32", "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # as fp8dist on a CPU
 
 
 def _zero_case(rank: int, world: int, stage: int) -> dict:
@@ -108,6 +123,7 @@ def _zero_case(rank: int, world: int, stage: int) -> dict:
         q = engine.module.model.layers[1].self_attn.q_proj
         out[fp8] = dict(ours=engine_losses(engine, rank, world), ref=engine_losses(ref, rank, world),
                         q_type=type(q).__name__, optimizer=type(optimizer).__name__,
+                        inner=type(optimizer.optimizer).__module__ + "." + type(optimizer.optimizer).__name__,
                         partition=(q.weight.ds_tensor.numel(), q.weight.ds_numel) if stage == 3 else None)
     return out
 
@@ -118,6 +134,7 @@ def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
         for fp8 in (None, "torchao"):
             assert r[fp8]["ours"] == r[fp8]["ref"], f"rank {rank} fp8={fp8}"
             assert r[fp8]["optimizer"].startswith("DeepSpeedZeroOptimizer")
+            assert r[fp8]["inner"] == "torch.optim.adamw.AdamW", "on a CPU: torch's AdamW, no FusedAdam build"
             if stage == 3:
                 local, full = r[fp8]["partition"]
                 assert local * 2 == full, "ZeRO-3 really partitions parameters"

@@ -38,6 +38,7 @@ from .tensors import StateBytes
 from .._schema import choice_error
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
+from ..env import runs_on_cpu
 from ..hardware import Hardware, parse_target
 from ..options import DEFAULT_SEQ_LEN
 from ..levels import get_level
@@ -142,22 +143,26 @@ def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy:
                          "world_size=1, or strategy='ddp' / 'fsdp' / 'fsdp1' / 'deepspeed' for several ranks.")
 
 
-def _deepspeed_facts(model: nn.Module, cfg: Config, world: int) -> dict[str, Any]:
-    """Stage, module dtype, persistence threshold, buckets and offload from the config wrap_model builds
+def _deepspeed_facts(model: nn.Module, cfg: Config, world: int, optimizer: str, on_cpu: bool) -> dict[str, Any]:
+    """Stage, module dtype, persistence threshold, buckets, offload and whether the engine's Adam is torch's (a
+    CPU run: :func:`~fp8dist.strategies.deepspeed.torch_adam_on_cpu`) from the config wrap_model builds
     (:func:`fp8dist.strategies.deepspeed.build_deepspeed_config`), validated as wrap_model validates it when
     DeepSpeed is installed here (its parser needs it; the estimate itself does not)."""
     import importlib.util
 
-    from ..strategies.deepspeed import build_deepspeed_config
+    from ..strategies.deepspeed import build_deepspeed_config, torch_adam_on_cpu
 
     checked = importlib.util.find_spec("deepspeed") is not None
-    ds = build_deepspeed_config(model, cfg.parallel, world_size=world, validate=checked)
+    spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
+    ds = build_deepspeed_config(model, cfg.parallel, world_size=world, optimizer=spec, validate=checked)
+    block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
     zero = ds.get("zero_optimization", {})
     dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     return {"stage": int(zero.get("stage", 0)), "dtype": dtype, "bucket": int(zero.get("reduce_bucket_size", 5e8)),
             "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
             "comm": ds.get("communication_data_type") or dtype, "checked": checked,
-            "offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero}
+            "offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero,
+            "torch_adam": bool((block.get("params") or {}).get("torch_adam", False))}
 
 
 def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str,
@@ -253,7 +258,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     if cfg.precision.fp8:
         get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
-    ds = _deepspeed_facts(model, cfg, world_size) if cfg.parallel.strategy == "deepspeed" else None
+    on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)
+    ds = _deepspeed_facts(model, cfg, world_size, optimizer, on_cpu) if cfg.parallel.strategy == "deepspeed" else None
     params = _param_infos(model, cfg, plan, blocks, optimizer, ds and ds["dtype"])
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")

@@ -15,7 +15,8 @@ Each strategy's layout is followed exactly where it runs here (and is tested aga
   an fp32 master partition of 1/W of it, and gradients for every parameter that overlaps this rank's partition
   (whole parameters, in the weights' dtype). ZeRO-3: each parameter partitioned to ``ceil(numel / W)``
   elements for weights, master weights, gradients and states; small parameters (numel <= the persistence
-  threshold) are also kept whole.
+  threshold) are also kept whole. On a CPU the engine's Adam is torch's (``torch_adam_on_cpu``): one 4-byte
+  ``step`` more for the flat partition it updates.
 
 Derived from documented behaviour, not measured (neither runs here): Transformer Engine's FP8 buffers (per FP8
 ``te.Linear``, DelayedScaling keeps a scale and an ``amax_history_len`` amax history for each of its 5 FP8 tensors
@@ -40,7 +41,7 @@ CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""
-_STEP_BYTES = 4  # torch Adam/AdamW: one fp32 ``step`` tensor per parameter (DeepSpeed keeps it in the group)
+_STEP_BYTES = 4  # torch Adam/AdamW: one fp32 ``step`` tensor per parameter (DeepSpeed's FusedAdam: in the group)
 _SCALING_META_BYTES = 12  # MS-AMP ScalingMeta: scale, scale_inv and a 1-long amax window, fp32
 _LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized tensor, elements per scale
 _TE_FP8_TENSORS = 5  # per te.Linear GEMM: input, weight, output (forward); grad output, grad input (backward)
@@ -242,7 +243,10 @@ def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str,
         stage = ds["stage"]
         if cfg.precision.fp8 == "msamp":
             return _zero_chart(params, world, stage)
-        return _zero3(params, world, ds["persistence"]) if stage == 3 else _zero12(params, world)
+        out = _zero3(params, world, ds["persistence"]) if stage == 3 else _zero12(params, world)
+        for states in out:  # torch's AdamW keeps a step tensor for the one flat partition it updates
+            states["optimizer_states"] += _STEP_BYTES if ds["torch_adam"] else 0
+        return out
     if strategy == "fsdp":  # HSDP: each replica's ranks hold what FSDP2 over one shard group holds
         shard = world // cfg.parallel.replicate_degree
         group = _fsdp2(params, shard, optimizer)

@@ -192,6 +192,19 @@ def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None
         raise ValueError(f"DeepSpeed rejects the config: {err}") from err
 
 
+def torch_adam_on_cpu(config: Mapping[str, Any]) -> dict:
+    """``config`` with DeepSpeed's ``torch_adam`` set in an Adam/AdamW block that does not say: on a CPU, DeepSpeed's
+    Adam is ``FusedAdam``, a C++ op compiled on first use (a minute or more per machine and environment), so an
+    fp8dist job on a CPU asks for torch's AdamW instead. A block that names ``torch_adam`` keeps its choice, and
+    an offloaded optimizer keeps DeepSpeed's CPU Adam (the engine refuses any other there)."""
+    block = config.get("optimizer")
+    offloaded = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+    if not isinstance(block, Mapping) or offloaded or str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return dict(config)
+    params = block.get("params") or {}
+    return {**config, "optimizer": {**block, "params": {"torch_adam": True, **params}}}
+
+
 def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, Any]) -> dict:
     """The user's DeepSpeed config, with only the keys it lacks filled from ``built`` (nested blocks merged
     key by key). The user's values always win; contradictions are reported by :func:`validate_with_deepspeed`."""
@@ -312,6 +325,8 @@ class DeepSpeed(Strategy):
             raise ValueError("strategy='deepspeed' builds the optimizer inside deepspeed.initialize: pass "
                              "optimizer={'type': 'AdamW', 'lr': ...} (or a callable params -> optimizer), or a "
                              "ds_config with an 'optimizer' block.")
+        if env.device.type == "cpu":
+            config = torch_adam_on_cpu(config)
         _deepspeed_comm(env)
         if job.meta and _zero3(job.cfg):  # each rank allocates its partitions only
             partition_meta_zero3(model, config, device=env.device, dtype=torch_dtype(p.param_dtype))
