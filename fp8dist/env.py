@@ -25,7 +25,7 @@ from .packages import package_version, supported_range
 from .rendezvous import LaunchError, rendezvous_store, rendezvous_timeout
 
 __all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
-           "init_distributed", "shutdown", "resolve_device", "share_cpu_threads", "peak_memory_mib"]
+           "init_distributed", "shutdown", "resolve_device", "share_cpu_threads", "rank_imports", "peak_memory_mib"]
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,19 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
     threads = max(1, cores // local)
     torch.set_num_threads(threads)
     return threads
+
+
+def rank_imports(strategies: set[str], fp8s: set[str | None],
+                 model_module: str = "transformers.models.llama.modeling_llama") -> list[str]:
+    """The heavy modules a training rank imports anyway, for a parent to import once before its ranks fork from it
+    (a rank spends 5-10 s of CPU importing torch, transformers, torchao and DeepSpeed by itself). Importing them
+    starts no thread, process group or CUDA context. ``model_module`` is the model family's ``modeling_*`` module."""
+    names = [model_module, "fp8dist.api"]
+    if "torchao" in fp8s:
+        names.append("torchao.float8")
+    if "deepspeed" in strategies:
+        names.append("deepspeed")
+    return names
 
 
 _PACKAGES = ("torch", "transformers", "deepspeed", "torchao", "transformer_engine", "msamp")

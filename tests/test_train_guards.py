@@ -66,6 +66,15 @@ def test_an_error_inside_a_spawned_rank_is_one_line_with_exit_code_2(capfd):
         "[1, 2] (the number of nodes shards within a node), or 1 to shard over every rank."]
 
 
+def _descendants(pid: int) -> list[str]:
+    found, todo = [], [str(pid)]
+    while todo:
+        kids = subprocess.run(["pgrep", "-P", todo.pop()], capture_output=True, text=True).stdout.split()
+        found += kids
+        todo += kids
+    return found
+
+
 def _states(pids: list[str]) -> dict[str, str]:
     states = {}
     for pid in pids:
@@ -90,11 +99,14 @@ def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tm
         for line in proc.stdout:
             if re.match(r"step +3/500 ", line):
                 break
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = _descendants(proc.pid)  # the ranks, and the fork server they forked from
         (os.killpg if who == "process group" else os.kill)(proc.pid, signal.SIGINT)
         said = proc.stderr.readline()  # printed once every rank has been joined
         at_report = _states(children)
         proc.wait(timeout=60)
+        deadline = time.monotonic() + 10  # the fork server leaves when the launcher has gone
+        while set(_states(children).values()) != {"gone"} and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -102,7 +114,8 @@ def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tm
     done = int(re.match(r"fp8dist train: interrupted at step (\d+); last checkpoint step (\d+)\n", said).group(1))
     assert said == f"fp8dist train: interrupted at step {done}; last checkpoint step {done - done % 2}\n"
     assert proc.returncode == 130 and done >= 3
-    assert len(children) >= 2 and "Z" not in at_report.values(), f"a <defunct> child: {at_report}"
+    assert len(children) >= 3 and "Z" not in at_report.values(), f"a <defunct> child: {at_report}"
+    assert set(_states(children).values()) == {"gone"}, f"left behind: {_states(children)}"
     assert "Traceback" not in proc.stderr.read()
 
 

@@ -271,17 +271,16 @@ def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list
 def _start_method(cells: list[Cell]) -> str:
     """CPU: fork the cells' processes from this one, with the heavy imports done once here (a spawned process
     spends 5-10 s importing torch, transformers and torchao on a busy 2-core machine, more than a tiny cell
-    trains). CUDA: spawn, as a CUDA context does not survive a fork."""
+    trains); this process runs no OpenMP region before it forks (a child would hang in one). CUDA: spawn, as a
+    CUDA context does not survive a fork."""
     import torch
+
+    from ..env import rank_imports
 
     if torch.cuda.is_available():
         return "spawn"
-    importlib.import_module("transformers.models.llama.modeling_llama")
-    importlib.import_module("fp8dist.api")
-    for module, used in (("torchao.float8", any(c.fp8 == "torchao" for c in cells)),
-                         ("deepspeed", any(c.strategy == "deepspeed" for c in cells))):
-        if used:
-            importlib.import_module(module)
+    for name in rank_imports({c.strategy for c in cells}, {c.fp8 for c in cells}):
+        importlib.import_module(name)
     return "fork"
 
 

@@ -1,4 +1,4 @@
-"""``fp8dist train``: the reference job, in this process or in ``--nproc`` spawned ones."""
+"""``fp8dist train``: the reference job, in this process or in ``--nproc`` processes it starts."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
 
 
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
-    """Entry point of each spawned training process: an explained error is reported to the launching process
+    """Entry point of each started training process: an explained error is reported to the launching process
     (which prints it once), an interrupt ends the rank quietly."""
     from ..train import TrainConfig
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return _interrupted(train, progress.step)
         return 0
-    return _spawn(nproc, config, train)
+    return _spawn(nproc, config, train, type(model_config).__module__.replace(".configuration_", ".modeling_"))
 
 
 SHUTDOWN_GRACE_S = 5
@@ -201,19 +201,28 @@ waiting in a collective for a peer that already left never returns to Python to 
 checkpoints are atomic, so only the step in flight is lost. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
 
 
-def _spawn(nproc: int, config: Config, train: Any) -> int:
+def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs); a rank's
-    explained error is printed once, an interrupt says where the job stood; every child is reaped."""
+    explained error is printed once, an interrupt says where the job stood; every child is reaped.
+
+    The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.env.rank_imports`,
+    ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
+    this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
+    the server has run nothing, holds no CUDA context, and is gone when this process exits."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ..env import rank_imports
+
+    multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks",
+                                           *rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)])
     grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S))
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fp8dist-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn", shutdown_timeout=grace)
+                          start_method="forkserver", shutdown_timeout=grace)
     print(f"fp8dist train: starting {nproc} processes", flush=True)
     state = Path(tempfile.mkdtemp(prefix="fp8dist-train-"))
     try:
