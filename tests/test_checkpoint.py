@@ -83,17 +83,17 @@ def _cases(strategies):
 
 
 def _straight_and_first_half(rank: int, world: int, root: str, strategies: tuple[str, ...]) -> dict:
+    """Each case trains N steps, saves, and goes on N steps more: the straight run the resumed one must repeat."""
     out = {}
     for key, strategy, fp8, options in _cases(strategies):
         engine = strategy == "deepspeed"
         model, opt = _build(strategy, fp8, **options)
-        losses = _train(model, opt, range(2 * N), rank, world, engine)
-        out[key] = dict(losses=losses, params=_local_params(model, engine))
-        model, opt = _build(strategy, fp8, **options)
-        _train(model, opt, range(N), rank, world, engine)
+        losses = _train(model, opt, range(N), rank, world, engine)
         save_checkpoint(Path(root) / key, model, opt, step=N, extra={"note": key})
         if strategy == "fsdp" and fp8 is None:
             out["full_at_N"] = _full_params(model)
+        losses += _train(model, opt, range(N, 2 * N), rank, world, engine)
+        out[key] = dict(losses=losses, params=_local_params(model, engine))
     return out
 
 

@@ -151,6 +151,7 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_ch
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "checkpoint_faults: rank 1 kills itself after step 5" in out
+    assert "starting 2 processes" not in out, "fp8dist train runs in torchrun's processes, no second launch"
     assert f"resume: loaded {ckpt / 'step_00000003'} (step 3" in out
     before, after = out.split("resume: loaded", 1)
     first, second = dict(_step_losses(before)), dict(_step_losses(after))

@@ -59,21 +59,21 @@ def test_fp8dist_env_checks_installed_versions_against_the_ranges(capsys, monkey
 
 @pytest.mark.slow
 def test_pip_keeps_a_users_torch_of_another_supported_version(tmp_path):
-    """A venv holding torch 2.11.0+cu130 (metadata only: the resolver reads nothing else) installs fp8dist without
-    touching it. With the old pin torch==2.13.0 the same resolve replaced it."""
+    """A venv holding torch 2.11.0+cu130 (its metadata only: the resolver reads nothing else) installs fp8dist
+    without touching it. With the old pin torch==2.13.0 the same resolve replaced it. This environment's pip resolves
+    for the venv's interpreter (pip --python): no pip or build inside the venv."""
     env = tmp_path / "venv"
-    venv.create(env, with_pip=True)
-    python = str(env / "bin" / "python")
-    fake = tmp_path / "torch-2.11"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text("")
-    (fake / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = '
-                                         '"setuptools.build_meta"\n[project]\nname = "torch"\nversion = "2.11.0+cu130"\n')
-    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["install", str(fake)], check=True, capture_output=True)
+    venv.create(env, with_pip=False)
+    (site,) = (env / "lib").glob("python3*/site-packages")
+    (site / "torch-2.11.0+cu130.dist-info").mkdir()
+    (site / "torch-2.11.0+cu130.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "--disable-pip-version-check"]
+    listed = subprocess.run(pip + ["list", "--format", "json"], capture_output=True, text=True, check=True).stdout
+    assert {"name": "torch", "version": "2.11.0+cu130"} in json.loads(listed), "the venv holds torch 2.11.0+cu130"
     report = tmp_path / "report.json"
-    proc = subprocess.run(pip + ["install", "--dry-run", "--report", str(report), str(ROOT)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(pip + ["-q", "install", "--dry-run", "--report", str(report), str(ROOT)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     installs = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert "fp8dist" in installs and "torchao" in installs
