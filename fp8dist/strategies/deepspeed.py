@@ -286,6 +286,29 @@ def _deepspeed_comm(env: DistEnv) -> None:
 
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False, verbose=False)
+    if env.device.type == "cpu":
+        _unlink_shm_buffer(env)
+
+
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+"""Where DeepSpeed's CPU all-reduce (its shm comm op, csrc/cpu/comm/shm.cpp) maps each rank's buffer when every
+rank is on this node (LOCAL_SIZE equal to the world size, as the deepspeed launcher exports)."""
+
+
+def _unlink_shm_buffer(env: DistEnv) -> None:
+    """DeepSpeed creates one 66 MB /dev/shm file per rank for its CPU all-reduce and never unlinks it (the op has a
+    close function it never calls): every CPU job of ranks on one node left them in memory until reboot. Once every
+    rank has mapped every buffer (they are opened only at initialization), each rank unlinks its own: the memory
+    stays mapped for the job and is freed when its processes exit, however they exit."""
+    import torch.distributed as dist
+
+    dist.barrier()  # on every CPU rank whether or not DeepSpeed made buffers: the same collectives everywhere
+    path = SHM_BUFFER.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
+                             port=os.environ.get("MASTER_PORT", ""), rank=env.rank)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # not all ranks on this node (no buffers), or unlinked at an earlier initialization
+        pass
 
 
 class DeepSpeed(Strategy):
