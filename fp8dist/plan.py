@@ -10,7 +10,7 @@ import difflib
 import fnmatch
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -22,9 +22,6 @@ from .hardware import Hardware, hardware_of
 from .levels import get_level
 from .selection import Selection, select, speedup_of
 from .speed import LinearPrediction
-
-if TYPE_CHECKING:
-    from .numerics import NumericsReport
 
 __all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
            "runs_gemm", "MIN_FP8_SHARE"]  # FP8Coverage, runs_gemm, MIN_FP8_SHARE: defined in fp8dist.coverage
@@ -210,7 +207,7 @@ def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_i
 
 def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware, world_size: int = 1,
                    fp8_filter: FP8Filter | None = None, check_hardware: bool = True, check_installed: bool = True,
-                   numerics: NumericsReport | dict[str, Any] | None = None) -> PrecisionPlan:
+                   numerics: Any = None) -> PrecisionPlan:
     """Decide per module whether it runs in FP8, and why. Call before conversion and sharding. A pure function of
     the model, the config, the hardware and the world size: it reads no environment variable and no process group.
 
@@ -225,8 +222,10 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
         check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
         check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
-        numerics: a numerics probe's report of this model (:func:`fp8dist.measure_fp8_numerics`, or the JSON
-            ``fp8dist probe --json`` writes, as a dict): layers past its thresholds stay out of FP8.
+        numerics: a numerics probe's report of this model (the :class:`~fp8dist.numerics.NumericsReport`
+            :func:`fp8dist.measure_fp8_numerics` returns, or the JSON ``fp8dist probe --json`` writes, as a dict):
+            layers past its thresholds stay out of FP8. Read by :func:`fp8dist.selection.numerics_verdicts` from
+            either form; not typed as the class, whose package imports this module (the probe plans its layers).
 
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.

@@ -7,7 +7,7 @@ import copy
 import json
 
 import pytest
-from cli_helpers import ROOT
+from cli_helpers import ROOT, free_port
 from dist_harness import run_ranks
 from helpers import BATCH, engine_losses, first_last_filter
 
@@ -173,8 +173,6 @@ def test_deepspeeds_cpu_shared_memory_buffers_leave_no_file_behind():
     """DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never unlinks it: every job of ranks on
     one node left them there until reboot (RAM, as /dev/shm is memory). fp8dist unlinks each rank's once every rank
     has mapped them all; the memory stays mapped for the job and goes when its processes exit."""
-    from cli_helpers import free_port
-
     for r in run_ranks(_shm_case, str(free_port())):
         assert r["op"], "DeepSpeed's shared-memory all-reduce is in use"
         assert r["left"] == [], f"left in /dev/shm: {r['left']}"
