@@ -1,7 +1,6 @@
 """Imported once by the fork server of tests/dist_harness.py, so that every rank it starts begins with what ranks
-import anyway already imported: torch, transformers' Llama, torchao's float8, fp8dist and DeepSpeed (with
-DeepSpeed's CPU ops loaded, which otherwise probes the CPU in two subprocesses in every rank). A spawned rank
-spent most of its CPU time on these imports. Nothing here starts a thread, a process group or a collective."""
+import anyway already imported: torch, transformers' Llama, torchao's float8, fp8dist and DeepSpeed. A spawned
+rank spent most of its CPU time on these imports. Nothing here starts a thread, a process group or a collective."""
 
 import importlib.util
 
@@ -15,15 +14,7 @@ import fp8dist.models  # noqa: F401
 
 if importlib.util.find_spec("deepspeed") is not None:
     import deepspeed  # noqa: F401
-    from deepspeed.accelerator import get_accelerator
 
     # DeepSpeed imports this (and torch.compile's machinery with it) at every ZeRO engine's first initialize
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
-    from ds_ops import DS_OPS
-
-    for _builder in DS_OPS:  # built by conftest.py before the tests start
-        try:
-            get_accelerator().create_op_builder(_builder).load(verbose=False)
-        except Exception:  # noqa: BLE001 - a rank loading it itself then fails with the full error
-            pass

@@ -105,10 +105,19 @@ def _hand_config(stage: int, world: int) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # as fp8dist on a CPU
 
 
-def _zero_case(rank: int, world: int, stage: int) -> dict:
+def _zero_case(rank: int, world: int, stage: int, port: str) -> dict:
+    import glob
+    import os
+
     import deepspeed
+    import torch
+    from deepspeed.comm import comm as ds_comm
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # what the deepspeed launcher exports for ranks that all sit on this node: there DeepSpeed's shared-memory
+    # all-reduce op would map one /dev/shm file per rank, named by user id, MASTER_ADDR, MASTER_PORT and rank (the
+    # port only names them here: the harness's ranks have rendezvoused already)
+    os.environ.update(LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     base = build_llama("tiny", seed=0)
     out = {}
     for fp8 in (None, "torchao"):
@@ -125,12 +134,17 @@ def _zero_case(rank: int, world: int, stage: int) -> dict:
                         q_type=type(q).__name__, optimizer=type(optimizer).__name__,
                         inner=type(optimizer.optimizer).__module__ + "." + type(optimizer.optimizer).__name__,
                         partition=(q.weight.ds_tensor.numel(), q.weight.ds_numel) if stage == 3 else None)
+    summed = torch.full((1024,), float(rank + 1))
+    ds_comm.inference_all_reduce(summed)  # what the op would serve: torch's all-reduce serves it instead
+    out["shm"] = dict(op=ds_comm.cdb.shm_comm_op is not None, summed=summed.unique().tolist(),
+                      kernel=hasattr(torch.ops.deepspeed, "inference_all_reduce_"),
+                      files=glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"))
     return out
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
-    for rank, r in enumerate(run_ranks(_zero_case, stage, timeout=400)):
+    for rank, r in enumerate(run_ranks(_zero_case, stage, str(free_port()), timeout=400)):
         for fp8 in (None, "torchao"):
             assert r[fp8]["ours"] == r[fp8]["ref"], f"rank {rank} fp8={fp8}"
             assert r[fp8]["optimizer"].startswith("DeepSpeedZeroOptimizer")
@@ -140,41 +154,10 @@ def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
                 assert local * 2 == full, "ZeRO-3 really partitions parameters"
         assert r[None]["q_type"] == "Linear" and r["torchao"]["q_type"] == "Float8Linear"
         assert r[None]["ours"] != r["torchao"]["ours"]
+        # on a CPU DeepSpeed's comm starts without its shared-memory op (no C++ build, no 66 MB /dev/shm file per
+        # rank left behind); its inference all-reduce still sums both ranks, through torch's process group
+        assert r["shm"] == dict(op=False, summed=[3.0], kernel=False, files=[]), r["shm"]
 
 
 # The real `deepspeed` launcher runs the example in tests/test_launch.py: ZeRO-3 + torchao through launch/deepspeed.sh,
 # ZeRO-2 + torchao on two SLURM nodes through launch/slurm/deepspeed.sbatch
-
-
-def _shm_case(rank: int, world: int, port: str) -> dict:
-    import glob
-    import os
-
-    import torch
-    from deepspeed import comm
-    from deepspeed.comm import comm as ds_comm
-
-    # what the deepspeed launcher exports for ranks that all sit on this node: DeepSpeed's CPU all-reduce then maps
-    # one /dev/shm buffer per rank, named by user id, MASTER_ADDR, MASTER_PORT and rank
-    # (the port only names the buffers here: the harness's ranks have rendezvoused already)
-    os.environ.update(LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    engine, _ = wrap_model(build_llama("tiny", seed=0), strategy="deepspeed", zero_stage=1,
-                           micro_batch_size=BATCH // world, optimizer={"type": "AdamW", "lr": 1e-3})
-    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_*"
-    left = sorted(glob.glob(pattern))
-    summed = torch.full((1024,), float(rank + 1))
-    comm.inference_all_reduce(summed)  # through the mapped buffers, which outlive their names
-    level = getattr(ds_comm.cdb, "shm_vector_kernel_level", 0)  # >= 1: fp32 goes through the shm kernel (AVX2)
-    return dict(op=ds_comm.cdb.shm_comm_op is not None and level >= 1, left=left, summed=summed.unique().tolist(),
-                losses=engine_losses(engine, rank, world))
-
-
-def test_deepspeeds_cpu_shared_memory_buffers_leave_no_file_behind():
-    """DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never unlinks it: every job of ranks on
-    one node left them there until reboot (RAM, as /dev/shm is memory). fp8dist unlinks each rank's once every rank
-    has mapped them all; the memory stays mapped for the job and goes when its processes exit."""
-    for r in run_ranks(_shm_case, str(free_port())):
-        assert r["op"], "DeepSpeed's shared-memory all-reduce is in use"
-        assert r["left"] == [], f"left in /dev/shm: {r['left']}"
-        assert r["summed"] == [3.0], "the all-reduce through the unlinked buffers still sums both ranks"
-        assert r["losses"][-1] < r["losses"][0]

@@ -281,34 +281,29 @@ def _deepspeed_comm(env: DistEnv) -> None:
     """DeepSpeed's communication layer over torch's process group, and the LOCAL_RANK it insists on: ``zero.Init``
     (ZeRO-3 meta init) reads both before ``deepspeed.initialize`` would set them up (it then saw a world of 1 and
     refused the batch size); a process group created without a launcher gets LOCAL_RANK from the rank fp8dist
-    found."""
+    found. On a CPU without DeepSpeed's shared-memory op (:func:`_skip_shm_comm_op`)."""
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False, verbose=False)
     if env.device.type == "cpu":
-        _unlink_shm_buffer(env)
+        _skip_shm_comm_op()
+    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False, verbose=False)
 
 
-SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
-"""Where DeepSpeed's CPU all-reduce (its shm comm op, csrc/cpu/comm/shm.cpp) maps each rank's buffer when every
-rank is on this node (LOCAL_SIZE equal to the world size, as the deepspeed launcher exports)."""
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's CPU shared-memory all-reduce op (``ShareMemCommBuilder``), by its name in ``deepspeed.ops``."""
 
 
-def _unlink_shm_buffer(env: DistEnv) -> None:
-    """DeepSpeed creates one 66 MB /dev/shm file per rank for its CPU all-reduce and never unlinks it (the op has a
-    close function it never calls): every CPU job of ranks on one node left them in memory until reboot. Once every
-    rank has mapped every buffer (they are opened only at initialization), each rank unlinks its own: the memory
-    stays mapped for the job and is freed when its processes exit, however they exit."""
-    import torch.distributed as dist
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed's comm, at its first initialization on a CPU, JIT-compiles its shared-memory all-reduce op (40-55 s
+    and a C++ compiler on a fresh machine; again whenever another ``ninja`` finds the build foreign) and maps a
+    66 MB ``/dev/shm`` file per rank that it never removes. Only ``inference_all_reduce`` uses it, which DeepSpeed's
+    tensor-parallel inference layers call; training's collectives go through torch's process group. So fp8dist
+    marks the op incompatible in DeepSpeed's table of compatible ops (kept in ``deepspeed.ops``, edits persist) and
+    DeepSpeed skips it. A script that initialized DeepSpeed's comm itself before ``wrap_model`` has it already."""
+    import deepspeed.ops
 
-    dist.barrier()  # on every CPU rank whether or not DeepSpeed made buffers: the same collectives everywhere
-    path = SHM_BUFFER.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
-                             port=os.environ.get("MASTER_PORT", ""), rank=env.rank)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # not all ranks on this node (no buffers), or unlinked at an earlier initialization
-        pass
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 class DeepSpeed(Strategy):
