@@ -159,5 +159,6 @@ def test_zero_stage_matches_raw_deepspeed_with_and_without_torchao(stage):
         assert r["shm"] == dict(op=False, summed=[3.0], kernel=False, files=[]), r["shm"]
 
 
-# The real `deepspeed` launcher runs the example in tests/test_launch.py: ZeRO-3 + torchao through launch/deepspeed.sh,
-# ZeRO-2 + torchao on two SLURM nodes through launch/slurm/deepspeed.sbatch
+# The real `deepspeed` launcher runs fp8dist train (ZeRO-2 + torchao) on two SLURM nodes through
+# launch/slurm/deepspeed.sbatch and launch/deepspeed.sh (tests/test_launch.py); the example with its ZeRO-3 json in
+# tests/test_examples.py
