@@ -48,7 +48,7 @@ class TrainConfig:
     """Held-out global batches each evaluation reads (the same windows every time); none: every full one, at most
     10 (fp8dist.data.job.MAX_DEFAULT_EVAL_BATCHES)."""
 
-    steps: int = 60
+    steps: int = 30
     """Optimizer steps."""
 
     batch_size: int = 8

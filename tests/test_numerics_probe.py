@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -177,15 +176,14 @@ def test_probe_command_prints_the_table_for_mixtral_and_gpt2_and_refuses_bad_inp
     assert "vocab_size=100" in capsys.readouterr().err
 
 
-def test_probe_command_for_the_built_in_model_writes_the_json(tmp_path):
-    from cli_helpers import run
+def test_probe_command_for_the_built_in_model_writes_the_json(tmp_path, capsys):
+    from fp8dist.cli import main
 
     out = tmp_path / "probe.json"
-    result = run([sys.executable, "-m", "fp8dist.cli", "probe", "--batches", "1", "--batch-size", "2",
-                  "--seq-len", "64", "--json", str(out)], env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr
-    assert "FP8 numerics probe: fp8=torchao (recipe tensorwise" in result.stdout
-    assert "model.layers.1.mlp.down_proj" in result.stdout
+    assert main(["probe", "--batches", "1", "--batch-size", "2", "--seq-len", "64", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "FP8 numerics probe: fp8=torchao (recipe tensorwise" in printed
+    assert "model.layers.1.mlp.down_proj" in printed
     data = json.loads(out.read_text())
     assert data["recommended_exclude"] == [] and data["tokens"] == 128
     assert len(data["layers"]) == 13  # 14 Linears of the tiny Llama's 2 layers + lm_head, less the first and last
