@@ -91,23 +91,29 @@ def test_torchrun_dry_run_prints_the_exact_command_with_every_argument_quoted():
 
 
 @pytest.mark.slow
-def test_fp8dist_launch_runs_the_packaged_scripts_and_prints_the_sbatch_command():
-    from fp8dist.cli import LAUNCH_DIR
+def test_fp8dist_launch_runs_the_packaged_scripts_and_prints_the_sbatch_command(capfd, monkeypatch):
+    """fp8dist's main in this process (the console script is fp8dist.cli:main); the scripts it runs are real."""
+    from fp8dist.cli import LAUNCH_DIR, main
 
     assert LAUNCH.resolve() == LAUNCH_DIR, "the repository's launch/ is the package's folder, one copy"
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # as run() gives the scripts
     for name in ("torchrun", "deepspeed"):
         env = {"NODELIST": "localhost", "NPROC_PER_NODE": "2"} if name == "deepspeed" else {}
-        via_cli = run(["fp8dist", "launch", name, "--dry-run", *TRICKY], env=env)
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert main(["launch", name, "--dry-run", *TRICKY]) == 0
+        via_cli = capfd.readouterr()
         direct = _script(f"{name}.sh", "--dry-run", *TRICKY, env=env)
-        assert via_cli.returncode == direct.returncode == 0, via_cli.stderr
-        assert via_cli.stdout == direct.stdout and TRICKY[-1] in shlex.split(via_cli.stdout.splitlines()[-1])
-    proc = run(["fp8dist", "launch", "slurm", "deepspeed", "--dry-run", "--nodes=4", "--gpus-per-node=8", "--",
-                "--zero-stage", "3", "--run-name", "two words"])
-    assert proc.returncode == 0, proc.stderr
-    assert shlex.split(proc.stdout) == [f"FP8DIST_LAUNCH_DIR={LAUNCH_DIR}", "sbatch", "--nodes=4", "--gpus-per-node=8",
-                                        str(LAUNCH_DIR / "slurm" / "deepspeed.sbatch"), "--zero-stage", "3",
-                                        "--run-name", "two words"]
-    assert run(["fp8dist", "launch", "path"]).stdout.strip() == str(LAUNCH_DIR)
+        assert direct.returncode == 0, direct.stderr
+        assert via_cli.out == direct.stdout and TRICKY[-1] in shlex.split(via_cli.out.splitlines()[-1])
+    assert main(["launch", "slurm", "deepspeed", "--dry-run", "--nodes=4", "--gpus-per-node=8", "--",
+                 "--zero-stage", "3", "--run-name", "two words"]) == 0
+    assert shlex.split(capfd.readouterr().out) == [
+        f"FP8DIST_LAUNCH_DIR={LAUNCH_DIR}", "sbatch", "--nodes=4", "--gpus-per-node=8",
+        str(LAUNCH_DIR / "slurm" / "deepspeed.sbatch"), "--zero-stage", "3", "--run-name", "two words"]
+    assert main(["launch", "path"]) == 0
+    assert capfd.readouterr().out.strip() == str(LAUNCH_DIR)
 
 
 def test_torchrun_defaults_to_the_nodes_gpus_from_slurm():
