@@ -57,6 +57,7 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
 
     warnings.simplefilter("ignore")
     out = {}
+    eager_losses = {}  # single and sharded hold the same weights (_tiny()): one eager run serves both
     for key, path, strategy, fp8, extra in (
             ("fsdp", single, "fsdp", None, {}), ("fsdp+torchao", single, "fsdp", "torchao", {}),
             ("fsdp1", single, "fsdp1", None, {}), ("ddp", single, "ddp", None, {}),
@@ -65,8 +66,12 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
             ("fsdp+torchao activation checkpointing", single, "fsdp", "torchao", {"activation_checkpointing": "full"}),
             ("fsdp, a CPU model", single, "fsdp", None, {"cpu": True})):
         cpu = extra.pop("cpu", False)
-        eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8, **extra)
-        expected = train_losses(eager, rank, world, steps=STEPS)
+        same = (path == tied, strategy, fp8, tuple(sorted(extra.items())))
+        if same not in eager_losses:
+            eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(path), strategy=strategy, fp8=fp8,
+                                       **extra)
+            eager_losses[same] = train_losses(eager, rank, world, steps=STEPS)
+        expected = eager_losses[same]
         model = _tiny() if cpu else _meta_from(path)  # pretrained= into real weights: a plain load
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
