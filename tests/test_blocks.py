@@ -168,12 +168,15 @@ def _parity_case(rank: int, world: int) -> dict:
         plain = fp8dist.wrap_model(copy.deepcopy(base), strategy="fsdp", compile=True, activation_checkpointing="full")
     out["plain_ours"] = train_losses(plain, rank, world)
     out["plain_ref"] = train_losses(_hand_wired_fsdp2_ac_compile(copy.deepcopy(base), world, fp8=False), rank, world)
-    # checkpointing changes no number in the engines that keep the parameters (and FSDP2 without FP8)
-    for strategy in ("fsdp", "fsdp1", "ddp"):
+    # checkpointing changes no number in the engines that keep the parameters (and FSDP2 without FP8); the
+    # selective policy is the same block wrapper as full with another policy (fp8dist.blocks), so it runs under
+    # FSDP2 and ZeRO-3 only, full under each engine (its wrappers sit inside FSDP1's units and DDP's module)
+    for strategy, modes in (("fsdp", ("none", "full", "selective")), ("fsdp1", ("none", "full")),
+                            ("ddp", ("none", "full"))):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             runs = [fp8dist.wrap_model(copy.deepcopy(base), strategy=strategy, activation_checkpointing=mode)
-                    for mode in ("none", "full", "selective")]
+                    for mode in modes]
         out[strategy] = [train_losses(m, rank, world) for m in runs]
     # nor under DeepSpeed ZeRO-3, whose blocks are checkpointed before deepspeed.initialize
     out["deepspeed"] = []
@@ -208,8 +211,9 @@ def test_fsdp2_torchao_compile_and_checkpointing_match_the_hand_wired_engine():
         assert r["frames"][0] >= blocks and r["frames"] == r["frames"][:1] * STEPS, r["frames"]
         assert r["plain_ours"] == r["plain_ref"], f"rank {rank}: without FP8, fp8dist vs by hand"
         for strategy in ("fsdp", "fsdp1", "ddp", "deepspeed"):
-            plain, full, selective = r[strategy]
-            assert plain == full == selective, f"rank {rank}: {strategy} with activation checkpointing"
+            plain, *checkpointed = r[strategy]
+            assert len(checkpointed) == (1 if strategy in ("fsdp1", "ddp") else 2)
+            assert all(losses == plain for losses in checkpointed), f"rank {rank}: {strategy} with checkpointing"
             assert plain[-1] < plain[0]
         assert r["deepspeed_wiring"] == "selective"
 
