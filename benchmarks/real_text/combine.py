@@ -1,6 +1,6 @@
 """Merge `fp8dist bench` result files of one convergence study into one: the same data, model size, steps, batch and
-seeds, run as several matrices (say bf16 + torchao recipes in one, the lean memory level in another, so that lean
-runs for bf16 alone instead of for every FP8 backend). The cells are compared again over the union — each lean or
+steps and batch, run as several matrices (say bf16 + torchao recipes in one, the lean memory level in another, so that
+lean runs for bf16 alone instead of for every FP8 backend; or more seeds of some configurations later). The cells are compared again over the union — each lean or
 FP8 cell against the bf16 cell of its seed, whichever file holds it — and the JSON, PNG and tables written as
 `fp8dist bench` writes them.
 
@@ -16,9 +16,10 @@ from pathlib import Path
 
 from fp8dist.bench.results import _compare, convergence, convergence_table, markdown_table
 
-SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "seeds", "lr", "lr_schedule",
-        "compile", "activation_checkpointing")
-"""Settings every merged file must share: otherwise the curves are not of one study."""
+SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "lr", "lr_schedule", "compile",
+        "activation_checkpointing")
+"""Settings every merged file must share: otherwise the curves are not of one study. Seeds may differ: each
+configuration is summarized over the seeds it ran, each gap paired with the bf16 cell of the same seed."""
 
 
 def combine(docs: list[dict]) -> dict:
@@ -28,7 +29,7 @@ def combine(docs: list[dict]) -> dict:
         differ = [k for k in SAME if doc["settings"].get(k) != first["settings"].get(k)]
         if differ:
             raise ValueError(f"the files differ in {', '.join(differ)}: they are not one study; merge runs made "
-                             "with the same --data, --sizes, --steps, --batch-size, --seq-len, --seed, ... only.")
+                             "with the same --data, --sizes, --steps, --batch-size, --seq-len, ... only.")
     cells, names = [], set()
     for doc in docs:
         for cell in doc["cells"]:
@@ -40,7 +41,8 @@ def combine(docs: list[dict]) -> dict:
     merged = dict(first, cells=cells, convergence=convergence(cells))
     merged["commands"] = [doc["command"] for doc in docs]
     merged["runs"] = [{"date": d["date"], "wall_s": d["wall_s"], "load_average": d["load_average"]} for d in docs]
-    merged["settings"] = dict(first["settings"], fp8=sorted({c["fp8"] or "none" for c in cells}),
+    merged["settings"] = dict(first["settings"], seeds=sorted({c["seed"] for c in cells}),
+                              fp8=sorted({c["fp8"] or "none" for c in cells}),
                               torchao_recipe=sorted({c["torchao_recipe"] for c in cells if c["torchao_recipe"]}),
                               memory=sorted({c["memory"] for c in cells}))
     return merged
