@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # Python writes the bytecode of the modules the tests import, once, for every later process to read: the install
 # (README, CI) runs pip with --no-compile, and byte-compiling every installed file up front cost ~31 s of CI for the
-# ~2,500 of ~12,700 files the suite imports. With PYTHONDONTWRITEBYTECODE set (some shells and containers do),
+# few thousand of ~12,700 files the suite imports. With PYTHONDONTWRITEBYTECODE set (some shells and containers do),
 # every fresh process would compile them again (~9 s of CPU each); the variable stays unset for the test processes.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
