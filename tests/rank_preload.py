@@ -2,7 +2,7 @@
 import anyway already imported: torch, transformers' Llama, torchao's float8, fp8dist and DeepSpeed. A spawned
 rank spent most of its CPU time on these imports. Nothing here starts a thread, a process group or a collective.
 Also the harness and pytest, which a rank imports first of all to unpickle its entry point (dist_harness imports
-pytest: ~0.1 s of CPU in each of the suite's several hundred ranks)."""
+pytest: ~0.1 s of CPU in each of the suite's ~150 ranks)."""
 
 import importlib.util
 
