@@ -16,9 +16,10 @@ sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Modules holding a test marked slow run first, each module's tests kept together and in order (their module
-    fixtures set up once): with two xdist workers on two cores, a long test left for the end of the run keeps one
-    core idle while the other finishes it; short tests fill the end instead."""
+    """Modules holding a test marked slow run first: with two xdist workers on two cores, a long test left for the
+    end of the run keeps one core idle while the other finishes it; short tests fill the end instead. pyproject's
+    --dist loadscope hands each module to one worker, in this order (--no-loadscope-reorder), so a module fixture (a
+    training run of 10-60 s that several tests read) is set up once: dealt test by test, it ran once per worker."""
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)  # stable: the order within each group stays
 
