@@ -19,6 +19,7 @@ from fp8dist.cli import main
 from fp8dist.models import build_llama
 
 STEPS = 5
+SEQ = 32  # what the tests read (files, figures, twins, schedules) does not need the CPU default's 128 tokens
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -55,7 +56,8 @@ def _fsdp_cells(rank: int, world: int) -> list:
     """FSDP2 bf16 and FSDP2 + torchao (FP8 all-gather) on the tiny Llama, as fp8dist bench runs its cells."""
     from fp8dist.bench.cell import Cell, run_cell
 
-    return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS)) for fp8 in (None, "torchao")]
+    return [run_cell(Cell(strategy="fsdp", fp8=fp8, size="tiny", steps=STEPS, seq_len=SEQ))
+            for fp8 in (None, "torchao")]
 
 
 def _te_vs_raw_cell(rank: int, world: int):
@@ -147,8 +149,8 @@ def bench_run(tmp_path_factory):
     cells also against the hand-wired engine trained beside them; warm-up + cosine learning rate."""
     out = tmp_path_factory.mktemp("bench")
     proc = run(["fp8dist", "bench", "--strategies", "fsdp", "--fp8", "torchao", "--sizes", "tiny", "--steps",
-                str(STEPS), "--nproc", "2", "--memory", "standard,lean", "--lr-schedule", "cosine", "--out", str(out)],
-               timeout=500)
+                str(STEPS), "--seq-len", str(SEQ), "--nproc", "2", "--memory", "standard,lean", "--lr-schedule",
+                "cosine", "--out", str(out)], timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -209,7 +211,7 @@ def test_cosine_schedule_is_what_every_optimizer_stepped_with(bench_run, fsdp_ce
         assert cell["lrs"] == pytest.approx(expected, rel=rel), cell["name"]
         if cell["wiring"] == "vs-raw":
             assert cell["raw"]["lrs"] == cell["lrs"]
-    # the same cell at a constant rate (fsdp_cells: the defaults, same seed and batches): the first three losses
+    # the same cell at a constant rate (fsdp_cells: the same settings, seed and batches): the first three losses
     # come before any update at a lower rate, then the curves part
     cosine = next(c for c in doc["cells"] if c["name"] == "fsdp/bf16/tiny")["losses"]
     constant = fsdp_cells[0]["losses"]
