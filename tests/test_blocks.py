@@ -20,6 +20,8 @@ from fp8dist.data import Batches
 from fp8dist.models import build_llama
 
 from dist_harness import run_ranks
+from helpers import BATCH as TRAIN_BATCH
+from helpers import SEQ as TRAIN_SEQ
 from helpers import STEPS
 
 BATCH, SEQ = 4, 128
@@ -277,9 +279,6 @@ def _round_trip_case(rank: int, world: int, root: str) -> dict:
     from pathlib import Path
 
     base = build_llama("tiny", seed=0)
-    from helpers import BATCH as TRAIN_BATCH
-    from helpers import SEQ as TRAIN_SEQ
-
     # the parity test's batches (train_losses): its compiled FSDP2 + full-checkpointing bf16 blocks are these, so
     # inductor's cache serves them here (in a clean clone, whose cache is empty, this test took 28 s instead of 10)
     batches = Batches(batch_size=TRAIN_BATCH, seq_len=TRAIN_SEQ, rank=rank, world_size=world, seed=0)
