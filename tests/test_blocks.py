@@ -152,7 +152,7 @@ def _parity_case(rank: int, world: int) -> dict:
     import torch._dynamo
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    from helpers import BATCH, engine_losses, train_losses
+    from helpers import engine_losses, train_losses
 
     _scalar_cpu_kernels()
     base = build_llama("tiny", seed=0)
@@ -199,7 +199,7 @@ def _parity_case(rank: int, world: int) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine, _ = fp8dist.wrap_model(copy.deepcopy(base), strategy="deepspeed", zero_stage=3,
-                                           activation_checkpointing=mode, micro_batch_size=BATCH // world,
+                                           activation_checkpointing=mode, micro_batch_size=TRAIN_BATCH // world,
                                            optimizer={"type": "AdamW", "lr": 1e-3})
         out["deepspeed"].append(engine_losses(engine, rank, world))
         out["deepspeed_wiring"] = fp8dist.get_wrap_info(engine).blocks.activation_checkpointing
