@@ -1,6 +1,7 @@
 """Merge `fp8dist bench` result files of one convergence study into one: the same data, model size, steps and batch,
 run as several matrices (say bf16 + torchao recipes in one, the lean memory level in another, so that lean runs for
-bf16 alone instead of for every FP8 backend; or more seeds of some configurations, run later). The cells are
+bf16 alone instead of for every FP8 backend; or more seeds of some configurations, run later; or one seed a run, so
+that a long study keeps every finished seed). The cells are
 compared again over the union — each lean or FP8 cell against the bf16 cell of its seed, whichever file holds it —
 and the JSON, PNG and tables written as `fp8dist bench` writes them.
 
@@ -33,10 +34,13 @@ def combine(docs: list[dict]) -> dict:
     cells, names = [], set()
     for doc in docs:
         for cell in doc["cells"]:
+            cell = {k: v for k, v in cell.items() if k not in ("vs_bf16", "vs_standard", "overhead")}
+            if not cell.get("label_seed"):  # a one-seed run's names lack the seed: label them as a matrix's are
+                cell.update(name=f"{cell['name']}/seed{cell['seed']}", label_seed=True)
             if cell["name"] in names:
-                raise ValueError(f"cell {cell['name']} is in two files: run each configuration once.")
+                raise ValueError(f"cell {cell['name']} is in two files: run each configuration and seed once.")
             names.add(cell["name"])
-            cells.append({k: v for k, v in cell.items() if k not in ("vs_bf16", "vs_standard", "overhead")})
+            cells.append(cell)
     _compare(cells)
     merged = dict(first, cells=cells, convergence=convergence(cells))
     merged["commands"] = [doc["command"] for doc in docs]

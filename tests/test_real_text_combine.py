@@ -1,0 +1,65 @@
+"""benchmarks/real_text/combine.py merges the result files of one convergence study: runs of one seed each (whose cell
+names carry no seed) merge with multi-seed runs, each FP8 cell's held-out gap paired with the bf16 cell of its own
+seed, and a configuration run twice for one seed is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = {"text": {"data": ["corpus.jsonl"]}, "strategies": ["fsdp"], "sizes": ["small"], "steps": 4,
+            "batch_size": 4, "seq_len": 128, "nproc": 2, "lr": 1e-3, "lr_schedule": "cosine", "compile": [False],
+            "activation_checkpointing": ["none"]}
+
+
+def _combine_module():
+    spec = importlib.util.spec_from_file_location("combine_runs", ROOT / "benchmarks" / "real_text" / "combine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(fp8: str | None, seed: int, held_out: list[float], *, label_seed: bool) -> dict:
+    name = f"fsdp/{fp8 or 'bf16'}/small" + (f"/seed{seed}" if label_seed else "")
+    return {"name": name, "strategy": "fsdp", "fp8": fp8, "torchao_recipe": "tensorwise" if fp8 else None,
+            "size": "small", "wiring": "fp8dist", "compile": False, "activation_checkpointing": "none",
+            "memory": "standard", "seed": seed, "label_seed": label_seed, "losses": [9.0, 8.0, 7.5, 7.0],
+            "eval_losses": [[2, held_out[0]], [4, held_out[1]]]}
+
+
+def _doc(cells: list[dict]) -> dict:
+    return {"settings": dict(SETTINGS, seeds=sorted({c["seed"] for c in cells})), "cells": cells,
+            "command": "fp8dist bench ...", "date": "2026-11-25T00:00:00Z", "wall_s": 1.0, "load_average": []}
+
+
+def test_one_seed_runs_merge_with_a_multi_seed_run_and_pair_gaps_by_seed():
+    combine = _combine_module().combine
+    held = {("bf16", 0): [8.0, 7.0], ("torchao", 0): [8.1, 7.02], ("bf16", 1): [8.2, 7.1], ("torchao", 1): [8.0, 7.13],
+            ("bf16", 2): [8.3, 7.3], ("torchao", 2): [8.3, 7.26]}
+    one_seed = [_doc([_cell(None, s, held["bf16", s], label_seed=False),
+                      _cell("torchao", s, held["torchao", s], label_seed=False)]) for s in (0, 1)]
+    two_seeds = _doc([_cell(None, 2, held["bf16", 2], label_seed=True),
+                      _cell("torchao", 2, held["torchao", 2], label_seed=True)])
+    merged = combine([*one_seed, two_seeds])
+
+    assert sorted(c["name"] for c in merged["cells"]) == sorted(
+        f"fsdp/{b}/small/seed{s}" for b in ("bf16", "torchao") for s in (0, 1, 2))
+    assert merged["settings"]["seeds"] == [0, 1, 2]
+    fp8 = next(e for e in merged["convergence"] if e["config"] == "fsdp/torchao/small")
+    assert fp8["seeds"] == [0, 1, 2] and fp8["bf16_config"] == "fsdp/bf16/small"
+    gaps = [held["torchao", s][1] - held["bf16", s][1] for s in (0, 1, 2)]  # +0.02, +0.03, -0.04 at step 4
+    assert fp8["gap_vs_bf16"][-1]["values"] == pytest.approx(gaps)
+    assert fp8["gap_vs_bf16"][-1]["std"] == pytest.approx(statistics.stdev(gaps))
+
+
+def test_a_configuration_run_twice_for_one_seed_is_refused():
+    combine = _combine_module().combine
+    run = _doc([_cell(None, 0, [8.0, 7.0], label_seed=False)])
+    again = _doc([_cell(None, 0, [8.0, 7.0], label_seed=True)])
+    with pytest.raises(ValueError, match=r"cell fsdp/bf16/small/seed0 is in two files"):
+        combine([run, again])
