@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp8dist._files import atomic_write
     from fp8dist.bench.plot import plot_results
 
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / args.name
     atomic_write(stem.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
     atomic_write(stem.with_suffix(".png"), lambda tmp: plot_results(doc, tmp))
