@@ -63,3 +63,24 @@ def test_a_configuration_run_twice_for_one_seed_is_refused():
     again = _doc([_cell(None, 0, [8.0, 7.0], label_seed=True)])
     with pytest.raises(ValueError, match=r"cell fsdp/bf16/small/seed0 is in two files"):
         combine([run, again])
+
+
+def test_a_committed_study_split_into_one_seed_runs_merges_back_to_the_same_figures(tmp_path):
+    """The committed 2026-11-24 study (4 configurations x seeds 0-3), cut into one file per seed as one-seed runs
+    write them (names without the seed), merges back into its own convergence figures, written by the command into
+    a folder it creates, with no temporary file left beside them."""
+    import json
+
+    study = json.loads((ROOT / "benchmarks/results/convergence_2026-11-24_python-docs_cpu-x2.json").read_text())
+    runs = []
+    for seed in sorted({c["seed"] for c in study["cells"]}):
+        cells = [dict(c, name=c["name"].removesuffix(f"/seed{seed}"), label_seed=False)
+                 for c in study["cells"] if c["seed"] == seed]
+        path = tmp_path / f"seed{seed}.json"
+        path.write_text(json.dumps(dict(study, cells=cells)))
+        runs.append(str(path))
+    out = tmp_path / "not" / "yet"
+    assert _combine_module().main([*runs, "--out", str(out), "--name", "study"]) == 0
+    merged = json.loads((out / "study.json").read_text())
+    assert len(runs) == 4 and merged["convergence"] == study["convergence"]
+    assert sorted(p.name for p in out.iterdir()) == ["study.json", "study.png"]
