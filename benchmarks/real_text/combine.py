@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from fp8dist.bench.results import _compare, convergence, convergence_table, markdown_table
+from fp8dist.bench.results import _compare, convergence, markdown_table
 
 SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "lr", "lr_schedule", "compile",
         "activation_checkpointing")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / args.name
     atomic_write(stem.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
     atomic_write(stem.with_suffix(".png"), lambda tmp: plot_results(doc, tmp))
-    print(markdown_table(doc), convergence_table(doc), sep="\n\n")
+    print(markdown_table(doc))  # the convergence table included
     print(f"wrote {stem.with_suffix('.json')}, {stem.with_suffix('.png')}")
     return 0
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fp8dist.bench.results import cell_line, convergence_table, markdown_table, results_document, write_results
+    from fp8dist.bench.results import cell_line, markdown_table, results_document, write_results
     from fp8dist.bench.runner import check_cells, check_text, plan_cells, resolve_settings, run_cells
     from fp8dist.cli import bench
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                            wall_s=time.perf_counter() - start)
     Path(options.out).mkdir(parents=True, exist_ok=True)
     paths = write_results(doc, Path(options.out), plot=True)
-    print(markdown_table(doc), convergence_table(doc) if doc["convergence"] else "", sep="\n\n")
+    print(markdown_table(doc))  # with the convergence table where there is one
     print("wrote " + ", ".join(map(str, paths)))
     return 0
 
