@@ -6,6 +6,7 @@ with the study's eager bf16 cells by seed (the noise floor)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 from pathlib import Path
 
@@ -70,8 +71,6 @@ def test_a_committed_study_split_into_one_seed_runs_merges_back_to_the_same_figu
     """The committed 2026-11-24 study (4 configurations x seeds 0-3), cut into one file per seed as one-seed runs
     write them (names without the seed), merges back into its own convergence figures, written by the command into
     a folder it creates, with no temporary file left beside them."""
-    import json
-
     study = json.loads((ROOT / "benchmarks/results/convergence_2026-11-24_python-docs_cpu-x2.json").read_text())
     runs = []
     for seed in sorted({c["seed"] for c in study["cells"]}):

@@ -1,9 +1,9 @@
 """Merge `fp8dist bench` result files of one convergence study into one: the same data, model size, steps and batch,
 run as several matrices (say bf16 + torchao recipes in one, the lean memory level in another, so that lean runs for
 bf16 alone instead of for every FP8 backend; or more seeds of some configurations, run later; or one seed a run, so
-that a long study keeps every finished seed). The cells are
-compared again over the union — each lean or FP8 cell against the bf16 cell of its seed, whichever file holds it —
-and the JSON, PNG and tables written as `fp8dist bench` writes them.
+that a long study keeps every finished seed). The cells are compared again over the union — each lean or FP8 cell
+against the bf16 cell of its seed, whichever file holds it — and the JSON, PNG and tables written as `fp8dist bench`
+writes them.
 
     python benchmarks/real_text/combine.py A.json B.json --out benchmarks/results --name convergence_python-docs
 """

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
+from fp8dist.bench.results import _counterpart, _spread, late_spread
+
 SAME = ("text", "sizes", "steps", "batch_size", "seq_len", "nproc", "lr", "lr_schedule")
-PAIR = ("strategy", "size", "memory", "activation_checkpointing", "seed")
 
 
 def control(study: dict, runs: list[dict]) -> dict:
@@ -28,26 +28,19 @@ def control(study: dict, runs: list[dict]) -> dict:
         if differ:
             raise ValueError(f"a control run differs from the study in {', '.join(differ)}: run it with the study's "
                              "--data, --sizes, --steps, --batch-size, --seq-len, --lr and --lr-schedule.")
-    base = [c for c in study["cells"] if c["fp8"] is None and not c["compile"] and c.get("eval_losses")]
     pairs = []
     for cell in (c for run in runs for c in run["cells"] if c["fp8"] is None and c["compile"]):
-        twin = next((b for b in base if all(b.get(k) == cell.get(k) for k in PAIR)), None)
-        if twin is None:
+        twin = _counterpart(study["cells"], cell, compile=False)  # the same cell, eager
+        if twin is None or not twin.get("eval_losses"):
             raise ValueError(f"control cell {cell['name']} (seed {cell['seed']}) has no bf16 cell of its seed in "
                              "the study: run the control with the study's seeds.")
         pairs.append((cell, twin))
     if len(pairs) < 2:
         raise ValueError(f"{len(pairs)} control cell(s) with --compile on and --fp8 none: the spread needs two seeds.")
     steps = [s for s, _ in pairs[0][1]["eval_losses"]]
-    deltas = [[c["eval_losses"][i][1] - b["eval_losses"][i][1] for c, b in pairs] for i in range(len(steps))]
-    half = len(steps) // 2
-    late = [statistics.fmean(d[k] for d in deltas[half:]) for k in range(len(pairs))]
-
-    def spread(values: list[float]) -> dict:
-        return {"mean": statistics.fmean(values), "std": statistics.stdev(values), "values": values}
-
+    delta = [_spread([c["eval_losses"][i][1] - b["eval_losses"][i][1] for c, b in pairs]) for i in range(len(steps))]
     return {"control": "bf16 + torch.compile minus bf16 eager, paired by seed", "seeds": [c["seed"] for c, _ in pairs],
-            "steps": steps, "delta": [spread(d) for d in deltas], "late_steps": steps[half:], "late": spread(late),
+            "steps": steps, "delta": delta, "late_steps": steps[len(steps) // 2:], "late": late_spread(delta),
             "device": runs[0]["device"], "versions": runs[0]["versions"], "dates": [r["date"] for r in runs],
             "commands": [r["command"] for r in runs]}
 

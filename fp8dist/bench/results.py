@@ -133,6 +133,13 @@ def _spread(values: list[float]) -> dict[str, Any]:
             "values": values}
 
 
+def late_spread(per_step: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each seed's mean over the second half of the evaluations (of per-step spreads, each seed's values in one
+    order), spread over the seeds: a figure less noisy than the last evaluation alone."""
+    late = per_step[len(per_step) // 2:]
+    return _spread([statistics.fmean(s["values"][k] for s in late) for k in range(len(late[0]["values"]))])
+
+
 def convergence(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration (a cell's name without its seed), over its seeds: the held-out loss at each evaluated step
     (mean, sample standard deviation, each seed's value), and its gap to the bf16 cell with fp32 master weights of
@@ -276,11 +283,7 @@ def convergence_table(doc: dict[str, Any]) -> str:
     rows = []
     for entry in doc["convergence"]:
         gaps = entry["gap_vs_bf16"]
-        half = len(entry["steps"]) // 2
-        late = None
-        if gaps:
-            means = [statistics.fmean(g["values"][k] for g in gaps[half:]) for k in range(len(gaps[0]["values"]))]
-            late = _spread(means)
+        late = late_spread(gaps) if gaps else None
         rows.append([entry["config"], str(len(entry["seeds"])), _pm(entry["held_out"][-1]),
                      _pm(gaps[-1], "+") if gaps else "-", _pm(late, "+")])
     last = doc["convergence"][0]["steps"]
