@@ -101,15 +101,15 @@ def _as_saved(value: Any) -> Any:
 
 
 def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
-            log: Callable[[str], Any] | None) -> int:
-    """The step to start at: 0, or with ``resume`` the step of the newest checkpoint (loaded into the model, its
-    data position into ``batches``)."""
+            log: Callable[[str], Any] | None) -> tuple[int, int]:
+    """The step to start at and the optimizer steps applied before it (the schedule's position): 0, 0, or with
+    ``resume`` those of the newest checkpoint (loaded into the model, its data position into ``batches``)."""
     log = log or (lambda line: None)
     if not train.resume:
-        return 0
+        return 0, 0
     if latest_checkpoint(train.checkpoint_dir) is None:
         log(f"resume: no checkpoint in {train.checkpoint_dir} yet, starting at step 0")
-        return 0
+        return 0, 0
     t0 = time.perf_counter()
     state = load_checkpoint(train.checkpoint_dir, model, optimizer)
     log(f"resume: loaded {state.path} (step {state.step}, saved on {state.world_size} rank(s)) in "
@@ -126,20 +126,25 @@ def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
                if k in saved and saved[k] != _as_saved(getattr(train, k))]
     if changed:
         log(f"resume: note, the job changed since the checkpoint: {', '.join(changed)}")
-    return state.step
+    return state.step, state.extra.get(APPLIED_KEY, state.step)  # saved before the key: no step was skipped
 
 
-def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, batches: JobBatches,
+APPLIED_KEY = "optimizer_steps"
+"""The checkpoint ``extra`` key of the optimizer steps applied so far (the steps minus those the guard skipped): the
+learning-rate schedule's position, restored on resume."""
+
+
+def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: int, batches: JobBatches,
           log: Callable[[str], Any] | None) -> None:
-    """Save a checkpoint after ``done`` steps when ``save_every`` says so, and after the last step, with the data
-    position (text) in its ``extra``."""
+    """Save a checkpoint after ``done`` steps (``applied`` of them applied) when ``save_every`` says so, and after
+    the last step, with the data position (text) in its ``extra``."""
     if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
                                                                  or done % train.save_every)):
         return
     t0 = time.perf_counter()
     job = {k: _as_saved(v) for k, v in asdict(train).items() if k not in ("nproc", "resume")}
     position = batches.state_dict()
-    extra = {"train": job, **({"data": position} if position is not None else {})}
+    extra = {"train": job, APPLIED_KEY: applied, **({"data": position} if position is not None else {})}
     # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
     path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra=extra,
                            keep_last=train.keep_last or None, overwrite=train.resume)
@@ -284,13 +289,13 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), batches.describe()])))
         if config.precision.fp8:
             log(str(get_wrap_info(wrapped).plan))
-    first = _resume(train, wrapped, optimizer, batches, log if leader else None)
+    first, applied = _resume(train, wrapped, optimizer, batches, log if leader else None)
     job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
     if leader:
         log(job_log.header())
     try:
-        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, first, job_log,
-                                                 log if leader else None, progress)
+        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied),
+                                                 job_log, log if leader else None, progress)
     finally:
         job_log.close()
     _export(train, wrapped, batches, log if leader else None)
@@ -311,13 +316,18 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     return result
 
 
-def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches, first: int,
-                 job_log: JobLog, log: Callable[[str], Any] | None,
+def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
+                 start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
                  progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
-    """Steps ``first`` .. ``train.steps``: the loss (mean over ranks) and time of each, and the held-out loss of
-    each evaluation; stops when the loss stays non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as
-    the user gave it: its ``grad_accum`` micro-batches per step, its ``gradient_clipping``."""
-    info = get_wrap_info(wrapped)
+    """Steps ``first`` .. ``train.steps`` (``start`` is ``first`` and the optimizer steps applied before it): the
+    loss (mean over ranks) and time of each, and the held-out loss of each evaluation; stops when the loss stays
+    non-finite (:class:`~fp8dist.train_checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
+    micro-batches per step, its ``gradient_clipping``.
+
+    The learning rate follows the optimizer steps applied, not the batches seen: a step the guard skipped
+    (non-finite gradients) leaves the schedule where it was, as DeepSpeed's engine does on an overflow, so the
+    steps after it train as a run that never saw that batch."""
+    (first, applied), info = start, get_wrap_info(wrapped)
     env = info.env
     lr_factor, engine = lr_schedule("cosine", train.steps), is_deepspeed_engine(wrapped)
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
@@ -331,12 +341,14 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
     for step in range(first, train.steps):
         t0 = time.perf_counter()
         micro = list(batches.take(step).to(env.device).chunk(accum))
-        lr = train.lr * lr_factor(step)
+        lr = train.lr * lr_factor(applied)
         set_lr(optimizer, lr)
+        skipped = info.skipped_steps
         # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
         show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
         mean_loss, norm = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip,
                                              windows=batches.windows, show_report=show)
+        applied += info.skipped_steps == skipped  # the guard counts a skip inside the optimizer's (engine's) step
         if env.world_size > 1:
             dist.all_reduce(mean_loss)
             mean_loss /= env.world_size
@@ -355,7 +367,7 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
             log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
                 f"eta {eta:.1f}s")
         watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
-        _save(train, wrapped, optimizer, step + 1, batches, log)
+        _save(train, wrapped, optimizer, step + 1, applied, batches, log)
         if progress is not None:
             progress(step + 1)
     return losses, step_times, evals

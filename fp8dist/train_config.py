@@ -49,7 +49,9 @@ class TrainConfig:
     10 (fp8dist.data.job.MAX_DEFAULT_EVAL_BATCHES)."""
 
     steps: int = 30
-    """Optimizer steps."""
+    """Training steps, one global batch each. A step the guard skips (non-finite gradients, nonfinite_step) counts
+    here, and the learning-rate schedule does not advance on it (it follows the optimizer steps applied, as
+    DeepSpeed's does)."""
 
     batch_size: int = 8
     """Global batch in sequences per step; split evenly over the processes."""
