@@ -314,10 +314,13 @@ class MetricsWriter:
         path: the JSON-lines file; None: none written.
         tensorboard_dir: a TensorBoard log directory; None: none written.
         append: add to an existing file (a resumed run) instead of starting it anew.
+        purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged in
+            ``tensorboard_dir`` at this step and after (the steps this run logs again; SummaryWriter's
+            ``purge_step``), as :func:`truncate_jsonl` drops them from the file.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, tensorboard_dir: str | os.PathLike | None = None,
-                 append: bool = False) -> None:
+                 append: bool = False, purge_step: int | None = None) -> None:
         self._board = None
         if tensorboard_dir is not None:
             try:
@@ -325,7 +328,7 @@ class MetricsWriter:
             except ImportError:
                 raise ImportError("tensorboard_dir needs the tensorboard package: pip install "
                                   "'fp8dist[tensorboard]' (or tensorboard).") from None
-            self._board = SummaryWriter(str(tensorboard_dir))
+            self._board = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
         self._file = open(path, "a" if append else "w") if path is not None else None
 
     def write(self, record: StepRecord) -> None:

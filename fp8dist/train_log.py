@@ -51,7 +51,9 @@ class JobLog:
                 Path(train.metrics_file).parent.mkdir(parents=True, exist_ok=True)
                 if first:
                     truncate_jsonl(train.metrics_file, before_step=first + 1)
-            self.writer = MetricsWriter(train.metrics_file, tensorboard_dir=train.tensorboard, append=first > 0)
+            # a resumed run logs the steps after its checkpoint again: the file and TensorBoard drop the old ones
+            self.writer = MetricsWriter(train.metrics_file, tensorboard_dir=train.tensorboard, append=first > 0,
+                                        purge_step=first + 1 if first else None)
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
         """The telemetry (or None) and the header's line about it."""

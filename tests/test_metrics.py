@@ -114,3 +114,19 @@ def test_tensorboard_scalars(tmp_path):
     assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
     (loss,) = events.Scalars("train/loss")
     assert (loss.step, loss.value) == (7, 2.5)
+
+
+def test_tensorboard_purge_step_hides_what_a_resumed_run_logs_again(tmp_path):
+    """Steps 1-5 logged, then a run resumed at step 3 logs 4-6: TensorBoard shows each step once, the new value."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    figures = TrainingFigures(build_llama("tiny"), seq_len=16)
+    for steps, loss, purge in ((range(1, 6), 2.0, None), (range(4, 7), 1.0, 4)):
+        with MetricsWriter(None, tensorboard_dir=tmp_path / "tb", purge_step=purge) as out:
+            for step in steps:
+                out.write(figures.step(step=step, loss=loss, tokens=64, step_time_s=0.25))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.0), (2, 2.0), (3, 2.0), (4, 1.0),
+                                                                         (5, 1.0), (6, 1.0)]

@@ -5,6 +5,9 @@ position."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 import fp8dist.train as train_module
@@ -62,21 +65,43 @@ def _stop_after(step: int):
     return progress
 
 
+def _logged(job: TrainConfig) -> tuple[dict[int, float], dict[int, list[float]]]:
+    """The loss of each step in the metrics file, and every loss TensorBoard shows for each step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = [json.loads(line) for line in open(job.metrics_file)]
+    events = EventAccumulator(job.tensorboard)
+    events.Reload()
+    board: dict[int, list[float]] = {}
+    for event in events.Scalars("train/loss"):
+        board.setdefault(event.step, []).append(event.value)
+    return {line["step"]: line["loss"] for line in lines}, board
+
+
 @pytest.mark.filterwarnings("ignore:step .* skipped:RuntimeWarning")
-def test_a_resume_after_a_skipped_step_keeps_the_schedules_position(monkeypatch, tmp_path):
-    """Interrupted after the skip (at step 6 of 10, checkpoint saved), resumed: the last steps equal the
-    uninterrupted run's."""
-    job = TrainConfig(steps=10, seq_len=32, batch_size=4, checkpoint_dir=str(tmp_path / "ckpt"), save_every=2)
+def test_a_resume_keeps_the_schedules_position_and_tensorboard_drops_the_interrupted_steps(monkeypatch, tmp_path):
+    """Interrupted at step 6 of 10 after the skip (checkpoint at step 4), resumed: the last steps equal the
+    uninterrupted run's, and the metrics file and TensorBoard show steps 5 and 6 once, as the resumed run logged
+    them."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    job = TrainConfig(steps=10, seq_len=32, batch_size=4, checkpoint_dir=str(tmp_path / "ckpt"), save_every=4,
+                      metrics_file=str(tmp_path / "run.jsonl"), tensorboard=str(tmp_path / "tb"))
     config = resolve_config(strategy="none", fp8=None)
     with monkeypatch.context() as m:
         _plant_nan_at(m, PLANTED)
-        whole = run_training(config, job, log=lambda line: None).losses
-        (tmp_path / "ckpt").rename(tmp_path / "whole")
+        whole = run_training(config, replace(job, checkpoint_dir=str(tmp_path / "whole"), metrics_file=None,
+                                             tensorboard=None), log=lambda line: None).losses
         _plant_nan_at(m, PLANTED)  # counted afresh
         with pytest.raises(KeyboardInterrupt):
             run_training(config, job, log=lambda line: None, progress=_stop_after(6))
-    resumed = run_training(config, TrainConfig(**{**job.__dict__, "resume": True}), log=lambda line: None)
-    assert resumed.start_step == 6
+    resumed = run_training(config, replace(job, resume=True), log=lambda line: None)
+    assert resumed.start_step == 4
     # measured: equal (the checkpoint restores weights and optimizer state bitwise); resumed at the batches' step
-    # instead of the applied steps', the schedule was one step ahead
-    assert max(abs(a - b) for a, b in zip(resumed.losses, whole[6:])) < 1e-6, (resumed.losses, whole)
+    # instead of the applied steps', the schedule was one step ahead (0.080 apart)
+    assert max(abs(a - b) for a, b in zip(resumed.losses, whole[4:])) < 1e-6, (resumed.losses, whole)
+    in_file, on_board = _logged(job)
+    assert sorted(in_file) == list(range(1, 11)) and in_file[PLANTED + 1] is None  # NaN: null, no scalar
+    assert sorted(on_board) == [s for s in range(1, 11) if s != PLANTED + 1]
+    assert all(len(values) == 1 for values in on_board.values()), f"a step shown twice: {on_board}"
+    for step, loss in zip(range(5, 11), resumed.losses):
+        assert in_file[step] == pytest.approx(loss) and on_board[step][0] == pytest.approx(loss)  # float32 events
