@@ -6,6 +6,11 @@ projection is its own Linear, as in Llama.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import difflib
+import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -13,7 +18,7 @@ import torch
 from .data import VOCAB_SIZE, check_fits_corpus, check_vocab_fits
 
 __all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
-           "job_model_config", "build_job_model"]
+           "causal_lm", "job_model_config", "build_job_model"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
 
@@ -57,10 +62,11 @@ def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512, vo
 
 def read_model_config(path: str):
     """``--model-config``: a Hugging Face config.json (it needs its ``model_type``) as a transformers config;
-    ValueError naming the file otherwise."""
+    ValueError naming the file, what is wrong and the way out otherwise."""
     import json
 
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
         with open(path) as f:
@@ -72,7 +78,76 @@ def read_model_config(path: str):
                          "Hugging Face config.json.") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{path}: a Hugging Face config needs 'model_type' (e.g. \"llama\").")
-    return AutoConfig.for_model(**data)
+    family = data["model_type"]
+    if not isinstance(family, str) or family not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(family), list(CONFIG_MAPPING.keys()), n=1)
+        raise ValueError(f"{path}: model_type={family!r} is not a model family this transformers knows"
+                         + (f" (did you mean {close[0]!r}?)" if close else "") + ". Fix model_type (e.g. \"llama\"), "
+                         "or upgrade transformers for a newer family.")
+    try:
+        return AutoConfig.for_model(**data)
+    except Exception as err:  # transformers checks a config its own way (ValueError, TypeError, hub validation
+        # errors): whatever it raises here is about this file's values
+        raise ValueError(f"{path}: transformers rejects this {family} config: {_reason(err)}. Fix that value in the "
+                         "file.") from None
+
+
+def _reason(err: BaseException) -> str:
+    """The line of a library's error that says what is wrong (its last; without the exception's class name)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return re.sub(r"^\w+(Error|Exception): ", "", lines[-1]).rstrip(".") if lines else type(err).__name__
+
+
+def causal_lm(model_config: Any, source: str, *, dtype: torch.dtype | None = None) -> Any:
+    """``AutoModelForCausalLM.from_config(model_config)`` on the current device (the meta device to check or to
+    plan a model without memory), or ValueError naming ``source`` (the file or directory it came from) when
+    transformers has no causal LM for its family, cannot build one from its values, or builds one whose attention
+    is not causal (an encoder such as BERT without ``is_decoder``: each token would see the one it predicts)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = getattr(model_config, "model_type", None)
+    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        examples = ", ".join(f for f in CAUSAL_LM_EXAMPLES if f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        raise ValueError(f"{source}: model_type {family!r} has no causal-LM model in transformers, and fp8dist trains "
+                         f"causal LMs (next-token prediction): pass the config of one of the "
+                         f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} families AutoModelForCausalLM builds, e.g. "
+                         f"{examples} (transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES lists them).")
+    try:
+        model = AutoModelForCausalLM.from_config(model_config, **({} if dtype is None else {"dtype": dtype}))
+    except Exception as err:  # the config passed transformers' checks, its model's own do not hold
+        raise ValueError(f"{source}: transformers cannot build a {family} model from it: {_reason(err)}. Fix that "
+                         "value in the config.") from None
+    if _bidirectional(model, model_config):
+        raise ValueError(f"{source}: {type(model).__name__} ({family}) with \"is_decoder\": false attends both ways "
+                         "(none of its attention layers is causal), so each token would see the one it is trained to "
+                         "predict. Set \"is_decoder\": true in the config (the family's decoder mode), or pass a "
+                         "decoder's config (e.g. llama, gpt2).")
+    return model
+
+
+def _causal_flags(model: Any) -> list[bool]:
+    """The ``is_causal`` of each module that declares one (transformers' attention layers)."""
+    return [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+
+
+def _bidirectional(model: Any, model_config: Any) -> bool:
+    """Whether ``model`` is a causal-LM class left in its encoder mode: no attention layer causal, and the family's
+    ``is_decoder`` switch (off in the config) would make them causal. Families that mask causally in other ways
+    (GIT, BigBird-Pegasus's decoder) keep their layers' flags whatever ``is_decoder`` says, and pass."""
+    from transformers import AutoModelForCausalLM
+
+    flags = _causal_flags(model)
+    if not flags or any(flags) or getattr(model_config, "is_decoder", True):
+        return False
+    trial = copy.deepcopy(model_config)
+    trial.is_decoder = True
+    with torch.device("meta"):
+        return any(_causal_flags(AutoModelForCausalLM.from_config(trial)))
+
+
+CAUSAL_LM_EXAMPLES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox", "mixtral", "falcon")
+"""Families an error names as examples of what AutoModelForCausalLM builds (those this transformers has)."""
 
 
 def pretrained_config(path: str):
@@ -88,9 +163,9 @@ def pretrained_config(path: str):
                          "downloads.")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"pretrained={path!r}: no readable Hugging Face config.json there ({err}). Pass a model "
-                         "directory written by save_pretrained.") from None
+    except Exception as err:  # whatever transformers raises reading a user's directory is about its config.json
+        raise ValueError(f"pretrained={path!r}: transformers cannot read its config.json ({_reason(err)}). Fix the "
+                         "file, or pass a model directory written by save_pretrained.") from None
 
 
 def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
@@ -119,6 +194,8 @@ def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[An
         path = train.model_config
     else:
         model_config = pretrained_config(path)
+    with torch.device("meta"), _quiet_transformers():  # refused here, before any rank builds it (and logs)
+        causal_lm(model_config, path)
     if tokenizer is None:
         check_fits_corpus(model_config, None, repr(path))  # positions: train_checks.check_positions
     else:
@@ -127,12 +204,23 @@ def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[An
     return model_config, f"{type(model_config).__name__} from {path}"
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' log lines off meanwhile: a model built only to check it says them again when it is built."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
     """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
     Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
     rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
-    from transformers import AutoModelForCausalLM
-
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)
@@ -142,4 +230,4 @@ def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
         torch.manual_seed(train.seed)
         with torch.device(device):
             # fp32 parameters (the master weights) whatever dtype the checkpoint was saved in
-            return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            return causal_lm(model_config, config.parallel.pretrained or train.model_config, dtype=torch.float32)

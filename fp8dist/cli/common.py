@@ -57,18 +57,16 @@ def meta_model(args: argparse.Namespace):
     built-in ``--model-size``."""
     import torch
 
-    from ..models import build_llama, pretrained_config, read_model_config
+    from ..models import build_llama, causal_lm, pretrained_config, read_model_config
 
     pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):
         if args.model_config is None and pretrained is None:
             return build_llama(args.model_size)
-        from transformers import AutoModelForCausalLM
-
         if args.model_config is not None:
-            return AutoModelForCausalLM.from_config(read_model_config(args.model_config))
+            return causal_lm(read_model_config(args.model_config), args.model_config)
         # trained in fp32 (master weights), whatever dtype the checkpoint was saved in
-        return AutoModelForCausalLM.from_config(pretrained_config(pretrained), dtype=torch.float32)
+        return causal_lm(pretrained_config(pretrained), pretrained, dtype=torch.float32)
 
 
 def quiet_cpu_noise() -> None:
