@@ -20,8 +20,8 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "choice_error",
-           "BOOL_WORDS"]
+__all__ = ["normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
+           "choice_error", "BOOL_WORDS"]
 
 
 def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
@@ -210,6 +210,12 @@ def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: 
     return {"type": _cli_type(name, hint, aliases), "metavar": {int: "N", float: "X"}.get(inner, "VALUE")}
 
 
+def cli_flag(name: str) -> str:
+    """The command line's flag for field ``name`` (``data_cache`` -> ``--data-cache``): what an error names beside
+    the field, so a reader of either finds it."""
+    return f"--{name.replace('_', '-')}"
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None,
                   skip: Iterable[str] = (), shown_defaults: Mapping[str, str] | None = None) -> None:
     """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
@@ -231,7 +237,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %
-        flag = f"--{f.name.replace('_', '-')}"
+        flag = cli_flag(f.name)
         group.add_argument(flag, *f.metadata.get("cli_aliases", ()), dest=f.name, default=argparse.SUPPRESS,
                            help=text, **kwargs)
         if kwargs.get("const") is True:  # a boolean: --flag, --flag VALUE, --no-flag

@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
@@ -244,7 +245,10 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
     local = 0
     if current_launch().world_size > 1:
         local = init_distributed(device=config.parallel.device).local_rank
-    return load_on_each_node(lambda: load_job_corpus(train, config.parallel.pretrained), local)
+    with warnings.catch_warnings():
+        if current_launch().rank != 0:  # rank 0 says the data's notes (an option with no effect) for every rank
+            warnings.simplefilter("ignore")
+        return load_on_each_node(lambda: load_job_corpus(train, config.parallel.pretrained), local)
 
 
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,

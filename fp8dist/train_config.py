@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ._schema import normalize_fields
+from .data.sources import DEFAULT_TEXT_FIELD
 from .models import ModelSize
 
 __all__ = ["TrainConfig"]
@@ -34,7 +35,7 @@ class TrainConfig:
     """Directory of a fast tokenizer saved with save_pretrained, to tokenize --data; none: the --pretrained
     directory's."""
 
-    text_field: str = "text"
+    text_field: str = DEFAULT_TEXT_FIELD
     """The JSON field holding a document's text in JSON-lines --data files."""
 
     data_cache: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -176,7 +177,7 @@ def test_bad_data_file_is_refused_and_leaves_no_file(made, tmp_path, name):
         path.write_bytes(content)
     with pytest.raises(ValueError, match=message):
         _load(made, tmp_path, path)
-    assert not any((tmp_path / "cache").glob("*")) if (tmp_path / "cache").exists() else True
+    assert not (tmp_path / "cache").exists(), "a refused file leaves no cache folder behind"
 
 
 def test_bad_tokenizer_corpus_size_and_vocab_are_refused(made, tmp_path):
@@ -198,8 +199,8 @@ def test_bad_tokenizer_corpus_size_and_vocab_are_refused(made, tmp_path):
         load(tmp_path / "no-eos")
     assert not (tmp_path / "cache").exists()
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ValueError, match=r"token cache '.*a-file/cache' cannot be made a directory \(.*\): pass "
-                                         "cache_dir= a writable directory"):
+    with pytest.raises(ValueError, match=r"cache_dir='.*a-file/cache' is under '.*a-file', a file, not a directory: "
+                                         "pass cache_dir= a directory"):
         load_text_corpus([made.jsonl], tokenizer=made.tokenizer, cache_dir=tmp_path / "a-file" / "cache")
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "The cat."}\n')
@@ -237,3 +238,14 @@ def test_prepare_script_writes_a_corpus_its_tokenizer_reads(made, tmp_path):
     corpus = load_text_corpus([tmp_path / "out" / "corpus.jsonl"], tokenizer=tmp_path / "out" / "tokenizer",
                               cache_dir=tmp_path / "cache", progress=False)
     assert corpus.num_documents == 30 and corpus.vocab_size == 300
+
+
+def test_text_field_over_plain_text_only_is_one_warning(made, tmp_path):
+    with pytest.warns(UserWarning) as said:
+        _load(made, tmp_path, made.text, text_field="body")
+    assert [str(w.message) for w in said] == [
+        "text_field='body' has no effect here (read only from JSON-lines files, .jsonl, .ndjson, .json; the data is "
+        "plain text: corpus.txt)."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read from a JSON-lines file among them: no note
+        _load(made, tmp_path, made.text, made.jsonl, text_field="text")

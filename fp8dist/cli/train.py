@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -179,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
                          "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
     # the text tokenized here, once, before any process starts: a bad file is one line, the ranks read the cache
-    corpus = load_job_corpus(train, config.parallel.pretrained)
+    with warnings.catch_warnings():  # its notes (an option with no effect) are said once, by the job's rank 0
+        warnings.simplefilter("ignore")
+        corpus = load_job_corpus(train, config.parallel.pretrained)
     model_config, name = job_model_config(config, train, corpus)  # --pretrained / --model-config read here first
     check_positions(model_config, name, config, train, nproc)
     if corpus is not None:  # enough windows for a global batch and the held-out batches

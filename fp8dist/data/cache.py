@@ -14,10 +14,12 @@ sees a complete entry or none, and an error or a kill while tokenizing leaves no
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from .._files import atomic_write, atomic_write_text
-from .sources import FileIdentity, check_source, file_identity, file_kind, file_sha256, read_pieces
+from .sources import (DEFAULT_TEXT_FIELD, FileIdentity, check_source, file_identity, file_kind, file_sha256,
+                      read_pieces)
 
-__all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "token_dtype", "CACHE_FORMAT"]
+__all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "check_cache_dir", "cache_directory", "token_dtype",
+           "CACHE_FORMAT"]
 
 CACHE_FORMAT = 1
 """Version of the cache's layout; an entry of another version is rebuilt."""
@@ -64,7 +68,7 @@ class TokenFile:
     """Read from the cache (True) or tokenized now."""
 
 
-def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, text_field: str = "text",
+def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, text_field: str = DEFAULT_TEXT_FIELD,
                   cache_dir: str | os.PathLike | None = None, progress: bool | None = None) -> TokenFile:
     """The tokens of ``path``: from the cache when the file and the tokenizer are unchanged, else tokenized now
     (in batches, with a progress bar on a terminal) and cached.
@@ -85,12 +89,13 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
     kind = file_kind(source)
     field = text_field if kind == "jsonl" else None
     key = hashlib.sha256(json.dumps([str(source), kind, field, fingerprint, CACHE_FORMAT]).encode()).hexdigest()[:24]
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"token cache {str(directory)!r} cannot be made a directory ({err.strerror}): pass "
-                         "cache_dir= a writable directory.") from None
+    with cache_directory(cache_dir) as directory:
+        return _tokens(source, kind, field, key, directory, tokenizer, fingerprint, text_field, progress)
+
+
+def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Path, tokenizer: Any,
+            fingerprint: str, text_field: str, progress: bool | None) -> TokenFile:
+    """:func:`tokenize_file` in the cache ``directory``: the entry ``key`` reused or built."""
     index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
     dtype = token_dtype(len(tokenizer))
     identity = file_identity(source)
@@ -108,6 +113,49 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
     return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
                      reused)
+
+
+def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
+    """The token cache's directory (``cache_dir``, else :func:`default_cache_dir`), checked without making it: a
+    directory, or missing under a writable one. ValueError naming the value as the caller calls it (``option``,
+    and its command-line ``flag`` when there is one) and the way out."""
+    directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if cache_dir is None:
+        given, way_out = f"the token cache {str(directory)!r}", f"set XDG_CACHE_HOME or pass {flag or option + '='}"
+    else:
+        given = f"{option}={str(cache_dir)!r}" + (f" ({flag})" if flag else "")
+        way_out = (f"pass {flag or option + '='} a directory (made if missing), or leave it out (the default "
+                   f"{default_cache_dir()})")
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        what = "is a file" if existing == directory else f"is under {str(existing)!r}, a file"
+        raise ValueError(f"{given} {what}, not a directory: {way_out}.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{given}: {str(existing)!r} is not writable (permissions): {way_out}.")
+    return directory
+
+
+@contextlib.contextmanager
+def cache_directory(cache_dir: str | os.PathLike | None, option: str = "cache_dir") -> Iterator[Path]:
+    """The token cache's directory (:func:`check_cache_dir`), made with its missing parents for the block inside;
+    when the block raises (a refused file), the folders made here are removed again where they stayed empty: a
+    refused file leaves nothing behind."""
+    directory = check_cache_dir(cache_dir, option)
+    made = [p for p in (directory, *directory.parents) if not p.exists()]  # deepest first
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"token cache {str(directory)!r} cannot be made a directory ({err.strerror}): pass "
+                         f"{option}= a writable directory.") from None
+    try:
+        yield directory
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: another file's entry (complete) is kept, and the folders above it
+                break
+        raise
 
 
 def _read_index(path: Path) -> dict | None:

@@ -10,6 +10,7 @@ others after a barrier: they then read the cache it wrote instead of tokenizing 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .cache import TokenFile, tokenize_file
+from .sources import DEFAULT_TEXT_FIELD
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["TokenCorpus", "load_text_corpus"]
@@ -70,7 +72,7 @@ class TokenCorpus:
 
 
 def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, tokenizer: str | os.PathLike,
-                     text_field: str = "text", cache_dir: str | os.PathLike | None = None,
+                     text_field: str = DEFAULT_TEXT_FIELD, cache_dir: str | os.PathLike | None = None,
                      progress: bool | None = None) -> TokenCorpus:
     """Tokenize ``paths`` with the fast tokenizer saved in ``tokenizer`` (or read them from the token cache) and
     return them as one :class:`TokenCorpus`.
@@ -87,7 +89,7 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
         ValueError: no paths, a path given twice, a bad tokenizer directory or a bad file (each message names it
             and the way out); every file is checked before any is tokenized.
     """
-    from .sources import check_source
+    from .sources import check_source, unread_text_field
 
     listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not listed:
@@ -98,6 +100,9 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
         raise ValueError(f"data file(s) given more than once: {', '.join(twice)}; pass each once.")
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r} must name a JSON field, e.g. 'text'.")
+    note = unread_text_field(sources, text_field)
+    if note is not None:
+        warnings.warn(note, UserWarning, stacklevel=2)
     loaded = load_tokenizer(tokenizer)
     fingerprint = tokenizer_fingerprint(loaded)
     files = tuple(tokenize_file(p, loaded, fingerprint=fingerprint, text_field=text_field, cache_dir=cache_dir,

@@ -54,9 +54,13 @@ def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None
     Raises:
         ValueError: a bad file or tokenizer, with the file and the way out (nothing is left in the cache).
     """
+    from .._schema import cli_flag
+    from .cache import check_cache_dir
+
     tokenizer = job_tokenizer(train.data, train.tokenizer, pretrained)
     if tokenizer is None:
         return None
+    check_cache_dir(train.data_cache, "data_cache", cli_flag("data_cache"))  # named as the job names it
     return load_text_corpus(list(train.data), tokenizer=tokenizer, text_field=train.text_field,
                             cache_dir=train.data_cache, progress=progress)
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["FileIdentity", "file_kind", "check_source", "file_identity", "file_sha256", "read_pieces",
-           "JSON_SUFFIXES", "PIECE_BYTES"]
+__all__ = ["FileIdentity", "file_kind", "check_source", "unread_text_field", "file_identity", "file_sha256",
+           "read_pieces", "DEFAULT_TEXT_FIELD", "JSON_SUFFIXES", "PIECE_BYTES"]
 
+DEFAULT_TEXT_FIELD = "text"
+"""The JSON field holding a document's text when none is named."""
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 """Files with these suffixes are read as JSON lines; any other as plain text."""
 PIECE_BYTES = 1 << 18
@@ -37,19 +40,43 @@ def file_kind(path: str | os.PathLike) -> Kind:
 
 
 def check_source(path: str | os.PathLike) -> Path:
-    """``path`` as an absolute Path; ValueError unless it is a non-empty readable file. Call before tokenizing,
-    so that nothing is written for a bad path."""
-    p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise ValueError(f"data file {str(path)!r} does not exist: pass a plain-text or JSON-lines file "
-                         f"({', '.join(JSON_SUFFIXES)}).")
-    if p.is_dir():
-        raise ValueError(f"data file {str(path)!r} is a directory: pass its files (e.g. {path}/*.jsonl).")
+    """``path`` as an absolute Path; ValueError unless it is a non-empty readable regular file. Call before
+    tokenizing, so that nothing is written for a bad path."""
+    given = str(path)
+    try:
+        p = Path(path).expanduser().resolve()
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"data file {given!r} does not exist: pass a plain-text or JSON-lines file "
+                         f"({', '.join(JSON_SUFFIXES)}).") from None
+    except (OSError, RuntimeError) as err:  # a symlink loop (RuntimeError before Python 3.13), a name too long...
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"data file {given!r} cannot be opened ({reason}): pass a plain-text or JSON-lines file "
+                         "(resolve the link to the file it means).") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"data file {given!r} is a directory: pass its files (e.g. {path}/*.jsonl).")
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise ValueError(f"data file {given!r} is {what}: only regular files are read (their size and contents key "
+                         "the token cache). Save the text to a file and pass that.")
     if not os.access(p, os.R_OK):
-        raise ValueError(f"data file {str(path)!r} is not readable (permissions).")
+        raise ValueError(f"data file {given!r} is not readable (permissions).")
     if p.stat().st_size == 0:
-        raise ValueError(f"data file {str(path)!r} is empty: there is nothing to tokenize.")
+        raise ValueError(f"data file {given!r} is empty: there is nothing to tokenize.")
     return p
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def unread_text_field(paths: list[Path], text_field: str) -> str | None:
+    """The note for a ``text_field`` set away from its default when no file is JSON lines (no file reads it)."""
+    if text_field == DEFAULT_TEXT_FIELD or any(file_kind(p) == "jsonl" for p in paths):
+        return None
+    names = ", ".join(p.name for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return (f"text_field={text_field!r} has no effect here (read only from JSON-lines files, "
+            f"{', '.join(JSON_SUFFIXES)}; the data is plain text: {names}).")
 
 
 @dataclass(frozen=True)
