@@ -121,6 +121,19 @@ def test_a_data_cache_that_is_a_file_names_the_flag(tmp_path, capsys):
            "directory (made if missing)" in line, line
 
 
+@pytest.mark.parametrize("files", [{"tokenizer_config.json": '{"tokenizer_class": 5}'},
+                                   {"tokenizer.json": "{", "tokenizer_config.json": "{}"}])
+def test_a_tokenizer_folder_transformers_cannot_read_is_one_line(files, tmp_path, capsys):
+    (tmp_path / "tok").mkdir()
+    for name, text in files.items():
+        (tmp_path / "tok" / name).write_text(text)
+    (tmp_path / "notes.txt").write_text("The cat sees a small boat.\n")
+    line = _refused(["train", "--data", str(tmp_path / "notes.txt"), "--tokenizer", str(tmp_path / "tok"),
+                     "--data-cache", str(tmp_path / "cache"), "--nproc", "1"], capsys)
+    assert f"tokenizer {str(tmp_path / 'tok')!r}: transformers cannot read it as a tokenizer (" in line, line
+    assert not (tmp_path / "cache").exists()
+
+
 def test_tensorboard_that_cannot_be_imported_is_one_line(tmp_path):
     """tensorboard made unimportable in a fresh interpreter (its distribution may still be installed)."""
     code = (f"import sys; sys.modules['tensorboard'] = None; from fp8dist.cli import main; "

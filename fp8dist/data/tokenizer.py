@@ -46,7 +46,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
                          f"tokenizer.save_pretrained({str(path)!r}), or pass the directory that has it.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # whatever transformers (or tokenizers) raises reading a user's folder is about its files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"tokenizer {str(path)!r}: transformers cannot read it as a tokenizer ({first}).") from None
     if not getattr(tokenizer, "is_fast", False):
