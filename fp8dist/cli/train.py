@@ -216,10 +216,11 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ..env import rank_imports
+    from ..env_vars import read
 
-    multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks",
-                                           *rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)])
-    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S))
+    preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)
+    multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
+    grace = read(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S)
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fp8dist-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           start_method="forkserver", shutdown_timeout=grace)
