@@ -208,7 +208,8 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.env.rank_imports`,
     ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
     this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
-    the server has run nothing, holds no CUDA context, and is gone when this process exits."""
+    the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
+    reaped before this returns (:mod:`fp8dist.helper_processes`)."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -217,6 +218,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
 
     from ..env import rank_imports
     from ..env_vars import read
+    from ..helper_processes import stop_multiprocessing_helpers
 
     preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)
     multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
@@ -237,6 +239,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
         return _interrupted(train, _Progress.read(state / "progress"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+        stop_multiprocessing_helpers()  # every rank is joined: the fork server can go, and none outlives us
     return 0
 
 
