@@ -23,7 +23,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch.distributed as dist
 
@@ -69,19 +69,22 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
 
 
 def _host(addr: str, port: int, world: int, timeout_s: float) -> dist.Store:
-    """Rank 0's store, listening on ``port`` (on every interface: torch's store does)."""
-    where = f"{addr}:{port}"
-    try:
-        return dist.TCPStore(addr, port, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False, multi_tenant=True)
-    except (RuntimeError, ValueError) as err:  # DistNetworkError is a RuntimeError
-        if _in_use(port):
-            raise LaunchError(f"rank 0 cannot host the rendezvous at {where} (MASTER_ADDR:MASTER_PORT): port {port} is "
-                              f"in use by another program on this machine. Stop that program (ss -ltnp 'sport = "
-                              f":{port}' names it), or {_FREE_PORT}.") from None
-        raise LaunchError(f"rank 0 could not host the rendezvous at {where} (MASTER_ADDR:MASTER_PORT): "
-                          f"{str(err).splitlines()[0]}. Start rank 0 on the machine MASTER_ADDR names, and "
-                          f"{_FREE_PORT}.") from None
+    """Rank 0's store, listening on ``port`` (on every interface: torch's store does), its own client connected
+    through ``addr`` as every rank's is."""
+    store, err, unanswered = _make_store(addr, port, 0, world, timeout_s)
+    if store is not None:
+        return store
+    where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
+    if unanswered:  # the store listens here, and MASTER_ADDR leads to another machine's program
+        raise LaunchError(f"rank 0 hosts the rendezvous on port {port} of this machine, but the program at {where} "
+                          f"accepted a connection and did not answer as it within {timeout_s:g} s: MASTER_ADDR names "
+                          "another machine. Set it to this machine's address, the same for every rank.")
+    if _in_use(port):
+        raise LaunchError(f"rank 0 cannot host the rendezvous at {where}: port {port} is in use by another program "
+                          f"on this machine. Stop that program (ss -ltnp 'sport = :{port}' names it), or "
+                          f"{_FREE_PORT}.")
+    raise LaunchError(f"rank 0 could not host the rendezvous at {where}: {str(err).splitlines()[0]}. Start rank 0 on "
+                      f"the machine MASTER_ADDR names, and {_FREE_PORT}.")
 
 
 def _in_use(port: int) -> bool:
@@ -98,17 +101,11 @@ def _in_use(port: int) -> bool:
 
 def _reach(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
     """A store client connected to rank 0's store within ``timeout_s``, else LaunchError saying what is there."""
-    try:
-        peers = {_endpoint(info[4]) for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)}
-    except socket.gaierror:
-        raise LaunchError(f"rank {rank} of {world}: MASTER_ADDR={addr!r} does not resolve to an address here: set it "
-                          "to rank 0's machine (an address, or a name every machine resolves), the same for every "
-                          "rank.") from None
-    store, answered_not = _connect(addr, port, world, timeout_s, peers)
+    store, _, unanswered = _make_store(addr, port, rank, world, timeout_s)
     if store is not None:
         return store
     where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
-    if answered_not:
+    if unanswered:
         raise LaunchError(f"rank {rank} of {world}: the program at {where} accepted a connection but did not answer "
                           f"as rank 0's rendezvous within {timeout_s:g} s: another program holds that port. Stop it "
                           f"(ss -ltnp 'sport = :{port}' on that machine names it), or {_FREE_PORT}.")
@@ -118,28 +115,36 @@ def _reach(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dis
                       f"{timeout_s:g} s).")
 
 
-def _connect(addr: str, port: int, world: int, timeout_s: float, peers: set) -> tuple[dist.Store | None, bool]:
-    """torch's store client, made in a thread and given up on after ``timeout_s``: (the store or None, whether a
-    connection to ``peers`` was open and unanswered then). Giving up closes that connection, so the thread ends
-    before this returns (a thread still inside torch when the interpreter finalizes aborts the process)."""
-    made: dict[str, dist.Store] = {}
+def _make_store(addr: str, port: int, rank: int, world: int,
+                timeout_s: float) -> tuple[dist.Store | None, Exception | None, bool]:
+    """torch's store (rank 0 hosts it), made in a thread and given up on after ``timeout_s``: (the store or None,
+    torch's error, whether a connection to ``addr:port`` was open and unanswered then). Giving up shuts that
+    connection down, so the thread ends before this returns (a thread still inside torch when the interpreter
+    finalizes aborts the process)."""
+    try:
+        peers = {_endpoint(info[4]) for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        raise LaunchError(f"rank {rank} of {world}: MASTER_ADDR={addr!r} does not resolve to an address here: set it "
+                          "to rank 0's machine (an address, or a name every machine resolves), the same for every "
+                          "rank.") from None
+    made: dict[str, Any] = {}
 
-    def connect() -> None:
+    def make() -> None:
         try:
-            made["store"] = dist.TCPStore(addr, port, world, is_master=False, wait_for_workers=False,
+            made["store"] = dist.TCPStore(addr, port, world, is_master=rank == 0, wait_for_workers=False,
                                           timeout=datetime.timedelta(seconds=timeout_s), multi_tenant=True)
-        except (RuntimeError, ValueError):  # nobody listened there in time, or the connection was closed below
-            pass
+        except (RuntimeError, ValueError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
+            made["error"] = err
 
     before = set(_socket_fds())
-    thread = threading.Thread(target=connect, name="fp8dist-rendezvous", daemon=True)
+    thread = threading.Thread(target=make, name="fp8dist-rendezvous", daemon=True)
     thread.start()
     thread.join(timeout_s)
     unanswered = False
     while thread.is_alive():  # torch's own deadline, the same timeout, has passed: it does not try again for long
         unanswered |= _close_connections(set(_socket_fds()) - before, peers)
         thread.join(_POLL_S)
-    return made.get("store"), unanswered
+    return made.get("store"), made.get("error"), unanswered
 
 
 def _socket_fds() -> list[int]:
