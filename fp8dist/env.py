@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from .packages import package_version, supported_range
-from .rendezvous import LaunchError, rendezvous_store, rendezvous_timeout
+from .env_vars import LaunchError, check_variables, read
+from .rendezvous import rendezvous_store, rendezvous_timeout
 
 __all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
-           "init_distributed", "shutdown", "resolve_device", "share_cpu_threads", "rank_imports", "peak_memory_mib"]
+           "init_distributed", "shutdown", "resolve_device", "local_world_size", "share_cpu_threads", "rank_imports",
+           "peak_memory_mib"]
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,6 @@ class DistEnv:
     launcher: str
 
 
-def _int(environ: Mapping[str, str], name: str) -> int:
-    value = environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise LaunchError(f"environment variable {name}={value!r} must be an integer (set by the launcher).") from None
-
-
 def _slurm_head_node(environ: Mapping[str, str]) -> str:
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
@@ -80,43 +74,53 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         environ: the variables to read; defaults to ``os.environ``.
     """
     environ = os.environ if environ is None else environ
+    check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
         given, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
         raise LaunchError(f"{given}={environ[given]} is set but {missing} is not: a launcher sets both (and "
                           "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
                           f"{missing} too, or unset {given} to run as one process.")
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-        local = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else rank
-        port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
+        names = ("RANK", "WORLD_SIZE")
+        rank, world = read(environ, "RANK"), read(environ, "WORLD_SIZE")
+        local = read(environ, "LOCAL_RANK", rank)
+        port = read(environ, "MASTER_PORT")
         launcher = "env"
-        addr = environ.get("MASTER_ADDR")
+        addr = read(environ, "MASTER_ADDR")
     elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
-        rank = _int(environ, "SLURM_PROCID")
-        world = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
-        local = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
+        names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
+        rank, world = read(environ, names[0]), read(environ, names[1])
+        local = read(environ, "SLURM_LOCALID", 0)
         launcher = "slurm"
-        addr = environ.get("MASTER_ADDR") or (_slurm_head_node(environ) if world > 1 else None)
-        if "MASTER_PORT" in environ:
-            port = _int(environ, "MASTER_PORT")
-        else:  # same on every task of the job, distinct between jobs sharing a node
-            port = 20000 + _int(environ, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in environ else None
+        addr = read(environ, "MASTER_ADDR") or (_slurm_head_node(environ) if world > 1 else None)
+        port = read(environ, "MASTER_PORT")
+        if port is None and "SLURM_JOB_ID" in environ:  # same on every task of the job, distinct between jobs
+            port = 20000 + read(environ, "SLURM_JOB_ID") % 20000
     else:
         return LaunchEnv("none", 0, 1, 0, None, None)
-    if not 0 <= rank < world:
-        raise LaunchError(f"rank {rank} is outside world size {world}: check the launcher's environment.")
+    if rank >= world:
+        raise LaunchError(f"{names[0]}={rank}: rank {rank} is outside world size {world} ({names[1]}={world}, ranks "
+                          f"0 to {world - 1}): start every process with the same {names[1]} (the number started) "
+                          f"and its own {names[0]} below it, as the launcher does.")
     if world > 1 and (addr is None or port is None):
         raise LaunchError(f"{launcher} launch with world size {world} but no rendezvous address: "
                            "set MASTER_ADDR and MASTER_PORT.")
-    node = next((_int(environ, name) for name in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if name in environ), 0)
-    return LaunchEnv(launcher, rank, world, local, addr, port, node)
+    return LaunchEnv(launcher, rank, world, local, addr, port, _node_rank(environ))
+
+
+def _node_rank(environ: Mapping[str, str]) -> int:
+    return next((read(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
 
 
 def _ranks_per_node(environ: Mapping[str, str], world: int) -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    given = next((environ[n] for n in _LOCAL_WORLD if environ.get(n, "").isdigit()), None)
-    return int(given) if given else world  # nothing says otherwise: one node
+    return local_world_size(environ, world)
+
+
+def local_world_size(environ: Mapping[str, str], default: int) -> int:
+    """The number of processes on this node, as the launcher exports it; ``default`` when it does not."""
+    return next((read(environ, n) for n in _LOCAL_WORLD if n in environ), default)
 
 
 def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -127,9 +131,8 @@ def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     environ = os.environ if environ is None else environ
     rank, world = dist.get_rank(), dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
-    local = _int(environ, name) if name else rank % max(1, _ranks_per_node(environ, world))
-    node = next((_int(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
-    return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, node)
+    local = read(environ, name) if name else rank % max(1, _ranks_per_node(environ, world))
+    return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, _node_rank(environ))
 
 
 def current_launch() -> LaunchEnv:
@@ -262,7 +265,7 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" in environ:
         return None
-    local = next((int(environ[n]) for n in _LOCAL_WORLD if environ.get(n, "").isdigit()), 1)
+    local = local_world_size(environ, 1)
     if local <= 1:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

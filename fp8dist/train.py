@@ -30,7 +30,7 @@ from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_check
 from .config import Config
 from .data import check_batch_split
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
-from .env import current_launch, init_distributed, peak_memory_mib
+from .env import current_launch, init_distributed, local_world_size, peak_memory_mib
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
 from .agree import on_all_ranks
@@ -283,7 +283,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
               f"host {host} device {env.device} ready", flush=True)
     need = job_memory_need(asked, train, model_config, env.world_size)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))  # one node unless the launcher says
+    ranks_here = local_world_size(os.environ, env.world_size)  # one node unless the launcher says
     on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
                  passthrough=(MemoryError,))
     batches = JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, rank=env.rank,

@@ -142,6 +142,8 @@ def test_deepspeed_dry_run_writes_a_hostfile_from_the_node_list_and_runs_one_lau
     ("torchrun.sh", [], {"NNODES": "two"}, "NNODES='two' must be a node count (2) or a range (1:4)"),
     ("torchrun.sh", [], {"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0' must be a positive integer"),
     ("torchrun.sh", [], {"DRY_RUN": "yes"}, "DRY_RUN='yes' must be 0 or 1"),
+    ("torchrun.sh", [], {"MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be an integer from 1 to 65535: set it"),
+    ("deepspeed.sh", [], {"MASTER_PORT": "0"}, "MASTER_PORT='0' must be an integer from 1 to 65535: set it"),
     ("torchrun.sh", ["no_such_train.py"], {}, "script 'no_such_train.py' not found"),
     ("torchrun.sh", ["-m"], {}, "-m needs a module name"),
     ("torchrun.sh", [], {"TORCHRUN": "no-such-torchrun"}, "'no-such-torchrun' is not on PATH. Activate the"),

@@ -75,15 +75,21 @@ def _descendants(pid: int) -> list[str]:
     return found
 
 
-def _states(pids: list[str]) -> dict[str, str]:
-    states = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                states[pid] = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            states[pid] = "gone"
-    return states
+def _stat(pid: str) -> tuple[str, str] | None:
+    """A process's state and start time (the pair names one process even if its PID is reused), or None once it is
+    gone: reaped by its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+def _left(children: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The state of each of ``children`` (PID -> its state and start time when listed) that still exists."""
+    now = {pid: _stat(pid) for pid in children}
+    return {pid: stat[0] for pid, stat in now.items() if stat is not None and stat[1] == children[pid][1]}
 
 
 @pytest.mark.slow
@@ -99,14 +105,15 @@ def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tm
         for line in proc.stdout:
             if re.match(r"step +3/500 ", line):
                 break
-        children = _descendants(proc.pid)  # the ranks, and the fork server they forked from
+        # the ranks, the fork server they forked from and multiprocessing's resource tracker
+        children = {pid: stat for pid in _descendants(proc.pid) if (stat := _stat(pid)) is not None}
         (os.killpg if who == "process group" else os.kill)(proc.pid, signal.SIGINT)
         said = proc.stderr.readline()  # printed once every rank has been joined
-        at_report = _states(children)
+        at_report = _left(children)
         proc.wait(timeout=60)
-        deadline = time.monotonic() + 10  # the fork server leaves when the launcher has gone
-        while set(_states(children).values()) != {"gone"} and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # exact, no deadline: a launcher reaps what it started before it exits, and the fork server reaps the ranks
+        # it forked before it leaves; an orphan left to init would be reaped whenever init gets to it
+        after_exit = _left(children)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -115,7 +122,7 @@ def test_ctrl_c_says_where_the_job_stood_exits_130_and_reaps_every_child(who, tm
     assert said == f"fp8dist train: interrupted at step {done}; last checkpoint step {done - done % 2}\n"
     assert proc.returncode == 130 and done >= 3
     assert len(children) >= 3 and "Z" not in at_report.values(), f"a <defunct> child: {at_report}"
-    assert set(_states(children).values()) == {"gone"}, f"left behind: {_states(children)}"
+    assert after_exit == {}, f"left behind when the launcher exited: {after_exit}"
     assert "Traceback" not in proc.stderr.read()
 
 
@@ -129,6 +136,7 @@ def launcher_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.timeout(300)  # the only clock: torch's own rendezvous would wait 30 minutes
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_missing(rank, launcher_env):
     from fp8dist.env import LaunchError, init_distributed
@@ -139,8 +147,7 @@ def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_m
     start = time.monotonic()
     with pytest.raises(LaunchError) as err:
         init_distributed(device="cpu")
-    waited = time.monotonic() - start
-    assert 1.0 <= waited < 15, waited  # the 1 s asked for, not torch's 30 minutes
+    assert time.monotonic() - start >= 1.0, "waited the 1 s asked for"
     assert not dist.is_initialized()
     if rank == "0":
         assert str(err.value) == (f"rank 0: only 1 of WORLD_SIZE=2 processes joined the rendezvous at {where} in 1 s: "

@@ -211,7 +211,8 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.env.rank_imports`,
     ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
     this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
-    the server has run nothing, holds no CUDA context, and is gone when this process exits."""
+    the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
+    reaped before this returns (:mod:`fp8dist.helper_processes`)."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -219,10 +220,12 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ..env import rank_imports
+    from ..env_vars import read
+    from ..helper_processes import stop_multiprocessing_helpers
 
-    multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks",
-                                           *rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)])
-    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S))
+    preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)
+    multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
+    grace = read(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S)
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fp8dist-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           start_method="forkserver", shutdown_timeout=grace)
@@ -239,6 +242,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
         return _interrupted(train, _Progress.read(state / "progress"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
+        stop_multiprocessing_helpers()  # every rank is joined: the fork server can go, and none outlives us
     return 0
 
 

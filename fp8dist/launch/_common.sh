@@ -28,6 +28,12 @@ check_count() {  # check_count NAME VALUE: a positive integer, or stop naming th
   [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1='$2' must be a positive integer."
 }
 
+check_port() {  # check_port NAME VALUE: a TCP port, 1 to 65535, or stop naming the variable and the way out
+  if [[ ! "$2" =~ ^[1-9][0-9]{0,4}$ ]] || (($2 > 65535)); then
+    die "$1='$2' must be an integer from 1 to 65535: set it to a free port on the head node, the same on every node."
+  fi
+}
+
 check_dry_run() {
   [[ "${DRY_RUN:-0}" == 0 || "${DRY_RUN}" == 1 ]] || die "DRY_RUN='${DRY_RUN}' must be 0 or 1."
 }

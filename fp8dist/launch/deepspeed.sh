@@ -31,7 +31,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 DEEPSPEED=${DEEPSPEED:-deepspeed}
 SSH=${SSH:-0}
 check_count NPROC_PER_NODE "$NPROC_PER_NODE"
-check_count MASTER_PORT "$MASTER_PORT"
+check_port MASTER_PORT "$MASTER_PORT"
 [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || die "NODE_RANK='$NODE_RANK' must be 0 or a positive integer."
 [[ "$SSH" == 0 || "$SSH" == 1 ]] || die "SSH='$SSH' must be 0 (one launcher per node) or 1 (pdsh from this node)."
 parse_target "$@"

@@ -31,7 +31,7 @@ TORCHRUN=${TORCHRUN:-torchrun}
 
 [[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || die "NNODES='$NNODES' must be a node count (2) or a range (1:4)."
 check_count NPROC_PER_NODE "$NPROC_PER_NODE"
-check_count MASTER_PORT "$MASTER_PORT"
+check_port MASTER_PORT "$MASTER_PORT"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS='$MAX_RESTARTS' must be 0 or a positive integer."
 parse_target "$@"
 
