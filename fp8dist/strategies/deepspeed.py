@@ -316,6 +316,8 @@ class DeepSpeed(Strategy):
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
                                 "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
                "offload_param": When({"zero_stage": (3,)})}
+    optimizer_keys = {"torch_adam": bool, "adam_w_mode": bool}
+    """Keys DeepSpeed's Adam/AdamW block takes beside torch's (its own types, Lamb and the rest, are its own)."""
     rules = (
         Rule(("offload_param", "zero_stage"), lambda cfg, facts: cfg.parallel.offload_param and not _zero3(cfg),
              "only ZeRO-3 partitions parameters", "Use zero_stage=3 or offload_optimizer=True."),
