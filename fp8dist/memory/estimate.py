@@ -23,6 +23,7 @@ when not gradient views) are listed as notes, not counted.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -44,7 +45,7 @@ from ..options import DEFAULT_SEQ_LEN
 from ..levels import get_level
 from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the config dtypes, by torch dtype
 
@@ -207,6 +208,18 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
     return notes
 
 
+def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
+    """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
+    words: the config's options (``offload_param`` under fsdp) and ``optimizer`` where the memory level builds its
+    own (the rule of :func:`fp8dist.combine.unread_options`, said once each as a warning, as ``wrap_model`` does)."""
+    notes = cfg.unused_options()
+    level = get_level(cfg.parallel.memory)
+    if level.builds_optimizer and optimizer != "adamw":
+        notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
+                     f"{level.summary}).")
+    return notes
+
+
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
                     fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
@@ -250,6 +263,10 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+    for note in unread_arguments(cfg, optimizer):
+        warnings.warn(note, UserWarning, stacklevel=2)
+    if get_level(cfg.parallel.memory).builds_optimizer:
+        optimizer = "adamw"  # the level's own (its step counter and states)
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     hardware = parse_target(target) if isinstance(target, str) else target
