@@ -38,6 +38,7 @@ from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
 from .._schema import choice_error
+from ..combine import unread_options
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
 from ..env import runs_on_cpu
@@ -278,7 +279,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     def rerun(world: int, **changes: Any) -> MemoryEstimate:
         return _estimate(job, resolve_config(cfg, **changes), world, None)
 
-    step = cfg.parallel.replicate_degree if cfg.parallel.strategy == "fsdp" else 1
+    # HSDP's rank counts are multiples of its replicas, where the strategy reads replicate_degree at all
+    step = 1 if "replicate_degree" in unread_options(cfg) else cfg.parallel.replicate_degree
     return replace(est, fit=check_fit(est, gpu.spec.label, int(gpu.spec.memory_gib * 2**30), rerun, rank_step=step))
 
 

@@ -117,7 +117,7 @@ def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_ste
         ways.append(WayOut({"world_size": found[0]}, "more ranks", found[1], True))
     levers = [(change, _lever(rerun, world, what, change, need, capacity_bytes)) for what, change in LEVERS]
     ways += [way for _, tried in levers for way in tried]
-    checkpointing, tried = levers[0]
+    _, tried = levers[0]
     if tried and not any(w.fits for w in ways):  # activations and model states both too big: checkpointing too
         ways += _with_checkpointing(rerun, world, rank_step, capacity_bytes, tried[0], levers[1:])
     return Fit(gpu, capacity_bytes, need, est.activations_modelled, tuple(ways), no_ranks)
@@ -161,17 +161,19 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, capacity: int, need: in
 
     low, n, last = world, _multiple(world + 1, step), need
     try:
-        rerun(n, **change)
+        got = device_bytes(rerun(n, **change))
     except ValueError as err:
         return None, f"not with this strategy ({err})"
-    while n <= MAX_RANKS:
-        got = bytes_at(n)
-        if got is None or got >= last:
-            return None, "more ranks do not shrink a rank's bytes here (each rank holds the whole model state)"
+    while got is not None and got < last:
         if got <= capacity:
             return _narrow(bytes_at, low, n, got, step, capacity), ""
         low, last, n = n, got, _multiple(2 * n, step)
-    return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
+        if n > MAX_RANKS:
+            return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
+        got = bytes_at(n)
+    return None, "more ranks do not shrink a rank's bytes here (each rank holds the whole model state)"
+
+
 def _narrow(bytes_at: Callable[[int], int | None], low: int, high: int, high_bytes: int, step: int,
             capacity: int) -> tuple[int, int]:
     """Bisect between ``low`` (does not fit) and ``high`` (fits) on multiples of ``step``."""
