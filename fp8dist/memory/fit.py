@@ -10,7 +10,8 @@ Example::
 
     est = estimate_memory(model, strategy="fsdp", world_size=8, seq_len=4096, target="h100")
     est.fit.fits               # False: 257.9 GiB per rank, a rank of an H100 may plan on 72
-    est.fit.ways_out[0]        # WayOut({'world_size': ...}, ...) -- each computed by the estimate
+    est.fit.ways_out           # WayOut(change={'activation_checkpointing': 'full', 'memory': 'lean'}, ...), each
+                               # with the per-rank bytes the estimate computes for that run
 """
 
 from __future__ import annotations
