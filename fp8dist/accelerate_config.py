@@ -9,8 +9,9 @@ out. fp8dist's own keys may stand beside.
 
 It cannot drift from the library: every target is an option of :mod:`fp8dist.options` (its values are normalized
 and checked there), every option is either a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and
-an Accelerate key that sets an option the chosen strategy / backend does not read is refused with the reason the
-combination table gives (:func:`fp8dist.combine.unused_options`), not one written here.
+an Accelerate key that sets an option the chosen strategy / backend does not read is what the same option is as a
+keyword or a flag: one warning naming who reads it, from the combination table (:func:`fp8dist.combine.
+unused_options`), where the config is used; the translator adds no rule of its own.
 
 Example::
 
@@ -23,13 +24,11 @@ import difflib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from ._schema import BOOL_WORDS, choice_error, normalize_value
 from .accelerate_keys import (_DS_FILE_DECIDES, _FP8, _FSDP, _HYBRID, _SECTIONS, _TOP, NO_ACCELERATE_KEY, _Mark,
                               _Refuse, _Rule, _schema, _Section, _to, targets)
-from .options import SECTIONS
 
 __all__ = ["translate_accelerate_config", "NO_ACCELERATE_KEY", "targets"]
 
@@ -178,24 +177,6 @@ def _hybrid(state: _State) -> None:
     _set_once(state, "replicate_degree", nodes, f"{where} with num_machines: {nodes}")
 
 
-def _unread(state: _State) -> None:
-    """An Accelerate key that set an option the chosen strategy / backend does not read did nothing: refused, with
-    the combination table's words for who reads it (fp8dist's own keys stay a warning, as anywhere)."""
-    from ._schema import route_keys
-    from .combine import unread_options
-
-    known = {k: v for k, v in state.flat.items() if k in _schema()[0]}
-    routed = route_keys(known, SECTIONS.values(), source="the file")
-    try:
-        cfg = SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()})
-    except ValueError:
-        return  # a bad value: named with the file when the config is built
-
-    for option, note in unread_options(cfg).items():
-        if option in state.origin:
-            raise ValueError(f"{state.origin[option]} sets {note} Remove it, or change what it depends on.")
-
-
 def _finish(state: _State) -> None:
     """What depends on several keys: FSDP's version, HSDP, the FP8 backend, DeepSpeed's json and its offload."""
     if state.seen.get("distributed_type") == "FSDP" and "fsdp_config.fsdp_version" not in state.seen:
@@ -217,7 +198,6 @@ def _finish(state: _State) -> None:
                          "partitions parameters. Use zero_stage: 3, or offload_param_device: none "
                          "(offload_optimizer_device: cpu offloads the optimizer states).")
     _hybrid(state)
-    _unread(state)
 
 
 def translate_accelerate_config(data: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:

@@ -17,7 +17,7 @@ from .env import DistEnv, current_launch, resolve_device
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
 from .guard import StepGuard
 from .levels import MemoryLevel, get_level
-from .optim import OptimizerSpec, watch_replaced_parameters
+from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
 from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
 from .pretrained import LoadReport, materialize
@@ -107,9 +107,13 @@ def _ignored_arguments(cfg: Config, fp8_filter: Any, fp8_group: Any) -> list[str
     return notes
 
 
-def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, memory: MemoryLevel) -> None:
+def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, memory: MemoryLevel,
+                     engine: Any) -> None:
     """Who builds the optimizer decides what ``optimizer=`` must be, checked before anything changes."""
     memory.check_optimizer(optimizer)
+    if optimizer is not None:  # an engine that builds it may take keys of its own (DeepSpeed's torch_adam)
+        check_optimizer_spec(optimizer, engine_keys=getattr(engine, "optimizer_keys", {})
+                             if plan.facts.engine_builds_optimizer else None)
     if backend.owns_optimizer and optimizer is None and not plan.facts.engine_builds_optimizer:
         raise ValueError(f"fp8={backend.name!r} owns the optimizer: pass optimizer={{'type': 'AdamW', 'lr': ...}} "
                          "(or a callable params -> torch.optim.AdamW) and take model, optimizer = wrap_model(...).")
@@ -182,7 +186,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
                           fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
     backend.check_plan(plan)
-    _check_optimizer(optimizer, backend, plan, memory)
+    _check_optimizer(optimizer, backend, plan, memory, engine)
     _announce(cfg, plan, fp8_filter, fp8_group)
     env = engine.environment(cfg, launch, device)                                         # 4. environment
     check_ranks_agree(model, cfg, plan, env)

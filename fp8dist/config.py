@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +21,7 @@ from .combine import check as check_combination
 from .combine import unused_options as options_unused
 from ._schema import route_keys
 from .accelerate_config import translate_accelerate_config
+from .config_files import read_config_text
 from .dtypes import torch_dtype
 from .options import SECTIONS, FP8Config, StrategyConfig
 
@@ -69,47 +69,19 @@ class Config:
         return cls(**{name: section(**routed[section]) for name, section in _SECTIONS.items()})
 
 
-def _read_config_text(path: Path) -> Any:
-    """The file parsed as JSON (``.json``) or YAML, None when empty; a syntax error names the file, the line and
-    the column."""
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as err:
-        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
-    if not text.strip():
-        return None
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config file {str(path)!r} is not valid JSON: line {err.lineno}, column {err.colno}: "
-                             f"{err.msg}.") from None
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark, context, start = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line
-        if context and start is not None:  # where the unfinished construct began ("while scanning a quoted scalar")
-            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {where}{problem}.") from None
-
-
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON file into a flat dict (not validated yet); the keys of a file written by
     ``accelerate config`` are translated (:mod:`fp8dist.accelerate_config`).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is empty, not valid YAML/JSON (naming the line and column) or not a mapping, or an
-            Accelerate key or value has no fp8dist equivalent.
+        ValueError: the file is empty, not valid YAML/JSON (naming the line and column), gives a key twice, or is
+            not a mapping, or an Accelerate key or value has no fp8dist equivalent.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist.")
-    data = _read_config_text(path)
+    data = read_config_text(path)
     if data is None:  # nothing, or only comments
         raise ValueError(f"config file {str(path)!r} is empty: write at least one key (e.g. strategy: fsdp), or "
                          "pass no config file.")

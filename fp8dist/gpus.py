@@ -89,8 +89,11 @@ class GpuSpec:
     """Dense FP8 tensor-core peak, TFLOP/s; None where the GPU has no FP8 tensor cores."""
     memory_tbps: float
     """Memory bandwidth, TB/s."""
+    memory_gib: float
+    """Memory capacity, GiB: the datasheet's "80 GB" of HBM is binary (five 16 GiB stacks); the driver keeps a little
+    of it, so CUDA reports slightly less as the device's total."""
     source: Source
-    """The datasheet of the three figures above."""
+    """The datasheet of the four figures above."""
     calibration: Calibration = H100_CALIBRATION
     """The speed model's constants; the H100's unless this GPU has its own measurements."""
 
@@ -119,38 +122,40 @@ _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.co
                  "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")
 
 GPUS: tuple[GpuSpec, ...] = (
-    GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, Source(
+    GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
         "NVIDIA A100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/a100/",
         "A100 80GB SXM column; BF16 312 TFLOPS dense; no FP8")),
-    GpuSpec("l4", "L4", (8, 9), r"\bL4\b", 121.0, 242.5, 0.300, Source(
+    GpuSpec("l4", "L4", (8, 9), r"\bL4\b", 121.0, 242.5, 0.300, 24.0, Source(
         "NVIDIA L4 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/l4/",
         "BF16 242 and FP8 485 TFLOPS are with sparsity, halved")),
-    GpuSpec("l40s", "L40S", (8, 9), r"\bL40S\b", 362.05, 733.0, 0.864, Source(
+    GpuSpec("l40s", "L40S", (8, 9), r"\bL40S\b", 362.05, 733.0, 0.864, 48.0, Source(
         "NVIDIA L40S GPU datasheet", "https://www.nvidia.com/en-us/data-center/l40s/",
         "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved")),
-    GpuSpec("rtx4090", "RTX 4090", (8, 9), r"RTX 4090", 165.2, 330.3, 1.008, Source(
+    GpuSpec("rtx4090", "RTX 4090", (8, 9), r"RTX 4090", 165.2, 330.3, 1.008, 24.0, Source(
         "NVIDIA Ada GPU Architecture whitepaper, Appendix A (GeForce RTX 4090)",
         "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
         "dense peaks with FP32 accumulate (training accumulates in FP32; GeForce runs it at half the FP16-"
         "accumulate rate)")),
-    GpuSpec("h100", "H100", (9, 0), r"H100(?!.*(PCIe|NVL))", 989.4, 1978.9, 3.35, _HOPPER),
-    GpuSpec("h100-pcie", "H100 PCIe", (9, 0), r"H100.*PCIe", 756.5, 1513.0, 2.0, Source(
+    GpuSpec("h100", "H100", (9, 0), r"H100(?!.*(PCIe|NVL))", 989.4, 1978.9, 3.35, 80.0, _HOPPER),
+    GpuSpec("h100-pcie", "H100 PCIe", (9, 0), r"H100.*PCIe", 756.5, 1513.0, 2.0, 80.0, Source(
         _HOPPER.document, _HOPPER.url, "H100 PCIe column; BF16 1,513 and FP8 3,026 TFLOPS are with sparsity, "
         "halved")),
-    GpuSpec("h200", "H200", (9, 0), r"(?<!G)H200", 989.4, 1978.9, 4.8, Source(
+    GpuSpec("h200", "H200", (9, 0), r"(?<!G)H200", 989.4, 1978.9, 4.8, 141.0, Source(
         "NVIDIA H200 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h200/",
         "H200 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")),
-    GpuSpec("gh200", "GH200", (9, 0), r"GH200", 989.4, 1978.9, 4.0, Source(
+    GpuSpec("gh200", "GH200", (9, 0), r"GH200", 989.4, 1978.9, 4.0, 96.0, Source(
         "NVIDIA GH200 Grace Hopper Superchip datasheet",
         "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/",
         "the Hopper GPU's BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; 4 TB/s is the 96 GB HBM3 "
         "version (the 144 GB HBM3e one has 4.9 TB/s)")),
-    GpuSpec("b200", "B200", (10, 0), r"(?<!G)B200", 2250.0, 4500.0, 8.0, Source(
+    GpuSpec("b200", "B200", (10, 0), r"(?<!G)B200", 2250.0, 4500.0, 8.0, 180.0, Source(
         "NVIDIA HGX platform (HGX B200) specifications", "https://www.nvidia.com/en-us/data-center/hgx/",
-        "8-GPU board: FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s divided by 8")),
-    GpuSpec("gb200", "GB200", (10, 0), r"GB200", 2500.0, 5000.0, 8.0, Source(
+        "8-GPU board: FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s and 1,440 GB "
+        "divided by 8")),
+    GpuSpec("gb200", "GB200", (10, 0), r"GB200", 2500.0, 5000.0, 8.0, 186.0, Source(
         "NVIDIA GB200 NVL72 specifications", "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
-        "per GB200 superchip (two GPUs): FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved twice")),
+        "per GB200 superchip (two GPUs): FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved twice; 372 GB "
+        "HBM3e, halved")),
 )
 """Every GPU, in the order ``--target`` lists them."""
 

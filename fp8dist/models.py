@@ -68,9 +68,13 @@ def read_model_config(path: str):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from pathlib import Path
+
+    from .config_files import no_duplicate_keys
+
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=no_duplicate_keys("model config", Path(path)))
     except OSError as err:
         raise ValueError(f"{path} is not a readable file ({err.strerror}): pass a Hugging Face config.json.") from None
     except json.JSONDecodeError as err:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "build_optimizer", "STEP_HOOKS", "StepAction", "watch_replaced_parameters",
+__all__ = ["OptimizerSpec", "build_optimizer", "check_optimizer_spec", "optimizer_classes", "STEP_HOOKS", "StepAction", "watch_replaced_parameters",
            "StaleOptimizerError", "param_count"]
 
 OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | Mapping[str, Any]
@@ -20,27 +20,148 @@ OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """Build an optimizer from ``spec``: a callable ``params -> Optimizer`` (e.g. ``functools.partial(
     torch.optim.AdamW, lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a class of
-    ``torch.optim``.
+    ``torch.optim`` (checked by :func:`check_optimizer_spec`).
     """
     if callable(spec):
         optimizer = spec(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer.")
         return optimizer
-    if isinstance(spec, Mapping):
-        kwargs = dict(spec)
-        name = kwargs.pop("type", None)
-        classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-                   if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n),
-                                                                              torch.optim.Optimizer)}
-        if not isinstance(name, str) or name.lower() not in classes:
-            from ._schema import choice_error
+    cls = check_optimizer_spec(spec)
+    return cls(params, **{k: v for k, v in spec.items() if k != "type"})
 
-            raise choice_error("optimizer type", name, sorted(c.__name__ for c in set(classes.values())),
-                               'Pass {"type": "AdamW", "lr": ...} or a callable params -> optimizer.')
-        return classes[name.lower()](params, **kwargs)
-    raise TypeError(f"optimizer must be a callable params -> Optimizer or a mapping with 'type', got "
-                    f"{type(spec).__name__}.")
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Every optimizer class of ``torch.optim`` by its lower-case name: the types an optimizer spec names."""
+    found = {}
+    for name in dir(torch.optim):
+        value = getattr(torch.optim, name)
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer:
+            found[name.lower()] = value
+    return found
+
+
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+"""Keys that pick an implementation for the parameters' device: their types are checked, but the trial
+construction leaves them out, its stand-in parameter being on no real device."""
+
+
+def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
+                         engine_keys: Mapping[str, Any] | None = None) -> type[torch.optim.Optimizer] | None:
+    """Refuse, before anything changes, a mapping spec that would fail later inside torch or an engine: an unknown
+    ``type``, a key its class does not take, a value of another type than the class's signature says (``lr`` as
+    the string ``"1e-3"``), a value the class itself refuses (torch's own range checks, run on a stand-in
+    parameter). Every torch.optim class and every key of its signature are covered, from the signature itself.
+
+    Args:
+        who: what builds it, first in the message (``"memory='lean': "``).
+        engine_keys: the keys an engine that builds the optimizer itself takes beside torch's (DeepSpeed's
+            ``torch_adam``), each with its type; a ``type`` torch.optim lacks is then the engine's own and left to it.
+
+    Returns:
+        The torch.optim class; None for an engine's own type or a callable (checked when it is called).
+    """
+    if callable(spec):
+        return None
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"optimizer must be a callable params -> Optimizer or a mapping with 'type', got "
+                        f"{type(spec).__name__}.")
+    kwargs = dict(spec)
+    name = kwargs.pop("type", None)
+    classes = optimizer_classes()
+    if not isinstance(name, str) or name.lower() not in classes:
+        if engine_keys is not None and isinstance(name, str) and name:
+            return None
+        from ._schema import choice_error
+
+        raise choice_error(f"{who}optimizer type", name, sorted(c.__name__ for c in classes.values()),
+                           'Pass {"type": "AdamW", "lr": ...} or a callable params -> optimizer.')
+    cls = classes[name.lower()]
+    hints, defaults = _signature(cls)
+    extra = dict(engine_keys or {})
+    for key, value in kwargs.items():
+        if key not in hints and key not in extra:
+            _unknown_key(who, cls, key, [*hints, *extra])
+        hint = hints.get(key, extra.get(key))
+        if not _matches(value, hint):
+            shown = f", e.g. {key}={defaults[key]!r} (torch's default)" if defaults.get(key) is not None else ""
+            owner = f"torch.optim.{cls.__name__}" if key in hints else "the engine that builds it"
+            size = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
+            raise ValueError(f"{who}optimizer {key}={value!r} is a {type(value).__name__}{size}: {owner} takes "
+                             f"{_describe(hint)} there: pass one{shown}.")
+    _trial(cls, {k: v for k, v in kwargs.items() if k in hints and k not in _IMPLEMENTATION_FLAGS}, who)
+    return cls
+
+
+def _trial(cls: type, kwargs: dict[str, Any], who: str) -> None:
+    """Build ``cls`` over a stand-in meta parameter (nothing allocated): torch's own range checks, before anything
+    changes. The key at fault is the first refused alone; a combination refused as a whole is named whole."""
+    def refusal(options: dict[str, Any]) -> Exception | None:
+        try:
+            cls([nn.Parameter(torch.zeros(1, 1, device="meta"))], **options)
+        except (ValueError, TypeError, RuntimeError) as err:
+            return err
+        return None
+
+    err = refusal(kwargs)
+    if err is None:
+        return
+    key = next((k for k in kwargs if refusal({k: kwargs[k]}) is not None), None)
+    shown = f"{key}={kwargs[key]!r}" if key else ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    raise ValueError(f"{who}optimizer {shown}: torch.optim.{cls.__name__} refuses it ({err}). Change "
+                     f"{'that value' if key else 'these values'}.")
+
+
+def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword options of an optimizer class: {key: type hint}, {key: default}."""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(cls.__init__)
+    parameters = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "params")
+                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return ({p.name: hints.get(p.name, Any) for p in parameters},
+            {p.name: None if p.default is p.empty else p.default for p in parameters})
+
+
+def _unknown_key(who: str, cls: type, key: str, keys: list[str]) -> None:
+    import difflib
+
+    close = difflib.get_close_matches(str(key), keys, n=1)
+    raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
+                     f"{', '.join(keys)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` (an optimizer signature's: numbers, booleans, strings, tensors,
+    None, unions and fixed-length tuples); an int is a float, a bool is neither."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is tuple:
+        return isinstance(value, (tuple, list)) and len(value) == len(args) and \
+            all(_matches(v, a) for v, a in zip(value, args))
+    checks = {type(None): lambda v: v is None, bool: lambda v: isinstance(v, bool),
+              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              str: lambda v: isinstance(v, str), torch.Tensor: lambda v: isinstance(v, torch.Tensor)}
+    return checks.get(hint, lambda v: True)(value)  # a hint not listed here: torch checks it
+
+
+def _describe(hint: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)} ({', '.join(_describe(a) for a in args)})"
+    return {type(None): "None", bool: "True or False", int: "an integer", float: "a number", str: "a string",
+            torch.Tensor: "a tensor"}.get(hint, str(hint))
 
 
 def param_count(optimizer: torch.optim.Optimizer) -> int:

@@ -317,15 +317,6 @@ REFUSED = [
                                                                           "fsdp_sharding_strategy": "HYBRID_SHARD"}),
      ["fsdp_config.fsdp_sharding_strategy='HYBRID_SHARD' replicates across nodes", "num_machines is 1",
       "parallelism_config_dp_replicate_size", "use FULL_SHARD"]),
-    # what no chosen axis reads is refused with the combination table's words (fp8dist.combine), not the translator's
-    ("hsdp under fsdp1", _yaml(**FSDP, fsdp_config={"fsdp_version": 1},
-                               parallelism_config={"parallelism_config_dp_replicate_size": 2}),
-     ["parallelism_config.parallelism_config_dp_replicate_size sets replicate_degree=2 has no effect here (read only "
-      "when strategy in ['fsdp']; strategy='fsdp1')"]),
-    ("fp8 all-gather under fsdp1", _yaml(**FSDP, mixed_precision="fp8", fsdp_config={"fsdp_version": 1},
-                                         fp8_config={"backend": "AO", "enable_fsdp_float8_all_gather": True}),
-     ["fp8_config.enable_fsdp_float8_all_gather sets fp8_all_gather=True has no effect here (read only when fp8 in "
-      "['torchao'] and strategy in ['fsdp']"]),
     ("megatron block", _yaml(megatron_lm_config={"megatron_lm_tp_degree": 2}),
      ["megatron_lm_config.megatron_lm_tp_degree=2", "no Megatron-LM"]),
     ("fsdp offload", _yaml(**FSDP, fsdp_config={"fsdp_offload_params": True}),

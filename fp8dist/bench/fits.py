@@ -11,13 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 from ..combine import refusal_of
+from ..memory.fit import MEMORY_FRACTION as _MEMORY_FRACTION
 from .cell import Cell
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
-MEMORY_FRACTION = 0.9
-"""Share of a GPU's memory a cell may plan on: the estimate leaves out the transient buffers (FSDP's all-gathered
-blocks, DDP's buckets), the CUDA context and the allocator's fragmentation."""
+MEMORY_FRACTION = _MEMORY_FRACTION
+"""Share of a GPU's memory a cell may plan on: the estimate's own (:data:`fp8dist.memory.fit.MEMORY_FRACTION`)."""
 
 _GIB = 2**30
 

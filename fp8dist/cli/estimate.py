@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import warnings
 from typing import Any
 
 from .._schema import add_arguments
+from ..combine import facts_of
 from ..config import FP8Config, StrategyConfig, torch_dtype
 from ..hardware import parse_target
 from ..options import DEFAULT_SEQ_LEN
@@ -15,6 +18,9 @@ from ..memory.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run"]
+
+_MODEL_DTYPE = "fp32"
+"""``--model-dtype``'s default: weights built in fp32, which FSDP/DDP keep as the master."""
 
 
 def add_parser(sub: Any) -> None:
@@ -31,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
                    help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
-    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default="fp32",
+    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default=_MODEL_DTYPE,
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -49,7 +55,15 @@ def run(args: argparse.Namespace) -> int:
     check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config.parallel.strategy)
     target = parse_target(args.target) if args.target is not None else None
     model = meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
-    est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
-                          target=target)
+    with warnings.catch_warnings(record=True) as caught:  # said as fp8dist plan says its notes
+        warnings.simplefilter("always")
+        est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
+                              target=target)
+    notes = [str(w.message) for w in caught]
+    if args.model_dtype != _MODEL_DTYPE and facts_of(config).engine_owns_params:
+        notes.append(f"model_dtype={args.model_dtype!r} has no effect here (strategy={config.parallel.strategy!r}: "
+                     f"the engine casts the module to its own dtype, param_dtype={config.parallel.param_dtype!r}).")
+    for note in dict.fromkeys(notes):
+        print(f"fp8dist estimate: note: {note}", file=sys.stderr)
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return 0

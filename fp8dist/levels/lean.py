@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..axis import Rule, StrategyFacts
+from ..optim import check_optimizer_spec
 from .base import MemoryLevel
 
 __all__ = ["LEAN_SUMMARY", "LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class",
@@ -133,29 +134,9 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     if set(kwargs) - allowed:
         raise ValueError(f"memory='lean': optimizer options {sorted(set(kwargs) - allowed)} are not taken by torchao's "
                          f"8-bit AdamW; it takes {sorted(allowed)}. Leave them out, or {_WAY_OUT}.")
-    for key, value in kwargs.items():
-        _check_hyperparameter(key, value)
+    # torchao's AdamW takes torch's AdamW's types and ranges: the one check of a spec, before anything changes
+    check_optimizer_spec({**kwargs, "type": "AdamW"}, who="memory='lean': ")
     return kwargs
-
-
-_RANGES = {"lr": ("a number >= 0", lambda x: x >= 0), "eps": ("a number >= 0", lambda x: x >= 0),
-           "weight_decay": ("a number >= 0", lambda x: x >= 0), "beta": ("a number in [0, 1)", lambda x: 0 <= x < 1)}
-"""What torchao's AdamW takes for each hyperparameter (torch's AdamW checks the same ranges)."""
-
-
-def _check_hyperparameter(key: str, value: Any) -> None:
-    """A value torchao's AdamW would fail on deep inside (a string lr, one beta) is refused here, naming it."""
-    if key == "betas":
-        if not isinstance(value, (tuple, list)) or len(value) != 2:
-            raise ValueError(f"memory='lean': optimizer betas={value!r} must be two numbers (beta1, beta2), e.g. "
-                             "(0.9, 0.999).")
-        for beta in value:
-            _check_hyperparameter("beta", beta)
-        return
-    what, ok = _RANGES[key]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or value != value or value in (float("inf"), float("-inf")) or not ok(value):
-        raise ValueError(f"memory='lean': optimizer {key}={value!r} must be {what} (a Python number, not a string).")
 
 
 def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:

@@ -23,6 +23,7 @@ when not gradient views) are listed as notes, not counted.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -33,18 +34,20 @@ from torch import nn
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
                                fp8_buffer_bytes, rank_states, worst_rank)
+from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
 from .._schema import choice_error
+from ..combine import unread_options
 from ..config import Config, resolve_config
 from ..dtypes import DTYPES
 from ..env import runs_on_cpu
-from ..hardware import Hardware, parse_target
+from ..hardware import Hardware, find_gpu, parse_target
 from ..options import DEFAULT_SEQ_LEN
 from ..levels import get_level
 from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the config dtypes, by torch dtype
 
@@ -83,6 +86,9 @@ class MemoryEstimate(StateBytes):
     speed: Any = None
     """The plan's FP8 selection and predicted GEMM time (:class:`fp8dist.selection.Selection`) on the GPU
     ``target=`` named; None without a target, or where nothing runs in FP8."""
+    fit: Fit | None = None
+    """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
+    memory.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -92,7 +98,8 @@ class MemoryEstimate(StateBytes):
         out = asdict(self)
         out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), activations=[list(a) for a in self.activations],
                    offloaded=list(self.offloaded), notes=list(self.notes), model_state_bytes=self.model_state_bytes,
-                   activation_bytes=self.activation_bytes, speed=self.speed.to_dict() if self.speed else None)
+                   activation_bytes=self.activation_bytes, speed=self.speed.to_dict() if self.speed else None,
+                   fit=self.fit.to_dict() if self.fit else None)
         return out
 
     def __str__(self) -> str:
@@ -114,6 +121,8 @@ class MemoryEstimate(StateBytes):
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", total]
+        if self.fit is not None:
+            lines += self.fit.lines(_size)
         if self.speed is not None and self.speed.step is not None:
             lines.append(self.speed.gemm_summary())
         lines += [f"note: {n}" for n in self.notes]
@@ -207,6 +216,18 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
     return notes
 
 
+def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
+    """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
+    words: the config's options (``offload_param`` under fsdp) and ``optimizer`` where the memory level builds its
+    own (the rule of :func:`fp8dist.combine.unread_options`, said once each as a warning, as ``wrap_model`` does)."""
+    notes = cfg.unused_options()
+    level = get_level(cfg.parallel.memory)
+    if level.builds_optimizer and optimizer != "adamw":
+        notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
+                     f"{level.summary}).")
+    return notes
+
+
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
                     fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
@@ -235,26 +256,61 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     Raises:
         ValueError: a bad option, named with its choices and the way out.
     """
-    from ..fp8 import get_backend
-    from ..plan import plan_precision
-    from ..strategies.common import find_blocks
-
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
     seq_len = seq_len if seq_len is not None else cfg.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
-    if cfg.parallel.strategy == "fsdp":
-        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
     if optimizer not in OPTIMIZER_STATES:
         raise choice_error("optimizer", optimizer, OPTIMIZER_STATES,
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+    for note in unread_arguments(cfg, optimizer):
+        warnings.warn(note, UserWarning, stacklevel=2)
+    hardware = parse_target(target) if isinstance(target, str) else target
+    job = _Job(model, micro, seq_len, optimizer, fp8_filter, hardware)
+    est = _estimate(job, cfg, world_size, rank)
+    if hardware is None:
+        return est
+    gpu = find_gpu(hardware)
+    if gpu.spec is None:
+        return replace(est, notes=(*est.notes, f"whether a rank fits is not judged: {gpu.reason}"))
+
+    def rerun(world: int, **changes: Any) -> MemoryEstimate:
+        return _estimate(job, resolve_config(cfg, **changes), world, None)
+
+    # HSDP's rank counts are multiples of its replicas, where the strategy reads replicate_degree at all
+    step = 1 if "replicate_degree" in unread_options(cfg) else cfg.parallel.replicate_degree
+    return replace(est, fit=check_fit(est, gpu.spec.label, int(gpu.spec.memory_gib * 2**30), rerun, rank_step=step))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What an estimate is of, beside the config and the rank count (which the ways out of a fit change)."""
+
+    model: nn.Module
+    micro: int
+    seq_len: int
+    optimizer: str
+    fp8_filter: Any
+    hardware: Hardware | None
+
+
+def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> MemoryEstimate:
+    """The estimate of ``job`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
+    from ..fp8 import get_backend
+    from ..plan import plan_precision
+    from ..strategies.common import find_blocks
+
+    model, micro, seq_len, hardware = job.model, job.micro, job.seq_len, job.hardware
+    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    if cfg.parallel.strategy == "fsdp":
+        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
+    optimizer = "adamw" if get_level(cfg.parallel.memory).builds_optimizer else job.optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
-    hardware = parse_target(target) if isinstance(target, str) else target
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
-                          fp8_filter=fp8_filter, check_hardware=False)
+                          fp8_filter=job.fp8_filter, check_hardware=False)
     if cfg.precision.fp8:
         get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]

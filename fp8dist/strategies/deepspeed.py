@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from ..axis import ALWAYS, Rule, StrategyFacts, When
+from ..config_files import read_config_text
+from ..optim import check_optimizer_spec
 from ..dtypes import torch_dtype
 from ..env import DistEnv
 from ..options import StrategyConfig
@@ -205,14 +207,22 @@ def torch_adam_on_cpu(config: Mapping[str, Any]) -> dict:
     return {**config, "optimizer": {**block, "params": {"torch_adam": True, **params}}}
 
 
+def read_user_config(path: str | Path) -> dict:
+    """The user's DeepSpeed json (``ds_config``), read strictly (a key given twice is an error naming it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {str(path)!r} does not exist.")
+    user = read_config_text(path, what="DeepSpeed config")
+    if not isinstance(user, dict):
+        raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object, got {type(user).__name__}.")
+    return user
+
+
 def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, Any]) -> dict:
     """The user's DeepSpeed config, with only the keys it lacks filled from ``built`` (nested blocks merged
     key by key). The user's values always win; contradictions are reported by :func:`validate_with_deepspeed`."""
     if isinstance(user, (str, Path)):
-        path = Path(user)
-        if not path.is_file():
-            raise FileNotFoundError(f"DeepSpeed config {str(path)!r} does not exist.")
-        user = json.loads(path.read_text())
+        user = read_user_config(user)
     merged = copy.deepcopy(dict(user))
     for key, value in built.items():
         if key not in merged:
@@ -316,6 +326,8 @@ class DeepSpeed(Strategy):
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
                                 "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
                "offload_param": When({"zero_stage": (3,)})}
+    optimizer_keys = {"torch_adam": bool, "adam_w_mode": bool}
+    """Keys DeepSpeed's Adam/AdamW block takes beside torch's (its own types, Lamb and the rest, are its own)."""
     rules = (
         Rule(("offload_param", "zero_stage"), lambda cfg, facts: cfg.parallel.offload_param and not _zero3(cfg),
              "only ZeRO-3 partitions parameters", "Use zero_stage=3 or offload_optimizer=True."),
@@ -328,6 +340,15 @@ class DeepSpeed(Strategy):
              "scaling) and skips a non-finite step rather than raising", "Use nonfinite_step='skip' (the engine's "
              "check, counted and stopped after max_skipped_steps by fp8dist) or 'off'."),
     )
+
+    def check_launch(self, cfg, world_size: int) -> None:
+        """The user's json read before anything changes, its optimizer block checked as any optimizer spec."""
+        if cfg.parallel.ds_config is None:
+            return
+        block = read_user_config(cfg.parallel.ds_config).get("optimizer")
+        if isinstance(block, Mapping):
+            check_optimizer_spec({"type": block.get("type"), **(block.get("params") or {})},
+                                 who=f"DeepSpeed config {cfg.parallel.ds_config!r}: ", engine_keys=self.optimizer_keys)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         partitions = None if world_size is None else (world_size if _zero3(cfg) else 1)

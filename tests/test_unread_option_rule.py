@@ -1,0 +1,73 @@
+"""One rule for an option that no chosen axis reads (README, "An option set away from its default where no chosen
+axis reads it is said in one warning naming who reads it"): the same knob gives the same outcome -- a run, and one
+note with the combination table's words -- whether it comes as a keyword, in fp8dist's YAML or JSON file, in a file
+written by ``accelerate config``, or as a command-line flag."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import yaml
+
+from fp8dist import cli, resolve_config, wrap_model
+from fp8dist.models import build_llama
+
+AMAX = ("amax_history_len=16 has no effect here (read only when fp8 in ['te'] and te_recipe in ['delayed']; "
+        "fp8='torchao', te_recipe='delayed').")
+
+# (id, fp8dist keys, the same in a file written by `accelerate config`, the same as flags, the note)
+KNOBS = [
+    ("TE amax history under torchao", {"strategy": "none", "fp8": "torchao", "amax_history_len": 16},
+     {"distributed_type": "NO", "mixed_precision": "fp8", "fp8_config": {"backend": "AO", "amax_history_length": 16}},
+     ["--strategy", "none", "--fp8", "torchao", "--amax-history-len", "16"], AMAX),
+    ("HSDP under fsdp1", {"strategy": "fsdp1", "fp8": "none", "replicate_degree": 2},
+     {"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {"fsdp_version": 1},
+      "parallelism_config": {"parallelism_config_dp_replicate_size": 2}},
+     ["--strategy", "fsdp1", "--fp8", "none", "--replicate-degree", "2"],
+     "replicate_degree=2 has no effect here (read only when strategy in ['fsdp']; strategy='fsdp1')."),
+    ("float8 all-gather under fsdp1", {"strategy": "fsdp1", "fp8": "torchao", "fp8_all_gather": True},
+     {"distributed_type": "FSDP", "mixed_precision": "fp8", "fsdp_config": {"fsdp_version": 1},
+      "fp8_config": {"backend": "AO", "enable_fsdp_float8_all_gather": True}},
+     ["--strategy", "fsdp1", "--fp8", "torchao", "--fp8-all-gather"],
+     "fp8_all_gather=True has no effect here (read only when fp8 in ['torchao'] and strategy in ['fsdp']"),
+]
+
+
+def _files(tmp_path, ours: dict, accelerate: dict) -> dict[str, str]:
+    paths = {"fp8dist yaml": tmp_path / "ours.yaml", "fp8dist json": tmp_path / "ours.json",
+             "accelerate yaml": tmp_path / "default_config.yaml", "accelerate json": tmp_path / "accelerate.json"}
+    paths["fp8dist yaml"].write_text(yaml.safe_dump(ours))
+    paths["fp8dist json"].write_text(json.dumps(ours))
+    paths["accelerate yaml"].write_text(yaml.safe_dump(accelerate))
+    paths["accelerate json"].write_text(json.dumps(accelerate))
+    return {name: str(path) for name, path in paths.items()}
+
+
+@pytest.mark.parametrize("name, ours, accelerate, flags, note", KNOBS, ids=[k[0] for k in KNOBS])
+def test_the_same_unread_knob_is_the_same_note_from_flags_files_and_keywords(tmp_path, capsys, name, ours, accelerate,
+                                                                            flags, note):
+    files = _files(tmp_path, ours, accelerate)
+    notes = {"keywords": resolve_config(**ours).unused_options()}
+    notes.update({source: resolve_config(path).unused_options() for source, path in files.items()})
+    assert all(any(note in n for n in found) for found in notes.values()), notes
+    assert len({tuple(found) for found in notes.values()}) == 1, notes  # word for word the same everywhere
+    for argv in ([*flags], *(["--config", path] for path in files.values())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Accelerate files' launcher notice is another matter
+            assert cli.main(["plan", *argv]) == 0, argv
+        err = capsys.readouterr().err
+        assert f"fp8dist plan: note: {note}" in err and "error" not in err, (argv, err)
+
+
+def test_wrap_model_warns_once_and_runs_for_the_knob_from_keywords_and_both_files(tmp_path):
+    name, ours, accelerate, _, note = KNOBS[0]
+    files = _files(tmp_path, ours, accelerate)
+    for config in (None, files["fp8dist yaml"], files["accelerate yaml"]):
+        options = ours if config is None else {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrap_model(build_llama("tiny", seed=0), config=config, **options)
+        said = [str(w.message) for w in caught if note in str(w.message)]
+        assert said == [note], (config, [str(w.message) for w in caught])
