@@ -13,9 +13,21 @@ __all__ = ["JobLog", "health_file", "check_outputs"]
 
 
 def check_outputs(train: Any) -> None:
-    """Before the job starts: ``--tensorboard`` needs its package (an extra). ValueError with the way out."""
-    from .env import package_version
+    """Before the job starts (no step, no tokenizing): every path it will write can be written
+    (:func:`fp8dist._files.check_output_path`), and ``--tensorboard`` has its package (an extra). ValueError with
+    the path and the way out. The files rank 0 alone writes are checked on rank 0 only; the checkpoint directory,
+    which every rank writes, on every rank."""
+    from ._files import check_output_path
+    from .env import current_launch, package_version
 
+    if train.checkpoint_dir is not None:
+        check_output_path(train.checkpoint_dir, name="checkpoint_dir", directory=True)
+    if current_launch().rank == 0:
+        for name, directory in (("save_pretrained", True), ("metrics_file", False), ("tensorboard", True),
+                                ("fp8_health_file", False)):
+            path = health_file(train) if name == "fp8_health_file" else getattr(train, name)
+            if path is not None:
+                check_output_path(path, name=name, directory=directory)
     if train.tensorboard is not None and package_version("tensorboard") is None:
         raise ValueError(f"tensorboard={train.tensorboard!r} needs the tensorboard package, which is not installed: "
                          "pip install 'fp8dist[tensorboard]' (or leave --tensorboard out; --metrics-file needs "

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._files import atomic_write, atomic_write_text
+from .._files import atomic_write, atomic_write_text, check_output_path
 from ..dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
 from ..pretrained import INDEX_FILE, SINGLE_FILE
 from ..strategies import unwrap_model
@@ -125,6 +125,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
     out = Path(out_dir)
     rank = rank_world()[0]
+    check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank == 0 else None
+    on_all_ranks(f"fp8dist.save_pretrained: checking {out}", check, error=ValueError, passthrough=(ValueError,))
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._args import require_bool
-from .._files import atomic_write_text, fsync_dir
+from .._files import atomic_write_text, check_output_path, fsync_dir
 from ..agree import on_all_ranks, rank_world
 from ..api import get_wrap_info
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
@@ -256,6 +256,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     extra = _check_save_args(step, extra, keep_last, overwrite)
     strategy, (rank, _) = info.config.parallel.strategy, rank_world()
     root, name = Path(path), f"step_{step:08d}"
+    on_all_ranks(f"saving into {root}", lambda: check_output_path(root, name="path", directory=True),
+                 error=CheckpointError, passthrough=(ValueError,))  # every rank writes there: checked on each
     tmp, final, lead = root / f".tmp-{name}", root / name, rank == 0
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "

@@ -100,6 +100,7 @@ def _check_plotting(plot: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
+    from .._files import check_output_path
     from ..bench.results import cell_line, markdown_table, results_document, write_results
 
     device = device_type()
@@ -107,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     cells = plan_cells(settings)
     check_cells(cells, settings, device)
     _check_plotting(args.plot)
+    out = check_output_path(args.out, name="--out", directory=True)  # before the text is tokenized and any cell runs
     text = check_text(settings)  # tokenized here once; the cells read the cache
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.time(), os.getloadavg()
     print(f"fp8dist bench: {len(cells)} cells on {device}, {settings.nproc} process(es) each, "
