@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ._text import plural
 from .api import get_plan, get_wrap_info, wrap_model
 from .blocks import describe_blocks
 from .checkpoint.hf import save_pretrained
@@ -112,7 +113,7 @@ def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
         return 0
     t0 = time.perf_counter()
     state = load_checkpoint(train.checkpoint_dir, model, optimizer)
-    log(f"resume: loaded {state.path} (step {state.step}, saved on {state.world_size} rank(s)) in "
+    log(f"resume: loaded {state.path} (step {state.step}, saved on {plural(state.world_size, 'rank')}) in "
         f"{time.perf_counter() - t0:.2f}s")
     if batches.text is not None:
         if "data" not in state.extra:
@@ -365,7 +366,7 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
     """The end-of-run summary ``fp8dist train`` prints."""
     tail = result.losses[-5:]
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
-    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {len(tail)} steps "
+    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
             f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
     lines = [
         "== fp8dist train: summary ==",

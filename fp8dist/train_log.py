@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ._text import plural
 from .metrics import MetricsWriter, StepRecord, TrainingFigures, truncate_jsonl
 
 __all__ = ["JobLog", "health_file", "check_outputs"]
@@ -90,8 +91,8 @@ class JobLog:
                 Path(path).write_text("")
         telemetry = FP8Telemetry(wrapped, every=every, jsonl=path, log=self.log, step=first)
         where = f", records in {path}" if path else ""
-        return telemetry, (f"fp8 health: every {every} steps, per FP8 layer the amax, scale and share flushed to zero "
-                           f"of input, weight and output gradient{where}")
+        return telemetry, (f"fp8 health: every {plural(every, 'step')}, per FP8 layer the amax, scale and share "
+                           f"flushed to zero of input, weight and output gradient{where}")
 
     def header(self) -> str:
         """The figures' definitions, why MFU is null where it is, and the FP8 health's line."""

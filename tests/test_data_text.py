@@ -164,7 +164,7 @@ _BAD_FILES = {
     "list.jsonl": (b'["a"]\n', r"list.jsonl:1: a JSON list where an object with a 'text' field belongs"),
     "number.jsonl": (b'{"text": 5}\n', r"number.jsonl:1: field 'text' is a JSON int, not a string"),
     "blank.jsonl": (b"\n  \n", r"holds only blank lines"),
-    "hollow.jsonl": (b'{"text": ""}\n{"text": ""}\n', r"yields no tokens: its 2 document\(s\) are empty"),
+    "hollow.jsonl": (b'{"text": ""}\n{"text": ""}\n', r"yields no tokens: its 2 documents are empty"),
 }
 
 

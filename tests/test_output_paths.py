@@ -9,6 +9,7 @@ no root, and these tests run as root in CI), so the check is a real write that f
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,3 +167,42 @@ def test_atomic_write_names_the_target_not_its_temporary_file(tmp_path: Path) ->
         atomic_write(tmp_path / "folder", lambda tmp: Path(tmp).write_text("{}"))
     assert caught.value.filename == str(tmp_path / "folder"), caught.value
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # the temporary file removed
+
+
+def test_counts_and_nouns_agree_in_every_message() -> None:
+    """One rule for plurals (fp8dist._text.plural): no message of the library writes "file(s)" or "batch(es)"."""
+    import io
+    import tokenize
+
+    import fp8dist
+    from fp8dist._text import plural
+    from fp8dist.schedule import describe_schedule
+
+    assert [plural(1, "step"), plural(2, "step"), plural(0, "file"), plural(2, "process"), plural(1024, "window")] \
+        == ["1 step", "2 steps", "0 files", "2 processes", "1,024 windows"]
+    assert describe_schedule("cosine", 2).startswith("linear warm-up over 1 step, then")  # was "over 1 steps"
+    strings = (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING))
+    found = []
+    for path in sorted(Path(fp8dist.__file__).parent.rglob("*.py")):
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            text = re.sub(r"\{[^{}]*\}", "", token.string)  # an f-string's fields are code: len(s) is no plural
+            if token.type in strings and re.search(r"[a-z]\((?:s|es)\)", text):
+                found.append(f"{path.name}:{token.start[0]}: {token.string.strip()[:60]}")
+    assert found == [], "use fp8dist._text.plural:\n" + "\n".join(found)
+
+
+def test_the_token_cache_line_says_what_was_tokenized_now(tmp_path: Path) -> None:
+    """A first tokenization says "tokenized now"; a launcher's ranks, reading what it cached, say when."""
+    from fp8dist.data import load_text_corpus, make_corpus, train_tokenizer
+
+    (tmp_path / "a.txt").write_text(make_corpus(40, seed=0))
+    (tmp_path / "b.txt").write_text(make_corpus(40, seed=1))
+    train_tokenizer([make_corpus(40, seed=0)], tmp_path / "tok", vocab_size=300)
+    load = lambda *names: load_text_corpus([tmp_path / n for n in names], tokenizer=tmp_path / "tok",  # noqa: E731
+                                           cache_dir=tmp_path / "cache").describe()
+    assert load("a.txt").startswith("1 file, ")
+    first = load_text_corpus([tmp_path / "b.txt"], tokenizer=tmp_path / "tok", cache_dir=tmp_path / "other")
+    assert first.describe().endswith("; tokenized now)") and "token cache" not in first.describe()
+    again = load("a.txt", "b.txt")  # a.txt cached above, b.txt not in this cache yet
+    assert again.startswith("2 files, ") and "; 1 file tokenized now, 1 read from the token cache (tokenized " in again
+    assert re.search(r"; read from the token cache \(tokenized \d+ s ago\)\)$", load("a.txt", "b.txt"))

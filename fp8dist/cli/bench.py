@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from .._text import plural
 from .._schema import add_arguments
 from ..bench.cell import TIMING_WARMUP, TextJob
 from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, TORCHAO_RECIPES, check_cells, check_text, device_type,
@@ -112,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     text = check_text(settings)  # tokenized here once; the cells read the cache
     out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.time(), os.getloadavg()
-    print(f"fp8dist bench: {len(cells)} cells on {device}, {settings.nproc} process(es) each, "
-          f"{settings.steps} steps; results in {out}/", flush=True)
+    print(f"fp8dist bench: {plural(len(cells), 'cell')} on {device}, {plural(settings.nproc, 'process')} each, "
+          f"{plural(settings.steps, 'step')}; results in {out}/", flush=True)
     if text:
         print(text, flush=True)
     results = run_cells(cells, settings, cell_line)
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)
     failed = [r["name"] for r in results if "error" in r]
     if failed:
-        print(f"fp8dist bench: {len(failed)} cell(s) failed: {', '.join(failed)} (errors in the JSON)",
+        print(f"fp8dist bench: {plural(len(failed), 'cell')} failed: {', '.join(failed)} (errors in the JSON)",
               file=sys.stderr)
     return 1 if failed else 0
 
