@@ -206,3 +206,30 @@ def test_the_token_cache_line_says_what_was_tokenized_now(tmp_path: Path) -> Non
     again = load("a.txt", "b.txt")  # a.txt cached above, b.txt not in this cache yet
     assert again.startswith("2 files, ") and "; 1 file tokenized now, 1 read from the token cache (tokenized " in again
     assert re.search(r"; read from the token cache \(tokenized \d+ s ago\)\)$", load("a.txt", "b.txt"))
+
+
+def test_save_dtype_defaults_to_the_checkpoints_and_a_warning_is_one_line(tmp_path: Path) -> None:
+    """--save-pretrained writes the dtype the --pretrained checkpoint holds (as-loaded, the default), bf16 from
+    scratch, or the --save-dtype asked; and a warning on the command line is one line, not a source line of
+    fp8dist's code (amax_history_len has no effect under torchao: the command warns)."""
+    from safetensors import safe_open
+
+    from fp8dist.checkpoint.hf import export_dtype
+    from cli_helpers import run
+
+    source = tmp_path / "fp32-model"
+    save_pretrained(build_llama("tiny", seed=0), source, dtype="fp32")
+    save_pretrained(build_llama("tiny", seed=0), tmp_path / "bf16-model", dtype="bf16")
+    assert [export_dtype("as-loaded", source), export_dtype("as-loaded", tmp_path / "bf16-model"),
+            export_dtype("as-loaded", None), export_dtype("fp16", source)] == ["fp32", "bf16", "bf16", "fp16"]
+    out = tmp_path / "out"
+    done = run(["fp8dist", "train", "--strategy", "none", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                "--pretrained", str(source), "--save-pretrained", str(out), "--amax-history-len", "16"])
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}  # was BF16 whatever the checkpoint held
+    assert f"save_pretrained: wrote {out} (" in done.stdout and ", fp32) in " in done.stdout
+    warned = [line for line in done.stderr.splitlines() if "amax_history_len=16" in line]
+    assert warned == ["fp8dist train: warning: amax_history_len=16 has no effect here (read only when fp8 in ['te'] "
+                      "and te_recipe in ['delayed']; fp8='torchao', te_recipe='delayed')."], done.stderr
+    assert ".py:" not in done.stderr and "wrap_model(" not in done.stderr, done.stderr  # no file, line or source
