@@ -91,7 +91,8 @@ class SafetensorsDir:
                                       "Write the directory again with save_pretrained.") from None
             missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
             if missing:
-                raise PretrainedError(f"{index} names {plural(len(missing), 'file')} that are not in {self.path}: "
+                verb = "is" if len(missing) == 1 else "are"
+                raise PretrainedError(f"{index} names {plural(len(missing), 'file')} that {verb} not in {self.path}: "
                                       f"{missing[:_SHOWN]}. Copy the whole directory.")
             return dict(weight_map)
         if (self.path / SINGLE_FILE).is_file():
