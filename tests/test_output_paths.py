@@ -21,6 +21,7 @@ import torch
 
 from fp8dist import resolve_config, save_checkpoint, save_pretrained, wrap_model
 from fp8dist.cli import main
+from fp8dist.data import train_tokenizer
 from fp8dist.metrics import MetricsWriter
 from fp8dist.models import build_llama
 from fp8dist.train import TrainConfig, run_training
@@ -60,6 +61,12 @@ def _wrapped() -> tuple[Any, Any]:
     return _MODEL["model"]
 
 
+def _texts_that_count() -> Any:
+    """Texts to train a tokenizer on that say, by raising, that the training started."""
+    raise AssertionError("the tokenizer's training started before its directory was checked")
+    yield "never"
+
+
 def _telemetry(path: Path) -> Any:
     from fp8dist.numerics import FP8Telemetry
 
@@ -87,6 +94,7 @@ ENTRIES = [
     Entry("save_pretrained()", True, lambda p: save_pretrained(_wrapped()[0], p), cli=False),
     Entry("save_checkpoint()", True, lambda p: save_checkpoint(p, *_wrapped(), step=1), cli=False),
     Entry("FP8Telemetry(jsonl=)", False, _telemetry, cli=False),
+    Entry("train_tokenizer(directory)", True, lambda p: train_tokenizer(_texts_that_count(), p), cli=False),
     Entry("MetricsWriter(path)", False, lambda p: MetricsWriter(p).close(), cli=False),
     Entry("MetricsWriter(tensorboard_dir=)", True, lambda p: MetricsWriter(tensorboard_dir=p).close(), cli=False),
 ]
