@@ -320,11 +320,11 @@ class MetricsWriter:
                  append: bool = False) -> None:
         from ._files import check_output_path
 
-        self._board = None
         if path is not None:  # both checked before either is opened: nothing half-made on a bad path
             check_output_path(path, name="path")
         if tensorboard_dir is not None:
             check_output_path(tensorboard_dir, name="tensorboard_dir", directory=True)
+        self._board = None
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -53,9 +53,10 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
-    """The dtype name ``save_dtype`` (``fp8dist train --save-dtype``: "as-loaded" or a dtype name) writes: itself, or for "as-loaded" the floating
-    dtype holding most of the ``pretrained`` directory's weight elements (a fine-tune is saved as it was given: a
-    bf16 checkpoint stays bf16, an fp32 one fp32), bf16 for a model trained from scratch (how models are shared)."""
+    """The dtype name that ``save_dtype`` (``fp8dist train --save-dtype``: "as-loaded" or a dtype name) writes:
+    itself, or for "as-loaded" the floating dtype holding most of the ``pretrained`` directory's weight elements (a
+    fine-tune is saved as it was given: a bf16 checkpoint stays bf16, an fp32 one fp32), bf16 for a model trained
+    from scratch (how models are shared)."""
     if save_dtype != "as-loaded":
         return save_dtype
     if pretrained is None:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from ..strategies.deepspeed import model_hidden_size, zero_config
 
     if args.output:
-        check_output_path(args.output, name="--output")
+        check_output_path(args.output, name="-o/--output")
     hidden = args.hidden_size
     if args.model or args.model_config:
         args.model_size = (args.model or "llama-tiny").removeprefix("llama-")
