@@ -1,4 +1,5 @@
-"""Writing files all or nothing: results, configs, checkpoints' meta.json and ``latest``."""
+"""Writing files all or nothing (results, configs, checkpoints' meta.json and ``latest``), and checking an output
+path before the work whose result it will hold (:func:`check_output_path`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["atomic_write", "atomic_write_text", "fsync_dir"]
+__all__ = ["atomic_write", "atomic_write_text", "fsync_dir", "check_output_path"]
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -28,9 +29,11 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
     failed ``write`` (or sync, or rename) removes the temporary file and leaves ``target`` as it was.
     """
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
-    os.close(fd)
+    prefix = f".{target.name}."
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=target.suffix)
+        os.close(fd)
         write(tmp)
         umask = os.umask(0)
         os.umask(umask)
@@ -38,13 +41,65 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as err:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and _is_temporary(err.filename, target, prefix):
+            # the temporary name means nothing to the user: say the file they asked for
+            raise type(err)(err.errno, f"{err.strerror} (writing {str(target)!r})", str(target)) from None
         raise
     fsync_dir(target.parent)
+
+
+def _is_temporary(name: object, target: Path, prefix: str) -> bool:
+    """Whether ``name`` (an OSError's file) is :func:`atomic_write`'s temporary file for ``target``."""
+    return isinstance(name, (str, os.PathLike)) and Path(name).parent == target.parent and \
+        Path(name).name.startswith(prefix)
 
 
 def atomic_write_text(target: str | os.PathLike, text: str) -> None:
     """:func:`atomic_write` of ``text``."""
     atomic_write(target, lambda tmp: Path(tmp).write_text(text))
+
+
+def check_output_path(path: str | os.PathLike, *, name: str, directory: bool = False) -> Path:
+    """Check, before any work, that ``path`` can be written as a file (or, with ``directory``, as a directory): it
+    is not a directory where a file is meant nor a file where a directory is meant, the folders above it exist or
+    can be created, and the nearest existing one takes a new file (tried for real: permission bits do not stop
+    root, a read-only mount or /proc does). Creates nothing it leaves behind.
+
+    Args:
+        path: the path the user gave.
+        name: how the user gave it, for the message: a flag (``--json``) or a keyword (``metrics_file``).
+        directory: whether a directory is meant.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: naming ``name``, ``path``, the problem and the way out.
+    """
+    out = Path(path)
+    given = f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"  # a flag, or a keyword
+    if out.is_dir() and not directory:
+        raise ValueError(f"{given} is a directory, and a file is meant: pass the path of a file (in that directory, "
+                         "for instance).")
+    if out.exists() and not out.is_dir() and directory:
+        raise ValueError(f"{given} is a file, and a directory is meant: pass a directory (created if missing), or "
+                         "move the file away.")
+    if out.is_file() and not os.access(out, os.W_OK):
+        raise ValueError(f"{given} is a read-only file: make it writable, or pass another path.")
+    folder = out if out.is_dir() else out.parent
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{given} cannot be created: {str(folder)!r} is not a directory. Pass a path whose "
+                         "folders are directories.")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".fp8dist-write-check.")
+    except OSError as err:
+        raise ValueError(f"{given} cannot be written: creating a file in {str(folder)!r} failed "
+                         f"({err.strerror}). Pass a path in a directory you can write to.") from None
+    os.close(fd)
+    os.unlink(probe)
+    return out

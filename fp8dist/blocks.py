@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._text import plural
 from .hardware import Hardware
 
 __all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "compile_decision", "wrap_blocks", "describe_blocks",
@@ -148,6 +149,6 @@ def graph_breaks() -> int:
 
 def describe_blocks(wiring: BlockWiring) -> str:
     """One line: activation checkpointing, compile and why, and the graph breaks met so far when compiled."""
-    compiled = f"compile on ({wiring.compile_reason}), {graph_breaks()} graph break(s)" if wiring.compiled else \
-        f"compile off ({wiring.compile_reason})"
+    compiled = (f"compile on ({wiring.compile_reason}), {plural(graph_breaks(), 'graph break')}" if wiring.compiled
+                else f"compile off ({wiring.compile_reason})")
     return f"activation checkpointing {wiring.activation_checkpointing}, {compiled}"

@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from ._text import plural
 from .packages import package_version, supported_range
 from .env_vars import LaunchError, check_variables, read
 from .rendezvous import rendezvous_store, rendezvous_timeout
@@ -155,7 +156,7 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:  # two ranks on one GPU: nccl fails later, less clearly
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        raise LaunchError(f"LOCAL_RANK={local_rank} but torch sees {count} CUDA device(s) on this node"
+        raise LaunchError(f"LOCAL_RANK={local_rank} but torch sees {plural(count, 'CUDA device')} on this node"
                           + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "") + ": each rank "
                           f"needs its own GPU. Start at most {count} processes per node (torchrun --nproc-per-node "
                           f"{count}), or make more devices visible.")

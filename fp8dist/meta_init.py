@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._text import plural
 from ._args import require_bool
 from .strategies import unwrap_model
 from .strategies.common import available_bytes, check_fits, to_empty
@@ -97,8 +98,9 @@ def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> No
             if not hasattr(module, "reset_parameters") for n in module._parameters
             if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]
     if bare:
-        raise ValueError(f"{type(inner).__name__} was built on the meta device and {len(bare)} parameter(s) have no "
-                         f"initialization to run (their module has no reset_parameters), e.g. {bare[:5]}: they "
+        raise ValueError(f"{type(inner).__name__} was built on the meta device and {plural(len(bare), 'parameter')} "
+                         f"{'has' if len(bare) == 1 else 'have'} no initialization to run (their module has no "
+                         f"reset_parameters), e.g. {bare[:5]}: they "
                          "would hold uninitialized memory. Pass pretrained=DIR, give those modules a "
                          "reset_parameters(), or build the model on the CPU.")
 

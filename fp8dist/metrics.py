@@ -321,6 +321,12 @@ class MetricsWriter:
 
     def __init__(self, path: str | os.PathLike | None = None, *, tensorboard_dir: str | os.PathLike | None = None,
                  append: bool = False, purge_step: int | None = None) -> None:
+        from ._files import check_output_path
+
+        if path is not None:  # both checked before either is opened: nothing half-made on a bad path
+            check_output_path(path, name="path")
+        if tensorboard_dir is not None:
+            check_output_path(tensorboard_dir, name="tensorboard_dir", directory=True)
         self._board = None
         if tensorboard_dir is not None:
             try:

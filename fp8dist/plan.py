@@ -15,6 +15,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
+from ._text import plural
 from .axis import StrategyFacts
 from .config import Config
 from .coverage import MIN_FP8_SHARE, FP8Coverage, coverage, gemm_flops, runs_gemm
@@ -115,7 +116,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
         c = self.coverage
         if c is None or self.unavailable or not c.low or not c.gemm_params:
             return None
-        kept = "; ".join(f"{n} module{'s' * (n > 1)} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
+        kept = "; ".join(f"{plural(n, 'module')} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
         more = f"; and {len(c.kept) - 4} more reasons" if len(c.kept) > 4 else ""
         return (f"fp8={self.backend!r} runs {c.fp8_modules} of {c.gemm_modules} GEMM modules in FP8: {c.fp8_params:,} "
                 f"of {c.gemm_params:,} GEMM params ({100 * c.param_share:.1f}%, below {100 * MIN_FP8_SHARE:.0f}%), "
@@ -158,8 +159,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         rest = [e for e in self._entries if e.precision != "fp8"]
         total = sum(e.params for e in self._entries) or 1
         fp8_params = sum(e.params for e in fp8)
-        return (f"FP8 {len(fp8)} layers / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
-                f"fallback {len(rest)} layers / {sum(e.params for e in rest):,} params")
+        return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
+                f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params")
 
     def __str__(self) -> str:
         summary = get_level(self.memory).summary

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._text import plural
 from ._args import require_bool
 from .agree import on_all_ranks
 from .dtypes import dtype_name
@@ -90,7 +91,8 @@ class SafetensorsDir:
                                       "Write the directory again with save_pretrained.") from None
             missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
             if missing:
-                raise PretrainedError(f"{index} names {len(missing)} file(s) that are not in {self.path}: "
+                verb = "is" if len(missing) == 1 else "are"
+                raise PretrainedError(f"{index} names {plural(len(missing), 'file')} that {verb} not in {self.path}: "
                                       f"{missing[:_SHOWN]}. Copy the whole directory.")
             return dict(weight_map)
         if (self.path / SINGLE_FILE).is_file():
@@ -215,7 +217,7 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
                 ignore: list[str]) -> list[str]:
     def listed(kind: str, items: list[str]) -> list[str]:
         more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
-        return [f"{len(items)} {kind}: {', '.join(items[:_SHOWN])}{more}"] if items else []
+        return [f"{plural(len(items), *kind)}: {', '.join(items[:_SHOWN])}{more}"] if items else []
 
     missing, shapes, known = [], [], set()
     for p in params:
@@ -231,8 +233,10 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
         if name in source and source.shapes[name] != tuple(buf.shape):
             shapes.append(f"{name} {list(source.shapes[name])} in the checkpoint, {list(buf.shape)} in the model")
     unexpected = [n for n in source.names() if n not in known and not any(re.search(pat, n) for pat in ignore)]
-    return (listed("shape mismatch(es)", shapes) + listed("parameter(s) missing from the checkpoint", missing)
-            + listed("checkpoint tensor(s) the model does not have", unexpected))
+    return (listed(("shape mismatch",), shapes)
+            + listed(("parameter missing from the checkpoint", "parameters missing from the checkpoint"), missing)
+            + listed(("checkpoint tensor the model does not have", "checkpoint tensors the model does not have"),
+                     unexpected))
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None,

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._text import plural
+
 __all__ = ["LR_SCHEDULES", "MAX_WARMUP_STEPS", "lr_schedule", "warmup_steps", "describe_schedule", "set_lr"]
 
 
@@ -31,7 +33,7 @@ def describe_schedule(name: str, steps: int) -> str:
     """The schedule in words, as the run header says it."""
     if name == "constant":
         return "constant"
-    return f"linear warm-up over {warmup_steps(steps):,} steps, then cosine decay to 10% at step {steps:,}"
+    return f"linear warm-up over {plural(warmup_steps(steps), 'step')}, then cosine decay to 10% at step {steps:,}"
 
 
 def lr_schedule(name: str, steps: int) -> Callable[[int], float]:

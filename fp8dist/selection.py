@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ._text import plural
 from .hardware import Hardware, find_gpu
 from .options import DEFAULT_SEQ_LEN
 from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear, recipe_for_option
@@ -318,11 +319,11 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
     foreign = [n for n in verdicts if n not in set(names)]
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"the numerics report names {len(foreign)} module(s) this model does not have ({shown}): "
-                         "it was measured on another model. Probe this model (fp8dist.measure_fp8_numerics, or "
-                         "fp8dist probe --json FILE) and pass that report.")
+        raise ValueError(f"the numerics report names {plural(len(foreign), 'module')} this model does not have "
+                         f"({shown}): it was measured on another model. Probe this model "
+                         "(fp8dist.measure_fp8_numerics, or fp8dist probe --json FILE) and pass that report.")
     measured = report["backend"] if mapping else report.backend
-    said = f"probe report of {len(verdicts)} modules ({measured}'s casts)"
+    said = f"probe report of {plural(len(verdicts), 'module')} ({measured}'s casts)"
     if backend is not None and measured != backend:
         said += f", not fp8={backend!r}'s: its verdicts may not hold for this backend's casts"
     return verdicts, said

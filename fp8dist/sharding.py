@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._text import plural
 from .dtypes import dtype_name, dtype_names
 from .strategies.introspect import EngineDtypes, engine_dtypes
 
@@ -38,7 +39,8 @@ class ShardingSummary:
         share = 100.0 * self.local_numel / max(self.total_numel, 1)
         copies = f" in each of {self.replicas} replicas" if self.replicas > 1 else ""
         return (f"{self.layout}: {self.sharded_tensors}/{self.tensors} tensors sharded over "
-                f"{self.world_size // self.replicas} rank(s){copies}; this rank stores {self.local_numel:,} of {self.total_numel:,} elements ({share:.1f}%) "
+                f"{plural(self.world_size // self.replicas, 'rank')}{copies}; this rank stores {self.local_numel:,} of "
+                f"{self.total_numel:,} elements ({share:.1f}%) "
                 f"in {'/'.join(self.storage_dtypes)}; compute in {self.compute_dtype}, "
                 f"gradients reduced in {self.reduce_dtype}")
 

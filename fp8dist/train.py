@@ -23,9 +23,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ._text import plural
 from .api import get_plan, get_wrap_info, wrap_model
 from .blocks import describe_blocks
-from .checkpoint.hf import save_pretrained
+from .checkpoint.hf import export_dtype, save_pretrained
 from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import check_batch_split
@@ -113,7 +114,7 @@ def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
         return 0, 0
     t0 = time.perf_counter()
     state = load_checkpoint(train.checkpoint_dir, model, optimizer)
-    log(f"resume: loaded {state.path} (step {state.step}, saved on {state.world_size} rank(s)) in "
+    log(f"resume: loaded {state.path} (step {state.step}, saved on {plural(state.world_size, 'rank')}) in "
         f"{time.perf_counter() - t0:.2f}s")
     if batches.text is not None:
         if "data" not in state.extra:
@@ -154,13 +155,16 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: in
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
 
 
-def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None) -> None:
-    """``save_pretrained``: the trained model as Hugging Face safetensors (every rank gathers, rank 0 writes), and
-    the tokenizer of the text beside it, so that the directory is a model to load and to train on again."""
+def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None,
+            pretrained: str | None) -> None:
+    """``save_pretrained``: the trained model as Hugging Face safetensors in ``save_dtype`` (every rank gathers,
+    rank 0 writes), and the tokenizer of the text beside it, so that the directory is a model to load and to train
+    on again."""
     if train.save_pretrained is None:
         return
     t0 = time.perf_counter()
-    path = save_pretrained(model, train.save_pretrained)
+    dtype = export_dtype(train.save_dtype, pretrained)
+    path = save_pretrained(model, train.save_pretrained, dtype=dtype)
     if log is None:
         return
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -170,7 +174,8 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
 
         load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
         tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
-    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, bf16){tokenizer} in {time.perf_counter() - t0:.2f}s")
+    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {dtype}){tokenizer} in "
+        f"{time.perf_counter() - t0:.2f}s")
 
 
 NORM_ONLY = float(torch.finfo(torch.float32).max)
@@ -302,7 +307,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
                                                  job_log, log if leader else None, progress)
     finally:
         job_log.close()
-    _export(train, wrapped, batches, log if leader else None)
+    _export(train, wrapped, batches, log if leader else None, config.parallel.pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
     mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
@@ -381,7 +386,7 @@ def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> s
     """The end-of-run summary ``fp8dist train`` prints."""
     tail = result.losses[-5:]
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
-    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {len(tail)} steps "
+    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
             f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
     lines = [
         "== fp8dist train: summary ==",

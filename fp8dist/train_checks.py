@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ._text import plural
+
 __all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "memory_need", "job_memory_need",
            "check_memory", "check_positions", "check_checkpoint_dir"]
 
@@ -110,7 +112,7 @@ def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> Non
     total = need.model_state_bytes + (need.activation_bytes or 0)
     if total > share:
         where = f"{device} has {_gib(free)} free" if device.type == "cuda" else \
-            f"this node has {_gib(free)} available for {ranks_here} rank(s): {_gib(share)} each"
+            f"this node has {_gib(free)} available for {plural(ranks_here, 'rank')}: {_gib(share)} each"
         raise MemoryError(f"the job needs about {_gib(total)} per rank ({need.describe()}) and {where}. Lower "
                           f"--seq-len (now {need.seq_len:,}) or --batch-size, add --grad-accum, or "
                           "--activation-checkpointing full.")

@@ -4,7 +4,8 @@ and FP8 options are :class:`fp8dist.Config`'s."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Literal
 
 from ._schema import normalize_fields
 from .data.sources import DEFAULT_TEXT_FIELD
@@ -86,9 +87,14 @@ class TrainConfig:
     in --data), else start at step 0: the same command starts a job and restarts it after a crash."""
 
     save_pretrained: str | None = None
-    """Directory the trained model is written to after the last step, as Hugging Face safetensors in bf16
+    """Directory the trained model is written to after the last step, as Hugging Face safetensors in --save-dtype
     (fp8dist.save_pretrained; AutoModelForCausalLM.from_pretrained reads it), with the --data tokenizer; none: not
     written."""
+
+    save_dtype: Literal["as-loaded", "bf16", "fp32", "fp16"] = "as-loaded"
+    """dtype of the --save-pretrained weights: as-loaded writes the dtype the --pretrained checkpoint's weights hold
+    (a fine-tune comes out as it went in: bf16 stays bf16, fp32 stays fp32), bf16 for a model trained from scratch;
+    fp32 writes the fp32 master weights exactly (fp8dist.checkpoint.hf.export_dtype)."""
 
     metrics_file: str | None = None
     """JSON-lines file of every logged step's figures (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
@@ -134,6 +140,10 @@ class TrainConfig:
                              "none). Pass --data FILE [FILE ...], or leave it out.")
         if not self.text_field:
             raise ValueError("text_field='' must name the JSON field that holds the text, e.g. 'text'.")
+        default_dtype = next(f.default for f in fields(self) if f.name == "save_dtype")
+        if self.save_dtype != default_dtype and self.save_pretrained is None:
+            raise ValueError(f"save_dtype={self.save_dtype!r} with no save_pretrained: pass --save-pretrained DIR "
+                             "(the export it sets the dtype of), or leave --save-dtype out.")
         if self.fp8_health_file is not None and not self.fp8_health_every:
             raise ValueError(f"fp8_health_file={self.fp8_health_file!r} with fp8_health_every=0 (off): pass "
                              "--fp8-health-every N, or leave the file out.")

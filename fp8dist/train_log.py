@@ -7,14 +7,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ._text import plural
 from .metrics import MetricsWriter, StepRecord, TrainingFigures, truncate_jsonl
 
 __all__ = ["JobLog", "health_file", "check_outputs"]
 
 
 def check_outputs(train: Any) -> None:
-    """Before the job starts: ``--tensorboard`` needs its package (an extra) to import. ValueError with the way
-    out."""
+    """Before the job starts (no step, no tokenizing): every path it will write can be written
+    (:func:`fp8dist._files.check_output_path`), and ``--tensorboard`` has its package (an extra) importable.
+    ValueError with the path and the way out. The files rank 0 alone writes are checked on rank 0 only; the
+    checkpoint directory, which every rank writes, on every rank."""
+    from ._files import check_output_path
+    from .env import current_launch
+
+    if train.checkpoint_dir is not None:
+        check_output_path(train.checkpoint_dir, name="checkpoint_dir", directory=True)
+    if current_launch().rank == 0:
+        for name, directory in (("save_pretrained", True), ("metrics_file", False), ("tensorboard", True),
+                                ("fp8_health_file", False)):
+            path = health_file(train) if name == "fp8_health_file" else getattr(train, name)
+            if path is not None:
+                check_output_path(path, name=name, directory=directory)
     if train.tensorboard is None:
         return
     try:  # imported, not looked up: an installed package that fails to import fails the same way later
@@ -83,8 +97,8 @@ class JobLog:
                 Path(path).write_text("")
         telemetry = FP8Telemetry(wrapped, every=every, jsonl=path, log=self.log, step=first)
         where = f", records in {path}" if path else ""
-        return telemetry, (f"fp8 health: every {every} steps, per FP8 layer the amax, scale and share flushed to zero "
-                           f"of input, weight and output gradient{where}")
+        return telemetry, (f"fp8 health: every {plural(every, 'step')}, per FP8 layer the amax, scale and share "
+                           f"flushed to zero of input, weight and output gradient{where}")
 
     def header(self) -> str:
         """The figures' definitions, why MFU is null where it is, and the FP8 health's line."""

@@ -446,7 +446,7 @@ def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp
     assert [c.name for c in cells] == ["none/bf16/tiny/seed0", "none/torchao-rowwise/tiny/seed0",
                                        "none/bf16/tiny/seed1", "none/torchao-rowwise/tiny/seed1"]
     assert cell_config(cells[1]).precision.torchao_recipe == "rowwise"
-    assert "data: 1 file(s), 120 documents" in check_text(settings)  # tokenized here, once
+    assert "data: 1 file, 120 documents" in check_text(settings)  # tokenized here, once
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.env.share_cpu_threads)
     try:
@@ -471,5 +471,5 @@ def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp
            f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f} |")
     assert row in convergence_table(doc)
     held = loss_panels(doc)[-1]
-    assert held["title"] == "held-out loss, llama-tiny: mean over 2 seed(s) (± sample std at the last step)"
+    assert held["title"] == "held-out loss, llama-tiny: mean over 2 seeds (± sample std at the last step)"
     assert [c["losses"][-1] for c in held["curves"]] == [bf16["held_out"][-1]["mean"], statistics.fmean(last)]

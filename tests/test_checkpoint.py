@@ -330,12 +330,12 @@ def test_extra_state_into_a_model_without_it_is_refused_unless_dropped(tmp_path,
     with pytest.raises(CheckpointError) as refused:
         load_checkpoint(tmp_path, plain, plain_opt)
     assert str(refused.value) == (
-        f"{path} holds module extra state (`_extra_state`, e.g. FP8 scales) of 2 module(s) (0, 1) that this model "
+        f"{path} holds module extra state (`_extra_state`, e.g. FP8 scales) of 2 modules (0, 1) that this model "
         "(strategy 'none', fp8 None) has no place for: loading would drop it silently. Way out: load it into a "
         "model with those modules, or pass drop_fp8_state=True to load the weights and optimizer without it (FP8 "
         "scaling then starts afresh).")
     state = load_checkpoint(tmp_path, plain, plain_opt, drop_fp8_state=True)
-    assert state.differences == ("the checkpoint's FP8 state of 2 module(s) dropped (drop_fp8_state=True)",)
+    assert state.differences == ("the checkpoint's FP8 state of 2 modules dropped (drop_fp8_state=True)",)
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
     with pytest.raises(TypeError, match="drop_fp8_state='yes' must be True or False"):
         load_checkpoint(tmp_path, plain, plain_opt, drop_fp8_state="yes")

@@ -216,16 +216,16 @@ def test_fsdp_fsdp1_ddp_none_and_fp8_on_off_load_into_each_other(tmp_path, subte
             assert len(saved_state) == 15 and all(len(h) == N for h in saved_state.values())
             assert loaded == saved_state, f"rank {rank}: each rank's own FP8 state"
             dropped = result["cases"]["fsdp+te-fsdp"]
-            assert dropped["differences"] == ("fp8 'te' -> None", "the checkpoint's FP8 state of 15 module(s) "
+            assert dropped["differences"] == ("fp8 'te' -> None", "the checkpoint's FP8 state of 15 modules "
                                               "dropped (drop_fp8_state=True)")
             fresh = result["cases"]["fsdp-fsdp+te"]
             assert len(fresh["fp8_state"][1]) == 15 and all(h == [] for h in fresh["fp8_state"][1].values())
-            assert "this model's FP8 state of 15 module(s) starts afresh (none in the checkpoint)" in \
+            assert "this model's FP8 state of 15 modules starts afresh (none in the checkpoint)" in \
                 fresh["differences"]
     with subtests.test(msg="TE FP8 state into a model without TE is refused"):
         refused = results[0]["refused"]
         assert refused is not None and "holds Transformer Engine FP8 state (scales and amax history, in " \
-            "`_extra_state`) of 15 module(s) (lm_head, model.layers.0.mlp.down_proj, " \
+            "`_extra_state`) of 15 modules (lm_head, model.layers.0.mlp.down_proj, " \
             "model.layers.0.mlp.gate_proj and 12 more) that this model (strategy 'fsdp', fp8 None) has no place " \
             "for: loading would drop it silently. Way out: load it into a model with fp8='te' (strategy 'fsdp', " \
             "'fsdp1', 'ddp' or 'none', any world size), or pass drop_fp8_state=True" in refused, refused
@@ -268,7 +268,7 @@ def test_deepspeed_and_dcp_checkpoints_refuse_each_other_with_the_way_out(tmp_pa
     assert errors["ds->fsdp"] == (
         f"{ds} was saved with strategy 'deepspeed', in DeepSpeed's own checkpoint format; this model uses strategy "
         "'fsdp' (torch.distributed.checkpoint), and fp8dist does not convert between the two. Way out: load it into "
-        "strategy='deepspeed' with zero_stage=1 on 1 rank(s), or turn it into a full fp32 state dict with "
+        "strategy='deepspeed' with zero_stage=1 on 1 rank, or turn it into a full fp32 state dict with "
         f"DeepSpeed's script (python {ds}/zero_to_fp32.py {ds} OUT_DIR --tag deepspeed), load that into the model "
         "before wrap_model and start a new optimizer.")
     assert (ds / "zero_to_fp32.py").is_file(), "the script the message names is there"

@@ -138,7 +138,7 @@ def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
     capsys.readouterr()
     assert main(args) == 0
     resumed = capsys.readouterr().out
-    assert f"resume: loaded {ckpt / 'step_00000002'} (step 2, saved on 1 rank(s))" in resumed
+    assert f"resume: loaded {ckpt / 'step_00000002'} (step 2, saved on 1 rank)" in resumed
     again = _step_losses(resumed)
     assert [s for s, _ in again] == [3, 4, 5, 6] and again[:2] == _step_losses(first)[2:], "same losses again"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]

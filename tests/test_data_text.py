@@ -150,7 +150,7 @@ def test_held_out_windows_are_disjoint_from_training_and_fixed(made, tmp_path):
                                               for w in batches.eval_windows[:len(rows)]]
     rank1 = TextBatches(corpus, batch_size=4, seq_len=15, rank=1, world_size=2, seed=1, eval_fraction=0.1)
     assert torch.equal(next(rank1.eval_batches(1)), rows[2:4])
-    with pytest.raises(ValueError, match=rf"{len(held) // 4 + 1} held-out batch\(es\) of 4 windows need"):
+    with pytest.raises(ValueError, match=rf"{len(held) // 4 + 1} held-out batches of 4 windows need"):
         next(batches.eval_batches(len(held) // 4 + 1))
 
 
@@ -165,7 +165,7 @@ _BAD_FILES = {
     "list.jsonl": (b'["a"]\n', r"list.jsonl:1: a JSON list where an object with a 'text' field belongs"),
     "number.jsonl": (b'{"text": 5}\n', r"number.jsonl:1: field 'text' is a JSON int, not a string"),
     "blank.jsonl": (b"\n  \n", r"holds only blank lines"),
-    "hollow.jsonl": (b'{"text": ""}\n{"text": ""}\n', r"yields no tokens: its 2 document\(s\) are empty"),
+    "hollow.jsonl": (b'{"text": ""}\n{"text": ""}\n', r"yields no tokens: its 2 documents are empty"),
 }
 
 

@@ -70,7 +70,7 @@ def test_hsdp_shards_within_a_group_replicates_across_and_matches_the_hand_wired
             assert c["local"].shape[0] * SHARDS == c["full_shape"][0], "dim 0 split over the shard group"
             local, total, replicas, text = c["summary"]
             assert local * SHARDS == total and replicas == REPLICAS
-            assert f"sharded over {SHARDS} rank(s) in each of {REPLICAS} replicas" in text
+            assert f"sharded over {SHARDS} ranks in each of {REPLICAS} replicas" in text
         # rank r = replica * SHARDS + shard: the same shard on both replicas, different shards within one
         for shard in range(SHARDS):
             same = [results[replica * SHARDS + shard][fp8]["local"] for replica in range(REPLICAS)]
@@ -141,4 +141,4 @@ def test_the_estimate_of_hsdp_is_fsdp_over_the_shard_group():
     hsdp = fp8dist.estimate_memory(model, strategy="fsdp", replicate_degree=2, world_size=4)
     fsdp = fp8dist.estimate_memory(model, strategy="fsdp", world_size=2)
     assert hsdp.model_state_bytes == fsdp.model_state_bytes
-    assert any("HSDP: 2 replicas, each sharded over 2 rank(s)" in note for note in hsdp.notes)
+    assert any("HSDP: 2 replicas, each sharded over 2 ranks" in note for note in hsdp.notes)

@@ -56,7 +56,7 @@ def test_every_entry_and_reason_and_conversion_goes_past_odd_layers():
     assert plan["fine"].module_type == "Linear" and plan["fine"].params == 64 * 64 + 64
     text = str(get_plan(model))
     rows = {line.split()[0]: line for line in text.splitlines()[1:]}
-    assert "FP8 1 layers / 4,160 params" in text and "excluded by fp8_filter" in rows["keep"]
+    assert "FP8 1 layer / 4,160 params" in text and "excluded by fp8_filter" in rows["keep"]
     assert rows["blocks:"] == "blocks: activation checkpointing none, compile off (auto: off on cpu (compiling costs " \
                               "more than it saves there))"
     model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()

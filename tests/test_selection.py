@@ -238,7 +238,7 @@ def test_a_numerics_report_keeps_the_unsafe_layer_out_of_fp8():
     other = build_llama("small", seed=0)
     names = report.to_dict()
     names["layers"][0]["name"] = "model.layers.9.mlp.up_proj"
-    with pytest.raises(ValueError, match=r"names 1 module\(s\) this model does not have \('model.layers.9.mlp.up_"
+    with pytest.raises(ValueError, match=r"names 1 module this model does not have \('model.layers.9.mlp.up_"
                                          r"proj'\): it was measured on another model"):
         fp8dist.plan_precision(other, cfg, device=torch.device("cpu"), numerics=names)
 

@@ -46,7 +46,7 @@ def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
     for rank in (0, 1):
         n_tensors = len(list(model.parameters()))
         assert re.search(rf"rank {rank}: DTensor Shard\(dim=0\): {n_tensors}/{n_tensors} tensors sharded over 2 "
-                         rf"rank\(s\); this rank stores [\d,]+ of {total:,} elements \(50\.0%\) in fp32; compute in "
+                         rf"ranks; this rank stores [\d,]+ of {total:,} elements \(50\.0%\) in fp32; compute in "
                          r"bf16, gradients reduced in fp32", summary), summary
 
 

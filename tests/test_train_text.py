@@ -130,7 +130,7 @@ def test_readmes_fp8_fine_tune_on_text_writes_a_model_and_its_tokenizer(made, tm
     stdout = capsys.readouterr().out
     assert code == 0
     assert "LlamaConfig from" in stdout and "fp8 torchao" in stdout and "Float8Linear" in stdout
-    assert "data: 1 file(s), 120 documents" in stdout and "validation      loss" in stdout
+    assert "data: 1 file, 120 documents" in stdout and "validation      loss" in stdout
     assert "MFU: null (no dense bf16 peak is known for cpu" in stdout
     trained = AutoModelForCausalLM.from_pretrained(out)
     before = AutoModelForCausalLM.from_pretrained(source)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._text import plural
 from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 
@@ -115,7 +116,7 @@ def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
         curves.append({"cell": entry["config"], "label": label, "losses": mean, "steps": entry["steps"],
                        "dashed": entry["fp8"] is not None, "color": color})
     seeds = len(doc["convergence"][0]["seeds"]) if doc["convergence"] else 0
-    return {"title": f"held-out loss, llama-{size}: mean over {seeds} seed(s) (± sample std at the last step)",
+    return {"title": f"held-out loss, llama-{size}: mean over {plural(seeds, 'seed')} (± sample std at the last step)",
             "curves": curves, "deltas": deltas, "delta_title": "minus bf16 (paired by seed)"}
 
 

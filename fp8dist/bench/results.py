@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .._text import plural
 from .._files import atomic_write
 from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
@@ -240,7 +241,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
     """The figures as Markdown tables (README), headed by device, date and versions."""
     device, versions = doc["device"], doc["versions"]
     memory = "peak RSS" if device["type"] == "cpu" else "peak CUDA allocated"
-    head = (f"{device['name']} ({device['type']}), {device['nproc']} process(es) per cell, {doc['date'][:10]}; "
+    head = (f"{device['name']} ({device['type']}), {plural(device['nproc'], 'process')} per cell, {doc['date'][:10]}; "
             f"torch {versions['torch']}, torchao {versions['torchao']}, transformers {versions['transformers']}; "
             f"{describe_job(doc['settings'])}")
     cols = ["cell", "tokens/s", "step (ms)", f"{memory} (MiB)", "model state (B/param)",

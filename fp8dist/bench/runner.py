@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._text import plural
 from ..combine import refusal_of
 from .cell import TIMING_WARMUP, Cell, TextJob
 
@@ -225,8 +226,8 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
         raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
                          "install it or leave deepspeed out of --strategies.")
     if device_type == "cuda" and settings.nproc > torch.cuda.device_count():
-        raise ValueError(f"--nproc {settings.nproc}: this machine has {torch.cuda.device_count()} GPU(s); use at "
-                         "most that many (one process per GPU).")
+        raise ValueError(f"--nproc {settings.nproc}: this machine has {plural(torch.cuda.device_count(), 'GPU')}; "
+                         "use at most that many (one process per GPU).")
     for cell in cells:
         options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
         if cell.torchao_recipe is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._text import plural
 from ..api import get_wrap_info
 from .io import CheckpointError, engine, model_layout
 
@@ -70,7 +71,7 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
     for names, where in (([n for n in saved if n not in ours], "the checkpoint"),
                          ([n for n in ours if n not in saved], "this model")):
         if names:
-            diffs.append(f"{len(names)} tensor(s) only in {where}: {_names(names)}")
+            diffs.append(f"{plural(len(names), 'tensor')} only in {where}: {_names(names)}")
     return diffs
 
 
@@ -79,7 +80,8 @@ def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> st
     if meta["engine"] == "deepspeed":
         return (f"{saved}, in DeepSpeed's own checkpoint format; this model uses strategy {now['strategy']!r} "
                 "(torch.distributed.checkpoint), and fp8dist does not convert between the two. Way out: load it "
-                f"into strategy='deepspeed' with zero_stage={meta['zero_stage']} on {meta['world_size']} rank(s), or "
+                f"into strategy='deepspeed' with zero_stage={meta['zero_stage']} on "
+                f"{plural(meta['world_size'], 'rank')}, or "
                 f"turn it into a full fp32 state dict with DeepSpeed's script (python {path}/zero_to_fp32.py {path} "
                 "OUT_DIR --tag deepspeed), load that into the model before wrap_model and start a new optimizer.")
     return (f"{saved} (torch.distributed.checkpoint); this model is a DeepSpeed engine, which loads only DeepSpeed's "
@@ -107,8 +109,8 @@ def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str
     model = f"strategy {now['strategy']!r}, fp8 {now['fp8']!r}"
     into = ("a model with fp8='te' (strategy 'fsdp', 'fsdp1', 'ddp' or 'none', any world size)"
             if meta.get("fp8") == "te" else "a model with those modules")
-    return (f"{path} holds {what} of {len(lost)} module(s) ({_names(modules)}) that this model ({model}) has no "
-            f"place for: loading would drop it silently. Way out: load it into {into}, or pass "
+    return (f"{path} holds {what} of {plural(len(lost), 'module')} ({_names(modules)}) that this model ({model}) "
+            f"has no place for: loading would drop it silently. Way out: load it into {into}, or pass "
             "drop_fp8_state=True to load the weights and optimizer without it (FP8 scaling then starts afresh).")
 
 
@@ -141,10 +143,11 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     differences = [f"{k} {meta.get(k)!r} -> {now[k]!r}" for k in ("strategy", "fp8", "world_size")
                    if meta.get(k) != now[k]]
     if drop_fp8_state and saved_state:
-        differences.append(f"the checkpoint's FP8 state of {len(saved_state)} module(s) dropped (drop_fp8_state=True)")
+        differences.append(f"the checkpoint's FP8 state of {plural(len(saved_state), 'module')} dropped "
+                           "(drop_fp8_state=True)")
     fresh = [k for k in now["fp8_state"] if k not in load]
     if fresh:
-        differences.append(f"this model's FP8 state of {len(fresh)} module(s) starts afresh"
+        differences.append(f"this model's FP8 state of {plural(len(fresh), 'module')} starts afresh"
                            + ("" if drop_fp8_state else " (none in the checkpoint)"))
     return LoadDecision(fp8_state=load, differences=tuple(differences))
 

@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._files import atomic_write, atomic_write_text
+from .._files import atomic_write, atomic_write_text, check_output_path
 from ..dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
 from ..pretrained import INDEX_FILE, SINGLE_FILE
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
 from ..agree import on_all_ranks, rank_world
 
-__all__ = ["save_pretrained"]
+__all__ = ["save_pretrained", "export_dtype"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
+_SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -49,6 +50,25 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
         return dtype if isinstance(dtype, torch.dtype) else torch_dtype(name)
     raise ValueError(f"dtype={dtype!r} is not an export dtype; choose torch.bfloat16, torch.float32 or torch.float16 "
                      f"(or one of {', '.join(repr(n) for n in DTYPES)}).")
+
+
+def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
+    """The dtype name that ``save_dtype`` (``fp8dist train --save-dtype``: "as-loaded" or a dtype name) writes:
+    itself, or for "as-loaded" the floating dtype holding most of the ``pretrained`` directory's weight elements (a
+    fine-tune is saved as it was given: a bf16 checkpoint stays bf16, an fp32 one fp32), bf16 for a model trained
+    from scratch (how models are shared)."""
+    if save_dtype != "as-loaded":
+        return save_dtype
+    if pretrained is None:
+        return "bf16"
+    from ..pretrained import SafetensorsDir
+
+    source, counts = SafetensorsDir(pretrained), {}
+    for name, dtype in source.dtypes.items():
+        if dtype in _SAFETENSORS_DTYPES:
+            name_of = _SAFETENSORS_DTYPES[dtype]
+            counts[name_of] = counts.get(name_of, 0) + _numel(source.shapes[name])
+    return max(counts, key=counts.get) if counts else "bf16"
 
 
 def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -125,6 +145,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
     out = Path(out_dir)
     rank = rank_world()[0]
+    check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank == 0 else None
+    on_all_ranks(f"fp8dist.save_pretrained: checking {out}", check, error=ValueError, passthrough=(ValueError,))
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._args import require_bool
-from .._files import atomic_write_text, fsync_dir
+from .._files import atomic_write_text, check_output_path, fsync_dir
 from ..agree import on_all_ranks, rank_world
 from ..api import get_wrap_info
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
@@ -194,6 +194,14 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
     return extra
 
 
+def _check_target(root: Path) -> None:
+    """``root`` can hold checkpoints (:func:`fp8dist._files.check_output_path`), else CheckpointError naming it."""
+    try:
+        check_output_path(root, name="path", directory=True)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+
+
 def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
@@ -256,6 +264,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     extra = _check_save_args(step, extra, keep_last, overwrite)
     strategy, (rank, _) = info.config.parallel.strategy, rank_world()
     root, name = Path(path), f"step_{step:08d}"
+    on_all_ranks(f"saving into {root}", lambda: _check_target(root), error=CheckpointError,
+                 passthrough=(CheckpointError,))  # every rank writes there: checked on each
     tmp, final, lead = root / f".tmp-{name}", root / name, rank == 0
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "

@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from . import bench, ds_config, env, estimate, launch, plan, probe, train
-from .common import quiet_cpu_noise
+from .common import one_line_warnings, quiet_cpu_noise
 from .errors import error_line, exit_code
 from .launch import LAUNCH_DIR
 
@@ -34,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_cpu_noise()
     try:
-        return COMMANDS[args.command].run(args)
+        with one_line_warnings(args.command):
+            return COMMANDS[args.command].run(args)
     except Exception as err:  # one line for what fp8dist explains (fp8dist.cli.errors), a traceback for the rest
         code = exit_code(err)
         if code is None:

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from .._text import plural
 from .._schema import add_arguments
 from ..bench.cell import TIMING_WARMUP, TextJob
 from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, TORCHAO_RECIPES, check_cells, check_text, device_type,
@@ -100,6 +101,7 @@ def _check_plotting(plot: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
+    from .._files import check_output_path
     from ..bench.results import cell_line, markdown_table, results_document, write_results
 
     device = device_type()
@@ -107,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
     cells = plan_cells(settings)
     check_cells(cells, settings, device)
     _check_plotting(args.plot)
+    out = check_output_path(args.out, name="--out", directory=True)  # before the text is tokenized and any cell runs
     text = check_text(settings)  # tokenized here once; the cells read the cache
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.time(), os.getloadavg()
-    print(f"fp8dist bench: {len(cells)} cells on {device}, {settings.nproc} process(es) each, "
-          f"{settings.steps} steps; results in {out}/", flush=True)
+    print(f"fp8dist bench: {plural(len(cells), 'cell')} on {device}, {plural(settings.nproc, 'process')} each, "
+          f"{plural(settings.steps, 'step')}; results in {out}/", flush=True)
     if text:
         print(text, flush=True)
     results = run_cells(cells, settings, cell_line)
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)
     failed = [r["name"] for r in results if "error" in r]
     if failed:
-        print(f"fp8dist bench: {len(failed)} cell(s) failed: {', '.join(failed)} (errors in the JSON)",
+        print(f"fp8dist bench: {plural(len(failed), 'cell')} failed: {', '.join(failed)} (errors in the JSON)",
               file=sys.stderr)
     return 1 if failed else 0
 

@@ -4,7 +4,10 @@ file make together, and the quieting of CPU-only log noise."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from dataclasses import fields
@@ -12,7 +15,8 @@ from dataclasses import fields
 from ..config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from ..models import LLAMA_SIZES
 
-__all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise"]
+__all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise",
+           "one_line_warnings"]
 
 FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+), else none"
 """Every subcommand's ``--fp8`` default, shown in its help (the Python API's default is none)."""
@@ -78,3 +82,21 @@ def quiet_cpu_noise() -> None:
         logging.getLogger("torchao").setLevel(logging.ERROR)
         logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress output
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Inside, warnings are shown one line each, ``fp8dist COMMAND: warning: MESSAGE``: Python's default adds the
+    file and line that warned and that line's source, which say nothing to the user of a command (and named
+    fp8dist's own code). Another category than UserWarning keeps its name (``FutureWarning: ...``). Python's
+    format is back on the way out (a command run in-process, from a test or a notebook)."""
+
+    def one_line(message, category, filename, lineno, line=None) -> str:
+        kind = "warning" if category is UserWarning else category.__name__
+        return f"fp8dist {command}: {kind}: {message}\n"
+
+    saved, warnings.formatwarning = warnings.formatwarning, one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved

@@ -43,9 +43,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._files import atomic_write
+    from .._files import atomic_write, check_output_path
     from ..strategies.deepspeed import model_hidden_size, zero_config
 
+    if args.output:
+        check_output_path(args.output, name="-o/--output")
     hidden = args.hidden_size
     if args.model or args.model_config:
         args.model_size = (args.model or "llama-tiny").removeprefix("llama-")

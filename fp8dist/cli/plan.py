@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from .._text import plural
 from .._schema import add_arguments
 from ..config import FP8Config, StrategyConfig
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
     print(plan)
     if blocks is not None:
-        print(f"sharded per block: {len(blocks[0])} blocks ({blocks[1]}), then the root")
+        print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
     for note in padding:
         print(f"note: {note}")
     if args.compare_recipes:

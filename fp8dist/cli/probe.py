@@ -108,12 +108,14 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .._files import atomic_write_text
+    from .._files import atomic_write_text, check_output_path
     from ..data.job import load_job_corpus
     from ..numerics import measure_fp8_numerics
     from ..train_config import TrainConfig
 
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
+    if args.json is not None:  # before the data is tokenized and the model measured
+        check_output_path(args.json, name="--json")
     probe, thresholds = ProbeConfig(**routed[ProbeConfig]), Thresholds(**routed[Thresholds])
     for note in config.unused_options():
         print(f"fp8dist probe: note: {note}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .._schema import add_arguments
 from ..config import Config, FP8Config, StrategyConfig
-from .common import FP8_DEFAULT_HELP, config_from_args, quiet_cpu_noise
+from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
 from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
 __all__ = ["add_parser", "run"]
@@ -142,8 +142,9 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
     quiet_cpu_noise()
     rank = int(os.environ["RANK"])
     try:
-        _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train),
-                         _Progress(Path(state) / "progress" if rank == 0 else None))
+        with one_line_warnings("train"):  # a rank's warnings read as the command's own
+            _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train),
+                             _Progress(Path(state) / "progress" if rank == 0 else None))
     except KeyboardInterrupt:
         _exit_now(INTERRUPTED_EXIT)
     except Exception as err:

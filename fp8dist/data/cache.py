@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .._text import plural
 from .._files import atomic_write, atomic_write_text
 from .sources import (DEFAULT_TEXT_FIELD, FileIdentity, check_source, file_identity, file_kind, file_sha256,
                       read_pieces)
@@ -66,6 +68,8 @@ class TokenFile:
     """The cache entry's index file."""
     reused: bool
     """Read from the cache (True) or tokenized now."""
+    tokenized_at: float | None = None
+    """When the entry was tokenized (seconds since the epoch); None for an entry older than the record."""
 
 
 def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, text_field: str = DEFAULT_TEXT_FIELD,
@@ -102,7 +106,8 @@ def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Pat
     index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
     if index is None:
         index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
-        index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint)
+        index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
+                     tokenized_at=time.time())
         atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
         reused = False
     else:
@@ -112,7 +117,7 @@ def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Pat
         reused = True
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
     return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
-                     reused)
+                     reused, index.get("tokenized_at"))
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
@@ -214,8 +219,9 @@ def _build(source: Path, kind: str, text_field: str, tokenizer: Any, tokens_path
                             counts["tokens"] += in_document + 1
                         in_document = 0
         if counts["tokens"] == 0:
-            raise ValueError(f"data file {str(source)!r} yields no tokens: its {counts['documents']} document(s) "
-                             "are empty.")
+            documents = plural(counts["documents"], "document")
+            raise ValueError(f"data file {str(source)!r} yields no tokens: its {documents} "
+                             f"{'is' if counts['documents'] == 1 else 'are'} empty.")
         now = file_identity(source)
         if (now.size, now.mtime_ns) != (identity.size, identity.mtime_ns):
             raise ValueError(f"data file {str(source)!r} changed while it was tokenized: run again once it is "

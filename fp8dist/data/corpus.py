@@ -10,6 +10,7 @@ others after a barrier: they then read the cache it wrote instead of tokenizing 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._text import plural
 from .cache import TokenFile, tokenize_file
 from .sources import DEFAULT_TEXT_FIELD
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -64,11 +66,36 @@ class TokenCorpus:
         return {"files": [f.sha256 for f in self.files], "tokenizer": self.tokenizer_sha256}
 
     def describe(self) -> str:
-        """One line: files, documents, tokens, where they came from."""
-        reused = sum(f.reused for f in self.files)
-        return (f"{len(self.files)} file(s), {self.num_documents:,} documents, {self.num_tokens:,} tokens "
-                f"(tokenizer {self.tokenizer_dir}, {self.vocab_size:,} ids; {reused} of {len(self.files)} file(s) "
-                "from the token cache)")
+        """One line: files, documents, tokens, and whether they were tokenized now or read from the token cache
+        (and when they were tokenized: a job's launcher tokenizes, its ranks read what it cached seconds ago)."""
+        return (f"{plural(len(self.files), 'file')}, {plural(self.num_documents, 'document')}, "
+                f"{plural(self.num_tokens, 'token')} (tokenizer {self.tokenizer_dir}, {self.vocab_size:,} ids; "
+                f"{_provenance(self.files)})")
+
+
+def _provenance(files: list[TokenFile]) -> str:
+    """"tokenized now", "read from the token cache (tokenized 3 s ago)", or both with their counts."""
+    fresh = sum(not f.reused for f in files)
+    cached = [f.tokenized_at for f in files if f.reused]
+    known = [at for at in cached if at is not None]
+    when = ""
+    if known:
+        newest, oldest = _ago(max(known)), _ago(min(known))
+        when = f" (tokenized {newest if newest == oldest else f'{newest} to {oldest}'} ago)"
+    if not cached:
+        return "tokenized now"
+    if not fresh:
+        return f"read from the token cache{when}"
+    return f"{plural(fresh, 'file')} tokenized now, {len(cached)} read from the token cache{when}"
+
+
+def _ago(at: float) -> str:
+    """How long ago ``at`` (seconds since the epoch) was, in the largest unit that fits."""
+    seconds = max(time.time() - at, 0.0)
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= 2 * size:
+            return plural(int(seconds // size), unit)
+    return f"{max(1, round(seconds))} s"
 
 
 def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, tokenizer: str | os.PathLike,
@@ -97,7 +124,8 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
     sources = [check_source(p) for p in listed]
     twice = sorted({str(p) for p in sources if sources.count(p) > 1})
     if twice:
-        raise ValueError(f"data file(s) given more than once: {', '.join(twice)}; pass each once.")
+        raise ValueError(f"{'data files' if len(twice) > 1 else 'a data file'} given more than once: "
+                         f"{', '.join(twice)}; pass each once.")
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r} must name a JSON field, e.g. 'text'.")
     note = unread_text_field(sources, text_field)

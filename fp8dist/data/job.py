@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._text import plural
 from .corpus import TokenCorpus, load_text_corpus
 from .windows import TextBatches
 
@@ -125,7 +126,7 @@ class JobBatches:
         if self.text is None:
             return ""
         return (f"data: {self.corpus.describe()}\ndata: {self.text.describe()}; each evaluation reads "
-                f"{self.eval_count} held-out batch(es) of {self.text.batch_size}")
+                f"{plural(self.eval_count, 'held-out batch')} of {self.text.batch_size}")
 
 
 def eval_batch_count(batches: TextBatches, asked: int | None) -> int:

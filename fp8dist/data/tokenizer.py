@@ -93,8 +93,11 @@ def train_tokenizer(texts: Iterable[str], directory: str | os.PathLike, *, vocab
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from .._files import check_output_path
+
     if vocab_size < 257:
         raise ValueError(f"vocab_size={vocab_size} must be at least 257: the 256 bytes and the EOS token.")
+    check_output_path(directory, name="directory", directory=True)  # before the training, not after it
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()

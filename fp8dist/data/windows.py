@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._text import plural
 from .builtin import check_batch_split
 from .corpus import TokenCorpus
 
@@ -119,7 +120,7 @@ class TextBatches:
             raise ValueError(f"num_batches={num_batches} must be at least 1 (None: every full held-out batch).")
         wanted = full if num_batches is None else num_batches
         if full == 0 or wanted > full:
-            asked = f"{wanted} held-out batch(es)" if wanted else "a held-out batch"
+            asked = f"{plural(wanted, 'held-out batch')}" if wanted else "a held-out batch"
             raise ValueError(f"{asked} of {self.batch_size} windows need {max(wanted, 1) * self.batch_size:,} "
                              f"held-out windows; eval_fraction={self.eval_fraction:g} holds out "
                              f"{len(self.eval_windows):,} of this corpus's windows ({full} full batches). Ask for "

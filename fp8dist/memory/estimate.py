@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._text import plural
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
                                fp8_buffer_bytes, rank_states, worst_rank)
@@ -203,7 +204,7 @@ def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.
         notes += fsdp_padding_notes(model, world // cfg.parallel.replicate_degree)
         if cfg.parallel.replicate_degree > 1:
             notes.append(f"HSDP: {cfg.parallel.replicate_degree} replicas, each sharded over "
-                         f"{world // cfg.parallel.replicate_degree} rank(s)")
+                         f"{plural(world // cfg.parallel.replicate_degree, 'rank')}")
     if ds is not None:
         comm = DTYPE_BYTES.get(ds["comm"], 4)
         kept = "allocated for the whole run" if ds["stage"] == 3 else "during backward"

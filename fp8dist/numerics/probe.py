@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._text import plural
 from ..hardware import Hardware, parse_target
 from .capture import attach
 from .casts import recipe_casts
@@ -146,8 +147,8 @@ def _notes(plan, cfg, modes, hardware: Hardware | None) -> list[str]:
     for reason, names in left_out.items():
         how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an "
                                                "H100 runs them")
-        notes.append(f"MoE experts not measured ({len(names)} module(s), e.g. {names[0]}): not FP8 in this plan, "
-                     f"{reason}{how}")
+        notes.append(f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this "
+                     f"plan, {reason}{how}")
     for name, mode in modes:
         if mode.seen == 0:
             notes.append(f"MoE experts {name}: no grouped GEMM on its weights was seen (another "

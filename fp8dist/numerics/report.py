@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._text import plural
 from .stats import CastStats, LayerNumerics
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds
 
@@ -59,7 +60,7 @@ class NumericsReport:
     def __str__(self) -> str:
         t = self.thresholds
         lines = [f"FP8 numerics probe: fp8={self.backend} ({self.recipe}), planned for {self.hardware}; "
-                 f"{self.batches} batch(es), {self.tokens:,} tokens, model in high precision",
+                 f"{plural(self.batches, 'batch')}, {plural(self.tokens, 'token')}, model in high precision",
                  f"thresholds: output SQNR >= {t.min_output_sqnr_db:g} dB; flushed to zero <= "
                  f"{100 * t.max_flushed_share:g}% (input, weight), {100 * t.max_grad_flushed_share:g}% (grad out); "
                  f"saturated <= {100 * t.max_saturated_share:g}%  (SQNR: worst of an operand's casts, in dB)"]
@@ -74,7 +75,7 @@ class NumericsReport:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 7)
         exclude = self.recommended_exclude
-        lines.append(f"recommended_exclude ({len(exclude)} of {len({l.name for l in self.layers})} modules): "
+        lines.append(f"recommended_exclude ({len(exclude)} of {plural(len({l.name for l in self.layers}), 'module')}): "
                      + (", ".join(exclude) if exclude else "none"))
         return "\n".join(lines)
 

@@ -94,11 +94,17 @@ class FP8Telemetry:
                  log: Callable[[str], Any] | None = None, step: int = 0) -> None:
         from torchao.float8.float8_linear import Float8Linear
 
+        from .._files import check_output_path
+        from ..agree import on_all_ranks
         from ..strategies import unwrap_model
         from ..strategies.local_shards import plain_name
 
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r} must be a whole number of steps >= 1 (1 samples every step).")
+        # rank 0 writes jsonl: checked there before any step, and every rank raises alike (each takes part, given
+        # jsonl or not: a job may pass it to rank 0 alone)
+        check = (lambda: check_output_path(jsonl, name="jsonl")) if _rank() == 0 and jsonl is not None else None
+        on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
         self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
         self.jsonl = Path(jsonl) if jsonl is not None else None
         self.layers = [_Layer(plain_name(n), m) for n, m in unwrap_model(model).named_modules()
