@@ -12,26 +12,50 @@ import subprocess
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cli_helpers import BIN, free_port
 from fp8dist.cli import main
 
 
+BLOWN_UP = 1e30
+"""The factor on every weight of the blown-up checkpoint below. Its weights (~0.02 x 1e30, norm weights 1e30) are
+finite in fp32 and bf16 (max 3.4e38). RMSNorm squares its input in fp32: each embedding row holds an entry of at
+least ~4e28 (measured), far above the 1.8e19 whose square overflows, so every norm's variance is inf, rsqrt(inf) = 0
+and every norm outputs exactly x * 0 = 0; attention and MLP see zeros and add zeros, the logits are 0 and the loss
+is ln 256 = 5.5452, finite. Backward, the final norm's input gradient sums weight_j * grad_j * x_j over the hidden
+size, terms of 1e30 x ~1e27 x ~1e28, inf in fp32; times d rsqrt/d var at inf (0) that is NaN, which reaches every
+weight below (the embedding first). IEEE overflow alone decides this, with 8 or more orders of magnitude to spare
+on each side: no kernel's rounding can change it."""
+
+
 @pytest.mark.parametrize("guard", ["skip", "off"])
-def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys, guard):
-    """lr 1e4: the gradients go non-finite. With the guard (nonfinite_step, on by default) those steps are skipped,
-    the weights stay finite and the 5th skip in a row stops the run, naming the modules; without it the weights go
-    NaN and the 5th non-finite loss in a row stops it. One line, rc 1, either way."""
+def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys, tmp_path, guard):
+    """A checkpoint saved as a run blew up (its weights finite, ~1e30): its loss is finite and its gradients are not
+    (see :data:`BLOWN_UP`), at an ordinary learning rate and on any CPU. With the guard (nonfinite_step, on by
+    default) those steps are skipped, the weights stay finite and the 5th skip in a row stops the run, naming the
+    modules; without it the weights go NaN and the 5th non-finite loss in a row stops it. One line, rc 1, either way.
+    (A learning rate alone is no such source: at lr 1e4 AdamW's first step sets each weight to about +-lr, the
+    signs those of gradients the CPU's bf16 kernels round differently, and whether a later step overflows to NaN or
+    RMSNorm's squared overflow zeroes the activations and every gradient first depends on them: on an AVX-512 BF16
+    host the run died at loss ln 256 with gradient norm 0 and never went non-finite.)"""
+    from fp8dist.models import build_llama
     from fp8dist.train_checks import MAX_NONFINITE_STEPS
 
-    code = main(["train", "--strategy", "none", "--nproc", "1", "--fp8", "none", "--lr", "1e4", "--steps", "40",
-                 "--batch-size", "2", "--seq-len", "32", "--nonfinite-step", guard])
+    model = build_llama("tiny", seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(BLOWN_UP)
+    model.save_pretrained(tmp_path)  # transformers' own writer, fp32
+    code = main(["train", "--strategy", "none", "--nproc", "1", "--fp8", "none", "--pretrained", str(tmp_path),
+                 "--lr", "1e-3", "--steps", "40", "--batch-size", "2", "--seq-len", "32", "--nonfinite-step", guard])
     out, err = capsys.readouterr()
     printed = re.findall(r"^step +\d+/40 .* loss (\S+) \|", out, flags=re.M)
     lines = [line for line in err.strip().splitlines() if line.startswith("fp8dist train: error:")]
     assert code == 1 and "Traceback" not in err and len(lines) == 1, err
     if guard == "skip":
+        assert len(printed) == MAX_NONFINITE_STEPS - 1, "the 5th skip stops the run before its step line"
         assert all(math.isfinite(float(loss)) for loss in printed), "no skipped step reached the weights"
         assert lines[0].startswith(f"fp8dist train: error: {MAX_NONFINITE_STEPS} consecutive steps had non-finite "
                                    "gradients (the last in model.embed_tokens, ")
@@ -39,10 +63,11 @@ def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys,
                                  "fp8dist probe measures them), or resume from the last checkpoint.")
         return
     first = next(i for i, loss in enumerate(printed) if not math.isfinite(float(loss)))
+    assert first == 1, "step 1's loss is finite, its NaN gradients reach the weights, step 2's loss is NaN"
     assert len(printed) == first + MAX_NONFINITE_STEPS, "stopped at the 5th non-finite step in a row"
     assert lines == [
         f"fp8dist train: error: loss non-finite ({printed[-1]}) for 5 consecutive steps (steps {first + 1}-"
-        f"{first + 5}): training diverged. Lower --lr (now 10000), or clip gradients (--gradient-clipping 1.0)."]
+        f"{first + 5}): training diverged. Lower --lr (now 0.001), or clip gradients (--gradient-clipping 1.0)."]
 
 
 def test_a_long_run_warms_up_over_at_most_2000_steps_and_the_header_says_so():
