@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,9 @@ def memory_need(model: torch.nn.Module, config: Any, *, world: int, micro_batch:
     """The estimate of one rank for ``model`` (on the meta device: nothing is allocated) wrapped with ``config``."""
     from .memory.estimate import estimate_memory
 
-    est = estimate_memory(model, config, world_size=world, micro_batch_size=micro_batch, seq_len=seq_len)
+    with warnings.catch_warnings():  # its notes (an option no axis reads) are wrap_model's to say, once
+        warnings.simplefilter("ignore", UserWarning)
+        est = estimate_memory(model, config, world_size=world, micro_batch_size=micro_batch, seq_len=seq_len)
     return MemoryNeed(est.model_state_bytes, est.activation_bytes if est.activations_modelled else None,
                       micro_batch, seq_len)
 
