@@ -18,6 +18,7 @@ import socket
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,7 @@ from ._text import plural
 from .api import get_plan, get_wrap_info, wrap_model
 from .blocks import describe_blocks
 from .checkpoint.hf import export_dtype, save_pretrained
-from .checkpoint.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint.save_load import load_checkpoint, save_checkpoint
 from .config import Config
 from .data import check_batch_split
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
@@ -102,18 +103,18 @@ def _as_saved(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value  # JSON keeps a tuple as a list
 
 
-def _resume(train: TrainConfig, model: Any, optimizer: Any, batches: JobBatches,
+def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer: Any, batches: JobBatches,
             log: Callable[[str], Any] | None) -> tuple[int, int]:
     """The step to start at and the optimizer steps applied before it (the schedule's position): 0, 0, or with
-    ``resume`` those of the newest checkpoint (loaded into the model, its data position into ``batches``)."""
+    ``resume`` those of checkpoint ``resume_from`` (loaded into the model, its data position into ``batches``)."""
     log = log or (lambda line: None)
     if not train.resume:
         return 0, 0
-    if latest_checkpoint(train.checkpoint_dir) is None:
+    if resume_from is None:
         log(f"resume: no checkpoint in {train.checkpoint_dir} yet, starting at step 0")
         return 0, 0
     t0 = time.perf_counter()
-    state = load_checkpoint(train.checkpoint_dir, model, optimizer)
+    state = load_checkpoint(resume_from, model, optimizer)
     log(f"resume: loaded {state.path} (step {state.step}, saved on {plural(state.world_size, 'rank')}) in "
         f"{time.perf_counter() - t0:.2f}s")
     if batches.text is not None:
@@ -271,7 +272,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     """
     log = log or (lambda line: print(line, flush=True))
     start = time.perf_counter()
-    check_checkpoint_dir(train)
+    save_to, resume_from = check_checkpoint_dir(train)  # a step folder named: resumed from, saved beside
+    train = replace(train, checkpoint_dir=None if save_to is None else str(save_to))
     check_outputs(train)
     corpus = _load_corpus(config, train)
     model_config, name = job_model_config(config, train, corpus)
@@ -298,7 +300,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
         log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), batches.describe()])))
         if config.precision.fp8:
             log(str(get_wrap_info(wrapped).plan))
-    first, applied = _resume(train, wrapped, optimizer, batches, log if leader else None)
+    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, log if leader else None)
     job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
     if leader:
         log(job_log.header())

@@ -5,9 +5,9 @@ instead of printing NaN to the end."""
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,14 +121,19 @@ def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> Non
                           "--activation-checkpointing full.")
 
 
-def check_checkpoint_dir(train: Any) -> None:
-    """A checkpoint directory that already holds checkpoints is continued with ``--resume`` only: a new run would
-    replace them one step at a time. ValueError naming the newest and the way out."""
-    from .checkpoint.save_load import latest_checkpoint
+def check_checkpoint_dir(train: Any) -> tuple[Path | None, Path | None]:
+    """(The checkpoint directory the job saves into, the checkpoint it resumes from or None):
+    :func:`fp8dist.checkpoint.layout.job_checkpoints`. A directory that already holds checkpoints, or one
+    checkpoint, is continued with ``--resume`` only: a new run would replace them one step at a time. ValueError
+    naming the newest and the way out."""
+    from .checkpoint.layout import job_checkpoints
 
-    if train.checkpoint_dir is None or train.resume or not os.path.isdir(train.checkpoint_dir):
-        return
-    newest = latest_checkpoint(train.checkpoint_dir)
-    if newest is not None:
-        raise ValueError(f"checkpoint_dir={train.checkpoint_dir!r} already holds checkpoints (newest {newest.name}): "
-                         "pass --resume to continue from it, or another --checkpoint-dir to start afresh.")
+    if train.checkpoint_dir is None:
+        return None, None
+    root, newest = job_checkpoints(train.checkpoint_dir)
+    if newest is not None and not train.resume:
+        held = f"is a checkpoint (step {int(newest.name[5:])} of '{root}')" if newest == Path(train.checkpoint_dir) \
+            else f"already holds checkpoints (newest {newest.name})"
+        raise ValueError(f"checkpoint_dir={train.checkpoint_dir!r} {held}: pass --resume to continue from it, or "
+                         "another --checkpoint-dir to start afresh.")
+    return root, newest if train.resume else None

@@ -72,8 +72,9 @@ class TrainConfig:
     """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
 
     checkpoint_dir: str | None = None
-    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); none: no
-    checkpoints."""
+    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); with resume, also
+    one of its step_* folders (the newest: resumed from it, checkpoints saved into the directory above it); none:
+    no checkpoints."""
 
     save_every: int | None = None
     """Save a checkpoint every N steps, and after the last step; needs checkpoint_dir (none: after the last step

@@ -16,6 +16,7 @@ from helpers import BATCH, SEQ
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
 from fp8dist.data import Batches
 from fp8dist.checkpoint import latest_checkpoint
+from fp8dist.checkpoint.manifest import file_checksum
 from fp8dist.models import build_llama
 
 N = 3  # steps before the checkpoint, and after it
@@ -224,6 +225,7 @@ def _damage(ckpt: Path, how: str) -> None:
         (step / ".metadata").write_bytes(pickle.dumps(__import__("os").system))
         meta = json.loads((step / "meta.json").read_text())
         meta["files"][".metadata"] = (step / ".metadata").stat().st_size
+        meta["checksums"][".metadata"] = file_checksum(step / ".metadata")
         (step / "meta.json").write_text(json.dumps(meta))
 
 

@@ -253,15 +253,21 @@ def _deepspeed_and_dcp(rank: int, world: int, root: str) -> dict:
     model, opt = _build("fsdp", None)
     save_checkpoint(root / "dcp", model, opt, step=0)
     errors = {}
-    for name, source, target in (("ds->fsdp", "ds", (model, opt)), ("fsdp->ds", "dcp", (engine, engine_opt))):
+    optim_states = next((root / "ds" / "step_00000000" / "deepspeed").glob("*optim_states.pt"))
+    data = bytearray(optim_states.read_bytes())
+    data[len(data) // 2] ^= 0x01  # DeepSpeed's own file damaged: refused as DCP's shards are
+    optim_states.write_bytes(bytes(data))
+    for name, source, target in (("ds->fsdp", "ds", (model, opt)), ("fsdp->ds", "dcp", (engine, engine_opt)),
+                                 ("flipped", "ds", (engine, engine_opt))):
         try:
             load_checkpoint(root / source, *target)
         except CheckpointError as err:
             errors[name] = str(err)
+    errors["optim_states"] = str(optim_states)
     return errors
 
 
-def test_deepspeed_and_dcp_checkpoints_refuse_each_other_with_the_way_out(tmp_path):
+def test_deepspeed_and_dcp_checkpoints_refuse_each_other_and_a_damaged_file_with_the_way_out(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
     errors = run_ranks(_deepspeed_and_dcp, str(tmp_path), world_size=1, timeout=600)[0]
     ds, dcp = tmp_path / "ds" / "step_00000000", tmp_path / "dcp" / "step_00000000"
@@ -278,3 +284,4 @@ def test_deepspeed_and_dcp_checkpoints_refuse_each_other_with_the_way_out(tmp_pa
         "load it into strategy 'fsdp', 'fsdp1', 'ddp' or 'none', or turn it into one file with torch's converter "
         f"(python -m torch.distributed.checkpoint.format_utils dcp_to_torch {dcp} OUT.pt), load its 'model' entries "
         "into the model before wrap_model and start a new optimizer; or save from the strategy you load into.")
+    assert errors["flipped"].startswith(f"{errors['optim_states']} is damaged: its crc32 is "), errors["flipped"]

@@ -57,6 +57,15 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def all_ranks_values(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if rank_world()[1] == 1:
+        return [value]
+    values: list[Any] = [None] * rank_world()[1]
+    dist.all_gather_object(values, value)
+    return values
+
+
 def engine(strategy: str) -> str:
     return "deepspeed" if strategy == "deepspeed" else "dcp"
 

@@ -4,7 +4,8 @@ A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
 
     D/step_00000040/        one complete checkpoint; it only ever appears by a rename
         meta.json           engine, strategy, FP8 backend, FP8 state entries, ZeRO stage, world size, every
-                            tensor's name and shape, step, extra, every file's size (see compat.describe)
+                            tensor's name and shape, step, extra, every file's size and CRC-32 (checked at load:
+                            see manifest; the rest: compat.describe)
         .metadata __R_0.distcp   torch.distributed.checkpoint (fsdp, fsdp1, ddp, none): each rank writes its part
         deepspeed/          DeepSpeed's own engine checkpoint (strategy="deepspeed")
         rng_rank{R}.pt      rank R's RNG states: torch CPU and CUDA, python, numpy
@@ -38,6 +39,8 @@ from .._files import atomic_write_text, check_output_path, fsync_dir
 from ..agree import on_all_ranks, rank_world
 from ..api import get_wrap_info
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
+from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
+from .manifest import CHECKSUM, record_files, verify_files
 from .io import (
     CheckpointError,
     after_load_fp8,
@@ -54,6 +57,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "Checkpoin
 
 FORMAT = "fp8dist-checkpoint"
 FORMAT_VERSION = 1  # later fields are additions: an older fp8dist still reads what it knows
+refusals = (CheckpointError, FileNotFoundError)  # complete in themselves: every rank raises them as they are
 
 
 @dataclass(frozen=True)
@@ -75,21 +79,14 @@ class CheckpointState:
 
 # ---- meta.json: what was saved, checked against the model before anything is loaded
 
-def _manifest(directory: Path) -> dict[str, int]:
-    """Size of every file under ``directory``, each synced to disk."""
-    files = {}
-    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-        files[file.relative_to(directory).as_posix()] = file.stat().st_size
-    return files
-
-
-def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any]) -> None:
+def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any],
+                files: tuple[dict[str, int], dict[str, str]]) -> None:
     from .._version import __version__
 
+    sizes, checksums = files
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,
-            "torch_version": torch.__version__, "step": step, **described, "extra": extra, "files": _manifest(tmp)}
+            "torch_version": torch.__version__, "step": step, **described, "extra": extra, "files": sizes,
+            "checksum": CHECKSUM, "checksums": checksums}
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
@@ -116,37 +113,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-# ---- the directory: latest pointer, publish by rename, retention
-
-def _step_dirs(root: Path) -> list[Path]:
-    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in directory ``path`` (what its ``latest`` names); None when there is none."""
-    root = Path(path)
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not (root / name).is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not in {root}: the directory was changed by hand.")
-    return root / name
-
-
-def _resolve(path: str | os.PathLike) -> Path:
-    root = Path(path)
-    if (root / "meta.json").exists():
-        return root
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(root)!r} does not exist.")
-    found = latest_checkpoint(root)
-    if found is None:
-        raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' file and no meta.json). Pass a directory "
-                                "that save_checkpoint wrote, or one of its step_* folders.")
-    return found
-
+# ---- the directory (what a path is: see layout): latest pointer, publish by rename, retention
 
 def _discard(path: Path) -> None:
     """Remove a directory so that a crash half-way never leaves something that looks like a checkpoint."""
@@ -166,7 +133,7 @@ def _publish(tmp: Path, root: Path, name: str, keep_last: int | None) -> None:
     fsync_dir(root)
     atomic_write_text(root / "latest", name + "\n")
     if keep_last is not None:
-        for old in _step_dirs(root)[:-keep_last]:
+        for old in step_dirs(root)[:-keep_last]:
             if old.name != name:
                 _discard(old)
 
@@ -194,12 +161,13 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
     return extra
 
 
-def _check_target(root: Path) -> None:
+def _check_target(root: Path) -> Path:
     """``root`` can hold checkpoints (:func:`fp8dist._files.check_output_path`), else CheckpointError naming it."""
     try:
         check_output_path(root, name="path", directory=True)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
+    return root
 
 
 def _prepare(root: Path, tmp: Path) -> None:
@@ -240,7 +208,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     :class:`CheckpointError` on every rank, with the same message, and removes the temporary directory.
 
     Args:
-        path: the checkpoint directory (created if needed), on a filesystem every rank sees.
+        path: the checkpoint directory (created if needed), on a filesystem every rank sees; not a file, one
+            checkpoint (a ``step_*`` folder: save into the directory above it) or a folder of another kind (a
+            Hugging Face model): those are refused before anything is written.
         model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
         optimizer: its optimizer (DeepSpeed: ``engine.optimizer``; the engine saves it).
         step: optimizer steps done; also the data position to resume from.
@@ -262,11 +232,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     info = get_wrap_info(model)
     check_supported(info)
     extra = _check_save_args(step, extra, keep_last, overwrite)
-    strategy, (rank, _) = info.config.parallel.strategy, rank_world()
-    root, name = Path(path), f"step_{step:08d}"
-    on_all_ranks(f"saving into {root}", lambda: _check_target(root), error=CheckpointError,
-                 passthrough=(CheckpointError,))  # every rank writes there: checked on each
-    tmp, final, lead = root / f".tmp-{name}", root / name, rank == 0
+    strategy, (rank, world) = info.config.parallel.strategy, rank_world()
+    lead = rank == 0
+    root = on_all_ranks("save_checkpoint", lambda: _check_target(save_root(path)), error=CheckpointError,
+                        passthrough=refusals)  # every rank writes there: checked on each
+    name = step_name(step)
+    tmp, final = root / f".tmp-{name}", root / name
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
@@ -278,7 +249,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         on_all_ranks(f"saving {final} (writing {tmp})", lambda: _write_rank(tmp, model, optimizer, strategy, rank),
                      error=CheckpointError, way_out=f"Nothing of it was kept; {_kept(root)}. Free space on that "
                      "filesystem or save elsewhere (keep_last=N keeps fewer checkpoints).")
-        on_all_ranks(f"saving {final}", (lambda: (_write_meta(tmp, described, step, extra),
+        files = on_all_ranks(f"saving {final} (checksums of {tmp})", lambda: record_files(tmp, rank, world),
+                             error=CheckpointError, way_out=f"Nothing of it was kept; {_kept(root)}.")
+        on_all_ranks(f"saving {final}", (lambda: (_write_meta(tmp, described, step, extra, files),
                                                   _publish(tmp, root, name, keep_last))) if lead else None,
                      error=CheckpointError, way_out=f"{_kept(root).capitalize()}.")
     except CheckpointError:
@@ -289,13 +262,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *,
-                    drop_fp8_state: bool = False) -> CheckpointState:
+                    drop_fp8_state: bool = False, verify: bool = True) -> CheckpointState:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in place, and restore
     this rank's RNG states. Call it on every rank, after ``wrap_model`` and building the optimizer.
 
     ``path`` is the checkpoint directory (its ``latest`` is followed) or one ``step_*`` folder. The checkpoint is
-    checked before anything is loaded (every file complete, every tensor's name and shape equal), and what may
-    differ is decided from meta.json (see :mod:`fp8dist.checkpoint.compat`):
+    checked before anything is loaded (every file complete and of the checksum recorded at save, every tensor's
+    name and shape equal), and what may differ is decided from meta.json (see :mod:`fp8dist.checkpoint.compat`):
 
     - fsdp, fsdp1, ddp and none load into each other, on any world size (DCP reshards); ranks the checkpoint had
       no RNG state for keep theirs. torchao may be turned on or off (it keeps no FP8 state).
@@ -317,6 +290,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
             model's weights only.
         drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``); the model's FP8 modules, if
             any, start their scaling afresh. Needed to load a Transformer Engine checkpoint into a model without TE.
+        verify: check every file's CRC-32 against meta.json before loading (the ranks split the reading); False
+            loads without it (e.g. a damaged checkpoint, knowingly).
 
     Returns:
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
@@ -328,14 +303,17 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     info = get_wrap_info(model)
     check_supported(info)
     require_bool("drop_fp8_state", drop_fp8_state)
-    rank, strategy = rank_world()[0], info.config.parallel.strategy
-    refusals = (CheckpointError, FileNotFoundError)
+    require_bool("verify", verify)
+    (rank, world), strategy = rank_world(), info.config.parallel.strategy
     checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
                                     passthrough=refusals)
     decision, optimizer_note = on_all_ranks(
         f"loading {checkpoint}", lambda: (check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state),
                                           check_optimizer(meta, optimizer, checkpoint)), error=CheckpointError,
         passthrough=refusals)
+    if verify:  # after the checks on meta.json alone: reading every file is the costly one
+        on_all_ranks(f"loading {checkpoint}", lambda: verify_files(checkpoint, meta, rank, world),
+                     error=CheckpointError, passthrough=refusals)
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state),
                  error=CheckpointError)
     after_load_fp8(model, info)
@@ -348,7 +326,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
 
 
 def _found(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    checkpoint = _resolve(path)
+    checkpoint = find_checkpoint(path)
     return checkpoint, _read_meta(checkpoint)
 
 

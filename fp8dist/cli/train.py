@@ -70,13 +70,13 @@ class _Progress:
 
 def _interrupted(train: Any, step: int | None) -> int:
     """Say where an interrupted job stood, once, and return the exit code (130)."""
-    from ..checkpoint.save_load import latest_checkpoint
+    from ..checkpoint.layout import job_root, latest_checkpoint
 
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
     else:
         try:
-            newest = latest_checkpoint(train.checkpoint_dir)
+            newest = latest_checkpoint(job_root(train.checkpoint_dir))
         except (OSError, ValueError):
             newest = None
         saved = f"last checkpoint step {int(newest.name[5:])}" if newest else "no checkpoint saved yet"

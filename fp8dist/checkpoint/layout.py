@@ -1,0 +1,164 @@
+"""What a path given as a checkpoint directory is, decided once for every entry that takes one
+(:func:`~fp8dist.checkpoint.save_checkpoint`, :func:`~fp8dist.checkpoint.load_checkpoint`,
+:func:`latest_checkpoint`, the training job's ``checkpoint_dir``), so that each treats a file, one checkpoint (a
+``step_*`` folder), a folder of another kind (a Hugging Face model) and a checkpoint directory alike.
+
+A checkpoint directory holds ``step_*`` folders and ``latest`` (see :mod:`fp8dist.checkpoint.save_load`); a folder
+with none of them and no mark of another kind is a checkpoint directory not written to yet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .io import CheckpointError
+
+__all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_checkpoint", "job_root",
+           "job_checkpoints"]
+
+META = "meta.json"
+_STEP = re.compile(r"step_(\d+)")
+
+# Folders a checkpoint directory is not: (names or globs that mark one, what it is, what to do with it instead).
+_OTHER_KINDS = (
+    (("config.json", "*.safetensors", "pytorch_model.bin"), "a Hugging Face model folder",
+     "load it as pretrained weights (fp8dist train --pretrained, from_pretrained)"),
+    ((".metadata",), "a torch.distributed.checkpoint folder that fp8dist.save_checkpoint did not write (no meta.json)",
+     "load it with torch.distributed.checkpoint"),
+    (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"), "a DeepSpeed engine checkpoint folder",
+     "load it with the DeepSpeed engine's own load_checkpoint"),
+)
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The ``step_*`` folders of ``root``, oldest step first."""
+    found = [p for p in root.glob("step_*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=_step_of)
+
+
+def _other_kind(path: Path) -> str | None:
+    """'is <what it is> (<the mark found>), not an fp8dist checkpoint directory: <way out>', or None."""
+    for marks, what, way_out in _OTHER_KINDS:
+        found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
+        if found is not None:
+            return f"is {what} ({found}), not an fp8dist checkpoint directory: {way_out}"
+    return None
+
+
+def _enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint (a folder holding meta.json) that ``path`` is, or is inside."""
+    return next((p for p in (path, *path.parents) if (p / META).is_file()), None)
+
+
+def _refuse_foreign(path: Path) -> None:
+    """Refuse a file, a folder inside a checkpoint, and a folder of another kind; ``path`` that is one checkpoint
+    (a step folder) or a checkpoint directory passes."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"checkpoint directory '{path}' is a file, not a directory: pass a directory (it is "
+                              "created when missing).")
+    checkpoint = _enclosing_checkpoint(path)
+    if checkpoint is not None and checkpoint != path:
+        raise CheckpointError(f"'{path}' is inside the checkpoint '{checkpoint}': pass that checkpoint, or the "
+                              f"checkpoint directory above it ('{checkpoint.parent}').")
+    if checkpoint is None and path.is_dir() and not step_dirs(path):  # DeepSpeed's folders have a `latest` too
+        other = _other_kind(path)
+        if other is not None:
+            raise CheckpointError(f"'{path}' {other}; checkpoints go to a directory of their own.")
+
+
+def _one_checkpoint(path: Path) -> bool:
+    return (path / META).is_file()
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in checkpoint directory ``path`` (what its ``latest`` names); None when there
+    is none yet (``path`` missing or empty).
+
+    Raises:
+        CheckpointError: ``path`` is a file, one checkpoint (a ``step_*`` folder: pass the directory above it), a
+            folder of another kind, or its ``latest`` names a folder that is not there.
+    """
+    root = Path(path)
+    _refuse_foreign(root)
+    if _one_checkpoint(root):
+        raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: its newest checkpoint is "
+                              f"named in '{root.parent / 'latest'}' (pass '{root.parent}').")
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not (root / name).is_dir():
+        raise CheckpointError(f"{pointer} names {name!r}, which is not in {root}: the directory was changed by hand.")
+    return root / name
+
+
+def save_root(path: str | os.PathLike) -> Path:
+    """``path`` as the checkpoint directory to save into (it may not exist yet); CheckpointError for a file, one
+    checkpoint (save into the directory above it) or a folder of another kind."""
+    root = Path(path)
+    _refuse_foreign(root)
+    if _one_checkpoint(root):
+        raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: saving into it would put "
+                              f"checkpoints inside a checkpoint. Save into the directory above it ('{root.parent}').")
+    return root
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint to load: ``path`` itself when it is one (a ``step_*`` folder), else what the checkpoint
+    directory ``path``'s ``latest`` names."""
+    root = Path(path)
+    _refuse_foreign(root)
+    if not root.exists():
+        raise FileNotFoundError(f"checkpoint '{root}' does not exist.")
+    if _one_checkpoint(root):
+        return root
+    found = latest_checkpoint(root)
+    if found is None:
+        raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' file and no meta.json). Pass a directory "
+                                "that save_checkpoint wrote, or one of its step_* folders.")
+    return found
+
+
+def job_root(path: str | os.PathLike) -> Path:
+    """The checkpoint directory a training job given ``path`` saves into: the one above it when ``path`` is one
+    checkpoint (``dir/step_N``), else ``path``."""
+    given = Path(path)
+    return given.parent if _one_checkpoint(given) else given
+
+
+def job_checkpoints(path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """A training job's ``checkpoint_dir``: (the checkpoint directory it saves into, the checkpoint it resumes from:
+    None when there is none yet).
+
+    A checkpoint directory resumes from its newest checkpoint. One checkpoint (``dir/step_N``) resumes from itself
+    and saves into ``dir``, so ``dir/latest`` names that run's newest step; it must be the newest of ``dir`` (a run
+    from an older step would replace the newer ones of the run it left, and once this run has saved, the same
+    command would start again from step N).
+    """
+    given = Path(path)
+    _refuse_foreign(given)
+    if not _one_checkpoint(given):
+        return given, latest_checkpoint(given)
+    root, step = job_root(given), _step_of(given)
+    if step is None:
+        raise CheckpointError(f"'{given}' is one checkpoint outside a checkpoint directory (its name is not "
+                              "step_NNNNNNNN): move it into a directory of its own as step_NNNNNNNN (its step), and "
+                              "pass that directory.")
+    newer = [p.name for p in step_dirs(root) if _step_of(p) > step]
+    if newer:
+        raise CheckpointError(
+            f"'{given}' is step {step} of '{root}', which holds newer checkpoints ({', '.join(newer)}): continue "
+            f"from the newest with '{root}', or to go back to step {step} move the newer step folders out of "
+            f"'{root}' first (this run would replace them).")
+    return root, given
