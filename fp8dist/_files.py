@@ -62,6 +62,23 @@ def atomic_write_text(target: str | os.PathLike, text: str) -> None:
     atomic_write(target, lambda tmp: Path(tmp).write_text(text))
 
 
+def _given(name: str, path: str | os.PathLike) -> str:
+    return f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"  # a flag, or a keyword
+
+
+def wrong_kind(path: str | os.PathLike, *, name: str, directory: bool) -> str | None:
+    """The message when ``path`` is a directory where a file is meant or (``directory``) a file where a directory
+    is meant, naming it as the user gave it (``name``: a flag or a keyword); None when it is neither."""
+    out = Path(path)
+    if out.is_dir() and not directory:
+        return (f"{_given(name, path)} is a directory, and a file is meant: pass the path of a file (in that "
+                "directory, for instance).")
+    if out.exists() and not out.is_dir() and directory:
+        return (f"{_given(name, path)} is a file, and a directory is meant: pass a directory (created if missing), "
+                "or move the file away.")
+    return None
+
+
 def check_output_path(path: str | os.PathLike, *, name: str, directory: bool = False) -> Path:
     """Check, before any work, that ``path`` can be written as a file (or, with ``directory``, as a directory): it
     is not a directory where a file is meant nor a file where a directory is meant, the folders above it exist or
@@ -80,13 +97,10 @@ def check_output_path(path: str | os.PathLike, *, name: str, directory: bool = F
         ValueError: naming ``name``, ``path``, the problem and the way out.
     """
     out = Path(path)
-    given = f"{name} {str(path)!r}" if name.startswith("-") else f"{name}={str(path)!r}"  # a flag, or a keyword
-    if out.is_dir() and not directory:
-        raise ValueError(f"{given} is a directory, and a file is meant: pass the path of a file (in that directory, "
-                         "for instance).")
-    if out.exists() and not out.is_dir() and directory:
-        raise ValueError(f"{given} is a file, and a directory is meant: pass a directory (created if missing), or "
-                         "move the file away.")
+    given = _given(name, path)
+    mismatch = wrong_kind(path, name=name, directory=directory)
+    if mismatch is not None:
+        raise ValueError(mismatch)
     if out.is_file() and not os.access(out, os.W_OK):
         raise ValueError(f"{given} is a read-only file: make it writable, or pass another path.")
     folder = out if out.is_dir() else out.parent

@@ -126,10 +126,15 @@ def check_checkpoint_dir(train: Any) -> tuple[Path | None, Path | None]:
     :func:`fp8dist.checkpoint.layout.job_checkpoints`. A directory that already holds checkpoints, or one
     checkpoint, is continued with ``--resume`` only: a new run would replace them one step at a time. ValueError
     naming the newest and the way out."""
+    from ._files import wrong_kind
+    from .checkpoint.io import CheckpointError
     from .checkpoint.layout import job_checkpoints
 
     if train.checkpoint_dir is None:
         return None, None
+    mismatch = wrong_kind(train.checkpoint_dir, name="checkpoint_dir", directory=True)  # named as the job's option
+    if mismatch is not None:
+        raise CheckpointError(mismatch)
     root, newest = job_checkpoints(train.checkpoint_dir)
     if newest is not None and not train.resume:
         held = f"is a checkpoint (step {int(newest.name[5:])} of '{root}')" if newest == Path(train.checkpoint_dir) \

@@ -43,7 +43,7 @@ def ck(tmp_path) -> Path:
 # (what the path is, how to make it under tmp, what every entry says about it)
 OTHER_KINDS = [
     ("a file", lambda tmp: (tmp / "notes.txt").write_text("x"), "notes.txt",
-     "is a file, not a directory: pass a directory"),
+     "is a file, and a directory is meant: pass a directory"),
     ("a Hugging Face model folder", lambda tmp: [(tmp / "hf").mkdir(), (tmp / "hf" / "config.json").write_text("{}"),
                                                  (tmp / "hf" / "model.safetensors").write_bytes(b"x")], "hf",
      "is a Hugging Face model folder (config.json), not an fp8dist checkpoint directory: load it as pretrained "
@@ -122,7 +122,7 @@ def test_train_resumes_from_a_step_folder_saves_beside_it_and_refuses_the_rest_i
     kept = _snapshot(step2)
     code, out, err = _train(capsys, step2, 4, "--resume")
     assert code == 0, err
-    assert f"resume: loaded {step2} (step 2, saved on 1 rank(s))" in out and "(resumed at step 2)" in out
+    assert f"resume: loaded {step2} (step 2, saved on 1 rank)" in out and "(resumed at step 2)" in out
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000002", "step_00000003", "step_00000004"]
     assert latest_checkpoint(ck) == ck / "step_00000004" and _snapshot(step2) == kept, "nothing written inside it"
     (tmp_path / "hf").mkdir()
@@ -131,7 +131,7 @@ def test_train_resumes_from_a_step_folder_saves_beside_it_and_refuses_the_rest_i
     refusals = {step2: f"'{step2}' is step 2 of '{ck}', which holds newer checkpoints (step_00000003, "
                        f"step_00000004): continue from the newest with '{ck}'",
                 tmp_path / "hf": "is a Hugging Face model folder (config.json), not an fp8dist checkpoint directory",
-                tmp_path / "file": "is a file, not a directory"}
+                tmp_path / "file": "is a file, and a directory is meant"}
     before = _snapshot(tmp_path)
     for path, message in refusals.items():
         code, out, err = _train(capsys, path, 4, "--resume")

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from .._files import wrong_kind
 from .io import CheckpointError
 
 __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_checkpoint", "job_root",
@@ -64,9 +65,9 @@ def _enclosing_checkpoint(path: Path) -> Path | None:
 def _refuse_foreign(path: Path) -> None:
     """Refuse a file, a folder inside a checkpoint, and a folder of another kind; ``path`` that is one checkpoint
     (a step folder) or a checkpoint directory passes."""
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"checkpoint directory '{path}' is a file, not a directory: pass a directory (it is "
-                              "created when missing).")
+    mismatch = wrong_kind(path, name="path", directory=True)
+    if mismatch is not None:
+        raise CheckpointError(mismatch)
     checkpoint = _enclosing_checkpoint(path)
     if checkpoint is not None and checkpoint != path:
         raise CheckpointError(f"'{path}' is inside the checkpoint '{checkpoint}': pass that checkpoint, or the "
