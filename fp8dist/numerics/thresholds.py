@@ -14,11 +14,14 @@ planted one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from .._schema import normalize_fields, route_keys
 from .stats import LayerNumerics
 
-__all__ = ["Thresholds", "DEFAULT_THRESHOLDS"]
+__all__ = ["Thresholds", "DEFAULT_THRESHOLDS", "as_thresholds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +50,7 @@ class Thresholds:
     value larger than the amax history's). Healthy layers measured <= 0.01% (TE delayed, after training)."""
 
     def __post_init__(self) -> None:
+        normalize_fields(self)  # a number each ("0.02" from a file or flag too); a bool or a word is refused
         for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share"):
             value = getattr(self, name)
             if not 0 <= value <= 1:
@@ -73,3 +77,15 @@ class Thresholds:
 
 DEFAULT_THRESHOLDS = Thresholds()
 """The calibrated limits (see the module docstring for their source)."""
+
+
+def as_thresholds(value: Any) -> Thresholds:
+    """``value`` as :class:`Thresholds`: one already, or a mapping of some of its limits (the others keep their
+    calibrated defaults). Raises TypeError for anything else, ValueError for an unknown limit or a bad value."""
+    if isinstance(value, Thresholds):
+        return value
+    if isinstance(value, Mapping):
+        return Thresholds(**route_keys(value, [Thresholds], source="the thresholds dict")[Thresholds])
+    raise TypeError(f"thresholds={value!r} is a {type(value).__name__}: pass fp8dist.numerics.Thresholds(...) or a "
+                    "dict of the limits to change (e.g. {'max_flushed_share': 0.02}); leave it out for the "
+                    "calibrated ones.")
