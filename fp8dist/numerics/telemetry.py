@@ -102,7 +102,10 @@ class FP8Telemetry:
         from ..strategies import unwrap_model
         from ..strategies.local_shards import plain_name
 
-        every, step, thresholds = _steps("every", every, 1), _steps("step", step, 0), as_thresholds(thresholds)
+        every = _steps("every", every, 1, "a whole number of steps >= 1 (1 samples every step)")
+        step = _steps("step", step, 0, "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's "
+                                       "step)")
+        thresholds = as_thresholds(thresholds)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the one that steps the "
                             "model, or leave it out to end steps after any optimizer holding the model.")
@@ -270,10 +273,9 @@ def summary(record: dict[str, Any]) -> str:
     return f"fp8 health, step {record['step']}: " + "; ".join(parts)
 
 
-def _steps(name: str, value: Any, least: int) -> int:
-    """A count of steps (``every``, ``step``): a whole number (a bool is refused: True would read as 1), >= ``least``."""
-    what = {1: "a whole number of steps >= 1 (1 samples every step)",
-            0: "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's step)"}[least]
+def _steps(name: str, value: Any, least: int, what: str) -> int:
+    """A count of steps (``every``, ``step``): a whole number (a bool is refused: True would read as 1) >= ``least``;
+    else ValueError saying it must be ``what``."""
     try:
         value = normalize_value(name, value, int)
     except ValueError:

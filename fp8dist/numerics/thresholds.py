@@ -34,6 +34,23 @@ class Thresholds:
     of the output's amplitude. It misses an outlier channel (the outlier dominates input and output alike: the
     planted one measured 32 dB); the flushed share below catches it."""
 
+    min_grad_sqnr_db: float = 6.0
+    """The same for the backward GEMMs' outputs, the input gradient (``g @ W``) and the weight gradient
+    (``g.T @ x``), each from the operands as the recipe casts them for that GEMM: what reaches the weights. Healthy
+    layers measured >= 22.4 dB (a tiny Llama at initialization and after 100 steps, every Linear, all five
+    recipes); the calibration's trained models were measured before this statistic existed, and under TE delayed
+    scaling their output gradient's own cast fell to 10.6 dB (values clamped by an amax history warmed on one
+    batch), which their backward GEMMs would show too: the limit sits under that. It catches a gradient spike that
+    delayed scaling clamps (0 dB: the spike is lost) while fewer values saturate than the saturation limit sees."""
+
+    min_rest_sqnr_db: float = 15.0
+    """Each operand's SQNR over the values beside the largest of each dot product it enters (a row along the
+    GEMM's contraction dim). An outlier that sets a row's scale flushes that row's ordinary values: this falls
+    (an outlier in 8% of the output gradient's rows: 10.6 dB, about -10 log10 of the share of rows swamped) while
+    the plain SQNR stays high and the flushed share (8%) stays far under the gradient limit. Values flushed because
+    they are tiny beside their row's ordinary ones (a gradient's long tail) cost it nothing. Healthy layers
+    measured >= 25.0 dB (e5m2 gradients; e4m3 operands >= 31.2 dB), same models as above."""
+
     max_flushed_share: float = 0.01
     """Share of an input's or a weight's non-zero values flushed to zero by the cast. Healthy layers measured
     <= 0.15% (inputs: SwiGLU down projections after training) and <= 0.01% (weights); the planted outlier channel
@@ -41,9 +58,11 @@ class Thresholds:
 
     max_grad_flushed_share: float = 0.5
     """The same for the output gradient. Gradients flush a lot in healthy layers: up to 12.8% (Mixtral experts,
-    e4m3 rowwise) and 35% (the output layer under torchao rowwise, e4m3 gradients: its softmax gradient spans
-    more than e4m3's range); small gradient values carry little of the update, so only a gradient that loses most
-    of its values is flagged."""
+    e4m3 rowwise), 25% (a Mixtral attention projection under torchao rowwise) and 35% (the output layer under
+    torchao rowwise, e4m3 gradients: its softmax gradient spans more than e4m3's range); small gradient values carry
+    little of the update, so only a gradient that loses most of its values is flagged here. A share cannot tell
+    those tails from ordinary values an outlier swamps (8% of a gradient flushed either way): ``min_rest_sqnr_db``
+    does."""
 
     max_saturated_share: float = 0.001
     """Share of values the cast clamped (beyond what rounds to the format's max): only delayed scaling clamps (a
@@ -62,10 +81,18 @@ class Thresholds:
         sqnr = layer.output.sqnr_db
         if layer.calls and (math.isnan(sqnr) or sqnr < self.min_output_sqnr_db):
             out.append(f"output SQNR {sqnr:.1f} dB < {self.min_output_sqnr_db:g} dB")
+        for gemm in ("grad_input", "grad_weight"):
+            stats = getattr(layer, gemm)
+            sqnr = stats.sqnr_db
+            if (stats.signal or stats.noise) and (math.isnan(sqnr) or sqnr < self.min_grad_sqnr_db):
+                out.append(f"{gemm} SQNR {sqnr:.1f} dB < {self.min_grad_sqnr_db:g} dB")
         for cast in layer.casts:
             limit = self.max_grad_flushed_share if cast.role == "grad_output" else self.max_flushed_share
             if cast.nonfinite:
                 out.append(f"{cast.role}: {cast.nonfinite:,} non-finite values")
+            if cast.rest_signal and (math.isnan(cast.rest_sqnr_db) or cast.rest_sqnr_db < self.min_rest_sqnr_db):
+                out.append(f"{cast.role} ({cast.gemms}): SQNR beside each row's largest {cast.rest_sqnr_db:.1f} dB "
+                           f"< {self.min_rest_sqnr_db:g} dB (an outlier swamps the rest)")
             if cast.flushed_share > limit:
                 out.append(f"{cast.role} ({cast.gemms}): {100 * cast.flushed_share:.1f}% flushed to zero "
                            f"> {100 * limit:g}%")
