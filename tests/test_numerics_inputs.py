@@ -52,6 +52,8 @@ BAD_BATCHES = [
      ("batch 0['input_ids'] holds torch.float32 values",)),
     ("dict with labels past the vocabulary", [{"input_ids": IDS, "labels": IDS + VOCAB}], ValueError,
      ("batch 0['labels'] holds token id", "or -100 to ignore a label")),
+    ("dict with a list of ids", [{"input_ids": IDS.tolist()}], TypeError,
+     ("batch 0['input_ids'] is a list", "pass a tensor")),
     ("dict with labels of another shape", [{"input_ids": IDS, "labels": IDS[:, :8]}], ValueError,
      ("labels of shape (2, 8) and input_ids of shape (2, 16)", "same shape")),
 ]

@@ -53,6 +53,9 @@ def _check_mapping(i: int, batch: Mapping, vocab: int, positions: int | None) ->
     ids = batch.get("input_ids")
     for key in _TOKEN_KEYS:
         value = batch.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch {i}[{key!r}] is a {type(value).__name__}: pass a tensor of token ids "
+                            "(torch.tensor(...) of shape (batch, sequence)).")
         if isinstance(value, torch.Tensor) and (key == "input_ids" or _is_token_labels(value, ids)):
             _check_ids(f"batch {i}[{key!r}]", value, vocab, positions, labels=key != "input_ids")
     label = batch.get("labels")
