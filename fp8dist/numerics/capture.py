@@ -85,6 +85,8 @@ class GemmSite:
             self.layer.grad_weight.add(x.t() @ g, x_wgrad.t() @ g_fp8["grad_weight"])
 
         return backward
+
+
 Handle = Callable[[], None]
 
 
