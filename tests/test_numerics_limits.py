@@ -28,7 +28,7 @@ FLUSH_LIMIT = 0.01
 so that moving it in the library fails this file."""
 REST_LIMIT = 15.0
 """The documented limit on an operand's SQNR beside each row's largest value, in dB."""
-GRAD_LIMIT = 6.0
+GRAD_LIMIT = 10.0
 """The documented limit on the backward GEMMs' SQNR, in dB."""
 
 
