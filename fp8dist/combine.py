@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,31 +94,33 @@ def _with(cfg: Any, **changes: Any) -> Any:
     return SimpleNamespace(**sections)
 
 
-def alternatives(cfg: Any, rule: Rule) -> str:
+def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
     """For each option of ``rule``, the values that combine with the rest as given (by the whole table)."""
     given = _values(cfg)
     parts = []
     for key in rule.keys:
         ok = [v for v in choices(key) if v != given[key] and v is not None and not _applying(_with(cfg, **{key: v}))]
         if ok:
-            others = " and ".join(f"{k}={given[k]!r}" for k in rule.keys if k != key)
+            others = " and ".join(f"{'the default ' if k in defaulted else ''}{k}={given[k]!r}"
+                                  for k in rule.keys if k != key)
             shown = ", ".join(repr(v) for v in ok[:-1]) + (" or " if len(ok) > 1 else "") + repr(ok[-1])
             parts.append(f"with {others} use {key}={shown}")
     return ("; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".") if parts else ""
 
 
-def message(cfg: Any, rule: Rule) -> str:
-    """The refusal of ``rule`` for ``cfg``: the values as given, why, and the way out."""
+def message(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
+    """The refusal of ``rule`` for ``cfg``: the values as given, why, and the way out. An option in ``defaulted``
+    was not given, so it is named as the default ("with the default strategy='fsdp'")."""
     given = _values(cfg)
-    first, *rest = (f"{key}={given[key]!r}" for key in rule.keys)
+    first, *rest = (f"{'the default ' if key in defaulted else ''}{key}={given[key]!r}" for key in rule.keys)
     head = f"{first} with {' and '.join(rest)}" if rest else first
-    way_out = rule.way_out or alternatives(cfg, rule)
+    way_out = rule.way_out or alternatives(cfg, rule, defaulted)
     return f"{head}: {rule.reason}." + (f" {way_out}" if way_out else "")
 
 
-def refusals(cfg: Any) -> list[str]:
-    """Every refusal of the table for ``cfg`` (empty: it combines)."""
-    return [message(cfg, rule) for rule in _applying(cfg)]
+def refusals(cfg: Any, defaulted: Collection[str] = ()) -> list[str]:
+    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given."""
+    return [message(cfg, rule, defaulted) for rule in _applying(cfg)]
 
 
 def refusal_of(**options: Any) -> str | None:
@@ -132,9 +134,10 @@ def refusal_of(**options: Any) -> str | None:
     return found[0] if found else None
 
 
-def check(cfg: Any) -> None:
-    """Raise ValueError with the first refusal of ``cfg`` (called once for every config built)."""
-    found = refusals(cfg)
+def check(cfg: Any, defaulted: Collection[str] = ()) -> None:
+    """Raise ValueError with the first refusal of ``cfg`` (called once for every config built); options in
+    ``defaulted`` were left at their default by the user, and the message says so."""
+    found = refusals(cfg, defaulted)
     if found:
         raise ValueError(found[0])
 

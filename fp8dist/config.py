@@ -13,8 +13,10 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 from .combine import check as check_combination
@@ -35,6 +37,7 @@ __all__ = [
 ]
 
 _SECTIONS = SECTIONS
+_OPTION_NAMES = frozenset(f.name for section in SECTIONS.values() for f in fields(section))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,10 +66,15 @@ class Config:
         return options_unused(self)
 
     @classmethod
-    def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config") -> "Config":
-        """Build from flat keys; unknown keys and bad values raise ValueError."""
+    def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config",
+                  given: Collection[str] | None = None) -> "Config":
+        """Build from flat keys; unknown keys and bad values raise ValueError. ``given``: the keys the user set
+        (None: all of ``flat``); a refused combination names any other option in it as the default."""
         routed = route_keys(flat, _SECTIONS.values(), source=source)
-        return cls(**{name: section(**routed[section]) for name, section in _SECTIONS.items()})
+        sections = {name: section(**routed[section]) for name, section in _SECTIONS.items()}
+        if given is not None:
+            check_combination(SimpleNamespace(**sections), defaulted=_OPTION_NAMES - set(given))
+        return cls(**sections)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -118,4 +126,4 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
     route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from
-    return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source)
+    return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source, given={*base, *overrides})

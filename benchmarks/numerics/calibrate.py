@@ -86,13 +86,15 @@ def _compact(report: dict) -> dict:
 
     layers = []
     for layer in report["layers"]:
-        row = {"name": layer["name"], "gemm": layer["gemm"], "output_sqnr_db": number(layer["output_sqnr_db"])}
+        row = {k: number(layer[k]) if k.endswith("_db") else layer[k]
+               for k in ("name", "gemm", "output_sqnr_db", "grad_input_sqnr_db", "grad_weight_sqnr_db")}
         for c in layer["casts"]:
             old = row.get(c["role"], {})
             shares = {k: max(old.get(k, 0.0), number(c[k])) for k in ("flushed_share", "saturated_share")}
+            rest = min(old.get("rest_sqnr_db") or math.inf, c["rest_sqnr_db"] or math.inf)
             if not old or (c["sqnr_db"] or math.inf) < (old["sqnr_db"] or math.inf):
                 old = {"cast": c["cast"], "sqnr_db": number(c["sqnr_db"]), "amax": number(c["amax"])}
-            row[c["role"]] = {**old, **shares}
+            row[c["role"]] = {**old, **shares, "rest_sqnr_db": number(rest) if math.isfinite(rest) else None}
         layers.append(row)
     return {**{k: v for k, v in report.items() if k != "layers"}, "layers": layers}
 
@@ -127,21 +129,24 @@ def _worst(layers: list[dict], skip: set[str] = frozenset()) -> dict:
     for layer in layers:
         if layer["name"] in skip or layer["output_sqnr_db"] is None:
             continue
-        w["output_sqnr_db"] = min(w["output_sqnr_db"], layer["output_sqnr_db"])
+        for gemm in ("output", "grad_input", "grad_weight"):
+            w[f"{gemm}_sqnr_db"] = min(w.get(f"{gemm}_sqnr_db", math.inf), layer.get(f"{gemm}_sqnr_db") or math.inf)
         for role in ("input", "weight", "grad_output"):
             c = layer.get(role)
             if c is None:
                 continue
             w[f"{role}_sqnr_db"] = min(w.get(f"{role}_sqnr_db", math.inf), c["sqnr_db"] or math.inf)
+            w["rest_sqnr_db"] = min(w.get("rest_sqnr_db", math.inf), c.get("rest_sqnr_db") or math.inf)
             w[f"{role}_flushed"] = max(w.get(f"{role}_flushed", 0.0), c["flushed_share"])
             w["saturated"] = max(w.get("saturated", 0.0), c["saturated_share"])
     return w
 
 
 def markdown(results: dict, meta: dict) -> str:
-    cols = ["output_sqnr_db", "input_sqnr_db", "weight_sqnr_db", "grad_output_sqnr_db", "input_flushed",
-            "weight_flushed", "grad_output_flushed", "saturated"]
-    heads = ["out SQNR", "in SQNR", "w SQNR", "grad SQNR", "in flush", "w flush", "grad flush", "sat"]
+    cols = ["output_sqnr_db", "grad_input_sqnr_db", "grad_weight_sqnr_db", "input_sqnr_db", "weight_sqnr_db",
+            "grad_output_sqnr_db", "rest_sqnr_db", "input_flushed", "weight_flushed", "grad_output_flushed", "saturated"]
+    heads = ["out SQNR", "dgrad SQNR", "wgrad SQNR", "in SQNR", "w SQNR", "grad SQNR", "rest SQNR", "in flush",
+             "w flush", "grad flush", "sat"]
     lines = ["# Numerics probe calibration", "", f"Date (UTC): {meta['date']}. Command: `{meta['command']}`.",
              f"Versions: torch {meta['torch']}, torchao {meta['torchao']}, transformers {meta['transformers']}, "
              f"Python {meta['python']}; {meta['machine']}. Took {meta['wall_s']:.0f} s.", "",
@@ -173,9 +178,14 @@ def _summary(results: dict) -> list[str]:
         values = [(_worst([layer], skip).get(key), f"{where}, {layer['name']}") for where, r in healthy
                   for layer in r["layers"]]
         values = [(v, w) for v, w in values if v is not None and not (isinstance(v, float) and math.isinf(v))]
+        if not values:  # a calibration.json older than the statistic
+            return math.nan, "not measured"
         return min(values) if "sqnr" in key else max(values)
 
     rows = [("output SQNR >= (dB)", "output_sqnr_db", t.min_output_sqnr_db, 1),
+            ("dgrad SQNR >= (dB)", "grad_input_sqnr_db", t.min_grad_sqnr_db, 1),
+            ("wgrad SQNR >= (dB)", "grad_weight_sqnr_db", t.min_grad_sqnr_db, 1),
+            ("rest SQNR >= (dB)", "rest_sqnr_db", t.min_rest_sqnr_db, 1),
             ("input flushed <=", "input_flushed", t.max_flushed_share, 100),
             ("weight flushed <=", "weight_flushed", t.max_flushed_share, 100),
             ("grad out flushed <=", "grad_output_flushed", t.max_grad_flushed_share, 100),

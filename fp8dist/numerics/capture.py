@@ -2,7 +2,8 @@
 them as its recipe would, and pools the statistics.
 
 - a Linear (or GPT-2's Conv1D): a forward hook takes the input and the weight; a hook on the output tensor takes
-  its gradient in backward;
+  its gradient in backward, where the two backward GEMMs (input and weight gradient) are measured as the forward
+  one is, each with the operands cast as the recipe casts them for that GEMM;
 - a MoE experts module (fused 3-D weights): while its forward runs, a ``TorchFunctionMode`` sees each
   ``torch._grouped_mm`` it calls (input rows grouped by expert, the expert weights, the group offsets); each
   expert's group is measured as one GEMM, pooled per weight (gate_up_proj, down_proj), and a hook on the grouped
@@ -23,6 +24,9 @@ from .stats import CastStats, LayerNumerics
 
 __all__ = ["GemmSite", "attach"]
 
+Backward = Callable[[torch.Tensor], None]
+"""Measures one forward GEMM's two backward GEMMs, given its output gradient."""
+
 
 class GemmSite:
     """One FP8 GEMM under measurement: its casts (uses sharing a dim-independent cast are measured once) and
@@ -41,38 +45,46 @@ class GemmSite:
                 self.casts.append((role, tuple(gemm.split("+")), Cast(spec), stats))
         self._weights_seen: set[object] = set()
 
-    def _measure(self, role: str, x: torch.Tensor, record: bool) -> torch.Tensor:
-        """Cast ``x`` for each GEMM its role feeds; returns its round trip for the output GEMM (``x`` itself
-        when that GEMM takes it in high precision)."""
-        forward = x
+    def _measure(self, role: str, x: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:
+        """Cast ``x`` for each GEMM its role feeds; returns its round trip per GEMM (``x`` itself where that GEMM
+        takes it in high precision)."""
+        out = {gemm: x for r, gemm in USES if r == role}
         for r, gemms, cast, stats in self.casts:
             if r != role:
                 continue
-            back, saturated = cast(x, CONTRACTION_DIM[(role, gemms[0])])
+            dim = CONTRACTION_DIM[(role, gemms[0])]
+            back, saturated = cast(x, dim)
             if record:
-                stats.add(x, back, saturated)
-            if "output" in gemms:
-                forward = back
-        return forward
+                stats.add(x, back, saturated, dim)
+            out.update(dict.fromkeys(gemms, back))
+        return out
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, w_t: torch.Tensor, weight_key: object = None) -> None:
-        """One forward GEMM ``x (M, K) @ w_t (K, N)``; the weight's casts are counted once per ``weight_key``."""
+    def forward(self, x: torch.Tensor, w_t: torch.Tensor, weight_key: object = None) -> Backward | None:
+        """One forward GEMM ``x (M, K) @ w_t (K, N)``; the weight's casts are counted once per ``weight_key``.
+        Returns what measures its two backward GEMMs, to be called with its output gradient (None: no GEMM)."""
         if x.numel() == 0:
-            return
+            return None
         x, w_t = x.detach().float(), w_t.detach().float()
         new_weight = weight_key not in self._weights_seen
         self._weights_seen.add(weight_key)
         x_fp8 = self._measure("input", x, True)
         w_fp8 = self._measure("weight", w_t, new_weight)
-        self.layer.output.add(x @ w_t, x_fp8 @ w_fp8)
+        self.layer.output.add(x @ w_t, x_fp8["output"] @ w_fp8["output"])
         self.layer.calls += 1
+        # the backward GEMMs read the operands as the recipe cast them for those GEMMs (rowwise: along other dims)
+        x_wgrad, w_dgrad = x_fp8["grad_weight"], w_fp8["grad_input"]
 
-    @torch.no_grad()
-    def backward(self, g: torch.Tensor) -> None:
-        """The output gradient ``g (M, N)`` of one forward GEMM."""
-        if g.numel():
-            self._measure("grad_output", g.detach().float(), True)
+        @torch.no_grad()
+        def backward(g: torch.Tensor) -> None:
+            if g.numel() == 0:
+                return
+            g = g.detach().float()
+            g_fp8 = self._measure("grad_output", g, True)
+            self.layer.grad_input.add(g @ w_t.t(), g_fp8["grad_input"] @ w_dgrad.t())
+            self.layer.grad_weight.add(x.t() @ g, x_wgrad.t() @ g_fp8["grad_weight"])
+
+        return backward
 
 
 Handle = Callable[[], None]
@@ -83,9 +95,9 @@ def _attach_linear(module: nn.Module, site: GemmSite) -> list[Handle]:
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         x = args[0] if args else kwargs["input"]
-        site.forward(x.reshape(-1, x.shape[-1]), mod.weight if conv1d else mod.weight.t())
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: site.backward(g.reshape(-1, g.shape[-1])))
+        backward = site.forward(x.reshape(-1, x.shape[-1]), mod.weight if conv1d else mod.weight.t())
+        if backward is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: backward(g.reshape(-1, g.shape[-1])))
 
     return [module.register_forward_hook(hook, with_kwargs=True).remove]
 
@@ -115,12 +127,13 @@ class _GroupedGemms(TorchFunctionMode):
     @staticmethod
     def _record(site: GemmSite, a: torch.Tensor, b: torch.Tensor, ends: list[int], out: torch.Tensor) -> None:
         groups = list(zip([0, *ends[:-1]], ends))
-        for expert, (start, end) in enumerate(groups):
-            site.forward(a[start:end], b[expert], weight_key=expert)
+        backwards = [(start, end, site.forward(a[start:end], b[expert], weight_key=expert))
+                     for expert, (start, end) in enumerate(groups)]
 
         def grad(g: torch.Tensor) -> None:
-            for start, end in groups:
-                site.backward(g[start:end])
+            for start, end, backward in backwards:
+                if backward is not None:
+                    backward(g[start:end])
 
         if out.requires_grad:
             out.register_hook(grad)

@@ -12,10 +12,11 @@ from torch import nn
 
 from .._text import plural
 from ..hardware import Hardware, parse_target
+from .batches import checked_batches
 from .capture import attach
 from .casts import recipe_casts
 from .report import NumericsReport
-from .thresholds import DEFAULT_THRESHOLDS, Thresholds
+from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["measure_fp8_numerics"]
 
@@ -24,7 +25,8 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str = "torchao",
                          target: str | Hardware | None = None, loss_fn: LossFn | None = None,
-                         thresholds: Thresholds = DEFAULT_THRESHOLDS, **options: Any) -> NumericsReport:
+                         thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
+                         **options: Any) -> NumericsReport:
     """Measure each planned FP8 layer's numerics on ``batches``, before training in FP8 (or on a checkpoint, to
     decide which layers to keep out of FP8 from there on).
 
@@ -44,7 +46,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.hardware.Hardware`): on a CPU, MoE
             experts are FP8 candidates only for a GPU target. None: this machine, as if it had FP8.
         loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
-        thresholds: the limits behind ``recommended_exclude`` (default: the calibrated ones).
+        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.numerics.Thresholds`, or a dict of
+            the ones to change (``{"max_flushed_share": 0.02}``); default: the calibrated ones.
         **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,
             ``fp8_exclude=[...]``, ``te_recipe="delayed"``, ``pretrained=DIR``, ``strategy``, ``device``).
 
@@ -52,7 +55,9 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         A :class:`~fp8dist.numerics.NumericsReport`: ``print`` it, ``.to_dict()``, ``.recommended_exclude``.
 
     Raises:
-        ValueError: a bad option, no batches, or no loss to differentiate.
+        ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
+            vocabulary, a wrong shape, no tokens, more tokens than its positions), or no loss to differentiate.
+        TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
         NotImplementedError: fp8="msamp" (its casts are not modeled).
         FP8UnavailableError: ``target`` has no FP8.
     """
@@ -70,21 +75,23 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                           check_installed=False)
     layers = {e.name: (e.module_type, "experts" if e.grouped else "linear",
                        recipe_casts(cfg, e, plan.hardware, plan.facts)) for e in plan.fp8}
+    thresholds = as_thresholds(thresholds)  # every input checked before the model is copied or run
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass a function (output, batch) -> scalar loss, or "
+                        "leave it out for a model whose output has .loss.")
+    batches = checked_batches(model, batches)
     runnable = _model_to_run(model, cfg, device)
     sites, handles, modes = attach(runnable, layers)
-    count, tokens = 0, 0
+    tokens = 0
     try:
         for batch in batches:
             tokens += _run_batch(runnable, batch, device, loss_fn)
-            count += 1
     finally:
         for remove in handles:
             remove()
-    if count == 0:
-        raise ValueError("batches is empty: pass at least one batch (a tensor of token ids, or a dict of model "
-                         "inputs).")
     notes = _notes(plan, cfg, modes, hardware)
-    return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware), batches=count,
+    return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
+                          batches=len(batches),
                           tokens=tokens, layers=tuple(s.layer for s in sites), thresholds=thresholds,
                           notes=tuple(notes))
 
@@ -114,14 +121,11 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
     if isinstance(batch, torch.Tensor):
         batch = batch.to(where)
         output, tokens = model(input_ids=batch, labels=batch), batch.numel()
-    elif isinstance(batch, Mapping):
+    else:  # a mapping (checked_batches let nothing else through)
         batch = {k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         ids = batch.get("input_ids")
         output = model(**batch)
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else 1
-    else:
-        raise TypeError(f"a batch of type {type(batch).__name__}: pass token id tensors or dicts of model inputs "
-                        "(e.g. {'input_ids': ids, 'labels': ids}).")
     loss = loss_fn(output, batch) if loss_fn is not None else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(f"no scalar loss to differentiate (the model's output {type(output).__name__} has no "

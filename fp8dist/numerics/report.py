@@ -61,12 +61,14 @@ class NumericsReport:
         t = self.thresholds
         lines = [f"FP8 numerics probe: fp8={self.backend} ({self.recipe}), planned for {self.hardware}; "
                  f"{plural(self.batches, 'batch')}, {plural(self.tokens, 'token')}, model in high precision",
-                 f"thresholds: output SQNR >= {t.min_output_sqnr_db:g} dB; flushed to zero <= "
-                 f"{100 * t.max_flushed_share:g}% (input, weight), {100 * t.max_grad_flushed_share:g}% (grad out); "
-                 f"saturated <= {100 * t.max_saturated_share:g}%  (SQNR: worst of an operand's casts, in dB)"]
+                 f"thresholds: output SQNR >= {t.min_output_sqnr_db:g} dB, its gradients' (dgrad, wgrad) >= "
+                 f"{t.min_grad_sqnr_db:g} dB; an operand's SQNR beside each row's largest (rest) >= "
+                 f"{t.min_rest_sqnr_db:g} dB; flushed to zero <= {100 * t.max_flushed_share:g}% (input, weight), "
+                 f"{100 * t.max_grad_flushed_share:g}% (grad out); saturated <= {100 * t.max_saturated_share:g}%  "
+                 "(SQNR: worst of an operand's casts, in dB)"]
         lines += [f"note: {note}" for note in self.notes]
-        rows = [["module", *(f"{short} {what}" for _, short in _ROLES for what in ("SQNR", "flush")), "sat",
-                 "out SQNR", "verdict"]]
+        rows = [["module", *(f"{short} {what}" for _, short in _ROLES for what in ("SQNR", "flush")), "rest SQNR",
+                 "sat", "out SQNR", "dgrad SQNR", "wgrad SQNR", "verdict"]]
         rows += [_row(layer) for layer in self.layers]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for i, row in enumerate(rows):
@@ -90,7 +92,9 @@ def _row(layer: LayerNumerics) -> list[str]:
         worst = layer.worst(role)
         cells += ["hp", "-"] if worst is None else [_db(worst.sqnr_db), _share(_max_flushed(layer, role))]
     saturated = max((c.saturated_share for c in layer.casts), default=0.0)
-    cells += [_share(saturated), _db(layer.output.sqnr_db) if layer.calls else "-",
+    rest = min((c.rest_sqnr_db for c in layer.casts if c.rest_signal), default=math.nan)
+    cells += [_db(rest), _share(saturated), _db(layer.output.sqnr_db) if layer.calls else "-",
+              _db(layer.grad_input.sqnr_db), _db(layer.grad_weight.sqnr_db),
               "ok" if not layer.problems else "EXCLUDE: " + "; ".join(layer.problems)]
     if not layer.calls:
         cells[-1] = "not run by these batches"

@@ -46,12 +46,16 @@ class CastStats:
     nonfinite: int = 0
     signal: float = 0.0
     noise: float = 0.0
+    rest_signal: float = 0.0
+    """Sum of squares of the values beside each dot product's largest (see :attr:`rest_sqnr_db`)."""
+    rest_noise: float = 0.0
     amax: float = 0.0
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor) -> None:
-        """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped."""
-        x, back = x.detach().float().reshape(-1), back.reshape(-1)
+    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1) -> None:
+        """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped; ``dim``: the
+        dim its GEMM sums over (each slice along it is one dot product's operand)."""
+        x, back = x.detach().float(), back.float()
         finite = torch.isfinite(x)
         if not bool(finite.all()):
             self.nonfinite += int((~finite).sum())
@@ -63,10 +67,23 @@ class CastStats:
         self.nonzero += counts[0]
         self.flushed += counts[1]
         self.saturated += counts[2]
-        self.signal += float(exact.dot(exact))
-        self.noise += float(diff.dot(diff))
+        self.signal += float(exact.square().sum())
+        self.noise += float(diff.square().sum())
         if x.numel():
             self.amax = max(self.amax, float(x.abs().max()))
+            # each dot product's largest operand left out (a mask, not a difference of sums: an outlier's square
+            # would swamp the rest's in the subtraction)
+            rest = torch.ones_like(nonzero).scatter_(dim, x.abs().argmax(dim, keepdim=True), False)
+            self.rest_signal += float(exact[rest].square().sum())
+            self.rest_noise += float(diff[rest].square().sum())
+
+    @property
+    def rest_sqnr_db(self) -> float:
+        """SQNR of the values beside each dot product's largest: what an outlier swamps. An outlier that sets the
+        scale of a row flushes its ordinary values (this falls to ~0 dB over the rows it is in) while the plain
+        SQNR stays high (the outlier is the signal); values flushed because they are tiny beside their row's
+        ordinary ones cost it nothing."""
+        return sqnr_db(self.rest_signal, self.rest_noise)
 
     @property
     def sqnr_db(self) -> float:
@@ -83,6 +100,7 @@ class CastStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": _number(self.sqnr_db),
+                "rest_sqnr_db": _number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
                 "saturated": self.saturated, "nonfinite": self.nonfinite}
@@ -90,7 +108,8 @@ class CastStats:
 
 @dataclass
 class OutputStats:
-    """The forward GEMM's output with FP8 operands against the same GEMM in high precision."""
+    """A GEMM's output with FP8 operands against the same GEMM in high precision (the forward GEMM's, the input
+    gradient's, the weight gradient's)."""
 
     signal: float = 0.0
     noise: float = 0.0
@@ -116,6 +135,10 @@ class LayerNumerics:
     module_type: str
     casts: list[CastStats] = field(default_factory=list)
     output: OutputStats = field(default_factory=OutputStats)
+    grad_input: OutputStats = field(default_factory=OutputStats)
+    """The input gradient's GEMM ``g @ W``, from the output gradient and the weight as cast for it."""
+    grad_weight: OutputStats = field(default_factory=OutputStats)
+    """The weight gradient's GEMM ``g.T @ x``, from the output gradient and the input as cast for it."""
     calls: int = 0
     """Forward GEMM calls measured (batches, or expert groups x batches)."""
     problems: tuple[str, ...] = ()
@@ -133,5 +156,7 @@ class LayerNumerics:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "gemm": self.gemm, "module_type": self.module_type, "calls": self.calls,
-                "output_sqnr_db": _number(self.output.sqnr_db), "casts": [c.to_dict() for c in self.casts],
+                "output_sqnr_db": _number(self.output.sqnr_db),
+                "grad_input_sqnr_db": _number(self.grad_input.sqnr_db),
+                "grad_weight_sqnr_db": _number(self.grad_weight.sqnr_db), "casts": [c.to_dict() for c in self.casts],
                 "problems": list(self.problems)}

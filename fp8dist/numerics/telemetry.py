@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._schema import normalize_value
 from .casts import CONTRACTION_DIM, CastSpec, float8_linear_casts
-from .thresholds import DEFAULT_THRESHOLDS, Thresholds
+from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["FP8Telemetry", "ROLES"]
 
@@ -80,17 +81,21 @@ class FP8Telemetry:
         model: what :func:`fp8dist.wrap_model` returned (fsdp, fsdp1, ddp or none with fp8="torchao").
         every: sample one step in this many (>= 1).
         jsonl: append one JSON line per sampled step here (rank 0); None: no file.
-        thresholds: the limits a layer is warned about (once per layer and problem).
+        thresholds: the limits a layer is warned about (once per layer and problem): a
+            :class:`~fp8dist.numerics.Thresholds` or a dict of the ones to change.
         optimizer: end steps after this optimizer's steps only; None: after any optimizer holding the model.
         log: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
         step: the number of the step about to run (a resumed run's: the checkpoint's step).
 
     Raises:
-        ValueError: ``every`` < 1, or the model has no torchao FP8 layer.
+        ValueError: ``every`` < 1 or ``step`` < 0 (or either not a whole number: a bool is not one), a bad
+            threshold, or the model has no torchao FP8 layer.
+        TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
     """
 
     def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,
-                 thresholds: Thresholds = DEFAULT_THRESHOLDS, optimizer: torch.optim.Optimizer | None = None,
+                 thresholds: Thresholds | dict[str, float] = DEFAULT_THRESHOLDS,
+                 optimizer: torch.optim.Optimizer | None = None,
                  log: Callable[[str], Any] | None = None, step: int = 0) -> None:
         from torchao.float8.float8_linear import Float8Linear
 
@@ -99,8 +104,16 @@ class FP8Telemetry:
         from ..strategies import unwrap_model
         from ..strategies.local_shards import plain_name
 
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every={every!r} must be a whole number of steps >= 1 (1 samples every step).")
+        every = _steps("every", every, 1, "a whole number of steps >= 1 (1 samples every step)")
+        step = _steps("step", step, 0, "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's "
+                                       "step)")
+        thresholds = as_thresholds(thresholds)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the one that steps the "
+                            "model, or leave it out to end steps after any optimizer holding the model.")
+        if log is not None and not callable(log):
+            raise TypeError(f"log={log!r} is not callable: pass a function of one line of text (e.g. print), or "
+                            "leave it out.")
         # rank 0 writes jsonl: checked there before any step, and every rank raises alike (each takes part, given
         # jsonl or not: a job may pass it to rank 0 alone)
         check = (lambda: check_output_path(jsonl, name="jsonl")) if _rank() == 0 and jsonl is not None else None
@@ -264,6 +277,18 @@ def summary(record: dict[str, Any]) -> str:
         amax, name = max(amaxes)
         parts.append(f"input amax <= {amax:.3g} ({name})")
     return f"fp8 health, step {record['step']}: " + "; ".join(parts)
+
+
+def _steps(name: str, value: Any, least: int, what: str) -> int:
+    """A count of steps (``every``, ``step``): a whole number (a bool is refused: True would read as 1) >= ``least``;
+    else ValueError saying it must be ``what``."""
+    try:
+        value = normalize_value(name, value, int)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be {what}.") from None
+    if value < least:
+        raise ValueError(f"{name}={value!r} must be {what}.")
+    return value
 
 
 def _rank() -> int:
