@@ -128,7 +128,8 @@ class TorchaoBackend(FP8Backend):
             setattr(model.get_submodule(parent), child, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
         for name in linears:
-            model.get_submodule(name).register_forward_hook(_own_output)
+            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
+                model.get_submodule(name).register_forward_hook(_own_output)
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -146,10 +147,9 @@ def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Ten
     """A Float8Linear without bias returns a view made inside torchao's autograd Function, which autograd forbids
     modifying in place; nn.Linear's output is a tensor of its own, and models add to it in place (Falcon's
     ``mlp_output += attention_output``). ``_unsafe_view`` (what aten's matmul returns) gives the same memory as a
-    tensor of its own, without a copy; the Function's backward reads its inputs, never its output."""
-    if isinstance(output, torch.Tensor) and output._is_view():
-        return torch.ops.aten._unsafe_view(output, output.shape)
-    return output
+    tensor of its own, without a copy; the Function's backward reads its inputs, never its output. No test of
+    ``_is_view()``: torch.compile would break its graph there."""
+    return torch.ops.aten._unsafe_view(output, output.shape)
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:
