@@ -5,10 +5,12 @@ what the module computed must be exactly that, or the swap changes the model's m
 The rule decides by what a module computes, not by its exact class. An ``nn.Linear`` subclass that keeps
 ``nn.Linear.forward`` is plain. One that overrides it (Falcon's ``FalconLinear``: ``x @ self.weight.T + bias``) is
 plain when it holds nothing but ``weight`` and ``bias`` (a LoRA or decoupled head holds more, and its extra term
-may be zero at the time of the check) and its forward, called on a small fixed input, returns what
-``F.linear(x, weight, bias)`` returns. The check runs the module's own forward on its own weight; a module on the
-meta device (no data) is checked on a copy of it holding small random CPU tensors of the same kind, since the
-forward's code, not the weight's values, is what is judged. The reason is what the plan records for the module.
+may be zero at the time of any check) and its forward returns what ``F.linear(x, weight, bias)`` returns. That is
+checked by running the module's own forward, with its own attributes, on a copy of it that holds small random
+weight and bias of its dtype, on its device (the CPU for a meta-device module, which has no data): the forward's
+code is what is judged, so neither the weight's values (zero at init) nor its size (a meta 70B model's) matter,
+and the check costs microseconds. ``fp8_filter`` keeps any module out, as documented; it cannot put in a module
+whose forward computes something else: the swap would change the model's math.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ __all__ = ["plain_linear_reason", "is_plain_linear"]
 
 _PROBE_ROWS = (2, 3)
 """The leading dims of the check's input (batch, sequence): a forward that reshapes as a transformer's does runs."""
-_META_DIMS = (24, 40)
-"""(in, out) of the small copy a meta-device module is checked on."""
+_DIMS = (24, 40)
+"""(in, out) of the small copy a module's forward is checked on."""
 
 
 def plain_linear_reason(module: nn.Module) -> str | None:
@@ -54,7 +56,7 @@ def is_plain_linear(module: nn.Module) -> bool:
 
 def _forward_differs(module: nn.Linear) -> str | None:
     """How the module's forward differs from ``F.linear`` on a fixed input, or None where it does not."""
-    subject = _meta_stand_in(module) if module.weight.device.type == "meta" else module
+    subject = _small_copy(module)
     weight = subject.weight
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(*_PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
@@ -74,16 +76,17 @@ def _forward_differs(module: nn.Linear) -> str | None:
     return None
 
 
-def _meta_stand_in(module: nn.Linear) -> nn.Linear:
-    """A shallow copy of a meta-device Linear holding small random CPU weight and bias: its own forward code runs
-    on data. Only weight and bias are replaced (the module holds nothing else: checked before)."""
+def _small_copy(module: nn.Linear) -> nn.Linear:
+    """A shallow copy of ``module`` (its attributes and forward) holding small random weight and bias of its dtype
+    on its device (the CPU for a meta module); the module itself is untouched."""
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
-    generator = torch.Generator(device="cpu").manual_seed(1)
+    device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device
     dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
-    n_in, n_out = _META_DIMS
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    n_in, n_out = _DIMS
     stand_in.in_features, stand_in.out_features = n_in, n_out
-    stand_in._parameters["weight"] = nn.Parameter(torch.randn(n_out, n_in, generator=generator).to(dtype))
+    stand_in._parameters["weight"] = nn.Parameter(torch.randn(n_out, n_in, generator=generator).to(device, dtype))
     if module.bias is not None:
-        stand_in._parameters["bias"] = nn.Parameter(torch.randn(n_out, generator=generator).to(dtype))
+        stand_in._parameters["bias"] = nn.Parameter(torch.randn(n_out, generator=generator).to(device, dtype))
     return stand_in
