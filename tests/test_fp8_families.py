@@ -1,6 +1,7 @@
-"""The model families users name (GPT-NeoX, Llama, Mixtral, GPT-2) under FP8: what converts, that FP8 never goes
-silently unused, GPT-2's Conv1D in FP8 with its checkpoints unchanged, and Mixtral's experts through torchao's MoE
-training conversion (emulated MXFP8 on CPU, named as emulation)."""
+"""The model families users name (GPT-NeoX, Llama, Mixtral, GPT-2, Falcon) under FP8: what converts, that FP8 never
+goes silently unused, GPT-2's Conv1D in FP8 with its checkpoints unchanged, Falcon's nn.Linear subclass in FP8 (and
+subclasses that compute something else kept out, saying why), and Mixtral's experts through torchao's MoE training
+conversion (emulated MXFP8 on CPU, named as emulation)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8dist
 from fp8dist.plan import MIN_FP8_SHARE
@@ -113,6 +115,58 @@ def _neox_losses(rank: int, world: int) -> tuple[list[float], list[float], int]:
             len(fp8dist.get_plan(ours).fp8))
 
 
+def falcon_tiny(seed: int = 0):
+    """A tiny Falcon as its checkpoints are (FalconLinear, an nn.Linear subclass with its own forward; bias-less;
+    parallel attention, whose decoder adds the attention output to the MLP's in place; tied output head)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    return FalconForCausalLM(FalconConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4))
+
+
+FALCON_FIRST, FALCON_LAST = "transformer.h.0.self_attention.query_key_value", "lm_head"
+
+
+def _falcon_losses(rank: int, world: int) -> tuple[list[float], list[float], int]:
+    """Falcon under fsdp + torchao, and by hand: convert_to_float8_training (which converts nn.Linear subclasses),
+    each Float8Linear's output cloned (torchao returns a view autograd forbids adding to in place, as Falcon does),
+    fully_shard per decoder layer + root."""
+    from helpers import train_losses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
+
+    ours = fp8dist.wrap_model(falcon_tiny(), strategy="fsdp", fp8="torchao")
+    ref = falcon_tiny()
+    convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda m, fqn: fqn not in (FALCON_FIRST, FALCON_LAST))
+    for module in ref.modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_hook(lambda m, args, out: out.clone())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in ref.transformer.h:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    return (train_losses(ours, rank, world, steps=FALCON_STEPS),
+            train_losses(ref, rank, world, steps=FALCON_STEPS,
+                         after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref)),
+            len(fp8dist.get_plan(ours).fp8))
+
+
+FALCON_STEPS = 2  # each step of a tiny FP8 model costs seconds of CPU (torch's _scaled_mm on CPU)
+
+
+def test_falcon_under_fsdp2_and_torchao_trains_like_the_hand_wired():
+    from dist_harness import run_ranks
+
+    for rank in run_ranks(_falcon_losses):
+        ours, ref, fp8_layers = rank
+        assert ours == ref and fp8_layers == 7, rank
+        assert ours[-1] < ours[0]
+
+
 def _gpt2_case(rank: int, world: int, out_dir: str) -> dict:
     from helpers import train_losses
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -165,6 +219,118 @@ def test_gpt2_conv1d_and_neox_run_fp8_like_the_hand_wired_and_gpt2_checkpoints_s
     for rank in results:
         ours, ref, fp8_layers = rank["neox"]
         assert ours == ref and fp8_layers == 7, rank["neox"]
+
+
+class _FP8Mms(TorchDispatchMode):
+    """Counts torchao's FP8 GEMMs: aten.mm on two Float8TrainingTensor operands, which torchao runs as
+    torch._scaled_mm (the mode sees the mm; the _scaled_mm inside torchao's dispatch runs below it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and all(type(a).__name__ == "Float8TrainingTensor" for a in args[:2]):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_falcons_linear_subclass_converts_and_its_fp8_gemms_run():
+    """FalconLinear (its own forward: x @ W.T + b) computes a plain Linear, so it converts, and its FP8 GEMMs run:
+    before, every one was 'FalconLinear is not converted by torchao' and Falcon trained without FP8."""
+    model = fp8dist.wrap_model(falcon_tiny(), strategy="none", fp8="torchao")
+    plan = fp8dist.get_plan(model)
+    falcon = {e.name: (e.precision, e.converted_to, e.reason) for e in plan if e.module_type == "FalconLinear"}
+    assert len(falcon) == 8 and falcon.pop(FALCON_FIRST)[2].startswith("first Linear, kept in high precision")
+    assert set(falcon.values()) == {("fp8", "Float8Linear", "converted by torchao")}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _FP8Mms() as mms:
+        model(input_ids=ids, labels=ids).loss.backward()  # Falcon adds to an FP8 Linear's output in place
+    assert mms.count == 3 * len(plan.fp8) == 21  # per FP8 layer: forward, input gradient, weight gradient
+    with torch.device("meta"):  # a meta model: each forward is checked on a small CPU copy, with the same verdict
+        meta = falcon_tiny()
+    meta_plan = fp8dist.plan_precision(meta, fp8dist.resolve_config(strategy="none", fp8="torchao"),
+                                       device=torch.device("cpu"))
+    assert [(e.name, e.precision, e.reason) for e in meta_plan] == [(e.name, e.precision, e.reason) for e in plan]
+
+
+class _Kept(nn.Linear):
+    """No forward of its own."""
+
+
+class _Transposed(nn.Linear):
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return 2 * nn.functional.linear(x, self.weight, self.bias)
+
+
+class _Router(nn.Linear):
+    def forward(self, x):
+        scores = nn.functional.linear(x, self.weight, self.bias)
+        return scores, scores.argmax(-1)
+
+
+class _LoRA(nn.Linear):
+    """Zero-initialized adapters: at first its output IS the plain Linear's, yet an FP8 Linear would drop them."""
+
+    def __init__(self, n: int):
+        super().__init__(n, n)
+        self.lora_a, self.lora_b = nn.Parameter(torch.zeros(4, n)), nn.Parameter(torch.zeros(n, 4))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias) + x @ self.lora_a.T @ self.lora_b.T
+
+
+class _Subclasses(nn.Module):
+    def __init__(self, n: int = 32):
+        super().__init__()
+        self.kept, self.transposed, self.doubled = _Kept(n, n), _Transposed(n, n), _Doubled(n, n)
+        self.router, self.lora = _Router(n, n), _LoRA(n)
+
+
+SUBCLASS_VERDICTS = {
+    "kept": "converted", "transposed": "converted",
+    "doubled": "_Doubled overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) (its output "
+               "differs from F.linear's by up to",
+    "router": "_Router overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) (its forward "
+              "returns a tuple, not a tensor): an FP8 Linear would replace what it computes",
+    "lora": "_LoRA overrides nn.Linear.forward and holds lora_a, lora_b besides weight and bias",
+}
+
+
+@pytest.mark.parametrize("fp8", ["torchao", "te", "msamp"])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_linear_subclasses_convert_by_what_they_compute_in_every_backend(fp8, device):
+    """One rule in every backend: a subclass whose forward is a plain Linear of its weight converts; one that
+    computes something else (scaled, a tuple, extra adapters) stays out with that reason; meta or real alike."""
+    extra = {"keep_first_last_linear": False} if fp8 == "torchao" else {}
+    with torch.device(device):
+        model = _Subclasses()
+    plan = fp8dist.plan_precision(model, fp8dist.resolve_config(strategy="ddp", fp8=fp8, **extra),
+                                  device=torch.device("cpu"), check_hardware=False)
+    for name, verdict in SUBCLASS_VERDICTS.items():
+        entry = plan.by_name(name)
+        if verdict == "converted":
+            assert entry.precision == "fp8" and entry.reason == f"converted by {fp8}", entry
+        else:
+            assert entry.precision == "bf16" and entry.reason.startswith(verdict), entry.reason
+    kept = fp8dist.plan_precision(model, fp8dist.resolve_config(strategy="ddp", fp8=fp8, **extra),
+                                  device=torch.device("cpu"), check_hardware=False,
+                                  fp8_filter=lambda module, fqn: fqn != "transposed")
+    assert kept.by_name("transposed").reason == "excluded by fp8_filter"
+
+
+def test_torchao_swaps_exactly_the_subclasses_that_compute_a_plain_linear():
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = fp8dist.wrap_model(_Subclasses(), strategy="none", fp8="torchao", keep_first_last_linear=False)
+    swapped = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == {"kept", "transposed"}
+    assert (type(model.doubled), type(model.router), type(model.lora)) == (_Doubled, _Router, _LoRA)
 
 
 def mixtral_tiny(seed: int = 0):
@@ -301,6 +467,8 @@ FAMILY_CONFIGS = {
                  "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
                  "tie_word_embeddings": False},
                 "FP8 share of GEMMs: 868,352 of 918,528 params (94.5%), 90.4% of est. GEMM FLOPs"),
+    "falcon": ({"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+               "FP8 share of GEMMs: 319,488 of 376,832 params (84.8%), 84.8% of est. GEMM FLOPs"),
 }
 
 
@@ -318,7 +486,8 @@ def test_fp8dist_plan_reads_each_familys_config(family, tmp_path, capsys):
                  "--torchao-moe-recipe", "mxfp8_emulated"]) == 0
     out = capsys.readouterr().out
     assert share in out
-    converted = {"gpt_neox": "Float8Linear", "gpt2": "Float8Conv1D", "mixtral": "torchao MoE: MXFP8 grouped GEMM"}
+    converted = {"gpt_neox": "Float8Linear", "gpt2": "Float8Conv1D", "mixtral": "torchao MoE: MXFP8 grouped GEMM",
+                 "falcon": "Float8Linear"}
     assert converted[family] in out
 
 

@@ -27,8 +27,7 @@ from ..axis import Rule, StrategyFacts, When
 from ..hardware import Hardware, hardware_of
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
-           "dims_reason",
-           "fp8_hardware_reason"]
+           "dims_reason", "linear_reason", "fp8_hardware_reason"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
@@ -103,8 +102,9 @@ class FP8Backend(Protocol):
         return missing or self.hardware_reason(cfg, hardware_of(device))
 
     def supports(self, module: nn.Module) -> bool:
-        """Whether the backend replaces modules of this type."""
-        return type(module) is nn.Linear
+        """Whether the backend replaces modules of this kind (an ``nn.Linear`` of any class: whether it computes a
+        plain Linear is :meth:`ineligible_reason`'s question, so the plan says so)."""
+        return isinstance(module, nn.Linear)
 
     def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
         """What the plan records as the module's replacement (under ``cfg`` on ``hardware``: a recipe may name it)."""
@@ -121,8 +121,9 @@ class FP8Backend(Protocol):
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
         """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under a strategy with
-        ``facts`` (dims not divisible by 16, no grouped GEMM for MoE experts there), or None."""
-        return dims_reason(module)
+        ``facts`` (a Linear subclass that computes something else, dims not divisible by 16, no grouped GEMM for
+        MoE experts there), or None."""
+        return linear_reason(module)
 
     def check_plan(self, plan: Any) -> None:
         """Refuse, before anything changes, a plan the backend cannot follow."""
@@ -157,6 +158,14 @@ def get_backend(name: str) -> FP8Backend:
     """The backend for ``name`` ("torchao", "te", "msamp")."""
     module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
     return module.BACKEND
+
+
+def linear_reason(module: nn.Linear) -> str | None:
+    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear: it computes something other than a plain
+    Linear (:func:`fp8dist.fp8.linear.plain_linear_reason`), or its dims do not tile; None when it can."""
+    from .linear import plain_linear_reason
+
+    return plain_linear_reason(module) or dims_reason(module)
 
 
 def dims_reason(module: nn.Linear) -> str | None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
-from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
@@ -49,7 +49,7 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
     common = {"params_dtype": weight.dtype, "device": weight.device}
     if is_conv1d(module):
         return te_conv1d(te, module, **common)
-    if type(module) is nn.Linear:
+    if isinstance(module, nn.Linear):  # a plain Linear of any class (the plan converts no other)
         new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **common)
     elif type(module) is nn.LayerNorm:
         new = te.LayerNorm(module.normalized_shape[0], eps=module.eps, **common)
@@ -176,11 +176,11 @@ class TEBackend(FP8Backend):
         return fp8_hardware_reason(hardware, min_capability=needs)
 
     def supports(self, module: nn.Module) -> bool:
-        return type(module) in (nn.Linear, nn.LayerNorm) or _is_rmsnorm(module) or is_conv1d(module) or \
-            is_experts(module)
+        return isinstance(module, nn.Linear) or type(module) is nn.LayerNorm or _is_rmsnorm(module) or \
+            is_conv1d(module) or is_experts(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
-        if type(module) is nn.Linear:
+        if isinstance(module, nn.Linear):
             return "te.Linear"
         if is_conv1d(module):
             return "TEConv1D (te.Linear, checkpoints keep (in, out))"
@@ -189,7 +189,7 @@ class TEBackend(FP8Backend):
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
-        return type(module) is nn.Linear or is_conv1d(module) or is_experts(module)
+        return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """A module whose weight is tied to another module's (an output head tied to the embedding) keeps it:
@@ -219,8 +219,8 @@ class TEBackend(FP8Backend):
                         "holds one weight per expert), and fp8dist runs them through torchao's MoE grouped GEMMs, "
                         "which needs torchao (pip install torchao)")
             return experts_reason(module, cfg, hardware, facts)
-        if type(module) is nn.Linear:
-            return dims_reason(module)
+        if isinstance(module, nn.Linear):
+            return linear_reason(module)
         if type(module) is nn.LayerNorm:
             if len(module.normalized_shape) != 1:
                 return f"normalized_shape={tuple(module.normalized_shape)}: te.LayerNorm normalizes one dim"

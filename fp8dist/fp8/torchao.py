@@ -11,9 +11,10 @@ from torch import nn
 from ..axis import ALWAYS, Rule, StrategyFacts, When
 from ..hardware import Hardware
 from ..optim import STEP_HOOKS
-from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason
+from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .order import gemm_order
+from .linear import is_plain_linear
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)
 
@@ -47,7 +48,13 @@ _RULES = (
 
 
 def _linear_like(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or is_conv1d(module)
+    """A module torchao's Float8Linear (or fp8dist's Float8Conv1D) may replace: its plan row says if it cannot."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _plain_linear_like(module: nn.Module) -> bool:
+    """A Linear-like module that computes a plain Linear: the FP8 candidates first/last are counted among."""
+    return is_conv1d(module) or is_plain_linear(module)
 
 
 class TorchaoBackend(FP8Backend):
@@ -84,7 +91,7 @@ class TorchaoBackend(FP8Backend):
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
-        return conv1d_dims_reason(module) if is_conv1d(module) else dims_reason(module)
+        return conv1d_dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
@@ -92,7 +99,7 @@ class TorchaoBackend(FP8Backend):
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        order = gemm_order(model, _linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj; MoE experts
+        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj; MoE experts
         if order.first is None:                  # are not linear-like
             return routers
 
@@ -120,6 +127,9 @@ class TorchaoBackend(FP8Backend):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
+        for name in linears:
+            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
+                model.get_submodule(name).register_forward_hook(_own_output)
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -131,6 +141,15 @@ class TorchaoBackend(FP8Backend):
 
 
 BACKEND = TorchaoBackend()
+
+
+def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A Float8Linear without bias returns a view made inside torchao's autograd Function, which autograd forbids
+    modifying in place; nn.Linear's output is a tensor of its own, and models add to it in place (Falcon's
+    ``mlp_output += attention_output``). ``_unsafe_view`` (what aten's matmul returns) gives the same memory as a
+    tensor of its own, without a copy; the Function's backward reads its inputs, never its output. No test of
+    ``_is_view()``: torch.compile would break its graph there."""
+    return torch.ops.aten._unsafe_view(output, output.shape)
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:

@@ -9,7 +9,9 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["find_blocks", "cast_buffers", "apply_autocast", "to_empty", "check_fits", "available_bytes"]
+from .ties import TiedBlock, untie_blocks
+
+__all__ = ["find_blocks", "block_ties", "cast_buffers", "apply_autocast", "to_empty", "check_fits", "available_bytes"]
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
@@ -34,12 +36,28 @@ def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[
     """The blocks FSDP shards one by one, with how they were found.
 
     Order of precedence: the user's ``block_classes``; Hugging Face ``_no_split_modules``; the children of the
-    largest ``nn.ModuleList`` (by parameter count). Returns ``([(fqn, module), ...], how)``, innermost first so
-    nested blocks are sharded before their parents. An empty list means only the root is sharded.
+    largest ``nn.ModuleList`` (by parameter count). A block that shares a parameter with a module outside it
+    (BERT's embeddings, tied to its decoder) is left out: a tied parameter lives in one unit
+    (:func:`block_ties` says which and why). Returns ``([(fqn, module), ...], how)``, innermost first so nested
+    blocks are sharded before their parents. An empty list means only the root is sharded.
 
     Raises:
         ValueError: a class in ``block_classes`` does not occur in the model (lists the classes that do).
     """
+    found, how = _candidate_blocks(model, block_classes)
+    kept, ties = untie_blocks(model, found)
+    if ties:
+        how += f"; left out, tied to a parameter outside them: {', '.join(t.block for t in ties)}"
+    return kept, how
+
+
+def block_ties(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[TiedBlock, ...]:
+    """The blocks :func:`find_blocks` leaves out of block-wise sharding for a tied parameter, with the tie."""
+    return untie_blocks(model, _candidate_blocks(model, block_classes)[0])[1]
+
+
+def _candidate_blocks(model: nn.Module, block_classes: tuple[str, ...]) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The blocks by class or by the largest nn.ModuleList, ties not yet considered (see :func:`find_blocks`)."""
     classes_in_model = {type(m).__name__ for m in model.modules()}
     if block_classes:
         missing = [c for c in block_classes if c not in classes_in_model]

@@ -13,8 +13,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from ..axis import ALWAYS, StrategyFacts
 from ..dtypes import torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
-from .common import cast_buffers, find_blocks, to_empty
+from .common import block_ties, cast_buffers, find_blocks, to_empty
 from .padding import padding_note, shard_padding
+from .ties import untie_blocks
 
 __all__ = ["FSDP2", "build_fsdp_policy", "apply_fsdp", "fsdp_padding_notes", "fsdp_mesh", "check_replicate_degree",
            "root_units", "RootUnit", "STRATEGY"]
@@ -104,7 +105,11 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | 
     a 2-D mesh (:func:`fsdp_mesh`) is HSDP.
 
     Call after FP8 conversion and before building the optimizer.
+
+    Raises:
+        ValueError: a block shares a parameter with a module outside it (FSDP2 would refuse it mid-way).
     """
+    _check_untied(model, blocks)
     if mesh is None:
         mesh = fsdp_mesh(device, torch.distributed.get_world_size())
     for block in blocks:
@@ -118,6 +123,17 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | 
     # once (torch's default for the root, as torchtitan does)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
+
+
+def _check_untied(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Refuse, before any unit is made, blocks that a tied parameter would put in two units."""
+    names = {id(m): n for n, m in model.named_modules()}
+    _, ties = untie_blocks(model, [(names.get(id(b), ""), b) for b in blocks])
+    if ties:
+        t = ties[0]
+        raise ValueError(f"block {t.block!r} holds {t.parameter}, tied to {t.tied_to} outside it, and FSDP2 shards a "
+                         f"tied parameter in one unit only. Leave {t.block!r} out of the blocks (find_blocks does), "
+                         "or untie the parameters.")
 
 
 def fsdp_padding_notes(model: nn.Module, world_size: int) -> tuple[str, ...]:
@@ -146,6 +162,7 @@ class FSDP2(Strategy):
         p, env = job.cfg.parallel, job.env
         found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
         names = tuple(n for n, _ in found)
+        ties = tuple(t.note for t in block_ties(model, p.block_classes))  # read before sharding replaces parameters
         model, built = prepared(model, job)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
         policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype))
@@ -154,6 +171,7 @@ class FSDP2(Strategy):
                    block_names=names)
         notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
                                   "block_classes=[...] to shard block by block.",)
+        notes += ties
         notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
         if job.meta:
             to_empty(model, env.device)  # this rank's shards only

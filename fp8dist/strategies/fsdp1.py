@@ -13,7 +13,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from ..axis import ALWAYS, StrategyFacts
 from ..dtypes import torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
-from .common import find_blocks, to_empty
+from .common import block_ties, find_blocks, to_empty
 
 __all__ = ["FSDP1", "build_fsdp1_policy", "apply_fsdp1", "STRATEGY"]
 
@@ -60,6 +60,7 @@ class FSDP1(Strategy):
         p, device = job.cfg.parallel, job.env.device
         found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
         names = tuple(n for n, _ in found)
+        ties = tuple(t.note for t in block_ties(model, p.block_classes))  # read before sharding replaces parameters
         model, built = prepared(model, job)
         init = (lambda module: to_empty(module, device, recurse=False)) if job.meta else None
         policy = build_fsdp1_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype),
@@ -68,6 +69,7 @@ class FSDP1(Strategy):
                               reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
         notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
                                   "block_classes=[...] to shard block by block.",)
+        notes += ties
         loaded = job.fill(wrapped) if job.fill is not None else None
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)

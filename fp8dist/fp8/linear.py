@@ -1,0 +1,92 @@
+"""Which modules are a plain Linear: ``y = x @ weight.T + bias`` of their own weight and bias. Every backend swaps
+such a module for its FP8 Linear (torchao's ``Float8Linear``, ``te.Linear``, MS-AMP's), whose forward is its own:
+what the module computed must be exactly that, or the swap changes the model's math without a word.
+
+The rule decides by what a module computes, not by its exact class. An ``nn.Linear`` subclass that keeps
+``nn.Linear.forward`` is plain. One that overrides it (Falcon's ``FalconLinear``: ``x @ self.weight.T + bias``) is
+plain when it holds nothing but ``weight`` and ``bias`` (a LoRA or decoupled head holds more, and its extra term
+may be zero at the time of any check) and its forward returns what ``F.linear(x, weight, bias)`` returns. That is
+checked by running the module's own forward, with its own attributes, on a copy of it that holds small random
+weight and bias of its dtype, on its device (the CPU for a meta-device module, which has no data): the forward's
+code is what is judged, so neither the weight's values (zero at init) nor its size (a meta 70B model's) matter,
+and the check costs microseconds. ``fp8_filter`` keeps any module out, as documented; it cannot put in a module
+whose forward computes something else: the swap would change the model's math.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["plain_linear_reason", "is_plain_linear"]
+
+_PROBE_ROWS = (2, 3)
+"""The leading dims of the check's input (batch, sequence): a forward that reshapes as a transformer's does runs."""
+_DIMS = (24, 40)
+"""(in, out) of the small copy a module's forward is checked on."""
+
+
+def plain_linear_reason(module: nn.Module) -> str | None:
+    """None when ``module`` computes a plain Linear of its own weight and bias (see the module's docstring); else
+    why it does not, in one line. Modules that are no ``nn.Linear`` at all get a reason too."""
+    cls = type(module)
+    if not isinstance(module, nn.Linear):
+        return f"{cls.__name__} is not an nn.Linear"
+    if cls.forward is nn.Linear.forward:
+        return None
+    extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+    extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
+    if extra:
+        return (f"{cls.__name__} overrides nn.Linear.forward and holds {', '.join(extra[:3])} besides weight and "
+                "bias: its output is not a plain linear of its weight, which an FP8 Linear would replace")
+    differs = _forward_differs(module)
+    if differs:
+        return (f"{cls.__name__} overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) "
+                f"({differs}): an FP8 Linear would replace what it computes")
+    return None
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether :func:`plain_linear_reason` finds nothing against ``module``."""
+    return plain_linear_reason(module) is None
+
+
+def _forward_differs(module: nn.Linear) -> str | None:
+    """How the module's forward differs from ``F.linear`` on a fixed input, or None where it does not."""
+    subject = _small_copy(module)
+    weight = subject.weight
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(*_PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            got = subject.forward(x)
+            want = F.linear(x, weight, subject.bias)
+    except Exception as err:  # any code may refuse a plain input: that is itself the answer
+        return f"its forward raised {type(err).__name__} on an input of shape {tuple(x.shape)}"
+    if not isinstance(got, torch.Tensor):
+        return f"its forward returns a {type(got).__name__}, not a tensor"
+    if got.shape != want.shape:
+        return f"its output has shape {tuple(got.shape)}, F.linear's {tuple(want.shape)}"
+    tol = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-5  # GEMMs round differently, not more
+    if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+        return f"its output differs from F.linear's by up to {(got.float() - want.float()).abs().max().item():.3g}"
+    return None
+
+
+def _small_copy(module: nn.Linear) -> nn.Linear:
+    """A shallow copy of ``module`` (its attributes and forward) holding small random weight and bias of its dtype
+    on its device (the CPU for a meta module); the module itself is untouched."""
+    stand_in = copy.copy(module)
+    stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
+    device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device
+    dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    n_in, n_out = _DIMS
+    stand_in.in_features, stand_in.out_features = n_in, n_out
+    stand_in._parameters["weight"] = nn.Parameter(torch.randn(n_out, n_in, generator=generator).to(device, dtype))
+    if module.bias is not None:
+        stand_in._parameters["bias"] = nn.Parameter(torch.randn(n_out, generator=generator).to(device, dtype))
+    return stand_in
