@@ -169,7 +169,7 @@ def test_tools_live_in_their_folders_and_the_top_level_is_the_pipeline():
     """No private ``_x.py`` helper of one tool at the top level: a tool's files are in its folder; each axis is a
     package with one module per value."""
     top = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
-    assert top == ["_args.py", "_files.py", "_schema.py", "_version.py"]  # shared by the pipeline and every tool
+    assert top == ["_args.py", "_files.py", "_schema.py", "_text.py", "_version.py"]  # shared by the pipeline and every tool
     for folder in ("checkpoint", "memory", "bench", "cli", "fp8", "strategies", "levels"):
         assert (PACKAGE / folder / "__init__.py").is_file()
     from fp8dist.fp8 import BACKENDS

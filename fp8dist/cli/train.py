@@ -213,7 +213,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
     this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
     the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
-    reaped before this returns (:mod:`fp8dist.helper_processes`)."""
+    reaped before this returns (:mod:`fp8dist.cli.helper_processes`)."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -222,7 +222,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
 
     from ..env import rank_imports
     from ..env_vars import read
-    from ..helper_processes import stop_multiprocessing_helpers
+    from .helper_processes import stop_multiprocessing_helpers
 
     preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)
     multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
