@@ -28,7 +28,7 @@ from ..hardware import Hardware, hardware_of
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
            "dims_reason",
-           "fp8_hardware_reason"]
+           "fp8_hardware_reason", "converted_by_hand"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
@@ -71,6 +71,9 @@ class FP8Backend(Protocol):
     such step."""
 
     name: ClassVar[str]
+    package: ClassVar[str | None] = None
+    """The library whose modules the backend swaps in: a module of it in a model given to ``wrap_model`` was
+    converted by hand (:func:`converted_by_hand`)."""
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
@@ -157,6 +160,17 @@ def get_backend(name: str) -> FP8Backend:
     """The backend for ``name`` ("torchao", "te", "msamp")."""
     module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
     return module.BACKEND
+
+
+def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
+    """The first module of ``model`` whose class comes from an FP8 backend's library (converted before
+    ``wrap_model``, or built from that library's layers): ``(name, backend, class name)``; None: there is none."""
+    packages = {get_backend(name).package: name for name in BACKENDS}
+    for fqn, module in model.named_modules():
+        library = type(module).__module__.partition(".")[0]
+        if library in packages:
+            return fqn, packages[library], type(module).__name__
+    return None
 
 
 def dims_reason(module: nn.Linear) -> str | None:
