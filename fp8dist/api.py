@@ -225,6 +225,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     meta = _check_meta(model, cfg)
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     engine.check_launch(cfg, launch.world_size)
+    engine.check_model(model, cfg)
     plan = plan_precision(model, cfg, device=device, world_size=launch.world_size,        # 3. plan
                           fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8

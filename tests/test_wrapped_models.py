@@ -261,8 +261,8 @@ def test_a_meta_model_built_in_bf16_is_refused_before_it_is_materialized(one_ran
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp", "none"])
 def test_frozen_half_parameters_are_accepted_and_stay_as_they_are(one_rank_group, strategy):
-    """Nothing steps a frozen parameter, so no master copy is missing (a frozen bf16 base, say). Not fsdp1: it
-    flattens a unit's parameters into one tensor of one dtype, and the root unit here mixes bf16 and fp32."""
+    """Nothing steps a frozen parameter, so no master copy is missing (a frozen bf16 base, say). Not fsdp1 here: its
+    root unit would mix bf16 and fp32 (the next test)."""
     model = build_llama("tiny", seed=0)
     model.model.embed_tokens.to(torch.bfloat16).requires_grad_(False)
     frozen = model.model.embed_tokens.weight.detach().clone()
@@ -279,3 +279,19 @@ def test_memory_lean_takes_a_bf16_model_as_it_is_meant_to(one_rank_group):
     model, _ = wrap_model(build_llama("tiny", seed=0).bfloat16(), strategy="fsdp", memory="lean",
                           optimizer={"type": "AdamW", "lr": 1e-3})
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_fsdp1_refuses_a_unit_that_mixes_dtypes_before_anything_changes(one_rank_group):
+    """FSDP1 flattens a unit into one tensor of one dtype: its constructor failed on the frozen bf16 embedding in the
+    root unit, after the FP8 conversion had changed the model."""
+    model = build_llama("tiny", seed=0)
+    model.model.embed_tokens.to(torch.bfloat16).requires_grad_(False)
+    given = _as_given(model)
+    with pytest.raises(ValueError) as refused:
+        wrap_model(model, strategy="fsdp1", fp8="torchao")
+    assert str(refused.value) == (
+        "strategy='fsdp1' flattens each unit's parameters into one tensor of one dtype, and the root unit (what the "
+        "blocks leave) mixes bf16 ('model.embed_tokens.weight') and fp32 ('model.norm.weight'). Cast them to one "
+        "dtype (model.float(): fp8dist computes in bf16 anyway), or use strategy='fsdp', whose per-parameter shards "
+        "take mixed dtypes.")
+    assert _as_given(model) == given and type(model.model.layers[0].mlp.up_proj) is nn.Linear
