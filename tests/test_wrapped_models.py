@@ -168,6 +168,11 @@ def _deepspeed_case(rank: int, world: int) -> dict:
     half, _ = wrap_model(build_llama("tiny", seed=0).bfloat16(), strategy="deepspeed", micro_batch_size=1,
                          optimizer={"type": "AdamW", "lr": 1e-3})
     out["bf16 model"] = type(half).__name__
+    for name, part in (("ours", half), ("ours inner", half.module)):
+        try:
+            wrap_model(part, strategy="ddp")
+        except ValueError as err:
+            out[name] = str(err)
     return out
 
 
@@ -181,6 +186,9 @@ def test_a_deepspeed_engine_and_its_inner_module_are_refused_and_a_bf16_model_is
                                    "held by DeepSpeed"), out["inner"]
     assert WAY_OUT in out["engine"] and WAY_OUT in out["inner"]
     assert out["bf16 model"] == "DeepSpeedEngine", "DeepSpeed keeps fp32 master weights of bf16 parameters"
+    for name, given in (("ours", "DeepSpeedEngine"), ("ours inner", "LlamaForCausalLM")):
+        assert out[name].startswith(f"wrap_model: the model given ({given}) is already wrapped by fp8dist.wrap_model "
+                                    "(strategy='deepspeed')"), out[name]
 
 
 # ---- the numerics probe ------------------------------------------------------------------------------------------
