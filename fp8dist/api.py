@@ -188,7 +188,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         model: the model, identical on every rank: on the CPU (or any device), or built on the meta device
             (``with torch.device("meta"):``), which is materialized after sharding: each rank allocates only
             what it holds (fsdp, fsdp1; the others allocate the whole model) and fills it from ``pretrained=``
-            or with the model's own initialization.
+            or with the model's own initialization. As built: a model (or any part of one) already wrapped,
+            sharded or FP8-converted, by an engine or by ``wrap_model``, is refused; so are trainable bf16/fp16
+            parameters where nothing keeps fp32 masters of them (every strategy but "deepspeed", unless
+            ``memory="lean"`` or fp8="msamp" owns them): build the model in fp32, fp8dist computes in bf16 anyway.
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed" (returns the DeepSpeed engine);
             None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
