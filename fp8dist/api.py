@@ -14,7 +14,8 @@ from .agree import check_ranks_agree
 from .blocks import BlockWiring, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, current_launch, resolve_device
-from .fp8 import NO_FP8, FP8Backend, FP8Wiring, get_backend
+from .dtypes import dtype_name
+from .fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from .levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
@@ -22,10 +23,12 @@ from .plan import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
 from .pretrained import LoadReport, materialize
 from .strategies import Sharded, ShardingInfo, ShardJob, find_blocks, get_strategy, unwrap_model
+from .strategies.introspect import find_wrapping, mark_wrapped
 
 __all__ = ["wrap_model", "WrapInfo", "get_wrap_info", "get_plan"]
 
 _INFO_ATTR = "_fp8dist_info"
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,7 @@ def get_plan(model: nn.Module) -> PrecisionPlan:
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
-    if getattr(model, _INFO_ATTR, None) is not None:
-        raise ValueError("this model was already wrapped by fp8dist.wrap_model; wrap the original model once.")
+    _check_not_wrapped(model)
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train. Check that "
@@ -80,6 +82,51 @@ def _check_model(model: Any) -> None:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
                          "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """A model an engine (or wrap_model) already wrapped, sharded or FP8-converted, anywhere in its tree, is refused
+    before anything changes: a second engine over the same parameters trains wrong or fails inside torch, and the
+    plan cannot account for layers converted before it."""
+    found = find_wrapping(model)
+    if found is not None and found.engine == "fp8dist":
+        raise ValueError(f"wrap_model: {found.describe(model)}. Train that model as wrap_model returned it "
+                         "(fp8dist.get_wrap_info(model) says what was done); to wrap it otherwise, wrap the original "
+                         "model once, built afresh.")
+    if found is not None:
+        raise ValueError(f"wrap_model: {found.describe(model)}; fp8dist applies the strategy itself, and a second "
+                         "engine over the same parameters trains wrong or fails inside torch. Pass the model as "
+                         "built, before any engine wraps or shards it; a model you wired by hand trains as it is, "
+                         "without wrap_model.")
+    converted = converted_by_hand(model)
+    if converted is not None:
+        name, backend, cls = converted
+        where = f"{name} of {type(model).__name__}" if name else "the model given"
+        raise ValueError(f"wrap_model: {where} is already a {cls} from {get_backend(backend).package} (converted "
+                         "by hand): fp8dist converts the layers itself and its plan, which records each layer's "
+                         "precision, cannot account for one converted before it. Pass the model before conversion, "
+                         f"with fp8={backend!r} (fp8_exclude / fp8_filter keep layers out of FP8).")
+
+
+def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, facts: Any,
+                          memory: MemoryLevel) -> None:
+    """Trainable bf16/fp16 parameters are refused where the optimizer steps them as they are (your optimizer under
+    the standard level, every strategy but DeepSpeed): there is no fp32 master copy, so small updates are lost.
+    Frozen ones are fine: nothing steps them."""
+    if facts.engine_builds_optimizer or backend.owns_optimizer or memory.builds_optimizer:
+        return  # DeepSpeed keeps fp32 masters, MS-AMP its own; memory="lean" stores bf16 weights on purpose
+    half = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in _HALF]
+    if not half:
+        return
+    name, dtype = half[0]
+    short = dtype_name(dtype)
+    raise ValueError(
+        f"wrap_model: {type(model).__name__} has {len(half)} trainable {short} parameter(s) (e.g. {name!r}) and "
+        f"strategy={cfg.parallel.strategy!r} with memory={cfg.parallel.memory!r} keeps no fp32 master weights: the "
+        f"optimizer steps them in {short}, where an update smaller than about {torch.finfo(dtype).eps / 2:.0e} of "
+        "a weight is lost. Call model.float() before wrap_model, or build it in fp32 (e.g. from_config(config, "
+        "dtype=torch.float32)): fp8dist computes in bf16 anyway (param_dtype). Or memory='lean' (bf16 weights on "
+        "purpose, stochastic rounding), or strategy='deepspeed' (fp32 master weights in its optimizer).")
 
 
 def _check_meta(model: nn.Module, cfg: Config) -> bool:
@@ -145,7 +192,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         model: the model, identical on every rank: on the CPU (or any device), or built on the meta device
             (``with torch.device("meta"):``), which is materialized after sharding: each rank allocates only
             what it holds (fsdp, fsdp1; the others allocate the whole model) and fills it from ``pretrained=``
-            or with the model's own initialization.
+            or with the model's own initialization. As built: a model (or any part of one) already wrapped,
+            sharded or FP8-converted, by an engine or by ``wrap_model``, is refused; so are trainable bf16/fp16
+            parameters where nothing keeps fp32 masters of them (every strategy but "deepspeed", unless
+            ``memory="lean"`` or fp8="msamp" owns them): build the model in fp32, fp8dist computes in bf16 anyway.
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed" (returns the DeepSpeed engine);
             None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
@@ -182,11 +232,13 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     meta = _check_meta(model, cfg)
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     engine.check_launch(cfg, launch.world_size)
+    engine.check_model(model, cfg)
     plan = plan_precision(model, cfg, device=device, world_size=launch.world_size,        # 3. plan
                           fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
     backend.check_plan(plan)
     _check_optimizer(optimizer, backend, plan, memory, engine)
+    _check_master_weights(model, cfg, backend, plan.facts, memory)
     _announce(cfg, plan, fp8_filter, fp8_group)
     env = engine.environment(cfg, launch, device)                                         # 4. environment
     check_ranks_agree(model, cfg, plan, env)
@@ -204,6 +256,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     guard = _guard(engine, sharded.model, cfg, env)                                       # 10. guard, record
     setattr(sharded.model, _INFO_ATTR, WrapInfo(cfg, env, plan, sharded.info, wiring, block_wiring,
                                                 sharded.loaded, sharded.materialized, guard))
+    mark_wrapped(sharded.model, cfg.parallel.strategy)
     watch_replaced_parameters(before, sharded.model.parameters(), sharded.model)
     return _result(sharded, optimizer, memory, env)                                      # and the optimizer
 

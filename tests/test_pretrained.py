@@ -168,7 +168,8 @@ def _export_cases(rank: int, world: int, root: str) -> dict:
         same = sorted(set(weights) - aliases) == sorted(trained) and all(
             weights[n].dtype == dtype and torch.equal(weights[n], trained[n].to(dtype)) for n in trained)
         same = same and bool(aliases) == ("tied" in key)
-        rewrapped = fp8dist.wrap_model(reloaded, strategy=strategy, fp8=fp8)
+        # trained on in fp32, as wrap_model asks of a bf16 export (no fp32 master otherwise); computes in bf16 alike
+        rewrapped = fp8dist.wrap_model(reloaded.float(), strategy=strategy, fp8=fp8)
         out[key] = (same, torch.equal(_logits(rewrapped, ids), logits), loaded_dtype)
     return out
 

@@ -89,8 +89,9 @@ def _pretrained_cases(rank: int, world: int, path: str) -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            wrap_model(meta(dtype), strategy="fsdp", pretrained=str(Path(path).parent / "clean"))
-        out[dtype] = [str(w.message) for w in caught if "no fp32 master" in str(w.message)]
+            error = _error(lambda: wrap_model(meta(dtype), strategy="fsdp", pretrained=str(Path(path).parent /
+                                                                                          "clean")))
+        out[dtype] = error, [str(w.message) for w in caught if "no fp32 master" in str(w.message)]
     return out
 
 
@@ -165,9 +166,10 @@ def test_one_rank_failing_alone_fails_every_rank_with_the_same_clear_error(tmp_p
                                f"lm_head.weight: {bad_values:,} of the {128 * 128:,} values read: the file is damaged, "
                                "or the model had diverged when it was saved. Load a copy saved before that, or copy "
                                "the file again.")
-    for result in results:  # a model built in bf16 trains bf16 weights: said once; built in fp32: nothing to say
-        assert len(result[torch.bfloat16]) == 1 and "dtype=torch.float32" in result[torch.bfloat16][0]
-        assert result[torch.float32] == []
+    for result in results:  # a model built in bf16 would train bf16 weights with no master: refused before loading
+        (kind, message), warned = result[torch.bfloat16]
+        assert kind == "ValueError" and "trainable bf16 parameter(s)" in message and "dtype=torch.float32" in message
+        assert warned == [] and result[torch.float32] == (("nothing raised", ""), [])
     (code0, err0), (code1, err1) = results[0]["launched"], results[1]["launched"]
     assert (code0, code1) == (2, 2) and err1 == ""
     assert err0.startswith("fp8dist train: error: replicate_degree=3 does not split world size 2") and \

@@ -27,7 +27,7 @@ from ..axis import Rule, StrategyFacts, When
 from ..hardware import Hardware, hardware_of
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
-           "dims_reason", "linear_reason", "fp8_hardware_reason"]
+           "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
 
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
@@ -70,6 +70,9 @@ class FP8Backend(Protocol):
     such step."""
 
     name: ClassVar[str]
+    package: ClassVar[str | None] = None
+    """The library whose modules the backend swaps in: a module of it in a model given to ``wrap_model`` was
+    converted by hand (:func:`converted_by_hand`)."""
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
@@ -166,6 +169,17 @@ def linear_reason(module: nn.Linear) -> str | None:
     from .linear import plain_linear_reason
 
     return plain_linear_reason(module) or dims_reason(module)
+
+
+def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
+    """The first module of ``model`` whose class comes from an FP8 backend's library (converted before
+    ``wrap_model``, or built from that library's layers): ``(name, backend, class name)``; None: there is none."""
+    packages = {get_backend(name).package: name for name in BACKENDS}
+    for fqn, module in model.named_modules():
+        library = type(module).__module__.partition(".")[0]
+        if library in packages:
+            return fqn, packages[library], type(module).__name__
+    return None
 
 
 def dims_reason(module: nn.Linear) -> str | None:

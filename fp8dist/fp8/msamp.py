@@ -39,6 +39,7 @@ class MSAMPBackend(FP8Backend):
     (``msamp.initialize`` before DDP; under DeepSpeed its own ``msamp.deepspeed.initialize``)."""
 
     name = "msamp"
+    package = "msamp"
     owns_optimizer = True
     options = {"opt_level": ALWAYS}
     rules = _RULES

@@ -152,6 +152,7 @@ _RULES = (
 
 class TEBackend(FP8Backend):
     name = "te"
+    package = "transformer_engine"
     options = {"te_recipe": ALWAYS, "fp8_format": ALWAYS, "use_autocast_during_eval": ALWAYS,
                "torchao_moe_recipe": ALWAYS, **SELECTION_OPTIONS,
                **dict.fromkeys(("margin", "interval", "amax_history_len", "amax_compute_algo",

@@ -59,6 +59,7 @@ def _plain_linear_like(module: nn.Module) -> bool:
 
 class TorchaoBackend(FP8Backend):
     name = "torchao"
+    package = "torchao"
     options = {"keep_first_last_linear": ALWAYS, "torchao_recipe": ALWAYS, "torchao_moe_recipe": ALWAYS,
                "fp8_all_gather": When(facts=("dtensor_shards",)), **SELECTION_OPTIONS}
     rules = _RULES

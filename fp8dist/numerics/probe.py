@@ -56,7 +56,9 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
     Raises:
         ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
-            vocabulary, a wrong shape, no tokens, more tokens than its positions), or no loss to differentiate.
+            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate,
+            a model already wrapped, sharded or FP8-converted (pass it as built), or no layer the plan would
+            run in FP8 (nothing to measure).
         TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
         NotImplementedError: fp8="msamp" (its casts are not modeled).
         FP8UnavailableError: ``target`` has no FP8.
@@ -65,6 +67,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     from ..env import resolve_device
     from ..plan import plan_precision
 
+    _check_as_built(model)
     # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
     cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
     if cfg.precision.fp8 is None:
@@ -80,6 +83,13 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass a function (output, batch) -> scalar loss, or "
                         "leave it out for a model whose output has .loss.")
     batches = checked_batches(model, batches)
+    if not layers:  # a report of 0 layers would read as "every layer is safe"
+        kept = ([f"{plural(n, 'GEMM module')}: {reason}" for reason, n, _ in plan.coverage.kept[:3]]
+                or [f"{e.name}: {e.reason}" for e in list(plan)[:3]] or ["no module holds parameters"])
+        raise ValueError(f"measure_fp8_numerics: fp8={cfg.precision.fp8!r} would run no layer of "
+                         f"{type(model).__name__} in FP8 ({'; '.join(kept)}), so there is "
+                         "nothing to measure. Pass the model whose nn.Linear layers are to train in FP8, as built, "
+                         "or fewer fp8_exclude patterns.")
     runnable = _model_to_run(model, cfg, device)
     sites, handles, modes = attach(runnable, layers)
     tokens = 0
@@ -94,6 +104,23 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                           batches=len(batches),
                           tokens=tokens, layers=tuple(s.layer for s in sites), thresholds=thresholds,
                           notes=tuple(notes))
+
+
+def _check_as_built(model: nn.Module) -> None:
+    """The probe measures the high-precision model as built: a model already wrapped, sharded or FP8-converted
+    (anywhere in it) is refused, naming where, since its layers are not the plan's candidates any more."""
+    from ..fp8 import converted_by_hand
+    from ..strategies.introspect import find_wrapping
+
+    found = find_wrapping(model) if isinstance(model, nn.Module) else None
+    converted = converted_by_hand(model) if isinstance(model, nn.Module) and found is None else None
+    if found is None and converted is None:
+        return
+    what = found.describe(model) if found else \
+        f"{converted[0] or 'the model given'} is already a {converted[2]} (converted by hand)"
+    raise ValueError(f"measure_fp8_numerics: {what}. The probe measures the model as built, in this process: pass it "
+                     "before wrap_model, any engine or FP8 conversion, then hand the report to wrap_model(..., "
+                     "numerics=report); to measure a checkpoint, build the model afresh and pass pretrained=DIR.")
 
 
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:

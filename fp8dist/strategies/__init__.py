@@ -18,6 +18,7 @@ from .fsdp import STRATEGY as _FSDP2
 from .fsdp import apply_fsdp, build_fsdp_policy, fsdp_mesh
 from .fsdp1 import STRATEGY as _FSDP1
 from .fsdp1 import apply_fsdp1, build_fsdp1_policy
+from .introspect import engine_of
 from .single import STRATEGY as _SINGLE
 from .single import apply_single
 
@@ -38,10 +39,7 @@ def get_strategy(name: str) -> Strategy:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside what :func:`fp8dist.wrap_model` returned: the ``.module`` of DDP, FSDP1 and the
     DeepSpeed engine; the model itself under FSDP2 (sharded in place) and strategy "none"."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) or is_deepspeed_engine(model):
+    if engine_of(model) in ("ddp", "fsdp1", "deepspeed"):  # the wrappers (fully_shard shards in place)
         return model.module
     return model
 

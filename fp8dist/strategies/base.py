@@ -2,8 +2,9 @@
 its own module under ``strategies/`` that subclasses :class:`Strategy`, and ``wrap_model`` calls it in one fixed
 order, the same for every strategy:
 
-    facts, rules (the combination table)  ->  check_launch  ->  environment  ->  shard (materializing a meta model
-    where the strategy says)  ->  the model to train, what was done, and the optimizer the engine built (if any)
+    facts, rules (the combination table)  ->  check_launch, check_model  ->  environment  ->  shard (materializing
+    a meta model where the strategy says)  ->  the model to train, what was done, and the optimizer the engine built
+    (if any)
 
 A strategy knows no FP8 backend: a backend that needs its own entry into the engine (MS-AMP under DeepSpeed) hands
 it over as data (:attr:`ShardJob.engine_entry`).
@@ -118,6 +119,10 @@ class Strategy(Protocol):
     def check_launch(self, cfg: Any, world_size: int) -> None:
         """Refuse, before anything changes, a launch this strategy cannot run (HSDP groups that do not divide the
         world, say)."""
+
+    def check_model(self, model: nn.Module, cfg: Any) -> None:
+        """Refuse, before anything changes, a model this strategy cannot shard as it is (FSDP1: a unit whose
+        parameters mix dtypes)."""
 
     def environment(self, cfg: Any, launch: LaunchEnv, device: torch.device) -> DistEnv:
         """The process group, initialized if needed."""

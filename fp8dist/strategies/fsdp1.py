@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from ..axis import ALWAYS, StrategyFacts
-from ..dtypes import torch_dtype
+from ..dtypes import dtype_name, torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
 from .common import block_ties, find_blocks, to_empty
 
@@ -55,6 +55,25 @@ class FSDP1(Strategy):
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
+
+    def check_model(self, model: nn.Module, cfg) -> None:
+        """FSDP1 flattens each unit's parameters into one FlatParameter of one dtype: a unit mixing dtypes (a frozen
+        bf16 embedding beside fp32 layers) would fail inside FSDP1's constructor."""
+        found, _ = find_blocks(model, cfg.parallel.block_classes)
+        seen: set[int] = set()
+        for unit, module in (*found, ("", model)):  # innermost first, the root last: as FSDP1 wraps them
+            first: dict[torch.dtype, str] = {}
+            for name, param in module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    first.setdefault(param.dtype, f"{unit}.{name}" if unit else name)
+            if len(first) > 1:
+                mixed = " and ".join(f"{dtype_name(d)} ({n!r})" for d, n in first.items())
+                where = f"the unit {unit}" if unit else "the root unit (what the blocks leave)"
+                raise ValueError(f"strategy='fsdp1' flattens each unit's parameters into one tensor of one dtype, and "
+                                 f"{where} mixes {mixed}. Cast them "
+                                 "to one dtype (model.float(): fp8dist computes in bf16 anyway), or use "
+                                 "strategy='fsdp', whose per-parameter shards take mixed dtypes.")
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device
