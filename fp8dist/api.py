@@ -14,6 +14,7 @@ from .agree import check_ranks_agree
 from .blocks import BlockWiring, wrap_blocks
 from .config import Config, resolve_config
 from .env import DistEnv, current_launch, resolve_device
+from ._text import plural
 from .dtypes import dtype_name
 from .fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
@@ -121,7 +122,8 @@ def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, fa
     name, dtype = half[0]
     short = dtype_name(dtype)
     raise ValueError(
-        f"wrap_model: {type(model).__name__} has {len(half)} trainable {short} parameter(s) (e.g. {name!r}) and "
+        f"wrap_model: {type(model).__name__} has {plural(len(half), f'trainable {short} parameter')} "
+        f"(e.g. {name!r}) and "
         f"strategy={cfg.parallel.strategy!r} with memory={cfg.parallel.memory!r} keeps no fp32 master weights: the "
         f"optimizer steps them in {short}, where an update smaller than about {torch.finfo(dtype).eps / 2:.0e} of "
         "a weight is lost. Call model.float() before wrap_model, or build it in fp32 (e.g. from_config(config, "

@@ -230,7 +230,7 @@ class _NoLinear(nn.Module):
     (_NoLinear, {}, "fp8='torchao' would run no layer of _NoLinear in FP8 (embed: Embedding is not converted by "
                     "torchao), so there is nothing to measure"),
     (lambda: build_llama("tiny", seed=0), {"fp8_exclude": ["*"]},
-     "fp8='torchao' would run no layer of LlamaForCausalLM in FP8 (15 GEMM module(s): matches fp8_exclude '*')"),
+     "fp8='torchao' would run no layer of LlamaForCausalLM in FP8 (15 GEMM modules: matches fp8_exclude '*')"),
 ], ids=["no Linear", "all excluded"])
 def test_the_probe_refuses_a_model_with_nothing_to_measure(model, options, said):
     with pytest.raises(ValueError) as refused:
@@ -251,7 +251,7 @@ def test_trainable_half_parameters_are_refused_where_nothing_keeps_fp32_masters(
         wrap_model(model, strategy=strategy, fp8=fp8)
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     said = str(refused.value)
-    assert said.startswith(f"wrap_model: LlamaForCausalLM has 21 trainable {short} parameter(s) (e.g. "
+    assert said.startswith(f"wrap_model: LlamaForCausalLM has 21 trainable {short} parameters (e.g. "
                            f"'model.embed_tokens.weight') and strategy={strategy!r} with memory='standard' keeps no "
                            f"fp32 master weights: the optimizer steps them in {short}, where an update smaller than "
                            f"about {'4e-03' if short == 'bf16' else '5e-04'} of a weight is lost."), said
