@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -116,3 +117,13 @@ def conv1d_as_linears(model: nn.Module, names: list[str] | None = None) -> nn.Mo
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, linear)
     return model
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (an autouse import of it does so for a module): the probe's many small
+    GEMMs are several times faster on one thread than on torch's default when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,6 +19,9 @@ import torch
 import fp8dist
 from fp8dist.data import Batches
 from fp8dist.models import build_llama
+from helpers import one_thread  # noqa: F401  (the fixture, for pytestmark)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -32,12 +35,6 @@ GRAD_LIMIT = 10.0
 """The documented limit on the backward GEMMs' SQNR, in dB."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _batch() -> list[torch.Tensor]:

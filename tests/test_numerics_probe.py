@@ -15,6 +15,9 @@ import fp8dist
 from fp8dist.data import Batches
 from fp8dist.models import build_llama
 from fp8dist.numerics.casts import Cast, CastSpec
+from helpers import one_thread  # noqa: F401  (the fixture, for pytestmark)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -22,13 +25,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BAD = "model.layers.1.mlp.down_proj"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Several agents share two cores: one thread is several times faster than torch's default here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _batches(n: int = 1, batch: int = 4, seq: int = 64) -> list[torch.Tensor]:
