@@ -7,6 +7,17 @@ import pytest
 # Spawned ranks import test modules by name: make the tests folder importable for them as well.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Every process the suite starts (ranks, the CLI, examples, launchers) loads tests/site/sitecustomize.py, which turns
+# oneDNN off on a CPU whose oneDNN has only its reference FP8 GEMM (AMX hosts: ~600x slower, same bits; its
+# docstring has the figures); this process applies it too. Elsewhere it changes nothing.
+_SITE = Path(__file__).parent / "site"
+os.environ["PYTHONPATH"] = os.pathsep.join([str(_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+sys.path.insert(0, str(_SITE))
+import sitecustomize as _host_kernels  # noqa: E402  (installs its import hook when torch is not imported yet)
+
+if _host_kernels._has_amx() and "torch" in sys.modules:
+    sys.modules["torch"].backends.mkldnn.enabled = False
+
 # Python writes the bytecode of the modules the tests import, once, for every later process to read: the install
 # (README, CI) runs pip with --no-compile, and byte-compiling every installed file up front cost ~31 s of CI for the
 # few thousand of ~12,700 files the suite imports. With PYTHONDONTWRITEBYTECODE set (some shells and containers do),
