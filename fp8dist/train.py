@@ -32,7 +32,8 @@ from .checkpoint.save_load import load_checkpoint, save_checkpoint
 from .config import Config
 from .data import check_batch_split
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
-from .env import current_launch, init_distributed, local_world_size, peak_memory_mib
+from .env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
+                  runs_on_cpu)
 from .grads import clip_grad_norm_, no_sync
 from .strategies.deepspeed import is_deepspeed_engine
 from .agree import on_all_ranks
@@ -275,6 +276,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     save_to, resume_from = check_checkpoint_dir(train)  # a step folder named: resumed from, saved beside
     train = replace(train, checkpoint_dir=None if save_to is None else str(save_to))
     check_outputs(train)
+    kernels = aten_cpu_fp8_gemms() if config.precision.fp8 and runs_on_cpu(config.parallel.device) else None
     corpus = _load_corpus(config, train)
     model_config, name = job_model_config(config, train, corpus)
     check_positions(model_config, name, config, train, current_launch().world_size)
@@ -297,7 +299,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
                          world_size=env.world_size, eval_batches=train.eval_batches)
     leader = env.rank == 0
     if leader:
-        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), batches.describe()])))
+        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
+                                     batches.describe()])))
         if config.precision.fp8:
             log(str(get_wrap_info(wrapped).plan))
     first, applied = _resume(train, resume_from, wrapped, optimizer, batches, log if leader else None)

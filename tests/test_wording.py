@@ -4,6 +4,8 @@ and the package's license metadata is in the form setuptools no longer deprecate
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -92,3 +94,20 @@ def test_the_package_metadata_names_its_license_as_an_spdx_expression(tmp_path: 
     metadata = (tmp_path / done.stdout.split()[-1] / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
     assert "Warning" not in done.stderr and "deprecated" not in done.stderr, done.stderr
+
+
+def test_fp8_on_an_amx_cpu_runs_atens_gemm_and_says_so() -> None:
+    """fp8dist train turns oneDNN off where its FP8 GEMM is the reference kernel (an AMX CPU) and says so in one
+    line; elsewhere nothing changes. Run in a process without the suite's own switch (tests/site)."""
+    code = ("import torch, json; from fp8dist.env import aten_cpu_fp8_gemms; "
+            "line = aten_cpu_fp8_gemms(); print(json.dumps([line, torch.backends.mkldnn.enabled]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    line, enabled = json.loads(done.stdout.splitlines()[-1])
+    flags = next((set(row.split()) for row in Path("/proc/cpuinfo").read_text().splitlines()
+                  if row.startswith("flags")), set())
+    if flags & {"amx_int8", "amx_fp16"}:
+        assert line.startswith("cpu: oneDNN off for this process") and enabled is False
+    else:
+        assert line is None and enabled is True
