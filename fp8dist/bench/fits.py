@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..combine import refusal_of
-from ..memory.fit import MEMORY_FRACTION as _MEMORY_FRACTION
+from ..memory.fit import MEMORY_FRACTION as _MEMORY_FRACTION, budget, device_bytes
 from .cell import Cell
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
@@ -28,7 +28,7 @@ def gpu_budget(nproc: int) -> int:
     import torch
 
     total = min(torch.cuda.get_device_properties(i).total_memory for i in range(max(1, nproc)))
-    return int(MEMORY_FRACTION * total)
+    return budget(total)
 
 
 def _world(cell: Cell, nproc: int) -> int:
@@ -46,8 +46,8 @@ def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
                           activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
                           world_size=_world(cell, nproc), micro_batch_size=cell.batch_size, seq_len=cell.seq_len,
                           **options)
-    states = est.model_state_bytes - sum(est.bytes[c] for c in est.offloaded)  # offloaded: in host memory
     acts = est.activation_bytes if est.activations_modelled else 0
+    states = device_bytes(est) - acts  # offloaded states are in host memory
     tokens = f"{cell.batch_size} x {cell.seq_len} tokens"
     if cell.wiring == "vs-raw":
         second = states - est.bytes["gradients"]
