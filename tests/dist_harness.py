@@ -58,6 +58,9 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{work / 'rendezvous'}", rank=rank,
                                 world_size=world_size)
+        # every rank's connections made before any rank may leave: a rank that skipped at once exited while its
+        # peer was still connecting, and the peer failed in gloo's connectFullMesh ("Connection closed by peer")
+        dist.barrier()
         result = fn(rank, world_size, *args)
         with open(work / f"result.{rank}", "wb") as f:
             pickle.dump(result, f)
