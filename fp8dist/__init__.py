@@ -4,19 +4,21 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
-from ._version import __version__
-from .api import WrapInfo, get_plan, get_wrap_info, wrap_model
+__version__ = "0.1.0"
+"""The package version: the one place it is written (pyproject.toml reads it from here)."""
+
+from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint.hf import save_pretrained
-from .config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from .env import DistEnv, init_distributed, shutdown
-from .grads import clip_grad_norm_, no_sync
-from .plan import PlanEntry, PrecisionPlan, plan_precision
-from .memory import MemoryEstimate, PrecisionReport, estimate_memory, report
-from .metrics import MetricsWriter, TrainingFigures
-from .numerics import NumericsReport, measure_fp8_numerics
-from .sharding import sharding_summary
-from .speed import predict_fp8_speedup
+from .config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
+from .pipeline.env import DistEnv, init_distributed, shutdown
+from .pipeline.grads import clip_grad_norm_, no_sync
+from .plan.precision import PlanEntry, PrecisionPlan, plan_precision
+from .accounting import MemoryEstimate, PrecisionReport, estimate_memory, report
+from .train.metrics import MetricsWriter, TrainingFigures
+from .plan.numerics import NumericsReport, measure_fp8_numerics
+from .accounting.sharding import sharding_summary
+from .plan.speed import predict_fp8_speedup
 from .strategies import unwrap_model
 
 

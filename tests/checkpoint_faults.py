@@ -16,7 +16,7 @@ import time
 import torch.distributed as dist
 
 import fp8dist.checkpoint.save_load as save_load
-import fp8dist.train as train
+import fp8dist.train.job as train
 from fp8dist.cli import main
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8dist.data import Batches
+from fp8dist.train.data import Batches
 
 STEPS = 4
 BATCH = 4  # global
@@ -19,7 +19,7 @@ SEQ = 64
 def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
                  autocast_dtype: torch.dtype | None = None, lr: float = 1e-3,
                  after_step: Callable[[], None] | None = None) -> list[float]:
-    """Per-step losses of this rank: AdamW built after wrapping, byte batches from fp8dist.data.
+    """Per-step losses of this rank: AdamW built after wrapping, byte batches from fp8dist.train.data.
     ``after_step`` runs after each optimizer step (what a hand-wired script must remember to call)."""
     batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -14,7 +14,7 @@ import torchao.float8  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401  (the lazy top-level names build_llama uses)
 
 import fp8dist  # noqa: F401
-import fp8dist.models  # noqa: F401
+import fp8dist.train.models  # noqa: F401
 
 if importlib.util.find_spec("deepspeed") is not None:
     import deepspeed  # noqa: F401

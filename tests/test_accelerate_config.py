@@ -1,4 +1,4 @@
-"""Files written by ``accelerate config`` load as they are (fp8dist/accelerate_config.py): every key with an
+"""Files written by ``accelerate config`` load as they are (fp8dist/config/accelerate.py): every key with an
 fp8dist equivalent is translated, the launcher's keys are named in one warning, anything else is an error naming
 the key, the value and the way out.
 
@@ -18,7 +18,7 @@ import yaml
 
 from fp8dist import Config, FP8Config, StrategyConfig, get_wrap_info, resolve_config, wrap_model
 from fp8dist.cli import main
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 # single machine, FSDP2, torchao FP8 with FP8 all-gather; blocks from _no_split_modules (no class list)
 FSDP2_AO = """\
@@ -522,7 +522,7 @@ def test_accelerate_written_zero3_init_is_honoured_by_building_on_meta(tmp_path)
 def test_every_target_is_an_option_and_every_option_is_mapped_or_listed_as_not_in_accelerate():
     """A new fp8dist option fails here until an Accelerate key maps to it or NO_ACCELERATE_KEY says why none does
     (the translator once refused dynamo_config, activation checkpointing and HSDP after fp8dist had all three)."""
-    from fp8dist.accelerate_config import NO_ACCELERATE_KEY, targets
+    from fp8dist.config.accelerate import NO_ACCELERATE_KEY, targets
 
     options = set(Config().to_dict())
     assert targets() <= options
@@ -532,8 +532,8 @@ def test_every_target_is_an_option_and_every_option_is_mapped_or_listed_as_not_i
 
 def test_every_value_the_tables_set_is_valid_for_its_option():
     """Each value a table writes into an option is one the option's own type takes (its schema decides)."""
-    import fp8dist.accelerate_keys as translator
-    from fp8dist.accelerate_config import _normalized
+    import fp8dist.config.accelerate_keys as translator
+    from fp8dist.config.accelerate import _normalized
 
     checked = 0
     for table in (translator._TOP, translator._FSDP, translator._DEEPSPEED, translator._FP8, translator._DYNAMO):

@@ -22,14 +22,14 @@ from torch import nn
 from fp8dist import (estimate_memory, get_plan, load_checkpoint, no_sync, report, resolve_config, save_checkpoint,
                      save_pretrained, wrap_model)
 from fp8dist.cli import main
-from fp8dist.data import Batches
-from fp8dist.env import LaunchError, detect_launch_env, resolve_device
-from fp8dist.models import build_llama, pretrained_config
-from fp8dist.pretrained import PretrainedError, SafetensorsDir
-from fp8dist.rendezvous import rendezvous_timeout
-from fp8dist.optim import build_optimizer
-from fp8dist.plan import FP8UnavailableError
-from fp8dist.train import TrainConfig
+from fp8dist.train.data import Batches
+from fp8dist.pipeline.env import LaunchError, detect_launch_env, resolve_device
+from fp8dist.train.models import build_llama, pretrained_config
+from fp8dist.pipeline.pretrained import PretrainedError, SafetensorsDir
+from fp8dist.pipeline.rendezvous import rendezvous_timeout
+from fp8dist.pipeline.optim import build_optimizer
+from fp8dist.plan.precision import FP8UnavailableError
+from fp8dist.train.job import TrainConfig
 
 
 @dataclass(frozen=True)

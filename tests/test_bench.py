@@ -16,7 +16,7 @@ import torch.distributed as dist
 from cli_helpers import run
 from dist_harness import run_ranks
 from fp8dist.cli import main
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 STEPS = 5
 SEQ = 32  # what the tests read (files, figures, twins, schedules) does not need the CPU default's 128 tokens
@@ -318,7 +318,7 @@ def test_lr_schedules_rise_then_decay_toward_a_tenth():
     """One schedule for fp8dist train and fp8dist bench: constant, or a linear warm-up over the first 10% of the
     steps to the peak, then a cosine decay that passes half-way (0.55) at the middle of the decay and ends a step
     short of a tenth."""
-    from fp8dist.schedule import lr_schedule
+    from fp8dist.train.schedule import lr_schedule
 
     assert [lr_schedule("constant", 100)(s) for s in range(100)] == [1.0] * 100
     f = [lr_schedule("cosine", 100)(s) for s in range(101)]
@@ -334,7 +334,7 @@ H100_USABLE = 78 * 2**30
 
 
 def _meta_llama(size: str):
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     with torch.device("meta"):
         return build_llama(size)
@@ -343,8 +343,8 @@ def _meta_llama(size: str):
 def _llama_params(size: str) -> int:
     """Parameters of a preset from its widths: untied embedding and output over the byte vocabulary, the final norm,
     and per layer two norms, q/o (hidden^2), k/v (hidden x kv_heads x head_dim) and the gated MLP (3 matrices)."""
-    from fp8dist.data import VOCAB_SIZE
-    from fp8dist.models import LLAMA_SIZES
+    from fp8dist.train.data import VOCAB_SIZE
+    from fp8dist.train.models import LLAMA_SIZES
 
     hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
     per_layer = 2 * hidden + 2 * hidden * hidden + 2 * hidden * kv * (hidden // heads) + 3 * hidden * inter
@@ -352,7 +352,7 @@ def _llama_params(size: str) -> int:
 
 
 def test_3b_preset_is_llama_3_2_3b_widths_over_the_byte_vocabulary():
-    from fp8dist.models import LLAMA_SIZES
+    from fp8dist.train.models import LLAMA_SIZES
 
     assert LLAMA_SIZES["3b"] == (3072, 8192, 28, 24, 8)  # Llama 3.2 3B's hidden, MLP, layers, heads, kv heads
     n = sum(p.numel() for p in _meta_llama("3b").parameters())
@@ -367,7 +367,7 @@ def test_3b_with_full_checkpointing_fits_one_h100_at_the_bench_gpu_batch(fp8):
     bytes/parameter) plus activations, within what an 80 GB H100 leaves, with the bench's margin to spare."""
     from fp8dist.bench.fits import MEMORY_FRACTION
     from fp8dist.bench.runner import DEFAULTS
-    from fp8dist.memory import estimate_memory
+    from fp8dist.accounting import estimate_memory
 
     strategies, _, _, _, batch, seq = DEFAULTS["cuda"]
     model, n = _meta_llama("3b"), _llama_params("3b")
@@ -390,7 +390,7 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     from fp8dist.bench.cell import TIMING_WARMUP
     from fp8dist.bench.fits import MEMORY_FRACTION, check_memory
     from fp8dist.bench.runner import DEFAULTS, plan_cells, resolve_settings
-    from fp8dist.data import make_corpus
+    from fp8dist.train.data import make_corpus
 
     _, _, _, steps, batch, seq = DEFAULTS["cuda"]
     assert steps >= TIMING_WARMUP + 2 and seq < len(make_corpus())
@@ -448,7 +448,7 @@ def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp
     assert cell_config(cells[1]).precision.torchao_recipe == "rowwise"
     assert "data: 1 file, 120 documents" in check_text(settings)  # tokenized here, once
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.env.share_cpu_threads)
+    torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.pipeline.env.share_cpu_threads)
     try:
         with warnings.catch_warnings():
             results = [run_cell(cell) for cell in cells]

@@ -1,4 +1,4 @@
-"""Activation checkpointing and compile per block (fp8dist/blocks.py): what autograd keeps really drops, by the
+"""Activation checkpointing and compile per block (fp8dist/pipeline/blocks.py): what autograd keeps really drops, by the
 amount the mode promises; compile really compiles without graph breaks and trains exactly as the same wiring
 written by hand (convert -> checkpoint_wrapper -> torch.compile -> fully_shard) on 2 gloo ranks; state-dict keys do
 not change; impossible combinations are errors naming the way out."""
@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fp8dist
-from fp8dist.blocks import SAVED_BY_SELECTIVE
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.pipeline.blocks import SAVED_BY_SELECTIVE
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 from dist_harness import run_ranks
 from helpers import BATCH as TRAIN_BATCH
@@ -104,7 +104,7 @@ def test_the_estimate_counts_what_checkpointing_keeps():
     """fp8dist.estimate_memory on the meta device against the bytes measured above: what the forward keeps
     (the recompute of backward is a separate item, not held after the forward)."""
     from fp8dist import estimate_memory
-    from fp8dist.memory.estimate_activations import RECOMPUTE_ITEM
+    from fp8dist.accounting.estimate_activations import RECOMPUTE_ITEM
 
     for mode in ("none", "full"):
         tracker, out, blocks = _forward(mode)
@@ -184,7 +184,7 @@ def _parity_case(rank: int, world: int) -> dict:
     out["plain_ours"] = train_losses(plain, rank, world)
     out["plain_ref"] = train_losses(_hand_wired_fsdp2_ac_compile(copy.deepcopy(base), world, fp8=False), rank, world)
     # checkpointing changes no number in the engines that keep the parameters (and FSDP2 without FP8); the
-    # selective policy is the same block wrapper as full with another policy (fp8dist.blocks), so it runs under
+    # selective policy is the same block wrapper as full with another policy (fp8dist.pipeline.blocks), so it runs under
     # FSDP2 and ZeRO-3 only, full under each engine (its wrappers sit inside FSDP1's units and DDP's module)
     for strategy, modes in (("fsdp", ("none", "full", "selective")), ("fsdp1", ("none", "full")),
                             ("ddp", ("none", "full"))):
@@ -372,12 +372,12 @@ def _bias_grads(options: dict | None) -> list[torch.Tensor]:
 @pytest.mark.xfail(strict=True, raises=InductorError,
                    reason="pytorch/pytorch#194706: inductor's CPU bf16 codegen declares 'auto "
                           "at_BFloat16_tmp_acc0_vec' twice; an XPASS means torch fixed it and "
-                          "fp8dist.blocks.COMPILE_OPTIONS can go")
+                          "fp8dist.pipeline.blocks.COMPILE_OPTIONS can go")
 def test_inductor_compiles_two_summed_biased_linears_in_bf16_on_cpu():
     """No fp8dist in it. First fp8dist's workaround (a block with a biased GEMM is compiled with COMPILE_OPTIONS):
     the bias gradients equal eager's; then torch's defaults, which fail to compile the backward (the expected
     failure)."""
-    from fp8dist.blocks import COMPILE_OPTIONS, has_biased_gemm
+    from fp8dist.pipeline.blocks import COMPILE_OPTIONS, has_biased_gemm
 
     assert has_biased_gemm(_ParallelResidual()) and not has_biased_gemm(build_llama().model.layers[0])
     eager = _bias_grads(None)

@@ -14,10 +14,10 @@ from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
-from fp8dist.data import Batches
+from fp8dist.train.data import Batches
 from fp8dist.checkpoint import latest_checkpoint
 from fp8dist.checkpoint.manifest import file_checksum
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 N = 3  # steps before the checkpoint, and after it
 FP8 = (None, "torchao")
@@ -350,7 +350,7 @@ def test_extra_state_into_a_model_without_it_is_refused_unless_dropped(tmp_path,
     (dict(checkpoint_dir="d", keep_last=-1), "keep_last=-1 must be 0 .keep all. or more"),
 ])
 def test_train_checkpoint_options_are_checked(options, message):
-    from fp8dist.train import TrainConfig
+    from fp8dist.train.job import TrainConfig
 
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)

@@ -19,8 +19,8 @@ from helpers import BATCH, SEQ
 from standin import use_standins
 
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 N = 3  # steps before the checkpoint
 AFTER = 2  # steps after it on each side: the loss of the loaded weights, then after a step with the loaded optimizer

@@ -20,8 +20,8 @@ from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 N = 2  # steps before the checkpoint, and after it
 LR = 1e-3

@@ -16,11 +16,11 @@ import pytest
 import torch
 from cli_helpers import ROOT, run
 
-import fp8dist._files as files
+import fp8dist.pipeline.files as files
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
 from fp8dist.checkpoint import latest_checkpoint
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 FAULTS = str(Path(__file__).parent / "checkpoint_faults.py")
 

@@ -15,9 +15,9 @@ import torch
 
 from fp8dist import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, wrap_model
 from fp8dist.cli import main
-from fp8dist.models import build_llama
-from fp8dist.train_checks import check_checkpoint_dir
-from fp8dist.train_config import TrainConfig
+from fp8dist.train.models import build_llama
+from fp8dist.train.checks import check_checkpoint_dir
+from fp8dist.train.config import TrainConfig
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""The one table of what combines (fp8dist/combine.py): each rule is owned by the axis that imposes it, and every
+"""The one table of what combines (fp8dist/config/rules.py): each rule is owned by the axis that imposes it, and every
 consumer -- wrap_model, the CLI, the estimate, the bench's cells and the Accelerate translator -- refuses a
 combination with the same words, derived from the table (the way out included), before anything changes."""
 
@@ -9,11 +9,11 @@ import warnings
 import pytest
 
 import fp8dist
-from fp8dist import combine
+from fp8dist.config import rules as combine
 from fp8dist.cli import main
 from fp8dist.fp8 import BACKENDS, get_backend
-from fp8dist.levels import LEVELS
-from fp8dist.models import build_llama
+from fp8dist.memory_levels import LEVELS
+from fp8dist.train.models import build_llama
 from fp8dist.strategies import STRATEGIES
 
 # (options, the same run as a file written by accelerate config)
@@ -117,7 +117,7 @@ def test_backends_never_read_the_strategys_name():
     strategy's facts (plan.facts) alone."""
     from types import SimpleNamespace
 
-    from fp8dist.hardware import Hardware
+    from fp8dist.plan.hardware import Hardware
 
     class Guarded(SimpleNamespace):
         def __getattribute__(self, name):

@@ -10,7 +10,7 @@ import torch
 import fp8dist
 from fp8dist import Config, FP8Config, StrategyConfig, resolve_config, wrap_model
 from fp8dist.cli import main
-from fp8dist.train import TrainConfig
+from fp8dist.train.job import TrainConfig
 
 
 def test_defaults_are_bf16_params_fp32_reduce_fp32_buffers_fsdp2():

@@ -1,4 +1,4 @@
-"""Every file a user configures fp8dist with is read by one strict reader (fp8dist.config_files): a key given twice
+"""Every file a user configures fp8dist with is read by one strict reader (fp8dist.config.files): a key given twice
 in one mapping -- which JSON and PyYAML let win silently, the last one -- is an error naming the key and the file,
 before anything changes; on the command line one line and exit 2."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fp8dist import cli, resolve_config, wrap_model
-from fp8dist.models import build_llama, read_model_config
+from fp8dist.train.models import build_llama, read_model_config
 
 LLAMA = '"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, ' \
         '"num_hidden_layers": 1, "num_attention_heads": 2'
@@ -47,7 +47,7 @@ def test_yaml_merge_keys_still_merge(tmp_path):
     path = tmp_path / "merge.yaml"
     path.write_text("strategy: fsdp\nfp8: &fp8 none\nparam_dtype: bf16\n")
     assert resolve_config(path).parallel.strategy == "fsdp"
-    from fp8dist.config_files import read_config_text
+    from fp8dist.config.files import read_config_text
 
     path.write_text("base: &b {fsdp_version: 2}\nfsdp_config:\n  <<: *b\n  fsdp_version: 1\n")
     assert read_config_text(path) == {"base": {"fsdp_version": 2}, "fsdp_config": {"fsdp_version": 1}}

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from fp8dist.data import TextBatches, check_vocab_fits, load_text_corpus, train_tokenizer
-from fp8dist.data import cache as cache_module
-from fp8dist.data import sources
+from fp8dist.train.data import TextBatches, check_vocab_fits, load_text_corpus, train_tokenizer
+from fp8dist.train.data import cache as cache_module
+from fp8dist.train.data import sources
 from text_corpus import write_text_corpus
 
 

@@ -14,7 +14,7 @@ from helpers import BATCH, engine_losses, first_last_filter
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
 
 from fp8dist import wrap_model  # noqa: E402
-from fp8dist.models import build_llama  # noqa: E402
+from fp8dist.train.models import build_llama  # noqa: E402
 from fp8dist.strategies.deepspeed import (  # noqa: E402
     merge_user_config, torch_adam_on_cpu, validate_with_deepspeed, zero_config)
 

@@ -215,7 +215,7 @@ def _family_model(model_type: str, **extra) -> torch.nn.Module:
 
 def _estimated_over_saved(model: torch.nn.Module, strategy: str) -> float:
     """FSDP computes with bf16 weights and no autocast; DDP with fp32 weights under bf16 autocast."""
-    from fp8dist.memory.estimate_activations import ROOT_WEIGHTS_ITEM
+    from fp8dist.accounting.estimate_activations import ROOT_WEIGHTS_ITEM
 
     ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     bf16 = strategy in ("fsdp", "fsdp1", "deepspeed")
@@ -274,7 +274,7 @@ def test_dropout_masks_count_every_dropped_element():
 def test_activation_table_is_what_each_function_saves():
     from transformers.activations import ACT2FN
 
-    from fp8dist.memory.activation_families import ACTIVATION_SAVES
+    from fp8dist.accounting.activation_families import ACTIVATION_SAVES
 
     for name, count in ACTIVATION_SAVES.items():
         x = torch.randn(16, 8, requires_grad=True)

@@ -1,4 +1,4 @@
-"""fp8dist estimate with a target GPU says whether a rank fits its memory (the capacity from fp8dist.gpus), and
+"""fp8dist estimate with a target GPU says whether a rank fits its memory (the capacity from fp8dist.plan.gpus), and
 when it does not, the ways out -- more ranks, activation checkpointing, the lean level, ZeRO-3 offload, and
 activation checkpointing with each -- each with the figure the estimate itself computes for it. And the estimate
 says each thing it was given that the chosen strategy / backend / level does not read (issue 40, items 11, 13)."""
@@ -13,11 +13,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8dist import cli, estimate_memory
-from fp8dist.gpus import gpu_by_key
-from fp8dist.memory.fit import device_bytes
+from fp8dist.plan.gpus import gpu_by_key
+from fp8dist.accounting.fit import device_bytes
 
 H100 = 80 * 2**30
-PLAN = int(0.9 * H100)  # what a rank may plan on: fp8dist.memory.fit.MEMORY_FRACTION of it
+PLAN = int(0.9 * H100)  # what a rank may plan on: fp8dist.accounting.fit.MEMORY_FRACTION of it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def _rerun(model, way, **given):
 
 def test_gpu_memory_is_in_the_one_gpu_table_and_the_bench_plans_on_the_same_share():
     from fp8dist.bench.fits import MEMORY_FRACTION
-    from fp8dist.memory import fit
+    from fp8dist.accounting import fit
 
     assert gpu_by_key("h100").memory_gib == 80 and gpu_by_key("h200").memory_gib == 141
     assert MEMORY_FRACTION is fit.MEMORY_FRACTION == 0.9

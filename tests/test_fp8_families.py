@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8dist
-from fp8dist.plan import MIN_FP8_SHARE
+from fp8dist.plan.precision import MIN_FP8_SHARE
 from helpers import conv1d_as_linears
 
 pytest.importorskip("torchao", reason="torchao is not installed")
@@ -46,7 +46,7 @@ def test_nothing_converted_warns_once_with_the_numbers_and_reasons():
 
 
 def test_a_well_covered_model_does_not_warn_and_the_plan_shows_the_shares():
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -556,7 +556,7 @@ def test_the_training_job_trains_a_familys_config(family, tmp_path):
     the CLI's ranks run the same function)."""
     import json
 
-    from fp8dist.train import TrainConfig, run_training
+    from fp8dist.train.job import TrainConfig, run_training
 
     fields, _ = FAMILY_CONFIGS[family]
     path = tmp_path / "config.json"

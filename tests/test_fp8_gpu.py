@@ -9,8 +9,8 @@ import pytest
 import torch
 from dist_harness import run_ranks
 
-from fp8dist.config import resolve_config
-from fp8dist.train import TrainConfig, run_training
+from fp8dist.config.resolve import resolve_config
+from fp8dist.train.job import TrainConfig, run_training
 
 pytestmark = pytest.mark.gpu
 
@@ -64,8 +64,8 @@ def _te_amax_case(rank: int, world: int) -> list[torch.Tensor]:
     import transformer_engine.pytorch as te
 
     from fp8dist import wrap_model
-    from fp8dist.data import Batches
-    from fp8dist.models import build_llama
+    from fp8dist.train.data import Batches
+    from fp8dist.train.models import build_llama
 
     model = wrap_model(build_llama("small", seed=0), strategy="ddp", fp8="te", **ALL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -100,7 +100,7 @@ def test_msamp_real_fp8_trains():
 
 def _te_resume_case(rank: int, world: int, root: str) -> dict:
     import fp8dist
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
     from helpers import optimizer_losses
 
     model = fp8dist.wrap_model(build_llama("small", seed=0), strategy="fsdp", fp8="te", **ALL)
@@ -164,8 +164,8 @@ def test_mixtral_experts_fp8_rowwise_grouped_gemms_track_bf16():
 def test_lean_memory_uses_adamwfp8_on_an_fp8_gpu():
     """memory='lean' on sm_89+: torchao's AdamWFp8 (e4m3 states), as fp8dist.report reads them, and it trains."""
     import fp8dist
-    from fp8dist.data import Batches
-    from fp8dist.models import build_llama
+    from fp8dist.train.data import Batches
+    from fp8dist.train.models import build_llama
 
     model, opt = fp8dist.wrap_model(build_llama("small", seed=0), fp8="torchao", memory="lean", **ALL,
                                     optimizer={"type": "AdamW", "lr": 1e-3})
@@ -192,7 +192,7 @@ def test_a_plan_for_this_gpus_target_equals_the_plan_made_on_it():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     import fp8dist
-    from fp8dist.hardware import find_gpu, hardware_of, parse_target
+    from fp8dist.plan.hardware import find_gpu, hardware_of, parse_target
 
     config = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -250,8 +250,8 @@ def test_speed_model_predicts_the_measured_linear_speedup_on_this_gpu(recipe):
     """The speed model's figure for this GPU (calibrated on the H100 rowwise table; other GPUs and tensorwise are
     datasheet-scaled predictions) against a measurement here of the quantity the table measures. Within
     SPEED_TOLERANCE per shape, and on the same side of 1 wherever the prediction is outside 0.9-1.1."""
-    from fp8dist.hardware import find_gpu, hardware_of
-    from fp8dist.speed.calibration import rig_speedup
+    from fp8dist.plan.hardware import find_gpu, hardware_of
+    from fp8dist.plan.speed.calibration import rig_speedup
 
     lookup = find_gpu(hardware_of(torch.device("cuda", 0)))
     if lookup.spec is None:

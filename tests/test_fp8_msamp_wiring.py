@@ -12,9 +12,9 @@ from standin import drop_standins, use_standins
 from torch import nn
 
 from fp8dist import get_plan, wrap_model
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
-from fp8dist.plan import FP8UnavailableError
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
+from fp8dist.plan.precision import FP8UnavailableError
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from torch import nn
 
 import fp8dist
 from fp8dist import get_plan, wrap_model
-from fp8dist.models import build_llama
-from fp8dist.plan import FP8UnavailableError
+from fp8dist.train.models import build_llama
+from fp8dist.plan.precision import FP8UnavailableError
 
 
 @pytest.fixture
@@ -339,7 +339,7 @@ def _te_mixtral_case(rank: int, world: int) -> dict:
 
 def _report_after_step(model, rank, world):
     """fp8dist.report after one more step."""
-    from fp8dist.data import Batches
+    from fp8dist.train.data import Batches
     from helpers import SEQ
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -18,7 +18,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 from fp8dist import get_plan, wrap_model  # noqa: E402
-from fp8dist.models import build_llama  # noqa: E402
+from fp8dist.train.models import build_llama  # noqa: E402
 
 
 def _float8_names(model: torch.nn.Module) -> list[str]:
@@ -124,8 +124,8 @@ def test_torchao_single_process_matches_hand_wired():
 
 
 def _fp8_vs_bf16_case(rank: int, world: int) -> dict:
-    from fp8dist.config import resolve_config
-    from fp8dist.train import TrainConfig, run_training
+    from fp8dist.config.resolve import resolve_config
+    from fp8dist.train.job import TrainConfig, run_training
 
     job = TrainConfig(steps=30, seq_len=64)
     quiet = lambda line: None  # noqa: E731

@@ -14,8 +14,8 @@ from dist_harness import run_ranks
 
 import fp8dist
 from fp8dist.bench.comm import CommCounter
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 STRATEGIES = ("fsdp", "fsdp1", "ddp", "none")
 MICRO = 4

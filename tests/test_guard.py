@@ -1,4 +1,4 @@
-"""A non-finite step never reaches the weights (fp8dist/guard.py): one batch whose forward makes an inf, on 2 gloo
+"""A non-finite step never reaches the weights (fp8dist/pipeline/guard.py): one batch whose forward makes an inf, on 2 gloo
 ranks. Under fsdp + torchao, fsdp1, ddp and none the step is skipped on every rank (under "none" the other rank's
 gradients were finite: the ranks agree through one reduction), its weights and optimizer state are bit-identical to
 before it, and the losses after it equal those of a run that never saw that batch; the skip is warned about and
@@ -63,9 +63,9 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _cases(rank: int, world: int) -> dict:
     import fp8dist
-    from fp8dist.data import Batches
-    from fp8dist.guard import NonFiniteStepsError
-    from fp8dist.models import build_llama
+    from fp8dist.train.data import Batches
+    from fp8dist.pipeline.guard import NonFiniteStepsError
+    from fp8dist.train.models import build_llama
 
     data = Batches(batch_size=2 * world, seq_len=32, rank=rank, world_size=world, seed=0)
     batches = [(i, data[i]) for i in range(N)]
@@ -141,8 +141,8 @@ def test_deepspeeds_own_check_skips_and_fp8dist_counts_it(results):
 
 def test_error_mode_raises_before_anything_changes():
     import fp8dist
-    from fp8dist.guard import NonFiniteStepsError
-    from fp8dist.models import build_llama
+    from fp8dist.pipeline.guard import NonFiniteStepsError
+    from fp8dist.train.models import build_llama
 
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", nonfinite_step="error")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -164,8 +164,8 @@ def test_fp8_health_is_sampled_after_the_steps_of_the_users_own_optimizer(tmp_pa
     import json
 
     import fp8dist
-    from fp8dist.models import build_llama
-    from fp8dist.numerics import FP8Telemetry
+    from fp8dist.train.models import build_llama
+    from fp8dist.plan.numerics import FP8Telemetry
 
     path = tmp_path / "health.jsonl"
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")

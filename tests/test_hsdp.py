@@ -11,8 +11,8 @@ import torch
 
 import fp8dist
 from dist_harness import run_ranks
-from fp8dist.memory.estimate_activations import ROOT_WEIGHTS_ITEM
-from fp8dist.models import build_llama
+from fp8dist.accounting.estimate_activations import ROOT_WEIGHTS_ITEM
+from fp8dist.train.models import build_llama
 from fp8dist.strategies.fsdp import RootUnit, root_units
 from helpers import first_last_filter, train_losses
 
@@ -92,7 +92,7 @@ def _kept_after_forward(model) -> int:
 
 
 def _root_case(rank: int, world: int) -> dict:
-    from fp8dist.data import Batches
+    from fp8dist.train.data import Batches
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -113,12 +113,12 @@ def test_the_graph_reads_real_imports():
     """The reader sees what is there: known edges, module-level and lazy, and the package ``__init__`` an import
     runs, are found (so an empty answer below means no such import, not a blind reader)."""
     graph = _graph()
-    assert "fp8dist.memory.rows" in graph["fp8dist.memory.precision_report"]  # module level, relative
-    assert "fp8dist.strategies.introspect" in graph["fp8dist.memory.row_dtypes"]  # inside a function
+    assert "fp8dist.accounting.rows" in graph["fp8dist.accounting.precision_report"]  # module level, relative
+    assert "fp8dist.strategies.introspect" in graph["fp8dist.accounting.row_dtypes"]  # inside a function
     assert "fp8dist.cli.common" in graph["fp8dist.cli.train"]
-    assert {"fp8dist.checkpoint", "fp8dist.memory"} <= graph["fp8dist"]
+    assert {"fp8dist.checkpoint", "fp8dist.accounting"} <= graph["fp8dist"]
     # importing fp8dist.strategies.local_shards runs fp8dist/strategies/__init__.py first
-    assert {"fp8dist.strategies.local_shards", "fp8dist.strategies"} <= graph["fp8dist.meta_init"]
+    assert {"fp8dist.strategies.local_shards", "fp8dist.strategies"} <= graph["fp8dist.pipeline.meta_init"]
     # ... but a module inside a package does not run its own package's __init__ again
     assert "fp8dist.strategies" not in graph["fp8dist.strategies.fsdp"]
 
@@ -165,21 +165,20 @@ def test_the_library_never_imports_the_cli():
     assert users == []
 
 
-def test_tools_live_in_their_folders_and_the_top_level_is_the_pipeline():
-    """No private ``_x.py`` helper of one tool at the top level: a tool's files are in its folder; each axis is a
-    package with one module per value."""
-    top = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
-    assert top == ["_args.py", "_files.py", "_schema.py", "_text.py", "_version.py"]  # shared by the pipeline and every tool
-    for folder in ("checkpoint", "memory", "bench", "cli", "fp8", "strategies", "levels"):
-        assert (PACKAGE / folder / "__init__.py").is_file()
-    from fp8dist.fp8 import BACKENDS
-    from fp8dist.levels import LEVELS
-    from fp8dist.strategies import STRATEGIES
+TOP_LEVEL = ["__init__.py", "__main__.py", "accounting", "bench", "checkpoint", "cli", "config", "fp8", "launch",
+             "memory_levels", "pipeline", "plan", "strategies", "train"]
+"""The architecture at a glance: the pipeline, config, the three axes, the plan with its advisors (speed model and
+numerics), and the tools around them (README's Layout section says what each holds)."""
 
-    for folder, names in (("strategies", STRATEGIES), ("fp8", BACKENDS), ("levels", LEVELS)):
-        homes = {type(v).__module__ for v in names.values()} if folder != "fp8" else \
-            {f"fp8dist.fp8.{module}" for module in names.values()}
-        assert len(homes) >= len(names) - (folder == "levels"), (folder, homes)  # the standard level lives in __init__
+
+def test_the_top_level_shows_the_architecture_in_at_most_14_entries():
+    """Every module lives in a folder that says what it is part of; no loose helper at the top."""
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert entries == TOP_LEVEL
+    assert len(entries) <= 14
+    for folder in TOP_LEVEL:
+        if "." not in folder and folder != "launch":
+            assert (PACKAGE / folder / "__init__.py").is_file(), folder
 
 
 def test_every_public_name_is_fp8dists_own():

@@ -18,8 +18,8 @@ from helpers import BATCH, SEQ, optimizer_losses
 from torch import nn
 
 import fp8dist
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 ADAMW = {"type": "AdamW", "lr": 1e-3}
 HIDDEN, LAYERS = 128, 4  # the hand-countable model: LAYERS bias-free Linear(HIDDEN, HIDDEN)
@@ -100,7 +100,7 @@ def _sharded_vs_whole(dtype: torch.dtype) -> float:
     the whole model, same inputs on every rank: the largest weight difference after 3 steps."""
     from torch.distributed.fsdp import fully_shard
 
-    from fp8dist.levels.lean import lean_optimizer_class
+    from fp8dist.memory_levels.lean import lean_optimizer_class
 
     def run(shard: bool) -> dict:
         torch.manual_seed(0)
@@ -363,9 +363,9 @@ def test_unsupported_combinations_name_the_way_out(options, needle):
 
 
 def test_memory_is_a_config_key_and_a_flag():
-    from fp8dist.config import Config
+    from fp8dist.config.resolve import Config
 
-    from fp8dist.plan import plan_precision
+    from fp8dist.plan.precision import plan_precision
 
     cfg = Config.from_dict({"memory": "LEAN", "fp8": "torchao"})
     assert cfg.parallel.memory == "lean"

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fp8dist
-from fp8dist.metrics import FlopsPerToken, MetricsWriter, TrainingFigures, flops_per_token, utilization
-from fp8dist.models import build_llama
+from fp8dist.train.metrics import FlopsPerToken, MetricsWriter, TrainingFigures, flops_per_token, utilization
+from fp8dist.train.models import build_llama
 
 # the list, spelled out here so a renamed key fails
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_memory_bytes",
@@ -56,7 +56,7 @@ def test_mfu_and_fp8_aware_mfu_by_hand_and_null_without_a_peak():
     assert use.mfu == pytest.approx(0.5 * 2000 / 1000)
     assert use.fp8_aware_mfu == pytest.approx(0.5 * (800 / 1000 + 1200 / 2000))
     assert utilization(FlopsPerToken(600, 0, 200), 0.5, peaks).fp8_aware_mfu == pytest.approx(0.4)
-    from fp8dist.hardware import TARGETS, find_gpu
+    from fp8dist.plan.hardware import TARGETS, find_gpu
 
     h100 = find_gpu(TARGETS["h100"]).spec  # the GPU table's record is the peaks (one source with the speed model)
     on_h100 = utilization(flops, 1e9, h100)

@@ -15,8 +15,8 @@ from helpers import optimizer_losses
 
 import fp8dist
 from fp8dist import load_checkpoint, save_checkpoint, save_pretrained, wrap_model
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -92,7 +92,7 @@ def _cast_counts(x: torch.Tensor, amax: float, dtype: torch.dtype) -> tuple[int,
 
 
 def _ranks(rank: int, world: int, tmp: str) -> dict:
-    from fp8dist.numerics.telemetry import FP8Telemetry
+    from fp8dist.plan.numerics.telemetry import FP8Telemetry
 
     torch.set_num_threads(1)
     out = {}

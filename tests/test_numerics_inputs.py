@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fp8dist
-from fp8dist.models import build_llama
-from fp8dist.numerics import FP8Telemetry, Thresholds
+from fp8dist.train.models import build_llama
+from fp8dist.plan.numerics import FP8Telemetry, Thresholds
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import fp8dist
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 from helpers import one_thread  # noqa: F401  (the fixture, for pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

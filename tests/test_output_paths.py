@@ -21,10 +21,10 @@ import torch
 
 from fp8dist import resolve_config, save_checkpoint, save_pretrained, wrap_model
 from fp8dist.cli import main
-from fp8dist.data import train_tokenizer
-from fp8dist.metrics import MetricsWriter
-from fp8dist.models import build_llama
-from fp8dist.train import TrainConfig, run_training
+from fp8dist.train.data import train_tokenizer
+from fp8dist.train.metrics import MetricsWriter
+from fp8dist.train.models import build_llama
+from fp8dist.train.job import TrainConfig, run_training
 
 UNWRITABLE = Path("/sys/fp8dist-output-check")
 """A folder no one can create, root included (see the module's docstring)."""
@@ -68,7 +68,7 @@ def _texts_that_count() -> Any:
 
 
 def _telemetry(path: Path) -> Any:
-    from fp8dist.numerics import FP8Telemetry
+    from fp8dist.plan.numerics import FP8Telemetry
 
     model, optimizer = _wrapped()
     return FP8Telemetry(model, every=1, jsonl=path, optimizer=optimizer).close()
@@ -161,7 +161,7 @@ def test_an_output_path_is_checked_before_any_work(entry: Entry, case: str, tmp_
 
 
 def test_atomic_write_names_the_target_not_its_temporary_file(tmp_path: Path) -> None:
-    from fp8dist._files import atomic_write
+    from fp8dist.pipeline.files import atomic_write
 
     def disk_full(tmp: str) -> None:
         raise OSError(28, "No space left on device", tmp)

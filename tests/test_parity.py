@@ -13,8 +13,8 @@ from dist_harness import run_ranks
 from helpers import BATCH, SEQ, hand_wired_fsdp2, linear_dtypes, train_losses
 
 from fp8dist import sharding_summary, wrap_model
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 
 def _fsdp_case(rank: int, world: int) -> dict:

@@ -12,9 +12,9 @@ from torch import nn
 
 from fp8dist import FP8Config, get_plan, plan_precision, resolve_config, wrap_model
 from fp8dist.cli import main
-from fp8dist.env import supported_range
-from fp8dist.models import build_llama
-from fp8dist.plan import FP8UnavailableError
+from fp8dist.pipeline.env import supported_range
+from fp8dist.train.models import build_llama
+from fp8dist.plan.precision import FP8UnavailableError
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -16,7 +16,7 @@ STEPS = 2
 
 
 def _tiny(tied: bool = False):
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     model = build_llama("tiny", seed=1)
     if tied:
@@ -82,7 +82,7 @@ def _load_cases(rank: int, world: int, single: str, sharded: str, tied: str) -> 
         held = _held_fraction(wrapped)
         out[key] = (expected, train_losses(wrapped, rank, world, steps=STEPS), read, held, info.materialized, said)
     # a meta model larger than this machine's memory under ddp: refused before anything is allocated
-    from fp8dist.models import llama_config
+    from fp8dist.train.models import llama_config
 
     huge = llama_config("1b")
     huge.num_hidden_layers = 2000  # ~0.4 T parameters
@@ -136,8 +136,8 @@ def _export_cases(rank: int, world: int, root: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import fp8dist
-    from fp8dist.data import Batches
-    from fp8dist.models import llama_config
+    from fp8dist.train.data import Batches
+    from fp8dist.train.models import llama_config
 
     warnings.simplefilter("ignore")
     ids = Batches(batch_size=4, seq_len=32, rank=rank, world_size=world, seed=3)[0]
@@ -196,8 +196,8 @@ def test_bad_pretrained_directories_are_errors_naming_what_differs_and_the_way_o
     """No safetensors, another model's checkpoint (shapes, names), a damaged index: errors listing the first
     mismatches, before any weight is copied (strategy 'none': no process group needed)."""
     import fp8dist
-    from fp8dist.models import build_llama, llama_config
-    from fp8dist.pretrained import PretrainedError
+    from fp8dist.train.models import build_llama, llama_config
+    from fp8dist.pipeline.pretrained import PretrainedError
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"")
@@ -228,7 +228,7 @@ def test_bad_pretrained_directories_are_errors_naming_what_differs_and_the_way_o
 
 def test_save_pretrained_bad_arguments_and_a_failed_write_leave_nothing(tmp_path):
     import fp8dist
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     model = build_llama("tiny")
     with pytest.raises(ValueError, match=r"max_shard_size='lots' is not a size.*'2GB'"):
@@ -258,7 +258,7 @@ def _init_cases(rank: int, world: int) -> dict:
     from transformers import LlamaForCausalLM
 
     import fp8dist
-    from fp8dist.models import llama_config
+    from fp8dist.train.models import llama_config
 
     warnings.simplefilter("ignore")
     weights, buffers = {}, {}
@@ -295,8 +295,8 @@ def test_meta_model_without_pretrained_gets_its_own_init_the_same_on_every_strat
 
 
 def _train_job(rank: int, world: int, source: str, out: str) -> list[float]:
-    from fp8dist.config import Config
-    from fp8dist.train import TrainConfig, run_training
+    from fp8dist.config.resolve import Config
+    from fp8dist.train.job import TrainConfig, run_training
 
     warnings.simplefilter("ignore")
     config = Config.from_dict({"strategy": "fsdp", "fp8": "torchao", "pretrained": source})
@@ -308,7 +308,7 @@ def _train_job(rank: int, world: int, source: str, out: str) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     import fp8dist
-    from fp8dist.data import Batches
+    from fp8dist.train.data import Batches
 
     eager = fp8dist.wrap_model(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32),
                                config=config.to_dict() | {"pretrained": None})
@@ -349,7 +349,7 @@ def _zero3_cases(rank: int, world: int, path: str, out: str) -> dict:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     import fp8dist
-    from fp8dist.models import llama_config
+    from fp8dist.train.models import llama_config
     from helpers import engine_losses
 
     warnings.simplefilter("ignore")
@@ -409,7 +409,7 @@ def test_deepspeed_zero3_meta_model_loads_its_partitions_and_exports(tmp_path):
 def test_fp8dist_plan_and_estimate_read_the_model_of_pretrained(tmp_path, capsys):
     """`fp8dist plan --pretrained DIR` plans DIR's model (its config.json, on the meta device), not the built-in one."""
     from fp8dist.cli import main
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     path = _write(build_llama("small"), tmp_path / "small")
     assert main(["plan", "--pretrained", path, "--fp8", "none"]) == 0
@@ -520,7 +520,7 @@ def test_per_expert_moe_checkpoints_load_as_transformers_loads_them(tmp_path):
     reading half the checkpoint; any box of a fused tensor reads as the same box of the fused weights."""
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.pretrained import SafetensorsDir
+    from fp8dist.pipeline.pretrained import SafetensorsDir
     from fp8dist.strategies.local_shards import Region
 
     dirs, states = {}, {}

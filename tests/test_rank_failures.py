@@ -99,7 +99,7 @@ def _launched_rank_error(rank: int, world: int) -> tuple[int, str]:
     """``fp8dist train --replicate-degree 3`` as torchrun's ranks run it (their process group is the harness's)."""
     import fp8dist.cli.train as cli_train
     from fp8dist import resolve_config
-    from fp8dist.train import TrainConfig
+    from fp8dist.train.job import TrainConfig
 
     def exit_now(code: int):
         raise SystemExit(code)
@@ -131,7 +131,7 @@ def _nan_in_rows(src: Path, dst: Path, name: str, rows: slice) -> int:
 
 def test_one_rank_failing_alone_fails_every_rank_with_the_same_clear_error(tmp_path):
     import fp8dist
-    from fp8dist.models import build_llama
+    from fp8dist.train.models import build_llama
 
     clean = tmp_path / "clean"
     fp8dist.save_pretrained(build_llama("tiny", seed=1), clean, dtype=torch.float32)

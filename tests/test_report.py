@@ -16,9 +16,9 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 import fp8dist
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
-from fp8dist.memory import Part
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
+from fp8dist.accounting import Part
 
 # (strategy, fp8, extra options) run on the tiny Llama
 CASES = [("fsdp", None, {}), ("fsdp", "torchao", {}), ("fsdp", None, {"reduce_dtype": "bf16"}),

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 import fp8dist
-from fp8dist import combine
+from fp8dist.config import rules as combine
 from fp8dist.cli import main
-from fp8dist.hardware import TARGETS, Hardware
-from fp8dist.models import build_llama
-from fp8dist.speed import compare_recipes, predict_linear
+from fp8dist.plan.hardware import TARGETS, Hardware
+from fp8dist.train.models import build_llama
+from fp8dist.plan.speed import compare_recipes, predict_linear
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -165,7 +165,7 @@ def test_options_no_axis_reads_are_reported():
     assert unread(strategy="deepspeed", micro_batch_size=4) == []
     assert unread(fp8="te", fp8_select="auto", fp8_select_margin=1.2, seq_len=4096, micro_batch_size=2) == []
     # a job sets its batch only where something reads it (fp8dist train, the bench's cells)
-    from fp8dist.selection import with_read_options
+    from fp8dist.plan.selection import with_read_options
 
     bf16 = with_read_options(fp8dist.resolve_config(strategy="fsdp"), micro_batch_size=4, seq_len=512)
     assert (bf16.parallel.micro_batch_size, bf16.parallel.seq_len, bf16.unused_options()) == (1, None, [])
@@ -244,9 +244,9 @@ def test_a_numerics_report_keeps_the_unsafe_layer_out_of_fp8():
 
 
 def test_fp8dist_env_prints_the_gpus_record(monkeypatch):
-    """On a machine with an H100 (stood in: this one has none), env prints its record from fp8dist.gpus."""
-    from fp8dist.env import describe_environment
-    from fp8dist.gpus import gpu_by_key
+    """On a machine with an H100 (stood in: this one has none), env prints its record from fp8dist.plan.gpus."""
+    from fp8dist.pipeline.env import describe_environment
+    from fp8dist.plan.gpus import gpu_by_key
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

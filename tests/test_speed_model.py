@@ -1,4 +1,4 @@
-"""The FP8 speed model (fp8dist.speed) and the GPU table (fp8dist.gpus) it reads.
+"""The FP8 speed model (fp8dist.plan.speed) and the GPU table (fp8dist.plan.gpus) it reads.
 
 The published H100 table (tests/data/torchao_fp8_rowwise_h100.csv, torchao's rowwise measurements) is the ground
 truth: the model's agreement with it is recomputed here, so a change that makes it worse fails. The figures the
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import fp8dist
-from fp8dist.gpus import GPUS, gpu_by_device_name, gpu_by_key
-from fp8dist.hardware import TARGETS, Hardware, find_gpu, parse_target
-from fp8dist.models import LLAMA_SIZES
-from fp8dist.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_step,
+from fp8dist.plan.gpus import GPUS, gpu_by_device_name, gpu_by_key
+from fp8dist.plan.hardware import TARGETS, Hardware, find_gpu, parse_target
+from fp8dist.train.models import LLAMA_SIZES
+from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_step,
                            recipe_for_option, recipes_for)
-from fp8dist.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
+from fp8dist.plan.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 ROOT = Path(__file__).parent.parent
 TABLE = read_measurements(ROOT / "tests" / "data" / "torchao_fp8_rowwise_h100.csv")
@@ -67,7 +67,7 @@ def test_torchao_rules_score_as_the_issue_says():
 
 
 def test_the_shipped_constants_are_the_fit():
-    """fp8dist/gpus.py holds what benchmarks/speed_model/fit.py wrote, fitted on the rows M in {1024, 4096, 16384}."""
+    """fp8dist/plan/gpus.py holds what benchmarks/speed_model/fit.py wrote, fitted on the rows M in {1024, 4096, 16384}."""
     fit = json.loads((ROOT / "benchmarks" / "speed_model" / "fit_h100_rowwise.json").read_text())
     cal = H100.calibration
     assert fit["fit_rows_m"] == list(FIT_ROWS)

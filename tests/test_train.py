@@ -11,9 +11,9 @@ from cli_helpers import train_losses_printed as _losses
 from dist_harness import run_ranks
 
 from fp8dist import plan_precision
-from fp8dist.config import resolve_config
-from fp8dist.models import build_llama
-from fp8dist.train import TrainConfig, run_training
+from fp8dist.config.resolve import resolve_config
+from fp8dist.train.models import build_llama
+from fp8dist.train.job import TrainConfig, run_training
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def _train_case(rank: int, world: int, strategy: str) -> tuple[list[float], list
     copy under bf16 autocast), to check that the logged loss is their mean."""
     import torch.distributed as dist
 
-    from fp8dist.data import Batches
+    from fp8dist.train.data import Batches
 
     job = TrainConfig(steps=10, seq_len=64)  # the loss falls by 2.37 in 10 steps (measured, each strategy)
     losses = run_training(resolve_config(strategy=strategy), job, log=lambda line: None).losses

@@ -40,8 +40,8 @@ def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys,
     signs those of gradients the CPU's bf16 kernels round differently, and whether a later step overflows to NaN or
     RMSNorm's squared overflow zeroes the activations and every gradient first depends on them: on an AVX-512 BF16
     host the run died at loss ln 256 with gradient norm 0 and never went non-finite.)"""
-    from fp8dist.models import build_llama
-    from fp8dist.train_checks import MAX_NONFINITE_STEPS
+    from fp8dist.train.models import build_llama
+    from fp8dist.train.checks import MAX_NONFINITE_STEPS
 
     model = build_llama("tiny", seed=0)
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_a_diverging_run_stops_after_five_non_finite_steps_with_one_line(capsys,
 
 
 def test_a_long_run_warms_up_over_at_most_2000_steps_and_the_header_says_so():
-    from fp8dist.schedule import MAX_WARMUP_STEPS, describe_schedule, lr_schedule, warmup_steps
+    from fp8dist.train.schedule import MAX_WARMUP_STEPS, describe_schedule, lr_schedule, warmup_steps
 
     factor = lr_schedule("cosine", 10**9)
     assert warmup_steps(10**9) == MAX_WARMUP_STEPS == 2000 and factor(MAX_WARMUP_STEPS - 1) == 1.0
@@ -164,7 +164,7 @@ def launcher_env(monkeypatch):
 @pytest.mark.timeout(300)  # the only clock: torch's own rendezvous would wait 30 minutes
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_missing(rank, launcher_env):
-    from fp8dist.env import LaunchError, init_distributed
+    from fp8dist.pipeline.env import LaunchError, init_distributed
 
     launcher_env.setenv("RANK", rank)
     launcher_env.setenv("WORLD_SIZE", "2")
@@ -187,7 +187,7 @@ def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_m
 def test_the_rendezvous_default_is_torchruns_join_timeout():
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-    from fp8dist.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_timeout
+    from fp8dist.pipeline.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_timeout
 
     assert rendezvous_timeout({}) == RENDEZVOUS_TIMEOUT_S == RendezvousTimeout().join.total_seconds()
     assert rendezvous_timeout({"FP8DIST_RENDEZVOUS_TIMEOUT": "2.5"}) == 2.5

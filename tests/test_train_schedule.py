@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-import fp8dist.train as train_module
-from fp8dist.config import resolve_config
-from fp8dist.data.job import JobBatches
-from fp8dist.train import TrainConfig, run_training
+import fp8dist.train.job as train_module
+from fp8dist.config.resolve import resolve_config
+from fp8dist.train.data.job import JobBatches
+from fp8dist.train.job import TrainConfig, run_training
 
 PLANTED = 3
 """The (0-based) step whose batch gives non-finite gradients."""

@@ -29,7 +29,7 @@ def made(tmp_path_factory):
 
 
 def _job(made, directory: Path, **options):
-    from fp8dist.train import TrainConfig
+    from fp8dist.train.job import TrainConfig
 
     return TrainConfig(data=(str(made.jsonl),), tokenizer=str(made.tokenizer), data_cache=str(directory / "cache"),
                        steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1, fp8_health_every=2,
@@ -43,9 +43,9 @@ class _Stop(Exception):
 def _resume_case(rank: int, world: int, made, directory: str) -> dict:
     """One rank: an uninterrupted 4-step run, then a run stopped after step 2 and resumed; the token ids this rank
     trained on at each step (recorded as the batches are taken), the losses, and rank 0's metrics files."""
-    from fp8dist.config import resolve_config
-    from fp8dist.data import TextBatches
-    from fp8dist.train import run_training
+    from fp8dist.config.resolve import resolve_config
+    from fp8dist.train.data import TextBatches
+    from fp8dist.train.job import run_training
 
     taken: list[torch.Tensor] = []
     original = TextBatches.next_batch
@@ -146,8 +146,8 @@ def test_readmes_fp8_fine_tune_on_text_writes_a_model_and_its_tokenizer(made, tm
 def test_a_window_is_predicted_once_as_transformers_shifts_a_whole_sequence():
     """lm_loss on a seq_len + 1 window (the model reads seq_len tokens) is transformers' own loss of the whole
     window: the same targets, each predicted once, none twice-shifted."""
-    from fp8dist.data.job import lm_loss
-    from fp8dist.models import build_llama
+    from fp8dist.train.data.job import lm_loss
+    from fp8dist.train.models import build_llama
 
     model = build_llama("tiny", max_seq_len=33)
     window = torch.randint(0, 256, (3, 33), generator=torch.Generator().manual_seed(0))

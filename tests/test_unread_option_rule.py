@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fp8dist import cli, resolve_config, wrap_model
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 AMAX = ("amax_history_len=16 has no effect here (read only when fp8 in ['te'] and te_recipe in ['delayed']; "
         "fp8='torchao', te_recipe='delayed').")

@@ -12,17 +12,17 @@ import sys
 from pathlib import Path
 
 from fp8dist import save_pretrained
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 
 def test_counts_and_nouns_agree_in_every_message() -> None:
-    """One rule for plurals (fp8dist._text.plural): no message of the library writes "file(s)" or "batch(es)"."""
+    """One rule for plurals (fp8dist.config.text.plural): no message of the library writes "file(s)" or "batch(es)"."""
     import io
     import tokenize
 
     import fp8dist
-    from fp8dist._text import plural
-    from fp8dist.schedule import describe_schedule
+    from fp8dist.config.text import plural
+    from fp8dist.train.schedule import describe_schedule
 
     assert [plural(1, "step"), plural(2, "step"), plural(0, "file"), plural(2, "process"), plural(1024, "window")] \
         == ["1 step", "2 steps", "0 files", "2 processes", "1,024 windows"]
@@ -34,12 +34,12 @@ def test_counts_and_nouns_agree_in_every_message() -> None:
             text = re.sub(r"\{[^{}]*\}", "", token.string)  # an f-string's fields are code: len(s) is no plural
             if token.type in strings and re.search(r"[a-z]\((?:s|es)\)", text):
                 found.append(f"{path.name}:{token.start[0]}: {token.string.strip()[:60]}")
-    assert found == [], "use fp8dist._text.plural:\n" + "\n".join(found)
+    assert found == [], "use fp8dist.config.text.plural:\n" + "\n".join(found)
 
 
 def test_the_token_cache_line_says_what_was_tokenized_now(tmp_path: Path) -> None:
     """A first tokenization says "tokenized now"; a launcher's ranks, reading what it cached, say when."""
-    from fp8dist.data import load_text_corpus, make_corpus, train_tokenizer
+    from fp8dist.train.data import load_text_corpus, make_corpus, train_tokenizer
 
     (tmp_path / "a.txt").write_text(make_corpus(40, seed=0))
     (tmp_path / "b.txt").write_text(make_corpus(40, seed=1))
@@ -99,7 +99,7 @@ def test_the_package_metadata_names_its_license_as_an_spdx_expression(tmp_path: 
 def test_fp8_on_an_amx_cpu_runs_atens_gemm_and_says_so() -> None:
     """fp8dist train turns oneDNN off where its FP8 GEMM is the reference kernel (an AMX CPU) and says so in one
     line; elsewhere nothing changes. Run in a process without the suite's own switch (tests/site)."""
-    code = ("import torch, json; from fp8dist.env import aten_cpu_fp8_gemms; "
+    code = ("import torch, json; from fp8dist.pipeline.env import aten_cpu_fp8_gemms; "
             "line = aten_cpu_fp8_gemms(); print(json.dumps([line, torch.backends.mkldnn.enabled]))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

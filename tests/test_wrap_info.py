@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8dist import get_wrap_info, report, sharding_summary, unwrap_model, wrap_model
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 
 @pytest.mark.parametrize("strategy,wrapper", [("fsdp", None), ("fsdp1", "FullyShardedDataParallel"),

@@ -17,7 +17,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 from fp8dist import measure_fp8_numerics, unwrap_model, wrap_model
-from fp8dist.models import build_llama
+from fp8dist.train.models import build_llama
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 WAY_OUT = "Pass the model as built, before any engine wraps or shards it"

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8dist.data import make_corpus, train_tokenizer
+from fp8dist.train.data import make_corpus, train_tokenizer
 
 WORDS = ("café", "naïve", "über", "東京", "ß", "—")  # multi-byte UTF-8, so byte offsets differ from characters
 

@@ -27,8 +27,8 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from fp8dist._files import atomic_write_text
-from fp8dist.data import train_tokenizer
+from fp8dist.pipeline.files import atomic_write_text
+from fp8dist.train.data import train_tokenizer
 
 LICENCE = ("PSF License Agreement (the Python documentation; code examples also Zero-Clause BSD): "
            "https://docs.python.org/3/license.html")

@@ -23,8 +23,8 @@ import torch
 import torchao
 
 import fp8dist
-from fp8dist.gpus import gpu_by_key
-from fp8dist.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
+from fp8dist.plan.gpus import gpu_by_key
+from fp8dist.plan.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"

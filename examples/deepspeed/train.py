@@ -15,8 +15,8 @@ Regenerate a config: fp8dist ds-config --stage 3 --model llama-tiny --micro-batc
 import argparse
 
 import fp8dist
-from fp8dist.data import Batches
-from fp8dist.models import build_llama
+from fp8dist.train.data import Batches
+from fp8dist.train.models import build_llama
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed json (e.g. from fp8dist ds-config)")

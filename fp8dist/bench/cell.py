@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
-from ..data.job import lm_loss
-from ..env import peak_memory_mib, share_cpu_threads
+from ..train.data.job import lm_loss
+from ..pipeline.env import peak_memory_mib, share_cpu_threads
 
 __all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
 
@@ -28,7 +28,7 @@ TIMING_WARMUP = 2
 
 @dataclass(frozen=True, kw_only=True)
 class TextJob:
-    """Real text a cell trains on (the names of :class:`fp8dist.train.TrainConfig`'s fields), and when it
+    """Real text a cell trains on (the names of :class:`fp8dist.train.job.TrainConfig`'s fields), and when it
     measures the held-out loss."""
 
     data: tuple[str, ...]
@@ -38,7 +38,7 @@ class TextJob:
     eval_every: int = 0
     """Held-out loss after every N steps and after the last (0: after the last only)."""
     eval_batches: int | None = None
-    """Held-out global batches per evaluation (fp8dist.data.job.eval_batch_count)."""
+    """Held-out global batches per evaluation (fp8dist.train.data.job.eval_batch_count)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ class Cell:
     lr: float = 1e-3
     """AdamW's peak learning rate."""
     lr_schedule: str = "constant"
-    """constant or cosine (linear warm-up, then cosine decay: fp8dist.schedule.lr_schedule, over ``steps``)."""
+    """constant or cosine (linear warm-up, then cosine decay: fp8dist.train.schedule.lr_schedule, over ``steps``)."""
     zero_stage: int = 2
     compile: bool = False
     """torch.compile each block (wrap_model's ``compile``)."""
@@ -116,7 +116,7 @@ class _Wired:
 
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
-    from ..api import get_plan, wrap_model
+    from ..pipeline.api import get_plan, wrap_model
 
     wrapped, optimizer = wrap_model(model, config=cell_config(cell), optimizer=_optimizer_spec(cell))
     plan = get_plan(wrapped)
@@ -128,8 +128,8 @@ def cell_config(cell: Cell) -> Any:
     """The config a cell's fp8dist run wraps with: every eligible layer in FP8 (``fp8_select='all'``, as the
     hand-wired run converts them), each with its predicted speedup at the cell's tokens per rank, so a GPU run
     checks the speed model's figures at once."""
-    from ..config import resolve_config
-    from ..selection import with_read_options
+    from ..config.resolve import resolve_config
+    from ..plan.selection import with_read_options
 
     options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing,
                                "memory": cell.memory}
@@ -142,7 +142,7 @@ def cell_config(cell: Cell) -> Any:
 
 
 def predicted_figures(plan: Any) -> dict[str, Any] | None:
-    """What the speed model predicts for a cell's plan (:meth:`fp8dist.selection.Selection.to_dict`: each
+    """What the speed model predicts for a cell's plan (:meth:`fp8dist.plan.selection.Selection.to_dict`: each
     eligible layer's speedup and whether it runs in FP8, the GEMM time per micro-batch); None where nothing was
     predicted (a CPU, no FP8 backend with a speed model)."""
     selection = plan.selection
@@ -223,7 +223,7 @@ def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
 
 def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step), and this rank's device."""
-    from ..env import init_distributed
+    from ..pipeline.env import init_distributed
 
     return init_distributed().device if cell.strategy != "none" else _local_device()
 
@@ -243,7 +243,7 @@ def _sync(device: torch.device) -> None:
 
 def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
     """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
-    from ..memory import report
+    from ..accounting import report
 
     rep = report(model, optimizer)
     return {"bytes": dict(rep.bytes), "total_bytes": rep.model_state_bytes, "total_params": rep.total_params,
@@ -254,10 +254,10 @@ class _Run:
     """One wired model in a cell, and what its steps measured on this rank."""
 
     def __init__(self, cell: Cell, wiring: str, device: torch.device, batches: Any) -> None:
-        from ..data import VOCAB_SIZE
-        from ..models import build_llama
+        from ..train.data import VOCAB_SIZE
+        from ..train.models import build_llama
         from ..strategies.deepspeed import is_deepspeed_engine
-        from ..schedule import lr_schedule, set_lr
+        from ..train.schedule import lr_schedule, set_lr
 
         vocab = batches.corpus.vocab_size if batches.corpus is not None else VOCAB_SIZE
         model = build_llama(cell.size, seed=cell.seed, max_seq_len=cell.seq_len, vocab_size=vocab)
@@ -323,7 +323,7 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
     slows it, so it is counted but not timed. A "vs-raw" cell trains the fp8dist model and the hand-wired one
     side by side in the same processes, alternating which goes first, so that both see the same machine load.
     """
-    from ..data.job import JobBatches, eval_steps, load_job_corpus
+    from ..train.data.job import JobBatches, eval_steps, load_job_corpus
 
     warnings.filterwarnings("ignore", category=UserWarning)
     device = _init_process_group(cell)

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..combine import refusal_of
-from ..memory.fit import MEMORY_FRACTION as _MEMORY_FRACTION, budget, device_bytes
+from ..config.rules import refusal_of
+from ..accounting.fit import MEMORY_FRACTION as _MEMORY_FRACTION, budget, device_bytes
 from .cell import Cell
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
 MEMORY_FRACTION = _MEMORY_FRACTION
-"""Share of a GPU's memory a cell may plan on: the estimate's own (:data:`fp8dist.memory.fit.MEMORY_FRACTION`)."""
+"""Share of a GPU's memory a cell may plan on: the estimate's own (:data:`fp8dist.accounting.fit.MEMORY_FRACTION`)."""
 
 _GIB = 2**30
 
@@ -39,7 +39,7 @@ def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
     """The GPU bytes per rank that fp8dist's estimate predicts for ``cell`` (the meta-device ``model`` of its
     size), and how they add up. A vs-raw cell holds two models in one process: both models' states, but the
     gradients of one only (each run frees its gradients after its step) and the activations of one at a time."""
-    from ..memory import estimate_memory
+    from ..accounting import estimate_memory
 
     options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
     est = estimate_memory(model, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
@@ -66,7 +66,7 @@ def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
     cell that is not, its estimate, and the way out."""
     import torch
 
-    from ..models import build_llama
+    from ..train.models import build_llama
 
     models: dict[str, Any] = {}
     for cell in cells:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._text import plural
+from ..config.text import plural
 from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 

@@ -13,8 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .._text import plural
-from .._files import atomic_write
+from ..config.text import plural
+from ..pipeline.files import atomic_write
 from .cell import describe_job
 from .comm import SHOWN_TYPES as COMM_TYPES
 
@@ -57,7 +57,7 @@ def _cpu_name() -> str:
 
 def _versions() -> dict[str, str | None]:
     from .._version import __version__
-    from ..env import package_version
+    from ..pipeline.env import package_version
 
     names = ("torch", "torchao", "deepspeed", "transformers", "transformer_engine", "msamp")
     return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._text import plural
-from ..combine import refusal_of
+from ..config.text import plural
+from ..config.rules import refusal_of
 from .cell import TIMING_WARMUP, Cell, TextJob
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
@@ -62,7 +62,7 @@ class BenchSettings:
     zero_stage: int
     raw: bool
     lr_schedule: str = "constant"
-    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.schedule.lr_schedule)."""
+    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.train.schedule.lr_schedule)."""
     compile: tuple[bool, ...] = (False,)
     """Compile off and/or on: a matrix dimension."""
     activation_checkpointing: tuple[str, ...] = ("none",)
@@ -108,11 +108,11 @@ def _at_least(flag: str, value: int, low: int, why: str) -> int:
 
 def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
-    from ..data import make_corpus
-    from ..env import package_version
-    from ..models import LLAMA_SIZES
-    from ..schedule import LR_SCHEDULES
-    from ..train import default_fp8, default_nproc
+    from ..train.data import make_corpus
+    from ..pipeline.env import package_version
+    from ..train.models import LLAMA_SIZES
+    from ..train.schedule import LR_SCHEDULES
+    from ..train.job import default_fp8, default_nproc
 
     strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
     if device_type == "cpu" and package_version("deepspeed") is not None:
@@ -163,8 +163,8 @@ def _text_job(args: argparse.Namespace) -> TextJob | None:
     None without ``--data`` (the grammar)."""
     from dataclasses import fields
 
-    from ..data.job import job_tokenizer
-    from ..train_config import TrainConfig
+    from ..train.data.job import job_tokenizer
+    from ..train.config import TrainConfig
 
     names = [f.name for f in fields(TextJob)]
     job = TrainConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
@@ -181,7 +181,7 @@ def check_text(settings: BenchSettings) -> str:
     Raises:
         ValueError: a bad file or tokenizer, a corpus too short (with the way out).
     """
-    from ..data.job import JobBatches, load_job_corpus
+    from ..train.data.job import JobBatches, load_job_corpus
 
     if settings.text is None:
         return ""
@@ -218,8 +218,8 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     """Every cell is a valid configuration that can run here, before any process starts."""
     import torch
 
-    from ..config import resolve_config
-    from ..env import package_version
+    from ..config.resolve import resolve_config
+    from ..pipeline.env import package_version
     from ..fp8 import get_backend
 
     if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
@@ -276,7 +276,7 @@ def _start_method(cells: list[Cell]) -> str:
     CUDA context does not survive a fork."""
     import torch
 
-    from ..env import rank_imports
+    from ..pipeline.env import rank_imports
 
     if torch.cuda.is_available():
         return "spawn"

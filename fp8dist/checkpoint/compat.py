@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._text import plural
-from ..api import get_wrap_info
+from ..config.text import plural
+from ..pipeline.api import get_wrap_info
 from .io import CheckpointError, engine, model_layout
 
 

@@ -4,8 +4,8 @@ high-precision weights they train, in the dtype asked; ``AutoModelForCausalLM.fr
 
 Parameters are gathered one at a time (FSDP2 ``full_tensor``, ZeRO-3 ``safe_get_full_fp32_param``) or one unit
 at a time (FSDP1 ``summon_full_params``); rank 0 keeps at most one shard file's tensors (``max_shard_size``) and
-writes each file atomically (:func:`fp8dist._files.atomic_write`). Reading it back is
-:mod:`fp8dist.pretrained` (``wrap_model(..., pretrained=dir)``).
+writes each file atomically (:func:`fp8dist.pipeline.files.atomic_write`). Reading it back is
+:mod:`fp8dist.pipeline.pretrained` (``wrap_model(..., pretrained=dir)``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._files import atomic_write, atomic_write_text, check_output_path
-from ..dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
-from ..pretrained import INDEX_FILE, SINGLE_FILE
+from ..pipeline.files import atomic_write, atomic_write_text, check_output_path
+from ..config.dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
+from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
-from ..agree import on_all_ranks, rank_world
+from ..pipeline.agree import on_all_ranks, rank_world
 
 __all__ = ["save_pretrained", "export_dtype"]
 
@@ -44,7 +44,7 @@ def _shard_bytes(size: int | str) -> int:
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """The export dtype: a torch dtype or a name of one ("bf16", "float32", ...: :mod:`fp8dist.dtypes`)."""
+    """The export dtype: a torch dtype or a name of one ("bf16", "float32", ...: :mod:`fp8dist.config.dtypes`)."""
     name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if isinstance(dtype, str) else None
     if dtype in DTYPES.values() or name in DTYPES:
         return dtype if isinstance(dtype, torch.dtype) else torch_dtype(name)
@@ -61,7 +61,7 @@ def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
         return save_dtype
     if pretrained is None:
         return "bf16"
-    from ..pretrained import SafetensorsDir
+    from ..pipeline.pretrained import SafetensorsDir
 
     source, counts = SafetensorsDir(pretrained), {}
     for name, dtype in source.dtypes.items():

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agree import RankFailure, rank_world
+from ..pipeline.agree import RankFailure, rank_world
 
 DS_TAG = "deepspeed"
 

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from .._files import wrong_kind
+from ..pipeline.files import wrong_kind
 from .io import CheckpointError
 
 __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_checkpoint", "job_root",

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._args import require_bool
-from .._files import atomic_write_text, check_output_path, fsync_dir
-from ..agree import on_all_ranks, rank_world
-from ..api import get_wrap_info
+from ..config.args import require_bool
+from ..pipeline.files import atomic_write_text, check_output_path, fsync_dir
+from ..pipeline.agree import on_all_ranks, rank_world
+from ..pipeline.api import get_wrap_info
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
 from .manifest import CHECKSUM, record_files, verify_files
@@ -162,7 +162,7 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
 
 
 def _check_target(root: Path) -> Path:
-    """``root`` can hold checkpoints (:func:`fp8dist._files.check_output_path`), else CheckpointError naming it."""
+    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError naming it."""
     try:
         check_output_path(root, name="path", directory=True)
     except ValueError as err:

@@ -2,7 +2,7 @@
 ``ds-config``, ``env``, ``launch``), each with ``add_parser(sub)`` and ``run(args)``.
 
 Every strategy/FP8 flag is a field of :class:`fp8dist.StrategyConfig` or :class:`fp8dist.FP8Config` (and ``train``'s
-job flags of :class:`fp8dist.train.TrainConfig`), with the default and help text taken from there; ``--config FILE``
+job flags of :class:`fp8dist.train.job.TrainConfig`), with the default and help text taken from there; ``--config FILE``
 reads the same keys from YAML/JSON and flags override the file (:func:`fp8dist.cli.common.config_from_args`, the
 one path for every subcommand). The CLI imports the library; the library never imports the CLI.
 """
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _leads() -> bool:
     """Whether this process says the error: every rank of a launched job checks the same flags, rank 0 says it."""
-    from ..env import LaunchError, detect_launch_env
+    from ..pipeline.env import LaunchError, detect_launch_env
 
     try:
         return detect_launch_env().rank == 0

@@ -12,14 +12,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .._text import plural
-from .._schema import add_arguments
+from ..config.text import plural
+from ..config.schema import add_arguments
 from ..bench.cell import TIMING_WARMUP, TextJob
 from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, TORCHAO_RECIPES, check_cells, check_text, device_type,
                             plan_cells, resolve_settings, run_cells)
-from ..train_config import TrainConfig
-from ..models import LLAMA_SIZES
-from ..schedule import LR_SCHEDULES
+from ..train.config import TrainConfig
+from ..train.models import LLAMA_SIZES
+from ..train.schedule import LR_SCHEDULES
 
 __all__ = ["add_parser", "run"]
 
@@ -101,7 +101,7 @@ def _check_plotting(plot: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
-    from .._files import check_output_path
+    from ..pipeline.files import check_output_path
     from ..bench.results import cell_line, markdown_table, results_document, write_results
 
     device = device_type()

@@ -12,8 +12,8 @@ from typing import Any
 
 from dataclasses import fields
 
-from ..config import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from ..models import LLAMA_SIZES
+from ..config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
+from ..train.models import LLAMA_SIZES
 
 __all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise",
            "one_line_warnings"]
@@ -24,13 +24,13 @@ FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+
 
 def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
     """The flags the user gave over the ``--config FILE`` keys, through the one merge path
-    (:func:`fp8dist.resolve_config`), with the commands' own default for ``fp8`` (:func:`fp8dist.train.default_fp8`:
+    (:func:`fp8dist.resolve_config`), with the commands' own default for ``fp8`` (:func:`fp8dist.train.job.default_fp8`:
     torchao where it runs; the Python API's default is none). ``extra`` dataclasses (``TrainConfig``) take their keys
     from the same file and flags; their kwargs come back routed by class."""
     import dataclasses
 
-    from .._schema import route_keys
-    from ..train import default_fp8
+    from ..config.schema import route_keys
+    from ..train.job import default_fp8
 
     own = {f.name for cls in extra for f in dataclasses.fields(cls)}
     flat = load_config_file(args.config) if args.config else {}
@@ -61,7 +61,7 @@ def meta_model(args: argparse.Namespace):
     built-in ``--model-size``."""
     import torch
 
-    from ..models import build_llama, causal_lm, pretrained_config, read_model_config
+    from ..train.models import build_llama, causal_lm, pretrained_config, read_model_config
 
     pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..models import LLAMA_SIZES
+from ..train.models import LLAMA_SIZES
 from .common import meta_model
 
 __all__ = ["add_parser", "run"]
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._files import atomic_write, check_output_path
+    from ..pipeline.files import atomic_write, check_output_path
     from ..strategies.deepspeed import model_hidden_size, zero_config
 
     if args.output:

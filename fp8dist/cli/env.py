@@ -13,7 +13,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..env import describe_environment
+    from ..pipeline.env import describe_environment
 
     print(describe_environment())
     return 0

@@ -10,10 +10,10 @@ import json
 import os
 from pathlib import Path
 
-from ..env import LaunchError
-from ..guard import NonFiniteStepsError
-from ..plan import FP8UnavailableError
-from ..train_checks import TrainingDiverged
+from ..pipeline.env import LaunchError
+from ..pipeline.guard import NonFiniteStepsError
+from ..plan.precision import FP8UnavailableError
+from ..train.checks import TrainingDiverged
 
 __all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "EXPLAINED", "exit_code", "error_line", "report_error",
            "read_report"]

@@ -8,13 +8,13 @@ import sys
 import warnings
 from typing import Any
 
-from .._schema import add_arguments
-from ..combine import facts_of
-from ..config import FP8Config, StrategyConfig, torch_dtype
-from ..hardware import parse_target
-from ..options import DEFAULT_SEQ_LEN
-from ..memory.estimate import check_counts, estimate_memory
-from ..memory.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
+from ..config.schema import add_arguments
+from ..config.rules import facts_of
+from ..config.resolve import FP8Config, StrategyConfig, torch_dtype
+from ..plan.hardware import parse_target
+from ..config.options import DEFAULT_SEQ_LEN
+from ..accounting.estimate import check_counts, estimate_memory
+from ..accounting.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run"]

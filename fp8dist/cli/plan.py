@@ -7,9 +7,9 @@ import json
 import sys
 from typing import Any
 
-from .._text import plural
-from .._schema import add_arguments
-from ..config import FP8Config, StrategyConfig
+from ..config.text import plural
+from ..config.schema import add_arguments
+from ..config.resolve import FP8Config, StrategyConfig
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run"]
@@ -41,9 +41,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..env import resolve_device
-    from ..hardware import parse_target
-    from ..plan import plan_precision
+    from ..pipeline.env import resolve_device
+    from ..plan.hardware import parse_target
+    from ..plan.precision import plan_precision
 
     config, _ = config_from_args(args)
     for note in config.unused_options():
@@ -96,13 +96,13 @@ def _read_report(path: str) -> dict[str, Any]:
 
 def compare_text(plan: Any) -> str:
     """The predicted GEMM time per micro-batch of the plan's eligible Linear layers under bf16 and each recipe of
-    its backend that the GPU runs (:func:`fp8dist.speed.compare_recipes`), as a table.
+    its backend that the GPU runs (:func:`fp8dist.plan.speed.compare_recipes`), as a table.
 
     Raises:
         ValueError: nothing was predicted (no GPU planned for, a backend without a speed model).
     """
-    from ..memory.rows import text_table
-    from ..speed import Gemm, compare_recipes
+    from ..accounting.rows import text_table
+    from ..plan.speed import Gemm, compare_recipes
 
     selection = plan.selection
     if selection is None or selection.step is None:

@@ -10,15 +10,15 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
-from .._schema import add_arguments, normalize_fields
-from ..config import FP8Config, StrategyConfig
-from ..numerics import Thresholds
+from ..config.schema import add_arguments, normalize_fields
+from ..config.resolve import FP8Config, StrategyConfig
+from ..plan.numerics import Thresholds
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
 DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
-"""The options of ``fp8dist train`` (:class:`fp8dist.train.TrainConfig`) the probe takes to read the same text."""
+"""The options of ``fp8dist train`` (:class:`fp8dist.train.job.TrainConfig`) the probe takes to read the same text."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,7 +45,7 @@ class ProbeConfig:
 
 
 def add_parser(sub: Any) -> None:
-    from ..train_config import TrainConfig
+    from ..train.config import TrainConfig
 
     p = sub.add_parser("probe", help="measure each FP8 layer's numerics and name the layers to keep out of FP8",
                        description="Run the model in high precision on the built-in corpus (or on --data, as fp8dist "
@@ -68,9 +68,9 @@ def add_parser(sub: Any) -> None:
 
 def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
     """The batches the probe runs, in the order ``fp8dist train`` reads them under ``seed`` (one rank): the built-in
-    corpus's first ones, or with ``corpus`` (a :class:`fp8dist.data.TokenCorpus`) the first training windows of
+    corpus's first ones, or with ``corpus`` (a :class:`fp8dist.train.data.TokenCorpus`) the first training windows of
     ``seq_len + 1`` tokens, each read as the job does (inputs ``w[:, :-1]``, targets ``w[:, 1:]``, predicted once)."""
-    from ..data import Batches, TextBatches
+    from ..train.data import Batches, TextBatches
 
     if corpus is None:
         grammar = Batches(batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
@@ -85,8 +85,8 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
     ``fp8dist train``); a model from a config must read the corpus's ids and ``seq_len`` positions."""
     import torch
 
-    from ..data import check_fits_corpus
-    from ..models import job_model_config
+    from ..train.data import check_fits_corpus
+    from ..train.models import job_model_config
 
     if corpus is None:
         model = meta_model(args)
@@ -108,10 +108,10 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .._files import atomic_write_text, check_output_path
-    from ..data.job import load_job_corpus
-    from ..numerics import measure_fp8_numerics
-    from ..train_config import TrainConfig
+    from ..pipeline.files import atomic_write_text, check_output_path
+    from ..train.data.job import load_job_corpus
+    from ..plan.numerics import measure_fp8_numerics
+    from ..train.config import TrainConfig
 
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
     if args.json is not None:  # before the data is tokenized and the model measured

@@ -17,8 +17,8 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from .._schema import add_arguments
-from ..config import Config, FP8Config, StrategyConfig
+from ..config.schema import add_arguments
+from ..config.resolve import Config, FP8Config, StrategyConfig
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
 from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
@@ -26,7 +26,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    from ..train import TrainConfig
+    from ..train.job import TrainConfig
 
     p = sub.add_parser("train", help="train a small Llama on the built-in corpus, or fine-tune a model on your text "
                                      "files (the reference job)",
@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
-    from ..train import TrainConfig
+    from ..train.job import TrainConfig
 
     config, routed = config_from_args(args, extra=(TrainConfig,))
     return config, TrainConfig(**routed[TrainConfig])
@@ -88,8 +88,8 @@ def _interrupted(train: Any, step: int | None) -> int:
 def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
     """Run the job in this process, then take the process group down before the interpreter exits
     (:func:`fp8dist.shutdown`)."""
-    from ..env import shutdown
-    from ..train import run_training
+    from ..pipeline.env import shutdown
+    from ..train.job import run_training
 
     run_training(config, train, progress=progress)
     shutdown()
@@ -137,7 +137,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
     """Entry point of each started training process: an explained error is reported to the launching process
     (which prints it once), an interrupt ends the rank quietly."""
-    from ..train import TrainConfig
+    from ..train.job import TrainConfig
 
     quiet_cpu_noise()
     rank = int(os.environ["RANK"])
@@ -156,14 +156,14 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import check_batch_split
-    from ..data.job import JobBatches, load_job_corpus
-    from ..env import detect_launch_env, resolve_device
-    from ..models import job_model_config
-    from ..plan import check_fp8_available
-    from ..train import default_nproc
-    from ..train_checks import check_checkpoint_dir, check_positions
-    from ..train_log import check_outputs
+    from ..train.data import check_batch_split
+    from ..train.data.job import JobBatches, load_job_corpus
+    from ..pipeline.env import detect_launch_env, resolve_device
+    from ..train.models import job_model_config
+    from ..plan.precision import check_fp8_available
+    from ..train.job import default_nproc
+    from ..train.checks import check_checkpoint_dir, check_positions
+    from ..train.log import check_outputs
 
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
@@ -209,7 +209,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs); a rank's
     explained error is printed once, an interrupt says where the job stood; every child is reaped.
 
-    The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.env.rank_imports`,
+    The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.pipeline.env.rank_imports`,
     ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
     this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
     the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
@@ -220,8 +220,8 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ..env import rank_imports
-    from ..env_vars import read
+    from ..pipeline.env import rank_imports
+    from ..pipeline.env_vars import read
     from .helper_processes import stop_multiprocessing_helpers
 
     preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)

@@ -7,24 +7,19 @@ order, the same for every backend:
     -> check_plan -> convert -> engine_hooks -> (the strategy shards) -> after_shard
 
 A backend knows no sharding engine: it learns what the strategy does to parameters as data
-(:class:`~fp8dist.axis.StrategyFacts`, recorded in ``plan.facts``), hands the strategy its own steps as data
+(:class:`~fp8dist.config.axis.StrategyFacts`, recorded in ``plan.facts``), hands the strategy its own steps as data
 (:class:`EngineHooks`), and after sharding gets the user's model inside whatever wrapper the strategy made. Backend
 modules import their library only inside methods, so configs validate where it is not installed.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
 
-import torch
 from torch import nn
 
-from ..axis import Rule, StrategyFacts, When
-from ..hardware import Hardware, hardware_of
+from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
+                   linear_reason)
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
            "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
@@ -32,143 +27,11 @@ __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "B
 BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
 """Backend name -> module of fp8dist.fp8 that holds its class."""
 
-SELECTION_OPTIONS: Mapping[str, When] = {
-    "fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
-    "fp8_select_margin": When({"fp8_select": (None, "auto")}),
-}
-"""The options the plan's choice of FP8 layers by predicted speed reads (:mod:`fp8dist.selection`), in the
-``options`` of every backend the speed model covers (torchao, te). The tokens are read for the figures shown under
-"all" too; the margin only where "auto" may apply (None: auto on a GPU)."""
-
-
-@dataclass(frozen=True)
-class FP8Wiring:
-    """What a backend did to the sharded model after conversion, as data (``WrapInfo.fp8``): nothing reads it back
-    from the modules' attributes or forwards."""
-
-    autocast_recipe: Any = None
-    """The recipe the forward runs under (Transformer Engine), or None."""
-    amax_group: Any = None
-    """The process group FP8 amax is reduced over, or None."""
-    scale_precompute: bool = False
-    """FP8 weight scales are recomputed after every optimizer step (torchao's FP8 all-gather)."""
-
-
-@dataclass(frozen=True)
-class EngineHooks:
-    """A backend's own steps inside the strategy's sharding, handed over as data (the strategy runs them)."""
-
-    prepare: Callable[[nn.Module], tuple[nn.Module, Any]] | None = None
-    """On the filled, unwrapped model before the engine wraps it; returns the model and the optimizer it built."""
-    entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
-    """``(extra engine config, initialize function)``: the backend's own entry into an engine that builds the
-    optimizer (MS-AMP's ``msamp.deepspeed.initialize``)."""
-
-
-class FP8Backend(Protocol):
-    """The interface of an FP8 backend. Subclass it: the defaults below are the no-ops of a backend that needs no
-    such step."""
-
-    name: ClassVar[str]
-    package: ClassVar[str | None] = None
-    """The library whose modules the backend swaps in: a module of it in a model given to ``wrap_model`` was
-    converted by hand (:func:`converted_by_hand`)."""
-    owns_optimizer: ClassVar[bool] = False
-    """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
-    options: ClassVar[Mapping[str, When]] = {}
-    """Options only this backend reads, each with the condition under which it is read (:class:`~fp8dist.axis.When`): an option set but not read is reported (:func:`fp8dist.combine.unused_options`)."""
-    rules: ClassVar[tuple[Rule, ...]] = ()
-    """What this backend refuses to combine with (its rows of the combination table)."""
-    takes_amax_group: ClassVar[bool] = False
-    """The backend reduces FP8 amax over a process group the user may choose (``fp8_group=``)."""
-    meta_model_refusal: ClassVar[str | None] = None
-    """Why the backend cannot convert a meta-device model; None: it can."""
-
-    def describe(self, cfg: Any, facts: StrategyFacts) -> str:
-        """One line for the plan header (recipe, knobs) under a strategy with ``facts``."""
-        return ""
-
-    def missing_reason(self, cfg: Any) -> str | None:
-        """Why the backend's library cannot be used on this machine (not installed); None when it can."""
-        return None
-
-    def hardware_reason(self, cfg: Any, hardware: Hardware) -> str | None:
-        """Why the backend cannot compute FP8 on ``hardware`` (no FP8 tensor cores); None when it can."""
-        return fp8_hardware_reason(hardware)
-
-    def unavailable_reason(self, cfg: Any, device: torch.device | Hardware, *, check_installed: bool = True) -> \
-            str | None:
-        """Why the backend cannot run on ``device``: :meth:`missing_reason` (skipped when ``check_installed`` is
-        False: planning for another machine), then :meth:`hardware_reason`; None when it can. Backends override
-        those two, not this."""
-        missing = self.missing_reason(cfg) if check_installed else None
-        return missing or self.hardware_reason(cfg, hardware_of(device))
-
-    def supports(self, module: nn.Module) -> bool:
-        """Whether the backend replaces modules of this kind (an ``nn.Linear`` of any class: whether it computes a
-        plain Linear is :meth:`ineligible_reason`'s question, so the plan says so)."""
-        return isinstance(module, nn.Linear)
-
-    def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
-        """What the plan records as the module's replacement (under ``cfg`` on ``hardware``: a recipe may name it)."""
-        return type(module).__name__
-
-    def computes_in_fp8(self, module: nn.Module) -> bool:
-        """False for modules swapped without FP8 compute (TE's norms)."""
-        return True
-
-    def model_exclusions(self, model: nn.Module, cfg: Any) -> dict[str, str]:
-        """Model-level rules: ``{fqn: reason}`` of modules kept in high precision (torchao's first/last Linear)."""
-        return {}
-
-    def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware,
-                          facts: StrategyFacts) -> str | None:
-        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under a strategy with
-        ``facts`` (a Linear subclass that computes something else, dims not divisible by 16, no grouped GEMM for
-        MoE experts there), or None."""
-        return linear_reason(module)
-
-    def check_plan(self, plan: Any) -> None:
-        """Refuse, before anything changes, a plan the backend cannot follow."""
-
-    def convert(self, model: nn.Module, plan: Any, cfg: Any) -> None:
-        """Swap exactly the plan's converted modules, in place (as planned for ``plan.hardware``); called before
-        sharding."""
-
-    def engine_hooks(self, optimizer: Any, cfg: Any, facts: StrategyFacts) -> EngineHooks:
-        """The backend's own steps inside the strategy's sharding (a backend that owns the optimizer builds it
-        there from the optimizer spec); none by default."""
-        return EngineHooks()
-
-    def after_shard(self, model: nn.Module, inner: nn.Module, plan: Any, cfg: Any, group: Any) -> FP8Wiring:
-        """On the sharded model: FP8 autocast, hooks. ``model`` is what the strategy returned (a wrapper, or the
-        model itself), ``inner`` the user's model inside it; ``group`` the amax reduction group (None: the world
-        group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
-        return FP8Wiring()
-
-
-@functools.cache
-class _NoFP8(FP8Backend):
-    """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
-
-    name = "none"
-
-
-NO_FP8 = _NoFP8()
-
 
 def get_backend(name: str) -> FP8Backend:
     """The backend for ``name`` ("torchao", "te", "msamp")."""
     module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
     return module.BACKEND
-
-
-def linear_reason(module: nn.Linear) -> str | None:
-    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear: it computes something other than a plain
-    Linear (:func:`fp8dist.fp8.linear.plain_linear_reason`), or its dims do not tile; None when it can."""
-    from .linear import plain_linear_reason
-
-    return plain_linear_reason(module) or dims_reason(module)
 
 
 def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
@@ -182,18 +45,3 @@ def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
     return None
 
 
-def dims_reason(module: nn.Linear) -> str | None:
-    """FP8 GEMMs need both Linear dims divisible by 16; the reason when they are not."""
-    bad = [f"{n}={getattr(module, n)}" for n in ("in_features", "out_features") if getattr(module, n) % 16]
-    return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
-
-
-def fp8_hardware_reason(device: torch.device | Hardware, *, min_capability: tuple[int, int] = (8, 9)) -> str | None:
-    """None on a CUDA device with FP8 tensor cores (sm_89+ by default); else why not."""
-    hardware, need = hardware_of(device), f"sm_{min_capability[0]}{min_capability[1]}+"
-    if hardware.type != "cuda":
-        return f"needs a CUDA GPU with FP8 tensor cores ({need}), device is {hardware.type}"
-    if hardware.capability < min_capability:
-        return f"this FP8 recipe needs {need}, not {hardware}" if min_capability > (8, 9) else \
-            f"{hardware} has no FP8 tensor cores: FP8 needs {need}"
-    return None

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from ..weight_layout import register_transposed
+from ..pipeline.weight_layout import register_transposed
 
 __all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d"]
 

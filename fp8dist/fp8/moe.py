@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..axis import StrategyFacts
-from ..hardware import Hardware
+from ..config.axis import StrategyFacts
+from ..plan.hardware import Hardware
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
            "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON"]
@@ -24,7 +24,7 @@ ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
 
 def torchao_installed() -> bool:
-    from ..packages import package_version
+    from ..pipeline.packages import package_version
 
     return package_version("torchao") is not None
 
@@ -172,7 +172,7 @@ def experts_gemm_formats(module: nn.Module) -> str | None:
     (None when they are not wrapped). Both recipes quantize inputs, weights and output gradients alike."""
     import sys
 
-    from ..dtypes import dtype_name
+    from ..config.dtypes import dtype_name
 
     if "torchao.prototype.moe_training" not in sys.modules:  # nothing can have been converted
         return None

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..axis import ALWAYS, Rule, StrategyFacts
-from ..hardware import Hardware
-from ..optim import build_optimizer
-from . import EngineHooks, FP8Backend
+from ..config.axis import ALWAYS, Rule, StrategyFacts
+from ..plan.hardware import Hardware
+from ..pipeline.optim import build_optimizer
+from .base import EngineHooks, FP8Backend
 
 _RULES = (
     Rule(("fp8", "strategy"), lambda cfg, facts: facts.shards_params,

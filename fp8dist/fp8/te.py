@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..axis import ALWAYS, Rule, StrategyFacts, When
-from ..hardware import Hardware
-from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..plan.hardware import Hardware
+from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
                   moe_routers, torchao_installed)

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..axis import ALWAYS, Rule, StrategyFacts, When
-from ..hardware import Hardware
-from ..optim import STEP_HOOKS
-from . import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..plan.hardware import Hardware
+from ..pipeline.optim import STEP_HOOKS
+from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .order import gemm_order
 from .linear import is_plain_linear
@@ -70,7 +70,7 @@ class TorchaoBackend(FP8Backend):
 
     def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
-            from ..packages import supported_range
+            from ..pipeline.packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
         return None

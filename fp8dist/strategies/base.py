@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from ..env import DistEnv, LaunchEnv, init_distributed
-from ..axis import Rule, StrategyFacts, When
+from ..pipeline.env import DistEnv, LaunchEnv, init_distributed
+from ..config.axis import Rule, StrategyFacts, When
 
 __all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "materialized_how", "fill_whole", "prepared",
            "FP16_RULE"]
@@ -51,7 +51,7 @@ class ShardJob:
     """Everything a strategy needs to shard one model."""
 
     cfg: Any
-    """The resolved :class:`~fp8dist.config.Config` (a strategy reads its ``parallel`` section)."""
+    """The resolved :class:`~fp8dist.config.resolve.Config` (a strategy reads its ``parallel`` section)."""
     env: DistEnv
     blocks: tuple[list[tuple[str, nn.Module]], str] | None = None
     """The blocks found (and checkpointed / compiled) by the block step, with how they were found; None: the
@@ -106,7 +106,7 @@ class Strategy(Protocol):
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, When]] = {}
-    """Options only this strategy reads, each with the condition under which it is read (:class:`~fp8dist.axis.When`): an option set but not read is reported (:func:`fp8dist.combine.unused_options`)."""
+    """Options only this strategy reads, each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
     rules: ClassVar[tuple[Rule, ...]] = (FP16_RULE,)
     """What this strategy refuses to combine with (its rows of the combination table)."""
     process_group: ClassVar[bool] = True
@@ -134,9 +134,9 @@ class Strategy(Protocol):
         raise NotImplementedError
 
     def watch_steps(self, model: nn.Module, guard: Any) -> None:
-        """Put ``guard`` (a :class:`fp8dist.guard.StepGuard`) before every step of an optimizer holding the
+        """Put ``guard`` (a :class:`fp8dist.pipeline.guard.StepGuard`) before every step of an optimizer holding the
         sharded ``model``'s parameters (torch optimizers: the process-wide step hooks)."""
-        from ..optim import STEP_HOOKS
+        from ..pipeline.optim import STEP_HOOKS
 
         STEP_HOOKS.add(model, pre=guard.before_step)
 

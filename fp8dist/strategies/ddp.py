@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..axis import ALWAYS, StrategyFacts
-from ..dtypes import torch_dtype
+from ..config.axis import ALWAYS, StrategyFacts
+from ..config.dtypes import torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 

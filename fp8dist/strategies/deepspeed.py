@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..axis import ALWAYS, Rule, StrategyFacts, When
-from ..config_files import read_config_text
-from ..optim import check_optimizer_spec
-from ..dtypes import torch_dtype
-from ..env import DistEnv
-from ..options import StrategyConfig
+from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.files import read_config_text
+from ..pipeline.optim import check_optimizer_spec
+from ..config.dtypes import torch_dtype
+from ..pipeline.env import DistEnv
+from ..config.options import StrategyConfig
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, materialized_how
 from .common import cast_buffers
 

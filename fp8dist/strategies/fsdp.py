@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..axis import ALWAYS, StrategyFacts
-from ..dtypes import torch_dtype
+from ..config.axis import ALWAYS, StrategyFacts
+from ..config.dtypes import torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
 from .common import block_ties, cast_buffers, find_blocks, to_empty
 from .padding import padding_note, shard_padding

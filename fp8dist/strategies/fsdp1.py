@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from ..axis import ALWAYS, StrategyFacts
-from ..dtypes import dtype_name, torch_dtype
+from ..config.axis import ALWAYS, StrategyFacts
+from ..config.dtypes import dtype_name, torch_dtype
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
 from .common import block_ties, find_blocks, to_empty
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .deepspeed import is_deepspeed_engine
-from ..weight_layout import checkpoint_transposed, transposed_params
+from ..pipeline.weight_layout import checkpoint_transposed, transposed_params
 
 __all__ = ["WRAPPER_ATTRS", "plain_name", "fsdp1_full_shapes", "Region", "LocalParam", "local_params",
            "gather_full", "original_class"]
@@ -86,7 +86,7 @@ class LocalParam:
     is the engine's storage."""
     region: Region
     transposed: bool = False
-    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.weight_layout.checkpoint_transposed`:
+    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.checkpoint_transposed`:
     a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's own."""
 
     @property

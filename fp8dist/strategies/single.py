@@ -8,9 +8,9 @@ import warnings
 import torch
 from torch import nn
 
-from ..axis import StrategyFacts
-from ..dtypes import torch_dtype
-from ..env import DistEnv, LaunchEnv
+from ..config.axis import StrategyFacts
+from ..config.dtypes import torch_dtype
+from ..pipeline.env import DistEnv, LaunchEnv
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 

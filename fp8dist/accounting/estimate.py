@@ -1,0 +1,345 @@
+"""Pre-flight memory estimate: model-state bytes per rank (and activations for one micro-batch) for a strategy and
+FP8 backend, before anything is allocated.
+
+Works on a model built on the meta device, so a 70B config is estimated on a laptop in a second::
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    est = fp8dist.estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=8, seq_len=4096)
+    print(est)                 # a table in GiB/MiB, per category, with the dtypes
+    est.model_state_bytes      # parameters + master weights + gradients + optimizer states + FP8 buffers
+
+The categories are those :func:`fp8dist.report` measures on a live run (after ``optimizer.step()``, before
+``zero_grad``), and for fsdp, fsdp1, ddp, none and DeepSpeed ZeRO-1/2/3 the model-state figures are tested against
+it on real CPU runs (to the byte). Transformer Engine and MS-AMP rows are *derived* from their documented
+behaviour (TE's FP8 scaling buffers; MS-AMP's precision chart), not measured: neither runs here. FSDP2's padding
+(every rank allocates the first dim-0 chunk: Mixtral's 8 fused experts on 64 ranks cost 8x) is in the bytes, and
+a note says when it is large and the way out (:mod:`fp8dist.strategies.padding`). Activations are transparent
+formulas per model family -- llama, mixtral, gpt2, gpt_neox, chosen by the config's ``model_type`` (see
+``fp8dist/accounting/activation_families.py``) -- an estimate only; another family gets none
+(``activations_modelled`` False). Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets
+when not gradient views) are listed as notes, not counted.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config.text import plural
+from .estimate_activations import Activations, activation_items
+from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
+                               fp8_buffer_bytes, rank_states, worst_rank)
+from .fit import Fit, check_fit
+from .rows import text_table
+from .tensors import StateBytes
+from ..config.schema import choice_error
+from ..config.rules import unread_options
+from ..config.resolve import Config, resolve_config
+from ..config.dtypes import DTYPES
+from ..pipeline.env import runs_on_cpu
+from ..plan.hardware import Hardware, find_gpu, parse_target
+from ..config.options import DEFAULT_SEQ_LEN
+from ..memory_levels import get_level
+from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
+
+__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the config dtypes, by torch dtype
+
+
+@dataclass(frozen=True)
+class MemoryEstimate(StateBytes):
+    """Predicted bytes on one rank, per category of model state, plus activations; ``print`` it for a table."""
+
+    strategy: str
+    zero_stage: int | None
+    """DeepSpeed's ZeRO stage (from the config, or your ds_config); None for other strategies."""
+    fp8: str
+    world_size: int
+    rank: int
+    """The rank described: the one holding the most model state unless one was asked for."""
+    total_params: int
+    """Elements of all parameters of the full model."""
+    bytes: Mapping[str, int]
+    """Bytes on this rank per category: parameters, master_weights, gradients, optimizer_states, fp8_buffers."""
+    dtypes: Mapping[str, str]
+    """The dtypes each category holds."""
+    micro_batch_size: int
+    seq_len: int
+    activations: tuple[tuple[str, int], ...]
+    """(item, bytes) of the activations saved for backward for one micro-batch (an estimate)."""
+    activations_modelled: bool
+    """False when no activation formula covers the model (its family) or the setting (activation checkpointing):
+    ``activations`` is empty, a note says why, and only the model-state figures hold."""
+    derived: bool
+    """True where TE / MS-AMP figures come from their documentation, not from a measured run."""
+    offloaded: tuple[str, ...]
+    """Categories DeepSpeed keeps in host memory (offload_optimizer / offload_param); included in ``bytes``."""
+    notes: tuple[str, ...]
+    memory: str = "standard"
+    """The model-state memory level (``memory=``): standard or lean."""
+    speed: Any = None
+    """The plan's FP8 selection and predicted GEMM time (:class:`fp8dist.plan.selection.Selection`) on the GPU
+    ``target=`` named; None without a target, or where nothing runs in FP8."""
+    fit: Fit | None = None
+    """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
+    memory.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(b for _, b in self.activations)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), activations=[list(a) for a in self.activations],
+                   offloaded=list(self.offloaded), notes=list(self.notes), model_state_bytes=self.model_state_bytes,
+                   activation_bytes=self.activation_bytes, speed=self.speed.to_dict() if self.speed else None,
+                   fit=self.fit.to_dict() if self.fit else None)
+        return out
+
+    def __str__(self) -> str:
+        strategy = self.strategy + (f" (ZeRO-{self.zero_stage})" if self.zero_stage else "")
+        head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
+                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory)
+                + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
+        per_param = self.bytes_per_param
+        rows = [[c.replace("_", " ") + (" (host)" if c in self.offloaded else ""), f"{per_param[c]:.3f}",
+                 _size(self.bytes[c]), self.dtypes[c]] for c in CATEGORIES]
+        rows.append(["total model states", f"{per_param['total']:.3f}", _size(self.model_state_bytes), ""])
+        acts = [[item, _size(b)] for item, b in self.activations]
+        if self.activations_modelled:
+            acts.append(["total activations (estimate)", _size(self.activation_bytes)])
+            total = f"total: {_size(self.model_state_bytes + self.activation_bytes)} per rank"
+        else:
+            acts.append(["not estimated for this model (see the note)", "-"])
+            total = f"total: {_size(self.model_state_bytes)} per rank in model states; activations not estimated"
+        lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
+                 text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
+                 "", total]
+        if self.fit is not None:
+            lines += self.fit.lines(_size)
+        if self.speed is not None and self.speed.step is not None:
+            lines.append(self.speed.gemm_summary())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _memory_head(memory: str) -> str:
+    summary = get_level(memory).summary
+    return f", memory {memory} ({summary})" if summary else ""
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
+    for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
+                              ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
+                              ("seq_len", seq_len, "tokens per sequence")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer ({what}).")
+    if strategy == "none" and world_size != 1:
+        raise ValueError(f"world_size={world_size} with strategy='none': 'none' trains in one process. Use "
+                         "world_size=1, or strategy='ddp' / 'fsdp' / 'fsdp1' / 'deepspeed' for several ranks.")
+
+
+def _deepspeed_facts(model: nn.Module, cfg: Config, world: int, optimizer: str, on_cpu: bool) -> dict[str, Any]:
+    """Stage, module dtype, persistence threshold, buckets, offload and whether the engine's Adam is torch's (a
+    CPU run: :func:`~fp8dist.strategies.deepspeed.torch_adam_on_cpu`) from the config wrap_model builds
+    (:func:`fp8dist.strategies.deepspeed.build_deepspeed_config`), validated as wrap_model validates it when
+    DeepSpeed is installed here (its parser needs it; the estimate itself does not)."""
+    import importlib.util
+
+    from ..strategies.deepspeed import build_deepspeed_config, torch_adam_on_cpu
+
+    checked = importlib.util.find_spec("deepspeed") is not None
+    spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
+    ds = build_deepspeed_config(model, cfg.parallel, world_size=world, optimizer=spec, validate=checked)
+    block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
+    zero = ds.get("zero_optimization", {})
+    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    return {"stage": int(zero.get("stage", 0)), "dtype": dtype, "bucket": int(zero.get("reduce_bucket_size", 5e8)),
+            "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
+            "comm": ds.get("communication_data_type") or dtype, "checked": checked,
+            "offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero,
+            "torch_adam": bool((block.get("params") or {}).get("torch_adam", False))}
+
+
+def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str,
+                 ds_dtype: str | None) -> list[ParamInfo]:
+    """Each parameter with its FSDP unit (innermost block holding it, "" for the root) and bytes per element."""
+    unit_of: dict[str, str] = {}
+    for block in blocks:  # innermost first
+        for name, _ in model.get_submodule(block).named_parameters():
+            unit_of.setdefault(f"{block}.{name}", block)
+    msamp = {f"{e.name}.weight" for e in plan.fp8} if cfg.precision.fp8 == "msamp" else set()
+    infos = []
+    for name, p in model.named_parameters():
+        stored = _DTYPE_NAMES.get(p.dtype, "fp32")
+        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
+                               element_bytes(cfg, optimizer, stored, name in msamp, ds_dtype)))
+    return infos
+
+
+def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.Module, c: int,
+           world: int) -> list[str]:
+    strategy, notes = cfg.parallel.strategy, []
+    if cfg.precision.fp8 in ("te", "msamp"):
+        notes.append(f"fp8={cfg.precision.fp8}: figures derived from its documented behaviour, not measured here")
+    if strategy in ("fsdp", "fsdp1") and blocks:
+        biggest = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
+        notes.append(f"transient, not counted: all-gathered weights of about 2 blocks at a time "
+                     f"({_size(2 * biggest * c)} in the compute dtype)")
+    if strategy == "fsdp":
+        notes += fsdp_padding_notes(model, world // cfg.parallel.replicate_degree)
+        if cfg.parallel.replicate_degree > 1:
+            notes.append(f"HSDP: {cfg.parallel.replicate_degree} replicas, each sharded over "
+                         f"{plural(world // cfg.parallel.replicate_degree, 'rank')}")
+    if ds is not None:
+        comm = DTYPE_BYTES.get(ds["comm"], 4)
+        kept = "allocated for the whole run" if ds["stage"] == 3 else "during backward"
+        notes.append(f"DeepSpeed reduce bucket, not counted as model state: {ds['bucket']:,} elements in "
+                     f"{ds['comm']} ({_size(ds['bucket'] * comm)}), {kept}")
+        if not ds["checked"]:
+            notes.append("DeepSpeed is not installed here: its parser did not check the config (wrap_model will)")
+    if strategy == "ddp":
+        notes.append("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no second copy")
+    return notes
+
+
+def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
+    """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
+    words: the config's options (``offload_param`` under fsdp) and ``optimizer`` where the memory level builds its
+    own (the rule of :func:`fp8dist.config.rules.unread_options`, said once each as a warning, as ``wrap_model`` does)."""
+    notes = cfg.unused_options()
+    level = get_level(cfg.parallel.memory)
+    if level.builds_optimizer and optimizer != "adamw":
+        notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
+                     f"{level.summary}).")
+    return notes
+
+
+def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
+                    seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
+                    fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
+    """Predict per-rank model-state bytes (and activations for one micro-batch) of ``wrap_model(model, ...)``.
+
+    Call it on a model built on the meta device (nothing is allocated) or on a real one (nothing is changed).
+
+    Args:
+        model: the unwrapped model (a Hugging Face causal LM of a modelled family for the activation estimate:
+            llama, mixtral, gpt2, gpt_neox).
+        config, **overrides: as for :func:`fp8dist.wrap_model` (strategy, fp8, param_dtype, zero_stage, ...).
+        world_size: data-parallel ranks.
+        micro_batch_size: sequences per rank per forward; default: the config's ``micro_batch_size``.
+        seq_len: tokens per sequence; default: the config's ``seq_len``, else ``DEFAULT_SEQ_LEN`` (2048).
+        optimizer: "adamw" / "adam" (2 states), "sgd_momentum" (1) or "sgd" (none).
+        rank: the rank to describe; default: the one holding the most model state (ranks differ when shards are
+            uneven).
+        fp8_filter: ``(module, fqn) -> bool``, as for ``wrap_model``.
+        target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for it
+            (``fp8_select``, MoE experts) and its predicted GEMM time is given (``speed``); None: planned as
+            if FP8 ran here, no GEMM time.
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Raises:
+        ValueError: a bad option, named with its choices and the way out.
+    """
+    cfg = resolve_config(config, **overrides)
+    micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
+    seq_len = seq_len if seq_len is not None else cfg.parallel.seq_len or DEFAULT_SEQ_LEN
+    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    if optimizer not in OPTIMIZER_STATES:
+        raise choice_error("optimizer", optimizer, OPTIMIZER_STATES,
+                           "Its states per parameter decide the optimizer_states bytes.")
+    if rank is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+    for note in unread_arguments(cfg, optimizer):
+        warnings.warn(note, UserWarning, stacklevel=2)
+    hardware = parse_target(target) if isinstance(target, str) else target
+    job = _Job(model, micro, seq_len, optimizer, fp8_filter, hardware)
+    est = _estimate(job, cfg, world_size, rank)
+    if hardware is None:
+        return est
+    gpu = find_gpu(hardware)
+    if gpu.spec is None:
+        return replace(est, notes=(*est.notes, f"whether a rank fits is not judged: {gpu.reason}"))
+
+    def rerun(world: int, **changes: Any) -> MemoryEstimate:
+        return _estimate(job, resolve_config(cfg, **changes), world, None)
+
+    # HSDP's rank counts are multiples of its replicas, where the strategy reads replicate_degree at all
+    step = 1 if "replicate_degree" in unread_options(cfg) else cfg.parallel.replicate_degree
+    return replace(est, fit=check_fit(est, gpu.spec.label, int(gpu.spec.memory_gib * 2**30), rerun, rank_step=step))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What an estimate is of, beside the config and the rank count (which the ways out of a fit change)."""
+
+    model: nn.Module
+    micro: int
+    seq_len: int
+    optimizer: str
+    fp8_filter: Any
+    hardware: Hardware | None
+
+
+def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> MemoryEstimate:
+    """The estimate of ``job`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
+    from ..fp8 import get_backend
+    from ..plan.precision import plan_precision
+    from ..strategies.common import find_blocks
+
+    model, micro, seq_len, hardware = job.model, job.micro, job.seq_len, job.hardware
+    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    if cfg.parallel.strategy == "fsdp":
+        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
+    optimizer = "adamw" if get_level(cfg.parallel.memory).builds_optimizer else job.optimizer  # the level's own
+    # the plan predicts FP8 speed at the tokens estimated here
+    shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
+    plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
+                          fp8_filter=job.fp8_filter, check_hardware=False)
+    if cfg.precision.fp8:
+        get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
+    blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
+    on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)
+    ds = _deepspeed_facts(model, cfg, world_size, optimizer, on_cpu) if cfg.parallel.strategy == "deepspeed" else None
+    params = _param_infos(model, cfg, plan, blocks, optimizer, ds and ds["dtype"])
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")
+    per_rank = rank_states(params, cfg, world_size, optimizer, ds)
+    chosen = worst_rank(per_rank) if rank is None else rank
+    fp8_bytes = fp8_buffer_bytes(cfg, plan)
+    c = DTYPE_BYTES[ds["dtype"] if ds else cfg.parallel.param_dtype]
+    stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
+    acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
+                                         stored_bytes=stored, c=c)
+    return MemoryEstimate(
+        strategy=cfg.parallel.strategy, zero_stage=ds and ds["stage"], fp8=cfg.precision.fp8 or "none",
+        world_size=world_size, rank=chosen, total_params=sum(p.numel for p in params),
+        bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes}, dtypes=category_dtypes(params, fp8_bytes),
+        micro_batch_size=micro, seq_len=seq_len, activations=tuple(acts.items), activations_modelled=acts.modelled,
+        derived=cfg.precision.fp8 in ("te", "msamp"), offloaded=_offloaded(ds),
+        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes), memory=cfg.parallel.memory,
+        speed=plan.selection if hardware is not None else None)
+
+
+def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:
+    """Categories DeepSpeed keeps in host memory."""
+    if ds is None:
+        return ()
+    return (("master_weights", "optimizer_states") if ds["offload_optimizer"] else ()) + \
+        (("parameters",) if ds["offload_param"] else ())

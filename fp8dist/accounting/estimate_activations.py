@@ -1,0 +1,145 @@
+"""Activation memory for one micro-batch on one rank (the private half of :mod:`fp8dist.estimate`).
+
+An estimate, not a measurement: the tensors autograd saves for backward in a Hugging Face decoder's forward,
+without activation checkpointing, for the families in
+:data:`fp8dist.accounting.activation_families.FAMILIES` (llama, mixtral, gpt2, gpt_neox), chosen by the config's
+``model_type``; each layer formula is written out in that module. Around the layers, for every family: the final
+norm, the output layer's input, the logits in the compute dtype (kept by the model output) and the fp32
+log-softmax the loss saves (4TV); under autocast (ddp/none) the copy of each cast weight; TE and MS-AMP keep each
+FP8 weight (TE: with its transpose); FSDP keeps weights gathered where it does not reshard.
+
+Checked against the tensors autograd saves (a ``saved_tensors_hooks`` count of unique storages) on small real
+models of each family on CPU, with bf16 weights and no autocast (as under FSDP) and with fp32 weights under bf16
+autocast (as under DDP): tests/test_estimate.py. A model_type outside the table gets no activation figure
+(``modelled`` False and a note), never another family's formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..strategies.fsdp import root_units
+from .activation_families import FAMILIES, Saves, activation_note, dims
+
+__all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
+
+_FP8_WEIGHT_COPY = {"te": 2, "msamp": 1}
+_NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
+ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
+"""Under full activation checkpointing: the transient of backward's recompute (not held after the forward)."""
+"""The one item that is FSDP2's gathered parameters, not a tensor autograd saves."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What the activation estimate found: ``(item, bytes)`` rows, notes, and whether a formula applied."""
+
+    items: list[tuple[str, int]]
+    notes: list[str]
+    modelled: bool
+    """False: no formula covers this model (another family, no Hugging Face config) or this setting (activation
+    checkpointing); ``items`` is empty."""
+
+
+def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is target), None) if target is not None else None
+
+
+def _unmodelled(config: Any) -> Activations:
+    kinds = ", ".join(FAMILIES)
+    if config is None or dims(config) is None:
+        why = ("the model has no Hugging Face config with hidden_size, num_hidden_layers, num_attention_heads and "
+               "vocab_size")
+    else:
+        why = f"model_type {getattr(config, 'model_type', None)!r} has no formula"
+    return Activations([], [f"activations not estimated: {why} (families modelled: {kinds}); the model-state "
+                            "figures hold for any model"], modelled=False)
+
+
+def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *, micro_batch_size: int,
+                     seq_len: int, stored_bytes: int, c: int) -> Activations:
+    """The activations of one micro-batch on one rank: per-layer formulas of the model's family, then the
+    output layer, the logits and what the strategy or FP8 backend keeps."""
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    d = dims(config) if config is not None else None
+    if family is None or d is None:
+        return _unmodelled(config)
+    checkpointing = cfg.parallel.activation_checkpointing
+    if checkpointing == "selective":  # the formulas do not split a layer's saves into matmul outputs and the rest
+        return Activations([], ["activations not estimated with activation_checkpointing='selective': between "
+                                "'full' and 'none', whose figures are the bounds (selective keeps every matmul and "
+                                "attention output)"], modelled=False)
+    T, backend = micro_batch_size * seq_len, cfg.precision.fp8
+    r = stored_bytes if cfg.parallel.strategy in ("ddp", "none") else c
+    autocast = cfg.parallel.strategy in ("ddp", "none") and c != 4
+    decisions = {e.name: e.precision for e in plan} if plan is not None else {}
+    s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
+              fp8_saves=backend in _FP8_WEIGHT_COPY,
+              te_norms=backend == "te" and any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
+              kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
+              and checkpointing == "none")
+    prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
+    layers = [family.layer(s, d, p, config) for p in prefixes]
+    if checkpointing == "full":  # a block keeps only its input; backward recomputes one block at a time
+        items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
+                  len(prefixes) * r * T * d["h"]),
+                 (RECOMPUTE_ITEM, max(layers))]
+    else:
+        items = [(f"{len(prefixes)} decoder layers", sum(layers))]
+    if family.embeddings is not None and family.embeddings(s, d, config):
+        items.append(("embedding dropout mask", family.embeddings(s, d, config)))
+    head = _module_name(model, model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
+    norm = s.rms_norm(d["h"]) if family.final_norm == "rms" else s.layer_norm(d["h"])
+    items.append(("final norm + lm_head input", norm + s.inputs([head or "lm_head"], T * d["h"], s.n)))
+    items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
+    items += _kept_weights(model, plan, cfg, family.cast_types, blocks, r, c)
+    notes = [f"activations: the {config.model_type} formula (fp8dist/accounting/activation_families.py)",
+             ("activations with full checkpointing: each layer's input, and one layer's saves while backward "
+              "recomputes it; " if checkpointing == "full" else "activations assume no activation checkpointing, ")
+             + "flash-style attention (no seq x seq scores); "
+             "dropout masks at 1 byte per element, as CUDA keeps them",
+             f"the forward's peak also holds an fp32 copy of the logits ({_mib(4 * T * d['V'])}) while the "
+             "loss is computed"]
+    if cfg.parallel.compile:
+        notes.append("compile=True: counted as the eager forward without the KV cache wrap_model turns off; "
+                     "inductor may save fewer tensors")
+    elif cfg.parallel.compile is None:
+        notes.append("compile auto turns on with FP8 on CUDA: then wrap_model turns the KV cache off and inductor "
+                     "may save fewer tensors than this eager count")
+    extra = activation_note(family, config)
+    return Activations(items, notes + ([extra] if extra else []), modelled=True)
+
+
+def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, ...], blocks: list[str], r: int,
+                  c: int) -> list[tuple[str, int]]:
+    """Weights held from forward to backward: autocast's casts, FP8 copies, FSDP's gathered ones."""
+    items, backend = [], cfg.precision.fp8
+    if r != c and plan is not None:
+        copies = sum(e.params for e in plan if e.module_type in cast_types and e.precision != "fp8")
+        items.append((f"autocast's copies of the GEMM weights ({_NAMES.get(c, c)})", copies * c))
+    if backend in _FP8_WEIGHT_COPY and plan is not None:
+        items.append(("FP8 weight copies kept for backward",
+                      sum(e.params for e in plan.fp8) * _FP8_WEIGHT_COPY[backend]))
+    if cfg.parallel.strategy in ("fsdp", "fsdp1") and not cfg.parallel.reshard_after_forward:
+        items.append(("unsharded weights kept (reshard_after_forward=False)",
+                      sum(p.numel() for p in model.parameters()) * c))
+    elif cfg.parallel.strategy == "fsdp" and blocks:  # the units outside the blocks kept gathered for backward
+        freed = tuple(f"{name}." for name in blocks) + tuple(
+            f"{name}." for unit in root_units(model, blocks) if unit.reshard_after_forward for name in unit.names)
+        root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
+        items.append((ROOT_WEIGHTS_ITEM, sum(root.values()) * c))
+    return items
+
+
+def _natural(name: str) -> list:
+    """Sort "model.layers.10" after "model.layers.9"."""
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

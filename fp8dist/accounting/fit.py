@@ -1,0 +1,209 @@
+"""Does one rank fit the target GPU's memory, and if not, what would make it fit: the estimate re-run with each way
+out (more ranks, activation checkpointing, the lean level, ZeRO-3 offload), each with the figure it computes.
+
+A rank's GPU bytes are its model states not kept in host memory plus, where modelled, the activations of one
+micro-batch. They fit when they are within :data:`MEMORY_FRACTION` of the GPU's memory (the GPU record's,
+:data:`fp8dist.plan.gpus.GPUS`): the rest is for what the estimate leaves out (the transient buffers it lists as notes,
+the CUDA context, the allocator's fragmentation). ``fp8dist bench`` plans its cells on the same share.
+
+Example::
+
+    est = estimate_memory(model, strategy="fsdp", world_size=8, seq_len=4096, target="h100")
+    est.fit.fits               # False: 257.9 GiB per rank, a rank of an H100 may plan on 72
+    est.fit.ways_out           # WayOut(change={'activation_checkpointing': 'full', 'memory': 'lean'}, ...), each
+                               # with the per-rank bytes the estimate computes for that run
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "MAX_RANKS", "MEMORY_FRACTION"]
+
+MEMORY_FRACTION = 0.9
+"""Share of a GPU's memory a rank may plan on: the estimate leaves out the transient buffers (FSDP's all-gathered
+blocks, DDP's buckets), the CUDA context and the allocator's fragmentation."""
+
+MAX_RANKS = 16384
+"""The most ranks the search for a rank count that fits tries."""
+
+LEVERS: tuple[tuple[str, Mapping[str, Any]], ...] = (
+    ("activation checkpointing", {"activation_checkpointing": "full"}),
+    ("the lean memory level", {"memory": "lean"}),
+    ("ZeRO-3 with optimizer and parameter offload", {"strategy": "deepspeed", "zero_stage": 3,
+                                                     "offload_optimizer": True, "offload_param": True}),
+)
+"""The ways out the estimate tries beside more ranks, each a change of options; a change the combination table
+refuses with the rest of the config is no way out and is left out."""
+
+
+@dataclass(frozen=True)
+class WayOut:
+    """One change of the run and the per-rank GPU bytes the estimate computes with it."""
+
+    change: Mapping[str, Any]
+    """The options changed (``world_size`` among them for a rank count)."""
+    what: str
+    """The change in words ("activation checkpointing")."""
+    device_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether one rank of the estimate fits the target GPU, and the ways out when not."""
+
+    gpu: str
+    """The GPU's name ("H100")."""
+    capacity_bytes: int
+    """The GPU's memory."""
+    device_bytes: int
+    """The estimate's per-rank GPU bytes (:func:`device_bytes`)."""
+    activations_counted: bool
+    """False when the estimate has no activation formula for the model: judged on model states alone."""
+    ways_out: tuple[WayOut, ...] = ()
+    """When it does not fit: each way out tried, with its figure; empty when it fits."""
+    no_rank_count: str = ""
+    """Why no rank count (up to :data:`MAX_RANKS`) fits with the rest as given; empty when one does or it fits."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """What a rank may plan on: :data:`MEMORY_FRACTION` of the GPU's memory."""
+        return budget(self.capacity_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(fits=self.fits, budget_bytes=self.budget_bytes, ways_out=[{**asdict(w), "change": dict(w.change)} for w in self.ways_out])
+        return out
+
+    def lines(self, size: Callable[[int], str]) -> list[str]:
+        """What the estimate prints: one line saying whether a rank fits, then one per way out."""
+        counted = "" if self.activations_counted else " (model states only: activations not estimated)"
+        plan = (f"a rank may plan on {size(self.budget_bytes)}, {MEMORY_FRACTION:.0%} of its "
+                f"{self.capacity_bytes / 2**30:g} GiB (the rest: transient buffers, the CUDA context, fragmentation)")
+        if self.fits:
+            return [f"fits the {self.gpu}: {size(self.device_bytes)} per rank{counted}; {plan}"]
+        lines = [f"does NOT fit the {self.gpu}: {size(self.device_bytes)} per rank{counted}; {plan}. Ways out, "
+                 "each computed by this estimate:"]
+        if self.no_rank_count:
+            lines.append(f"  more ranks: {self.no_rank_count}")
+        for way in self.ways_out:
+            change = ", ".join(f"{k}={v!r}" for k, v in way.change.items())
+            verdict = "fits" if way.fits else "does not fit"
+            lines.append(f"  {way.what} ({change}): {size(way.device_bytes)} per rank, {verdict}")
+        return lines
+
+
+def budget(capacity_bytes: int) -> int:
+    """What a rank may plan on of a GPU of ``capacity_bytes``."""
+    return int(MEMORY_FRACTION * capacity_bytes)
+
+
+def device_bytes(est: Any) -> int:
+    """Per-rank GPU bytes of a :class:`~fp8dist.accounting.estimate.MemoryEstimate`: model states not offloaded to
+    the host, plus the activations where modelled."""
+    states = sum(b for category, b in est.bytes.items() if category not in est.offloaded)
+    return states + (est.activation_bytes if est.activations_modelled else 0)
+
+
+Rerun = Callable[..., Any]
+"""``rerun(world_size, **changes) -> MemoryEstimate`` (without a fit); ValueError when the config the changes make
+is refused (the combination table, a rank count the strategy cannot run)."""
+
+
+def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_step: int = 1) -> Fit:
+    """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``; when it does not fit, the ways out, each run
+    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be multiples of it (HSDP's replicas)."""
+    need, allowed = device_bytes(est), budget(capacity_bytes)
+    fit = Fit(gpu, capacity_bytes, need, est.activations_modelled)
+    if fit.fits:
+        return fit
+    world, ways = est.world_size, []
+    if est.activations_modelled and est.activation_bytes >= allowed:  # ranks shard states, not activations
+        found, no_ranks = None, "the activations of one micro-batch alone exceed it, whatever the rank count"
+    else:
+        found, no_ranks = _ranks_that_fit(rerun, world, rank_step, allowed, need, {})
+    if found:
+        ways.append(WayOut({"world_size": found[0]}, "more ranks", found[1], True))
+    levers = [(change, _lever(rerun, world, what, change, need, allowed)) for what, change in LEVERS]
+    ways += [way for _, tried in levers for way in tried]
+    _, tried = levers[0]
+    if tried and not any(w.fits for w in ways):  # activations and model states both too big: checkpointing too
+        ways += _with_checkpointing(rerun, world, rank_step, allowed, tried[0], levers[1:])
+    return Fit(gpu, capacity_bytes, need, est.activations_modelled, tuple(ways), no_ranks)
+
+
+def _with_checkpointing(rerun: Rerun, world: int, step: int, allowed: int, checkpointing: WayOut,
+                        others: list[tuple[Mapping[str, Any], list[WayOut]]]) -> list[WayOut]:
+    """Activation checkpointing together with more ranks, and with each other way out that saved something."""
+    ways = []
+    both, _ = _ranks_that_fit(rerun, world, step, allowed, checkpointing.device_bytes, checkpointing.change)
+    if both:
+        ways.append(WayOut({**checkpointing.change, "world_size": both[0]}, f"{checkpointing.what} and more ranks",
+                           both[1], True))
+    for change, tried in others:
+        for way in tried:
+            ways += _lever(rerun, world, f"{checkpointing.what} and {way.what}", {**checkpointing.change, **change},
+                           way.device_bytes, allowed)
+    return ways
+
+
+def _lever(rerun: Rerun, world: int, what: str, change: Mapping[str, Any], need: int,
+           allowed: int) -> list[WayOut]:
+    """The way out ``change`` makes, as a one-item list; empty when it is refused or saves nothing (the run does
+    it already)."""
+    try:
+        bytes_ = device_bytes(rerun(world, **change))
+    except ValueError:
+        return []
+    return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ < need else []
+
+
+def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int,
+                    change: Mapping[str, Any]) -> tuple[tuple[int, int] | None, str]:
+    """((the fewest ranks, a multiple of ``step`` above ``world``, that fit with ``change``, their bytes), "") or
+    (None, why not): doubling until one fits (or the bytes stop shrinking: replicated states), then bisecting."""
+    def bytes_at(n: int) -> int | None:
+        try:
+            return device_bytes(rerun(n, **change))
+        except ValueError:
+            return None
+
+    low, n, last = world, _multiple(world + 1, step), need
+    try:
+        got = device_bytes(rerun(n, **change))
+    except ValueError as err:
+        return None, f"not with this strategy ({err})"
+    while got is not None and got < last:
+        if got <= allowed:
+            return _narrow(bytes_at, low, n, got, step, allowed), ""
+        low, last, n = n, got, _multiple(2 * n, step)
+        if n > MAX_RANKS:
+            return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
+        got = bytes_at(n)
+    return None, "more ranks do not shrink a rank's bytes here (each rank holds the whole model state)"
+
+
+def _narrow(bytes_at: Callable[[int], int | None], low: int, high: int, high_bytes: int, step: int,
+            allowed: int) -> tuple[int, int]:
+    """Bisect between ``low`` (does not fit) and ``high`` (fits) on multiples of ``step``."""
+    while high - low > step:
+        mid = _multiple((low + high) // 2, step)
+        if mid in (low, high):
+            break
+        got = bytes_at(mid)
+        if got is not None and got <= allowed:
+            high, high_bytes = mid, got
+        else:
+            low = mid
+    return high, high_bytes
+
+
+def _multiple(n: int, step: int) -> int:
+    return -(-n // step) * step

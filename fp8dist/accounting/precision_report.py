@@ -1,0 +1,160 @@
+"""The precision and memory report of a live wrapped model: the row of the MS-AMP/Accelerate precision chart for
+the run as configured (GEMM, communication, weight, master weight, weight gradient and optimizer-state dtypes),
+per part of the model, and the bytes per parameter each category of model state takes on this rank.
+
+Everything is read from the modules, the engines' policy objects, the optimizer and the tensors themselves; the
+config is only used to name the run. The parts are what a module computes: an FP8 GEMM where the precision plan
+converted it; a high-precision GEMM where it holds a matrix operand (a parameter of 2 or more dimensions: nn.Linear,
+GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table; nothing else runs a GEMM
+(embeddings, norms, 1-D parameters).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from .rows import Held, Members, Part, PrecisionRow, text_table
+from .tensors import CATEGORIES, StateBytes, StateTally, model_state_tensors
+from ..config.dtypes import dtype_names as _names
+from ..plan.precision import runs_gemm
+from ..strategies import unwrap_model
+from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes
+from ..strategies.local_shards import plain_name as _plan_name
+
+__all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
+
+
+@dataclass(frozen=True)
+class PrecisionReport(StateBytes):
+    """Returned by :func:`report`; ``print`` it for the two tables."""
+
+    strategy: str
+    fp8: str
+    rank: int
+    world_size: int
+    rows: tuple[PrecisionRow, ...]
+    bytes: Mapping[str, int]
+    """Bytes on this rank per category: parameters, master_weights, gradients, optimizer_states, fp8_buffers."""
+    dtypes: Mapping[str, str]
+    """The dtypes found in each category."""
+    total_params: int
+    """Elements of all parameters of the full model."""
+    memory: str = "standard"
+    """The model-state memory level (``memory=``): standard or lean."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for row in out["rows"]:
+            row["part"] = row["part"].value
+        out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), model_state_bytes=self.model_state_bytes,
+                   bytes_per_param=self.bytes_per_param)
+        return out
+
+    def __str__(self) -> str:
+        head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
+                f"{self.total_params:,} parameters" + (", memory lean" if self.memory == "lean" else ""))
+        cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
+                "weight grad", "optimizer states"]
+        rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,
+                 r.master_weight, r.weight_grad, r.optimizer_states] for r in self.rows]
+        per_param = self.bytes_per_param
+        mem = [[c.replace("_", " "), f"{per_param[c]:.3f}", f"{self.bytes[c] / 2**20:,.2f}", self.dtypes[c]]
+               for c in CATEGORIES]
+        mem.append(["total model states", f"{per_param['total']:.3f}", f"{self.model_state_bytes / 2**20:,.2f}", ""])
+        return "\n".join([head, text_table(cols, rows), "", text_table(["model state (this rank)", "bytes/param", "MiB",
+                                                                 "dtypes"], mem)])
+
+
+def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[Held]:
+    """``module``'s own parameters, full shapes read from FSDP1's flat parameter, ZeRO-3's ``ds_shape``, or the
+    tensor (a DTensor's shape is the global one)."""
+    return [Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
+                                            or p.shape))
+            for name, p in module.named_parameters(recurse=False)]
+
+
+def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) -> Part:
+    """The plan's record says which modules run FP8 GEMMs, grouped or not (``name`` as the plan has it); the
+    parameters' shapes say which run any GEMM."""
+    if name in fp8:
+        return Part.FP8_GROUPED_GEMM if fp8[name] else Part.FP8_GEMM
+    if runs_gemm(module, [h.shape for h in held]):
+        return Part.GEMM
+    return Part.OTHER
+
+
+def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members]:
+    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
+
+    Args:
+        model: as :func:`fp8dist.wrap_model` returned it.
+        fp8: the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = _fsdp1_full_shapes(model)
+    members = {p: Members() for p in Part}
+    owner: dict[int, tuple[Part, Held]] = {}
+    order = list(Part)
+    # a wrapper and the module it wraps share a planned name: the wrapped module, visited later, keeps it
+    names = {_plan_name(name): module for name, module in unwrap_model(model).named_modules()}
+    if fp8.keys() - names.keys():
+        warnings.warn(f"fp8dist.report: the plan's FP8 modules {sorted(fp8.keys() - names.keys())} are not in the "
+                      "wrapped model under their planned names; where they are, they are reported as high-precision "
+                      "GEMMs", stacklevel=3)
+    for name, module in names.items():
+        if isinstance(module, FullyShardedDataParallel):  # FSDP1's wrapper holds only its flat parameter
+            continue
+        held = _own_params(module, fsdp1)
+        if not held:
+            continue
+        part = _part(module, name, held, fp8)
+        members[part].modules.append(module)
+        for h in held:  # a tied parameter goes to its GEMM holder (FP8 before high precision before none)
+            if id(h.param) not in owner or order.index(part) < order.index(owner[id(h.param)][0]):
+                owner[id(h.param)] = (part, h)
+    for part, h in owner.values():
+        members[part].params.append(h)
+    return {p: m for p, m in members.items() if m.modules}
+
+
+def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
+    """What precision each part of ``model`` (returned by :func:`fp8dist.wrap_model`) really trains in, and the
+    bytes of model state per parameter on this rank. Local to this rank: no collectives.
+
+    Call it after ``optimizer.step()`` and before ``zero_grad`` (DeepSpeed: after ``engine.backward(loss)``,
+    before ``engine.step()``): the gradients counted are those held at the moment of the call, and optimizer
+    states exist only after the first step.
+
+    Args:
+        model: the model ``wrap_model`` returned (the DeepSpeed engine for strategy "deepspeed").
+        optimizer: its optimizer (ignored for DeepSpeed, whose engine holds it); None counts no optimizer state.
+
+    Example::
+
+        loss.backward(); optimizer.step()
+        print(fp8dist.report(model, optimizer))
+        optimizer.zero_grad()
+    """
+    from .row_dtypes import row_for
+
+    from ..pipeline.api import get_wrap_info
+    from .sharding import sharding_summary
+
+    info = get_wrap_info(model)
+    parts = _group_by_part(model, {e.name: e.grouped for e in info.plan.fp8})
+    fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
+    tally = StateTally()
+    for category, tensors in model_state_tensors(model, optimizer, fp8_modules).items():
+        tally.add(category, tensors)
+    rows = tuple(row_for(model, optimizer, part, members) for part, members in parts.items())
+    return PrecisionReport(
+        strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
+        world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
+        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel,
+        memory=info.config.parallel.memory)

@@ -1,0 +1,92 @@
+"""What the three axes of a run (strategy, FP8 backend, memory level) share, as data.
+
+- :class:`StrategyFacts`: what a sharding strategy does to parameters, the one thing FP8 backends and memory levels
+  learn about it. They never see its name or its engine's classes, so a rule such as "torchao all-gathers in FP8
+  only where parameters are per-parameter DTensor shards" is written against the fact and holds for any strategy
+  that has it. Each strategy states its facts; the plan records them (``plan.facts``), so a backend's conversion
+  and wiring read the facts the plan was made with.
+- :class:`Rule`: one row of the combination table (:mod:`fp8dist.config.rules`), owned by the axis that imposes it.
+- :class:`When`: the condition under which an axis reads one of its options (an option set where nothing reads it
+  is reported, never silently ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["StrategyFacts", "Rule", "When", "ALWAYS"]
+
+
+@dataclass(frozen=True)
+class StrategyFacts:
+    """How a strategy holds, computes and updates parameters."""
+
+    dtensor_shards: bool = False
+    """Each parameter is a DTensor sharded on dim 0 over a shard group and all-gathered per unit (FSDP2): the
+    engine calls a tensor subclass's all-gather hooks (FP8 all-gather) and shards 3-D expert weights on the
+    expert dim."""
+    flat_params: bool = False
+    """Parameters are flattened into one FlatParameter per unit (FSDP1): a tensor-subclass weight does not survive."""
+    engine_owns_params: bool = False
+    """The engine replaces and casts parameters itself during initialization (DeepSpeed ZeRO): tensor-subclass
+    weights cannot be swapped in."""
+    engine_builds_optimizer: bool = False
+    """The engine builds the optimizer from a spec, steps, accumulates and clips itself (DeepSpeed)."""
+    autocast_forward: bool = False
+    """The forward runs under ``torch.autocast`` to the compute dtype while parameters stay fp32 (DDP, one
+    process): GEMMs compute in the compute dtype, other ops in fp32."""
+    broadcasts_weights: bool = False
+    """The engine copies rank 0's weights to every rank when it wraps the model (DDP, DeepSpeed without
+    ``zero.Init``): ranks may start from different weights."""
+    casts_gradients: bool = False
+    """The engine casts gradients to ``reduce_dtype`` for their reduction itself, on any device (FSDP's mixed
+    precision); without it a non-fp32 reduce needs a communication hook."""
+    shard_degree: int | None = None
+    """Ranks each parameter is split over (1: replicated); None: not known (no world size given)."""
+
+    @property
+    def shards_params(self) -> bool:
+        """Each rank holds a part of each parameter in an FSDP engine (not the engine's own ZeRO partitions)."""
+        return self.dtensor_shards or self.flat_params
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the combination table: a combination of option values that cannot run, owned by the axis that
+    imposes it. ``keys`` are the options involved: the error names their values as given
+    (``fp8='msamp' with strategy='fsdp': ...``), and the way out, when not written here, is derived from the table
+    itself (the values of each key that would combine with the others as given)."""
+
+    keys: tuple[str, ...]
+    """The options involved, in the order the message names them (the owning axis's own option among them)."""
+    applies: Callable[[Any, StrategyFacts], bool]
+    """``(config, facts of its strategy) -> bool``: True where the combination cannot run."""
+    reason: str
+    """Why not: the engines' behaviour, not a restatement of the rule."""
+    way_out: str = ""
+    """What to do instead; empty: derived from the table (:func:`fp8dist.config.rules.alternatives`)."""
+
+
+@dataclass(frozen=True)
+class When:
+    """An axis reads an option of its own only when every named option has one of the given values and the
+    strategy has every named fact (e.g. TE reads ``margin`` only with ``te_recipe='delayed'``; torchao reads
+    ``fp8_all_gather`` only where parameters are DTensor shards)."""
+
+    options: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    facts: tuple[str, ...] = ()
+    """Names of :class:`StrategyFacts` fields that must be true."""
+
+    def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
+        values = {**_flat(cfg.parallel), **_flat(cfg.precision)}
+        return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
+
+
+ALWAYS = When()
+"""Read whenever its axis is chosen."""
+
+
+def _flat(section: Any) -> dict[str, Any]:
+    return dict(vars(section))

@@ -1,0 +1,246 @@
+"""The fields a user sets, by section: :class:`StrategyConfig` (the strategy and its mixed precision) and
+:class:`FP8Config` (the FP8 backend and its knobs), each default written once. :mod:`fp8dist.config.resolve` combines them
+into a :class:`~fp8dist.config.resolve.Config` and reads files; :mod:`fp8dist.config.accelerate` translates Accelerate's
+keys into these fields. Both read the schema from here, so neither imports the other back."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .schema import normalize_fields
+from .dtypes import DTYPE_ALIASES
+from ..plan.speed.step import DEFAULT_MARGIN
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence assumed where ``seq_len`` is not given (the plan's header says so)."""
+
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "Device",
+           "CheckpointingMode", "DEFAULT_SEQ_LEN"]
+
+Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
+DtypeName = Literal["fp32", "bf16", "fp16"]
+FP8BackendName = Literal["te", "torchao", "msamp"]
+Device = Literal["auto", "cpu", "cuda"]
+CheckpointingMode = Literal["none", "full", "selective"]
+
+
+_DTYPE = {"aliases": DTYPE_ALIASES}
+
+
+@dataclass(kw_only=True, frozen=True)
+class StrategyConfig:
+    """How the model is replicated or sharded, and the mixed precision of the strategy."""
+
+    strategy: Strategy = "fsdp"
+    """How the model is spread over ranks: none (one process), ddp, fsdp (FSDP2 fully_shard), fsdp1
+    (FullyShardedDataParallel) or deepspeed (ZeRO)."""
+
+    param_dtype: DtypeName = field(default="bf16", metadata=_DTYPE)
+    """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
+    parameters and run the forward under autocast to it. fp16 needs loss scaling: strategy deepspeed only."""
+
+    reduce_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
+    """Dtype in which gradients are reduced across ranks. Under ddp, bf16/fp16 use DDP's compression hooks,
+    which need NCCL (CUDA)."""
+
+    buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
+    """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
+
+    block_classes: tuple[str, ...] = ()
+    """Class names of the blocks FSDP shards one by one before the root, and that activation checkpointing and
+    compile wrap. Empty: Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
+
+    activation_checkpointing: CheckpointingMode = "none"
+    """Recompute activations in backward instead of keeping them, per block: none; full (a block keeps only its
+    input); selective (a block keeps the outputs of its matrix multiplies and attention, torchtitan's "op" mode,
+    and recomputes the cheap rest)."""
+
+    compile: bool | None = field(default=None, metadata={"none": "auto, the default"})
+    """torch.compile each block (in place: names and state-dict keys do not change). None (auto): on where FP8
+    runs on a CUDA GPU, off elsewhere (on a CPU compiling costs more than it saves)."""
+
+    reshard_after_forward: bool = True
+    """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward
+    (ZeRO-2 style: more memory, less communication). FSDP2's unit of final norm and output layer always keeps
+    them: backward needs them first."""
+
+    replicate_degree: int = 1
+    """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
+    the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
+    reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
+    a node and replicate across nodes. 1: shard over every rank."""
+
+    device: Device = "auto"
+    """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""
+
+    zero_stage: Literal[1, 2, 3] = 2
+    """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
+
+    micro_batch_size: int = 1
+    """Sequences per rank per forward: DeepSpeed's train_micro_batch_size_per_gpu, and with seq_len the tokens
+    the FP8 speed prediction is made at (fp8_select). fp8dist train and bench set it from their batch."""
+
+    seq_len: int | None = field(default=None, metadata={"none": f"{DEFAULT_SEQ_LEN} assumed, said in the plan"})
+    """Tokens per sequence: with micro_batch_size, the tokens per rank per forward that the FP8 speed prediction
+    is made at (fp8_select). None: DEFAULT_SEQ_LEN (2048) assumed, and the plan says so. fp8dist train and bench
+    set it."""
+
+    grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",)})
+    """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
+    under every strategy (its global batch split over ranks x micro-batches); in your own loop, fp8dist.no_sync."""
+
+    gradient_clipping: float = field(default=1.0, metadata={"cli_aliases": ("--max-grad-norm",)})
+    """Largest global gradient norm (0: no clipping): DeepSpeed's gradient_clipping. fp8dist train clips under
+    every strategy; in your own loop, fp8dist.clip_grad_norm_."""
+
+    offload_optimizer: bool = False
+    """DeepSpeed: keep optimizer states on the CPU."""
+
+    offload_param: bool = False
+    """DeepSpeed ZeRO-3: keep parameters on the CPU."""
+
+    ds_config: str | None = None
+    """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
+
+    memory: Literal["standard", "lean"] = "standard"
+    """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, about 6
+    bytes per parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states
+    (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds
+    the optimizer: pass optimizer={"type": "AdamW", "lr": ...}. Strategies fsdp, ddp and none."""
+
+    nonfinite_step: Literal["skip", "error", "off"] = "skip"
+    """What a step whose gradients hold an inf or NaN on any rank does: skip (the optimizer step is skipped on
+    every rank alike, weights and optimizer state as before; a warning names the step and the modules;
+    get_wrap_info(model).skipped_steps counts them), error (raise at once, nothing updated), off (no check: one such
+    step turns every weight NaN). DeepSpeed checks inside its own step (bf16 check_grad_overflow, fp16 loss
+    scaling): skip and off set that check; fp8dist counts, warns and stops the same way."""
+
+    max_skipped_steps: int = 5
+    """Consecutive skipped steps after which the run raises, naming the modules and the way out (lower the learning
+    rate, keep the layers out of FP8, resume from a checkpoint); 0: never."""
+
+    check_ranks: Literal["all", "settings", "off"] = "all"
+    """wrap_model compares every rank's resolved settings, plan, model structure and weights (one all-gather) and
+    fails on every rank naming what differs, instead of a hang or a silent mixture: all; settings (weights may
+    differ on purpose; they are never compared where the strategy copies rank 0's, ddp and deepspeed, nor before
+    they are loaded: meta models, pretrained=); off."""
+
+    pretrained: str | None = None
+    """A Hugging Face model directory (model.safetensors, or sharded files + model.safetensors.index.json) loaded
+    into the wrapped model: each rank reads only the part it holds. With a model built on the meta device, only
+    that part is ever allocated; none: the model keeps its weights (a meta model gets its own initialization)."""
+
+    def __post_init__(self) -> None:
+        blocks = self.block_classes  # classes are taken by name
+        if isinstance(blocks, type):
+            blocks = (blocks,)
+        if isinstance(blocks, (list, tuple, set, frozenset)):
+            object.__setattr__(self, "block_classes",
+                               tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
+        if isinstance(self.pretrained, os.PathLike):
+            object.__setattr__(self, "pretrained", os.fspath(self.pretrained))
+        normalize_fields(self)
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be 0 (never stop) or more.")
+        for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be a positive integer (tokens per sequence), or none "
+                             f"({DEFAULT_SEQ_LEN} assumed).")
+        if not 0 <= self.gradient_clipping < float("inf"):  # nan fails this too
+            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be a finite number >= 0 (0 turns "
+                             "clipping off).")
+
+
+@dataclass(kw_only=True, frozen=True)
+class FP8Config:
+    """Which FP8 backend is layered on top of the strategy, and its knobs. Knobs of other backends are
+    reported when set, never silently ignored."""
+
+    fp8: FP8BackendName | None = None
+    """FP8 backend: te (Transformer Engine), torchao (float8 training) or msamp (MS-AMP); none keeps the
+    strategy's mixed precision everywhere."""
+
+    on_unsupported: Literal["error", "fallback"] = "error"
+    """When the backend is not installed or the hardware has no FP8: error, or fallback to the strategy's
+    mixed precision (one warning; the plan says so)."""
+
+    fp8_exclude: tuple[str, ...] = ()
+    """Module names (fnmatch patterns, e.g. "lm_head" or "*.mlp.*") kept in the strategy's mixed precision."""
+
+    fp8_select: Literal["auto", "all"] | None = field(default=None, metadata={"none": "auto on a GPU, all on a CPU"})
+    """Which eligible layers run in FP8: auto, only those the speed model predicts faster than bf16 on the plan's
+    GPU (by fp8_select_margin, at micro_batch_size x seq_len tokens per rank); all, every eligible layer. None:
+    auto where the plan's hardware is a CUDA GPU (a CUDA device or --target), all on a CPU (FP8 there is for
+    numerics and tests). fp8_exclude, fp8_filter and keep_first_last_linear apply on top."""
+
+    fp8_select_margin: float = DEFAULT_MARGIN
+    """fp8_select auto: a layer runs in FP8 where its predicted speedup over bf16 is at least this (1.0: every layer
+    predicted faster; above 1 demands a clearer gain)."""
+
+    keep_first_last_linear: bool = True
+    """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
+
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
+
+    torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
+    """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
+    torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
+    auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
+    quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
+
+    fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default"})
+    """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
+    off for rowwise recipes (torchao supports it for tensorwise only)."""
+
+    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
+    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
+    mxfp8 (MXFP8BlockScaling, Blackwell)."""
+
+    fp8_format: Literal["E4M3", "HYBRID"] = "HYBRID"
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
+
+    margin: int = 0
+    """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
+
+    interval: int = 1
+    """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
+    accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
+
+    amax_history_len: int = 1024
+    """TE delayed scaling: length of the amax history window."""
+
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
+
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
+    DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
+
+    use_autocast_during_eval: bool = False
+    """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
+
+    opt_level: Literal["O1", "O2", "O3"] = "O2"
+    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fp8_format, str) and self.fp8_format.upper() == "E5M2":
+            raise ValueError("fp8_format='E5M2' is not supported: E5M2 alone lacks the precision forward "
+                             "activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 gradients) or "
+                             "'E4M3'.")
+        normalize_fields(self)
+        for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")
+        if not 0 < self.fp8_select_margin < float("inf"):  # nan fails this too
+            raise ValueError(f"fp8_select_margin={self.fp8_select_margin} must be a finite number > 0: the speedup "
+                             f"over bf16 a layer must reach to run in FP8 ({DEFAULT_MARGIN}: any predicted gain).")
+
+
+SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}
+"""The sections of a :class:`~fp8dist.config.resolve.Config`, by its attribute names."""

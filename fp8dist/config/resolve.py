@@ -1,0 +1,129 @@
+"""The one config: the sections of :mod:`fp8dist.config.options` (where every default is written, once) combined, checked
+together, and read from Python keywords, files and flags.
+
+Python keyword options (``wrap_model(m, strategy="fsdp", reduce_dtype="bf16")``), a YAML/JSON file and the
+``fp8dist`` CLI flags all land in these dataclasses. Every key is a field name; a bad value raises ValueError
+naming the field, the value and the choices.
+
+Example::
+
+    cfg = resolve_config("fp8dist.yaml", strategy="fsdp1")     # file, then keyword overrides
+    cfg.parallel.param_dtype                                    # 'bf16'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Mapping
+
+from .rules import check as check_combination
+from .rules import unused_options as options_unused
+from .schema import route_keys
+from .accelerate import translate_accelerate_config
+from .files import read_config_text
+from .dtypes import torch_dtype
+from .options import SECTIONS, FP8Config, StrategyConfig
+
+__all__ = [
+    "StrategyConfig",
+    "FP8Config",
+    "Config",
+    "resolve_config",
+    "load_config_file",
+    "torch_dtype",
+]
+
+_SECTIONS = SECTIONS
+_OPTION_NAMES = frozenset(f.name for section in SECTIONS.values() for f in fields(section))
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section."""
+
+    parallel: StrategyConfig = field(default_factory=StrategyConfig)
+    """Strategy and its mixed precision."""
+
+    precision: FP8Config = field(default_factory=FP8Config)
+    """FP8 backend and its knobs."""
+
+    def __post_init__(self) -> None:
+        check_combination(self)  # the one table of what combines (fp8dist.config.rules), before anything uses the config
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take."""
+        flat: dict[str, Any] = {}
+        for name in _SECTIONS:
+            flat.update(asdict(getattr(self, name)))
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}
+
+    def unused_options(self) -> list[str]:
+        """Messages for options changed from their default that the chosen strategy / backend / memory level does
+        not read (:func:`fp8dist.config.rules.unused_options`)."""
+        return options_unused(self)
+
+    @classmethod
+    def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config",
+                  given: Collection[str] | None = None) -> "Config":
+        """Build from flat keys; unknown keys and bad values raise ValueError. ``given``: the keys the user set
+        (None: all of ``flat``); a refused combination names any other option in it as the default."""
+        routed = route_keys(flat, _SECTIONS.values(), source=source)
+        sections = {name: section(**routed[section]) for name, section in _SECTIONS.items()}
+        if given is not None:
+            check_combination(SimpleNamespace(**sections), defaulted=_OPTION_NAMES - set(given))
+        return cls(**sections)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON file into a flat dict (not validated yet); the keys of a file written by
+    ``accelerate config`` are translated (:mod:`fp8dist.config.accelerate`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is empty, not valid YAML/JSON (naming the line and column), gives a key twice, or is
+            not a mapping, or an Accelerate key or value has no fp8dist equivalent.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist.")
+    data = read_config_text(path)
+    if data is None:  # nothing, or only comments
+        raise ValueError(f"config file {str(path)!r} is empty: write at least one key (e.g. strategy: fsdp), or "
+                         "pass no config file.")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of keys to values, got {type(data).__name__}.")
+    return translate_accelerate_config(data, source=str(path))
+
+
+def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, *,
+                   defaults: Mapping[str, Any] | None = None, source: str = "wrap_model options",
+                   **overrides: Any) -> Config:
+    """The one path from Python keywords, a dict, a YAML/JSON file (fp8dist's keys or a file written by
+    ``accelerate config``) and command-line flags to a validated :class:`Config`, built once.
+
+    Args:
+        config: the base: a Config, a flat dict, or a YAML/JSON path; None means all defaults.
+        defaults: values used where neither ``config`` nor ``overrides`` gives the key (a command's own default,
+            e.g. the CLI's ``fp8``); the dataclasses' defaults stand under them.
+        source: where a mapping ``config`` came from, for the error text (a path names itself).
+        **overrides: flat keys (``strategy="fsdp1"``, ``param_dtype="bf16"``); they win over ``config``.
+
+    Returns:
+        A validated :class:`Config`.
+    """
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, Config):
+        base = config.to_dict()
+    elif isinstance(config, (str, Path)):
+        base = load_config_file(config)
+        source = str(config)
+    elif isinstance(config, Mapping):
+        base = translate_accelerate_config(config, source=source)
+    else:
+        raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
+    route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from
+    return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source, given={*base, *overrides})

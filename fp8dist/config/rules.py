@@ -1,0 +1,214 @@
+"""The one table of what combines. Each rule is owned by the axis that imposes it (a strategy, an FP8 backend or a
+memory level: their ``rules``), and so is each option an axis alone reads (their ``options``). This module reads
+those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
+config once when it is built (so ``wrap_model``, the CLI, the bench's cells, the estimate and the Accelerate
+translator all refuse the same combinations, before anything changes), ``compile=None`` asks whether compile would
+be refused, the bench asks which cells can run.
+
+A refusal names the values as given and, unless its rule says what to do instead, the way out is derived from the
+table itself: the values of each option involved that would combine with the rest as given.
+
+Example::
+
+    refusals(resolve_config(strategy="fsdp", fp8="msamp"))   # one message, way out included
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Collection, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+from .axis import Rule, StrategyFacts, When
+from ..fp8 import BACKENDS, get_backend
+from ..memory_levels import LEVELS, get_level
+from .options import SECTIONS
+from ..strategies import STRATEGIES, get_strategy
+
+__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of", "choices"]
+
+PIPELINE_STEPS = {
+    "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
+    "max_skipped_steps": (When({"nonfinite_step": ("skip",)}),),
+}
+"""Options a step of the pipeline reads, and when: the block step (activation checkpointing and compile, per
+block), the guard of non-finite steps."""
+
+
+def facts_of(cfg: Any, world_size: int | None = None) -> StrategyFacts:
+    """The facts of ``cfg``'s strategy (on ``world_size`` ranks, when known)."""
+    return get_strategy(cfg.parallel.strategy).facts(cfg, world_size)
+
+
+def _axes(cfg: Any) -> Iterator[tuple[str, Any]]:
+    """The chosen axis objects, each with the option that chose it."""
+    yield "strategy", get_strategy(cfg.parallel.strategy)
+    if cfg.precision.fp8 is not None:
+        yield "fp8", get_backend(cfg.precision.fp8)
+    yield "memory", get_level(cfg.parallel.memory)
+
+
+def table() -> list[tuple[str, Rule]]:
+    """Every rule of every axis value, each with its owner (``"fp8='msamp'"``): the whole table, for reading."""
+    owners = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
+    return [(f"{key}={name!r}", rule) for key, values in owners for name, axis in values.items() for rule in axis.rules]
+
+
+def _values(cfg: Any) -> dict[str, Any]:
+    return {**vars(cfg.parallel), **vars(cfg.precision)}
+
+
+def _applying(cfg: Any) -> list[Rule]:
+    facts = facts_of(cfg)
+    return [rule for _, axis in _axes(cfg) for rule in axis.rules if rule.applies(cfg, facts)]
+
+
+def choices(key: str) -> tuple[Any, ...]:
+    """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
+    else ()."""
+    for section in SECTIONS.values():
+        hints = typing.get_type_hints(section)
+        if key in hints:
+            hint = hints[key]
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            values = []
+            for arg in typing.get_args(hint) if union else (hint,):
+                if typing.get_origin(arg) is typing.Literal:
+                    values += typing.get_args(arg)
+                elif arg is bool:
+                    values += [True, False]
+            return tuple(dict.fromkeys(values))
+    return ()
+
+
+def _with(cfg: Any, **changes: Any) -> Any:
+    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config)."""
+    sections = {}
+    for name, section in SECTIONS.items():
+        current = getattr(cfg, name)
+        mine = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(section)}}
+        sections[name] = SimpleNamespace(**{**vars(current), **mine})
+    return SimpleNamespace(**sections)
+
+
+def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
+    """For each option of ``rule``, the values that combine with the rest as given (by the whole table)."""
+    given = _values(cfg)
+    parts = []
+    for key in rule.keys:
+        ok = [v for v in choices(key) if v != given[key] and v is not None and not _applying(_with(cfg, **{key: v}))]
+        if ok:
+            others = " and ".join(f"{'the default ' if k in defaulted else ''}{k}={given[k]!r}"
+                                  for k in rule.keys if k != key)
+            shown = ", ".join(repr(v) for v in ok[:-1]) + (" or " if len(ok) > 1 else "") + repr(ok[-1])
+            parts.append(f"with {others} use {key}={shown}")
+    return ("; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".") if parts else ""
+
+
+def message(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
+    """The refusal of ``rule`` for ``cfg``: the values as given, why, and the way out. An option in ``defaulted``
+    was not given, so it is named as the default ("with the default strategy='fsdp'")."""
+    given = _values(cfg)
+    first, *rest = (f"{'the default ' if key in defaulted else ''}{key}={given[key]!r}" for key in rule.keys)
+    head = f"{first} with {' and '.join(rest)}" if rest else first
+    way_out = rule.way_out or alternatives(cfg, rule, defaulted)
+    return f"{head}: {rule.reason}." + (f" {way_out}" if way_out else "")
+
+
+def refusals(cfg: Any, defaulted: Collection[str] = ()) -> list[str]:
+    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given."""
+    return [message(cfg, rule, defaulted) for rule in _applying(cfg)]
+
+
+def refusal_of(**options: Any) -> str | None:
+    """The first refusal of the config ``options`` make (None: they combine), for a planner that builds many
+    configs (the bench's cells); a bad option value raises ValueError as in any config."""
+    from .schema import route_keys
+
+    routed = route_keys(options, SECTIONS.values(), source="options")
+    cfg = SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()})
+    found = refusals(cfg)
+    return found[0] if found else None
+
+
+def check(cfg: Any, defaulted: Collection[str] = ()) -> None:
+    """Raise ValueError with the first refusal of ``cfg`` (called once for every config built); options in
+    ``defaulted`` were left at their default by the user, and the message says so."""
+    found = refusals(cfg, defaulted)
+    if found:
+        raise ValueError(found[0])
+
+
+def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:
+    """The first rule ``cfg`` would break with ``changes`` (``compile=True``: would compile be refused here?), or
+    None."""
+    rules = _applying(_with(cfg, **changes))
+    return rules[0] if rules else None
+
+
+def _defaults() -> dict[str, Any]:
+    out = {}
+    for section in SECTIONS.values():
+        for f in dataclasses.fields(section):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out[f.name] = list(default) if isinstance(default, tuple) else default
+    return out
+
+
+def _owners() -> list[tuple[str, str, When]]:
+    """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for a pipeline
+    step, When)``."""
+    out = []
+    axes = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
+    for key, values in axes:
+        for name, axis in values.items():
+            out += [(option, key, name, when) for option, when in axis.options.items()]
+    out += [(option, "", "", when) for option, whens in PIPELINE_STEPS.items() for when in whens]
+    return out
+
+
+def _needs(readers: list[tuple[str, str, When]]) -> str:
+    """Who reads an option, readers with the same condition named together: "strategy in ['fsdp', 'fsdp1'] or
+    compile in [True]"."""
+    grouped: dict[tuple[str, str], tuple[list[str], When]] = {}
+    for key, name, when in readers:
+        grouped.setdefault((key, repr(when)), ([], when))[0].append(name)
+    texts = []
+    for (key, _), (names, when) in grouped.items():
+        parts = [f"{key} in {names}"] if key else []
+        parts += [f"{k} in {list(v)}" for k, v in when.options.items()]
+        if when.facts:
+            parts.append(f"strategy in {_strategies_with(when.facts)}")
+        texts.append(" and ".join(parts))
+    return " or ".join(texts)
+
+
+def _strategies_with(facts: tuple[str, ...]) -> list[str]:
+    return [name for name, strategy in STRATEGIES.items() if all(getattr(strategy.facts(None), f) for f in facts)]
+
+
+def unused_options(cfg: Any) -> list[str]:
+    """A note for each option set away from its default that no chosen axis reads under ``cfg``."""
+    return list(unread_options(cfg).values())
+
+
+def unread_options(cfg: Any) -> dict[str, str]:
+    """``{option: note}`` for each option set away from its default that no chosen axis reads under ``cfg``."""
+    values, defaults, facts = _values(cfg), _defaults(), facts_of(cfg)
+    chosen = {(key, values[key]) for key, _ in _axes(cfg)} | {("", "")}
+    readers: dict[str, list[tuple[str, str, When]]] = {}
+    for option, key, name, when in _owners():
+        readers.setdefault(option, []).append((key, name, when))
+    notes = {}
+    for option, who in readers.items():
+        value = list(values[option]) if isinstance(values[option], tuple) else values[option]
+        if value == defaults[option] or any((key, name) in chosen and when.holds(cfg, facts) for key, name, when in who):
+            continue
+        keys = dict.fromkeys(k for key, _, when in who
+                             for k in (key, *when.options, *(("strategy",) if when.facts else ())) if k)
+        notes[option] = (f"{option}={value!r} has no effect here (read only when {_needs(who)}; "
+                         + ", ".join(f"{k}={values[k]!r}" for k in keys) + ").")
+    return notes

@@ -1,0 +1,245 @@
+"""Generic machinery for fp8dist's keyword-only config dataclasses.
+
+One place turns a dataclass into: validation of every field against its type (``Literal`` choices, bool, int,
+float, str, tuples), the docstring written under each field, a flat ``key -> section`` routing table, and
+``argparse`` flags. The dataclasses in :mod:`fp8dist.config.resolve` and :mod:`fp8dist.train.job` hold the defaults; this
+module never defines one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
+           "choice_error", "BOOL_WORDS"]
+
+
+def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
+    """A ValueError naming the field, the bad value, the valid choices and (optionally) a close match."""
+    choices = list(choices)
+    msg = f"{name}={value!r} is not valid; choose one of: {', '.join(repr(c) for c in choices)}."
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    if close and close[0] != str(value):
+        msg += f" Did you mean {close[0]!r}?"
+    if way_out:
+        msg += f" {way_out}"
+    return ValueError(msg)
+
+
+BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+"""What a boolean option accepts as text (case-insensitive): on the command line, in files and in Python."""
+
+
+def _describe_type(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        item = "names" if args[0] is str else "booleans" if args[0] is bool else "values"
+        return f"a list of {len(args)} {item}" if Ellipsis not in args else f"a list of {item}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _normalize_tuple(name: str, value: Any, args: tuple) -> tuple:
+    variadic = len(args) == 2 and args[1] is Ellipsis
+    if isinstance(value, str) and variadic and args[0] is str:
+        value = (value,)  # one pattern / class name for a list of them
+    if not isinstance(value, (list, tuple)):
+        example = "['lm_head', '*.mlp.*']" if args[0] is str else "[false, false, true]"
+        raise ValueError(f"{name}={value!r} must be {_describe_type(tuple[args])} (e.g. {example}), "
+                         f"not {type(value).__name__}.")
+    if not variadic and len(value) != len(args):
+        raise ValueError(f"{name}={value!r} must be {_describe_type(tuple[args])}, got {len(value)}.")
+    return tuple(normalize_value(name, item, args[0] if variadic else arg)
+                 for item, arg in zip(value, args if not variadic else [args[0]] * len(value)))
+
+
+def _normalize_scalar(name: str, value: Any, hint: Any) -> Any:
+    if hint is bool:
+        if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.strip().lower()]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{name}={value!r} must be true or false (also yes/no, 1/0).")
+    if hint in (int, float):
+        if isinstance(value, str):
+            try:
+                value = hint(value.strip())
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
+            raise ValueError(f"{name}={value!r} must be {_describe_type(hint)}.")
+        return value
+    if hint is str and not isinstance(value, str):
+        raise ValueError(f"{name}={value!r} must be a string.")
+    return value
+
+
+def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
+    if isinstance(value, str):  # case-insensitive; "3" for the integer choice 3, as the command line gives it
+        for choice in choices:
+            if isinstance(choice, str) and choice.lower() == value.strip().lower() or (
+                    not isinstance(choice, str) and str(choice) == value.strip()):
+                return choice
+    elif value in choices and not isinstance(value, bool):
+        return value
+    raise choice_error(name, value, choices)
+
+
+def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
+                    none: str | None = None) -> Any:
+    """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices.
+
+    One normalization for Python, files and the command line: choices match case-insensitively ("FSDP"),
+    ``aliases`` map other spellings ("bfloat16", ``torch.bfloat16``), text parses as the field's type ("3",
+    "false"), "none" is None where None is allowed, a list is a tuple. ``none`` says what None means for this
+    field ("auto"), in the error for a value that is neither None nor of the field's type.
+    """
+    if aliases is not None and value is not None and not isinstance(value, (bool, int, float, tuple, list)):
+        value = aliases.get(str(value).lower(), value)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if type(None) in args and (value is None or isinstance(value, str) and value.strip().lower() == "none"):
+            return None
+        errors = []
+        for option in options:
+            try:
+                return normalize_value(name, value, option)
+            except ValueError as err:
+                errors.append(err)
+        if type(None) in args:  # say that None is a choice too, and what it means
+            raise ValueError(f"{str(errors[0]).rstrip('.')}, or none{f' ({none})' if none else ''}.") from None
+        raise errors[0]
+    if origin is typing.Literal:
+        return _normalize_choice(name, value, args)
+    if origin is tuple:
+        return _normalize_tuple(name, value, args)
+    return _normalize_scalar(name, value, hint)
+
+
+def normalize_fields(obj: Any) -> None:
+    """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
+    frozen or not; field metadata ``aliases`` gives other spellings of a field's values.
+
+    Raises:
+        ValueError: naming the field, the value and, for choices, the choices.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"),
+                                f.metadata.get("none"))
+        object.__setattr__(obj, f.name, value)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written right under each field of dataclass ``cls`` (torchtitan style)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:
+    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes``.
+
+    Keys are field names, unique across ``classes``. An unknown key raises ValueError listing the valid keys.
+    ``source`` says where the keys came from (``"wrap_model"``, a file name) for the error text.
+    """
+    classes = list(classes)
+    owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
+    routed: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    for key, value in flat.items():
+        if key not in owner:
+            raise choice_error(f"option {key!r} in {source}", key, sorted(owner),
+                               "Unknown keys are never ignored: remove it or fix its spelling.")
+        routed[owner[key]][key] = value
+    return routed
+
+
+def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> Any:
+    """argparse ``type=``: the same normalization as Python and files, errors as argparse's own."""
+
+    def parse(text: str) -> Any:
+        try:
+            return normalize_value(name, text, hint, aliases, none)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
+def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> dict[str, Any]:
+    """argparse kwargs for a field annotation: values parsed by :func:`normalize_value`, choices shown."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    inner = next((a for a in args if a is not type(None)), hint) if optional else hint
+    inner_origin, inner_args = typing.get_origin(inner), typing.get_args(inner)
+    if inner is bool:
+        words = "/".join(BOOL_WORDS) + ("/none" if optional else "")
+        return {"nargs": "?", "const": True, "type": _cli_type(name, hint, aliases, none), "metavar": f"{{{words}}}"}
+    if inner_origin is tuple:
+        item = inner_args[0]
+        count = "+" if Ellipsis in inner_args else len(inner_args)
+        metavar = "{" + "/".join(BOOL_WORDS) + "}" if item is bool else "NAME"
+        return {"nargs": count, "type": _cli_type(name, item, aliases), "metavar": metavar}
+    if inner_origin is typing.Literal:
+        choices = [str(a) for a in inner_args] + (["none"] if optional else [])
+        return {"type": _cli_type(name, hint, aliases), "metavar": "{" + ",".join(choices) + "}"}
+    return {"type": _cli_type(name, hint, aliases), "metavar": {int: "N", float: "X"}.get(inner, "VALUE")}
+
+
+def cli_flag(name: str) -> str:
+    """The command line's flag for field ``name`` (``data_cache`` -> ``--data-cache``): what an error names beside
+    the field, so a reader of either finds it."""
+    return f"--{name.replace('_', '-')}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None,
+                  skip: Iterable[str] = (), shown_defaults: Mapping[str, str] | None = None) -> None:
+    """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
+    are parsed as in Python (:func:`normalize_value`). A boolean field takes ``--flag`` (true), ``--flag VALUE``
+    (true/false/yes/no/1/0) and ``--no-flag`` (false). A field's ``cli_aliases`` metadata adds other spellings of
+    its flag (another tool's name for the same knob).
+
+    Flags default to "not given" (absent from the namespace), so a YAML file can sit under the command line.
+    ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
+    """
+    group = parser.add_argument_group(title or cls.__name__)
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    skip = set(skip)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kwargs = _flag_kwargs(f.name, hints[f.name], f.metadata.get("aliases"), f.metadata.get("none"))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
+        text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %
+        flag = cli_flag(f.name)
+        group.add_argument(flag, *f.metadata.get("cli_aliases", ()), dest=f.name, default=argparse.SUPPRESS,
+                           help=text, **kwargs)
+        if kwargs.get("const") is True:  # a boolean: --flag, --flag VALUE, --no-flag
+            group.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=f"the same as {flag} false")

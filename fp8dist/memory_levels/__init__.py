@@ -1,0 +1,27 @@
+"""Model-state memory levels (``memory=``), one module each, each a class implementing
+:class:`~fp8dist.memory_levels.base.MemoryLevel`: ``standard`` (fp32 master weights, your optimizer) and ``lean``
+(:mod:`fp8dist.memory_levels.lean`: bf16 weights, 8-bit AdamW states)."""
+
+from __future__ import annotations
+
+from .base import MemoryLevel
+from .lean import LEVEL as _LEAN
+
+__all__ = ["MemoryLevel", "LEVELS", "get_level", "STANDARD"]
+
+
+class _Standard(MemoryLevel):
+    """fp32 master weights (or what the strategy keeps), the optimizer you choose: every hook is the default."""
+
+    name = "standard"
+
+
+STANDARD = _Standard()
+
+LEVELS: dict[str, MemoryLevel] = {level.name: level for level in (STANDARD, _LEAN)}
+"""Every memory level by the name ``memory=`` takes."""
+
+
+def get_level(name: str) -> MemoryLevel:
+    """The level ``memory=name`` selects (names are validated by the config)."""
+    return LEVELS[name]

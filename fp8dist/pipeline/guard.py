@@ -1,0 +1,137 @@
+"""A non-finite step never reaches the weights.
+
+One inf in a forward (an FP8 overflow after a loss spike, a bad batch) makes the gradients non-finite, and one
+optimizer step with them turns every weight NaN: the run goes on printing NaN losses. ``wrap_model`` installs a
+:class:`StepGuard` (``nonfinite_step``, default "skip"): before each step of an optimizer holding the model's
+parameters, it checks every gradient this rank holds (one fused norm per dtype), and all ranks agree with one
+reduction of a per-parameter flag vector. A non-finite step is skipped on every rank alike -- every gradient set to
+None, so the optimizer leaves weights and its state exactly as they were, as if the batch had not been seen --, a
+warning names the step and the modules, ``get_wrap_info(model).skipped_steps`` counts it, and ``max_skipped_steps``
+consecutive skips raise :class:`NonFiniteStepsError` with the way out. An engine that checks inside its own step
+(DeepSpeed: bf16 ``check_grad_overflow``, fp16's loss scaler) keeps doing so; the guard reads its verdict, counts,
+warns and stops the same way (the strategy decides how it watches its steps).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["StepGuard", "NonFiniteStepsError"]
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive steps had non-finite gradients (or one did, with ``nonfinite_step="error"``)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class StepGuard:
+    """What ``nonfinite_step`` does, and what it has seen (every rank holds the same counts)."""
+
+    mode: str
+    """"skip" or "error" ("off" installs no guard)."""
+    max_consecutive: int
+    """Consecutive skips after which :class:`NonFiniteStepsError` is raised; 0: never."""
+    device: torch.device = torch.device("cpu")
+    """Where the flags are reduced (the process group's device)."""
+    names: dict[int, str] = field(default_factory=dict)
+    """Parameter id -> its module's name (the user's names, wrappers' prefixes dropped)."""
+    steps: int = 0
+    """Optimizer steps seen."""
+    skipped_steps: int = 0
+    consecutive: int = 0
+    last_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, cfg: Any, device: torch.device) -> "StepGuard":
+        """The guard ``cfg`` asks for (``nonfinite_step``, ``max_skipped_steps``) over ``model``'s parameters."""
+        from ..strategies.local_shards import plain_name
+
+        names = {id(p): plain_name(n).rpartition(".")[0] or plain_name(n) for n, p in model.named_parameters()}
+        return cls(cfg.parallel.nonfinite_step, cfg.parallel.max_skipped_steps, device, names)
+
+    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Check the gradients of ``optimizer``'s parameters before it steps; skip (set them to None) or raise
+        on every rank alike. Registered with :data:`fp8dist.pipeline.optim.STEP_HOOKS` by the strategy."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        bad = _nonfinite(params, self.device)
+        if not bad.any():
+            self._ok()
+            return
+        modules = tuple(dict.fromkeys(self.names.get(id(p), "?") for p, b in zip(params, bad.tolist()) if b))
+        for p in params:
+            p.grad = None  # the optimizer skips a parameter without a gradient: weights and state untouched
+        self.skipped(modules)
+
+    def after_engine_step(self, skipped: bool) -> None:
+        """For an engine that checks and skips inside its own step: count its verdict, warn, stop after too many."""
+        if skipped:
+            self.skipped(())
+        else:
+            self._ok()
+
+    def _ok(self) -> None:
+        self.steps += 1
+        self.consecutive = 0
+
+    def skipped(self, modules: tuple[str, ...]) -> None:
+        self.steps += 1
+        self.skipped_steps += 1
+        self.consecutive += 1
+        self.last_modules = modules
+        where = f" in {', '.join(modules[:8])}" + (f" and {len(modules) - 8} more" if len(modules) > 8 else "") \
+            if modules else ""
+        if self.mode == "error":
+            raise NonFiniteStepsError(f"step {self.steps}: non-finite gradients{where}; nothing was updated. "
+                                      f"{_WAY_OUT} (nonfinite_step='skip' skips such steps instead).")
+        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+            raise NonFiniteStepsError(f"{self.consecutive} consecutive steps had non-finite gradients (the last{where}"
+                                      f"), each skipped; the run is not recovering. {_WAY_OUT}.")
+        warnings.warn(f"step {self.steps} skipped: non-finite gradients{where} on some rank; weights and optimizer "
+                      f"state are as before the step ({self.skipped_steps} skipped so far).", RuntimeWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The stack level of the first frame outside fp8dist and torch: the user's ``optimizer.step()`` line, where
+    the warning belongs (hooks run it from inside torch)."""
+    import inspect
+    import os
+
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level - 1
+
+
+_WAY_OUT = ("Lower the learning rate, keep the layers named out of FP8 (fp8_exclude=[...]; fp8dist probe measures "
+            "them), or resume from the last checkpoint")
+
+
+def _nonfinite(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per parameter, whether its gradient (this rank's part) holds an inf or NaN, agreed over every rank: one
+    fused norm per dtype here, one MAX all-reduce of the flags."""
+    params = list(params)
+    flags = torch.zeros(len(params), dtype=torch.float32, device=device)
+    grads = [(i, _local(p.grad)) for i, p in enumerate(params) if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for i, g in grads:
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append((i, g))
+    for items in by_dtype.values():
+        norms = torch.stack(torch._foreach_norm([g for _, g in items])).float().to(device)
+        flags[torch.tensor([i for i, _ in items], device=device)] = (~torch.isfinite(norms)).float()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.cpu() > 0

@@ -1,0 +1,103 @@
+"""Hugging Face checkpoints written before the model classes that read them: MoE families whose checkpoints on the
+Hub hold one module per expert, while transformers 5 holds each layer's experts as two fused 3-D parameters.
+
+- Mixtral: ``model.layers.L.block_sparse_moe.experts.E.w1/w3/w2.weight`` (and the router under
+  ``block_sparse_moe.gate``) -> ``model.layers.L.mlp.experts.gate_up_proj`` (E, 2I, H) = each expert's w1 (gate)
+  then w3 (up), and ``down_proj`` (E, H, I) = each expert's w2.
+- Qwen2-MoE / Qwen3-MoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight`` -> the same two fused parameters.
+
+The table mirrors what transformers' own ``from_pretrained`` does for these families (its ``conversion_mapping``:
+a rename, then ``MergeModulelist(dim=0)`` and ``Concatenate(dim=1)``); tests check a checkpoint in the old layout
+loads to the same weights both ways. fp8dist assembles only the part of a fused tensor a rank holds, reading the
+matching rows of each expert's tensor (:meth:`fp8dist.pipeline.pretrained.SafetensorsDir.read`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["ExpertsLayout", "FusedExperts", "LAYOUTS", "resolve"]
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a family's per-expert checkpoints name what the model holds fused."""
+
+    renames: tuple[tuple[str, str], ...]
+    """``(in the model's names, in the checkpoint's)``: tried on every name the checkpoint lacks."""
+    fused: tuple[tuple[str, tuple[str, ...]], ...]
+    """``(fused parameter's name in the experts module, the per-expert tensors that make it, under the experts
+    module, "{e}" the expert)``: experts stacked on dim 0, each expert's tensors concatenated on their dim 0."""
+
+
+_QWEN_MOE = ExpertsLayout(renames=(), fused=(("gate_up_proj", ("{e}.gate_proj.weight", "{e}.up_proj.weight")),
+                                             ("down_proj", ("{e}.down_proj.weight",))))
+LAYOUTS = {
+    "mixtral": ExpertsLayout(renames=((".mlp.", ".block_sparse_moe."),),
+                             fused=(("gate_up_proj", ("{e}.w1.weight", "{e}.w3.weight")),
+                                    ("down_proj", ("{e}.w2.weight",)))),
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+}
+"""model_type -> its per-expert checkpoint layout."""
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A fused experts tensor as the checkpoint holds it: per expert, the names of its tensors in order."""
+
+    parts: tuple[tuple[str, ...], ...]
+    rows: tuple[int, ...]
+    """Dim 0 of each of an expert's tensors."""
+    shape: tuple[int, ...]
+    """The fused tensor's shape: (experts, sum of rows, *the tensors' other dims)."""
+    dtype: str
+
+
+def _candidates(name: str, layout: ExpertsLayout) -> list[str]:
+    """``name`` and its spellings under the layout's renames."""
+    out = [name]
+    for ours, theirs in layout.renames:
+        out += [n.replace(ours, theirs, 1) for n in out if ours in n]
+    return out
+
+
+def _fused(name: str, layout: ExpertsLayout, shapes: Mapping[str, tuple[int, ...]],
+           dtypes: Mapping[str, str]) -> FusedExperts | None:
+    module, _, attr = name.rpartition(".")
+    pattern = dict(layout.fused).get(attr)
+    if pattern is None:
+        return None
+    for prefix in _candidates(module + ".", layout):
+        parts = []
+        while all(prefix + p.format(e=len(parts)) in shapes for p in pattern):
+            parts.append(tuple(prefix + p.format(e=len(parts)) for p in pattern))
+        if not parts:
+            continue
+        first = [shapes[n] for n in parts[0]]
+        if any([shapes[n] for n in expert] != first for expert in parts) or \
+                len({s[1:] for s in first}) != 1 or len({dtypes[n] for e in parts for n in e}) != 1:
+            return None  # experts of different shapes or dtypes: not this layout; the mismatch is reported
+        rows = tuple(s[0] for s in first)
+        return FusedExperts(tuple(parts), rows, (len(parts), sum(rows), *first[0][1:]), dtypes[parts[0][0]])
+    return None
+
+
+def resolve(wanted: Iterable[str], shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+            model_type: str | None) -> dict[str, str | FusedExperts]:
+    """For each name in ``wanted`` the checkpoint (``shapes``/``dtypes`` by name) lacks: the checkpoint name it
+    has under the family's older layout, or the per-expert tensors a fused parameter is made of. Names found in
+    neither way are left out (the caller reports them missing)."""
+    layout = LAYOUTS.get(model_type or "")
+    if layout is None:
+        return {}
+    out: dict[str, str | FusedExperts] = {}
+    for name in wanted:
+        if name in shapes:
+            continue
+        renamed = next((n for n in _candidates(name, layout)[1:] if n in shapes), None)
+        found = renamed or _fused(name, layout, shapes, dtypes)
+        if found is not None:
+            out[name] = found
+    return out

@@ -1,0 +1,111 @@
+"""A model built on the meta device, before and after sharding: whether a strategy that keeps the whole model on
+every rank can hold it (:func:`check_fits`), and the model's own initialization (:func:`init_weights`).
+
+Without ``pretrained=``, each module is initialized at full size, one module at a time, by the model's own
+``_init_weights`` (Hugging Face) or ``reset_parameters``, and each rank keeps its part: the same weights for any
+strategy and world size under the same seed (not those of an eager construction with that seed, whose module
+constructors draw random numbers a meta construction does not).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config.text import plural
+from ..config.args import require_bool
+from ..strategies import unwrap_model
+from ..strategies.common import available_bytes, check_fits, to_empty
+from ..strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
+
+__all__ = ["is_meta_model", "to_empty", "available_bytes", "check_fits", "init_weights"]
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """True when any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _init_fn(model: nn.Module):
+    """The model's per-module initializer: Hugging Face ``_init_weights``, else each module's
+    ``reset_parameters``."""
+    hf_init = getattr(model, "_init_weights", None)
+    if callable(hf_init):
+        return hf_init
+    return lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
+
+
+def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]],
+                    param_device: torch.device | str) -> nn.Module:
+    """A childless copy of ``module`` with its own buffers at full size on ``device``, its parameters on
+    ``param_device`` (the meta device when only the buffers are wanted)."""
+    shadow = object.__new__(original_class(module))
+    shadow.__dict__ = dict(module.__dict__)
+    shadow._modules = {}
+    shadow._parameters = {n: None if p is None else nn.Parameter(
+        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device), requires_grad=p.requires_grad)
+        for n, p in module._parameters.items()}
+    shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
+                       for n, b in module._buffers.items()}
+    return shadow
+
+
+def _post_order(module: nn.Module, prefix: str = ""):
+    """Modules children first, as Hugging Face's ``initialize_weights`` visits them."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalParam] | None = None,
+                 buffers_only: bool = False) -> None:
+    """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
+    part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
+    come from elsewhere (a checkpoint)."""
+    require_bool("buffers_only", buffers_only)
+    inner = unwrap_model(model)
+    params = local_params(model) if params is None else params
+    by_name = {n: p for p in params for n in p.names}
+    init = _init_fn(inner)
+    if not buffers_only:
+        _check_initializable(inner, by_name)
+    with torch.no_grad():
+        for prefix, module in _post_order(inner):
+            if not module._buffers and (buffers_only or not module._parameters):
+                continue
+            names = {n: plain_name(f"{prefix}.{n}" if prefix else n) for n in module._parameters}
+            shapes = {n: by_name[q].shape for n, q in names.items() if q in by_name}
+            shadow = _full_size_copy(module, device, shapes, "meta" if buffers_only else device)
+            init(shadow)
+            for n, buf in module._buffers.items():
+                if buf is not None:
+                    buf.copy_(shadow._buffers[n])
+            if buffers_only:
+                continue
+            for n, full in shadow._parameters.items():
+                piece = by_name.get(names[n])
+                if full is not None and piece is not None and piece.region.numel:  # tied: the last module wins
+                    piece.local.copy_(_cut(full.data, piece.region).view(piece.local.shape))
+
+
+def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> None:
+    """Without Hugging Face's ``_init_weights``, a module whose parameters no ``reset_parameters`` sets would keep
+    uninitialized memory: refused, naming them."""
+    if callable(getattr(inner, "_init_weights", None)):
+        return
+    bare = [plain_name(f"{prefix}.{n}" if prefix else n) for prefix, module in _post_order(inner)
+            if not hasattr(module, "reset_parameters") for n in module._parameters
+            if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]
+    if bare:
+        raise ValueError(f"{type(inner).__name__} was built on the meta device and {plural(len(bare), 'parameter')} "
+                         f"{'has' if len(bare) == 1 else 'have'} no initialization to run (their module has no "
+                         f"reset_parameters), e.g. {bare[:5]}: they "
+                         "would hold uninitialized memory. Pass pretrained=DIR, give those modules a "
+                         "reset_parameters(), or build the model on the CPU.")
+
+
+def _cut(full: torch.Tensor, region: Region) -> torch.Tensor:
+    if region.flat is not None:
+        return full.reshape(-1)[region.flat[0]: region.flat[1]]
+    return full[tuple(slice(start, start + length) for start, length in region.box)]

@@ -1,0 +1,378 @@
+"""Step 5b of :func:`fp8dist.wrap_model`: a model built on the meta device is materialized after sharding, each rank
+allocating only what it holds, and filled from a Hugging Face safetensors directory (``pretrained=``) or by the
+model's own initialization (:mod:`fp8dist.pipeline.meta_init`); ``pretrained=`` also loads into a model that has real
+weights (one code path).
+
+- Each rank reads only its part of every tensor (safetensors' lazy ``get_slice``): FSDP2's rows (a box of the
+  DTensor), FSDP1's and ZeRO-3's flat ranges. :class:`SafetensorsDir` counts the bytes it read.
+- Names go through the wrappers (FP8 conversion keeps ``.weight``; activation checkpointing and compile prefixes
+  are dropped: :func:`fp8dist.strategies.local_shards.plain_name`); tied parameters load from whichever of their
+  names the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config.text import plural
+from ..config.args import require_bool
+from .agree import on_all_ranks
+from ..config.dtypes import dtype_name
+from .meta_init import init_weights
+from ..strategies import unwrap_model
+from ..strategies.local_shards import LocalParam, Region, local_params, plain_name
+
+__all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize", "INDEX_FILE",
+           "SINGLE_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_SHOWN = 5  # mismatches listed in an error
+
+
+class PretrainedError(ValueError):
+    """A pretrained directory that is missing, malformed, or does not match the model (says what differs)."""
+
+
+class SafetensorsDir:
+    """A Hugging Face model directory's safetensors weights (one ``model.safetensors``, or shards named by
+    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.bytes_read = 0
+        """Bytes of tensor data read so far (what this rank materialized from the files)."""
+        if not self.path.is_dir():
+            raise PretrainedError(f"pretrained={str(path)!r} is not a directory. Pass a Hugging Face model "
+                                  "directory (model.safetensors, or model-0000x-of-0000y.safetensors + "
+                                  f"{INDEX_FILE}), e.g. one written by model.save_pretrained() or "
+                                  "fp8dist.save_pretrained().")
+        self._handles: dict[str, Any] = {}
+        self._files = self._weight_files()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for name, file in self._files.items():
+            piece = self._open(file).get_slice(name)
+            self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+        self._aliases: dict[str, Any] = {}
+        """Names the model has that the files hold under an older layout: the file's name, or the per-expert
+        tensors of a fused experts parameter (:mod:`fp8dist.pipeline.hf_layouts`)."""
+
+    def adopt_layout(self, wanted: list[str], model_type: str | None) -> None:
+        """Answer for the names in ``wanted`` that the files hold in ``model_type``'s older layout (Mixtral's
+        per-expert ``block_sparse_moe.experts.N.w1``, ...): they are then found, shaped and read as the model
+        names them, and the files' own names for them are no longer listed."""
+        from .hf_layouts import resolve
+
+        for name, found in resolve(wanted, self.shapes, self.dtypes, model_type).items():
+            self._aliases[name] = found
+            sources = [found] if isinstance(found, str) else [n for expert in found.parts for n in expert]
+            self.shapes[name] = self.shapes[found] if isinstance(found, str) else found.shape
+            self.dtypes[name] = self.dtypes[found] if isinstance(found, str) else found.dtype
+            for source in sources:
+                self.shapes.pop(source, None), self.dtypes.pop(source, None)
+
+    def _weight_files(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise PretrainedError(f"{index} is not a safetensors index (no readable 'weight_map': {err}). "
+                                      "Write the directory again with save_pretrained.") from None
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                verb = "is" if len(missing) == 1 else "are"
+                raise PretrainedError(f"{index} names {plural(len(missing), 'file')} that {verb} not in {self.path}: "
+                                      f"{missing[:_SHOWN]}. Copy the whole directory.")
+            return dict(weight_map)
+        if (self.path / SINGLE_FILE).is_file():
+            return {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+        there = sorted(p.name for p in self.path.iterdir())[:8]
+        raise PretrainedError(f"pretrained={str(self.path)!r} holds no safetensors weights ({SINGLE_FILE} or "
+                              f"{INDEX_FILE}); it has {there or 'nothing'}. fp8dist reads safetensors only (no "
+                              "pickled .bin files): convert with model.save_pretrained(dir, safe_serialization=True) "
+                              "or fp8dist.save_pretrained().")
+
+    def _open(self, file: str) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise PretrainedError(f"{self.path / file} is not a readable safetensors file ({err}): it is truncated "
+                                      "or damaged. Copy it again, or write the directory again with "
+                                      "save_pretrained.") from None
+        return self._handles[file]
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name`` (of a fused experts tensor, the file of its first part)."""
+        found = self._aliases.get(name, name)
+        source = found if isinstance(found, str) else found.parts[0][0]
+        return self.path / self._files[source]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def names(self) -> list[str]:
+        """The tensors' names, as the model names them where :meth:`adopt_layout` mapped an older layout."""
+        return list(self.shapes)
+
+    def read(self, name: str, region: Region) -> torch.Tensor:
+        """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
+        that cover it)."""
+        found = self._aliases.get(name)
+        if isinstance(found, str):
+            return self._read_file(found, region, self.shapes[name])
+        if found is not None:
+            return self._read_fused(found, region)
+        return self._read_file(name, region, self.shapes[name])
+
+    def _read_fused(self, fused: Any, region: Region) -> torch.Tensor:
+        """A region of a fused experts tensor from the per-expert tensors: of each expert in it, the rows of
+        each of its tensors that fall in the region (a flat range reads the experts that cover it)."""
+        if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
+            if region.numel == 0:
+                return torch.empty(0)
+            experts, rows, rest = fused.shape[0], fused.shape[1], tuple((0, s) for s in fused.shape[2:])
+            row = _numel(fused.shape[2:])
+            start, stop = region.flat
+            first, last = start // row, (stop - 1) // row + 1
+            pieces = []
+            for e in range(first // rows, (last - 1) // rows + 1):
+                lo, hi = max(first, e * rows) - e * rows, min(last, (e + 1) * rows) - e * rows
+                pieces.append(self._read_fused(fused, Region(box=((e, 1), (lo, hi - lo), *rest))).reshape(-1))
+            return torch.cat(pieces)[start - first * row: stop - first * row]
+        (e0, experts), (r0, rows), *rest = region.box
+        stacked = []
+        for expert in fused.parts[e0:e0 + experts]:
+            pieces, offset = [], 0
+            for source, length in zip(expert, fused.rows):
+                lo, hi = max(r0, offset), min(r0 + rows, offset + length)
+                if lo < hi:
+                    box = ((lo - offset, hi - lo), *rest)
+                    pieces.append(self._read_file(source, Region(box=box), (length, *fused.shape[2:])))
+                offset += length
+            stacked.append(torch.cat(pieces))
+        return torch.stack(stacked)
+
+    def _read_file(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
+        """``region`` of the tensor the files hold as ``name`` (of ``shape``)."""
+        piece = self._open(self._files[name]).get_slice(name)
+        if region.flat is None:
+            out = piece[tuple(slice(start, start + length) for start, length in region.box)] if shape else piece[:]
+        elif region.numel == 0:
+            return torch.empty(0)
+        else:
+            start, stop = region.flat
+            row = 1
+            for size in shape[1:]:
+                row *= size
+            first, last = start // row, (stop - 1) // row + 1
+            rows = piece[first:last] if shape else piece[:]
+            out = rows.reshape(-1)[start - first * row: stop - first * row]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading a pretrained directory read on this rank."""
+
+    path: str
+    bytes_read: int
+    """Tensor bytes this rank read from the files."""
+    checkpoint_bytes: int
+    """Tensor bytes of the whole checkpoint."""
+
+
+# ---- pretrained weights into whatever this rank holds
+
+
+def _ignored(model: nn.Module) -> list[str]:
+    """Checkpoint keys the model's class says to ignore (Hugging Face ``_keys_to_ignore_on_load_unexpected``)."""
+    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {plain_name(f"{prefix}.{name}" if prefix else name): buf
+            for prefix, module in model.named_modules() for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
+
+
+def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[str, torch.Tensor],
+                ignore: list[str]) -> list[str]:
+    def listed(kind: str, items: list[str]) -> list[str]:
+        more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+        return [f"{plural(len(items), *kind)}: {', '.join(items[:_SHOWN])}{more}"] if items else []
+
+    missing, shapes, known = [], [], set()
+    for p in params:
+        known.update(p.names)
+        found = [n for n in p.names if n in source]
+        if not found:
+            missing.append(p.names[0])
+        elif source.shapes[found[0]] != p.checkpoint_shape:
+            shapes.append(f"{found[0]} {list(source.shapes[found[0]])} in the checkpoint, {list(p.checkpoint_shape)} "
+                          "in the model")
+    for name, buf in buffers.items():
+        known.add(name)
+        if name in source and source.shapes[name] != tuple(buf.shape):
+            shapes.append(f"{name} {list(source.shapes[name])} in the checkpoint, {list(buf.shape)} in the model")
+    unexpected = [n for n in source.names() if n not in known and not any(re.search(pat, n) for pat in ignore)]
+    return (listed(("shape mismatch",), shapes)
+            + listed(("parameter missing from the checkpoint", "parameters missing from the checkpoint"), missing)
+            + listed(("checkpoint tensor the model does not have", "checkpoint tensors the model does not have"),
+                     unexpected))
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None,
+                    fp32_master: bool | None = None) -> LoadReport:
+    """Fill every parameter's part on this rank (and the persistent buffers) from the safetensors in ``path``,
+    casting to each parameter's dtype. ``model`` is the wrapped model (or the user's module); ``params`` defaults
+    to :func:`~fp8dist.strategies.local_shards.local_params` of it. Call it on every rank: a failure on any rank
+    (its part of a tensor non-finite, a file it cannot read) raises on every rank. ``fp32_master``: whether the
+    engine keeps fp32 master weights of bf16 parameters (None: read from the model where it can be); it decides
+    the warning about bf16 parameters.
+
+    Raises:
+        PretrainedError: no safetensors in ``path``, a file truncated or damaged, names or shapes that differ (the
+            first ones listed), or non-finite values (naming the file and the tensor).
+    """
+    params = local_params(model) if params is None else params
+    return on_all_ranks(f"loading pretrained={str(path)!r}", lambda: _load(model, path, params, fp32_master),
+                        error=PretrainedError, passthrough=(PretrainedError,))
+
+
+def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
+          fp32_master: bool | None) -> LoadReport:
+    source = SafetensorsDir(path)
+    inner = unwrap_model(model)
+    buffers = _persistent_buffers(inner)
+    source.adopt_layout([n for p in params for n in p.names] + list(buffers),
+                        getattr(getattr(inner, "config", None), "model_type", None))
+    problems = _mismatches(source, params, buffers, _ignored(inner))
+    if problems:
+        raise PretrainedError(f"pretrained={str(path)!r} does not match {type(inner).__name__}: "
+                              + "; ".join(problems) + ". Build the model from the config the checkpoint was saved "
+                              "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
+                              "checkpoint.")
+    _warn_precision(model, source, params, fp32_master)
+    with torch.no_grad():
+        for p in params:
+            name = next(n for n in p.names if n in source)
+            if p.region.numel:
+                p.local.copy_(_finite(source, name, _read_local(source, name, p)))
+        for name, buf in buffers.items():
+            if name in source:
+                buf.copy_(_finite(source, name, source.read(name, Region(box=tuple((0, s) for s in buf.shape)))))
+    total = sum(_numel(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
+    report = LoadReport(str(path), source.bytes_read, total)
+    source.close()
+    return report
+
+
+def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tensor:
+    """``part`` (of tensor ``name``, as read), refused when it holds NaN or inf: a damaged file, or a model saved
+    after it diverged, would otherwise train on without a word."""
+    if part.is_floating_point():
+        bad = part.numel() - int(torch.isfinite(part).sum())
+        if bad:
+            raise PretrainedError(f"{source.file_of(name)} holds non-finite values (NaN or inf) in {name}: {bad:,} "
+                                  f"of the {part.numel():,} values read: the file is damaged, or the model had "
+                                  "diverged when it was saved. Load a copy saved before that, or copy the file again.")
+    return part
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _fp32_master(model: nn.Module, fp32_master: bool | None) -> bool | None:
+    """Whether the engine keeps fp32 master weights of low-precision parameters (DeepSpeed's optimizer does;
+    FSDP, DDP and none train the parameters as they are): as given, else as the model shows; None where it does
+    not say."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if fp32_master is not None:
+        return fp32_master
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions
+        return True
+    return False if isinstance(model, (FSDPModule, FullyShardedDataParallel)) else None
+
+
+def _warn_precision(model: nn.Module, source: SafetensorsDir, params: list[LocalParam],
+                    fp32_master: bool | None) -> None:
+    """One warning when the parameters loaded into are bf16/fp16: without DeepSpeed they train so, with no fp32
+    master (usually a model built without ``dtype=torch.float32``); under DeepSpeed an fp32 checkpoint is rounded
+    to them (its fp32 master weights start from the rounded values)."""
+    low = {p.local.dtype for p in params if p.local.dtype in _LOW}
+    if not low:
+        return
+    dtype = dtype_name(next(iter(low)))
+    master = _fp32_master(model, fp32_master)
+    if master is False:
+        warnings.warn(f"pretrained={str(source.path)!r} is loaded into {dtype} parameters (the model was built in "
+                      f"{dtype}, e.g. from a config whose dtype is {dtype}): they train as {dtype} with no fp32 master "
+                      "copy, so small updates round away. Build the model with dtype=torch.float32 "
+                      "(AutoModelForCausalLM.from_config(config, dtype=torch.float32)); mixed precision still computes "
+                      "in bf16.", UserWarning, stacklevel=4)
+    elif master and any(source.dtypes.get(n) in ("F32", "F64") for p in params for n in p.names if n in source):
+        warnings.warn(f"pretrained={str(source.path)!r} holds fp32 weights and DeepSpeed's {dtype} mode holds the "
+                      f"parameters in {dtype} (its fp32 master weights, in the optimizer, start from them): the "
+                      f"checkpoint is rounded to {dtype} once, as deepspeed.initialize rounds any model. "
+                      "strategy='fsdp' keeps fp32 parameters (bf16 compute) if the fp32 values matter.",
+                      UserWarning, stacklevel=4)
+
+
+def _read_local(source: SafetensorsDir, name: str, p: LocalParam) -> torch.Tensor:
+    """This rank's part of ``p`` from the checkpoint's tensor ``name``, shaped as ``p.local``. A transposed
+    parameter (out, in) reads the transposed box of the (in, out) tensor; for a flat range, the columns of the
+    out-rows that cover it."""
+    if not p.transposed:
+        return source.read(name, p.region).view(p.local.shape)
+    if p.region.flat is None:
+        return source.read(name, Region(box=p.region.box[::-1])).t().reshape(p.local.shape)
+    _, in_features = p.shape
+    start, stop = p.region.flat
+    first, last = start // in_features, (stop - 1) // in_features + 1
+    columns = source.read(name, Region(box=((0, in_features), (first, last - first))))
+    return columns.t().reshape(-1)[start - first * in_features: stop - first * in_features]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(safetensors_dtype, 4)
+
+
+def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
+                meta: bool, fp32_master: bool | None = None) -> LoadReport | None:
+    """Fill the sharded (or whole) ``model``: its part of the pretrained weights, or (a meta model without
+    ``pretrained``) its own initialization. Buffers of a meta model are set by its initialization either way.
+    ``fp32_master``: see :func:`load_pretrained`."""
+    require_bool("meta", meta)
+    params = local_params(model)
+    if meta:
+        init_weights(model, device, params=params, buffers_only=pretrained is not None)
+    if pretrained is None:
+        return None
+    return load_pretrained(model, pretrained, params=params, fp32_master=fp32_master)

@@ -1,0 +1,190 @@
+"""The rendezvous of a job launched without torchrun's agent (``RANK``/``WORLD_SIZE`` set by hand or by a script,
+SLURM ``srun``): rank 0 hosts a TCP store at ``MASTER_ADDR:MASTER_PORT``, every rank checks in, and a rank that
+waits too long stops with an error naming what is missing instead of hanging silently.
+
+torch's own ``env://`` rendezvous waits for the default collective timeout (30 minutes on gloo) without a word
+and then reports a store timeout. torchrun's agent has its own rendezvous (``--rdzv-conf join_timeout=``); jobs
+under it keep ``env://``.
+
+One timeout (``FP8DIST_RENDEZVOUS_TIMEOUT``) bounds the whole wait, including a rank's connection to rank 0: torch's
+store client, once a TCP connection is accepted, waits for the store's first answer with no timeout
+(``TCPStore::ping``, torch 2.13), so a port held by another program that accepts and never answers held a rank
+forever. The client is made in a thread; at the timeout its connection is shut down, which ends its wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import ipaddress
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from .env_vars import RENDEZVOUS_TIMEOUT_S, TIMEOUT_VARIABLE, LaunchError, read
+
+__all__ = ["LaunchError", "RENDEZVOUS_TIMEOUT_S", "TIMEOUT_VARIABLE", "rendezvous_timeout", "rendezvous_store"]
+
+_NOTICE_S = 30.0  # a job still waiting after this long says so, once
+_JOINED = "fp8dist/pipeline/rendezvous/joined"
+_POLL_S = 0.1  # after the timeout, how often a rank given up on rank 0 looks for the connection to close
+_FREE_PORT = "choose a free MASTER_PORT, the same for every rank"
+
+
+def rendezvous_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait for every rank: ``FP8DIST_RENDEZVOUS_TIMEOUT`` when set (a positive number), else
+    :data:`RENDEZVOUS_TIMEOUT_S`."""
+    return read(os.environ if environ is None else environ, TIMEOUT_VARIABLE, RENDEZVOUS_TIMEOUT_S)
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
+    """A store every one of the ``world`` ranks has checked into, for ``init_process_group(store=...)``; LaunchError
+    (naming the address, the rank, how many ranks joined and the way out) when that takes longer than ``timeout_s``,
+    counted from the call: the connection to rank 0 and the wait for the others share the one timeout."""
+    start = time.monotonic()
+    where = f"{addr}:{port}"
+    store = _host(addr, port, world, timeout_s) if rank == 0 else _reach(addr, port, rank, world, timeout_s)
+    longer = f"{TIMEOUT_VARIABLE}=SECONDS waits longer (now {timeout_s:g} s)"
+    joined, noticed = _count(store, 1, rank, where), False
+    while joined < world:
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise LaunchError(f"rank {rank}: only {joined} of WORLD_SIZE={world} processes joined the rendezvous at "
+                              f"{where} in {timeout_s:g} s: {world - joined} never started or cannot reach it. Start "
+                              f"all {world} (torchrun --nproc-per-node N sets RANK and WORLD_SIZE for each), or set "
+                              f"WORLD_SIZE to the number you start; {longer}.")
+        if not noticed and rank == 0 and waited > _NOTICE_S:
+            print(f"fp8dist: rank 0 waiting for {world - joined} more of {world} processes at {where} (gives up "
+                  f"after {timeout_s:g} s; {TIMEOUT_VARIABLE})", file=sys.stderr, flush=True)
+            noticed = True
+        time.sleep(0.05)
+        joined = _count(store, 0, rank, where)
+    return store
+
+
+def _host(addr: str, port: int, world: int, timeout_s: float) -> dist.Store:
+    """Rank 0's store, listening on ``port`` (on every interface: torch's store does), its own client connected
+    through ``addr`` as every rank's is."""
+    store, err, unanswered = _make_store(addr, port, 0, world, timeout_s)
+    if store is not None:
+        return store
+    where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
+    if unanswered:  # the store listens here, and MASTER_ADDR leads to another machine's program
+        raise LaunchError(f"rank 0 hosts the rendezvous on port {port} of this machine, but the program at {where} "
+                          f"accepted a connection and did not answer as it within {timeout_s:g} s: MASTER_ADDR names "
+                          "another machine. Set it to this machine's address, the same for every rank.")
+    if _in_use(port):
+        raise LaunchError(f"rank 0 cannot host the rendezvous at {where}: port {port} is in use by another program "
+                          f"on this machine. Stop that program (ss -ltnp 'sport = :{port}' names it), or "
+                          f"{_FREE_PORT}.")
+    raise LaunchError(f"rank 0 could not host the rendezvous at {where}: {str(err).splitlines()[0]}. Start rank 0 on "
+                      f"the machine MASTER_ADDR names, and {_FREE_PORT}.")
+
+
+def _in_use(port: int) -> bool:
+    """Whether another socket holds ``port`` on this machine: a bind as torch's store binds (every interface, a
+    port in TIME_WAIT reusable) fails with EADDRINUSE."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
+def _reach(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
+    """A store client connected to rank 0's store within ``timeout_s``, else LaunchError saying what is there."""
+    store, _, unanswered = _make_store(addr, port, rank, world, timeout_s)
+    if store is not None:
+        return store
+    where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
+    if unanswered:
+        raise LaunchError(f"rank {rank} of {world}: the program at {where} accepted a connection but did not answer "
+                          f"as rank 0's rendezvous within {timeout_s:g} s: another program holds that port. Stop it "
+                          f"(ss -ltnp 'sport = :{port}' on that machine names it), or {_FREE_PORT}.")
+    raise LaunchError(f"rank {rank} of {world} could not reach rank 0 at {where} within {timeout_s:g} s: rank 0 is "
+                      f"not running there. Start every rank with the same MASTER_ADDR and MASTER_PORT (torchrun "
+                      f"--nnodes N --nproc-per-node M sets them); {TIMEOUT_VARIABLE}=SECONDS waits longer (now "
+                      f"{timeout_s:g} s).")
+
+
+def _make_store(addr: str, port: int, rank: int, world: int,
+                timeout_s: float) -> tuple[dist.Store | None, Exception | None, bool]:
+    """torch's store (rank 0 hosts it), made in a thread and given up on after ``timeout_s``: (the store or None,
+    torch's error, whether a connection to ``addr:port`` was open and unanswered then). Giving up shuts that
+    connection down, so the thread ends before this returns (a thread still inside torch when the interpreter
+    finalizes aborts the process)."""
+    try:
+        peers = {_endpoint(info[4]) for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        raise LaunchError(f"rank {rank} of {world}: MASTER_ADDR={addr!r} does not resolve to an address here: set it "
+                          "to rank 0's machine (an address, or a name every machine resolves), the same for every "
+                          "rank.") from None
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            made["store"] = dist.TCPStore(addr, port, world, is_master=rank == 0, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=timeout_s), multi_tenant=True)
+        except (RuntimeError, ValueError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
+            made["error"] = err
+
+    before = set(_socket_fds())
+    thread = threading.Thread(target=make, name="fp8dist-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    unanswered = False
+    while thread.is_alive():  # torch's own deadline, the same timeout, has passed: it does not try again for long
+        unanswered |= _close_connections(set(_socket_fds()) - before, peers)
+        thread.join(_POLL_S)
+    return made.get("store"), made.get("error"), unanswered
+
+
+def _socket_fds() -> list[int]:
+    """This process's open sockets (Linux: /proc/self/fd)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                fds.append(int(name))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return fds
+
+
+def _endpoint(address: tuple) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """(IP, port) of a socket address, an IPv4 address the same whether or not written as IPv6 (torch's client
+    connects through an IPv6 socket: ``::ffff:127.0.0.1``)."""
+    ip = ipaddress.ip_address(address[0].split("%")[0])
+    return (ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else ip, address[1]
+
+
+def _close_connections(fds: set[int], peers: set) -> bool:
+    """Shut down those of ``fds`` connected to one of ``peers``, so that a read waiting on them returns; whether
+    there was one."""
+    closed = False
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and _endpoint(sock.getpeername()) in peers:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    closed = True
+        except OSError:  # not connected (yet), or closed meanwhile
+            pass
+    return closed
+
+
+def _count(store: dist.Store, add: int, rank: int, where: str) -> int:
+    """The number of ranks checked in (after adding ``add``); LaunchError when rank 0's store has gone."""
+    try:
+        return store.add(_JOINED, add)
+    except RuntimeError:  # DistNetworkError: the connection to rank 0 closed
+        raise LaunchError(f"rank {rank}: rank 0's rendezvous at {where} closed while the ranks were meeting: rank 0 "
+                          "stopped. Its own error says why; start the job again.") from None

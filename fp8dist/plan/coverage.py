@@ -1,0 +1,102 @@
+"""How much of a model's GEMM work a precision plan runs in FP8: which modules run a GEMM, their estimated FLOPs
+per token, and the share in FP8 (the plan's share line and ``wrap_model``'s low-coverage warning)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["FP8Coverage", "MIN_FP8_SHARE", "coverage", "gemm_flops", "runs_gemm", "LOOKUPS"]
+
+
+MIN_FP8_SHARE = 0.5
+"""``wrap_model`` warns when an FP8 backend was asked for and covers less than this share of the model's GEMM
+parameters (nothing converted included)."""
+
+
+@dataclass(frozen=True)
+class FP8Coverage:
+    """How much of the model's GEMM work the plan runs in FP8: the numbers behind the plan's share line and
+    ``wrap_model``'s low-coverage warning."""
+
+    gemm_modules: int
+    """Modules that run a GEMM with their own parameters (:func:`runs_gemm`)."""
+    fp8_modules: int
+    gemm_params: int
+    fp8_params: int
+    gemm_flops: int
+    """Estimated forward GEMM FLOPs per token (see :attr:`fp8dist.plan.precision.PlanEntry.gemm_flops`)."""
+    fp8_flops: int
+    kept: tuple[tuple[str, int, int], ...]
+    """The GEMM modules not in FP8, grouped by reason: ``(reason, modules, params)``, most parameters first."""
+
+    @property
+    def param_share(self) -> float:
+        return self.fp8_params / self.gemm_params if self.gemm_params else 0.0
+
+    @property
+    def flop_share(self) -> float:
+        return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
+
+    @property
+    def low(self) -> bool:
+        """Less than :data:`MIN_FP8_SHARE` of the GEMM parameters in FP8 (or none at all)."""
+        return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
+
+    def summary(self) -> str:
+        return (f"FP8 share of GEMMs: {self.fp8_params:,} of {self.gemm_params:,} params "
+                f"({100 * self.param_share:.1f}%)"
+                f", {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params of each GEMM module, MoE "
+                "experts x top_k/experts)")
+
+
+def _kept_as(entry: Any) -> str:
+    """What a module kept out of FP8 is counted under: its reason, or, where the selection kept it (each with its
+    own figure), what kept it."""
+    if entry.numerics:
+        return "FP8 measured unsafe by the numerics probe"
+    if entry.predicted:
+        return "FP8 predicted slower than bf16 (fp8_select='auto')"
+    return entry.reason
+
+
+def coverage(entries: Sequence[Any]) -> FP8Coverage:
+    """The FP8 share of ``entries`` (:class:`~fp8dist.plan.precision.PlanEntry`)."""
+    gemm = [e for e in entries if e.gemm_flops]
+    fp8 = [e for e in gemm if e.precision == "fp8"]
+    kept: dict[str, list[int]] = {}
+    for e in gemm:
+        if e.precision != "fp8":
+            count = kept.setdefault(_kept_as(e), [0, 0])
+            count[0] += 1
+            count[1] += e.params
+    groups = sorted(((reason, n, params) for reason, (n, params) in kept.items()), key=lambda g: -g[2])
+    return FP8Coverage(len(gemm), len(fp8), sum(e.params for e in gemm), sum(e.params for e in fp8),
+                       sum(e.gemm_flops for e in gemm), sum(e.gemm_flops for e in fp8), tuple(groups))
+
+
+def gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
+    """2 x params per token, scaled by top_k / experts for an experts module (``grouped``: transformers'
+    num_experts and its config's num_experts_per_tok)."""
+    if not runs_gemm(module):
+        return 0
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    if grouped and isinstance(top_k, int) and 0 < top_k <= module.num_experts:
+        return 2 * params * top_k // module.num_experts
+    return 2 * params
+
+
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+"""Modules whose 2-D parameter is a table read by index: no GEMM."""
+
+
+def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:
+    """Whether ``module`` multiplies by its own parameters: it holds a matrix operand (a parameter of 2 or more
+    dims: nn.Linear, GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table. ``shapes``:
+    its parameters' full shapes where the module holds flat shards (FSDP1); default, the parameters' own."""
+    if shapes is None:
+        shapes = [p.shape for p in module.parameters(recurse=False)]
+    return not isinstance(module, LOOKUPS) and any(len(shape) >= 2 for shape in shapes)

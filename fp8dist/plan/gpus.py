@@ -1,0 +1,171 @@
+"""One table of the GPUs fp8dist plans for: each one's dense tensor-core peaks (bf16, FP8), memory bandwidth and
+the achievable fractions the speed model (:mod:`fp8dist.plan.speed`) needs, every figure with the datasheet it comes
+from. ``--target`` (:data:`fp8dist.plan.hardware.TARGETS`), the speed model and the MFU figure read it; nothing else
+holds a GPU figure.
+
+Peaks are *dense* (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure, twice the dense one, with a
+footnote; the records say which page they halve. Only the H100's achievable fractions are calibrated on published
+measurements (:data:`H100_CALIBRATION`); every other GPU borrows them and scales by its own datasheet peaks, so its
+predictions are labelled uncalibrated."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["Source", "Calibration", "GpuSpec", "GPUS", "H100_CALIBRATION", "gpu_by_key", "gpu_by_device_name"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a figure comes from."""
+
+    document: str
+    """The document's title, as published."""
+    url: str
+    """Where it is published."""
+    note: str = ""
+    """How the figure was read from it (e.g. the sparse figure halved)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The constants of the speed model that no datasheet gives: what fraction of the peaks real kernels reach,
+    how much slower than its ideal memory traffic an FP8 cast runs, and the shortest a kernel takes."""
+
+    bf16_gemm_fraction: float
+    """Fraction of the dense bf16 peak a large bf16 GEMM reaches."""
+    fp8_gemm_fraction: float
+    """Fraction of the dense FP8 peak a large FP8 GEMM reaches (fitted relative to ``bf16_gemm_fraction``: speedup
+    data fix only their ratio)."""
+    memory_fraction: float
+    """Fraction of the memory bandwidth a large elementwise kernel reaches."""
+    cast_slowdown: tuple[float, float, float]
+    """(input, weight, grad_output): the time of an operand's column-wise scaling pass (a rowwise recipe's
+    per-column scales into the transposed layout) over its ideal traffic at ``memory_fraction`` of the bandwidth
+    (fitted; it absorbs whatever else scales with that operand's size in the measured FP8 run)."""
+    kernel_floor_s: float
+    """The shortest time any kernel takes on the GPU (launch and ramp-up), in seconds."""
+    measured_on: str
+    """The GPU (its key) whose published measurements these constants were fitted on."""
+    source: Source
+    """The measurements, the fit and its rows."""
+
+
+H100_CALIBRATION = Calibration(
+    bf16_gemm_fraction=0.78,
+    fp8_gemm_fraction=0.903,
+    memory_fraction=0.92,
+    cast_slowdown=(11.7, 8.21, 5.71),
+    kernel_floor_s=2e-6,
+    measured_on="h100",
+    source=Source(
+        "torchao float8 rowwise vs bfloat16 speedup table, H100 (LayerNorm -> Linear -> Sigmoid, fwd + bwd, "
+        "compiled), 216 shapes",
+        "https://github.com/pytorch/ao/blob/fdddb2cfa2a4ea930dfce9ef23429013b466b22d/docs/static/fp8-rowwise-perf.png",
+        "fp8_gemm_fraction and cast_slowdown fitted by benchmarks/speed_model/fit.py on the rows M in {1024, "
+        "4096, 16384} of tests/data/torchao_fp8_rowwise_h100.csv (2026-11-24); bf16_gemm_fraction, "
+        "memory_fraction and kernel_floor_s are torchao's H100 figures (torchao/testing/training/"
+        "roofline_utils.py: pct_achievable_gemm_tops, pct_achievable_mem_bw, KERNEL_LAUNCH_OVERHEAD_SEC)"),
+)
+"""The H100's constants, fitted by ``benchmarks/speed_model/fit.py`` (its JSON beside it holds the same numbers)."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU as fp8dist plans for it."""
+
+    key: str
+    """The name ``--target`` takes (lower case)."""
+    label: str
+    """What messages call it ("H100")."""
+    capability: tuple[int, int]
+    """CUDA compute capability."""
+    device_pattern: str
+    """A regular expression that :func:`torch.cuda.get_device_name` of this GPU matches (case-insensitive)."""
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak, TFLOP/s."""
+    fp8_tflops: float | None
+    """Dense FP8 tensor-core peak, TFLOP/s; None where the GPU has no FP8 tensor cores."""
+    memory_tbps: float
+    """Memory bandwidth, TB/s."""
+    memory_gib: float
+    """Memory capacity, GiB: the datasheet's "80 GB" of HBM is binary (five 16 GiB stacks); the driver keeps a little
+    of it, so CUDA reports slightly less as the device's total."""
+    source: Source
+    """The datasheet of the four figures above."""
+    calibration: Calibration = H100_CALIBRATION
+    """The speed model's constants; the H100's unless this GPU has its own measurements."""
+
+    @property
+    def calibrated(self) -> bool:
+        """True when the speed model's constants were fitted on this GPU's own measurements."""
+        return self.calibration.measured_on == self.key
+
+    @property
+    def has_fp8(self) -> bool:
+        """True when the GPU has FP8 tensor cores."""
+        return self.fp8_tflops is not None
+
+    def describe(self) -> str:
+        """The record in a line: dense peaks, bandwidth, the datasheet and how the speed model's constants were
+        obtained (what ``fp8dist env`` prints for a GPU it sees)."""
+        fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
+        fitted = "fitted on its own published measurements" if self.calibrated else \
+            f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)"
+        return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
+                f"TB/s ({self.source.document}, {self.source.url}: {self.source.note}); speed model constants "
+                f"{fitted}")
+
+
+_HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
+                 "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")
+
+GPUS: tuple[GpuSpec, ...] = (
+    GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
+        "NVIDIA A100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/a100/",
+        "A100 80GB SXM column; BF16 312 TFLOPS dense; no FP8")),
+    GpuSpec("l4", "L4", (8, 9), r"\bL4\b", 121.0, 242.5, 0.300, 24.0, Source(
+        "NVIDIA L4 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/l4/",
+        "BF16 242 and FP8 485 TFLOPS are with sparsity, halved")),
+    GpuSpec("l40s", "L40S", (8, 9), r"\bL40S\b", 362.05, 733.0, 0.864, 48.0, Source(
+        "NVIDIA L40S GPU datasheet", "https://www.nvidia.com/en-us/data-center/l40s/",
+        "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved")),
+    GpuSpec("rtx4090", "RTX 4090", (8, 9), r"RTX 4090", 165.2, 330.3, 1.008, 24.0, Source(
+        "NVIDIA Ada GPU Architecture whitepaper, Appendix A (GeForce RTX 4090)",
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
+        "dense peaks with FP32 accumulate (training accumulates in FP32; GeForce runs it at half the FP16-"
+        "accumulate rate)")),
+    GpuSpec("h100", "H100", (9, 0), r"H100(?!.*(PCIe|NVL))", 989.4, 1978.9, 3.35, 80.0, _HOPPER),
+    GpuSpec("h100-pcie", "H100 PCIe", (9, 0), r"H100.*PCIe", 756.5, 1513.0, 2.0, 80.0, Source(
+        _HOPPER.document, _HOPPER.url, "H100 PCIe column; BF16 1,513 and FP8 3,026 TFLOPS are with sparsity, "
+        "halved")),
+    GpuSpec("h200", "H200", (9, 0), r"(?<!G)H200", 989.4, 1978.9, 4.8, 141.0, Source(
+        "NVIDIA H200 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h200/",
+        "H200 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")),
+    GpuSpec("gh200", "GH200", (9, 0), r"GH200", 989.4, 1978.9, 4.0, 96.0, Source(
+        "NVIDIA GH200 Grace Hopper Superchip datasheet",
+        "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/",
+        "the Hopper GPU's BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; 4 TB/s is the 96 GB HBM3 "
+        "version (the 144 GB HBM3e one has 4.9 TB/s)")),
+    GpuSpec("b200", "B200", (10, 0), r"(?<!G)B200", 2250.0, 4500.0, 8.0, 180.0, Source(
+        "NVIDIA HGX platform (HGX B200) specifications", "https://www.nvidia.com/en-us/data-center/hgx/",
+        "8-GPU board: FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s and 1,440 GB "
+        "divided by 8")),
+    GpuSpec("gb200", "GB200", (10, 0), r"GB200", 2500.0, 5000.0, 8.0, 186.0, Source(
+        "NVIDIA GB200 NVL72 specifications", "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
+        "per GB200 superchip (two GPUs): FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved twice; 372 GB "
+        "HBM3e, halved")),
+)
+"""Every GPU, in the order ``--target`` lists them."""
+
+
+def gpu_by_key(key: str) -> GpuSpec | None:
+    """The GPU a ``--target`` name names (case-insensitive), or None."""
+    return next((spec for spec in GPUS if spec.key == key.strip().lower()), None)
+
+
+def gpu_by_device_name(name: str) -> GpuSpec | None:
+    """The GPU whose device name (what :func:`torch.cuda.get_device_name` says, e.g. "NVIDIA H100 80GB HBM3") is
+    ``name``, or None when no record matches."""
+    return next((spec for spec in GPUS if re.search(spec.device_pattern, name, re.IGNORECASE)), None)

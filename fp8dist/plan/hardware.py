@@ -1,0 +1,104 @@
+"""What FP8 decisions depend on about a machine: the device type and, on CUDA, the compute capability. Read from
+the device a model trains on (:func:`hardware_of`), or named to plan for a machine one is not on
+(:func:`parse_target`: ``fp8dist plan --target h100`` on a CPU login node).
+
+Every FP8 gate (the backends' hardware reason, torchao's MoE grouped-GEMM recipe, compile's default, the lean
+optimizer) reads a :class:`Hardware`, so a named target gets exactly the decisions that machine would."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .gpus import GPUS, GpuSpec, gpu_by_device_name, gpu_by_key
+
+__all__ = ["Hardware", "hardware_of", "parse_target", "TARGETS", "GpuLookup", "find_gpu"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device as FP8 decisions see it. ``type`` reads like :attr:`torch.device.type`."""
+
+    type: str
+    """torch's device type: "cuda" or "cpu" (or another type torch names)."""
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor); None off CUDA."""
+    name: str = ""
+    """What to call it in messages ("NVIDIA H100 80GB HBM3", "sm_90")."""
+
+    @property
+    def sm(self) -> str:
+        """``sm_90``-style name of the capability; the device type off CUDA."""
+        return f"sm_{self.capability[0]}{self.capability[1]}" if self.capability else self.type
+
+    def __str__(self) -> str:
+        if self.capability is None:
+            return self.name or self.type
+        return self.sm if self.name in ("", self.sm) else f"{self.name} ({self.sm})"
+
+
+def hardware_of(device: torch.device | Hardware) -> Hardware:
+    """The :class:`Hardware` of ``device`` (asking CUDA for its capability and name); a Hardware is returned as is."""
+    if isinstance(device, Hardware):
+        return device
+    if device.type == "cuda":
+        return Hardware("cuda", tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device))
+    return Hardware(device.type)
+
+
+TARGETS: dict[str, Hardware] = {
+    "cpu": Hardware("cpu"),
+    **{spec.key: Hardware("cuda", spec.capability, spec.label) for spec in GPUS},
+}
+"""Named targets (lower case) and their hardware; any ``sm_XY`` / ``sm_XYZ`` capability is accepted too."""
+
+
+def parse_target(text: str) -> Hardware:
+    """The :class:`Hardware` a target names: a GPU (``h100``, ``b200``, ...; case-insensitive), a CUDA capability
+    (``sm_90``, ``sm_100``, ``sm90``) or ``cpu``.
+
+    Raises:
+        ValueError: anything else, naming the choices.
+    """
+    key = text.strip().lower()
+    if key in TARGETS:
+        return TARGETS[key]
+    match = re.fullmatch(r"sm_?(\d{1,2})(\d)", key)
+    if match:
+        capability = (int(match.group(1)), int(match.group(2)))
+        return Hardware("cuda", capability, f"sm_{capability[0]}{capability[1]}")
+    gpus = ", ".join(k for k in TARGETS if k != "cpu")
+    raise ValueError(f"target {text!r} is not a known machine: name a GPU ({gpus}), a CUDA compute capability "
+                     "(sm_89, sm_90, sm_100) or cpu.")
+
+
+@dataclass(frozen=True)
+class GpuLookup:
+    """The GPU record of a :class:`Hardware`, or why there is none."""
+
+    spec: GpuSpec | None
+    """The record (:data:`fp8dist.plan.gpus.GPUS`); None when the hardware is not a GPU the table knows."""
+    reason: str = ""
+    """Why ``spec`` is None, with the way out; empty when found."""
+
+
+def find_gpu(hardware: Hardware) -> GpuLookup:
+    """The GPU record of ``hardware``: a named target (``TARGETS["h100"]``) or a real device, matched by the name
+    CUDA gives it. Call it before asking for a GPU's peaks or a speed prediction.
+
+    Returns:
+        A :class:`GpuLookup`: the record, or None and the reason (a CPU; a bare capability such as ``sm_90``,
+        which several GPUs share; a GPU the table does not list).
+    """
+    if hardware.type != "cuda":
+        return GpuLookup(None, f"{hardware} is not a GPU: FP8 speed applies to CUDA GPUs only")
+    named = next((key for key, target in TARGETS.items() if target == hardware), None)
+    spec = gpu_by_key(named) if named else gpu_by_device_name(hardware.name)
+    if spec is not None and spec.capability == hardware.capability:
+        return GpuLookup(spec)
+    known = ", ".join(s.key for s in GPUS)
+    what = "a compute capability, not one GPU" if hardware.name in ("", hardware.sm) else "not in fp8dist's GPU table"
+    return GpuLookup(None, f"{hardware} is {what}: its peaks are unknown. Plan with --target naming one of "
+                           f"{known}, the closest to it.")

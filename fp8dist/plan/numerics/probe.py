@@ -1,0 +1,187 @@
+"""``measure_fp8_numerics``: run the model in high precision on the user's batches and measure, for each GEMM
+the plan would run in FP8, what the recipe's casts would do to its operands and its output."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...config.text import plural
+from ..hardware import Hardware, parse_target
+from .batches import checked_batches
+from .capture import attach
+from .casts import recipe_casts
+from .report import NumericsReport
+from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
+
+__all__ = ["measure_fp8_numerics"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str = "torchao",
+                         target: str | Hardware | None = None, loss_fn: LossFn | None = None,
+                         thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
+                         **options: Any) -> NumericsReport:
+    """Measure each planned FP8 layer's numerics on ``batches``, before training in FP8 (or on a checkpoint, to
+    decide which layers to keep out of FP8 from there on).
+
+    The model runs once per batch, forward and backward, in its own (high) precision, in this process, with
+    nothing sharded and nothing changed: no gradient is accumulated into ``.grad``. Each GEMM the plan
+    (:func:`fp8dist.plan_precision` with these options) runs in FP8 has its input, weight and output gradient
+    cast as the recipe casts them (torchao's own cast functions; Transformer Engine's recipes emulated with
+    them) and compared with the original: SQNR, share of non-zero values flushed to zero, share saturated,
+    amax; and its forward output with FP8 operands against high precision.
+
+    Args:
+        model: the unwrapped model, with real weights or on the meta device (then it is materialized in a copy:
+            from ``pretrained=`` when given, else by its own initialization; the model passed stays as it was).
+        batches: what the model trains on: token id tensors (run as ``model(input_ids=b, labels=b)``) or
+            mappings of keyword arguments (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn``.
+        fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
+        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`): on a CPU, MoE
+            experts are FP8 candidates only for a GPU target. None: this machine, as if it had FP8.
+        loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
+        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict of
+            the ones to change (``{"max_flushed_share": 0.02}``); default: the calibrated ones.
+        **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,
+            ``fp8_exclude=[...]``, ``te_recipe="delayed"``, ``pretrained=DIR``, ``strategy``, ``device``).
+
+    Returns:
+        A :class:`~fp8dist.plan.numerics.NumericsReport`: ``print`` it, ``.to_dict()``, ``.recommended_exclude``.
+
+    Raises:
+        ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
+            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate,
+            a model already wrapped, sharded or FP8-converted (pass it as built), or no layer the plan would
+            run in FP8 (nothing to measure).
+        TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
+        NotImplementedError: fp8="msamp" (its casts are not modeled).
+        FP8UnavailableError: ``target`` has no FP8.
+    """
+    from ...config.resolve import resolve_config
+    from ...pipeline.env import resolve_device
+    from ..precision import plan_precision
+
+    _check_as_built(model)
+    # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
+    cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
+    if cfg.precision.fp8 is None:
+        raise ValueError("fp8=None: there is no FP8 cast to measure. Pass fp8='torchao' or fp8='te'.")
+    device = resolve_device(cfg.parallel.device, 0)
+    hardware = parse_target(target) if isinstance(target, str) else target
+    plan = plan_precision(model, cfg, device=hardware or device, check_hardware=hardware is not None,
+                          check_installed=False)
+    layers = {e.name: (e.module_type, "experts" if e.grouped else "linear",
+                       recipe_casts(cfg, e, plan.hardware, plan.facts)) for e in plan.fp8}
+    thresholds = as_thresholds(thresholds)  # every input checked before the model is copied or run
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass a function (output, batch) -> scalar loss, or "
+                        "leave it out for a model whose output has .loss.")
+    batches = checked_batches(model, batches)
+    if not layers:  # a report of 0 layers would read as "every layer is safe"
+        kept = ([f"{plural(n, 'GEMM module')}: {reason}" for reason, n, _ in plan.coverage.kept[:3]]
+                or [f"{e.name}: {e.reason}" for e in list(plan)[:3]] or ["no module holds parameters"])
+        raise ValueError(f"measure_fp8_numerics: fp8={cfg.precision.fp8!r} would run no layer of "
+                         f"{type(model).__name__} in FP8 ({'; '.join(kept)}), so there is "
+                         "nothing to measure. Pass the model whose nn.Linear layers are to train in FP8, as built, "
+                         "or fewer fp8_exclude patterns.")
+    runnable = _model_to_run(model, cfg, device)
+    sites, handles, modes = attach(runnable, layers)
+    tokens = 0
+    try:
+        for batch in batches:
+            tokens += _run_batch(runnable, batch, device, loss_fn)
+    finally:
+        for remove in handles:
+            remove()
+    notes = _notes(plan, cfg, modes, hardware)
+    return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
+                          batches=len(batches),
+                          tokens=tokens, layers=tuple(s.layer for s in sites), thresholds=thresholds,
+                          notes=tuple(notes))
+
+
+def _check_as_built(model: nn.Module) -> None:
+    """The probe measures the high-precision model as built: a model already wrapped, sharded or FP8-converted
+    (anywhere in it) is refused, naming where, since its layers are not the plan's candidates any more."""
+    from ...fp8 import converted_by_hand
+    from ...strategies.introspect import find_wrapping
+
+    found = find_wrapping(model) if isinstance(model, nn.Module) else None
+    converted = converted_by_hand(model) if isinstance(model, nn.Module) and found is None else None
+    if found is None and converted is None:
+        return
+    what = found.describe(model) if found else \
+        f"{converted[0] or 'the model given'} is already a {converted[2]} (converted by hand)"
+    raise ValueError(f"measure_fp8_numerics: {what}. The probe measures the model as built, in this process: pass it "
+                     "before wrap_model, any engine or FP8 conversion, then hand the report to wrap_model(..., "
+                     "numerics=report); to measure a checkpoint, build the model afresh and pass pretrained=DIR.")
+
+
+def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` loaded
+    into a copy too: measuring leaves the user's model as it was)."""
+    from ...pipeline.agree import alone
+    from ...pipeline.meta_init import is_meta_model, to_empty
+    from ...pipeline.pretrained import materialize
+
+    meta, pretrained = is_meta_model(model), cfg.parallel.pretrained
+    if not meta and pretrained is None:
+        return model
+    copied = copy.deepcopy(model)
+    if meta:
+        to_empty(copied, device)
+    with alone():  # the probe runs in this process only, even on one rank of a job
+        materialize(copied, device, pretrained, meta=meta)
+    return copied
+
+
+def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: LossFn | None) -> int:
+    """Forward and backward on one batch (gradients computed, not accumulated); returns its token count."""
+    param = next(model.parameters(), None)
+    where = param.device if param is not None else device
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(where)
+        output, tokens = model(input_ids=batch, labels=batch), batch.numel()
+    else:  # a mapping (checked_batches let nothing else through)
+        batch = {k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        ids = batch.get("input_ids")
+        output = model(**batch)
+        tokens = ids.numel() if isinstance(ids, torch.Tensor) else 1
+    loss = loss_fn(output, batch) if loss_fn is not None else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"no scalar loss to differentiate (the model's output {type(output).__name__} has no "
+                         ".loss): pass loss_fn=lambda output, batch: ... returning a scalar tensor, or batches "
+                         "that make the model compute its loss (labels).")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if params and loss.requires_grad:
+        torch.autograd.grad(loss, params, allow_unused=True)  # runs every hook; .grad stays untouched
+    return tokens
+
+
+def _notes(plan, cfg, modes, hardware: Hardware | None) -> list[str]:
+    notes = []
+    if cfg.precision.fp8 == "te":
+        delayed = cfg.precision.te_recipe == "delayed"
+        notes.append(f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE "
+                     "needs a GPU)" + ("; the amax history starts warmed up (the first batch's own amax; TE starts "
+                                       "at scale 1)" if delayed else ""))
+    left_out: dict[str, list[str]] = {}
+    for entry in plan:
+        if entry.grouped and entry.precision != "fp8":
+            left_out.setdefault(entry.reason, []).append(entry.name)
+    for reason, names in left_out.items():
+        how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an "
+                                               "H100 runs them")
+        notes.append(f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this "
+                     f"plan, {reason}{how}")
+    for name, mode in modes:
+        if mode.seen == 0:
+            notes.append(f"MoE experts {name}: no grouped GEMM on its weights was seen (another "
+                         "experts_implementation?): not measured")
+    return notes

@@ -1,0 +1,331 @@
+"""FP8 health while training: every ``every`` optimizer steps, per FP8 layer of a wrapped model (torchao's
+``Float8Linear``, GPT-2's ``Float8Conv1D``), the amax, the scale and the share of non-zero values flushed to zero
+of its input, weight and output gradient, as torchao casts them; one JSON line per sampled step, and a warning,
+once per layer, when a layer crosses the probe's thresholds.
+
+Cheap by construction: between sampled steps no hook is attached (nothing runs); on a sampled step each FP8
+layer's forward hook casts its input (and a hook on its output casts the output gradient) once more, keeping the
+counts on the device, and :meth:`FP8Telemetry.step` reads the weights' local shards and reduces everything with
+two small all-reduces (one MAX of the amaxes, one SUM of the counts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...config.schema import normalize_value
+from .casts import CONTRACTION_DIM, CastSpec, float8_linear_casts
+from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
+
+__all__ = ["FP8Telemetry", "ROLES"]
+
+ROLES = ("input", "weight", "grad_output")
+_USE = {"input": ("input", "output"), "weight": ("weight", "output"), "grad_output": ("grad_output", "grad_input")}
+"""The cast each role is sampled under: the one for the GEMM that consumes it first."""
+
+
+class _Layer:
+    """One FP8 layer's casts and, on a sampled step, its running ``[amax, nonzero, flushed]`` per role."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name, self.module = name, module
+        specs = float8_linear_casts(module.config)
+        self.specs: dict[str, CastSpec] = {role: specs[_USE[role]] for role in ROLES}
+        self.pow2 = bool(module.config.round_scales_to_power_of_2)
+        self.acc: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def sample(self, role: str, x: torch.Tensor) -> None:
+        """Cast ``x`` as torchao does (its amax, scale and cast functions) and count what flushes to zero."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+        spec = self.specs[role]
+        x = x.detach().reshape(-1, x.shape[-1])
+        if spec.scaling == "rowwise":
+            amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE,
+                                  axiswise_dim=CONTRACTION_DIM[_USE[role]])
+        else:
+            amax = tensor_to_amax(x)
+        scale = amax_to_scale(amax, spec.dtype, round_scales_to_power_of_2=spec.pow2)
+        bits = hp_tensor_and_scale_to_float8(x, scale, spec.dtype)._data
+        nonzero = x != 0
+        now = torch.stack([amax.max().double(), nonzero.sum().double(), (nonzero & (bits == 0)).sum().double()])
+        old = self.acc.get(role)
+        self.acc[role] = now if old is None else torch.stack([old[0].maximum(now[0]), old[1] + now[1],
+                                                               old[2] + now[2]])
+
+
+class FP8Telemetry:
+    """Sampled FP8 health of a wrapped model's torchao FP8 layers.
+
+    Create it after ``wrap_model``; it ends each step itself, after every step of any optimizer that holds the
+    model's parameters (fp8dist's step registry, so your own optimizer needs nothing), or only ``optimizer``'s
+    when you pass one. Steps 0, every, 2 x every, ... are sampled: their forwards and backwards (all of a step's
+    micro-batches) are measured, and the step's record is written when that step ends; the weights are read then,
+    as updated by the step (what the next forward casts). Call :meth:`step` on every rank: it reduces over the world
+    group.
+
+    Args:
+        model: what :func:`fp8dist.wrap_model` returned (fsdp, fsdp1, ddp or none with fp8="torchao").
+        every: sample one step in this many (>= 1).
+        jsonl: append one JSON line per sampled step here (rank 0); None: no file.
+        thresholds: the limits a layer is warned about (once per layer and problem): a
+            :class:`~fp8dist.plan.numerics.Thresholds` or a dict of the ones to change.
+        optimizer: end steps after this optimizer's steps only; None: after any optimizer holding the model.
+        log: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
+        step: the number of the step about to run (a resumed run's: the checkpoint's step).
+
+    Raises:
+        ValueError: ``every`` < 1 or ``step`` < 0 (or either not a whole number: a bool is not one), a bad
+            threshold, or the model has no torchao FP8 layer.
+        TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
+    """
+
+    def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,
+                 thresholds: Thresholds | dict[str, float] = DEFAULT_THRESHOLDS,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 log: Callable[[str], Any] | None = None, step: int = 0) -> None:
+        from torchao.float8.float8_linear import Float8Linear
+
+        from ...pipeline.files import check_output_path
+        from ...pipeline.agree import on_all_ranks
+        from ...strategies import unwrap_model
+        from ...strategies.local_shards import plain_name
+
+        every = _steps("every", every, 1, "a whole number of steps >= 1 (1 samples every step)")
+        step = _steps("step", step, 0, "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's "
+                                       "step)")
+        thresholds = as_thresholds(thresholds)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the one that steps the "
+                            "model, or leave it out to end steps after any optimizer holding the model.")
+        if log is not None and not callable(log):
+            raise TypeError(f"log={log!r} is not callable: pass a function of one line of text (e.g. print), or "
+                            "leave it out.")
+        # rank 0 writes jsonl: checked there before any step, and every rank raises alike (each takes part, given
+        # jsonl or not: a job may pass it to rank 0 alone)
+        check = (lambda: check_output_path(jsonl, name="jsonl")) if _rank() == 0 and jsonl is not None else None
+        on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
+        self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
+        self.jsonl = Path(jsonl) if jsonl is not None else None
+        self.layers = [_Layer(plain_name(n), m) for n, m in unwrap_model(model).named_modules()
+                       if isinstance(m, Float8Linear)]
+        if not self.layers:
+            raise ValueError("FP8Telemetry found no torchao FP8 layer (Float8Linear) in the model: wrap it with "
+                             "fp8='torchao' first, and check fp8dist.get_plan(model) lists FP8 layers.")
+        self.steps = step
+        """Optimizer steps done (the number of the step under way)."""
+        self.records: list[dict[str, Any]] = []
+        """One record per sampled step (the same as the JSON lines)."""
+        self.warned: set[tuple[str, str]] = set()
+        self._handles: list[Any] = []
+        self._step_hook = optimizer.register_step_post_hook(lambda *args: self.step()) if optimizer else None
+        if optimizer is None:  # any optimizer of the model, the user's own included; held while the model lives
+            from ...pipeline.optim import STEP_HOOKS
+
+            STEP_HOOKS.add(model, post=lambda model, optimizer: self.step())
+        if self.sampling:
+            self._arm()
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step under way is sampled."""
+        return self.steps % self.every == 0
+
+    def _arm(self) -> None:
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer)))
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @staticmethod
+    def _forward_hook(layer: _Layer) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if not module.training:  # an evaluation inside a sampled step is not what training casts
+                return
+            x = args[0]
+            if torch.is_autocast_enabled():  # as Float8Linear.forward casts it
+                x = x.to(torch.get_autocast_gpu_dtype())
+            layer.sample("input", x)
+            if out.requires_grad:
+                out.register_hook(lambda g: layer.sample("grad_output", g))
+        return hook
+
+    def step(self) -> dict[str, Any] | None:
+        """End a step (call after ``optimizer.step()``): a sampled step's record is reduced, written, checked
+        against the thresholds and returned; the hooks are attached only for the steps to be sampled."""
+        record = self._finish() if self.sampling else None
+        self.steps += 1
+        if self.sampling and not self._handles:
+            self._arm()
+        elif not self.sampling:
+            self._disarm()
+        return record
+
+    def close(self) -> None:
+        """Detach every hook (the optimizer's too)."""
+        self._disarm()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+
+    def _finish(self) -> dict[str, Any]:
+        amax, counts, seen = (t.tolist() for t in self._reduced())
+        record: dict[str, Any] = {"step": self.steps, "layers": {}}
+        for i, layer in enumerate(self.layers):
+            entry = {}
+            for r, role in enumerate(ROLES):
+                if not seen[i][r]:
+                    entry[role] = {"amax": None, "scale": None, "flushed_share": None, "finite": True}
+                    continue
+                nonzero, flushed = counts[i][r]
+                entry[role] = {"amax": _finite(amax[i][r]),
+                               "scale": _finite(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
+                               "flushed_share": flushed / nonzero if nonzero else 0.0,
+                               "finite": math.isfinite(amax[i][r])}
+                if math.isnan(nonzero):  # a weight under rowwise scaling: amax and scale only
+                    entry[role]["flushed_share"] = None
+            record["layers"][layer.name] = entry
+            layer.acc = {}
+        self.records.append(record)
+        self._warn(record)
+        if _rank() == 0:
+            if self.jsonl is not None:
+                with open(self.jsonl, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if self.log is not None:
+                self.log(summary(record))
+        return record
+
+    def _reduced(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Over every rank: ``amax [layers, roles]``, ``counts [layers, roles, (nonzero, flushed)]`` and ``seen
+        [layers, roles]`` (ranks that measured the role). Two all-reduces."""
+        device = next(self.model.parameters()).device
+        shape = (len(self.layers), len(ROLES))
+        amax = torch.full(shape, -1.0, dtype=torch.float64, device=device)  # -1: not seen on this rank
+        counts = torch.zeros((*shape, 2), dtype=torch.float64, device=device)
+        seen = torch.zeros(shape, dtype=torch.float64, device=device)
+        weights = self._weight_shards()
+        for i, layer in enumerate(self.layers):
+            for r, role in enumerate(ROLES):
+                if role in layer.acc:
+                    amax[i, r], counts[i, r], seen[i, r] = layer.acc[role][0], layer.acc[role][1:], 1.0
+            if weights[i].numel():
+                amax[i, 1] = weights[i].abs().max()
+        _all_reduce(amax, dist.ReduceOp.MAX)
+        for i, layer in enumerate(self.layers):
+            counts[i, 1], seen[i, 1] = _weight_counts(weights[i], amax[i, 1], layer.specs["weight"]), 1.0
+        packed = torch.cat([counts.flatten(), seen.flatten()])
+        _all_reduce(packed, dist.ReduceOp.SUM)
+        return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
+
+    def _weight_shards(self) -> list[torch.Tensor]:
+        """Each layer's weight as this rank holds it (its shard), in high precision."""
+        from ...strategies.local_shards import local_params
+
+        pieces = {name: p.local for p in local_params(self.model) for name in p.names}
+        out = []
+        for layer in self.layers:
+            local = pieces[f"{layer.name}.weight"]
+            out.append(getattr(local, "_tensor", local).detach())  # torchao's FP8 all-gather wrapper
+        return out
+
+    def _warn(self, record: dict[str, Any]) -> None:
+        t = self.thresholds
+        for name, entry in record["layers"].items():
+            for role, stats in entry.items():
+                limit = t.max_grad_flushed_share if role == "grad_output" else t.max_flushed_share
+                problem = None
+                if not stats["finite"]:
+                    problem = "non-finite values (amax inf or nan)"
+                elif stats["flushed_share"] is not None and stats["flushed_share"] > limit:
+                    problem = (f"{100 * stats['flushed_share']:.2f}% of non-zero values flush to zero in FP8 "
+                               f"(threshold {100 * limit:g}%)")
+                if problem and (name, role) not in self.warned:
+                    self.warned.add((name, role))
+                    warnings.warn(
+                        f"FP8 telemetry, step {record['step']}: {name} {role}: {problem}. Keep it out of FP8 from "
+                        f"your next checkpoint with fp8_exclude=[{name!r}] (fp8dist.measure_fp8_numerics on your "
+                        "batches shows every layer).", RuntimeWarning, stacklevel=2)
+
+
+def summary(record: dict[str, Any]) -> str:
+    """One line: the worst flushed share per role and where, and the largest amax."""
+    parts = []
+    for role in ROLES:
+        shares = [(e[role]["flushed_share"], n) for n, e in record["layers"].items()
+                  if e[role]["flushed_share"] is not None]
+        if shares:
+            share, name = max(shares)
+            parts.append(f"{role} flushed <= {100 * share:.3f}% ({name})")
+    amaxes = [(e["input"]["amax"], n) for n, e in record["layers"].items() if e["input"]["amax"] is not None]
+    if amaxes:
+        amax, name = max(amaxes)
+        parts.append(f"input amax <= {amax:.3g} ({name})")
+    return f"fp8 health, step {record['step']}: " + "; ".join(parts)
+
+
+def _steps(name: str, value: Any, least: int, what: str) -> int:
+    """A count of steps (``every``, ``step``): a whole number (a bool is refused: True would read as 1) >= ``least``;
+    else ValueError saying it must be ``what``."""
+    try:
+        value = normalize_value(name, value, int)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be {what}.") from None
+    if value < least:
+        raise ValueError(f"{name}={value!r} must be {what}.")
+    return value
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:
+    """torchao's scale for ``amax`` (tensorwise; under rowwise, the scale of the row with the largest amax)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if not math.isfinite(amax) or amax < 0:
+        return math.nan
+    return float(amax_to_scale(torch.tensor(amax), dtype, round_scales_to_power_of_2=pow2))
+
+
+@torch.no_grad()
+def _weight_counts(w: torch.Tensor, amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """``[nonzero, flushed]`` of this rank's weight shard under the tensorwise scale of the whole weight's
+    ``amax`` (what torchao's precompute and its cast compute); nan under rowwise scaling, whose rows a shard may
+    split."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    if spec.scaling != "tensorwise" or w.numel() == 0:
+        value = math.nan if spec.scaling != "tensorwise" else 0.0
+        return torch.tensor([value, value], dtype=torch.float64, device=w.device)
+    w = w.float()
+    scale = amax_to_scale(amax.float().clamp(min=0), spec.dtype, round_scales_to_power_of_2=spec.pow2)
+    nonzero = w != 0
+    flushed = nonzero & (to_fp8_saturated(w * scale, spec.dtype) == 0)
+    return torch.stack([nonzero.sum(), flushed.sum()]).double()
+

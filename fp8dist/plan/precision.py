@@ -1,0 +1,360 @@
+"""The precision plan: per module, FP8 (by which backend) or the strategy's mixed precision, and why.
+
+Decided before any conversion; attached to the wrapped model (``fp8dist.get_plan(model)``) and printable as a
+table. Nothing is converted that the plan does not list as FP8, and every fallback has its reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+from torch import nn
+
+from ..config.text import plural
+from ..config.axis import StrategyFacts
+from ..config.resolve import Config
+from .coverage import MIN_FP8_SHARE, FP8Coverage, coverage, gemm_flops, runs_gemm
+from .hardware import Hardware, hardware_of
+from ..memory_levels import get_level
+from .selection import Selection, select, speedup_of
+from .speed import LinearPrediction
+
+__all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
+           "runs_gemm", "MIN_FP8_SHARE"]  # FP8Coverage, runs_gemm, MIN_FP8_SHARE: defined in fp8dist.plan.coverage
+
+FP8Filter = Callable[[nn.Module, str], bool]
+
+
+class FP8UnavailableError(RuntimeError):
+    """The FP8 backend is not installed or the hardware has no FP8 (the message says which and the way out)."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module's decision."""
+
+    name: str
+    """Fully qualified module name."""
+    module_type: str
+    """Class name before conversion."""
+    precision: str
+    """What the layer computes in: "fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
+    reason: str
+    """Why: the backend converts it, or why it falls back."""
+    converted_to: str | None
+    """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
+    params: int
+    """Parameters the module holds itself."""
+    gemm_flops: int = 0
+    """Estimated forward GEMM FLOPs per token: 2 x the module's parameters where it runs a GEMM (x top_k / experts
+    for a MoE experts module, whose tokens each visit top_k experts), 0 where it runs none."""
+    grouped: bool = False
+    """A MoE experts module (fused 3-D weights, one GEMM per expert): in FP8 it runs grouped GEMMs, whose weights
+    keep no scale between steps and are all-gathered in the strategy's dtype."""
+    predicted: tuple[LinearPrediction, ...] = ()
+    """The speed model's figures for this module on the plan's GPU at the plan's tokens (:mod:`fp8dist.plan.selection`):
+    one per GEMM weight (a MoE experts module: its grouped GEMMs). Empty where none was made: not an FP8
+    candidate, or no GPU to predict for (a CPU)."""
+    numerics: tuple[str, ...] | None = None
+    """The numerics probe's verdict where a report was given: () within its thresholds, else the thresholds it
+    crossed (kept out of FP8); None: no report, or the report did not measure it."""
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted FP8 speedup over bf16 of the module's GEMMs together (None: not predicted)."""
+        return speedup_of(self.predicted)
+
+
+def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
+    """What a non-FP8 layer computes in under the strategy: an engine that casts parameters (FSDP, DeepSpeed) runs
+    every layer in param_dtype; under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls),
+    the rest stays fp32."""
+    if not facts.autocast_forward:
+        return cfg.parallel.param_dtype
+    return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
+
+
+class PrecisionPlan(Sequence[PlanEntry]):
+    """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
+
+    def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
+                 unavailable: str | None = None, notes: Sequence[str] = (),
+                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard",
+                 hardware: Hardware = Hardware("cpu"), facts: StrategyFacts = StrategyFacts(),
+                 selection: Selection | None = None) -> None:
+        self._entries = entries
+        self.selection = selection
+        """How the FP8 candidates were chosen (all, or by predicted speed; the probe's verdicts) and their predicted
+        GEMM time; None without an FP8 backend that runs."""
+        self.hardware = hardware
+        """The machine the plan was made for: the device the model trains on, or a named target."""
+        self.facts = facts
+        """What the strategy does to parameters (on the world size planned for): the backends' conversion and
+        wiring read these, never the strategy's name."""
+        self.backend = backend
+        self.strategy = strategy
+        self.memory = memory
+        """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
+        self.detail = detail
+        self.unavailable = unavailable
+        """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
+        self.notes = tuple(notes)
+        """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
+        self.activation_checkpointing, self.compile, self.compile_reason = blocks
+        """Per block: activation checkpointing mode, whether compiled, and why (see :mod:`fp8dist.pipeline.blocks`)."""
+        self.coverage = coverage(entries) if backend else None
+        """The share of GEMM parameters and FLOPs in FP8 (None without an FP8 backend)."""
+
+    def low_coverage_warning(self) -> str | None:
+        """The warning ``wrap_model`` gives when a backend runs (it is not :attr:`unavailable`) and converts
+        nothing, or less than :data:`MIN_FP8_SHARE` of the GEMM parameters; None otherwise."""
+        c = self.coverage
+        if c is None or self.unavailable or not c.low or not c.gemm_params:
+            return None
+        kept = "; ".join(f"{plural(n, 'module')} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
+        more = f"; and {len(c.kept) - 4} more reasons" if len(c.kept) > 4 else ""
+        return (f"fp8={self.backend!r} runs {c.fp8_modules} of {c.gemm_modules} GEMM modules in FP8: {c.fp8_params:,} "
+                f"of {c.gemm_params:,} GEMM params ({100 * c.param_share:.1f}%, below {100 * MIN_FP8_SHARE:.0f}%), "
+                f"{100 * c.flop_share:.1f}% of the estimated GEMM FLOPs. Kept in high precision: {kept}{more}. "
+                "print(fp8dist.get_plan(model)) shows every module; FP8 casts cost time where little runs in FP8.")
+
+    @overload
+    def __getitem__(self, index: int) -> PlanEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[PlanEntry]: ...
+    def __getitem__(self, index):  # noqa: E301
+        return self._entries[index]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[PlanEntry]:
+        return iter(self._entries)
+
+    def by_name(self, name: str) -> PlanEntry:
+        """The entry of module ``name``."""
+        for entry in self._entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no module {name!r} in the plan")
+
+    @property
+    def converted(self) -> list[PlanEntry]:
+        """Entries the backend replaces (FP8 GEMMs, and TE's norms)."""
+        return [e for e in self._entries if e.converted_to is not None]
+
+    @property
+    def fp8(self) -> list[PlanEntry]:
+        """Entries that compute in FP8."""
+        return [e for e in self._entries if e.precision == "fp8"]
+
+    def counts(self) -> str:
+        """One line: FP8 and fallback layers and parameters."""
+        fp8 = self.fp8
+        rest = [e for e in self._entries if e.precision != "fp8"]
+        total = sum(e.params for e in self._entries) or 1
+        fp8_params = sum(e.params for e in fp8)
+        return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
+                f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params")
+
+    def __str__(self) -> str:
+        summary = get_level(self.memory).summary
+        level = f", memory={self.memory} ({summary})" if summary else ""
+        head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
+                f"strategy={self.strategy}{level} -- {self.counts()}")
+        rows = [("module", "type", "precision", "converted to", "reason")]
+        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        compiled = "on" if self.compile else "off"
+        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
+                  f"({self.compile_reason})")
+        lines = [head] + ([self.coverage.summary()] if self.coverage else [])
+        lines += (self.selection.lines() if self.selection else []) + [blocks]
+        lines += [f"note: {note}" for note in self.notes]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"PrecisionPlan(backend={self.backend!r}, strategy={self.strategy!r}, {self.counts()})"
+
+
+def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_installed: bool = True) -> str | None:
+    """Why the configured FP8 backend cannot run on ``device`` (None when it can, or when there is no FP8).
+    ``check_installed=False`` asks only about the hardware (planning for another machine).
+
+    Raises:
+        FP8UnavailableError: it cannot, and ``on_unsupported`` is "error" (the default).
+    """
+    from ..fp8 import get_backend
+
+    fp8 = cfg.precision.fp8
+    gate = get_backend(fp8).unavailable_reason(cfg, device, check_installed=check_installed) if fp8 else None
+    if gate and cfg.precision.on_unsupported == "error":
+        where = "here" if check_installed else "on the target"
+        raise FP8UnavailableError(
+            f"fp8={fp8!r} cannot run {where}: {gate}. Pass on_unsupported='fallback' to train in the strategy's "
+            f"{cfg.parallel.param_dtype} mixed precision instead, or choose another backend (fp8='torchao' runs on "
+            "CPU and CUDA sm_89+).")
+    return gate
+
+
+def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hardware, world_size: int = 1,
+                   fp8_filter: FP8Filter | None = None, check_hardware: bool = True, check_installed: bool = True,
+                   numerics: Any = None) -> PrecisionPlan:
+    """Decide per module whether it runs in FP8, and why. Call before conversion and sharding. A pure function of
+    the model, the config, the hardware and the world size: it reads no environment variable and no process group.
+
+    Args:
+        model: the unwrapped model.
+        cfg: the resolved config (backend, its knobs, the strategy's mixed precision, ``fp8_select`` and the
+            tokens per rank the speed prediction is made at).
+        device: where the model will run (for the hardware gate, the MoE experts' recipe and the FP8 speed
+            prediction), or a :class:`~fp8dist.plan.hardware.Hardware` to plan for another machine (``fp8dist plan
+            --target h100``).
+        world_size: the ranks the model will be sharded over (how evenly each FP8 weight shards).
+        fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
+        check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
+        check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
+        numerics: a numerics probe's report of this model (the :class:`~fp8dist.plan.numerics.NumericsReport`
+            :func:`fp8dist.measure_fp8_numerics` returns, or the JSON ``fp8dist probe --json`` writes, as a dict):
+            layers past its thresholds stay out of FP8. Read by :func:`fp8dist.plan.selection.numerics_verdicts` from
+            either form; not typed as the class, whose package imports this module (the probe plans its layers).
+
+    Raises:
+        FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
+        ValueError: a bad world size, or a numerics report of another model.
+    """
+    from ..pipeline.blocks import compile_decision
+    from ..config.rules import facts_of, refusing_rule
+    from ..strategies import STRATEGIES
+
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise TypeError(f"fp8_filter={fp8_filter!r} is not callable: pass a function (module, fqn) -> bool, or "
+                        "fp8_exclude=[patterns] to keep modules out of FP8 by name.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer (the ranks the model is sharded over).")
+    STRATEGIES[cfg.parallel.strategy].check_launch(cfg, world_size)  # HSDP groups that do not divide the world
+    fp8 = cfg.precision.fp8
+    hardware, facts = hardware_of(device), facts_of(cfg, world_size)
+    gate = check_fp8_available(cfg, hardware, check_installed=check_installed) if check_hardware else None
+    entries = _entries(model, cfg, hardware, world_size, gate, fp8_filter)
+    refusal = refusing_rule(cfg, compile=True)
+    refused = refusal and refusal.reason
+    selection, notes = None, []
+    if fp8 and not gate:  # FP8 runs: the candidates are chosen by predicted speed and measured numerics
+        compiles_with_fp8, _ = compile_decision(cfg.parallel.compile, fp8, True, hardware, refused)
+        entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
+                                           numerics=numerics, fallback=lambda m: _fallback_precision(m, cfg, facts))
+    detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
+    converted = any(e.converted_to for e in entries)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refused)
+    if fp8:
+        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
+    return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
+                         notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
+                         memory=cfg.parallel.memory, hardware=hardware, facts=facts, selection=selection)
+
+
+def _backend(cfg: Config) -> Any:
+    from ..fp8 import get_backend
+
+    return get_backend(cfg.precision.fp8) if cfg.precision.fp8 else None
+
+
+def _entries(model: nn.Module, cfg: Config, hardware: Hardware, world_size: int, gate: str | None,
+             fp8_filter: FP8Filter | None) -> list[PlanEntry]:
+    """Every module that holds parameters, FP8 where the backend converts it (before the selection)."""
+    from ..config.rules import facts_of
+    from ..fp8.moe import is_experts
+    from ..strategies import STRATEGIES
+
+    backend, fp8, facts = _backend(cfg), cfg.precision.fp8, facts_of(cfg, world_size)
+    others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
+    reserved = backend.model_exclusions(model, cfg) if backend else {}
+    entries = []
+    for name, module in model.named_modules():
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if params == 0:
+            continue
+        kind, grouped = type(module).__name__, is_experts(module)
+        flops = gemm_flops(module, params, grouped)
+        fallback = _fallback_precision(module, cfg, facts)
+        reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
+        if reason is None:
+            target = backend.converted_class(module, cfg, hardware)
+            computes_fp8 = backend.computes_in_fp8(module)
+            reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
+            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops,
+                                     grouped))
+        else:
+            entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops, grouped))
+    return entries
+
+
+def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
+    """``torchao_moe_recipe`` set on a model without MoE experts does nothing: say so."""
+    default = type(cfg.precision)().torchao_moe_recipe
+    if cfg.precision.torchao_moe_recipe == default or any(e.grouped for e in entries):
+        return []
+    return [f"torchao_moe_recipe={cfg.precision.torchao_moe_recipe!r} has no effect: the model has no MoE experts "
+            "module (fused 3-D expert weights) for it to convert"]
+
+
+def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
+    """A pattern that matches no module holding parameters excludes nothing: say so (a typo, or a container's
+    name where its layers' names were meant)."""
+    notes = []
+    for pattern in cfg.precision.fp8_exclude:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            container = any(name.startswith(pattern + ".") for name in names)
+            close = difflib.get_close_matches(pattern, names, n=1)
+            hint = (f"; to exclude the layers inside {pattern!r}, use {pattern + '.*'!r}" if container else
+                    f"; did you mean {close[0]!r}?" if close else
+                    "; patterns are fnmatch patterns on full module names, e.g. 'lm_head' or '*.mlp.*'")
+            notes.append(f"fp8_exclude pattern {pattern!r} matches no module that holds parameters{hint}")
+    return notes
+
+
+def _filter_says(fp8_filter: FP8Filter, module: nn.Module, name: str) -> bool:
+    keep = fp8_filter(module, name)
+    if not isinstance(keep, bool):
+        raise TypeError(f"fp8_filter returned {keep!r} ({type(keep).__name__}) for {name!r}: it must return True "
+                        "(convert to FP8) or False (keep the strategy's precision), e.g. lambda module, fqn: "
+                        "fqn != 'lm_head'.")
+    return keep
+
+
+def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardware, facts: StrategyFacts,
+            gate: str | None, reserved: dict[str, str], fp8_filter: FP8Filter | None,
+            others: dict[str, StrategyFacts]) -> str | None:
+    """None when the module converts; else the reason it keeps the strategy's precision."""
+    if backend is None:
+        return "fp8 off: strategy mixed precision"
+    if gate:
+        return f"no FP8 here ({gate}); on_unsupported='fallback'"
+    if not backend.supports(module):  # the backend's model rule may say why more precisely (a MoE router)
+        return reserved.get(name) or f"{type(module).__name__} is not converted by {backend.name}"
+    for pattern in cfg.precision.fp8_exclude:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"matches fp8_exclude {pattern!r}"
+    if fp8_filter is not None and not _filter_says(fp8_filter, module, name):
+        return "excluded by fp8_filter"
+    if name in reserved:
+        return reserved[name]
+    reason = backend.ineligible_reason(module, name, cfg, hardware, facts)
+    if reason is None:
+        return None
+    # a layer kept out by what the strategy does to parameters: the strategies under which it would convert
+    converts = [n for n, f in others.items() if backend.ineligible_reason(module, name, cfg, hardware, f) is None]
+    if not converts:
+        return reason
+    shown = ", ".join(repr(n) for n in converts[:-1]) + (" or " if len(converts) > 1 else "") + repr(converts[-1])
+    return f"{reason}; strategy={shown} runs it in FP8"

@@ -1,0 +1,351 @@
+"""Which of the layers an FP8 backend would convert run in FP8: every one ("all"), or ("auto") those the speed model
+(:mod:`fp8dist.plan.speed`) predicts faster than bf16 on the plan's GPU at this run's tokens per rank; and, given a
+numerics probe's report (:func:`fp8dist.measure_fp8_numerics`), only those it measured safe. The decision is data:
+each :class:`~fp8dist.plan.precision.PlanEntry` holds its predictions and its numerics verdict, and the plan a
+:class:`Selection` its header renders. :func:`fp8dist.plan_precision` calls :func:`select` after eligibility,
+``fp8_exclude``, ``fp8_filter`` and the first/last Linear have had their say."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..config.text import plural
+from .hardware import Hardware, find_gpu
+from ..config.options import DEFAULT_SEQ_LEN
+from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear, recipe_for_option
+
+__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
+
+Verdicts = Mapping[str, tuple[str, ...] | None]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How the plan chose among the layers its backend would convert, and the predicted GEMM time of its choice."""
+
+    mode: str
+    """What applied: "auto" (by predicted speed) or "all"."""
+    why: str
+    """Why that mode: asked for, or the default for the plan's hardware, and why auto could not apply."""
+    tokens: int
+    """Tokens per rank per micro-batch the predictions are made at (micro_batch_size x seq_len)."""
+    tokens_from: str
+    """Where ``tokens`` comes from, with the default assumed where seq_len was not given."""
+    margin: float
+    """The speedup a layer must reach under auto (fp8_select_margin)."""
+    step: StepPrediction | None
+    """The predicted layers, each as planned (``fp8`` True where it runs in FP8): the step's GEMM totals and FLOP
+    share. None where nothing was predicted."""
+    unpredicted: str = ""
+    """Why no figure was predicted (a CPU, a GPU missing from the table, a backend without a speed model); empty
+    where figures were."""
+    asked: str | None = None
+    """fp8_select as given (None: the hardware's default)."""
+    numerics: str = ""
+    """The probe report applied, in words; empty: none given."""
+
+    def lines(self) -> list[str]:
+        """The plan header's lines about the selection."""
+        head = f"FP8 selection: {self.mode} ({self.why})"
+        if self.mode == "auto":
+            head += f"; a layer runs in FP8 where its predicted speedup over bf16 is >= {self.margin:g}"
+        lines = [head]
+        if self.step is not None:
+            lines.append(f"predicted at {self.tokens:,} tokens per rank per micro-batch ({self.tokens_from}): the "
+                         "GEMMs only, not a step time (benchmarks/speed_model/README.md)")
+            lines.append(self.gemm_summary())
+        elif self.unpredicted and self.asked == "all":  # otherwise ``why`` says it
+            lines.append(f"FP8 speed not predicted: {self.unpredicted}")
+        if self.numerics:
+            lines.append(f"numerics: {self.numerics}")
+        return lines
+
+    def gemm_summary(self) -> str:
+        """One line: the predicted GEMM time of the eligible layers in bf16, as planned and all in FP8 (empty
+        where nothing was predicted)."""
+        s = self.step
+        if s is None:
+            return ""
+        basis = ("compiled" if s.compile else "eager") + ("" if s.calibrated else ", uncalibrated")
+        saved = 100 * s.saved_s / s.bf16_s if s.bf16_s else 0.0
+        return (f"predicted GEMM time per micro-batch on {s.gpu_label} ({s.recipe}, {basis}; forward + backward, one "
+                f"rank, {len(s.layers)} eligible GEMMs): bf16 {_ms(s.bf16_s)}, as planned {_ms(s.chosen_s)} (saves "
+                f"{_ms(s.saved_s)}, {saved:.1f}%), every eligible layer in FP8 {_ms(s.all_fp8_s)}; "
+                f"{100 * s.fp8_flop_share:.1f}% of their FLOPs in FP8")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The selection and its predicted figures, JSON-ready (the bench records it per cell)."""
+        out: dict[str, Any] = {"mode": self.mode, "why": self.why, "tokens": self.tokens,
+                               "tokens_from": self.tokens_from, "margin": self.margin,
+                               "unpredicted": self.unpredicted or None, "numerics": self.numerics or None}
+        s = self.step
+        if s is not None:
+            out.update(gpu=s.gpu, recipe=s.recipe, compile=s.compile, calibrated=s.calibrated,
+                       gemm_s={"bf16": s.bf16_s, "planned": s.chosen_s, "all_fp8": s.all_fp8_s, "saved": s.saved_s},
+                       fp8_flop_share=s.fp8_flop_share,
+                       layers=[{"name": c.name, "speedup": c.prediction.speedup, "fp8": c.fp8,
+                                "calibrated": c.prediction.calibrated} for c in s.layers])
+        return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def speedup_of(predicted: Sequence[LinearPrediction]) -> float | None:
+    """The predicted speedup of a module's GEMMs together (bf16 time over FP8 time); None without predictions."""
+    return sum(p.bf16_s for p in predicted) / sum(p.fp8_s for p in predicted) if predicted else None
+
+
+def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> str:
+    """``predicted 1.21x on H100 at 8,192 tokens (rowwise)``; for a MoE experts module's grouped GEMMs the
+    speedup of both, with the experts named."""
+    if len(predicted) == 1 and predicted[0].groups == 1:
+        return predicted[0].describe()
+    first = predicted[0]
+    basis = "" if all(p.calibrated for p in predicted) else ", uncalibrated"
+    return (f"predicted {speedup_of(predicted):.2f}x on {first.gpu_label} at {tokens:,} tokens ({first.recipe}, "
+            f"{first.groups} experts, {first.m:,} routed rows{basis})")
+
+
+def _mode(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str]]:
+    """(mode, why, notes) from fp8_select and the plan's hardware."""
+    asked, gpu = cfg.precision.fp8_select, hardware.type == "cuda"
+    if asked == "all":
+        return "all", "fp8_select='all', asked for", []
+    if asked == "auto" and not gpu:
+        return "all", f"fp8_select='auto' asked for, but {hardware} is not a GPU: all", [
+            f"fp8_select='auto' on {hardware}: FP8 speed is predicted for CUDA GPUs only, so every eligible layer "
+            "converts as under fp8_select='all'. Plan for a GPU with target= (fp8dist plan --target h100), or pass "
+            "fp8_select='all'."]
+    if asked == "auto":
+        return "auto", "fp8_select='auto', asked for", []
+    if gpu:
+        return "auto", f"the default where the plan's hardware is a GPU: {hardware}", []
+    return "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed", []
+
+
+def _linear_recipe(cfg: Any) -> tuple[str | None, str]:
+    """The speed model's recipe of the backend's Linear layers, or (None, why there is none)."""
+    backend = cfg.precision.fp8
+    option = {"torchao": cfg.precision.torchao_recipe, "te": cfg.precision.te_recipe}.get(backend)
+    if option is None:
+        return None, f"fp8={backend!r} has no speed model (torchao and te have)"
+    return recipe_for_option(backend, option), ""
+
+
+def _tokens(cfg: Any) -> tuple[int, str]:
+    micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
+    if seq is None:
+        return micro * DEFAULT_SEQ_LEN, (f"micro_batch_size {micro} x seq_len {DEFAULT_SEQ_LEN}, assumed: pass "
+                                         "seq_len= (--seq-len) for this run's")
+    return micro * seq, f"micro_batch_size {micro} x seq_len {seq}"
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What predicting a module needs, found once per plan."""
+
+    gpu: Any
+    """The GPU record, or None."""
+    recipe: str | None
+    """The Linear layers' speed-model recipe, or None."""
+    tokens: int
+    compile: bool
+    cfg: Any
+    hardware: Hardware
+
+
+def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
+    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none)."""
+    from ..fp8.conv1d import conv1d_dims, is_conv1d
+    from ..fp8.moe import experts_recipe, is_experts
+
+    if not is_experts(module):
+        k, n = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
+        return _predicted([(ctx.tokens, k, n, 1)], ctx.recipe or "", ctx)
+    option, _ = experts_recipe(ctx.cfg, ctx.hardware)
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        return (), "the experts' top_k (config.num_experts_per_tok) is not known"
+    try:
+        recipe = recipe_for_option("torchao_moe", option or "")
+    except ValueError:
+        return (), f"no speed model for torchao_moe_recipe {option!r}"
+    shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
+    return _predicted(shapes, recipe, ctx)
+
+
+def _predicted(shapes: list[tuple[int, int, int, int]], recipe: str,
+               ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
+    """Predictions of GEMMs ``(m, k, n, groups)``, or ((), why not): a recipe the GPU lacks (te_mxfp8 on an
+    H100 planned with the hardware check off)."""
+    try:
+        return tuple(predict_linear(m, k, n, target=ctx.gpu, recipe=recipe, compile=ctx.compile, groups=groups)
+                     for m, k, n, groups in shapes), ""
+    except ValueError as error:
+        return (), str(error)
+
+
+def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: float, verdicts: Verdicts | None,
+             fallback: Callable[[nn.Module], str]) -> Any:
+    """``entry`` (an FP8 layer) with its predictions and verdict, kept out of FP8 where it is predicted slower
+    (auto) or measured unsafe."""
+    predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
+    problems = verdicts.get(entry.name) if verdicts is not None else None
+    speedup = speedup_of(predicted)
+    kept = []
+    if mode == "auto" and speedup is not None and speedup < margin:
+        kept.append(f"FP8 {describe_prediction(predicted, ctx.tokens)}")
+    if problems:
+        kept.append(f"FP8 unsafe: {'; '.join(problems)} (probe)")
+    if kept:
+        return dataclasses.replace(entry, precision=fallback(module), converted_to=None, reason="; ".join(kept),
+                                   predicted=predicted, numerics=problems)
+    reason = entry.reason
+    if predicted:
+        reason += f"; {describe_prediction(predicted, ctx.tokens)}"
+    elif mode == "auto":
+        reason += f"; FP8 speed not predicted ({why_not}): converted as under fp8_select='all'"
+    if verdicts is not None:
+        reason += "; numerics ok (probe)" if problems == () else "; numerics not measured by the probe's report"
+    return dataclasses.replace(entry, reason=reason, predicted=predicted, numerics=problems)
+
+
+def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
+           numerics: Any = None, fallback: Callable[[nn.Module], str]) -> tuple[list[Any], Selection, list[str]]:
+    """Decide which of the plan's FP8 entries stay in FP8. Call from :func:`fp8dist.plan_precision` once every
+    other rule has been applied (the backend present, its hardware gate passed).
+
+    Args:
+        model: the unwrapped model (the entries' modules are read from it).
+        entries: the plan's entries; those with precision "fp8" are candidates.
+        cfg: the resolved config (fp8_select, its margin, the tokens, the recipe).
+        hardware: the plan's hardware (its GPU record gives the peaks).
+        compile: whether the blocks compile when FP8 runs (torchao's casts fuse under compile).
+        numerics: a :class:`~fp8dist.plan.numerics.NumericsReport` or its ``to_dict()`` (the JSON ``fp8dist probe
+            --json`` writes), or None.
+        fallback: the strategy's precision of a module kept out of FP8.
+
+    Returns:
+        The entries as decided, the :class:`Selection`, and notes for the user.
+
+    Raises:
+        ValueError: a numerics report naming modules this model does not have.
+    """
+    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware)
+    tokens, tokens_from = _tokens(cfg)
+    margin = cfg.precision.fp8_select_margin
+    verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
+                                                                           cfg.precision.fp8)
+    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware)
+    out = [_decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback)
+           if e.precision == "fp8" else e for e in entries]
+    step = _step(model, out, gpu, recipe, compile, margin)
+    if verdicts is not None:
+        unsafe = sum(1 for e in out if e.numerics)
+        said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+    return out, Selection(mode, why, tokens, tokens_from, margin, step, unpredicted="" if step else unpredicted,
+                          asked=cfg.precision.fp8_select, numerics=said), notes
+
+
+def _resolve(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str], Any, str | None, str]:
+    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted)."""
+    mode, why, notes = _mode(cfg, hardware)
+    lookup = find_gpu(hardware)
+    gpu, unpredicted = lookup.spec, lookup.reason
+    if gpu is not None and not gpu.has_fp8:
+        gpu, unpredicted = None, f"{gpu.label} has no FP8 tensor cores"
+    recipe, no_model = _linear_recipe(cfg)
+    unpredicted = unpredicted or no_model
+    if mode == "auto" and (gpu is None or recipe is None):
+        mode, why = "all", f"{why}; but {unpredicted}: all"
+        if cfg.precision.fp8_select == "auto":
+            notes.append(f"fp8_select='auto' cannot predict here ({unpredicted}): every eligible layer converts as "
+                         "under fp8_select='all'.")
+    if mode == "all" and cfg.precision.fp8_select_margin != type(cfg.precision)().fp8_select_margin:
+        notes.append(f"fp8_select_margin={cfg.precision.fp8_select_margin:g} has no effect: the selection is 'all' "
+                     f"here ({why}).")
+    return mode, why, notes, gpu, recipe, unpredicted
+
+
+def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,
+          margin: float) -> StepPrediction | None:
+    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by its
+    weight)."""
+    layers = []
+    for e in entries:
+        if len(e.predicted) == 1:
+            layers.append(LayerChoice(e.name, e.predicted[0], e.precision == "fp8"))
+            continue
+        weights = [name for name, _ in model.get_submodule(e.name).named_parameters(recurse=False)]
+        layers += [LayerChoice(f"{e.name}[{w}]", p, e.precision == "fp8") for w, p in zip(weights, e.predicted)]
+    if not layers:
+        return None
+    return StepPrediction(recipe or layers[0].prediction.recipe, gpu.key, gpu.label, compile, margin, tuple(layers))
+
+
+def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = None) -> tuple[Verdicts, str]:
+    """Per module, what the probe's report found: ``()`` within every threshold, the problems where it crossed
+    one, None where its batches never ran the module; and the report in words.
+
+    Args:
+        report: a :class:`~fp8dist.plan.numerics.NumericsReport`, or its ``to_dict()`` (``fp8dist probe --json``).
+        names: the plan's module names.
+        backend: the plan's FP8 backend (a report of another backend's casts is said in the words).
+
+    Raises:
+        TypeError: ``report`` is neither.
+        ValueError: the report names modules that ``names`` lacks (a report of another model).
+    """
+    mapping = isinstance(report, Mapping)
+    layers = report.get("layers") if mapping else getattr(report, "layers", None)
+    if layers is None:
+        raise TypeError(f"numerics={type(report).__name__}: pass the NumericsReport fp8dist.measure_fp8_numerics "
+                        "returns, or the JSON fp8dist probe --json writes (as a dict).")
+    read = (lambda layer, key: layer[key]) if mapping else getattr
+    gemms: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}  # a MoE experts module has one per fused weight
+    for layer in layers:
+        gemms.setdefault(read(layer, "name"), []).append((read(layer, "calls") > 0, tuple(read(layer, "problems"))))
+    verdicts: dict[str, tuple[str, ...] | None] = {}
+    for name, found in gemms.items():
+        problems = tuple(dict.fromkeys(p for ran, ps in found if ran for p in ps))
+        verdicts[name] = problems if problems or all(ran for ran, _ in found) else None
+    foreign = [n for n in verdicts if n not in set(names)]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"the numerics report names {plural(len(foreign), 'module')} this model does not have "
+                         f"({shown}): it was measured on another model. Probe this model "
+                         "(fp8dist.measure_fp8_numerics, or fp8dist probe --json FILE) and pass that report.")
+    measured = report["backend"] if mapping else report.backend
+    said = f"probe report of {plural(len(verdicts), 'module')} ({measured}'s casts)"
+    if backend is not None and measured != backend:
+        said += f", not fp8={backend!r}'s: its verdicts may not hold for this backend's casts"
+    return verdicts, said
+
+
+def with_read_options(cfg: Any, **values: Any) -> Any:
+    """``cfg`` with option ``values`` that a job knows (its ``micro_batch_size`` and ``seq_len``; the bench's
+    ``fp8_select``), each set only where something reads it under ``cfg``, so that a run which does not read one
+    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``.
+
+    Raises:
+        ValueError: a value the option does not take.
+    """
+    from ..config.rules import unread_options
+
+    def changed(options: Mapping[str, Any]) -> Any:
+        sections = {}
+        for name in ("parallel", "precision"):
+            section = getattr(cfg, name)
+            mine = {k: v for k, v in options.items() if hasattr(section, k)}
+            sections[name] = dataclasses.replace(section, **mine)
+        return dataclasses.replace(cfg, **sections)
+
+    unread = unread_options(changed(values))
+    return changed({k: v for k, v in values.items() if k not in unread})

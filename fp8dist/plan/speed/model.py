@@ -1,0 +1,202 @@
+"""The speed model of one Linear: forward + backward time in bf16 and under an FP8 recipe, on a named GPU.
+
+Each way runs three GEMMs (output = input @ weight.T, grad_input = grad_output @ weight, grad_weight =
+grad_output.T @ input), each taking the longest of its compute time (at a fraction of the GPU's dense peak), its
+memory time (operands read, output written, at a fraction of the bandwidth) and the kernel floor. FP8 adds the
+recipe's casts (:mod:`fp8dist.plan.speed.recipes`): each kernel's bytes at the achieved bandwidth (a column-wise
+scaling pass times that operand's fitted slowdown), no less than the floor unless it rides in the producer's
+kernel. The constants are the GPU's
+:class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..gpus import GpuSpec
+from ..hardware import Hardware, find_gpu, parse_target
+from .recipes import Recipe, recipe_named
+
+__all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds"]
+
+_BF16, _FP8 = 2, 1
+
+
+@dataclass(frozen=True)
+class LinearPrediction:
+    """The predicted forward + backward time of one Linear (input ``(m, k)``, weight ``(n, k)``) in bf16 and in FP8."""
+
+    m: int
+    """Rows of the input: tokens per micro-batch per rank (for grouped GEMMs: rows routed to all experts)."""
+    k: int
+    """in_features."""
+    n: int
+    """out_features."""
+    groups: int
+    """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
+    recipe: str
+    """The FP8 recipe (:data:`fp8dist.plan.speed.RECIPES`)."""
+    gpu: str
+    """The GPU's key (``--target`` name)."""
+    gpu_label: str
+    """The GPU's name in messages."""
+    compile: bool
+    """Whether the Linear runs under ``torch.compile``."""
+    bf16_s: float
+    """bf16 forward + backward: its three GEMMs, seconds."""
+    fp8_gemm_s: float
+    """The FP8 way's three GEMMs (some bf16, as the recipe says), seconds."""
+    cast_s: float
+    """The FP8 way's casts and scale kernels, seconds."""
+    calibrated: bool
+    """True only where the constants were fitted on this GPU's own measurements of this recipe under compile."""
+
+    @property
+    def fp8_s(self) -> float:
+        """FP8 forward + backward: GEMMs plus casts, seconds."""
+        return self.fp8_gemm_s + self.cast_s
+
+    @property
+    def speedup(self) -> float:
+        """bf16 time over FP8 time: above 1 where FP8 is predicted faster."""
+        return self.bf16_s / self.fp8_s
+
+    @property
+    def saved_s(self) -> float:
+        """Seconds FP8 saves per forward + backward (negative where it is slower)."""
+        return self.bf16_s - self.fp8_s
+
+    @property
+    def flops(self) -> int:
+        """The three GEMMs' floating-point operations."""
+        return 6 * self.m * self.k * self.n
+
+    def describe(self) -> str:
+        """``predicted 1.21x on H100 at 8,192 tokens (rowwise)``, with "uncalibrated" where it is."""
+        basis = "" if self.calibrated else ", uncalibrated"
+        return f"predicted {self.speedup:.2f}x on {self.gpu_label} at {self.m:,} tokens ({self.recipe}{basis})"
+
+
+def resolve_gpu(target: str | Hardware | GpuSpec) -> GpuSpec:
+    """The GPU record of ``target``: a ``--target`` name ("h100"), a :class:`~fp8dist.plan.hardware.Hardware` (a named
+    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is).
+
+    Raises:
+        ValueError: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8
+            tensor cores; each naming the way out.
+    """
+    if isinstance(target, GpuSpec):
+        spec = target
+    else:
+        lookup = find_gpu(parse_target(target) if isinstance(target, str) else target)
+        if lookup.spec is None:
+            raise ValueError(f"no FP8 speed prediction for target {target!r}: {lookup.reason}")
+        spec = lookup.spec
+    if not spec.has_fp8:
+        raise ValueError(f"no FP8 speed prediction for {spec.label} (sm_{spec.capability[0]}{spec.capability[1]}): "
+                         "it has no FP8 tensor cores (FP8 needs sm_89+); keep bf16 there, or plan for an FP8 GPU "
+                         "with --target (e.g. h100).")
+    return spec
+
+
+def _check(m: int, k: int, n: int, groups: int, recipe: Recipe, gpu: GpuSpec) -> None:
+    for name, value in (("m", m), ("k", k), ("n", n), ("groups", groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: the GEMM dimensions and groups are positive integers (m = tokens "
+                             "per micro-batch per rank, k = in_features, n = out_features).")
+    if groups > 1 and not recipe.grouped:
+        raise ValueError(f"groups={groups} with recipe {recipe.name!r}: only the grouped-GEMM recipes (moe_*) take "
+                         "groups; pass groups=1 for a Linear.")
+    if gpu.capability < recipe.min_capability:
+        need = f"sm_{recipe.min_capability[0]}{recipe.min_capability[1]}+"
+        raise ValueError(f"recipe {recipe.name!r} needs {need}: {gpu.label} is sm_{gpu.capability[0]}"
+                         f"{gpu.capability[1]}. Choose a recipe it runs (tensorwise, rowwise, te_delayed, ...) or "
+                         "a target that has it.")
+
+
+def _gemm_s(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, fp8: bool) -> float:
+    """One GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes: compute, memory or the floor."""
+    cal = gpu.calibration
+    peak = gpu.fp8_tflops * cal.fp8_gemm_fraction if fp8 else gpu.bf16_tflops * cal.bf16_gemm_fraction
+    compute = 2 * m * k * n / (peak * 1e12)
+    memory = (reads + writes) / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
+    return max(compute, memory, cal.kernel_floor_s)
+
+
+def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, fp8: tuple[bool, bool, bool],
+             scale_bytes: float) -> float:
+    """The three GEMMs of forward + backward; ``fp8`` says which run in FP8 (operands 1 byte + scales)."""
+    x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
+
+    def operand(fp8_gemm: bool) -> float:
+        return _FP8 + scale_bytes if fp8_gemm else _BF16
+
+    out = _gemm_s(gpu, m, k, n, (x + w) * operand(fp8[0]), _BF16 * g, fp8[0])
+    grad_input = _gemm_s(gpu, m, k, n, (g + w) * operand(fp8[1]), _BF16 * x, fp8[1])
+    grad_weight = _gemm_s(gpu, m, k, n, (x + g) * operand(fp8[2]), _BF16 * w, fp8[2])
+    return out + grad_input + grad_weight
+
+
+def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
+    """The recipe's cast kernels: bytes at the achieved bandwidth (column-wise passes times the operand's fitted
+    slowdown), each no shorter than the floor unless fused into the producer."""
+    cal = gpu.calibration
+    bandwidth = gpu.memory_tbps * 1e12 * cal.memory_fraction
+    total = 0.0
+    for elements, slowdown, kernels in zip((m * k, groups * n * k, m * n), cal.cast_slowdown, recipe.casts(compile)):
+        for kernel in kernels:
+            seconds = kernel.bytes_per_element * elements * (slowdown if kernel.columnwise else 1) / bandwidth
+            total += seconds if kernel.fused else max(seconds, cal.kernel_floor_s)
+    return total
+
+
+def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool,
+                   groups: int = 1) -> tuple[float, float, float]:
+    """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds for one Linear on ``gpu`` (its calibration included): the
+    model itself, with no checking. The fit (``benchmarks/speed_model/fit.py``) calls it with trial constants."""
+    bf16 = _gemms_s(gpu, m, k, n, groups, (False, False, False), 0.0)
+    fp8 = _gemms_s(gpu, m, k, n, groups, recipe.fp8_gemms, recipe.scale_bytes)
+    return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
+
+
+def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
+                   compile: bool = True, groups: int = 1) -> LinearPrediction:
+    """The predicted forward + backward time of one Linear in bf16 and in FP8, with its breakdown. Call it where a
+    decision or a report needs the figures (:func:`predict_fp8_speedup` returns the ratio only).
+
+    Args:
+        m: input rows: tokens per micro-batch per rank (for ``moe_*`` recipes, rows routed to all the experts).
+        k: in_features. n: out_features.
+        target: the GPU: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
+        recipe: one of :data:`fp8dist.plan.speed.RECIPES` (torchao tensorwise, rowwise, rowwise_with_gw_hp; te_delayed,
+            te_current, te_mxfp8; moe_fp8_rowwise, moe_mxfp8).
+        compile: whether the model runs under ``torch.compile`` (torchao's casts fuse with the previous op; TE's
+            kernels are the same either way).
+        groups: experts of a grouped GEMM (``moe_*`` recipes only).
+
+    Returns:
+        A :class:`LinearPrediction`.
+
+    Raises:
+        ValueError: an unknown target or recipe, a GPU without FP8 or without the recipe's GEMMs, bad dimensions.
+    """
+    spec, chosen = resolve_gpu(target), recipe_named(recipe)
+    _check(m, k, n, groups, chosen, spec)
+    bf16, fp8, casts = linear_seconds(m, k, n, spec, chosen, compile, groups)
+    calibrated = spec.calibrated and recipe == "rowwise" and compile
+    return LinearPrediction(m, k, n, groups, recipe, spec.key, spec.label, compile, bf16, fp8, casts, calibrated)
+
+
+def predict_fp8_speedup(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
+                        compile: bool = True, groups: int = 1) -> float:
+    """Predicted (bf16 forward + backward time) / (FP8 forward + backward time) of one Linear with input ``(m, k)``
+    and weight ``(n, k)`` on ``target``: above 1 where FP8 is predicted faster. A prediction, calibrated on
+    torchao's published H100 rowwise measurements and scaled to other GPUs by their datasheets
+    (``benchmarks/speed_model/README.md`` gives its accuracy and what it does not see).
+
+    Args and Raises: as :func:`predict_linear`.
+
+    Example:
+        >>> round(predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="rowwise"), 2) < 1
+        True
+    """
+    return predict_linear(m, k, n, target=target, recipe=recipe, compile=compile, groups=groups).speedup

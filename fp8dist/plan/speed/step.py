@@ -1,0 +1,154 @@
+"""A training step's GEMMs under the speed model: per-layer predictions and the choice each gets (FP8 where the
+predicted speedup clears a margin), the step's totals, and the same for several recipes side by side. What the
+plan, ``fp8dist estimate`` and ``plan --compare-recipes`` read; pure data, rendered by them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..gpus import GpuSpec
+from ..hardware import Hardware
+from .model import LinearPrediction, predict_linear, resolve_gpu
+from .recipes import RECIPES
+
+__all__ = ["DEFAULT_MARGIN", "Gemm", "LayerChoice", "StepPrediction", "predict_step", "compare_recipes",
+           "recipes_for"]
+
+DEFAULT_MARGIN = 1.0
+"""Convert where the predicted speedup is at least this. 1.0: on the published H100 table the model errs low near
+1 (it misses gains of 1-8%, it converts nothing measured slower), so a higher margin only drops real gains."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One Linear (or grouped expert GEMM) of a step: its name and forward shape."""
+
+    name: str
+    """The module's name in the model."""
+    m: int
+    """Input rows: tokens per micro-batch per rank (grouped: rows routed to all the experts)."""
+    k: int
+    """in_features."""
+    n: int
+    """out_features."""
+    groups: int = 1
+    """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """A layer's prediction and the choice the margin makes."""
+
+    name: str
+    """The module's name."""
+    prediction: LinearPrediction
+    """Its predicted times."""
+    fp8: bool
+    """True where the predicted speedup is at least the margin."""
+
+    @property
+    def seconds(self) -> float:
+        """Its forward + backward time as chosen."""
+        return self.prediction.fp8_s if self.fp8 else self.prediction.bf16_s
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A step's GEMMs under one recipe on one GPU: each layer's choice and the totals (forward + backward, one
+    micro-batch, one rank; attention, norms, communication and the optimizer are not in it)."""
+
+    recipe: str
+    gpu: str
+    gpu_label: str
+    compile: bool
+    margin: float
+    layers: tuple[LayerChoice, ...]
+
+    @property
+    def bf16_s(self) -> float:
+        """Every layer in bf16, seconds."""
+        return sum(c.prediction.bf16_s for c in self.layers)
+
+    @property
+    def chosen_s(self) -> float:
+        """Each layer as chosen, seconds."""
+        return sum(c.seconds for c in self.layers)
+
+    @property
+    def all_fp8_s(self) -> float:
+        """Every layer in FP8 (converting all, as fp8dist did before), seconds."""
+        return sum(c.prediction.fp8_s for c in self.layers)
+
+    @property
+    def saved_s(self) -> float:
+        """GEMM time the choice saves against all-bf16, seconds."""
+        return self.bf16_s - self.chosen_s
+
+    @property
+    def fp8_flop_share(self) -> float:
+        """Share of the layers' FLOPs that run in FP8 as chosen (0 with no layers)."""
+        total = sum(c.prediction.flops for c in self.layers)
+        return sum(c.prediction.flops for c in self.layers if c.fp8) / total if total else 0.0
+
+    @property
+    def calibrated(self) -> bool:
+        """True when every layer's prediction is calibrated (H100, rowwise, compiled)."""
+        return all(c.prediction.calibrated for c in self.layers)
+
+
+def predict_step(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuSpec, recipe: str,
+                 compile: bool = True, margin: float = DEFAULT_MARGIN) -> StepPrediction:
+    """Predict every layer of a step and choose FP8 where its speedup is at least ``margin``. Call it with the
+    eligible layers only (filters, first/last and shapes are the plan's).
+
+    Args:
+        gemms: :class:`Gemm` records, or ``(name, m, k, n)`` / ``(name, m, k, n, groups)`` tuples.
+        target, recipe, compile: as :func:`fp8dist.plan.speed.predict_linear`.
+        margin: the speedup a layer must reach to run in FP8 (> 0).
+
+    Raises:
+        ValueError: a bad margin, or what :func:`~fp8dist.plan.speed.predict_linear` raises (naming the layer).
+    """
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin <= 0:
+        raise ValueError(f"margin={margin!r}: the speedup a layer must reach is a positive number (1.0 converts "
+                         "every layer predicted faster).")
+    spec = resolve_gpu(target)
+    layers = []
+    for gemm in gemms:
+        gemm = gemm if isinstance(gemm, Gemm) else Gemm(*gemm)
+        try:
+            prediction = predict_linear(gemm.m, gemm.k, gemm.n, target=spec, recipe=recipe, compile=compile,
+                                        groups=gemm.groups)
+        except ValueError as error:
+            raise ValueError(f"layer {gemm.name!r}: {error}") from None
+        layers.append(LayerChoice(gemm.name, prediction, prediction.speedup >= margin))
+    return StepPrediction(recipe, spec.key, spec.label, compile, margin, tuple(layers))
+
+
+def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ...]:
+    """The Linear recipes of ``backend`` ("torchao" or "te") that ``target`` runs, in :data:`RECIPES` order.
+
+    Raises:
+        ValueError: an unknown backend, naming the two.
+    """
+    if backend not in ("torchao", "te"):
+        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of 'torchao' or 'te'.")
+    spec = resolve_gpu(target)
+    return tuple(r.name for r in RECIPES.values()
+                 if r.backend == backend and not r.grouped and spec.capability >= r.min_capability)
+
+
+def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,
+                    recipes: Sequence[str] | None = None, backend: str = "torchao", compile: bool = True,
+                    margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
+    """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
+    all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer
+    converted.
+
+    Args:
+        recipes: the recipes to compare; None: every Linear recipe of ``backend`` the target runs.
+        The others: as :func:`predict_step`.
+    """
+    names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
+    return tuple(predict_step(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)

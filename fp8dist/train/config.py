@@ -1,0 +1,150 @@
+"""The training job's own options (``fp8dist train``'s flags under "training job"): :class:`TrainConfig`. The strategy
+and FP8 options are :class:`fp8dist.Config`'s."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from ..config.schema import normalize_fields
+from .data.sources import DEFAULT_TEXT_FIELD
+from .models import ModelSize
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The training job's knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
+
+    model_size: ModelSize = "tiny"
+    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M), 1b (1.08B, for GPUs) or 3b (2.82B, one
+    80 GB GPU with activation checkpointing), over the byte vocabulary; with --data its vocabulary is the
+    tokenizer's."""
+
+    model_config: str | None = None
+    """A Hugging Face config.json of a causal LM (Llama, GPT-2, GPT-NeoX, Mixtral, ...; vocab_size >= 256, or the
+    tokenizer's size with --data) to train from its own initialization instead of the Llama preset; no download."""
+
+    data: tuple[str, ...] = ()
+    """Text files to train on: plain text (each file one document) or JSON lines (.jsonl/.ndjson/.json, one document
+    per line); tokenized once with --tokenizer into a token cache, packed into seq_len + 1 token windows, 5% held
+    out. None given: the built-in grammar corpus (byte tokens, offline)."""
+
+    tokenizer: str | None = None
+    """Directory of a fast tokenizer saved with save_pretrained, to tokenize --data; none: the --pretrained
+    directory's."""
+
+    text_field: str = DEFAULT_TEXT_FIELD
+    """The JSON field holding a document's text in JSON-lines --data files."""
+
+    data_cache: str | None = None
+    """Directory of the token cache (on several nodes: one every node sees); none: ~/.cache/fp8dist/tokens."""
+
+    eval_every: int = 0
+    """Report the held-out loss and perplexity of --data every N steps, and after the last step; 0: after the last
+    step only."""
+
+    eval_batches: int | None = None
+    """Held-out global batches each evaluation reads (the same windows every time); none: every full one, at most
+    10 (fp8dist.train.data.job.MAX_DEFAULT_EVAL_BATCHES)."""
+
+    steps: int = 30
+    """Training steps, one global batch each. A step the guard skips (non-finite gradients, nonfinite_step) counts
+    here, and the learning-rate schedule does not advance on it (it follows the optimizer steps applied, as
+    DeepSpeed's does)."""
+
+    batch_size: int = 8
+    """Global batch in sequences per step; split evenly over the processes."""
+
+    seq_len: int = 128
+    """Tokens per sequence (bytes on the built-in corpus)."""
+
+    lr: float = 3e-3
+    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to
+    10%: :func:`fp8dist.train.schedule.lr_schedule` "cosine")."""
+
+    seed: int = 0
+    """Seed of the model initialization and of the batch order."""
+
+    nproc: int | None = None
+    """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
+
+    checkpoint_dir: str | None = None
+    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); with resume, also
+    one of its step_* folders (the newest: resumed from it, checkpoints saved into the directory above it); none:
+    no checkpoints."""
+
+    save_every: int | None = None
+    """Save a checkpoint every N steps, and after the last step; needs checkpoint_dir (none: after the last step
+    only)."""
+
+    keep_last: int = 3
+    """Newest checkpoints kept in checkpoint_dir; 0 keeps them all."""
+
+    resume: bool = False
+    """Continue from the newest checkpoint in checkpoint_dir when there is one (weights, optimizer and the position
+    in --data), else start at step 0: the same command starts a job and restarts it after a crash."""
+
+    save_pretrained: str | None = None
+    """Directory the trained model is written to after the last step, as Hugging Face safetensors in --save-dtype
+    (fp8dist.save_pretrained; AutoModelForCausalLM.from_pretrained reads it), with the --data tokenizer; none: not
+    written."""
+
+    save_dtype: Literal["as-loaded", "bf16", "fp32", "fp16"] = "as-loaded"
+    """dtype of the --save-pretrained weights: as-loaded writes the dtype the --pretrained checkpoint's weights hold
+    (a fine-tune comes out as it went in: bf16 stays bf16, fp32 stays fp32), bf16 for a model trained from scratch;
+    fp32 writes the fp32 master weights exactly (fp8dist.checkpoint.hf.export_dtype)."""
+
+    metrics_file: str | None = None
+    """JSON-lines file of every logged step's figures (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
+    fp8_aware_mfu, peak_memory_bytes, skipped_steps; val_loss and val_perplexity on evaluation steps), written by
+    rank 0; a resumed run keeps the lines up to its checkpoint. None: not written."""
+
+    tensorboard: str | None = None
+    """TensorBoard log directory for the same figures as scalars train/<key> (pip install 'fp8dist[tensorboard]');
+    none: not written."""
+
+    fp8_health_every: int = 50
+    """FP8 health every N steps with fp8=torchao: per FP8 layer the amax, scale and share flushed to zero of its
+    input, weight and output gradient (fp8dist.plan.numerics.FP8Telemetry), one line in the log, a warning when a layer
+    crosses the probe's thresholds; 0: off."""
+
+    fp8_health_file: str | None = None
+    """JSON-lines file of the FP8 health records; none: beside --metrics-file (its name with .fp8_health.jsonl),
+    else not written."""
+
+    def __post_init__(self) -> None:
+        normalize_fields(self)
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr} must be positive and finite (the peak learning rate, e.g. 3e-3).")
+        for name in ("nproc", "save_every", "eval_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        for name, off in (("keep_last", "keep all"), ("eval_every", "at the end only"), ("fp8_health_every", "off")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be 0 ({off}) or more.")
+        if self.checkpoint_dir is None and (self.resume or self.save_every is not None):
+            flag = "resume" if self.resume else "save_every"
+            raise ValueError(f"{flag} needs checkpoint_dir: pass --checkpoint-dir DIR (where checkpoints are written "
+                             "and read).")
+        self._check_data_options()
+
+    def _check_data_options(self) -> None:
+        if not self.data and (self.eval_every or self.eval_batches is not None):
+            flag = "eval_every" if self.eval_every else "eval_batches"
+            raise ValueError(f"{flag} needs data: the held-out split is of --data files (the built-in corpus has "
+                             "none). Pass --data FILE [FILE ...], or leave it out.")
+        if not self.text_field:
+            raise ValueError("text_field='' must name the JSON field that holds the text, e.g. 'text'.")
+        default_dtype = next(f.default for f in fields(self) if f.name == "save_dtype")
+        if self.save_dtype != default_dtype and self.save_pretrained is None:
+            raise ValueError(f"save_dtype={self.save_dtype!r} with no save_pretrained: pass --save-pretrained DIR "
+                             "(the export it sets the dtype of), or leave --save-dtype out.")
+        if self.fp8_health_file is not None and not self.fp8_health_every:
+            raise ValueError(f"fp8_health_file={self.fp8_health_file!r} with fp8_health_every=0 (off): pass "
+                             "--fp8-health-every N, or leave the file out.")

@@ -1,0 +1,191 @@
+"""What ``fp8dist train`` and ``fp8dist bench`` train on: the built-in grammar (bytes, offline) or real text files
+(:func:`load_job_corpus`), the loss of one batch of either (:func:`lm_loss`), and the held-out loss
+(:func:`evaluate`) on the steps :func:`eval_steps` names.
+
+In a job of several processes the text is tokenized once per node: local rank 0 tokenizes (or finds the token
+cache), every rank agrees it worked, then the other local ranks read the cache it wrote (:func:`load_on_each_node`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ...config.text import plural
+from .corpus import TokenCorpus, load_text_corpus
+from .windows import TextBatches
+
+__all__ = ["MAX_DEFAULT_EVAL_BATCHES", "job_tokenizer", "load_job_corpus", "load_on_each_node", "JobBatches",
+           "eval_batch_count", "eval_steps", "lm_loss", "evaluate"]
+
+T = TypeVar("T")
+
+MAX_DEFAULT_EVAL_BATCHES = 10
+"""With no ``eval_batches`` given, an evaluation reads every full held-out global batch, at most this many: enough
+for a loss to 3 digits on small data, bounded on large data (5% of a large corpus is many batches)."""
+
+
+def job_tokenizer(data: Sequence[str], tokenizer: str | None, pretrained: str | None) -> str | None:
+    """The tokenizer directory of a job on ``data``: ``tokenizer``, else the ``pretrained`` model's directory;
+    None without data (the built-in corpus has its own byte ids).
+
+    Raises:
+        ValueError: data without a tokenizer to read it, or a tokenizer without data.
+    """
+    if not data:
+        if tokenizer is not None:
+            raise ValueError(f"tokenizer={tokenizer!r} without data: pass --data FILE [FILE ...] to train on text "
+                             "files, or leave --tokenizer out to train on the built-in corpus.")
+        return None
+    if tokenizer is None and pretrained is None:
+        raise ValueError("--data needs a tokenizer: pass --tokenizer DIR (a directory a tokenizer's save_pretrained "
+                         "wrote), or --pretrained DIR holding the model's own tokenizer.")
+    return tokenizer if tokenizer is not None else pretrained
+
+
+def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None = None) -> TokenCorpus | None:
+    """``train.data`` tokenized (or read from the token cache ``train.data_cache``) with the job's tokenizer
+    (:func:`job_tokenizer`); None for the built-in corpus. ``train`` is a :class:`fp8dist.train.job.TrainConfig` or
+    anything with its ``data``, ``tokenizer``, ``text_field`` and ``data_cache``.
+
+    Raises:
+        ValueError: a bad file or tokenizer, with the file and the way out (nothing is left in the cache).
+    """
+    from ...config.schema import cli_flag
+    from .cache import check_cache_dir
+
+    tokenizer = job_tokenizer(train.data, train.tokenizer, pretrained)
+    if tokenizer is None:
+        return None
+    check_cache_dir(train.data_cache, "data_cache", cli_flag("data_cache"))  # named as the job names it
+    return load_text_corpus(list(train.data), tokenizer=tokenizer, text_field=train.text_field,
+                            cache_dir=train.data_cache, progress=progress)
+
+
+def load_on_each_node(load: Callable[[], T], local_rank: int) -> T:
+    """``load()`` on local rank 0 of each node first, then, once every rank knows it worked, on the other local
+    ranks (which then read what it cached). A failure on any rank raises on every rank (no rank waits forever).
+    Call on every rank of an initialized process group, or alone."""
+    from ...pipeline.agree import on_all_ranks
+
+    first = on_all_ranks("tokenizing the data", load if local_rank == 0 else None, error=ValueError,
+                         passthrough=(ValueError,))
+    rest = on_all_ranks("reading the token cache", load if local_rank != 0 else None, error=ValueError,
+                        passthrough=(ValueError,))
+    return first if local_rank == 0 else rest
+
+
+class JobBatches:
+    """The batches of a job: the built-in grammar's (:class:`~fp8dist.train.data.Batches`, indexed by step, ``seq_len``
+    tokens per row) or a text corpus's (:class:`TextBatches`, taken in order, ``seq_len + 1`` tokens per row, with a
+    position to save and a held-out split).
+
+    Args:
+        corpus: the tokenized text, or None for the built-in corpus.
+        batch_size: global batch in sequences; split over ``world_size``.
+        eval_batches: held-out batches per evaluation (:func:`eval_batch_count`); text only.
+
+    Raises:
+        ValueError: the corpus is shorter than a window or a global batch, or holds out too few windows.
+    """
+
+    def __init__(self, corpus: TokenCorpus | None, *, batch_size: int, seq_len: int, seed: int, rank: int = 0,
+                 world_size: int = 1, eval_batches: int | None = None) -> None:
+        from .builtin import Batches
+
+        self.corpus = corpus
+        self.windows = corpus is not None
+        """Rows of ``seq_len + 1`` tokens (text), else ``seq_len`` (the grammar): see :func:`lm_loss`."""
+        if corpus is None:
+            self.grammar, self.text, self.eval_count = Batches(batch_size=batch_size, seq_len=seq_len, rank=rank,
+                                                               world_size=world_size, seed=seed), None, 0
+        else:
+            self.grammar = None
+            self.text = TextBatches(corpus, batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size,
+                                    seed=seed)
+            self.eval_count = eval_batch_count(self.text, eval_batches)  # held-out batches per evaluation
+
+    def take(self, step: int) -> torch.Tensor:
+        """This rank's batch of ``step`` (0-based); text batches are taken in order, one per step."""
+        return self.grammar[step] if self.text is None else self.text.next_batch()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The text's position (:meth:`TextBatches.state_dict`); None for the grammar (its batches follow the step)."""
+        return None if self.text is None else self.text.state_dict()
+
+    def evaluate(self, model: Any, device: torch.device) -> float:
+        """The held-out loss (:func:`evaluate`); call on every rank, with text only."""
+        return evaluate(model, self.text, self.eval_count, device)
+
+    def describe(self) -> str:
+        """The corpus, its windows and the held-out batches, for a run's header ("" for the grammar)."""
+        if self.text is None:
+            return ""
+        return (f"data: {self.corpus.describe()}\ndata: {self.text.describe()}; each evaluation reads "
+                f"{plural(self.eval_count, 'held-out batch')} of {self.text.batch_size}")
+
+
+def eval_batch_count(batches: TextBatches, asked: int | None) -> int:
+    """The held-out global batches one evaluation reads: ``asked``, or with None every full one up to
+    :data:`MAX_DEFAULT_EVAL_BATCHES`.
+
+    Raises:
+        ValueError: the split holds fewer full batches than asked (or none), with the way out.
+    """
+    full = len(batches.eval_windows) // batches.batch_size
+    wanted = min(full, MAX_DEFAULT_EVAL_BATCHES) if asked is None else asked
+    if wanted < 1 or wanted > full:
+        need = max(wanted, 1) * batches.batch_size
+        fewer = f"Pass --eval-batches {full}{' or fewer' if full > 1 else ''}, or add text" if full else "Add text"
+        raise ValueError(f"{'--eval-batches ' + str(asked) if asked else 'an evaluation'} needs {need:,} held-out "
+                         f"windows of {batches.window:,} tokens; the corpus's held-out {100 * batches.eval_fraction:g}% "
+                         f"is {len(batches.eval_windows):,} windows ({full} global batches of {batches.batch_size}). "
+                         f"{fewer}, or lower --batch-size or --seq-len.")
+    return wanted
+
+
+def eval_steps(steps: int, every: int) -> list[int]:
+    """The steps (counted from 1) after which a run of ``steps`` steps evaluates: every ``every``-th and the last
+    (``every`` 0: the last only)."""
+    marks = set(range(every, steps + 1, every)) if every > 0 else set()
+    return sorted(marks | {steps})
+
+
+def lm_loss(model: Any, batch: torch.Tensor, *, windows: bool) -> torch.Tensor:
+    """The mean next-token cross-entropy of ``batch`` under ``model`` (any causal LM returning ``.logits``).
+
+    Args:
+        batch: token ids. ``windows``: ``seq_len + 1`` tokens per row (:class:`TextBatches`): the model reads
+            ``batch[:, :-1]`` and predicts ``batch[:, 1:]``, each token once; the loss is computed here from the
+            logits (in fp32, as transformers does), so no model shifts the targets a second time. Else
+            ``seq_len`` tokens (the grammar's :class:`~fp8dist.train.data.Batches`): transformers' ``labels=ids``,
+            which shifts inside the model.
+    """
+    if not windows:
+        return model(input_ids=batch, labels=batch).loss
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model: Any, batches: TextBatches, num_batches: int, device: torch.device) -> float:
+    """The held-out loss: the mean of :func:`lm_loss` over the first ``num_batches`` held-out global batches (the
+    same windows every time), over every rank. The model is in eval mode meanwhile; the training position does not
+    move. Call on every rank."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros((), device=device)
+        for batch in batches.eval_batches(num_batches):
+            total += lm_loss(model, batch.to(device), windows=True).float()
+    finally:
+        model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return (total / num_batches).item()
+

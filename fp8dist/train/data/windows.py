@@ -1,0 +1,177 @@
+"""Training and held-out batches from a :class:`~fp8dist.train.data.corpus.TokenCorpus`.
+
+The token stream is cut into consecutive windows of ``seq_len + 1`` tokens (the last, partial one is dropped): a
+window's first ``seq_len`` tokens are the input and its last ``seq_len`` the targets, so every token of a window is
+predicted once (torchtitan's packing; documents are already joined with the EOS id, and attention is not masked at
+document borders).
+
+Held-out split, by windows: a fixed permutation of the windows (seeded by :data:`SPLIT_SEED`, not by the run's seed)
+puts ``eval_fraction`` of them aside. Chosen over a split by documents because it works for any corpus, a single
+plain-text file (one document) included, gives an exact held-out size, and shares no token between the two sets;
+the price: a held-out window's neighbours in the same document may be trained on, so its loss is that of unseen
+passages of mostly seen documents (hold out whole files, as separate data, for unseen documents). Runs with other
+seeds evaluate the same windows.
+
+Training order: epoch ``e`` visits the training windows in a permutation seeded by ``(seed, e)``. A global batch of
+``batch_size`` windows is taken at the position ``(epoch, index)`` (a batch may run into the next epoch), and each
+rank reads its contiguous slice of it, as :class:`~fp8dist.train.data.Batches` does: the global batches are the same for
+every world size. The position is saved with :meth:`TextBatches.state_dict` (put it in a checkpoint's ``extra``) and
+restored with :meth:`TextBatches.load_state_dict`: the resumed batches equal those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...config.text import plural
+from .builtin import check_batch_split
+from .corpus import TokenCorpus
+
+__all__ = ["TextBatches", "DEFAULT_EVAL_FRACTION", "SPLIT_SEED"]
+
+DEFAULT_EVAL_FRACTION = 0.05
+"""Share of the windows held out for validation (Hugging Face's run_clm example holds out 5% too)."""
+SPLIT_SEED = 0
+"""Seed of the held-out split: fixed, so every run on a corpus (any ``seed``) evaluates the same windows."""
+
+
+class TextBatches:
+    """This rank's slices of shuffled global batches of ``seq_len + 1``-token windows, and of held-out batches.
+
+    Args:
+        corpus: the tokenized files (:func:`~fp8dist.train.data.load_text_corpus`).
+        batch_size: global batch in windows (over all ranks); must split evenly over ``world_size``.
+        seq_len: tokens a model reads per sequence; a window holds ``seq_len + 1``.
+        rank, world_size: this process's place in the job.
+        seed: the training order's seed (a non-negative int).
+        eval_fraction: share of the windows held out (0: none), in [0, 1).
+
+    Raises:
+        ValueError: a bad argument, a corpus shorter than one window, or fewer training windows than a global
+            batch (each message gives the tokens the corpus has and needs).
+    """
+
+    def __init__(self, corpus: TokenCorpus, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
+        check_batch_split(batch_size, world_size)
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be at least 1.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative integer.")
+        if not (isinstance(eval_fraction, (int, float)) and 0 <= eval_fraction < 1):
+            raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1): the share of windows held out.")
+        self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
+        self.eval_fraction = float(eval_fraction)
+        self.window = seq_len + 1
+        count = corpus.num_tokens // self.window
+        if count < 1:
+            raise ValueError(f"the corpus has {corpus.num_tokens:,} tokens, fewer than one window of seq_len + 1 = "
+                             f"{self.window:,}: add text or lower seq_len to {corpus.num_tokens - 1:,} or less.")
+        split = np.random.default_rng(SPLIT_SEED).permutation(count)
+        held = math.ceil(self.eval_fraction * count) if self.eval_fraction else 0
+        self.eval_windows = split[:held]
+        """Held-out window numbers, in the order the held-out batches take them."""
+        self.train_windows = np.sort(split[held:])
+        if len(self.train_windows) < batch_size:
+            need = (batch_size + held) * self.window
+            raise ValueError(f"the corpus has {corpus.num_tokens:,} tokens: {count:,} windows of {self.window:,}, "
+                             f"{held:,} of them held out, leaves {len(self.train_windows):,} for training, fewer than "
+                             f"a global batch of {batch_size}; that needs about {need:,} tokens. Add text, or lower "
+                             "batch_size, seq_len or eval_fraction.")
+        self.per_rank = batch_size // world_size
+        self.rank = rank
+        self.epoch, self.index = 0, 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens the model reads in one global batch (``batch_size x seq_len``)."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, index)``: the next global batch starts at training window ``index`` of epoch ``epoch``."""
+        return self.epoch, self.index
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's ``[batch_size / world_size, seq_len + 1]`` token ids (int64) of the next global batch; the
+        position moves on by ``batch_size`` windows on every rank. Inputs are ``batch[:, :-1]``, targets
+        ``batch[:, 1:]``."""
+        start = self.epoch * len(self.train_windows) + self.index + self.rank * self.per_rank
+        windows = [self._train_window(g) for g in range(start, start + self.per_rank)]
+        self.epoch, self.index = divmod(self.epoch * len(self.train_windows) + self.index + self.batch_size,
+                                        len(self.train_windows))
+        return self._stack(windows)
+
+    def eval_batches(self, num_batches: int | None = None) -> Iterator[torch.Tensor]:
+        """This rank's slices of the first ``num_batches`` held-out global batches (default: every full one), the
+        same on every call; the training position does not move.
+
+        Raises:
+            ValueError: fewer held-out windows than ``num_batches`` global batches need.
+        """
+        full = len(self.eval_windows) // self.batch_size
+        if num_batches is not None and num_batches < 1:
+            raise ValueError(f"num_batches={num_batches} must be at least 1 (None: every full held-out batch).")
+        wanted = full if num_batches is None else num_batches
+        if full == 0 or wanted > full:
+            asked = f"{plural(wanted, 'held-out batch')}" if wanted else "a held-out batch"
+            raise ValueError(f"{asked} of {self.batch_size} windows need {max(wanted, 1) * self.batch_size:,} "
+                             f"held-out windows; eval_fraction={self.eval_fraction:g} holds out "
+                             f"{len(self.eval_windows):,} of this corpus's windows ({full} full batches). Ask for "
+                             "fewer batches, or raise eval_fraction.")
+        for b in range(wanted):
+            start = b * self.batch_size + self.rank * self.per_rank
+            yield self._stack(self.eval_windows[start:start + self.per_rank].tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and what it is a position in (corpus, seq_len, split, seed): JSON-serializable, for a
+        checkpoint's ``extra``. Save it after the step whose batch was taken last."""
+        return {"epoch": self.epoch, "index": self.index, **self._stream()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the position ``state`` (from :meth:`state_dict`) saved: the next batch is the one an
+        uninterrupted run would take. The batch size and world size may differ from the saved run's.
+
+        Raises:
+            ValueError: ``state`` is of another stream (the files, tokenizer, seq_len, eval_fraction or seed
+                changed), naming what changed.
+        """
+        mine = self._stream()
+        changed = [k for k in mine if state.get(k) != mine[k]]
+        if changed:
+            said = ", ".join("the files' contents" if k == "corpus" else f"{k} {state.get(k)!r} -> {mine[k]!r}"
+                             for k in changed)
+            raise ValueError(f"the saved data position belongs to another token stream ({said} changed since it was "
+                             "saved), so the batches cannot continue where they stopped. Restore the data and options "
+                             "of the saved run, or start without its data position.")
+        if not (0 <= state["index"] < len(self.train_windows)) or state["epoch"] < 0:
+            raise ValueError(f"data position (epoch {state['epoch']}, index {state['index']}) is outside this "
+                             f"stream's {len(self.train_windows):,} training windows.")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+    def describe(self) -> str:
+        """One line: windows, split, order."""
+        return (f"{len(self.train_windows) + len(self.eval_windows):,} windows of {self.window:,} tokens: "
+                f"{len(self.train_windows):,} for training (shuffled per epoch, seed {self.seed}), "
+                f"{len(self.eval_windows):,} held out ({100 * self.eval_fraction:g}%)")
+
+    def _stream(self) -> dict[str, Any]:
+        return {"corpus": self.corpus.fingerprint(), "seq_len": self.seq_len, "eval_fraction": self.eval_fraction,
+                "seed": self.seed}
+
+    def _train_window(self, sample: int) -> int:
+        epoch, i = divmod(sample, len(self.train_windows))
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # keep two epochs at most
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.train_windows))
+        return int(self.train_windows[self._orders[epoch][i]])
+
+    def _stack(self, windows: list[int]) -> torch.Tensor:
+        rows = [self.corpus.tokens(w * self.window, (w + 1) * self.window) for w in windows]
+        return torch.from_numpy(np.stack(rows))

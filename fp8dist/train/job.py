@@ -1,0 +1,415 @@
+"""The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus, or any causal LM
+(``--model-config``, ``--pretrained``) on your text files (``--data``, ``--tokenizer``).
+
+Launch it any of these ways (distributed mode is read from the launcher's environment):
+
+    fp8dist train                                    # spawns 2 CPU processes (or one per GPU) itself
+    fp8dist train --strategy fsdp1 --steps 100 --model-size small
+    fp8dist train --pretrained DIR --data notes.jsonl --save-pretrained OUT --metrics-file run.jsonl  # fine-tune
+    torchrun --nproc-per-node 2 -m fp8dist.cli train # under torchrun: runs in the launched processes
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..config.text import plural
+from ..pipeline.api import get_plan, get_wrap_info, wrap_model
+from ..pipeline.blocks import describe_blocks
+from ..checkpoint.hf import export_dtype, save_pretrained
+from ..checkpoint.save_load import load_checkpoint, save_checkpoint
+from ..config.resolve import Config
+from .data import check_batch_split
+from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
+from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
+                  runs_on_cpu)
+from ..pipeline.grads import clip_grad_norm_, no_sync
+from ..strategies.deepspeed import is_deepspeed_engine
+from ..pipeline.agree import on_all_ranks
+from .models import build_job_model, job_model_config
+from ..accounting import report
+from .schedule import describe_schedule, lr_schedule, set_lr
+from ..plan.selection import with_read_options
+from .checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
+                           job_memory_need)
+from .config import TrainConfig
+from .log import JobLog, check_outputs
+from ..accounting.sharding import sharding_summary
+
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
+
+
+def default_fp8() -> str | None:
+    """The training job's FP8 backend when ``--fp8`` is not given: torchao wherever it runs for real (CPU, where
+    torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to none."""
+    from ..pipeline.env import package_version
+    from ..fp8 import fp8_hardware_reason
+
+    if package_version("torchao") is None:
+        return None
+    if torch.cuda.is_available() and fp8_hardware_reason(torch.device("cuda", 0)) is not None:
+        return None
+    return "torchao"
+
+
+def default_nproc() -> int:
+    """One process per GPU, or 2 CPU processes."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+@dataclass
+class TrainResult:
+    """What a finished run measured (every rank gets the same values)."""
+
+    losses: list[float]
+    """Mean loss over ranks, per step."""
+    tokens_per_s: float
+    """Global tokens per second, steps after the first (which includes warm-up)."""
+    peak_memory_mib: list[float]
+    """Per rank: peak CUDA memory allocated, or peak RSS on CPU."""
+    sharding: list[str] = field(default_factory=list)
+    """Per rank: how its parameters are stored (see :func:`fp8dist.sharding_summary`)."""
+    plan_counts: str = ""
+    """FP8 and fallback layers and parameters (see :func:`fp8dist.get_plan`)."""
+    device: str = "cpu"
+    """Device type the ranks trained on."""
+    start_step: int = 0
+    """Steps already done when this run started (from a checkpoint); ``losses`` are of the steps after it."""
+    wall_s: float = 0.0
+    blocks: str = ""
+    """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (the guard, ``nonfinite_step``), this run's and before."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, held-out loss) of each evaluation of this run (text data only)."""
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / total)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
+
+
+def _as_saved(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value  # JSON keeps a tuple as a list
+
+
+def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer: Any, batches: JobBatches,
+            log: Callable[[str], Any] | None) -> tuple[int, int]:
+    """The step to start at and the optimizer steps applied before it (the schedule's position): 0, 0, or with
+    ``resume`` those of checkpoint ``resume_from`` (loaded into the model, its data position into ``batches``)."""
+    log = log or (lambda line: None)
+    if not train.resume:
+        return 0, 0
+    if resume_from is None:
+        log(f"resume: no checkpoint in {train.checkpoint_dir} yet, starting at step 0")
+        return 0, 0
+    t0 = time.perf_counter()
+    state = load_checkpoint(resume_from, model, optimizer)
+    log(f"resume: loaded {state.path} (step {state.step}, saved on {plural(state.world_size, 'rank')}) in "
+        f"{time.perf_counter() - t0:.2f}s")
+    if batches.text is not None:
+        if "data" not in state.extra:
+            raise ValueError(f"{state.path} holds no position in --data (its run trained on the built-in corpus), so "
+                             "the text cannot continue where a run stopped. Resume without --data, or start a new "
+                             "--checkpoint-dir (with --pretrained for weights saved by --save-pretrained).")
+        batches.text.load_state_dict(state.extra["data"])
+    saved = state.extra.get("train", {})
+    changed = [f"{k} {saved[k]} -> {_as_saved(getattr(train, k))}"
+               for k in ("seed", "batch_size", "seq_len", "lr", "steps", "data")
+               if k in saved and saved[k] != _as_saved(getattr(train, k))]
+    if changed:
+        log(f"resume: note, the job changed since the checkpoint: {', '.join(changed)}")
+    return state.step, state.extra.get(APPLIED_KEY, state.step)  # saved before the key: no step was skipped
+
+
+APPLIED_KEY = "optimizer_steps"
+"""The checkpoint ``extra`` key of the optimizer steps applied so far (the steps minus those the guard skipped): the
+learning-rate schedule's position, restored on resume."""
+
+
+def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: int, batches: JobBatches,
+          log: Callable[[str], Any] | None) -> None:
+    """Save a checkpoint after ``done`` steps (``applied`` of them applied) when ``save_every`` says so, and after
+    the last step, with the data position (text) in its ``extra``."""
+    if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
+                                                                 or done % train.save_every)):
+        return
+    t0 = time.perf_counter()
+    job = {k: _as_saved(v) for k, v in asdict(train).items() if k not in ("nproc", "resume")}
+    position = batches.state_dict()
+    extra = {"train": job, APPLIED_KEY: applied, **({"data": position} if position is not None else {})}
+    # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
+    path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra=extra,
+                           keep_last=train.keep_last or None, overwrite=train.resume)
+    if log is not None:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
+
+
+def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None,
+            pretrained: str | None) -> None:
+    """``save_pretrained``: the trained model as Hugging Face safetensors in ``save_dtype`` (every rank gathers,
+    rank 0 writes), and the tokenizer of the text beside it, so that the directory is a model to load and to train
+    on again."""
+    if train.save_pretrained is None:
+        return
+    t0 = time.perf_counter()
+    dtype = export_dtype(train.save_dtype, pretrained)
+    path = save_pretrained(model, train.save_pretrained, dtype=dtype)
+    if log is None:
+        return
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    tokenizer = ""
+    if batches.corpus is not None:
+        from .data import load_tokenizer
+
+        load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
+        tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
+    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {dtype}){tokenizer} in "
+        f"{time.perf_counter() - t0:.2f}s")
+
+
+NORM_ONLY = float(torch.finfo(torch.float32).max)
+"""The limit under which clip_grad_norm_ only measures the gradients' norm (it scales them by exactly 1.0): with
+gradient clipping off, the step line still shows the norm."""
+
+
+def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
+                       windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
+    """One optimizer step over the micro-batches ``micro`` (``grad_accum`` of them): forward and backward each,
+    gradients reduced once, at the last (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not
+    clipped) and stepped; returns the step's loss (the mean over the micro-batches) and the gradients' global norm
+    before clipping. DeepSpeed's engine counts its gradient_accumulation_steps, clips and zeroes itself.
+    ``show_report`` gets the precision/memory report while gradients and optimizer states are both held: after a
+    torch optimizer's step, before zero_grad; for DeepSpeed, whose step frees the gradient partitions, between the
+    last backward and step."""
+    total = torch.zeros((), device=micro[0].device)
+    for i, ids in enumerate(micro):
+        last = i == len(micro) - 1
+        if engine:
+            loss = lm_loss(wrapped, ids, windows=windows)
+            wrapped.backward(loss)
+            if last and show_report is not None:
+                show_report(str(report(wrapped, optimizer)))
+            wrapped.step()
+        else:
+            with no_sync(wrapped, last=last):
+                loss = lm_loss(wrapped, ids, windows=windows)
+                (loss / len(micro)).backward()
+        total += loss.detach().float()
+    if engine:
+        return total / len(micro), wrapped.get_global_grad_norm()
+    norm = clip_grad_norm_(wrapped, clip if clip > 0 else NORM_ONLY)
+    optimizer.step()
+    if show_report is not None:
+        show_report(str(report(wrapped, optimizer)))
+    optimizer.zero_grad(set_to_none=True)
+    return total / len(micro), norm
+
+
+def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
+    """wrap_model with the job's optimizer; grad_accum micro-batches make one step's global batch under every
+    strategy (DeepSpeed counts them itself; the loop accumulates and clips for the others)."""
+    accum = config.parallel.grad_accum
+    check_batch_split(train.batch_size, world, accum)
+    # the job's batch, where an axis reads it: DeepSpeed's micro-batch, the FP8 speed prediction's tokens
+    config = with_read_options(config, micro_batch_size=train.batch_size // (world * accum), seq_len=train.seq_len)
+    if config.parallel.strategy != "deepspeed":  # the loop below accumulates and clips: nothing of them for wrap_model
+        config = replace(config, parallel=replace(config.parallel, grad_accum=1,
+                                                  gradient_clipping=type(config.parallel)().gradient_clipping))
+    # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
+    wrapped, optimizer = wrap_model(model, config=config, optimizer={"type": "AdamW", "lr": train.lr,
+                                                                     "betas": (0.9, 0.95), "weight_decay": 0.0})
+    return config, wrapped, optimizer
+
+
+def _header(config: Config, train: TrainConfig, wrapped: Any, name: str, n_params: int, need: MemoryNeed) -> str:
+    """The run's first lines: the model, the job, the learning-rate schedule and the memory it needs."""
+    info = get_wrap_info(wrapped)
+    env, group = info.env, info.env.backend or "no process group"
+    return (f"fp8dist train: {name} ({n_params / 1e6:.2f}M params), strategy {config.parallel.strategy}, fp8 "
+            f"{config.precision.fp8 or 'none'}, {env.world_size} x {env.device.type} ({group}), global batch "
+            f"{train.batch_size} x {train.seq_len} tokens; layout: {info.sharding.blocks_found_by}\n"
+            f"lr {train.lr:g}: {describe_schedule('cosine', train.steps)}; memory: {need.describe()}")
+
+
+def _load_corpus(config: Config, train: TrainConfig) -> Any:
+    """The job's text corpus (None: the built-in corpus), tokenized once per node: in a job of several processes
+    the process group is started first, so that local rank 0 tokenizes while the others wait for its cache."""
+    if not train.data:
+        return None
+    local = 0
+    if current_launch().world_size > 1:
+        local = init_distributed(device=config.parallel.device).local_rank
+    with warnings.catch_warnings():
+        if current_launch().rank != 0:  # rank 0 says the data's notes (an option with no effect) for every rank
+            warnings.simplefilter("ignore")
+        return load_on_each_node(lambda: load_job_corpus(train, config.parallel.pretrained), local)
+
+
+def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
+                 progress: Callable[[int], Any] | None = None) -> TrainResult:
+    """Train the job's model (``train.model_size`` Llama, ``--model-config``, ``--pretrained``) on the built-in
+    corpus or ``train.data`` with ``config``'s strategy in this process (one rank of the job).
+
+    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print); ``progress``
+    gets the steps done after each step (and at the start).
+
+    Raises:
+        TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
+        MemoryError: the estimate of what a rank needs exceeds its memory (before the first step).
+        ValueError: bad data, a tokenizer the model cannot read, a checkpoint of another data stream.
+    """
+    log = log or (lambda line: print(line, flush=True))
+    start = time.perf_counter()
+    save_to, resume_from = check_checkpoint_dir(train)  # a step folder named: resumed from, saved beside
+    train = replace(train, checkpoint_dir=None if save_to is None else str(save_to))
+    check_outputs(train)
+    kernels = aten_cpu_fp8_gemms() if config.precision.fp8 and runs_on_cpu(config.parallel.device) else None
+    corpus = _load_corpus(config, train)
+    model_config, name = job_model_config(config, train, corpus)
+    check_positions(model_config, name, config, train, current_launch().world_size)
+    model = build_job_model(config, train, model_config)
+    n_params = sum(p.numel() for p in model.parameters())
+    world = current_launch().world_size
+    asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
+    config, wrapped, optimizer = _wrap(config, train, model, world)
+    env = get_wrap_info(wrapped).env
+    if env.world_size > 1:  # one line per rank: which node and host each rank landed on
+        launch = current_launch()
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"fp8dist train: rank {env.rank}/{env.world_size} local rank {env.local_rank} node {launch.node_rank} "
+              f"host {host} device {env.device} ready", flush=True)
+    need = job_memory_need(asked, train, model_config, env.world_size)
+    ranks_here = local_world_size(os.environ, env.world_size)  # one node unless the launcher says
+    on_all_ranks("checking the job's memory", lambda: check_memory(need, env.device, ranks_here), error=MemoryError,
+                 passthrough=(MemoryError,))
+    batches = JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, rank=env.rank,
+                         world_size=env.world_size, eval_batches=train.eval_batches)
+    leader = env.rank == 0
+    if leader:
+        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
+                                     batches.describe()])))
+        if config.precision.fp8:
+            log(str(get_wrap_info(wrapped).plan))
+    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, log if leader else None)
+    job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
+    if leader:
+        log(job_log.header())
+    try:
+        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied),
+                                                 job_log, log if leader else None, progress)
+    finally:
+        job_log.close()
+    _export(train, wrapped, batches, log if leader else None, config.parallel.pretrained)
+    timed = step_times[1:] or step_times
+    tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
+    mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
+    gathered: list[Any] = [mine]
+    if env.world_size > 1:
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, mine)
+    result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
+                         sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
+                         device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
+                         blocks=describe_blocks(get_wrap_info(wrapped).blocks),
+                         skipped_steps=get_wrap_info(wrapped).skipped_steps, eval_losses=evals)
+    if leader:
+        log(format_summary(result, config, train))
+    return result
+
+
+def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
+                 start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
+                 progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
+    """Steps ``first`` .. ``train.steps`` (``start`` is ``first`` and the optimizer steps applied before it): the
+    loss (mean over ranks) and time of each, and the held-out loss of each evaluation; stops when the loss stays
+    non-finite (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
+    micro-batches per step, its ``gradient_clipping``.
+
+    The learning rate follows the optimizer steps applied, not the batches seen: a step the guard skipped
+    (non-finite gradients) leaves the schedule where it was, as DeepSpeed's engine does on an overflow, so the
+    steps after it train as a run that never saw that batch."""
+    (first, applied), info = start, get_wrap_info(wrapped)
+    env = info.env
+    lr_factor, engine = lr_schedule("cosine", train.steps), is_deepspeed_engine(wrapped)
+    accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
+    watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
+    evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
+    losses: list[float] = []
+    step_times: list[float] = []
+    evals: list[tuple[int, float]] = []
+    if progress is not None:
+        progress(first)
+    for step in range(first, train.steps):
+        t0 = time.perf_counter()
+        micro = list(batches.take(step).to(env.device).chunk(accum))
+        lr = train.lr * lr_factor(applied)
+        set_lr(optimizer, lr)
+        skipped = info.skipped_steps
+        # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
+        show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
+        mean_loss, norm = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip,
+                                             windows=batches.windows, show_report=show)
+        applied += info.skipped_steps == skipped  # the guard counts a skip inside the optimizer's (engine's) step
+        if env.world_size > 1:
+            dist.all_reduce(mean_loss)
+            mean_loss /= env.world_size
+        losses.append(mean_loss.item())
+        step_times.append(time.perf_counter() - t0)
+        extra = {}
+        if step + 1 in evaluate_after:
+            val = batches.evaluate(wrapped, env.device)
+            evals.append((step + 1, val))
+            extra = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+        record = job_log.step(step=step + 1, loss=losses[-1], tokens=train.batch_size * train.seq_len,
+                              step_time_s=step_times[-1], grad_norm=norm, lr=lr, skipped_steps=info.skipped_steps,
+                              extra=extra)
+        if log is not None:
+            eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
+            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
+                f"eta {eta:.1f}s")
+        watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
+        _save(train, wrapped, optimizer, step + 1, applied, batches, log)
+        if progress is not None:
+            progress(step + 1)
+    return losses, step_times, evals
+
+
+def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
+    """The end-of-run summary ``fp8dist train`` prints."""
+    tail = result.losses[-5:]
+    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
+            f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
+    lines = [
+        "== fp8dist train: summary ==",
+        f"loss            {loss}",
+    ]
+    if result.eval_losses:
+        step, val = result.eval_losses[-1]
+        lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "
+                     f"step {step})")
+    lines += [
+        f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
+        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
+        "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
+        + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
+        f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
+        f"blocks          {result.blocks}",
+        f"parameters      strategy {config.parallel.strategy}",
+    ]
+    lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
+    lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""What ``fp8dist train`` shows and writes each step: the figures of :mod:`fp8dist.train.metrics` in the step line, the
+metrics file and TensorBoard, and the FP8 health of :class:`fp8dist.plan.numerics.FP8Telemetry` (its one-line summaries
+in the log, its records beside the metrics file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config.text import plural
+from .metrics import MetricsWriter, StepRecord, TrainingFigures, truncate_jsonl
+
+__all__ = ["JobLog", "health_file", "check_outputs"]
+
+
+def check_outputs(train: Any) -> None:
+    """Before the job starts (no step, no tokenizing): every path it will write can be written
+    (:func:`fp8dist.pipeline.files.check_output_path`), and ``--tensorboard`` has its package (an extra) importable.
+    ValueError with the path and the way out. The files rank 0 alone writes are checked on rank 0 only; the
+    checkpoint directory, which every rank writes, on every rank."""
+    from ..pipeline.files import check_output_path
+    from ..pipeline.env import current_launch
+
+    if train.checkpoint_dir is not None:
+        check_output_path(train.checkpoint_dir, name="checkpoint_dir", directory=True)
+    if current_launch().rank == 0:
+        for name, directory in (("save_pretrained", True), ("metrics_file", False), ("tensorboard", True),
+                                ("fp8_health_file", False)):
+            path = health_file(train) if name == "fp8_health_file" else getattr(train, name)
+            if path is not None:
+                check_output_path(path, name=name, directory=directory)
+    if train.tensorboard is None:
+        return
+    try:  # imported, not looked up: an installed package that fails to import fails the same way later
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"tensorboard={train.tensorboard!r} needs the tensorboard package, which cannot be imported "
+                         f"here ({err}): pip install 'fp8dist[tensorboard]' (or leave --tensorboard out; "
+                         "--metrics-file needs nothing).") from None
+
+
+def health_file(train: Any) -> str | None:
+    """Where the FP8 health records go: ``fp8_health_file``, else beside ``metrics_file`` (``run.jsonl`` ->
+    ``run.fp8_health.jsonl``), else nowhere."""
+    if train.fp8_health_file is not None or train.metrics_file is None:
+        return train.fp8_health_file
+    return str(Path(train.metrics_file).with_suffix(".fp8_health.jsonl"))
+
+
+class JobLog:
+    """The job's figures and their files, for one rank (create it on every rank: the FP8 health reduces over the
+    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing).
+
+    Args:
+        config: the job's :class:`fp8dist.Config`.
+        train: its :class:`fp8dist.train.job.TrainConfig`.
+        wrapped: what ``wrap_model`` returned.
+        first: steps already done (a resumed run's checkpoint step): the files keep what was logged up to it.
+    """
+
+    def __init__(self, config: Any, train: Any, wrapped: Any, *, first: int, log: Callable[[str], Any] | None):
+        self.train, self.log = train, log
+        self.figures = TrainingFigures(wrapped, seq_len=train.seq_len)
+        self.health, self.health_note = self._health(config, train, wrapped, first)
+        self.writer = None
+        if log is not None and (train.metrics_file is not None or train.tensorboard is not None):
+            if train.metrics_file is not None:
+                Path(train.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+                if first:
+                    truncate_jsonl(train.metrics_file, before_step=first + 1)
+            # a resumed run logs the steps after its checkpoint again: the file and TensorBoard drop the old ones
+            self.writer = MetricsWriter(train.metrics_file, tensorboard_dir=train.tensorboard, append=first > 0,
+                                        purge_step=first + 1 if first else None)
+
+    def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
+        """The telemetry (or None) and the header's line about it."""
+        from ..pipeline.api import get_plan
+
+        every, backend = train.fp8_health_every, config.precision.fp8
+        if not every:
+            return None, "fp8 health: off (--fp8-health-every 0)"
+        if backend != "torchao":
+            return None, (f"fp8 health: off (fp8={backend or 'none'}; --fp8-health-every samples torchao's FP8 layers "
+                          "only)")
+        if config.parallel.strategy == "deepspeed":  # its engine steps flat partitions, not the model's parameters
+            return None, "fp8 health: off (strategy deepspeed: FP8Telemetry follows fsdp, fsdp1, ddp and none steps)"
+        if not get_plan(wrapped).fp8:
+            return None, "fp8 health: off (the plan runs no layer in FP8)"
+        from ..plan.numerics import FP8Telemetry
+
+        path = health_file(train)
+        if self.log is not None and path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if first:
+                truncate_jsonl(path, before_step=first)  # telemetry numbers steps from 0
+            else:
+                Path(path).write_text("")
+        telemetry = FP8Telemetry(wrapped, every=every, jsonl=path, log=self.log, step=first)
+        where = f", records in {path}" if path else ""
+        return telemetry, (f"fp8 health: every {plural(every, 'step')}, per FP8 layer the amax, scale and share "
+                           f"flushed to zero of input, weight and output gradient{where}")
+
+    def header(self) -> str:
+        """The figures' definitions, why MFU is null where it is, and the FP8 health's line."""
+        return f"{self.figures.header()}\n{self.health_note}"
+
+    def step(self, *, step: int, loss: float, tokens: int, step_time_s: float, grad_norm: Any, lr: float,
+             skipped_steps: int, extra: dict[str, Any] | None = None) -> StepRecord:
+        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the metrics file and TensorBoard (rank 0)."""
+        record = self.figures.step(step=step, loss=loss, tokens=tokens, step_time_s=step_time_s,
+                                   grad_norm=grad_norm, lr=lr, skipped_steps=skipped_steps, extra=extra)
+        if self.writer is not None:
+            self.writer.write(record)
+        return record
+
+    def close(self) -> None:
+        """Close the files and detach the FP8 health's hooks."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.health is not None:
+            self.health.close()

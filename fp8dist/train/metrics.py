@@ -1,0 +1,376 @@
+"""The figures a training user reads each step: loss, grad norm, learning rate, tokens/s, step time, MFU, an
+FP8-aware utilization and peak memory; written one JSON object per logged step, and optionally as TensorBoard
+scalars. :class:`TrainingFigures` gives your own loop what ``fp8dist train`` logs:
+
+    figures = fp8dist.TrainingFigures(model, seq_len=1024)   # after wrap_model; peaks: the GPU table's
+    with fp8dist.MetricsWriter("metrics.jsonl") as out:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            ...                                                             # forward, backward
+            norm = fp8dist.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            record = figures.step(step=step + 1, loss=loss, tokens=global_batch * 1024,
+                                  step_time_s=time.perf_counter() - t0, grad_norm=norm, lr=lr)
+            print(record.line()); out.write(record)                        # on rank 0
+
+FLOPs per token (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B; torchtitan's ``get_num_flop_per_token``):
+``6 x N + 12 x L x H x Q x T``, where N counts the parameters that multiply (each module that runs a GEMM with its
+own weights: every Linear, the output head included; embedding lookups and norms excluded; a MoE expert's share
+scaled by top_k / experts), 6 = 2 FLOPs per multiply-add x (forward + 2 backward GEMMs), and the attention term has
+L layers, H query heads of width Q and T = seq_len tokens of context (the QK^T and AV matmuls, forward and
+backward). By that convention the causal mask's skipped half is not subtracted, nor is recomputation (activation
+checkpointing) added: the figures compare with torchtitan's and Megatron's.
+
+MFU = achieved FLOP/s per device / the device's dense bf16 peak, counting every FLOP as bf16 — torchtitan's figure,
+which with FP8 overstates what is left to gain. FP8-aware MFU = (time the step's FLOPs need at peak: the FP8
+layers' GEMM FLOPs at the dense FP8 peak, the rest at the bf16 peak) / the step's time: 100% means every GEMM ran
+at its precision's peak. Both are null, with the reason, where the peak is unknown (a CPU). The peaks come from
+fp8dist's GPU table (:mod:`fp8dist.plan.gpus`), the one the FP8 speed model reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization", "utilization",
+           "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
+
+METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "fp8_aware_mfu",
+               "peak_memory_bytes", "skipped_steps")
+"""The keys of every JSON line :class:`MetricsWriter` writes (null where a figure is not known or not finite)."""
+
+
+class DevicePeaks(Protocol):
+    """A device's dense (no sparsity) tensor-core peaks, as :class:`fp8dist.plan.gpus.GpuSpec` holds them (a GpuSpec is
+    one); None where not known."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def bf16_tflops(self) -> float | None: ...
+
+    @property
+    def fp8_tflops(self) -> float | None: ...
+
+
+def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
+    """The dense peaks of ``device`` from fp8dist's GPU table (:func:`fp8dist.plan.hardware.find_gpu`: the one source of
+    every GPU figure), or None and why there are none (a CPU, a GPU the table does not list)."""
+    from ..plan.hardware import find_gpu, hardware_of
+
+    if device.type != "cuda":
+        return None, f"MFU is a fraction of a GPU's dense tensor-core peak, and {device.type} is not a GPU"
+    lookup = find_gpu(hardware_of(device))
+    return lookup.spec, lookup.reason
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention dimensions of the FLOPs count: layers, query heads, head width, tokens of context."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    context: int
+
+    @classmethod
+    def of(cls, config: Any, seq_len: int) -> AttentionShape:
+        """From a Hugging Face config (``num_hidden_layers``, ``num_attention_heads``, ``head_dim`` or
+        ``hidden_size / heads``) at ``seq_len`` tokens of context."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, heads, head_dim, seq_len)
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs (forward + backward) per token, by where they run."""
+
+    gemm_high: int
+    """6 x the multiplying parameters of the GEMM modules kept in high precision (bf16 / fp32)."""
+    gemm_fp8: int
+    """6 x the multiplying parameters of the GEMM modules the plan runs in FP8."""
+    attention: int
+    """12 x layers x heads x head_dim x context (in high precision)."""
+
+    @property
+    def total(self) -> int:
+        return self.gemm_high + self.gemm_fp8 + self.attention
+
+    def describe(self) -> str:
+        return (f"{self.total:.3e} FLOPs/token = 6 x {(self.gemm_high + self.gemm_fp8) // 6:,} multiplying params "
+                f"({self.gemm_fp8 // 6:,} in FP8) + attention {self.attention:.3e} (PaLM's 6N + 12LHQT)")
+
+
+def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape | None = None) -> FlopsPerToken:
+    """The model's training FLOPs per token (see the module's docstring for the formula).
+
+    Args:
+        model: a model returned by :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or an
+            unwrapped model (all counted in high precision).
+        seq_len: tokens per sequence (the attention's context).
+        attention: the attention's dimensions; default read from the model's Hugging Face ``config``.
+
+    Raises:
+        ValueError: no ``attention`` given and the model has no Hugging Face config to read it from.
+    """
+    from ..pipeline.api import get_plan
+    from ..config.resolve import Config
+    from ..plan.hardware import Hardware
+    from ..plan.precision import plan_precision
+    from ..strategies import unwrap_model
+
+    try:
+        plan = get_plan(model)
+    except ValueError:  # not wrapped: the plan with FP8 off counts the same GEMMs
+        plan = plan_precision(model, Config(), device=Hardware("cpu"))
+    fp8 = sum(e.gemm_flops for e in plan if e.precision == "fp8")
+    high = sum(e.gemm_flops for e in plan) - fp8
+    if attention is None:
+        config = getattr(unwrap_model(model), "config", None)
+        if config is None or not hasattr(config, "num_attention_heads"):
+            raise ValueError(f"{type(model).__name__} has no Hugging Face config to read its attention from: pass "
+                             "attention=AttentionShape(layers=, heads=, head_dim=, context=seq_len).")
+        attention = AttentionShape.of(config, seq_len)
+    attn = 12 * attention.layers * attention.heads * attention.head_dim * attention.context
+    return FlopsPerToken(3 * high, 3 * fp8, attn)  # plan entries hold forward FLOPs: 2 x params
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """MFU against the dense bf16 peak, and the FP8-aware figure; None with ``note`` saying why."""
+
+    mfu: float | None
+    fp8_aware_mfu: float | None
+    note: str | None = None
+
+
+def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: DevicePeaks | None,
+                device: str = "this device") -> Utilization:
+    """:class:`Utilization` of a device that trains ``tokens_per_s_per_device`` tokens per second."""
+    bf16 = (getattr(peaks, "bf16_tflops", None) or 0) * 1e12
+    if not bf16:
+        return Utilization(None, None, f"no dense bf16 peak is known for {device}")
+    mfu = tokens_per_s_per_device * flops.total / bf16
+    if flops.gemm_fp8 == 0:
+        return Utilization(mfu, mfu)
+    fp8 = (getattr(peaks, "fp8_tflops", None) or 0) * 1e12
+    if not fp8:
+        return Utilization(mfu, None, f"no dense FP8 peak is known for {device}")
+    ideal_s = (flops.gemm_high + flops.attention) / bf16 + flops.gemm_fp8 / fp8
+    return Utilization(mfu, tokens_per_s_per_device * ideal_s)
+
+
+def _float(value: Any) -> float | None:
+    """A float of ``value`` (a tensor too), non-finite values kept (the step line shows them; JSON gets null)."""
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _number(value: Any) -> float | None:
+    """A float of ``value`` (a tensor too); None for None and non-finite values."""
+    if value is None:
+        return None
+    value = float(value.item() if isinstance(value, torch.Tensor) else value)
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class StepRecord:
+    """One logged step's figures (``as_dict`` is its JSON line; keys :data:`METRIC_KEYS`, then ``extra``)."""
+
+    step: int
+    loss: float | None
+    """The step's loss; nan or inf as measured (its JSON value is then null)."""
+    grad_norm: float | None
+    lr: float | None
+    tokens_per_s: float
+    """Global: every rank's tokens."""
+    step_time_s: float
+    mfu: float | None
+    fp8_aware_mfu: float | None
+    peak_memory_bytes: int | None
+    """This process's peak: CUDA memory allocated, or peak RSS on CPU."""
+    skipped_steps: int = 0
+    """Steps skipped so far for non-finite gradients."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More figures for this step (a validation loss, ...)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in METRIC_KEYS}
+        out.update(self.extra)
+        return {k: _number(v) if isinstance(v, float) else v for k, v in out.items()}
+
+    def line(self) -> str:
+        """The step's figures on one line: ``step N | loss ... |`` (:meth:`figures`)."""
+        return f"step {self.step} | {self.figures()}"
+
+    def figures(self) -> str:
+        """The figures without the step number, ``|``-separated: loss, grad norm, learning rate, tokens/s, step
+        time, MFU (``n/a`` where null), peak memory, skipped steps, and a validation loss when ``extra`` has one."""
+        def pct(v: float | None) -> str:
+            return "n/a" if v is None else f"{100 * v:.1f}%"
+
+        parts = ["loss n/a" if self.loss is None else f"loss {self.loss:.4f}"]
+        if self.grad_norm is not None:
+            parts.append(f"grad norm {self.grad_norm:.3g}")
+        if self.lr is not None:
+            parts.append(f"lr {self.lr:.2e}")
+        parts += [f"{self.tokens_per_s:,.0f} tok/s", f"{self.step_time_s:.3f} s/step"]
+        if self.mfu is None and self.fp8_aware_mfu is None:
+            parts.append("MFU n/a")
+        else:
+            parts += [f"MFU {pct(self.mfu)} (bf16 peak)", f"FP8-aware MFU {pct(self.fp8_aware_mfu)}"]
+        if self.peak_memory_bytes is not None:
+            parts.append(f"peak mem {self.peak_memory_bytes / 2**30:.2f} GiB")
+        parts.append(f"skipped {self.skipped_steps}")
+        val = _number(self.extra.get("val_loss"))
+        if val is not None:
+            ppl = _number(self.extra.get("val_perplexity"))
+            parts.append(f"val loss {val:.4f}" + (f" (ppl {ppl:.2f})" if ppl is not None else ""))
+        return " | ".join(parts)
+
+
+class TrainingFigures:
+    """The figures of each step of a training loop, as ``fp8dist train`` logs them. Build once after
+    :func:`fp8dist.wrap_model`, call :meth:`step` after each optimizer step.
+
+    Args:
+        model: the wrapped model (or an unwrapped one: no FP8 layers counted).
+        seq_len: tokens per sequence.
+        peaks: the device's dense peaks (a :class:`DevicePeaks`: a :class:`fp8dist.plan.gpus.GpuSpec`); "auto": the
+            model's device in fp8dist's GPU table (:func:`device_peaks`); None: unknown, MFU is null.
+        world_size: devices sharing the work; default the wrapped model's world size (1 unwrapped).
+        attention: see :func:`flops_per_token`.
+    """
+
+    def __init__(self, model: nn.Module, *, seq_len: int, peaks: DevicePeaks | None | str = "auto",
+                 world_size: int | None = None, attention: AttentionShape | None = None) -> None:
+        from ..pipeline.api import get_wrap_info
+
+        self.flops = flops_per_token(model, seq_len=seq_len, attention=attention)
+        try:
+            env = get_wrap_info(model).env
+        except ValueError:
+            env = None
+        self.world_size = world_size or (env.world_size if env else 1)
+        self.device = env.device if env else next(model.parameters()).device
+        why = None
+        if isinstance(peaks, str):
+            if peaks != "auto":
+                raise ValueError(f"peaks={peaks!r}: pass a DevicePeaks (an fp8dist.plan.gpus.GpuSpec), 'auto' or None.")
+            peaks, why = device_peaks(self.device)
+        self.peaks = peaks
+        self.device_name = getattr(peaks, "label", None) or str(self.device)
+        note = utilization(self.flops, 1.0, peaks, self.device_name).note
+        self.null_reason: str | None = f"{note}; {why}" if note and why else note
+        """Why MFU (or the FP8-aware figure) is null on this device; None when both are known."""
+
+    def header(self) -> str:
+        """What the figures mean, for the run's header: the FLOPs count, the peaks, and why MFU is null."""
+        lines = [f"figures: {self.flops.describe()}"]
+        bf16 = getattr(self.peaks, "bf16_tflops", None)
+        if bf16:
+            fp8 = getattr(self.peaks, "fp8_tflops", None)
+            lines.append(f"MFU: achieved FLOP/s per device / {self.device_name}'s dense bf16 peak {bf16:,.0f} "
+                         f"TFLOP/s; FP8-aware MFU counts the FP8 layers' GEMMs at the dense FP8 peak "
+                         f"({f'{fp8:,.0f} TFLOP/s' if fp8 else 'unknown'}); peaks from fp8dist.plan.gpus")
+        if self.null_reason:
+            lines.append(f"MFU: null ({self.null_reason})")
+        return "\n".join(lines)
+
+    def step(self, *, step: int, loss: Any, tokens: int, step_time_s: float, grad_norm: Any = None,
+             lr: float | None = None, skipped_steps: int = 0, peak_memory_bytes: int | None = None,
+             extra: dict[str, Any] | None = None) -> StepRecord:
+        """The :class:`StepRecord` of a step that trained ``tokens`` tokens (over all ranks) in ``step_time_s``.
+        ``peak_memory_bytes`` defaults to this process's peak so far (CUDA allocated, or peak RSS on CPU)."""
+        if step_time_s <= 0:
+            raise ValueError(f"step_time_s={step_time_s!r} must be positive (the step's wall time in seconds).")
+        from ..pipeline.env import peak_memory_mib
+
+        tokens_per_s = tokens / step_time_s
+        use = utilization(self.flops, tokens_per_s / self.world_size, self.peaks, self.device_name)
+        if peak_memory_bytes is None:
+            peak_memory_bytes = round(peak_memory_mib(self.device) * 2**20)
+        return StepRecord(step, _float(loss), _float(grad_norm), _number(lr), tokens_per_s, step_time_s, use.mfu,
+                          use.fp8_aware_mfu, peak_memory_bytes, skipped_steps, dict(extra or {}))
+
+
+class MetricsWriter:
+    """Writes each :class:`StepRecord` as one JSON line to ``path`` (flushed per line, so a crash loses no logged
+    step) and, with ``tensorboard_dir``, as TensorBoard scalars ``train/<key>`` (needs ``pip install
+    'fp8dist[tensorboard]'``). Use on one rank (rank 0).
+
+    Args:
+        path: the JSON-lines file; None: none written.
+        tensorboard_dir: a TensorBoard log directory; None: none written.
+        append: add to an existing file (a resumed run) instead of starting it anew.
+        purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged in
+            ``tensorboard_dir`` at this step and after (the steps this run logs again; SummaryWriter's
+            ``purge_step``), as :func:`truncate_jsonl` drops them from the file.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, tensorboard_dir: str | os.PathLike | None = None,
+                 append: bool = False, purge_step: int | None = None) -> None:
+        from ..pipeline.files import check_output_path
+
+        if path is not None:  # both checked before either is opened: nothing half-made on a bad path
+            check_output_path(path, name="path")
+        if tensorboard_dir is not None:
+            check_output_path(tensorboard_dir, name="tensorboard_dir", directory=True)
+        self._board = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("tensorboard_dir needs the tensorboard package: pip install "
+                                  "'fp8dist[tensorboard]' (or tensorboard).") from None
+            self._board = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
+        self._file = open(path, "a" if append else "w") if path is not None else None
+
+    def write(self, record: StepRecord) -> None:
+        row = record.as_dict()
+        if self._file is not None:
+            self._file.write(json.dumps(row, allow_nan=False) + "\n")
+            self._file.flush()
+        if self._board is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._board.add_scalar(f"train/{key}", value, record.step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def truncate_jsonl(path: str | os.PathLike, *, before_step: int) -> None:
+    """Keep the lines of JSON-lines file ``path`` whose ``step`` is below ``before_step`` (a resumed run drops what
+    was logged after the checkpoint it resumes from, and logs those steps again); replaced atomically. A missing
+    file is left missing."""
+    from ..pipeline.files import atomic_write_text
+
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) < before_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -1,0 +1,65 @@
+"""The learning-rate schedule of ``fp8dist train`` and ``fp8dist bench --lr-schedule``, and the one way both set
+the rate on an optimizer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..config.text import plural
+
+__all__ = ["LR_SCHEDULES", "MAX_WARMUP_STEPS", "lr_schedule", "warmup_steps", "describe_schedule", "set_lr"]
+
+
+LR_SCHEDULES = ("constant", "cosine")
+"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps (at most
+:data:`MAX_WARMUP_STEPS`), then cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench
+--lr-schedule)."""
+
+MAX_WARMUP_STEPS = 2000
+"""The longest warm-up: Llama 2 and nanoGPT's GPT-2 runs warm up over 2000 steps whatever their length (torchtitan's
+default is 200). 10% of a very long run (100M steps of 1e9) would keep the learning rate near zero for the whole
+of any run that is stopped early."""
+
+
+def warmup_steps(steps: int) -> int:
+    """Warm-up steps of the cosine schedule over ``steps``: 10% of them, at least 1, at most MAX_WARMUP_STEPS."""
+    return max(1, min(steps // 10, MAX_WARMUP_STEPS))
+
+
+def describe_schedule(name: str, steps: int) -> str:
+    """The schedule in words, as the run header says it."""
+    if name == "constant":
+        return "constant"
+    return f"linear warm-up over {plural(warmup_steps(steps), 'step')}, then cosine decay to 10% at step {steps:,}"
+
+
+def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
+    """The factor of the peak learning rate at each step (0-based) of a ``steps``-step run; set each param group's
+    ``lr`` to peak x factor before the step. ValueError names an unknown ``name``."""
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {name!r} is not valid; choose one of: {', '.join(LR_SCHEDULES)}.")
+    if name == "constant":
+        return lambda step: 1.0
+    warmup = warmup_steps(steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
+    tensor (torchao's low-bit AdamW, memory="lean": its step is compiled for a tensor lr); torch, MS-AMP and
+    DeepSpeed optimizers alike."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
