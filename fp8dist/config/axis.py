@@ -8,15 +8,18 @@
 - :class:`Rule`: one row of the combination table (:mod:`fp8dist.config.rules`), owned by the axis that imposes it.
 - :class:`When`: the condition under which an axis reads one of its options (an option set where nothing reads it
   is reported, never silently ignored).
+- :class:`Registry`: the values of one axis by name (:data:`STRATEGIES`, :data:`BACKENDS`, :data:`LEVELS`): the one
+  list the config's choices, the CLI, the bench and every tool read, where a new value registers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StrategyFacts", "Rule", "When", "ALWAYS"]
+__all__ = ["StrategyFacts", "Rule", "When", "ALWAYS", "Registry", "STRATEGIES", "BACKENDS", "LEVELS"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,62 @@ ALWAYS = When()
 
 def _flat(section: Any) -> dict[str, Any]:
     return dict(vars(section))
+
+
+class Registry(Mapping[str, Any]):
+    """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list the config's choices,
+    the CLI, the bench and every tool read, and where a new value registers (:meth:`register`). A built-in value
+    may be registered as the module that holds it, imported when first asked for (an FP8 backend's module is
+    imported only where that backend is chosen)."""
+
+    def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = ()) -> None:
+        self.option, self.kind, self.reserved = option, kind, reserved
+        self._values: dict[str, Any] = {}
+
+    def register(self, value: Any, base: type) -> Any:
+        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name another
+        value holds is refused, and so is a reserved word (``fp8="none"``: no backend)."""
+        if isinstance(value, type) and base in value.__mro__:
+            raise TypeError(f"register: pass an instance of {value.__qualname__} (its object: "
+                            f"{value.__qualname__}()), not the class.")
+        if base not in type(value).__mro__:  # the bases are Protocols: subclassing is the contract
+            raise TypeError(f"register: {value!r} is not a {self.kind}: subclass fp8dist's {base.__qualname__} "
+                            "and register an instance of it.")
+        name = getattr(value, "name", None)
+        if not isinstance(name, str) or not name.strip() or name != name.strip() or name.lower() in self.reserved:
+            reserved = f", not {' or '.join(map(repr, self.reserved))}" if self.reserved else ""
+            raise ValueError(f"register: {type(value).__qualname__}.name={name!r}: a {self.kind} needs a name, the "
+                             f"value {self.option}= takes (a non-empty word without spaces around it{reserved}).")
+        if name in self._values and self._values[name] is not value:
+            raise ValueError(f"register: {self.option}={name!r} is already a {self.kind} "
+                             f"({type(self[name]).__qualname__}); give {type(value).__qualname__} another name.")
+        self._values[name] = value
+        return value
+
+    def register_module(self, name: str, module: str) -> None:
+        """A built-in value: ``module``'s ``BACKEND``, imported when ``name`` is first asked for."""
+        self._values.setdefault(name, module)
+
+    def __getitem__(self, name: str) -> Any:
+        value = self._values[name]
+        if isinstance(value, str):
+            value = self._values[name] = importlib.import_module(value).BACKEND
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def names(self) -> tuple[str, ...]:
+        """The names, in registration order (the built-ins first)."""
+        return tuple(self._values)
+
+
+STRATEGIES = Registry("strategy", "sharding strategy")
+"""Every sharding strategy by the name ``strategy=`` takes (the built-ins: :mod:`fp8dist.strategies`)."""
+BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",))
+"""Every FP8 backend by the name ``fp8=`` takes (the built-ins: :mod:`fp8dist.fp8`)."""
+LEVELS = Registry("memory", "memory level")
+"""Every memory level by the name ``memory=`` takes (the built-ins: :mod:`fp8dist.memory_levels`)."""

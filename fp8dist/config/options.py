@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from .schema import normalize_fields
+from .axis import BACKENDS, LEVELS, STRATEGIES
+from .schema import Choices, normalize_fields
 from .dtypes import DTYPE_ALIASES
 from ..plan.speed.step import DEFAULT_MARGIN
 
 DEFAULT_SEQ_LEN = 2048
 """Tokens per sequence assumed where ``seq_len`` is not given (the plan's header says so)."""
 
-__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "Device",
-           "CheckpointingMode", "DEFAULT_SEQ_LEN"]
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "MemoryLevelName",
+           "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN"]
 
-Strategy = Literal["none", "ddp", "fsdp", "fsdp1", "deepspeed"]
+Strategy = Annotated[str, Choices(STRATEGIES)]
 DtypeName = Literal["fp32", "bf16", "fp16"]
-FP8BackendName = Literal["te", "torchao", "msamp"]
+FP8BackendName = Annotated[str, Choices(BACKENDS)]
+MemoryLevelName = Annotated[str, Choices(LEVELS)]
 Device = Literal["auto", "cpu", "cuda"]
 CheckpointingMode = Literal["none", "full", "selective"]
 
@@ -104,7 +106,7 @@ class StrategyConfig:
     ds_config: str | None = None
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
-    memory: Literal["standard", "lean"] = "standard"
+    memory: MemoryLevelName = "standard"
     """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, about 6
     bytes per parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states
     (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .axis import Rule, StrategyFacts, When
+from .schema import choices_of, type_hints
 from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import LEVELS, get_level
 from .options import SECTIONS
@@ -70,14 +71,14 @@ def choices(key: str) -> tuple[Any, ...]:
     """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
     else ()."""
     for section in SECTIONS.values():
-        hints = typing.get_type_hints(section)
+        hints = type_hints(section)
         if key in hints:
             hint = hints[key]
             union = typing.get_origin(hint) in (typing.Union, types.UnionType)
             values = []
             for arg in typing.get_args(hint) if union else (hint,):
-                if typing.get_origin(arg) is typing.Literal:
-                    values += typing.get_args(arg)
+                if choices_of(arg) is not None:
+                    values += choices_of(arg)
                 elif arg is bool:
                     values += [True, False]
             return tuple(dict.fromkeys(values))

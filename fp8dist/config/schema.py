@@ -17,11 +17,38 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
+__all__ = ["Choices", "choices_of", "type_hints", "normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
            "choice_error", "BOOL_WORDS"]
+
+
+class Choices:
+    """The values of a field that are the names in ``source`` as they are when read, written
+    ``Annotated[str, Choices(registry)]``: a Literal whose list grows when a value registers (``strategy=``)."""
+
+    def __init__(self, source: Iterable[Any]) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(tuple(self.source))
+
+
+def choices_of(hint: Any) -> tuple[Any, ...] | None:
+    """The closed set of values a type hint allows (a Literal's, a :class:`Choices`'), else None."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return typing.get_args(hint)
+    if origin is typing.Annotated:
+        found = [m for m in hint.__metadata__ if isinstance(m, Choices)]
+        return tuple(found[0]) if found else None
+    return None
+
+
+def type_hints(cls: Any) -> dict[str, Any]:
+    """The fields' hints of dataclass ``cls``, :class:`Choices` kept."""
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
@@ -121,8 +148,11 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
         if type(None) in args:  # say that None is a choice too, and what it means
             raise ValueError(f"{str(errors[0]).rstrip('.')}, or none{f' ({none})' if none else ''}.") from None
         raise errors[0]
-    if origin is typing.Literal:
-        return _normalize_choice(name, value, args)
+    choices = choices_of(hint)
+    if choices is not None:
+        return _normalize_choice(name, value, choices)
+    if origin is typing.Annotated:
+        return normalize_value(name, value, args[0], aliases, none)
     if origin is tuple:
         return _normalize_tuple(name, value, args)
     return _normalize_scalar(name, value, hint)
@@ -135,7 +165,7 @@ def normalize_fields(obj: Any) -> None:
     Raises:
         ValueError: naming the field, the value and, for choices, the choices.
     """
-    hints = typing.get_type_hints(type(obj))
+    hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"),
                                 f.metadata.get("none"))
@@ -204,8 +234,8 @@ def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: 
         count = "+" if Ellipsis in inner_args else len(inner_args)
         metavar = "{" + "/".join(BOOL_WORDS) + "}" if item is bool else "NAME"
         return {"nargs": count, "type": _cli_type(name, item, aliases), "metavar": metavar}
-    if inner_origin is typing.Literal:
-        choices = [str(a) for a in inner_args] + (["none"] if optional else [])
+    if choices_of(inner) is not None:
+        choices = [str(a) for a in choices_of(inner)] + (["none"] if optional else [])
         return {"type": _cli_type(name, hint, aliases), "metavar": "{" + ",".join(choices) + "}"}
     return {"type": _cli_type(name, hint, aliases), "metavar": {int: "N", float: "X"}.get(inner, "VALUE")}
 
@@ -227,7 +257,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
     ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
     """
     group = parser.add_argument_group(title or cls.__name__)
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     docs = field_docs(cls)
     skip = set(skip)
     for f in dataclasses.fields(cls):

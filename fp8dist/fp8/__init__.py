@@ -14,24 +14,28 @@ modules import their library only inside methods, so configs validate where it i
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
 
+from ..config.axis import BACKENDS
 from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
                    linear_reason)
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "BACKENDS", "SELECTION_OPTIONS",
-           "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "register_backend", "BACKENDS",
+           "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
 
-BACKENDS = {"torchao": "torchao", "te": "te", "msamp": "msamp"}
-"""Backend name -> module of fp8dist.fp8 that holds its class."""
+for _name in ("te", "torchao", "msamp"):  # each module's BACKEND, imported when first chosen
+    BACKENDS.register_module(_name, f"{__name__}.{_name}")
+
+
+def register_backend(backend: FP8Backend) -> FP8Backend:
+    """Make ``backend`` (an instance of an :class:`FP8Backend` subclass) what ``fp8=<its name>`` selects, in
+    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    return BACKENDS.register(backend, FP8Backend)
 
 
 def get_backend(name: str) -> FP8Backend:
-    """The backend for ``name`` ("torchao", "te", "msamp")."""
-    module = importlib.import_module(f"{__name__}.{BACKENDS[name]}")
-    return module.BACKEND
+    """The backend ``fp8=name`` selects (names are validated by the config)."""
+    return BACKENDS[name]
 
 
 def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:

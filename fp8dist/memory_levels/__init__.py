@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+from ..config.axis import LEVELS
 from .base import MemoryLevel
 from .lean import LEVEL as _LEAN
 
-__all__ = ["MemoryLevel", "LEVELS", "get_level", "STANDARD"]
+__all__ = ["MemoryLevel", "LEVELS", "get_level", "register_level", "STANDARD"]
 
 
 class _Standard(MemoryLevel):
@@ -18,8 +19,16 @@ class _Standard(MemoryLevel):
 
 STANDARD = _Standard()
 
-LEVELS: dict[str, MemoryLevel] = {level.name: level for level in (STANDARD, _LEAN)}
-"""Every memory level by the name ``memory=`` takes."""
+
+
+def register_level(level: MemoryLevel) -> MemoryLevel:
+    """Make ``level`` (an instance of a :class:`MemoryLevel` subclass) what ``memory=<its name>`` selects, in
+    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    return LEVELS.register(level, MemoryLevel)
+
+
+for _builtin in (STANDARD, _LEAN):
+    register_level(_builtin)
 
 
 def get_level(name: str) -> MemoryLevel:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..config.axis import STRATEGIES
 from .base import Sharded, ShardingInfo, ShardJob, Strategy
 from .common import cast_buffers, find_blocks
 from .ddp import STRATEGY as _DDP
@@ -22,13 +23,19 @@ from .introspect import engine_of
 from .single import STRATEGY as _SINGLE
 from .single import apply_single
 
-__all__ = ["STRATEGIES", "get_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo", "unwrap_model",
+__all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo", "unwrap_model",
            "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config", "build_deepspeed_config",
            "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single", "fsdp_mesh",
            "cast_buffers"]
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (_FSDP2, _FSDP1, _DDP, _SINGLE, _DEEPSPEED)}
-"""Every strategy by the name ``strategy=`` takes."""
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in
+    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    return STRATEGIES.register(strategy, Strategy)
+
+
+for _builtin in (_SINGLE, _DDP, _FSDP2, _FSDP1, _DEEPSPEED):  # the order choices are listed in
+    register_strategy(_builtin)
 
 
 def get_strategy(name: str) -> Strategy:
