@@ -17,7 +17,9 @@ from .train.metrics import MetricsWriter, TrainingFigures
 from .plan.numerics import NumericsReport, measure_fp8_numerics
 from .accounting.sharding import sharding_summary
 from .plan.speed import predict_fp8_speedup
-from .strategies import unwrap_model
+from .strategies import Strategy, register_strategy, unwrap_model
+from .fp8 import FP8Backend, register_backend
+from .memory_levels import MemoryLevel, register_level
 
 
 __all__ = [
@@ -55,5 +57,11 @@ __all__ = [
     "MetricsWriter",
     "measure_fp8_numerics",
     "NumericsReport",
+    "Strategy",
+    "FP8Backend",
+    "MemoryLevel",
+    "register_strategy",
+    "register_backend",
+    "register_level",
     "__version__",
 ]

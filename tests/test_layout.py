@@ -145,16 +145,73 @@ def test_fp8_backends_and_sharding_strategies_do_not_import_each_other():
     assert _edges(graph, "fp8dist.strategies", "fp8dist.fp8") == []
 
 
-_STRATEGY_NAMES = {"fsdp", "fsdp1", "ddp", "deepspeed"}
+AXES = {"strategies": "STRATEGIES", "fp8": "BACKENDS", "memory_levels": "LEVELS"}
+"""Each axis's folder and its registry (config/axis.py)."""
+_DESCRIBES_AN_AXIS = ("strategy", "engine", "fp8", "backend", "memory", "level")
 
 
-def test_no_fp8_backend_compares_a_strategy_name():
-    """No string constant in fp8/ is a strategy's name: a backend decides on the strategy's facts, so no
-    ``strategy == "fsdp"`` can hide there (prose in messages may name strategies)."""
-    found = [(path.name, node.lineno, node.value) for path in (PACKAGE / "fp8").rglob("*.py")
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Constant) and node.value in _STRATEGY_NAMES]
-    assert found == []
+def _axis_names() -> dict[str, set[str]]:
+    from fp8dist.config import axis
+
+    import fp8dist.fp8, fp8dist.memory_levels, fp8dist.strategies  # noqa: E401,F401  (the built-ins register)
+    return {folder: set(getattr(axis, registry)) for folder, registry in AXES.items()}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of string statements: module, class and function docstrings, and the attribute docstrings under fields."""
+    return {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+
+
+def _beside_axis_names(tree: ast.AST, names: set[str]) -> set[int]:
+    """ids of the constants that stand where an axis value would: in a tuple, list, set or dict's keys with another
+    axis name, or in a comparison whose text names a strategy, an engine, a backend or a level. "none" is a value
+    of other options too (activation_checkpointing, a dtype's word): it counts as the strategy's name only there."""
+    found = set()
+    for node in ast.walk(tree):
+        items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) and any(
+                isinstance(e, ast.Constant) and e.value in names - {"none"} for e in items):
+            found |= {id(e) for e in items}
+        if isinstance(node, ast.Compare) and any(w in ast.unparse(node) for w in _DESCRIBES_AN_AXIS):
+            for side in (node.left, *node.comparators):
+                found |= {id(side), *(id(e) for e in getattr(side, "elts", ()))}
+    return found
+
+
+def axis_names_outside_their_folders(package: Path = PACKAGE) -> list[tuple[str, int, str]]:
+    """Every string constant equal to an axis value's name (a strategy, an FP8 backend, a memory level) in a module
+    outside that axis's folder: ``(path, line, name)``. Docstrings aside, and prose: a message is a longer string."""
+    axes = _axis_names()
+    names = set().union(*axes.values())
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        tree = ast.parse(path.read_text())
+        skipped, beside = _docstrings(tree), _beside_axis_names(tree, names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names):
+                continue
+            if id(node) in skipped or node.value == "none" and id(node) not in beside:
+                continue
+            if any(node.value in values and relative.startswith(folder + "/") for folder, values in axes.items()):
+                continue
+            found.append((relative, node.lineno, node.value))
+    return found
+
+
+def test_no_axis_value_is_named_outside_its_own_folder():
+    """A tool asks the strategy, backend or level object; it never tests a name (``strategy == "deepspeed"``), so
+    a new value is one file (tests/test_extension.py)."""
+    assert axis_names_outside_their_folders() == []
+
+
+def test_the_axis_name_finder_finds_names(tmp_path):
+    (tmp_path / "tool.py").write_text('"""fsdp in a docstring is prose."""\nif cfg.strategy == "deepspeed":\n'
+                                      '    x = ("none", "ddp")\nmode = "none"\nmsg = "use strategy=\'fsdp\'"\n')
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "te.py").write_text('NAME = "te"\nOTHER = "lean"\n')
+    assert axis_names_outside_their_folders(tmp_path) == [("fp8/te.py", 2, "lean"), ("tool.py", 2, "deepspeed"),
+                                                          ("tool.py", 3, "none"), ("tool.py", 3, "ddp")]
 
 
 def test_the_library_never_imports_the_cli():

@@ -1,0 +1,257 @@
+"""A new engine is one file: a sharding strategy, an FP8 backend and a memory level defined here alone (subclasses
+of fp8dist's public ``Strategy``, ``FP8Backend`` and ``MemoryLevel``), registered through the public registries,
+run through everything a user touches — ``wrap_model``, training steps, ``save_checkpoint`` / ``load_checkpoint``,
+the precision report, the memory estimate, the plan and the CLI's choices — with no edit to any fp8dist module.
+
+- The strategy is torch's composable ``replicate`` (DDP without a wrapper module: the model stays itself), the one
+  the issue names as the next engine; its losses must equal the same engine wired by hand.
+- The backend runs every converted Linear's forward GEMM as a real FP8 GEMM (``torch._scaled_mm`` on e4m3 operands
+  with per-tensor scales, as on a GPU), gradients in the compute dtype; a counter proves the FP8 GEMMs ran.
+- The memory level builds the optimizer itself (plain SGD) and records that it saw the model before and after
+  conversion.
+
+Registration happens inside the rank processes (and a child process for the CLI), so the suite's own registries
+never see these values.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_harness import run_ranks
+
+HERE = Path(__file__).parent
+GEMMS = {"fp8": 0}
+"""FP8 GEMMs run in this process (the backend's proof that it ran FP8)."""
+CALLS: list[str] = []
+"""What the memory level was asked, in order."""
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+# ---------------------------------------------------------------------------------------------- the FP8 backend
+def _to_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (t.detach().abs().amax().float().clamp(min=1e-12) / E4M3_MAX)
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """``x @ w.T`` as one FP8 GEMM forward; the gradients in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        x8, sx = _to_e4m3(x.reshape(-1, x.shape[-1]))
+        w8, sw = _to_e4m3(w)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+        GEMMS["fp8"] += 1
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = (g2 @ w.to(grad.dtype)).reshape(x.shape)
+        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(w.dtype)
+        return grad_x, grad_w
+
+
+class ScaledLinear(nn.Linear):
+    """An nn.Linear whose forward GEMM runs in FP8."""
+
+    def forward(self, x):
+        out = _FP8Matmul.apply(x, self.weight.to(x.dtype) if x.dtype != self.weight.dtype else self.weight)
+        return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+
+def define_axes():
+    """The three new axis values, registered; returns them."""
+    from fp8dist import FP8Backend, MemoryLevel, Strategy, register_backend, register_level, register_strategy
+    from fp8dist.config.axis import StrategyFacts
+    from fp8dist.strategies import Sharded, ShardingInfo
+
+    class Scaled(FP8Backend):
+        name = "scaled"
+
+        def hardware_reason(self, cfg, hardware):
+            return None  # torch._scaled_mm runs FP8 GEMMs on a CPU too
+
+        def converted_class(self, module, cfg, hardware):
+            return "ScaledLinear"
+
+        def convert(self, model, plan, cfg):
+            names = {e.name for e in plan.fp8}
+            for fqn, module in model.named_modules():
+                if fqn in names:
+                    module.__class__ = ScaledLinear  # same parameters, an FP8 forward
+
+    class Replicate(Strategy):
+        """torch's composable replicate: DDP's all-reduce on the model itself, no wrapper module."""
+
+        name = "replicate"
+
+        def facts(self, cfg, world_size=None):
+            return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
+                                 shard_degree=None if world_size is None else 1)
+
+        def shard(self, model, job):
+            from torch.distributed._composable import replicate
+
+            model.to(job.env.device)
+            replicate(model)
+            forward = model.forward
+            model.forward = lambda x: _autocast(forward, x)  # fp32 parameters, bf16 compute (the default)
+            return Sharded(model, ShardingInfo(self.name, (), "replicated (composable replicate)",
+                                               autocast=torch.bfloat16))
+
+    class SGDLevel(MemoryLevel):
+        name = "sgd"
+        builds_optimizer = True
+
+        def before_convert(self, model):
+            CALLS.append("before_convert")
+
+        def after_convert(self, model):
+            CALLS.append("after_convert")
+
+        def build_optimizer(self, spec, params, device):
+            CALLS.append("build_optimizer")
+            return torch.optim.SGD(list(params), lr=spec["lr"])
+
+    return register_strategy(Replicate()), register_backend(Scaled()), register_level(SGDLevel())
+
+
+# ------------------------------------------------------------------------------------------------- the run
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64))
+
+
+def _batches(rank: int, steps: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(8, 64, generator=g) for _ in range(steps)]
+
+
+def _train(model, opt, rank) -> list[float]:
+    losses = []
+    for x in _batches(rank):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _hand_wired(rank: int) -> list[float]:
+    """The same engine and FP8 GEMMs wired by hand: replicate, the Linears swapped, SGD, autocast bf16."""
+    from torch.distributed._composable import replicate
+
+    model = _model()
+    for m in model:
+        if isinstance(m, nn.Linear):
+            m.__class__ = ScaledLinear
+    replicate(model)
+    forward = model.forward
+    model.forward = lambda x: _autocast(forward, x)
+    return _train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank)
+
+
+def _autocast(forward, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return forward(x)
+
+
+def _rank(rank: int, world: int, ckpt: str) -> dict:
+    import fp8dist
+
+    strategy, backend, level = define_axes()
+    hand = _hand_wired(rank)
+    GEMMS["fp8"] = 0
+    CALLS.clear()
+    model, opt = fp8dist.wrap_model(_model(), strategy="replicate", fp8="scaled", memory="sgd",
+                                    optimizer={"type": "SGD", "lr": 0.1}, check_ranks="off")
+    plan = fp8dist.get_plan(model)
+    losses = _train(model, opt, rank)
+    out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "calls": list(CALLS), "opt": type(opt).__name__,
+           "plan_fp8": [e.name for e in plan.fp8], "plan_backend": plan.backend, "plan_strategy": plan.strategy,
+           "classes": sorted({type(m).__name__ for m in model.modules()})}
+    saved = fp8dist.save_checkpoint(ckpt, model, opt, step=3)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = fp8dist.load_checkpoint(saved, model, opt)
+    out["restored"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    out["step"] = state.step
+    rep = fp8dist.report(model, opt)
+    out["report"] = str(rep)
+    est = fp8dist.estimate_memory(_model(), strategy="replicate", fp8="scaled", memory="sgd", world_size=world,
+                                  micro_batch_size=8, seq_len=1, optimizer="sgd")
+    out["estimate_bytes"] = est.total_bytes if hasattr(est, "total_bytes") else None
+    out["estimate"] = str(est)
+    dist.barrier()
+    return out
+
+
+def test_a_new_strategy_backend_and_memory_level_run_through_everything(tmp_path):
+    results = run_ranks(_rank, str(tmp_path / "ckpt"), world_size=2)
+    for rank, r in enumerate(results):
+        assert r["ours"] == r["hand"], rank  # the same engine wired by hand: equal losses, step for step
+        assert r["plan_strategy"] == "replicate" and r["plan_backend"] == "scaled"
+        assert r["plan_fp8"] == ["0", "2", "4"]  # the three Linears, none kept out by a rule it does not have
+        assert r["gemms"] == 3 * 3  # three steps x three FP8 forward GEMMs: the plan's FP8 ran FP8
+        assert "ScaledLinear" in r["classes"]
+        assert r["calls"] == ["before_convert", "after_convert", "build_optimizer"] and r["opt"] == "SGD"
+        assert r["restored"] and r["step"] == 3
+        assert "replicate" in r["report"]
+        assert "replicate" in r["estimate"] and "scaled" in r["estimate"]
+    assert results[0]["ours"] != results[1]["ours"]  # each rank its own batches, one model: gradients all-reduced
+
+
+def test_the_cli_lists_registered_values_among_its_choices():
+    """``fp8dist plan --help`` in a process where the three values are registered lists them as choices of
+    --strategy, --fp8 and --memory."""
+    code = ("import sys; sys.path.insert(0, %r); import test_extension as t; t.define_axes(); "
+            "from fp8dist.cli import main; main(sys.argv[1:])" % str(HERE))
+    shown = subprocess.run([sys.executable, "-c", code, "plan", "--help"], capture_output=True, text=True,
+                           check=True).stdout
+    flat = " ".join(shown.split())
+    assert "--strategy {none,ddp,fsdp,fsdp1,deepspeed,replicate}" in flat
+    assert "--fp8 {te,torchao,msamp,scaled,none}" in flat
+    assert "--memory {standard,lean,sgd}" in flat
+
+
+def test_a_registration_that_cannot_work_is_refused_with_the_way_out():
+    """Nothing is registered by these (the registries of this process stay as they were)."""
+    import pytest
+
+    from fp8dist import FP8Backend, Strategy, register_backend, register_strategy
+    from fp8dist.config.axis import STRATEGIES
+
+    before = STRATEGIES.names()
+
+    class Fsdp(Strategy):
+        name = "fsdp"
+
+    class Nameless(Strategy):
+        pass
+
+    class NoFP8(FP8Backend):
+        name = "none"
+
+    cases = [(lambda: register_strategy(Fsdp()), ValueError, "strategy='fsdp' is already a sharding strategy (FSDP2)"),
+             (lambda: register_strategy(Fsdp), TypeError, "pass an instance of"),
+             (lambda: register_strategy(object()), TypeError, "subclass fp8dist's Strategy"),
+             (lambda: register_strategy(Nameless()), ValueError, "needs a name"),
+             (lambda: register_backend(NoFP8()), ValueError, "not 'none'")]
+    for call, error, text in cases:
+        with pytest.raises(error, match=None) as caught:
+            call()
+        assert text in str(caught.value), str(caught.value)
+    assert STRATEGIES.names() == before
