@@ -214,6 +214,20 @@ def test_the_axis_name_finder_finds_names(tmp_path):
                                                           ("tool.py", 3, "none"), ("tool.py", 3, "ddp")]
 
 
+CORE = ("fp8dist.pipeline", "fp8dist.config", "fp8dist.strategies", "fp8dist.fp8", "fp8dist.memory_levels",
+        "fp8dist.plan")
+"""wrap_model and what it runs: the pipeline, its config, the three axes, the plan and its advisors."""
+TOOLS = ("fp8dist.checkpoint", "fp8dist.accounting", "fp8dist.bench", "fp8dist.cli", "fp8dist.train")
+"""What stands around the pipeline and uses it."""
+
+
+def test_the_pipeline_imports_no_tool():
+    """Tools import the pipeline, never the other way round: wrap_model runs without checkpointing, accounting,
+    the bench, the CLI or the training job (lazily or not)."""
+    graph = _graph()
+    assert [edge for core in CORE for tool in TOOLS for edge in _edges(graph, core, tool)] == []
+
+
 def test_the_library_never_imports_the_cli():
     graph = _graph()
     users = sorted(a for a, bs in graph.items() for b in bs
