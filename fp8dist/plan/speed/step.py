@@ -135,10 +135,10 @@ def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ..
     """
     from ...fp8 import BACKENDS, get_backend
 
-    modelled = [name for name in BACKENDS if get_backend(name).speed_recipes]
-    if backend not in modelled:
-        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of "
-                         f"{' or '.join(repr(name) for name in modelled)}.")
+    modelled = [repr(name) for name in BACKENDS if get_backend(name).speed_recipes]
+    if repr(backend) not in modelled:
+        shown = ", ".join(modelled[:-1]) + (" or " if len(modelled) > 1 else "") + modelled[-1]
+        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of {shown}.")
     spec = resolve_gpu(target)
     return tuple(r for r in get_backend(backend).speed_recipes if spec.capability >= RECIPES[r].min_capability)
 
