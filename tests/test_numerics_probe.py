@@ -14,7 +14,8 @@ import torch
 import fp8dist
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
-from fp8dist.plan.numerics.casts import Cast, CastSpec
+from fp8dist.fp8.casts import CastSpec
+from fp8dist.plan.numerics.casts import Cast
 from helpers import one_thread  # noqa: F401  (the fixture, for pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

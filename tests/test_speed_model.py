@@ -17,8 +17,9 @@ import fp8dist
 from fp8dist.plan.gpus import GPUS, gpu_by_device_name, gpu_by_key
 from fp8dist.plan.hardware import TARGETS, Hardware, find_gpu, parse_target
 from fp8dist.train.models import LLAMA_SIZES
+from fp8dist.fp8 import BACKENDS, get_backend
 from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_step,
-                           recipe_for_option, recipes_for)
+                                recipes_for)
 from fp8dist.plan.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 ROOT = Path(__file__).parent.parent
@@ -206,8 +207,6 @@ def test_no_record_for_a_cpu_a_bare_capability_or_an_unknown_gpu():
     (lambda: predict_step([("wq", 8192, 2048, 2048)], target="h100", recipe="rowwise", margin=0),
      r"margin=0: the speedup a layer must reach is a positive number"),
     (lambda: predict_step([("wq", -1, 2048, 2048)], target="h100", recipe="rowwise"), "layer 'wq': m=-1: "),
-    (lambda: recipe_for_option("msamp", "O2"), r"no speed model for fp8 backend 'msamp' with recipe 'O2': it "
-                                               r"covers torchao/tensorwise, "),
     (lambda: recipes_for("msamp", "h100"), r"backend 'msamp' has no speed model: compare recipes of 'torchao' or "
                                            r"'te'"),
 ])
@@ -217,9 +216,22 @@ def test_bad_input_is_an_error_naming_the_way_out(call, message):
 
 
 def test_every_option_maps_to_a_recipe_and_grouped_gemms_take_groups():
-    assert {recipe_for_option("te", r) for r in ("delayed", "current", "mxfp8")} == {"te_delayed", "te_current",
-                                                                                     "te_mxfp8"}
-    assert recipe_for_option("torchao_moe", "fp8_rowwise") == "moe_fp8_rowwise"
+    """Each backend names its speed recipes (fp8dist.fp8.FP8Backend.speed_recipe): every name is one the model
+    knows, and a backend it does not cover (MS-AMP) says so."""
+    h100 = parse_target("h100")
+
+    def named(fp8, grouped=False, **options):
+        return get_backend(fp8).speed_recipe(fp8dist.resolve_config(fp8=fp8, **options), h100, grouped=grouped)
+
+    assert {named("te", te_recipe=r)[0] for r in ("delayed", "current", "mxfp8")} == {"te_delayed", "te_current",
+                                                                                        "te_mxfp8"}
+    assert {named("torchao", torchao_recipe=r)[0] for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")} == \
+        {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    assert named("torchao", grouped=True, torchao_moe_recipe="fp8_rowwise") == ("moe_fp8_rowwise", "")
+    assert named("te", grouped=True, torchao_moe_recipe="mxfp8_emulated") == (
+        None, "no speed model for torchao_moe_recipe 'mxfp8_emulated'")
+    assert named("msamp", strategy="ddp") == (None, "fp8='msamp' has no speed model")
+    assert all(r in RECIPES for name in BACKENDS for r in get_backend(name).speed_recipes)
     one = predict_linear(16384, 4096, 14336, target="h100", recipe="moe_fp8_rowwise", groups=1)
     eight = predict_linear(16384, 4096, 14336, target="h100", recipe="moe_fp8_rowwise", groups=8)
     # the same FLOPs; eight experts' weights to cast (and read): a smaller gain

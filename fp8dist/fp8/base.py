@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
+from .casts import Casts
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
            "fp8_hardware_reason"]
@@ -130,6 +131,32 @@ class FP8Backend(Protocol):
         model itself), ``inner`` the user's model inside it; ``group`` the amax reduction group (None: the world
         group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
         return FP8Wiring()
+
+    # plan (speed model, numerics probe): what the plan's advisors ask of a backend, never testing its name
+    speed_recipes: ClassVar[tuple[str, ...]] = ()
+    """The speed model's recipe ids (:data:`fp8dist.plan.speed.RECIPES`) this backend's Linear layers can run, the
+    ones ``fp8dist plan --compare-recipes`` compares; empty: the speed model does not cover the backend."""
+
+    def speed_recipe(self, cfg: Any, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
+        """``(recipe id, "")``: the speed model's recipe the backend's Linear layers (``grouped``: its MoE experts'
+        grouped GEMMs) run under ``cfg`` on ``hardware``; ``(None, why there is none)``: the plan predicts no
+        speed for them and converts them as under ``fp8_select='all'``."""
+        return None, f"fp8={self.name!r} has no speed model"
+
+    def numerics_casts(self, cfg: Any, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
+        """How the backend casts each operand of a layer's GEMMs (``grouped``: its MoE experts') under ``cfg``, on
+        ``hardware``, under a strategy with ``facts``: the data the numerics probe emulates on a CPU.
+
+        Raises:
+            NotImplementedError: the casts are not modelled (implement this method to probe the backend).
+        """
+        raise NotImplementedError(f"fp8={self.name!r}: the numerics probe has no model of this backend's FP8 casts "
+                                  f"({type(self).__name__}.numerics_casts is not implemented). Probe with "
+                                  "fp8='torchao' or fp8='te'.")
+
+    def numerics_note(self, cfg: Any) -> str:
+        """What the probe's report says about how it emulated the backend's casts; empty: nothing to say."""
+        return ""
 
 
 @functools.cache

@@ -16,9 +16,11 @@ from torch import nn
 
 from ..config.axis import StrategyFacts
 from ..plan.hardware import Hardware
+from .casts import USES, Casts, CastSpec
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON"]
+           "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON", "experts_speed_recipe",
+           "experts_casts"]
 
 ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
@@ -213,3 +215,25 @@ def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     for name, _ in module.named_parameters(recurse=False):
         if prefix + name in state_dict:
             state_dict[prefix + name] = _plain(state_dict[prefix + name])
+
+
+# plan: what the speed model and the numerics probe ask of the experts (both backends run them through torchao)
+def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
+    """The speed model's recipe id of the experts' grouped GEMMs on ``hardware``, or (None, why there is none:
+    an emulated recipe has no FP8 speed)."""
+    recipe, _ = experts_recipe(cfg, hardware)
+    if recipe is None or recipe == "mxfp8_emulated":
+        return None, f"no speed model for torchao_moe_recipe {recipe!r}"
+    return f"moe_{recipe}", ""
+
+
+def experts_casts(cfg, hardware: Hardware) -> Casts:
+    """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8 (RCEIL), as its op config
+    says (optionally the weight gradient in high precision)."""
+    recipe, _ = experts_recipe(cfg, hardware)
+    config = op_config(recipe)
+    if recipe == "fp8_rowwise":
+        return {use: CastSpec(config.float8_dtype, "rowwise", pow2=True) for use in USES}
+    hp_wgrad = bool(getattr(config, "wgrad_with_hp", False))
+    return {use: None if hp_wgrad and use[1] == "grad_weight" else CastSpec(torch.float8_e4m3fn, "mx")
+            for use in USES}

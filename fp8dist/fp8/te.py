@@ -26,9 +26,10 @@ from torch import nn
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
-from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
-                  moe_routers, torchao_installed)
+from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
+                  experts_target, is_experts, moe_routers, torchao_installed)
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -257,6 +258,34 @@ class TEBackend(FP8Backend):
         recipe = build_recipe(cfg)
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
+
+    # plan: the speed model's recipes, and TE's casts as the numerics probe emulates them (TE needs a GPU)
+    speed_recipes = ("te_delayed", "te_current", "te_mxfp8")
+
+    def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
+        return experts_speed_recipe(cfg, hardware) if grouped else (f"te_{cfg.precision.te_recipe}", "")
+
+    def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
+        """TE's recipe: HYBRID casts gradients to e5m2, E4M3 everything to e4m3; MoE experts as torchao casts them."""
+        if grouped:
+            return experts_casts(cfg, hardware)
+        p = cfg.precision
+        grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
+        out: Casts = {}
+        for role, gemm in USES:
+            dtype = grad if role == "grad_output" else torch.float8_e4m3fn
+            if p.te_recipe == "delayed":
+                out[(role, gemm)] = CastSpec(dtype, "delayed", margin=p.margin, history_len=p.amax_history_len,
+                                             algo=p.amax_compute_algo)
+            else:
+                out[(role, gemm)] = CastSpec(dtype, "mx" if p.te_recipe == "mxfp8" else "tensorwise")
+        return out
+
+    def numerics_note(self, cfg) -> str:
+        delayed = cfg.precision.te_recipe == "delayed"
+        return (f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE needs a GPU)"
+                + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
+                   if delayed else ""))
 
 
 BACKEND = TEBackend()

@@ -12,11 +12,12 @@ from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from .casts import Casts, CastSpec
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .order import gemm_order
 from .linear import is_plain_linear
-from .moe import (ROUTER_REASON, convert_experts, experts_reason, experts_target, is_experts,
-                  moe_routers, torchao_installed)
+from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
+                  experts_target, is_experts, moe_routers, torchao_installed)
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
@@ -140,6 +141,19 @@ class TorchaoBackend(FP8Backend):
             register_scale_precompute(inner)
         return FP8Wiring(scale_precompute=precompute)
 
+    # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
+    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+    def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
+        """The speed model names each torchao Linear recipe as torchao does."""
+        return experts_speed_recipe(cfg, hardware) if grouped else (cfg.precision.torchao_recipe, "")
+
+    def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
+        """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with."""
+        if grouped:
+            return experts_casts(cfg, hardware)
+        return float8_linear_casts(float8_config(cfg, facts))
+
 
 BACKEND = TorchaoBackend()
 
@@ -180,3 +194,19 @@ def register_scale_precompute(model: nn.Module) -> None:
     """Run ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
     that holds ``model``'s parameters, for as long as ``model`` lives. The user never has to call it."""
     STEP_HOOKS.add(model, post=_precompute)
+
+
+def float8_linear_casts(config) -> Casts:
+    """The casts of torchao's ``Float8LinearConfig`` ``config`` (what a ``Float8Linear`` does), per use."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    c = config
+    configs = {("input", "output"): c.cast_config_input,
+               ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
+               ("weight", "output"): c.cast_config_weight,
+               ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
+               ("grad_output", "grad_input"): c.cast_config_grad_output,
+               ("grad_output", "grad_weight"): c.cast_config_grad_output_for_grad_weight}
+    return {use: None if cc.scaling_type is ScalingType.DISABLED else CastSpec(
+        cc.target_dtype, "tensorwise" if cc.scaling_granularity is ScalingGranularity.TENSORWISE else "rowwise",
+        pow2=c.round_scales_to_power_of_2) for use, cc in configs.items()}

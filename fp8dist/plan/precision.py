@@ -84,7 +84,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
-                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str = "standard",
+                 blocks: tuple[str, bool, str] = ("none", False, ""), memory: str,
                  hardware: Hardware = Hardware("cpu"), facts: StrategyFacts = StrategyFacts(),
                  selection: Selection | None = None) -> None:
         self._entries = entries

@@ -17,7 +17,7 @@ from torch import nn
 from ..config.text import plural
 from .hardware import Hardware, find_gpu
 from ..config.options import DEFAULT_SEQ_LEN
-from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear, recipe_for_option
+from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
 __all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
 
@@ -130,15 +130,6 @@ def _mode(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str]]:
     return "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed", []
 
 
-def _linear_recipe(cfg: Any) -> tuple[str | None, str]:
-    """The speed model's recipe of the backend's Linear layers, or (None, why there is none)."""
-    backend = cfg.precision.fp8
-    option = {"torchao": cfg.precision.torchao_recipe, "te": cfg.precision.te_recipe}.get(backend)
-    if option is None:
-        return None, f"fp8={backend!r} has no speed model (torchao and te have)"
-    return recipe_for_option(backend, option), ""
-
-
 def _tokens(cfg: Any) -> tuple[int, str]:
     micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
     if seq is None:
@@ -159,24 +150,24 @@ class _Context:
     compile: bool
     cfg: Any
     hardware: Hardware
+    backend: Any
+    """The plan's FP8 backend (:class:`~fp8dist.fp8.FP8Backend`): it names the speed model's recipes."""
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
     """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none)."""
     from ..fp8.conv1d import conv1d_dims, is_conv1d
-    from ..fp8.moe import experts_recipe, is_experts
+    from ..fp8.moe import is_experts
 
     if not is_experts(module):
         k, n = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
         return _predicted([(ctx.tokens, k, n, 1)], ctx.recipe or "", ctx)
-    option, _ = experts_recipe(ctx.cfg, ctx.hardware)
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
     if not isinstance(top_k, int):
         return (), "the experts' top_k (config.num_experts_per_tok) is not known"
-    try:
-        recipe = recipe_for_option("torchao_moe", option or "")
-    except ValueError:
-        return (), f"no speed model for torchao_moe_recipe {option!r}"
+    recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
+    if recipe is None:
+        return (), why_not
     shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
     return _predicted(shapes, recipe, ctx)
 
@@ -238,12 +229,15 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     Raises:
         ValueError: a numerics report naming modules this model does not have.
     """
-    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware)
+    from ..fp8 import get_backend
+
+    backend = get_backend(cfg.precision.fp8)
+    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware, backend)
     tokens, tokens_from = _tokens(cfg)
     margin = cfg.precision.fp8_select_margin
     verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
                                                                            cfg.precision.fp8)
-    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware)
+    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend)
     out = [_decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback)
            if e.precision == "fp8" else e for e in entries]
     step = _step(model, out, gpu, recipe, compile, margin)
@@ -254,14 +248,14 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
                           asked=cfg.precision.fp8_select, numerics=said), notes
 
 
-def _resolve(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str], Any, str | None, str]:
+def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list[str], Any, str | None, str]:
     """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted)."""
     mode, why, notes = _mode(cfg, hardware)
     lookup = find_gpu(hardware)
     gpu, unpredicted = lookup.spec, lookup.reason
     if gpu is not None and not gpu.has_fp8:
         gpu, unpredicted = None, f"{gpu.label} has no FP8 tensor cores"
-    recipe, no_model = _linear_recipe(cfg)
+    recipe, no_model = backend.speed_recipe(cfg, hardware)
     unpredicted = unpredicted or no_model
     if mode == "auto" and (gpu is None or recipe is None):
         mode, why = "all", f"{why}; but {unpredicted}: all"

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...fp8.casts import USES, CastSpec
 from ...fp8.conv1d import is_conv1d
-from .casts import CONTRACTION_DIM, USES, Cast, CastSpec
+from .casts import CONTRACTION_DIM, Cast
 from .stats import CastStats, LayerNumerics
 
 __all__ = ["GemmSite", "attach"]

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ...config.text import plural
+from ...fp8.torchao import TorchaoBackend
 from ..hardware import Hardware, parse_target
 from .batches import checked_batches
 from .capture import attach
-from .casts import recipe_casts
 from .report import NumericsReport
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
@@ -23,7 +23,7 @@ __all__ = ["measure_fp8_numerics"]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str = "torchao",
+def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str = TorchaoBackend.name,
                          target: str | Hardware | None = None, loss_fn: LossFn | None = None,
                          thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
                          **options: Any) -> NumericsReport:
@@ -60,10 +60,11 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
             a model already wrapped, sharded or FP8-converted (pass it as built), or no layer the plan would
             run in FP8 (nothing to measure).
         TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
-        NotImplementedError: fp8="msamp" (its casts are not modeled).
+        NotImplementedError: a backend whose casts are not modeled (MS-AMP's: its ``numerics_casts``).
         FP8UnavailableError: ``target`` has no FP8.
     """
     from ...config.resolve import resolve_config
+    from ...fp8 import get_backend
     from ...pipeline.env import resolve_device
     from ..precision import plan_precision
 
@@ -76,8 +77,9 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     hardware = parse_target(target) if isinstance(target, str) else target
     plan = plan_precision(model, cfg, device=hardware or device, check_hardware=hardware is not None,
                           check_installed=False)
+    backend = get_backend(cfg.precision.fp8)
     layers = {e.name: (e.module_type, "experts" if e.grouped else "linear",
-                       recipe_casts(cfg, e, plan.hardware, plan.facts)) for e in plan.fp8}
+                       backend.numerics_casts(cfg, plan.facts, plan.hardware, grouped=e.grouped)) for e in plan.fp8}
     thresholds = as_thresholds(thresholds)  # every input checked before the model is copied or run
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass a function (output, batch) -> scalar loss, or "
@@ -99,7 +101,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     finally:
         for remove in handles:
             remove()
-    notes = _notes(plan, cfg, modes, hardware)
+    emulated = backend.numerics_note(cfg)
+    notes = ([emulated] if emulated else []) + _notes(plan, modes, hardware)
     return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
                           batches=len(batches),
                           tokens=tokens, layers=tuple(s.layer for s in sites), thresholds=thresholds,
@@ -164,13 +167,8 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
     return tokens
 
 
-def _notes(plan, cfg, modes, hardware: Hardware | None) -> list[str]:
+def _notes(plan, modes, hardware: Hardware | None) -> list[str]:
     notes = []
-    if cfg.precision.fp8 == "te":
-        delayed = cfg.precision.te_recipe == "delayed"
-        notes.append(f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE "
-                     "needs a GPU)" + ("; the amax history starts warmed up (the first batch's own amax; TE starts "
-                                       "at scale 1)" if delayed else ""))
     left_out: dict[str, list[str]] = {}
     for entry in plan:
         if entry.grouped and entry.precision != "fp8":

@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config.schema import normalize_value
-from .casts import CONTRACTION_DIM, CastSpec, float8_linear_casts
+from ...fp8.casts import CastSpec
+from ...fp8.torchao import float8_linear_casts
+from .casts import CONTRACTION_DIM
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["FP8Telemetry", "ROLES"]

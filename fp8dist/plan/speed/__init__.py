@@ -9,7 +9,7 @@ its accuracy and what it does not see.
 """
 
 from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolve_gpu
-from .recipes import RECIPES, Recipe, recipe_for_option
+from .recipes import RECIPES, Recipe
 from .step import DEFAULT_MARGIN, Gemm, LayerChoice, StepPrediction, compare_recipes, predict_step, recipes_for
 
 __all__ = [
@@ -25,6 +25,5 @@ __all__ = [
     "DEFAULT_MARGIN",
     "RECIPES",
     "Recipe",
-    "recipe_for_option",
     "resolve_gpu",
 ]

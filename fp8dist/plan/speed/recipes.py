@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Kernel", "Recipe", "RECIPES", "ROLES", "recipe_named", "recipe_for_option"]
+__all__ = ["Kernel", "Recipe", "RECIPES", "ROLES", "recipe_named"]
 
 ROLES = ("input", "weight", "grad_output")
 """The three operands a Linear casts, in the order of every per-role tuple here."""
@@ -42,9 +42,8 @@ class Recipe:
     """One FP8 recipe as the speed model sees it."""
 
     name: str
-    """The name :func:`fp8dist.predict_fp8_speedup` takes."""
-    backend: str
-    """The fp8dist backend that runs it: "torchao" or "te"."""
+    """The name :func:`fp8dist.predict_fp8_speedup` takes: its id, which the backend that runs it names
+    (:attr:`~fp8dist.fp8.FP8Backend.speed_recipes`, :meth:`~fp8dist.fp8.FP8Backend.speed_recipe`)."""
     description: str
     """What it is, in a line."""
     fp8_gemms: tuple[bool, bool, bool]
@@ -75,7 +74,7 @@ def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = 
 # torchao tensorwise: amax (fused into the producer under compile) + a tiny second stage, then one cast writing
 # both layouts (row-major for the forward, column-major for grad_weight); the weight's two casts are separate.
 _TENSORWISE = Recipe(
-    "tensorwise", "torchao", "torchao, one scale per tensor (dynamic)", (True, True, True),
+    "tensorwise", "torchao, one scale per tensor (dynamic)", (True, True, True),
     compiled=(_k(0, 0, 4, fused_first=True), _k(2, 0, 3, 3), _k(0, 0, 4, fused_first=True)),
     eager=(_k(2, 0, 3, 2), _k(2, 0, 3, 3), _k(2, 0, 3, 2)))
 
@@ -83,7 +82,7 @@ _TENSORWISE = Recipe(
 # compile the input's and grad_output's fuse with their producer: only the FP8 write is added), once with
 # per-column scales into the transposed layout the other GEMM reads (read bf16, write FP8; eager: amax then cast).
 _ROWWISE = Recipe(
-    "rowwise", "torchao", "torchao, one scale per row (dynamic)", (True, True, True),
+    "rowwise", "torchao, one scale per row (dynamic)", (True, True, True),
     compiled=(_k(1, 3, fused_first=True, columnwise_from=1), _k(3, 3, columnwise_from=1),
               _k(1, 3, fused_first=True, columnwise_from=1)),
     eager=(_k(2, 3, 2, 3, columnwise_from=2),) * 3)
@@ -91,39 +90,32 @@ _ROWWISE = Recipe(
 # torchao rowwise_with_gw_hp: grad_weight stays bf16, so input and grad_output are cast once, per row; the weight
 # twice, its second cast with one scale (the row scales' maximum: a tiny kernel).
 _GW_HP = Recipe(
-    "rowwise_with_gw_hp", "torchao", "torchao, rowwise with the weight gradient in bf16", (True, True, False),
+    "rowwise_with_gw_hp", "torchao, rowwise with the weight gradient in bf16", (True, True, False),
     compiled=(_k(1, fused_first=True), _k(3, 0, 3), _k(1, fused_first=True)),
     eager=(_k(2, 3), _k(2, 3, 0, 3), _k(2, 3)))
 
 # Transformer Engine: cast + transpose in one kernel (2 read, 1 + 1 written), amax as its by-product; delayed
 # scaling takes the scale from the amax history, current scaling first runs an amax pass and a scale kernel.
-_TE_DELAYED = Recipe("te_delayed", "te", "Transformer Engine DelayedScaling (amax history)", (True, True, True),
+_TE_DELAYED = Recipe("te_delayed", "Transformer Engine DelayedScaling (amax history)", (True, True, True),
                      compiled=(_k(4),) * 3, eager=(_k(4),) * 3)
-_TE_CURRENT = Recipe("te_current", "te", "Transformer Engine Float8CurrentScaling", (True, True, True),
+_TE_CURRENT = Recipe("te_current", "Transformer Engine Float8CurrentScaling", (True, True, True),
                      compiled=(_k(2, 0, 4),) * 3, eager=(_k(2, 0, 4),) * 3)
-_TE_MXFP8 = Recipe("te_mxfp8", "te", "Transformer Engine MXFP8BlockScaling (1x32 blocks)", (True, True, True),
+_TE_MXFP8 = Recipe("te_mxfp8", "Transformer Engine MXFP8BlockScaling (1x32 blocks)", (True, True, True),
                    compiled=(_k(4 + 2 * _MX),) * 3, eager=(_k(4 + 2 * _MX),) * 3,
                    min_capability=(10, 0), scale_bytes=_MX)
 
 # torchao MoE training (grouped GEMMs over ``groups`` experts): its own kernels, one per layout; FP8 rowwise scales
 # the second layout per column (per expert's rows), MXFP8 casts 1x32 blocks along either dimension alike.
-_MOE_ROWWISE = Recipe("moe_fp8_rowwise", "torchao", "torchao MoE grouped GEMMs, FP8 rowwise", (True, True, True),
+_MOE_ROWWISE = Recipe("moe_fp8_rowwise", "torchao MoE grouped GEMMs, FP8 rowwise", (True, True, True),
                       compiled=(_k(3, 3, columnwise_from=1),) * 3, eager=(_k(3, 3, columnwise_from=1),) * 3,
                       min_capability=(9, 0), grouped=True)
-_MOE_MXFP8 = Recipe("moe_mxfp8", "torchao", "torchao MoE grouped GEMMs, MXFP8", (True, True, True),
+_MOE_MXFP8 = Recipe("moe_mxfp8", "torchao MoE grouped GEMMs, MXFP8", (True, True, True),
                     compiled=(_k(3 + _MX, 3 + _MX),) * 3, eager=(_k(3 + _MX, 3 + _MX),) * 3,
                     min_capability=(10, 0), grouped=True, scale_bytes=_MX)
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP, _TE_DELAYED, _TE_CURRENT,
                                                    _TE_MXFP8, _MOE_ROWWISE, _MOE_MXFP8)}
 """Every recipe the speed model knows, by name."""
-
-_OPTIONS: dict[tuple[str, str], str] = {
-    ("torchao", "tensorwise"): "tensorwise", ("torchao", "rowwise"): "rowwise",
-    ("torchao", "rowwise_with_gw_hp"): "rowwise_with_gw_hp",
-    ("te", "delayed"): "te_delayed", ("te", "current"): "te_current", ("te", "mxfp8"): "te_mxfp8",
-    ("torchao_moe", "fp8_rowwise"): "moe_fp8_rowwise", ("torchao_moe", "mxfp8"): "moe_mxfp8",
-}
 
 
 def recipe_named(name: str) -> Recipe:
@@ -137,17 +129,3 @@ def recipe_named(name: str) -> Recipe:
                          "(torchao: tensorwise, rowwise, rowwise_with_gw_hp; Transformer Engine: te_*; MoE grouped "
                          "GEMMs: moe_*).")
     return RECIPES[name]
-
-
-def recipe_for_option(backend: str, option: str) -> str:
-    """The speed model's recipe for an fp8dist option: ``("torchao", torchao_recipe)``, ``("te", te_recipe)`` or
-    ``("torchao_moe", torchao_moe_recipe)`` (after "auto" is resolved). Call it where the plan knows its recipe.
-
-    Raises:
-        ValueError: a pair the model does not cover (MS-AMP, ``mxfp8_emulated``), naming the pairs it does.
-    """
-    if (backend, option) not in _OPTIONS:
-        pairs = ", ".join(f"{b}/{o}" for b, o in _OPTIONS)
-        raise ValueError(f"no speed model for fp8 backend {backend!r} with recipe {option!r}: it covers {pairs}. "
-                         "MS-AMP and emulated recipes are not modelled: no speed figure exists for them.")
-    return _OPTIONS[(backend, option)]

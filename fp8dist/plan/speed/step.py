@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ...fp8.torchao import TorchaoBackend
 from ..gpus import GpuSpec
 from ..hardware import Hardware
 from .model import LinearPrediction, predict_linear, resolve_gpu
@@ -127,20 +128,23 @@ def predict_step(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuS
 
 
 def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ...]:
-    """The Linear recipes of ``backend`` ("torchao" or "te") that ``target`` runs, in :data:`RECIPES` order.
+    """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs.
 
     Raises:
-        ValueError: an unknown backend, naming the two.
+        ValueError: a backend the speed model does not cover, naming those it does.
     """
-    if backend not in ("torchao", "te"):
-        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of 'torchao' or 'te'.")
+    from ...fp8 import BACKENDS, get_backend
+
+    modelled = [repr(name) for name in BACKENDS if get_backend(name).speed_recipes]
+    if repr(backend) not in modelled:
+        shown = ", ".join(modelled[:-1]) + (" or " if len(modelled) > 1 else "") + modelled[-1]
+        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of {shown}.")
     spec = resolve_gpu(target)
-    return tuple(r.name for r in RECIPES.values()
-                 if r.backend == backend and not r.grouped and spec.capability >= r.min_capability)
+    return tuple(r for r in get_backend(backend).speed_recipes if spec.capability >= RECIPES[r].min_capability)
 
 
 def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,
-                    recipes: Sequence[str] | None = None, backend: str = "torchao", compile: bool = True,
+                    recipes: Sequence[str] | None = None, backend: str = TorchaoBackend.name, compile: bool = True,
                     margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
     """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
     all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer

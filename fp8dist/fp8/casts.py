@@ -1,0 +1,61 @@
+"""How an FP8 recipe casts each operand of a layer's GEMMs, as data (:class:`CastSpec`): what each backend answers
+when the numerics probe asks how to emulate its FP8 GEMMs (:meth:`FP8Backend.numerics_casts`), and what the probe
+(:mod:`fp8dist.plan.numerics.casts`) then runs on a CPU.
+
+A Linear ``y = x @ W_t`` runs three GEMMs: output (``x @ W_t``), input gradient (``g @ W_t.T``) and weight
+gradient (``x.T @ g``); each operand (input ``x`` (M, K), weight ``W_t`` (K, N), output gradient ``g`` (M, N)) is
+cast in two of them, scaled along that GEMM's contraction dim where the recipe scales per row or per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config.dtypes import dtype_name
+
+__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK"]
+
+USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
+        ("weight", "grad_input"), ("grad_output", "grad_weight"))
+"""Every (operand, GEMM) pair of a Linear's three GEMMs."""
+
+MX_BLOCK = 32
+"""MXFP8: one e8m0 scale per 32 consecutive elements along the contraction dim (OCP MX v1.0)."""
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """One operand's cast in one GEMM."""
+
+    dtype: torch.dtype
+    """torch.float8_e4m3fn or torch.float8_e5m2."""
+    scaling: Literal["tensorwise", "rowwise", "mx", "delayed"]
+    """One scale per tensor from its amax; one per row along the contraction dim; one e8m0 scale per
+    :data:`MX_BLOCK` elements; or one per tensor from the amax history of earlier steps (TE delayed scaling)."""
+    pow2: bool = False
+    """Scales rounded down to a power of 2 (torchao's rowwise recipes)."""
+    margin: int = 0
+    """Delayed scaling: scale = fp8 max / amax / 2^margin."""
+    history_len: int = 1
+    """Delayed scaling: amax history length."""
+    algo: Literal["max", "most_recent"] = "max"
+    """Delayed scaling: amax from the history's max or its most recent value."""
+
+    @property
+    def per_dim(self) -> bool:
+        """The cast depends on the contraction dim (rowwise, MX); a tensorwise cast is the same in both GEMMs."""
+        return self.scaling in ("rowwise", "mx")
+
+    def describe(self) -> str:
+        name = dtype_name(self.dtype).removeprefix("fp8 ")
+        how = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": f"MX 1x{MX_BLOCK} e8m0",
+               "delayed": f"delayed (history {self.history_len}, {self.algo}"
+                          f"{f', margin {self.margin}' if self.margin else ''})"}[self.scaling]
+        return f"{name} {how}{' pow2' if self.pow2 else ''}"
+
+
+Casts = dict[tuple[str, str], CastSpec | None]
+"""``{(operand, gemm): CastSpec, or None where that GEMM runs in high precision}``, for every pair of :data:`USES`."""
