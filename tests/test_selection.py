@@ -154,14 +154,14 @@ def test_options_no_axis_reads_are_reported():
     def unread(**options):
         return combine.unused_options(fp8dist.resolve_config(**options))
 
-    assert unread(fp8_select="auto") == ["fp8_select='auto' has no effect here (read only when fp8 in ['torchao', "
-                                         "'te']; fp8=None)."]
+    assert unread(fp8_select="auto") == ["fp8_select='auto' has no effect here (read only when fp8 in ['te', "
+                                         "'torchao']; fp8=None)."]
     assert unread(fp8="torchao", fp8_select="all", fp8_select_margin=1.2) == [
-        "fp8_select_margin=1.2 has no effect here (read only when fp8 in ['torchao', 'te'] and fp8_select in [None, "
+        "fp8_select_margin=1.2 has no effect here (read only when fp8 in ['te', 'torchao'] and fp8_select in [None, "
         "'auto']; fp8='torchao', fp8_select='all')."]
     assert unread(strategy="ddp", fp8="msamp", seq_len=4096)[0].startswith("seq_len=4096 has no effect here")
     assert unread(strategy="fsdp", micro_batch_size=4)[0].startswith(
-        "micro_batch_size=4 has no effect here (read only when strategy in ['deepspeed'] or fp8 in ['torchao', 'te']")
+        "micro_batch_size=4 has no effect here (read only when strategy in ['deepspeed'] or fp8 in ['te', 'torchao']")
     assert unread(strategy="deepspeed", micro_batch_size=4) == []
     assert unread(fp8="te", fp8_select="auto", fp8_select_margin=1.2, seq_len=4096, micro_batch_size=2) == []
     # a job sets its batch only where something reads it (fp8dist train, the bench's cells)

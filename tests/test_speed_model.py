@@ -207,8 +207,8 @@ def test_no_record_for_a_cpu_a_bare_capability_or_an_unknown_gpu():
     (lambda: predict_step([("wq", 8192, 2048, 2048)], target="h100", recipe="rowwise", margin=0),
      r"margin=0: the speedup a layer must reach is a positive number"),
     (lambda: predict_step([("wq", -1, 2048, 2048)], target="h100", recipe="rowwise"), "layer 'wq': m=-1: "),
-    (lambda: recipes_for("msamp", "h100"), r"backend 'msamp' has no speed model: compare recipes of 'torchao' or "
-                                           r"'te'"),
+    (lambda: recipes_for("msamp", "h100"), r"backend 'msamp' has no speed model: compare recipes of 'te' or "
+                                           r"'torchao'"),
 ])
 def test_bad_input_is_an_error_naming_the_way_out(call, message):
     with pytest.raises(ValueError, match=message):
