@@ -131,6 +131,11 @@ class FP8Backend(Protocol):
         group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
         return FP8Wiring()
 
+    # accelerate: how a file written by ``accelerate config`` selects this backend (fp8dist.config.accelerate)
+    accelerate_backend: ClassVar[str | None] = None
+    """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
+    value does (a file names it with fp8dist's own key, ``fp8:``)."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

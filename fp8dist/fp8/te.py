@@ -258,5 +258,8 @@ class TEBackend(FP8Backend):
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
+    # accelerate: the value of fp8_config.backend that selects Transformer Engine
+    accelerate_backend = "TE"
+
 
 BACKEND = TEBackend()

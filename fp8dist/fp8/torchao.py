@@ -140,6 +140,9 @@ class TorchaoBackend(FP8Backend):
             register_scale_precompute(inner)
         return FP8Wiring(scale_precompute=precompute)
 
+    # accelerate: the value of fp8_config.backend that selects torchao
+    accelerate_backend = "AO"
+
 
 BACKEND = TorchaoBackend()
 
