@@ -177,20 +177,12 @@ def _hybrid(state: _State) -> None:
     _set_once(state, "replicate_degree", nodes, f"{where} with num_machines: {nodes}")
 
 
-def _no_backend(value: Any) -> bool:
-    """Whether fp8dist's key ``fp8`` as given names no FP8 backend (absent, None, "none": what its schema reads)."""
-    try:
-        return _normalized("fp8", value) is None
-    except ValueError:
-        return False  # a bad value, named when the config is built
-
-
 def _finish(state: _State) -> None:
     """What depends on several keys: FSDP's version, HSDP, the FP8 backend, DeepSpeed's json and its offload."""
     if state.seen.get("distributed_type") == "FSDP" and "fsdp_config.fsdp_version" not in state.seen:
         _set_once(state, "strategy", _FSDP["fsdp_version"].values[1],  # type: ignore[index]
                   "distributed_type: FSDP without fsdp_config.fsdp_version (Accelerate's default is 1)")
-    if state.seen.get("mixed_precision") == "fp8" and _no_backend(state.flat.get("fp8")):
+    if state.seen.get("mixed_precision") == "fp8" and _normalized("fp8", state.flat.get("fp8")) is None:
         backends = ", ".join(_FP8["backend"].values or {})
         raise ValueError(f"mixed_precision: fp8 needs a backend: set fp8_config.backend to one of {backends} "
                          "(or fp8dist's key fp8).")

@@ -53,9 +53,8 @@ def _only(why: str, *accepted: Any) -> _Rule:
 
 
 class _Registry(Mapping):
-    """A value table derived from the axis registries each time it is read, so a strategy or backend registered
-    after import is in it: each axis value declares its own Accelerate identity (``Strategy.accelerate``,
-    ``FP8Backend.accelerate_backend``). ``first``: Accelerate's values in the order messages list them."""
+    """A value table built from the axis registries at each read (a strategy or backend registered after import is
+    in it); ``first``: Accelerate's values in the order messages list them."""
 
     def __init__(self, build: Callable[[], Iterator[tuple[Any, Any]]], first: tuple[Any, ...] = ()) -> None:
         self._build, self._first = build, first
@@ -78,8 +77,8 @@ def _claims(key: str) -> dict[Any, list[str]]:
     """Accelerate's value of ``key`` -> the strategies whose ``accelerate`` identity names it."""
     out: dict[Any, list[str]] = {}
     for name, strategy in STRATEGIES.items():
-        given = strategy.accelerate.get(key)
-        for value in given if isinstance(given, tuple) else () if given is None else (given,):
+        given = strategy.accelerate.get(key, ())
+        for value in given if isinstance(given, tuple) else (given,):
             out.setdefault(value, []).append(name)
     return out
 
@@ -91,16 +90,6 @@ def _distributed_types() -> Iterator[tuple[str, Any]]:
     for value, names in claims.items():
         yield value, (names[0] if len(names) == 1 else _Mark.LEAVE, _DEVICE_OF.get(value, _Mark.LEAVE))
     yield from ((value, refusal) for value, refusal in _NO_STRATEGY.items() if value not in claims)
-
-
-def _fsdp_versions() -> Iterator[tuple[int, str]]:
-    return iter(sorted((version, names[0]) for version, names in _claims("fsdp_version").items()))
-
-
-def _fp8_backends() -> Iterator[tuple[str, str]]:
-    for name in BACKENDS:
-        if get_backend(name).accelerate_backend is not None:
-            yield get_backend(name).accelerate_backend, name
 
 
 def _listed(value: Any) -> Any:
@@ -163,7 +152,7 @@ _CHECKPOINTS = ("fp8dist.save_checkpoint writes sharded checkpoints (torch.distr
                 "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
 
 _FSDP: dict[str, _Rule] = {
-    "fsdp_version": _to("strategy", _Registry(_fsdp_versions)),
+    "fsdp_version": _to("strategy", _Registry(lambda: sorted((v, n[0]) for v, n in _claims("fsdp_version").items()))),
     "fsdp_reshard_after_forward": _to("reshard_after_forward", _RESHARD),
     "fsdp_sharding_strategy": _to("reshard_after_forward", _RESHARD),  # FSDP1's older spelling
     "fsdp_transformer_layer_cls_to_wrap": _to("block_classes", convert=_listed),
@@ -219,7 +208,8 @@ _DS_FILE_DECIDES = ("zero_stage", "offload_optimizer_device", "offload_param_dev
                     "gradient_clipping", "zero3_save_16bit_model")  # beside a DeepSpeed json: refused, as Accelerate
 
 _FP8: dict[str, _Rule] = {
-    "backend": _to("fp8", _Registry(_fp8_backends, first=("TE", "AO", "MSAMP"))),
+    "backend": _to("fp8", _Registry(lambda: ((get_backend(name).accelerate_backend, name) for name in BACKENDS
+                                             if get_backend(name).accelerate_backend), first=("TE", "AO", "MSAMP"))),
     **{key: _to(key) for key in ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
                                  "use_autocast_during_eval", "opt_level")},
     "override_linear_precision": _to("override_linear_precision", convert=_listed),
