@@ -130,30 +130,24 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 def normalize_fields(obj: Any) -> None:
     """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
-    frozen or not. Field metadata: ``aliases`` gives other spellings of a field's values, ``refused`` values with
-    the reason they are not choices (``{"E5M2": why}``), ``min`` the least number the field takes.
+    frozen or not; field metadata ``aliases`` gives other spellings of a field's values.
 
     Raises:
         ValueError: naming the field, the value and, for choices, the choices.
     """
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
-        if isinstance(value, str) and value.upper() in refused:
-            raise ValueError(f"{f.name}={value.upper()!r} is not supported: {refused[value.upper()]}")
-        value = normalize_value(f.name, value, hints[f.name], f.metadata.get("aliases"), f.metadata.get("none"))
-        if low is not None and value < low:
-            raise ValueError(f"{f.name}={value} must be at least {low}.")
+        value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"),
+                                f.metadata.get("none"))
         object.__setattr__(obj, f.name, value)
 
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written right under each field of dataclass ``cls`` (torchtitan style), its bases' too."""
-    docs = {name: doc for base in cls.__bases__ if dataclasses.is_dataclass(base) for name, doc in
-            field_docs(base).items()}
+    """The docstring written right under each field of dataclass ``cls`` (torchtitan style)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
     for stmt, nxt in zip(body, body[1:]):
         if (
             isinstance(stmt, ast.AnnAssign)

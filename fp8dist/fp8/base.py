@@ -3,7 +3,6 @@ wiring, the steps it hands a strategy, the eligibility checks of a Linear and of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -12,11 +11,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
-           "fp8_hardware_reason", "knob_options"]
+           "fp8_hardware_reason"]
 
 SELECTION_OPTIONS: Mapping[str, When] = {
     "fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
@@ -25,14 +24,6 @@ SELECTION_OPTIONS: Mapping[str, When] = {
 """The options the plan's choice of FP8 layers by predicted speed reads (:mod:`fp8dist.plan.selection`), in the
 ``options`` of every backend the speed model covers (torchao, te). The tokens are read for the figures shown under
 "all" too; the margin only where "auto" may apply (None: auto on a GPU)."""
-
-
-
-def knob_options(config: type) -> dict[str, When]:
-    """A backend's ``options`` for the knobs it owns: the fields of its own frozen config dataclass (composed into
-    :class:`~fp8dist.config.options.FP8Config`, so keywords, file keys and flags stay flat), each read under its
-    ``when`` metadata, always without one."""
-    return {f.name: f.metadata.get("when", ALWAYS) for f in dataclasses.fields(config)}
 
 
 @dataclass(frozen=True)
@@ -144,6 +135,7 @@ class FP8Backend(Protocol):
     accelerate_backend: ClassVar[str | None] = None
     """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
     value does (a file names it with fp8dist's own key, ``fp8:``)."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

@@ -10,25 +10,15 @@ tested through a stand-in of that API, never counted as proof that MS-AMP works.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..config.axis import Rule, StrategyFacts
+from ..config.axis import ALWAYS, Rule, StrategyFacts
 from ..plan.hardware import Hardware
 from ..pipeline.optim import build_optimizer
-from .base import EngineHooks, FP8Backend, knob_options
-
-
-@dataclass(kw_only=True, frozen=True)
-class MSAMPConfig:
-    """MS-AMP's knobs (:func:`~fp8dist.fp8.base.knob_options`)."""
-
-    opt_level: Literal["O1", "O2", "O3"] = "O2"
-    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
-
+from .base import EngineHooks, FP8Backend
 
 _RULES = (
     Rule(("fp8", "strategy"), lambda cfg, facts: facts.shards_params,
@@ -51,7 +41,7 @@ class MSAMPBackend(FP8Backend):
     name = "msamp"
     package = "msamp"
     owns_optimizer = True
-    options = knob_options(MSAMPConfig)
+    options = {"opt_level": ALWAYS}
     rules = _RULES
     meta_model_refusal = ("MS-AMP converts real weights. Build the model on the CPU (with pretrained=, wrap_model "
                           "loads it there), or use fp8='torchao' / 'te'")
@@ -90,6 +80,7 @@ class MSAMPBackend(FP8Backend):
 
     # accelerate: the value of fp8_config.backend that selects MS-AMP
     accelerate_backend = "MSAMP"
+
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:
     import msamp
