@@ -182,7 +182,7 @@ def _finish(state: _State) -> None:
     if state.seen.get("distributed_type") == "FSDP" and "fsdp_config.fsdp_version" not in state.seen:
         _set_once(state, "strategy", _FSDP["fsdp_version"].values[1],  # type: ignore[index]
                   "distributed_type: FSDP without fsdp_config.fsdp_version (Accelerate's default is 1)")
-    if state.seen.get("mixed_precision") == "fp8" and state.flat.get("fp8") in (None, "none"):
+    if state.seen.get("mixed_precision") == "fp8" and _normalized("fp8", state.flat.get("fp8")) is None:
         backends = ", ".join(_FP8["backend"].values or {})
         raise ValueError(f"mixed_precision: fp8 needs a backend: set fp8_config.backend to one of {backends} "
                          "(or fp8dist's key fp8).")

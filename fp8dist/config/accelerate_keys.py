@@ -2,7 +2,8 @@
 :mod:`fp8dist.config.accelerate` reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the
 spellings its launcher also takes). A key maps to an fp8dist option (``_to``), is accepted with the values fp8dist has
 anyway (``_only``), goes to the launcher notice or the notice about building the model, or is refused with the
-reason and the way out.
+reason and the way out. Which strategy or FP8 backend an Accelerate value selects is not written here: each axis
+value declares it (``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import enum
 import functools
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..fp8 import BACKENDS, get_backend
 from .options import FP8Config, StrategyConfig
+from ..strategies import STRATEGIES
 
 __all__ = ["NO_ACCELERATE_KEY", "targets"]
 
@@ -49,6 +52,46 @@ def _only(why: str, *accepted: Any) -> _Rule:
     return _Rule(values={value: _Mark.SAME for value in accepted}, other=why)
 
 
+class _Registry(Mapping):
+    """A value table built from the axis registries at each read (a strategy or backend registered after import is
+    in it); ``first``: Accelerate's values in the order messages list them."""
+
+    def __init__(self, build: Callable[[], Iterator[tuple[Any, Any]]], first: tuple[Any, ...] = ()) -> None:
+        self._build, self._first = build, first
+
+    def _table(self) -> dict[Any, Any]:
+        built = dict(self._build())
+        return {**{key: built[key] for key in self._first if key in built}, **built}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def _claims(key: str) -> dict[Any, list[str]]:
+    """Accelerate's value of ``key`` -> the strategies whose ``accelerate`` identity names it."""
+    out: dict[Any, list[str]] = {}
+    for name, strategy in STRATEGIES.items():
+        given = strategy.accelerate.get(key, ())
+        for value in given if isinstance(given, tuple) else (given,):
+            out.setdefault(value, []).append(name)
+    return out
+
+
+def _distributed_types() -> Iterator[tuple[str, Any]]:
+    """distributed_type -> (strategy, device): the one strategy that claims it, or LEAVE where several share it
+    (FSDP: fsdp_config.fsdp_version decides); Accelerate's other values, refused."""
+    claims = _claims("distributed_type")
+    for value, names in claims.items():
+        yield value, (names[0] if len(names) == 1 else _Mark.LEAVE, _DEVICE_OF.get(value, _Mark.LEAVE))
+    yield from ((value, refusal) for value, refusal in _NO_STRATEGY.items() if value not in claims)
+
+
 def _listed(value: Any) -> Any:
     """A list Accelerate writes as text: "LlamaDecoderLayer,LlamaMLP", "(false, false, true)" (its docs)."""
     if isinstance(value, str):
@@ -68,17 +111,18 @@ _NVME = ("fp8dist offloads to the CPU only. Use cpu, or put the NVMe offload blo
 _OTHER_DEVICE = _Refuse("fp8dist runs on CUDA GPUs and CPUs. Use MULTI_GPU, FSDP or DEEPSPEED on GPUs, NO or "
                         "MULTI_CPU on CPUs")
 
+_DEVICE_OF = {"MULTI_CPU": "cpu"}  # the distributed_type that also says where the model runs
+_NO_STRATEGY = {  # Accelerate's distributed types no fp8dist strategy claims, and why
+    "MEGATRON_LM": _Refuse("fp8dist has no Megatron-LM tensor/pipeline parallelism. Use FSDP or DEEPSPEED"),
+    "XLA": _Refuse(_TPU),
+    **dict.fromkeys(("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"),
+                    _OTHER_DEVICE)}
+
 _TOP: dict[str, _Rule] = {
     "compute_environment": _only("fp8dist does not start SageMaker jobs. Run it on the instances with torchrun, "
                                  "deepspeed or srun and write LOCAL_MACHINE", "LOCAL_MACHINE"),
-    "distributed_type": _Rule(to=("strategy", "device"), values={
-        "NO": ("none", _Mark.LEAVE), "MULTI_GPU": ("ddp", _Mark.LEAVE), "MULTI_CPU": ("ddp", "cpu"),
-        "FSDP": (_Mark.LEAVE, _Mark.LEAVE),  # fsdp or fsdp1: fsdp_config.fsdp_version decides
-        "DEEPSPEED": ("deepspeed", _Mark.LEAVE),
-        "MEGATRON_LM": _Refuse("fp8dist has no Megatron-LM tensor/pipeline parallelism. Use FSDP or DEEPSPEED"),
-        "XLA": _Refuse(_TPU),
-        **dict.fromkeys(("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU",
-                         "MULTI_NEURON"), _OTHER_DEVICE)}),
+    "distributed_type": _Rule(to=("strategy", "device"), values=_Registry(
+        _distributed_types, first=("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED"))),
     "mixed_precision": _Rule(to=("param_dtype", "fp8"), values={
         "no": ("fp32", None), "fp16": ("fp16", None), "bf16": ("bf16", None),
         "fp8": ("bf16", _Mark.LEAVE)}),  # the backend comes from fp8_config.backend
@@ -108,7 +152,7 @@ _CHECKPOINTS = ("fp8dist.save_checkpoint writes sharded checkpoints (torch.distr
                 "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
 
 _FSDP: dict[str, _Rule] = {
-    "fsdp_version": _to("strategy", {1: "fsdp1", 2: "fsdp"}),
+    "fsdp_version": _to("strategy", _Registry(lambda: sorted((v, n[0]) for v, n in _claims("fsdp_version").items()))),
     "fsdp_reshard_after_forward": _to("reshard_after_forward", _RESHARD),
     "fsdp_sharding_strategy": _to("reshard_after_forward", _RESHARD),  # FSDP1's older spelling
     "fsdp_transformer_layer_cls_to_wrap": _to("block_classes", convert=_listed),
@@ -164,7 +208,8 @@ _DS_FILE_DECIDES = ("zero_stage", "offload_optimizer_device", "offload_param_dev
                     "gradient_clipping", "zero3_save_16bit_model")  # beside a DeepSpeed json: refused, as Accelerate
 
 _FP8: dict[str, _Rule] = {
-    "backend": _to("fp8", {"TE": "te", "AO": "torchao", "MSAMP": "msamp"}),
+    "backend": _to("fp8", _Registry(lambda: ((get_backend(name).accelerate_backend, name) for name in BACKENDS
+                                             if get_backend(name).accelerate_backend), first=("TE", "AO", "MSAMP"))),
     **{key: _to(key) for key in ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
                                  "use_autocast_during_eval", "opt_level")},
     "override_linear_precision": _to("override_linear_precision", convert=_listed),

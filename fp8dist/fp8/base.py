@@ -158,6 +158,11 @@ class FP8Backend(Protocol):
         """What the probe's report says about how it emulated the backend's casts; empty: nothing to say."""
         return ""
 
+    # accelerate: how a file written by ``accelerate config`` selects this backend (fp8dist.config.accelerate)
+    accelerate_backend: ClassVar[str | None] = None
+    """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
+    value does (a file names it with fp8dist's own key, ``fp8:``)."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

@@ -78,6 +78,9 @@ class MSAMPBackend(FP8Backend):
                                       msamp_deepspeed.initialize))
         return EngineHooks(prepare=lambda model: _initialize(model, optimizer, cfg.precision.opt_level))
 
+    # accelerate: the value of fp8_config.backend that selects MS-AMP
+    accelerate_backend = "MSAMP"
+
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:
     import msamp

@@ -287,5 +287,8 @@ class TEBackend(FP8Backend):
                 + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
                    if delayed else ""))
 
+    # accelerate: the value of fp8_config.backend that selects Transformer Engine
+    accelerate_backend = "TE"
+
 
 BACKEND = TEBackend()

@@ -154,6 +154,9 @@ class TorchaoBackend(FP8Backend):
             return experts_casts(cfg, hardware)
         return float8_linear_casts(float8_config(cfg, facts))
 
+    # accelerate: the value of fp8_config.backend that selects torchao
+    accelerate_backend = "AO"
+
 
 BACKEND = TorchaoBackend()
 

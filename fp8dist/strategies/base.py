@@ -140,6 +140,12 @@ class Strategy(Protocol):
 
         STEP_HOOKS.add(model, pre=guard.before_step)
 
+    # accelerate: how a file written by ``accelerate config`` selects this strategy (fp8dist.config.accelerate)
+    accelerate: ClassVar[Mapping[str, Any]] = {}
+    """Accelerate's settings that select this strategy: ``distributed_type`` (a value or a tuple of them) and,
+    where strategies share one, ``fsdp_config.fsdp_version``. Empty: no Accelerate setting selects it (a file
+    names it with fp8dist's own key, ``strategy:``)."""
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

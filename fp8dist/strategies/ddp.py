@@ -68,5 +68,8 @@ class DDP(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
+    # accelerate: the settings of a file written by ``accelerate config`` that select DDP (on GPUs or CPUs)
+    accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
+
 
 STRATEGY = DDP()

@@ -393,5 +393,8 @@ class DeepSpeed(Strategy):
 
         model.step = step_and_count
 
+    # accelerate: the settings of a file written by ``accelerate config`` that select DeepSpeed
+    accelerate = {"distributed_type": "DEEPSPEED"}
+
 
 STRATEGY = DeepSpeed()

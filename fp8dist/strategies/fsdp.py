@@ -179,5 +179,8 @@ class FSDP2(Strategy):
         how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
+    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP2
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
+
 
 STRATEGY = FSDP2()

@@ -93,5 +93,8 @@ class FSDP1(Strategy):
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
+    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP1
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
+
 
 STRATEGY = FSDP1()

@@ -49,5 +49,8 @@ class Single(Strategy):
         return Sharded(apply_single(model, device=device, compute_dtype=param),
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
 
+    # accelerate: the settings of a file written by ``accelerate config`` that select one process
+    accelerate = {"distributed_type": "NO"}
+
 
 STRATEGY = Single()
