@@ -157,9 +157,17 @@ def _axis_names() -> dict[str, set[str]]:
     return {folder: set(getattr(axis, registry)) for folder, registry in AXES.items()}
 
 
+AXIS_OPTIONS = ("strategy", "fp8", "memory")
+"""The options that choose an axis value: their defaults (``strategy: Strategy = "fsdp"`` in config/options.py,
+each written once) name a value by nature."""
+
+
 def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of string statements: module, class and function docstrings, and the attribute docstrings under fields."""
-    return {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    """ids of string statements (module, class and function docstrings, the attribute docstrings under fields) and
+    of an axis option's default."""
+    found = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return found | {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+                    and isinstance(n.target, ast.Name) and n.target.id in AXIS_OPTIONS}
 
 
 def _beside_axis_names(tree: ast.AST, names: set[str]) -> set[int]:
@@ -196,7 +204,7 @@ def axis_names_outside_their_folders(package: Path = PACKAGE) -> list[tuple[str,
             if any(node.value in values and relative.startswith(folder + "/") for folder, values in axes.items()):
                 continue
             found.append((relative, node.lineno, node.value))
-    return found
+    return sorted(found)
 
 
 def test_no_axis_value_is_named_outside_its_own_folder():
@@ -207,11 +215,13 @@ def test_no_axis_value_is_named_outside_its_own_folder():
 
 def test_the_axis_name_finder_finds_names(tmp_path):
     (tmp_path / "tool.py").write_text('"""fsdp in a docstring is prose."""\nif cfg.strategy == "deepspeed":\n'
-                                      '    x = ("none", "ddp")\nmode = "none"\nmsg = "use strategy=\'fsdp\'"\n')
+                                      '    x = ("none", "ddp")\nmode = "none"\nmsg = "use strategy=\'fsdp\'"\n'
+                                      'strategy: str = "fsdp"\nother: str = "fsdp"\n')
     (tmp_path / "fp8").mkdir()
     (tmp_path / "fp8" / "te.py").write_text('NAME = "te"\nOTHER = "lean"\n')
     assert axis_names_outside_their_folders(tmp_path) == [("fp8/te.py", 2, "lean"), ("tool.py", 2, "deepspeed"),
-                                                          ("tool.py", 3, "none"), ("tool.py", 3, "ddp")]
+                                                          ("tool.py", 3, "ddp"), ("tool.py", 3, "none"),
+                                                          ("tool.py", 7, "fsdp")]
 
 
 CORE = ("fp8dist.pipeline", "fp8dist.config", "fp8dist.strategies", "fp8dist.fp8", "fp8dist.memory_levels",
