@@ -366,12 +366,12 @@ def test_3b_with_full_checkpointing_fits_one_h100_at_the_bench_gpu_batch(fp8):
     sequence length, on one rank of each GPU strategy, holds fp32 weights, gradients and two Adam moments (16
     bytes/parameter) plus activations, within what an 80 GB H100 leaves, with the bench's margin to spare."""
     from fp8dist.bench.fits import MEMORY_FRACTION
-    from fp8dist.bench.runner import DEFAULTS
+    from fp8dist.bench.runner import DEFAULTS, default_strategies
     from fp8dist.accounting import estimate_memory
 
-    strategies, _, _, _, batch, seq = DEFAULTS["cuda"]
+    _, _, batch, seq = DEFAULTS["cuda"]
     model, n = _meta_llama("3b"), _llama_params("3b")
-    for strategy in strategies.split(","):
+    for strategy in default_strategies("cuda"):
         est = estimate_memory(model, strategy=strategy, fp8=fp8, activation_checkpointing="full", world_size=1,
                               micro_batch_size=batch, seq_len=seq)
         assert est.total_params == n and est.activations_modelled and est.offloaded == ()
@@ -392,7 +392,7 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     from fp8dist.bench.runner import DEFAULTS, plan_cells, resolve_settings
     from fp8dist.train.data import make_corpus
 
-    _, _, _, steps, batch, seq = DEFAULTS["cuda"]
+    _, steps, batch, seq = DEFAULTS["cuda"]
     assert steps >= TIMING_WARMUP + 2 and seq < len(make_corpus())
     budget = int(MEMORY_FRACTION * H100_USABLE)
     settings = resolve_settings(_bench_args("--sizes", "3b", "--activation-checkpointing", "full", "--no-raw",

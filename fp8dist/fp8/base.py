@@ -3,6 +3,7 @@ wiring, the steps it hands a strategy, the eligibility checks of a Linear and of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from torch import nn
 from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
            "fp8_hardware_reason"]
 
 SELECTION_OPTIONS: Mapping[str, When] = {
@@ -48,6 +49,21 @@ class EngineHooks:
     entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
     """``(extra engine config, initialize function)``: the backend's own entry into an engine that builds the
     optimizer (MS-AMP's ``msamp.deepspeed.initialize``)."""
+
+
+@dataclass(frozen=True)
+class HandConverted:
+    """What a backend's conversion by hand (:attr:`FP8Backend.convert_by_hand`) did, and what each step of the
+    hand-wired model then calls besides forward, backward and the optimizer step."""
+
+    layers: int = 0
+    """FP8 GEMM layers swapped in."""
+    params: int = 0
+    """Their weight parameters."""
+    after_step: Callable[[], None] = lambda: None
+    """After each optimizer step (torchao's scale precompute)."""
+    forward_context: Callable[[], Any] = contextlib.nullcontext
+    """Around each forward (Transformer Engine's autocast)."""
 
 
 class FP8Backend(Protocol):
@@ -131,12 +147,27 @@ class FP8Backend(Protocol):
         group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
         return FP8Wiring()
 
+    # bench: what ``fp8dist bench`` asks of a backend
+    variants: ClassVar[tuple[str, ...]] = ()
+    """Values of one option of this backend (:attr:`variant_option`), the default first, that the bench runs as cells
+    of their own (torchao's recipes); (): one cell."""
+    variant_option: ClassVar[str | None] = None
+    """The option :attr:`variants` are values of (``torchao_recipe``)."""
+    convert_by_hand: ClassVar[Callable[..., HandConverted] | None] = None
+    """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion written with the library
+    alone, as its documentation wires it under a strategy with ``facts``: the bench's reference for fp8dist's
+    overhead. None: the backend has none (the bench runs no hand-wired cell for it)."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):
     """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
 
     name = "none"
+
+    # bench: no conversion is the bf16 reference
+    def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
+        return HandConverted()
 
 
 NO_FP8 = _NoFP8()

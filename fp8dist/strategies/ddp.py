@@ -68,5 +68,8 @@ class DDP(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
+    # bench: in the default matrix on every device
+    bench_devices = ("cpu", "cuda")
+
 
 STRATEGY = DDP()

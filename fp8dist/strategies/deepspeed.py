@@ -393,5 +393,12 @@ class DeepSpeed(Strategy):
 
         model.step = step_and_count
 
+    # bench: in the default CPU matrix where installed (an optional extra)
+    package = "deepspeed"
+    bench_devices = ("cpu",)
+
+    def missing_reason(self) -> str | None:
+        return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
+
 
 STRATEGY = DeepSpeed()

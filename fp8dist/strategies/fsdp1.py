@@ -93,5 +93,8 @@ class FSDP1(Strategy):
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
+    # bench: in the default CPU matrix
+    bench_devices = ("cpu",)
+
 
 STRATEGY = FSDP1()
