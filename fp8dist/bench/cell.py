@@ -4,6 +4,7 @@ same wiring by hand), train a few steps, and measure step time, memory, model-st
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -24,7 +25,7 @@ from ..train.data.job import lm_loss
 from ..pipeline.env import peak_memory_mib, share_cpu_threads
 
 __all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world", "backend_of",
-           "predicted_figures", "versions_line", "TIMING_WARMUP"]
+           "variants_of", "predicted_figures", "versions_line", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
@@ -83,7 +84,7 @@ class Cell:
         blocks = ("+compile" if self.compile else "") + \
             (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
             (f"+{self.memory}" if self.memory != STANDARD.name else "")
-        recipe = f"-{self.variant}" if self.variant not in (None, *backend_of(self.fp8).variants[:1]) else ""
+        recipe = f"-{self.variant}" if self.variant not in (None, *variants_of(self.fp8)[:1]) else ""
         return f"{self.strategy}/{self.fp8 or 'bf16'}{recipe}{blocks}/{self.size}" + \
             ("/vs-raw" if self.wiring == "vs-raw" else "") + (f"/seed{self.seed}" if self.label_seed else "")
 
@@ -94,6 +95,20 @@ class Cell:
 def backend_of(fp8: str | None) -> FP8Backend:
     """The backend a cell's ``fp8`` names (None: no FP8)."""
     return get_backend(fp8) if fp8 is not None else NO_FP8
+
+
+@functools.cache
+def variants_of(fp8: str | None) -> tuple[str, ...]:
+    """The values of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` (the config's choices), its
+    default first; () for a backend without one."""
+    from ..config.resolve import resolve_config
+    from ..config.rules import choices
+
+    option = backend_of(fp8).variant_option
+    if option is None:
+        return ()
+    default = resolve_config().to_dict()[option]
+    return (default, *(c for c in choices(option) if c != default))
 
 
 def cell_world(cell: Cell, nproc: int) -> int:

@@ -11,7 +11,7 @@ from ..config.text import plural
 from ..fp8 import BACKENDS, NO_FP8
 from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES
-from .cell import backend_of, describe_job, versions_line
+from .cell import describe_job, variants_of, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results", "loss_panels"]
@@ -67,13 +67,13 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
 def _variant(cell: dict[str, Any]) -> str | None:
     """A cell's backend variant other than the backend's default (torchao's rowwise), or None."""
     variant = cell.get("variant")
-    return variant if variant not in (None, *backend_of(cell["fp8"]).variants[:1]) else None
+    return variant if variant not in (None, *variants_of(cell["fp8"])[:1]) else None
 
 
 def _line_color(cell: dict[str, Any]) -> str:
     """Its strategy's color, or its variant's (a color of its own beside the strategy's)."""
     variant = _variant(cell)
-    return _color(variant, list(backend_of(cell["fp8"]).variants)) if variant else \
+    return _color(variant, list(variants_of(cell["fp8"]))) if variant else \
         _color(cell["strategy"], list(STRATEGIES))
 
 

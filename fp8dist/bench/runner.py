@@ -31,10 +31,10 @@ from typing import Any
 
 from ..config.text import plural
 from ..config.rules import refusal_of
-from ..fp8 import BACKENDS, NO_FP8, FP8Backend
+from ..fp8 import BACKENDS, NO_FP8
 from ..memory_levels import LEVELS, STANDARD
 from ..strategies import STRATEGIES, get_strategy
-from .cell import TIMING_WARMUP, Cell, TextJob, backend_of, cell_options, cell_world
+from .cell import TIMING_WARMUP, Cell, TextJob, backend_of, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
            "fp8_choices", "variant_backends", "default_strategies", "DEFAULTS"]
@@ -56,9 +56,10 @@ def fp8_choices() -> tuple[str, ...]:
     return (NO_FP8.name, *BACKENDS)
 
 
-def variant_backends() -> list[FP8Backend]:
-    """The backends with variants the bench runs as cells of their own, each with its option's flag."""
-    return [b for b in map(backend_of, BACKENDS) if b.variants]
+def variant_backends() -> list[str]:
+    """The backends whose variants the bench runs as cells of their own, each with its option's flag
+    (``--torchao-recipe``)."""
+    return [name for name in BACKENDS if variants_of(name)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +150,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
                                         ("none", "full", "selective"), "none,full"),
         memory=_split("--memory", getattr(args, "memory", STANDARD.name), tuple(LEVELS), ",".join(LEVELS)),
-        variants={b.variant_option: _split(_flag(b.variant_option), getattr(args, b.variant_option), b.variants,
-                                           ",".join(b.variants[:2])) for b in variant_backends()},
+        variants=_variant_settings(args),
         text=_text_job(args))
     corpus = len(make_corpus())
     if settings.text is None and settings.seq_len >= corpus:
@@ -161,8 +161,13 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     return settings
 
 
-def _flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
+def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """Each backend variant option's values, from its flag."""
+    out = {}
+    for name in variant_backends():
+        option, values = backend_of(name).variant_option, variants_of(name)
+        out[option] = _split("--" + option.replace("_", "-"), getattr(args, option), values, ",".join(values[:2]))
+    return out
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -212,10 +217,10 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
                lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
                label_seed=len(settings.seeds) > 1)
     # every FP8 cell gets its bf16 counterpart; a cell per variant of a backend that has them
-    backends = [(f, v) for f in dict.fromkeys((None, *settings.fp8)) for v in _variants(settings, backend_of(f))]
+    backends = [(f, v) for f in dict.fromkeys((None, *settings.fp8)) for v in _variants(settings, f)]
     # the hand-wired twins: a strategy's and a backend's own wiring, of the backend's default variant
     by_hand = [(f, v) for f, v in backends if backend_of(f).convert_by_hand is not None
-               and v in (None, *backend_of(f).variants[:1])]
+               and v in (None, *variants_of(f)[:1])]
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
               for a in settings.activation_checkpointing for m in settings.memory]
@@ -231,11 +236,10 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
     return cells
 
 
-def _variants(settings: BenchSettings, backend: FP8Backend) -> tuple[str | None, ...]:
-    """The variants of ``backend`` the matrix runs: those given, else its default; (None,) without variants."""
-    if not backend.variants:
-        return (None,)
-    return settings.variants.get(backend.variant_option, backend.variants[:1])
+def _variants(settings: BenchSettings, fp8: str | None) -> tuple[str | None, ...]:
+    """The variants of backend ``fp8`` the matrix runs: those given, else its default; (None,) without variants."""
+    values = variants_of(fp8)
+    return settings.variants.get(backend_of(fp8).variant_option, values[:1]) if values else (None,)
 
 
 def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config.text import plural
 from ..config.schema import add_arguments
-from ..bench.cell import TIMING_WARMUP, TextJob
+from ..bench.cell import TIMING_WARMUP, TextJob, backend_of, variants_of
 from ..bench.runner import (DEFAULTS, check_cells, check_text, default_strategies, device_type, fp8_choices,
                             plan_cells, resolve_settings, run_cells, variant_backends)
 from ..fp8 import NO_FP8
@@ -78,11 +78,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", default="0", metavar="LIST",
                    help="model initialization and batch order seed, or comma-separated seeds (a matrix dimension: "
                         "the spread of each figure across seeds; default: 0)")
-    for backend in variant_backends():  # e.g. --torchao-recipe: a cell per value
-        option = backend.variant_option
-        p.add_argument("--" + option.replace("_", "-"), metavar="LIST", default=backend.variants[0],
-                       help=f"comma-separated {option} values, from {', '.join(backend.variants)} (a matrix dimension "
-                            f"of the {backend.name} cells; default: {backend.variants[0]})")
+    for name in variant_backends():  # e.g. --torchao-recipe: a cell per value
+        option, values = backend_of(name).variant_option, variants_of(name)
+        p.add_argument("--" + option.replace("_", "-"), metavar="LIST", default=values[0],
+                       help=f"comma-separated {option} values, from {', '.join(values)} (a matrix dimension of the "
+                            f"{name} cells; default: {values[0]})")
     p.add_argument("--no-raw", dest="raw", action="store_false",
                    help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
     p.add_argument("--no-plot", dest="plot", action="store_false",

@@ -148,11 +148,9 @@ class FP8Backend(Protocol):
         return FP8Wiring()
 
     # bench: what ``fp8dist bench`` asks of a backend
-    variants: ClassVar[tuple[str, ...]] = ()
-    """Values of one option of this backend (:attr:`variant_option`), the default first, that the bench runs as cells
-    of their own (torchao's recipes); (): one cell."""
     variant_option: ClassVar[str | None] = None
-    """The option :attr:`variants` are values of (``torchao_recipe``)."""
+    """An option of this backend whose every value the bench runs as a cell of its own (``torchao_recipe``: a cell
+    per recipe); None: one cell."""
     convert_by_hand: ClassVar[Callable[..., HandConverted] | None] = None
     """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion written with the library
     alone, as its documentation wires it under a strategy with ``facts``: the bench's reference for fp8dist's

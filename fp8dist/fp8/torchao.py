@@ -3,13 +3,12 @@ FSDP2 with the scale precompute wired to every optimizer step of the model's opt
 
 from __future__ import annotations
 
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
-from ..config.options import FP8Config
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
@@ -143,7 +142,6 @@ class TorchaoBackend(FP8Backend):
 
     # bench: each recipe a cell of its own; the hand-wired reference
     variant_option = "torchao_recipe"
-    variants = get_args(get_type_hints(FP8Config)[variant_option])
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
         """``convert_to_float8_training`` as torchao documents it: every nn.Linear but the first and the last, dims
