@@ -85,7 +85,7 @@ class BenchSettings:
     """Memory levels: a matrix dimension (a level's cells only where the combination table allows it)."""
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per backend variant option (torchao_recipe), its values: a matrix dimension of that backend's cells; an
-    option not given runs its default (the first of the backend's ``variants``)."""
+    option not given runs its default (the config's)."""
     seeds: tuple[int, ...] = (0,)
     """Seeds (model initialization, batch order): a matrix dimension, for the spread of the figures across seeds."""
     text: TextJob | None = None
@@ -131,9 +131,10 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
 
     sizes, steps, batch, seq = DEFAULTS[device_type]
     strategies = ",".join(default_strategies(device_type))
-    fp8 = ",".join(dict.fromkeys((NO_FP8.name, default_fp8() or NO_FP8.name)))  # none alone where it cannot run
+    train_fp8 = default_fp8()  # fp8dist train's backend where it runs here, else None: bf16 cells only
+    fp8 = ",".join(dict.fromkeys((NO_FP8.name, train_fp8 or NO_FP8.name)))
     given = lambda value, default: default if value is None else value  # noqa: E731
-    fp8_items = _split("--fp8", given(args.fp8, fp8), fp8_choices(), ",".join(fp8_choices()[:2]))
+    fp8_items = _split("--fp8", given(args.fp8, fp8), fp8_choices(), f"{NO_FP8.name},{train_fp8 or fp8_choices()[1]}")
     settings = BenchSettings(
         strategies=_split("--strategies", given(args.strategies, strategies), tuple(STRATEGIES),
                           ",".join(default_strategies("cuda", installed=False))),
@@ -212,7 +213,8 @@ def check_text(settings: BenchSettings) -> str:
 
 
 def plan_cells(settings: BenchSettings) -> list[Cell]:
-    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells, then the FSDP2 overhead cells."""
+    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells; then the overhead cells of the
+    strategies with a hand-wired twin (FSDP2's)."""
     job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, lr=settings.lr,
                lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
                label_seed=len(settings.seeds) > 1)
@@ -266,8 +268,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         gate = backend_of(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
         if gate:
-            raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (torchao runs on "
-                             "CPU and on CUDA sm_89+).")
+            here = [n for n in BACKENDS if backend_of(n).unavailable_reason(config, device) is None]
+            raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (what runs here: "
+                             f"{', '.join([NO_FP8.name, *here])}).")
     if device_type == "cuda":  # fp8dist's own estimate of every cell against the GPU's memory
         from .fits import check_memory, gpu_budget
 
