@@ -15,7 +15,10 @@ import torch.distributed as dist
 
 from cli_helpers import run
 from dist_harness import run_ranks
+from fp8dist.bench.runner import default_strategies
 from fp8dist.cli import main
+from fp8dist.fp8 import BACKENDS
+from fp8dist.strategies import STRATEGIES
 from fp8dist.train.models import build_llama
 
 STEPS = 5
@@ -254,9 +257,9 @@ def test_each_lean_cell_carries_and_plots_its_standard_twins_curve(bench_run):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--strategies", "fsdp,zero3"], ["--strategies", "'zero3'", "fsdp, fsdp1, ddp, none, deepspeed",
-                                      "e.g. --strategies fsdp,ddp"]),
-    (["--fp8", "fp4"], ["--fp8", "'fp4'", "none, torchao, te, msamp"]),
+    (["--strategies", "fsdp,zero3"], ["--strategies", "'zero3'", ", ".join(STRATEGIES),  # the registry's order
+                                      f"e.g. --strategies {','.join(default_strategies('cuda'))}"]),
+    (["--fp8", "fp4"], ["--fp8", "'fp4'", ", ".join(["none", *BACKENDS])]),
     (["--sizes", "tiny,huge"], ["--sizes", "'huge'", "tiny, small, medium"]),
     (["--sizes", ","], ["--sizes", "empty"]),
     (["--steps", "3"], ["--steps 3", "at least 4", "warm-up"]),
@@ -366,12 +369,12 @@ def test_3b_with_full_checkpointing_fits_one_h100_at_the_bench_gpu_batch(fp8):
     sequence length, on one rank of each GPU strategy, holds fp32 weights, gradients and two Adam moments (16
     bytes/parameter) plus activations, within what an 80 GB H100 leaves, with the bench's margin to spare."""
     from fp8dist.bench.fits import MEMORY_FRACTION
-    from fp8dist.bench.runner import DEFAULTS
+    from fp8dist.bench.runner import DEFAULTS, default_strategies
     from fp8dist.accounting import estimate_memory
 
-    strategies, _, _, _, batch, seq = DEFAULTS["cuda"]
+    _, _, batch, seq = DEFAULTS["cuda"]
     model, n = _meta_llama("3b"), _llama_params("3b")
-    for strategy in strategies.split(","):
+    for strategy in default_strategies("cuda"):
         est = estimate_memory(model, strategy=strategy, fp8=fp8, activation_checkpointing="full", world_size=1,
                               micro_batch_size=batch, seq_len=seq)
         assert est.total_params == n and est.activations_modelled and est.offloaded == ()
@@ -392,14 +395,16 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     from fp8dist.bench.runner import DEFAULTS, plan_cells, resolve_settings
     from fp8dist.train.data import make_corpus
 
-    _, _, _, steps, batch, seq = DEFAULTS["cuda"]
+    _, steps, batch, seq = DEFAULTS["cuda"]
     assert steps >= TIMING_WARMUP + 2 and seq < len(make_corpus())
     budget = int(MEMORY_FRACTION * H100_USABLE)
     settings = resolve_settings(_bench_args("--sizes", "3b", "--activation-checkpointing", "full", "--no-raw",
                                             "--nproc", "1", "--fp8", "none,torchao"), "cuda")
     assert (settings.steps, settings.batch_size, settings.seq_len) == (steps, batch, seq)
     cells = plan_cells(settings)
-    assert [c.name for c in cells] == [f"{s}/{f}+ac-full/3b" for s in ("fsdp", "ddp") for f in ("bf16", "torchao")]
+    assert [c.name for c in cells] == [f"{s}/{f}+ac-full/3b" for s in default_strategies("cuda")
+                                       for f in ("bf16", "torchao")]
+    assert sorted(default_strategies("cuda")) == ["ddp", "fsdp"]
     check_memory(cells, 1, budget)
     plain = resolve_settings(_bench_args("--sizes", "3b", "--nproc", "1", "--fp8", "torchao"), "cuda")
     cells = plan_cells(plain)

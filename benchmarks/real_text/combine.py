@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from fp8dist.bench.cell import backend_of
 from fp8dist.bench.results import _compare, convergence, markdown_table
 
 SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "lr", "lr_schedule", "compile",
@@ -35,6 +36,8 @@ def combine(docs: list[dict]) -> dict:
     for doc in docs:
         for cell in doc["cells"]:
             cell = {k: v for k, v in cell.items() if k not in ("vs_bf16", "vs_standard", "overhead")}
+            if "torchao_recipe" in cell:  # written before the bench named a backend's variant "variant"
+                cell["variant"] = cell.pop("torchao_recipe")
             if not cell.get("label_seed"):  # a one-seed run's names lack the seed: label them as a matrix's are
                 cell.update(name=f"{cell['name']}/seed{cell['seed']}", label_seed=True)
             if cell["name"] in names:
@@ -42,12 +45,16 @@ def combine(docs: list[dict]) -> dict:
             names.add(cell["name"])
             cells.append(cell)
     _compare(cells)
+    variants: dict[str, set[str]] = {}  # per backend variant option (torchao_recipe), the values run
+    for c in cells:
+        if c["variant"]:
+            variants.setdefault(backend_of(c["fp8"]).variant_option, set()).add(c["variant"])
     merged = dict(first, cells=cells, convergence=convergence(cells))
     merged["commands"] = [doc["command"] for doc in docs]
     merged["runs"] = [{"date": d["date"], "wall_s": d["wall_s"], "load_average": d["load_average"]} for d in docs]
     merged["settings"] = dict(first["settings"], seeds=sorted({c["seed"] for c in cells}),
                               fp8=sorted({c["fp8"] or "none" for c in cells}),
-                              torchao_recipe=sorted({c["torchao_recipe"] for c in cells if c["torchao_recipe"]}),
+                              variants={option: sorted(values) for option, values in variants.items()},
                               memory=sorted({c["memory"] for c in cells}))
     return merged
 

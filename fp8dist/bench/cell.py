@@ -4,6 +4,7 @@ same wiring by hand), train a few steps, and measure step time, memory, model-st
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -17,10 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
+from ..fp8 import NO_FP8, FP8Backend, get_backend
+from ..memory_levels import STANDARD
+from ..strategies import get_strategy
 from ..train.data.job import lm_loss
 from ..pipeline.env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "predicted_figures", "TIMING_WARMUP"]
+__all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world", "backend_of",
+           "variants_of", "predicted_figures", "versions_line", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
@@ -49,8 +54,8 @@ class Cell:
     fp8: str | None
     size: str
     wiring: str = "fp8dist"
-    """"fp8dist": ``wrap_model``; "vs-raw": ``wrap_model`` side by side with the same FSDP2 (+ torchao) wiring
-    written by hand without fp8dist, for the overhead ratio."""
+    """"fp8dist": ``wrap_model``; "vs-raw": ``wrap_model`` side by side with the same wiring written by hand
+    without fp8dist (the strategy's ``shard_by_hand``, the backend's ``convert_by_hand``), for the overhead ratio."""
     steps: int = 10
     batch_size: int = 4
     """Sequences per rank per step."""
@@ -64,10 +69,11 @@ class Cell:
     compile: bool = False
     """torch.compile each block (wrap_model's ``compile``)."""
     activation_checkpointing: str = "none"
-    memory: str = "standard"
-    """wrap_model's ``memory`` level: standard (fp32 masters) or lean (bf16 weights, 8-bit AdamW states)."""
-    torchao_recipe: str | None = None
-    """torchao's scaling recipe (tensorwise, rowwise, ...) of a torchao cell; None for the others."""
+    memory: str = STANDARD.name
+    """wrap_model's ``memory`` level (:data:`fp8dist.memory_levels.LEVELS`)."""
+    variant: str | None = None
+    """The value of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` this cell runs (torchao's recipe:
+    tensorwise, rowwise, ...); None: the backend has no variants."""
     text: TextJob | None = None
     """Real text to train on and evaluate; None: the built-in grammar corpus."""
     label_seed: bool = False
@@ -77,13 +83,53 @@ class Cell:
     def name(self) -> str:
         blocks = ("+compile" if self.compile else "") + \
             (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
-            ("+lean" if self.memory == "lean" else "")
-        recipe = f"-{self.torchao_recipe}" if self.torchao_recipe not in (None, "tensorwise") else ""
+            (f"+{self.memory}" if self.memory != STANDARD.name else "")
+        recipe = f"-{self.variant}" if self.variant not in (None, *variants_of(self.fp8)[:1]) else ""
         return f"{self.strategy}/{self.fp8 or 'bf16'}{recipe}{blocks}/{self.size}" + \
             ("/vs-raw" if self.wiring == "vs-raw" else "") + (f"/seed{self.seed}" if self.label_seed else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
+
+
+def backend_of(fp8: str | None) -> FP8Backend:
+    """The backend a cell's ``fp8`` names (None: no FP8)."""
+    return get_backend(fp8) if fp8 is not None else NO_FP8
+
+
+@functools.cache
+def variants_of(fp8: str | None) -> tuple[str, ...]:
+    """The values of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` (the config's choices), its
+    default first; () for a backend without one."""
+    from ..config.resolve import resolve_config
+    from ..config.rules import choices
+
+    option = backend_of(fp8).variant_option
+    if option is None:
+        return ()
+    default = resolve_config().to_dict()[option]
+    return (default, *(c for c in choices(option) if c != default))
+
+
+def cell_world(cell: Cell, nproc: int) -> int:
+    """The processes a cell runs on: ``nproc``, or one for a strategy without a process group."""
+    return nproc if get_strategy(cell.strategy).process_group else 1
+
+
+def cell_options(cell: Cell) -> dict[str, Any]:
+    """The options a cell sets beside strategy, fp8 and its blocks: its backend variant, and the ZeRO stage where
+    the strategy reads it."""
+    options: dict[str, Any] = {}
+    if cell.variant is not None:
+        options[backend_of(cell.fp8).variant_option] = cell.variant
+    if "zero_stage" in get_strategy(cell.strategy).options:
+        options.update(zero_stage=cell.zero_stage)
+    return options
+
+
+def versions_line(versions: dict[str, str | None]) -> str:
+    """``torch 2.x, torchao 0.y, ...``: the installed libraries of a results document, for its headings."""
+    return ", ".join(f"{name} {v}" for name, v in versions.items() if v and name not in ("python", "fp8dist"))
 
 
 def describe_job(settings: dict[str, Any]) -> str:
@@ -131,13 +177,8 @@ def cell_config(cell: Cell) -> Any:
     from ..config.resolve import resolve_config
     from ..plan.selection import with_read_options
 
-    options: dict[str, Any] = {"compile": cell.compile, "activation_checkpointing": cell.activation_checkpointing,
-                               "memory": cell.memory}
-    if cell.torchao_recipe is not None:
-        options.update(torchao_recipe=cell.torchao_recipe)
-    if cell.strategy == "deepspeed":
-        options.update(zero_stage=cell.zero_stage)
-    config = resolve_config(strategy=cell.strategy, fp8=cell.fp8, **options)
+    config = resolve_config(strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile, memory=cell.memory,
+                            activation_checkpointing=cell.activation_checkpointing, **cell_options(cell))
     return with_read_options(config, micro_batch_size=cell.batch_size, seq_len=cell.seq_len, fp8_select="all")
 
 
@@ -153,79 +194,31 @@ def _optimizer_spec(cell: Cell) -> dict[str, Any]:
     return {"type": "AdamW", "lr": cell.lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
 
-def _raw_te(model: nn.Module) -> tuple[tuple[int, int], Callable[[], Any]]:
-    """Transformer Engine by hand, as its documentation wires a Hugging Face Llama: every nn.Linear -> te.Linear
-    and every LlamaRMSNorm -> te.RMSNorm with the weights copied; the forward under ``te.autocast`` with TE's
-    default DelayedScaling, amax reduced over the world group. Returns (FP8 layers, params) and that context."""
-    import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import DelayedScaling
-
-    for name, module in list(model.named_modules()):
-        weight = getattr(module, "weight", None)
-        kw = {"params_dtype": weight.dtype, "device": weight.device} if weight is not None else {}
-        if type(module) is nn.Linear:
-            new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **kw)
-        elif type(module).__name__ == "LlamaRMSNorm":
-            new = te.RMSNorm(weight.shape[0], eps=module.variance_epsilon, **kw)
-        else:
-            continue
-        with torch.no_grad():
-            new.weight.copy_(weight)
-            if getattr(module, "bias", None) is not None:
-                new.bias.copy_(module.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
-    linears = [m for m in model.modules() if isinstance(m, te.Linear)]
-    recipe = DelayedScaling()
-    return ((len(linears), sum(m.weight.numel() for m in linears)),
-            lambda: te.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD))
+def _llama_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    """torchtitan's units of the bench's Llama, as a hand-wired run names them: each decoder layer, the input
+    embedding, then the final norm with the output layer kept gathered from forward to backward."""
+    inner = model.model
+    return [*(([layer], True) for layer in inner.layers), ([inner.embed_tokens], True),
+            ([inner.norm, model.lm_head], False)]
 
 
-def _raw_fsdp2(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
-    """The reference FSDP2 wiring by hand, no fp8dist: torchao's convert_to_float8_training with the same filter
-    (every Linear but the first and last, dims multiples of 16) and FP8 all-gather, the scale precompute called
-    after each optimizer step; or Transformer Engine's modules and autocast (:func:`_raw_te`); fully_shard per
-    decoder layer then the root with bf16 params / fp32 reduction."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    after_step: Callable[[], None] = lambda: None  # noqa: E731
-    forward_context: Callable[[], Any] = contextlib.nullcontext
-    fp8_layers: tuple[int, int] = (0, 0)
-    if cell.fp8 == "te":
-        fp8_layers, forward_context = _raw_te(model)
-    if cell.fp8 == "torchao":
-        from torchao.float8 import (
-            Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp)
-
-        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-        keep = {linears[0], linears[-1]}
-
-        def module_filter(module: nn.Module, fqn: str) -> bool:
-            return fqn not in keep and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-                                   module_filter_fn=module_filter)
-        fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-        fp8_layers = (len(fp8), sum(m.weight.numel() for m in fp8))
-        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.model.layers:  # torchtitan's units: blocks, embedding, final norm + output layer, root
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=policy)
-    fully_shard([model.model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+def _hand_wired(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
+    """The same run wired by hand, no fp8dist: the backend's own conversion (:attr:`FP8Backend.convert_by_hand`),
+    then the strategy's own sharding (:attr:`Strategy.shard_by_hand`) and a plain AdamW."""
+    strategy = get_strategy(cell.strategy)
+    converted = backend_of(cell.fp8).convert_by_hand(model, strategy.facts(cell_config(cell)))
+    model = strategy.shard_by_hand(model, _llama_units(model), device)
     optimizer = torch.optim.AdamW(model.parameters(), **{k: v for k, v in _optimizer_spec(cell).items()
                                                          if k != "type"})
-    return _Wired(model, optimizer, fp8_layers, after_step, forward_context)
+    return _Wired(model, optimizer, (converted.layers, converted.params), converted.after_step,
+                  converted.forward_context)
 
 
 def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step), and this rank's device."""
     from ..pipeline.env import init_distributed
 
-    return init_distributed().device if cell.strategy != "none" else _local_device()
+    return init_distributed().device if get_strategy(cell.strategy).process_group else _local_device()
 
 
 def _local_device() -> torch.device:
@@ -264,7 +257,7 @@ class _Run:
         self.windows = batches.windows
         self.params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(cell.seed)  # as a script seeds: memory="lean" takes its rounding seed from it
-        wire = _raw_fsdp2 if wiring == "raw" else _fp8dist_wiring
+        wire = _hand_wired if wiring == "raw" else _fp8dist_wiring
         wired = wire(cell, model, device)
         self.model, self.optimizer, self.after_step = wired.model, wired.optimizer, wired.after_step
         self.forward_context = wired.forward_context

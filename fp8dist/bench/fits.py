@@ -12,7 +12,8 @@ from typing import Any
 
 from ..config.rules import refusal_of
 from ..accounting.fit import MEMORY_FRACTION as _MEMORY_FRACTION, budget, device_bytes
-from .cell import Cell
+from ..memory_levels import LEVELS, STANDARD
+from .cell import Cell, cell_options, cell_world
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
@@ -31,21 +32,16 @@ def gpu_budget(nproc: int) -> int:
     return budget(total)
 
 
-def _world(cell: Cell, nproc: int) -> int:
-    return 1 if cell.strategy == "none" else nproc
-
-
 def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
     """The GPU bytes per rank that fp8dist's estimate predicts for ``cell`` (the meta-device ``model`` of its
     size), and how they add up. A vs-raw cell holds two models in one process: both models' states, but the
     gradients of one only (each run frees its gradients after its step) and the activations of one at a time."""
     from ..accounting import estimate_memory
 
-    options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
     est = estimate_memory(model, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
                           activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
-                          world_size=_world(cell, nproc), micro_batch_size=cell.batch_size, seq_len=cell.seq_len,
-                          **options)
+                          world_size=cell_world(cell, nproc), micro_batch_size=cell.batch_size, seq_len=cell.seq_len,
+                          **cell_options(cell))
     acts = est.activation_bytes if est.activations_modelled else 0
     states = device_bytes(est) - acts  # offloaded states are in host memory
     tokens = f"{cell.batch_size} x {cell.seq_len} tokens"
@@ -83,8 +79,8 @@ def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
 def _estimate_command(cell: Cell, nproc: int) -> str:
     """The ``fp8dist estimate`` command that prints the breakdown of a (plain) cell."""
     return " ".join([f"fp8dist estimate --model-size {cell.size} --strategy {cell.strategy}",
-                     *([f"--zero-stage {cell.zero_stage}"] if cell.strategy == "deepspeed" else []),
-                     f"--world-size {_world(cell, nproc)} --seq-len {cell.seq_len} --micro-batch-size "
+                     *(f"--{k.replace('_', '-')} {v}" for k, v in cell_options(cell).items()),
+                     f"--world-size {cell_world(cell, nproc)} --seq-len {cell.seq_len} --micro-batch-size "
                      f"{cell.batch_size} --fp8 {cell.fp8 or 'none'} --activation-checkpointing "
                      f"{cell.activation_checkpointing} --memory {cell.memory}",
                      *(["--compile true"] if cell.compile else [])])
@@ -100,12 +96,13 @@ def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str
         tries.append(("--activation-checkpointing full", replace(cell, activation_checkpointing="full")))
     tries += [(f"--batch-size {n}", replace(cell, batch_size=n)) for n in (cell.batch_size // 2, 1)
               if 1 <= n < cell.batch_size]
-    if cell.memory == "standard" and refusal_of(strategy=cell.strategy, memory="lean") is None:
-        tries.append(("--memory lean", replace(cell, memory="lean")))
+    if cell.memory == STANDARD.name:  # from fp32 masters, each other level the table allows here
+        tries += [(f"--memory {name}", replace(cell, memory=name)) for name in LEVELS
+                  if name != cell.memory and refusal_of(strategy=cell.strategy, memory=name) is None]
     fitting = next(((flag, need) for flag, other in tries
                     if (need := cell_bytes(other, nproc, models[cell.size])[0]) <= budget), None)
     more = "run on more GPUs with --strategies fsdp (it shards the model states over --nproc)"
+    tried = ["--activation-checkpointing full", "--batch-size 1", *(f for f, _ in tries if f.startswith("--memory"))]
     way = (f"Pass {fitting[0]} (estimated {fitting[1] / _GIB:.1f} GiB), or {more}" if fitting else
-           f"Not even --activation-checkpointing full, --batch-size 1 or --memory lean fits: {more}, or leave "
-           f"{cell.size} out of --sizes")
+           f"Not even {', '.join(tried[:-1])} or {tried[-1]} fits: {more}, or leave {cell.size} out of --sizes")
     return f"{way}. The breakdown: {_estimate_command(cell, nproc)}"

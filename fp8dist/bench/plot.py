@@ -8,22 +8,35 @@ from __future__ import annotations
 from typing import Any
 
 from ..config.text import plural
-from .cell import describe_job
+from ..fp8 import BACKENDS, NO_FP8
+from ..memory_levels import STANDARD
+from ..strategies import STRATEGIES
+from .cell import describe_job, variants_of, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results", "loss_panels"]
 
-_FP8_COLORS = {None: "#4c72b0", "torchao": "#dd8452", "te": "#55a868", "msamp": "#8172b3"}
+_PALETTE = {"blue": "#4c72b0", "orange": "#dd8452", "green": "#55a868", "red": "#c44e52", "purple": "#8172b3",
+            "brown": "#937860"}
+_PAIR_COLORS = tuple(_PALETTE.values())
 _COMM_COLORS = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868",
                 "broadcast": "#c44e52", "other": "#937860"}
-_STRATEGY_COLORS = {"fsdp": "#4c72b0", "fsdp1": "#55a868", "ddp": "#c44e52", "none": "#8c8c8c",
-                    "deepspeed": "#8172b3"}
-_PAIR_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+_UNKNOWN = "#999999"
+"""A strategy or backend this process has not registered (a document written elsewhere)."""
+
+
+def _color(name: Any, names: list[Any]) -> str:
+    """A stable color per axis value: its position in its registry."""
+    return _PAIR_COLORS[names.index(name) % len(_PAIR_COLORS)] if name in names else _UNKNOWN
+
+
+def _fp8_color(fp8: str | None) -> str:
+    return _color(fp8 or NO_FP8.name, [NO_FP8.name, *BACKENDS])
 
 
 def _bars(ax, cells: list[dict[str, Any]], values: list[float], title: str, fmt: str) -> None:
     y = range(len(cells))
-    ax.barh(y, values, color=[_FP8_COLORS.get(c["fp8"], "#999999") for c in cells])
+    ax.barh(y, values, color=[_fp8_color(c["fp8"]) for c in cells])
     for i, v in zip(y, values):
         ax.text(v, i, " " + format(v, fmt), va="center", fontsize=7)
     ax.set_title(title, fontsize=10)
@@ -51,14 +64,23 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     ax.tick_params(labelsize=8)
 
 
-_RECIPE_COLORS = {"rowwise": "#dd8452", "rowwise_with_gw_hp": "#8172b3"}
-"""torchao cells of a recipe other than tensorwise: their own color beside their strategy's."""
+def _variant(cell: dict[str, Any]) -> str | None:
+    """A cell's backend variant other than the backend's default (torchao's rowwise), or None."""
+    variant = cell.get("variant")
+    return variant if variant not in (None, *variants_of(cell["fp8"])[:1]) else None
+
+
+def _line_color(cell: dict[str, Any]) -> str:
+    """Its strategy's color, or its variant's (a color of its own beside the strategy's)."""
+    variant = _variant(cell)
+    return _color(variant, list(variants_of(cell["fp8"]))) if variant else \
+        _color(cell["strategy"], list(STRATEGIES))
 
 
 def _label(cell: dict[str, Any]) -> str:
     """``fsdp torchao``, ``fsdp torchao-rowwise``, ``fsdp bf16``."""
-    recipe = cell.get("torchao_recipe")
-    return f"{cell['strategy']} {cell['fp8'] or 'bf16'}" + (f"-{recipe}" if recipe not in (None, "tensorwise") else "")
+    variant = _variant(cell)
+    return f"{cell['strategy']} {cell['fp8'] or 'bf16'}" + (f"-{variant}" if variant else "")
 
 
 def _curve(cell: dict[str, Any], losses: list[float], label: str, dashed: bool, color: str | None) -> dict[str, Any]:
@@ -69,12 +91,11 @@ def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
     """One size's curves, FP8 (dashed) against bf16 (solid), with the FP8 - bf16 difference per step; the
     standard-memory cells where there are any (lean cells get their own panel)."""
     mine = [c for c in cells if c["size"] == size]
-    mine = [c for c in mine if c.get("memory", "standard") == "standard"] or mine
+    mine = [c for c in mine if c.get("memory", STANDARD.name) == STANDARD.name] or mine
     curves, deltas = [], []
     for c in mine:
-        recipe = c.get("torchao_recipe")
-        color = _RECIPE_COLORS.get(recipe) or _STRATEGY_COLORS.get(c["strategy"])
-        label = f"{_label(c)}{' lean' if c.get('memory') == 'lean' else ''}"
+        color, level = _line_color(c), c.get("memory", STANDARD.name)
+        label = f"{_label(c)}{f' {level}' if level != STANDARD.name else ''}"
         if "vs_bf16" in c:
             label += f" (max |Δ| {c['vs_bf16']['max_abs_delta_loss']:.4f})"
             deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])], label, True,
@@ -85,19 +106,22 @@ def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
 
 
 def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
-    """One size's lean cells (dashed), each beside its fp32-master twin (solid, same color: same strategy, FP8
-    backend, seed and batches), with the lean - standard difference per step."""
+    """One size's cells of another memory level (lean; dashed), each beside its fp32-master twin (solid, same color:
+    same strategy, FP8 backend, seed and batches), with the difference per step."""
     curves, deltas = [], []
-    for i, c in enumerate(c for c in cells if c["size"] == size and "vs_standard" in c):
-        v, color = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)]
+    mine = [c for c in cells if c["size"] == size and "vs_standard" in c]
+    for i, c in enumerate(mine):
+        v, color, base = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)], STANDARD.name
         means, name = v["tail_mean_loss"], _label(c)
-        curves.append(_curve(c, v["standard_losses"], f"{name} standard (last {v['tail_steps']}: "
-                                                      f"{means['standard']:.4f})", False, color))
-        curves.append(_curve(c, c["losses"], f"{name} lean (last {v['tail_steps']}: {means['lean']:.4f}, "
-                                             f"{100 * v['tail_relative_gap']:+.2f}%)", True, color))
+        curves.append(_curve(c, v["standard_losses"], f"{name} {base} (last {v['tail_steps']}: "
+                                                      f"{means[base]:.4f})", False, color))
+        curves.append(_curve(c, c["losses"], f"{name} {c['memory']} (last {v['tail_steps']}: "
+                                             f"{means[c['memory']]:.4f}, {100 * v['tail_relative_gap']:+.2f}%)",
+                             True, color))
         deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], v["standard_losses"])], name, True, color))
-    return {"title": f"loss, llama-{size}: memory lean (dashed) vs standard fp32 master (solid)", "curves": curves,
-            "deltas": deltas, "delta_title": "lean - standard"}
+    levels = "/".join(dict.fromkeys(c["memory"] for c in mine))
+    return {"title": f"loss, llama-{size}: memory {levels} (dashed) vs standard fp32 master (solid)",
+            "curves": curves, "deltas": deltas, "delta_title": f"{levels} - {STANDARD.name}"}
 
 
 def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
@@ -156,7 +180,7 @@ def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
     pairs = [c for c in cells if "overhead" in c]
     names = [c["name"].removesuffix("/vs-raw") for c in pairs]
     ratios = [c["overhead"]["step_time_ratio"] for c in pairs]
-    ax.barh(range(len(pairs)), ratios, color=[_FP8_COLORS.get(c["fp8"], "#999999") for c in pairs])
+    ax.barh(range(len(pairs)), ratios, color=[_fp8_color(c["fp8"]) for c in pairs])
     for i, (r, c) in enumerate(zip(ratios, pairs)):
         same = "losses identical" if c["overhead"]["losses_identical"] else "losses differ"
         ax.text(r, i, f" {r:.3f} ({same})", va="center", fontsize=7)
@@ -194,9 +218,10 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
         _loss_panel(fig.add_subplot(grid[1, i]), panel)
     if bottom > len(panels):
         _overhead_panel(fig.add_subplot(grid[1, len(panels)]), cells)
-    device, versions = doc["device"], doc["versions"]
+    device, colors = doc["device"], {v: k for k, v in _PALETTE.items()}
+    key = ", ".join(f"{colors.get(_fp8_color(f), 'grey')} {f or 'bf16'}" for f in dict.fromkeys(c["fp8"] for c in plain))
     fig.suptitle(f"fp8dist bench: {device['name']} x {device['nproc']} ({device['backend']}), {doc['date'][:10]}; "
-                 f"torch {versions['torch']}, torchao {versions['torchao']}; bars colored by FP8 backend "
-                 f"(blue bf16, orange torchao)\n{describe_job(doc['settings'])}", fontsize=11)
+                 f"{versions_line(doc['versions'])}; bars colored by FP8 backend ({key})\n"
+                 f"{describe_job(doc['settings'])}", fontsize=11)
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config.text import plural
+from ..fp8 import BACKENDS
+from ..memory_levels import STANDARD
 from ..pipeline.files import atomic_write
-from .cell import describe_job
+from ..strategies import STRATEGIES
+from .cell import backend_of, describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes", "convergence",
@@ -59,16 +62,17 @@ def _versions() -> dict[str, str | None]:
     from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
-    names = ("torch", "torchao", "deepspeed", "transformers", "transformer_engine", "msamp")
+    engines = [s.package for s in STRATEGIES.values()] + [backend_of(name).package for name in BACKENDS]
+    names = dict.fromkeys(("torch", "transformers", *(e for e in engines if e)))
     return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
 
 
 TAIL_STEPS = 20
-"""The lean-vs-standard comparison also compares the mean loss of the last 20 steps (all of a shorter run)."""
+"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a shorter run)."""
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
-    keys = ("strategy", "fp8", "torchao_recipe", "size", "wiring", "compile", "activation_checkpointing", "memory",
+    keys = ("strategy", "fp8", "variant", "size", "wiring", "compile", "activation_checkpointing", "memory",
             "seed")
     want = {**{k: cell.get(k) for k in keys}, **change}
     return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
@@ -79,12 +83,12 @@ def _max_delta(a: list[float], b: list[float]) -> float:
 
 
 def _compare(cells: list[dict[str, Any]]) -> None:
-    """Each FP8 cell against the bf16 cell of the same strategy, size, memory level and seed; each lean cell
-    against its standard (fp32-master) twin, same FP8 backend; each vs-raw cell's overhead."""
+    """Each FP8 cell against the bf16 cell of the same strategy, size, memory level and seed; each cell of another
+    memory level (lean) against its standard (fp32-master) twin, same FP8 backend; each vs-raw cell's overhead."""
     for cell in cells:
         if "error" in cell:
             continue
-        bf16 = _counterpart(cells, cell, fp8=None, torchao_recipe=None) if cell["fp8"] else None
+        bf16 = _counterpart(cells, cell, fp8=None, variant=None) if cell["fp8"] else None
         if bf16 is not None:
             cell["vs_bf16"] = {"bf16_cell": bf16["name"], "max_abs_delta_loss": _max_delta(cell["losses"],
                                                                                              bf16["losses"]),
@@ -93,22 +97,25 @@ def _compare(cells: list[dict[str, Any]]) -> None:
             if cell.get("eval_losses") and bf16.get("eval_losses"):
                 cell["vs_bf16"]["held_out_delta"] = [[s, a - b] for (s, a), (_, b) in zip(cell["eval_losses"],
                                                                                           bf16["eval_losses"])]
-        standard = _counterpart(cells, cell, memory="standard") if cell.get("memory") == "lean" else None
+        other = cell.get("memory", STANDARD.name) != STANDARD.name
+        standard = _counterpart(cells, cell, memory=STANDARD.name) if other else None
         if standard is not None:
             cell["vs_standard"] = _vs_standard(cell, standard)
         if cell["wiring"] == "vs-raw":
             cell["overhead"] = _overhead(cell, cell["raw"])
 
 
-def _vs_standard(lean: dict[str, Any], standard: dict[str, Any]) -> dict[str, Any]:
-    """A lean cell's loss curve against its fp32-master twin's (same strategy, FP8 backend, size, seed, batches):
-    the twin's curve, the largest and the final difference, and the means of the last TAIL_STEPS steps."""
-    tail = min(TAIL_STEPS, len(lean["losses"]))
-    means = {"lean": statistics.fmean(lean["losses"][-tail:]), "standard": statistics.fmean(standard["losses"][-tail:])}
+def _vs_standard(cell: dict[str, Any], standard: dict[str, Any]) -> dict[str, Any]:
+    """A cell's loss curve (lean, say) against its fp32-master twin's (same strategy, FP8 backend, size, seed,
+    batches): the twin's curve, the largest and the final difference, and the means of the last TAIL_STEPS steps,
+    keyed by memory level."""
+    tail = min(TAIL_STEPS, len(cell["losses"]))
+    mine, theirs = statistics.fmean(cell["losses"][-tail:]), statistics.fmean(standard["losses"][-tail:])
     return {"standard_cell": standard["name"], "standard_losses": standard["losses"],
-            "max_abs_delta_loss": _max_delta(lean["losses"], standard["losses"]),
-            "final_delta_loss": lean["losses"][-1] - standard["losses"][-1], "tail_steps": tail,
-            "tail_mean_loss": means, "tail_relative_gap": (means["lean"] - means["standard"]) / means["standard"]}
+            "max_abs_delta_loss": _max_delta(cell["losses"], standard["losses"]),
+            "final_delta_loss": cell["losses"][-1] - standard["losses"][-1], "tail_steps": tail,
+            "tail_mean_loss": {cell["memory"]: mine, standard["memory"]: theirs},
+            "tail_relative_gap": (mine - theirs) / theirs}
 
 
 def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -153,9 +160,9 @@ def convergence(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, group in groups.items():
         steps = [s for s, _ in group[0]["eval_losses"]]
-        base = [_counterpart(cells, c, fp8=None, torchao_recipe=None, memory="standard") for c in group]
+        base = [_counterpart(cells, c, fp8=None, variant=None, memory=STANDARD.name) for c in group]
         paired = [(c, b) for c, b in zip(group, base) if b is not None and b is not c and b.get("eval_losses")]
-        entry = {"config": name, "fp8": group[0]["fp8"], "torchao_recipe": group[0].get("torchao_recipe"),
+        entry = {"config": name, "fp8": group[0]["fp8"], "variant": group[0].get("variant"),
                  "memory": group[0]["memory"], "size": group[0]["size"], "seeds": [c["seed"] for c in group],
                  "steps": steps, "held_out": [_spread([c["eval_losses"][i][1] for c in group])
                                               for i in range(len(steps))],
@@ -242,8 +249,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
     device, versions = doc["device"], doc["versions"]
     memory = "peak RSS" if device["type"] == "cpu" else "peak CUDA allocated"
     head = (f"{device['name']} ({device['type']}), {plural(device['nproc'], 'process')} per cell, {doc['date'][:10]}; "
-            f"torch {versions['torch']}, torchao {versions['torchao']}, transformers {versions['transformers']}; "
-            f"{describe_job(doc['settings'])}")
+            f"{versions_line(versions)}; {describe_job(doc['settings'])}")
     cols = ["cell", "tokens/s", "step (ms)", f"{memory} (MiB)", "model state (B/param)",
             *[f"{k.replace('_', '-')} /step" for k in COMM_TYPES], "max \\|Δloss\\| vs bf16"]
     rows = []
@@ -255,11 +261,11 @@ def markdown_table(doc: dict[str, Any]) -> str:
             rows.append([c["name"], f"{c['tokens_per_s']:,.0f}", f"{1000 * c['median_step_s']:.1f}", _memory(c),
                          _state(c), *[_comm(c, k) for k in COMM_TYPES], delta])
     lines = [head, "", _md(cols, rows)]
-    lean = [c for c in doc["cells"] if "vs_standard" in c]
-    if lean:
-        lcols = ["lean cell", "standard (fp32 master) cell", "max \\|Δloss\\|", "final Δloss",
-                 "mean loss of the last steps: lean / standard (gap)", "model state (B/param): lean / standard"]
-        lines += ["", _md(lcols, [_lean_row(c, doc["cells"]) for c in lean])]
+    other_levels = [c for c in doc["cells"] if "vs_standard" in c]
+    if other_levels:
+        lcols = ["cell (memory level)", "standard (fp32 master) cell", "max \\|Δloss\\|", "final Δloss",
+                 "mean loss of the last steps: cell / standard (gap)", "model state (B/param): cell / standard"]
+        lines += ["", _md(lcols, [_level_row(c, doc["cells"]) for c in other_levels])]
     if doc.get("convergence"):
         lines += ["", convergence_table(doc)]
     overhead = [c for c in doc["cells"] if "overhead" in c]
@@ -302,12 +308,12 @@ def _overhead_row(cell: dict[str, Any]) -> list[str]:
             " / ".join(gathered), "yes" if o["losses_identical"] else "no"]
 
 
-def _lean_row(cell: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
+def _level_row(cell: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
     v = cell["vs_standard"]
     standard = next(c for c in cells if c["name"] == v["standard_cell"])
     means = v["tail_mean_loss"]
     return [cell["name"], v["standard_cell"], f"{v['max_abs_delta_loss']:.4f}", f"{v['final_delta_loss']:+.4f}",
-            f"{means['lean']:.4f} / {means['standard']:.4f} over {v['tail_steps']} "
+            f"{means[cell['memory']]:.4f} / {means[standard['memory']]:.4f} over {v['tail_steps']} "
             f"({100 * v['tail_relative_gap']:+.2f}%)", f"{_state(cell)} / {_state(standard)}"]
 
 

@@ -25,26 +25,41 @@ import logging
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config.text import plural
 from ..config.rules import refusal_of
-from .cell import TIMING_WARMUP, Cell, TextJob
+from ..fp8 import BACKENDS, NO_FP8
+from ..memory_levels import LEVELS, STANDARD
+from ..strategies import STRATEGIES, get_strategy
+from .cell import TIMING_WARMUP, Cell, TextJob, backend_of, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
-           "STRATEGIES", "FP8_CHOICES", "TORCHAO_RECIPES", "DEFAULTS"]
+           "fp8_choices", "variant_backends", "default_strategies", "DEFAULTS"]
 
-STRATEGIES = ("fsdp", "fsdp1", "ddp", "none", "deepspeed")
-FP8_CHOICES = ("none", "torchao", "te", "msamp")
-OVERHEAD_FP8 = (None, "torchao", "te")
-"""FSDP2 cells measured against the hand-wired engine (bf16, torchao and Transformer Engine)."""
+# defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
+# default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
+DEFAULTS = {"cpu": ("tiny,small", 10, 4, 128), "cuda": ("1b", 20, 4, 2048)}
 
-# defaults per device type: (strategies, fp8 backends, sizes, steps, batch per rank, sequence length);
-# deepspeed joins the CPU strategies when it is installed (an optional extra)
-DEFAULTS = {"cpu": ("fsdp,fsdp1,ddp", "none,torchao", "tiny,small", 10, 4, 128),
-            "cuda": ("fsdp,ddp", "none,torchao", "1b", 20, 4, 2048)}
+
+def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str, ...]:
+    """The strategies ``fp8dist bench`` runs on ``device_type`` without ``--strategies``: those whose
+    ``bench_devices`` name it, where installed (``installed``: only those)."""
+    return tuple(name for name, s in STRATEGIES.items()
+                 if device_type in s.bench_devices and not (installed and s.missing_reason()))
+
+
+def fp8_choices() -> tuple[str, ...]:
+    """``--fp8``'s choices: none, then every registered backend."""
+    return (NO_FP8.name, *BACKENDS)
+
+
+def variant_backends() -> list[str]:
+    """The backends whose variants the bench runs as cells of their own, each with its option's flag
+    (``--torchao-recipe``)."""
+    return [name for name in BACKENDS if variants_of(name)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +81,11 @@ class BenchSettings:
     compile: tuple[bool, ...] = (False,)
     """Compile off and/or on: a matrix dimension."""
     activation_checkpointing: tuple[str, ...] = ("none",)
-    memory: tuple[str, ...] = ("standard",)
-    """Memory levels: a matrix dimension (lean cells only where the level runs: fsdp, ddp, none)."""
-    torchao_recipe: tuple[str, ...] = ("tensorwise",)
-    """torchao's scaling recipes: a matrix dimension of the torchao cells."""
+    memory: tuple[str, ...] = (STANDARD.name,)
+    """Memory levels: a matrix dimension (a level's cells only where the combination table allows it)."""
+    variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per backend variant option (torchao_recipe), its values: a matrix dimension of that backend's cells; an
+    option not given runs its default (the config's)."""
     seeds: tuple[int, ...] = (0,)
     """Seeds (model initialization, batch order): a matrix dimension, for the spread of the figures across seeds."""
     text: TextJob | None = None
@@ -109,21 +125,20 @@ def _at_least(flag: str, value: int, low: int, why: str) -> int:
 def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
     from ..train.data import make_corpus
-    from ..pipeline.env import package_version
     from ..train.models import LLAMA_SIZES
     from ..train.schedule import LR_SCHEDULES
     from ..train.job import default_fp8, default_nproc
 
-    strategies, fp8, sizes, steps, batch, seq = DEFAULTS[device_type]
-    if device_type == "cpu" and package_version("deepspeed") is not None:
-        strategies += ",deepspeed"
-    if default_fp8() is None:  # torchao cannot run here (a GPU without FP8): bf16 cells only unless asked
-        fp8 = "none"
+    sizes, steps, batch, seq = DEFAULTS[device_type]
+    strategies = ",".join(default_strategies(device_type))
+    train_fp8 = default_fp8()  # fp8dist train's backend where it runs here, else None: bf16 cells only
+    fp8 = ",".join(dict.fromkeys((NO_FP8.name, train_fp8 or NO_FP8.name)))
     given = lambda value, default: default if value is None else value  # noqa: E731
-    fp8_items = _split("--fp8", given(args.fp8, fp8), FP8_CHOICES, "none,torchao")
+    fp8_items = _split("--fp8", given(args.fp8, fp8), fp8_choices(), f"{NO_FP8.name},{train_fp8 or fp8_choices()[1]}")
     settings = BenchSettings(
-        strategies=_split("--strategies", given(args.strategies, strategies), STRATEGIES, "fsdp,ddp"),
-        fp8=tuple(None if f == "none" else f for f in fp8_items),
+        strategies=_split("--strategies", given(args.strategies, strategies), tuple(STRATEGIES),
+                          ",".join(default_strategies("cuda", installed=False))),
+        fp8=tuple(None if f == NO_FP8.name else f for f in fp8_items),
         sizes=_split("--sizes", given(args.sizes, sizes), tuple(LLAMA_SIZES), "tiny,small"),
         steps=_at_least("--steps", given(args.steps, steps), TIMING_WARMUP + 2,
                         f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step"),
@@ -135,8 +150,8 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
         compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
         activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
                                         ("none", "full", "selective"), "none,full"),
-        memory=_split("--memory", getattr(args, "memory", "standard"), ("standard", "lean"), "standard,lean"),
-        torchao_recipe=_split("--torchao-recipe", args.torchao_recipe, TORCHAO_RECIPES, "tensorwise,rowwise"),
+        memory=_split("--memory", getattr(args, "memory", STANDARD.name), tuple(LEVELS), ",".join(LEVELS)),
+        variants=_variant_settings(args),
         text=_text_job(args))
     corpus = len(make_corpus())
     if settings.text is None and settings.seq_len >= corpus:
@@ -147,7 +162,13 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     return settings
 
 
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """Each backend variant option's values, from its flag."""
+    out = {}
+    for name in variant_backends():
+        option, values = backend_of(name).variant_option, variants_of(name)
+        out[option] = _split("--" + option.replace("_", "-"), getattr(args, option), values, ",".join(values[:2]))
+    return out
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -192,26 +213,35 @@ def check_text(settings: BenchSettings) -> str:
 
 
 def plan_cells(settings: BenchSettings) -> list[Cell]:
-    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells, then the FSDP2 overhead cells."""
+    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells; then the overhead cells of the
+    strategies with a hand-wired twin (FSDP2's)."""
     job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, lr=settings.lr,
                lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
                label_seed=len(settings.seeds) > 1)
-    # every FP8 cell gets its bf16 counterpart; a torchao cell per recipe
-    backends = [(f, r) for f in dict.fromkeys((None, *settings.fp8))
-                for r in (settings.torchao_recipe if f == "torchao" else (None,))]
+    # every FP8 cell gets its bf16 counterpart; a cell per variant of a backend that has them
+    backends = [(f, v) for f in dict.fromkeys((None, *settings.fp8)) for v in _variants(settings, f)]
+    # the hand-wired twins: a strategy's and a backend's own wiring, of the backend's default variant
+    by_hand = [(f, v) for f, v in backends if backend_of(f).convert_by_hand is not None
+               and v in (None, *variants_of(f)[:1])]
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
               for a in settings.activation_checkpointing for m in settings.memory]
     for seed in settings.seeds:
         for size in settings.sizes:
             for strategy in settings.strategies:
-                cells += [Cell(strategy=strategy, fp8=f, torchao_recipe=r, size=size, seed=seed, **job, **b)
-                          for b in blocks for f, r in backends
-                          if b["memory"] == "standard" or refusal_of(strategy=strategy, memory=b["memory"]) is None]
-            if settings.raw and "fsdp" in settings.strategies:  # the hand-wired engine: torchao's tensorwise
-                cells += [Cell(strategy="fsdp", fp8=f, torchao_recipe=r, size=size, seed=seed, wiring="vs-raw", **job)
-                          for f, r in backends if f in OVERHEAD_FP8 and r in (None, "tensorwise")]
+                cells += [Cell(strategy=strategy, fp8=f, variant=v, size=size, seed=seed, **job, **b)
+                          for b in blocks for f, v in backends
+                          if b["memory"] == STANDARD.name or refusal_of(strategy=strategy, memory=b["memory"]) is None]
+            for strategy in (s for s in settings.strategies if settings.raw and get_strategy(s).shard_by_hand):
+                cells += [Cell(strategy=strategy, fp8=f, variant=v, size=size, seed=seed, wiring="vs-raw", **job)
+                          for f, v in by_hand]
     return cells
+
+
+def _variants(settings: BenchSettings, fp8: str | None) -> tuple[str | None, ...]:
+    """The variants of backend ``fp8`` the matrix runs: those given, else its default; (None,) without variants."""
+    values = variants_of(fp8)
+    return settings.variants.get(backend_of(fp8).variant_option, values[:1]) if values else (None,)
 
 
 def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:
@@ -219,31 +249,28 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
     import torch
 
     from ..config.resolve import resolve_config
-    from ..pipeline.env import package_version
-    from ..fp8 import get_backend
 
-    if "deepspeed" in settings.strategies and package_version("deepspeed") is None:
-        raise ValueError("--strategies deepspeed: DeepSpeed is not installed (pip install 'fp8dist[deepspeed]'); "
-                         "install it or leave deepspeed out of --strategies.")
+    for name in settings.strategies:
+        missing = get_strategy(name).missing_reason()
+        if missing:
+            raise ValueError(f"--strategies {name}: {missing}; install it or leave {name} out of --strategies.")
     if device_type == "cuda" and settings.nproc > torch.cuda.device_count():
         raise ValueError(f"--nproc {settings.nproc}: this machine has {plural(torch.cuda.device_count(), 'GPU')}; "
                          "use at most that many (one process per GPU).")
     for cell in cells:
-        options = {"zero_stage": cell.zero_stage} if cell.strategy == "deepspeed" else {}
-        if cell.torchao_recipe is not None:
-            options.update(torchao_recipe=cell.torchao_recipe)
         try:  # the combination table refuses what cannot run (compile or checkpointing with a backend, say)
             config = resolve_config(None, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
                                     activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
-                                    **options)
+                                    **cell_options(cell))
         except ValueError as err:
             raise ValueError(f"cell {cell.name}: {err} Leave it out of --compile / --activation-checkpointing, or "
                              "the strategy or backend out of the matrix.") from None
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-        gate = get_backend(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
+        gate = backend_of(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
         if gate:
-            raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (torchao runs on "
-                             "CPU and on CUDA sm_89+).")
+            here = [n for n in BACKENDS if backend_of(n).unavailable_reason(config, device) is None]
+            raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (what runs here: "
+                             f"{', '.join([NO_FP8.name, *here])}).")
     if device_type == "cuda":  # fp8dist's own estimate of every cell against the GPU's memory
         from .fits import check_memory, gpu_budget
 
@@ -261,8 +288,7 @@ def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list
             tqdm(total=len(cells), desc="fp8dist bench", unit="cell", file=sys.stderr) as bar:
         for cell in cells:
             bar.set_postfix_str(cell.name)
-            nproc = 1 if cell.strategy == "none" else settings.nproc
-            result = _launch_cell(cell, nproc, Path(logs), start_method)
+            result = _launch_cell(cell, cell_world(cell, settings.nproc), Path(logs), start_method)
             results.append(result)
             bar.write(describe(result))
             bar.update()
@@ -331,7 +357,9 @@ def _run_and_close(cell: Cell) -> dict[str, Any] | None:
 
     from .cell import run_cell
 
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    package = backend_of(cell.fp8).package
+    if package is not None:  # the backend library's notices, once per step and rank, would flood the log
+        logging.getLogger(package).setLevel(logging.ERROR)
     try:
         return run_cell(cell)
     finally:

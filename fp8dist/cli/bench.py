@@ -14,9 +14,12 @@ from typing import Any
 
 from ..config.text import plural
 from ..config.schema import add_arguments
-from ..bench.cell import TIMING_WARMUP, TextJob
-from ..bench.runner import (DEFAULTS, FP8_CHOICES, STRATEGIES, TORCHAO_RECIPES, check_cells, check_text, device_type,
-                            plan_cells, resolve_settings, run_cells)
+from ..bench.cell import TIMING_WARMUP, TextJob, backend_of, variants_of
+from ..bench.runner import (DEFAULTS, check_cells, check_text, default_strategies, device_type, fp8_choices,
+                            plan_cells, resolve_settings, run_cells, variant_backends)
+from ..fp8 import NO_FP8
+from ..memory_levels import LEVELS, STANDARD
+from ..strategies import STRATEGIES
 from ..train.config import TrainConfig
 from ..train.models import LLAMA_SIZES
 from ..train.schedule import LR_SCHEDULES
@@ -34,35 +37,38 @@ def add_parser(sub: Any) -> None:
                                    "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine; "
                                    "with --data, on real text, with the held-out loss at fixed steps and its spread "
                                    "across --seed values. Writes JSON and PNG named by date and device.")
-    def default(i: int) -> str:
-        cpu, gpu = DEFAULTS["cpu"][i], DEFAULTS["cuda"][i]
+    def default(i: int, per_device: Any = DEFAULTS) -> str:
+        cpu, gpu = per_device["cpu"][i], per_device["cuda"][i]
         return f"default: {cpu}" if cpu == gpu else f"default: {cpu} on CPU, {gpu} on GPU"
 
+    strategies = {d: [",".join(default_strategies(d, installed=False))] for d in DEFAULTS}
     p.add_argument("--strategies", metavar="LIST", default=None,
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} ({default(0)}; on CPU also deepspeed "
-                        "when it is installed)")
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} ({default(0, strategies)}; each where "
+                        "installed)")
     p.add_argument("--fp8", metavar="LIST", default=None,
-                   help=f"comma-separated FP8 backends, from {', '.join(FP8_CHOICES)}; each FP8 cell also runs its "
-                        f"bf16 (none) counterpart ({default(1)}; none only where torchao cannot run)")
+                   help=f"comma-separated FP8 backends, from {', '.join(fp8_choices())}; each FP8 cell also runs its "
+                        f"bf16 ({NO_FP8.name}) counterpart (default: {NO_FP8.name} and fp8dist train's default backend "
+                        "where it runs)")
     p.add_argument("--sizes", metavar="LIST", default=None,
-                   help=f"comma-separated Llama presets, from {', '.join(LLAMA_SIZES)} ({default(2)})")
+                   help=f"comma-separated Llama presets, from {', '.join(LLAMA_SIZES)} ({default(0)})")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help=f"steps per cell: {TIMING_WARMUP} warm-up, then timed, the last one counted "
-                        f"(communication, model state) and not timed ({default(3)})")
+                        f"(communication, model state) and not timed ({default(1)})")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help=f"sequences per process per step ({default(4)})")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help=f"tokens per sequence ({default(5)})")
+                   help=f"sequences per process per step ({default(2)})")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help=f"tokens per sequence ({default(3)})")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="processes per cell (default: one per GPU, or 2 on CPU; strategy none always runs 1)")
+                   help="processes per cell (default: one per GPU, or 2 on CPU; a strategy without a process group "
+                        "always runs 1)")
     p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2,
-                   help="ZeRO stage of deepspeed cells (default: 2)")
+                   help="ZeRO stage of the cells whose strategy reads zero_stage (default: 2)")
     p.add_argument("--compile", metavar="LIST", default="off",
                    help="comma-separated, from off, on: torch.compile each block (a matrix dimension; default: off)")
     p.add_argument("--activation-checkpointing", metavar="LIST", default="none",
                    help="comma-separated, from none, full, selective (a matrix dimension; default: none)")
-    p.add_argument("--memory", metavar="LIST", default="standard",
-                   help="comma-separated, from standard, lean: the model-state memory level (a matrix dimension; lean "
-                        "cells for fsdp, ddp and none only; default: standard)")
+    p.add_argument("--memory", metavar="LIST", default=STANDARD.name,
+                   help=f"comma-separated, from {', '.join(LEVELS)}: the model-state memory level (a matrix dimension; "
+                        f"a level's cells only where its strategy allows it; default: {STANDARD.name})")
     p.add_argument("--lr", type=float, default=1e-3, metavar="X",
                    help="AdamW's (peak) learning rate (default: 1e-3)")
     p.add_argument("--lr-schedule", default="constant", metavar="{" + ",".join(LR_SCHEDULES) + "}",
@@ -72,9 +78,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", default="0", metavar="LIST",
                    help="model initialization and batch order seed, or comma-separated seeds (a matrix dimension: "
                         "the spread of each figure across seeds; default: 0)")
-    p.add_argument("--torchao-recipe", metavar="LIST", default="tensorwise",
-                   help=f"comma-separated torchao scaling recipes, from {', '.join(TORCHAO_RECIPES)} (a matrix "
-                        "dimension of the torchao cells; default: tensorwise)")
+    for name in variant_backends():  # e.g. --torchao-recipe: a cell per value
+        option, values = backend_of(name).variant_option, variants_of(name)
+        p.add_argument("--" + option.replace("_", "-"), metavar="LIST", default=values[0],
+                       help=f"comma-separated {option} values, from {', '.join(values)} (a matrix dimension of the "
+                            f"{name} cells; default: {values[0]})")
     p.add_argument("--no-raw", dest="raw", action="store_false",
                    help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
     p.add_argument("--no-plot", dest="plot", action="store_false",

@@ -3,6 +3,7 @@ wiring, the steps it hands a strategy, the eligibility checks of a Linear and of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 from .casts import Casts
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
            "fp8_hardware_reason"]
 
 SELECTION_OPTIONS: Mapping[str, When] = {
@@ -49,6 +50,21 @@ class EngineHooks:
     entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
     """``(extra engine config, initialize function)``: the backend's own entry into an engine that builds the
     optimizer (MS-AMP's ``msamp.deepspeed.initialize``)."""
+
+
+@dataclass(frozen=True)
+class HandConverted:
+    """What a backend's conversion by hand (:attr:`FP8Backend.convert_by_hand`) did, and what each step of the
+    hand-wired model then calls besides forward, backward and the optimizer step."""
+
+    layers: int = 0
+    """FP8 GEMM layers swapped in."""
+    params: int = 0
+    """Their weight parameters."""
+    after_step: Callable[[], None] = lambda: None
+    """After each optimizer step (torchao's scale precompute)."""
+    forward_context: Callable[[], Any] = contextlib.nullcontext
+    """Around each forward (Transformer Engine's autocast)."""
 
 
 class FP8Backend(Protocol):
@@ -163,12 +179,25 @@ class FP8Backend(Protocol):
     """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
     value does (a file names it with fp8dist's own key, ``fp8:``)."""
 
+    # bench: what ``fp8dist bench`` asks of a backend
+    variant_option: ClassVar[str | None] = None
+    """An option of this backend whose every value the bench runs as a cell of its own (``torchao_recipe``: a cell
+    per recipe); None: one cell."""
+    convert_by_hand: ClassVar[Callable[..., HandConverted] | None] = None
+    """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion written with the library
+    alone, as its documentation wires it under a strategy with ``facts``: the bench's reference for fp8dist's
+    overhead. None: the backend has none (the bench runs no hand-wired cell for it)."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):
     """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
 
     name = "none"
+
+    # bench: no conversion is the bf16 reference
+    def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
+        return HandConverted()
 
 
 NO_FP8 = _NoFP8()

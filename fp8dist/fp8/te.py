@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
 from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
@@ -289,6 +289,34 @@ class TEBackend(FP8Backend):
 
     # accelerate: the value of fp8_config.backend that selects Transformer Engine
     accelerate_backend = "TE"
+
+    # bench: the hand-wired reference
+    def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
+        """Transformer Engine as its documentation wires a Hugging Face Llama: every nn.Linear -> te.Linear and
+        every LlamaRMSNorm -> te.RMSNorm, weights copied; the forward under ``te.autocast`` with TE's default
+        DelayedScaling, amax reduced over the world group."""
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling
+
+        for name, module in list(model.named_modules()):
+            weight = getattr(module, "weight", None)
+            kw = {"params_dtype": weight.dtype, "device": weight.device} if weight is not None else {}
+            if type(module) is nn.Linear:
+                new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **kw)
+            elif type(module).__name__ == "LlamaRMSNorm":
+                new = te.RMSNorm(weight.shape[0], eps=module.variance_epsilon, **kw)
+            else:
+                continue
+            with torch.no_grad():
+                new.weight.copy_(weight)
+                if getattr(module, "bias", None) is not None:
+                    new.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+        linears = [m for m in model.modules() if isinstance(m, te.Linear)]
+        recipe = DelayedScaling()
+        return HandConverted(len(linears), sum(m.weight.numel() for m in linears),
+                             forward_context=lambda: te.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD))
 
 
 BACKEND = TEBackend()

@@ -11,7 +11,7 @@ from torch import nn
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
+from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
 from .casts import Casts, CastSpec
 from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
 from .order import gemm_order
@@ -156,6 +156,27 @@ class TorchaoBackend(FP8Backend):
 
     # accelerate: the value of fp8_config.backend that selects torchao
     accelerate_backend = "AO"
+
+    # bench: each recipe a cell of its own; the hand-wired reference
+    variant_option = "torchao_recipe"
+
+    def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
+        """``convert_to_float8_training`` as torchao documents it: every nn.Linear but the first and the last, dims
+        multiples of 16, tensorwise; under per-parameter DTensor shards FP8 all-gather, the scales precomputed
+        after each optimizer step."""
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+        keep = {linears[0], linears[-1]}
+
+        def module_filter(module: nn.Module, fqn: str) -> bool:
+            return fqn not in keep and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+        convert_to_float8_training(model, module_filter_fn=module_filter,
+                                   config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards))
+        fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        after_step = (lambda: _precompute(model, None)) if facts.dtensor_shards else (lambda: None)
+        return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
 
 
 BACKEND = TorchaoBackend()

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from ..pipeline.env import DistEnv, LaunchEnv, init_distributed
+from ..pipeline.env import DistEnv, LaunchEnv, init_distributed, package_version
 from ..config.axis import Rule, StrategyFacts, When
 
 __all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "materialized_how", "fill_whole", "prepared",
@@ -145,6 +145,24 @@ class Strategy(Protocol):
     """Accelerate's settings that select this strategy: ``distributed_type`` (a value or a tuple of them) and,
     where strategies share one, ``fsdp_config.fsdp_version``. Empty: no Accelerate setting selects it (a file
     names it with fp8dist's own key, ``strategy:``)."""
+
+    # bench: what ``fp8dist bench`` asks of a strategy
+    package: ClassVar[str | None] = None
+    """The library the engine comes from beside torch (None: torch's own); results record its version."""
+    bench_devices: ClassVar[tuple[str, ...]] = ()
+    """Device types ("cpu", "cuda") on which ``fp8dist bench`` runs this strategy without ``--strategies`` (where
+    :meth:`missing_reason` allows); (): only when asked for."""
+    shard_by_hand: ClassVar[Callable[..., nn.Module] | None] = None
+    """``shard_by_hand(model, units, device)``: the engine wired with its own API alone, no fp8dist step, each unit
+    ``(modules, reshard_after_forward)`` as the model's author would choose, then the root: the bench's reference
+    for fp8dist's overhead. None: the strategy has none (the bench runs no hand-wired cell for it)."""
+
+    def missing_reason(self) -> str | None:
+        """Why the engine cannot run on this machine (:attr:`package` not installed), with how to install it; None
+        when it can."""
+        if self.package is None or package_version(self.package) is not None:
+            return None
+        return f"{self.package} is not installed (pip install {self.package})"
 
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:

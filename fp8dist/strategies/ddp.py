@@ -71,5 +71,8 @@ class DDP(Strategy):
     # accelerate: the settings of a file written by ``accelerate config`` that select DDP (on GPUs or CPUs)
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
 
+    # bench: in the default matrix on every device
+    bench_devices = ("cpu", "cuda")
+
 
 STRATEGY = DDP()

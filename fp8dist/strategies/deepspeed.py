@@ -396,5 +396,12 @@ class DeepSpeed(Strategy):
     # accelerate: the settings of a file written by ``accelerate config`` that select DeepSpeed
     accelerate = {"distributed_type": "DEEPSPEED"}
 
+    # bench: in the default CPU matrix where installed (an optional extra)
+    package = "deepspeed"
+    bench_devices = ("cpu",)
+
+    def missing_reason(self) -> str | None:
+        return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
+
 
 STRATEGY = DeepSpeed()

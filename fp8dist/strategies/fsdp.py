@@ -182,5 +182,19 @@ class FSDP2(Strategy):
     # accelerate: the settings of a file written by ``accelerate config`` that select FSDP2
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
 
+    # bench: in the default matrix on every device; the hand-wired reference
+    bench_devices = ("cpu", "cuda")
+
+    def shard_by_hand(self, model: nn.Module, units: list[tuple[list[nn.Module], bool]],
+                      device: torch.device) -> nn.Module:
+        """``fully_shard`` on each unit then the root (kept gathered for the backward), bf16 parameters and fp32
+        gradient reduction, one mesh over every rank: FSDP2 as its documentation wires it."""
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        for modules, reshard in units:
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
 
 STRATEGY = FSDP2()

@@ -96,5 +96,8 @@ class FSDP1(Strategy):
     # accelerate: the settings of a file written by ``accelerate config`` that select FSDP1
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
 
+    # bench: in the default CPU matrix
+    bench_devices = ("cpu",)
+
 
 STRATEGY = FSDP1()
