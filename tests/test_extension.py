@@ -216,7 +216,7 @@ def test_a_new_strategy_backend_and_memory_level_run_through_everything(tmp_path
 
 def test_the_cli_lists_registered_values_among_its_choices():
     """``fp8dist plan --help`` in a process where the three values are registered lists them as choices of
-    --strategy, --fp8 and --memory."""
+    --strategy, --fp8 and --memory; ``fp8dist bench --help`` among the strategies and backends it runs."""
     code = ("import sys; sys.path.insert(0, %r); import test_extension as t; t.define_axes(); "
             "from fp8dist.cli import main; main(sys.argv[1:])" % str(HERE))
     shown = subprocess.run([sys.executable, "-c", code, "plan", "--help"], capture_output=True, text=True,
@@ -225,6 +225,10 @@ def test_the_cli_lists_registered_values_among_its_choices():
     assert "--strategy {none,ddp,fsdp,fsdp1,deepspeed,replicate}" in flat
     assert "--fp8 {te,torchao,msamp,scaled,none}" in flat
     assert "--memory {standard,lean,sgd}" in flat
+    bench = subprocess.run([sys.executable, "-c", code, "bench", "--help"], capture_output=True, text=True,
+                           check=True).stdout
+    flat = " ".join(bench.split())
+    assert "from none, ddp, fsdp, fsdp1, deepspeed, replicate" in flat and "msamp, scaled;" in flat
 
 
 def test_a_registration_that_cannot_work_is_refused_with_the_way_out():
