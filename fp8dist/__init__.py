@@ -4,9 +4,7 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
-__version__ = "0.1.0"
-"""The package version: the one place it is written (pyproject.toml reads it from here)."""
-
+from .pipeline.packages import __version__
 from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
 from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint.hf import save_pretrained

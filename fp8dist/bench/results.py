@@ -56,7 +56,7 @@ def _cpu_name() -> str:
 
 
 def _versions() -> dict[str, str | None]:
-    from .._version import __version__
+    from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
     names = ("torch", "torchao", "deepspeed", "transformers", "transformer_engine", "msamp")

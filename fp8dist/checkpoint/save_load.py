@@ -81,7 +81,7 @@ class CheckpointState:
 
 def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any],
                 files: tuple[dict[str, int], dict[str, str]]) -> None:
-    from .._version import __version__
+    from ..pipeline.packages import __version__
 
     sizes, checksums = files
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,

@@ -3,7 +3,10 @@ without importing the packages (a leaf: the FP8 backends and ``fp8dist env`` bot
 
 from __future__ import annotations
 
-__all__ = ["package_version", "supported_range"]
+__all__ = ["__version__", "package_version", "supported_range"]
+
+__version__ = "0.1.0"
+"""fp8dist's own version: the one place it is written (pyproject.toml and checkpoints' meta.json read it here)."""
 
 
 def package_version(name: str) -> str | None:
