@@ -258,5 +258,8 @@ class TEBackend(FP8Backend):
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
+    # checkpoint: TE's scales and amax history live in each module's _extra_state
+    extra_state = "Transformer Engine FP8 state (scales and amax history, in `_extra_state`)"
+
 
 BACKEND = TEBackend()

@@ -140,6 +140,11 @@ class TorchaoBackend(FP8Backend):
             register_scale_precompute(inner)
         return FP8Wiring(scale_precompute=precompute)
 
+    # checkpoint: the precomputed FP8 all-gather scales belong to the weights before loading
+    def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
+        if wiring.scale_precompute:
+            _precompute(model, None)
+
 
 BACKEND = TorchaoBackend()
 

@@ -68,5 +68,9 @@ class DDP(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
+    # checkpoint and gradients: DDP's own no_sync
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
+
 
 STRATEGY = DDP()

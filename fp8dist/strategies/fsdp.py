@@ -3,6 +3,8 @@ application (torchtitan's units) and the :class:`FSDP2` strategy."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +180,15 @@ class FSDP2(Strategy):
         loaded = job.fill(model) if job.fill is not None else None
         how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
+
+    # checkpoint and gradients: FSDP2 defers its reduce-scatter by a switch on the module
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
 
 STRATEGY = FSDP2()
