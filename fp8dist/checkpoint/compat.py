@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..config.text import plural
-from ..fp8 import FP8Backend, get_backend
+from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import STANDARD
 from ..pipeline.api import get_wrap_info
 from ..strategies import STRATEGIES, get_strategy
@@ -89,14 +89,6 @@ def _strategies_of(fmt: str) -> str:
     return _either([repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt])
 
 
-def _backend(name: str | None) -> FP8Backend | None:
-    """The FP8 backend a checkpoint names; None: none, or one not registered here."""
-    try:
-        return get_backend(name) if name else None
-    except (KeyError, ValueError):
-        return None
-
-
 def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:
     """How a checkpoint was saved and the way out of its format, as the format's owner says them."""
     saver = STRATEGIES.get(meta["strategy"])
@@ -123,7 +115,7 @@ def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> st
 
 def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str], path: Path) -> str:
     modules = [k.removesuffix("._extra_state") for k in lost]
-    backend = _backend(meta.get("fp8"))
+    backend = get_backend(meta["fp8"]) if meta.get("fp8") in BACKENDS else None  # None: none, or not registered
     owned = backend is not None and backend.extra_state is not None  # the saving backend says what it keeps
     what = backend.extra_state if owned else "module extra state (`_extra_state`, e.g. FP8 scales)"
     model = f"strategy {now['strategy']!r}, fp8 {now['fp8']!r}"
