@@ -281,7 +281,7 @@ def test_deepspeed_and_dcp_checkpoints_refuse_each_other_and_a_damaged_file_with
     assert errors["fsdp->ds"] == (
         f"{dcp} was saved with strategy 'fsdp' (torch.distributed.checkpoint); this model is a DeepSpeed engine, "
         "which loads only DeepSpeed's own checkpoint format, and fp8dist does not convert between the two. Way out: "
-        "load it into strategy 'fsdp', 'fsdp1', 'ddp' or 'none', or turn it into one file with torch's converter "
+        "load it into strategy 'none', 'ddp', 'fsdp' or 'fsdp1', or turn it into one file with torch's converter "
         f"(python -m torch.distributed.checkpoint.format_utils dcp_to_torch {dcp} OUT.pt), load its 'model' entries "
         "into the model before wrap_model and start a new optimizer; or save from the strategy you load into.")
     assert errors["flipped"].startswith(f"{errors['optim_states']} is damaged: its crc32 is "), errors["flipped"]

@@ -1,16 +1,18 @@
 """What loads into what: the engine data a checkpoint's meta.json records, checked against the model it is loaded
 into, before anything is read.
 
-- fsdp, fsdp1, ddp and none all save through torch.distributed.checkpoint (DCP) under the same names (DCP's
-  ``get_state_dict`` strips FSDP1's ``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed
-  by those names too), so each loads into any other, on any world size.
+- Every strategy without a checkpoint format of its own (fsdp, fsdp1, ddp and none) saves through
+  torch.distributed.checkpoint (DCP) under the same names (DCP's ``get_state_dict`` strips FSDP1's
+  ``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed by those names too), so each loads
+  into any other, on any world size.
 - torchao on or off: torchao keeps no FP8 state and its Float8Linear keeps ``weight`` / ``bias``; the FP8
   all-gather scales FSDP2 precomputes are recomputed after loading. Adding Transformer Engine is allowed too: its
   modules start their scaling afresh, as at step 0.
 - Transformer Engine's FP8 state (scales, amax history in ``_extra_state``) never loads into a model without a
   place for it, unless the caller drops it explicitly (``drop_fp8_state=True``).
-- DeepSpeed checkpoints (the engine's own format) load into DeepSpeed with the same ZeRO stage, world size and
-  FP8 backend only; DeepSpeed <-> DCP is refused with the converters to use instead.
+- A checkpoint in a strategy's own format (DeepSpeed's engine checkpoint) loads only into that format, as its
+  :attr:`~fp8dist.strategies.base.Strategy.checkpoint` decides (DeepSpeed: the same ZeRO stage, world size and FP8
+  backend); across formats it is refused with the converters to use instead.
 - The optimizer state loads into an optimizer of the class that saved it, or is left out (``optimizer=None``).
 """
 
@@ -24,8 +26,11 @@ import torch
 from torch import nn
 
 from ..config.text import plural
+from ..fp8 import BACKENDS, get_backend
+from ..memory_levels import STANDARD
 from ..pipeline.api import get_wrap_info
-from .io import CheckpointError, engine, model_layout
+from ..strategies import STRATEGIES, get_strategy
+from .io import DCP, CheckpointError, checkpoint_format, model_layout
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,11 @@ def describe(model: nn.Module) -> dict[str, Any]:
     hooks run on all of them)."""
     info = get_wrap_info(model)
     cfg = info.config
-    strategy = cfg.parallel.strategy
+    strategy = get_strategy(cfg.parallel.strategy)
     shapes, fp8_state = model_layout(model, strategy)
-    return {"strategy": strategy, "engine": engine(strategy),
-            "fp8": cfg.precision.fp8 if info.plan.fp8 else None,
-            "zero_stage": cfg.parallel.zero_stage if strategy == "deepspeed" else None,
+    own = strategy.checkpoint.record(cfg) if strategy.checkpoint is not None else {}  # DeepSpeed: zero_stage
+    return {"strategy": strategy.name, "engine": checkpoint_format(strategy),
+            "fp8": cfg.precision.fp8 if info.plan.fp8 else None, **own,
             "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes,
             "memory": cfg.parallel.memory}
 
@@ -75,40 +80,47 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
     return diffs
 
 
+def _either(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
+
+
+def _strategies_of(fmt: str) -> str:
+    """The strategies a checkpoint of format ``fmt`` loads into: "'fsdp', 'fsdp1', 'ddp' or 'none'"."""
+    return _either([repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt])
+
+
+def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:
+    """How a checkpoint was saved and the way out of its format, as the format's owner says them."""
+    saver = STRATEGIES.get(meta["strategy"])
+    own = saver.checkpoint if saver is not None else None
+    if own is not None:
+        return f", {own.saved_as}", own.way_out(meta, path)
+    if meta["engine"] != DCP:  # a strategy not registered here
+        return f" (its own format {meta['engine']!r})", f"load it into strategy={meta['strategy']!r}"
+    return " (torch.distributed.checkpoint)", (
+        f"load it into strategy {_strategies_of(DCP)}, or turn it into one file with torch's converter (python -m "
+        f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into the "
+        "model before wrap_model and start a new optimizer; or save from the strategy you load into")
+
+
 def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
-    saved = f"{path} was saved with strategy {meta['strategy']!r}"
-    if meta["engine"] == "deepspeed":
-        return (f"{saved}, in DeepSpeed's own checkpoint format; this model uses strategy {now['strategy']!r} "
-                "(torch.distributed.checkpoint), and fp8dist does not convert between the two. Way out: load it "
-                f"into strategy='deepspeed' with zero_stage={meta['zero_stage']} on "
-                f"{plural(meta['world_size'], 'rank')}, or "
-                f"turn it into a full fp32 state dict with DeepSpeed's script (python {path}/zero_to_fp32.py {path} "
-                "OUT_DIR --tag deepspeed), load that into the model before wrap_model and start a new optimizer.")
-    return (f"{saved} (torch.distributed.checkpoint); this model is a DeepSpeed engine, which loads only DeepSpeed's "
-            "own checkpoint format, and fp8dist does not convert between the two. Way out: load it into strategy "
-            "'fsdp', 'fsdp1', 'ddp' or 'none', or turn it into one file with torch's converter (python -m "
-            f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into "
-            "the model before wrap_model and start a new optimizer; or save from the strategy you load into.")
-
-
-def _check_deepspeed(meta: dict[str, Any], now: dict[str, Any], path: Path) -> None:
-    keys = ("zero_stage", "world_size", "fp8")
-    diffs = [f"{k}: checkpoint {meta.get(k)!r}, this model {now[k]!r}" for k in keys if meta.get(k) != now[k]]
-    if diffs:
-        raise CheckpointError(
-            f"{path} does not match this model: {'; '.join(diffs)}. A DeepSpeed checkpoint loads into the ZeRO "
-            "stage, world size and FP8 backend it was saved with. Way out: convert it with DeepSpeed's "
-            "ds_to_universal (python -m deepspeed.checkpoint.ds_to_universal) and load the universal checkpoint "
-            "with DeepSpeed, or turn it into a full fp32 state dict with its zero_to_fp32.py script.")
+    """Formats differ: what was saved and what is loading, each said by its format's owner, and the way out."""
+    saved, way_out = _saved_side(meta, path)
+    own = get_strategy(now["strategy"]).checkpoint
+    loading = own.loads_only if own is not None else \
+        f"this model uses strategy {now['strategy']!r} (torch.distributed.checkpoint)"
+    return (f"{path} was saved with strategy {meta['strategy']!r}{saved}; {loading}, and fp8dist does not convert "
+            f"between the two. Way out: {way_out}.")
 
 
 def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str], path: Path) -> str:
     modules = [k.removesuffix("._extra_state") for k in lost]
-    what = ("Transformer Engine FP8 state (scales and amax history, in `_extra_state`)" if meta.get("fp8") == "te"
-            else "module extra state (`_extra_state`, e.g. FP8 scales)")
+    backend = get_backend(meta["fp8"]) if meta.get("fp8") in BACKENDS else None  # None: none, or not registered
+    owned = backend is not None and backend.extra_state is not None  # the saving backend says what it keeps
+    what = backend.extra_state if owned else "module extra state (`_extra_state`, e.g. FP8 scales)"
     model = f"strategy {now['strategy']!r}, fp8 {now['fp8']!r}"
-    into = ("a model with fp8='te' (strategy 'fsdp', 'fsdp1', 'ddp' or 'none', any world size)"
-            if meta.get("fp8") == "te" else "a model with those modules")
+    into = (f"a model with fp8={backend.name!r} (strategy {_strategies_of(DCP)}, any world size)" if owned
+            else "a model with those modules")
     return (f"{path} holds {what} of {plural(len(lost), 'module')} ({_names(modules)}) that this model ({model}) "
             f"has no place for: loading would drop it silently. Way out: load it into {into}, or pass "
             "drop_fp8_state=True to load the weights and optimizer without it (FP8 scaling then starts afresh).")
@@ -118,22 +130,26 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     """Raise :class:`CheckpointError` when the checkpoint cannot load soundly into ``model`` (saying what was saved,
     what is loading and the way out); otherwise say which FP8 state to load and what differs."""
     now = describe(model)
-    saved_engine = meta.get("engine", engine(meta["strategy"]))
+    saved_engine = meta.get("engine") or checkpoint_format(get_strategy(meta["strategy"]))  # not recorded before
     if saved_engine != now["engine"]:
         raise CheckpointError(_engine_refusal({**meta, "engine": saved_engine}, now, path))
     layout = _layout_diffs(meta.get("parameters", {}), now["parameters"])
     if layout:
         raise CheckpointError(f"{path} does not match this model: {'; '.join(layout)}. Load it into the model "
                               "architecture and size it was saved from.")
-    if meta.get("memory", "standard") != now["memory"]:
+    saved_memory = meta.get("memory", STANDARD.name)  # not recorded before memory levels: the standard one
+    if saved_memory != now["memory"]:
         raise CheckpointError(
-            f"{path} was saved with memory={meta.get('memory', 'standard')!r} and this model uses memory="
+            f"{path} was saved with memory={saved_memory!r} and this model uses memory="
             f"{now['memory']!r}: the optimizer states differ in kind (fp32 AdamW moments vs torchao's 8-bit ones) and "
-            f"fp8dist does not convert them. Load it into a model wrapped with memory={meta.get('memory', 'standard')!r}"
+            f"fp8dist does not convert them. Load it into a model wrapped with memory={saved_memory!r}"
             "; to change level, take the weights only (python -m torch.distributed.checkpoint.format_utils "
             "dcp_to_torch) into the model before wrap_model and start a new optimizer.")
-    if now["engine"] == "deepspeed":
-        _check_deepspeed(meta, now, path)
+    own = get_strategy(now["strategy"]).checkpoint
+    if own is not None:  # the format decides what loads (DeepSpeed: the same stage, world size, FP8 backend)
+        refusal = own.mismatch(meta, now, path)
+        if refusal:
+            raise CheckpointError(refusal)
         return LoadDecision(fp8_state=(), differences=())
     saved_state, ours = _saved_fp8_state(meta, path), set(now["fp8_state"])
     lost = [k for k in saved_state if k not in ours]

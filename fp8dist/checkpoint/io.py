@@ -1,12 +1,13 @@
 """What each engine writes into a checkpoint and reads back, and nothing unsafe on the way in (the layout,
 meta.json and atomicity live in :mod:`fp8dist.checkpoint.save_load`).
 
-- fsdp, fsdp1, ddp, none: torch.distributed.checkpoint (DCP) of ``get_state_dict(model, optimizer)``; each rank
-  writes its part. DCP's ``.metadata`` pickle is read through an allow-list and its non-tensor entries with
+- every strategy without a checkpoint format of its own (:attr:`~fp8dist.strategies.base.Strategy.checkpoint`
+  None: fsdp, fsdp1, ddp, none): torch.distributed.checkpoint (DCP) of ``get_state_dict(model, optimizer)``; each
+  rank writes its part. DCP's ``.metadata`` pickle is read through an allow-list and its non-tensor entries with
   ``weights_only=True``. Modules' ``_extra_state`` (Transformer Engine's FP8 scales and amax history) is saved per
   rank beside it.
-- deepspeed: the engine's own ``save_checkpoint`` / ``load_checkpoint``; its files are checked for classes
-  outside DeepSpeed's known few before DeepSpeed unpickles them.
+- a strategy with its own format (DeepSpeed: the engine's ``save_checkpoint`` / ``load_checkpoint``): what it
+  says to write and read; its files are checked for classes outside the few it declares before it unpickles them.
 - every rank's RNG states as plain tensors and numbers.
 """
 
@@ -22,9 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..fp8 import NO_FP8, FP8Backend, get_backend
 from ..pipeline.agree import RankFailure, rank_world
+from ..strategies import Strategy, get_strategy
 
-DS_TAG = "deepspeed"
+DCP = "dcp"
+"""The format meta.json records (``engine``) for a strategy without one of its own."""
 
 
 class CheckpointError(ValueError):
@@ -66,19 +70,26 @@ def all_ranks_values(value: Any) -> list[Any]:
     return values
 
 
-def engine(strategy: str) -> str:
-    return "deepspeed" if strategy == "deepspeed" else "dcp"
+def checkpoint_format(strategy: Strategy) -> str:
+    """What meta.json records as ``engine``: the strategy's own checkpoint format, else DCP."""
+    return strategy.checkpoint.format if strategy.checkpoint is not None else DCP
+
+
+def axes_of(info) -> tuple[Strategy, FP8Backend]:
+    """The strategy and the FP8 backend of a wrapped model's :class:`~fp8dist.pipeline.api.WrapInfo`."""
+    cfg = info.config
+    return get_strategy(cfg.parallel.strategy), get_backend(cfg.precision.fp8) if cfg.precision.fp8 else NO_FP8
 
 
 def check_supported(info) -> None:
-    cfg = info.config
-    if cfg.precision.fp8 == "msamp":
-        raise NotImplementedError("checkpointing fp8='msamp' is not supported yet: MS-AMP's optimizer keeps "
-                                  "ScalingTensor state that fp8dist cannot yet save safely. Use fp8='te' or "
-                                  "'torchao', or MS-AMP's own checkpointing.")
-    if cfg.parallel.strategy == "none" and info.env.world_size > 1:
-        raise CheckpointError(f"strategy='none' in a {info.env.world_size}-process launch: every process trains "
-                              "its own copy and would write the same checkpoint. Use one process, or strategy='ddp'.")
+    strategy, backend = axes_of(info)
+    if backend.checkpoint_refusal:
+        raise NotImplementedError(f"checkpointing fp8={backend.name!r} is not supported yet: "
+                                  f"{backend.checkpoint_refusal}.")
+    if not strategy.process_group and info.env.world_size > 1:
+        raise CheckpointError(f"strategy={strategy.name!r} in a {info.env.world_size}-process launch: every process "
+                              "trains its own copy and would write the same checkpoint. Use one process, or "
+                              "strategy='ddp'.")
 
 
 # ---- RNG states: per rank, plain tensors and numbers only, so they load with weights_only=True
@@ -174,18 +185,11 @@ def _as_tensors(extra: dict[str, Any]) -> dict[str, Any]:
             for k, v in extra.items() if v is not None}
 
 
-def _has_extra_state(module: nn.Module) -> bool:
-    """What ``nn.Module.state_dict`` itself asks before it writes ``_extra_state``."""
-    return getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state
-
-
-def model_layout(model: nn.Module, strategy: str) -> tuple[dict[str, list[int]], list[str]]:
-    """Global shape of every tensor of the model's state dict by its plain name (DeepSpeed: every parameter), and
-    the names of its ``_extra_state`` entries (FP8 state)."""
-    if strategy == "deepspeed":  # ZeRO-3 partitions parameters; ds_shape is the full shape
-        module = model.module
-        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules() if _has_extra_state(m)]
-        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}, sorted(extra)
+def model_layout(model: nn.Module, strategy: Strategy) -> tuple[dict[str, list[int]], list[str]]:
+    """Global shape of every tensor of the model's state dict by its plain name (a format of the strategy's own:
+    what it says), and the names of its ``_extra_state`` entries (FP8 state)."""
+    if strategy.checkpoint is not None:
+        return strategy.checkpoint.layout(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model)
@@ -194,9 +198,9 @@ def model_layout(model: nn.Module, strategy: str) -> tuple[dict[str, list[int]],
         extra
 
 
-def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: str) -> None:
-    if strategy == "deepspeed":
-        model.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy) -> None:
+    if strategy.checkpoint is not None:
+        strategy.checkpoint.save(model, tmp)
         return
     import torch.distributed.checkpoint as dcp
 
@@ -256,25 +260,24 @@ def _safe_planner():
     return SafePlanner()
 
 
-# DeepSpeed's own checkpoint files hold these classes besides tensors; DeepSpeed loads them with plain pickle,
-# so every file is checked first and anything else is refused.
-_DS_GLOBALS = {"deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
-               "deepspeed.runtime.fp16.loss_scaler.LossScaler"}
+def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
+    """A checkpoint in the strategy's own format, whose files the engine loads with plain pickle: each is checked
+    first for classes beyond those the format declares."""
+    for file in own.files(path):
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - own.pickled
+        if unsafe:
+            raise CheckpointError(f"{file} refers to {sorted(unsafe)}, which a checkpoint {own.saved_as} never "
+                                  "contains: refusing to unpickle it.")
+    refusal = own.load(model, path, optimizer=optimizer is not None)
+    if refusal:
+        raise CheckpointError(refusal)
 
 
-def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_state: tuple[str, ...]) -> None:
+def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...]) -> None:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; of the modules' ``_extra_state`` only the
     ``fp8_state`` entries (the others keep their own)."""
-    if strategy == "deepspeed":
-        for file in sorted((path / DS_TAG).glob("*.pt")):
-            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - _DS_GLOBALS
-            if unsafe:
-                raise CheckpointError(f"{file} refers to {sorted(unsafe)}, which fp8dist's DeepSpeed checkpoints "
-                                      "never contain: refusing to unpickle it.")
-        loaded, _ = model.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=optimizer is not None,
-                                          load_lr_scheduler_states=optimizer is not None)
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {path / DS_TAG}.")
+    if strategy.checkpoint is not None:
+        _read_own(path, model, optimizer, strategy.checkpoint)
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -296,10 +299,3 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_
     _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-
-def after_load_fp8(model: nn.Module, info) -> None:
-    """torchao + FSDP2 FP8 all-gather: the precomputed weight scales belong to the old weights; recompute them."""
-    if info.fp8.scale_precompute:  # what the backend wired, as recorded
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(model)

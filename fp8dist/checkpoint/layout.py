@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ..pipeline.files import wrong_kind
+from ..strategies import STRATEGIES
 from .io import CheckpointError
 
 __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_checkpoint", "job_root",
@@ -22,14 +23,13 @@ __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_che
 META = "meta.json"
 _STEP = re.compile(r"step_(\d+)")
 
-# Folders a checkpoint directory is not: (names or globs that mark one, what it is, what to do with it instead).
+# Folders a checkpoint directory is not: (names or globs that mark one, what it is, what to do with it instead);
+# those of a strategy's own checkpoint format follow, as the format says them.
 _OTHER_KINDS = (
     (("config.json", "*.safetensors", "pytorch_model.bin"), "a Hugging Face model folder",
      "load it as pretrained weights (fp8dist train --pretrained, from_pretrained)"),
     ((".metadata",), "a torch.distributed.checkpoint folder that fp8dist.save_checkpoint did not write (no meta.json)",
      "load it with torch.distributed.checkpoint"),
-    (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"), "a DeepSpeed engine checkpoint folder",
-     "load it with the DeepSpeed engine's own load_checkpoint"),
 )
 
 
@@ -50,7 +50,8 @@ def step_dirs(root: Path) -> list[Path]:
 
 def _other_kind(path: Path) -> str | None:
     """'is <what it is> (<the mark found>), not an fp8dist checkpoint directory: <way out>', or None."""
-    for marks, what, way_out in _OTHER_KINDS:
+    own = [s.checkpoint.written_by_hand for s in STRATEGIES.values() if s.checkpoint is not None]
+    for marks, what, way_out in (*_OTHER_KINDS, *own):
         found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
         if found is not None:
             return f"is {what} ({found}), not an fp8dist checkpoint directory: {way_out}"

@@ -38,12 +38,13 @@ from ..config.args import require_bool
 from ..pipeline.files import atomic_write_text, check_output_path, fsync_dir
 from ..pipeline.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
+from ..strategies import Strategy
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
 from .manifest import CHECKSUM, record_files, verify_files
 from .io import (
     CheckpointError,
-    after_load_fp8,
+    axes_of,
     check_supported,
     dcp_failure,
     from_rank0,
@@ -176,7 +177,7 @@ def _prepare(root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: str, rank: int) -> None:
+def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, rank: int) -> None:
     """This rank's part: the engine's shards (DCP shares a failure of any rank with all: raised as that rank's),
     then its own files."""
     try:
@@ -232,7 +233,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     info = get_wrap_info(model)
     check_supported(info)
     extra = _check_save_args(step, extra, keep_last, overwrite)
-    strategy, (rank, world) = info.config.parallel.strategy, rank_world()
+    (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
     root = on_all_ranks("save_checkpoint", lambda: _check_target(save_root(path)), error=CheckpointError,
                         passthrough=refusals)  # every rank writes there: checked on each
@@ -304,7 +305,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     check_supported(info)
     require_bool("drop_fp8_state", drop_fp8_state)
     require_bool("verify", verify)
-    (rank, world), strategy = rank_world(), info.config.parallel.strategy
+    (rank, world), (strategy, backend) = rank_world(), axes_of(info)
     checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
                                     passthrough=refusals)
     decision, optimizer_note = on_all_ranks(
@@ -316,7 +317,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
                      error=CheckpointError, passthrough=refusals)
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state),
                  error=CheckpointError)
-    after_load_fp8(model, info)
+    backend.after_load(model, info.fp8)
     rng = checkpoint / f"rng_rank{rank}.pt"
     on_all_ranks(f"loading {rng}", lambda: set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
                  if rng.is_file() else None, error=CheckpointError)
@@ -333,7 +334,7 @@ def _found(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
 _DAMAGED = ". Its files may be damaged; load an older checkpoint (its step_* folders)."
 
 
-def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: str, fp8_state: tuple[str, ...]) -> None:
+def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...]) -> None:
     """Read the checkpoint's state into the model and optimizer; what goes wrong past the checks made before
     (every file's size, every tensor's name and shape, the optimizer's class) is damage."""
     try:

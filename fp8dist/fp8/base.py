@@ -188,6 +188,18 @@ class FP8Backend(Protocol):
     alone, as its documentation wires it under a strategy with ``facts``: the bench's reference for fp8dist's
     overhead. None: the backend has none (the bench runs no hand-wired cell for it)."""
 
+    # checkpoint: what save_checkpoint / load_checkpoint ask of the backend
+    checkpoint_refusal: ClassVar[str | None] = None
+    """Why fp8dist's checkpoints cannot hold this backend's state yet, and the way out; None: they can (what a
+    backend keeps in modules' ``_extra_state`` is saved per rank and loads only into modules that hold it)."""
+    extra_state: ClassVar[str | None] = None
+    """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing of its
+    own (the refusal then says "module extra state")."""
+
+    def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
+        """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what derives from the
+        weights. Nothing by default."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

@@ -81,6 +81,10 @@ class MSAMPBackend(FP8Backend):
     # accelerate: the value of fp8_config.backend that selects MS-AMP
     accelerate_backend = "MSAMP"
 
+    # checkpoint: MS-AMP's optimizer state is not saved yet
+    checkpoint_refusal = ("MS-AMP's optimizer keeps ScalingTensor state that fp8dist cannot yet save safely. Use "
+                          "fp8='te' or 'torchao', or MS-AMP's own checkpointing")
+
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:
     import msamp

@@ -178,6 +178,11 @@ class TorchaoBackend(FP8Backend):
         after_step = (lambda: _precompute(model, None)) if facts.dtensor_shards else (lambda: None)
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
 
+    # checkpoint: the precomputed FP8 all-gather scales belong to the weights before loading
+    def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
+        if wiring.scale_precompute:
+            _precompute(model, None)
+
 
 BACKEND = TorchaoBackend()
 

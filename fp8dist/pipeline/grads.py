@@ -15,22 +15,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..config.args import require_bool
+from ..strategies import Strategy, get_strategy
+from .api import get_wrap_info
 
 __all__ = ["no_sync", "clip_grad_norm_"]
 
-_DEEPSPEED = ("strategy='deepspeed': the DeepSpeed engine {what} itself; {how}")
 
-
-def _strategy(model: nn.Module) -> str:
-    from .api import get_wrap_info
-
-    return get_wrap_info(model).config.parallel.strategy
+def _strategy(model: nn.Module) -> Strategy:
+    return get_strategy(get_wrap_info(model).config.parallel.strategy)
 
 
 @contextlib.contextmanager
@@ -39,26 +36,13 @@ def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
     and DDP, as each engine does). ``last=True`` does reduce (the micro-batch that completes the step), so a loop
     can wrap every micro-batch the same way.
 
-    fsdp: ``set_requires_gradient_sync(False)`` (FSDP2); fsdp1 and ddp: their ``no_sync()``; none: nothing to skip.
+    Each strategy skips its own way (:meth:`~fp8dist.strategies.base.Strategy.no_sync`: FSDP2's
+    ``set_requires_gradient_sync(False)``, FSDP1's and DDP's ``no_sync()``; one process: nothing to skip).
     ``last`` must be True or False (TypeError otherwise: ``'no'`` would be truthy).
     """
     require_bool("last", last)
-    strategy = _strategy(model)
-    if strategy == "deepspeed":
-        raise ValueError(_DEEPSPEED.format(what="accumulates gradients over grad_accum micro-batches",
-                                           how="pass grad_accum=N to wrap_model and call engine.backward(loss) and "
-                                               "engine.step() for every micro-batch, without no_sync"))
-    if last or strategy == "none":
-        yield
-        return
-    if strategy == "fsdp":
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-        return
-    with model.no_sync():  # fsdp1, ddp
+    skip = _strategy(model).no_sync(model)  # an engine that accumulates itself refuses here, last or not
+    with contextlib.nullcontext() if last else skip:
         yield
 
 
@@ -69,15 +53,4 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0
             and math.isfinite(max_norm)):
         raise ValueError(f"max_norm={max_norm!r} must be a positive number (the largest global gradient norm kept).")
-    strategy = _strategy(model)
-    if strategy == "deepspeed":
-        raise ValueError(_DEEPSPEED.format(what="clips gradients in engine.step()",
-                                           how="pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
-                                               "gives the norm of the last step"))
-    if strategy == "fsdp1":
-        return model.clip_grad_norm_(max_norm, norm_type).detach()
-    norm: Any = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm,
-                                               norm_type)
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor reduced over the shards
-        norm = norm.full_tensor()
-    return norm.detach()
+    return _strategy(model).clip_grad_norm_(model, max_norm, norm_type)

@@ -12,6 +12,7 @@ it over as data (:attr:`ShardJob.engine_entry`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -163,6 +164,28 @@ class Strategy(Protocol):
         if self.package is None or package_version(self.package) is not None:
             return None
         return f"{self.package} is not installed (pip install {self.package})"
+
+    # checkpoint and gradients: what save_checkpoint / load_checkpoint, no_sync and clip_grad_norm_ ask
+    checkpoint: ClassVar[Any] = None
+    """The engine's own checkpoint format (an object with the members of
+    :class:`~fp8dist.strategies.deepspeed_checkpoint.ZeROCheckpoint`); None: torch.distributed.checkpoint of
+    ``get_state_dict(model, optimizer)``, which every torch engine's state dict goes through, so that a checkpoint
+    of one such strategy loads into any other, on any world size."""
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Backward passes inside skip the gradient reduction, gradients accumulating locally. By default nothing
+        is skipped: each micro-batch is reduced, which costs communication, never correctness."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the gradients to a global norm of at most ``max_norm``; returns the norm before clipping, the same
+        on every rank. By default torch's over the gradients this rank holds: exact where they are whole
+        (replicated) or DTensor shards, whose norm torch reduces over their mesh."""
+        norm: Any = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm,
+                                                   norm_type)
+        if hasattr(norm, "full_tensor"):  # a DTensor norm: the same full value on every rank
+            norm = norm.full_tensor()
+        return norm.detach()
 
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:

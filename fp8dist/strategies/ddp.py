@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import torch_dtype
+from ..pipeline.env import runs_on_cpu
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 
@@ -17,18 +18,13 @@ __all__ = ["DDP", "apply_ddp", "STRATEGY"]
 
 
 def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
-    """DDP's own gradient-compression hook for a bf16/fp16 reduce; it needs NCCL, so CUDA only."""
+    """DDP's own gradient-compression hook for a bf16/fp16 reduce; it needs NCCL, so CUDA only
+    (:meth:`DDP.check_launch` refuses it on the CPU)."""
     if reduce_dtype == torch.float32:
         return None
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[reduce_dtype]
-    if device.type != "cuda":
-        raise ValueError(
-            f"reduce_dtype={name!r} with strategy='ddp' on {device.type}: DDP reduces in {name} through its "
-            f"{name}_compress_hook, which needs NCCL (CUDA). Use reduce_dtype='fp32' here, or strategy='fsdp', "
-            "whose reduce_dtype works on every backend.")
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    return default_hooks.bf16_compress_hook if name == "bf16" else default_hooks.fp16_compress_hook
+    return default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
@@ -73,6 +69,21 @@ class DDP(Strategy):
 
     # bench: in the default matrix on every device
     bench_devices = ("cpu", "cuda")
+
+    # checkpoint and gradients: DDP's own no_sync; its reduce-dtype refusal, checked before anything changes
+    def check_launch(self, cfg, world_size: int) -> None:
+        """A bf16/fp16 reduce goes through DDP's compression hook, which needs NCCL: refused on the CPU. A launch
+        check, not a rule of the table: device='auto' is the CPU only on a machine without CUDA, and the table,
+        also asked when planning for another machine, reads options alone."""
+        name = cfg.parallel.reduce_dtype
+        if torch_dtype(name) != torch.float32 and runs_on_cpu(cfg.parallel.device):
+            raise ValueError(
+                f"reduce_dtype={name!r} with strategy={self.name!r} on cpu: DDP reduces in {name} through its "
+                f"{name}_compress_hook, which needs NCCL (CUDA). Use reduce_dtype='fp32' here, or strategy='fsdp', "
+                "whose reduce_dtype works on every backend.")
+
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
 
 
 STRATEGY = DDP()

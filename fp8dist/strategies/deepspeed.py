@@ -26,6 +26,7 @@ from ..pipeline.env import DistEnv
 from ..config.options import StrategyConfig
 from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, materialized_how
 from .common import cast_buffers
+from .deepspeed_checkpoint import ZeROCheckpoint
 
 __all__ = ["DeepSpeed", "zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
            "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine", "partition_meta_zero3", "STRATEGY"]
@@ -402,6 +403,23 @@ class DeepSpeed(Strategy):
 
     def missing_reason(self) -> str | None:
         return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
+
+    # checkpoint and gradients: the engine checkpoints, accumulates and clips itself
+    checkpoint = ZeROCheckpoint()
+
+    def no_sync(self, model: nn.Module):
+        raise ValueError(_OWN_STEP.format(self.name, "accumulates gradients over grad_accum micro-batches",
+                                          "pass grad_accum=N to wrap_model and call engine.backward(loss) and "
+                                          "engine.step() for every micro-batch, without no_sync"))
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float):
+        raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
+                                          "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
+                                          "gives the norm of the last step"))
+
+
+_OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
+"""What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""
 
 
 STRATEGY = DeepSpeed()

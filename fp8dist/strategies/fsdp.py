@@ -3,6 +3,8 @@ application (torchtitan's units) and the :class:`FSDP2` strategy."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +197,15 @@ class FSDP2(Strategy):
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
                         reshard_after_forward=reshard)
         return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+    # checkpoint and gradients: FSDP2 defers its reduce-scatter by a switch on the module
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
 
 STRATEGY = FSDP2()

@@ -99,5 +99,12 @@ class FSDP1(Strategy):
     # bench: in the default CPU matrix
     bench_devices = ("cpu",)
 
+    # checkpoint and gradients: FSDP1's own no_sync and clip (the norm over its flat shards)
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm, norm_type).detach()
+
 
 STRATEGY = FSDP1()

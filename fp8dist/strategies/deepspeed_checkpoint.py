@@ -1,0 +1,85 @@
+"""DeepSpeed's own engine checkpoint, the :attr:`~fp8dist.strategies.base.Strategy.checkpoint` of strategy
+"deepspeed": ZeRO keeps its partitions and fp32 masters in its own format, which torch's ``get_state_dict`` cannot
+read, so ``save_checkpoint`` / ``load_checkpoint`` go through the engine's own calls. The checkpoint tool
+(:mod:`fp8dist.checkpoint`) asks this object what to write, read and compare; it keeps the policy (atomicity,
+checksums, refusing foreign pickled classes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..config.text import plural
+
+__all__ = ["ZeROCheckpoint"]
+
+
+def _has_extra_state(module: nn.Module) -> bool:
+    """What ``nn.Module.state_dict`` itself asks before it writes ``_extra_state``."""
+    return getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state
+
+
+class ZeROCheckpoint:
+    """A strategy's own checkpoint format: the members the checkpoint tool reads of any such object."""
+
+    format = "deepspeed"
+    """What meta.json records as ``engine``: a checkpoint loads only into a strategy of the same format."""
+    tag = "deepspeed"
+    """The folder DeepSpeed writes inside the checkpoint (its ``tag``)."""
+    saved_as = "in DeepSpeed's own checkpoint format"
+    """How a refusal says a checkpoint was saved in this format."""
+    loads_only = "this model is a DeepSpeed engine, which loads only DeepSpeed's own checkpoint format"
+    """How a refusal says this engine cannot load another format."""
+    pickled = frozenset({"deepspeed.utils.tensor_fragment.fragment_address",
+                         "deepspeed.runtime.zero.config.ZeroStageEnum",
+                         "deepspeed.runtime.fp16.loss_scaler.LossScaler"})
+    """The classes besides tensors the engine's files hold; DeepSpeed loads them with plain pickle, so anything
+    else in :meth:`files` is refused before it does."""
+    written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"),
+                       "a DeepSpeed engine checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
+    """A folder the engine wrote itself, not through ``save_checkpoint``: (names or globs that mark one, what it is,
+    what to do with it instead); ``save_checkpoint`` refuses to write into one."""
+
+    def record(self, cfg: Any) -> dict[str, Any]:
+        """What meta.json records besides the strategy, and :meth:`mismatch` compares."""
+        return {"zero_stage": cfg.parallel.zero_stage}
+
+    def layout(self, model: nn.Module) -> tuple[dict[str, list[int]], list[str]]:
+        """Every parameter's full shape (ZeRO-3 partitions parameters; ``ds_shape`` is the full one) and the names
+        of the ``_extra_state`` entries (FP8 state)."""
+        module = model.module
+        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules() if _has_extra_state(m)]
+        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}, sorted(extra)
+
+    def files(self, path: Path) -> list[Path]:
+        """The files :meth:`load` unpickles."""
+        return sorted((path / self.tag).glob("*.pt"))
+
+    def save(self, model: nn.Module, path: Path) -> None:
+        model.save_checkpoint(str(path), tag=self.tag, save_latest=False)
+
+    def load(self, model: nn.Module, path: Path, *, optimizer: bool) -> str | None:
+        """Load into the engine (its optimizer's state too when ``optimizer``); the refusal when there is none."""
+        loaded, _ = model.load_checkpoint(str(path), tag=self.tag, load_optimizer_states=optimizer,
+                                          load_lr_scheduler_states=optimizer)
+        return None if loaded is not None else f"DeepSpeed found no checkpoint in {path / self.tag}."
+
+    def mismatch(self, saved: dict[str, Any], now: dict[str, Any], path: Path) -> str | None:
+        """Why the checkpoint (its meta.json ``saved``) cannot load into this engine (``now``); None: it can."""
+        keys = ("zero_stage", "world_size", "fp8")
+        diffs = [f"{k}: checkpoint {saved.get(k)!r}, this model {now[k]!r}" for k in keys if saved.get(k) != now[k]]
+        if not diffs:
+            return None
+        return (f"{path} does not match this model: {'; '.join(diffs)}. A DeepSpeed checkpoint loads into the ZeRO "
+                "stage, world size and FP8 backend it was saved with. Way out: convert it with DeepSpeed's "
+                "ds_to_universal (python -m deepspeed.checkpoint.ds_to_universal) and load the universal checkpoint "
+                "with DeepSpeed, or turn it into a full fp32 state dict with its zero_to_fp32.py script.")
+
+    def way_out(self, saved: dict[str, Any], path: Path) -> str:
+        """How to use a checkpoint of this format in a strategy of another."""
+        return (f"load it into strategy={saved['strategy']!r} with zero_stage={saved['zero_stage']} on "
+                f"{plural(saved['world_size'], 'rank')}, or turn it into a full fp32 state dict with DeepSpeed's "
+                f"script (python {path}/zero_to_fp32.py {path} OUT_DIR --tag {self.tag}), load that into the model "
+                "before wrap_model and start a new optimizer")
