@@ -227,8 +227,8 @@ def test_fsdp_fsdp1_ddp_none_and_fp8_on_off_load_into_each_other(tmp_path, subte
         assert refused is not None and "holds Transformer Engine FP8 state (scales and amax history, in " \
             "`_extra_state`) of 15 modules (lm_head, model.layers.0.mlp.down_proj, " \
             "model.layers.0.mlp.gate_proj and 12 more) that this model (strategy 'fsdp', fp8 None) has no place " \
-            "for: loading would drop it silently. Way out: load it into a model with fp8='te' (strategy 'fsdp', " \
-            "'fsdp1', 'ddp' or 'none', any world size), or pass drop_fp8_state=True" in refused, refused
+            "for: loading would drop it silently. Way out: load it into a model with fp8='te' (strategy 'none', " \
+            "'ddp', 'fsdp' or 'fsdp1', any world size), or pass drop_fp8_state=True" in refused, refused
     with subtests.test(msg="meta.json records the engine data the decision is based on"):
         meta = json.loads((tmp_path / _key(("fsdp", "te")) / "step_00000003" / "meta.json").read_text())
         assert (meta["engine"], meta["strategy"], meta["fp8"], meta["world_size"]) == ("dcp", "fsdp", "te", 2)
