@@ -8,10 +8,10 @@ import warnings
 import torch
 from torch import nn
 
-from ..config.axis import StrategyFacts
+from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import DistEnv, LaunchEnv
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .base import FP16_RULE, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 
 __all__ = ["Single", "apply_single", "STRATEGY"]
@@ -48,6 +48,13 @@ class Single(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(apply_single(model, device=device, compute_dtype=param),
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
+
+    # cli/train, accounting/estimate: a tool asked for several ranks refuses, as it knows the world size
+    rules = (FP16_RULE, Rule(
+        ("world_size", "strategy"), lambda cfg, facts: (facts.world_size or 1) > 1,
+        "'none' trains in one process: each rank would train its own copy, with no gradient sync",
+        "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
+        "'deepspeed' to train on several ranks."))
 
 
 STRATEGY = Single()
