@@ -140,6 +140,11 @@ class TorchaoBackend(FP8Backend):
             register_scale_precompute(inner)
         return FP8Wiring(scale_precompute=precompute)
 
+    # pipeline, cli, train: the reference job's default backend, its FP8 health, the ranks' preload
+    rank_imports = ("torchao.float8",)
+    commands_default = True
+    health_telemetry = True
+
 
 BACKEND = TorchaoBackend()
 

@@ -140,6 +140,13 @@ class Strategy(Protocol):
 
         STEP_HOOKS.add(model, pre=guard.before_step)
 
+    # pipeline, cli, train: what the commands and the reference job ask of a strategy
+    package: ClassVar[str | None] = None
+    """The library of the strategy's engine, whose version ``fp8dist env`` checks; None: torch's own."""
+    rank_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules a training rank imports anyway under this strategy (its engine's library), for a parent to import
+    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

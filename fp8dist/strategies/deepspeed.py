@@ -393,5 +393,9 @@ class DeepSpeed(Strategy):
 
         model.step = step_and_count
 
+    # pipeline, cli: its library's version in fp8dist env, imported once before the ranks fork
+    package = "deepspeed"
+    rank_imports = ("deepspeed",)
+
 
 STRATEGY = DeepSpeed()

@@ -76,15 +76,18 @@ class JobLog:
         """The telemetry (or None) and the header's line about it."""
         from ..pipeline.api import get_plan
 
-        every, backend = train.fp8_health_every, config.precision.fp8
+        from ..fp8 import NO_FP8, get_backend
+
+        every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
         if not every:
             return None, "fp8 health: off (--fp8-health-every 0)"
-        if backend != "torchao":
-            return None, (f"fp8 health: off (fp8={backend or 'none'}; --fp8-health-every samples torchao's FP8 layers "
+        if not (get_backend(fp8) if fp8 else NO_FP8).health_telemetry:
+            return None, (f"fp8 health: off (fp8={fp8 or 'none'}; --fp8-health-every samples torchao's FP8 layers "
                           "only)")
-        if config.parallel.strategy == "deepspeed":  # its engine steps flat partitions, not the model's parameters
-            return None, "fp8 health: off (strategy deepspeed: FP8Telemetry follows fsdp, fsdp1, ddp and none steps)"
-        if not get_plan(wrapped).fp8:
+        if plan.facts.engine_builds_optimizer:
+            return None, (f"fp8 health: off (strategy {config.parallel.strategy}: its engine steps its own "
+                          "partitions, and FP8Telemetry follows steps of the model's own parameters)")
+        if not plan.fp8:
             return None, "fp8 health: off (the plan runs no layer in FP8)"
         from ..plan.numerics import FP8Telemetry
 
