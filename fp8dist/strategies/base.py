@@ -147,6 +147,12 @@ class Strategy(Protocol):
     """Modules a training rank imports anyway under this strategy (its engine's library), for a parent to import
     once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
 
+    def layout_notes(self, model: nn.Module, cfg: Any, world_size: int) -> tuple[str, ...]:
+        """What the user should know about how ``model`` is laid out on ``world_size`` ranks before it is sharded
+        (``fp8dist plan``'s notes: FSDP2's dim-0 padding when large); reads shapes only, so a meta model works;
+        none by default."""
+        return ()
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

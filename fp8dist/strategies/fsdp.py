@@ -179,5 +179,9 @@ class FSDP2(Strategy):
         how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
+    # cli/plan: the padding note before sharding
+    def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
+        return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
+
 
 STRATEGY = FSDP2()
