@@ -74,9 +74,8 @@ class JobLog:
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
         """The telemetry (or None) and the header's line about it."""
-        from ..pipeline.api import get_plan
-
         from ..fp8 import NO_FP8, get_backend
+        from ..pipeline.api import get_plan
 
         every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
         if not every:
