@@ -44,7 +44,7 @@ from ..plan.selection import with_read_options
 from .checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
                            job_memory_need)
 from .config import TrainConfig
-from .log import JobLog, check_outputs
+from .log import JobLog, check_outputs, format_summary
 from ..accounting.sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
@@ -386,31 +386,3 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
         if progress is not None:
             progress(step + 1)
     return losses, step_times, evals
-
-
-def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
-    """The end-of-run summary ``fp8dist train`` prints."""
-    tail = result.losses[-5:]
-    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
-    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
-            f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
-    lines = [
-        "== fp8dist train: summary ==",
-        f"loss            {loss}",
-    ]
-    if result.eval_losses:
-        step, val = result.eval_losses[-1]
-        lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "
-                     f"step {step})")
-    lines += [
-        f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
-        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
-        "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
-        + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
-        f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
-        f"blocks          {result.blocks}",
-        f"parameters      strategy {config.parallel.strategy}",
-    ]
-    lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
-    lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
-    return "\n".join(lines)
