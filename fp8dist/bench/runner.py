@@ -302,11 +302,14 @@ def _start_method(cells: list[Cell]) -> str:
     CUDA context does not survive a fork."""
     import torch
 
+    from ..fp8 import get_backend
     from ..pipeline.env import rank_imports
+    from ..strategies import get_strategy
 
     if torch.cuda.is_available():
         return "spawn"
-    for name in rank_imports({c.strategy for c in cells}, {c.fp8 for c in cells}):
+    axes = [*(get_strategy(c.strategy) for c in cells), *(get_backend(c.fp8) for c in cells if c.fp8)]
+    for name in rank_imports(axes):
         importlib.import_module(name)
     return "fork"
 

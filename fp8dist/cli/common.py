@@ -74,13 +74,16 @@ def meta_model(args: argparse.Namespace):
 
 
 def quiet_cpu_noise() -> None:
-    """On a CPU-only torch, torchao logs that its CUDA kernels did not load, and torch that torchao registers
-    enums the old way: true, and irrelevant to the user of this command."""
+    """On a CPU-only torch, an FP8 backend's library logs that its CUDA kernels did not load (torchao does), and
+    torch that torchao registers enums the old way: true, and irrelevant to the user of this command."""
     import torch
 
+    from ..fp8 import BACKENDS, get_backend
+
     if not torch.cuda.is_available():
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+        libraries = [get_backend(backend).package for backend in BACKENDS]
+        for name in ("torch.utils._pytree", *filter(None, libraries)):  # None would be the root logger
+            logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress output
 
 

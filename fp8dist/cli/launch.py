@@ -10,8 +10,8 @@ __all__ = ["LAUNCH_DIR", "add_parser", "run"]
 
 LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 """The launch scripts, shipped inside the package (the repository's launch/ links here)."""
-_SCRIPTS = {"torchrun": "torchrun.sh", "deepspeed": "deepspeed.sh"}
-
+_SCRIPTS = {path.stem: path.name for path in sorted(LAUNCH_DIR.glob("[!_]*.sh"))}
+"""Each launcher's script, by the launcher's name (a script there is a launcher; ``_common.sh`` is their shared part)."""
 
 
 def add_parser(sub: Any) -> None:

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..pipeline.env import resolve_device
     from ..plan.hardware import parse_target
     from ..plan.precision import plan_precision
+    from ..strategies import get_strategy
 
     config, _ = config_from_args(args)
     for note in config.unused_options():
@@ -62,17 +63,14 @@ def run(args: argparse.Namespace) -> int:
         from ..strategies.common import find_blocks
 
         blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
-    padding = ()
-    if plan.facts.dtensor_shards:
-        from ..strategies.fsdp import fsdp_padding_notes
-
-        padding = fsdp_padding_notes(model, plan.facts.shard_degree)  # a bad --world-size is an error here
+    # a bad --world-size is an error here
+    notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
-    for note in padding:
+    for note in notes:
         print(f"note: {note}")
     if args.compare_recipes:
         print(compare_text(plan))

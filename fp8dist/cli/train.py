@@ -164,21 +164,22 @@ def run(args: argparse.Namespace) -> int:
     from ..train.job import default_nproc
     from ..train.checks import check_checkpoint_dir, check_positions
     from ..train.log import check_outputs
+    from ..config.rules import check
+    from ..strategies import get_strategy
 
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
     launch = detect_launch_env()
-    nproc = train.nproc or (1 if config.parallel.strategy == "none" else default_nproc())
+    # a strategy without a process group runs in one process
+    nproc = train.nproc or (default_nproc() if get_strategy(config.parallel.strategy).process_group else 1)
     check_outputs(train)
     if launch.launcher != "none":  # started by torchrun / deepspeed / srun: we are one rank
         if not train.data:  # with data, the ranks check the model against the tokenizer once they have it
             model_config, name = job_model_config(config, train)
             check_positions(model_config, name, config, train, launch.world_size)
         _run_launched(config, train, launch.rank)
-    if config.parallel.strategy == "none" and nproc > 1:
-        raise ValueError(f"nproc={nproc} with strategy='none': 'none' trains in one process. "
-                         "Use --nproc 1, or --strategy ddp/fsdp/fsdp1 to train on several.")
+    check(config, world_size=nproc, world_name="nproc")  # the rules on how many processes a strategy runs in
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
     # the text tokenized here, once, before any process starts: a bad file is one line, the ranks read the cache
     with warnings.catch_warnings():  # its notes (an option with no effect) are said once, by the job's rank 0
@@ -220,11 +221,14 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ..fp8 import NO_FP8, get_backend
     from ..pipeline.env import rank_imports
     from ..pipeline.env_vars import read
+    from ..strategies import get_strategy
     from .helper_processes import stop_multiprocessing_helpers
 
-    preload = rank_imports({config.parallel.strategy}, {config.precision.fp8}, model_module)
+    backend = get_backend(config.precision.fp8) if config.precision.fp8 else NO_FP8
+    preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)
     multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
     grace = read(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S)
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fp8dist-{uuid.uuid4().hex[:8]}",

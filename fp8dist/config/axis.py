@@ -48,6 +48,9 @@ class StrategyFacts:
     precision); without it a non-fp32 reduce needs a communication hook."""
     shard_degree: int | None = None
     """Ranks each parameter is split over (1: replicated); None: not known (no world size given)."""
+    world_size: int | None = None
+    """Ranks of the run, set by the table when the caller gives them (:func:`fp8dist.config.rules.refusals`), for a
+    rule on how many processes a strategy runs in; None: not known."""
 
     @property
     def shards_params(self) -> bool:

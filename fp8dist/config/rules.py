@@ -62,8 +62,8 @@ def _values(cfg: Any) -> dict[str, Any]:
     return {**vars(cfg.parallel), **vars(cfg.precision)}
 
 
-def _applying(cfg: Any) -> list[Rule]:
-    facts = facts_of(cfg)
+def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
+    facts = dataclasses.replace(facts_of(cfg, world_size), world_size=world_size)
     return [rule for _, axis in _axes(cfg) for rule in axis.rules if rule.applies(cfg, facts)]
 
 
@@ -109,19 +109,26 @@ def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
     return ("; ".join(parts)[:1].upper() + "; ".join(parts)[1:] + ".") if parts else ""
 
 
-def message(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
+def message(cfg: Any, rule: Rule, defaulted: Collection[str] = (), run: dict[str, tuple[str, Any]] | None = None) \
+        -> str:
     """The refusal of ``rule`` for ``cfg``: the values as given, why, and the way out. An option in ``defaulted``
-    was not given, so it is named as the default ("with the default strategy='fsdp'")."""
-    given = _values(cfg)
-    first, *rest = (f"{'the default ' if key in defaulted else ''}{key}={given[key]!r}" for key in rule.keys)
+    was not given, so it is named as the default ("with the default strategy='fsdp'"); ``run``: values beyond the
+    config a rule reads, ``{key: (the name the caller's user gives it, value)}``."""
+    given = {**{k: (k, v) for k, v in _values(cfg).items()}, **(run or {})}
+    first, *rest = (f"{'the default ' if key in defaulted else ''}{given[key][0]}={given[key][1]!r}"
+                    for key in rule.keys)
     head = f"{first} with {' and '.join(rest)}" if rest else first
     way_out = rule.way_out or alternatives(cfg, rule, defaulted)
     return f"{head}: {rule.reason}." + (f" {way_out}" if way_out else "")
 
 
-def refusals(cfg: Any, defaulted: Collection[str] = ()) -> list[str]:
-    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given."""
-    return [message(cfg, rule, defaulted) for rule in _applying(cfg)]
+def refusals(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
+             world_name: str = "world_size") -> list[str]:
+    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given.
+    ``world_size``: the run's ranks, for the rules that read them (None: not known), named ``world_name`` in a
+    message (``fp8dist train`` calls them ``nproc``)."""
+    run = {"world_size": (world_name, world_size)}
+    return [message(cfg, rule, defaulted, run) for rule in _applying(cfg, world_size)]
 
 
 def refusal_of(**options: Any) -> str | None:
@@ -135,10 +142,12 @@ def refusal_of(**options: Any) -> str | None:
     return found[0] if found else None
 
 
-def check(cfg: Any, defaulted: Collection[str] = ()) -> None:
+def check(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
+          world_name: str = "world_size") -> None:
     """Raise ValueError with the first refusal of ``cfg`` (called once for every config built); options in
-    ``defaulted`` were left at their default by the user, and the message says so."""
-    found = refusals(cfg, defaulted)
+    ``defaulted`` were left at their default by the user, and the message says so. A tool that knows the run's
+    ranks checks again with ``world_size`` (:func:`refusals`)."""
+    found = refusals(cfg, defaulted, world_size=world_size, world_name=world_name)
     if found:
         raise ValueError(found[0])
 

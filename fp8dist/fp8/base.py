@@ -200,6 +200,17 @@ class FP8Backend(Protocol):
         """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what derives from the
         weights. Nothing by default."""
 
+    # pipeline, cli, train: what the commands and the reference job ask of a backend
+    rank_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules a training rank imports anyway when this backend runs (``torchao.float8``), for a parent to import
+    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
+    commands_default: ClassVar[bool] = False
+    """The commands (``fp8dist train``, ``plan``, ``estimate``, ``probe``) use this backend when ``--fp8`` is not
+    given, where it can run (:func:`fp8dist.train.job.default_fp8`); the library's own default stays no FP8."""
+    health_telemetry: ClassVar[bool] = False
+    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample this backend's FP8 layers (``fp8dist train
+    --fp8-health-every``); False: the job says health is off for it."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

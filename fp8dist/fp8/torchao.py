@@ -183,6 +183,11 @@ class TorchaoBackend(FP8Backend):
         if wiring.scale_precompute:
             _precompute(model, None)
 
+    # pipeline, cli, train: the reference job's default backend, its FP8 health, the ranks' preload
+    rank_imports = ("torchao.float8",)
+    commands_default = True
+    health_telemetry = True
+
 
 BACKEND = TorchaoBackend()
 

@@ -15,8 +15,9 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -296,20 +297,12 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
     return threads
 
 
-def rank_imports(strategies: set[str], fp8s: set[str | None],
-                 model_module: str = "transformers.models.llama.modeling_llama") -> list[str]:
+def rank_imports(axes: Iterable[Any], model_module: str = "transformers.models.llama.modeling_llama") -> list[str]:
     """The heavy modules a training rank imports anyway, for a parent to import once before its ranks fork from it
-    (a rank spends 5-10 s of CPU importing torch, transformers, torchao and DeepSpeed by itself). Importing them
-    starts no thread, process group or CUDA context. ``model_module`` is the model family's ``modeling_*`` module."""
-    names = [model_module, "fp8dist.pipeline.api"]
-    if "torchao" in fp8s:
-        names.append("torchao.float8")
-    if "deepspeed" in strategies:
-        names.append("deepspeed")
-    return names
-
-
-_PACKAGES = ("torch", "transformers", "deepspeed", "torchao", "transformer_engine", "msamp")
+    (a rank spends 5-10 s of CPU importing torch, transformers, torchao and DeepSpeed by itself): the model family's
+    ``modeling_*`` module, the pipeline, and the ``rank_imports`` of each strategy and FP8 backend in ``axes``.
+    Importing them starts no thread, process group or CUDA context."""
+    return list(dict.fromkeys([model_module, "fp8dist.pipeline.api", *(m for a in axes for m in a.rank_imports)]))
 
 
 def _version_line(name: str) -> str:
@@ -327,13 +320,14 @@ def _version_line(name: str) -> str:
     return f"{name:<20} {version} ({verdict} {wanted})"
 
 
-def describe_environment() -> str:
-    """Versions (each checked against the range fp8dist supports), devices, FP8 capability and the launcher
-    seen: what ``fp8dist env`` prints."""
+def describe_environment(packages: Sequence[str] = ("torch", "transformers")) -> str:
+    """Versions of ``packages`` (each checked against the range fp8dist supports; ``fp8dist env`` adds every
+    strategy's and FP8 backend's library), devices, FP8 capability and the launcher seen: what ``fp8dist env``
+    prints."""
     from ..fp8 import fp8_hardware_reason
     from ..plan.hardware import find_gpu, hardware_of
 
-    lines = [_version_line(name) for name in _PACKAGES]
+    lines = [_version_line(name) for name in packages]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             hardware = hardware_of(torch.device("cuda", i))

@@ -149,7 +149,8 @@ class Strategy(Protocol):
 
     # bench: what ``fp8dist bench`` asks of a strategy
     package: ClassVar[str | None] = None
-    """The library the engine comes from beside torch (None: torch's own); results record its version."""
+    """The library the engine comes from beside torch (None: torch's own): bench results record its version,
+    ``fp8dist env`` checks it."""
     bench_devices: ClassVar[tuple[str, ...]] = ()
     """Device types ("cpu", "cuda") on which ``fp8dist bench`` runs this strategy without ``--strategies`` (where
     :meth:`missing_reason` allows); (): only when asked for."""
@@ -186,6 +187,17 @@ class Strategy(Protocol):
         if hasattr(norm, "full_tensor"):  # a DTensor norm: the same full value on every rank
             norm = norm.full_tensor()
         return norm.detach()
+
+    # pipeline, cli, train: what the commands and the reference job ask of a strategy
+    rank_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules a training rank imports anyway under this strategy (its engine's library), for a parent to import
+    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
+
+    def layout_notes(self, model: nn.Module, cfg: Any, world_size: int) -> tuple[str, ...]:
+        """What the user should know about how ``model`` is laid out on ``world_size`` ranks before it is sharded
+        (``fp8dist plan``'s notes: FSDP2's dim-0 padding when large); reads shapes only, so a meta model works;
+        none by default."""
+        return ()
 
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:

@@ -421,5 +421,8 @@ class DeepSpeed(Strategy):
 _OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
 """What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""
 
+    # pipeline, cli: imported once before the ranks fork
+    rank_imports = ("deepspeed",)
+
 
 STRATEGY = DeepSpeed()

@@ -207,5 +207,9 @@ class FSDP2(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
+    # cli/plan: the padding note before sharding
+    def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
+        return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
+
 
 STRATEGY = FSDP2()

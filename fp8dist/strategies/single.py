@@ -8,10 +8,10 @@ import warnings
 import torch
 from torch import nn
 
-from ..config.axis import StrategyFacts
+from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import DistEnv, LaunchEnv
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .base import FP16_RULE, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 
 __all__ = ["Single", "apply_single", "STRATEGY"]
@@ -51,6 +51,13 @@ class Single(Strategy):
 
     # accelerate: the settings of a file written by ``accelerate config`` that select one process
     accelerate = {"distributed_type": "NO"}
+
+    # cli/train, accounting/estimate: a tool asked for several ranks refuses, as it knows the world size
+    rules = (FP16_RULE, Rule(
+        ("world_size", "strategy"), lambda cfg, facts: (facts.world_size or 1) > 1,
+        "'none' trains in one process: each rank would train its own copy, with no gradient sync",
+        "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
+        "'deepspeed' to train on several ranks."))
 
 
 STRATEGY = Single()

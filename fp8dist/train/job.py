@@ -30,12 +30,12 @@ from ..pipeline.blocks import describe_blocks
 from ..checkpoint.hf import export_dtype, save_pretrained
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
+from ..config.rules import facts_of
 from .data import check_batch_split
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
 from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
                   runs_on_cpu)
 from ..pipeline.grads import clip_grad_norm_, no_sync
-from ..strategies.deepspeed import is_deepspeed_engine
 from ..pipeline.agree import on_all_ranks
 from .models import build_job_model, job_model_config
 from ..accounting import report
@@ -44,23 +44,24 @@ from ..plan.selection import with_read_options
 from .checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
                            job_memory_need)
 from .config import TrainConfig
-from .log import JobLog, check_outputs
+from .log import JobLog, check_outputs, format_summary
 from ..accounting.sharding import sharding_summary
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 
 
 def default_fp8() -> str | None:
-    """The training job's FP8 backend when ``--fp8`` is not given: torchao wherever it runs for real (CPU, where
-    torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to none."""
-    from ..pipeline.env import package_version
-    from ..fp8 import fp8_hardware_reason
+    """The training job's FP8 backend when ``--fp8`` is not given: the backend that is the commands' default
+    (``commands_default``: torchao) wherever it runs for real (installed, and on this machine's device: torchao on
+    a CPU, where torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to
+    none."""
+    from ..fp8 import BACKENDS, get_backend
 
-    if package_version("torchao") is None:
-        return None
-    if torch.cuda.is_available() and fp8_hardware_reason(torch.device("cuda", 0)) is not None:
-        return None
-    return "torchao"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    for backend in map(get_backend, BACKENDS):
+        if backend.commands_default and backend.unavailable_reason(None, device) is None:
+            return backend.name
+    return None
 
 
 def default_nproc() -> int:
@@ -225,7 +226,7 @@ def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[C
     check_batch_split(train.batch_size, world, accum)
     # the job's batch, where an axis reads it: DeepSpeed's micro-batch, the FP8 speed prediction's tokens
     config = with_read_options(config, micro_batch_size=train.batch_size // (world * accum), seq_len=train.seq_len)
-    if config.parallel.strategy != "deepspeed":  # the loop below accumulates and clips: nothing of them for wrap_model
+    if not facts_of(config, world).engine_builds_optimizer:  # the loop below accumulates and clips: not wrap_model
         config = replace(config, parallel=replace(config.parallel, grad_accum=1,
                                                   gradient_clipping=type(config.parallel)().gradient_clipping))
     # the optimizer spec goes through wrap_model: engines that own the optimizer (MS-AMP) build it themselves
@@ -343,7 +344,7 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
     steps after it train as a run that never saw that batch."""
     (first, applied), info = start, get_wrap_info(wrapped)
     env = info.env
-    lr_factor, engine = lr_schedule("cosine", train.steps), is_deepspeed_engine(wrapped)
+    lr_factor, engine = lr_schedule("cosine", train.steps), info.plan.facts.engine_builds_optimizer
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
     evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
@@ -385,31 +386,3 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
         if progress is not None:
             progress(step + 1)
     return losses, step_times, evals
-
-
-def format_summary(result: TrainResult, config: Config, train: TrainConfig) -> str:
-    """The end-of-run summary ``fp8dist train`` prints."""
-    tail = result.losses[-5:]
-    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
-    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
-            f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
-    lines = [
-        "== fp8dist train: summary ==",
-        f"loss            {loss}",
-    ]
-    if result.eval_losses:
-        step, val = result.eval_losses[-1]
-        lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "
-                     f"step {step})")
-    lines += [
-        f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
-        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
-        "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
-        + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
-        f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
-        f"blocks          {result.blocks}",
-        f"parameters      strategy {config.parallel.strategy}",
-    ]
-    lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
-    lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
-    return "\n".join(lines)

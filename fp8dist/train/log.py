@@ -1,16 +1,17 @@
 """What ``fp8dist train`` shows and writes each step: the figures of :mod:`fp8dist.train.metrics` in the step line, the
 metrics file and TensorBoard, and the FP8 health of :class:`fp8dist.plan.numerics.FP8Telemetry` (its one-line summaries
-in the log, its records beside the metrics file)."""
+in the log, its records beside the metrics file), and the summary at the end of the run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config.text import plural
 from .metrics import MetricsWriter, StepRecord, TrainingFigures, truncate_jsonl
 
-__all__ = ["JobLog", "health_file", "check_outputs"]
+__all__ = ["JobLog", "health_file", "check_outputs", "format_summary"]
 
 
 def check_outputs(train: Any) -> None:
@@ -74,17 +75,19 @@ class JobLog:
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
         """The telemetry (or None) and the header's line about it."""
+        from ..fp8 import NO_FP8, get_backend
         from ..pipeline.api import get_plan
 
-        every, backend = train.fp8_health_every, config.precision.fp8
+        every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
         if not every:
             return None, "fp8 health: off (--fp8-health-every 0)"
-        if backend != "torchao":
-            return None, (f"fp8 health: off (fp8={backend or 'none'}; --fp8-health-every samples torchao's FP8 layers "
+        if not (get_backend(fp8) if fp8 else NO_FP8).health_telemetry:
+            return None, (f"fp8 health: off (fp8={fp8 or 'none'}; --fp8-health-every samples torchao's FP8 layers "
                           "only)")
-        if config.parallel.strategy == "deepspeed":  # its engine steps flat partitions, not the model's parameters
-            return None, "fp8 health: off (strategy deepspeed: FP8Telemetry follows fsdp, fsdp1, ddp and none steps)"
-        if not get_plan(wrapped).fp8:
+        if plan.facts.engine_builds_optimizer:
+            return None, (f"fp8 health: off (strategy {config.parallel.strategy}: its engine steps its own "
+                          "partitions, and FP8Telemetry follows steps of the model's own parameters)")
+        if not plan.fp8:
             return None, "fp8 health: off (the plan runs no layer in FP8)"
         from ..plan.numerics import FP8Telemetry
 
@@ -119,3 +122,31 @@ class JobLog:
             self.writer.close()
         if self.health is not None:
             self.health.close()
+
+
+def format_summary(result: Any, config: Any, train: Any) -> str:
+    """The end-of-run summary ``fp8dist train`` prints."""
+    tail = result.losses[-5:]
+    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
+            f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
+    lines = [
+        "== fp8dist train: summary ==",
+        f"loss            {loss}",
+    ]
+    if result.eval_losses:
+        step, val = result.eval_losses[-1]
+        lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "
+                     f"step {step})")
+    lines += [
+        f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
+        f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
+        "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
+        + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),
+        f"fp8 plan        fp8={config.precision.fp8 or 'none'}: {result.plan_counts}",
+        f"blocks          {result.blocks}",
+        f"parameters      strategy {config.parallel.strategy}",
+    ]
+    lines += [f"  rank {r}: {text}" for r, text in enumerate(result.sharding)]
+    lines.append(f"wall time       {result.wall_s:.1f}s in the training processes")
+    return "\n".join(lines)

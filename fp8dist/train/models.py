@@ -224,12 +224,11 @@ def _quiet_transformers() -> Iterator[None]:
 def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
     """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
     Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
-    rank then allocates only its shards; ZeRO-3 partitions a CPU model)."""
+    rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)
-    zero3 = config.parallel.strategy == "deepspeed" and config.parallel.zero_stage == 3
-    device = "cpu" if config.parallel.pretrained is None or zero3 else "meta"
+    device = "cpu" if config.parallel.pretrained is None else "meta"
     with torch.random.fork_rng(devices=[]):  # a fresh model: its own initialization, the same on every rank
         torch.manual_seed(train.seed)
         with torch.device(device):
