@@ -417,12 +417,12 @@ class DeepSpeed(Strategy):
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
 
+    # pipeline, cli: imported once before the ranks fork
+    rank_imports = ("deepspeed",)
+
 
 _OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
 """What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""
-
-    # pipeline, cli: imported once before the ranks fork
-    rank_imports = ("deepspeed",)
 
 
 STRATEGY = DeepSpeed()
