@@ -258,5 +258,16 @@ class TEBackend(FP8Backend):
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
+    # accounting: derived from TE's documentation (it cannot run here)
+    derived_bytes = True
+    saved_weight_bytes = 2
+
+    def fp8_state_bytes(self, cfg, plan) -> int:
+        """DelayedScaling keeps, per FP8 ``te.Linear``, a scale and an ``amax_history_len`` amax history (fp32) for
+        each of its 5 FP8 tensors: input, weight, output forward; output and input gradients backward (TE 2.x keeps
+        no separate scale_inv there). Current scaling keeps none."""
+        history = cfg.precision.amax_history_len if cfg.precision.te_recipe == "delayed" else 0
+        return sum(not e.grouped for e in plan.fp8) * 5 * 4 * (1 + history) if history else 0
+
 
 BACKEND = TEBackend()

@@ -3,6 +3,7 @@ FSDP2 with the scale precompute wired to every optimizer step of the model's opt
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -139,6 +140,21 @@ class TorchaoBackend(FP8Backend):
         if precompute:
             register_scale_precompute(inner)
         return FP8Wiring(scale_precompute=precompute)
+
+    # accounting: the weight scales FP8 all-gather precomputes; the weights say when they gather in FP8
+    def fp8_state_bytes(self, cfg, plan) -> int:
+        """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
+        Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
+        return 4 * sum(not e.grouped for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
+
+    def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
+        if "torchao" not in sys.modules:  # no such weights exist before torchao is imported
+            return None
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        if shards and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
+            return "fp8 e4m3 (FP8 all-gather)"
+        return None
 
 
 BACKEND = TorchaoBackend()

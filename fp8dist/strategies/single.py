@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from ..config.axis import StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import DistEnv, LaunchEnv
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .base import EngineDtypes, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
 from .common import apply_autocast, cast_buffers
 
 __all__ = ["Single", "apply_single", "STRATEGY"]
@@ -48,6 +49,13 @@ class Single(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(apply_single(model, device=device, compute_dtype=param),
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
+
+    # accounting: everything whole in one process, nothing gathered or reduced
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        return EngineDtypes(autocast, None, "none")
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        return dataclasses.replace(super().param_layout(model), layout="not distributed")
 
 
 STRATEGY = Single()
