@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,44 +10,25 @@ from torch import nn
 from .tensors import deepspeed_gradients, leaves
 from ..config.dtypes import dtype_name
 from ..config.dtypes import dtype_names as _names
+from ..memory_levels import get_level
+from ..strategies import get_strategy
+from ..strategies.base import EngineDtypes
+from .estimate_states import backend_of
 from .rows import Members, Part, PrecisionRow
 
 __all__ = ["row_for"]
 
 
-@dataclass(frozen=True)
-class _Engine:
-    """How the strategy moves and computes weights, as its own objects say."""
-
-    compute: torch.dtype | None
-    """Dtype high-precision GEMMs see (None: the stored dtype)."""
-    gather: str | None
-    """All-gather dtype name (None: the compute dtype; "none" when nothing is gathered)."""
-    reduce: str
-    deepspeed: Any = None
-
-
-def _engine(model: nn.Module) -> _Engine:
-    """The report's view of the engine dtypes (read once, in :mod:`fp8dist.strategies.introspect`)."""
+def _engine(model: nn.Module) -> EngineDtypes:
+    """The report's view of the engine dtypes, read by the strategy from its engine's own objects."""
     from ..pipeline.api import get_wrap_info
-    from ..strategies.introspect import engine_dtypes
 
-    e = engine_dtypes(model, get_wrap_info(model).sharding.autocast)
-    if e.engine == "deepspeed":
-        gather = None if e.zero_stage == 3 else \
-            f"{dtype_name(e.compute or torch.float32)} (updated weights, after the step)"
-        return _Engine(e.compute, gather, dtype_name(e.reduce), deepspeed=model)
-    if e.engine in ("fsdp", "fsdp1"):
-        return _Engine(e.compute, None, dtype_name(e.reduce) if e.reduce else "the stored dtype")
-    if e.engine == "ddp":
-        reduce = f"set by the comm hook {e.reduce_hook}" if e.reduce_hook else \
-            dtype_name(e.reduce) if e.reduce else _names({p.dtype for p in model.parameters()})
-        return _Engine(e.compute, "none (replicated)", reduce)
-    return _Engine(e.compute, "none", "none")  # one process: nothing gathered or reduced
+    sharding = get_wrap_info(model).sharding
+    return get_strategy(sharding.strategy).engine_dtypes(model, sharding.autocast)
 
 
-def _stored(model: nn.Module, params: list[nn.Parameter], engine: _Engine) -> list[torch.Tensor]:
-    if engine.deepspeed is not None and all(hasattr(p, "ds_tensor") for p in params):
+def _stored(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes) -> list[torch.Tensor]:
+    if engine.holder is not None and all(hasattr(p, "ds_tensor") for p in params):
         return [p.ds_tensor for p in params]
     return [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or list(params)
 
@@ -79,30 +58,22 @@ def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
     return " / ".join(sorted({experts_gemm_formats(m) or "not wrapped (high precision)" for m in modules}))
 
 
-def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.Tensor]) -> str:
+def _all_gather(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes,
+                stored: list[torch.Tensor]) -> str:
     from torch.distributed.tensor import DTensor
+
+    from ..pipeline.api import get_wrap_info
 
     if engine.gather is not None:
         return engine.gather
-    locals_ = [p.to_local() for p in params if isinstance(p, DTensor)]
-    fp8_weight = _torchao_fp8_weight_class()
-    if locals_ and fp8_weight is not None and all(isinstance(t, fp8_weight) for t in locals_):
-        return "fp8 e4m3 (FP8 all-gather)"
-    return dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored})
+    shards = [p.to_local() for p in params if isinstance(p, DTensor)]
+    own = backend_of(get_wrap_info(model).plan.backend).all_gather_words(shards) if shards else None
+    return own or (dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored}))
 
 
-def _torchao_fp8_weight_class() -> type | None:
-    """torchao's FP8 all-gather weight wrapper, if torchao was imported (no such weights exist otherwise)."""
-    if "torchao" not in sys.modules:
-        return None
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    return WeightWithDynamicFloat8CastTensor
-
-
-def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: _Engine) -> str:
-    if engine.deepspeed is not None:
-        inner = getattr(engine.deepspeed.optimizer, "optimizer", None)
+def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: EngineDtypes) -> str:
+    if engine.holder is not None:
+        inner = getattr(engine.holder.optimizer, "optimizer", None)
         states = list(getattr(inner, "state", {}).values())
     else:
         state = getattr(optimizer, "state", None) or {}
@@ -132,21 +103,20 @@ def _join(kinds: list[str]) -> str:
     return "+".join(kinds)
 
 
-def _weight_grad(params: list[nn.Parameter], engine: _Engine) -> str:
+def _weight_grad(params: list[nn.Parameter], engine: EngineDtypes) -> str:
     grads = {leaf.dtype for p in params for leaf in leaves(p.grad) if leaf.untyped_storage().nbytes()}
-    if engine.deepspeed is not None:
-        grads |= {leaf.dtype for leaf in leaves(deepspeed_gradients(engine.deepspeed.optimizer))
+    if engine.holder is not None:
+        grads |= {leaf.dtype for leaf in leaves(deepspeed_gradients(engine.holder.optimizer))
                   if leaf.untyped_storage().nbytes()}
     return _names(grads, "none held now (report after backward)")
 
 
-def _master(model: nn.Module, engine: _Engine) -> str:
-    if engine.deepspeed is None:
+def _master(model: nn.Module, engine: EngineDtypes) -> str:
+    if engine.holder is None:
         from ..pipeline.api import get_wrap_info
 
-        lean = get_wrap_info(model).config.parallel.memory == "lean"
-        return "none (stochastic rounding)" if lean else "n/a (the stored weight)"
-    zero = engine.deepspeed.optimizer
+        return get_level(get_wrap_info(model).config.parallel.memory).report_master
+    zero = engine.holder.optimizer
     masters = {leaf.dtype for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
                for leaf in leaves(getattr(zero, name, None))}
     return f"{_names(masters)} (ZeRO partition)" if masters else "none"
@@ -167,6 +137,6 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
     else:
         gemm = "no GEMM"
     return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
-                        gemm=gemm, all_gather=_all_gather(params, engine, stored), reduce=engine.reduce,
+                        gemm=gemm, all_gather=_all_gather(model, params, engine, stored), reduce=engine.reduce or "none",
                         weight=weight, master_weight=_master(model, engine), weight_grad=_weight_grad(params, engine),
                         optimizer_states=_optimizer_states(optimizer, params, engine))
