@@ -58,7 +58,8 @@ class PrecisionReport(StateBytes):
 
     def __str__(self) -> str:
         head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
-                f"{self.total_params:,} parameters" + (f", memory {self.memory}" if self.memory != STANDARD.name else ""))
+                f"{self.total_params:,} parameters"
+                + (f", memory {self.memory}" if self.memory != STANDARD.name else ""))
         cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
                 "weight grad", "optimizer states"]
         rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tensors import deepspeed_gradients, leaves
+from .tensors import leaves
 from ..config.dtypes import dtype_name
 from ..config.dtypes import dtype_names as _names
 from ..memory_levels import get_level
@@ -19,12 +19,13 @@ from .rows import Members, Part, PrecisionRow
 __all__ = ["row_for"]
 
 
-def _engine(model: nn.Module) -> EngineDtypes:
-    """The report's view of the engine dtypes, read by the strategy from its engine's own objects."""
+def _engine(model: nn.Module, optimizer: Any) -> tuple[EngineDtypes, dict[str, list[Any]]]:
+    """The engine's dtypes and the tensors it holds per category, read by the strategy from its own objects."""
     from ..pipeline.api import get_wrap_info
 
     sharding = get_wrap_info(model).sharding
-    return get_strategy(sharding.strategy).engine_dtypes(model, sharding.autocast)
+    strategy = get_strategy(sharding.strategy)
+    return strategy.engine_dtypes(model, sharding.autocast), strategy.state_tensors(model, optimizer)
 
 
 def _stored(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes) -> list[torch.Tensor]:
@@ -71,10 +72,10 @@ def _all_gather(model: nn.Module, params: list[nn.Parameter], engine: EngineDtyp
     return own or (dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored}))
 
 
-def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: EngineDtypes) -> str:
-    if engine.holder is not None:
-        inner = getattr(engine.holder.optimizer, "optimizer", None)
-        states = list(getattr(inner, "state", {}).values())
+def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: EngineDtypes,
+                      held: dict[str, list[Any]]) -> str:
+    if engine.holder is not None:  # the engine's own optimizer, keyed by its partitions: not per row
+        states = [value for state in held["optimizer_states"] for value in state.values()]
     else:
         state = getattr(optimizer, "state", None) or {}
         states = [state[p] for p in params if p in state]
@@ -103,28 +104,29 @@ def _join(kinds: list[str]) -> str:
     return "+".join(kinds)
 
 
-def _weight_grad(params: list[nn.Parameter], engine: EngineDtypes) -> str:
+def _weight_grad(params: list[nn.Parameter], engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
+    """The row's parameters' gradients, and those an engine holds itself (ZeRO's partitions: not per row)."""
     grads = {leaf.dtype for p in params for leaf in leaves(p.grad) if leaf.untyped_storage().nbytes()}
     if engine.holder is not None:
-        grads |= {leaf.dtype for leaf in leaves(deepspeed_gradients(engine.holder.optimizer))
-                  if leaf.untyped_storage().nbytes()}
+        grads |= {leaf.dtype for leaf in leaves(held["gradients"]) if leaf.untyped_storage().nbytes()}
     return _names(grads, "none held now (report after backward)")
 
 
-def _master(model: nn.Module, engine: EngineDtypes) -> str:
-    if engine.holder is None:
-        from ..pipeline.api import get_wrap_info
+def _master(model: nn.Module, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
+    """The engine's own master partitions, else what the memory level keeps (lean: none)."""
+    masters = {leaf.dtype for leaf in leaves(held["master_weights"])}
+    if masters:
+        return f"{_names(masters)} (ZeRO partition)"
+    if engine.holder is not None:
+        return "none"
+    from ..pipeline.api import get_wrap_info
 
-        return get_level(get_wrap_info(model).config.parallel.memory).report_master
-    zero = engine.holder.optimizer
-    masters = {leaf.dtype for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-               for leaf in leaves(getattr(zero, name, None))}
-    return f"{_names(masters)} (ZeRO partition)" if masters else "none"
+    return get_level(get_wrap_info(model).config.parallel.memory).report_master
 
 
 def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
     """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
-    engine = _engine(model)
+    engine, held = _engine(model, optimizer)
     params = [h.param for h in members.params]
     stored = _stored(model, params, engine)
     weight = _names({t.dtype for t in stored})
@@ -137,6 +139,8 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
     else:
         gemm = "no GEMM"
     return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
-                        gemm=gemm, all_gather=_all_gather(model, params, engine, stored), reduce=engine.reduce or "none",
-                        weight=weight, master_weight=_master(model, engine), weight_grad=_weight_grad(params, engine),
-                        optimizer_states=_optimizer_states(optimizer, params, engine))
+                        gemm=gemm, all_gather=_all_gather(model, params, engine, stored),
+                        reduce=engine.reduce or "none",
+                        weight=weight, master_weight=_master(model, engine, held),
+                        weight_grad=_weight_grad(params, engine, held),
+                        optimizer_states=_optimizer_states(optimizer, params, engine, held))

@@ -178,6 +178,15 @@ class Strategy(Protocol):
         total = sum(p.numel() for p in params)
         return ParamLayout("replicated", total, total, len(params), 0, frozenset(p.dtype for p in params))
 
+    def state_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[Any]]:
+        """The tensors (or containers of them) the engine of ``model`` holds on this rank in each model-state
+        category: parameters, master_weights, gradients, optimizer_states. Default: the parameters, their
+        gradients, the ``optimizer``'s state (None: no optimizer), no master copy."""
+        params = list(model.parameters())
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
+                "optimizer_states": [state]}
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

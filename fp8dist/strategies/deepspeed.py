@@ -447,5 +447,28 @@ class DeepSpeed(Strategy):
                            sum(1 for p in params if p.ds_tensor.numel() < p.ds_numel),
                            frozenset(p.ds_tensor.dtype for p in params))
 
+    def state_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[Any]]:
+        """ZeRO keeps bf16 weights in the module (stage 3: ``ds_tensor`` partitions), fp32 master partitions and
+        gradient partitions in its optimizer, and the optimizer states in the inner torch optimizer."""
+        zero, params = model.optimizer, list(model.module.parameters())
+        stage3 = all(hasattr(p, "ds_tensor") for p in params)
+        return {  # ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition
+            "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
+                           for p in params],
+            "master_weights": [getattr(zero, name, None) for name in _MASTER_PARTITIONS],
+            "gradients": [p.grad for p in params] + deepspeed_gradients(zero),
+            "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
+
 
 STRATEGY = DeepSpeed()
+
+_MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+"""Where ZeRO's optimizer keeps this rank's fp32 master partitions (stage 1/2, stage 3)."""
+_GRADIENT_PARTITIONS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
+                        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+"""Where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3)."""
+
+
+def deepspeed_gradients(zero: Any) -> list[Any]:
+    """The gradient partitions a ZeRO optimizer holds now (freed by its step)."""
+    return [getattr(zero, name) for name in _GRADIENT_PARTITIONS if getattr(zero, name, None) is not None]

@@ -120,5 +120,12 @@ class FSDP1(Strategy):
                            sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
                            frozenset(f.dtype for f in flats))
 
+    def state_tensors(self, model: nn.Module, optimizer) -> dict[str, list]:
+        """The FlatParameters hold the storage (and its padding) the original parameters view."""
+        held = super().state_tensors(model, optimizer)
+        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        return {**held, "parameters": flats + held["parameters"],
+                "gradients": [f.grad for f in flats] + held["gradients"]}
+
 
 STRATEGY = FSDP1()
