@@ -410,7 +410,8 @@ class DeepSpeed(Strategy):
         spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
         ds = build_deepspeed_config(model, cfg.parallel, world_size=world_size, optimizer=spec, validate=checked)
         block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
-        zero, stage = ds.get("zero_optimization", {}), int(ds.get("zero_optimization", {}).get("stage", 0))
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
         dtype = next((key for key in _DTYPE_KEYS if ds.get(key, {}).get("enabled")), "fp32")
         comm, bucket = ds.get("communication_data_type") or dtype, int(zero.get("reduce_bucket_size", 5e8))
         notes = [f"DeepSpeed reduce bucket, not counted as model state: {bucket:,} elements in {comm} "
@@ -420,7 +421,7 @@ class DeepSpeed(Strategy):
             notes.append("DeepSpeed is not installed here: its parser did not check the config (wrap_model will)")
         offloaded = (("master_weights", "optimizer_states") if "offload_optimizer" in zero else ()) + \
             (("parameters",) if "offload_param" in zero else ())
-        return EngineMemory(dtype, "fp32", stage, offloaded, tuple(notes), {
+        return EngineMemory(dtype=dtype, master="fp32", stage=stage, offloaded=offloaded, notes=tuple(notes), layout={
             "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
             "torch_adam": bool((block.get("params") or {}).get("torch_adam", False))})
 
