@@ -33,8 +33,8 @@ from torch import nn
 
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, backend_of, category_dtypes,
-                              element_bytes, rank_states, worst_rank)
+from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of,
+                              category_dtypes, element_bytes, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
@@ -265,7 +265,8 @@ def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> Memo
     params = _param_infos(model, cfg, plan, blocks, optimizer, engine)
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")
-    per_rank = rank_states(params, cfg, world_size, optimizer, engine, strategy, level, backend)
+    per_rank = strategy.rank_state_bytes(params, cfg, world_size, engine, step=STEP_BYTES.get(optimizer, 0),
+                                         level_states=level.local_state_bytes, backend_optimizer=backend.owns_optimizer)
     chosen = worst_rank(per_rank) if rank is None else rank
     fp8_bytes = backend.fp8_state_bytes(cfg, plan)
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]

@@ -18,13 +18,14 @@ from ..fp8 import NO_FP8, get_backend
 from ..strategies.base import EngineMemory
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "rank_states", "backend_of", "category_dtypes", "worst_rank"]
+           "STEP_BYTES", "backend_of", "category_dtypes", "worst_rank"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""
-_STEP_BYTES = 4  # torch Adam/AdamW: one fp32 ``step`` tensor per parameter (DeepSpeed's FusedAdam: in the group)
+STEP_BYTES = {"adamw": 4, "adam": 4}
+"""torch's Adam/AdamW keep one fp32 ``step`` tensor per parameter (DeepSpeed's FusedAdam: in the group)."""
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,6 @@ def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, opti
                         DTYPE_BYTES[states] * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
     return backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
-
-
-def rank_states(params: list[ParamInfo], cfg: Any, world: int, optimizer: str, engine: EngineMemory, strategy: Any,
-                level: Any, backend: Any) -> list[dict[str, int]]:
-    """Bytes per category (fp8_buffers excluded) on each of the ``world`` ranks, laid out by the strategy."""
-    return strategy.rank_state_bytes(params, cfg, world, engine, step=_STEP_BYTES if optimizer in ("adam", "adamw")
-                                     else 0, level_states=level.local_state_bytes,
-                                     backend_optimizer=backend.owns_optimizer)
 
 
 def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
