@@ -35,21 +35,11 @@ def _stored(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes) 
 
 
 def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
-    """The FP8 formats of an FP8 Linear, from torchao's config on the module or TE's recipe on the forward."""
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "cast_config_input"):  # torchao Float8Linear
-        fwd = dtype_name(config.cast_config_input.target_dtype)
-        bwd = dtype_name(config.cast_config_grad_output.target_dtype)
-        granularity = config.cast_config_input.scaling_granularity.value
-        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({granularity})"
+    """The FP8 formats of an FP8 Linear, as its backend reads them from the module or from its wiring."""
     from ..pipeline.api import get_wrap_info
 
-    recipe = get_wrap_info(model).fp8.autocast_recipe
-    if recipe is not None:  # TE: HYBRID is E4M3 forward, E5M2 gradients
-        fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
-        formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
-        return f"{formats} ({type(recipe).__name__})"
-    return f"fp8 ({get_wrap_info(model).plan.backend})"
+    info = get_wrap_info(model)
+    return backend_of(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
 
 
 def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:

@@ -155,6 +155,11 @@ class FP8Backend(Protocol):
         (torchao's FP8 all-gather); None: the strategy's compute dtype."""
         return None
 
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """The FP8 formats ``module``, converted by this backend, computes its GEMMs in, read from the module or
+        the ``wiring`` (``WrapInfo.fp8``), for the precision report; None: not known (the report says "fp8")."""
+        return None
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

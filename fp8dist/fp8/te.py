@@ -269,5 +269,14 @@ class TEBackend(FP8Backend):
         history = cfg.precision.amax_history_len if cfg.precision.te_recipe == "delayed" else 0
         return sum(not e.grouped for e in plan.fp8) * 5 * 4 * (1 + history) if history else 0
 
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """From the recipe the forward runs under: HYBRID is E4M3 forward, E5M2 gradients."""
+        recipe = wiring.autocast_recipe
+        if recipe is None:
+            return None
+        fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
+        formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
+        return f"{formats} ({type(recipe).__name__})"
+
 
 BACKEND = TEBackend()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, fp8_hardware_reason, linear_reason
@@ -155,6 +156,15 @@ class TorchaoBackend(FP8Backend):
         if shards and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
             return "fp8 e4m3 (FP8 all-gather)"
         return None
+
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """From the module's ``Float8LinearConfig``: forward and gradient formats and the scaling granularity."""
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "cast_config_input"):
+            return None
+        fwd = dtype_name(config.cast_config_input.target_dtype)
+        bwd = dtype_name(config.cast_config_grad_output.target_dtype)
+        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
 
 
 BACKEND = TorchaoBackend()
