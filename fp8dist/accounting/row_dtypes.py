@@ -19,19 +19,19 @@ from .rows import Members, Part, PrecisionRow
 __all__ = ["row_for"]
 
 
-def _engine(model: nn.Module, optimizer: Any) -> tuple[EngineDtypes, dict[str, list[Any]]]:
-    """The engine's dtypes and the tensors it holds per category, read by the strategy from its own objects."""
+def _engine(model: nn.Module, optimizer: Any) -> tuple[Any, EngineDtypes, dict[str, list[Any]]]:
+    """The strategy, its engine's dtypes and the tensors it holds per category, read from its own objects."""
     from ..pipeline.api import get_wrap_info
 
     sharding = get_wrap_info(model).sharding
     strategy = get_strategy(sharding.strategy)
-    return strategy.engine_dtypes(model, sharding.autocast), strategy.state_tensors(model, optimizer)
+    return strategy, strategy.engine_dtypes(model, sharding.autocast), strategy.state_tensors(model, optimizer)
 
 
-def _stored(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes) -> list[torch.Tensor]:
-    if engine.holder is not None and all(hasattr(p, "ds_tensor") for p in params):
-        return [p.ds_tensor for p in params]
-    return [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or list(params)
+def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """What holds this rank's part of ``params``: the engine's own parts (ZeRO-3), else their non-empty leaves."""
+    return strategy.stored_parts(params) or [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or \
+        list(params)
 
 
 def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
@@ -116,9 +116,9 @@ def _master(model: nn.Module, engine: EngineDtypes, held: dict[str, list[Any]]) 
 
 def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
     """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
-    engine, held = _engine(model, optimizer)
+    strategy, engine, held = _engine(model, optimizer)
     params = [h.param for h in members.params]
-    stored = _stored(model, params, engine)
+    stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
         gemm = _fp8_gemm(members.modules[0], model)

@@ -187,6 +187,11 @@ class Strategy(Protocol):
         return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
                 "optimizer_states": [state]}
 
+    def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """The tensors holding this rank's part of ``params`` where the engine keeps them apart from the parameters
+        (ZeRO-3's partitions); None (the default): the parameters themselves hold it."""
+        return None
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

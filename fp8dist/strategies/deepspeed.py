@@ -460,6 +460,9 @@ class DeepSpeed(Strategy):
             "gradients": [p.grad for p in params] + deepspeed_gradients(zero),
             "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
 
+    def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
+
 
 STRATEGY = DeepSpeed()
 
