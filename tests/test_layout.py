@@ -114,7 +114,7 @@ def test_the_graph_reads_real_imports():
     runs, are found (so an empty answer below means no such import, not a blind reader)."""
     graph = _graph()
     assert "fp8dist.accounting.rows" in graph["fp8dist.accounting.precision_report"]  # module level, relative
-    assert "fp8dist.strategies.introspect" in graph["fp8dist.accounting.row_dtypes"]  # inside a function
+    assert "fp8dist.pipeline.api" in graph["fp8dist.accounting.row_dtypes"]  # inside a function
     assert "fp8dist.cli.common" in graph["fp8dist.cli.train"]
     assert {"fp8dist.checkpoint", "fp8dist.accounting"} <= graph["fp8dist"]
     # importing fp8dist.strategies.local_shards runs fp8dist/strategies/__init__.py first

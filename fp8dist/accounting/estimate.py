@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.text import plural
+from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, ParamInfo, category_dtypes, element_bytes,
-                               fp8_buffer_bytes, rank_states, worst_rank)
+from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of,
+                              category_dtypes, element_bytes, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
@@ -45,8 +45,8 @@ from ..config.dtypes import DTYPES
 from ..pipeline.env import runs_on_cpu
 from ..plan.hardware import Hardware, find_gpu, parse_target
 from ..config.options import DEFAULT_SEQ_LEN
-from ..memory_levels import get_level
-from ..strategies.fsdp import check_replicate_degree, fsdp_padding_notes
+from ..memory_levels import STANDARD, get_level
+from ..strategies import STRATEGIES, get_strategy
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
 
@@ -82,7 +82,7 @@ class MemoryEstimate(StateBytes):
     offloaded: tuple[str, ...]
     """Categories DeepSpeed keeps in host memory (offload_optimizer / offload_param); included in ``bytes``."""
     notes: tuple[str, ...]
-    memory: str = "standard"
+    memory: str = STANDARD.name
     """The model-state memory level (``memory=``): standard or lean."""
     speed: Any = None
     """The plan's FP8 selection and predicted GEMM time (:class:`fp8dist.plan.selection.Selection`) on the GPU
@@ -135,86 +135,32 @@ def _memory_head(memory: str) -> str:
     return f", memory {memory} ({summary})" if summary else ""
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n} B"
-
-
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer ({what}).")
-    if strategy == "none" and world_size != 1:
-        raise ValueError(f"world_size={world_size} with strategy='none': 'none' trains in one process. Use "
-                         "world_size=1, or strategy='ddp' / 'fsdp' / 'fsdp1' / 'deepspeed' for several ranks.")
+    # TODO(issue 41): the table's rule of a strategy with no process group (pipeline/cli engineer) replaces this
+    if not get_strategy(strategy).process_group and world_size != 1:
+        several = " / ".join(repr(name) for name, s in STRATEGIES.items() if s.process_group)
+        raise ValueError(f"world_size={world_size} with strategy={strategy!r}: {strategy!r} trains in one process. "
+                         f"Use world_size=1, or strategy={several} for several ranks.")
 
 
-def _deepspeed_facts(model: nn.Module, cfg: Config, world: int, optimizer: str, on_cpu: bool) -> dict[str, Any]:
-    """Stage, module dtype, persistence threshold, buckets, offload and whether the engine's Adam is torch's (a
-    CPU run: :func:`~fp8dist.strategies.deepspeed.torch_adam_on_cpu`) from the config wrap_model builds
-    (:func:`fp8dist.strategies.deepspeed.build_deepspeed_config`), validated as wrap_model validates it when
-    DeepSpeed is installed here (its parser needs it; the estimate itself does not)."""
-    import importlib.util
-
-    from ..strategies.deepspeed import build_deepspeed_config, torch_adam_on_cpu
-
-    checked = importlib.util.find_spec("deepspeed") is not None
-    spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
-    ds = build_deepspeed_config(model, cfg.parallel, world_size=world, optimizer=spec, validate=checked)
-    block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
-    zero = ds.get("zero_optimization", {})
-    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
-    return {"stage": int(zero.get("stage", 0)), "dtype": dtype, "bucket": int(zero.get("reduce_bucket_size", 5e8)),
-            "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
-            "comm": ds.get("communication_data_type") or dtype, "checked": checked,
-            "offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero,
-            "torch_adam": bool((block.get("params") or {}).get("torch_adam", False))}
-
-
-def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str,
-                 ds_dtype: str | None) -> list[ParamInfo]:
+def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str, engine: Any) -> \
+        list[ParamInfo]:
     """Each parameter with its FSDP unit (innermost block holding it, "" for the root) and bytes per element."""
     unit_of: dict[str, str] = {}
     for block in blocks:  # innermost first
         for name, _ in model.get_submodule(block).named_parameters():
             unit_of.setdefault(f"{block}.{name}", block)
-    msamp = {f"{e.name}.weight" for e in plan.fp8} if cfg.precision.fp8 == "msamp" else set()
-    infos = []
-    for name, p in model.named_parameters():
-        stored = _DTYPE_NAMES.get(p.dtype, "fp32")
-        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
-                               element_bytes(cfg, optimizer, stored, name in msamp, ds_dtype)))
-    return infos
-
-
-def _notes(cfg: Config, ds: dict[str, Any] | None, blocks: list[str], model: nn.Module, c: int,
-           world: int) -> list[str]:
-    strategy, notes = cfg.parallel.strategy, []
-    if cfg.precision.fp8 in ("te", "msamp"):
-        notes.append(f"fp8={cfg.precision.fp8}: figures derived from its documented behaviour, not measured here")
-    if strategy in ("fsdp", "fsdp1") and blocks:
-        biggest = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
-        notes.append(f"transient, not counted: all-gathered weights of about 2 blocks at a time "
-                     f"({_size(2 * biggest * c)} in the compute dtype)")
-    if strategy == "fsdp":
-        notes += fsdp_padding_notes(model, world // cfg.parallel.replicate_degree)
-        if cfg.parallel.replicate_degree > 1:
-            notes.append(f"HSDP: {cfg.parallel.replicate_degree} replicas, each sharded over "
-                         f"{plural(world // cfg.parallel.replicate_degree, 'rank')}")
-    if ds is not None:
-        comm = DTYPE_BYTES.get(ds["comm"], 4)
-        kept = "allocated for the whole run" if ds["stage"] == 3 else "during backward"
-        notes.append(f"DeepSpeed reduce bucket, not counted as model state: {ds['bucket']:,} elements in "
-                     f"{ds['comm']} ({_size(ds['bucket'] * comm)}), {kept}")
-        if not ds["checked"]:
-            notes.append("DeepSpeed is not installed here: its parser did not check the config (wrap_model will)")
-    if strategy == "ddp":
-        notes.append("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no second copy")
-    return notes
+    converted = {f"{e.name}.weight" for e in plan.fp8}
+    level, backend = get_level(cfg.parallel.memory), backend_of(cfg.precision.fp8)
+    return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
+                      element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
+                                    name in converted))
+            for name, p in model.named_parameters()]
 
 
 def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
@@ -299,47 +245,39 @@ class _Job:
 
 def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> MemoryEstimate:
     """The estimate of ``job`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
-    from ..fp8 import get_backend
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
     model, micro, seq_len, hardware = job.model, job.micro, job.seq_len, job.hardware
+    strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
+        backend_of(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
-    if cfg.parallel.strategy == "fsdp":
-        check_replicate_degree(cfg.parallel.replicate_degree, world_size)
-    optimizer = "adamw" if get_level(cfg.parallel.memory).builds_optimizer else job.optimizer  # the level's own
+    strategy.check_launch(cfg, world_size)
+    optimizer = "adamw" if level.builds_optimizer else job.optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
                           fp8_filter=job.fp8_filter, check_hardware=False)
-    if cfg.precision.fp8:
-        get_backend(cfg.precision.fp8).check_plan(plan)  # what wrap_model would refuse, refused here too
+    backend.check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
     on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)
-    ds = _deepspeed_facts(model, cfg, world_size, optimizer, on_cpu) if cfg.parallel.strategy == "deepspeed" else None
-    params = _param_infos(model, cfg, plan, blocks, optimizer, ds and ds["dtype"])
+    engine = strategy.estimate_engine(model, cfg, world_size, blocks, optimizer=optimizer, on_cpu=on_cpu)
+    params = _param_infos(model, cfg, plan, blocks, optimizer, engine)
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")
-    per_rank = rank_states(params, cfg, world_size, optimizer, ds)
+    per_rank = strategy.rank_state_bytes(params, cfg, world_size, engine, step=STEP_BYTES.get(optimizer, 0),
+                                         level_states=level.local_state_bytes, backend_optimizer=backend.owns_optimizer)
     chosen = worst_rank(per_rank) if rank is None else rank
-    fp8_bytes = fp8_buffer_bytes(cfg, plan)
-    c = DTYPE_BYTES[ds["dtype"] if ds else cfg.parallel.param_dtype]
+    fp8_bytes = backend.fp8_state_bytes(cfg, plan)
+    c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
                                          stored_bytes=stored, c=c)
+    derived = [f"fp8={backend.name}: figures derived from its documented behaviour, not measured here"]
     return MemoryEstimate(
-        strategy=cfg.parallel.strategy, zero_stage=ds and ds["stage"], fp8=cfg.precision.fp8 or "none",
-        world_size=world_size, rank=chosen, total_params=sum(p.numel for p in params),
-        bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes}, dtypes=category_dtypes(params, fp8_bytes),
-        micro_batch_size=micro, seq_len=seq_len, activations=tuple(acts.items), activations_modelled=acts.modelled,
-        derived=cfg.precision.fp8 in ("te", "msamp"), offloaded=_offloaded(ds),
-        notes=tuple(_notes(cfg, ds, blocks, model, c, world_size) + acts.notes), memory=cfg.parallel.memory,
-        speed=plan.selection if hardware is not None else None)
-
-
-def _offloaded(ds: dict[str, Any] | None) -> tuple[str, ...]:
-    """Categories DeepSpeed keeps in host memory."""
-    if ds is None:
-        return ()
-    return (("master_weights", "optimizer_states") if ds["offload_optimizer"] else ()) + \
-        (("parameters",) if ds["offload_param"] else ())
+        strategy=strategy.name, zero_stage=engine.stage, fp8=backend.name, world_size=world_size, rank=chosen,
+        total_params=sum(p.numel for p in params), bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes},
+        dtypes=category_dtypes(params, fp8_bytes), micro_batch_size=micro, seq_len=seq_len,
+        activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
+        offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
+        notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

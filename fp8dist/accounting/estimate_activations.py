@@ -5,8 +5,9 @@ without activation checkpointing, for the families in
 :data:`fp8dist.accounting.activation_families.FAMILIES` (llama, mixtral, gpt2, gpt_neox), chosen by the config's
 ``model_type``; each layer formula is written out in that module. Around the layers, for every family: the final
 norm, the output layer's input, the logits in the compute dtype (kept by the model output) and the fp32
-log-softmax the loss saves (4TV); under autocast (ddp/none) the copy of each cast weight; TE and MS-AMP keep each
-FP8 weight (TE: with its transpose); FSDP keeps weights gathered where it does not reshard.
+log-softmax the loss saves (4TV); under an autocast forward (ddp/none) the copy of each cast weight; the FP8
+backend's own copy of each FP8 weight (TE: with its transpose); what the strategy keeps gathered from forward to
+backward (FSDP where it does not reshard).
 
 Checked against the tensors autograd saves (a ``saved_tensors_hooks`` count of unique storages) on small real
 models of each family on CPU, with bf16 weights and no autocast (as under FSDP) and with fp32 weights under bf16
@@ -21,17 +22,16 @@ from typing import Any
 
 from torch import nn
 
-from ..strategies.fsdp import root_units
+from ..strategies import get_strategy
+from ..strategies.state_bytes import ROOT_WEIGHTS_ITEM
 from .activation_families import FAMILIES, Saves, activation_note, dims
+from .estimate_states import backend_of
 
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
-_FP8_WEIGHT_COPY = {"te": 2, "msamp": 1}
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
 RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
 """Under full activation checkpointing: the transient of backward's recompute (not held after the forward)."""
-"""The one item that is FSDP2's gathered parameters, not a tensor autograd saves."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,13 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         return Activations([], ["activations not estimated with activation_checkpointing='selective': between "
                                 "'full' and 'none', whose figures are the bounds (selective keeps every matmul and "
                                 "attention output)"], modelled=False)
-    T, backend = micro_batch_size * seq_len, cfg.precision.fp8
-    r = stored_bytes if cfg.parallel.strategy in ("ddp", "none") else c
-    autocast = cfg.parallel.strategy in ("ddp", "none") and c != 4
-    decisions = {e.name: e.precision for e in plan} if plan is not None else {}
+    T, backend = micro_batch_size * seq_len, backend_of(cfg.precision.fp8)
+    r = stored_bytes if plan.facts.autocast_forward else c  # autocast keeps the weights as stored
+    autocast = plan.facts.autocast_forward and c != 4
+    decisions = {e.name: e.precision for e in plan}
     s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
-              fp8_saves=backend in _FP8_WEIGHT_COPY,
-              te_norms=backend == "te" and any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
+              fp8_saves=backend.saved_weight_bytes > 0,
+              te_norms=any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
               kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
               and checkpointing == "none")
     prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
@@ -117,23 +117,17 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
 
 def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, ...], blocks: list[str], r: int,
                   c: int) -> list[tuple[str, int]]:
-    """Weights held from forward to backward: autocast's casts, FP8 copies, FSDP's gathered ones."""
-    items, backend = [], cfg.precision.fp8
-    if r != c and plan is not None:
+    """Weights held from forward to backward: autocast's casts, the FP8 backend's copies, the strategy's gathered
+    ones."""
+    items, backend = [], backend_of(cfg.precision.fp8)
+    if r != c:
         copies = sum(e.params for e in plan if e.module_type in cast_types and e.precision != "fp8")
         items.append((f"autocast's copies of the GEMM weights ({_NAMES.get(c, c)})", copies * c))
-    if backend in _FP8_WEIGHT_COPY and plan is not None:
+    if backend.saved_weight_bytes:
         items.append(("FP8 weight copies kept for backward",
-                      sum(e.params for e in plan.fp8) * _FP8_WEIGHT_COPY[backend]))
-    if cfg.parallel.strategy in ("fsdp", "fsdp1") and not cfg.parallel.reshard_after_forward:
-        items.append(("unsharded weights kept (reshard_after_forward=False)",
-                      sum(p.numel() for p in model.parameters()) * c))
-    elif cfg.parallel.strategy == "fsdp" and blocks:  # the units outside the blocks kept gathered for backward
-        freed = tuple(f"{name}." for name in blocks) + tuple(
-            f"{name}." for unit in root_units(model, blocks) if unit.reshard_after_forward for name in unit.names)
-        root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
-        items.append((ROOT_WEIGHTS_ITEM, sum(root.values()) * c))
-    return items
+                      sum(e.params for e in plan.fp8) * backend.saved_weight_bytes))
+    kept = get_strategy(cfg.parallel.strategy).kept_for_backward(model, cfg, blocks)
+    return items + [(item, elements * c) for item, elements in kept]
 
 
 def _natural(name: str) -> list:

@@ -20,7 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "MAX_RANKS", "MEMORY_FRACTION"]
+from ..memory_levels import LEVELS
+from ..strategies import STRATEGIES
+
+__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "levers", "MAX_RANKS", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a rank may plan on: the estimate leaves out the transient buffers (FSDP's all-gathered
@@ -29,14 +32,15 @@ blocks, DDP's buckets), the CUDA context and the allocator's fragmentation."""
 MAX_RANKS = 16384
 """The most ranks the search for a rank count that fits tries."""
 
-LEVERS: tuple[tuple[str, Mapping[str, Any]], ...] = (
-    ("activation checkpointing", {"activation_checkpointing": "full"}),
-    ("the lean memory level", {"memory": "lean"}),
-    ("ZeRO-3 with optimizer and parameter offload", {"strategy": "deepspeed", "zero_stage": 3,
-                                                     "offload_optimizer": True, "offload_param": True}),
-)
-"""The ways out the estimate tries beside more ranks, each a change of options; a change the combination table
-refuses with the rest of the config is no way out and is left out."""
+CHECKPOINTING = ("activation checkpointing", {"activation_checkpointing": "full"})
+
+
+def levers() -> tuple[tuple[str, Mapping[str, Any]], ...]:
+    """The ways out the estimate tries beside more ranks, each a change of options: activation checkpointing, then
+    each memory level's and each strategy's own (``fit_way_out``: lean, ZeRO-3 with offload). A change the
+    combination table refuses with the rest of the config is no way out and is left out."""
+    axes = (*LEVELS.values(), *STRATEGIES.values())
+    return (CHECKPOINTING, *(axis.fit_way_out for axis in axes if axis.fit_way_out is not None))
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,11 @@ def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_ste
         found, no_ranks = _ranks_that_fit(rerun, world, rank_step, allowed, need, {})
     if found:
         ways.append(WayOut({"world_size": found[0]}, "more ranks", found[1], True))
-    levers = [(change, _lever(rerun, world, what, change, need, allowed)) for what, change in LEVERS]
-    ways += [way for _, tried in levers for way in tried]
-    _, tried = levers[0]
+    pulled = [(change, _lever(rerun, world, what, change, need, allowed)) for what, change in levers()]
+    ways += [way for _, tried in pulled for way in tried]
+    _, tried = pulled[0]
     if tried and not any(w.fits for w in ways):  # activations and model states both too big: checkpointing too
-        ways += _with_checkpointing(rerun, world, rank_step, allowed, tried[0], levers[1:])
+        ways += _with_checkpointing(rerun, world, rank_step, allowed, tried[0], pulled[1:])
     return Fit(gpu, capacity_bytes, need, est.activations_modelled, tuple(ways), no_ranks)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from .rows import Held, Members, Part, PrecisionRow, text_table
 from .tensors import CATEGORIES, StateBytes, StateTally, model_state_tensors
 from ..config.dtypes import dtype_names as _names
+from ..memory_levels import STANDARD
 from ..plan.precision import runs_gemm
 from ..strategies import unwrap_model
 from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes
@@ -44,7 +45,7 @@ class PrecisionReport(StateBytes):
     """The dtypes found in each category."""
     total_params: int
     """Elements of all parameters of the full model."""
-    memory: str = "standard"
+    memory: str = STANDARD.name
     """The model-state memory level (``memory=``): standard or lean."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,7 +58,8 @@ class PrecisionReport(StateBytes):
 
     def __str__(self) -> str:
         head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
-                f"{self.total_params:,} parameters" + (", memory lean" if self.memory == "lean" else ""))
+                f"{self.total_params:,} parameters"
+                + (f", memory {self.memory}" if self.memory != STANDARD.name else ""))
         cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
                 "weight grad", "optimizer states"]
         rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,

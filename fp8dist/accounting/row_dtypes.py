@@ -2,74 +2,44 @@
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .tensors import deepspeed_gradients, leaves
+from .tensors import leaves
 from ..config.dtypes import dtype_name
 from ..config.dtypes import dtype_names as _names
+from ..memory_levels import get_level
+from ..strategies import get_strategy
+from ..strategies.base import EngineDtypes
+from .estimate_states import backend_of
 from .rows import Members, Part, PrecisionRow
 
 __all__ = ["row_for"]
 
 
-@dataclass(frozen=True)
-class _Engine:
-    """How the strategy moves and computes weights, as its own objects say."""
-
-    compute: torch.dtype | None
-    """Dtype high-precision GEMMs see (None: the stored dtype)."""
-    gather: str | None
-    """All-gather dtype name (None: the compute dtype; "none" when nothing is gathered)."""
-    reduce: str
-    deepspeed: Any = None
-
-
-def _engine(model: nn.Module) -> _Engine:
-    """The report's view of the engine dtypes (read once, in :mod:`fp8dist.strategies.introspect`)."""
+def _engine(model: nn.Module, optimizer: Any) -> tuple[Any, EngineDtypes, dict[str, list[Any]]]:
+    """The strategy, its engine's dtypes and the tensors it holds per category, read from its own objects."""
     from ..pipeline.api import get_wrap_info
-    from ..strategies.introspect import engine_dtypes
 
-    e = engine_dtypes(model, get_wrap_info(model).sharding.autocast)
-    if e.engine == "deepspeed":
-        gather = None if e.zero_stage == 3 else \
-            f"{dtype_name(e.compute or torch.float32)} (updated weights, after the step)"
-        return _Engine(e.compute, gather, dtype_name(e.reduce), deepspeed=model)
-    if e.engine in ("fsdp", "fsdp1"):
-        return _Engine(e.compute, None, dtype_name(e.reduce) if e.reduce else "the stored dtype")
-    if e.engine == "ddp":
-        reduce = f"set by the comm hook {e.reduce_hook}" if e.reduce_hook else \
-            dtype_name(e.reduce) if e.reduce else _names({p.dtype for p in model.parameters()})
-        return _Engine(e.compute, "none (replicated)", reduce)
-    return _Engine(e.compute, "none", "none")  # one process: nothing gathered or reduced
+    sharding = get_wrap_info(model).sharding
+    strategy = get_strategy(sharding.strategy)
+    return strategy, strategy.engine_dtypes(model, sharding.autocast), strategy.state_tensors(model, optimizer)
 
 
-def _stored(model: nn.Module, params: list[nn.Parameter], engine: _Engine) -> list[torch.Tensor]:
-    if engine.deepspeed is not None and all(hasattr(p, "ds_tensor") for p in params):
-        return [p.ds_tensor for p in params]
-    return [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or list(params)
+def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """What holds this rank's part of ``params``: the engine's own parts (ZeRO-3), else their non-empty leaves."""
+    return strategy.stored_parts(params) or [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or \
+        list(params)
 
 
 def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
-    """The FP8 formats of an FP8 Linear, from torchao's config on the module or TE's recipe on the forward."""
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "cast_config_input"):  # torchao Float8Linear
-        fwd = dtype_name(config.cast_config_input.target_dtype)
-        bwd = dtype_name(config.cast_config_grad_output.target_dtype)
-        granularity = config.cast_config_input.scaling_granularity.value
-        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({granularity})"
+    """The FP8 formats of an FP8 Linear, as its backend reads them from the module or from its wiring."""
     from ..pipeline.api import get_wrap_info
 
-    recipe = get_wrap_info(model).fp8.autocast_recipe
-    if recipe is not None:  # TE: HYBRID is E4M3 forward, E5M2 gradients
-        fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
-        formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
-        return f"{formats} ({type(recipe).__name__})"
-    return f"fp8 ({get_wrap_info(model).plan.backend})"
+    info = get_wrap_info(model)
+    return backend_of(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
 
 
 def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
@@ -79,31 +49,23 @@ def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
     return " / ".join(sorted({experts_gemm_formats(m) or "not wrapped (high precision)" for m in modules}))
 
 
-def _all_gather(params: list[nn.Parameter], engine: _Engine, stored: list[torch.Tensor]) -> str:
+def _all_gather(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes,
+                stored: list[torch.Tensor]) -> str:
     from torch.distributed.tensor import DTensor
+
+    from ..pipeline.api import get_wrap_info
 
     if engine.gather is not None:
         return engine.gather
-    locals_ = [p.to_local() for p in params if isinstance(p, DTensor)]
-    fp8_weight = _torchao_fp8_weight_class()
-    if locals_ and fp8_weight is not None and all(isinstance(t, fp8_weight) for t in locals_):
-        return "fp8 e4m3 (FP8 all-gather)"
-    return dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored})
+    shards = [p.to_local() for p in params if isinstance(p, DTensor)]
+    own = backend_of(get_wrap_info(model).plan.backend).all_gather_words(shards) if shards else None
+    return own or (dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored}))
 
 
-def _torchao_fp8_weight_class() -> type | None:
-    """torchao's FP8 all-gather weight wrapper, if torchao was imported (no such weights exist otherwise)."""
-    if "torchao" not in sys.modules:
-        return None
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    return WeightWithDynamicFloat8CastTensor
-
-
-def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: _Engine) -> str:
-    if engine.deepspeed is not None:
-        inner = getattr(engine.deepspeed.optimizer, "optimizer", None)
-        states = list(getattr(inner, "state", {}).values())
+def _optimizer_states(optimizer: Any, params: list[nn.Parameter], engine: EngineDtypes,
+                      held: dict[str, list[Any]]) -> str:
+    if engine.holder is not None:  # the engine's own optimizer, keyed by its partitions: not per row
+        states = [value for state in held["optimizer_states"] for value in state.values()]
     else:
         state = getattr(optimizer, "state", None) or {}
         states = [state[p] for p in params if p in state]
@@ -132,31 +94,31 @@ def _join(kinds: list[str]) -> str:
     return "+".join(kinds)
 
 
-def _weight_grad(params: list[nn.Parameter], engine: _Engine) -> str:
+def _weight_grad(params: list[nn.Parameter], engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
+    """The row's parameters' gradients, and those an engine holds itself (ZeRO's partitions: not per row)."""
     grads = {leaf.dtype for p in params for leaf in leaves(p.grad) if leaf.untyped_storage().nbytes()}
-    if engine.deepspeed is not None:
-        grads |= {leaf.dtype for leaf in leaves(deepspeed_gradients(engine.deepspeed.optimizer))
-                  if leaf.untyped_storage().nbytes()}
+    if engine.holder is not None:
+        grads |= {leaf.dtype for leaf in leaves(held["gradients"]) if leaf.untyped_storage().nbytes()}
     return _names(grads, "none held now (report after backward)")
 
 
-def _master(model: nn.Module, engine: _Engine) -> str:
-    if engine.deepspeed is None:
-        from ..pipeline.api import get_wrap_info
+def _master(model: nn.Module, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
+    """The engine's own master partitions, else what the memory level keeps (lean: none)."""
+    masters = {leaf.dtype for leaf in leaves(held["master_weights"])}
+    if masters:
+        return f"{_names(masters)} (ZeRO partition)"
+    if engine.holder is not None:
+        return "none"
+    from ..pipeline.api import get_wrap_info
 
-        lean = get_wrap_info(model).config.parallel.memory == "lean"
-        return "none (stochastic rounding)" if lean else "n/a (the stored weight)"
-    zero = engine.deepspeed.optimizer
-    masters = {leaf.dtype for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-               for leaf in leaves(getattr(zero, name, None))}
-    return f"{_names(masters)} (ZeRO partition)" if masters else "none"
+    return get_level(get_wrap_info(model).config.parallel.memory).report_master
 
 
 def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
     """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
-    engine = _engine(model)
+    strategy, engine, held = _engine(model, optimizer)
     params = [h.param for h in members.params]
-    stored = _stored(model, params, engine)
+    stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
         gemm = _fp8_gemm(members.modules[0], model)
@@ -167,6 +129,8 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
     else:
         gemm = "no GEMM"
     return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
-                        gemm=gemm, all_gather=_all_gather(params, engine, stored), reduce=engine.reduce,
-                        weight=weight, master_weight=_master(model, engine), weight_grad=_weight_grad(params, engine),
-                        optimizer_states=_optimizer_states(optimizer, params, engine))
+                        gemm=gemm, all_gather=_all_gather(model, params, engine, stored),
+                        reduce=engine.reduce or "none",
+                        weight=weight, master_weight=_master(model, engine, held),
+                        weight_grad=_weight_grad(params, engine, held),
+                        optimizer_states=_optimizer_states(optimizer, params, engine, held))

@@ -4,7 +4,7 @@ Each storage is counted once, whole (padding and the unused tail of a flat buffe
 category that reaches it: parameters, master weights, gradients, optimizer states, FP8 buffers. Tensor
 subclasses (DTensor, torchao's FP8 weight wrapper) are opened down to the plain tensors that own storage.
 Communication buckets (DDP's, unless gradients are views of them, and DeepSpeed's IPG buffers) are not model
-state and are not counted.
+state and are not counted. Where each engine keeps them, its strategy says.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "StateBytes", "StateTally", "leaves", "model_state_tensors", "deepspeed_gradients"]
+__all__ = ["CATEGORIES", "StateBytes", "StateTally", "leaves", "model_state_tensors"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 # scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
@@ -90,35 +90,6 @@ class StateTally:
                 self.dtypes[category].add(leaf.dtype)
 
 
-def _deepspeed_tensors(engine: Any) -> dict[str, list[Any]]:
-    """ZeRO keeps bf16 weights in the module (stage 3: ``ds_tensor`` partitions), fp32 master partitions and
-    gradient partitions in its optimizer, and the optimizer states in the inner torch optimizer."""
-    zero = engine.optimizer
-    params = list(engine.module.parameters())
-    stage3 = all(hasattr(p, "ds_tensor") for p in params)
-    found: dict[str, list[Any]] = {
-        # ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition
-        "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
-                       for p in params],
-        "master_weights": [getattr(zero, name, None) for name in ("single_partition_of_fp32_groups",
-                                                                   "fp32_partitioned_groups_flat")],
-        "gradients": [p.grad for p in params],
-        "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})],
-    }
-    found["gradients"] += deepspeed_gradients(zero)
-    return found
-
-
-# where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3)
-_DS_GRADIENTS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
-                 "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-
-
-def deepspeed_gradients(zero: Any) -> list[Any]:
-    """The gradient partitions a ZeRO optimizer holds now (freed by its step)."""
-    return [getattr(zero, name) for name in _DS_GRADIENTS if getattr(zero, name, None) is not None]
-
-
 def _local(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -126,19 +97,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def model_state_tensors(model: nn.Module, optimizer: Any, fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
-    """The tensors of each category, for any wrapped model (FSDP2, FSDP1, DDP, plain, DeepSpeed engine)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from ..strategies.deepspeed import is_deepspeed_engine
+    """The tensors of each category, for any wrapped model: what its strategy's engine holds
+    (:meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
+    from ..pipeline.api import get_wrap_info
+    from ..strategies import get_strategy
 
     fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
                                                                    for b in m.buffers(recurse=False)]
     fp8 += [getattr(_local(p), name, None) for m in fp8_modules for p in m.parameters(recurse=False)
             for name in _FP8_SCALES]
-    if is_deepspeed_engine(model):
-        return {**_deepspeed_tensors(model), "fp8_buffers": fp8}
-    flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
-    params = flats + list(model.parameters())
-    state = getattr(optimizer, "state", {}) if optimizer is not None else {}
-    return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
-            "optimizer_states": [state], "fp8_buffers": fp8}
+    held = get_strategy(get_wrap_info(model).sharding.strategy).state_tensors(model, optimizer)
+    return {**held, "fp8_buffers": fp8}

@@ -1,8 +1,9 @@
-"""Words in messages: a count and its noun agreeing (:func:`plural`), one rule for every line fp8dist prints."""
+"""Words in messages: a count and its noun agreeing (:func:`plural`), a byte count in binary units (:func:`byte_size`),
+one rule for every line fp8dist prints."""
 
 from __future__ import annotations
 
-__all__ = ["plural"]
+__all__ = ["plural", "byte_size"]
 
 _SIBILANT = ("s", "x", "z", "ch", "sh")
 """Endings whose plural takes "es" (process -> processes, batch -> batches, mismatch -> mismatches)."""
@@ -19,3 +20,11 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
     if count == 1:
         return f"{count:,} {noun}"
     return f"{count:,} {many or noun + ('es' if noun.endswith(_SIBILANT) else 's')}"
+
+
+def byte_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches, two decimals: "1.50 GiB", "12.00 MiB", "512 B"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"

@@ -211,6 +211,35 @@ class FP8Backend(Protocol):
     """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample this backend's FP8 layers (``fp8dist train
     --fp8-health-every``); False: the job says health is off for it."""
 
+    # accounting: what the memory estimate and the precision report ask (defaults: no FP8 state of its own)
+    derived_bytes: ClassVar[bool] = False
+    """The estimate's figures for this backend come from its documentation, not from a measured run (it cannot run
+    on the machines the estimate is tested on)."""
+    saved_weight_bytes: ClassVar[int] = 0
+    """Bytes per element of the FP8 copies of each converted weight kept from forward to backward (TE: the FP8
+    weight and its transpose); 0: none beyond what autograd saves."""
+
+    def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
+        """Bytes per element of one parameter in each model-state category under this backend; ``base``: as the
+        strategy and the memory level hold it (fields ``weight``, ``master``, ``grad``, ``states``, ``dtypes``; a
+        frozen dataclass to ``dataclasses.replace``), ``converted``: it is the weight of a module the plan converts,
+        ``n_states``: the optimizer's states per element. Default: unchanged (the backend keeps no weight copy)."""
+        return base
+
+    def fp8_state_bytes(self, cfg: Any, plan: Any) -> int:
+        """Bytes of FP8 scaling state on every rank (replicated) for ``plan``. Default: none."""
+        return 0
+
+    def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
+        """What an all-gather of these local shards carries, where the backend's weights gather in their own format
+        (torchao's FP8 all-gather); None: the strategy's compute dtype."""
+        return None
+
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """The FP8 formats ``module``, converted by this backend, computes its GEMMs in, read from the module or
+        the ``wiring`` (``WrapInfo.fp8``), for the precision report; None: not known (the report says "fp8")."""
+        return None
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

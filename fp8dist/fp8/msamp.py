@@ -9,6 +9,7 @@ tested through a stand-in of that API, never counted as proof that MS-AMP works.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -84,6 +85,28 @@ class MSAMPBackend(FP8Backend):
     # checkpoint: MS-AMP's optimizer state is not saved yet
     checkpoint_refusal = ("MS-AMP's optimizer keeps ScalingTensor state that fp8dist cannot yet save safely. Use "
                           "fp8='te' or 'torchao', or MS-AMP's own checkpointing")
+
+    # accounting: MS-AMP's precision chart (derived: it cannot run here)
+    derived_bytes = True
+    saved_weight_bytes = 1
+
+    def element_bytes(self, cfg, base, converted: bool, n_states: int):
+        """Converted Linear weights FP16 (O3: FP8 with an FP16 master), FP8 gradients; O2/O3 Adam states FP8 + FP16
+        for every parameter."""
+        level = cfg.precision.opt_level
+        states, state_name = (base.states, base.dtypes[3]) if level == "O1" or n_states != 2 else (3, "fp8/fp16")
+        if not converted:
+            return dataclasses.replace(base, states=states, dtypes=base.dtypes[:3] + (state_name,))
+        if level == "O3":
+            return dataclasses.replace(base, weight=1, master=2, grad=1, states=states,
+                                       dtypes=("fp8", "fp16", "fp8", state_name))
+        return dataclasses.replace(base, weight=2, master=0, grad=1, states=states,
+                                   dtypes=("fp16", "none", "fp8", state_name))
+
+    def fp8_state_bytes(self, cfg, plan) -> int:
+        """A ScalingMeta (scale, scale_inv and a 1-long amax window, fp32: 12 bytes) for each of the weight, input,
+        wgrad and ograd of every converted Linear."""
+        return 4 * 12 * sum(not e.grouped for e in plan.fp8)
 
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:

@@ -321,5 +321,25 @@ class TEBackend(FP8Backend):
     # checkpoint: TE's scales and amax history live in each module's _extra_state
     extra_state = "Transformer Engine FP8 state (scales and amax history, in `_extra_state`)"
 
+    # accounting: derived from TE's documentation (it cannot run here)
+    derived_bytes = True
+    saved_weight_bytes = 2
+
+    def fp8_state_bytes(self, cfg, plan) -> int:
+        """DelayedScaling keeps, per FP8 ``te.Linear``, a scale and an ``amax_history_len`` amax history (fp32) for
+        each of its 5 FP8 tensors: input, weight, output forward; output and input gradients backward (TE 2.x keeps
+        no separate scale_inv there). Current scaling keeps none."""
+        history = cfg.precision.amax_history_len if cfg.precision.te_recipe == "delayed" else 0
+        return sum(not e.grouped for e in plan.fp8) * 5 * 4 * (1 + history) if history else 0
+
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """From the recipe the forward runs under: HYBRID is E4M3 forward, E5M2 gradients."""
+        recipe = wiring.autocast_recipe
+        if recipe is None:
+            return None
+        fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
+        formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
+        return f"{formats} ({type(recipe).__name__})"
+
 
 BACKEND = TEBackend()

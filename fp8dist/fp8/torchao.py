@@ -3,12 +3,14 @@ FSDP2 with the scale precompute wired to every optimizer step of the model's opt
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
@@ -187,6 +189,30 @@ class TorchaoBackend(FP8Backend):
     rank_imports = ("torchao.float8",)
     commands_default = True
     health_telemetry = True
+
+    # accounting: the weight scales FP8 all-gather precomputes; the weights say when they gather in FP8
+    def fp8_state_bytes(self, cfg, plan) -> int:
+        """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
+        Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
+        return 4 * sum(not e.grouped for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
+
+    def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
+        if "torchao" not in sys.modules:  # no such weights exist before torchao is imported
+            return None
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        if shards and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
+            return "fp8 e4m3 (FP8 all-gather)"
+        return None
+
+    def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """From the module's ``Float8LinearConfig``: forward and gradient formats and the scaling granularity."""
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "cast_config_input"):
+            return None
+        fwd = dtype_name(config.cast_config_input.target_dtype)
+        bwd = dtype_name(config.cast_config_grad_output.target_dtype)
+        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
 
 
 BACKEND = TorchaoBackend()

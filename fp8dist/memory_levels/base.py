@@ -51,3 +51,21 @@ class MemoryLevel(Protocol):
         from ..pipeline.optim import build_optimizer
 
         return build_optimizer(spec, params)
+
+    # accounting: what the memory estimate and the precision report ask (defaults: the standard level's answers)
+    fit_way_out: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
+    """``(what, options)``: switching to this level is a way out the estimate tries when a rank does not fit its
+    GPU; None: it is none."""
+    report_master: ClassVar[str] = "n/a (the stored weight)"
+    """The precision report's master-weight column where the engine keeps no master copy of its own."""
+
+    def element_bytes(self, base: Any) -> Any:
+        """Bytes per element of one parameter in each model-state category as this level holds it; ``base``: as
+        the strategy holds it (fields ``weight``, ``master``, ``grad``, ``states``, ``dtypes``; a frozen dataclass
+        to ``dataclasses.replace``). Default: unchanged."""
+        return base
+
+    def local_state_bytes(self, numel: int) -> int:
+        """Bytes of the level's own optimizer states for a local tensor of ``numel`` elements, beyond those of
+        :meth:`element_bytes`. Default: none."""
+        return 0

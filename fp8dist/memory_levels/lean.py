@@ -44,6 +44,7 @@ LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients
 """What the level is, in the plan's and the estimate's header."""
 
 _ADAM_TYPES = ("adamw", "adam")
+_LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized tensor, elements per scale
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
 
@@ -97,6 +98,22 @@ class LeanLevel(MemoryLevel):
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
         return build_lean_optimizer(spec, params, device)
+
+    # accounting: bf16 weights and gradients, no master, 8-bit states counted per local tensor
+    fit_way_out = ("the lean memory level", {"memory": name})
+    report_master = "none (stochastic rounding)"
+
+    def element_bytes(self, base: Any) -> Any:
+        return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,
+                                   dtypes=("bf16", "none", "bf16", "8-bit/bf16"))
+
+    def local_state_bytes(self, numel: int) -> int:
+        """torchao's 8-bit AdamW states (exp_avg, exp_avg_sq): a tensor of at least 4096 elements that is a multiple
+        of its 256-element block is quantized, one byte per element, an fp32 scale per block and a 256-entry fp32
+        code map per state; others stay bf16."""
+        if numel >= _LEAN_MIN and numel % _LEAN_BLOCK == 0:
+            return 2 * (numel + numel // _LEAN_BLOCK * 4 + _LEAN_BLOCK * 4)
+        return 2 * 2 * numel
 
 
 def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:

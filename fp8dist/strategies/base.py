@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -23,9 +23,11 @@ from torch import nn
 
 from ..pipeline.env import DistEnv, LaunchEnv, init_distributed, package_version
 from ..config.axis import Rule, StrategyFacts, When
+from ..config.dtypes import dtype_name, dtype_names
+from .state_bytes import replicated_state_bytes
 
 __all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "materialized_how", "fill_whole", "prepared",
-           "FP16_RULE"]
+           "FP16_RULE", "EngineMemory", "EngineDtypes", "ParamLayout"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,56 @@ class Strategy(Protocol):
         none by default."""
         return ()
 
+    # accounting: what the memory estimate and the precision report ask (defaults: a replicated engine, like DDP)
+    fit_way_out: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
+    """``(what, options)``: switching to this strategy is a way out the estimate tries when a rank does not fit its
+    GPU (DeepSpeed: ZeRO-3 with offload); None: it is none."""
+
+    def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
+                        on_cpu: bool) -> EngineMemory:
+        """What the engine holds beside the model's own parameters, for the memory estimate on ``world_size``
+        ranks (``blocks``: the units found; ``optimizer``: the estimate's optimizer name; ``on_cpu``: the run is
+        on a CPU). Default: the model's dtypes, no master copy, nothing on the host, no notes."""
+        return EngineMemory()
+
+    def rank_state_bytes(self, params: list[Any], cfg: Any, world_size: int, engine: EngineMemory, *, step: int,
+                         level_states: Callable[[int], int], backend_optimizer: bool) -> list[dict[str, int]]:
+        """Bytes of each model-state category on each of ``world_size`` ranks (:mod:`fp8dist.strategies.
+        state_bytes` says what ``params``, ``step`` and ``level_states`` are); ``backend_optimizer``: the FP8
+        backend builds the optimizer. Default: every rank holds everything."""
+        return replicated_state_bytes(params, world_size, step, level_states)
+
+    def kept_for_backward(self, model: nn.Module, cfg: Any, blocks: list[str]) -> list[tuple[str, int]]:
+        """``(item, elements)`` of weights the engine keeps gathered from forward to backward beyond what it holds
+        anyway. Default: none (a replicated engine holds every weight)."""
+        return []
+
+    def engine_dtypes(self, model: nn.Module, autocast: torch.dtype | None) -> EngineDtypes:
+        """What the engine of ``model`` (as ``wrap_model`` returned it) computes, gathers and reduces in, read from
+        its own objects; ``autocast``: the forward's autocast dtype. Default: nothing gathered, gradients reduced in
+        their own dtype."""
+        return EngineDtypes(autocast, reduce_words(None, model), "none (replicated)")
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        """How this rank holds the parameters of ``model`` (as ``wrap_model`` returned it). Default: each whole."""
+        params = list(model.parameters())
+        total = sum(p.numel() for p in params)
+        return ParamLayout("replicated", total, total, len(params), 0, frozenset(p.dtype for p in params))
+
+    def state_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[Any]]:
+        """The tensors (or containers of them) the engine of ``model`` holds on this rank in each model-state
+        category: parameters, master_weights, gradients, optimizer_states. Default: the parameters, their
+        gradients, the ``optimizer``'s state (None: no optimizer), no master copy."""
+        params = list(model.parameters())
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
+                "optimizer_states": [state]}
+
+    def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """The tensors holding this rank's part of ``params`` where the engine keeps them apart from the parameters
+        (ZeRO-3's partitions); None (the default): the parameters themselves hold it."""
+        return None
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole
@@ -228,3 +280,61 @@ def warn_whole_meta(strategy: str) -> None:
     warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
                   "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size "
                   "of it per rank.", UserWarning, stacklevel=5)
+
+
+# accounting: what a strategy tells the memory estimate and the report, as data
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What an engine holds beside the model's own parameters (:meth:`Strategy.estimate_engine`)."""
+
+    dtype: str | None = None
+    """The dtype the engine casts the module to (DeepSpeed's bf16/fp16 block); None: the model's own dtypes."""
+    master: str | None = None
+    """The dtype of the engine's master weights and optimizer states (DeepSpeed: fp32); None: no master copy, the
+    states in the weights' dtype."""
+    stage: int | None = None
+    """The engine's ZeRO stage; None: it has none."""
+    offloaded: tuple[str, ...] = ()
+    """Model-state categories kept in host memory (DeepSpeed's offload)."""
+    notes: tuple[str, ...] = ()
+    """What the estimate should say (transient buffers not counted, HSDP's replicas)."""
+    layout: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's own figures its :meth:`Strategy.rank_state_bytes` reads (ZeRO's persistence threshold)."""
+
+
+@dataclass(frozen=True)
+class EngineDtypes:
+    """What a wrapped model's engine computes, gathers and reduces in (:meth:`Strategy.engine_dtypes`)."""
+
+    compute: torch.dtype | None
+    """What high-precision GEMMs compute in (the cast or autocast dtype); None: the stored dtype."""
+    reduce: str | None
+    """What gradients travel in when reduced, in words ("bf16", "set by the comm hook ..."); None: nothing is
+    reduced (one process)."""
+    gather: str | None = None
+    """What weights are all-gathered in, in words; None: the compute dtype (or FP8, where the weights say so)."""
+    holder: Any = None
+    """The engine object that holds the optimizer, the master partitions and the gradients itself (DeepSpeed's
+    engine); None: the optimizer given and the parameters hold them."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one rank holds a wrapped model's parameters (:meth:`Strategy.param_layout`)."""
+
+    layout: str
+    """"DTensor Shard(0)", "FlatParameter shards", "replicated", "not distributed", ..."""
+    total_numel: int
+    local_numel: int
+    tensors: int
+    sharded_tensors: int
+    storage: frozenset[torch.dtype]
+    replicas: int = 1
+    """Whole copies of the model over the ranks (HSDP's replicate degree)."""
+
+
+def reduce_words(dtype: torch.dtype | None, model: nn.Module) -> str:
+    """What gradients are reduced in: ``dtype``, or (None) the parameters' own dtypes."""
+    return dtype_name(dtype) if dtype is not None else dtype_names({p.dtype for p in model.parameters()})

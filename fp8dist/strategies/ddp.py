@@ -11,10 +11,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import runs_on_cpu
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
+                   reduce_words)
 from .common import apply_autocast, cast_buffers
 
-__all__ = ["DDP", "apply_ddp", "STRATEGY"]
+__all__ = ["DDP", "apply_ddp", "ddp_reduce_dtype", "STRATEGY"]
 
 
 def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
@@ -85,5 +86,30 @@ class DDP(Strategy):
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
+    # accounting: replicated (the base's layout); gradients are bucket views, reduced as a comm hook says
+    def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
+                        on_cpu: bool) -> EngineMemory:
+        return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
+                                   "second copy",))
+
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        reduce, hook = ddp_reduce_dtype(model)
+        words = f"set by the comm hook {hook}" if hook else reduce_words(reduce, model)
+        return EngineDtypes(autocast, words, "none (replicated)")
+
 
 STRATEGY = DDP()
+
+
+def ddp_reduce_dtype(ddp: nn.Module) -> tuple[torch.dtype | None, str | None]:
+    """The dtype DDP's registered compression hook reduces in (``(None, None)`` without a hook: the gradients'
+    own dtype), or ``(None, hook name)`` for a hook of the user's."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
+    if not hooks:
+        return None, None
+    compress = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+    if hooks[-1] in compress:
+        return compress[hooks[-1]], None
+    return None, getattr(hooks[-1], "__qualname__", repr(hooks[-1]))

@@ -8,10 +8,12 @@ stage3_prefetch_bucket_size = 0.9 h^2, stage3_param_persistence_threshold = 10 h
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,15 @@ from torch import nn
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..config.files import read_config_text
 from ..pipeline.optim import check_optimizer_spec
-from ..config.dtypes import torch_dtype
+from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from ..pipeline.env import DistEnv
 from ..config.options import StrategyConfig
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, materialized_how
+from ..config.text import byte_size
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole,
+                   materialized_how)
 from .common import cast_buffers
 from .deepspeed_checkpoint import ZeROCheckpoint
+from .state_bytes import zero_state_bytes
 
 __all__ = ["DeepSpeed", "zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
            "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine", "partition_meta_zero3", "STRATEGY"]
@@ -420,9 +425,85 @@ class DeepSpeed(Strategy):
     # pipeline, cli: imported once before the ranks fork
     rank_imports = ("deepspeed",)
 
+    # accounting: ZeRO's partitions by stage, its module dtype, fp32 masters, offload and buckets
+    fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
+                   {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
+
+    def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
+                        on_cpu: bool) -> EngineMemory:
+        """From the config wrap_model builds, validated as wrap_model validates it when DeepSpeed is installed
+        here (its parser needs it; the estimate does not); on a CPU the engine's Adam is torch's."""
+        checked = importlib.util.find_spec("deepspeed") is not None
+        spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
+        ds = build_deepspeed_config(model, cfg.parallel, world_size=world_size, optimizer=spec, validate=checked)
+        block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
+        zero = ds.get("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        dtype = next((key for key in _DTYPE_KEYS if ds.get(key, {}).get("enabled")), "fp32")
+        comm, bucket = ds.get("communication_data_type") or dtype, int(zero.get("reduce_bucket_size", 5e8))
+        notes = [f"DeepSpeed reduce bucket, not counted as model state: {bucket:,} elements in {comm} "
+                 f"({byte_size(bucket * dtype_bytes(comm))}), "
+                 + ("allocated for the whole run" if stage == 3 else "during backward")]
+        if not checked:
+            notes.append("DeepSpeed is not installed here: its parser did not check the config (wrap_model will)")
+        offloaded = (("master_weights", "optimizer_states") if "offload_optimizer" in zero else ()) + \
+            (("parameters",) if "offload_param" in zero else ())
+        return EngineMemory(dtype=dtype, master="fp32", stage=stage, offloaded=offloaded, notes=tuple(notes), layout={
+            "persistence": int(zero.get("stage3_param_persistence_threshold", 100_000)),
+            "torch_adam": bool((block.get("params") or {}).get("torch_adam", False))})
+
+    def rank_state_bytes(self, params, cfg: Any, world_size: int, engine: EngineMemory, *, step: int, level_states,
+                         backend_optimizer: bool) -> list[dict[str, int]]:
+        return zero_state_bytes(params, world_size, stage=engine.stage, persistence=engine.layout["persistence"],
+                                step=step if engine.layout["torch_adam"] else 0, backend_optimizer=backend_optimizer)
+
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        """ZeRO-1/2 broadcast the updated weights after the step; ZeRO-3 gathers them in the compute dtype."""
+        compute = torch.bfloat16 if model.bfloat16_enabled() else torch.float16 if model.fp16_enabled() else \
+            torch.float32
+        gather = None if model.zero_optimization_stage() == 3 else \
+            f"{dtype_name(compute)} (updated weights, after the step)"
+        return EngineDtypes(compute, dtype_name(model.communication_data_type), gather, holder=model)
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        """ZeRO-3 partitions parameters (``ds_tensor`` holds this rank's part); ZeRO-1/2 keep them whole."""
+        stage, params = model.zero_optimization_stage(), list(model.module.parameters())
+        if stage != 3:
+            return replace(super().param_layout(model.module), layout=f"DeepSpeed ZeRO-{stage}")
+        return ParamLayout(f"DeepSpeed ZeRO-{stage}", sum(p.ds_numel for p in params),
+                           sum(p.ds_tensor.numel() for p in params), len(params),
+                           sum(1 for p in params if p.ds_tensor.numel() < p.ds_numel),
+                           frozenset(p.ds_tensor.dtype for p in params))
+
+    def state_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[Any]]:
+        """ZeRO keeps bf16 weights in the module (stage 3: ``ds_tensor`` partitions), fp32 master partitions and
+        gradient partitions in its optimizer, and the optimizer states in the inner torch optimizer."""
+        zero, params = model.optimizer, list(model.module.parameters())
+        stage3 = all(hasattr(p, "ds_tensor") for p in params)
+        return {  # ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition
+            "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
+                           for p in params],
+            "master_weights": [getattr(zero, name, None) for name in _MASTER_PARTITIONS],
+            "gradients": [p.grad for p in params] + deepspeed_gradients(zero),
+            "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
+
+    def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
+
 
 _OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
 """What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""
 
 
 STRATEGY = DeepSpeed()
+
+_MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+"""Where ZeRO's optimizer keeps this rank's fp32 master partitions (stage 1/2, stage 3)."""
+_GRADIENT_PARTITIONS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
+                        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+"""Where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3)."""
+
+
+def deepspeed_gradients(zero: Any) -> list[Any]:
+    """The gradient partitions a ZeRO optimizer holds now (freed by its step)."""
+    return [getattr(zero, name) for name in _GRADIENT_PARTITIONS if getattr(zero, name, None) is not None]

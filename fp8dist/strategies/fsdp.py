@@ -12,11 +12,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torch.distributed.tensor import DTensor
+
 from ..config.axis import ALWAYS, StrategyFacts
-from ..config.dtypes import torch_dtype
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
+from ..config.dtypes import dtype_bytes, torch_dtype
+from ..config.text import plural
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
+                   materialized_how, prepared, reduce_words)
 from .common import block_ties, cast_buffers, find_blocks, to_empty
 from .padding import padding_note, shard_padding
+from .state_bytes import ROOT_WEIGHTS_ITEM, UNSHARDED_ITEM, fsdp2_state_bytes, gathered_blocks_note
 from .ties import untie_blocks
 
 __all__ = ["FSDP2", "build_fsdp_policy", "apply_fsdp", "fsdp_padding_notes", "fsdp_mesh", "check_replicate_degree",
@@ -211,5 +216,55 @@ class FSDP2(Strategy):
     def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
         return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
 
+    # accounting: dim-0 shards over each replica's ranks (HSDP), units outside the blocks kept gathered
+    def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
+                        on_cpu: bool) -> EngineMemory:
+        replicas = cfg.parallel.replicate_degree
+        notes = [*gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype)),
+                 *fsdp_padding_notes(model, world_size // replicas)]
+        if replicas > 1:
+            notes.append(f"HSDP: {replicas} replicas, each sharded over {plural(world_size // replicas, 'rank')}")
+        return EngineMemory(notes=tuple(notes))
+
+    def rank_state_bytes(self, params, cfg, world_size: int, engine: EngineMemory, *, step: int, level_states,
+                         backend_optimizer: bool) -> list[dict[str, int]]:
+        """Each replica's ranks hold what FSDP2 over one shard group holds."""
+        replicas = cfg.parallel.replicate_degree
+        group = fsdp2_state_bytes(params, world_size // replicas, step, level_states)
+        return [dict(d) for _ in range(replicas) for d in group]
+
+    def kept_for_backward(self, model: nn.Module, cfg, blocks: list[str]) -> list[tuple[str, int]]:
+        if not cfg.parallel.reshard_after_forward:
+            return [(UNSHARDED_ITEM, sum(p.numel() for p in model.parameters()))]
+        if not blocks:
+            return []
+        freed = tuple(f"{name}." for name in blocks) + tuple(
+            f"{name}." for unit in root_units(model, blocks) if unit.reshard_after_forward for name in unit.names)
+        root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
+        return [(ROOT_WEIGHTS_ITEM, sum(root.values()))]
+
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        policy = model._get_fsdp_state()._mp_policy
+        return EngineDtypes(policy.param_dtype, reduce_words(policy.reduce_dtype or policy.param_dtype, model))
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        params = list(model.parameters())
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        placements = sorted({repr(pl) for p in dtensors for pl in p.placements})
+        return ParamLayout(f"DTensor {'/'.join(placements)}", sum(p.numel() for p in params),
+                           sum(p.to_local().numel() for p in dtensors), len(params),
+                           sum(1 for p in dtensors if any(pl.is_shard() for pl in p.placements)),
+                           frozenset(p.dtype for p in params), max((_replicas(p) for p in dtensors), default=1))
+
 
 STRATEGY = FSDP2()
+
+
+def _replicas(p: DTensor) -> int:
+    """How many ranks hold the same piece of ``p``: the product of its mesh dimensions that replicate it."""
+    shape = p.device_mesh.shape
+    copies = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            copies *= shape[dim]
+    return copies

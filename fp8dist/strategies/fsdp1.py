@@ -11,9 +11,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from ..config.axis import ALWAYS, StrategyFacts
-from ..config.dtypes import dtype_name, torch_dtype
-from .base import Sharded, ShardingInfo, ShardJob, Strategy, materialized_how, prepared
+from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
+                   materialized_how, prepared, reduce_words)
 from .common import block_ties, find_blocks, to_empty
+from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
 
 __all__ = ["FSDP1", "build_fsdp1_policy", "apply_fsdp1", "STRATEGY"]
 
@@ -105,6 +107,38 @@ class FSDP1(Strategy):
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm, norm_type).detach()
+
+    # accounting: flat, aligned, padded shards per unit
+    def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
+                        on_cpu: bool) -> EngineMemory:
+        return EngineMemory(notes=tuple(gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype))))
+
+    def rank_state_bytes(self, params, cfg, world_size: int, engine: EngineMemory, *, step: int, level_states,
+                         backend_optimizer: bool) -> list[dict[str, int]]:
+        return fsdp1_state_bytes(params, world_size, step, dtype_bytes(cfg.parallel.param_dtype))
+
+    def kept_for_backward(self, model: nn.Module, cfg, blocks: list[str]) -> list[tuple[str, int]]:
+        if cfg.parallel.reshard_after_forward:
+            return []
+        return [(UNSHARDED_ITEM, sum(p.numel() for p in model.parameters()))]
+
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        mp = model.mixed_precision
+        return EngineDtypes(mp.param_dtype, reduce_words(mp.reduce_dtype or mp.param_dtype, model))
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        return ParamLayout("FlatParameter shards", sum(f._unpadded_unsharded_size.numel() for f in flats),
+                           sum(f.numel() for f in flats), len(flats),
+                           sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
+                           frozenset(f.dtype for f in flats))
+
+    def state_tensors(self, model: nn.Module, optimizer) -> dict[str, list]:
+        """The FlatParameters hold the storage (and its padding) the original parameters view."""
+        held = super().state_tensors(model, optimizer)
+        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        return {**held, "parameters": flats + held["parameters"],
+                "gradients": [f.grad for f in flats] + held["gradients"]}
 
 
 STRATEGY = FSDP1()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -11,7 +12,8 @@ from torch import nn
 from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import DistEnv, LaunchEnv
-from .base import FP16_RULE, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared
+from .base import (FP16_RULE, EngineDtypes, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole,
+                   prepared)
 from .common import apply_autocast, cast_buffers
 
 __all__ = ["Single", "apply_single", "STRATEGY"]
@@ -58,6 +60,13 @@ class Single(Strategy):
         "'none' trains in one process: each rank would train its own copy, with no gradient sync",
         "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
         "'deepspeed' to train on several ranks."))
+
+    # accounting: everything whole in one process, nothing gathered or reduced
+    def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        return EngineDtypes(autocast, None, "none")
+
+    def param_layout(self, model: nn.Module) -> ParamLayout:
+        return dataclasses.replace(super().param_layout(model), layout="not distributed")
 
 
 STRATEGY = Single()

@@ -1,0 +1,182 @@
+"""Model-state bytes on every rank, from parameter shapes alone: each engine's layout, followed exactly where it runs
+here (the memory estimate, :func:`fp8dist.estimate_memory`, is tested against :func:`fp8dist.report` to the byte).
+Each strategy's :meth:`~fp8dist.strategies.base.Strategy.rank_state_bytes` calls its own layout.
+
+- replicated (ddp, one process, the default): every rank holds every parameter, its gradient (DDP's are views of
+  its buckets) and the optimizer states, in the parameters' stored dtype; torch's Adam/AdamW add a 4-byte
+  ``step`` per parameter.
+- FSDP2: each parameter is cut along dim 0 with ``torch.chunk``; every rank's storage is padded to
+  ``ceil(dim0 / W)`` rows (parameters and the reduce-scatter output that holds the gradients), while the
+  optimizer states follow the unpadded local rows (:mod:`fp8dist.strategies.padding`, which also says when a
+  dim 0 shorter than W -- Mixtral's fused experts -- multiplies the bytes).
+- FSDP1: each wrapped unit's parameters are flattened (each start aligned to 16 bytes of the compute dtype, as
+  ``use_orig_params=True`` does), padded to a multiple of W and cut into W equal shards; optimizer states follow
+  the original parameters' unpadded pieces.
+- DeepSpeed ZeRO-1/2: one flat buffer of ``param_dtype`` weights padded to a multiple of 2W on every rank, an fp32
+  master partition of 1/W of it, and gradients for every parameter that overlaps this rank's partition (whole
+  parameters, in the weights' dtype). ZeRO-3: each parameter partitioned to ``ceil(numel / W)`` elements for
+  weights, master weights, gradients and states; small parameters (numel <= the persistence threshold) are also
+  kept whole. Under an FP8 backend that builds the optimizer (MS-AMP, derived from its chart): ZeRO's
+  partitioning by stage applied to each parameter.
+
+``params`` are the estimate's records of each parameter: ``name``, ``numel``, ``shape``, ``unit`` (the block that
+owns it, "" for the root) and ``bytes`` per element of each category (``weight``, ``master``, ``grad``,
+``states``). ``step``: the optimizer's bytes of step state per tensor; ``level_states``: the memory level's own
+optimizer-state bytes of a local tensor of n elements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..config.text import byte_size
+from .padding import shard_padding
+
+__all__ = ["replicated_state_bytes", "fsdp2_state_bytes", "fsdp1_state_bytes", "zero_state_bytes",
+           "gathered_blocks_note", "UNSHARDED_ITEM", "ROOT_WEIGHTS_ITEM"]
+
+UNSHARDED_ITEM = "unsharded weights kept (reshard_after_forward=False)"
+"""The activation estimate's item for an FSDP engine that keeps every weight gathered after the forward."""
+ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
+"""The activation estimate's item for FSDP2's gathered units outside the blocks, not a tensor autograd saves."""
+
+_CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states")
+
+
+def _spread(per_rank: list[int], start: int, stop: int, size: int, value_of: Callable[[int], int]) -> None:
+    """Add ``value_of(overlap)`` to every rank whose range [r*size, (r+1)*size) meets [start, stop)."""
+    for rank in range(start // size, min((stop - 1) // size + 1, len(per_rank))):
+        overlap = min(stop, (rank + 1) * size) - max(start, rank * size)
+        if overlap > 0:
+            per_rank[rank] += value_of(overlap)
+
+
+def replicated_state_bytes(params: list[Any], world: int, step: int,
+                           level_states: Callable[[int], int]) -> list[dict[str, int]]:
+    one = {"parameters": sum(p.numel * p.bytes.weight for p in params),
+           "master_weights": sum(p.numel * p.bytes.master for p in params),
+           "gradients": sum(p.numel * p.bytes.grad for p in params),
+           "optimizer_states": sum(p.numel * p.bytes.states + step + level_states(p.numel) for p in params)}
+    return [dict(one) for _ in range(world)]
+
+
+def fsdp2_state_bytes(params: list[Any], world: int, step: int,
+                      level_states: Callable[[int], int]) -> list[dict[str, int]]:
+    """torch.chunk along dim 0: every rank's storage padded to the first chunk; the optimizer states on each rank's
+    real rows: ranks before the last chunk a full one, the rank of the last chunk the rest, later ranks none
+    (summed through a difference array, so 1024 ranks cost no more than 2)."""
+    padding = shard_padding({p.name: p.shape for p in params}, world)
+    change = [0] * (world + 1)
+    for p, pad in zip(params, padding):
+        full = pad.dim0 // pad.rows_per_rank if pad.rows_per_rank else 0
+        change[0] += pad.padded_numel * p.bytes.states
+        change[full] -= pad.padded_numel * p.bytes.states
+        if full < world:
+            rest = pad.rows_on(full) * pad.row_numel * p.bytes.states
+            change[full] += rest
+            change[full + 1] -= rest
+    states = list(itertools.accumulate(change[:world]))
+    padded = sum(pad.padded_numel for pad in padding)
+    b = params[0].bytes
+    out = [{"parameters": padded * b.weight, "master_weights": 0, "gradients": padded * b.grad,
+            "optimizer_states": s + step * len(params)} for s in states]
+    for pad in padding:  # a level's own states follow each rank's rows; a level with none is skipped (per rank)
+        if level_states(pad.row_numel):
+            for rank, held in enumerate(out):
+                held["optimizer_states"] += level_states(pad.rows_on(rank) * pad.row_numel)
+    return out
+
+
+def _fsdp1_unit(unit: list[Any], world: int, align: int) -> tuple[list[tuple[int, int]], int]:
+    """Offsets of a FlatParameter's pieces (alignment padding before a piece, world-size padding at the end)
+    and its shard size."""
+    segments, total = [], 0
+    for p in unit:
+        pad = align - total % align if align else 0
+        if 0 < pad < align:
+            total += pad
+        segments.append((total, total + p.numel))
+        total += p.numel
+    pad = world - total % world
+    if 0 < pad < world:
+        total += pad
+    return segments, total // world
+
+
+def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: int) -> list[dict[str, int]]:
+    units: dict[str, list[Any]] = {}
+    for p in params:
+        units.setdefault(p.unit, []).append(p)
+    b = params[0].bytes
+    shard_total = 0
+    states = [0] * world
+    for unit in units.values():
+        segments, shard = _fsdp1_unit(unit, world, 16 // compute_bytes)
+        shard_total += shard
+        for (start, stop), p in zip(segments, unit):
+            _spread(states, start, stop, shard, lambda overlap, p=p: overlap * p.bytes.states + step)
+    return [{"parameters": shard_total * b.weight, "master_weights": 0, "gradients": shard_total * b.grad,
+             "optimizer_states": s} for s in states]
+
+
+def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
+    """One flat group padded to a multiple of 2W; gradients of whole parameters overlapping the partition."""
+    b = params[0].bytes
+    total = sum(p.numel for p in params)
+    aligned = -(-total // (2 * world)) * (2 * world)
+    part = aligned // world
+    grads = [0] * world
+    start = 0
+    for p in params:
+        _spread(grads, start, start + p.numel, part, lambda overlap, p=p: p.numel * b.grad)
+        start += p.numel
+    return [{"parameters": aligned * b.weight, "master_weights": part * b.master, "gradients": g,
+             "optimizer_states": part * b.states} for g in grads]
+
+
+def _zero3(params: list[Any], world: int, persistence: int) -> list[dict[str, int]]:
+    """Every parameter partitioned to ceil(numel / W); persistent (small) ones also kept whole."""
+    out = dict.fromkeys(_CATEGORIES, 0)
+    for p in params:
+        part = -(-p.numel // world)
+        out["parameters"] += part * p.bytes.weight + (p.numel * p.bytes.weight if p.numel <= persistence else 0)
+        out["master_weights"] += part * p.bytes.master
+        out["gradients"] += part * p.bytes.grad
+        out["optimizer_states"] += part * p.bytes.states
+    return [dict(out) for _ in range(world)]
+
+
+def _zero_chart(params: list[Any], world: int, stage: int) -> list[dict[str, int]]:
+    """An FP8 backend's own ZeRO optimizer (derived): ZeRO's partitioning by stage applied to each parameter."""
+    def share(numel: int, partitioned: bool) -> int:
+        return -(-numel // world) if partitioned else numel
+    out = {"parameters": sum(share(p.numel, stage >= 3) * p.bytes.weight for p in params),
+           "master_weights": sum(share(p.numel, True) * p.bytes.master for p in params),
+           "gradients": sum(share(p.numel, stage >= 2) * p.bytes.grad for p in params),
+           "optimizer_states": sum(share(p.numel, True) * p.bytes.states for p in params)}
+    return [dict(out) for _ in range(world)]
+
+
+def zero_state_bytes(params: list[Any], world: int, *, stage: int, persistence: int, step: int,
+                     backend_optimizer: bool) -> list[dict[str, int]]:
+    """ZeRO-1/2/3 by ``stage``; ``step``: the step state of the one flat partition torch's Adam updates (a CPU
+    run); ``backend_optimizer``: an FP8 backend's own ZeRO optimizer partitions each parameter."""
+    if backend_optimizer:
+        return _zero_chart(params, world, stage)
+    out = _zero3(params, world, persistence) if stage == 3 else _zero12(params, world)
+    for states in out:
+        states["optimizer_states"] += step
+    return out
+
+
+def gathered_blocks_note(model: nn.Module, blocks: list[str], compute_bytes: int) -> list[str]:
+    """The transient an engine that gathers block by block leaves out of the model states."""
+    if not blocks:
+        return []
+    biggest = max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
+    return [f"transient, not counted: all-gathered weights of about 2 blocks at a time "
+            f"({byte_size(2 * biggest * compute_bytes)} in the compute dtype)"]
