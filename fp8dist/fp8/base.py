@@ -163,6 +163,14 @@ class FP8Backend(Protocol):
     """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
     value does (a file names it with fp8dist's own key, ``fp8:``)."""
 
+    # knobs: the backend's own options, in its own module (torchtitan's converters' nested Config)
+    Config: ClassVar[type | None] = None
+    """A frozen keyword-only dataclass of the knobs only this backend reads, each field typed, defaulted and
+    documented (a docstring under it): each is a flat key of ``wrap_model``, files, the CLI (``--<knob>``) and
+    ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata: ``when`` (a
+    :class:`~fp8dist.config.axis.When`: read only under it; set elsewhere, a note says so), ``min``, ``refused``,
+    ``aliases`` (:func:`fp8dist.config.schema.normalize_fields`). None: no knobs of its own."""
+
 
 @functools.cache
 class _NoFP8(FP8Backend):

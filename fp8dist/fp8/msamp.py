@@ -10,15 +10,24 @@ tested through a stand-in of that API, never counted as proof that MS-AMP works.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..config.axis import ALWAYS, Rule, StrategyFacts
+from ..config.axis import Rule, StrategyFacts
 from ..plan.hardware import Hardware
 from ..pipeline.optim import build_optimizer
 from .base import EngineHooks, FP8Backend
+
+@dataclass(kw_only=True, frozen=True)
+class MSAMPConfig:
+    """MS-AMP's knobs (:attr:`FP8Backend.Config`)."""
+
+    opt_level: Literal["O1", "O2", "O3"] = "O2"
+    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
+
 
 _RULES = (
     Rule(("fp8", "strategy"), lambda cfg, facts: facts.shards_params,
@@ -41,7 +50,6 @@ class MSAMPBackend(FP8Backend):
     name = "msamp"
     package = "msamp"
     owns_optimizer = True
-    options = {"opt_level": ALWAYS}
     rules = _RULES
     meta_model_refusal = ("MS-AMP converts real weights. Build the model on the CPU (with pretrained=, wrap_model "
                           "loads it there), or use fp8='torchao' / 'te'")
@@ -80,6 +88,9 @@ class MSAMPBackend(FP8Backend):
 
     # accelerate: the value of fp8_config.backend that selects MS-AMP
     accelerate_backend = "MSAMP"
+
+    # knobs: its own, in this module
+    Config = MSAMPConfig
 
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:
