@@ -157,9 +157,8 @@ class StrategyConfig:
 
 @dataclass(kw_only=True, frozen=True, init=False)
 class FP8Config:
-    """Which FP8 backend is layered on top of the strategy, what every backend shares, and each registered
-    backend's own knobs (its ``Config``, declared in its module), given flat (``te_recipe="current"``) and read
-    by the backend's name (``knobs("te").te_recipe``) or flat (``cfg.precision.te_recipe``). A knob set for a
+    """Which FP8 backend is layered on top of the strategy, what every backend shares, and each backend's own knobs
+    (its ``Config``), given flat (``te_recipe=``), read as ``knobs("te").te_recipe`` or flat; a knob set for a
     backend other than the chosen one is reported, never silently ignored."""
 
     fp8: FP8BackendName | None = None
@@ -195,8 +194,7 @@ class FP8Config:
             mine = {f.name: options.pop(f.name) for f in fields(cls) if f.name in options}
             built.append(replace(given[cls], **mine) if cls in given else cls(**mine))
         if options:
-            raise TypeError(f"FP8Config got unexpected keyword arguments {sorted(options)}: no registered FP8 "
-                            f"backend's Config has them.")
+            raise TypeError(f"FP8Config got unexpected keyword arguments {sorted(options)}")
         object.__setattr__(self, "backend_knobs", tuple(built))
         normalize_fields(self)  # each backend's knobs too, with their refusals and minimums
         if not 0 < self.fp8_select_margin < float("inf"):  # nan fails this too
@@ -204,37 +202,29 @@ class FP8Config:
                              f"over bf16 a layer must reach to run in FP8 ({DEFAULT_MARGIN}: any predicted gain).")
 
     def knobs(self, backend: str) -> Any:
-        """Backend ``backend``'s knobs (an instance of its ``Config``, its defaults where the backend registered
-        after this config was built); None: it has none."""
+        """Backend ``backend``'s knobs (its ``Config``; the defaults if it registered after this config); None: none."""
         cls = BACKENDS[backend].Config
         return None if cls is None else next((k for k in self.backend_knobs if type(k) is cls), None) or cls()
 
     def __getattr__(self, name: str) -> Any:
         """A backend's knob by its flat name (``cfg.precision.te_recipe``), read-only."""
-        for knobs in self.__dict__.get("backend_knobs", ()):
+        for knobs in self.__dict__.get("backend_knobs", ()):  # else a backend registered since: its default
             if name in knobs.__dataclass_fields__:
                 return getattr(knobs, name)
-        if not name.startswith("__"):  # a backend registered after this config was built: its default
-            for backend, cls in knob_configs().items():
-                if name in cls.__dataclass_fields__:
-                    return getattr(self.knobs(backend), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        owner = next((b for b, cls in knob_configs().items() if name in cls.__dataclass_fields__), None)
+        if owner is None or "backend_knobs" not in self.__dict__:  # (not yet built: unpickling)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.knobs(owner), name)
 
 
 def knob_configs() -> dict[str, type]:
-    """Each registered FP8 backend's ``Config`` (its own knobs), by backend name. Every knob is a flat key, so
-    a name that another backend or a section already has is refused, naming both."""
+    """Each registered FP8 backend's ``Config``, by backend name; a knob whose flat key is taken is refused."""
     owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
-    out = {}
-    for name in BACKENDS:
-        cls = BACKENDS[name].Config
-        if cls is None:
-            continue
-        for f in fields(cls):
-            if owners.setdefault(f.name, f"fp8={name!r}'s Config") != f"fp8={name!r}'s Config":
-                raise ValueError(f"fp8={name!r}: its knob {f.name!r} is already {owners[f.name]}'s option, and "
-                                 "every knob is a flat key: rename it (e.g. with the backend's name in front).")
-        out[name] = cls
+    out = {name: BACKENDS[name].Config for name in BACKENDS if BACKENDS[name].Config is not None}
+    for name, f in ((name, f) for name, cls in out.items() for f in fields(cls)):
+        if owners.setdefault(f.name, f"fp8={name!r}'s Config") != f"fp8={name!r}'s Config":
+            raise ValueError(f"fp8={name!r}: its knob {f.name!r} is already {owners[f.name]}'s option, and every "
+                             "knob is a flat key: rename it (e.g. with the backend's name in front).")
     return out
 
 

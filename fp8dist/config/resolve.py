@@ -41,8 +41,7 @@ _SECTIONS = SECTIONS
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section, or a knob of
-    one FP8 backend (``precision.knobs("te")``)."""
+    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
     """Strategy and its mixed precision."""
@@ -55,9 +54,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take (every backend's knobs)."""
-        flat = {f.name: getattr(getattr(self, name), f.name) for name, cls in _SECTIONS.items()
-                for _, f in flat_fields(cls)}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}
+        return {f.name: list(v) if isinstance(v := getattr(getattr(self, name), f.name), tuple) else v
+                for name, cls in _SECTIONS.items() for _, f in flat_fields(cls)}
 
     def unused_options(self) -> list[str]:
         """Messages for options changed from their default that the chosen strategy / backend / memory level does
@@ -95,20 +93,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                          "pass no config file.")
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of keys to values, got {type(data).__name__}.")
-    return translate_accelerate_config(_flat_knobs(data, str(path)), source=str(path))
+    return translate_accelerate_config(_flat_knobs(data), source=str(path))
 
 
-def _flat_knobs(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _flat_knobs(data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with each backend's knobs given nested under its name (``te: {te_recipe: current}``) made flat."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        cls = knob_configs().get(key) if isinstance(value, Mapping) else None
-        unknown = sorted(set(value) - set(cls.__dataclass_fields__)) if cls else []
-        if unknown:
-            raise ValueError(f"{source}: {key}: {unknown} are not knobs of fp8={key!r}; its knobs: "
-                             f"{', '.join(cls.__dataclass_fields__)}.")
-        out.update(value) if cls else out.__setitem__(key, value)
-    return out
+    nested = [k for k, v in data.items() if k in knob_configs() and isinstance(v, Mapping)]
+    return {**{k: v for k, v in data.items() if k not in nested}, **{k: v for n in nested for k, v in data[n].items()}}
 
 
 def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, *,
@@ -135,7 +126,7 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = load_config_file(config)
         source = str(config)
     elif isinstance(config, Mapping):
-        base = translate_accelerate_config(_flat_knobs(config, source), source=source)
+        base = translate_accelerate_config(_flat_knobs(config), source=source)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
     route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from

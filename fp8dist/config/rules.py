@@ -1,7 +1,6 @@
 """The one table of what combines. Each rule is owned by the axis that imposes it (a strategy, an FP8 backend or a
-memory level: their ``rules``), and so is each option an axis alone reads (their ``options``; a backend's own
-knobs are its ``Config``'s fields). This module reads
-those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
+memory level: their ``rules``), and so is each option an axis alone reads (their ``options``, a backend's
+``Config``). This module reads those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
 config once when it is built (so ``wrap_model``, the CLI, the bench's cells, the estimate and the Accelerate
 translator all refuse the same combinations, before anything changes), ``compile=None`` asks whether compile would
 be refused, the bench asks which cells can run.
@@ -88,8 +87,7 @@ def choices(key: str) -> tuple[Any, ...]:
 
 
 def _with(cfg: Any, **changes: Any) -> Any:
-    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config): each section flat,
-    its backends' knobs among its attributes."""
+    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config; knobs flat)."""
     return SimpleNamespace(**{name: SimpleNamespace(**{k: changes.get(k, v) for k, v in _values(cfg, name).items()})
                               for name in SECTIONS})
 
@@ -160,8 +158,7 @@ def _defaults() -> dict[str, Any]:
 
 def _owners() -> list[tuple[str, str, str, When]]:
     """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for a pipeline
-    step, When)``. A backend reads its own knobs (its ``Config``'s fields, each under its ``when``) and its
-    ``options``."""
+    step, When)``; a backend reads its ``Config``'s fields (each under its ``when``) and its ``options``."""
     out = [(f.name, "fp8", name, f.metadata.get("when", ALWAYS))
            for name, cls in knob_configs().items() for f in dataclasses.fields(cls)]
     axes = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]

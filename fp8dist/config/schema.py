@@ -52,9 +52,8 @@ def type_hints(cls: Any) -> dict[str, Any]:
 
 
 def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
-    """``(owner, field)`` for each option of config dataclass ``cls``, flat: a field whose ``nested`` metadata
-    gives classes (``FP8Config``'s backends' knobs, read when asked: a backend registers later) stands for their
-    fields, each a flat key of its own."""
+    """``(owner, field)`` for each option of config dataclass ``cls``: a field with ``nested`` metadata (a callable
+    giving classes, asked each time: FP8Config's backends' knobs) stands for their fields, each a flat key."""
     out = []
     for f in dataclasses.fields(cls):
         nested = f.metadata.get("nested")
@@ -195,8 +194,7 @@ def normalize_fields(obj: Any) -> None:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written right under each field of dataclass ``cls`` (torchtitan style); none where its
-    source cannot be read (a class made in an interactive session)."""
+    """The docstring written right under each field of dataclass ``cls`` (torchtitan style); none without source."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

@@ -62,7 +62,7 @@ class FP8Backend(Protocol):
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
-    """Options only this backend reads, each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
+    """Options it reads beyond its ``Config`` (shared ones, another backend's), each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
     rules: ClassVar[tuple[Rule, ...]] = ()
     """What this backend refuses to combine with (its rows of the combination table)."""
     takes_amax_group: ClassVar[bool] = False
@@ -165,11 +165,9 @@ class FP8Backend(Protocol):
 
     # knobs: the backend's own options, in its own module (torchtitan's converters' nested Config)
     Config: ClassVar[type | None] = None
-    """A frozen keyword-only dataclass of the knobs only this backend reads, each field typed, defaulted and
-    documented (a docstring under it): each is a flat key of ``wrap_model``, files, the CLI (``--<knob>``) and
-    ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata: ``when`` (a
-    :class:`~fp8dist.config.axis.When`: read only under it; set elsewhere, a note says so), ``min``, ``refused``,
-    ``aliases`` (:func:`fp8dist.config.schema.normalize_fields`). None: no knobs of its own."""
+    """A frozen kw-only dataclass of the knobs this backend owns (typed, defaulted, a docstring under each): flat keys
+    of ``wrap_model``, files, flags and ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata:
+    ``when`` (:class:`~fp8dist.config.axis.When` it is read under), ``min``, ``refused``, ``aliases``. None: none."""
 
 
 @functools.cache
