@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,6 +79,11 @@ def define_axes():
     class Scaled(FP8Backend):
         name = "scaled"
 
+        @dataclass(kw_only=True, frozen=True)
+        class Config:
+            scaled_margin: int = 0
+            """A knob of this backend alone: its conversion records it."""
+
         def hardware_reason(self, cfg, hardware):
             return None  # torch._scaled_mm runs FP8 GEMMs on a CPU too
 
@@ -85,7 +91,7 @@ def define_axes():
             return "ScaledLinear"
 
         def convert(self, model, plan, cfg):
-            names = {e.name for e in plan.fp8}
+            names, GEMMS["margin"] = {e.name for e in plan.fp8}, cfg.precision.knobs("scaled").scaled_margin
             for fqn, module in model.named_modules():
                 if fqn in names:
                     module.__class__ = ScaledLinear  # same parameters, an FP8 forward
@@ -174,11 +180,11 @@ def _rank(rank: int, world: int, ckpt: str) -> dict:
     hand = _hand_wired(rank)
     GEMMS["fp8"] = 0
     CALLS.clear()
-    model, opt = fp8dist.wrap_model(_model(), strategy="replicate", fp8="scaled", memory="sgd",
+    model, opt = fp8dist.wrap_model(_model(), strategy="replicate", fp8="scaled", memory="sgd", scaled_margin=1,
                                     optimizer={"type": "SGD", "lr": 0.1}, check_ranks="off")
     plan = fp8dist.get_plan(model)
     losses = _train(model, opt, rank)
-    out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "calls": list(CALLS), "opt": type(opt).__name__,
+    out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "margin": GEMMS["margin"], "calls": list(CALLS), "opt": type(opt).__name__,
            "plan_fp8": [e.name for e in plan.fp8], "plan_backend": plan.backend, "plan_strategy": plan.strategy,
            "classes": sorted({type(m).__name__ for m in model.modules()})}
     saved = fp8dist.save_checkpoint(ckpt, model, opt, step=3)
@@ -206,6 +212,7 @@ def test_a_new_strategy_backend_and_memory_level_run_through_everything(tmp_path
         assert r["plan_strategy"] == "replicate" and r["plan_backend"] == "scaled"
         assert r["plan_fp8"] == ["0", "2", "4"]  # the three Linears, none kept out by a rule it does not have
         assert r["gemms"] == 3 * 3  # three steps x three FP8 forward GEMMs: the plan's FP8 ran FP8
+        assert r["margin"] == 1  # the backend's own knob, given as a wrap_model keyword, reached its conversion
         assert "ScaledLinear" in r["classes"]
         assert r["calls"] == ["before_convert", "after_convert", "build_optimizer"] and r["opt"] == "SGD"
         assert r["restored"] and r["step"] == 3
@@ -225,6 +232,7 @@ def test_the_cli_lists_registered_values_among_its_choices():
     assert "--strategy {none,ddp,fsdp,fsdp1,deepspeed,replicate}" in flat
     assert "--fp8 {te,torchao,msamp,scaled,none}" in flat
     assert "--memory {standard,lean,sgd}" in flat
+    assert "--scaled-margin N" in flat  # the new backend's own knob is a flag
     bench = subprocess.run([sys.executable, "-c", code, "bench", "--help"], capture_output=True, text=True,
                            check=True).stdout
     flat = " ".join(bench.split())

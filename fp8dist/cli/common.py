@@ -10,8 +10,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from dataclasses import fields
-
+from ..config.schema import flat_fields
 from ..config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
 from ..train.models import LLAMA_SIZES
 
@@ -34,15 +33,13 @@ def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> 
 
     own = {f.name for cls in extra for f in dataclasses.fields(cls)}
     flat = load_config_file(args.config) if args.config else {}
-    given = {k: v for k, v in vars(args).items() if k in _CONFIG_KEYS or k in own}
+    keys = {f.name for section in (StrategyConfig, FP8Config) for _, f in flat_fields(section)}
+    given = {k: v for k, v in vars(args).items() if k in keys or k in own}
     merged = {**flat, **given}
     jobs = route_keys({k: v for k, v in merged.items() if k in own}, extra, source=args.config or "the command line")
     options = {k: v for k, v in merged.items() if k not in own}
     config = resolve_config(options, defaults={"fp8": default_fp8()}, source=args.config or "the command line")
     return config, jobs
-
-
-_CONFIG_KEYS = frozenset(f.name for section in (StrategyConfig, FP8Config) for f in fields(section))
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:

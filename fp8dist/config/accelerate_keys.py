@@ -9,14 +9,14 @@ value declares it (``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) a
 from __future__ import annotations
 
 import enum
-import functools
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ..fp8 import BACKENDS, get_backend
 from .options import FP8Config, StrategyConfig
+from .schema import flat_fields
 from ..strategies import STRATEGIES
 
 __all__ = ["NO_ACCELERATE_KEY", "targets"]
@@ -284,9 +284,9 @@ def targets() -> set[str]:
     return {key for table in tables for rule in table.values() for key in rule.to} | set(_schema()[2])
 
 
-@functools.cache
 def _schema() -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
-    """fp8dist's fields by key, their types, and the FP8 keys (the config dataclasses are the one source)."""
-    by_key = {f.name: f for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
-    hints = {**typing.get_type_hints(StrategyConfig), **typing.get_type_hints(FP8Config)}
-    return by_key, hints, tuple(f.name for f in fields(FP8Config) if f.name != "fp8")
+    """fp8dist's fields by key, their types, and the FP8 keys (the config dataclasses and each registered backend's
+    knobs are the one source)."""
+    flat = [pair for cls in (StrategyConfig, FP8Config) for pair in flat_fields(cls)]
+    by_key, hints = {f.name: f for _, f in flat}, {f.name: typing.get_type_hints(owner)[f.name] for owner, f in flat}
+    return by_key, hints, tuple(f.name for _, f in flat_fields(FP8Config) if f.name != "fp8")

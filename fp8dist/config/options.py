@@ -1,13 +1,14 @@
 """The fields a user sets, by section: :class:`StrategyConfig` (the strategy and its mixed precision) and
-:class:`FP8Config` (the FP8 backend and its knobs), each default written once. :mod:`fp8dist.config.resolve` combines them
+:class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module), each default written once. :mod:`fp8dist.config.resolve` combines them
 into a :class:`~fp8dist.config.resolve.Config` and reads files; :mod:`fp8dist.config.accelerate` translates Accelerate's
 keys into these fields. Both read the schema from here, so neither imports the other back."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Annotated, Any, Literal
 
 from .axis import BACKENDS, LEVELS, STRATEGIES
 from .schema import Choices, normalize_fields
@@ -18,7 +19,7 @@ DEFAULT_SEQ_LEN = 2048
 """Tokens per sequence assumed where ``seq_len`` is not given (the plan's header says so)."""
 
 __all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "MemoryLevelName",
-           "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN"]
+           "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "knob_configs"]
 
 Strategy = Annotated[str, Choices(STRATEGIES)]
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -68,7 +69,7 @@ class StrategyConfig:
     (ZeRO-2 style: more memory, less communication). FSDP2's unit of final norm and output layer always keeps
     them: backward needs them first."""
 
-    replicate_degree: int = 1
+    replicate_degree: int = field(default=1, metadata={"min": 1})
     """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
     the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
     reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
@@ -80,7 +81,7 @@ class StrategyConfig:
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
 
-    micro_batch_size: int = 1
+    micro_batch_size: int = field(default=1, metadata={"min": 1})
     """Sequences per rank per forward: DeepSpeed's train_micro_batch_size_per_gpu, and with seq_len the tokens
     the FP8 speed prediction is made at (fp8_select). fp8dist train and bench set it from their batch."""
 
@@ -89,7 +90,7 @@ class StrategyConfig:
     is made at (fp8_select). None: DEFAULT_SEQ_LEN (2048) assumed, and the plan says so. fp8dist train and bench
     set it."""
 
-    grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",)})
+    grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",), "min": 1})
     """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
     under every strategy (its global batch split over ranks x micro-batches); in your own loop, fp8dist.no_sync."""
 
@@ -146,9 +147,6 @@ class StrategyConfig:
         normalize_fields(self)
         if self.max_skipped_steps < 0:
             raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be 0 (never stop) or more.")
-        for name in ("micro_batch_size", "grad_accum", "replicate_degree"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len={self.seq_len} must be a positive integer (tokens per sequence), or none "
                              f"({DEFAULT_SEQ_LEN} assumed).")
@@ -157,10 +155,11 @@ class StrategyConfig:
                              "clipping off).")
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(kw_only=True, frozen=True, init=False)
 class FP8Config:
-    """Which FP8 backend is layered on top of the strategy, and its knobs. Knobs of other backends are
-    reported when set, never silently ignored."""
+    """Which FP8 backend is layered on top of the strategy, what every backend shares, and each backend's own knobs
+    (its ``Config``), given flat (``te_recipe=``), read as ``knobs("te").te_recipe`` or flat; a knob set for a
+    backend other than the chosen one is reported, never silently ignored."""
 
     fp8: FP8BackendName | None = None
     """FP8 backend: te (Transformer Engine), torchao (float8 training) or msamp (MS-AMP); none keeps the
@@ -183,65 +182,50 @@ class FP8Config:
     """fp8_select auto: a layer runs in FP8 where its predicted speedup over bf16 is at least this (1.0: every layer
     predicted faster; above 1 demands a clearer gain)."""
 
-    keep_first_last_linear: bool = True
-    """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
+    backend_knobs: tuple[Any, ...] = field(default=(), metadata={"nested": lambda: knob_configs().values()})
+    """One instance of each registered backend's ``Config``, in the registry's order, built from the flat keys."""
 
-    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
-    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
-
-    torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
-    """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
-    torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
-    auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
-    quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
-
-    fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default"})
-    """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only)."""
-
-    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
-    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
-    mxfp8 (MXFP8BlockScaling, Blackwell)."""
-
-    fp8_format: Literal["E4M3", "HYBRID"] = "HYBRID"
-    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
-
-    margin: int = 0
-    """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
-
-    interval: int = 1
-    """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
-    accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
-
-    amax_history_len: int = 1024
-    """TE delayed scaling: length of the amax history window."""
-
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
-    """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
-
-    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
-    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
-    DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
-
-    use_autocast_during_eval: bool = False
-    """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
-
-    opt_level: Literal["O1", "O2", "O3"] = "O2"
-    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.fp8_format, str) and self.fp8_format.upper() == "E5M2":
-            raise ValueError("fp8_format='E5M2' is not supported: E5M2 alone lacks the precision forward "
-                             "activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 gradients) or "
-                             "'E4M3'.")
-        normalize_fields(self)
-        for name, low in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least {low}.")
+    def __init__(self, *, backend_knobs: Iterable[Any] = (), **options: Any) -> None:
+        given = {type(knobs): knobs for knobs in backend_knobs}  # dataclasses.replace passes them back
+        for f in (f for f in fields(FP8Config) if not f.metadata.get("nested")):
+            object.__setattr__(self, f.name, options.pop(f.name, f.default))
+        built = []
+        for cls in knob_configs().values():
+            mine = {f.name: options.pop(f.name) for f in fields(cls) if f.name in options}
+            built.append(replace(given[cls], **mine) if cls in given else cls(**mine))
+        if options:
+            raise TypeError(f"FP8Config got unexpected keyword arguments {sorted(options)}")
+        object.__setattr__(self, "backend_knobs", tuple(built))
+        normalize_fields(self)  # each backend's knobs too, with their refusals and minimums
         if not 0 < self.fp8_select_margin < float("inf"):  # nan fails this too
             raise ValueError(f"fp8_select_margin={self.fp8_select_margin} must be a finite number > 0: the speedup "
                              f"over bf16 a layer must reach to run in FP8 ({DEFAULT_MARGIN}: any predicted gain).")
+
+    def knobs(self, backend: str) -> Any:
+        """Backend ``backend``'s knobs (its ``Config``; the defaults if it registered after this config); None: none."""
+        cls = BACKENDS[backend].Config
+        return None if cls is None else next((k for k in self.backend_knobs if type(k) is cls), None) or cls()
+
+    def __getattr__(self, name: str) -> Any:
+        """A backend's knob by its flat name (``cfg.precision.te_recipe``), read-only."""
+        for knobs in self.__dict__.get("backend_knobs", ()):  # else a backend registered since: its default
+            if name in knobs.__dataclass_fields__:
+                return getattr(knobs, name)
+        owner = next((b for b, cls in knob_configs().items() if name in cls.__dataclass_fields__), None)
+        if owner is None or "backend_knobs" not in self.__dict__:  # (not yet built: unpickling)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.knobs(owner), name)
+
+
+def knob_configs() -> dict[str, type]:
+    """Each registered FP8 backend's ``Config``, by backend name; a knob whose flat key is taken is refused."""
+    owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
+    out = {name: BACKENDS[name].Config for name in BACKENDS if BACKENDS[name].Config is not None}
+    for name, f in ((name, f) for name, cls in out.items() for f in fields(cls)):
+        if owners.setdefault(f.name, f"fp8={name!r}'s Config") != f"fp8={name!r}'s Config":
+            raise ValueError(f"fp8={name!r}: its knob {f.name!r} is already {owners[f.name]}'s option, and every "
+                             "knob is a flat key: rename it (e.g. with the backend's name in front).")
+    return out
 
 
 SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}

@@ -14,18 +14,18 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
 from .rules import check as check_combination
 from .rules import unused_options as options_unused
-from .schema import route_keys
+from .schema import flat_fields, route_keys
 from .accelerate import translate_accelerate_config
 from .files import read_config_text
 from .dtypes import torch_dtype
-from .options import SECTIONS, FP8Config, StrategyConfig
+from .options import SECTIONS, FP8Config, StrategyConfig, knob_configs
 
 __all__ = [
     "StrategyConfig",
@@ -37,12 +37,11 @@ __all__ = [
 ]
 
 _SECTIONS = SECTIONS
-_OPTION_NAMES = frozenset(f.name for section in SECTIONS.values() for f in fields(section))
 
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section."""
+    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
     """Strategy and its mixed precision."""
@@ -54,11 +53,9 @@ class Config:
         check_combination(self)  # the one table of what combines (fp8dist.config.rules), before anything uses the config
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take."""
-        flat: dict[str, Any] = {}
-        for name in _SECTIONS:
-            flat.update(asdict(getattr(self, name)))
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}
+        """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take (every backend's knobs)."""
+        return {f.name: list(v) if isinstance(v := getattr(getattr(self, name), f.name), tuple) else v
+                for name, cls in _SECTIONS.items() for _, f in flat_fields(cls)}
 
     def unused_options(self) -> list[str]:
         """Messages for options changed from their default that the chosen strategy / backend / memory level does
@@ -73,7 +70,8 @@ class Config:
         routed = route_keys(flat, _SECTIONS.values(), source=source)
         sections = {name: section(**routed[section]) for name, section in _SECTIONS.items()}
         if given is not None:
-            check_combination(SimpleNamespace(**sections), defaulted=_OPTION_NAMES - set(given))
+            names = {f.name for cls in _SECTIONS.values() for _, f in flat_fields(cls)}
+            check_combination(SimpleNamespace(**sections), defaulted=names - set(given))
         return cls(**sections)
 
 
@@ -95,7 +93,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                          "pass no config file.")
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of keys to values, got {type(data).__name__}.")
-    return translate_accelerate_config(data, source=str(path))
+    return translate_accelerate_config(_flat_knobs(data), source=str(path))
+
+
+def _flat_knobs(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with each backend's knobs given nested under its name (``te: {te_recipe: current}``) made flat."""
+    nested = [k for k, v in data.items() if k in knob_configs() and isinstance(v, Mapping)]
+    return {**{k: v for k, v in data.items() if k not in nested}, **{k: v for n in nested for k, v in data[n].items()}}
 
 
 def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, *,
@@ -122,7 +126,7 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = load_config_file(config)
         source = str(config)
     elif isinstance(config, Mapping):
-        base = translate_accelerate_config(config, source=source)
+        base = translate_accelerate_config(_flat_knobs(config), source=source)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
     route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from

@@ -1,6 +1,6 @@
 """The one table of what combines. Each rule is owned by the axis that imposes it (a strategy, an FP8 backend or a
-memory level: their ``rules``), and so is each option an axis alone reads (their ``options``). This module reads
-those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
+memory level: their ``rules``), and so is each option an axis alone reads (their ``options``, a backend's
+``Config``). This module reads those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
 config once when it is built (so ``wrap_model``, the CLI, the bench's cells, the estimate and the Accelerate
 translator all refuse the same combinations, before anything changes), ``compile=None`` asks whether compile would
 be refused, the bench asks which cells can run.
@@ -22,11 +22,11 @@ from collections.abc import Collection, Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from .axis import Rule, StrategyFacts, When
-from .schema import choices_of, type_hints
+from .axis import ALWAYS, Rule, StrategyFacts, When
+from .schema import choices_of, flat_fields, type_hints
 from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import LEVELS, get_level
-from .options import SECTIONS
+from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES, get_strategy
 
 __all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of", "choices"]
@@ -58,8 +58,10 @@ def table() -> list[tuple[str, Rule]]:
     return [(f"{key}={name!r}", rule) for key, values in owners for name, axis in values.items() for rule in axis.rules]
 
 
-def _values(cfg: Any) -> dict[str, Any]:
-    return {**vars(cfg.parallel), **vars(cfg.precision)}
+def _values(cfg: Any, section: str | None = None) -> dict[str, Any]:
+    """Every option of ``cfg`` (of one ``section``) by its flat key, each backend's knobs among them."""
+    return {f.name: getattr(getattr(cfg, name), f.name) for name, cls in SECTIONS.items()
+            if section in (None, name) for _, f in flat_fields(cls)}
 
 
 def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
@@ -70,10 +72,9 @@ def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
 def choices(key: str) -> tuple[Any, ...]:
     """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
     else ()."""
-    for section in SECTIONS.values():
-        hints = type_hints(section)
-        if key in hints:
-            hint = hints[key]
+    for owner, f in (pair for section in SECTIONS.values() for pair in flat_fields(section)):
+        if f.name == key:
+            hint = type_hints(owner)[key]
             union = typing.get_origin(hint) in (typing.Union, types.UnionType)
             values = []
             for arg in typing.get_args(hint) if union else (hint,):
@@ -86,13 +87,9 @@ def choices(key: str) -> tuple[Any, ...]:
 
 
 def _with(cfg: Any, **changes: Any) -> Any:
-    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config)."""
-    sections = {}
-    for name, section in SECTIONS.items():
-        current = getattr(cfg, name)
-        mine = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(section)}}
-        sections[name] = SimpleNamespace(**{**vars(current), **mine})
-    return SimpleNamespace(**sections)
+    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config; knobs flat)."""
+    return SimpleNamespace(**{name: SimpleNamespace(**{k: changes.get(k, v) for k, v in _values(cfg, name).items()})
+                              for name in SECTIONS})
 
 
 def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
@@ -162,16 +159,17 @@ def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:
 def _defaults() -> dict[str, Any]:
     out = {}
     for section in SECTIONS.values():
-        for f in dataclasses.fields(section):
+        for _, f in flat_fields(section):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             out[f.name] = list(default) if isinstance(default, tuple) else default
     return out
 
 
-def _owners() -> list[tuple[str, str, When]]:
+def _owners() -> list[tuple[str, str, str, When]]:
     """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for a pipeline
-    step, When)``."""
-    out = []
+    step, When)``; a backend reads its ``Config``'s fields (each under its ``when``) and its ``options``."""
+    out = [(f.name, "fp8", name, f.metadata.get("when", ALWAYS))
+           for name, cls in knob_configs().items() for f in dataclasses.fields(cls)]
     axes = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
     for key, values in axes:
         for name, axis in values.items():
@@ -207,7 +205,7 @@ def unused_options(cfg: Any) -> list[str]:
 
 def unread_options(cfg: Any) -> dict[str, str]:
     """``{option: note}`` for each option set away from its default that no chosen axis reads under ``cfg``."""
-    values, defaults, facts = _values(cfg), _defaults(), facts_of(cfg)
+    values, defaults, facts, flat = _values(cfg), _defaults(), facts_of(cfg), _with(cfg)
     chosen = {(key, values[key]) for key, _ in _axes(cfg)} | {("", "")}
     readers: dict[str, list[tuple[str, str, When]]] = {}
     for option, key, name, when in _owners():
@@ -215,7 +213,7 @@ def unread_options(cfg: Any) -> dict[str, str]:
     notes = {}
     for option, who in readers.items():
         value = list(values[option]) if isinstance(values[option], tuple) else values[option]
-        if value == defaults[option] or any((key, name) in chosen and when.holds(cfg, facts) for key, name, when in who):
+        if value == defaults[option] or any((key, name) in chosen and when.holds(flat, facts) for key, name, when in who):
             continue
         keys = dict.fromkeys(k for key, _, when in who
                              for k in (key, *when.options, *(("strategy",) if when.facts else ())) if k)

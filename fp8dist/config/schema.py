@@ -20,7 +20,7 @@ import typing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Choices", "choices_of", "type_hints", "normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
+__all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
            "choice_error", "BOOL_WORDS"]
 
 
@@ -49,6 +49,16 @@ def choices_of(hint: Any) -> tuple[Any, ...] | None:
 def type_hints(cls: Any) -> dict[str, Any]:
     """The fields' hints of dataclass ``cls``, :class:`Choices` kept."""
     return typing.get_type_hints(cls, include_extras=True)
+
+
+def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
+    """``(owner, field)`` for each option of config dataclass ``cls``: a field with ``nested`` metadata (a callable
+    giving classes, asked each time: FP8Config's backends' knobs) stands for their fields, each a flat key."""
+    out = []
+    for f in dataclasses.fields(cls):
+        nested = f.metadata.get("nested")
+        out += [pair for sub in nested() for pair in flat_fields(sub)] if nested else [(cls, f)]
+    return out
 
 
 def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
@@ -160,22 +170,35 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 def normalize_fields(obj: Any) -> None:
     """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
-    frozen or not; field metadata ``aliases`` gives other spellings of a field's values.
+    frozen or not, and of the dataclasses a ``nested`` field holds. Field metadata: ``aliases`` gives other
+    spellings of a field's values, ``refused`` values that are no choice with the reason (``{"E5M2": why}``),
+    ``min`` the least number the field takes.
 
     Raises:
         ValueError: naming the field, the value and, for choices, the choices.
     """
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value = normalize_value(f.name, getattr(obj, f.name), hints[f.name], f.metadata.get("aliases"),
-                                f.metadata.get("none"))
+        value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
+        if f.metadata.get("nested"):
+            for sub in value:
+                normalize_fields(sub)
+            continue
+        if isinstance(value, str) and value.upper() in refused:
+            raise ValueError(f"{f.name}={value.upper()!r} is not supported: {refused[value.upper()]}")
+        value = normalize_value(f.name, value, hints[f.name], f.metadata.get("aliases"), f.metadata.get("none"))
+        if low is not None and value < low:
+            raise ValueError(f"{f.name}={value} must be at least {low}.")
         object.__setattr__(obj, f.name, value)
 
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written right under each field of dataclass ``cls`` (torchtitan style)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    """The docstring written right under each field of dataclass ``cls`` (torchtitan style); none without source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for stmt, nxt in zip(body, body[1:]):
@@ -197,7 +220,7 @@ def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str)
     ``source`` says where the keys came from (``"wrap_model"``, a file name) for the error text.
     """
     classes = list(classes)
-    owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
+    owner = {f.name: cls for cls in classes for _, f in flat_fields(cls)}
     routed: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
     for key, value in flat.items():
         if key not in owner:
@@ -257,13 +280,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
     ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
     """
     group = parser.add_argument_group(title or cls.__name__)
-    hints = type_hints(cls)
-    docs = field_docs(cls)
     skip = set(skip)
-    for f in dataclasses.fields(cls):
+    for owner, f in flat_fields(cls):
         if f.name in skip:
             continue
-        kwargs = _flag_kwargs(f.name, hints[f.name], f.metadata.get("aliases"), f.metadata.get("none"))
+        hint, docs = type_hints(owner)[f.name], field_docs(owner)
+        kwargs = _flag_kwargs(f.name, hint, f.metadata.get("aliases"), f.metadata.get("none"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = (shown_defaults or {}).get(f.name, "none" if default is None else default)
         text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")  # argparse formats help with %

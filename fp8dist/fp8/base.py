@@ -78,7 +78,7 @@ class FP8Backend(Protocol):
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
-    """Options only this backend reads, each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
+    """Options it reads beyond its ``Config`` (shared ones, another backend's), each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
     rules: ClassVar[tuple[Rule, ...]] = ()
     """What this backend refuses to combine with (its rows of the combination table)."""
     takes_amax_group: ClassVar[bool] = False
@@ -239,6 +239,12 @@ class FP8Backend(Protocol):
         """The FP8 formats ``module``, converted by this backend, computes its GEMMs in, read from the module or
         the ``wiring`` (``WrapInfo.fp8``), for the precision report; None: not known (the report says "fp8")."""
         return None
+
+    # knobs: the backend's own options, in its own module (torchtitan's converters' nested Config)
+    Config: ClassVar[type | None] = None
+    """A frozen kw-only dataclass of the knobs this backend owns (typed, defaulted, a docstring under each): flat keys
+    of ``wrap_model``, files, flags and ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata:
+    ``when`` (:class:`~fp8dist.config.axis.When` it is read under), ``min``, ``refused``, ``aliases``. None: none."""
 
 
 @functools.cache

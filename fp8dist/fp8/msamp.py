@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..config.axis import ALWAYS, Rule, StrategyFacts
+from ..config.axis import Rule, StrategyFacts
 from ..plan.hardware import Hardware
 from ..pipeline.optim import build_optimizer
 from .base import EngineHooks, FP8Backend
+
+@dataclass(kw_only=True, frozen=True)
+class MSAMPConfig:
+    """MS-AMP's knobs (:attr:`FP8Backend.Config`)."""
+
+    opt_level: Literal["O1", "O2", "O3"] = "O2"
+    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
+
 
 _RULES = (
     Rule(("fp8", "strategy"), lambda cfg, facts: facts.shards_params,
@@ -42,7 +51,6 @@ class MSAMPBackend(FP8Backend):
     name = "msamp"
     package = "msamp"
     owns_optimizer = True
-    options = {"opt_level": ALWAYS}
     rules = _RULES
     meta_model_refusal = ("MS-AMP converts real weights. Build the model on the CPU (with pretrained=, wrap_model "
                           "loads it there), or use fp8='torchao' / 'te'")
@@ -107,6 +115,9 @@ class MSAMPBackend(FP8Backend):
         """A ScalingMeta (scale, scale_inv and a 1-long amax window, fp32: 12 bytes) for each of the weight, input,
         wgrad and ograd of every converted Linear."""
         return 4 * 12 * sum(not e.grouped for e in plan.fp8)
+
+    # knobs: its own, in this module
+    Config = MSAMPConfig
 
 
 def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Module, Any]:

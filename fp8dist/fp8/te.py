@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,44 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
     return new
 
 
+_DELAYED = When({"te_recipe": ("delayed",)})  # knobs DelayedScaling alone reads
+
+
+@dataclass(kw_only=True, frozen=True)
+class TEConfig:
+    """Transformer Engine's knobs (:attr:`FP8Backend.Config`)."""
+
+    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
+    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
+    mxfp8 (MXFP8BlockScaling, Blackwell)."""
+
+    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"refused": {"E5M2": (
+        "E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 "
+        "gradients) or 'E4M3'.")}})
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
+
+    margin: int = field(default=0, metadata={"when": _DELAYED, "min": 0})
+    """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
+
+    interval: int = field(default=1, metadata={"when": _DELAYED, "min": 1})
+    """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
+    accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
+
+    amax_history_len: int = field(default=1024, metadata={"when": _DELAYED, "min": 1})
+    """TE delayed scaling: length of the amax history window."""
+
+    amax_compute_algo: Literal["max", "most_recent"] = field(default="max", metadata={"when": _DELAYED})
+    """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
+
+    override_linear_precision: tuple[bool, bool, bool] = field(default=(False, False, False),
+                                                               metadata={"when": _DELAYED})
+    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
+    DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
+
+    use_autocast_during_eval: bool = False
+    """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
+
+
 _RETIRED_KNOBS = {
     "override_linear_precision": ("TE 2.x's nearest is Float8CurrentScaling(backward_override='high_precision'), "
                                   "backward GEMMs from high-precision operands, which fp8dist does not offer yet"),
@@ -81,7 +120,7 @@ def te_version() -> str:
 def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
     """The retired knobs the installed ``DelayedScaling`` still has, with the configured values; a non-default
     value of one it lacks is an error (TE would drop it silently)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(type(precision))}
+    defaults = {f.name: f.default for f in dataclasses.fields(TEConfig)}
     have = {f.name for f in dataclasses.fields(recipe_cls)}
     out = {}
     for name, replaced in _RETIRED_KNOBS.items():
@@ -154,10 +193,7 @@ _RULES = (
 class TEBackend(FP8Backend):
     name = "te"
     package = "transformer_engine"
-    options = {"te_recipe": ALWAYS, "fp8_format": ALWAYS, "use_autocast_during_eval": ALWAYS,
-               "torchao_moe_recipe": ALWAYS, **SELECTION_OPTIONS,
-               **dict.fromkeys(("margin", "interval", "amax_history_len", "amax_compute_algo",
-                                "override_linear_precision"), When({"te_recipe": ("delayed",)}))}
+    options = {"torchao_moe_recipe": ALWAYS, **SELECTION_OPTIONS}  # its MoE experts run torchao's grouped GEMMs
     rules = _RULES
     takes_amax_group = True
 
@@ -340,6 +376,9 @@ class TEBackend(FP8Backend):
         fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"
+
+    # knobs: its own, in this module
+    Config = TEConfig
 
 
 BACKEND = TEBackend()

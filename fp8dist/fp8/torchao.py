@@ -4,12 +4,13 @@ FSDP2 with the scale precompute wired to every optimizer step of the model's opt
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
@@ -20,6 +21,29 @@ from .order import gemm_order
 from .linear import is_plain_linear
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TorchaoConfig:
+    """torchao's knobs (:attr:`FP8Backend.Config`)."""
+
+    keep_first_last_linear: bool = True
+    """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
+
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
+
+    torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
+    """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
+    torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
+    auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
+    quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
+
+    fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
+                                                               "when": When(facts=("dtensor_shards",))})
+    """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
+    off for rowwise recipes (torchao supports it for tensorwise only)."""
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
@@ -63,8 +87,7 @@ def _plain_linear_like(module: nn.Module) -> bool:
 class TorchaoBackend(FP8Backend):
     name = "torchao"
     package = "torchao"
-    options = {"keep_first_last_linear": ALWAYS, "torchao_recipe": ALWAYS, "torchao_moe_recipe": ALWAYS,
-               "fp8_all_gather": When(facts=("dtensor_shards",)), **SELECTION_OPTIONS}
+    options = SELECTION_OPTIONS
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
@@ -213,6 +236,9 @@ class TorchaoBackend(FP8Backend):
         fwd = dtype_name(config.cast_config_input.target_dtype)
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
+
+    # knobs: its own, in this module
+    Config = TorchaoConfig
 
 
 BACKEND = TorchaoBackend()
