@@ -445,7 +445,7 @@ def test_mixtral_experts_under_strategies_that_break_torchaos_wrapper_say_so(str
     plan = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"))
     entry = plan.by_name("model.layers.0.mlp.experts")
     # the way out is asked of the backend with each other strategy's facts
-    assert entry.precision == "bf16" and entry.reason.endswith("; strategy='fsdp', 'ddp' or 'none' runs it in FP8")
+    assert entry.precision == "bf16" and entry.reason.endswith("; strategy='none', 'ddp' or 'fsdp' runs it in FP8")
 
 
 def test_mixtral_experts_outside_grouped_mm_are_not_claimed():
@@ -545,7 +545,7 @@ def test_mixtral_experts_that_fsdp2_would_shard_unevenly_stay_bf16_and_say_why(m
     entry = plan.by_name("model.layers.1.mlp.experts")
     assert entry.precision == "bf16"
     assert entry.reason.startswith("4 experts do not split evenly over 3 FSDP2 shards")
-    assert entry.reason.endswith("; strategy='ddp' or 'none' runs it in FP8")  # replicated: nothing to split
+    assert entry.reason.endswith("; strategy='none' or 'ddp' runs it in FP8")  # replicated: nothing to split
     even = fp8dist.plan_precision(mixtral_tiny(), cfg, device=torch.device("cpu"), world_size=2)
     assert even.by_name("model.layers.1.mlp.experts").precision == "fp8"
 
