@@ -1,14 +1,15 @@
 """A new engine is one file: a sharding strategy, an FP8 backend and a memory level defined here alone (subclasses
 of fp8dist's public ``Strategy``, ``FP8Backend`` and ``MemoryLevel``), registered through the public registries,
-run through everything a user touches — ``wrap_model``, training steps, ``save_checkpoint`` / ``load_checkpoint``,
-the precision report, the memory estimate, the plan and the CLI's choices — with no edit to any fp8dist module.
+run through everything a user touches — ``wrap_model``, training steps, ``no_sync`` and ``clip_grad_norm_``,
+``save_checkpoint`` / ``load_checkpoint``, the precision report, the memory estimate, the plan and the CLI's choices
+(``plan``, ``bench``), a backend knob as a keyword and a flag — with no edit to any fp8dist module.
 
 - The strategy is torch's composable ``replicate`` (DDP without a wrapper module: the model stays itself), the one
   the issue names as the next engine; its losses must equal the same engine wired by hand.
 - The backend runs every converted Linear's forward GEMM as a real FP8 GEMM (``torch._scaled_mm`` on e4m3 operands
   with per-tensor scales, as on a GPU), gradients in the compute dtype; a counter proves the FP8 GEMMs ran.
-- The memory level builds the optimizer itself (plain SGD) and records that it saw the model before and after
-  conversion.
+- The memory level builds the optimizer itself (plain SGD: no optimizer state, as the estimate then says) and
+  records that it saw the model before and after conversion.
 
 Registration happens inside the rank processes (and a child process for the CLI), so the suite's own registries
 never see these values.
@@ -16,6 +17,7 @@ never see these values.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -117,7 +119,11 @@ def define_axes():
 
     class SGDLevel(MemoryLevel):
         name = "sgd"
+        summary = "plain SGD, built by the level: no optimizer states"
         builds_optimizer = True
+
+        def element_bytes(self, base):
+            return dataclasses.replace(base, states=0, dtypes=(*base.dtypes[:3], "none"))
 
         def before_convert(self, model):
             CALLS.append("before_convert")
@@ -187,6 +193,11 @@ def _rank(rank: int, world: int, ckpt: str) -> dict:
     out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "margin": GEMMS["margin"], "calls": list(CALLS), "opt": type(opt).__name__,
            "plan_fp8": [e.name for e in plan.fp8], "plan_backend": plan.backend, "plan_strategy": plan.strategy,
            "classes": sorted({type(m).__name__ for m in model.modules()})}
+    with fp8dist.no_sync(model, last=False):  # the base's answer: nothing to skip, every micro-batch reduced
+        model(_batches(rank)[0]).float().pow(2).mean().backward()
+    out["norm"] = fp8dist.clip_grad_norm_(model, 1e-3).item()
+    out["norm_by_hand"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    opt.zero_grad()
     saved = fp8dist.save_checkpoint(ckpt, model, opt, step=3)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -198,9 +209,8 @@ def _rank(rank: int, world: int, ckpt: str) -> dict:
     rep = fp8dist.report(model, opt)
     out["report"] = str(rep)
     est = fp8dist.estimate_memory(_model(), strategy="replicate", fp8="scaled", memory="sgd", world_size=world,
-                                  micro_batch_size=8, seq_len=1, optimizer="sgd")
-    out["estimate_bytes"] = est.total_bytes if hasattr(est, "total_bytes") else None
-    out["estimate"] = str(est)
+                                  micro_batch_size=8, seq_len=1)
+    out["estimate"], out["estimate_bytes"], out["estimate_dtypes"] = str(est), est.bytes, est.dtypes
     dist.barrier()
     return out
 
@@ -218,6 +228,12 @@ def test_a_new_strategy_backend_and_memory_level_run_through_everything(tmp_path
         assert r["restored"] and r["step"] == 3
         assert "replicate" in r["report"]
         assert "replicate" in r["estimate"] and "scaled" in r["estimate"]
+        numel = sum(p.numel() for p in _model().parameters())
+        # replicated (the strategy's default layout), fp32 weights and gradients, no optimizer state (the level's)
+        assert r["estimate_bytes"]["parameters"] == r["estimate_bytes"]["gradients"] == 4 * numel
+        assert r["estimate_dtypes"]["optimizer_states"] == "none"
+    assert results[0]["norm"] == results[1]["norm"] > 1e-3  # the all-reduced gradients' norm, before clipping
+    assert all(abs(r["norm_by_hand"] - 1e-3) < 1e-6 for r in results)  # ... and clipped to 1e-3 on every rank
     assert results[0]["ours"] != results[1]["ours"]  # each rank its own batches, one model: gradients all-reduced
 
 
