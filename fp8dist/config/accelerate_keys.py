@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..fp8 import BACKENDS, get_backend
+from ..fp8 import BACKENDS
 from .options import FP8Config, StrategyConfig
 from .schema import flat_fields
 from ..strategies import STRATEGIES
@@ -208,8 +208,8 @@ _DS_FILE_DECIDES = ("zero_stage", "offload_optimizer_device", "offload_param_dev
                     "gradient_clipping", "zero3_save_16bit_model")  # beside a DeepSpeed json: refused, as Accelerate
 
 _FP8: dict[str, _Rule] = {
-    "backend": _to("fp8", _Registry(lambda: ((get_backend(name).accelerate_backend, name) for name in BACKENDS
-                                             if get_backend(name).accelerate_backend), first=("TE", "AO", "MSAMP"))),
+    "backend": _to("fp8", _Registry(lambda: ((backend.accelerate_backend, name) for name, backend in BACKENDS.items()
+                                             if backend.accelerate_backend), first=("TE", "AO", "MSAMP"))),
     **{key: _to(key) for key in ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
                                  "use_autocast_during_eval", "opt_level")},
     "override_linear_precision": _to("override_linear_precision", convert=_listed),
