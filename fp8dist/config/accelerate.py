@@ -1,21 +1,11 @@
-"""Files written by ``accelerate config``, read as fp8dist keys.
+"""Files written by ``accelerate config``, read as fp8dist keys by the tables of :mod:`.accelerate_keys`: each key
+becomes an fp8dist option and value, nothing (the value is what fp8dist does anyway), a name in the one launcher
+notice, a line in the one notice about building the model, or a ValueError naming the key, the value, what fp8dist
+accepts and the way out. fp8dist's own keys may stand beside.
 
-The tables below say what each key of Accelerate's config format (``config_args.py``, the wizard in ``cluster.py``,
-the spellings its launcher also takes) becomes: an fp8dist option and value; nothing, quietly, when the value is
-what fp8dist does anyway (``fsdp_use_orig_params: true``); a name in the one launcher notice (``num_processes``);
-a line in the one notice about building the model (``fsdp_cpu_ram_efficient_loading``: fp8dist does it when the
-model is built on the meta device); or a ValueError naming the key, the value, what fp8dist accepts and the way
-out. fp8dist's own keys may stand beside.
-
-It cannot drift from the library: every target is an option of :mod:`fp8dist.config.options` (its values are normalized
-and checked there), every option is either a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and
-an Accelerate key that sets an option the chosen strategy / backend does not read is what the same option is as a
-keyword or a flag: one warning naming who reads it, from the combination table (:func:`fp8dist.config.rules.
-unused_options`), where the config is used; the translator adds no rule of its own.
-
-Example::
-
-    flat = translate_accelerate_config(yaml.safe_load(text), source="default_config.yaml")
+It cannot drift from the library: every target is an option of :mod:`.options` (normalized and checked there), every
+option is a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and an option set that the chosen axes
+do not read is reported as for a keyword (:func:`.rules.unused_options`): the translator adds no rule of its own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The fields a user sets, by section: :class:`StrategyConfig` (the strategy and its mixed precision) and
-:class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module), each default written once. :mod:`fp8dist.config.resolve` combines them
-into a :class:`~fp8dist.config.resolve.Config` and reads files; :mod:`fp8dist.config.accelerate` translates Accelerate's
-keys into these fields. Both read the schema from here, so neither imports the other back."""
+"""The fields a user sets, by section, each default written once: :class:`StrategyConfig` (the strategy and its mixed
+precision) and :class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module)."""
 
 from __future__ import annotations
 
@@ -27,8 +25,6 @@ FP8BackendName = Annotated[str, Choices(BACKENDS)]
 MemoryLevelName = Annotated[str, Choices(LEVELS)]
 Device = Literal["auto", "cpu", "cuda"]
 CheckpointingMode = Literal["none", "full", "selective"]
-
-
 _DTYPE = {"aliases": DTYPE_ALIASES}
 
 

@@ -1,15 +1,12 @@
-"""Generic machinery for fp8dist's keyword-only config dataclasses.
-
-One place turns a dataclass into: validation of every field against its type (``Literal`` choices, bool, int,
-float, str, tuples), the docstring written under each field, a flat ``key -> section`` routing table, and
-``argparse`` flags. The dataclasses in :mod:`fp8dist.config.resolve` and :mod:`fp8dist.train.job` hold the defaults; this
-module never defines one.
-"""
+"""Generic machinery for fp8dist's keyword-only config dataclasses: validation of every field against its type, the
+docstring under each field, routing flat keys to their dataclass, and ``argparse`` flags. It never defines a
+default: the dataclasses hold them."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -20,8 +17,8 @@ import typing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
-           "choice_error", "BOOL_WORDS"]
+__all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fields", "normalize_value", "field_docs",
+           "route_keys", "add_arguments", "cli_flag", "choice_error", "BOOL_WORDS"]
 
 
 class Choices:
@@ -103,17 +100,13 @@ def _normalize_scalar(name: str, value: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
             return BOOL_WORDS[value.strip().lower()]
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
+        if isinstance(value, int) and value in (0, 1):  # True and False among them
             return bool(value)
         raise ValueError(f"{name}={value!r} must be true or false (also yes/no, 1/0).")
     if hint in (int, float):
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = hint(value.strip())
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
             raise ValueError(f"{name}={value!r} must be {_describe_type(hint)}.")
         return value
@@ -200,17 +193,9 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
+    return {stmt.target.id: " ".join(nxt.value.value.split()) for stmt, nxt in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:
