@@ -114,5 +114,4 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = translate_accelerate_config(_flat_knobs(config), source=source)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
-    route_keys(base, SECTIONS.values(), source=source)  # an unknown key is named with the file it came from
     return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source, given={*base, *overrides})

@@ -23,14 +23,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from .axis import ALWAYS, Rule, StrategyFacts, When
-from .schema import choices_of, flat_fields, type_hints
-from .schema import route_keys
+from .schema import choices_of, flat_fields, route_keys, type_hints
 from ..fp8 import BACKENDS  # importing the axes' packages registers the built-in values
 from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES
 
-__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of", "choices"]
+__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
+           "choices"]
 
 PIPELINE_STEPS = {
     "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
@@ -73,18 +73,11 @@ def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
 def choices(key: str) -> tuple[Any, ...]:
     """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
     else ()."""
-    for owner, f in (pair for section in SECTIONS.values() for pair in flat_fields(section)):
-        if f.name == key:
-            hint = type_hints(owner)[key]
-            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-            values = []
-            for arg in typing.get_args(hint) if union else (hint,):
-                if choices_of(arg) is not None:
-                    values += choices_of(arg)
-                elif arg is bool:
-                    values += [True, False]
-            return tuple(dict.fromkeys(values))
-    return ()
+    hint = next((type_hints(owner)[key] for section in SECTIONS.values() for owner, f in flat_fields(section)
+                 if f.name == key), None)
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    values = [value for arg in args for value in choices_of(arg) or ((True, False) if arg is bool else ())]
+    return tuple(dict.fromkeys(values))
 
 
 def _with(cfg: Any, **changes: Any) -> Any:
@@ -133,8 +126,7 @@ def refusal_of(**options: Any) -> str | None:
     """The first refusal of the config ``options`` make (None: they combine), for a planner that builds many
     configs (the bench's cells); a bad option value raises ValueError as in any config."""
     routed = route_keys(options, SECTIONS.values(), source="options")
-    cfg = SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()})
-    found = refusals(cfg)
+    found = refusals(SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()}))
     return found[0] if found else None
 
 
@@ -151,8 +143,7 @@ def check(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None =
 def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:
     """The first rule ``cfg`` would break with ``changes`` (``compile=True``: would compile be refused here?), or
     None."""
-    rules = _applying(_with(cfg, **changes))
-    return rules[0] if rules else None
+    return next(iter(_applying(_with(cfg, **changes))), None)
 
 
 def _readers() -> dict[str, list[tuple[str, str, When]]]:
