@@ -1,10 +1,7 @@
-"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as data: the tables that
-:mod:`fp8dist.config.accelerate` reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the
-spellings its launcher also takes). A key maps to an fp8dist option (``_to``), is accepted with the values fp8dist has
-anyway (``_only``), goes to the launcher notice or the notice about building the model, or is refused with the
-reason and the way out. Which strategy or FP8 backend an Accelerate value selects is not written here: each axis
-value declares it (``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries.
-"""
+"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as data that :mod:`.accelerate`
+reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the spellings its launcher also takes).
+Which strategy or FP8 backend an Accelerate value selects is not written here: each axis value declares it
+(``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries."""
 
 from __future__ import annotations
 

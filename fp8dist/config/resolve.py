@@ -27,7 +27,7 @@ __all__ = ["StrategyConfig", "FP8Config", "Config", "resolve_config", "load_conf
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section or a backend's knob."""
+    """Everything ``wrap_model`` needs, by concern. Keys are flat: each a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
     """Strategy and its mixed precision."""
@@ -36,7 +36,7 @@ class Config:
     """FP8 backend and its knobs."""
 
     def __post_init__(self) -> None:
-        check_combination(self)  # the one table of what combines (fp8dist.config.rules), before anything uses the config
+        check_combination(self)  # the one table of what combines (.rules), before anything uses the config
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take (every backend's knobs)."""
@@ -99,9 +99,6 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
             e.g. the CLI's ``fp8``); the dataclasses' defaults stand under them.
         source: where a mapping ``config`` came from, for the error text (a path names itself).
         **overrides: flat keys (``strategy="fsdp1"``, ``param_dtype="bf16"``); they win over ``config``.
-
-    Returns:
-        A validated :class:`Config`.
     """
     if config is None:
         base: dict[str, Any] = {}

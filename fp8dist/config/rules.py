@@ -3,15 +3,8 @@ memory level: their ``rules``), and so is each option an axis alone reads (their
 ``Config``). This module reads those and nothing else, and everything that needs to know asks it: every
 :class:`~fp8dist.config.resolve.Config` is checked once when built (so every entry point refuses the same
 combinations, before anything changes), ``compile=None`` asks whether compile would be refused, the bench asks
-which cells can run.
-
-A refusal names the values as given and, unless its rule says what to do instead, the way out is derived from the
-table itself: the values of each option involved that would combine with the rest as given.
-
-Example::
-
-    refusals(resolve_config(strategy="fsdp", fp8="msamp"))   # one message, way out included
-"""
+which cells can run. A refusal names the values as given and, unless its rule says what to do instead, the way out
+derived from the table: the values of each option involved that would combine with the rest as given."""
 
 from __future__ import annotations
 

@@ -129,7 +129,6 @@ def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
 def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
                     none: str | None = None) -> Any:
     """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices.
-
     One normalization for Python, files and the command line: choices match case-insensitively ("FSDP"),
     ``aliases`` map other spellings ("bfloat16", ``torch.bfloat16``), text parses as the field's type ("3",
     "false"), "none" is None where None is allowed, a list is a tuple. ``none`` says what None means for this
@@ -163,13 +162,9 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 def normalize_fields(obj: Any) -> None:
     """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
-    frozen or not, and of the dataclasses a ``nested`` field holds. Field metadata: ``aliases`` gives other
-    spellings of a field's values, ``refused`` values that are no choice with the reason (``{"E5M2": why}``),
-    ``min`` the least number the field takes.
-
-    Raises:
-        ValueError: naming the field, the value and, for choices, the choices.
-    """
+    frozen or not, and of the dataclasses a ``nested`` field holds; ValueError naming the field, the value and,
+    for choices, the choices. Field metadata: ``aliases`` gives other spellings of a field's values, ``refused``
+    values that are no choice with the reason (``{"E5M2": why}``), ``min`` the least number the field takes."""
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
@@ -199,11 +194,9 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:
-    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes``.
-
-    Keys are field names, unique across ``classes``. An unknown key raises ValueError listing the valid keys.
-    ``source`` says where the keys came from (``"wrap_model"``, a file name) for the error text.
-    """
+    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes`` (whose field names are
+    unique across them). An unknown key raises ValueError listing the valid keys and naming ``source``, where the
+    keys came from (``"wrap_model"``, a file name)."""
     classes = list(classes)
     owner = {f.name: cls for cls in classes for _, f in flat_fields(cls)}
     routed: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
@@ -259,11 +252,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
     """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
     are parsed as in Python (:func:`normalize_value`). A boolean field takes ``--flag`` (true), ``--flag VALUE``
     (true/false/yes/no/1/0) and ``--no-flag`` (false). A field's ``cli_aliases`` metadata adds other spellings of
-    its flag (another tool's name for the same knob).
-
-    Flags default to "not given" (absent from the namespace), so a YAML file can sit under the command line.
-    ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
-    """
+    its flag (another tool's name for the same knob). Flags default to "not given" (absent from the namespace), so
+    a YAML file can sit under the command line. ``shown_defaults``: a command's own default where it differs from
+    the dataclass's."""
     group = parser.add_argument_group(title or cls.__name__)
     skip = set(skip)
     for owner, f in flat_fields(cls):
