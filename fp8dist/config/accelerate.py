@@ -48,10 +48,7 @@ def _lookup(values: Mapping[Any, Any], value: Any) -> tuple[Any, Any]:
     """The entry of ``values`` for ``value``: text case-insensitively, booleans also as true/false/yes/no."""
     text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     for key, result in values.items():
-        if isinstance(key, bool):
-            if value is key or (text in BOOL_WORDS and BOOL_WORDS[text] is key):
-                return key, result
-        elif text == str(key).lower():
+        if (value is key or BOOL_WORDS.get(text) is key) if isinstance(key, bool) else text == str(key).lower():
             return key, result
     raise KeyError(value)
 
@@ -95,8 +92,7 @@ def _apply(where: str, rule: _Rule, value: Any, state: _State, name: str) -> Non
         state.seen[name] = value
         return
     if rule.values is None:
-        key = rule.to[0]
-        matched = result = _normalized(key, rule.convert(value) if rule.convert else value, where)
+        matched = result = _normalized(rule.to[0], rule.convert(value) if rule.convert else value, where)
     else:
         matched, result = _match(where, rule, value)
     state.seen[name] = matched

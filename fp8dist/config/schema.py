@@ -38,8 +38,7 @@ def choices_of(hint: Any) -> tuple[Any, ...] | None:
     if origin is typing.Literal:
         return typing.get_args(hint)
     if origin is typing.Annotated:
-        found = [m for m in hint.__metadata__ if isinstance(m, Choices)]
-        return tuple(found[0]) if found else None
+        return next((tuple(m) for m in hint.__metadata__ if isinstance(m, Choices)), None)
     return None
 
 
