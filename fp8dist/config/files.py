@@ -25,8 +25,7 @@ def no_duplicate_keys(what: str, path: Path):
 
 
 def parse_json(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as JSON; ValueError naming the file for a syntax error or a duplicate
-    key."""
+    """``text`` (the contents of ``path``) as JSON; a syntax error or a duplicate key names the file."""
     try:
         return json.loads(text, object_pairs_hook=no_duplicate_keys(what, path))
     except json.JSONDecodeError as err:
@@ -59,8 +58,7 @@ def _strict_loader():
 
 
 def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as YAML; ValueError naming the file, the line and the column for a
-    syntax error or a duplicate key."""
+    """``text`` (the contents of ``path``) as YAML; a syntax error or duplicate key names the file, line and column."""
     import yaml
 
     try:

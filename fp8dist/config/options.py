@@ -132,9 +132,7 @@ class StrategyConfig:
     that part is ever allocated; none: the model keeps its weights (a meta model gets its own initialization)."""
 
     def __post_init__(self) -> None:
-        blocks = self.block_classes  # classes are taken by name
-        if isinstance(blocks, type):
-            blocks = (blocks,)
+        blocks = (self.block_classes,) if isinstance(self.block_classes, type) else self.block_classes  # by name
         if isinstance(blocks, (list, tuple, set, frozenset)):
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
