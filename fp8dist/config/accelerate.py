@@ -1,21 +1,11 @@
-"""Files written by ``accelerate config``, read as fp8dist keys.
+"""Files written by ``accelerate config``, read as fp8dist keys by the tables of :mod:`.accelerate_keys`: each key
+becomes an fp8dist option and value, nothing (the value is what fp8dist does anyway), a name in the one launcher
+notice, a line in the one notice about building the model, or a ValueError naming the key, the value, what fp8dist
+accepts and the way out. fp8dist's own keys may stand beside.
 
-The tables below say what each key of Accelerate's config format (``config_args.py``, the wizard in ``cluster.py``,
-the spellings its launcher also takes) becomes: an fp8dist option and value; nothing, quietly, when the value is
-what fp8dist does anyway (``fsdp_use_orig_params: true``); a name in the one launcher notice (``num_processes``);
-a line in the one notice about building the model (``fsdp_cpu_ram_efficient_loading``: fp8dist does it when the
-model is built on the meta device); or a ValueError naming the key, the value, what fp8dist accepts and the way
-out. fp8dist's own keys may stand beside.
-
-It cannot drift from the library: every target is an option of :mod:`fp8dist.config.options` (its values are normalized
-and checked there), every option is either a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and
-an Accelerate key that sets an option the chosen strategy / backend does not read is what the same option is as a
-keyword or a flag: one warning naming who reads it, from the combination table (:func:`fp8dist.config.rules.
-unused_options`), where the config is used; the translator adds no rule of its own.
-
-Example::
-
-    flat = translate_accelerate_config(yaml.safe_load(text), source="default_config.yaml")
+It cannot drift from the library: every target is an option of :mod:`.options` (normalized and checked there), every
+option is a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and an option set that the chosen axes
+do not read is reported as for a keyword (:func:`.rules.unused_options`): the translator adds no rule of its own.
 """
 
 from __future__ import annotations
@@ -58,10 +48,7 @@ def _lookup(values: Mapping[Any, Any], value: Any) -> tuple[Any, Any]:
     """The entry of ``values`` for ``value``: text case-insensitively, booleans also as true/false/yes/no."""
     text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     for key, result in values.items():
-        if isinstance(key, bool):
-            if value is key or (text in BOOL_WORDS and BOOL_WORDS[text] is key):
-                return key, result
-        elif text == str(key).lower():
+        if (value is key or BOOL_WORDS.get(text) is key) if isinstance(key, bool) else text == str(key).lower():
             return key, result
     raise KeyError(value)
 
@@ -105,8 +92,7 @@ def _apply(where: str, rule: _Rule, value: Any, state: _State, name: str) -> Non
         state.seen[name] = value
         return
     if rule.values is None:
-        key = rule.to[0]
-        matched = result = _normalized(key, rule.convert(value) if rule.convert else value, where)
+        matched = result = _normalized(rule.to[0], rule.convert(value) if rule.convert else value, where)
     else:
         matched, result = _match(where, rule, value)
     state.seen[name] = matched

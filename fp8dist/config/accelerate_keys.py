@@ -1,10 +1,7 @@
-"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as data: the tables that
-:mod:`fp8dist.config.accelerate` reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the
-spellings its launcher also takes). A key maps to an fp8dist option (``_to``), is accepted with the values fp8dist has
-anyway (``_only``), goes to the launcher notice or the notice about building the model, or is refused with the
-reason and the way out. Which strategy or FP8 backend an Accelerate value selects is not written here: each axis
-value declares it (``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries.
-"""
+"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as data that :mod:`.accelerate`
+reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the spellings its launcher also takes).
+Which strategy or FP8 backend an Accelerate value selects is not written here: each axis value declares it
+(``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..fp8 import BACKENDS, get_backend
+from ..fp8 import BACKENDS
 from .options import FP8Config, StrategyConfig
 from .schema import flat_fields
 from ..strategies import STRATEGIES
@@ -208,8 +205,8 @@ _DS_FILE_DECIDES = ("zero_stage", "offload_optimizer_device", "offload_param_dev
                     "gradient_clipping", "zero3_save_16bit_model")  # beside a DeepSpeed json: refused, as Accelerate
 
 _FP8: dict[str, _Rule] = {
-    "backend": _to("fp8", _Registry(lambda: ((get_backend(name).accelerate_backend, name) for name in BACKENDS
-                                             if get_backend(name).accelerate_backend), first=("TE", "AO", "MSAMP"))),
+    "backend": _to("fp8", _Registry(lambda: ((backend.accelerate_backend, name) for name, backend in BACKENDS.items()
+                                             if backend.accelerate_backend), first=("TE", "AO", "MSAMP"))),
     **{key: _to(key) for key in ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
                                  "use_autocast_during_eval", "opt_level")},
     "override_linear_precision": _to("override_linear_precision", convert=_listed),

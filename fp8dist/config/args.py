@@ -1,4 +1,4 @@
-"""Checks of plain Python arguments of fp8dist's public functions (config fields go through :mod:`fp8dist.config.schema`)."""
+"""Checks of plain Python arguments of fp8dist's public functions (config fields go through :mod:`.schema`)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""What the three axes of a run (strategy, FP8 backend, memory level) share, as data.
-
-- :class:`StrategyFacts`: what a sharding strategy does to parameters, the one thing FP8 backends and memory levels
-  learn about it. They never see its name or its engine's classes, so a rule such as "torchao all-gathers in FP8
-  only where parameters are per-parameter DTensor shards" is written against the fact and holds for any strategy
-  that has it. Each strategy states its facts; the plan records them (``plan.facts``), so a backend's conversion
-  and wiring read the facts the plan was made with.
-- :class:`Rule`: one row of the combination table (:mod:`fp8dist.config.rules`), owned by the axis that imposes it.
-- :class:`When`: the condition under which an axis reads one of its options (an option set where nothing reads it
-  is reported, never silently ignored).
-- :class:`Registry`: the values of one axis by name (:data:`STRATEGIES`, :data:`BACKENDS`, :data:`LEVELS`): the one
-  list the config's choices, the CLI, the bench and every tool read, where a new value registers.
-"""
+"""What the three axes of a run (strategy, FP8 backend, memory level) share, as data: the facts of a strategy, a
+rule of the combination table, the condition under which an option is read, and each axis's registry."""
 
 from __future__ import annotations
 
@@ -24,7 +13,10 @@ __all__ = ["StrategyFacts", "Rule", "When", "ALWAYS", "Registry", "STRATEGIES", 
 
 @dataclass(frozen=True)
 class StrategyFacts:
-    """How a strategy holds, computes and updates parameters."""
+    """How a strategy holds, computes and updates parameters: the one thing FP8 backends and memory levels learn
+    about it. They never see its name or its engine's classes, so a rule written against a fact ("torchao
+    all-gathers in FP8 only where parameters are DTensor shards") holds for any strategy that has it. The plan
+    records them (``plan.facts``): a backend's conversion and wiring read the facts the plan was made with."""
 
     dtensor_shards: bool = False
     """Each parameter is a DTensor sharded on dim 0 over a shard group and all-gathered per unit (FSDP2): the
@@ -86,16 +78,12 @@ class When:
     """Names of :class:`StrategyFacts` fields that must be true."""
 
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
-        values = {**_flat(cfg.parallel), **_flat(cfg.precision)}
+        values = {**vars(cfg.parallel), **vars(cfg.precision)}
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
 ALWAYS = When()
 """Read whenever its axis is chosen."""
-
-
-def _flat(section: Any) -> dict[str, Any]:
-    return dict(vars(section))
 
 
 class Registry(Mapping[str, Any]):

@@ -1,14 +1,6 @@
-"""The one reader of the files a user configures fp8dist with: fp8dist's YAML/JSON config, a file written by
-``accelerate config``, a DeepSpeed json (``ds_config``) and a model's ``config.json`` (``--model-config``).
-
-JSON and YAML both let a key given twice in one mapping win silently (the last one): a file holding ``lr`` twice
-runs with one of them and the reader never knows it wrote the other. Here a duplicate key is an error naming the
-key, the file and (YAML) both lines. Syntax errors name the file, the line and the column.
-
-Example::
-
-    data = read_config_text(Path("fp8dist.yaml"), what="config file")   # None for an empty file
-"""
+"""The one reader of the files a user configures fp8dist with (its YAML/JSON config, Accelerate's, a DeepSpeed json,
+a model's ``config.json``). JSON and YAML both let a key given twice in one mapping win silently: here it is an error
+naming the key, the file and (YAML) both lines. Syntax errors name the file, the line and the column."""
 
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ def no_duplicate_keys(what: str, path: Path):
 
 
 def parse_json(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as JSON; ValueError naming the file for a syntax error or a duplicate
-    key."""
+    """``text`` (the contents of ``path``) as JSON; a syntax error or a duplicate key names the file."""
     try:
         return json.loads(text, object_pairs_hook=no_duplicate_keys(what, path))
     except json.JSONDecodeError as err:
@@ -67,8 +58,7 @@ def _strict_loader():
 
 
 def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as YAML; ValueError naming the file, the line and the column for a
-    syntax error or a duplicate key."""
+    """``text`` (the contents of ``path``) as YAML; a syntax error or duplicate key names the file, line and column."""
     import yaml
 
     try:

@@ -1,7 +1,5 @@
-"""The fields a user sets, by section: :class:`StrategyConfig` (the strategy and its mixed precision) and
-:class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module), each default written once. :mod:`fp8dist.config.resolve` combines them
-into a :class:`~fp8dist.config.resolve.Config` and reads files; :mod:`fp8dist.config.accelerate` translates Accelerate's
-keys into these fields. Both read the schema from here, so neither imports the other back."""
+"""The fields a user sets, by section, each default written once: :class:`StrategyConfig` (the strategy and its mixed
+precision) and :class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module)."""
 
 from __future__ import annotations
 
@@ -27,8 +25,6 @@ FP8BackendName = Annotated[str, Choices(BACKENDS)]
 MemoryLevelName = Annotated[str, Choices(LEVELS)]
 Device = Literal["auto", "cpu", "cuda"]
 CheckpointingMode = Literal["none", "full", "selective"]
-
-
 _DTYPE = {"aliases": DTYPE_ALIASES}
 
 
@@ -136,9 +132,7 @@ class StrategyConfig:
     that part is ever allocated; none: the model keeps its weights (a meta model gets its own initialization)."""
 
     def __post_init__(self) -> None:
-        blocks = self.block_classes  # classes are taken by name
-        if isinstance(blocks, type):
-            blocks = (blocks,)
+        blocks = (self.block_classes,) if isinstance(self.block_classes, type) else self.block_classes  # by name
         if isinstance(blocks, (list, tuple, set, frozenset)):
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))

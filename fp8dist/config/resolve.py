@@ -1,9 +1,5 @@
-"""The one config: the sections of :mod:`fp8dist.config.options` (where every default is written, once) combined, checked
-together, and read from Python keywords, files and flags.
-
-Python keyword options (``wrap_model(m, strategy="fsdp", reduce_dtype="bf16")``), a YAML/JSON file and the
-``fp8dist`` CLI flags all land in these dataclasses. Every key is a field name; a bad value raises ValueError
-naming the field, the value and the choices.
+"""The one config: the sections of :mod:`fp8dist.config.options` combined, checked together, and read from Python
+keywords (``wrap_model(m, strategy="fsdp")``), YAML/JSON files and the CLI's flags, every key a field name.
 
 Example::
 
@@ -19,29 +15,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from .rules import check as check_combination
-from .rules import unused_options as options_unused
+from .rules import check as check_combination, unused_options as options_unused
 from .schema import flat_fields, route_keys
 from .accelerate import translate_accelerate_config
 from .files import read_config_text
 from .dtypes import torch_dtype
 from .options import SECTIONS, FP8Config, StrategyConfig, knob_configs
 
-__all__ = [
-    "StrategyConfig",
-    "FP8Config",
-    "Config",
-    "resolve_config",
-    "load_config_file",
-    "torch_dtype",
-]
-
-_SECTIONS = SECTIONS
+__all__ = ["StrategyConfig", "FP8Config", "Config", "resolve_config", "load_config_file", "torch_dtype"]
 
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """Everything ``wrap_model`` needs, by concern. Keys are flat: each is a field of one section or a backend's knob."""
+    """Everything ``wrap_model`` needs, by concern. Keys are flat: each a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
     """Strategy and its mixed precision."""
@@ -50,16 +36,15 @@ class Config:
     """FP8 backend and its knobs."""
 
     def __post_init__(self) -> None:
-        check_combination(self)  # the one table of what combines (fp8dist.config.rules), before anything uses the config
+        check_combination(self)  # the one table of what combines (.rules), before anything uses the config
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{key: value}`` dict, the same keys a YAML file and ``wrap_model`` take (every backend's knobs)."""
         return {f.name: list(v) if isinstance(v := getattr(getattr(self, name), f.name), tuple) else v
-                for name, cls in _SECTIONS.items() for _, f in flat_fields(cls)}
+                for name, cls in SECTIONS.items() for _, f in flat_fields(cls)}
 
     def unused_options(self) -> list[str]:
-        """Messages for options changed from their default that the chosen strategy / backend / memory level does
-        not read (:func:`fp8dist.config.rules.unused_options`)."""
+        """A note for each option changed from its default that no chosen axis reads (:func:`.rules.unused_options`)."""
         return options_unused(self)
 
     @classmethod
@@ -67,10 +52,10 @@ class Config:
                   given: Collection[str] | None = None) -> "Config":
         """Build from flat keys; unknown keys and bad values raise ValueError. ``given``: the keys the user set
         (None: all of ``flat``); a refused combination names any other option in it as the default."""
-        routed = route_keys(flat, _SECTIONS.values(), source=source)
-        sections = {name: section(**routed[section]) for name, section in _SECTIONS.items()}
+        routed = route_keys(flat, SECTIONS.values(), source=source)
+        sections = {name: section(**routed[section]) for name, section in SECTIONS.items()}
         if given is not None:
-            names = {f.name for cls in _SECTIONS.values() for _, f in flat_fields(cls)}
+            names = {f.name for cls in SECTIONS.values() for _, f in flat_fields(cls)}
             check_combination(SimpleNamespace(**sections), defaulted=names - set(given))
         return cls(**sections)
 
@@ -114,9 +99,6 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
             e.g. the CLI's ``fp8``); the dataclasses' defaults stand under them.
         source: where a mapping ``config`` came from, for the error text (a path names itself).
         **overrides: flat keys (``strategy="fsdp1"``, ``param_dtype="bf16"``); they win over ``config``.
-
-    Returns:
-        A validated :class:`Config`.
     """
     if config is None:
         base: dict[str, Any] = {}
@@ -129,5 +111,4 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         base = translate_accelerate_config(_flat_knobs(config), source=source)
     else:
         raise TypeError(f"config must be a Config, a dict or a path to a YAML/JSON file, got {type(config).__name__}.")
-    route_keys(base, _SECTIONS.values(), source=source)  # an unknown key is named with the file it came from
     return Config.from_dict({**(defaults or {}), **base, **overrides}, source=source, given={*base, *overrides})

@@ -1,17 +1,10 @@
 """The one table of what combines. Each rule is owned by the axis that imposes it (a strategy, an FP8 backend or a
 memory level: their ``rules``), and so is each option an axis alone reads (their ``options``, a backend's
-``Config``). This module reads those and nothing else, and everything that needs to know asks it: :class:`~fp8dist.config.resolve.Config` checks every
-config once when it is built (so ``wrap_model``, the CLI, the bench's cells, the estimate and the Accelerate
-translator all refuse the same combinations, before anything changes), ``compile=None`` asks whether compile would
-be refused, the bench asks which cells can run.
-
-A refusal names the values as given and, unless its rule says what to do instead, the way out is derived from the
-table itself: the values of each option involved that would combine with the rest as given.
-
-Example::
-
-    refusals(resolve_config(strategy="fsdp", fp8="msamp"))   # one message, way out included
-"""
+``Config``). This module reads those and nothing else, and everything that needs to know asks it: every
+:class:`~fp8dist.config.resolve.Config` is checked once when built (so every entry point refuses the same
+combinations, before anything changes), ``compile=None`` asks whether compile would be refused, the bench asks
+which cells can run. A refusal names the values as given and, unless its rule says what to do instead, the way out
+derived from the table: the values of each option involved that would combine with the rest as given."""
 
 from __future__ import annotations
 
@@ -23,13 +16,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from .axis import ALWAYS, Rule, StrategyFacts, When
-from .schema import choices_of, flat_fields, type_hints
-from ..fp8 import BACKENDS, get_backend
-from ..memory_levels import LEVELS, get_level
+from .schema import choices_of, flat_fields, route_keys, type_hints
+from ..fp8 import BACKENDS  # importing the axes' packages registers the built-in values
+from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
-from ..strategies import STRATEGIES, get_strategy
+from ..strategies import STRATEGIES
 
-__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of", "choices"]
+__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
+           "choices"]
 
 PIPELINE_STEPS = {
     "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
@@ -37,25 +31,25 @@ PIPELINE_STEPS = {
 }
 """Options a step of the pipeline reads, and when: the block step (activation checkpointing and compile, per
 block), the guard of non-finite steps."""
+_AXES = (("strategy", STRATEGIES), ("fp8", BACKENDS), ("memory", LEVELS))
 
 
 def facts_of(cfg: Any, world_size: int | None = None) -> StrategyFacts:
     """The facts of ``cfg``'s strategy (on ``world_size`` ranks, when known)."""
-    return get_strategy(cfg.parallel.strategy).facts(cfg, world_size)
+    return STRATEGIES[cfg.parallel.strategy].facts(cfg, world_size)
 
 
 def _axes(cfg: Any) -> Iterator[tuple[str, Any]]:
     """The chosen axis objects, each with the option that chose it."""
-    yield "strategy", get_strategy(cfg.parallel.strategy)
+    yield "strategy", STRATEGIES[cfg.parallel.strategy]
     if cfg.precision.fp8 is not None:
-        yield "fp8", get_backend(cfg.precision.fp8)
-    yield "memory", get_level(cfg.parallel.memory)
+        yield "fp8", BACKENDS[cfg.precision.fp8]
+    yield "memory", LEVELS[cfg.parallel.memory]
 
 
 def table() -> list[tuple[str, Rule]]:
     """Every rule of every axis value, each with its owner (``"fp8='msamp'"``): the whole table, for reading."""
-    owners = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
-    return [(f"{key}={name!r}", rule) for key, values in owners for name, axis in values.items() for rule in axis.rules]
+    return [(f"{key}={name!r}", rule) for key, values in _AXES for name, axis in values.items() for rule in axis.rules]
 
 
 def _values(cfg: Any, section: str | None = None) -> dict[str, Any]:
@@ -72,18 +66,11 @@ def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
 def choices(key: str) -> tuple[Any, ...]:
     """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
     else ()."""
-    for owner, f in (pair for section in SECTIONS.values() for pair in flat_fields(section)):
-        if f.name == key:
-            hint = type_hints(owner)[key]
-            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-            values = []
-            for arg in typing.get_args(hint) if union else (hint,):
-                if choices_of(arg) is not None:
-                    values += choices_of(arg)
-                elif arg is bool:
-                    values += [True, False]
-            return tuple(dict.fromkeys(values))
-    return ()
+    hint = next((type_hints(owner)[key] for section in SECTIONS.values() for owner, f in flat_fields(section)
+                 if f.name == key), None)
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    values = [value for arg in args for value in choices_of(arg) or ((True, False) if arg is bool else ())]
+    return tuple(dict.fromkeys(values))
 
 
 def _with(cfg: Any, **changes: Any) -> Any:
@@ -131,11 +118,8 @@ def refusals(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | Non
 def refusal_of(**options: Any) -> str | None:
     """The first refusal of the config ``options`` make (None: they combine), for a planner that builds many
     configs (the bench's cells); a bad option value raises ValueError as in any config."""
-    from .schema import route_keys
-
     routed = route_keys(options, SECTIONS.values(), source="options")
-    cfg = SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()})
-    found = refusals(cfg)
+    found = refusals(SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()}))
     return found[0] if found else None
 
 
@@ -152,30 +136,21 @@ def check(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None =
 def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:
     """The first rule ``cfg`` would break with ``changes`` (``compile=True``: would compile be refused here?), or
     None."""
-    rules = _applying(_with(cfg, **changes))
-    return rules[0] if rules else None
+    return next(iter(_applying(_with(cfg, **changes))), None)
 
 
-def _defaults() -> dict[str, Any]:
-    out = {}
-    for section in SECTIONS.values():
-        for _, f in flat_fields(section):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            out[f.name] = list(default) if isinstance(default, tuple) else default
-    return out
-
-
-def _owners() -> list[tuple[str, str, str, When]]:
-    """Who reads each axis-specific option, and when: ``(option, axis option, axis value or "" for a pipeline
-    step, When)``; a backend reads its ``Config``'s fields (each under its ``when``) and its ``options``."""
-    out = [(f.name, "fp8", name, f.metadata.get("when", ALWAYS))
-           for name, cls in knob_configs().items() for f in dataclasses.fields(cls)]
-    axes = [("strategy", STRATEGIES), ("fp8", {name: get_backend(name) for name in BACKENDS}), ("memory", LEVELS)]
-    for key, values in axes:
-        for name, axis in values.items():
-            out += [(option, key, name, when) for option, when in axis.options.items()]
-    out += [(option, "", "", when) for option, whens in PIPELINE_STEPS.items() for when in whens]
-    return out
+def _readers() -> dict[str, list[tuple[str, str, When]]]:
+    """Who reads each axis-specific option, and when: ``{option: [(axis option, axis value, When)]}``, ``("", "")``
+    for a pipeline step; a backend reads its ``Config``'s fields (each under its ``when``) and its ``options``."""
+    found = [(f.name, "fp8", name, f.metadata.get("when", ALWAYS))
+             for name, cls in knob_configs().items() for f in dataclasses.fields(cls)]
+    found += [(option, key, name, when) for key, values in _AXES for name, axis in values.items()
+              for option, when in axis.options.items()]
+    found += [(option, "", "", when) for option, whens in PIPELINE_STEPS.items() for when in whens]
+    readers: dict[str, list[tuple[str, str, When]]] = {}
+    for option, key, name, when in found:
+        readers.setdefault(option, []).append((key, name, when))
+    return readers
 
 
 def _needs(readers: list[tuple[str, str, When]]) -> str:
@@ -205,16 +180,15 @@ def unused_options(cfg: Any) -> list[str]:
 
 def unread_options(cfg: Any) -> dict[str, str]:
     """``{option: note}`` for each option set away from its default that no chosen axis reads under ``cfg``."""
-    values, defaults, facts, flat = _values(cfg), _defaults(), facts_of(cfg), _with(cfg)
+    values, facts, flat = _values(cfg), facts_of(cfg), _with(cfg)
+    defaults = _values(SimpleNamespace(**{name: section() for name, section in SECTIONS.items()}))
     chosen = {(key, values[key]) for key, _ in _axes(cfg)} | {("", "")}
-    readers: dict[str, list[tuple[str, str, When]]] = {}
-    for option, key, name, when in _owners():
-        readers.setdefault(option, []).append((key, name, when))
     notes = {}
-    for option, who in readers.items():
-        value = list(values[option]) if isinstance(values[option], tuple) else values[option]
-        if value == defaults[option] or any((key, name) in chosen and when.holds(flat, facts) for key, name, when in who):
+    for option, who in _readers().items():
+        if values[option] == defaults[option] or any((key, name) in chosen and when.holds(flat, facts)
+                                                     for key, name, when in who):
             continue
+        value = list(values[option]) if isinstance(values[option], tuple) else values[option]
         keys = dict.fromkeys(k for key, _, when in who
                              for k in (key, *when.options, *(("strategy",) if when.facts else ())) if k)
         notes[option] = (f"{option}={value!r} has no effect here (read only when {_needs(who)}; "

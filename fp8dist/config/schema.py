@@ -1,15 +1,12 @@
-"""Generic machinery for fp8dist's keyword-only config dataclasses.
-
-One place turns a dataclass into: validation of every field against its type (``Literal`` choices, bool, int,
-float, str, tuples), the docstring written under each field, a flat ``key -> section`` routing table, and
-``argparse`` flags. The dataclasses in :mod:`fp8dist.config.resolve` and :mod:`fp8dist.train.job` hold the defaults; this
-module never defines one.
-"""
+"""Generic machinery for fp8dist's keyword-only config dataclasses: validation of every field against its type, the
+docstring under each field, routing flat keys to their dataclass, and ``argparse`` flags. It never defines a
+default: the dataclasses hold them."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -20,8 +17,8 @@ import typing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fields", "normalize_value", "field_docs", "route_keys", "add_arguments", "cli_flag",
-           "choice_error", "BOOL_WORDS"]
+__all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fields", "normalize_value", "field_docs",
+           "route_keys", "add_arguments", "cli_flag", "choice_error", "BOOL_WORDS"]
 
 
 class Choices:
@@ -41,8 +38,7 @@ def choices_of(hint: Any) -> tuple[Any, ...] | None:
     if origin is typing.Literal:
         return typing.get_args(hint)
     if origin is typing.Annotated:
-        found = [m for m in hint.__metadata__ if isinstance(m, Choices)]
-        return tuple(found[0]) if found else None
+        return next((tuple(m) for m in hint.__metadata__ if isinstance(m, Choices)), None)
     return None
 
 
@@ -103,17 +99,13 @@ def _normalize_scalar(name: str, value: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
             return BOOL_WORDS[value.strip().lower()]
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
+        if isinstance(value, int) and value in (0, 1):  # True and False among them
             return bool(value)
         raise ValueError(f"{name}={value!r} must be true or false (also yes/no, 1/0).")
     if hint in (int, float):
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = hint(value.strip())
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
             raise ValueError(f"{name}={value!r} must be {_describe_type(hint)}.")
         return value
@@ -136,7 +128,6 @@ def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
 def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
                     none: str | None = None) -> Any:
     """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices.
-
     One normalization for Python, files and the command line: choices match case-insensitively ("FSDP"),
     ``aliases`` map other spellings ("bfloat16", ``torch.bfloat16``), text parses as the field's type ("3",
     "false"), "none" is None where None is allowed, a list is a tuple. ``none`` says what None means for this
@@ -170,13 +161,9 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 def normalize_fields(obj: Any) -> None:
     """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
-    frozen or not, and of the dataclasses a ``nested`` field holds. Field metadata: ``aliases`` gives other
-    spellings of a field's values, ``refused`` values that are no choice with the reason (``{"E5M2": why}``),
-    ``min`` the least number the field takes.
-
-    Raises:
-        ValueError: naming the field, the value and, for choices, the choices.
-    """
+    frozen or not, and of the dataclasses a ``nested`` field holds; ValueError naming the field, the value and,
+    for choices, the choices. Field metadata: ``aliases`` gives other spellings of a field's values, ``refused``
+    values that are no choice with the reason (``{"E5M2": why}``), ``min`` the least number the field takes."""
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
@@ -200,25 +187,15 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
+    return {stmt.target.id: " ".join(nxt.value.value.split()) for stmt, nxt in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:
-    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes``.
-
-    Keys are field names, unique across ``classes``. An unknown key raises ValueError listing the valid keys.
-    ``source`` says where the keys came from (``"wrap_model"``, a file name) for the error text.
-    """
+    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes`` (whose field names are
+    unique across them). An unknown key raises ValueError listing the valid keys and naming ``source``, where the
+    keys came from (``"wrap_model"``, a file name)."""
     classes = list(classes)
     owner = {f.name: cls for cls in classes for _, f in flat_fields(cls)}
     routed: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
@@ -274,11 +251,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
     """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
     are parsed as in Python (:func:`normalize_value`). A boolean field takes ``--flag`` (true), ``--flag VALUE``
     (true/false/yes/no/1/0) and ``--no-flag`` (false). A field's ``cli_aliases`` metadata adds other spellings of
-    its flag (another tool's name for the same knob).
-
-    Flags default to "not given" (absent from the namespace), so a YAML file can sit under the command line.
-    ``shown_defaults`` describes a command's own default where it differs from the dataclass's.
-    """
+    its flag (another tool's name for the same knob). Flags default to "not given" (absent from the namespace), so
+    a YAML file can sit under the command line. ``shown_defaults``: a command's own default where it differs from
+    the dataclass's."""
     group = parser.add_argument_group(title or cls.__name__)
     skip = set(skip)
     for owner, f in flat_fields(cls):

@@ -11,12 +11,7 @@ _SIBILANT = ("s", "x", "z", "ch", "sh")
 
 def plural(count: int, noun: str, many: str | None = None) -> str:
     """``count`` and ``noun`` agreeing, the count with thousands separators: "1 step", "2 steps", "1,024 windows",
-    "3 batches". ``many``: an irregular plural.
-
-    Example::
-
-        f"linear warm-up over {plural(warmup, 'step')}"
-    """
+    "3 batches". ``many``: an irregular plural."""
     if count == 1:
         return f"{count:,} {noun}"
     return f"{count:,} {many or noun + ('es' if noun.endswith(_SIBILANT) else 's')}"
