@@ -140,18 +140,16 @@ def _tokens(cfg: Any) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class _Context:
-    """What predicting a module needs, found once per plan."""
+    """What predicting a module needs, found once per plan: the GPU record and the Linear layers' speed-model
+    recipe (each None where there is none), and the FP8 backend, which names the MoE experts' recipe."""
 
     gpu: Any
-    """The GPU record, or None."""
     recipe: str | None
-    """The Linear layers' speed-model recipe, or None."""
     tokens: int
     compile: bool
     cfg: Any
     hardware: Hardware
     backend: Any
-    """The plan's FP8 backend (:class:`~fp8dist.fp8.FP8Backend`): it names the speed model's recipes."""
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
@@ -210,18 +208,10 @@ def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: fl
 
 def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
            numerics: Any = None, fallback: Callable[[nn.Module], str]) -> tuple[list[Any], Selection, list[str]]:
-    """Decide which of the plan's FP8 entries stay in FP8. Call from :func:`fp8dist.plan_precision` once every
-    other rule has been applied (the backend present, its hardware gate passed).
-
-    Args:
-        model: the unwrapped model (the entries' modules are read from it).
-        entries: the plan's entries; those with precision "fp8" are candidates.
-        cfg: the resolved config (fp8_select, its margin, the tokens, the recipe).
-        hardware: the plan's hardware (its GPU record gives the peaks).
-        compile: whether the blocks compile when FP8 runs (torchao's casts fuse under compile).
-        numerics: a :class:`~fp8dist.plan.numerics.NumericsReport` or its ``to_dict()`` (the JSON ``fp8dist probe
-            --json`` writes), or None.
-        fallback: the strategy's precision of a module kept out of FP8.
+    """Decide which of the plan's FP8 entries (precision "fp8") stay in FP8, by ``cfg``'s fp8_select and the
+    ``numerics`` report (:func:`numerics_verdicts`). Call from :func:`fp8dist.plan_precision` once every other rule
+    has been applied (the backend present, its hardware gate passed). ``compile``: whether the blocks compile when
+    FP8 runs (torchao's casts fuse under compile); ``fallback``: the strategy's precision of a module kept out.
 
     Returns:
         The entries as decided, the :class:`Selection`, and notes for the user.

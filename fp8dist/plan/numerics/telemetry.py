@@ -27,6 +27,7 @@ from ...config.schema import normalize_value
 from ...fp8.casts import CastSpec
 from ...fp8.torchao import float8_linear_casts
 from .casts import CONTRACTION_DIM
+from .stats import json_number
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["FP8Telemetry", "ROLES"]
@@ -195,12 +196,11 @@ class FP8Telemetry:
                     entry[role] = {"amax": None, "scale": None, "flushed_share": None, "finite": True}
                     continue
                 nonzero, flushed = counts[i][r]
-                entry[role] = {"amax": _finite(amax[i][r]),
-                               "scale": _finite(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
-                               "flushed_share": flushed / nonzero if nonzero else 0.0,
+                entry[role] = {"amax": json_number(amax[i][r]),
+                               "scale": json_number(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
+                               # nan: a weight under rowwise scaling, amax and scale only
+                               "flushed_share": None if math.isnan(nonzero) else flushed / nonzero if nonzero else 0.0,
                                "finite": math.isfinite(amax[i][r])}
-                if math.isnan(nonzero):  # a weight under rowwise scaling: amax and scale only
-                    entry[role]["flushed_share"] = None
             record["layers"][layer.name] = entry
             layer.acc = {}
         self.records.append(record)
@@ -300,10 +300,6 @@ def _rank() -> int:
 def _all_reduce(t: torch.Tensor, op: Any) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=op)
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def _scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:
