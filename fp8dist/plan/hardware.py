@@ -57,11 +57,7 @@ TARGETS: dict[str, Hardware] = {
 
 def parse_target(text: str) -> Hardware:
     """The :class:`Hardware` a target names: a GPU (``h100``, ``b200``, ...; case-insensitive), a CUDA capability
-    (``sm_90``, ``sm_100``, ``sm90``) or ``cpu``.
-
-    Raises:
-        ValueError: anything else, naming the choices.
-    """
+    (``sm_90``, ``sm_100``, ``sm90``) or ``cpu``; ValueError naming the choices for anything else."""
     key = text.strip().lower()
     if key in TARGETS:
         return TARGETS[key]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +74,7 @@ def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) ->
     """What a non-FP8 layer computes in under the strategy: an engine that casts parameters (FSDP, DeepSpeed) runs
     every layer in param_dtype; under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls),
     the rest stays fp32."""
-    if not facts.autocast_forward:
-        return cfg.parallel.param_dtype
-    return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
+    return cfg.parallel.param_dtype if not facts.autocast_forward or runs_gemm(module) else "fp32"
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
@@ -128,9 +126,6 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def __iter__(self) -> Iterator[PlanEntry]:
-        return iter(self._entries)
 
     def by_name(self, name: str) -> PlanEntry:
         """The entry of module ``name``."""

@@ -113,23 +113,6 @@ def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> s
             f"{first.groups} experts, {first.m:,} routed rows{basis})")
 
 
-def _mode(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str]]:
-    """(mode, why, notes) from fp8_select and the plan's hardware."""
-    asked, gpu = cfg.precision.fp8_select, hardware.type == "cuda"
-    if asked == "all":
-        return "all", "fp8_select='all', asked for", []
-    if asked == "auto" and not gpu:
-        return "all", f"fp8_select='auto' asked for, but {hardware} is not a GPU: all", [
-            f"fp8_select='auto' on {hardware}: FP8 speed is predicted for CUDA GPUs only, so every eligible layer "
-            "converts as under fp8_select='all'. Plan for a GPU with target= (fp8dist plan --target h100), or pass "
-            "fp8_select='all'."]
-    if asked == "auto":
-        return "auto", "fp8_select='auto', asked for", []
-    if gpu:
-        return "auto", f"the default where the plan's hardware is a GPU: {hardware}", []
-    return "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed", []
-
-
 def _tokens(cfg: Any) -> tuple[int, str]:
     micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
     if seq is None:
@@ -153,27 +136,22 @@ class _Context:
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none)."""
+    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none; e.g. a recipe
+    the GPU lacks: te_mxfp8 on an H100 planned with the hardware check off)."""
     from ..fp8.conv1d import conv1d_dims, is_conv1d
     from ..fp8.moe import is_experts
 
-    if not is_experts(module):
+    if is_experts(module):
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        if not isinstance(top_k, int):
+            return (), "the experts' top_k (config.num_experts_per_tok) is not known"
+        recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
+        if recipe is None:
+            return (), why_not
+        shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
+    else:
         k, n = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
-        return _predicted([(ctx.tokens, k, n, 1)], ctx.recipe or "", ctx)
-    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-    if not isinstance(top_k, int):
-        return (), "the experts' top_k (config.num_experts_per_tok) is not known"
-    recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
-    if recipe is None:
-        return (), why_not
-    shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
-    return _predicted(shapes, recipe, ctx)
-
-
-def _predicted(shapes: list[tuple[int, int, int, int]], recipe: str,
-               ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """Predictions of GEMMs ``(m, k, n, groups)``, or ((), why not): a recipe the GPU lacks (te_mxfp8 on an
-    H100 planned with the hardware check off)."""
+        recipe, shapes = ctx.recipe or "", [(ctx.tokens, k, n, 1)]
     try:
         return tuple(predict_linear(m, k, n, target=ctx.gpu, recipe=recipe, compile=ctx.compile, groups=groups)
                      for m, k, n, groups in shapes), ""
@@ -239,8 +217,22 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
 
 
 def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list[str], Any, str | None, str]:
-    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted)."""
-    mode, why, notes = _mode(cfg, hardware)
+    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted), from
+    fp8_select and the plan's hardware."""
+    asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
+    if asked == "all":
+        mode, why = "all", "fp8_select='all', asked for"
+    elif asked == "auto" and not on_gpu:
+        mode, why = "all", f"fp8_select='auto' asked for, but {hardware} is not a GPU: all"
+        notes.append(f"fp8_select='auto' on {hardware}: FP8 speed is predicted for CUDA GPUs only, so every eligible "
+                     "layer converts as under fp8_select='all'. Plan for a GPU with target= (fp8dist plan --target "
+                     "h100), or pass fp8_select='all'.")
+    elif asked == "auto":
+        mode, why = "auto", "fp8_select='auto', asked for"
+    elif on_gpu:
+        mode, why = "auto", f"the default where the plan's hardware is a GPU: {hardware}"
+    else:
+        mode, why = "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed"
     lookup = find_gpu(hardware)
     gpu, unpredicted = lookup.spec, lookup.reason
     if gpu is not None and not gpu.has_fp8:
@@ -249,7 +241,7 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
     unpredicted = unpredicted or no_model
     if mode == "auto" and (gpu is None or recipe is None):
         mode, why = "all", f"{why}; but {unpredicted}: all"
-        if cfg.precision.fp8_select == "auto":
+        if asked == "auto":
             notes.append(f"fp8_select='auto' cannot predict here ({unpredicted}): every eligible layer converts as "
                          "under fp8_select='all'.")
     if mode == "all" and cfg.precision.fp8_select_margin != type(cfg.precision)().fp8_select_margin:
@@ -316,11 +308,8 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
 def with_read_options(cfg: Any, **values: Any) -> Any:
     """``cfg`` with option ``values`` that a job knows (its ``micro_batch_size`` and ``seq_len``; the bench's
     ``fp8_select``), each set only where something reads it under ``cfg``, so that a run which does not read one
-    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``.
-
-    Raises:
-        ValueError: a value the option does not take.
-    """
+    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``. ValueError: a
+    value the option does not take."""
     from ..config.rules import unread_options
 
     def changed(options: Mapping[str, Any]) -> Any:

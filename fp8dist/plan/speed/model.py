@@ -73,11 +73,8 @@ class LinearPrediction:
 
 def resolve_gpu(target: str | Hardware | GpuSpec) -> GpuSpec:
     """The GPU record of ``target``: a ``--target`` name ("h100"), a :class:`~fp8dist.plan.hardware.Hardware` (a named
-    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is).
-
-    Raises:
-        ValueError: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8
-            tensor cores; each naming the way out.
+    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is). ValueError, naming the way
+    out: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8 tensor cores.
     """
     spec = target
     if not isinstance(target, GpuSpec):

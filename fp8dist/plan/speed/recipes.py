@@ -115,11 +115,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP,
 
 
 def recipe_named(name: str) -> Recipe:
-    """The recipe called ``name``.
-
-    Raises:
-        ValueError: an unknown name, naming the choices.
-    """
+    """The recipe called ``name``; ValueError naming the choices for an unknown one."""
     if name not in RECIPES:
         raise ValueError(f"recipe {name!r} is not one the speed model knows: choose one of {', '.join(RECIPES)} "
                          "(torchao: tensorwise, rowwise, rowwise_with_gw_hp; Transformer Engine: te_*; MoE grouped "

@@ -122,11 +122,8 @@ def predict_step(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuS
 
 
 def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ...]:
-    """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs.
-
-    Raises:
-        ValueError: a backend the speed model does not cover, naming those it does.
-    """
+    """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs;
+    ValueError for a backend the speed model does not cover, naming those it does."""
     from ...fp8 import BACKENDS, get_backend
 
     modelled = [repr(name) for name in BACKENDS if get_backend(name).speed_recipes]
@@ -142,11 +139,8 @@ def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | G
                     margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
     """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
     all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer
-    converted.
-
-    Args:
-        recipes: the recipes to compare; None: every Linear recipe of ``backend`` the target runs.
-        The others: as :func:`predict_step`.
+    converted. ``recipes``: those to compare; None: every Linear recipe of ``backend`` the target runs. The others:
+    as :func:`predict_step`.
     """
     names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
     return tuple(predict_step(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)
