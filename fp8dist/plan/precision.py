@@ -243,8 +243,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
                                            numerics=numerics, fallback=lambda m: _fallback_precision(m, cfg, facts))
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
-    converted = any(e.converted_to for e in entries)
-    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refused)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:
         notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,

@@ -79,10 +79,8 @@ class CastStats:
 
     @property
     def rest_sqnr_db(self) -> float:
-        """SQNR of the values beside each dot product's largest: what an outlier swamps. An outlier that sets the
-        scale of a row flushes its ordinary values (this falls to ~0 dB over the rows it is in) while the plain
-        SQNR stays high (the outlier is the signal); values flushed because they are tiny beside their row's
-        ordinary ones cost it nothing."""
+        """SQNR of the values beside each dot product's largest: what an outlier that sets a row's scale swamps
+        while the plain SQNR stays high (see :attr:`~.thresholds.Thresholds.min_rest_sqnr_db`)."""
         return sqnr_db(self.rest_signal, self.rest_noise)
 
     @property
