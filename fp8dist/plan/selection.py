@@ -252,8 +252,7 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
 
 def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,
           margin: float) -> StepPrediction | None:
-    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by its
-    weight)."""
+    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by weight)."""
     layers = []
     for e in entries:
         if len(e.predicted) == 1:
@@ -267,17 +266,14 @@ def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, co
 
 
 def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = None) -> tuple[Verdicts, str]:
-    """Per module, what the probe's report found: ``()`` within every threshold, the problems where it crossed
-    one, None where its batches never ran the module; and the report in words.
-
-    Args:
-        report: a :class:`~fp8dist.plan.numerics.NumericsReport`, or its ``to_dict()`` (``fp8dist probe --json``).
-        names: the plan's module names.
-        backend: the plan's FP8 backend (a report of another backend's casts is said in the words).
+    """Per module, what the probe's ``report`` (a :class:`~fp8dist.plan.numerics.NumericsReport`, or its
+    ``to_dict()``: ``fp8dist probe --json``) found: ``()`` within every threshold, the problems where it crossed
+    one, None where its batches never ran the module; and the report in words (noting where it measured the casts
+    of another backend than ``backend``, the plan's).
 
     Raises:
         TypeError: ``report`` is neither.
-        ValueError: the report names modules that ``names`` lacks (a report of another model).
+        ValueError: the report names modules that ``names`` (the plan's) lacks: a report of another model.
     """
     mapping = isinstance(report, Mapping)
     layers = report.get("layers") if mapping else getattr(report, "layers", None)
