@@ -47,10 +47,9 @@ class FP8Coverage:
         return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
 
     def summary(self) -> str:
-        return (f"FP8 share of GEMMs: {self.fp8_params:,} of {self.gemm_params:,} params "
-                f"({100 * self.param_share:.1f}%)"
-                f", {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params of each GEMM module, MoE "
-                "experts x top_k/experts)")
+        share = f"{self.fp8_params:,} of {self.gemm_params:,} params ({100 * self.param_share:.1f}%)"
+        return (f"FP8 share of GEMMs: {share}, {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params "
+                "of each GEMM module, MoE experts x top_k/experts)")
 
 
 def _kept_as(entry: Any) -> str:
@@ -67,13 +66,11 @@ def coverage(entries: Sequence[Any]) -> FP8Coverage:
     """The FP8 share of ``entries`` (:class:`~fp8dist.plan.precision.PlanEntry`)."""
     gemm = [e for e in entries if e.gemm_flops]
     fp8 = [e for e in gemm if e.precision == "fp8"]
-    kept: dict[str, list[int]] = {}
+    kept: dict[str, list[int]] = {}  # reason -> the params of each module it keeps
     for e in gemm:
         if e.precision != "fp8":
-            count = kept.setdefault(_kept_as(e), [0, 0])
-            count[0] += 1
-            count[1] += e.params
-    groups = sorted(((reason, n, params) for reason, (n, params) in kept.items()), key=lambda g: -g[2])
+            kept.setdefault(_kept_as(e), []).append(e.params)
+    groups = sorted(((reason, len(params), sum(params)) for reason, params in kept.items()), key=lambda g: -g[2])
     return FP8Coverage(len(gemm), len(fp8), sum(e.params for e in gemm), sum(e.params for e in fp8),
                        sum(e.gemm_flops for e in gemm), sum(e.gemm_flops for e in fp8), tuple(groups))
 

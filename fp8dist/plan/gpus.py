@@ -18,12 +18,10 @@ __all__ = ["Source", "Calibration", "GpuSpec", "GPUS", "H100_CALIBRATION", "gpu_
 
 @dataclass(frozen=True)
 class Source:
-    """Where a figure comes from."""
+    """Where a figure comes from: the document's title and address, as published."""
 
     document: str
-    """The document's title, as published."""
     url: str
-    """Where it is published."""
     note: str = ""
     """How the figure was read from it (e.g. the sparse figure halved)."""
 
@@ -76,11 +74,9 @@ class GpuSpec:
     """One GPU as fp8dist plans for it."""
 
     key: str
-    """The name ``--target`` takes (lower case)."""
+    """The name ``--target`` takes (lower case); ``label`` what messages call it ("H100")."""
     label: str
-    """What messages call it ("H100")."""
     capability: tuple[int, int]
-    """CUDA compute capability."""
     device_pattern: str
     """A regular expression that :func:`torch.cuda.get_device_name` of this GPU matches (case-insensitive)."""
     bf16_tflops: float
@@ -104,7 +100,6 @@ class GpuSpec:
 
     @property
     def has_fp8(self) -> bool:
-        """True when the GPU has FP8 tensor cores."""
         return self.fp8_tflops is not None
 
     def describe(self) -> str:

@@ -57,18 +57,13 @@ TARGETS: dict[str, Hardware] = {
 
 def parse_target(text: str) -> Hardware:
     """The :class:`Hardware` a target names: a GPU (``h100``, ``b200``, ...; case-insensitive), a CUDA capability
-    (``sm_90``, ``sm_100``, ``sm90``) or ``cpu``.
-
-    Raises:
-        ValueError: anything else, naming the choices.
-    """
+    (``sm_90``, ``sm_100``, ``sm90``) or ``cpu``; ValueError naming the choices for anything else."""
     key = text.strip().lower()
     if key in TARGETS:
         return TARGETS[key]
-    match = re.fullmatch(r"sm_?(\d{1,2})(\d)", key)
-    if match:
-        capability = (int(match.group(1)), int(match.group(2)))
-        return Hardware("cuda", capability, f"sm_{capability[0]}{capability[1]}")
+    if match := re.fullmatch(r"sm_?(\d{1,2})(\d)", key):
+        major, minor = int(match.group(1)), int(match.group(2))
+        return Hardware("cuda", (major, minor), f"sm_{major}{minor}")
     gpus = ", ".join(k for k in TARGETS if k != "cpu")
     raise ValueError(f"target {text!r} is not a known machine: name a GPU ({gpus}), a CUDA compute capability "
                      "(sm_89, sm_90, sm_100) or cpu.")
@@ -79,18 +74,14 @@ class GpuLookup:
     """The GPU record of a :class:`Hardware`, or why there is none."""
 
     spec: GpuSpec | None
-    """The record (:data:`fp8dist.plan.gpus.GPUS`); None when the hardware is not a GPU the table knows."""
+    """The record (:data:`fp8dist.plan.gpus.GPUS`); None with ``reason`` saying why, and the way out."""
     reason: str = ""
-    """Why ``spec`` is None, with the way out; empty when found."""
 
 
 def find_gpu(hardware: Hardware) -> GpuLookup:
     """The GPU record of ``hardware``: a named target (``TARGETS["h100"]``) or a real device, matched by the name
-    CUDA gives it. Call it before asking for a GPU's peaks or a speed prediction.
-
-    Returns:
-        A :class:`GpuLookup`: the record, or None and the reason (a CPU; a bare capability such as ``sm_90``,
-        which several GPUs share; a GPU the table does not list).
+    CUDA gives it. Call it before asking for a GPU's peaks or a speed prediction. No record for a CPU, a bare
+    capability such as ``sm_90`` (several GPUs share it) or a GPU the table does not list.
     """
     if hardware.type != "cuda":
         return GpuLookup(None, f"{hardware} is not a GPU: FP8 speed applies to CUDA GPUs only")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,9 +74,7 @@ def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) ->
     """What a non-FP8 layer computes in under the strategy: an engine that casts parameters (FSDP, DeepSpeed) runs
     every layer in param_dtype; under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls),
     the rest stays fp32."""
-    if not facts.autocast_forward:
-        return cfg.parallel.param_dtype
-    return cfg.parallel.param_dtype if runs_gemm(module) else "fp32"
+    return cfg.parallel.param_dtype if not facts.autocast_forward or runs_gemm(module) else "fp32"
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
@@ -123,18 +121,11 @@ class PrecisionPlan(Sequence[PlanEntry]):
                 f"{100 * c.flop_share:.1f}% of the estimated GEMM FLOPs. Kept in high precision: {kept}{more}. "
                 "print(fp8dist.get_plan(model)) shows every module; FP8 casts cost time where little runs in FP8.")
 
-    @overload
-    def __getitem__(self, index: int) -> PlanEntry: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[PlanEntry]: ...
-    def __getitem__(self, index):  # noqa: E301
+    def __getitem__(self, index):
         return self._entries[index]
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def __iter__(self) -> Iterator[PlanEntry]:
-        return iter(self._entries)
 
     def by_name(self, name: str) -> PlanEntry:
         """The entry of module ``name``."""
@@ -193,10 +184,8 @@ def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_i
     Raises:
         FP8UnavailableError: it cannot, and ``on_unsupported`` is "error" (the default).
     """
-    from ..fp8 import get_backend
-
     fp8 = cfg.precision.fp8
-    gate = get_backend(fp8).unavailable_reason(cfg, device, check_installed=check_installed) if fp8 else None
+    gate = _backend(cfg).unavailable_reason(cfg, device, check_installed=check_installed) if fp8 else None
     if gate and cfg.precision.on_unsupported == "error":
         where = "here" if check_installed else "on the target"
         raise FP8UnavailableError(
@@ -245,7 +234,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     fp8 = cfg.precision.fp8
     hardware, facts = hardware_of(device), facts_of(cfg, world_size)
     gate = check_fp8_available(cfg, hardware, check_installed=check_installed) if check_hardware else None
-    entries = _entries(model, cfg, hardware, world_size, gate, fp8_filter)
+    entries = _entries(model, cfg, hardware, facts, world_size, gate, fp8_filter)
     refusal = refusing_rule(cfg, compile=True)
     refused = refusal and refusal.reason
     selection, notes = None, []
@@ -254,8 +243,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
                                            numerics=numerics, fallback=lambda m: _fallback_precision(m, cfg, facts))
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
-    converted = any(e.converted_to for e in entries)
-    compiled, why = compile_decision(cfg.parallel.compile, fp8, converted, hardware, refused)
+    compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:
         notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
@@ -269,14 +257,13 @@ def _backend(cfg: Config) -> Any:
     return get_backend(cfg.precision.fp8) if cfg.precision.fp8 else None
 
 
-def _entries(model: nn.Module, cfg: Config, hardware: Hardware, world_size: int, gate: str | None,
-             fp8_filter: FP8Filter | None) -> list[PlanEntry]:
+def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyFacts, world_size: int,
+             gate: str | None, fp8_filter: FP8Filter | None) -> list[PlanEntry]:
     """Every module that holds parameters, FP8 where the backend converts it (before the selection)."""
-    from ..config.rules import facts_of
     from ..fp8.moe import is_experts
     from ..strategies import STRATEGIES
 
-    backend, fp8, facts = _backend(cfg), cfg.precision.fp8, facts_of(cfg, world_size)
+    backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     reserved = backend.model_exclusions(model, cfg) if backend else {}
     entries = []
@@ -284,18 +271,17 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, world_size: int,
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params == 0:
             continue
-        kind, grouped = type(module).__name__, is_experts(module)
-        flops = gemm_flops(module, params, grouped)
-        fallback = _fallback_precision(module, cfg, facts)
         reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
+        precision, target = _fallback_precision(module, cfg, facts), None
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
-            computes_fp8 = backend.computes_in_fp8(module)
-            reason = f"converted by {fp8}" if computes_fp8 else f"swapped for {target}; norms do not compute in FP8"
-            entries.append(PlanEntry(name, kind, "fp8" if computes_fp8 else fallback, reason, target, params, flops,
-                                     grouped))
-        else:
-            entries.append(PlanEntry(name, kind, fallback, reason, None, params, flops, grouped))
+            if backend.computes_in_fp8(module):
+                precision, reason = "fp8", f"converted by {fp8}"
+            else:
+                reason = f"swapped for {target}; norms do not compute in FP8"
+        grouped = is_experts(module)
+        entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params,
+                                 gemm_flops(module, params, grouped), grouped))
     return entries
 
 

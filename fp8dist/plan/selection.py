@@ -113,23 +113,6 @@ def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> s
             f"{first.groups} experts, {first.m:,} routed rows{basis})")
 
 
-def _mode(cfg: Any, hardware: Hardware) -> tuple[str, str, list[str]]:
-    """(mode, why, notes) from fp8_select and the plan's hardware."""
-    asked, gpu = cfg.precision.fp8_select, hardware.type == "cuda"
-    if asked == "all":
-        return "all", "fp8_select='all', asked for", []
-    if asked == "auto" and not gpu:
-        return "all", f"fp8_select='auto' asked for, but {hardware} is not a GPU: all", [
-            f"fp8_select='auto' on {hardware}: FP8 speed is predicted for CUDA GPUs only, so every eligible layer "
-            "converts as under fp8_select='all'. Plan for a GPU with target= (fp8dist plan --target h100), or pass "
-            "fp8_select='all'."]
-    if asked == "auto":
-        return "auto", "fp8_select='auto', asked for", []
-    if gpu:
-        return "auto", f"the default where the plan's hardware is a GPU: {hardware}", []
-    return "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed", []
-
-
 def _tokens(cfg: Any) -> tuple[int, str]:
     micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
     if seq is None:
@@ -140,42 +123,35 @@ def _tokens(cfg: Any) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class _Context:
-    """What predicting a module needs, found once per plan."""
+    """What predicting a module needs, found once per plan: the GPU record and the Linear layers' speed-model
+    recipe (each None where there is none), and the FP8 backend, which names the MoE experts' recipe."""
 
     gpu: Any
-    """The GPU record, or None."""
     recipe: str | None
-    """The Linear layers' speed-model recipe, or None."""
     tokens: int
     compile: bool
     cfg: Any
     hardware: Hardware
     backend: Any
-    """The plan's FP8 backend (:class:`~fp8dist.fp8.FP8Backend`): it names the speed model's recipes."""
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none)."""
+    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none; e.g. a recipe
+    the GPU lacks: te_mxfp8 on an H100 planned with the hardware check off)."""
     from ..fp8.conv1d import conv1d_dims, is_conv1d
     from ..fp8.moe import is_experts
 
-    if not is_experts(module):
+    if is_experts(module):
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        if not isinstance(top_k, int):
+            return (), "the experts' top_k (config.num_experts_per_tok) is not known"
+        recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
+        if recipe is None:
+            return (), why_not
+        shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
+    else:
         k, n = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
-        return _predicted([(ctx.tokens, k, n, 1)], ctx.recipe or "", ctx)
-    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-    if not isinstance(top_k, int):
-        return (), "the experts' top_k (config.num_experts_per_tok) is not known"
-    recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
-    if recipe is None:
-        return (), why_not
-    shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
-    return _predicted(shapes, recipe, ctx)
-
-
-def _predicted(shapes: list[tuple[int, int, int, int]], recipe: str,
-               ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """Predictions of GEMMs ``(m, k, n, groups)``, or ((), why not): a recipe the GPU lacks (te_mxfp8 on an
-    H100 planned with the hardware check off)."""
+        recipe, shapes = ctx.recipe or "", [(ctx.tokens, k, n, 1)]
     try:
         return tuple(predict_linear(m, k, n, target=ctx.gpu, recipe=recipe, compile=ctx.compile, groups=groups)
                      for m, k, n, groups in shapes), ""
@@ -210,18 +186,10 @@ def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: fl
 
 def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
            numerics: Any = None, fallback: Callable[[nn.Module], str]) -> tuple[list[Any], Selection, list[str]]:
-    """Decide which of the plan's FP8 entries stay in FP8. Call from :func:`fp8dist.plan_precision` once every
-    other rule has been applied (the backend present, its hardware gate passed).
-
-    Args:
-        model: the unwrapped model (the entries' modules are read from it).
-        entries: the plan's entries; those with precision "fp8" are candidates.
-        cfg: the resolved config (fp8_select, its margin, the tokens, the recipe).
-        hardware: the plan's hardware (its GPU record gives the peaks).
-        compile: whether the blocks compile when FP8 runs (torchao's casts fuse under compile).
-        numerics: a :class:`~fp8dist.plan.numerics.NumericsReport` or its ``to_dict()`` (the JSON ``fp8dist probe
-            --json`` writes), or None.
-        fallback: the strategy's precision of a module kept out of FP8.
+    """Decide which of the plan's FP8 entries (precision "fp8") stay in FP8, by ``cfg``'s fp8_select and the
+    ``numerics`` report (:func:`numerics_verdicts`). Call from :func:`fp8dist.plan_precision` once every other rule
+    has been applied (the backend present, its hardware gate passed). ``compile``: whether the blocks compile when
+    FP8 runs (torchao's casts fuse under compile); ``fallback``: the strategy's precision of a module kept out.
 
     Returns:
         The entries as decided, the :class:`Selection`, and notes for the user.
@@ -249,8 +217,22 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
 
 
 def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list[str], Any, str | None, str]:
-    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted)."""
-    mode, why, notes = _mode(cfg, hardware)
+    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted), from
+    fp8_select and the plan's hardware."""
+    asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
+    if asked == "all":
+        mode, why = "all", "fp8_select='all', asked for"
+    elif asked == "auto" and not on_gpu:
+        mode, why = "all", f"fp8_select='auto' asked for, but {hardware} is not a GPU: all"
+        notes.append(f"fp8_select='auto' on {hardware}: FP8 speed is predicted for CUDA GPUs only, so every eligible "
+                     "layer converts as under fp8_select='all'. Plan for a GPU with target= (fp8dist plan --target "
+                     "h100), or pass fp8_select='all'.")
+    elif asked == "auto":
+        mode, why = "auto", "fp8_select='auto', asked for"
+    elif on_gpu:
+        mode, why = "auto", f"the default where the plan's hardware is a GPU: {hardware}"
+    else:
+        mode, why = "all", f"the default on {hardware}: FP8 there is for numerics and tests, not speed"
     lookup = find_gpu(hardware)
     gpu, unpredicted = lookup.spec, lookup.reason
     if gpu is not None and not gpu.has_fp8:
@@ -259,7 +241,7 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
     unpredicted = unpredicted or no_model
     if mode == "auto" and (gpu is None or recipe is None):
         mode, why = "all", f"{why}; but {unpredicted}: all"
-        if cfg.precision.fp8_select == "auto":
+        if asked == "auto":
             notes.append(f"fp8_select='auto' cannot predict here ({unpredicted}): every eligible layer converts as "
                          "under fp8_select='all'.")
     if mode == "all" and cfg.precision.fp8_select_margin != type(cfg.precision)().fp8_select_margin:
@@ -270,8 +252,7 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
 
 def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,
           margin: float) -> StepPrediction | None:
-    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by its
-    weight)."""
+    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by weight)."""
     layers = []
     for e in entries:
         if len(e.predicted) == 1:
@@ -285,17 +266,14 @@ def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, co
 
 
 def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = None) -> tuple[Verdicts, str]:
-    """Per module, what the probe's report found: ``()`` within every threshold, the problems where it crossed
-    one, None where its batches never ran the module; and the report in words.
-
-    Args:
-        report: a :class:`~fp8dist.plan.numerics.NumericsReport`, or its ``to_dict()`` (``fp8dist probe --json``).
-        names: the plan's module names.
-        backend: the plan's FP8 backend (a report of another backend's casts is said in the words).
+    """Per module, what the probe's ``report`` (a :class:`~fp8dist.plan.numerics.NumericsReport`, or its
+    ``to_dict()``: ``fp8dist probe --json``) found: ``()`` within every threshold, the problems where it crossed
+    one, None where its batches never ran the module; and the report in words (noting where it measured the casts
+    of another backend than ``backend``, the plan's).
 
     Raises:
         TypeError: ``report`` is neither.
-        ValueError: the report names modules that ``names`` lacks (a report of another model).
+        ValueError: the report names modules that ``names`` (the plan's) lacks: a report of another model.
     """
     mapping = isinstance(report, Mapping)
     layers = report.get("layers") if mapping else getattr(report, "layers", None)
@@ -326,11 +304,8 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
 def with_read_options(cfg: Any, **values: Any) -> Any:
     """``cfg`` with option ``values`` that a job knows (its ``micro_batch_size`` and ``seq_len``; the bench's
     ``fp8_select``), each set only where something reads it under ``cfg``, so that a run which does not read one
-    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``.
-
-    Raises:
-        ValueError: a value the option does not take.
-    """
+    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``. ValueError: a
+    value the option does not take."""
     from ..config.rules import unread_options
 
     def changed(options: Mapping[str, Any]) -> Any:

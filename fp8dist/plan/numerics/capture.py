@@ -148,16 +148,12 @@ def _attach_experts(module: nn.Module, sites: dict[int, GemmSite]) -> tuple[list
         mode.__enter__()
         active.append(mode)
 
-    def leave(mod: nn.Module, args: tuple, out: object) -> None:
+    def leave(mod: nn.Module, args: tuple, out: object) -> None:  # always_call: after a forward that raised too
         if active:
             active.pop().__exit__(None, None, None)
 
-    def close() -> None:  # a forward that raised leaves the mode entered
-        while active:
-            active.pop().__exit__(None, None, None)
-
-    handles = [module.register_forward_pre_hook(enter).remove, module.register_forward_hook(leave).remove, close]
-    return handles, mode
+    leaving = module.register_forward_hook(leave, always_call=True)
+    return [module.register_forward_pre_hook(enter).remove, leaving.remove], mode
 
 
 def attach(model: nn.Module, layers: dict[str, tuple[str, str, dict]]

@@ -104,9 +104,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     emulated = backend.numerics_note(cfg)
     notes = ([emulated] if emulated else []) + _notes(plan, modes, hardware)
     return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
-                          batches=len(batches),
-                          tokens=tokens, layers=tuple(s.layer for s in sites), thresholds=thresholds,
-                          notes=tuple(notes))
+                          batches=len(batches), tokens=tokens, layers=tuple(s.layer for s in sites),
+                          thresholds=thresholds, notes=tuple(notes))
 
 
 def _check_as_built(model: nn.Module) -> None:
@@ -178,8 +177,5 @@ def _notes(plan, modes, hardware: Hardware | None) -> list[str]:
                                                "H100 runs them")
         notes.append(f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this "
                      f"plan, {reason}{how}")
-    for name, mode in modes:
-        if mode.seen == 0:
-            notes.append(f"MoE experts {name}: no grouped GEMM on its weights was seen (another "
-                         "experts_implementation?): not measured")
-    return notes
+    return notes + [f"MoE experts {name}: no grouped GEMM on its weights was seen (another experts_implementation?): "
+                     "not measured" for name, mode in modes if mode.seen == 0]

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...config.text import plural
-from .stats import CastStats, LayerNumerics
+from .stats import LayerNumerics
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds
 
 __all__ = ["NumericsReport"]
@@ -90,7 +90,8 @@ def _row(layer: LayerNumerics) -> list[str]:
     cells = [layer.label]
     for role, _ in _ROLES:
         worst = layer.worst(role)
-        cells += ["hp", "-"] if worst is None else [_db(worst.sqnr_db), _share(_max_flushed(layer, role))]
+        flushed = max((c.flushed_share for c in layer.casts if c.role == role), default=0.0)
+        cells += ["hp", "-"] if worst is None else [_db(worst.sqnr_db), _share(flushed)]
     saturated = max((c.saturated_share for c in layer.casts), default=0.0)
     rest = min((c.rest_sqnr_db for c in layer.casts if c.rest_signal), default=math.nan)
     cells += [_db(rest), _share(saturated), _db(layer.output.sqnr_db) if layer.calls else "-",
@@ -99,11 +100,6 @@ def _row(layer: LayerNumerics) -> list[str]:
     if not layer.calls:
         cells[-1] = "not run by these batches"
     return cells
-
-
-def _max_flushed(layer: LayerNumerics, role: str) -> float:
-    mine: list[CastStats] = [c for c in layer.casts if c.role == role]
-    return max((c.flushed_share for c in mine), default=0.0)
 
 
 def _share(value: float) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CastStats", "OutputStats", "LayerNumerics", "sqnr_db"]
+__all__ = ["CastStats", "OutputStats", "LayerNumerics", "sqnr_db", "json_number"]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -22,7 +22,7 @@ def sqnr_db(signal: float, noise: float) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def _number(value: float) -> float | None:
+def json_number(value: float) -> float | None:
     """JSON has no inf/nan: None stands for an exact round trip (inf) or no data (nan)."""
     return value if math.isfinite(value) else None
 
@@ -79,10 +79,8 @@ class CastStats:
 
     @property
     def rest_sqnr_db(self) -> float:
-        """SQNR of the values beside each dot product's largest: what an outlier swamps. An outlier that sets the
-        scale of a row flushes its ordinary values (this falls to ~0 dB over the rows it is in) while the plain
-        SQNR stays high (the outlier is the signal); values flushed because they are tiny beside their row's
-        ordinary ones cost it nothing."""
+        """SQNR of the values beside each dot product's largest: what an outlier that sets a row's scale swamps
+        while the plain SQNR stays high (see :attr:`~.thresholds.Thresholds.min_rest_sqnr_db`)."""
         return sqnr_db(self.rest_signal, self.rest_noise)
 
     @property
@@ -99,8 +97,8 @@ class CastStats:
         return self.saturated / self.elements if self.elements else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": _number(self.sqnr_db),
-                "rest_sqnr_db": _number(self.rest_sqnr_db),
+        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": json_number(self.sqnr_db),
+                "rest_sqnr_db": json_number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
                 "saturated": self.saturated, "nonfinite": self.nonfinite}
@@ -156,7 +154,7 @@ class LayerNumerics:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "gemm": self.gemm, "module_type": self.module_type, "calls": self.calls,
-                "output_sqnr_db": _number(self.output.sqnr_db),
-                "grad_input_sqnr_db": _number(self.grad_input.sqnr_db),
-                "grad_weight_sqnr_db": _number(self.grad_weight.sqnr_db), "casts": [c.to_dict() for c in self.casts],
-                "problems": list(self.problems)}
+                "output_sqnr_db": json_number(self.output.sqnr_db),
+                "grad_input_sqnr_db": json_number(self.grad_input.sqnr_db),
+                "grad_weight_sqnr_db": json_number(self.grad_weight.sqnr_db),
+                "casts": [c.to_dict() for c in self.casts], "problems": list(self.problems)}

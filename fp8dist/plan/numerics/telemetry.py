@@ -27,6 +27,7 @@ from ...config.schema import normalize_value
 from ...fp8.casts import CastSpec
 from ...fp8.torchao import float8_linear_casts
 from .casts import CONTRACTION_DIM
+from .stats import json_number
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["FP8Telemetry", "ROLES"]
@@ -55,11 +56,8 @@ class _Layer:
 
         spec = self.specs[role]
         x = x.detach().reshape(-1, x.shape[-1])
-        if spec.scaling == "rowwise":
-            amax = tensor_to_amax(x, scaling_granularity=ScalingGranularity.AXISWISE,
-                                  axiswise_dim=CONTRACTION_DIM[_USE[role]])
-        else:
-            amax = tensor_to_amax(x)
+        rowwise = {"scaling_granularity": ScalingGranularity.AXISWISE, "axiswise_dim": CONTRACTION_DIM[_USE[role]]}
+        amax = tensor_to_amax(x, **(rowwise if spec.scaling == "rowwise" else {}))
         scale = amax_to_scale(amax, spec.dtype, round_scales_to_power_of_2=spec.pow2)
         bits = hp_tensor_and_scale_to_float8(x, scale, spec.dtype)._data
         nonzero = x != 0
@@ -67,6 +65,17 @@ class _Layer:
         old = self.acc.get(role)
         self.acc[role] = now if old is None else torch.stack([old[0].maximum(now[0]), old[1] + now[1],
                                                                old[2] + now[2]])
+
+    def hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """The forward hook of a sampled step: samples the input, and the output gradient in backward."""
+        if not module.training:  # an evaluation inside a sampled step is not what training casts
+            return
+        x = args[0]
+        if torch.is_autocast_enabled():  # as Float8Linear.forward casts it
+            x = x.to(torch.get_autocast_gpu_dtype())
+        self.sample("input", x)
+        if out.requires_grad:
+            out.register_hook(lambda g: self.sample("grad_output", g))
 
 
 class FP8Telemetry:
@@ -148,25 +157,12 @@ class FP8Telemetry:
 
     def _arm(self) -> None:
         for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer)))
+            self._handles.append(layer.module.register_forward_hook(layer.hook))
 
     def _disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    @staticmethod
-    def _forward_hook(layer: _Layer) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            if not module.training:  # an evaluation inside a sampled step is not what training casts
-                return
-            x = args[0]
-            if torch.is_autocast_enabled():  # as Float8Linear.forward casts it
-                x = x.to(torch.get_autocast_gpu_dtype())
-            layer.sample("input", x)
-            if out.requires_grad:
-                out.register_hook(lambda g: layer.sample("grad_output", g))
-        return hook
 
     def step(self) -> dict[str, Any] | None:
         """End a step (call after ``optimizer.step()``): a sampled step's record is reduced, written, checked
@@ -195,12 +191,11 @@ class FP8Telemetry:
                     entry[role] = {"amax": None, "scale": None, "flushed_share": None, "finite": True}
                     continue
                 nonzero, flushed = counts[i][r]
-                entry[role] = {"amax": _finite(amax[i][r]),
-                               "scale": _finite(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
-                               "flushed_share": flushed / nonzero if nonzero else 0.0,
+                entry[role] = {"amax": json_number(amax[i][r]),
+                               "scale": json_number(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
+                               # nan: a weight under rowwise scaling, amax and scale only
+                               "flushed_share": None if math.isnan(nonzero) else flushed / nonzero if nonzero else 0.0,
                                "finite": math.isfinite(amax[i][r])}
-                if math.isnan(nonzero):  # a weight under rowwise scaling: amax and scale only
-                    entry[role]["flushed_share"] = None
             record["layers"][layer.name] = entry
             layer.acc = {}
         self.records.append(record)
@@ -240,11 +235,8 @@ class FP8Telemetry:
         from ...strategies.local_shards import local_params
 
         pieces = {name: p.local for p in local_params(self.model) for name in p.names}
-        out = []
-        for layer in self.layers:
-            local = pieces[f"{layer.name}.weight"]
-            out.append(getattr(local, "_tensor", local).detach())  # torchao's FP8 all-gather wrapper
-        return out
+        weights = [pieces[f"{layer.name}.weight"] for layer in self.layers]
+        return [getattr(w, "_tensor", w).detach() for w in weights]  # torchao's FP8 all-gather wrapper
 
     def _warn(self, record: dict[str, Any]) -> None:
         t = self.thresholds
@@ -300,10 +292,6 @@ def _rank() -> int:
 def _all_reduce(t: torch.Tensor, op: Any) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=op)
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def _scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:

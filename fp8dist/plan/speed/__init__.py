@@ -12,18 +12,5 @@ from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolv
 from .recipes import RECIPES, Recipe
 from .step import DEFAULT_MARGIN, Gemm, LayerChoice, StepPrediction, compare_recipes, predict_step, recipes_for
 
-__all__ = [
-    "predict_fp8_speedup",
-    "predict_linear",
-    "LinearPrediction",
-    "predict_step",
-    "compare_recipes",
-    "recipes_for",
-    "StepPrediction",
-    "LayerChoice",
-    "Gemm",
-    "DEFAULT_MARGIN",
-    "RECIPES",
-    "Recipe",
-    "resolve_gpu",
-]
+__all__ = ["predict_fp8_speedup", "predict_linear", "LinearPrediction", "predict_step", "compare_recipes",
+           "recipes_for", "StepPrediction", "LayerChoice", "Gemm", "DEFAULT_MARGIN", "RECIPES", "Recipe", "resolve_gpu"]

@@ -56,7 +56,6 @@ class Agreement:
     """How a rule that converts where the predicted speedup clears ``margin`` agrees with measurements."""
 
     shapes: int
-    """Shapes compared."""
     right: int
     """Decisions right: converted iff the measured speedup is >= 1."""
     converted_slower: int
@@ -66,7 +65,6 @@ class Agreement:
     median_relative_error: float | None
     """Median of |predicted / measured - 1| (None for a rule with no predicted figure)."""
     margin: float
-    """The threshold the rule converts at."""
 
 
 def agreement(measured: Iterable[Measurement], predict: Callable[[Measurement], float], margin: float = 1.0,

@@ -5,8 +5,8 @@ grad_output.T @ input), each taking the longest of its compute time (at a fracti
 memory time (operands read, output written, at a fraction of the bandwidth) and the kernel floor. FP8 adds the
 recipe's casts (:mod:`fp8dist.plan.speed.recipes`): each kernel's bytes at the achieved bandwidth (a column-wise
 scaling pass times that operand's fitted slowdown), no less than the floor unless it rides in the producer's
-kernel. The constants are the GPU's
-:class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
+kernel. The constants are the GPU's :class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and
+imports no GPU library."""
 
 from __future__ import annotations
 
@@ -23,36 +23,32 @@ _BF16, _FP8 = 2, 1
 
 @dataclass(frozen=True)
 class LinearPrediction:
-    """The predicted forward + backward time of one Linear (input ``(m, k)``, weight ``(n, k)``) in bf16 and in FP8."""
+    """The predicted forward + backward time of one Linear (input ``(m, k)``, weight ``(n, k)``: k in_features, n
+    out_features) in bf16 and in FP8, in seconds."""
 
     m: int
     """Rows of the input: tokens per micro-batch per rank (for grouped GEMMs: rows routed to all experts)."""
     k: int
-    """in_features."""
     n: int
-    """out_features."""
     groups: int
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
     recipe: str
     """The FP8 recipe (:data:`fp8dist.plan.speed.RECIPES`)."""
     gpu: str
-    """The GPU's key (``--target`` name)."""
+    """The GPU's key (``--target`` name); ``gpu_label`` its name in messages."""
     gpu_label: str
-    """The GPU's name in messages."""
     compile: bool
-    """Whether the Linear runs under ``torch.compile``."""
     bf16_s: float
-    """bf16 forward + backward: its three GEMMs, seconds."""
+    """bf16 forward + backward: its three GEMMs."""
     fp8_gemm_s: float
-    """The FP8 way's three GEMMs (some bf16, as the recipe says), seconds."""
+    """The FP8 way's three GEMMs (some bf16, as the recipe says)."""
     cast_s: float
-    """The FP8 way's casts and scale kernels, seconds."""
+    """The FP8 way's casts and scale kernels."""
     calibrated: bool
     """True only where the constants were fitted on this GPU's own measurements of this recipe under compile."""
 
     @property
     def fp8_s(self) -> float:
-        """FP8 forward + backward: GEMMs plus casts, seconds."""
         return self.fp8_gemm_s + self.cast_s
 
     @property
@@ -62,12 +58,11 @@ class LinearPrediction:
 
     @property
     def saved_s(self) -> float:
-        """Seconds FP8 saves per forward + backward (negative where it is slower)."""
+        """Negative where FP8 is slower."""
         return self.bf16_s - self.fp8_s
 
     @property
     def flops(self) -> int:
-        """The three GEMMs' floating-point operations."""
         return 6 * self.m * self.k * self.n
 
     def describe(self) -> str:
@@ -78,15 +73,11 @@ class LinearPrediction:
 
 def resolve_gpu(target: str | Hardware | GpuSpec) -> GpuSpec:
     """The GPU record of ``target``: a ``--target`` name ("h100"), a :class:`~fp8dist.plan.hardware.Hardware` (a named
-    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is).
-
-    Raises:
-        ValueError: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8
-            tensor cores; each naming the way out.
+    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is). ValueError, naming the way
+    out: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8 tensor cores.
     """
-    if isinstance(target, GpuSpec):
-        spec = target
-    else:
+    spec = target
+    if not isinstance(target, GpuSpec):
         lookup = find_gpu(parse_target(target) if isinstance(target, str) else target)
         if lookup.spec is None:
             raise ValueError(f"no FP8 speed prediction for target {target!r}: {lookup.reason}")
@@ -126,14 +117,10 @@ def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, fp8: tuple[bool,
              scale_bytes: float) -> float:
     """The three GEMMs of forward + backward; ``fp8`` says which run in FP8 (operands 1 byte + scales)."""
     x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
-
-    def operand(fp8_gemm: bool) -> float:
-        return _FP8 + scale_bytes if fp8_gemm else _BF16
-
-    out = _gemm_s(gpu, m, k, n, (x + w) * operand(fp8[0]), _BF16 * g, fp8[0])
-    grad_input = _gemm_s(gpu, m, k, n, (g + w) * operand(fp8[1]), _BF16 * x, fp8[1])
-    grad_weight = _gemm_s(gpu, m, k, n, (x + g) * operand(fp8[2]), _BF16 * w, fp8[2])
-    return out + grad_input + grad_weight
+    # output, grad_input, grad_weight: (operand elements read, elements written)
+    gemms = ((x + w, g), (g + w, x), (x + g, w))
+    return sum(_gemm_s(gpu, m, k, n, reads * (_FP8 + scale_bytes if f else _BF16), _BF16 * writes, f)
+               for (reads, writes), f in zip(gemms, fp8))
 
 
 def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
@@ -189,11 +176,8 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
 def predict_fp8_speedup(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
                         compile: bool = True, groups: int = 1) -> float:
     """Predicted (bf16 forward + backward time) / (FP8 forward + backward time) of one Linear with input ``(m, k)``
-    and weight ``(n, k)`` on ``target``: above 1 where FP8 is predicted faster. A prediction, calibrated on
-    torchao's published H100 rowwise measurements and scaled to other GPUs by their datasheets
-    (``benchmarks/speed_model/README.md`` gives its accuracy and what it does not see).
-
-    Args and Raises: as :func:`predict_linear`.
+    and weight ``(n, k)`` on ``target``: above 1 where FP8 is predicted faster. Args and Raises: as
+    :func:`predict_linear`; ``benchmarks/speed_model/README.md`` gives the model's accuracy and what it does not see.
 
     Example:
         >>> round(predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="rowwise"), 2) < 1

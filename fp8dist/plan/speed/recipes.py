@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Kernel", "Recipe", "RECIPES", "ROLES", "recipe_named"]
-
-ROLES = ("input", "weight", "grad_output")
-"""The three operands a Linear casts, in the order of every per-role tuple here."""
+__all__ = ["Kernel", "Recipe", "RECIPES", "recipe_named"]
 
 _MX = 1 / 32  # one E8M0 scale byte per 32 elements
 
@@ -35,6 +32,7 @@ class Kernel:
 
 
 Casts = tuple[tuple[Kernel, ...], tuple[Kernel, ...], tuple[Kernel, ...]]
+"""Per operand a Linear casts: input, weight, grad_output."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,8 @@ class Recipe:
     fp8_gemms: tuple[bool, bool, bool]
     """(output, grad_input, grad_weight): which GEMMs run in FP8 (the others in bf16)."""
     compiled: Casts
-    """Per role (:data:`ROLES`), the cast kernels under ``torch.compile``."""
+    """The cast kernels under ``torch.compile``."""
     eager: Casts
-    """Per role, the cast kernels without compile."""
     min_capability: tuple[int, int] = (8, 9)
     """The oldest CUDA capability with the GEMMs it needs."""
     grouped: bool = False
@@ -60,7 +57,6 @@ class Recipe:
     """Scale bytes a GEMM reads per FP8 operand element (block scales; 0 for per-tensor/per-row)."""
 
     def casts(self, compile: bool) -> Casts:
-        """The cast kernels per role, compiled or eager."""
         return self.compiled if compile else self.eager
 
 
@@ -119,11 +115,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP,
 
 
 def recipe_named(name: str) -> Recipe:
-    """The recipe called ``name``.
-
-    Raises:
-        ValueError: an unknown name, naming the choices.
-    """
+    """The recipe called ``name``; ValueError naming the choices for an unknown one."""
     if name not in RECIPES:
         raise ValueError(f"recipe {name!r} is not one the speed model knows: choose one of {', '.join(RECIPES)} "
                          "(torchao: tensorwise, rowwise, rowwise_with_gw_hp; Transformer Engine: te_*; MoE grouped "

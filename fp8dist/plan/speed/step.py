@@ -23,16 +23,14 @@ DEFAULT_MARGIN = 1.0
 
 @dataclass(frozen=True)
 class Gemm:
-    """One Linear (or grouped expert GEMM) of a step: its name and forward shape."""
+    """One Linear (or grouped expert GEMM) of a step: its module's name and forward shape (k in_features, n
+    out_features)."""
 
     name: str
-    """The module's name in the model."""
     m: int
     """Input rows: tokens per micro-batch per rank (grouped: rows routed to all the experts)."""
     k: int
-    """in_features."""
     n: int
-    """out_features."""
     groups: int = 1
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
 
@@ -42,9 +40,7 @@ class LayerChoice:
     """A layer's prediction and the choice the margin makes."""
 
     name: str
-    """The module's name."""
     prediction: LinearPrediction
-    """Its predicted times."""
     fp8: bool
     """True where the predicted speedup is at least the margin."""
 
@@ -56,8 +52,8 @@ class LayerChoice:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """A step's GEMMs under one recipe on one GPU: each layer's choice and the totals (forward + backward, one
-    micro-batch, one rank; attention, norms, communication and the optimizer are not in it)."""
+    """A step's GEMMs under one recipe on one GPU: each layer's choice and the totals in seconds (forward +
+    backward, one micro-batch, one rank; attention, norms, communication and the optimizer are not in it)."""
 
     recipe: str
     gpu: str
@@ -68,22 +64,20 @@ class StepPrediction:
 
     @property
     def bf16_s(self) -> float:
-        """Every layer in bf16, seconds."""
         return sum(c.prediction.bf16_s for c in self.layers)
 
     @property
     def chosen_s(self) -> float:
-        """Each layer as chosen, seconds."""
         return sum(c.seconds for c in self.layers)
 
     @property
     def all_fp8_s(self) -> float:
-        """Every layer in FP8 (converting all, as fp8dist did before), seconds."""
+        """Every layer in FP8 (converting all, as fp8dist did before)."""
         return sum(c.prediction.fp8_s for c in self.layers)
 
     @property
     def saved_s(self) -> float:
-        """GEMM time the choice saves against all-bf16, seconds."""
+        """Against all-bf16."""
         return self.bf16_s - self.chosen_s
 
     @property
@@ -128,19 +122,16 @@ def predict_step(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuS
 
 
 def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ...]:
-    """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs.
-
-    Raises:
-        ValueError: a backend the speed model does not cover, naming those it does.
-    """
+    """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs;
+    ValueError for a backend the speed model does not cover, naming those it does."""
     from ...fp8 import BACKENDS, get_backend
 
     modelled = [repr(name) for name in BACKENDS if get_backend(name).speed_recipes]
     if repr(backend) not in modelled:
         shown = ", ".join(modelled[:-1]) + (" or " if len(modelled) > 1 else "") + modelled[-1]
         raise ValueError(f"backend {backend!r} has no speed model: compare recipes of {shown}.")
-    spec = resolve_gpu(target)
-    return tuple(r for r in get_backend(backend).speed_recipes if spec.capability >= RECIPES[r].min_capability)
+    capability = resolve_gpu(target).capability
+    return tuple(r for r in get_backend(backend).speed_recipes if capability >= RECIPES[r].min_capability)
 
 
 def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,
@@ -148,11 +139,8 @@ def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | G
                     margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
     """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
     all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer
-    converted.
-
-    Args:
-        recipes: the recipes to compare; None: every Linear recipe of ``backend`` the target runs.
-        The others: as :func:`predict_step`.
+    converted. ``recipes``: those to compare; None: every Linear recipe of ``backend`` the target runs. The others:
+    as :func:`predict_step`.
     """
     names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
     return tuple(predict_step(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)
