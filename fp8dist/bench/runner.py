@@ -273,9 +273,8 @@ def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list
             tqdm(total=len(cells), desc="fp8dist bench", unit="cell", file=sys.stderr) as bar:
         for cell in cells:
             bar.set_postfix_str(cell.name)
-            result = _launch_cell(cell, cell_world(cell, settings.nproc), Path(logs), start_method)
-            results.append(result)
-            bar.write(describe(result))
+            results.append(_launch_cell(cell, cell_world(cell, settings.nproc), Path(logs), start_method))
+            bar.write(describe(results[-1]))
             bar.update()
     return results
 

@@ -115,8 +115,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
     try:
         _train_this_rank(config, train, progress)
     except KeyboardInterrupt:
-        code = _interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT
-        _exit_now(code)
+        _exit_now(_interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT)
     except Exception as err:
         code = exit_code(err)
         if code is None:
