@@ -218,15 +218,13 @@ def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step), and this rank's device."""
     from ..pipeline.env import init_distributed
 
-    return init_distributed().device if get_strategy(cell.strategy).process_group else _local_device()
-
-
-def _local_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    if get_strategy(cell.strategy).process_group:
+        return init_distributed().device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 def _sync(device: torch.device) -> None:

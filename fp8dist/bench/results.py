@@ -232,9 +232,8 @@ def cell_line(cell: dict[str, Any]) -> str:
         step, loss = cell["eval_losses"][-1]
         line += f"  held-out loss {loss:.4f} (step {step})"
     if cell["wiring"] == "vs-raw":
-        raw = cell["raw"]
-        ratio = _overhead(cell, raw)["step_time_ratio"]
-        line += f"  | raw step {1000 * raw['median_step_s']:.1f} ms, ratio {ratio:.3f}"
+        ratio = _overhead(cell, cell["raw"])["step_time_ratio"]
+        line += f"  | raw step {1000 * cell['raw']['median_step_s']:.1f} ms, ratio {ratio:.3f}"
     return line
 
 
