@@ -218,29 +218,18 @@ def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step), and this rank's device."""
     from ..pipeline.env import init_distributed
 
-    return init_distributed().device if get_strategy(cell.strategy).process_group else _local_device()
-
-
-def _local_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    if get_strategy(cell.strategy).process_group:
+        return init_distributed().device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _model_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
-    from ..accounting import report
-
-    rep = report(model, optimizer)
-    return {"bytes": dict(rep.bytes), "total_bytes": rep.model_state_bytes, "total_params": rep.total_params,
-            "bytes_per_param": dict(rep.bytes_per_param)}
 
 
 class _Run:
@@ -257,12 +246,8 @@ class _Run:
         self.windows = batches.windows
         self.params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(cell.seed)  # as a script seeds: memory="lean" takes its rounding seed from it
-        wire = _hand_wired if wiring == "raw" else _fp8dist_wiring
-        wired = wire(cell, model, device)
-        self.model, self.optimizer, self.after_step = wired.model, wired.optimizer, wired.after_step
-        self.forward_context = wired.forward_context
-        self.fp8_layers, self.fp8_params = wired.fp8_layers
-        self.predicted = wired.predicted
+        self.wired = (_hand_wired if wiring == "raw" else _fp8dist_wiring)(cell, model, device)
+        self.model, self.optimizer = self.wired.model, self.wired.optimizer
         self.wiring, self.device, self.last = wiring, device, cell.steps - 1
         factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
         self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
@@ -283,7 +268,7 @@ class _Run:
         _sync(self.device)
         t0 = time.perf_counter()
         with self.counter if counting else contextlib.nullcontext():
-            with self.forward_context():
+            with self.wired.forward_context():
                 loss = lm_loss(self.model, ids, windows=self.windows)
             if self.engine:  # DeepSpeed: the engine steps and zeroes; gradients are held until its step
                 self.model.backward(loss)
@@ -292,7 +277,7 @@ class _Run:
             else:
                 loss.backward()
                 self.optimizer.step()
-                self.after_step()
+                self.wired.after_step()
                 self._record_state(counting)
                 self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
@@ -301,8 +286,13 @@ class _Run:
         self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
 
     def _record_state(self, counting: bool) -> None:
+        """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
         if counting and self.wiring == "fp8dist":  # fp8dist.report reads what wrap_model recorded
-            self.state = _model_state(self.model, self.optimizer)
+            from ..accounting import report
+
+            rep = report(self.model, self.optimizer)
+            self.state = {"bytes": dict(rep.bytes), "total_bytes": rep.model_state_bytes,
+                          "total_params": rep.total_params, "bytes_per_param": dict(rep.bytes_per_param)}
 
     def figures(self) -> dict[str, Any]:
         return {"losses": self.losses, "lrs": self.lrs, "times": self.times, "eval_losses": self.eval_losses,
@@ -365,8 +355,9 @@ def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
     times = [max(r["times"][s] for r in ranks) for s in range(cell.steps)]
     median = statistics.median(times[TIMING_WARMUP:cell.steps - 1])
     tokens = cell.batch_size * world * cell.seq_len
-    return {"world_size": world, "device": device.type, "params": run.params, "fp8_layers": run.fp8_layers,
-            "fp8_params": run.fp8_params, "losses": losses, "lrs": ranks[0]["lrs"],
+    fp8_layers, fp8_params = run.wired.fp8_layers
+    return {"world_size": world, "device": device.type, "params": run.params, "fp8_layers": fp8_layers,
+            "fp8_params": fp8_params, "losses": losses, "lrs": ranks[0]["lrs"],
             "step_times_s": times, "timed_steps": [TIMING_WARMUP, cell.steps - 2],
             "median_step_s": median, "tokens_per_step": tokens, "tokens_per_s": tokens / median,
             "peak_memory_mib": [r["peak_mib"] for r in ranks],
@@ -374,4 +365,4 @@ def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,
             "comm_step": cell.steps - 1, "comm": ranks[0]["comm"], "comm_per_rank": [r["comm"] for r in ranks],
             "model_state": ranks[0]["state"] or None,
             "model_state_per_rank": [r["state"] for r in ranks] if ranks[0]["state"] else None,
-            "predicted": run.predicted, "eval_losses": ranks[0]["eval_losses"]}
+            "predicted": run.wired.predicted, "eval_losses": ranks[0]["eval_losses"]}

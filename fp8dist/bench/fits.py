@@ -11,14 +11,11 @@ from dataclasses import replace
 from typing import Any
 
 from ..config.rules import refusal_of
-from ..accounting.fit import MEMORY_FRACTION as _MEMORY_FRACTION, budget, device_bytes
+from ..accounting.fit import MEMORY_FRACTION, budget, device_bytes
 from ..memory_levels import LEVELS, STANDARD
 from .cell import Cell, cell_options, cell_world
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
-
-MEMORY_FRACTION = _MEMORY_FRACTION
-"""Share of a GPU's memory a cell may plan on: the estimate's own (:data:`fp8dist.accounting.fit.MEMORY_FRACTION`)."""
 
 _GIB = 2**30
 

@@ -34,23 +34,25 @@ def _fp8_color(fp8: str | None) -> str:
     return _color(fp8 or NO_FP8.name, [NO_FP8.name, *BACKENDS])
 
 
-def _bars(ax, cells: list[dict[str, Any]], values: list[float], title: str, fmt: str) -> None:
-    y = range(len(cells))
-    ax.barh(y, values, color=[_fp8_color(c["fp8"]) for c in cells])
-    for i, v in zip(y, values):
-        ax.text(v, i, " " + format(v, fmt), va="center", fontsize=7)
+def _titled(ax, title: str) -> None:
+    """A bar panel's title and style: the first bar on top."""
     ax.set_title(title, fontsize=10)
-    ax.set_xlim(0, max(values, default=1) * 1.25 or 1)
     ax.invert_yaxis()
     ax.tick_params(labelsize=8)
 
 
+def _bars(ax, cells: list[dict[str, Any]], values: list[float], title: str, fmt: str) -> None:
+    ax.barh(range(len(cells)), values, color=[_fp8_color(c["fp8"]) for c in cells])
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + format(v, fmt), va="center", fontsize=7)
+    ax.set_xlim(0, max(values, default=1) * 1.25 or 1)
+    _titled(ax, title)
+
+
 def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     left = [0.0] * len(cells)
-    kinds = list(COMM_TYPES) + ["other"]
-    for kind in kinds:
-        widths = [sum(v["bytes"] for k, v in c["comm"].items() if (k == kind or (kind == "other" and
-                                                                                 k not in COMM_TYPES))) / 2**20
+    for kind in (*COMM_TYPES, "other"):
+        widths = [sum(v["bytes"] for k, v in c["comm"].items() if (k if k in COMM_TYPES else "other") == kind) / 2**20
                   for c in cells]
         if any(widths):
             ax.barh(range(len(cells)), widths, left=left, color=_COMM_COLORS[kind], label=kind.replace("_", "-"))
@@ -58,10 +60,8 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     for i, total in enumerate(left):
         ax.text(total, i, f" {total:.2f}", va="center", fontsize=7)
     ax.set_xlim(0, max(left, default=1) * 1.25 or 1)
-    ax.set_title("bytes communicated per step and rank (MiB)", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
-    ax.invert_yaxis()
-    ax.tick_params(labelsize=8)
+    _titled(ax, "bytes communicated per step and rank (MiB)")
 
 
 def _variant(cell: dict[str, Any]) -> str | None:
@@ -83,8 +83,10 @@ def _label(cell: dict[str, Any]) -> str:
     return f"{cell['strategy']} {cell['fp8'] or 'bf16'}" + (f"-{variant}" if variant else "")
 
 
-def _curve(cell: dict[str, Any], losses: list[float], label: str, dashed: bool, color: str | None) -> dict[str, Any]:
-    return {"cell": cell["name"], "label": label, "losses": losses, "dashed": dashed, "color": color}
+def _curve(cell: str, losses: list[float], label: str, dashed: bool, color: str | None,
+           steps: list[int] | None = None) -> dict[str, Any]:
+    return {"cell": cell, "label": label, "losses": losses, "dashed": dashed, "color": color,
+            **({"steps": steps} if steps is not None else {})}
 
 
 def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
@@ -98,9 +100,9 @@ def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
         label = f"{_label(c)}{f' {level}' if level != STANDARD.name else ''}"
         if "vs_bf16" in c:
             label += f" (max |Δ| {c['vs_bf16']['max_abs_delta_loss']:.4f})"
-            deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])], label, True,
-                                 color))
-        curves.append(_curve(c, c["losses"], label, c["fp8"] is not None, color))
+            delta = [a - b for a, b in zip(c["losses"], c["vs_bf16"]["bf16_losses"])]
+            deltas.append(_curve(c["name"], delta, label, True, color))
+        curves.append(_curve(c["name"], c["losses"], label, c["fp8"] is not None, color))
     return {"title": f"loss, llama-{size}: FP8 (dashed) vs bf16 (solid), same seed and batches", "curves": curves,
             "deltas": deltas, "delta_title": "FP8 - bf16"}
 
@@ -112,13 +114,13 @@ def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
     mine = [c for c in cells if c["size"] == size and "vs_standard" in c]
     for i, c in enumerate(mine):
         v, color, base = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)], STANDARD.name
-        means, name = v["tail_mean_loss"], _label(c)
-        curves.append(_curve(c, v["standard_losses"], f"{name} {base} (last {v['tail_steps']}: "
-                                                      f"{means[base]:.4f})", False, color))
-        curves.append(_curve(c, c["losses"], f"{name} {c['memory']} (last {v['tail_steps']}: "
-                                             f"{means[c['memory']]:.4f}, {100 * v['tail_relative_gap']:+.2f}%)",
-                             True, color))
-        deltas.append(_curve(c, [a - b for a, b in zip(c["losses"], v["standard_losses"])], name, True, color))
+        means, name, last = v["tail_mean_loss"], _label(c), f"last {v['tail_steps']}"
+        curves.append(_curve(c["name"], v["standard_losses"], f"{name} {base} ({last}: {means[base]:.4f})", False,
+                             color))
+        curves.append(_curve(c["name"], c["losses"], f"{name} {c['memory']} ({last}: {means[c['memory']]:.4f}, "
+                                                     f"{100 * v['tail_relative_gap']:+.2f}%)", True, color))
+        delta = [a - b for a, b in zip(c["losses"], v["standard_losses"])]
+        deltas.append(_curve(c["name"], delta, name, True, color))
     levels = "/".join(dict.fromkeys(c["memory"] for c in mine))
     return {"title": f"loss, llama-{size}: memory {levels} (dashed) vs standard fp32 master (solid)",
             "curves": curves, "deltas": deltas, "delta_title": f"{levels} - {STANDARD.name}"}
@@ -134,11 +136,9 @@ def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
         label = f"{entry['config']}: {last['mean']:.4f}" + (f" ± {last['std']:.4f}" if last["std"] is not None else "")
         if gap is not None:
             label += f", vs bf16 {gap['mean']:+.4f}" + (f" ± {gap['std']:.4f}" if gap["std"] is not None else "")
-            deltas.append({"cell": entry["config"], "label": entry["config"], "losses": [g["mean"] for g in
-                                                                                         entry["gap_vs_bf16"]],
-                           "steps": entry["steps"], "dashed": True, "color": color})
-        curves.append({"cell": entry["config"], "label": label, "losses": mean, "steps": entry["steps"],
-                       "dashed": entry["fp8"] is not None, "color": color})
+            deltas.append(_curve(entry["config"], [g["mean"] for g in entry["gap_vs_bf16"]], entry["config"], True,
+                                 color, entry["steps"]))
+        curves.append(_curve(entry["config"], mean, label, entry["fp8"] is not None, color, entry["steps"]))
     seeds = len(doc["convergence"][0]["seeds"]) if doc["convergence"] else 0
     return {"title": f"held-out loss, llama-{size}: mean over {plural(seeds, 'seed')} (± sample std at the last step)",
             "curves": curves, "deltas": deltas, "delta_title": "minus bf16 (paired by seed)"}
@@ -187,9 +187,7 @@ def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(pairs)), names, fontsize=8)
     ax.set_xlim(min([0.8, *ratios]) * 0.95, max([1.2, *ratios]) * 1.15)  # a ratio under 0.8 still shows a bar
-    ax.invert_yaxis()
-    ax.set_title("step time fp8dist / hand-wired FSDP2 (same processes, alternating)", fontsize=10)
-    ax.tick_params(labelsize=8)
+    _titled(ax, "step time fp8dist / hand-wired FSDP2 (same processes, alternating)")
 
 
 def plot_results(doc: dict[str, Any], path: str) -> None:

@@ -78,8 +78,9 @@ def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: An
     return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
 
 
-def _max_delta(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b))
+def _deltas(a: list[float], b: list[float]) -> dict[str, float]:
+    """The largest and the final difference of two loss curves."""
+    return {"max_abs_delta_loss": max(abs(x - y) for x, y in zip(a, b)), "final_delta_loss": a[-1] - b[-1]}
 
 
 def _compare(cells: list[dict[str, Any]]) -> None:
@@ -90,9 +91,7 @@ def _compare(cells: list[dict[str, Any]]) -> None:
             continue
         bf16 = _counterpart(cells, cell, fp8=None, variant=None) if cell["fp8"] else None
         if bf16 is not None:
-            cell["vs_bf16"] = {"bf16_cell": bf16["name"], "max_abs_delta_loss": _max_delta(cell["losses"],
-                                                                                             bf16["losses"]),
-                               "final_delta_loss": cell["losses"][-1] - bf16["losses"][-1],
+            cell["vs_bf16"] = {"bf16_cell": bf16["name"], **_deltas(cell["losses"], bf16["losses"]),
                                "bf16_losses": bf16["losses"]}
             if cell.get("eval_losses") and bf16.get("eval_losses"):
                 cell["vs_bf16"]["held_out_delta"] = [[s, a - b] for (s, a), (_, b) in zip(cell["eval_losses"],
@@ -112,8 +111,7 @@ def _vs_standard(cell: dict[str, Any], standard: dict[str, Any]) -> dict[str, An
     tail = min(TAIL_STEPS, len(cell["losses"]))
     mine, theirs = statistics.fmean(cell["losses"][-tail:]), statistics.fmean(standard["losses"][-tail:])
     return {"standard_cell": standard["name"], "standard_losses": standard["losses"],
-            "max_abs_delta_loss": _max_delta(cell["losses"], standard["losses"]),
-            "final_delta_loss": cell["losses"][-1] - standard["losses"][-1], "tail_steps": tail,
+            **_deltas(cell["losses"], standard["losses"]), "tail_steps": tail,
             "tail_mean_loss": {cell["memory"]: mine, standard["memory"]: theirs},
             "tail_relative_gap": (mine - theirs) / theirs}
 
@@ -128,7 +126,7 @@ def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             / raw["median_step_s"], "step_time_ratios": pairs,
             "step_time_ratio_quartiles": statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3,
             "losses_identical": cell["losses"] == raw["losses"],
-            "max_abs_delta_loss": _max_delta(cell["losses"], raw["losses"])}
+            "max_abs_delta_loss": _deltas(cell["losses"], raw["losses"])["max_abs_delta_loss"]}
 
 
 def config_name(cell: dict[str, Any]) -> str:
@@ -189,15 +187,11 @@ def results_document(results: list[dict[str, Any]], settings: Any, device_type: 
             "wall_s": wall_s, "cells": cells, "convergence": convergence(cells)}
 
 
-def _slug(doc: dict[str, Any]) -> str:
-    device = doc["device"]
-    name = "cpu" if device["type"] == "cpu" else re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")
-    return f"{name}-x{device['nproc']}"
-
-
 def results_stem(doc: dict[str, Any]) -> str:
     """``bench_<date>_<device>-x<processes>``, e.g. bench_2026-01-31_cpu-x2."""
-    return f"bench_{doc['date'][:10]}_{_slug(doc)}"
+    device = doc["device"]
+    name = "cpu" if device["type"] == "cpu" else re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")
+    return f"bench_{doc['date'][:10]}_{name}-x{device['nproc']}"
 
 
 def write_results(doc: dict[str, Any], out: Path, *, plot: bool) -> list[Path]:
@@ -238,9 +232,8 @@ def cell_line(cell: dict[str, Any]) -> str:
         step, loss = cell["eval_losses"][-1]
         line += f"  held-out loss {loss:.4f} (step {step})"
     if cell["wiring"] == "vs-raw":
-        raw = cell["raw"]
-        ratio = _overhead(cell, raw)["step_time_ratio"]
-        line += f"  | raw step {1000 * raw['median_step_s']:.1f} ms, ratio {ratio:.3f}"
+        ratio = _overhead(cell, cell["raw"])["step_time_ratio"]
+        line += f"  | raw step {1000 * cell['raw']['median_step_s']:.1f} ms, ratio {ratio:.3f}"
     return line
 
 

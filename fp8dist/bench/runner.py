@@ -1,21 +1,6 @@
-"""``fp8dist bench``: a matrix of strategy x FP8 backend x model size, each cell trained for a few steps in
-fresh processes, measuring throughput, peak memory, model-state bytes per parameter, bytes communicated per
-step by collective type, the loss curve against the bf16 run of the same seed, and, for FSDP2 (bf16 and
-torchao), the step time of fp8dist against the same wiring written by hand.
-
-    fp8dist bench                                       # CPU: tiny + small Llama, 2 processes, a few minutes
-    fp8dist bench --strategies fsdp,ddp,deepspeed --fp8 none,torchao --sizes tiny --steps 12
-    fp8dist bench --sizes 1b                            # GPU default: a 1.1B Llama, one process per GPU
-    fp8dist bench --sizes 3b --activation-checkpointing full --no-raw   # a 2.8B Llama on one 80 GB GPU
-    fp8dist bench --lr-schedule cosine --steps 300      # warm-up + cosine decay (fp8dist train's) instead of constant
-    fp8dist bench --data docs.jsonl --tokenizer tok/ --fp8 none,torchao --torchao-recipe tensorwise,rowwise \
-        --seed 0,1,2 --eval-every 50 --no-raw          # held-out loss on real text, FP8 vs bf16 over three seeds
-
-On a GPU every cell is checked against fp8dist's memory estimate first (:mod:`.fits`): one that will not fit is
-refused, with the flag that makes it fit.
-
-Results go to ``benchmarks/results/bench_<date>_<device>.json`` and ``.png`` (written atomically).
-"""
+"""``fp8dist bench``'s matrix: the flags read into :class:`BenchSettings`, the cells planned and checked before any
+process starts (on a GPU against fp8dist's memory estimate, :mod:`.fits`: one that will not fit is refused with
+the flag that makes it fit), then each cell run in fresh processes. Examples: benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -288,9 +273,8 @@ def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list
             tqdm(total=len(cells), desc="fp8dist bench", unit="cell", file=sys.stderr) as bar:
         for cell in cells:
             bar.set_postfix_str(cell.name)
-            result = _launch_cell(cell, cell_world(cell, settings.nproc), Path(logs), start_method)
-            results.append(result)
-            bar.write(describe(result))
+            results.append(_launch_cell(cell, cell_world(cell, settings.nproc), Path(logs), start_method))
+            bar.write(describe(results[-1]))
             bar.update()
     return results
 
@@ -302,14 +286,11 @@ def _start_method(cells: list[Cell]) -> str:
     CUDA context does not survive a fork."""
     import torch
 
-    from ..fp8 import get_backend
     from ..pipeline.env import rank_imports
-    from ..strategies import get_strategy
 
     if torch.cuda.is_available():
         return "spawn"
-    axes = [*(get_strategy(c.strategy) for c in cells), *(get_backend(c.fp8) for c in cells if c.fp8)]
-    for name in rank_imports(axes):
+    for name in rank_imports([*(get_strategy(c.strategy) for c in cells), *(backend_of(c.fp8) for c in cells)]):
         importlib.import_module(name)
     return "fork"
 

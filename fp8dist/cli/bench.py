@@ -97,16 +97,6 @@ def add_parser(sub: Any) -> None:
                   shown_defaults={"data": "none, the built-in corpus"})
 
 
-def _check_plotting(plot: bool) -> None:
-    if not plot:
-        return
-    try:  # checked before the matrix runs, not after it
-        importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise ValueError("the PNG plot needs matplotlib, which is not installed: pip install 'fp8dist[bench]' "
-                         "(or pass --no-plot to write the JSON only).") from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
     from ..pipeline.files import check_output_path
@@ -116,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args, device)
     cells = plan_cells(settings)
     check_cells(cells, settings, device)
-    _check_plotting(args.plot)
+    try:  # checked before the matrix runs, not after it
+        if args.plot:
+            importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        raise ValueError("the PNG plot needs matplotlib, which is not installed: pip install 'fp8dist[bench]' "
+                         "(or pass --no-plot to write the JSON only).") from None
     out = check_output_path(args.out, name="--out", directory=True)  # before the text is tokenized and any cell runs
     text = check_text(settings)  # tokenized here once; the cells read the cache
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline.files import atomic_write, check_output_path
+    from ..pipeline.files import atomic_write_text, check_output_path
     from ..strategies.deepspeed import model_hidden_size, zero_config
 
     if args.output:
@@ -52,13 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model or args.model_config:
         args.model_size = (args.model or "llama-tiny").removeprefix("llama-")
         hidden = model_hidden_size(meta_model(args))
-    optimizer = None
-    if args.optimizer:
-        optimizer = {"type": args.optimizer, "params": {"lr": args.lr, "weight_decay": args.weight_decay}}
-    scheduler = None
-    if args.warmup_steps is not None:
-        scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
-                                                    "warmup_num_steps": args.warmup_steps}}
+    optimizer = {"type": args.optimizer, "params": {"lr": args.lr, "weight_decay": args.weight_decay}} \
+        if args.optimizer else None
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                                "warmup_num_steps": args.warmup_steps}} \
+        if args.warmup_steps is not None else None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is the json
         config = zero_config(args.stage, hidden_size=hidden, micro_batch_size=args.micro_batch_size,
                              grad_accum=args.grad_accum, world_size=args.world_size, param_dtype=args.param_dtype,
@@ -69,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         print(text, end="")
         return 0
-    target = Path(args.output)
-    atomic_write(target, lambda tmp: Path(tmp).write_text(text))  # all or nothing: no half-written json on disk
-    print(f"wrote {target} (ZeRO-{args.stage}, hidden size {hidden or 'unknown: DeepSpeed default buckets'})",
-          file=sys.stderr)
+    atomic_write_text(args.output, text)  # all or nothing: no half-written json on disk
+    print(f"wrote {Path(args.output)} (ZeRO-{args.stage}, hidden size "
+          f"{hidden or 'unknown: DeepSpeed default buckets'})", file=sys.stderr)
     return 0

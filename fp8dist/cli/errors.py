@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..pipeline.env import LaunchError
+from ..pipeline.files import atomic_write_text
 from ..pipeline.guard import NonFiniteStepsError
 from ..plan.precision import FP8UnavailableError
 from ..train.checks import TrainingDiverged
@@ -45,10 +46,8 @@ def error_line(command: str, message: str) -> str:
 
 def report_error(directory: str | os.PathLike, rank: int, err: BaseException, code: int) -> None:
     """A spawned rank's explained error, for the launching process to print once (written before the rank exits)."""
-    text = json.dumps({"rank": rank, "type": type(err).__name__, "message": str(err), "code": code})
-    path = Path(directory) / f"error_rank{rank}.json"
-    path.with_suffix(".tmp").write_text(text)
-    os.replace(path.with_suffix(".tmp"), path)
+    atomic_write_text(Path(directory) / f"error_rank{rank}.json",
+                      json.dumps({"rank": rank, "type": type(err).__name__, "message": str(err), "code": code}))
 
 
 def read_report(directory: str | os.PathLike) -> dict | None:

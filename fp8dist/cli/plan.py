@@ -114,10 +114,9 @@ def compare_text(plan: Any) -> str:
                             margin=selection.margin)
     ms = lambda seconds: f"{seconds * 1e3:.3f}"  # noqa: E731
     bf16 = steps[0].bf16_s
-    rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]]
-    for s in steps:
-        rows.append([s.recipe, ms(s.chosen_s), f"{bf16 / s.chosen_s:.2f}x", ms(s.all_fp8_s),
-                     f"{bf16 / s.all_fp8_s:.2f}x", "yes" if s.calibrated else "no"])
+    rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]] + [
+        [s.recipe, ms(s.chosen_s), f"{bf16 / s.chosen_s:.2f}x", ms(s.all_fp8_s), f"{bf16 / s.all_fp8_s:.2f}x",
+         "yes" if s.calibrated else "no"] for s in steps]
     experts = len(step.layers) - len(gemms)
     head = (f"recipes compared on {step.gpu_label}: predicted GEMM time per micro-batch of the {len(gemms)} eligible "
             f"Linear layers at {selection.tokens:,} tokens per rank ({'compiled' if step.compile else 'eager'}; "

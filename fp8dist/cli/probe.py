@@ -27,13 +27,10 @@ class ProbeConfig:
 
     batches: int = 4
     """Batches to run, forward and backward (the first ones fp8dist train reads with the same seed)."""
-
     batch_size: int = 8
     """Sequences per batch."""
-
     seq_len: int = 128
     """Tokens per sequence (bytes of the built-in corpus, or tokens of --data)."""
-
     seed: int = 0
     """Seed of the model initialization (a model without --pretrained) and of the batch order."""
 

@@ -96,23 +96,16 @@ def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Exit without interpreter teardown (see :func:`_exit_launched_rank`)."""
+    """Exit without interpreter teardown. A launched rank exits so even after a finished job: in that teardown,
+    gloo ranks now and then aborted ("terminate called without an active exception") and the launcher reported the
+    finished job as failed. The cause, from a core dump (gdb, 2026-11-23): a gloo worker thread
+    (``ProcessGroupGloo::runLoop``) drops its reference to a finished collective just after the main thread was
+    woken by its completion; the release takes the GIL, and taking the GIL while the interpreter finalizes ends the
+    thread (``pthread_exit``), whose forced unwind through a noexcept destructor calls ``std::terminate``.
+    :func:`fp8dist.shutdown` makes it rare (0 aborts in 60 runs); exiting without teardown makes it impossible."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _exit_launched_rank() -> NoReturn:
-    """End a rank started by a launcher once its job is done (all ranks met at the barrier, the process group is
-    destroyed, the checkpoint and the export are written): exit 0 without interpreter teardown. In that teardown,
-    after all their work, gloo ranks now and then aborted ("terminate called without an active exception"), and
-    the launcher reported the finished job as failed. The cause, from a core dump (gdb, 2026-11-23): a gloo worker
-    thread (``ProcessGroupGloo::runLoop``) drops its reference to a finished collective (an allgather, or the
-    barrier holding it) just after the main thread was woken by its completion; the collective's tensors are kept
-    alive for Python, so the release takes the GIL, and taking the GIL while the interpreter finalizes ends the
-    thread (``pthread_exit``), whose forced unwind through a noexcept destructor calls ``std::terminate``.
-    :func:`fp8dist.shutdown` makes it rare (0 aborts in 60 runs); exiting without teardown makes it impossible."""
-    _exit_now(0)
 
 
 def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
@@ -122,8 +115,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
     try:
         _train_this_rank(config, train, progress)
     except KeyboardInterrupt:
-        code = _interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT
-        _exit_now(code)
+        _exit_now(_interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT)
     except Exception as err:
         code = exit_code(err)
         if code is None:
@@ -131,7 +123,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
         if rank == 0:
             print(error_line("train", str(err)), file=sys.stderr)
         _exit_now(code)
-    _exit_launched_rank()
+    _exit_now(0)  # the job is done, the process group destroyed, the checkpoint written
 
 
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
@@ -214,8 +206,10 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
     this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
     the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
-    reaped before this returns (:mod:`fp8dist.cli.helper_processes`)."""
+    reaped before this returns: they leave by themselves only once this process has exited, as orphans that init
+    reaps whenever it gets to it (a ``<defunct>`` entry outliving the command)."""
     import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -225,7 +219,6 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from ..pipeline.env import rank_imports
     from ..pipeline.env_vars import read
     from ..strategies import get_strategy
-    from .helper_processes import stop_multiprocessing_helpers
 
     backend = get_backend(config.precision.fp8) if config.precision.fp8 else NO_FP8
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)
@@ -247,7 +240,10 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
         return _interrupted(train, _Progress.read(state / "progress"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
-        stop_multiprocessing_helpers()  # every rank is joined: the fork server can go, and none outlives us
+        # every rank is joined. The fork server first: it and its ranks hold the tracker's pipe. No public way to
+        # stop them: _stop is what CPython's own tests use; a later launch starts fresh ones
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            helper._stop()
     return 0
 
 
