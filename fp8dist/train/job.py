@@ -28,10 +28,11 @@ from ..config.text import plural
 from ..pipeline.api import get_plan, get_wrap_info, wrap_model
 from ..pipeline.blocks import describe_blocks
 from ..checkpoint.hf import export_dtype, save_pretrained
+from ..checkpoint.io import all_ranks_values
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
-from .data import check_batch_split
+from .data import check_batch_split, load_tokenizer
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
 from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
                   runs_on_cpu)
@@ -51,10 +52,9 @@ __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "defau
 
 
 def default_fp8() -> str | None:
-    """The training job's FP8 backend when ``--fp8`` is not given: the backend that is the commands' default
-    (``commands_default``: torchao) wherever it runs for real (installed, and on this machine's device: torchao on
-    a CPU, where torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to
-    none."""
+    """The training job's FP8 backend without ``--fp8``: the commands' default backend (``commands_default``:
+    torchao) where it runs for real (installed, and on this machine's device: a CPU with torch's _scaled_mm, CUDA
+    sm_89+), else none. The library itself defaults to none."""
     from ..fp8 import BACKENDS, get_backend
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -173,8 +173,6 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     tokenizer = ""
     if batches.corpus is not None:
-        from .data import load_tokenizer
-
         load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
         tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
     log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {dtype}){tokenizer} in "
@@ -188,13 +186,11 @@ gradient clipping off, the step line still shows the norm."""
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
                        windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the micro-batches ``micro`` (``grad_accum`` of them): forward and backward each,
-    gradients reduced once, at the last (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not
-    clipped) and stepped; returns the step's loss (the mean over the micro-batches) and the gradients' global norm
-    before clipping. DeepSpeed's engine counts its gradient_accumulation_steps, clips and zeroes itself.
-    ``show_report`` gets the precision/memory report while gradients and optimizer states are both held: after a
-    torch optimizer's step, before zero_grad; for DeepSpeed, whose step frees the gradient partitions, between the
-    last backward and step."""
+    """One optimizer step over the ``grad_accum`` micro-batches ``micro``, gradients reduced at the last only
+    (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not clipped); returns the mean loss and the
+    global grad norm before clipping. DeepSpeed's engine accumulates, clips and zeroes itself. ``show_report`` gets
+    the precision/memory report while gradients and optimizer states are both held: after a torch optimizer's step;
+    for DeepSpeed, whose step frees the gradient partitions, before it."""
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
@@ -316,11 +312,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     _export(train, wrapped, batches, log if leader else None, config.parallel.pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
-    mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
-    gathered: list[Any] = [mine]
-    if env.world_size > 1:
-        gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, mine)
+    gathered = all_ranks_values([peak_memory_mib(env.device), str(sharding_summary(wrapped))])
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
@@ -334,14 +326,12 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
 def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
                  start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
                  progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
-    """Steps ``first`` .. ``train.steps`` (``start`` is ``first`` and the optimizer steps applied before it): the
-    loss (mean over ranks) and time of each, and the held-out loss of each evaluation; stops when the loss stays
-    non-finite (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
-    micro-batches per step, its ``gradient_clipping``.
+    """Steps ``first`` .. ``train.steps`` (``start``: ``first`` and the optimizer steps applied before it): each
+    one's loss (mean over ranks) and time, and each evaluation's held-out loss; stops when the loss stays non-finite
+    (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it (``grad_accum``, ``gradient_clipping``).
 
-    The learning rate follows the optimizer steps applied, not the batches seen: a step the guard skipped
-    (non-finite gradients) leaves the schedule where it was, as DeepSpeed's engine does on an overflow, so the
-    steps after it train as a run that never saw that batch."""
+    The learning rate follows the optimizer steps applied: a step the guard skipped leaves the schedule where it
+    was, as DeepSpeed's engine does on an overflow, so the steps after it train as a run that never saw that batch."""
     (first, applied), info = start, get_wrap_info(wrapped)
     env = info.env
     lr_factor, engine = lr_schedule("cosine", train.steps), info.plan.facts.engine_builds_optimizer

@@ -109,7 +109,7 @@ class JobLog:
 
     def step(self, *, step: int, loss: float, tokens: int, step_time_s: float, grad_norm: Any, lr: float,
              skipped_steps: int, extra: dict[str, Any] | None = None) -> StepRecord:
-        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the metrics file and TensorBoard (rank 0)."""
+        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the files (rank 0)."""
         record = self.figures.step(step=step, loss=loss, tokens=tokens, step_time_s=step_time_s,
                                    grad_norm=grad_norm, lr=lr, skipped_steps=skipped_steps, extra=extra)
         if self.writer is not None:
@@ -130,10 +130,7 @@ def format_summary(result: Any, config: Any, train: Any) -> str:
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
     loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
             f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
-    lines = [
-        "== fp8dist train: summary ==",
-        f"loss            {loss}",
-    ]
+    lines = ["== fp8dist train: summary ==", f"loss            {loss}"]
     if result.eval_losses:
         step, val = result.eval_losses[-1]
         lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "

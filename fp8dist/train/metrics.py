@@ -171,17 +171,13 @@ def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: Dev
 
 def _float(value: Any) -> float | None:
     """A float of ``value`` (a tensor too), non-finite values kept (the step line shows them; JSON gets null)."""
-    if value is None:
-        return None
-    return float(value.item() if isinstance(value, torch.Tensor) else value)
+    return None if value is None else float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _number(value: Any) -> float | None:
-    """A float of ``value`` (a tensor too); None for None and non-finite values."""
-    if value is None:
-        return None
-    value = float(value.item() if isinstance(value, torch.Tensor) else value)
-    return value if math.isfinite(value) else None
+    """:func:`_float`, None for a non-finite value."""
+    value = _float(value)
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass
@@ -348,12 +344,10 @@ class MetricsWriter:
                     self._board.add_scalar(f"train/{key}", value, record.step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        for out in (self._file, self._board):
+            if out is not None:
+                out.close()
+        self._file = self._board = None
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from ..config.files import no_duplicate_keys
 from .data import VOCAB_SIZE, check_fits_corpus, check_vocab_fits
 
 __all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
@@ -63,14 +66,8 @@ def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512, vo
 def read_model_config(path: str):
     """``--model-config``: a Hugging Face config.json (it needs its ``model_type``) as a transformers config;
     ValueError naming the file, what is wrong and the way out otherwise."""
-    import json
-
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from pathlib import Path
-
-    from ..config.files import no_duplicate_keys
 
     try:
         with open(path) as f:
@@ -157,8 +154,6 @@ CAUSAL_LM_EXAMPLES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox",
 def pretrained_config(path: str):
     """The transformers config of the model directory ``path`` (``pretrained=``), read from that directory only
     (never the Hub: a name that is not a directory is an error); ValueError naming it otherwise."""
-    from pathlib import Path
-
     from transformers import AutoConfig
 
     if not Path(path).is_dir():

@@ -93,8 +93,3 @@ class Batches:
         starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,), generator=gen)
         mine = starts[self.start:self.start + self.per_rank]
         return torch.stack([self.data[s:s + self.seq_len] for s in mine.tolist()])
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens in one global batch."""
-        return self.batch_size * self.seq_len

@@ -81,7 +81,6 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
         path: a plain-text or JSON-lines file (see :mod:`fp8dist.train.data.sources`).
         tokenizer: a fast tokenizer (:func:`~fp8dist.train.data.tokenizer.load_tokenizer`).
         fingerprint: its :func:`~fp8dist.train.data.tokenizer.tokenizer_fingerprint`.
-        text_field: the JSON field holding a document's text.
         cache_dir: where entries live (default :func:`default_cache_dir`).
         progress: show a progress bar; None: when stderr is a terminal.
 
@@ -104,17 +103,14 @@ def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Pat
     dtype = token_dtype(len(tokenizer))
     identity = file_identity(source)
     index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
-    if index is None:
+    reused = index is not None
+    if not reused:
         index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
         index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
                      tokenized_at=time.time())
+    if not reused or index["mtime_ns"] != identity.mtime_ns:  # reused with a new mtime: record it for the fast check
+        index.update(asdict(identity))
         atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
-        reused = False
-    else:
-        if index["mtime_ns"] != identity.mtime_ns:  # same content, new mtime: record it for the fast check
-            index.update(asdict(identity))
-            atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
-        reused = True
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
     return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
                      reused, index.get("tokenized_at"))
@@ -181,11 +177,9 @@ def _reusable(index: dict | None, identity: FileIdentity, tokens: Path, dtype: n
             return None
     except OSError:
         return None
-    if (index["mtime_ns"], index["head_sha256"]) == (identity.mtime_ns, identity.head_sha256):
-        return index
-    if index["head_sha256"] == identity.head_sha256 and file_sha256(source) == index["sha256"]:
-        return index
-    return None
+    if index["head_sha256"] != identity.head_sha256:
+        return None
+    return index if index["mtime_ns"] == identity.mtime_ns or file_sha256(source) == index["sha256"] else None
 
 
 def _build(source: Path, kind: str, text_field: str, tokenizer: Any, tokens_path: Path, dtype: np.dtype,
