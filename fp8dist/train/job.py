@@ -258,10 +258,9 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
     """Train the job's model (``train.model_size`` Llama, ``--model-config``, ``--pretrained``) on the built-in
-    corpus or ``train.data`` with ``config``'s strategy in this process (one rank of the job).
-
-    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print); ``progress``
-    gets the steps done after each step (and at the start).
+    corpus or ``train.data`` with ``config``'s strategy in this process; call it in every process of the job.
+    ``log`` receives rank 0's progress lines (default: print); ``progress`` the steps done, at the start and after
+    each step.
 
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
@@ -282,7 +281,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     world = current_launch().world_size
     asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
     config, wrapped, optimizer = _wrap(config, train, model, world)
-    env = get_wrap_info(wrapped).env
+    info = get_wrap_info(wrapped)
+    env = info.env
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
         launch = current_launch()
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -294,32 +294,31 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
                  passthrough=(MemoryError,))
     batches = JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, rank=env.rank,
                          world_size=env.world_size, eval_batches=train.eval_batches)
-    leader = env.rank == 0
-    if leader:
-        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
+    say = log if env.rank == 0 else None  # rank 0 logs
+    if say:
+        say("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
                                      batches.describe()])))
         if config.precision.fp8:
-            log(str(get_wrap_info(wrapped).plan))
-    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, log if leader else None)
-    job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
-    if leader:
-        log(job_log.header())
+            say(str(info.plan))
+    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, say)
+    job_log = JobLog(config, train, wrapped, first=first, log=say)
+    if say:
+        say(job_log.header())
     try:
-        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied),
-                                                 job_log, log if leader else None, progress)
+        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied), job_log,
+                                                 say, progress)
     finally:
         job_log.close()
-    _export(train, wrapped, batches, log if leader else None, config.parallel.pretrained)
+    _export(train, wrapped, batches, say, config.parallel.pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
     gathered = all_ranks_values([peak_memory_mib(env.device), str(sharding_summary(wrapped))])
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
-                         blocks=describe_blocks(get_wrap_info(wrapped).blocks),
-                         skipped_steps=get_wrap_info(wrapped).skipped_steps, eval_losses=evals)
-    if leader:
-        log(format_summary(result, config, train))
+                         blocks=describe_blocks(info.blocks), skipped_steps=info.skipped_steps, eval_losses=evals)
+    if say:
+        say(format_summary(result, config, train))
     return result
 
 

@@ -51,14 +51,9 @@ class DevicePeaks(Protocol):
     """A device's dense (no sparsity) tensor-core peaks, as :class:`fp8dist.plan.gpus.GpuSpec` holds them (a GpuSpec is
     one); None where not known."""
 
-    @property
-    def label(self) -> str: ...
-
-    @property
-    def bf16_tflops(self) -> float | None: ...
-
-    @property
-    def fp8_tflops(self) -> float | None: ...
+    label: str
+    bf16_tflops: float | None
+    fp8_tflops: float | None
 
 
 def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
@@ -111,17 +106,10 @@ class FlopsPerToken:
 
 
 def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape | None = None) -> FlopsPerToken:
-    """The model's training FLOPs per token (see the module's docstring for the formula).
-
-    Args:
-        model: a model returned by :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or an
-            unwrapped model (all counted in high precision).
-        seq_len: tokens per sequence (the attention's context).
-        attention: the attention's dimensions; default read from the model's Hugging Face ``config``.
-
-    Raises:
-        ValueError: no ``attention`` given and the model has no Hugging Face config to read it from.
-    """
+    """The training FLOPs per token (the module's docstring has the formula) of ``model``: wrapped by
+    :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or not (all in high precision), at ``seq_len``
+    tokens of context. ``attention``: its dimensions; default read from the model's Hugging Face ``config``
+    (ValueError when it has none)."""
     from ..pipeline.api import get_plan
     from ..config.resolve import Config
     from ..plan.hardware import Hardware
@@ -242,7 +230,6 @@ class TrainingFigures:
 
     Args:
         model: the wrapped model (or an unwrapped one: no FP8 layers counted).
-        seq_len: tokens per sequence.
         peaks: the device's dense peaks (a :class:`DevicePeaks`: a :class:`fp8dist.plan.gpus.GpuSpec`); "auto": the
             model's device in fp8dist's GPU table (:func:`device_peaks`); None: unknown, MFU is null.
         world_size: devices sharing the work; default the wrapped model's world size (1 unwrapped).
@@ -307,8 +294,7 @@ class MetricsWriter:
     'fp8dist[tensorboard]'``). Use on one rank (rank 0).
 
     Args:
-        path: the JSON-lines file; None: none written.
-        tensorboard_dir: a TensorBoard log directory; None: none written.
+        path, tensorboard_dir: the JSON-lines file and the TensorBoard log directory; None: not written.
         append: add to an existing file (a resumed run) instead of starting it anew.
         purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged in
             ``tensorboard_dir`` at this step and after (the steps this run logs again; SummaryWriter's

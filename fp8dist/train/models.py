@@ -169,17 +169,10 @@ def pretrained_config(path: str):
 
 def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
     """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
-    the config.json of ``pretrained``; its positions are checked against ``seq_len`` by
-    :func:`fp8dist.train.checks.check_positions`.
-
-    Args:
-        tokenizer: the job's text corpus (a :class:`fp8dist.train.data.TokenCorpus`: its ``vocab_size`` and
-            ``tokenizer_dir``), or None for the built-in byte corpus. The preset's vocabulary is then the
-            tokenizer's; a model from a config must have an embedding row for every token id.
-
-    Raises:
-        ValueError: both a config and ``pretrained``, or a vocabulary too small for the corpus (both sizes named).
-    """
+    the config.json of ``pretrained`` (its positions: :func:`fp8dist.train.checks.check_positions`). ``tokenizer``:
+    the job's :class:`~fp8dist.train.data.TokenCorpus`, or None for the built-in byte corpus; the preset takes its
+    vocabulary, a model from a config must have an embedding row for each of its ids. ValueError: both a config and
+    ``pretrained``, or a vocabulary too small for the corpus (both sizes named)."""
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
@@ -217,9 +210,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
-    """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
-    Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
-    rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
+    """``fp8dist train``'s model: the built-in Llama, or the model of ``model_config``, with ``pretrained`` on the
+    meta device (each rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)
