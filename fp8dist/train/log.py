@@ -50,14 +50,8 @@ def health_file(train: Any) -> str | None:
 
 class JobLog:
     """The job's figures and their files, for one rank (create it on every rank: the FP8 health reduces over the
-    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing).
-
-    Args:
-        config: the job's :class:`fp8dist.Config`.
-        train: its :class:`fp8dist.train.job.TrainConfig`.
-        wrapped: what ``wrap_model`` returned.
-        first: steps already done (a resumed run's checkpoint step): the files keep what was logged up to it.
-    """
+    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing). ``first``: steps
+    already done (a resumed run's checkpoint step): the files keep what was logged up to it."""
 
     def __init__(self, config: Any, train: Any, wrapped: Any, *, first: int, log: Callable[[str], Any] | None):
         self.train, self.log = train, log

@@ -1,17 +1,7 @@
 """The figures a training user reads each step: loss, grad norm, learning rate, tokens/s, step time, MFU, an
 FP8-aware utilization and peak memory; written one JSON object per logged step, and optionally as TensorBoard
-scalars. :class:`TrainingFigures` gives your own loop what ``fp8dist train`` logs:
-
-    figures = fp8dist.TrainingFigures(model, seq_len=1024)   # after wrap_model; peaks: the GPU table's
-    with fp8dist.MetricsWriter("metrics.jsonl") as out:
-        for step in range(steps):
-            t0 = time.perf_counter()
-            ...                                                             # forward, backward
-            norm = fp8dist.clip_grad_norm_(model, 1.0)
-            optimizer.step()
-            record = figures.step(step=step + 1, loss=loss, tokens=global_batch * 1024,
-                                  step_time_s=time.perf_counter() - t0, grad_norm=norm, lr=lr)
-            print(record.line()); out.write(record)                        # on rank 0
+scalars. :class:`TrainingFigures` and :class:`MetricsWriter` give your own loop what ``fp8dist train`` logs (the
+README's "The same figures in your own loop" shows how).
 
 FLOPs per token (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B; torchtitan's ``get_num_flop_per_token``):
 ``6 x N + 12 x L x H x Q x T``, where N counts the parameters that multiply (each module that runs a GEMM with its
@@ -39,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization", "utilization",
-           "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
+__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization",
+           "utilization", "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "fp8_aware_mfu",
                "peak_memory_bytes", "skipped_steps")

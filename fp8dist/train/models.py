@@ -176,8 +176,8 @@ def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[An
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
-        return (llama_config(train.model_size, max_seq_len=JOB_POSITIONS, vocab_size=vocab),
-                f"llama-{train.model_size}" + ("" if tokenizer is None else f" (vocabulary {vocab:,}: the tokenizer's)"))
+        name = f"llama-{train.model_size}" + ("" if tokenizer is None else f" (vocabulary {vocab:,}: the tokenizer's)")
+        return llama_config(train.model_size, max_seq_len=JOB_POSITIONS, vocab_size=vocab), name
     if path is not None and train.model_config is not None:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")

@@ -93,27 +93,21 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
     field = text_field if kind == "jsonl" else None
     key = hashlib.sha256(json.dumps([str(source), kind, field, fingerprint, CACHE_FORMAT]).encode()).hexdigest()[:24]
     with cache_directory(cache_dir) as directory:
-        return _tokens(source, kind, field, key, directory, tokenizer, fingerprint, text_field, progress)
-
-
-def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Path, tokenizer: Any,
-            fingerprint: str, text_field: str, progress: bool | None) -> TokenFile:
-    """:func:`tokenize_file` in the cache ``directory``: the entry ``key`` reused or built."""
-    index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
-    dtype = token_dtype(len(tokenizer))
-    identity = file_identity(source)
-    index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
-    reused = index is not None
-    if not reused:
-        index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
-        index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
-                     tokenized_at=time.time())
-    if not reused or index["mtime_ns"] != identity.mtime_ns:  # reused with a new mtime: record it for the fast check
-        index.update(asdict(identity))
-        atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
-    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
-    return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
-                     reused, index.get("tokenized_at"))
+        index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
+        dtype = token_dtype(len(tokenizer))
+        identity = file_identity(source)
+        index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
+        reused = index is not None
+        if not reused:
+            index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
+            index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
+                         tokenized_at=time.time())
+        if not reused or index["mtime_ns"] != identity.mtime_ns:  # reused with a new mtime: recorded for the fast check
+            index.update(asdict(identity))
+            atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
+        tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
+        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
+                         reused, index.get("tokenized_at"))
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
