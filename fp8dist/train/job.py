@@ -24,29 +24,28 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..config.text import plural
-from ..pipeline.api import get_plan, get_wrap_info, wrap_model
-from ..pipeline.blocks import describe_blocks
+from ..accounting import report
+from ..accounting.sharding import sharding_summary
 from ..checkpoint.hf import export_dtype, save_pretrained
 from ..checkpoint.io import all_ranks_values
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
+from ..config.text import plural
+from ..pipeline.agree import on_all_ranks
+from ..pipeline.api import get_plan, get_wrap_info, wrap_model
+from ..pipeline.blocks import describe_blocks
+from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
+                            runs_on_cpu)
+from ..pipeline.grads import clip_grad_norm_, no_sync
+from ..plan.selection import with_read_options
+from .checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
+from .config import TrainConfig
 from .data import check_batch_split, load_tokenizer
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
-from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
-                  runs_on_cpu)
-from ..pipeline.grads import clip_grad_norm_, no_sync
-from ..pipeline.agree import on_all_ranks
-from .models import build_job_model, job_model_config
-from ..accounting import report
-from .schedule import describe_schedule, lr_schedule, set_lr
-from ..plan.selection import with_read_options
-from .checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
-                           job_memory_need)
-from .config import TrainConfig
 from .log import JobLog, check_outputs, format_summary
-from ..accounting.sharding import sharding_summary
+from .models import build_job_model, job_model_config
+from .schedule import describe_schedule, lr_schedule, set_lr
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 

@@ -112,10 +112,9 @@ class JobLog:
 
     def close(self) -> None:
         """Close the files and detach the FP8 health's hooks."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.health is not None:
-            self.health.close()
+        for part in (self.writer, self.health):
+            if part is not None:
+                part.close()
 
 
 def format_summary(result: Any, config: Any, train: Any) -> str:

@@ -3,8 +3,7 @@
     corpus = load_text_corpus(["books.jsonl", "notes.txt"], tokenizer="my-tokenizer/")
     batches = TextBatches(corpus, batch_size=32, seq_len=1024, rank=rank, world_size=world, seed=0)
 
-In a job of several processes, let one process per node (local rank 0) call :func:`load_text_corpus` first and the
-others after a barrier: they then read the cache it wrote instead of tokenizing the same files again.
+In a job of several processes, tokenize once per node: :func:`fp8dist.train.data.job.load_on_each_node`.
 """
 
 from __future__ import annotations

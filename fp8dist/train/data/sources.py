@@ -112,9 +112,7 @@ def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Has
     binary file), bytes that are not UTF-8, a JSON line that is not an object with a string ``text_field``, or a
     JSON-lines file without a single object."""
     pieces = _json_documents(path, text_field, digest) if kind == "jsonl" else _text_pieces(path, digest)
-    texts: list[str] = []
-    ends: list[bool] = []
-    size = 0
+    texts, ends, size = [], [], 0
     for text, end, raw in pieces:
         progress(raw)
         texts.append(text)
