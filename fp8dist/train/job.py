@@ -336,9 +336,7 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
     evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
-    losses: list[float] = []
-    step_times: list[float] = []
-    evals: list[tuple[int, float]] = []
+    losses, step_times, evals = [], [], []  # each step's loss and seconds; (step, held-out loss) of each evaluation
     if progress is not None:
         progress(first)
     for step in range(first, train.steps):
