@@ -14,8 +14,8 @@ import torch
 
 from ..config.text import plural
 
-__all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "memory_need", "job_memory_need",
-           "check_memory", "check_positions", "check_checkpoint_dir"]
+__all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "job_memory_need", "check_memory",
+           "check_positions", "check_checkpoint_dir"]
 
 MAX_NONFINITE_STEPS = 5
 """Consecutive steps of non-finite loss after which the job stops. Without a guard that keeps a non-finite step
@@ -70,25 +70,21 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def memory_need(model: torch.nn.Module, config: Any, *, world: int, micro_batch: int, seq_len: int) -> MemoryNeed:
-    """The estimate of one rank for ``model`` (on the meta device: nothing is allocated) wrapped with ``config``."""
-    from ..accounting.estimate import estimate_memory
-
-    with warnings.catch_warnings():  # its notes (an option no axis reads) are wrap_model's to say, once
-        warnings.simplefilter("ignore", UserWarning)
-        est = estimate_memory(model, config, world_size=world, micro_batch_size=micro_batch, seq_len=seq_len)
-    return MemoryNeed(est.model_state_bytes, est.activation_bytes if est.activations_modelled else None,
-                      micro_batch, seq_len)
-
-
 def job_memory_need(config: Any, train: Any, model_config: Any, world: int) -> MemoryNeed:
-    """The per-rank estimate of ``fp8dist train``'s model (``model_config``, built again on the meta device)."""
+    """The per-rank estimate of ``fp8dist train``'s model (``model_config``, built again on the meta device:
+    nothing is allocated) wrapped with ``config``."""
     from transformers import AutoModelForCausalLM
+
+    from ..accounting.estimate import estimate_memory
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     micro = max(1, train.batch_size // (world * config.parallel.grad_accum))
-    return memory_need(model, config, world=world, micro_batch=micro, seq_len=train.seq_len)
+    with warnings.catch_warnings():  # its notes (an option no axis reads) are wrap_model's to say, once
+        warnings.simplefilter("ignore", UserWarning)
+        est = estimate_memory(model, config, world_size=world, micro_batch_size=micro, seq_len=train.seq_len)
+    return MemoryNeed(est.model_state_bytes, est.activation_bytes if est.activations_modelled else None, micro,
+                      train.seq_len)
 
 
 def check_positions(model_config: Any, name: str, config: Any, train: Any, world: int) -> None:

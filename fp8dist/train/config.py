@@ -117,14 +117,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         normalize_fields(self)
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "batch_size", "seq_len", "nproc", "save_every", "eval_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr={self.lr} must be positive and finite (the peak learning rate, e.g. 3e-3).")
-        for name in ("nproc", "save_every", "eval_batches"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         for name, off in (("keep_last", "keep all"), ("eval_every", "at the end only"), ("fp8_health_every", "off")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 ({off}) or more.")
@@ -132,9 +129,6 @@ class TrainConfig:
             flag = "resume" if self.resume else "save_every"
             raise ValueError(f"{flag} needs checkpoint_dir: pass --checkpoint-dir DIR (where checkpoints are written "
                              "and read).")
-        self._check_data_options()
-
-    def _check_data_options(self) -> None:
         if not self.data and (self.eval_every or self.eval_batches is not None):
             flag = "eval_every" if self.eval_every else "eval_batches"
             raise ValueError(f"{flag} needs data: the held-out split is of --data files (the built-in corpus has "

@@ -24,37 +24,36 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..config.text import plural
-from ..pipeline.api import get_plan, get_wrap_info, wrap_model
-from ..pipeline.blocks import describe_blocks
+from ..accounting import report
+from ..accounting.sharding import sharding_summary
 from ..checkpoint.hf import export_dtype, save_pretrained
+from ..checkpoint.io import all_ranks_values
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
-from .data import check_batch_split
-from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
-from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
-                  runs_on_cpu)
-from ..pipeline.grads import clip_grad_norm_, no_sync
+from ..config.text import plural
 from ..pipeline.agree import on_all_ranks
-from .models import build_job_model, job_model_config
-from ..accounting import report
-from .schedule import describe_schedule, lr_schedule, set_lr
+from ..pipeline.api import get_plan, get_wrap_info, wrap_model
+from ..pipeline.blocks import describe_blocks
+from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
+                            runs_on_cpu)
+from ..pipeline.grads import clip_grad_norm_, no_sync
 from ..plan.selection import with_read_options
-from .checks import (LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions,
-                           job_memory_need)
+from .checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
 from .config import TrainConfig
+from .data import check_batch_split, load_tokenizer
+from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
 from .log import JobLog, check_outputs, format_summary
-from ..accounting.sharding import sharding_summary
+from .models import build_job_model, job_model_config
+from .schedule import describe_schedule, lr_schedule, set_lr
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
 
 
 def default_fp8() -> str | None:
-    """The training job's FP8 backend when ``--fp8`` is not given: the backend that is the commands' default
-    (``commands_default``: torchao) wherever it runs for real (installed, and on this machine's device: torchao on
-    a CPU, where torch's _scaled_mm is implemented, and CUDA sm_89+), else none. The library itself defaults to
-    none."""
+    """The training job's FP8 backend without ``--fp8``: the commands' default backend (``commands_default``:
+    torchao) where it runs for real (installed, and on this machine's device: a CPU with torch's _scaled_mm, CUDA
+    sm_89+), else none. The library itself defaults to none."""
     from ..fp8 import BACKENDS, get_backend
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -173,8 +172,6 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     tokenizer = ""
     if batches.corpus is not None:
-        from .data import load_tokenizer
-
         load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
         tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
     log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {dtype}){tokenizer} in "
@@ -188,13 +185,11 @@ gradient clipping off, the step line still shows the norm."""
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
                        windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the micro-batches ``micro`` (``grad_accum`` of them): forward and backward each,
-    gradients reduced once, at the last (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not
-    clipped) and stepped; returns the step's loss (the mean over the micro-batches) and the gradients' global norm
-    before clipping. DeepSpeed's engine counts its gradient_accumulation_steps, clips and zeroes itself.
-    ``show_report`` gets the precision/memory report while gradients and optimizer states are both held: after a
-    torch optimizer's step, before zero_grad; for DeepSpeed, whose step frees the gradient partitions, between the
-    last backward and step."""
+    """One optimizer step over the ``grad_accum`` micro-batches ``micro``, gradients reduced at the last only
+    (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not clipped); returns the mean loss and the
+    global grad norm before clipping. DeepSpeed's engine accumulates, clips and zeroes itself. ``show_report`` gets
+    the precision/memory report while gradients and optimizer states are both held: after a torch optimizer's step;
+    for DeepSpeed, whose step frees the gradient partitions, before it."""
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
@@ -262,10 +257,9 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
     """Train the job's model (``train.model_size`` Llama, ``--model-config``, ``--pretrained``) on the built-in
-    corpus or ``train.data`` with ``config``'s strategy in this process (one rank of the job).
-
-    Call it in every process of the job; ``log`` receives rank 0's progress lines (default: print); ``progress``
-    gets the steps done after each step (and at the start).
+    corpus or ``train.data`` with ``config``'s strategy in this process; call it in every process of the job.
+    ``log`` receives rank 0's progress lines (default: print); ``progress`` the steps done, at the start and after
+    each step.
 
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
@@ -286,7 +280,8 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     world = current_launch().world_size
     asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
     config, wrapped, optimizer = _wrap(config, train, model, world)
-    env = get_wrap_info(wrapped).env
+    info = get_wrap_info(wrapped)
+    env = info.env
     if env.world_size > 1:  # one line per rank: which node and host each rank landed on
         launch = current_launch()
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -298,59 +293,50 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
                  passthrough=(MemoryError,))
     batches = JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, rank=env.rank,
                          world_size=env.world_size, eval_batches=train.eval_batches)
-    leader = env.rank == 0
-    if leader:
-        log("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
+    say = log if env.rank == 0 else None  # rank 0 logs
+    if say:
+        say("\n".join(filter(None, [_header(config, train, wrapped, name, n_params, need), kernels,
                                      batches.describe()])))
         if config.precision.fp8:
-            log(str(get_wrap_info(wrapped).plan))
-    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, log if leader else None)
-    job_log = JobLog(config, train, wrapped, first=first, log=log if leader else None)
-    if leader:
-        log(job_log.header())
+            say(str(info.plan))
+    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, say)
+    job_log = JobLog(config, train, wrapped, first=first, log=say)
+    if say:
+        say(job_log.header())
     try:
-        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied),
-                                                 job_log, log if leader else None, progress)
+        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied), job_log,
+                                                 say, progress)
     finally:
         job_log.close()
-    _export(train, wrapped, batches, log if leader else None, config.parallel.pretrained)
+    _export(train, wrapped, batches, say, config.parallel.pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
-    mine = [peak_memory_mib(env.device), str(sharding_summary(wrapped))]
-    gathered: list[Any] = [mine]
-    if env.world_size > 1:
-        gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, mine)
+    gathered = all_ranks_values([peak_memory_mib(env.device), str(sharding_summary(wrapped))])
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
-                         blocks=describe_blocks(get_wrap_info(wrapped).blocks),
-                         skipped_steps=get_wrap_info(wrapped).skipped_steps, eval_losses=evals)
-    if leader:
-        log(format_summary(result, config, train))
+                         blocks=describe_blocks(info.blocks), skipped_steps=info.skipped_steps, eval_losses=evals)
+    if say:
+        say(format_summary(result, config, train))
     return result
 
 
 def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
                  start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
                  progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
-    """Steps ``first`` .. ``train.steps`` (``start`` is ``first`` and the optimizer steps applied before it): the
-    loss (mean over ranks) and time of each, and the held-out loss of each evaluation; stops when the loss stays
-    non-finite (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it: its ``grad_accum``
-    micro-batches per step, its ``gradient_clipping``.
+    """Steps ``first`` .. ``train.steps`` (``start``: ``first`` and the optimizer steps applied before it): each
+    one's loss (mean over ranks) and time, and each evaluation's held-out loss; stops when the loss stays non-finite
+    (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it (``grad_accum``, ``gradient_clipping``).
 
-    The learning rate follows the optimizer steps applied, not the batches seen: a step the guard skipped
-    (non-finite gradients) leaves the schedule where it was, as DeepSpeed's engine does on an overflow, so the
-    steps after it train as a run that never saw that batch."""
+    The learning rate follows the optimizer steps applied: a step the guard skipped leaves the schedule where it
+    was, as DeepSpeed's engine does on an overflow, so the steps after it train as a run that never saw that batch."""
     (first, applied), info = start, get_wrap_info(wrapped)
     env = info.env
     lr_factor, engine = lr_schedule("cosine", train.steps), info.plan.facts.engine_builds_optimizer
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
     evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
-    losses: list[float] = []
-    step_times: list[float] = []
-    evals: list[tuple[int, float]] = []
+    losses, step_times, evals = [], [], []  # each step's loss and seconds; (step, held-out loss) of each evaluation
     if progress is not None:
         progress(first)
     for step in range(first, train.steps):

@@ -50,14 +50,8 @@ def health_file(train: Any) -> str | None:
 
 class JobLog:
     """The job's figures and their files, for one rank (create it on every rank: the FP8 health reduces over the
-    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing).
-
-    Args:
-        config: the job's :class:`fp8dist.Config`.
-        train: its :class:`fp8dist.train.job.TrainConfig`.
-        wrapped: what ``wrap_model`` returned.
-        first: steps already done (a resumed run's checkpoint step): the files keep what was logged up to it.
-    """
+    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing). ``first``: steps
+    already done (a resumed run's checkpoint step): the files keep what was logged up to it."""
 
     def __init__(self, config: Any, train: Any, wrapped: Any, *, first: int, log: Callable[[str], Any] | None):
         self.train, self.log = train, log
@@ -109,7 +103,7 @@ class JobLog:
 
     def step(self, *, step: int, loss: float, tokens: int, step_time_s: float, grad_norm: Any, lr: float,
              skipped_steps: int, extra: dict[str, Any] | None = None) -> StepRecord:
-        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the metrics file and TensorBoard (rank 0)."""
+        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the files (rank 0)."""
         record = self.figures.step(step=step, loss=loss, tokens=tokens, step_time_s=step_time_s,
                                    grad_norm=grad_norm, lr=lr, skipped_steps=skipped_steps, extra=extra)
         if self.writer is not None:
@@ -118,10 +112,9 @@ class JobLog:
 
     def close(self) -> None:
         """Close the files and detach the FP8 health's hooks."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.health is not None:
-            self.health.close()
+        for part in (self.writer, self.health):
+            if part is not None:
+                part.close()
 
 
 def format_summary(result: Any, config: Any, train: Any) -> str:
@@ -130,10 +123,7 @@ def format_summary(result: Any, config: Any, train: Any) -> str:
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
     loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "
             f"{sum(tail) / len(tail):.4f}){resumed}" if tail else f"no steps left to train{resumed}")
-    lines = [
-        "== fp8dist train: summary ==",
-        f"loss            {loss}",
-    ]
+    lines = ["== fp8dist train: summary ==", f"loss            {loss}"]
     if result.eval_losses:
         step, val = result.eval_losses[-1]
         lines.append(f"validation      loss {val:.4f}, perplexity {math.exp(min(val, 700.0)):,.2f} (held-out, after "

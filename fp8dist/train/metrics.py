@@ -1,17 +1,7 @@
 """The figures a training user reads each step: loss, grad norm, learning rate, tokens/s, step time, MFU, an
 FP8-aware utilization and peak memory; written one JSON object per logged step, and optionally as TensorBoard
-scalars. :class:`TrainingFigures` gives your own loop what ``fp8dist train`` logs:
-
-    figures = fp8dist.TrainingFigures(model, seq_len=1024)   # after wrap_model; peaks: the GPU table's
-    with fp8dist.MetricsWriter("metrics.jsonl") as out:
-        for step in range(steps):
-            t0 = time.perf_counter()
-            ...                                                             # forward, backward
-            norm = fp8dist.clip_grad_norm_(model, 1.0)
-            optimizer.step()
-            record = figures.step(step=step + 1, loss=loss, tokens=global_batch * 1024,
-                                  step_time_s=time.perf_counter() - t0, grad_norm=norm, lr=lr)
-            print(record.line()); out.write(record)                        # on rank 0
+scalars. :class:`TrainingFigures` and :class:`MetricsWriter` give your own loop what ``fp8dist train`` logs (the
+README's "The same figures in your own loop" shows how).
 
 FLOPs per token (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B; torchtitan's ``get_num_flop_per_token``):
 ``6 x N + 12 x L x H x Q x T``, where N counts the parameters that multiply (each module that runs a GEMM with its
@@ -39,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization", "utilization",
-           "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
+__all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "flops_per_token", "Utilization",
+           "utilization", "StepRecord", "TrainingFigures", "MetricsWriter", "METRIC_KEYS", "truncate_jsonl"]
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "fp8_aware_mfu",
                "peak_memory_bytes", "skipped_steps")
@@ -51,14 +41,9 @@ class DevicePeaks(Protocol):
     """A device's dense (no sparsity) tensor-core peaks, as :class:`fp8dist.plan.gpus.GpuSpec` holds them (a GpuSpec is
     one); None where not known."""
 
-    @property
-    def label(self) -> str: ...
-
-    @property
-    def bf16_tflops(self) -> float | None: ...
-
-    @property
-    def fp8_tflops(self) -> float | None: ...
+    label: str
+    bf16_tflops: float | None
+    fp8_tflops: float | None
 
 
 def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
@@ -111,17 +96,10 @@ class FlopsPerToken:
 
 
 def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape | None = None) -> FlopsPerToken:
-    """The model's training FLOPs per token (see the module's docstring for the formula).
-
-    Args:
-        model: a model returned by :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or an
-            unwrapped model (all counted in high precision).
-        seq_len: tokens per sequence (the attention's context).
-        attention: the attention's dimensions; default read from the model's Hugging Face ``config``.
-
-    Raises:
-        ValueError: no ``attention`` given and the model has no Hugging Face config to read it from.
-    """
+    """The training FLOPs per token (the module's docstring has the formula) of ``model``: wrapped by
+    :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or not (all in high precision), at ``seq_len``
+    tokens of context. ``attention``: its dimensions; default read from the model's Hugging Face ``config``
+    (ValueError when it has none)."""
     from ..pipeline.api import get_plan
     from ..config.resolve import Config
     from ..plan.hardware import Hardware
@@ -171,17 +149,13 @@ def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: Dev
 
 def _float(value: Any) -> float | None:
     """A float of ``value`` (a tensor too), non-finite values kept (the step line shows them; JSON gets null)."""
-    if value is None:
-        return None
-    return float(value.item() if isinstance(value, torch.Tensor) else value)
+    return None if value is None else float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _number(value: Any) -> float | None:
-    """A float of ``value`` (a tensor too); None for None and non-finite values."""
-    if value is None:
-        return None
-    value = float(value.item() if isinstance(value, torch.Tensor) else value)
-    return value if math.isfinite(value) else None
+    """:func:`_float`, None for a non-finite value."""
+    value = _float(value)
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass
@@ -246,7 +220,6 @@ class TrainingFigures:
 
     Args:
         model: the wrapped model (or an unwrapped one: no FP8 layers counted).
-        seq_len: tokens per sequence.
         peaks: the device's dense peaks (a :class:`DevicePeaks`: a :class:`fp8dist.plan.gpus.GpuSpec`); "auto": the
             model's device in fp8dist's GPU table (:func:`device_peaks`); None: unknown, MFU is null.
         world_size: devices sharing the work; default the wrapped model's world size (1 unwrapped).
@@ -311,8 +284,7 @@ class MetricsWriter:
     'fp8dist[tensorboard]'``). Use on one rank (rank 0).
 
     Args:
-        path: the JSON-lines file; None: none written.
-        tensorboard_dir: a TensorBoard log directory; None: none written.
+        path, tensorboard_dir: the JSON-lines file and the TensorBoard log directory; None: not written.
         append: add to an existing file (a resumed run) instead of starting it anew.
         purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged in
             ``tensorboard_dir`` at this step and after (the steps this run logs again; SummaryWriter's
@@ -348,12 +320,10 @@ class MetricsWriter:
                     self._board.add_scalar(f"train/{key}", value, record.step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        for out in (self._file, self._board):
+            if out is not None:
+                out.close()
+        self._file = self._board = None
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from ..config.files import no_duplicate_keys
 from .data import VOCAB_SIZE, check_fits_corpus, check_vocab_fits
 
 __all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
@@ -63,14 +66,8 @@ def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512, vo
 def read_model_config(path: str):
     """``--model-config``: a Hugging Face config.json (it needs its ``model_type``) as a transformers config;
     ValueError naming the file, what is wrong and the way out otherwise."""
-    import json
-
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from pathlib import Path
-
-    from ..config.files import no_duplicate_keys
 
     try:
         with open(path) as f:
@@ -157,8 +154,6 @@ CAUSAL_LM_EXAMPLES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox",
 def pretrained_config(path: str):
     """The transformers config of the model directory ``path`` (``pretrained=``), read from that directory only
     (never the Hub: a name that is not a directory is an error); ValueError naming it otherwise."""
-    from pathlib import Path
-
     from transformers import AutoConfig
 
     if not Path(path).is_dir():
@@ -174,22 +169,15 @@ def pretrained_config(path: str):
 
 def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
     """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
-    the config.json of ``pretrained``; its positions are checked against ``seq_len`` by
-    :func:`fp8dist.train.checks.check_positions`.
-
-    Args:
-        tokenizer: the job's text corpus (a :class:`fp8dist.train.data.TokenCorpus`: its ``vocab_size`` and
-            ``tokenizer_dir``), or None for the built-in byte corpus. The preset's vocabulary is then the
-            tokenizer's; a model from a config must have an embedding row for every token id.
-
-    Raises:
-        ValueError: both a config and ``pretrained``, or a vocabulary too small for the corpus (both sizes named).
-    """
+    the config.json of ``pretrained`` (its positions: :func:`fp8dist.train.checks.check_positions`). ``tokenizer``:
+    the job's :class:`~fp8dist.train.data.TokenCorpus`, or None for the built-in byte corpus; the preset takes its
+    vocabulary, a model from a config must have an embedding row for each of its ids. ValueError: both a config and
+    ``pretrained``, or a vocabulary too small for the corpus (both sizes named)."""
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
-        return (llama_config(train.model_size, max_seq_len=JOB_POSITIONS, vocab_size=vocab),
-                f"llama-{train.model_size}" + ("" if tokenizer is None else f" (vocabulary {vocab:,}: the tokenizer's)"))
+        name = f"llama-{train.model_size}" + ("" if tokenizer is None else f" (vocabulary {vocab:,}: the tokenizer's)")
+        return llama_config(train.model_size, max_seq_len=JOB_POSITIONS, vocab_size=vocab), name
     if path is not None and train.model_config is not None:
         raise ValueError(f"model_config={train.model_config!r} and pretrained={path!r}: pass one (pretrained= "
                          "builds the model from that directory's config.json).")
@@ -222,9 +210,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
-    """``fp8dist train``'s model (``config`` a :class:`fp8dist.Config`, ``train`` its TrainConfig): the built-in
-    Llama, or the model of ``model_config``: with ``pretrained`` built on the meta device (each
-    rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
+    """``fp8dist train``'s model: the built-in Llama, or the model of ``model_config``, with ``pretrained`` on the
+    meta device (each rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)

@@ -1,12 +1,6 @@
-"""Training data: the built-in grammar corpus (byte tokens, no download) and real text files.
-
-Built-in: :class:`Batches` over :func:`make_corpus`'s sentences, ids are bytes (:data:`VOCAB_SIZE`).
-
-Real text: :func:`load_text_corpus` tokenizes plain-text and JSON-lines files with a fast tokenizer saved by
-``save_pretrained`` (local files only), through a token cache on disk (:mod:`fp8dist.train.data.cache`);
-:class:`TextBatches` packs the tokens into ``seq_len + 1`` windows, holds some out for validation, shuffles the rest
-from the seed, gives each rank its slice of every global batch and saves/restores its position for exact resumes.
-"""
+"""Training data: the built-in grammar corpus (:class:`Batches` over :func:`make_corpus`'s sentences, byte ids, no
+download) and real text files (:func:`load_text_corpus` tokenizes them through a token cache on disk;
+:class:`TextBatches` packs the tokens into held-out and shuffled training windows, with a position to resume)."""
 
 from .builtin import VOCAB_SIZE, Batches, check_batch_split, check_fits_corpus, make_corpus
 from .cache import TokenFile, default_cache_dir

@@ -70,17 +70,13 @@ class Batches:
 
     Args:
         batch_size: global batch (sequences per step over all ranks); must split evenly over ``world_size``.
-        seq_len: tokens per sequence.
-        rank, world_size: this process's place in the job.
         seed: the batch sampling seed; step ``s`` always yields the same global batch.
     """
 
-    def __init__(self, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 corpus: str | None = None) -> None:
+    def __init__(self, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> None:
         check_batch_split(batch_size, world_size)
         # from the bytes' buffer: a list of ~170 k Python ints took ~0.5 s of CPU per Batches
-        encoded = bytearray((corpus or make_corpus()).encode("utf-8"))
-        self.data = torch.frombuffer(encoded, dtype=torch.uint8).to(torch.long)
+        self.data = torch.frombuffer(bytearray(make_corpus().encode("utf-8")), dtype=torch.uint8).to(torch.long)
         if seq_len + 1 > len(self.data):
             raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.data)} bytes).")
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
@@ -93,8 +89,3 @@ class Batches:
         starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,), generator=gen)
         mine = starts[self.start:self.start + self.per_rank]
         return torch.stack([self.data[s:s + self.seq_len] for s in mine.tolist()])
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens in one global batch."""
-        return self.batch_size * self.seq_len

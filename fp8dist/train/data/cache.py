@@ -81,7 +81,6 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
         path: a plain-text or JSON-lines file (see :mod:`fp8dist.train.data.sources`).
         tokenizer: a fast tokenizer (:func:`~fp8dist.train.data.tokenizer.load_tokenizer`).
         fingerprint: its :func:`~fp8dist.train.data.tokenizer.tokenizer_fingerprint`.
-        text_field: the JSON field holding a document's text.
         cache_dir: where entries live (default :func:`default_cache_dir`).
         progress: show a progress bar; None: when stderr is a terminal.
 
@@ -94,30 +93,21 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
     field = text_field if kind == "jsonl" else None
     key = hashlib.sha256(json.dumps([str(source), kind, field, fingerprint, CACHE_FORMAT]).encode()).hexdigest()[:24]
     with cache_directory(cache_dir) as directory:
-        return _tokens(source, kind, field, key, directory, tokenizer, fingerprint, text_field, progress)
-
-
-def _tokens(source: Path, kind: str, field: str | None, key: str, directory: Path, tokenizer: Any,
-            fingerprint: str, text_field: str, progress: bool | None) -> TokenFile:
-    """:func:`tokenize_file` in the cache ``directory``: the entry ``key`` reused or built."""
-    index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
-    dtype = token_dtype(len(tokenizer))
-    identity = file_identity(source)
-    index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
-    if index is None:
-        index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
-        index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
-                     tokenized_at=time.time())
-        atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
-        reused = False
-    else:
-        if index["mtime_ns"] != identity.mtime_ns:  # same content, new mtime: record it for the fast check
+        index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
+        dtype = token_dtype(len(tokenizer))
+        identity = file_identity(source)
+        index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
+        reused = index is not None
+        if not reused:
+            index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
+            index.update(source=str(source), kind=kind, text_field=field, tokenizer_sha256=fingerprint,
+                         tokenized_at=time.time())
+        if not reused or index["mtime_ns"] != identity.mtime_ns:  # reused with a new mtime: recorded for the fast check
             index.update(asdict(identity))
             atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
-        reused = True
-    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
-    return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
-                     reused, index.get("tokenized_at"))
+        tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
+        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
+                         reused, index.get("tokenized_at"))
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
@@ -181,11 +171,9 @@ def _reusable(index: dict | None, identity: FileIdentity, tokens: Path, dtype: n
             return None
     except OSError:
         return None
-    if (index["mtime_ns"], index["head_sha256"]) == (identity.mtime_ns, identity.head_sha256):
-        return index
-    if index["head_sha256"] == identity.head_sha256 and file_sha256(source) == index["sha256"]:
-        return index
-    return None
+    if index["head_sha256"] != identity.head_sha256:
+        return None
+    return index if index["mtime_ns"] == identity.mtime_ns or file_sha256(source) == index["sha256"] else None
 
 
 def _build(source: Path, kind: str, text_field: str, tokenizer: Any, tokens_path: Path, dtype: np.dtype,

@@ -3,8 +3,7 @@
     corpus = load_text_corpus(["books.jsonl", "notes.txt"], tokenizer="my-tokenizer/")
     batches = TextBatches(corpus, batch_size=32, seq_len=1024, rank=rank, world_size=world, seed=0)
 
-In a job of several processes, let one process per node (local rank 0) call :func:`load_text_corpus` first and the
-others after a barrier: they then read the cache it wrote instead of tokenizing the same files again.
+In a job of several processes, tokenize once per node: :func:`fp8dist.train.data.job.load_on_each_node`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import numpy as np
 
 from ...config.text import plural
 from .cache import TokenFile, tokenize_file
-from .sources import DEFAULT_TEXT_FIELD
+from .sources import DEFAULT_TEXT_FIELD, check_source, unread_text_field
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["TokenCorpus", "load_text_corpus"]
@@ -77,13 +76,13 @@ def _provenance(files: list[TokenFile]) -> str:
     """"tokenized now", "read from the token cache (tokenized 3 s ago)", or both with their counts."""
     fresh = sum(not f.reused for f in files)
     cached = [f.tokenized_at for f in files if f.reused]
+    if not cached:
+        return "tokenized now"
     known = [at for at in cached if at is not None]
     when = ""
     if known:
         newest, oldest = _ago(max(known)), _ago(min(known))
         when = f" (tokenized {newest if newest == oldest else f'{newest} to {oldest}'} ago)"
-    if not cached:
-        return "tokenized now"
     if not fresh:
         return f"read from the token cache{when}"
     return f"{plural(fresh, 'file')} tokenized now, {len(cached)} read from the token cache{when}"
@@ -108,7 +107,6 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
         paths: plain-text files (each one document) and JSON-lines files (``.jsonl``, ``.ndjson``, ``.json``:
             one object per line, its ``text_field`` one document); read in this order.
         tokenizer: a directory written by a tokenizer's ``save_pretrained``; local files only.
-        text_field: the JSON field with a document's text.
         cache_dir: the token cache (default ``~/.cache/fp8dist/tokens``, see :mod:`fp8dist.train.data.cache`).
         progress: progress bars while tokenizing; None: when stderr is a terminal.
 
@@ -116,8 +114,6 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
         ValueError: no paths, a path given twice, a bad tokenizer directory or a bad file (each message names it
             and the way out); every file is checked before any is tokenized.
     """
-    from .sources import check_source, unread_text_field
-
     listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not listed:
         raise ValueError("no data files: pass one or more plain-text or JSON-lines files.")
@@ -128,8 +124,7 @@ def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, 
                          f"{', '.join(twice)}; pass each once.")
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r} must name a JSON field, e.g. 'text'.")
-    note = unread_text_field(sources, text_field)
-    if note is not None:
+    if (note := unread_text_field(sources, text_field)) is not None:
         warnings.warn(note, UserWarning, stacklevel=2)
     loaded = load_tokenizer(tokenizer)
     fingerprint = tokenizer_fingerprint(loaded)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...config.text import plural
+from .builtin import Batches
 from .corpus import TokenCorpus, load_text_corpus
 from .windows import TextBatches
 
@@ -31,11 +32,8 @@ for a loss to 3 digits on small data, bounded on large data (5% of a large corpu
 
 def job_tokenizer(data: Sequence[str], tokenizer: str | None, pretrained: str | None) -> str | None:
     """The tokenizer directory of a job on ``data``: ``tokenizer``, else the ``pretrained`` model's directory;
-    None without data (the built-in corpus has its own byte ids).
-
-    Raises:
-        ValueError: data without a tokenizer to read it, or a tokenizer without data.
-    """
+    None without data (the built-in corpus has its own byte ids). ValueError for data without a tokenizer, or a
+    tokenizer without data."""
     if not data:
         if tokenizer is not None:
             raise ValueError(f"tokenizer={tokenizer!r} without data: pass --data FILE [FILE ...] to train on text "
@@ -48,13 +46,9 @@ def job_tokenizer(data: Sequence[str], tokenizer: str | None, pretrained: str | 
 
 
 def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None = None) -> TokenCorpus | None:
-    """``train.data`` tokenized (or read from the token cache ``train.data_cache``) with the job's tokenizer
-    (:func:`job_tokenizer`); None for the built-in corpus. ``train`` is a :class:`fp8dist.train.job.TrainConfig` or
-    anything with its ``data``, ``tokenizer``, ``text_field`` and ``data_cache``.
-
-    Raises:
-        ValueError: a bad file or tokenizer, with the file and the way out (nothing is left in the cache).
-    """
+    """``train.data`` (a :class:`~fp8dist.train.config.TrainConfig`'s, or any object with its ``data``,
+    ``tokenizer``, ``text_field`` and ``data_cache``) tokenized with the job's tokenizer (:func:`job_tokenizer`) or
+    read from the token cache; None for the built-in corpus. ValueError for a bad file or tokenizer."""
     from ...config.schema import cli_flag
     from .cache import check_cache_dir
 
@@ -80,34 +74,20 @@ def load_on_each_node(load: Callable[[], T], local_rank: int) -> T:
 
 
 class JobBatches:
-    """The batches of a job: the built-in grammar's (:class:`~fp8dist.train.data.Batches`, indexed by step, ``seq_len``
-    tokens per row) or a text corpus's (:class:`TextBatches`, taken in order, ``seq_len + 1`` tokens per row, with a
-    position to save and a held-out split).
-
-    Args:
-        corpus: the tokenized text, or None for the built-in corpus.
-        batch_size: global batch in sequences; split over ``world_size``.
-        eval_batches: held-out batches per evaluation (:func:`eval_batch_count`); text only.
-
-    Raises:
-        ValueError: the corpus is shorter than a window or a global batch, or holds out too few windows.
-    """
+    """The batches of a job: the built-in grammar's (:class:`~fp8dist.train.data.Batches`, by step, ``seq_len``
+    tokens per row) or those of ``corpus`` (:class:`TextBatches`, in order, ``seq_len + 1`` tokens per row, with a
+    position to save and ``eval_batches`` held-out batches per evaluation: :func:`eval_batch_count`). ValueError: the
+    corpus is shorter than a window or a global batch, or holds out too few windows."""
 
     def __init__(self, corpus: TokenCorpus | None, *, batch_size: int, seq_len: int, seed: int, rank: int = 0,
                  world_size: int = 1, eval_batches: int | None = None) -> None:
-        from .builtin import Batches
-
         self.corpus = corpus
         self.windows = corpus is not None
         """Rows of ``seq_len + 1`` tokens (text), else ``seq_len`` (the grammar): see :func:`lm_loss`."""
-        if corpus is None:
-            self.grammar, self.text, self.eval_count = Batches(batch_size=batch_size, seq_len=seq_len, rank=rank,
-                                                               world_size=world_size, seed=seed), None, 0
-        else:
-            self.grammar = None
-            self.text = TextBatches(corpus, batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size,
-                                    seed=seed)
-            self.eval_count = eval_batch_count(self.text, eval_batches)  # held-out batches per evaluation
+        args = dict(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed)
+        self.grammar = Batches(**args) if corpus is None else None
+        self.text = None if corpus is None else TextBatches(corpus, **args)
+        self.eval_count = 0 if corpus is None else eval_batch_count(self.text, eval_batches)
 
     def take(self, step: int) -> torch.Tensor:
         """This rank's batch of ``step`` (0-based); text batches are taken in order, one per step."""
@@ -131,19 +111,16 @@ class JobBatches:
 
 def eval_batch_count(batches: TextBatches, asked: int | None) -> int:
     """The held-out global batches one evaluation reads: ``asked``, or with None every full one up to
-    :data:`MAX_DEFAULT_EVAL_BATCHES`.
-
-    Raises:
-        ValueError: the split holds fewer full batches than asked (or none), with the way out.
-    """
+    :data:`MAX_DEFAULT_EVAL_BATCHES`. ValueError: the split holds fewer full batches than asked (or none)."""
     full = len(batches.eval_windows) // batches.batch_size
     wanted = min(full, MAX_DEFAULT_EVAL_BATCHES) if asked is None else asked
     if wanted < 1 or wanted > full:
         need = max(wanted, 1) * batches.batch_size
         fewer = f"Pass --eval-batches {full}{' or fewer' if full > 1 else ''}, or add text" if full else "Add text"
+        share = 100 * batches.eval_fraction
         raise ValueError(f"{'--eval-batches ' + str(asked) if asked else 'an evaluation'} needs {need:,} held-out "
-                         f"windows of {batches.window:,} tokens; the corpus's held-out {100 * batches.eval_fraction:g}% "
-                         f"is {len(batches.eval_windows):,} windows ({full} global batches of {batches.batch_size}). "
+                         f"windows of {batches.window:,} tokens; the corpus's held-out {share:g}% is "
+                         f"{len(batches.eval_windows):,} windows ({full} global batches of {batches.batch_size}). "
                          f"{fewer}, or lower --batch-size or --seq-len.")
     return wanted
 
@@ -156,15 +133,11 @@ def eval_steps(steps: int, every: int) -> list[int]:
 
 
 def lm_loss(model: Any, batch: torch.Tensor, *, windows: bool) -> torch.Tensor:
-    """The mean next-token cross-entropy of ``batch`` under ``model`` (any causal LM returning ``.logits``).
-
-    Args:
-        batch: token ids. ``windows``: ``seq_len + 1`` tokens per row (:class:`TextBatches`): the model reads
-            ``batch[:, :-1]`` and predicts ``batch[:, 1:]``, each token once; the loss is computed here from the
-            logits (in fp32, as transformers does), so no model shifts the targets a second time. Else
-            ``seq_len`` tokens (the grammar's :class:`~fp8dist.train.data.Batches`): transformers' ``labels=ids``,
-            which shifts inside the model.
-    """
+    """The mean next-token cross-entropy of token ids ``batch`` under ``model`` (a causal LM returning ``.logits``).
+    ``windows``: rows of ``seq_len + 1`` tokens (:class:`TextBatches`): the model reads ``batch[:, :-1]`` and
+    predicts ``batch[:, 1:]``, the loss computed here from the logits in fp32 (as transformers does), so no model
+    shifts the targets a second time. Else rows of ``seq_len`` (:class:`~fp8dist.train.data.Batches`):
+    transformers' ``labels=ids``, which shifts inside the model."""
     if not windows:
         return model(input_ids=batch, labels=batch).loss
     logits = model(input_ids=batch[:, :-1]).logits
@@ -173,9 +146,8 @@ def lm_loss(model: Any, batch: torch.Tensor, *, windows: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: Any, batches: TextBatches, num_batches: int, device: torch.device) -> float:
-    """The held-out loss: the mean of :func:`lm_loss` over the first ``num_batches`` held-out global batches (the
-    same windows every time), over every rank. The model is in eval mode meanwhile; the training position does not
-    move. Call on every rank."""
+    """The mean :func:`lm_loss` over the first ``num_batches`` held-out global batches (the same windows every time)
+    and every rank, in eval mode; the training position does not move. Call on every rank."""
     was_training = model.training
     model.eval()
     try:

@@ -91,10 +91,9 @@ class FileIdentity:
 
 def file_identity(path: Path) -> FileIdentity:
     """The :class:`FileIdentity` of ``path`` now."""
-    stat = path.stat()
+    status = path.stat()
     with open(path, "rb") as f:
-        head = hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest()
-    return FileIdentity(stat.st_size, stat.st_mtime_ns, head)
+        return FileIdentity(status.st_size, status.st_mtime_ns, hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest())
 
 
 def file_sha256(path: Path) -> str:
@@ -109,16 +108,11 @@ def file_sha256(path: Path) -> str:
 def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Hash,
                 progress: Callable[[int], object]) -> Iterator[tuple[list[str], list[bool]]]:
     """Batches of ``(texts, ends)`` to tokenize in order: ``ends[i]`` says text ``i`` closes a document (an EOS
-    follows it). Every byte read goes into ``digest`` and its count to ``progress``.
-
-    Raises:
-        ValueError: a NUL byte (a binary file), bytes that are not UTF-8, a JSON line that is not an object with
-            a string ``text_field``, or a JSON-lines file without a single object.
-    """
+    follows it). Every byte read goes into ``digest`` and its count to ``progress``. ValueError: a NUL byte (a
+    binary file), bytes that are not UTF-8, a JSON line that is not an object with a string ``text_field``, or a
+    JSON-lines file without a single object."""
     pieces = _json_documents(path, text_field, digest) if kind == "jsonl" else _text_pieces(path, digest)
-    texts: list[str] = []
-    ends: list[bool] = []
-    size = 0
+    texts, ends, size = [], [], 0
     for text, end, raw in pieces:
         progress(raw)
         texts.append(text)

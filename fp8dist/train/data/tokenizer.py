@@ -21,12 +21,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Any:
-    """The fast tokenizer saved in ``directory`` (``tokenizer.save_pretrained(directory)``), read from local files
-    only. Call once per process before tokenizing; a model directory written by ``save_pretrained`` with its
-    tokenizer works too.
-
-    Returns:
-        a ``transformers`` fast tokenizer (``tokenizer.is_fast``) with an EOS token.
+    """The ``transformers`` fast tokenizer, with an EOS token, saved in ``directory`` (by a tokenizer's or a
+    model's ``save_pretrained``), read from local files only.
 
     Raises:
         ValueError: ``directory`` is not a directory, holds no tokenizer files, cannot be read as a fast tokenizer,
@@ -83,13 +79,8 @@ def check_vocab_fits(tokenizer_size: int, embedding_size: int, *, tokenizer: str
 def train_tokenizer(texts: Iterable[str], directory: str | os.PathLike, *, vocab_size: int = 8192,
                     eos_token: str = "<|endoftext|>") -> Any:
     """Train a byte-level BPE (GPT-2's scheme: any UTF-8 text round-trips, nothing is unknown) of ``vocab_size``
-    ids on ``texts``, with ``eos_token`` as its one special token, and save it as a fast tokenizer in
-    ``directory`` (what :func:`load_tokenizer` reads). For a corpus with no tokenizer of its own: no Hub
-    tokenizer can be downloaded here.
-
-    Returns:
-        the saved ``PreTrainedTokenizerFast``.
-    """
+    ids on ``texts``, with ``eos_token`` as its one special token, save it as a fast tokenizer in ``directory``
+    (what :func:`load_tokenizer` reads) and return it: for a corpus with no tokenizer (none is downloaded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

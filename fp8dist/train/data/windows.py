@@ -5,18 +5,17 @@ window's first ``seq_len`` tokens are the input and its last ``seq_len`` the tar
 predicted once (torchtitan's packing; documents are already joined with the EOS id, and attention is not masked at
 document borders).
 
-Held-out split, by windows: a fixed permutation of the windows (seeded by :data:`SPLIT_SEED`, not by the run's seed)
-puts ``eval_fraction`` of them aside. Chosen over a split by documents because it works for any corpus, a single
-plain-text file (one document) included, gives an exact held-out size, and shares no token between the two sets;
-the price: a held-out window's neighbours in the same document may be trained on, so its loss is that of unseen
-passages of mostly seen documents (hold out whole files, as separate data, for unseen documents). Runs with other
-seeds evaluate the same windows.
+Held-out split, by windows: a fixed permutation of the windows (:data:`SPLIT_SEED`, not the run's seed) puts
+``eval_fraction`` of them aside. Chosen over a split by documents because it works for any corpus (a single
+plain-text file is one document), gives an exact held-out size, and shares no token between the two sets; the
+price: a held-out window's neighbours in its document may be trained on (hold out whole files, as separate data,
+for unseen documents).
 
 Training order: epoch ``e`` visits the training windows in a permutation seeded by ``(seed, e)``. A global batch of
-``batch_size`` windows is taken at the position ``(epoch, index)`` (a batch may run into the next epoch), and each
-rank reads its contiguous slice of it, as :class:`~fp8dist.train.data.Batches` does: the global batches are the same for
-every world size. The position is saved with :meth:`TextBatches.state_dict` (put it in a checkpoint's ``extra``) and
-restored with :meth:`TextBatches.load_state_dict`: the resumed batches equal those of an uninterrupted run.
+``batch_size`` windows starts at the position ``(epoch, index)`` (it may run into the next epoch), and each rank
+reads its contiguous slice: the global batches are the same for every world size. :meth:`TextBatches.state_dict`
+saves the position (for a checkpoint's ``extra``); after :meth:`TextBatches.load_state_dict` the batches equal
+those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -46,14 +45,12 @@ class TextBatches:
     Args:
         corpus: the tokenized files (:func:`~fp8dist.train.data.load_text_corpus`).
         batch_size: global batch in windows (over all ranks); must split evenly over ``world_size``.
-        seq_len: tokens a model reads per sequence; a window holds ``seq_len + 1``.
-        rank, world_size: this process's place in the job.
         seed: the training order's seed (a non-negative int).
         eval_fraction: share of the windows held out (0: none), in [0, 1).
 
     Raises:
         ValueError: a bad argument, a corpus shorter than one window, or fewer training windows than a global
-            batch (each message gives the tokens the corpus has and needs).
+            batch (with the tokens the corpus has and needs).
     """
 
     def __init__(self, corpus: TokenCorpus, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
@@ -89,32 +86,22 @@ class TextBatches:
         self._orders: dict[int, np.ndarray] = {}
 
     @property
-    def tokens_per_step(self) -> int:
-        """Tokens the model reads in one global batch (``batch_size x seq_len``)."""
-        return self.batch_size * self.seq_len
-
-    @property
     def position(self) -> tuple[int, int]:
         """``(epoch, index)``: the next global batch starts at training window ``index`` of epoch ``epoch``."""
         return self.epoch, self.index
 
     def next_batch(self) -> torch.Tensor:
-        """This rank's ``[batch_size / world_size, seq_len + 1]`` token ids (int64) of the next global batch; the
-        position moves on by ``batch_size`` windows on every rank. Inputs are ``batch[:, :-1]``, targets
-        ``batch[:, 1:]``."""
-        start = self.epoch * len(self.train_windows) + self.index + self.rank * self.per_rank
+        """This rank's ``[batch_size / world_size, seq_len + 1]`` token ids (int64) of the next global batch
+        (inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``); the position moves on by ``batch_size`` windows."""
+        done = self.epoch * len(self.train_windows) + self.index
+        start = done + self.rank * self.per_rank
         windows = [self._train_window(g) for g in range(start, start + self.per_rank)]
-        self.epoch, self.index = divmod(self.epoch * len(self.train_windows) + self.index + self.batch_size,
-                                        len(self.train_windows))
+        self.epoch, self.index = divmod(done + self.batch_size, len(self.train_windows))
         return self._stack(windows)
 
     def eval_batches(self, num_batches: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's slices of the first ``num_batches`` held-out global batches (default: every full one), the
-        same on every call; the training position does not move.
-
-        Raises:
-            ValueError: fewer held-out windows than ``num_batches`` global batches need.
-        """
+        same on every call; the training position does not move. ValueError: too few held-out windows."""
         full = len(self.eval_windows) // self.batch_size
         if num_batches is not None and num_batches < 1:
             raise ValueError(f"num_batches={num_batches} must be at least 1 (None: every full held-out batch).")
@@ -135,13 +122,9 @@ class TextBatches:
         return {"epoch": self.epoch, "index": self.index, **self._stream()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at the position ``state`` (from :meth:`state_dict`) saved: the next batch is the one an
-        uninterrupted run would take. The batch size and world size may differ from the saved run's.
-
-        Raises:
-            ValueError: ``state`` is of another stream (the files, tokenizer, seq_len, eval_fraction or seed
-                changed), naming what changed.
-        """
+        """Continue at the position ``state`` (from :meth:`state_dict`) saved; the batch and world sizes may differ
+        from the saved run's. ValueError naming what changed when ``state`` is of another stream (the files,
+        tokenizer, seq_len, eval_fraction or seed)."""
         mine = self._stream()
         changed = [k for k in mine if state.get(k) != mine[k]]
         if changed:
