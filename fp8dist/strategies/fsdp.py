@@ -4,6 +4,7 @@ application (torchtitan's units) and the :class:`FSDP2` strategy."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -262,9 +263,4 @@ STRATEGY = FSDP2()
 
 def _replicas(p: DTensor) -> int:
     """How many ranks hold the same piece of ``p``: the product of its mesh dimensions that replicate it."""
-    shape = p.device_mesh.shape
-    copies = 1
-    for dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            copies *= shape[dim]
-    return copies
+    return math.prod(size for size, pl in zip(p.device_mesh.shape, p.placements) if pl.is_replicate())

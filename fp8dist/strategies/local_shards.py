@@ -9,6 +9,7 @@ checkpointing's ``_checkpoint_wrapped_module``, torch.compile's ``_orig_mod``) a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -65,12 +66,7 @@ class Region:
 
     @property
     def numel(self) -> int:
-        if self.flat is not None:
-            return self.flat[1] - self.flat[0]
-        n = 1
-        for _, length in self.box or ():
-            n *= length
-        return n
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(n for _, n in self.box or ())
 
 
 @dataclass(frozen=True)

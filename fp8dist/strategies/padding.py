@@ -15,6 +15,7 @@ Pure functions of shapes: used by the memory estimate, ``fp8dist plan`` and ``wr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,10 +35,7 @@ class PaddedParam:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
     @property
     def dim0(self) -> int:

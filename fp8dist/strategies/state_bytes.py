@@ -96,15 +96,10 @@ def _fsdp1_unit(unit: list[Any], world: int, align: int) -> tuple[list[tuple[int
     and its shard size."""
     segments, total = [], 0
     for p in unit:
-        pad = align - total % align if align else 0
-        if 0 < pad < align:
-            total += pad
+        total += -total % align if align else 0
         segments.append((total, total + p.numel))
         total += p.numel
-    pad = world - total % world
-    if 0 < pad < world:
-        total += pad
-    return segments, total // world
+    return segments, -(-total // world)
 
 
 def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: int) -> list[dict[str, int]]:
