@@ -265,21 +265,16 @@ def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = T
     loaded = job.fill(model) if job.fill is not None else None
     if not job.meta:
         return loaded, ""
-    if warn:
-        warn_whole_meta(strategy)
+    if warn:  # a meta model is usually built because it is large, and this strategy holds all of it per rank
+        warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
+                      "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates "
+                      "1/world_size of it per rank.", UserWarning, stacklevel=4)
     return loaded, materialized_how(device, whole=True, pretrained=pretrained)
 
 
 def prepared(model: nn.Module, job: ShardJob) -> tuple[nn.Module, Any]:
     """The backend's step before the engine wraps the model (:attr:`ShardJob.prepare`), if any."""
     return job.prepare(model) if job.prepare is not None else (model, None)
-
-
-def warn_whole_meta(strategy: str) -> None:
-    """Said once: a meta model is usually built because it is large, and this strategy holds all of it per rank."""
-    warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
-                  "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size "
-                  "of it per rank.", UserWarning, stacklevel=5)
 
 
 # accounting: what a strategy tells the memory estimate and the report, as data

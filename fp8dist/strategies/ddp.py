@@ -18,14 +18,12 @@ from .common import apply_autocast, cast_buffers
 __all__ = ["DDP", "apply_ddp", "ddp_reduce_dtype", "STRATEGY"]
 
 
-def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
-    """DDP's own gradient-compression hook for a bf16/fp16 reduce; it needs NCCL, so CUDA only
-    (:meth:`DDP.check_launch` refuses it on the CPU)."""
-    if reduce_dtype == torch.float32:
-        return None
+def _compression_hooks() -> dict:
+    """DDP's own gradient-compression hooks, by the dtype they reduce in; they need NCCL, so CUDA only
+    (:meth:`DDP.check_launch` refuses them on the CPU)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    return default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+    return {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
@@ -34,7 +32,7 @@ def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dt
 
     Returns the DDP wrapper; ``wrapper.module`` is the model.
     """
-    hook = _compression_hook(reduce_dtype, device)
+    hook = _compression_hooks().get(reduce_dtype)
     model.to(device)
     apply_autocast(model, device.type, compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
@@ -104,12 +102,10 @@ STRATEGY = DDP()
 def ddp_reduce_dtype(ddp: nn.Module) -> tuple[torch.dtype | None, str | None]:
     """The dtype DDP's registered compression hook reduces in (``(None, None)`` without a hook: the gradients'
     own dtype), or ``(None, hook name)`` for a hook of the user's."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
     if not hooks:
         return None, None
-    compress = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+    compress = {hook: dtype for dtype, hook in _compression_hooks().items()}
     if hooks[-1] in compress:
         return compress[hooks[-1]], None
     return None, getattr(hooks[-1], "__qualname__", repr(hooks[-1]))

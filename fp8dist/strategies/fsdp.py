@@ -91,13 +91,9 @@ def root_units(model: nn.Module, block_names: list[str] | tuple[str, ...],
 def _input_embedding(model: nn.Module, held: list[tuple[str, nn.Module]]) -> str | None:
     """The name of the input embedding among ``held``: Hugging Face's get_input_embeddings(), else the first
     nn.Embedding."""
-    getter = getattr(model, "get_input_embeddings", None)
-    found = None
-    if callable(getter):
-        try:
-            found = getter()
-        except (NotImplementedError, AttributeError):
-            found = None
+    getter, found = getattr(model, "get_input_embeddings", None), None
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        found = getter() if callable(getter) else None
     for name, module in held:
         if module is found or found is None and isinstance(module, nn.Embedding):
             return name

@@ -41,13 +41,8 @@ def engine_of(module: Any) -> str | None:
 
     if is_deepspeed_engine(module):
         return "deepspeed"
-    if isinstance(module, FullyShardedDataParallel):
-        return "fsdp1"
-    if isinstance(module, FSDPModule):
-        return "fsdp"
-    if isinstance(module, DistributedDataParallel):
-        return "ddp"
-    return None
+    engines = {"fsdp1": FullyShardedDataParallel, "fsdp": FSDPModule, "ddp": DistributedDataParallel}
+    return next((name for name, cls in engines.items() if isinstance(module, cls)), None)
 
 
 @dataclass(frozen=True)
