@@ -79,6 +79,8 @@ class LeanLevel(MemoryLevel):
     summary = LEAN_SUMMARY
     rules = _RULES
     builds_optimizer = True
+    fit_way_out = ("the lean memory level", {"memory": name})
+    report_master = "none (stochastic rounding)"
 
     def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
         """An engine that casts gradients for their reduction (FSDP2) reduces these bf16 gradients in bf16; DDP
@@ -98,10 +100,6 @@ class LeanLevel(MemoryLevel):
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
         return build_lean_optimizer(spec, params, device)
-
-    # accounting: bf16 weights and gradients, no master, 8-bit states counted per local tensor
-    fit_way_out = ("the lean memory level", {"memory": name})
-    report_master = "none (stochastic rounding)"
 
     def element_bytes(self, base: Any) -> Any:
         return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,

@@ -104,12 +104,13 @@ FP16_RULE = Rule(
 
 
 class Strategy(Protocol):
-    """The interface of a sharding strategy. Subclass it: the defaults below are those of a strategy that needs no
-    such step."""
+    """The interface of a sharding strategy. Subclass it: the defaults are those of a strategy that needs no such
+    step."""
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, When]] = {}
-    """Options only this strategy reads, each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
+    """Options only this strategy reads, each with the condition under which it is read: an option set but not read
+    is reported (:func:`fp8dist.config.rules.unused_options`)."""
     rules: ClassVar[tuple[Rule, ...]] = (FP16_RULE,)
     """What this strategy refuses to combine with (its rows of the combination table)."""
     process_group: ClassVar[bool] = True
@@ -128,8 +129,7 @@ class Strategy(Protocol):
         parameters mix dtypes)."""
 
     def environment(self, cfg: Any, launch: LaunchEnv, device: torch.device) -> DistEnv:
-        """The process group, initialized if needed."""
-        return init_distributed(device=cfg.parallel.device)
+        return init_distributed(device=cfg.parallel.device)  # the process group, initialized if needed
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         """Shard or replicate ``model`` (converted, blocks wrapped), materializing a meta model where the strategy
@@ -164,9 +164,9 @@ class Strategy(Protocol):
     def missing_reason(self) -> str | None:
         """Why the engine cannot run on this machine (:attr:`package` not installed), with how to install it; None
         when it can."""
-        if self.package is None or package_version(self.package) is not None:
-            return None
-        return f"{self.package} is not installed (pip install {self.package})"
+        if self.package is not None and package_version(self.package) is None:
+            return f"{self.package} is not installed (pip install {self.package})"
+        return None
 
     # checkpoint and gradients: what save_checkpoint / load_checkpoint, no_sync and clip_grad_norm_ ask
     checkpoint: ClassVar[Any] = None
@@ -258,7 +258,7 @@ def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = T
     Returns (load report, how it was materialized)."""
     from .common import check_fits, to_empty
 
-    device, pretrained = job.env.device, job.cfg.parallel.pretrained
+    device = job.env.device
     if job.meta:
         check_fits(model, device, strategy)
         to_empty(model, device)
@@ -269,7 +269,7 @@ def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = T
         warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
                       "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates "
                       "1/world_size of it per rank.", UserWarning, stacklevel=4)
-    return loaded, materialized_how(device, whole=True, pretrained=pretrained)
+    return loaded, materialized_how(device, whole=True, pretrained=job.cfg.parallel.pretrained)
 
 
 def prepared(model: nn.Module, job: ShardJob) -> tuple[nn.Module, Any]:

@@ -48,6 +48,8 @@ class DDP(Strategy):
     the wrapper, buffers cast, gradients all-reduced in their own dtype or through a compression hook."""
 
     name = "ddp"
+    accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
+    bench_devices = ("cpu", "cuda")
     options = {"reduce_dtype": ALWAYS}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
@@ -63,13 +65,6 @@ class DDP(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select DDP (on GPUs or CPUs)
-    accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
-
-    # bench: in the default matrix on every device
-    bench_devices = ("cpu", "cuda")
-
-    # checkpoint and gradients: DDP's own no_sync; its reduce-dtype refusal, checked before anything changes
     def check_launch(self, cfg, world_size: int) -> None:
         """A bf16/fp16 reduce goes through DDP's compression hook, which needs NCCL: refused on the CPU. A launch
         check, not a rule of the table: device='auto' is the CPU only on a machine without CUDA, and the table,
@@ -84,7 +79,6 @@ class DDP(Strategy):
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
-    # accounting: replicated (the base's layout); gradients are bucket views, reduced as a comm hook says
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "

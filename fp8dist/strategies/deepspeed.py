@@ -317,6 +317,13 @@ class DeepSpeed(Strategy):
     ``deepspeed.initialize`` (or an FP8 backend's own entry into it)."""
 
     name = "deepspeed"
+    accelerate = {"distributed_type": "DEEPSPEED"}
+    package = "deepspeed"
+    bench_devices = ("cpu",)
+    checkpoint = ZeROCheckpoint()
+    rank_imports = ("deepspeed",)
+    fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
+                   {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
                                 "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
                "offload_param": When({"zero_stage": (3,)})}
@@ -387,18 +394,8 @@ class DeepSpeed(Strategy):
 
         model.step = step_and_count
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select DeepSpeed
-    accelerate = {"distributed_type": "DEEPSPEED"}
-
-    # bench: in the default CPU matrix where installed (an optional extra)
-    package = "deepspeed"
-    bench_devices = ("cpu",)
-
     def missing_reason(self) -> str | None:
         return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
-
-    # checkpoint and gradients: the engine checkpoints, accumulates and clips itself
-    checkpoint = ZeROCheckpoint()
 
     def no_sync(self, model: nn.Module):
         raise ValueError(_OWN_STEP.format(self.name, "accumulates gradients over grad_accum micro-batches",
@@ -409,13 +406,6 @@ class DeepSpeed(Strategy):
         raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
-
-    # pipeline, cli: imported once before the ranks fork
-    rank_imports = ("deepspeed",)
-
-    # accounting: ZeRO's partitions by stage, its module dtype, fp32 masters, offload and buckets
-    fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
-                   {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
 
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:

@@ -152,6 +152,8 @@ class FSDP2(Strategy):
     (in place); a meta model is materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
+    bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
                "reduce_dtype": ALWAYS}
 
@@ -183,12 +185,6 @@ class FSDP2(Strategy):
         how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP2
-    accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
-
-    # bench: in the default matrix on every device; the hand-wired reference
-    bench_devices = ("cpu", "cuda")
-
     def shard_by_hand(self, model: nn.Module, units: list[tuple[list[nn.Module], bool]],
                       device: torch.device) -> nn.Module:
         """``fully_shard`` on each unit then the root (kept gathered for the backward), bf16 parameters and fp32
@@ -200,7 +196,6 @@ class FSDP2(Strategy):
                         reshard_after_forward=reshard)
         return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
-    # checkpoint and gradients: FSDP2 defers its reduce-scatter by a switch on the module
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(False)
@@ -209,11 +204,9 @@ class FSDP2(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
-    # cli/plan: the padding note before sharding
     def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
         return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
 
-    # accounting: dim-0 shards over each replica's ranks (HSDP), units outside the blocks kept gathered
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         replicas = cfg.parallel.replicate_degree

@@ -53,6 +53,8 @@ class FSDP1(Strategy):
     just before FSDP1 shards it, then each rank fills its shards."""
 
     name = "fsdp1"
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
+    bench_devices = ("cpu",)
     options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
@@ -95,20 +97,12 @@ class FSDP1(Strategy):
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP1
-    accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
-
-    # bench: in the default CPU matrix
-    bench_devices = ("cpu",)
-
-    # checkpoint and gradients: FSDP1's own no_sync and clip (the norm over its flat shards)
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm, norm_type).detach()
 
-    # accounting: flat, aligned, padded shards per unit
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         return EngineMemory(notes=tuple(gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype))))

@@ -42,13 +42,8 @@ def original_class(module: nn.Module) -> type:
 def fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
     """FSDP1's original parameters are flat views of this rank's shard; their full shapes are in the flat
     parameters (tied ones under their shared entries). Keyed by ``(id(module), parameter name)``."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     full: dict[tuple[int, str], tuple[int, ...]] = {}
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        if flat is None:
-            continue
+    for flat in _flat_params(model):
         for info, shape in zip(flat._param_infos, flat._shapes):
             full[(id(info.module), info.param_name)] = tuple(shape)
         for shared in flat._shared_param_infos or ():
@@ -106,29 +101,22 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    """The module whose parameter names are the user's: inside DDP and the DeepSpeed engine; FSDP1's root wrapper
-    is kept (its flat parameter is one of the units), its prefixes dropped by :func:`plain_name`."""
+def _inner(model: nn.Module) -> tuple[nn.Module, dict[int, list[str]]]:
+    """The module whose parameter names are the user's (inside DDP and the DeepSpeed engine; FSDP1's root wrapper
+    is kept, its flat parameter one of the units, its prefixes dropped by :func:`plain_name`), resharded, and the
+    plain names of each of its parameters by id. FSDP2 keeps the root's parameters gathered after a forward (in the
+    compute dtype, as plain tensors, until backward): every unit is put back to its sharded DTensors first."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) or is_deepspeed_engine(model) else model
-
-
-def _reshard(model: nn.Module) -> None:
-    """FSDP2 keeps the root's parameters gathered after a forward (in the compute dtype, as plain tensors, until
-    backward): put every unit back to its sharded DTensors first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
+    inner = model.module if isinstance(model, DistributedDataParallel) or is_deepspeed_engine(model) else model
+    for module in inner.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in inner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(plain_name(name))
-    return names
+    return inner, names
 
 
 def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
@@ -142,14 +130,16 @@ def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
     return local, Region(box=tuple(zip(offset, shape)))
 
 
-def _fsdp1_params(model: nn.Module, names: dict[int, list[str]]) -> list[LocalParam]:
+def _flat_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP1's FlatParameters in ``model`` (a unit whose modules hold no parameters of their own has none)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    return [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+
+
+def _fsdp1_params(model: nn.Module, names: dict[int, list[str]]) -> list[LocalParam]:
     out = []
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        if flat is None:
-            continue
+    for flat in _flat_params(model):
         for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
             view = getattr(info.module, info.param_name)
             start, stop = (shard.intra_param_start_idx, shard.intra_param_end_idx + 1) if shard.in_shard else (0, 0)
@@ -173,9 +163,7 @@ def local_params(model: nn.Module) -> list[LocalParam]:
     rank's part of it, in the model's parameter order."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    inner = _inner(model)
-    _reshard(inner)
-    names = _names_by_param(inner)
+    inner, names = _inner(model)
     if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
         return _fsdp1_params(inner, names)
     transposed = transposed_params(inner)
@@ -202,9 +190,7 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     engine = model if is_deepspeed_engine(model) else None
-    inner = _inner(model)
-    _reshard(inner)
-    names = _names_by_param(inner)
+    inner, names = _inner(model)
     transposed = transposed_params(inner)
 
     def keep(t: torch.Tensor, flip: bool) -> torch.Tensor | None:

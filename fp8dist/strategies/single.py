@@ -30,6 +30,7 @@ class Single(Strategy):
     """One process: the model as it is, on the device, under autocast."""
 
     name = "none"
+    accelerate = {"distributed_type": "NO"}
     process_group = False
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
@@ -51,9 +52,6 @@ class Single(Strategy):
         return Sharded(apply_single(model, device=device, compute_dtype=param),
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select one process
-    accelerate = {"distributed_type": "NO"}
-
     # cli/train, accounting/estimate: a tool asked for several ranks refuses, as it knows the world size
     rules = (FP16_RULE, Rule(
         ("world_size", "strategy"), lambda cfg, facts: (facts.world_size or 1) > 1,
@@ -61,7 +59,6 @@ class Single(Strategy):
         "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
         "'deepspeed' to train on several ranks."))
 
-    # accounting: everything whole in one process, nothing gathered or reduced
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         return EngineDtypes(autocast, None, "none")
 
