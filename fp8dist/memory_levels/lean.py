@@ -37,13 +37,9 @@ from ..config.axis import Rule, StrategyFacts
 from ..pipeline.optim import check_optimizer_spec
 from .base import MemoryLevel
 
-__all__ = ["LEAN_SUMMARY", "LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class",
-           "build_lean_optimizer", "cast_params_bf16", "LocalShardStep"]
+__all__ = ["LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class", "cast_params_bf16",
+           "LocalShardStep"]
 
-LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
-"""What the level is, in the plan's and the estimate's header."""
-
-_ADAM_TYPES = ("adamw", "adam")
 _LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized tensor, elements per scale
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
@@ -76,7 +72,7 @@ class LeanLevel(MemoryLevel):
     rank's shard), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
 
     name = "lean"
-    summary = LEAN_SUMMARY
+    summary = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
     rules = _RULES
     builds_optimizer = True
     fit_way_out = ("the lean memory level", {"memory": name})
@@ -99,7 +95,11 @@ class LeanLevel(MemoryLevel):
         cast_params_bf16(model)  # the backend's new modules
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-        return build_lean_optimizer(spec, params, device)
+        """torchao's 8-bit AdamW (:func:`lean_optimizer_class`) with bf16 stochastic rounding, its rounding seed
+        rank 0's ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is
+        broadcast)."""
+        return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
+                                            **lean_optimizer_kwargs(spec))
 
     def element_bytes(self, base: Any) -> Any:
         return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,
@@ -124,8 +124,7 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
                           f"or {_WAY_OUT}.") from None
     from ..fp8 import fp8_hardware_reason
 
-    fp8 = fp8_hardware_reason(device) is None
-    return _local_shard_class(AdamWFp8 if fp8 else AdamW8bit)
+    return _local_shard_class(AdamWFp8 if fp8_hardware_reason(device) is None else AdamW8bit)
 
 
 def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
@@ -139,7 +138,7 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
                          f"wrap_model(...); or {_WAY_OUT}.")
     kwargs = dict(spec)
     name = str(kwargs.pop("type", None)).lower()
-    if name not in _ADAM_TYPES or name == "adam" and kwargs.get("weight_decay", 0):
+    if name not in ("adamw", "adam") or name == "adam" and kwargs.get("weight_decay", 0):
         raise ValueError(f"memory='lean' trains with 8-bit AdamW; optimizer type {spec.get('type')!r}"
                          f"{' with weight_decay' if name == 'adam' else ''} is not available at this level. Pass "
                          f"{{'type': 'AdamW', 'lr': ...}}, or {_WAY_OUT}.")
@@ -152,14 +151,6 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     # torchao's AdamW takes torch's AdamW's types and ranges: the one check of a spec, before anything changes
     check_optimizer_spec({**kwargs, "type": "AdamW"}, who="memory='lean': ")
     return kwargs
-
-
-def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-    """The lean level's optimizer from an Adam/AdamW spec (:func:`lean_optimizer_kwargs`): torchao's 8-bit AdamW
-    with bf16 stochastic rounding (:func:`lean_optimizer_class`), its rounding seed rank 0's
-    ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is broadcast)."""
-    return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
-                                        **lean_optimizer_kwargs(spec))
 
 
 def _agreed_seed(device: torch.device) -> int:
@@ -242,28 +233,25 @@ class LocalShardStep:
             with torch.enable_grad():
                 loss = closure()
         saved: dict[torch.Generator, torch.Tensor] = {}  # the script's RNG states, put back after the step
-        try:
-            index = -1
-            for group in self.param_groups:
-                for p in group["params"]:
-                    index += 1
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    state["step"] += 1
-                    rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                    if rounding:
-                        generator = _default_generator(p.device)
-                        saved.setdefault(generator, generator.get_state())
-                        generator.manual_seed(_rounding_seed(group["rounding_seed"], int(state["step"]), index,
-                                                             _shard_index(p)))
-                    single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
-                                      _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0],
-                                      group["betas"][1], group["weight_decay"], group["eps"], True, rounding)
+        try:  # index: the parameter's place in the optimizer, counted over every group
+            for index, (group, p) in enumerate([(g, p) for g in self.param_groups for p in g["params"]]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+                state["step"] += 1
+                rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                if rounding:
+                    generator = _default_generator(p.device)
+                    saved.setdefault(generator, generator.get_state())
+                    generator.manual_seed(_rounding_seed(group["rounding_seed"], int(state["step"]), index,
+                                                         _shard_index(p)))
+                single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                                  _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0], group["betas"][1],
+                                  group["weight_decay"], group["eps"], True, rounding)
         finally:
             for generator, rng_state in saved.items():
                 generator.set_state(rng_state)

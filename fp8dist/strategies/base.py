@@ -242,9 +242,8 @@ class Strategy(Protocol):
         category: parameters, master_weights, gradients, optimizer_states. Default: the parameters, their
         gradients, the ``optimizer``'s state (None: no optimizer), no master copy."""
         params = list(model.parameters())
-        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
         return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
-                "optimizer_states": [state]}
+                "optimizer_states": [getattr(optimizer, "state", {})]}
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         """The tensors holding this rank's part of ``params`` where the engine keeps them apart from the parameters

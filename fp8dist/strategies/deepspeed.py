@@ -149,10 +149,8 @@ def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size:
     Args:
         validate: check the result (fp8dist's rules, then DeepSpeed's own parser, which needs DeepSpeed installed).
     """
-    block = None
-    if isinstance(optimizer, Mapping):
-        spec = dict(optimizer)
-        block = {"type": spec.pop("type", None), "params": spec}
+    spec = dict(optimizer) if isinstance(optimizer, Mapping) else None
+    block = {"type": spec.pop("type", None), "params": spec} if spec is not None else None
     built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
                         grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
                         reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
@@ -201,8 +199,7 @@ def torch_adam_on_cpu(config: Mapping[str, Any]) -> dict:
     offloaded = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
     if not isinstance(block, Mapping) or offloaded or str(block.get("type", "")).lower() not in ("adam", "adamw"):
         return dict(config)
-    params = block.get("params") or {}
-    return {**config, "optimizer": {**block, "params": {"torch_adam": True, **params}}}
+    return {**config, "optimizer": {**block, "params": {"torch_adam": True, **(block.get("params") or {})}}}
 
 
 def read_user_config(path: str | Path) -> dict:

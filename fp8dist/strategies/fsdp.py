@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
 from torch.distributed.tensor import DTensor
 
 from ..config.axis import ALWAYS, StrategyFacts

@@ -75,9 +75,8 @@ class FSDP1(Strategy):
                 mixed = " and ".join(f"{dtype_name(d)} ({n!r})" for d, n in first.items())
                 where = f"the unit {unit}" if unit else "the root unit (what the blocks leave)"
                 raise ValueError(f"strategy='fsdp1' flattens each unit's parameters into one tensor of one dtype, and "
-                                 f"{where} mixes {mixed}. Cast them "
-                                 "to one dtype (model.float(): fp8dist computes in bf16 anyway), or use "
-                                 "strategy='fsdp', whose per-parameter shards take mixed dtypes.")
+                                 f"{where} mixes {mixed}. Cast them to one dtype (model.float(): fp8dist computes in "
+                                 "bf16 anyway), or use strategy='fsdp', whose per-parameter shards take mixed dtypes.")
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device

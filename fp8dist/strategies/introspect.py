@@ -1,8 +1,5 @@
-"""Which engine wrapped a model, read from the engine's own objects: the wrapper classes and FSDP2's module state
-(:func:`engine_of`). ``unwrap_model`` and the check of a model already wrapped (:func:`find_wrapping`: ``wrap_model``
-and the numerics probe) read it; what each engine computes and communicates in, each strategy reads from its own
-engine (:meth:`~fp8dist.strategies.base.Strategy.engine_dtypes`).
-"""
+"""Which engine wrapped a model, read from the engine's own objects (:func:`engine_of`), for ``unwrap_model`` and
+the check of a model already wrapped (:func:`find_wrapping`: ``wrap_model`` and the numerics probe)."""
 
 from __future__ import annotations
 

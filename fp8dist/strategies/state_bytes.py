@@ -131,9 +131,7 @@ def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
 
 
 def _zero_per_param(params: list[Any], world: int, stage: int, persistence: int = -1) -> list[dict[str, int]]:
-    """ZeRO's partitioning by stage applied to each parameter (ZeRO-3; an FP8 backend's own ZeRO optimizer, derived):
-    what the stage partitions is ceil(numel / W) per rank; parameters of at most ``persistence`` elements are also
-    kept whole (ZeRO-3's small ones)."""
+    """ZeRO-3 (with its persistent whole copies), or an FP8 backend's own ZeRO optimizer at ``stage``."""
     def share(numel: int, partitioned: bool) -> int:
         return -(-numel // world) if partitioned else numel
     out = {"parameters": sum((share(p.numel, stage >= 3) + (p.numel if p.numel <= persistence else 0)) * p.bytes.weight
