@@ -13,7 +13,8 @@ from ..config.dtypes import torch_dtype
 from ..pipeline.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
                    reduce_words)
-from .common import apply_autocast, cast_buffers
+from .common import cast_buffers
+from .single import apply_single
 
 __all__ = ["DDP", "apply_ddp", "ddp_reduce_dtype", "STRATEGY"]
 
@@ -33,8 +34,7 @@ def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dt
     Returns the DDP wrapper; ``wrapper.module`` is the model.
     """
     hook = _compression_hooks().get(reduce_dtype)
-    model.to(device)
-    apply_autocast(model, device.type, compute_dtype)
+    apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True)
@@ -53,7 +53,8 @@ class DDP(Strategy):
     options = {"reduce_dtype": ALWAYS}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
-        return StrategyFacts(autocast_forward=True, broadcasts_weights=True, shard_degree=None if world_size is None else 1)
+        return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
+                             shard_degree=None if world_size is None else 1)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device

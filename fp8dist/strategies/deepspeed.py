@@ -351,8 +351,7 @@ class DeepSpeed(Strategy):
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         partitions = None if world_size is None else (world_size if _zero3(cfg) else 1)
         return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
-                             broadcasts_weights=True,
-                             shard_degree=partitions)
+                             broadcasts_weights=True, shard_degree=partitions)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, env = job.cfg.parallel, job.env

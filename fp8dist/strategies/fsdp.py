@@ -174,10 +174,9 @@ class FSDP2(Strategy):
         apply_fsdp(model, [m for _, m in found], mesh=fsdp_mesh(env.device, env.world_size, p.replicate_degree),
                    device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
                    block_names=names)
-        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                  "block_classes=[...] to shard block by block.",)
-        notes += ties
-        notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
+        one_unit = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                     "block_classes=[...] to shard block by block.",)
+        notes = one_unit + ties + fsdp_padding_notes(model, env.world_size // p.replicate_degree)
         if job.meta:
             to_empty(model, env.device)  # this rank's shards only
         loaded = job.fill(model) if job.fill is not None else None

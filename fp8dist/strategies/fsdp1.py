@@ -89,9 +89,8 @@ class FSDP1(Strategy):
                                     buffer_dtype=torch_dtype(p.buffer_dtype))
         wrapped = apply_fsdp1(model, [m for _, m in found], device=device, mixed_precision=policy,
                               reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
-        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                  "block_classes=[...] to shard block by block.",)
-        notes += ties
+        notes = ties if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                    "block_classes=[...] to shard block by block.", *ties)
         loaded = job.fill(wrapped) if job.fill is not None else None
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)

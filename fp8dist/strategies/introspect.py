@@ -58,8 +58,7 @@ class Wrapping:
     def describe(self, model: nn.Module) -> str:
         """"model.layers.0 (FSDPLlamaDecoderLayer) of LlamaForCausalLM is already sharded by fully_shard (FSDP2)"."""
         if self.engine in _PARAMETER_STATES:
-            how = _PARAMETER_STATES[self.engine]
-            return f"parameter {self.where!r} of {type(model).__name__} is already {how}"
+            return f"parameter {self.where!r} of {type(model).__name__} is already {_PARAMETER_STATES[self.engine]}"
         what = (f"the model given ({type(model).__name__})" if not self.where else
                 f"{self.where} ({type(model.get_submodule(self.where)).__name__}) of {type(model).__name__}")
         if self.engine == "fp8dist":

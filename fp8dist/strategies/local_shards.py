@@ -126,8 +126,7 @@ def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
     if not isinstance(p, DTensor):
         return _plain_tensor(p.data), _whole(tuple(p.shape))
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    local = _plain_tensor(p.to_local())
-    return local, Region(box=tuple(zip(offset, shape)))
+    return _plain_tensor(p.to_local()), Region(box=tuple(zip(offset, shape)))
 
 
 def _flat_params(model: nn.Module) -> list[torch.Tensor]:
@@ -169,13 +168,10 @@ def local_params(model: nn.Module) -> list[LocalParam]:
     transposed = transposed_params(inner)
     out = []
     for p in dict.fromkeys(inner.parameters()):
-        if hasattr(p, "ds_tensor"):  # ZeRO-3 partition
-            local, region = _zero3_piece(p)
-            shape = tuple(p.ds_shape)
-        else:
-            local, region = _dtensor_piece(p)
-            shape = tuple(p.shape)
-        out.append(LocalParam(tuple(names[id(p)]), shape, local, region, id(p) in transposed))
+        zero3 = hasattr(p, "ds_tensor")  # a ZeRO-3 partition
+        local, region = _zero3_piece(p) if zero3 else _dtensor_piece(p)
+        out.append(LocalParam(tuple(names[id(p)]), tuple(p.ds_shape if zero3 else p.shape), local, region,
+                              id(p) in transposed))
     return out
 
 
