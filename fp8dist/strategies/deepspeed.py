@@ -176,10 +176,10 @@ def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None
         raise ValueError(f"zero_optimization.stage={stage!r} does not exist; choose 1, 2 or 3.")
     micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
     accum = config.get("gradient_accumulation_steps", 1)
-    if world_size is not None and None not in (micro, total) and micro * accum * world_size != total:
+    if world_size is not None and None not in (micro, total) and (product := micro * accum * world_size) != total:
         raise ValueError(f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
-                         f"gradient_accumulation_steps={accum} x world size {world_size} = {micro * accum * world_size}:"
-                         " fix one of them, or drop train_batch_size and let DeepSpeed derive it.")
+                         f"gradient_accumulation_steps={accum} x world size {world_size} = {product}: fix one of them, "
+                         "or drop train_batch_size and let DeepSpeed derive it.")
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = copy.deepcopy(dict(config))

@@ -37,8 +37,8 @@ class ZeROCheckpoint:
                          "deepspeed.runtime.fp16.loss_scaler.LossScaler"})
     """The classes besides tensors the engine's files hold; DeepSpeed loads them with plain pickle, so anything
     else in :meth:`files` is refused before it does."""
-    written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"),
-                       "a DeepSpeed engine checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
+    written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"), "a DeepSpeed engine "
+                       "checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
     """A folder the engine wrote itself, not through ``save_checkpoint``: (names or globs that mark one, what it is,
     what to do with it instead); ``save_checkpoint`` refuses to write into one."""
 

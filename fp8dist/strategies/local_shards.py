@@ -77,8 +77,9 @@ class LocalParam:
     is the engine's storage."""
     region: Region
     transposed: bool = False
-    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.checkpoint_transposed`:
-    a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's own."""
+    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.
+    checkpoint_transposed`: a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's
+    own."""
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
