@@ -23,6 +23,7 @@ __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "Shard
            "build_deepspeed_config", "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single",
            "fsdp_mesh", "cast_buffers"]
 
+
 def register_strategy(strategy: Strategy) -> Strategy:
     """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in
     ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""

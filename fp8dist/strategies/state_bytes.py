@@ -44,6 +44,7 @@ UNSHARDED_ITEM = "unsharded weights kept (reshard_after_forward=False)"
 ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
 """The activation estimate's item for FSDP2's gathered units outside the blocks, not a tensor autograd saves."""
 
+
 def _spread(per_rank: list[int], start: int, stop: int, size: int, value_of: Callable[[int], int]) -> None:
     """Add ``value_of(overlap)`` to every rank whose range [r*size, (r+1)*size) meets [start, stop)."""
     for rank in range(start // size, min((stop - 1) // size + 1, len(per_rank))):
