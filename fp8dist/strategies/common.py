@@ -85,10 +85,8 @@ def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)``; parameters keep their dtype.
-
-    The backward pass runs outside autocast, as PyTorch recommends. fp32 means no autocast.
-    """
+    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)`` (fp32: no autocast); parameters keep
+    their dtype. The backward pass runs outside autocast, as PyTorch recommends."""
     if dtype == torch.float32:
         return
     forward = module.forward

@@ -30,9 +30,7 @@ def _compression_hooks() -> dict:
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
               reduce_dtype: torch.dtype) -> DistributedDataParallel:
     """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``.
-
-    Returns the DDP wrapper; ``wrapper.module`` is the model.
-    """
+    Returns the DDP wrapper; ``wrapper.module`` is the model."""
     hook = _compression_hooks().get(reduce_dtype)
     apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)

@@ -232,11 +232,9 @@ def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, 
 def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0,
                     initialize: Any = None):
     """``deepspeed.initialize`` (or ``initialize``, e.g. MS-AMP's DeepSpeed entry point) with ``config``; returns
-    ``(engine, optimizer)``. Call after FP8 conversion.
-
-    DeepSpeed insists on LOCAL_RANK in the environment (its launcher and torchrun set it); a process group
-    created otherwise gets it set here from the rank fp8dist found (as ``wrap_model`` sets it before).
-    """
+    ``(engine, optimizer)``. Call after FP8 conversion. DeepSpeed insists on LOCAL_RANK in the environment (its
+    launcher and torchrun set it); a process group created otherwise gets it set here from the rank fp8dist found
+    (as ``wrap_model`` sets it before)."""
     if initialize is None:
         import deepspeed
 

@@ -31,21 +31,14 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.devi
                 mixed_precision: MixedPrecision, reshard_after_forward: bool,
                 param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
     """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
-
     ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
     ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
-    module, one unit at a time, before FSDP1 shards it.
-    """
+    module, one unit at a time, before FSDP1 shards it."""
     block_ids = {id(b) for b in blocks}
     return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids),
-        mixed_precision=mixed_precision,
+        model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids), mixed_precision=mixed_precision,
         sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        device_id=device,
-        use_orig_params=True,
-        param_init_fn=param_init_fn,
-    )
+        device_id=device, use_orig_params=True, param_init_fn=param_init_fn)
 
 
 class FSDP1(Strategy):
