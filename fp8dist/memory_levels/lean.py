@@ -50,30 +50,28 @@ def _backend_owns_optimizer(cfg: Any) -> bool:
     return cfg.precision.fp8 is not None and get_backend(cfg.precision.fp8).owns_optimizer
 
 
-_RULES = (
-    Rule(("memory", "strategy"), lambda cfg, facts: facts.engine_builds_optimizer,
-         "the engine keeps its own fp32 master partitions and builds its own optimizer, so bf16 weights without "
-         "masters and 8-bit states cannot be had there"),
-    Rule(("memory", "strategy"), lambda cfg, facts: facts.flat_params,
-         "flat parameters (one FlatParameter per unit) are not supported by the lean level, which steps each "
-         "parameter's own shard"),
-    Rule(("memory", "fp8"), lambda cfg, facts: _backend_owns_optimizer(cfg),
-         "this FP8 backend owns the weights and builds the optimizer itself (MS-AMP's opt_level O2 is its own "
-         "low-memory level)"),
-    Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
-         "the lean level stores and computes in bf16 (no fp32 master)", f"Use param_dtype='bf16', or {_WAY_OUT}."),
-    Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
-         "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
-)
-
-
 class LeanLevel(MemoryLevel):
     """bf16 weights with no fp32 master, updated with stochastic rounding by torchao's 8-bit AdamW (stepped on each
     rank's shard), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
 
     name = "lean"
     summary = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
-    rules = _RULES
+    rules = (
+        Rule(("memory", "strategy"), lambda cfg, facts: facts.engine_builds_optimizer,
+             "the engine keeps its own fp32 master partitions and builds its own optimizer, so bf16 weights without "
+             "masters and 8-bit states cannot be had there"),
+        Rule(("memory", "strategy"), lambda cfg, facts: facts.flat_params,
+             "flat parameters (one FlatParameter per unit) are not supported by the lean level, which steps each "
+             "parameter's own shard"),
+        Rule(("memory", "fp8"), lambda cfg, facts: _backend_owns_optimizer(cfg),
+             "this FP8 backend owns the weights and builds the optimizer itself (MS-AMP's opt_level O2 is its own "
+             "low-memory level)"),
+        Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
+             "the lean level stores and computes in bf16 (no fp32 master)",
+             f"Use param_dtype='bf16', or {_WAY_OUT}."),
+        Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
+             "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
+    )
     builds_optimizer = True
     fit_way_out = ("the lean memory level", {"memory": name})
     report_master = "none (stochastic rounding)"
