@@ -210,11 +210,10 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 class LocalShardStep:
-    """Mixin for a torchao ``_AdamBase`` optimizer: run its update function eagerly on each parameter's local
-    shard (the DTensor's local tensor aliases the sharded parameter) instead of compiling it over DTensors.
-    The states are created by torchao's own ``_new_buffer`` (DTensors over this rank's 8-bit shard). Stochastic
-    rounding is seeded per parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical;
-    ``rounding_seed`` (in every param group) is the run's part of that seed."""
+    """Mixin for a torchao ``_AdamBase`` optimizer: its update function run eagerly on each parameter's local shard
+    instead of compiled over DTensors (the module's doc says why), the states made by torchao's own ``_new_buffer``
+    (DTensors over this rank's 8-bit shard); ``rounding_seed`` (in every param group) is the run's part of the
+    rounding seed of each parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical."""
 
     def __init__(self, params: Any, *args: Any, rounding_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)

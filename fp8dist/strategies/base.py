@@ -196,9 +196,8 @@ class Strategy(Protocol):
     once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
 
     def layout_notes(self, model: nn.Module, cfg: Any, world_size: int) -> tuple[str, ...]:
-        """What the user should know about how ``model`` is laid out on ``world_size`` ranks before it is sharded
-        (``fp8dist plan``'s notes: FSDP2's dim-0 padding when large); reads shapes only, so a meta model works;
-        none by default."""
+        """What ``fp8dist plan`` tells of how ``model`` will lie on ``world_size`` ranks (FSDP2's dim-0 padding when
+        large); reads shapes only, so a meta model works. None by default."""
         return ()
 
     # accounting: what the memory estimate and the precision report ask (defaults: a replicated engine, like DDP)

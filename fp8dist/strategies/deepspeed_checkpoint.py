@@ -16,11 +16,6 @@ from ..config.text import plural
 __all__ = ["ZeROCheckpoint"]
 
 
-def _has_extra_state(module: nn.Module) -> bool:
-    """What ``nn.Module.state_dict`` itself asks before it writes ``_extra_state``."""
-    return getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state
-
-
 class ZeROCheckpoint:
     """A strategy's own checkpoint format: the members the checkpoint tool reads of any such object."""
 
@@ -49,8 +44,9 @@ class ZeROCheckpoint:
     def layout(self, model: nn.Module) -> tuple[dict[str, list[int]], list[str]]:
         """Every parameter's full shape (ZeRO-3 partitions parameters; ``ds_shape`` is the full one) and the names
         of the ``_extra_state`` entries (FP8 state)."""
-        module = model.module
-        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules() if _has_extra_state(m)]
+        module = model.module  # an _extra_state entry where nn.Module.state_dict writes one: get_extra_state overridden
+        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules()
+                 if type(m).get_extra_state is not nn.Module.get_extra_state]
         return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}, sorted(extra)
 
     def files(self, path: Path) -> list[Path]:
