@@ -20,7 +20,6 @@ class _Standard(MemoryLevel):
 STANDARD = _Standard()
 
 
-
 def register_level(level: MemoryLevel) -> MemoryLevel:
     """Make ``level`` (an instance of a :class:`MemoryLevel` subclass) what ``memory=<its name>`` selects, in
     ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""

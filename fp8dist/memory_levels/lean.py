@@ -37,13 +37,9 @@ from ..config.axis import Rule, StrategyFacts
 from ..pipeline.optim import check_optimizer_spec
 from .base import MemoryLevel
 
-__all__ = ["LEAN_SUMMARY", "LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class",
-           "build_lean_optimizer", "cast_params_bf16", "LocalShardStep"]
+__all__ = ["LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class", "cast_params_bf16",
+           "LocalShardStep"]
 
-LEAN_SUMMARY = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
-"""What the level is, in the plan's and the estimate's header."""
-
-_ADAM_TYPES = ("adamw", "adam")
 _LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized tensor, elements per scale
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
@@ -54,31 +50,31 @@ def _backend_owns_optimizer(cfg: Any) -> bool:
     return cfg.precision.fp8 is not None and get_backend(cfg.precision.fp8).owns_optimizer
 
 
-_RULES = (
-    Rule(("memory", "strategy"), lambda cfg, facts: facts.engine_builds_optimizer,
-         "the engine keeps its own fp32 master partitions and builds its own optimizer, so bf16 weights without "
-         "masters and 8-bit states cannot be had there"),
-    Rule(("memory", "strategy"), lambda cfg, facts: facts.flat_params,
-         "flat parameters (one FlatParameter per unit) are not supported by the lean level, which steps each "
-         "parameter's own shard"),
-    Rule(("memory", "fp8"), lambda cfg, facts: _backend_owns_optimizer(cfg),
-         "this FP8 backend owns the weights and builds the optimizer itself (MS-AMP's opt_level O2 is its own "
-         "low-memory level)"),
-    Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
-         "the lean level stores and computes in bf16 (no fp32 master)", f"Use param_dtype='bf16', or {_WAY_OUT}."),
-    Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
-         "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
-)
-
-
 class LeanLevel(MemoryLevel):
     """bf16 weights with no fp32 master, updated with stochastic rounding by torchao's 8-bit AdamW (stepped on each
     rank's shard), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
 
     name = "lean"
-    summary = LEAN_SUMMARY
-    rules = _RULES
+    summary = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
+    rules = (
+        Rule(("memory", "strategy"), lambda cfg, facts: facts.engine_builds_optimizer,
+             "the engine keeps its own fp32 master partitions and builds its own optimizer, so bf16 weights without "
+             "masters and 8-bit states cannot be had there"),
+        Rule(("memory", "strategy"), lambda cfg, facts: facts.flat_params,
+             "flat parameters (one FlatParameter per unit) are not supported by the lean level, which steps each "
+             "parameter's own shard"),
+        Rule(("memory", "fp8"), lambda cfg, facts: _backend_owns_optimizer(cfg),
+             "this FP8 backend owns the weights and builds the optimizer itself (MS-AMP's opt_level O2 is its own "
+             "low-memory level)"),
+        Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
+             "the lean level stores and computes in bf16 (no fp32 master)",
+             f"Use param_dtype='bf16', or {_WAY_OUT}."),
+        Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
+             "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
+    )
     builds_optimizer = True
+    fit_way_out = ("the lean memory level", {"memory": name})
+    report_master = "none (stochastic rounding)"
 
     def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
         """An engine that casts gradients for their reduction (FSDP2) reduces these bf16 gradients in bf16; DDP
@@ -97,11 +93,11 @@ class LeanLevel(MemoryLevel):
         cast_params_bf16(model)  # the backend's new modules
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-        return build_lean_optimizer(spec, params, device)
-
-    # accounting: bf16 weights and gradients, no master, 8-bit states counted per local tensor
-    fit_way_out = ("the lean memory level", {"memory": name})
-    report_master = "none (stochastic rounding)"
+        """torchao's 8-bit AdamW (:func:`lean_optimizer_class`) with bf16 stochastic rounding, its rounding seed
+        rank 0's ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is
+        broadcast)."""
+        return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
+                                            **lean_optimizer_kwargs(spec))
 
     def element_bytes(self, base: Any) -> Any:
         return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,
@@ -126,8 +122,7 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
                           f"or {_WAY_OUT}.") from None
     from ..fp8 import fp8_hardware_reason
 
-    fp8 = fp8_hardware_reason(device) is None
-    return _local_shard_class(AdamWFp8 if fp8 else AdamW8bit)
+    return _local_shard_class(AdamWFp8 if fp8_hardware_reason(device) is None else AdamW8bit)
 
 
 def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
@@ -141,7 +136,7 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
                          f"wrap_model(...); or {_WAY_OUT}.")
     kwargs = dict(spec)
     name = str(kwargs.pop("type", None)).lower()
-    if name not in _ADAM_TYPES or name == "adam" and kwargs.get("weight_decay", 0):
+    if name not in ("adamw", "adam") or name == "adam" and kwargs.get("weight_decay", 0):
         raise ValueError(f"memory='lean' trains with 8-bit AdamW; optimizer type {spec.get('type')!r}"
                          f"{' with weight_decay' if name == 'adam' else ''} is not available at this level. Pass "
                          f"{{'type': 'AdamW', 'lr': ...}}, or {_WAY_OUT}.")
@@ -154,14 +149,6 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     # torchao's AdamW takes torch's AdamW's types and ranges: the one check of a spec, before anything changes
     check_optimizer_spec({**kwargs, "type": "AdamW"}, who="memory='lean': ")
     return kwargs
-
-
-def build_lean_optimizer(spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-    """The lean level's optimizer from an Adam/AdamW spec (:func:`lean_optimizer_kwargs`): torchao's 8-bit AdamW
-    with bf16 stochastic rounding (:func:`lean_optimizer_class`), its rounding seed rank 0's
-    ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is broadcast)."""
-    return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
-                                        **lean_optimizer_kwargs(spec))
 
 
 def _agreed_seed(device: torch.device) -> int:
@@ -223,11 +210,10 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 class LocalShardStep:
-    """Mixin for a torchao ``_AdamBase`` optimizer: run its update function eagerly on each parameter's local
-    shard (the DTensor's local tensor aliases the sharded parameter) instead of compiling it over DTensors.
-    The states are created by torchao's own ``_new_buffer`` (DTensors over this rank's 8-bit shard). Stochastic
-    rounding is seeded per parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical;
-    ``rounding_seed`` (in every param group) is the run's part of that seed."""
+    """Mixin for a torchao ``_AdamBase`` optimizer: its update function run eagerly on each parameter's local shard
+    instead of compiled over DTensors (the module's doc says why), the states made by torchao's own ``_new_buffer``
+    (DTensors over this rank's 8-bit shard); ``rounding_seed`` (in every param group) is the run's part of the
+    rounding seed of each parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical."""
 
     def __init__(self, params: Any, *args: Any, rounding_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
@@ -244,28 +230,25 @@ class LocalShardStep:
             with torch.enable_grad():
                 loss = closure()
         saved: dict[torch.Generator, torch.Tensor] = {}  # the script's RNG states, put back after the step
-        try:
-            index = -1
-            for group in self.param_groups:
-                for p in group["params"]:
-                    index += 1
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    state["step"] += 1
-                    rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                    if rounding:
-                        generator = _default_generator(p.device)
-                        saved.setdefault(generator, generator.get_state())
-                        generator.manual_seed(_rounding_seed(group["rounding_seed"], int(state["step"]), index,
-                                                             _shard_index(p)))
-                    single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
-                                      _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0],
-                                      group["betas"][1], group["weight_decay"], group["eps"], True, rounding)
+        try:  # index: the parameter's place in the optimizer, counted over every group
+            for index, (group, p) in enumerate([(g, p) for g in self.param_groups for p in g["params"]]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+                state["step"] += 1
+                rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                if rounding:
+                    generator = _default_generator(p.device)
+                    saved.setdefault(generator, generator.get_state())
+                    generator.manual_seed(_rounding_seed(group["rounding_seed"], int(state["step"]), index,
+                                                         _shard_index(p)))
+                single_param_adam(_local(p.detach()), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                                  _local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0], group["betas"][1],
+                                  group["weight_decay"], group["eps"], True, rounding)
         finally:
             for generator, rng_state in saved.items():
                 generator.set_state(rng_state)

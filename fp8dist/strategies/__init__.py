@@ -11,22 +11,18 @@ from torch import nn
 from ..config.axis import STRATEGIES
 from .base import Sharded, ShardingInfo, ShardJob, Strategy
 from .common import cast_buffers, find_blocks
-from .ddp import STRATEGY as _DDP
-from .ddp import apply_ddp
-from .deepspeed import STRATEGY as _DEEPSPEED
-from .deepspeed import build_deepspeed_config, is_deepspeed_engine, zero_config
-from .fsdp import STRATEGY as _FSDP2
-from .fsdp import apply_fsdp, build_fsdp_policy, fsdp_mesh
-from .fsdp1 import STRATEGY as _FSDP1
-from .fsdp1 import apply_fsdp1, build_fsdp1_policy
+from .ddp import STRATEGY as _DDP, apply_ddp
+from .deepspeed import STRATEGY as _DEEPSPEED, build_deepspeed_config, is_deepspeed_engine, zero_config
+from .fsdp import STRATEGY as _FSDP2, apply_fsdp, build_fsdp_policy, fsdp_mesh
+from .fsdp1 import STRATEGY as _FSDP1, apply_fsdp1, build_fsdp1_policy
 from .introspect import engine_of
-from .single import STRATEGY as _SINGLE
-from .single import apply_single
+from .single import STRATEGY as _SINGLE, apply_single
 
-__all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo", "unwrap_model",
-           "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config", "build_deepspeed_config",
-           "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single", "fsdp_mesh",
-           "cast_buffers"]
+__all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo",
+           "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config",
+           "build_deepspeed_config", "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single",
+           "fsdp_mesh", "cast_buffers"]
+
 
 def register_strategy(strategy: Strategy) -> Strategy:
     """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in

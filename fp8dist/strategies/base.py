@@ -104,12 +104,13 @@ FP16_RULE = Rule(
 
 
 class Strategy(Protocol):
-    """The interface of a sharding strategy. Subclass it: the defaults below are those of a strategy that needs no
-    such step."""
+    """The interface of a sharding strategy. Subclass it: the defaults are those of a strategy that needs no such
+    step."""
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, When]] = {}
-    """Options only this strategy reads, each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
+    """Options only this strategy reads, each with the condition under which it is read: an option set but not read
+    is reported (:func:`fp8dist.config.rules.unused_options`)."""
     rules: ClassVar[tuple[Rule, ...]] = (FP16_RULE,)
     """What this strategy refuses to combine with (its rows of the combination table)."""
     process_group: ClassVar[bool] = True
@@ -128,8 +129,7 @@ class Strategy(Protocol):
         parameters mix dtypes)."""
 
     def environment(self, cfg: Any, launch: LaunchEnv, device: torch.device) -> DistEnv:
-        """The process group, initialized if needed."""
-        return init_distributed(device=cfg.parallel.device)
+        return init_distributed(device=cfg.parallel.device)  # the process group, initialized if needed
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         """Shard or replicate ``model`` (converted, blocks wrapped), materializing a meta model where the strategy
@@ -164,9 +164,9 @@ class Strategy(Protocol):
     def missing_reason(self) -> str | None:
         """Why the engine cannot run on this machine (:attr:`package` not installed), with how to install it; None
         when it can."""
-        if self.package is None or package_version(self.package) is not None:
-            return None
-        return f"{self.package} is not installed (pip install {self.package})"
+        if self.package is not None and package_version(self.package) is None:
+            return f"{self.package} is not installed (pip install {self.package})"
+        return None
 
     # checkpoint and gradients: what save_checkpoint / load_checkpoint, no_sync and clip_grad_norm_ ask
     checkpoint: ClassVar[Any] = None
@@ -196,9 +196,8 @@ class Strategy(Protocol):
     once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
 
     def layout_notes(self, model: nn.Module, cfg: Any, world_size: int) -> tuple[str, ...]:
-        """What the user should know about how ``model`` is laid out on ``world_size`` ranks before it is sharded
-        (``fp8dist plan``'s notes: FSDP2's dim-0 padding when large); reads shapes only, so a meta model works;
-        none by default."""
+        """What ``fp8dist plan`` tells of how ``model`` will lie on ``world_size`` ranks (FSDP2's dim-0 padding when
+        large); reads shapes only, so a meta model works. None by default."""
         return ()
 
     # accounting: what the memory estimate and the precision report ask (defaults: a replicated engine, like DDP)
@@ -242,9 +241,8 @@ class Strategy(Protocol):
         category: parameters, master_weights, gradients, optimizer_states. Default: the parameters, their
         gradients, the ``optimizer``'s state (None: no optimizer), no master copy."""
         params = list(model.parameters())
-        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
         return {"parameters": params, "master_weights": [], "gradients": [p.grad for p in params],
-                "optimizer_states": [state]}
+                "optimizer_states": [getattr(optimizer, "state", {})]}
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         """The tensors holding this rank's part of ``params`` where the engine keeps them apart from the parameters
@@ -258,28 +256,23 @@ def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = T
     Returns (load report, how it was materialized)."""
     from .common import check_fits, to_empty
 
-    device, pretrained = job.env.device, job.cfg.parallel.pretrained
+    device = job.env.device
     if job.meta:
         check_fits(model, device, strategy)
         to_empty(model, device)
     loaded = job.fill(model) if job.fill is not None else None
     if not job.meta:
         return loaded, ""
-    if warn:
-        warn_whole_meta(strategy)
-    return loaded, materialized_how(device, whole=True, pretrained=pretrained)
+    if warn:  # a meta model is usually built because it is large, and this strategy holds all of it per rank
+        warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
+                      "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates "
+                      "1/world_size of it per rank.", UserWarning, stacklevel=4)
+    return loaded, materialized_how(device, whole=True, pretrained=job.cfg.parallel.pretrained)
 
 
 def prepared(model: nn.Module, job: ShardJob) -> tuple[nn.Module, Any]:
     """The backend's step before the engine wraps the model (:attr:`ShardJob.prepare`), if any."""
     return job.prepare(model) if job.prepare is not None else (model, None)
-
-
-def warn_whole_meta(strategy: str) -> None:
-    """Said once: a meta model is usually built because it is large, and this strategy holds all of it per rank."""
-    warnings.warn(f"strategy={strategy!r} keeps the whole model on every rank, so the meta-device model was "
-                  "materialized whole on each. strategy='fsdp' (or deepspeed zero_stage=3) allocates 1/world_size "
-                  "of it per rank.", UserWarning, stacklevel=5)
 
 
 # accounting: what a strategy tells the memory estimate and the report, as data

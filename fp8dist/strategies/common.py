@@ -14,16 +14,6 @@ from .ties import TiedBlock, untie_blocks
 __all__ = ["find_blocks", "block_ties", "cast_buffers", "apply_autocast", "to_empty", "check_fits", "available_bytes"]
 
 
-def _no_split_names(model: nn.Module) -> list[str]:
-    """Hugging Face ``_no_split_modules`` of the model or of any submodule (a HF model inside a wrapper)."""
-    names: list[str] = []
-    for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or ():
-            if name not in names:
-                names.append(name)
-    return names
-
-
 def _with_params(model: nn.Module) -> str:
     """The way out of a bad ``block_classes``: the classes that could be blocks."""
     with_params = sorted({type(m).__name__ for m in model.modules()
@@ -71,7 +61,9 @@ def _candidate_blocks(model: nn.Module, block_classes: tuple[str, ...]) -> tuple
                              f"{type(model).__name__}, so there is nothing to shard per block. {_with_params(model)}")
         wanted, how = set(block_classes), f"block_classes={list(block_classes)}"
     else:
-        wanted = {n for n in _no_split_names(model) if n in classes_in_model}
+        # Hugging Face _no_split_modules of the model or of any submodule (a HF model inside a wrapper)
+        wanted = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()
+                  if n in classes_in_model}
         how = f"Hugging Face _no_split_modules {sorted(wanted)}"
     if wanted:
         blocks = [(fqn, m) for fqn, m in model.named_modules() if type(m).__name__ in wanted and m is not model]
@@ -93,10 +85,8 @@ def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)``; parameters keep their dtype.
-
-    The backward pass runs outside autocast, as PyTorch recommends. fp32 means no autocast.
-    """
+    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)`` (fp32: no autocast); parameters keep
+    their dtype. The backward pass runs outside autocast, as PyTorch recommends."""
     if dtype == torch.float32:
         return
     forward = module.forward

@@ -13,30 +13,26 @@ from ..config.dtypes import torch_dtype
 from ..pipeline.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
                    reduce_words)
-from .common import apply_autocast, cast_buffers
+from .common import cast_buffers
+from .single import apply_single
 
 __all__ = ["DDP", "apply_ddp", "ddp_reduce_dtype", "STRATEGY"]
 
 
-def _compression_hook(reduce_dtype: torch.dtype, device: torch.device):
-    """DDP's own gradient-compression hook for a bf16/fp16 reduce; it needs NCCL, so CUDA only
-    (:meth:`DDP.check_launch` refuses it on the CPU)."""
-    if reduce_dtype == torch.float32:
-        return None
+def _compression_hooks() -> dict:
+    """DDP's own gradient-compression hooks, by the dtype they reduce in; they need NCCL, so CUDA only
+    (:meth:`DDP.check_launch` refuses them on the CPU)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    return default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+    return {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
               reduce_dtype: torch.dtype) -> DistributedDataParallel:
     """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``.
-
-    Returns the DDP wrapper; ``wrapper.module`` is the model.
-    """
-    hook = _compression_hook(reduce_dtype, device)
-    model.to(device)
-    apply_autocast(model, device.type, compute_dtype)
+    Returns the DDP wrapper; ``wrapper.module`` is the model."""
+    hook = _compression_hooks().get(reduce_dtype)
+    apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True)
@@ -50,10 +46,13 @@ class DDP(Strategy):
     the wrapper, buffers cast, gradients all-reduced in their own dtype or through a compression hook."""
 
     name = "ddp"
+    accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
+    bench_devices = ("cpu", "cuda")
     options = {"reduce_dtype": ALWAYS}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
-        return StrategyFacts(autocast_forward=True, broadcasts_weights=True, shard_degree=None if world_size is None else 1)
+        return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
+                             shard_degree=None if world_size is None else 1)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device
@@ -65,13 +64,6 @@ class DDP(Strategy):
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select DDP (on GPUs or CPUs)
-    accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
-
-    # bench: in the default matrix on every device
-    bench_devices = ("cpu", "cuda")
-
-    # checkpoint and gradients: DDP's own no_sync; its reduce-dtype refusal, checked before anything changes
     def check_launch(self, cfg, world_size: int) -> None:
         """A bf16/fp16 reduce goes through DDP's compression hook, which needs NCCL: refused on the CPU. A launch
         check, not a rule of the table: device='auto' is the CPU only on a machine without CUDA, and the table,
@@ -86,7 +78,6 @@ class DDP(Strategy):
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
-    # accounting: replicated (the base's layout); gradients are bucket views, reduced as a comm hook says
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
@@ -104,12 +95,10 @@ STRATEGY = DDP()
 def ddp_reduce_dtype(ddp: nn.Module) -> tuple[torch.dtype | None, str | None]:
     """The dtype DDP's registered compression hook reduces in (``(None, None)`` without a hook: the gradients'
     own dtype), or ``(None, hook name)`` for a hook of the user's."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
     if not hooks:
         return None, None
-    compress = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+    compress = {hook: dtype for dtype, hook in _compression_hooks().items()}
     if hooks[-1] in compress:
         return compress[hooks[-1]], None
     return None, getattr(hooks[-1], "__qualname__", repr(hooks[-1]))

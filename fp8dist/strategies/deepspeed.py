@@ -37,14 +37,11 @@ __all__ = ["DeepSpeed", "zero_config", "build_deepspeed_config", "merge_user_con
            "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine", "partition_meta_zero3", "STRATEGY"]
 
 _STAGES = (1, 2, 3)
-_DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16"}
 
 
 def model_hidden_size(model: nn.Module) -> int | None:
     """The hidden size from a Hugging Face config (``hidden_size``, or the largest of ``hidden_sizes``)."""
     config = getattr(model, "config", None)
-    if config is None:
-        return None
     if getattr(config, "hidden_size", None):
         return int(config.hidden_size)
     sizes = getattr(config, "hidden_sizes", None)
@@ -96,7 +93,7 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
                          "'fp32'.")
     if offload_param and stage != 3:
         raise ValueError(f"offload_param=True needs stage 3 (ZeRO-{stage} does not partition parameters).")
-    h = hidden_size if hidden_size is not None else (model_hidden_size(model) if model is not None else None)
+    h = hidden_size if hidden_size is not None else model_hidden_size(model)
     if h is not None:
         _check_positive("hidden_size", h)
     zero: dict[str, Any] = {
@@ -152,10 +149,8 @@ def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size:
     Args:
         validate: check the result (fp8dist's rules, then DeepSpeed's own parser, which needs DeepSpeed installed).
     """
-    block = None
-    if isinstance(optimizer, Mapping):
-        spec = dict(optimizer)
-        block = {"type": spec.pop("type", None), "params": spec}
+    spec = dict(optimizer) if isinstance(optimizer, Mapping) else None
+    block = {"type": spec.pop("type", None), "params": spec} if spec is not None else None
     built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
                         grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
                         reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
@@ -169,16 +164,6 @@ def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size:
     return merged
 
 
-def _batch_check(config: Mapping[str, Any], world_size: int | None) -> None:
-    micro = config.get("train_micro_batch_size_per_gpu")
-    accum = config.get("gradient_accumulation_steps", 1)
-    total = config.get("train_batch_size")
-    if world_size is not None and None not in (micro, total) and micro * accum * world_size != total:
-        raise ValueError(f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
-                         f"gradient_accumulation_steps={accum} x world size {world_size} = {micro * accum * world_size}:"
-                         " fix one of them, or drop train_batch_size and let DeepSpeed derive it.")
-
-
 def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None = None) -> None:
     """Check ``config`` with fp8dist's rules (batch equation, one of fp16/bf16, a real stage) and then with
     DeepSpeed's own parser (``DeepSpeedConfig``); raise ValueError saying what is wrong."""
@@ -189,7 +174,12 @@ def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, *_STAGES):
         raise ValueError(f"zero_optimization.stage={stage!r} does not exist; choose 1, 2 or 3.")
-    _batch_check(config, world_size)
+    micro, total = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    accum = config.get("gradient_accumulation_steps", 1)
+    if world_size is not None and None not in (micro, total) and (product := micro * accum * world_size) != total:
+        raise ValueError(f"train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
+                         f"gradient_accumulation_steps={accum} x world size {world_size} = {product}: fix one of them, "
+                         "or drop train_batch_size and let DeepSpeed derive it.")
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = copy.deepcopy(dict(config))
@@ -209,8 +199,7 @@ def torch_adam_on_cpu(config: Mapping[str, Any]) -> dict:
     offloaded = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
     if not isinstance(block, Mapping) or offloaded or str(block.get("type", "")).lower() not in ("adam", "adamw"):
         return dict(config)
-    params = block.get("params") or {}
-    return {**config, "optimizer": {**block, "params": {"torch_adam": True, **params}}}
+    return {**config, "optimizer": {**block, "params": {"torch_adam": True, **(block.get("params") or {})}}}
 
 
 def read_user_config(path: str | Path) -> dict:
@@ -243,11 +232,9 @@ def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, 
 def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0,
                     initialize: Any = None):
     """``deepspeed.initialize`` (or ``initialize``, e.g. MS-AMP's DeepSpeed entry point) with ``config``; returns
-    ``(engine, optimizer)``. Call after FP8 conversion.
-
-    DeepSpeed insists on LOCAL_RANK in the environment (its launcher and torchrun set it); a process group
-    created otherwise gets it set here from the rank fp8dist found (as ``wrap_model`` sets it before).
-    """
+    ``(engine, optimizer)``. Call after FP8 conversion. DeepSpeed insists on LOCAL_RANK in the environment (its
+    launcher and torchrun set it); a process group created otherwise gets it set here from the rank fp8dist found
+    (as ``wrap_model`` sets it before)."""
     if initialize is None:
         import deepspeed
 
@@ -306,10 +293,6 @@ def _deepspeed_comm(env: DistEnv) -> None:
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False, verbose=False)
 
 
-SHM_COMM_OP = "deepspeed_shm_comm"
-"""DeepSpeed's CPU shared-memory all-reduce op (``ShareMemCommBuilder``), by its name in ``deepspeed.ops``."""
-
-
 def _skip_shm_comm_op() -> None:
     """DeepSpeed's comm, at its first initialization on a CPU, JIT-compiles its shared-memory all-reduce op (40-55 s
     and a C++ compiler on a fresh machine; again whenever another ``ninja`` finds the build foreign) and maps a
@@ -319,7 +302,7 @@ def _skip_shm_comm_op() -> None:
     DeepSpeed skips it. A script that initialized DeepSpeed's comm itself before ``wrap_model`` has it already."""
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # ShareMemCommBuilder's name there
 
 
 class DeepSpeed(Strategy):
@@ -329,6 +312,13 @@ class DeepSpeed(Strategy):
     ``deepspeed.initialize`` (or an FP8 backend's own entry into it)."""
 
     name = "deepspeed"
+    accelerate = {"distributed_type": "DEEPSPEED"}
+    package = "deepspeed"
+    bench_devices = ("cpu",)
+    checkpoint = ZeROCheckpoint()
+    rank_imports = ("deepspeed",)
+    fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
+                   {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
                                 "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
                "offload_param": When({"zero_stage": (3,)})}
@@ -359,8 +349,7 @@ class DeepSpeed(Strategy):
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         partitions = None if world_size is None else (world_size if _zero3(cfg) else 1)
         return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
-                             broadcasts_weights=True,
-                             shard_degree=partitions)
+                             broadcasts_weights=True, shard_degree=partitions)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, env = job.cfg.parallel, job.env
@@ -399,18 +388,8 @@ class DeepSpeed(Strategy):
 
         model.step = step_and_count
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select DeepSpeed
-    accelerate = {"distributed_type": "DEEPSPEED"}
-
-    # bench: in the default CPU matrix where installed (an optional extra)
-    package = "deepspeed"
-    bench_devices = ("cpu",)
-
     def missing_reason(self) -> str | None:
         return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
-
-    # checkpoint and gradients: the engine checkpoints, accumulates and clips itself
-    checkpoint = ZeROCheckpoint()
 
     def no_sync(self, model: nn.Module):
         raise ValueError(_OWN_STEP.format(self.name, "accumulates gradients over grad_accum micro-batches",
@@ -422,13 +401,6 @@ class DeepSpeed(Strategy):
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
 
-    # pipeline, cli: imported once before the ranks fork
-    rank_imports = ("deepspeed",)
-
-    # accounting: ZeRO's partitions by stage, its module dtype, fp32 masters, offload and buckets
-    fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
-                   {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
-
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         """From the config wrap_model builds, validated as wrap_model validates it when DeepSpeed is installed
@@ -439,7 +411,7 @@ class DeepSpeed(Strategy):
         block = (torch_adam_on_cpu(ds) if on_cpu else ds).get("optimizer") or {}
         zero = ds.get("zero_optimization", {})
         stage = int(zero.get("stage", 0))
-        dtype = next((key for key in _DTYPE_KEYS if ds.get(key, {}).get("enabled")), "fp32")
+        dtype = next((key for key in ("bf16", "fp16") if ds.get(key, {}).get("enabled")), "fp32")
         comm, bucket = ds.get("communication_data_type") or dtype, int(zero.get("reduce_bucket_size", 5e8))
         notes = [f"DeepSpeed reduce bucket, not counted as model state: {bucket:,} elements in {comm} "
                  f"({byte_size(bucket * dtype_bytes(comm))}), "
@@ -484,7 +456,8 @@ class DeepSpeed(Strategy):
             "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
                            for p in params],
             "master_weights": [getattr(zero, name, None) for name in _MASTER_PARTITIONS],
-            "gradients": [p.grad for p in params] + deepspeed_gradients(zero),
+            "gradients": [p.grad for p in params] + [getattr(zero, name) for name in _GRADIENT_PARTITIONS
+                                                     if getattr(zero, name, None) is not None],
             "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
@@ -501,9 +474,5 @@ _MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_group
 """Where ZeRO's optimizer keeps this rank's fp32 master partitions (stage 1/2, stage 3)."""
 _GRADIENT_PARTITIONS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
                         "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-"""Where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3)."""
-
-
-def deepspeed_gradients(zero: Any) -> list[Any]:
-    """The gradient partitions a ZeRO optimizer holds now (freed by its step)."""
-    return [getattr(zero, name) for name in _GRADIENT_PARTITIONS if getattr(zero, name, None) is not None]
+"""Where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3; freed by its
+step)."""

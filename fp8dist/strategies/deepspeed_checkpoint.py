@@ -16,11 +16,6 @@ from ..config.text import plural
 __all__ = ["ZeROCheckpoint"]
 
 
-def _has_extra_state(module: nn.Module) -> bool:
-    """What ``nn.Module.state_dict`` itself asks before it writes ``_extra_state``."""
-    return getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state
-
-
 class ZeROCheckpoint:
     """A strategy's own checkpoint format: the members the checkpoint tool reads of any such object."""
 
@@ -37,8 +32,8 @@ class ZeROCheckpoint:
                          "deepspeed.runtime.fp16.loss_scaler.LossScaler"})
     """The classes besides tensors the engine's files hold; DeepSpeed loads them with plain pickle, so anything
     else in :meth:`files` is refused before it does."""
-    written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"),
-                       "a DeepSpeed engine checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
+    written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"), "a DeepSpeed engine "
+                       "checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
     """A folder the engine wrote itself, not through ``save_checkpoint``: (names or globs that mark one, what it is,
     what to do with it instead); ``save_checkpoint`` refuses to write into one."""
 
@@ -49,8 +44,9 @@ class ZeROCheckpoint:
     def layout(self, model: nn.Module) -> tuple[dict[str, list[int]], list[str]]:
         """Every parameter's full shape (ZeRO-3 partitions parameters; ``ds_shape`` is the full one) and the names
         of the ``_extra_state`` entries (FP8 state)."""
-        module = model.module
-        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules() if _has_extra_state(m)]
+        module = model.module  # an _extra_state entry where nn.Module.state_dict writes one: get_extra_state overridden
+        extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules()
+                 if type(m).get_extra_state is not nn.Module.get_extra_state]
         return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}, sorted(extra)
 
     def files(self, path: Path) -> list[Path]:

@@ -4,6 +4,7 @@ application (torchtitan's units) and the :class:`FSDP2` strategy."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -11,7 +12,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
 from torch.distributed.tensor import DTensor
 
 from ..config.axis import ALWAYS, StrategyFacts
@@ -90,13 +90,9 @@ def root_units(model: nn.Module, block_names: list[str] | tuple[str, ...],
 def _input_embedding(model: nn.Module, held: list[tuple[str, nn.Module]]) -> str | None:
     """The name of the input embedding among ``held``: Hugging Face's get_input_embeddings(), else the first
     nn.Embedding."""
-    getter = getattr(model, "get_input_embeddings", None)
-    found = None
-    if callable(getter):
-        try:
-            found = getter()
-        except (NotImplementedError, AttributeError):
-            found = None
+    getter, found = getattr(model, "get_input_embeddings", None), None
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        found = getter() if callable(getter) else None
     for name, module in held:
         if module is found or found is None and isinstance(module, nn.Embedding):
             return name
@@ -155,6 +151,8 @@ class FSDP2(Strategy):
     (in place); a meta model is materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
+    bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
                "reduce_dtype": ALWAYS}
 
@@ -176,21 +174,14 @@ class FSDP2(Strategy):
         apply_fsdp(model, [m for _, m in found], mesh=fsdp_mesh(env.device, env.world_size, p.replicate_degree),
                    device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
                    block_names=names)
-        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                  "block_classes=[...] to shard block by block.",)
-        notes += ties
-        notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
+        one_unit = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                     "block_classes=[...] to shard block by block.",)
+        notes = one_unit + ties + fsdp_padding_notes(model, env.world_size // p.replicate_degree)
         if job.meta:
             to_empty(model, env.device)  # this rank's shards only
         loaded = job.fill(model) if job.fill is not None else None
         how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
-
-    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP2
-    accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
-
-    # bench: in the default matrix on every device; the hand-wired reference
-    bench_devices = ("cpu", "cuda")
 
     def shard_by_hand(self, model: nn.Module, units: list[tuple[list[nn.Module], bool]],
                       device: torch.device) -> nn.Module:
@@ -203,7 +194,6 @@ class FSDP2(Strategy):
                         reshard_after_forward=reshard)
         return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
-    # checkpoint and gradients: FSDP2 defers its reduce-scatter by a switch on the module
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(False)
@@ -212,11 +202,9 @@ class FSDP2(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
-    # cli/plan: the padding note before sharding
     def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
         return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
 
-    # accounting: dim-0 shards over each replica's ranks (HSDP), units outside the blocks kept gathered
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         replicas = cfg.parallel.replicate_degree
@@ -262,9 +250,4 @@ STRATEGY = FSDP2()
 
 def _replicas(p: DTensor) -> int:
     """How many ranks hold the same piece of ``p``: the product of its mesh dimensions that replicate it."""
-    shape = p.device_mesh.shape
-    copies = 1
-    for dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            copies *= shape[dim]
-    return copies
+    return math.prod(size for size, pl in zip(p.device_mesh.shape, p.placements) if pl.is_replicate())

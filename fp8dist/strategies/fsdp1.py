@@ -31,21 +31,14 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.devi
                 mixed_precision: MixedPrecision, reshard_after_forward: bool,
                 param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
     """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
-
     ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
     ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
-    module, one unit at a time, before FSDP1 shards it.
-    """
+    module, one unit at a time, before FSDP1 shards it."""
     block_ids = {id(b) for b in blocks}
     return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids),
-        mixed_precision=mixed_precision,
+        model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids), mixed_precision=mixed_precision,
         sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        device_id=device,
-        use_orig_params=True,
-        param_init_fn=param_init_fn,
-    )
+        device_id=device, use_orig_params=True, param_init_fn=param_init_fn)
 
 
 class FSDP1(Strategy):
@@ -53,6 +46,8 @@ class FSDP1(Strategy):
     just before FSDP1 shards it, then each rank fills its shards."""
 
     name = "fsdp1"
+    accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
+    bench_devices = ("cpu",)
     options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
@@ -73,9 +68,8 @@ class FSDP1(Strategy):
                 mixed = " and ".join(f"{dtype_name(d)} ({n!r})" for d, n in first.items())
                 where = f"the unit {unit}" if unit else "the root unit (what the blocks leave)"
                 raise ValueError(f"strategy='fsdp1' flattens each unit's parameters into one tensor of one dtype, and "
-                                 f"{where} mixes {mixed}. Cast them "
-                                 "to one dtype (model.float(): fp8dist computes in bf16 anyway), or use "
-                                 "strategy='fsdp', whose per-parameter shards take mixed dtypes.")
+                                 f"{where} mixes {mixed}. Cast them to one dtype (model.float(): fp8dist computes in "
+                                 "bf16 anyway), or use strategy='fsdp', whose per-parameter shards take mixed dtypes.")
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device
@@ -88,27 +82,18 @@ class FSDP1(Strategy):
                                     buffer_dtype=torch_dtype(p.buffer_dtype))
         wrapped = apply_fsdp1(model, [m for _, m in found], device=device, mixed_precision=policy,
                               reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
-        notes = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                  "block_classes=[...] to shard block by block.",)
-        notes += ties
+        notes = ties if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                    "block_classes=[...] to shard block by block.", *ties)
         loaded = job.fill(wrapped) if job.fill is not None else None
         how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select FSDP1
-    accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
-
-    # bench: in the default CPU matrix
-    bench_devices = ("cpu",)
-
-    # checkpoint and gradients: FSDP1's own no_sync and clip (the norm over its flat shards)
     def no_sync(self, model: nn.Module):
         return model.no_sync()
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm, norm_type).detach()
 
-    # accounting: flat, aligned, padded shards per unit
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
         return EngineMemory(notes=tuple(gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype))))

@@ -1,8 +1,5 @@
-"""Which engine wrapped a model, read from the engine's own objects: the wrapper classes and FSDP2's module state
-(:func:`engine_of`). ``unwrap_model`` and the check of a model already wrapped (:func:`find_wrapping`: ``wrap_model``
-and the numerics probe) read it; what each engine computes and communicates in, each strategy reads from its own
-engine (:meth:`~fp8dist.strategies.base.Strategy.engine_dtypes`).
-"""
+"""Which engine wrapped a model, read from the engine's own objects (:func:`engine_of`), for ``unwrap_model`` and
+the check of a model already wrapped (:func:`find_wrapping`: ``wrap_model`` and the numerics probe)."""
 
 from __future__ import annotations
 
@@ -41,13 +38,8 @@ def engine_of(module: Any) -> str | None:
 
     if is_deepspeed_engine(module):
         return "deepspeed"
-    if isinstance(module, FullyShardedDataParallel):
-        return "fsdp1"
-    if isinstance(module, FSDPModule):
-        return "fsdp"
-    if isinstance(module, DistributedDataParallel):
-        return "ddp"
-    return None
+    engines = {"fsdp1": FullyShardedDataParallel, "fsdp": FSDPModule, "ddp": DistributedDataParallel}
+    return next((name for name, cls in engines.items() if isinstance(module, cls)), None)
 
 
 @dataclass(frozen=True)
@@ -66,8 +58,7 @@ class Wrapping:
     def describe(self, model: nn.Module) -> str:
         """"model.layers.0 (FSDPLlamaDecoderLayer) of LlamaForCausalLM is already sharded by fully_shard (FSDP2)"."""
         if self.engine in _PARAMETER_STATES:
-            how = _PARAMETER_STATES[self.engine]
-            return f"parameter {self.where!r} of {type(model).__name__} is already {how}"
+            return f"parameter {self.where!r} of {type(model).__name__} is already {_PARAMETER_STATES[self.engine]}"
         what = (f"the model given ({type(model).__name__})" if not self.where else
                 f"{self.where} ({type(model.get_submodule(self.where)).__name__}) of {type(model).__name__}")
         if self.engine == "fp8dist":

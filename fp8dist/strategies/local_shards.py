@@ -9,6 +9,7 @@ checkpointing's ``_checkpoint_wrapped_module``, torch.compile's ``_orig_mod``) a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,13 +42,8 @@ def original_class(module: nn.Module) -> type:
 def fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
     """FSDP1's original parameters are flat views of this rank's shard; their full shapes are in the flat
     parameters (tied ones under their shared entries). Keyed by ``(id(module), parameter name)``."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     full: dict[tuple[int, str], tuple[int, ...]] = {}
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        if flat is None:
-            continue
+    for flat in _flat_params(model):
         for info, shape in zip(flat._param_infos, flat._shapes):
             full[(id(info.module), info.param_name)] = tuple(shape)
         for shared in flat._shared_param_infos or ():
@@ -65,12 +61,7 @@ class Region:
 
     @property
     def numel(self) -> int:
-        if self.flat is not None:
-            return self.flat[1] - self.flat[0]
-        n = 1
-        for _, length in self.box or ():
-            n *= length
-        return n
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(n for _, n in self.box or ())
 
 
 @dataclass(frozen=True)
@@ -86,8 +77,9 @@ class LocalParam:
     is the engine's storage."""
     region: Region
     transposed: bool = False
-    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.checkpoint_transposed`:
-    a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's own."""
+    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.
+    checkpoint_transposed`: a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's
+    own."""
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -110,29 +102,22 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    """The module whose parameter names are the user's: inside DDP and the DeepSpeed engine; FSDP1's root wrapper
-    is kept (its flat parameter is one of the units), its prefixes dropped by :func:`plain_name`."""
+def _inner(model: nn.Module) -> tuple[nn.Module, dict[int, list[str]]]:
+    """The module whose parameter names are the user's (inside DDP and the DeepSpeed engine; FSDP1's root wrapper
+    is kept, its flat parameter one of the units, its prefixes dropped by :func:`plain_name`), resharded, and the
+    plain names of each of its parameters by id. FSDP2 keeps the root's parameters gathered after a forward (in the
+    compute dtype, as plain tensors, until backward): every unit is put back to its sharded DTensors first."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) or is_deepspeed_engine(model) else model
-
-
-def _reshard(model: nn.Module) -> None:
-    """FSDP2 keeps the root's parameters gathered after a forward (in the compute dtype, as plain tensors, until
-    backward): put every unit back to its sharded DTensors first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
+    inner = model.module if isinstance(model, DistributedDataParallel) or is_deepspeed_engine(model) else model
+    for module in inner.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in inner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(plain_name(name))
-    return names
+    return inner, names
 
 
 def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
@@ -142,18 +127,19 @@ def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
     if not isinstance(p, DTensor):
         return _plain_tensor(p.data), _whole(tuple(p.shape))
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    local = _plain_tensor(p.to_local())
-    return local, Region(box=tuple(zip(offset, shape)))
+    return _plain_tensor(p.to_local()), Region(box=tuple(zip(offset, shape)))
+
+
+def _flat_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP1's FlatParameters in ``model`` (a unit whose modules hold no parameters of their own has none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
 
 
 def _fsdp1_params(model: nn.Module, names: dict[int, list[str]]) -> list[LocalParam]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     out = []
-    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        flat = fsdp._flat_param
-        if flat is None:
-            continue
+    for flat in _flat_params(model):
         for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
             view = getattr(info.module, info.param_name)
             start, stop = (shard.intra_param_start_idx, shard.intra_param_end_idx + 1) if shard.in_shard else (0, 0)
@@ -177,21 +163,16 @@ def local_params(model: nn.Module) -> list[LocalParam]:
     rank's part of it, in the model's parameter order."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    inner = _inner(model)
-    _reshard(inner)
-    names = _names_by_param(inner)
+    inner, names = _inner(model)
     if any(isinstance(m, FullyShardedDataParallel) for m in inner.modules()):
         return _fsdp1_params(inner, names)
     transposed = transposed_params(inner)
     out = []
     for p in dict.fromkeys(inner.parameters()):
-        if hasattr(p, "ds_tensor"):  # ZeRO-3 partition
-            local, region = _zero3_piece(p)
-            shape = tuple(p.ds_shape)
-        else:
-            local, region = _dtensor_piece(p)
-            shape = tuple(p.shape)
-        out.append(LocalParam(tuple(names[id(p)]), shape, local, region, id(p) in transposed))
+        zero3 = hasattr(p, "ds_tensor")  # a ZeRO-3 partition
+        local, region = _zero3_piece(p) if zero3 else _dtensor_piece(p)
+        out.append(LocalParam(tuple(names[id(p)]), tuple(p.ds_shape if zero3 else p.shape), local, region,
+                              id(p) in transposed))
     return out
 
 
@@ -206,9 +187,7 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     engine = model if is_deepspeed_engine(model) else None
-    inner = _inner(model)
-    _reshard(inner)
-    names = _names_by_param(inner)
+    inner, names = _inner(model)
     transposed = transposed_params(inner)
 
     def keep(t: torch.Tensor, flip: bool) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ Pure functions of shapes: used by the memory estimate, ``fp8dist plan`` and ``wr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,10 +35,7 @@ class PaddedParam:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
     @property
     def dim0(self) -> int:
@@ -113,8 +111,7 @@ def padding_note(padded: Sequence[PaddedParam]) -> str | None:
     for p in sorted(whole, key=lambda p: -p.padded_numel):
         groups.setdefault(p.shape, []).append(p)
     named = "; ".join(f"{len(g)} x {shape} like {g[0].name} ({g[0].factor:.1f}x)" for shape, g in groups.items())
-    dims = {p.better_dim() for p in whole}
-    if dims == {1}:
+    if {p.better_dim() for p in whole} == {1}:
         where = (f"shard them on dim 1, which {world} divides: torch's fully_shard(module, shard_placement_fn="
                  f"lambda p: Shard(1) if p.dim() > 1 and p.shape[0] < {world} else None)")
     else:

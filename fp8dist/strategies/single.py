@@ -30,7 +30,14 @@ class Single(Strategy):
     """One process: the model as it is, on the device, under autocast."""
 
     name = "none"
+    accelerate = {"distributed_type": "NO"}
     process_group = False
+    # cli/train, accounting/estimate: a tool asked for several ranks refuses, as it knows the world size
+    rules = (FP16_RULE, Rule(
+        ("world_size", "strategy"), lambda cfg, facts: (facts.world_size or 1) > 1,
+        "'none' trains in one process: each rank would train its own copy, with no gradient sync",
+        "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
+        "'deepspeed' to train on several ranks."))
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(autocast_forward=True, shard_degree=1)
@@ -51,17 +58,6 @@ class Single(Strategy):
         return Sharded(apply_single(model, device=device, compute_dtype=param),
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
 
-    # accelerate: the settings of a file written by ``accelerate config`` that select one process
-    accelerate = {"distributed_type": "NO"}
-
-    # cli/train, accounting/estimate: a tool asked for several ranks refuses, as it knows the world size
-    rules = (FP16_RULE, Rule(
-        ("world_size", "strategy"), lambda cfg, facts: (facts.world_size or 1) > 1,
-        "'none' trains in one process: each rank would train its own copy, with no gradient sync",
-        "Use one process (world_size=1, fp8dist train --nproc 1), or strategy='ddp', 'fsdp', 'fsdp1' or "
-        "'deepspeed' to train on several ranks."))
-
-    # accounting: everything whole in one process, nothing gathered or reduced
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         return EngineDtypes(autocast, None, "none")
 

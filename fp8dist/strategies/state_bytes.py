@@ -44,8 +44,6 @@ UNSHARDED_ITEM = "unsharded weights kept (reshard_after_forward=False)"
 ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
 """The activation estimate's item for FSDP2's gathered units outside the blocks, not a tensor autograd saves."""
 
-_CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states")
-
 
 def _spread(per_rank: list[int], start: int, stop: int, size: int, value_of: Callable[[int], int]) -> None:
     """Add ``value_of(overlap)`` to every rank whose range [r*size, (r+1)*size) meets [start, stop)."""
@@ -96,15 +94,10 @@ def _fsdp1_unit(unit: list[Any], world: int, align: int) -> tuple[list[tuple[int
     and its shard size."""
     segments, total = [], 0
     for p in unit:
-        pad = align - total % align if align else 0
-        if 0 < pad < align:
-            total += pad
+        total += -total % align if align else 0
         segments.append((total, total + p.numel))
         total += p.numel
-    pad = world - total % world
-    if 0 < pad < world:
-        total += pad
-    return segments, total // world
+    return segments, -(-total // world)
 
 
 def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: int) -> list[dict[str, int]]:
@@ -138,23 +131,12 @@ def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
              "optimizer_states": part * b.states} for g in grads]
 
 
-def _zero3(params: list[Any], world: int, persistence: int) -> list[dict[str, int]]:
-    """Every parameter partitioned to ceil(numel / W); persistent (small) ones also kept whole."""
-    out = dict.fromkeys(_CATEGORIES, 0)
-    for p in params:
-        part = -(-p.numel // world)
-        out["parameters"] += part * p.bytes.weight + (p.numel * p.bytes.weight if p.numel <= persistence else 0)
-        out["master_weights"] += part * p.bytes.master
-        out["gradients"] += part * p.bytes.grad
-        out["optimizer_states"] += part * p.bytes.states
-    return [dict(out) for _ in range(world)]
-
-
-def _zero_chart(params: list[Any], world: int, stage: int) -> list[dict[str, int]]:
-    """An FP8 backend's own ZeRO optimizer (derived): ZeRO's partitioning by stage applied to each parameter."""
+def _zero_per_param(params: list[Any], world: int, stage: int, persistence: int = -1) -> list[dict[str, int]]:
+    """ZeRO-3 (with its persistent whole copies), or an FP8 backend's own ZeRO optimizer at ``stage``."""
     def share(numel: int, partitioned: bool) -> int:
         return -(-numel // world) if partitioned else numel
-    out = {"parameters": sum(share(p.numel, stage >= 3) * p.bytes.weight for p in params),
+    out = {"parameters": sum((share(p.numel, stage >= 3) + (p.numel if p.numel <= persistence else 0)) * p.bytes.weight
+                             for p in params),
            "master_weights": sum(share(p.numel, True) * p.bytes.master for p in params),
            "gradients": sum(share(p.numel, stage >= 2) * p.bytes.grad for p in params),
            "optimizer_states": sum(share(p.numel, True) * p.bytes.states for p in params)}
@@ -166,8 +148,8 @@ def zero_state_bytes(params: list[Any], world: int, *, stage: int, persistence: 
     """ZeRO-1/2/3 by ``stage``; ``step``: the step state of the one flat partition torch's Adam updates (a CPU
     run); ``backend_optimizer``: an FP8 backend's own ZeRO optimizer partitions each parameter."""
     if backend_optimizer:
-        return _zero_chart(params, world, stage)
-    out = _zero3(params, world, persistence) if stage == 3 else _zero12(params, world)
+        return _zero_per_param(params, world, stage)
+    out = _zero_per_param(params, world, 3, persistence) if stage == 3 else _zero12(params, world)
     for states in out:
         states["optimizer_states"] += step
     return out

@@ -42,10 +42,6 @@ def _holders(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _inside(name: str, block: str) -> bool:
-    return name.startswith(block + ".")
-
-
 def untie_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]]) \
         -> tuple[list[tuple[str, nn.Module]], tuple[TiedBlock, ...]]:
     """``blocks`` without those that share a parameter with a module outside them, and why each was left out.
@@ -57,8 +53,8 @@ def untie_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]]) \
         changed = False
         for group in groups:
             for block, _ in kept:
-                mine = [n for n in group if _inside(n, block)]
-                other = [n for n in group if not _inside(n, block)]
+                mine = [n for n in group if n.startswith(block + ".")]
+                other = [n for n in group if not n.startswith(block + ".")]
                 if mine and other:
                     left_out.append(TiedBlock(block, mine[0], other[0]))
                     kept = [(n, m) for n, m in kept if n != block]
