@@ -17,7 +17,7 @@ from torch import nn
 
 from ..pipeline.weight_layout import register_transposed
 
-__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d"]
+__all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -30,12 +30,6 @@ def is_conv1d(module: nn.Module) -> bool:
 def conv1d_dims(module: nn.Module) -> tuple[int, int]:
     """``(in_features, out_features)`` of a Conv1D: its weight is (in, out)."""
     return int(module.weight.shape[0]), int(module.weight.shape[1])
-
-
-def conv1d_dims_reason(module: nn.Module) -> str | None:
-    """FP8 GEMM tiles need both dims divisible by 16; the reason when they are not."""
-    bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), conv1d_dims(module)) if d % 16]
-    return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
 
 
 @functools.cache

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["plain_linear_reason", "is_plain_linear"]
+__all__ = ["plain_linear_reason"]
 
 _PROBE_ROWS = (2, 3)
 """The leading dims of the check's input (batch, sequence): a forward that reshapes as a transformer's does runs."""
@@ -43,15 +43,8 @@ def plain_linear_reason(module: nn.Module) -> str | None:
         return (f"{cls.__name__} overrides nn.Linear.forward and holds {', '.join(extra[:3])} besides weight and "
                 "bias: its output is not a plain linear of its weight, which an FP8 Linear would replace")
     differs = _forward_differs(module)
-    if differs:
-        return (f"{cls.__name__} overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) "
-                f"({differs}): an FP8 Linear would replace what it computes")
-    return None
-
-
-def is_plain_linear(module: nn.Module) -> bool:
-    """Whether :func:`plain_linear_reason` finds nothing against ``module``."""
-    return plain_linear_reason(module) is None
+    return differs and (f"{cls.__name__} overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) "
+                        f"({differs}): an FP8 Linear would replace what it computes")
 
 
 def _forward_differs(module: nn.Linear) -> str | None:

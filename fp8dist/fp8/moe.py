@@ -31,11 +31,8 @@ def torchao_installed() -> bool:
     return package_version("torchao") is not None
 
 
-RECIPES = {
-    "fp8_rowwise": "FP8 rowwise grouped GEMM",
-    "mxfp8": "MXFP8 grouped GEMM",
-    "mxfp8_emulated": "MXFP8 grouped GEMM, emulated",
-}
+RECIPES = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GEMM",
+           "mxfp8_emulated": "MXFP8 grouped GEMM, emulated"}
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
 
@@ -76,9 +73,7 @@ def _uneven_shards(module: nn.Module, facts: StrategyFacts) -> str | None:
     """FSDP2 pads an expert dim that the shard group does not divide, and torchao's MoE wrapper does not (its
     fsdp_pre_all_gather returns the unpadded shard: FSDP2 asserts on 3 ranks and 4 experts)."""
     shards = facts.shard_degree
-    if not facts.dtensor_shards or not shards:
-        return None
-    if module.num_experts % shards:
+    if facts.dtensor_shards and shards and module.num_experts % shards:
         return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
                 "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
                 "the experts")
@@ -111,12 +106,9 @@ def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFa
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
                 "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
                 "default) before wrap_model")
-    engine = _engine_reason(facts)
-    if engine:
-        return engine
-    uneven = _uneven_shards(module, facts)
-    if uneven:
-        return uneven
+    why = _engine_reason(facts) or _uneven_shards(module, facts)
+    if why:
+        return why
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
     recipe, why = experts_recipe(cfg, hardware)
@@ -151,9 +143,9 @@ def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) 
     """torchao's MoE training conversion on exactly the experts modules ``names``. Call before sharding."""
     from torchao.quantization import quantize_
 
-    recipe, why = experts_recipe(cfg, hardware)
     if not names:
         return
+    recipe, why = experts_recipe(cfg, hardware)
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
         raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
     quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)

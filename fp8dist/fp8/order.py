@@ -85,16 +85,13 @@ def gemm_order(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> GemmOr
     declared = [name for name, module in model.named_modules() if is_gemm(module)]
     if not declared:
         return GemmOrder((), None, traced=False, why_declared="no GEMM module")
-    if not _is_causal_lm(model):
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared="declared order (not a Hugging Face causal LM: no input to trace it with)")
-    try:
-        calls = _calls(model, is_gemm)
-    except Exception as err:  # any model code may refuse the meta device; the declared order then stands
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared=f"declared order (a meta-device forward failed: {type(err).__name__}: {err})")
+    calls, why = [], "not a Hugging Face causal LM: no input to trace it with"
+    if _is_causal_lm(model):
+        try:
+            calls, why = _calls(model, is_gemm), "the traced forward ran none of them"
+        except Exception as err:  # any model code may refuse the meta device; the declared order then stands
+            why = f"a meta-device forward failed: {type(err).__name__}: {err}"
     if not calls:
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared="declared order (the traced forward ran none of them)")
+        return GemmOrder(tuple(declared), declared[-1], traced=False, why_declared=f"declared order ({why})")
     ran = list(dict.fromkeys(calls))
     return GemmOrder(tuple(ran + [n for n in declared if n not in ran]), calls[-1], traced=True)

@@ -26,9 +26,10 @@ from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
+                   linear_reason)
 from .casts import USES, Casts, CastSpec
-from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
+from .conv1d import is_conv1d, te_conv1d
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -111,12 +112,6 @@ _RETIRED_KNOBS = {
 anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
 
 
-def te_version() -> str:
-    import transformer_engine
-
-    return str(getattr(transformer_engine, "__version__", "unknown"))
-
-
 def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
     """The retired knobs the installed ``DelayedScaling`` still has, with the configured values; a non-default
     value of one it lacks is an error (TE would drop it silently)."""
@@ -129,7 +124,10 @@ def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
         if name in have:
             out[name] = value
         elif value != defaults[name]:
-            raise ValueError(f"{name}={value!r}: Transformer Engine {te_version()}'s DelayedScaling has no {name} and "
+            import transformer_engine
+
+            version = getattr(transformer_engine, "__version__", "unknown")
+            raise ValueError(f"{name}={value!r}: Transformer Engine {version}'s DelayedScaling has no {name} and "
                              f"would drop it without a word ({replaced}). Leave {name} at its default "
                              f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
     return out
@@ -250,7 +248,7 @@ class TEBackend(FP8Backend):
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
         if is_conv1d(module):
-            return conv1d_dims_reason(module)
+            return dims_reason(module)
         if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
             if not torchao_installed():
                 return ("MoE experts (fused 3-D weights): Transformer Engine has no module for them (its GroupedLinear "
@@ -307,15 +305,10 @@ class TEBackend(FP8Backend):
             return experts_casts(cfg, hardware)
         p = cfg.precision
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
-        out: Casts = {}
-        for role, gemm in USES:
-            dtype = grad if role == "grad_output" else torch.float8_e4m3fn
-            if p.te_recipe == "delayed":
-                out[(role, gemm)] = CastSpec(dtype, "delayed", margin=p.margin, history_len=p.amax_history_len,
-                                             algo=p.amax_compute_algo)
-            else:
-                out[(role, gemm)] = CastSpec(dtype, "mx" if p.te_recipe == "mxfp8" else "tensorwise")
-        return out
+        scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
+        history = {"margin": p.margin, "history_len": p.amax_history_len, "algo": p.amax_compute_algo}
+        return {(role, gemm): CastSpec(grad if role == "grad_output" else torch.float8_e4m3fn, scaling,
+                                       **(history if scaling == "delayed" else {})) for role, gemm in USES}
 
     def numerics_note(self, cfg) -> str:
         delayed = cfg.precision.te_recipe == "delayed"
@@ -335,20 +328,9 @@ class TEBackend(FP8Backend):
         from transformer_engine.common.recipe import DelayedScaling
 
         for name, module in list(model.named_modules()):
-            weight = getattr(module, "weight", None)
-            kw = {"params_dtype": weight.dtype, "device": weight.device} if weight is not None else {}
-            if type(module) is nn.Linear:
-                new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **kw)
-            elif type(module).__name__ == "LlamaRMSNorm":
-                new = te.RMSNorm(weight.shape[0], eps=module.variance_epsilon, **kw)
-            else:
-                continue
-            with torch.no_grad():
-                new.weight.copy_(weight)
-                if getattr(module, "bias", None) is not None:
-                    new.bias.copy_(module.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, new)
+            if type(module) is nn.Linear or type(module).__name__ == "LlamaRMSNorm":  # _te_module: what TE's docs do
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, _te_module(te, module))
         linears = [m for m in model.modules() if isinstance(m, te.Linear)]
         recipe = DelayedScaling()
         return HandConverted(len(linears), sum(m.weight.numel() for m in linears),

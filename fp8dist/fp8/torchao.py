@@ -14,11 +14,12 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
+                   linear_reason)
 from .casts import Casts, CastSpec
-from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
+from .conv1d import is_conv1d, to_float8_conv1d
+from .linear import plain_linear_reason
 from .order import gemm_order
-from .linear import is_plain_linear
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -74,14 +75,9 @@ _RULES = (
 )
 
 
-def _linear_like(module: nn.Module) -> bool:
-    """A module torchao's Float8Linear (or fp8dist's Float8Conv1D) may replace: its plan row says if it cannot."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
 def _plain_linear_like(module: nn.Module) -> bool:
     """A Linear-like module that computes a plain Linear: the FP8 candidates first/last are counted among."""
-    return is_conv1d(module) or is_plain_linear(module)
+    return is_conv1d(module) or plain_linear_reason(module) is None
 
 
 class TorchaoBackend(FP8Backend):
@@ -107,7 +103,7 @@ class TorchaoBackend(FP8Backend):
         return None
 
     def supports(self, module: nn.Module) -> bool:
-        return _linear_like(module) or is_experts(module)
+        return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
@@ -118,7 +114,7 @@ class TorchaoBackend(FP8Backend):
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
-        return conv1d_dims_reason(module) if is_conv1d(module) else linear_reason(module)
+        return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
         """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
@@ -126,17 +122,12 @@ class TorchaoBackend(FP8Backend):
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj; MoE experts
-        if order.first is None:                  # are not linear-like
+        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj
+        if order.first is None:
             return routers
-
-        def kind(m: nn.Module) -> str:
-            return "Linear (a Conv1D)" if is_conv1d(m) else "Linear"
-
-        first, last = order.first, order.last
-        m_first, m_last = model.get_submodule(first), model.get_submodule(last)
-        return {**routers, first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
-                last: f"last {kind(m_last)}, kept in high precision (keep_first_last_linear=True)"}
+        return {**routers, **{name: f"{which} Linear{' (a Conv1D)' if is_conv1d(model.get_submodule(name)) else ''}, "
+                              "kept in high precision (keep_first_last_linear=True)"
+                              for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
         """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``, its FP8 Conv1Ds for ``Float8Conv1D``
@@ -162,8 +153,8 @@ class TorchaoBackend(FP8Backend):
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
         precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
-        if precompute:
-            register_scale_precompute(inner)
+        if precompute:  # for as long as ``inner`` lives: the user never has to call it
+            STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
 
     # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
@@ -274,12 +265,6 @@ def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def register_scale_precompute(model: nn.Module) -> None:
-    """Run ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
-    that holds ``model``'s parameters, for as long as ``model`` lives. The user never has to call it."""
-    STEP_HOOKS.add(model, post=_precompute)
 
 
 def float8_linear_casts(config) -> Casts:
