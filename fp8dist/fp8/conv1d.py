@@ -1,11 +1,9 @@
-"""GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out), y = x @ W
-+ b) in FP8: torchao (``Float8Conv1D``, below) and Transformer Engine (``te_conv1d``, at the end).
+"""GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out),
+y = x @ W + b) in FP8: torchao (``Float8Conv1D``) and Transformer Engine (``te_conv1d``).
 
-``Float8Conv1D`` is torchao's ``Float8Linear`` computing with Conv1D's own (in, out) parameter: the same
-``matmul_with_hp_or_float8_args`` GEMM a converted ``nn.Linear`` runs on ``weight.t()``, fed the (in, out) weight
-itself. The parameter object is kept, not transposed, so the state dict (keys and values), fp8dist's checkpoints,
-``pretrained=`` loading and ``save_pretrained`` all see exactly the Conv1D tensor and write the HF GPT-2 layout,
-and FSDP2 shards it along its dim 0 (in) like any other parameter.
+``Float8Conv1D`` runs the GEMM of torchao's ``Float8Linear`` (``matmul_with_hp_or_float8_args``, which a converted
+``nn.Linear`` feeds ``weight.t()``) on the Conv1D's own (in, out) parameter, kept untransposed: state dicts,
+checkpoints, ``pretrained=`` and ``save_pretrained`` see exactly the GPT-2 tensor, and FSDP2 shards its dim 0.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """MoE experts in FP8 through torchao's MoE training conversion (``torchao.prototype.moe_training``).
 
-transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``MixtralExperts``:
-``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) and, with ``experts_implementation="grouped_mm"`` (its
-default), runs them as ``torch._grouped_mm`` calls. torchao's conversion (``quantize_`` with a
-``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``) wraps those parameters in a tensor subclass that turns each
-``_grouped_mm`` into a dynamically quantized FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards the 3-D weights on
-their expert dim like any parameter (the subclass all-gathers them in the mixed-precision dtype). The router
-(``MixtralTopKRouter``) is not a Linear and stays in high precision, as torchtitan keeps it.
+transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``gate_up_proj``
+(E, 2I, H), ``down_proj`` (E, H, I)) and runs them as ``torch._grouped_mm`` calls (``experts_implementation=
+"grouped_mm"``). torchao's ``quantize_`` wraps those parameters in a tensor subclass that turns each call into an
+FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards them on their expert dim like any parameter. The router is not a
+Linear and stays in high precision, as torchtitan keeps it.
 """
 
 from __future__ import annotations

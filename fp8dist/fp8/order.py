@@ -1,12 +1,10 @@
 """The first and last GEMM a model runs, for ``keep_first_last_linear``: in execution order, which is not always
 the order modules are registered in (Phi-3 registers ``o_proj`` before ``qkv_proj``, which runs first).
 
-A Hugging Face causal LM is traced: a copy of it whose parameters and buffers are bf16 tensors on the meta device
-(nothing allocated, no weight copied; bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs
-one forward of a few tokens, and hooks record the order in which its GEMM modules are called (0.1-0.2 s for the
-families of tests/test_fp8_families.py and tests/test_fp8_order.py). Any other model, or one whose trace fails,
-falls back to the declared order, and says so. Deterministic: the same model gives the same answer, whatever
-the machine (the plan stays a pure function of the model and config).
+A Hugging Face causal LM is traced: a copy whose parameters and buffers are bf16 meta tensors (nothing allocated;
+bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs one forward of a few tokens while hooks
+record the order its GEMM modules are called in (0.1-0.2 s). Any other model, or a failed trace, falls back to the
+declared order and says so. Deterministic on any machine: the plan stays a pure function of model and config.
 """
 
 from __future__ import annotations

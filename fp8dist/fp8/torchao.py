@@ -30,17 +30,14 @@ class TorchaoConfig:
 
     keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
-
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
     rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
-
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
     auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
     quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
-
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
@@ -95,7 +92,6 @@ class TorchaoBackend(FP8Backend):
             from ..pipeline.packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
-        return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
         if hardware.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
@@ -142,8 +138,7 @@ class TorchaoBackend(FP8Backend):
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
         for name in sorted(conv1ds):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, to_float8_conv1d(model.get_submodule(name), config))
+            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
         for name in linears:
             if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
@@ -166,14 +161,10 @@ class TorchaoBackend(FP8Backend):
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with."""
-        if grouped:
-            return experts_casts(cfg, hardware)
-        return float8_linear_casts(float8_config(cfg, facts))
+        return experts_casts(cfg, hardware) if grouped else float8_linear_casts(float8_config(cfg, facts))
 
-    # accelerate: the value of fp8_config.backend that selects torchao
     accelerate_backend = "AO"
 
-    # bench: each recipe a cell of its own; the hand-wired reference
     variant_option = "torchao_recipe"
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
@@ -199,7 +190,6 @@ class TorchaoBackend(FP8Backend):
         if wiring.scale_precompute:
             _precompute(model, None)
 
-    # pipeline, cli, train: the reference job's default backend, its FP8 health, the ranks' preload
     rank_imports = ("torchao.float8",)
     commands_default = True
     health_telemetry = True
@@ -228,7 +218,6 @@ class TorchaoBackend(FP8Backend):
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
 
-    # knobs: its own, in this module
     Config = TorchaoConfig
 
 
