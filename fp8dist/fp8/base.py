@@ -18,10 +18,8 @@ from .casts import Casts
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason",
            "linear_reason", "fp8_hardware_reason"]
 
-SELECTION_OPTIONS: Mapping[str, When] = {
-    "fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
-    "fp8_select_margin": When({"fp8_select": (None, "auto")}),
-}
+SELECTION_OPTIONS: Mapping[str, When] = {"fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
+                                         "fp8_select_margin": When({"fp8_select": (None, "auto")})}
 """What the plan's choice of FP8 layers by predicted speed (:mod:`fp8dist.plan.selection`) reads, in the ``options``
 of every backend the speed model covers; the margin only where "auto" may apply (None: auto on a GPU)."""
 
@@ -69,8 +67,7 @@ class FP8Backend(Protocol):
 
     name: ClassVar[str]
     package: ClassVar[str | None] = None
-    """The library whose modules the backend swaps in: a module of it in a model given to ``wrap_model`` was
-    converted by hand (:func:`converted_by_hand`)."""
+    """The library whose modules the backend swaps in (found in a model given to ``wrap_model``: converted by hand)."""
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
@@ -181,30 +178,27 @@ class FP8Backend(Protocol):
     checkpoint_refusal: ClassVar[str | None] = None
     """Why fp8dist's checkpoints cannot hold this backend's state yet, and the way out; None: they can."""
     extra_state: ClassVar[str | None] = None
-    """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing of its
-    own (the refusal then says "module extra state")."""
+    """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing."""
 
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
-        """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what derives from the
-        weights."""
+        """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what the weights give."""
 
     # pipeline, cli, train: what the commands and the reference job ask of a backend
     rank_imports: ClassVar[tuple[str, ...]] = ()
     """Modules a training rank imports anyway when this backend runs (``torchao.float8``), for a parent to import
-    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
+    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`)."""
     commands_default: ClassVar[bool] = False
     """The commands (``fp8dist train``, ``plan``, ``estimate``, ``probe``) use this backend when ``--fp8`` is not
     given, where it can run (:func:`fp8dist.train.job.default_fp8`); the library's own default stays no FP8."""
     health_telemetry: ClassVar[bool] = False
-    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample this backend's FP8 layers (``fp8dist train
-    --fp8-health-every``); False: the job says health is off for it."""
+    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample its FP8 layers (``--fp8-health-every``)."""
 
     # accounting: what the memory estimate and the precision report ask (defaults: no FP8 state of its own)
     derived_bytes: ClassVar[bool] = False
     """The estimate's figures for this backend come from its documentation, not from a measured run."""
     saved_weight_bytes: ClassVar[int] = 0
     """Bytes per element of the FP8 copies of each converted weight kept from forward to backward (TE: the FP8
-    weight and its transpose); 0: none beyond what autograd saves."""
+    weight and its transpose)."""
 
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
         """Bytes per element of one parameter in each model-state category under this backend; ``base``: as the
@@ -218,7 +212,7 @@ class FP8Backend(Protocol):
         return 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
-        """What an all-gather of these local shards carries, where the backend's weights gather in their own format
+        """What an all-gather of these local shards carries where the backend's weights gather in their own format
         (torchao's FP8 all-gather); None: the strategy's compute dtype."""
         return None
 

@@ -1,5 +1,5 @@
 """GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out),
-y = x @ W + b) in FP8: torchao (``Float8Conv1D``) and Transformer Engine (``te_conv1d``).
+y = x @ W + b) in FP8: torchao (``Float8Conv1D``) and Transformer Engine (``TEConv1D``).
 
 ``Float8Conv1D`` runs the GEMM of torchao's ``Float8Linear`` (``matmul_with_hp_or_float8_args``, which a converted
 ``nn.Linear`` feeds ``weight.t()``) on the Conv1D's own (in, out) parameter, kept untransposed: state dicts,
@@ -15,7 +15,7 @@ from torch import nn
 
 from ..pipeline.weight_layout import register_transposed
 
-__all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d"]
+__all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d_class"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -81,7 +81,7 @@ def _weight_in(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
 
 
 @functools.cache
-def _te_conv1d_class(linear: type) -> type:
+def te_conv1d_class(linear: type) -> type:
     class TEConv1D(linear):
         """Transformer Engine's ``Linear`` in place of a GPT-2 ``Conv1D``: it computes with the weight as (out, in),
         as te.Linear must; its state dict (checkpoints, DCP, ``load_state_dict``) holds and takes the Conv1D's
@@ -93,14 +93,3 @@ def _te_conv1d_class(linear: type) -> type:
             self.register_load_state_dict_pre_hook(_weight_in)
 
     return register_transposed(TEConv1D)
-
-
-def te_conv1d(te, module: nn.Module, **common) -> nn.Module:
-    """A ``TEConv1D`` computing what the Conv1D ``module`` computes (weight transposed into it, bias copied)."""
-    in_features, out_features = conv1d_dims(module)
-    new = _te_conv1d_class(te.Linear)(in_features, out_features, bias=module.bias is not None, **common)
-    with torch.no_grad():
-        new.weight.copy_(module.weight.t())
-        if module.bias is not None:
-            new.bias.copy_(module.bias)
-    return new

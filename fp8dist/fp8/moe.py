@@ -113,8 +113,7 @@ def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFa
     if recipe is None:
         return why
     tile = 32 if recipe.startswith("mxfp8") else 16
-    dims = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:]})
-    bad = [d for d in dims if d % tile]
+    bad = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:] if d % tile})
     if bad:
         return f"expert dims {bad} not divisible by {tile} ({RECIPES[recipe]} tiles)"
     return None

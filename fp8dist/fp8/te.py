@@ -24,7 +24,7 @@ from ..plan.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
 from .casts import USES, Casts, CastSpec
-from .conv1d import is_conv1d, te_conv1d
+from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -43,20 +43,20 @@ def _rmsnorm_eps(module: nn.Module) -> float:
 
 
 def _te_module(te: Any, module: nn.Module) -> nn.Module:
-    weight = module.weight
+    weight, bias = module.weight, getattr(module, "bias", None)
     common = {"params_dtype": weight.dtype, "device": weight.device}
-    if is_conv1d(module):
-        return te_conv1d(te, module, **common)
-    if isinstance(module, nn.Linear):  # a plain Linear of any class (the plan converts no other)
-        new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **common)
+    if is_conv1d(module):  # te.Linear holds (out, in): the Conv1D's (in, out) weight goes in transposed
+        new, weight = te_conv1d_class(te.Linear)(*conv1d_dims(module), bias=bias is not None, **common), weight.t()
+    elif isinstance(module, nn.Linear):  # a plain Linear of any class (the plan converts no other)
+        new = te.Linear(module.in_features, module.out_features, bias=bias is not None, **common)
     elif type(module) is nn.LayerNorm:
         new = te.LayerNorm(module.normalized_shape[0], eps=module.eps, **common)
     else:
         new = te.RMSNorm(weight.shape[0], eps=_rmsnorm_eps(module), **common)
     with torch.no_grad():
         new.weight.copy_(weight)
-        if getattr(module, "bias", None) is not None:
-            new.bias.copy_(module.bias)
+        if bias is not None:
+            new.bias.copy_(bias)
     return new
 
 
@@ -220,8 +220,7 @@ class TEBackend(FP8Backend):
                 owners.setdefault(id(p), []).append(name)
         out = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            tied = [n for n in owners.get(id(weight), ()) if n != name] if weight is not None else []
+            tied = [n for n in owners.get(id(getattr(module, "weight", None)), ()) if n != name]
             if tied and self.supports(module):
                 out[name] = (f"weight tied to {tied[0]}.weight: Transformer Engine's module would hold a weight of its "
                              "own and untie them; kept in high precision")
