@@ -49,8 +49,7 @@ class EngineHooks:
 
 @dataclass(frozen=True)
 class HandConverted:
-    """What a backend's conversion by hand (:attr:`FP8Backend.convert_by_hand`) did, and what each step of the
-    hand-wired model calls besides forward, backward and the optimizer step."""
+    """What :attr:`FP8Backend.convert_by_hand` did, and each hand-wired step's calls beyond forward, backward, step."""
 
     layers: int = 0
     """FP8 GEMM layers swapped in."""
@@ -99,8 +98,7 @@ class FP8Backend(Protocol):
         return (check_installed and self.missing_reason(cfg)) or self.hardware_reason(cfg, hardware_of(device))
 
     def supports(self, module: nn.Module) -> bool:
-        """Whether the backend replaces modules of this kind (an ``nn.Linear`` of any class: whether it computes a
-        plain Linear is :meth:`ineligible_reason`'s question)."""
+        """Whether the backend replaces modules of this kind (any ``nn.Linear``: the plan judges each one)."""
         return isinstance(module, nn.Linear)
 
     def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
@@ -117,8 +115,7 @@ class FP8Backend(Protocol):
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
-        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under a strategy with
-        ``facts`` (a Linear subclass computing something else, dims not divisible by 16), or None."""
+        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under ``facts``, or None."""
         return linear_reason(module)
 
     def check_plan(self, plan: Any) -> None:
@@ -185,8 +182,7 @@ class FP8Backend(Protocol):
 
     # pipeline, cli, train: what the commands and the reference job ask of a backend
     rank_imports: ClassVar[tuple[str, ...]] = ()
-    """Modules a training rank imports anyway when this backend runs (``torchao.float8``), for a parent to import
-    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`)."""
+    """Modules a rank imports anyway under this backend (``torchao.float8``), for a parent to import before forking."""
     commands_default: ClassVar[bool] = False
     """The commands (``fp8dist train``, ``plan``, ``estimate``, ``probe``) use this backend when ``--fp8`` is not
     given, where it can run (:func:`fp8dist.train.job.default_fp8`); the library's own default stays no FP8."""
@@ -197,8 +193,7 @@ class FP8Backend(Protocol):
     derived_bytes: ClassVar[bool] = False
     """The estimate's figures for this backend come from its documentation, not from a measured run."""
     saved_weight_bytes: ClassVar[int] = 0
-    """Bytes per element of the FP8 copies of each converted weight kept from forward to backward (TE: the FP8
-    weight and its transpose)."""
+    """Bytes per element of each converted weight's FP8 copies kept for backward (TE: the weight and its transpose)."""
 
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
         """Bytes per element of one parameter in each model-state category under this backend; ``base``: as the
@@ -241,8 +236,7 @@ NO_FP8 = _NoFP8()
 
 
 def linear_reason(module: nn.Linear) -> str | None:
-    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear (:func:`fp8dist.fp8.linear.plain_linear_reason`,
-    :func:`dims_reason`); None when it can."""
+    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear (its math, its dims); None when it can."""
     from .linear import plain_linear_reason
 
     return plain_linear_reason(module) or dims_reason(module)

@@ -49,8 +49,7 @@ def _float8_conv1d_class() -> type:
 
 
 def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
-    """A ``Float8Conv1D`` holding ``module``'s own weight and bias parameters (wrapped for FP8 all-gather when
-    ``config`` enables it, as ``Float8Linear.from_float`` does)."""
+    """A ``Float8Conv1D`` holding ``module``'s own parameters (wrapped for FP8 all-gather as ``from_float`` does)."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     cls = _float8_conv1d_class()

@@ -24,8 +24,7 @@ _DIMS = (24, 40)  # (in, out) of the small copy
 
 
 def plain_linear_reason(module: nn.Module) -> str | None:
-    """None when ``module`` computes a plain Linear of its own weight and bias (see the module's docstring); else
-    why it does not, in one line. Modules that are no ``nn.Linear`` at all get a reason too."""
+    """None when ``module`` computes a plain Linear of its own weight and bias (see above); else why not, in a line."""
     cls = type(module)
     if not isinstance(module, nn.Linear):
         return f"{cls.__name__} is not an nn.Linear"
@@ -64,8 +63,7 @@ def _forward_differs(module: nn.Linear) -> str | None:
 
 
 def _small_copy(module: nn.Linear) -> nn.Linear:
-    """A shallow copy of ``module`` (its attributes and forward) holding small random weight and bias of its dtype
-    on its device (the CPU for a meta module); the module itself is untouched."""
+    """A shallow copy of ``module`` (attributes, forward) holding small random weight and bias (module untouched)."""
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
     device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device

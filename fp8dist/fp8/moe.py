@@ -54,8 +54,7 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def moe_routers(model: nn.Module) -> list[str]:
-    """The routers beside experts modules: a sibling that is not the experts and holds a 2-D weight (Mixtral's
-    ``mlp.gate``, a MixtralTopKRouter)."""
+    """The routers beside experts modules: a sibling holding a 2-D weight (Mixtral's ``mlp.gate``)."""
     names = []
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())
@@ -97,8 +96,7 @@ def experts_recipe(cfg, hardware: Hardware) -> tuple[str | None, str | None]:
 
 
 def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFacts) -> str | None:
-    """Why torchao's MoE conversion cannot take this experts module on ``hardware`` under a strategy with
-    ``facts`` (None: it can)."""
+    """Why torchao's MoE conversion cannot take these experts on ``hardware`` under ``facts``; None: it can."""
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if implementation != "grouped_mm":
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
@@ -208,8 +206,7 @@ def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
 
 # plan: what the speed model and the numerics probe ask of the experts (both backends run them through torchao)
 def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
-    """The speed model's recipe id of the experts' grouped GEMMs on ``hardware``, or (None, why there is none:
-    an emulated recipe has no FP8 speed)."""
+    """The speed model's recipe id of the experts' grouped GEMMs on ``hardware``, or ``(None, why there is none)``."""
     recipe, _ = experts_recipe(cfg, hardware)
     if recipe is None or recipe == "mxfp8_emulated":
         return None, f"no speed model for torchao_moe_recipe {recipe!r}"
@@ -217,8 +214,7 @@ def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
 
 
 def experts_casts(cfg, hardware: Hardware) -> Casts:
-    """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8 (RCEIL), as its op config
-    says (optionally the weight gradient in high precision)."""
+    """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8, as its op config says."""
     recipe, _ = experts_recipe(cfg, hardware)
     config = op_config(recipe)
     if recipe == "fp8_rowwise":

@@ -46,8 +46,7 @@ _RULES = (
 
 
 class MSAMPBackend(FP8Backend):
-    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, and MS-AMP builds the optimizer
-    (``msamp.initialize`` before DDP; under DeepSpeed its own ``msamp.deepspeed.initialize``)."""
+    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, from which MS-AMP builds it."""
 
     name = "msamp"
     package = "msamp"

@@ -17,10 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GemmOrder", "gemm_order", "TRACE_TOKENS"]
-
-TRACE_TOKENS = 4
-"""Tokens of the traced forward: any length runs every layer once."""
+__all__ = ["GemmOrder", "gemm_order"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +39,7 @@ class GemmOrder:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    """``model`` with every parameter and buffer replaced by a bf16 (floating) meta tensor of its shape: the
-    modules are copied, never the data (tied parameters stay tied)."""
+    """``model``'s modules with every tensor a bf16 (if floating) meta tensor of its shape; ties stay tied."""
     memo: dict[int, object] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo:
@@ -62,7 +58,7 @@ def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
     for name, module in shadow.named_modules():
         if is_gemm(module):
             module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
-    ids = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")  # any number of tokens runs every layer once
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         shadow(input_ids=ids)

@@ -101,8 +101,7 @@ anything, took their place (read from TE 2.20's transformer_engine/common/recipe
 
 
 def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
-    """The retired knobs the installed ``DelayedScaling`` still has, with the configured values; a non-default
-    value of one it lacks is an error (TE would drop it silently)."""
+    """The retired knobs the installed ``DelayedScaling`` still has, with their values; others must be defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(TEConfig)}
     have = {f.name for f in dataclasses.fields(recipe_cls)}
     out = {}
@@ -246,8 +245,7 @@ class TEBackend(FP8Backend):
         return None
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
-        Ineligible modules are skipped, never a reason to stop. Call before sharding."""
+        """Swap every module the plan converts for its TE counterpart, weights and biases copied exactly."""
         import transformer_engine.pytorch as te
 
         build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
@@ -288,10 +286,9 @@ class TEBackend(FP8Backend):
                                        **(history if scaling == "delayed" else {})) for role, gemm in USES}
 
     def numerics_note(self, cfg) -> str:
-        delayed = cfg.precision.te_recipe == "delayed"
         return (f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE needs a GPU)"
                 + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
-                   if delayed else ""))
+                   if cfg.precision.te_recipe == "delayed" else ""))
 
     accelerate_backend = "TE"
 

@@ -45,8 +45,7 @@ class TorchaoConfig:
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
-    """FP8 all-gather is used where parameters are per-parameter DTensor shards (the engine calls torchao's
-    all-gather hooks: FSDP2) with the tensorwise recipe, unless the user turned it off."""
+    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the tensorwise recipe, unless turned off."""
     p = cfg.precision
     return facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
 
@@ -113,8 +112,7 @@ class TorchaoBackend(FP8Backend):
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
-        ``keep_first_last_linear`` (the default)."""
+        """The first and last Linear (or GPT-2 Conv1D) to run stay in high precision if ``keep_first_last_linear``."""
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
@@ -126,8 +124,8 @@ class TorchaoBackend(FP8Backend):
                               for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``, its FP8 Conv1Ds for ``Float8Conv1D``
-        (same parameters) and its MoE experts for torchao's MoE training form. Call before sharding."""
+        """Swap exactly the plan's FP8 Linears for ``Float8Linear``, Conv1Ds for ``Float8Conv1D``, MoE experts for
+        torchao's MoE training form."""
         from torchao.float8 import convert_to_float8_training
 
         experts = {e.name for e in plan.fp8 if e.grouped}
@@ -205,9 +203,8 @@ class TorchaoBackend(FP8Backend):
             return None
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-        if shards and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
-            return "fp8 e4m3 (FP8 all-gather)"
-        return None
+        fp8 = bool(shards) and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
+        return "fp8 e4m3 (FP8 all-gather)" if fp8 else None
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
         """From the module's ``Float8LinearConfig``: forward and gradient formats and the scaling granularity."""
