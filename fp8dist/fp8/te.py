@@ -193,9 +193,8 @@ class TEBackend(FP8Backend):
         needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
         return fp8_hardware_reason(hardware, min_capability=needs)
 
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear) or type(module) is nn.LayerNorm or _is_rmsnorm(module) or \
-            is_conv1d(module) or is_experts(module)
+    def supports(self, module: nn.Module) -> bool:  # the FP8 GEMMs and the norms
+        return self.computes_in_fp8(module) or type(module) is nn.LayerNorm or _is_rmsnorm(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if isinstance(module, nn.Linear):

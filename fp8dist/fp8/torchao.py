@@ -93,9 +93,8 @@ class TorchaoBackend(FP8Backend):
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        if hardware.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
-            return fp8_hardware_reason(hardware)
-        return None
+        # torch's _scaled_mm also runs on CPU, so only CUDA is gated
+        return fp8_hardware_reason(hardware) if hardware.type == "cuda" else None
 
     def supports(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
