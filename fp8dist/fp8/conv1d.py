@@ -52,10 +52,8 @@ def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
     """A ``Float8Conv1D`` holding ``module``'s own parameters (wrapped for FP8 all-gather as ``from_float`` does)."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    cls = _float8_conv1d_class()
-    in_features, out_features = conv1d_dims(module)
     with torch.device("meta"):
-        new = cls(in_features, out_features, bias=False, config=config)
+        new = _float8_conv1d_class()(*conv1d_dims(module), bias=False, config=config)
     new.weight = module.weight
     new.bias = module.bias
     if config.enable_fsdp_float8_all_gather:

@@ -88,7 +88,6 @@ class MSAMPBackend(FP8Backend):
 
     accelerate_backend = "MSAMP"
 
-    # checkpoint: MS-AMP's optimizer state is not saved yet
     checkpoint_refusal = ("MS-AMP's optimizer keeps ScalingTensor state that fp8dist cannot yet save safely. Use "
                           "fp8='te' or 'torchao', or MS-AMP's own checkpointing")
 

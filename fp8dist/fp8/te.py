@@ -306,7 +306,6 @@ class TEBackend(FP8Backend):
         return HandConverted(len(linears), sum(m.weight.numel() for m in linears),
                              forward_context=lambda: te.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD))
 
-    # checkpoint: TE's scales and amax history live in each module's _extra_state
     extra_state = "Transformer Engine FP8 state (scales and amax history, in `_extra_state`)"
 
     # accounting: derived from TE's documentation (it cannot run here)

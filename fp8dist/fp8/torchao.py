@@ -172,12 +172,9 @@ class TorchaoBackend(FP8Backend):
 
         linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
         keep = {linears[0], linears[-1]}
-
-        def module_filter(module: nn.Module, fqn: str) -> bool:
-            return fqn not in keep and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-        convert_to_float8_training(model, module_filter_fn=module_filter,
-                                   config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards))
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards),
+            module_filter_fn=lambda m, fqn: fqn not in keep and m.in_features % 16 == 0 and m.out_features % 16 == 0)
         fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
         after_step = (lambda: _precompute(model, None)) if facts.dtensor_shards else (lambda: None)
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
@@ -191,7 +188,6 @@ class TorchaoBackend(FP8Backend):
     commands_default = True
     health_telemetry = True
 
-    # accounting: the weight scales FP8 all-gather precomputes; the weights say when they gather in FP8
     def fp8_state_bytes(self, cfg, plan) -> int:
         """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
         Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
