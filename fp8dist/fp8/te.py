@@ -255,8 +255,7 @@ class TEBackend(FP8Backend):
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
-        world group); an engine with flat parameters (FSDP1) first gets TE's own preparation of its root
-        (``model``)."""
+        world group); under flat parameters (FSDP1), TE's own preparation of the root (``model``) first."""
         if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
