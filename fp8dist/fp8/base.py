@@ -178,7 +178,7 @@ class FP8Backend(Protocol):
     """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing."""
 
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
-        """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what the weights give."""
+        """After a checkpoint loaded into the sharded ``model`` (``wiring``): recompute what derives from weights."""
 
     # pipeline, cli, train: what the commands and the reference job ask of a backend
     rank_imports: ClassVar[tuple[str, ...]] = ()
