@@ -1,15 +1,13 @@
-"""FP8 backends, one module each, each a class that implements :class:`FP8Backend` (explicitly subclassing it,
-so every hook it does not need is the Protocol's documented no-op). ``wrap_model`` calls the hooks in one fixed
-order, the same for every backend:
+"""FP8 backends, one module each, each a subclass of :class:`FP8Backend` (every hook it does not need is the
+Protocol's no-op). ``wrap_model`` calls the hooks in one fixed order, the same for every backend:
 
     rules (the combination table) -> unavailable_reason (missing_reason, hardware_reason)
     -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
     -> check_plan -> convert -> engine_hooks -> (the strategy shards) -> after_shard
 
-A backend knows no sharding engine: it learns what the strategy does to parameters as data
-(:class:`~fp8dist.config.axis.StrategyFacts`, recorded in ``plan.facts``), hands the strategy its own steps as data
-(:class:`EngineHooks`), and after sharding gets the user's model inside whatever wrapper the strategy made. Backend
-modules import their library only inside methods, so configs validate where it is not installed.
+A backend knows no sharding engine: it learns what the strategy does to parameters as data (``plan.facts``), hands
+the strategy its own steps as data (:class:`EngineHooks`), and imports its library only inside methods, so
+configs validate where it is not installed.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ for _name in ("te", "torchao", "msamp"):  # each module's BACKEND, imported when
 
 
 def register_backend(backend: FP8Backend) -> FP8Backend:
-    """Make ``backend`` (an instance of an :class:`FP8Backend` subclass) what ``fp8=<its name>`` selects, in
-    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    """Make ``backend`` (an instance of an :class:`FP8Backend` subclass) what ``fp8=<its name>`` selects
+    everywhere (``wrap_model``, config files, the CLI, the plan, the estimate, the bench); returns it."""
     return BACKENDS.register(backend, FP8Backend)
 
 

@@ -4,7 +4,6 @@ wiring, the steps it hands a strategy, the eligibility checks of a Linear and of
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -16,22 +15,18 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 from .casts import Casts
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason", "linear_reason",
-           "fp8_hardware_reason"]
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason",
+           "linear_reason", "fp8_hardware_reason"]
 
-SELECTION_OPTIONS: Mapping[str, When] = {
-    "fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
-    "fp8_select_margin": When({"fp8_select": (None, "auto")}),
-}
-"""The options the plan's choice of FP8 layers by predicted speed reads (:mod:`fp8dist.plan.selection`), in the
-``options`` of every backend the speed model covers (torchao, te). The tokens are read for the figures shown under
-"all" too; the margin only where "auto" may apply (None: auto on a GPU)."""
+SELECTION_OPTIONS: Mapping[str, When] = {"fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
+                                         "fp8_select_margin": When({"fp8_select": (None, "auto")})}
+"""What the plan's choice of FP8 layers by predicted speed (:mod:`fp8dist.plan.selection`) reads, in the ``options``
+of every backend the speed model covers; the margin only where "auto" may apply (None: auto on a GPU)."""
 
 
 @dataclass(frozen=True)
 class FP8Wiring:
-    """What a backend did to the sharded model after conversion, as data (``WrapInfo.fp8``): nothing reads it back
-    from the modules' attributes or forwards."""
+    """What a backend did to the sharded model after conversion, as data (``WrapInfo.fp8``)."""
 
     autocast_recipe: Any = None
     """The recipe the forward runs under (Transformer Engine), or None."""
@@ -54,8 +49,7 @@ class EngineHooks:
 
 @dataclass(frozen=True)
 class HandConverted:
-    """What a backend's conversion by hand (:attr:`FP8Backend.convert_by_hand`) did, and what each step of the
-    hand-wired model then calls besides forward, backward and the optimizer step."""
+    """What :attr:`FP8Backend.convert_by_hand` did, and each hand-wired step's calls beyond forward, backward, step."""
 
     layers: int = 0
     """FP8 GEMM layers swapped in."""
@@ -68,17 +62,16 @@ class HandConverted:
 
 
 class FP8Backend(Protocol):
-    """The interface of an FP8 backend. Subclass it: the defaults below are the no-ops of a backend that needs no
-    such step."""
+    """The interface of an FP8 backend. Subclass it: the defaults are the no-ops of a backend without that step."""
 
     name: ClassVar[str]
     package: ClassVar[str | None] = None
-    """The library whose modules the backend swaps in: a module of it in a model given to ``wrap_model`` was
-    converted by hand (:func:`converted_by_hand`)."""
+    """The library whose modules the backend swaps in (found in a model given to ``wrap_model``: converted by hand)."""
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
-    """Options it reads beyond its ``Config`` (shared ones, another backend's), each with the condition under which it is read (:class:`~fp8dist.config.axis.When`): an option set but not read is reported (:func:`fp8dist.config.rules.unused_options`)."""
+    """Options it reads beyond its ``Config`` (shared ones, another backend's), each with the
+    :class:`~fp8dist.config.axis.When` it is read under: one set but not read is reported."""
     rules: ClassVar[tuple[Rule, ...]] = ()
     """What this backend refuses to combine with (its rows of the combination table)."""
     takes_amax_group: ClassVar[bool] = False
@@ -101,14 +94,11 @@ class FP8Backend(Protocol):
     def unavailable_reason(self, cfg: Any, device: torch.device | Hardware, *, check_installed: bool = True) -> \
             str | None:
         """Why the backend cannot run on ``device``: :meth:`missing_reason` (skipped when ``check_installed`` is
-        False: planning for another machine), then :meth:`hardware_reason`; None when it can. Backends override
-        those two, not this."""
-        missing = self.missing_reason(cfg) if check_installed else None
-        return missing or self.hardware_reason(cfg, hardware_of(device))
+        False: planning for another machine), then :meth:`hardware_reason`; None when it can. Override those two."""
+        return (check_installed and self.missing_reason(cfg)) or self.hardware_reason(cfg, hardware_of(device))
 
     def supports(self, module: nn.Module) -> bool:
-        """Whether the backend replaces modules of this kind (an ``nn.Linear`` of any class: whether it computes a
-        plain Linear is :meth:`ineligible_reason`'s question, so the plan says so)."""
+        """Whether the backend replaces modules of this kind (any ``nn.Linear``: the plan judges each one)."""
         return isinstance(module, nn.Linear)
 
     def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
@@ -125,27 +115,22 @@ class FP8Backend(Protocol):
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg: Any, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
-        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under a strategy with
-        ``facts`` (a Linear subclass that computes something else, dims not divisible by 16, no grouped GEMM for
-        MoE experts there), or None."""
+        """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under ``facts``, or None."""
         return linear_reason(module)
 
     def check_plan(self, plan: Any) -> None:
         """Refuse, before anything changes, a plan the backend cannot follow."""
 
     def convert(self, model: nn.Module, plan: Any, cfg: Any) -> None:
-        """Swap exactly the plan's converted modules, in place (as planned for ``plan.hardware``); called before
-        sharding."""
+        """Swap exactly the plan's converted modules, in place (as planned for ``plan.hardware``); before sharding."""
 
     def engine_hooks(self, optimizer: Any, cfg: Any, facts: StrategyFacts) -> EngineHooks:
-        """The backend's own steps inside the strategy's sharding (a backend that owns the optimizer builds it
-        there from the optimizer spec); none by default."""
+        """The backend's own steps inside the strategy's sharding (one that owns the optimizer builds it there)."""
         return EngineHooks()
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan: Any, cfg: Any, group: Any) -> FP8Wiring:
-        """On the sharded model: FP8 autocast, hooks. ``model`` is what the strategy returned (a wrapper, or the
-        model itself), ``inner`` the user's model inside it; ``group`` the amax reduction group (None: the world
-        group); ``plan.facts`` what the strategy did to the parameters. Returns what was done."""
+        """On the sharded model (FP8 autocast, hooks): ``model`` is what the strategy returned, ``inner`` the user's
+        model inside it, ``group`` the amax reduction group (None: the world group). Returns what was done."""
         return FP8Wiring()
 
     # plan (speed model, numerics probe): what the plan's advisors ask of a backend, never testing its name
@@ -154,14 +139,14 @@ class FP8Backend(Protocol):
     ones ``fp8dist plan --compare-recipes`` compares; empty: the speed model does not cover the backend."""
 
     def speed_recipe(self, cfg: Any, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        """``(recipe id, "")``: the speed model's recipe the backend's Linear layers (``grouped``: its MoE experts'
-        grouped GEMMs) run under ``cfg`` on ``hardware``; ``(None, why there is none)``: the plan predicts no
-        speed for them and converts them as under ``fp8_select='all'``."""
+        """``(recipe id, "")``: the speed model's recipe the backend's Linear layers (``grouped``: its MoE experts)
+        run under ``cfg`` on ``hardware``; ``(None, why not)``: no prediction, they convert as under
+        ``fp8_select='all'``."""
         return None, f"fp8={self.name!r} has no speed model"
 
     def numerics_casts(self, cfg: Any, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """How the backend casts each operand of a layer's GEMMs (``grouped``: its MoE experts') under ``cfg``, on
-        ``hardware``, under a strategy with ``facts``: the data the numerics probe emulates on a CPU.
+        ``hardware``, under a strategy with ``facts``: what the numerics probe emulates on a CPU.
 
         Raises:
             NotImplementedError: the casts are not modelled (implement this method to probe the backend).
@@ -176,68 +161,59 @@ class FP8Backend(Protocol):
 
     # accelerate: how a file written by ``accelerate config`` selects this backend (fp8dist.config.accelerate)
     accelerate_backend: ClassVar[str | None] = None
-    """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: no Accelerate
-    value does (a file names it with fp8dist's own key, ``fp8:``)."""
+    """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: none does."""
 
     # bench: what ``fp8dist bench`` asks of a backend
     variant_option: ClassVar[str | None] = None
-    """An option of this backend whose every value the bench runs as a cell of its own (``torchao_recipe``: a cell
-    per recipe); None: one cell."""
+    """An option whose every value the bench runs as a cell of its own (``torchao_recipe``); None: one cell."""
     convert_by_hand: ClassVar[Callable[..., HandConverted] | None] = None
-    """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion written with the library
-    alone, as its documentation wires it under a strategy with ``facts``: the bench's reference for fp8dist's
-    overhead. None: the backend has none (the bench runs no hand-wired cell for it)."""
+    """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion as the library's
+    documentation wires it under a strategy with ``facts``, the bench's reference for fp8dist's overhead. None:
+    no hand-wired cell."""
 
     # checkpoint: what save_checkpoint / load_checkpoint ask of the backend
     checkpoint_refusal: ClassVar[str | None] = None
-    """Why fp8dist's checkpoints cannot hold this backend's state yet, and the way out; None: they can (what a
-    backend keeps in modules' ``_extra_state`` is saved per rank and loads only into modules that hold it)."""
+    """Why fp8dist's checkpoints cannot hold this backend's state yet, and the way out; None: they can."""
     extra_state: ClassVar[str | None] = None
-    """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing of its
-    own (the refusal then says "module extra state")."""
+    """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing."""
 
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
-        """After a checkpoint loaded into the sharded ``model`` wired as ``wiring``: recompute what derives from the
-        weights. Nothing by default."""
+        """After a checkpoint loaded into the sharded ``model`` (``wiring``): recompute what derives from weights."""
 
     # pipeline, cli, train: what the commands and the reference job ask of a backend
     rank_imports: ClassVar[tuple[str, ...]] = ()
-    """Modules a training rank imports anyway when this backend runs (``torchao.float8``), for a parent to import
-    once before its ranks fork (:func:`fp8dist.pipeline.env.rank_imports`); none by default."""
+    """Modules a rank imports anyway under this backend (``torchao.float8``), for a parent to import before forking."""
     commands_default: ClassVar[bool] = False
     """The commands (``fp8dist train``, ``plan``, ``estimate``, ``probe``) use this backend when ``--fp8`` is not
     given, where it can run (:func:`fp8dist.train.job.default_fp8`); the library's own default stays no FP8."""
     health_telemetry: ClassVar[bool] = False
-    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample this backend's FP8 layers (``fp8dist train
-    --fp8-health-every``); False: the job says health is off for it."""
+    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample its FP8 layers (``--fp8-health-every``)."""
 
     # accounting: what the memory estimate and the precision report ask (defaults: no FP8 state of its own)
     derived_bytes: ClassVar[bool] = False
-    """The estimate's figures for this backend come from its documentation, not from a measured run (it cannot run
-    on the machines the estimate is tested on)."""
+    """The estimate's figures for this backend come from its documentation, not from a measured run."""
     saved_weight_bytes: ClassVar[int] = 0
-    """Bytes per element of the FP8 copies of each converted weight kept from forward to backward (TE: the FP8
-    weight and its transpose); 0: none beyond what autograd saves."""
+    """Bytes per element of each converted weight's FP8 copies kept for backward (TE: the weight and its transpose)."""
 
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
         """Bytes per element of one parameter in each model-state category under this backend; ``base``: as the
-        strategy and the memory level hold it (fields ``weight``, ``master``, ``grad``, ``states``, ``dtypes``; a
-        frozen dataclass to ``dataclasses.replace``), ``converted``: it is the weight of a module the plan converts,
-        ``n_states``: the optimizer's states per element. Default: unchanged (the backend keeps no weight copy)."""
+        strategy and the memory level hold it (a frozen dataclass of ``weight``, ``master``, ``grad``, ``states``,
+        ``dtypes``), ``converted``: it is the weight of a module the plan converts, ``n_states``: the optimizer's
+        states per element. Default: unchanged."""
         return base
 
     def fp8_state_bytes(self, cfg: Any, plan: Any) -> int:
-        """Bytes of FP8 scaling state on every rank (replicated) for ``plan``. Default: none."""
+        """Bytes of FP8 scaling state on every rank (replicated) for ``plan``."""
         return 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
-        """What an all-gather of these local shards carries, where the backend's weights gather in their own format
+        """What an all-gather of these local shards carries where the backend's weights gather in their own format
         (torchao's FP8 all-gather); None: the strategy's compute dtype."""
         return None
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
         """The FP8 formats ``module``, converted by this backend, computes its GEMMs in, read from the module or
-        the ``wiring`` (``WrapInfo.fp8``), for the precision report; None: not known (the report says "fp8")."""
+        the ``wiring``, for the precision report; None: not known (the report says "fp8")."""
         return None
 
     # knobs: the backend's own options, in its own module (torchtitan's converters' nested Config)
@@ -247,13 +223,11 @@ class FP8Backend(Protocol):
     ``when`` (:class:`~fp8dist.config.axis.When` it is read under), ``min``, ``refused``, ``aliases``. None: none."""
 
 
-@functools.cache
 class _NoFP8(FP8Backend):
     """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
 
     name = "none"
 
-    # bench: no conversion is the bf16 reference
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
         return HandConverted()
 
@@ -262,16 +236,18 @@ NO_FP8 = _NoFP8()
 
 
 def linear_reason(module: nn.Linear) -> str | None:
-    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear: it computes something other than a plain
-    Linear (:func:`fp8dist.fp8.linear.plain_linear_reason`), or its dims do not tile; None when it can."""
+    """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear (its math, its dims); None when it can."""
     from .linear import plain_linear_reason
 
     return plain_linear_reason(module) or dims_reason(module)
 
 
-def dims_reason(module: nn.Linear) -> str | None:
-    """FP8 GEMMs need both Linear dims divisible by 16; the reason when they are not."""
-    bad = [f"{n}={getattr(module, n)}" for n in ("in_features", "out_features") if getattr(module, n) % 16]
+def dims_reason(module: nn.Module) -> str | None:
+    """FP8 GEMMs need both dims of a Linear (or of GPT-2's Conv1D) divisible by 16; the reason when they are not."""
+    from .conv1d import conv1d_dims, is_conv1d
+
+    dims = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
+    bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), dims) if d % 16]
     return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
 
 

@@ -1,11 +1,9 @@
-"""GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out), y = x @ W
-+ b) in FP8: torchao (``Float8Conv1D``, below) and Transformer Engine (``te_conv1d``, at the end).
+"""GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out),
+y = x @ W + b) in FP8: torchao (``Float8Conv1D``) and Transformer Engine (``TEConv1D``).
 
-``Float8Conv1D`` is torchao's ``Float8Linear`` computing with Conv1D's own (in, out) parameter: the same
-``matmul_with_hp_or_float8_args`` GEMM a converted ``nn.Linear`` runs on ``weight.t()``, fed the (in, out) weight
-itself. The parameter object is kept, not transposed, so the state dict (keys and values), fp8dist's checkpoints,
-``pretrained=`` loading and ``save_pretrained`` all see exactly the Conv1D tensor and write the HF GPT-2 layout,
-and FSDP2 shards it along its dim 0 (in) like any other parameter.
+``Float8Conv1D`` runs the GEMM of torchao's ``Float8Linear`` (``matmul_with_hp_or_float8_args``, which a converted
+``nn.Linear`` feeds ``weight.t()``) on the Conv1D's own (in, out) parameter, kept untransposed: state dicts,
+checkpoints, ``pretrained=`` and ``save_pretrained`` see exactly the GPT-2 tensor, and FSDP2 shards its dim 0.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from torch import nn
 
 from ..pipeline.weight_layout import register_transposed
 
-__all__ = ["is_conv1d", "conv1d_dims", "conv1d_dims_reason", "to_float8_conv1d", "te_conv1d"]
+__all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d_class"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -30,12 +28,6 @@ def is_conv1d(module: nn.Module) -> bool:
 def conv1d_dims(module: nn.Module) -> tuple[int, int]:
     """``(in_features, out_features)`` of a Conv1D: its weight is (in, out)."""
     return int(module.weight.shape[0]), int(module.weight.shape[1])
-
-
-def conv1d_dims_reason(module: nn.Module) -> str | None:
-    """FP8 GEMM tiles need both dims divisible by 16; the reason when they are not."""
-    bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), conv1d_dims(module)) if d % 16]
-    return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
 
 
 @functools.cache
@@ -57,14 +49,11 @@ def _float8_conv1d_class() -> type:
 
 
 def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
-    """A ``Float8Conv1D`` holding ``module``'s own weight and bias parameters (wrapped for FP8 all-gather when
-    ``config`` enables it, as ``Float8Linear.from_float`` does)."""
+    """A ``Float8Conv1D`` holding ``module``'s own parameters (wrapped for FP8 all-gather as ``from_float`` does)."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    cls = _float8_conv1d_class()
-    in_features, out_features = conv1d_dims(module)
     with torch.device("meta"):
-        new = cls(in_features, out_features, bias=False, config=config)
+        new = _float8_conv1d_class()(*conv1d_dims(module), bias=False, config=config)
     new.weight = module.weight
     new.bias = module.bias
     if config.enable_fsdp_float8_all_gather:
@@ -89,7 +78,7 @@ def _weight_in(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
 
 
 @functools.cache
-def _te_conv1d_class(linear: type) -> type:
+def te_conv1d_class(linear: type) -> type:
     class TEConv1D(linear):
         """Transformer Engine's ``Linear`` in place of a GPT-2 ``Conv1D``: it computes with the weight as (out, in),
         as te.Linear must; its state dict (checkpoints, DCP, ``load_state_dict``) holds and takes the Conv1D's
@@ -101,14 +90,3 @@ def _te_conv1d_class(linear: type) -> type:
             self.register_load_state_dict_pre_hook(_weight_in)
 
     return register_transposed(TEConv1D)
-
-
-def te_conv1d(te, module: nn.Module, **common) -> nn.Module:
-    """A ``TEConv1D`` computing what the Conv1D ``module`` computes (weight transposed into it, bias copied)."""
-    in_features, out_features = conv1d_dims(module)
-    new = _te_conv1d_class(te.Linear)(in_features, out_features, bias=module.bias is not None, **common)
-    with torch.no_grad():
-        new.weight.copy_(module.weight.t())
-        if module.bias is not None:
-            new.bias.copy_(module.bias)
-    return new

@@ -1,16 +1,12 @@
-"""Which modules are a plain Linear: ``y = x @ weight.T + bias`` of their own weight and bias. Every backend swaps
-such a module for its FP8 Linear (torchao's ``Float8Linear``, ``te.Linear``, MS-AMP's), whose forward is its own:
-what the module computed must be exactly that, or the swap changes the model's math without a word.
+"""Which modules are a plain Linear, ``y = x @ weight.T + bias`` of their own weight and bias: every backend swaps
+such a module for its FP8 Linear, whose forward is its own, so anything else would change the model's math.
 
-The rule decides by what a module computes, not by its exact class. An ``nn.Linear`` subclass that keeps
-``nn.Linear.forward`` is plain. One that overrides it (Falcon's ``FalconLinear``: ``x @ self.weight.T + bias``) is
-plain when it holds nothing but ``weight`` and ``bias`` (a LoRA or decoupled head holds more, and its extra term
-may be zero at the time of any check) and its forward returns what ``F.linear(x, weight, bias)`` returns. That is
-checked by running the module's own forward, with its own attributes, on a copy of it that holds small random
-weight and bias of its dtype, on its device (the CPU for a meta-device module, which has no data): the forward's
-code is what is judged, so neither the weight's values (zero at init) nor its size (a meta 70B model's) matter,
-and the check costs microseconds. ``fp8_filter`` keeps any module out, as documented; it cannot put in a module
-whose forward computes something else: the swap would change the model's math.
+The rule judges what a module computes, not its class. An ``nn.Linear`` subclass that keeps ``nn.Linear.forward``
+is plain. One that overrides it (Falcon's ``FalconLinear``) is plain when it holds nothing but ``weight`` and
+``bias`` (a LoRA's extra term may be zero at check time) and its forward returns ``F.linear(x, weight, bias)``:
+checked by running its own forward on a copy holding small random weight and bias of its dtype, on its device (the
+CPU for a meta module), so neither the weights' values nor their size matter. ``fp8_filter`` can keep any module
+out, never put in one that computes something else.
 """
 
 from __future__ import annotations
@@ -21,17 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["plain_linear_reason", "is_plain_linear"]
+__all__ = ["plain_linear_reason"]
 
-_PROBE_ROWS = (2, 3)
-"""The leading dims of the check's input (batch, sequence): a forward that reshapes as a transformer's does runs."""
-_DIMS = (24, 40)
-"""(in, out) of the small copy a module's forward is checked on."""
+_PROBE_ROWS = (2, 3)  # the check's (batch, sequence): a forward that reshapes as a transformer's does runs
+_DIMS = (24, 40)  # (in, out) of the small copy
 
 
 def plain_linear_reason(module: nn.Module) -> str | None:
-    """None when ``module`` computes a plain Linear of its own weight and bias (see the module's docstring); else
-    why it does not, in one line. Modules that are no ``nn.Linear`` at all get a reason too."""
+    """None when ``module`` computes a plain Linear of its own weight and bias (see above); else why not, in a line."""
     cls = type(module)
     if not isinstance(module, nn.Linear):
         return f"{cls.__name__} is not an nn.Linear"
@@ -43,15 +36,8 @@ def plain_linear_reason(module: nn.Module) -> str | None:
         return (f"{cls.__name__} overrides nn.Linear.forward and holds {', '.join(extra[:3])} besides weight and "
                 "bias: its output is not a plain linear of its weight, which an FP8 Linear would replace")
     differs = _forward_differs(module)
-    if differs:
-        return (f"{cls.__name__} overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) "
-                f"({differs}): an FP8 Linear would replace what it computes")
-    return None
-
-
-def is_plain_linear(module: nn.Module) -> bool:
-    """Whether :func:`plain_linear_reason` finds nothing against ``module``."""
-    return plain_linear_reason(module) is None
+    return differs and (f"{cls.__name__} overrides nn.Linear.forward and does not compute F.linear(x, weight, bias) "
+                        f"({differs}): an FP8 Linear would replace what it computes")
 
 
 def _forward_differs(module: nn.Linear) -> str | None:
@@ -77,8 +63,7 @@ def _forward_differs(module: nn.Linear) -> str | None:
 
 
 def _small_copy(module: nn.Linear) -> nn.Linear:
-    """A shallow copy of ``module`` (its attributes and forward) holding small random weight and bias of its dtype
-    on its device (the CPU for a meta module); the module itself is untouched."""
+    """A shallow copy of ``module`` (attributes, forward) holding small random weight and bias (module untouched)."""
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
     device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device

@@ -1,12 +1,10 @@
 """MoE experts in FP8 through torchao's MoE training conversion (``torchao.prototype.moe_training``).
 
-transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``MixtralExperts``:
-``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) and, with ``experts_implementation="grouped_mm"`` (its
-default), runs them as ``torch._grouped_mm`` calls. torchao's conversion (``quantize_`` with a
-``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``) wraps those parameters in a tensor subclass that turns each
-``_grouped_mm`` into a dynamically quantized FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards the 3-D weights on
-their expert dim like any parameter (the subclass all-gathers them in the mixed-precision dtype). The router
-(``MixtralTopKRouter``) is not a Linear and stays in high precision, as torchtitan keeps it.
+transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``gate_up_proj``
+(E, 2I, H), ``down_proj`` (E, H, I)) and runs them as ``torch._grouped_mm`` calls (``experts_implementation=
+"grouped_mm"``). torchao's ``quantize_`` wraps those parameters in a tensor subclass that turns each call into an
+FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards them on their expert dim like any parameter. The router is not a
+Linear and stays in high precision, as torchtitan keeps it.
 """
 
 from __future__ import annotations
@@ -31,11 +29,8 @@ def torchao_installed() -> bool:
     return package_version("torchao") is not None
 
 
-RECIPES = {
-    "fp8_rowwise": "FP8 rowwise grouped GEMM",
-    "mxfp8": "MXFP8 grouped GEMM",
-    "mxfp8_emulated": "MXFP8 grouped GEMM, emulated",
-}
+RECIPES = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GEMM",
+           "mxfp8_emulated": "MXFP8 grouped GEMM, emulated"}
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
 
@@ -59,8 +54,7 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def moe_routers(model: nn.Module) -> list[str]:
-    """The routers beside experts modules: a sibling that is not the experts and holds a 2-D weight (Mixtral's
-    ``mlp.gate``, a MixtralTopKRouter)."""
+    """The routers beside experts modules: a sibling holding a 2-D weight (Mixtral's ``mlp.gate``)."""
     names = []
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())
@@ -76,9 +70,7 @@ def _uneven_shards(module: nn.Module, facts: StrategyFacts) -> str | None:
     """FSDP2 pads an expert dim that the shard group does not divide, and torchao's MoE wrapper does not (its
     fsdp_pre_all_gather returns the unpadded shard: FSDP2 asserts on 3 ranks and 4 experts)."""
     shards = facts.shard_degree
-    if not facts.dtensor_shards or not shards:
-        return None
-    if module.num_experts % shards:
+    if facts.dtensor_shards and shards and module.num_experts % shards:
         return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
                 "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
                 "the experts")
@@ -104,27 +96,22 @@ def experts_recipe(cfg, hardware: Hardware) -> tuple[str | None, str | None]:
 
 
 def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFacts) -> str | None:
-    """Why torchao's MoE conversion cannot take this experts module on ``hardware`` under a strategy with
-    ``facts`` (None: it can)."""
+    """Why torchao's MoE conversion cannot take these experts on ``hardware`` under ``facts``; None: it can."""
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if implementation != "grouped_mm":
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
                 "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
                 "default) before wrap_model")
-    engine = _engine_reason(facts)
-    if engine:
-        return engine
-    uneven = _uneven_shards(module, facts)
-    if uneven:
-        return uneven
+    why = _engine_reason(facts) or _uneven_shards(module, facts)
+    if why:
+        return why
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
     recipe, why = experts_recipe(cfg, hardware)
     if recipe is None:
         return why
     tile = 32 if recipe.startswith("mxfp8") else 16
-    dims = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:]})
-    bad = [d for d in dims if d % tile]
+    bad = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:] if d % tile})
     if bad:
         return f"expert dims {bad} not divisible by {tile} ({RECIPES[recipe]} tiles)"
     return None
@@ -151,9 +138,9 @@ def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) 
     """torchao's MoE training conversion on exactly the experts modules ``names``. Call before sharding."""
     from torchao.quantization import quantize_
 
-    recipe, why = experts_recipe(cfg, hardware)
     if not names:
         return
+    recipe, why = experts_recipe(cfg, hardware)
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
         raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
     quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
@@ -219,8 +206,7 @@ def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
 
 # plan: what the speed model and the numerics probe ask of the experts (both backends run them through torchao)
 def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
-    """The speed model's recipe id of the experts' grouped GEMMs on ``hardware``, or (None, why there is none:
-    an emulated recipe has no FP8 speed)."""
+    """The speed model's recipe id of the experts' grouped GEMMs on ``hardware``, or ``(None, why there is none)``."""
     recipe, _ = experts_recipe(cfg, hardware)
     if recipe is None or recipe == "mxfp8_emulated":
         return None, f"no speed model for torchao_moe_recipe {recipe!r}"
@@ -228,8 +214,7 @@ def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
 
 
 def experts_casts(cfg, hardware: Hardware) -> Casts:
-    """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8 (RCEIL), as its op config
-    says (optionally the weight gradient in high precision)."""
+    """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8, as its op config says."""
     recipe, _ = experts_recipe(cfg, hardware)
     config = op_config(recipe)
     if recipe == "fp8_rowwise":

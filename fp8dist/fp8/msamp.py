@@ -1,10 +1,9 @@
 """MS-AMP: ``msamp.initialize(model, optimizer, opt_level)`` converts every nn.Linear to FP8 and the Adam/AdamW
-optimizer to MS-AMP's (O1: FP8 weights and gradients; O2: also FP8/FP16 optimizer states). MS-AMP owns the
-optimizer, so wrap_model takes an optimizer spec and returns the optimizer MS-AMP built. Under DeepSpeed it goes
-through ``msamp.deepspeed.initialize`` with an "msamp" config block (O1/O2, and O3 with ZeRO).
+optimizer to MS-AMP's (O1: FP8 weights and gradients; O2: also FP8/FP16 optimizer states), so wrap_model takes an
+optimizer spec and returns the optimizer MS-AMP built; under DeepSpeed, ``msamp.deepspeed.initialize`` (O3: ZeRO).
 
-Written against MS-AMP's documented API; MS-AMP is not on the package index and needs CUDA, so on CPU the wiring is
-tested through a stand-in of that API, never counted as proof that MS-AMP works.
+Written against MS-AMP's documented API; it is not on the package index and needs CUDA, so on CPU the wiring is
+tested through a stand-in, never counted as proof that MS-AMP works.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from ..plan.hardware import Hardware
 from ..pipeline.optim import build_optimizer
 from .base import EngineHooks, FP8Backend
 
+
 @dataclass(kw_only=True, frozen=True)
 class MSAMPConfig:
     """MS-AMP's knobs (:attr:`FP8Backend.Config`)."""
@@ -37,7 +37,8 @@ _RULES = (
          lambda cfg, facts: cfg.precision.opt_level == "O3" and not facts.engine_builds_optimizer,
          "MS-AMP O3 is its ZeRO optimizer and runs only inside DeepSpeed's engine"),
     Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
-         "MS-AMP's ScalingTensor weights do not trace under torch.compile", "Use compile=False (or None: auto decides)."),
+         "MS-AMP's ScalingTensor weights do not trace under torch.compile",
+         "Use compile=False (or None: auto decides)."),
     Rule(("activation_checkpointing", "fp8"), lambda cfg, facts: cfg.parallel.activation_checkpointing != "none",
          "MS-AMP's FP8 weights and gradients are not verified under activation checkpointing",
          "Use activation_checkpointing='none'."),
@@ -45,8 +46,7 @@ _RULES = (
 
 
 class MSAMPBackend(FP8Backend):
-    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, and MS-AMP builds the optimizer
-    (``msamp.initialize`` before DDP; under DeepSpeed its own ``msamp.deepspeed.initialize``)."""
+    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, from which MS-AMP builds it."""
 
     name = "msamp"
     package = "msamp"
@@ -62,7 +62,6 @@ class MSAMPBackend(FP8Backend):
         if importlib.util.find_spec("msamp") is None:
             return ("MS-AMP is not installed (not on the package index: build it from its repository on a CUDA "
                     "machine)")
-        return None
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         return "msamp FP8 Linear"
@@ -87,10 +86,8 @@ class MSAMPBackend(FP8Backend):
                                       msamp_deepspeed.initialize))
         return EngineHooks(prepare=lambda model: _initialize(model, optimizer, cfg.precision.opt_level))
 
-    # accelerate: the value of fp8_config.backend that selects MS-AMP
     accelerate_backend = "MSAMP"
 
-    # checkpoint: MS-AMP's optimizer state is not saved yet
     checkpoint_refusal = ("MS-AMP's optimizer keeps ScalingTensor state that fp8dist cannot yet save safely. Use "
                           "fp8='te' or 'torchao', or MS-AMP's own checkpointing")
 
@@ -116,7 +113,6 @@ class MSAMPBackend(FP8Backend):
         wgrad and ograd of every converted Linear."""
         return 4 * 12 * sum(not e.grouped for e in plan.fp8)
 
-    # knobs: its own, in this module
     Config = MSAMPConfig
 
 

@@ -1,12 +1,10 @@
 """The first and last GEMM a model runs, for ``keep_first_last_linear``: in execution order, which is not always
 the order modules are registered in (Phi-3 registers ``o_proj`` before ``qkv_proj``, which runs first).
 
-A Hugging Face causal LM is traced: a copy of it whose parameters and buffers are bf16 tensors on the meta device
-(nothing allocated, no weight copied; bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs
-one forward of a few tokens, and hooks record the order in which its GEMM modules are called (0.1-0.2 s for the
-families of tests/test_fp8_families.py and tests/test_fp8_order.py). Any other model, or one whose trace fails,
-falls back to the declared order, and says so. Deterministic: the same model gives the same answer, whatever
-the machine (the plan stays a pure function of the model and config).
+A Hugging Face causal LM is traced: a copy whose parameters and buffers are bf16 meta tensors (nothing allocated;
+bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs one forward of a few tokens while hooks
+record the order its GEMM modules are called in (0.1-0.2 s). Any other model, or a failed trace, falls back to the
+declared order and says so. Deterministic on any machine: the plan stays a pure function of model and config.
 """
 
 from __future__ import annotations
@@ -19,10 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GemmOrder", "gemm_order", "TRACE_TOKENS"]
-
-TRACE_TOKENS = 4
-"""Tokens of the traced forward: any length runs every layer once."""
+__all__ = ["GemmOrder", "gemm_order"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +39,7 @@ class GemmOrder:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    """``model`` with every parameter and buffer replaced by a bf16 (floating) meta tensor of its shape: the
-    modules are copied, never the data (tied parameters stay tied)."""
+    """``model``'s modules with every tensor a bf16 (if floating) meta tensor of its shape; ties stay tied."""
     memo: dict[int, object] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo:
@@ -64,7 +58,7 @@ def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
     for name, module in shadow.named_modules():
         if is_gemm(module):
             module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
-    ids = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")  # any number of tokens runs every layer once
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         shadow(input_ids=ids)
@@ -85,16 +79,13 @@ def gemm_order(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> GemmOr
     declared = [name for name, module in model.named_modules() if is_gemm(module)]
     if not declared:
         return GemmOrder((), None, traced=False, why_declared="no GEMM module")
-    if not _is_causal_lm(model):
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared="declared order (not a Hugging Face causal LM: no input to trace it with)")
-    try:
-        calls = _calls(model, is_gemm)
-    except Exception as err:  # any model code may refuse the meta device; the declared order then stands
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared=f"declared order (a meta-device forward failed: {type(err).__name__}: {err})")
+    calls, why = [], "not a Hugging Face causal LM: no input to trace it with"
+    if _is_causal_lm(model):
+        try:
+            calls, why = _calls(model, is_gemm), "the traced forward ran none of them"
+        except Exception as err:  # any model code may refuse the meta device; the declared order then stands
+            why = f"a meta-device forward failed: {type(err).__name__}: {err}"
     if not calls:
-        return GemmOrder(tuple(declared), declared[-1], traced=False,
-                         why_declared="declared order (the traced forward ran none of them)")
+        return GemmOrder(tuple(declared), declared[-1], traced=False, why_declared=f"declared order ({why})")
     ran = list(dict.fromkeys(calls))
     return GemmOrder(tuple(ran + [n for n in declared if n not in ran]), calls[-1], traced=True)

@@ -1,22 +1,17 @@
-"""Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (a te.Linear whose state dict keeps the
-Conv1D's (in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied); MoE experts held
-fused (transformers 5) through torchao's MoE grouped GEMMs (TE's GroupedLinear holds one weight per expert, so it
-is no drop-in for them; torchtitan uses torchao's for the same reason); and the forward under TE's FP8 autocast
-with the configured recipe and amax reduction group.
+"""Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (its state dict keeps the Conv1D's
+(in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied); fused MoE experts through
+torchao's MoE grouped GEMMs (TE's GroupedLinear holds one weight per expert: no drop-in, as torchtitan found); the
+forward under TE's FP8 autocast with the configured recipe and amax reduction group.
 
-Written against TE 2.20's API as its sources define it (``te.autocast(enabled, recipe, amax_reduction_group)``;
-before TE 2.9 ``te.fp8_autocast(enabled, fp8_recipe, fp8_group)``, since then its deprecated shim; the recipes
-of ``transformer_engine.common.recipe``, pydantic dataclasses that drop unknown keywords; and
-``distributed.prepare_te_modules_for_fsdp``). One code path serves both: the new name where it exists. TE needs
-CUDA; on CPU the wiring is tested through a stand-in of that API surface, never counted as proof that TE itself
-works."""
+Written against TE 2.20's sources (``te.autocast``; before 2.9 ``te.fp8_autocast``, the new name used where it
+exists; recipes are pydantic dataclasses that drop unknown keywords). TE needs CUDA: on CPU the wiring is tested
+through a stand-in of that API, never counted as proof that TE itself works."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib.util
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,9 +21,10 @@ from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
+                   linear_reason)
 from .casts import USES, Casts, CastSpec
-from .conv1d import conv1d_dims_reason, is_conv1d, te_conv1d
+from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -47,20 +43,20 @@ def _rmsnorm_eps(module: nn.Module) -> float:
 
 
 def _te_module(te: Any, module: nn.Module) -> nn.Module:
-    weight = module.weight
+    weight, bias = module.weight, getattr(module, "bias", None)
     common = {"params_dtype": weight.dtype, "device": weight.device}
-    if is_conv1d(module):
-        return te_conv1d(te, module, **common)
-    if isinstance(module, nn.Linear):  # a plain Linear of any class (the plan converts no other)
-        new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **common)
+    if is_conv1d(module):  # te.Linear holds (out, in): the Conv1D's (in, out) weight goes in transposed
+        new, weight = te_conv1d_class(te.Linear)(*conv1d_dims(module), bias=bias is not None, **common), weight.t()
+    elif isinstance(module, nn.Linear):  # a plain Linear of any class (the plan converts no other)
+        new = te.Linear(module.in_features, module.out_features, bias=bias is not None, **common)
     elif type(module) is nn.LayerNorm:
         new = te.LayerNorm(module.normalized_shape[0], eps=module.eps, **common)
     else:
         new = te.RMSNorm(weight.shape[0], eps=_rmsnorm_eps(module), **common)
     with torch.no_grad():
         new.weight.copy_(weight)
-        if getattr(module, "bias", None) is not None:
-            new.bias.copy_(module.bias)
+        if bias is not None:
+            new.bias.copy_(bias)
     return new
 
 
@@ -74,30 +70,23 @@ class TEConfig:
     te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
     mxfp8 (MXFP8BlockScaling, Blackwell)."""
-
     fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"refused": {"E5M2": (
         "E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 "
         "gradients) or 'E4M3'.")}})
     """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
-
     margin: int = field(default=0, metadata={"when": _DELAYED, "min": 0})
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
-
     interval: int = field(default=1, metadata={"when": _DELAYED, "min": 1})
     """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
     accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
-
     amax_history_len: int = field(default=1024, metadata={"when": _DELAYED, "min": 1})
     """TE delayed scaling: length of the amax history window."""
-
     amax_compute_algo: Literal["max", "most_recent"] = field(default="max", metadata={"when": _DELAYED})
     """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
-
     override_linear_precision: tuple[bool, bool, bool] = field(default=(False, False, False),
                                                                metadata={"when": _DELAYED})
     """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
     DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
-
     use_autocast_during_eval: bool = False
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
 
@@ -111,15 +100,8 @@ _RETIRED_KNOBS = {
 anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
 
 
-def te_version() -> str:
-    import transformer_engine
-
-    return str(getattr(transformer_engine, "__version__", "unknown"))
-
-
 def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
-    """The retired knobs the installed ``DelayedScaling`` still has, with the configured values; a non-default
-    value of one it lacks is an error (TE would drop it silently)."""
+    """The retired knobs the installed ``DelayedScaling`` still has, with their values; others must be defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(TEConfig)}
     have = {f.name for f in dataclasses.fields(recipe_cls)}
     out = {}
@@ -129,7 +111,10 @@ def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
         if name in have:
             out[name] = value
         elif value != defaults[name]:
-            raise ValueError(f"{name}={value!r}: Transformer Engine {te_version()}'s DelayedScaling has no {name} and "
+            import transformer_engine
+
+            version = getattr(transformer_engine, "__version__", "unknown")
+            raise ValueError(f"{name}={value!r}: Transformer Engine {version}'s DelayedScaling has no {name} and "
                              f"would drop it without a word ({replaced}). Leave {name} at its default "
                              f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
     return out
@@ -154,25 +139,21 @@ def build_recipe(cfg) -> Any:
                                  amax_compute_algo=p.amax_compute_algo, **_delayed_knobs(recipe.DelayedScaling, p))
 
 
-def _autocast_fn(te: Any) -> Callable[..., Any]:
-    """``(enabled, recipe, group) -> context``: TE >= 2.9's ``te.autocast(recipe=, amax_reduction_group=)``, else
-    the older ``te.fp8_autocast(fp8_recipe=, fp8_group=)`` (a deprecated shim of the former since 2.9)."""
-    if hasattr(te, "autocast"):
-        return lambda enabled, recipe, group: te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
-    return lambda enabled, recipe, group: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
-
-
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
     """Run ``module``'s forward under TE's FP8 autocast with ``fp8_recipe``, amax reduced over ``group``, while
     training (and in eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's
     pre/post-forward hooks, which ``__call__`` runs around ``forward``, stay in place."""
     import transformer_engine.pytorch as te
 
-    forward, autocast = module.forward, _autocast_fn(te)
+    forward = module.forward
+    if hasattr(te, "autocast"):  # TE >= 2.9; its te.fp8_autocast before (since then a deprecated shim)
+        autocast = functools.partial(te.autocast, recipe=fp8_recipe, amax_reduction_group=group)
+    else:
+        autocast = functools.partial(te.fp8_autocast, fp8_recipe=fp8_recipe, fp8_group=group)
 
     @functools.wraps(forward)
     def fp8_forward(*args, **kwargs):
-        with autocast(module.training or during_eval, fp8_recipe, group):
+        with autocast(enabled=module.training or during_eval):
             return forward(*args, **kwargs)
 
     module.forward = fp8_forward  # type: ignore[method-assign]
@@ -207,15 +188,13 @@ class TEBackend(FP8Backend):
     def missing_reason(self, cfg) -> str | None:
         if importlib.util.find_spec("transformer_engine") is None:
             return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
-        return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
         needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
         return fp8_hardware_reason(hardware, min_capability=needs)
 
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear) or type(module) is nn.LayerNorm or _is_rmsnorm(module) or \
-            is_conv1d(module) or is_experts(module)
+    def supports(self, module: nn.Module) -> bool:  # the FP8 GEMMs and the norms
+        return self.computes_in_fp8(module) or type(module) is nn.LayerNorm or _is_rmsnorm(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if isinstance(module, nn.Linear):
@@ -235,13 +214,11 @@ class TEBackend(FP8Backend):
         precision, as under torchao."""
         owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
-            for p in module._parameters.values():
-                if p is not None:
-                    owners.setdefault(id(p), []).append(name)
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(name)
         out = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            tied = [n for n in owners.get(id(weight), ()) if n != name] if weight is not None else []
+            tied = [n for n in owners.get(id(getattr(module, "weight", None)), ()) if n != name]
             if tied and self.supports(module):
                 out[name] = (f"weight tied to {tied[0]}.weight: Transformer Engine's module would hold a weight of its "
                              "own and untie them; kept in high precision")
@@ -250,7 +227,7 @@ class TEBackend(FP8Backend):
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
         if is_conv1d(module):
-            return conv1d_dims_reason(module)
+            return dims_reason(module)
         if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
             if not torchao_installed():
                 return ("MoE experts (fused 3-D weights): Transformer Engine has no module for them (its GroupedLinear "
@@ -267,24 +244,18 @@ class TEBackend(FP8Backend):
         return None
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Replace every module the plan converts with its TE counterpart, copying weights and biases exactly.
-        Ineligible modules are skipped, never a reason to stop. Call before sharding."""
+        """Swap every module the plan converts for its TE counterpart, weights and biases copied exactly."""
         import transformer_engine.pytorch as te
 
         build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
         experts = {e.name for e in plan.converted if e.grouped}
         convert_experts(model, experts, cfg, plan.hardware)  # torchao's MoE grouped GEMMs
-        for entry in plan.converted:
-            if entry.name in experts:
-                continue
-            parent_name, _, child = entry.name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, _te_module(te, getattr(parent, child)))
+        for name in [e.name for e in plan.converted if e.name not in experts]:
+            model.set_submodule(name, _te_module(te, model.get_submodule(name)))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
-        world group); an engine with flat parameters (FSDP1) first gets TE's own preparation of its root
-        (``model``)."""
+        world group); under flat parameters (FSDP1), TE's own preparation of the root (``model``) first."""
         if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
@@ -307,26 +278,18 @@ class TEBackend(FP8Backend):
             return experts_casts(cfg, hardware)
         p = cfg.precision
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
-        out: Casts = {}
-        for role, gemm in USES:
-            dtype = grad if role == "grad_output" else torch.float8_e4m3fn
-            if p.te_recipe == "delayed":
-                out[(role, gemm)] = CastSpec(dtype, "delayed", margin=p.margin, history_len=p.amax_history_len,
-                                             algo=p.amax_compute_algo)
-            else:
-                out[(role, gemm)] = CastSpec(dtype, "mx" if p.te_recipe == "mxfp8" else "tensorwise")
-        return out
+        scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
+        history = {"margin": p.margin, "history_len": p.amax_history_len, "algo": p.amax_compute_algo}
+        return {(role, gemm): CastSpec(grad if role == "grad_output" else torch.float8_e4m3fn, scaling,
+                                       **(history if scaling == "delayed" else {})) for role, gemm in USES}
 
     def numerics_note(self, cfg) -> str:
-        delayed = cfg.precision.te_recipe == "delayed"
         return (f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE needs a GPU)"
                 + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
-                   if delayed else ""))
+                   if cfg.precision.te_recipe == "delayed" else ""))
 
-    # accelerate: the value of fp8_config.backend that selects Transformer Engine
     accelerate_backend = "TE"
 
-    # bench: the hand-wired reference
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
         """Transformer Engine as its documentation wires a Hugging Face Llama: every nn.Linear -> te.Linear and
         every LlamaRMSNorm -> te.RMSNorm, weights copied; the forward under ``te.autocast`` with TE's default
@@ -335,26 +298,13 @@ class TEBackend(FP8Backend):
         from transformer_engine.common.recipe import DelayedScaling
 
         for name, module in list(model.named_modules()):
-            weight = getattr(module, "weight", None)
-            kw = {"params_dtype": weight.dtype, "device": weight.device} if weight is not None else {}
-            if type(module) is nn.Linear:
-                new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None, **kw)
-            elif type(module).__name__ == "LlamaRMSNorm":
-                new = te.RMSNorm(weight.shape[0], eps=module.variance_epsilon, **kw)
-            else:
-                continue
-            with torch.no_grad():
-                new.weight.copy_(weight)
-                if getattr(module, "bias", None) is not None:
-                    new.bias.copy_(module.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, new)
+            if type(module) is nn.Linear or type(module).__name__ == "LlamaRMSNorm":
+                model.set_submodule(name, _te_module(te, module))  # the swap TE's docs show, weights copied
         linears = [m for m in model.modules() if isinstance(m, te.Linear)]
         recipe = DelayedScaling()
         return HandConverted(len(linears), sum(m.weight.numel() for m in linears),
                              forward_context=lambda: te.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD))
 
-    # checkpoint: TE's scales and amax history live in each module's _extra_state
     extra_state = "Transformer Engine FP8 state (scales and amax history, in `_extra_state`)"
 
     # accounting: derived from TE's documentation (it cannot run here)
@@ -377,7 +327,6 @@ class TEBackend(FP8Backend):
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"
 
-    # knobs: its own, in this module
     Config = TEConfig
 
 

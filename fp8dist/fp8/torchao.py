@@ -14,11 +14,12 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
-from .base import SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, fp8_hardware_reason, linear_reason
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
+                   linear_reason)
 from .casts import Casts, CastSpec
-from .conv1d import conv1d_dims_reason, is_conv1d, to_float8_conv1d
+from .conv1d import is_conv1d, to_float8_conv1d
+from .linear import plain_linear_reason
 from .order import gemm_order
-from .linear import is_plain_linear
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -29,17 +30,14 @@ class TorchaoConfig:
 
     keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
-
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
     rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
-
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
     auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU (the plan says why); mxfp8_emulated runs MXFP8's
     quantization with emulated GEMMs anywhere (checks the wiring; no FP8 speed)."""
-
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
@@ -47,8 +45,7 @@ class TorchaoConfig:
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
-    """FP8 all-gather is used where parameters are per-parameter DTensor shards (the engine calls torchao's
-    all-gather hooks: FSDP2) with the tensorwise recipe, unless the user turned it off."""
+    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the tensorwise recipe, unless turned off."""
     p = cfg.precision
     return facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
 
@@ -74,14 +71,9 @@ _RULES = (
 )
 
 
-def _linear_like(module: nn.Module) -> bool:
-    """A module torchao's Float8Linear (or fp8dist's Float8Conv1D) may replace: its plan row says if it cannot."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
 def _plain_linear_like(module: nn.Module) -> bool:
     """A Linear-like module that computes a plain Linear: the FP8 candidates first/last are counted among."""
-    return is_conv1d(module) or is_plain_linear(module)
+    return is_conv1d(module) or plain_linear_reason(module) is None
 
 
 class TorchaoBackend(FP8Backend):
@@ -99,15 +91,13 @@ class TorchaoBackend(FP8Backend):
             from ..pipeline.packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
-        return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        if hardware.type == "cuda":  # torch's _scaled_mm also runs on CPU, so only CUDA is gated
-            return fp8_hardware_reason(hardware)
-        return None
+        # torch's _scaled_mm also runs on CPU, so only CUDA is gated
+        return fp8_hardware_reason(hardware) if hardware.type == "cuda" else None
 
     def supports(self, module: nn.Module) -> bool:
-        return _linear_like(module) or is_experts(module)
+        return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
@@ -118,29 +108,23 @@ class TorchaoBackend(FP8Backend):
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
-        return conv1d_dims_reason(module) if is_conv1d(module) else linear_reason(module)
+        return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """The first and last Linear (nn.Linear or GPT-2's Conv1D) stay in high precision when
-        ``keep_first_last_linear`` (the default)."""
+        """The first and last Linear (or GPT-2 Conv1D) to run stay in high precision if ``keep_first_last_linear``."""
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj; MoE experts
-        if order.first is None:                  # are not linear-like
+        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj
+        if order.first is None:
             return routers
-
-        def kind(m: nn.Module) -> str:
-            return "Linear (a Conv1D)" if is_conv1d(m) else "Linear"
-
-        first, last = order.first, order.last
-        m_first, m_last = model.get_submodule(first), model.get_submodule(last)
-        return {**routers, first: f"first {kind(m_first)}, kept in high precision (keep_first_last_linear=True)",
-                last: f"last {kind(m_last)}, kept in high precision (keep_first_last_linear=True)"}
+        return {**routers, **{name: f"{which} Linear{' (a Conv1D)' if is_conv1d(model.get_submodule(name)) else ''}, "
+                              "kept in high precision (keep_first_last_linear=True)"
+                              for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for torchao ``Float8Linear``, its FP8 Conv1Ds for ``Float8Conv1D``
-        (same parameters) and its MoE experts for torchao's MoE training form. Call before sharding."""
+        """Swap exactly the plan's FP8 Linears for ``Float8Linear``, Conv1Ds for ``Float8Conv1D``, MoE experts for
+        torchao's MoE training form."""
         from torchao.float8 import convert_to_float8_training
 
         experts = {e.name for e in plan.fp8 if e.grouped}
@@ -151,8 +135,7 @@ class TorchaoBackend(FP8Backend):
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
         for name in sorted(conv1ds):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, to_float8_conv1d(model.get_submodule(name), config))
+            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
         for name in linears:
             if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
@@ -162,8 +145,8 @@ class TorchaoBackend(FP8Backend):
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
         precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
-        if precompute:
-            register_scale_precompute(inner)
+        if precompute:  # for as long as ``inner`` lives: the user never has to call it
+            STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
 
     # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
@@ -175,14 +158,10 @@ class TorchaoBackend(FP8Backend):
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with."""
-        if grouped:
-            return experts_casts(cfg, hardware)
-        return float8_linear_casts(float8_config(cfg, facts))
+        return experts_casts(cfg, hardware) if grouped else float8_linear_casts(float8_config(cfg, facts))
 
-    # accelerate: the value of fp8_config.backend that selects torchao
     accelerate_backend = "AO"
 
-    # bench: each recipe a cell of its own; the hand-wired reference
     variant_option = "torchao_recipe"
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
@@ -193,12 +172,9 @@ class TorchaoBackend(FP8Backend):
 
         linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
         keep = {linears[0], linears[-1]}
-
-        def module_filter(module: nn.Module, fqn: str) -> bool:
-            return fqn not in keep and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-        convert_to_float8_training(model, module_filter_fn=module_filter,
-                                   config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards))
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards),
+            module_filter_fn=lambda m, fqn: fqn not in keep and m.in_features % 16 == 0 and m.out_features % 16 == 0)
         fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
         after_step = (lambda: _precompute(model, None)) if facts.dtensor_shards else (lambda: None)
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
@@ -208,12 +184,10 @@ class TorchaoBackend(FP8Backend):
         if wiring.scale_precompute:
             _precompute(model, None)
 
-    # pipeline, cli, train: the reference job's default backend, its FP8 health, the ranks' preload
     rank_imports = ("torchao.float8",)
     commands_default = True
     health_telemetry = True
 
-    # accounting: the weight scales FP8 all-gather precomputes; the weights say when they gather in FP8
     def fp8_state_bytes(self, cfg, plan) -> int:
         """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
         Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
@@ -224,9 +198,8 @@ class TorchaoBackend(FP8Backend):
             return None
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-        if shards and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
-            return "fp8 e4m3 (FP8 all-gather)"
-        return None
+        fp8 = bool(shards) and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
+        return "fp8 e4m3 (FP8 all-gather)" if fp8 else None
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
         """From the module's ``Float8LinearConfig``: forward and gradient formats and the scaling granularity."""
@@ -237,7 +210,6 @@ class TorchaoBackend(FP8Backend):
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
 
-    # knobs: its own, in this module
     Config = TorchaoConfig
 
 
@@ -274,12 +246,6 @@ def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def register_scale_precompute(model: nn.Module) -> None:
-    """Run ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every ``optimizer.step()`` of an optimizer
-    that holds ``model``'s parameters, for as long as ``model`` lives. The user never has to call it."""
-    STEP_HOOKS.add(model, post=_precompute)
 
 
 def float8_linear_casts(config) -> Casts:
