@@ -16,11 +16,11 @@ from typing import Any
 
 from ..fp8 import NO_FP8, get_backend
 from ..strategies.base import EngineMemory
+from .tensors import CATEGORIES
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
            "STEP_BYTES", "backend_of", "category_dtypes", "worst_rank"]
 
-CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""

@@ -82,9 +82,8 @@ class Fit:
         return self.device_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(fits=self.fits, budget_bytes=self.budget_bytes, ways_out=[{**asdict(w), "change": dict(w.change)} for w in self.ways_out])
-        return out
+        ways_out = [{**asdict(w), "change": dict(w.change)} for w in self.ways_out]
+        return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
     def lines(self, size: Callable[[int], str]) -> list[str]:
         """What the estimate prints: one line saying whether a rank fits, then one per way out."""
@@ -123,7 +122,8 @@ is refused (the combination table, a rank count the strategy cannot run)."""
 
 def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_step: int = 1) -> Fit:
     """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``; when it does not fit, the ways out, each run
-    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be multiples of it (HSDP's replicas)."""
+    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be
+    multiples of it (HSDP's replicas)."""
     need, allowed = device_bytes(est), budget(capacity_bytes)
     fit = Fit(gpu, capacity_bytes, need, est.activations_modelled)
     if fit.fits:
