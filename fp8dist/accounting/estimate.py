@@ -33,8 +33,8 @@ from torch import nn
 
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of,
-                              category_dtypes, element_bytes, worst_rank)
+from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of, category_dtypes,
+                              element_bytes, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
@@ -108,10 +108,7 @@ class MemoryEstimate(StateBytes):
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
                 f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory)
                 + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
-        per_param = self.bytes_per_param
-        rows = [[c.replace("_", " ") + (" (host)" if c in self.offloaded else ""), f"{per_param[c]:.3f}",
-                 _size(self.bytes[c]), self.dtypes[c]] for c in CATEGORIES]
-        rows.append(["total model states", f"{per_param['total']:.3f}", _size(self.model_state_bytes), ""])
+        rows = self.state_rows(_size, self.offloaded)
         acts = [[item, _size(b)] for item, b in self.activations]
         if self.activations_modelled:
             acts.append(["total activations (estimate)", _size(self.activation_bytes)])
@@ -165,8 +162,8 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
 
 def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
     """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
-    words: the config's options (``offload_param`` under fsdp) and ``optimizer`` where the memory level builds its
-    own (the rule of :func:`fp8dist.config.rules.unread_options`, said once each as a warning, as ``wrap_model`` does)."""
+    words (:func:`fp8dist.config.rules.unread_options`): the config's options (``offload_param`` under fsdp) and
+    ``optimizer`` where the memory level builds its own; each said once as a warning, as ``wrap_model`` does."""
     notes = cfg.unused_options()
     level = get_level(cfg.parallel.memory)
     if level.builds_optimizer and optimizer != "adamw":

@@ -11,8 +11,7 @@ backward (FSDP where it does not reshard).
 
 Checked against the tensors autograd saves (a ``saved_tensors_hooks`` count of unique storages) on small real
 models of each family on CPU, with bf16 weights and no autocast (as under FSDP) and with fp32 weights under bf16
-autocast (as under DDP): tests/test_estimate.py. A model_type outside the table gets no activation figure
-(``modelled`` False and a note), never another family's formula.
+autocast (as under DDP): tests/test_estimate.py.
 """
 
 from __future__ import annotations

@@ -84,6 +84,5 @@ def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
 
 def worst_rank(per_rank: list[dict[str, int]]) -> int:
     """The rank holding the most model-state bytes (the lowest such rank)."""
-    totals = [sum(d.values()) for d in per_rank]
-    return totals.index(max(totals))
+    return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
 

@@ -9,7 +9,7 @@ state and are not counted. Where each engine keeps them, its strategy says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -51,10 +51,11 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 class StateBytes:
-    """Totals shared by the measured report and the estimate: both hold ``bytes`` per category and
+    """Totals shared by the measured report and the estimate: both hold ``bytes`` and ``dtypes`` per category and
     ``total_params``."""
 
     bytes: Any
+    dtypes: Any
     total_params: int
 
     @property
@@ -66,6 +67,14 @@ class StateBytes:
         """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
         n = max(self.total_params, 1)
         return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
+
+    def state_rows(self, size: Callable[[int], str], host: Collection[str] = ()) -> list[list[str]]:
+        """The model-state table: per category (those in ``host`` marked so) its bytes per parameter, ``size`` of
+        its bytes and its dtypes, then the total."""
+        per_param = self.bytes_per_param
+        rows = [[c.replace("_", " ") + (" (host)" if c in host else ""), f"{per_param[c]:.3f}", size(self.bytes[c]),
+                 self.dtypes[c]] for c in CATEGORIES]
+        return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
 
 
 class StateTally:

@@ -45,10 +45,8 @@ def dcp_failure(err: BaseException, then: str = "") -> RankFailure:
     misses; DCP raises it on every rank) as its first failing rank's own error, in one line: e.g.
     ``OSError: [Errno 28] No space left on device``; ``then`` is appended."""
     failures = getattr(err, "failures", None) or {}
-    if not failures:
-        return RankFailure(rank_world()[0], f"{type(err).__name__}: {err}{then}")
-    rank = min(failures)
-    exc = failures[rank][0]
+    rank = min(failures) if failures else rank_world()[0]
+    exc = failures[rank][0] if failures else err
     return RankFailure(rank, f"{type(exc).__name__}: {exc}{then}")
 
 

@@ -163,7 +163,8 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
 
 
 def _check_target(root: Path) -> Path:
-    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError naming it."""
+    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError
+    naming it."""
     try:
         check_output_path(root, name="path", directory=True)
     except ValueError as err:
@@ -242,8 +243,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
-    described = describe(model)
-    described["optimizer"] = optimizer_name(optimizer)
+    described = {**describe(model), "optimizer": optimizer_name(optimizer)}
     on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
                  error=CheckpointError)
     try:
