@@ -137,20 +137,18 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         print(fp8dist.report(model, optimizer))
         optimizer.zero_grad()
     """
-    from .row_dtypes import row_for
+    from .row_dtypes import engine_of, row_for
 
-    from ..pipeline.api import get_wrap_info
-    from .sharding import sharding_summary
-
-    info = get_wrap_info(model)
+    run = engine_of(model, optimizer)
+    info, strategy, _, held = run
     parts = _group_by_part(model, {e.name: e.grouped for e in info.plan.fp8})
     fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
     tally = StateTally()
-    for category, tensors in model_state_tensors(model, optimizer, fp8_modules).items():
+    for category, tensors in model_state_tensors(held, fp8_modules).items():
         tally.add(category, tensors)
-    rows = tuple(row_for(model, optimizer, part, members) for part, members in parts.items())
+    rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
     return PrecisionReport(
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
-        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel,
+        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
         memory=info.config.parallel.memory)

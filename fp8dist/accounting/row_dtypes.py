@@ -15,12 +15,12 @@ from ..strategies.base import EngineDtypes
 from .estimate_states import backend_of
 from .rows import Members, Part, PrecisionRow
 
-__all__ = ["row_for"]
+__all__ = ["engine_of", "row_for"]
 
 
-def _engine(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
-    """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category, read from its own
-    objects."""
+def engine_of(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
+    """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category (what
+    :func:`row_for` reads), from the engine's own objects."""
     from ..pipeline.api import get_wrap_info
 
     info = get_wrap_info(model)
@@ -105,9 +105,11 @@ def _master(info: Any, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
     return "none" if engine.holder is not None else get_level(info.config.parallel.memory).report_master
 
 
-def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
-    """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
-    info, strategy, engine, held = _engine(model, optimizer)
+def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer: Any, part: Part,
+            members: Members) -> PrecisionRow:
+    """The chart row for ``part`` of the model ``run`` (:func:`engine_of`) describes: its modules, and the
+    parameters counted in it."""
+    info, strategy, engine, held = run
     params = [h.param for h in members.params]
     stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})

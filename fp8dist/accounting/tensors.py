@@ -38,11 +38,8 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
                     yield from leaves(inner, depth + 1)
         else:
             yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from leaves(value, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
             yield from leaves(value, depth + 1)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, torch.optim.Optimizer, type)):
         for value in vars(obj).values():
@@ -105,15 +102,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param  # the object itself, not a new alias
 
 
-def model_state_tensors(model: nn.Module, optimizer: Any, fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
-    """The tensors of each category, for any wrapped model: what its strategy's engine holds
-    (:meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
-    from ..pipeline.api import get_wrap_info
-    from ..strategies import get_strategy
-
+def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
+    """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
+    :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
     fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
                                                                    for b in m.buffers(recurse=False)]
     fp8 += [getattr(_local(p), name, None) for m in fp8_modules for p in m.parameters(recurse=False)
             for name in _FP8_SCALES]
-    held = get_strategy(get_wrap_info(model).sharding.strategy).state_tensors(model, optimizer)
     return {**held, "fp8_buffers": fp8}
