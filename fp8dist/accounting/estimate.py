@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -212,8 +213,10 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     for note in unread_arguments(cfg, optimizer):
         warnings.warn(note, UserWarning, stacklevel=2)
     hardware = parse_target(target) if isinstance(target, str) else target
-    job = _Job(model, micro, seq_len, optimizer, fp8_filter, hardware)
-    est = _estimate(job, cfg, world_size, rank)
+    # what the ways out of a fit keep: all but the config and the rank count
+    job = partial(_estimate, model, micro=micro, seq_len=seq_len, optimizer=optimizer, fp8_filter=fp8_filter,
+                  hardware=hardware)
+    est = job(cfg, world_size, rank)
     if hardware is None:
         return est
     gpu = find_gpu(hardware)
@@ -221,40 +224,28 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         return replace(est, notes=(*est.notes, f"whether a rank fits is not judged: {gpu.reason}"))
 
     def rerun(world: int, **changes: Any) -> MemoryEstimate:
-        return _estimate(job, resolve_config(cfg, **changes), world, None)
+        return job(resolve_config(cfg, **changes), world, None)
 
     # HSDP's rank counts are multiples of its replicas, where the strategy reads replicate_degree at all
     step = 1 if "replicate_degree" in unread_options(cfg) else cfg.parallel.replicate_degree
     return replace(est, fit=check_fit(est, gpu.spec.label, int(gpu.spec.memory_gib * 2**30), rerun, rank_step=step))
 
 
-@dataclass(frozen=True)
-class _Job:
-    """What an estimate is of, beside the config and the rank count (which the ways out of a fit change)."""
-
-    model: nn.Module
-    micro: int
-    seq_len: int
-    optimizer: str
-    fp8_filter: Any
-    hardware: Hardware | None
-
-
-def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> MemoryEstimate:
-    """The estimate of ``job`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
+def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, *, micro: int, seq_len: int,
+              optimizer: str, fp8_filter: Any, hardware: Hardware | None) -> MemoryEstimate:
+    """The estimate of ``model`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
-    model, micro, seq_len, hardware = job.model, job.micro, job.seq_len, job.hardware
     strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
         backend_of(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
     strategy.check_launch(cfg, world_size)
-    optimizer = "adamw" if level.builds_optimizer else job.optimizer  # the level's own
+    optimizer = "adamw" if level.builds_optimizer else optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
-                          fp8_filter=job.fp8_filter, check_hardware=False)
+                          fp8_filter=fp8_filter, check_hardware=False)
     backend.check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
     on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)

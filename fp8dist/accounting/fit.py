@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from ..memory_levels import LEVELS
@@ -162,23 +163,23 @@ def _lever(rerun: Rerun, world: int, what: str, change: Mapping[str, Any], need:
            allowed: int) -> list[WayOut]:
     """The way out ``change`` makes, as a one-item list; empty when it is refused or saves nothing (the run does
     it already)."""
+    bytes_ = _bytes_with(rerun, world, change)
+    return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ is not None and bytes_ < need else []
+
+
+def _bytes_with(rerun: Rerun, world: int, change: Mapping[str, Any]) -> int | None:
+    """The per-rank GPU bytes with ``change`` on ``world`` ranks; None when that run is refused."""
     try:
-        bytes_ = device_bytes(rerun(world, **change))
+        return device_bytes(rerun(world, **change))
     except ValueError:
-        return []
-    return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ < need else []
+        return None
 
 
 def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int,
                     change: Mapping[str, Any]) -> tuple[tuple[int, int] | None, str]:
     """((the fewest ranks, a multiple of ``step`` above ``world``, that fit with ``change``, their bytes), "") or
     (None, why not): doubling until one fits (or the bytes stop shrinking: replicated states), then bisecting."""
-    def bytes_at(n: int) -> int | None:
-        try:
-            return device_bytes(rerun(n, **change))
-        except ValueError:
-            return None
-
+    bytes_at = partial(_bytes_with, rerun, change=change)
     low, n, last = world, _multiple(world + 1, step), need
     try:
         got = device_bytes(rerun(n, **change))

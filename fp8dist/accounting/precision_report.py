@@ -85,12 +85,8 @@ def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) 
 
 
 def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members]:
-    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
-
-    Args:
-        model: as :func:`fp8dist.wrap_model` returned it.
-        fp8: the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``).
-    """
+    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out; ``fp8``:
+    the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = _fsdp1_full_shapes(model)

@@ -96,17 +96,11 @@ class StateTally:
                 self.dtypes[category].add(leaf.dtype)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param._local_tensor if isinstance(param, DTensor) else param  # the object itself, not a new alias
-
-
 def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
     """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
     :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
     fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
                                                                    for b in m.buffers(recurse=False)]
-    fp8 += [getattr(_local(p), name, None) for m in fp8_modules for p in m.parameters(recurse=False)
-            for name in _FP8_SCALES]
+    fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale
+            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES]
     return {**held, "fp8_buffers": fp8}
