@@ -90,7 +90,7 @@ class MemoryEstimate(StateBytes):
     ``target=`` named; None without a target, or where nothing runs in FP8."""
     fit: Fit | None = None
     """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
-    memory.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+    accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
 
     @property
     def activation_bytes(self) -> int:

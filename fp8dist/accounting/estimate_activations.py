@@ -82,7 +82,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
               te_norms=any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
               kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
               and checkpointing == "none")
-    prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
+    prefixes = [f"{b}." for b in blocks] or [""] * d["layers"]  # summed, or the largest: any order
     layers = [family.layer(s, d, p, config) for p in prefixes]
     if checkpointing == "full":  # a block keeps only its input; backward recomputes one block at a time
         items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
@@ -127,11 +127,6 @@ def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, 
                       sum(e.params for e in plan.fp8) * backend.saved_weight_bytes))
     kept = get_strategy(cfg.parallel.strategy).kept_for_backward(model, cfg, blocks)
     return items + [(item, elements * c) for item, elements in kept]
-
-
-def _natural(name: str) -> list:
-    """Sort "model.layers.10" after "model.layers.9"."""
-    return [int(part) if part.isdigit() else part for part in name.split(".")]
 
 
 def _mib(n: int) -> str:

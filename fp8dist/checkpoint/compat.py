@@ -74,13 +74,10 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
     return diffs
 
 
-def _either(names: list[str]) -> str:
-    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
-
-
 def _strategies_of(fmt: str) -> str:
     """The strategies a checkpoint of format ``fmt`` loads into: "'fsdp', 'fsdp1', 'ddp' or 'none'"."""
-    return _either([repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt])
+    names = [repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt]
+    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 
 
 def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:
