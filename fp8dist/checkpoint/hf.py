@@ -97,17 +97,15 @@ def _file_names(count: int) -> list[str]:
 
 
 def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
-    config = getattr(inner, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
+    config, generation = getattr(inner, "config", None), getattr(inner, "generation_config", None)
+    if hasattr(config, "to_json_string"):
         config = copy.deepcopy(config)
         config.architectures = [original_class(inner).__name__]
         config.dtype = dtype
-        atomic_write_text(out / "config.json", config.to_json_string())
-        written.append("config.json")
-    generation = getattr(inner, "generation_config", None)
-    if generation is not None and hasattr(generation, "to_json_string"):
-        atomic_write_text(out / "generation_config.json", generation.to_json_string())
-        written.append("generation_config.json")
+    for name, obj in (("config.json", config), ("generation_config.json", generation)):
+        if hasattr(obj, "to_json_string"):
+            atomic_write_text(out / name, obj.to_json_string())
+            written.append(name)
 
 
 def _remove_stale(out: Path, written: set[str]) -> None:

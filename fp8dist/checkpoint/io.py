@@ -191,9 +191,8 @@ def model_layout(model: nn.Module, strategy: Strategy) -> tuple[dict[str, list[i
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model)
-    extra = sorted(k for k in state if _is_extra_state(k))
-    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and not _is_extra_state(k)}, \
-        extra
+    extra = sorted(_pop_extra_state(state))
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}, extra
 
 
 def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy) -> None:
