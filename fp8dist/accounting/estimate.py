@@ -106,8 +106,10 @@ class MemoryEstimate(StateBytes):
 
     def __str__(self) -> str:
         strategy = self.strategy + (f" (ZeRO-{self.zero_stage})" if self.zero_stage else "")
+        summary = get_level(self.memory).summary
+        memory = f", memory {self.memory} ({summary})" if summary else ""
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory)
+                f"{self.rank}, {self.total_params:,} parameters{memory}"
                 + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
         rows = self.state_rows(_size, self.offloaded)
         acts = [[item, _size(b)] for item, b in self.activations]
@@ -126,11 +128,6 @@ class MemoryEstimate(StateBytes):
             lines.append(self.speed.gemm_summary())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _memory_head(memory: str) -> str:
-    summary = get_level(memory).summary
-    return f", memory {memory} ({summary})" if summary else ""
 
 
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:

@@ -14,9 +14,9 @@ A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
     D/.tmp-step_00000040/   a save in progress, or one that crashed: never loaded, removed by the next save
 
 FP8 state: Transformer Engine's is in ``fp8_state_rank{R}.pt`` (DeepSpeed: inside the engine's module state);
-torchao keeps none; MS-AMP is not supported yet. What each engine writes, and how loading avoids unpickling anything but tensors and plain values, is in
-:mod:`fp8dist.checkpoint.io`; what loads into what (across strategies, world sizes and FP8 on/off) in
-:mod:`fp8dist.checkpoint.compat`.
+torchao keeps none; MS-AMP is not supported yet. What each engine writes, and how loading avoids unpickling
+anything but tensors and plain values, is in :mod:`fp8dist.checkpoint.io`; what loads into what (across
+strategies, world sizes and FP8 on/off) in :mod:`fp8dist.checkpoint.compat`.
 """
 
 from __future__ import annotations
