@@ -44,10 +44,6 @@ class Activations:
     checkpointing); ``items`` is empty."""
 
 
-def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
-    return next((n for n, m in model.named_modules() if m is target), None) if target is not None else None
-
-
 def _unmodelled(config: Any) -> Activations:
     kinds = ", ".join(FAMILIES)
     if config is None or dims(config) is None:
@@ -92,7 +88,8 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         items = [(f"{len(prefixes)} decoder layers", sum(layers))]
     if family.embeddings is not None and family.embeddings(s, d, config):
         items.append(("embedding dropout mask", family.embeddings(s, d, config)))
-    head = _module_name(model, model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     norm = s.rms_norm(d["h"]) if family.final_norm == "rms" else s.layer_norm(d["h"])
     items.append(("final norm + lm_head input", norm + s.inputs([head or "lm_head"], T * d["h"], s.n)))
     items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
