@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["Saves", "Family", "FAMILIES", "ACTIVATION_SAVES", "dims", "activation_note"]
 
@@ -170,18 +170,13 @@ def _gpt_neox_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> in
     return total + 2 * s.dropout(config.hidden_dropout, T * h)
 
 
-def _gpt2_embeddings(s: Saves, d: dict[str, int], config: Any) -> int:
-    return s.dropout(config.embd_pdrop, s.T * d["h"])
-
-
 @dataclass(frozen=True)
 class Family:
     """How one model family saves activations."""
 
     layer: Callable[[Saves, dict[str, int], str, Any], int]
     """Bytes of one decoder layer: ``(saves, dims, "model.layers.3.", hf_config)``."""
-    final_norm: str
-    """"rms" or "layer"."""
+    final_norm: Literal["rms", "layer"]
     cast_types: tuple[str, ...]
     """Module types whose weights autocast casts to the compute dtype (a copy each until backward)."""
     embeddings: Callable[[Saves, dict[str, int], Any], int] | None = None
@@ -193,8 +188,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family(_llama_layer, "rms", ("Linear",)),
     "mixtral": Family(_mixtral_layer, "rms", ("Linear", "MixtralTopKRouter")),
-    "gpt2": Family(_gpt2_layer, "layer", ("Linear", "Conv1D"), embeddings=_gpt2_embeddings,
-                   activation_key="activation_function"),
+    "gpt2": Family(_gpt2_layer, "layer", ("Linear", "Conv1D"), activation_key="activation_function",
+                   embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"])),
     "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act"),
 }
 """Hugging Face ``model_type`` -> its activation formulas; each checked against the tensors autograd saves on a

@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ from torch import nn
 
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (CATEGORIES, DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of,
-                              category_dtypes, element_bytes, worst_rank)
+from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of, category_dtypes,
+                              element_bytes, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
@@ -89,7 +90,7 @@ class MemoryEstimate(StateBytes):
     ``target=`` named; None without a target, or where nothing runs in FP8."""
     fit: Fit | None = None
     """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
-    memory.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+    accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -105,13 +106,12 @@ class MemoryEstimate(StateBytes):
 
     def __str__(self) -> str:
         strategy = self.strategy + (f" (ZeRO-{self.zero_stage})" if self.zero_stage else "")
+        summary = get_level(self.memory).summary
+        memory = f", memory {self.memory} ({summary})" if summary else ""
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters" + _memory_head(self.memory)
+                f"{self.rank}, {self.total_params:,} parameters{memory}"
                 + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
-        per_param = self.bytes_per_param
-        rows = [[c.replace("_", " ") + (" (host)" if c in self.offloaded else ""), f"{per_param[c]:.3f}",
-                 _size(self.bytes[c]), self.dtypes[c]] for c in CATEGORIES]
-        rows.append(["total model states", f"{per_param['total']:.3f}", _size(self.model_state_bytes), ""])
+        rows = self.state_rows(_size, self.offloaded)
         acts = [[item, _size(b)] for item, b in self.activations]
         if self.activations_modelled:
             acts.append(["total activations (estimate)", _size(self.activation_bytes)])
@@ -128,11 +128,6 @@ class MemoryEstimate(StateBytes):
             lines.append(self.speed.gemm_summary())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _memory_head(memory: str) -> str:
-    summary = get_level(memory).summary
-    return f", memory {memory} ({summary})" if summary else ""
 
 
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
@@ -165,8 +160,8 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
 
 def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
     """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
-    words: the config's options (``offload_param`` under fsdp) and ``optimizer`` where the memory level builds its
-    own (the rule of :func:`fp8dist.config.rules.unread_options`, said once each as a warning, as ``wrap_model`` does)."""
+    words (:func:`fp8dist.config.rules.unread_options`): the config's options (``offload_param`` under fsdp) and
+    ``optimizer`` where the memory level builds its own; each said once as a warning, as ``wrap_model`` does."""
     notes = cfg.unused_options()
     level = get_level(cfg.parallel.memory)
     if level.builds_optimizer and optimizer != "adamw":
@@ -215,8 +210,10 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     for note in unread_arguments(cfg, optimizer):
         warnings.warn(note, UserWarning, stacklevel=2)
     hardware = parse_target(target) if isinstance(target, str) else target
-    job = _Job(model, micro, seq_len, optimizer, fp8_filter, hardware)
-    est = _estimate(job, cfg, world_size, rank)
+    # what the ways out of a fit keep: all but the config and the rank count
+    job = partial(_estimate, model, micro=micro, seq_len=seq_len, optimizer=optimizer, fp8_filter=fp8_filter,
+                  hardware=hardware)
+    est = job(cfg, world_size, rank)
     if hardware is None:
         return est
     gpu = find_gpu(hardware)
@@ -224,40 +221,28 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         return replace(est, notes=(*est.notes, f"whether a rank fits is not judged: {gpu.reason}"))
 
     def rerun(world: int, **changes: Any) -> MemoryEstimate:
-        return _estimate(job, resolve_config(cfg, **changes), world, None)
+        return job(resolve_config(cfg, **changes), world, None)
 
     # HSDP's rank counts are multiples of its replicas, where the strategy reads replicate_degree at all
     step = 1 if "replicate_degree" in unread_options(cfg) else cfg.parallel.replicate_degree
     return replace(est, fit=check_fit(est, gpu.spec.label, int(gpu.spec.memory_gib * 2**30), rerun, rank_step=step))
 
 
-@dataclass(frozen=True)
-class _Job:
-    """What an estimate is of, beside the config and the rank count (which the ways out of a fit change)."""
-
-    model: nn.Module
-    micro: int
-    seq_len: int
-    optimizer: str
-    fp8_filter: Any
-    hardware: Hardware | None
-
-
-def _estimate(job: _Job, cfg: Config, world_size: int, rank: int | None) -> MemoryEstimate:
-    """The estimate of ``job`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
+def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, *, micro: int, seq_len: int,
+              optimizer: str, fp8_filter: Any, hardware: Hardware | None) -> MemoryEstimate:
+    """The estimate of ``model`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
-    model, micro, seq_len, hardware = job.model, job.micro, job.seq_len, job.hardware
     strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
         backend_of(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
     strategy.check_launch(cfg, world_size)
-    optimizer = "adamw" if level.builds_optimizer else job.optimizer  # the level's own
+    optimizer = "adamw" if level.builds_optimizer else optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
-                          fp8_filter=job.fp8_filter, check_hardware=False)
+                          fp8_filter=fp8_filter, check_hardware=False)
     backend.check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
     on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)

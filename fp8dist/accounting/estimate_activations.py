@@ -11,8 +11,7 @@ backward (FSDP where it does not reshard).
 
 Checked against the tensors autograd saves (a ``saved_tensors_hooks`` count of unique storages) on small real
 models of each family on CPU, with bf16 weights and no autocast (as under FSDP) and with fp32 weights under bf16
-autocast (as under DDP): tests/test_estimate.py. A model_type outside the table gets no activation figure
-(``modelled`` False and a note), never another family's formula.
+autocast (as under DDP): tests/test_estimate.py.
 """
 
 from __future__ import annotations
@@ -43,10 +42,6 @@ class Activations:
     modelled: bool
     """False: no formula covers this model (another family, no Hugging Face config) or this setting (activation
     checkpointing); ``items`` is empty."""
-
-
-def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
-    return next((n for n, m in model.named_modules() if m is target), None) if target is not None else None
 
 
 def _unmodelled(config: Any) -> Activations:
@@ -83,7 +78,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
               te_norms=any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
               kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
               and checkpointing == "none")
-    prefixes = [f"{b}." for b in sorted(blocks, key=_natural)] or [""] * d["layers"]
+    prefixes = [f"{b}." for b in blocks] or [""] * d["layers"]  # summed, or the largest: any order
     layers = [family.layer(s, d, p, config) for p in prefixes]
     if checkpointing == "full":  # a block keeps only its input; backward recomputes one block at a time
         items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
@@ -93,7 +88,8 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         items = [(f"{len(prefixes)} decoder layers", sum(layers))]
     if family.embeddings is not None and family.embeddings(s, d, config):
         items.append(("embedding dropout mask", family.embeddings(s, d, config)))
-    head = _module_name(model, model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     norm = s.rms_norm(d["h"]) if family.final_norm == "rms" else s.layer_norm(d["h"])
     items.append(("final norm + lm_head input", norm + s.inputs([head or "lm_head"], T * d["h"], s.n)))
     items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
@@ -128,11 +124,6 @@ def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, 
                       sum(e.params for e in plan.fp8) * backend.saved_weight_bytes))
     kept = get_strategy(cfg.parallel.strategy).kept_for_backward(model, cfg, blocks)
     return items + [(item, elements * c) for item, elements in kept]
-
-
-def _natural(name: str) -> list:
-    """Sort "model.layers.10" after "model.layers.9"."""
-    return [int(part) if part.isdigit() else part for part in name.split(".")]
 
 
 def _mib(n: int) -> str:

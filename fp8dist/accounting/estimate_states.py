@@ -16,11 +16,11 @@ from typing import Any
 
 from ..fp8 import NO_FP8, get_backend
 from ..strategies.base import EngineMemory
+from .tensors import CATEGORIES
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
            "STEP_BYTES", "backend_of", "category_dtypes", "worst_rank"]
 
-CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""
@@ -84,6 +84,5 @@ def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
 
 def worst_rank(per_rank: list[dict[str, int]]) -> int:
     """The rank holding the most model-state bytes (the lowest such rank)."""
-    totals = [sum(d.values()) for d in per_rank]
-    return totals.index(max(totals))
+    return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
 

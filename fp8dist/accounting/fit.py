@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from ..memory_levels import LEVELS
@@ -82,9 +83,8 @@ class Fit:
         return self.device_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(fits=self.fits, budget_bytes=self.budget_bytes, ways_out=[{**asdict(w), "change": dict(w.change)} for w in self.ways_out])
-        return out
+        ways_out = [{**asdict(w), "change": dict(w.change)} for w in self.ways_out]
+        return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
     def lines(self, size: Callable[[int], str]) -> list[str]:
         """What the estimate prints: one line saying whether a rank fits, then one per way out."""
@@ -123,7 +123,8 @@ is refused (the combination table, a rank count the strategy cannot run)."""
 
 def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_step: int = 1) -> Fit:
     """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``; when it does not fit, the ways out, each run
-    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be multiples of it (HSDP's replicas)."""
+    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be
+    multiples of it (HSDP's replicas)."""
     need, allowed = device_bytes(est), budget(capacity_bytes)
     fit = Fit(gpu, capacity_bytes, need, est.activations_modelled)
     if fit.fits:
@@ -162,23 +163,23 @@ def _lever(rerun: Rerun, world: int, what: str, change: Mapping[str, Any], need:
            allowed: int) -> list[WayOut]:
     """The way out ``change`` makes, as a one-item list; empty when it is refused or saves nothing (the run does
     it already)."""
+    bytes_ = _bytes_with(rerun, world, change)
+    return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ is not None and bytes_ < need else []
+
+
+def _bytes_with(rerun: Rerun, world: int, change: Mapping[str, Any]) -> int | None:
+    """The per-rank GPU bytes with ``change`` on ``world`` ranks; None when that run is refused."""
     try:
-        bytes_ = device_bytes(rerun(world, **change))
+        return device_bytes(rerun(world, **change))
     except ValueError:
-        return []
-    return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ < need else []
+        return None
 
 
 def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int,
                     change: Mapping[str, Any]) -> tuple[tuple[int, int] | None, str]:
     """((the fewest ranks, a multiple of ``step`` above ``world``, that fit with ``change``, their bytes), "") or
     (None, why not): doubling until one fits (or the bytes stop shrinking: replicated states), then bisecting."""
-    def bytes_at(n: int) -> int | None:
-        try:
-            return device_bytes(rerun(n, **change))
-        except ValueError:
-            return None
-
+    bytes_at = partial(_bytes_with, rerun, change=change)
     low, n, last = world, _multiple(world + 1, step), need
     try:
         got = device_bytes(rerun(n, **change))

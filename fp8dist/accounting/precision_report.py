@@ -19,13 +19,12 @@ from typing import Any
 from torch import nn
 
 from .rows import Held, Members, Part, PrecisionRow, text_table
-from .tensors import CATEGORIES, StateBytes, StateTally, model_state_tensors
+from .tensors import StateBytes, StateTally, model_state_tensors
 from ..config.dtypes import dtype_names as _names
 from ..memory_levels import STANDARD
 from ..plan.precision import runs_gemm
 from ..strategies import unwrap_model
-from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes
-from ..strategies.local_shards import plain_name as _plan_name
+from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes, plain_name as _plan_name
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
@@ -64,10 +63,7 @@ class PrecisionReport(StateBytes):
                 "weight grad", "optimizer states"]
         rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,
                  r.master_weight, r.weight_grad, r.optimizer_states] for r in self.rows]
-        per_param = self.bytes_per_param
-        mem = [[c.replace("_", " "), f"{per_param[c]:.3f}", f"{self.bytes[c] / 2**20:,.2f}", self.dtypes[c]]
-               for c in CATEGORIES]
-        mem.append(["total model states", f"{per_param['total']:.3f}", f"{self.model_state_bytes / 2**20:,.2f}", ""])
+        mem = self.state_rows(lambda n: f"{n / 2**20:,.2f}")
         return "\n".join([head, text_table(cols, rows), "", text_table(["model state (this rank)", "bytes/param", "MiB",
                                                                  "dtypes"], mem)])
 
@@ -85,18 +81,12 @@ def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) 
     parameters' shapes say which run any GEMM."""
     if name in fp8:
         return Part.FP8_GROUPED_GEMM if fp8[name] else Part.FP8_GEMM
-    if runs_gemm(module, [h.shape for h in held]):
-        return Part.GEMM
-    return Part.OTHER
+    return Part.GEMM if runs_gemm(module, [h.shape for h in held]) else Part.OTHER
 
 
 def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members]:
-    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out.
-
-    Args:
-        model: as :func:`fp8dist.wrap_model` returned it.
-        fp8: the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``).
-    """
+    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out; ``fp8``:
+    the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = _fsdp1_full_shapes(model)
@@ -143,20 +133,18 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         print(fp8dist.report(model, optimizer))
         optimizer.zero_grad()
     """
-    from .row_dtypes import row_for
+    from .row_dtypes import engine_of, row_for
 
-    from ..pipeline.api import get_wrap_info
-    from .sharding import sharding_summary
-
-    info = get_wrap_info(model)
+    run = engine_of(model, optimizer)
+    info, strategy, _, held = run
     parts = _group_by_part(model, {e.name: e.grouped for e in info.plan.fp8})
     fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
     tally = StateTally()
-    for category, tensors in model_state_tensors(model, optimizer, fp8_modules).items():
+    for category, tensors in model_state_tensors(held, fp8_modules).items():
         tally.add(category, tensors)
-    rows = tuple(row_for(model, optimizer, part, members) for part, members in parts.items())
+    rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
     return PrecisionReport(
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
-        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=sharding_summary(model).total_numel,
+        dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
         memory=info.config.parallel.memory)

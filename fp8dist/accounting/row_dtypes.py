@@ -8,24 +8,25 @@ import torch
 from torch import nn
 
 from .tensors import leaves
-from ..config.dtypes import dtype_name
-from ..config.dtypes import dtype_names as _names
+from ..config.dtypes import dtype_name, dtype_names as _names
 from ..memory_levels import get_level
 from ..strategies import get_strategy
 from ..strategies.base import EngineDtypes
 from .estimate_states import backend_of
 from .rows import Members, Part, PrecisionRow
 
-__all__ = ["row_for"]
+__all__ = ["engine_of", "row_for"]
 
 
-def _engine(model: nn.Module, optimizer: Any) -> tuple[Any, EngineDtypes, dict[str, list[Any]]]:
-    """The strategy, its engine's dtypes and the tensors it holds per category, read from its own objects."""
+def engine_of(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
+    """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category (what
+    :func:`row_for` reads), from the engine's own objects."""
     from ..pipeline.api import get_wrap_info
 
-    sharding = get_wrap_info(model).sharding
-    strategy = get_strategy(sharding.strategy)
-    return strategy, strategy.engine_dtypes(model, sharding.autocast), strategy.state_tensors(model, optimizer)
+    info = get_wrap_info(model)
+    strategy = get_strategy(info.sharding.strategy)
+    return (info, strategy, strategy.engine_dtypes(model, info.sharding.autocast),
+            strategy.state_tensors(model, optimizer))
 
 
 def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -34,11 +35,8 @@ def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
         list(params)
 
 
-def _fp8_gemm(module: nn.Module, model: nn.Module) -> str:
+def _fp8_gemm(module: nn.Module, info: Any) -> str:
     """The FP8 formats of an FP8 Linear, as its backend reads them from the module or from its wiring."""
-    from ..pipeline.api import get_wrap_info
-
-    info = get_wrap_info(model)
     return backend_of(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
 
 
@@ -49,16 +47,13 @@ def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
     return " / ".join(sorted({experts_gemm_formats(m) or "not wrapped (high precision)" for m in modules}))
 
 
-def _all_gather(model: nn.Module, params: list[nn.Parameter], engine: EngineDtypes,
-                stored: list[torch.Tensor]) -> str:
+def _all_gather(info: Any, params: list[nn.Parameter], engine: EngineDtypes, stored: list[torch.Tensor]) -> str:
     from torch.distributed.tensor import DTensor
-
-    from ..pipeline.api import get_wrap_info
 
     if engine.gather is not None:
         return engine.gather
     shards = [p.to_local() for p in params if isinstance(p, DTensor)]
-    own = backend_of(get_wrap_info(model).plan.backend).all_gather_words(shards) if shards else None
+    own = backend_of(info.plan.backend).all_gather_words(shards) if shards else None
     return own or (dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored}))
 
 
@@ -102,26 +97,24 @@ def _weight_grad(params: list[nn.Parameter], engine: EngineDtypes, held: dict[st
     return _names(grads, "none held now (report after backward)")
 
 
-def _master(model: nn.Module, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
+def _master(info: Any, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
     """The engine's own master partitions, else what the memory level keeps (lean: none)."""
     masters = {leaf.dtype for leaf in leaves(held["master_weights"])}
     if masters:
         return f"{_names(masters)} (ZeRO partition)"
-    if engine.holder is not None:
-        return "none"
-    from ..pipeline.api import get_wrap_info
-
-    return get_level(get_wrap_info(model).config.parallel.memory).report_master
+    return "none" if engine.holder is not None else get_level(info.config.parallel.memory).report_master
 
 
-def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> PrecisionRow:
-    """The chart row for ``part`` of ``model``: its modules, and the parameters counted in it."""
-    strategy, engine, held = _engine(model, optimizer)
+def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer: Any, part: Part,
+            members: Members) -> PrecisionRow:
+    """The chart row for ``part`` of the model ``run`` (:func:`engine_of`) describes: its modules, and the
+    parameters counted in it."""
+    info, strategy, engine, held = run
     params = [h.param for h in members.params]
     stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
-        gemm = _fp8_gemm(members.modules[0], model)
+        gemm = _fp8_gemm(members.modules[0], info)
     elif part is Part.FP8_GROUPED_GEMM:
         gemm = _fp8_grouped_gemm(members.modules)
     elif part is Part.GEMM:
@@ -129,8 +122,7 @@ def row_for(model: nn.Module, optimizer: Any, part: Part, members: Members) -> P
     else:
         gemm = "no GEMM"
     return PrecisionRow(part=part, modules=len(members.modules), params=sum(h.numel for h in members.params),
-                        gemm=gemm, all_gather=_all_gather(model, params, engine, stored),
-                        reduce=engine.reduce or "none",
-                        weight=weight, master_weight=_master(model, engine, held),
+                        gemm=gemm, all_gather=_all_gather(info, params, engine, stored),
+                        reduce=engine.reduce or "none", weight=weight, master_weight=_master(info, engine, held),
                         weight_grad=_weight_grad(params, engine, held),
                         optimizer_states=_optimizer_states(optimizer, params, engine, held))

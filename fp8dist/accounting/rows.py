@@ -32,6 +32,8 @@ class Part(str, Enum):
 
 _LABELS = {Part.FP8_GEMM: "FP8 GEMM", Part.FP8_GROUPED_GEMM: "FP8 grouped GEMM (MoE experts)",
            Part.GEMM: "GEMM (high precision)", Part.OTHER: "other (embeddings, norms)"}
+
+
 @dataclass(frozen=True)
 class PrecisionRow:
     """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
@@ -74,7 +76,6 @@ class Members:
 
     modules: list[nn.Module] = field(default_factory=list)
     params: list[Held] = field(default_factory=list)
-
 
 
 def text_table(cols: list[str], rows: list[list[str]]) -> str:

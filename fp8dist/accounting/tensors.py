@@ -9,7 +9,7 @@ state and are not counted. Where each engine keeps them, its strategy says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,11 +38,8 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
                     yield from leaves(inner, depth + 1)
         else:
             yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from leaves(value, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
             yield from leaves(value, depth + 1)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, torch.optim.Optimizer, type)):
         for value in vars(obj).values():
@@ -51,10 +48,11 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 class StateBytes:
-    """Totals shared by the measured report and the estimate: both hold ``bytes`` per category and
+    """Totals shared by the measured report and the estimate: both hold ``bytes`` and ``dtypes`` per category and
     ``total_params``."""
 
     bytes: Any
+    dtypes: Any
     total_params: int
 
     @property
@@ -66,6 +64,14 @@ class StateBytes:
         """Bytes on this rank per parameter of the full model, per category and ``"total"``."""
         n = max(self.total_params, 1)
         return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
+
+    def state_rows(self, size: Callable[[int], str], host: Collection[str] = ()) -> list[list[str]]:
+        """The model-state table: per category (those in ``host`` marked so) its bytes per parameter, ``size`` of
+        its bytes and its dtypes, then the total."""
+        per_param = self.bytes_per_param
+        rows = [[c.replace("_", " ") + (" (host)" if c in host else ""), f"{per_param[c]:.3f}", size(self.bytes[c]),
+                 self.dtypes[c]] for c in CATEGORIES]
+        return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
 
 
 class StateTally:
@@ -90,21 +96,11 @@ class StateTally:
                 self.dtypes[category].add(leaf.dtype)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param._local_tensor if isinstance(param, DTensor) else param  # the object itself, not a new alias
-
-
-def model_state_tensors(model: nn.Module, optimizer: Any, fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
-    """The tensors of each category, for any wrapped model: what its strategy's engine holds
-    (:meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
-    from ..pipeline.api import get_wrap_info
-    from ..strategies import get_strategy
-
+def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
+    """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
+    :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
     fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
                                                                    for b in m.buffers(recurse=False)]
-    fp8 += [getattr(_local(p), name, None) for m in fp8_modules for p in m.parameters(recurse=False)
-            for name in _FP8_SCALES]
-    held = get_strategy(get_wrap_info(model).sharding.strategy).state_tensors(model, optimizer)
+    fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale
+            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES]
     return {**held, "fp8_buffers": fp8}

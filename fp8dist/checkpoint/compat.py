@@ -1,19 +1,13 @@
-"""What loads into what: the engine data a checkpoint's meta.json records, checked against the model it is loaded
-into, before anything is read.
+"""What loads into what (the rules :func:`~fp8dist.checkpoint.load_checkpoint` lists): the engine data a
+checkpoint's meta.json records, checked against the model it is loaded into, before anything is read.
 
-- Every strategy without a checkpoint format of its own (fsdp, fsdp1, ddp and none) saves through
-  torch.distributed.checkpoint (DCP) under the same names (DCP's ``get_state_dict`` strips FSDP1's
-  ``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed by those names too), so each loads
-  into any other, on any world size.
-- torchao on or off: torchao keeps no FP8 state and its Float8Linear keeps ``weight`` / ``bias``; the FP8
-  all-gather scales FSDP2 precomputes are recomputed after loading. Adding Transformer Engine is allowed too: its
-  modules start their scaling afresh, as at step 0.
-- Transformer Engine's FP8 state (scales, amax history in ``_extra_state``) never loads into a model without a
-  place for it, unless the caller drops it explicitly (``drop_fp8_state=True``).
-- A checkpoint in a strategy's own format (DeepSpeed's engine checkpoint) loads only into that format, as its
-  :attr:`~fp8dist.strategies.base.Strategy.checkpoint` decides (DeepSpeed: the same ZeRO stage, world size and FP8
-  backend); across formats it is refused with the converters to use instead.
-- The optimizer state loads into an optimizer of the class that saved it, or is left out (``optimizer=None``).
+Why those rules hold: the strategies without a checkpoint format of their own save through
+torch.distributed.checkpoint (DCP) under the same names (DCP's ``get_state_dict`` strips FSDP1's
+``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed by those names too). torchao keeps no
+FP8 state and its Float8Linear keeps ``weight`` / ``bias`` (the FP8 all-gather scales FSDP2 precomputes are
+recomputed after loading); Transformer Engine modules added start their scaling afresh, as at step 0. A strategy's
+own format (:attr:`~fp8dist.strategies.base.Strategy.checkpoint`) decides what loads into it; across formats the
+refusal names the converters to use instead.
 """
 
 from __future__ import annotations
@@ -80,13 +74,10 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
     return diffs
 
 
-def _either(names: list[str]) -> str:
-    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
-
-
 def _strategies_of(fmt: str) -> str:
     """The strategies a checkpoint of format ``fmt`` loads into: "'fsdp', 'fsdp1', 'ddp' or 'none'"."""
-    return _either([repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt])
+    names = [repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt]
+    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 
 
 def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:

@@ -11,9 +11,12 @@ writes each file atomically (:func:`fp8dist.pipeline.files.atomic_write`). Readi
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import math
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,11 +66,10 @@ def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
         return "bf16"
     from ..pipeline.pretrained import SafetensorsDir
 
-    source, counts = SafetensorsDir(pretrained), {}
+    source, counts = SafetensorsDir(pretrained), Counter()
     for name, dtype in source.dtypes.items():
         if dtype in _SAFETENSORS_DTYPES:
-            name_of = _SAFETENSORS_DTYPES[dtype]
-            counts[name_of] = counts.get(name_of, 0) + _numel(source.shapes[name])
+            counts[_SAFETENSORS_DTYPES[dtype]] += math.prod(source.shapes[name])
     return max(counts, key=counts.get) if counts else "bf16"
 
 
@@ -91,23 +93,19 @@ def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
 
 
 def _file_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
-    config = getattr(inner, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
+    config, generation = getattr(inner, "config", None), getattr(inner, "generation_config", None)
+    if hasattr(config, "to_json_string"):
         config = copy.deepcopy(config)
         config.architectures = [original_class(inner).__name__]
         config.dtype = dtype
-        atomic_write_text(out / "config.json", config.to_json_string())
-        written.append("config.json")
-    generation = getattr(inner, "generation_config", None)
-    if generation is not None and hasattr(generation, "to_json_string"):
-        atomic_write_text(out / "generation_config.json", generation.to_json_string())
-        written.append("generation_config.json")
+    for name, obj in (("config.json", config), ("generation_config.json", generation)):
+        if hasattr(obj, "to_json_string"):
+            atomic_write_text(out / name, obj.to_json_string())
+            written.append(name)
 
 
 def _remove_stale(out: Path, written: set[str]) -> None:
@@ -150,7 +148,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()
-    entries = [(p.names[0], _numel(p.shape) * size) for p in local_params(model)]
+    entries = [(p.names[0], math.prod(p.shape) * size) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))
                 for name, buf in buffers]
     files = _plan_files(entries, limit)
@@ -161,7 +159,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     writer.run(f"creating {out}", lambda: out.mkdir(parents=True, exist_ok=True) or [])
     pending: dict[str, torch.Tensor] = {}
     tensors = ((names[0], full) for names, full in gather_full(model))
-    for name, full in _chain(tensors, ((n, buf.detach().cpu() if rank == 0 else None) for n, buf in buffers)):
+    held = ((n, buf.detach().cpu() if rank == 0 else None) for n, buf in buffers)
+    for name, full in itertools.chain(tensors, held):
         if rank == 0:
             pending[name] = (full.to(dtype) if full.is_floating_point() else full).contiguous()
         if name in closes:
@@ -206,15 +205,3 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
 
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     return [path.name]
-
-
-def _chain(*iterables):
-    for iterable in iterables:
-        yield from iterable
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -45,10 +45,8 @@ def dcp_failure(err: BaseException, then: str = "") -> RankFailure:
     misses; DCP raises it on every rank) as its first failing rank's own error, in one line: e.g.
     ``OSError: [Errno 28] No space left on device``; ``then`` is appended."""
     failures = getattr(err, "failures", None) or {}
-    if not failures:
-        return RankFailure(rank_world()[0], f"{type(err).__name__}: {err}{then}")
-    rank = min(failures)
-    exc = failures[rank][0]
+    rank = min(failures) if failures else rank_world()[0]
+    exc = failures[rank][0] if failures else err
     return RankFailure(rank, f"{type(exc).__name__}: {exc}{then}")
 
 
@@ -193,9 +191,8 @@ def model_layout(model: nn.Module, strategy: Strategy) -> tuple[dict[str, list[i
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model)
-    extra = sorted(k for k in state if _is_extra_state(k))
-    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and not _is_extra_state(k)}, \
-        extra
+    extra = sorted(_pop_extra_state(state))
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}, extra
 
 
 def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy) -> None:

@@ -60,12 +60,13 @@ def _other_kind(path: Path) -> str | None:
 
 def _enclosing_checkpoint(path: Path) -> Path | None:
     """The checkpoint (a folder holding meta.json) that ``path`` is, or is inside."""
-    return next((p for p in (path, *path.parents) if (p / META).is_file()), None)
+    return next((p for p in (path, *path.parents) if _one_checkpoint(p)), None)
 
 
-def _refuse_foreign(path: Path) -> None:
-    """Refuse a file, a folder inside a checkpoint, and a folder of another kind; ``path`` that is one checkpoint
-    (a step folder) or a checkpoint directory passes."""
+def _refuse_foreign(given: str | os.PathLike) -> Path:
+    """Refuse a file, a folder inside a checkpoint, and a folder of another kind; ``given`` that is one checkpoint
+    (a step folder) or a checkpoint directory passes, as a Path."""
+    path = Path(given)
     mismatch = wrong_kind(path, name="path", directory=True)
     if mismatch is not None:
         raise CheckpointError(mismatch)
@@ -77,6 +78,7 @@ def _refuse_foreign(path: Path) -> None:
         other = _other_kind(path)
         if other is not None:
             raise CheckpointError(f"'{path}' {other}; checkpoints go to a directory of their own.")
+    return path
 
 
 def _one_checkpoint(path: Path) -> bool:
@@ -91,8 +93,7 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
         CheckpointError: ``path`` is a file, one checkpoint (a ``step_*`` folder: pass the directory above it), a
             folder of another kind, or its ``latest`` names a folder that is not there.
     """
-    root = Path(path)
-    _refuse_foreign(root)
+    root = _refuse_foreign(path)
     if _one_checkpoint(root):
         raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: its newest checkpoint is "
                               f"named in '{root.parent / 'latest'}' (pass '{root.parent}').")
@@ -108,8 +109,7 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
 def save_root(path: str | os.PathLike) -> Path:
     """``path`` as the checkpoint directory to save into (it may not exist yet); CheckpointError for a file, one
     checkpoint (save into the directory above it) or a folder of another kind."""
-    root = Path(path)
-    _refuse_foreign(root)
+    root = _refuse_foreign(path)
     if _one_checkpoint(root):
         raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: saving into it would put "
                               f"checkpoints inside a checkpoint. Save into the directory above it ('{root.parent}').")
@@ -119,8 +119,7 @@ def save_root(path: str | os.PathLike) -> Path:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint to load: ``path`` itself when it is one (a ``step_*`` folder), else what the checkpoint
     directory ``path``'s ``latest`` names."""
-    root = Path(path)
-    _refuse_foreign(root)
+    root = _refuse_foreign(path)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint '{root}' does not exist.")
     if _one_checkpoint(root):
@@ -148,8 +147,7 @@ def job_checkpoints(path: str | os.PathLike) -> tuple[Path, Path | None]:
     from an older step would replace the newer ones of the run it left, and once this run has saved, the same
     command would start again from step N).
     """
-    given = Path(path)
-    _refuse_foreign(given)
+    given = _refuse_foreign(path)
     if not _one_checkpoint(given):
         return given, latest_checkpoint(given)
     root, step = job_root(given), _step_of(given)

@@ -61,9 +61,7 @@ def record_files(directory: Path, rank: int, world: int) -> tuple[dict[str, int]
         with open(directory / name, "rb") as f:
             os.fsync(f.fileno())
         mine[name] = file_checksum(directory / name)
-    checksums: dict[str, str] = {}
-    for part in all_ranks_values(mine):
-        checksums.update(part)
+    checksums = {name: crc for part in all_ranks_values(mine) for name, crc in part.items()}
     return sizes, dict(sorted(checksums.items()))
 
 

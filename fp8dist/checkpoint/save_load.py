@@ -13,12 +13,10 @@ A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
     D/latest                name of the newest complete checkpoint, replaced atomically after the rename
     D/.tmp-step_00000040/   a save in progress, or one that crashed: never loaded, removed by the next save
 
-FP8 state: Transformer Engine keeps scales and amax history in each module's ``_extra_state``, saved per rank
-(DeepSpeed: inside the engine's module state). torchao's dynamic scaling keeps no state; the FP8 weight scales
-that FSDP2's FP8 all-gather precomputes are recomputed from the loaded weights. MS-AMP is not supported yet.
-What each engine writes, and how loading avoids unpickling anything but tensors and plain values, is in
-:mod:`fp8dist.checkpoint.io`; what loads into what (across strategies, world sizes and FP8 on/off) in
-:mod:`fp8dist.checkpoint.compat`.
+FP8 state: Transformer Engine's is in ``fp8_state_rank{R}.pt`` (DeepSpeed: inside the engine's module state);
+torchao keeps none; MS-AMP is not supported yet. What each engine writes, and how loading avoids unpickling
+anything but tensors and plain values, is in :mod:`fp8dist.checkpoint.io`; what loads into what (across
+strategies, world sizes and FP8 on/off) in :mod:`fp8dist.checkpoint.compat`.
 """
 
 from __future__ import annotations
@@ -163,7 +161,8 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
 
 
 def _check_target(root: Path) -> Path:
-    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError naming it."""
+    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError
+    naming it."""
     try:
         check_output_path(root, name="path", directory=True)
     except ValueError as err:
@@ -242,8 +241,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
-    described = describe(model)
-    described["optimizer"] = optimizer_name(optimizer)
+    described = {**describe(model), "optimizer": optimizer_name(optimizer)}
     on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
                  error=CheckpointError)
     try:
