@@ -40,14 +40,14 @@ from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import StateBytes
 from ..config.schema import choice_error
-from ..config.rules import unread_options
+from ..config.rules import check, unread_options
 from ..config.resolve import Config, resolve_config
 from ..config.dtypes import DTYPES
 from ..pipeline.env import runs_on_cpu
 from ..plan.hardware import Hardware, find_gpu, parse_target
 from ..config.options import DEFAULT_SEQ_LEN
 from ..memory_levels import STANDARD, get_level
-from ..strategies import STRATEGIES, get_strategy
+from ..strategies import get_strategy
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
 
@@ -130,17 +130,15 @@ class MemoryEstimate(StateBytes):
         return "\n".join(lines)
 
 
-def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, strategy: str) -> None:
+def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, cfg: Config) -> None:
+    """The counts are positive integers, and ``cfg`` runs on ``world_size`` ranks (the combination table's rules
+    that read the world size: one process for a strategy without a process group)."""
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer ({what}).")
-    # TODO(issue 41): the table's rule of a strategy with no process group (pipeline/cli engineer) replaces this
-    if not get_strategy(strategy).process_group and world_size != 1:
-        several = " / ".join(repr(name) for name, s in STRATEGIES.items() if s.process_group)
-        raise ValueError(f"world_size={world_size} with strategy={strategy!r}: {strategy!r} trains in one process. "
-                         f"Use world_size=1, or strategy={several} for several ranks.")
+    check(cfg, world_size=world_size)
 
 
 def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str, engine: Any) -> \
@@ -201,7 +199,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
     seq_len = seq_len if seq_len is not None else cfg.parallel.seq_len or DEFAULT_SEQ_LEN
-    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    check_counts(world_size, micro, seq_len, cfg)
     if optimizer not in OPTIMIZER_STATES:
         raise choice_error("optimizer", optimizer, OPTIMIZER_STATES,
                            "Its states per parameter decide the optimizer_states bytes.")
@@ -236,7 +234,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
 
     strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
         backend_of(cfg.precision.fp8)
-    check_counts(world_size, micro, seq_len, cfg.parallel.strategy)
+    check_counts(world_size, micro, seq_len, cfg)
     strategy.check_launch(cfg, world_size)
     optimizer = "adamw" if level.builds_optimizer else optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     """``fp8dist estimate``: print the table (or JSON); bad values raise ValueError (exit 2 in the CLI)."""
     config, _ = config_from_args(args)
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
-    check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config.parallel.strategy)
+    check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config)
     target = parse_target(args.target) if args.target is not None else None
     model = meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
     with warnings.catch_warnings(record=True) as caught:  # said as fp8dist plan says its notes
