@@ -82,7 +82,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         raise LaunchError(f"{given}={environ[given]} is set but {missing} is not: a launcher sets both (and "
                           "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
                           f"{missing} too, or unset {given} to run as one process.")
-    if "RANK" in environ and "WORLD_SIZE" in environ:
+    if "RANK" in environ:  # and WORLD_SIZE: checked above
         names = ("RANK", "WORLD_SIZE")
         rank, world = read(environ, "RANK"), read(environ, "WORLD_SIZE")
         local = read(environ, "LOCAL_RANK", rank)
@@ -114,10 +114,8 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return next((read(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
 
 
-def _ranks_per_node(environ: Mapping[str, str], world: int) -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return local_world_size(environ, world)
+# processes per node, as torchrun, the deepspeed launcher and srun export it
+_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def local_world_size(environ: Mapping[str, str], default: int) -> int:
@@ -133,7 +131,8 @@ def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     environ = os.environ if environ is None else environ
     rank, world = dist.get_rank(), dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
-    local = read(environ, name) if name else rank % max(1, _ranks_per_node(environ, world))
+    per_node = torch.cuda.device_count() if torch.cuda.is_available() else local_world_size(environ, world)
+    local = read(environ, name) if name else rank % max(1, per_node)
     return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, _node_rank(environ))
 
 
@@ -204,16 +203,12 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
             :data:`fp8dist.pipeline.rendezvous.RENDEZVOUS_TIMEOUT_S` (``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds when set), then
             raise LaunchError saying how many joined; under torchrun its own rendezvous decides.
     """
-    if dist.is_initialized():  # the user's group: its rank and world size are the truth
-        launch = launch_from_group()
-        dev = resolve_device(device, launch.local_rank)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, dist.get_backend(), launch.launcher)
-    launch = detect_launch_env()
+    launch = current_launch()  # an initialized group (the user's): its rank and world size are the truth
     dev = resolve_device(device, launch.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, dist.get_backend(), launch.launcher)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if launch.world_size == 1:
@@ -238,10 +233,6 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)
 
 
-RELEASE_WAIT_S = 0.1
-"""How long :func:`shutdown` leaves the GIL free for the backend's threads to let go of their last collectives."""
-
-
 def shutdown() -> None:
     """End a distributed run cleanly: every rank meets at a barrier, the process group is destroyed, and the
     backend's worker threads get the GIL for a moment to release their last collectives before the interpreter
@@ -261,7 +252,7 @@ def shutdown() -> None:
         return
     dist.barrier()
     dist.destroy_process_group()
-    time.sleep(RELEASE_WAIT_S)  # the GIL is free: pending releases run now, not during finalization
+    time.sleep(0.1)  # the GIL is free: pending releases run now, not during finalization
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -271,10 +262,6 @@ def peak_memory_mib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-# processes per node, as torchrun, the deepspeed launcher and srun export it
-_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
