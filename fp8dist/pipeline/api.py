@@ -249,9 +249,9 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
     whoever builds it: the engine or the FP8 backend (in the strategy's sharding), else the memory level."""
     if optimizer is None:
         return sharded.model
-    built = sharded.optimizer
-    return sharded.model, built if built is not None else memory.build_optimizer(optimizer, sharded.model.parameters(),
-                                                                                 env.device)
+    if sharded.optimizer is not None:
+        return sharded.model, sharded.optimizer
+    return sharded.model, memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
 
 
 def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:

@@ -114,9 +114,8 @@ def _no_cache(model: nn.Module) -> str | None:
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
     """Checkpoint (``mode``) and/or compile each block of ``found`` (``(name, module)`` pairs), in place in
-    ``model``; returns the blocks to shard (the wrappers where there are some) and what was done."""
-    if mode == "none" and not compiled:
-        return found, BlockWiring(mode, False, reason)
+    ``model``; returns the blocks to shard (the wrappers where there are some) and what was done. Called only
+    where there is something to do (``wrap_model`` skips it otherwise)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:

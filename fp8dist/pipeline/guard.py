@@ -32,10 +32,6 @@ class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had non-finite gradients (or one did, with ``nonfinite_step="error"``)."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 @dataclass
 class StepGuard:
     """What ``nonfinite_step`` does, and what it has seen (every rank holds the same counts)."""
@@ -115,7 +111,7 @@ def _nonfinite(params: Iterable[torch.Tensor], device: torch.device) -> torch.Te
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
     by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
     for i, p in enumerate(params):
-        g = None if p.grad is None else _local(p.grad)
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor's part on this rank
         if g is not None and g.numel():
             by_dtype.setdefault(g.dtype, []).append((i, g))
     for items in by_dtype.values():

@@ -37,8 +37,9 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     """Every optimizer class of ``torch.optim`` by its lower-case name: the types an optimizer spec names."""
+    base = torch.optim.Optimizer
     return {name.lower(): value for name, value in vars(torch.optim).items()
-            if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer}
+            if isinstance(value, type) and issubclass(value, base) and value is not base}
 
 
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")

@@ -14,6 +14,7 @@ forever. The client is made in a thread; at the timeout its connection is shut d
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import ipaddress
@@ -145,11 +146,9 @@ def _socket_fds() -> list[int]:
     """This process's open sockets (Linux: /proc/self/fd)."""
     fds = []
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
                 fds.append(int(name))
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
     return fds
 
 
@@ -165,13 +164,11 @@ def _close_connections(fds: set[int], peers: set) -> bool:
     there was one."""
     closed = False
     for fd in fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.family in (socket.AF_INET, socket.AF_INET6) and _endpoint(sock.getpeername()) in peers:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    closed = True
-        except OSError:  # not connected (yet), or closed meanwhile
-            pass
+        # OSError: not connected (yet), or closed meanwhile
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and _endpoint(sock.getpeername()) in peers:
+                sock.shutdown(socket.SHUT_RDWR)
+                closed = True
     return closed
 
 
