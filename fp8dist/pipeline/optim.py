@@ -205,8 +205,7 @@ class _StepHooks:
         if known is None or known[0] != count:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             mine = weakref.WeakSet(m for m in list(self._actions) if any(id(p) in ids for p in m.parameters()))
-            known = (count, mine)
-            self._owners[optimizer] = known
+            known = self._owners[optimizer] = (count, mine)
         return list(known[1])
 
     def _run(self, optimizer: torch.optim.Optimizer, when: str) -> None:
