@@ -1,18 +1,10 @@
-"""Collective agreement: what every rank of a job must agree on, and failures no rank may hide.
+"""Collective agreement: what every rank of a job must agree on (:func:`check_ranks_agree`), and failures no rank
+may hide (:func:`on_all_ranks`).
 
-- :func:`check_ranks_agree`: every rank must wrap the same model with the same settings. A rank given other
-  settings (``fp8=`` on one rank only) hangs the job in its first step, in a collective the others never enter;
-  ranks holding different weights under an engine that does not copy rank 0's (FSDP shards each rank's own copy)
-  train a silent mixture. ``wrap_model`` compares a fingerprint of each rank's resolved config, plan, model
-  structure and weights with one collective, and every rank fails naming what differs, before anything is
-  converted or sharded.
-- :func:`on_all_ranks`: collective operations in which one rank can fail alone (its disk, its file, its part of a
-  tensor): every rank learns of the failure and raises the same error, so none waits forever in the next
-  collective for a rank that has left::
-
-      on_all_ranks(f"creating {tmp}", (lambda: tmp.mkdir()) if rank == 0 else None, error=CheckpointError)
-
-  The cost is one ``all_gather_object`` of a few bytes per call: call it per file or per phase, never per tensor.
+A rank given other settings (``fp8=`` on one rank only) hangs the job in its first step, in a collective the others
+never enter; ranks holding different weights under an engine that does not copy rank 0's (FSDP shards each rank's
+own copy) train a silent mixture. A rank that fails alone (its disk, its file, its part of a tensor) leaves the
+others waiting forever in the next collective.
 """
 
 from __future__ import annotations
@@ -78,7 +70,8 @@ def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Excep
                  passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> T | None:
     """Run ``action`` on this rank (None: this rank has nothing to do), then learn from every rank whether its
     action worked; if any failed, raise on every rank the same error, naming ``what`` and the first rank that
-    failed (the failing rank chains its own exception). Call it on every rank, in the same order.
+    failed (the failing rank chains its own exception). Call it on every rank, in the same order; it costs one
+    ``all_gather_object`` of a few bytes: call it per file or per phase, never per tensor.
 
     Args:
         what: the operation, as the message names it ("saving ckpt/step_00000002 (writing ...)").
@@ -93,6 +86,10 @@ def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Excep
 
     Raises:
         error: on every rank, when ``action`` raised on any rank (or the ``passthrough`` class raised).
+
+    Example::
+
+        on_all_ranks(f"creating {tmp}", (lambda: tmp.mkdir()) if rank == 0 else None, error=CheckpointError)
     """
     failure: Exception | None = None
     result = None
@@ -159,7 +156,8 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
 
 
 def check_ranks_agree(model: nn.Module, cfg: Any, plan: Any, env: Any) -> None:
-    """Raise :class:`RanksDisagreeError` on every rank when the ranks' fingerprints differ (one all-gather).
+    """Raise :class:`RanksDisagreeError` on every rank when the ranks' fingerprints differ (one all-gather), before
+    ``wrap_model`` converts or shards anything.
     ``check_ranks="settings"`` leaves the weights out (ranks that differ on purpose), ``"off"`` checks nothing;
     weights are not compared where the strategy copies rank 0's weights anyway, or where they come later (a meta
     model, ``pretrained=``)."""

@@ -57,8 +57,6 @@ class WrapInfo:
         return self.guard.skipped_steps if self.guard is not None else 0
 
 
-
-
 def get_wrap_info(model: nn.Module) -> WrapInfo:
     """The :class:`WrapInfo` of a model returned by :func:`wrap_model`."""
     info = getattr(model, _INFO_ATTR, None)
@@ -73,22 +71,11 @@ def get_plan(model: nn.Module) -> PrecisionPlan:
 
 
 def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
-    _check_not_wrapped(model)
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train. Check that "
-                         "its layers are registered as submodules (nn.ModuleList, not a Python list).")
-    if not any(p.requires_grad for p in params):
-        raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
-                         "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
-
-
-def _check_not_wrapped(model: nn.Module) -> None:
     """A model an engine (or wrap_model) already wrapped, sharded or FP8-converted, anywhere in its tree, is refused
     before anything changes: a second engine over the same parameters trains wrong or fails inside torch, and the
-    plan cannot account for layers converted before it."""
+    plan cannot account for layers converted before it. So is a model with nothing to train."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
     found = find_wrapping(model)
     if found is not None and found.engine == "fp8dist":
         raise ValueError(f"wrap_model: {found.describe(model)}. Train that model as wrap_model returned it "
@@ -107,6 +94,13 @@ def _check_not_wrapped(model: nn.Module) -> None:
                          "by hand): fp8dist converts the layers itself and its plan, which records each layer's "
                          "precision, cannot account for one converted before it. Pass the model before conversion, "
                          f"with fp8={backend!r} (fp8_exclude / fp8_filter keep layers out of FP8).")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train. Check that "
+                         "its layers are registered as submodules (nn.ModuleList, not a Python list).")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
+                         "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
 
 
 def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, facts: Any,
@@ -119,8 +113,7 @@ def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, fa
     half = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in _HALF]
     if not half:
         return
-    name, dtype = half[0]
-    short = dtype_name(dtype)
+    (name, dtype), short = half[0], dtype_name(half[0][1])
     raise ValueError(
         f"wrap_model: {type(model).__name__} has {plural(len(half), f'trainable {short} parameter')} "
         f"(e.g. {name!r}) and "
@@ -142,18 +135,6 @@ def _check_meta(model: nn.Module, cfg: Config) -> bool:
     if meta and refusal:
         raise ValueError(f"fp8={cfg.precision.fp8!r} with a meta-device model: {refusal}.")
     return meta
-
-
-def _ignored_arguments(cfg: Config, fp8_filter: Any, fp8_group: Any) -> list[str]:
-    """Arguments the configured backend does not read: said once each, never silently dropped."""
-    notes = []
-    if fp8_filter is not None and cfg.precision.fp8 is None:
-        notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
-    backend = get_backend(cfg.precision.fp8) if cfg.precision.fp8 else None
-    if fp8_group is not None and not (backend and backend.takes_amax_group):
-        notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: only Transformer Engine reduces its "
-                     "amax over a process group you choose (torchao and MS-AMP take no group).")
-    return notes
 
 
 def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, memory: MemoryLevel,
@@ -268,10 +249,9 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
     whoever builds it: the engine or the FP8 backend (in the strategy's sharding), else the memory level."""
     if optimizer is None:
         return sharded.model
-    built = sharded.optimizer
-    if built is None:
-        built = memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
-    return sharded.model, built
+    if sharded.optimizer is not None:
+        return sharded.model, sharded.optimizer
+    return sharded.model, memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
 
 
 def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:
@@ -307,13 +287,18 @@ def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[An
 
 
 def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:
-    """One warning for each thing the user asked for that will not happen as asked."""
-    notes = cfg.unused_options() + _ignored_arguments(cfg, fp8_filter, fp8_group) + list(plan.notes)
+    """One warning for each thing the user asked for that will not happen as asked: options and arguments the
+    configured backend does not read are said once each, never silently dropped."""
+    notes = cfg.unused_options()
+    if fp8_filter is not None and cfg.precision.fp8 is None:
+        notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
+    if fp8_group is not None and not (cfg.precision.fp8 and get_backend(cfg.precision.fp8).takes_amax_group):
+        notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: only Transformer Engine reduces its "
+                     "amax over a process group you choose (torchao and MS-AMP take no group).")
+    notes += plan.notes
     if plan.unavailable:
         notes.append(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "
                      f"strategy's {cfg.parallel.param_dtype} mixed precision.")
-    low = plan.low_coverage_warning()
-    if low:
-        notes.append(low)
-    for note in notes:
+    notes += [plan.low_coverage_warning()]
+    for note in filter(None, notes):
         warnings.warn(note, UserWarning, stacklevel=3)

@@ -95,16 +95,9 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    kwargs: dict[str, Any] = {}
-    if mode == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+        if mode == "selective" else {}
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    parent.register_module(child, new)
 
 
 def _no_cache(model: nn.Module) -> str | None:
@@ -121,20 +114,19 @@ def _no_cache(model: nn.Module) -> str | None:
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
     """Checkpoint (``mode``) and/or compile each block of ``found`` (``(name, module)`` pairs), in place in
-    ``model``; returns the blocks to shard (the wrappers where there are some) and what was done."""
-    if mode == "none" and not compiled:
-        return found, BlockWiring(mode, False, reason)
+    ``model``; returns the blocks to shard (the wrappers where there are some) and what was done. Called only
+    where there is something to do (``wrap_model`` skips it otherwise)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:
         if mode != "none":
             block = _checkpointed(block, mode)
-            _replace(model, name, block)
-        if compiled:
-            worked_around = has_biased_gemm(block)
-            block.compile(**({"options": COMPILE_OPTIONS} if worked_around else {}))
-            if worked_around:
-                options.append(name)
+            model.set_submodule(name, block)
+        if compiled and has_biased_gemm(block):
+            block.compile(options=COMPILE_OPTIONS)
+            options.append(name)
+        elif compiled:
+            block.compile()
         out.append((name, block))
     return out, BlockWiring(mode, compiled, reason, tuple(n for n, _ in found), (note,) if note else (),
                             tuple(options))

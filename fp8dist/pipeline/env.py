@@ -70,11 +70,8 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read rank, world size and rendezvous address from a launcher's environment variables.
-
-    Args:
-        environ: the variables to read; defaults to ``os.environ``.
-    """
+    """Read rank, world size and rendezvous address from a launcher's environment variables (``environ``,
+    default ``os.environ``)."""
     environ = os.environ if environ is None else environ
     check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
@@ -82,24 +79,20 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         raise LaunchError(f"{given}={environ[given]} is set but {missing} is not: a launcher sets both (and "
                           "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
                           f"{missing} too, or unset {given} to run as one process.")
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        names = ("RANK", "WORLD_SIZE")
-        rank, world = read(environ, "RANK"), read(environ, "WORLD_SIZE")
-        local = read(environ, "LOCAL_RANK", rank)
-        port = read(environ, "MASTER_PORT")
-        launcher = "env"
-        addr = read(environ, "MASTER_ADDR")
+    if "RANK" in environ:  # and WORLD_SIZE: checked above
+        launcher, names, local_name = "env", ("RANK", "WORLD_SIZE"), "LOCAL_RANK"
     elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
+        launcher, local_name = "slurm", "SLURM_LOCALID"
         names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
-        rank, world = read(environ, names[0]), read(environ, names[1])
-        local = read(environ, "SLURM_LOCALID", 0)
-        launcher = "slurm"
-        addr = read(environ, "MASTER_ADDR") or (_slurm_head_node(environ) if world > 1 else None)
-        port = read(environ, "MASTER_PORT")
-        if port is None and "SLURM_JOB_ID" in environ:  # same on every task of the job, distinct between jobs
-            port = 20000 + read(environ, "SLURM_JOB_ID") % 20000
     else:
         return LaunchEnv("none", 0, 1, 0, None, None)
+    rank, world = read(environ, names[0]), read(environ, names[1])
+    local = read(environ, local_name, rank if launcher == "env" else 0)
+    addr, port = read(environ, "MASTER_ADDR"), read(environ, "MASTER_PORT")
+    if launcher == "slurm":
+        addr = addr or (_slurm_head_node(environ) if world > 1 else None)
+        if port is None and "SLURM_JOB_ID" in environ:  # same on every task of the job, distinct between jobs
+            port = 20000 + read(environ, "SLURM_JOB_ID") % 20000
     if rank >= world:
         raise LaunchError(f"{names[0]}={rank}: rank {rank} is outside world size {world} ({names[1]}={world}, ranks "
                           f"0 to {world - 1}): start every process with the same {names[1]} (the number started) "
@@ -114,10 +107,8 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return next((read(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
 
 
-def _ranks_per_node(environ: Mapping[str, str], world: int) -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return local_world_size(environ, world)
+# processes per node, as torchrun, the deepspeed launcher and srun export it
+_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def local_world_size(environ: Mapping[str, str], default: int) -> int:
@@ -133,7 +124,8 @@ def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     environ = os.environ if environ is None else environ
     rank, world = dist.get_rank(), dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
-    local = read(environ, name) if name else rank % max(1, _ranks_per_node(environ, world))
+    per_node = torch.cuda.device_count() if torch.cuda.is_available() else local_world_size(environ, world)
+    local = read(environ, name) if name else rank % max(1, per_node)
     return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, _node_rank(environ))
 
 
@@ -185,11 +177,6 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _restarted_under_torchrun(launch: LaunchEnv) -> bool:
-    return (launch.launcher == "env" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-
-
 def init_distributed(*, device: str = "auto", backend: str | None = None,
                      timeout: datetime.timedelta | None = None) -> DistEnv:
     """Initialize the default process group from the launcher's environment, unless it already is.
@@ -201,24 +188,21 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
         device: "auto", "cpu" or "cuda".
         backend: process-group backend; None picks nccl for CUDA and gloo for CPU.
         timeout: collective timeout; None keeps torch's default. The ranks wait for each other to start for
-            :data:`fp8dist.pipeline.rendezvous.RENDEZVOUS_TIMEOUT_S` (``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds when set), then
-            raise LaunchError saying how many joined; under torchrun its own rendezvous decides.
+            :data:`fp8dist.pipeline.rendezvous.RENDEZVOUS_TIMEOUT_S` (``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds when
+            set), then raise LaunchError saying how many joined; under torchrun its own rendezvous decides.
     """
-    if dist.is_initialized():  # the user's group: its rank and world size are the truth
-        launch = launch_from_group()
-        dev = resolve_device(device, launch.local_rank)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, dist.get_backend(), launch.launcher)
-    launch = detect_launch_env()
+    launch = current_launch()  # an initialized group (the user's): its rank and world size are the truth
     dev = resolve_device(device, launch.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, dist.get_backend(), launch.launcher)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     kwargs = {"timeout": timeout} if timeout is not None else {}
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent rendezvoused already
     if launch.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    elif _restarted_under_torchrun(launch):
+    elif agent and launch.launcher == "env" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         # torch 2.13's torchrun keeps one store for every attempt of the worker group, so the keys a dead attempt
         # wrote (gloo's peer addresses) are still there and a restarted rank may wait on its old peer forever
         # (1 restart in 3 hung): each attempt gets its own key prefix
@@ -226,7 +210,7 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
         store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False)
         dist.init_process_group(backend, store=dist.PrefixStore(f"fp8dist/attempt_{attempt}", store),
                                 rank=launch.rank, world_size=launch.world_size, **kwargs)
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent rendezvoused already
+    elif agent:
         dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
                                 **kwargs)
     else:  # RANK/WORLD_SIZE by hand, deepspeed's launcher, SLURM: a rendezvous that gives up with a clear error
@@ -236,10 +220,6 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     if dev.type == "cpu":
         share_cpu_threads()
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, backend, launch.launcher)
-
-
-RELEASE_WAIT_S = 0.1
-"""How long :func:`shutdown` leaves the GIL free for the backend's threads to let go of their last collectives."""
 
 
 def shutdown() -> None:
@@ -261,7 +241,7 @@ def shutdown() -> None:
         return
     dist.barrier()
     dist.destroy_process_group()
-    time.sleep(RELEASE_WAIT_S)  # the GIL is free: pending releases run now, not during finalization
+    time.sleep(0.1)  # the GIL is free: pending releases run now, not during finalization
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -271,10 +251,6 @@ def peak_memory_mib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-# processes per node, as torchrun, the deepspeed launcher and srun export it
-_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:

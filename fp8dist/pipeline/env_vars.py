@@ -29,22 +29,14 @@ class Variable:
     """What to do about a bad value."""
 
 
-def _integer(low: int, high: int | None = None) -> Callable[[str], int | None]:
-    def parse(text: str) -> int | None:
+def _number(cast: Callable[[str], Any], allowed: Callable[[Any], bool]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
             return None
-        return value if low <= value and (high is None or value <= high) else None
+        return value if allowed(value) else None
     return parse
-
-
-def _seconds(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if value > 0 and math.isfinite(value) else None
 
 
 def _text(text: str) -> str | None:
@@ -71,8 +63,9 @@ def _set(what: str, who: str, otherwise: str = "or unset it") -> str:
     return f"set it to {what} ({who}), {otherwise}"
 
 
-_INDEX, _INDEX_TEXT = _integer(0), "an integer, 0 or more"
-_COUNT, _COUNT_TEXT = _integer(1), "an integer, 1 or more"
+_INDEX, _INDEX_TEXT = _number(int, lambda v: v >= 0), "an integer, 0 or more"
+_COUNT, _COUNT_TEXT = _number(int, lambda v: v >= 1), "an integer, 1 or more"
+_NODELIST = "run inside a SLURM job, or set MASTER_ADDR to the head node's address"
 
 VARIABLES: dict[str, Variable] = {
     "RANK": Variable(_INDEX, _INDEX_TEXT, _set("this process's index in the job, below WORLD_SIZE", _EACH,
@@ -86,7 +79,7 @@ VARIABLES: dict[str, Variable] = {
     "GROUP_RANK": Variable(_INDEX, _INDEX_TEXT, _set("this node's index in the job", "torchrun sets it")),
     "CROSS_RANK": Variable(_INDEX, _INDEX_TEXT, _set("this node's index in the job", "the deepspeed launcher sets it")),
     "MASTER_ADDR": Variable(_text, "a host name or address", "set it to rank 0's machine, the same for every rank"),
-    "MASTER_PORT": Variable(_integer(1, 65535), "an integer from 1 to 65535", _PORT),
+    "MASTER_PORT": Variable(_number(int, lambda v: 1 <= v <= 65535), "an integer from 1 to 65535", _PORT),
     "SLURM_PROCID": Variable(_INDEX, _INDEX_TEXT, _SLURM),
     "SLURM_NTASKS": Variable(_COUNT, _COUNT_TEXT, _SLURM),
     "SLURM_STEP_NUM_TASKS": Variable(_COUNT, _COUNT_TEXT, _SLURM),
@@ -94,16 +87,15 @@ VARIABLES: dict[str, Variable] = {
     "SLURM_NODEID": Variable(_INDEX, _INDEX_TEXT, _SLURM),
     "SLURM_NTASKS_PER_NODE": Variable(_COUNT, _COUNT_TEXT, _SLURM),
     "SLURM_JOB_ID": Variable(_INDEX, _INDEX_TEXT, "sbatch and salloc set it: run inside a SLURM job, or unset it"),
-    "SLURM_JOB_NODELIST": Variable(_text, "a SLURM node list", "run inside a SLURM job, or set MASTER_ADDR to the "
-                                                               "head node's address"),
-    "SLURM_STEP_NODELIST": Variable(_text, "a SLURM node list", "run inside a SLURM job, or set MASTER_ADDR to the "
-                                                                "head node's address"),
+    "SLURM_JOB_NODELIST": Variable(_text, "a SLURM node list", _NODELIST),
+    "SLURM_STEP_NODELIST": Variable(_text, "a SLURM node list", _NODELIST),
     "TORCHELASTIC_RESTART_COUNT": Variable(_INDEX, _INDEX_TEXT, _TORCHRUN),
     "TORCHELASTIC_USE_AGENT_STORE": Variable({"True": True, "False": False}.get, "True or False", _TORCHRUN),
     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": Variable(_INDEX, "an integer number of seconds, 0 or more",
                                                "set it to how long interrupted ranks get to exit, or unset it"),
-    TIMEOUT_VARIABLE: Variable(_seconds, f"a positive number of seconds (default {RENDEZVOUS_TIMEOUT_S:.0f})",
-                                           "set it to how long the ranks wait for each other to start, or unset it"),
+    TIMEOUT_VARIABLE: Variable(_number(float, lambda v: v > 0 and math.isfinite(v)),
+                               f"a positive number of seconds (default {RENDEZVOUS_TIMEOUT_S:.0f})",
+                               "set it to how long the ranks wait for each other to start, or unset it"),
 }
 """Every variable fp8dist reads from a launcher's environment (``OMP_NUM_THREADS`` aside: only whether it is set)."""
 

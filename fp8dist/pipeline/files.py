@@ -42,8 +42,8 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException as err:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError) and _is_temporary(err.filename, target, prefix):
             # the temporary name means nothing to the user: say the file they asked for
             raise type(err)(err.errno, f"{err.strerror} (writing {str(target)!r})", str(target)) from None

@@ -14,6 +14,8 @@ warns and stops the same way (the strategy decides how it watches its steps).
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,10 +30,6 @@ __all__ = ["StepGuard", "NonFiniteStepsError"]
 
 class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had non-finite gradients (or one did, with ``nonfinite_step="error"``)."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -50,7 +48,6 @@ class StepGuard:
     """Optimizer steps seen."""
     skipped_steps: int = 0
     consecutive: int = 0
-    last_modules: tuple[str, ...] = ()
 
     @classmethod
     def for_model(cls, model: nn.Module, cfg: Any, device: torch.device) -> "StepGuard":
@@ -64,31 +61,22 @@ class StepGuard:
         """Check the gradients of ``optimizer``'s parameters before it steps; skip (set them to None) or raise
         on every rank alike. Registered with :data:`fp8dist.pipeline.optim.STEP_HOOKS` by the strategy."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        bad = _nonfinite(params, self.device)
-        if not bad.any():
-            self._ok()
+        bad = _nonfinite(params, self.device).tolist()
+        if any(bad):
+            for p in params:
+                p.grad = None  # the optimizer skips a parameter without a gradient: weights and state untouched
+        self.after_engine_step(any(bad), tuple(dict.fromkeys(self.names.get(id(p), "?")
+                                                             for p, b in zip(params, bad) if b)))
+
+    def after_engine_step(self, skipped: bool, modules: tuple[str, ...] = ()) -> None:
+        """Count a step and whether it was skipped (``modules``: where the gradients were non-finite); an engine
+        that checks and skips inside its own step reports its verdict here. Warn of a skip, stop after too many."""
+        self.steps += 1
+        if not skipped:
+            self.consecutive = 0
             return
-        modules = tuple(dict.fromkeys(self.names.get(id(p), "?") for p, b in zip(params, bad.tolist()) if b))
-        for p in params:
-            p.grad = None  # the optimizer skips a parameter without a gradient: weights and state untouched
-        self.skipped(modules)
-
-    def after_engine_step(self, skipped: bool) -> None:
-        """For an engine that checks and skips inside its own step: count its verdict, warn, stop after too many."""
-        if skipped:
-            self.skipped(())
-        else:
-            self._ok()
-
-    def _ok(self) -> None:
-        self.steps += 1
-        self.consecutive = 0
-
-    def skipped(self, modules: tuple[str, ...]) -> None:
-        self.steps += 1
         self.skipped_steps += 1
         self.consecutive += 1
-        self.last_modules = modules
         where = f" in {', '.join(modules[:8])}" + (f" and {len(modules) - 8} more" if len(modules) > 8 else "") \
             if modules else ""
         if self.mode == "error":
@@ -105,9 +93,6 @@ class StepGuard:
 def _caller_level() -> int:
     """The stack level of the first frame outside fp8dist and torch: the user's ``optimizer.step()`` line, where
     the warning belongs (hooks run it from inside torch)."""
-    import inspect
-    import os
-
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
     frame, level = inspect.currentframe(), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
@@ -124,10 +109,10 @@ def _nonfinite(params: Iterable[torch.Tensor], device: torch.device) -> torch.Te
     fused norm per dtype here, one MAX all-reduce of the flags."""
     params = list(params)
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
-    grads = [(i, _local(p.grad)) for i, p in enumerate(params) if p.grad is not None]
     by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
-    for i, g in grads:
-        if g.numel():
+    for i, p in enumerate(params):
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor's part on this rank
+        if g is not None and g.numel():
             by_dtype.setdefault(g.dtype, []).append((i, g))
     for items in by_dtype.values():
         norms = torch.stack(torch._foreach_norm([g for _, g in items])).float().to(device)

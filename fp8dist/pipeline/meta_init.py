@@ -26,15 +26,6 @@ def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _init_fn(model: nn.Module):
-    """The model's per-module initializer: Hugging Face ``_init_weights``, else each module's
-    ``reset_parameters``."""
-    hf_init = getattr(model, "_init_weights", None)
-    if callable(hf_init):
-        return hf_init
-    return lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
-
-
 def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]],
                     param_device: torch.device | str) -> nn.Module:
     """A childless copy of ``module`` with its own buffers at full size on ``device``, its parameters on
@@ -67,9 +58,11 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
     inner = unwrap_model(model)
     params = local_params(model) if params is None else params
     by_name = {n: p for p in params for n in p.names}
-    init = _init_fn(inner)
-    if not buffers_only:
-        _check_initializable(inner, by_name)
+    init = getattr(inner, "_init_weights", None)  # Hugging Face's per-module initializer
+    if not callable(init):  # else each module's reset_parameters
+        init = lambda module: module.reset_parameters() if hasattr(module, "reset_parameters") else None
+        if not buffers_only:
+            _check_initializable(inner, by_name)
     with torch.no_grad():
         for prefix, module in _post_order(inner):
             if not module._buffers and (buffers_only or not module._parameters):
@@ -92,8 +85,6 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
 def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> None:
     """Without Hugging Face's ``_init_weights``, a module whose parameters no ``reset_parameters`` sets would keep
     uninitialized memory: refused, naming them."""
-    if callable(getattr(inner, "_init_weights", None)):
-        return
     bare = [plain_name(f"{prefix}.{n}" if prefix else n) for prefix, module in _post_order(inner)
             if not hasattr(module, "reset_parameters") for n in module._parameters
             if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]

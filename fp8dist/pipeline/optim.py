@@ -4,6 +4,10 @@ the one registry of what fp8dist does around an optimizer's step (:data:`STEP_HO
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import types
+import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -11,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "build_optimizer", "check_optimizer_spec", "optimizer_classes", "STEP_HOOKS", "StepAction", "watch_replaced_parameters",
-           "StaleOptimizerError", "param_count"]
+__all__ = ["OptimizerSpec", "build_optimizer", "check_optimizer_spec", "optimizer_classes", "STEP_HOOKS", "StepAction",
+           "watch_replaced_parameters", "StaleOptimizerError", "param_count"]
 
 OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | Mapping[str, Any]
 
@@ -33,12 +37,9 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     """Every optimizer class of ``torch.optim`` by its lower-case name: the types an optimizer spec names."""
-    found = {}
-    for name in dir(torch.optim):
-        value = getattr(torch.optim, name)
-        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer:
-            found[name.lower()] = value
-    return found
+    base = torch.optim.Optimizer
+    return {name.lower(): value for name, value in vars(torch.optim).items()
+            if isinstance(value, type) and issubclass(value, base) and value is not base}
 
 
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -114,9 +115,6 @@ def _trial(cls: type, kwargs: dict[str, Any], who: str) -> None:
 
 def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyword options of an optimizer class: {key: type hint}, {key: default}."""
-    import inspect
-    import typing
-
     hints = typing.get_type_hints(cls.__init__)
     parameters = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "params")
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -125,8 +123,6 @@ def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _unknown_key(who: str, cls: type, key: str, keys: list[str]) -> None:
-    import difflib
-
     close = difflib.get_close_matches(str(key), keys, n=1)
     raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
                      f"{', '.join(keys)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
@@ -135,9 +131,6 @@ def _unknown_key(who: str, cls: type, key: str, keys: list[str]) -> None:
 def _matches(value: Any, hint: Any) -> bool:
     """Whether ``value`` is of the type ``hint`` (an optimizer signature's: numbers, booleans, strings, tensors,
     None, unions and fixed-length tuples); an int is a float, a bool is neither."""
-    import types
-    import typing
-
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)
@@ -152,9 +145,6 @@ def _matches(value: Any, hint: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    import types
-    import typing
-
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
@@ -215,8 +205,7 @@ class _StepHooks:
         if known is None or known[0] != count:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             mine = weakref.WeakSet(m for m in list(self._actions) if any(id(p) in ids for p in m.parameters()))
-            known = (count, mine)
-            self._owners[optimizer] = known
+            known = self._owners[optimizer] = (count, mine)
         return list(known[1])
 
     def _run(self, optimizer: torch.optim.Optimizer, when: str) -> None:

@@ -13,6 +13,7 @@ weights (one code path).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -131,12 +132,10 @@ class SafetensorsDir:
     def read(self, name: str, region: Region) -> torch.Tensor:
         """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
         that cover it)."""
-        found = self._aliases.get(name)
+        found = self._aliases.get(name, name)
         if isinstance(found, str):
             return self._read_file(found, region, self.shapes[name])
-        if found is not None:
-            return self._read_fused(found, region)
-        return self._read_file(name, region, self.shapes[name])
+        return self._read_fused(found, region)
 
     def _read_fused(self, fused: Any, region: Region) -> torch.Tensor:
         """A region of a fused experts tensor from the per-expert tensors: of each expert in it, the rows of
@@ -144,8 +143,7 @@ class SafetensorsDir:
         if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
             if region.numel == 0:
                 return torch.empty(0)
-            experts, rows, rest = fused.shape[0], fused.shape[1], tuple((0, s) for s in fused.shape[2:])
-            row = _numel(fused.shape[2:])
+            rows, rest, row = fused.shape[1], tuple((0, s) for s in fused.shape[2:]), math.prod(fused.shape[2:])
             start, stop = region.flat
             first, last = start // row, (stop - 1) // row + 1
             pieces = []
@@ -175,9 +173,7 @@ class SafetensorsDir:
             return torch.empty(0)
         else:
             start, stop = region.flat
-            row = 1
-            for size in shape[1:]:
-                row *= size
+            row = math.prod(shape[1:])
             first, last = start // row, (stop - 1) // row + 1
             rows = piece[first:last] if shape else piece[:]
             out = rows.reshape(-1)[start - first * row: stop - first * row]
@@ -197,14 +193,6 @@ class LoadReport:
     """Tensor bytes this rank read from the files."""
     checkpoint_bytes: int
     """Tensor bytes of the whole checkpoint."""
-
-
-# ---- pretrained weights into whatever this rank holds
-
-
-def _ignored(model: nn.Module) -> list[str]:
-    """Checkpoint keys the model's class says to ignore (Hugging Face ``_keys_to_ignore_on_load_unexpected``)."""
-    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -245,8 +233,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[L
     casting to each parameter's dtype. ``model`` is the wrapped model (or the user's module); ``params`` defaults
     to :func:`~fp8dist.strategies.local_shards.local_params` of it. Call it on every rank: a failure on any rank
     (its part of a tensor non-finite, a file it cannot read) raises on every rank. ``fp32_master``: whether the
-    engine keeps fp32 master weights of bf16 parameters (None: read from the model where it can be); it decides
-    the warning about bf16 parameters.
+    engine keeps fp32 master weights of bf16 parameters (None: not known); it decides the warning about bf16
+    parameters.
 
     Raises:
         PretrainedError: no safetensors in ``path``, a file truncated or damaged, names or shapes that differ (the
@@ -264,13 +252,14 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
     buffers = _persistent_buffers(inner)
     source.adopt_layout([n for p in params for n in p.names] + list(buffers),
                         getattr(getattr(inner, "config", None), "model_type", None))
-    problems = _mismatches(source, params, buffers, _ignored(inner))
+    ignored = getattr(inner, "_keys_to_ignore_on_load_unexpected", None) or ()  # Hugging Face's: keys to ignore
+    problems = _mismatches(source, params, buffers, list(ignored))
     if problems:
         raise PretrainedError(f"pretrained={str(path)!r} does not match {type(inner).__name__}: "
                               + "; ".join(problems) + ". Build the model from the config the checkpoint was saved "
                               "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
                               "checkpoint.")
-    _warn_precision(model, source, params, fp32_master)
+    _warn_precision(source, params, fp32_master)
     with torch.no_grad():
         for p in params:
             name = next(n for n in p.names if n in source)
@@ -279,7 +268,7 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
         for name, buf in buffers.items():
             if name in source:
                 buf.copy_(_finite(source, name, source.read(name, Region(box=tuple((0, s) for s in buf.shape)))))
-    total = sum(_numel(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
+    total = sum(math.prod(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
     report = LoadReport(str(path), source.bytes_read, total)
     source.close()
     return report
@@ -297,32 +286,14 @@ def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tens
     return part
 
 
-_LOW = (torch.bfloat16, torch.float16)
-
-
-def _fp32_master(model: nn.Module, fp32_master: bool | None) -> bool | None:
-    """Whether the engine keeps fp32 master weights of low-precision parameters (DeepSpeed's optimizer does;
-    FSDP, DDP and none train the parameters as they are): as given, else as the model shows; None where it does
-    not say."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if fp32_master is not None:
-        return fp32_master
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions
-        return True
-    return False if isinstance(model, (FSDPModule, FullyShardedDataParallel)) else None
-
-
-def _warn_precision(model: nn.Module, source: SafetensorsDir, params: list[LocalParam],
-                    fp32_master: bool | None) -> None:
+def _warn_precision(source: SafetensorsDir, params: list[LocalParam], master: bool | None) -> None:
     """One warning when the parameters loaded into are bf16/fp16: without DeepSpeed they train so, with no fp32
     master (usually a model built without ``dtype=torch.float32``); under DeepSpeed an fp32 checkpoint is rounded
     to them (its fp32 master weights start from the rounded values)."""
-    low = {p.local.dtype for p in params if p.local.dtype in _LOW}
+    low = {p.local.dtype for p in params if p.local.dtype in (torch.bfloat16, torch.float16)}
     if not low:
         return
     dtype = dtype_name(next(iter(low)))
-    master = _fp32_master(model, fp32_master)
     if master is False:
         warnings.warn(f"pretrained={str(source.path)!r} is loaded into {dtype} parameters (the model was built in "
                       f"{dtype}, e.g. from a config whose dtype is {dtype}): they train as {dtype} with no fp32 master "
@@ -350,13 +321,6 @@ def _read_local(source: SafetensorsDir, name: str, p: LocalParam) -> torch.Tenso
     first, last = start // in_features, (stop - 1) // in_features + 1
     columns = source.read(name, Region(box=((0, in_features), (first, last - first))))
     return columns.t().reshape(-1)[start - first * in_features: stop - first * in_features]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _itemsize(safetensors_dtype: str) -> int:

@@ -14,6 +14,7 @@ forever. The client is made in a thread; at the timeout its connection is shut d
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import ipaddress
@@ -49,7 +50,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
     counted from the call: the connection to rank 0 and the wait for the others share the one timeout."""
     start = time.monotonic()
     where = f"{addr}:{port}"
-    store = _host(addr, port, world, timeout_s) if rank == 0 else _reach(addr, port, rank, world, timeout_s)
+    store = _connect(addr, port, rank, world, timeout_s)
     longer = f"{TIMEOUT_VARIABLE}=SECONDS waits longer (now {timeout_s:g} s)"
     joined, noticed = _count(store, 1, rank, where), False
     while joined < world:
@@ -68,23 +69,33 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
     return store
 
 
-def _host(addr: str, port: int, world: int, timeout_s: float) -> dist.Store:
+def _connect(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
     """Rank 0's store, listening on ``port`` (on every interface: torch's store does), its own client connected
-    through ``addr`` as every rank's is."""
-    store, err, unanswered = _make_store(addr, port, 0, world, timeout_s)
+    through ``addr`` as every rank's is; on the other ranks a client connected to it within ``timeout_s``. Else
+    LaunchError saying what is there."""
+    store, err, unanswered = _make_store(addr, port, rank, world, timeout_s)
     if store is not None:
         return store
     where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
-    if unanswered:  # the store listens here, and MASTER_ADDR leads to another machine's program
+    if rank == 0 and unanswered:  # the store listens here, and MASTER_ADDR leads to another machine's program
         raise LaunchError(f"rank 0 hosts the rendezvous on port {port} of this machine, but the program at {where} "
                           f"accepted a connection and did not answer as it within {timeout_s:g} s: MASTER_ADDR names "
                           "another machine. Set it to this machine's address, the same for every rank.")
-    if _in_use(port):
+    if rank == 0 and _in_use(port):
         raise LaunchError(f"rank 0 cannot host the rendezvous at {where}: port {port} is in use by another program "
                           f"on this machine. Stop that program (ss -ltnp 'sport = :{port}' names it), or "
                           f"{_FREE_PORT}.")
-    raise LaunchError(f"rank 0 could not host the rendezvous at {where}: {str(err).splitlines()[0]}. Start rank 0 on "
-                      f"the machine MASTER_ADDR names, and {_FREE_PORT}.")
+    if rank == 0:
+        raise LaunchError(f"rank 0 could not host the rendezvous at {where}: {str(err).splitlines()[0]}. Start rank 0 "
+                          f"on the machine MASTER_ADDR names, and {_FREE_PORT}.")
+    if unanswered:
+        raise LaunchError(f"rank {rank} of {world}: the program at {where} accepted a connection but did not answer "
+                          f"as rank 0's rendezvous within {timeout_s:g} s: another program holds that port. Stop it "
+                          f"(ss -ltnp 'sport = :{port}' on that machine names it), or {_FREE_PORT}.")
+    raise LaunchError(f"rank {rank} of {world} could not reach rank 0 at {where} within {timeout_s:g} s: rank 0 is "
+                      f"not running there. Start every rank with the same MASTER_ADDR and MASTER_PORT (torchrun "
+                      f"--nnodes N --nproc-per-node M sets them); {TIMEOUT_VARIABLE}=SECONDS waits longer (now "
+                      f"{timeout_s:g} s).")
 
 
 def _in_use(port: int) -> bool:
@@ -97,22 +108,6 @@ def _in_use(port: int) -> bool:
         except OSError as err:
             return err.errno == errno.EADDRINUSE
     return False
-
-
-def _reach(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
-    """A store client connected to rank 0's store within ``timeout_s``, else LaunchError saying what is there."""
-    store, _, unanswered = _make_store(addr, port, rank, world, timeout_s)
-    if store is not None:
-        return store
-    where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
-    if unanswered:
-        raise LaunchError(f"rank {rank} of {world}: the program at {where} accepted a connection but did not answer "
-                          f"as rank 0's rendezvous within {timeout_s:g} s: another program holds that port. Stop it "
-                          f"(ss -ltnp 'sport = :{port}' on that machine names it), or {_FREE_PORT}.")
-    raise LaunchError(f"rank {rank} of {world} could not reach rank 0 at {where} within {timeout_s:g} s: rank 0 is "
-                      f"not running there. Start every rank with the same MASTER_ADDR and MASTER_PORT (torchrun "
-                      f"--nnodes N --nproc-per-node M sets them); {TIMEOUT_VARIABLE}=SECONDS waits longer (now "
-                      f"{timeout_s:g} s).")
 
 
 def _make_store(addr: str, port: int, rank: int, world: int,
@@ -151,11 +146,9 @@ def _socket_fds() -> list[int]:
     """This process's open sockets (Linux: /proc/self/fd)."""
     fds = []
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
                 fds.append(int(name))
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
     return fds
 
 
@@ -171,13 +164,11 @@ def _close_connections(fds: set[int], peers: set) -> bool:
     there was one."""
     closed = False
     for fd in fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.family in (socket.AF_INET, socket.AF_INET6) and _endpoint(sock.getpeername()) in peers:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    closed = True
-        except OSError:  # not connected (yet), or closed meanwhile
-            pass
+        # OSError: not connected (yet), or closed meanwhile
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and _endpoint(sock.getpeername()) in peers:
+                sock.shutdown(socket.SHUT_RDWR)
+                closed = True
     return closed
 
 
