@@ -190,7 +190,8 @@ def _rank(rank: int, world: int, ckpt: str) -> dict:
                                     optimizer={"type": "SGD", "lr": 0.1}, check_ranks="off")
     plan = fp8dist.get_plan(model)
     losses = _train(model, opt, rank)
-    out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "margin": GEMMS["margin"], "calls": list(CALLS), "opt": type(opt).__name__,
+    out = {"hand": hand, "ours": losses, "gemms": GEMMS["fp8"], "margin": GEMMS["margin"], "calls": list(CALLS),
+           "opt": type(opt).__name__,
            "plan_fp8": [e.name for e in plan.fp8], "plan_backend": plan.backend, "plan_strategy": plan.strategy,
            "classes": sorted({type(m).__name__ for m in model.modules()})}
     with fp8dist.no_sync(model, last=False):  # the base's answer: nothing to skip, every micro-batch reduced
