@@ -34,7 +34,7 @@ from torch import nn
 
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, backend_of, category_dtypes,
+from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
                               element_bytes, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
@@ -47,6 +47,7 @@ from ..pipeline.env import runs_on_cpu
 from ..plan.hardware import Hardware, find_gpu, parse_target
 from ..config.options import DEFAULT_SEQ_LEN
 from ..memory_levels import STANDARD, get_level
+from ..fp8 import get_backend
 from ..strategies import get_strategy
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
@@ -149,7 +150,7 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
         for name, _ in model.get_submodule(block).named_parameters():
             unit_of.setdefault(f"{block}.{name}", block)
     converted = {f"{e.name}.weight" for e in plan.fp8}
-    level, backend = get_level(cfg.parallel.memory), backend_of(cfg.precision.fp8)
+    level, backend = get_level(cfg.parallel.memory), get_backend(cfg.precision.fp8)
     return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
                       element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
                                     name in converted))
@@ -233,7 +234,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     from ..strategies.common import find_blocks
 
     strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
-        backend_of(cfg.precision.fp8)
+        get_backend(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg)
     strategy.check_launch(cfg, world_size)
     optimizer = "adamw" if level.builds_optimizer else optimizer  # the level's own

@@ -24,7 +24,7 @@ from torch import nn
 from ..strategies import get_strategy
 from ..strategies.state_bytes import ROOT_WEIGHTS_ITEM
 from .activation_families import FAMILIES, Saves, activation_note, dims
-from .estimate_states import backend_of
+from ..fp8 import get_backend
 
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
@@ -69,7 +69,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         return Activations([], ["activations not estimated with activation_checkpointing='selective': between "
                                 "'full' and 'none', whose figures are the bounds (selective keeps every matmul and "
                                 "attention output)"], modelled=False)
-    T, backend = micro_batch_size * seq_len, backend_of(cfg.precision.fp8)
+    T, backend = micro_batch_size * seq_len, get_backend(cfg.precision.fp8)
     r = stored_bytes if plan.facts.autocast_forward else c  # autocast keeps the weights as stored
     autocast = plan.facts.autocast_forward and c != 4
     decisions = {e.name: e.precision for e in plan}
@@ -115,7 +115,7 @@ def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, 
                   c: int) -> list[tuple[str, int]]:
     """Weights held from forward to backward: autocast's casts, the FP8 backend's copies, the strategy's gathered
     ones."""
-    items, backend = [], backend_of(cfg.precision.fp8)
+    items, backend = [], get_backend(cfg.precision.fp8)
     if r != c:
         copies = sum(e.params for e in plan if e.module_type in cast_types and e.precision != "fp8")
         items.append((f"autocast's copies of the GEMM weights ({_NAMES.get(c, c)})", copies * c))

@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..fp8 import NO_FP8, get_backend
 from ..strategies.base import EngineMemory
 from .tensors import CATEGORIES
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "backend_of", "category_dtypes", "worst_rank"]
+           "STEP_BYTES", "category_dtypes", "worst_rank"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -50,10 +49,6 @@ class ParamInfo:
     """The FSDP unit (block) that owns it; "" for the root."""
     bytes: ElementBytes
 
-
-def backend_of(name: str | None) -> Any:
-    """The FP8 backend object of a config's or a plan's ``fp8`` (None, or no FP8: :data:`fp8dist.fp8.NO_FP8`)."""
-    return NO_FP8 if name in (None, NO_FP8.name) else get_backend(name)
 
 
 def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, optimizer: str, stored_dtype: str,

@@ -12,7 +12,7 @@ from ..config.dtypes import dtype_name, dtype_names as _names
 from ..memory_levels import get_level
 from ..strategies import get_strategy
 from ..strategies.base import EngineDtypes
-from .estimate_states import backend_of
+from ..fp8 import get_backend
 from .rows import Members, Part, PrecisionRow
 
 __all__ = ["engine_of", "row_for"]
@@ -37,7 +37,7 @@ def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
 
 def _fp8_gemm(module: nn.Module, info: Any) -> str:
     """The FP8 formats of an FP8 Linear, as its backend reads them from the module or from its wiring."""
-    return backend_of(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
+    return get_backend(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
 
 
 def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
@@ -53,7 +53,7 @@ def _all_gather(info: Any, params: list[nn.Parameter], engine: EngineDtypes, sto
     if engine.gather is not None:
         return engine.gather
     shards = [p.to_local() for p in params if isinstance(p, DTensor)]
-    own = backend_of(info.plan.backend).all_gather_words(shards) if shards else None
+    own = get_backend(info.plan.backend).all_gather_words(shards) if shards else None
     return own or (dtype_name(engine.compute) if engine.compute is not None else _names({t.dtype for t in stored}))
 
 

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
-from ..fp8 import NO_FP8, FP8Backend, get_backend
+from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..strategies import get_strategy
 from ..train.data.job import lm_loss
 from ..pipeline.env import peak_memory_mib, share_cpu_threads
 
-__all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world", "backend_of",
+__all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world",
            "variants_of", "predicted_figures", "versions_line", "TIMING_WARMUP"]
 
 TIMING_WARMUP = 2
@@ -92,10 +92,6 @@ class Cell:
         return {"name": self.name, **asdict(self)}
 
 
-def backend_of(fp8: str | None) -> FP8Backend:
-    """The backend a cell's ``fp8`` names (None: no FP8)."""
-    return get_backend(fp8) if fp8 is not None else NO_FP8
-
 
 @functools.cache
 def variants_of(fp8: str | None) -> tuple[str, ...]:
@@ -104,7 +100,7 @@ def variants_of(fp8: str | None) -> tuple[str, ...]:
     from ..config.resolve import resolve_config
     from ..config.rules import choices
 
-    option = backend_of(fp8).variant_option
+    option = get_backend(fp8).variant_option
     if option is None:
         return ()
     default = resolve_config().to_dict()[option]
@@ -121,7 +117,7 @@ def cell_options(cell: Cell) -> dict[str, Any]:
     the strategy reads it."""
     options: dict[str, Any] = {}
     if cell.variant is not None:
-        options[backend_of(cell.fp8).variant_option] = cell.variant
+        options[get_backend(cell.fp8).variant_option] = cell.variant
     if "zero_stage" in get_strategy(cell.strategy).options:
         options.update(zero_stage=cell.zero_stage)
     return options
@@ -206,7 +202,7 @@ def _hand_wired(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
     """The same run wired by hand, no fp8dist: the backend's own conversion (:attr:`FP8Backend.convert_by_hand`),
     then the strategy's own sharding (:attr:`Strategy.shard_by_hand`) and a plain AdamW."""
     strategy = get_strategy(cell.strategy)
-    converted = backend_of(cell.fp8).convert_by_hand(model, strategy.facts(cell_config(cell)))
+    converted = get_backend(cell.fp8).convert_by_hand(model, strategy.facts(cell_config(cell)))
     model = strategy.shard_by_hand(model, _llama_units(model), device)
     optimizer = torch.optim.AdamW(model.parameters(), **{k: v for k, v in _optimizer_spec(cell).items()
                                                          if k != "type"})

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config.text import plural
-from ..fp8 import BACKENDS
+from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import STANDARD
 from ..pipeline.files import atomic_write
 from ..strategies import STRATEGIES
-from .cell import backend_of, describe_job, versions_line
+from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes", "convergence",
@@ -62,7 +62,7 @@ def _versions() -> dict[str, str | None]:
     from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
-    engines = [s.package for s in STRATEGIES.values()] + [backend_of(name).package for name in BACKENDS]
+    engines = [s.package for s in STRATEGIES.values()] + [get_backend(name).package for name in BACKENDS]
     names = dict.fromkeys(("torch", "transformers", *(e for e in engines if e)))
     return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
 

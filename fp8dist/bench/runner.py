@@ -16,10 +16,10 @@ from typing import Any
 
 from ..config.text import plural
 from ..config.rules import refusal_of
-from ..fp8 import BACKENDS, NO_FP8
+from ..fp8 import BACKENDS, NO_FP8, get_backend
 from ..memory_levels import LEVELS, STANDARD
 from ..strategies import STRATEGIES, get_strategy
-from .cell import TIMING_WARMUP, Cell, TextJob, backend_of, cell_options, cell_world, variants_of
+from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
            "fp8_choices", "variant_backends", "default_strategies", "DEFAULTS"]
@@ -151,7 +151,7 @@ def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     """Each backend variant option's values, from its flag."""
     out = {}
     for name in variant_backends():
-        option, values = backend_of(name).variant_option, variants_of(name)
+        option, values = get_backend(name).variant_option, variants_of(name)
         out[option] = _split("--" + option.replace("_", "-"), getattr(args, option), values, ",".join(values[:2]))
     return out
 
@@ -206,7 +206,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
     # every FP8 cell gets its bf16 counterpart; a cell per variant of a backend that has them
     backends = [(f, v) for f in dict.fromkeys((None, *settings.fp8)) for v in _variants(settings, f)]
     # the hand-wired twins: a strategy's and a backend's own wiring, of the backend's default variant
-    by_hand = [(f, v) for f, v in backends if backend_of(f).convert_by_hand is not None
+    by_hand = [(f, v) for f, v in backends if get_backend(f).convert_by_hand is not None
                and v in (None, *variants_of(f)[:1])]
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
@@ -226,7 +226,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
 def _variants(settings: BenchSettings, fp8: str | None) -> tuple[str | None, ...]:
     """The variants of backend ``fp8`` the matrix runs: those given, else its default; (None,) without variants."""
     values = variants_of(fp8)
-    return settings.variants.get(backend_of(fp8).variant_option, values[:1]) if values else (None,)
+    return settings.variants.get(get_backend(fp8).variant_option, values[:1]) if values else (None,)
 
 
 def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:
@@ -251,9 +251,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
             raise ValueError(f"cell {cell.name}: {err} Leave it out of --compile / --activation-checkpointing, or "
                              "the strategy or backend out of the matrix.") from None
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-        gate = backend_of(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
+        gate = get_backend(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
         if gate:
-            here = [n for n in BACKENDS if backend_of(n).unavailable_reason(config, device) is None]
+            here = [n for n in BACKENDS if get_backend(n).unavailable_reason(config, device) is None]
             raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (what runs here: "
                              f"{', '.join([NO_FP8.name, *here])}).")
     if device_type == "cuda":  # fp8dist's own estimate of every cell against the GPU's memory
@@ -290,7 +290,7 @@ def _start_method(cells: list[Cell]) -> str:
 
     if torch.cuda.is_available():
         return "spawn"
-    for name in rank_imports([*(get_strategy(c.strategy) for c in cells), *(backend_of(c.fp8) for c in cells)]):
+    for name in rank_imports([*(get_strategy(c.strategy) for c in cells), *(get_backend(c.fp8) for c in cells)]):
         importlib.import_module(name)
     return "fork"
 
@@ -341,7 +341,7 @@ def _run_and_close(cell: Cell) -> dict[str, Any] | None:
 
     from .cell import run_cell
 
-    package = backend_of(cell.fp8).package
+    package = get_backend(cell.fp8).package
     if package is not None:  # the backend library's notices, once per step and rank, would flood the log
         logging.getLogger(package).setLevel(logging.ERROR)
     try:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fp8 import NO_FP8, FP8Backend, get_backend
+from ..fp8 import FP8Backend, get_backend
 from ..pipeline.agree import RankFailure, rank_world
 from ..strategies import Strategy, get_strategy
 
@@ -76,7 +76,7 @@ def checkpoint_format(strategy: Strategy) -> str:
 def axes_of(info) -> tuple[Strategy, FP8Backend]:
     """The strategy and the FP8 backend of a wrapped model's :class:`~fp8dist.pipeline.api.WrapInfo`."""
     cfg = info.config
-    return get_strategy(cfg.parallel.strategy), get_backend(cfg.precision.fp8) if cfg.precision.fp8 else NO_FP8
+    return get_strategy(cfg.parallel.strategy), get_backend(cfg.precision.fp8)
 
 
 def check_supported(info) -> None:

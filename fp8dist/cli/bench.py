@@ -14,10 +14,10 @@ from typing import Any
 
 from ..config.text import plural
 from ..config.schema import add_arguments
-from ..bench.cell import TIMING_WARMUP, TextJob, backend_of, variants_of
+from ..bench.cell import TIMING_WARMUP, TextJob, variants_of
 from ..bench.runner import (DEFAULTS, check_cells, check_text, default_strategies, device_type, fp8_choices,
                             plan_cells, resolve_settings, run_cells, variant_backends)
-from ..fp8 import NO_FP8
+from ..fp8 import NO_FP8, get_backend
 from ..memory_levels import LEVELS, STANDARD
 from ..strategies import STRATEGIES
 from ..train.config import TrainConfig
@@ -79,7 +79,7 @@ def add_parser(sub: Any) -> None:
                    help="model initialization and batch order seed, or comma-separated seeds (a matrix dimension: "
                         "the spread of each figure across seeds; default: 0)")
     for name in variant_backends():  # e.g. --torchao-recipe: a cell per value
-        option, values = backend_of(name).variant_option, variants_of(name)
+        option, values = get_backend(name).variant_option, variants_of(name)
         p.add_argument("--" + option.replace("_", "-"), metavar="LIST", default=values[0],
                        help=f"comma-separated {option} values, from {', '.join(values)} (a matrix dimension of the "
                             f"{name} cells; default: {values[0]})")

@@ -215,12 +215,12 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ..fp8 import NO_FP8, get_backend
+    from ..fp8 import get_backend
     from ..pipeline.env import rank_imports
     from ..pipeline.env_vars import read
     from ..strategies import get_strategy
 
-    backend = get_backend(config.precision.fp8) if config.precision.fp8 else NO_FP8
+    backend = get_backend(config.precision.fp8)
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)
     multiprocessing.set_forkserver_preload([f"{__package__}._quiet_ranks", *preload])
     grace = read(os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE_S)

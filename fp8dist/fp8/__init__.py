@@ -31,9 +31,9 @@ def register_backend(backend: FP8Backend) -> FP8Backend:
     return BACKENDS.register(backend, FP8Backend)
 
 
-def get_backend(name: str) -> FP8Backend:
-    """The backend ``fp8=name`` selects (names are validated by the config)."""
-    return BACKENDS[name]
+def get_backend(name: str | None) -> FP8Backend:
+    """The backend ``fp8=name`` selects (names are validated by the config); None or "none": :data:`NO_FP8`."""
+    return NO_FP8 if name in (None, NO_FP8.name) else BACKENDS[name]
 
 
 def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:

@@ -69,13 +69,13 @@ class JobLog:
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
         """The telemetry (or None) and the header's line about it."""
-        from ..fp8 import NO_FP8, get_backend
+        from ..fp8 import get_backend
         from ..pipeline.api import get_plan
 
         every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
         if not every:
             return None, "fp8 health: off (--fp8-health-every 0)"
-        if not (get_backend(fp8) if fp8 else NO_FP8).health_telemetry:
+        if not get_backend(fp8).health_telemetry:
             return None, (f"fp8 health: off (fp8={fp8 or 'none'}; --fp8-health-every samples torchao's FP8 layers "
                           "only)")
         if plan.facts.engine_builds_optimizer:
