@@ -163,7 +163,7 @@ def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
     ``optimizer`` where the memory level builds its own; each said once as a warning, as ``wrap_model`` does."""
     notes = cfg.unused_options()
     level = get_level(cfg.parallel.memory)
-    if level.builds_optimizer and optimizer != "adamw":
+    if level.builds_optimizer and optimizer != level.estimate_optimizer:
         notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
                      f"{level.summary}).")
     return notes
@@ -237,7 +237,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         get_backend(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg)
     strategy.check_launch(cfg, world_size)
-    optimizer = "adamw" if level.builds_optimizer else optimizer  # the level's own
+    optimizer = level.estimate_optimizer if level.builds_optimizer else optimizer  # the level's own
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,

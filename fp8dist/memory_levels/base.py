@@ -32,6 +32,9 @@ class MemoryLevel(Protocol):
     """Options only this level reads, each with the condition under which it is read."""
     builds_optimizer: ClassVar[bool] = False
     """The level builds the optimizer itself: ``wrap_model`` needs an optimizer spec."""
+    estimate_optimizer: ClassVar[str] = "adamw"
+    """The optimizer the level builds, as the memory estimate names it (its ``optimizer=`` choices: adamw, adam,
+    sgd_momentum, sgd), where it builds one."""
 
     def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
         """``cfg`` as this level runs it (the level may fix a dtype the strategy's engine uses)."""
