@@ -6,8 +6,8 @@ memory time (operands read, output written, at a fraction of the bandwidth) and 
 recipe's casts (:mod:`fp8dist.plan.speed.recipes`): each kernel's bytes at the achieved bandwidth (a column-wise
 scaling pass times that operand's fitted slowdown), no less than the floor unless it rides in the producer's
 kernel; a block-scaled recipe's quantize kernels times their fitted slowdown, its GEMMs at their own fitted
-fraction of the FP8 (MXFP8) or FP4 (NVFP4) peak. The constants are the GPU's :class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and
-imports no GPU library."""
+fraction of the FP8 (MXFP8) or FP4 (NVFP4) peak. The constants are the GPU's
+:class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
 
 from __future__ import annotations
 
