@@ -320,3 +320,22 @@ def test_block_scaled_recipes_on_the_b200():
     nv, mx = (predict_linear(32768, 8192, 8192, target="b200", recipe=r) for r in ("nvfp4", "mxfp8"))
     assert nv.fp8_gemm_s < mx.fp8_gemm_s and nv.cast_s > mx.cast_s
     assert predict_fp8_speedup(32768, 8192, 8192, target="h100", recipe="te_blockwise") > 1
+
+
+def test_compare_recipes_lists_the_block_scaled_recipes_where_the_gpu_runs_them(monkeypatch, capsys):
+    """Once a backend's speed_recipes name them (torchao: mxfp8, nvfp4; TE: te_blockwise, te_nvfp4 — each backend's
+    own module lists its recipes), `fp8dist plan --target b200 --compare-recipes` shows them beside the FP8 ones;
+    on an H100 the sm_100 ones drop out and te_blockwise (sm_90) stays."""
+    from fp8dist.cli import main
+
+    lists = {"torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4"),
+             "te": ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")}
+    for backend, recipes in lists.items():
+        monkeypatch.setattr(type(get_backend(backend)), "speed_recipes", recipes)
+        assert recipes_for(backend, "b200") == recipes
+        assert recipes_for(backend, "h100") == tuple(r for r in recipes if r not in ("mxfp8", "nvfp4", "te_mxfp8",
+                                                                                     "te_nvfp4"))
+        assert main(["plan", "--model-size", "tiny", "--fp8", backend, "--target", "b200", "--compare-recipes"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        head = out.index(next(line for line in out if line.startswith("recipes compared on B200")))
+        assert [line.split()[0] for line in out[head + 3:head + 4 + len(recipes)]] == ["bf16", *recipes]
