@@ -4,16 +4,19 @@ from. ``--target`` (:data:`fp8dist.plan.hardware.TARGETS`), the speed model and 
 holds a GPU figure.
 
 Peaks are *dense* (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure, twice the dense one, with a
-footnote; the records say which page they halve. Only the H100's achievable fractions are calibrated on published
-measurements (:data:`H100_CALIBRATION`); every other GPU borrows them and scales by its own datasheet peaks, so its
-predictions are labelled uncalibrated."""
+footnote; the records say which page they halve. The H100's achievable fractions are calibrated on torchao's
+published rowwise table (:data:`H100_CALIBRATION`), the B200's MXFP8 and NVFP4 GEMM rates and block-quantize
+kernels on torchao's published B200 table (:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
+by its own datasheet peaks, so its predictions are labelled uncalibrated."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
-__all__ = ["Source", "Calibration", "GpuSpec", "GPUS", "H100_CALIBRATION", "gpu_by_key", "gpu_by_device_name"]
+__all__ = ["Source", "Calibration", "GpuSpec", "GPUS", "H100_CALIBRATION", "B200_CALIBRATION", "gpu_by_key",
+           "gpu_by_device_name"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,22 @@ class Calibration:
     """The GPU (its key) whose published measurements these constants were fitted on."""
     source: Source
     """The measurements, the fit and its rows."""
+    recipes: tuple[str, ...] = ("rowwise",)
+    """The speed recipes (:data:`fp8dist.plan.speed.RECIPES`) whose own measurements on ``measured_on`` fitted
+    these constants: their predictions there are the calibrated ones."""
+    mx_gemm_fraction: float | None = None
+    """Fraction of the dense FP8 peak an MXFP8 GEMM reaches; None: ``fp8_gemm_fraction``."""
+    fp4_gemm_fraction: float | None = None
+    """Fraction of the dense FP4 peak an NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
+    block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
+    """(MXFP8, NVFP4): the time of a block-scaling quantize kernel over its ideal traffic at ``memory_fraction``
+    of the bandwidth (fitted on the B200; 1 where not measured)."""
+
+    def gemm_fraction(self, gemm: str) -> float:
+        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches."""
+        chosen = {"bf16": self.bf16_gemm_fraction, "mx": self.mx_gemm_fraction,
+                  "fp4": self.fp4_gemm_fraction}.get(gemm)
+        return self.fp8_gemm_fraction if chosen is None else chosen
 
 
 H100_CALIBRATION = Calibration(
@@ -67,6 +86,27 @@ H100_CALIBRATION = Calibration(
         "roofline_utils.py: pct_achievable_gemm_tops, pct_achievable_mem_bw, KERNEL_LAUNCH_OVERHEAD_SEC)"),
 )
 """The H100's constants, fitted by ``benchmarks/speed_model/fit.py`` (its JSON beside it holds the same numbers)."""
+
+B200_CALIBRATION = dataclasses.replace(
+    H100_CALIBRATION,
+    measured_on="b200",
+    recipes=(),
+    mx_gemm_fraction=0.765,
+    fp4_gemm_fraction=0.865,
+    block_cast_slowdown=(2.66, 6.92),
+    source=Source(
+        "torchao B200 inference roofline table (ReLU -> Linear, forward, compiled; mxfp8_cublas and nvfp4 with "
+        "dynamic global scaling vs bfloat16, M = K = N from 1,024 to 16,384)",
+        "https://github.com/pytorch/ao/blob/a4ee1fb6ad603cc321281c089a2004ece8e857bc/docs/source/workflows/"
+        "inference.md",
+        "mx_gemm_fraction, fp4_gemm_fraction and block_cast_slowdown fitted by benchmarks/speed_model/fit_b200.py "
+        "on the rows M in {1024, 4096, 16384} of benchmarks/speed_model/torchao_b200_forward.csv (2026-11-26); "
+        "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too)"),
+)
+"""The B200's constants for the block-scaled recipes, fitted by ``benchmarks/speed_model/fit_b200.py``: MXFP8 and
+NVFP4 GEMM rates and their quantize kernels; FP8 per-tensor/per-row GEMMs and casts keep the H100's. The table is
+forward-only (inference), so no training recipe (forward + backward, casts along both dimensions) is called
+calibrated: ``recipes`` is empty and every B200 prediction stays labelled uncalibrated."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,8 @@ class GpuSpec:
     """The datasheet of the four figures above."""
     calibration: Calibration = H100_CALIBRATION
     """The speed model's constants; the H100's unless this GPU has its own measurements."""
+    fp4_tflops: float | None = None
+    """Dense FP4 (NVFP4) tensor-core peak, TFLOP/s; None where the GPU has none (or its datasheet gives none)."""
 
     @property
     def calibrated(self) -> bool:
@@ -106,8 +148,10 @@ class GpuSpec:
         """The record in a line: dense peaks, bandwidth, the datasheet and how the speed model's constants were
         obtained (what ``fp8dist env`` prints for a GPU it sees)."""
         fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
-        fitted = "fitted on its own published measurements" if self.calibrated else \
-            f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)"
+        fp8 += f", FP4 {self.fp4_tflops:g} TFLOP/s" if self.fp4_tflops else ""
+        measured = ", ".join(self.calibration.recipes) or "forward block-scaled GEMMs; no training recipe"
+        fitted = (f"fitted on its own published measurements ({measured})" if self.calibrated else
+                  f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)")
         return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
                 f"TB/s ({self.source.document}, {self.source.url}: {self.source.note}); speed model constants "
                 f"{fitted}")
@@ -145,12 +189,13 @@ GPUS: tuple[GpuSpec, ...] = (
         "version (the 144 GB HBM3e one has 4.9 TB/s)")),
     GpuSpec("b200", "B200", (10, 0), r"(?<!G)B200", 2250.0, 4500.0, 8.0, 180.0, Source(
         "NVIDIA HGX platform (HGX B200) specifications", "https://www.nvidia.com/en-us/data-center/hgx/",
-        "8-GPU board: FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s and 1,440 GB "
-        "divided by 8")),
+        "8-GPU board: FP4 144, FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s and "
+        "1,440 GB divided by 8 (torchao's roofline_utils.py gives the same dense 9.0 / 4.5 / 2.25 PFLOPS from the "
+        "Blackwell architecture brief, p. 19)"), calibration=B200_CALIBRATION, fp4_tflops=9000.0),
     GpuSpec("gb200", "GB200", (10, 0), r"GB200", 2500.0, 5000.0, 8.0, 186.0, Source(
         "NVIDIA GB200 NVL72 specifications", "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
-        "per GB200 superchip (two GPUs): FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved twice; 372 GB "
-        "HBM3e, halved")),
+        "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
+        "twice; 372 GB HBM3e, halved"), calibration=B200_CALIBRATION, fp4_tflops=10000.0),
 )
 """Every GPU, in the order ``--target`` lists them."""
 

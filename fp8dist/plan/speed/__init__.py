@@ -1,7 +1,7 @@
 """The FP8 speed model: is a Linear faster in FP8 than in bf16 on a given GPU, at this run's tokens, under this
-recipe, and by how much. A prediction, calibrated on torchao's published H100 measurements and scaled to other
-GPUs by their datasheets (:mod:`fp8dist.plan.gpus`); ``benchmarks/speed_model/README.md`` gives the model, its sources,
-its accuracy and what it does not see.
+recipe, and by how much. A prediction, calibrated on torchao's published H100 measurements (and, for the block-scaled
+GEMMs and casts, its B200 forward table) and scaled to other GPUs by their datasheets (:mod:`fp8dist.plan.gpus`);
+``benchmarks/speed_model/README.md`` gives the model, its sources, its accuracy and what it does not see.
 
     >>> from fp8dist.plan.speed import predict_linear
     >>> predict_linear(8192, 2048, 5632, target="h100", recipe="rowwise").describe()

@@ -1,5 +1,6 @@
-"""The speed model against published measurements: the quantity torchao's table measures (LayerNorm -> Linear ->
-Sigmoid, forward + backward, compiled) and the agreement figures the calibration is judged by. Read by the fit
+"""The speed model against published measurements: the quantities torchao's tables measure (H100: LayerNorm ->
+Linear -> Sigmoid, forward + backward, compiled; B200: ReLU -> quantized Linear, forward; B200 MXFP8 grouped GEMMs,
+forward + backward) and the agreement figures the calibration is judged by. Read by the fit
 (``benchmarks/speed_model/fit.py``) and the tests, so both compute the same thing."""
 
 from __future__ import annotations
@@ -12,15 +13,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..gpus import GpuSpec
-from .model import linear_seconds
-from .recipes import recipe_named
+from .model import gemm_seconds, kernel_seconds, linear_seconds
+from .recipes import Kernel, recipe_named
 
-__all__ = ["Measurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "read_measurements", "rig_speedup", "agreement"]
+__all__ = ["Measurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "B200_FIT_ROWS", "B200_HELD_OUT_ROWS",
+           "read_measurements", "read_forward_table", "read_grouped_table", "rig_speedup", "forward_rig_speedup",
+           "grouped_speedup", "agreement"]
 
 FIT_ROWS = (1024, 4096, 16384)
 """The table's M values the constants are fitted on."""
 HELD_OUT_ROWS = (2048, 8192, 32768)
 """The table's M values kept out of the fit, to judge it."""
+B200_FIT_ROWS = (1024, 4096, 16384)
+"""The B200 forward table's M (= K = N) values the block-scaled recipes' constants are fitted on."""
+B200_HELD_OUT_ROWS = (2048, 8192)
+"""The B200 forward table's M values kept out of the fit."""
+
+# The activation's quantize kernel in torchao's inference roofline (roofline_utils.py,
+# get_inference_tensor_memory_traffic_ovhd_s, fusion modelled: the ReLU rides in it): MXFP8 one kernel (read bf16,
+# write FP8 + E8M0 scales); NVFP4 with a dynamic global scale an amax pass, its tiny second stage, then the cast.
+_FORWARD_CASTS = {
+    "mxfp8": (Kernel(2 + 1 + 1 / 32, block="mx"),),
+    "nvfp4": (Kernel(2), Kernel(0), Kernel(2 + 0.5 + 1 / 16, block="nvfp4")),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,44 @@ def rig_speedup(m: int, k: int, n: int, gpu: GpuSpec, recipe: str = "rowwise", c
     shared = sum(max(b / bandwidth, cal.kernel_floor_s) for b in (4 * m * k, 6 * m * k, 4 * m * n, 6 * m * n))
     bf16, fp8, casts = linear_seconds(m, k, n, gpu, recipe_named(recipe), compile)
     return (bf16 + shared) / (fp8 + casts + shared)
+
+
+def read_forward_table(path: str | Path) -> dict[str, list[Measurement]]:
+    """The rows of a per-recipe forward table CSV (``recipe,m,k,n,roofline,speedup``), by recipe."""
+    lines = [line for line in Path(path).read_text().splitlines() if line and not line.startswith("#")]
+    table: dict[str, list[Measurement]] = {}
+    for r in csv.DictReader(lines):
+        table.setdefault(r["recipe"], []).append(Measurement(int(r["m"]), int(r["k"]), int(r["n"]),
+                                                             float(r["speedup"])))
+    return table
+
+
+def read_grouped_table(path: str | Path) -> list[tuple[Measurement, int]]:
+    """The rows of a grouped-GEMM table CSV (``m,n,k,groups,...,speedup``): (shape and speedup, groups)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line and not line.startswith("#")]
+    return [(Measurement(int(r["m"]), int(r["k"]), int(r["n"]), float(r["speedup"])), int(r["groups"]))
+            for r in csv.DictReader(lines)]
+
+
+def forward_rig_speedup(m: int, k: int, n: int, gpu: GpuSpec, recipe: str) -> float:
+    """The speedup torchao's inference roofline benchmark (``benchmarks/float8/float8_inference_roofline.py``)
+    measures for ``recipe`` ("mxfp8" or "nvfp4"): ReLU -> Linear forward, the weight quantized beforehand; bf16 runs
+    the ReLU (read and write the activation) and a bf16 GEMM, the quantized way the ReLU fused with the activation's
+    quantize kernel(s) and the recipe's GEMM (:func:`~fp8dist.plan.speed.model.gemm_seconds`)."""
+    chosen = recipe_named(recipe)
+    cal = gpu.calibration
+    relu = max(4 * m * k / (gpu.memory_tbps * 1e12 * cal.memory_fraction), cal.kernel_floor_s)
+    bf16 = relu + gemm_seconds(gpu, m, k, n, 2 * (m * k + n * k), 2 * m * n, "bf16")
+    low = gemm_seconds(gpu, m, k, n, (chosen.operand_bytes + chosen.scale_bytes) * (m * k + n * k), 2 * m * n,
+                       chosen.gemm)
+    return bf16 / (low + sum(kernel_seconds(gpu, kernel, m * k) for kernel in _FORWARD_CASTS[recipe]))
+
+
+def grouped_speedup(m: int, k: int, n: int, groups: int, gpu: GpuSpec, recipe: str = "moe_mxfp8") -> float:
+    """The model's forward + backward speedup of a grouped GEMM (what torchao's grouped-GEMM autograd benchmark
+    measures: the GEMMs and the casts, nothing around them)."""
+    bf16, low, casts = linear_seconds(m, k, n, gpu, recipe_named(recipe), True, groups)
+    return bf16 / (low + casts)
 
 
 @dataclass(frozen=True)

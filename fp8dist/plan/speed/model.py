@@ -5,8 +5,9 @@ grad_output.T @ input), each taking the longest of its compute time (at a fracti
 memory time (operands read, output written, at a fraction of the bandwidth) and the kernel floor. FP8 adds the
 recipe's casts (:mod:`fp8dist.plan.speed.recipes`): each kernel's bytes at the achieved bandwidth (a column-wise
 scaling pass times that operand's fitted slowdown), no less than the floor unless it rides in the producer's
-kernel. The constants are the GPU's :class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and
-imports no GPU library."""
+kernel; a block-scaled recipe's quantize kernels times their fitted slowdown, its GEMMs at their own fitted
+fraction of the FP8 (MXFP8) or FP4 (NVFP4) peak. The constants are the GPU's
+:class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 
 from ..gpus import GpuSpec
 from ..hardware import Hardware, find_gpu, parse_target
-from .recipes import Recipe, recipe_named
+from .recipes import Kernel, Recipe, recipe_named
 
-__all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds"]
+__all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds",
+           "gemm_seconds", "kernel_seconds"]
 
-_BF16, _FP8 = 2, 1
+_BF16 = 2
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ def _check(m: int, k: int, n: int, groups: int, recipe: Recipe, gpu: GpuSpec) ->
     if groups > 1 and not recipe.grouped:
         raise ValueError(f"groups={groups} with recipe {recipe.name!r}: only the grouped-GEMM recipes (moe_*) take "
                          "groups; pass groups=1 for a Linear.")
+    if recipe.gemm == "fp4" and gpu.fp4_tflops is None and gpu.capability >= recipe.min_capability:
+        raise ValueError(f"recipe {recipe.name!r} runs FP4 GEMMs: the GPU table gives no FP4 peak for {gpu.label}. "
+                         "Choose an FP8 recipe (mxfp8, te_mxfp8, ...) or a target with one (b200, gb200).")
     if gpu.capability < recipe.min_capability:
         need = f"sm_{recipe.min_capability[0]}{recipe.min_capability[1]}+"
         raise ValueError(f"recipe {recipe.name!r} needs {need}: {gpu.label} is sm_{gpu.capability[0]}"
@@ -104,44 +109,52 @@ def _check(m: int, k: int, n: int, groups: int, recipe: Recipe, gpu: GpuSpec) ->
                          "a target that has it.")
 
 
-def _gemm_s(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, fp8: bool) -> float:
-    """One GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes: compute, memory or the floor."""
+def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, gemm: str) -> float:
+    """One GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes, of kind ``gemm`` ("bf16", "fp8", "mx", "fp4":
+    its peak and fitted fraction): compute, memory or the floor."""
     cal = gpu.calibration
-    peak = gpu.fp8_tflops * cal.fp8_gemm_fraction if fp8 else gpu.bf16_tflops * cal.bf16_gemm_fraction
+    peak = {"bf16": gpu.bf16_tflops, "fp4": gpu.fp4_tflops}.get(gemm, gpu.fp8_tflops) * cal.gemm_fraction(gemm)
     compute = 2 * m * k * n / (peak * 1e12)
     memory = (reads + writes) / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
     return max(compute, memory, cal.kernel_floor_s)
 
 
-def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, fp8: tuple[bool, bool, bool],
-             scale_bytes: float) -> float:
-    """The three GEMMs of forward + backward; ``fp8`` says which run in FP8 (operands 1 byte + scales)."""
+def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None) -> float:
+    """The three GEMMs of forward + backward: all bf16 (``recipe`` None) or as the recipe says which run low
+    precision (operands ``operand_bytes`` + scales, at the recipe's GEMM rate)."""
     x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
     # output, grad_input, grad_weight: (operand elements read, elements written)
     gemms = ((x + w, g), (g + w, x), (x + g, w))
-    return sum(_gemm_s(gpu, m, k, n, reads * (_FP8 + scale_bytes if f else _BF16), _BF16 * writes, f)
-               for (reads, writes), f in zip(gemms, fp8))
+    low = recipe.fp8_gemms if recipe else (False, False, False)
+    return sum(gemm_seconds(gpu, m, k, n, reads * (recipe.operand_bytes + recipe.scale_bytes), _BF16 * writes,
+                            recipe.gemm) if f else gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16")
+               for (reads, writes), f in zip(gemms, low))
+
+
+def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0) -> float:
+    """One cast kernel over ``elements``: its bytes at the achieved bandwidth, times the fitted slowdown of its kind
+    (a column-wise pass: ``columnwise_slowdown``; a block quantize kernel: the calibration's), no shorter than the
+    floor unless fused into the producer."""
+    cal = gpu.calibration
+    slowdown = columnwise_slowdown if kernel.columnwise else 1.0
+    slowdown *= dict(zip(("mx", "nvfp4"), cal.block_cast_slowdown)).get(kernel.block, 1.0)
+    seconds = kernel.bytes_per_element * elements * slowdown / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
+    return seconds if kernel.fused else max(seconds, cal.kernel_floor_s)
 
 
 def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
-    """The recipe's cast kernels: bytes at the achieved bandwidth (column-wise passes times the operand's fitted
-    slowdown), each no shorter than the floor unless fused into the producer."""
-    cal = gpu.calibration
-    bandwidth = gpu.memory_tbps * 1e12 * cal.memory_fraction
-    total = 0.0
-    for elements, slowdown, kernels in zip((m * k, groups * n * k, m * n), cal.cast_slowdown, recipe.casts(compile)):
-        for kernel in kernels:
-            seconds = kernel.bytes_per_element * elements * (slowdown if kernel.columnwise else 1) / bandwidth
-            total += seconds if kernel.fused else max(seconds, cal.kernel_floor_s)
-    return total
+    """The recipe's cast kernels (:func:`kernel_seconds`), per operand."""
+    operands = zip((m * k, groups * n * k, m * n), gpu.calibration.cast_slowdown, recipe.casts(compile))
+    return sum(kernel_seconds(gpu, kernel, elements, slowdown) for elements, slowdown, kernels in operands
+               for kernel in kernels)
 
 
 def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool,
                    groups: int = 1) -> tuple[float, float, float]:
     """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds for one Linear on ``gpu`` (its calibration included): the
     model itself, with no checking. The fit (``benchmarks/speed_model/fit.py``) calls it with trial constants."""
-    bf16 = _gemms_s(gpu, m, k, n, groups, (False, False, False), 0.0)
-    fp8 = _gemms_s(gpu, m, k, n, groups, recipe.fp8_gemms, recipe.scale_bytes)
+    bf16 = _gemms_s(gpu, m, k, n, groups, None)
+    fp8 = _gemms_s(gpu, m, k, n, groups, recipe)
     return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
 
 
@@ -155,7 +168,7 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
         k: in_features. n: out_features.
         target: the GPU: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
         recipe: one of :data:`fp8dist.plan.speed.RECIPES` (torchao tensorwise, rowwise, rowwise_with_gw_hp; te_delayed,
-            te_current, te_mxfp8; moe_fp8_rowwise, moe_mxfp8).
+            te_current, te_blockwise, te_mxfp8, te_nvfp4; mxfp8, nvfp4; moe_fp8_rowwise, moe_mxfp8).
         compile: whether the model runs under ``torch.compile`` (torchao's casts fuse with the previous op; TE's
             kernels are the same either way).
         groups: experts of a grouped GEMM (``moe_*`` recipes only).
@@ -169,7 +182,7 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
     spec, chosen = resolve_gpu(target), recipe_named(recipe)
     _check(m, k, n, groups, chosen, spec)
     bf16, fp8, casts = linear_seconds(m, k, n, spec, chosen, compile, groups)
-    calibrated = spec.calibrated and recipe == "rowwise" and compile
+    calibrated = spec.calibrated and recipe in spec.calibration.recipes and compile
     return LinearPrediction(m, k, n, groups, recipe, spec.key, spec.label, compile, bf16, fp8, casts, calibrated)
 
 

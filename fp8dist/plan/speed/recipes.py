@@ -6,8 +6,11 @@ the op that produced the tensor (eager runs each as its own kernel: an amax pass
 Transformer Engine's are fused CUDA kernels (cast + transpose, amax as a by-product) that compile does not touch.
 The torchao rows are re-derived from the kernel breakdown in torchao's ``torchao/testing/training/roofline_utils.py``
 (``get_tensor_memory_traffic_ovhd_s``); rowwise's second cast is one column-wise scaling pass here (its bf16
-transposed copy folded in), the pass whose cost the H100 fit measures. bf16 is 2 bytes, FP8 1, an MX scale 1 per
-32."""
+transposed copy folded in), the pass whose cost the H100 fit measures. bf16 is 2 bytes, FP8 1, FP4 0.5, an MX
+scale (E8M0) 1 per 32 elements, an NVFP4 scale (E4M3) 1 per 16. Block-scaled recipes (MXFP8, NVFP4) cast each
+operand twice, once per layout (1x32 / 1x16 blocks along either dimension), as torchao's ``roofline_utils.py``
+counts them for ``mxfp8_cublas``; their quantize kernels' speed is fitted on torchao's B200 table
+(:data:`fp8dist.plan.gpus.B200_CALIBRATION`)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 __all__ = ["Kernel", "Recipe", "RECIPES", "recipe_named"]
 
 _MX = 1 / 32  # one E8M0 scale byte per 32 elements
+_NV = 1 / 16  # one E4M3 scale byte per 16 elements (NVFP4)
+_FP4 = 0.5 + _NV  # an NVFP4 element and its share of the block scale
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class Kernel:
     columnwise: bool = False
     """True for a pass that scales along the operand's first dimension (the per-column scales of a rowwise
     recipe's transposed GEMM operand): the pass the H100 fit finds slow (:attr:`Calibration.cast_slowdown`)."""
+    block: str = ""
+    """"mx" or "nvfp4" for a block-scaling quantize kernel, whose speed the B200 fit measures
+    (:attr:`Calibration.block_cast_slowdown`); "" for the others."""
 
 
 Casts = tuple[tuple[Kernel, ...], tuple[Kernel, ...], tuple[Kernel, ...]]
@@ -55,16 +63,25 @@ class Recipe:
     """True for MoE grouped GEMMs (``groups`` experts share the rows)."""
     scale_bytes: float = 0.0
     """Scale bytes a GEMM reads per FP8 operand element (block scales; 0 for per-tensor/per-row)."""
+    gemm: str = "fp8"
+    """The low-precision GEMM: "fp8" (per-tensor / per-row / blockwise scales), "mx" (MXFP8, E8M0 block scales)
+    or "fp4" (NVFP4, at the GPU's FP4 peak); each runs at its own fitted fraction of the peak
+    (:class:`~fp8dist.plan.gpus.Calibration`)."""
+    operand_bytes: float = 1.0
+    """Bytes of one element of a low-precision GEMM operand: 1 for FP8, 0.5 for FP4."""
 
     def casts(self, compile: bool) -> Casts:
         return self.compiled if compile else self.eager
 
 
-def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = None) -> tuple[Kernel, ...]:
+def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = None,
+       block: str = "") -> tuple[Kernel, ...]:
     """Kernels moving ``passes`` bytes per element each; with ``fused_first`` the first rides in the producer;
-    from index ``columnwise_from`` on they scale along the first dimension."""
+    from index ``columnwise_from`` on they scale along the first dimension; ``block``: every pass that moves
+    bytes is a block-scaling quantize kernel of that kind."""
     column = len(passes) if columnwise_from is None else columnwise_from
-    return tuple(Kernel(b, fused=fused_first and i == 0, columnwise=i >= column) for i, b in enumerate(passes))
+    return tuple(Kernel(b, fused=fused_first and i == 0, columnwise=i >= column, block=block if b else "")
+                 for i, b in enumerate(passes))
 
 
 # torchao tensorwise: amax (fused into the producer under compile) + a tiny second stage, then one cast writing
@@ -97,8 +114,36 @@ _TE_DELAYED = Recipe("te_delayed", "Transformer Engine DelayedScaling (amax hist
 _TE_CURRENT = Recipe("te_current", "Transformer Engine Float8CurrentScaling", (True, True, True),
                      compiled=(_k(2, 0, 4),) * 3, eager=(_k(2, 0, 4),) * 3)
 _TE_MXFP8 = Recipe("te_mxfp8", "Transformer Engine MXFP8BlockScaling (1x32 blocks)", (True, True, True),
-                   compiled=(_k(4 + 2 * _MX),) * 3, eager=(_k(4 + 2 * _MX),) * 3,
-                   min_capability=(10, 0), scale_bytes=_MX)
+                   compiled=(_k(4 + 2 * _MX, block="mx"),) * 3, eager=(_k(4 + 2 * _MX, block="mx"),) * 3,
+                   min_capability=(10, 0), scale_bytes=_MX, gemm="mx")
+# TE Float8BlockScaling (sm_90, CUDA 12.9+): 1x128 tiles for activations and gradients, 128x128 for weights, FP32
+# scales (4 bytes per 128 elements); one fused cast + transpose per operand, the GEMM at the FP8 rate.
+_TE_BLOCKWISE = Recipe("te_blockwise", "Transformer Engine Float8BlockScaling (1x128 / 128x128 blocks)",
+                       (True, True, True), compiled=(_k(4 + 8 / 128),) * 3, eager=(_k(4 + 8 / 128),) * 3,
+                       min_capability=(9, 0), scale_bytes=4 / 128)
+# TE NVFP4BlockScaling (sm_100): a per-tensor amax pass (the global scale), then one fused kernel writing both
+# layouts in FP4 with their 1x16 E4M3 scales.
+_TE_NVFP4 = Recipe("te_nvfp4", "Transformer Engine NVFP4BlockScaling (1x16 blocks, FP4 GEMMs)", (True, True, True),
+                   compiled=(_k(2, 0, 2 + 2 * _FP4, block="nvfp4"),) * 3,
+                   eager=(_k(2, 0, 2 + 2 * _FP4, block="nvfp4"),) * 3,
+                   min_capability=(10, 0), scale_bytes=_NV, gemm="fp4", operand_bytes=0.5)
+
+# torchao dense MXFP8 training (MXLinear / MXFP8TrainingOpConfig, sm_100): each operand cast along dim0 and along
+# dim1 (1x32 blocks either way), two kernels; under compile the dim0 cast fuses with the producer (its FP8 write
+# alone is added), as roofline_utils.py counts mxfp8_cublas.
+_MXFP8 = Recipe("mxfp8", "torchao MXFP8 (1x32 blocks, E8M0 scales)", (True, True, True),
+                compiled=(_k(1 + _MX, 3 + _MX, fused_first=True, block="mx"), _k(3 + _MX, 3 + _MX, block="mx"),
+                          _k(1 + _MX, 3 + _MX, fused_first=True, block="mx")),
+                eager=(_k(3 + _MX, 3 + _MX, block="mx"),) * 3,
+                min_capability=(10, 0), scale_bytes=_MX, gemm="mx")
+# torchao NVFP4 (dynamic per-tensor global scale, 1x16 E4M3 block scales, FP4 GEMMs, sm_100): an amax pass (fused
+# into the producer under compile) and its tiny second stage, then one cast per layout.
+_NVFP4 = Recipe("nvfp4", "torchao NVFP4 (1x16 blocks, FP4 GEMMs)", (True, True, True),
+                compiled=(_k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block="nvfp4"),
+                          _k(2, 0, 2 + _FP4, 2 + _FP4, block="nvfp4"),
+                          _k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block="nvfp4")),
+                eager=(_k(2, 0, 2 + _FP4, 2 + _FP4, block="nvfp4"),) * 3,
+                min_capability=(10, 0), scale_bytes=_NV, gemm="fp4", operand_bytes=0.5)
 
 # torchao MoE training (grouped GEMMs over ``groups`` experts): its own kernels, one per layout; FP8 rowwise scales
 # the second layout per column (per expert's rows), MXFP8 casts 1x32 blocks along either dimension alike.
@@ -106,11 +151,12 @@ _MOE_ROWWISE = Recipe("moe_fp8_rowwise", "torchao MoE grouped GEMMs, FP8 rowwise
                       compiled=(_k(3, 3, columnwise_from=1),) * 3, eager=(_k(3, 3, columnwise_from=1),) * 3,
                       min_capability=(9, 0), grouped=True)
 _MOE_MXFP8 = Recipe("moe_mxfp8", "torchao MoE grouped GEMMs, MXFP8", (True, True, True),
-                    compiled=(_k(3 + _MX, 3 + _MX),) * 3, eager=(_k(3 + _MX, 3 + _MX),) * 3,
-                    min_capability=(10, 0), grouped=True, scale_bytes=_MX)
+                    compiled=(_k(3 + _MX, 3 + _MX, block="mx"),) * 3, eager=(_k(3 + _MX, 3 + _MX, block="mx"),) * 3,
+                    min_capability=(10, 0), grouped=True, scale_bytes=_MX, gemm="mx")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP, _TE_DELAYED, _TE_CURRENT,
-                                                   _TE_MXFP8, _MOE_ROWWISE, _MOE_MXFP8)}
+                                                   _TE_BLOCKWISE, _TE_MXFP8, _TE_NVFP4, _MXFP8, _NVFP4, _MOE_ROWWISE,
+                                                   _MOE_MXFP8)}
 """Every recipe the speed model knows, by name."""
 
 
@@ -118,6 +164,6 @@ def recipe_named(name: str) -> Recipe:
     """The recipe called ``name``; ValueError naming the choices for an unknown one."""
     if name not in RECIPES:
         raise ValueError(f"recipe {name!r} is not one the speed model knows: choose one of {', '.join(RECIPES)} "
-                         "(torchao: tensorwise, rowwise, rowwise_with_gw_hp; Transformer Engine: te_*; MoE grouped "
-                         "GEMMs: moe_*).")
+                         "(torchao: tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, nvfp4; Transformer Engine: te_*; "
+                         "MoE grouped GEMMs: moe_*).")
     return RECIPES[name]
