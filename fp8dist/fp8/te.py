@@ -61,19 +61,32 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
 
 
 _DELAYED = When({"te_recipe": ("delayed",)})  # knobs DelayedScaling alone reads
+_FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")})  # NVFP4's format is fixed
+
+_GATES = {"mxfp8": ((10, 0), "MXFP8BlockScaling", "Blackwell"),
+          "blockwise": ((9, 0), "Float8BlockScaling", "Hopper"),
+          "nvfp4": ((10, 0), "NVFP4BlockScaling", "Blackwell")}
+"""The recipes that need more than FP8 tensor cores (sm_89+): the capability TE 2.20 checks before it runs them
+(transformer_engine/pytorch/quantization.py: ``_compute_{mxfp8,fp8_block_scaling,nvfp4}_support``), the class."""
+
+BLOCKWISE_CUDA = (12, 9)
+"""Float8BlockScaling's block-scaled GEMMs need a CUDA build >= 12.9 as well as sm_90 (TE 2.20's check)."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class TEConfig:
     """Transformer Engine's knobs (:attr:`FP8Backend.Config`)."""
 
-    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
-    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
-    mxfp8 (MXFP8BlockScaling, Blackwell)."""
-    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"refused": {"E5M2": (
-        "E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 "
-        "gradients) or 'E4M3'.")}})
-    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
+    te_recipe: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = "delayed"
+    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling), mxfp8
+    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 blocks for activations and
+    gradients, 128x128 for weights; sm_90+ and CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks
+    with e4m3 scales and a per-tensor scale, 16x16 weight blocks; sm_100+)."""
+    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"when": _FP8_FORMATTED, "refused": {
+        "E5M2": ("E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 "
+                 "forward, E5M2 gradients) or 'E4M3'.")}})
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere. NVFP4 has its own (e2m1 values,
+    e4m3 block scales) and reads none."""
     margin: int = field(default=0, metadata={"when": _DELAYED, "min": 0})
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
     interval: int = field(default=1, metadata={"when": _DELAYED, "min": 1})
@@ -121,11 +134,12 @@ def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
 
 
 def build_recipe(cfg) -> Any:
-    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling), with the
-    knobs the installed TE has; a knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
+    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
+    Float8BlockScaling or NVFP4BlockScaling: TE's defaults but the format), with the knobs the installed TE has; a
+    knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
 
     Raises:
-        ValueError: such a knob.
+        ValueError: such a knob, or a recipe the installed TE does not have.
     """
     from transformer_engine.common import recipe
 
@@ -135,6 +149,16 @@ def build_recipe(cfg) -> Any:
         return recipe.Float8CurrentScaling(fp8_format=fmt)
     if p.te_recipe == "mxfp8":
         return recipe.MXFP8BlockScaling(fp8_format=fmt)
+    if p.te_recipe in ("blockwise", "nvfp4"):
+        name = _GATES[p.te_recipe][1]
+        if not hasattr(recipe, name):
+            import transformer_engine
+
+            version = getattr(transformer_engine, "__version__", "unknown")
+            raise ValueError(f"te_recipe={p.te_recipe!r}: Transformer Engine {version} has no recipe.{name}. Install "
+                             "a newer Transformer Engine (2.20 has it), or choose te_recipe='current'.")
+        # NVFP4's fp8_format is its block scales' (E4M3, the only one TE accepts): fp8_format is not passed
+        return getattr(recipe, name)() if p.te_recipe == "nvfp4" else getattr(recipe, name)(fp8_format=fmt)
     return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
                                  amax_compute_algo=p.amax_compute_algo, **_delayed_knobs(recipe.DelayedScaling, p))
 
@@ -157,6 +181,19 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
             return forward(*args, **kwargs)
 
     module.forward = fp8_forward  # type: ignore[method-assign]
+
+
+_NO_CASTS = {
+    "blockwise": ("te_recipe='blockwise': the numerics probe has no model of Float8BlockScaling's casts (1x128 blocks "
+                  "for activations and gradients, 128x128 for weights, power-of-2 scales; fp8dist.fp8.casts models "
+                  "tensorwise, rowwise, MX 1x32 and delayed scaling). Probe with te_recipe='current' (one scale per "
+                  "tensor: coarser blocks, so usually larger errors than blockwise's), or run without a probe."),
+    "nvfp4": ("te_recipe='nvfp4': the numerics probe has no model of NVFP4BlockScaling's casts (e2m1 values in 1x16 "
+              "blocks with e4m3 scales, 16x16 weight blocks, random Hadamard transforms, stochastic rounding; "
+              "fp8dist.fp8.casts models FP8 casts only). Probe with te_recipe='mxfp8' for the nearest FP8 block "
+              "recipe (its errors say nothing of FP4's), or run without a probe."),
+}
+"""Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
 
 
 _RULES = (
@@ -183,15 +220,43 @@ class TEBackend(FP8Backend):
         if p.te_recipe == "delayed":
             return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
                     f"amax_compute_algo {p.amax_compute_algo}")
+        if p.te_recipe == "blockwise":
+            return (f"Float8BlockScaling {p.fp8_format}, 1x128 blocks (activations, gradients) and 128x128 "
+                    "(weights), needs sm_90+ and CUDA >= 12.9")
+        if p.te_recipe == "nvfp4":
+            return ("NVFP4BlockScaling: FP4 e2m1, 1x16 blocks with e4m3 scales (16x16 for weights), random Hadamard "
+                    "transform and stochastic rounding on gradients, needs sm_100+")
         return f"{p.te_recipe} scaling {p.fp8_format}"
 
     def missing_reason(self, cfg) -> str | None:
         if importlib.util.find_spec("transformer_engine") is None:
             return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
+        cuda = torch.version.cuda  # the installed build, not the target: a plan for another machine skips this
+        if cfg.precision.te_recipe == "blockwise" and cuda and \
+                tuple(int(x) for x in cuda.split(".")[:2]) < BLOCKWISE_CUDA:
+            return (f"te_recipe='blockwise' (Float8BlockScaling) needs PyTorch and Transformer Engine built for CUDA "
+                    f">= 12.9, this torch is built for CUDA {cuda}: install a CUDA 12.9+ build, or choose "
+                    "te_recipe='current'")
+        return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
-        return fp8_hardware_reason(hardware, min_capability=needs)
+        """sm_89+ (FP8 tensor cores) for delayed and current scaling; the capability :data:`_GATES` names for the
+        block-scaled recipes, refused with the recipes the device does run."""
+        recipe = cfg.precision.te_recipe
+        if recipe not in _GATES:
+            return fp8_hardware_reason(hardware)
+        needs, name, arch = _GATES[recipe]
+        if fp8_hardware_reason(hardware, min_capability=needs) is None:
+            return None
+        need, target = f"sm_{needs[0]}{needs[1]}+", "b200" if needs >= (10, 0) else "h100"
+        head = f"te_recipe={recipe!r} ({name}) needs a CUDA GPU with {need} ({arch} or newer)"
+        if hardware.type != "cuda" or (no_fp8 := fp8_hardware_reason(hardware)) is not None:  # no FP8 recipe runs
+            where = f"device is {hardware}" if hardware.type != "cuda" else no_fp8
+            return f"{head}; {where}. Plan for a GPU that has it (fp8dist plan --target {target})"
+        runs = [f"{r!r} ({_GATES[r][1]}, sm_{_GATES[r][0][0]}{_GATES[r][0][1]}+), " for r in _GATES
+                if r != recipe and hardware.capability >= _GATES[r][0]]
+        return (f"{head}, not {hardware}. Choose te_recipe={''.join(runs)}'current' or 'delayed' (sm_89+), or plan "
+                f"for a GPU that has it (fp8dist plan --target {target})")
 
     def supports(self, module: nn.Module) -> bool:  # the FP8 GEMMs and the norms
         return self.computes_in_fp8(module) or type(module) is nn.LayerNorm or _is_rmsnorm(module)
@@ -270,13 +335,25 @@ class TEBackend(FP8Backend):
     speed_recipes = ("te_delayed", "te_current", "te_mxfp8")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        return experts_speed_recipe(cfg, hardware) if grouped else (f"te_{cfg.precision.te_recipe}", "")
+        """``te_<recipe>`` where the speed model has that recipe; else (None, why): the layers convert as under
+        ``fp8_select='all'``, unpredicted."""
+        from ..plan.speed.recipes import RECIPES
+
+        if grouped:
+            return experts_speed_recipe(cfg, hardware)
+        name = f"te_{cfg.precision.te_recipe}"
+        if name in RECIPES:
+            return name, ""
+        return None, (f"the speed model has no recipe {name!r} yet (fp8dist.plan.speed.RECIPES): no prediction for "
+                      f"te_recipe={cfg.precision.te_recipe!r}")
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """TE's recipe: HYBRID casts gradients to e5m2, E4M3 everything to e4m3; MoE experts as torchao casts them."""
         if grouped:
             return experts_casts(cfg, hardware)
         p = cfg.precision
+        if p.te_recipe in ("blockwise", "nvfp4"):
+            raise NotImplementedError(_NO_CASTS[p.te_recipe])
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
         scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
         history = {"margin": p.margin, "history_len": p.amax_history_len, "algo": p.amax_compute_algo}
@@ -323,6 +400,8 @@ class TEBackend(FP8Backend):
         recipe = wiring.autocast_recipe
         if recipe is None:
             return None
+        if getattr(recipe, "fp4_format", None) is not None:  # NVFP4: e2m1 values, e4m3 block scales
+            return f"fp4 {recipe.fp4_format.name.lower()}, e4m3 block scales ({type(recipe).__name__})"
         fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"
