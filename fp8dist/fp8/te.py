@@ -9,7 +9,6 @@ through a stand-in of that API, never counted as proof that TE itself works."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
+from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, build_recipe
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -63,15 +63,6 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
 _DELAYED = When({"te_recipe": ("delayed",)})  # knobs DelayedScaling alone reads
 _FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")})  # NVFP4's format is fixed
 
-_GATES = {"mxfp8": ((10, 0), "MXFP8BlockScaling", "Blackwell"),
-          "blockwise": ((9, 0), "Float8BlockScaling", "Hopper"),
-          "nvfp4": ((10, 0), "NVFP4BlockScaling", "Blackwell")}
-"""The recipes that need more than FP8 tensor cores (sm_89+): the capability TE 2.20 checks before it runs them
-(transformer_engine/pytorch/quantization.py: ``_compute_{mxfp8,fp8_block_scaling,nvfp4}_support``), the class."""
-
-BLOCKWISE_CUDA = (12, 9)
-"""Float8BlockScaling's block-scaled GEMMs need a CUDA build >= 12.9 as well as sm_90 (TE 2.20's check)."""
-
 
 @dataclass(kw_only=True, frozen=True)
 class TEConfig:
@@ -104,65 +95,6 @@ class TEConfig:
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
 
 
-_RETIRED_KNOBS = {
-    "override_linear_precision": ("TE 2.x's nearest is Float8CurrentScaling(backward_override='high_precision'), "
-                                  "backward GEMMs from high-precision operands, which fp8dist does not offer yet"),
-    "interval": "TE 2.x updates the scales after every step; nothing replaced it",
-}
-"""DelayedScaling knobs that Transformer Engine 2.x dropped (its recipes silently ignore them), and what, if
-anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
-
-
-def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
-    """The retired knobs the installed ``DelayedScaling`` still has, with their values; others must be defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TEConfig)}
-    have = {f.name for f in dataclasses.fields(recipe_cls)}
-    out = {}
-    for name, replaced in _RETIRED_KNOBS.items():
-        value = getattr(precision, name)
-        value = tuple(value) if isinstance(value, (list, tuple)) else value
-        if name in have:
-            out[name] = value
-        elif value != defaults[name]:
-            import transformer_engine
-
-            version = getattr(transformer_engine, "__version__", "unknown")
-            raise ValueError(f"{name}={value!r}: Transformer Engine {version}'s DelayedScaling has no {name} and "
-                             f"would drop it without a word ({replaced}). Leave {name} at its default "
-                             f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
-    return out
-
-
-def build_recipe(cfg) -> Any:
-    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
-    Float8BlockScaling or NVFP4BlockScaling: TE's defaults but the format), with the knobs the installed TE has; a
-    knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
-
-    Raises:
-        ValueError: such a knob, or a recipe the installed TE does not have.
-    """
-    from transformer_engine.common import recipe
-
-    p = cfg.precision
-    fmt = getattr(recipe.Format, p.fp8_format)
-    if p.te_recipe == "current":
-        return recipe.Float8CurrentScaling(fp8_format=fmt)
-    if p.te_recipe == "mxfp8":
-        return recipe.MXFP8BlockScaling(fp8_format=fmt)
-    if p.te_recipe in ("blockwise", "nvfp4"):
-        name = _GATES[p.te_recipe][1]
-        if not hasattr(recipe, name):
-            import transformer_engine
-
-            version = getattr(transformer_engine, "__version__", "unknown")
-            raise ValueError(f"te_recipe={p.te_recipe!r}: Transformer Engine {version} has no recipe.{name}. Install "
-                             "a newer Transformer Engine (2.20 has it), or choose te_recipe='current'.")
-        # NVFP4's fp8_format is its block scales' (E4M3, the only one TE accepts): fp8_format is not passed
-        return getattr(recipe, name)() if p.te_recipe == "nvfp4" else getattr(recipe, name)(fp8_format=fmt)
-    return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
-                                 amax_compute_algo=p.amax_compute_algo, **_delayed_knobs(recipe.DelayedScaling, p))
-
-
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
     """Run ``module``'s forward under TE's FP8 autocast with ``fp8_recipe``, amax reduced over ``group``, while
     training (and in eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's
@@ -181,19 +113,6 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
             return forward(*args, **kwargs)
 
     module.forward = fp8_forward  # type: ignore[method-assign]
-
-
-_NO_CASTS = {
-    "blockwise": ("te_recipe='blockwise': the numerics probe has no model of Float8BlockScaling's casts (1x128 blocks "
-                  "for activations and gradients, 128x128 for weights, power-of-2 scales; fp8dist.fp8.casts models "
-                  "tensorwise, rowwise, MX 1x32 and delayed scaling). Probe with te_recipe='current' (one scale per "
-                  "tensor: coarser blocks, so usually larger errors than blockwise's), or run without a probe."),
-    "nvfp4": ("te_recipe='nvfp4': the numerics probe has no model of NVFP4BlockScaling's casts (e2m1 values in 1x16 "
-              "blocks with e4m3 scales, 16x16 weight blocks, random Hadamard transforms, stochastic rounding; "
-              "fp8dist.fp8.casts models FP8 casts only). Probe with te_recipe='mxfp8' for the nearest FP8 block "
-              "recipe (its errors say nothing of FP4's), or run without a probe."),
-}
-"""Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
 
 
 _RULES = (
@@ -240,12 +159,12 @@ class TEBackend(FP8Backend):
         return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        """sm_89+ (FP8 tensor cores) for delayed and current scaling; the capability :data:`_GATES` names for the
+        """sm_89+ (FP8 tensor cores) for delayed and current scaling; the capability :data:`GATES` names for the
         block-scaled recipes, refused with the recipes the device does run."""
         recipe = cfg.precision.te_recipe
-        if recipe not in _GATES:
+        if recipe not in GATES:
             return fp8_hardware_reason(hardware)
-        needs, name, arch = _GATES[recipe]
+        needs, name, arch = GATES[recipe]
         if fp8_hardware_reason(hardware, min_capability=needs) is None:
             return None
         need, target = f"sm_{needs[0]}{needs[1]}+", "b200" if needs >= (10, 0) else "h100"
@@ -253,8 +172,8 @@ class TEBackend(FP8Backend):
         if hardware.type != "cuda" or (no_fp8 := fp8_hardware_reason(hardware)) is not None:  # no FP8 recipe runs
             where = f"device is {hardware}" if hardware.type != "cuda" else no_fp8
             return f"{head}; {where}. Plan for a GPU that has it (fp8dist plan --target {target})"
-        runs = [f"{r!r} ({_GATES[r][1]}, sm_{_GATES[r][0][0]}{_GATES[r][0][1]}+), " for r in _GATES
-                if r != recipe and hardware.capability >= _GATES[r][0]]
+        runs = [f"{r!r} ({GATES[r][1]}, sm_{GATES[r][0][0]}{GATES[r][0][1]}+), " for r in GATES
+                if r != recipe and hardware.capability >= GATES[r][0]]
         return (f"{head}, not {hardware}. Choose te_recipe={''.join(runs)}'current' or 'delayed' (sm_89+), or plan "
                 f"for a GPU that has it (fp8dist plan --target {target})")
 
@@ -353,7 +272,7 @@ class TEBackend(FP8Backend):
             return experts_casts(cfg, hardware)
         p = cfg.precision
         if p.te_recipe in ("blockwise", "nvfp4"):
-            raise NotImplementedError(_NO_CASTS[p.te_recipe])
+            raise NotImplementedError(NO_CASTS[p.te_recipe])
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
         scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
         history = {"margin": p.margin, "history_len": p.amax_history_len, "algo": p.amax_compute_algo}
