@@ -137,3 +137,79 @@ def test_fp8_format_is_said_to_have_no_effect_under_nvfp4():
     assert any(n.startswith("fp8_format='E4M3' has no effect here (read only when fp8 in ['te'] and te_recipe in "
                             "['delayed', 'current', 'mxfp8', 'blockwise']") for n in notes), notes
     assert not fp8dist.resolve_config(fp8="te", te_recipe="blockwise", fp8_format="E4M3").unused_options()
+
+
+# ---- TE's quantized weights under FSDP2 (fp8_weights: quantized_model_init, TE >= 2.10)
+
+def _fp8_weights_rank(rank: int, world: int, fp8_weights: bool) -> dict:
+    use_standins()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+    from helpers import train_losses
+
+    reference = {n: p.detach().clone() for n, p in build_llama("tiny", seed=0).named_parameters()}
+    model = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="te", te_recipe="current",
+                       fp8_weights=fp8_weights)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, te.Linear)}
+    full = {f"{n}.weight": m.weight.full_tensor() for n, m in linears.items()}  # FSDP2 DTensor shards
+    expected = recipe.Float8CurrentScaling() if fp8_weights else None  # compared here: the parent has no stand-in
+    copied = all(torch.equal(full[n], reference[n].to(full[n].dtype)) for n in full)
+    return dict(quantized_init={n: m.quantized_init == expected for n, m in linears.items()}, copied=copied,
+                losses=train_losses(model, rank, world, steps=2))
+
+
+def test_fp8_weights_create_every_te_linear_under_quantized_model_init_with_the_recipe_under_fsdp2():
+    """Through the stand-in (not TE: the stand-in keeps the weight in full, real TE quantizes it): each converted
+    te.Linear is created inside ``te.quantized_model_init(recipe=<the run's recipe>)``, its weight the model's own,
+    sharded by FSDP2, and trains; without the knob none is."""
+    from dist_harness import run_ranks
+
+    for fp8_weights in (True, False):
+        for r in run_ranks(_fp8_weights_rank, fp8_weights):
+            assert len(r["quantized_init"]) == 15 and r["copied"]
+            assert all(r["quantized_init"].values())
+            assert r["losses"][1] < r["losses"][0]
+
+
+def test_fp8_weights_refused_where_they_cannot_run():
+    for strategy in ("ddp", "fsdp1", "none", "deepspeed"):
+        said = f"fp8_weights=True with strategy={strategy!r}: fp8dist wires Transformer Engine's quantized weights"
+        with pytest.raises(ValueError, match=re.escape(said) + ".*Use strategy='fsdp'"):
+            fp8dist.resolve_config(strategy=strategy, fp8="te", fp8_weights=True)
+    notes = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", fp8_weights=True).unused_options()
+    assert notes == ["fp8_weights=True has no effect here (read only when fp8 in ['te']; fp8='torchao')."]
+
+
+def test_fp8_weights_refuse_a_te_before_2_10_before_any_module_is_swapped(monkeypatch):
+    monkeypatch.setenv("FP8DIST_TE_STANDIN_API", "2.8")
+    use_standins()
+    try:
+        te_backend = get_backend("te")
+        cfg = fp8dist.resolve_config(strategy="fsdp", fp8="te", fp8_weights=True, fp8_select="all")
+        model = build_llama("tiny")
+        plan = fp8dist.plan_precision(model, cfg, device=TARGETS["h100"], check_installed=False)
+        with pytest.raises(ValueError, match=re.escape("fp8_weights=True: Transformer Engine 2.8.0+standin is older "
+                                                       "than 2.10, whose quantized_model_init first works under FSDP2 "
+                                                       "(TE issue #1688). Install Transformer Engine >= 2.10")):
+            te_backend.convert(model, plan, cfg)
+        assert all(type(m).__module__.startswith(("torch.", "transformers.")) for m in model.modules()), \
+            "nothing swapped"
+    finally:
+        drop_standins()
+
+
+def test_the_estimate_counts_fp8_weights_and_the_fp32_master_copy_they_need():
+    """A converted weight: 1 byte (FP8) instead of the stored fp32, plus the optimizer's fp32 master (TE's FusedAdam
+    master_weights); unconverted parameters as before. Derived from TE's documentation (TE cannot run here)."""
+    def estimate(fp8_weights):
+        return fp8dist.estimate_memory(build_llama("tiny"), strategy="fsdp", fp8="te", fp8_weights=fp8_weights,
+                                       world_size=2, target="h100", fp8_select="all")
+
+    plain, quantized = estimate(False), estimate(True)
+    fp8_params = sum(e.params for e in fp8dist.plan_precision(
+        build_llama("tiny"), fp8dist.resolve_config(strategy="fsdp", fp8="te", fp8_select="all"),
+        device=TARGETS["h100"], check_installed=False).fp8)
+    assert plain.bytes["parameters"] - quantized.bytes["parameters"] == 3 * fp8_params // 2  # 2 ranks, 4 -> 1 byte
+    assert (plain.bytes["master_weights"], quantized.bytes["master_weights"]) == (0, 4 * fp8_params // 2)
+    assert quantized.dtypes["parameters"] == "fp32/fp8" and quantized.dtypes["master_weights"] == "fp32"
+    assert quantized.bytes["gradients"] == plain.bytes["gradients"]

@@ -9,6 +9,7 @@ through a stand-in of that API, never counted as proof that TE itself works."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
-from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, build_recipe
+from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, build_recipe, quantized_init_recipe
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -42,7 +43,12 @@ def _rmsnorm_eps(module: nn.Module) -> float:
     return float(eps) if eps is not None else torch.finfo(module.weight.dtype).eps
 
 
-def _te_module(te: Any, module: nn.Module) -> nn.Module:
+def _te_module(te: Any, module: nn.Module, quantized: Any = None) -> nn.Module:
+    """The TE counterpart of ``module``, weights copied; a Linear created under ``te.quantized_model_init`` with the
+    recipe ``quantized`` where that is given (its weight then held only quantized)."""
+    if quantized is not None and (isinstance(module, nn.Linear) or is_conv1d(module)):
+        with te.quantized_model_init(enabled=True, recipe=quantized):
+            return _te_module(te, module)
     weight, bias = module.weight, getattr(module, "bias", None)
     common = {"params_dtype": weight.dtype, "device": weight.device}
     if is_conv1d(module):  # te.Linear holds (out, in): the Conv1D's (in, out) weight goes in transposed
@@ -93,6 +99,12 @@ class TEConfig:
     DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
     use_autocast_during_eval: bool = False
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
+    fp8_weights: bool = False
+    """TE: each converted te.Linear holds its weight only in the recipe's format, created under
+    ``te.quantized_model_init`` (TE >= 2.10, whose FSDP2 fix it needs; FSDP2 only): FSDP2 then shards and
+    all-gathers the quantized weight, and no bf16 copy of it is kept. The optimizer must keep fp32 master weights
+    (TE's ``te.optimizers.FusedAdam(..., master_weights=True)``, as TE's FSDP2 example does): a plain AdamW on
+    quantized weights loses every update smaller than their resolution. fp8dist does not build that optimizer."""
 
 
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
@@ -116,6 +128,10 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
 
 
 _RULES = (
+    Rule(("fp8_weights", "strategy"), lambda cfg, facts: cfg.precision.fp8_weights and not facts.dtensor_shards,
+         "fp8dist wires Transformer Engine's quantized weights (quantized_model_init) only where each parameter is a "
+         "DTensor shard FSDP2 all-gathers, the layout TE 2.10 fixed and its FSDP2 example runs",
+         "Use strategy='fsdp', or leave fp8_weights off."),
     Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
          "fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU (TE prepared "
          "te.Linear for compile in v2.16); its fused kernels run uncompiled",
@@ -231,11 +247,12 @@ class TEBackend(FP8Backend):
         """Swap every module the plan converts for its TE counterpart, weights and biases copied exactly."""
         import transformer_engine.pytorch as te
 
-        build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
+        recipe = build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
+        quantized = quantized_init_recipe(te, recipe) if cfg.precision.fp8_weights else None
         experts = {e.name for e in plan.converted if e.grouped}
         convert_experts(model, experts, cfg, plan.hardware)  # torchao's MoE grouped GEMMs
         for name in [e.name for e in plan.converted if e.name not in experts]:
-            model.set_submodule(name, _te_module(te, model.get_submodule(name)))
+            model.set_submodule(name, _te_module(te, model.get_submodule(name), quantized))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
@@ -306,6 +323,14 @@ class TEBackend(FP8Backend):
     # accounting: derived from TE's documentation (it cannot run here)
     derived_bytes = True
     saved_weight_bytes = 2
+
+    def element_bytes(self, cfg, base, converted: bool, n_states: int):
+        """``fp8_weights``: a converted weight held in 1 byte (FP8; NVFP4's 4 bits and scales counted as 1) and an
+        fp32 master copy the optimizer must keep (TE's FusedAdam(master_weights=True)); otherwise unchanged."""
+        if not (converted and cfg.precision.fp8_weights):
+            return base
+        return dataclasses.replace(base, weight=1, master=base.master or 4,
+                                   dtypes=("fp8", base.dtypes[1] if base.master else "fp32", *base.dtypes[2:]))
 
     def fp8_state_bytes(self, cfg, plan) -> int:
         """DelayedScaling keeps, per FP8 ``te.Linear``, a scale and an ``amax_history_len`` amax history (fp32) for

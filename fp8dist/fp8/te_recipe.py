@@ -88,3 +88,20 @@ NO_CASTS = {
               "recipe (its errors say nothing of FP4's), or run without a probe."),
 }
 """Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
+
+
+QUANTIZED_INIT_TE = (2, 10)
+"""TE's first release whose quantized weights (``quantized_model_init``) work under FSDP2 (TE issue #1688)."""
+
+
+def quantized_init_recipe(te: Any, recipe: Any) -> Any:
+    """``recipe``, once the installed TE is one whose quantized weights work under FSDP2 (>= 2.10)."""
+    import transformer_engine
+
+    version = getattr(transformer_engine, "__version__", "0")
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    if release < QUANTIZED_INIT_TE or not hasattr(te, "quantized_model_init"):
+        raise ValueError(f"fp8_weights=True: Transformer Engine {version} is older than 2.10, whose "
+                         "quantized_model_init first works under FSDP2 (TE issue #1688). Install Transformer Engine "
+                         ">= 2.10, or leave fp8_weights off.")
+    return recipe
