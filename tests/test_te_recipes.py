@@ -213,3 +213,18 @@ def test_the_estimate_counts_fp8_weights_and_the_fp32_master_copy_they_need():
     assert (plain.bytes["master_weights"], quantized.bytes["master_weights"]) == (0, 4 * fp8_params // 2)
     assert quantized.dtypes["parameters"] == "fp32/fp8" and quantized.dtypes["master_weights"] == "fp32"
     assert quantized.bytes["gradients"] == plain.bytes["gradients"]
+
+
+def test_fp8_weights_say_the_optimizer_they_need_in_the_plan_and_once_at_conversion(standin_te):
+    import transformer_engine.pytorch as te
+
+    cfg = fp8dist.resolve_config(strategy="fsdp", fp8="te", fp8_weights=True, fp8_select="all")
+    model = build_llama("tiny")
+    plan = fp8dist.plan_precision(model, cfg, device=TARGETS["h100"], check_installed=False)
+    assert "weights held quantized (quantized_model_init)" in str(plan)
+    with pytest.warns(UserWarning, match=re.escape("the optimizer must keep fp32 master weights: build it as "
+                                                   "te.optimizers.FusedAdam(model.parameters(), master_weights=True"))\
+            as caught:
+        get_backend("te").convert(model, plan, cfg)
+    assert len([w for w in caught if "fp8_weights=True" in str(w.message)]) == 1
+    assert all(m.quantized_init is not None for m in model.modules() if isinstance(m, te.Linear))

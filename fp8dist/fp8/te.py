@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
-from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, build_recipe, quantized_init_recipe
+from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -151,6 +152,10 @@ class TEBackend(FP8Backend):
     takes_amax_group = True
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
+        weights = "; weights held quantized (quantized_model_init)" if cfg.precision.fp8_weights else ""
+        return self._recipe_words(cfg) + weights
+
+    def _recipe_words(self, cfg) -> str:
         p = cfg.precision
         if p.te_recipe == "delayed":
             return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
@@ -249,6 +254,8 @@ class TEBackend(FP8Backend):
 
         recipe = build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
         quantized = quantized_init_recipe(te, recipe) if cfg.precision.fp8_weights else None
+        if quantized is not None:
+            warnings.warn(QUANTIZED_OPTIMIZER_NOTE, UserWarning, stacklevel=2)
         experts = {e.name for e in plan.converted if e.grouped}
         convert_experts(model, experts, cfg, plan.hardware)  # torchao's MoE grouped GEMMs
         for name in [e.name for e in plan.converted if e.name not in experts]:

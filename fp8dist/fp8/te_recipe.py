@@ -94,6 +94,14 @@ QUANTIZED_INIT_TE = (2, 10)
 """TE's first release whose quantized weights (``quantized_model_init``) work under FSDP2 (TE issue #1688)."""
 
 
+QUANTIZED_OPTIMIZER_NOTE = (
+    "fp8_weights=True: Transformer Engine holds the converted weights quantized, so the optimizer must keep fp32 "
+    "master weights: build it as te.optimizers.FusedAdam(model.parameters(), master_weights=True, "
+    "master_weight_dtype=torch.float32) (TE's FSDP2 example). A plain torch optimizer would step the quantized "
+    "weights themselves and lose every update smaller than their resolution; fp8dist does not build it for you yet.")
+"""Said once per ``wrap_model`` with ``fp8_weights``: the optimizer it needs, which fp8dist does not build yet."""
+
+
 def quantized_init_recipe(te: Any, recipe: Any) -> Any:
     """``recipe``, once the installed TE is one whose quantized weights work under FSDP2 (>= 2.10)."""
     import transformer_engine
