@@ -96,7 +96,7 @@ def test_torchao_missing_is_a_clear_error_or_an_announced_fallback(monkeypatch):
     (dict(fp8="te", amax_history_len=0), "amax_history_len=0 must be at least 1"),
     (dict(fp8="te", amax_compute_algo="mean"), "amax_compute_algo='mean' is not valid; choose one of: 'max', "
                                                "'most_recent'"),
-    (dict(fp8="te", te_recipe="nvfp4"), "te_recipe='nvfp4' is not valid"),
+    (dict(fp8="te", te_recipe="mxfp4"), "te_recipe='mxfp4' is not valid"),
     (dict(fp8="te", override_linear_precision=(True,)), "must be a list of 3 booleans, got 1"),
     (dict(fp8="torchao", torchao_recipe="rowwise", fp8_all_gather=True), "FP8 only with the tensorwise recipe"),
     (dict(fp8="torchao", on_unsupported="ignore"), "on_unsupported='ignore' is not valid"),

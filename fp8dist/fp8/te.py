@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from .casts import USES, Casts, CastSpec
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
+from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -42,7 +44,12 @@ def _rmsnorm_eps(module: nn.Module) -> float:
     return float(eps) if eps is not None else torch.finfo(module.weight.dtype).eps
 
 
-def _te_module(te: Any, module: nn.Module) -> nn.Module:
+def _te_module(te: Any, module: nn.Module, quantized: Any = None) -> nn.Module:
+    """The TE counterpart of ``module``, weights copied; a Linear created under ``te.quantized_model_init`` with the
+    recipe ``quantized`` where that is given (its weight then held only quantized)."""
+    if quantized is not None and (isinstance(module, nn.Linear) or is_conv1d(module)):
+        with te.quantized_model_init(enabled=True, recipe=quantized):
+            return _te_module(te, module)
     weight, bias = module.weight, getattr(module, "bias", None)
     common = {"params_dtype": weight.dtype, "device": weight.device}
     if is_conv1d(module):  # te.Linear holds (out, in): the Conv1D's (in, out) weight goes in transposed
@@ -61,19 +68,23 @@ def _te_module(te: Any, module: nn.Module) -> nn.Module:
 
 
 _DELAYED = When({"te_recipe": ("delayed",)})  # knobs DelayedScaling alone reads
+_FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")})  # NVFP4's format is fixed
 
 
 @dataclass(kw_only=True, frozen=True)
 class TEConfig:
     """Transformer Engine's knobs (:attr:`FP8Backend.Config`)."""
 
-    te_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
-    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling) or
-    mxfp8 (MXFP8BlockScaling, Blackwell)."""
-    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"refused": {"E5M2": (
-        "E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 forward, E5M2 "
-        "gradients) or 'E4M3'.")}})
-    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
+    te_recipe: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = "delayed"
+    """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling), mxfp8
+    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 blocks for activations and
+    gradients, 128x128 for weights; sm_90+ and CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks
+    with e4m3 scales and a per-tensor scale, 16x16 weight blocks; sm_100+)."""
+    fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"when": _FP8_FORMATTED, "refused": {
+        "E5M2": ("E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 "
+                 "forward, E5M2 gradients) or 'E4M3'.")}})
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere. NVFP4 has its own (e2m1 values,
+    e4m3 block scales) and reads none."""
     margin: int = field(default=0, metadata={"when": _DELAYED, "min": 0})
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
     interval: int = field(default=1, metadata={"when": _DELAYED, "min": 1})
@@ -89,54 +100,12 @@ class TEConfig:
     DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
     use_autocast_during_eval: bool = False
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
-
-
-_RETIRED_KNOBS = {
-    "override_linear_precision": ("TE 2.x's nearest is Float8CurrentScaling(backward_override='high_precision'), "
-                                  "backward GEMMs from high-precision operands, which fp8dist does not offer yet"),
-    "interval": "TE 2.x updates the scales after every step; nothing replaced it",
-}
-"""DelayedScaling knobs that Transformer Engine 2.x dropped (its recipes silently ignore them), and what, if
-anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
-
-
-def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
-    """The retired knobs the installed ``DelayedScaling`` still has, with their values; others must be defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TEConfig)}
-    have = {f.name for f in dataclasses.fields(recipe_cls)}
-    out = {}
-    for name, replaced in _RETIRED_KNOBS.items():
-        value = getattr(precision, name)
-        value = tuple(value) if isinstance(value, (list, tuple)) else value
-        if name in have:
-            out[name] = value
-        elif value != defaults[name]:
-            import transformer_engine
-
-            version = getattr(transformer_engine, "__version__", "unknown")
-            raise ValueError(f"{name}={value!r}: Transformer Engine {version}'s DelayedScaling has no {name} and "
-                             f"would drop it without a word ({replaced}). Leave {name} at its default "
-                             f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
-    return out
-
-
-def build_recipe(cfg) -> Any:
-    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling), with the
-    knobs the installed TE has; a knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
-
-    Raises:
-        ValueError: such a knob.
-    """
-    from transformer_engine.common import recipe
-
-    p = cfg.precision
-    fmt = getattr(recipe.Format, p.fp8_format)
-    if p.te_recipe == "current":
-        return recipe.Float8CurrentScaling(fp8_format=fmt)
-    if p.te_recipe == "mxfp8":
-        return recipe.MXFP8BlockScaling(fp8_format=fmt)
-    return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
-                                 amax_compute_algo=p.amax_compute_algo, **_delayed_knobs(recipe.DelayedScaling, p))
+    fp8_weights: bool = False
+    """TE: each converted te.Linear holds its weight only in the recipe's format, created under
+    ``te.quantized_model_init`` (TE >= 2.10, whose FSDP2 fix it needs; FSDP2 only): FSDP2 then shards and
+    all-gathers the quantized weight, and no bf16 copy of it is kept. The optimizer must keep fp32 master weights
+    (TE's ``te.optimizers.FusedAdam(..., master_weights=True)``, as TE's FSDP2 example does): a plain AdamW on
+    quantized weights loses every update smaller than their resolution. fp8dist does not build that optimizer."""
 
 
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
@@ -160,6 +129,10 @@ def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during
 
 
 _RULES = (
+    Rule(("fp8_weights", "strategy"), lambda cfg, facts: cfg.precision.fp8_weights and not facts.dtensor_shards,
+         "fp8dist wires Transformer Engine's quantized weights (quantized_model_init) only where each parameter is a "
+         "DTensor shard FSDP2 all-gathers, the layout TE 2.10 fixed and its FSDP2 example runs",
+         "Use strategy='fsdp', or leave fp8_weights off."),
     Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
          "fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU (TE prepared "
          "te.Linear for compile in v2.16); its fused kernels run uncompiled",
@@ -179,19 +152,51 @@ class TEBackend(FP8Backend):
     takes_amax_group = True
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
+        weights = "; weights held quantized (quantized_model_init)" if cfg.precision.fp8_weights else ""
+        return self._recipe_words(cfg) + weights
+
+    def _recipe_words(self, cfg) -> str:
         p = cfg.precision
         if p.te_recipe == "delayed":
             return (f"DelayedScaling {p.fp8_format}, margin {p.margin}, amax_history_len {p.amax_history_len}, "
                     f"amax_compute_algo {p.amax_compute_algo}")
+        if p.te_recipe == "blockwise":
+            return (f"Float8BlockScaling {p.fp8_format}, 1x128 blocks (activations, gradients) and 128x128 "
+                    "(weights), needs sm_90+ and CUDA >= 12.9")
+        if p.te_recipe == "nvfp4":
+            return ("NVFP4BlockScaling: FP4 e2m1, 1x16 blocks with e4m3 scales (16x16 for weights), random Hadamard "
+                    "transform and stochastic rounding on gradients, needs sm_100+")
         return f"{p.te_recipe} scaling {p.fp8_format}"
 
     def missing_reason(self, cfg) -> str | None:
         if importlib.util.find_spec("transformer_engine") is None:
             return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
+        cuda = torch.version.cuda  # the installed build, not the target: a plan for another machine skips this
+        if cfg.precision.te_recipe == "blockwise" and cuda and \
+                tuple(int(x) for x in cuda.split(".")[:2]) < BLOCKWISE_CUDA:
+            return (f"te_recipe='blockwise' (Float8BlockScaling) needs PyTorch and Transformer Engine built for CUDA "
+                    f">= 12.9, this torch is built for CUDA {cuda}: install a CUDA 12.9+ build, or choose "
+                    "te_recipe='current'")
+        return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        needs = (10, 0) if cfg.precision.te_recipe == "mxfp8" else (8, 9)
-        return fp8_hardware_reason(hardware, min_capability=needs)
+        """sm_89+ (FP8 tensor cores) for delayed and current scaling; the capability :data:`GATES` names for the
+        block-scaled recipes, refused with the recipes the device does run."""
+        recipe = cfg.precision.te_recipe
+        if recipe not in GATES:
+            return fp8_hardware_reason(hardware)
+        needs, name, arch = GATES[recipe]
+        if fp8_hardware_reason(hardware, min_capability=needs) is None:
+            return None
+        need, target = f"sm_{needs[0]}{needs[1]}+", "b200" if needs >= (10, 0) else "h100"
+        head = f"te_recipe={recipe!r} ({name}) needs a CUDA GPU with {need} ({arch} or newer)"
+        if hardware.type != "cuda" or (no_fp8 := fp8_hardware_reason(hardware)) is not None:  # no FP8 recipe runs
+            where = f"device is {hardware}" if hardware.type != "cuda" else no_fp8
+            return f"{head}; {where}. Plan for a GPU that has it (fp8dist plan --target {target})"
+        runs = [f"{r!r} ({GATES[r][1]}, sm_{GATES[r][0][0]}{GATES[r][0][1]}+), " for r in GATES
+                if r != recipe and hardware.capability >= GATES[r][0]]
+        return (f"{head}, not {hardware}. Choose te_recipe={''.join(runs)}'current' or 'delayed' (sm_89+), or plan "
+                f"for a GPU that has it (fp8dist plan --target {target})")
 
     def supports(self, module: nn.Module) -> bool:  # the FP8 GEMMs and the norms
         return self.computes_in_fp8(module) or type(module) is nn.LayerNorm or _is_rmsnorm(module)
@@ -247,11 +252,14 @@ class TEBackend(FP8Backend):
         """Swap every module the plan converts for its TE counterpart, weights and biases copied exactly."""
         import transformer_engine.pytorch as te
 
-        build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
+        recipe = build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
+        quantized = quantized_init_recipe(te, recipe) if cfg.precision.fp8_weights else None
+        if quantized is not None:
+            warnings.warn(QUANTIZED_OPTIMIZER_NOTE, UserWarning, stacklevel=2)
         experts = {e.name for e in plan.converted if e.grouped}
         convert_experts(model, experts, cfg, plan.hardware)  # torchao's MoE grouped GEMMs
         for name in [e.name for e in plan.converted if e.name not in experts]:
-            model.set_submodule(name, _te_module(te, model.get_submodule(name)))
+            model.set_submodule(name, _te_module(te, model.get_submodule(name), quantized))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
@@ -270,13 +278,25 @@ class TEBackend(FP8Backend):
     speed_recipes = ("te_delayed", "te_current", "te_mxfp8")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        return experts_speed_recipe(cfg, hardware) if grouped else (f"te_{cfg.precision.te_recipe}", "")
+        """``te_<recipe>`` where the speed model has that recipe; else (None, why): the layers convert as under
+        ``fp8_select='all'``, unpredicted."""
+        from ..plan.speed.recipes import RECIPES
+
+        if grouped:
+            return experts_speed_recipe(cfg, hardware)
+        name = f"te_{cfg.precision.te_recipe}"
+        if name in RECIPES:
+            return name, ""
+        return None, (f"the speed model has no recipe {name!r} yet (fp8dist.plan.speed.RECIPES): no prediction for "
+                      f"te_recipe={cfg.precision.te_recipe!r}")
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """TE's recipe: HYBRID casts gradients to e5m2, E4M3 everything to e4m3; MoE experts as torchao casts them."""
         if grouped:
             return experts_casts(cfg, hardware)
         p = cfg.precision
+        if p.te_recipe in ("blockwise", "nvfp4"):
+            raise NotImplementedError(NO_CASTS[p.te_recipe])
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
         scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
         history = {"margin": p.margin, "history_len": p.amax_history_len, "algo": p.amax_compute_algo}
@@ -311,6 +331,14 @@ class TEBackend(FP8Backend):
     derived_bytes = True
     saved_weight_bytes = 2
 
+    def element_bytes(self, cfg, base, converted: bool, n_states: int):
+        """``fp8_weights``: a converted weight held in 1 byte (FP8; NVFP4's 4 bits and scales counted as 1) and an
+        fp32 master copy the optimizer must keep (TE's FusedAdam(master_weights=True)); otherwise unchanged."""
+        if not (converted and cfg.precision.fp8_weights):
+            return base
+        return dataclasses.replace(base, weight=1, master=base.master or 4,
+                                   dtypes=("fp8", base.dtypes[1] if base.master else "fp32", *base.dtypes[2:]))
+
     def fp8_state_bytes(self, cfg, plan) -> int:
         """DelayedScaling keeps, per FP8 ``te.Linear``, a scale and an ``amax_history_len`` amax history (fp32) for
         each of its 5 FP8 tensors: input, weight, output forward; output and input gradients backward (TE 2.x keeps
@@ -323,6 +351,8 @@ class TEBackend(FP8Backend):
         recipe = wiring.autocast_recipe
         if recipe is None:
             return None
+        if getattr(recipe, "fp4_format", None) is not None:  # NVFP4: e2m1 values, e4m3 block scales
+            return f"fp4 {recipe.fp4_format.name.lower()}, e4m3 block scales ({type(recipe).__name__})"
         fmt = getattr(getattr(recipe, "fp8_format", None), "name", "E4M3")
         formats = "fp8 e4m3 fwd, e5m2 grads" if fmt == "HYBRID" else f"fp8 {fmt.lower()}"
         return f"{formats} ({type(recipe).__name__})"

@@ -78,9 +78,9 @@ def fsdp2_state_bytes(params: list[Any], world: int, step: int,
             change[full] += rest
             change[full + 1] -= rest
     states = list(itertools.accumulate(change[:world]))
-    padded = sum(pad.padded_numel for pad in padding)
-    b = params[0].bytes
-    out = [{"parameters": padded * b.weight, "master_weights": 0, "gradients": padded * b.grad,
+    held = {kind: sum(pad.padded_numel * getattr(p.bytes, kind) for p, pad in zip(params, padding))
+            for kind in ("weight", "master", "grad")}  # per parameter: a backend may hold some in another dtype
+    out = [{"parameters": held["weight"], "master_weights": held["master"], "gradients": held["grad"],
             "optimizer_states": s + step * len(params)} for s in states]
     for pad in padding:  # a level's own states follow each rank's rows; a level with none is skipped (per rank)
         if level_states(pad.row_numel):
