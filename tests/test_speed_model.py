@@ -121,8 +121,8 @@ def test_recipes_compared_are_those_the_gpu_runs():
     gemms = _1b_gemms(8192)
     assert [s.recipe for s in compare_recipes(gemms, target="h100")] == ["tensorwise", "rowwise",
                                                                         "rowwise_with_gw_hp"]
-    assert recipes_for("te", "h100") == ("te_delayed", "te_current")
-    assert recipes_for("te", "b200") == ("te_delayed", "te_current", "te_mxfp8")
+    assert recipes_for("te", "h100") == ("te_delayed", "te_current", "te_blockwise")  # blockwise: sm_90
+    assert recipes_for("te", "b200") == ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")
     steps = compare_recipes(gemms, target="b200", backend="te")
     assert len({round(s.bf16_s, 12) for s in steps}) == 1  # one bf16 baseline for every recipe
 

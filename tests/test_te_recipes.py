@@ -176,6 +176,9 @@ def test_fp8_weights_refused_where_they_cannot_run():
         said = f"fp8_weights=True with strategy={strategy!r}: fp8dist wires Transformer Engine's quantized weights"
         with pytest.raises(ValueError, match=re.escape(said) + ".*Use strategy='fsdp'"):
             fp8dist.resolve_config(strategy=strategy, fp8="te", fp8_weights=True)
+    with pytest.raises(ValueError, match=re.escape("fp8_weights=True with memory='lean': quantized weights need an "
+                                                   "optimizer that keeps fp32 master weights") + ".*memory='standard'"):
+        fp8dist.resolve_config(strategy="fsdp", fp8="te", fp8_weights=True, memory="lean")
     notes = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", fp8_weights=True).unused_options()
     assert notes == ["fp8_weights=True has no effect here (read only when fp8 in ['te']; fp8='torchao')."]
 

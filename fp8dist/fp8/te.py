@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.axis import ALWAYS, Rule, StrategyFacts, When
+from ..config.axis import ALWAYS, LEVELS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
@@ -133,6 +133,11 @@ _RULES = (
          "fp8dist wires Transformer Engine's quantized weights (quantized_model_init) only where each parameter is a "
          "DTensor shard FSDP2 all-gathers, the layout TE 2.10 fixed and its FSDP2 example runs",
          "Use strategy='fsdp', or leave fp8_weights off."),
+    Rule(("fp8_weights", "memory"),
+         lambda cfg, facts: cfg.precision.fp8_weights and LEVELS[cfg.parallel.memory].builds_optimizer,
+         "quantized weights need an optimizer that keeps fp32 master weights (TE's FusedAdam with master_weights=True), "
+         "and this memory level builds its own optimizer over the stored weights",
+         "Use memory='standard' with fp8_weights, or leave fp8_weights off."),
     Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
          "fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU (TE prepared "
          "te.Linear for compile in v2.16); its fused kernels run uncompiled",
@@ -275,7 +280,7 @@ class TEBackend(FP8Backend):
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
     # plan: the speed model's recipes, and TE's casts as the numerics probe emulates them (TE needs a GPU)
-    speed_recipes = ("te_delayed", "te_current", "te_mxfp8")
+    speed_recipes = ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
         """``te_<recipe>`` where the speed model has that recipe; else (None, why): the layers convert as under
