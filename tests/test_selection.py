@@ -94,8 +94,9 @@ def test_compare_recipes_prints_each_recipes_predicted_gemm_time(capsys):
         assert table[step.recipe][2] == f"{step.all_fp8_s * 1e3:.3f}"
     # the medium preset at 65,536 tokens under tensorwise: the MLP pays (1.06x), attention does not (0.72x, 0.69x)
     assert expected[0].chosen_s < expected[0].bf16_s < expected[0].all_fp8_s
-    for backend, target, recipes in (("te", "h100", ["te_delayed", "te_current"]),
-                                     ("te", "b200", ["te_delayed", "te_current", "te_mxfp8"])):
+    for backend, target, recipes in (("te", "h100", ["te_delayed", "te_current", "te_blockwise"]),
+                                     ("te", "b200", ["te_delayed", "te_current", "te_blockwise", "te_mxfp8",
+                                                     "te_nvfp4"])):
         assert main(["plan", "--model-size", "tiny", "--fp8", backend, "--target", target, "--compare-recipes"]) == 0
         lines = capsys.readouterr().out.splitlines()
         start = lines.index(next(line for line in lines if line.startswith("recipes compared"))) + 3
