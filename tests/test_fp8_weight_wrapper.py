@@ -160,7 +160,7 @@ def test_auto_is_the_module_swap_on_this_torchao_and_the_plan_says_so():
     from torchao.float8.float8_linear import Float8Linear
 
     model = wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")
-    assert "tensorwise, module_swap (torchao_api='auto' on the installed torchao)" in str(get_plan(model))
+    assert "(recipe tensorwise, module_swap (auto), FP8 all-gather off)" in str(get_plan(model))
     assert isinstance(model.model.layers[1].self_attn.q_proj, Float8Linear)
 
 

@@ -130,9 +130,8 @@ class TorchaoBackend(FP8Backend):
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
         on = "on" if fp8_all_gather(cfg, facts) else "off"
-        api = torchao_api(cfg)
-        how = f"{api} (torchao_api='auto' on the installed torchao)" if cfg.precision.torchao_api == "auto" else api
-        return f"recipe {cfg.precision.torchao_recipe}, {how}, FP8 all-gather {on}"
+        auto = " (auto)" if cfg.precision.torchao_api == "auto" else ""  # auto: chosen by the installed torchao
+        return f"recipe {cfg.precision.torchao_recipe}, {torchao_api(cfg)}{auto}, FP8 all-gather {on}"
 
     def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
