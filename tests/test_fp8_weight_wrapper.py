@@ -72,11 +72,31 @@ def _fsdp_case(rank: int, world: int) -> dict:
             local=type(ours.model.layers[1].self_attn.q_proj.weight.to_local()).__name__,
             classes={type(m).__name__ for n, m in ours.named_modules() if n in {e.name for e in plan.fp8}},
             header=str(plan).splitlines()[0])
+    with torch.device("meta"):  # a meta model: FSDP2 materializes the wrapped weights, which stay wrapped
+        meta = build_llama("tiny", seed=0)
+    meta = wrap_model(meta, strategy="fsdp", fp8="torchao", torchao_api="weight_wrapper")
+    out["meta"] = _fp8_gemms_per_module(meta, ids)[1]
+    out["fsdp1_by_hand"] = _fsdp1_by_hand(base)
     return out
+
+
+def _fsdp1_by_hand(base: nn.Module) -> int:
+    """FP8 GEMMs of the wrapper under FSDP1 wired by hand: the evidence behind the rule that refuses it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    model = FSDP(_hand_wrapped(copy.deepcopy(base), "tensorwise"), use_orig_params=True,
+                 device_id=torch.device("cpu"), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with FP8Gemms() as gemms:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return gemms.count
 
 
 def test_fsdp2_weight_wrapper_matches_hand_wired_and_every_fp8_layer_runs_fp8():
     for rank, by_recipe in enumerate(run_ranks(_fsdp_case)):
+        assert by_recipe.pop("meta") == 3 * 13, "a meta model's wrapped weights run FP8 once materialized"
+        assert by_recipe.pop("fsdp1_by_hand") == 0, "FSDP1 drops the wrapper silently: hence the rule"
         for recipe, r in by_recipe.items():
             assert r["ours"] == r["ref"], (rank, recipe)
             assert len(r["plan"]) == 13 and set(r["plan"].values()) == {"Float8 weight wrapper"}
