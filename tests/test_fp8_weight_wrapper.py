@@ -194,3 +194,35 @@ def test_what_the_weight_wrapper_cannot_do_is_refused_with_the_way_out(options, 
     found = refusal_of(fp8="torchao", torchao_api="weight_wrapper", **options)
     assert found is not None and all(w in found for w in words), found
     assert refusal_of(fp8="torchao", torchao_api="weight_wrapper", strategy="fsdp") is None
+
+
+def test_a_wrapped_models_state_dict_holds_plain_tensors_that_load_into_a_plain_llama():
+    ours = wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_api="weight_wrapper")
+    state = ours.state_dict()
+    assert {type(t).__name__ for t in state.values()} == {"Tensor"}
+    plain = build_llama("tiny", seed=1)
+    assert str(plain.load_state_dict(state, strict=True)) == "<All keys matched successfully>"
+    assert torch.equal(plain.model.layers[1].mlp.up_proj.weight, state["model.layers.1.mlp.up_proj.weight"])
+
+
+def _resume_case(rank: int, world: int, path: str) -> dict:
+    from fp8dist import load_checkpoint, save_checkpoint
+    from helpers import optimizer_losses
+
+    base = build_llama("tiny", seed=0)
+    runs = []
+    for _ in range(2):
+        model = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_api="weight_wrapper")
+        runs.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    (model, opt), (again, opt_again) = runs
+    optimizer_losses(model, opt, rank, world, 2)
+    save_checkpoint(path, model, opt, step=2)
+    load_checkpoint(path, again, opt_again)
+    return dict(on=optimizer_losses(model, opt, rank, world, 2, start=2),
+                resumed=optimizer_losses(again, opt_again, rank, world, 2, start=2),
+                local=type(again.model.layers[1].mlp.up_proj.weight.to_local()).__name__)
+
+
+def test_fsdp2_weight_wrapper_resumes_from_a_checkpoint_exactly(tmp_path):
+    for r in run_ranks(_resume_case, str(tmp_path / "ckpt")):
+        assert r["resumed"] == r["on"] and r["local"] == "Float8TrainingWeightWrapperTensor"
