@@ -103,8 +103,8 @@ _RULES = (
          "Use torchao_api='module_swap' under strategy='fsdp1', or strategy='fsdp' (FSDP2) with the wrapper."),
     Rule(("torchao_api", "strategy"),
          lambda cfg, facts: torchao_api(cfg) == "weight_wrapper" and facts.engine_owns_params,
-         f"DeepSpeed's parameter handling cannot swap {_WRAPPER} in (measured with the same wrapper on MoE "
-         "experts: _apply(): Couldn't swap ..., ZeRO 2 and 3)",
+         f"DeepSpeed's parameter handling cannot swap {_WRAPPER} in (measured on 2 gloo ranks: "
+         "deepspeed.initialize raises \"_apply(): Couldn't swap Linear.weight\" under ZeRO 1, 2 and 3)",
          "Use torchao_api='module_swap' under strategy='deepspeed', or strategy='fsdp' / 'ddp' with the wrapper."),
     Rule(("fp8_all_gather", "torchao_recipe"),
          lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
