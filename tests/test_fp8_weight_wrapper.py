@@ -226,3 +226,11 @@ def _resume_case(rank: int, world: int, path: str) -> dict:
 def test_fsdp2_weight_wrapper_resumes_from_a_checkpoint_exactly(tmp_path):
     for r in run_ranks(_resume_case, str(tmp_path / "ckpt")):
         assert r["resumed"] == r["on"] and r["local"] == "Float8TrainingWeightWrapperTensor"
+
+
+def test_a_model_wrapped_by_hand_is_refused_naming_the_wrapped_weight():
+    hand = _hand_wrapped(build_llama("tiny", seed=0), "tensorwise")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight of LlamaForCausalLM is "
+                                         r"already a Float8TrainingWeightWrapperTensor from torchao \(converted by "
+                                         r"hand\).*fp8='torchao'"):
+        wrap_model(hand, strategy="none", fp8="torchao", torchao_api="weight_wrapper")
