@@ -234,3 +234,17 @@ def test_a_model_wrapped_by_hand_is_refused_naming_the_wrapped_weight():
                                          r"already a Float8TrainingWeightWrapperTensor from torchao \(converted by "
                                          r"hand\).*fp8='torchao'"):
         wrap_model(hand, strategy="none", fp8="torchao", torchao_api="weight_wrapper")
+
+
+@pytest.mark.parametrize("api", ["module_swap", "weight_wrapper"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_and_api_runs_an_fp8_gemm_in_exactly_the_planned_layers(api, recipe):
+    # rowwise_with_gw_hp under autocast needs fp32 params (the combination table's rule)
+    dtype = dict(param_dtype="fp32") if recipe == "rowwise_with_gw_hp" else {}
+    model = wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_api=api,
+                       torchao_recipe=recipe, **dtype)
+    planned = {e.name for e in get_plan(model).fp8}
+    per_module, total = _fp8_gemms_per_module(model, torch.randint(0, 256, (2, 16)))
+    assert len(planned) == 13 and {n for n, c in per_module.items() if c} == planned
+    assert set(per_module[n] for n in planned) == {1}
+    assert total == (2 if recipe == "rowwise_with_gw_hp" else 3) * 13  # gw_hp: its weight gradient in bf16
