@@ -248,3 +248,17 @@ def test_each_recipe_and_api_runs_an_fp8_gemm_in_exactly_the_planned_layers(api,
     assert len(planned) == 13 and {n for n, c in per_module.items() if c} == planned
     assert set(per_module[n] for n in planned) == {1}
     assert total == (2 if recipe == "rowwise_with_gw_hp" else 3) * 13  # gw_hp: its weight gradient in bf16
+
+
+def test_planned_where_torchao_is_not_installed_only_nn_linears_own_forward_counts_as_reached(monkeypatch):
+    from test_fp8_families import falcon_tiny
+
+    import fp8dist.fp8.torchao as backend
+    from fp8dist import plan_precision, resolve_config
+
+    monkeypatch.setattr(backend, "torchao_installed", lambda: False)
+    plan = plan_precision(falcon_tiny(), resolve_config(strategy="none", fp8="torchao", torchao_api="weight_wrapper",
+                                                        keep_first_last_linear=False),
+                          device=torch.device("cpu"), check_installed=False)
+    targets = {e.module_type: e.converted_to for e in plan.fp8}
+    assert targets == {"FalconLinear": backend.BYPASSED, "Linear": backend.WRAPPED}

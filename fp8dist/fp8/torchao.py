@@ -153,9 +153,9 @@ class TorchaoBackend(FP8Backend):
             return "Float8Conv1D"  # its addmm(bias, x, W) is not a call the wrapper overrides: always swapped
         if torchao_api(cfg) != "weight_wrapper":
             return "Float8Linear"
-        if wrapper_reaches(module, cfg.precision.torchao_recipe):
-            return WRAPPED
-        return BYPASSED
+        if not torchao_installed():  # planned for another machine: only nn.Linear's own F.linear is sure to reach it
+            return WRAPPED if type(module).forward is nn.Linear.forward else BYPASSED
+        return WRAPPED if wrapper_reaches(module, cfg.precision.torchao_recipe) else BYPASSED
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
