@@ -262,3 +262,25 @@ def test_planned_where_torchao_is_not_installed_only_nn_linears_own_forward_coun
                           device=torch.device("cpu"), check_installed=False)
     targets = {e.module_type: e.converted_to for e in plan.fp8}
     assert targets == {"FalconLinear": backend.BYPASSED, "Linear": backend.WRAPPED}
+
+
+def _falcon_fsdp_case(rank: int, world: int) -> dict:
+    from test_fp8_families import FALCON_STEPS, falcon_tiny
+
+    out = {}
+    for api in ("module_swap", "weight_wrapper"):  # both gather bf16 weights: the same torchao FP8 GEMMs
+        model = wrap_model(falcon_tiny(), strategy="fsdp", fp8="torchao", torchao_api=api, fp8_all_gather=False,
+                           keep_first_last_linear=False)  # the tied output head too: wrapped, still tied
+        out[api] = dict(losses=train_losses(model, rank, world, steps=FALCON_STEPS),
+                        tied=model.lm_head.weight is model.transformer.word_embeddings.weight,
+                        targets=sorted({e.converted_to for e in get_plan(model).fp8}))
+    return out
+
+
+def test_falcon_under_fsdp2_trains_with_the_wrapper_exactly_as_with_the_module_swap():
+    """Falcon mixes both: FalconLinears swapped (the wrapper would be bypassed), the tied lm_head wrapped; the
+    losses equal the module swap's with bf16 all-gather step for step, and the head stays tied."""
+    for r in run_ranks(_falcon_fsdp_case):
+        swap, wrapper = r["module_swap"], r["weight_wrapper"]
+        assert wrapper["losses"] == swap["losses"] and wrapper["tied"] and swap["tied"]
+        assert wrapper["targets"] == ["Float8 weight wrapper", "Float8Linear (its forward bypasses the weight wrapper)"]

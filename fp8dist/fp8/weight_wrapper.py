@@ -98,17 +98,27 @@ def wrapper_reaches(module: nn.Module, recipe: str) -> bool:
 
 def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
     """``quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=recipe))`` on exactly the Linears ``names``
-    (their weight and bias wrapped: torchao's own conversion). Call before sharding. State dicts keep holding
-    plain tensors (as for MoE experts), so checkpoints and exports load anywhere."""
+    (their weight and bias wrapped: torchao's own conversion). A parameter shared with another module (a tied
+    output head and embedding) stays shared: the wrapped one replaces it everywhere. Call before sharding. State
+    dicts keep holding plain tensors (as for MoE experts), so checkpoints and exports load anywhere."""
     from torchao.quantization import quantize_
 
     from .moe import _plain_state
 
     if not names:
         return
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # every holder of each parameter (a tied output head)
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, pname))
+    before = {name: dict(model.get_submodule(name).named_parameters(recurse=False)) for name in names}
     quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
     for name in names:
-        model.get_submodule(name).register_state_dict_post_hook(_plain_state)
+        module = model.get_submodule(name)
+        for pname, old in before[name].items():  # quantize_ sets a new Parameter on this module only: re-tie
+            for holder, attr in holders[id(old)]:
+                setattr(holder, attr, getattr(module, pname))
+        module.register_state_dict_post_hook(_plain_state)
 
 
 def unproven_fp8(model: nn.Module, names: list[str]) -> list[str]:
