@@ -66,10 +66,10 @@ def torchao_api(cfg) -> str:
 
 def _has_module_swap() -> bool:
     try:
-        from torchao.float8 import convert_to_float8_training  # noqa: F401
+        import torchao.float8 as float8
     except ImportError:
         return False
-    return True
+    return hasattr(float8, "convert_to_float8_training")
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
