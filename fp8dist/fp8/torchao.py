@@ -52,7 +52,7 @@ class TorchaoConfig:
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only)."""
+    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper'."""
 
 
 def torchao_api(cfg) -> str:
@@ -176,8 +176,9 @@ class TorchaoBackend(FP8Backend):
                               for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for ``Float8Linear``, Conv1Ds for ``Float8Conv1D``, MoE experts for
-        torchao's MoE training form."""
+        """Convert exactly the plan's FP8 layers: Linears swapped for ``Float8Linear`` or their weights wrapped
+        (``torchao_api``; the plan's target says which), Conv1Ds swapped for ``Float8Conv1D``, MoE experts into
+        torchao's MoE training form; then check that every converted Linear runs an FP8 GEMM."""
         from torchao.float8 import convert_to_float8_training
 
         experts = {e.name for e in plan.fp8 if e.grouped}
