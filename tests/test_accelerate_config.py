@@ -154,7 +154,8 @@ FILES = {
                       {"strategy": "fsdp", "fp8": "torchao", "fp8_all_gather": True},
                       "num_processes=2, num_machines=1, machine_rank=0, rdzv_backend='static', same_network=True, "
                       "main_training_function='main'",
-                      "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on), strategy=fsdp -- "),
+                      "precision plan: fp8=torchao (recipe tensorwise, module_swap (auto), FP8 all-gather on), "
+                      "strategy=fsdp -- "),
     "fsdp1_te.yaml": (FSDP1_TE, ACCELERATE_KEYS | {"fsdp_config"},
                       {"strategy": "fsdp1", "block_classes": ["LlamaDecoderLayer"], "reshard_after_forward": False,
                        "fp8": "te", "fp8_format": "E4M3", "margin": 1, "amax_history_len": 16,

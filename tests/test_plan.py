@@ -156,7 +156,8 @@ def test_fp8dist_plan_cli(tmp_path, capsys):
     """In-process (cli.main): the console script itself is run by tests/test_train.py."""
     assert main(["plan", "--strategy", "fsdp"]) == 0
     out = capsys.readouterr().out
-    assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on), strategy=fsdp" in out
+    assert ("precision plan: fp8=torchao (recipe tensorwise, module_swap (auto), FP8 all-gather on), "
+            "strategy=fsdp") in out
     assert "FP8 13 layers / 376,832 params (82.0%)" in out
     cfg = tmp_path / "config.json"
     cfg.write_text('{"model_type": "llama", "vocab_size": 100, "hidden_size": 200, "intermediate_size": 512, '

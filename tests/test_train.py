@@ -22,7 +22,8 @@ def test_fp8dist_train_defaults_two_processes_fsdp_loss_falls():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "starting 2 processes" in out and "strategy fsdp, fp8 torchao" in out and "2 x cpu (gloo)" in out
-    assert "precision plan: fp8=torchao (recipe tensorwise, FP8 all-gather on)" in out, "the plan is printed first"
+    assert "precision plan: fp8=torchao (recipe tensorwise, module_swap (auto), FP8 all-gather on)" in out, \
+        "the plan is printed first"
     model = build_llama("tiny")
     total = sum(p.numel() for p in model.parameters())
     fp8 = [e for e in plan_precision(model, resolve_config(fp8="torchao"), device=torch.device("cpu")).fp8]

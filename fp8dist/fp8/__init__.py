@@ -44,6 +44,10 @@ def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
         library = type(module).__module__.partition(".")[0]
         if library in packages:
             return fqn, packages[library], type(module).__name__
+        for pname, param in module.named_parameters(recurse=False):  # a weight wrapped in place (torchao's quantize_)
+            library = type(param).__module__.partition(".")[0]
+            if library in packages:
+                return f"{fqn}.{pname}" if fqn else pname, packages[library], type(param).__name__
     return None
 
 

@@ -62,14 +62,15 @@ def _forward_differs(module: nn.Linear) -> str | None:
     return None
 
 
-def _small_copy(module: nn.Linear) -> nn.Linear:
-    """A shallow copy of ``module`` (attributes, forward) holding small random weight and bias (module untouched)."""
+def _small_copy(module: nn.Linear, dims: tuple[int, int] = _DIMS) -> nn.Linear:
+    """A shallow copy of ``module`` (attributes, forward) holding small random weight and bias of ``dims`` (in,
+    out), on the CPU for a meta module (module untouched)."""
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
     device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device
     dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
     generator = torch.Generator(device="cpu").manual_seed(1)
-    n_in, n_out = _DIMS
+    n_in, n_out = dims
     stand_in.in_features, stand_in.out_features = n_in, n_out
     stand_in._parameters["weight"] = nn.Parameter(torch.randn(n_out, n_in, generator=generator).to(device, dtype))
     if module.bias is not None:

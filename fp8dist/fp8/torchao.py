@@ -1,9 +1,12 @@
-"""torchao float8 training: ``convert_to_float8_training`` on the plan's Linear layers, FP8 all-gather under
-FSDP2 with the scale precompute wired to every optimizer step of the model's optimizer."""
+"""torchao float8 training on the plan's Linear layers, by either of torchao's APIs: the module swap
+(``convert_to_float8_training``; FP8 all-gather under FSDP2 with the scale precompute wired to every optimizer step
+of the model's optimizer) or the weight wrapper (``quantize_`` with ``Float8TrainingOpConfig``; see
+:mod:`fp8dist.fp8.weight_wrapper`)."""
 
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,6 +23,7 @@ from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
+from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -30,6 +34,13 @@ class TorchaoConfig:
 
     keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
+    torchao_api: Literal["auto", "module_swap", "weight_wrapper"] = "auto"
+    """How torchao converts a dense Linear: module_swap (``convert_to_float8_training``: nn.Linear -> Float8Linear;
+    FP8 all-gather under FSDP2) or weight_wrapper (``quantize_`` with ``Float8TrainingOpConfig``: the weight becomes
+    a tensor subclass whose F.linear runs FP8; the module keeps its class; bf16 all-gather; not under FSDP1 or
+    DeepSpeed). auto: module_swap while the installed torchao ships it (0.18 does), else weight_wrapper. Either
+    way each planned FP8 layer is checked to run an FP8 GEMM; one the wrapper does not reach (Falcon's
+    ``x @ W.T``) is swapped for Float8Linear instead, and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
     rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
@@ -41,13 +52,32 @@ class TorchaoConfig:
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only)."""
+    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper'."""
+
+
+def torchao_api(cfg) -> str:
+    """The torchao API dense Linears convert by: as configured; "auto": the module swap while the installed torchao
+    has it (torchao 0.18: its FP8 all-gather and every measured path rest on it), else the weight wrapper."""
+    api = cfg.precision.torchao_api
+    if api != "auto":
+        return api
+    return "weight_wrapper" if torchao_installed() and not _has_module_swap() else "module_swap"
+
+
+def _has_module_swap() -> bool:
+    try:
+        import torchao.float8 as float8
+    except ImportError:
+        return False
+    return hasattr(float8, "convert_to_float8_training")
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
-    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the tensorwise recipe, unless turned off."""
+    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the module swap's tensorwise recipe, unless
+    turned off."""
     p = cfg.precision
-    return facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
+    return (facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
+            and torchao_api(cfg) == "module_swap")
 
 
 def float8_config(cfg, facts: StrategyFacts) -> Any:
@@ -59,7 +89,23 @@ def float8_config(cfg, facts: StrategyFacts) -> Any:
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
 
 
+_WRAPPER = "torchao's weight wrapper"
 _RULES = (
+    Rule(("torchao_api", "fp8_all_gather"),
+         lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and torchao_api(cfg) == "weight_wrapper",
+         f"{_WRAPPER} all-gathers the weight in the param dtype (its fsdp_pre_all_gather casts before gathering); "
+         "FP8 all-gather is the module swap's, with the tensorwise recipe (torchao 0.18)",
+         "Use torchao_api='module_swap' with torchao_recipe='tensorwise', or leave fp8_all_gather unset."),
+    Rule(("torchao_api", "strategy"),
+         lambda cfg, facts: torchao_api(cfg) == "weight_wrapper" and facts.flat_params,
+         f"flat parameters (FSDP1) drop {_WRAPPER}: its Linears then run in high precision without an error "
+         "(measured on 2 gloo ranks, use_orig_params=True: no FP8 GEMM ran)",
+         "Use torchao_api='module_swap' under strategy='fsdp1', or strategy='fsdp' (FSDP2) with the wrapper."),
+    Rule(("torchao_api", "strategy"),
+         lambda cfg, facts: torchao_api(cfg) == "weight_wrapper" and facts.engine_owns_params,
+         f"DeepSpeed's parameter handling cannot swap {_WRAPPER} in (measured on 2 gloo ranks: "
+         "deepspeed.initialize raises \"_apply(): Couldn't swap Linear.weight\" under ZeRO 1, 2 and 3)",
+         "Use torchao_api='module_swap' under strategy='deepspeed', or strategy='fsdp' / 'ddp' with the wrapper."),
     Rule(("fp8_all_gather", "torchao_recipe"),
          lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
          "torchao all-gathers in FP8 only with the tensorwise recipe",
@@ -84,7 +130,8 @@ class TorchaoBackend(FP8Backend):
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
         on = "on" if fp8_all_gather(cfg, facts) else "off"
-        return f"recipe {cfg.precision.torchao_recipe}, FP8 all-gather {on}"
+        auto = " (auto)" if cfg.precision.torchao_api == "auto" else ""  # auto: chosen by the installed torchao
+        return f"recipe {cfg.precision.torchao_recipe}, {torchao_api(cfg)}{auto}, FP8 all-gather {on}"
 
     def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
@@ -102,7 +149,13 @@ class TorchaoBackend(FP8Backend):
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
             return experts_target(cfg, hardware)
-        return "Float8Conv1D" if is_conv1d(module) else "Float8Linear"
+        if is_conv1d(module):
+            return "Float8Conv1D"  # its addmm(bias, x, W) is not a call the wrapper overrides: always swapped
+        if torchao_api(cfg) != "weight_wrapper":
+            return "Float8Linear"
+        if not torchao_installed():  # planned for another machine: only nn.Linear's own F.linear is sure to reach it
+            return WRAPPED if type(module).forward is nn.Linear.forward else BYPASSED
+        return WRAPPED if wrapper_reaches(module, cfg.precision.torchao_recipe) else BYPASSED
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
@@ -123,8 +176,9 @@ class TorchaoBackend(FP8Backend):
                               for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap exactly the plan's FP8 Linears for ``Float8Linear``, Conv1Ds for ``Float8Conv1D``, MoE experts for
-        torchao's MoE training form."""
+        """Convert exactly the plan's FP8 layers: Linears swapped for ``Float8Linear`` or their weights wrapped
+        (``torchao_api``; the plan's target says which), Conv1Ds swapped for ``Float8Conv1D``, MoE experts into
+        torchao's MoE training form; then check that every converted Linear runs an FP8 GEMM."""
         from torchao.float8 import convert_to_float8_training
 
         experts = {e.name for e in plan.fp8 if e.grouped}
@@ -133,13 +187,17 @@ class TorchaoBackend(FP8Backend):
         convert_experts(model, experts, cfg, plan.hardware)
         config = float8_config(cfg, plan.facts)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
-        linears = names - conv1ds  # Float8Conv1D is an nn.Linear subclass: never handed to torchao's converter
+        wrapped = {e.name for e in plan.fp8 if e.converted_to == WRAPPED}
+        linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
+        _say_bypassed(plan)
+        wrap_linears(model, wrapped, cfg.precision.torchao_recipe)
         for name in sorted(conv1ds):
             model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
         for name in linears:
             if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
                 model.get_submodule(name).register_forward_hook(_own_output)
+        _check_fp8_ran(model, sorted(linears | wrapped))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -202,18 +260,48 @@ class TorchaoBackend(FP8Backend):
         return "fp8 e4m3 (FP8 all-gather)" if fp8 else None
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
-        """From the module's ``Float8LinearConfig``: forward and gradient formats and the scaling granularity."""
-        config = getattr(module, "config", None)
+        """From the module's ``Float8LinearConfig`` (the weight wrapper's, for a wrapped weight): forward and
+        gradient formats and the scaling granularity."""
+        wrapper = wrapped_weight_config(module)
+        config = wrapper._float8_linear_config if wrapper is not None else getattr(module, "config", None)
         if config is None or not hasattr(config, "cast_config_input"):
             return None
         fwd = dtype_name(config.cast_config_input.target_dtype)
         bwd = dtype_name(config.cast_config_grad_output.target_dtype)
-        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({config.cast_config_input.scaling_granularity.value})"
+        how = config.cast_config_input.scaling_granularity.value + (", weight wrapper" if wrapper is not None else "")
+        return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({how})"
 
     Config = TorchaoConfig
 
 
 BACKEND = TorchaoBackend()
+
+
+WRAPPED = "Float8 weight wrapper"
+"""What the plan records for a Linear converted by torchao's weight wrapper (the module keeps its class)."""
+BYPASSED = "Float8Linear (its forward bypasses the weight wrapper)"
+"""What it records for a Linear the wrapper does not reach (its forward unwraps the weight): swapped instead."""
+
+
+def _say_bypassed(plan) -> None:
+    """A warning naming the Linears swapped because torchao's weight wrapper would not have reached their GEMM."""
+    bypassed = [f"{e.name} ({e.module_type})" for e in plan.fp8 if e.converted_to == BYPASSED]
+    if bypassed:
+        more = f" and {len(bypassed) - 3} more" if len(bypassed) > 3 else ""
+        warnings.warn(f"torchao_api='weight_wrapper': the forward of {', '.join(bypassed[:3])}{more} unwraps "
+                      "torchao's weight wrapper (e.g. x @ self.weight.T), so its GEMM would run in high precision; "
+                      "fp8dist swaps these for Float8Linear (torchao's module swap, same recipe) instead, as the "
+                      "plan says", stacklevel=3)
+
+
+def _check_fp8_ran(model: nn.Module, names: list[str]) -> None:
+    """Every converted Linear runs an FP8 GEMM (its forward, on a small copy as converted): no FP8 promise unproven."""
+    unproven = unproven_fp8(model, names)
+    if unproven:
+        raise RuntimeError(
+            f"torchao conversion: {', '.join(unproven[:3])}{' ...' if len(unproven) > 3 else ''} ran no FP8 GEMM "
+            "after conversion although the plan calls them FP8; fp8dist will not report them FP8. Keep them out "
+            "with fp8_exclude, or try torchao_api='module_swap' / 'weight_wrapper' (the other API).")
 
 
 def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

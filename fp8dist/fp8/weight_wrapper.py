@@ -1,0 +1,126 @@
+"""torchao's weight-wrapper training API on dense Linears, and the proof that a layer's FP8 GEMM runs.
+
+torchao 0.18 ships, beside the module swap (``convert_to_float8_training``), a tensor subclass for weights:
+``quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=...))`` wraps each weight, and the wrapped weight
+turns ``F.linear`` / ``mm`` / ``matmul`` / ``addmm`` *called on it* into torchao's FP8 GEMM. The module keeps its
+class and its forward. The catch: a forward that transforms the weight first (Falcon's ``x @ self.weight.T``)
+unwraps it, and its GEMM runs in high precision without an error. So fp8dist never takes the wrapper on trust: it
+runs each layer's own forward on a small copy holding a wrapped weight and counts torchao's FP8 GEMMs
+(:class:`FP8Gemms`); a layer the wrapper does not reach is swapped for ``Float8Linear`` instead (the plan says so),
+and after conversion every planned FP8 Linear is checked the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "fp8_gemms_in_forward", "wrapper_reaches",
+           "wrap_linears", "unproven_fp8"]
+
+_PROBE_DIMS = (32, 48)  # (in, out) of the small copy: FP8 GEMM tiles need multiples of 16
+_PROBE_ROWS = (2, 16)  # (batch, sequence) of the probe input
+
+
+class FP8Gemms(TorchDispatchMode):
+    """Counts torchao's FP8 GEMMs: ``aten.mm`` on two ``Float8TrainingTensor`` operands, which torchao runs as
+    ``torch._scaled_mm`` (the mode sees the mm; the ``_scaled_mm`` inside torchao's dispatch runs below it). The
+    module swap (``Float8Linear``) and the weight wrapper both end there (torchao.float8's
+    ``matmul_with_hp_or_float8_args``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and all(type(a).__name__ == "Float8TrainingTensor" for a in args[:2]):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_config(recipe: str):
+    """torchao's ``Float8TrainingOpConfig`` for the dense Linear ``recipe`` (tensorwise, rowwise,
+    rowwise_with_gw_hp)."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+    return Float8TrainingOpConfig(float8_linear_recipe=recipe)
+
+
+def _wrapped(t: torch.Tensor, config) -> nn.Parameter:
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
+    return nn.Parameter(Float8TrainingWeightWrapperTensor(t, config), requires_grad=t.requires_grad)
+
+
+def wrapped_weight_config(module: nn.Module):
+    """The op config of torchao's weight wrapper on ``module.weight`` (itself or a DTensor's local shard), or
+    None when the weight is not wrapped (or torchao was never imported: nothing can be wrapped)."""
+    import sys
+
+    if "torchao.prototype.moe_training" not in sys.modules:
+        return None
+    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+
+    weight = getattr(module, "weight", None)
+    local = getattr(weight, "_local_tensor", weight)
+    return local.config if isinstance(local, TrainingWeightWrapperBaseTensor) else None
+
+
+def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
+    """torchao FP8 GEMMs that ``module``'s own forward runs on a small random input, on a small copy of it (its
+    weight wrapped with ``wrap_config`` when given; otherwise as converted). Works on meta modules (the copy is
+    on the CPU); the module itself is untouched. Returns the count (0: no FP8 GEMM ran)."""
+    from .linear import _small_copy
+
+    wrap_config = wrap_config if wrap_config is not None else wrapped_weight_config(module)
+    subject = _small_copy(module, dims=_PROBE_DIMS)
+    if wrap_config is not None:
+        for name, param in list(subject._parameters.items()):
+            if param is not None:
+                subject._parameters[name] = _wrapped(param.detach(), wrap_config)
+    weight = subject.weight
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(*_PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad(), FP8Gemms() as gemms:
+        try:
+            subject.forward(x)
+        except Exception:  # a forward that refuses the wrapped weight runs no FP8 GEMM either
+            return 0
+    return gemms.count
+
+
+def wrapper_reaches(module: nn.Module, recipe: str) -> bool:
+    """Whether torchao's weight wrapper turns ``module``'s GEMM into FP8: its own forward, run on a small copy with
+    a wrapped weight, ran an FP8 GEMM. False for Falcon's ``x @ self.weight.T`` (the transpose unwraps it)."""
+    return fp8_gemms_in_forward(module, op_config(recipe)) > 0
+
+
+def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
+    """``quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=recipe))`` on exactly the Linears ``names``
+    (their weight and bias wrapped: torchao's own conversion). A parameter shared with another module (a tied
+    output head and embedding) stays shared: the wrapped one replaces it everywhere. Call before sharding. State
+    dicts keep holding plain tensors (as for MoE experts), so checkpoints and exports load anywhere."""
+    from torchao.quantization import quantize_
+
+    from .moe import _plain_state
+
+    if not names:
+        return
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # every holder of each parameter (a tied output head)
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, pname))
+    before = {name: dict(model.get_submodule(name).named_parameters(recurse=False)) for name in names}
+    quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
+    for name in names:
+        module = model.get_submodule(name)
+        for pname, old in before[name].items():  # quantize_ sets a new Parameter on this module only: re-tie
+            for holder, attr in holders[id(old)]:
+                setattr(holder, attr, getattr(module, pname))
+        module.register_state_dict_post_hook(_plain_state)
+
+
+def unproven_fp8(model: nn.Module, names: list[str]) -> list[str]:
+    """The converted Linears among ``names`` whose forward, run on a small copy as converted, ran no FP8 GEMM."""
+    return [name for name in names if fp8_gemms_in_forward(model.get_submodule(name)) == 0]
