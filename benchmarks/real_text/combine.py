@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from fp8dist.bench.cell import backend_of
+from fp8dist.fp8 import get_backend
 from fp8dist.bench.results import _compare, convergence, markdown_table
 
 SAME = ("text", "strategies", "sizes", "steps", "batch_size", "seq_len", "nproc", "lr", "lr_schedule", "compile",
@@ -48,7 +48,7 @@ def combine(docs: list[dict]) -> dict:
     variants: dict[str, set[str]] = {}  # per backend variant option (torchao_recipe), the values run
     for c in cells:
         if c["variant"]:
-            variants.setdefault(backend_of(c["fp8"]).variant_option, set()).add(c["variant"])
+            variants.setdefault(get_backend(c["fp8"]).variant_option, set()).add(c["variant"])
     merged = dict(first, cells=cells, convergence=convergence(cells))
     merged["commands"] = [doc["command"] for doc in docs]
     merged["runs"] = [{"date": d["date"], "wall_s": d["wall_s"], "load_average": d["load_average"]} for d in docs]

@@ -87,7 +87,7 @@ def forward_rig_speedup(m: int, k: int, n: int, gpu: GpuSpec, recipe: str) -> fl
     """The speedup torchao's inference roofline benchmark (``benchmarks/float8/float8_inference_roofline.py``)
     measures for ``recipe`` ("mxfp8" or "nvfp4"): ReLU -> Linear forward, the weight quantized beforehand; bf16 runs
     the ReLU (read and write the activation) and a bf16 GEMM, the quantized way the ReLU fused with the activation's
-    quantize kernel(s) and the recipe's GEMM (:func:`~fp8dist.plan.speed.model.gemm_seconds`)."""
+    quantize kernels and the recipe's GEMM (:func:`~fp8dist.plan.speed.model.gemm_seconds`)."""
     chosen = recipe_named(recipe)
     cal = gpu.calibration
     relu = max(4 * m * k / (gpu.memory_tbps * 1e12 * cal.memory_fraction), cal.kernel_floor_s)
