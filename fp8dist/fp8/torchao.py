@@ -23,6 +23,8 @@ from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
+from .mx_linear import (MX_WRAPPED, MXFP8_CAPABILITY, is_mx, mx_gemm_words, mx_linear_casts, mx_linear_reason,
+                        mx_op_config)
 from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
@@ -41,9 +43,12 @@ class TorchaoConfig:
     DeepSpeed). auto: module_swap while the installed torchao ships it (0.18 does), else weight_wrapper. Either
     way each planned FP8 layer is checked to run an FP8 GEMM; one the wrapper does not reach (Falcon's
     ``x @ W.T``) is swapped for Float8Linear instead, and the plan says so."""
-    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate), or
-    rowwise_with_gw_hp (rowwise, weight gradient in high precision)."""
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated"] = "tensorwise"
+    """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision), mxfp8 (MXFP8: e4m3 in 1x32 blocks with e8m0
+    scales; CUDA sm_100+; Linear dims multiples of 32) or mxfp8_emulated (MXFP8's quantization with emulated GEMMs,
+    on any device: numerics and tests, no FP8 speed). MXFP8 runs through the weight wrapper only
+    (``MXFP8TrainingOpConfig``)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
@@ -56,11 +61,14 @@ class TorchaoConfig:
 
 
 def torchao_api(cfg) -> str:
-    """The torchao API dense Linears convert by: as configured; "auto": the module swap while the installed torchao
-    has it (torchao 0.18: its FP8 all-gather and every measured path rest on it), else the weight wrapper."""
+    """The torchao API dense Linears convert by: as configured; "auto": the weight wrapper for the MXFP8 recipes
+    (the only API fp8dist runs them by), else the module swap while the installed torchao has it (torchao 0.18:
+    its FP8 all-gather and every measured path rest on it), else the weight wrapper."""
     api = cfg.precision.torchao_api
     if api != "auto":
         return api
+    if is_mx(cfg.precision.torchao_recipe):  # torchao trains MXFP8 Linears through the weight wrapper
+        return "weight_wrapper"
     return "weight_wrapper" if torchao_installed() and not _has_module_swap() else "module_swap"
 
 
@@ -84,6 +92,8 @@ def float8_config(cfg, facts: StrategyFacts) -> Any:
     """The ``Float8LinearConfig`` for the recipe; FP8 all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
+    if is_mx(cfg.precision.torchao_recipe):  # no Float8LinearConfig: MXFP8 layers are wrapped, never swapped
+        return None
     if cfg.precision.torchao_recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg, facts))
     return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
@@ -91,6 +101,12 @@ def float8_config(cfg, facts: StrategyFacts) -> Any:
 
 _WRAPPER = "torchao's weight wrapper"
 _RULES = (
+    Rule(("torchao_api", "torchao_recipe"),
+         lambda cfg, facts: torchao_api(cfg) == "module_swap" and is_mx(cfg.precision.torchao_recipe),
+         "fp8dist runs torchao's MXFP8 recipes through the weight wrapper (MXFP8TrainingOpConfig) only; the module "
+         "swap's Float8Linear has no MXFP8 recipe",
+         "Use torchao_api='weight_wrapper' (or 'auto', which picks it for MXFP8), or a tensorwise / rowwise recipe "
+         "with the module swap."),
     Rule(("torchao_api", "fp8_all_gather"),
          lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and torchao_api(cfg) == "weight_wrapper",
          f"{_WRAPPER} all-gathers the weight in the param dtype (its fsdp_pre_all_gather casts before gathering); "
@@ -110,6 +126,12 @@ _RULES = (
          lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
          "torchao all-gathers in FP8 only with the tensorwise recipe",
          "Use torchao_recipe='tensorwise' or leave fp8_all_gather unset."),
+    Rule(("torchao_recipe", "strategy", "param_dtype"),
+         lambda cfg, facts: is_mx(cfg.precision.torchao_recipe) and facts.autocast_forward
+         and cfg.parallel.param_dtype != "fp32",
+         "torchao's MXFP8 Linear (mx_mm) does not follow autocast: it meets the autocast dtype's input with the fp32 "
+         "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU)",
+         "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
          lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
          and cfg.parallel.param_dtype != "fp32",
@@ -140,8 +162,14 @@ class TorchaoBackend(FP8Backend):
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        # torch's _scaled_mm also runs on CPU, so only CUDA is gated
-        return fp8_hardware_reason(hardware) if hardware.type == "cuda" else None
+        if cfg.precision.torchao_recipe == "mxfp8":  # MXFP8 GEMMs (cuBLAS / CUTLASS) exist on sm_100+ only
+            why = fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY)
+            return why and (f"torchao_recipe='mxfp8' {why.removeprefix('this FP8 recipe ')} (MXFP8 tensor cores); "
+                            "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any "
+                            "device (numerics and tests, no FP8 speed), or plan for it with --target b200")
+        # torch's _scaled_mm also runs on CPU, so only CUDA is gated; emulated MXFP8 runs anywhere
+        return fp8_hardware_reason(hardware) if hardware.type == "cuda" and cfg.precision.torchao_recipe != \
+            "mxfp8_emulated" else None
 
     def supports(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
@@ -149,6 +177,8 @@ class TorchaoBackend(FP8Backend):
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
             return experts_target(cfg, hardware)
+        if is_mx(cfg.precision.torchao_recipe):  # eligible MXFP8 Linears are reached by the wrapper
+            return MX_WRAPPED[cfg.precision.torchao_recipe]
         if is_conv1d(module):
             return "Float8Conv1D"  # its addmm(bias, x, W) is not a call the wrapper overrides: always swapped
         if torchao_api(cfg) != "weight_wrapper":
@@ -161,6 +191,8 @@ class TorchaoBackend(FP8Backend):
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
+        if is_mx(cfg.precision.torchao_recipe):
+            return mx_linear_reason(module, cfg.precision.torchao_recipe)
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
@@ -187,7 +219,7 @@ class TorchaoBackend(FP8Backend):
         convert_experts(model, experts, cfg, plan.hardware)
         config = float8_config(cfg, plan.facts)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
-        wrapped = {e.name for e in plan.fp8 if e.converted_to == WRAPPED}
+        wrapped = {e.name for e in plan.fp8 if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
         linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
         _say_bypassed(plan)
         wrap_linears(model, wrapped, cfg.precision.torchao_recipe)
@@ -208,15 +240,24 @@ class TorchaoBackend(FP8Backend):
         return FP8Wiring(scale_precompute=precompute)
 
     # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
-    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        """The speed model names each torchao Linear recipe as torchao does."""
-        return experts_speed_recipe(cfg, hardware) if grouped else (cfg.precision.torchao_recipe, "")
+        """The speed model names each torchao Linear recipe as torchao does; emulated MXFP8 has no speed."""
+        if grouped:
+            return experts_speed_recipe(cfg, hardware)
+        if cfg.precision.torchao_recipe == "mxfp8_emulated":
+            return None, "emulated: no speed model"
+        return cfg.precision.torchao_recipe, ""
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
-        """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with."""
-        return experts_casts(cfg, hardware) if grouped else float8_linear_casts(float8_config(cfg, facts))
+        """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with (MXFP8: torchao's
+        ``MXFP8TrainingOpConfig``, 1x32 blocks)."""
+        if grouped:
+            return experts_casts(cfg, hardware)
+        if is_mx(cfg.precision.torchao_recipe):
+            return mx_linear_casts(mx_op_config(cfg.precision.torchao_recipe))
+        return float8_linear_casts(float8_config(cfg, facts))
 
     accelerate_backend = "AO"
 
@@ -263,6 +304,8 @@ class TorchaoBackend(FP8Backend):
         """From the module's ``Float8LinearConfig`` (the weight wrapper's, for a wrapped weight): forward and
         gradient formats and the scaling granularity."""
         wrapper = wrapped_weight_config(module)
+        if wrapper is not None and not hasattr(wrapper, "_float8_linear_config"):  # MXFP8's op config
+            return mx_gemm_words(wrapper)
         config = wrapper._float8_linear_config if wrapper is not None else getattr(module, "config", None)
         if config is None or not hasattr(config, "cast_config_input"):
             return None

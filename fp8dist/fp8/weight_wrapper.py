@@ -27,30 +27,44 @@ class FP8Gemms(TorchDispatchMode):
     """Counts torchao's FP8 GEMMs: ``aten.mm`` on two ``Float8TrainingTensor`` operands, which torchao runs as
     ``torch._scaled_mm`` (the mode sees the mm; the ``_scaled_mm`` inside torchao's dispatch runs below it). The
     module swap (``Float8Linear``) and the weight wrapper both end there (torchao.float8's
-    ``matmul_with_hp_or_float8_args``)."""
+    ``matmul_with_hp_or_float8_args``). MXFP8 GEMMs count too: ``aten.mm`` on two ``MXTensor`` operands (torchao's
+    ``mx_mm``, whose MXTensor dispatch runs the MXFP8 GEMM or, emulated, its high-precision equivalent); ``mx``
+    counts those alone."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.mx = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.mm.default and all(type(a).__name__ == "Float8TrainingTensor" for a in args[:2]):
-            self.count += 1
+        if func is torch.ops.aten.mm.default:
+            kinds = {type(a).__name__ for a in args[:2]}
+            if kinds in ({"Float8TrainingTensor"}, {"MXTensor"}):
+                self.count += 1
+                self.mx += kinds == {"MXTensor"}
         return func(*args, **(kwargs or {}))
 
 
 def op_config(recipe: str):
-    """torchao's ``Float8TrainingOpConfig`` for the dense Linear ``recipe`` (tensorwise, rowwise,
-    rowwise_with_gw_hp)."""
+    """torchao's op config for the dense Linear ``recipe``: ``Float8TrainingOpConfig`` (tensorwise, rowwise,
+    rowwise_with_gw_hp) or ``MXFP8TrainingOpConfig`` (mxfp8, mxfp8_emulated)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
+    from .mx_linear import is_mx, mx_op_config
+
+    if is_mx(recipe):
+        return mx_op_config(recipe)
     return Float8TrainingOpConfig(float8_linear_recipe=recipe)
 
 
 def _wrapped(t: torch.Tensor, config) -> nn.Parameter:
-    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.moe_training.tensor import (Float8TrainingWeightWrapperTensor,
+                                                       MXFP8TrainingWeightWrapperTensor)
 
-    return nn.Parameter(Float8TrainingWeightWrapperTensor(t, config), requires_grad=t.requires_grad)
+    cls = MXFP8TrainingWeightWrapperTensor if isinstance(config, MXFP8TrainingOpConfig) else \
+        Float8TrainingWeightWrapperTensor
+    return nn.Parameter(cls(t, config), requires_grad=t.requires_grad)
 
 
 def wrapped_weight_config(module: nn.Module):
@@ -69,13 +83,16 @@ def wrapped_weight_config(module: nn.Module):
 
 def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
     """torchao FP8 GEMMs that ``module``'s own forward runs on a small random input, on a small copy of it (its
-    weight wrapped with ``wrap_config`` when given; otherwise as converted). Works on meta modules (the copy is
+    weight wrapped with ``wrap_config`` when given; otherwise as converted); MXFP8 GEMMs only, for an MXFP8 op
+    config. Works on meta modules (the copy is
     on the CPU); the module itself is untouched. Returns the count (0: no FP8 GEMM ran)."""
     from .linear import _small_copy
+    from .mx_linear import probe_config
 
     wrap_config = wrap_config if wrap_config is not None else wrapped_weight_config(module)
     subject = _small_copy(module, dims=_PROBE_DIMS)
-    if wrap_config is not None:
+    if wrap_config is not None:  # MXFP8's GEMMs emulated: the copy runs on the CPU
+        wrap_config = probe_config(wrap_config)
         for name, param in list(subject._parameters.items()):
             if param is not None:
                 subject._parameters[name] = _wrapped(param.detach(), wrap_config)
@@ -87,7 +104,11 @@ def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
             subject.forward(x)
         except Exception:  # a forward that refuses the wrapped weight runs no FP8 GEMM either
             return 0
-    return gemms.count
+    return gemms.mx if _is_mx_config(wrap_config) else gemms.count  # an MXFP8 layer counts MX GEMMs only
+
+
+def _is_mx_config(config) -> bool:
+    return type(config).__name__ == "MXFP8TrainingOpConfig"
 
 
 def wrapper_reaches(module: nn.Module, recipe: str) -> bool:

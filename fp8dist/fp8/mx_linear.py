@@ -1,0 +1,102 @@
+"""MXFP8 for dense Linears through torchao's weight wrapper (``quantize_`` with ``MXFP8TrainingOpConfig``).
+
+The wrapped weight turns ``F.linear`` / ``mm`` / ``matmul`` / ``addmm`` called on it into torchao's ``mx_mm``:
+input, weight and output gradient quantized to e4m3 in 1x32 blocks with e8m0 scales, then an MXFP8 GEMM (cuBLAS /
+CUTLASS on sm_100+), or, with ``KernelPreference.EMULATED``, the same quantization and ``aten.mm`` on ``MXTensor``
+operands computed in high precision (any device: numerics and tests, no speed). fp8dist offers MXFP8 through the
+weight wrapper only: torchao's module swap (``Float8Linear``) has no MXFP8 recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .casts import MX_BLOCK, USES, Casts, CastSpec
+
+__all__ = ["MX_RECIPES", "MX_WRAPPED", "MXFP8_CAPABILITY", "is_mx", "mx_op_config", "probe_config",
+           "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
+
+MX_RECIPES = ("mxfp8", "mxfp8_emulated")
+"""torchao_recipe values that run MXFP8 (the second with emulated GEMMs)."""
+
+MX_WRAPPED = {"mxfp8": "MXFP8 weight wrapper", "mxfp8_emulated": "MXFP8 weight wrapper (emulated GEMMs)"}
+"""What the plan records for a Linear converted to MXFP8 by torchao's weight wrapper (the module keeps its class)."""
+
+MXFP8_CAPABILITY = (10, 0)
+"""MXFP8 tensor cores: Blackwell, sm_100+."""
+
+
+def is_mx(recipe: str) -> bool:
+    """Whether the torchao recipe ``recipe`` is MXFP8 (real or emulated)."""
+    return recipe in MX_RECIPES
+
+
+def mx_op_config(recipe: str):
+    """torchao's ``MXFP8TrainingOpConfig`` for ``recipe``: its MXFP8_RCEIL recipe, or MXFP8_EMULATED_RCEIL."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    name = "MXFP8_EMULATED_RCEIL" if recipe == "mxfp8_emulated" else "MXFP8_RCEIL"
+    return MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
+
+
+def probe_config(config):
+    """``config`` as the CPU probe runs it: an MXFP8 op config with its GEMMs emulated (the same quantization and
+    the same wrapper dispatch, so whether a forward reaches the wrapper is answered alike); others unchanged."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    if isinstance(config, MXFP8TrainingOpConfig) and config.kernel_preference != KernelPreference.EMULATED:
+        return dataclasses.replace(config, kernel_preference=KernelPreference.EMULATED)
+    return config
+
+
+def mx_linear_reason(module: nn.Module, recipe: str) -> str | None:
+    """Why ``module`` cannot run MXFP8 through the weight wrapper; None when it can."""
+    from .conv1d import is_conv1d
+    from .linear import plain_linear_reason
+    from .moe import torchao_installed
+
+    if is_conv1d(module):
+        return ("a Conv1D's addmm(bias, x, W) is not a call torchao's weight wrapper overrides, and MXFP8 runs "
+                "through the wrapper only; use a tensorwise / rowwise recipe to run it FP8")
+    why = plain_linear_reason(module)
+    if why:
+        return why
+    bad = [f"{n}={d}" for n, d in (("in_features", module.in_features), ("out_features", module.out_features))
+           if d % MX_BLOCK]
+    if bad:
+        return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of {MX_BLOCK} elements)"
+    if not torchao_installed():  # planned for another machine: only nn.Linear's own F.linear is sure to reach it
+        reaches = type(module).forward is nn.Linear.forward
+    else:
+        from .weight_wrapper import wrapper_reaches
+
+        reaches = wrapper_reaches(module, recipe)
+    if not reaches:
+        return ("its forward bypasses torchao's weight wrapper (e.g. x @ self.weight.T unwraps it), so its GEMM "
+                "would run in high precision, and MXFP8 has no module swap; use a tensorwise / rowwise recipe to "
+                "run it FP8")
+    return None
+
+
+def mx_linear_casts(config) -> Casts:
+    """The casts of torchao's ``MXFP8TrainingOpConfig`` ``config`` on a Linear: every operand e4m3 in 1x32 blocks
+    (e8m0 scales), the weight-gradient GEMM in high precision with ``wgrad_with_hp``."""
+    hp_wgrad = bool(config.wgrad_with_hp)
+    return {use: None if hp_wgrad and use[1] == "grad_weight" else CastSpec(torch.float8_e4m3fn, "mx")
+            for use in USES}
+
+
+def mx_gemm_words(config) -> str:
+    """What an MXFP8-wrapped Linear's GEMMs quantize to, from its op config."""
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    how = [f"1x{MX_BLOCK} blocks, e8m0 scales", "weight wrapper"]
+    if config.wgrad_with_hp:
+        how.append("weight grads in high precision")
+    if config.kernel_preference == KernelPreference.EMULATED:
+        how.append("emulated")
+    return f"mxfp8 e4m3 fwd+grads ({', '.join(how)})"

@@ -1,0 +1,140 @@
+"""MXFP8 on dense Linears through torchao's weight wrapper (``quantize_`` with ``MXFP8TrainingOpConfig``), for
+real on CPU with emulated GEMMs (``torchao_recipe="mxfp8_emulated"``).
+
+Losses must equal the same torchao API wired by hand, step for step, on 2 gloo ranks under FSDP2; the plan must
+say MXFP8 per layer; every planned layer must be seen running torchao's MX GEMM (``aten.mm`` on two ``MXTensor``
+operands, counted per module), and no other layer. Real MXFP8 (sm_100) is refused elsewhere with its capability.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from helpers import hand_wired_fsdp2, train_losses
+from torch import nn
+
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+
+from fp8dist import get_plan, wrap_model  # noqa: E402
+from fp8dist.config.rules import refusal_of  # noqa: E402
+from fp8dist.fp8 import get_backend  # noqa: E402
+from fp8dist.fp8.weight_wrapper import FP8Gemms  # noqa: E402
+from fp8dist.plan.hardware import parse_target  # noqa: E402
+from fp8dist.plan.precision import plan_precision  # noqa: E402
+from fp8dist.train.models import build_llama  # noqa: E402
+
+
+def _hand_wrapped(model: nn.Module) -> nn.Module:
+    """torchao's MXFP8 weight wrapper as its API reads: every nn.Linear but the first and the last."""
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    keep = {linears[0], linears[-1]}
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
+              filter_fn=lambda m, fqn: type(m) is nn.Linear and fqn not in keep)
+    return model
+
+
+def _mx_gemms_per_module(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, int], int, int]:
+    """MX GEMMs each Linear's forward ran (one forward), then all MX and all FP8 GEMMs of forward + backward."""
+    per_module: dict[str, int] = {}
+    with FP8Gemms() as gemms:
+        handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, name=name: per_module.__setitem__(name, -gemms.mx)))
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, name=name: per_module.__setitem__(name, per_module[name] + gemms.mx)))
+        model(input_ids=ids, labels=ids).loss.backward()
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return per_module, gemms.mx, gemms.count
+
+
+def _fsdp_case(rank: int, world: int) -> dict:
+    base = build_llama("tiny", seed=0)
+    ours = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_recipe="mxfp8_emulated")
+    ref = hand_wired_fsdp2(_hand_wrapped(copy.deepcopy(base)), world)
+    plan = get_plan(ours)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    per_module, mx, total = _mx_gemms_per_module(ours, ids)
+    return dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
+                plan={e.name: e.converted_to for e in plan.fp8}, per_module=per_module, mx=mx, total=total,
+                local=type(ours.model.layers[1].self_attn.q_proj.weight.to_local()).__name__,
+                header=str(plan).splitlines()[0])
+
+
+def test_fsdp2_mxfp8_emulated_matches_hand_wired_and_every_planned_layer_runs_an_mx_gemm():
+    for rank, r in enumerate(run_ranks(_fsdp_case)):
+        assert r["ours"] == r["ref"], rank
+        assert len(r["plan"]) == 13 and set(r["plan"].values()) == {"MXFP8 weight wrapper (emulated GEMMs)"}
+        assert r["local"] == "MXFP8TrainingWeightWrapperTensor", "FSDP2 shards the wrapped weight"
+        assert {n for n, c in r["per_module"].items() if c} == set(r["plan"]), "MXFP8 exactly where planned"
+        assert set(r["per_module"][n] for n in r["plan"]) == {1}, "one MX forward GEMM per planned layer"
+        assert r["mx"] == r["total"] == 3 * 13, "forward, input-gradient and weight-gradient GEMMs all MX"
+        assert "recipe mxfp8_emulated, weight_wrapper (auto), FP8 all-gather off" in r["header"]
+
+
+def test_a_layer_with_dims_off_the_mx_block_stays_out_with_the_reason():
+    model = build_llama("tiny", seed=0)
+    model.model.layers[0].mlp.up_proj = nn.Linear(model.config.hidden_size, 48, bias=False)
+    model.model.layers[0].mlp.down_proj = nn.Linear(48, model.config.hidden_size, bias=False)
+    model.model.layers[0].mlp.gate_proj = nn.Linear(model.config.hidden_size, 48, bias=False)
+    plan = plan_precision(model, _cfg(torchao_recipe="mxfp8_emulated", strategy="fsdp"), device=parse_target("cpu"),
+                          world_size=2)
+    rows = {e.name: e for e in plan}
+    why = rows["model.layers.0.mlp.up_proj"].reason
+    assert "out_features=48 not divisible by 32" in why and "MXFP8" in why, why
+    assert "model.layers.0.mlp.up_proj" not in {e.name for e in plan.fp8}
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(strategy="fsdp", torchao_api="module_swap", torchao_recipe="mxfp8_emulated"),
+     ("torchao_api='module_swap' with torchao_recipe='mxfp8_emulated'", "Use torchao_api='weight_wrapper'")),
+    (dict(strategy="none", torchao_recipe="mxfp8_emulated"), ("autocast", "strategy='fsdp'")),
+])
+def test_what_mxfp8_cannot_do_is_refused_with_the_way_out(options, words):
+    found = refusal_of(fp8="torchao", **options)
+    assert found is not None and all(w in found for w in words), found
+    assert refusal_of(fp8="torchao", strategy="fsdp", torchao_recipe="mxfp8_emulated") is None
+
+
+@pytest.mark.parametrize("target", ["h100", "cpu"])
+def test_real_mxfp8_is_refused_without_sm100_naming_the_capability_and_the_way_out(target):
+    backend = get_backend("torchao")
+    cfg = _cfg(torchao_recipe="mxfp8")
+    why = backend.hardware_reason(cfg, parse_target(target))
+    assert why and "sm_100+" in why and "mxfp8_emulated" in why and "--target b200" in why, why
+    assert backend.hardware_reason(cfg, parse_target("b200")) is None
+    assert backend.hardware_reason(_cfg(torchao_recipe="mxfp8_emulated"), parse_target(target)) is None
+
+
+def test_mxfp8_is_planned_for_b200_with_the_speed_models_mxfp8_recipe():
+    with torch.device("meta"):
+        model = build_llama("tiny", seed=0)
+    plan = plan_precision(model, _cfg(strategy="fsdp", torchao_recipe="mxfp8", fp8_select="all"),
+                          device=parse_target("b200"), world_size=2, check_installed=False)
+    assert {e.converted_to for e in plan.fp8} == {"MXFP8 weight wrapper"}
+    backend = get_backend("torchao")
+    assert "mxfp8" in backend.speed_recipes
+    assert backend.speed_recipe(_cfg(torchao_recipe="mxfp8"), parse_target("b200")) == ("mxfp8", "")
+    assert backend.speed_recipe(_cfg(torchao_recipe="mxfp8_emulated"), parse_target("cpu")) == (
+        None, "emulated: no speed model")
+
+
+def test_the_numerics_probe_casts_mxfp8_in_1x32_blocks():
+    casts = get_backend("torchao").numerics_casts(_cfg(torchao_recipe="mxfp8_emulated"), None, parse_target("cpu"))
+    assert {(c.dtype, c.scaling) for c in casts.values()} == {(torch.float8_e4m3fn, "mx")}
+    assert len(casts) == 6
+
+
+def _cfg(**options):
+    from fp8dist.config.resolve import resolve_config
+
+    return resolve_config(fp8="torchao", **options)
