@@ -138,3 +138,28 @@ def _cfg(**options):
     from fp8dist.config.resolve import resolve_config
 
     return resolve_config(fp8="torchao", **options)
+
+
+def test_the_numerics_probe_measures_each_mxfp8_layer_with_its_block_casts():
+    import fp8dist
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    mx, tensorwise = (fp8dist.measure_fp8_numerics(build_llama("tiny", seed=0), [ids], fp8="torchao",
+                                                   torchao_recipe=recipe, strategy="fsdp").to_dict()
+                      for recipe in ("mxfp8_emulated", "tensorwise"))
+    assert mx["recipe"] != tensorwise["recipe"] and len(mx["layers"]) == 13
+    assert mx["layers"] != tensorwise["layers"], "MX block casts measure differently from tensorwise ones"
+    assert mx["recommended_exclude"] == []
+
+
+def test_falcons_bypassed_linears_are_kept_out_of_mxfp8_with_the_true_reason():
+    """FalconLinear's ``x @ self.weight.T`` unwraps the MXFP8 weight wrapper too, and MXFP8 has no module swap:
+    those layers stay in high precision, said, and no layer runs an MX GEMM the plan does not list."""
+    from test_fp8_families import falcon_tiny
+
+    cfg = _cfg(strategy="fsdp", torchao_recipe="mxfp8_emulated")
+    plan = plan_precision(falcon_tiny(), cfg, device=parse_target("cpu"))
+    falcon = [e for e in plan if e.module_type == "FalconLinear"]
+    assert falcon and all(e.precision != "fp8" for e in falcon)
+    assert all("bypasses torchao's weight wrapper" in e.reason and "MXFP8 has no module swap" in e.reason
+               for e in falcon[1:]), [e.reason for e in falcon]

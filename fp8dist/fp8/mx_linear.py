@@ -17,7 +17,7 @@ from torch import nn
 from .casts import MX_BLOCK, USES, Casts, CastSpec
 
 __all__ = ["MX_RECIPES", "MX_WRAPPED", "MXFP8_CAPABILITY", "is_mx", "mx_op_config", "probe_config",
-           "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
+           "MX_BYPASSED", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
 
 MX_RECIPES = ("mxfp8", "mxfp8_emulated")
 """torchao_recipe values that run MXFP8 (the second with emulated GEMMs)."""
@@ -53,11 +53,17 @@ def probe_config(config):
     return config
 
 
-def mx_linear_reason(module: nn.Module, recipe: str) -> str | None:
-    """Why ``module`` cannot run MXFP8 through the weight wrapper; None when it can."""
+MX_BYPASSED = ("its forward bypasses torchao's weight wrapper (e.g. x @ self.weight.T unwraps it), so its GEMM "
+               "would run in high precision, and MXFP8 has no module swap; use a tensorwise / rowwise recipe to run "
+               "it FP8")
+"""Why a Linear whose forward the MXFP8 weight wrapper does not reach stays out of MXFP8."""
+
+
+def mx_linear_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s kind or dims keep it from MXFP8 through the weight wrapper; None when they do not (whether
+    its forward reaches the wrapper is asked apart: :data:`MX_BYPASSED`)."""
     from .conv1d import is_conv1d
     from .linear import plain_linear_reason
-    from .moe import torchao_installed
 
     if is_conv1d(module):
         return ("a Conv1D's addmm(bias, x, W) is not a call torchao's weight wrapper overrides, and MXFP8 runs "
@@ -69,16 +75,6 @@ def mx_linear_reason(module: nn.Module, recipe: str) -> str | None:
            if d % MX_BLOCK]
     if bad:
         return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of {MX_BLOCK} elements)"
-    if not torchao_installed():  # planned for another machine: only nn.Linear's own F.linear is sure to reach it
-        reaches = type(module).forward is nn.Linear.forward
-    else:
-        from .weight_wrapper import wrapper_reaches
-
-        reaches = wrapper_reaches(module, recipe)
-    if not reaches:
-        return ("its forward bypasses torchao's weight wrapper (e.g. x @ self.weight.T unwraps it), so its GEMM "
-                "would run in high precision, and MXFP8 has no module swap; use a tensorwise / rowwise recipe to "
-                "run it FP8")
     return None
 
 

@@ -23,8 +23,8 @@ from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
-from .mx_linear import (MX_WRAPPED, MXFP8_CAPABILITY, is_mx, mx_gemm_words, mx_linear_casts, mx_linear_reason,
-                        mx_op_config)
+from .mx_linear import (MX_BYPASSED, MX_WRAPPED, MXFP8_CAPABILITY, is_mx, mx_gemm_words, mx_linear_casts,
+                        mx_linear_reason, mx_op_config)
 from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
@@ -183,16 +183,14 @@ class TorchaoBackend(FP8Backend):
             return "Float8Conv1D"  # its addmm(bias, x, W) is not a call the wrapper overrides: always swapped
         if torchao_api(cfg) != "weight_wrapper":
             return "Float8Linear"
-        if not torchao_installed():  # planned for another machine: only nn.Linear's own F.linear is sure to reach it
-            return WRAPPED if type(module).forward is nn.Linear.forward else BYPASSED
-        return WRAPPED if wrapper_reaches(module, cfg.precision.torchao_recipe) else BYPASSED
+        return WRAPPED if _reaches(module, cfg) else BYPASSED
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
         if is_mx(cfg.precision.torchao_recipe):
-            return mx_linear_reason(module, cfg.precision.torchao_recipe)
+            return mx_linear_reason(module) or (None if _reaches(module, cfg) else MX_BYPASSED)
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
@@ -324,6 +322,14 @@ WRAPPED = "Float8 weight wrapper"
 """What the plan records for a Linear converted by torchao's weight wrapper (the module keeps its class)."""
 BYPASSED = "Float8Linear (its forward bypasses the weight wrapper)"
 """What it records for a Linear the wrapper does not reach (its forward unwraps the weight): swapped instead."""
+
+
+def _reaches(module: nn.Module, cfg) -> bool:
+    """Whether torchao's weight wrapper reaches ``module``'s GEMM with the configured recipe; planned where torchao
+    is not installed (for another machine), only nn.Linear's own F.linear is sure to."""
+    if not torchao_installed():
+        return type(module).forward is nn.Linear.forward
+    return wrapper_reaches(module, cfg.precision.torchao_recipe)
 
 
 def _say_bypassed(plan) -> None:
