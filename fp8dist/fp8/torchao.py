@@ -162,14 +162,14 @@ class TorchaoBackend(FP8Backend):
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        if cfg.precision.torchao_recipe == "mxfp8":  # MXFP8 GEMMs (cuBLAS / CUTLASS) exist on sm_100+ only
+        recipe = cfg.precision.torchao_recipe if cfg is not None else None  # None: asked of the backend's default
+        if recipe == "mxfp8":  # MXFP8 GEMMs (cuBLAS / CUTLASS) exist on sm_100+ only
             why = fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY)
             return why and (f"torchao_recipe='mxfp8' {why.removeprefix('this FP8 recipe ')} (MXFP8 tensor cores); "
                             "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any "
                             "device (numerics and tests, no FP8 speed), or plan for it with --target b200")
         # torch's _scaled_mm also runs on CPU, so only CUDA is gated; emulated MXFP8 runs anywhere
-        return fp8_hardware_reason(hardware) if hardware.type == "cuda" and cfg.precision.torchao_recipe != \
-            "mxfp8_emulated" else None
+        return fp8_hardware_reason(hardware) if hardware.type == "cuda" and recipe != "mxfp8_emulated" else None
 
     def supports(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
