@@ -163,3 +163,25 @@ def test_falcons_bypassed_linears_are_kept_out_of_mxfp8_with_the_true_reason():
     assert falcon and all(e.precision != "fp8" for e in falcon)
     assert all("bypasses torchao's weight wrapper" in e.reason and "MXFP8 has no module swap" in e.reason
                for e in falcon[1:]), [e.reason for e in falcon]
+
+
+def test_compare_recipes_lists_mxfp8_on_b200_only(capsys):
+    from fp8dist.cli import main
+
+    for target, recipes in (("b200", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]),
+                            ("h100", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])):
+        assert main(["plan", "--model-size", "tiny", "--fp8", "torchao", "--target", target,
+                     "--compare-recipes"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        start = lines.index(next(line for line in lines if line.startswith("recipes compared"))) + 3
+        assert [line.split()[0] for line in lines[start:]] == ["bf16", *recipes], target
+
+
+def test_the_report_says_mxfp8_with_its_blocks_for_the_planned_layers():
+    import fp8dist
+
+    model = wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_recipe="mxfp8_emulated",
+                       param_dtype="fp32")
+    row = next(line for line in str(fp8dist.report(model)).splitlines() if line.startswith("FP8 GEMM"))
+    assert row.split()[2:4] == ["13", "376,832"], row
+    assert "mxfp8 e4m3 fwd+grads (1x32 blocks, e8m0 scales, weight wrapper, emulated)" in row
