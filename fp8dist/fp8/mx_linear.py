@@ -14,10 +14,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from .base import fp8_hardware_reason
 from .casts import MX_BLOCK, USES, Casts, CastSpec
 
-__all__ = ["MX_RECIPES", "MX_WRAPPED", "MXFP8_CAPABILITY", "is_mx", "mx_op_config", "probe_config",
-           "MX_BYPASSED", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
+__all__ = ["MX_RECIPES", "MX_WRAPPED", "MX_BYPASSED", "MXFP8_CAPABILITY", "is_mx", "mx_hardware_reason",
+           "mx_op_config", "probe_config", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
 
 MX_RECIPES = ("mxfp8", "mxfp8_emulated")
 """torchao_recipe values that run MXFP8 (the second with emulated GEMMs)."""
@@ -32,6 +33,15 @@ MXFP8_CAPABILITY = (10, 0)
 def is_mx(recipe: str) -> bool:
     """Whether the torchao recipe ``recipe`` is MXFP8 (real or emulated)."""
     return recipe in MX_RECIPES
+
+
+def mx_hardware_reason(hardware) -> str | None:
+    """Why ``torchao_recipe='mxfp8'`` cannot run on ``hardware`` (MXFP8 GEMMs exist on sm_100+ only), with the ways
+    out; None where it can."""
+    why = fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY)
+    return why and (f"torchao_recipe='mxfp8' {why.removeprefix('this FP8 recipe ')} (MXFP8 tensor cores); "
+                    "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
+                    "(numerics and tests, no FP8 speed), or plan for it with --target b200")
 
 
 def mx_op_config(recipe: str):

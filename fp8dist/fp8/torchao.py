@@ -23,7 +23,7 @@ from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
-from .mx_linear import (MX_BYPASSED, MX_WRAPPED, MXFP8_CAPABILITY, is_mx, mx_gemm_words, mx_linear_casts,
+from .mx_linear import (MX_BYPASSED, MX_WRAPPED, is_mx, mx_hardware_reason, mx_gemm_words, mx_linear_casts,
                         mx_linear_reason, mx_op_config)
 from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
@@ -40,9 +40,10 @@ class TorchaoConfig:
     """How torchao converts a dense Linear: module_swap (``convert_to_float8_training``: nn.Linear -> Float8Linear;
     FP8 all-gather under FSDP2) or weight_wrapper (``quantize_`` with ``Float8TrainingOpConfig``: the weight becomes
     a tensor subclass whose F.linear runs FP8; the module keeps its class; bf16 all-gather; not under FSDP1 or
-    DeepSpeed). auto: module_swap while the installed torchao ships it (0.18 does), else weight_wrapper. Either
-    way each planned FP8 layer is checked to run an FP8 GEMM; one the wrapper does not reach (Falcon's
-    ``x @ W.T``) is swapped for Float8Linear instead, and the plan says so."""
+    DeepSpeed). auto: weight_wrapper for the MXFP8 recipes (their only API here), else module_swap while the
+    installed torchao ships it (0.18 does), else weight_wrapper. Either way each planned FP8 layer is checked to
+    run an FP8 GEMM (an MX GEMM for MXFP8); one the wrapper does not reach (Falcon's ``x @ W.T``) is swapped for
+    Float8Linear instead (kept out of MXFP8, which has no module swap), and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
     rowwise_with_gw_hp (rowwise, weight gradient in high precision), mxfp8 (MXFP8: e4m3 in 1x32 blocks with e8m0
@@ -163,11 +164,8 @@ class TorchaoBackend(FP8Backend):
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
         recipe = cfg.precision.torchao_recipe if cfg is not None else None  # None: asked of the backend's default
-        if recipe == "mxfp8":  # MXFP8 GEMMs (cuBLAS / CUTLASS) exist on sm_100+ only
-            why = fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY)
-            return why and (f"torchao_recipe='mxfp8' {why.removeprefix('this FP8 recipe ')} (MXFP8 tensor cores); "
-                            "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any "
-                            "device (numerics and tests, no FP8 speed), or plan for it with --target b200")
+        if recipe == "mxfp8":
+            return mx_hardware_reason(hardware)
         # torch's _scaled_mm also runs on CPU, so only CUDA is gated; emulated MXFP8 runs anywhere
         return fp8_hardware_reason(hardware) if hardware.type == "cuda" and recipe != "mxfp8_emulated" else None
 
