@@ -110,7 +110,8 @@ def test_real_mxfp8_is_refused_without_sm100_naming_the_capability_and_the_way_o
     backend = get_backend("torchao")
     cfg = _cfg(torchao_recipe="mxfp8")
     why = backend.hardware_reason(cfg, parse_target(target))
-    assert why and "sm_100+" in why and "mxfp8_emulated" in why and "--target b200" in why, why
+    assert why and "needs MXFP8 tensor cores (CUDA sm_100+), not" in why and "mxfp8_emulated" in why, why
+    assert "--target b200" in why
     assert backend.hardware_reason(cfg, parse_target("b200")) is None
     assert backend.hardware_reason(_cfg(torchao_recipe="mxfp8_emulated"), parse_target(target)) is None
 
@@ -185,3 +186,14 @@ def test_the_report_says_mxfp8_with_its_blocks_for_the_planned_layers():
     row = next(line for line in str(fp8dist.report(model)).splitlines() if line.startswith("FP8 GEMM"))
     assert row.split()[2:4] == ["13", "376,832"], row
     assert "mxfp8 e4m3 fwd+grads (1x32 blocks, e8m0 scales, weight wrapper, emulated)" in row
+
+
+def test_wrap_model_with_real_mxfp8_on_this_cpu_is_refused_with_the_way_out():
+    from fp8dist.plan.precision import FP8UnavailableError
+
+    with pytest.raises(FP8UnavailableError) as caught:
+        wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_recipe="mxfp8",
+                   param_dtype="fp32")
+    said = str(caught.value)
+    assert "torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not device cpu" in said
+    assert "torchao_recipe='mxfp8_emulated'" in said and "--target b200" in said

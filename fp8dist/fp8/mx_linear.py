@@ -38,10 +38,12 @@ def is_mx(recipe: str) -> bool:
 def mx_hardware_reason(hardware) -> str | None:
     """Why ``torchao_recipe='mxfp8'`` cannot run on ``hardware`` (MXFP8 GEMMs exist on sm_100+ only), with the ways
     out; None where it can."""
-    why = fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY)
-    return why and (f"torchao_recipe='mxfp8' {why.removeprefix('this FP8 recipe ')} (MXFP8 tensor cores); "
-                    "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
-                    "(numerics and tests, no FP8 speed), or plan for it with --target b200")
+    if fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY) is None:
+        return None
+    where = hardware if hardware.type == "cuda" else f"device {hardware.type}"
+    return (f"torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not {where}; "
+            "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
+            "(numerics and tests, no FP8 speed), or plan for it with --target b200")
 
 
 def mx_op_config(recipe: str):
