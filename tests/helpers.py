@@ -127,3 +127,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def gemms_per_module(model: nn.Module, ids: torch.Tensor, kind: str = "count") -> tuple[dict[str, int], object]:
+    """torchao's FP8 GEMMs (``kind="count"``) or MX GEMMs (``"mx"``) each Linear's forward ran in one forward and
+    backward of a causal LM on ``ids``, and the counter of the whole step (its ``count`` and ``mx`` totals)."""
+    from fp8dist.fp8.weight_wrapper import FP8Gemms
+
+    per_module: dict[str, int] = {}
+    with FP8Gemms() as gemms:
+        handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, name=name: per_module.__setitem__(name, -getattr(gemms, kind))))
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, name=name: per_module.__setitem__(name, per_module[name] + getattr(gemms, kind))))
+        model(input_ids=ids, labels=ids).loss.backward()
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return per_module, gemms

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import hand_wired_fsdp2, train_losses
+from helpers import gemms_per_module, hand_wired_fsdp2, train_losses
 from torch import nn
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
@@ -24,7 +24,6 @@ from torchao.quantization import quantize_  # noqa: E402
 from fp8dist import get_plan, wrap_model  # noqa: E402
 from fp8dist.config.rules import refusal_of  # noqa: E402
 from fp8dist.fp8 import get_backend  # noqa: E402
-from fp8dist.fp8.weight_wrapper import FP8Gemms  # noqa: E402
 from fp8dist.plan.hardware import parse_target  # noqa: E402
 from fp8dist.plan.precision import plan_precision  # noqa: E402
 from fp8dist.train.models import build_llama  # noqa: E402
@@ -39,23 +38,6 @@ def _hand_wrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def _mx_gemms_per_module(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, int], int, int]:
-    """MX GEMMs each Linear's forward ran (one forward), then all MX and all FP8 GEMMs of forward + backward."""
-    per_module: dict[str, int] = {}
-    with FP8Gemms() as gemms:
-        handles = []
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, name=name: per_module.__setitem__(name, -gemms.mx)))
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, name=name: per_module.__setitem__(name, per_module[name] + gemms.mx)))
-        model(input_ids=ids, labels=ids).loss.backward()
-        for h in handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    return per_module, gemms.mx, gemms.count
-
 
 def _fsdp_case(rank: int, world: int) -> dict:
     base = build_llama("tiny", seed=0)
@@ -63,7 +45,8 @@ def _fsdp_case(rank: int, world: int) -> dict:
     ref = hand_wired_fsdp2(_hand_wrapped(copy.deepcopy(base)), world)
     plan = get_plan(ours)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-    per_module, mx, total = _mx_gemms_per_module(ours, ids)
+    per_module, counter = gemms_per_module(ours, ids, "mx")
+    mx, total = counter.mx, counter.count
     return dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
                 plan={e.name: e.converted_to for e in plan.fp8}, per_module=per_module, mx=mx, total=total,
                 local=type(ours.model.layers[1].self_attn.q_proj.weight.to_local()).__name__,

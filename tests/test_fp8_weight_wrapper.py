@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import hand_wired_fsdp2, train_losses
+from helpers import gemms_per_module, hand_wired_fsdp2, train_losses
 from torch import nn
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
@@ -38,23 +38,6 @@ def _hand_wrapped(model: nn.Module, recipe: str) -> nn.Module:
     return model
 
 
-def _fp8_gemms_per_module(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, int], int]:
-    """FP8 GEMMs each module's forward ran (one forward), and all of forward + backward."""
-    per_module: dict[str, int] = {}
-    with FP8Gemms() as gemms:
-        handles = []
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, name=name: per_module.__setitem__(name, -gemms.count)))
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, name=name: per_module.__setitem__(name, per_module[name] + gemms.count)))
-        model(input_ids=ids, labels=ids).loss.backward()
-        for h in handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    return per_module, gemms.count
-
 
 def _fsdp_case(rank: int, world: int) -> dict:
     base = build_llama("tiny", seed=0)
@@ -65,7 +48,8 @@ def _fsdp_case(rank: int, world: int) -> dict:
         ref = hand_wired_fsdp2(_hand_wrapped(copy.deepcopy(base), recipe), world)
         plan = get_plan(ours)
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-        per_module, total = _fp8_gemms_per_module(ours, ids)
+        per_module, counter = gemms_per_module(ours, ids)
+        total = counter.count
         out[recipe] = dict(
             ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
             plan={e.name: e.converted_to for e in plan.fp8}, per_module=per_module, total=total,
@@ -75,7 +59,7 @@ def _fsdp_case(rank: int, world: int) -> dict:
     with torch.device("meta"):  # a meta model: FSDP2 materializes the wrapped weights, which stay wrapped
         meta = build_llama("tiny", seed=0)
     meta = wrap_model(meta, strategy="fsdp", fp8="torchao", torchao_api="weight_wrapper")
-    out["meta"] = _fp8_gemms_per_module(meta, ids)[1]
+    out["meta"] = gemms_per_module(meta, ids)[1].count
     out["fsdp1_by_hand"] = _fsdp1_by_hand(base)
     return out
 
@@ -157,7 +141,8 @@ def test_falcon_bypasses_the_wrapper_and_fp8dist_swaps_those_layers_instead():
     rows = {e.name: (e.precision, e.converted_to) for e in plan if e.module_type == "FalconLinear"}
     assert rows.pop(FALCON_FIRST) == ("bf16", None)
     assert set(rows.values()) == {("fp8", "Float8Linear (its forward bypasses the weight wrapper)")}
-    per_module, total = _fp8_gemms_per_module(ours, ids)
+    per_module, counter = gemms_per_module(ours, ids)
+    total = counter.count
     assert {n for n, c in per_module.items() if c} == set(rows) and total == 3 * len(rows) == 21
 
     with torch.device("meta"):  # planned on a meta model: the probe runs on small CPU copies, same verdict
@@ -244,7 +229,8 @@ def test_each_recipe_and_api_runs_an_fp8_gemm_in_exactly_the_planned_layers(api,
     model = wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_api=api,
                        torchao_recipe=recipe, **dtype)
     planned = {e.name for e in get_plan(model).fp8}
-    per_module, total = _fp8_gemms_per_module(model, torch.randint(0, 256, (2, 16)))
+    per_module, counter = gemms_per_module(model, torch.randint(0, 256, (2, 16)))
+    total = counter.count
     assert len(planned) == 13 and {n for n, c in per_module.items() if c} == planned
     assert set(per_module[n] for n in planned) == {1}
     assert total == (2 if recipe == "rowwise_with_gw_hp" else 3) * 13  # gw_hp: its weight gradient in bf16
