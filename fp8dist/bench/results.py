@@ -13,11 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..config.axis import engine_packages
 from ..config.text import plural
-from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import STANDARD
 from ..pipeline.files import atomic_write
-from ..strategies import STRATEGIES
 from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
@@ -62,9 +61,8 @@ def _versions() -> dict[str, str | None]:
     from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
-    engines = [s.package for s in STRATEGIES.values()] + [get_backend(name).package for name in BACKENDS]
-    names = dict.fromkeys(("torch", "transformers", *(e for e in engines if e)))
-    return {"python": platform.python_version(), "fp8dist": __version__, **{n: package_version(n) for n in names}}
+    return {"python": platform.python_version(), "fp8dist": __version__,
+            **{n: package_version(n) for n in engine_packages()}}
 
 
 TAIL_STEPS = 20

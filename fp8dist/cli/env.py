@@ -13,10 +13,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..fp8 import BACKENDS, get_backend
+    from ..config.axis import engine_packages
     from ..pipeline.env import describe_environment
-    from ..strategies import STRATEGIES
 
-    engines = [*(s.package for s in STRATEGIES.values()), *(get_backend(name).package for name in BACKENDS)]
-    print(describe_environment(("torch", "transformers", *dict.fromkeys(p for p in engines if p))))
+    print(describe_environment(engine_packages()))
     return 0

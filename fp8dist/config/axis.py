@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StrategyFacts", "Rule", "When", "ALWAYS", "Registry", "STRATEGIES", "BACKENDS", "LEVELS"]
+__all__ = ["StrategyFacts", "Rule", "When", "ALWAYS", "Registry", "STRATEGIES", "BACKENDS", "LEVELS",
+           "engine_packages"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +144,10 @@ BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",))
 """Every FP8 backend by the name ``fp8=`` takes (the built-ins: :mod:`fp8dist.fp8`)."""
 LEVELS = Registry("memory", "memory level")
 """Every memory level by the name ``memory=`` takes (the built-ins: :mod:`fp8dist.memory_levels`)."""
+
+
+def engine_packages() -> tuple[str, ...]:
+    """The libraries a run may use, each once: torch, transformers and every registered strategy's and FP8
+    backend's own (``package``) — what ``fp8dist env`` checks and bench results record."""
+    engines = (value.package for registry in (STRATEGIES, BACKENDS) for value in registry.values())
+    return tuple(dict.fromkeys(("torch", "transformers", *(p for p in engines if p))))
