@@ -15,6 +15,7 @@ from torch import nn
 from ..config.axis import StrategyFacts
 from ..plan.hardware import Hardware
 from .casts import USES, Casts, CastSpec
+from .mx_linear import mx_linear_casts, mx_op_config
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
            "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON", "experts_speed_recipe",
@@ -125,13 +126,9 @@ def experts_target(cfg, hardware: Hardware) -> str:
 
 def op_config(recipe: str):
     """torchao's MoE training op config for ``recipe`` (what the experts are converted with)."""
-    from torchao.prototype.moe_training.config import (Float8TrainingOpConfig, MXFP8TrainingOpConfig,
-                                                       MXFP8TrainingRecipe)
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
-    if recipe == "fp8_rowwise":
-        return Float8TrainingOpConfig()
-    name = "MXFP8_EMULATED_RCEIL" if recipe == "mxfp8_emulated" else "MXFP8_RCEIL"
-    return MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
+    return Float8TrainingOpConfig() if recipe == "fp8_rowwise" else mx_op_config(recipe)
 
 
 def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) -> None:
@@ -219,6 +216,4 @@ def experts_casts(cfg, hardware: Hardware) -> Casts:
     config = op_config(recipe)
     if recipe == "fp8_rowwise":
         return {use: CastSpec(config.float8_dtype, "rowwise", pow2=True) for use in USES}
-    hp_wgrad = bool(getattr(config, "wgrad_with_hp", False))
-    return {use: None if hp_wgrad and use[1] == "grad_weight" else CastSpec(torch.float8_e4m3fn, "mx")
-            for use in USES}
+    return mx_linear_casts(config)

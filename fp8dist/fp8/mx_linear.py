@@ -47,7 +47,8 @@ def mx_hardware_reason(hardware) -> str | None:
 
 
 def mx_op_config(recipe: str):
-    """torchao's ``MXFP8TrainingOpConfig`` for ``recipe``: its MXFP8_RCEIL recipe, or MXFP8_EMULATED_RCEIL."""
+    """torchao's ``MXFP8TrainingOpConfig`` for ``recipe``: its MXFP8_RCEIL recipe, or MXFP8_EMULATED_RCEIL (dense
+    Linears and MoE experts alike)."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
 
     name = "MXFP8_EMULATED_RCEIL" if recipe == "mxfp8_emulated" else "MXFP8_RCEIL"
@@ -91,8 +92,8 @@ def mx_linear_reason(module: nn.Module) -> str | None:
 
 
 def mx_linear_casts(config) -> Casts:
-    """The casts of torchao's ``MXFP8TrainingOpConfig`` ``config`` on a Linear: every operand e4m3 in 1x32 blocks
-    (e8m0 scales), the weight-gradient GEMM in high precision with ``wgrad_with_hp``."""
+    """The casts of torchao's ``MXFP8TrainingOpConfig`` ``config`` (a Linear's or MoE experts'): every operand e4m3
+    in 1x32 blocks (e8m0 scales), the weight-gradient GEMM in high precision with ``wgrad_with_hp``."""
     hp_wgrad = bool(config.wgrad_with_hp)
     return {use: None if hp_wgrad and use[1] == "grad_weight" else CastSpec(torch.float8_e4m3fn, "mx")
             for use in USES}
