@@ -80,6 +80,8 @@ def _interrupted(train: Any, step: int | None) -> int:
         except (OSError, ValueError):
             newest = None
         saved = f"last checkpoint step {int(newest.name[5:])}" if newest else "no checkpoint saved yet"
+        if newest is not None:  # a step's checkpoint is published before the step is counted, so it was done too
+            step = max(step or 0, int(newest.name[5:]))
     done = "before the first step" if step is None else f"at step {step}"
     print(f"fp8dist train: interrupted {done}; {saved}", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT
