@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,17 +27,18 @@ from fp8dist.bench.results import _device, _versions  # noqa: E402
 from fp8dist.fp8 import NO_FP8, get_backend  # noqa: E402
 from fp8dist.plan.gpus import GpuSpec, gpu_by_key  # noqa: E402
 from fp8dist.plan.hardware import find_gpu, hardware_of  # noqa: E402
+from fp8dist.plan.speed.calibration import Measurement, agreement  # noqa: E402
 from fp8dist.strategies import STRATEGIES  # noqa: E402
 from fp8dist.train.job import default_fp8  # noqa: E402
 
 BUDGET_S = 480
 """8 minutes on one GPU, check.sh's set-up included."""
-PLANNED_S = {"versions": 5, "pytest_gpu": 120, "linear_shapes": 210, "step_1b": 120}
+PLANNED_S = {"versions": 5, "pytest_gpu": 120, "linear_shapes": 180, "step_1b": 150}
 """Each part's planned seconds on one H100 (README.md says why); check.sh's set-up is planned at SETUP_S."""
 SETUP_S = 20
-STEP_CELL_S = 40
-"""A guess at one bench cell of the 1b preset, compiled (fresh process, compile, 20 steps): a third recipe's cell
-runs only where the part's allotment holds one more."""
+STEP_CELL_S = 60
+"""A guess at one bench cell of the 1b preset, compiled (fresh process, build, per-block compile, 20 steps): the
+rowwise cell runs only where the part's allotment holds a third."""
 DRY_TARGET = "h100"
 """The GPU whose predictions the dry run computes (its plumbing; nothing is compared)."""
 SPEED_TEST = "tests/test_fp8_gpu.py::test_speed_model_predicts_the_measured_linear_speedup_on_this_gpu"
@@ -53,20 +56,30 @@ class Budget:
         return self.deadline - time.time() - sum(PLANNED_S[p] for p in later)
 
 
-def run_part(name: str, budget: Budget, doc: dict[str, Any], part: Callable[[float], dict[str, Any]]) -> None:
-    """Run one part within its allotment, or skip it saying so; print planned and actual seconds."""
+def run_part(name: str, budget: Budget, doc: dict[str, Any], part: Callable[[float], dict[str, Any]],
+             out: Path) -> None:
+    """Run one part within its allotment, or skip it saying so; print planned and actual seconds. A part that
+    fails is recorded with its error and the next one runs: GPU minutes are scarce, and check.json is rewritten
+    after every part so that a check stopped from outside keeps what it measured."""
     allotted = budget.allot(name)
     record: dict[str, Any] = {"planned_s": PLANNED_S[name], "allotted_s": round(allotted, 1)}
     if allotted < PLANNED_S[name] / 2:
         record["status"] = f"skipped: {allotted:.0f} s left for it, under half its planned {PLANNED_S[name]} s"
     else:
         t0 = time.time()
-        record.update(part(allotted))
+        try:
+            record.update(part(allotted))
+        except Exception as error:  # noqa: BLE001 (any failure: said, traceback printed, the next part runs)
+            import traceback
+
+            traceback.print_exc()
+            record["status"] = f"failed: {type(error).__name__}: {error}"
         record["actual_s"] = round(time.time() - t0, 1)
         record.setdefault("status", "ran")
     doc["parts"][name] = record
     print(f"part {name}: planned {PLANNED_S[name]} s, allotted {allotted:.0f} s, "
           f"took {record.get('actual_s', 0):.0f} s ({record['status']})", flush=True)
+    (out / "check.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def versions_part(device: torch.device) -> dict[str, Any]:
@@ -81,6 +94,18 @@ def gpu_test_files() -> list[str]:
                   if "mark.gpu" in p.read_text())
 
 
+def run_group(cmd: list[str], timeout: float, **kwargs: Any) -> int | None:
+    """Run ``cmd`` in a session of its own; at ``timeout`` end it and every process it started (pytest's ranks,
+    the bench's workers hold the GPU) and return None."""
+    process = subprocess.Popen(cmd, cwd=linear.REPO, start_new_session=True, **kwargs)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
+
+
 def pytest_part(allotted: float, out: Path, dry_run: bool) -> dict[str, Any]:
     """``pytest -m gpu`` on the files that hold such tests, its log in pytest.log; stopped at the allotment."""
     files = gpu_test_files()
@@ -89,11 +114,7 @@ def pytest_part(allotted: float, out: Path, dry_run: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", *mode, *files]
     log = out / "pytest.log"
     with log.open("w") as sink:
-        try:
-            code = subprocess.run(cmd, cwd=linear.REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                  timeout=allotted).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+        code = run_group(cmd, allotted, stdout=sink, stderr=subprocess.STDOUT)
     lines = [line for line in log.read_text().splitlines() if "::" in line]
     counts = {word: sum(f" {word}" in line for line in lines) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
     record = {"command": " ".join(cmd[1:]), "returncode": code, "log": log.name, "deselected": [] if dry_run
@@ -105,24 +126,39 @@ def pytest_part(allotted: float, out: Path, dry_run: bool) -> dict[str, Any]:
 
 
 def linear_part(allotted: float, device: torch.device, spec: GpuSpec | None, dry_run: bool) -> dict[str, Any]:
-    """Every shape of linear.shapes while the allotment holds another (the slowest one so far as the estimate)."""
-    end, slowest, rows, skipped = time.time() + allotted, 0.0, [], []
+    """Every shape of linear.shapes while the allotment holds another (the last one's time as the estimate), and
+    per recipe how the model's figures agree with the measurements."""
+    if (missing := linear.missing_reason()) is not None:
+        return {"status": f"skipped: {missing}"}
+    end, last, rows, skipped = time.time() + allotted, 0.0, [], []
     for shape, where in linear.shapes(dry_run):
-        if time.time() + slowest > end:
+        if time.time() + last > end:
             skipped.append(list(shape))
             continue
         t0 = time.time()
         rows += [{**row, "source": where} for row in linear.time_shape(shape, device, spec, dry_run)]
-        slowest = max(slowest, time.time() - t0)
+        last = time.time() - t0  # the first shape's includes compile warm-up: the last one estimates the next
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for row in rows[-len(linear.RECIPES):]:
             print(f"  {shape} {row['recipe']:10s} measured {row['measured']}  predicted {row['predicted_rig']}"
                   f"  published {row['published_h100']}", flush=True)
-    record: dict[str, Any] = {"rows": rows, "skipped_shapes": skipped}
+    record: dict[str, Any] = {"rows": rows, "skipped_shapes": skipped, "agreement": agreement_by_recipe(rows)}
     if skipped:
         record["status"] = f"ran {len(rows) // len(linear.RECIPES)} shapes; {len(skipped)} skipped at the budget"
     return record
+
+
+def agreement_by_recipe(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per recipe, calibration.agreement of the predicted rig speedups with the measured ones (margin 1.0)."""
+    found = {}
+    for recipe in linear.RECIPES:
+        mine = [r for r in rows if r["recipe"] == recipe and r["measured"] and r["predicted_rig"]]
+        if mine:
+            predicted = {(r["m"], r["k"], r["n"]): r["predicted_rig"] for r in mine}
+            found[recipe] = vars(agreement([Measurement(r["m"], r["k"], r["n"], r["measured"]) for r in mine],
+                                           lambda row: predicted[row.m, row.k, row.n]))
+    return found
 
 
 def _single_strategy() -> str:
@@ -142,7 +178,7 @@ def predicted_step(size: str, batch: int, seq: int, spec: GpuSpec | None, fp8: s
         record = predict(llama_config(size), target=spec.key, world_size=1, micro_batch_size=batch, seq_len=seq,
                          fp8=fp8, recipe=recipe, compile=compiled, activation_checkpointing="none",
                          strategy=_single_strategy())
-    except (TypeError, ValueError) as error:  # a predictor's refusal or a changed signature: said, not fatal
+    except Exception as error:  # noqa: BLE001 (a predictor's failure must not cost the measurement beside it)
         return {"error": f"{type(error).__name__}: {error}"}
     return {f: getattr(record, f, None) for f in ("speedup", "tokens_per_s", "bf16_tokens_per_s", "mfu")}
 
@@ -164,11 +200,10 @@ def step_part(allotted: float, out: Path, spec: GpuSpec | None, dry_run: bool) -
         return {"status": "skipped: no FP8 backend runs here (fp8dist train's default needs its package and an "
                           "sm_89+ GPU; carry torchao's wheel in .whl/, see README.md)"}
     recipes = [r for r in linear.RECIPES if r in variants_of(fp8)]
-    recipes = recipes[:1] if dry_run else recipes[:max(1, int(allotted // STEP_CELL_S) - 1)]
+    recipes = recipes[:1] if dry_run or allotted < 3 * STEP_CELL_S else recipes
     cmd = _bench_command(out, fp8, recipes, dry_run)
-    try:
-        code = subprocess.run(cmd, cwd=linear.REPO, timeout=allotted).returncode
-    except subprocess.TimeoutExpired:
+    code = run_group(cmd, allotted)
+    if code is None:
         return {"command": " ".join(cmd[1:]), "status": f"stopped at its allotment ({allotted:.0f} s)"}
     found = sorted((out / "step").glob("bench_*.json"))
     if code != 0 or not found:
@@ -214,13 +249,14 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     shapes_ax.axhline(1, color="grey", lw=0.5)
     shapes_ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
     shapes_ax.set_ylabel("FP8 / bf16 speedup, LayerNorm-Linear-Sigmoid fwd+bwd")
-    shapes_ax.legend(fontsize=7)
+    shapes_ax.legend(fontsize=7, loc="upper left")
     steps = doc["parts"].get("step_1b", {}).get("rows", [])
     step_ax.bar([r["cell"] for r in steps], [r["tokens_per_s"] or 0 for r in steps], label="measured")
-    predicted = [_predicted_tokens(r, steps) for r in steps]
-    step_ax.scatter([r["cell"] for r in steps], [p or float("nan") for p in predicted], color="k", marker="_",
-                    s=400, label="fp8dist.predict_step")
-    step_ax.legend(fontsize=7)
+    predicted = [(r["cell"], _predicted_tokens(r, steps)) for r in steps]
+    if any(p for _, p in predicted):
+        step_ax.scatter(*zip(*[(c, p) for c, p in predicted if p]), color="k", marker="_", s=400,
+                        label="fp8dist.predict_step")
+    step_ax.legend(fontsize=7, loc="lower left")
     step_ax.set_ylabel("tokens/s, one GPU")
     step_ax.tick_params(axis="x", rotation=90, labelsize=6)
     title = f"{doc['device']} {doc['date']}" + (" - DRY RUN: nothing timed" if doc["dry_run"] else "")
@@ -270,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         "fp8dist_gpu_check": 1, "dry_run": args.dry_run, "device": name, "target": spec.key if spec else None,
         "target_note": target_note, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "budget_s": args.budget_s, "setup_s": round(time.time() - started, 1), "parts": {}}
-    run_part("versions", budget, doc, lambda s: versions_part(device))
-    run_part("pytest_gpu", budget, doc, lambda s: pytest_part(s, out, args.dry_run))
-    run_part("linear_shapes", budget, doc, lambda s: linear_part(s, device, spec, args.dry_run))
-    run_part("step_1b", budget, doc, lambda s: step_part(s, out, spec, args.dry_run))
+    run_part("versions", budget, doc, lambda s: versions_part(device), out)
+    run_part("pytest_gpu", budget, doc, lambda s: pytest_part(s, out, args.dry_run), out)
+    run_part("linear_shapes", budget, doc, lambda s: linear_part(s, device, spec, args.dry_run), out)
+    run_part("step_1b", budget, doc, lambda s: step_part(s, out, spec, args.dry_run), out)
     doc["total_s"] = round(time.time() - started, 1)
-    doc["plot"] = plot(doc, out / "check.png") or "check.png"
+    try:
+        doc["plot"] = plot(doc, out / "check.png") or "check.png"
+    except Exception as error:  # noqa: BLE001 (the figures are in the JSON; a drawing failure must not hide them)
+        doc["plot"] = f"failed: {type(error).__name__}: {error}"
     (out / "check.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"total {doc['total_s']:.0f} s of {args.budget_s:.0f}; wrote {out / 'check.json'} and {doc['plot']}")
     return 0

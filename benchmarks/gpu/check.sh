@@ -11,13 +11,14 @@ started=$(date +%s)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 PYTHON=${PYTHON:-python3}
-dry=0; wheels="$repo/.whl"; args=()
+dry=0; wheels="$repo/.whl"; out=${OUT:-}; args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1; args+=("$1") ;;
     --wheels) wheels="$2"; shift ;;
-    --out|--budget-s) args+=("$1" "$2"); shift ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    --out) out="$2"; shift ;;
+    --budget-s) args+=("$1" "$2"); shift ;;
+    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
     *) echo "check.sh: unknown argument '$1'; use --dry-run, --out DIR, --budget-s S or --wheels DIR" >&2; exit 2 ;;
   esac
   shift
@@ -46,4 +47,9 @@ if [ "$dry" = 0 ]; then
   "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . \
     || echo "check.sh: pip install -e . failed (above); running from the repository through PYTHONPATH"
 fi
-exec "$PYTHON" benchmarks/gpu/check.py --started-at "$started" "${args[@]}"
+if [ -z "$out" ]; then
+  exec "$PYTHON" benchmarks/gpu/check.py --started-at "$started" "${args[@]}"
+fi
+mkdir -p "$out"
+set -o pipefail  # check.py's exit status, its output kept in check.log beside the results
+"$PYTHON" benchmarks/gpu/check.py --started-at "$started" --out "$out" "${args[@]}" 2>&1 | tee "$out/check.log"

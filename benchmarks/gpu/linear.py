@@ -59,6 +59,16 @@ def shapes(dry_run: bool) -> list[tuple[tuple[int, int, int], str]]:
     return [(s, where) for s, where in rows if not (s in seen or seen.add(s))]
 
 
+def missing_reason() -> str | None:
+    """Why the part cannot run here (the FP8 rig is torchao's), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return ("torchao is not installed: a GPU node without network takes its wheel from .whl/ (check.sh "
+                "--wheels; benchmarks/gpu/README.md)")
+    return None
+
+
 def _rig(k: int, n: int, device: torch.device) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(k, elementwise_affine=False), nn.Linear(k, n, bias=False),
                          nn.Sigmoid()).to(device, torch.bfloat16)
