@@ -118,3 +118,17 @@ def test_the_step_prediction_is_read_from_fp8dist_predict_step_where_it_exists(m
     monkeypatch.setattr(fp8dist, "predict_step", lambda config, **kw: 1 / 0, raising=False)
     assert check.predicted_step("1b", 4, 2048, h100, fp8, None, True) == {
         "error": "ZeroDivisionError: division by zero"}
+
+
+def test_the_gpu_run_times_30_shapes_the_presets_and_the_gpu_tests_among_them():
+    """The shapes a GPU run times: the 1b and 3b presets' Linears at the bench's tokens, the published table's rows
+    and every shape of the GPU speed test, which the pytest part deselects (by a node id that must exist)."""
+    from test_fp8_gpu import SPEED_SHAPES
+
+    check = _check_module()
+    shapes = [shape for shape, _ in check.linear.shapes(dry_run=False)]
+    assert len(shapes) == len(set(shapes)) == 30
+    assert {(8192, 2048, 5632), (8192, 5632, 2048), (8192, 3072, 8192), (8192, 8192, 3072)} <= set(shapes)
+    assert set(SPEED_SHAPES) <= set(shapes)
+    path, name = check.SPEED_TEST.split("::")
+    assert f"def {name}(" in (REPO / path).read_text()
