@@ -30,7 +30,7 @@ def _sh(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           timeout=600)
 
 
-@pytest.mark.slow  # 71 s on the shared, loaded 2-core machine (2026-11-26): the bench part starts two processes
+@pytest.mark.slow  # 49-71 s on the shared 2-core machine at load ~11 (2026-11-26): the bench part starts 2 processes
 def test_dry_run_runs_every_part_and_claims_no_timing(tmp_path):
     done = _sh("--dry-run", env={"OUT": str(tmp_path)})  # $OUT is where the results go, as on the GPU machine
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -222,7 +222,10 @@ def step_part(allotted: float, out: Path, spec: GpuSpec | None, dry_run: bool) -
              "predicted": None if c["fp8"] is None else predicted_step(
                  c["size"], settings["batch_size"], settings["seq_len"], spec, c["fp8"], c.get("variant"),
                  c["compile"])} for c in cells]
-    return {"command": " ".join(cmd[1:]), "bench_json": str(found[-1].relative_to(out)), "rows": rows}
+    return {"command": " ".join(cmd[1:]), "bench_json": str(found[-1].relative_to(out)), "rows": rows,
+            # like quantities: the bench converts every eligible layer (its cell_config), and its JSON holds the
+            # plan's per-layer predictions (cells' "predicted")
+            "converted": "every eligible Linear (fp8_select='all')"}
 
 
 def _predicted_tokens(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
