@@ -97,3 +97,25 @@ def test_compare_names_the_fastest_recipe_and_bad_input_is_refused():
         predict_step(LlamaConfig(), target="h100", world_size=0, micro_batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match=r"predict_step takes a model or a Hugging Face config"):
         predict_step("llama", target="h100", world_size=1, micro_batch_size=1, seq_len=8)
+
+
+def test_plan_compare_recipes_names_the_fastest_recipe_and_prints_each_step(tmp_path, capsys):
+    from fp8dist.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**runs.LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    argv = ["plan", "--model-config", str(path), "--target", "h100-hbm2e", "--world-size", "8", "--seq-len", "8192",
+            "--activation-checkpointing", "selective", "--compare-recipes"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("predicted fastest for this run: tensorwise, step 1.25x, 7,689 tokens/s per GPU against 6,150 in bf16 "
+            "(8x H100 96GB HBM2e, 1 x 8,192 tokens per rank (a prediction))") in out.splitlines()[1]
+    table = out[out.index("predicted training step on 8x H100 96GB HBM2e"):].splitlines()[3:7]
+    assert [line.split()[:3] for line in table] == [["bf16", "6,150", "1.00x"], ["tensorwise", "7,689", "1.25x"],
+                                                    ["rowwise", "5,589", "0.91x"],
+                                                    ["rowwise_with_gw_hp", "7,222", "1.17x"]]
+    assert main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["fastest"] == "tensorwise" and [s["recipe"] for s in record["steps"]] == [
+        "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+    assert record["steps"][0]["prediction"] and record["steps"][0]["world_size"] == 8

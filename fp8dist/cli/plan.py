@@ -31,8 +31,11 @@ def add_parser(sub: Any) -> None:
                    help="ranks to shard over: how evenly FP8 weights and MoE experts shard, and with --strategy "
                         "fsdp a note when FSDP2's dim-0 padding is large (default: 1)")
     p.add_argument("--compare-recipes", action="store_true",
-                   help="also print, for this model and batch on the GPU planned for, the predicted GEMM time per "
-                        "micro-batch under bf16 and each FP8 recipe of the backend (a prediction)")
+                   help="also print, for this model, batch and --world-size on the GPU planned for, each FP8 recipe "
+                        "of the backend's predicted step speedup and tokens/s per GPU (the header names the fastest) "
+                        "and its GEMM time per micro-batch (predictions)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan (and with --compare-recipes the predicted steps) as JSON")
     p.add_argument("--numerics", metavar="FILE",
                    help="a numerics report of this model (fp8dist probe --json FILE): layers past its thresholds "
                         "stay out of FP8")
@@ -65,16 +68,74 @@ def run(args: argparse.Namespace) -> int:
         blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
     # a bad --world-size is an error here
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
+    gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
+    steps = predicted_steps(model, config, plan, args.world_size) if args.compare_recipes else ()
+    if args.json:
+        print(json.dumps(_plan_json(plan, steps), indent=1))
+        return 0
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
+    if steps:
+        print(fastest_line(steps))
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
     for note in notes:
         print(f"note: {note}")
-    if args.compare_recipes:
-        print(compare_text(plan))
+    if steps:
+        print(step_text(steps))
+        print(gemms)
     return 0
+
+
+def predicted_steps(model: Any, config: Any, plan: Any, world_size: int) -> tuple[Any, ...]:
+    """The whole step under each recipe of the plan's backend that its GPU runs, at the run's world size, batch and
+    sequence (:func:`fp8dist.plan.speed.step_time.compare_step_recipes`); what ``plan`` and ``estimate`` print."""
+    from ..config.options import DEFAULT_SEQ_LEN
+    from ..plan.speed.step_time import compare_step_recipes
+
+    p = config.parallel
+    return compare_step_recipes(model, target=plan.selection.step.gpu, fp8=plan.backend, world_size=world_size,
+                                micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
+                                compile=plan.selection.step.compile, strategy=p.strategy,
+                                activation_checkpointing=p.activation_checkpointing)
+
+
+def fastest_line(steps: tuple[Any, ...]) -> str:
+    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+    from ..plan.speed.step_time import fastest
+
+    first, best = steps[0], fastest(steps)
+    run = (f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank "
+           f"(a prediction)")
+    if best is None:
+        return f"predicted fastest for this run: bf16 (no FP8 recipe predicted faster; {run})"
+    return (f"predicted fastest for this run: {best.recipe}, step {best.speedup:.2f}x, {best.tokens_per_s:,.0f} "
+            f"tokens/s per GPU against {best.bf16_tokens_per_s:,.0f} in bf16 ({run})")
+
+
+def step_text(steps: tuple[Any, ...]) -> str:
+    """Each recipe's predicted step as a table."""
+    from ..accounting.rows import text_table
+
+    first = steps[0]
+    rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", f"{first.bf16.step_s * 1e3:,.2f}", "-", "-"]] + [
+        [s.recipe, f"{s.tokens_per_s:,.0f}", f"{s.speedup:.2f}x", f"{s.fp8.step_s * 1e3:,.2f}",
+         f"{s.fp8.exposed_s * 1e3:,.2f}", "yes" if s.calibrated else "no"] for s in steps]
+    head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.activation_checkpointing} "
+            f"checkpointing, {'compiled' if first.compile else 'eager'}): GEMMs, attention, memory-bound work, "
+            "recompute, optimizer and exposed collectives; a prediction (benchmarks/step_model/README.md)")
+    return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "step vs bf16", "step (ms)",
+                                      "exposed comm (ms)", "calibrated"], rows)
+
+
+def _plan_json(plan: Any, steps: tuple[Any, ...]) -> dict[str, Any]:
+    from ..plan.speed.step_time import fastest
+
+    best = fastest(steps) if steps else None
+    return {"layers": [{"name": e.name, "precision": e.precision, "reason": e.reason} for e in plan],
+            "selection": plan.selection.to_dict() if plan.selection is not None else None,
+            "steps": [s.to_dict() for s in steps], "fastest": best.recipe if best else None}
 
 
 def _read_report(path: str) -> dict[str, Any]:
