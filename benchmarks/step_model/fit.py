@@ -3,8 +3,8 @@ marked ``fit`` (torchao's H100 bf16 and tensorwise rows), score every run, write
 
     PYTHONPATH=. python benchmarks/step_model/fit.py     # ~1 min on one CPU core
 
-The step time is linear in both constants (exposed communication aside, which is tiny and re-solved by iterating):
-bf16 = k*G_b + mu*M + rest_b, FP8 = k*G_f + mu*M + rest_f, two equations, two unknowns."""
+The step time is affine in both constants: bf16 = k*G_b + mu*M + rest_b, FP8 = k*G_f + mu*M + rest_f, two
+equations, two unknowns."""
 
 from __future__ import annotations
 
@@ -17,19 +17,18 @@ from runs import compare, predict, read_runs, with_constants  # noqa: E402
 
 
 def _fit(bf16_row: dict, fp8_row: dict) -> tuple[float, float]:
-    k, mu = 1.0, 1.0
-    for _ in range(4):  # exposure depends weakly on the compute: re-solve until it settles
-        unit = predict(fp8_row, with_constants(gemm_efficiency=1.0, memory_traffic=1.0))
-        parts = []
-        for side, row in ((unit.bf16, bf16_row), (unit.fp8, fp8_row)):
-            gemm = side.gemm_s * 7 / 6  # selective recompute: every other forward matmul
-            memory = side.memory_s * 4 / 3  # and the elementwise forward
-            rest = side.attention_s + side.optimizer_s + side.exposed_s
-            parts.append((gemm, memory, row["micro_batch_size"] * row["seq_len"] / row["tokens_per_s"] - rest))
-        (g1, m1, t1), (g2, m2, t2) = parts
-        k = (t1 - t2) / (g1 - g2) if m1 == m2 else (t1 * m2 - t2 * m1) / (g1 * m2 - g2 * m1)
-        mu = (t1 - k * g1) / m1
-    return k, mu
+    """Solve step(k, mu) = published for both rows; the step is affine in k and mu (exposed communication aside,
+    which is one block's worth at these sizes), so three evaluations per row give its coefficients."""
+    def step_s(k: float, mu: float) -> tuple[float, float]:
+        step = predict(fp8_row, with_constants(gemm_efficiency=k, memory_traffic=mu))
+        return step.bf16.step_s, step.fp8.step_s
+
+    base, unit_k, unit_mu = step_s(0, 0), step_s(1, 0), step_s(0, 1)
+    published = [row["micro_batch_size"] * row["seq_len"] / row["tokens_per_s"] for row in (bf16_row, fp8_row)]
+    (a1, a2), (b1, b2) = ([u - b for u, b in zip(unit, base)] for unit in (unit_k, unit_mu))
+    t1, t2 = (t - b for t, b in zip(published, base))
+    det = a1 * b2 - a2 * b1
+    return (t1 * b2 - t2 * b1) / det, (a1 * t2 - a2 * t1) / det
 
 
 def main() -> None:

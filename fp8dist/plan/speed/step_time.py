@@ -59,7 +59,7 @@ class StepConstants:
                       "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
 
 
-STEP_CONSTANTS = StepConstants(gemm_efficiency=1.217, memory_traffic=5.58)
+STEP_CONSTANTS = StepConstants(gemm_efficiency=1.161, memory_traffic=5.96)
 """Fitted by ``benchmarks/step_model/fit.py`` (its ``fit.json`` holds the same numbers)."""
 
 
@@ -212,14 +212,16 @@ def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_pa
     return moved * share / bandwidth
 
 
-def _parts(gemm_s: float, attention_s: float, memory_s: float, optimizer_s: float, collective_s: float,
-           checkpointing: str, blocks: int, shards: bool, c: StepConstants) -> StepParts:
-    """One precision's step: recompute as the checkpointing mode says (selective, torchtitan's per-op policy:
-    every other matmul's forward and the elementwise forward; full: the whole forward), collectives hidden
-    behind the compute (FSDP) or the backward (gradient all-reduce) but for one block's worth and any excess."""
+def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, optimizer_s: float,
+           collective_s: float, checkpointing: str, blocks: int, shards: bool, c: StepConstants) -> StepParts:
+    """One precision's step: the GEMMs at the fitted efficiency, the FP8 casts with the memory-bound work;
+    recompute as the checkpointing mode says (selective, torchtitan's per-op policy: every other matmul's forward
+    and the elementwise forward; full: the whole forward); collectives hidden behind the compute (FSDP) or the
+    backward (gradient all-reduce) but for one block's worth and any excess."""
     gemm_s *= c.gemm_efficiency
-    forward = {"none": 0.0, "selective": gemm_s / 6 + memory_s / 3,
-               "full": gemm_s / 3 + memory_s / 3 + attention_s / (1 + c.attention_backward)}[checkpointing]
+    forward = {"none": 0.0, "selective": (gemm_s + cast_s) / 6 + memory_s / 3,
+               "full": (gemm_s + cast_s + memory_s) / 3 + attention_s / (1 + c.attention_backward)}[checkpointing]
+    memory_s += cast_s
     parts = StepParts(gemm_s, attention_s, memory_s, forward, optimizer_s, collective_s, 0.0)
     hiding = parts.compute_s if shards else (parts.compute_s - optimizer_s) * 2 / 3
     exposed = collective_s / blocks + max(0.0, collective_s - hiding)
@@ -307,11 +309,12 @@ class _Run:
         blocks = getattr(config, "num_hidden_layers", 1) or 1
         mode, shards = self.cfg.parallel.activation_checkpointing, self.facts.shards_params
         bf16_gemm = sum(p.bf16_s for p in preds.values())
-        sides = [_parts(gemm, attention_s, memory_s, optimizer_s,
+        fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
+        sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
                         _collectives(spec, self.facts, self.world_size, params, fp8, reduce_bytes, c),
                         mode, blocks, shards, c)
-                 for gemm, fp8 in ((bf16_gemm, 0), (bf16_gemm - sum(preds[n].saved_s for n in fp8_names),
-                                                    fp8_params))]
+                 for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
+                                          (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
         flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
         calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and self.compile
         return StepTime(spec.key, spec.label, recipe, self.world_size, tokens // self.seq_len, self.seq_len,
