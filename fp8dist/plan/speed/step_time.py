@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from ...fp8.torchao import TorchaoBackend
 from ..gpus import GpuSpec
 from ..hardware import Hardware
 from .model import predict_linear, resolve_gpu
@@ -229,7 +230,7 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
 
 
 def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, world_size: int, micro_batch_size: int,
-                 seq_len: int, fp8: str | None = None, recipe: str = "tensorwise", compile: bool = True,
+                 seq_len: int, fp8: str = TorchaoBackend.name, recipe: str = "tensorwise", compile: bool = True,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
                  constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
@@ -241,7 +242,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         target: the GPU (``--target`` name, :class:`~fp8dist.plan.hardware.Hardware` or a GPU record).
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
         fp8, strategy, activation_checkpointing, compile: as :func:`fp8dist.wrap_model` takes them (None: its
-            defaults; fp8 None: torchao).
+            defaults).
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``).
 
     Every Linear but the output head runs in FP8 (torchtitan's conversion). Raises ValueError naming the bad
@@ -256,10 +257,9 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     from ...config.resolve import resolve_config
     from ...config.rules import facts_of
     from ...fp8 import get_backend
-    from ...fp8.torchao import TorchaoBackend
 
     _check(world_size, micro_batch_size, seq_len)
-    cfg = resolve_config(fp8=fp8 or TorchaoBackend.name, source="predict_step", compile=compile,
+    cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
                          **{k: v for k, v in (("strategy", strategy),
                                               ("activation_checkpointing", activation_checkpointing)) if v})
     recipes = get_backend(cfg.precision.fp8).speed_recipes
@@ -322,18 +322,17 @@ class _Run:
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
-                         recipes: tuple[str, ...] | None = None, fp8: str | None = None,
+                         recipes: tuple[str, ...] | None = None, fp8: str = TorchaoBackend.name,
                          **options: Any) -> tuple[StepTime, ...]:
     """:func:`predict_step` under several recipes, the model built once: ``recipes`` None takes every Linear recipe
     of the backend that ``target`` runs (:func:`~fp8dist.plan.speed.recipes_for`). ``options``: the other keywords
     of :func:`predict_step`. What ``fp8dist plan --compare-recipes`` and ``fp8dist estimate`` print per recipe."""
-    from ...fp8.torchao import TorchaoBackend
     from .step import recipes_for
 
     model = _meta_model(model_or_config)
     if not isinstance(model_or_config, nn.Module) and getattr(model, "config", None) is None:
         model.config = model_or_config
-    names = recipes if recipes is not None else recipes_for(fp8 or TorchaoBackend.name, target)
+    names = recipes if recipes is not None else recipes_for(fp8, target)
     return tuple(predict_step(model, target=target, fp8=fp8, recipe=r, **options) for r in names)
 
 
