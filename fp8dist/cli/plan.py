@@ -88,54 +88,75 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def predicted_steps(model: Any, config: Any, plan: Any, world_size: int) -> tuple[Any, ...]:
-    """The whole step under each recipe of the plan's backend that its GPU runs, at the run's world size, batch and
-    sequence (:func:`fp8dist.plan.speed.step_time.compare_step_recipes`); what ``plan`` and ``estimate`` print."""
+def predicted_steps(model: Any, config: Any, plan: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
+    """Per recipe of the plan's backend that its GPU runs, the whole step at the run's world size, batch and
+    sequence with every Linear but the head in FP8 (as published runs convert) and with FP8 only where the plan's
+    margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
+    print. Call it after :func:`compare_text`, which refuses a plan with nothing to predict."""
     from ..config.options import DEFAULT_SEQ_LEN
-    from ..plan.speed.step_time import compare_step_recipes
+    from ..plan.speed import compare_recipes
+    from ..plan.speed.step_time import predict_step
 
-    p = config.parallel
-    return compare_step_recipes(model, target=plan.selection.step.gpu, fp8=plan.backend, world_size=world_size,
-                                micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
-                                compile=plan.selection.step.compile, strategy=p.strategy,
-                                activation_checkpointing=p.activation_checkpointing)
+    p, selection = config.parallel, plan.selection
+    gemms = [(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in selection.step.layers
+             if c.prediction.groups == 1]
+    options = dict(target=selection.step.gpu, fp8=plan.backend, world_size=world_size,
+                   micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
+                   compile=selection.step.compile, strategy=p.strategy,
+                   activation_checkpointing=p.activation_checkpointing)
+    return tuple((predict_step(model, recipe=g.recipe, **options),
+                  predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
+                 for g in compare_recipes(gemms, target=selection.step.gpu, backend=plan.backend,
+                                          compile=selection.step.compile, margin=selection.margin))
 
 
-def fastest_line(steps: tuple[Any, ...]) -> str:
-    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
+    """The fastest predicted step over every recipe and both conversions, with which conversion; None: bf16."""
     from ..plan.speed.step_time import fastest
 
-    first, best = steps[0], fastest(steps)
-    run = (f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank "
-           f"(a prediction)")
+    best = fastest(tuple(step for pair in steps for step in pair))
     if best is None:
-        return f"predicted fastest for this run: bf16 (no FP8 recipe predicted faster; {run})"
-    return (f"predicted fastest for this run: {best.recipe}, step {best.speedup:.2f}x, {best.tokens_per_s:,.0f} "
-            f"tokens/s per GPU against {best.bf16_tokens_per_s:,.0f} in bf16 ({run})")
+        return None
+    return best, ("every Linear but the head in FP8" if any(best is pair[0] for pair in steps) else
+                  "FP8 where it pays, as planned")
 
 
-def step_text(steps: tuple[Any, ...]) -> str:
-    """Each recipe's predicted step as a table."""
+def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
+    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+    first, best = steps[0][0], _best(steps)
+    run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
+    if best is None:
+        return f"predicted fastest for this run: bf16 (no FP8 recipe predicted faster; {run}; a prediction)"
+    step, how = best
+    return (f"predicted fastest for this run: {step.recipe} ({how}), step {step.speedup:.2f}x, "
+            f"{step.tokens_per_s:,.0f} tokens/s per GPU against {step.bf16_tokens_per_s:,.0f} in bf16 ({run}; a "
+            "prediction)")
+
+
+def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
+    """Each recipe's predicted step, both conversions, as a table."""
     from ..accounting.rows import text_table
 
-    first = steps[0]
-    rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", f"{first.bf16.step_s * 1e3:,.2f}", "-", "-"]] + [
-        [s.recipe, f"{s.tokens_per_s:,.0f}", f"{s.speedup:.2f}x", f"{s.fp8.step_s * 1e3:,.2f}",
-         f"{s.fp8.exposed_s * 1e3:,.2f}", "yes" if s.calibrated else "no"] for s in steps]
+    first = steps[0][0]
+    rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", "-", "-", f"{first.bf16_mfu:.1%}",
+             f"{first.bf16.exposed_s * 1e3:,.2f}", "-"]]
+    rows += [[every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
+              f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
+              "yes" if every.calibrated else "no"] for every, paid in steps]
     head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.activation_checkpointing} "
-            f"checkpointing, {'compiled' if first.compile else 'eager'}): GEMMs, attention, memory-bound work, "
-            "recompute, optimizer and exposed collectives; a prediction (benchmarks/step_model/README.md)")
-    return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "step vs bf16", "step (ms)",
-                                      "exposed comm (ms)", "calibrated"], rows)
+            f"checkpointing, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
+            "recompute, optimizer and exposed collectives; a prediction, benchmarks/step_model/README.md): every "
+            "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
+    return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
+                                      "MFU", "exposed comm (ms)", "calibrated"], rows)
 
 
-def _plan_json(plan: Any, steps: tuple[Any, ...]) -> dict[str, Any]:
-    from ..plan.speed.step_time import fastest
-
-    best = fastest(steps) if steps else None
+def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
+    best = _best(steps) if steps else None
     return {"layers": [{"name": e.name, "precision": e.precision, "reason": e.reason} for e in plan],
             "selection": plan.selection.to_dict() if plan.selection is not None else None,
-            "steps": [s.to_dict() for s in steps], "fastest": best.recipe if best else None}
+            "steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
+            "fastest": {"recipe": best[0].recipe, "conversion": best[1]} if best else None}
 
 
 def _read_report(path: str) -> dict[str, Any]:

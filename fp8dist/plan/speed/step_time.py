@@ -11,6 +11,7 @@ Pure: it builds the model on the meta device and reads no environment. Not re-ex
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,22 +128,28 @@ class StepTime:
     def bf16_tokens_per_s(self) -> float:
         return self.tokens / self.bf16.step_s
 
-    def mfu(self, peak_tflops: float) -> float:
-        return self.tokens_per_s * self.flops_per_token / (peak_tflops * 1e12)
+    @property
+    def mfu(self) -> float:
+        """The FP8 run's MFU as torchtitan reports it: every FLOP against the dense bf16 peak (with FP8 it
+        overstates what is left to gain)."""
+        return self.tokens_per_s * self.flops_per_token / self._peak
+
+    @property
+    def bf16_mfu(self) -> float:
+        return self.bf16_tokens_per_s * self.flops_per_token / self._peak
+
+    @property
+    def _peak(self) -> float:
+        from ..gpus import gpu_by_key
+
+        return gpu_by_key(self.gpu).bf16_tflops * 1e12
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(speedup=self.speedup, tokens_per_s=self.tokens_per_s, bf16_tokens_per_s=self.bf16_tokens_per_s,
-                   bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s, mfu=self.mfu_bf16,
+                   bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s, mfu=self.mfu, bf16_mfu=self.bf16_mfu,
                    prediction=True)
         return out
-
-    @property
-    def mfu_bf16(self) -> float:
-        """MFU as torchtitan reports it (every FLOP against the dense bf16 peak)."""
-        from ..gpus import gpu_by_key
-
-        return self.mfu(gpu_by_key(self.gpu).bf16_tflops)
 
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
@@ -232,7 +239,7 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
 def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, world_size: int, micro_batch_size: int,
                  seq_len: int, fp8: str = TorchaoBackend.name, recipe: str = "tensorwise", compile: bool = True,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
-                 constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 fp8_layers: Collection[str] | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
@@ -245,8 +252,11 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
             defaults).
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``).
 
-    Every Linear but the output head runs in FP8 (torchtitan's conversion). Raises ValueError naming the bad
-    value and the choices.
+        fp8_layers: the Linear layers (module names) that run in FP8, e.g. a plan's choice; None: every Linear
+            but the output head (torchtitan's conversion, what the published runs did).
+        constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
+
+    Raises ValueError naming the bad value and the choices.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -271,7 +281,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     config = getattr(model, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     facts = facts_of(cfg, world_size)
     run = _Run(spec, facts, cfg, world_size, micro_batch_size * seq_len, seq_len, compile, constants)
-    return run.predict(model, config, recipe)
+    return run.predict(model, config, recipe, fp8_layers)
 
 
 @dataclass(frozen=True)
@@ -287,14 +297,19 @@ class _Run:
     compile: bool
     constants: StepConstants
 
-    def predict(self, model: nn.Module, config: Any, recipe: str) -> StepTime:
+    def predict(self, model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None) -> StepTime:
         from ...config.resolve import torch_dtype
 
         spec, c, tokens = self.spec, self.constants, self.tokens
         shapes, head = linear_shapes(model)
         preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=self.compile)
                  for n, k, o in shapes}
-        fp8_names = [n for n, k, o in shapes if n != head and k % 16 == 0 and o % 16 == 0]
+        fp8_names = [n for n, k, o in shapes
+                     if ((n != head and k % 16 == 0 and o % 16 == 0) if chosen is None else n in chosen)]
+        if chosen is not None and len(fp8_names) != len(set(chosen)):
+            unknown = sorted(set(chosen) - set(fp8_names))
+            raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
+                             "model.named_modules() (or None for every Linear but the output head).")
         params = sum(p.numel() for p in model.parameters())
         gathered_fp8 = recipe_named(recipe).fp8_all_gather and self.facts.dtensor_shards
         fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
