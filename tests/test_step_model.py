@@ -124,3 +124,13 @@ def test_plan_compare_recipes_names_the_fastest_recipe_and_prints_each_step(tmp_
     assert record["fastest"] == {"recipe": "tensorwise", "conversion": "every Linear but the head in FP8"}
     assert [s["every_linear"]["recipe"] for s in record["steps"]] == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
     assert record["steps"][1]["as_planned"]["fp8_layers"] == 0 and record["steps"][0]["every_linear"]["prediction"]
+
+
+def test_every_gpu_record_has_its_interconnect_from_its_datasheet():
+    from fp8dist.plan.gpus import GPUS
+
+    for spec in GPUS:
+        assert spec.interconnect_gbps and any(word in spec.source.note for word in ("NVLink", "PCIe",
+                                                                                    "Infinity Fabric")), spec.key
+    tw = {spec.key: spec for spec in GPUS}
+    assert (tw["h100-hbm2e"].memory_tbps, tw["h100-hbm2e"].memory_gib) == (2.4, 96.0)  # torchtitan's Grand Teton

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     # a bad --world-size is an error here
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
     gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
-    steps = predicted_steps(model, config, plan, args.world_size) if args.compare_recipes else ()
+    steps = predicted_steps(model, config, plan.selection, args.world_size) if args.compare_recipes else ()
     if args.json:
         print(json.dumps(_plan_json(plan, steps), indent=1))
         return 0
@@ -88,25 +88,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def predicted_steps(model: Any, config: Any, plan: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
-    """Per recipe of the plan's backend that its GPU runs, the whole step at the run's world size, batch and
+def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
+    """Per recipe of the backend that the plan's GPU runs, the whole step at the run's world size, batch and
     sequence with every Linear but the head in FP8 (as published runs convert) and with FP8 only where the plan's
     margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
-    print. Call it after :func:`compare_text`, which refuses a plan with nothing to predict."""
+    print. ``selection``: the plan's (``plan.selection``, ``MemoryEstimate.speed``), with a predicted step."""
     from ..config.options import DEFAULT_SEQ_LEN
     from ..plan.speed import compare_recipes
     from ..plan.speed.step_time import predict_step
 
-    p, selection = config.parallel, plan.selection
+    p, backend = config.parallel, config.precision.fp8
     gemms = [(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in selection.step.layers
              if c.prediction.groups == 1]
-    options = dict(target=selection.step.gpu, fp8=plan.backend, world_size=world_size,
+    options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
                    compile=selection.step.compile, strategy=p.strategy,
                    activation_checkpointing=p.activation_checkpointing)
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
-                 for g in compare_recipes(gemms, target=selection.step.gpu, backend=plan.backend,
+                 for g in compare_recipes(gemms, target=selection.step.gpu, backend=backend,
                                           compile=selection.step.compile, margin=selection.margin))
 
 

@@ -162,7 +162,7 @@ class GpuSpec:
 
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
-                 "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")
+                 "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; NVLink 900 GB/s")
 
 GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
@@ -170,10 +170,12 @@ GPUS: tuple[GpuSpec, ...] = (
         "A100 80GB SXM column; BF16 312 TFLOPS dense; no FP8; NVLink 600 GB/s"), interconnect_gbps=600.0),
     GpuSpec("l4", "L4", (8, 9), r"\bL4\b", 121.0, 242.5, 0.300, 24.0, Source(
         "NVIDIA L4 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/l4/",
-        "BF16 242 and FP8 485 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"), interconnect_gbps=64.0),
+        "BF16 242 and FP8 485 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"),
+            interconnect_gbps=64.0),
     GpuSpec("l40s", "L40S", (8, 9), r"\bL40S\b", 362.05, 733.0, 0.864, 48.0, Source(
         "NVIDIA L40S GPU datasheet", "https://www.nvidia.com/en-us/data-center/l40s/",
-        "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"), interconnect_gbps=64.0),
+        "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"),
+            interconnect_gbps=64.0),
     GpuSpec("rtx4090", "RTX 4090", (8, 9), r"RTX 4090", 165.2, 330.3, 1.008, 24.0, Source(
         "NVIDIA Ada GPU Architecture whitepaper, Appendix A (GeForce RTX 4090)",
         "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
