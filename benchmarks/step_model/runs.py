@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,20 @@ def config_of(name: str) -> Any:
     return LlamaConfig(**MODELS[name])
 
 
+@functools.cache
+def _meta_model(name: str) -> Any:
+    """The model on the meta device, built once per name (predict_step takes it as it takes the config)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config_of(name))
+
+
 def predict(row: dict[str, Any], constants: StepConstants = STEP_CONSTANTS) -> Any:
     """The step model's prediction for a published row (its recipe, or tensorwise for a bf16 row: the bf16 side
     does not depend on the recipe)."""
-    return predict_step(config_of(row["model"]), target=row["gpu"], world_size=row["world_size"],
+    return predict_step(_meta_model(row["model"]), target=row["gpu"], world_size=row["world_size"],
                         micro_batch_size=row["micro_batch_size"], seq_len=row["seq_len"],
                         recipe=row["recipe"] or "tensorwise", compile=row["compile"],
                         activation_checkpointing=row["activation_checkpointing"], constants=constants)
