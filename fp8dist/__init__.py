@@ -17,6 +17,7 @@ from .train.metrics import MetricsWriter, TrainingFigures
 from .plan.numerics import NumericsReport, measure_fp8_numerics
 from .accounting.sharding import sharding_summary
 from .plan.speed import predict_fp8_speedup
+from .plan.speed.step_time import predict_step
 from .strategies import Strategy, register_strategy, unwrap_model
 from .fp8 import FP8Backend, register_backend
 from .memory_levels import MemoryLevel, register_level
@@ -64,4 +65,5 @@ __all__ = [
     "register_backend",
     "register_level",
     "__version__",
+    "predict_step",
 ]

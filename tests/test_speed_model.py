@@ -18,7 +18,7 @@ from fp8dist.plan.gpus import GPUS, gpu_by_device_name, gpu_by_key
 from fp8dist.plan.hardware import TARGETS, Hardware, find_gpu, parse_target
 from fp8dist.train.models import LLAMA_SIZES
 from fp8dist.fp8 import BACKENDS, get_backend
-from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_step,
+from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_gemms,
                                 recipes_for)
 from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, FIT_ROWS, HELD_OUT_ROWS, agreement,
                                             forward_rig_speedup, grouped_speedup, read_forward_table,
@@ -93,7 +93,7 @@ def _1b_gemms(tokens: int) -> list[tuple[str, int, int, int]]:
 def test_the_1b_preset_under_rowwise_on_h100_stays_bf16_where_the_table_says_slower():
     """At 4 x 2048 tokens the table measures q_proj 0.64x and k/v below its smallest N (<= 0.59x at this M):
     each is kept in bf16 with its figure; the step's GEMM time is then the bf16 one."""
-    step = predict_step(_1b_gemms(4 * 2048), target="h100", recipe="rowwise")
+    step = predict_gemms(_1b_gemms(4 * 2048), target="h100", recipe="rowwise")
     by_name = {c.name: c for c in step.layers}
     assert by_name["k_proj"].prediction.n == 512
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -107,7 +107,7 @@ def test_a_step_chooses_per_layer_and_sums():
     """Each layer takes the faster way at margin 1, so the step is no slower than all-bf16 or all-FP8; the FLOP
     share counts the converted layers' GEMMs."""
     gemms = _1b_gemms(4 * 2048) + [("lm_head", 4 * 2048, 2048, 32768)]
-    step = predict_step(gemms, target="h100", recipe="tensorwise")
+    step = predict_gemms(gemms, target="h100", recipe="tensorwise")
     assert step.chosen_s == pytest.approx(sum(min(c.prediction.bf16_s, c.prediction.fp8_s) for c in step.layers))
     assert step.chosen_s <= min(step.bf16_s, step.all_fp8_s)
     flops = {c.name: 6 * c.prediction.m * c.prediction.k * c.prediction.n for c in step.layers}
@@ -213,9 +213,9 @@ def test_no_record_for_a_cpu_a_bare_capability_or_an_unknown_gpu():
     (lambda: predict_fp8_speedup(8192, 2048, True, target="h100"), "n=True: the GEMM dimensions"),
     (lambda: predict_fp8_speedup(8192, 2048, 2048, target="h100", groups=8),
      r"groups=8 with recipe 'tensorwise': only the grouped-GEMM recipes \(moe_\*\) take groups"),
-    (lambda: predict_step([("wq", 8192, 2048, 2048)], target="h100", recipe="rowwise", margin=0),
+    (lambda: predict_gemms([("wq", 8192, 2048, 2048)], target="h100", recipe="rowwise", margin=0),
      r"margin=0: the speedup a layer must reach is a positive number"),
-    (lambda: predict_step([("wq", -1, 2048, 2048)], target="h100", recipe="rowwise"), "layer 'wq': m=-1: "),
+    (lambda: predict_gemms([("wq", -1, 2048, 2048)], target="h100", recipe="rowwise"), "layer 'wq': m=-1: "),
     (lambda: recipes_for("msamp", "h100"), r"backend 'msamp' has no speed model: compare recipes of 'te' or "
                                            r"'torchao'"),
 ])

@@ -31,8 +31,11 @@ def add_parser(sub: Any) -> None:
                    help="ranks to shard over: how evenly FP8 weights and MoE experts shard, and with --strategy "
                         "fsdp a note when FSDP2's dim-0 padding is large (default: 1)")
     p.add_argument("--compare-recipes", action="store_true",
-                   help="also print, for this model and batch on the GPU planned for, the predicted GEMM time per "
-                        "micro-batch under bf16 and each FP8 recipe of the backend (a prediction)")
+                   help="also print, for this model, batch and --world-size on the GPU planned for, each FP8 recipe "
+                        "of the backend's predicted step speedup and tokens/s per GPU (the header names the fastest) "
+                        "and its GEMM time per micro-batch (predictions)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan (and with --compare-recipes the predicted steps) as JSON")
     p.add_argument("--numerics", metavar="FILE",
                    help="a numerics report of this model (fp8dist probe --json FILE): layers past its thresholds "
                         "stay out of FP8")
@@ -65,16 +68,95 @@ def run(args: argparse.Namespace) -> int:
         blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
     # a bad --world-size is an error here
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
+    gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
+    steps = predicted_steps(model, config, plan.selection, args.world_size) if args.compare_recipes else ()
+    if args.json:
+        print(json.dumps(_plan_json(plan, steps), indent=1))
+        return 0
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
+    if steps:
+        print(fastest_line(steps))
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
     for note in notes:
         print(f"note: {note}")
-    if args.compare_recipes:
-        print(compare_text(plan))
+    if steps:
+        print(step_text(steps))
+        print(gemms)
     return 0
+
+
+def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
+    """Per recipe of the backend that the plan's GPU runs, the whole step at the run's world size, batch and
+    sequence with every Linear but the head in FP8 (as published runs convert) and with FP8 only where the plan's
+    margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
+    print. ``selection``: the plan's (``plan.selection``, ``MemoryEstimate.speed``), with a predicted step."""
+    from ..config.options import DEFAULT_SEQ_LEN
+    from ..plan.speed import compare_recipes
+    from ..plan.speed.step_time import predict_step
+
+    p, backend = config.parallel, config.precision.fp8
+    gemms = [(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in selection.step.layers
+             if c.prediction.groups == 1]
+    options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
+                   micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
+                   compile=selection.step.compile, strategy=p.strategy,
+                   activation_checkpointing=p.activation_checkpointing)
+    return tuple((predict_step(model, recipe=g.recipe, **options),
+                  predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
+                 for g in compare_recipes(gemms, target=selection.step.gpu, backend=backend,
+                                          compile=selection.step.compile, margin=selection.margin))
+
+
+def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
+    """The fastest predicted step over every recipe and both conversions, with which conversion; None: bf16."""
+    from ..plan.speed.step_time import fastest
+
+    best = fastest(tuple(step for pair in steps for step in pair))
+    if best is None:
+        return None
+    return best, ("every Linear but the head in FP8" if any(best is pair[0] for pair in steps) else
+                  "FP8 where it pays, as planned")
+
+
+def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
+    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+    first, best = steps[0][0], _best(steps)
+    run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
+    if best is None:
+        return f"predicted fastest for this run: bf16 (no FP8 recipe predicted faster; {run}; a prediction)"
+    step, how = best
+    return (f"predicted fastest for this run: {step.recipe} ({how}), step {step.speedup:.2f}x, "
+            f"{step.tokens_per_s:,.0f} tokens/s per GPU against {step.bf16_tokens_per_s:,.0f} in bf16 ({run}; a "
+            "prediction)")
+
+
+def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
+    """Each recipe's predicted step, both conversions, as a table."""
+    from ..accounting.rows import text_table
+
+    first = steps[0][0]
+    rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", "-", "-", f"{first.bf16_mfu:.1%}",
+             f"{first.bf16.exposed_s * 1e3:,.2f}", "-"]]
+    rows += [[every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
+              f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
+              "yes" if every.calibrated else "no"] for every, paid in steps]
+    head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.activation_checkpointing} "
+            f"checkpointing, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
+            "recompute, optimizer and exposed collectives; a prediction, benchmarks/step_model/README.md): every "
+            "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
+    return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
+                                      "MFU", "exposed comm (ms)", "calibrated"], rows)
+
+
+def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
+    best = _best(steps) if steps else None
+    return {"layers": [{"name": e.name, "precision": e.precision, "reason": e.reason} for e in plan],
+            "selection": plan.selection.to_dict() if plan.selection is not None else None,
+            "steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
+            "fastest": {"recipe": best[0].recipe, "conversion": best[1]} if best else None}
 
 
 def _read_report(path: str) -> dict[str, Any]:

@@ -134,6 +134,10 @@ class GpuSpec:
     """The speed model's constants; the H100's unless this GPU has its own measurements."""
     fp4_tflops: float | None = None
     """Dense FP4 (NVFP4) tensor-core peak, TFLOP/s; None where the GPU has none (or its datasheet gives none)."""
+    interconnect_gbps: float | None = None
+    """GPU-to-GPU bandwidth inside a node, GB/s, both directions together as datasheets print it (NVLink, or PCIe
+    where the GPU has none); the step model's all-gathers and reduce-scatters use half of it per direction. None:
+    not in the datasheet (the step model then refuses to predict sharded runs on it)."""
 
     @property
     def calibrated(self) -> bool:
@@ -158,44 +162,65 @@ class GpuSpec:
 
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
-                 "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")
+                 "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; NVLink 900 GB/s")
 
 GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
         "NVIDIA A100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/a100/",
-        "A100 80GB SXM column; BF16 312 TFLOPS dense; no FP8")),
+        "A100 80GB SXM column; BF16 312 TFLOPS dense; no FP8; NVLink 600 GB/s"), interconnect_gbps=600.0),
     GpuSpec("l4", "L4", (8, 9), r"\bL4\b", 121.0, 242.5, 0.300, 24.0, Source(
         "NVIDIA L4 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/l4/",
-        "BF16 242 and FP8 485 TFLOPS are with sparsity, halved")),
+        "BF16 242 and FP8 485 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"),
+            interconnect_gbps=64.0),
     GpuSpec("l40s", "L40S", (8, 9), r"\bL40S\b", 362.05, 733.0, 0.864, 48.0, Source(
         "NVIDIA L40S GPU datasheet", "https://www.nvidia.com/en-us/data-center/l40s/",
-        "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved")),
+        "BF16 733 and FP8 1,466 TFLOPS are with sparsity, halved; no NVLink: PCIe Gen4 x16 64 GB/s"),
+            interconnect_gbps=64.0),
     GpuSpec("rtx4090", "RTX 4090", (8, 9), r"RTX 4090", 165.2, 330.3, 1.008, 24.0, Source(
         "NVIDIA Ada GPU Architecture whitepaper, Appendix A (GeForce RTX 4090)",
         "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
         "dense peaks with FP32 accumulate (training accumulates in FP32; GeForce runs it at half the FP16-"
-        "accumulate rate)")),
-    GpuSpec("h100", "H100", (9, 0), r"H100(?!.*(PCIe|NVL))", 989.4, 1978.9, 3.35, 80.0, _HOPPER),
+        "accumulate rate); no NVLink: PCIe Gen4 x16, 64 GB/s"), interconnect_gbps=64.0),
+    GpuSpec("h100", "H100", (9, 0), r"H100(?!.*(PCIe|NVL))", 989.4, 1978.9, 3.35, 80.0, _HOPPER,
+            interconnect_gbps=900.0),
     GpuSpec("h100-pcie", "H100 PCIe", (9, 0), r"H100.*PCIe", 756.5, 1513.0, 2.0, 80.0, Source(
         _HOPPER.document, _HOPPER.url, "H100 PCIe column; BF16 1,513 and FP8 3,026 TFLOPS are with sparsity, "
-        "halved")),
+        "halved; NVLink 600 GB/s (2- or 4-way bridge)"), interconnect_gbps=600.0),
+    GpuSpec("h100-hbm2e", "H100 96GB HBM2e", (9, 0), r"(?!)", 989.4, 1978.9, 2.4, 96.0, Source(
+        "torchtitan benchmarks: Llama 3.1 on Grand Teton (H100 96GB HBM2e, 2.4 TB/s, 500 W power limit)",
+        "https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/benchmarks/"
+        "llama3_h100_202412_torchtitan.md",
+        "Meta's H100 variant that torchao's and torchtitan's H100 tables were measured on (torchao's "
+        "roofline_utils.py: '2.4 TB per second, custom to Meta's H100 variant'); its 500 W limit (the SXM's TDP is "
+        "700 W) lowers the clocks under load, which no peak here shows; peaks and NVLink 900 GB/s are the H100 SXM "
+        "datasheet's; named by --target only (CUDA calls it an H100 too)"), interconnect_gbps=900.0),
     GpuSpec("h200", "H200", (9, 0), r"(?<!G)H200", 989.4, 1978.9, 4.8, 141.0, Source(
         "NVIDIA H200 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h200/",
-        "H200 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved")),
+        "H200 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; NVLink 900 GB/s"),
+            interconnect_gbps=900.0),
     GpuSpec("gh200", "GH200", (9, 0), r"GH200", 989.4, 1978.9, 4.0, 96.0, Source(
         "NVIDIA GH200 Grace Hopper Superchip datasheet",
         "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/",
         "the Hopper GPU's BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; 4 TB/s is the 96 GB HBM3 "
-        "version (the 144 GB HBM3e one has 4.9 TB/s)")),
+        "version (the 144 GB HBM3e one has 4.9 TB/s); NVLink 900 GB/s"), interconnect_gbps=900.0),
     GpuSpec("b200", "B200", (10, 0), r"(?<!G)B200", 2250.0, 4500.0, 8.0, 180.0, Source(
         "NVIDIA HGX platform (HGX B200) specifications", "https://www.nvidia.com/en-us/data-center/hgx/",
         "8-GPU board: FP4 144, FP8 72 and BF16 36 PFLOPS with sparsity, divided by 8 and halved; 64 TB/s and "
         "1,440 GB divided by 8 (torchao's roofline_utils.py gives the same dense 9.0 / 4.5 / 2.25 PFLOPS from the "
-        "Blackwell architecture brief, p. 19)"), calibration=B200_CALIBRATION, fp4_tflops=9000.0),
+        "Blackwell architecture brief, p. 19); NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
+            fp4_tflops=9000.0, interconnect_gbps=1800.0),
     GpuSpec("gb200", "GB200", (10, 0), r"GB200", 2500.0, 5000.0, 8.0, 186.0, Source(
         "NVIDIA GB200 NVL72 specifications", "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
         "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
-        "twice; 372 GB HBM3e, halved"), calibration=B200_CALIBRATION, fp4_tflops=10000.0),
+        "twice; 372 GB HBM3e, halved; NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
+            fp4_tflops=10000.0, interconnect_gbps=1800.0),
+    GpuSpec("mi300x", "MI300X", (9, 4), r"MI300X", 1307.4, 2614.9, 5.3, 192.0, Source(
+        "AMD Instinct MI300X accelerator data sheet",
+        "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"
+        "amd-instinct-mi300x-data-sheet.pdf",
+        "dense BF16 1,307.4 and FP8 2,614.9 TFLOPS (the sheet prints sparse figures apart), 5.3 TB/s, 192 GB HBM3; "
+        "Infinity Fabric 7 links x 128 GB/s = 896 GB/s to the other 7 GPUs; capability (9, 4) is what ROCm's torch "
+        "reports for gfx942"), interconnect_gbps=896.0),
 )
 """Every GPU, in the order ``--target`` lists them."""
 

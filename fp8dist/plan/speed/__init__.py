@@ -10,7 +10,7 @@ GEMMs and casts, its B200 forward table) and scaled to other GPUs by their datas
 
 from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolve_gpu
 from .recipes import RECIPES, Recipe
-from .step import DEFAULT_MARGIN, Gemm, LayerChoice, StepPrediction, compare_recipes, predict_step, recipes_for
+from .step import DEFAULT_MARGIN, Gemm, LayerChoice, StepPrediction, compare_recipes, predict_gemms, recipes_for
 
-__all__ = ["predict_fp8_speedup", "predict_linear", "LinearPrediction", "predict_step", "compare_recipes",
+__all__ = ["predict_fp8_speedup", "predict_linear", "LinearPrediction", "predict_gemms", "compare_recipes",
            "recipes_for", "StepPrediction", "LayerChoice", "Gemm", "DEFAULT_MARGIN", "RECIPES", "Recipe", "resolve_gpu"]

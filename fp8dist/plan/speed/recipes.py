@@ -69,6 +69,9 @@ class Recipe:
     (:class:`~fp8dist.plan.gpus.Calibration`)."""
     operand_bytes: float = 1.0
     """Bytes of one element of a low-precision GEMM operand: 1 for FP8, 0.5 for FP4."""
+    fp8_all_gather: bool = False
+    """True where the backend all-gathers the converted weights in FP8 under per-parameter DTensor shards (torchao
+    tensorwise on FSDP2): the step model's all-gather moves 1 byte per such weight instead of 2."""
 
     def casts(self, compile: bool) -> Casts:
         return self.compiled if compile else self.eager
@@ -89,7 +92,7 @@ def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = 
 _TENSORWISE = Recipe(
     "tensorwise", "torchao, one scale per tensor (dynamic)", (True, True, True),
     compiled=(_k(0, 0, 4, fused_first=True), _k(2, 0, 3, 3), _k(0, 0, 4, fused_first=True)),
-    eager=(_k(2, 0, 3, 2), _k(2, 0, 3, 3), _k(2, 0, 3, 2)))
+    eager=(_k(2, 0, 3, 2), _k(2, 0, 3, 3), _k(2, 0, 3, 2)), fp8_all_gather=True)
 
 # torchao rowwise: scales along the contraction dim, so each operand is cast twice: once with per-row scales (under
 # compile the input's and grad_output's fuse with their producer: only the FP8 write is added), once with

@@ -13,7 +13,7 @@ from ..hardware import Hardware
 from .model import LinearPrediction, predict_linear, resolve_gpu
 from .recipes import RECIPES
 
-__all__ = ["DEFAULT_MARGIN", "Gemm", "LayerChoice", "StepPrediction", "predict_step", "compare_recipes",
+__all__ = ["DEFAULT_MARGIN", "Gemm", "LayerChoice", "StepPrediction", "predict_gemms", "compare_recipes",
            "recipes_for"]
 
 DEFAULT_MARGIN = 1.0
@@ -92,7 +92,7 @@ class StepPrediction:
         return all(c.prediction.calibrated for c in self.layers)
 
 
-def predict_step(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuSpec, recipe: str,
+def predict_gemms(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuSpec, recipe: str,
                  compile: bool = True, margin: float = DEFAULT_MARGIN) -> StepPrediction:
     """Predict every layer of a step and choose FP8 where its speedup is at least ``margin``. Call it with the
     eligible layers only (filters, first/last and shapes are the plan's).
@@ -140,7 +140,7 @@ def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | G
     """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
     all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer
     converted. ``recipes``: those to compare; None: every Linear recipe of ``backend`` the target runs. The others:
-    as :func:`predict_step`.
+    as :func:`predict_gemms`.
     """
     names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
-    return tuple(predict_step(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)
+    return tuple(predict_gemms(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)

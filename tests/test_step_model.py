@@ -1,0 +1,136 @@
+"""The step model (fp8dist.predict_step) against the published end-to-end runs it was fitted on and those it was
+not (benchmarks/step_model/runs.csv, each with its source): every figure is a prediction; the tolerances are the
+issue's goals (FP8 step speedup within 5 percentage points, bf16 tokens/s within 15%), and the rows that miss
+them are listed here by name, so a change that fixes or breaks one shows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import fp8dist
+from fp8dist.plan.speed.step_time import STEP_CONSTANTS, compare_step_recipes, fastest, predict_step
+
+_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model"
+_spec = importlib.util.spec_from_file_location("step_model_runs", _DIR / "runs.py")
+runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runs)
+
+# (table, recipe) of the rows whose prediction misses the goal, and why (benchmarks/step_model/README.md):
+# rowwise: the per-GEMM model, fitted on torchao's LayerNorm -> Linear -> Sigmoid table, prices rowwise's
+# column-wise casts far above what they cost in a compiled Llama block; B200 (power-limited, limit unpublished) and
+# MI300X (ROCm kernels) run far below the H100-fitted fractions of their datasheet peaks.
+SPEEDUP_MISSES = {("torchao_h100", "rowwise"), ("torchao_b200", "tensorwise"), ("torchao_mi300x", "tensorwise"),
+                  ("torchao_mi300x", "rowwise_with_gw_hp")}  # -4.5 vs +10.0; 32.6 vs 25.4; 35.5 vs 14.7; 22.4 vs 13.5
+TOKENS_MISSES = {"torchao_b200", "torchao_mi300x"}
+
+
+@pytest.fixture(scope="module")
+def compared():
+    return runs.compare(runs.read_runs())
+
+
+def test_the_fit_reproduces_its_two_rows_and_the_shipped_constants_are_the_fits():
+    fit = json.loads((_DIR / "fit.json").read_text())
+    assert (fit["gemm_efficiency"], fit["memory_traffic"]) == (STEP_CONSTANTS.gemm_efficiency,
+                                                               STEP_CONSTANTS.memory_traffic)
+    for row in runs.compare([r for r in runs.read_runs() if r["role"] == "fit"]):
+        assert abs(row["error_pct"]) <= 0.1  # measured: +0.0% and +0.0% (the constants rounded)
+
+
+def test_held_out_fp8_speedups_within_5_points_except_the_named_misses(compared):
+    held = [r for r in compared if r["role"] == "held_out" and "speedup_miss_pp" in r]
+    within = {(r["table"], r["recipe"]) for r in held if abs(r["speedup_miss_pp"]) <= 5}
+    assert {(r["table"], r["recipe"]) for r in held} - within == SPEEDUP_MISSES
+    # torchtitan's H100 Float8 rows, held out: predicted +27.1% / +27.3% against +28.0% / +28.6%
+    assert ("torchtitan_8", "tensorwise") in within and ("torchtitan_128", "tensorwise") in within
+
+
+def test_held_out_bf16_tokens_within_15_percent_except_the_named_gpus(compared):
+    bf16 = [r for r in compared if r["recipe"] == "bf16" and r["role"] == "held_out"]
+    missed = {r["table"] for r in bf16 if abs(r["error_pct"]) > 15}
+    assert missed == TOKENS_MISSES  # torchtitan eager/compiled, 8 and 128 GPUs: -2.6% to -7.1%
+
+
+def test_a_step_record_has_the_parts_the_issue_asks_for():
+    from transformers import LlamaConfig
+
+    step = fp8dist.predict_step(LlamaConfig(**runs.LLAMA3_8B), target="h100-hbm2e", world_size=8,
+                                micro_batch_size=1, seq_len=8192, activation_checkpointing="selective")
+    assert step.calibrated and step.fp8_layers == 224  # 32 blocks x 7 Linears; the output head stays bf16
+    for side in (step.bf16, step.fp8):
+        assert min(side.gemm_s, side.attention_s, side.memory_s, side.recompute_s, side.optimizer_s) > 0
+        assert 0 < side.exposed_s < side.collective_s  # FSDP's gathers hide behind the compute but one block's
+    assert step.fp8.collective_s < step.bf16.collective_s  # tensorwise all-gathers the FP8 weights in FP8
+    assert step.speedup == pytest.approx(7689.5 / 6150, abs=0.01)
+    assert 0.33 < step.bf16_mfu < 0.39  # 36.2%; torchtitan reports 33-39% bf16 MFU for this model on 8 H100
+    record = step.to_dict()
+    assert record["prediction"] and {"speedup", "tokens_per_s", "bf16_tokens_per_s", "mfu", "bf16", "fp8"} <= set(
+        record)
+
+
+def test_more_ranks_over_the_network_expose_more_communication():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**runs.LLAMA3_8B)
+    one_node, many = (predict_step(config, target="h100", world_size=w, micro_batch_size=1, seq_len=8192)
+                      for w in (8, 128))
+    assert many.bf16.collective_s > one_node.bf16.collective_s
+    assert many.bf16_tokens_per_s <= one_node.bf16_tokens_per_s
+    single = predict_step(config, target="h100", world_size=1, micro_batch_size=1, seq_len=8192)
+    assert single.bf16.collective_s == 0
+
+
+def test_compare_names_the_fastest_recipe_and_bad_input_is_refused():
+    from transformers import LlamaConfig
+
+    steps = compare_step_recipes(LlamaConfig(**runs.LLAMA3_8B), target="h100-hbm2e", world_size=8,
+                                 micro_batch_size=1, seq_len=8192)
+    assert [s.recipe for s in steps] == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+    assert fastest(steps).recipe == "tensorwise"
+    with pytest.raises(ValueError, match=r"recipe='fp9': backend 'torchao' runs tensorwise, rowwise"):
+        predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8, recipe="fp9")
+    with pytest.raises(ValueError, match=r"world_size=0: a positive integer"):
+        predict_step(LlamaConfig(), target="h100", world_size=0, micro_batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match=r"fp8_layers names \['nope'\], not Linear layers of this model"):
+        predict_step(LlamaConfig(), target="h100", world_size=1, micro_batch_size=1, seq_len=8, fp8_layers=["nope"])
+    with pytest.raises(ValueError, match=r"predict_step takes a model or a Hugging Face config"):
+        predict_step("llama", target="h100", world_size=1, micro_batch_size=1, seq_len=8)
+
+
+def test_plan_compare_recipes_names_the_fastest_recipe_and_prints_each_step(tmp_path, capsys):
+    from fp8dist.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**runs.LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    argv = ["plan", "--model-config", str(path), "--target", "h100-hbm2e", "--world-size", "8", "--seq-len", "8192",
+            "--activation-checkpointing", "selective", "--compare-recipes"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == (
+        "predicted fastest for this run: tensorwise (every Linear but the head in FP8), step 1.25x, 7,691 tokens/s "
+        "per GPU against 6,151 in bf16 (8x H100 96GB HBM2e, 1 x 8,192 tokens per rank; a prediction)")
+    table = out[out.index("predicted training step on 8x H100 96GB HBM2e"):].splitlines()[3:7]
+    # every Linear but the head in FP8, then FP8 where the plan's margin says it pays (rowwise: nowhere)
+    assert [line.split()[:6] for line in table] == [
+        ["bf16", "6,151", "1.00x", "-", "-", "36.0%"], ["tensorwise", "7,691", "1.25x", "7,687", "1.25x", "45.0%"],
+        ["rowwise", "5,876", "0.96x", "6,151", "1.00x", "34.4%"],
+        ["rowwise_with_gw_hp", "7,200", "1.17x", "7,197", "1.17x", "42.1%"]]
+    assert main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["fastest"] == {"recipe": "tensorwise", "conversion": "every Linear but the head in FP8"}
+    assert [s["every_linear"]["recipe"] for s in record["steps"]] == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+    assert record["steps"][1]["as_planned"]["fp8_layers"] == 0 and record["steps"][0]["every_linear"]["prediction"]
+
+
+def test_every_gpu_record_has_its_interconnect_from_its_datasheet():
+    from fp8dist.plan.gpus import GPUS
+
+    for spec in GPUS:
+        assert spec.interconnect_gbps and any(word in spec.source.note for word in ("NVLink", "PCIe",
+                                                                                    "Infinity Fabric")), spec.key
+    tw = {spec.key: spec for spec in GPUS}
+    assert (tw["h100-hbm2e"].memory_tbps, tw["h100-hbm2e"].memory_gib) == (2.4, 96.0)  # torchtitan's Grand Teton
