@@ -16,7 +16,6 @@ from dist_harness import run_ranks
 from helpers import train_losses
 from torch import nn
 
-pytest.importorskip("peft")
 pytest.importorskip("torchao.float8")
 
 from torchao.float8 import Float8LinearConfig  # noqa: E402
@@ -37,6 +36,7 @@ TRAINABLE = "layers.1.mlp.down_proj"  # one FP8 base weight left trainable by ha
 
 def _lora_llama() -> nn.Module:
     """Tiny Llama under PEFT LoRA (r=8 on q/v/up: the adapters stay bf16), one base FP8 Linear unfrozen by hand."""
+    pytest.importorskip("peft")  # a test extra (issue 43); the tests without PEFT run anyway
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(build_llama("tiny", seed=0), LoraConfig(r=8, target_modules=["q_proj", "v_proj",
@@ -178,9 +178,16 @@ def _fsdp_case(rank: int, world: int, recipe: str) -> dict:
 
         with _patched(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", counted):
             losses = train_losses(wrapped, rank, world, steps=STEPS, after_step=after_step)
+            with torch.no_grad():  # frozen weights changed in place, as a load does: cast again, once
+                for module in wrapped.modules():
+                    if isinstance(module, Float8Linear) and not module.weight.requires_grad:
+                        module.weight.mul_(0.5)
+            with ctx():  # what the backend's after_load runs after a checkpoint load: the scales refreshed
+                ao_backend._precompute(wrapped, None)
+            losses += train_losses(wrapped, rank, world, steps=1, after_step=after_step)
         adapters = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters() if "lora_" in n}
-        out[name] = dict(losses=losses, casts=tally[:STEPS], kept=kept, adapters=adapters, frozen=len(shards),
-                         grads=[n for n, p in wrapped.named_parameters() if not p.requires_grad and p.grad is not None])
+        out[name] = dict(losses=losses, casts=tally[:STEPS + 1], kept=kept[:STEPS], adapters=adapters,
+                         frozen=len(shards), grads=[n for n, p in wrapped.named_parameters() if not p.requires_grad and p.grad is not None])
     return out
 
 
@@ -197,11 +204,63 @@ def test_fsdp2_frozen_base_fp8_shard_is_cast_once(recipe):
         assert ours["grads"] == [] and ref["frozen"] == 0
         if recipe == "tensorwise":
             assert ours["frozen"] == 12
-            assert [c[False] for c in ours["casts"]] == [12, 0, 0]
-            assert [c[False] for c in ref["casts"]] == [24] * STEPS
-            assert [c[True] for c in ours["casts"]] == [c[True] for c in ref["casts"]] == [2] * STEPS
+            assert [c[False] for c in ours["casts"]] == [12, 0, 0, 12]  # the last step: after the change
+            assert [c[False] for c in ref["casts"]] == [24] * (STEPS + 1)
+            assert [c[True] for c in ours["casts"]] == [c[True] for c in ref["casts"]] == [2] * (STEPS + 1)
             assert all(c[None] == 0 for c in ours["casts"] + ref["casts"])
             assert len(ours["kept"]) == STEPS and all(k == ours["kept"][0] for k in ours["kept"])
             assert len(ours["kept"][0]) == 12
         else:  # no FP8 all-gather: the weights gather in bf16 and are cast in the forward (not cached)
             assert ours["frozen"] == 12 and all(c == {True: 0, False: 0, None: 0} for c in ours["casts"])
+
+
+def _ddp_case(rank: int, world: int) -> dict:
+    model = _lora_llama()
+    out = {}
+    for name, ctx in (("ours", contextlib.nullcontext), ("ref", _uncached)):
+        with ctx():
+            wrapped = wrap_model(copy.deepcopy(model), strategy="ddp", fp8="torchao")
+        casts = _WeightCasts(wrapped)
+        with _patched(ao_linear, "hp_tensor_to_float8_dynamic", casts.wrap(ao_linear.hp_tensor_to_float8_dynamic)), \
+                _patched(frozen, "hp_tensor_to_float8_dynamic", casts.wrap(frozen.hp_tensor_to_float8_dynamic)):
+            losses = train_losses(wrapped, rank, world, steps=STEPS, after_step=casts.step)
+        names = [n for n, m in wrapped.named_modules() if isinstance(m, FrozenFloat8Linear)]
+        out[name] = dict(losses=losses, frozen=len(names),
+                         casts=[sum(v for n, v in s.items() if n in names) for s in casts.steps[:STEPS]],
+                         adapters={n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_" in n})
+    return out
+
+
+def test_ddp_frozen_base_fp8_weight_is_cast_once():
+    """DDP on 2 ranks (each holds every weight): each frozen base's FP8 weight is cast once, at the first step;
+    losses and adapters == torchao without the frozen path."""
+    for rank, r in enumerate(run_ranks(_ddp_case)):
+        ours, ref = r["ours"], r["ref"]
+        assert ours["losses"] == ref["losses"], rank
+        assert all(torch.equal(ours["adapters"][k], ref["adapters"][k]) for k in ref["adapters"])
+        assert (ours["frozen"], ref["frozen"]) == (12, 0)
+        assert ours["casts"] == [12, 0, 0]
+
+
+@pytest.mark.parametrize("options, cached, gemm, words", [
+    (dict(strategy="fsdp"), 1, False, "FP8 shard cast once"),
+    (dict(strategy="ddp"), 1, False, "FP8 weight cast once"),
+    (dict(strategy="none"), 1, False, "FP8 weight cast once"),
+    (dict(strategy="fsdp", torchao_recipe="rowwise"), 0, False, "two layouts"),
+    (dict(strategy="fsdp", fp8_all_gather=False), 0, False, "unsharded FP8 copy on every rank"),
+    (dict(strategy="fsdp1"), 0, False, "gathered whole in high precision"),
+    (dict(strategy="deepspeed"), 0, False, "the engine manages the parameters"),
+    (dict(strategy="ddp", torchao_api="weight_wrapper"), 0, True, "weight wrapper casts a frozen weight every step"),
+])
+def test_frozen_weights_say_what_a_frozen_base_costs(options, cached, gemm, words):
+    """What the estimate and the report read: bytes per element of the kept FP8 copy (and its fp32 scale), whether
+    the weight-gradient GEMM still runs, and why a frozen weight is recast where it is."""
+    from fp8dist.config.resolve import resolve_config
+    from fp8dist.config.rules import facts_of
+    from fp8dist.fp8 import NO_FP8, get_backend
+
+    cfg = resolve_config(fp8="torchao", **options)
+    got = get_backend("torchao").frozen_weights(cfg, facts_of(cfg, 2))
+    assert (got.cached_bytes, got.scale_bytes, got.grad_weight_gemm) == (cached, 4 * cached, gemm)
+    assert words in got.how
+    assert NO_FP8.frozen_weights(cfg, facts_of(cfg, 2)).cached_bytes == 0  # the default: as a trainable weight

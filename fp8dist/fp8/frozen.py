@@ -116,29 +116,32 @@ def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bo
 
 def cache_frozen_shards(model: nn.Module) -> int:
     """Under FSDP2 with FP8 all-gather, make each frozen weight's shard cast to FP8 once: its
-    ``fsdp_pre_all_gather`` returns what torchao's computed the last time, until the shard changes. Idempotent:
-    call after sharding and again after a load (FSDP may replace a local tensor). Returns the shards cached."""
+    ``fsdp_pre_all_gather`` returns what torchao's computed the last time, until the sharded parameter changes.
+    Idempotent: call after sharding and again after a load (FSDP may replace a local tensor). Returns the shards
+    cached."""
     count = 0
     for module in model.modules():
         if isinstance(module, FrozenFloat8Linear) and not module.weight.requires_grad:
-            shard = getattr(module.weight, "_local_tensor", None)
+            shard = getattr(module.weight, "_local_tensor", None)  # the weight is sharded here: a DTensor
             if isinstance(shard, WeightWithDynamicFloat8CastTensor):
                 if "fsdp_pre_all_gather" not in shard.__dict__:
-                    shard.fsdp_pre_all_gather = _cached_pre_all_gather(shard)
+                    shard.fsdp_pre_all_gather = _cached_pre_all_gather(shard, module.weight)
                 count += 1
     return count
 
 
-def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor):
-    """torchao's ``fsdp_pre_all_gather`` of ``shard``, its result kept while the shard's data keeps its version."""
-    ref = weakref.ref(shard)  # the shard holds this function: no reference cycle
+def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor, param: torch.Tensor):
+    """torchao's ``fsdp_pre_all_gather`` of ``shard``, its result kept while the sharded parameter ``param`` keeps
+    its version: an in-place change (a load's ``copy_``) counts on the DTensor ``param``, not on its local tensor."""
+    shard_ref, param_ref = weakref.ref(shard), weakref.ref(param)  # the shard holds this function: no cycle
 
     def fsdp_pre_all_gather(mesh):
-        me = ref()
-        version = me._tensor._version
+        me, owner = shard_ref(), param_ref()
+        version = None if owner is None else owner._version
         cached = me.__dict__.get("_fp8_shard")
-        if cached is None or cached[0] != version:
-            cached = me.__dict__["_fp8_shard"] = (version, WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather(me, mesh))
+        if version is None or cached is None or cached[0] != version:
+            cast = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather(me, mesh)
+            cached = me.__dict__["_fp8_shard"] = (version, cast)
         return cached[1]
 
     return fsdp_pre_all_gather

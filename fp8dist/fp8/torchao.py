@@ -303,9 +303,10 @@ class TorchaoBackend(FP8Backend):
                                  f"and input-gradient GEMMs take the weight in two layouts){skip}")
         if fp8_all_gather(cfg, facts):
             return FrozenWeights(1, 4, False, f"FP8 shard cast once, sent by every all-gather{skip}")
-        if facts.shards_params or facts.engine_owns_params:
-            return FrozenWeights(grad_weight_gemm=False, how="recast every step (gathered whole in high precision: "
-                                 f"a kept cast would be an unsharded FP8 copy on every rank){skip}")
+        if facts.shards_params or facts.engine_owns_params:  # the engine's weight at compute time is not kept
+            why = "gathered whole in high precision" if facts.shards_params else "the engine manages the parameters"
+            return FrozenWeights(grad_weight_gemm=False, how=f"recast every step ({why}: a kept cast would be an "
+                                 f"unsharded FP8 copy on every rank){skip}")
         return FrozenWeights(1, 4, False, f"FP8 weight cast once, for the forward and input-gradient GEMMs{skip}")
 
     def fp8_state_bytes(self, cfg, plan) -> int:
