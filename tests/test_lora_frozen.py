@@ -186,8 +186,9 @@ def _fsdp_case(rank: int, world: int, recipe: str) -> dict:
                 ao_backend._precompute(wrapped, None)
             losses += train_losses(wrapped, rank, world, steps=1, after_step=after_step)
         adapters = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters() if "lora_" in n}
+        grads = [n for n, p in wrapped.named_parameters() if not p.requires_grad and p.grad is not None]
         out[name] = dict(losses=losses, casts=tally[:STEPS + 1], kept=kept[:STEPS], adapters=adapters,
-                         frozen=len(shards), grads=[n for n, p in wrapped.named_parameters() if not p.requires_grad and p.grad is not None])
+                         frozen=len(shards), grads=grads)
     return out
 
 
