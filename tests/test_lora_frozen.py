@@ -86,6 +86,13 @@ class _WeightCasts:
     def step(self) -> None:
         self.steps.append({})
 
+    @contextlib.contextmanager
+    def counting(self):
+        """torchao's cast counted where torchao's matmul and fp8dist's frozen path call it."""
+        with _patched(ao_linear, "hp_tensor_to_float8_dynamic", self.wrap(ao_linear.hp_tensor_to_float8_dynamic)), \
+                _patched(frozen, "hp_tensor_to_float8_dynamic", self.wrap(frozen.hp_tensor_to_float8_dynamic)):
+            yield
+
 
 def test_frozen_float8_linear_runs_no_weight_gradient_gemm_and_casts_once():
     """One Linear, torchao's Float8Linear against the same made frozen: equal outputs and input gradients; the
@@ -101,8 +108,7 @@ def test_frozen_float8_linear_runs_no_weight_gradient_gemm_and_casts_once():
         ours = holder[0]
         casts = _WeightCasts(holder)
         casts.owner.update({ref.weight.untyped_storage().data_ptr(): "ref"})
-        with _patched(ao_linear, "hp_tensor_to_float8_dynamic", casts.wrap(ao_linear.hp_tensor_to_float8_dynamic)), \
-                _patched(frozen, "hp_tensor_to_float8_dynamic", casts.wrap(frozen.hp_tensor_to_float8_dynamic)):
+        with casts.counting():
             for step in range(3):
                 if step == 2:  # an in-place change (a load) bumps the weight's version: cast again
                     with torch.no_grad():
@@ -134,8 +140,7 @@ def test_lora_llama_single_process_casts_frozen_base_once():
         with ctx():
             wrapped = wrap_model(copy.deepcopy(model), strategy="none", fp8="torchao")
         casts = _WeightCasts(wrapped)
-        with _patched(ao_linear, "hp_tensor_to_float8_dynamic", casts.wrap(ao_linear.hp_tensor_to_float8_dynamic)), \
-                _patched(frozen, "hp_tensor_to_float8_dynamic", casts.wrap(frozen.hp_tensor_to_float8_dynamic)):
+        with casts.counting():
             losses = train_losses(wrapped, 0, 1, steps=STEPS, after_step=casts.step)
         adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_" in n}
         runs[name] = dict(losses=losses, casts=casts.steps[:STEPS], adapters=adapters, model=wrapped)
@@ -215,32 +220,44 @@ def test_fsdp2_frozen_base_fp8_shard_is_cast_once(recipe):
             assert ours["frozen"] == 12 and all(c == {True: 0, False: 0, None: 0} for c in ours["casts"])
 
 
-def _ddp_case(rank: int, world: int) -> dict:
+def _engines_case(rank: int, world: int) -> dict:
     model = _lora_llama()
     out = {}
-    for name, ctx in (("ours", contextlib.nullcontext), ("ref", _uncached)):
-        with ctx():
-            wrapped = wrap_model(copy.deepcopy(model), strategy="ddp", fp8="torchao")
-        casts = _WeightCasts(wrapped)
-        with _patched(ao_linear, "hp_tensor_to_float8_dynamic", casts.wrap(ao_linear.hp_tensor_to_float8_dynamic)), \
-                _patched(frozen, "hp_tensor_to_float8_dynamic", casts.wrap(frozen.hp_tensor_to_float8_dynamic)):
-            losses = train_losses(wrapped, rank, world, steps=STEPS, after_step=casts.step)
-        names = [n for n, m in wrapped.named_modules() if isinstance(m, FrozenFloat8Linear)]
-        out[name] = dict(losses=losses, frozen=len(names),
-                         casts=[sum(v for n, v in s.items() if n in names) for s in casts.steps[:STEPS]],
-                         adapters={n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_" in n})
+    for strategy in ("ddp", "fsdp1"):
+        for name, ctx in (("ours", contextlib.nullcontext), ("ref", _uncached)):
+            with ctx():
+                wrapped = wrap_model(copy.deepcopy(model), strategy=strategy, fp8="torchao")
+            casts = _WeightCasts(wrapped)
+            with casts.counting(), FP8Gemms() as gemms:
+                losses = train_losses(wrapped, rank, world, steps=STEPS, after_step=casts.step)
+            names = [n for n, m in wrapped.named_modules() if isinstance(m, Float8Linear) and "lora_" not in n
+                     and not n.endswith(TRAINABLE)]
+            adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_" in n}
+            # "?": weights FSDP1 gathers into storage of its own, all counted there
+            per_step = [sum(v for n, v in s.items() if n in names or n == "?") for s in casts.steps[:STEPS]]
+            out[strategy, name] = dict(losses=losses, adapters=adapters, gemms=gemms.count, casts=per_step,
+                                       frozen=sum(isinstance(m, FrozenFloat8Linear) for m in wrapped.modules()))
     return out
 
 
-def test_ddp_frozen_base_fp8_weight_is_cast_once():
-    """DDP on 2 ranks (each holds every weight): each frozen base's FP8 weight is cast once, at the first step;
-    losses and adapters == torchao without the frozen path."""
-    for rank, r in enumerate(run_ranks(_ddp_case)):
-        ours, ref = r["ours"], r["ref"]
-        assert ours["losses"] == ref["losses"], rank
-        assert all(torch.equal(ours["adapters"][k], ref["adapters"][k]) for k in ref["adapters"])
-        assert (ours["frozen"], ref["frozen"]) == (12, 0)
-        assert ours["casts"] == [12, 0, 0]
+def test_ddp_and_fsdp1_frozen_base():
+    """DDP on 2 ranks (each holds every weight): each frozen base's FP8 weight is cast once, at the first step.
+    FSDP1: torchao's path, as ``frozen_weights`` says (its flat parameter requires a gradient as a whole, and so
+    does the view each frozen weight is: measured here). Losses and adapters == torchao without the frozen path."""
+    for rank, r in enumerate(run_ranks(_engines_case)):
+        for strategy in ("ddp", "fsdp1"):
+            ours, ref = r[strategy, "ours"], r[strategy, "ref"]
+            assert ours["losses"] == ref["losses"], (rank, strategy)
+            assert all(torch.equal(ours["adapters"][k], ref["adapters"][k]) for k in ref["adapters"])
+            assert ref["frozen"] == 0
+            if strategy == "ddp":
+                assert ours["frozen"] == 12
+                # no weight-gradient GEMM for the 10 frozen layers that run a backward (layer 0's k and v do not)
+                assert ref["gemms"] - ours["gemms"] == 10 * STEPS
+                assert (ours["casts"], ref["casts"]) == ([12, 0, 0], [22] * STEPS)
+            else:  # FSDP1's flat parameters require a gradient as a whole, their views too: torchao's path, as said
+                assert ours["frozen"] == 0 and ours["gemms"] == ref["gemms"] == 39 * STEPS  # 13 layers x 3 GEMMs
+                assert ours["casts"] == ref["casts"] == [26] * STEPS  # each in the forward and the backward
 
 
 @pytest.mark.parametrize("options, cached, gemm, words", [
@@ -249,7 +266,7 @@ def test_ddp_frozen_base_fp8_weight_is_cast_once():
     (dict(strategy="none"), 1, False, "FP8 weight cast once"),
     (dict(strategy="fsdp", torchao_recipe="rowwise"), 0, False, "two layouts"),
     (dict(strategy="fsdp", fp8_all_gather=False), 0, False, "unsharded FP8 copy on every rank"),
-    (dict(strategy="fsdp1"), 0, False, "gathered whole in high precision"),
+    (dict(strategy="fsdp1"), 0, True, "a view of a flat parameter that needs a gradient"),
     (dict(strategy="deepspeed"), 0, False, "the engine manages the parameters"),
     (dict(strategy="ddp", torchao_api="weight_wrapper"), 0, True, "weight wrapper casts a frozen weight every step"),
 ])

@@ -18,9 +18,10 @@ weight is frozen becomes):
 The cached cast is the one torchao computes each step, bit for bit: the shard's dynamic scale (max-abs, all-reduced)
 equals the precomputed one, and the cast is the same function of the same tensor. Not cached (recast each step,
 the weight-gradient GEMM still skipped): rowwise recipes (two casts of different layouts per step: forward rows,
-input-gradient columns), and a weight all-gathered unsharded in high precision (FSDP2 without FP8 all-gather,
-FSDP1, DeepSpeed), whose cached cast would be a whole unsharded FP8 copy on every rank. A weight edited through
-``.data`` bypasses the version counter: unfreeze it (``requires_grad_(True)``) or reload it to recast.
+input-gradient columns), and a weight gathered whole in high precision (FSDP2 without FP8 all-gather, DeepSpeed),
+whose cached cast would be a whole unsharded FP8 copy on every rank. Under flat parameters (FSDP1) a frozen weight
+is a view of a flat parameter that requires a gradient, so it stays torchao's (``FP8Backend.frozen_weights`` says
+so). A weight edited through ``.data`` bypasses the version counter: reload it, or unfreeze it, to recast.
 """
 
 from __future__ import annotations

@@ -229,8 +229,10 @@ class TorchaoBackend(FP8Backend):
         if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
             from .frozen import freeze_float8_linears
 
-            cached = self.frozen_weights(cfg, plan.facts).cached_bytes and not fp8_all_gather(cfg, plan.facts)
-            freeze_float8_linears(model, linears, cache_weight=bool(cached))
+            frozen = self.frozen_weights(cfg, plan.facts)
+            if not frozen.grad_weight_gemm:
+                cached = frozen.cached_bytes and not fp8_all_gather(cfg, plan.facts)
+                freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -298,6 +300,9 @@ class TorchaoBackend(FP8Backend):
         p, skip = cfg.precision, "; no weight-gradient GEMM"
         if torchao_api(cfg) != "module_swap" or is_mx(p.torchao_recipe):
             return FrozenWeights(how=f"{_WRAPPER} casts a frozen weight every step, as a trainable one")
+        if facts.flat_params:  # measured: FSDP1's flat parameter requires a gradient as a whole, so do its views
+            return FrozenWeights(how="cast every step, its weight gradient computed and dropped: the weight is a view "
+                                 "of a flat parameter that needs a gradient")
         if p.torchao_recipe != "tensorwise":
             return FrozenWeights(grad_weight_gemm=False, how=f"recast every step ({p.torchao_recipe}: the forward "
                                  f"and input-gradient GEMMs take the weight in two layouts){skip}")
