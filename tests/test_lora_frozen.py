@@ -181,7 +181,7 @@ def _fsdp_case(rank: int, world: int, recipe: str) -> dict:
             tally.append({True: 0, False: 0, None: 0})
             kept.append([s.__dict__["_fp8_shard"][1][0][0].data_ptr() for s in shards if "_fp8_shard" in s.__dict__])
 
-        with _patched(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", counted):
+        with _patched(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", counted), FP8Gemms() as gemms:
             losses = train_losses(wrapped, rank, world, steps=STEPS, after_step=after_step)
             with torch.no_grad():  # frozen weights changed in place, as a load does: cast again, once
                 for module in wrapped.modules():
@@ -193,7 +193,7 @@ def _fsdp_case(rank: int, world: int, recipe: str) -> dict:
         adapters = {n: p.detach().full_tensor() for n, p in wrapped.named_parameters() if "lora_" in n}
         grads = [n for n, p in wrapped.named_parameters() if not p.requires_grad and p.grad is not None]
         out[name] = dict(losses=losses, casts=tally[:STEPS + 1], kept=kept[:STEPS], adapters=adapters,
-                         frozen=len(shards), grads=grads)
+                         frozen=len(shards), grads=grads, gemms=gemms.count)
     return out
 
 
@@ -201,13 +201,16 @@ def _fsdp_case(rank: int, world: int, recipe: str) -> dict:
 def test_fsdp2_frozen_base_fp8_shard_is_cast_once(recipe):
     """FSDP2 on 2 ranks. Tensorwise (FP8 all-gather): each frozen base's FP8 shard is cast at the first all-gather
     and the same tensor is sent at every later one; the trainable FP8 weight's shard is cast at each all-gather
-    (forward and the backward's re-gather); rowwise (bf16 all-gather): no shard casts. Losses and adapters ==
-    torchao without the frozen path, no gradient on a frozen weight."""
+    (forward and the backward's re-gather); rowwise (bf16 all-gather): no shard casts. Both: no weight-gradient
+    GEMM for a frozen weight (FP8 GEMMs counted), no gradient on it; losses and adapters == torchao without the
+    frozen path."""
     for rank, r in enumerate(run_ranks(_fsdp_case, recipe)):
         ours, ref = r["ours"], r["ref"]
         assert ours["losses"] == ref["losses"], rank
         assert all(torch.equal(ours["adapters"][k], ref["adapters"][k]) for k in ref["adapters"])
         assert ours["grads"] == [] and ref["frozen"] == 0
+        # no weight-gradient GEMM for the 10 frozen layers that run a backward (layer 0's k and v do not)
+        assert ref["gemms"] - ours["gemms"] == 10 * (STEPS + 1)
         if recipe == "tensorwise":
             assert ours["frozen"] == 12
             assert [c[False] for c in ours["casts"]] == [12, 0, 0, 12]  # the last step: after the change
