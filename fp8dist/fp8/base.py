@@ -15,8 +15,8 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 from .casts import Casts
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "NO_FP8", "SELECTION_OPTIONS", "dims_reason",
-           "linear_reason", "fp8_hardware_reason"]
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "FrozenWeights", "NO_FP8", "SELECTION_OPTIONS",
+           "dims_reason", "linear_reason", "fp8_hardware_reason"]
 
 SELECTION_OPTIONS: Mapping[str, When] = {"fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
                                          "fp8_select_margin": When({"fp8_select": (None, "auto")})}
@@ -59,6 +59,22 @@ class HandConverted:
     """After each optimizer step (torchao's scale precompute)."""
     forward_context: Callable[[], Any] = contextlib.nullcontext
     """Around each forward (Transformer Engine's autocast)."""
+
+
+@dataclass(frozen=True)
+class FrozenWeights:
+    """What a converted Linear whose weight is frozen (``requires_grad=False``: a LoRA base) costs under a backend
+    (:meth:`FP8Backend.frozen_weights`); the default: what a trainable weight costs."""
+
+    cached_bytes: int = 0
+    """Bytes, per element a rank holds of such a weight (its shard where sharded), of its FP8 copy cast once and
+    kept between steps; 0: none kept."""
+    scale_bytes: int = 0
+    """Bytes per such weight of the scale kept with that copy."""
+    grad_weight_gemm: bool = True
+    """The backward still runs the weight-gradient GEMM (autograd drops its result)."""
+    how: str = "cast to FP8 every step, as a trainable weight"
+    """One line for the plan and the report."""
 
 
 class FP8Backend(Protocol):
@@ -201,6 +217,11 @@ class FP8Backend(Protocol):
         ``dtypes``), ``converted``: it is the weight of a module the plan converts, ``n_states``: the optimizer's
         states per element. Default: unchanged."""
         return base
+
+    def frozen_weights(self, cfg: Any, facts: StrategyFacts) -> FrozenWeights:
+        """What a converted Linear's frozen weight costs per step and in bytes under ``cfg`` and a strategy with
+        ``facts``. Default: as a trainable weight (cast every step, no copy kept)."""
+        return FrozenWeights()
 
     def fp8_state_bytes(self, cfg: Any, plan: Any) -> int:
         """Bytes of FP8 scaling state on every rank (replicated) for ``plan``."""

@@ -17,8 +17,8 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
-from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
-                   linear_reason)
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
+                   fp8_hardware_reason, linear_reason)
 from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
@@ -226,12 +226,22 @@ class TorchaoBackend(FP8Backend):
             if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
                 model.get_submodule(name).register_forward_hook(_own_output)
         _check_fp8_ran(model, sorted(linears | wrapped))
+        if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
+            from .frozen import freeze_float8_linears
+
+            frozen = self.frozen_weights(cfg, plan.facts)
+            if not frozen.grad_weight_gemm:
+                cached = frozen.cached_bytes and not fp8_all_gather(cfg, plan.facts)
+                freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
+        from .frozen import cache_frozen_shards
+
         precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
         if precompute:  # for as long as ``inner`` lives: the user never has to call it
+            cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept
             STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
 
@@ -263,7 +273,8 @@ class TorchaoBackend(FP8Backend):
         """``convert_to_float8_training`` as torchao documents it: every nn.Linear but the first and the last, dims
         multiples of 16, tensorwise; under per-parameter DTensor shards FP8 all-gather, the scales precomputed
         after each optimizer step."""
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
+                                    precompute_float8_dynamic_scale_for_fsdp as precompute)
 
         linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
         keep = {linears[0], linears[-1]}
@@ -271,7 +282,7 @@ class TorchaoBackend(FP8Backend):
             model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=facts.dtensor_shards),
             module_filter_fn=lambda m, fqn: fqn not in keep and m.in_features % 16 == 0 and m.out_features % 16 == 0)
         fp8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-        after_step = (lambda: _precompute(model, None)) if facts.dtensor_shards else (lambda: None)
+        after_step = (lambda: precompute(model)) if facts.dtensor_shards else (lambda: None)
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
 
     # checkpoint: the precomputed FP8 all-gather scales belong to the weights before loading
@@ -282,6 +293,26 @@ class TorchaoBackend(FP8Backend):
     rank_imports = ("torchao.float8",)
     commands_default = True
     health_telemetry = True
+
+    def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
+        """A frozen Float8Linear's weight (:mod:`fp8dist.fp8.frozen`): no weight-gradient GEMM; with tensorwise
+        scaling its FP8 shard (FP8 all-gather) or whole weight (held whole) is cast once and kept."""
+        p, skip = cfg.precision, "; no weight-gradient GEMM"
+        if torchao_api(cfg) != "module_swap" or is_mx(p.torchao_recipe):
+            return FrozenWeights(how=f"{_WRAPPER} casts a frozen weight every step, as a trainable one")
+        if facts.flat_params:  # measured: FSDP1's flat parameter requires a gradient as a whole, so do its views
+            return FrozenWeights(how="cast every step, its weight gradient computed and dropped: the weight is a view "
+                                 "of a flat parameter that needs a gradient")
+        if p.torchao_recipe != "tensorwise":
+            return FrozenWeights(grad_weight_gemm=False, how=f"recast every step ({p.torchao_recipe}: the forward "
+                                 f"and input-gradient GEMMs take the weight in two layouts){skip}")
+        if fp8_all_gather(cfg, facts):
+            return FrozenWeights(1, 4, False, f"FP8 shard cast once, sent by every all-gather{skip}")
+        if facts.shards_params or facts.engine_owns_params:  # the engine's weight at compute time is not kept
+            why = "gathered whole in high precision" if facts.shards_params else "the engine manages the parameters"
+            return FrozenWeights(grad_weight_gemm=False, how=f"recast every step ({why}: a kept cast would be an "
+                                 f"unsharded FP8 copy on every rank){skip}")
+        return FrozenWeights(1, 4, False, f"FP8 weight cast once, for the forward and input-gradient GEMMs{skip}")
 
     def fp8_state_bytes(self, cfg, plan) -> int:
         """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
@@ -377,10 +408,12 @@ def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFa
             "out of FP8 with fp8_exclude, or use a shard group size that divides their rows.")
 
 
-def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """After each step (and a load): the scales of the weights that train; a frozen shard's cast is kept instead."""
+    from .frozen import cache_frozen_shards, precompute_trainable
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    cache_frozen_shards(model)
+    precompute_trainable(model)
 
 
 def float8_linear_casts(config) -> Casts:

@@ -1,0 +1,156 @@
+"""A frozen weight (``requires_grad=False``: a LoRA base) pays no per-step FP8 weight work under torchao's module swap.
+
+What torchao 0.18 does to every ``Float8Linear``, frozen or not (float8_linear.py, fsdp_utils.py):
+- it casts the weight to FP8 in each forward, and again in each backward for the input-gradient GEMM (under FSDP2
+  with FP8 all-gather: the shard, in ``fsdp_pre_all_gather``, at each all-gather, the backward's re-gather too);
+- ``precompute_float8_dynamic_scale_for_fsdp`` reads every FP8 weight after each optimizer step;
+- its autograd Function's backward computes the weight-gradient GEMM (and casts its two operands) without asking
+  ``needs_input_grad``: autograd then drops the gradient of a weight that does not require one.
+
+A frozen weight's cast cannot change between steps, so here (``FrozenFloat8Linear``, what a converted Linear whose
+weight is frozen becomes):
+- its backward computes the input gradient only (every recipe, every strategy);
+- with the tensorwise recipe one FP8 weight serves the forward and the input-gradient GEMM, so it is cast once
+  and kept: the FP8 shard each all-gather sends (FSDP2, FP8 all-gather; 1 byte per element of the shard), or the
+  FP8 weight itself (a weight every rank holds whole: DDP, one process; 1 byte per element), recomputed only when
+  the weight changes (its version counter: a checkpoint load, an in-place edit);
+- it is left out of the scale precompute after each step.
+The cached cast is the one torchao computes each step, bit for bit: the shard's dynamic scale (max-abs, all-reduced)
+equals the precomputed one, and the cast is the same function of the same tensor. Not cached (recast each step,
+the weight-gradient GEMM still skipped): rowwise recipes (two casts of different layouts per step: forward rows,
+input-gradient columns), and a weight gathered whole in high precision (FSDP2 without FP8 all-gather, DeepSpeed),
+whose cached cast would be a whole unsharded FP8 copy on every rank. Under flat parameters (FSDP1) a frozen weight
+is a view of a flat parameter that requires a gradient, so it stays torchao's (``FP8Backend.frozen_weights`` says
+so). A weight edited through ``.data`` bypasses the version counter: reload it, or unfreeze it, to recast.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import GemmInputRole
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable"]
+
+
+class _InputGradOnly(matmul_with_hp_or_float8_args):
+    """torchao's FP8 matmul (its forward, unchanged) whose backward skips the weight-gradient GEMM and its casts
+    where the weight needs no gradient; the input gradient is torchao's own computation, step for step."""
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.needs_input_grad[1]:
+            return matmul_with_hp_or_float8_args.backward(ctx, grad_output)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        _, weight_t = ctx.saved_tensors
+        c, mm_config = ctx.config, ctx.linear_mm_config
+        shape = grad_output.shape
+        grad = grad_output.reshape(-1, shape[-1])
+        grad = _cast(grad, c.cast_config_grad_output, mm_config, GemmInputRole.GRAD_OUTPUT, -1, c)
+        weight_t = _cast(weight_t, c.cast_config_weight_for_grad_input, mm_config, GemmInputRole.WEIGHT, -1, c)
+        grad_input = torch.mm(grad, weight_t.t())
+        return grad_input.reshape(*shape[:-1], grad_input.shape[-1]), None, None, None
+
+
+def _cast(t: torch.Tensor, cast_config, mm_config, role, dim: int, config) -> torch.Tensor:
+    """``t`` as torchao's matmul casts it for one GEMM operand (left as is when already FP8 or the cast is off)."""
+    from torchao.float8.config import ScalingType
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+    if tensor_already_casted_to_fp8(t) or cast_config.scaling_type is ScalingType.DISABLED:
+        return t
+    return hp_tensor_to_float8_dynamic(
+        t, cast_config.target_dtype, mm_config, gemm_input_role=role,
+        scaling_granularity=cast_config.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+
+
+class FrozenFloat8Linear(Float8Linear):
+    """A ``Float8Linear`` whose weight is frozen (see the module docstring). While its weight requires a gradient
+    (unfrozen later) or under torch.compile, it is torchao's ``Float8Linear`` exactly."""
+
+    cache_weight: bool = False
+    """Keep the FP8 cast of a weight held whole (tensorwise, not sharded): set by :func:`freeze_float8_linears`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad or torch.compiler.is_compiling():
+            return super().forward(input)
+        if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
+            input = input.to(torch.get_autocast_gpu_dtype())
+        weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
+        output = _InputGradOnly.apply(input, weight_t, self.linear_mm_config, self.config)
+        return output if self.bias is None else output + self.bias.to(output.dtype)
+
+    def _fp8_weight_t(self) -> torch.Tensor:
+        """The weight's transpose cast as torchao's forward casts it, computed again only when the weight changed."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        cached = self.__dict__.get("_fp8_weight")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cast = _cast(weight.t(), self.config.cast_config_weight, self.linear_mm_config,
+                             GemmInputRole.WEIGHT, 0, self.config)
+            cached = self.__dict__["_fp8_weight"] = (key, cast)
+        return cached[1]
+
+
+def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:
+    """Make each ``Float8Linear`` among ``names`` whose weight is frozen a :class:`FrozenFloat8Linear` (same
+    parameters, same state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held
+    whole). Call after conversion, before sharding. Returns the names made frozen, sorted."""
+    frozen = []
+    for name in sorted(names):
+        module = model.get_submodule(name)
+        if type(module) is Float8Linear and not module.weight.requires_grad:
+            module.__class__ = FrozenFloat8Linear  # same layout: only forward changes
+            module.cache_weight = cache_weight
+            frozen.append(name)
+    return frozen
+
+
+def cache_frozen_shards(model: nn.Module) -> int:
+    """Under FSDP2 with FP8 all-gather, make each frozen weight's shard cast to FP8 once: its
+    ``fsdp_pre_all_gather`` returns what torchao's computed the last time, until the sharded parameter changes.
+    Idempotent: call after sharding and again after a load (FSDP may replace a local tensor). Returns the shards
+    cached."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FrozenFloat8Linear) and not module.weight.requires_grad:
+            shard = getattr(module.weight, "_local_tensor", None)  # the weight is sharded here: a DTensor
+            if isinstance(shard, WeightWithDynamicFloat8CastTensor):
+                if "fsdp_pre_all_gather" not in shard.__dict__:
+                    shard.fsdp_pre_all_gather = _cached_pre_all_gather(shard, module.weight)
+                count += 1
+    return count
+
+
+def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor, param: torch.Tensor):
+    """torchao's ``fsdp_pre_all_gather`` of ``shard``, its result kept while the sharded parameter ``param`` keeps
+    its version: an in-place change (a load's ``copy_``) counts on the DTensor ``param``, not on its local tensor."""
+    shard_ref, param_ref = weakref.ref(shard), weakref.ref(param)  # the shard holds this function: no cycle
+
+    def fsdp_pre_all_gather(mesh):
+        me, owner = shard_ref(), param_ref()
+        version = None if owner is None else owner._version
+        cached = me.__dict__.get("_fp8_shard")
+        if version is None or cached is None or cached[0] != version:
+            cast = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather(me, mesh)
+            cached = me.__dict__["_fp8_shard"] = (version, cast)
+        return cached[1]
+
+    return fsdp_pre_all_gather
+
+
+def precompute_trainable(model: nn.Module) -> None:
+    """``precompute_float8_dynamic_scale_for_fsdp`` on the FP8 Linears whose weight trains (one all-reduce for
+    them all, as torchao's); a frozen weight's FP8 shard is cast once instead (:func:`cache_frozen_shards`)."""
+    trainable = [m for m in model.modules() if isinstance(m, Float8Linear) and m.weight.requires_grad]
+    if trainable:
+        precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(trainable))
