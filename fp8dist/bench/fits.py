@@ -15,7 +15,7 @@ from .cell import Cell, cell_options, cell_world
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
-FLAGS = {"world_size": "--nproc", "activation_checkpointing": "--activation-checkpointing",
+_FLAGS = {"world_size": "--nproc", "activation_checkpointing": "--activation-checkpointing",
          "micro_batch_size": "--batch-size", "memory": "--memory"}
 """The bench's flag for each option a way out changes; a way out that changes another (the strategy) is the
 estimate's to name, not the bench's (its cells have no such flag)."""
@@ -100,7 +100,8 @@ def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str
                     if 1 <= n < cell.batch_size)
     ways, _ = ways_out(_estimate(cell, cell_world(cell, nproc), model), budget,
                        lambda world, **change: _estimate(cell, world, model, **change), extra=smaller)
-    ours = [(" ".join(f"{FLAGS[k]} {v}" for k, v in w.change.items()), w) for w in ways if set(w.change) <= set(FLAGS)]
+    ours = [(" ".join(f"{_FLAGS[k]} {v}" for k, v in w.change.items()), w) for w in ways
+            if set(w.change) <= set(_FLAGS)]
     fitting = next(((flags, w) for flags, w in ours if w.fits), None)
     more = "run on more GPUs with --strategies fsdp (it shards the model states over --nproc)"
     if fitting:
