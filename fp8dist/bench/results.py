@@ -58,7 +58,8 @@ def _versions() -> dict[str, str | None]:
 
 
 TAIL_STEPS = 20
-"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a shorter run)."""
+"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a
+shorter run)."""
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
