@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..accounting.fit import MEMORY_FRACTION, budget, device_bytes, ways_out
+from ..config.schema import cli_flag
 from ..config.text import byte_size
 from .cell import Cell, cell_options, cell_world
 
@@ -30,14 +31,19 @@ def gpu_budget(nproc: int) -> int:
     return budget(total)
 
 
+def _options(cell: Cell, world: int) -> dict[str, Any]:
+    """What the estimate of ``cell`` on ``world`` ranks is asked: :func:`fp8dist.estimate_memory`'s keywords, and
+    ``fp8dist estimate``'s flags."""
+    return dict(strategy=cell.strategy, **cell_options(cell), world_size=world, seq_len=cell.seq_len,
+                micro_batch_size=cell.batch_size, fp8=cell.fp8, activation_checkpointing=cell.activation_checkpointing,
+                memory=cell.memory, compile=cell.compile)
+
+
 def _estimate(cell: Cell, world: int, model: Any, **change: Any) -> Any:
     """fp8dist's memory estimate of ``cell`` on ``world`` ranks, with the options in ``change`` changed."""
     from ..accounting import estimate_memory
 
-    options = dict(strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile, memory=cell.memory,
-                   activation_checkpointing=cell.activation_checkpointing, micro_batch_size=cell.batch_size,
-                   **cell_options(cell))
-    return estimate_memory(model, world_size=world, seq_len=cell.seq_len, **{**options, **change})
+    return estimate_memory(model, **{**_options(cell, world), **change})
 
 
 def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
@@ -81,12 +87,9 @@ def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
 
 def _estimate_command(cell: Cell, nproc: int) -> str:
     """The ``fp8dist estimate`` command that prints the breakdown of a (plain) cell."""
-    return " ".join([f"fp8dist estimate --model-size {cell.size} --strategy {cell.strategy}",
-                     *(f"--{k.replace('_', '-')} {v}" for k, v in cell_options(cell).items()),
-                     f"--world-size {cell_world(cell, nproc)} --seq-len {cell.seq_len} --micro-batch-size "
-                     f"{cell.batch_size} --fp8 {cell.fp8 or 'none'} --activation-checkpointing "
-                     f"{cell.activation_checkpointing} --memory {cell.memory}",
-                     *(["--compile true"] if cell.compile else [])])
+    flags = [f"{cli_flag(k)} {'none' if v is None else 'true' if v is True else v}"
+             for k, v in _options(cell, cell_world(cell, nproc)).items() if v is not False]
+    return " ".join([f"fp8dist estimate --model-size {cell.size}", *flags])
 
 
 def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str:

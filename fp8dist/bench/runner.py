@@ -52,16 +52,6 @@ def variant_backends() -> list[str]:
     return [name for name in BACKENDS if variants_of(name)]
 
 
-def _on_device(i: int) -> dict[str, Any]:
-    """Field metadata: the default is ``DEFAULTS[device type][i]``."""
-    return {"device": lambda device_type: DEFAULTS[device_type][i]}
-
-
-def _of_config(option: str) -> dict[str, Any]:
-    """Field metadata: the choices are the config option's."""
-    return {"choices": lambda: config_choices(option)}
-
-
 def _seeds(text: str) -> tuple[int, ...]:
     """``--seed``: one seed or a comma-separated list of them (non-negative integers)."""
     items = [t.strip() for t in str(text).split(",") if t.strip()]
@@ -85,27 +75,27 @@ class BenchSettings:
         "device": lambda d: ",".join(dict.fromkeys((NO_FP8.name, default_fp8() or NO_FP8.name))),
         "shown": "none and fp8dist train's default backend where it runs"})
     """FP8 backends; each FP8 cell also runs its bf16 (none) counterpart."""
-    sizes: tuple[str, ...] = field(metadata={"choices": lambda: tuple(LLAMA_SIZES), **_on_device(0)})
+    sizes: tuple[str, ...] = field(metadata={"choices": lambda: tuple(LLAMA_SIZES), "device": lambda d: DEFAULTS[d][0]})
     """Llama presets."""
-    steps: int = field(metadata=_on_device(1))
+    steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1]})
     """Steps per cell: warm-up steps (not timed), then timed ones, the last one counted (communication, model state)
     and not timed."""
-    batch_size: int = field(metadata=_on_device(2))
+    batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2]})
     """Sequences per process per step."""
-    seq_len: int = field(metadata=_on_device(3))
+    seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3]})
     """Tokens per sequence."""
     nproc: int = field(metadata={"device": lambda d: default_nproc(),
                                  "shown": "one per GPU, or 2 on CPU; a strategy without a process group always runs 1"})
     """Processes per cell."""
-    zero_stage: int = field(default=2, metadata=_of_config("zero_stage"))
+    zero_stage: int = field(default=2, metadata={"choices": lambda: config_choices("zero_stage")})
     """ZeRO stage of the cells whose strategy reads zero_stage."""
     compile: tuple[bool, ...] = field(default=(False,), metadata={
         "choices": lambda: ("off", "on"), "parse": lambda items: tuple(c == "on" for c in items)})
     """torch.compile each block: a matrix dimension."""
-    activation_checkpointing: tuple[str, ...] = field(default=("none",),
-                                                      metadata=_of_config("activation_checkpointing"))
+    activation_checkpointing: tuple[str, ...] = field(default=("none",), metadata={
+        "choices": lambda: config_choices("activation_checkpointing")})
     """Activation checkpointing of each block: a matrix dimension."""
-    memory: tuple[str, ...] = field(default=(STANDARD.name,), metadata=_of_config("memory"))
+    memory: tuple[str, ...] = field(default=(STANDARD.name,), metadata={"choices": lambda: config_choices("memory")})
     """The model-state memory level: a matrix dimension (a level's cells only where its strategy allows it)."""
     lr: float = 1e-3
     """AdamW's (peak) learning rate."""
