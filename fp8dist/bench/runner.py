@@ -64,8 +64,8 @@ def _seeds(text: str) -> tuple[int, ...]:
 class BenchSettings:
     """The matrix and the job of every cell, validated; each field a flag of ``fp8dist bench`` (its docstring the
     help). Metadata: ``choices`` (a callable, read when asked), ``device`` (a callable: the default on a device
-    type), ``shown`` (that default in words), ``parse`` (the checked flag to the field), ``flag`` (its name where
-    it is not the field's; None: flags of its own)."""
+    type), ``shown`` (that default in words), ``min`` (the least value and why), ``parse`` (the checked flag to the
+    field), ``flag`` (its name where it is not the field's; None: flags of its own)."""
 
     strategies: tuple[str, ...] = field(metadata={"choices": lambda: tuple(STRATEGIES), "device": lambda d: ",".join(
         default_strategies(d, installed=False))})
@@ -77,14 +77,15 @@ class BenchSettings:
     """FP8 backends; each FP8 cell also runs its bf16 (none) counterpart."""
     sizes: tuple[str, ...] = field(metadata={"choices": lambda: tuple(LLAMA_SIZES), "device": lambda d: DEFAULTS[d][0]})
     """Llama presets."""
-    steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1]})
+    steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1], "min": (
+        TIMING_WARMUP + 2, f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step")})
     """Steps per cell: warm-up steps (not timed), then timed ones, the last one counted (communication, model state)
     and not timed."""
-    batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2]})
+    batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2], "min": (1, "sequences per process")})
     """Sequences per process per step."""
-    seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3]})
+    seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3], "min": (2, "tokens per sequence")})
     """Tokens per sequence."""
-    nproc: int = field(metadata={"device": lambda d: default_nproc(),
+    nproc: int = field(metadata={"device": lambda d: default_nproc(), "min": (1, "processes"),
                                  "shown": "one per GPU, or 2 on CPU; a strategy without a process group always runs 1"})
     """Processes per cell."""
     zero_stage: int = field(default=2, metadata={"choices": lambda: config_choices("zero_stage")})
@@ -139,16 +140,10 @@ def _one_of(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
     return value
 
 
-def _at_least(flag: str, value: int, low: int, why: str) -> int:
-    if value < low:
-        raise ValueError(f"{flag} {value}: needs at least {low} ({why}).")
-    return value
-
-
 def _given(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
     """Each flag's value as given, else its field's default on ``device_type`` (a field's own default is left to
     it), checked against its choices, a list item by item (an error's example: the GPU default, or the first two
-    choices), then read by the field's ``parse``."""
+    choices) or its ``min``, then read by the field's ``parse``."""
     values, hints = {}, type_hints(BenchSettings)
     for f in fields(BenchSettings):
         meta, name = f.metadata, f.metadata.get("flag", f.name)
@@ -162,6 +157,8 @@ def _given(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
             value = _split(flag, value, choices, example)
         elif choices:
             value = _one_of(flag, value, choices)
+        if "min" in meta and value < meta["min"][0]:
+            raise ValueError(f"{flag} {value}: needs at least {meta['min'][0]} ({meta['min'][1]}).")
         values[f.name] = meta["parse"](value) if "parse" in meta else value
     return values
 
@@ -170,14 +167,7 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
     from ..train.data import make_corpus
 
-    given = _given(args, device_type)
-    settings = BenchSettings(**{
-        **given, "variants": _variant_settings(args), "text": _text_job(args),
-        "steps": _at_least("--steps", given["steps"], TIMING_WARMUP + 2,
-                           f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step"),
-        "batch_size": _at_least("--batch-size", given["batch_size"], 1, "sequences per process"),
-        "seq_len": _at_least("--seq-len", given["seq_len"], 2, "tokens per sequence"),
-        "nproc": _at_least("--nproc", given["nproc"], 1, "processes")})
+    settings = BenchSettings(**_given(args, device_type), variants=_variant_settings(args), text=_text_job(args))
     corpus = len(make_corpus())
     if settings.text is None and settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
