@@ -1,14 +1,16 @@
 """Will each cell of ``fp8dist bench`` fit on its GPU? fp8dist's own memory estimate (:func:`fp8dist.estimate_memory`,
 on a meta-device model: nothing is allocated) of every cell against the GPU's memory, before any process starts.
 
-A cell that the estimate says will not fit is refused with the way out (activation checkpointing, a smaller batch,
-memory="lean", more GPUs, ``--no-raw``), rather than run into an out-of-memory error minutes later.
+A cell that the estimate says will not fit is refused with the way out (the estimate's own search in the bench's flags:
+more GPUs, activation checkpointing, memory="lean", a smaller batch; ``--no-raw``), rather than run into an
+out-of-memory error minutes later.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..accounting import estimate_memory
 from ..accounting.fit import MEMORY_FRACTION, budget, device_bytes, ways_out
 from ..config.schema import cli_flag
 from ..config.text import byte_size
@@ -41,8 +43,6 @@ def _options(cell: Cell, world: int) -> dict[str, Any]:
 
 def _estimate(cell: Cell, world: int, model: Any, **change: Any) -> Any:
     """fp8dist's memory estimate of ``cell`` on ``world`` ranks, with the options in ``change`` changed."""
-    from ..accounting import estimate_memory
-
     return estimate_memory(model, **{**_options(cell, world), **change})
 
 
