@@ -27,7 +27,7 @@ from ..train.schedule import LR_SCHEDULES
 from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
-           "fp8_choices", "variant_backends", "default_strategies", "DEFAULTS"]
+           "variant_backends", "default_strategies", "DEFAULTS"]
 
 # defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
 # default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
@@ -39,11 +39,6 @@ def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str
     ``bench_devices`` name it, where installed (``installed``: only those)."""
     return tuple(name for name, s in STRATEGIES.items()
                  if device_type in s.bench_devices and not (installed and s.missing_reason()))
-
-
-def fp8_choices() -> tuple[str, ...]:
-    """``--fp8``'s choices: none, then every registered backend."""
-    return (NO_FP8.name, *BACKENDS)
 
 
 def variant_backends() -> list[str]:
@@ -71,7 +66,8 @@ class BenchSettings:
         default_strategies(d, installed=False))})
     """Sharding strategies, each where installed."""
     fp8: tuple[str | None, ...] = field(metadata={
-        "choices": fp8_choices, "parse": lambda items: tuple(None if f == NO_FP8.name else f for f in items),
+        "choices": lambda: (NO_FP8.name, *BACKENDS),
+        "parse": lambda items: tuple(None if f == NO_FP8.name else f for f in items),
         "device": lambda d: ",".join(dict.fromkeys((NO_FP8.name, default_fp8() or NO_FP8.name))),
         "shown": "none and fp8dist train's default backend where it runs"})
     """FP8 backends; each FP8 cell also runs its bf16 (none) counterpart."""
