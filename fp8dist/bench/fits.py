@@ -53,17 +53,12 @@ def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
     est = _estimate(cell, cell_world(cell, nproc), model)
     acts = est.activation_bytes if est.activations_modelled else 0
     states = device_bytes(est) - acts  # offloaded states are in host memory
-    tokens = f"{cell.batch_size} x {cell.seq_len} tokens"
-    if cell.wiring == "vs-raw":
-        second = states - est.bytes["gradients"]
-        parts = (f"{byte_size(states)} model states + {byte_size(second)} of the hand-wired twin's (no gradients "
-                 f"held) + {byte_size(acts)} activations of {tokens}")
-        return states + second + acts, parts
-    parts = f"{byte_size(states)} model states + " + (f"{byte_size(acts)} activations of {tokens}"
-                                                       if est.activations_modelled else
-                                                       f"activations not estimated for AC "
-                                                       f"{cell.activation_checkpointing!r}")
-    return states + acts, parts
+    twin = states - est.bytes["gradients"] if cell.wiring == "vs-raw" else 0
+    activations = (f"{byte_size(acts)} activations of {cell.batch_size} x {cell.seq_len} tokens"
+                   if est.activations_modelled else
+                   f"activations not estimated for AC {cell.activation_checkpointing!r}")
+    held = f" + {byte_size(twin)} of the hand-wired twin's (no gradients held)" if twin else ""
+    return states + twin + acts, f"{byte_size(states)} model states{held} + {activations}"
 
 
 def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
