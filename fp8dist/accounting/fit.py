@@ -17,14 +17,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
 from ..memory_levels import LEVELS
 from ..strategies import STRATEGIES
 
-__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "levers", "MAX_RANKS", "MEMORY_FRACTION"]
+__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "ways_out", "levers", "MAX_RANKS", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a rank may plan on: the estimate leaves out the transient buffers (FSDP's all-gathered
@@ -125,23 +125,32 @@ def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_ste
     """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``; when it does not fit, the ways out, each run
     through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be
     multiples of it (HSDP's replicas)."""
-    need, allowed = device_bytes(est), budget(capacity_bytes)
-    fit = Fit(gpu, capacity_bytes, need, est.activations_modelled)
+    fit = Fit(gpu, capacity_bytes, device_bytes(est), est.activations_modelled)
     if fit.fits:
         return fit
-    world, ways = est.world_size, []
+    ways, no_ranks = ways_out(est, fit.budget_bytes, rerun, rank_step=rank_step)
+    return replace(fit, ways_out=tuple(ways), no_rank_count=no_ranks)
+
+
+def ways_out(est: Any, allowed: int, rerun: Rerun, *, rank_step: int = 1,
+             extra: tuple[tuple[str, Mapping[str, Any]], ...] = ()) -> tuple[list[WayOut], str]:
+    """Every way out of a run (``est``) whose rank needs more than ``allowed`` bytes, each computed through
+    ``rerun``: more ranks, then each of :func:`levers` and of ``extra`` (more changes the caller can make: the
+    bench's smaller batch), then checkpointing with each of them when none fits alone. Also why no rank count fits
+    ("" when one does)."""
+    need, world, ways = device_bytes(est), est.world_size, []
     if est.activations_modelled and est.activation_bytes >= allowed:  # ranks shard states, not activations
         found, no_ranks = None, "the activations of one micro-batch alone exceed it, whatever the rank count"
     else:
         found, no_ranks = _ranks_that_fit(rerun, world, rank_step, allowed, need, {})
     if found:
         ways.append(WayOut({"world_size": found[0]}, "more ranks", found[1], True))
-    pulled = [(change, _lever(rerun, world, what, change, need, allowed)) for what, change in levers()]
+    pulled = [(change, _lever(rerun, world, what, change, need, allowed)) for what, change in (*levers(), *extra)]
     ways += [way for _, tried in pulled for way in tried]
     _, tried = pulled[0]
     if tried and not any(w.fits for w in ways):  # activations and model states both too big: checkpointing too
         ways += _with_checkpointing(rerun, world, rank_step, allowed, tried[0], pulled[1:])
-    return Fit(gpu, capacity_bytes, need, est.activations_modelled, tuple(ways), no_ranks)
+    return ways, no_ranks
 
 
 def _with_checkpointing(rerun: Rerun, world: int, step: int, allowed: int, checkpointing: WayOut,

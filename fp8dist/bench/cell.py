@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .comm import CommCounter
+from ..checkpoint.io import all_ranks_values
 from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..strategies import get_strategy
 from ..train.data.job import lm_loss
+from ..pipeline.agree import rank_world
 from ..pipeline.env import peak_memory_mib, share_cpu_threads
 
 __all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world",
@@ -90,7 +91,6 @@ class Cell:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
-
 
 
 @functools.cache
@@ -306,7 +306,7 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     device = _init_process_group(cell)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_world()
     if device.type == "cpu":
         share_cpu_threads()
     text = cell.text
@@ -324,7 +324,7 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
             run.step(step, ids)
         if step + 1 in evaluate_after:  # outside the timed step
             runs[0].eval_losses.append([step + 1, batches.evaluate(runs[0].model, device)])
-    gathered = _gather([run.figures() for run in runs], world)  # [rank][run]
+    gathered = all_ranks_values([run.figures() for run in runs])  # [rank][run]
     if rank != 0:
         return None
     figures = [_combine(cell, [g[i] for g in gathered], run, world, device) for i, run in enumerate(runs)]
@@ -333,15 +333,6 @@ def run_cell(cell: Cell) -> dict[str, Any] | None:
         result["raw"] = figures[1]
         result["peak_memory_mib"] = None  # two models in one process: memory belongs to the plain cells
     return result
-
-
-def _gather(mine: Any, world: int) -> list[Any]:
-    """Every rank's figures, in rank order."""
-    if world == 1:
-        return [mine]
-    ranks: list[Any] = [None] * world
-    dist.all_gather_object(ranks, mine)
-    return ranks
 
 
 def _combine(cell: Cell, ranks: list[dict[str, Any]], run: _Run, world: int,

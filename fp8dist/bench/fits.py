@@ -1,23 +1,27 @@
 """Will each cell of ``fp8dist bench`` fit on its GPU? fp8dist's own memory estimate (:func:`fp8dist.estimate_memory`,
 on a meta-device model: nothing is allocated) of every cell against the GPU's memory, before any process starts.
 
-A cell that the estimate says will not fit is refused with the way out (activation checkpointing, a smaller batch,
-memory="lean", more GPUs, ``--no-raw``), rather than run into an out-of-memory error minutes later.
+A cell that the estimate says will not fit is refused with the way out (the estimate's own search in the bench's flags:
+more GPUs, activation checkpointing, memory="lean", a smaller batch; ``--no-raw``), rather than run into an
+out-of-memory error minutes later.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from ..config.rules import refusal_of
-from ..accounting.fit import MEMORY_FRACTION, budget, device_bytes
-from ..memory_levels import LEVELS, STANDARD
+from ..accounting import estimate_memory
+from ..accounting.fit import MEMORY_FRACTION, budget, device_bytes, ways_out
+from ..config.schema import cli_flag
+from ..config.text import byte_size
 from .cell import Cell, cell_options, cell_world
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
-_GIB = 2**30
+_FLAGS = {"world_size": "--nproc", "activation_checkpointing": "--activation-checkpointing",
+         "micro_batch_size": "--batch-size", "memory": "--memory"}
+"""The bench's flag for each option a way out changes; a way out that changes another (the strategy) is the
+estimate's to name, not the bench's (its cells have no such flag)."""
 
 
 def gpu_budget(nproc: int) -> int:
@@ -29,29 +33,32 @@ def gpu_budget(nproc: int) -> int:
     return budget(total)
 
 
+def _options(cell: Cell, world: int) -> dict[str, Any]:
+    """What the estimate of ``cell`` on ``world`` ranks is asked: :func:`fp8dist.estimate_memory`'s keywords, and
+    ``fp8dist estimate``'s flags."""
+    return dict(strategy=cell.strategy, **cell_options(cell), world_size=world, seq_len=cell.seq_len,
+                micro_batch_size=cell.batch_size, fp8=cell.fp8, activation_checkpointing=cell.activation_checkpointing,
+                memory=cell.memory, compile=cell.compile)
+
+
+def _estimate(cell: Cell, world: int, model: Any, **change: Any) -> Any:
+    """fp8dist's memory estimate of ``cell`` on ``world`` ranks, with the options in ``change`` changed."""
+    return estimate_memory(model, **{**_options(cell, world), **change})
+
+
 def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
     """The GPU bytes per rank that fp8dist's estimate predicts for ``cell`` (the meta-device ``model`` of its
     size), and how they add up. A vs-raw cell holds two models in one process: both models' states, but the
     gradients of one only (each run frees its gradients after its step) and the activations of one at a time."""
-    from ..accounting import estimate_memory
-
-    est = estimate_memory(model, strategy=cell.strategy, fp8=cell.fp8, compile=cell.compile,
-                          activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
-                          world_size=cell_world(cell, nproc), micro_batch_size=cell.batch_size, seq_len=cell.seq_len,
-                          **cell_options(cell))
+    est = _estimate(cell, cell_world(cell, nproc), model)
     acts = est.activation_bytes if est.activations_modelled else 0
     states = device_bytes(est) - acts  # offloaded states are in host memory
-    tokens = f"{cell.batch_size} x {cell.seq_len} tokens"
-    if cell.wiring == "vs-raw":
-        second = states - est.bytes["gradients"]
-        parts = (f"{states / _GIB:.1f} GiB model states + {second / _GIB:.1f} GiB of the hand-wired twin's (no "
-                 f"gradients held) + {acts / _GIB:.1f} GiB activations of {tokens}")
-        return states + second + acts, parts
-    parts = f"{states / _GIB:.1f} GiB model states + " + (f"{acts / _GIB:.1f} GiB activations of {tokens}"
-                                                          if est.activations_modelled else
-                                                          f"activations not estimated for AC "
-                                                          f"{cell.activation_checkpointing!r}")
-    return states + acts, parts
+    twin = states - est.bytes["gradients"] if cell.wiring == "vs-raw" else 0
+    activations = (f"{byte_size(acts)} activations of {cell.batch_size} x {cell.seq_len} tokens"
+                   if est.activations_modelled else
+                   f"activations not estimated for AC {cell.activation_checkpointing!r}")
+    held = f" + {byte_size(twin)} of the hand-wired twin's (no gradients held)" if twin else ""
+    return states + twin + acts, f"{byte_size(states)} model states{held} + {activations}"
 
 
 def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
@@ -68,38 +75,40 @@ def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
                 models[cell.size] = build_llama(cell.size, max_seq_len=cell.seq_len)
         need, parts = cell_bytes(cell, nproc, models[cell.size])
         if need > budget:
-            raise ValueError(f"cell {cell.name} will not fit: fp8dist's estimate is {need / _GIB:.1f} GiB per rank "
-                             f"({parts}) and a cell may plan on {budget / _GIB:.1f} GiB of this GPU "
+            raise ValueError(f"cell {cell.name} will not fit: fp8dist's estimate is {byte_size(need)} per rank "
+                             f"({parts}) and a cell may plan on {byte_size(budget)} of this GPU "
                              f"({MEMORY_FRACTION:.0%} of its memory). {_way_out(cell, nproc, budget, models)}")
 
 
 def _estimate_command(cell: Cell, nproc: int) -> str:
     """The ``fp8dist estimate`` command that prints the breakdown of a (plain) cell."""
-    return " ".join([f"fp8dist estimate --model-size {cell.size} --strategy {cell.strategy}",
-                     *(f"--{k.replace('_', '-')} {v}" for k, v in cell_options(cell).items()),
-                     f"--world-size {cell_world(cell, nproc)} --seq-len {cell.seq_len} --micro-batch-size "
-                     f"{cell.batch_size} --fp8 {cell.fp8 or 'none'} --activation-checkpointing "
-                     f"{cell.activation_checkpointing} --memory {cell.memory}",
-                     *(["--compile true"] if cell.compile else [])])
+    flags = [f"{cli_flag(k)} {'none' if v is None else 'true' if v is True else v}"
+             for k, v in _options(cell, cell_world(cell, nproc)).items() if v is not False]
+    return " ".join([f"fp8dist estimate --model-size {cell.size}", *flags])
 
 
 def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str:
-    """What to change, each alternative estimated in turn: the first one that fits is named with its figure."""
+    """What to change: the estimate's own search (:func:`fp8dist.accounting.fit.ways_out`, with a smaller batch
+    besides), its first way out that fits and that the bench's flags make, named with its figure."""
     if cell.wiring == "vs-raw":
         return ("It trains fp8dist's model and the hand-wired one side by side in one process: pass --no-raw, or run "
                 "on more GPUs (--nproc), over which FSDP2 shards both.")
-    tries = []
-    if cell.activation_checkpointing != "full":
-        tries.append(("--activation-checkpointing full", replace(cell, activation_checkpointing="full")))
-    tries += [(f"--batch-size {n}", replace(cell, batch_size=n)) for n in (cell.batch_size // 2, 1)
-              if 1 <= n < cell.batch_size]
-    if cell.memory == STANDARD.name:  # from fp32 masters, each other level the table allows here
-        tries += [(f"--memory {name}", replace(cell, memory=name)) for name in LEVELS
-                  if name != cell.memory and refusal_of(strategy=cell.strategy, memory=name) is None]
-    fitting = next(((flag, need) for flag, other in tries
-                    if (need := cell_bytes(other, nproc, models[cell.size])[0]) <= budget), None)
+    model = models[cell.size]
+    smaller = tuple(("a smaller batch", {"micro_batch_size": n}) for n in dict.fromkeys((cell.batch_size // 2, 1))
+                    if 1 <= n < cell.batch_size)
+    ways, _ = ways_out(_estimate(cell, cell_world(cell, nproc), model), budget,
+                       lambda world, **change: _estimate(cell, world, model, **change), extra=smaller)
+    ours = [(" ".join(f"{_FLAGS[k]} {v}" for k, v in w.change.items()), w) for w in ways
+            if set(w.change) <= set(_FLAGS)]
+    fitting = next(((flags, w) for flags, w in ours if w.fits), None)
     more = "run on more GPUs with --strategies fsdp (it shards the model states over --nproc)"
-    tried = ["--activation-checkpointing full", "--batch-size 1", *(f for f, _ in tries if f.startswith("--memory"))]
-    way = (f"Pass {fitting[0]} (estimated {fitting[1] / _GIB:.1f} GiB), or {more}" if fitting else
-           f"Not even {', '.join(tried[:-1])} or {tried[-1]} fits: {more}, or leave {cell.size} out of --sizes")
+    if fitting:
+        flags, way = fitting
+        way = f"Pass {flags} (estimated {byte_size(way.device_bytes)})" + \
+            ("" if "world_size" in way.change else f", or {more}")
+    else:
+        tried = [flags for flags, w in ours if len(w.change) == 1]  # and each with checkpointing: none fits
+        none = f"Not even {', '.join(tried[:-1])}{' or ' if tried[1:] else ''}{tried[-1]} fits" if tried else \
+            "No flag of the bench makes it fit"
+        way = f"{none}: {more}, or leave {cell.size} out of --sizes"
     return f"{way}. The breakdown: {_estimate_command(cell, nproc)}"

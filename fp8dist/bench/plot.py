@@ -19,8 +19,7 @@ __all__ = ["plot_results", "loss_panels"]
 _PALETTE = {"blue": "#4c72b0", "orange": "#dd8452", "green": "#55a868", "red": "#c44e52", "purple": "#8172b3",
             "brown": "#937860"}
 _PAIR_COLORS = tuple(_PALETTE.values())
-_COMM_COLORS = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868",
-                "broadcast": "#c44e52", "other": "#937860"}
+_COMM_COLORS = {**dict(zip(COMM_TYPES, _PAIR_COLORS)), "other": _PALETTE["brown"]}
 _UNKNOWN = "#999999"
 """A strategy or backend this process has not registered (a document written elsewhere)."""
 
@@ -217,7 +216,8 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
     if bottom > len(panels):
         _overhead_panel(fig.add_subplot(grid[1, len(panels)]), cells)
     device, colors = doc["device"], {v: k for k, v in _PALETTE.items()}
-    key = ", ".join(f"{colors.get(_fp8_color(f), 'grey')} {f or 'bf16'}" for f in dict.fromkeys(c["fp8"] for c in plain))
+    key = ", ".join(f"{colors.get(_fp8_color(f), 'grey')} {f or 'bf16'}"
+                    for f in dict.fromkeys(c["fp8"] for c in plain))
     fig.suptitle(f"fp8dist bench: {device['name']} x {device['nproc']} ({device['backend']}), {doc['date'][:10]}; "
                  f"{versions_line(doc['versions'])}; bars colored by FP8 backend ({key})\n"
                  f"{describe_job(doc['settings'])}", fontsize=11)

@@ -14,27 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from ..config.axis import engine_packages
-from ..config.text import plural
+from ..config.text import byte_size, plural
 from ..memory_levels import STANDARD
 from ..pipeline.files import atomic_write
 from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
-__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "fmt_bytes", "convergence",
+__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "convergence",
            "convergence_table", "config_name"]
 
 SCHEMA = 1
 COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each collective counted at its full "
                    "buffer size (nccl-tests' message size: the gathered output of an all-gather, the input of a "
                    "reduce-scatter, the tensor of an all-reduce or broadcast)")
-
-
-def fmt_bytes(n: float) -> str:
-    """52 B, 12.5 KiB, 1.03 MiB, 2.10 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}" if unit != "KiB" else f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _device(device_type: str, nproc: int) -> dict[str, Any]:
@@ -66,7 +58,8 @@ def _versions() -> dict[str, str | None]:
 
 
 TAIL_STEPS = 20
-"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a shorter run)."""
+"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a
+shorter run)."""
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
@@ -207,7 +200,7 @@ def write_results(doc: dict[str, Any], out: Path, *, plot: bool) -> list[Path]:
 
 def _comm(cell: dict[str, Any], kind: str) -> str:
     entry = cell["comm"].get(kind)
-    return fmt_bytes(entry["bytes"]) if entry else "-"
+    return byte_size(entry["bytes"]) if entry else "-"
 
 
 def _state(cell: dict[str, Any]) -> str:
@@ -223,7 +216,7 @@ def cell_line(cell: dict[str, Any]) -> str:
     """One line per finished cell, for the progress output."""
     if "error" in cell:
         return f"{cell['name']:<28} FAILED: {cell['error'].strip().splitlines()[-1][:200]}"
-    comm = ", ".join(f"{k} {fmt_bytes(v['bytes'])}" for k, v in cell["comm"].items()) or "none"
+    comm = ", ".join(f"{k} {byte_size(v['bytes'])}" for k, v in cell["comm"].items()) or "none"
     line = (f"{cell['name']:<28} {cell['tokens_per_s']:>10,.0f} tok/s  step {1000 * cell['median_step_s']:7.1f} ms"
             f"  peak {_memory(cell)} MiB  state {_state(cell)} B/param  comm/step: {comm}")
     if cell.get("eval_losses"):

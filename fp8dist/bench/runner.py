@@ -9,20 +9,25 @@ import importlib
 import logging
 import sys
 import tempfile
+import typing
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..config.schema import cli_flag, type_hints
 from ..config.text import plural
-from ..config.rules import refusal_of
+from ..config.rules import choices as config_choices, refusal_of
 from ..fp8 import BACKENDS, NO_FP8, get_backend
-from ..memory_levels import LEVELS, STANDARD
+from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES, get_strategy
+from ..train.job import default_fp8, default_nproc
+from ..train.models import LLAMA_SIZES
+from ..train.schedule import LR_SCHEDULES
 from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
-           "fp8_choices", "variant_backends", "default_strategies", "DEFAULTS"]
+           "variant_backends", "default_strategies", "DEFAULTS"]
 
 # defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
 # default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
@@ -36,44 +41,73 @@ def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str
                  if device_type in s.bench_devices and not (installed and s.missing_reason()))
 
 
-def fp8_choices() -> tuple[str, ...]:
-    """``--fp8``'s choices: none, then every registered backend."""
-    return (NO_FP8.name, *BACKENDS)
-
-
 def variant_backends() -> list[str]:
     """The backends whose variants the bench runs as cells of their own, each with its option's flag
     (``--torchao-recipe``)."""
     return [name for name in BACKENDS if variants_of(name)]
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seed``: one seed or a comma-separated list of them (non-negative integers)."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items or not all(t.isdigit() for t in items):
+        raise ValueError(f"--seed {text!r}: give a non-negative integer or a comma-separated list, e.g. --seed 0,1,2.")
+    return tuple(dict.fromkeys(int(t) for t in items))
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    """The matrix and the job of every cell, validated."""
+    """The matrix and the job of every cell, validated; each field a flag of ``fp8dist bench`` (its docstring the
+    help). Metadata: ``choices`` (a callable, read when asked), ``device`` (a callable: the default on a device
+    type), ``shown`` (that default in words), ``min`` (the least value and why), ``parse`` (the checked flag to the
+    field), ``flag`` (its name where it is not the field's; None: flags of its own)."""
 
-    strategies: tuple[str, ...]
-    fp8: tuple[str | None, ...]
-    sizes: tuple[str, ...]
-    steps: int
-    batch_size: int
-    seq_len: int
-    nproc: int
-    lr: float
-    zero_stage: int
-    raw: bool
-    lr_schedule: str = "constant"
-    """constant, or cosine: fp8dist train's warm-up + cosine decay over ``steps`` (fp8dist.train.schedule.lr_schedule)."""
-    compile: tuple[bool, ...] = (False,)
-    """Compile off and/or on: a matrix dimension."""
-    activation_checkpointing: tuple[str, ...] = ("none",)
-    memory: tuple[str, ...] = (STANDARD.name,)
-    """Memory levels: a matrix dimension (a level's cells only where the combination table allows it)."""
-    variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    strategies: tuple[str, ...] = field(metadata={"choices": lambda: tuple(STRATEGIES), "device": lambda d: ",".join(
+        default_strategies(d, installed=False))})
+    """Sharding strategies, each where installed."""
+    fp8: tuple[str | None, ...] = field(metadata={
+        "choices": lambda: (NO_FP8.name, *BACKENDS),
+        "parse": lambda items: tuple(None if f == NO_FP8.name else f for f in items),
+        "device": lambda d: ",".join(dict.fromkeys((NO_FP8.name, default_fp8() or NO_FP8.name))),
+        "shown": "none and fp8dist train's default backend where it runs"})
+    """FP8 backends; each FP8 cell also runs its bf16 (none) counterpart."""
+    sizes: tuple[str, ...] = field(metadata={"choices": lambda: tuple(LLAMA_SIZES), "device": lambda d: DEFAULTS[d][0]})
+    """Llama presets."""
+    steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1], "min": (
+        TIMING_WARMUP + 2, f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step")})
+    """Steps per cell: warm-up steps (not timed), then timed ones, the last one counted (communication, model state)
+    and not timed."""
+    batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2], "min": (1, "sequences per process")})
+    """Sequences per process per step."""
+    seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3], "min": (2, "tokens per sequence")})
+    """Tokens per sequence."""
+    nproc: int = field(metadata={"device": lambda d: default_nproc(), "min": (1, "processes"),
+                                 "shown": "one per GPU, or 2 on CPU; a strategy without a process group always runs 1"})
+    """Processes per cell."""
+    zero_stage: int = field(default=2, metadata={"choices": lambda: config_choices("zero_stage")})
+    """ZeRO stage of the cells whose strategy reads zero_stage."""
+    compile: tuple[bool, ...] = field(default=(False,), metadata={
+        "choices": lambda: ("off", "on"), "parse": lambda items: tuple(c == "on" for c in items)})
+    """torch.compile each block: a matrix dimension."""
+    activation_checkpointing: tuple[str, ...] = field(default=("none",), metadata={
+        "choices": lambda: config_choices("activation_checkpointing")})
+    """Activation checkpointing of each block: a matrix dimension."""
+    memory: tuple[str, ...] = field(default=(STANDARD.name,), metadata={"choices": lambda: config_choices("memory")})
+    """The model-state memory level: a matrix dimension (a level's cells only where its strategy allows it)."""
+    lr: float = 1e-3
+    """AdamW's (peak) learning rate."""
+    lr_schedule: str = field(default="constant", metadata={"choices": lambda: LR_SCHEDULES})
+    """constant: --lr at every step; cosine: fp8dist train's schedule (fp8dist.train.schedule.lr_schedule), a
+    linear warm-up over the first 10% of --steps, then a cosine decay toward 10% of --lr."""
+    seeds: tuple[int, ...] = field(default=(0,), metadata={"flag": "seed", "parse": _seeds})
+    """Model initialization and batch order seed, or comma-separated seeds: a matrix dimension (the spread of each
+    figure across seeds)."""
+    raw: bool = True
+    """The fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio)."""
+    variants: dict[str, tuple[str, ...]] = field(default_factory=dict, metadata={"flag": None})
     """Per backend variant option (torchao_recipe), its values: a matrix dimension of that backend's cells; an
     option not given runs its default (the config's)."""
-    seeds: tuple[int, ...] = (0,)
-    """Seeds (model initialization, batch order): a matrix dimension, for the spread of the figures across seeds."""
-    text: TextJob | None = None
+    text: TextJob | None = field(default=None, metadata={"flag": None})
     """Real text every cell trains on and evaluates; None: the built-in grammar corpus."""
 
 
@@ -95,55 +129,47 @@ def _split(flag: str, value: str, choices: tuple[str, ...], example: str) -> tup
     return tuple(dict.fromkeys(items))
 
 
-def _one_of(flag: str, value: str, choices: tuple[str, ...]) -> str:
+def _one_of(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
     if value not in choices:
-        raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)} (one value, e.g. {flag} {choices[-1]}).")
+        raise ValueError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))} (one value, e.g. {flag} "
+                         f"{choices[-1]}).")
     return value
 
 
-def _at_least(flag: str, value: int, low: int, why: str) -> int:
-    if value < low:
-        raise ValueError(f"{flag} {value}: needs at least {low} ({why}).")
-    return value
+def _given(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
+    """Each flag's value as given, else its field's default on ``device_type`` (a field's own default is left to
+    it), checked against its choices, a list item by item (an error's example: the GPU default, or the first two
+    choices) or its ``min``, then read by the field's ``parse``."""
+    values, hints = {}, type_hints(BenchSettings)
+    for f in fields(BenchSettings):
+        meta, name = f.metadata, f.metadata.get("flag", f.name)
+        value = getattr(args, f.name, None)
+        if name is None or value is None and "device" not in meta:
+            continue
+        value, flag = meta["device"](device_type) if value is None else value, cli_flag(name)
+        choices = meta["choices"]() if "choices" in meta else None
+        if choices and typing.get_origin(hints[f.name]) is tuple:
+            example = meta["device"]("cuda") if "device" in meta else ",".join(choices[:2])
+            value = _split(flag, value, choices, example)
+        elif choices:
+            value = _one_of(flag, value, choices)
+        if "min" in meta and value < meta["min"][0]:
+            raise ValueError(f"{flag} {value}: needs at least {meta['min'][0]} ({meta['min'][1]}).")
+        values[f.name] = meta["parse"](value) if "parse" in meta else value
+    return values
 
 
 def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
     from ..train.data import make_corpus
-    from ..train.models import LLAMA_SIZES
-    from ..train.schedule import LR_SCHEDULES
-    from ..train.job import default_fp8, default_nproc
 
-    sizes, steps, batch, seq = DEFAULTS[device_type]
-    strategies = ",".join(default_strategies(device_type))
-    train_fp8 = default_fp8()  # fp8dist train's backend where it runs here, else None: bf16 cells only
-    fp8 = ",".join(dict.fromkeys((NO_FP8.name, train_fp8 or NO_FP8.name)))
-    given = lambda value, default: default if value is None else value  # noqa: E731
-    fp8_items = _split("--fp8", given(args.fp8, fp8), fp8_choices(), f"{NO_FP8.name},{train_fp8 or fp8_choices()[1]}")
-    settings = BenchSettings(
-        strategies=_split("--strategies", given(args.strategies, strategies), tuple(STRATEGIES),
-                          ",".join(default_strategies("cuda", installed=False))),
-        fp8=tuple(None if f == NO_FP8.name else f for f in fp8_items),
-        sizes=_split("--sizes", given(args.sizes, sizes), tuple(LLAMA_SIZES), "tiny,small"),
-        steps=_at_least("--steps", given(args.steps, steps), TIMING_WARMUP + 2,
-                        f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step"),
-        batch_size=_at_least("--batch-size", given(args.batch_size, batch), 1, "sequences per process"),
-        seq_len=_at_least("--seq-len", given(args.seq_len, seq), 2, "tokens per sequence"),
-        nproc=_at_least("--nproc", given(args.nproc, default_nproc()), 1, "processes"),
-        seeds=_seeds(args.seed), lr=args.lr, zero_stage=args.zero_stage, raw=args.raw,
-        lr_schedule=_one_of("--lr-schedule", args.lr_schedule, LR_SCHEDULES),
-        compile=tuple(c == "on" for c in _split("--compile", args.compile, ("off", "on"), "off,on")),
-        activation_checkpointing=_split("--activation-checkpointing", args.activation_checkpointing,
-                                        ("none", "full", "selective"), "none,full"),
-        memory=_split("--memory", getattr(args, "memory", STANDARD.name), tuple(LEVELS), ",".join(LEVELS)),
-        variants=_variant_settings(args),
-        text=_text_job(args))
+    settings = BenchSettings(**_given(args, device_type), variants=_variant_settings(args), text=_text_job(args))
     corpus = len(make_corpus())
     if settings.text is None and settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
                          f"use at most {corpus - 1}.")
-    if args.lr <= 0:
-        raise ValueError(f"--lr {args.lr}: must be positive.")
+    if settings.lr <= 0:
+        raise ValueError(f"--lr {settings.lr}: must be positive.")
     return settings
 
 
@@ -156,19 +182,9 @@ def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    """``--seed``: one seed or a comma-separated list of them (non-negative integers)."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items or not all(t.isdigit() for t in items):
-        raise ValueError(f"--seed {text!r}: give a non-negative integer or a comma-separated list, e.g. --seed 0,1,2.")
-    return tuple(dict.fromkeys(int(t) for t in items))
-
-
 def _text_job(args: argparse.Namespace) -> TextJob | None:
     """``--data`` and its options (``fp8dist train``'s flags, validated as there) as every cell's :class:`TextJob`;
     None without ``--data`` (the grammar)."""
-    from dataclasses import fields
-
     from ..train.data.job import job_tokenizer
     from ..train.config import TrainConfig
 

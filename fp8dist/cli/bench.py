@@ -8,21 +8,18 @@ import os
 import shlex
 import sys
 import time
+import typing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..config.text import plural
-from ..config.schema import add_arguments
-from ..bench.cell import TIMING_WARMUP, TextJob, variants_of
-from ..bench.runner import (DEFAULTS, check_cells, check_text, default_strategies, device_type, fp8_choices,
-                            plan_cells, resolve_settings, run_cells, variant_backends)
-from ..fp8 import NO_FP8, get_backend
-from ..memory_levels import LEVELS, STANDARD
-from ..strategies import STRATEGIES
+from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
+from ..bench.cell import TextJob, variants_of
+from ..bench.runner import (BenchSettings, check_cells, check_text, device_type, plan_cells, resolve_settings,
+                            run_cells, variant_backends)
+from ..fp8 import get_backend
 from ..train.config import TrainConfig
-from ..train.models import LLAMA_SIZES
-from ..train.schedule import LR_SCHEDULES
 
 __all__ = ["add_parser", "run"]
 
@@ -37,54 +34,12 @@ def add_parser(sub: Any) -> None:
                                    "against bf16, and fp8dist's step time against the hand-wired FSDP2 engine; "
                                    "with --data, on real text, with the held-out loss at fixed steps and its spread "
                                    "across --seed values. Writes JSON and PNG named by date and device.")
-    def default(i: int, per_device: Any = DEFAULTS) -> str:
-        cpu, gpu = per_device["cpu"][i], per_device["cuda"][i]
-        return f"default: {cpu}" if cpu == gpu else f"default: {cpu} on CPU, {gpu} on GPU"
-
-    strategies = {d: [",".join(default_strategies(d, installed=False))] for d in DEFAULTS}
-    p.add_argument("--strategies", metavar="LIST", default=None,
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} ({default(0, strategies)}; each where "
-                        "installed)")
-    p.add_argument("--fp8", metavar="LIST", default=None,
-                   help=f"comma-separated FP8 backends, from {', '.join(fp8_choices())}; each FP8 cell also runs its "
-                        f"bf16 ({NO_FP8.name}) counterpart (default: {NO_FP8.name} and fp8dist train's default backend "
-                        "where it runs)")
-    p.add_argument("--sizes", metavar="LIST", default=None,
-                   help=f"comma-separated Llama presets, from {', '.join(LLAMA_SIZES)} ({default(0)})")
-    p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=f"steps per cell: {TIMING_WARMUP} warm-up, then timed, the last one counted "
-                        f"(communication, model state) and not timed ({default(1)})")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help=f"sequences per process per step ({default(2)})")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help=f"tokens per sequence ({default(3)})")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="processes per cell (default: one per GPU, or 2 on CPU; a strategy without a process group "
-                        "always runs 1)")
-    p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2,
-                   help="ZeRO stage of the cells whose strategy reads zero_stage (default: 2)")
-    p.add_argument("--compile", metavar="LIST", default="off",
-                   help="comma-separated, from off, on: torch.compile each block (a matrix dimension; default: off)")
-    p.add_argument("--activation-checkpointing", metavar="LIST", default="none",
-                   help="comma-separated, from none, full, selective (a matrix dimension; default: none)")
-    p.add_argument("--memory", metavar="LIST", default=STANDARD.name,
-                   help=f"comma-separated, from {', '.join(LEVELS)}: the model-state memory level (a matrix dimension; "
-                        f"a level's cells only where its strategy allows it; default: {STANDARD.name})")
-    p.add_argument("--lr", type=float, default=1e-3, metavar="X",
-                   help="AdamW's (peak) learning rate (default: 1e-3)")
-    p.add_argument("--lr-schedule", default="constant", metavar="{" + ",".join(LR_SCHEDULES) + "}",
-                   help="constant: --lr at every step; cosine: fp8dist train's schedule, linear warm-up over the first "
-                        "10%% of --steps, then cosine decay toward 10%% of --lr (default: constant, as the committed "
-                        "results)")
-    p.add_argument("--seed", default="0", metavar="LIST",
-                   help="model initialization and batch order seed, or comma-separated seeds (a matrix dimension: "
-                        "the spread of each figure across seeds; default: 0)")
+    _settings_flags(p)
     for name in variant_backends():  # e.g. --torchao-recipe: a cell per value
         option, values = get_backend(name).variant_option, variants_of(name)
-        p.add_argument("--" + option.replace("_", "-"), metavar="LIST", default=values[0],
-                       help=f"comma-separated {option} values, from {', '.join(values)} (a matrix dimension of the "
-                            f"{name} cells; default: {values[0]})")
-    p.add_argument("--no-raw", dest="raw", action="store_false",
-                   help="skip the fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio); default: run them")
+        p.add_argument(cli_flag(option), metavar="LIST", default=values[0],
+                       help=f"{option} values of the {name} cells: a matrix dimension (comma-separated, from "
+                            f"{', '.join(values)}; default: {values[0]})")
     p.add_argument("--no-plot", dest="plot", action="store_false",
                    help="write the JSON only; default: JSON and PNG (the PNG needs matplotlib: "
                         "pip install 'fp8dist[bench]')")
@@ -95,6 +50,41 @@ def add_parser(sub: Any) -> None:
     add_arguments(p, TrainConfig, title="real text (instead of the built-in grammar corpus)",
                   skip=[f.name for f in fields(TrainConfig) if f.name not in keep],
                   shown_defaults={"data": "none, the built-in corpus"})
+
+
+def _settings_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per field of :class:`BenchSettings`, its help the field's docstring with its choices and default,
+    all read from the field: a list is comma-separated, a boolean (on by default) is ``--no-NAME``, a field whose
+    default depends on the device type is None until :func:`fp8dist.bench.runner.resolve_settings` fills it."""
+    docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
+    for f in fields(BenchSettings):
+        meta, name, hint, doc = f.metadata, f.metadata.get("flag", f.name), hints[f.name], docs[f.name].rstrip(".")
+        if name is None:
+            continue
+        if hint is bool:
+            p.add_argument(f"--no-{name.replace('_', '-')}", dest=f.name, action="store_false",
+                           help=f"{doc} (default: on; this flag: off)")
+            continue
+        listed, choices = typing.get_origin(hint) is tuple, [_text(c) for c in meta.get("choices", tuple)()]
+        if "device" in meta:
+            default, (cpu, gpu) = None, (_text(meta["device"](d)) for d in ("cpu", "cuda"))
+            shown = meta.get("shown") or (cpu if cpu == gpu else f"{cpu} on CPU, {gpu} on GPU")
+        else:
+            default = shown = _text(f.default) if listed else f.default
+        if listed:
+            kind, metavar = str, "LIST"
+        else:
+            kind, metavar = hint, "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X"}[hint]
+        listing = f"comma-separated, from {', '.join(choices)}; " if listed and choices else ""
+        p.add_argument(cli_flag(name), dest=f.name, default=default, type=kind, metavar=metavar,
+                       help=f"{doc} ({listing}default: {shown})".replace("%", "%%"))
+
+
+def _text(value: Any) -> str:
+    """A field's value as its flag writes it: a list comma-separated, a boolean off or on."""
+    if isinstance(value, tuple):
+        return ",".join(map(_text, value))
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def run(args: argparse.Namespace) -> int:

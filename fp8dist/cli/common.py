@@ -21,7 +21,8 @@ FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+
 """Every subcommand's ``--fp8`` default, shown in its help (the Python API's default is none)."""
 
 
-def config_from_args(args: argparse.Namespace, extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
+def config_from_args(args: argparse.Namespace,
+                     extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
     """The flags the user gave over the ``--config FILE`` keys, through the one merge path
     (:func:`fp8dist.resolve_config`), with the commands' own default for ``fp8`` (:func:`fp8dist.train.job.default_fp8`:
     torchao where it runs; the Python API's default is none). ``extra`` dataclasses (``TrainConfig``) take their keys
@@ -72,16 +73,19 @@ def meta_model(args: argparse.Namespace):
 
 def quiet_cpu_noise() -> None:
     """On a CPU-only torch, an FP8 backend's library logs that its CUDA kernels did not load (torchao does), and
-    torch that torchao registers enums the old way: true, and irrelevant to the user of this command."""
+    torch that torchao registers enums the old way: true, and irrelevant to the user of this command. A strategy's
+    engine's INFO lines (:attr:`Strategy.noisy_loggers`) are shown from WARNING up."""
     import torch
 
     from ..fp8 import BACKENDS, get_backend
+    from ..strategies import STRATEGIES
 
     if not torch.cuda.is_available():
         libraries = [get_backend(backend).package for backend in BACKENDS]
         for name in ("torch.utils._pytree", *filter(None, libraries)):  # None would be the root logger
             logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the progress output
+    for name in (logger for strategy in STRATEGIES.values() for logger in strategy.noisy_loggers):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager

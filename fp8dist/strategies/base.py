@@ -249,6 +249,11 @@ class Strategy(Protocol):
         (ZeRO-3's partitions); None (the default): the parameters themselves hold it."""
         return None
 
+    # cli:
+    noisy_loggers: ClassVar[tuple[str, ...]] = ()
+    """Loggers of the engine whose INFO lines would drown a command's progress output; the CLI shows them from
+    WARNING up."""
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

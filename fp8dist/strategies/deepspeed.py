@@ -117,6 +117,7 @@ class DeepSpeed(Strategy):
     bench_devices = ("cpu",)
     checkpoint = ZeROCheckpoint()
     rank_imports = ("deepspeed",)
+    noisy_loggers = ("DeepSpeed",)  # its INFO lines drown a command's progress output
     fit_way_out = ("ZeRO-3 with optimizer and parameter offload",
                    {"strategy": name, "zero_stage": 3, "offload_optimizer": True, "offload_param": True})
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config.text import plural
+from ..config.text import byte_size as _gib, plural
 
 __all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed", "job_memory_need", "check_memory",
            "check_positions", "check_checkpoint_dir"]
@@ -64,10 +64,6 @@ class MemoryNeed:
             return f"{states} per rank (activations not modelled for this model)"
         return (f"{states} + activations {_gib(self.activation_bytes)} (micro-batch {self.micro_batch} x "
                 f"{self.seq_len:,} tokens) per rank, estimated")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def job_memory_need(config: Any, train: Any, model_config: Any, world: int) -> MemoryNeed:
