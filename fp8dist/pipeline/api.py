@@ -251,7 +251,8 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
         return sharded.model
     if sharded.optimizer is not None:
         return sharded.model, sharded.optimizer
-    return sharded.model, memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
+    trainable = [p for p in sharded.model.parameters() if p.requires_grad]  # a frozen base (LoRA) is never stepped
+    return sharded.model, memory.build_optimizer(optimizer, trainable, env.device)
 
 
 def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:
