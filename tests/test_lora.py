@@ -1,0 +1,146 @@
+"""LoRA on an FP8 base: ``wrap_model`` on a PEFT model (``peft.get_peft_model``), on 2 real gloo ranks.
+
+The frozen base Linears (``...base_layer``) are planned like any Linear and run torchao's FP8 GEMM; the adapters
+(``lora_A`` / ``lora_B``) stay in bf16 with their reason at any rank; FSDP2 shards units that hold frozen and
+trainable parameters together, and losses and adapter weights equal the same engine wired by hand, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from helpers import BATCH, gemms_per_module
+
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+
+from fp8dist import get_plan, get_wrap_info, plan_precision, resolve_config, wrap_model  # noqa: E402
+from fp8dist.train.data import Batches  # noqa: E402
+from fp8dist.train.models import build_llama  # noqa: E402
+
+TARGETS = ["q_proj", "v_proj", "gate_proj"]
+STEPS = 3
+SEQ = 32
+
+
+def peft_llama(r: int = 8, dtype: torch.dtype = torch.float32, targets: list[str] = TARGETS):
+    """The tiny Llama (hidden 128, MLP 384, k/v 64: every dim divisible by 16) with LoRA adapters on ``targets``."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(build_llama("tiny", seed=0).to(dtype), LoraConfig(r=r, target_modules=targets))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` as a plain tensor (a DTensor's shard, torchao's FP8 weight wrapper unwrapped)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return getattr(t, "_tensor", t).detach().clone()
+
+
+def _steps(model, opt, rank: int, world: int, after_step=None) -> list[float]:
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+    losses = []
+    for step in range(STEPS):
+        ids = batches[step]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+def test_adapters_stay_bf16_with_their_reason_at_any_rank(rank):
+    plan = plan_precision(peft_llama(rank, targets=[*TARGETS, "lm_head"]),
+                          resolve_config(strategy="fsdp", fp8="torchao"), device=torch.device("cpu"))
+    adapters = [e for e in plan if ".lora_" in e.name]
+    assert len(adapters) == 2 * (2 * 3 + 1)  # A and B of 3 targets in 2 layers, and of the output head
+    for e in adapters:  # their dims are multiples of 16: only the adapter rule keeps them out
+        assert (e.precision, e.converted_to) == ("bf16", None), e
+        which = e.name.split(".lora_")[1].split(".")[0]
+        assert e.reason == f"PEFT adapter (lora_{which}, rank {rank}): a rank-r GEMM is too small to pay for FP8 casts"
+    base = plan.by_name("base_model.model.model.layers.1.mlp.gate_proj.base_layer")
+    assert (base.precision, base.reason) == ("fp8", "converted by torchao; frozen weight")
+    # the first and last Linear rule means the base model's: a LoRA on the output head runs its lora_B last
+    assert plan.by_name("base_model.model.lm_head.base_layer").reason.startswith("last Linear, kept")
+    assert plan.by_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer").reason.startswith("first Linear")
+
+
+def test_dora_magnitude_is_an_adapter_too():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_llama("tiny", seed=0), LoraConfig(r=16, target_modules=["v_proj"], use_dora=True))
+    plan = plan_precision(model, resolve_config(strategy="fsdp", fp8="torchao"), device=torch.device("cpu"))
+    magnitude = plan.by_name("base_model.model.model.layers.1.self_attn.v_proj.lora_magnitude_vector.default")
+    assert magnitude.precision == "bf16"
+    assert magnitude.reason.startswith("PEFT adapter (lora_magnitude_vector, rank 16)")
+
+
+def _parity_case(rank: int, world: int, recipe: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute
+
+    base = peft_llama()
+    ours, opt = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_recipe=recipe,
+                           optimizer={"type": "AdamW", "lr": 1e-2})
+    plan = get_plan(ours)
+    fp8_names = {e.name for e in plan.fp8}
+    ref = copy.deepcopy(base)  # the hand wiring: PEFT, torchao with the plan's filter, fully_shard per block and root
+    tensorwise = recipe == "tensorwise"
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True) if tensorwise else \
+        Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(ref, config=config, module_filter_fn=lambda module, fqn: fqn in fp8_names)
+    policy, mesh = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), \
+        init_device_mesh("cpu", (world,))
+    for layer in ref.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+
+    trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    frozen_before = {n: _local(p) for n, p in ours.named_parameters() if not p.requires_grad}
+    adapters_before = {n: _local(p) for n, p in ours.named_parameters() if p.requires_grad}
+    q = ours.base_model.model.model.layers[1].self_attn.q_proj
+    out = dict(
+        ours=_steps(ours, opt, rank, world),
+        ref=_steps(ref, ref_opt, rank, world, (lambda: precompute(ref)) if tensorwise else None),
+        plan={e.name: (e.precision, e.reason) for e in plan},
+        optimizer={n for n, p in ours.named_parameters() if any(p is q for g in opt.param_groups for q in g["params"])},
+        trainable=trainable,
+        placements={n: [repr(p) for p in t.placements] for n, t in (("base", q.base_layer.weight),
+                                                                        ("lora_A", q.lora_A.default.weight))},
+        frozen_same=all(torch.equal(_local(p), frozen_before[n]) for n, p in ours.named_parameters()
+                        if not p.requires_grad),
+        adapters_moved=sum(not torch.equal(_local(p), adapters_before[n]) for n, p in ours.named_parameters()
+                           if p.requires_grad),
+        adapters_equal=all(torch.equal(a.full_tensor(), b.full_tensor()) for (n, a), (_, b) in
+                           zip(ours.named_parameters(), ref.named_parameters()) if a.requires_grad),
+    )
+    out["gemms"] = gemms_per_module(ours, Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world)[0])[0]
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp2_lora_on_fp8_base_matches_hand_wiring(recipe):
+    for rank, r in enumerate(run_ranks(_parity_case, recipe)):
+        assert r["ours"] == r["ref"], f"rank {rank}: {r['ours']} != {r['ref']}"
+        assert r["adapters_equal"], "adapter weights equal the hand-wired run's"
+        assert r["trainable"] and all(".lora_" in n for n in r["trainable"])
+        assert r["optimizer"] == r["trainable"], "only the adapters reach the optimizer"
+        assert r["frozen_same"], "the frozen base is unchanged by training"
+        assert r["adapters_moved"] == len(r["trainable"]), "every adapter trained"
+        # one FSDP2 unit (the block) shards the frozen base weight and its trainable adapter alike
+        assert r["placements"] == dict(base=["Shard(dim=0)"], lora_A=["Shard(dim=0)"])
+        v = "base_model.model.model.layers.1.self_attn.v_proj"
+        assert r["plan"][f"{v}.base_layer"][0] == "fp8" and r["plan"][f"{v}.lora_A.default"][0] == "bf16"
+        assert r["gemms"][f"{v}.base_layer"] > 0, "the frozen base layer ran torchao's FP8 GEMM"
+        assert r["gemms"][f"{v}.lora_A.default"] == r["gemms"][f"{v}.lora_B.default"] == 0
