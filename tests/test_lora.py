@@ -144,3 +144,88 @@ def test_fsdp2_lora_on_fp8_base_matches_hand_wiring(recipe):
         assert r["plan"][f"{v}.base_layer"][0] == "fp8" and r["plan"][f"{v}.lora_A.default"][0] == "bf16"
         assert r["gemms"][f"{v}.base_layer"] > 0, "the frozen base layer ran torchao's FP8 GEMM"
         assert r["gemms"][f"{v}.lora_A.default"] == r["gemms"][f"{v}.lora_B.default"] == 0
+
+
+def _held(p: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``p``: ZeRO-3's partition, a DTensor's shard, or the whole tensor."""
+    return _local(getattr(p, "ds_tensor", p))
+
+
+STRATEGIES = {"fsdp1": {}, "ddp": {}, "hsdp": dict(strategy="fsdp", replicate_degree=2),
+              "lean": dict(strategy="fsdp", memory="lean"),
+              **{f"zero{s}": dict(strategy="deepspeed", zero_stage=s, micro_batch_size=BATCH // 2) for s in (1, 2, 3)}}
+
+
+def _strategy_case(rank: int, world: int) -> dict:
+    os.environ.update(LOCAL_SIZE=str(world))  # DeepSpeed's launcher variable for ranks on one node
+    out = {}
+    for name, options in STRATEGIES.items():
+        options = {"strategy": name, **options}
+        engine = options["strategy"] == "deepspeed"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model, opt = wrap_model(peft_llama(), fp8="torchao", optimizer={"type": "AdamW", "lr": 1e-2},
+                                        **options)
+            except Exception as err:  # noqa: BLE001  (a refusal is the answer for that strategy)
+                out[name] = dict(refused=f"{type(err).__name__}: {err}")
+                continue
+            before = {n: _held(p) for n, p in model.named_parameters()}
+            batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+            losses = []
+            for step in range(STEPS):
+                ids = batches[step]
+                loss = model(input_ids=ids, labels=ids).loss
+                if engine:
+                    model.backward(loss)
+                    model.step()
+                else:
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+        moved = {n for n, p in model.named_parameters() if not torch.equal(_held(p), before[n])}
+        out[name] = dict(losses=losses, moved=moved, trainable={n for n, p in model.named_parameters()
+                                                               if p.requires_grad},
+                         fp8=len(get_plan(model).fp8), kind=type(model).__name__)
+    return out
+
+
+def test_every_strategy_trains_only_the_adapters_over_an_fp8_base():
+    results = run_ranks(_strategy_case, timeout=600)
+    for name in STRATEGIES:
+        assert all("refused" not in out[name] for out in results), (name, results[0][name])
+        runs = [out[name] for out in results]
+        for r in runs:
+            assert r["fp8"] == 13, f"{name}: the base layers run FP8 (all 15 Linears but the first and last)"
+            assert r["losses"][-1] < r["losses"][0], (name, r["losses"])
+            assert r["trainable"] and all(".lora_" in n for n in r["trainable"]), name
+        # FSDP1 gives a rank an empty view of a parameter held wholly in another rank's shard: the ranks together
+        moved = set().union(*(r["moved"] for r in runs))
+        assert moved == runs[0]["trainable"], f"{name}: only and every adapter changed"
+
+
+def test_a_frozen_bf16_base_is_accepted_and_bf16_adapters_are_refused():
+    from peft import LoraConfig, get_peft_model
+
+    # PEFT keeps adapters of a bf16 base in fp32 (autocast_adapter_dtype): nothing trainable lacks fp32 masters
+    model = peft_llama(dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    with pytest.raises(ValueError, match=r"strategy='fsdp1' flattens .* mixes bf16 .* strategy='fsdp'"):
+        wrap_model(model, strategy="fsdp1", fp8="torchao")  # one flat tensor per unit: one dtype
+    bf16 = get_peft_model(build_llama("tiny", seed=0).to(torch.bfloat16), LoraConfig(r=8, target_modules=TARGETS),
+                          autocast_adapter_dtype=False)
+    with pytest.raises(ValueError, match=r"has 12 trainable bf16 parameters \(e\.g\. '.*lora_A\.default\.weight'\)"
+                       r".* leave get_peft_model's autocast_adapter_dtype=True"):
+        wrap_model(bf16, strategy="fsdp", fp8="torchao")
+
+
+def _bf16_base_case(rank: int, world: int) -> dict:
+    model, opt = wrap_model(peft_llama(dtype=torch.bfloat16), strategy="fsdp", fp8="torchao",
+                            optimizer={"type": "AdamW", "lr": 1e-2})
+    return dict(losses=_steps(model, opt, rank, world), fp8=len(get_plan(model).fp8))
+
+
+def test_fsdp2_trains_a_bf16_base_with_fp32_adapters():
+    for r in run_ranks(_bf16_base_case):
+        assert r["fp8"] == 13 and r["losses"][-1] < r["losses"][0], r
