@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, gemms_per_module
+from helpers import BATCH, gemms_per_module, one_thread  # noqa: F401  (a fixture)
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
@@ -32,7 +32,9 @@ def peft_llama(r: int = 8, dtype: torch.dtype = torch.float32, targets: list[str
     """The tiny Llama (hidden 128, MLP 384, k/v 64: every dim divisible by 16) with LoRA adapters on ``targets``."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(build_llama("tiny", seed=0).to(dtype), LoraConfig(r=r, target_modules=targets))
+    model = build_llama("tiny", seed=0).to(dtype)
+    torch.manual_seed(0)  # PEFT draws lora_A from the global generator: every build the same
+    return get_peft_model(model, LoraConfig(r=r, target_modules=targets))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ def _parity_case(rank: int, world: int, recipe: str) -> dict:
         ref=_steps(ref, ref_opt, rank, world, (lambda: precompute(ref)) if tensorwise else None),
         plan={e.name: (e.precision, e.reason) for e in plan},
         optimizer={n for n, p in ours.named_parameters() if any(p is q for g in opt.param_groups for q in g["params"])},
-        trainable=trainable,
+        trainable=trainable, blocks=get_wrap_info(ours).sharding.blocks,
         placements={n: [repr(p) for p in t.placements] for n, t in (("base", q.base_layer.weight),
                                                                         ("lora_A", q.lora_A.default.weight))},
         frozen_same=all(torch.equal(_local(p), frozen_before[n]) for n, p in ours.named_parameters()
@@ -138,7 +140,8 @@ def test_fsdp2_lora_on_fp8_base_matches_hand_wiring(recipe):
         assert r["optimizer"] == r["trainable"], "only the adapters reach the optimizer"
         assert r["frozen_same"], "the frozen base is unchanged by training"
         assert r["adapters_moved"] == len(r["trainable"]), "every adapter trained"
-        # one FSDP2 unit (the block) shards the frozen base weight and its trainable adapter alike
+        # one FSDP2 unit per decoder layer, found inside the PEFT wrapper, shards frozen and trainable weights alike
+        assert sorted(r["blocks"]) == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
         assert r["placements"] == dict(base=["Shard(dim=0)"], lora_A=["Shard(dim=0)"])
         v = "base_model.model.model.layers.1.self_attn.v_proj"
         assert r["plan"][f"{v}.base_layer"][0] == "fp8" and r["plan"][f"{v}.lora_A.default"][0] == "bf16"
@@ -229,3 +232,61 @@ def _bf16_base_case(rank: int, world: int) -> dict:
 def test_fsdp2_trains_a_bf16_base_with_fp32_adapters():
     for r in run_ranks(_bf16_base_case):
         assert r["fp8"] == 13 and r["losses"][-1] < r["losses"][0], r
+
+
+def test_the_numerics_probe_measures_the_base_layers_of_a_peft_model(one_thread):
+    from fp8dist import measure_fp8_numerics
+
+    model = peft_llama()
+    ids = Batches(batch_size=2, seq_len=SEQ, rank=0, world_size=1, seed=0)[0]
+    report = measure_fp8_numerics(model, [ids], fp8="torchao")
+    probed = {row.name for row in report.layers}
+    assert probed == {e.name for e in plan_precision(model, resolve_config(strategy="fsdp", fp8="torchao"),
+                                                     device=torch.device("cpu")).fp8}
+    assert "base_model.model.model.layers.1.self_attn.v_proj.base_layer" in probed
+    assert not any(".lora_" in name for name in probed), "adapters stay bf16: nothing to probe"
+    assert report.recommended_exclude == []
+
+
+BAD = 1  # the step whose forward makes an inf (on rank 0 only)
+
+
+def _guard_case(rank: int, world: int) -> dict:
+    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
+
+    def run(bad: bool):
+        model, opt = wrap_model(peft_llama(), strategy="fsdp", fp8="torchao", optimizer={"type": "AdamW", "lr": 1e-2})
+        layer = model.base_model.model.model.layers[1].mlp.down_proj  # a frozen FP8 base layer
+        losses, same, said = [], None, []
+        for step in range(STEPS + 1):
+            if step == BAD and not bad:
+                continue  # the twin never sees that batch
+            poison = bad and step == BAD and rank == 0
+            hook = layer.register_forward_hook(lambda m, a, out: out * float("inf")) if poison else None
+            before = [_local(t) for t in (*model.parameters(), *(v for s in opt.state.values() for v in s.values()))]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ids = batches[step]
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if hook is not None:
+                hook.remove()
+            if step == BAD:
+                after = [_local(t) for t in (*model.parameters(), *(v for s in opt.state.values() for v in s.values()))]
+                same = len(before) == len(after) and all(torch.equal(x, y) for x, y in zip(before, after))
+                said = [str(w.message) for w in caught if "skipped: non-finite" in str(w.message)]
+            else:
+                losses.append(loss.item())
+        return losses, same, said, get_wrap_info(model).skipped_steps
+
+    losses, same, said, skipped = run(bad=True)
+    return dict(losses=losses, same=same, said=said, skipped=skipped, never=run(bad=False)[0])
+
+
+def test_a_non_finite_step_leaves_adapters_and_their_optimizer_state_untouched():
+    for rank, r in enumerate(run_ranks(_guard_case)):
+        assert r["same"], f"rank {rank}: adapters or their AdamW state changed in the skipped step"
+        assert r["skipped"] == 1 and len(r["said"]) == 1 and ".lora_" in r["said"][0], r["said"]
+        assert r["losses"] == r["never"], "the run goes on as if the batch had never been seen"
