@@ -19,7 +19,7 @@ from helpers import BATCH, gemms_per_module, one_thread  # noqa: F401  (a fixtur
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
-from fp8dist import get_plan, get_wrap_info, plan_precision, resolve_config, wrap_model  # noqa: E402
+from fp8dist import clip_grad_norm_, get_plan, get_wrap_info, plan_precision, resolve_config, wrap_model  # noqa: E402
 from fp8dist.train.data import Batches  # noqa: E402
 from fp8dist.train.models import build_llama  # noqa: E402
 
@@ -175,7 +175,7 @@ def _strategy_case(rank: int, world: int) -> dict:
                 continue
             before = {n: _held(p) for n, p in model.named_parameters()}
             batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
-            losses = []
+            losses, norms = [], []
             for step in range(STEPS):
                 ids = batches[step]
                 loss = model(input_ids=ids, labels=ids).loss
@@ -184,11 +184,12 @@ def _strategy_case(rank: int, world: int) -> dict:
                     model.step()
                 else:
                     loss.backward()
+                    norms.append(clip_grad_norm_(model, 1.0).item())  # over the adapters' gradients only
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
         moved = {n for n, p in model.named_parameters() if not torch.equal(_held(p), before[n])}
-        out[name] = dict(losses=losses, moved=moved, trainable={n for n, p in model.named_parameters()
+        out[name] = dict(losses=losses, norms=norms, moved=moved, trainable={n for n, p in model.named_parameters()
                                                                if p.requires_grad},
                          fp8=len(get_plan(model).fp8), kind=type(model).__name__)
     return out
@@ -202,6 +203,7 @@ def test_every_strategy_trains_only_the_adapters_over_an_fp8_base():
         for r in runs:
             assert r["fp8"] == 13, f"{name}: the base layers run FP8 (all 15 Linears but the first and last)"
             assert r["losses"][-1] < r["losses"][0], (name, r["losses"])
+            assert all(0 < n < float("inf") for n in r["norms"]), (name, r["norms"])
             assert r["trainable"] and all(".lora_" in n for n in r["trainable"]), name
         # FSDP1 gives a rank an empty view of a parameter held wholly in another rank's shard: the ranks together
         moved = set().union(*(r["moved"] for r in runs))
