@@ -3,6 +3,8 @@
 The frozen base Linears (``...base_layer``) are planned like any Linear and run torchao's FP8 GEMM; the adapters
 (``lora_A`` / ``lora_B``) stay in bf16 with their reason at any rank; FSDP2 shards units that hold frozen and
 trainable parameters together, and losses and adapter weights equal the same engine wired by hand, bit for bit.
+FSDP1, DDP, HSDP, memory="lean" and DeepSpeed ZeRO 1-3 train the adapters alone too; the numerics probe measures
+the base layers; a non-finite step leaves adapters and their optimizer state as they were.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _parity_case(rank: int, world: int, recipe: str) -> dict:
         ours=_steps(ours, opt, rank, world),
         ref=_steps(ref, ref_opt, rank, world, (lambda: precompute(ref)) if tensorwise else None),
         plan={e.name: (e.precision, e.reason) for e in plan},
-        optimizer={n for n, p in ours.named_parameters() if any(p is q for g in opt.param_groups for q in g["params"])},
+        optimizer={n for n, p in ours.named_parameters() if any(p is o for g in opt.param_groups for o in g["params"])},
         trainable=trainable, blocks=get_wrap_info(ours).sharding.blocks,
         placements={n: [repr(p) for p in t.placements] for n, t in (("base", q.base_layer.weight),
                                                                         ("lora_A", q.lora_A.default.weight))},
