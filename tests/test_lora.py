@@ -77,14 +77,16 @@ def test_adapters_stay_bf16_with_their_reason_at_any_rank(rank):
     assert plan.by_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer").reason.startswith("first Linear")
 
 
-def test_dora_magnitude_is_an_adapter_too():
+def test_dora_magnitudes_and_embedding_adapters_are_adapters_too():
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build_llama("tiny", seed=0), LoraConfig(r=16, target_modules=["v_proj"], use_dora=True))
-    plan = plan_precision(model, resolve_config(strategy="fsdp", fp8="torchao"), device=torch.device("cpu"))
-    magnitude = plan.by_name("base_model.model.model.layers.1.self_attn.v_proj.lora_magnitude_vector.default")
-    assert magnitude.precision == "bf16"
-    assert magnitude.reason.startswith("PEFT adapter (lora_magnitude_vector, rank 16)")
+    config = LoraConfig(r=16, target_modules=["v_proj", "embed_tokens"], use_dora=True)
+    plan = plan_precision(get_peft_model(build_llama("tiny", seed=0), config),
+                          resolve_config(strategy="fsdp", fp8="torchao"), device=torch.device("cpu"))
+    for name, which in (("layers.1.self_attn.v_proj.lora_magnitude_vector.default", "lora_magnitude_vector"),
+                        ("embed_tokens.lora_embedding_A", "lora_embedding_A")):  # a ParameterDict: its own row
+        entry = plan.by_name(f"base_model.model.model.{name}")
+        assert entry.precision == "bf16" and entry.reason.startswith(f"PEFT adapter ({which}, rank 16)"), entry
 
 
 def _parity_case(rank: int, world: int, recipe: str) -> dict:
