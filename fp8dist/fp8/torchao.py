@@ -23,6 +23,7 @@ from .casts import Casts, CastSpec
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
+from ..plan.adapters import without_adapters
 from .mx_linear import (MX_BYPASSED, MX_WRAPPED, is_mx, mx_hardware_reason, mx_gemm_words, mx_linear_casts,
                         mx_linear_reason, mx_op_config)
 from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
@@ -196,7 +197,7 @@ class TorchaoBackend(FP8Backend):
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        order = gemm_order(model, _plain_linear_like)  # execution order: Phi-3 runs qkv_proj before o_proj
+        order = gemm_order(model, without_adapters(model, _plain_linear_like))  # lora: base layers only
         if order.first is None:
             return routers
         return {**routers, **{name: f"{which} Linear{' (a Conv1D)' if is_conv1d(model.get_submodule(name)) else ''}, "

@@ -20,6 +20,7 @@ from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from ..memory_levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
+from ..plan.adapters import is_peft_model
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
 from .pretrained import LoadReport, materialize
@@ -114,6 +115,8 @@ def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, fa
     if not half:
         return
     (name, dtype), short = half[0], dtype_name(half[0][1])
+    peft = (" A PEFT model: leave get_peft_model's autocast_adapter_dtype=True (its default), which keeps the "
+            "adapters in fp32 over a frozen bf16 base.") if is_peft_model(model) else ""
     raise ValueError(
         f"wrap_model: {type(model).__name__} has {plural(len(half), f'trainable {short} parameter')} "
         f"(e.g. {name!r}) and "
@@ -121,7 +124,7 @@ def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, fa
         f"optimizer steps them in {short}, where an update smaller than about {torch.finfo(dtype).eps / 2:.0e} of "
         "a weight is lost. Call model.float() before wrap_model, or build it in fp32 (e.g. from_config(config, "
         "dtype=torch.float32)): fp8dist computes in bf16 anyway (param_dtype). Or memory='lean' (bf16 weights on "
-        "purpose, stochastic rounding), or strategy='deepspeed' (fp32 master weights in its optimizer).")
+        f"purpose, stochastic rounding), or strategy='deepspeed' (fp32 master weights in its optimizer).{peft}")
 
 
 def _check_meta(model: nn.Module, cfg: Config) -> bool:
@@ -251,7 +254,8 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
         return sharded.model
     if sharded.optimizer is not None:
         return sharded.model, sharded.optimizer
-    return sharded.model, memory.build_optimizer(optimizer, sharded.model.parameters(), env.device)
+    trainable = [p for p in sharded.model.parameters() if p.requires_grad]  # a frozen base (LoRA) is never stepped
+    return sharded.model, memory.build_optimizer(optimizer, trainable, env.device)
 
 
 def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:

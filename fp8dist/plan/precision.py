@@ -19,6 +19,7 @@ from ..config.text import plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
 from .coverage import MIN_FP8_SHARE, FP8Coverage, coverage, gemm_flops, runs_gemm
+from .adapters import adapter_reasons
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
@@ -265,7 +266,8 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
 
     backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
-    reserved = backend.model_exclusions(model, cfg) if backend else {}
+    # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
+    reserved = {**(backend.model_exclusions(model, cfg) if backend else {}), **adapter_reasons(model)}
     entries = []
     for name, module in model.named_modules():
         params = sum(p.numel() for p in module.parameters(recurse=False))
@@ -276,7 +278,8 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
             if backend.computes_in_fp8(module):
-                precision, reason = "fp8", f"converted by {fp8}"
+                frozen = not any(p.requires_grad for p in module.parameters(recurse=False))
+                precision, reason = "fp8", f"converted by {fp8}" + ("; frozen weight" if frozen else "")
             else:
                 reason = f"swapped for {target}; norms do not compute in FP8"
         grouped = is_experts(module)
