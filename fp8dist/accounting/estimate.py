@@ -35,10 +35,10 @@ from torch import nn
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
-                              element_bytes, worst_rank)
+                              element_bytes, param_groups, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
-from .tensors import StateBytes
+from .tensors import ParamGroup, StateBytes
 from ..config.schema import choice_error
 from ..config.rules import check, unread_options
 from ..config.resolve import Config, resolve_config
@@ -92,6 +92,10 @@ class MemoryEstimate(StateBytes):
     fit: Fit | None = None
     """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
     accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+    groups: tuple[ParamGroup, ...] = ()
+    """Where some parameters are frozen (a LoRA base): the frozen and the trained ones apart, each with its bytes
+    on this rank (each group laid out by the strategy alone: exact where parameters are held one by one -- FSDP2,
+    DDP, one process, ZeRO -- while FSDP1's flat units are padded for each group alone); () where all train."""
 
     @property
     def activation_bytes(self) -> int:
@@ -121,6 +125,7 @@ class MemoryEstimate(StateBytes):
             acts.append(["not estimated for this model (see the note)", "-"])
             total = f"total: {_size(self.model_state_bytes)} per rank in model states; activations not estimated"
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
+                 *self.group_table(_size), "",
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", total]
         if self.fit is not None:
@@ -153,7 +158,7 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
     level, backend = get_level(cfg.parallel.memory), get_backend(cfg.precision.fp8)
     return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
                       element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
-                                    name in converted))
+                                    name in converted, p.requires_grad), p.requires_grad)
             for name, p in model.named_parameters()]
 
 
@@ -249,8 +254,10 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     params = _param_infos(model, cfg, plan, blocks, optimizer, engine)
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")
-    per_rank = strategy.rank_state_bytes(params, cfg, world_size, engine, step=STEP_BYTES.get(optimizer, 0),
-                                         level_states=level.local_state_bytes, backend_optimizer=backend.owns_optimizer)
+    layout = partial(strategy.rank_state_bytes, cfg=cfg, world_size=world_size, engine=engine,
+                     step=STEP_BYTES.get(optimizer, 0), level_states=level.local_state_bytes,
+                     backend_optimizer=backend.owns_optimizer)
+    per_rank = layout(params)
     chosen = worst_rank(per_rank) if rank is None else rank
     fp8_bytes = backend.fp8_state_bytes(cfg, plan)
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
@@ -264,4 +271,5 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         dtypes=category_dtypes(params, fp8_bytes), micro_batch_size=micro, seq_len=seq_len,
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
+        groups=param_groups(params, lambda group: layout(group)[chosen]),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

@@ -11,14 +11,15 @@ precomputed scales). TE and MS-AMP figures are derived from their documentation,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
 from ..strategies.base import EngineMemory
-from .tensors import CATEGORIES
+from .tensors import CATEGORIES, ParamGroup
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "category_dtypes", "worst_rank"]
+           "STEP_BYTES", "category_dtypes", "param_groups", "worst_rank"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -36,6 +37,8 @@ class ElementBytes:
     grad: int
     states: int
     dtypes: tuple[str, str, str, str]
+    trains: bool = True
+    """False for a frozen parameter (``requires_grad=False``): a backend may store its weight otherwise."""
 
 
 @dataclass(frozen=True)
@@ -48,21 +51,32 @@ class ParamInfo:
     unit: str
     """The FSDP unit (block) that owns it; "" for the root."""
     bytes: ElementBytes
-
+    trains: bool = True
+    """``requires_grad``: a frozen parameter has no gradient, optimizer state nor step of its own."""
 
 
 def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, optimizer: str, stored_dtype: str,
-                  converted: bool) -> ElementBytes:
+                  converted: bool, trains: bool = True) -> ElementBytes:
     """Bytes per element of one parameter: as the strategy's ``engine`` holds it (its module dtype, else the
     model's own ``stored_dtype``; its master dtype, else none and the states in the weights' dtype), then as the
-    memory ``level`` and the FP8 ``backend`` change it (``converted``: the plan converts its module)."""
+    memory ``level`` and the FP8 ``backend`` change it (``converted``: the plan converts its module). A frozen
+    parameter (``trains`` False) keeps only its weight: every engine here keeps masters, gradients and optimizer
+    states for what trains alone (FSDP1's flat gradient, which spans frozen pieces too, is its layout's matter)."""
     n_states = OPTIMIZER_STATES[optimizer]
     weight = engine.dtype or stored_dtype
     states = engine.master or weight
     base = ElementBytes(DTYPE_BYTES[weight], DTYPE_BYTES[engine.master] if engine.master else 0, DTYPE_BYTES[weight],
                         DTYPE_BYTES[states] * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
-    return backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
+    held = level.element_bytes(base)
+    if not trains:
+        held = _frozen(held)
+    held = backend.element_bytes(cfg, held, converted, n_states)
+    return held if trains else _frozen(held)  # whatever the backend keeps, it keeps no training state of a frozen one
+
+
+def _frozen(held: ElementBytes) -> ElementBytes:
+    return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"), trains=False)
 
 
 def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
@@ -81,3 +95,20 @@ def worst_rank(per_rank: list[dict[str, int]]) -> int:
     """The rank holding the most model-state bytes (the lowest such rank)."""
     return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
 
+
+
+def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> \
+        tuple[ParamGroup, ...]:
+    """The frozen and the trained parameters apart, each group's bytes on the rank described as ``rank_bytes``
+    lays it out alone; () where every parameter trains."""
+    if all(p.trains for p in params):
+        return ()
+    out = []
+    for label, trains in (("frozen", False), ("trained", True)):
+        group = [p for p in params if p.trains is trains]
+        names = [sorted({p.bytes.dtypes[i] for p in group} - {"none"}) for i in range(4)]
+        holds = ", ".join(f"{'/'.join(n)} {what}" for n, what in zip(names, ("weight", "master", "grad",
+                                                                              "optimizer states")) if n)
+        out.append(ParamGroup(label, sum(p.numel for p in group), sum(rank_bytes(group).values()) if group else 0,
+                              holds or "nothing"))
+    return tuple(out)
