@@ -156,3 +156,38 @@ def test_unfreezing_restores_full_fine_tune_bytes():
     est = estimate_memory(model, strategy="ddp", world_size=2)
     assert est.groups == ()
     assert est.bytes["gradients"] == est.bytes["parameters"]  # every parameter has its gradient
+
+
+def test_cli_estimates_a_lora_run_as_the_api_does(capsys):
+    """``fp8dist estimate --lora-rank 8``: the built-in model's base in bf16 under PEFT adapters on q_proj,v_proj,
+    the same figures as estimate_memory on that PEFT model."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from fp8dist import cli
+    from fp8dist.train.models import build_llama
+
+    argv = ["estimate", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--world-size", "2", "--fp8", "torchao"]
+    assert cli.main([*argv, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        model = get_peft_model(build_llama("tiny").to(torch.bfloat16), LoraConfig(r=8, target_modules=["q_proj",
+                                                                                                         "v_proj"]))
+    est = estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=2)
+    assert printed["bytes"] == dict(est.bytes) and [g["label"] for g in printed["groups"]] == ["frozen", "trained"]
+    assert printed["groups"][0]["holds"] == "bf16 weight"
+    assert cli.main(argv) == 0
+    assert "parameters (this rank)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lora-rank", "0"], "--lora-rank 0 must be a positive integer"),
+    (["--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R"),
+    (["--lora-rank", "8", "--lora-targets", "qproj"], "The model's Linear modules: down_proj,gate_proj,k_proj"),
+])
+def test_cli_bad_lora_flags_are_clear_errors(argv, message, capsys):
+    from fp8dist import cli
+
+    assert cli.main(["estimate", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -19,6 +19,11 @@ formulas per model family -- llama, mixtral, gpt2, gpt_neox, chosen by the confi
 ``fp8dist/accounting/activation_families.py``) -- an estimate only; another family gets none
 (``activations_modelled`` False). Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets
 when not gradient views) are listed as notes, not counted.
+
+Frozen parameters (``requires_grad=False``: a PEFT LoRA base) hold their weights in the dtype given and nothing else
+(no gradient, master, optimizer state), under every strategy, measured likewise (``tests/test_lora_estimate.py``);
+the estimate then shows the frozen and the trained parameters apart, with their bytes per parameter
+(``groups``). ``fp8dist estimate --lora-rank R`` estimates such a run of the CLI's model.
 """
 
 from __future__ import annotations
@@ -125,7 +130,7 @@ class MemoryEstimate(StateBytes):
             acts.append(["not estimated for this model (see the note)", "-"])
             total = f"total: {_size(self.model_state_bytes)} per rank in model states; activations not estimated"
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
-                 *self.group_table(_size), "",
+                 *self.group_table(_size),
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", total]
         if self.fit is not None:
