@@ -62,6 +62,7 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
             optimizer.step()
             measured = fp8dist.report(model, optimizer)
         estimated = estimate_memory(_lora_llama(dtype=dtype), world_size=world, rank=rank, micro_batch_size=2, **kw)
+        assert measured.frozen_params == estimated.groups[0].params == 27_360, kw  # all but the adapters
         out.append((dict(measured.bytes), dict(estimated.bytes)))
     return out
 

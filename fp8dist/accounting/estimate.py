@@ -119,7 +119,8 @@ class MemoryEstimate(StateBytes):
         summary = get_level(self.memory).summary
         memory = f", memory {self.memory} ({summary})" if summary else ""
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters{memory}"
+                f"{self.rank}, {self.total_params:,} parameters"
+                + (f" ({self.groups[0].params:,} frozen)" if self.groups else "") + memory
                 + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
         rows = self.state_rows(_size, self.offloaded)
         acts = [[item, _size(b)] for item, b in self.activations]
