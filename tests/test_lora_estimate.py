@@ -63,13 +63,14 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
             measured = fp8dist.report(model, optimizer)
         estimated = estimate_memory(_lora_llama(dtype=dtype), world_size=world, rank=rank, micro_batch_size=2, **kw)
         assert measured.frozen_params == estimated.groups[0].params == 27_360, kw  # all but the adapters
-        out.append((dict(measured.bytes), dict(estimated.bytes)))
+        fp8 = [(r.modules, r.params) for r in measured.rows if r.part.value == "fp8_gemm"]
+        out.append((dict(measured.bytes), dict(estimated.bytes), *fp8))
     return out
 
 
 def _check(cases: list[dict], timeout: float) -> None:
     for rank, results in enumerate(run_ranks(_measure_lora, cases, timeout=timeout)):
-        for kw, (measured, estimated) in zip(cases, results):
+        for kw, (measured, estimated, *_) in zip(cases, results):
             assert estimated == measured, f"rank {rank} {kw}: measured {measured} estimated {estimated}"
             if kw["strategy"] != "fsdp1":  # FSDP1's flat gradient spans a unit's frozen pieces
                 # only the adapters have gradients: a frozen base's would be 16 times these
@@ -100,9 +101,15 @@ def test_lora_estimate_matches_the_report_fsdp1_and_deepspeed_zero_1_2_3():
 
 
 def test_lora_estimate_matches_the_report_single_process():
+    """One process, torchao tensorwise: where the backend keeps a frozen weight's FP8 cast (fp8/frozen.py), that copy
+    is counted by both, 1 byte per element and an fp32 scale per weight, in place of the scale precompute's."""
+    from fp8dist.fp8.base import FP8Backend
+
     cases = [dict(strategy="none", fp8="torchao")]
-    for kw, (measured, estimated) in zip(cases, _measure_lora(0, 1, cases)):
+    for kw, (measured, estimated, (modules, fp8_params)) in zip(cases, _measure_lora(0, 1, cases)):
         assert estimated == measured, f"{kw}: measured {measured} estimated {estimated}"
+        kept = hasattr(FP8Backend, "frozen_weights")  # lora: the frozen-weight work's member, once merged
+        assert measured["fp8_buffers"] == (fp8_params + 4 * modules if kept else 0), (modules, fp8_params)
 
 
 def _padded(model: torch.nn.Module, trains: bool, world: int) -> int:

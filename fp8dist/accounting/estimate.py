@@ -40,7 +40,7 @@ from torch import nn
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
-                              element_bytes, param_groups, worst_rank)
+                              element_bytes, fp8_buffer_bytes, param_groups, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import ParamGroup, StateBytes
@@ -265,7 +265,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
                      backend_optimizer=backend.owns_optimizer)
     per_rank = layout(params)
     chosen = worst_rank(per_rank) if rank is None else rank
-    fp8_bytes = backend.fp8_state_bytes(cfg, plan)
+    fp8_bytes = fp8_buffer_bytes(backend, cfg, plan, params, lambda group: layout(group)[chosen])
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,

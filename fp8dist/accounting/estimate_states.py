@@ -19,7 +19,7 @@ from ..strategies.base import EngineMemory
 from .tensors import CATEGORIES, ParamGroup
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "category_dtypes", "param_groups", "worst_rank"]
+           "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes", "worst_rank"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -112,3 +112,26 @@ def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]]
         out.append(ParamGroup(label, sum(p.numel for p in group), sum(rank_bytes(group).values()) if group else 0,
                               holds or "nothing"))
     return tuple(out)
+
+
+def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
+                     rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> int:
+    """The FP8 backend's own state on the rank described: its scaling state for ``plan``'s FP8 modules, where a
+    frozen converted weight (a LoRA base) costs what a trained one does; where the backend keeps the FP8 cast of a
+    frozen weight instead (its ``frozen_weights`` answer), that copy -- its bytes per element on each element the
+    rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own."""
+    from ..plan.precision import PrecisionPlan
+
+    # lora: FP8Backend.frozen_weights comes with the frozen-weight work (fp8/frozen.py); read plainly once merged
+    answer = getattr(backend, "frozen_weights", None)
+    kept = answer(cfg, plan.facts) if answer is not None else None
+    converted = {f"{e.name}.weight": e.name for e in plan.fp8}
+    frozen = [p for p in params if not p.trains and p.name in converted]
+    if kept is None or not kept.cached_bytes or not frozen:
+        return backend.fp8_state_bytes(cfg, plan)
+    modules = {converted[p.name] for p in frozen}
+    trained = PrecisionPlan([e for e in plan if e.name not in modules], backend=plan.backend,
+                            strategy=plan.strategy, memory=plan.memory, hardware=plan.hardware, facts=plan.facts)
+    copies = [replace(p, bytes=ElementBytes(kept.cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"), False))
+              for p in frozen]
+    return backend.fp8_state_bytes(cfg, trained) + rank_bytes(copies)["parameters"] + kept.scale_bytes * len(frozen)

@@ -23,6 +23,9 @@ __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "mo
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 # scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
 _FP8_SCALES = ("_precomputed_scale",)
+# what an FP8 weight keeps of a frozen weight's cast, cast once (fp8/frozen.py): on the weight's shard (FSDP2) and on
+# the module (a weight held whole): FP8 buffers too
+_FP8_KEPT = {"weight": ("_fp8_shard",), "module": ("fp8_meta", "_fp8_weight")}
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -126,8 +129,8 @@ class StateTally:
 def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
     """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
     :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
-    fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
-                                                                   for b in m.buffers(recurse=False)]
+    fp8 = [getattr(m, name, None) for m in fp8_modules for name in _FP8_KEPT["module"]]
+    fp8 += [b for m in fp8_modules for b in m.buffers(recurse=False)]
     fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale
-            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES]
+            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES + _FP8_KEPT["weight"]]
     return {**held, "fp8_buffers": fp8}
