@@ -167,8 +167,8 @@ def test_unfreezing_restores_full_fine_tune_bytes():
 
 
 def test_cli_estimates_a_lora_run_as_the_api_does(capsys):
-    """``fp8dist estimate --lora-rank 8``: the built-in model's base in bf16 under PEFT adapters on q_proj,v_proj,
-    the same figures as estimate_memory on that PEFT model."""
+    """``fp8dist estimate --lora-rank 8 --model-dtype bf16``: the built-in model's base in bf16 under PEFT adapters
+    on q_proj,v_proj, the same figures as estimate_memory on that PEFT model."""
     import json
 
     from peft import LoraConfig, get_peft_model
@@ -176,7 +176,8 @@ def test_cli_estimates_a_lora_run_as_the_api_does(capsys):
     from fp8dist import cli
     from fp8dist.train.models import build_llama
 
-    argv = ["estimate", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--world-size", "2", "--fp8", "torchao"]
+    argv = ["estimate", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--model-dtype", "bf16",
+            "--world-size", "2", "--fp8", "torchao"]
     assert cli.main([*argv, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     with torch.device("meta"):

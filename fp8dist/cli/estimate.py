@@ -21,8 +21,6 @@ __all__ = ["add_parser", "run"]
 
 _MODEL_DTYPE = "fp32"
 """``--model-dtype``'s default: weights built in fp32, which FSDP/DDP keep as the master."""
-_LORA_BASE_DTYPE = "bf16"
-"""``--model-dtype``'s default with ``--lora-rank``: the frozen base as it is stored (PEFT keeps adapters fp32)."""
 
 
 def add_parser(sub: Any) -> None:
@@ -39,10 +37,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
                    help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
-    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3],
+    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default=_MODEL_DTYPE,
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
-                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with "
-                        f"--lora-rank {_LORA_BASE_DTYPE}: a frozen base needs no fp32 master)")
+                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
+                        "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
     p.add_argument("--lora-rank", type=int, metavar="R",
                    help="estimate a LoRA run: PEFT adapters of rank R over a frozen base, as fp8dist train "
                         "--lora-rank R trains it (default: every parameter trains)")
@@ -63,14 +61,13 @@ def run(args: argparse.Namespace) -> int:
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config)
     target = parse_target(args.target) if args.target is not None else None
-    model_dtype = args.model_dtype or (_LORA_BASE_DTYPE if args.lora_rank is not None else _MODEL_DTYPE)
-    model = _with_lora(meta_model(args).to(torch_dtype(model_dtype)), args)  # meta: nothing is allocated
+    model = _with_lora(meta_model(args).to(torch_dtype(args.model_dtype)), args)  # meta: nothing is allocated
     with warnings.catch_warnings(record=True) as caught:  # said as fp8dist plan says its notes
         warnings.simplefilter("always")
         est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
                               target=target)
     notes = [str(w.message) for w in caught]
-    if args.model_dtype not in (None, _MODEL_DTYPE) and facts_of(config).engine_owns_params:
+    if args.model_dtype != _MODEL_DTYPE and facts_of(config).engine_owns_params:
         notes.append(f"model_dtype={args.model_dtype!r} has no effect here (strategy={config.parallel.strategy!r}: "
                      f"the engine casts the module to its own dtype, param_dtype={config.parallel.param_dtype!r}).")
     for note in dict.fromkeys(notes):
@@ -95,7 +92,7 @@ def _with_lora(model: Any, args: argparse.Namespace) -> Any:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
         raise ValueError(f"--lora-rank needs peft, which is not installed ({e}): pip install peft") from None
-    targets = args.lora_targets.split(",") if args.lora_targets else None  # None: PEFT's for the model type
+    targets = [t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None  # None: PEFT's default
     with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing: not yours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         try:
