@@ -146,11 +146,10 @@ def _llama_full() -> torch.nn.Module:
                                 dict(strategy="deepspeed", zero_stage=3)], ids=["fsdp", "ddp", "zero3"])
 def test_lora_costs_a_fraction_of_a_full_fine_tune(kw):
     """The same model trained whole (fp32 weights) against its LoRA run: model states a fraction, computed by both
-    estimates; the groups add up to the whole on every layout kept per parameter."""
+    estimates."""
     lora = estimate_memory(_lora_llama(), world_size=2, **kw)
     full = estimate_memory(_llama_full(), world_size=2, **kw)
     frozen, trained = lora.groups
-    assert frozen.bytes + trained.bytes + lora.bytes["fp8_buffers"] == lora.model_state_bytes
     assert lora.bytes["gradients"] <= 4 * ADAPTERS and lora.bytes["optimizer_states"] <= 8 * ADAPTERS + 8 * STEP
     # measured ratios: fsdp 0.19, ddp 0.19, ZeRO-3 0.21 (a frozen base keeps no gradient, master nor states)
     assert lora.model_state_bytes < 0.25 * full.model_state_bytes, (lora.model_state_bytes, full.model_state_bytes)

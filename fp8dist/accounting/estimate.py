@@ -99,8 +99,8 @@ class MemoryEstimate(StateBytes):
     accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
     groups: tuple[ParamGroup, ...] = ()
     """Where some parameters are frozen (a LoRA base): the frozen and the trained ones apart, each with its bytes
-    on this rank (each group laid out by the strategy alone: exact where parameters are held one by one -- FSDP2,
-    DDP, one process, ZeRO -- while FSDP1's flat units are padded for each group alone); () where all train."""
+    on this rank, FP8 buffers aside (:func:`~fp8dist.accounting.estimate_states.param_groups`); () where all
+    train."""
 
     @property
     def activation_bytes(self) -> int:
@@ -277,5 +277,5 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         dtypes=category_dtypes(params, fp8_bytes), micro_batch_size=micro, seq_len=seq_len,
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
-        groups=param_groups(params, lambda group: layout(group)[chosen]),
+        groups=param_groups(params, lambda group: layout(group)[chosen], sum(per_rank[chosen].values())),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

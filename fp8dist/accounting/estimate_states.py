@@ -97,20 +97,23 @@ def worst_rank(per_rank: list[dict[str, int]]) -> int:
 
 
 
-def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> \
-        tuple[ParamGroup, ...]:
-    """The frozen and the trained parameters apart, each group's bytes on the rank described as ``rank_bytes``
-    lays it out alone; () where every parameter trains."""
+def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]],
+                 model_state: int) -> tuple[ParamGroup, ...]:
+    """The frozen and the trained parameters apart, on the rank described: the frozen ones as ``rank_bytes`` lays
+    them out alone, the trained ones the rest of the ``model_state`` bytes (FP8 buffers aside) -- the same as laid
+    out alone where each parameter is held on its own, and, under FSDP1, with the flat gradient a unit holds for its
+    frozen pieces too, which it holds only because some piece trains; () where every parameter trains."""
     if all(p.trains for p in params):
         return ()
+    frozen = [p for p in params if not p.trains]
+    frozen_bytes = sum(rank_bytes(frozen).values())
     out = []
-    for label, trains in (("frozen", False), ("trained", True)):
+    for label, trains, held in (("frozen", False, frozen_bytes), ("trained", True, model_state - frozen_bytes)):
         group = [p for p in params if p.trains is trains]
         names = [sorted({p.bytes.dtypes[i] for p in group} - {"none"}) for i in range(4)]
         holds = ", ".join(f"{'/'.join(n)} {what}" for n, what in zip(names, ("weight", "master", "grad",
                                                                               "optimizer states")) if n)
-        out.append(ParamGroup(label, sum(p.numel for p in group), sum(rank_bytes(group).values()) if group else 0,
-                              holds or "nothing"))
+        out.append(ParamGroup(label, sum(p.numel for p in group), held, holds))
     return tuple(out)
 
 
