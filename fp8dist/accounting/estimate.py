@@ -19,6 +19,11 @@ formulas per model family -- llama, mixtral, gpt2, gpt_neox, chosen by the confi
 ``fp8dist/accounting/activation_families.py``) -- an estimate only; another family gets none
 (``activations_modelled`` False). Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets
 when not gradient views) are listed as notes, not counted.
+
+Frozen parameters (``requires_grad=False``: a PEFT LoRA base) hold their weights in the dtype given and nothing else
+(no gradient, master, optimizer state), under every strategy, measured likewise (``tests/test_lora_estimate.py``);
+the estimate then shows the frozen and the trained parameters apart, with their bytes per parameter
+(``groups``). ``fp8dist estimate --lora-rank R`` estimates such a run of the CLI's model.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ from torch import nn
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
-                              element_bytes, worst_rank)
+                              element_bytes, fp8_buffer_bytes, param_groups, worst_rank)
 from .fit import Fit, check_fit
 from .rows import text_table
-from .tensors import StateBytes
+from .tensors import ParamGroup, StateBytes
 from ..config.schema import choice_error
 from ..config.rules import check, unread_options
 from ..config.resolve import Config, resolve_config
@@ -92,6 +97,10 @@ class MemoryEstimate(StateBytes):
     fit: Fit | None = None
     """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
     accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+    groups: tuple[ParamGroup, ...] = ()
+    """Where some parameters are frozen (a LoRA base): the frozen and the trained ones apart, each with its bytes
+    on this rank, FP8 buffers aside (:func:`~fp8dist.accounting.estimate_states.param_groups`); () where all
+    train."""
 
     @property
     def activation_bytes(self) -> int:
@@ -110,7 +119,8 @@ class MemoryEstimate(StateBytes):
         summary = get_level(self.memory).summary
         memory = f", memory {self.memory} ({summary})" if summary else ""
         head = (f"fp8dist estimate: strategy {strategy}, fp8 {self.fp8}, world size {self.world_size}, rank "
-                f"{self.rank}, {self.total_params:,} parameters{memory}"
+                f"{self.rank}, {self.total_params:,} parameters"
+                + (f" ({self.groups[0].params:,} frozen)" if self.groups else "") + memory
                 + (" (TE/MS-AMP rows derived, not measured)" if self.derived else ""))
         rows = self.state_rows(_size, self.offloaded)
         acts = [[item, _size(b)] for item, b in self.activations]
@@ -121,6 +131,7 @@ class MemoryEstimate(StateBytes):
             acts.append(["not estimated for this model (see the note)", "-"])
             total = f"total: {_size(self.model_state_bytes)} per rank in model states; activations not estimated"
         lines = [head, text_table(["model state (per rank)", "bytes/param", "size", "dtypes"], rows), "",
+                 *self.group_table(_size),
                  text_table([f"activations (micro-batch {self.micro_batch_size} x seq {self.seq_len})", "size"], acts),
                  "", total]
         if self.fit is not None:
@@ -153,7 +164,7 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
     level, backend = get_level(cfg.parallel.memory), get_backend(cfg.precision.fp8)
     return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
                       element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
-                                    name in converted))
+                                    name in converted, p.requires_grad), p.requires_grad)
             for name, p in model.named_parameters()]
 
 
@@ -249,10 +260,12 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     params = _param_infos(model, cfg, plan, blocks, optimizer, engine)
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: nothing to estimate.")
-    per_rank = strategy.rank_state_bytes(params, cfg, world_size, engine, step=STEP_BYTES.get(optimizer, 0),
-                                         level_states=level.local_state_bytes, backend_optimizer=backend.owns_optimizer)
+    layout = partial(strategy.rank_state_bytes, cfg=cfg, world_size=world_size, engine=engine,
+                     step=STEP_BYTES.get(optimizer, 0), level_states=level.local_state_bytes,
+                     backend_optimizer=backend.owns_optimizer)
+    per_rank = layout(params)
     chosen = worst_rank(per_rank) if rank is None else rank
-    fp8_bytes = backend.fp8_state_bytes(cfg, plan)
+    fp8_bytes = fp8_buffer_bytes(backend, cfg, plan, params, lambda group: layout(group)[chosen])
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
@@ -264,4 +277,5 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         dtypes=category_dtypes(params, fp8_bytes), micro_batch_size=micro, seq_len=seq_len,
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
+        groups=param_groups(params, lambda group: layout(group)[chosen], sum(per_rank[chosen].values())),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

@@ -11,14 +11,15 @@ precomputed scales). TE and MS-AMP figures are derived from their documentation,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
 from ..strategies.base import EngineMemory
-from .tensors import CATEGORIES
+from .tensors import CATEGORIES, ParamGroup
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "category_dtypes", "worst_rank"]
+           "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes", "worst_rank"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -36,6 +37,8 @@ class ElementBytes:
     grad: int
     states: int
     dtypes: tuple[str, str, str, str]
+    trains: bool = True
+    """False for a frozen parameter (``requires_grad=False``): a backend may store its weight otherwise."""
 
 
 @dataclass(frozen=True)
@@ -48,21 +51,32 @@ class ParamInfo:
     unit: str
     """The FSDP unit (block) that owns it; "" for the root."""
     bytes: ElementBytes
-
+    trains: bool = True
+    """``requires_grad``: a frozen parameter has no gradient, optimizer state nor step of its own."""
 
 
 def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, optimizer: str, stored_dtype: str,
-                  converted: bool) -> ElementBytes:
+                  converted: bool, trains: bool = True) -> ElementBytes:
     """Bytes per element of one parameter: as the strategy's ``engine`` holds it (its module dtype, else the
     model's own ``stored_dtype``; its master dtype, else none and the states in the weights' dtype), then as the
-    memory ``level`` and the FP8 ``backend`` change it (``converted``: the plan converts its module)."""
+    memory ``level`` and the FP8 ``backend`` change it (``converted``: the plan converts its module). A frozen
+    parameter (``trains`` False) keeps only its weight: every engine here keeps masters, gradients and optimizer
+    states for what trains alone (FSDP1's flat gradient, which spans frozen pieces too, is its layout's matter)."""
     n_states = OPTIMIZER_STATES[optimizer]
     weight = engine.dtype or stored_dtype
     states = engine.master or weight
     base = ElementBytes(DTYPE_BYTES[weight], DTYPE_BYTES[engine.master] if engine.master else 0, DTYPE_BYTES[weight],
                         DTYPE_BYTES[states] * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
-    return backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
+    held = level.element_bytes(base)
+    if not trains:
+        held = _frozen(held)
+    held = backend.element_bytes(cfg, held, converted, n_states)
+    return held if trains else _frozen(held)  # whatever the backend keeps, it keeps no training state of a frozen one
+
+
+def _frozen(held: ElementBytes) -> ElementBytes:
+    return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"), trains=False)
 
 
 def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
@@ -81,3 +95,46 @@ def worst_rank(per_rank: list[dict[str, int]]) -> int:
     """The rank holding the most model-state bytes (the lowest such rank)."""
     return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
 
+
+
+def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]],
+                 model_state: int) -> tuple[ParamGroup, ...]:
+    """The frozen and the trained parameters apart, on the rank described: the frozen ones as ``rank_bytes`` lays
+    them out alone, the trained ones the rest of the ``model_state`` bytes (FP8 buffers aside) -- the same as laid
+    out alone where each parameter is held on its own, and, under FSDP1, with the flat gradient a unit holds for its
+    frozen pieces too, which it holds only because some piece trains; () where every parameter trains."""
+    if all(p.trains for p in params):
+        return ()
+    frozen = [p for p in params if not p.trains]
+    frozen_bytes = sum(rank_bytes(frozen).values())
+    out = []
+    for label, trains, held in (("frozen", False, frozen_bytes), ("trained", True, model_state - frozen_bytes)):
+        group = [p for p in params if p.trains is trains]
+        names = [sorted({p.bytes.dtypes[i] for p in group} - {"none"}) for i in range(4)]
+        holds = ", ".join(f"{'/'.join(n)} {what}" for n, what in zip(names, ("weight", "master", "grad",
+                                                                              "optimizer states")) if n)
+        out.append(ParamGroup(label, sum(p.numel for p in group), held, holds))
+    return tuple(out)
+
+
+def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
+                     rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> int:
+    """The FP8 backend's own state on the rank described: its scaling state for ``plan``'s FP8 modules, where a
+    frozen converted weight (a LoRA base) costs what a trained one does; where the backend keeps the FP8 cast of a
+    frozen weight instead (its ``frozen_weights`` answer), that copy -- its bytes per element on each element the
+    rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own."""
+    from ..plan.precision import PrecisionPlan
+
+    # lora: FP8Backend.frozen_weights comes with the frozen-weight work (fp8/frozen.py); read plainly once merged
+    answer = getattr(backend, "frozen_weights", None)
+    kept = answer(cfg, plan.facts) if answer is not None else None
+    converted = {f"{e.name}.weight": e.name for e in plan.fp8}
+    frozen = [p for p in params if not p.trains and p.name in converted]
+    if kept is None or not kept.cached_bytes or not frozen:
+        return backend.fp8_state_bytes(cfg, plan)
+    modules = {converted[p.name] for p in frozen}
+    trained = PrecisionPlan([e for e in plan if e.name not in modules], backend=plan.backend,
+                            strategy=plan.strategy, memory=plan.memory, hardware=plan.hardware, facts=plan.facts)
+    copies = [replace(p, bytes=ElementBytes(kept.cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"), False))
+              for p in frozen]
+    return backend.fp8_state_bytes(cfg, trained) + rank_bytes(copies)["parameters"] + kept.scale_bytes * len(frozen)

@@ -46,6 +46,9 @@ class PrecisionReport(StateBytes):
     """Elements of all parameters of the full model."""
     memory: str = STANDARD.name
     """The model-state memory level (``memory=``): standard or lean."""
+    frozen_params: int = 0
+    """Elements of the full model that do not train (``requires_grad=False``: a LoRA base); they hold no gradient
+    nor optimizer state (the estimate's ``groups`` give their bytes)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -58,6 +61,7 @@ class PrecisionReport(StateBytes):
     def __str__(self) -> str:
         head = (f"fp8dist report: strategy {self.strategy}, fp8 {self.fp8}, rank {self.rank} of {self.world_size}, "
                 f"{self.total_params:,} parameters"
+                + (f" ({self.frozen_params:,} frozen)" if self.frozen_params else "")
                 + (f", memory {self.memory}" if self.memory != STANDARD.name else ""))
         cols = ["part", "modules", "params", "GEMM", "all-gather", "reduce", "weight", "master weight",
                 "weight grad", "optimizer states"]
@@ -147,4 +151,5 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
         dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
-        memory=info.config.parallel.memory)
+        memory=info.config.parallel.memory,
+        frozen_params=sum(h.numel for m in parts.values() for h in m.params if not h.param.requires_grad))

@@ -10,16 +10,22 @@ state and are not counted. Where each engine keeps them, its strategy says.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "StateBytes", "StateTally", "leaves", "model_state_tensors"]
+from .rows import text_table
+
+__all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 # scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
 _FP8_SCALES = ("_precomputed_scale",)
+# what an FP8 weight keeps of a frozen weight's cast, cast once (fp8/frozen.py): on the weight's shard (FSDP2) and on
+# the module (a weight held whole): FP8 buffers too
+_FP8_KEPT = {"weight": ("_fp8_shard",), "module": ("fp8_meta", "_fp8_weight")}
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -47,6 +53,20 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
                 yield from leaves(value, depth + 1)
 
 
+@dataclass(frozen=True)
+class ParamGroup:
+    """The parameters that train, or those that are frozen (a LoRA base), as one rank holds them."""
+
+    label: str
+    """"frozen" or "trained"."""
+    params: int
+    """Elements of the full model in this group."""
+    bytes: int
+    """Model-state bytes of the group on this rank (all categories but FP8 buffers)."""
+    holds: str
+    """What each element costs, in dtypes: "bf16 weight" for a frozen base, "fp32 weight, fp32 grad, ..."."""
+
+
 class StateBytes:
     """Totals shared by the measured report and the estimate: both hold ``bytes`` and ``dtypes`` per category and
     ``total_params``."""
@@ -54,6 +74,8 @@ class StateBytes:
     bytes: Any
     dtypes: Any
     total_params: int
+    groups: tuple[ParamGroup, ...] = ()
+    """The frozen and the trained parameters apart, where some are frozen; () where every parameter trains."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -72,6 +94,14 @@ class StateBytes:
         rows = [[c.replace("_", " ") + (" (host)" if c in host else ""), f"{per_param[c]:.3f}", size(self.bytes[c]),
                  self.dtypes[c]] for c in CATEGORIES]
         return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
+
+    def group_table(self, size: Callable[[int], str]) -> list[str]:
+        """The frozen and the trained parameters, each with its bytes per parameter on this rank: a table and a
+        blank line, or nothing where every parameter trains."""
+        rows = [[g.label, f"{g.params:,}", f"{g.bytes / max(g.params, 1):.3f}", size(g.bytes), g.holds]
+                for g in self.groups]
+        return [text_table(["parameters (this rank)", "count", "bytes/param", "size", "holds"], rows), ""] \
+            if rows else []
 
 
 class StateTally:
@@ -99,8 +129,8 @@ class StateTally:
 def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
     """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
     :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
-    fp8 = [getattr(m, "fp8_meta", None) for m in fp8_modules] + [b for m in fp8_modules
-                                                                   for b in m.buffers(recurse=False)]
+    fp8 = [getattr(m, name, None) for m in fp8_modules for name in _FP8_KEPT["module"]]
+    fp8 += [b for m in fp8_modules for b in m.buffers(recurse=False)]
     fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale
-            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES]
+            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES + _FP8_KEPT["weight"]]
     return {**held, "fp8_buffers": fp8}

@@ -39,7 +39,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
     p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default=_MODEL_DTYPE,
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
-                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype)")
+                        "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
+                        "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="estimate a LoRA run: PEFT adapters of rank R over a frozen base, as fp8dist train "
+                        "--lora-rank R trains it (default: every parameter trains)")
+    p.add_argument("--lora-targets", metavar="NAMES",
+                   help="comma-separated names of the modules the adapters wrap (default: PEFT's for the model "
+                        "type: q_proj,v_proj for Llama)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
                   shown_defaults={"micro_batch_size": "1; also the activations' micro-batch",
@@ -54,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config)
     target = parse_target(args.target) if args.target is not None else None
-    model = meta_model(args).to(torch_dtype(args.model_dtype))  # meta: nothing is allocated
+    model = _with_lora(meta_model(args).to(torch_dtype(args.model_dtype)), args)  # meta: nothing is allocated
     with warnings.catch_warnings(record=True) as caught:  # said as fp8dist plan says its notes
         warnings.simplefilter("always")
         est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
@@ -67,3 +74,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"fp8dist estimate: note: {note}", file=sys.stderr)
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return 0
+
+
+def _with_lora(model: Any, args: argparse.Namespace) -> Any:
+    """``model`` under PEFT LoRA adapters of rank ``--lora-rank`` on ``--lora-targets`` (its base frozen), or
+    ``model`` itself without ``--lora-rank``."""
+    if args.lora_rank is None:
+        if args.lora_targets is not None:
+            raise ValueError(f"--lora-targets {args.lora_targets} needs --lora-rank R: the adapters' rank "
+                             "(without it every parameter trains).")
+        return model
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank {args.lora_rank} must be a positive integer (the adapters' rank: 8 to 64).")
+    from torch import nn
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ValueError(f"--lora-rank needs peft, which is not installed ({e}): pip install peft") from None
+    targets = [t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None  # None: PEFT's default
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing: not yours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        try:
+            return get_peft_model(model, LoraConfig(r=args.lora_rank, target_modules=targets))
+        except ValueError as e:
+            names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"--lora-targets {args.lora_targets}: {e} The model's Linear modules: "
+                             f"{','.join(names)}.") from None

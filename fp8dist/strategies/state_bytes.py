@@ -19,8 +19,13 @@ Each strategy's :meth:`~fp8dist.strategies.base.Strategy.rank_state_bytes` calls
   kept whole. Under an FP8 backend that builds the optimizer (MS-AMP, derived from its chart): ZeRO's
   partitioning by stage applied to each parameter.
 
+A frozen parameter (``requires_grad=False``: a LoRA base) has no gradient, master, optimizer state nor step in any
+of them, measured: FSDP2 and ZeRO-3 shard it like the others, DDP and one process hold it whole, ZeRO-1/2 keep it
+whole outside their flat group, and FSDP1 keeps it in its unit's flat parameter, whose one gradient spans the whole
+shard when any piece of the unit trains.
+
 ``params`` are the estimate's records of each parameter: ``name``, ``numel``, ``shape``, ``unit`` (the block that
-owns it, "" for the root) and ``bytes`` per element of each category (``weight``, ``master``, ``grad``,
+owns it, "" for the root), ``trains`` and ``bytes`` per element of each category (``weight``, ``master``, ``grad``,
 ``states``). ``step``: the optimizer's bytes of step state per tensor; ``level_states``: the memory level's own
 optimizer-state bytes of a local tensor of n elements.
 """
@@ -45,6 +50,11 @@ ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
 """The activation estimate's item for FSDP2's gathered units outside the blocks, not a tensor autograd saves."""
 
 
+def _trains(p: Any) -> bool:
+    """A frozen parameter (``requires_grad=False``) has no gradient, optimizer state nor step of its own."""
+    return getattr(p, "trains", True)
+
+
 def _spread(per_rank: list[int], start: int, stop: int, size: int, value_of: Callable[[int], int]) -> None:
     """Add ``value_of(overlap)`` to every rank whose range [r*size, (r+1)*size) meets [start, stop)."""
     for rank in range(start // size, min((stop - 1) // size + 1, len(per_rank))):
@@ -58,7 +68,8 @@ def replicated_state_bytes(params: list[Any], world: int, step: int,
     one = {"parameters": sum(p.numel * p.bytes.weight for p in params),
            "master_weights": sum(p.numel * p.bytes.master for p in params),
            "gradients": sum(p.numel * p.bytes.grad for p in params),
-           "optimizer_states": sum(p.numel * p.bytes.states + step + level_states(p.numel) for p in params)}
+           "optimizer_states": sum(p.numel * p.bytes.states + step + level_states(p.numel) for p in params
+                                   if _trains(p))}
     return [dict(one) for _ in range(world)]
 
 
@@ -81,9 +92,9 @@ def fsdp2_state_bytes(params: list[Any], world: int, step: int,
     held = {kind: sum(pad.padded_numel * getattr(p.bytes, kind) for p, pad in zip(params, padding))
             for kind in ("weight", "master", "grad")}  # per parameter: a backend may hold some in another dtype
     out = [{"parameters": held["weight"], "master_weights": held["master"], "gradients": held["grad"],
-            "optimizer_states": s + step * len(params)} for s in states]
-    for pad in padding:  # a level's own states follow each rank's rows; a level with none is skipped (per rank)
-        if level_states(pad.row_numel):
+            "optimizer_states": s + step * sum(map(_trains, params))} for s in states]
+    for p, pad in zip(params, padding):  # a level's own states follow each rank's rows; none: skipped (per rank)
+        if _trains(p) and level_states(pad.row_numel):
             for rank, held in enumerate(out):
                 held["optimizer_states"] += level_states(pad.rows_on(rank) * pad.row_numel)
     return out
@@ -105,29 +116,34 @@ def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: i
     for p in params:
         units.setdefault(p.unit, []).append(p)
     b = params[0].bytes
-    shard_total = 0
+    shard_total = grads = 0
     states = [0] * world
     for unit in units.values():
         segments, shard = _fsdp1_unit(unit, world, 16 // compute_bytes)
         shard_total += shard
+        grads += shard * max(p.bytes.grad for p in unit)  # one flat gradient, frozen pieces too, if any piece trains
         for (start, stop), p in zip(segments, unit):
-            _spread(states, start, stop, shard, lambda overlap, p=p: overlap * p.bytes.states + step)
-    return [{"parameters": shard_total * b.weight, "master_weights": 0, "gradients": shard_total * b.grad,
+            if _trains(p):
+                _spread(states, start, stop, shard, lambda overlap, p=p: overlap * p.bytes.states + step)
+    return [{"parameters": shard_total * b.weight, "master_weights": 0, "gradients": grads,
              "optimizer_states": s} for s in states]
 
 
 def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
-    """One flat group padded to a multiple of 2W; gradients of whole parameters overlapping the partition."""
-    b = params[0].bytes
-    total = sum(p.numel for p in params)
+    """One flat group of the trained parameters padded to a multiple of 2W (frozen ones stay whole module
+    parameters); gradients of whole parameters overlapping the partition."""
+    trained = [p for p in params if _trains(p)]
+    b = (trained or params)[0].bytes
+    total = sum(p.numel for p in trained)
     aligned = -(-total // (2 * world)) * (2 * world)
     part = aligned // world
     grads = [0] * world
     start = 0
-    for p in params:
+    for p in trained:
         _spread(grads, start, start + p.numel, part, lambda overlap, p=p: p.numel * b.grad)
         start += p.numel
-    return [{"parameters": aligned * b.weight, "master_weights": part * b.master, "gradients": g,
+    frozen = sum(p.numel * p.bytes.weight for p in params if not _trains(p))
+    return [{"parameters": aligned * b.weight + frozen, "master_weights": part * b.master, "gradients": g,
              "optimizer_states": part * b.states} for g in grads]
 
 
@@ -151,7 +167,7 @@ def zero_state_bytes(params: list[Any], world: int, *, stage: int, persistence: 
         return _zero_per_param(params, world, stage)
     out = _zero_per_param(params, world, 3, persistence) if stage == 3 else _zero12(params, world)
     for states in out:
-        states["optimizer_states"] += step
+        states["optimizer_states"] += step * any(map(_trains, params))
     return out
 
 
