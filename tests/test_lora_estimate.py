@@ -103,13 +103,10 @@ def test_lora_estimate_matches_the_report_fsdp1_and_deepspeed_zero_1_2_3():
 def test_lora_estimate_matches_the_report_single_process():
     """One process, torchao tensorwise: where the backend keeps a frozen weight's FP8 cast (fp8/frozen.py), that copy
     is counted by both, 1 byte per element and an fp32 scale per weight, in place of the scale precompute's."""
-    from fp8dist.fp8.base import FP8Backend
-
     cases = [dict(strategy="none", fp8="torchao")]
     for kw, (measured, estimated, (modules, fp8_params)) in zip(cases, _measure_lora(0, 1, cases)):
         assert estimated == measured, f"{kw}: measured {measured} estimated {estimated}"
-        kept = hasattr(FP8Backend, "frozen_weights")  # lora: the frozen-weight work's member, once merged
-        assert measured["fp8_buffers"] == (fp8_params + 4 * modules if kept else 0), (modules, fp8_params)
+        assert measured["fp8_buffers"] == fp8_params + 4 * modules, (modules, fp8_params)
 
 
 def _padded(model: torch.nn.Module, trains: bool, world: int) -> int:

@@ -125,9 +125,7 @@ def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
     rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own."""
     from ..plan.precision import PrecisionPlan
 
-    # lora: FP8Backend.frozen_weights comes with the frozen-weight work (fp8/frozen.py); read plainly once merged
-    answer = getattr(backend, "frozen_weights", None)
-    kept = answer(cfg, plan.facts) if answer is not None else None
+    kept = backend.frozen_weights(cfg, plan.facts)
     converted = {f"{e.name}.weight": e.name for e in plan.fp8}
     frozen = [p for p in params if not p.trains and p.name in converted]
     if kept is None or not kept.cached_bytes or not frozen:
