@@ -134,3 +134,24 @@ def test_every_gpu_record_has_its_interconnect_from_its_datasheet():
                                                                                     "Infinity Fabric")), spec.key
     tw = {spec.key: spec for spec in GPUS}
     assert (tw["h100-hbm2e"].memory_tbps, tw["h100-hbm2e"].memory_gib) == (2.4, 96.0)  # torchtitan's Grand Teton
+
+
+def test_estimate_prints_the_predicted_step_per_recipe_beside_the_memory(tmp_path, capsys):
+    """``fp8dist estimate --target`` gives the same step figures as ``plan --compare-recipes`` (one source), and
+    none without a GPU to predict for."""
+    from fp8dist.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**runs.LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    argv = ["--model-config", str(path), "--world-size", "8", "--seq-len", "8192", "--activation-checkpointing",
+            "selective"]
+    assert main(["plan", *argv, "--target", "h100-hbm2e", "--compare-recipes", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *argv, "--target", "h100-hbm2e", "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert estimated["steps"] == planned["steps"] and estimated["fastest"] == planned["fastest"]
+    assert estimated["model_state_bytes"], "the memory estimate is still there"
+    assert main(["estimate", *argv, "--target", "h100-hbm2e"]) == 0
+    assert "predicted fastest for this run: tensorwise" in capsys.readouterr().out
+    assert main(["estimate", *argv, "--json"]) == 0
+    assert "steps" not in json.loads(capsys.readouterr().out), "no GPU given: no step predicted"

@@ -16,6 +16,7 @@ from ..config.options import DEFAULT_SEQ_LEN
 from ..accounting.estimate import check_counts, estimate_memory
 from ..accounting.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
+from .plan import fastest_line, predicted_steps, step_text, steps_json
 
 __all__ = ["add_parser", "run"]
 
@@ -72,8 +73,22 @@ def run(args: argparse.Namespace) -> int:
                      f"the engine casts the module to its own dtype, param_dtype={config.parallel.param_dtype!r}).")
     for note in dict.fromkeys(notes):
         print(f"fp8dist estimate: note: {note}", file=sys.stderr)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else est)
+    steps = _predicted_steps(model, config, est, args.world_size)
+    if args.json:
+        print(json.dumps({**est.to_dict(), **(steps_json(steps) if steps else {})}, indent=2))
+    else:
+        print(est)
+        if steps:
+            print(f"{fastest_line(steps)}\n{step_text(steps)}")
     return 0
+
+
+def _predicted_steps(model: Any, config: Any, est: Any, world_size: int) -> tuple:
+    """Each recipe's predicted training step at the run's world size, batch and sequence, where the estimate has
+    a GPU to predict for (``--target``) and a backend the speed model covers; () otherwise."""
+    if est.speed is None or est.speed.step is None:
+        return ()
+    return predicted_steps(model, config, est.speed, world_size)
 
 
 def _with_lora(model: Any, args: argparse.Namespace) -> Any:

@@ -143,8 +143,8 @@ def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
     rows += [[every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
               f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
               "yes" if every.calibrated else "no"] for every, paid in steps]
-    head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.activation_checkpointing} "
-            f"checkpointing, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
+    head = (f"predicted training step on {first.world_size}x {first.gpu_label} (activation checkpointing "
+            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
             "recompute, optimizer and exposed collectives; a prediction, benchmarks/step_model/README.md): every "
             "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
     return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
@@ -152,10 +152,15 @@ def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
 
 
 def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
-    best = _best(steps) if steps else None
     return {"layers": [{"name": e.name, "precision": e.precision, "reason": e.reason} for e in plan],
-            "selection": plan.selection.to_dict() if plan.selection is not None else None,
-            "steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
+            "selection": plan.selection.to_dict() if plan.selection is not None else None, **steps_json(steps)}
+
+
+def steps_json(steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
+    """The predicted steps as ``--json`` gives them (``plan`` and ``estimate``): each recipe both ways, and the
+    fastest (None: bf16, or nothing predicted)."""
+    best = _best(steps) if steps else None
+    return {"steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
             "fastest": {"recipe": best[0].recipe, "conversion": best[1]} if best else None}
 
 
