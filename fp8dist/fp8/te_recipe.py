@@ -82,12 +82,18 @@ NO_CASTS = {
                   "for activations and gradients, 128x128 for weights, power-of-2 scales; fp8dist.fp8.casts models "
                   "tensorwise, rowwise, MX 1x32 and delayed scaling). Probe with te_recipe='current' (one scale per "
                   "tensor: coarser blocks, so usually larger errors than blockwise's), or run without a probe."),
-    "nvfp4": ("te_recipe='nvfp4': the numerics probe has no model of NVFP4BlockScaling's casts (e2m1 values in 1x16 "
-              "blocks with e4m3 scales, 16x16 weight blocks, random Hadamard transforms, stochastic rounding; "
-              "fp8dist.fp8.casts models FP8 casts only). Probe with te_recipe='mxfp8' for the nearest FP8 block "
-              "recipe (its errors say nothing of FP4's), or run without a probe."),
 }
 """Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
+
+NVFP4_WEIGHT_TILE = 16
+"""NVFP4BlockScaling quantizes weights in 16x16 blocks (TE 2.20's default, 2-D quantization on), so a weight casts
+the same for the forward and the input-gradient GEMM; activations and gradients in 1x16 blocks."""
+
+NVFP4_NOT_EMULATED = ("NVFP4BlockScaling emulated without its random Hadamard transform of the weight-gradient "
+                      "GEMM's operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
+                      "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "
+                      "rounding the probe does: optimistic there)")
+"""What the probe's NVFP4 casts leave out of TE's recipe, said in its report."""
 
 
 QUANTIZED_INIT_TE = (2, 10)

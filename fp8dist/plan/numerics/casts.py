@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...fp8.casts import MX_BLOCK, CastSpec
+from ...fp8.casts import MX_BLOCK, NVFP4_BLOCK, CastSpec
 
 __all__ = ["Cast", "CONTRACTION_DIM"]
 
@@ -37,6 +37,8 @@ class Cast:
     def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.scaling == "mx":
             return _mx_round_trip(x, self.spec.dtype, dim)
+        if self.spec.scaling == "nvfp4":
+            return _nvfp4_round_trip(x, dim, self.spec.tile)
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale
 
@@ -85,3 +87,36 @@ def _mx_round_trip(x: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch
     block_scale = get_fp_scale(scale).reshape(-1, 1).expand(-1, MX_BLOCK).reshape(rows.shape)
     saturated = (rows / block_scale).abs() > _rounds_to_max(dtype)  # power-of-2 scales: the division is exact
     return back[..., :length].movedim(-1, dim), saturated[..., :length].movedim(-1, dim)
+
+
+_E2M1_MAX, _E2M1_ROUNDS_TO_MAX = 6.0, 7.0
+"""e2m1's largest value, and beyond what a value rounds to it (its neighbours below are 4 and 6: half a step of 2)."""
+
+
+def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's cast along ``dim`` in blocks of ``tile`` x 16 (zero-padded to whole blocks), back to fp32: the fp32
+    tensor scale amax / (448 x 6) lets the block of the tensor's amax use e4m3's whole range; each block's scale
+    (its amax / 6, over the tensor scale) rounds to e4m3, its values to e2m1 (nearest, ties to even)."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    rows = x.float().movedim(dim, -1)
+    shape = rows.shape
+    flat = rows.reshape(-1, shape[-1])
+    padded = torch.nn.functional.pad(flat, (0, -flat.shape[1] % NVFP4_BLOCK, 0, -flat.shape[0] % tile))
+    tiles = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    tensor_scale = per_tensor_amax_to_scale(flat.abs().amax() if flat.numel() else torch.zeros(()))
+    if tensor_scale == 0:  # all zeros: nothing to scale, the round trip is exact
+        return x.float(), torch.zeros_like(x, dtype=torch.bool)
+    info = torch.finfo(torch.float8_e4m3fn)
+    block = tiles.abs().amax(dim=(1, 3), keepdim=True) / _E2M1_MAX / tensor_scale
+    block = block.clamp(info.tiny, info.max).to(torch.float8_e4m3fn).float()
+    scaled = tiles * ((1.0 / tensor_scale) / block)  # torchao's order of operations: the same roundings
+    saturated = scaled.abs() > _E2M1_ROUNDS_TO_MAX
+    values = f4_unpacked_to_f32(f32_to_f4_unpacked(scaled.clamp(-_E2M1_MAX, _E2M1_MAX)))
+    back = values * (block * tensor_scale)
+
+    def unpadded(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(padded.shape)[:flat.shape[0], :flat.shape[1]].reshape(shape).movedim(-1, dim)
+
+    return unpadded(back), unpadded(saturated)

@@ -37,6 +37,8 @@ class CastStats:
     """The GEMMs it is cast for: output, grad_input, grad_weight, or two joined by '+'."""
     cast: str
     """How it is cast (e.g. "e4m3 tensorwise", "e5m2 delayed (history 1024, max)")."""
+    fp4: bool = False
+    """An FP4 cast (NVFP4): judged by the thresholds' ``fp4_*`` limits."""
     elements: int = 0
     nonzero: int = 0
     flushed: int = 0
@@ -97,7 +99,7 @@ class CastStats:
         return self.saturated / self.elements if self.elements else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": json_number(self.sqnr_db),
+        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "fp4": self.fp4, "sqnr_db": json_number(self.sqnr_db),
                 "rest_sqnr_db": json_number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,

@@ -65,13 +65,24 @@ class Thresholds:
     those tails from ordinary values an outlier swamps (8% of a gradient flushed either way): ``min_rest_sqnr_db``
     does."""
 
+    fp4_min_output_sqnr_db: float = 10.0
+    """``min_output_sqnr_db`` for a GEMM with FP4 operands (NVFP4): e2m1 keeps one mantissa bit to e4m3's three,
+    about 12 dB less SQNR for any operand. FP4_MEASURED."""
+
+    fp4_min_rest_sqnr_db: float = 6.0
+    """``min_rest_sqnr_db`` for an FP4 cast. FP4_REST."""
+
+    fp4_max_flushed_share: float = 0.5
+    """``max_flushed_share`` for an FP4 cast of an input or a weight: e2m1's smallest non-zero value is a twelfth of
+    its largest, so a 16-value block flushes what is under 1/24 of its amax. FP4_FLUSH."""
+
     max_saturated_share: float = 0.001
     """Share of values the cast clamped (beyond what rounds to the format's max): only delayed scaling clamps (a
     value larger than the amax history's). Healthy layers measured <= 0.01% (TE delayed, after training)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)  # a number each ("0.02" from a file or flag too); a bool or a word is refused
-        for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share"):
+        for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share", "fp4_max_flushed_share"):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ValueError(f"{name}={value} must be a share between 0 and 1 (0.01 is 1%).")
@@ -80,20 +91,23 @@ class Thresholds:
         """What in ``layer`` crosses these limits, one phrase each (empty when nothing does)."""
         out = []
         sqnr = layer.output.sqnr_db
-        if layer.calls and (math.isnan(sqnr) or sqnr < self.min_output_sqnr_db):
-            out.append(f"output SQNR {sqnr:.1f} dB < {self.min_output_sqnr_db:g} dB")
+        least = self.fp4_min_output_sqnr_db if any(c.fp4 for c in layer.casts) else self.min_output_sqnr_db
+        if layer.calls and (math.isnan(sqnr) or sqnr < least):
+            out.append(f"output SQNR {sqnr:.1f} dB < {least:g} dB")
         for gemm in ("grad_input", "grad_weight"):
             stats = getattr(layer, gemm)
             sqnr = stats.sqnr_db
             if (stats.signal or stats.noise) and (math.isnan(sqnr) or sqnr < self.min_grad_sqnr_db):
                 out.append(f"{gemm} SQNR {sqnr:.1f} dB < {self.min_grad_sqnr_db:g} dB")
         for cast in layer.casts:
-            limit = self.max_grad_flushed_share if cast.role == "grad_output" else self.max_flushed_share
+            limit = (self.max_grad_flushed_share if cast.role == "grad_output" else
+                     self.fp4_max_flushed_share if cast.fp4 else self.max_flushed_share)
+            rest = self.fp4_min_rest_sqnr_db if cast.fp4 else self.min_rest_sqnr_db
             if cast.nonfinite:
                 out.append(f"{cast.role}: {cast.nonfinite:,} non-finite values")
-            if cast.rest_signal and (math.isnan(cast.rest_sqnr_db) or cast.rest_sqnr_db < self.min_rest_sqnr_db):
+            if cast.rest_signal and (math.isnan(cast.rest_sqnr_db) or cast.rest_sqnr_db < rest):
                 out.append(f"{cast.role} ({cast.gemms}): SQNR beside each row's largest {cast.rest_sqnr_db:.1f} dB "
-                           f"< {self.min_rest_sqnr_db:g} dB (an outlier swamps the rest)")
+                           f"< {rest:g} dB (an outlier swamps the rest)")
             if cast.flushed_share > limit:
                 out.append(f"{cast.role} ({cast.gemms}): {100 * cast.flushed_share:.1f}% flushed to zero "
                            f"> {100 * limit:g}%")
