@@ -14,6 +14,7 @@ from fp8dist.fp8.casts import CastSpec, nvfp4_casts
 from fp8dist.plan.hardware import TARGETS
 from fp8dist.plan.numerics import Thresholds
 from fp8dist.plan.numerics.casts import Cast
+from fp8dist.plan.precision import FP8UnavailableError
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 
@@ -52,7 +53,7 @@ def test_16x16_weight_blocks_cast_alike_for_either_gemm_and_pad_ragged_dims():
     assert torch.equal(rows, cols) and rows.shape == w.shape  # one 16x16 block scale serves both layouts
     assert not tiled.per_dim and CastSpec(E2M1, "nvfp4").per_dim
     assert tiled.describe() == "e2m1 NVFP4 16x16 e4m3 + fp32 tensor scale"
-    te = nvfp4_casts(weight_tile=16)
+    te = nvfp4_casts()
     assert {s.tile for (role, _), s in te.items() if role == "weight"} == {16}
     assert {s.tile for (role, _), s in te.items() if role != "weight"} == {1}
 
@@ -135,3 +136,71 @@ def test_a_bad_share_is_refused_naming_the_value_and_the_choices():
         with pytest.raises(ValueError, match=re.escape(f"keep_last_blocks_share={bad} must be a share of the blocks, "
                                                        "from 0 (none) to below 1")):
             fp8dist.resolve_config(fp8="te", te_recipe="nvfp4", keep_last_blocks_share=bad)
+
+
+def test_torchao_nvfp4_is_planned_for_a_b200_and_refused_where_fp4_gemms_are_missing():
+    """torchao 0.18's NVFP4 training (NVFP4TrainingConfig: nn.Linear -> NVFP4Linear) runs Triton kernels only: planned
+    on a B200 (dims multiples of 128, the tail and head kept out), refused on an H100 and on this CPU naming the
+    capability and the ways out."""
+    model = build_llama("small")  # hidden 256, MLP 768: multiples of 128
+    cfg = fp8dist.resolve_config(fp8="torchao", torchao_recipe="nvfp4", fp8_select="all")
+    plan = fp8dist.plan_precision(model, cfg, device=TARGETS["b200"])
+    fp4 = {e.name for e in plan if e.converted_to == "NVFP4Linear"}
+    assert fp4 and all(e.precision == "fp8" for e in plan if e.name in fp4)
+    assert "model.layers.2.mlp.down_proj" in fp4 and not any(n.startswith("model.layers.3.") for n in fp4)
+    assert "module_swap" in plan.detail
+    for where in (TARGETS["h100"], torch.device("cpu")):
+        with pytest.raises(FP8UnavailableError, match=re.escape(
+                "torchao_recipe='nvfp4' needs FP4 tensor cores (CUDA sm_100+), not ") + ".*Triton kernels only.*"
+                + re.escape("Plan for it with --target b200")):
+            fp8dist.plan_precision(model, cfg, device=where)
+    narrow = fp8dist.plan_precision(build_llama("tiny"), cfg, device=TARGETS["b200"])
+    assert any("not divisible by 128 (torchao's NVFP4 training GEMM" in e.reason for e in narrow)
+
+
+def test_torchao_nvfp4_has_no_weight_wrapper():
+    with pytest.raises(ValueError, match=re.escape("torchao_api='weight_wrapper' with torchao_recipe='nvfp4': torchao's "
+                                                   "NVFP4 training swaps nn.Linear for NVFP4Linear")):
+        fp8dist.wrap_model(build_llama("small"), strategy="none", fp8="torchao", torchao_recipe="nvfp4",
+                           torchao_api="weight_wrapper")
+
+
+def test_torchao_nvfp4_swaps_exactly_the_planned_linears_with_one_hadamard_sign_vector(monkeypatch):
+    """The swap itself runs on a CPU (its FP4 GEMM does not: the proof is stubbed here, and runs for real in the gpu
+    test below): the planned Linears become NVFP4Linear with their own weights, the others stay."""
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+    from fp8dist.fp8 import mx_linear
+
+    monkeypatch.setattr(mx_linear, "_fp4_gemms", lambda: 1)
+    model = build_llama("small")
+    weight = model.model.layers[0].mlp.up_proj.weight
+    mx_linear.convert_nvfp4(model, {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"})
+    swapped = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert swapped == {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"}
+    assert model.model.layers[0].mlp.up_proj.weight is weight
+    assert model.model.layers[0].mlp.up_proj.rht_sign_vector == model.model.layers[1].mlp.up_proj.rht_sign_vector
+    monkeypatch.setattr(mx_linear, "_fp4_gemms", lambda: 0)
+    with pytest.raises(RuntimeError, match="NVFP4Linear ran no FP4 GEMM, although the plan calls them FP4"):
+        mx_linear.convert_nvfp4(build_llama("small"), {"model.layers.0.mlp.up_proj"})
+
+
+def test_the_probe_measures_torchao_nvfp4_with_its_16x16_weight_blocks():
+    batches = [Batches(batch_size=2, seq_len=64, seed=1)[0]]
+    report = fp8dist.measure_fp8_numerics(build_llama("small"), batches, fp8="torchao", torchao_recipe="nvfp4",
+                                          target="b200")
+    casts = {c.cast for layer in report.layers for c in layer.casts}
+    assert casts == {"e2m1 NVFP4 1x16 e4m3 + fp32 tensor scale", "e2m1 NVFP4 16x16 e4m3 + fp32 tensor scale"}
+    assert report.layers and not any(layer.name.startswith("model.layers.3.") for layer in report.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (10, 0),
+                    reason="needs a CUDA GPU with FP4 tensor cores (sm_100+)")
+def test_torchao_nvfp4_trains_on_a_blackwell_gpu_with_fp4_gemms():
+    model = fp8dist.wrap_model(build_llama("small").cuda(), strategy="none", fp8="torchao", torchao_recipe="nvfp4",
+                               fp8_select="all", param_dtype="bf16")
+    ids = torch.randint(0, 256, (2, 128), device="cuda")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)

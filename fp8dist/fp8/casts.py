@@ -16,7 +16,7 @@ import torch
 
 from ..config.dtypes import dtype_name
 
-__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "nvfp4_casts"]
+__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "nvfp4_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -74,9 +74,15 @@ Casts = dict[tuple[str, str], CastSpec | None]
 """``{(operand, gemm): CastSpec, or None where that GEMM runs in high precision}``, for every pair of :data:`USES`."""
 
 
-def nvfp4_casts(*, weight_tile: int = 1) -> Casts:
+NVFP4_WEIGHT_TILE = 16
+"""Transformer Engine's NVFP4BlockScaling (2-D quantization, its default) and torchao's NVFP4Linear
+(``triton_weight_quantize_2d``) both quantize weights in 16x16 blocks: one cast for the forward and the input-gradient
+GEMM."""
+
+
+def nvfp4_casts(*, weight_tile: int = NVFP4_WEIGHT_TILE) -> Casts:
     """NVFP4 on every operand of every GEMM (e2m1 in 1x16 blocks along the contraction dim, e4m3 block scales, an
-    fp32 tensor scale); ``weight_tile`` 16: the weight in 16x16 blocks (Transformer Engine's NVFP4BlockScaling)."""
+    fp32 tensor scale), the weight in ``weight_tile`` x 16 blocks."""
     return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=weight_tile if role == "weight" else 1)
             for role, gemm in USES}
 

@@ -29,7 +29,7 @@ from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
-from .te_recipe import NVFP4_NOT_EMULATED, NVFP4_WEIGHT_TILE  # nvfp4 part of issue 42
+from .te_recipe import NVFP4_NOT_EMULATED  # nvfp4 part of issue 42
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -302,7 +302,7 @@ class TEBackend(FP8Backend):
             return experts_casts(cfg, hardware)
         p = cfg.precision
         if p.te_recipe == "nvfp4":
-            return nvfp4_casts(weight_tile=NVFP4_WEIGHT_TILE)
+            return nvfp4_casts()
         if p.te_recipe in NO_CASTS:
             raise NotImplementedError(NO_CASTS[p.te_recipe])
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn

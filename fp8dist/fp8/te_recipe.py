@@ -85,10 +85,6 @@ NO_CASTS = {
 }
 """Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
 
-NVFP4_WEIGHT_TILE = 16
-"""NVFP4BlockScaling quantizes weights in 16x16 blocks (TE 2.20's default, 2-D quantization on), so a weight casts
-the same for the forward and the input-gradient GEMM; activations and gradients in 1x16 blocks."""
-
 NVFP4_NOT_EMULATED = ("NVFP4BlockScaling emulated without its random Hadamard transform of the weight-gradient "
                       "GEMM's operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
                       "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "

@@ -3,7 +3,8 @@
 numerics probe's report (:func:`fp8dist.measure_fp8_numerics`), only those it measured safe. The decision is data:
 each :class:`~fp8dist.plan.precision.PlanEntry` holds its predictions and its numerics verdict, and the plan a
 :class:`Selection` its header renders. :func:`fp8dist.plan_precision` calls :func:`select` after eligibility,
-``fp8_exclude``, ``fp8_filter`` and the first/last Linear have had their say."""
+``fp8_exclude``, ``fp8_filter`` and the first/last Linear have had their say. Under an FP4 recipe (NVFP4) it first keeps
+the model's last blocks and its output head out of low precision (:func:`tail_share`, ``keep_last_blocks_share``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .hardware import Hardware, find_gpu
 from ..config.options import DEFAULT_SEQ_LEN
 from .speed import RECIPES, LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
-__all__ = ["Selection", "select", "tail_share", "FP4_TAIL_SHARE", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
+__all__ = ["Selection", "select", "tail_share", "FP4_TAIL_SHARE", "numerics_verdicts", "with_read_options",
+           "describe_prediction", "speedup_of"]
 
 Verdicts = Mapping[str, tuple[str, ...] | None]
 
@@ -209,9 +211,10 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend)
     tail, said_tail = _tail(model, cfg, backend, hardware)
     notes += said_tail
-    out = [e if e.precision != "fp8" else _decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback)
-           if e.name not in tail else dataclasses.replace(e, precision=fallback(model.get_submodule(e.name)),
-                                                          converted_to=None, reason=tail[e.name]) for e in entries]
+    out = [e if e.precision != "fp8" else
+           _decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback) if e.name not in tail else
+           dataclasses.replace(e, precision=fallback(model.get_submodule(e.name)), converted_to=None,
+                               reason=tail[e.name]) for e in entries]
     step = _step(model, out, gpu, recipe, compile, margin)
     if verdicts is not None:
         unsafe = sum(1 for e in out if e.numerics)

@@ -99,7 +99,8 @@ class CastStats:
         return self.saturated / self.elements if self.elements else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "fp4": self.fp4, "sqnr_db": json_number(self.sqnr_db),
+        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "fp4": self.fp4,
+                "sqnr_db": json_number(self.sqnr_db),
                 "rest_sqnr_db": json_number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
