@@ -54,9 +54,9 @@ class GemmSite:
             if r != role:
                 continue
             dim = CONTRACTION_DIM[(role, gemms[0])]
-            back, saturated = cast(x, dim)
+            back, saturated, floored = cast(x, dim)
             if record:
-                stats.add(x, back, saturated, dim)
+                stats.add(x, back, saturated, dim, floored)
             out.update(dict.fromkeys(gemms, back))
         return out
 

@@ -25,8 +25,9 @@ blocks run along it (torchao's ``axiswise_dim`` for the same use)."""
 
 
 class Cast:
-    """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32) and the mask of
-    the values the cast clamped to the format's largest (saturated). Delayed scaling keeps its amax
+    """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32), the mask of
+    the values the cast clamped to the format's largest (saturated) and, for NVFP4, the mask of the values whose
+    block scale sat at e4m3's floor (None for the others). Delayed scaling keeps its amax
     history across calls, as TE keeps it across steps."""
 
     def __init__(self, spec: CastSpec) -> None:
@@ -34,9 +35,9 @@ class Cast:
         self.history: list[torch.Tensor] = []
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.spec.scaling == "mx":
-            return _mx_round_trip(x, self.spec.dtype, dim)
+            return *_mx_round_trip(x, self.spec.dtype, dim), None
         if self.spec.scaling == "nvfp4":
             return _nvfp4_round_trip(x, dim, self.spec.tile)
         from torchao.float8.config import ScalingGranularity
@@ -54,7 +55,7 @@ class Cast:
                                     axiswise_dim=dim, round_scales_to_power_of_2=spec.pow2)
         else:
             scale = tensor_to_scale(x, spec.dtype, round_scales_to_power_of_2=spec.pow2)
-        return _scaled_round_trip(x, scale, spec.dtype)
+        return *_scaled_round_trip(x, scale, spec.dtype), None
 
 
 def _rounds_to_max(dtype: torch.dtype) -> float:
@@ -93,10 +94,12 @@ _E2M1_MAX, _E2M1_ROUNDS_TO_MAX = 6.0, 7.0
 """e2m1's largest value, and beyond what a value rounds to it (its neighbours below are 4 and 6: half a step of 2)."""
 
 
-def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4's cast along ``dim`` in blocks of ``tile`` x 16 (zero-padded to whole blocks), back to fp32: the fp32
     tensor scale amax / (448 x 6) lets the block of the tensor's amax use e4m3's whole range; each block's scale
-    (its amax / 6, over the tensor scale) rounds to e4m3, its values to e2m1 (nearest, ties to even)."""
+    (its amax / 6, over the tensor scale) rounds to e4m3, its values to e2m1 (nearest, ties to even). A block whose
+    scale falls under e4m3's smallest normal gets that floor (torchao's clamp): too coarse for its values, which
+    happens where an outlier elsewhere set the tensor scale; those values are the third mask."""
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
     from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
@@ -107,10 +110,12 @@ def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tenso
     tiles = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
     tensor_scale = per_tensor_amax_to_scale(flat.abs().amax() if flat.numel() else torch.zeros(()))
     if tensor_scale == 0:  # all zeros: nothing to scale, the round trip is exact
-        return x.float(), torch.zeros_like(x, dtype=torch.bool)
+        none = torch.zeros_like(x, dtype=torch.bool)
+        return x.float(), none, none
     info = torch.finfo(torch.float8_e4m3fn)
-    block = tiles.abs().amax(dim=(1, 3), keepdim=True) / _E2M1_MAX / tensor_scale
-    block = block.clamp(info.tiny, info.max).to(torch.float8_e4m3fn).float()
+    wanted = tiles.abs().amax(dim=(1, 3), keepdim=True) / _E2M1_MAX / tensor_scale
+    block = wanted.clamp(info.tiny, info.max).to(torch.float8_e4m3fn).float()
+    floored = ((wanted < info.tiny) & (tiles != 0)).expand(tiles.shape)
     scaled = tiles * ((1.0 / tensor_scale) / block)  # torchao's order of operations: the same roundings
     saturated = scaled.abs() > _E2M1_ROUNDS_TO_MAX
     values = f4_unpacked_to_f32(f32_to_f4_unpacked(scaled.clamp(-_E2M1_MAX, _E2M1_MAX)))
@@ -119,4 +124,4 @@ def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tenso
     def unpadded(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(padded.shape)[:flat.shape[0], :flat.shape[1]].reshape(shape).movedim(-1, dim)
 
-    return unpadded(back), unpadded(saturated)
+    return unpadded(back), unpadded(saturated), unpadded(floored)

@@ -46,6 +46,9 @@ class CastStats:
     saturated: int = 0
     """Values beyond the largest magnitude the cast represents (clamped to it)."""
     nonfinite: int = 0
+    floored: int = 0
+    """NVFP4: non-zero values in blocks whose e4m3 scale sat at its floor, coarser than the block needed (a tensor
+    scale set by an outlier elsewhere in the tensor)."""
     signal: float = 0.0
     noise: float = 0.0
     rest_signal: float = 0.0
@@ -54,9 +57,11 @@ class CastStats:
     amax: float = 0.0
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1) -> None:
+    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1,
+            floored: torch.Tensor | None = None) -> None:
         """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped; ``dim``: the
-        dim its GEMM sums over (each slice along it is one dot product's operand)."""
+        dim its GEMM sums over (each slice along it is one dot product's operand); ``floored``: NVFP4's mask of
+        values whose block scale sat at its floor."""
         x, back = x.detach().float(), back.float()
         finite = torch.isfinite(x)
         if not bool(finite.all()):
@@ -69,6 +74,7 @@ class CastStats:
         self.nonzero += counts[0]
         self.flushed += counts[1]
         self.saturated += counts[2]
+        self.floored += int(floored.sum()) if floored is not None else 0
         self.signal += float(exact.square().sum())
         self.noise += float(diff.square().sum())
         if x.numel():
@@ -95,6 +101,11 @@ class CastStats:
         return self.flushed / self.nonzero if self.nonzero else 0.0
 
     @property
+    def floored_share(self) -> float:
+        """Share of the non-zero values whose NVFP4 block scale sat at its floor."""
+        return self.floored / self.nonzero if self.nonzero else 0.0
+
+    @property
     def saturated_share(self) -> float:
         return self.saturated / self.elements if self.elements else 0.0
 
@@ -104,7 +115,7 @@ class CastStats:
                 "rest_sqnr_db": json_number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
-                "saturated": self.saturated, "nonfinite": self.nonfinite}
+                "saturated": self.saturated, "nonfinite": self.nonfinite, "floored_share": self.floored_share}
 
 
 @dataclass
