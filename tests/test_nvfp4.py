@@ -35,16 +35,18 @@ def _torchao_nvfp4(x: torch.Tensor) -> torch.Tensor:
 def test_the_probes_nvfp4_cast_is_torchaos_nvfp4_quantization_along_the_contraction_dim():
     torch.manual_seed(0)
     x = torch.randn(64, 96) * torch.logspace(-2, 2, 96)  # columns spanning four decades: blocks scale apart
-    back, saturated, floored = Cast(CastSpec(E2M1, "nvfp4"))(x, -1)
+    cast = Cast(CastSpec(E2M1, "nvfp4"))
+    back, saturated = cast(x, -1)
     assert torch.equal(back, _torchao_nvfp4(x)) and not saturated.any()  # bit for bit
-    assert not floored.any()  # every block's scale within e4m3's normal range (down to 1/28,672 of the amax)
+    assert not cast.floored.any()  # every block's scale within e4m3's normal range (down to 1/28,672 of the amax)
     wider = torch.randn(64, 96) * torch.logspace(-4, 2, 96)  # six decades: the smallest blocks' scales floor
-    wide_back, _, floored = Cast(CastSpec(E2M1, "nvfp4"))(wider, -1)
+    wide_back, _ = cast(wider, -1)
+    floored = cast.floored
     assert torch.equal(wide_back, _torchao_nvfp4(wider)) and floored[:, :16].all() and not floored[:, -16:].any()
-    along_rows, *_ = Cast(CastSpec(E2M1, "nvfp4"))(x.t().contiguous(), 0)  # a weight's layout: blocks along dim 0
+    along_rows, _ = Cast(CastSpec(E2M1, "nvfp4"))(x.t().contiguous(), 0)  # a weight's layout: blocks along dim 0
     assert torch.equal(along_rows.t(), back)
     assert (back - x).norm() / x.norm() < 0.12  # e2m1: measured 0.098 on Gaussian rows
-    zeros, *_ = Cast(CastSpec(E2M1, "nvfp4"))(torch.zeros(4, 32), -1)
+    zeros, _ = Cast(CastSpec(E2M1, "nvfp4"))(torch.zeros(4, 32), -1)
     assert torch.equal(zeros, torch.zeros(4, 32))
 
 
@@ -52,8 +54,8 @@ def test_16x16_weight_blocks_cast_alike_for_either_gemm_and_pad_ragged_dims():
     torch.manual_seed(0)
     w = torch.randn(40, 24)  # neither dim a multiple of 16: zero-padded blocks
     tiled = CastSpec(E2M1, "nvfp4", tile=16)
-    rows, *_ = Cast(tiled)(w, -1)
-    cols, *_ = Cast(tiled)(w, 0)
+    rows, _ = Cast(tiled)(w, -1)
+    cols, _ = Cast(tiled)(w, 0)
     assert torch.equal(rows, cols) and rows.shape == w.shape  # one 16x16 block scale serves both layouts
     assert not tiled.per_dim and CastSpec(E2M1, "nvfp4").per_dim
     assert tiled.describe() == "e2m1 NVFP4 16x16 e4m3 + fp32 tensor scale"

@@ -54,9 +54,9 @@ class GemmSite:
             if r != role:
                 continue
             dim = CONTRACTION_DIM[(role, gemms[0])]
-            back, saturated, floored = cast(x, dim)
+            back, saturated = cast(x, dim)
             if record:
-                stats.add(x, back, saturated, dim, floored)
+                stats.add(x, back, saturated, dim, cast.floored)
             out.update(dict.fromkeys(gemms, back))
         return out
 

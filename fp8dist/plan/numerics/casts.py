@@ -25,21 +25,24 @@ blocks run along it (torchao's ``axiswise_dim`` for the same use)."""
 
 
 class Cast:
-    """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32), the mask of
-    the values the cast clamped to the format's largest (saturated) and, for NVFP4, the mask of the values whose
-    block scale sat at e4m3's floor (None for the others). Delayed scaling keeps its amax
+    """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32) and the mask of
+    the values the cast clamped to the format's largest (saturated); an NVFP4 cast keeps the mask of the values whose
+    block scale sat at e4m3's floor in :attr:`floored`. Delayed scaling keeps its amax
     history across calls, as TE keeps it across steps."""
 
     def __init__(self, spec: CastSpec) -> None:
         self.spec = spec
         self.history: list[torch.Tensor] = []
+        self.floored: torch.Tensor | None = None
+        """NVFP4: the last call's values whose block scale sat at e4m3's floor; None for the other casts."""
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.scaling == "mx":
-            return *_mx_round_trip(x, self.spec.dtype, dim), None
+            return _mx_round_trip(x, self.spec.dtype, dim)
         if self.spec.scaling == "nvfp4":
-            return _nvfp4_round_trip(x, dim, self.spec.tile)
+            back, saturated, self.floored = _nvfp4_round_trip(x, dim, self.spec.tile)
+            return back, saturated
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale
 
@@ -55,7 +58,7 @@ class Cast:
                                     axiswise_dim=dim, round_scales_to_power_of_2=spec.pow2)
         else:
             scale = tensor_to_scale(x, spec.dtype, round_scales_to_power_of_2=spec.pow2)
-        return *_scaled_round_trip(x, scale, spec.dtype), None
+        return _scaled_round_trip(x, scale, spec.dtype)
 
 
 def _rounds_to_max(dtype: torch.dtype) -> float:
