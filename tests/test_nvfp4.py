@@ -169,8 +169,8 @@ def test_torchao_nvfp4_is_planned_for_a_b200_and_refused_where_fp4_gemms_are_mis
 
 
 def test_torchao_nvfp4_has_no_weight_wrapper():
-    with pytest.raises(ValueError, match=re.escape("torchao_api='weight_wrapper' with torchao_recipe='nvfp4': torchao's "
-                                                   "NVFP4 training swaps nn.Linear for NVFP4Linear")):
+    with pytest.raises(ValueError, match=re.escape("torchao_api='weight_wrapper' with torchao_recipe='nvfp4': "
+                                                   "torchao's NVFP4 training swaps nn.Linear for NVFP4Linear")):
         fp8dist.wrap_model(build_llama("small"), strategy="none", fp8="torchao", torchao_recipe="nvfp4",
                            torchao_api="weight_wrapper")
 
@@ -202,6 +202,7 @@ def test_the_probe_measures_torchao_nvfp4_with_its_16x16_weight_blocks():
     casts = {c.cast for layer in report.layers for c in layer.casts}
     assert casts == {"e2m1 NVFP4 1x16 e4m3 + fp32 tensor scale", "e2m1 NVFP4 16x16 e4m3 + fp32 tensor scale"}
     assert report.layers and not any(layer.name.startswith("model.layers.3.") for layer in report.layers)
+    assert any("stochastic rounding" in note for note in report.notes)
 
 
 @pytest.mark.gpu

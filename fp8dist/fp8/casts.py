@@ -16,7 +16,8 @@ import torch
 
 from ..config.dtypes import dtype_name
 
-__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "nvfp4_casts"]
+__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "NVFP4_NOT_EMULATED",
+           "nvfp4_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -78,6 +79,13 @@ NVFP4_WEIGHT_TILE = 16
 """Transformer Engine's NVFP4BlockScaling (2-D quantization, its default) and torchao's NVFP4Linear
 (``triton_weight_quantize_2d``) both quantize weights in 16x16 blocks: one cast for the forward and the input-gradient
 GEMM."""
+
+
+NVFP4_NOT_EMULATED = ("NVFP4 emulated without its random Hadamard transform of the weight-gradient GEMM's "
+                      "operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
+                      "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "
+                      "rounding the probe does: optimistic there)")
+"""What the probe's NVFP4 casts leave out of Transformer Engine's and torchao's NVFP4 training, said in its report."""
 
 
 def nvfp4_casts(*, weight_tile: int = NVFP4_WEIGHT_TILE) -> Casts:

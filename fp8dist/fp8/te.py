@@ -24,12 +24,11 @@ from ..config.axis import ALWAYS, LEVELS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
-from .casts import USES, Casts, CastSpec, nvfp4_casts
+from .casts import NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
-from .te_recipe import NVFP4_NOT_EMULATED  # nvfp4 part of issue 42
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:

@@ -80,16 +80,11 @@ def build_recipe(cfg) -> Any:
 NO_CASTS = {
     "blockwise": ("te_recipe='blockwise': the numerics probe has no model of Float8BlockScaling's casts (1x128 blocks "
                   "for activations and gradients, 128x128 for weights, power-of-2 scales; fp8dist.fp8.casts models "
-                  "tensorwise, rowwise, MX 1x32 and delayed scaling). Probe with te_recipe='current' (one scale per "
-                  "tensor: coarser blocks, so usually larger errors than blockwise's), or run without a probe."),
+                  "tensorwise, rowwise, MX 1x32, NVFP4 and delayed scaling). Probe with te_recipe='current' (one "
+                  "scale per tensor: coarser blocks, so usually larger errors than blockwise's), or run without a "
+                  "probe."),
 }
 """Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
-
-NVFP4_NOT_EMULATED = ("NVFP4BlockScaling emulated without its random Hadamard transform of the weight-gradient "
-                      "GEMM's operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
-                      "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "
-                      "rounding the probe does: optimistic there)")
-"""What the probe's NVFP4 casts leave out of TE's recipe, said in its report."""
 
 
 QUANTIZED_INIT_TE = (2, 10)

@@ -19,7 +19,7 @@ from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
-from .casts import Casts, CastSpec, nvfp4_casts
+from .casts import NVFP4_NOT_EMULATED, Casts, CastSpec, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
@@ -270,6 +270,9 @@ class TorchaoBackend(FP8Backend):
         if is_mx(cfg.precision.torchao_recipe):
             return mx_linear_casts(mx_op_config(cfg.precision.torchao_recipe))
         return float8_linear_casts(float8_config(cfg, facts))
+
+    def numerics_note(self, cfg) -> str:
+        return NVFP4_NOT_EMULATED if cfg.precision.torchao_recipe == "nvfp4" else ""
 
     accelerate_backend = "AO"
 

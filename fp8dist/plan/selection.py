@@ -265,7 +265,8 @@ def _tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> tuple
         reasons[head] = f"the output head (the last GEMM to run), kept in high precision ({why})"
     where = (f"the last {len(kept)} of {plural(len(blocks), 'block')} ({', '.join(kept)})" if kept else
              f"no block ({how})")
-    return reasons, [f"{why}: {where} and the output head {head} stay out of low precision"]
+    head_words = f" and the output head {head}" if head is not None else ""
+    return reasons, [f"{why}: {where}{head_words} stay out of low precision"]
 
 
 def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list[str], Any, str | None, str]:
