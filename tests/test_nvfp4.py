@@ -215,3 +215,23 @@ def test_torchao_nvfp4_trains_on_a_blackwell_gpu_with_fp4_gemms():
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_the_fp4_gemm_counter_sees_f_scaled_mm_on_fp4_operands():
+    """The proof convert_nvfp4 runs on a GPU counts what F.scaled_mm becomes (torch._scaled_mm_v2), FP4 operands
+    only; here on a CPU, which has no FP4 kernel, the mode counts the call before it is refused."""
+    import torch.nn.functional as F
+
+    from fp8dist.fp8.mx_linear import FP4Gemms
+
+    fp4 = torch.zeros(32, 16, dtype=torch.uint8).view(E2M1)
+    fp8 = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    with FP4Gemms() as gemms:
+        for a in (fp4, fp8):  # FP8's runs on a CPU too
+            try:
+                F.scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_recipe_a=F.ScalingType.TensorWise,
+                            scale_b=torch.ones(()), scale_recipe_b=F.ScalingType.TensorWise,
+                            output_dtype=torch.bfloat16)
+            except (RuntimeError, NotImplementedError, ValueError):  # no FP4 here: counted before it refused
+                assert a is fp4
+    assert gemms.count == 1  # the FP4 call only

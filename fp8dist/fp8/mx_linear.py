@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .base import fp8_hardware_reason
 from .casts import MX_BLOCK, USES, Casts, CastSpec
@@ -171,22 +172,28 @@ def convert_nvfp4(model: nn.Module, names: set[str]) -> None:
                            "report them FP4. Keep them out with fp8_exclude, or use torchao_recipe='mxfp8'.")
 
 
+class FP4Gemms(TorchFunctionMode):
+    """Counts the scaled-mm calls on FP4 operands (``F.scaled_mm``, which NVFP4Linear calls, runs as
+    ``torch._scaled_mm_v2``: the mode sees that, not ``F.scaled_mm`` itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if "scaled_mm" in getattr(func, "__name__", "") and getattr(args[0] if args else None, "dtype", None) \
+                == torch.float4_e2m1fn_x2:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _fp4_gemms() -> int:
-    """``F.scaled_mm`` calls on FP4 operands in one forward of a bf16 128x128 ``NVFP4Linear`` on this CUDA device:
-    every converted Linear runs that class's forward, so one proves them all."""
-    from torch.overrides import TorchFunctionMode
+    """FP4 GEMMs in one forward of a bf16 128x128 ``NVFP4Linear`` on this CUDA device: every converted Linear runs
+    that class's forward, so one proves them all."""
     from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
-
-    class Count(TorchFunctionMode):
-        seen = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.nn.functional.scaled_mm and args and args[0].dtype == torch.float4_e2m1fn_x2:
-                Count.seen += 1
-            return func(*args, **(kwargs or {}))
 
     module = NVFP4Linear(NVFP4_DIM, NVFP4_DIM, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(NVFP4_DIM, NVFP4_DIM, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad(), Count():
+    with torch.no_grad(), FP4Gemms() as gemms:
         module(x)
-    return Count.seen
+    return gemms.count
