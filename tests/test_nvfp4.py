@@ -83,6 +83,8 @@ def test_the_probe_measures_te_nvfp4_per_layer_within_the_fp4_limits(te_nvfp4_re
     weights = {c.cast for layer in report.layers for c in layer.casts if c.role == "weight"}
     assert weights == {"e2m1 NVFP4 16x16 e4m3 + fp32 tensor scale"}
     assert any("stochastic rounding" in note for note in report.notes)
+    assert any(note.startswith("the last blocks and the output head not measured: the plan keeps them out of low "
+                               "precision (keep_last_blocks_share=0.15, the default") for note in report.notes)
     fp8_limits = Thresholds(fp4_min_output_sqnr_db=20.0, fp4_min_rest_sqnr_db=15.0, fp4_max_flushed_share=0.01)
     assert all(fp8_limits.problems(layer) for layer in report.layers)
     assert "FP4 (NVFP4) GEMMs: output SQNR >= 10 dB" in str(report)
