@@ -152,7 +152,7 @@ def test_falcons_bypassed_linears_are_kept_out_of_mxfp8_with_the_true_reason():
 def test_compare_recipes_lists_mxfp8_on_b200_only(capsys):
     from fp8dist.cli import main
 
-    for target, recipes in (("b200", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]),
+    for target, recipes in (("b200", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4"]),
                             ("h100", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])):
         assert main(["plan", "--model-size", "tiny", "--fp8", "torchao", "--target", target,
                      "--compare-recipes"]) == 0

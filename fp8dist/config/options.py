@@ -176,6 +176,13 @@ class FP8Config:
     """fp8_select auto: a layer runs in FP8 where its predicted speedup over bf16 is at least this (1.0: every layer
     predicted faster; above 1 demands a clearer gain)."""
 
+    # issue 42, NVFP4 part: the tail of the model out of FP4
+    keep_last_blocks_share: float | None = field(default=None, metadata={"none": "0.15 under FP4 recipes, else 0"})
+    """Share of the model's last transformer blocks kept, with the output head, in the strategy's mixed precision
+    (rounded up to whole blocks). NVFP4 training keeps the last ~15% of blocks and the head in bf16 (torchtitan's
+    Llama3-8B NVFP4 run on 4 B200s). None: 0.15 where the recipe runs FP4 GEMMs (te_recipe='nvfp4', torchao_recipe=
+    'nvfp4'), 0 for FP8 recipes, which train well with the first and last Linear kept alone (keep_first_last_linear)."""
+
     backend_knobs: tuple[Any, ...] = field(default=(), metadata={"nested": lambda: knob_configs().values()})
     """One instance of each registered backend's ``Config``, in the registry's order, built from the flat keys."""
 
@@ -194,6 +201,10 @@ class FP8Config:
         if not 0 < self.fp8_select_margin < float("inf"):  # nan fails this too
             raise ValueError(f"fp8_select_margin={self.fp8_select_margin} must be a finite number > 0: the speedup "
                              f"over bf16 a layer must reach to run in FP8 ({DEFAULT_MARGIN}: any predicted gain).")
+        share = self.keep_last_blocks_share
+        if share is not None and not 0 <= share < 1:  # nan fails this too
+            raise ValueError(f"keep_last_blocks_share={share} must be a share of the blocks, from 0 (none) to below 1 "
+                             "(0.15: the last 15% and the output head), or none (0.15 under FP4 recipes, else 0).")
 
     def knobs(self, backend: str) -> Any:
         """Backend ``backend``'s knobs (its ``Config``; the defaults if it registered after this config); None: none."""

@@ -16,7 +16,8 @@ import torch
 
 from ..config.dtypes import dtype_name
 
-__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK"]
+__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "NVFP4_NOT_EMULATED",
+           "nvfp4_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -25,16 +26,21 @@ USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input")
 MX_BLOCK = 32
 """MXFP8: one e8m0 scale per 32 consecutive elements along the contraction dim (OCP MX v1.0)."""
 
+NVFP4_BLOCK = 16
+"""NVFP4: one e4m3 scale per 16 consecutive elements (NVIDIA's NVFP4: e2m1 values, e4m3 block scales under one fp32
+scale per tensor)."""
+
 
 @dataclass(frozen=True)
 class CastSpec:
     """One operand's cast in one GEMM."""
 
     dtype: torch.dtype
-    """torch.float8_e4m3fn or torch.float8_e5m2."""
-    scaling: Literal["tensorwise", "rowwise", "mx", "delayed"]
+    """torch.float8_e4m3fn or torch.float8_e5m2; torch.float4_e2m1fn_x2 for NVFP4."""
+    scaling: Literal["tensorwise", "rowwise", "mx", "delayed", "nvfp4"]
     """One scale per tensor from its amax; one per row along the contraction dim; one e8m0 scale per
-    :data:`MX_BLOCK` elements; or one per tensor from the amax history of earlier steps (TE delayed scaling)."""
+    :data:`MX_BLOCK` elements; one per tensor from the amax history of earlier steps (TE delayed scaling); or NVFP4's
+    two levels: an e4m3 scale per :data:`NVFP4_BLOCK` elements (``tile`` rows of them) under an fp32 tensor scale."""
     pow2: bool = False
     """Scales rounded down to a power of 2 (torchao's rowwise recipes)."""
     margin: int = 0
@@ -43,15 +49,23 @@ class CastSpec:
     """Delayed scaling: amax history length."""
     algo: Literal["max", "most_recent"] = "max"
     """Delayed scaling: amax from the history's max or its most recent value."""
+    tile: int = 1
+    """NVFP4: rows per block; 16 makes 16x16 blocks (TE's weights), the same cast for either GEMM."""
 
     @property
     def per_dim(self) -> bool:
         """The cast depends on the contraction dim (rowwise, MX); a tensorwise cast is the same in both GEMMs."""
-        return self.scaling in ("rowwise", "mx")
+        return self.scaling in ("rowwise", "mx") or (self.scaling == "nvfp4" and self.tile == 1)
+
+    @property
+    def fp4(self) -> bool:
+        """An FP4 cast (NVFP4): the numerics thresholds allow for its coarser values."""
+        return self.scaling == "nvfp4"
 
     def describe(self) -> str:
-        name = dtype_name(self.dtype).removeprefix("fp8 ")
+        name = "e2m1" if self.fp4 else dtype_name(self.dtype).removeprefix("fp8 ")
         how = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": f"MX 1x{MX_BLOCK} e8m0",
+               "nvfp4": f"NVFP4 {self.tile}x{NVFP4_BLOCK} e4m3 + fp32 tensor scale",
                "delayed": f"delayed (history {self.history_len}, {self.algo}"
                           f"{f', margin {self.margin}' if self.margin else ''})"}[self.scaling]
         return f"{name} {how}{' pow2' if self.pow2 else ''}"
@@ -59,3 +73,24 @@ class CastSpec:
 
 Casts = dict[tuple[str, str], CastSpec | None]
 """``{(operand, gemm): CastSpec, or None where that GEMM runs in high precision}``, for every pair of :data:`USES`."""
+
+
+NVFP4_WEIGHT_TILE = 16
+"""Transformer Engine's NVFP4BlockScaling (2-D quantization, its default) and torchao's NVFP4Linear
+(``triton_weight_quantize_2d``) both quantize weights in 16x16 blocks: one cast for the forward and the input-gradient
+GEMM."""
+
+
+NVFP4_NOT_EMULATED = ("NVFP4 emulated without its random Hadamard transform of the weight-gradient GEMM's "
+                      "operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
+                      "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "
+                      "rounding the probe does: optimistic there)")
+"""What the probe's NVFP4 casts leave out of Transformer Engine's and torchao's NVFP4 training, said in its report."""
+
+
+def nvfp4_casts(*, weight_tile: int = NVFP4_WEIGHT_TILE) -> Casts:
+    """NVFP4 on every operand of every GEMM (e2m1 in 1x16 blocks along the contraction dim, e4m3 block scales, an
+    fp32 tensor scale), the weight in ``weight_tile`` x 16 blocks."""
+    return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=weight_tile if role == "weight" else 1)
+            for role, gemm in USES}
+

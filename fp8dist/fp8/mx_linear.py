@@ -5,6 +5,13 @@ input, weight and output gradient quantized to e4m3 in 1x32 blocks with e8m0 sca
 CUTLASS on sm_100+), or, with ``KernelPreference.EMULATED``, the same quantization and ``aten.mm`` on ``MXTensor``
 operands computed in high precision (any device: numerics and tests, no speed). fp8dist offers MXFP8 through the
 weight wrapper only: torchao's module swap (``Float8Linear``) has no MXFP8 recipe.
+
+NVFP4 (``torchao_recipe="nvfp4"``) is torchao 0.18's ``NVFP4TrainingConfig``
+(torchao/prototype/moe_training/nvfp4_training/nvfp4_training.py): ``quantize_`` swaps each nn.Linear for
+``NVFP4Linear``, whose three GEMMs run FP4 (``F.scaled_mm`` on ``float4_e2m1fn_x2``) after Triton quantize kernels
+(random Hadamard transform, stochastic rounding of gradients, 16x16 weight blocks). Triton only: no CPU or emulated
+form, so it is planned for a GPU target and refused elsewhere; its numerics are probed on a CPU with the emulated
+NVFP4 casts (:func:`fp8dist.fp8.casts.nvfp4_casts`).
 """
 
 from __future__ import annotations
@@ -13,12 +20,14 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .base import fp8_hardware_reason
 from .casts import MX_BLOCK, USES, Casts, CastSpec
 
 __all__ = ["MX_RECIPES", "MX_WRAPPED", "MX_BYPASSED", "MXFP8_CAPABILITY", "is_mx", "mx_hardware_reason",
-           "mx_op_config", "probe_config", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words"]
+           "mx_op_config", "probe_config", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words", "NVFP4_SWAPPED",
+           "nvfp4_hardware_reason", "nvfp4_linear_reason", "convert_nvfp4"]
 
 MX_RECIPES = ("mxfp8", "mxfp8_emulated")
 """torchao_recipe values that run MXFP8 (the second with emulated GEMMs)."""
@@ -109,3 +118,82 @@ def mx_gemm_words(config) -> str:
     if config.kernel_preference == KernelPreference.EMULATED:
         how.append("emulated")
     return f"mxfp8 e4m3 fwd+grads ({', '.join(how)})"
+
+
+NVFP4_SWAPPED = "NVFP4Linear"
+"""What the plan records for a Linear torchao's NVFP4 training converts (a module swap through ``quantize_``)."""
+
+NVFP4_DIM = 128
+"""torchao's NVFP4 training GEMM (``nvfp4_mm_triton``) takes M, K and N divisible by 128 only."""
+
+
+def nvfp4_hardware_reason(hardware) -> str | None:
+    """Why ``torchao_recipe='nvfp4'`` cannot run on ``hardware`` (FP4 GEMMs and Triton: CUDA sm_100+), with the
+    ways out; None where it can."""
+    if fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY) is None:
+        return None
+    where = hardware if hardware.type == "cuda" else f"device {hardware.type}"
+    return (f"torchao_recipe='nvfp4' needs FP4 tensor cores (CUDA sm_100+), not {where}: torchao's NVFP4 training "
+            "(NVFP4TrainingConfig) quantizes with Triton kernels only, with no CPU or emulated form. Plan for it with "
+            "--target b200, measure its numerics here with fp8dist probe --target b200 (emulated NVFP4 casts), or "
+            "train with torchao_recipe='mxfp8_emulated' on this device")
+
+
+def nvfp4_linear_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s kind or dims keep it from torchao's NVFP4Linear; None when they do not."""
+    from .conv1d import is_conv1d
+    from .linear import plain_linear_reason
+
+    if is_conv1d(module):
+        return "a Conv1D: torchao's NVFP4 training swaps nn.Linear only; use a tensorwise / rowwise recipe"
+    why = plain_linear_reason(module)
+    if why:
+        return why
+    bad = [f"{n}={d}" for n, d in (("in_features", module.in_features), ("out_features", module.out_features))
+           if d % NVFP4_DIM]
+    return bad and (f"{' and '.join(bad)} not divisible by {NVFP4_DIM} (torchao's NVFP4 training GEMM takes "
+                    f"multiples of {NVFP4_DIM} only)") or None
+
+
+def convert_nvfp4(model: nn.Module, names: set[str]) -> None:
+    """Swap exactly the Linears ``names`` for torchao's ``NVFP4Linear`` (weights kept), then prove that an
+    NVFP4Linear runs FP4 GEMMs here. One Hadamard sign vector for all, the same on every rank (torchao draws one per
+    layer at random: replicas would then hold different buffers). Call before sharding, on a CUDA sm_100+ device."""
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear, NVFP4TrainingConfig
+    from torchao.quantization import quantize_
+
+    signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    quantize_(model, NVFP4TrainingConfig(rht_sign_vector=signs), filter_fn=lambda m, fqn: fqn in names)
+    missed = [n for n in sorted(names) if not isinstance(model.get_submodule(n), NVFP4Linear)]
+    ran = _fp4_gemms() if names else 1
+    if missed or not ran:
+        what = f"{', '.join(missed[:3])} were not swapped for NVFP4Linear" if missed else "NVFP4Linear ran no FP4 GEMM"
+        raise RuntimeError(f"torchao NVFP4 conversion: {what}, although the plan calls them FP4; fp8dist will not "
+                           "report them FP4. Keep them out with fp8_exclude, or use torchao_recipe='mxfp8'.")
+
+
+class FP4Gemms(TorchFunctionMode):
+    """Counts the scaled-mm calls on FP4 operands (``F.scaled_mm``, which NVFP4Linear calls, runs as
+    ``torch._scaled_mm_v2``: the mode sees that, not ``F.scaled_mm`` itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if "scaled_mm" in getattr(func, "__name__", "") and getattr(args[0] if args else None, "dtype", None) \
+                == torch.float4_e2m1fn_x2:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fp4_gemms() -> int:
+    """FP4 GEMMs in one forward of a bf16 128x128 ``NVFP4Linear`` on this CUDA device: every converted Linear runs
+    that class's forward, so one proves them all."""
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+    module = NVFP4Linear(NVFP4_DIM, NVFP4_DIM, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(NVFP4_DIM, NVFP4_DIM, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), FP4Gemms() as gemms:
+        module(x)
+    return gemms.count

@@ -24,7 +24,7 @@ from ..config.axis import ALWAYS, LEVELS, Rule, StrategyFacts, When
 from ..plan.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
-from .casts import USES, Casts, CastSpec
+from .casts import NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
@@ -300,7 +300,9 @@ class TEBackend(FP8Backend):
         if grouped:
             return experts_casts(cfg, hardware)
         p = cfg.precision
-        if p.te_recipe in ("blockwise", "nvfp4"):
+        if p.te_recipe == "nvfp4":
+            return nvfp4_casts()
+        if p.te_recipe in NO_CASTS:
             raise NotImplementedError(NO_CASTS[p.te_recipe])
         grad = torch.float8_e5m2 if p.fp8_format == "HYBRID" else torch.float8_e4m3fn
         scaling = {"delayed": "delayed", "mxfp8": "mx"}.get(p.te_recipe, "tensorwise")
@@ -311,7 +313,8 @@ class TEBackend(FP8Backend):
     def numerics_note(self, cfg) -> str:
         return (f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE needs a GPU)"
                 + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
-                   if cfg.precision.te_recipe == "delayed" else ""))
+                   if cfg.precision.te_recipe == "delayed" else "")
+                + (f"; {NVFP4_NOT_EMULATED}" if cfg.precision.te_recipe == "nvfp4" else ""))
 
     accelerate_backend = "TE"
 

@@ -80,12 +80,9 @@ def build_recipe(cfg) -> Any:
 NO_CASTS = {
     "blockwise": ("te_recipe='blockwise': the numerics probe has no model of Float8BlockScaling's casts (1x128 blocks "
                   "for activations and gradients, 128x128 for weights, power-of-2 scales; fp8dist.fp8.casts models "
-                  "tensorwise, rowwise, MX 1x32 and delayed scaling). Probe with te_recipe='current' (one scale per "
-                  "tensor: coarser blocks, so usually larger errors than blockwise's), or run without a probe."),
-    "nvfp4": ("te_recipe='nvfp4': the numerics probe has no model of NVFP4BlockScaling's casts (e2m1 values in 1x16 "
-              "blocks with e4m3 scales, 16x16 weight blocks, random Hadamard transforms, stochastic rounding; "
-              "fp8dist.fp8.casts models FP8 casts only). Probe with te_recipe='mxfp8' for the nearest FP8 block "
-              "recipe (its errors say nothing of FP4's), or run without a probe."),
+                  "tensorwise, rowwise, MX 1x32, NVFP4 and delayed scaling). Probe with te_recipe='current' (one "
+                  "scale per tensor: coarser blocks, so usually larger errors than blockwise's), or run without a "
+                  "probe."),
 }
 """Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
 

@@ -19,13 +19,14 @@ from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
                    fp8_hardware_reason, linear_reason)
-from .casts import Casts, CastSpec
+from .casts import NVFP4_NOT_EMULATED, Casts, CastSpec, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import plain_linear_reason
 from .order import gemm_order
 from ..plan.adapters import without_adapters
-from .mx_linear import (MX_BYPASSED, MX_WRAPPED, is_mx, mx_hardware_reason, mx_gemm_words, mx_linear_casts,
-                        mx_linear_reason, mx_op_config)
+from .mx_linear import (MX_BYPASSED, MX_WRAPPED, NVFP4_SWAPPED, convert_nvfp4, is_mx, mx_hardware_reason,
+                        mx_gemm_words, mx_linear_casts, mx_linear_reason, mx_op_config, nvfp4_hardware_reason,
+                        nvfp4_linear_reason)
 from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
@@ -45,12 +46,14 @@ class TorchaoConfig:
     installed torchao ships it (0.18 does), else weight_wrapper. Either way each planned FP8 layer is checked to
     run an FP8 GEMM (an MX GEMM for MXFP8); one the wrapper does not reach (Falcon's ``x @ W.T``) is swapped for
     Float8Linear instead (kept out of MXFP8, which has no module swap), and the plan says so."""
-    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated"] = "tensorwise"
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated",
+                            "nvfp4"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
     rowwise_with_gw_hp (rowwise, weight gradient in high precision), mxfp8 (MXFP8: e4m3 in 1x32 blocks with e8m0
     scales; CUDA sm_100+; Linear dims multiples of 32) or mxfp8_emulated (MXFP8's quantization with emulated GEMMs,
     on any device: numerics and tests, no FP8 speed). MXFP8 runs through the weight wrapper only
-    (``MXFP8TrainingOpConfig``)."""
+    (``MXFP8TrainingOpConfig``). nvfp4: torchao's NVFP4 training (nn.Linear -> NVFP4Linear, FP4 GEMMs; CUDA sm_100+
+    and Triton only; dims multiples of 128)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
@@ -94,7 +97,7 @@ def float8_config(cfg, facts: StrategyFacts) -> Any:
     """The ``Float8LinearConfig`` for the recipe; FP8 all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
-    if is_mx(cfg.precision.torchao_recipe):  # no Float8LinearConfig: MXFP8 layers are wrapped, never swapped
+    if is_mx(cfg.precision.torchao_recipe) or cfg.precision.torchao_recipe == "nvfp4":  # MX wrapped, NVFP4 its own
         return None
     if cfg.precision.torchao_recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg, facts))
@@ -109,6 +112,10 @@ _RULES = (
          "swap's Float8Linear has no MXFP8 recipe",
          "Use torchao_api='weight_wrapper' (or 'auto', which picks it for MXFP8), or a tensorwise / rowwise recipe "
          "with the module swap."),
+    Rule(("torchao_api", "torchao_recipe"),
+         lambda cfg, facts: torchao_api(cfg) == "weight_wrapper" and cfg.precision.torchao_recipe == "nvfp4",
+         "torchao's NVFP4 training swaps nn.Linear for NVFP4Linear (NVFP4TrainingConfig); it has no weight wrapper",
+         "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='nvfp4'."),
     Rule(("torchao_api", "fp8_all_gather"),
          lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and torchao_api(cfg) == "weight_wrapper",
          f"{_WRAPPER} all-gathers the weight in the param dtype (its fsdp_pre_all_gather casts before gathering); "
@@ -167,6 +174,8 @@ class TorchaoBackend(FP8Backend):
         recipe = cfg.precision.torchao_recipe if cfg is not None else None  # None: asked of the backend's default
         if recipe == "mxfp8":
             return mx_hardware_reason(hardware)
+        if recipe == "nvfp4":
+            return nvfp4_hardware_reason(hardware)
         # torch's _scaled_mm also runs on CPU, so only CUDA is gated; emulated MXFP8 runs anywhere
         return fp8_hardware_reason(hardware) if hardware.type == "cuda" and recipe != "mxfp8_emulated" else None
 
@@ -176,6 +185,8 @@ class TorchaoBackend(FP8Backend):
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
         if is_experts(module):
             return experts_target(cfg, hardware)
+        if cfg.precision.torchao_recipe == "nvfp4":
+            return NVFP4_SWAPPED
         if is_mx(cfg.precision.torchao_recipe):  # eligible MXFP8 Linears are reached by the wrapper
             return MX_WRAPPED[cfg.precision.torchao_recipe]
         if is_conv1d(module):
@@ -188,6 +199,8 @@ class TorchaoBackend(FP8Backend):
                           facts: StrategyFacts) -> str | None:
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
+        if cfg.precision.torchao_recipe == "nvfp4":
+            return nvfp4_linear_reason(module)
         if is_mx(cfg.precision.torchao_recipe):
             return mx_linear_reason(module) or (None if _reaches(module, cfg) else MX_BYPASSED)
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
@@ -214,6 +227,8 @@ class TorchaoBackend(FP8Backend):
         names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, names, cfg, plan.facts)
         convert_experts(model, experts, cfg, plan.hardware)
+        if cfg.precision.torchao_recipe == "nvfp4":
+            return convert_nvfp4(model, names)
         config = float8_config(cfg, plan.facts)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         wrapped = {e.name for e in plan.fp8 if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
@@ -247,7 +262,7 @@ class TorchaoBackend(FP8Backend):
         return FP8Wiring(scale_precompute=precompute)
 
     # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
-    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
         """The speed model names each torchao Linear recipe as torchao does; emulated MXFP8 has no speed."""
@@ -262,9 +277,14 @@ class TorchaoBackend(FP8Backend):
         ``MXFP8TrainingOpConfig``, 1x32 blocks)."""
         if grouped:
             return experts_casts(cfg, hardware)
+        if cfg.precision.torchao_recipe == "nvfp4":
+            return nvfp4_casts()
         if is_mx(cfg.precision.torchao_recipe):
             return mx_linear_casts(mx_op_config(cfg.precision.torchao_recipe))
         return float8_linear_casts(float8_config(cfg, facts))
+
+    def numerics_note(self, cfg) -> str:
+        return NVFP4_NOT_EMULATED if cfg.precision.torchao_recipe == "nvfp4" else ""
 
     accelerate_backend = "AO"
 

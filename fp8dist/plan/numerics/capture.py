@@ -41,7 +41,7 @@ class GemmSite:
             if len(uses) == 2 and uses[0][1] == uses[1][1] and not uses[0][1].per_dim:
                 uses = [("+".join(g for g, _ in uses), uses[0][1])]
             for gemm, spec in uses:
-                stats = CastStats(role, gemm, spec.describe())
+                stats = CastStats(role, gemm, spec.describe(), fp4=spec.fp4)
                 layer.casts.append(stats)
                 self.casts.append((role, tuple(gemm.split("+")), Cast(spec), stats))
         self._weights_seen: set[object] = set()
@@ -56,7 +56,7 @@ class GemmSite:
             dim = CONTRACTION_DIM[(role, gemms[0])]
             back, saturated = cast(x, dim)
             if record:
-                stats.add(x, back, saturated, dim)
+                stats.add(x, back, saturated, dim, cast.floored)
             out.update(dict.fromkeys(gemms, back))
         return out
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...fp8.casts import MX_BLOCK, CastSpec
+from ...fp8.casts import MX_BLOCK, NVFP4_BLOCK, CastSpec
 
 __all__ = ["Cast", "CONTRACTION_DIM"]
 
@@ -26,17 +26,23 @@ blocks run along it (torchao's ``axiswise_dim`` for the same use)."""
 
 class Cast:
     """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32) and the mask of
-    the values the cast clamped to the format's largest (saturated). Delayed scaling keeps its amax
+    the values the cast clamped to the format's largest (saturated); an NVFP4 cast keeps the mask of the values whose
+    block scale sat at e4m3's floor in :attr:`floored`. Delayed scaling keeps its amax
     history across calls, as TE keeps it across steps."""
 
     def __init__(self, spec: CastSpec) -> None:
         self.spec = spec
         self.history: list[torch.Tensor] = []
+        self.floored: torch.Tensor | None = None
+        """NVFP4: the last call's values whose block scale sat at e4m3's floor; None for the other casts."""
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.scaling == "mx":
             return _mx_round_trip(x, self.spec.dtype, dim)
+        if self.spec.scaling == "nvfp4":
+            back, saturated, self.floored = _nvfp4_round_trip(x, dim, self.spec.tile)
+            return back, saturated
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_scale
 
@@ -85,3 +91,40 @@ def _mx_round_trip(x: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch
     block_scale = get_fp_scale(scale).reshape(-1, 1).expand(-1, MX_BLOCK).reshape(rows.shape)
     saturated = (rows / block_scale).abs() > _rounds_to_max(dtype)  # power-of-2 scales: the division is exact
     return back[..., :length].movedim(-1, dim), saturated[..., :length].movedim(-1, dim)
+
+
+_E2M1_MAX, _E2M1_ROUNDS_TO_MAX = 6.0, 7.0
+"""e2m1's largest value, and beyond what a value rounds to it (its neighbours below are 4 and 6: half a step of 2)."""
+
+
+def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4's cast along ``dim`` in blocks of ``tile`` x 16 (zero-padded to whole blocks), back to fp32: the fp32
+    tensor scale amax / (448 x 6) lets the block of the tensor's amax use e4m3's whole range; each block's scale
+    (its amax / 6, over the tensor scale) rounds to e4m3, its values to e2m1 (nearest, ties to even). A block whose
+    scale falls under e4m3's smallest normal gets that floor (torchao's clamp): too coarse for its values, which
+    happens where an outlier elsewhere set the tensor scale; those values are the third mask."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    rows = x.float().movedim(dim, -1)
+    shape = rows.shape
+    flat = rows.reshape(-1, shape[-1])
+    padded = torch.nn.functional.pad(flat, (0, -flat.shape[1] % NVFP4_BLOCK, 0, -flat.shape[0] % tile))
+    tiles = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    tensor_scale = per_tensor_amax_to_scale(flat.abs().amax() if flat.numel() else torch.zeros(()))
+    if tensor_scale == 0:  # all zeros: nothing to scale, the round trip is exact
+        none = torch.zeros_like(x, dtype=torch.bool)
+        return x.float(), none, none
+    info = torch.finfo(torch.float8_e4m3fn)
+    wanted = tiles.abs().amax(dim=(1, 3), keepdim=True) / _E2M1_MAX / tensor_scale
+    block = wanted.clamp(info.tiny, info.max).to(torch.float8_e4m3fn).float()
+    floored = ((wanted < info.tiny) & (tiles != 0)).expand(tiles.shape)
+    scaled = tiles * ((1.0 / tensor_scale) / block)  # torchao's order of operations: the same roundings
+    saturated = scaled.abs() > _E2M1_ROUNDS_TO_MAX
+    values = f4_unpacked_to_f32(f32_to_f4_unpacked(scaled.clamp(-_E2M1_MAX, _E2M1_MAX)))
+    back = values * (block * tensor_scale)
+
+    def unpadded(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(padded.shape)[:flat.shape[0], :flat.shape[1]].reshape(shape).movedim(-1, dim)
+
+    return unpadded(back), unpadded(saturated), unpadded(floored)

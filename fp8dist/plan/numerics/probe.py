@@ -102,7 +102,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         for remove in handles:
             remove()
     emulated = backend.numerics_note(cfg)
-    notes = ([emulated] if emulated else []) + _notes(plan, modes, hardware)
+    notes = ([emulated] if emulated else []) + _tail_note(cfg, plan, backend) + _notes(plan, modes, hardware)
     return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
                           batches=len(batches), tokens=tokens, layers=tuple(s.layer for s in sites),
                           thresholds=thresholds, notes=tuple(notes))
@@ -164,6 +164,15 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
     if params and loss.requires_grad:
         torch.autograd.grad(loss, params, allow_unused=True)  # runs every hook; .grad stays untouched
     return tokens
+
+
+def _tail_note(cfg, plan, backend) -> list[str]:
+    """Under a share of last blocks kept out of low precision (NVFP4's default), that they go unmeasured."""
+    from ..selection import tail_share
+
+    share, why = tail_share(cfg, plan.hardware, backend)
+    return [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "
+            "keep_last_blocks_share=0 measures them"] if share else []
 
 
 def _notes(plan, modes, hardware: Hardware | None) -> list[str]:

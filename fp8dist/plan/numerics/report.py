@@ -66,6 +66,12 @@ class NumericsReport:
                  f"{t.min_rest_sqnr_db:g} dB; flushed to zero <= {100 * t.max_flushed_share:g}% (input, weight), "
                  f"{100 * t.max_grad_flushed_share:g}% (grad out); saturated <= {100 * t.max_saturated_share:g}%  "
                  "(SQNR: worst of an operand's casts, in dB)"]
+        if any(c.fp4 for layer in self.layers for c in layer.casts):
+            lines.append(f"FP4 (NVFP4) GEMMs: output SQNR >= {t.fp4_min_output_sqnr_db:g} dB, rest >= "
+                         f"{t.fp4_min_rest_sqnr_db:g} dB, input and weight flushed <= "
+                         f"{100 * t.fp4_max_flushed_share:g}%, grad out {100 * t.fp4_max_grad_flushed_share:g}%, "
+                         "input and weight in blocks whose scale sat at its floor <= "
+                         f"{100 * t.fp4_max_floored_share:g}% (e2m1 has two mantissa bits fewer than e4m3)")
         lines += [f"note: {note}" for note in self.notes]
         rows = [["module", *(f"{short} {what}" for _, short in _ROLES for what in ("SQNR", "flush")), "rest SQNR",
                  "sat", "out SQNR", "dgrad SQNR", "wgrad SQNR", "verdict"]]

@@ -37,6 +37,8 @@ class CastStats:
     """The GEMMs it is cast for: output, grad_input, grad_weight, or two joined by '+'."""
     cast: str
     """How it is cast (e.g. "e4m3 tensorwise", "e5m2 delayed (history 1024, max)")."""
+    fp4: bool = False
+    """An FP4 cast (NVFP4): judged by the thresholds' ``fp4_*`` limits."""
     elements: int = 0
     nonzero: int = 0
     flushed: int = 0
@@ -44,6 +46,9 @@ class CastStats:
     saturated: int = 0
     """Values beyond the largest magnitude the cast represents (clamped to it)."""
     nonfinite: int = 0
+    floored: int = 0
+    """NVFP4: non-zero values in blocks whose e4m3 scale sat at its floor, coarser than the block needed (a tensor
+    scale set by an outlier elsewhere in the tensor)."""
     signal: float = 0.0
     noise: float = 0.0
     rest_signal: float = 0.0
@@ -52,9 +57,11 @@ class CastStats:
     amax: float = 0.0
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1) -> None:
+    def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1,
+            floored: torch.Tensor | None = None) -> None:
         """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped; ``dim``: the
-        dim its GEMM sums over (each slice along it is one dot product's operand)."""
+        dim its GEMM sums over (each slice along it is one dot product's operand); ``floored``: NVFP4's mask of
+        values whose block scale sat at its floor."""
         x, back = x.detach().float(), back.float()
         finite = torch.isfinite(x)
         if not bool(finite.all()):
@@ -67,6 +74,7 @@ class CastStats:
         self.nonzero += counts[0]
         self.flushed += counts[1]
         self.saturated += counts[2]
+        self.floored += int(floored.sum()) if floored is not None else 0
         self.signal += float(exact.square().sum())
         self.noise += float(diff.square().sum())
         if x.numel():
@@ -93,15 +101,21 @@ class CastStats:
         return self.flushed / self.nonzero if self.nonzero else 0.0
 
     @property
+    def floored_share(self) -> float:
+        """Share of the non-zero values whose NVFP4 block scale sat at its floor."""
+        return self.floored / self.nonzero if self.nonzero else 0.0
+
+    @property
     def saturated_share(self) -> float:
         return self.saturated / self.elements if self.elements else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "sqnr_db": json_number(self.sqnr_db),
+        return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "fp4": self.fp4,
+                "sqnr_db": json_number(self.sqnr_db),
                 "rest_sqnr_db": json_number(self.rest_sqnr_db),
                 "flushed_share": self.flushed_share, "saturated_share": self.saturated_share, "amax": self.amax,
                 "elements": self.elements, "nonzero": self.nonzero, "flushed": self.flushed,
-                "saturated": self.saturated, "nonfinite": self.nonfinite}
+                "saturated": self.saturated, "nonfinite": self.nonfinite, "floored_share": self.floored_share}
 
 
 @dataclass
