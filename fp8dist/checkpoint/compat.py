@@ -37,18 +37,22 @@ class LoadDecision:
     """How this model differs from the saved one, all of it allowed (e.g. ``"strategy 'fsdp' -> 'ddp'"``)."""
 
 
-def describe(model: nn.Module) -> dict[str, Any]:
-    """The engine data meta.json records, and that loading decides on. Call it on every rank (FSDP1's state dict
-    hooks run on all of them)."""
+def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The engine data meta.json records, and that loading decides on (``trainable_only``: of a checkpoint without
+    the frozen parameters). Call it on every rank (FSDP1's state dict hooks run on all of them)."""
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)
-    shapes, fp8_state = model_layout(model, strategy)
+    if trainable_only and strategy.checkpoint is not None:
+        raise CheckpointError(f"trainable_only=True: strategy {strategy.name!r} saves {strategy.checkpoint.saved_as}, "
+                              "which fp8dist cannot restrict to the trainable parameters. Save without trainable_only "
+                              f"(every weight), or train with strategy {_strategies_of(DCP)}.")
+    shapes, fp8_state = model_layout(model, strategy, trainable_only)
     own = strategy.checkpoint.record(cfg) if strategy.checkpoint is not None else {}  # DeepSpeed: zero_stage
     return {"strategy": strategy.name, "engine": checkpoint_format(strategy),
             "fp8": cfg.precision.fp8 if info.plan.fp8 else None, **own,
             "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes,
-            "memory": cfg.parallel.memory}
+            "memory": cfg.parallel.memory, **({"trainable_only": True} if trainable_only else {})}
 
 
 def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
@@ -120,7 +124,8 @@ def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str
 def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_fp8_state: bool) -> LoadDecision:
     """Raise :class:`CheckpointError` when the checkpoint cannot load soundly into ``model`` (saying what was saved,
     what is loading and the way out); otherwise say which FP8 state to load and what differs."""
-    now = describe(model)
+    trainable_only = bool(meta.get("trainable_only"))
+    now = describe(model, trainable_only)
     saved_engine = meta.get("engine") or checkpoint_format(get_strategy(meta["strategy"]))  # not recorded before
     if saved_engine != now["engine"]:
         raise CheckpointError(_engine_refusal({**meta, "engine": saved_engine}, now, path))
@@ -149,6 +154,9 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     load = () if drop_fp8_state else tuple(k for k in saved_state if k in ours)
     differences = [f"{k} {meta.get(k)!r} -> {now[k]!r}" for k in ("strategy", "fp8", "world_size")
                    if meta.get(k) != now[k]]
+    if trainable_only:
+        differences.append("the checkpoint holds the trainable parameters only: the frozen ones keep this model's "
+                           "values")
     if drop_fp8_state and saved_state:
         differences.append(f"the checkpoint's FP8 state of {plural(len(saved_state), 'module')} dropped "
                            "(drop_fp8_state=True)")
