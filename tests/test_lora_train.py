@@ -49,6 +49,7 @@ def _checkpoint_tensors(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(tmp / "ckpt.pt", weights_only=True)["model"]
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's own call
 def test_lora_fine_tune_of_a_pretrained_model_exports_its_adapters_and_the_merged_model(made, tmp_path):
     """Two 2-step runs of the same command (~9 s each): the adapters, then --merge-lora. Same losses (the runs are
     deterministic); the plan keeps the base FP8 and the adapters bf16; the checkpoint holds the adapters only and
@@ -185,3 +186,22 @@ def test_without_peft_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # what an environment without peft imports
     with pytest.raises(ImportError, match=r"--lora-rank needs the peft package .* pip install peft"):
         import_peft()
+
+
+@pytest.mark.parametrize("strategy, reason", [
+    ("fsdp1", "strategy 'fsdp1' shards flat parameters, so a rank may hold none of the trainable ones"),
+    ("deepspeed", "strategy 'deepspeed' saves in DeepSpeed's own checkpoint format"),
+])
+def test_lora_checkpoints_are_refused_before_any_step_where_the_base_cannot_be_left_out(strategy, reason):
+    """FSDP1 would hang in DCP's optimizer-state initialization on a rank holding no adapter element (seen on 2
+    ranks with the tiny model); DeepSpeed's own checkpoint always holds every weight."""
+    from fp8dist.config.resolve import resolve_config
+    from fp8dist.train.lora import lora_job_model
+    from fp8dist.train.models import build_llama
+
+    with pytest.raises(ValueError) as err:
+        lora_job_model(resolve_config(strategy=strategy), TrainConfig(lora_rank=8, checkpoint_dir="ckpt"),
+                       build_llama("tiny"))
+    assert f"checkpoint_dir with lora_rank=8: {reason}" in str(err.value)
+    assert str(err.value).endswith("Train the adapters with strategy 'none', 'ddp', 'fsdp', or train without "
+                                   "--checkpoint-dir.")

@@ -43,16 +43,29 @@ def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)
-    if trainable_only and strategy.checkpoint is not None:
-        raise CheckpointError(f"trainable_only=True: strategy {strategy.name!r} saves {strategy.checkpoint.saved_as}, "
-                              "which fp8dist cannot restrict to the trainable parameters. Save without trainable_only "
-                              f"(every weight), or train with strategy {_strategies_of(DCP)}.")
+    refusal = trainable_only_refusal(strategy, info.plan.facts) if trainable_only else None
+    if refusal:
+        raise CheckpointError(f"trainable_only=True: {refusal}, or save every weight (trainable_only=False).")
     shapes, fp8_state = model_layout(model, strategy, trainable_only)
     own = strategy.checkpoint.record(cfg) if strategy.checkpoint is not None else {}  # DeepSpeed: zero_stage
     return {"strategy": strategy.name, "engine": checkpoint_format(strategy),
             "fp8": cfg.precision.fp8 if info.plan.fp8 else None, **own,
             "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes,
             "memory": cfg.parallel.memory, **({"trainable_only": True} if trainable_only else {})}
+
+
+def trainable_only_refusal(strategy: Any, facts: Any) -> str | None:
+    """Why checkpoints without the frozen parameters (``trainable_only``) cannot be saved under ``strategy`` with
+    ``facts``, ending with the strategies that can (the caller adds its own way out); None: they can."""
+    fits = [repr(n) for n, s in STRATEGIES.items() if s.checkpoint is None and not s.facts(None).flat_params]
+    way_out = f"Train the adapters with strategy {', '.join(fits)}"  # the caller ends the sentence
+    if strategy.checkpoint is not None:
+        return (f"strategy {strategy.name!r} saves {strategy.checkpoint.saved_as}, which fp8dist cannot restrict to "
+                f"the trainable parameters. {way_out}")
+    if facts.flat_params:  # a rank may hold no trainable element; DCP then steps its empty optimizer alone: a hang
+        return (f"strategy {strategy.name!r} shards flat parameters, so a rank may hold none of the trainable ones, "
+                f"and torch.distributed.checkpoint cannot save an optimizer with no state there. {way_out}")
+    return None
 
 
 def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:

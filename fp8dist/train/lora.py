@@ -92,17 +92,16 @@ def lora_job_model(config: Any, train: Any, model: nn.Module) -> tuple[Any, nn.M
 
 
 def _check_checkpoints(config: Any, train: Any) -> None:
-    """Refused before any step: checkpoints of a LoRA job under a strategy with its own checkpoint format, which
-    cannot leave the frozen base out (fp8dist.save_checkpoint trainable_only)."""
-    from ..checkpoint.compat import _strategies_of
-    from ..checkpoint.io import DCP
+    """Refused before any step: checkpoints of a LoRA job where they cannot leave the frozen base out
+    (:func:`fp8dist.checkpoint.compat.trainable_only_refusal`)."""
+    from ..checkpoint.compat import trainable_only_refusal
+    from ..config.rules import facts_of
     from ..strategies import get_strategy
 
-    strategy = get_strategy(config.parallel.strategy)
-    if train.checkpoint_dir is not None and strategy.checkpoint is not None:
-        raise ValueError(f"checkpoint_dir with lora_rank={train.lora_rank}: strategy {strategy.name!r} saves "
-                         f"{strategy.checkpoint.saved_as}, which cannot leave the frozen base out of a checkpoint. "
-                         f"Train LoRA with strategy {_strategies_of(DCP)}, or without --checkpoint-dir.")
+    refusal = trainable_only_refusal(get_strategy(config.parallel.strategy), facts_of(config))
+    if train.checkpoint_dir is not None and refusal:
+        raise ValueError(f"checkpoint_dir with lora_rank={train.lora_rank}: {refusal}, or train without "
+                         "--checkpoint-dir.")
 
 
 def export_lora(train: Any, model: nn.Module, pretrained: str | None, dtype: str) -> tuple[Path, str]:
