@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from ..pipeline.agree import on_all_ranks, rank_world
 from ..pipeline.files import atomic_write, check_output_path
 from ..strategies import unwrap_model
-from ..strategies.local_shards import gather_full
+from ..strategies.local_shards import gather_full, plain_name
 from .hf import _dtype, _Writer
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
@@ -52,18 +53,18 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
         save_adapters(model, "out")                       # after training, on every rank
         PeftModel.from_pretrained(base, "out")            # anywhere
     """
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
-    trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
-    full = _gathered(model, out, lambda name: name in trainable)
+    # by name, as PEFT picks them: FSDP1's flat parameters hide which of their parameters train
+    full = _gathered(model, out, lambda name: "lora_" in name)
     writer = _Writer(out, rank_world()[0])
 
     def write() -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.to(dtype).contiguous() for k, v in
-                   get_peft_model_state_dict(inner, state_dict=full, save_embedding_layers=False).items()}
+        # PEFT's file names a tensor without the adapter's name (get_peft_model_state_dict, which finds the
+        # adapters by the module names of the model, and misses them under FSDP1's wrappers)
+        tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v.to(dtype).contiguous() for k, v in full.items()}
         atomic_write(out / ADAPTER_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         config = inner.peft_config["default"]
         if base_model is not None:
@@ -80,6 +81,7 @@ def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for name, module in inner.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "scaling", {}):
             continue
+        name = plain_name(name)  # FSDP1's and activation checkpointing's wrappers left out, as gather_full does
         weight = full.pop(f"{name}.base_layer.weight")
         a, b = full.pop(f"{name}.lora_A.default.weight"), full.pop(f"{name}.lora_B.default.weight")
         delta = module.scaling["default"] * (b.float() @ a.float())
@@ -97,7 +99,7 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    full.update({n: b.detach().cpu() for n, b in inner.named_buffers()})  # non-persistent ones are dropped below
+    full.update({plain_name(n): b.detach().cpu() for n, b in inner.named_buffers()})  # non-persistent ones are dropped below
 
     def write() -> list[str]:
         merged = _merged(inner, full)
