@@ -99,7 +99,8 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    full.update({plain_name(n): b.detach().cpu() for n, b in inner.named_buffers()})  # non-persistent ones are dropped below
+    # every rank holds the buffers whole; the non-persistent ones are left out below (not in a state dict)
+    full.update({plain_name(n): b.detach().cpu() for n, b in inner.named_buffers()})
 
     def write() -> list[str]:
         merged = _merged(inner, full)
