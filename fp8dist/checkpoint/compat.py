@@ -37,18 +37,35 @@ class LoadDecision:
     """How this model differs from the saved one, all of it allowed (e.g. ``"strategy 'fsdp' -> 'ddp'"``)."""
 
 
-def describe(model: nn.Module) -> dict[str, Any]:
-    """The engine data meta.json records, and that loading decides on. Call it on every rank (FSDP1's state dict
-    hooks run on all of them)."""
+def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The engine data meta.json records, and that loading decides on (``trainable_only``: of a checkpoint without
+    the frozen parameters). Call it on every rank (FSDP1's state dict hooks run on all of them)."""
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)
-    shapes, fp8_state = model_layout(model, strategy)
+    refusal = trainable_only_refusal(strategy, info.plan.facts) if trainable_only else None
+    if refusal:
+        raise CheckpointError(f"trainable_only=True: {refusal}, or save every weight (trainable_only=False).")
+    shapes, fp8_state = model_layout(model, strategy, trainable_only)
     own = strategy.checkpoint.record(cfg) if strategy.checkpoint is not None else {}  # DeepSpeed: zero_stage
     return {"strategy": strategy.name, "engine": checkpoint_format(strategy),
             "fp8": cfg.precision.fp8 if info.plan.fp8 else None, **own,
             "world_size": info.env.world_size, "fp8_state": fp8_state, "parameters": shapes,
-            "memory": cfg.parallel.memory}
+            "memory": cfg.parallel.memory, **({"trainable_only": True} if trainable_only else {})}
+
+
+def trainable_only_refusal(strategy: Any, facts: Any) -> str | None:
+    """Why checkpoints without the frozen parameters (``trainable_only``) cannot be saved under ``strategy`` with
+    ``facts``, ending with the strategies that can (the caller adds its own way out); None: they can."""
+    fits = [repr(n) for n, s in STRATEGIES.items() if s.checkpoint is None and not s.facts(None).flat_params]
+    way_out = f"Train the adapters with strategy {', '.join(fits)}"  # the caller ends the sentence
+    if strategy.checkpoint is not None:
+        return (f"strategy {strategy.name!r} saves {strategy.checkpoint.saved_as}, which fp8dist cannot restrict to "
+                f"the trainable parameters. {way_out}")
+    if facts.flat_params:  # a rank may hold no trainable element; DCP then steps its empty optimizer alone: a hang
+        return (f"strategy {strategy.name!r} shards flat parameters, so a rank may hold none of the trainable ones, "
+                f"and torch.distributed.checkpoint cannot save an optimizer with no state there. {way_out}")
+    return None
 
 
 def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
@@ -120,7 +137,8 @@ def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str
 def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_fp8_state: bool) -> LoadDecision:
     """Raise :class:`CheckpointError` when the checkpoint cannot load soundly into ``model`` (saying what was saved,
     what is loading and the way out); otherwise say which FP8 state to load and what differs."""
-    now = describe(model)
+    trainable_only = bool(meta.get("trainable_only"))
+    now = describe(model, trainable_only)
     saved_engine = meta.get("engine") or checkpoint_format(get_strategy(meta["strategy"]))  # not recorded before
     if saved_engine != now["engine"]:
         raise CheckpointError(_engine_refusal({**meta, "engine": saved_engine}, now, path))
@@ -149,6 +167,9 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     load = () if drop_fp8_state else tuple(k for k in saved_state if k in ours)
     differences = [f"{k} {meta.get(k)!r} -> {now[k]!r}" for k in ("strategy", "fp8", "world_size")
                    if meta.get(k) != now[k]]
+    if trainable_only:
+        differences.append("the checkpoint holds the trainable parameters only: the frozen ones keep this model's "
+                           "values")
     if drop_fp8_state and saved_state:
         differences.append(f"the checkpoint's FP8 state of {plural(len(saved_state), 'module')} dropped "
                            "(drop_fp8_state=True)")

@@ -121,16 +121,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- the model and optimizer: torch.distributed.checkpoint, or DeepSpeed's engine checkpoint
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _options(trainable_only: bool) -> Any:
+    """DCP's state-dict options: ``trainable_only`` leaves the frozen parameters out (a LoRA base: the checkpoint
+    holds what trains, the model rebuilds the rest), and loads without them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               trainable_only: bool = False) -> dict[str, Any]:
     """The model's and optimizer's state dicts by plain names, in the layout checkpoints hold: the optimizer's
     matrices of a parameter held transposed (a Conv1D run by Transformer Engine, whose state dict already gives
     the Conv1D's layout) are transposed views too, so a checkpoint loads into the model with or without it.
-    Without an optimizer, the model's alone."""
+    Without an optimizer, the model's alone; ``trainable_only``: without the frozen parameters."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_options(trainable_only))}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     _transpose_states(optim_sd, _transposed_names(model))
     return {"model": model_sd, "optim": optim_sd}
 
@@ -183,25 +192,27 @@ def _as_tensors(extra: dict[str, Any]) -> dict[str, Any]:
             for k, v in extra.items() if v is not None}
 
 
-def model_layout(model: nn.Module, strategy: Strategy) -> tuple[dict[str, list[int]], list[str]]:
+def model_layout(model: nn.Module, strategy: Strategy,
+                 trainable_only: bool = False) -> tuple[dict[str, list[int]], list[str]]:
     """Global shape of every tensor of the model's state dict by its plain name (a format of the strategy's own:
-    what it says), and the names of its ``_extra_state`` entries (FP8 state)."""
+    what it says; ``trainable_only``: without the frozen parameters), and the names of its ``_extra_state``
+    entries (FP8 state)."""
     if strategy.checkpoint is not None:
         return strategy.checkpoint.layout(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(model)
+    state = get_model_state_dict(model, options=_options(trainable_only))
     extra = sorted(_pop_extra_state(state))
     return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}, extra
 
 
-def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy) -> None:
+def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, trainable_only: bool = False) -> None:
     if strategy.checkpoint is not None:
         strategy.checkpoint.save(model, tmp)
         return
     import torch.distributed.checkpoint as dcp
 
-    state = _dcp_state(model, optimizer)
+    state = _dcp_state(model, optimizer, trainable_only)
     extra_state = _as_tensors(_pop_extra_state(state["model"]))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=no_dist())
     if extra_state:  # after DCP's collectives: a failure here is this rank's alone, shared by the caller
@@ -270,9 +281,11 @@ def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
         raise CheckpointError(refusal)
 
 
-def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...]) -> None:
+def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...],
+               trainable_only: bool = False) -> None:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; of the modules' ``_extra_state`` only the
-    ``fp8_state`` entries (the others keep their own)."""
+    ``fp8_state`` entries (the others keep their own); ``trainable_only``: a checkpoint without the frozen
+    parameters (those keep the model's values)."""
     if strategy.checkpoint is not None:
         _read_own(path, model, optimizer, strategy.checkpoint)
         return
@@ -285,14 +298,15 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
         saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
                            weights_only=True)
     reader = _safe_reader(path)
-    state = _dcp_state(model, optimizer)
+    state = _dcp_state(model, optimizer, trainable_only)
     own = _pop_extra_state(state["model"])
     dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=no_dist())
     state["model"].update(own)
     state["model"].update({k: saved[k] for k in fp8_state if k in saved})
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(trainable_only))
         return
     _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(trainable_only))
 

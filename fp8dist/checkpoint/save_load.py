@@ -176,11 +176,12 @@ def _prepare(root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, rank: int) -> None:
+def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, rank: int,
+                trainable_only: bool) -> None:
     """This rank's part: the engine's shards (DCP shares a failure of any rank with all: raised as that rank's),
     then its own files."""
     try:
-        write_state(tmp, model, optimizer, strategy)
+        write_state(tmp, model, optimizer, strategy, trainable_only)
     except CheckpointException as err:
         raise dcp_failure(err) from None
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -197,7 +198,7 @@ def _kept(root: Path) -> str:
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *, step: int,
                     extra: dict[str, Any] | None = None, keep_last: int | None = None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, trainable_only: bool = False) -> Path:
     """Save ``model`` (from :func:`fp8dist.wrap_model`), ``optimizer``, ``step``, every rank's RNG states and the
     FP8 state into ``path/step_{step:08d}``, atomically. Call it on every rank, after ``optimizer.step()``.
 
@@ -218,6 +219,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         keep_last: keep only this many newest checkpoints; None keeps all.
         overwrite: replace a checkpoint of the same step already in ``path`` (e.g. after resuming from an older
             one); without it that is an error naming it.
+        trainable_only: leave the frozen parameters out (a LoRA fine-tune: the adapters and their optimizer state
+            only; the base is rebuilt from where it came from); meta.json says so and loading follows it. Not with
+            a strategy that has its own checkpoint format (DeepSpeed).
 
     Returns:
         The checkpoint's directory.
@@ -232,6 +236,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     info = get_wrap_info(model)
     check_supported(info)
     extra = _check_save_args(step, extra, keep_last, overwrite)
+    require_bool("trainable_only", trainable_only)
     (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
     root = on_all_ranks("save_checkpoint", lambda: _check_target(save_root(path)), error=CheckpointError,
@@ -241,11 +246,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
-    described = {**describe(model), "optimizer": optimizer_name(optimizer)}
+    described = {**describe(model, trainable_only), "optimizer": optimizer_name(optimizer)}  # same on every rank
     on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
                  error=CheckpointError)
     try:
-        on_all_ranks(f"saving {final} (writing {tmp})", lambda: _write_rank(tmp, model, optimizer, strategy, rank),
+        write = lambda: _write_rank(tmp, model, optimizer, strategy, rank, trainable_only)  # noqa: E731
+        on_all_ranks(f"saving {final} (writing {tmp})", write,
                      error=CheckpointError, way_out=f"Nothing of it was kept; {_kept(root)}. Free space on that "
                      "filesystem or save elsewhere (keep_last=N keeps fewer checkpoints).")
         files = on_all_ranks(f"saving {final} (checksums of {tmp})", lambda: record_files(tmp, rank, world),
@@ -313,8 +319,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if verify:  # after the checks on meta.json alone: reading every file is the costly one
         on_all_ranks(f"loading {checkpoint}", lambda: verify_files(checkpoint, meta, rank, world),
                      error=CheckpointError, passthrough=refusals)
-    on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state),
-                 error=CheckpointError)
+    frozen_left = bool(meta.get("trainable_only"))  # saved without the frozen parameters: loaded without them
+    on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state,
+                                                        frozen_left), error=CheckpointError)
     backend.after_load(model, info.fp8)
     rng = checkpoint / f"rng_rank{rank}.pt"
     on_all_ranks(f"loading {rng}", lambda: set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
@@ -332,11 +339,12 @@ def _found(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
 _DAMAGED = ". Its files may be damaged; load an older checkpoint (its step_* folders)."
 
 
-def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...]) -> None:
+def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...],
+          trainable_only: bool) -> None:
     """Read the checkpoint's state into the model and optimizer; what goes wrong past the checks made before
     (every file's size, every tensor's name and shape, the optimizer's class) is damage."""
     try:
-        read_state(checkpoint, model, optimizer, strategy, fp8_state)
+        read_state(checkpoint, model, optimizer, strategy, fp8_state, trainable_only)
     except CheckpointError:
         raise
     except CheckpointException as err:  # DCP's, a BaseException, raised on every rank

@@ -68,13 +68,17 @@ class MemoryNeed:
 
 def job_memory_need(config: Any, train: Any, model_config: Any, world: int) -> MemoryNeed:
     """The per-rank estimate of ``fp8dist train``'s model (``model_config``, built again on the meta device:
-    nothing is allocated) wrapped with ``config``."""
+    nothing is allocated; with ``lora_rank``, its PEFT model) wrapped with ``config``."""
     from transformers import AutoModelForCausalLM
 
     from ..accounting.estimate import estimate_memory
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    if train.lora_rank:  # the model the job trains: frozen base, adapters (the estimate decides what they cost)
+        from .lora import apply_lora
+
+        model = apply_lora(model, train)
     micro = max(1, train.batch_size // (world * config.parallel.grad_accum))
     with warnings.catch_warnings():  # its notes (an option no axis reads) are wrap_model's to say, once
         warnings.simplefilter("ignore", UserWarning)

@@ -4,10 +4,10 @@ and FP8 options are :class:`fp8dist.Config`'s."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from ..config.schema import normalize_fields
+from ..config.schema import cli_flag, normalize_fields
 from .data.sources import DEFAULT_TEXT_FIELD
 from .models import ModelSize
 
@@ -97,6 +97,27 @@ class TrainConfig:
     (a fine-tune comes out as it went in: bf16 stays bf16, fp32 stays fp32), bf16 for a model trained from scratch;
     fp32 writes the fp32 master weights exactly (fp8dist.checkpoint.hf.export_dtype)."""
 
+    lora_rank: int = 0
+    """LoRA fine-tuning: the rank of the PEFT adapters (peft.get_peft_model, LoraConfig r; pip install peft) added to
+    the --lora-targets Linears; the base weights are frozen (FP8 where the plan says), only the adapters train, and
+    checkpoints hold only them and their optimizer state. 0: off, every weight trains."""
+
+    lora_alpha: float | None = field(default=None, metadata={"none": "twice --lora-rank"})
+    """LoRA alpha: the adapters' update is scaled by alpha / rank. None: twice the rank (a scale of 2 whatever the
+    rank, as torchtune's recipes; PEFT's fixed default 8 would scale a rank-64 adapter by 1/8)."""
+
+    lora_targets: tuple[str, ...] = ()
+    """Names of the Linear layers that get adapters (the end of their module names, e.g. q_proj,v_proj, or
+    self_attn.o_proj); none: PEFT's default of the model's family (Llama: q_proj, v_proj)."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+
+    merge_lora: bool = False
+    """With --lora-rank and --save-pretrained: write the base model with the adapters merged into its weights
+    (W + alpha/rank * B A, a model AutoModelForCausalLM.from_pretrained loads) instead of the adapters alone (PEFT's
+    adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained)."""
+
     metrics_file: str | None = None
     """JSON-lines file of every logged step's figures (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
     fp8_aware_mfu, peak_memory_bytes, skipped_steps; val_loss and val_perplexity on evaluation steps), written by
@@ -142,3 +163,28 @@ class TrainConfig:
         if self.fp8_health_file is not None and not self.fp8_health_every:
             raise ValueError(f"fp8_health_file={self.fp8_health_file!r} with fp8_health_every=0 (off): pass "
                              "--fp8-health-every N, or leave the file out.")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The LoRA options: in range, comma lists split, and none of them set without lora_rank."""
+        object.__setattr__(self, "lora_targets", tuple(t.strip() for item in self.lora_targets
+                                                       for t in item.split(",") if t.strip()))
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be 0 (off) or more (the adapters' rank, e.g. 8-64).")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha={self.lora_alpha} must be positive and finite (e.g. 16), or none (twice "
+                             "--lora-rank).")
+        if not 0 <= self.lora_dropout < 1:  # nan fails this too
+            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1) (0: no dropout).")
+        if self.lora_rank:
+            if self.merge_lora and self.save_pretrained is None:
+                raise ValueError("merge_lora with no save_pretrained: pass --save-pretrained DIR (where the merged "
+                                 "model is written), or leave --merge-lora out.")
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        unread = [name for name in ("lora_alpha", "lora_targets", "lora_dropout", "merge_lora")
+                  if getattr(self, name) != defaults[name]]
+        if unread:
+            name = unread[0]
+            raise ValueError(f"{name}={getattr(self, name)!r} with lora_rank=0 (LoRA off) has no effect: pass "
+                             f"--lora-rank R (e.g. 8) to fine-tune adapters, or leave {cli_flag(name)} out.")

@@ -44,6 +44,7 @@ from .config import TrainConfig
 from .data import check_batch_split, load_tokenizer
 from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
 from .log import JobLog, check_outputs, format_summary
+from .lora import export_lora, lora_job_model
 from .models import build_job_model, job_model_config
 from .schedule import describe_schedule, lr_schedule, set_lr
 
@@ -151,7 +152,8 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: in
     extra = {"train": job, APPLIED_KEY: applied, **({"data": position} if position is not None else {})}
     # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
     path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra=extra,
-                           keep_last=train.keep_last or None, overwrite=train.resume)
+                           keep_last=train.keep_last or None, overwrite=train.resume,
+                           trainable_only=bool(train.lora_rank))  # LoRA: the adapters, not the frozen base
     if log is not None:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
@@ -166,7 +168,10 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
         return
     t0 = time.perf_counter()
     dtype = export_dtype(train.save_dtype, pretrained)
-    path = save_pretrained(model, train.save_pretrained, dtype=dtype)
+    if train.lora_rank:
+        path, what = export_lora(train, model, pretrained, dtype)
+    else:
+        path, what = save_pretrained(model, train.save_pretrained, dtype=dtype), dtype
     if log is None:
         return
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -174,7 +179,7 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
     if batches.corpus is not None:
         load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
         tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
-    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {dtype}){tokenizer} in "
+    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {what}){tokenizer} in "
         f"{time.perf_counter() - t0:.2f}s")
 
 
@@ -276,6 +281,9 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
     model_config, name = job_model_config(config, train, corpus)
     check_positions(model_config, name, config, train, current_launch().world_size)
     model = build_job_model(config, train, model_config)
+    pretrained = config.parallel.pretrained
+    if train.lora_rank:  # the base loaded whole, then the adapters: wrap_model gets the PEFT model
+        config, model = lora_job_model(config, train, model)
     n_params = sum(p.numel() for p in model.parameters())
     world = current_launch().world_size
     asked = config  # grad_accum and gradient_clipping as asked: the loop does them (wrap_model, for DeepSpeed)
@@ -308,7 +316,7 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
                                                  say, progress)
     finally:
         job_log.close()
-    _export(train, wrapped, batches, say, config.parallel.pretrained)
+    _export(train, wrapped, batches, say, pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
     gathered = all_ranks_values([peak_memory_mib(env.device), str(sharding_summary(wrapped))])

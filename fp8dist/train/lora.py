@@ -1,0 +1,116 @@
+"""``fp8dist train --lora-rank R``: the job's model as a PEFT LoRA model (``peft.get_peft_model``, the Hugging Face
+convention), built before :func:`fp8dist.wrap_model`: the base frozen, only the adapters ``lora_A``/``lora_B``
+train; checkpoints hold only them (:func:`fp8dist.save_checkpoint` ``trainable_only``), and ``--save-pretrained``
+writes them in PEFT's format (:mod:`fp8dist.checkpoint.lora`)."""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["apply_lora", "lora_alpha", "import_peft", "lora_job_model", "export_lora"]
+
+
+def import_peft() -> Any:
+    """``peft``, or ImportError saying how to install it (it is optional: only LoRA jobs need it)."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("--lora-rank needs the peft package (Hugging Face PEFT), which is not installed: "
+                          "pip install peft. Or leave --lora-rank out to train every weight.") from None
+    return peft
+
+
+def lora_alpha(train: Any) -> float:
+    """The adapters' alpha: ``lora_alpha``, or twice the rank (a scaling alpha/rank of 2 at every rank)."""
+    return train.lora_alpha if train.lora_alpha is not None else 2.0 * train.lora_rank
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The distinct last parts of the names of the model's Linear-like modules (what a target may name)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if name and isinstance(m, (nn.Linear, Conv1D))})
+
+
+def _targets(model: nn.Module, train: Any) -> list[str] | None:
+    """``lora_targets`` checked against the model (each must end a Linear's name), or None: PEFT's default of the
+    model's family; ValueError naming the target, the model's Linear names and the way out."""
+    peft = import_peft()
+    names = _linear_names(model)
+    choices = ", ".join(names)
+    if not train.lora_targets:
+        family = getattr(getattr(model, "config", None), "model_type", None)
+        if family not in peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
+            raise ValueError(f"lora_targets: PEFT has no default target modules for model_type {family!r}; pass "
+                             f"--lora-targets NAME,... naming some of the model's Linear layers: {choices}.")
+        return None
+    linears = [name for name, m in model.named_modules() if name and name.rsplit(".", 1)[-1] in names]
+    for target in train.lora_targets:
+        if not any(n == target or n.endswith("." + target) for n in linears):
+            close = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"lora_targets: {target!r} names no Linear layer of {type(model).__name__}; choose "
+                             f"among its Linear names: {choices}.{hint} Fix --lora-targets, or leave it out for "
+                             "PEFT's default of the model's family.")
+    return list(train.lora_targets)
+
+
+def apply_lora(model: nn.Module, train: Any) -> nn.Module:
+    """``model`` as a PEFT LoRA model with ``train``'s rank, alpha, targets and dropout: the base frozen, adapters
+    initialized by PEFT (lora_B zero: the first step starts from the base model's loss) from ``train.seed``, so that
+    every rank builds the same adapters. Call it before wrap_model."""
+    peft = import_peft()
+    config = peft.LoraConfig(r=train.lora_rank, lora_alpha=lora_alpha(train), lora_dropout=train.lora_dropout,
+                             target_modules=_targets(model, train), task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft's own call of a transformers API being renamed: nothing the user can change
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        torch.manual_seed(train.seed + 1)  # not the base's stream: adapters differ from what the base drew
+        return peft.get_peft_model(model, config)
+
+
+def lora_job_model(config: Any, train: Any, model: nn.Module) -> tuple[Any, nn.Module]:
+    """The LoRA job's model and the config to wrap it with: ``model`` (real, not meta) filled from ``pretrained``
+    when given, then :func:`apply_lora`; the config no longer names ``pretrained`` (its names are the base's, not the
+    PEFT model's: loaded here, before PEFT renames them)."""
+    from ..pipeline.pretrained import load_pretrained
+
+    import_peft()  # before any loading: the missing package is the first thing said
+    _check_checkpoints(config, train)
+    if config.parallel.pretrained is not None:
+        load_pretrained(model, config.parallel.pretrained)
+        config = replace(config, parallel=replace(config.parallel, pretrained=None))
+    return config, apply_lora(model, train)
+
+
+def _check_checkpoints(config: Any, train: Any) -> None:
+    """Refused before any step: checkpoints of a LoRA job where they cannot leave the frozen base out
+    (:func:`fp8dist.checkpoint.compat.trainable_only_refusal`)."""
+    from ..checkpoint.compat import trainable_only_refusal
+    from ..config.rules import facts_of
+    from ..strategies import get_strategy
+
+    refusal = trainable_only_refusal(get_strategy(config.parallel.strategy), facts_of(config))
+    if train.checkpoint_dir is not None and refusal:
+        raise ValueError(f"checkpoint_dir with lora_rank={train.lora_rank}: {refusal}, or train without "
+                         "--checkpoint-dir.")
+
+
+def export_lora(train: Any, model: nn.Module, pretrained: str | None, dtype: str) -> tuple[Path, str]:
+    """``--save-pretrained`` of a LoRA job: the adapters in PEFT's format (fp32 unless --save-dtype names one:
+    they are small, and fp32 is what trained), or with ``merge_lora`` the merged model in ``dtype``; the directory
+    and what it holds, as the log says it."""
+    from ..checkpoint.lora import save_adapters, save_merged
+
+    if train.merge_lora:
+        return save_merged(model, train.save_pretrained, dtype=dtype), f"{dtype}, LoRA merged"
+    dtype = "fp32" if train.save_dtype == "as-loaded" else dtype
+    return save_adapters(model, train.save_pretrained, dtype=dtype, base_model=pretrained), f"{dtype}, LoRA adapters"
