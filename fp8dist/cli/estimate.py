@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 import json
 import sys
 import warnings
@@ -17,6 +18,8 @@ from ..accounting.estimate import check_counts, estimate_memory
 from ..accounting.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 from .plan import fastest_line, predicted_steps, step_text, steps_json
+from ..train.config import TrainConfig
+from ..train.lora import apply_lora
 
 __all__ = ["add_parser", "run"]
 
@@ -42,13 +45,10 @@ def add_parser(sub: Any) -> None:
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
                         "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
-    p.add_argument("--lora-rank", type=int, metavar="R",
-                   help="estimate a LoRA run: PEFT adapters of rank R over a frozen base, as fp8dist train "
-                        "--lora-rank R trains it (default: every parameter trains)")
-    p.add_argument("--lora-targets", metavar="NAMES",
-                   help="comma-separated names of the modules the adapters wrap (default: PEFT's for the model "
-                        "type: q_proj,v_proj for Llama)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    lora = [f.name for f in fields(TrainConfig) if f.name.startswith("lora_")]  # fp8dist train's, documented there
+    add_arguments(p, TrainConfig, title="LoRA (estimate a run of fp8dist train --lora-rank R: adapters over a frozen "
+                  "base)", skip=[f.name for f in fields(TrainConfig) if f.name not in lora])
     add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
                   shown_defaults={"micro_batch_size": "1; also the activations' micro-batch",
                                   "seq_len": f"none: {DEFAULT_SEQ_LEN}; also the activations' sequence"})
@@ -92,27 +92,8 @@ def _predicted_steps(model: Any, config: Any, est: Any, world_size: int) -> tupl
 
 
 def _with_lora(model: Any, args: argparse.Namespace) -> Any:
-    """``model`` under PEFT LoRA adapters of rank ``--lora-rank`` on ``--lora-targets`` (its base frozen), or
-    ``model`` itself without ``--lora-rank``."""
-    if args.lora_rank is None:
-        if args.lora_targets is not None:
-            raise ValueError(f"--lora-targets {args.lora_targets} needs --lora-rank R: the adapters' rank "
-                             "(without it every parameter trains).")
-        return model
-    if args.lora_rank < 1:
-        raise ValueError(f"--lora-rank {args.lora_rank} must be a positive integer (the adapters' rank: 8 to 64).")
-    from torch import nn
-
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ValueError(f"--lora-rank needs peft, which is not installed ({e}): pip install peft") from None
-    targets = [t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None  # None: PEFT's default
-    with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing: not yours to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        try:
-            return get_peft_model(model, LoraConfig(r=args.lora_rank, target_modules=targets))
-        except ValueError as e:
-            names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-            raise ValueError(f"--lora-targets {args.lora_targets}: {e} The model's Linear modules: "
-                             f"{','.join(names)}.") from None
+    """``model`` as ``fp8dist train`` would train it under the LoRA flags given (PEFT adapters over its frozen base,
+    :func:`fp8dist.train.lora.apply_lora`), or ``model`` itself without them."""
+    given = {name: getattr(args, name) for name in vars(args) if name.startswith("lora_")}
+    train = TrainConfig(**given)  # the job's checks: ranges, and no LoRA option without --lora-rank
+    return apply_lora(model, train) if train.lora_rank else model
