@@ -63,6 +63,7 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
             measured = fp8dist.report(model, optimizer)
         estimated = estimate_memory(_lora_llama(dtype=dtype), world_size=world, rank=rank, micro_batch_size=2, **kw)
         assert measured.frozen_params == estimated.groups[0].params == 27_360, kw  # all but the adapters
+        assert measured.dtypes["fp8_buffers"] == estimated.dtypes["fp8_buffers"], kw  # kept FP8 copies named alike
         fp8 = [(r.modules, r.params) for r in measured.rows if r.part.value == "fp8_gemm"]
         out.append((dict(measured.bytes), dict(estimated.bytes), *fp8))
     return out

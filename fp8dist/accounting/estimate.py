@@ -265,7 +265,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
                      backend_optimizer=backend.owns_optimizer)
     per_rank = layout(params)
     chosen = worst_rank(per_rank) if rank is None else rank
-    fp8_bytes = fp8_buffer_bytes(backend, cfg, plan, params, lambda group: layout(group)[chosen])
+    fp8_bytes, kept_fp8 = fp8_buffer_bytes(backend, cfg, plan, params, lambda group: layout(group)[chosen])
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
@@ -274,7 +274,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     return MemoryEstimate(
         strategy=strategy.name, zero_stage=engine.stage, fp8=backend.name, world_size=world_size, rank=chosen,
         total_params=sum(p.numel for p in params), bytes={**per_rank[chosen], "fp8_buffers": fp8_bytes},
-        dtypes=category_dtypes(params, fp8_bytes), micro_batch_size=micro, seq_len=seq_len,
+        dtypes=category_dtypes(params, fp8_bytes, kept_fp8), micro_batch_size=micro, seq_len=seq_len,
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
         groups=param_groups(params, lambda group: layout(group)[chosen], sum(per_rank[chosen].values())),

@@ -79,15 +79,16 @@ def _frozen(held: ElementBytes) -> ElementBytes:
     return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"), trains=False)
 
 
-def category_dtypes(params: list[ParamInfo], fp8_bytes: int) -> dict[str, str]:
-    """The dtypes each category holds, as ``"bf16/fp32"``."""
+def category_dtypes(params: list[ParamInfo], fp8_bytes: int, kept_fp8: bool = False) -> dict[str, str]:
+    """The dtypes each category holds, as ``"bf16/fp32"``; ``kept_fp8``: the FP8 buffers include frozen weights'
+    kept FP8 copies (:meth:`~fp8dist.fp8.FP8Backend.frozen_weights`), e4m3 as the report names them."""
     found: dict[str, set[str]] = {c: set() for c in CATEGORIES}
     for p in params:
         for category, name in zip(CATEGORIES[:4], p.bytes.dtypes):
             if name != "none":
                 found[category].add(name)
     if fp8_bytes:
-        found["fp8_buffers"].add("fp32")
+        found["fp8_buffers"].update(("fp32", "fp8 e4m3") if kept_fp8 else ("fp32",))
     return {c: "/".join(sorted(names)) or "none" for c, names in found.items()}
 
 
@@ -118,21 +119,23 @@ def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]]
 
 
 def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
-                     rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> int:
+                     rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> tuple[int, bool]:
     """The FP8 backend's own state on the rank described: its scaling state for ``plan``'s FP8 modules, where a
     frozen converted weight (a LoRA base) costs what a trained one does; where the backend keeps the FP8 cast of a
     frozen weight instead (its ``frozen_weights`` answer), that copy -- its bytes per element on each element the
-    rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own."""
+    rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own. Returns
+    the bytes and whether such kept copies are among them."""
     from ..plan.precision import PrecisionPlan
 
     kept = backend.frozen_weights(cfg, plan.facts)
     converted = {f"{e.name}.weight": e.name for e in plan.fp8}
     frozen = [p for p in params if not p.trains and p.name in converted]
-    if kept is None or not kept.cached_bytes or not frozen:
-        return backend.fp8_state_bytes(cfg, plan)
+    if not kept.cached_bytes or not frozen:
+        return backend.fp8_state_bytes(cfg, plan), False
     modules = {converted[p.name] for p in frozen}
     trained = PrecisionPlan([e for e in plan if e.name not in modules], backend=plan.backend,
                             strategy=plan.strategy, memory=plan.memory, hardware=plan.hardware, facts=plan.facts)
     copies = [replace(p, bytes=ElementBytes(kept.cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"), False))
               for p in frozen]
-    return backend.fp8_state_bytes(cfg, trained) + rank_bytes(copies)["parameters"] + kept.scale_bytes * len(frozen)
+    kept_bytes = rank_bytes(copies)["parameters"] + kept.scale_bytes * len(frozen)
+    return backend.fp8_state_bytes(cfg, trained) + kept_bytes, True
