@@ -273,6 +273,10 @@ def test_each_lean_cell_carries_and_plots_its_standard_twins_curve(bench_run):
     (["--strategies", "deepspeed", "--compile", "on"], ["cell deepspeed/bf16+compile/tiny: compile=True with "
                                                          "strategy='deepspeed'", "engine.compile()"]),
     (["--torchao-recipe", "blockwise"], ["--torchao-recipe", "'blockwise'", "tensorwise, rowwise, rowwise_with_gw_hp"]),
+    (["--torchao-api", "swap"], ["--torchao-api", "'swap'", "auto, module_swap, weight_wrapper"]),
+    (["--strategies", "fsdp1", "--fp8", "torchao", "--torchao-api", "weight_wrapper"],
+     ["cell fsdp1/torchao-weight_wrapper/tiny: torchao_api='weight_wrapper' with strategy='fsdp1'",
+      "Leave it out of --compile / --activation-checkpointing / --torchao-recipe / --torchao-api"]),
     (["--seed", "0,x"], ["--seed '0,x'", "e.g. --seed 0,1,2"]),
     (["--data", "docs.jsonl"], ["--data needs a tokenizer: pass --tokenizer DIR"]),
     (["--eval-every", "5"], ["eval_every needs data"]),
@@ -478,3 +482,42 @@ def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp
     held = loss_panels(doc)[-1]
     assert held["title"] == "held-out loss, llama-tiny: mean over 2 seeds (± sample std at the last step)"
     assert [c["losses"][-1] for c in held["curves"]] == [bf16["held_out"][-1]["mean"], statistics.fmean(last)]
+
+
+def test_torchao_api_is_a_matrix_dimension_recorded_in_each_cells_json_and_label(tmp_path):
+    """--torchao-api module_swap,weight_wrapper: a cell per API, named, recorded and plotted as such, each wrapping
+    with its API; both run the same torchao FP8 GEMMs, so their losses are equal (strategy none: in this process)."""
+    import warnings
+
+    from fp8dist.bench.cell import cell_config, run_cell
+    from fp8dist.bench.plot import loss_panels
+    from fp8dist.bench.results import markdown_table, results_document
+    from fp8dist.bench.runner import plan_cells, resolve_settings
+
+    args = _bench_args("--strategies", "none", "--fp8", "torchao", "--torchao-api", "module_swap,weight_wrapper",
+                       "--sizes", "tiny", "--steps", "4", "--seq-len", "16", "--batch-size", "2")
+    settings = resolve_settings(args, "cpu")
+    cells = plan_cells(settings)
+    names = ["none/bf16/tiny", "none/torchao-module_swap/tiny", "none/torchao-weight_wrapper/tiny"]
+    assert [c.name for c in cells] == names, "strategy none has no hand-wired twin"
+    assert [cell_config(c).precision.torchao_api for c in cells[1:]] == ["module_swap", "weight_wrapper"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            results = [run_cell(cell) for cell in cells]
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads(json.dumps(results_document(results, settings, "cpu", command="test",
+                                                 load_average=[(0, 0, 0)] * 2, wall_s=1.0)))
+    bf16, swap, wrapper = doc["cells"]
+    assert [c["more_variants"] for c in doc["cells"]] == [{}, {"torchao_api": "module_swap"},
+                                                          {"torchao_api": "weight_wrapper"}]
+    assert swap["fp8_layers"] == wrapper["fp8_layers"] and swap["fp8_layers"] > 0
+    assert swap["losses"] == wrapper["losses"] != bf16["losses"], "the same FP8 GEMMs either way, not bf16's"
+    assert wrapper["vs_bf16"]["bf16_cell"] == "none/bf16/tiny"
+    curves = loss_panels(doc)[0]["curves"]
+    assert [c["label"].split(" (")[0] for c in curves] == ["none bf16", "none torchao-module_swap",
+                                                           "none torchao-weight_wrapper"]
+    assert len({c["color"] for c in curves}) == 3, "each API a color of its own"
+    assert "| none/torchao-weight_wrapper/tiny |" in markdown_table(doc)

@@ -270,3 +270,35 @@ def test_falcon_under_fsdp2_trains_with_the_wrapper_exactly_as_with_the_module_s
         swap, wrapper = r["module_swap"], r["weight_wrapper"]
         assert wrapper["losses"] == swap["losses"] and wrapper["tied"] and swap["tied"]
         assert wrapper["targets"] == ["Float8 weight wrapper", "Float8Linear (its forward bypasses the weight wrapper)"]
+
+
+def _hsdp_case(rank: int, world: int) -> dict:
+    from test_hsdp import REPLICAS, _hand_wired_hsdp
+
+    base = build_llama("tiny", seed=0)
+    out = {}
+    for recipe in ("tensorwise", "rowwise"):
+        ours = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_api="weight_wrapper",
+                          torchao_recipe=recipe, replicate_degree=REPLICAS)
+        ref = _hand_wired_hsdp(_hand_wrapped(copy.deepcopy(base), recipe), fp8=None)  # quantize_, then 2-D mesh
+        weight = ours.model.layers[1].self_attn.q_proj.weight
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+        per_module, counter = gemms_per_module(ours, ids)
+        out[recipe] = dict(ours=train_losses(ours, rank, world), ref=train_losses(ref, rank, world),
+                           plan={e.name: e.converted_to for e in get_plan(ours).fp8}, per_module=per_module,
+                           total=counter.count, placements=[repr(p) for p in weight.placements],
+                           local=type(weight.to_local()).__name__)
+    return out
+
+
+def test_hsdp_weight_wrapper_matches_quantize_then_fully_shard_on_a_2d_mesh_and_every_fp8_layer_runs_fp8():
+    from test_hsdp import REPLICAS, SHARDS
+
+    for rank, by_recipe in enumerate(run_ranks(_hsdp_case, world_size=REPLICAS * SHARDS)):
+        for recipe, r in by_recipe.items():
+            assert r["ours"] == r["ref"], (rank, recipe)
+            assert r["placements"] == ["Replicate()", "Shard(dim=0)"], "HSDP: replicated x sharded"
+            assert r["local"] == "Float8TrainingWeightWrapperTensor", "each shard stays wrapped"
+            assert len(r["plan"]) == 13 and set(r["plan"].values()) == {"Float8 weight wrapper"}
+            assert {n for n, c in r["per_module"].items() if c} == set(r["plan"]), "FP8 exactly where planned"
+            assert set(r["per_module"][n] for n in r["plan"]) == {1} and r["total"] == 3 * 13, (recipe, r["total"])

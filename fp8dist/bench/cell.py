@@ -75,6 +75,9 @@ class Cell:
     variant: str | None = None
     """The value of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` this cell runs (torchao's recipe:
     tensorwise, rowwise, ...); None: the backend has no variants."""
+    more_variants: tuple[tuple[str, str], ...] = ()
+    """``(option, value)`` of each of the backend's :attr:`~fp8dist.fp8.FP8Backend.more_variant_options` this cell
+    runs (``("torchao_api", "weight_wrapper")``); the JSON writes them as a mapping."""
     text: TextJob | None = None
     """Real text to train on and evaluate; None: the built-in grammar corpus."""
     label_seed: bool = False
@@ -85,26 +88,33 @@ class Cell:
         blocks = ("+compile" if self.compile else "") + \
             (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
             (f"+{self.memory}" if self.memory != STANDARD.name else "")
-        recipe = f"-{self.variant}" if self.variant not in (None, *variants_of(self.fp8)[:1]) else ""
+        recipe = variant_label(self.fp8, self.variant, dict(self.more_variants))
         return f"{self.strategy}/{self.fp8 or 'bf16'}{recipe}{blocks}/{self.size}" + \
             ("/vs-raw" if self.wiring == "vs-raw" else "") + (f"/seed{self.seed}" if self.label_seed else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, **asdict(self)}
+        return {"name": self.name, **asdict(self), "more_variants": dict(self.more_variants)}
 
 
 @functools.cache
-def variants_of(fp8: str | None) -> tuple[str, ...]:
-    """The values of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` (the config's choices), its
-    default first; () for a backend without one."""
+def variants_of(fp8: str | None, option: str | None = None) -> tuple[str, ...]:
+    """The values of the backend's ``option`` (default: its :attr:`~fp8dist.fp8.FP8Backend.variant_option`), the
+    config's choices, its default first; () for a backend without one."""
     from ..config.resolve import resolve_config
     from ..config.rules import choices
 
-    option = get_backend(fp8).variant_option
+    option = option or get_backend(fp8).variant_option
     if option is None:
         return ()
     default = resolve_config().to_dict()[option]
     return (default, *(c for c in choices(option) if c != default))
+
+
+def variant_label(fp8: str | None, variant: str | None, more: dict[str, str]) -> str:
+    """``-rowwise-weight_wrapper``: a cell's variant and further variant values (``more``: option -> value), each
+    that is not its option's default, for names and labels; "" for the defaults."""
+    values = [(variant, variants_of(fp8)[:1]), *((v, variants_of(fp8, o)[:1]) for o, v in more.items())]
+    return "".join(f"-{v}" for v, default in values if v not in (None, *default))
 
 
 def cell_world(cell: Cell, nproc: int) -> int:
@@ -118,6 +128,7 @@ def cell_options(cell: Cell) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if cell.variant is not None:
         options[get_backend(cell.fp8).variant_option] = cell.variant
+    options.update(cell.more_variants)
     if "zero_stage" in get_strategy(cell.strategy).options:
         options.update(zero_stage=cell.zero_stage)
     return options

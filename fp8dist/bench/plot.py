@@ -11,7 +11,7 @@ from ..config.text import plural
 from ..fp8 import BACKENDS, NO_FP8
 from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES
-from .cell import describe_job, variants_of, versions_line
+from .cell import describe_job, variant_label, variants_of, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results", "loss_panels"]
@@ -63,23 +63,20 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
     _titled(ax, "bytes communicated per step and rank (MiB)")
 
 
-def _variant(cell: dict[str, Any]) -> str | None:
-    """A cell's backend variant other than the backend's default (torchao's rowwise), or None."""
-    variant = cell.get("variant")
-    return variant if variant not in (None, *variants_of(cell["fp8"])[:1]) else None
-
-
 def _line_color(cell: dict[str, Any]) -> str:
-    """Its strategy's color, or its variant's (a color of its own beside the strategy's)."""
-    variant = _variant(cell)
-    return _color(variant, list(variants_of(cell["fp8"]))) if variant else \
-        _color(cell["strategy"], list(STRATEGIES))
+    """Its strategy's color, or that of its last variant value other than its option's default (torchao's
+    rowwise, weight_wrapper: a color of its own beside the strategy's)."""
+    fp8, more = cell["fp8"], cell.get("more_variants") or {}
+    given = [(cell.get("variant"), variants_of(fp8)), *((v, variants_of(fp8, o)) for o, v in more.items())]
+    values = [v for v, choices in given if v not in (None, *choices[:1])]
+    names = [c for _, choices in given for c in choices]
+    return _color(values[-1], names) if values else _color(cell["strategy"], list(STRATEGIES))
 
 
 def _label(cell: dict[str, Any]) -> str:
-    """``fsdp torchao``, ``fsdp torchao-rowwise``, ``fsdp bf16``."""
-    variant = _variant(cell)
-    return f"{cell['strategy']} {cell['fp8'] or 'bf16'}" + (f"-{variant}" if variant else "")
+    """``fsdp torchao``, ``fsdp torchao-rowwise``, ``fsdp torchao-weight_wrapper``, ``fsdp bf16``."""
+    suffix = variant_label(cell["fp8"], cell.get("variant"), cell.get("more_variants") or {})
+    return f"{cell['strategy']} {cell['fp8'] or 'bf16'}{suffix}"
 
 
 def _curve(cell: str, losses: list[float], label: str, dashed: bool, color: str | None,

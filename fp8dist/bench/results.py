@@ -63,8 +63,8 @@ shorter run)."""
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
-    keys = ("strategy", "fp8", "variant", "size", "wiring", "compile", "activation_checkpointing", "memory",
-            "seed")
+    keys = ("strategy", "fp8", "variant", "more_variants", "size", "wiring", "compile", "activation_checkpointing",
+            "memory", "seed")
     want = {**{k: cell.get(k) for k in keys}, **change}
     return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
 
@@ -80,7 +80,7 @@ def _compare(cells: list[dict[str, Any]]) -> None:
     for cell in cells:
         if "error" in cell:
             continue
-        bf16 = _counterpart(cells, cell, fp8=None, variant=None) if cell["fp8"] else None
+        bf16 = _counterpart(cells, cell, fp8=None, variant=None, more_variants={}) if cell["fp8"] else None
         if bf16 is not None:
             cell["vs_bf16"] = {"bf16_cell": bf16["name"], **_deltas(cell["losses"], bf16["losses"]),
                                "bf16_losses": bf16["losses"]}
@@ -149,7 +149,7 @@ def convergence(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, group in groups.items():
         steps = [s for s, _ in group[0]["eval_losses"]]
-        base = [_counterpart(cells, c, fp8=None, variant=None, memory=STANDARD.name) for c in group]
+        base = [_counterpart(cells, c, fp8=None, variant=None, more_variants={}, memory=STANDARD.name) for c in group]
         paired = [(c, b) for c, b in zip(group, base) if b is not None and b is not c and b.get("eval_losses")]
         entry = {"config": name, "fp8": group[0]["fp8"], "variant": group[0].get("variant"),
                  "memory": group[0]["memory"], "size": group[0]["size"], "seeds": [c["seed"] for c in group],

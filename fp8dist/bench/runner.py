@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import logging
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from ..train.schedule import LR_SCHEDULES
 from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
-           "variant_backends", "default_strategies", "DEFAULTS"]
+           "variant_backends", "variant_options", "default_strategies", "DEFAULTS"]
 
 # defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
 # default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
@@ -42,9 +43,15 @@ def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str
 
 
 def variant_backends() -> list[str]:
-    """The backends whose variants the bench runs as cells of their own, each with its option's flag
-    (``--torchao-recipe``)."""
+    """The backends whose variants the bench runs as cells of their own, each with its options' flags
+    (``--torchao-recipe``, ``--torchao-api``)."""
     return [name for name in BACKENDS if variants_of(name)]
+
+
+def variant_options(fp8: str | None) -> tuple[str, ...]:
+    """Backend ``fp8``'s options that are matrix dimensions: its variant option, then its further ones."""
+    backend = get_backend(fp8)
+    return (backend.variant_option, *backend.more_variant_options) if backend.variant_option else ()
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -105,8 +112,8 @@ class BenchSettings:
     raw: bool = True
     """The fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio)."""
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict, metadata={"flag": None})
-    """Per backend variant option (torchao_recipe), its values: a matrix dimension of that backend's cells; an
-    option not given runs its default (the config's)."""
+    """Per backend variant option (torchao_recipe, torchao_api), its values: a matrix dimension of that backend's
+    cells; an option not given runs its default (the config's)."""
     text: TextJob | None = field(default=None, metadata={"flag": None})
     """Real text every cell trains on and evaluates; None: the built-in grammar corpus."""
 
@@ -177,8 +184,9 @@ def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     """Each backend variant option's values, from its flag."""
     out = {}
     for name in variant_backends():
-        option, values = get_backend(name).variant_option, variants_of(name)
-        out[option] = _split("--" + option.replace("_", "-"), getattr(args, option), values, ",".join(values[:2]))
+        for option in variant_options(name):
+            values = variants_of(name, option)
+            out[option] = _split(cli_flag(option), getattr(args, option), values, ",".join(values[:2]))
     return out
 
 
@@ -220,29 +228,43 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
                lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
                label_seed=len(settings.seeds) > 1)
     # every FP8 cell gets its bf16 counterpart; a cell per variant of a backend that has them
-    backends = [(f, v) for f in dict.fromkeys((None, *settings.fp8)) for v in _variants(settings, f)]
-    # the hand-wired twins: a strategy's and a backend's own wiring, of the backend's default variant
-    by_hand = [(f, v) for f, v in backends if get_backend(f).convert_by_hand is not None
-               and v in (None, *variants_of(f)[:1])]
+    backends = [(f, v, more) for f in dict.fromkeys((None, *settings.fp8)) for v, more in _variants(settings, f)]
+    # the hand-wired twins: a strategy's and a backend's own wiring, of the backend's default variant (its further
+    # options at their defaults, as the hand wiring is written)
+    by_hand = list(dict.fromkeys((f, v, _more_variants(settings, f, defaults=True)[0]) for f, v, _ in backends
+                                 if get_backend(f).convert_by_hand is not None and v in (None, *variants_of(f)[:1])))
     cells = []
     blocks = [dict(compile=c, activation_checkpointing=a, memory=m) for c in settings.compile
               for a in settings.activation_checkpointing for m in settings.memory]
     for seed in settings.seeds:
         for size in settings.sizes:
             for strategy in settings.strategies:
-                cells += [Cell(strategy=strategy, fp8=f, variant=v, size=size, seed=seed, **job, **b)
-                          for b in blocks for f, v in backends
+                cells += [Cell(strategy=strategy, fp8=f, variant=v, more_variants=more, size=size, seed=seed, **job,
+                               **b) for b in blocks for f, v, more in backends
                           if b["memory"] == STANDARD.name or refusal_of(strategy=strategy, memory=b["memory"]) is None]
             for strategy in (s for s in settings.strategies if settings.raw and get_strategy(s).shard_by_hand):
-                cells += [Cell(strategy=strategy, fp8=f, variant=v, size=size, seed=seed, wiring="vs-raw", **job)
-                          for f, v in by_hand]
+                cells += [Cell(strategy=strategy, fp8=f, variant=v, more_variants=more, size=size, seed=seed,
+                               wiring="vs-raw", **job) for f, v, more in by_hand]
     return cells
 
 
-def _variants(settings: BenchSettings, fp8: str | None) -> tuple[str | None, ...]:
-    """The variants of backend ``fp8`` the matrix runs: those given, else its default; (None,) without variants."""
+def _variants(settings: BenchSettings, fp8: str | None) -> list[tuple[str | None, tuple[tuple[str, str], ...]]]:
+    """The ``(variant, more_variants)`` of backend ``fp8`` the matrix runs, every combination of each option's
+    values given (else its default); [(None, ())] without variants."""
     values = variants_of(fp8)
-    return settings.variants.get(get_backend(fp8).variant_option, values[:1]) if values else (None,)
+    if not values:
+        return [(None, ())]
+    return [(v, more) for v in settings.variants.get(get_backend(fp8).variant_option, values[:1])
+            for more in _more_variants(settings, fp8)]
+
+
+def _more_variants(settings: BenchSettings, fp8: str | None, *, defaults: bool = False) -> list[tuple]:
+    """Every combination of the values given (``defaults``: the default) of backend ``fp8``'s further variant
+    options, as ``(option, value)`` pairs."""
+    options = variant_options(fp8)[1:]
+    given = [variants_of(fp8, o)[:1] if defaults else settings.variants.get(o, variants_of(fp8, o)[:1])
+             for o in options]
+    return [tuple(zip(options, values)) for values in itertools.product(*given)]
 
 
 def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:
@@ -264,8 +286,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
                                     activation_checkpointing=cell.activation_checkpointing, memory=cell.memory,
                                     **cell_options(cell))
         except ValueError as err:
-            raise ValueError(f"cell {cell.name}: {err} Leave it out of --compile / --activation-checkpointing, or "
-                             "the strategy or backend out of the matrix.") from None
+            flags = " / ".join(map(cli_flag, ("compile", "activation_checkpointing", *variant_options(cell.fp8))))
+            raise ValueError(f"cell {cell.name}: {err} Leave it out of {flags}, or the strategy or backend out of "
+                             "the matrix.") from None
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         gate = get_backend(cell.fp8).unavailable_reason(config, device) if cell.fp8 else None
         if gate:

@@ -17,8 +17,7 @@ from ..config.text import plural
 from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
 from ..bench.cell import TextJob, variants_of
 from ..bench.runner import (BenchSettings, check_cells, check_text, device_type, plan_cells, resolve_settings,
-                            run_cells, variant_backends)
-from ..fp8 import get_backend
+                            run_cells, variant_backends, variant_options)
 from ..train.config import TrainConfig
 
 __all__ = ["add_parser", "run"]
@@ -35,11 +34,12 @@ def add_parser(sub: Any) -> None:
                                    "with --data, on real text, with the held-out loss at fixed steps and its spread "
                                    "across --seed values. Writes JSON and PNG named by date and device.")
     _settings_flags(p)
-    for name in variant_backends():  # e.g. --torchao-recipe: a cell per value
-        option, values = get_backend(name).variant_option, variants_of(name)
-        p.add_argument(cli_flag(option), metavar="LIST", default=values[0],
-                       help=f"{option} values of the {name} cells: a matrix dimension (comma-separated, from "
-                            f"{', '.join(values)}; default: {values[0]})")
+    for name in variant_backends():  # e.g. --torchao-recipe, --torchao-api: a cell per value
+        for option in variant_options(name):
+            values = variants_of(name, option)
+            p.add_argument(cli_flag(option), metavar="LIST", default=values[0],
+                           help=f"{option} values of the {name} cells: a matrix dimension (comma-separated, from "
+                                f"{', '.join(values)}; default: {values[0]})")
     p.add_argument("--no-plot", dest="plot", action="store_false",
                    help="write the JSON only; default: JSON and PNG (the PNG needs matplotlib: "
                         "pip install 'fp8dist[bench]')")

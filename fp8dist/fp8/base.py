@@ -243,6 +243,11 @@ class FP8Backend(Protocol):
     of ``wrap_model``, files, flags and ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata:
     ``when`` (:class:`~fp8dist.config.axis.When` it is read under), ``min``, ``refused``, ``aliases``. None: none."""
 
+    # bench: further matrix dimensions of this backend's cells (issue 42: torchao_api beside torchao_recipe)
+    more_variant_options: ClassVar[tuple[str, ...]] = ()
+    """Options beside :attr:`variant_option` whose every value the bench can run as a cell of its own (its flag
+    lists them; not given: the config's default), e.g. ``torchao_api``; empty: none."""
+
 
 class _NoFP8(FP8Backend):
     """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""

@@ -363,6 +363,8 @@ class TorchaoBackend(FP8Backend):
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({how})"
 
     Config = TorchaoConfig
+    # bench: module_swap and weight_wrapper side by side (issue 42)
+    more_variant_options = ("torchao_api",)
 
 
 BACKEND = TorchaoBackend()
