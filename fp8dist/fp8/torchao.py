@@ -20,14 +20,14 @@ from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, Hand
                    fp8_hardware_reason, linear_reason)
 from .casts import NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
-from .linear import own_output, plain_linear_like
+from .linear import own_output as _own_output, plain_linear_like
 from .order import gemm_order
 from ..plan.adapters import without_adapters
 from .mx_linear import (MX_BYPASSED, MX_WRAPPED, NVFP4_SWAPPED, convert_nvfp4, is_mx, mx_hardware_reason,
                         mx_gemm_words, mx_linear_casts, mx_linear_reason, mx_op_config, nvfp4_hardware_reason,
                         nvfp4_linear_reason)
-from .weight_wrapper import (BYPASSED, WRAPPED, check_fp8_ran, say_bypassed, wrap_linears, wrapped_weight_config,
-                             wrapper_reaches)
+from .weight_wrapper import (BYPASSED, WRAPPED, check_fp8_ran as _check_fp8_ran, say_bypassed as _say_bypassed,
+                             wrap_linears, wrapped_weight_config, wrapper_reaches)
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -228,15 +228,15 @@ class TorchaoBackend(FP8Backend):
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         wrapped = {e.name for e in plan.fp8 if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
         linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
-        say_bypassed(plan)
+        _say_bypassed(plan)
         wrap_linears(model, wrapped, cfg.precision.torchao_recipe)
         for name in sorted(conv1ds):
             model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
         for name in linears:
             if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
-                model.get_submodule(name).register_forward_hook(own_output)
-        check_fp8_ran(model, sorted(linears | wrapped))
+                model.get_submodule(name).register_forward_hook(_own_output)
+        _check_fp8_ran(model, sorted(linears | wrapped))
         if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
             from .frozen import freeze_float8_linears
 
