@@ -21,6 +21,7 @@ from torch import nn
 from .rows import Held, Members, Part, PrecisionRow, text_table
 from .tensors import StateBytes, StateTally, model_state_tensors
 from ..config.dtypes import dtype_names as _names
+from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..plan.precision import runs_gemm
 from ..strategies import unwrap_model
@@ -140,7 +141,7 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         tally.add(category, tensors)
     rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
     return PrecisionReport(
-        strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
+        strategy=info.config.parallel.strategy, fp8=get_backend(info.config.precision.fp8).name, rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
         dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
         memory=info.config.parallel.memory,
