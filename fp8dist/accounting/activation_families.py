@@ -59,8 +59,9 @@ _FP32 = 4
 @dataclass(frozen=True)
 class Saves:
     """One micro-batch as the formulas need it: T tokens; c, r, n bytes (module docstring); per module name
-    its plan precision; whether FP8 Linears save an FP8 copy (TE, MS-AMP), whether TE swapped the norms, and
-    whether the forward builds a KV cache (the config's ``use_cache``, which wrap_model turns off under compile)."""
+    its plan precision; whether FP8 Linears save an FP8 copy (TE, MS-AMP), whether the FP8 backend swapped the
+    norms for its own (TE's), and whether the forward builds a KV cache (the config's ``use_cache``, which
+    wrap_model turns off under compile)."""
 
     T: int
     c: int
@@ -68,7 +69,7 @@ class Saves:
     n: int
     decisions: Mapping[str, str]
     fp8_saves: bool
-    te_norms: bool
+    swapped_norms: bool
     kv_cache: bool
 
     def inputs(self, names: Sequence[str], elements: int, in_bytes: int) -> int:
@@ -84,7 +85,7 @@ class Saves:
         return elements * sum(1 for m in names if self.fp8_saves and self.decisions.get(m) == "fp8")
 
     def rms_norm(self, h: int) -> int:
-        return (self.r * self.T * h if self.te_norms else (_FP32 + self.r) * self.T * h) + _FP32 * self.T
+        return (self.r * self.T * h if self.swapped_norms else (_FP32 + self.r) * self.T * h) + _FP32 * self.T
 
     def layer_norm(self, h: int, *, input_saved: bool = True) -> int:
         return (self.n * self.T * h if input_saved else 0) + 2 * _FP32 * self.T

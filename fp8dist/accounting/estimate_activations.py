@@ -75,7 +75,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     decisions = {e.name: e.precision for e in plan}
     s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
               fp8_saves=backend.saved_weight_bytes > 0,
-              te_norms=any(e.converted_to in ("te.RMSNorm", "te.LayerNorm") for e in plan),
+              swapped_norms=any(e.converted_to and e.precision != "fp8" for e in plan),  # swapped, not FP8: norms
               kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
               and checkpointing == "none")
     prefixes = [f"{b}." for b in blocks] or [""] * d["layers"]  # summed, or the largest: any order

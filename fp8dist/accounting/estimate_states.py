@@ -97,7 +97,6 @@ def worst_rank(per_rank: list[dict[str, int]]) -> int:
     return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
 
 
-
 def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]],
                  model_state: int) -> tuple[ParamGroup, ...]:
     """The frozen and the trained parameters apart, on the rank described: the frozen ones as ``rank_bytes`` lays

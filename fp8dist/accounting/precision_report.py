@@ -21,10 +21,11 @@ from torch import nn
 from .rows import Held, Members, Part, PrecisionRow, text_table
 from .tensors import StateBytes, StateTally, model_state_tensors
 from ..config.dtypes import dtype_names as _names
+from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..plan.precision import runs_gemm
 from ..strategies import unwrap_model
-from ..strategies.local_shards import fsdp1_full_shapes as _fsdp1_full_shapes, plain_name as _plan_name
+from ..strategies.local_shards import plain_name as _plan_name
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
@@ -72,14 +73,6 @@ class PrecisionReport(StateBytes):
                                                                  "dtypes"], mem)])
 
 
-def _own_params(module: nn.Module, fsdp1: dict[tuple[int, str], tuple[int, ...]]) -> list[Held]:
-    """``module``'s own parameters, full shapes read from FSDP1's flat parameter, ZeRO-3's ``ds_shape``, or the
-    tensor (a DTensor's shape is the global one)."""
-    return [Held(module, name, p, tuple(fsdp1.get((id(module), name)) or getattr(p, "ds_shape", None)
-                                            or p.shape))
-            for name, p in module.named_parameters(recurse=False)]
-
-
 def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) -> Part:
     """The plan's record says which modules run FP8 GEMMs, grouped or not (``name`` as the plan has it); the
     parameters' shapes say which run any GEMM."""
@@ -88,12 +81,11 @@ def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) 
     return Part.GEMM if runs_gemm(module, [h.shape for h in held]) else Part.OTHER
 
 
-def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members]:
-    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out; ``fp8``:
-    the plan's FP8 modules, name -> grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    fsdp1 = _fsdp1_full_shapes(model)
+def _group_by_part(model: nn.Module, strategy: Any, fp8: dict[str, bool]) -> dict[Part, Members]:
+    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out, each
+    parameter with its full shape as ``strategy`` reads it from its engine; ``fp8``: the plan's FP8 modules, name ->
+    grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``)."""
+    full = strategy.full_shapes(model)
     members = {p: Members() for p in Part}
     owner: dict[int, tuple[Part, Held]] = {}
     order = list(Part)
@@ -104,9 +96,10 @@ def _group_by_part(model: nn.Module, fp8: dict[str, bool]) -> dict[Part, Members
                       "wrapped model under their planned names; where they are, they are reported as high-precision "
                       "GEMMs", stacklevel=3)
     for name, module in names.items():
-        if isinstance(module, FullyShardedDataParallel):  # FSDP1's wrapper holds only its flat parameter
+        if not strategy.holds_own_params(module):
             continue
-        held = _own_params(module, fsdp1)
+        held = [Held(module, n, p, full.get((id(module), n), tuple(p.shape)))
+                for n, p in module.named_parameters(recurse=False)]
         if not held:
             continue
         part = _part(module, name, held, fp8)
@@ -141,14 +134,14 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
 
     run = engine_of(model, optimizer)
     info, strategy, _, held = run
-    parts = _group_by_part(model, {e.name: e.grouped for e in info.plan.fp8})
+    parts = _group_by_part(model, strategy, {e.name: e.grouped for e in info.plan.fp8})
     fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
     tally = StateTally()
     for category, tensors in model_state_tensors(held, fp8_modules).items():
         tally.add(category, tensors)
     rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
     return PrecisionReport(
-        strategy=info.config.parallel.strategy, fp8=info.config.precision.fp8 or "none", rank=info.env.rank,
+        strategy=info.config.parallel.strategy, fp8=get_backend(info.config.precision.fp8).name, rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
         dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
         memory=info.config.parallel.memory,

@@ -268,13 +268,14 @@ def linear_reason(module: nn.Linear) -> str | None:
     return plain_linear_reason(module) or dims_reason(module)
 
 
-def dims_reason(module: nn.Module) -> str | None:
-    """FP8 GEMMs need both dims of a Linear (or of GPT-2's Conv1D) divisible by 16; the reason when they are not."""
+def dims_reason(module: nn.Module, multiple: int = 16, why: str = "FP8 GEMM tiles") -> str | None:
+    """FP8 GEMMs need both dims of a Linear (or of GPT-2's Conv1D) divisible by 16 (a block-scaled recipe: by
+    ``multiple``, for the reason ``why``); the reason when they are not."""
     from .conv1d import conv1d_dims, is_conv1d
 
     dims = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
-    bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), dims) if d % 16]
-    return f"{' and '.join(bad)} not divisible by 16 (FP8 GEMM tiles)" if bad else None
+    bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), dims) if d % multiple]
+    return f"{' and '.join(bad)} not divisible by {multiple} ({why})" if bad else None
 
 
 def fp8_hardware_reason(device: torch.device | Hardware, *, min_capability: tuple[int, int] = (8, 9)) -> str | None:

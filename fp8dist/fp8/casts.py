@@ -17,7 +17,7 @@ import torch
 from ..config.dtypes import dtype_name
 
 __all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "NVFP4_NOT_EMULATED",
-           "nvfp4_casts"]
+           "nvfp4_casts", "float8_linear_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -94,3 +94,18 @@ def nvfp4_casts(*, weight_tile: int = NVFP4_WEIGHT_TILE) -> Casts:
     return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=weight_tile if role == "weight" else 1)
             for role, gemm in USES}
 
+
+def float8_linear_casts(config) -> Casts:
+    """The casts of torchao's ``Float8LinearConfig`` ``config`` (what a ``Float8Linear`` does), per use."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    c = config
+    configs = {("input", "output"): c.cast_config_input,
+               ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
+               ("weight", "output"): c.cast_config_weight,
+               ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
+               ("grad_output", "grad_input"): c.cast_config_grad_output,
+               ("grad_output", "grad_weight"): c.cast_config_grad_output_for_grad_weight}
+    return {use: None if cc.scaling_type is ScalingType.DISABLED else CastSpec(
+        cc.target_dtype, "tensorwise" if cc.scaling_granularity is ScalingGranularity.TENSORWISE else "rowwise",
+        pow2=c.round_scales_to_power_of_2) for use, cc in configs.items()}

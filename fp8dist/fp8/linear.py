@@ -12,12 +12,15 @@ out, never put in one that computes something else.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["plain_linear_reason"]
+from .conv1d import is_conv1d
+
+__all__ = ["plain_linear_reason", "plain_linear_like", "own_output"]
 
 _PROBE_ROWS = (2, 3)  # the check's (batch, sequence): a forward that reshapes as a transformer's does runs
 _DIMS = (24, 40)  # (in, out) of the small copy
@@ -76,3 +79,17 @@ def _small_copy(module: nn.Linear, dims: tuple[int, int] = _DIMS) -> nn.Linear:
     if module.bias is not None:
         stand_in._parameters["bias"] = nn.Parameter(torch.randn(n_out, generator=generator).to(device, dtype))
     return stand_in
+
+
+def plain_linear_like(module: nn.Module) -> bool:
+    """A Linear-like module that computes a plain Linear: the FP8 candidates first/last are counted among."""
+    return is_conv1d(module) or plain_linear_reason(module) is None
+
+
+def own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook for a swapped Linear without bias: torchao's Float8Linear returns a view made inside its
+    autograd Function, which autograd forbids modifying in place; nn.Linear's output is a tensor of its own, and
+    models add to it in place (Falcon's ``mlp_output += attention_output``). ``_unsafe_view`` (what aten's matmul
+    returns) gives the same memory as a tensor of its own, without a copy; the Function's backward reads its inputs,
+    never its output. No test of ``_is_view()``: torch.compile would break its graph there."""
+    return torch.ops.aten._unsafe_view(output, output.shape)

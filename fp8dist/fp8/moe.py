@@ -15,7 +15,7 @@ from torch import nn
 from ..config.axis import StrategyFacts
 from ..plan.hardware import Hardware
 from .casts import USES, Casts, CastSpec
-from .mx_linear import mx_linear_casts, mx_op_config
+from .mx_linear import mx_gemm_words, mx_linear_casts, mx_op_config
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
            "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON", "experts_speed_recipe",
@@ -167,16 +167,10 @@ def experts_gemm_formats(module: nn.Module) -> str | None:
         return None
     config = wrapped[0].config
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-    from torchao.quantization.quantize_.common import KernelPreference
 
     if isinstance(config, Float8TrainingOpConfig):
         return f"{dtype_name(config.float8_dtype)} fwd+grads (rowwise scales)"
-    how = ["32-element blocks, e8m0 scales"]
-    if config.wgrad_with_hp:
-        how.append("weight grads in high precision")
-    if config.kernel_preference == KernelPreference.EMULATED:
-        how.append("emulated")
-    return f"mxfp8 e4m3 fwd+grads ({', '.join(how)})"
+    return mx_gemm_words(config, "32-element blocks, e8m0 scales")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

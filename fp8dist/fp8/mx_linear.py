@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .base import fp8_hardware_reason
+from .base import dims_reason, fp8_hardware_reason
 from .casts import MX_BLOCK, USES, Casts, CastSpec
 
 __all__ = ["MX_RECIPES", "MX_WRAPPED", "MX_BYPASSED", "MXFP8_CAPABILITY", "is_mx", "mx_hardware_reason",
@@ -90,14 +90,7 @@ def mx_linear_reason(module: nn.Module) -> str | None:
     if is_conv1d(module):
         return ("a Conv1D's addmm(bias, x, W) is not a call torchao's weight wrapper overrides, and MXFP8 runs "
                 "through the wrapper only; use a tensorwise / rowwise recipe to run it FP8")
-    why = plain_linear_reason(module)
-    if why:
-        return why
-    bad = [f"{n}={d}" for n, d in (("in_features", module.in_features), ("out_features", module.out_features))
-           if d % MX_BLOCK]
-    if bad:
-        return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of {MX_BLOCK} elements)"
-    return None
+    return plain_linear_reason(module) or dims_reason(module, MX_BLOCK, f"MXFP8 scales blocks of {MX_BLOCK} elements")
 
 
 def mx_linear_casts(config) -> Casts:
@@ -108,11 +101,11 @@ def mx_linear_casts(config) -> Casts:
             for use in USES}
 
 
-def mx_gemm_words(config) -> str:
-    """What an MXFP8-wrapped Linear's GEMMs quantize to, from its op config."""
+def mx_gemm_words(config, blocks: str = f"1x{MX_BLOCK} blocks, e8m0 scales, weight wrapper") -> str:
+    """What MXFP8 GEMMs quantize to, from their op config (a wrapped Linear's; MoE experts' name their ``blocks``)."""
     from torchao.quantization.quantize_.common import KernelPreference
 
-    how = [f"1x{MX_BLOCK} blocks, e8m0 scales", "weight wrapper"]
+    how = [blocks]
     if config.wgrad_with_hp:
         how.append("weight grads in high precision")
     if config.kernel_preference == KernelPreference.EMULATED:
@@ -146,13 +139,8 @@ def nvfp4_linear_reason(module: nn.Module) -> str | None:
 
     if is_conv1d(module):
         return "a Conv1D: torchao's NVFP4 training swaps nn.Linear only; use a tensorwise / rowwise recipe"
-    why = plain_linear_reason(module)
-    if why:
-        return why
-    bad = [f"{n}={d}" for n, d in (("in_features", module.in_features), ("out_features", module.out_features))
-           if d % NVFP4_DIM]
-    return bad and (f"{' and '.join(bad)} not divisible by {NVFP4_DIM} (torchao's NVFP4 training GEMM takes "
-                    f"multiples of {NVFP4_DIM} only)") or None
+    return plain_linear_reason(module) or dims_reason(
+        module, NVFP4_DIM, f"torchao's NVFP4 training GEMM takes multiples of {NVFP4_DIM} only")
 
 
 def convert_nvfp4(model: nn.Module, names: set[str]) -> None:

@@ -135,8 +135,8 @@ _RULES = (
          "Use strategy='fsdp', or leave fp8_weights off."),
     Rule(("fp8_weights", "memory"),
          lambda cfg, facts: cfg.precision.fp8_weights and LEVELS[cfg.parallel.memory].builds_optimizer,
-         "quantized weights need an optimizer that keeps fp32 master weights (TE's FusedAdam with master_weights=True), "
-         "and this memory level builds its own optimizer over the stored weights",
+         "quantized weights need an optimizer that keeps fp32 master weights (TE's FusedAdam with "
+         "master_weights=True), and this memory level builds its own optimizer over the stored weights",
          "Use memory='standard' with fp8_weights, or leave fp8_weights off."),
     Rule(("compile", "fp8"), lambda cfg, facts: cfg.parallel.compile is True,
          "fp8dist has not yet run Transformer Engine's modules inside torch.compile'd blocks on a GPU (TE prepared "

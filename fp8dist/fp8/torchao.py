@@ -6,7 +6,6 @@ of the model's optimizer) or the weight wrapper (``quantize_`` with ``Float8Trai
 from __future__ import annotations
 
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,15 +18,16 @@ from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
                    fp8_hardware_reason, linear_reason)
-from .casts import NVFP4_NOT_EMULATED, Casts, CastSpec, nvfp4_casts
+from .casts import NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
-from .linear import plain_linear_reason
+from .linear import own_output as _own_output, plain_linear_like
 from .order import gemm_order
 from ..plan.adapters import without_adapters
 from .mx_linear import (MX_BYPASSED, MX_WRAPPED, NVFP4_SWAPPED, convert_nvfp4, is_mx, mx_hardware_reason,
                         mx_gemm_words, mx_linear_casts, mx_linear_reason, mx_op_config, nvfp4_hardware_reason,
                         nvfp4_linear_reason)
-from .weight_wrapper import unproven_fp8, wrap_linears, wrapped_weight_config, wrapper_reaches
+from .weight_wrapper import (BYPASSED, WRAPPED, check_fp8_ran as _check_fp8_ran, say_bypassed as _say_bypassed,
+                             wrap_linears, wrapped_weight_config, wrapper_reaches)
 from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
                   experts_target, is_experts, moe_routers, torchao_installed)
 
@@ -148,11 +148,6 @@ _RULES = (
 )
 
 
-def _plain_linear_like(module: nn.Module) -> bool:
-    """A Linear-like module that computes a plain Linear: the FP8 candidates first/last are counted among."""
-    return is_conv1d(module) or plain_linear_reason(module) is None
-
-
 class TorchaoBackend(FP8Backend):
     name = "torchao"
     package = "torchao"
@@ -210,7 +205,7 @@ class TorchaoBackend(FP8Backend):
         routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
         if not cfg.precision.keep_first_last_linear:
             return routers
-        order = gemm_order(model, without_adapters(model, _plain_linear_like))  # lora: base layers only
+        order = gemm_order(model, without_adapters(model, plain_linear_like))  # lora: base layers only
         if order.first is None:
             return routers
         return {**routers, **{name: f"{which} Linear{' (a Conv1D)' if is_conv1d(model.get_submodule(name)) else ''}, "
@@ -370,48 +365,12 @@ class TorchaoBackend(FP8Backend):
 BACKEND = TorchaoBackend()
 
 
-WRAPPED = "Float8 weight wrapper"
-"""What the plan records for a Linear converted by torchao's weight wrapper (the module keeps its class)."""
-BYPASSED = "Float8Linear (its forward bypasses the weight wrapper)"
-"""What it records for a Linear the wrapper does not reach (its forward unwraps the weight): swapped instead."""
-
-
 def _reaches(module: nn.Module, cfg) -> bool:
     """Whether torchao's weight wrapper reaches ``module``'s GEMM with the configured recipe; planned where torchao
     is not installed (for another machine), only nn.Linear's own F.linear is sure to."""
     if not torchao_installed():
         return type(module).forward is nn.Linear.forward
     return wrapper_reaches(module, cfg.precision.torchao_recipe)
-
-
-def _say_bypassed(plan) -> None:
-    """A warning naming the Linears swapped because torchao's weight wrapper would not have reached their GEMM."""
-    bypassed = [f"{e.name} ({e.module_type})" for e in plan.fp8 if e.converted_to == BYPASSED]
-    if bypassed:
-        more = f" and {len(bypassed) - 3} more" if len(bypassed) > 3 else ""
-        warnings.warn(f"torchao_api='weight_wrapper': the forward of {', '.join(bypassed[:3])}{more} unwraps "
-                      "torchao's weight wrapper (e.g. x @ self.weight.T), so its GEMM would run in high precision; "
-                      "fp8dist swaps these for Float8Linear (torchao's module swap, same recipe) instead, as the "
-                      "plan says", stacklevel=3)
-
-
-def _check_fp8_ran(model: nn.Module, names: list[str]) -> None:
-    """Every converted Linear runs an FP8 GEMM (its forward, on a small copy as converted): no FP8 promise unproven."""
-    unproven = unproven_fp8(model, names)
-    if unproven:
-        raise RuntimeError(
-            f"torchao conversion: {', '.join(unproven[:3])}{' ...' if len(unproven) > 3 else ''} ran no FP8 GEMM "
-            "after conversion although the plan calls them FP8; fp8dist will not report them FP8. Keep them out "
-            "with fp8_exclude, or try torchao_api='module_swap' / 'weight_wrapper' (the other API).")
-
-
-def _own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """A Float8Linear without bias returns a view made inside torchao's autograd Function, which autograd forbids
-    modifying in place; nn.Linear's output is a tensor of its own, and models add to it in place (Falcon's
-    ``mlp_output += attention_output``). ``_unsafe_view`` (what aten's matmul returns) gives the same memory as a
-    tensor of its own, without a copy; the Function's backward reads its inputs, never its output. No test of
-    ``_is_view()``: torch.compile would break its graph there."""
-    return torch.ops.aten._unsafe_view(output, output.shape)
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:
@@ -437,19 +396,3 @@ def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> No
 
     cache_frozen_shards(model)
     precompute_trainable(model)
-
-
-def float8_linear_casts(config) -> Casts:
-    """The casts of torchao's ``Float8LinearConfig`` ``config`` (what a ``Float8Linear`` does), per use."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-
-    c = config
-    configs = {("input", "output"): c.cast_config_input,
-               ("input", "grad_weight"): c.cast_config_input_for_grad_weight,
-               ("weight", "output"): c.cast_config_weight,
-               ("weight", "grad_input"): c.cast_config_weight_for_grad_input,
-               ("grad_output", "grad_input"): c.cast_config_grad_output,
-               ("grad_output", "grad_weight"): c.cast_config_grad_output_for_grad_weight}
-    return {use: None if cc.scaling_type is ScalingType.DISABLED else CastSpec(
-        cc.target_dtype, "tensorwise" if cc.scaling_granularity is ScalingGranularity.TENSORWISE else "rowwise",
-        pow2=c.round_scales_to_power_of_2) for use, cc in configs.items()}

@@ -12,12 +12,14 @@ and after conversion every planned FP8 Linear is checked the same way.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "fp8_gemms_in_forward", "wrapper_reaches",
-           "wrap_linears", "unproven_fp8"]
+           "wrap_linears", "unproven_fp8", "WRAPPED", "BYPASSED", "say_bypassed", "check_fp8_ran"]
 
 _PROBE_DIMS = (32, 48)  # (in, out) of the small copy: FP8 GEMM tiles need multiples of 16
 _PROBE_ROWS = (2, 16)  # (batch, sequence) of the probe input
@@ -145,3 +147,30 @@ def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
 def unproven_fp8(model: nn.Module, names: list[str]) -> list[str]:
     """The converted Linears among ``names`` whose forward, run on a small copy as converted, ran no FP8 GEMM."""
     return [name for name in names if fp8_gemms_in_forward(model.get_submodule(name)) == 0]
+
+
+WRAPPED = "Float8 weight wrapper"
+"""What the plan records for a Linear converted by torchao's weight wrapper (the module keeps its class)."""
+BYPASSED = "Float8Linear (its forward bypasses the weight wrapper)"
+"""What it records for a Linear the wrapper does not reach (its forward unwraps the weight): swapped instead."""
+
+
+def say_bypassed(plan) -> None:
+    """A warning naming the Linears swapped because torchao's weight wrapper would not have reached their GEMM."""
+    bypassed = [f"{e.name} ({e.module_type})" for e in plan.fp8 if e.converted_to == BYPASSED]
+    if bypassed:
+        more = f" and {len(bypassed) - 3} more" if len(bypassed) > 3 else ""
+        warnings.warn(f"torchao_api='weight_wrapper': the forward of {', '.join(bypassed[:3])}{more} unwraps "
+                      "torchao's weight wrapper (e.g. x @ self.weight.T), so its GEMM would run in high precision; "
+                      "fp8dist swaps these for Float8Linear (torchao's module swap, same recipe) instead, as the "
+                      "plan says", stacklevel=3)
+
+
+def check_fp8_ran(model: nn.Module, names: list[str]) -> None:
+    """Every converted Linear runs an FP8 GEMM (its forward, on a small copy as converted): no FP8 promise unproven."""
+    unproven = unproven_fp8(model, names)
+    if unproven:
+        raise RuntimeError(
+            f"torchao conversion: {', '.join(unproven[:3])}{' ...' if len(unproven) > 3 else ''} ran no FP8 GEMM "
+            "after conversion although the plan calls them FP8; fp8dist will not report them FP8. Keep them out "
+            "with fp8_exclude, or try torchao_api='module_swap' / 'weight_wrapper' (the other API).")

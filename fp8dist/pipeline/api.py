@@ -134,7 +134,7 @@ def _check_meta(model: nn.Module, cfg: Config) -> bool:
     if meta and real:
         raise ValueError(f"{type(model).__name__} is partly on the meta device and partly not (e.g. {real[0]!r} is "
                          "not): build the whole model under `with torch.device('meta'):`, or none of it.")
-    refusal = get_backend(cfg.precision.fp8).meta_model_refusal if cfg.precision.fp8 else None
+    refusal = get_backend(cfg.precision.fp8).meta_model_refusal
     if meta and refusal:
         raise ValueError(f"fp8={cfg.precision.fp8!r} with a meta-device model: {refusal}.")
     return meta
@@ -293,10 +293,10 @@ def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[An
 def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:
     """One warning for each thing the user asked for that will not happen as asked: options and arguments the
     configured backend does not read are said once each, never silently dropped."""
-    notes = cfg.unused_options()
-    if fp8_filter is not None and cfg.precision.fp8 is None:
+    notes, backend = cfg.unused_options(), get_backend(cfg.precision.fp8)
+    if fp8_filter is not None and backend is NO_FP8:
         notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
-    if fp8_group is not None and not (cfg.precision.fp8 and get_backend(cfg.precision.fp8).takes_amax_group):
+    if fp8_group is not None and not backend.takes_amax_group:
         notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: only Transformer Engine reduces its "
                      "amax over a process group you choose (torchao and MS-AMP take no group).")
     notes += plan.notes

@@ -253,9 +253,12 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
 
 
 def _backend(cfg: Config) -> Any:
-    from ..fp8 import get_backend
+    """The configured backend; None where it is :data:`~fp8dist.fp8.NO_FP8` (no FP8: every layer keeps the
+    strategy's precision)."""
+    from ..fp8 import NO_FP8, get_backend
 
-    return get_backend(cfg.precision.fp8) if cfg.precision.fp8 else None
+    backend = get_backend(cfg.precision.fp8)
+    return None if backend is NO_FP8 else backend
 
 
 def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyFacts, world_size: int,

@@ -254,6 +254,19 @@ class Strategy(Protocol):
     """Loggers of the engine whose INFO lines would drown a command's progress output; the CLI shows them from
     WARNING up."""
 
+    # report: which parameters each module holds, as the precision report groups them (defaults: a torch engine
+    # that leaves every parameter on its module, whole or as a DTensor of its full shape)
+    def full_shapes(self, model: nn.Module) -> Mapping[tuple[int, str], tuple[int, ...]]:
+        """The full shape, all ranks together, of each parameter of ``model`` (as ``wrap_model`` returned it) whose
+        tensor on this rank does not show it, keyed by ``(id(module), name)`` of the module holding it. Default:
+        none (each tensor's shape is the full one; a DTensor's is the global one)."""
+        return {}
+
+    def holds_own_params(self, module: nn.Module) -> bool:
+        """False for a wrapper of the engine whose own parameters are none of the user's (FSDP1's, which holds its
+        flat parameter): the report counts its inner modules instead. Default: True."""
+        return True
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

@@ -264,6 +264,11 @@ class DeepSpeed(Strategy):
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
 
+    def full_shapes(self, model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
+        """ZeRO-3 empties each parameter for its partition (``ds_tensor``); ``ds_shape`` keeps the full shape."""
+        return {(id(m), n): tuple(p.ds_shape) for m in model.modules() for n, p in m.named_parameters(recurse=False)
+                if hasattr(p, "ds_shape")}
+
 
 _OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
 """What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""

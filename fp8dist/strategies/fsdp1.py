@@ -15,6 +15,7 @@ from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
                    materialized_how, prepared, reduce_words)
 from .common import block_ties, find_blocks, to_empty
+from .local_shards import fsdp1_full_shapes
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
 
 __all__ = ["FSDP1", "build_fsdp1_policy", "apply_fsdp1", "STRATEGY"]
@@ -124,6 +125,13 @@ class FSDP1(Strategy):
         flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
         return {**held, "parameters": flats + held["parameters"],
                 "gradients": [f.grad for f in flats] + held["gradients"]}
+
+    def full_shapes(self, model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
+        """The original parameters are flat views of this rank's shard: their shapes are in the flat parameters."""
+        return fsdp1_full_shapes(model)
+
+    def holds_own_params(self, module: nn.Module) -> bool:
+        return not isinstance(module, FullyShardedDataParallel)
 
 
 STRATEGY = FSDP1()

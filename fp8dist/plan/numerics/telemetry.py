@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config.schema import normalize_value
-from ...fp8.casts import CastSpec
-from ...fp8.torchao import float8_linear_casts
+from ...fp8.casts import CastSpec, float8_linear_casts
 from .casts import CONTRACTION_DIM
 from .stats import json_number
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
