@@ -39,9 +39,11 @@ def train_losses(model: nn.Module, rank: int, world: int, *, steps: int = STEPS,
 
 
 def optimizer_losses(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: int, *,
-                     start: int = 0, device: torch.device | str | None = None, seq_len: int = SEQ) -> list[float]:
+                     start: int = 0, device: torch.device | str | None = None, seq_len: int = SEQ,
+                     after_step: Callable[[], None] | None = None) -> list[float]:
     """Per-step losses of this rank training ``model`` with the caller's ``opt`` on the byte batches of steps
-    ``start`` .. ``start + steps - 1`` (on ``device`` when given): the loop a resumed run continues."""
+    ``start`` .. ``start + steps - 1`` (on ``device`` when given): the loop a resumed run continues.
+    ``after_step``: called after each optimizer step (a hand wiring's scale precompute)."""
     batches = Batches(batch_size=BATCH, seq_len=seq_len, rank=rank, world_size=world, seed=0)
     losses = []
     for step in range(start, start + steps):
@@ -49,6 +51,8 @@ def optimizer_losses(model: nn.Module, opt: torch.optim.Optimizer, rank: int, wo
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses

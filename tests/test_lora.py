@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, gemms_per_module, one_thread  # noqa: F401  (a fixture)
+from helpers import BATCH, gemms_per_module, one_thread, optimizer_losses  # noqa: F401  (one_thread: a fixture)
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
@@ -43,21 +43,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` as a plain tensor (a DTensor's shard, torchao's FP8 weight wrapper unwrapped)."""
     t = t.to_local() if hasattr(t, "to_local") else t
     return getattr(t, "_tensor", t).detach().clone()
-
-
-def _steps(model, opt, rank: int, world: int, after_step=None) -> list[float]:
-    batches = Batches(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world, seed=0)
-    losses = []
-    for step in range(STEPS):
-        ids = batches[step]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        if after_step is not None:
-            after_step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("rank", [16, 64])
@@ -117,8 +102,9 @@ def _parity_case(rank: int, world: int, recipe: str) -> dict:
     adapters_before = {n: _local(p) for n, p in ours.named_parameters() if p.requires_grad}
     q = ours.base_model.model.model.layers[1].self_attn.q_proj
     out = dict(
-        ours=_steps(ours, opt, rank, world),
-        ref=_steps(ref, ref_opt, rank, world, (lambda: precompute(ref)) if tensorwise else None),
+        ours=optimizer_losses(ours, opt, rank, world, STEPS, seq_len=SEQ),
+        ref=optimizer_losses(ref, ref_opt, rank, world, STEPS, seq_len=SEQ,
+                             after_step=(lambda: precompute(ref)) if tensorwise else None),
         plan={e.name: (e.precision, e.reason) for e in plan},
         optimizer={n for n, p in ours.named_parameters() if any(p is o for g in opt.param_groups for o in g["params"])},
         trainable=trainable, blocks=get_wrap_info(ours).sharding.blocks,
@@ -232,7 +218,7 @@ def test_a_frozen_bf16_base_is_accepted_and_bf16_adapters_are_refused():
 def _bf16_base_case(rank: int, world: int) -> dict:
     model, opt = wrap_model(peft_llama(dtype=torch.bfloat16), strategy="fsdp", fp8="torchao",
                             optimizer={"type": "AdamW", "lr": 1e-2})
-    return dict(losses=_steps(model, opt, rank, world), fp8=len(get_plan(model).fp8))
+    return dict(losses=optimizer_losses(model, opt, rank, world, STEPS, seq_len=SEQ), fp8=len(get_plan(model).fp8))
 
 
 def test_fsdp2_trains_a_bf16_base_with_fp32_adapters():
