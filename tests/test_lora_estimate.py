@@ -65,17 +65,34 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
         assert measured.frozen_params == estimated.groups[0].params == 27_360, kw  # all but the adapters
         assert measured.dtypes["fp8_buffers"] == estimated.dtypes["fp8_buffers"], kw  # kept FP8 copies named alike
         fp8 = [(r.modules, r.params) for r in measured.rows if r.part.value == "fp8_gemm"]
-        out.append((dict(measured.bytes), dict(estimated.bytes), *fp8))
+        groups = (measured.groups, estimated.groups, measured.groups_unmeasured, str(measured))
+        out.append((dict(measured.bytes), dict(estimated.bytes), groups, *fp8))
     return out
 
 
 def _check(cases: list[dict], timeout: float) -> None:
     for rank, results in enumerate(run_ranks(_measure_lora, cases, timeout=timeout)):
-        for kw, (measured, estimated, *_) in zip(cases, results):
+        for kw, (measured, estimated, groups, *_) in zip(cases, results):
             assert estimated == measured, f"rank {rank} {kw}: measured {measured} estimated {estimated}"
+            _check_groups(kw, *groups)
             if kw["strategy"] != "fsdp1":  # FSDP1's flat gradient spans a unit's frozen pieces
                 # only the adapters have gradients: a frozen base's would be 16 times these
                 assert 0 < measured["gradients"] <= 4 * ADAPTERS, (rank, kw, measured)
+
+
+def _check_groups(kw: dict, measured: tuple, estimated: tuple, unmeasured: str, text: str) -> None:
+    """The report's frozen / trained groups are the estimate's, to the byte, where the strategy can tell the frozen
+    parameters' storage apart; where it cannot (FSDP1's flat parameters), the report says so, once, and shows none."""
+    if kw["strategy"] == "fsdp1":
+        assert measured == () and "not measured under strategy 'fsdp1'" in unmeasured, (kw, measured, unmeasured)
+        assert text.count(unmeasured) == 1 and "parameters (this rank)" not in text, text
+        return
+    assert "parameters (this rank)" in text, text
+    assert not unmeasured and [g.label for g in measured] == ["frozen", "trained"], (kw, measured, unmeasured)
+    assert [(g.params, g.bytes) for g in measured] == [(g.params, g.bytes) for g in estimated], (kw, measured,
+                                                                                                  estimated)
+    if kw.get("memory") != "lean":  # lean's 8-bit states are named by format in the estimate, by dtype measured
+        assert [g.holds for g in measured] == [g.holds for g in estimated], (kw, measured, estimated)
 
 
 @pytest.mark.slow
@@ -105,8 +122,9 @@ def test_lora_estimate_matches_the_report_single_process():
     """One process, torchao tensorwise: where the backend keeps a frozen weight's FP8 cast (fp8/frozen.py), that copy
     is counted by both, 1 byte per element and an fp32 scale per weight, in place of the scale precompute's."""
     cases = [dict(strategy="none", fp8="torchao")]
-    for kw, (measured, estimated, (modules, fp8_params)) in zip(cases, _measure_lora(0, 1, cases)):
+    for kw, (measured, estimated, groups, (modules, fp8_params)) in zip(cases, _measure_lora(0, 1, cases)):
         assert estimated == measured, f"{kw}: measured {measured} estimated {estimated}"
+        _check_groups(kw, *groups)
         assert measured["fp8_buffers"] == fp8_params + 4 * modules, (modules, fp8_params)
 
 

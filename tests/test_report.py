@@ -19,6 +19,7 @@ import fp8dist
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 from fp8dist.accounting import Part
+from fp8dist.config.text import byte_size
 
 # (strategy, fp8, extra options) run on the tiny Llama
 CASES = [("fsdp", None, {}), ("fsdp", "torchao", {}), ("fsdp", None, {"reduce_dtype": "bf16"}),
@@ -281,3 +282,30 @@ def test_report_without_distribution_and_before_any_step():
     assert [row["part"] for row in as_json["rows"]] == ["fp8_gemm", "gemm", "other"], "the parts' keys, in order"
     with pytest.raises(ValueError, match="was not returned by fp8dist.wrap_model"):
         fp8dist.report(build_llama("tiny"))
+
+
+def test_report_shows_frozen_and_trained_parameters_as_the_estimate_does():
+    """A PEFT LoRA model on one process: the report's frozen / trained rows, measured, are the estimate's rows, printed
+    by the same table, and in to_dict; a model where everything trains shows none."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+
+    def lora():
+        torch.manual_seed(0)
+        return peft.get_peft_model(build_llama("tiny", seed=0).to(torch.bfloat16),
+                                   peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+    model = fp8dist.wrap_model(lora(), strategy="none")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    _one_step(model, opt, 0, 1)
+    rep = fp8dist.report(model, opt)
+    est = fp8dist.estimate_memory(lora(), strategy="none")
+    assert rep.groups == est.groups and [g.label for g in rep.groups] == ["frozen", "trained"]
+    frozen, trained = rep.groups
+    assert frozen.bytes == 2 * frozen.params and frozen.holds == "bf16 weight"  # a bf16 base, nothing else
+    assert trained.holds == "fp32 weight, fp32 grad, fp32 optimizer states"
+    assert est.group_table(byte_size)[0] in str(rep) and not rep.groups_unmeasured
+    as_json = json.loads(json.dumps(rep.to_dict()))
+    assert [(g["label"], g["bytes"]) for g in as_json["groups"]] == [(g.label, g.bytes) for g in est.groups]
+    full = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")
+    plain = fp8dist.report(full)
+    assert plain.groups == () and "parameters (this rank)" not in str(plain)

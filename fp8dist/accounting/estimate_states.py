@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..strategies.base import EngineMemory
-from .tensors import CATEGORIES, ParamGroup
+from .tensors import CATEGORIES, ParamGroup, holds_words
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
            "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes", "worst_rank"]
@@ -110,9 +110,7 @@ def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]]
     out = []
     for label, trains, held in (("frozen", False, frozen_bytes), ("trained", True, model_state - frozen_bytes)):
         group = [p for p in params if p.trains is trains]
-        names = [sorted({p.bytes.dtypes[i] for p in group} - {"none"}) for i in range(4)]
-        holds = ", ".join(f"{'/'.join(n)} {what}" for n, what in zip(names, ("weight", "master", "grad",
-                                                                              "optimizer states")) if n)
+        holds = holds_words([{p.bytes.dtypes[i] for p in group} for i in range(4)])
         out.append(ParamGroup(label, sum(p.numel for p in group), held, holds))
     return tuple(out)
 

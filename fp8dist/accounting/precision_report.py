@@ -19,8 +19,9 @@ from typing import Any
 from torch import nn
 
 from .rows import Held, Members, Part, PrecisionRow, text_table
-from .tensors import StateBytes, StateTally, model_state_tensors
-from ..config.dtypes import dtype_names as _names
+from .tensors import CATEGORIES, ParamGroup, StateBytes, StateTally, holds_words, model_state_tensors
+from ..config.dtypes import dtype_name, dtype_names as _names
+from ..config.text import byte_size
 from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..plan.precision import runs_gemm
@@ -49,7 +50,13 @@ class PrecisionReport(StateBytes):
     """The model-state memory level (``memory=``): standard or lean."""
     frozen_params: int = 0
     """Elements of the full model that do not train (``requires_grad=False``: a LoRA base); they hold no gradient
-    nor optimizer state (the estimate's ``groups`` give their bytes)."""
+    nor optimizer state."""
+    groups: tuple[ParamGroup, ...] = ()
+    """Where some parameters are frozen: the frozen ones as measured from the tensors that hold them alone, the
+    trained ones as all else the engine holds, FP8 buffers aside -- the estimate's ``groups``, measured; () where
+    every parameter trains or the split is not measured (``groups_unmeasured`` says why)."""
+    groups_unmeasured: str = ""
+    """Why the frozen / trained split is not measured (an engine that keeps both in one tensor); "" otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -69,8 +76,10 @@ class PrecisionReport(StateBytes):
         rows = [[r.part.label, str(r.modules), f"{r.params:,}", r.gemm, r.all_gather, r.reduce, r.weight,
                  r.master_weight, r.weight_grad, r.optimizer_states] for r in self.rows]
         mem = self.state_rows(lambda n: f"{n / 2**20:,.2f}")
+        unmeasured = [f"note: {self.groups_unmeasured}"] if self.groups_unmeasured else []
         return "\n".join([head, text_table(cols, rows), "", text_table(["model state (this rank)", "bytes/param", "MiB",
-                                                                 "dtypes"], mem)])
+                                                                 "dtypes"], mem), "", *self.group_table(byte_size),
+                          *unmeasured]).rstrip()
 
 
 def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) -> Part:
@@ -112,6 +121,28 @@ def _group_by_part(model: nn.Module, strategy: Any, fp8: dict[str, bool]) -> dic
     return {p: m for p, m in members.items() if m.modules}
 
 
+def _groups(strategy: Any, held: dict[str, list[Any]], optimizer: Any, frozen: list[Held],
+            trained: int) -> tuple[ParamGroup, ...] | None:
+    """The ``frozen`` parameters measured from the tensors that hold them alone (their parts, gradients and optimizer
+    states, none expected), the ``trained`` elements as every other storage the engine ``held`` (its masters and
+    flat partitions too), FP8 buffers aside: the estimate's split. None where the strategy cannot tell the frozen
+    parameters' storage apart."""
+    parts = strategy.group_parts([h.param for h in frozen])
+    if parts is None:
+        return None
+    state = getattr(optimizer, "state", None) or {}
+    alone = StateTally()
+    alone.add("parameters", parts)
+    alone.add("gradients", [h.param.grad for h in frozen])
+    alone.add("optimizer_states", [state[h.param] for h in frozen if h.param in state])
+    rest = StateTally(counted=alone)
+    for category, tensors in held.items():  # the total's order: a storage lands in the same category
+        rest.add(category, tensors)
+    return tuple(ParamGroup(label, count, sum(t.bytes[c] for c in CATEGORIES[:4]),
+                            holds_words([{dtype_name(d) for d in t.dtypes[c]} for c in CATEGORIES[:4]]))
+                 for label, count, t in (("frozen", sum(h.numel for h in frozen), alone), ("trained", trained, rest)))
+
+
 def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     """What precision each part of ``model`` (returned by :func:`fp8dist.wrap_model`) really trains in, and the
     bytes of model state per parameter on this rank. Local to this rank: no collectives.
@@ -140,9 +171,16 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     for category, tensors in model_state_tensors(held, fp8_modules).items():
         tally.add(category, tensors)
     rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
+    params = [h for m in parts.values() for h in m.params]
+    frozen = [h for h in params if not h.param.requires_grad]
+    groups = _groups(strategy, held, optimizer, frozen, sum(h.numel for h in params) - sum(h.numel for h in frozen)) \
+        if frozen else ()
+    unmeasured = "" if groups is not None else (
+        f"the frozen / trained split is not measured under strategy {strategy.name!r}: its engine keeps frozen and "
+        "trained parameters in shared tensors (fp8dist.estimate_memory's groups give it)")
     return PrecisionReport(
         strategy=info.config.parallel.strategy, fp8=get_backend(info.config.precision.fp8).name, rank=info.env.rank,
         world_size=info.env.world_size, rows=rows, bytes=dict(tally.bytes),
         dtypes={c: _names(d) for c, d in tally.dtypes.items()}, total_params=strategy.param_layout(model).total_numel,
         memory=info.config.parallel.memory,
-        frozen_params=sum(h.numel for m in parts.values() for h in m.params if not h.param.requires_grad))
+        frozen_params=sum(h.numel for h in frozen), groups=groups or (), groups_unmeasured=unmeasured)

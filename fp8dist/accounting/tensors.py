@@ -18,7 +18,7 @@ from torch import nn
 
 from .rows import text_table
 
-__all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors"]
+__all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
 # scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
@@ -67,6 +67,14 @@ class ParamGroup:
     """What each element costs, in dtypes: "bf16 weight" for a frozen base, "fp32 weight, fp32 grad, ..."."""
 
 
+def holds_words(names: Iterable[Collection[str]]) -> str:
+    """What a group holds, from the dtype names found in each category but FP8 buffers (parameters, master weights,
+    gradients, optimizer states; "none" or nothing where it holds none): "fp32 weight, fp32 grad, fp32 optimizer
+    states"."""
+    return ", ".join(f"{'/'.join(sorted(set(n) - {'none'}))} {what}" for n, what in
+                     zip(names, ("weight", "master", "grad", "optimizer states")) if set(n) - {"none"})
+
+
 class StateBytes:
     """Totals shared by the measured report and the estimate: both hold ``bytes`` and ``dtypes`` per category and
     ``total_params``."""
@@ -105,10 +113,11 @@ class StateBytes:
 
 
 class StateTally:
-    """Bytes and dtypes per category, each storage counted once."""
+    """Bytes and dtypes per category, each storage counted once; ``counted``: a tally whose storages this one
+    leaves out (the frozen parameters', to measure the trained ones as the rest)."""
 
-    def __init__(self) -> None:
-        self._seen: set[tuple[str, int]] = set()
+    def __init__(self, counted: StateTally | None = None) -> None:
+        self._seen: set[tuple[str, int]] = set(counted._seen) if counted is not None else set()
         self.bytes: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.dtypes: dict[str, set[torch.dtype]] = {c: set() for c in CATEGORIES}
 

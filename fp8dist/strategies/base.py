@@ -267,6 +267,13 @@ class Strategy(Protocol):
         flat parameter): the report counts its inner modules instead. Default: True."""
         return True
 
+    # report groups: (issue 43) how the report measures the frozen parameters (a LoRA base) apart from the trained
+    def group_parts(self, params: list[nn.Parameter]) -> list[Any] | None:
+        """The tensors holding this rank's share of ``params`` (the frozen ones), each storage theirs alone; None
+        where the engine keeps them in tensors shared with other parameters (FSDP1's flat parameter): the report
+        then says its frozen / trained split is not measured. Default: the engine's own parts, else ``params``."""
+        return self.stored_parts(params) or list(params)
+
 
 def fill_whole(model: nn.Module, job: ShardJob, strategy: str, *, warn: bool = True) -> tuple[Any, str]:
     """A strategy that holds the whole model on every rank (ddp, none, ZeRO-1/2): a meta model is allocated whole

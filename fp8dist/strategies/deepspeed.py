@@ -252,10 +252,8 @@ class DeepSpeed(Strategy):
         """ZeRO keeps bf16 weights in the module (stage 3: ``ds_tensor`` partitions), fp32 master partitions and
         gradient partitions in its optimizer, and the optimizer states in the inner torch optimizer."""
         zero, params = model.optimizer, list(model.module.parameters())
-        stage3 = all(hasattr(p, "ds_tensor") for p in params)
-        return {  # ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition
-            "parameters": [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] if stage3 else p
-                           for p in params],
+        return {
+            "parameters": self.group_parts(params),
             "master_weights": [getattr(zero, name, None) for name in _MASTER_PARTITIONS],
             "gradients": [p.grad for p in params] + [getattr(zero, name) for name in _GRADIENT_PARTITIONS
                                                      if getattr(zero, name, None) is not None],
@@ -263,6 +261,13 @@ class DeepSpeed(Strategy):
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
+
+    def group_parts(self, params: list[nn.Parameter]) -> list[Any]:
+        """ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition; ZeRO-1/2 keep each
+        parameter whole (a frozen one outside the flat groups)."""
+        if not all(hasattr(p, "ds_tensor") for p in params):
+            return list(params)
+        return [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] for p in params]
 
     def full_shapes(self, model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
         """ZeRO-3 empties each parameter for its partition (``ds_tensor``); ``ds_shape`` keeps the full shape."""

@@ -133,5 +133,9 @@ class FSDP1(Strategy):
     def holds_own_params(self, module: nn.Module) -> bool:
         return not isinstance(module, FullyShardedDataParallel)
 
+    def group_parts(self, params: list[nn.Parameter]) -> None:
+        """A unit's flat parameter holds its frozen and trained pieces in one storage (and one gradient)."""
+        return None
+
 
 STRATEGY = FSDP1()
