@@ -61,12 +61,21 @@ class Calibration:
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
     """(MXFP8, NVFP4): the time of a block-scaling quantize kernel over its ideal traffic at ``memory_fraction``
     of the bandwidth (fitted on the B200; 1 where not measured)."""
+    grouped_gemm_efficiency: float = 1.0
+    """The fraction of a dense GEMM's rate (same kind: bf16 or low precision) that a grouped GEMM of MoE experts
+    (``torch._grouped_mm`` and its scaled variant) reaches (fitted on the B200's MXFP8 grouped table; 1 where not
+    measured)."""
+    grouped_block_cast_slowdown: float | None = None
+    """The MXFP8 grouped GEMM's quantize kernels (and their scale-layout kernels) over their ideal traffic at
+    ``memory_fraction`` of the bandwidth; None: ``block_cast_slowdown``'s MXFP8 figure."""
 
-    def gemm_fraction(self, gemm: str) -> float:
-        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches."""
+    def gemm_fraction(self, gemm: str, grouped: bool = False) -> float:
+        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches; ``grouped``: as
+        the grouped GEMM of MoE experts."""
         chosen = {"bf16": self.bf16_gemm_fraction, "mx": self.mx_gemm_fraction,
                   "fp4": self.fp4_gemm_fraction}.get(gemm)
-        return self.fp8_gemm_fraction if chosen is None else chosen
+        fraction = self.fp8_gemm_fraction if chosen is None else chosen
+        return fraction * self.grouped_gemm_efficiency if grouped else fraction
 
 
 H100_CALIBRATION = Calibration(
@@ -90,10 +99,12 @@ H100_CALIBRATION = Calibration(
 B200_CALIBRATION = dataclasses.replace(
     H100_CALIBRATION,
     measured_on="b200",
-    recipes=(),
+    recipes=("moe_mxfp8",),
     mx_gemm_fraction=0.765,
     fp4_gemm_fraction=0.865,
     block_cast_slowdown=(2.66, 6.92),
+    grouped_gemm_efficiency=0.463,
+    grouped_block_cast_slowdown=3.01,
     source=Source(
         "torchao B200 inference roofline table (ReLU -> Linear, forward, compiled; mxfp8_cublas and nvfp4 with "
         "dynamic global scaling vs bfloat16, M = K = N from 1,024 to 16,384)",
@@ -101,12 +112,17 @@ B200_CALIBRATION = dataclasses.replace(
         "inference.md",
         "mx_gemm_fraction, fp4_gemm_fraction and block_cast_slowdown fitted by benchmarks/speed_model/fit_b200.py "
         "on the rows M in {1024, 4096, 16384} of benchmarks/speed_model/torchao_b200_forward.csv (2026-11-26); "
-        "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too)"),
+        "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too); "
+        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by the same script on the rows G in {1, 8} of "
+        "benchmarks/speed_model/torchao_b200_moe_mxfp8.csv, torchao's MXFP8 grouped-GEMM forward + backward table "
+        "(https://github.com/pytorch/ao/blob/5e79e5ed3434aa04281931039da1bab338c415b3/torchao/prototype/"
+        "moe_training/README.md)"),
 )
 """The B200's constants for the block-scaled recipes, fitted by ``benchmarks/speed_model/fit_b200.py``: MXFP8 and
-NVFP4 GEMM rates and their quantize kernels; FP8 per-tensor/per-row GEMMs and casts keep the H100's. The table is
-forward-only (inference), so no training recipe (forward + backward, casts along both dimensions) is called
-calibrated: ``recipes`` is empty and every B200 prediction stays labelled uncalibrated."""
+NVFP4 GEMM rates and their quantize kernels (on the forward table), the grouped GEMM's efficiency and quantize
+kernels (on the MXFP8 grouped-GEMM forward + backward table); FP8 per-tensor/per-row GEMMs and casts keep the H100's.
+The forward table is inference only, so the dense training recipes (forward + backward, casts along both
+dimensions) stay labelled uncalibrated; ``moe_mxfp8`` alone was fitted on its own training measurements."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +169,7 @@ class GpuSpec:
         obtained (what ``fp8dist env`` prints for a GPU it sees)."""
         fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
         fp8 += f", FP4 {self.fp4_tflops:g} TFLOP/s" if self.fp4_tflops else ""
-        measured = ", ".join(self.calibration.recipes) or "forward block-scaled GEMMs; no training recipe"
+        measured = ", ".join(self.calibration.recipes) or "no training recipe"
         fitted = (f"fitted on its own published measurements ({measured})" if self.calibrated else
                   f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)")
         return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
