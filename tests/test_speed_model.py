@@ -172,6 +172,7 @@ def test_targets_and_the_gpu_table_are_one_source():
 @pytest.mark.parametrize("device_name,key", [
     ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", None),
     ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200"),
+    ("NVIDIA B300 SXM6 AC", "b300"), ("NVIDIA GB300", "gb300"),
     ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"), ("NVIDIA L40", None), ("NVIDIA GeForce RTX 4090", "rtx4090"),
     ("NVIDIA A100-SXM4-80GB", "a100"),
 ])
@@ -326,18 +327,23 @@ def test_grouped_constants_touch_only_grouped_gemms():
 
 def test_the_shipped_b200_constants_are_the_fit_and_b200_predictions_stay_labelled():
     """gpus.py holds fit_b200.json's constants; the forward table is inference only, so dense training predictions
-    on the B200 (block-scaled ones included) are labelled uncalibrated; GB200 borrows the B200's constants."""
+    on the B200 (block-scaled ones included) are labelled uncalibrated; GB200, B300 and GB300 borrow the B200's
+    constants, so theirs are uncalibrated too (moe_mxfp8 included)."""
     fitted = json.loads((ROOT / "benchmarks" / "speed_model" / "fit_b200.json").read_text())["recipes"]
     cal = B200.calibration
     assert (cal.mx_gemm_fraction, cal.fp4_gemm_fraction) == (fitted["mxfp8"]["mx_gemm_fraction"],
                                                              fitted["nvfp4"]["fp4_gemm_fraction"])
     assert cal.block_cast_slowdown == (fitted["mxfp8"]["block_cast_slowdown"],
                                        fitted["nvfp4"]["block_cast_slowdown"])
-    assert gpu_by_key("gb200").calibration is cal and not gpu_by_key("gb200").calibrated
+    for key in ("gb200", "b300", "gb300"):
+        assert gpu_by_key(key).calibration is cal and not gpu_by_key(key).calibrated
+        assert predict_linear(16384, 4096, 14336, target=key, recipe="moe_mxfp8", groups=8).describe().endswith(
+            "(moe_mxfp8, uncalibrated)")
     for recipe in ("mxfp8", "nvfp4", "te_mxfp8", "te_nvfp4", "tensorwise"):
         assert predict_linear(8192, 4096, 14336, target="b200", recipe=recipe).describe().endswith(
             f"({recipe}, uncalibrated)")
-    assert (B200.fp4_tflops, gpu_by_key("gb200").fp4_tflops, gpu_by_key("h100").fp4_tflops) == (9000, 10000, None)
+    assert [gpu_by_key(k).fp4_tflops for k in ("b200", "gb200", "b300", "gb300", "h100")] == [
+        9000, 10000, 14000, 15000, None]
 
 
 def test_block_scaled_recipes_on_the_b200():

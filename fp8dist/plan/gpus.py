@@ -6,7 +6,8 @@ holds a GPU figure.
 Peaks are *dense* (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure, twice the dense one, with a
 footnote; the records say which page they halve. The H100's achievable fractions are calibrated on torchao's
 published rowwise table (:data:`H100_CALIBRATION`), the B200's MXFP8 and NVFP4 GEMM rates and block-quantize
-kernels on torchao's published B200 table (:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
+kernels on torchao's published B200 forward table and its grouped (MoE) GEMMs on torchao's MXFP8 grouped-GEMM table
+(:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
 by its own datasheet peaks, so its predictions are labelled uncalibrated."""
 
 from __future__ import annotations
@@ -180,6 +181,16 @@ class GpuSpec:
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
                  "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; NVLink 900 GB/s")
 
+# Blackwell Ultra: NVIDIA's own figures are in its Blackwell architecture brief (v2.1 adds HGX B300 and GB300),
+# which could not be fetched from here; its tables were read through a transcription and checked against a second
+# independent reading (Verda's GB300 NVL72 page), both giving the same per-GPU figures.
+_BLACKWELL_BRIEF_HGX = Source(
+    "NVIDIA Blackwell Architecture Technical Brief v2.1", "https://resources.nvidia.com/en-us-blackwell-architecture",
+    "Table 3, HGX B300 per GPU, dense / sparse: FP4 14 / 18, FP8/FP6 4.5 / 9, FP16/BF16 2.2 / 4.5 PFLOPS (the sparse "
+    "figure halved: 2.25); 270 GB HBM3e at 7.7 TB/s (the same table gives the HGX B200 7.7 TB/s where the b200 "
+    "record's HGX page gives 8.0); NVLink 5 1.8 TB/s per GPU; capability (10, 3) is Blackwell Ultra's sm_103; read "
+    "through a transcription of the PDF, cross-checked against https://verda.com/blog/gb300-nvl72-architecture")
+
 GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
         "NVIDIA A100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/a100/",
@@ -230,6 +241,13 @@ GPUS: tuple[GpuSpec, ...] = (
         "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
         "twice; 372 GB HBM3e, halved; NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
             fp4_tflops=10000.0, interconnect_gbps=1800.0),
+    GpuSpec("b300", "B300", (10, 3), r"(?<!G)B300", 2250.0, 4500.0, 7.7, 270.0, _BLACKWELL_BRIEF_HGX,
+            calibration=B200_CALIBRATION, fp4_tflops=14000.0, interconnect_gbps=1800.0),
+    GpuSpec("gb300", "GB300", (10, 3), r"GB300", 2500.0, 5000.0, 8.0, 279.0, Source(
+        _BLACKWELL_BRIEF_HGX.document, _BLACKWELL_BRIEF_HGX.url,
+        "Table 2, GB300 NVL72 (72 GPUs): FP4 1,080, FP8/FP6 360 and FP16/BF16 180 PFLOPS dense, 576 TB/s, divided by "
+        "72; 279 GB HBM3e per GPU (p. 17); NVLink 1.8 TB/s per GPU; read as _BLACKWELL_BRIEF_HGX says"),
+            calibration=B200_CALIBRATION, fp4_tflops=15000.0, interconnect_gbps=1800.0),
     GpuSpec("mi300x", "MI300X", (9, 4), r"MI300X", 1307.4, 2614.9, 5.3, 192.0, Source(
         "AMD Instinct MI300X accelerator data sheet",
         "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"
