@@ -1,6 +1,7 @@
 """Fit the speed model's B200 constants for the block-scaled recipes on torchao's published B200 forward table,
-rows M (= K = N) in {1024, 4096, 16384} only; score them on the held-out rows {2048, 8192} and, unfitted, on
-torchao's MXFP8 grouped-GEMM forward + backward table.
+rows M (= K = N) in {1024, 4096, 16384} only, scored on the held-out rows {2048, 8192}; then the grouped-GEMM
+constants on torchao's MXFP8 grouped-GEMM forward + backward table, rows G in {1, 8} only (both shapes), scored on
+the held-out rows G in {2, 4}.
 
     PYTHONPATH=. python benchmarks/speed_model/fit_b200.py       # writes fit_b200.json beside this file
 
@@ -9,7 +10,13 @@ FP8 peak and its quantize kernel's slowdown; NVFP4's GEMM fraction of the dense 
 slowdown. Fixed: the H100's bf16 GEMM fraction (0.78), bandwidth fraction (0.92) and 2 us kernel floor (torchao's
 roofline_utils.py copies the same H100 figures to the B200). The loss is the sum of squared log(predicted /
 measured) of fp8dist.plan.speed.calibration.forward_rig_speedup; Nelder-Mead over the constants' logs (fit.py's),
-rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds."""
+rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds.
+
+Grouped GEMMs (MoE experts, recipe moe_mxfp8), two constants on top of the forward fit's: the grouped GEMM
+efficiency (the fraction of a dense GEMM's rate a grouped one reaches, bf16 and MXFP8 alike) and the grouped
+quantize kernels' slowdown. The table publishes both times, so the loss is the sum of squared log errors of the
+bf16 and the MXFP8 time (fp8dist.plan.speed.calibration.grouped_seconds): the times fix the efficiency, which a
+speedup alone could not tell from the casts' share."""
 
 from __future__ import annotations
 
@@ -17,14 +24,14 @@ import dataclasses
 import datetime
 import json
 import math
-import statistics
 from pathlib import Path
 
 from fit import nelder_mead
 
 from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
-from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, agreement, forward_rig_speedup,
-                                            grouped_speedup, read_forward_table, read_grouped_table)
+from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, GROUPED_FIT_GROUPS,
+                                            GROUPED_HELD_OUT_GROUPS, agreement, forward_rig_speedup, grouped_seconds,
+                                            read_forward_table, read_grouped_table)
 
 HERE = Path(__file__).parent
 FORWARD = HERE / "torchao_b200_forward.csv"
@@ -58,6 +65,46 @@ def fit(recipe: str, rows) -> tuple[tuple[float, float], float]:
     return tuple(float(f"{math.exp(v):.3g}") for v in logs), value
 
 
+def grouped_b200(efficiency: float, slowdown: float, base=B200_CALIBRATION):
+    """The B200 record with the grouped GEMM's two constants set."""
+    cal = dataclasses.replace(base, grouped_gemm_efficiency=efficiency, grouped_block_cast_slowdown=slowdown)
+    return dataclasses.replace(gpu_by_key("b200"), calibration=cal)
+
+
+def fit_grouped(rows, base=B200_CALIBRATION) -> tuple[tuple[float, float], float]:
+    """The grouped constants fitted on ``rows`` (measured times), every other constant ``base``'s."""
+    def loss(logs):
+        gpu = grouped_b200(*(math.exp(v) for v in logs), base=base)
+        return sum(math.log(p / t) ** 2 for r in rows
+                   for p, t in zip(grouped_seconds(r.m, r.k, r.n, r.groups, gpu), (r.bf16_s, r.low_s)))
+
+    results = []
+    for start in ((0.5, 3.0), (0.9, 1.0), (0.3, 6.0)):
+        logs, _ = nelder_mead(loss, [math.log(v) for v in start])
+        results.append(nelder_mead(loss, logs))
+    logs, value = min(results, key=lambda r: r[1])
+    return tuple(float(f"{math.exp(v):.3g}") for v in logs), value
+
+
+def grouped_result(base) -> dict:
+    """The grouped fit and its agreement, per row and on each part."""
+    table = read_grouped_table(GROUPED)
+    (efficiency, slowdown), value = fit_grouped([r for r in table if r.groups in GROUPED_FIT_GROUPS], base)
+    gpu = grouped_b200(efficiency, slowdown, base)
+    predict = lambda r: (lambda b, low: b / low)(*grouped_seconds(r.m, r.k, r.n, r.groups, gpu))  # noqa: E731
+    rows = [{"m": r.m, "k": r.k, "n": r.n, "groups": r.groups, "measured": r.speedup,
+             "predicted": round(predict(r), 3), "part": "fit" if r.groups in GROUPED_FIT_GROUPS else "held out"}
+            for r in table]
+    parts = (("fit rows", GROUPED_FIT_GROUPS), ("held-out rows", GROUPED_HELD_OUT_GROUPS))
+    return {"grouped_gemm_efficiency": efficiency, "grouped_block_cast_slowdown": slowdown,
+            "fit_groups": list(GROUPED_FIT_GROUPS), "held_out_groups": list(GROUPED_HELD_OUT_GROUPS),
+            "loss_sum_squared_log_error": round(value, 4), "rows": rows,
+            "agreement": {name: dataclasses.asdict(agreement([r for r in table if r.groups in gs], predict))
+                          for name, gs in parts},
+            "max_relative_error": {name: round(max(abs(predict(r) / r.speedup - 1) for r in table
+                                                   if r.groups in gs), 4) for name, gs in parts}}
+
+
 def main() -> None:
     table = read_forward_table(FORWARD)
     result: dict = {"fit_rows_m": list(B200_FIT_ROWS), "held_out_rows_m": list(B200_HELD_OUT_ROWS), "recipes": {}}
@@ -73,13 +120,7 @@ def main() -> None:
                       "part": "fit" if r.m in B200_FIT_ROWS else "held out"} for r in rows],
             "agreement": {name: dataclasses.asdict(agreement([r for r in rows if r.m in ms], predict))
                           for name, ms in (("fit rows", B200_FIT_ROWS), ("held-out rows", B200_HELD_OUT_ROWS))}}
-    gpu = dataclasses.replace(gpu_by_key("b200"), calibration=base)
-    grouped = read_grouped_table(GROUPED)
-    rows = [{"m": r.m, "k": r.k, "n": r.n, "groups": g, "measured": r.speedup,
-             "predicted": round(grouped_speedup(r.m, r.k, r.n, g, gpu), 3)} for r, g in grouped]
-    result["moe_mxfp8_grouped_held_out"] = {
-        "rows": rows, "median_relative_error": round(statistics.median(abs(r["predicted"] / r["measured"] - 1)
-                                                                       for r in rows), 4)}
+    result["moe_mxfp8_grouped"] = grouped_result(base)
     result["tables"] = [str(FORWARD.relative_to(HERE.parent.parent)), str(GROUPED.relative_to(HERE.parent.parent))]
     result["date"] = datetime.date.today().isoformat()
     OUT.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,7 +6,8 @@ holds a GPU figure.
 Peaks are *dense* (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure, twice the dense one, with a
 footnote; the records say which page they halve. The H100's achievable fractions are calibrated on torchao's
 published rowwise table (:data:`H100_CALIBRATION`), the B200's MXFP8 and NVFP4 GEMM rates and block-quantize
-kernels on torchao's published B200 table (:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
+kernels on torchao's published B200 forward table and its grouped (MoE) GEMMs on torchao's MXFP8 grouped-GEMM table
+(:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
 by its own datasheet peaks, so its predictions are labelled uncalibrated."""
 
 from __future__ import annotations
@@ -61,12 +62,21 @@ class Calibration:
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
     """(MXFP8, NVFP4): the time of a block-scaling quantize kernel over its ideal traffic at ``memory_fraction``
     of the bandwidth (fitted on the B200; 1 where not measured)."""
+    grouped_gemm_efficiency: float = 1.0
+    """The fraction of a dense GEMM's rate (same kind: bf16 or low precision) that a grouped GEMM of MoE experts
+    (``torch._grouped_mm`` and its scaled variant) reaches (fitted on the B200's MXFP8 grouped table; 1 where not
+    measured)."""
+    grouped_block_cast_slowdown: float | None = None
+    """The MXFP8 grouped GEMM's quantize kernels (and their scale-layout kernels) over their ideal traffic at
+    ``memory_fraction`` of the bandwidth; None: ``block_cast_slowdown``'s MXFP8 figure."""
 
-    def gemm_fraction(self, gemm: str) -> float:
-        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches."""
+    def gemm_fraction(self, gemm: str, grouped: bool = False) -> float:
+        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches; ``grouped``: as
+        the grouped GEMM of MoE experts."""
         chosen = {"bf16": self.bf16_gemm_fraction, "mx": self.mx_gemm_fraction,
                   "fp4": self.fp4_gemm_fraction}.get(gemm)
-        return self.fp8_gemm_fraction if chosen is None else chosen
+        fraction = self.fp8_gemm_fraction if chosen is None else chosen
+        return fraction * self.grouped_gemm_efficiency if grouped else fraction
 
 
 H100_CALIBRATION = Calibration(
@@ -90,10 +100,12 @@ H100_CALIBRATION = Calibration(
 B200_CALIBRATION = dataclasses.replace(
     H100_CALIBRATION,
     measured_on="b200",
-    recipes=(),
+    recipes=("moe_mxfp8",),
     mx_gemm_fraction=0.765,
     fp4_gemm_fraction=0.865,
     block_cast_slowdown=(2.66, 6.92),
+    grouped_gemm_efficiency=0.463,
+    grouped_block_cast_slowdown=3.01,
     source=Source(
         "torchao B200 inference roofline table (ReLU -> Linear, forward, compiled; mxfp8_cublas and nvfp4 with "
         "dynamic global scaling vs bfloat16, M = K = N from 1,024 to 16,384)",
@@ -101,12 +113,17 @@ B200_CALIBRATION = dataclasses.replace(
         "inference.md",
         "mx_gemm_fraction, fp4_gemm_fraction and block_cast_slowdown fitted by benchmarks/speed_model/fit_b200.py "
         "on the rows M in {1024, 4096, 16384} of benchmarks/speed_model/torchao_b200_forward.csv (2026-11-26); "
-        "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too)"),
+        "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too); "
+        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by the same script on the rows G in {1, 8} of "
+        "benchmarks/speed_model/torchao_b200_moe_mxfp8.csv, torchao's MXFP8 grouped-GEMM forward + backward table "
+        "(https://github.com/pytorch/ao/blob/5e79e5ed3434aa04281931039da1bab338c415b3/torchao/prototype/"
+        "moe_training/README.md)"),
 )
 """The B200's constants for the block-scaled recipes, fitted by ``benchmarks/speed_model/fit_b200.py``: MXFP8 and
-NVFP4 GEMM rates and their quantize kernels; FP8 per-tensor/per-row GEMMs and casts keep the H100's. The table is
-forward-only (inference), so no training recipe (forward + backward, casts along both dimensions) is called
-calibrated: ``recipes`` is empty and every B200 prediction stays labelled uncalibrated."""
+NVFP4 GEMM rates and their quantize kernels (on the forward table), the grouped GEMM's efficiency and quantize
+kernels (on the MXFP8 grouped-GEMM forward + backward table); FP8 per-tensor/per-row GEMMs and casts keep the H100's.
+The forward table is inference only, so the dense training recipes (forward + backward, casts along both
+dimensions) stay labelled uncalibrated; ``moe_mxfp8`` alone was fitted on its own training measurements."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +170,7 @@ class GpuSpec:
         obtained (what ``fp8dist env`` prints for a GPU it sees)."""
         fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
         fp8 += f", FP4 {self.fp4_tflops:g} TFLOP/s" if self.fp4_tflops else ""
-        measured = ", ".join(self.calibration.recipes) or "forward block-scaled GEMMs; no training recipe"
+        measured = ", ".join(self.calibration.recipes) or "no training recipe"
         fitted = (f"fitted on its own published measurements ({measured})" if self.calibrated else
                   f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)")
         return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
@@ -163,6 +180,16 @@ class GpuSpec:
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
                  "H100 SXM column; BF16 1,979 and FP8 3,958 TFLOPS are with sparsity, halved; NVLink 900 GB/s")
+
+# Blackwell Ultra: NVIDIA's own figures are in its Blackwell architecture brief (v2.1 adds HGX B300 and GB300),
+# which could not be fetched from here; its tables were read through a transcription and checked against a second
+# independent reading (Verda's GB300 NVL72 page), both giving the same per-GPU figures.
+_BLACKWELL_BRIEF_HGX = Source(
+    "NVIDIA Blackwell Architecture Technical Brief v2.1", "https://resources.nvidia.com/en-us-blackwell-architecture",
+    "Table 3, HGX B300 per GPU, dense / sparse: FP4 14 / 18, FP8/FP6 4.5 / 9, FP16/BF16 2.2 / 4.5 PFLOPS (the sparse "
+    "figure halved: 2.25); 270 GB HBM3e at 7.7 TB/s (the same table gives the HGX B200 7.7 TB/s where the b200 "
+    "record's HGX page gives 8.0); NVLink 5 1.8 TB/s per GPU; capability (10, 3) is Blackwell Ultra's sm_103; read "
+    "through a transcription of the PDF, cross-checked against https://verda.com/blog/gb300-nvl72-architecture")
 
 GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("a100", "A100", (8, 0), r"\bA100\b", 312.0, None, 2.039, 80.0, Source(
@@ -214,6 +241,13 @@ GPUS: tuple[GpuSpec, ...] = (
         "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
         "twice; 372 GB HBM3e, halved; NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
             fp4_tflops=10000.0, interconnect_gbps=1800.0),
+    GpuSpec("b300", "B300", (10, 3), r"(?<!G)B300", 2250.0, 4500.0, 7.7, 270.0, _BLACKWELL_BRIEF_HGX,
+            calibration=B200_CALIBRATION, fp4_tflops=14000.0, interconnect_gbps=1800.0),
+    GpuSpec("gb300", "GB300", (10, 3), r"GB300", 2500.0, 5000.0, 8.0, 279.0, Source(
+        _BLACKWELL_BRIEF_HGX.document, _BLACKWELL_BRIEF_HGX.url,
+        "Table 2, GB300 NVL72 (72 GPUs): FP4 1,080, FP8/FP6 360 and FP16/BF16 180 PFLOPS dense, 576 TB/s, divided by "
+        "72; 279 GB HBM3e per GPU (p. 17); NVLink 1.8 TB/s per GPU; read as _BLACKWELL_BRIEF_HGX says"),
+            calibration=B200_CALIBRATION, fp4_tflops=15000.0, interconnect_gbps=1800.0),
     GpuSpec("mi300x", "MI300X", (9, 4), r"MI300X", 1307.4, 2614.9, 5.3, 192.0, Source(
         "AMD Instinct MI300X accelerator data sheet",
         "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"

@@ -16,8 +16,9 @@ from ..gpus import GpuSpec
 from .model import gemm_seconds, kernel_seconds, linear_seconds
 from .recipes import Kernel, recipe_named
 
-__all__ = ["Measurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "B200_FIT_ROWS", "B200_HELD_OUT_ROWS",
-           "read_measurements", "read_forward_table", "read_grouped_table", "rig_speedup", "forward_rig_speedup",
+__all__ = ["Measurement", "GroupedMeasurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "B200_FIT_ROWS",
+           "B200_HELD_OUT_ROWS", "GROUPED_FIT_GROUPS", "GROUPED_HELD_OUT_GROUPS", "read_measurements",
+           "read_forward_table", "read_grouped_table", "rig_speedup", "forward_rig_speedup", "grouped_seconds",
            "grouped_speedup", "agreement"]
 
 FIT_ROWS = (1024, 4096, 16384)
@@ -28,6 +29,11 @@ B200_FIT_ROWS = (1024, 4096, 16384)
 """The B200 forward table's M (= K = N) values the block-scaled recipes' constants are fitted on."""
 B200_HELD_OUT_ROWS = (2048, 8192)
 """The B200 forward table's M values kept out of the fit."""
+GROUPED_FIT_GROUPS = (1, 8)
+"""The B200 MXFP8 grouped-GEMM table's expert counts G the grouped constants are fitted on (both shapes: the ends
+of the range, so the held-out rows are interpolated, as the forward fit's are)."""
+GROUPED_HELD_OUT_GROUPS = (2, 4)
+"""The grouped table's G values kept out of the fit."""
 
 # The activation's quantize kernel in torchao's inference roofline (roofline_utils.py,
 # get_inference_tensor_memory_traffic_ovhd_s, fusion modelled: the ReLU rides in it): MXFP8 one kernel (read bf16,
@@ -76,11 +82,22 @@ def read_forward_table(path: str | Path) -> dict[str, list[Measurement]]:
     return table
 
 
-def read_grouped_table(path: str | Path) -> list[tuple[Measurement, int]]:
-    """The rows of a grouped-GEMM table CSV (``m,n,k,groups,...,speedup``): (shape and speedup, groups)."""
+@dataclass(frozen=True)
+class GroupedMeasurement(Measurement):
+    """One published grouped-GEMM shape: M rows routed to ``groups`` experts of weight (N, K) each, and the
+    measured forward + backward times in seconds."""
+
+    groups: int
+    bf16_s: float
+    low_s: float
+    """The low-precision (MXFP8) way's time."""
+
+
+def read_grouped_table(path: str | Path) -> list[GroupedMeasurement]:
+    """The rows of a grouped-GEMM table CSV (``m,n,k,groups,bf16_us,mxfp8_us,speedup``)."""
     lines = [line for line in Path(path).read_text().splitlines() if line and not line.startswith("#")]
-    return [(Measurement(int(r["m"]), int(r["k"]), int(r["n"]), float(r["speedup"])), int(r["groups"]))
-            for r in csv.DictReader(lines)]
+    return [GroupedMeasurement(int(r["m"]), int(r["k"]), int(r["n"]), float(r["speedup"]), int(r["groups"]),
+                               float(r["bf16_us"]) * 1e-6, float(r["mxfp8_us"]) * 1e-6) for r in csv.DictReader(lines)]
 
 
 def forward_rig_speedup(m: int, k: int, n: int, gpu: GpuSpec, recipe: str) -> float:
@@ -97,11 +114,18 @@ def forward_rig_speedup(m: int, k: int, n: int, gpu: GpuSpec, recipe: str) -> fl
     return bf16 / (low + sum(kernel_seconds(gpu, kernel, m * k) for kernel in _FORWARD_CASTS[recipe]))
 
 
-def grouped_speedup(m: int, k: int, n: int, groups: int, gpu: GpuSpec, recipe: str = "moe_mxfp8") -> float:
-    """The model's forward + backward speedup of a grouped GEMM (what torchao's grouped-GEMM autograd benchmark
-    measures: the GEMMs and the casts, nothing around them)."""
+def grouped_seconds(m: int, k: int, n: int, groups: int, gpu: GpuSpec,
+                    recipe: str = "moe_mxfp8") -> tuple[float, float]:
+    """The model's forward + backward times of a grouped GEMM, (bf16, low precision) in seconds: what torchao's
+    grouped-GEMM autograd benchmark measures (the GEMMs and the casts, nothing around them)."""
     bf16, low, casts = linear_seconds(m, k, n, gpu, recipe_named(recipe), True, groups)
-    return bf16 / (low + casts)
+    return bf16, low + casts
+
+
+def grouped_speedup(m: int, k: int, n: int, groups: int, gpu: GpuSpec, recipe: str = "moe_mxfp8") -> float:
+    """The model's forward + backward speedup of a grouped GEMM (:func:`grouped_seconds`' ratio)."""
+    bf16, low = grouped_seconds(m, k, n, groups, gpu, recipe)
+    return bf16 / low
 
 
 @dataclass(frozen=True)

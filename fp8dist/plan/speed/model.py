@@ -109,35 +109,42 @@ def _check(m: int, k: int, n: int, groups: int, recipe: Recipe, gpu: GpuSpec) ->
                          "a target that has it.")
 
 
-def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, gemm: str) -> float:
+def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, gemm: str,
+                 grouped: bool = False) -> float:
     """One GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes, of kind ``gemm`` ("bf16", "fp8", "mx", "fp4":
-    its peak and fitted fraction): compute, memory or the floor."""
+    its peak and fitted fraction; ``grouped``: a grouped GEMM of MoE experts): compute, memory or the floor."""
     cal = gpu.calibration
-    peak = {"bf16": gpu.bf16_tflops, "fp4": gpu.fp4_tflops}.get(gemm, gpu.fp8_tflops) * cal.gemm_fraction(gemm)
+    peak = ({"bf16": gpu.bf16_tflops, "fp4": gpu.fp4_tflops}.get(gemm, gpu.fp8_tflops)
+            * cal.gemm_fraction(gemm, grouped))
     compute = 2 * m * k * n / (peak * 1e12)
     memory = (reads + writes) / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
     return max(compute, memory, cal.kernel_floor_s)
 
 
-def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None) -> float:
+def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool) -> float:
     """The three GEMMs of forward + backward: all bf16 (``recipe`` None) or as the recipe says which run low
-    precision (operands ``operand_bytes`` + scales, at the recipe's GEMM rate)."""
+    precision (operands ``operand_bytes`` + scales, at the recipe's GEMM rate); ``grouped``: MoE experts' GEMMs."""
     x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
     # output, grad_input, grad_weight: (operand elements read, elements written)
     gemms = ((x + w, g), (g + w, x), (x + g, w))
     low = recipe.fp8_gemms if recipe else (False, False, False)
     return sum(gemm_seconds(gpu, m, k, n, reads * (recipe.operand_bytes + recipe.scale_bytes), _BF16 * writes,
-                            recipe.gemm) if f else gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16")
+                            recipe.gemm, grouped) if f else
+               gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16", grouped)
                for (reads, writes), f in zip(gemms, low))
 
 
-def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0) -> float:
+def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0,
+                   grouped: bool = False) -> float:
     """One cast kernel over ``elements``: its bytes at the achieved bandwidth, times the fitted slowdown of its kind
-    (a column-wise pass: ``columnwise_slowdown``; a block quantize kernel: the calibration's), no shorter than the
-    floor unless fused into the producer."""
+    (a column-wise pass: ``columnwise_slowdown``; a block quantize kernel: the calibration's, a grouped GEMM's own
+    where fitted), no shorter than the floor unless fused into the producer."""
     cal = gpu.calibration
     slowdown = columnwise_slowdown if kernel.columnwise else 1.0
-    slowdown *= dict(zip(("mx", "nvfp4"), cal.block_cast_slowdown)).get(kernel.block, 1.0)
+    block = dict(zip(("mx", "nvfp4"), cal.block_cast_slowdown))
+    if grouped and cal.grouped_block_cast_slowdown is not None:
+        block["mx"] = cal.grouped_block_cast_slowdown
+    slowdown *= block.get(kernel.block, 1.0)
     seconds = kernel.bytes_per_element * elements * slowdown / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
     return seconds if kernel.fused else max(seconds, cal.kernel_floor_s)
 
@@ -145,16 +152,16 @@ def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowd
 def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
     """The recipe's cast kernels (:func:`kernel_seconds`), per operand."""
     operands = zip((m * k, groups * n * k, m * n), gpu.calibration.cast_slowdown, recipe.casts(compile))
-    return sum(kernel_seconds(gpu, kernel, elements, slowdown) for elements, slowdown, kernels in operands
-               for kernel in kernels)
+    return sum(kernel_seconds(gpu, kernel, elements, slowdown, recipe.grouped) for elements, slowdown, kernels in
+               operands for kernel in kernels)
 
 
 def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool,
                    groups: int = 1) -> tuple[float, float, float]:
     """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds for one Linear on ``gpu`` (its calibration included): the
     model itself, with no checking. The fit (``benchmarks/speed_model/fit.py``) calls it with trial constants."""
-    bf16 = _gemms_s(gpu, m, k, n, groups, None)
-    fp8 = _gemms_s(gpu, m, k, n, groups, recipe)
+    bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped)
+    fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped)
     return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
 
 
