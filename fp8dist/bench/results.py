@@ -65,8 +65,11 @@ shorter run)."""
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
     keys = ("strategy", "fp8", "variant", "more_variants", "size", "wiring", "compile", "activation_checkpointing",
             "memory", "seed")
-    want = {**{k: cell.get(k) for k in keys}, **change}
-    return next((c for c in cells if all(c.get(k) == want[k] for k in keys) and "error" not in c), None)
+    def value(c: dict[str, Any], key: str) -> Any:  # results written before more_variants existed hold none
+        return c.get(key) or {} if key == "more_variants" else c.get(key)
+
+    want = {**{k: value(cell, k) for k in keys}, **change}
+    return next((c for c in cells if all(value(c, k) == want[k] for k in keys) and "error" not in c), None)
 
 
 def _deltas(a: list[float], b: list[float]) -> dict[str, float]:
