@@ -47,13 +47,16 @@ class TorchaoConfig:
     run an FP8 GEMM (an MX GEMM for MXFP8); one the wrapper does not reach (Falcon's ``x @ W.T``) is swapped for
     Float8Linear instead (kept out of MXFP8, which has no module swap), and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated",
-                            "nvfp4"] = "tensorwise"
+                            "nvfp4", "auto"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
     rowwise_with_gw_hp (rowwise, weight gradient in high precision), mxfp8 (MXFP8: e4m3 in 1x32 blocks with e8m0
     scales; CUDA sm_100+; Linear dims multiples of 32) or mxfp8_emulated (MXFP8's quantization with emulated GEMMs,
     on any device: numerics and tests, no FP8 speed). MXFP8 runs through the weight wrapper only
     (``MXFP8TrainingOpConfig``). nvfp4: torchao's NVFP4 training (nn.Linear -> NVFP4Linear, FP4 GEMMs; CUDA sm_100+
-    and Triton only; dims multiples of 128)."""
+    and Triton only; dims multiples of 128). auto: per layer, the one of tensorwise, rowwise and rowwise_with_gw_hp
+    predicted fastest on the plan's GPU (the strategy's precision where none pays; tensorwise for every layer where
+    nothing is predicted, a CPU), each converted by the module swap with a filter per recipe; bf16 all-gather. The
+    MXFP8 and NVFP4 recipes run whole-model only (compare them: fp8dist plan --compare-recipes)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
@@ -93,15 +96,25 @@ def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
             and torchao_api(cfg) == "module_swap")
 
 
-def float8_config(cfg, facts: StrategyFacts) -> Any:
-    """The ``Float8LinearConfig`` for the recipe; FP8 all-gather switched on where it applies."""
+def float8_config(cfg, facts: StrategyFacts, recipe: str | None = None) -> Any:
+    """The ``Float8LinearConfig`` for the recipe (``recipe``: a layer's own, under torchao_recipe='auto'); FP8
+    all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
-    if is_mx(cfg.precision.torchao_recipe) or cfg.precision.torchao_recipe == "nvfp4":  # MX wrapped, NVFP4 its own
+    recipe = recipe or cfg.precision.torchao_recipe
+    if is_mx(recipe) or recipe in ("nvfp4", "auto"):  # MX wrapped, NVFP4 its own, auto: per layer
         return None
-    if cfg.precision.torchao_recipe == "tensorwise":
+    if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg, facts))
-    return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
+    return Float8LinearConfig.from_recipe_name(recipe)
+
+
+MIXED = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""The recipes torchao_recipe='auto' picks among per layer: each a ``Float8LinearConfig`` of the module swap, so
+one model holds several (``convert_to_float8_training`` once per recipe, its filter naming that recipe's layers).
+MXFP8 (the weight wrapper's ``MXFP8TrainingOpConfig``) and NVFP4 (``NVFP4Linear``) convert by other APIs, whose mix
+with Float8Linear in one sharded model torchao neither documents nor tests, and nothing here (no sm_100) could
+prove it runs: they stay whole-model recipes."""
 
 
 _WRAPPER = "torchao's weight wrapper"
@@ -141,6 +154,11 @@ _RULES = (
          "torchao's MXFP8 Linear (mx_mm) does not follow autocast: it meets the autocast dtype's input with the fp32 "
          "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU)",
          "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'."),
+    Rule(("torchao_api", "torchao_recipe"),  # issue 42 item 6: auto mixes by the module swap only
+         lambda cfg, facts: cfg.precision.torchao_recipe == "auto" and torchao_api(cfg) == "weight_wrapper",
+         "torchao_recipe='auto' mixes recipes through torchao's module swap (convert_to_float8_training once per "
+         "recipe, each with its layers' filter); fp8dist does not mix them through the weight wrapper",
+         "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto', or one recipe with the weight wrapper."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
          lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
          and cfg.parallel.param_dtype != "fp32",
@@ -220,27 +238,22 @@ class TorchaoBackend(FP8Backend):
     def convert(self, model: nn.Module, plan, cfg) -> None:
         """Convert exactly the plan's FP8 layers: Linears swapped for ``Float8Linear`` or their weights wrapped
         (``torchao_api``; the plan's target says which), Conv1Ds swapped for ``Float8Conv1D``, MoE experts into
-        torchao's MoE training form; then check that every converted Linear runs an FP8 GEMM."""
-        from torchao.float8 import convert_to_float8_training
-
+        torchao's MoE training form, each layer by its own recipe where the plan picked one per layer
+        (torchao_recipe='auto': one conversion per recipe); then check that every converted Linear runs an FP8
+        GEMM."""
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, names, cfg, plan.facts)
         convert_experts(model, experts, cfg, plan.hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
             return convert_nvfp4(model, names)
-        config = float8_config(cfg, plan.facts)
-        conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
-        wrapped = {e.name for e in plan.fp8 if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
-        linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
         _say_bypassed(plan)
-        wrap_linears(model, wrapped, cfg.precision.torchao_recipe)
-        for name in sorted(conv1ds):
-            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
-        for name in linears:
-            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
-                model.get_submodule(name).register_forward_hook(_own_output)
+        dense = [e for e in plan.fp8 if not e.grouped]
+        linears, wrapped = set(), set()
+        for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
+            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], cfg,
+                                                       plan.facts, recipe)
+            linears, wrapped = linears | swapped, wrapped | wrapped_now
         _check_fp8_ran(model, sorted(linears | wrapped))
         if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
             from .frozen import freeze_float8_linears
@@ -249,6 +262,26 @@ class TorchaoBackend(FP8Backend):
             if not frozen.grad_weight_gemm:
                 cached = frozen.cached_bytes and not fp8_all_gather(cfg, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
+
+    def _convert_dense(self, model: nn.Module, entries: list, cfg, facts: StrategyFacts,
+                       recipe: str | None) -> tuple[set[str], set[str]]:
+        """The plan's FP8 Linears and Conv1Ds ``entries``, all of one recipe (``recipe``: a layer's own; None: the
+        configured one); returns the Linears swapped and those wrapped."""
+        from torchao.float8 import convert_to_float8_training
+
+        names = {e.name for e in entries}
+        config = float8_config(cfg, facts, recipe)
+        conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
+        wrapped = {e.name for e in entries if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
+        linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
+        wrap_linears(model, wrapped, recipe or cfg.precision.torchao_recipe)
+        for name in sorted(conv1ds):
+            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
+        for name in linears:
+            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
+                model.get_submodule(name).register_forward_hook(_own_output)
+        return linears, wrapped
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
@@ -270,7 +303,17 @@ class TorchaoBackend(FP8Backend):
             return experts_speed_recipe(cfg, hardware)
         if cfg.precision.torchao_recipe == "mxfp8_emulated":
             return None, "emulated: no speed model"
+        if cfg.precision.torchao_recipe == "auto":
+            return None, "torchao_recipe='auto': a recipe per layer (mixed_recipes)"
         return cfg.precision.torchao_recipe, ""
+
+    def mixed_recipes(self, cfg, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
+        """Under torchao_recipe='auto', the module swap's recipes (:data:`MIXED`) but rowwise_with_gw_hp where
+        autocast runs the forward in a low dtype (its weight-gradient GEMM fails there: a rule of one recipe)."""
+        if cfg.precision.torchao_recipe != "auto":
+            return ()
+        fails = facts.autocast_forward and cfg.parallel.param_dtype != "fp32"
+        return tuple(r for r in MIXED if not (fails and r == "rowwise_with_gw_hp"))
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with (MXFP8: torchao's

@@ -1,0 +1,154 @@
+"""torchao_recipe='auto': the plan picks each layer's recipe (the one predicted fastest among those torchao's module
+swap mixes in one model), each row says which and why, and the conversion runs exactly that recipe per layer:
+losses equal torchao's convert_to_float8_training called once per recipe by hand, on 2 FSDP2 ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from helpers import hand_wired_fsdp2, train_losses
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+
+from fp8dist import get_plan, plan_precision, wrap_model  # noqa: E402
+from fp8dist.config.resolve import resolve_config  # noqa: E402
+from fp8dist.plan.hardware import Hardware, parse_target  # noqa: E402
+from fp8dist.plan.speed import predict_linear  # noqa: E402
+from fp8dist.train.models import llama_config  # noqa: E402
+
+MIXED = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _plan(model, target, **options):
+    cfg = resolve_config(**{"fp8": "torchao", "strategy": "fsdp", "torchao_recipe": "auto", **options})
+    return plan_precision(model, cfg, device=target, world_size=8, check_installed=False)
+
+
+def _meta_llama(size: str):
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(llama_config(size))
+
+
+def test_the_1b_plan_on_h100_mixes_recipes_and_each_row_says_which_and_why():
+    plan = _plan(_meta_llama("1b"), parse_target("h100"), micro_batch_size=1, seq_len=2048)
+    picked = {e.recipe for e in plan.fp8}
+    assert picked == {"tensorwise", "rowwise_with_gw_hp"}, "attention and MLP shapes pick different recipes"
+    for e in plan.fp8:  # the pick is the fastest of the three, predicted at this run's 2,048 tokens
+        m = plan.by_name(e.name)
+        best = max(MIXED, key=lambda r: predict_linear(2048, e.predicted[0].k, e.predicted[0].n, target="h100",
+                                                        recipe=r).speedup)
+        assert e.recipe == best and e.predicted[0].recipe == best and e.speedup >= 1
+        assert f"recipe {best}, the fastest predicted (else " in m.reason and "predicted " in m.reason
+    kept = [e for e in plan if e.precision != "fp8" and e.predicted]
+    assert kept and all("the fastest of tensorwise, rowwise, rowwise_with_gw_hp" in e.reason and e.recipe is None
+                        and e.speedup < 1 for e in kept), "bf16 where no recipe pays, saying the best one's figure"
+    assert any("each layer runs the recipe predicted fastest on H100" in n for n in plan.notes)
+    assert plan.selection.step.recipe == "auto" and "(auto, " in str(plan)
+
+
+def test_auto_without_a_gpu_is_tensorwise_everywhere_and_says_so():
+    plan = _plan(_meta_llama("tiny"), Hardware("cpu"))
+    assert plan.fp8 and {e.recipe for e in plan.fp8} == {"tensorwise"}
+    assert all("recipe tensorwise, the first of tensorwise, rowwise, rowwise_with_gw_hp" in e.reason
+               for e in plan.fp8)
+    assert any("no GPU to predict for, so every eligible layer runs tensorwise" in n for n in plan.notes)
+
+
+def test_auto_under_autocast_leaves_out_the_recipe_that_fails_there():
+    """DDP runs the forward under autocast: rowwise_with_gw_hp's weight-gradient GEMM fails there (a Rule of that
+    recipe), so auto never picks it."""
+    plan = _plan(_meta_llama("1b"), parse_target("h100"), strategy="ddp", micro_batch_size=1, seq_len=2048)
+    assert plan.fp8 and {e.recipe for e in plan.fp8} <= {"tensorwise", "rowwise"}
+    assert any("among tensorwise, rowwise (the recipes" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(torchao_api="weight_wrapper"), "torchao_api='module_swap'"),
+    (dict(fp8_all_gather=True), "tensorwise"),
+])
+def test_what_auto_cannot_mix_with_is_refused(options, words):
+    with pytest.raises(ValueError, match="torchao_recipe") as error:
+        wrap_model(_meta_llama("tiny"), strategy="fsdp", fp8="torchao", torchao_recipe="auto", **options)
+    assert words in str(error.value)
+
+
+class _ScaleShapes(TorchDispatchMode):
+    """Per Linear, how many scales its forward FP8 GEMM's input has: 1 per tensor, one per row (64 rows here)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.current, self.seen, self.handles = None, {}, []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                self.handles += [module.register_forward_pre_hook(lambda m, a, n=name: setattr(self, "current", n)),
+                                 module.register_forward_hook(lambda m, a, o: setattr(self, "current", None))]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # torchao's FP8 GEMM: aten.mm on two Float8TrainingTensors (as fp8dist.fp8.weight_wrapper.FP8Gemms counts)
+        fp8 = {type(a).__name__ for a in args[:2]} == {"Float8TrainingTensor"}
+        if func is torch.ops.aten.mm.default and fp8 and self.current is not None:
+            self.seen.setdefault(self.current, args[0]._scale.numel())
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_llama():
+    """One Llama block whose attention (1024 x 1024) and MLP (1024 x 4096) are predicted fastest under different
+    recipes on an H100 at 8,192 tokens (rowwise_with_gw_hp 1.26x vs tensorwise 1.07x; tensorwise 1.43x vs 1.41x)."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config("tiny")
+    config.update(dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=8,
+                       num_key_value_heads=8))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def _mixed_case(rank: int, world: int) -> dict:
+    import fp8dist.plan.selection as selection
+    from fp8dist.plan.hardware import find_gpu
+
+    # wrap_model plans for the device it runs on (a CPU here, where auto is tensorwise everywhere): predict as for
+    # an H100 instead, to get the plan a GPU run would get, and train it here
+    h100 = find_gpu(parse_target("h100"))
+    selection.find_gpu = lambda hardware: h100
+    base = _mixed_llama()
+    ours = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao", torchao_recipe="auto",
+                      micro_batch_size=4, seq_len=2048, compile=False)
+    picked = {e.name: e.recipe for e in get_plan(ours).fp8}
+    ref = copy.deepcopy(base)
+    for recipe in sorted(set(picked.values())):  # torchao by hand: one conversion per recipe, its layers' filter
+        config = (Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe))
+        names = {n for n, r in picked.items() if r == recipe}
+        convert_to_float8_training(ref, config=config, module_filter_fn=lambda m, fqn, names=names: fqn in names)
+    hand_wired_fsdp2(ref, world)
+    losses = train_losses(ours, rank, world)
+    ids = torch.randint(0, 256, (2, 32))
+    with _ScaleShapes(ours) as shapes:
+        ours(input_ids=ids, labels=ids)
+    return dict(ours=losses, ref=train_losses(ref, rank, world), picked=picked, scales=shapes.seen,
+                report=str(fp8dist_report(ours)))
+
+
+def fp8dist_report(model):
+    from fp8dist import report
+
+    return report(model)
+
+
+def test_a_mixed_plan_trains_equal_to_torchao_by_hand_each_layer_on_its_recipe():
+    for r in run_ranks(_mixed_case):
+        assert set(r["picked"].values()) == {"tensorwise", "rowwise_with_gw_hp"}
+        assert r["ours"] == r["ref"]
+        assert set(r["scales"]) == set(r["picked"]), "every planned layer ran an FP8 GEMM, no other"
+        for name, recipe in r["picked"].items():  # forward GEMM's input scale: one per tensor, or one per row
+            assert r["scales"][name] == (1 if recipe == "tensorwise" else 64), name
+        assert "tensorwise" in r["report"] and "axiswise" in r["report"], "the report shows both recipes"
