@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import hand_wired_fsdp2, train_losses
+from helpers import hand_wired_fsdp2, one_thread, train_losses  # noqa: F401 (one_thread: a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
@@ -152,3 +152,39 @@ def test_a_mixed_plan_trains_equal_to_torchao_by_hand_each_layer_on_its_recipe()
         for name, recipe in r["picked"].items():  # forward GEMM's input scale: one per tensor, or one per row
             assert r["scales"][name] == (1 if recipe == "tensorwise" else 64), name
         assert "tensorwise" in r["report"] and "axiswise" in r["report"], "the report shows both recipes"
+
+
+def test_compare_recipes_shows_the_mix_beside_each_recipe(capsys):
+    """On a B200, auto's GEMM time is at most any mixable recipe's (each layer takes the fastest of them, or bf16);
+    MXFP8 and NVFP4 are listed as whole-model answers."""
+    from fp8dist.cli import main
+
+    argv = ["plan", "--model-size", "1b", "--target", "b200", "--fp8", "torchao", "--torchao-recipe", "auto",
+            "--micro-batch-size", "1", "--seq-len", "2048", "--compare-recipes"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = out.index(next(line for line in out if line.startswith("recipes compared on B200"))) + 3
+    table = {line.split()[0]: float(line.split()[1]) for line in out[start:]}
+    assert list(table) == ["bf16", *MIXED, "mxfp8", "nvfp4", "auto"]
+    assert table["auto"] <= min(table[r] for r in MIXED) < table["bf16"]
+
+
+def test_the_probe_casts_each_layer_by_its_own_recipe(one_thread):
+    """Under auto the probe emulates each planned layer's own recipe: the MLP (tensorwise) measures exactly what a
+    tensorwise probe measures, the attention (rowwise_with_gw_hp) is cast per row."""
+    from fp8dist import measure_fp8_numerics
+
+    model, ids = _mixed_llama(), torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    options = dict(target="h100", micro_batch_size=4, seq_len=2048)
+    mixed = measure_fp8_numerics(model, [ids], torchao_recipe="auto", **options)
+    tensorwise = {layer.name: layer for layer in measure_fp8_numerics(model, [ids], **options).layers}
+    plan = _plan(model, parse_target("h100"), micro_batch_size=4, seq_len=2048, fp8_select="all")
+    picked = {e.name: e.recipe for e in plan.fp8}
+    assert set(picked.values()) == {"tensorwise", "rowwise_with_gw_hp"} and len(mixed.layers) == len(picked)
+    for layer in mixed.layers:
+        casts = [c.cast for c in layer.casts]
+        if picked[layer.name] == "tensorwise":
+            assert layer.output.sqnr_db == tensorwise[layer.name].output.sqnr_db and casts == [
+                c.cast for c in tensorwise[layer.name].casts]
+        else:
+            assert "e4m3 rowwise pow2" in casts and not any("e5m2" in c for c in casts), layer.name
