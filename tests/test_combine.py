@@ -94,7 +94,7 @@ def test_a_derived_way_out_lists_only_what_the_whole_table_allows():
     """rowwise_with_gw_hp fails under autocast with bf16: each suggested value combines with the rest as given."""
     message = combine.refusal_of(strategy="ddp", fp8="torchao", torchao_recipe="rowwise_with_gw_hp")
     assert message.startswith("torchao_recipe='rowwise_with_gw_hp' with strategy='ddp' and param_dtype='bf16': ")
-    assert "use torchao_recipe='tensorwise' or 'rowwise'" in message
+    assert "use torchao_recipe='tensorwise', 'rowwise', 'nvfp4' or 'auto'" in message  # recipe auto: 42 item 6
     assert "use strategy='fsdp', 'fsdp1' or 'deepspeed'" in message  # not 'none': it runs under autocast too
     assert "use param_dtype='fp32'" in message
     for strategy in ("fsdp", "fsdp1", "deepspeed"):

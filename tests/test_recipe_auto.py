@@ -50,7 +50,8 @@ def test_the_1b_plan_on_h100_mixes_recipes_and_each_row_says_which_and_why():
     kept = [e for e in plan if e.precision != "fp8" and e.predicted]
     assert kept and all("the fastest of tensorwise, rowwise, rowwise_with_gw_hp" in e.reason and e.recipe is None
                         and e.speedup < 1 for e in kept), "bf16 where no recipe pays, saying the best one's figure"
-    assert any("each layer runs the recipe predicted fastest on H100" in n for n in plan.notes)
+    assert "\nrecipes: torchao_recipe='auto': each layer runs the recipe predicted fastest on H100" in str(plan)
+    assert plan.selection.to_dict()["recipes"] == plan.selection.recipes
     assert plan.selection.step.recipe == "auto" and "(auto, " in str(plan)
 
 
@@ -67,7 +68,7 @@ def test_auto_under_autocast_leaves_out_the_recipe_that_fails_there():
     recipe), so auto never picks it."""
     plan = _plan(_meta_llama("1b"), parse_target("h100"), strategy="ddp", micro_batch_size=1, seq_len=2048)
     assert plan.fp8 and {e.recipe for e in plan.fp8} <= {"tensorwise", "rowwise"}
-    assert any("among tensorwise, rowwise (the recipes" in n for n in plan.notes)
+    assert "among tensorwise, rowwise (the recipes" in plan.selection.recipes
 
 
 @pytest.mark.parametrize("options, words", [

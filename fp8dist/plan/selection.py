@@ -52,6 +52,9 @@ class Selection:
     """fp8_select as given (None: the hardware's default)."""
     numerics: str = ""
     """The probe report applied, in words; empty: none given."""
+    recipes: str = ""
+    """How each layer's recipe was picked where the backend mixes several in one model, in words; empty: one
+    recipe for the model."""
 
     def lines(self) -> list[str]:
         """The plan header's lines about the selection."""
@@ -67,6 +70,8 @@ class Selection:
             lines.append(f"FP8 speed not predicted: {self.unpredicted}")
         if self.numerics:
             lines.append(f"numerics: {self.numerics}")
+        if self.recipes:
+            lines.append(f"recipes: {self.recipes}")
         return lines
 
     def gemm_summary(self) -> str:
@@ -86,14 +91,16 @@ class Selection:
         """The selection and its predicted figures, JSON-ready (the bench records it per cell)."""
         out: dict[str, Any] = {"mode": self.mode, "why": self.why, "tokens": self.tokens,
                                "tokens_from": self.tokens_from, "margin": self.margin,
-                               "unpredicted": self.unpredicted or None, "numerics": self.numerics or None}
+                               "unpredicted": self.unpredicted or None, "numerics": self.numerics or None,
+                               "recipes": self.recipes or None}
         s = self.step
         if s is not None:
             out.update(gpu=s.gpu, recipe=s.recipe, compile=s.compile, calibrated=s.calibrated,
                        gemm_s={"bf16": s.bf16_s, "planned": s.chosen_s, "all_fp8": s.all_fp8_s, "saved": s.saved_s},
                        fp8_flop_share=s.fp8_flop_share,
                        layers=[{"name": c.name, "speedup": c.prediction.speedup, "fp8": c.fp8,
-                                "calibrated": c.prediction.calibrated} for c in s.layers])
+                                "calibrated": c.prediction.calibrated, "recipe": c.prediction.recipe}
+                               for c in s.layers])
         return out
 
 
@@ -170,7 +177,8 @@ def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[Line
     """The module's predictions, why none, and where the backend picks a recipe per layer the one predicted
     fastest (the first choice where nothing is predicted: a CPU) with the others' speedups in words."""
     if not ctx.choices or grouped:  # MoE experts keep their own recipe (torchao_moe_recipe)
-        return (*(_predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")), None, "")
+        predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
+        return predicted, why_not, None, ""
     if ctx.gpu is None:
         return (), "", ctx.choices[0], ""
     tried = {r: _predict(module, dataclasses.replace(ctx, recipe=r)) for r in ctx.choices}
@@ -245,8 +253,11 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     if verdicts is not None:
         unsafe = sum(1 for e in out if e.numerics)
         said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+    recipes = _mix_words(backend, choices, gpu) if choices else ""
+    if choices and gpu is None:  # the one-recipe answer, not what a GPU plan would pick: said as a note too
+        notes.append(recipes)
     return out, Selection(mode, why, tokens, tokens_from, margin, step, unpredicted="" if step else unpredicted,
-                          asked=cfg.precision.fp8_select, numerics=said), notes
+                          asked=cfg.precision.fp8_select, numerics=said, recipes=recipes), notes
 
 
 FP4_TAIL_SHARE = 0.15
@@ -320,8 +331,6 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any,
         gpu, unpredicted = None, f"{gpu.label} has no FP8 tensor cores"
     recipe, no_model = ("auto", "") if choices else backend.speed_recipe(cfg, hardware)
     unpredicted = unpredicted or no_model
-    if choices:
-        notes.append(_mix_note(backend, choices, gpu))
     if mode == "auto" and (gpu is None or recipe is None):
         mode, why = "all", f"{why}; but {unpredicted}: all"
         if asked == "auto":
@@ -333,8 +342,8 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any,
     return mode, why, notes, gpu, recipe, unpredicted
 
 
-def _mix_note(backend: Any, choices: tuple[str, ...], gpu: Any) -> str:
-    """What a per-layer recipe choice did, for the plan's notes."""
+def _mix_words(backend: Any, choices: tuple[str, ...], gpu: Any) -> str:
+    """How each layer's recipe was picked among ``choices``, in words (:attr:`Selection.recipes`)."""
     option = f"{backend.variant_option}='auto'"
     if gpu is None:
         return (f"{option}: no GPU to predict for, so every eligible layer runs {choices[0]} (the first of "
