@@ -65,7 +65,8 @@ class TorchaoConfig:
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper'."""
+    off for rowwise recipes (torchao supports it for tensorwise only), under torchao_api='weight_wrapper' and under
+    torchao_recipe='auto' (its tensorwise layers too: a mixed model all-gathers in bf16)."""
 
 
 def torchao_api(cfg) -> str:
