@@ -189,3 +189,15 @@ def test_the_probe_casts_each_layer_by_its_own_recipe(one_thread):
                 c.cast for c in tensorwise[layer.name].casts]
         else:
             assert "e4m3 rowwise pow2" in casts and not any("e5m2" in c for c in casts), layer.name
+
+
+def test_auto_on_a_cpu_trains_as_tensorwise():
+    """No GPU to predict for: auto is the one-recipe answer, tensorwise on every eligible layer, step for step."""
+    from fp8dist.train.models import build_llama
+
+    base = build_llama("tiny", seed=0)
+    with pytest.warns(UserWarning, match="no GPU to predict for, so every eligible layer runs tensorwise"):
+        auto = wrap_model(copy.deepcopy(base), strategy="none", fp8="torchao", torchao_recipe="auto")
+    tensorwise = wrap_model(copy.deepcopy(base), strategy="none", fp8="torchao", torchao_recipe="tensorwise")
+    assert {e.recipe for e in get_plan(auto).fp8} == {"tensorwise"}
+    assert train_losses(auto, 0, 1) == train_losses(tensorwise, 0, 1)
