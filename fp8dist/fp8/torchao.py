@@ -159,7 +159,8 @@ _RULES = (
          lambda cfg, facts: cfg.precision.torchao_recipe == "auto" and torchao_api(cfg) == "weight_wrapper",
          "torchao_recipe='auto' mixes recipes through torchao's module swap (convert_to_float8_training once per "
          "recipe, each with its layers' filter); fp8dist does not mix them through the weight wrapper",
-         "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto', or one recipe with the weight wrapper."),
+         "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto', or one recipe with the weight "
+         "wrapper."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
          lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
          and cfg.parallel.param_dtype != "fp32",
