@@ -71,14 +71,11 @@ def test_auto_under_autocast_leaves_out_the_recipe_that_fails_there():
     assert "among tensorwise, rowwise (the recipes" in plan.selection.recipes
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(torchao_api="weight_wrapper"), "torchao_api='module_swap'"),
-    (dict(fp8_all_gather=True), "tensorwise"),
-])
-def test_what_auto_cannot_mix_with_is_refused(options, words):
-    with pytest.raises(ValueError, match="torchao_recipe") as error:
-        wrap_model(_meta_llama("tiny"), strategy="fsdp", fp8="torchao", torchao_recipe="auto", **options)
-    assert words in str(error.value)
+def test_auto_through_the_weight_wrapper_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="torchao_recipe='auto' mixes recipes through torchao's module swap") as error:
+        wrap_model(_meta_llama("tiny"), strategy="fsdp", fp8="torchao", torchao_recipe="auto",
+                   torchao_api="weight_wrapper")
+    assert "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto'" in str(error.value)
 
 
 class _ScaleShapes(TorchDispatchMode):
@@ -116,6 +113,7 @@ def _mixed_llama():
 def _mixed_case(rank: int, world: int) -> dict:
     import fp8dist.plan.selection as selection
     from fp8dist.plan.hardware import find_gpu
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     # wrap_model plans for the device it runs on (a CPU here, where auto is tensorwise everywhere): predict as for
     # an H100 instead, to get the plan a GPU run would get, and train it here
@@ -127,15 +125,18 @@ def _mixed_case(rank: int, world: int) -> dict:
     picked = {e.name: e.recipe for e in get_plan(ours).fp8}
     ref = copy.deepcopy(base)
     for recipe in sorted(set(picked.values())):  # torchao by hand: one conversion per recipe, its layers' filter
-        config = (Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe))
+        config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if recipe == "tensorwise" else
+                  Float8LinearConfig.from_recipe_name(recipe))
         names = {n for n, r in picked.items() if r == recipe}
         convert_to_float8_training(ref, config=config, module_filter_fn=lambda m, fqn, names=names: fqn in names)
     hand_wired_fsdp2(ref, world)
-    losses = train_losses(ours, rank, world)
+    losses = train_losses(ours, rank, world)  # the scale precompute of the FP8 all-gather: hooked to the step
+    gathered = {n: type(ours.get_submodule(n).weight._local_tensor).__name__ for n in picked}
     ids = torch.randint(0, 256, (2, 32))
     with _ScaleShapes(ours) as shapes:
         ours(input_ids=ids, labels=ids)
-    return dict(ours=losses, ref=train_losses(ref, rank, world), picked=picked, scales=shapes.seen,
+    ref_losses = train_losses(ref, rank, world, after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(ref))
+    return dict(ours=losses, ref=ref_losses, picked=picked, scales=shapes.seen, gathered=gathered,
                 report=str(fp8dist_report(ours)))
 
 
@@ -152,7 +153,10 @@ def test_a_mixed_plan_trains_equal_to_torchao_by_hand_each_layer_on_its_recipe()
         assert set(r["scales"]) == set(r["picked"]), "every planned layer ran an FP8 GEMM, no other"
         for name, recipe in r["picked"].items():  # forward GEMM's input scale: one per tensor, or one per row
             assert r["scales"][name] == (1 if recipe == "tensorwise" else 64), name
+            fp8_gathered = r["gathered"][name] == "WeightWithDynamicFloat8CastTensor"
+            assert fp8_gathered == (recipe == "tensorwise"), f"{name}: FP8 all-gather for tensorwise layers only"
         assert "tensorwise" in r["report"] and "axiswise" in r["report"], "the report shows both recipes"
+        assert "fp8 e4m3 (FP8 all-gather of 3 of 6 weights, the others in the param dtype)" in r["report"]
 
 
 def test_compare_recipes_shows_the_mix_beside_each_recipe(capsys):

@@ -55,8 +55,8 @@ class TorchaoConfig:
     (``MXFP8TrainingOpConfig``). nvfp4: torchao's NVFP4 training (nn.Linear -> NVFP4Linear, FP4 GEMMs; CUDA sm_100+
     and Triton only; dims multiples of 128). auto: per layer, the one of tensorwise, rowwise and rowwise_with_gw_hp
     predicted fastest on the plan's GPU (the strategy's precision where none pays; tensorwise for every layer where
-    nothing is predicted, a CPU), each converted by the module swap with a filter per recipe; bf16 all-gather. The
-    MXFP8 and NVFP4 recipes run whole-model only (compare them: fp8dist plan --compare-recipes)."""
+    nothing is predicted, a CPU), each converted by the module swap with a filter per recipe (FP8 all-gather for
+    the tensorwise layers). The MXFP8 and NVFP4 recipes run whole-model only (fp8dist plan --compare-recipes)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
@@ -65,8 +65,8 @@ class TorchaoConfig:
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only), under torchao_api='weight_wrapper' and under
-    torchao_recipe='auto' (its tensorwise layers too: a mixed model all-gathers in bf16)."""
+    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper';
+    under torchao_recipe='auto', on for the layers the plan puts on tensorwise."""
 
 
 def torchao_api(cfg) -> str:
@@ -90,11 +90,17 @@ def _has_module_swap() -> bool:
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
-    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the module swap's tensorwise recipe, unless
-    turned off."""
+    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the module swap's tensorwise recipe (under
+    torchao_recipe='auto': on the layers the plan puts on tensorwise), unless turned off."""
     p = cfg.precision
-    return (facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
+    return (facts.dtensor_shards and p.torchao_recipe in ("tensorwise", "auto") and p.fp8_all_gather is not False
             and torchao_api(cfg) == "module_swap")
+
+
+def _gathers_fp8(entry) -> bool:
+    """Whether a plan's FP8 entry is all-gathered in FP8 where FP8 all-gather is on: a Linear on tensorwise (the
+    configured recipe, or its own under auto), never MoE experts."""
+    return not entry.grouped and entry.recipe in (None, "tensorwise")
 
 
 def float8_config(cfg, facts: StrategyFacts, recipe: str | None = None) -> Any:
@@ -146,7 +152,8 @@ _RULES = (
          "deepspeed.initialize raises \"_apply(): Couldn't swap Linear.weight\" under ZeRO 1, 2 and 3)",
          "Use torchao_api='module_swap' under strategy='deepspeed', or strategy='fsdp' / 'ddp' with the wrapper."),
     Rule(("fp8_all_gather", "torchao_recipe"),
-         lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
+         lambda cfg, facts: bool(cfg.precision.fp8_all_gather)
+         and cfg.precision.torchao_recipe not in ("tensorwise", "auto"),  # auto: its tensorwise layers
          "torchao all-gathers in FP8 only with the tensorwise recipe",
          "Use torchao_recipe='tensorwise' or leave fp8_all_gather unset."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
@@ -180,7 +187,8 @@ class TorchaoBackend(FP8Backend):
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
-        on = "on" if fp8_all_gather(cfg, facts) else "off"
+        on = "off" if not fp8_all_gather(cfg, facts) else "on" + (" (tensorwise layers)" if
+                                                                    cfg.precision.torchao_recipe == "auto" else "")
         auto = " (auto)" if cfg.precision.torchao_api == "auto" else ""  # auto: chosen by the installed torchao
         return f"recipe {cfg.precision.torchao_recipe}, {torchao_api(cfg)}{auto}, FP8 all-gather {on}"
 
@@ -245,7 +253,7 @@ class TorchaoBackend(FP8Backend):
         GEMM."""
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
-        _check_even_shards(model, names, cfg, plan.facts)
+        _check_even_shards(model, {e.name for e in plan.fp8 if _gathers_fp8(e)}, cfg, plan.facts)
         convert_experts(model, experts, cfg, plan.hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
             return convert_nvfp4(model, names)
@@ -290,7 +298,7 @@ class TorchaoBackend(FP8Backend):
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
         from .frozen import cache_frozen_shards
 
-        precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
+        precompute = any(_gathers_fp8(e) for e in plan.fp8) and fp8_all_gather(cfg, plan.facts)
         if precompute:  # for as long as ``inner`` lives: the user never has to call it
             cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept
             STEP_HOOKS.add(inner, post=_precompute)
@@ -383,15 +391,18 @@ class TorchaoBackend(FP8Backend):
     def fp8_state_bytes(self, cfg, plan) -> int:
         """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
         Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
-        return 4 * sum(not e.grouped for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
+        return 4 * sum(_gathers_fp8(e) for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
         if "torchao" not in sys.modules:  # no such weights exist before torchao is imported
             return None
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-        fp8 = bool(shards) and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
-        return "fp8 e4m3 (FP8 all-gather)" if fp8 else None
+        fp8 = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
+        if not fp8:
+            return None
+        some = "" if fp8 == len(shards) else f" of {fp8} of {len(shards)} weights, the others in the param dtype"
+        return f"fp8 e4m3 (FP8 all-gather{some})"  # some: torchao_recipe='auto', its tensorwise layers
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
         """From the module's ``Float8LinearConfig`` (the weight wrapper's, for a wrapped weight): forward and
