@@ -94,9 +94,10 @@ def test_a_derived_way_out_lists_only_what_the_whole_table_allows():
     """rowwise_with_gw_hp fails under autocast with bf16: each suggested value combines with the rest as given."""
     message = combine.refusal_of(strategy="ddp", fp8="torchao", torchao_recipe="rowwise_with_gw_hp")
     assert message.startswith("torchao_recipe='rowwise_with_gw_hp' with strategy='ddp' and param_dtype='bf16': ")
-    # not the MXFP8 recipes (refused under autocast); NVFP4's Linear casts its operands to bf16 itself
-    assert "use torchao_recipe='tensorwise', 'rowwise' or 'nvfp4'" in message
-    for recipe in ("tensorwise", "rowwise", "nvfp4"):
+    # not the MXFP8 recipes (refused under autocast); NVFP4's Linear casts its operands to bf16 itself; auto never
+    # picks rowwise_with_gw_hp where this rule applies
+    assert "use torchao_recipe='tensorwise', 'rowwise', 'nvfp4' or 'auto'" in message
+    for recipe in ("tensorwise", "rowwise", "nvfp4", "auto"):
         assert combine.refusal_of(strategy="ddp", fp8="torchao", torchao_recipe=recipe) is None
     assert "use strategy='fsdp', 'fsdp1' or 'deepspeed'" in message  # not 'none': it runs under autocast too
     assert "use param_dtype='fp32'" in message

@@ -114,7 +114,7 @@ def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer:
     stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
-        gemm = _fp8_gemm(members.modules[0], info)
+        gemm = " / ".join(dict.fromkeys(_fp8_gemm(m, info) for m in members.modules))  # a recipe per layer: each
     elif part is Part.FP8_GROUPED_GEMM:
         gemm = _fp8_grouped_gemm(members.modules)
     elif part is Part.GEMM:

@@ -199,6 +199,8 @@ def compare_text(plan: Any) -> str:
              if c.prediction.groups == 1]
     steps = compare_recipes(gemms, target=step.gpu, backend=plan.backend, compile=step.compile,
                             margin=selection.margin)
+    if step.recipe not in {s.recipe for s in steps} and len(gemms) == len(step.layers):  # a recipe per layer
+        steps = (*steps, step)  # issue 42 item 6: the plan's own mix beside the one-recipe answers
     ms = lambda seconds: f"{seconds * 1e3:.3f}"  # noqa: E731
     bf16 = steps[0].bf16_s
     rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]] + [

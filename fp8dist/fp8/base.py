@@ -4,6 +4,7 @@ wiring, the steps it hands a strategy, the eligibility checks of a Linear and of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -174,6 +175,22 @@ class FP8Backend(Protocol):
     def numerics_note(self, cfg: Any) -> str:
         """What the probe's report says about how it emulated the backend's casts; empty: nothing to say."""
         return ""
+
+    # issue 42 item 6 (recipe auto): a recipe per layer, picked by the plan
+    def mixed_recipes(self, cfg: Any, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
+        """The speed model's recipes the plan picks among per layer (the fastest predicted; the strategy's
+        precision where none pays) when ``cfg`` asks for a choice per layer: those the backend can run side by
+        side in one model on ``hardware`` under ``facts``; the first is every eligible layer's where nothing can be
+        predicted (a CPU). Each FP8 entry records its pick (``PlanEntry.recipe``). Empty: one recipe for the whole
+        model (:meth:`speed_recipe`)."""
+        return ()
+
+    def layer_config(self, cfg: Any, recipe: str | None) -> Any:
+        """``cfg`` with a layer's own recipe (its plan entry's ``recipe``) in :attr:`variant_option`: what converting
+        or probing that layer reads; ``cfg`` itself where the layer has none (one recipe for the model)."""
+        if recipe is None:
+            return cfg
+        return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, **{self.variant_option: recipe}))
 
     # accelerate: how a file written by ``accelerate config`` selects this backend (fp8dist.config.accelerate)
     accelerate_backend: ClassVar[str | None] = None

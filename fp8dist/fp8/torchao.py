@@ -47,13 +47,16 @@ class TorchaoConfig:
     run an FP8 GEMM (an MX GEMM for MXFP8); one the wrapper does not reach (Falcon's ``x @ W.T``) is swapped for
     Float8Linear instead (kept out of MXFP8, which has no module swap), and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated",
-                            "nvfp4"] = "tensorwise"
+                            "nvfp4", "auto"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
     rowwise_with_gw_hp (rowwise, weight gradient in high precision), mxfp8 (MXFP8: e4m3 in 1x32 blocks with e8m0
     scales; CUDA sm_100+; Linear dims multiples of 32) or mxfp8_emulated (MXFP8's quantization with emulated GEMMs,
     on any device: numerics and tests, no FP8 speed). MXFP8 runs through the weight wrapper only
     (``MXFP8TrainingOpConfig``). nvfp4: torchao's NVFP4 training (nn.Linear -> NVFP4Linear, FP4 GEMMs; CUDA sm_100+
-    and Triton only; dims multiples of 128)."""
+    and Triton only; dims multiples of 128). auto: per layer, the one of tensorwise, rowwise and rowwise_with_gw_hp
+    predicted fastest on the plan's GPU (the strategy's precision where none pays; tensorwise for every layer where
+    nothing is predicted, a CPU), each converted by the module swap with a filter per recipe (FP8 all-gather for
+    the tensorwise layers). The MXFP8 and NVFP4 recipes run whole-model only (fp8dist plan --compare-recipes)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts, e.g. Mixtral's): grouped GEMMs through
     torchao.prototype.moe_training, under fp8='torchao' and fp8='te' alike (TE has no module for fused experts).
@@ -62,7 +65,8 @@ class TorchaoConfig:
     fp8_all_gather: bool | None = field(default=None, metadata={"none": "auto, the default",
                                                                "when": When(facts=("dtensor_shards",))})
     """torchao under FSDP2: all-gather weights in FP8 (half the bytes of bf16). none: on for tensorwise,
-    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper'."""
+    off for rowwise recipes (torchao supports it for tensorwise only) and under torchao_api='weight_wrapper';
+    under torchao_recipe='auto', on for the layers the plan puts on tensorwise."""
 
 
 def torchao_api(cfg) -> str:
@@ -86,22 +90,38 @@ def _has_module_swap() -> bool:
 
 
 def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
-    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the module swap's tensorwise recipe, unless
-    turned off."""
+    """FP8 all-gather runs on per-parameter DTensor shards (FSDP2) with the module swap's tensorwise recipe (under
+    torchao_recipe='auto': on the layers the plan puts on tensorwise), unless turned off."""
     p = cfg.precision
-    return (facts.dtensor_shards and p.torchao_recipe == "tensorwise" and p.fp8_all_gather is not False
+    return (facts.dtensor_shards and p.torchao_recipe in ("tensorwise", "auto") and p.fp8_all_gather is not False
             and torchao_api(cfg) == "module_swap")
 
 
-def float8_config(cfg, facts: StrategyFacts) -> Any:
-    """The ``Float8LinearConfig`` for the recipe; FP8 all-gather switched on where it applies."""
+def _gathers_fp8(entry) -> bool:
+    """Whether a plan's FP8 entry is all-gathered in FP8 where FP8 all-gather is on: a Linear on tensorwise (the
+    configured recipe, or its own under auto), never MoE experts."""
+    return not entry.grouped and entry.recipe in (None, "tensorwise")
+
+
+def float8_config(cfg, facts: StrategyFacts, recipe: str | None = None) -> Any:
+    """The ``Float8LinearConfig`` for the recipe (``recipe``: a layer's own, under torchao_recipe='auto'); FP8
+    all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
-    if is_mx(cfg.precision.torchao_recipe) or cfg.precision.torchao_recipe == "nvfp4":  # MX wrapped, NVFP4 its own
+    recipe = recipe or cfg.precision.torchao_recipe
+    if is_mx(recipe) or recipe in ("nvfp4", "auto"):  # MX wrapped, NVFP4 its own, auto: per layer
         return None
-    if cfg.precision.torchao_recipe == "tensorwise":
+    if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(cfg, facts))
-    return Float8LinearConfig.from_recipe_name(cfg.precision.torchao_recipe)
+    return Float8LinearConfig.from_recipe_name(recipe)
+
+
+MIXED = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""The recipes torchao_recipe='auto' picks among per layer: each a ``Float8LinearConfig`` of the module swap, so
+one model holds several (``convert_to_float8_training`` once per recipe, its filter naming that recipe's layers).
+MXFP8 (the weight wrapper's ``MXFP8TrainingOpConfig``) and NVFP4 (``NVFP4Linear``) convert by other APIs, whose mix
+with Float8Linear in one sharded model torchao neither documents nor tests, and nothing here (no sm_100) could
+prove it runs: they stay whole-model recipes."""
 
 
 _WRAPPER = "torchao's weight wrapper"
@@ -132,7 +152,8 @@ _RULES = (
          "deepspeed.initialize raises \"_apply(): Couldn't swap Linear.weight\" under ZeRO 1, 2 and 3)",
          "Use torchao_api='module_swap' under strategy='deepspeed', or strategy='fsdp' / 'ddp' with the wrapper."),
     Rule(("fp8_all_gather", "torchao_recipe"),
-         lambda cfg, facts: bool(cfg.precision.fp8_all_gather) and cfg.precision.torchao_recipe != "tensorwise",
+         lambda cfg, facts: bool(cfg.precision.fp8_all_gather)
+         and cfg.precision.torchao_recipe not in ("tensorwise", "auto"),  # auto: its tensorwise layers
          "torchao all-gathers in FP8 only with the tensorwise recipe",
          "Use torchao_recipe='tensorwise' or leave fp8_all_gather unset."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
@@ -141,6 +162,12 @@ _RULES = (
          "torchao's MXFP8 Linear (mx_mm) does not follow autocast: it meets the autocast dtype's input with the fp32 "
          "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU)",
          "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'."),
+    Rule(("torchao_api", "torchao_recipe"),  # issue 42 item 6: auto mixes by the module swap only
+         lambda cfg, facts: cfg.precision.torchao_recipe == "auto" and torchao_api(cfg) == "weight_wrapper",
+         "torchao_recipe='auto' mixes recipes through torchao's module swap (convert_to_float8_training once per "
+         "recipe, each with its layers' filter); fp8dist does not mix them through the weight wrapper",
+         "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto', or one recipe with the weight "
+         "wrapper."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
          lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
          and cfg.parallel.param_dtype != "fp32",
@@ -155,7 +182,8 @@ class TorchaoBackend(FP8Backend):
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
-        on = "on" if fp8_all_gather(cfg, facts) else "off"
+        on = "off" if not fp8_all_gather(cfg, facts) else "on" + (" (tensorwise layers)" if
+                                                                    cfg.precision.torchao_recipe == "auto" else "")
         auto = " (auto)" if cfg.precision.torchao_api == "auto" else ""  # auto: chosen by the installed torchao
         return f"recipe {cfg.precision.torchao_recipe}, {torchao_api(cfg)}{auto}, FP8 all-gather {on}"
 
@@ -215,27 +243,22 @@ class TorchaoBackend(FP8Backend):
     def convert(self, model: nn.Module, plan, cfg) -> None:
         """Convert exactly the plan's FP8 layers: Linears swapped for ``Float8Linear`` or their weights wrapped
         (``torchao_api``; the plan's target says which), Conv1Ds swapped for ``Float8Conv1D``, MoE experts into
-        torchao's MoE training form; then check that every converted Linear runs an FP8 GEMM."""
-        from torchao.float8 import convert_to_float8_training
-
+        torchao's MoE training form, each layer by its own recipe where the plan picked one per layer
+        (torchao_recipe='auto': one conversion per recipe); then check that every converted Linear runs an FP8
+        GEMM."""
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
-        _check_even_shards(model, names, cfg, plan.facts)
+        _check_even_shards(model, {e.name for e in plan.fp8 if _gathers_fp8(e)}, cfg, plan.facts)
         convert_experts(model, experts, cfg, plan.hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
             return convert_nvfp4(model, names)
-        config = float8_config(cfg, plan.facts)
-        conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
-        wrapped = {e.name for e in plan.fp8 if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
-        linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
         _say_bypassed(plan)
-        wrap_linears(model, wrapped, cfg.precision.torchao_recipe)
-        for name in sorted(conv1ds):
-            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
-        for name in linears:
-            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
-                model.get_submodule(name).register_forward_hook(_own_output)
+        dense = [e for e in plan.fp8 if not e.grouped]
+        linears, wrapped = set(), set()
+        for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
+            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], cfg,
+                                                       plan.facts, recipe)
+            linears, wrapped = linears | swapped, wrapped | wrapped_now
         _check_fp8_ran(model, sorted(linears | wrapped))
         if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
             from .frozen import freeze_float8_linears
@@ -245,12 +268,32 @@ class TorchaoBackend(FP8Backend):
                 cached = frozen.cached_bytes and not fp8_all_gather(cfg, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
+    def _convert_dense(self, model: nn.Module, entries: list, cfg, facts: StrategyFacts,
+                       recipe: str | None) -> tuple[set[str], set[str]]:
+        """The plan's FP8 Linears and Conv1Ds ``entries``, all of one recipe (``recipe``: a layer's own; None: the
+        configured one); returns the Linears swapped and those wrapped."""
+        from torchao.float8 import convert_to_float8_training
+
+        names = {e.name for e in entries}
+        config = float8_config(cfg, facts, recipe)
+        conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
+        wrapped = {e.name for e in entries if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
+        linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
+        wrap_linears(model, wrapped, recipe or cfg.precision.torchao_recipe)
+        for name in sorted(conv1ds):
+            model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
+        for name in linears:
+            if model.get_submodule(name).bias is None:  # with a bias, the output is already its own (+ bias)
+                model.get_submodule(name).register_forward_hook(_own_output)
+        return linears, wrapped
+
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
         model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
         from .frozen import cache_frozen_shards
 
-        precompute = bool(plan.fp8) and fp8_all_gather(cfg, plan.facts)
+        precompute = any(_gathers_fp8(e) for e in plan.fp8) and fp8_all_gather(cfg, plan.facts)
         if precompute:  # for as long as ``inner`` lives: the user never has to call it
             cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept
             STEP_HOOKS.add(inner, post=_precompute)
@@ -265,7 +308,17 @@ class TorchaoBackend(FP8Backend):
             return experts_speed_recipe(cfg, hardware)
         if cfg.precision.torchao_recipe == "mxfp8_emulated":
             return None, "emulated: no speed model"
+        if cfg.precision.torchao_recipe == "auto":
+            return None, "torchao_recipe='auto': a recipe per layer (mixed_recipes)"
         return cfg.precision.torchao_recipe, ""
+
+    def mixed_recipes(self, cfg, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
+        """Under torchao_recipe='auto', the module swap's recipes (:data:`MIXED`) but rowwise_with_gw_hp where
+        autocast runs the forward in a low dtype (its weight-gradient GEMM fails there: a rule of one recipe)."""
+        if cfg.precision.torchao_recipe != "auto":
+            return ()
+        fails = facts.autocast_forward and cfg.parallel.param_dtype != "fp32"
+        return tuple(r for r in MIXED if not (fails and r == "rowwise_with_gw_hp"))
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with (MXFP8: torchao's
@@ -333,15 +386,18 @@ class TorchaoBackend(FP8Backend):
     def fp8_state_bytes(self, cfg, plan) -> int:
         """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
         Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
-        return 4 * sum(not e.grouped for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
+        return 4 * sum(_gathers_fp8(e) for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
         if "torchao" not in sys.modules:  # no such weights exist before torchao is imported
             return None
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-        fp8 = bool(shards) and all(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
-        return "fp8 e4m3 (FP8 all-gather)" if fp8 else None
+        fp8 = sum(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards)
+        if not fp8:
+            return None
+        some = "" if fp8 == len(shards) else f" of {fp8} of {len(shards)} weights, the others in the param dtype"
+        return f"fp8 e4m3 (FP8 all-gather{some})"  # some: torchao_recipe='auto', its tensorwise layers
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
         """From the module's ``Float8LinearConfig`` (the weight wrapper's, for a wrapped weight): forward and

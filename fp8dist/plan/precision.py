@@ -64,6 +64,9 @@ class PlanEntry:
     numerics: tuple[str, ...] | None = None
     """The numerics probe's verdict where a report was given: () within its thresholds, else the thresholds it
     crossed (kept out of FP8); None: no report, or the report did not measure it."""
+    recipe: str | None = None
+    """The recipe this layer runs in where the backend picks one per layer (``torchao_recipe='auto'``,
+    :meth:`~fp8dist.fp8.FP8Backend.mixed_recipes`): the one predicted fastest; None: the backend's one recipe."""
 
     @property
     def speedup(self) -> float | None:
@@ -242,7 +245,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     if fp8 and not gate:  # FP8 runs: the candidates are chosen by predicted speed and measured numerics
         compiles_with_fp8, _ = compile_decision(cfg.parallel.compile, fp8, True, hardware, refused)
         entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
-                                           numerics=numerics, fallback=lambda m: _fallback_precision(m, cfg, facts))
+                                           numerics=numerics, facts=facts,
+                                           fallback=lambda m: _fallback_precision(m, cfg, facts))
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
     compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:

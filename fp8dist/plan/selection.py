@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from ..config.axis import StrategyFacts
 from ..config.text import plural
 from .hardware import Hardware, find_gpu
 from ..config.options import DEFAULT_SEQ_LEN
@@ -51,6 +52,9 @@ class Selection:
     """fp8_select as given (None: the hardware's default)."""
     numerics: str = ""
     """The probe report applied, in words; empty: none given."""
+    recipes: str = ""
+    """How each layer's recipe was picked where the backend mixes several in one model, in words; empty: one
+    recipe for the model."""
 
     def lines(self) -> list[str]:
         """The plan header's lines about the selection."""
@@ -66,6 +70,8 @@ class Selection:
             lines.append(f"FP8 speed not predicted: {self.unpredicted}")
         if self.numerics:
             lines.append(f"numerics: {self.numerics}")
+        if self.recipes:
+            lines.append(f"recipes: {self.recipes}")
         return lines
 
     def gemm_summary(self) -> str:
@@ -85,14 +91,16 @@ class Selection:
         """The selection and its predicted figures, JSON-ready (the bench records it per cell)."""
         out: dict[str, Any] = {"mode": self.mode, "why": self.why, "tokens": self.tokens,
                                "tokens_from": self.tokens_from, "margin": self.margin,
-                               "unpredicted": self.unpredicted or None, "numerics": self.numerics or None}
+                               "unpredicted": self.unpredicted or None, "numerics": self.numerics or None,
+                               "recipes": self.recipes or None}
         s = self.step
         if s is not None:
             out.update(gpu=s.gpu, recipe=s.recipe, compile=s.compile, calibrated=s.calibrated,
                        gemm_s={"bf16": s.bf16_s, "planned": s.chosen_s, "all_fp8": s.all_fp8_s, "saved": s.saved_s},
                        fp8_flop_share=s.fp8_flop_share,
                        layers=[{"name": c.name, "speedup": c.prediction.speedup, "fp8": c.fp8,
-                                "calibrated": c.prediction.calibrated} for c in s.layers])
+                                "calibrated": c.prediction.calibrated, "recipe": c.prediction.recipe}
+                               for c in s.layers])
         return out
 
 
@@ -136,6 +144,8 @@ class _Context:
     cfg: Any
     hardware: Hardware
     backend: Any
+    choices: tuple[str, ...] = ()
+    """The recipes picked among per layer (:meth:`~fp8dist.fp8.FP8Backend.mixed_recipes`); empty: one recipe."""
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
@@ -162,33 +172,56 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
         return (), str(error)
 
 
+def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[LinearPrediction, ...], str, str | None,
+                                                                        str]:
+    """The module's predictions, why none, and where the backend picks a recipe per layer the one predicted
+    fastest (the first choice where nothing is predicted: a CPU) with the others' speedups in words."""
+    if not ctx.choices or grouped:  # MoE experts keep their own recipe (torchao_moe_recipe)
+        predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
+        return predicted, why_not, None, ""
+    if ctx.gpu is None:
+        return (), "", ctx.choices[0], ""
+    tried = {r: _predict(module, dataclasses.replace(ctx, recipe=r)) for r in ctx.choices}
+    ranked = sorted((r for r in tried if tried[r][0]), key=lambda r: -speedup_of(tried[r][0]))
+    if not ranked:
+        return (), "; ".join(dict.fromkeys(why for _, why in tried.values())), ctx.choices[0], ""
+    others = ", ".join(f"{r} {speedup_of(tried[r][0]):.2f}x" for r in ranked[1:])
+    return tried[ranked[0]][0], "", ranked[0], others
+
+
 def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: float, verdicts: Verdicts | None,
              fallback: Callable[[nn.Module], str]) -> Any:
-    """``entry`` (an FP8 layer) with its predictions and verdict, kept out of FP8 where it is predicted slower
-    (auto) or measured unsafe."""
-    predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
+    """``entry`` (an FP8 layer) with its predictions, verdict and recipe (where one is picked per layer), kept out
+    of FP8 where it is predicted slower (auto; under every recipe it may pick) or measured unsafe."""
+    predicted, why_not, recipe, others = _picked(module, ctx, entry.grouped)
     problems = verdicts.get(entry.name) if verdicts is not None else None
     speedup = speedup_of(predicted)
     kept = []
     if mode == "auto" and speedup is not None and speedup < margin:
-        kept.append(f"FP8 {describe_prediction(predicted, ctx.tokens)}")
+        best = f" (the fastest of {', '.join(ctx.choices)}; {others})" if recipe and others else ""
+        kept.append(f"FP8 {describe_prediction(predicted, ctx.tokens)}{best}")
     if problems:
         kept.append(f"FP8 unsafe: {'; '.join(problems)} (probe)")
     if kept:
         return dataclasses.replace(entry, precision=fallback(module), converted_to=None, reason="; ".join(kept),
                                    predicted=predicted, numerics=problems)
     reason = entry.reason
+    if recipe is not None:  # the row names the recipe it runs and why that one
+        reason += f"; recipe {recipe}" + (f", the fastest predicted (else {others})" if others else
+                                          "" if predicted else f", the first of {', '.join(ctx.choices)}: "
+                                          "nothing predicted to pick by")
     if predicted:
         reason += f"; {describe_prediction(predicted, ctx.tokens)}"
     elif mode == "auto":
         reason += f"; FP8 speed not predicted ({why_not}): converted as under fp8_select='all'"
     if verdicts is not None:
         reason += "; numerics ok (probe)" if problems == () else "; numerics not measured by the probe's report"
-    return dataclasses.replace(entry, reason=reason, predicted=predicted, numerics=problems)
+    return dataclasses.replace(entry, reason=reason, predicted=predicted, numerics=problems, recipe=recipe)
 
 
 def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
-           numerics: Any = None, fallback: Callable[[nn.Module], str]) -> tuple[list[Any], Selection, list[str]]:
+           numerics: Any = None, fallback: Callable[[nn.Module], str],
+           facts: Any = None) -> tuple[list[Any], Selection, list[str]]:
     """Decide which of the plan's FP8 entries (precision "fp8") stay in FP8, by ``cfg``'s fp8_select and the
     ``numerics`` report (:func:`numerics_verdicts`). Call from :func:`fp8dist.plan_precision` once every other rule
     has been applied (the backend present, its hardware gate passed). ``compile``: whether the blocks compile when
@@ -203,12 +236,13 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     from ..fp8 import get_backend
 
     backend = get_backend(cfg.precision.fp8)
-    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware, backend)
+    choices = backend.mixed_recipes(cfg, hardware, facts if facts is not None else StrategyFacts())
+    mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware, backend, choices)
     tokens, tokens_from = _tokens(cfg)
     margin = cfg.precision.fp8_select_margin
     verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
                                                                            cfg.precision.fp8)
-    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend)
+    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend, choices)
     tail, said_tail = _tail(model, cfg, backend, hardware)
     notes += said_tail
     out = [e if e.precision != "fp8" else
@@ -219,8 +253,11 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     if verdicts is not None:
         unsafe = sum(1 for e in out if e.numerics)
         said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+    recipes = _mix_words(backend, choices, gpu) if choices else ""
+    if choices and gpu is None:  # the one-recipe answer, not what a GPU plan would pick: said as a note too
+        notes.append(recipes)
     return out, Selection(mode, why, tokens, tokens_from, margin, step, unpredicted="" if step else unpredicted,
-                          asked=cfg.precision.fp8_select, numerics=said), notes
+                          asked=cfg.precision.fp8_select, numerics=said, recipes=recipes), notes
 
 
 FP4_TAIL_SHARE = 0.15
@@ -269,9 +306,11 @@ def _tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> tuple
     return reasons, [f"{why}: {where}{head_words} stay out of low precision"]
 
 
-def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list[str], Any, str | None, str]:
+def _resolve(cfg: Any, hardware: Hardware, backend: Any,
+             choices: tuple[str, ...]) -> tuple[str, str, list[str], Any, str | None, str]:
     """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted), from
-    fp8_select and the plan's hardware."""
+    fp8_select and the plan's hardware; ``choices``: the recipes picked among per layer (the Linear recipe is then
+    "auto")."""
     asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
     if asked == "all":
         mode, why = "all", "fp8_select='all', asked for"
@@ -290,7 +329,7 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
     gpu, unpredicted = lookup.spec, lookup.reason
     if gpu is not None and not gpu.has_fp8:
         gpu, unpredicted = None, f"{gpu.label} has no FP8 tensor cores"
-    recipe, no_model = backend.speed_recipe(cfg, hardware)
+    recipe, no_model = ("auto", "") if choices else backend.speed_recipe(cfg, hardware)
     unpredicted = unpredicted or no_model
     if mode == "auto" and (gpu is None or recipe is None):
         mode, why = "all", f"{why}; but {unpredicted}: all"
@@ -301,6 +340,16 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any) -> tuple[str, str, list
         notes.append(f"fp8_select_margin={cfg.precision.fp8_select_margin:g} has no effect: the selection is 'all' "
                      f"here ({why}).")
     return mode, why, notes, gpu, recipe, unpredicted
+
+
+def _mix_words(backend: Any, choices: tuple[str, ...], gpu: Any) -> str:
+    """How each layer's recipe was picked among ``choices``, in words (:attr:`Selection.recipes`)."""
+    option = f"{backend.variant_option}='auto'"
+    if gpu is None:
+        return (f"{option}: no GPU to predict for, so every eligible layer runs {choices[0]} (the first of "
+                f"{', '.join(choices)}); plan for a GPU (target=, --target h100) to pick per layer")
+    return (f"{option}: each layer runs the recipe predicted fastest on {gpu.label} among {', '.join(choices)} (the "
+            "recipes this backend mixes in one model), each row names its pick")
 
 
 def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,
