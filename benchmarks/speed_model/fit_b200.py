@@ -57,8 +57,14 @@ def fit(recipe: str, rows) -> tuple[tuple[float, float], float]:
         gpu = b200(recipe, fraction, slowdown)
         return sum(math.log(forward_rig_speedup(r.m, r.k, r.n, gpu, recipe) / r.speedup) ** 2 for r in rows)
 
+    return _best_of(loss, ((0.7, 1.0), (0.5, 3.0), (0.9, 0.5)))
+
+
+def _best_of(loss, starts) -> tuple[tuple[float, ...], float]:
+    """The constants (positive, fitted in log space, 3 significant digits) minimizing ``loss`` over Nelder-Mead runs
+    from each of ``starts``, each restarted once from where it stopped; and that loss."""
     results = []
-    for start in ((0.7, 1.0), (0.5, 3.0), (0.9, 0.5)):
+    for start in starts:
         logs, _ = nelder_mead(loss, [math.log(v) for v in start])
         results.append(nelder_mead(loss, logs))
     logs, value = min(results, key=lambda r: r[1])
@@ -78,12 +84,7 @@ def fit_grouped(rows, base=B200_CALIBRATION) -> tuple[tuple[float, float], float
         return sum(math.log(p / t) ** 2 for r in rows
                    for p, t in zip(grouped_seconds(r.m, r.k, r.n, r.groups, gpu), (r.bf16_s, r.low_s)))
 
-    results = []
-    for start in ((0.5, 3.0), (0.9, 1.0), (0.3, 6.0)):
-        logs, _ = nelder_mead(loss, [math.log(v) for v in start])
-        results.append(nelder_mead(loss, logs))
-    logs, value = min(results, key=lambda r: r[1])
-    return tuple(float(f"{math.exp(v):.3g}") for v in logs), value
+    return _best_of(loss, ((0.5, 3.0), (0.9, 1.0), (0.3, 6.0)))
 
 
 def grouped_result(base) -> dict:
