@@ -152,3 +152,16 @@ def gemms_per_module(model: nn.Module, ids: torch.Tensor, kind: str = "count") -
             h.remove()
     model.zero_grad(set_to_none=True)
     return per_module, gemms
+
+
+def deepspeed_report(model: nn.Module, ids: torch.Tensor, **options) -> object:
+    """``fp8dist.report`` of ``model`` wrapped by DeepSpeed (``options``: wrap_model's) after one step and the next
+    backward: its optimizer states exist after the first step, its gradients until the next."""
+    import fp8dist
+
+    engine, _ = fp8dist.wrap_model(model, micro_batch_size=2, optimizer={"type": "AdamW"}, **options)
+    for step in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        if step == 0:
+            engine.step()
+    return fp8dist.report(engine)

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8dist import cli
 from fp8dist import estimate_memory
+from helpers import deepspeed_report
 
 # h=32, i=96, 2 layers, 2 heads of 16, 1 kv head. Per layer: q 32x32=1024, k 16x32=512, v 512, o 1024,
 # gate/up 96x32=3072 each, down 32x96=3072, two norms of 32: 12352; embed and lm_head vocab x 32, final norm 32.
@@ -122,12 +123,7 @@ def _measure_cases(rank: int, world: int, cases: list[dict]) -> list[tuple[dict,
     out = []
     for kw in cases:
         if kw["strategy"] == "deepspeed":
-            engine, _ = fp8dist.wrap_model(copy.deepcopy(base), micro_batch_size=2, optimizer={"type": "AdamW"}, **kw)
-            for step in range(2):  # optimizer states exist after the first step; measure after the next backward
-                engine.backward(engine(input_ids=ids, labels=ids).loss)
-                if step == 0:
-                    engine.step()
-            measured = fp8dist.report(engine)
+            measured = deepspeed_report(copy.deepcopy(base), ids, **kw)
         else:
             model = fp8dist.wrap_model(copy.deepcopy(base), **kw)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

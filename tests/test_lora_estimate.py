@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8dist import estimate_memory
+from helpers import deepspeed_report
 
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
@@ -47,12 +48,7 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
         dtype = kw.pop("base", torch.bfloat16)
         base = _lora_llama(meta=False, dtype=dtype)
         if kw["strategy"] == "deepspeed":
-            engine, _ = fp8dist.wrap_model(base, micro_batch_size=2, optimizer={"type": "AdamW"}, **kw)
-            for step in range(2):  # optimizer states exist after the first step; measure after the next backward
-                engine.backward(engine(input_ids=ids, labels=ids).loss)
-                if step == 0:
-                    engine.step()
-            measured = fp8dist.report(engine)
+            measured = deepspeed_report(base, ids, **kw)
         else:
             builds = kw.get("memory") == "lean"  # the lean level builds its optimizer from a spec
             wrapped = fp8dist.wrap_model(base, optimizer={"type": "AdamW", "lr": 1e-3} if builds else None, **kw)
