@@ -23,7 +23,7 @@ import linear  # noqa: E402
 
 import fp8dist  # noqa: E402
 from fp8dist.bench.cell import variants_of  # noqa: E402
-from fp8dist.bench.results import _device, _versions  # noqa: E402
+from fp8dist.bench.results import device_record, versions as package_versions  # noqa: E402
 from fp8dist.fp8 import NO_FP8, get_backend  # noqa: E402
 from fp8dist.plan.gpus import GpuSpec, gpu_by_key  # noqa: E402
 from fp8dist.plan.hardware import find_gpu, hardware_of  # noqa: E402
@@ -85,9 +85,9 @@ def run_part(name: str, budget: Budget, doc: dict[str, Any], part: Callable[[flo
 
 def versions(device: torch.device) -> dict[str, Any]:
     """Every library a run may use (None where absent: Transformer Engine, say), CUDA's, and the device."""
-    found = {**_versions(), "cuda": torch.version.cuda}
+    found = {**package_versions(), "cuda": torch.version.cuda}
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if v))
-    return {"versions": found, "device_details": _device(device.type, 1)}
+    return {"versions": found, "device_details": device_record(device.type, 1)}
 
 
 def gpu_test_files() -> list[str]:

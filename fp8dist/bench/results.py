@@ -20,7 +20,7 @@ from ..pipeline.files import atomic_write
 from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
-__all__ = ["results_document", "write_results", "markdown_table", "cell_line", "convergence",
+__all__ = ["device_record", "versions", "results_document", "write_results", "markdown_table", "cell_line", "convergence",
            "convergence_table", "config_name"]
 
 SCHEMA = 1
@@ -29,7 +29,8 @@ COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each
                    "reduce-scatter, the tensor of an all-reduce or broadcast)")
 
 
-def _device(device_type: str, nproc: int) -> dict[str, Any]:
+def device_record(device_type: str, nproc: int) -> dict[str, Any]:
+    """What a results document records of the device: its name, count, capability (CUDA) and the processes."""
     import torch
 
     if device_type == "cuda":
@@ -49,7 +50,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _versions() -> dict[str, str | None]:
+def versions() -> dict[str, str | None]:
+    """The versions a results document records: Python, fp8dist and every engine package (None: not installed)."""
     from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
@@ -173,7 +175,7 @@ def results_document(results: list[dict[str, Any]], settings: Any, device_type: 
     _compare(cells)
     now = datetime.datetime.now(datetime.timezone.utc)
     return {"fp8dist_bench": SCHEMA, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": _device(device_type, settings.nproc), "versions": _versions(), "command": command,
+            "device": device_record(device_type, settings.nproc), "versions": versions(), "command": command,
             "settings": {**asdict(settings), "timing": "median step time over the timed steps, each step as slow "
                                                         "as its slowest rank"},
             "comm_bytes": COMM_DEFINITION, "load_average": {"start": list(load_average[0]),
