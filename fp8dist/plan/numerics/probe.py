@@ -169,7 +169,7 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
 
 def _tail_note(cfg, plan, backend) -> list[str]:
     """Under a share of last blocks kept out of low precision (NVFP4's default), that they go unmeasured."""
-    from ..selection import tail_share
+    from ..tail import tail_share
 
     share, why = tail_share(cfg, plan.hardware, backend)
     return [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "

@@ -1,0 +1,61 @@
+"""The model's tail kept out of low precision: under an FP4 recipe (NVFP4), the last blocks and the output head stay
+in the strategy's precision (``keep_last_blocks_share``), as NVFP4 training is done in practice."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from ..config.text import plural
+from .hardware import Hardware
+from .speed import RECIPES
+
+__all__ = ["FP4_TAIL_SHARE", "tail_share", "kept_tail"]
+
+
+FP4_TAIL_SHARE = 0.15
+"""NVFP4 training keeps the last ~15% of blocks and the output head in bf16: torchtitan's experimental NVFP4 on
+Llama3-8B (4 B200s, 21,919 -> 30,040 tok/s) trains so (issue 42)."""
+
+
+def tail_share(cfg: Any, hardware: Hardware, backend: Any) -> tuple[float, str]:
+    """The share of the last blocks kept out of low precision (``keep_last_blocks_share``; None: FP4_TAIL_SHARE
+    where the backend's recipe runs FP4 GEMMs, by its speed-model recipe, else 0), and why, in words."""
+    share = cfg.precision.keep_last_blocks_share
+    if share is not None:
+        return share, f"keep_last_blocks_share={share:g}"
+    recipe, _ = backend.speed_recipe(cfg, hardware)
+    if recipe in RECIPES and RECIPES[recipe].gemm == "fp4":
+        return FP4_TAIL_SHARE, (f"keep_last_blocks_share={FP4_TAIL_SHARE:g}, the default under an FP4 recipe "
+                                f"({recipe}): NVFP4 training keeps the last ~15% of blocks and the head in bf16")
+    return 0.0, ""
+
+
+def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> tuple[dict[str, str], list[str]]:
+    """``{module: reason}`` for the modules in the model's last blocks (``tail_share``, rounded up to whole blocks)
+    and its output head (the last GEMM module to run), and a note saying which; nothing where the share is 0."""
+    from ..fp8.order import gemm_order
+    from ..strategies.common import find_blocks
+
+    share, why = tail_share(cfg, hardware, backend)
+    if not share:
+        return {}, []
+    found, how = find_blocks(model, cfg.parallel.block_classes)
+    blocks = [name for name, _ in found[::-1]]  # declared order, outermost blocks only
+    blocks = [b for b in blocks if not any(b.startswith(f"{outer}.") for outer in blocks)]
+    kept = blocks[len(blocks) - math.ceil(share * len(blocks)):] if blocks else []
+    head = gemm_order(model, lambda m: backend.supports(m) and backend.computes_in_fp8(m)).last
+    reasons = {}
+    for name, _ in model.named_modules():
+        block = next((b for b in kept if name == b or name.startswith(f"{b}.")), None)
+        if block is not None:
+            reasons[name] = (f"in {block}, one of the last {len(kept)} of {plural(len(blocks), 'block')}, kept in "
+                             f"high precision ({why})")
+    if head is not None and head not in reasons:
+        reasons[head] = f"the output head (the last GEMM to run), kept in high precision ({why})"
+    where = (f"the last {len(kept)} of {plural(len(blocks), 'block')} ({', '.join(kept)})" if kept else
+             f"no block ({how})")
+    head_words = f" and the output head {head}" if head is not None else ""
+    return reasons, [f"{why}: {where}{head_words} stay out of low precision"]
