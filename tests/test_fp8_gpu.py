@@ -212,36 +212,16 @@ SPEED_SHAPES = ((8192, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (163
 SPEED_TOLERANCE = 0.30  # |measured / predicted - 1| per shape; the largest error on the published H100 table is 0.25
 
 
-def _timed_fwd_bwd_s(model: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int = 20) -> float:
-    """Median GPU time of one forward + backward, by CUDA events, after warm-up (compilation included there)."""
-    for _ in range(3):
-        model(x).backward(grad)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(x).backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def _measured_rig_speedup(m: int, k: int, n: int, recipe: str) -> float:
-    """What torchao's table measures: LayerNorm -> Linear -> Sigmoid, forward + backward, compiled, bf16 / FP8."""
-    import copy
+    """What torchao's table measures (LayerNorm -> Linear -> Sigmoid, forward + backward, compiled, bf16 / FP8),
+    timed as the prepared GPU check times it (benchmarks/gpu/linear.py)."""
+    from pathlib import Path
 
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    rig = torch.nn.Sequential(torch.nn.LayerNorm(k, elementwise_affine=False), torch.nn.Linear(k, n, bias=False),
-                              torch.nn.Sigmoid()).cuda().bfloat16()
-    fp8 = convert_to_float8_training(copy.deepcopy(rig), config=Float8LinearConfig.from_recipe_name(recipe))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    bf16_s = _timed_fwd_bwd_s(torch.compile(rig), x, grad)
-    torch._dynamo.reset()
-    return bf16_s / _timed_fwd_bwd_s(torch.compile(fp8), x, grad)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "linear.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_linear", path)
+    linear = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(linear)
+    return linear.measured_rig_speedup((m, k, n), recipe, torch.device("cuda"))
 
 
 @needs_fp8_gpu

@@ -106,6 +106,17 @@ def _timed(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, compiled: bool
     return _fwd_bwd_s(torch.compile(model) if compiled else model, x, grad, iters)
 
 
+def measured_rig_speedup(shape: tuple[int, int, int], recipe: str, device: torch.device) -> float:
+    """What torchao's table measures, here: the rig's compiled forward + backward time in bf16 over FP8's
+    (``recipe``), median of ITERS after WARMUP; tests/test_fp8_gpu.py's speed test reads it too."""
+    m, k, n = shape
+    torch.manual_seed(0)
+    rig = _rig(k, n, device)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    return _timed(rig, x, grad, True, ITERS) / _timed(_fp8_rig(rig, recipe), x, grad, True, ITERS)
+
+
 def predictions(m: int, k: int, n: int, spec: GpuSpec | None, recipe: str) -> dict[str, Any]:
     """The speed model's figures for one shape: the table's quantity and the Linear alone."""
     if spec is None:
