@@ -97,6 +97,7 @@ def test_lora_estimate_matches_the_report_fsdp2_hsdp_ddp_lean():
     keeps its bf16 weights and nothing else, the fp32 adapters their gradients and AdamW states."""
     cases = [dict(strategy="fsdp"), dict(strategy="fsdp", fp8="torchao"),
              dict(strategy="fsdp", fp8="torchao", torchao_recipe="rowwise"),
+             dict(strategy="fsdp", fp8="torchao", torchao_recipe="auto"),  # each layer's own recipe decides
              dict(strategy="fsdp", replicate_degree=2), dict(strategy="ddp"),
              dict(strategy="fsdp", memory="lean"), dict(strategy="ddp", memory="lean")]
     _check(cases, timeout=300)

@@ -124,15 +124,16 @@ def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
     the bytes and whether such kept copies are among them."""
     from ..plan.precision import PrecisionPlan
 
-    kept = backend.frozen_weights(cfg, plan.facts)
-    converted = {f"{e.name}.weight": e.name for e in plan.fp8}
-    frozen = [p for p in params if not p.trains and p.name in converted]
-    if not kept.cached_bytes or not frozen:
+    entries = {f"{e.name}.weight": e for e in plan.fp8}
+    kept = {p.name: backend.frozen_weights(backend.layer_config(cfg, entries[p.name].recipe), plan.facts)
+            for p in params if not p.trains and p.name in entries}  # each layer as its own recipe answers
+    frozen = [p for p in params if kept.get(p.name) and kept[p.name].cached_bytes]
+    if not frozen:
         return backend.fp8_state_bytes(cfg, plan), False
-    modules = {converted[p.name] for p in frozen}
+    modules = {entries[p.name].name for p in frozen}
     trained = PrecisionPlan([e for e in plan if e.name not in modules], backend=plan.backend,
                             strategy=plan.strategy, memory=plan.memory, hardware=plan.hardware, facts=plan.facts)
-    copies = [replace(p, bytes=ElementBytes(kept.cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"), False))
-              for p in frozen]
-    kept_bytes = rank_bytes(copies)["parameters"] + kept.scale_bytes * len(frozen)
+    copies = [replace(p, bytes=ElementBytes(kept[p.name].cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"),
+                                            False)) for p in frozen]
+    kept_bytes = rank_bytes(copies)["parameters"] + sum(kept[p.name].scale_bytes for p in frozen)
     return backend.fp8_state_bytes(cfg, trained) + kept_bytes, True

@@ -162,18 +162,19 @@ class TorchaoBackend(FP8Backend):
             return convert_nvfp4(model, names)
         _say_bypassed(plan)
         dense = [e for e in plan.fp8 if not e.grouped]
-        linears, wrapped = set(), set()
+        swaps, wrapped = {}, set()
         for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
-            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], cfg,
-                                                       plan.facts, recipe)
-            linears, wrapped = linears | swapped, wrapped | wrapped_now
-        _check_fp8_ran(model, sorted(linears | wrapped))
-        if linears:  # frozen weights (a LoRA base): cast once where they can be (fp8dist.fp8.frozen)
+            swaps[recipe], wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], cfg,
+                                                             plan.facts, recipe)
+            wrapped |= wrapped_now
+        _check_fp8_ran(model, sorted(set().union(*swaps.values()) | wrapped))
+        for recipe, linears in swaps.items():  # frozen weights (a LoRA base): cast once where they can be
             from .frozen import freeze_float8_linears
 
-            frozen = self.frozen_weights(cfg, plan.facts)
-            if not frozen.grad_weight_gemm:
-                cached = frozen.cached_bytes and not fp8_all_gather(cfg, plan.facts)
+            layer = self.layer_config(cfg, recipe)  # each layer as its own recipe answers (the estimate asks so)
+            frozen = self.frozen_weights(layer, plan.facts)
+            if linears and not frozen.grad_weight_gemm:  # FP8 all-gather keeps the shard's cast, not the weight's
+                cached = frozen.cached_bytes and not fp8_all_gather(layer, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
     def _convert_dense(self, model: nn.Module, entries: list, cfg, facts: StrategyFacts,
