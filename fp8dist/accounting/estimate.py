@@ -265,7 +265,8 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
                      backend_optimizer=backend.owns_optimizer)
     per_rank = layout(params)
     chosen = worst_rank(per_rank) if rank is None else rank
-    fp8_bytes, kept_fp8 = fp8_buffer_bytes(backend, cfg, plan, params, lambda group: layout(group)[chosen])
+    on_rank = lambda group: layout(group)[chosen]  # noqa: E731  (the layout of any group of parameters, this rank)
+    fp8_bytes, kept_fp8 = fp8_buffer_bytes(backend, cfg, plan, params, on_rank)
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
     stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
@@ -277,5 +278,5 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         dtypes=category_dtypes(params, fp8_bytes, kept_fp8), micro_batch_size=micro, seq_len=seq_len,
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
-        groups=param_groups(params, lambda group: layout(group)[chosen], sum(per_rank[chosen].values())),
+        groups=param_groups(params, on_rank, sum(per_rank[chosen].values())),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

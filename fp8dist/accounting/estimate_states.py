@@ -37,8 +37,6 @@ class ElementBytes:
     grad: int
     states: int
     dtypes: tuple[str, str, str, str]
-    trains: bool = True
-    """False for a frozen parameter (``requires_grad=False``): a backend may store its weight otherwise."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +66,12 @@ def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, opti
     base = ElementBytes(DTYPE_BYTES[weight], DTYPE_BYTES[engine.master] if engine.master else 0, DTYPE_BYTES[weight],
                         DTYPE_BYTES[states] * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
-    held = level.element_bytes(base)
-    if not trains:
-        held = _frozen(held)
-    held = backend.element_bytes(cfg, held, converted, n_states)
+    held = backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
     return held if trains else _frozen(held)  # whatever the backend keeps, it keeps no training state of a frozen one
 
 
 def _frozen(held: ElementBytes) -> ElementBytes:
-    return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"), trains=False)
+    return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"))
 
 
 def category_dtypes(params: list[ParamInfo], fp8_bytes: int, kept_fp8: bool = False) -> dict[str, str]:
@@ -133,7 +128,7 @@ def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
     modules = {entries[p.name].name for p in frozen}
     trained = PrecisionPlan([e for e in plan if e.name not in modules], backend=plan.backend,
                             strategy=plan.strategy, memory=plan.memory, hardware=plan.hardware, facts=plan.facts)
-    copies = [replace(p, bytes=ElementBytes(kept[p.name].cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none"),
-                                            False)) for p in frozen]
+    copies = [replace(p, bytes=ElementBytes(kept[p.name].cached_bytes, 0, 0, 0, ("fp8", "none", "none", "none")))
+              for p in frozen]
     kept_bytes = rank_bytes(copies)["parameters"] + sum(kept[p.name].scale_bytes for p in frozen)
     return backend.fp8_state_bytes(cfg, trained) + kept_bytes, True
