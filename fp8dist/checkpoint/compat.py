@@ -35,6 +35,8 @@ class LoadDecision:
     """The ``_extra_state`` entries to load from the checkpoint (the rest of the model's keep their own)."""
     differences: tuple[str, ...]
     """How this model differs from the saved one, all of it allowed (e.g. ``"strategy 'fsdp' -> 'ddp'"``)."""
+    trainable_only: bool = False
+    """The checkpoint holds the trainable parameters only: loaded without the frozen ones."""
 
 
 def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
@@ -159,7 +161,7 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
         refusal = own.mismatch(meta, now, path)
         if refusal:
             raise CheckpointError(refusal)
-        return LoadDecision(fp8_state=(), differences=())
+        return LoadDecision(fp8_state=(), differences=(), trainable_only=trainable_only)
     saved_state, ours = _saved_fp8_state(meta, path), set(now["fp8_state"])
     lost = [k for k in saved_state if k not in ours]
     if lost and not drop_fp8_state:
@@ -177,7 +179,7 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     if fresh:
         differences.append(f"this model's FP8 state of {plural(len(fresh), 'module')} starts afresh"
                            + ("" if drop_fp8_state else " (none in the checkpoint)"))
-    return LoadDecision(fp8_state=load, differences=tuple(differences))
+    return LoadDecision(fp8_state=load, differences=tuple(differences), trainable_only=trainable_only)
 
 
 def optimizer_name(optimizer: Any) -> str | None:

@@ -73,6 +73,13 @@ def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
     return max(counts, key=counts.get) if counts else "bf16"
 
 
+def check_out_dir(out: Path, what: str) -> None:
+    """Rank 0 checks that ``out`` can be written as an output directory before anything is gathered; every rank
+    raises its ValueError (``what``: the step, as the error says it)."""
+    check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank_world()[0] == 0 else None
+    on_all_ranks(what, check, error=ValueError, passthrough=(ValueError,))
+
+
 def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(plain_name(f"{prefix}.{name}" if prefix else name), buf)
             for prefix, module in inner.named_modules() for name, buf in module._buffers.items()
@@ -143,8 +150,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
     out = Path(out_dir)
     rank = rank_world()[0]
-    check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank == 0 else None
-    on_all_ranks(f"fp8dist.save_pretrained: checking {out}", check, error=ValueError, passthrough=(ValueError,))
+    check_out_dir(out, f"fp8dist.save_pretrained: checking {out}")
     inner = unwrap_model(model)
     buffers = _persistent_buffers(inner)
     size = torch.tensor([], dtype=dtype).element_size()

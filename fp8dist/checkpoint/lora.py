@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline.agree import on_all_ranks, rank_world
-from ..pipeline.files import atomic_write, check_output_path
+from ..pipeline.agree import rank_world
+from ..pipeline.files import atomic_write
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
-from .hf import _dtype, _Writer
+from .hf import _dtype, _persistent_buffers, _Writer, check_out_dir
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
 
@@ -36,9 +36,7 @@ def _peft_model(model: nn.Module) -> Any:
 
 def _gathered(model: nn.Module, out: Path, keep: Any) -> dict[str, torch.Tensor]:
     """On rank 0, the full tensors whose plain names ``keep`` accepts (empty on the others); checks ``out`` first."""
-    rank = rank_world()[0]
-    check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank == 0 else None
-    on_all_ranks(f"exporting to {out}: checking it", check, error=ValueError, passthrough=(ValueError,))
+    check_out_dir(out, f"exporting to {out}: checking it")
     return {names[0]: full for names, full in gather_full(model) if full is not None and keep(names[0])}
 
 
@@ -99,16 +97,16 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    # every rank holds the buffers whole; the non-persistent ones are left out below (not in a state dict)
-    full.update({plain_name(n): b.detach().cpu() for n, b in inner.named_buffers()})
+    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner)})  # every rank holds them whole
 
     def write() -> list[str]:
         merged = _merged(inner, full)
         base = inner.get_base_model().config
         with torch.device("meta"):
             target = AutoModelForCausalLM.from_config(base, dtype=dtype)
+        keys = target.state_dict().keys()  # a tied weight is saved once, under the name the model keeps
         target.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()
-                                if k in target.state_dict()}, assign=True, strict=True)
+                                if k in keys}, assign=True, strict=True)
         target.save_pretrained(str(out), safe_serialization=True)
         return [p.name for p in out.iterdir()]
 

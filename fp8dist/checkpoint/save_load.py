@@ -319,9 +319,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if verify:  # after the checks on meta.json alone: reading every file is the costly one
         on_all_ranks(f"loading {checkpoint}", lambda: verify_files(checkpoint, meta, rank, world),
                      error=CheckpointError, passthrough=refusals)
-    frozen_left = bool(meta.get("trainable_only"))  # saved without the frozen parameters: loaded without them
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state,
-                                                        frozen_left), error=CheckpointError)
+                                                        decision.trainable_only), error=CheckpointError)
     backend.after_load(model, info.fp8)
     rng = checkpoint / f"rng_rank{rank}.pt"
     on_all_ranks(f"loading {rng}", lambda: set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
