@@ -46,9 +46,8 @@ def add_parser(sub: Any) -> None:
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
                         "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    lora = [f.name for f in fields(TrainConfig) if f.name.startswith("lora_")]  # fp8dist train's, documented there
     add_arguments(p, TrainConfig, title="LoRA (estimate a run of fp8dist train --lora-rank R: adapters over a frozen "
-                  "base)", skip=[f.name for f in fields(TrainConfig) if f.name not in lora])
+                  "base)", skip=[f.name for f in fields(TrainConfig) if not f.name.startswith("lora_")])  # train's
     add_arguments(p, StrategyConfig, title="strategy", skip=("device",),
                   shown_defaults={"micro_batch_size": "1; also the activations' micro-batch",
                                   "seq_len": f"none: {DEFAULT_SEQ_LEN}; also the activations' sequence"})

@@ -94,20 +94,28 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) ->
     margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
     print. ``selection``: the plan's (``plan.selection``, ``MemoryEstimate.speed``), with a predicted step."""
     from ..config.options import DEFAULT_SEQ_LEN
-    from ..plan.speed import compare_recipes
     from ..plan.speed.step_time import predict_step
 
     p, backend = config.parallel, config.precision.fp8
-    gemms = [(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in selection.step.layers
-             if c.prediction.groups == 1]
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
                    compile=selection.step.compile, strategy=p.strategy,
                    activation_checkpointing=p.activation_checkpointing)
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
-                 for g in compare_recipes(gemms, target=selection.step.gpu, backend=backend,
-                                          compile=selection.step.compile, margin=selection.margin))
+                 for g in _recipe_gemms(selection, backend)[1])
+
+
+def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, ...]]:
+    """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe of ``backend`` that
+    the plan's GPU runs, each layer choosing FP8 by the plan's margin: what the step and the GEMM tables read."""
+    from ..plan.speed import Gemm, compare_recipes
+
+    step = selection.step
+    gemms = [Gemm(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in step.layers
+             if c.prediction.groups == 1]
+    return gemms, compare_recipes(gemms, target=step.gpu, backend=backend, compile=step.compile,
+                                  margin=selection.margin)
 
 
 def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
@@ -187,7 +195,6 @@ def compare_text(plan: Any) -> str:
         ValueError: nothing was predicted (no GPU planned for, a backend without a speed model).
     """
     from ..accounting.rows import text_table
-    from ..plan.speed import Gemm, compare_recipes
 
     selection = plan.selection
     if selection is None or selection.step is None:
@@ -195,10 +202,7 @@ def compare_text(plan: Any) -> str:
         raise ValueError(f"--compare-recipes needs a GPU to predict for ({why}): pass --target h100 (or the GPU "
                          "you will run on) with --fp8 torchao or te.")
     step = selection.step
-    gemms = [Gemm(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in step.layers
-             if c.prediction.groups == 1]
-    steps = compare_recipes(gemms, target=step.gpu, backend=plan.backend, compile=step.compile,
-                            margin=selection.margin)
+    gemms, steps = _recipe_gemms(selection, plan.backend)
     if step.recipe not in {s.recipe for s in steps} and len(gemms) == len(step.layers):  # a recipe per layer
         steps = (*steps, step)  # issue 42 item 6: the plan's own mix beside the one-recipe answers
     ms = lambda seconds: f"{seconds * 1e3:.3f}"  # noqa: E731

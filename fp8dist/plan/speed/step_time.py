@@ -341,12 +341,11 @@ def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSp
                          **options: Any) -> tuple[StepTime, ...]:
     """:func:`predict_step` under several recipes, the model built once: ``recipes`` None takes every Linear recipe
     of the backend that ``target`` runs (:func:`~fp8dist.plan.speed.recipes_for`). ``options``: the other keywords
-    of :func:`predict_step`. What ``fp8dist plan --compare-recipes`` and ``fp8dist estimate`` print per recipe."""
+    of :func:`predict_step`. (``fp8dist plan --compare-recipes`` and ``fp8dist estimate`` predict each recipe twice,
+    every Linear in FP8 and as planned: ``fp8dist.cli.plan.predicted_steps``.)"""
     from .step import recipes_for
 
     model = _meta_model(model_or_config)
-    if not isinstance(model_or_config, nn.Module) and getattr(model, "config", None) is None:
-        model.config = model_or_config
     names = recipes if recipes is not None else recipes_for(fp8, target)
     return tuple(predict_step(model, target=target, fp8=fp8, recipe=r, **options) for r in names)
 
