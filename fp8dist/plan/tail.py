@@ -8,16 +8,13 @@ from typing import Any
 
 from torch import nn
 
+from ..config.options import FP4_TAIL_SHARE
 from ..config.text import plural
 from .hardware import Hardware
 from .speed import RECIPES
 
-__all__ = ["FP4_TAIL_SHARE", "tail_share", "kept_tail"]
+__all__ = ["tail_share", "kept_tail"]
 
-
-FP4_TAIL_SHARE = 0.15
-"""NVFP4 training keeps the last ~15% of blocks and the output head in bf16: torchtitan's experimental NVFP4 on
-Llama3-8B (4 B200s, 21,919 -> 30,040 tok/s) trains so (issue 42)."""
 
 
 def tail_share(cfg: Any, hardware: Hardware, backend: Any) -> tuple[float, str]:
