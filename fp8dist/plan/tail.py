@@ -34,6 +34,7 @@ def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> t
     """``{module: reason}`` for the modules in the model's last blocks (``tail_share``, rounded up to whole blocks)
     and its output head (the last GEMM module to run), and a note saying which; nothing where the share is 0."""
     from ..fp8.order import gemm_order
+    from .adapters import without_adapters
     from ..strategies.common import find_blocks
 
     share, why = tail_share(cfg, hardware, backend)
@@ -43,7 +44,7 @@ def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> t
     blocks = [name for name, _ in found[::-1]]  # declared order, outermost blocks only
     blocks = [b for b in blocks if not any(b.startswith(f"{outer}.") for outer in blocks)]
     kept = blocks[len(blocks) - math.ceil(share * len(blocks)):] if blocks else []
-    head = gemm_order(model, lambda m: backend.supports(m) and backend.computes_in_fp8(m)).last
+    head = gemm_order(model, without_adapters(model, lambda m: backend.supports(m) and backend.computes_in_fp8(m))).last
     reasons = {}
     for name, _ in model.named_modules():
         block = next((b for b in kept if name == b or name.startswith(f"{b}.")), None)
