@@ -33,6 +33,12 @@ from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason,
 
 
 _WRAPPER = "torchao's weight wrapper"
+
+
+def _autocast_low(cfg, facts: StrategyFacts) -> bool:
+    """Autocast runs the forward in a low dtype (strategy none or DDP with bf16/fp16): what MXFP8's Linear and
+    rowwise_with_gw_hp's high-precision weight-gradient GEMM fail under."""
+    return facts.autocast_forward and cfg.parallel.param_dtype != "fp32"
 _RULES = (
     Rule(("torchao_api", "torchao_recipe"),
          lambda cfg, facts: torchao_api(cfg) == "module_swap" and is_mx(cfg.precision.torchao_recipe),
@@ -65,8 +71,7 @@ _RULES = (
          "torchao all-gathers in FP8 only with the tensorwise recipe",
          "Use torchao_recipe='tensorwise' or leave fp8_all_gather unset."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
-         lambda cfg, facts: is_mx(cfg.precision.torchao_recipe) and facts.autocast_forward
-         and cfg.parallel.param_dtype != "fp32",
+         lambda cfg, facts: is_mx(cfg.precision.torchao_recipe) and _autocast_low(cfg, facts),
          "torchao's MXFP8 Linear (mx_mm) does not follow autocast: it meets the autocast dtype's input with the fp32 "
          "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU)",
          "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'."),
@@ -77,8 +82,7 @@ _RULES = (
          "Use torchao_api='module_swap' (or 'auto') with torchao_recipe='auto', or one recipe with the weight "
          "wrapper."),
     Rule(("torchao_recipe", "strategy", "param_dtype"),
-         lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and facts.autocast_forward
-         and cfg.parallel.param_dtype != "fp32",
+         lambda cfg, facts: cfg.precision.torchao_recipe == "rowwise_with_gw_hp" and _autocast_low(cfg, facts),
          "its high-precision weight-gradient GEMM mixes the autocast dtype with fp32 and fails (torchao 0.18)"),
 )
 
@@ -162,33 +166,33 @@ class TorchaoBackend(FP8Backend):
             return convert_nvfp4(model, names)
         _say_bypassed(plan)
         dense = [e for e in plan.fp8 if not e.grouped]
-        swaps, wrapped = {}, set()
+        swaps, wrapped = [], set()
         for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
-            swaps[recipe], wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], cfg,
-                                                             plan.facts, recipe)
+            layer = self.layer_config(cfg, recipe)  # these layers as their own recipe configures them
+            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], layer,
+                                                       plan.facts)
+            swaps.append((layer, swapped))
             wrapped |= wrapped_now
-        _check_fp8_ran(model, sorted(set().union(*swaps.values()) | wrapped))
-        for recipe, linears in swaps.items():  # frozen weights (a LoRA base): cast once where they can be
+        _check_fp8_ran(model, sorted(set().union(*(linears for _, linears in swaps)) | wrapped))
+        for layer, linears in swaps:  # frozen weights (a LoRA base): cast once where they can be
             from .frozen import freeze_float8_linears
 
-            layer = self.layer_config(cfg, recipe)  # each layer as its own recipe answers (the estimate asks so)
-            frozen = self.frozen_weights(layer, plan.facts)
+            frozen = self.frozen_weights(layer, plan.facts)  # per recipe, as the estimate asks it
             if linears and not frozen.grad_weight_gemm:  # FP8 all-gather keeps the shard's cast, not the weight's
                 cached = frozen.cached_bytes and not fp8_all_gather(layer, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
-    def _convert_dense(self, model: nn.Module, entries: list, cfg, facts: StrategyFacts,
-                       recipe: str | None) -> tuple[set[str], set[str]]:
-        """The plan's FP8 Linears and Conv1Ds ``entries``, all of one recipe (``recipe``: a layer's own; None: the
-        configured one); returns the Linears swapped and those wrapped."""
+    def _convert_dense(self, model: nn.Module, entries: list, layer, facts: StrategyFacts) -> tuple[set[str], set[str]]:
+        """The plan's FP8 Linears and Conv1Ds ``entries``, all of one recipe (``layer``: the config with their
+        recipe, :meth:`layer_config`); returns the Linears swapped and those wrapped."""
         from torchao.float8 import convert_to_float8_training
 
         names = {e.name for e in entries}
-        config = float8_config(cfg, facts, recipe)
+        config = float8_config(layer, facts)
         conv1ds = {n for n in names if is_conv1d(model.get_submodule(n))}
         wrapped = {e.name for e in entries if e.converted_to in (WRAPPED, *MX_WRAPPED.values())}
         linears = names - conv1ds - wrapped  # Float8Conv1D is an nn.Linear subclass: never handed to the converter
-        wrap_linears(model, wrapped, recipe or cfg.precision.torchao_recipe)
+        wrap_linears(model, wrapped, layer.precision.torchao_recipe)
         for name in sorted(conv1ds):
             model.set_submodule(name, to_float8_conv1d(model.get_submodule(name), config))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in linears)
@@ -226,8 +230,7 @@ class TorchaoBackend(FP8Backend):
         autocast runs the forward in a low dtype (its weight-gradient GEMM fails there: a rule of one recipe)."""
         if cfg.precision.torchao_recipe != "auto":
             return ()
-        fails = facts.autocast_forward and cfg.parallel.param_dtype != "fp32"
-        return tuple(r for r in MIXED if not (fails and r == "rowwise_with_gw_hp"))
+        return tuple(r for r in MIXED if not (_autocast_low(cfg, facts) and r == "rowwise_with_gw_hp"))
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
         """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with (MXFP8: torchao's

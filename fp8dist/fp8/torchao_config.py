@@ -84,12 +84,12 @@ def gathers_fp8(entry) -> bool:
     return not entry.grouped and entry.recipe in (None, "tensorwise")
 
 
-def float8_config(cfg, facts: StrategyFacts, recipe: str | None = None) -> Any:
-    """The ``Float8LinearConfig`` for the recipe (``recipe``: a layer's own, under torchao_recipe='auto'); FP8
-    all-gather switched on where it applies."""
+def float8_config(cfg, facts: StrategyFacts) -> Any:
+    """The ``Float8LinearConfig`` of ``cfg``'s recipe (a layer's own under torchao_recipe='auto': the backend's
+    ``layer_config``); FP8 all-gather switched on where it applies."""
     from torchao.float8 import Float8LinearConfig
 
-    recipe = recipe or cfg.precision.torchao_recipe
+    recipe = cfg.precision.torchao_recipe
     if is_mx(recipe) or recipe in ("nvfp4", "auto"):  # MX wrapped, NVFP4 its own, auto: per layer
         return None
     if recipe == "tensorwise":
