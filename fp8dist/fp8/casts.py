@@ -88,10 +88,10 @@ NVFP4_NOT_EMULATED = ("NVFP4 emulated without its random Hadamard transform of t
 """What the probe's NVFP4 casts leave out of Transformer Engine's and torchao's NVFP4 training, said in its report."""
 
 
-def nvfp4_casts(*, weight_tile: int = NVFP4_WEIGHT_TILE) -> Casts:
+def nvfp4_casts() -> Casts:
     """NVFP4 on every operand of every GEMM (e2m1 in 1x16 blocks along the contraction dim, e4m3 block scales, an
-    fp32 tensor scale), the weight in ``weight_tile`` x 16 blocks."""
-    return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=weight_tile if role == "weight" else 1)
+    fp32 tensor scale), the weight in :data:`NVFP4_WEIGHT_TILE` x 16 blocks."""
+    return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=NVFP4_WEIGHT_TILE if role == "weight" else 1)
             for role, gemm in USES}
 
 
