@@ -70,15 +70,20 @@ def nelder_mead(f, start: list[float], iterations: int = 600, step: float = 0.3)
     return simplex[best], scores[best]
 
 
-def fit(rows) -> tuple[tuple[float, ...], float]:
-    """The best constants from every start (searched over their logs, so each stays positive)."""
-    f = lambda logs: loss(tuple(math.exp(v) for v in logs), rows)  # noqa: E731
+def best_of(f, starts) -> tuple[tuple[float, ...], float]:
+    """The positive constants minimizing ``f`` (a function of their logs) over Nelder-Mead runs from each of
+    ``starts``, each restarted once from where it stopped, to 3 significant digits; and that minimum."""
     results = []
-    for start in STARTS:
+    for start in starts:
         logs, _ = nelder_mead(f, [math.log(v) for v in start])
         results.append(nelder_mead(f, logs))  # a restart escapes a collapsed simplex
     logs, value = min(results, key=lambda r: r[1])
     return tuple(float(f"{math.exp(v):.3g}") for v in logs), value
+
+
+def fit(rows) -> tuple[tuple[float, ...], float]:
+    """The best constants from every start (searched over their logs, so each stays positive)."""
+    return best_of(lambda logs: loss(tuple(math.exp(v) for v in logs), rows), STARTS)
 
 
 def main() -> None:

@@ -26,12 +26,12 @@ import json
 import math
 from pathlib import Path
 
-from fit import nelder_mead
+from fit import best_of
 
 from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
 from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, GROUPED_FIT_GROUPS,
                                             GROUPED_HELD_OUT_GROUPS, agreement, forward_rig_speedup, grouped_seconds,
-                                            read_forward_table, read_grouped_table)
+                                            grouped_speedup, read_forward_table, read_grouped_table)
 
 HERE = Path(__file__).parent
 FORWARD = HERE / "torchao_b200_forward.csv"
@@ -57,18 +57,7 @@ def fit(recipe: str, rows) -> tuple[tuple[float, float], float]:
         gpu = b200(recipe, fraction, slowdown)
         return sum(math.log(forward_rig_speedup(r.m, r.k, r.n, gpu, recipe) / r.speedup) ** 2 for r in rows)
 
-    return _best_of(loss, ((0.7, 1.0), (0.5, 3.0), (0.9, 0.5)))
-
-
-def _best_of(loss, starts) -> tuple[tuple[float, ...], float]:
-    """The constants (positive, fitted in log space, 3 significant digits) minimizing ``loss`` over Nelder-Mead runs
-    from each of ``starts``, each restarted once from where it stopped; and that loss."""
-    results = []
-    for start in starts:
-        logs, _ = nelder_mead(loss, [math.log(v) for v in start])
-        results.append(nelder_mead(loss, logs))
-    logs, value = min(results, key=lambda r: r[1])
-    return tuple(float(f"{math.exp(v):.3g}") for v in logs), value
+    return best_of(loss, ((0.7, 1.0), (0.5, 3.0), (0.9, 0.5)))
 
 
 def grouped_b200(efficiency: float, slowdown: float, base=B200_CALIBRATION):
@@ -84,7 +73,7 @@ def fit_grouped(rows, base=B200_CALIBRATION) -> tuple[tuple[float, float], float
         return sum(math.log(p / t) ** 2 for r in rows
                    for p, t in zip(grouped_seconds(r.m, r.k, r.n, r.groups, gpu), (r.bf16_s, r.low_s)))
 
-    return _best_of(loss, ((0.5, 3.0), (0.9, 1.0), (0.3, 6.0)))
+    return best_of(loss, ((0.5, 3.0), (0.9, 1.0), (0.3, 6.0)))
 
 
 def grouped_result(base) -> dict:
@@ -92,7 +81,7 @@ def grouped_result(base) -> dict:
     table = read_grouped_table(GROUPED)
     (efficiency, slowdown), value = fit_grouped([r for r in table if r.groups in GROUPED_FIT_GROUPS], base)
     gpu = grouped_b200(efficiency, slowdown, base)
-    predict = lambda r: (lambda b, low: b / low)(*grouped_seconds(r.m, r.k, r.n, r.groups, gpu))  # noqa: E731
+    predict = lambda r: grouped_speedup(r.m, r.k, r.n, r.groups, gpu)  # noqa: E731
     rows = [{"m": r.m, "k": r.k, "n": r.n, "groups": r.groups, "measured": r.speedup,
              "predicted": round(predict(r), 3), "part": "fit" if r.groups in GROUPED_FIT_GROUPS else "held out"}
             for r in table]
