@@ -110,11 +110,16 @@ def variants_of(fp8: str | None, option: str | None = None) -> tuple[str, ...]:
     return (default, *(c for c in choices(option) if c != default))
 
 
-def variant_label(fp8: str | None, variant: str | None, more: dict[str, str]) -> str:
-    """``-rowwise-weight_wrapper``: a cell's variant and further variant values (``more``: option -> value), each
-    that is not its option's default, for names and labels; "" for the defaults."""
+def non_default_variants(fp8: str | None, variant: str | None, more: dict[str, str]) -> list[str]:
+    """A cell's variant and further variant values (``more``: option -> value), each that is not its option's
+    default, in order."""
     values = [(variant, variants_of(fp8)[:1]), *((v, variants_of(fp8, o)[:1]) for o, v in more.items())]
-    return "".join(f"-{v}" for v, default in values if v not in (None, *default))
+    return [v for v, default in values if v not in (None, *default)]
+
+
+def variant_label(fp8: str | None, variant: str | None, more: dict[str, str]) -> str:
+    """``-rowwise-weight_wrapper``: :func:`non_default_variants` for names and labels; "" for the defaults."""
+    return "".join(f"-{v}" for v in non_default_variants(fp8, variant, more))
 
 
 def cell_world(cell: Cell, nproc: int) -> int:

@@ -11,7 +11,7 @@ from ..config.text import plural
 from ..fp8 import BACKENDS, NO_FP8
 from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES
-from .cell import describe_job, variant_label, variants_of, versions_line
+from .cell import describe_job, non_default_variants, variant_label, variants_of, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
 __all__ = ["plot_results", "loss_panels"]
@@ -67,9 +67,8 @@ def _line_color(cell: dict[str, Any]) -> str:
     """Its strategy's color, or that of its last variant value other than its option's default (torchao's
     rowwise, weight_wrapper: a color of its own beside the strategy's)."""
     fp8, more = cell["fp8"], cell.get("more_variants") or {}
-    given = [(cell.get("variant"), variants_of(fp8)), *((v, variants_of(fp8, o)) for o, v in more.items())]
-    values = [v for v, choices in given if v not in (None, *choices[:1])]
-    names = [c for _, choices in given for c in choices]
+    values = non_default_variants(fp8, cell.get("variant"), more)
+    names = [c for option in (None, *more) for c in variants_of(fp8, option)]
     return _color(values[-1], names) if values else _color(cell["strategy"], list(STRATEGIES))
 
 
