@@ -32,19 +32,19 @@ def lora_alpha(train: Any) -> float:
     return train.lora_alpha if train.lora_alpha is not None else 2.0 * train.lora_rank
 
 
-def _linear_names(model: nn.Module) -> list[str]:
-    """The distinct last parts of the names of the model's Linear-like modules (what a target may name)."""
-    from transformers.pytorch_utils import Conv1D
+def _linears(model: nn.Module) -> list[str]:
+    """The names of the model's Linear-like modules (nn.Linear, transformers' Conv1D): what a target may name."""
+    from ..fp8.conv1d import is_conv1d
 
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if name and isinstance(m, (nn.Linear, Conv1D))})
+    return [name for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))]
 
 
 def _targets(model: nn.Module, train: Any) -> list[str] | None:
     """``lora_targets`` checked against the model (each must end a Linear's name), or None: PEFT's default of the
     model's family; ValueError naming the target, the model's Linear names and the way out."""
     peft = import_peft()
-    names = _linear_names(model)
+    linears = _linears(model)
+    names = sorted({name.rsplit(".", 1)[-1] for name in linears})
     choices = ", ".join(names)
     if not train.lora_targets:
         family = getattr(getattr(model, "config", None), "model_type", None)
@@ -52,7 +52,6 @@ def _targets(model: nn.Module, train: Any) -> list[str] | None:
             raise ValueError(f"lora_targets: PEFT has no default target modules for model_type {family!r}; pass "
                              f"--lora-targets NAME,... naming some of the model's Linear layers: {choices}.")
         return None
-    linears = [name for name, m in model.named_modules() if name and name.rsplit(".", 1)[-1] in names]
     for target in train.lora_targets:
         if not any(n == target or n.endswith("." + target) for n in linears):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=1)
