@@ -28,9 +28,8 @@ class Calibration:
     slower than its ideal traffic a cast runs, and the shortest a kernel takes."""
 
     bf16_gemm_fraction: float
-    """Fraction of the dense bf16 peak a large bf16 GEMM reaches."""
+    """Fraction of the dense bf16 / FP8 peak a large GEMM reaches (FP8 fitted: speedups fix only their ratio)."""
     fp8_gemm_fraction: float
-    """Fraction of the dense FP8 peak a large FP8 GEMM reaches (fitted: speedups fix only its ratio to bf16's)."""
     memory_fraction: float
     """Fraction of the memory bandwidth a large elementwise kernel reaches."""
     cast_slowdown: tuple[float, float, float]
@@ -44,9 +43,8 @@ class Calibration:
     recipes: tuple[str, ...] = ("rowwise",)
     """The speed recipes whose own measurements on ``measured_on`` were fitted: their predictions are calibrated."""
     mx_gemm_fraction: float | None = None
-    """Fraction of the dense FP8 peak an MXFP8 GEMM reaches; None: ``fp8_gemm_fraction``."""
+    """Fraction of the dense FP8 / FP4 peak an MXFP8 / NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     fp4_gemm_fraction: float | None = None
-    """Fraction of the dense FP4 peak an NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
     """(MXFP8, NVFP4): a block-scaling quantize kernel over its ideal traffic (fitted on the B200; 1: not measured)."""
     grouped_gemm_efficiency: float = 1.0

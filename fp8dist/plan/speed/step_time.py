@@ -15,6 +15,7 @@ from ..gpus import GpuSpec, gpu_by_key
 from ..hardware import Hardware
 from .model import predict_linear, resolve_gpu
 from .recipes import recipe_named
+from .step import recipes_for
 
 __all__ = ["StepConstants", "STEP_CONSTANTS", "StepParts", "StepTime", "predict_step", "compare_step_recipes",
            "fastest", "linear_shapes"]
@@ -39,8 +40,7 @@ class StepConstants:
     collective_fraction: float = 0.8
     """Fraction of one direction's link bandwidth an NCCL all-gather / reduce-scatter reaches (assumed)."""
     network_gbps: float = 50.0
-    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s per GPU (DGX H100 / B200 datasheets; torchtitan's Grand
-    Teton hosts)."""
+    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s (DGX H100 / B200 datasheets; torchtitan's Grand Teton hosts)."""
     gpus_per_node: int = 8
     optimizer_bytes: float = 32.0
     """Bytes per parameter shard of an fp32 AdamW step (param, grad, two moments read; three written; the norm)."""
@@ -300,8 +300,6 @@ def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSp
                          **options: Any) -> tuple[StepTime, ...]:
     """:func:`predict_step` under several recipes, the model built once; ``recipes`` None: every Linear recipe of the
     backend that ``target`` runs; ``options``: :func:`predict_step`'s other keywords."""
-    from .step import recipes_for
-
     model = _meta_model(model_or_config)
     names = recipes if recipes is not None else recipes_for(fp8, target)
     return tuple(predict_step(model, target=target, fp8=fp8, recipe=r, **options) for r in names)
