@@ -23,8 +23,7 @@ def gpu_budget(nproc: int) -> int:
     """Bytes a cell may plan on per rank: :data:`MEMORY_FRACTION` of the smallest of the first ``nproc`` GPUs."""
     import torch
 
-    total = min(torch.cuda.get_device_properties(i).total_memory for i in range(max(1, nproc)))
-    return budget(total)
+    return budget(min(torch.cuda.get_device_properties(i).total_memory for i in range(max(1, nproc))))
 
 
 def _options(cell: Cell, world: int) -> dict[str, Any]:
