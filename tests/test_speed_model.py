@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from fp8dist.train.models import LLAMA_SIZES
 from fp8dist.fp8 import BACKENDS, get_backend
 from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_gemms,
                                 recipes_for)
-from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, FIT_ROWS, GROUPED_FIT_GROUPS,
-                                            GROUPED_HELD_OUT_GROUPS, HELD_OUT_ROWS, agreement, forward_rig_speedup,
-                                            grouped_speedup, read_forward_table, read_grouped_table,
-                                            read_measurements, rig_speedup)
 
 ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "speed_model"))  # agreement.py: the speed model's benchmark tooling
+from agreement import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, FIT_ROWS, GROUPED_FIT_GROUPS,  # noqa: E402
+                       GROUPED_HELD_OUT_GROUPS, HELD_OUT_ROWS, agreement, forward_rig_speedup, grouped_speedup,
+                       read_forward_table, read_grouped_table, read_measurements, rig_speedup)
+
 TABLE = read_measurements(ROOT / "tests" / "data" / "torchao_fp8_rowwise_h100.csv")
 DIMS = (1024, 2048, 4096, 8192, 16384, 32768)
 H100 = gpu_by_key("h100")

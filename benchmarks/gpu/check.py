@@ -18,8 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # linear.py beside this file, run as a script
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "speed_model")]  # linear.py beside this file, agreement.py
 import linear  # noqa: E402
+from agreement import Measurement, agreement  # noqa: E402
 
 import fp8dist  # noqa: E402
 from fp8dist.bench.cell import variants_of  # noqa: E402
@@ -27,7 +29,6 @@ from fp8dist.bench.results import device_record, versions as package_versions  #
 from fp8dist.fp8 import NO_FP8, get_backend  # noqa: E402
 from fp8dist.plan.gpus import GpuSpec, gpu_by_key  # noqa: E402
 from fp8dist.plan.hardware import find_gpu, hardware_of  # noqa: E402
-from fp8dist.plan.speed.calibration import Measurement, agreement  # noqa: E402
 from fp8dist.strategies import STRATEGIES  # noqa: E402
 from fp8dist.train.job import default_fp8  # noqa: E402
 
@@ -155,7 +156,7 @@ def linear_part(allotted: float, device: torch.device, spec: GpuSpec | None, dry
 
 
 def agreement_by_recipe(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per recipe, calibration.agreement of the predicted rig speedups with the measured ones (margin 1.0)."""
+    """Per recipe, agreement.agreement of the predicted rig speedups with the measured ones (margin 1.0)."""
     found = {}
     for recipe in linear.RECIPES:
         mine = [r for r in rows if r["recipe"] == recipe and r["measured"] and r["predicted_rig"]]

@@ -1,12 +1,13 @@
 """The GPU check's Linear part: bf16 vs FP8 forward + backward of the quantity torchao's published H100 table
 measures (LayerNorm -> Linear -> Sigmoid, both compiled), per shape and recipe, beside the speed model's figure for
-the same quantity (``calibration.rig_speedup``), its figure for the Linear alone (``predict_linear``) and, where the
+the same quantity (``agreement.rig_speedup``), its figure for the Linear alone (``predict_linear``) and, where the
 shape is in the table, the published rowwise measurement. Run by check.py; the FP8 rig is torchao's own conversion,
 since that is what the table and the model's calibration measure (fp8dist's wiring is timed by the step part)."""
 
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,17 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8dist.bench.runner import DEFAULTS
-from fp8dist.plan.gpus import GpuSpec
-from fp8dist.plan.speed import predict_linear
-from fp8dist.plan.speed.calibration import read_measurements, rig_speedup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed_model"))  # agreement.py, run as a script or not
+from agreement import read_measurements, rig_speedup  # noqa: E402
+
+from fp8dist.bench.runner import DEFAULTS  # noqa: E402
+from fp8dist.plan.gpus import GpuSpec  # noqa: E402
+from fp8dist.plan.speed import predict_linear  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE = REPO / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"
 RECIPES = ("tensorwise", "rowwise")
 """The recipes timed: the published table's (rowwise) and the one the issue's end-to-end runs gain most with."""
 TABLE_KN = (2048, 4096, 8192, 16384)
-"""K = N of the table's rows timed; M below, held-out rows of the fit first (calibration.HELD_OUT_ROWS)."""
+"""K = N of the table's rows timed; M below, held-out rows of the fit first (agreement.HELD_OUT_ROWS)."""
 TABLE_M = (2048, 8192, 1024, 4096, 16384)
 EXTRA = ((16384, 4096, 16384),)
 """tests/test_fp8_gpu.py's SPEED_SHAPES not among the above (that test is deselected from the pytest part)."""

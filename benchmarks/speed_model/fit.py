@@ -7,7 +7,7 @@ slowdowns. Fixed from torchao's roofline_utils.py (H100, measured there): bf16 G
 elementwise kernels 0.92 of the bandwidth, no kernel takes less than 2 us (a free floor fits the same loss, 0.503
 vs 0.504, with no better agreement); speedup data fix only the ratio of the two GEMM fractions.
 The loss is the sum of squared log(predicted / measured) over the fit rows (the quantity measured: LayerNorm ->
-Linear -> Sigmoid, fp8dist.plan.speed.calibration.rig_speedup). Minimised by Nelder-Mead over the constants' logs from
+Linear -> Sigmoid, agreement.rig_speedup). Minimised by Nelder-Mead over the constants' logs from
 several starts; the result is rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import json
 import math
 from pathlib import Path
 
+from agreement import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
+
 from fp8dist.plan.gpus import H100_CALIBRATION, gpu_by_key
-from fp8dist.plan.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"

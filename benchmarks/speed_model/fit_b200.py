@@ -9,13 +9,13 @@ Free constants (fp8dist.plan.gpus.Calibration), two per recipe, fitted apart: MX
 FP8 peak and its quantize kernel's slowdown; NVFP4's GEMM fraction of the dense FP4 peak and its cast kernel's
 slowdown. Fixed: the H100's bf16 GEMM fraction (0.78), bandwidth fraction (0.92) and 2 us kernel floor (torchao's
 roofline_utils.py copies the same H100 figures to the B200). The loss is the sum of squared log(predicted /
-measured) of fp8dist.plan.speed.calibration.forward_rig_speedup; Nelder-Mead over the constants' logs (fit.py's),
+measured) of agreement.forward_rig_speedup; Nelder-Mead over the constants' logs (fit.py's),
 rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds.
 
 Grouped GEMMs (MoE experts, recipe moe_mxfp8), two constants on top of the forward fit's: the grouped GEMM
 efficiency (the fraction of a dense GEMM's rate a grouped one reaches, bf16 and MXFP8 alike) and the grouped
 quantize kernels' slowdown. The table publishes both times, so the loss is the sum of squared log errors of the
-bf16 and the MXFP8 time (fp8dist.plan.speed.calibration.grouped_seconds): the times fix the efficiency, which a
+bf16 and the MXFP8 time (agreement.grouped_seconds): the times fix the efficiency, which a
 speedup alone could not tell from the casts' share."""
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import json
 import math
 from pathlib import Path
 
+from agreement import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, GROUPED_FIT_GROUPS, GROUPED_HELD_OUT_GROUPS, agreement,
+                       forward_rig_speedup, grouped_seconds, grouped_speedup, read_forward_table, read_grouped_table)
 from fit import best_of
 
 from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
-from fp8dist.plan.speed.calibration import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, GROUPED_FIT_GROUPS,
-                                            GROUPED_HELD_OUT_GROUPS, agreement, forward_rig_speedup, grouped_seconds,
-                                            grouped_speedup, read_forward_table, read_grouped_table)
 
 HERE = Path(__file__).parent
 FORWARD = HERE / "torchao_b200_forward.csv"

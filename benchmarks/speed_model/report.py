@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torchao
 
+from agreement import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
+
 import fp8dist
 from fp8dist.plan.gpus import gpu_by_key
-from fp8dist.plan.speed.calibration import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"

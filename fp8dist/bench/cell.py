@@ -34,8 +34,7 @@ TIMING_WARMUP = 2
 
 @dataclass(frozen=True, kw_only=True)
 class TextJob:
-    """Real text a cell trains on (the names of :class:`fp8dist.train.job.TrainConfig`'s fields), and when it
-    measures the held-out loss."""
+    """Real text a cell trains on and evaluates (named as :class:`fp8dist.train.job.TrainConfig`'s fields)."""
 
     data: tuple[str, ...]
     tokenizer: str
@@ -44,7 +43,6 @@ class TextJob:
     eval_every: int = 0
     """Held-out loss after every N steps and after the last (0: after the last only)."""
     eval_batches: int | None = None
-    """Held-out global batches per evaluation (fp8dist.train.data.job.eval_batch_count)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +53,8 @@ class Cell:
     fp8: str | None
     size: str
     wiring: str = "fp8dist"
-    """"fp8dist": ``wrap_model``; "vs-raw": ``wrap_model`` side by side with the same wiring written by hand
-    without fp8dist (the strategy's ``shard_by_hand``, the backend's ``convert_by_hand``), for the overhead ratio."""
+    """"fp8dist": ``wrap_model``; "vs-raw": ``wrap_model`` beside the same wiring by hand (the strategy's
+    ``shard_by_hand``, the backend's ``convert_by_hand``), for the overhead ratio."""
     steps: int = 10
     batch_size: int = 4
     """Sequences per rank per step."""
@@ -65,21 +63,16 @@ class Cell:
     lr: float = 1e-3
     """AdamW's peak learning rate."""
     lr_schedule: str = "constant"
-    """constant or cosine (linear warm-up, then cosine decay: fp8dist.train.schedule.lr_schedule, over ``steps``)."""
     zero_stage: int = 2
     compile: bool = False
-    """torch.compile each block (wrap_model's ``compile``)."""
     activation_checkpointing: str = "none"
     memory: str = STANDARD.name
-    """wrap_model's ``memory`` level (:data:`fp8dist.memory_levels.LEVELS`)."""
     variant: str | None = None
-    """The value of the backend's :attr:`~fp8dist.fp8.FP8Backend.variant_option` this cell runs (torchao's recipe:
-    tensorwise, rowwise, ...); None: the backend has no variants."""
+    """The value of the backend's ``variant_option`` (torchao's recipe); None: the backend has no variants."""
     more_variants: tuple[tuple[str, str], ...] = ()
-    """``(option, value)`` of each of the backend's :attr:`~fp8dist.fp8.FP8Backend.more_variant_options` this cell
-    runs (``("torchao_api", "weight_wrapper")``); the JSON writes them as a mapping."""
+    """``(option, value)`` of each of the backend's ``more_variant_options``; the JSON writes them as a mapping."""
     text: TextJob | None = None
-    """Real text to train on and evaluate; None: the built-in grammar corpus."""
+    """None: the built-in grammar corpus."""
     label_seed: bool = False
     """The name ends with the seed (a matrix over several seeds)."""
 
@@ -98,8 +91,8 @@ class Cell:
 
 @functools.cache
 def variants_of(fp8: str | None, option: str | None = None) -> tuple[str, ...]:
-    """The values of the backend's ``option`` (default: its :attr:`~fp8dist.fp8.FP8Backend.variant_option`), the
-    config's choices, its default first; () for a backend without one."""
+    """The config's choices of the backend's ``option`` (default: its ``variant_option``), the default first; ()
+    for a backend without one."""
     from ..config.resolve import resolve_config
     from ..config.rules import choices
 
@@ -111,14 +104,13 @@ def variants_of(fp8: str | None, option: str | None = None) -> tuple[str, ...]:
 
 
 def non_default_variants(fp8: str | None, variant: str | None, more: dict[str, str]) -> list[str]:
-    """A cell's variant and further variant values (``more``: option -> value), each that is not its option's
-    default, in order."""
+    """A cell's variant and further variant values (``more``: option -> value) that are not their option's default."""
     values = [(variant, variants_of(fp8)[:1]), *((v, variants_of(fp8, o)[:1]) for o, v in more.items())]
     return [v for v, default in values if v not in (None, *default)]
 
 
 def variant_label(fp8: str | None, variant: str | None, more: dict[str, str]) -> str:
-    """``-rowwise-weight_wrapper``: :func:`non_default_variants` for names and labels; "" for the defaults."""
+    """``-rowwise-weight_wrapper`` for names and labels; "" for the defaults."""
     return "".join(f"-{v}" for v in non_default_variants(fp8, variant, more))
 
 
@@ -128,8 +120,7 @@ def cell_world(cell: Cell, nproc: int) -> int:
 
 
 def cell_options(cell: Cell) -> dict[str, Any]:
-    """The options a cell sets beside strategy, fp8 and its blocks: its backend variant, and the ZeRO stage where
-    the strategy reads it."""
+    """The options a cell sets beside strategy, fp8 and its blocks: its variants, and the ZeRO stage where read."""
     options: dict[str, Any] = {}
     if cell.variant is not None:
         options[get_backend(cell.fp8).variant_option] = cell.variant
@@ -140,13 +131,12 @@ def cell_options(cell: Cell) -> dict[str, Any]:
 
 
 def versions_line(versions: dict[str, str | None]) -> str:
-    """``torch 2.x, torchao 0.y, ...``: the installed libraries of a results document, for its headings."""
+    """``torch 2.x, torchao 0.y, ...``: a results document's installed libraries, for its headings."""
     return ", ".join(f"{name} {v}" for name, v in versions.items() if v and name not in ("python", "fp8dist"))
 
 
 def describe_job(settings: dict[str, Any]) -> str:
-    """Every cell's job in words, from a results document's ``settings``: the table's and the plot's heading.
-    Documents written before --lr-schedule trained at a constant learning rate."""
+    """Every cell's job in words, from a results document's ``settings``: the table's and the plot's heading."""
     schedule = {"constant": "constant", "cosine": "warm-up + cosine decay"}[settings.get("lr_schedule", "constant")]
     seeds = settings.get("seeds", [settings.get("seed")])
     text = settings.get("text")
@@ -158,22 +148,19 @@ def describe_job(settings: dict[str, Any]) -> str:
 
 @dataclass
 class _Wired:
-    """A model wired for training, and what each step of it calls besides forward, backward and the step."""
+    """A model wired for training, and what a hand-wired step calls besides forward, backward and the step."""
 
     model: Any
     optimizer: Any
     fp8_layers: tuple[int, int]
     """(FP8 GEMM layers, their parameters)."""
     after_step: Callable[[], None] = lambda: None
-    """After each optimizer step (torchao's scale precompute, wired by hand)."""
     forward_context: Callable[[], Any] = contextlib.nullcontext
-    """Around each forward (Transformer Engine's autocast, wired by hand; fp8dist wraps the forward itself)."""
     predicted: dict[str, Any] | None = None
-    """The speed model's figures for the plan (:func:`predicted_figures`); None for the hand-wired run."""
+    """The speed model's figures for the plan; None for the hand-wired run."""
 
 
 def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
-    """wrap_model as a user calls it; the optimizer spec goes through it (engines that own it build it)."""
     from ..pipeline.api import get_plan, wrap_model
 
     wrapped, optimizer = wrap_model(model, config=cell_config(cell), optimizer=_optimizer_spec(cell))
@@ -184,8 +171,7 @@ def _fp8dist_wiring(cell: Cell, model: nn.Module, device: torch.device) -> _Wire
 
 def cell_config(cell: Cell) -> Any:
     """The config a cell's fp8dist run wraps with: every eligible layer in FP8 (``fp8_select='all'``, as the
-    hand-wired run converts them), each with its predicted speedup at the cell's tokens per rank, so a GPU run
-    checks the speed model's figures at once."""
+    hand-wired run converts them), with the speed model's predictions at the cell's tokens per rank."""
     from ..config.resolve import resolve_config
     from ..plan.selection import with_read_options
 
@@ -195,9 +181,8 @@ def cell_config(cell: Cell) -> Any:
 
 
 def predicted_figures(plan: Any) -> dict[str, Any] | None:
-    """What the speed model predicts for a cell's plan (:meth:`fp8dist.plan.selection.Selection.to_dict`: each
-    eligible layer's speedup and whether it runs in FP8, the GEMM time per micro-batch); None where nothing was
-    predicted (a CPU, no FP8 backend with a speed model)."""
+    """The speed model's figures for a cell's plan (``Selection.to_dict()``); None where nothing was predicted (a
+    CPU, no FP8 backend with a speed model)."""
     selection = plan.selection
     return selection.to_dict() if selection is not None and selection.step is not None else None
 
@@ -207,16 +192,14 @@ def _optimizer_spec(cell: Cell) -> dict[str, Any]:
 
 
 def _llama_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
-    """torchtitan's units of the bench's Llama, as a hand-wired run names them: each decoder layer, the input
-    embedding, then the final norm with the output layer kept gathered from forward to backward."""
+    """torchtitan's units of the bench's Llama: each decoder layer, the embedding, then norm + head kept gathered."""
     inner = model.model
     return [*(([layer], True) for layer in inner.layers), ([inner.embed_tokens], True),
             ([inner.norm, model.lm_head], False)]
 
 
 def _hand_wired(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
-    """The same run wired by hand, no fp8dist: the backend's own conversion (:attr:`FP8Backend.convert_by_hand`),
-    then the strategy's own sharding (:attr:`Strategy.shard_by_hand`) and a plain AdamW."""
+    """The same run wired by hand: the backend's ``convert_by_hand``, the strategy's ``shard_by_hand``, AdamW."""
     strategy = get_strategy(cell.strategy)
     converted = get_backend(cell.fp8).convert_by_hand(model, strategy.facts(cell_config(cell)))
     model = strategy.shard_by_hand(model, _llama_units(model), device)
@@ -227,7 +210,7 @@ def _hand_wired(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
 
 
 def _init_process_group(cell: Cell) -> torch.device:
-    """The process group from the launcher's environment (outside any timed step), and this rank's device."""
+    """The process group from the launcher's environment (outside any timed step); this rank's device."""
     from ..pipeline.env import init_distributed
 
     if get_strategy(cell.strategy).process_group:
@@ -245,8 +228,6 @@ def _sync(device: torch.device) -> None:
 
 
 class _Run:
-    """One wired model in a cell, and what its steps measured on this rank."""
-
     def __init__(self, cell: Cell, wiring: str, device: torch.device, batches: Any) -> None:
         from ..train.data import VOCAB_SIZE
         from ..train.models import build_llama
@@ -266,12 +247,10 @@ class _Run:
         self.engine = is_deepspeed_engine(self.model)
         self.losses: list[float] = []
         self.lrs: list[float] = []
-        """The learning rate the optimizer stepped with, per step (read back from it)."""
         self.times: list[float] = []
         self.counter = CommCounter()
         self.state: dict[str, Any] = {}
-        self.eval_losses: list[list[float]] = []
-        """[step, held-out loss] of each evaluation (text cells)."""
+        self.eval_losses: list[list[float]] = []  # [step, held-out loss]
 
     def step(self, step: int, ids: torch.Tensor) -> None:
         """One step as a user writes it, timed; the last one counted (collectives, model-state bytes)."""
@@ -299,7 +278,7 @@ class _Run:
 
     def _record_state(self, counting: bool) -> None:
         """fp8dist.report's per-rank bytes, taken while the step's gradients are still held."""
-        if counting and self.wiring == "fp8dist":  # fp8dist.report reads what wrap_model recorded
+        if counting and self.wiring == "fp8dist":
             from ..accounting import report
 
             rep = report(self.model, self.optimizer)
@@ -313,11 +292,8 @@ class _Run:
 
 def run_cell(cell: Cell) -> dict[str, Any] | None:
     """Run ``cell`` in this rank (call it in every rank); rank 0 returns the cell's figures, the others None.
-
-    Steps ``TIMING_WARMUP`` .. ``steps - 2`` are timed; the last step runs under a :class:`CommCounter`, which
-    slows it, so it is counted but not timed. A "vs-raw" cell trains the fp8dist model and the hand-wired one
-    side by side in the same processes, alternating which goes first, so that both see the same machine load.
-    """
+    Steps ``TIMING_WARMUP`` .. ``steps - 2`` are timed; the last, slowed by its :class:`CommCounter`, is counted. A
+    "vs-raw" cell trains both models in the same processes, alternating which goes first, so both see one load."""
     from ..train.data.job import JobBatches, eval_steps, load_job_corpus
 
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -1,15 +1,6 @@
-"""Count the collectives a training step really issues, and the bytes they move, by collective type.
-
-Every collective of ``torch.distributed`` goes through the dispatcher as a ``c10d`` op (``dist.all_reduce``,
-FSDP2's ``all_gather_into_tensor``, DDP's C++ reducer, DeepSpeed's ``deepspeed.comm``) or a ``_c10d_functional``
-op (DTensor redistribution, torchao's FP8 scale all-reduce), so one ``TorchDispatchMode`` sees them all, whatever
-the engine. Like torch's ``CommDebugMode`` it lets DTensor desugar into its collectives first; unlike it, it counts
-bytes.
-
-Bytes are the size of the full buffer of each collective, what nccl-tests calls the message size: the gathered
-output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast. Over a ring of
-n ranks each rank sends (n-1)/n of it for an all-gather or reduce-scatter, 2(n-1)/n for an all-reduce.
-"""
+"""Count the collectives a step issues and their bytes, by type: every engine's collectives reach the dispatcher as
+``c10d`` or ``_c10d_functional`` ops, so one ``TorchDispatchMode`` sees them all (unlike ``CommDebugMode``, it counts
+bytes: each collective's full buffer, nccl-tests' message size)."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CommCounts", "CommCounter", "collective_kind"]
+__all__ = ["CommCounts", "CommCounter"]
 
 # op name (without namespace and overload) -> collective type; c10d's in-place ops end in "_"
 _KINDS = {
@@ -36,18 +27,9 @@ _KINDS = {
     "scatter": ("scatter_",),
     "send_recv": ("send", "recv_", "recv_any_source_"),
 }
-SHOWN_TYPES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-"""The collective types the results table and the plot show a column for (the rest are summed as "other")."""
+SHOWN_TYPES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # the rest are summed as "other"
 _KIND_OF = {name: kind for kind, names in _KINDS.items() for name in names}
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-
-
-def collective_kind(func: torch._ops.OpOverload) -> str | None:
-    """The collective type of a dispatcher op ("all_gather", "all_reduce", ...), or None if it is not one
-    (``wait_tensor``, ``barrier`` and other bookkeeping ops move no payload and are not counted)."""
-    if getattr(func, "namespace", None) not in _NAMESPACES:
-        return None
-    return _KIND_OF.get(func._opname)
 
 
 def _nbytes(tree) -> int:
@@ -56,12 +38,11 @@ def _nbytes(tree) -> int:
 
 @dataclass
 class CommCounts:
-    """Collectives seen, by type: how many calls and how many bytes (full-buffer size, see the module doc)."""
+    """Collectives seen, by type: calls and full-buffer bytes."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    dtypes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    """Element types carried, by collective type (FSDP2 moves mixed FP8/bf16 groups as uint8)."""
+    dtypes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # FSDP2 moves FP8/bf16 as uint8
 
     def add(self, kind: str, nbytes: int, dtypes: set[str]) -> None:
         self.calls[kind] += 1
@@ -75,16 +56,8 @@ class CommCounts:
 
 
 class CommCounter(TorchDispatchMode):
-    """Count the collectives issued while active, on this rank.
-
-    Example::
-
-        with CommCounter() as comm:
-            loss = model(ids).loss; loss.backward(); optimizer.step()
-        comm.counts.to_dict()   # {"all_gather": {"calls": 6, "bytes": ...}, "reduce_scatter": {...}}
-
-    Every op of the step passes through Python while it is active: count one step, time the others.
-    """
+    """Count the collectives issued on this rank while active (``with CommCounter() as comm``, then
+    ``comm.counts``). Every op passes through Python while it is active: count one step, time the others."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +70,8 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor run and issue its collectives, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        kind = collective_kind(func)
+        # None for ops that are not collectives, or move no payload (wait_tensor, barrier)
+        kind = _KIND_OF.get(func._opname) if getattr(func, "namespace", None) in _NAMESPACES else None
         if kind is not None:
             # the full buffer is the largest of the op's tensor arguments (outputs, inputs) and its result
             parts = [*args[:2], out] if kind != "send_recv" else [args[0]]

@@ -1,10 +1,6 @@
-"""Will each cell of ``fp8dist bench`` fit on its GPU? fp8dist's own memory estimate (:func:`fp8dist.estimate_memory`,
-on a meta-device model: nothing is allocated) of every cell against the GPU's memory, before any process starts.
-
-A cell that the estimate says will not fit is refused with the way out (the estimate's own search in the bench's flags:
-more GPUs, activation checkpointing, memory="lean", a smaller batch; ``--no-raw``), rather than run into an
-out-of-memory error minutes later.
-"""
+"""Will each cell of ``fp8dist bench`` fit on its GPU? fp8dist's memory estimate of every cell (on a meta-device
+model) against the GPU's memory, before any process starts; a cell that will not fit is refused with the bench flag
+that makes it fit, rather than run out of memory minutes later."""
 
 from __future__ import annotations
 
@@ -18,38 +14,33 @@ from .cell import Cell, cell_options, cell_world
 
 __all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
 
+# the bench's flag for each option a way out changes (the bench has none for the others, e.g. the strategy)
 _FLAGS = {"world_size": "--nproc", "activation_checkpointing": "--activation-checkpointing",
-         "micro_batch_size": "--batch-size", "memory": "--memory"}
-"""The bench's flag for each option a way out changes; a way out that changes another (the strategy) is the
-estimate's to name, not the bench's (its cells have no such flag)."""
+          "micro_batch_size": "--batch-size", "memory": "--memory"}
 
 
 def gpu_budget(nproc: int) -> int:
-    """Bytes a cell may plan on per rank: :data:`MEMORY_FRACTION` of the smallest GPU's memory among the first
-    ``nproc`` (one process per GPU)."""
+    """Bytes a cell may plan on per rank: :data:`MEMORY_FRACTION` of the smallest of the first ``nproc`` GPUs."""
     import torch
 
-    total = min(torch.cuda.get_device_properties(i).total_memory for i in range(max(1, nproc)))
-    return budget(total)
+    return budget(min(torch.cuda.get_device_properties(i).total_memory for i in range(max(1, nproc))))
 
 
 def _options(cell: Cell, world: int) -> dict[str, Any]:
-    """What the estimate of ``cell`` on ``world`` ranks is asked: :func:`fp8dist.estimate_memory`'s keywords, and
-    ``fp8dist estimate``'s flags."""
+    """:func:`fp8dist.estimate_memory`'s keywords (and ``fp8dist estimate``'s flags) for ``cell`` on ``world`` ranks."""
     return dict(strategy=cell.strategy, **cell_options(cell), world_size=world, seq_len=cell.seq_len,
                 micro_batch_size=cell.batch_size, fp8=cell.fp8, activation_checkpointing=cell.activation_checkpointing,
                 memory=cell.memory, compile=cell.compile)
 
 
 def _estimate(cell: Cell, world: int, model: Any, **change: Any) -> Any:
-    """fp8dist's memory estimate of ``cell`` on ``world`` ranks, with the options in ``change`` changed."""
     return estimate_memory(model, **{**_options(cell, world), **change})
 
 
 def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
-    """The GPU bytes per rank that fp8dist's estimate predicts for ``cell`` (the meta-device ``model`` of its
-    size), and how they add up. A vs-raw cell holds two models in one process: both models' states, but the
-    gradients of one only (each run frees its gradients after its step) and the activations of one at a time."""
+    """The estimated GPU bytes per rank of ``cell`` (``model``: its size on the meta device), and how they add up.
+    A vs-raw cell holds both models' states but one's gradients (each run frees them after its step) and one's
+    activations at a time."""
     est = _estimate(cell, cell_world(cell, nproc), model)
     acts = est.activation_bytes if est.activations_modelled else 0
     states = device_bytes(est) - acts  # offloaded states are in host memory
@@ -62,8 +53,7 @@ def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
 
 
 def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
-    """Every cell's estimate within ``budget`` bytes per rank (see :func:`gpu_budget`); ValueError naming the first
-    cell that is not, its estimate, and the way out."""
+    """ValueError naming the first cell whose estimate exceeds ``budget`` bytes per rank, and the way out."""
     import torch
 
     from ..train.models import build_llama
@@ -81,15 +71,13 @@ def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
 
 
 def _estimate_command(cell: Cell, nproc: int) -> str:
-    """The ``fp8dist estimate`` command that prints the breakdown of a (plain) cell."""
     flags = [f"{cli_flag(k)} {'none' if v is None else 'true' if v is True else v}"
              for k, v in _options(cell, cell_world(cell, nproc)).items() if v is not False]
     return " ".join([f"fp8dist estimate --model-size {cell.size}", *flags])
 
 
 def _way_out(cell: Cell, nproc: int, budget: int, models: dict[str, Any]) -> str:
-    """What to change: the estimate's own search (:func:`fp8dist.accounting.fit.ways_out`, with a smaller batch
-    besides), its first way out that fits and that the bench's flags make, named with its figure."""
+    """The first way out of the estimate's search (and a smaller batch) that fits and that a bench flag makes."""
     if cell.wiring == "vs-raw":
         return ("It trains fp8dist's model and the hand-wired one side by side in one process: pass --no-raw, or run "
                 "on more GPUs (--nproc), over which FSDP2 shards both.")

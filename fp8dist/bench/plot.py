@@ -1,7 +1,5 @@
-"""The PNG of ``fp8dist bench``: throughput, peak memory and communication bars per cell, loss curves per model size
-(FP8 against bf16; each lean cell beside its fp32-master twin; on real text, the held-out loss over the seeds), and
-the fp8dist / hand-wired step-time ratio. Needs
-matplotlib (``fp8dist[bench]``); :func:`loss_panels` (what the loss panels show) does not."""
+"""The PNG of ``fp8dist bench``: throughput, memory and communication bars per cell, loss panels per model size, and
+the fp8dist / hand-wired step-time ratio. Needs matplotlib (``fp8dist[bench]``); :func:`loss_panels` does not."""
 
 from __future__ import annotations
 
@@ -20,12 +18,10 @@ _PALETTE = {"blue": "#4c72b0", "orange": "#dd8452", "green": "#55a868", "red": "
             "brown": "#937860"}
 _PAIR_COLORS = tuple(_PALETTE.values())
 _COMM_COLORS = {**dict(zip(COMM_TYPES, _PAIR_COLORS)), "other": _PALETTE["brown"]}
-_UNKNOWN = "#999999"
-"""A strategy or backend this process has not registered (a document written elsewhere)."""
+_UNKNOWN = "#999999"  # a strategy or backend this process has not registered (a document written elsewhere)
 
 
 def _color(name: Any, names: list[Any]) -> str:
-    """A stable color per axis value: its position in its registry."""
     return _PAIR_COLORS[names.index(name) % len(_PAIR_COLORS)] if name in names else _UNKNOWN
 
 
@@ -34,7 +30,6 @@ def _fp8_color(fp8: str | None) -> str:
 
 
 def _titled(ax, title: str) -> None:
-    """A bar panel's title and style: the first bar on top."""
     ax.set_title(title, fontsize=10)
     ax.invert_yaxis()
     ax.tick_params(labelsize=8)
@@ -64,8 +59,7 @@ def _comm_bars(ax, cells: list[dict[str, Any]]) -> None:
 
 
 def _line_color(cell: dict[str, Any]) -> str:
-    """Its strategy's color, or that of its last variant value other than its option's default (torchao's
-    rowwise, weight_wrapper: a color of its own beside the strategy's)."""
+    """Its strategy's color, or that of its last non-default variant value (torchao's rowwise: a color of its own)."""
     fp8, more = cell["fp8"], cell.get("more_variants") or {}
     values = non_default_variants(fp8, cell.get("variant"), more)
     names = [c for option in (None, *more) for c in variants_of(fp8, option)]
@@ -85,8 +79,7 @@ def _curve(cell: str, losses: list[float], label: str, dashed: bool, color: str 
 
 
 def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
-    """One size's curves, FP8 (dashed) against bf16 (solid), with the FP8 - bf16 difference per step; the
-    standard-memory cells where there are any (lean cells get their own panel)."""
+    """One size's curves, FP8 (dashed) against bf16 (solid), and their difference; standard-memory cells where any."""
     mine = [c for c in cells if c["size"] == size]
     mine = [c for c in mine if c.get("memory", STANDARD.name) == STANDARD.name] or mine
     curves, deltas = [], []
@@ -103,8 +96,7 @@ def _fp8_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
 
 
 def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
-    """One size's cells of another memory level (lean; dashed), each beside its fp32-master twin (solid, same color:
-    same strategy, FP8 backend, seed and batches), with the difference per step."""
+    """One size's lean cells (dashed), each beside its fp32-master twin (solid, same color), and their difference."""
     curves, deltas = [], []
     mine = [c for c in cells if c["size"] == size and "vs_standard" in c]
     for i, c in enumerate(mine):
@@ -122,8 +114,7 @@ def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
 
 
 def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
-    """One size's held-out loss per configuration at each evaluated step, the mean over the seeds (FP8 dashed),
-    with each configuration's gap to bf16 (mean over the seeds, paired by seed) in the inset."""
+    """One size's held-out loss per configuration over the seeds (FP8 dashed), its gap to bf16 in the inset."""
     curves, deltas = [], []
     for i, entry in enumerate(e for e in doc["convergence"] if e["size"] == size):
         color, mean = _PAIR_COLORS[i % len(_PAIR_COLORS)], [h["mean"] for h in entry["held_out"]]
@@ -140,10 +131,9 @@ def _held_out_panel(doc: dict[str, Any], size: str) -> dict[str, Any]:
 
 
 def loss_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """What each loss panel of the PNG draws: per model size the FP8-vs-bf16 panel, then per size with lean cells
-    the lean-vs-standard panel (the first seed's cells), then per size with held-out losses their panel. A panel is
-    ``{"title", "curves", "deltas", "delta_title"}``, each curve ``{"cell", "label", "losses", "dashed", "color"}``
-    and, where its points are not every step, ``"steps"`` (deltas: the difference drawn in the inset)."""
+    """What each loss panel draws: per size FP8 vs bf16, then lean vs standard (the first seed's cells), then the
+    held-out loss. A panel is ``{"title", "curves", "deltas", "delta_title"}``, a curve ``{"cell", "label", "losses",
+    "dashed", "color"}`` and ``"steps"`` where its points are not every step (deltas: drawn in the inset)."""
     plain = [c for c in doc["cells"] if "error" not in c and c["wiring"] == "fp8dist"]
     plain = [c for c in plain if c["seed"] == plain[0]["seed"]] if plain else plain
     sizes = list(dict.fromkeys(c["size"] for c in plain))
@@ -154,7 +144,6 @@ def loss_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _loss_panel(ax, panel: dict[str, Any]) -> None:
-    """Draw one of :func:`loss_panels`, its differences in an inset."""
     delta = ax.inset_axes([0.45, 0.3, 0.52, 0.3])  # under the legend, above where long runs end
     for d in panel["deltas"]:
         delta.plot(d.get("steps") or range(1, len(d["losses"]) + 1), d["losses"], "--", color=d["color"],
@@ -186,7 +175,7 @@ def _overhead_panel(ax, cells: list[dict[str, Any]]) -> None:
 
 
 def plot_results(doc: dict[str, Any], path: str) -> None:
-    """Draw ``doc`` (see :func:`fp8dist.bench.results.results_document`) into a PNG at ``path``."""
+    """Draw ``doc`` (:func:`fp8dist.bench.results.results_document`) into a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,8 +20,8 @@ from ..pipeline.files import atomic_write
 from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
-__all__ = ["device_record", "versions", "results_document", "write_results", "markdown_table", "cell_line", "convergence",
-           "convergence_table", "config_name"]
+__all__ = ["device_record", "versions", "results_document", "write_results", "markdown_table", "cell_line",
+           "convergence", "convergence_table", "config_name"]
 
 SCHEMA = 1
 COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each collective counted at its full "
@@ -30,7 +30,7 @@ COMM_DEFINITION = ("bytes per rank in the counted step, by collective type, each
 
 
 def device_record(device_type: str, nproc: int) -> dict[str, Any]:
-    """What a results document records of the device: its name, count, capability (CUDA) and the processes."""
+    """A results document's device: name, count, capability (CUDA) and processes."""
     import torch
 
     if device_type == "cuda":
@@ -51,7 +51,7 @@ def _cpu_name() -> str:
 
 
 def versions() -> dict[str, str | None]:
-    """The versions a results document records: Python, fp8dist and every engine package (None: not installed)."""
+    """Python, fp8dist and every engine package's version (None: not installed)."""
     from ..pipeline.packages import __version__
     from ..pipeline.env import package_version
 
@@ -60,8 +60,7 @@ def versions() -> dict[str, str | None]:
 
 
 TAIL_STEPS = 20
-"""The comparison of a memory level with the standard one also compares the mean loss of the last 20 steps (all of a
-shorter run)."""
+"""A memory level's comparison with the standard one also compares the mean loss of the last 20 steps."""
 
 
 def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: Any) -> dict[str, Any] | None:
@@ -75,13 +74,11 @@ def _counterpart(cells: list[dict[str, Any]], cell: dict[str, Any], **change: An
 
 
 def _deltas(a: list[float], b: list[float]) -> dict[str, float]:
-    """The largest and the final difference of two loss curves."""
     return {"max_abs_delta_loss": max(abs(x - y) for x, y in zip(a, b)), "final_delta_loss": a[-1] - b[-1]}
 
 
 def _compare(cells: list[dict[str, Any]]) -> None:
-    """Each FP8 cell against the bf16 cell of the same strategy, size, memory level and seed; each cell of another
-    memory level (lean) against its standard (fp32-master) twin, same FP8 backend; each vs-raw cell's overhead."""
+    """Each FP8 cell against its bf16 twin, each lean cell against its standard twin, each vs-raw cell's overhead."""
     for cell in cells:
         if "error" in cell:
             continue
@@ -101,9 +98,7 @@ def _compare(cells: list[dict[str, Any]]) -> None:
 
 
 def _vs_standard(cell: dict[str, Any], standard: dict[str, Any]) -> dict[str, Any]:
-    """A cell's loss curve (lean, say) against its fp32-master twin's (same strategy, FP8 backend, size, seed,
-    batches): the twin's curve, the largest and the final difference, and the means of the last TAIL_STEPS steps,
-    keyed by memory level."""
+    """A (lean) cell's losses against its fp32-master twin's, with the means of the last TAIL_STEPS steps."""
     tail = min(TAIL_STEPS, len(cell["losses"]))
     mine, theirs = statistics.fmean(cell["losses"][-tail:]), statistics.fmean(standard["losses"][-tail:])
     return {"standard_cell": standard["name"], "standard_losses": standard["losses"],
@@ -113,8 +108,8 @@ def _vs_standard(cell: dict[str, Any], standard: dict[str, Any]) -> dict[str, An
 
 
 def _overhead(cell: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """fp8dist against the hand-wired engine trained beside it: the median over the timed steps of the ratio of
-    the two step times (each pair ran back to back, so machine load hits both alike), and the losses."""
+    """fp8dist against the hand-wired run beside it: the median per-step time ratio (each pair ran back to back, so
+    machine load hits both alike), and the losses."""
     first, last = cell["timed_steps"]
     pairs = [a / b for a, b in zip(cell["step_times_s"][first:last + 1], raw["step_times_s"][first:last + 1])]
     return {"fp8dist_median_step_s": cell["median_step_s"], "raw_median_step_s": raw["median_step_s"],
@@ -136,17 +131,16 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 def late_spread(per_step: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each seed's mean over the second half of the evaluations (of per-step spreads, each seed's values in one
-    order), spread over the seeds: a figure less noisy than the last evaluation alone."""
+    """Each seed's mean over the second half of the evaluations (per-step spreads), spread over the seeds: less
+    noisy than the last evaluation alone."""
     late = per_step[len(per_step) // 2:]
     return _spread([statistics.fmean(s["values"][k] for s in late) for k in range(len(late[0]["values"]))])
 
 
 def convergence(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configuration (a cell's name without its seed), over its seeds: the held-out loss at each evaluated step
-    (mean, sample standard deviation, each seed's value), and its gap to the bf16 cell with fp32 master weights of
-    the same strategy, size and seed (paired by seed: the same initialization and batches); [] without held-out
-    losses. The answer to "does FP8 train as well as bf16 on this text"."""
+    """Per configuration, over its seeds: the held-out loss at each evaluated step (mean, sample std, each seed's)
+    and its gap to the standard bf16 cell (paired by seed: same initialization and batches); [] without held-out
+    losses."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for cell in cells:
         if "error" not in cell and cell["wiring"] == "fp8dist" and cell.get("eval_losses"):
@@ -274,8 +268,8 @@ def _pm(spread: dict[str, Any] | None, sign: str = "") -> str:
 
 
 def convergence_table(doc: dict[str, Any]) -> str:
-    """The held-out loss per configuration at its last evaluation, mean ± sample standard deviation over the seeds,
-    and the gap to bf16 (paired by seed) there and averaged over the second half of the evaluations."""
+    """The held-out loss per configuration at its last evaluation (mean ± sample std over the seeds), and the gap to
+    bf16 (paired by seed) there and over the second half of the evaluations."""
     rows = []
     for entry in doc["convergence"]:
         gaps = entry["gap_vs_bf16"]

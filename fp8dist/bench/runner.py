@@ -1,6 +1,5 @@
 """``fp8dist bench``'s matrix: the flags read into :class:`BenchSettings`, the cells planned and checked before any
-process starts (on a GPU against fp8dist's memory estimate, :mod:`.fits`: one that will not fit is refused with
-the flag that makes it fit), then each cell run in fresh processes. Examples: benchmarks/README.md."""
+process starts (on a GPU against the memory estimate, :mod:`.fits`), then each cell run in fresh processes."""
 
 from __future__ import annotations
 
@@ -36,15 +35,13 @@ DEFAULTS = {"cpu": ("tiny,small", 10, 4, 128), "cuda": ("1b", 20, 4, 2048)}
 
 
 def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str, ...]:
-    """The strategies ``fp8dist bench`` runs on ``device_type`` without ``--strategies``: those whose
-    ``bench_devices`` name it, where installed (``installed``: only those)."""
+    """The strategies whose ``bench_devices`` name ``device_type`` (``installed``: only those installed)."""
     return tuple(name for name, s in STRATEGIES.items()
                  if device_type in s.bench_devices and not (installed and s.missing_reason()))
 
 
 def variant_backends() -> list[str]:
-    """The backends whose variants the bench runs as cells of their own, each with its options' flags
-    (``--torchao-recipe``, ``--torchao-api``)."""
+    """The backends whose variants are cells of their own (flags ``--torchao-recipe``, ``--torchao-api``)."""
     return [name for name in BACKENDS if variants_of(name)]
 
 
@@ -55,7 +52,6 @@ def variant_options(fp8: str | None) -> tuple[str, ...]:
 
 
 def _seeds(text: str) -> tuple[int, ...]:
-    """``--seed``: one seed or a comma-separated list of them (non-negative integers)."""
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items or not all(t.isdigit() for t in items):
         raise ValueError(f"--seed {text!r}: give a non-negative integer or a comma-separated list, e.g. --seed 0,1,2.")
@@ -64,10 +60,9 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    """The matrix and the job of every cell, validated; each field a flag of ``fp8dist bench`` (its docstring the
-    help). Metadata: ``choices`` (a callable, read when asked), ``device`` (a callable: the default on a device
-    type), ``shown`` (that default in words), ``min`` (the least value and why), ``parse`` (the checked flag to the
-    field), ``flag`` (its name where it is not the field's; None: flags of its own)."""
+    """The matrix and every cell's job; each field a flag of ``fp8dist bench``, its docstring the help. Metadata:
+    ``choices`` and ``device`` (callables: the choices; the default on a device type), ``shown`` (that default in
+    words), ``min`` (least value, why), ``parse`` (flag to field), ``flag`` (its name; None: flags of its own)."""
 
     strategies: tuple[str, ...] = field(metadata={"choices": lambda: tuple(STRATEGIES), "device": lambda d: ",".join(
         default_strategies(d, installed=False))})
@@ -82,8 +77,7 @@ class BenchSettings:
     """Llama presets."""
     steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1], "min": (
         TIMING_WARMUP + 2, f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step")})
-    """Steps per cell: warm-up steps (not timed), then timed ones, the last one counted (communication, model state)
-    and not timed."""
+    """Steps per cell: warm-up steps, timed ones, then one counted (communication, model state) and not timed."""
     batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2], "min": (1, "sequences per process")})
     """Sequences per process per step."""
     seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3], "min": (2, "tokens per sequence")})
@@ -107,13 +101,11 @@ class BenchSettings:
     """constant: --lr at every step; cosine: fp8dist train's schedule (fp8dist.train.schedule.lr_schedule), a
     linear warm-up over the first 10% of --steps, then a cosine decay toward 10% of --lr."""
     seeds: tuple[int, ...] = field(default=(0,), metadata={"flag": "seed", "parse": _seeds})
-    """Model initialization and batch order seed, or comma-separated seeds: a matrix dimension (the spread of each
-    figure across seeds)."""
+    """Model initialization and batch order seed, or comma-separated seeds: a matrix dimension."""
     raw: bool = True
     """The fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio)."""
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict, metadata={"flag": None})
-    """Per backend variant option (torchao_recipe, torchao_api), its values: a matrix dimension of that backend's
-    cells; an option not given runs its default (the config's)."""
+    """Per backend variant option (torchao_recipe, torchao_api), its values (not given: its default)."""
     text: TextJob | None = field(default=None, metadata={"flag": None})
     """Real text every cell trains on and evaluates; None: the built-in grammar corpus."""
 
@@ -144,9 +136,8 @@ def _one_of(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
 
 
 def _given(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    """Each flag's value as given, else its field's default on ``device_type`` (a field's own default is left to
-    it), checked against its choices, a list item by item (an error's example: the GPU default, or the first two
-    choices) or its ``min``, then read by the field's ``parse``."""
+    """Each flag's value as given, else its device default, checked against its choices (a list item by item) or
+    its ``min``, then read by its ``parse``; a field's own default is left to it."""
     values, hints = {}, type_hints(BenchSettings)
     for f in fields(BenchSettings):
         meta, name = f.metadata, f.metadata.get("flag", f.name)
@@ -181,7 +172,6 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
 
 
 def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
-    """Each backend variant option's values, from its flag."""
     out = {}
     for name in variant_backends():
         for option in variant_options(name):
@@ -191,8 +181,7 @@ def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def _text_job(args: argparse.Namespace) -> TextJob | None:
-    """``--data`` and its options (``fp8dist train``'s flags, validated as there) as every cell's :class:`TextJob`;
-    None without ``--data`` (the grammar)."""
+    """``--data`` and its options (``fp8dist train``'s flags, validated as there); None without ``--data``."""
     from ..train.data.job import job_tokenizer
     from ..train.config import TrainConfig
 
@@ -205,12 +194,9 @@ def _text_job(args: argparse.Namespace) -> TextJob | None:
 
 
 def check_text(settings: BenchSettings) -> str:
-    """Tokenize the cells' text here, once (the cells read the token cache), and check it holds a global batch and
-    the held-out batches of every cell; returns the corpus in a line ("" without text).
-
-    Raises:
-        ValueError: a bad file or tokenizer, a corpus too short (with the way out).
-    """
+    """Tokenize the cells' text once here (the cells read the token cache) and check it holds a global batch and
+    the held-out batches; returns the corpus in a line ("" without text). ValueError: a bad file or tokenizer, a
+    corpus too short."""
     from ..train.data.job import JobBatches, load_job_corpus
 
     if settings.text is None:
@@ -222,8 +208,7 @@ def check_text(settings: BenchSettings) -> str:
 
 
 def plan_cells(settings: BenchSettings) -> list[Cell]:
-    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells; then the overhead cells of the
-    strategies with a hand-wired twin (FSDP2's)."""
+    """The cells in run order: per size and strategy the bf16 cell, its FP8 cells; then the hand-wired twins."""
     job = dict(steps=settings.steps, batch_size=settings.batch_size, seq_len=settings.seq_len, lr=settings.lr,
                lr_schedule=settings.lr_schedule, zero_stage=settings.zero_stage, text=settings.text,
                label_seed=len(settings.seeds) > 1)
@@ -249,8 +234,7 @@ def plan_cells(settings: BenchSettings) -> list[Cell]:
 
 
 def _variants(settings: BenchSettings, fp8: str | None) -> list[tuple[str | None, tuple[tuple[str, str], ...]]]:
-    """The ``(variant, more_variants)`` of backend ``fp8`` the matrix runs, every combination of each option's
-    values given (else its default); [(None, ())] without variants."""
+    """Backend ``fp8``'s ``(variant, more_variants)`` the matrix runs; [(None, ())] without variants."""
     values = variants_of(fp8)
     if not values:
         return [(None, ())]
@@ -259,8 +243,7 @@ def _variants(settings: BenchSettings, fp8: str | None) -> list[tuple[str | None
 
 
 def _more_variants(settings: BenchSettings, fp8: str | None, *, defaults: bool = False) -> list[tuple]:
-    """Every combination of the values given (``defaults``: the default) of backend ``fp8``'s further variant
-    options, as ``(option, value)`` pairs."""
+    """Every combination of the given values (``defaults``: the default) of ``fp8``'s further variant options."""
     options = variant_options(fp8)[1:]
     given = [variants_of(fp8, o)[:1] if defaults else settings.variants.get(o, variants_of(fp8, o)[:1])
              for o in options]
@@ -268,7 +251,7 @@ def _more_variants(settings: BenchSettings, fp8: str | None, *, defaults: bool =
 
 
 def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) -> None:
-    """Every cell is a valid configuration that can run here, before any process starts."""
+    """ValueError unless every cell is a valid configuration that can run here."""
     import torch
 
     from ..config.resolve import resolve_config
@@ -319,10 +302,9 @@ def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list
 
 
 def _start_method(cells: list[Cell]) -> str:
-    """CPU: fork the cells' processes from this one, with the heavy imports done once here (a spawned process
-    spends 5-10 s importing torch, transformers and torchao on a busy 2-core machine, more than a tiny cell
-    trains); this process runs no OpenMP region before it forks (a child would hang in one). CUDA: spawn, as a
-    CUDA context does not survive a fork."""
+    """CPU: fork, the heavy imports done once here (a spawned process spends 5-10 s importing on a busy 2-core
+    machine, more than a tiny cell trains), with no OpenMP region run before (a child would hang in one). CUDA:
+    spawn, as a CUDA context does not survive a fork."""
     import torch
 
     from ..pipeline.env import rank_imports
@@ -335,8 +317,7 @@ def _start_method(cells: list[Cell]) -> str:
 
 
 def _launch_cell(cell: Cell, nproc: int, logs: Path, start_method: str) -> dict[str, Any]:
-    """Run one cell on ``nproc`` fresh processes with torch's elastic launch (what torchrun runs); rank 0's
-    figures, or the cell with the first failing rank's error."""
+    """Rank 0's figures of ``cell`` run on ``nproc`` fresh processes, or the cell with the failing rank's error."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

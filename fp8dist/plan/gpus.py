@@ -1,14 +1,6 @@
-"""One table of the GPUs fp8dist plans for: each one's dense tensor-core peaks (bf16, FP8), memory bandwidth and
-the achievable fractions the speed model (:mod:`fp8dist.plan.speed`) needs, every figure with the datasheet it comes
-from. ``--target`` (:data:`fp8dist.plan.hardware.TARGETS`), the speed model and the MFU figure read it; nothing else
-holds a GPU figure.
-
-Peaks are *dense* (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure, twice the dense one, with a
-footnote; the records say which page they halve. The H100's achievable fractions are calibrated on torchao's
-published rowwise table (:data:`H100_CALIBRATION`), the B200's MXFP8 and NVFP4 GEMM rates and block-quantize
-kernels on torchao's published B200 forward table and its grouped (MoE) GEMMs on torchao's MXFP8 grouped-GEMM table
-(:data:`B200_CALIBRATION`); every other GPU borrows one of them and scales
-by its own datasheet peaks, so its predictions are labelled uncalibrated."""
+"""The one table of GPU figures: each GPU's dense peaks (NVIDIA's datasheets print sparse ones, twice as high),
+bandwidth and memory with its datasheet, and the speed model's fitted constants (H100's and B200's; every other GPU
+borrows one and its predictions are labelled uncalibrated). ``--target``, the speed model and MFU read it."""
 
 from __future__ import annotations
 
@@ -22,7 +14,7 @@ __all__ = ["Source", "Calibration", "GpuSpec", "GPUS", "H100_CALIBRATION", "B200
 
 @dataclass(frozen=True)
 class Source:
-    """Where a figure comes from: the document's title and address, as published."""
+    """Where a figure comes from: the document's title and address."""
 
     document: str
     url: str
@@ -32,47 +24,38 @@ class Source:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The constants of the speed model that no datasheet gives: what fraction of the peaks real kernels reach,
-    how much slower than its ideal memory traffic an FP8 cast runs, and the shortest a kernel takes."""
+    """The speed model's constants no datasheet gives: the fractions of the peaks real kernels reach, how much
+    slower than its ideal traffic a cast runs, and the shortest a kernel takes."""
 
     bf16_gemm_fraction: float
-    """Fraction of the dense bf16 peak a large bf16 GEMM reaches."""
+    """Fraction of the dense bf16 / FP8 peak a large GEMM reaches (FP8 fitted: speedups fix only their ratio)."""
     fp8_gemm_fraction: float
-    """Fraction of the dense FP8 peak a large FP8 GEMM reaches (fitted relative to ``bf16_gemm_fraction``: speedup
-    data fix only their ratio)."""
     memory_fraction: float
     """Fraction of the memory bandwidth a large elementwise kernel reaches."""
     cast_slowdown: tuple[float, float, float]
-    """(input, weight, grad_output): the time of an operand's column-wise scaling pass (a rowwise recipe's
-    per-column scales into the transposed layout) over its ideal traffic at ``memory_fraction`` of the bandwidth
-    (fitted; it absorbs whatever else scales with that operand's size in the measured FP8 run)."""
+    """(input, weight, grad_output): an operand's column-wise scaling pass over its ideal traffic (fitted; it absorbs
+    whatever else scales with that operand in the measured FP8 run)."""
     kernel_floor_s: float
-    """The shortest time any kernel takes on the GPU (launch and ramp-up), in seconds."""
+    """The shortest time any kernel takes (launch and ramp-up), in seconds."""
     measured_on: str
-    """The GPU (its key) whose published measurements these constants were fitted on."""
+    """The GPU key whose published measurements these constants were fitted on."""
     source: Source
-    """The measurements, the fit and its rows."""
     recipes: tuple[str, ...] = ("rowwise",)
-    """The speed recipes (:data:`fp8dist.plan.speed.RECIPES`) whose own measurements on ``measured_on`` fitted
-    these constants: their predictions there are the calibrated ones."""
+    """The speed recipes whose own measurements on ``measured_on`` were fitted: their predictions are calibrated."""
     mx_gemm_fraction: float | None = None
-    """Fraction of the dense FP8 peak an MXFP8 GEMM reaches; None: ``fp8_gemm_fraction``."""
+    """Fraction of the dense FP8 / FP4 peak an MXFP8 / NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     fp4_gemm_fraction: float | None = None
-    """Fraction of the dense FP4 peak an NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
-    """(MXFP8, NVFP4): the time of a block-scaling quantize kernel over its ideal traffic at ``memory_fraction``
-    of the bandwidth (fitted on the B200; 1 where not measured)."""
+    """(MXFP8, NVFP4): a block-scaling quantize kernel over its ideal traffic (fitted on the B200; 1: not measured)."""
     grouped_gemm_efficiency: float = 1.0
-    """The fraction of a dense GEMM's rate (same kind: bf16 or low precision) that a grouped GEMM of MoE experts
-    (``torch._grouped_mm`` and its scaled variant) reaches (fitted on the B200's MXFP8 grouped table; 1 where not
-    measured)."""
+    """The fraction of a dense GEMM's rate a grouped GEMM of MoE experts (``torch._grouped_mm``) reaches (fitted on
+    the B200's MXFP8 grouped table; 1: not measured)."""
     grouped_block_cast_slowdown: float | None = None
-    """The MXFP8 grouped GEMM's quantize kernels (and their scale-layout kernels) over their ideal traffic at
-    ``memory_fraction`` of the bandwidth; None: ``block_cast_slowdown``'s MXFP8 figure."""
+    """The MXFP8 grouped GEMM's quantize and scale-layout kernels over their ideal traffic; None: the MXFP8
+    ``block_cast_slowdown``."""
 
     def gemm_fraction(self, gemm: str, grouped: bool = False) -> float:
-        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4") reaches; ``grouped``: as
-        the grouped GEMM of MoE experts."""
+        """The fraction of its peak a GEMM of kind ``gemm`` ("bf16", "fp8", "mx", "fp4"; ``grouped``: MoE) reaches."""
         chosen = {"bf16": self.bf16_gemm_fraction, "mx": self.mx_gemm_fraction,
                   "fp4": self.fp4_gemm_fraction}.get(gemm)
         fraction = self.fp8_gemm_fraction if chosen is None else chosen
@@ -95,7 +78,7 @@ H100_CALIBRATION = Calibration(
         "memory_fraction and kernel_floor_s are torchao's H100 figures (torchao/testing/training/"
         "roofline_utils.py: pct_achievable_gemm_tops, pct_achievable_mem_bw, KERNEL_LAUNCH_OVERHEAD_SEC)"),
 )
-"""The H100's constants, fitted by ``benchmarks/speed_model/fit.py`` (its JSON beside it holds the same numbers)."""
+"""Fitted by ``benchmarks/speed_model/fit.py`` (its JSON beside it holds the same numbers)."""
 
 B200_CALIBRATION = dataclasses.replace(
     H100_CALIBRATION,
@@ -119,11 +102,8 @@ B200_CALIBRATION = dataclasses.replace(
         "(https://github.com/pytorch/ao/blob/5e79e5ed3434aa04281931039da1bab338c415b3/torchao/prototype/"
         "moe_training/README.md)"),
 )
-"""The B200's constants for the block-scaled recipes, fitted by ``benchmarks/speed_model/fit_b200.py``: MXFP8 and
-NVFP4 GEMM rates and their quantize kernels (on the forward table), the grouped GEMM's efficiency and quantize
-kernels (on the MXFP8 grouped-GEMM forward + backward table); FP8 per-tensor/per-row GEMMs and casts keep the H100's.
-The forward table is inference only, so the dense training recipes (forward + backward, casts along both
-dimensions) stay labelled uncalibrated; ``moe_mxfp8`` alone was fitted on its own training measurements."""
+"""Fitted by ``benchmarks/speed_model/fit_b200.py``; FP8 per-tensor/per-row GEMMs and casts keep the H100's. The
+forward table is inference only, so only ``moe_mxfp8`` (fitted on training measurements) is calibrated."""
 
 
 @dataclass(frozen=True)
@@ -135,30 +115,23 @@ class GpuSpec:
     label: str
     capability: tuple[int, int]
     device_pattern: str
-    """A regular expression that :func:`torch.cuda.get_device_name` of this GPU matches (case-insensitive)."""
+    """A regular expression :func:`torch.cuda.get_device_name` of this GPU matches (case-insensitive)."""
     bf16_tflops: float
-    """Dense bf16 tensor-core peak, TFLOP/s."""
+    """Dense tensor-core peaks in TFLOP/s; FP8 None without FP8 tensor cores."""
     fp8_tflops: float | None
-    """Dense FP8 tensor-core peak, TFLOP/s; None where the GPU has no FP8 tensor cores."""
     memory_tbps: float
-    """Memory bandwidth, TB/s."""
     memory_gib: float
-    """Memory capacity, GiB: the datasheet's "80 GB" of HBM is binary (five 16 GiB stacks); the driver keeps a little
-    of it, so CUDA reports slightly less as the device's total."""
+    """The datasheet's "80 GB" of HBM is binary (five 16 GiB stacks); CUDA reports a little less."""
     source: Source
-    """The datasheet of the four figures above."""
     calibration: Calibration = H100_CALIBRATION
-    """The speed model's constants; the H100's unless this GPU has its own measurements."""
     fp4_tflops: float | None = None
-    """Dense FP4 (NVFP4) tensor-core peak, TFLOP/s; None where the GPU has none (or its datasheet gives none)."""
+    """Dense FP4 (NVFP4) peak, TFLOP/s; None where the GPU (or its datasheet) has none."""
     interconnect_gbps: float | None = None
-    """GPU-to-GPU bandwidth inside a node, GB/s, both directions together as datasheets print it (NVLink, or PCIe
-    where the GPU has none); the step model's all-gathers and reduce-scatters use half of it per direction. None:
-    not in the datasheet (the step model then refuses to predict sharded runs on it)."""
+    """GPU-to-GPU bandwidth in a node, GB/s, both directions as datasheets print it; the step model uses half per
+    direction. None: not in the datasheet (the step model refuses sharded runs on it)."""
 
     @property
     def calibrated(self) -> bool:
-        """True when the speed model's constants were fitted on this GPU's own measurements."""
         return self.calibration.measured_on == self.key
 
     @property
@@ -166,8 +139,7 @@ class GpuSpec:
         return self.fp8_tflops is not None
 
     def describe(self) -> str:
-        """The record in a line: dense peaks, bandwidth, the datasheet and how the speed model's constants were
-        obtained (what ``fp8dist env`` prints for a GPU it sees)."""
+        """The record in a line, with its datasheet and the constants' origin (what ``fp8dist env`` prints)."""
         fp8 = f"FP8 {self.fp8_tflops:g} TFLOP/s" if self.has_fp8 else "no FP8 tensor cores"
         fp8 += f", FP4 {self.fp4_tflops:g} TFLOP/s" if self.fp4_tflops else ""
         measured = ", ".join(self.calibration.recipes) or "no training recipe"
@@ -256,7 +228,6 @@ GPUS: tuple[GpuSpec, ...] = (
         "Infinity Fabric 7 links x 128 GB/s = 896 GB/s to the other 7 GPUs; capability (9, 4) is what ROCm's torch "
         "reports for gfx942"), interconnect_gbps=896.0),
 )
-"""Every GPU, in the order ``--target`` lists them."""
 
 
 def gpu_by_key(key: str) -> GpuSpec | None:
@@ -265,6 +236,5 @@ def gpu_by_key(key: str) -> GpuSpec | None:
 
 
 def gpu_by_device_name(name: str) -> GpuSpec | None:
-    """The GPU whose device name (what :func:`torch.cuda.get_device_name` says, e.g. "NVIDIA H100 80GB HBM3") is
-    ``name``, or None when no record matches."""
+    """The GPU :func:`torch.cuda.get_device_name` calls ``name`` ("NVIDIA H100 80GB HBM3"), or None."""
     return next((spec for spec in GPUS if re.search(spec.device_pattern, name, re.IGNORECASE)), None)

@@ -1,9 +1,6 @@
-"""What FP8 decisions depend on about a machine: the device type and, on CUDA, the compute capability. Read from
-the device a model trains on (:func:`hardware_of`), or named to plan for a machine one is not on
-(:func:`parse_target`: ``fp8dist plan --target h100`` on a CPU login node).
-
-Every FP8 gate (the backends' hardware reason, torchao's MoE grouped-GEMM recipe, compile's default, the lean
-optimizer) reads a :class:`Hardware`, so a named target gets exactly the decisions that machine would."""
+"""What FP8 decisions depend on about a machine: device type and CUDA capability, read from a device
+(:func:`hardware_of`) or named (:func:`parse_target`: ``--target h100`` on a CPU login node). Every FP8 gate reads a
+:class:`Hardware`, so a named target gets exactly the decisions that machine would."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ class Hardware:
     """A device as FP8 decisions see it. ``type`` reads like :attr:`torch.device.type`."""
 
     type: str
-    """torch's device type: "cuda" or "cpu" (or another type torch names)."""
     capability: tuple[int, int] | None = None
     """CUDA compute capability (major, minor); None off CUDA."""
     name: str = ""
@@ -30,7 +26,7 @@ class Hardware:
 
     @property
     def sm(self) -> str:
-        """``sm_90``-style name of the capability; the device type off CUDA."""
+        """``sm_90``; the device type off CUDA."""
         return f"sm_{self.capability[0]}{self.capability[1]}" if self.capability else self.type
 
     def __str__(self) -> str:
@@ -40,7 +36,7 @@ class Hardware:
 
 
 def hardware_of(device: torch.device | Hardware) -> Hardware:
-    """The :class:`Hardware` of ``device`` (asking CUDA for its capability and name); a Hardware is returned as is."""
+    """The :class:`Hardware` of ``device`` (asking CUDA); a Hardware is returned as is."""
     if isinstance(device, Hardware):
         return device
     if device.type == "cuda":
@@ -71,18 +67,15 @@ def parse_target(text: str) -> Hardware:
 
 @dataclass(frozen=True)
 class GpuLookup:
-    """The GPU record of a :class:`Hardware`, or why there is none."""
+    """The GPU record of a :class:`Hardware`, or None with ``reason`` saying why and the way out."""
 
     spec: GpuSpec | None
-    """The record (:data:`fp8dist.plan.gpus.GPUS`); None with ``reason`` saying why, and the way out."""
     reason: str = ""
 
 
 def find_gpu(hardware: Hardware) -> GpuLookup:
-    """The GPU record of ``hardware``: a named target (``TARGETS["h100"]``) or a real device, matched by the name
-    CUDA gives it. Call it before asking for a GPU's peaks or a speed prediction. No record for a CPU, a bare
-    capability such as ``sm_90`` (several GPUs share it) or a GPU the table does not list.
-    """
+    """The GPU record of a named target or a real device (matched by its CUDA name); none for a CPU, a bare
+    capability such as ``sm_90`` (several GPUs share it) or a GPU the table does not list."""
     if hardware.type != "cuda":
         return GpuLookup(None, f"{hardware} is not a GPU: FP8 speed applies to CUDA GPUs only")
     named = next((key for key, target in TARGETS.items() if target == hardware), None)

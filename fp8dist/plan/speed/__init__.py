@@ -1,12 +1,6 @@
-"""The FP8 speed model: is a Linear faster in FP8 than in bf16 on a given GPU, at this run's tokens, under this
-recipe, and by how much. A prediction, calibrated on torchao's published H100 measurements (and, for the block-scaled
-GEMMs and casts, its B200 forward table) and scaled to other GPUs by their datasheets (:mod:`fp8dist.plan.gpus`);
-``benchmarks/speed_model/README.md`` gives the model, its sources, its accuracy and what it does not see.
-
-    >>> from fp8dist.plan.speed import predict_linear
-    >>> predict_linear(8192, 2048, 5632, target="h100", recipe="rowwise").describe()
-    'predicted 0.83x on H100 at 8,192 tokens (rowwise)'
-"""
+"""The FP8 speed model: how much faster (or slower) a Linear or a step's GEMMs run in FP8 than in bf16 on a named GPU,
+under a recipe. A prediction, calibrated on torchao's published H100 and B200 tables and scaled to other GPUs by their
+datasheets; ``benchmarks/speed_model/README.md`` gives the model, its sources and its accuracy."""
 
 from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolve_gpu
 from .recipes import RECIPES, Recipe

@@ -1,12 +1,5 @@
-"""The speed model of one Linear: forward + backward time in bf16 and under an FP8 recipe, on a named GPU.
-
-Each way runs three GEMMs (output = input @ weight.T, grad_input = grad_output @ weight, grad_weight =
-grad_output.T @ input), each taking the longest of its compute time (at a fraction of the GPU's dense peak), its
-memory time (operands read, output written, at a fraction of the bandwidth) and the kernel floor. FP8 adds the
-recipe's casts (:mod:`fp8dist.plan.speed.recipes`): each kernel's bytes at the achieved bandwidth (a column-wise
-scaling pass times that operand's fitted slowdown), no less than the floor unless it rides in the producer's
-kernel; a block-scaled recipe's quantize kernels times their fitted slowdown, its GEMMs at their own fitted
-fraction of the FP8 (MXFP8) or FP4 (NVFP4) peak. The constants are the GPU's
+"""One Linear's forward + backward time in bf16 and under an FP8 recipe on a named GPU: three GEMMs, each the longest
+of compute, memory and the kernel floor, plus the recipe's casts (:mod:`.recipes`), with the GPU's fitted
 :class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ _BF16 = 2
 
 @dataclass(frozen=True)
 class LinearPrediction:
-    """The predicted forward + backward time of one Linear (input ``(m, k)``, weight ``(n, k)``: k in_features, n
-    out_features) in bf16 and in FP8, in seconds."""
+    """One Linear's predicted forward + backward seconds in bf16 and in FP8 (input ``(m, k)``, weight ``(n, k)``)."""
 
     m: int
     """Rows of the input: tokens per micro-batch per rank (for grouped GEMMs: rows routed to all experts)."""
@@ -35,17 +27,14 @@ class LinearPrediction:
     groups: int
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
     recipe: str
-    """The FP8 recipe (:data:`fp8dist.plan.speed.RECIPES`)."""
     gpu: str
-    """The GPU's key (``--target`` name); ``gpu_label`` its name in messages."""
+    """The GPU's ``--target`` key; ``gpu_label`` its name in messages."""
     gpu_label: str
     compile: bool
     bf16_s: float
-    """bf16 forward + backward: its three GEMMs."""
     fp8_gemm_s: float
-    """The FP8 way's three GEMMs (some bf16, as the recipe says)."""
+    """The FP8 way's three GEMMs (some bf16, as the recipe says); ``cast_s`` its casts and scale kernels."""
     cast_s: float
-    """The FP8 way's casts and scale kernels."""
     calibrated: bool
     """True only where the constants were fitted on this GPU's own measurements of this recipe under compile."""
 
@@ -60,7 +49,6 @@ class LinearPrediction:
 
     @property
     def saved_s(self) -> float:
-        """Negative where FP8 is slower."""
         return self.bf16_s - self.fp8_s
 
     @property
@@ -74,10 +62,8 @@ class LinearPrediction:
 
 
 def resolve_gpu(target: str | Hardware | GpuSpec) -> GpuSpec:
-    """The GPU record of ``target``: a ``--target`` name ("h100"), a :class:`~fp8dist.plan.hardware.Hardware` (a named
-    target or a real device) or a :class:`~fp8dist.plan.gpus.GpuSpec` (returned as is). ValueError, naming the way
-    out: an unknown name, a CPU, a bare capability, a GPU missing from the table or one without FP8 tensor cores.
-    """
+    """The GPU record of a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GpuSpec (as is).
+    ValueError naming the way out: an unknown name, a CPU, a bare capability, an unlisted GPU, one without FP8."""
     spec = target
     if not isinstance(target, GpuSpec):
         lookup = find_gpu(parse_target(target) if isinstance(target, str) else target)
@@ -111,8 +97,8 @@ def _check(m: int, k: int, n: int, groups: int, recipe: Recipe, gpu: GpuSpec) ->
 
 def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: float, gemm: str,
                  grouped: bool = False) -> float:
-    """One GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes, of kind ``gemm`` ("bf16", "fp8", "mx", "fp4":
-    its peak and fitted fraction; ``grouped``: a grouped GEMM of MoE experts): compute, memory or the floor."""
+    """Seconds of one GEMM of ``2*m*k*n`` flops moving ``reads + writes`` bytes, of kind ``gemm`` ("bf16", "fp8",
+    "mx", "fp4"; ``grouped``: MoE experts'): the longest of compute, memory and the floor."""
     cal = gpu.calibration
     peak = ({"bf16": gpu.bf16_tflops, "fp4": gpu.fp4_tflops}.get(gemm, gpu.fp8_tflops)
             * cal.gemm_fraction(gemm, grouped))
@@ -122,8 +108,6 @@ def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: flo
 
 
 def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool) -> float:
-    """The three GEMMs of forward + backward: all bf16 (``recipe`` None) or as the recipe says which run low
-    precision (operands ``operand_bytes`` + scales, at the recipe's GEMM rate); ``grouped``: MoE experts' GEMMs."""
     x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
     # output, grad_input, grad_weight: (operand elements read, elements written)
     gemms = ((x + w, g), (g + w, x), (x + g, w))
@@ -136,9 +120,8 @@ def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe |
 
 def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0,
                    grouped: bool = False) -> float:
-    """One cast kernel over ``elements``: its bytes at the achieved bandwidth, times the fitted slowdown of its kind
-    (a column-wise pass: ``columnwise_slowdown``; a block quantize kernel: the calibration's, a grouped GEMM's own
-    where fitted), no shorter than the floor unless fused into the producer."""
+    """Seconds of one cast kernel over ``elements``: its bytes at the achieved bandwidth times its kind's fitted
+    slowdown, no shorter than the floor unless fused into the producer."""
     cal = gpu.calibration
     slowdown = columnwise_slowdown if kernel.columnwise else 1.0
     block = dict(zip(("mx", "nvfp4"), cal.block_cast_slowdown))
@@ -150,7 +133,6 @@ def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowd
 
 
 def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
-    """The recipe's cast kernels (:func:`kernel_seconds`), per operand."""
     operands = zip((m * k, groups * n * k, m * n), gpu.calibration.cast_slowdown, recipe.casts(compile))
     return sum(kernel_seconds(gpu, kernel, elements, slowdown, recipe.grouped) for elements, slowdown, kernels in
                operands for kernel in kernels)
@@ -158,8 +140,7 @@ def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, 
 
 def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool,
                    groups: int = 1) -> tuple[float, float, float]:
-    """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds for one Linear on ``gpu`` (its calibration included): the
-    model itself, with no checking. The fit (``benchmarks/speed_model/fit.py``) calls it with trial constants."""
+    """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds: the model unchecked, as the fits call it with trial constants."""
     bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped)
     fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped)
     return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
@@ -167,21 +148,16 @@ def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile
 
 def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
                    compile: bool = True, groups: int = 1) -> LinearPrediction:
-    """The predicted forward + backward time of one Linear in bf16 and in FP8, with its breakdown. Call it where a
-    decision or a report needs the figures (:func:`predict_fp8_speedup` returns the ratio only).
+    """One Linear's predicted forward + backward time in bf16 and in FP8, with its breakdown
+    (:func:`predict_fp8_speedup` returns the ratio only).
 
     Args:
-        m: input rows: tokens per micro-batch per rank (for ``moe_*`` recipes, rows routed to all the experts).
+        m: input rows: tokens per micro-batch per rank (``moe_*`` recipes: rows routed to all the experts).
         k: in_features. n: out_features.
-        target: the GPU: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
-        recipe: one of :data:`fp8dist.plan.speed.RECIPES` (torchao tensorwise, rowwise, rowwise_with_gw_hp; te_delayed,
-            te_current, te_blockwise, te_mxfp8, te_nvfp4; mxfp8, nvfp4; moe_fp8_rowwise, moe_mxfp8).
-        compile: whether the model runs under ``torch.compile`` (torchao's casts fuse with the previous op; TE's
-            kernels are the same either way).
+        target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
+        recipe: one of :data:`fp8dist.plan.speed.RECIPES`.
+        compile: under ``torch.compile`` torchao's casts fuse with the previous op; TE's kernels are the same.
         groups: experts of a grouped GEMM (``moe_*`` recipes only).
-
-    Returns:
-        A :class:`LinearPrediction`.
 
     Raises:
         ValueError: an unknown target or recipe, a GPU without FP8 or without the recipe's GEMMs, bad dimensions.
@@ -195,9 +171,9 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
 
 def predict_fp8_speedup(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
                         compile: bool = True, groups: int = 1) -> float:
-    """Predicted (bf16 forward + backward time) / (FP8 forward + backward time) of one Linear with input ``(m, k)``
-    and weight ``(n, k)`` on ``target``: above 1 where FP8 is predicted faster. Args and Raises: as
-    :func:`predict_linear`; ``benchmarks/speed_model/README.md`` gives the model's accuracy and what it does not see.
+    """Predicted bf16 / FP8 forward + backward time of one Linear with input ``(m, k)`` and weight ``(n, k)`` on
+    ``target``: above 1 where FP8 is faster. Args and Raises: as :func:`predict_linear`; accuracy:
+    ``benchmarks/speed_model/README.md``.
 
     Example:
         >>> round(predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="rowwise"), 2) < 1

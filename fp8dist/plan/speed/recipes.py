@@ -1,16 +1,6 @@
-"""What each FP8 recipe adds to a Linear's forward + backward, as data: which of its three GEMMs run in FP8, and the
-kernels that cast each operand (input, weight, grad_output) with the bytes they move per element of that operand.
-
-The accounting follows how each backend does it: torchao's casts are torch ops that ``torch.compile`` fuses with
-the op that produced the tensor (eager runs each as its own kernel: an amax pass, a scale, a cast, a transpose);
-Transformer Engine's are fused CUDA kernels (cast + transpose, amax as a by-product) that compile does not touch.
-The torchao rows are re-derived from the kernel breakdown in torchao's ``torchao/testing/training/roofline_utils.py``
-(``get_tensor_memory_traffic_ovhd_s``); rowwise's second cast is one column-wise scaling pass here (its bf16
-transposed copy folded in), the pass whose cost the H100 fit measures. bf16 is 2 bytes, FP8 1, FP4 0.5, an MX
-scale (E8M0) 1 per 32 elements, an NVFP4 scale (E4M3) 1 per 16. Block-scaled recipes (MXFP8, NVFP4) cast each
-operand twice, once per layout (1x32 / 1x16 blocks along either dimension), as torchao's ``roofline_utils.py``
-counts them for ``mxfp8_cublas``; their quantize kernels' speed is fitted on torchao's B200 table
-(:data:`fp8dist.plan.gpus.B200_CALIBRATION`)."""
+"""What each FP8 recipe adds to a Linear's forward + backward, as data: which of its three GEMMs run in FP8 and the
+kernels casting each operand, in bytes per element. torchao's casts fuse under ``torch.compile``, TE's are fused CUDA
+kernels either way; the torchao rows follow torchao's ``roofline_utils.py`` (``get_tensor_memory_traffic_ovhd_s``)."""
 
 from __future__ import annotations
 
@@ -30,13 +20,12 @@ class Kernel:
     bytes_per_element: float
     """Bytes read plus written, per element of the operand (0: a tiny kernel, e.g. an amax's second stage)."""
     fused: bool = False
-    """True when it rides in the kernel that produced the operand (no launch of its own)."""
+    """Rides in the kernel that produced the operand (no launch of its own)."""
     columnwise: bool = False
-    """True for a pass that scales along the operand's first dimension (the per-column scales of a rowwise
-    recipe's transposed GEMM operand): the pass the H100 fit finds slow (:attr:`Calibration.cast_slowdown`)."""
+    """Scales along the operand's first dimension (a rowwise recipe's transposed operand): the pass the H100 fit finds
+    slow (:attr:`Calibration.cast_slowdown`)."""
     block: str = ""
-    """"mx" or "nvfp4" for a block-scaling quantize kernel, whose speed the B200 fit measures
-    (:attr:`Calibration.block_cast_slowdown`); "" for the others."""
+    """"mx" or "nvfp4" for a block-scaling quantize kernel (:attr:`Calibration.block_cast_slowdown`)."""
 
 
 Casts = tuple[tuple[Kernel, ...], tuple[Kernel, ...], tuple[Kernel, ...]]
@@ -48,14 +37,12 @@ class Recipe:
     """One FP8 recipe as the speed model sees it."""
 
     name: str
-    """The name :func:`fp8dist.predict_fp8_speedup` takes: its id, which the backend that runs it names
-    (:attr:`~fp8dist.fp8.FP8Backend.speed_recipes`, :meth:`~fp8dist.fp8.FP8Backend.speed_recipe`)."""
+    """The name :func:`fp8dist.predict_fp8_speedup` takes and the backend's ``speed_recipes`` name."""
     description: str
-    """What it is, in a line."""
     fp8_gemms: tuple[bool, bool, bool]
     """(output, grad_input, grad_weight): which GEMMs run in FP8 (the others in bf16)."""
     compiled: Casts
-    """The cast kernels under ``torch.compile``."""
+    """The cast kernels under ``torch.compile``; ``eager`` without."""
     eager: Casts
     min_capability: tuple[int, int] = (8, 9)
     """The oldest CUDA capability with the GEMMs it needs."""
@@ -64,14 +51,12 @@ class Recipe:
     scale_bytes: float = 0.0
     """Scale bytes a GEMM reads per FP8 operand element (block scales; 0 for per-tensor/per-row)."""
     gemm: str = "fp8"
-    """The low-precision GEMM: "fp8" (per-tensor / per-row / blockwise scales), "mx" (MXFP8, E8M0 block scales)
-    or "fp4" (NVFP4, at the GPU's FP4 peak); each runs at its own fitted fraction of the peak
-    (:class:`~fp8dist.plan.gpus.Calibration`)."""
+    """The low-precision GEMM: "fp8", "mx" (MXFP8) or "fp4" (NVFP4, at the FP4 peak), each at its fitted fraction."""
     operand_bytes: float = 1.0
     """Bytes of one element of a low-precision GEMM operand: 1 for FP8, 0.5 for FP4."""
     fp8_all_gather: bool = False
-    """True where the backend all-gathers the converted weights in FP8 under per-parameter DTensor shards (torchao
-    tensorwise on FSDP2): the step model's all-gather moves 1 byte per such weight instead of 2."""
+    """The backend all-gathers converted weights in FP8 under DTensor shards (torchao tensorwise on FSDP2): 1 byte
+    each instead of 2 in the step model."""
 
     def casts(self, compile: bool) -> Casts:
         return self.compiled if compile else self.eager
@@ -79,9 +64,6 @@ class Recipe:
 
 def _k(*passes: float, fused_first: bool = False, columnwise_from: int | None = None,
        block: str = "") -> tuple[Kernel, ...]:
-    """Kernels moving ``passes`` bytes per element each; with ``fused_first`` the first rides in the producer;
-    from index ``columnwise_from`` on they scale along the first dimension; ``block``: every pass that moves
-    bytes is a block-scaling quantize kernel of that kind."""
     column = len(passes) if columnwise_from is None else columnwise_from
     return tuple(Kernel(b, fused=fused_first and i == 0, columnwise=i >= column, block=block if b else "")
                  for i, b in enumerate(passes))
@@ -160,7 +142,6 @@ _MOE_MXFP8 = Recipe("moe_mxfp8", "torchao MoE grouped GEMMs, MXFP8", (True, True
 RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP, _TE_DELAYED, _TE_CURRENT,
                                                    _TE_BLOCKWISE, _TE_MXFP8, _TE_NVFP4, _MXFP8, _NVFP4, _MOE_ROWWISE,
                                                    _MOE_MXFP8)}
-"""Every recipe the speed model knows, by name."""
 
 
 def recipe_named(name: str) -> Recipe:

@@ -1,6 +1,5 @@
-"""A training step's GEMMs under the speed model: per-layer predictions and the choice each gets (FP8 where the
-predicted speedup clears a margin), the step's totals, and the same for several recipes side by side. What the
-plan, ``fp8dist estimate`` and ``plan --compare-recipes`` read; pure data, rendered by them."""
+"""A step's GEMMs under the speed model: each layer's prediction and choice (FP8 where the speedup clears a margin),
+the totals, and several recipes side by side; pure data that the plan, ``fp8dist estimate`` and ``plan`` render."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ DEFAULT_MARGIN = 1.0
 
 @dataclass(frozen=True)
 class Gemm:
-    """One Linear (or grouped expert GEMM) of a step: its module's name and forward shape (k in_features, n
-    out_features)."""
+    """One Linear (or grouped expert GEMM) of a step: its module's name and forward shape."""
 
     name: str
     m: int
@@ -37,16 +35,14 @@ class Gemm:
 
 @dataclass(frozen=True)
 class LayerChoice:
-    """A layer's prediction and the choice the margin makes."""
+    """A layer's prediction and the margin's choice (``fp8``: the speedup is at least the margin)."""
 
     name: str
     prediction: LinearPrediction
     fp8: bool
-    """True where the predicted speedup is at least the margin."""
 
     @property
     def seconds(self) -> float:
-        """Its forward + backward time as chosen."""
         return self.prediction.fp8_s if self.fp8 else self.prediction.bf16_s
 
 
@@ -72,17 +68,15 @@ class StepPrediction:
 
     @property
     def all_fp8_s(self) -> float:
-        """Every layer in FP8 (converting all, as fp8dist did before)."""
         return sum(c.prediction.fp8_s for c in self.layers)
 
     @property
     def saved_s(self) -> float:
-        """Against all-bf16."""
         return self.bf16_s - self.chosen_s
 
     @property
     def fp8_flop_share(self) -> float:
-        """Share of the layers' FLOPs that run in FP8 as chosen (0 with no layers)."""
+        """Share of the layers' FLOPs run in FP8 as chosen (0 with no layers)."""
         total = sum(c.prediction.flops for c in self.layers)
         return sum(c.prediction.flops for c in self.layers if c.fp8) / total if total else 0.0
 
@@ -94,17 +88,9 @@ class StepPrediction:
 
 def predict_gemms(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | GpuSpec, recipe: str,
                  compile: bool = True, margin: float = DEFAULT_MARGIN) -> StepPrediction:
-    """Predict every layer of a step and choose FP8 where its speedup is at least ``margin``. Call it with the
-    eligible layers only (filters, first/last and shapes are the plan's).
-
-    Args:
-        gemms: :class:`Gemm` records, or ``(name, m, k, n)`` / ``(name, m, k, n, groups)`` tuples.
-        target, recipe, compile: as :func:`fp8dist.plan.speed.predict_linear`.
-        margin: the speedup a layer must reach to run in FP8 (> 0).
-
-    Raises:
-        ValueError: a bad margin, or what :func:`~fp8dist.plan.speed.predict_linear` raises (naming the layer).
-    """
+    """Predict every layer (:class:`Gemm` or ``(name, m, k, n[, groups])``) and choose FP8 where its speedup is at
+    least ``margin``; call it with the eligible layers only. Other arguments: as :func:`predict_linear`. ValueError:
+    a bad margin, or what :func:`predict_linear` raises, naming the layer."""
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin <= 0:
         raise ValueError(f"margin={margin!r}: the speedup a layer must reach is a positive number (1.0 converts "
                          "every layer predicted faster).")
@@ -137,10 +123,7 @@ def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ..
 def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,
                     recipes: Sequence[str] | None = None, backend: str = TorchaoBackend.name, compile: bool = True,
                     margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
-    """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
-    all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays, ``all_fp8_s`` with every layer
-    converted. ``recipes``: those to compare; None: every Linear recipe of ``backend`` the target runs. The others:
-    as :func:`predict_gemms`.
-    """
+    """The same step under several recipes, to pick one before renting the GPU. ``recipes`` None: every Linear
+    recipe of ``backend`` the target runs; the other arguments as :func:`predict_gemms`."""
     names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
     return tuple(predict_gemms(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)

@@ -1,13 +1,6 @@
-"""The whole training step, bf16 against FP8: will FP8 make *this run* faster, and by how much? A prediction of one
-micro-batch's step on one rank, in parts: the Linear GEMMs (:func:`~fp8dist.plan.speed.predict_linear`, with the
-recipe's casts), attention (FlashAttention's FLOPs at a fraction of the bf16 peak), memory-bound work (norms,
-activations, residuals: traffic proportional to the Linear activations), activation-checkpointing recompute, the
-optimizer step, and the strategy's collectives over the GPU's interconnect with what of them is exposed.
-
-Two constants are fitted on two published runs (torchao's H100 Llama3-8B bf16 and tensorwise rows) and every other
-published run is held out: ``benchmarks/step_model/`` holds the runs with their sources, the fit and the agreement.
-Pure: it builds the model on the meta device and reads no environment. Not re-exported by
-:mod:`fp8dist.plan.speed` because it reads the config schema, which imports that package (an import cycle)."""
+"""One micro-batch's training step on one rank, bf16 against FP8, in parts (GEMMs, attention, memory-bound work,
+recompute, optimizer, exposed collectives); two constants fitted on published runs (``benchmarks/step_model/``).
+Not re-exported by :mod:`fp8dist.plan.speed`: it reads the config schema, which imports that package."""
 
 from __future__ import annotations
 
@@ -18,10 +11,11 @@ from typing import Any
 from torch import nn
 
 from ...fp8.torchao import TorchaoBackend
-from ..gpus import GpuSpec
+from ..gpus import GpuSpec, gpu_by_key
 from ..hardware import Hardware
 from .model import predict_linear, resolve_gpu
 from .recipes import recipe_named
+from .step import recipes_for
 
 __all__ = ["StepConstants", "STEP_CONSTANTS", "StepParts", "StepTime", "predict_step", "compare_step_recipes",
            "fastest", "linear_shapes"]
@@ -34,28 +28,24 @@ class StepConstants:
     gemm_efficiency: float
     """The step's GEMM time over the per-GEMM model's (fitted): GEMMs beside NCCL kernels, under a power limit."""
     memory_traffic: float
-    """Bytes of memory-bound work per byte of Linear activation (each Linear's input and output, bf16, forward;
-    backward twice that), fitted: everything the step does besides GEMMs, attention, collectives and the
-    optimizer (norms, SwiGLU, RoPE, residuals, the loss, FSDP's copies) as traffic at the bandwidth."""
+    """Bytes of memory-bound work (norms, SwiGLU, RoPE, residuals, the loss, FSDP's copies) per byte of Linear
+    activation (bf16 inputs and outputs, forward; backward twice that), fitted."""
     attention_fraction: float = 0.35
     """Fraction of the dense bf16 peak FlashAttention-2 (PyTorch's SDPA) reaches: 35% on H100 (FlashAttention-3,
     Shah et al. 2024, arXiv:2407.08608, abstract)."""
     attention_backward: float = 2.5
     """Backward FLOPs over forward: five matmuls against two (FlashAttention-2, Dao 2023, arXiv:2307.08691)."""
     eager_traffic: float = 3.0
-    """Eager runs each elementwise op as its own kernel (RMSNorm, SwiGLU, RoPE: a few kernels each where compile
-    runs one): assumed 3 passes over the Linear activations where compile makes one, on top of the fitted rest."""
+    """Passes over the Linear activations eager makes where compile fuses into one (assumed)."""
     collective_fraction: float = 0.8
     """Fraction of one direction's link bandwidth an NCCL all-gather / reduce-scatter reaches (assumed)."""
     network_gbps: float = 50.0
-    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s per GPU (DGX H100 / B200 datasheets; torchtitan's Grand
-    Teton hosts)."""
+    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s (DGX H100 / B200 datasheets; torchtitan's Grand Teton hosts)."""
     gpus_per_node: int = 8
     optimizer_bytes: float = 32.0
-    """Bytes per parameter shard of an AdamW step in fp32 (param, grad, two moments read; three written) plus
-    the gradient-norm read."""
+    """Bytes per parameter shard of an fp32 AdamW step (param, grad, two moments read; three written; the norm)."""
     fitted_gpu: str = "h100-hbm2e"
-    """The GPU record the fitted constants come from: its predictions of ``fitted_recipes`` are the calibrated ones."""
+    """The GPU record the constants were fitted on: its predictions of ``fitted_recipes`` are the calibrated ones."""
     fitted_recipes: tuple[str, ...] = ("tensorwise",)
     fitted_on: str = ("torchao docs, 8x H100 (96GB HBM2e, 2.4 TB/s), Llama3-8B, FSDP2, compile, per-op SAC: bf16 "
                       "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
@@ -75,10 +65,9 @@ class StepParts:
     recompute_s: float
     optimizer_s: float
     collective_s: float
-    """All-gather + reduce-scatter (or all-reduce) time over the interconnect, overlapped or not."""
+    """All-gather + reduce-scatter (or all-reduce) time, overlapped or not."""
     exposed_s: float
-    """What of ``collective_s`` the compute does not hide: the first block's gather, the last block's reduction,
-    and whatever exceeds the compute."""
+    """What of ``collective_s`` the compute does not hide: one block's worth and whatever exceeds the compute."""
 
     @property
     def compute_s(self) -> float:
@@ -102,9 +91,8 @@ class StepTime:
     compile: bool
     activation_checkpointing: str
     fp8_layers: int
-    """Linear layers in FP8 (every Linear but the output head, as torchtitan converts)."""
     flops_per_token: float
-    """Training FLOPs per token, PaLM's 6N + 12LHQT (torchtitan's, what its MFU divides)."""
+    """Training FLOPs per token, PaLM's 6N + 12LHQT (what torchtitan's MFU divides)."""
     bf16: StepParts
     fp8: StepParts
     calibrated: bool
@@ -116,7 +104,6 @@ class StepTime:
 
     @property
     def speedup(self) -> float:
-        """bf16 step time over FP8 step time."""
         return self.bf16.step_s / self.fp8.step_s
 
     @property
@@ -130,8 +117,7 @@ class StepTime:
 
     @property
     def mfu(self) -> float:
-        """The FP8 run's MFU as torchtitan reports it: every FLOP against the dense bf16 peak (with FP8 it
-        overstates what is left to gain)."""
+        """The FP8 run's MFU as torchtitan reports it: every FLOP against the dense bf16 peak."""
         return self.tokens_per_s * self.flops_per_token / self._peak
 
     @property
@@ -140,16 +126,12 @@ class StepTime:
 
     @property
     def _peak(self) -> float:
-        from ..gpus import gpu_by_key
-
         return gpu_by_key(self.gpu).bf16_tflops * 1e12
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(speedup=self.speedup, tokens_per_s=self.tokens_per_s, bf16_tokens_per_s=self.bf16_tokens_per_s,
-                   bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s, mfu=self.mfu, bf16_mfu=self.bf16_mfu,
-                   prediction=True)
-        return out
+        return dict(asdict(self), speedup=self.speedup, tokens_per_s=self.tokens_per_s,
+                    bf16_tokens_per_s=self.bf16_tokens_per_s, bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s,
+                    mfu=self.mfu, bf16_mfu=self.bf16_mfu, prediction=True)
 
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
@@ -189,7 +171,7 @@ def _check(world_size: int, micro_batch_size: int, seq_len: int) -> None:
 
 
 def _attention(config: Any, spec: GpuSpec, tokens: int, seq_len: int, c: StepConstants) -> tuple[float, float]:
-    """(seconds fwd + bwd, FLOPs per token by torchtitan's 12LHQT) of causal attention over sequences of seq_len."""
+    """(seconds fwd + bwd, FLOPs per token by torchtitan's 12LHQT) of causal attention."""
     if config is None or not hasattr(config, "num_attention_heads"):
         return 0.0, 0.0
     heads = config.num_attention_heads
@@ -201,8 +183,8 @@ def _attention(config: Any, spec: GpuSpec, tokens: int, seq_len: int, c: StepCon
 
 def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_params: int, reduce_bytes: int,
                  c: StepConstants) -> float:
-    """Seconds of one step's collectives on one rank: FSDP gathers parameters twice (forward, backward) and
-    reduce-scatters gradients; a replicating strategy all-reduces gradients (twice the bytes of one pass)."""
+    """Seconds of a step's collectives: FSDP gathers parameters twice and reduce-scatters gradients; a replicating
+    strategy all-reduces gradients (twice the bytes of one pass)."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
@@ -212,26 +194,21 @@ def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_pa
                                                                                c.network_gbps)
     bandwidth = link * 1e9 * c.collective_fraction
     share = (world_size - 1) / world_size  # a ring moves (W-1)/W of the bytes through each rank
-    if facts.shards_params:
-        gathered = 2 * (params - fp8_params) + fp8_params
-        moved = 2 * gathered + reduce_bytes * params
-    else:
-        moved = 2 * reduce_bytes * params
+    gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
+    moved = 2 * gathered + reduce_bytes * params if facts.shards_params else 2 * reduce_bytes * params
     return moved * share / bandwidth
 
 
 def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, optimizer_s: float,
            collective_s: float, checkpointing: str, blocks: int, shards: bool, c: StepConstants) -> StepParts:
-    """One precision's step: the GEMMs at the fitted efficiency, the FP8 casts with the memory-bound work;
-    recompute as the checkpointing mode says (selective, torchtitan's per-op policy: every other matmul's forward
-    and the elementwise forward; full: the whole forward); collectives hidden behind the compute (FSDP) or the
-    backward (gradient all-reduce) but for one block's worth and any excess."""
+    """One precision's step. Selective recompute is torchtitan's per-op policy (every other matmul's forward and
+    the elementwise forward); collectives hide behind the compute (FSDP) or the backward (all-reduce)."""
     gemm_s *= c.gemm_efficiency
     forward = {"none": 0.0, "selective": (gemm_s + cast_s) / 6 + memory_s / 3,
                "full": (gemm_s + cast_s + memory_s) / 3 + attention_s / (1 + c.attention_backward)}[checkpointing]
     memory_s += cast_s
-    parts = StepParts(gemm_s, attention_s, memory_s, forward, optimizer_s, collective_s, 0.0)
-    hiding = parts.compute_s if shards else (parts.compute_s - optimizer_s) * 2 / 3
+    compute = gemm_s + attention_s + memory_s + forward + optimizer_s
+    hiding = compute if shards else (compute - optimizer_s) * 2 / 3
     exposed = collective_s / blocks + max(0.0, collective_s - hiding)
     return StepParts(gemm_s, attention_s, memory_s, forward, optimizer_s, collective_s, exposed)
 
@@ -244,19 +221,16 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
     Args:
-        model_or_config: an ``nn.Module`` (on the meta device is enough) or a Hugging Face config
-            (``LlamaConfig(...)``), built on the meta device here.
-        target: the GPU (``--target`` name, :class:`~fp8dist.plan.hardware.Hardware` or a GPU record).
+        model_or_config: an ``nn.Module`` (the meta device is enough) or a Hugging Face config, built on meta here.
+        target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
-        fp8, strategy, activation_checkpointing, compile: as :func:`fp8dist.wrap_model` takes them (None: its
-            defaults).
+        fp8, strategy, activation_checkpointing, compile: as :func:`fp8dist.wrap_model` takes them (None: default).
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``).
-
-        fp8_layers: the Linear layers (module names) that run in FP8, e.g. a plan's choice; None: every Linear
-            but the output head (torchtitan's conversion, what the published runs did).
+        fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
 
-    Raises ValueError naming the bad value and the choices.
+    Raises:
+        ValueError: naming the bad value and the choices.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -279,72 +253,53 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     spec = resolve_gpu(target)
     model = _meta_model(model_or_config)
     config = getattr(model, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
-    facts = facts_of(cfg, world_size)
-    run = _Run(spec, facts, cfg, world_size, micro_batch_size * seq_len, seq_len, compile, constants)
-    return run.predict(model, config, recipe, fp8_layers)
+    return _predict(model, config, recipe, fp8_layers, spec, cfg, facts_of(cfg, world_size), world_size,
+                    micro_batch_size * seq_len, seq_len, compile, constants)
 
 
-@dataclass(frozen=True)
-class _Run:
-    """What a prediction needs about the run, resolved once."""
+def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None, spec: GpuSpec, cfg: Any,
+             facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool, c: StepConstants) -> StepTime:
+    from ...config.resolve import torch_dtype
 
-    spec: GpuSpec
-    facts: Any
-    cfg: Any
-    world_size: int
-    tokens: int
-    seq_len: int
-    compile: bool
-    constants: StepConstants
-
-    def predict(self, model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None) -> StepTime:
-        from ...config.resolve import torch_dtype
-
-        spec, c, tokens = self.spec, self.constants, self.tokens
-        shapes, head = linear_shapes(model)
-        preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=self.compile)
-                 for n, k, o in shapes}
-        fp8_names = [n for n, k, o in shapes
-                     if ((n != head and k % 16 == 0 and o % 16 == 0) if chosen is None else n in chosen)]
-        if chosen is not None and len(fp8_names) != len(set(chosen)):
-            unknown = sorted(set(chosen) - set(fp8_names))
-            raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
-                             "model.named_modules() (or None for every Linear but the output head).")
-        params = sum(p.numel() for p in model.parameters())
-        gathered_fp8 = recipe_named(recipe).fp8_all_gather and self.facts.dtensor_shards
-        fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
-        reduce_bytes = torch_dtype(self.cfg.parallel.reduce_dtype).itemsize
-        attention_s, attention_flops = _attention(config, spec, tokens, self.seq_len, c)
-        bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
-        activation = 2 * sum(k + o for _, k, o in shapes) * tokens  # bf16 bytes of every Linear's input and output
-        # eager runs unfused what compile fuses: (eager_traffic - 1) more passes over the ideal (once-each) traffic
-        traffic = c.memory_traffic + (0 if self.compile else c.eager_traffic - 1)
-        memory_s = 3 * traffic * activation / bandwidth
-        optimizer_s = params / (self.facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
-        blocks = getattr(config, "num_hidden_layers", 1) or 1
-        mode, shards = self.cfg.parallel.activation_checkpointing, self.facts.shards_params
-        bf16_gemm = sum(p.bf16_s for p in preds.values())
-        fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
-        sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                        _collectives(spec, self.facts, self.world_size, params, fp8, reduce_bytes, c),
-                        mode, blocks, shards, c)
-                 for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
-                                          (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
-        flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
-        calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and self.compile
-        return StepTime(spec.key, spec.label, recipe, self.world_size, tokens // self.seq_len, self.seq_len,
-                        self.compile, mode, len(fp8_names), flops, sides[0], sides[1], calibrated)
+    shapes, head = linear_shapes(model)
+    preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile) for n, k, o in shapes}
+    fp8_names = [n for n, k, o in shapes
+                 if ((n != head and k % 16 == 0 and o % 16 == 0) if chosen is None else n in chosen)]
+    if chosen is not None and len(fp8_names) != len(set(chosen)):
+        unknown = sorted(set(chosen) - set(fp8_names))
+        raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
+                         "model.named_modules() (or None for every Linear but the output head).")
+    params = sum(p.numel() for p in model.parameters())
+    gathered_fp8 = recipe_named(recipe).fp8_all_gather and facts.dtensor_shards
+    fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
+    reduce_bytes = torch_dtype(cfg.parallel.reduce_dtype).itemsize
+    attention_s, attention_flops = _attention(config, spec, tokens, seq_len, c)
+    bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
+    activation = 2 * sum(k + o for _, k, o in shapes) * tokens  # bf16 bytes of every Linear's input and output
+    # eager runs unfused what compile fuses: (eager_traffic - 1) more passes over the ideal (once-each) traffic
+    traffic = c.memory_traffic + (0 if compile else c.eager_traffic - 1)
+    memory_s = 3 * traffic * activation / bandwidth
+    optimizer_s = params / (facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
+    blocks = getattr(config, "num_hidden_layers", 1) or 1
+    mode, shards = cfg.parallel.activation_checkpointing, facts.shards_params
+    bf16_gemm = sum(p.bf16_s for p in preds.values())
+    fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
+    sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
+                    _collectives(spec, facts, world_size, params, fp8, reduce_bytes, c),
+                    mode, blocks, shards, c)
+             for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
+                                      (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
+    flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
+    calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
+    return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
+                    compile, mode, len(fp8_names), flops, sides[0], sides[1], calibrated)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
                          recipes: tuple[str, ...] | None = None, fp8: str = TorchaoBackend.name,
                          **options: Any) -> tuple[StepTime, ...]:
-    """:func:`predict_step` under several recipes, the model built once: ``recipes`` None takes every Linear recipe
-    of the backend that ``target`` runs (:func:`~fp8dist.plan.speed.recipes_for`). ``options``: the other keywords
-    of :func:`predict_step`. (``fp8dist plan --compare-recipes`` and ``fp8dist estimate`` predict each recipe twice,
-    every Linear in FP8 and as planned: ``fp8dist.cli.plan.predicted_steps``.)"""
-    from .step import recipes_for
-
+    """:func:`predict_step` under several recipes, the model built once; ``recipes`` None: every Linear recipe of the
+    backend that ``target`` runs; ``options``: :func:`predict_step`'s other keywords."""
     model = _meta_model(model_or_config)
     names = recipes if recipes is not None else recipes_for(fp8, target)
     return tuple(predict_step(model, target=target, fp8=fp8, recipe=r, **options) for r in names)

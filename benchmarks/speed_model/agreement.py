@@ -1,7 +1,6 @@
 """The speed model against published measurements: the quantities torchao's tables measure (H100: LayerNorm ->
-Linear -> Sigmoid, forward + backward, compiled; B200: ReLU -> quantized Linear, forward; B200 MXFP8 grouped GEMMs,
-forward + backward) and the agreement figures the calibration is judged by. Read by the fit
-(``benchmarks/speed_model/fit.py``) and the tests, so both compute the same thing."""
+Linear -> Sigmoid, fwd + bwd, compiled; B200: ReLU -> quantized Linear, fwd; B200 MXFP8 grouped GEMMs, fwd + bwd) and
+the agreement figures. Read by the fits, report.py, benchmarks/gpu and the tests, so all compute the same thing."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..gpus import GpuSpec
-from .model import gemm_seconds, kernel_seconds, linear_seconds
-from .recipes import Kernel, recipe_named
+from fp8dist.plan.gpus import GpuSpec
+from fp8dist.plan.speed.model import gemm_seconds, kernel_seconds, linear_seconds
+from fp8dist.plan.speed.recipes import Kernel, recipe_named
 
 __all__ = ["Measurement", "GroupedMeasurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "B200_FIT_ROWS",
            "B200_HELD_OUT_ROWS", "GROUPED_FIT_GROUPS", "GROUPED_HELD_OUT_GROUPS", "read_measurements",
