@@ -103,7 +103,7 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
 def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     """The torchao AdamW keyword arguments of an AdamW spec (``lr``, ``betas``, ``eps``, ``weight_decay``), or of an
     Adam one without weight decay; ValueError naming the way out for anything else."""
-    if spec is None or callable(spec) or not isinstance(spec, Mapping):
+    if not isinstance(spec, Mapping):
         got = "no optimizer" if spec is None else f"a {type(spec).__name__}"
         raise ValueError(f"memory='lean' builds the optimizer itself (torchao 8-bit AdamW, bf16 stochastic rounding) "
                          f"and got {got}: pass optimizer={{'type': 'AdamW', 'lr': ...}} and take model, optimizer = "

@@ -121,13 +121,11 @@ def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size:
                         grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
                         reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
                         offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
-                        check_grad_overflow=cfg.nonfinite_step != "off", validate=validate and cfg.ds_config is None)
-    if cfg.ds_config is None:
-        return built
-    merged = merge_user_config(cfg.ds_config, built)
+                        check_grad_overflow=cfg.nonfinite_step != "off", validate=False)
+    config = built if cfg.ds_config is None else merge_user_config(cfg.ds_config, built)
     if validate:
-        validate_with_deepspeed(merged, world_size=world_size)
-    return merged
+        validate_with_deepspeed(config, world_size=world_size)
+    return config
 
 
 def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None = None) -> None:
