@@ -39,8 +39,7 @@ class ShardingInfo:
 class ShardJob:
     """Everything a strategy needs to shard one model."""
 
-    cfg: Any
-    """The resolved :class:`~fp8dist.config.resolve.Config`."""
+    cfg: Any  # the resolved :class:`~fp8dist.config.resolve.Config`
     env: DistEnv
     blocks: tuple[list[tuple[str, nn.Module]], str] | None = None
     """The blocks the block step found (and checkpointed / compiled), with how; None: the strategy finds them."""
@@ -48,8 +47,7 @@ class ShardJob:
     """The model is on the meta device: the strategy allocates it (whole, per unit, or this rank's shards)."""
     fill: Callable[[nn.Module], Any] | None = None
     """Fills this rank's part once the model is allocated, returning the LoadReport or None; None: nothing to fill."""
-    optimizer: Any = None
-    """The optimizer spec, for an engine that builds the optimizer itself."""
+    optimizer: Any = None  # the optimizer spec, for an engine that builds the optimizer itself
     prepare: Callable[[nn.Module], tuple[nn.Module, Any]] | None = None
     """An FP8 backend's step on the filled model before the engine wraps it, returning the model and the optimizer
     it built (MS-AMP's ``initialize``)."""
@@ -64,10 +62,8 @@ class Sharded:
     model: nn.Module
     """The model to train: the module itself (fsdp, none) or the engine's wrapper (ddp, fsdp1, deepspeed)."""
     info: ShardingInfo
-    loaded: Any = None
-    """What loading ``pretrained=`` read on this rank (a LoadReport); None: nothing loaded."""
-    materialized: str = ""
-    """How a meta-device model was materialized ("" for a model with real weights)."""
+    loaded: Any = None  # what loading ``pretrained=`` read on this rank (a LoadReport); None: nothing loaded
+    materialized: str = ""  # how a meta-device model was materialized ("" for a model with real weights)
     optimizer: torch.optim.Optimizer | None = None
     """The optimizer the engine (DeepSpeed) or the backend's :attr:`ShardJob.prepare` built, or None."""
 
@@ -267,12 +263,9 @@ class EngineMemory:
     """The dtype the engine casts the module to (DeepSpeed's bf16/fp16 block); None: the model's own."""
     master: str | None = None
     """The dtype of the engine's master weights and optimizer states (DeepSpeed: fp32); None: no master copy."""
-    stage: int | None = None
-    """The engine's ZeRO stage; None: it has none."""
-    offloaded: tuple[str, ...] = ()
-    """Model-state categories kept in host memory (DeepSpeed's offload)."""
-    notes: tuple[str, ...] = ()
-    """What the estimate should say (transient buffers not counted, HSDP's replicas)."""
+    stage: int | None = None  # the engine's ZeRO stage; None: it has none
+    offloaded: tuple[str, ...] = ()  # model-state categories kept in host memory (DeepSpeed's offload)
+    notes: tuple[str, ...] = ()  # what the estimate should say (transient buffers not counted, HSDP's replicas)
     layout: Mapping[str, Any] = field(default_factory=dict)
     """The engine's own figures its :meth:`Strategy.rank_state_bytes` reads (ZeRO's persistence threshold)."""
 
@@ -283,8 +276,7 @@ class EngineDtypes:
 
     compute: torch.dtype | None
     """What high-precision GEMMs compute in (the cast or autocast dtype); None: the stored dtype."""
-    reduce: str | None
-    """What gradients are reduced in, in words; None: nothing is reduced (one process)."""
+    reduce: str | None  # what gradients are reduced in, in words; None: nothing is reduced (one process)
     gather: str | None = None
     """What weights are all-gathered in, in words; None: the compute dtype (or FP8, where the weights say so)."""
     holder: Any = None
@@ -295,15 +287,13 @@ class EngineDtypes:
 class ParamLayout:
     """How one rank holds a wrapped model's parameters (:meth:`Strategy.param_layout`)."""
 
-    layout: str
-    """"DTensor Shard(0)", "FlatParameter shards", "replicated", "not distributed", ..."""
+    layout: str  # "DTensor Shard(0)", "FlatParameter shards", "replicated", "not distributed", ...
     total_numel: int
     local_numel: int
     tensors: int
     sharded_tensors: int
     storage: frozenset[torch.dtype]
-    replicas: int = 1
-    """Whole copies of the model over the ranks (HSDP's replicate degree)."""
+    replicas: int = 1  # whole copies of the model over the ranks (HSDP's replicate degree)
 
 
 def reduce_words(dtype: torch.dtype | None, model: nn.Module) -> str:

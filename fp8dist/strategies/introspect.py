@@ -38,8 +38,7 @@ def engine_of(module: Any) -> str | None:
 class Wrapping:
     """Where a model was already wrapped or sharded, and by what (:func:`find_wrapping`)."""
 
-    where: str
-    """The module's (or parameter's) name in the model given; "" for the model itself."""
+    where: str  # the module's (or parameter's) name in the model given; "" for the model itself
     engine: str
     """An :func:`engine_of` name, "dtensor" or "deepspeed_param" (a parameter sharded or held by hand), or
     "fp8dist" (returned by wrap_model, with its ``strategy``)."""

@@ -49,10 +49,8 @@ class Region:
 class LocalParam:
     """One parameter of the model (tied parameters once) as this rank holds it."""
 
-    names: tuple[str, ...]
-    """Its plain names; several when tied."""
-    shape: tuple[int, ...]
-    """The full shape."""
+    names: tuple[str, ...]  # its plain names; several when tied
+    shape: tuple[int, ...]  # the full shape
     local: torch.Tensor
     """This rank's part, shaped as the region (1-D for a flat range): the engine's storage, to write under no_grad."""
     region: Region
