@@ -169,7 +169,8 @@ class Strategy(Protocol):
 
     def rank_state_bytes(self, params: list[Any], cfg: Any, world_size: int, engine: EngineMemory, *, step: int,
                          level_states: Callable[[int], int], backend_optimizer: bool) -> list[dict[str, int]]:
-        """Bytes of each model-state category on each rank (the arguments: :mod:`~fp8dist.strategies.state_bytes`)."""
+        """Bytes of each model-state category on each rank (the arguments: :mod:`~fp8dist.strategies.state_bytes`;
+        ``backend_optimizer``: the FP8 backend builds the optimizer)."""
         return replicated_state_bytes(params, world_size, step, level_states)
 
     def kept_for_backward(self, model: nn.Module, cfg: Any, blocks: list[str]) -> list[tuple[str, int]]:
