@@ -1,6 +1,5 @@
-"""Model-state memory levels (``memory=``), one module each, each a class implementing
-:class:`~fp8dist.memory_levels.base.MemoryLevel`: ``standard`` (fp32 master weights, your optimizer) and ``lean``
-(:mod:`fp8dist.memory_levels.lean`: bf16 weights, 8-bit AdamW states)."""
+"""Model-state memory levels (``memory=``), each a :class:`~fp8dist.memory_levels.base.MemoryLevel`: ``standard``
+(fp32 master weights, your optimizer) and ``lean`` (bf16 weights, 8-bit AdamW states)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The interface of a model-state memory level (``memory=``), symmetric to the strategies and the FP8 backends: what
-it refuses to combine with, how it changes the config, what it does to the model around FP8 conversion, and how it
-builds the optimizer. ``wrap_model`` calls it in one fixed order:
-
-    rules (the combination table) -> resolve -> check_optimizer -> before_convert -> (convert) -> after_convert
-    -> ... -> build_optimizer
-"""
+"""The interface of a model-state memory level (``memory=``). ``wrap_model`` calls it in one fixed order: rules ->
+resolve -> check_optimizer -> before_convert -> (FP8 conversion) -> after_convert -> ... -> build_optimizer."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ class MemoryLevel(Protocol):
     builds_optimizer: ClassVar[bool] = False
     """The level builds the optimizer itself: ``wrap_model`` needs an optimizer spec."""
     estimate_optimizer: ClassVar[str] = "adamw"
-    """The optimizer the level builds, as the memory estimate names it (its ``optimizer=`` choices: adamw, adam,
-    sgd_momentum, sgd), where it builds one."""
+    """The optimizer the level builds, by the memory estimate's ``optimizer=`` name."""
 
     def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
         """``cfg`` as this level runs it (the level may fix a dtype the strategy's engine uses)."""
@@ -47,7 +41,7 @@ class MemoryLevel(Protocol):
         """On the model as given, before FP8 conversion."""
 
     def after_convert(self, model: nn.Module) -> None:
-        """On the converted model (a backend's new modules), before activation checkpointing and sharding."""
+        """On the converted model, before activation checkpointing and sharding."""
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
         """The optimizer from ``spec`` over the sharded model's parameters."""
@@ -55,20 +49,18 @@ class MemoryLevel(Protocol):
 
         return build_optimizer(spec, params)
 
-    # accounting: what the memory estimate and the precision report ask (defaults: the standard level's answers)
+    # accounting: what the memory estimate and the precision report ask
     fit_way_out: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
-    """``(what, options)``: switching to this level is a way out the estimate tries when a rank does not fit its
-    GPU; None: it is none."""
+    """``(what, options)``: a way out the estimate tries when a rank does not fit its GPU; None: none."""
     report_master: ClassVar[str] = "n/a (the stored weight)"
     """The precision report's master-weight column where the engine keeps no master copy of its own."""
 
     def element_bytes(self, base: Any) -> Any:
-        """Bytes per element of one parameter in each model-state category as this level holds it; ``base``: as
-        the strategy holds it (fields ``weight``, ``master``, ``grad``, ``states``, ``dtypes``; a frozen dataclass
-        to ``dataclasses.replace``). Default: unchanged."""
+        """Bytes per element of a parameter in each model-state category at this level; ``base``: the strategy's
+        (a frozen dataclass with ``weight``, ``master``, ``grad``, ``states``, ``dtypes``)."""
         return base
 
     def local_state_bytes(self, numel: int) -> int:
-        """Bytes of the level's own optimizer states for a local tensor of ``numel`` elements, beyond those of
-        :meth:`element_bytes`. Default: none."""
+        """Bytes of the level's own optimizer states for a local tensor of ``numel`` elements, beyond
+        :meth:`element_bytes`."""
         return 0

@@ -1,27 +1,5 @@
-"""``memory="lean"``: MS-AMP O2-class model-state memory from maintained parts (torch, torchao's low-bit
-optimizers, FSDP2).
-
-- Weights are stored in bf16 with no fp32 master copy; torchao's AdamW rounds each update back to bf16
-  stochastically (``bf16_stochastic_round=True``), so small updates are not lost on average.
-- The two Adam states are 8-bit, blockwise scaled (256 elements per scale): torchao ``AdamWFp8`` (e4m3) on a GPU
-  with FP8 (CUDA sm >= 8.9), ``AdamW8bit`` (bitsandbytes' dynamic 8-bit map) elsewhere. torchao keeps tensors of
-  fewer than 4096 elements, or not a multiple of 256, in the parameter's dtype (bf16).
-- Gradients are bf16: FSDP2 reduce-scatters them in bf16 and keeps them so; DDP all-reduces the bf16 gradients.
-
-torchao's optimizers step FSDP2's DTensors through a ``torch.compile``d function that fails on CPU (torch 2.13,
-torchao 0.18: the compiled step asks the 8-bit state for ``aten.view.dtype``). :class:`LocalShardStep` steps the
-same torchao update function (``single_param_adam``) eagerly on each DTensor's local shard, which aliases the
-sharded parameter's storage: the update lands in the parameter, the states hold only this rank's rows, and the
-optimizer's ``param_groups`` and ``state`` stay keyed by the real parameters (DCP checkpoints see the usual names).
-
-Stochastic rounding draws from torch's default generator, seeded for each parameter and step from the run's
-rounding seed (rank 0's ``torch.initial_seed()`` when the optimizer is built: the script's ``torch.manual_seed``,
-else the random seed torch starts with; kept in ``param_groups``), the step, the parameter's index in the optimizer
-and its shard's coordinates, and put back afterwards: ranks that hold the same elements (DDP ranks, the replicas of
-HSDP) round them the same way whatever each rank's own stream did (with each rank's stream, a
-``torch.manual_seed(seed + rank)`` made them drift apart), the training script's stream is left as it was, and a
-resumed run rounds as the uninterrupted one (seed and step are in the checkpoint).
-"""
+"""``memory="lean"``: MS-AMP O2-class model-state memory from maintained parts: bf16 weights with no fp32 master,
+torchao's 8-bit AdamW with bf16 stochastic rounding (stepped eagerly on each rank's shard), bf16 gradients."""
 
 from __future__ import annotations
 
@@ -51,8 +29,8 @@ def _backend_owns_optimizer(cfg: Any) -> bool:
 
 
 class LeanLevel(MemoryLevel):
-    """bf16 weights with no fp32 master, updated with stochastic rounding by torchao's 8-bit AdamW (stepped on each
-    rank's shard), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
+    """bf16 weights with no fp32 master, updated by torchao's 8-bit AdamW with ``bf16_stochastic_round`` (small
+    updates are not lost on average), bf16 gradients. Builds the optimizer itself from an Adam/AdamW spec."""
 
     name = "lean"
     summary = "bf16 weights, no fp32 master, 8-bit AdamW states, bf16 gradients"
@@ -93,9 +71,7 @@ class LeanLevel(MemoryLevel):
         cast_params_bf16(model)  # the backend's new modules
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-        """torchao's 8-bit AdamW (:func:`lean_optimizer_class`) with bf16 stochastic rounding, its rounding seed
-        rank 0's ``torch.initial_seed()``. Build it after sharding, on every rank (with a process group, the seed is
-        broadcast)."""
+        """Build it after sharding, on every rank: the rounding seed is rank 0's ``torch.initial_seed()``."""
         return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
                                             **lean_optimizer_kwargs(spec))
 
@@ -104,17 +80,16 @@ class LeanLevel(MemoryLevel):
                                    dtypes=("bf16", "none", "bf16", "8-bit/bf16"))
 
     def local_state_bytes(self, numel: int) -> int:
-        """torchao's 8-bit AdamW states (exp_avg, exp_avg_sq): a tensor of at least 4096 elements that is a multiple
-        of its 256-element block is quantized, one byte per element, an fp32 scale per block and a 256-entry fp32
-        code map per state; others stay bf16."""
+        """torchao quantizes a state of >= 4096 elements, a multiple of 256: a byte per element, an fp32 scale per
+        256-element block and a 256-entry fp32 code map; smaller ones stay bf16."""
         if numel >= _LEAN_MIN and numel % _LEAN_BLOCK == 0:
             return 2 * (numel + numel // _LEAN_BLOCK * 4 + _LEAN_BLOCK * 4)
         return 2 * 2 * numel
 
 
 def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
-    """torchao's ``AdamWFp8`` on a CUDA GPU with FP8 (sm >= 8.9), ``AdamW8bit`` elsewhere, with the local-shard
-    step (:class:`LocalShardStep`)."""
+    """torchao's ``AdamWFp8`` (e4m3 states) on a GPU with FP8 (sm >= 8.9), ``AdamW8bit`` (bitsandbytes' dynamic
+    map) elsewhere, with the local-shard step (:class:`LocalShardStep`)."""
     try:
         from torchao.optim import AdamW8bit, AdamWFp8
     except ImportError as err:
@@ -126,10 +101,9 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
 
 
 def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
-    """The torchao AdamW keyword arguments of an Adam/AdamW spec ``{"type": "AdamW", "lr": ..., "betas": ...,
-    "eps": ..., "weight_decay": ...}``; ValueError naming the way out for anything else. ``type: "Adam"`` is taken
-    when its weight_decay is 0 (AdamW with no decay is Adam)."""
-    if spec is None or callable(spec) or not isinstance(spec, Mapping):
+    """The torchao AdamW keyword arguments of an AdamW spec (``lr``, ``betas``, ``eps``, ``weight_decay``), or of an
+    Adam one without weight decay; ValueError naming the way out for anything else."""
+    if not isinstance(spec, Mapping):
         got = "no optimizer" if spec is None else f"a {type(spec).__name__}"
         raise ValueError(f"memory='lean' builds the optimizer itself (torchao 8-bit AdamW, bf16 stochastic rounding) "
                          f"and got {got}: pass optimizer={{'type': 'AdamW', 'lr': ...}} and take model, optimizer = "
@@ -146,13 +120,12 @@ def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
     if set(kwargs) - allowed:
         raise ValueError(f"memory='lean': optimizer options {sorted(set(kwargs) - allowed)} are not taken by torchao's "
                          f"8-bit AdamW; it takes {sorted(allowed)}. Leave them out, or {_WAY_OUT}.")
-    # torchao's AdamW takes torch's AdamW's types and ranges: the one check of a spec, before anything changes
+    # torchao's AdamW takes torch's AdamW's types and ranges
     check_optimizer_spec({**kwargs, "type": "AdamW"}, who="memory='lean': ")
     return kwargs
 
 
 def _agreed_seed(device: torch.device) -> int:
-    """Rank 0's ``torch.initial_seed()`` on every rank (the seed the script set, whatever each rank set)."""
     import torch.distributed as dist
 
     seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
@@ -161,18 +134,13 @@ def _agreed_seed(device: torch.device) -> int:
     return int(seed.item())
 
 
-def cast_params_bf16(model: nn.Module) -> int:
-    """Store every floating-point parameter of ``model`` in bf16, in place (buffers are left alone: rotary
-    frequencies stay fp32). Call before FP8 conversion (torchao wraps the bf16 weight for its FP8 all-gather) and
-    again after it (a backend's new modules); FP8 weight wrappers, already bf16 inside, are left alone. Returns how
-    many were cast."""
-    cast = 0
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != torch.bfloat16 and type(p.data) is torch.Tensor:
-                p.data = p.data.to(torch.bfloat16)
-                cast += 1
-    return cast
+def cast_params_bf16(model: nn.Module) -> None:
+    """Store every floating-point parameter in bf16, in place; buffers (rotary frequencies) and FP8 weight wrappers
+    (bf16 inside) are left alone. Call before FP8 conversion (torchao wraps the bf16 weight) and after it (a
+    backend's new modules)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16 and type(p.data) is torch.Tensor:
+            p.data = p.data.to(torch.bfloat16)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -182,8 +150,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _shard_index(p: torch.Tensor) -> int:
-    """Which shard of ``p`` this rank holds: its mesh coordinates on the sharded dimensions (mixed radix); 0 for a
-    replicated DTensor or a plain tensor. Replicas of one shard get the same index."""
+    """This rank's mesh coordinates on the dims that shard ``p`` (mixed radix): the same on replicas of a shard."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
@@ -196,13 +163,11 @@ def _shard_index(p: torch.Tensor) -> int:
 
 
 def _rounding_seed(seed: int, step: int, index: int, shard: int) -> int:
-    """The stochastic-rounding seed of a parameter's shard at a step: the same on every replica of the shard,
-    different across runs' seeds, steps, parameters and shards."""
     return (seed + step * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + shard * 0x94D049BB133111EB) % 2**63
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
-    """The generator torch's random functions use on ``device`` (torchao's stochastic rounding calls randint)."""
+    """The generator torchao's stochastic rounding (``randint``) draws from on ``device``."""
     if device.type == "cpu":
         return torch.default_generator
     module = getattr(torch, device.type)
@@ -210,10 +175,12 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 class LocalShardStep:
-    """Mixin for a torchao ``_AdamBase`` optimizer: its update function run eagerly on each parameter's local shard
-    instead of compiled over DTensors (the module's doc says why), the states made by torchao's own ``_new_buffer``
-    (DTensors over this rank's 8-bit shard); ``rounding_seed`` (in every param group) is the run's part of the
-    rounding seed of each parameter, step and shard (:func:`_rounding_seed`), so replicas stay identical."""
+    """Mixin for a torchao ``_AdamBase`` optimizer: its ``single_param_adam`` run eagerly on each DTensor's local
+    shard (the shard aliases the parameter's storage), as the compiled step over DTensors fails on CPU (torch 2.13,
+    torchao 0.18: ``aten.view.dtype`` on the 8-bit state); ``param_groups`` and ``state`` stay keyed by the real
+    parameters. Stochastic rounding is seeded per parameter, step and shard from ``rounding_seed`` (in every param
+    group, so in the checkpoint) and the RNG put back: replicas round alike, the script's stream is untouched and
+    a resumed run rounds as the uninterrupted one."""
 
     def __init__(self, params: Any, *args: Any, rounding_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
@@ -257,7 +224,7 @@ class LocalShardStep:
 
 @functools.cache
 def _local_shard_class(base: type) -> type:
-    """``base`` (a torchao AdamW) with :class:`LocalShardStep`'s step; one class per base, made on first use."""
+    """``base`` (a torchao AdamW) with :class:`LocalShardStep`'s step, one class per base."""
     return type(base.__name__, (LocalShardStep, base),
                 {"__module__": __name__,
                  "__doc__": f"torchao {base.__name__}, stepped on local shards (fp8dist.memory_levels.lean)."})

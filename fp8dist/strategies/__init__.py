@@ -1,8 +1,5 @@
-"""Strategies: how the model is replicated or sharded, each with its mixed-precision policy; one module per strategy,
-each a class implementing :class:`~fp8dist.strategies.base.Strategy` (``wrap_model`` calls its steps in one fixed
-order). The ``apply_*`` functions they use take explicit dtypes and devices, not the whole config, so they can be
-used on their own.
-"""
+"""Sharding strategies, one module each implementing :class:`~fp8dist.strategies.base.Strategy`. Their ``apply_*``
+functions take explicit dtypes and devices, not the whole config, so they can be used on their own."""
 
 from __future__ import annotations
 

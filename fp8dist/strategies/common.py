@@ -1,21 +1,22 @@
-"""Pieces every strategy shares: finding the transformer blocks, casting buffers, autocast forward."""
+"""Pieces the strategies share: finding the transformer blocks, casting buffers, autocast forward, materializing."""
 
 from __future__ import annotations
 
 import functools
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
 from .ties import TiedBlock, untie_blocks
 
-__all__ = ["find_blocks", "block_ties", "cast_buffers", "apply_autocast", "to_empty", "check_fits", "available_bytes"]
+__all__ = ["find_blocks", "shard_blocks", "block_ties", "cast_buffers", "apply_autocast", "to_empty", "check_fits",
+           "available_bytes"]
 
 
 def _with_params(model: nn.Module) -> str:
-    """The way out of a bad ``block_classes``: the classes that could be blocks."""
     with_params = sorted({type(m).__name__ for m in model.modules()
                           if m is not model and any(True for _ in m.parameters())})
     return (f"Classes that hold parameters in this model: {with_params}. Pass one of them, or leave block_classes "
@@ -23,22 +24,25 @@ def _with_params(model: nn.Module) -> str:
 
 
 def find_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[list[tuple[str, nn.Module]], str]:
-    """The blocks FSDP shards one by one, with how they were found.
-
-    Order of precedence: the user's ``block_classes``; Hugging Face ``_no_split_modules``; the children of the
-    largest ``nn.ModuleList`` (by parameter count). A block that shares a parameter with a module outside it
-    (BERT's embeddings, tied to its decoder) is left out: a tied parameter lives in one unit
-    (:func:`block_ties` says which and why). Returns ``([(fqn, module), ...], how)``, innermost first so nested
-    blocks are sharded before their parents. An empty list means only the root is sharded.
-
-    Raises:
-        ValueError: a class in ``block_classes`` does not occur in the model (lists the classes that do).
-    """
+    """The blocks FSDP shards one by one, ``([(fqn, module), ...], how they were found)``, innermost first; empty:
+    the root only. By the user's ``block_classes``, else Hugging Face ``_no_split_modules``, else the children of
+    the largest ``nn.ModuleList``; a block tied to a module outside it is left out (:func:`block_ties`).
+    ValueError: a class in ``block_classes`` is not in the model or holds no parameters."""
     found, how = _candidate_blocks(model, block_classes)
     kept, ties = untie_blocks(model, found)
     if ties:
         how += f"; left out, tied to a parameter outside them: {', '.join(t.block for t in ties)}"
     return kept, how
+
+
+def shard_blocks(model: nn.Module, job: Any) -> tuple[list[tuple[str, nn.Module]], str, tuple[str, ...]]:
+    """The blocks a block-wise strategy shards (the block step's, else found now), how they were found, and the
+    notes: a model sharded as one unit, blocks left out for a tie (read before sharding replaces parameters)."""
+    classes = job.cfg.parallel.block_classes
+    found, how = job.blocks if job.blocks is not None else find_blocks(model, classes)
+    one_unit = () if found else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
+                                 "block_classes=[...] to shard block by block.",)
+    return found, how, one_unit + tuple(t.note for t in block_ties(model, classes))
 
 
 def block_ties(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[TiedBlock, ...]:
@@ -47,7 +51,6 @@ def block_ties(model: nn.Module, block_classes: tuple[str, ...] = ()) -> tuple[T
 
 
 def _candidate_blocks(model: nn.Module, block_classes: tuple[str, ...]) -> tuple[list[tuple[str, nn.Module]], str]:
-    """The blocks by class or by the largest nn.ModuleList, ties not yet considered (see :func:`find_blocks`)."""
     classes_in_model = {type(m).__name__ for m in model.modules()}
     if block_classes:
         missing = [c for c in block_classes if c not in classes_in_model]
@@ -85,8 +88,8 @@ def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run ``module``'s forward under ``torch.autocast(device_type, dtype)`` (fp32: no autocast); parameters keep
-    their dtype. The backward pass runs outside autocast, as PyTorch recommends."""
+    """Run ``module``'s forward (not its backward, as PyTorch recommends) under ``torch.autocast`` to ``dtype``;
+    fp32: no autocast."""
     if dtype == torch.float32:
         return
     forward = module.forward
@@ -100,8 +103,7 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
 
 
 def to_empty(module: nn.Module, device: torch.device, *, recurse: bool = True) -> nn.Module:
-    """``module.to_empty(device)`` keeping tied parameters tied: tensors are swapped in place, so two modules
-    holding one Parameter still hold one (plain ``to_empty`` gives each its own)."""
+    """``module.to_empty(device)`` keeping tied parameters tied (plain ``to_empty`` gives each holder its own)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -126,8 +128,8 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(model: nn.Module, device: torch.device, strategy: str) -> None:
-    """A strategy that materializes the whole model on every rank (ddp, none, ZeRO-1/2) refuses a meta model
-    larger than the device's free memory, before allocating it."""
+    """MemoryError for a meta model larger than the device's free memory, before a strategy that materializes it
+    whole on every rank allocates it; a warning above half."""
     need = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(),
                                                                          *model.buffers())}.values())
     free = available_bytes(device)

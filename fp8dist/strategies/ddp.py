@@ -1,5 +1,4 @@
-"""strategy="ddp": DistributedDataParallel. fp32 parameters and gradients, the forward under autocast to the compute
-dtype; the :class:`DDP` strategy."""
+"""strategy="ddp": DistributedDataParallel, fp32 parameters and gradients, the forward under autocast."""
 
 from __future__ import annotations
 
@@ -16,12 +15,11 @@ from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, 
 from .common import cast_buffers
 from .single import apply_single
 
-__all__ = ["DDP", "apply_ddp", "ddp_reduce_dtype", "STRATEGY"]
+__all__ = ["DDP", "apply_ddp", "STRATEGY"]
 
 
 def _compression_hooks() -> dict:
-    """DDP's own gradient-compression hooks, by the dtype they reduce in; they need NCCL, so CUDA only
-    (:meth:`DDP.check_launch` refuses them on the CPU)."""
+    """DDP's own gradient-compression hooks, by the dtype they reduce in (they need NCCL)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
@@ -42,8 +40,8 @@ def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dt
 
 
 class DDP(Strategy):
-    """DDP: the whole model on every rank (a meta model allocated whole, then filled), the backend's step before
-    the wrapper, buffers cast, gradients all-reduced in their own dtype or through a compression hook."""
+    """DDP: the whole model on every rank, gradients all-reduced in their own dtype or through a compression
+    hook."""
 
     name = "ddp"
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
@@ -65,9 +63,8 @@ class DDP(Strategy):
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
     def check_launch(self, cfg, world_size: int) -> None:
-        """A bf16/fp16 reduce goes through DDP's compression hook, which needs NCCL: refused on the CPU. A launch
-        check, not a rule of the table: device='auto' is the CPU only on a machine without CUDA, and the table,
-        also asked when planning for another machine, reads options alone."""
+        """A bf16/fp16 reduce (a compression hook, which needs NCCL) is refused on the CPU: a launch check, as the
+        table also plans for other machines and device='auto' is the CPU only where CUDA is missing."""
         name = cfg.parallel.reduce_dtype
         if torch_dtype(name) != torch.float32 and runs_on_cpu(cfg.parallel.device):
             raise ValueError(
@@ -84,21 +81,14 @@ class DDP(Strategy):
                                    "second copy",))
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
-        reduce, hook = ddp_reduce_dtype(model)
-        words = f"set by the comm hook {hook}" if hook else reduce_words(reduce, model)
+        """Gradients reduce in the dtype of DDP's compression hook, else their own; a hook of the user's is named."""
+        hooks = [hook for hook, _state in getattr(model, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them
+        compress = {hook: dtype for dtype, hook in _compression_hooks().items()}
+        if hooks and hooks[-1] not in compress:
+            words = f"set by the comm hook {getattr(hooks[-1], '__qualname__', repr(hooks[-1]))}"
+        else:
+            words = reduce_words(compress[hooks[-1]] if hooks else None, model)
         return EngineDtypes(autocast, words, "none (replicated)")
 
 
 STRATEGY = DDP()
-
-
-def ddp_reduce_dtype(ddp: nn.Module) -> tuple[torch.dtype | None, str | None]:
-    """The dtype DDP's registered compression hook reduces in (``(None, None)`` without a hook: the gradients'
-    own dtype), or ``(None, hook name)`` for a hook of the user's."""
-    hooks = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them here
-    if not hooks:
-        return None, None
-    compress = {hook: dtype for dtype, hook in _compression_hooks().items()}
-    if hooks[-1] in compress:
-        return compress[hooks[-1]], None
-    return None, getattr(hooks[-1], "__qualname__", repr(hooks[-1]))

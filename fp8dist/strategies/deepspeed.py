@@ -1,5 +1,5 @@
-"""strategy="deepspeed": DeepSpeed ZeRO 1-3: ``deepspeed.initialize`` on the config of
-:mod:`~fp8dist.strategies.deepspeed_config`, and the :class:`DeepSpeed` strategy."""
+"""strategy="deepspeed": DeepSpeed ZeRO 1-3, ``deepspeed.initialize`` on the config of
+:mod:`~fp8dist.strategies.deepspeed_config`."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from ..pipeline.optim import check_optimizer_spec
 from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from ..pipeline.env import DistEnv
 from ..config.text import byte_size
-from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole,
-                   materialized_how)
-from .common import cast_buffers
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
+                   fill_whole)
+from .common import cast_buffers, to_empty
 from .deepspeed_checkpoint import ZeROCheckpoint
 from .deepspeed_config import (build_deepspeed_config, merge_user_config, model_hidden_size, read_user_config,
                                torch_adam_on_cpu, validate_with_deepspeed, zero_config)
@@ -29,12 +29,11 @@ from .state_bytes import zero_state_bytes
 __all__ = ["DeepSpeed", "zero_config", "build_deepspeed_config", "merge_user_config", "validate_with_deepspeed",
            "apply_deepspeed", "model_hidden_size", "is_deepspeed_engine", "partition_meta_zero3", "STRATEGY"]
 
+
 def apply_deepspeed(model: nn.Module, config: dict, *, optimizer: Any = None, local_rank: int = 0,
                     initialize: Any = None):
-    """``deepspeed.initialize`` (or ``initialize``, e.g. MS-AMP's DeepSpeed entry point) with ``config``; returns
-    ``(engine, optimizer)``. Call after FP8 conversion. DeepSpeed insists on LOCAL_RANK in the environment (its
-    launcher and torchrun set it); a process group created otherwise gets it set here from the rank fp8dist found
-    (as ``wrap_model`` sets it before)."""
+    """``deepspeed.initialize`` (or ``initialize``: MS-AMP's entry point) with ``config``; returns ``(engine,
+    optimizer)``. Call after FP8 conversion. Sets LOCAL_RANK, which DeepSpeed insists on, when no launcher did."""
     if initialize is None:
         import deepspeed
 
@@ -52,13 +51,10 @@ def is_deepspeed_engine(model: Any) -> bool:
 
 
 def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: Any) -> None:
-    """ZeRO-3 partitions a meta-device model through DeepSpeed's own ``zero.Init(module=...)``, one module at a
-    time (children first): the module's own parameters are allocated at full size in ``dtype`` (what
-    ``deepspeed.initialize`` would cast them to) for a moment, then each rank keeps its partition. The values are
-    not set here: the caller writes them into the partitions (``ds_tensor``) before ``deepspeed.initialize``."""
+    """Partition a meta-device model with ``zero.Init(module=...)``, one module at a time (children first): its own
+    parameters are allocated whole in ``dtype`` for a moment, then each rank keeps its partition. The caller writes
+    the values into the partitions (``ds_tensor``) before ``deepspeed.initialize``."""
     import deepspeed
-
-    from .common import to_empty
 
     def post_order(module: nn.Module):
         for child in module.children():
@@ -76,15 +72,9 @@ def partition_meta_zero3(model: nn.Module, config: dict, *, device: Any, dtype: 
             deepspeed.zero.Init(module=module, config_dict_or_path=config, dtype=dtype)
 
 
-def _zero3(cfg: Any) -> bool:
-    return cfg.parallel.zero_stage == 3
-
-
 def _deepspeed_comm(env: DistEnv) -> None:
-    """DeepSpeed's communication layer over torch's process group, and the LOCAL_RANK it insists on: ``zero.Init``
-    (ZeRO-3 meta init) reads both before ``deepspeed.initialize`` would set them up (it then saw a world of 1 and
-    refused the batch size); a process group created without a launcher gets LOCAL_RANK from the rank fp8dist
-    found. On a CPU without DeepSpeed's shared-memory op (:func:`_skip_shm_comm_op`)."""
+    """DeepSpeed's comm over torch's process group, and LOCAL_RANK: ``zero.Init`` reads both before
+    ``deepspeed.initialize`` would set them up (it then saw a world of 1 and refused the batch size)."""
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
@@ -94,12 +84,9 @@ def _deepspeed_comm(env: DistEnv) -> None:
 
 
 def _skip_shm_comm_op() -> None:
-    """DeepSpeed's comm, at its first initialization on a CPU, JIT-compiles its shared-memory all-reduce op (40-55 s
-    and a C++ compiler on a fresh machine; again whenever another ``ninja`` finds the build foreign) and maps a
-    66 MB ``/dev/shm`` file per rank that it never removes. Only ``inference_all_reduce`` uses it, which DeepSpeed's
-    tensor-parallel inference layers call; training's collectives go through torch's process group. So fp8dist
-    marks the op incompatible in DeepSpeed's table of compatible ops (kept in ``deepspeed.ops``, edits persist) and
-    DeepSpeed skips it. A script that initialized DeepSpeed's comm itself before ``wrap_model`` has it already."""
+    """On a CPU DeepSpeed's comm JIT-compiles a shared-memory all-reduce op (40-55 s and a C++ compiler) and leaves
+    a 66 MB ``/dev/shm`` file per rank, for inference only (training goes through torch's process group): marking
+    it incompatible in ``deepspeed.ops`` (the edit persists) makes DeepSpeed skip it."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # ShareMemCommBuilder's name there
@@ -107,9 +94,7 @@ def _skip_shm_comm_op() -> None:
 
 class DeepSpeed(Strategy):
     """DeepSpeed ZeRO: the engine builds the optimizer from the spec (or the config's block), accumulates, clips and
-    casts itself. A meta model is partitioned module by module through ``zero.Init`` under ZeRO-3 (each rank
-    allocates its partitions only), allocated whole under ZeRO-1/2; then filled, then handed to
-    ``deepspeed.initialize`` (or an FP8 backend's own entry into it)."""
+    casts itself. A meta model is partitioned through ``zero.Init`` under ZeRO-3, allocated whole under ZeRO-1/2."""
 
     name = "deepspeed"
     accelerate = {"distributed_type": "DEEPSPEED"}
@@ -123,10 +108,10 @@ class DeepSpeed(Strategy):
     options = {**dict.fromkeys(("zero_stage", "micro_batch_size", "grad_accum", "gradient_clipping",
                                 "offload_optimizer", "ds_config", "reduce_dtype"), ALWAYS),
                "offload_param": When({"zero_stage": (3,)})}
-    optimizer_keys = {"torch_adam": bool, "adam_w_mode": bool}
-    """Keys DeepSpeed's Adam/AdamW block takes beside torch's (its own types, Lamb and the rest, are its own)."""
+    optimizer_keys = {"torch_adam": bool, "adam_w_mode": bool}  # DeepSpeed's Adam/AdamW keys beside torch's
     rules = (
-        Rule(("offload_param", "zero_stage"), lambda cfg, facts: cfg.parallel.offload_param and not _zero3(cfg),
+        Rule(("offload_param", "zero_stage"),
+             lambda cfg, facts: cfg.parallel.offload_param and cfg.parallel.zero_stage != 3,
              "only ZeRO-3 partitions parameters", "Use zero_stage=3 or offload_optimizer=True."),
         Rule(("compile", "strategy"), lambda cfg, facts: cfg.parallel.compile is True,
              "DeepSpeed runs its own hooks around every module, so fp8dist does not compile blocks under it; "
@@ -139,7 +124,7 @@ class DeepSpeed(Strategy):
     )
 
     def check_launch(self, cfg, world_size: int) -> None:
-        """The user's json read before anything changes, its optimizer block checked as any optimizer spec."""
+        """The user's json read before anything changes, its optimizer block checked as any spec."""
         if cfg.parallel.ds_config is None:
             return
         block = read_user_config(cfg.parallel.ds_config).get("optimizer")
@@ -148,7 +133,7 @@ class DeepSpeed(Strategy):
                                  who=f"DeepSpeed config {cfg.parallel.ds_config!r}: ", engine_keys=self.optimizer_keys)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
-        partitions = None if world_size is None else (world_size if _zero3(cfg) else 1)
+        partitions = None if world_size is None else (world_size if cfg.parallel.zero_stage == 3 else 1)
         return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
                              broadcasts_weights=True, shard_degree=partitions)
 
@@ -163,10 +148,9 @@ class DeepSpeed(Strategy):
         if env.device.type == "cpu":
             config = torch_adam_on_cpu(config)
         _deepspeed_comm(env)
-        if job.meta and _zero3(job.cfg):  # each rank allocates its partitions only
+        if job.meta and p.zero_stage == 3:  # each rank allocates its partitions only
             partition_meta_zero3(model, config, device=env.device, dtype=torch_dtype(p.param_dtype))
-            loaded = job.fill(model) if job.fill is not None else None
-            how = materialized_how(env.device, whole=False, pretrained=p.pretrained)
+            loaded, how = fill_shards(model, job)
         else:
             loaded, how = fill_whole(model, job, self.name)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
@@ -176,8 +160,8 @@ class DeepSpeed(Strategy):
         return Sharded(engine, info, loaded, how, engine.optimizer)
 
     def watch_steps(self, model: nn.Module, guard: Any) -> None:
-        """The engine checks and skips inside ``engine.step()`` (its ``skipped_steps``); the guard reads its
-        verdict at each optimizer step (a gradient-accumulation boundary: ``global_steps`` moves)."""
+        """The engine checks and skips inside ``engine.step()``; the guard reads its verdict (``skipped_steps``)
+        when ``global_steps`` moves."""
         step = model.step
 
         def step_and_count(*args: Any, **kwargs: Any) -> Any:
@@ -204,8 +188,7 @@ class DeepSpeed(Strategy):
 
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
-        """From the config wrap_model builds, validated as wrap_model validates it when DeepSpeed is installed
-        here (its parser needs it; the estimate does not); on a CPU the engine's Adam is torch's."""
+        """From the config wrap_model builds, validated when DeepSpeed is installed here."""
         checked = importlib.util.find_spec("deepspeed") is not None
         spec = {"type": optimizer} if optimizer in ("adam", "adamw") else None
         ds = build_deepspeed_config(model, cfg.parallel, world_size=world_size, optimizer=spec, validate=checked)
@@ -249,8 +232,8 @@ class DeepSpeed(Strategy):
                            frozenset(p.ds_tensor.dtype for p in params))
 
     def state_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[Any]]:
-        """ZeRO keeps bf16 weights in the module (stage 3: ``ds_tensor`` partitions), fp32 master partitions and
-        gradient partitions in its optimizer, and the optimizer states in the inner torch optimizer."""
+        """ZeRO keeps the weights in the module (stage 3: ``ds_tensor``), fp32 master and gradient partitions in its
+        optimizer, the states in the inner torch optimizer."""
         zero, params = model.optimizer, list(model.module.parameters())
         return {
             "parameters": self.group_parts(params),
@@ -263,27 +246,24 @@ class DeepSpeed(Strategy):
         return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
 
     def group_parts(self, params: list[nn.Parameter]) -> list[Any]:
-        """ZeRO-3 keeps small parameters (ds_persist) whole in p.data besides their partition; ZeRO-1/2 keep each
-        parameter whole (a frozen one outside the flat groups)."""
+        """ZeRO-3 keeps small parameters (ds_persist) whole in p.data beside their partition; ZeRO-1/2 keep each
+        whole."""
         if not all(hasattr(p, "ds_tensor") for p in params):
             return list(params)
         return [[p.ds_tensor, p.data if getattr(p, "ds_persist", False) else None] for p in params]
 
     def full_shapes(self, model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
-        """ZeRO-3 empties each parameter for its partition (``ds_tensor``); ``ds_shape`` keeps the full shape."""
+        """ZeRO-3 empties each parameter for its partition; ``ds_shape`` keeps the full shape."""
         return {(id(m), n): tuple(p.ds_shape) for m in model.modules() for n, p in m.named_parameters(recurse=False)
                 if hasattr(p, "ds_shape")}
 
 
-_OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"
-"""What no_sync and clip_grad_norm_ say of an engine that accumulates and clips inside its own step."""
+_OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"  # no_sync's and clip_grad_norm_'s refusal
 
 
 STRATEGY = DeepSpeed()
 
+# where ZeRO's optimizer keeps this rank's fp32 master partitions and its reduced gradients (stage 1/2, stage 3)
 _MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-"""Where ZeRO's optimizer keeps this rank's fp32 master partitions (stage 1/2, stage 3)."""
 _GRADIENT_PARTITIONS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
                         "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-"""Where ZeRO keeps this rank's reduced gradients between backward and step (stage 1/2, stage 3; freed by its
-step)."""

@@ -1,8 +1,6 @@
-"""DeepSpeed's own engine checkpoint, the :attr:`~fp8dist.strategies.base.Strategy.checkpoint` of strategy
-"deepspeed": ZeRO keeps its partitions and fp32 masters in its own format, which torch's ``get_state_dict`` cannot
-read, so ``save_checkpoint`` / ``load_checkpoint`` go through the engine's own calls. The checkpoint tool
-(:mod:`fp8dist.checkpoint`) asks this object what to write, read and compare; it keeps the policy (atomicity,
-checksums, refusing foreign pickled classes)."""
+"""DeepSpeed's own engine checkpoint (ZeRO's partitions and fp32 masters, which ``get_state_dict`` cannot read): what
+:mod:`fp8dist.checkpoint` writes, reads and compares for strategy "deepspeed"; the policy (atomicity, checksums,
+refusing foreign pickled classes) stays there."""
 
 from __future__ import annotations
 
@@ -21,29 +19,24 @@ class ZeROCheckpoint:
 
     format = "deepspeed"
     """What meta.json records as ``engine``: a checkpoint loads only into a strategy of the same format."""
-    tag = "deepspeed"
-    """The folder DeepSpeed writes inside the checkpoint (its ``tag``)."""
-    saved_as = "in DeepSpeed's own checkpoint format"
-    """How a refusal says a checkpoint was saved in this format."""
+    tag = "deepspeed"  # the folder DeepSpeed writes inside the checkpoint
+    saved_as = "in DeepSpeed's own checkpoint format"  # how refusals name this format, and this engine
     loads_only = "this model is a DeepSpeed engine, which loads only DeepSpeed's own checkpoint format"
-    """How a refusal says this engine cannot load another format."""
     pickled = frozenset({"deepspeed.utils.tensor_fragment.fragment_address",
                          "deepspeed.runtime.zero.config.ZeroStageEnum",
                          "deepspeed.runtime.fp16.loss_scaler.LossScaler"})
-    """The classes besides tensors the engine's files hold; DeepSpeed loads them with plain pickle, so anything
-    else in :meth:`files` is refused before it does."""
+    """The classes besides tensors the engine's files hold: DeepSpeed unpickles them, so any other is refused."""
     written_by_hand = (("zero_to_fp32.py", "global_step*", "mp_rank_*_model_states.pt"), "a DeepSpeed engine "
                        "checkpoint folder", "load it with the DeepSpeed engine's own load_checkpoint")
-    """A folder the engine wrote itself, not through ``save_checkpoint``: (names or globs that mark one, what it is,
-    what to do with it instead); ``save_checkpoint`` refuses to write into one."""
+    """(globs that mark a folder the engine wrote itself, what it is, what to do instead): ``save_checkpoint``
+    refuses to write into one."""
 
     def record(self, cfg: Any) -> dict[str, Any]:
         """What meta.json records besides the strategy, and :meth:`mismatch` compares."""
         return {"zero_stage": cfg.parallel.zero_stage}
 
     def layout(self, model: nn.Module) -> tuple[dict[str, list[int]], list[str]]:
-        """Every parameter's full shape (ZeRO-3 partitions parameters; ``ds_shape`` is the full one) and the names
-        of the ``_extra_state`` entries (FP8 state)."""
+        """Every parameter's full shape (ZeRO-3's ``ds_shape``) and the names of the ``_extra_state`` entries."""
         module = model.module  # an _extra_state entry where nn.Module.state_dict writes one: get_extra_state overridden
         extra = [f"{n}._extra_state" if n else "_extra_state" for n, m in module.named_modules()
                  if type(m).get_extra_state is not nn.Module.get_extra_state]

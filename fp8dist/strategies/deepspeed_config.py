@@ -1,9 +1,5 @@
-"""A complete DeepSpeed config built from the model and the strategy's options (no "auto" left), the user's own
-json merged under it, and DeepSpeed's own parser asked when it is installed.
-
-Bucket sizes follow Hugging Face's "auto" rules from the hidden size h: reduce_bucket_size = h^2,
-stage3_prefetch_bucket_size = 0.9 h^2, stage3_param_persistence_threshold = 10 h.
-"""
+"""A complete DeepSpeed config from the model and the strategy's options (no "auto" left, bucket sizes by Hugging
+Face's "auto" rules from the hidden size), the user's own json merged under it, checked by DeepSpeed's parser."""
 
 from __future__ import annotations
 
@@ -44,27 +40,16 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
                 optimizer: Mapping[str, Any] | None = None, scheduler: Mapping[str, Any] | None = None,
                 offload_optimizer: bool = False, offload_param: bool = False, check_grad_overflow: bool = True,
                 validate: bool = True) -> dict:
-    """A complete DeepSpeed ZeRO config as a plain dict: every value concrete, checked by DeepSpeed's parser.
+    """A complete DeepSpeed ZeRO config as a plain dict, every value concrete, ready for ``json.dump``.
 
     Args:
-        stage: ZeRO stage 1, 2 or 3.
-        model / hidden_size: where bucket sizes come from (``model.config.hidden_size``); neither keeps
-            DeepSpeed's fixed defaults, written out.
-        micro_batch_size, grad_accum: per-GPU micro batch and accumulation steps.
-        world_size: data-parallel ranks; given, ``train_batch_size`` = micro x accum x world is written; None
-            leaves it out and DeepSpeed derives it from the world it is launched on.
-        param_dtype: "bf16" (default; fp32 master weights in the optimizer), "fp16" (dynamic loss scaling) or
-            "fp32".
-        reduce_dtype: dtype of the gradient communication (``communication_data_type``).
-        optimizer, scheduler: DeepSpeed blocks (``{"type": "AdamW", "params": {...}}``); None leaves them out
-            (pass a torch optimizer to ``deepspeed.initialize`` instead).
-        offload_optimizer: optimizer states on CPU (stages 1-3); offload_param: parameters on CPU (stage 3).
-        check_grad_overflow: bf16: the engine skips a step with non-finite gradients (DeepSpeed's default; fp16's
-            loss scaler always does).
+        model / hidden_size: where bucket sizes come from (reduce h^2, prefetch 0.9 h^2, persistence 10 h);
+            neither: DeepSpeed's fixed defaults, written out.
+        world_size: given, ``train_batch_size`` = micro x accum x world is written; None: DeepSpeed derives it.
+        param_dtype: "bf16" (fp32 masters in the optimizer), "fp16" (dynamic loss scaling) or "fp32".
+        optimizer, scheduler: DeepSpeed blocks (``{"type": "AdamW", "params": {...}}``); None leaves them out.
+        check_grad_overflow: bf16: the engine skips a step with non-finite gradients (fp16's scaler always does).
         validate: run DeepSpeed's own config parser on the result.
-
-    Returns:
-        The config dict, ready for ``json.dump`` and ``deepspeed --deepspeed_config``.
     """
     if stage not in _STAGES:
         raise ValueError(f"stage={stage!r} is not a ZeRO stage; choose one of 1, 2, 3 (stage 0 is plain data "
@@ -127,31 +112,25 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
 
 def build_deepspeed_config(model: nn.Module, cfg: StrategyConfig, *, world_size: int, optimizer: Any = None,
                            validate: bool = True) -> dict:
-    """The DeepSpeed config of a job: :func:`zero_config` from the model and ``cfg``, merged under the user's json
-    (``cfg.ds_config``) when given. ``wrap_model`` uses it, and so does the memory estimate (one builder, so the two
-    cannot disagree). A mapping ``optimizer`` spec becomes the config's optimizer block.
-
-    Args:
-        validate: check the result (fp8dist's rules, then DeepSpeed's own parser, which needs DeepSpeed installed).
-    """
+    """The DeepSpeed config of a job, for ``wrap_model`` and the memory estimate alike: :func:`zero_config` merged
+    under the user's ``cfg.ds_config``; a mapping ``optimizer`` spec becomes its optimizer block. ``validate``: check
+    it with :func:`validate_with_deepspeed` (which needs DeepSpeed)."""
     spec = dict(optimizer) if isinstance(optimizer, Mapping) else None
     block = {"type": spec.pop("type", None), "params": spec} if spec is not None else None
     built = zero_config(cfg.zero_stage, model=model, micro_batch_size=cfg.micro_batch_size,
                         grad_accum=cfg.grad_accum, world_size=world_size, param_dtype=cfg.param_dtype,
                         reduce_dtype=cfg.reduce_dtype, gradient_clipping=cfg.gradient_clipping, optimizer=block,
                         offload_optimizer=cfg.offload_optimizer, offload_param=cfg.offload_param,
-                        check_grad_overflow=cfg.nonfinite_step != "off", validate=validate and cfg.ds_config is None)
-    if cfg.ds_config is None:
-        return built
-    merged = merge_user_config(cfg.ds_config, built)
+                        check_grad_overflow=cfg.nonfinite_step != "off", validate=False)
+    config = built if cfg.ds_config is None else merge_user_config(cfg.ds_config, built)
     if validate:
-        validate_with_deepspeed(merged, world_size=world_size)
-    return merged
+        validate_with_deepspeed(config, world_size=world_size)
+    return config
 
 
 def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None = None) -> None:
-    """Check ``config`` with fp8dist's rules (batch equation, one of fp16/bf16, a real stage) and then with
-    DeepSpeed's own parser (``DeepSpeedConfig``); raise ValueError saying what is wrong."""
+    """ValueError saying what is wrong with ``config`` by fp8dist's rules (batch equation, one of fp16/bf16, a real
+    stage), then by DeepSpeed's own parser."""
     if "auto" in json.dumps(config):
         raise ValueError("the DeepSpeed config still holds an \"auto\" value: fp8dist writes concrete values only.")
     if config.get("bf16", {}).get("enabled") and config.get("fp16", {}).get("enabled"):
@@ -176,10 +155,9 @@ def validate_with_deepspeed(config: Mapping[str, Any], *, world_size: int | None
 
 
 def torch_adam_on_cpu(config: Mapping[str, Any]) -> dict:
-    """``config`` with DeepSpeed's ``torch_adam`` set in an Adam/AdamW block that does not say: on a CPU, DeepSpeed's
-    Adam is ``FusedAdam``, a C++ op compiled on first use (a minute or more per machine and environment), so an
-    fp8dist job on a CPU asks for torch's AdamW instead. A block that names ``torch_adam`` keeps its choice, and
-    an offloaded optimizer keeps DeepSpeed's CPU Adam (the engine refuses any other there)."""
+    """``config`` with ``torch_adam`` set in an Adam/AdamW block that does not say, for a CPU: DeepSpeed's
+    ``FusedAdam`` is a C++ op compiled on first use (a minute or more). An offloaded optimizer keeps DeepSpeed's
+    CPU Adam (the engine refuses any other there)."""
     block = config.get("optimizer")
     offloaded = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
     if not isinstance(block, Mapping) or offloaded or str(block.get("type", "")).lower() not in ("adam", "adamw"):
@@ -199,8 +177,8 @@ def read_user_config(path: str | Path) -> dict:
 
 
 def merge_user_config(user: Mapping[str, Any] | str | Path, built: Mapping[str, Any]) -> dict:
-    """The user's DeepSpeed config, with only the keys it lacks filled from ``built`` (nested blocks merged
-    key by key). The user's values always win; contradictions are reported by :func:`validate_with_deepspeed`."""
+    """The user's DeepSpeed config, the keys it lacks filled from ``built`` (nested blocks key by key): the user's
+    values always win."""
     if isinstance(user, (str, Path)):
         user = read_user_config(user)
     merged = copy.deepcopy(dict(user))

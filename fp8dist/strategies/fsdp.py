@@ -1,5 +1,4 @@
-"""strategy="fsdp": FSDP2 (``fully_shard``), per-parameter DTensor shards; HSDP on a 2-D mesh. Its policy, its
-application (torchtitan's units) and the :class:`FSDP2` strategy."""
+"""strategy="fsdp": FSDP2 (``fully_shard``), per-parameter DTensor shards; HSDP on a 2-D mesh."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import dtype_bytes, torch_dtype
 from ..config.text import plural
-from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
-                   materialized_how, prepared, reduce_words)
-from .common import block_ties, cast_buffers, find_blocks, to_empty
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
+                   prepared, reduce_words)
+from .common import cast_buffers, shard_blocks, to_empty
 from .padding import padding_note, shard_padding
 from .state_bytes import ROOT_WEIGHTS_ITEM, UNSHARDED_ITEM, fsdp2_state_bytes, gathered_blocks_note
 from .ties import untie_blocks
@@ -29,14 +28,14 @@ __all__ = ["FSDP2", "build_fsdp_policy", "apply_fsdp", "fsdp_padding_notes", "fs
 
 
 def build_fsdp_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
-    """FSDP2 mixed precision: gathered parameters in ``param_dtype``, gradients reduce-scattered in
-    ``reduce_dtype``. FSDP2 leaves buffers alone (fp8dist casts them separately)."""
+    """FSDP2 mixed precision: parameters gathered in ``param_dtype``, gradients reduce-scattered in
+    ``reduce_dtype``; buffers are left alone (fp8dist casts them)."""
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def fsdp_mesh(device: torch.device, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
-    """FSDP2's mesh: 1-D over every rank, or 2-D ``(replicate, shard)`` for HSDP (``fully_shard`` shards on the last
-    dimension and replicates on the first; rank ``r`` is in shard group ``r // shard_degree``)."""
+    """FSDP2's mesh: 1-D over every rank, or 2-D ``(replicate, shard)`` for HSDP (rank ``r`` is in shard group
+    ``r // shard_degree``)."""
     check_replicate_degree(replicate_degree, world_size)
     if replicate_degree == 1:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
@@ -58,17 +57,14 @@ class RootUnit:
     """Modules outside the blocks that FSDP2 shards together as one unit, before the root."""
 
     names: tuple[str, ...]
-    reshard_after_forward: bool
-    """False for the unit the backward needs first (final norm, output layer): torchtitan's choice."""
+    reshard_after_forward: bool  # False for the unit the backward needs first (torchtitan's choice)
 
 
 def root_units(model: nn.Module, block_names: list[str] | tuple[str, ...],
                reshard_after_forward: bool = True) -> tuple[RootUnit, ...]:
-    """How FSDP2 shards what the blocks leave, as torchtitan does: the input embedding as a unit of its own
-    (freed after forward, gathered again at the end of backward), the rest (final norm, output layer) as one unit
-    kept gathered from its forward to its backward. Without that, all of them stay in the root unit, gathered for
-    the whole step. A tied embedding and output layer share a weight, so they stay one unit (gathered the whole
-    step). Empty without blocks (the model is then one unit). Reads names and shapes only: a meta model works."""
+    """How FSDP2 shards what the blocks leave, as torchtitan does: the input embedding as a unit of its own, the
+    rest (final norm, output layer) as one unit kept gathered from its forward to its backward; a tied embedding and
+    output layer stay one unit. Empty without blocks. Reads names and shapes only: a meta model works."""
     if not block_names:
         return ()
     inside = tuple(f"{b}." for b in block_names)
@@ -88,8 +84,7 @@ def root_units(model: nn.Module, block_names: list[str] | tuple[str, ...],
 
 
 def _input_embedding(model: nn.Module, held: list[tuple[str, nn.Module]]) -> str | None:
-    """The name of the input embedding among ``held``: Hugging Face's get_input_embeddings(), else the first
-    nn.Embedding."""
+    """Hugging Face's get_input_embeddings() among ``held``, else the first nn.Embedding."""
     getter, found = getattr(model, "get_input_embeddings", None), None
     with contextlib.suppress(NotImplementedError, AttributeError):
         found = getter() if callable(getter) else None
@@ -102,16 +97,10 @@ def _input_embedding(model: nn.Module, held: list[tuple[str, nn.Module]]) -> str
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | None, device: torch.device,
                mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                block_names: tuple[str, ...] = ()) -> nn.Module:
-    """Shard each block with ``fully_shard``, then what the blocks leave (:func:`root_units`, when
-    ``block_names`` names the blocks), then the root. In place: returns ``model`` itself.
-    ``reshard_after_forward`` applies to the blocks and the input embedding. ``mesh``: None shards over every rank;
-    a 2-D mesh (:func:`fsdp_mesh`) is HSDP.
-
-    Call after FP8 conversion and before building the optimizer.
-
-    Raises:
-        ValueError: a block shares a parameter with a module outside it (FSDP2 would refuse it mid-way).
-    """
+    """Shard each block with ``fully_shard``, then what the blocks leave (:func:`root_units`, when ``block_names``
+    names them), then the root, in place; returns ``model``. ``mesh`` None shards over every rank; a 2-D one is HSDP.
+    Call after FP8 conversion and before building the optimizer. ValueError: a block holds a parameter tied to a
+    module outside it (FSDP2 would refuse it mid-way)."""
     _check_untied(model, blocks)
     if mesh is None:
         mesh = fsdp_mesh(device, torch.distributed.get_world_size())
@@ -122,14 +111,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh | 
         group = [modules[n] for n in unit.names]
         fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp_policy,
                     reshard_after_forward=unit.reshard_after_forward)
-    # what is left in the root is what backward needs first: freeing it after forward only gathers it again at
-    # once (torch's default for the root, as torchtitan does)
+    # the root holds what backward needs first: freeing it after forward would gather it again at once
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return model
 
 
 def _check_untied(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """Refuse, before any unit is made, blocks that a tied parameter would put in two units."""
     names = {id(m): n for n, m in model.named_modules()}
     _, ties = untie_blocks(model, [(names.get(id(b), ""), b) for b in blocks])
     if ties:
@@ -140,15 +127,14 @@ def _check_untied(model: nn.Module, blocks: list[nn.Module]) -> None:
 
 
 def fsdp_padding_notes(model: nn.Module, world_size: int) -> tuple[str, ...]:
-    """What FSDP2's dim-0 padding costs ``model`` on ``world_size`` ranks, with the way out, when it is large
-    (:func:`fp8dist.strategies.padding.padding_note`); empty otherwise. Reads shapes only: a meta model works."""
+    """:func:`~fp8dist.strategies.padding.padding_note` of ``model`` on ``world_size`` ranks, if any."""
     note = padding_note(shard_padding({n: tuple(p.shape) for n, p in model.named_parameters()}, world_size))
     return (note,) if note else ()
 
 
 class FSDP2(Strategy):
-    """FSDP2: each block, then torchtitan's units outside the blocks, then the root, sharded with ``fully_shard``
-    (in place); a meta model is materialized after sharding, each rank allocating and filling only its shards."""
+    """FSDP2: the blocks, torchtitan's units outside them, then the root, sharded in place; a meta model is
+    materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
@@ -165,28 +151,23 @@ class FSDP2(Strategy):
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, env = job.cfg.parallel, job.env
-        found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
+        found, how, notes = shard_blocks(model, job)
         names = tuple(n for n, _ in found)
-        ties = tuple(t.note for t in block_ties(model, p.block_classes))  # read before sharding replaces parameters
         model, built = prepared(model, job)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
         policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype))
         apply_fsdp(model, [m for _, m in found], mesh=fsdp_mesh(env.device, env.world_size, p.replicate_degree),
                    device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
                    block_names=names)
-        one_unit = () if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                     "block_classes=[...] to shard block by block.",)
-        notes = one_unit + ties + fsdp_padding_notes(model, env.world_size // p.replicate_degree)
+        notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
         if job.meta:
             to_empty(model, env.device)  # this rank's shards only
-        loaded = job.fill(model) if job.fill is not None else None
-        how_made = materialized_how(env.device, whole=False, pretrained=p.pretrained) if job.meta else ""
+        loaded, how_made = fill_shards(model, job)
         return Sharded(model, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
     def shard_by_hand(self, model: nn.Module, units: list[tuple[list[nn.Module], bool]],
                       device: torch.device) -> nn.Module:
-        """``fully_shard`` on each unit then the root (kept gathered for the backward), bf16 parameters and fp32
-        gradient reduction, one mesh over every rank: FSDP2 as its documentation wires it."""
+        """FSDP2 as its documentation wires it: each unit then the root, bf16 parameters, fp32 reduction."""
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         for modules, reshard in units:
@@ -216,7 +197,6 @@ class FSDP2(Strategy):
 
     def rank_state_bytes(self, params, cfg, world_size: int, engine: EngineMemory, *, step: int, level_states,
                          backend_optimizer: bool) -> list[dict[str, int]]:
-        """Each replica's ranks hold what FSDP2 over one shard group holds."""
         replicas = cfg.parallel.replicate_degree
         group = fsdp2_state_bytes(params, world_size // replicas, step, level_states)
         return [dict(d) for _ in range(replicas) for d in group]
@@ -249,5 +229,5 @@ STRATEGY = FSDP2()
 
 
 def _replicas(p: DTensor) -> int:
-    """How many ranks hold the same piece of ``p``: the product of its mesh dimensions that replicate it."""
+    """How many ranks hold the same piece of ``p``."""
     return math.prod(size for size, pl in zip(p.device_mesh.shape, p.placements) if pl.is_replicate())

@@ -1,5 +1,4 @@
-"""strategy="fsdp1": FSDP1 (``FullyShardedDataParallel``), one FlatParameter per unit. Its policy, its application
-and the :class:`FSDP1` strategy."""
+"""strategy="fsdp1": FSDP1 (``FullyShardedDataParallel``), one FlatParameter per unit."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
-from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
-                   materialized_how, prepared, reduce_words)
-from .common import block_ties, find_blocks, to_empty
-from .local_shards import fsdp1_full_shapes
+from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
+                   prepared, reduce_words)
+from .common import find_blocks, shard_blocks, to_empty
+from .local_shards import flat_params
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
 
 __all__ = ["FSDP1", "build_fsdp1_policy", "apply_fsdp1", "STRATEGY"]
@@ -32,9 +31,8 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.devi
                 mixed_precision: MixedPrecision, reshard_after_forward: bool,
                 param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
     """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
-    ``use_orig_params=True`` keeps the original parameter names and lets FP8 backends see real tensors;
-    ``device_id`` is set for CPU too, which FSDP1 needs to run there. ``param_init_fn`` materializes a meta-device
-    module, one unit at a time, before FSDP1 shards it."""
+    ``use_orig_params=True`` keeps the parameter names and lets FP8 backends see real tensors; ``device_id`` is set
+    for CPU too, which FSDP1 needs there. ``param_init_fn`` materializes a meta module one unit at a time."""
     block_ids = {id(b) for b in blocks}
     return FullyShardedDataParallel(
         model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids), mixed_precision=mixed_precision,
@@ -43,8 +41,8 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.devi
 
 
 class FSDP1(Strategy):
-    """FSDP1: blocks, then the root, wrapped in ``FullyShardedDataParallel``; a meta model is allocated unit by unit
-    just before FSDP1 shards it, then each rank fills its shards."""
+    """FSDP1: blocks, then the root, wrapped; a meta model is allocated unit by unit as FSDP1 shards it, then each
+    rank fills its shards."""
 
     name = "fsdp1"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
@@ -55,8 +53,8 @@ class FSDP1(Strategy):
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
 
     def check_model(self, model: nn.Module, cfg) -> None:
-        """FSDP1 flattens each unit's parameters into one FlatParameter of one dtype: a unit mixing dtypes (a frozen
-        bf16 embedding beside fp32 layers) would fail inside FSDP1's constructor."""
+        """A unit mixing dtypes (a frozen bf16 embedding beside fp32 layers) would fail inside FSDP1's constructor,
+        which flattens it into one FlatParameter of one dtype."""
         found, _ = find_blocks(model, cfg.parallel.block_classes)
         seen: set[int] = set()
         for unit, module in (*found, ("", model)):  # innermost first, the root last: as FSDP1 wraps them
@@ -74,19 +72,15 @@ class FSDP1(Strategy):
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, device = job.cfg.parallel, job.env.device
-        found, how = job.blocks if job.blocks is not None else find_blocks(model, p.block_classes)
+        found, how, notes = shard_blocks(model, job)
         names = tuple(n for n, _ in found)
-        ties = tuple(t.note for t in block_ties(model, p.block_classes))  # read before sharding replaces parameters
         model, built = prepared(model, job)
         init = (lambda module: to_empty(module, device, recurse=False)) if job.meta else None
         policy = build_fsdp1_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype),
                                     buffer_dtype=torch_dtype(p.buffer_dtype))
         wrapped = apply_fsdp1(model, [m for _, m in found], device=device, mixed_precision=policy,
                               reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
-        notes = ties if names else (f"{type(model).__name__}: {how}. All parameters are gathered at once; pass "
-                                    "block_classes=[...] to shard block by block.", *ties)
-        loaded = job.fill(wrapped) if job.fill is not None else None
-        how_made = materialized_how(device, whole=False, pretrained=p.pretrained) if job.meta else ""
+        loaded, how_made = fill_shards(wrapped, job)
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
     def no_sync(self, model: nn.Module):
@@ -113,7 +107,7 @@ class FSDP1(Strategy):
         return EngineDtypes(mp.param_dtype, reduce_words(mp.reduce_dtype or mp.param_dtype, model))
 
     def param_layout(self, model: nn.Module) -> ParamLayout:
-        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        flats = flat_params(model)
         return ParamLayout("FlatParameter shards", sum(f._unpadded_unsharded_size.numel() for f in flats),
                            sum(f.numel() for f in flats), len(flats),
                            sum(1 for f in flats if f.numel() < f._unpadded_unsharded_size.numel()),
@@ -121,14 +115,20 @@ class FSDP1(Strategy):
 
     def state_tensors(self, model: nn.Module, optimizer) -> dict[str, list]:
         """The FlatParameters hold the storage (and its padding) the original parameters view."""
-        held = super().state_tensors(model, optimizer)
-        flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
+        held, flats = super().state_tensors(model, optimizer), flat_params(model)
         return {**held, "parameters": flats + held["parameters"],
                 "gradients": [f.grad for f in flats] + held["gradients"]}
 
     def full_shapes(self, model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
-        """The original parameters are flat views of this rank's shard: their shapes are in the flat parameters."""
-        return fsdp1_full_shapes(model)
+        """The original parameters are flat views of this rank's shard: their full shapes are in the flat
+        parameters (tied ones under their shared entries)."""
+        full: dict[tuple[int, str], tuple[int, ...]] = {}
+        for flat in flat_params(model):
+            for info, shape in zip(flat._param_infos, flat._shapes):
+                full[(id(info.module), info.param_name)] = tuple(shape)
+            for shared in flat._shared_param_infos or ():
+                full[(id(shared.module), shared.param_name)] = full[(id(shared.prim_module), shared.prim_param_name)]
+        return full
 
     def holds_own_params(self, module: nn.Module) -> bool:
         return not isinstance(module, FullyShardedDataParallel)

@@ -1,5 +1,4 @@
-"""Which engine wrapped a model, read from the engine's own objects (:func:`engine_of`), for ``unwrap_model`` and
-the check of a model already wrapped (:func:`find_wrapping`: ``wrap_model`` and the numerics probe)."""
+"""Which engine wrapped a model, read from the engine's own objects, and where a model was already wrapped."""
 
 from __future__ import annotations
 
@@ -12,27 +11,20 @@ from .deepspeed import is_deepspeed_engine
 
 __all__ = ["engine_of", "Wrapping", "find_wrapping", "mark_wrapped"]
 
-_WRAPPED_ATTR = "_fp8dist_wrapped_by"
-"""Set by :func:`mark_wrapped` on every module of what ``wrap_model`` returned: the strategy's name."""
-
+_WRAPPED_ATTR = "_fp8dist_wrapped_by"  # the strategy's name, on every module of what wrap_model returned
 _ENGINE_NAMES = {"ddp": "wrapped in DistributedDataParallel (DDP)",
                  "fsdp1": "wrapped in FullyShardedDataParallel (FSDP1)",
                  "fsdp": "sharded by fully_shard (FSDP2)",
                  "deepspeed": "a DeepSpeed engine (deepspeed.initialize)"}
-"""What :func:`find_wrapping` says each engine did."""
-
+# a parameter sharded or held by an engine whose wrapper is not in the model
 _PARAMETER_STATES = {"dtensor": "a DTensor (sharded by hand: fully_shard or tensor parallel)",
                      "deepspeed_param": "held by DeepSpeed (deepspeed.initialize or zero.Init by hand)"}
-"""What :func:`find_wrapping` says of a parameter sharded or held by an engine whose wrapper is not in the model."""
-
+# set by DeepSpeed on the parameters it holds: ZeRO-3's partition id, ZeRO-1/2's link to its fp32 master (0.19)
 _DEEPSPEED_PARAM_ATTRS = ("ds_id", "_hp_mapping")
-"""What DeepSpeed sets on the parameters it holds: ZeRO-3's partition id (``zero.Init``), the link to the fp32
-master of ZeRO-1/2 and the bf16 optimizer (``link_hp_params``, DeepSpeed 0.19)."""
 
 
 def engine_of(module: Any) -> str | None:
-    """The engine that wrapped or sharded ``module`` itself: "deepspeed" (its engine), "fsdp1"
-    (``FullyShardedDataParallel``), "fsdp" (``fully_shard``: an ``FSDPModule``), "ddp"; None: none did."""
+    """The engine that wrapped or sharded ``module`` itself: "deepspeed", "fsdp1", "fsdp", "ddp"; None: none."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -46,17 +38,14 @@ def engine_of(module: Any) -> str | None:
 class Wrapping:
     """Where a model was already wrapped or sharded, and by what (:func:`find_wrapping`)."""
 
-    where: str
-    """The module's (or parameter's) name in the model given; "" for the model itself."""
+    where: str  # the module's (or parameter's) name in the model given; "" for the model itself
     engine: str
-    """"ddp", "fsdp1", "fsdp", "deepspeed", "dtensor" (a DTensor parameter: tensor parallel or fully_shard by
-    hand), "deepspeed_param" (a parameter DeepSpeed holds: the inner module of an engine built by hand, or built
-    under ``zero.Init``) or "fp8dist" (returned by wrap_model)."""
+    """An :func:`engine_of` name, "dtensor" or "deepspeed_param" (a parameter sharded or held by hand), or
+    "fp8dist" (returned by wrap_model, with its ``strategy``)."""
     strategy: str | None = None
-    """The strategy ``wrap_model`` used (engine "fp8dist")."""
 
     def describe(self, model: nn.Module) -> str:
-        """"model.layers.0 (FSDPLlamaDecoderLayer) of LlamaForCausalLM is already sharded by fully_shard (FSDP2)"."""
+        """E.g. "model.layers.0 (FSDPLlamaDecoderLayer) of LlamaForCausalLM is already sharded by fully_shard"."""
         if self.engine in _PARAMETER_STATES:
             return f"parameter {self.where!r} of {type(model).__name__} is already {_PARAMETER_STATES[self.engine]}"
         what = (f"the model given ({type(model).__name__})" if not self.where else
@@ -67,9 +56,8 @@ class Wrapping:
 
 
 def mark_wrapped(model: nn.Module, strategy: str) -> None:
-    """Mark every module of ``model`` (what ``wrap_model`` returned: its wrapper, the user's model inside, their
-    submodules) as wrapped by ``strategy``: a DDP or DeepSpeed model's inner module carries no engine state of its
-    own, yet wrapping it again would put a second engine over the same parameters."""
+    """Mark every module of what ``wrap_model`` returned as wrapped by ``strategy``: a DDP or DeepSpeed model's
+    inner module carries no engine state, yet wrapping it again would put a second engine over its parameters."""
     for module in model.modules():
         setattr(module, _WRAPPED_ATTR, strategy)
 

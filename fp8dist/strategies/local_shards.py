@@ -1,11 +1,6 @@
-"""What each rank holds of every parameter of a wrapped model, read from the engine's own objects, and the full
-tensors gathered back one piece at a time: the one place that knows how FSDP2 (DTensor), FSDP1 (flat parameters),
-DeepSpeed ZeRO-3 (``ds_tensor`` partitions), DDP and a plain module lay parameters out. Loading a pretrained
-checkpoint into the shards and exporting the trained model both read it.
-
-Names are the user's module names: the wrappers' attributes (FSDP1's ``_fsdp_wrapped_module``, activation
-checkpointing's ``_checkpoint_wrapped_module``, torch.compile's ``_orig_mod``) are dropped.
-"""
+"""What each rank holds of every parameter of a wrapped model (FSDP2, FSDP1, ZeRO-3, DDP, a plain module), read from
+the engine's own objects, and the full tensors gathered back one at a time; for loading ``pretrained=`` and exports.
+Names are the user's: wrapper attributes (FSDP1's, activation checkpointing's, torch.compile's) are dropped."""
 
 from __future__ import annotations
 
@@ -19,11 +14,10 @@ from torch import nn
 from .deepspeed import is_deepspeed_engine
 from ..pipeline.weight_layout import checkpoint_transposed, transposed_params
 
-__all__ = ["WRAPPER_ATTRS", "plain_name", "fsdp1_full_shapes", "Region", "LocalParam", "local_params",
+__all__ = ["WRAPPER_ATTRS", "plain_name", "flat_params", "Region", "LocalParam", "local_params",
            "gather_full", "original_class"]
 
 WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-"""Attributes through which wrappers hold the module they wrap: absent from the user's module names."""
 
 
 def plain_name(name: str) -> str:
@@ -32,29 +26,16 @@ def plain_name(name: str) -> str:
 
 
 def original_class(module: nn.Module) -> type:
-    """The user's class of ``module``: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) whose ``__new__``
-    also runs ``__init__``."""
+    """The user's class of ``module``, under the subclass FSDP2 swaps in (``FSDPLlamaForCausalLM``)."""
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
-def fsdp1_full_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, ...]]:
-    """FSDP1's original parameters are flat views of this rank's shard; their full shapes are in the flat
-    parameters (tied ones under their shared entries). Keyed by ``(id(module), parameter name)``."""
-    full: dict[tuple[int, str], tuple[int, ...]] = {}
-    for flat in _flat_params(model):
-        for info, shape in zip(flat._param_infos, flat._shapes):
-            full[(id(info.module), info.param_name)] = tuple(shape)
-        for shared in flat._shared_param_infos or ():
-            full[(id(shared.module), shared.param_name)] = full[(id(shared.prim_module), shared.prim_param_name)]
-    return full
-
-
 @dataclass(frozen=True)
 class Region:
-    """The part of a full tensor one rank holds: a box (``(start, length)`` per dim: FSDP2, a whole tensor) or a
-    range ``[start, stop)`` of the flattened tensor (FSDP1, ZeRO-3)."""
+    """The part of a full tensor one rank holds: a box (``(start, length)`` per dim) or a range ``[start, stop)`` of
+    the flattened tensor (FSDP1, ZeRO-3)."""
 
     box: tuple[tuple[int, int], ...] | None = None
     flat: tuple[int, int] | None = None
@@ -68,33 +49,22 @@ class Region:
 class LocalParam:
     """One parameter of the model (tied parameters once) as this rank holds it."""
 
-    names: tuple[str, ...]
-    """Its plain names; several when tied (``model.embed_tokens.weight`` and ``lm_head.weight``)."""
-    shape: tuple[int, ...]
-    """The full shape."""
+    names: tuple[str, ...]  # its plain names; several when tied
+    shape: tuple[int, ...]  # the full shape
     local: torch.Tensor
-    """This rank's part, shaped as the region (a box, or 1-D for a flat range): written into under no_grad, it
-    is the engine's storage."""
+    """This rank's part, shaped as the region (1-D for a flat range): the engine's storage, to write under no_grad."""
     region: Region
     transposed: bool = False
-    """The parameter holds the transpose of what checkpoints hold (:func:`fp8dist.pipeline.weight_layout.
-    checkpoint_transposed`: a GPT-2 Conv1D run by Transformer Engine): ``shape`` and ``region`` are the parameter's
-    own."""
+    """It holds the transpose of what checkpoints hold (a GPT-2 Conv1D run by Transformer Engine); ``shape`` and
+    ``region`` are its own."""
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
-        """The shape checkpoints hold it in."""
         return self.shape[::-1] if self.transposed else self.shape
 
 
-def _whole(shape: tuple[int, ...]) -> Region:
-    return Region(box=tuple((0, s) for s in shape))
-
-
 def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    """torchao wraps the high-precision weight in a tensor subclass (FP8 all-gather's
-    ``WeightWithDynamicFloat8CastTensor`` holds it as ``_tensor``, the MoE training wrapper as ``_data``): the
-    tensor inside is the weight trained."""
+    """The weight inside torchao's tensor subclass (FP8 all-gather's ``_tensor``, the MoE wrapper's ``_data``)."""
     for attr in ("_tensor", "_data"):
         inner = getattr(t, attr, None)
         if isinstance(inner, torch.Tensor):
@@ -103,10 +73,8 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(model: nn.Module) -> tuple[nn.Module, dict[int, list[str]]]:
-    """The module whose parameter names are the user's (inside DDP and the DeepSpeed engine; FSDP1's root wrapper
-    is kept, its flat parameter one of the units, its prefixes dropped by :func:`plain_name`), resharded, and the
-    plain names of each of its parameters by id. FSDP2 keeps the root's parameters gathered after a forward (in the
-    compute dtype, as plain tensors, until backward): every unit is put back to its sharded DTensors first."""
+    """The module inside DDP or the DeepSpeed engine (FSDP1's root kept), with every FSDP2 unit resharded (the root
+    stays gathered after a forward), and the plain names of each of its parameters by id."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -125,13 +93,13 @@ def _dtensor_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(p, DTensor):
-        return _plain_tensor(p.data), _whole(tuple(p.shape))
+        return _plain_tensor(p.data), Region(box=tuple((0, s) for s in p.shape))
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return _plain_tensor(p.to_local()), Region(box=tuple(zip(offset, shape)))
 
 
-def _flat_params(model: nn.Module) -> list[torch.Tensor]:
-    """FSDP1's FlatParameters in ``model`` (a unit whose modules hold no parameters of their own has none)."""
+def flat_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP1's FlatParameters in ``model`` (a unit without parameters of its own has none)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._flat_param is not None]
@@ -139,7 +107,7 @@ def _flat_params(model: nn.Module) -> list[torch.Tensor]:
 
 def _fsdp1_params(model: nn.Module, names: dict[int, list[str]]) -> list[LocalParam]:
     out = []
-    for flat in _flat_params(model):
+    for flat in flat_params(model):
         for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
             view = getattr(info.module, info.param_name)
             start, stop = (shard.intra_param_start_idx, shard.intra_param_end_idx + 1) if shard.in_shard else (0, 0)
@@ -159,8 +127,7 @@ def _zero3_piece(p: torch.Tensor) -> tuple[torch.Tensor, Region]:
 
 
 def local_params(model: nn.Module) -> list[LocalParam]:
-    """Every parameter of ``model`` (as :func:`fp8dist.wrap_model` returned it, or the user's module) with this
-    rank's part of it, in the model's parameter order."""
+    """Every parameter of ``model`` (wrapped or not) with this rank's part of it, in the model's order."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     inner, names = _inner(model)
@@ -177,11 +144,9 @@ def local_params(model: nn.Module) -> list[LocalParam]:
 
 
 def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tuple[str, ...], torch.Tensor | None]]:
-    """The full value of every parameter, one at a time (a collective: every rank must iterate it to the end):
-    ``(names, tensor)``, the tensor on the CPU in the layout checkpoints hold (a transposed parameter transposed
-    back), None on ranks other than 0 when ``to_rank0``. Peak memory is one FSDP1 unit or one parameter (FSDP2,
-    ZeRO-3) beyond the shards. ZeRO-3 yields the optimizer's fp32 master weights when it has them (DeepSpeed's
-    ``safe_get_full_fp32_param``), the module's weights otherwise."""
+    """``(names, full tensor)`` of every parameter, one at a time, on the CPU in the checkpoints' layout; None on
+    ranks but 0 when ``to_rank0``. A collective: every rank iterates it to the end. Peak memory: one FSDP1 unit or
+    one parameter beyond the shards. ZeRO-3 yields its fp32 master weights when it has them."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -195,6 +160,7 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
             return None
         plain = _plain_tensor(t).detach().cpu()
         return plain.t() if flip else plain
+
     units = FullyShardedDataParallel.fsdp_modules(inner)
     if units:
         for unit in units:
@@ -210,12 +176,8 @@ def gather_full(model: nn.Module, *, to_rank0: bool = True) -> Iterator[tuple[tu
     from torch.distributed.tensor import DTensor
 
     for p in dict.fromkeys(inner.parameters()):
-        if hasattr(p, "ds_tensor"):
-            yield tuple(names[id(p)]), keep(_zero3_full(p, engine), id(p) in transposed)
-        elif isinstance(p, DTensor):
-            yield tuple(names[id(p)]), keep(p.full_tensor(), id(p) in transposed)
-        else:
-            yield tuple(names[id(p)]), keep(p, id(p) in transposed)
+        full = _zero3_full(p, engine) if hasattr(p, "ds_tensor") else p.full_tensor() if isinstance(p, DTensor) else p
+        yield tuple(names[id(p)]), keep(full, id(p) in transposed)
 
 
 def _zero3_full(p: torch.Tensor, engine) -> torch.Tensor:

@@ -1,17 +1,6 @@
-"""What FSDP2 (``fully_shard``) allocates per rank, parameter by parameter, and when its padding deserves a note.
-
-FSDP2 cuts each parameter along dim 0 with ``torch.chunk`` into ``world_size`` pieces and every rank allocates the
-first (largest) piece: ``ceil(dim0 / world_size)`` rows, the missing rows zero padding. A parameter whose dim 0 is
-shorter than the world size is therefore held as whole rows: Mixtral's fused experts (``gate_up_proj`` of shape
-``(num_experts, 2 * intermediate, hidden)``, ``down_proj`` ``(num_experts, hidden, intermediate)``) have dim 0 = 8,
-so on 64 ranks every rank holds one expert's full row, 1/8 of the tensor instead of 1/64: 8x. The same layout
-holds the gradients (FSDP2's reduce-scatter output); optimizer states follow the unpadded rows.
-
-The way out is to shard such parameters on a longer dim (``fully_shard(module, shard_placement_fn=...)`` returning
-``Shard(1)`` for them) or to split the experts across ranks (expert parallelism) instead of sharding each one.
-
-Pure functions of shapes: used by the memory estimate, ``fp8dist plan`` and ``wrap_model``'s sharding notes.
-"""
+"""What FSDP2 allocates per rank, parameter by parameter, and when its padding deserves a note: FSDP2 cuts each
+parameter along dim 0 with ``torch.chunk`` and every rank allocates the first chunk, so a dim 0 shorter than the world
+(Mixtral's 8 fused experts on 64 ranks: 8x) is held as whole rows. Pure functions of shapes."""
 
 from __future__ import annotations
 
@@ -21,8 +10,7 @@ from dataclasses import dataclass
 
 __all__ = ["PaddedParam", "shard_padding", "padding_note", "NOTE_ABOVE"]
 
-NOTE_ABOVE = 1.10
-"""The padding note appears when the padded total is at least this many times an even split of the elements."""
+NOTE_ABOVE = 1.10  # the note appears when the padded total is at least this many times an even split
 
 
 @dataclass(frozen=True)
@@ -39,12 +27,10 @@ class PaddedParam:
 
     @property
     def dim0(self) -> int:
-        """Rows along the sharded dim (a 0-d parameter counts as one row)."""
-        return self.shape[0] if self.shape else 1
+        return self.shape[0] if self.shape else 1  # a 0-d parameter counts as one row
 
     @property
     def row_numel(self) -> int:
-        """Elements per row of dim 0."""
         return self.numel // self.dim0 if self.dim0 else 0
 
     @property
@@ -59,42 +45,28 @@ class PaddedParam:
 
     @property
     def factor(self) -> float:
-        """Allocated over an even split: ``padded_numel * world_size / numel`` (1.0: no padding)."""
+        """Allocated over an even split (1.0: no padding)."""
         return self.padded_numel * self.world_size / self.numel if self.numel else 1.0
 
     def rows_on(self, rank: int) -> int:
-        """Real (unpadded) rows ``rank`` holds; ranks past the last chunk hold none."""
+        """Real (unpadded) rows ``rank`` holds."""
         return max(0, min(self.rows_per_rank, self.dim0 - rank * self.rows_per_rank))
 
     def better_dim(self) -> int | None:
-        """A dim to shard on instead of dim 0: the first other one the world size divides (FSDP2 refuses uneven
-        sharding on any dim but 0, and an even one needs no padding); None when there is none."""
+        """The first other dim the world size divides (FSDP2 shards dims but 0 only evenly); None: none."""
         return next((dim for dim, size in enumerate(self.shape[1:], start=1) if size % self.world_size == 0), None)
 
 
 def shard_padding(shapes: Mapping[str, Sequence[int]], world_size: int) -> list[PaddedParam]:
-    """Each parameter's per-rank allocation under FSDP2's dim-0 sharding.
-
-    Args:
-        shapes: parameter name -> full (unsharded) shape, in model order.
-        world_size: ranks sharding the parameters.
-
-    Returns:
-        One :class:`PaddedParam` per parameter, in the order given.
-
-    Example::
-
-        padded = shard_padding({n: p.shape for n, p in model.named_parameters()}, world_size=64)
-        per_rank = sum(p.padded_numel for p in padded)
-    """
+    """Each parameter's per-rank allocation under FSDP2's dim-0 sharding, from its full shape by name."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer (the ranks FSDP2 shards over).")
     return [PaddedParam(name, tuple(int(s) for s in shape), world_size) for name, shape in shapes.items()]
 
 
 def padding_note(padded: Sequence[PaddedParam]) -> str | None:
-    """One line on FSDP2's padding when it costs at least ``NOTE_ABOVE`` times an even split: the parameters held
-    as whole rows (dim 0 shorter than the world size) and the way out; None when the padding is small."""
+    """One line on FSDP2's padding when it costs at least ``NOTE_ABOVE`` times an even split, naming the parameters
+    held as whole rows and the way out (shard them on another dim, or expert parallelism); None otherwise."""
     if not padded:
         return None
     world = padded[0].world_size

@@ -1,5 +1,4 @@
-"""strategy="none": one process, no wrapper, no process group: the forward under autocast to the compute dtype; the
-:class:`Single` strategy."""
+"""strategy="none": one process, no wrapper, no process group, the forward under autocast."""
 
 from __future__ import annotations
 

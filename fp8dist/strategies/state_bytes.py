@@ -1,34 +1,6 @@
-"""Model-state bytes on every rank, from parameter shapes alone: each engine's layout, followed exactly where it runs
-here (the memory estimate, :func:`fp8dist.estimate_memory`, is tested against :func:`fp8dist.report` to the byte).
-Each strategy's :meth:`~fp8dist.strategies.base.Strategy.rank_state_bytes` calls its own layout.
-
-- replicated (ddp, one process, the default): every rank holds every parameter, its gradient (DDP's are views of
-  its buckets) and the optimizer states, in the parameters' stored dtype; torch's Adam/AdamW add a 4-byte
-  ``step`` per parameter.
-- FSDP2: each parameter is cut along dim 0 with ``torch.chunk``; every rank's storage is padded to
-  ``ceil(dim0 / W)`` rows (parameters and the reduce-scatter output that holds the gradients), while the
-  optimizer states follow the unpadded local rows (:mod:`fp8dist.strategies.padding`, which also says when a
-  dim 0 shorter than W -- Mixtral's fused experts -- multiplies the bytes).
-- FSDP1: each wrapped unit's parameters are flattened (each start aligned to 16 bytes of the compute dtype, as
-  ``use_orig_params=True`` does), padded to a multiple of W and cut into W equal shards; optimizer states follow
-  the original parameters' unpadded pieces.
-- DeepSpeed ZeRO-1/2: one flat buffer of ``param_dtype`` weights padded to a multiple of 2W on every rank, an fp32
-  master partition of 1/W of it, and gradients for every parameter that overlaps this rank's partition (whole
-  parameters, in the weights' dtype). ZeRO-3: each parameter partitioned to ``ceil(numel / W)`` elements for
-  weights, master weights, gradients and states; small parameters (numel <= the persistence threshold) are also
-  kept whole. Under an FP8 backend that builds the optimizer (MS-AMP, derived from its chart): ZeRO's
-  partitioning by stage applied to each parameter.
-
-A frozen parameter (``requires_grad=False``: a LoRA base) has no gradient, master, optimizer state nor step in any
-of them, measured: FSDP2 and ZeRO-3 shard it like the others, DDP and one process hold it whole, ZeRO-1/2 keep it
-whole outside their flat group, and FSDP1 keeps it in its unit's flat parameter, whose one gradient spans the whole
-shard when any piece of the unit trains.
-
-``params`` are the estimate's records of each parameter: ``name``, ``numel``, ``shape``, ``unit`` (the block that
-owns it, "" for the root), ``trains`` and ``bytes`` per element of each category (``weight``, ``master``, ``grad``,
-``states``). ``step``: the optimizer's bytes of step state per tensor; ``level_states``: the memory level's own
-optimizer-state bytes of a local tensor of n elements.
-"""
+"""Model-state bytes on every rank from parameter shapes alone, each engine's layout followed exactly (the estimate is
+tested against :func:`fp8dist.report` to the byte). ``params``: the estimate's records (``name``, ``numel``, ``shape``,
+``unit``, ``trains``, ``bytes`` per element of weight, master, grad, states); a frozen one has no gradient nor state."""
 
 from __future__ import annotations
 
@@ -44,14 +16,12 @@ from .padding import shard_padding
 __all__ = ["replicated_state_bytes", "fsdp2_state_bytes", "fsdp1_state_bytes", "zero_state_bytes",
            "gathered_blocks_note", "UNSHARDED_ITEM", "ROOT_WEIGHTS_ITEM"]
 
+# the activation estimate's items for weights an FSDP engine keeps gathered after the forward
 UNSHARDED_ITEM = "unsharded weights kept (reshard_after_forward=False)"
-"""The activation estimate's item for an FSDP engine that keeps every weight gathered after the forward."""
 ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
-"""The activation estimate's item for FSDP2's gathered units outside the blocks, not a tensor autograd saves."""
 
 
 def _trains(p: Any) -> bool:
-    """A frozen parameter (``requires_grad=False``) has no gradient, optimizer state nor step of its own."""
     return getattr(p, "trains", True)
 
 
@@ -65,6 +35,8 @@ def _spread(per_rank: list[int], start: int, stop: int, size: int, value_of: Cal
 
 def replicated_state_bytes(params: list[Any], world: int, step: int,
                            level_states: Callable[[int], int]) -> list[dict[str, int]]:
+    """Every rank holds everything; ``step``: the optimizer's step bytes per tensor; ``level_states``: a memory
+    level's own state bytes for n elements."""
     one = {"parameters": sum(p.numel * p.bytes.weight for p in params),
            "master_weights": sum(p.numel * p.bytes.master for p in params),
            "gradients": sum(p.numel * p.bytes.grad for p in params),
@@ -75,9 +47,8 @@ def replicated_state_bytes(params: list[Any], world: int, step: int,
 
 def fsdp2_state_bytes(params: list[Any], world: int, step: int,
                       level_states: Callable[[int], int]) -> list[dict[str, int]]:
-    """torch.chunk along dim 0: every rank's storage padded to the first chunk; the optimizer states on each rank's
-    real rows: ranks before the last chunk a full one, the rank of the last chunk the rest, later ranks none
-    (summed through a difference array, so 1024 ranks cost no more than 2)."""
+    """Storage padded to the first ``torch.chunk`` along dim 0 (:mod:`~fp8dist.strategies.padding`), optimizer
+    states on each rank's real rows (summed through a difference array, so 1024 ranks cost no more than 2)."""
     padding = shard_padding({p.name: p.shape for p in params}, world)
     change = [0] * (world + 1)
     for p, pad in zip(params, padding):
@@ -112,6 +83,8 @@ def _fsdp1_unit(unit: list[Any], world: int, align: int) -> tuple[list[tuple[int
 
 
 def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: int) -> list[dict[str, int]]:
+    """Each unit flattened (each piece aligned to 16 bytes, as ``use_orig_params=True`` does), padded to a multiple
+    of W and cut in W shards; one flat gradient spans the shard if any piece trains; states follow the pieces."""
     units: dict[str, list[Any]] = {}
     for p in params:
         units.setdefault(p.unit, []).append(p)
@@ -130,8 +103,8 @@ def fsdp1_state_bytes(params: list[Any], world: int, step: int, compute_bytes: i
 
 
 def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
-    """One flat group of the trained parameters padded to a multiple of 2W (frozen ones stay whole module
-    parameters); gradients of whole parameters overlapping the partition."""
+    """One flat group of the trained parameters padded to a multiple of 2W (frozen ones stay whole), an fp32 master
+    partition of 1/W, gradients of the whole parameters overlapping the partition."""
     trained = [p for p in params if _trains(p)]
     b = (trained or params)[0].bytes
     total = sum(p.numel for p in trained)
@@ -148,7 +121,8 @@ def _zero12(params: list[Any], world: int) -> list[dict[str, int]]:
 
 
 def _zero_per_param(params: list[Any], world: int, stage: int, persistence: int = -1) -> list[dict[str, int]]:
-    """ZeRO-3 (with its persistent whole copies), or an FP8 backend's own ZeRO optimizer at ``stage``."""
+    """ZeRO-3 (``ceil(numel / W)`` each; numel <= ``persistence`` also kept whole), or an FP8 backend's own ZeRO
+    optimizer partitioning each parameter by ``stage``."""
     def share(numel: int, partitioned: bool) -> int:
         return -(-numel // world) if partitioned else numel
     out = {"parameters": sum((share(p.numel, stage >= 3) + (p.numel if p.numel <= persistence else 0)) * p.bytes.weight

@@ -1,12 +1,6 @@
-"""Tied parameters and FSDP units: one Parameter held by two modules (BERT's word embeddings and its masked-LM
-decoder) must be sharded by one unit. FSDP2 refuses a parameter that another unit already manages ("shared with a
-parameter already managed by another FSDP group"); FSDP1 flattens it into the first unit and leaves the other
-module computing with the unsharded original (a dtype mismatch at step 1, or silently stale weights).
-
-So a block (a unit of its own) that shares a parameter with a module outside it is no block: it stays in the
-enclosing unit (another block that holds every holder of the parameter, or what the root shards), where the tie is
-one parameter of one unit. Decided on names and identities only, before anything is sharded (a meta model works).
-"""
+"""Tied parameters and FSDP units: a block that shares a parameter with a module outside it (BERT's word embeddings
+and decoder) is no block but stays in the enclosing unit, as FSDP2 refuses a parameter another unit manages and FSDP1
+leaves the other module computing with the unsharded original. Decided on names only (a meta model works)."""
 
 from __future__ import annotations
 
@@ -22,11 +16,8 @@ class TiedBlock:
     """A block left out of block-wise sharding because one of its parameters is tied to a module outside it."""
 
     block: str
-    """The block's name (it is sharded with the enclosing unit instead)."""
-    parameter: str
-    """The tied parameter, by its name inside the block's holder."""
-    tied_to: str
-    """The same parameter's name outside the block."""
+    parameter: str  # its name inside the block
+    tied_to: str  # its name outside the block
 
     @property
     def note(self) -> str:
@@ -35,7 +26,7 @@ class TiedBlock:
 
 
 def _holders(model: nn.Module) -> list[list[str]]:
-    """The names of every parameter held under more than one name (tied), one list per parameter."""
+    """The names of each tied parameter, one list per parameter."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
