@@ -1,6 +1,5 @@
-"""The one reader of the files a user configures fp8dist with (its YAML/JSON config, Accelerate's, a DeepSpeed json,
-a model's ``config.json``). JSON and YAML both let a key given twice in one mapping win silently: here it is an error
-naming the key, the file and (YAML) both lines. Syntax errors name the file, the line and the column."""
+"""The one reader of the YAML/JSON files a user configures fp8dist with. A key given twice in one mapping (which JSON
+and YAML let win silently) is an error, as is bad syntax, naming the file, the line and the column."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ __all__ = ["read_config_text", "parse_json", "parse_yaml", "no_duplicate_keys"]
 
 
 def no_duplicate_keys(what: str, path: Path):
-    """``json.loads``'s ``object_pairs_hook``: a mapping, refusing a key given twice."""
+    """``json.loads``'s ``object_pairs_hook`` refusing a key given twice."""
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for key, value in pairs:
@@ -25,7 +24,6 @@ def no_duplicate_keys(what: str, path: Path):
 
 
 def parse_json(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as JSON; a syntax error or a duplicate key names the file."""
     try:
         return json.loads(text, object_pairs_hook=no_duplicate_keys(what, path))
     except json.JSONDecodeError as err:
@@ -58,7 +56,6 @@ def _strict_loader():
 
 
 def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as YAML; a syntax error or duplicate key names the file, line and column."""
     import yaml
 
     try:
@@ -73,8 +70,7 @@ def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
 
 
 def read_config_text(path: Path, *, what: str = "config file") -> Any:
-    """The file parsed as JSON (``.json``) or YAML, None when empty; a syntax error or a duplicate key names the
-    file, the line and the column."""
+    """The file parsed as JSON (``.json``) or YAML; None when empty."""
     try:
         text = path.read_text()
     except UnicodeDecodeError as err:
