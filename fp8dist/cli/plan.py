@@ -89,10 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
-    """Per recipe of the backend that the plan's GPU runs, the whole step at the run's world size, batch and
-    sequence with every Linear but the head in FP8 (as published runs convert) and with FP8 only where the plan's
-    margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
-    print. ``selection``: the plan's (``plan.selection``, ``MemoryEstimate.speed``), with a predicted step."""
+    """Per recipe the plan's GPU runs, the predicted step (:func:`~fp8dist.plan.speed.step_time.predict_step`) with
+    every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step."""
     from ..config.options import DEFAULT_SEQ_LEN
     from ..plan.speed.step_time import predict_step
 
@@ -107,8 +105,7 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) ->
 
 
 def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, ...]]:
-    """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe of ``backend`` that
-    the plan's GPU runs, each layer choosing FP8 by the plan's margin: what the step and the GEMM tables read."""
+    """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe the plan's GPU runs."""
     from ..plan.speed import Gemm, compare_recipes
 
     step = selection.step
@@ -119,7 +116,7 @@ def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, .
 
 
 def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
-    """The fastest predicted step over every recipe and both conversions, with which conversion; None: bf16."""
+    """The fastest predicted step and its conversion; None: bf16."""
     from ..plan.speed.step_time import fastest
 
     best = fastest(tuple(step for pair in steps for step in pair))
@@ -130,7 +127,7 @@ def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
 
 
 def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
-    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+    """Which recipe is predicted fastest for this run, or that none beats bf16."""
     first, best = steps[0][0], _best(steps)
     run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
     if best is None:
@@ -152,8 +149,9 @@ def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
               f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
               "yes" if every.calibrated else "no"] for every, paid in steps]
     head = (f"predicted training step on {first.world_size}x {first.gpu_label} (activation checkpointing "
-            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
-            "recompute, optimizer and exposed collectives; a prediction, benchmarks/step_model/README.md): every "
+            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, "
+            "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
+            "benchmarks/step_model/README.md): every "
             "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
     return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
                                       "MFU", "exposed comm (ms)", "calibrated"], rows)
@@ -165,15 +163,13 @@ def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
 
 
 def steps_json(steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
-    """The predicted steps as ``--json`` gives them (``plan`` and ``estimate``): each recipe both ways, and the
-    fastest (None: bf16, or nothing predicted)."""
+    """The predicted steps as ``--json`` gives them: each recipe both ways, and the fastest (None: bf16)."""
     best = _best(steps) if steps else None
     return {"steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
             "fastest": {"recipe": best[0].recipe, "conversion": best[1]} if best else None}
 
 
 def _read_report(path: str) -> dict[str, Any]:
-    """The JSON ``fp8dist probe --json`` wrote."""
     from pathlib import Path
 
     try:
@@ -188,12 +184,8 @@ def _read_report(path: str) -> dict[str, Any]:
 
 
 def compare_text(plan: Any) -> str:
-    """The predicted GEMM time per micro-batch of the plan's eligible Linear layers under bf16 and each recipe of
-    its backend that the GPU runs (:func:`fp8dist.plan.speed.compare_recipes`), as a table.
-
-    Raises:
-        ValueError: nothing was predicted (no GPU planned for, a backend without a speed model).
-    """
+    """The predicted GEMM time per micro-batch of the plan's eligible Linears under bf16 and each recipe, as a table;
+    ValueError where nothing was predicted (no GPU planned for, a backend without a speed model)."""
     from ..accounting.rows import text_table
 
     selection = plan.selection

@@ -1,5 +1,4 @@
-"""``fp8dist probe``: measure each planned FP8 layer's numerics on the built-in corpus or on the text ``fp8dist
-train --data`` reads, and print the table (:func:`fp8dist.measure_fp8_numerics`)."""
+"""``fp8dist probe``: each planned FP8 layer's numerics on the built-in corpus or ``--data`` text, as a table."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_m
 __all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
 DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
-"""The options of ``fp8dist train`` (:class:`fp8dist.train.job.TrainConfig`) the probe takes to read the same text."""
+"""The options of ``fp8dist train`` the probe takes to read the same text."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -64,9 +63,8 @@ def add_parser(sub: Any) -> None:
 
 
 def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
-    """The batches the probe runs, in the order ``fp8dist train`` reads them under ``seed`` (one rank): the built-in
-    corpus's first ones, or with ``corpus`` (a :class:`fp8dist.train.data.TokenCorpus`) the first training windows of
-    ``seq_len + 1`` tokens, each read as the job does (inputs ``w[:, :-1]``, targets ``w[:, 1:]``, predicted once)."""
+    """The first batches ``fp8dist train`` reads under ``seed`` (one rank): of the built-in corpus, or of ``corpus``
+    (a :class:`fp8dist.train.data.TokenCorpus`), whose windows of ``seq_len + 1`` tokens are read as the job does."""
     from ..train.data import Batches, TextBatches
 
     if corpus is None:
@@ -78,8 +76,8 @@ def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
 
 
 def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corpus: Any) -> Any:
-    """The model on the meta device, its vocabulary the tokenizer's where the built-in preset reads --data (as in
-    ``fp8dist train``); a model from a config must read the corpus's ids and ``seq_len`` positions."""
+    """The model on the meta device, with the tokenizer's vocabulary under --data (as ``fp8dist train``); it must
+    hold the corpus's ids and ``seq_len`` positions."""
     import torch
 
     from ..train.data import check_fits_corpus

@@ -49,7 +49,7 @@ def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
 
 
 class _Progress:
-    """Steps done so far, as rank 0 counts them; in a file too when another process (the launcher) reads them."""
+    """Steps done so far, as rank 0 counts them; in a file too when the launching process reads them."""
 
     def __init__(self, path: Path | None = None):
         self.path, self.step = path, None
@@ -69,7 +69,7 @@ class _Progress:
 
 
 def _interrupted(train: Any, step: int | None) -> int:
-    """Say where an interrupted job stood, once, and return the exit code (130)."""
+    """Say where an interrupted job stood, once; returns the exit code."""
     from ..checkpoint.layout import job_root, latest_checkpoint
 
     if train.checkpoint_dir is None:
@@ -88,8 +88,6 @@ def _interrupted(train: Any, step: int | None) -> int:
 
 
 def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
-    """Run the job in this process, then take the process group down before the interpreter exits
-    (:func:`fp8dist.shutdown`)."""
     from ..pipeline.env import shutdown
     from ..train.job import run_training
 
@@ -98,21 +96,16 @@ def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Exit without interpreter teardown. A launched rank exits so even after a finished job: in that teardown,
-    gloo ranks now and then aborted ("terminate called without an active exception") and the launcher reported the
-    finished job as failed. The cause, from a core dump (gdb, 2026-11-23): a gloo worker thread
-    (``ProcessGroupGloo::runLoop``) drops its reference to a finished collective just after the main thread was
-    woken by its completion; the release takes the GIL, and taking the GIL while the interpreter finalizes ends the
-    thread (``pthread_exit``), whose forced unwind through a noexcept destructor calls ``std::terminate``.
-    :func:`fp8dist.shutdown` makes it rare (0 aborts in 60 runs); exiting without teardown makes it impossible."""
+    """Exit without interpreter teardown, where a gloo worker thread taking the GIL to release a finished collective
+    aborts the process (``std::terminate``; gdb, 2026-11-23) and the launcher reports a finished job as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
-    """This process is one rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt
-    is one line from rank 0 (every rank exits with its code), anything else a traceback."""
+    """One rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt is one line from
+    rank 0, anything else a traceback."""
     progress = _Progress()
     try:
         _train_this_rank(config, train, progress)
@@ -129,8 +122,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
 
 
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
-    """Entry point of each started training process: an explained error is reported to the launching process
-    (which prints it once), an interrupt ends the rank quietly."""
+    """Each spawned rank: an explained error is reported to the launching process, an interrupt ends it quietly."""
     from ..train.job import TrainConfig
 
     quiet_cpu_noise()
@@ -195,21 +187,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 SHUTDOWN_GRACE_S = 5
-"""After an interrupt, how long the ranks get to exit before they are killed (torch's default is 30 s): a rank
-waiting in a collective for a peer that already left never returns to Python to see the interrupt, and
-checkpoints are atomic, so only the step in flight is lost. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
+"""Seconds the ranks get to exit after an interrupt (torch's default 30): a rank waiting in a collective never sees it,
+and checkpoints are atomic. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
 
 
 def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
-    """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs); a rank's
-    explained error is printed once, an interrupt says where the job stood; every child is reaped.
-
-    The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.pipeline.env.rank_imports`,
-    ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
-    this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
-    the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
-    reaped before this returns: they leave by themselves only once this process has exited, as orphans that init
-    reaps whenever it gets to it (a ``<defunct>`` entry outliving the command)."""
+    """Start ``nproc`` local ranks with torch's elastic launch; returns the exit code, every child reaped. They fork
+    from a fork server that preloads what every rank imports (``model_module``: the model family's), not from this
+    process, which may have run OpenMP (a forked child's first OpenMP region then hangs)."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
@@ -242,8 +227,8 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
         return _interrupted(train, _Progress.read(state / "progress"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
-        # every rank is joined. The fork server first: it and its ranks hold the tracker's pipe. No public way to
-        # stop them: _stop is what CPython's own tests use; a later launch starts fresh ones
+        # else they outlive the command <defunct>. The fork server first: it holds the tracker's pipe; _stop is
+        # what CPython's own tests use (no public way)
         for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
             helper._stop()
     return 0
@@ -251,8 +236,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
 
 @contextlib.contextmanager
 def _quiet_launcher_logs() -> Iterator[None]:
-    """The elastic agent logs a failed or interrupted rank with a traceback of its own monitor loop (each of its
-    loggers sets its level when created): this command says what happened once, so they are silenced meanwhile."""
+    """The elastic agent logs a failed rank with a traceback of its own monitor loop: silenced, the command says it."""
     names = [n for n in list(logging.Logger.manager.loggerDict)
              if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     saved = {n: logging.getLogger(n).level for n in names}
@@ -266,8 +250,7 @@ def _quiet_launcher_logs() -> Iterator[None]:
 
 
 def _failed(err: Any, state: Path, train: Any) -> int:
-    """The exit code and the one line for ranks that failed: an explained error a rank reported, an interrupt,
-    or (a bug) the first failure's traceback."""
+    """The exit code, and one line: a rank's explained error, an interrupt, or (a bug) the first failure's traceback."""
     report = read_report(state)
     if report is not None:
         print(error_line("train", report["message"]), file=sys.stderr)
