@@ -137,23 +137,16 @@ def _readers() -> dict[str, list[tuple[str, str, When]]]:
     return readers
 
 
-def _needs(readers: list[tuple[str, str, When]]) -> str:
-    """Readers with the same condition named together: "strategy in ['fsdp', 'fsdp1'] or compile in [True]"."""
+def _conditions(readers: list[tuple[str, str, When]]) -> list[list[tuple[str, list[Any]]]]:
+    """Each condition under which an option is read, as ``[(option, values)]``, readers with the same one merged:
+    ``[[("fp8", ["te"]), ("te_recipe", ["delayed"])]]``; a strategy fact as the strategies that have it."""
     grouped: dict[tuple[str, str], tuple[list[str], When]] = {}
     for key, name, when in readers:
         grouped.setdefault((key, repr(when)), ([], when))[0].append(name)
-    texts = []
-    for (key, _), (names, when) in grouped.items():
-        parts = [f"{key} in {names}"] if key else []
-        parts += [f"{k} in {list(v)}" for k, v in when.options.items()]
-        if when.facts:
-            parts.append(f"strategy in {_strategies_with(when.facts)}")
-        texts.append(" and ".join(parts))
-    return " or ".join(texts)
-
-
-def _strategies_with(facts: tuple[str, ...]) -> list[str]:
-    return [name for name, strategy in STRATEGIES.items() if all(getattr(strategy.facts(None), f) for f in facts)]
+    return [([(key, names)] if key else []) + [(k, list(v)) for k, v in when.options.items()]
+            + ([("strategy", [name for name, strategy in STRATEGIES.items()
+                              if all(getattr(strategy.facts(None), f) for f in when.facts)])] if when.facts else [])
+            for (key, _), (names, when) in grouped.items()]
 
 
 def unused_options(cfg: Any) -> list[str]:
@@ -172,8 +165,8 @@ def unread_options(cfg: Any) -> dict[str, str]:
                                                      for key, name, when in who):
             continue
         value = list(values[option]) if isinstance(values[option], tuple) else values[option]
-        keys = dict.fromkeys(k for key, _, when in who
-                             for k in (key, *when.options, *(("strategy",) if when.facts else ())) if k)
-        notes[option] = (f"{option}={value!r} has no effect here (read only when {_needs(who)}; "
-                         + ", ".join(f"{k}={values[k]!r}" for k in keys) + ").")
+        conditions = _conditions(who)
+        needs = " or ".join(" and ".join(f"{k} in {v}" for k, v in condition) for condition in conditions)
+        given = ", ".join(f"{k}={values[k]!r}" for k in dict.fromkeys(k for c in conditions for k, _ in c))
+        notes[option] = f"{option}={value!r} has no effect here (read only when {needs}; {given})."
     return notes
