@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,20 +24,17 @@ DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
 class ProbeConfig:
     """What the probe runs the model on."""
 
-    batches: int = 4
+    batches: int = field(default=4, metadata={"min": 1})
     """Batches to run, forward and backward (the first ones fp8dist train reads with the same seed)."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata={"min": 1})
     """Sequences per batch."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata={"min": 1})
     """Tokens per sequence (bytes of the built-in corpus, or tokens of --data)."""
     seed: int = 0
     """Seed of the model initialization (a model without --pretrained) and of the batch order."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
-        for name in ("batches", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
 
 
 def add_parser(sub: Any) -> None:
