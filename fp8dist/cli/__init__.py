@@ -8,6 +8,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from ..pipeline.env import LaunchError, detect_launch_env
 from . import bench, ds_config, env, estimate, launch, plan, probe, train
 from .common import one_line_warnings, quiet_cpu_noise
 from .errors import error_line, exit_code
@@ -41,8 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _leads() -> bool:
     """Every rank of a launched job checks the same flags: rank 0 says the error."""
-    from ..pipeline.env import LaunchError, detect_launch_env
-
     try:
         return detect_launch_env().rank == 0
     except LaunchError:  # the launcher's environment is what is wrong: said by every process

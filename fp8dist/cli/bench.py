@@ -13,11 +13,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..config.text import plural
-from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
 from ..bench.cell import TextJob, variants_of
 from ..bench.runner import (BenchSettings, check_cells, check_text, device_type, plan_cells, resolve_settings,
                             run_cells, variant_backends, variant_options)
+from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
+from ..config.text import plural
+from ..pipeline.files import check_output_path
 from ..train.config import TrainConfig
 
 __all__ = ["add_parser", "run"]
@@ -86,7 +87,6 @@ def _text(value: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
-    from ..pipeline.files import check_output_path
     from ..bench.results import cell_line, markdown_table, results_document, write_results
 
     device = device_type()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +47,6 @@ def _sbatch_command(args: list[str]) -> tuple[list[str], bool]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    import shlex
-    import shutil
-    import subprocess
-
     if args.target == "path":
         print(LAUNCH_DIR)
         return 0

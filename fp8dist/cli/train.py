@@ -17,8 +17,22 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from ..config.schema import add_arguments
+from ..checkpoint.layout import job_root, latest_checkpoint
 from ..config.resolve import Config, FP8Config, StrategyConfig
+from ..config.rules import check
+from ..config.schema import add_arguments
+from ..fp8 import get_backend
+from ..pipeline.env import detect_launch_env, rank_imports, resolve_device, shutdown
+from ..pipeline.env_vars import read
+from ..plan.precision import check_fp8_available
+from ..strategies import get_strategy
+from ..train.checks import check_checkpoint_dir, check_positions
+from ..train.config import TrainConfig
+from ..train.data import check_batch_split
+from ..train.data.job import JobBatches, load_job_corpus
+from ..train.job import default_nproc, run_training
+from ..train.log import check_outputs
+from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
 from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
@@ -26,8 +40,6 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    from ..train.job import TrainConfig
-
     p = sub.add_parser("train", help="train a small Llama on the built-in corpus, or fine-tune a model on your text "
                                      "files (the reference job)",
                        description="Train a small Llama (built from a config, no download) on a deterministic "
@@ -42,8 +54,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
-    from ..train.job import TrainConfig
-
     config, routed = config_from_args(args, extra=(TrainConfig,))
     return config, TrainConfig(**routed[TrainConfig])
 
@@ -70,8 +80,6 @@ class _Progress:
 
 def _interrupted(train: Any, step: int | None) -> int:
     """Say where an interrupted job stood, once; returns the exit code."""
-    from ..checkpoint.layout import job_root, latest_checkpoint
-
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
     else:
@@ -88,9 +96,6 @@ def _interrupted(train: Any, step: int | None) -> int:
 
 
 def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
-    from ..pipeline.env import shutdown
-    from ..train.job import run_training
-
     run_training(config, train, progress=progress)
     shutdown()
 
@@ -123,8 +128,6 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
 
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
     """Each spawned rank: an explained error is reported to the launching process, an interrupt ends it quietly."""
-    from ..train.job import TrainConfig
-
     quiet_cpu_noise()
     rank = int(os.environ["RANK"])
     try:
@@ -142,17 +145,6 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train.data import check_batch_split
-    from ..train.data.job import JobBatches, load_job_corpus
-    from ..pipeline.env import detect_launch_env, resolve_device
-    from ..train.models import job_model_config
-    from ..plan.precision import check_fp8_available
-    from ..train.job import default_nproc
-    from ..train.checks import check_checkpoint_dir, check_positions
-    from ..train.log import check_outputs
-    from ..config.rules import check
-    from ..strategies import get_strategy
-
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
@@ -201,11 +193,6 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from ..fp8 import get_backend
-    from ..pipeline.env import rank_imports
-    from ..pipeline.env_vars import read
-    from ..strategies import get_strategy
 
     backend = get_backend(config.precision.fp8)
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)
