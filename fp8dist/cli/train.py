@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     add_arguments(p, TrainConfig, title="training job", shown_defaults={"data": "none, the built-in corpus"})
 
 
-def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
+def _config_and_job(args: argparse.Namespace) -> tuple[Config, TrainConfig]:
     config, routed = config_from_args(args, extra=(TrainConfig,))
     return config, TrainConfig(**routed[TrainConfig])
 
@@ -78,7 +78,7 @@ class _Progress:
             return None
 
 
-def _interrupted(train: Any, step: int | None) -> int:
+def _interrupted(train: TrainConfig, step: int | None) -> int:
     """Say where an interrupted job stood, once; returns the exit code."""
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
@@ -95,7 +95,7 @@ def _interrupted(train: Any, step: int | None) -> int:
     return INTERRUPTED_EXIT
 
 
-def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
+def _train_this_rank(config: Config, train: TrainConfig, progress: _Progress) -> None:
     run_training(config, train, progress=progress)
     shutdown()
 
@@ -108,7 +108,7 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
+def _run_launched(config: Config, train: TrainConfig, rank: int) -> NoReturn:
     """One rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt is one line from
     rank 0, anything else a traceback."""
     progress = _Progress()
@@ -183,7 +183,7 @@ SHUTDOWN_GRACE_S = 5
 and checkpoints are atomic. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
 
 
-def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
+def _spawn(nproc: int, config: Config, train: TrainConfig, model_module: str) -> int:
     """Start ``nproc`` local ranks with torch's elastic launch; returns the exit code, every child reaped. They fork
     from a fork server that preloads what every rank imports (``model_module``: the model family's), not from this
     process, which may have run OpenMP (a forked child's first OpenMP region then hangs)."""
@@ -236,7 +236,7 @@ def _quiet_launcher_logs() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-def _failed(err: Any, state: Path, train: Any) -> int:
+def _failed(err: Any, state: Path, train: TrainConfig) -> int:
     """The exit code, and one line: a rank's explained error, an interrupt, or (a bug) the first failure's traceback."""
     report = read_report(state)
     if report is not None:

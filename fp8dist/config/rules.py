@@ -18,7 +18,7 @@ from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES
 
-__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
+__all__ = ["table", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
            "choices"]
 
 PIPELINE_STEPS = {
@@ -96,27 +96,25 @@ def message(cfg: Any, rule: Rule, defaulted: Collection[str] = (), run: dict[str
     return f"{head}: {rule.reason}." + (f" {way_out}" if way_out else "")
 
 
-def refusals(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
-             world_name: str = "world_size") -> list[str]:
-    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given.
-    ``world_size`` (None: not known) is named ``world_name`` in a message (``fp8dist train``: ``nproc``)."""
-    run = {"world_size": (world_name, world_size)}
-    return [message(cfg, rule, defaulted, run) for rule in _applying(cfg, world_size)]
+def _refusal(cfg: Any, defaulted: Collection[str], world_size: int | None, world_name: str) -> str | None:
+    rule = next(iter(_applying(cfg, world_size)), None)
+    return None if rule is None else message(cfg, rule, defaulted, {"world_size": (world_name, world_size)})
 
 
 def refusal_of(**options: Any) -> str | None:
     """The first refusal of the config ``options`` make (None: they combine); a bad value raises ValueError."""
     routed = route_keys(options, SECTIONS.values(), source="options")
-    found = refusals(SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()}))
-    return found[0] if found else None
+    sections = {name: section(**routed[section]) for name, section in SECTIONS.items()}
+    return _refusal(SimpleNamespace(**sections), (), None, "world_size")
 
 
 def check(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
           world_name: str = "world_size") -> None:
-    """Raise ValueError with the first refusal of ``cfg`` (see :func:`refusals`)."""
-    found = refusals(cfg, defaulted, world_size=world_size, world_name=world_name)
-    if found:
-        raise ValueError(found[0])
+    """Raise ValueError with the first refusal of the table for ``cfg``; options in ``defaulted`` were not given,
+    ``world_size`` (None: not known) is named ``world_name`` in the message (``fp8dist train``: ``nproc``)."""
+    found = _refusal(cfg, defaulted, world_size, world_name)
+    if found is not None:
+        raise ValueError(found)
 
 
 def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:

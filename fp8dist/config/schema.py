@@ -46,8 +46,8 @@ def type_hints(cls: Any) -> dict[str, Any]:
 
 
 def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
-    """``(owner, field)`` for each option of config dataclass ``cls``: a field with ``nested`` metadata (a callable
-    giving classes, asked each time: FP8Config's backends' knobs) stands for their fields, each a flat key."""
+    """``(owner, field)`` for each option of ``cls``; a field with ``nested`` metadata (a callable giving classes:
+    FP8Config's backends' knobs, asked each time) stands for their fields, each a flat key."""
     out = []
     for f in dataclasses.fields(cls):
         nested = f.metadata.get("nested")
@@ -201,7 +201,6 @@ def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str)
 
 
 def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> Any:
-
     def parse(text: str) -> Any:
         try:
             return normalize_value(name, text, hint, aliases, none)
