@@ -17,12 +17,9 @@ from ..train.checks import TrainingDiverged
 __all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "EXPLAINED", "exit_code", "error_line", "report_error",
            "read_report"]
 
-USAGE_EXIT = 2
-"""Bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors."""
-FAILED_EXIT = 1
-"""The run started as asked and failed (its loss diverged, or its gradients stayed non-finite)."""
-INTERRUPTED_EXIT = 130
-"""Interrupted (Ctrl-C): 128 + SIGINT, as shells report it."""
+USAGE_EXIT = 2  # bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors
+FAILED_EXIT = 1  # the run started as asked and failed (its loss diverged, or its gradients stayed non-finite)
+INTERRUPTED_EXIT = 130  # interrupted (Ctrl-C): 128 + SIGINT, as shells report it
 
 EXPLAINED: dict[type[BaseException], int] = {
     ValueError: USAGE_EXIT, TypeError: USAGE_EXIT, NotImplementedError: USAGE_EXIT, OSError: USAGE_EXIT,

@@ -23,8 +23,7 @@ from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_m
 
 __all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
-DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
-"""The options of ``fp8dist train`` the probe takes to read the same text."""
+DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")  # fp8dist train's options for reading the same text
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -71,8 +71,7 @@ class When:
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
-ALWAYS = When()
-"""Read whenever its axis is chosen."""
+ALWAYS = When()  # read whenever its axis is chosen
 
 
 class Registry(Mapping[str, Any]):
