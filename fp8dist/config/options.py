@@ -57,8 +57,8 @@ class StrategyConfig:
     its matmul and attention outputs, torchtitan's "op" mode)."""
 
     compile: bool | None = field(default=None, metadata={"none": "auto, the default"})
-    """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU;
-    on a CPU it costs more than it saves."""
+    """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU,
+    else off (on a CPU it costs more than it saves)."""
 
     reshard_after_forward: bool = True
     """FSDP: free each block's gathered parameters after forward (ZeRO-3 style); false keeps them for backward
