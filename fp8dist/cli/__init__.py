@@ -1,11 +1,6 @@
-"""The ``fp8dist`` command line: one module per subcommand (``train``, ``plan``, ``estimate``, ``bench``,
-``ds-config``, ``env``, ``launch``), each with ``add_parser(sub)`` and ``run(args)``.
-
-Every strategy/FP8 flag is a field of :class:`fp8dist.StrategyConfig` or :class:`fp8dist.FP8Config` (and ``train``'s
-job flags of :class:`fp8dist.train.job.TrainConfig`), with the default and help text taken from there; ``--config FILE``
-reads the same keys from YAML/JSON and flags override the file (:func:`fp8dist.cli.common.config_from_args`, the
-one path for every subcommand). The CLI imports the library; the library never imports the CLI.
-"""
+"""The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)``. Flags
+are config dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never
+imports the CLI."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from ..pipeline.env import LaunchError, detect_launch_env
 from . import bench, ds_config, env, estimate, launch, plan, probe, train
 from .common import one_line_warnings, quiet_cpu_noise
 from .errors import error_line, exit_code
@@ -21,8 +17,7 @@ from .launch import LAUNCH_DIR
 __all__ = ["main", "LAUNCH_DIR"]
 
 COMMANDS = {"train": train, "plan": plan, "probe": probe, "estimate": estimate, "bench": bench, "ds-config": ds_config,
-            "env": env, "launch": launch}
-"""Subcommand name -> its module, in the order ``fp8dist --help`` lists them."""
+            "env": env, "launch": launch}  # in the order fp8dist --help lists them
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,9 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _leads() -> bool:
-    """Whether this process says the error: every rank of a launched job checks the same flags, rank 0 says it."""
-    from ..pipeline.env import LaunchError, detect_launch_env
-
+    """Every rank of a launched job checks the same flags: rank 0 says the error."""
     try:
         return detect_launch_env().rank == 0
     except LaunchError:  # the launcher's environment is what is wrong: said by every process

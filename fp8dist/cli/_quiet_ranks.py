@@ -1,6 +1,5 @@
-"""Imported first by ``fp8dist train``'s fork server (multiprocessing preloads modules by name, nothing else): the
-CPU noise :func:`fp8dist.cli.common.quiet_cpu_noise` silences is silenced there before it imports what the ranks
-import, so the ranks it forks print none of it either."""
+"""Imported first by ``fp8dist train``'s fork server (which preloads modules by name only), so the ranks it forks
+are quiet too (:func:`fp8dist.cli.common.quiet_cpu_noise`)."""
 
 from .common import quiet_cpu_noise
 

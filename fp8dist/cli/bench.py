@@ -13,18 +13,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..config.text import plural
-from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
 from ..bench.cell import TextJob, variants_of
 from ..bench.runner import (BenchSettings, check_cells, check_text, device_type, plan_cells, resolve_settings,
                             run_cells, variant_backends, variant_options)
+from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
+from ..config.text import plural
+from ..pipeline.files import check_output_path
 from ..train.config import TrainConfig
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``fp8dist bench`` on an argparse subparsers object."""
     p = sub.add_parser("bench", help="benchmark strategy x FP8 backend x model size: throughput, memory, "
                                      "communication, loss vs bf16, overhead vs the raw engine",
                        description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
@@ -53,9 +53,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:
-    """A flag per field of :class:`BenchSettings`, its help the field's docstring with its choices and default,
-    all read from the field: a list is comma-separated, a boolean (on by default) is ``--no-NAME``, a field whose
-    default depends on the device type is None until :func:`fp8dist.bench.runner.resolve_settings` fills it."""
+    """A flag per field of :class:`BenchSettings`, help from the field: a list is comma-separated, a boolean (on by
+    default) is ``--no-NAME``, a device-dependent default is None until ``resolve_settings`` fills it."""
     docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
     for f in fields(BenchSettings):
         meta, name, hint, doc = f.metadata, f.metadata.get("flag", f.name), hints[f.name], docs[f.name].rstrip(".")
@@ -81,7 +80,6 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _text(value: Any) -> str:
-    """A field's value as its flag writes it: a list comma-separated, a boolean off or on."""
     if isinstance(value, tuple):
         return ",".join(map(_text, value))
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
@@ -89,7 +87,6 @@ def _text(value: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
-    from ..pipeline.files import check_output_path
     from ..bench.results import cell_line, markdown_table, results_document, write_results
 
     device = device_type()

@@ -1,37 +1,36 @@
-"""What several subcommands share: the model to build on the meta device, the Config the flags and ``--config``
-file make together, and the quieting of CPU-only log noise."""
+"""What several subcommands share: the model built on the meta device, the Config of the flags and ``--config`` file,
+and quieter logs and warnings."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ..config.schema import flat_fields
+import torch
+
 from ..config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from ..train.models import LLAMA_SIZES
+from ..config.schema import flat_fields, route_keys
+from ..fp8 import BACKENDS, get_backend
+from ..strategies import STRATEGIES
+from ..train.job import default_fp8
+from ..train.models import LLAMA_SIZES, build_llama, causal_lm, pretrained_config, read_model_config
 
 __all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise",
            "one_line_warnings"]
 
 FP8_DEFAULT_HELP = "torchao where it runs (torchao installed; CPU or CUDA sm_89+), else none"
-"""Every subcommand's ``--fp8`` default, shown in its help (the Python API's default is none)."""
+"""Every subcommand's ``--fp8`` default, as its help shows it (the Python API's is none)."""
 
 
 def config_from_args(args: argparse.Namespace,
                      extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
-    """The flags the user gave over the ``--config FILE`` keys, through the one merge path
-    (:func:`fp8dist.resolve_config`), with the commands' own default for ``fp8`` (:func:`fp8dist.train.job.default_fp8`:
-    torchao where it runs; the Python API's default is none). ``extra`` dataclasses (``TrainConfig``) take their keys
-    from the same file and flags; their kwargs come back routed by class."""
-    import dataclasses
-
-    from ..config.schema import route_keys
-    from ..train.job import default_fp8
-
+    """The Config of the flags given over the ``--config FILE`` keys, with the commands' default ``fp8``, and the
+    kwargs of each ``extra`` dataclass (``TrainConfig``) from the same file and flags, by class."""
     own = {f.name for cls in extra for f in dataclasses.fields(cls)}
     flat = load_config_file(args.config) if args.config else {}
     keys = {f.name for section in (StrategyConfig, FP8Config) for _, f in flat_fields(section)}
@@ -44,9 +43,7 @@ def config_from_args(args: argparse.Namespace,
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and the model to build on the meta device: ``--model-size`` or ``--model-config``
-    (read by :func:`meta_model`, which also takes ``--pretrained DIR``'s config.json); shared by ``plan`` and
-    ``estimate``."""
+    """``--config FILE`` and the model :func:`meta_model` builds: ``--model-size`` or ``--model-config``."""
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",
@@ -57,10 +54,6 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
 def meta_model(args: argparse.Namespace):
     """The model on the meta device: ``--model-config``, else the config.json of ``--pretrained DIR``, else the
     built-in ``--model-size``."""
-    import torch
-
-    from ..train.models import build_llama, causal_lm, pretrained_config, read_model_config
-
     pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):
         if args.model_config is None and pretrained is None:
@@ -72,14 +65,8 @@ def meta_model(args: argparse.Namespace):
 
 
 def quiet_cpu_noise() -> None:
-    """On a CPU-only torch, an FP8 backend's library logs that its CUDA kernels did not load (torchao does), and
-    torch that torchao registers enums the old way: true, and irrelevant to the user of this command. A strategy's
-    engine's INFO lines (:attr:`Strategy.noisy_loggers`) are shown from WARNING up."""
-    import torch
-
-    from ..fp8 import BACKENDS, get_backend
-    from ..strategies import STRATEGIES
-
+    """On a CPU-only torch, silence the FP8 libraries' and torch's notes about CUDA kernels and enums (true, and
+    irrelevant to the user); a strategy's ``noisy_loggers`` show WARNING up."""
     if not torch.cuda.is_available():
         libraries = [get_backend(backend).package for backend in BACKENDS]
         for name in ("torch.utils._pytree", *filter(None, libraries)):  # None would be the root logger
@@ -90,10 +77,8 @@ def quiet_cpu_noise() -> None:
 
 @contextlib.contextmanager
 def one_line_warnings(command: str) -> Iterator[None]:
-    """Inside, warnings are shown one line each, ``fp8dist COMMAND: warning: MESSAGE``: Python's default adds the
-    file and line that warned and that line's source, which say nothing to the user of a command (and named
-    fp8dist's own code). Another category than UserWarning keeps its name (``FutureWarning: ...``). Python's
-    format is back on the way out (a command run in-process, from a test or a notebook)."""
+    """Inside, a warning is one line, ``fp8dist COMMAND: warning: MESSAGE`` (another category than UserWarning keeps
+    its name), without the file, line and source Python adds."""
 
     def one_line(message, category, filename, lineno, line=None) -> str:
         kind = "warning" if category is UserWarning else category.__name__

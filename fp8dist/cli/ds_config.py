@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..pipeline.files import atomic_write_text, check_output_path
+from ..strategies.deepspeed import model_hidden_size, zero_config
 from ..train.models import LLAMA_SIZES
 from .common import meta_model
 
@@ -43,9 +45,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline.files import atomic_write_text, check_output_path
-    from ..strategies.deepspeed import model_hidden_size, zero_config
-
     if args.output:
         check_output_path(args.output, name="-o/--output")
     hidden = args.hidden_size

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..config.axis import engine_packages
+from ..pipeline.env import describe_environment
+
 __all__ = ["add_parser", "run"]
 
 
@@ -13,8 +16,5 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.axis import engine_packages
-    from ..pipeline.env import describe_environment
-
     print(describe_environment(engine_packages()))
     return 0

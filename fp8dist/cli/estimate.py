@@ -23,12 +23,10 @@ from ..train.lora import apply_lora
 
 __all__ = ["add_parser", "run"]
 
-_MODEL_DTYPE = "fp32"
-"""``--model-dtype``'s default: weights built in fp32, which FSDP/DDP keep as the master."""
+_MODEL_DTYPE = "fp32"  # weights built in fp32, which FSDP/DDP keep as the master
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``fp8dist estimate``."""
     p = sub.add_parser("estimate", help="predict per-rank memory (model states, activations) before allocating",
                        description="Build the model on the meta device (nothing allocated) and predict the bytes "
                                    "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
@@ -56,7 +54,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``fp8dist estimate``: print the table (or JSON); bad values raise ValueError (exit 2 in the CLI)."""
     config, _ = config_from_args(args)
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config)
@@ -72,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                      f"the engine casts the module to its own dtype, param_dtype={config.parallel.param_dtype!r}).")
     for note in dict.fromkeys(notes):
         print(f"fp8dist estimate: note: {note}", file=sys.stderr)
-    steps = _predicted_steps(model, config, est, args.world_size)
+    predicted = est.speed is not None and est.speed.step is not None  # a --target GPU, a speed model for the backend
+    steps = predicted_steps(model, config, est.speed, args.world_size) if predicted else ()
     if args.json:
         print(json.dumps({**est.to_dict(), **(steps_json(steps) if steps else {})}, indent=2))
     else:
@@ -82,17 +80,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _predicted_steps(model: Any, config: Any, est: Any, world_size: int) -> tuple:
-    """Each recipe's predicted training step at the run's world size, batch and sequence, where the estimate has
-    a GPU to predict for (``--target``) and a backend the speed model covers; () otherwise."""
-    if est.speed is None or est.speed.step is None:
-        return ()
-    return predicted_steps(model, config, est.speed, world_size)
-
-
 def _with_lora(model: Any, args: argparse.Namespace) -> Any:
-    """``model`` as ``fp8dist train`` would train it under the LoRA flags given (PEFT adapters over its frozen base,
-    :func:`fp8dist.train.lora.apply_lora`), or ``model`` itself without them."""
+    """``model`` as ``fp8dist train`` trains it under the LoRA flags given (PEFT adapters over its frozen base)."""
     given = {name: getattr(args, name) for name in vars(args) if name.startswith("lora_")}
     train = TrainConfig(**given)  # the job's checks: ranges, and no LoRA option without --lora-rank
     return apply_lora(model, train) if train.lora_rank else model

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +15,7 @@ __all__ = ["LAUNCH_DIR", "add_parser", "run"]
 LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 """The launch scripts, shipped inside the package (the repository's launch/ links here)."""
 _SCRIPTS = {path.stem: path.name for path in sorted(LAUNCH_DIR.glob("[!_]*.sh"))}
-"""Each launcher's script, by the launcher's name (a script there is a launcher; ``_common.sh`` is their shared part)."""
+"""Each launcher's script by its name (``_common.sh`` is their shared part)."""
 
 
 def add_parser(sub: Any) -> None:
@@ -30,7 +34,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _sbatch_command(args: list[str]) -> tuple[list[str], bool]:
-    """``fp8dist launch slurm NAME [--dry-run] [SBATCH OPTIONS] [-- ARGS]`` -> the sbatch command, dry run or not."""
+    """``slurm NAME [--dry-run] [SBATCH OPTIONS] [-- ARGS]`` -> (the sbatch command, dry run)."""
     if not args or args[0] not in _SCRIPTS:
         raise ValueError(f"fp8dist launch slurm needs a template: one of {', '.join(_SCRIPTS)} (e.g. fp8dist launch "
                          "slurm torchrun --nodes=2 -- --strategy fsdp).")
@@ -43,11 +47,6 @@ def _sbatch_command(args: list[str]) -> tuple[list[str], bool]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    import shlex
-    import shutil
-    import subprocess
-
     if args.target == "path":
         print(LAUNCH_DIR)
         return 0

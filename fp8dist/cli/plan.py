@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from ..config.text import plural
-from ..config.schema import add_arguments
+from ..accounting.rows import text_table
+from ..config.options import DEFAULT_SEQ_LEN
 from ..config.resolve import FP8Config, StrategyConfig
+from ..config.schema import add_arguments
+from ..config.text import plural
+from ..pipeline.env import resolve_device
+from ..plan.hardware import parse_target
+from ..plan.precision import plan_precision
+from ..plan.speed import Gemm, compare_recipes
+from ..plan.speed.step_time import fastest, predict_step
+from ..strategies import get_strategy
+from ..strategies.common import find_blocks
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run"]
@@ -44,11 +54,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline.env import resolve_device
-    from ..plan.hardware import parse_target
-    from ..plan.precision import plan_precision
-    from ..strategies import get_strategy
-
     config, _ = config_from_args(args)
     for note in config.unused_options():
         print(f"fp8dist plan: note: {note}", file=sys.stderr)
@@ -57,15 +62,11 @@ def run(args: argparse.Namespace) -> int:
                          "for: give --target alone to plan for another machine, --device alone for this one.")
     model = meta_model(args)
     device = parse_target(args.target) if args.target is not None else resolve_device(config.parallel.device, 0)
-    numerics = _read_report(args.numerics) if args.numerics is not None else None
     plan = plan_precision(model, config, device=device, world_size=args.world_size,
                           check_hardware=not args.ignore_hardware, check_installed=args.target is None,
-                          numerics=numerics)
-    blocks = None
-    if plan.facts.shards_params:  # FSDP shards block by block
-        from ..strategies.common import find_blocks
-
-        blocks = find_blocks(model, config.parallel.block_classes)  # a bad block_classes is an error here too
+                          numerics=_read_report(args.numerics) if args.numerics is not None else None)
+    # FSDP shards block by block; a bad block_classes is an error here too
+    blocks = find_blocks(model, config.parallel.block_classes) if plan.facts.shards_params else None
     # a bad --world-size is an error here
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
     gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
@@ -83,19 +84,13 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     if steps:
-        print(step_text(steps))
-        print(gemms)
+        print(f"{step_text(steps)}\n{gemms}")
     return 0
 
 
 def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
-    """Per recipe of the backend that the plan's GPU runs, the whole step at the run's world size, batch and
-    sequence with every Linear but the head in FP8 (as published runs convert) and with FP8 only where the plan's
-    margin says it pays (:func:`fp8dist.plan.speed.step_time.predict_step`); what ``plan`` and ``estimate``
-    print. ``selection``: the plan's (``plan.selection``, ``MemoryEstimate.speed``), with a predicted step."""
-    from ..config.options import DEFAULT_SEQ_LEN
-    from ..plan.speed.step_time import predict_step
-
+    """Per recipe the plan's GPU runs, the predicted step (:func:`~fp8dist.plan.speed.step_time.predict_step`) with
+    every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step."""
     p, backend = config.parallel, config.precision.fp8
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
@@ -107,10 +102,7 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) ->
 
 
 def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, ...]]:
-    """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe of ``backend`` that
-    the plan's GPU runs, each layer choosing FP8 by the plan's margin: what the step and the GEMM tables read."""
-    from ..plan.speed import Gemm, compare_recipes
-
+    """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe the plan's GPU runs."""
     step = selection.step
     gemms = [Gemm(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in step.layers
              if c.prediction.groups == 1]
@@ -119,9 +111,7 @@ def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, .
 
 
 def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
-    """The fastest predicted step over every recipe and both conversions, with which conversion; None: bf16."""
-    from ..plan.speed.step_time import fastest
-
+    """The fastest predicted step and its conversion; None: bf16."""
     best = fastest(tuple(step for pair in steps for step in pair))
     if best is None:
         return None
@@ -130,7 +120,7 @@ def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
 
 
 def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
-    """The header's line: which recipe is predicted fastest for this run, or that none beats bf16."""
+    """Which recipe is predicted fastest for this run, or that none beats bf16."""
     first, best = steps[0][0], _best(steps)
     run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
     if best is None:
@@ -143,8 +133,6 @@ def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
 
 def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
     """Each recipe's predicted step, both conversions, as a table."""
-    from ..accounting.rows import text_table
-
     first = steps[0][0]
     rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", "-", "-", f"{first.bf16_mfu:.1%}",
              f"{first.bf16.exposed_s * 1e3:,.2f}", "-"]]
@@ -152,8 +140,9 @@ def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
               f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
               "yes" if every.calibrated else "no"] for every, paid in steps]
     head = (f"predicted training step on {first.world_size}x {first.gpu_label} (activation checkpointing "
-            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, memory-bound work, "
-            "recompute, optimizer and exposed collectives; a prediction, benchmarks/step_model/README.md): every "
+            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, "
+            "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
+            "benchmarks/step_model/README.md): every "
             "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
     return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
                                       "MFU", "exposed comm (ms)", "calibrated"], rows)
@@ -165,17 +154,13 @@ def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
 
 
 def steps_json(steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
-    """The predicted steps as ``--json`` gives them (``plan`` and ``estimate``): each recipe both ways, and the
-    fastest (None: bf16, or nothing predicted)."""
+    """The predicted steps as ``--json`` gives them: each recipe both ways, and the fastest (None: bf16)."""
     best = _best(steps) if steps else None
     return {"steps": [{"every_linear": every.to_dict(), "as_planned": paid.to_dict()} for every, paid in steps],
             "fastest": {"recipe": best[0].recipe, "conversion": best[1]} if best else None}
 
 
 def _read_report(path: str) -> dict[str, Any]:
-    """The JSON ``fp8dist probe --json`` wrote."""
-    from pathlib import Path
-
     try:
         report = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
@@ -188,14 +173,8 @@ def _read_report(path: str) -> dict[str, Any]:
 
 
 def compare_text(plan: Any) -> str:
-    """The predicted GEMM time per micro-batch of the plan's eligible Linear layers under bf16 and each recipe of
-    its backend that the GPU runs (:func:`fp8dist.plan.speed.compare_recipes`), as a table.
-
-    Raises:
-        ValueError: nothing was predicted (no GPU planned for, a backend without a speed model).
-    """
-    from ..accounting.rows import text_table
-
+    """The predicted GEMM time per micro-batch of the plan's eligible Linears under bf16 and each recipe, as a table;
+    ValueError where nothing was predicted (no GPU planned for, a backend without a speed model)."""
     selection = plan.selection
     if selection is None or selection.step is None:
         why = selection.unpredicted if selection is not None else "no FP8 backend runs in this plan"

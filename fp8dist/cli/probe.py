@@ -1,49 +1,49 @@
-"""``fp8dist probe``: measure each planned FP8 layer's numerics on the built-in corpus or on the text ``fp8dist
-train --data`` reads, and print the table (:func:`fp8dist.measure_fp8_numerics`)."""
+"""``fp8dist probe``: each planned FP8 layer's numerics on the built-in corpus or ``--data`` text, as a table."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
-from ..config.schema import add_arguments, normalize_fields
+import torch
+
 from ..config.resolve import FP8Config, StrategyConfig
-from ..plan.numerics import Thresholds
+from ..config.schema import add_arguments, normalize_fields
+from ..pipeline.files import atomic_write_text, check_output_path
+from ..plan.numerics import Thresholds, measure_fp8_numerics
+from ..train.config import TrainConfig
+from ..train.data import Batches, TextBatches, check_fits_corpus
+from ..train.data.job import load_job_corpus
+from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
 __all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
-DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
-"""The options of ``fp8dist train`` (:class:`fp8dist.train.job.TrainConfig`) the probe takes to read the same text."""
+DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")  # fp8dist train's options for reading the same text
 
 
 @dataclass(kw_only=True, frozen=True)
 class ProbeConfig:
     """What the probe runs the model on."""
 
-    batches: int = 4
+    batches: int = field(default=4, metadata={"min": 1})
     """Batches to run, forward and backward (the first ones fp8dist train reads with the same seed)."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata={"min": 1})
     """Sequences per batch."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata={"min": 1})
     """Tokens per sequence (bytes of the built-in corpus, or tokens of --data)."""
     seed: int = 0
     """Seed of the model initialization (a model without --pretrained) and of the batch order."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
-        for name in ("batches", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
 
 
 def add_parser(sub: Any) -> None:
-    from ..train.config import TrainConfig
-
     p = sub.add_parser("probe", help="measure each FP8 layer's numerics and name the layers to keep out of FP8",
                        description="Run the model in high precision on the built-in corpus (or on --data, as fp8dist "
                                    "train reads it) and, for every layer the "
@@ -64,11 +64,8 @@ def add_parser(sub: Any) -> None:
 
 
 def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
-    """The batches the probe runs, in the order ``fp8dist train`` reads them under ``seed`` (one rank): the built-in
-    corpus's first ones, or with ``corpus`` (a :class:`fp8dist.train.data.TokenCorpus`) the first training windows of
-    ``seq_len + 1`` tokens, each read as the job does (inputs ``w[:, :-1]``, targets ``w[:, 1:]``, predicted once)."""
-    from ..train.data import Batches, TextBatches
-
+    """The first batches ``fp8dist train`` reads under ``seed`` (one rank): of the built-in corpus, or of ``corpus``
+    (a :class:`fp8dist.train.data.TokenCorpus`), whose windows of ``seq_len + 1`` tokens are read as the job does."""
     if corpus is None:
         grammar = Batches(batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
         return [grammar[step] for step in range(probe.batches)]
@@ -78,13 +75,8 @@ def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
 
 
 def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corpus: Any) -> Any:
-    """The model on the meta device, its vocabulary the tokenizer's where the built-in preset reads --data (as in
-    ``fp8dist train``); a model from a config must read the corpus's ids and ``seq_len`` positions."""
-    import torch
-
-    from ..train.data import check_fits_corpus
-    from ..train.models import job_model_config
-
+    """The model on the meta device, with the tokenizer's vocabulary under --data (as ``fp8dist train``); it must
+    hold the corpus's ids and ``seq_len`` positions."""
     if corpus is None:
         model = meta_model(args)
         source = args.model_config or getattr(args, "pretrained", None)
@@ -103,13 +95,6 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..pipeline.files import atomic_write_text, check_output_path
-    from ..train.data.job import load_job_corpus
-    from ..plan.numerics import measure_fp8_numerics
-    from ..train.config import TrainConfig
-
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
     if args.json is not None:  # before the data is tokenized and the model measured
         check_output_path(args.json, name="--json")

@@ -17,8 +17,22 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from ..config.schema import add_arguments
+from ..checkpoint.layout import job_root, latest_checkpoint
 from ..config.resolve import Config, FP8Config, StrategyConfig
+from ..config.rules import check
+from ..config.schema import add_arguments
+from ..fp8 import get_backend
+from ..pipeline.env import detect_launch_env, rank_imports, resolve_device, shutdown
+from ..pipeline.env_vars import read
+from ..plan.precision import check_fp8_available
+from ..strategies import get_strategy
+from ..train.checks import check_checkpoint_dir, check_positions
+from ..train.config import TrainConfig
+from ..train.data import check_batch_split
+from ..train.data.job import JobBatches, load_job_corpus
+from ..train.job import default_nproc, run_training
+from ..train.log import check_outputs
+from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
 from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
@@ -26,8 +40,6 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    from ..train.job import TrainConfig
-
     p = sub.add_parser("train", help="train a small Llama on the built-in corpus, or fine-tune a model on your text "
                                      "files (the reference job)",
                        description="Train a small Llama (built from a config, no download) on a deterministic "
@@ -41,15 +53,13 @@ def add_parser(sub: Any) -> None:
     add_arguments(p, TrainConfig, title="training job", shown_defaults={"data": "none, the built-in corpus"})
 
 
-def _config_and_job(args: argparse.Namespace) -> tuple[Config, Any]:
-    from ..train.job import TrainConfig
-
+def _config_and_job(args: argparse.Namespace) -> tuple[Config, TrainConfig]:
     config, routed = config_from_args(args, extra=(TrainConfig,))
     return config, TrainConfig(**routed[TrainConfig])
 
 
 class _Progress:
-    """Steps done so far, as rank 0 counts them; in a file too when another process (the launcher) reads them."""
+    """Steps done so far, as rank 0 counts them; in a file too when the launching process reads them."""
 
     def __init__(self, path: Path | None = None):
         self.path, self.step = path, None
@@ -68,10 +78,8 @@ class _Progress:
             return None
 
 
-def _interrupted(train: Any, step: int | None) -> int:
-    """Say where an interrupted job stood, once, and return the exit code (130)."""
-    from ..checkpoint.layout import job_root, latest_checkpoint
-
+def _interrupted(train: TrainConfig, step: int | None) -> int:
+    """Say where an interrupted job stood, once; returns the exit code."""
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
     else:
@@ -87,32 +95,22 @@ def _interrupted(train: Any, step: int | None) -> int:
     return INTERRUPTED_EXIT
 
 
-def _train_this_rank(config: Config, train: Any, progress: _Progress) -> None:
-    """Run the job in this process, then take the process group down before the interpreter exits
-    (:func:`fp8dist.shutdown`)."""
-    from ..pipeline.env import shutdown
-    from ..train.job import run_training
-
+def _train_this_rank(config: Config, train: TrainConfig, progress: _Progress) -> None:
     run_training(config, train, progress=progress)
     shutdown()
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Exit without interpreter teardown. A launched rank exits so even after a finished job: in that teardown,
-    gloo ranks now and then aborted ("terminate called without an active exception") and the launcher reported the
-    finished job as failed. The cause, from a core dump (gdb, 2026-11-23): a gloo worker thread
-    (``ProcessGroupGloo::runLoop``) drops its reference to a finished collective just after the main thread was
-    woken by its completion; the release takes the GIL, and taking the GIL while the interpreter finalizes ends the
-    thread (``pthread_exit``), whose forced unwind through a noexcept destructor calls ``std::terminate``.
-    :func:`fp8dist.shutdown` makes it rare (0 aborts in 60 runs); exiting without teardown makes it impossible."""
+    """Exit without interpreter teardown, where a gloo worker thread taking the GIL to release a finished collective
+    aborts the process (``std::terminate``; gdb, 2026-11-23) and the launcher reports a finished job as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
-    """This process is one rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt
-    is one line from rank 0 (every rank exits with its code), anything else a traceback."""
+def _run_launched(config: Config, train: TrainConfig, rank: int) -> NoReturn:
+    """One rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt is one line from
+    rank 0, anything else a traceback."""
     progress = _Progress()
     try:
         _train_this_rank(config, train, progress)
@@ -129,10 +127,7 @@ def _run_launched(config: Config, train: Any, rank: int) -> NoReturn:
 
 
 def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state: str) -> None:
-    """Entry point of each started training process: an explained error is reported to the launching process
-    (which prints it once), an interrupt ends the rank quietly."""
-    from ..train.job import TrainConfig
-
+    """Each spawned rank: an explained error is reported to the launching process, an interrupt ends it quietly."""
     quiet_cpu_noise()
     rank = int(os.environ["RANK"])
     try:
@@ -150,17 +145,6 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train.data import check_batch_split
-    from ..train.data.job import JobBatches, load_job_corpus
-    from ..pipeline.env import detect_launch_env, resolve_device
-    from ..train.models import job_model_config
-    from ..plan.precision import check_fp8_available
-    from ..train.job import default_nproc
-    from ..train.checks import check_checkpoint_dir, check_positions
-    from ..train.log import check_outputs
-    from ..config.rules import check
-    from ..strategies import get_strategy
-
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
@@ -195,32 +179,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 SHUTDOWN_GRACE_S = 5
-"""After an interrupt, how long the ranks get to exit before they are killed (torch's default is 30 s): a rank
-waiting in a collective for a peer that already left never returns to Python to see the interrupt, and
-checkpoints are atomic, so only the step in flight is lost. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
+"""Seconds the ranks get to exit after an interrupt (torch's default 30): a rank waiting in a collective never sees it,
+and checkpoints are atomic. TORCH_ELASTIC_SHUTDOWN_TIMEOUT still decides when set."""
 
 
-def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
-    """Start ``nproc`` local training processes with torch's elastic launch API (what torchrun runs); a rank's
-    explained error is printed once, an interrupt says where the job stood; every child is reaped.
-
-    The ranks fork from a fork server that has imported what every rank imports (:func:`fp8dist.pipeline.env.rank_imports`,
-    ``model_module`` the model family's): the imports cost once, not once per rank. A fork server, not a fork of
-    this process: this one may have run OpenMP (tokenizing), and a forked child's first OpenMP region then hangs;
-    the server has run nothing and holds no CUDA context. It and multiprocessing's resource tracker are stopped and
-    reaped before this returns: they leave by themselves only once this process has exited, as orphans that init
-    reaps whenever it gets to it (a ``<defunct>`` entry outliving the command)."""
+def _spawn(nproc: int, config: Config, train: TrainConfig, model_module: str) -> int:
+    """Start ``nproc`` local ranks with torch's elastic launch; returns the exit code, every child reaped. They fork
+    from a fork server that preloads what every rank imports (``model_module``: the model family's), not from this
+    process, which may have run OpenMP (a forked child's first OpenMP region then hangs)."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from ..fp8 import get_backend
-    from ..pipeline.env import rank_imports
-    from ..pipeline.env_vars import read
-    from ..strategies import get_strategy
 
     backend = get_backend(config.precision.fp8)
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)
@@ -242,8 +214,8 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
         return _interrupted(train, _Progress.read(state / "progress"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
-        # every rank is joined. The fork server first: it and its ranks hold the tracker's pipe. No public way to
-        # stop them: _stop is what CPython's own tests use; a later launch starts fresh ones
+        # else they outlive the command <defunct>. The fork server first: it holds the tracker's pipe; _stop is
+        # what CPython's own tests use (no public way)
         for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
             helper._stop()
     return 0
@@ -251,8 +223,7 @@ def _spawn(nproc: int, config: Config, train: Any, model_module: str) -> int:
 
 @contextlib.contextmanager
 def _quiet_launcher_logs() -> Iterator[None]:
-    """The elastic agent logs a failed or interrupted rank with a traceback of its own monitor loop (each of its
-    loggers sets its level when created): this command says what happened once, so they are silenced meanwhile."""
+    """The elastic agent logs a failed rank with a traceback of its own monitor loop: silenced, the command says it."""
     names = [n for n in list(logging.Logger.manager.loggerDict)
              if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     saved = {n: logging.getLogger(n).level for n in names}
@@ -265,9 +236,8 @@ def _quiet_launcher_logs() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-def _failed(err: Any, state: Path, train: Any) -> int:
-    """The exit code and the one line for ranks that failed: an explained error a rank reported, an interrupt,
-    or (a bug) the first failure's traceback."""
+def _failed(err: Any, state: Path, train: TrainConfig) -> int:
+    """The exit code, and one line: a rank's explained error, an interrupt, or (a bug) the first failure's traceback."""
     report = read_report(state)
     if report is not None:
         print(error_line("train", report["message"]), file=sys.stderr)

@@ -1,12 +1,6 @@
 """Files written by ``accelerate config``, read as fp8dist keys by the tables of :mod:`.accelerate_keys`: each key
-becomes an fp8dist option and value, nothing (the value is what fp8dist does anyway), a name in the one launcher
-notice, a line in the one notice about building the model, or a ValueError naming the key, the value, what fp8dist
-accepts and the way out. fp8dist's own keys may stand beside.
-
-It cannot drift from the library: every target is an option of :mod:`.options` (normalized and checked there), every
-option is a target or listed in :data:`NO_ACCELERATE_KEY` (tests hold both), and an option set that the chosen axes
-do not read is reported as for a keyword (:func:`.rules.unused_options`): the translator adds no rule of its own.
-"""
+becomes an option, nothing (fp8dist does it anyway), a line of a notice, or a ValueError naming the key, the value,
+what fp8dist accepts and the way out. Targets are :mod:`.options` fields, checked there: no rule of its own."""
 
 from __future__ import annotations
 
@@ -34,7 +28,6 @@ class _State:
 
 
 def _normalized(key: str, value: Any, name: str | None = None) -> Any:
-    """``value`` of fp8dist key ``key`` as its config dataclass reads it (errors name ``name``)."""
     by_key, hints, _ = _schema()
     return normalize_value(name or key, value, hints[key], by_key[key].metadata.get("aliases"))
 
@@ -45,7 +38,7 @@ def _unset(value: Any) -> bool:
 
 
 def _lookup(values: Mapping[Any, Any], value: Any) -> tuple[Any, Any]:
-    """The entry of ``values`` for ``value``: text case-insensitively, booleans also as true/false/yes/no."""
+    """The entry for ``value``: text case-insensitively, booleans also as true/false/yes/no."""
     text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     for key, result in values.items():
         if (value is key or BOOL_WORDS.get(text) is key) if isinstance(key, bool) else text == str(key).lower():
@@ -54,7 +47,7 @@ def _lookup(values: Mapping[Any, Any], value: Any) -> tuple[Any, Any]:
 
 
 def _match(where: str, rule: _Rule, value: Any) -> tuple[Any, Any]:
-    """(the table's value, what it becomes) for ``value`` of a key with a value table."""
+    """(the table's value, what it becomes)."""
     values = rule.values or {}
     accepted = [key for key, result in values.items() if not isinstance(result, _Refuse)]
     try:
@@ -70,7 +63,7 @@ def _match(where: str, rule: _Rule, value: Any) -> tuple[Any, Any]:
 
 
 def _set_once(state: _State, key: str, value: Any, where: str) -> None:
-    """Set fp8dist key ``key``; a different value set before (by the file's own key or another) is an error."""
+    """A different value set before (by the file's own key or another) is an error."""
     if key in state.flat:
         try:
             before = _normalized(key, state.flat[key])
@@ -84,7 +77,6 @@ def _set_once(state: _State, key: str, value: Any, where: str) -> None:
 
 
 def _apply(where: str, rule: _Rule, value: Any, state: _State, name: str) -> None:
-    """Translate ``value`` of the Accelerate key ``where`` (known to the tables as ``name``) into ``state``."""
     if rule.launcher:
         state.launcher.append(f"{where}={value!r}")
         return
@@ -106,7 +98,6 @@ def _apply(where: str, rule: _Rule, value: Any, state: _State, name: str) -> Non
 
 
 def _section_rule(block: str, section: _Section, key: str) -> tuple[str, _Rule]:
-    """(the table's name, rule) for ``key`` in Accelerate's ``block``; an unknown key is an error."""
     for name in (key, section.prefix + key, key.removeprefix(section.prefix)):
         if name in section.rules:
             return name, section.rules[name]
@@ -122,7 +113,6 @@ def _section_rule(block: str, section: _Section, key: str) -> tuple[str, _Rule]:
 
 
 def _translate_block(block: str, value: Any, state: _State) -> None:
-    """One of Accelerate's nested blocks (``fsdp_config: {...}``), key by key."""
     section = _SECTIONS[block]
     if not isinstance(value, Mapping):
         raise ValueError(f"{block} must be a mapping of keys to values, got {value!r}.")
@@ -137,7 +127,7 @@ def _translate_block(block: str, value: Any, state: _State) -> None:
 
 
 def _check_foreign(key: str) -> None:
-    """A top-level key not Accelerate's: fp8dist's passes; a block's key or a near miss of Accelerate's is named."""
+    """fp8dist's key passes; a block's key or a near miss of Accelerate's is an error."""
     if key in _schema()[0]:
         return
     for block, section in _SECTIONS.items():
@@ -149,8 +139,7 @@ def _check_foreign(key: str) -> None:
 
 
 def _hybrid(state: _State) -> None:
-    """HYBRID_SHARD(_ZERO2) shards within a node and replicates across nodes: FSDP2's HSDP with one replica per
-    node (``replicate_degree`` = ``num_machines``)."""
+    """HYBRID_SHARD(_ZERO2) shards within a node, replicates across nodes: HSDP, replicate_degree = num_machines."""
     where = next((f"fsdp_config.{k}" for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
                   if str(state.seen.get(f"fsdp_config.{k}", "")).startswith(_HYBRID)), None)
     if where is None:
@@ -164,7 +153,7 @@ def _hybrid(state: _State) -> None:
 
 
 def _finish(state: _State) -> None:
-    """What depends on several keys: FSDP's version, HSDP, the FP8 backend, DeepSpeed's json and its offload."""
+    """What depends on several keys."""
     if state.seen.get("distributed_type") == "FSDP" and "fsdp_config.fsdp_version" not in state.seen:
         _set_once(state, "strategy", _FSDP["fsdp_version"].values[1],  # type: ignore[index]
                   "distributed_type: FSDP without fsdp_config.fsdp_version (Accelerate's default is 1)")
@@ -187,20 +176,9 @@ def _finish(state: _State) -> None:
 
 
 def translate_accelerate_config(data: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
-    """fp8dist's flat keys for a config that may hold Accelerate's (a file written by ``accelerate config``).
-
-    fp8dist's own keys pass through; Accelerate's are translated by this module's tables. The keys only the
-    launcher reads are named together in one UserWarning. Two keys setting one fp8dist key differently
-    (``fp8: te`` beside ``fp8_config.backend: AO``) are an error.
-
-    Args:
-        data: the file's top-level mapping.
-        source: where it came from (a file name), for the messages.
-
-    Returns:
-        A flat ``{fp8dist key: value}`` dict, not validated yet (:meth:`fp8dist.Config.from_dict` does that);
-        a ValueError names a key or value with no fp8dist equivalent, what fp8dist accepts and the way out.
-    """
+    """fp8dist's flat keys (not validated yet) for a mapping that may hold Accelerate's keys; ``source`` names it in
+    messages. The keys only the launcher reads are named in one UserWarning; a key or value with no fp8dist
+    equivalent, or two keys setting one option differently, raise ValueError."""
     ours = [*_TOP, *_SECTIONS]  # this order: distributed_type before the blocks it gates
     state = _State(flat={k: v for k, v in data.items() if k not in ours}, data=data)
     try:

@@ -1,7 +1,6 @@
-"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as data that :mod:`.accelerate`
-reads (Accelerate's ``config_args.py``, the wizard in ``cluster.py``, and the spellings its launcher also takes).
-Which strategy or FP8 backend an Accelerate value selects is not written here: each axis value declares it
-(``Strategy.accelerate``, ``FP8Backend.accelerate_backend``) and the tables read the registries."""
+"""What each key of a file written by ``accelerate config`` becomes in fp8dist, as tables :mod:`.accelerate` reads.
+The strategy or FP8 backend a value selects is declared by the axis value (``Strategy.accelerate``,
+``FP8Backend.accelerate_backend``), read from the registries."""
 
 from __future__ import annotations
 
@@ -25,13 +24,11 @@ class _Mark(enum.Enum):
 
 
 class _Refuse(str):
-    """A value fp8dist has no equivalent for; the text says what fp8dist does instead and the way out."""
+    """A value with no fp8dist equivalent; the text says what fp8dist does instead and the way out."""
 
 
 @dataclass(frozen=True)
 class _Rule:
-    """What one Accelerate key becomes."""
-
     to: tuple[str, ...] = ()  # the fp8dist keys it sets (with several, each value below is a tuple)
     values: Mapping[Any, Any] | None = None  # Accelerate -> fp8dist value, SAME or _Refuse; None: as given
     convert: Callable[[Any], Any] | None = None  # Accelerate's spelling of a value given as is -> fp8dist's
@@ -45,13 +42,12 @@ def _to(key: str, values: Mapping[Any, Any] | None = None, convert: Callable[[An
 
 
 def _only(why: str, *accepted: Any) -> _Rule:
-    """A key fp8dist accepts only with the values it has anyway; any other value is refused with ``why``."""
+    """A key accepted only with the values fp8dist has anyway; any other is refused with ``why``."""
     return _Rule(values={value: _Mark.SAME for value in accepted}, other=why)
 
 
 class _Registry(Mapping):
-    """A value table built from the axis registries at each read (a strategy or backend registered after import is
-    in it); ``first``: Accelerate's values in the order messages list them."""
+    """A value table built from the axis registries at each read; ``first``: the order messages list values in."""
 
     def __init__(self, build: Callable[[], Iterator[tuple[Any, Any]]], first: tuple[Any, ...] = ()) -> None:
         self._build, self._first = build, first
@@ -71,7 +67,7 @@ class _Registry(Mapping):
 
 
 def _claims(key: str) -> dict[Any, list[str]]:
-    """Accelerate's value of ``key`` -> the strategies whose ``accelerate`` identity names it."""
+    """Accelerate's value of ``key`` -> the strategies that claim it."""
     out: dict[Any, list[str]] = {}
     for name, strategy in STRATEGIES.items():
         given = strategy.accelerate.get(key, ())
@@ -81,8 +77,7 @@ def _claims(key: str) -> dict[Any, list[str]]:
 
 
 def _distributed_types() -> Iterator[tuple[str, Any]]:
-    """distributed_type -> (strategy, device): the one strategy that claims it, or LEAVE where several share it
-    (FSDP: fsdp_config.fsdp_version decides); Accelerate's other values, refused."""
+    """distributed_type -> (strategy, device); LEAVE where several strategies share it (fsdp_version decides)."""
     claims = _claims("distributed_type")
     for value, names in claims.items():
         yield value, (names[0] if len(names) == 1 else _Mark.LEAVE, _DEVICE_OF.get(value, _Mark.LEAVE))
@@ -90,7 +85,7 @@ def _distributed_types() -> Iterator[tuple[str, Any]]:
 
 
 def _listed(value: Any) -> Any:
-    """A list Accelerate writes as text: "LlamaDecoderLayer,LlamaMLP", "(false, false, true)" (its docs)."""
+    """A list Accelerate writes as text: "LlamaDecoderLayer,LlamaMLP", "(false, false, true)"."""
     if isinstance(value, str):
         return [item.strip() for item in value.strip("()[] ").split(",") if item.strip()]
     return value
@@ -102,14 +97,14 @@ _TPU = ("TPUs are not fp8dist's: it runs on CUDA GPUs and CPUs. Remove the key, 
 _BACKEND = ("fp8dist compiles each block with torch.compile's default backend (inductor). Use INDUCTOR, or NO for "
             "no compile")
 _COMPILE_ONLY = "fp8dist compiles each block with torch.compile's defaults. Remove the key"
-_HYBRID = "HYBRID"  # the value of the sharding keys that asks for HSDP: replicate_degree comes from num_machines
+_HYBRID = "HYBRID"  # the sharding keys' HSDP values: replicate_degree comes from num_machines
 _NVME = ("fp8dist offloads to the CPU only. Use cpu, or put the NVMe offload block in your own DeepSpeed json "
          "(deepspeed_config_file)")
 _OTHER_DEVICE = _Refuse("fp8dist runs on CUDA GPUs and CPUs. Use MULTI_GPU, FSDP or DEEPSPEED on GPUs, NO or "
                         "MULTI_CPU on CPUs")
 
-_DEVICE_OF = {"MULTI_CPU": "cpu"}  # the distributed_type that also says where the model runs
-_NO_STRATEGY = {  # Accelerate's distributed types no fp8dist strategy claims, and why
+_DEVICE_OF = {"MULTI_CPU": "cpu"}
+_NO_STRATEGY = {  # distributed types no fp8dist strategy claims
     "MEGATRON_LM": _Refuse("fp8dist has no Megatron-LM tensor/pipeline parallelism. Use FSDP or DEEPSPEED"),
     "XLA": _Refuse(_TPU),
     **dict.fromkeys(("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"),
@@ -225,14 +220,12 @@ _DYNAMO: dict[str, _Rule] = {
     "dynamo_use_fullgraph": _Rule(values={False: _Mark.SAME}, other=(
         "fp8dist compiles each block on its own and counts the graph breaks in the plan. Remove the key")),
     "dynamo_use_dynamic": _Rule(values={False: _Mark.SAME}, other=_COMPILE_ONLY),
-    # fp8dist always compiles block by block, what Accelerate calls regional compilation
-    "dynamo_use_regional_compilation": _Rule(values={True: _Mark.SAME, False: _Mark.SAME}),
+    "dynamo_use_regional_compilation": _Rule(values={True: _Mark.SAME, False: _Mark.SAME}),  # always, per block
 }
 
 _PARALLELISM: dict[str, _Rule] = {
     "parallelism_config_dp_replicate_size": _to("replicate_degree"),
-    # fp8dist derives the shard group from the world size and replicate_degree: any size is what the launch gives
-    "parallelism_config_dp_shard_size": _Rule(values=None),
+    "parallelism_config_dp_shard_size": _Rule(values=None),  # derived from the world size and replicate_degree
     **{f"parallelism_config_{name}": _only(why, 1) for name, why in (
         ("tp_size", "fp8dist has no tensor parallelism"), ("cp_size", "fp8dist has no context parallelism"),
         ("sp_size", "fp8dist has no sequence parallelism"))}}
@@ -240,8 +233,6 @@ _PARALLELISM: dict[str, _Rule] = {
 
 @dataclass(frozen=True)
 class _Section:
-    """One of Accelerate's nested blocks."""
-
     rules: Mapping[str, _Rule]
     prefix: str = ""  # Accelerate's launcher takes its keys with or without it ("version" is "fsdp_version")
     needs: str = ""  # the distributed_type with which Accelerate reads the block
@@ -271,8 +262,7 @@ NO_ACCELERATE_KEY = {
     "max_skipped_steps": "Accelerate's config file has no key for what a step with non-finite gradients does",
     "pretrained": "Accelerate loads weights in the script (from_pretrained), not from the config file",
 }
-"""fp8dist options no key of Accelerate's config format sets, and why: every other option is a target of the
-tables above (a test holds the two together, so a new option must be mapped or listed here)."""
+"""fp8dist options no Accelerate key sets, and why; every other option is a target of the tables (a test holds this)."""
 
 
 def targets() -> set[str]:
@@ -282,8 +272,7 @@ def targets() -> set[str]:
 
 
 def _schema() -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
-    """fp8dist's fields by key, their types, and the FP8 keys (the config dataclasses and each registered backend's
-    knobs are the one source)."""
+    """fp8dist's fields by key, their types, and the FP8 keys (each registered backend's knobs among them)."""
     flat = [pair for cls in (StrategyConfig, FP8Config) for pair in flat_fields(cls)]
     by_key, hints = {f.name: f for _, f in flat}, {f.name: typing.get_type_hints(owner)[f.name] for owner, f in flat}
     return by_key, hints, tuple(f.name for _, f in flat_fields(FP8Config) if f.name != "fp8")

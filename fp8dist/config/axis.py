@@ -1,5 +1,5 @@
-"""What the three axes of a run (strategy, FP8 backend, memory level) share, as data: the facts of a strategy, a
-rule of the combination table, the condition under which an option is read, and each axis's registry."""
+"""What the three axes (strategy, FP8 backend, memory level) share: a strategy's facts, a rule of the combination
+table, when an option is read, and each axis's registry."""
 
 from __future__ import annotations
 
@@ -14,92 +14,77 @@ __all__ = ["StrategyFacts", "Rule", "When", "ALWAYS", "Registry", "STRATEGIES", 
 
 @dataclass(frozen=True)
 class StrategyFacts:
-    """How a strategy holds, computes and updates parameters: the one thing FP8 backends and memory levels learn
-    about it. They never see its name or its engine's classes, so a rule written against a fact ("torchao
-    all-gathers in FP8 only where parameters are DTensor shards") holds for any strategy that has it. The plan
-    records them (``plan.facts``): a backend's conversion and wiring read the facts the plan was made with."""
+    """How a strategy holds, computes and updates parameters: all FP8 backends and memory levels learn of it (never
+    its name), so a rule written against a fact holds for any strategy that has it. The plan records them."""
 
     dtensor_shards: bool = False
-    """Each parameter is a DTensor sharded on dim 0 over a shard group and all-gathered per unit (FSDP2): the
-    engine calls a tensor subclass's all-gather hooks (FP8 all-gather) and shards 3-D expert weights on the
-    expert dim."""
+    """Each parameter is a DTensor sharded on dim 0 and all-gathered per unit (FSDP2): the engine calls a tensor
+    subclass's all-gather hooks (FP8 all-gather) and shards 3-D expert weights on the expert dim."""
     flat_params: bool = False
     """Parameters are flattened into one FlatParameter per unit (FSDP1): a tensor-subclass weight does not survive."""
     engine_owns_params: bool = False
-    """The engine replaces and casts parameters itself during initialization (DeepSpeed ZeRO): tensor-subclass
-    weights cannot be swapped in."""
+    """The engine replaces and casts parameters itself (DeepSpeed ZeRO): tensor-subclass weights cannot go in."""
     engine_builds_optimizer: bool = False
     """The engine builds the optimizer from a spec, steps, accumulates and clips itself (DeepSpeed)."""
     autocast_forward: bool = False
-    """The forward runs under ``torch.autocast`` to the compute dtype while parameters stay fp32 (DDP, one
-    process): GEMMs compute in the compute dtype, other ops in fp32."""
+    """The forward runs under ``torch.autocast`` to the compute dtype, parameters fp32 (DDP, one process)."""
     broadcasts_weights: bool = False
-    """The engine copies rank 0's weights to every rank when it wraps the model (DDP, DeepSpeed without
-    ``zero.Init``): ranks may start from different weights."""
+    """The engine copies rank 0's weights to every rank (DDP, DeepSpeed without ``zero.Init``)."""
     casts_gradients: bool = False
-    """The engine casts gradients to ``reduce_dtype`` for their reduction itself, on any device (FSDP's mixed
-    precision); without it a non-fp32 reduce needs a communication hook."""
+    """The engine casts gradients to ``reduce_dtype`` for their reduction on any device (FSDP); else a non-fp32
+    reduce needs a communication hook."""
     shard_degree: int | None = None
-    """Ranks each parameter is split over (1: replicated); None: not known (no world size given)."""
+    """Ranks each parameter is split over (1: replicated); None: not known."""
     world_size: int | None = None
-    """Ranks of the run, set by the table when the caller gives them (:func:`fp8dist.config.rules.refusals`), for a
-    rule on how many processes a strategy runs in; None: not known."""
+    """Ranks of the run, set by the table when the caller gives them; None: not known."""
 
     @property
     def shards_params(self) -> bool:
-        """Each rank holds a part of each parameter in an FSDP engine (not the engine's own ZeRO partitions)."""
+        """An FSDP engine holds a part of each parameter on each rank (not ZeRO's own partitions)."""
         return self.dtensor_shards or self.flat_params
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of the combination table: a combination of option values that cannot run, owned by the axis that
-    imposes it. ``keys`` are the options involved: the error names their values as given
-    (``fp8='msamp' with strategy='fsdp': ...``), and the way out, when not written here, is derived from the table
-    itself (the values of each key that would combine with the others as given)."""
+    """One row of the combination table: option values that cannot run together, owned by the axis that imposes it."""
 
     keys: tuple[str, ...]
-    """The options involved, in the order the message names them (the owning axis's own option among them)."""
+    """The options involved, in the order the message names them (``fp8='msamp' with strategy='fsdp': ...``)."""
     applies: Callable[[Any, StrategyFacts], bool]
     """``(config, facts of its strategy) -> bool``: True where the combination cannot run."""
     reason: str
     """Why not: the engines' behaviour, not a restatement of the rule."""
     way_out: str = ""
-    """What to do instead; empty: derived from the table (:func:`fp8dist.config.rules.alternatives`)."""
+    """What to do instead; empty: the values of each key that combine with the rest (:func:`.rules.alternatives`)."""
 
 
 @dataclass(frozen=True)
 class When:
-    """An axis reads an option of its own only when every named option has one of the given values and the
-    strategy has every named fact (e.g. TE reads ``margin`` only with ``te_recipe='delayed'``; torchao reads
-    ``fp8_all_gather`` only where parameters are DTensor shards)."""
+    """An axis reads an option only when every named option has one of the given values and every named
+    :class:`StrategyFacts` field is true (TE reads ``margin`` only with ``te_recipe='delayed'``)."""
 
     options: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     facts: tuple[str, ...] = ()
-    """Names of :class:`StrategyFacts` fields that must be true."""
 
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
         values = {**vars(cfg.parallel), **vars(cfg.precision)}
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
-ALWAYS = When()
-"""Read whenever its axis is chosen."""
+ALWAYS = When()  # read whenever its axis is chosen
 
 
 class Registry(Mapping[str, Any]):
-    """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list the config's choices,
-    the CLI, the bench and every tool read, and where a new value registers (:meth:`register`). A built-in value
-    may be registered as the module that holds it, imported when first asked for (an FP8 backend's module is
-    imported only where that backend is chosen)."""
+    """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list every tool reads and
+    a new value registers in. A built-in may be registered as its module, imported when first asked for."""
 
     def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = ()) -> None:
         self.option, self.kind, self.reserved = option, kind, reserved
         self._values: dict[str, Any] = {}
 
     def register(self, value: Any, base: type) -> Any:
-        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name another
-        value holds is refused, and so is a reserved word (``fp8="none"``: no backend)."""
+        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
+        reserved (``fp8="none"``) is refused."""
         if isinstance(value, type) and base in value.__mro__:
             raise TypeError(f"register: pass an instance of {value.__qualname__} (its object: "
                             f"{value.__qualname__}()), not the class.")
@@ -134,20 +119,16 @@ class Registry(Mapping[str, Any]):
         return len(self._values)
 
     def names(self) -> tuple[str, ...]:
-        """The names, in registration order (the built-ins first)."""
+        """In registration order (the built-ins first)."""
         return tuple(self._values)
 
 
-STRATEGIES = Registry("strategy", "sharding strategy")
-"""Every sharding strategy by the name ``strategy=`` takes (the built-ins: :mod:`fp8dist.strategies`)."""
-BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",))
-"""Every FP8 backend by the name ``fp8=`` takes (the built-ins: :mod:`fp8dist.fp8`)."""
-LEVELS = Registry("memory", "memory level")
-"""Every memory level by the name ``memory=`` takes (the built-ins: :mod:`fp8dist.memory_levels`)."""
+STRATEGIES = Registry("strategy", "sharding strategy")  # built-ins: fp8dist.strategies
+BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",))  # built-ins: fp8dist.fp8
+LEVELS = Registry("memory", "memory level")  # built-ins: fp8dist.memory_levels
 
 
 def engine_packages() -> tuple[str, ...]:
-    """The libraries a run may use, each once: torch, transformers and every registered strategy's and FP8
-    backend's own (``package``) — what ``fp8dist env`` checks and bench results record."""
+    """torch, transformers and every registered strategy's and FP8 backend's ``package``, each once."""
     engines = (value.package for registry in (STRATEGIES, BACKENDS) for value in registry.values())
     return tuple(dict.fromkeys(("torch", "transformers", *(p for p in engines if p))))

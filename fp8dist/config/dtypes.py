@@ -1,5 +1,4 @@
-"""The one table of dtype names: what configs, flags and files call a dtype ("bf16"), what reports print, and the
-other spellings accepted for it. Every module that names a dtype reads it from here."""
+"""The one table of dtype names: what configs call a dtype ("bf16"), what reports print, and other spellings."""
 
 from __future__ import annotations
 
@@ -8,21 +7,19 @@ import torch
 __all__ = ["DTYPES", "DTYPE_ALIASES", "torch_dtype", "dtype_name", "dtype_names", "dtype_bytes"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes a config chooses from, by their short names."""
 
 DTYPE_ALIASES = {
     "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
     "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
 }
-"""Other spellings of the short names (a torch dtype is read as its ``str``), in Python, files and flags alike."""
+"""Other spellings of the short names (a torch dtype is read as its ``str``)."""
 
 _NAMES = {**{dtype: name for name, dtype in DTYPES.items()}, torch.float8_e4m3fn: "fp8 e4m3",
           torch.float8_e5m2: "fp8 e5m2"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a config's dtype name ("fp32", "bf16", "fp16")."""
     return DTYPES[name]
 
 
@@ -32,7 +29,7 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def dtype_names(dtypes: set[torch.dtype], empty: str = "none") -> str:
-    """Several dtypes as one sorted "bf16/fp32" string (``empty`` when there are none)."""
+    """Several dtypes as one sorted "bf16/fp32" string."""
     return "/".join(sorted(dtype_name(d) for d in dtypes)) or empty
 
 

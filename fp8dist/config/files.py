@@ -1,6 +1,5 @@
-"""The one reader of the files a user configures fp8dist with (its YAML/JSON config, Accelerate's, a DeepSpeed json,
-a model's ``config.json``). JSON and YAML both let a key given twice in one mapping win silently: here it is an error
-naming the key, the file and (YAML) both lines. Syntax errors name the file, the line and the column."""
+"""The one reader of the YAML/JSON files a user configures fp8dist with. A key given twice in one mapping (which JSON
+and YAML let win silently) is an error, as is bad syntax, naming the file, the line and the column."""
 
 from __future__ import annotations
 
@@ -8,11 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_config_text", "parse_json", "parse_yaml", "no_duplicate_keys"]
+import yaml
+
+__all__ = ["read_config_text", "no_duplicate_keys"]
 
 
 def no_duplicate_keys(what: str, path: Path):
-    """``json.loads``'s ``object_pairs_hook``: a mapping, refusing a key given twice."""
+    """``json.loads``'s ``object_pairs_hook`` refusing a key given twice."""
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for key, value in pairs:
@@ -24,45 +25,41 @@ def no_duplicate_keys(what: str, path: Path):
     return hook
 
 
-def parse_json(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as JSON; a syntax error or a duplicate key names the file."""
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (merge keys ``<<:`` still merge)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"the key {key!r} is given twice in one mapping (first at line "
+                                        f"{seen[key].line + 1}): YAML would keep the last silently. Keep one",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_config_text(path: Path, *, what: str = "config file") -> Any:
+    """The file parsed as JSON (``.json``) or YAML; None when empty."""
     try:
-        return json.loads(text, object_pairs_hook=no_duplicate_keys(what, path))
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+    if not text.strip():
+        return None
+    try:
+        if path.suffix.lower() == ".json":
+            return json.loads(text, object_pairs_hook=no_duplicate_keys(what, path))
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except json.JSONDecodeError as err:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON: line {err.lineno}, column {err.colno}: "
                          f"{err.msg}.") from None
-
-
-def _strict_loader():
-    """PyYAML's safe loader, refusing a key given twice in one mapping (merge keys ``<<:`` still merge)."""
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            if isinstance(node, yaml.MappingNode):
-                seen: dict[Any, Any] = {}
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":
-                        continue
-                    key = self.construct_object(key_node, deep=True)
-                    if isinstance(key, (str, int, float, bool)) or key is None:
-                        if key in seen:
-                            raise yaml.constructor.ConstructorError(
-                                None, None, f"the key {key!r} is given twice in one mapping (first at line "
-                                            f"{seen[key].line + 1}): YAML would keep the last silently. Keep one",
-                                key_node.start_mark)
-                        seen[key] = key_node.start_mark
-            return super().construct_mapping(node, deep=deep)
-
-    return StrictLoader
-
-
-def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
-    """``text`` (the contents of ``path``) as YAML; a syntax error or duplicate key names the file, line and column."""
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark, context, start = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -70,17 +67,3 @@ def parse_yaml(text: str, path: Path, *, what: str = "config file") -> Any:
         if context and start is not None:  # where the unfinished construct began ("while scanning a quoted scalar")
             problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ValueError(f"{what} {str(path)!r} is not valid YAML: {where}{problem}.") from None
-
-
-def read_config_text(path: Path, *, what: str = "config file") -> Any:
-    """The file parsed as JSON (``.json``) or YAML, None when empty; a syntax error or a duplicate key names the
-    file, the line and the column."""
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
-    if not text.strip():
-        return None
-    if path.suffix.lower() == ".json":
-        return parse_json(text, path, what=what)
-    return parse_yaml(text, path, what=what)

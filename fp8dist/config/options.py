@@ -1,5 +1,5 @@
-"""The fields a user sets, by section, each default written once: :class:`StrategyConfig` (the strategy and its mixed
-precision) and :class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module)."""
+"""The options a user sets, each default written once: :class:`StrategyConfig` (the strategy and its mixed precision)
+and :class:`FP8Config` (the FP8 backend, and each backend's knobs from its own module)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from .schema import Choices, normalize_fields
 from .dtypes import DTYPE_ALIASES
 from ..plan.speed.step import DEFAULT_MARGIN
 
-DEFAULT_SEQ_LEN = 2048
-"""Tokens per sequence assumed where ``seq_len`` is not given (the plan's header says so)."""
+DEFAULT_SEQ_LEN = 2048  # tokens per sequence assumed where seq_len is not given
 
+# keep_last_blocks_share under FP4 (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040 tok/s)
 FP4_TAIL_SHARE = 0.15
-"""keep_last_blocks_share under an FP4 recipe: NVFP4 training keeps the last ~15% of blocks and the output head in
-bf16 (torchtitan's experimental NVFP4 on Llama3-8B, 4 B200s, 21,919 -> 30,040 tok/s; issue 42)."""
 
 __all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "MemoryLevelName",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "knob_configs"]
@@ -41,62 +39,57 @@ class StrategyConfig:
     (FullyShardedDataParallel) or deepspeed (ZeRO)."""
 
     param_dtype: DtypeName = field(default="bf16", metadata=_DTYPE)
-    """Dtype of forward/backward compute. FSDP casts the gathered parameters to it; ddp and none keep fp32
-    parameters and run the forward under autocast to it. fp16 needs loss scaling: strategy deepspeed only."""
+    """Dtype of forward/backward compute: FSDP casts the gathered parameters to it, ddp and none autocast to it.
+    fp16 needs loss scaling: strategy deepspeed only."""
 
     reduce_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
-    """Dtype in which gradients are reduced across ranks. Under ddp, bf16/fp16 use DDP's compression hooks,
-    which need NCCL (CUDA)."""
+    """Dtype gradients are reduced in; under ddp, bf16/fp16 use DDP's compression hooks (NCCL only)."""
 
     buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
-    """Dtype of floating-point buffers (e.g. rotary inv_freq); fp32 keeps Llama-style models accurate."""
+    """Dtype of floating-point buffers (rotary inv_freq): fp32 keeps Llama-style models accurate."""
 
     block_classes: tuple[str, ...] = ()
-    """Class names of the blocks FSDP shards one by one before the root, and that activation checkpointing and
-    compile wrap. Empty: Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
+    """Class names of the blocks FSDP shards one by one, and activation checkpointing and compile wrap. Empty:
+    Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
 
     activation_checkpointing: CheckpointingMode = "none"
-    """Recompute activations in backward instead of keeping them, per block: none; full (a block keeps only its
-    input); selective (a block keeps the outputs of its matrix multiplies and attention, torchtitan's "op" mode,
-    and recomputes the cheap rest)."""
+    """Recompute activations in backward, per block: none; full (a block keeps only its input); selective (keeps
+    its matmul and attention outputs, torchtitan's "op" mode)."""
 
     compile: bool | None = field(default=None, metadata={"none": "auto, the default"})
-    """torch.compile each block (in place: names and state-dict keys do not change). None (auto): on where FP8
-    runs on a CUDA GPU, off elsewhere (on a CPU compiling costs more than it saves)."""
+    """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU,
+    else off (on a CPU it costs more than it saves)."""
 
     reshard_after_forward: bool = True
-    """FSDP: free each block's gathered parameters after forward (ZeRO-3 style). False keeps them until backward
-    (ZeRO-2 style: more memory, less communication). FSDP2's unit of final norm and output layer always keeps
-    them: backward needs them first."""
+    """FSDP: free each block's gathered parameters after forward (ZeRO-3 style); false keeps them for backward
+    (ZeRO-2 style: more memory, less communication). FSDP2's final norm and output unit always keeps them."""
 
     replicate_degree: int = field(default=1, metadata={"min": 1})
-    """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
-    the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
-    reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
-    a node and replicate across nodes. 1: shard over every rank."""
+    """FSDP2 HSDP: groups of ranks that each hold a whole copy of the model, sharded within the group
+    (torchtitan's data_parallel_replicate_degree). The number of nodes shards within a node and replicates across
+    nodes; 1: shard over every rank."""
 
     device: Device = "auto"
-    """Where the model runs: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """Where the model runs: auto is cuda:LOCAL_RANK when CUDA is available, else cpu."""
 
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
 
     micro_batch_size: int = field(default=1, metadata={"min": 1})
-    """Sequences per rank per forward: DeepSpeed's train_micro_batch_size_per_gpu, and with seq_len the tokens
-    the FP8 speed prediction is made at (fp8_select). fp8dist train and bench set it from their batch."""
+    """Sequences per rank per forward (DeepSpeed's train_micro_batch_size_per_gpu); with seq_len, the tokens
+    fp8_select predicts at. fp8dist train and bench set it."""
 
     seq_len: int | None = field(default=None, metadata={"none": f"{DEFAULT_SEQ_LEN} assumed, said in the plan"})
-    """Tokens per sequence: with micro_batch_size, the tokens per rank per forward that the FP8 speed prediction
-    is made at (fp8_select). None: DEFAULT_SEQ_LEN (2048) assumed, and the plan says so. fp8dist train and bench
-    set it."""
+    """Tokens per sequence, for fp8_select's prediction with micro_batch_size. None: 2048 assumed, and the plan
+    says so. fp8dist train and bench set it."""
 
     grad_accum: int = field(default=1, metadata={"cli_aliases": ("--gradient-accumulation-steps",), "min": 1})
-    """Micro-batches per optimizer step: DeepSpeed's gradient_accumulation_steps. fp8dist train accumulates them
-    under every strategy (its global batch split over ranks x micro-batches); in your own loop, fp8dist.no_sync."""
+    """Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps); fp8dist train accumulates under
+    every strategy, your own loop with fp8dist.no_sync."""
 
     gradient_clipping: float = field(default=1.0, metadata={"cli_aliases": ("--max-grad-norm",)})
-    """Largest global gradient norm (0: no clipping): DeepSpeed's gradient_clipping. fp8dist train clips under
-    every strategy; in your own loop, fp8dist.clip_grad_norm_."""
+    """Largest global gradient norm (0: no clipping; DeepSpeed's gradient_clipping); fp8dist train clips under
+    every strategy, your own loop with fp8dist.clip_grad_norm_."""
 
     offload_optimizer: bool = False
     """DeepSpeed: keep optimizer states on the CPU."""
@@ -108,32 +101,26 @@ class StrategyConfig:
     """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
 
     memory: MemoryLevelName = "standard"
-    """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, about 6
-    bytes per parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states
-    (torchao AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model then builds
-    the optimizer: pass optimizer={"type": "AdamW", "lr": ...}. Strategies fsdp, ddp and none."""
+    """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, ~6 bytes per
+    parameter): bf16 weights updated with stochastic rounding, 8-bit AdamW states, bf16 gradients; wrap_model
+    builds the optimizer (optimizer={"type": "AdamW", "lr": ...}). Strategies fsdp, ddp and none."""
 
     nonfinite_step: Literal["skip", "error", "off"] = "skip"
-    """What a step whose gradients hold an inf or NaN on any rank does: skip (the optimizer step is skipped on
-    every rank alike, weights and optimizer state as before; a warning names the step and the modules;
-    get_wrap_info(model).skipped_steps counts them), error (raise at once, nothing updated), off (no check: one such
-    step turns every weight NaN). DeepSpeed checks inside its own step (bf16 check_grad_overflow, fp16 loss
-    scaling): skip and off set that check; fp8dist counts, warns and stops the same way."""
+    """A step whose gradients hold an inf or NaN on any rank: skip (no update on any rank; a warning names the step
+    and modules; get_wrap_info(model).skipped_steps counts them), error (raise, nothing updated), off (no check:
+    the weights turn NaN). Under DeepSpeed, skip and off set its own check."""
 
     max_skipped_steps: int = 5
-    """Consecutive skipped steps after which the run raises, naming the modules and the way out (lower the learning
-    rate, keep the layers out of FP8, resume from a checkpoint); 0: never."""
+    """Consecutive skipped steps after which the run raises, naming the modules and the way out; 0: never."""
 
     check_ranks: Literal["all", "settings", "off"] = "all"
-    """wrap_model compares every rank's resolved settings, plan, model structure and weights (one all-gather) and
-    fails on every rank naming what differs, instead of a hang or a silent mixture: all; settings (weights may
-    differ on purpose; they are never compared where the strategy copies rank 0's, ddp and deepspeed, nor before
-    they are loaded: meta models, pretrained=); off."""
+    """What wrap_model compares across ranks (one all-gather), failing on every rank naming what differs: all
+    (settings, plan, model structure and weights, unless the strategy copies rank 0's or they are not loaded yet);
+    settings (weights may differ on purpose); off."""
 
     pretrained: str | None = None
-    """A Hugging Face model directory (model.safetensors, or sharded files + model.safetensors.index.json) loaded
-    into the wrapped model: each rank reads only the part it holds. With a model built on the meta device, only
-    that part is ever allocated; none: the model keeps its weights (a meta model gets its own initialization)."""
+    """A Hugging Face model directory (model.safetensors, or shards + index) loaded into the wrapped model, each rank
+    reading only its part (a meta model allocates only that); none: the model keeps its weights."""
 
     def __post_init__(self) -> None:
         blocks = (self.block_classes,) if isinstance(self.block_classes, type) else self.block_classes  # by name
@@ -155,41 +142,35 @@ class StrategyConfig:
 
 @dataclass(kw_only=True, frozen=True, init=False)
 class FP8Config:
-    """Which FP8 backend is layered on top of the strategy, what every backend shares, and each backend's own knobs
-    (its ``Config``), given flat (``te_recipe=``), read as ``knobs("te").te_recipe`` or flat; a knob set for a
-    backend other than the chosen one is reported, never silently ignored."""
+    """The FP8 backend on top of the strategy, what every backend shares, and each backend's knobs (its ``Config``),
+    given and read flat (``te_recipe=``) or as ``knobs("te").te_recipe``; a knob of another backend is reported."""
 
     fp8: FP8BackendName | None = None
     """FP8 backend: te (Transformer Engine), torchao (float8 training) or msamp (MS-AMP); none keeps the
     strategy's mixed precision everywhere."""
 
     on_unsupported: Literal["error", "fallback"] = "error"
-    """When the backend is not installed or the hardware has no FP8: error, or fallback to the strategy's
-    mixed precision (one warning; the plan says so)."""
+    """Where the backend is not installed or the hardware has no FP8: error, or fallback to the strategy's mixed
+    precision (one warning)."""
 
     fp8_exclude: tuple[str, ...] = ()
     """Module names (fnmatch patterns, e.g. "lm_head" or "*.mlp.*") kept in the strategy's mixed precision."""
 
     fp8_select: Literal["auto", "all"] | None = field(default=None, metadata={"none": "auto on a GPU, all on a CPU"})
-    """Which eligible layers run in FP8: auto, only those the speed model predicts faster than bf16 on the plan's
-    GPU (by fp8_select_margin, at micro_batch_size x seq_len tokens per rank); all, every eligible layer. None:
-    auto where the plan's hardware is a CUDA GPU (a CUDA device or --target), all on a CPU (FP8 there is for
-    numerics and tests). fp8_exclude, fp8_filter and keep_first_last_linear apply on top."""
+    """Which eligible layers run in FP8: auto, those the speed model predicts faster than bf16 on the plan's GPU
+    (by fp8_select_margin); all. None: auto on a CUDA GPU (or --target), all on a CPU. fp8_exclude, fp8_filter and
+    keep_first_last_linear apply on top."""
 
     fp8_select_margin: float = DEFAULT_MARGIN
-    """fp8_select auto: a layer runs in FP8 where its predicted speedup over bf16 is at least this (1.0: every layer
-    predicted faster; above 1 demands a clearer gain)."""
+    """fp8_select auto: the least predicted speedup over bf16 for a layer to run in FP8 (1.0: any gain)."""
 
-    # issue 42, NVFP4 part: the tail of the model out of FP4
     keep_last_blocks_share: float | None = field(
         default=None, metadata={"none": f"{FP4_TAIL_SHARE:g} under FP4 recipes, else 0"})
-    """Share of the model's last transformer blocks kept, with the output head, in the strategy's mixed precision
-    (rounded up to whole blocks). NVFP4 training keeps the last ~15% of blocks and the head in bf16 (torchtitan's
-    Llama3-8B NVFP4 run on 4 B200s). None: 0.15 where the recipe runs FP4 GEMMs (te_recipe='nvfp4', torchao_recipe=
-    'nvfp4'), 0 for FP8 recipes, which train well with the first and last Linear kept alone (keep_first_last_linear)."""
+    """Share of the last transformer blocks kept, with the output head, in the strategy's mixed precision (rounded
+    up to whole blocks). None: 0.15 where the recipe runs FP4 GEMMs (te/torchao_recipe='nvfp4'), else 0."""
 
     backend_knobs: tuple[Any, ...] = field(default=(), metadata={"nested": lambda: knob_configs().values()})
-    """One instance of each registered backend's ``Config``, in the registry's order, built from the flat keys."""
+    """One instance of each registered backend's ``Config``, in the registry's order."""
 
     def __init__(self, *, backend_knobs: Iterable[Any] = (), **options: Any) -> None:
         given = {type(knobs): knobs for knobs in backend_knobs}  # dataclasses.replace passes them back
@@ -213,7 +194,7 @@ class FP8Config:
                              f"({FP4_TAIL_SHARE:g} under FP4 recipes, else 0).")
 
     def knobs(self, backend: str) -> Any:
-        """Backend ``backend``'s knobs (its ``Config``; the defaults if it registered after this config); None: none."""
+        """Backend ``backend``'s ``Config`` (the defaults if it registered after this config); None: none."""
         cls = BACKENDS[backend].Config
         return None if cls is None else next((k for k in self.backend_knobs if type(k) is cls), None) or cls()
 
@@ -239,5 +220,4 @@ def knob_configs() -> dict[str, type]:
     return out
 
 
-SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}
-"""The sections of a :class:`~fp8dist.config.resolve.Config`, by its attribute names."""
+SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}  # a Config's sections, by attribute

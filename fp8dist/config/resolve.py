@@ -1,11 +1,5 @@
 """The one config: the sections of :mod:`fp8dist.config.options` combined, checked together, and read from Python
-keywords (``wrap_model(m, strategy="fsdp")``), YAML/JSON files and the CLI's flags, every key a field name.
-
-Example::
-
-    cfg = resolve_config("fp8dist.yaml", strategy="fsdp1")     # file, then keyword overrides
-    cfg.parallel.param_dtype                                    # 'bf16'
-"""
+keywords, YAML/JSON files and the CLI's flags, every key a field name."""
 
 from __future__ import annotations
 
@@ -30,10 +24,8 @@ class Config:
     """Everything ``wrap_model`` needs, by concern. Keys are flat: each a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
-    """Strategy and its mixed precision."""
 
     precision: FP8Config = field(default_factory=FP8Config)
-    """FP8 backend and its knobs."""
 
     def __post_init__(self) -> None:
         check_combination(self)  # the one table of what combines (.rules), before anything uses the config
@@ -44,7 +36,7 @@ class Config:
                 for name, cls in SECTIONS.items() for _, f in flat_fields(cls)}
 
     def unused_options(self) -> list[str]:
-        """A note for each option changed from its default that no chosen axis reads (:func:`.rules.unused_options`)."""
+        """A note for each option changed from its default that no chosen axis reads."""
         return options_unused(self)
 
     @classmethod
@@ -61,13 +53,13 @@ class Config:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a flat dict (not validated yet); the keys of a file written by
-    ``accelerate config`` are translated (:mod:`fp8dist.config.accelerate`).
+    """Read a YAML or JSON file into a flat dict (not validated yet), the keys of a file written by
+    ``accelerate config`` translated.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is empty, not valid YAML/JSON (naming the line and column), gives a key twice, or is
-            not a mapping, or an Accelerate key or value has no fp8dist equivalent.
+        ValueError: the file is empty, not valid YAML/JSON (naming the line and column), gives a key twice, is not
+            a mapping, or an Accelerate key or value has no fp8dist equivalent.
     """
     path = Path(path)
     if not path.is_file():
@@ -82,7 +74,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _flat_knobs(data: Mapping[str, Any]) -> dict[str, Any]:
-    """``data`` with each backend's knobs given nested under its name (``te: {te_recipe: current}``) made flat."""
+    """Each backend's knobs nested under its name (``te: {te_recipe: current}``) made flat."""
     nested = [k for k, v in data.items() if k in knob_configs() and isinstance(v, Mapping)]
     return {**{k: v for k, v in data.items() if k not in nested}, **{k: v for n in nested for k, v in data[n].items()}}
 
@@ -90,15 +82,22 @@ def _flat_knobs(data: Mapping[str, Any]) -> dict[str, Any]:
 def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = None, *,
                    defaults: Mapping[str, Any] | None = None, source: str = "wrap_model options",
                    **overrides: Any) -> Config:
-    """The one path from Python keywords, a dict, a YAML/JSON file (fp8dist's keys or a file written by
-    ``accelerate config``) and command-line flags to a validated :class:`Config`, built once.
+    """The one path from Python keywords, a dict, a YAML/JSON file (fp8dist's keys or Accelerate's) and command-line
+    flags to a validated :class:`Config`.
 
     Args:
         config: the base: a Config, a flat dict, or a YAML/JSON path; None means all defaults.
-        defaults: values used where neither ``config`` nor ``overrides`` gives the key (a command's own default,
-            e.g. the CLI's ``fp8``); the dataclasses' defaults stand under them.
+        defaults: values where neither ``config`` nor ``overrides`` gives the key (the CLI's ``fp8``).
         source: where a mapping ``config`` came from, for the error text (a path names itself).
-        **overrides: flat keys (``strategy="fsdp1"``, ``param_dtype="bf16"``); they win over ``config``.
+        **overrides: flat keys (``strategy="fsdp1"``); they win over ``config``.
+
+    Returns:
+        The Config; a bad key, value or combination raises ValueError.
+
+    Example::
+
+        cfg = resolve_config("fp8dist.yaml", strategy="fsdp1")  # file, then keyword overrides
+        cfg.parallel.param_dtype                                 # 'bf16'
     """
     if config is None:
         base: dict[str, Any] = {}

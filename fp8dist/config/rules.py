@@ -1,10 +1,6 @@
-"""The one table of what combines. Each rule is owned by the axis that imposes it (a strategy, an FP8 backend or a
-memory level: their ``rules``), and so is each option an axis alone reads (their ``options``, a backend's
-``Config``). This module reads those and nothing else, and everything that needs to know asks it: every
-:class:`~fp8dist.config.resolve.Config` is checked once when built (so every entry point refuses the same
-combinations, before anything changes), ``compile=None`` asks whether compile would be refused, the bench asks
-which cells can run. A refusal names the values as given and, unless its rule says what to do instead, the way out
-derived from the table: the values of each option involved that would combine with the rest as given."""
+"""The one table of what combines, read from the axes' ``rules`` and the options each axis alone reads (``options``,
+a backend's ``Config``). Every Config is checked once when built; a refusal names the values as given and the way
+out, derived from the table where its rule gives none."""
 
 from __future__ import annotations
 
@@ -22,25 +18,22 @@ from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES
 
-__all__ = ["table", "refusals", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
+__all__ = ["table", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
            "choices"]
 
 PIPELINE_STEPS = {
     "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
     "max_skipped_steps": (When({"nonfinite_step": ("skip",)}),),
 }
-"""Options a step of the pipeline reads, and when: the block step (activation checkpointing and compile, per
-block), the guard of non-finite steps."""
+"""Options a step of the pipeline reads, and when: the block step, the guard of non-finite steps."""
 _AXES = (("strategy", STRATEGIES), ("fp8", BACKENDS), ("memory", LEVELS))
 
 
 def facts_of(cfg: Any, world_size: int | None = None) -> StrategyFacts:
-    """The facts of ``cfg``'s strategy (on ``world_size`` ranks, when known)."""
     return STRATEGIES[cfg.parallel.strategy].facts(cfg, world_size)
 
 
 def _axes(cfg: Any) -> Iterator[tuple[str, Any]]:
-    """The chosen axis objects, each with the option that chose it."""
     yield "strategy", STRATEGIES[cfg.parallel.strategy]
     if cfg.precision.fp8 is not None:
         yield "fp8", BACKENDS[cfg.precision.fp8]
@@ -48,12 +41,11 @@ def _axes(cfg: Any) -> Iterator[tuple[str, Any]]:
 
 
 def table() -> list[tuple[str, Rule]]:
-    """Every rule of every axis value, each with its owner (``"fp8='msamp'"``): the whole table, for reading."""
+    """Every rule of every axis value, each with its owner (``"fp8='msamp'"``)."""
     return [(f"{key}={name!r}", rule) for key, values in _AXES for name, axis in values.items() for rule in axis.rules]
 
 
 def _values(cfg: Any, section: str | None = None) -> dict[str, Any]:
-    """Every option of ``cfg`` (of one ``section``) by its flat key, each backend's knobs among them."""
     return {f.name: getattr(getattr(cfg, name), f.name) for name, cls in SECTIONS.items()
             if section in (None, name) for _, f in flat_fields(cls)}
 
@@ -64,8 +56,7 @@ def _applying(cfg: Any, world_size: int | None = None) -> list[Rule]:
 
 
 def choices(key: str) -> tuple[Any, ...]:
-    """The values option ``key`` can take, when they are a closed set (a Literal, a boolean; None left out);
-    else ()."""
+    """The values option ``key`` takes when they are a closed set (a Literal, a boolean; None left out); else ()."""
     hint = next((type_hints(owner)[key] for section in SECTIONS.values() for owner, f in flat_fields(section)
                  if f.name == key), None)
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
@@ -74,7 +65,7 @@ def choices(key: str) -> tuple[Any, ...]:
 
 
 def _with(cfg: Any, **changes: Any) -> Any:
-    """``cfg`` with options changed, not checked (a stand-in the rules read, never a Config; knobs flat)."""
+    """``cfg`` with options changed, unchecked: a stand-in the rules read, knobs flat."""
     return SimpleNamespace(**{name: SimpleNamespace(**{k: changes.get(k, v) for k, v in _values(cfg, name).items()})
                               for name in SECTIONS})
 
@@ -95,9 +86,8 @@ def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
 
 def message(cfg: Any, rule: Rule, defaulted: Collection[str] = (), run: dict[str, tuple[str, Any]] | None = None) \
         -> str:
-    """The refusal of ``rule`` for ``cfg``: the values as given, why, and the way out. An option in ``defaulted``
-    was not given, so it is named as the default ("with the default strategy='fsdp'"); ``run``: values beyond the
-    config a rule reads, ``{key: (the name the caller's user gives it, value)}``."""
+    """The refusal of ``rule`` for ``cfg``: the values as given (``defaulted`` ones named as the default), why, and
+    the way out. ``run``: values beyond the config, ``{key: (the caller's name for it, value)}``."""
     given = {**{k: (k, v) for k, v in _values(cfg).items()}, **(run or {})}
     first, *rest = (f"{'the default ' if key in defaulted else ''}{given[key][0]}={given[key][1]!r}"
                     for key in rule.keys)
@@ -106,42 +96,34 @@ def message(cfg: Any, rule: Rule, defaulted: Collection[str] = (), run: dict[str
     return f"{head}: {rule.reason}." + (f" {way_out}" if way_out else "")
 
 
-def refusals(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
-             world_name: str = "world_size") -> list[str]:
-    """Every refusal of the table for ``cfg`` (empty: it combines); options in ``defaulted`` were not given.
-    ``world_size``: the run's ranks, for the rules that read them (None: not known), named ``world_name`` in a
-    message (``fp8dist train`` calls them ``nproc``)."""
-    run = {"world_size": (world_name, world_size)}
-    return [message(cfg, rule, defaulted, run) for rule in _applying(cfg, world_size)]
+def _refusal(cfg: Any, defaulted: Collection[str], world_size: int | None, world_name: str) -> str | None:
+    rule = next(iter(_applying(cfg, world_size)), None)
+    return None if rule is None else message(cfg, rule, defaulted, {"world_size": (world_name, world_size)})
 
 
 def refusal_of(**options: Any) -> str | None:
-    """The first refusal of the config ``options`` make (None: they combine), for a planner that builds many
-    configs (the bench's cells); a bad option value raises ValueError as in any config."""
+    """The first refusal of the config ``options`` make (None: they combine); a bad value raises ValueError."""
     routed = route_keys(options, SECTIONS.values(), source="options")
-    found = refusals(SimpleNamespace(**{name: section(**routed[section]) for name, section in SECTIONS.items()}))
-    return found[0] if found else None
+    sections = {name: section(**routed[section]) for name, section in SECTIONS.items()}
+    return _refusal(SimpleNamespace(**sections), (), None, "world_size")
 
 
 def check(cfg: Any, defaulted: Collection[str] = (), *, world_size: int | None = None,
           world_name: str = "world_size") -> None:
-    """Raise ValueError with the first refusal of ``cfg`` (called once for every config built); options in
-    ``defaulted`` were left at their default by the user, and the message says so. A tool that knows the run's
-    ranks checks again with ``world_size`` (:func:`refusals`)."""
-    found = refusals(cfg, defaulted, world_size=world_size, world_name=world_name)
-    if found:
-        raise ValueError(found[0])
+    """Raise ValueError with the first refusal of the table for ``cfg``; options in ``defaulted`` were not given,
+    ``world_size`` (None: not known) is named ``world_name`` in the message (``fp8dist train``: ``nproc``)."""
+    found = _refusal(cfg, defaulted, world_size, world_name)
+    if found is not None:
+        raise ValueError(found)
 
 
 def refusing_rule(cfg: Any, **changes: Any) -> Rule | None:
-    """The first rule ``cfg`` would break with ``changes`` (``compile=True``: would compile be refused here?), or
-    None."""
+    """The first rule ``cfg`` would break with ``changes`` (``compile=True``), or None."""
     return next(iter(_applying(_with(cfg, **changes))), None)
 
 
 def _readers() -> dict[str, list[tuple[str, str, When]]]:
-    """Who reads each axis-specific option, and when: ``{option: [(axis option, axis value, When)]}``, ``("", "")``
-    for a pipeline step; a backend reads its ``Config``'s fields (each under its ``when``) and its ``options``."""
+    """``{option: [(axis option, axis value, When)]}``; ``("", "")`` for a pipeline step."""
     found = [(f.name, "fp8", name, f.metadata.get("when", ALWAYS))
              for name, cls in knob_configs().items() for f in dataclasses.fields(cls)]
     found += [(option, key, name, when) for key, values in _AXES for name, axis in values.items()
@@ -153,24 +135,16 @@ def _readers() -> dict[str, list[tuple[str, str, When]]]:
     return readers
 
 
-def _needs(readers: list[tuple[str, str, When]]) -> str:
-    """Who reads an option, readers with the same condition named together: "strategy in ['fsdp', 'fsdp1'] or
-    compile in [True]"."""
+def _conditions(readers: list[tuple[str, str, When]]) -> list[list[tuple[str, list[Any]]]]:
+    """Each condition under which an option is read, as ``[(option, values)]``, readers with the same one merged:
+    ``[[("fp8", ["te"]), ("te_recipe", ["delayed"])]]``; a strategy fact as the strategies that have it."""
     grouped: dict[tuple[str, str], tuple[list[str], When]] = {}
     for key, name, when in readers:
         grouped.setdefault((key, repr(when)), ([], when))[0].append(name)
-    texts = []
-    for (key, _), (names, when) in grouped.items():
-        parts = [f"{key} in {names}"] if key else []
-        parts += [f"{k} in {list(v)}" for k, v in when.options.items()]
-        if when.facts:
-            parts.append(f"strategy in {_strategies_with(when.facts)}")
-        texts.append(" and ".join(parts))
-    return " or ".join(texts)
-
-
-def _strategies_with(facts: tuple[str, ...]) -> list[str]:
-    return [name for name, strategy in STRATEGIES.items() if all(getattr(strategy.facts(None), f) for f in facts)]
+    return [([(key, names)] if key else []) + [(k, list(v)) for k, v in when.options.items()]
+            + ([("strategy", [name for name, strategy in STRATEGIES.items()
+                              if all(getattr(strategy.facts(None), f) for f in when.facts)])] if when.facts else [])
+            for (key, _), (names, when) in grouped.items()]
 
 
 def unused_options(cfg: Any) -> list[str]:
@@ -189,8 +163,8 @@ def unread_options(cfg: Any) -> dict[str, str]:
                                                      for key, name, when in who):
             continue
         value = list(values[option]) if isinstance(values[option], tuple) else values[option]
-        keys = dict.fromkeys(k for key, _, when in who
-                             for k in (key, *when.options, *(("strategy",) if when.facts else ())) if k)
-        notes[option] = (f"{option}={value!r} has no effect here (read only when {_needs(who)}; "
-                         + ", ".join(f"{k}={values[k]!r}" for k in keys) + ").")
+        conditions = _conditions(who)
+        needs = " or ".join(" and ".join(f"{k} in {v}" for k, v in condition) for condition in conditions)
+        given = ", ".join(f"{k}={values[k]!r}" for k in dict.fromkeys(k for c in conditions for k, _ in c))
+        notes[option] = f"{option}={value!r} has no effect here (read only when {needs}; {given})."
     return notes

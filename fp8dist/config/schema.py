@@ -1,6 +1,5 @@
-"""Generic machinery for fp8dist's keyword-only config dataclasses: validation of every field against its type, the
-docstring under each field, routing flat keys to their dataclass, and ``argparse`` flags. It never defines a
-default: the dataclasses hold them."""
+"""Machinery for fp8dist's config dataclasses: each field checked against its type, the docstring under each field,
+flat keys routed to their dataclass, and ``argparse`` flags. The dataclasses hold every default."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ __all__ = ["Choices", "choices_of", "type_hints", "flat_fields", "normalize_fiel
 
 
 class Choices:
-    """The values of a field that are the names in ``source`` as they are when read, written
-    ``Annotated[str, Choices(registry)]``: a Literal whose list grows when a value registers (``strategy=``)."""
+    """``Annotated[str, Choices(registry)]``: a Literal whose values are ``source``'s names when read."""
 
     def __init__(self, source: Iterable[Any]) -> None:
         self.source = source
@@ -48,8 +46,8 @@ def type_hints(cls: Any) -> dict[str, Any]:
 
 
 def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
-    """``(owner, field)`` for each option of config dataclass ``cls``: a field with ``nested`` metadata (a callable
-    giving classes, asked each time: FP8Config's backends' knobs) stands for their fields, each a flat key."""
+    """``(owner, field)`` for each option of ``cls``; a field with ``nested`` metadata (a callable giving classes:
+    FP8Config's backends' knobs, asked each time) stands for their fields, each a flat key."""
     out = []
     for f in dataclasses.fields(cls):
         nested = f.metadata.get("nested")
@@ -58,7 +56,7 @@ def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
 
 
 def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
-    """A ValueError naming the field, the bad value, the valid choices and (optionally) a close match."""
+    """A ValueError naming the field, the bad value, the valid choices and a close match."""
     choices = list(choices)
     msg = f"{name}={value!r} is not valid; choose one of: {', '.join(repr(c) for c in choices)}."
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
@@ -70,7 +68,7 @@ def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "
 
 
 BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
-"""What a boolean option accepts as text (case-insensitive): on the command line, in files and in Python."""
+"""What a boolean option accepts as text (case-insensitive)."""
 
 
 def _describe_type(hint: Any) -> str:
@@ -127,12 +125,10 @@ def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
 
 def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
                     none: str | None = None) -> Any:
-    """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices.
-    One normalization for Python, files and the command line: choices match case-insensitively ("FSDP"),
-    ``aliases`` map other spellings ("bfloat16", ``torch.bfloat16``), text parses as the field's type ("3",
-    "false"), "none" is None where None is allowed, a list is a tuple. ``none`` says what None means for this
-    field ("auto"), in the error for a value that is neither None nor of the field's type.
-    """
+    """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices;
+    one for Python, files and flags. Choices match case-insensitively, ``aliases`` map other spellings
+    ("bfloat16"), text parses as the type, "none" is None where allowed, a list is a tuple. ``none``: what None
+    means, for the error."""
     if aliases is not None and value is not None and not isinstance(value, (bool, int, float, tuple, list)):
         value = aliases.get(str(value).lower(), value)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -160,10 +156,8 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 
 def normalize_fields(obj: Any) -> None:
-    """Normalize (see :func:`normalize_value`) and validate every field of dataclass instance ``obj`` in place,
-    frozen or not, and of the dataclasses a ``nested`` field holds; ValueError naming the field, the value and,
-    for choices, the choices. Field metadata: ``aliases`` gives other spellings of a field's values, ``refused``
-    values that are no choice with the reason (``{"E5M2": why}``), ``min`` the least number the field takes."""
+    """Normalize (:func:`normalize_value`) every field of ``obj`` in place, frozen or not, and of the dataclasses a
+    ``nested`` field holds. Metadata: ``aliases``, ``refused`` (``{"E5M2": why}``), ``min`` (the least number)."""
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
@@ -181,7 +175,7 @@ def normalize_fields(obj: Any) -> None:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written right under each field of dataclass ``cls`` (torchtitan style); none without source."""
+    """The docstring under each field of dataclass ``cls``; none without source."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
@@ -193,9 +187,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:
-    """Split a flat ``{key: value}`` mapping into one kwargs dict per dataclass in ``classes`` (whose field names are
-    unique across them). An unknown key raises ValueError listing the valid keys and naming ``source``, where the
-    keys came from (``"wrap_model"``, a file name)."""
+    """One kwargs dict per dataclass in ``classes`` (field names unique across them); an unknown key raises
+    ValueError listing the valid keys and naming ``source`` (``"wrap_model"``, a file name)."""
     classes = list(classes)
     owner = {f.name: cls for cls in classes for _, f in flat_fields(cls)}
     routed: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
@@ -208,8 +201,6 @@ def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str)
 
 
 def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> Any:
-    """argparse ``type=``: the same normalization as Python and files, errors as argparse's own."""
-
     def parse(text: str) -> Any:
         try:
             return normalize_value(name, text, hint, aliases, none)
@@ -221,7 +212,6 @@ def _cli_type(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str
 
 
 def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: str | None = None) -> dict[str, Any]:
-    """argparse kwargs for a field annotation: values parsed by :func:`normalize_value`, choices shown."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     optional = origin in (typing.Union, types.UnionType) and type(None) in args
     inner = next((a for a in args if a is not type(None)), hint) if optional else hint
@@ -241,19 +231,15 @@ def _flag_kwargs(name: str, hint: Any, aliases: Mapping[str, str] | None, none: 
 
 
 def cli_flag(name: str) -> str:
-    """The command line's flag for field ``name`` (``data_cache`` -> ``--data-cache``): what an error names beside
-    the field, so a reader of either finds it."""
+    """The flag of field ``name``: ``data_cache`` -> ``--data-cache``."""
     return f"--{name.replace('_', '-')}"
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None,
                   skip: Iterable[str] = (), shown_defaults: Mapping[str, str] | None = None) -> None:
-    """Add one ``--flag`` per field of dataclass ``cls``; help text and default come from the dataclass, values
-    are parsed as in Python (:func:`normalize_value`). A boolean field takes ``--flag`` (true), ``--flag VALUE``
-    (true/false/yes/no/1/0) and ``--no-flag`` (false). A field's ``cli_aliases`` metadata adds other spellings of
-    its flag (another tool's name for the same knob). Flags default to "not given" (absent from the namespace), so
-    a YAML file can sit under the command line. ``shown_defaults``: a command's own default where it differs from
-    the dataclass's."""
+    """One ``--flag`` per field of ``cls``, help and default from the dataclass, parsed by :func:`normalize_value`; a
+    boolean also takes ``--flag`` and ``--no-flag``, ``cli_aliases`` metadata adds spellings. An absent flag is
+    absent from the namespace (a file can sit under it). ``shown_defaults``: a command's own defaults."""
     group = parser.add_argument_group(title or cls.__name__)
     skip = set(skip)
     for owner, f in flat_fields(cls):

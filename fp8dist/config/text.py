@@ -1,24 +1,21 @@
-"""Words in messages: a count and its noun agreeing (:func:`plural`), a byte count in binary units (:func:`byte_size`),
-one rule for every line fp8dist prints."""
+"""Words in messages: a count and its noun agreeing, a byte count in binary units; one rule for every line printed."""
 
 from __future__ import annotations
 
 __all__ = ["plural", "byte_size"]
 
-_SIBILANT = ("s", "x", "z", "ch", "sh")
-"""Endings whose plural takes "es" (process -> processes, batch -> batches, mismatch -> mismatches)."""
+_SIBILANT = ("s", "x", "z", "ch", "sh")  # plural in "es": processes, batches
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:
-    """``count`` and ``noun`` agreeing, the count with thousands separators: "1 step", "2 steps", "1,024 windows",
-    "3 batches". ``many``: an irregular plural."""
+    """"1 step", "2 steps", "1,024 windows", "3 batches"; ``many``: an irregular plural."""
     if count == 1:
         return f"{count:,} {noun}"
     return f"{count:,} {many or noun + ('es' if noun.endswith(_SIBILANT) else 's')}"
 
 
 def byte_size(n: int) -> str:
-    """``n`` bytes in the largest binary unit it reaches, two decimals: "1.50 GiB", "12.00 MiB", "512 B"."""
+    """``n`` bytes in the largest binary unit it reaches: "1.50 GiB", "12.00 MiB", "512 B"."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
