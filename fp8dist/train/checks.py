@@ -28,19 +28,18 @@ class TrainingDiverged(RuntimeError):
 class LossWatch:
     """Counts consecutive steps whose loss (the same on every rank: the mean over ranks) is not finite."""
 
-    def __init__(self, lr: float, resumable: bool, limit: int = MAX_NONFINITE_STEPS):
-        self.lr, self.resumable, self.limit = lr, resumable, limit
-        self.run = 0
+    def __init__(self, lr: float, resumable: bool):
+        self.lr, self.resumable, self.run = lr, resumable, 0
 
     def update(self, step: int, loss: float) -> None:
         """Call after each step (0-based ``step``); raises :class:`TrainingDiverged` at the limit."""
         self.run = 0 if math.isfinite(loss) else self.run + 1
-        if self.run < self.limit:
+        if self.run < MAX_NONFINITE_STEPS:
             return
         resume = " and --resume from the last checkpoint" if self.resumable else ""
-        raise TrainingDiverged(f"loss non-finite ({loss}) for {self.limit} consecutive steps (steps "
-                               f"{step + 2 - self.limit}-{step + 1}): training diverged. Lower --lr (now {self.lr:g})"
-                               f"{resume}, or clip gradients (--gradient-clipping 1.0).")
+        raise TrainingDiverged(f"loss non-finite ({loss}) for {MAX_NONFINITE_STEPS} consecutive steps (steps "
+                               f"{step + 2 - MAX_NONFINITE_STEPS}-{step + 1}): training diverged. Lower --lr (now "
+                               f"{self.lr:g}){resume}, or clip gradients (--gradient-clipping 1.0).")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus, or any causal LM
 (``--model-config``, ``--pretrained``) on text files (``--data``). ``fp8dist train`` spawns its processes (one per
-GPU, or 2 on CPU); under torchrun (``torchrun --nproc-per-node 2 -m fp8dist.cli train``) it runs in the launched ones."""
+GPU, or 2 on CPU); under ``torchrun --nproc-per-node 2 -m fp8dist.cli train`` it runs in the launched ones."""
 
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), text data only
 
 
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = int(width * done / total)
-    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
+def _bar(done: int, total: int) -> str:
+    filled = int(20 * done / total)
+    return "[" + "#" * filled + "." * (20 - filled) + f"] {100 * done / total:3.0f}%"
 
 
 def _as_saved(value: Any) -> Any:

@@ -43,7 +43,6 @@ class TokenFile:
     documents: int  # a plain-text file is one; empty JSON texts included
     empty_documents: int  # empty texts add no tokens and no EOS
     sha256: str  # of the source file as tokenized
-    index: Path  # the cache entry's index file
     reused: bool  # read from the cache, or tokenized now
     tokenized_at: float | None = None  # seconds since the epoch; None for an entry older than the record
 
@@ -62,7 +61,7 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
         index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
         dtype = np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
         identity = file_identity(source)
-        index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
+        index = _reusable(index_path, identity, tokens_path, dtype, source)
         reused = index is not None
         if not reused:
             index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
@@ -72,8 +71,8 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
             index.update(asdict(identity))
             atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
         tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
-        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
-                         reused, index.get("tokenized_at"))
+        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], reused,
+                         index.get("tokenized_at"))
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
@@ -117,24 +116,16 @@ def cache_directory(cache_dir: str | os.PathLike | None) -> Iterator[Path]:
         raise
 
 
-def _read_index(path: Path) -> dict | None:
+def _reusable(index_path: Path, identity: FileIdentity, tokens: Path, dtype: np.dtype, source: Path) -> dict | None:
+    """The entry's index when it holds ``source``'s tokens as they are now, else None (rebuild)."""
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(index_path.read_text())
+        size = tokens.stat().st_size
     except (OSError, ValueError):
         return None
-    return index if isinstance(index, dict) and index.get("format") == CACHE_FORMAT else None
-
-
-def _reusable(index: dict | None, identity: FileIdentity, tokens: Path, dtype: np.dtype,
-              source: Path) -> dict | None:
-    if index is None or index.get("dtype") != dtype.name or index.get("size") != identity.size:
-        return None
-    try:
-        if tokens.stat().st_size != index["tokens"] * dtype.itemsize:
-            return None
-    except OSError:
-        return None
-    if index["head_sha256"] != identity.head_sha256:
+    if (not isinstance(index, dict) or index.get("format") != CACHE_FORMAT or index.get("dtype") != dtype.name
+            or index.get("size") != identity.size or index.get("head_sha256") != identity.head_sha256
+            or size != index["tokens"] * dtype.itemsize):
         return None
     return index if index["mtime_ns"] == identity.mtime_ns or file_sha256(source) == index["sha256"] else None
 
