@@ -165,10 +165,9 @@ NORM_ONLY = float(torch.finfo(torch.float32).max)  # clip_grad_norm_ scales by e
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
                        windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the micro-batches (gradients reduced at the last only, clipped to ``clip``, 0: not);
-    (mean loss, grad norm before clipping). DeepSpeed's engine accumulates, clips and zeroes itself. ``show_report``
-    gets the report while gradients and optimizer states are both held: after a torch optimizer's step; before
-    DeepSpeed's, which frees the gradient partitions."""
+    """One optimizer step over the micro-batches (reduced at the last, clipped to ``clip``, 0: not); (mean loss, grad
+    norm before clipping). ``show_report`` gets the report while gradients and optimizer states are both held:
+    after a torch optimizer's step, before DeepSpeed's (which frees the gradient partitions)."""
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1

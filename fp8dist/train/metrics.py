@@ -75,12 +75,10 @@ class FlopsPerToken:
 
 
 def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape | None = None) -> FlopsPerToken:
-    """The training FLOPs per token of ``model`` (wrapped: its plan says which GEMMs run in FP8; unwrapped: none) at
-    ``seq_len`` tokens of context: PaLM's ``6N + 12LHQT`` (Chowdhery et al. 2022, appendix B; torchtitan's
-    ``get_num_flop_per_token``), N the parameters of every module running a GEMM with its own weights (the head
-    included; embeddings and norms not; a MoE expert's scaled by top_k / experts). As torchtitan and Megatron count:
-    the causal mask's skipped half is not subtracted, recomputation not added. ``attention`` defaults to the
-    model's Hugging Face ``config`` (ValueError when it has none)."""
+    """The training FLOPs per token of ``model`` (wrapped: its plan says which GEMMs run in FP8) at ``seq_len`` tokens
+    of context: PaLM's ``6N + 12LHQT`` (Chowdhery et al. 2022, app. B), N the weights of every GEMM (the head too, a
+    MoE expert's scaled by top_k / experts; not embeddings or norms); as torchtitan and Megatron, no causal-mask
+    discount nor recomputation. ``attention`` defaults to the model's Hugging Face ``config`` (else ValueError)."""
     from ..pipeline.api import get_plan
     from ..config.resolve import Config
     from ..plan.hardware import Hardware

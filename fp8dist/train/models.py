@@ -161,9 +161,8 @@ def pretrained_config(path: str):
 
 def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
     """(The transformers config of the job's model, its name): the Llama preset, ``--model-config`` or
-    ``pretrained``'s. ``tokenizer``: the job's :class:`~fp8dist.train.data.TokenCorpus` (None: bytes), whose
-    vocabulary the preset takes and a config must hold. ValueError: both a config and ``pretrained``, or a
-    vocabulary too small for the corpus."""
+    ``pretrained``'s. ``tokenizer``: the job's TokenCorpus (None: bytes), whose vocabulary the preset takes and a
+    config must hold. ValueError: both a config and ``pretrained``, or a vocabulary too small for the corpus."""
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
