@@ -56,8 +56,7 @@ class TrainConfig:
     """Tokens per sequence (bytes on the built-in corpus)."""
 
     lr: float = 3e-3
-    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to
-    10%)."""
+    """Peak AdamW learning rate (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to 10%)."""
 
     seed: int = 0
     """Seed of the model initialization and of the batch order."""
