@@ -1,6 +1,5 @@
-"""What ``fp8dist train`` checks around its loop: that the job fits in memory (and what it needs, said in the run
-header), that a checkpoint directory is not silently reused, and that a diverged run stops with a clear message
-instead of printing NaN to the end."""
+"""What ``fp8dist train`` checks around its loop: that the job fits in memory, that a checkpoint directory is not
+silently reused, and that a diverged run stops with a clear message instead of printing NaN to the end."""
 
 from __future__ import annotations
 
@@ -18,34 +17,29 @@ __all__ = ["MAX_NONFINITE_STEPS", "TrainingDiverged", "LossWatch", "MemoryNeed",
            "check_positions", "check_checkpoint_dir"]
 
 MAX_NONFINITE_STEPS = 5
-"""Consecutive steps of non-finite loss after which the job stops. Without a guard that keeps a non-finite step
-off the weights, the weights are NaN after the first such step and never recover: 5 steps cost little. With that
-guard (issue 27: the step is skipped and counted), a transient overflow (one bad batch, an FP8 scale that lagged)
-recovers in a step or two; 5 in a row means the run is not recovering. Both count the same steps: those whose
-loss was not finite."""
+"""Consecutive steps of non-finite loss after which the job stops: with the non-finite guard a transient overflow
+recovers in a step or two, so 5 in a row means it is not recovering; without it, 5 NaN steps cost little."""
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss was not finite for :data:`MAX_NONFINITE_STEPS` consecutive steps (says the way out)."""
+    """The loss was not finite for :data:`MAX_NONFINITE_STEPS` consecutive steps."""
 
 
 class LossWatch:
     """Counts consecutive steps whose loss (the same on every rank: the mean over ranks) is not finite."""
 
-    def __init__(self, lr: float, resumable: bool, limit: int = MAX_NONFINITE_STEPS):
-        self.lr, self.resumable, self.limit = lr, resumable, limit
-        self.run = 0
-        """Consecutive non-finite steps up to the last one seen."""
+    def __init__(self, lr: float, resumable: bool):
+        self.lr, self.resumable, self.run = lr, resumable, 0
 
     def update(self, step: int, loss: float) -> None:
         """Call after each step (0-based ``step``); raises :class:`TrainingDiverged` at the limit."""
         self.run = 0 if math.isfinite(loss) else self.run + 1
-        if self.run < self.limit:
+        if self.run < MAX_NONFINITE_STEPS:
             return
         resume = " and --resume from the last checkpoint" if self.resumable else ""
-        raise TrainingDiverged(f"loss non-finite ({loss}) for {self.limit} consecutive steps (steps "
-                               f"{step + 2 - self.limit}-{step + 1}): training diverged. Lower --lr (now {self.lr:g})"
-                               f"{resume}, or clip gradients (--gradient-clipping 1.0).")
+        raise TrainingDiverged(f"loss non-finite ({loss}) for {MAX_NONFINITE_STEPS} consecutive steps (steps "
+                               f"{step + 2 - MAX_NONFINITE_STEPS}-{step + 1}): training diverged. Lower --lr (now "
+                               f"{self.lr:g}){resume}, or clip gradients (--gradient-clipping 1.0).")
 
 
 @dataclass(frozen=True)
@@ -53,8 +47,7 @@ class MemoryNeed:
     """What one rank of the job needs, predicted by :func:`fp8dist.estimate_memory` before the first step."""
 
     model_state_bytes: int
-    activation_bytes: int | None
-    """None where no activation formula covers the model."""
+    activation_bytes: int | None  # None where no activation formula covers the model
     micro_batch: int
     seq_len: int
 
@@ -67,15 +60,15 @@ class MemoryNeed:
 
 
 def job_memory_need(config: Any, train: Any, model_config: Any, world: int) -> MemoryNeed:
-    """The per-rank estimate of ``fp8dist train``'s model (``model_config``, built again on the meta device:
-    nothing is allocated; with ``lora_rank``, its PEFT model) wrapped with ``config``."""
+    """The per-rank estimate of the job's model (built again on the meta device; with ``lora_rank``, its PEFT model)
+    wrapped with ``config``."""
     from transformers import AutoModelForCausalLM
 
     from ..accounting.estimate import estimate_memory
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    if train.lora_rank:  # the model the job trains: frozen base, adapters (the estimate decides what they cost)
+    if train.lora_rank:
         from .lora import apply_lora
 
         model = apply_lora(model, train)
@@ -99,9 +92,8 @@ def check_positions(model_config: Any, name: str, config: Any, train: Any, world
 
 
 def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> None:
-    """MemoryError when the estimate exceeds what this rank can have: the free memory of its GPU, or on CPU the
-    node's available memory shared by its ``ranks_here`` ranks. Hours of swapping or an OOM kill after minutes
-    without a step say less."""
+    """MemoryError when the estimate exceeds this rank's share: its GPU's free memory, or on CPU the node's available
+    memory over its ``ranks_here`` ranks (clearer than hours of swapping or an OOM kill)."""
     from ..pipeline.meta_init import available_bytes
 
     free = available_bytes(device)
@@ -118,17 +110,15 @@ def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> Non
 
 
 def check_checkpoint_dir(train: Any) -> tuple[Path | None, Path | None]:
-    """(The checkpoint directory the job saves into, the checkpoint it resumes from or None):
-    :func:`fp8dist.checkpoint.layout.job_checkpoints`. A directory that already holds checkpoints, or one
-    checkpoint, is continued with ``--resume`` only: a new run would replace them one step at a time. ValueError
-    naming the newest and the way out."""
+    """(The directory the job saves into, the checkpoint it resumes from or None). ValueError naming the newest when
+    the directory holds checkpoints (or is one) without ``--resume``: a new run would replace them one by one."""
     from ..pipeline.files import wrong_kind
     from ..checkpoint.io import CheckpointError
     from ..checkpoint.layout import job_checkpoints
 
     if train.checkpoint_dir is None:
         return None, None
-    mismatch = wrong_kind(train.checkpoint_dir, name="checkpoint_dir", directory=True)  # named as the job's option
+    mismatch = wrong_kind(train.checkpoint_dir, name="checkpoint_dir", directory=True)
     if mismatch is not None:
         raise CheckpointError(mismatch)
     root, newest = job_checkpoints(train.checkpoint_dir)

@@ -1,5 +1,4 @@
-"""The training job's own options (``fp8dist train``'s flags under "training job"): :class:`TrainConfig`. The strategy
-and FP8 options are :class:`fp8dist.Config`'s."""
+"""The training job's own options (``fp8dist train``'s flags under "training job"): :class:`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -19,22 +18,20 @@ class TrainConfig:
     """The training job's knobs (the strategy and FP8 knobs are in :class:`fp8dist.Config`)."""
 
     model_size: ModelSize = "tiny"
-    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M), 1b (1.08B, for GPUs) or 3b (2.82B, one
-    80 GB GPU with activation checkpointing), over the byte vocabulary; with --data its vocabulary is the
-    tokenizer's."""
+    """Llama preset: tiny (0.46M parameters), small (3.3M), medium (25M), 1b (1.08B, GPUs) or 3b (2.82B, one 80 GB
+    GPU with activation checkpointing); byte vocabulary, or with --data the tokenizer's."""
 
     model_config: str | None = None
-    """A Hugging Face config.json of a causal LM (Llama, GPT-2, GPT-NeoX, Mixtral, ...; vocab_size >= 256, or the
-    tokenizer's size with --data) to train from its own initialization instead of the Llama preset; no download."""
+    """A Hugging Face config.json of a causal LM (vocab_size >= 256, or the tokenizer's with --data) to train from
+    scratch instead of the Llama preset; no download."""
 
     data: tuple[str, ...] = ()
-    """Text files to train on: plain text (each file one document) or JSON lines (.jsonl/.ndjson/.json, one document
-    per line); tokenized once with --tokenizer into a token cache, packed into seq_len + 1 token windows, 5% held
-    out. None given: the built-in grammar corpus (byte tokens, offline)."""
+    """Text files to train on: plain text (a file is one document) or JSON lines (.jsonl/.ndjson/.json, a line is
+    one); tokenized once with --tokenizer into a cache, packed into seq_len + 1 token windows, 5% held out. None:
+    the built-in grammar corpus (byte tokens, offline)."""
 
     tokenizer: str | None = None
-    """Directory of a fast tokenizer saved with save_pretrained, to tokenize --data; none: the --pretrained
-    directory's."""
+    """Directory of a fast tokenizer saved with save_pretrained, for --data; none: the --pretrained directory's."""
 
     text_field: str = DEFAULT_TEXT_FIELD
     """The JSON field holding a document's text in JSON-lines --data files."""
@@ -43,17 +40,14 @@ class TrainConfig:
     """Directory of the token cache (on several nodes: one every node sees); none: ~/.cache/fp8dist/tokens."""
 
     eval_every: int = 0
-    """Report the held-out loss and perplexity of --data every N steps, and after the last step; 0: after the last
-    step only."""
+    """Report the held-out loss and perplexity of --data every N steps and after the last; 0: after the last only."""
 
     eval_batches: int | None = None
-    """Held-out global batches each evaluation reads (the same windows every time); none: every full one, at most
-    10 (fp8dist.train.data.job.MAX_DEFAULT_EVAL_BATCHES)."""
+    """Held-out global batches each evaluation reads (the same every time); none: every full one, at most 10."""
 
     steps: int = 30
-    """Training steps, one global batch each. A step the guard skips (non-finite gradients, nonfinite_step) counts
-    here, and the learning-rate schedule does not advance on it (it follows the optimizer steps applied, as
-    DeepSpeed's does)."""
+    """Training steps, one global batch each; a step the non-finite guard skips counts, but the learning-rate
+    schedule does not advance on it (as DeepSpeed's)."""
 
     batch_size: int = 8
     """Global batch in sequences per step; split evenly over the processes."""
@@ -62,8 +56,7 @@ class TrainConfig:
     """Tokens per sequence (bytes on the built-in corpus)."""
 
     lr: float = 3e-3
-    """Peak learning rate of AdamW (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to
-    10%: :func:`fp8dist.train.schedule.lr_schedule` "cosine")."""
+    """Peak AdamW learning rate (linear warm-up over the first 10% of steps, at most 2000, then cosine decay to 10%)."""
 
     seed: int = 0
     """Seed of the model initialization and of the batch order."""
@@ -72,69 +65,59 @@ class TrainConfig:
     """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
 
     checkpoint_dir: str | None = None
-    """Directory for checkpoints, on a filesystem every rank sees (see fp8dist.save_checkpoint); with resume, also
-    one of its step_* folders (the newest: resumed from it, checkpoints saved into the directory above it); none:
-    no checkpoints."""
+    """Directory for checkpoints, on a filesystem every rank sees; with resume, also its newest step_* folder
+    (resumed from it, saving into the directory above); none: no checkpoints."""
 
     save_every: int | None = None
-    """Save a checkpoint every N steps, and after the last step; needs checkpoint_dir (none: after the last step
-    only)."""
+    """Save a checkpoint every N steps and after the last; needs checkpoint_dir (none: after the last only)."""
 
     keep_last: int = 3
     """Newest checkpoints kept in checkpoint_dir; 0 keeps them all."""
 
     resume: bool = False
-    """Continue from the newest checkpoint in checkpoint_dir when there is one (weights, optimizer and the position
-    in --data), else start at step 0: the same command starts a job and restarts it after a crash."""
+    """Continue from the newest checkpoint in checkpoint_dir (weights, optimizer, position in --data), else start at
+    step 0: the same command starts a job and restarts it after a crash."""
 
     save_pretrained: str | None = None
-    """Directory the trained model is written to after the last step, as Hugging Face safetensors in --save-dtype
-    (fp8dist.save_pretrained; AutoModelForCausalLM.from_pretrained reads it), with the --data tokenizer; none: not
-    written."""
+    """Directory the trained model is written to after the last step, as Hugging Face safetensors in --save-dtype,
+    with the --data tokenizer; none: not written."""
 
     save_dtype: Literal["as-loaded", "bf16", "fp32", "fp16"] = "as-loaded"
-    """dtype of the --save-pretrained weights: as-loaded writes the dtype the --pretrained checkpoint's weights hold
-    (a fine-tune comes out as it went in: bf16 stays bf16, fp32 stays fp32), bf16 for a model trained from scratch;
-    fp32 writes the fp32 master weights exactly (fp8dist.checkpoint.hf.export_dtype)."""
+    """dtype of the --save-pretrained weights: as-loaded writes the dtype of the --pretrained checkpoint (a fine-tune
+    comes out as it went in), bf16 for a model trained from scratch; fp32 writes the master weights exactly."""
 
     lora_rank: int = 0
-    """LoRA fine-tuning: the rank of the PEFT adapters (peft.get_peft_model, LoraConfig r; pip install peft) added to
-    the --lora-targets Linears; the base weights are frozen (FP8 where the plan says), only the adapters train, and
-    checkpoints hold only them and their optimizer state. 0: off, every weight trains."""
+    """LoRA fine-tuning: the rank of the PEFT adapters (pip install peft) on the --lora-targets Linears; the base is
+    frozen (FP8 where the plan says), only the adapters train and are checkpointed. 0: off, every weight trains."""
 
     lora_alpha: float | None = field(default=None, metadata={"none": "twice --lora-rank"})
-    """LoRA alpha: the adapters' update is scaled by alpha / rank. None: twice the rank (a scale of 2 whatever the
-    rank, as torchtune's recipes; PEFT's fixed default 8 would scale a rank-64 adapter by 1/8)."""
+    """LoRA alpha: the adapters' update is scaled by alpha / rank. None: twice the rank (a scale of 2 at any rank, as
+    torchtune's recipes; PEFT's default 8 would scale a rank-64 adapter by 1/8)."""
 
     lora_targets: tuple[str, ...] = ()
-    """Names of the Linear layers that get adapters (the end of their module names, e.g. q_proj,v_proj, or
-    self_attn.o_proj); none: PEFT's default of the model's family (Llama: q_proj, v_proj)."""
+    """Linear layers that get adapters, by the end of their names (e.g. q_proj,v_proj or self_attn.o_proj); none:
+    PEFT's default of the model's family (Llama: q_proj, v_proj)."""
 
     lora_dropout: float = 0.0
     """Dropout on the adapters' input, in [0, 1)."""
 
     merge_lora: bool = False
-    """With --lora-rank and --save-pretrained: write the base model with the adapters merged into its weights
-    (W + alpha/rank * B A, a model AutoModelForCausalLM.from_pretrained loads) instead of the adapters alone (PEFT's
-    adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained)."""
+    """With --lora-rank and --save-pretrained: write the base model with the adapters merged (W + alpha/rank * B A)
+    instead of the adapters alone in PEFT's format."""
 
     metrics_file: str | None = None
-    """JSON-lines file of every logged step's figures (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu,
-    fp8_aware_mfu, peak_memory_bytes, skipped_steps; val_loss and val_perplexity on evaluation steps), written by
-    rank 0; a resumed run keeps the lines up to its checkpoint. None: not written."""
+    """JSON-lines file of every step's figures (loss, grad_norm, lr, tokens_per_s, mfu, ...; val_loss on evaluation
+    steps), written by rank 0; a resumed run keeps the lines up to its checkpoint. None: not written."""
 
     tensorboard: str | None = None
-    """TensorBoard log directory for the same figures as scalars train/<key> (pip install 'fp8dist[tensorboard]');
-    none: not written."""
+    """TensorBoard directory for the same figures, scalars train/<key> (pip install 'fp8dist[tensorboard]')."""
 
     fp8_health_every: int = 50
-    """FP8 health every N steps with fp8=torchao: per FP8 layer the amax, scale and share flushed to zero of its
-    input, weight and output gradient (fp8dist.plan.numerics.FP8Telemetry), one line in the log, a warning when a layer
-    crosses the probe's thresholds; 0: off."""
+    """FP8 health every N steps with fp8=torchao: per FP8 layer the amax, scale and share flushed to zero of input,
+    weight and output gradient, one line in the log, a warning past the probe's thresholds; 0: off."""
 
     fp8_health_file: str | None = None
-    """JSON-lines file of the FP8 health records; none: beside --metrics-file (its name with .fp8_health.jsonl),
-    else not written."""
+    """JSON-lines file of the FP8 health records; none: beside --metrics-file (.fp8_health.jsonl), else none."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -166,7 +149,6 @@ class TrainConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        """The LoRA options: in range, comma lists split, and none of them set without lora_rank."""
         object.__setattr__(self, "lora_targets", tuple(t.strip() for item in self.lora_targets
                                                        for t in item.split(",") if t.strip()))
         if self.lora_rank < 0:

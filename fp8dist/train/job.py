@@ -1,14 +1,6 @@
 """The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus, or any causal LM
-(``--model-config``, ``--pretrained``) on your text files (``--data``, ``--tokenizer``).
-
-Launch it any of these ways (distributed mode is read from the launcher's environment):
-
-    fp8dist train                                    # spawns 2 CPU processes (or one per GPU) itself
-    fp8dist train --strategy fsdp1 --steps 100 --model-size small
-    fp8dist train --pretrained DIR --data notes.jsonl --save-pretrained OUT --metrics-file run.jsonl  # fine-tune
-    torchrun --nproc-per-node 2 -m fp8dist.cli train # under torchrun: runs in the launched processes
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
-"""
+(``--model-config``, ``--pretrained``) on text files (``--data``). ``fp8dist train`` spawns its processes (one per
+GPU, or 2 on CPU); under ``torchrun --nproc-per-node 2 -m fp8dist.cli train`` it runs in the launched ones."""
 
 from __future__ import annotations
 
@@ -52,9 +44,8 @@ __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "defau
 
 
 def default_fp8() -> str | None:
-    """The training job's FP8 backend without ``--fp8``: the commands' default backend (``commands_default``:
-    torchao) where it runs for real (installed, and on this machine's device: a CPU with torch's _scaled_mm, CUDA
-    sm_89+), else none. The library itself defaults to none."""
+    """The training job's FP8 backend without ``--fp8``: the commands' default (torchao) where it runs for real on
+    this machine (a CPU with torch's _scaled_mm, CUDA sm_89+), else none. The library itself defaults to none."""
     from ..fp8 import BACKENDS, get_backend
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -73,32 +64,22 @@ def default_nproc() -> int:
 class TrainResult:
     """What a finished run measured (every rank gets the same values)."""
 
-    losses: list[float]
-    """Mean loss over ranks, per step."""
-    tokens_per_s: float
-    """Global tokens per second, steps after the first (which includes warm-up)."""
-    peak_memory_mib: list[float]
-    """Per rank: peak CUDA memory allocated, or peak RSS on CPU."""
-    sharding: list[str] = field(default_factory=list)
-    """Per rank: how its parameters are stored (see :func:`fp8dist.sharding_summary`)."""
-    plan_counts: str = ""
-    """FP8 and fallback layers and parameters (see :func:`fp8dist.get_plan`)."""
+    losses: list[float]  # mean over ranks, per step of this run
+    tokens_per_s: float  # global, over the steps after the first (which includes warm-up)
+    peak_memory_mib: list[float]  # per rank: peak CUDA memory allocated, or peak RSS on CPU
+    sharding: list[str] = field(default_factory=list)  # per rank: fp8dist.sharding_summary
+    plan_counts: str = ""  # FP8 and fallback layers and parameters: fp8dist.get_plan
     device: str = "cpu"
-    """Device type the ranks trained on."""
-    start_step: int = 0
-    """Steps already done when this run started (from a checkpoint); ``losses`` are of the steps after it."""
+    start_step: int = 0  # steps already done when this run started (from a checkpoint)
     wall_s: float = 0.0
-    blocks: str = ""
-    """Activation checkpointing and compile of the blocks, and compile's graph breaks (rank 0)."""
-    skipped_steps: int = 0
-    """Optimizer steps skipped for non-finite gradients (the guard, ``nonfinite_step``), this run's and before."""
-    eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, held-out loss) of each evaluation of this run (text data only)."""
+    blocks: str = ""  # activation checkpointing, compile and its graph breaks (rank 0)
+    skipped_steps: int = 0  # optimizer steps the non-finite guard skipped, this run's and before
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), text data only
 
 
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = int(width * done / total)
-    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / total:3.0f}%"
+def _bar(done: int, total: int) -> str:
+    filled = int(20 * done / total)
+    return "[" + "#" * filled + "." * (20 - filled) + f"] {100 * done / total:3.0f}%"
 
 
 def _as_saved(value: Any) -> Any:
@@ -107,8 +88,8 @@ def _as_saved(value: Any) -> Any:
 
 def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer: Any, batches: JobBatches,
             log: Callable[[str], Any] | None) -> tuple[int, int]:
-    """The step to start at and the optimizer steps applied before it (the schedule's position): 0, 0, or with
-    ``resume`` those of checkpoint ``resume_from`` (loaded into the model, its data position into ``batches``)."""
+    """(The step to start at, the optimizer steps applied before it): 0, 0, or with ``resume`` those of
+    ``resume_from``, loaded into the model and its data position into ``batches``."""
     log = log or (lambda line: None)
     if not train.resume:
         return 0, 0
@@ -134,15 +115,12 @@ def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer:
     return state.step, state.extra.get(APPLIED_KEY, state.step)  # saved before the key: no step was skipped
 
 
-APPLIED_KEY = "optimizer_steps"
-"""The checkpoint ``extra`` key of the optimizer steps applied so far (the steps minus those the guard skipped): the
-learning-rate schedule's position, restored on resume."""
+APPLIED_KEY = "optimizer_steps"  # checkpoint extra: the steps the guard did not skip, the lr schedule's position
 
 
 def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: int, batches: JobBatches,
           log: Callable[[str], Any] | None) -> None:
-    """Save a checkpoint after ``done`` steps (``applied`` of them applied) when ``save_every`` says so, and after
-    the last step, with the data position (text) in its ``extra``."""
+    """Save a checkpoint after ``done`` steps when ``save_every`` says so and after the last, with the data position."""
     if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
                                                                  or done % train.save_every)):
         return
@@ -161,9 +139,8 @@ def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: in
 
 def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None,
             pretrained: str | None) -> None:
-    """``save_pretrained``: the trained model as Hugging Face safetensors in ``save_dtype`` (every rank gathers,
-    rank 0 writes), and the tokenizer of the text beside it, so that the directory is a model to load and to train
-    on again."""
+    """``save_pretrained``: the model as Hugging Face safetensors in ``save_dtype`` (every rank gathers, rank 0
+    writes), with the text's tokenizer beside it."""
     if train.save_pretrained is None:
         return
     t0 = time.perf_counter()
@@ -183,18 +160,14 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
         f"{time.perf_counter() - t0:.2f}s")
 
 
-NORM_ONLY = float(torch.finfo(torch.float32).max)
-"""The limit under which clip_grad_norm_ only measures the gradients' norm (it scales them by exactly 1.0): with
-gradient clipping off, the step line still shows the norm."""
+NORM_ONLY = float(torch.finfo(torch.float32).max)  # clip_grad_norm_ scales by exactly 1.0: clipping off, norm shown
 
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
                        windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the ``grad_accum`` micro-batches ``micro``, gradients reduced at the last only
-    (:func:`fp8dist.no_sync`), clipped to the global norm ``clip`` (0: not clipped); returns the mean loss and the
-    global grad norm before clipping. DeepSpeed's engine accumulates, clips and zeroes itself. ``show_report`` gets
-    the precision/memory report while gradients and optimizer states are both held: after a torch optimizer's step;
-    for DeepSpeed, whose step frees the gradient partitions, before it."""
+    """One optimizer step over the micro-batches (reduced at the last, clipped to ``clip``, 0: not); (mean loss, grad
+    norm before clipping). ``show_report`` gets the report while gradients and optimizer states are both held:
+    after a torch optimizer's step, before DeepSpeed's (which frees the gradient partitions)."""
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
@@ -220,8 +193,7 @@ def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], 
 
 
 def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
-    """wrap_model with the job's optimizer; grad_accum micro-batches make one step's global batch under every
-    strategy (DeepSpeed counts them itself; the loop accumulates and clips for the others)."""
+    """wrap_model with the job's optimizer; DeepSpeed accumulates and clips itself, the loop does for the others."""
     accum = config.parallel.grad_accum
     check_batch_split(train.batch_size, world, accum)
     # the job's batch, where an axis reads it: DeepSpeed's micro-batch, the FP8 speed prediction's tokens
@@ -236,7 +208,6 @@ def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[C
 
 
 def _header(config: Config, train: TrainConfig, wrapped: Any, name: str, n_params: int, need: MemoryNeed) -> str:
-    """The run's first lines: the model, the job, the learning-rate schedule and the memory it needs."""
     info = get_wrap_info(wrapped)
     env, group = info.env, info.env.backend or "no process group"
     return (f"fp8dist train: {name} ({n_params / 1e6:.2f}M params), strategy {config.parallel.strategy}, fp8 "
@@ -246,8 +217,7 @@ def _header(config: Config, train: TrainConfig, wrapped: Any, name: str, n_param
 
 
 def _load_corpus(config: Config, train: TrainConfig) -> Any:
-    """The job's text corpus (None: the built-in corpus), tokenized once per node: in a job of several processes
-    the process group is started first, so that local rank 0 tokenizes while the others wait for its cache."""
+    """The job's text corpus (None: built-in), tokenized by local rank 0 while the node's others wait for its cache."""
     if not train.data:
         return None
     local = 0
@@ -261,10 +231,8 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
 
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
-    """Train the job's model (``train.model_size`` Llama, ``--model-config``, ``--pretrained``) on the built-in
-    corpus or ``train.data`` with ``config``'s strategy in this process; call it in every process of the job.
-    ``log`` receives rank 0's progress lines (default: print); ``progress`` the steps done, at the start and after
-    each step.
+    """Train the job's model with ``config``'s strategy; call it in every process of the job. ``log`` receives rank
+    0's progress lines (default: print); ``progress`` the steps done, at the start and after each step.
 
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
@@ -332,12 +300,9 @@ def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any
 def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
                  start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
                  progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
-    """Steps ``first`` .. ``train.steps`` (``start``: ``first`` and the optimizer steps applied before it): each
-    one's loss (mean over ranks) and time, and each evaluation's held-out loss; stops when the loss stays non-finite
-    (:class:`~fp8dist.train.checks.LossWatch`). ``config`` as the user gave it (``grad_accum``, ``gradient_clipping``).
-
-    The learning rate follows the optimizer steps applied: a step the guard skipped leaves the schedule where it
-    was, as DeepSpeed's engine does on an overflow, so the steps after it train as a run that never saw that batch."""
+    """Steps ``start[0]`` .. ``train.steps``: each one's loss (mean over ranks) and time, and each evaluation's
+    held-out loss. The lr follows the optimizer steps applied (``start[1]`` before): a step the guard skipped leaves
+    the schedule where it was, as DeepSpeed's engine does. ``config`` as asked (grad_accum, gradient_clipping)."""
     (first, applied), info = start, get_wrap_info(wrapped)
     env = info.env
     lr_factor, engine = lr_schedule("cosine", train.steps), info.plan.facts.engine_builds_optimizer

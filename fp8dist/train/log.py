@@ -1,6 +1,5 @@
-"""What ``fp8dist train`` shows and writes each step: the figures of :mod:`fp8dist.train.metrics` in the step line, the
-metrics file and TensorBoard, and the FP8 health of :class:`fp8dist.plan.numerics.FP8Telemetry` (its one-line summaries
-in the log, its records beside the metrics file), and the summary at the end of the run."""
+"""What ``fp8dist train`` shows and writes each step (the step line, the metrics file, TensorBoard, the FP8 health of
+:class:`fp8dist.plan.numerics.FP8Telemetry`) and the summary at the end of the run."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ __all__ = ["JobLog", "health_file", "check_outputs", "format_summary"]
 
 
 def check_outputs(train: Any) -> None:
-    """Before the job starts (no step, no tokenizing): every path it will write can be written
-    (:func:`fp8dist.pipeline.files.check_output_path`), and ``--tensorboard`` has its package (an extra) importable.
-    ValueError with the path and the way out. The files rank 0 alone writes are checked on rank 0 only; the
-    checkpoint directory, which every rank writes, on every rank."""
+    """Before the job starts: every path it will write can be written (the checkpoint directory on every rank, the
+    rest on rank 0, which alone writes them), and ``--tensorboard``'s package imports. ValueError with the way out."""
     from ..pipeline.files import check_output_path
     from ..pipeline.env import current_launch
 
@@ -41,20 +38,18 @@ def check_outputs(train: Any) -> None:
 
 
 def health_file(train: Any) -> str | None:
-    """Where the FP8 health records go: ``fp8_health_file``, else beside ``metrics_file`` (``run.jsonl`` ->
-    ``run.fp8_health.jsonl``), else nowhere."""
+    """Where the FP8 health records go: ``fp8_health_file``, else beside ``metrics_file`` (``run.fp8_health.jsonl``)."""
     if train.fp8_health_file is not None or train.metrics_file is None:
         return train.fp8_health_file
     return str(Path(train.metrics_file).with_suffix(".fp8_health.jsonl"))
 
 
 class JobLog:
-    """The job's figures and their files, for one rank (create it on every rank: the FP8 health reduces over the
-    world group). ``log`` is rank 0's printer, None on the other ranks (they write nothing). ``first``: steps
-    already done (a resumed run's checkpoint step): the files keep what was logged up to it."""
+    """The job's figures and their files; create it on every rank (the FP8 health reduces over the world group).
+    ``log``: rank 0's printer, None elsewhere (nothing written). ``first``: steps done before (the files keep them)."""
 
     def __init__(self, config: Any, train: Any, wrapped: Any, *, first: int, log: Callable[[str], Any] | None):
-        self.train, self.log = train, log
+        self.log = log
         self.figures = TrainingFigures(wrapped, seq_len=train.seq_len)
         self.health, self.health_note = self._health(config, train, wrapped, first)
         self.writer = None
@@ -68,7 +63,6 @@ class JobLog:
                                         purge_step=first + 1 if first else None)
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
-        """The telemetry (or None) and the header's line about it."""
         from ..fp8 import get_backend
         from ..pipeline.api import get_plan
 
@@ -98,27 +92,22 @@ class JobLog:
                            f"flushed to zero of input, weight and output gradient{where}")
 
     def header(self) -> str:
-        """The figures' definitions, why MFU is null where it is, and the FP8 health's line."""
         return f"{self.figures.header()}\n{self.health_note}"
 
-    def step(self, *, step: int, loss: float, tokens: int, step_time_s: float, grad_norm: Any, lr: float,
-             skipped_steps: int, extra: dict[str, Any] | None = None) -> StepRecord:
-        """The step's :class:`~fp8dist.train.metrics.StepRecord`, written to the files (rank 0)."""
-        record = self.figures.step(step=step, loss=loss, tokens=tokens, step_time_s=step_time_s,
-                                   grad_norm=grad_norm, lr=lr, skipped_steps=skipped_steps, extra=extra)
+    def step(self, **figures: Any) -> StepRecord:
+        """:meth:`TrainingFigures.step`'s record, written to the files (rank 0)."""
+        record = self.figures.step(**figures)
         if self.writer is not None:
             self.writer.write(record)
         return record
 
     def close(self) -> None:
-        """Close the files and detach the FP8 health's hooks."""
         for part in (self.writer, self.health):
             if part is not None:
                 part.close()
 
 
 def format_summary(result: Any, config: Any, train: Any) -> str:
-    """The end-of-run summary ``fp8dist train`` prints."""
     tail = result.losses[-5:]
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
     loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "

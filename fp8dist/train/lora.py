@@ -1,7 +1,6 @@
-"""``fp8dist train --lora-rank R``: the job's model as a PEFT LoRA model (``peft.get_peft_model``, the Hugging Face
-convention), built before :func:`fp8dist.wrap_model`: the base frozen, only the adapters ``lora_A``/``lora_B``
-train; checkpoints hold only them (:func:`fp8dist.save_checkpoint` ``trainable_only``), and ``--save-pretrained``
-writes them in PEFT's format (:mod:`fp8dist.checkpoint.lora`)."""
+"""``fp8dist train --lora-rank R``: the job's model as a PEFT LoRA model, built before :func:`fp8dist.wrap_model`:
+the base frozen, only the adapters train; checkpoints hold only them, and ``--save-pretrained`` writes them in
+PEFT's format (:mod:`fp8dist.checkpoint.lora`)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ __all__ = ["apply_lora", "lora_alpha", "import_peft", "lora_job_model", "export_
 
 
 def import_peft() -> Any:
-    """``peft``, or ImportError saying how to install it (it is optional: only LoRA jobs need it)."""
+    """``peft``, or ImportError saying how to install it (only LoRA jobs need it)."""
     try:
         import peft
     except ImportError:
@@ -28,22 +27,17 @@ def import_peft() -> Any:
 
 
 def lora_alpha(train: Any) -> float:
-    """The adapters' alpha: ``lora_alpha``, or twice the rank (a scaling alpha/rank of 2 at every rank)."""
+    """The adapters' alpha: ``lora_alpha``, or twice the rank."""
     return train.lora_alpha if train.lora_alpha is not None else 2.0 * train.lora_rank
 
 
-def _linears(model: nn.Module) -> list[str]:
-    """The names of the model's Linear-like modules (nn.Linear, transformers' Conv1D): what a target may name."""
+def _targets(model: nn.Module, train: Any) -> list[str] | None:
+    """``lora_targets`` checked to end a Linear's (or Conv1D's) name, or None: PEFT's default of the model's family;
+    ValueError naming the target, the model's Linear names and the way out."""
     from ..fp8.conv1d import is_conv1d
 
-    return [name for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))]
-
-
-def _targets(model: nn.Module, train: Any) -> list[str] | None:
-    """``lora_targets`` checked against the model (each must end a Linear's name), or None: PEFT's default of the
-    model's family; ValueError naming the target, the model's Linear names and the way out."""
     peft = import_peft()
-    linears = _linears(model)
+    linears = [name for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))]
     names = sorted({name.rsplit(".", 1)[-1] for name in linears})
     choices = ", ".join(names)
     if not train.lora_targets:
@@ -63,9 +57,8 @@ def _targets(model: nn.Module, train: Any) -> list[str] | None:
 
 
 def apply_lora(model: nn.Module, train: Any) -> nn.Module:
-    """``model`` as a PEFT LoRA model with ``train``'s rank, alpha, targets and dropout: the base frozen, adapters
-    initialized by PEFT (lora_B zero: the first step starts from the base model's loss) from ``train.seed``, so that
-    every rank builds the same adapters. Call it before wrap_model."""
+    """``model`` as a PEFT LoRA model with ``train``'s options (lora_B zero: the first step has the base's loss),
+    seeded from ``train.seed`` so that every rank builds the same adapters. Call it before wrap_model."""
     peft = import_peft()
     config = peft.LoraConfig(r=train.lora_rank, lora_alpha=lora_alpha(train), lora_dropout=train.lora_dropout,
                              target_modules=_targets(model, train), task_type="CAUSAL_LM")
@@ -77,9 +70,8 @@ def apply_lora(model: nn.Module, train: Any) -> nn.Module:
 
 
 def lora_job_model(config: Any, train: Any, model: nn.Module) -> tuple[Any, nn.Module]:
-    """The LoRA job's model and the config to wrap it with: ``model`` (real, not meta) filled from ``pretrained``
-    when given, then :func:`apply_lora`; the config no longer names ``pretrained`` (its names are the base's, not the
-    PEFT model's: loaded here, before PEFT renames them)."""
+    """(The config to wrap with, the LoRA job's model): ``model`` (real, not meta) loaded from ``pretrained`` here,
+    before PEFT renames its parameters, so the config no longer names it; then :func:`apply_lora`."""
     from ..pipeline.pretrained import load_pretrained
 
     import_peft()  # before any loading: the missing package is the first thing said
@@ -91,8 +83,7 @@ def lora_job_model(config: Any, train: Any, model: nn.Module) -> tuple[Any, nn.M
 
 
 def _check_checkpoints(config: Any, train: Any) -> None:
-    """Refused before any step: checkpoints of a LoRA job where they cannot leave the frozen base out
-    (:func:`fp8dist.checkpoint.compat.trainable_only_refusal`)."""
+    """Refused before any step: LoRA checkpoints where they cannot leave the frozen base out."""
     from ..checkpoint.compat import trainable_only_refusal
     from ..config.rules import facts_of
     from ..strategies import get_strategy
@@ -104,9 +95,8 @@ def _check_checkpoints(config: Any, train: Any) -> None:
 
 
 def export_lora(train: Any, model: nn.Module, pretrained: str | None, dtype: str) -> tuple[Path, str]:
-    """``--save-pretrained`` of a LoRA job: the adapters in PEFT's format (fp32 unless --save-dtype names one:
-    they are small, and fp32 is what trained), or with ``merge_lora`` the merged model in ``dtype``; the directory
-    and what it holds, as the log says it."""
+    """``--save-pretrained`` of a LoRA job: the adapters (fp32, what trained, unless --save-dtype names one) or with
+    ``merge_lora`` the merged model in ``dtype``; (the directory, what it holds)."""
     from ..checkpoint.lora import save_adapters, save_merged
 
     if train.merge_lora:

@@ -1,22 +1,6 @@
-"""The figures a training user reads each step: loss, grad norm, learning rate, tokens/s, step time, MFU, an
-FP8-aware utilization and peak memory; written one JSON object per logged step, and optionally as TensorBoard
-scalars. :class:`TrainingFigures` and :class:`MetricsWriter` give your own loop what ``fp8dist train`` logs (the
-README's "The same figures in your own loop" shows how).
-
-FLOPs per token (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B; torchtitan's ``get_num_flop_per_token``):
-``6 x N + 12 x L x H x Q x T``, where N counts the parameters that multiply (each module that runs a GEMM with its
-own weights: every Linear, the output head included; embedding lookups and norms excluded; a MoE expert's share
-scaled by top_k / experts), 6 = 2 FLOPs per multiply-add x (forward + 2 backward GEMMs), and the attention term has
-L layers, H query heads of width Q and T = seq_len tokens of context (the QK^T and AV matmuls, forward and
-backward). By that convention the causal mask's skipped half is not subtracted, nor is recomputation (activation
-checkpointing) added: the figures compare with torchtitan's and Megatron's.
-
-MFU = achieved FLOP/s per device / the device's dense bf16 peak, counting every FLOP as bf16 — torchtitan's figure,
-which with FP8 overstates what is left to gain. FP8-aware MFU = (time the step's FLOPs need at peak: the FP8
-layers' GEMM FLOPs at the dense FP8 peak, the rest at the bf16 peak) / the step's time: 100% means every GEMM ran
-at its precision's peak. Both are null, with the reason, where the peak is unknown (a CPU). The peaks come from
-fp8dist's GPU table (:mod:`fp8dist.plan.gpus`), the one the FP8 speed model reads.
-"""
+"""The figures a training user reads each step (loss, grad norm, lr, tokens/s, step time, MFU, FP8-aware MFU, peak
+memory), written one JSON object per step and optionally as TensorBoard scalars: :class:`TrainingFigures` and
+:class:`MetricsWriter` give your own loop what ``fp8dist train`` logs."""
 
 from __future__ import annotations
 
@@ -34,12 +18,11 @@ __all__ = ["DevicePeaks", "device_peaks", "AttentionShape", "FlopsPerToken", "fl
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "fp8_aware_mfu",
                "peak_memory_bytes", "skipped_steps")
-"""The keys of every JSON line :class:`MetricsWriter` writes (null where a figure is not known or not finite)."""
+"""The keys of every JSON line :class:`MetricsWriter` writes (null where not known or not finite)."""
 
 
 class DevicePeaks(Protocol):
-    """A device's dense (no sparsity) tensor-core peaks, as :class:`fp8dist.plan.gpus.GpuSpec` holds them (a GpuSpec is
-    one); None where not known."""
+    """A device's dense tensor-core peaks in TFLOP/s (a :class:`fp8dist.plan.gpus.GpuSpec` is one); None: unknown."""
 
     label: str
     bf16_tflops: float | None
@@ -47,8 +30,7 @@ class DevicePeaks(Protocol):
 
 
 def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
-    """The dense peaks of ``device`` from fp8dist's GPU table (:func:`fp8dist.plan.hardware.find_gpu`: the one source of
-    every GPU figure), or None and why there are none (a CPU, a GPU the table does not list)."""
+    """The dense peaks of ``device`` from fp8dist's GPU table, or None and why (a CPU, a GPU the table lacks)."""
     from ..plan.hardware import find_gpu, hardware_of
 
     if device.type != "cuda":
@@ -59,7 +41,7 @@ def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """The attention dimensions of the FLOPs count: layers, query heads, head width, tokens of context."""
+    """The attention dimensions of the FLOPs count (query heads; context in tokens)."""
 
     layers: int
     heads: int
@@ -68,8 +50,7 @@ class AttentionShape:
 
     @classmethod
     def of(cls, config: Any, seq_len: int) -> AttentionShape:
-        """From a Hugging Face config (``num_hidden_layers``, ``num_attention_heads``, ``head_dim`` or
-        ``hidden_size / heads``) at ``seq_len`` tokens of context."""
+        """From a Hugging Face config at ``seq_len`` tokens of context."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, heads, head_dim, seq_len)
@@ -77,14 +58,12 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class FlopsPerToken:
-    """Training FLOPs (forward + backward) per token, by where they run."""
+    """Training FLOPs (forward + backward) per token: 6 x the multiplying parameters of the GEMMs kept in high
+    precision and of those the plan runs in FP8, and the attention's 12 x layers x heads x head_dim x context."""
 
     gemm_high: int
-    """6 x the multiplying parameters of the GEMM modules kept in high precision (bf16 / fp32)."""
     gemm_fp8: int
-    """6 x the multiplying parameters of the GEMM modules the plan runs in FP8."""
     attention: int
-    """12 x layers x heads x head_dim x context (in high precision)."""
 
     @property
     def total(self) -> int:
@@ -96,10 +75,10 @@ class FlopsPerToken:
 
 
 def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape | None = None) -> FlopsPerToken:
-    """The training FLOPs per token (the module's docstring has the formula) of ``model``: wrapped by
-    :func:`fp8dist.wrap_model` (its plan says which GEMMs run in FP8), or not (all in high precision), at ``seq_len``
-    tokens of context. ``attention``: its dimensions; default read from the model's Hugging Face ``config``
-    (ValueError when it has none)."""
+    """The training FLOPs per token of ``model`` (wrapped: its plan says which GEMMs run in FP8) at ``seq_len`` tokens
+    of context: PaLM's ``6N + 12LHQT`` (Chowdhery et al. 2022, app. B), N the weights of every GEMM (the head too, a
+    MoE expert's scaled by top_k / experts; not embeddings or norms); as torchtitan and Megatron, no causal-mask
+    discount nor recomputation. ``attention`` defaults to the model's Hugging Face ``config`` (else ValueError)."""
     from ..pipeline.api import get_plan
     from ..config.resolve import Config
     from ..plan.hardware import Hardware
@@ -124,7 +103,9 @@ def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape
 
 @dataclass(frozen=True)
 class Utilization:
-    """MFU against the dense bf16 peak, and the FP8-aware figure; None with ``note`` saying why."""
+    """MFU: achieved FLOP/s per device / the dense bf16 peak, every FLOP as bf16 (torchtitan's figure, which with FP8
+    overstates what is left to gain). FP8-aware MFU: the step's FLOPs' time at peak (FP8 GEMMs at the FP8 peak, the
+    rest at bf16) / the step's time. None with ``note`` saying why (an unknown peak: a CPU)."""
 
     mfu: float | None
     fp8_aware_mfu: float | None
@@ -133,7 +114,6 @@ class Utilization:
 
 def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: DevicePeaks | None,
                 device: str = "this device") -> Utilization:
-    """:class:`Utilization` of a device that trains ``tokens_per_s_per_device`` tokens per second."""
     bf16 = (getattr(peaks, "bf16_tflops", None) or 0) * 1e12
     if not bf16:
         return Utilization(None, None, f"no dense bf16 peak is known for {device}")
@@ -147,37 +127,32 @@ def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: Dev
     return Utilization(mfu, tokens_per_s_per_device * ideal_s)
 
 
-def _float(value: Any) -> float | None:
-    """A float of ``value`` (a tensor too), non-finite values kept (the step line shows them; JSON gets null)."""
+def _float(value: Any) -> float | None:  # non-finite kept: the step line shows them, JSON gets null
     return None if value is None else float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _number(value: Any) -> float | None:
-    """:func:`_float`, None for a non-finite value."""
     value = _float(value)
     return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass
 class StepRecord:
-    """One logged step's figures (``as_dict`` is its JSON line; keys :data:`METRIC_KEYS`, then ``extra``)."""
+    """One logged step's figures (``as_dict`` is its JSON line; keys :data:`METRIC_KEYS`, then ``extra``, e.g. a
+    validation loss). ``loss`` may be nan or inf (null in JSON); ``tokens_per_s`` is global; ``peak_memory_bytes``
+    this process's (CUDA allocated, or peak RSS on CPU); ``skipped_steps`` so far, for non-finite gradients."""
 
     step: int
     loss: float | None
-    """The step's loss; nan or inf as measured (its JSON value is then null)."""
     grad_norm: float | None
     lr: float | None
     tokens_per_s: float
-    """Global: every rank's tokens."""
     step_time_s: float
     mfu: float | None
     fp8_aware_mfu: float | None
     peak_memory_bytes: int | None
-    """This process's peak: CUDA memory allocated, or peak RSS on CPU."""
     skipped_steps: int = 0
-    """Steps skipped so far for non-finite gradients."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """More figures for this step (a validation loss, ...)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in METRIC_KEYS}
@@ -185,12 +160,10 @@ class StepRecord:
         return {k: _number(v) if isinstance(v, float) else v for k, v in out.items()}
 
     def line(self) -> str:
-        """The step's figures on one line: ``step N | loss ... |`` (:meth:`figures`)."""
         return f"step {self.step} | {self.figures()}"
 
     def figures(self) -> str:
-        """The figures without the step number, ``|``-separated: loss, grad norm, learning rate, tokens/s, step
-        time, MFU (``n/a`` where null), peak memory, skipped steps, and a validation loss when ``extra`` has one."""
+        """The figures without the step number, ``|``-separated (MFU ``n/a`` where null)."""
         def pct(v: float | None) -> str:
             return "n/a" if v is None else f"{100 * v:.1f}%"
 
@@ -220,8 +193,7 @@ class TrainingFigures:
 
     Args:
         model: the wrapped model (or an unwrapped one: no FP8 layers counted).
-        peaks: the device's dense peaks (a :class:`DevicePeaks`: a :class:`fp8dist.plan.gpus.GpuSpec`); "auto": the
-            model's device in fp8dist's GPU table (:func:`device_peaks`); None: unknown, MFU is null.
+        peaks: a :class:`DevicePeaks`; "auto": the model's device in fp8dist's GPU table; None: unknown, MFU null.
         world_size: devices sharing the work; default the wrapped model's world size (1 unwrapped).
         attention: see :func:`flops_per_token`.
     """
@@ -245,11 +217,10 @@ class TrainingFigures:
         self.peaks = peaks
         self.device_name = getattr(peaks, "label", None) or str(self.device)
         note = utilization(self.flops, 1.0, peaks, self.device_name).note
-        self.null_reason: str | None = f"{note}; {why}" if note and why else note
-        """Why MFU (or the FP8-aware figure) is null on this device; None when both are known."""
+        self.null_reason: str | None = f"{note}; {why}" if note and why else note  # why MFU is null here
 
     def header(self) -> str:
-        """What the figures mean, for the run's header: the FLOPs count, the peaks, and why MFU is null."""
+        """What the figures mean, for the run's header: FLOPs count, peaks, why MFU is null."""
         lines = [f"figures: {self.flops.describe()}"]
         bf16 = getattr(self.peaks, "bf16_tflops", None)
         if bf16:
@@ -264,8 +235,8 @@ class TrainingFigures:
     def step(self, *, step: int, loss: Any, tokens: int, step_time_s: float, grad_norm: Any = None,
              lr: float | None = None, skipped_steps: int = 0, peak_memory_bytes: int | None = None,
              extra: dict[str, Any] | None = None) -> StepRecord:
-        """The :class:`StepRecord` of a step that trained ``tokens`` tokens (over all ranks) in ``step_time_s``.
-        ``peak_memory_bytes`` defaults to this process's peak so far (CUDA allocated, or peak RSS on CPU)."""
+        """The :class:`StepRecord` of a step that trained ``tokens`` tokens (all ranks') in ``step_time_s``;
+        ``peak_memory_bytes`` defaults to this process's peak so far."""
         if step_time_s <= 0:
             raise ValueError(f"step_time_s={step_time_s!r} must be positive (the step's wall time in seconds).")
         from ..pipeline.env import peak_memory_mib
@@ -279,16 +250,15 @@ class TrainingFigures:
 
 
 class MetricsWriter:
-    """Writes each :class:`StepRecord` as one JSON line to ``path`` (flushed per line, so a crash loses no logged
-    step) and, with ``tensorboard_dir``, as TensorBoard scalars ``train/<key>`` (needs ``pip install
-    'fp8dist[tensorboard]'``). Use on one rank (rank 0).
+    """Writes each :class:`StepRecord` as one JSON line to ``path`` (flushed per line: a crash loses no logged step)
+    and, with ``tensorboard_dir``, as TensorBoard scalars ``train/<key>`` (``pip install 'fp8dist[tensorboard]'``).
+    Use on one rank (rank 0).
 
     Args:
         path, tensorboard_dir: the JSON-lines file and the TensorBoard log directory; None: not written.
         append: add to an existing file (a resumed run) instead of starting it anew.
-        purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged in
-            ``tensorboard_dir`` at this step and after (the steps this run logs again; SummaryWriter's
-            ``purge_step``), as :func:`truncate_jsonl` drops them from the file.
+        purge_step: a resumed run's first logged step: TensorBoard hides what an earlier run logged there at this
+            step and after (SummaryWriter's ``purge_step``), as :func:`truncate_jsonl` does for the file.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, tensorboard_dir: str | os.PathLike | None = None,
@@ -333,9 +303,8 @@ class MetricsWriter:
 
 
 def truncate_jsonl(path: str | os.PathLike, *, before_step: int) -> None:
-    """Keep the lines of JSON-lines file ``path`` whose ``step`` is below ``before_step`` (a resumed run drops what
-    was logged after the checkpoint it resumes from, and logs those steps again); replaced atomically. A missing
-    file is left missing."""
+    """Keep the lines of JSON-lines file ``path`` whose ``step`` is below ``before_step`` (a resumed run logs the later
+    ones again); replaced atomically; a missing file stays missing."""
     from ..pipeline.files import atomic_write_text
 
     try:

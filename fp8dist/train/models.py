@@ -1,8 +1,6 @@
-"""Small Llama models built from a config (no download), for the training job, tests and examples.
-
-Dimensions are multiples of 16 so every Linear is FP8-eligible; embeddings are untied so the output
-projection is its own Linear, as in Llama.
-"""
+"""Small Llama models built from a config (no download), and the model of ``fp8dist train`` from a preset, a
+config.json or a pretrained directory. Dimensions are multiples of 16 so every Linear is FP8-eligible; embeddings
+are untied so the output projection is its own Linear, as in Llama."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
 
 
 JOB_POSITIONS = 8192
-"""Positions (``max_position_embeddings``) of the built-in presets in ``fp8dist train``: Llama 3's pretraining
-context. Rotary positions would take any length, but a longer ``--seq-len`` is a typo more often than a plan (its
-attention costs seq_len squared per step); a config.json with more positions takes more."""
+"""Positions of the presets in ``fp8dist train`` (Llama 3's pretraining context): rotary positions take any length,
+but a longer ``--seq-len`` is a typo more often than a plan; a config.json with more positions takes more."""
 
 
 def llama_config(size: str = "tiny", *, max_seq_len: int = 512, vocab_size: int = VOCAB_SIZE):
@@ -64,8 +61,8 @@ def build_llama(size: str = "tiny", *, seed: int = 0, max_seq_len: int = 512, vo
 
 
 def read_model_config(path: str):
-    """``--model-config``: a Hugging Face config.json (it needs its ``model_type``) as a transformers config;
-    ValueError naming the file, what is wrong and the way out otherwise."""
+    """``--model-config``: a Hugging Face config.json (with ``model_type``) as a transformers config; ValueError
+    naming the file, what is wrong and the way out otherwise."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -87,23 +84,21 @@ def read_model_config(path: str):
                          "or upgrade transformers for a newer family.")
     try:
         return AutoConfig.for_model(**data)
-    except Exception as err:  # transformers checks a config its own way (ValueError, TypeError, hub validation
-        # errors): whatever it raises here is about this file's values
+    except Exception as err:  # transformers' own checks (ValueError, TypeError, hub validation): about the values
         raise ValueError(f"{path}: transformers rejects this {family} config: {_reason(err)}. Fix that value in the "
                          "file.") from None
 
 
 def _reason(err: BaseException) -> str:
-    """The line of a library's error that says what is wrong (its last; without the exception's class name)."""
+    """The last line of a library's error, without the exception's class name."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return re.sub(r"^\w+(Error|Exception): ", "", lines[-1]).rstrip(".") if lines else type(err).__name__
 
 
 def causal_lm(model_config: Any, source: str, *, dtype: torch.dtype | None = None) -> Any:
-    """``AutoModelForCausalLM.from_config(model_config)`` on the current device (the meta device to check or to
-    plan a model without memory), or ValueError naming ``source`` (the file or directory it came from) when
+    """``AutoModelForCausalLM.from_config(model_config)`` on the current device, or ValueError naming ``source`` when
     transformers has no causal LM for its family, cannot build one from its values, or builds one whose attention
-    is not causal (an encoder such as BERT without ``is_decoder``: each token would see the one it predicts)."""
+    is not causal (an encoder such as BERT without ``is_decoder``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -128,14 +123,12 @@ def causal_lm(model_config: Any, source: str, *, dtype: torch.dtype | None = Non
 
 
 def _causal_flags(model: Any) -> list[bool]:
-    """The ``is_causal`` of each module that declares one (transformers' attention layers)."""
     return [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
 
 
 def _bidirectional(model: Any, model_config: Any) -> bool:
-    """Whether ``model`` is a causal-LM class left in its encoder mode: no attention layer causal, and the family's
-    ``is_decoder`` switch (off in the config) would make them causal. Families that mask causally in other ways
-    (GIT, BigBird-Pegasus's decoder) keep their layers' flags whatever ``is_decoder`` says, and pass."""
+    """A causal-LM class left in its encoder mode: no attention layer causal, and ``is_decoder`` (off) would make them
+    so; families that mask causally in other ways (GIT, BigBird-Pegasus) keep their flags, and pass."""
     from transformers import AutoModelForCausalLM
 
     flags = _causal_flags(model)
@@ -147,13 +140,12 @@ def _bidirectional(model: Any, model_config: Any) -> bool:
         return any(_causal_flags(AutoModelForCausalLM.from_config(trial)))
 
 
-CAUSAL_LM_EXAMPLES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox", "mixtral", "falcon")
-"""Families an error names as examples of what AutoModelForCausalLM builds (those this transformers has)."""
+CAUSAL_LM_EXAMPLES = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox", "mixtral", "falcon")  # in errors
 
 
 def pretrained_config(path: str):
-    """The transformers config of the model directory ``path`` (``pretrained=``), read from that directory only
-    (never the Hub: a name that is not a directory is an error); ValueError naming it otherwise."""
+    """The transformers config of the model directory ``path`` (``pretrained=``), never from the Hub; ValueError
+    naming it otherwise."""
     from transformers import AutoConfig
 
     if not Path(path).is_dir():
@@ -168,11 +160,9 @@ def pretrained_config(path: str):
 
 
 def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[Any, str]:
-    """The transformers config of the job's model and its name: the built-in Llama preset, ``--model-config``, or
-    the config.json of ``pretrained`` (its positions: :func:`fp8dist.train.checks.check_positions`). ``tokenizer``:
-    the job's :class:`~fp8dist.train.data.TokenCorpus`, or None for the built-in byte corpus; the preset takes its
-    vocabulary, a model from a config must have an embedding row for each of its ids. ValueError: both a config and
-    ``pretrained``, or a vocabulary too small for the corpus (both sizes named)."""
+    """(The transformers config of the job's model, its name): the Llama preset, ``--model-config`` or
+    ``pretrained``'s. ``tokenizer``: the job's TokenCorpus (None: bytes), whose vocabulary the preset takes and a
+    config must hold. ValueError: both a config and ``pretrained``, or a vocabulary too small for the corpus."""
     path = config.parallel.pretrained
     if path is None and train.model_config is None:
         vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
@@ -189,7 +179,7 @@ def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[An
     with torch.device("meta"), _quiet_transformers():  # refused here, before any rank builds it (and logs)
         causal_lm(model_config, path)
     if tokenizer is None:
-        check_fits_corpus(model_config, None, repr(path))  # positions: train_checks.check_positions
+        check_fits_corpus(model_config, None, repr(path))  # positions: checks.check_positions
     else:
         check_vocab_fits(tokenizer.vocab_size, model_config.vocab_size,
                          tokenizer=f"tokenizer {tokenizer.tokenizer_dir}", model=f"the model of {path}")
@@ -198,7 +188,7 @@ def job_model_config(config: Any, train: Any, tokenizer: Any = None) -> tuple[An
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """transformers' log lines off meanwhile: a model built only to check it says them again when it is built."""
+    """transformers' log lines off: a model built only to check it says them again when it is built."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -210,8 +200,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
-    """``fp8dist train``'s model: the built-in Llama, or the model of ``model_config``, with ``pretrained`` on the
-    meta device (each rank then allocates only its shards, or the whole model where its strategy keeps it whole)."""
+    """``fp8dist train``'s model: the Llama preset, or ``model_config``'s, on the meta device with ``pretrained``
+    (each rank then allocates only what its strategy keeps)."""
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)

@@ -14,23 +14,20 @@ __all__ = ["LR_SCHEDULES", "MAX_WARMUP_STEPS", "lr_schedule", "warmup_steps", "d
 
 
 LR_SCHEDULES = ("constant", "cosine")
-"""constant: the peak learning rate at every step; cosine: linear warm-up over the first 10% of the steps (at most
-:data:`MAX_WARMUP_STEPS`), then cosine decay toward 10% of the peak (fp8dist train's schedule; fp8dist bench
---lr-schedule)."""
+"""constant: the peak at every step; cosine: linear warm-up over the first 10% of the steps (at most
+:data:`MAX_WARMUP_STEPS`), then cosine decay toward 10% of the peak."""
 
 MAX_WARMUP_STEPS = 2000
-"""The longest warm-up: Llama 2 and nanoGPT's GPT-2 runs warm up over 2000 steps whatever their length (torchtitan's
-default is 200). 10% of a very long run (100M steps of 1e9) would keep the learning rate near zero for the whole
-of any run that is stopped early."""
+"""The longest warm-up, as Llama 2's and nanoGPT's GPT-2 runs (torchtitan's default is 200): 10% of a very long run
+would keep the learning rate near zero for the whole of a run stopped early."""
 
 
 def warmup_steps(steps: int) -> int:
-    """Warm-up steps of the cosine schedule over ``steps``: 10% of them, at least 1, at most MAX_WARMUP_STEPS."""
+    """Warm-up steps of the cosine schedule: 10% of ``steps``, at least 1, at most MAX_WARMUP_STEPS."""
     return max(1, min(steps // 10, MAX_WARMUP_STEPS))
 
 
 def describe_schedule(name: str, steps: int) -> str:
-    """The schedule in words, as the run header says it."""
     if name == "constant":
         return "constant"
     return f"linear warm-up over {plural(warmup_steps(steps), 'step')}, then cosine decay to 10% at step {steps:,}"
@@ -56,8 +53,7 @@ def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
 
 def set_lr(optimizer: Any, lr: float) -> None:
     """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
-    tensor (torchao's low-bit AdamW, memory="lean": its step is compiled for a tensor lr); torch, MS-AMP and
-    DeepSpeed optimizers alike."""
+    tensor (torchao's low-bit AdamW, memory="lean", compiles its step for a tensor lr)."""
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)

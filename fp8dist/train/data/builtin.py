@@ -1,8 +1,6 @@
-"""A small, deterministic text corpus and byte-level batches for the reference training job.
-
-The corpus is generated from a fixed seed by a tiny grammar, so it needs no download, is identical on every
-machine, and has enough structure that a small model's loss falls quickly (from ln 256 ~ 5.5 nats/byte).
-"""
+"""A small, deterministic text corpus and byte-level batches for the reference training job: generated from a fixed
+seed by a tiny grammar (no download, the same everywhere), with enough structure that a small model's loss falls
+quickly (from ln 256 ~ 5.5 nats/byte)."""
 
 from __future__ import annotations
 
@@ -41,21 +39,19 @@ def make_corpus(num_sentences: int = 4000, seed: int = 1234) -> str:
 
 
 def check_batch_split(batch_size: int, world_size: int, grad_accum: int = 1) -> None:
-    """Raise ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks x ``grad_accum``
-    micro-batches."""
+    """ValueError unless a global ``batch_size`` splits evenly over ``world_size`` ranks x ``grad_accum``."""
     parts = world_size * grad_accum
     if batch_size % parts != 0:
         lower = batch_size - batch_size % parts
         over = f"world size {world_size}" + (f" x grad_accum {grad_accum}" if grad_accum > 1 else "")
-        raise ValueError(
-            f"batch_size={batch_size} does not split over {over}: each rank needs the "
-            f"same number of sequences in every micro-batch. Use a multiple of {parts}, e.g. "
-            f"{lower or parts} or {lower + parts}.")
+        raise ValueError(f"batch_size={batch_size} does not split over {over}: each rank needs the same number of "
+                         f"sequences in every micro-batch. Use a multiple of {parts}, e.g. {lower or parts} or "
+                         f"{lower + parts}.")
 
 
 def check_fits_corpus(model_config, seq_len: int | None, source: str) -> None:
-    """Raise ValueError unless the model of ``model_config`` (a transformers config, from ``source``) can read the
-    corpus: :data:`VOCAB_SIZE` token ids, and positions for ``seq_len`` tokens (None: not checked here)."""
+    """ValueError unless the model of ``model_config`` (from ``source``) can read the corpus: :data:`VOCAB_SIZE`
+    token ids, and positions for ``seq_len`` tokens (None: not checked)."""
     if getattr(model_config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
         raise ValueError(f"{source} has vocab_size={model_config.vocab_size}; the built-in corpus is "
                          f"bytes (token ids up to {VOCAB_SIZE - 1}). Use a model with at least {VOCAB_SIZE} tokens.")
@@ -66,12 +62,8 @@ def check_fits_corpus(model_config, seq_len: int | None, source: str) -> None:
 
 
 class Batches:
-    """Global batches of byte sequences, the same for every world size; each rank takes its contiguous slice.
-
-    Args:
-        batch_size: global batch (sequences per step over all ranks); must split evenly over ``world_size``.
-        seed: the batch sampling seed; step ``s`` always yields the same global batch.
-    """
+    """Global batches of byte sequences (``batch_size`` over all ranks), the same for every world size; each rank
+    takes its contiguous slice. Step ``s`` always yields the same global batch for ``seed``."""
 
     def __init__(self, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> None:
         check_batch_split(batch_size, world_size)

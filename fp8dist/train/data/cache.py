@@ -1,16 +1,6 @@
 """The token cache: each corpus file tokenized once into a flat array of token ids on disk, read back memory-mapped.
-
-Per file and tokenizer, the cache directory holds ``<key>.tokens`` (the ids, documents each followed by the EOS
-id, as uint16 when the tokenizer has at most 65,536 ids, else uint32) and ``<key>.json`` (its index: the source's
-size, mtime, sha256 of its first MiB and of all of it, the tokenizer's fingerprint, counts). ``key`` hashes the
-file's absolute path, its kind, the JSON field and the tokenizer's fingerprint, so another tokenizer gets its own
-entry and a changed file replaces its own.
-
-Reuse: an entry is reused when the file's size, mtime and head hash equal the index's (no full read); when only
-the mtime differs (a copy, a touch), the whole file is hashed and the entry reused if its sha256 is unchanged.
-Both files are written to a temporary name and renamed into place, the tokens first, then the index: a reader
-sees a complete entry or none, and an error or a kill while tokenizing leaves no partial file behind.
-"""
+An entry (``<key>.tokens`` and its index ``<key>.json``) is keyed by the file's path, kind, JSON field and the
+tokenizer's fingerprint, and written atomically (tokens, then index): a reader sees a complete entry or none."""
 
 from __future__ import annotations
 
@@ -32,23 +22,16 @@ from ...pipeline.files import atomic_write, atomic_write_text
 from .sources import (DEFAULT_TEXT_FIELD, FileIdentity, check_source, file_identity, file_kind, file_sha256,
                       read_pieces)
 
-__all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "check_cache_dir", "cache_directory", "token_dtype",
-           "CACHE_FORMAT"]
+__all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "check_cache_dir", "cache_directory", "CACHE_FORMAT"]
 
-CACHE_FORMAT = 1
-"""Version of the cache's layout; an entry of another version is rebuilt."""
+CACHE_FORMAT = 1  # an entry of another layout version is rebuilt
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/fp8dist/tokens`` (``~/.cache/fp8dist/tokens`` when it is unset). On several nodes, pass a
-    directory every node sees, or each node tokenizes once for itself."""
+    """``$XDG_CACHE_HOME/fp8dist/tokens`` (default ``~/.cache``). On several nodes, pass a directory every node sees,
+    or each node tokenizes for itself."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "fp8dist" / "tokens"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 for at most 65,536 token ids, else uint32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 @dataclass(frozen=True)
@@ -56,47 +39,29 @@ class TokenFile:
     """One corpus file's tokens, memory-mapped from the cache."""
 
     source: Path
-    tokens: np.ndarray
-    """The token ids (a read-only memmap): each document's tokens followed by the EOS id."""
-    documents: int
-    """Documents read (a plain-text file is one; empty JSON texts included)."""
-    empty_documents: int
-    """Documents whose text was empty: they add no tokens and no EOS."""
-    sha256: str
-    """sha256 of the source file as tokenized."""
-    index: Path
-    """The cache entry's index file."""
-    reused: bool
-    """Read from the cache (True) or tokenized now."""
-    tokenized_at: float | None = None
-    """When the entry was tokenized (seconds since the epoch); None for an entry older than the record."""
+    tokens: np.ndarray  # read-only memmap: each document's tokens followed by the EOS id
+    documents: int  # a plain-text file is one; empty JSON texts included
+    empty_documents: int  # empty texts add no tokens and no EOS
+    sha256: str  # of the source file as tokenized
+    reused: bool  # read from the cache, or tokenized now
+    tokenized_at: float | None = None  # seconds since the epoch; None for an entry older than the record
 
 
 def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, text_field: str = DEFAULT_TEXT_FIELD,
                   cache_dir: str | os.PathLike | None = None, progress: bool | None = None) -> TokenFile:
-    """The tokens of ``path``: from the cache when the file and the tokenizer are unchanged, else tokenized now
-    (in batches, with a progress bar on a terminal) and cached.
-
-    Args:
-        path: a plain-text or JSON-lines file (see :mod:`fp8dist.train.data.sources`).
-        tokenizer: a fast tokenizer (:func:`~fp8dist.train.data.tokenizer.load_tokenizer`).
-        fingerprint: its :func:`~fp8dist.train.data.tokenizer.tokenizer_fingerprint`.
-        cache_dir: where entries live (default :func:`default_cache_dir`).
-        progress: show a progress bar; None: when stderr is a terminal.
-
-    Raises:
-        ValueError: a bad file (missing, empty, binary, a JSON line without the field, ... with file and line),
-            a file that yields no tokens, or one that changed while it was read. Nothing is left in the cache.
-    """
+    """The tokens of ``path`` from the cache when the file and tokenizer (``fingerprint``) are unchanged, else
+    tokenized now and cached. An entry is reused when the file's size, mtime and head hash match its index; when
+    only the mtime differs, when the whole file's sha256 does. ``progress``: a bar (None: when stderr is a terminal).
+    ValueError: a bad file, one that yields no tokens or changed while read; nothing is then left in the cache."""
     source = check_source(path)
     kind = file_kind(source)
     field = text_field if kind == "jsonl" else None
     key = hashlib.sha256(json.dumps([str(source), kind, field, fingerprint, CACHE_FORMAT]).encode()).hexdigest()[:24]
     with cache_directory(cache_dir) as directory:
         index_path, tokens_path = directory / f"{key}.json", directory / f"{key}.tokens"
-        dtype = token_dtype(len(tokenizer))
+        dtype = np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
         identity = file_identity(source)
-        index = _reusable(_read_index(index_path), identity, tokens_path, dtype, source)
+        index = _reusable(index_path, identity, tokens_path, dtype, source)
         reused = index is not None
         if not reused:
             index = _build(source, kind, text_field, tokenizer, tokens_path, dtype, identity, progress)
@@ -106,14 +71,13 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, *, fingerprint: str, 
             index.update(asdict(identity))
             atomic_write_text(index_path, json.dumps(index, indent=1) + "\n")
         tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index["tokens"],))
-        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], index_path,
-                         reused, index.get("tokenized_at"))
+        return TokenFile(source, tokens, index["documents"], index["empty_documents"], index["sha256"], reused,
+                         index.get("tokenized_at"))
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_dir", flag: str | None = None) -> Path:
     """The token cache's directory (``cache_dir``, else :func:`default_cache_dir`), checked without making it: a
-    directory, or missing under a writable one. ValueError naming the value as the caller calls it (``option``,
-    and its command-line ``flag`` when there is one) and the way out."""
+    directory, or missing under a writable one. ValueError naming it as ``option`` (and ``flag``) and the way out."""
     directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if cache_dir is None:
         given, way_out = f"the token cache {str(directory)!r}", f"set XDG_CACHE_HOME or pass {flag or option + '='}"
@@ -131,17 +95,16 @@ def check_cache_dir(cache_dir: str | os.PathLike | None, option: str = "cache_di
 
 
 @contextlib.contextmanager
-def cache_directory(cache_dir: str | os.PathLike | None, option: str = "cache_dir") -> Iterator[Path]:
-    """The token cache's directory (:func:`check_cache_dir`), made with its missing parents for the block inside;
-    when the block raises (a refused file), the folders made here are removed again where they stayed empty: a
-    refused file leaves nothing behind."""
-    directory = check_cache_dir(cache_dir, option)
+def cache_directory(cache_dir: str | os.PathLike | None) -> Iterator[Path]:
+    """The token cache's directory, made for the block inside; the folders made here are removed again where they
+    stayed empty when the block raises: a refused file leaves nothing behind."""
+    directory = check_cache_dir(cache_dir)
     made = [p for p in (directory, *directory.parents) if not p.exists()]  # deepest first
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"token cache {str(directory)!r} cannot be made a directory ({err.strerror}): pass "
-                         f"{option}= a writable directory.") from None
+                         "cache_dir= a writable directory.") from None
     try:
         yield directory
     except BaseException:
@@ -153,32 +116,22 @@ def cache_directory(cache_dir: str | os.PathLike | None, option: str = "cache_di
         raise
 
 
-def _read_index(path: Path) -> dict | None:
+def _reusable(index_path: Path, identity: FileIdentity, tokens: Path, dtype: np.dtype, source: Path) -> dict | None:
+    """The entry's index when it holds ``source``'s tokens as they are now, else None (rebuild)."""
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(index_path.read_text())
+        size = tokens.stat().st_size
     except (OSError, ValueError):
         return None
-    return index if isinstance(index, dict) and index.get("format") == CACHE_FORMAT else None
-
-
-def _reusable(index: dict | None, identity: FileIdentity, tokens: Path, dtype: np.dtype,
-              source: Path) -> dict | None:
-    """``index`` when its entry holds ``source``'s tokens as they are now, else None (rebuild)."""
-    if index is None or index.get("dtype") != dtype.name or index.get("size") != identity.size:
-        return None
-    try:
-        if tokens.stat().st_size != index["tokens"] * dtype.itemsize:
-            return None
-    except OSError:
-        return None
-    if index["head_sha256"] != identity.head_sha256:
+    if (not isinstance(index, dict) or index.get("format") != CACHE_FORMAT or index.get("dtype") != dtype.name
+            or index.get("size") != identity.size or index.get("head_sha256") != identity.head_sha256
+            or size != index["tokens"] * dtype.itemsize):
         return None
     return index if index["mtime_ns"] == identity.mtime_ns or file_sha256(source) == index["sha256"] else None
 
 
 def _build(source: Path, kind: str, text_field: str, tokenizer: Any, tokens_path: Path, dtype: np.dtype,
            identity: FileIdentity, progress: bool | None) -> dict:
-    """Tokenize ``source`` into ``tokens_path`` (atomically); the index's counts and hashes."""
     from tokenizers import Tokenizer
     from tqdm.auto import tqdm
 

@@ -1,10 +1,5 @@
-"""A real-text corpus: one or more files tokenized (through the cache) into one stream of token ids.
-
-    corpus = load_text_corpus(["books.jsonl", "notes.txt"], tokenizer="my-tokenizer/")
-    batches = TextBatches(corpus, batch_size=32, seq_len=1024, rank=rank, world_size=world, seed=0)
-
-In a job of several processes, tokenize once per node: :func:`fp8dist.train.data.job.load_on_each_node`.
-"""
+"""A real-text corpus: one or more files tokenized (through the token cache) into one stream of token ids. In a job of
+several processes, tokenize once per node: :func:`fp8dist.train.data.job.load_on_each_node`."""
 
 from __future__ import annotations
 
@@ -32,10 +27,8 @@ class TokenCorpus:
 
     files: tuple[TokenFile, ...]
     tokenizer_dir: str
-    tokenizer_sha256: str
-    """:func:`~fp8dist.train.data.tokenizer.tokenizer_fingerprint` of the tokenizer."""
-    vocab_size: int
-    """``len(tokenizer)``: the embedding needs at least this many rows (:func:`check_vocab_fits`)."""
+    tokenizer_sha256: str  # tokenizer_fingerprint
+    vocab_size: int  # len(tokenizer): the embedding needs at least this many rows
     eos_id: int
 
     @property
@@ -47,7 +40,7 @@ class TokenCorpus:
         return sum(f.documents for f in self.files)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Token ids ``start:stop`` of the stream (across file borders) as int64."""
+        """Token ids ``start:stop`` of the stream (across file borders), int64."""
         parts, offset = [], 0
         for f in self.files:
             n = len(f.tokens)
@@ -60,20 +53,17 @@ class TokenCorpus:
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
     def fingerprint(self) -> dict[str, Any]:
-        """What the corpus's token stream depends on: each file's sha256 in order and the tokenizer's; stored with
-        a data position so that a resumed run checks it reads the same stream."""
+        """The files' and tokenizer's hashes, stored with a data position: a resumed run checks it reads the same."""
         return {"files": [f.sha256 for f in self.files], "tokenizer": self.tokenizer_sha256}
 
     def describe(self) -> str:
-        """One line: files, documents, tokens, and whether they were tokenized now or read from the token cache
-        (and when they were tokenized: a job's launcher tokenizes, its ranks read what it cached seconds ago)."""
+        """One line: files, documents, tokens, and whether tokenized now or read from the token cache (and when)."""
         return (f"{plural(len(self.files), 'file')}, {plural(self.num_documents, 'document')}, "
                 f"{plural(self.num_tokens, 'token')} (tokenizer {self.tokenizer_dir}, {self.vocab_size:,} ids; "
                 f"{_provenance(self.files)})")
 
 
 def _provenance(files: list[TokenFile]) -> str:
-    """"tokenized now", "read from the token cache (tokenized 3 s ago)", or both with their counts."""
     fresh = sum(not f.reused for f in files)
     cached = [f.tokenized_at for f in files if f.reused]
     if not cached:
@@ -89,7 +79,6 @@ def _provenance(files: list[TokenFile]) -> str:
 
 
 def _ago(at: float) -> str:
-    """How long ago ``at`` (seconds since the epoch) was, in the largest unit that fits."""
     seconds = max(time.time() - at, 0.0)
     for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
         if seconds >= 2 * size:
@@ -100,20 +89,10 @@ def _ago(at: float) -> str:
 def load_text_corpus(paths: str | os.PathLike | Sequence[str | os.PathLike], *, tokenizer: str | os.PathLike,
                      text_field: str = DEFAULT_TEXT_FIELD, cache_dir: str | os.PathLike | None = None,
                      progress: bool | None = None) -> TokenCorpus:
-    """Tokenize ``paths`` with the fast tokenizer saved in ``tokenizer`` (or read them from the token cache) and
-    return them as one :class:`TokenCorpus`.
-
-    Args:
-        paths: plain-text files (each one document) and JSON-lines files (``.jsonl``, ``.ndjson``, ``.json``:
-            one object per line, its ``text_field`` one document); read in this order.
-        tokenizer: a directory written by a tokenizer's ``save_pretrained``; local files only.
-        cache_dir: the token cache (default ``~/.cache/fp8dist/tokens``, see :mod:`fp8dist.train.data.cache`).
-        progress: progress bars while tokenizing; None: when stderr is a terminal.
-
-    Raises:
-        ValueError: no paths, a path given twice, a bad tokenizer directory or a bad file (each message names it
-            and the way out); every file is checked before any is tokenized.
-    """
+    """``paths`` (plain text: a file is one document; JSON lines, ``.jsonl``/``.ndjson``/``.json``: each line's
+    ``text_field``), in order, tokenized with the fast tokenizer saved in directory ``tokenizer`` or read from the
+    token cache (default ``~/.cache/fp8dist/tokens``). ``progress``: bars (None: when stderr is a terminal).
+    ValueError: no paths, one twice, a bad tokenizer or file; every file is checked before any is tokenized."""
     listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not listed:
         raise ValueError("no data files: pass one or more plain-text or JSON-lines files.")

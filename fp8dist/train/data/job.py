@@ -1,10 +1,6 @@
-"""What ``fp8dist train`` and ``fp8dist bench`` train on: the built-in grammar (bytes, offline) or real text files
-(:func:`load_job_corpus`), the loss of one batch of either (:func:`lm_loss`), and the held-out loss
-(:func:`evaluate`) on the steps :func:`eval_steps` names.
-
-In a job of several processes the text is tokenized once per node: local rank 0 tokenizes (or finds the token
-cache), every rank agrees it worked, then the other local ranks read the cache it wrote (:func:`load_on_each_node`).
-"""
+"""What ``fp8dist train`` and ``fp8dist bench`` train on: the built-in grammar (bytes, offline) or text files
+tokenized once per node (:func:`load_job_corpus`, :func:`load_on_each_node`), the loss of a batch of either
+(:func:`lm_loss`), and the held-out loss (:func:`evaluate`)."""
 
 from __future__ import annotations
 
@@ -26,14 +22,12 @@ __all__ = ["MAX_DEFAULT_EVAL_BATCHES", "job_tokenizer", "load_job_corpus", "load
 T = TypeVar("T")
 
 MAX_DEFAULT_EVAL_BATCHES = 10
-"""With no ``eval_batches`` given, an evaluation reads every full held-out global batch, at most this many: enough
-for a loss to 3 digits on small data, bounded on large data (5% of a large corpus is many batches)."""
+"""Held-out global batches an evaluation reads at most with no ``eval_batches``: a loss to 3 digits, bounded."""
 
 
 def job_tokenizer(data: Sequence[str], tokenizer: str | None, pretrained: str | None) -> str | None:
-    """The tokenizer directory of a job on ``data``: ``tokenizer``, else the ``pretrained`` model's directory;
-    None without data (the built-in corpus has its own byte ids). ValueError for data without a tokenizer, or a
-    tokenizer without data."""
+    """The tokenizer directory of a job on ``data``: ``tokenizer``, else ``pretrained``; None without data.
+    ValueError for data without a tokenizer, or a tokenizer without data."""
     if not data:
         if tokenizer is not None:
             raise ValueError(f"tokenizer={tokenizer!r} without data: pass --data FILE [FILE ...] to train on text "
@@ -46,8 +40,7 @@ def job_tokenizer(data: Sequence[str], tokenizer: str | None, pretrained: str | 
 
 
 def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None = None) -> TokenCorpus | None:
-    """``train.data`` (a :class:`~fp8dist.train.config.TrainConfig`'s, or any object with its ``data``,
-    ``tokenizer``, ``text_field`` and ``data_cache``) tokenized with the job's tokenizer (:func:`job_tokenizer`) or
+    """``train.data`` (a TrainConfig's, or any object with its data options) tokenized with the job's tokenizer or
     read from the token cache; None for the built-in corpus. ValueError for a bad file or tokenizer."""
     from ...config.schema import cli_flag
     from .cache import check_cache_dir
@@ -55,15 +48,14 @@ def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None
     tokenizer = job_tokenizer(train.data, train.tokenizer, pretrained)
     if tokenizer is None:
         return None
-    check_cache_dir(train.data_cache, "data_cache", cli_flag("data_cache"))  # named as the job names it
+    check_cache_dir(train.data_cache, "data_cache", cli_flag("data_cache"))
     return load_text_corpus(list(train.data), tokenizer=tokenizer, text_field=train.text_field,
                             cache_dir=train.data_cache, progress=progress)
 
 
 def load_on_each_node(load: Callable[[], T], local_rank: int) -> T:
-    """``load()`` on local rank 0 of each node first, then, once every rank knows it worked, on the other local
-    ranks (which then read what it cached). A failure on any rank raises on every rank (no rank waits forever).
-    Call on every rank of an initialized process group, or alone."""
+    """``load()`` on local rank 0 of each node first, then, once every rank knows it worked, on the others (which
+    read what it cached); a failure on any rank raises on every rank. Call on every rank, or alone."""
     from ...pipeline.agree import on_all_ranks
 
     first = on_all_ranks("tokenizing the data", load if local_rank == 0 else None, error=ValueError,
@@ -74,35 +66,32 @@ def load_on_each_node(load: Callable[[], T], local_rank: int) -> T:
 
 
 class JobBatches:
-    """The batches of a job: the built-in grammar's (:class:`~fp8dist.train.data.Batches`, by step, ``seq_len``
-    tokens per row) or those of ``corpus`` (:class:`TextBatches`, in order, ``seq_len + 1`` tokens per row, with a
-    position to save and ``eval_batches`` held-out batches per evaluation: :func:`eval_batch_count`). ValueError: the
-    corpus is shorter than a window or a global batch, or holds out too few windows."""
+    """The batches of a job: the grammar's (:class:`~fp8dist.train.data.Batches`, by step, ``seq_len`` tokens a row)
+    or ``corpus``'s (:class:`TextBatches`, in order, ``seq_len + 1`` tokens a row, with a position to save).
+    ValueError: the corpus is shorter than a window or a global batch, or holds out too few windows."""
 
     def __init__(self, corpus: TokenCorpus | None, *, batch_size: int, seq_len: int, seed: int, rank: int = 0,
                  world_size: int = 1, eval_batches: int | None = None) -> None:
         self.corpus = corpus
-        self.windows = corpus is not None
-        """Rows of ``seq_len + 1`` tokens (text), else ``seq_len`` (the grammar): see :func:`lm_loss`."""
+        self.windows = corpus is not None  # rows of seq_len + 1 tokens: see lm_loss
         args = dict(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed)
         self.grammar = Batches(**args) if corpus is None else None
         self.text = None if corpus is None else TextBatches(corpus, **args)
         self.eval_count = 0 if corpus is None else eval_batch_count(self.text, eval_batches)
 
     def take(self, step: int) -> torch.Tensor:
-        """This rank's batch of ``step`` (0-based); text batches are taken in order, one per step."""
+        """This rank's batch of ``step`` (0-based); text batches are taken in order, one per call."""
         return self.grammar[step] if self.text is None else self.text.next_batch()
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The text's position (:meth:`TextBatches.state_dict`); None for the grammar (its batches follow the step)."""
+        """The text's position; None for the grammar (its batches follow the step)."""
         return None if self.text is None else self.text.state_dict()
 
     def evaluate(self, model: Any, device: torch.device) -> float:
-        """The held-out loss (:func:`evaluate`); call on every rank, with text only."""
         return evaluate(model, self.text, self.eval_count, device)
 
     def describe(self) -> str:
-        """The corpus, its windows and the held-out batches, for a run's header ("" for the grammar)."""
+        """The corpus, windows and held-out batches for a run's header ("" for the grammar)."""
         if self.text is None:
             return ""
         return (f"data: {self.corpus.describe()}\ndata: {self.text.describe()}; each evaluation reads "
@@ -110,7 +99,7 @@ class JobBatches:
 
 
 def eval_batch_count(batches: TextBatches, asked: int | None) -> int:
-    """The held-out global batches one evaluation reads: ``asked``, or with None every full one up to
+    """The held-out global batches one evaluation reads: ``asked``, or every full one up to
     :data:`MAX_DEFAULT_EVAL_BATCHES`. ValueError: the split holds fewer full batches than asked (or none)."""
     full = len(batches.eval_windows) // batches.batch_size
     wanted = min(full, MAX_DEFAULT_EVAL_BATCHES) if asked is None else asked
@@ -126,18 +115,15 @@ def eval_batch_count(batches: TextBatches, asked: int | None) -> int:
 
 
 def eval_steps(steps: int, every: int) -> list[int]:
-    """The steps (counted from 1) after which a run of ``steps`` steps evaluates: every ``every``-th and the last
-    (``every`` 0: the last only)."""
+    """The steps (from 1) after which a run evaluates: every ``every``-th (0: none) and the last."""
     marks = set(range(every, steps + 1, every)) if every > 0 else set()
     return sorted(marks | {steps})
 
 
 def lm_loss(model: Any, batch: torch.Tensor, *, windows: bool) -> torch.Tensor:
-    """The mean next-token cross-entropy of token ids ``batch`` under ``model`` (a causal LM returning ``.logits``).
-    ``windows``: rows of ``seq_len + 1`` tokens (:class:`TextBatches`): the model reads ``batch[:, :-1]`` and
-    predicts ``batch[:, 1:]``, the loss computed here from the logits in fp32 (as transformers does), so no model
-    shifts the targets a second time. Else rows of ``seq_len`` (:class:`~fp8dist.train.data.Batches`):
-    transformers' ``labels=ids``, which shifts inside the model."""
+    """The mean next-token cross-entropy of ``batch`` under a causal LM. ``windows`` (rows of ``seq_len + 1``): the
+    model reads ``batch[:, :-1]``, the loss against ``batch[:, 1:]`` is computed here in fp32 (as transformers does),
+    so no model shifts the targets twice; else transformers' ``labels=batch``, shifted inside the model."""
     if not windows:
         return model(input_ids=batch, labels=batch).loss
     logits = model(input_ids=batch[:, :-1]).logits
@@ -146,8 +132,8 @@ def lm_loss(model: Any, batch: torch.Tensor, *, windows: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: Any, batches: TextBatches, num_batches: int, device: torch.device) -> float:
-    """The mean :func:`lm_loss` over the first ``num_batches`` held-out global batches (the same windows every time)
-    and every rank, in eval mode; the training position does not move. Call on every rank."""
+    """The mean :func:`lm_loss` over the first ``num_batches`` held-out global batches and every rank, in eval mode;
+    the training position does not move. Call on every rank."""
     was_training = model.training
     model.eval()
     try:

@@ -1,11 +1,6 @@
-"""Reading a corpus file as text to tokenize: plain UTF-8 text (the whole file is one document) or JSON lines (one
-object per line; its ``text`` field, or another named one, is one document).
-
-Plain text is handed to the tokenizer in pieces of about :data:`PIECE_BYTES`, cut only between a newline and a line
-that starts with a non-space character: byte-level BPE pre-tokenizers (GPT-2's, Llama 3's) split there anyway, so
-the pieces' tokens are the whole file's. (A SentencePiece tokenizer may add its word-start marker at each cut.)
-Every bad input raises ValueError naming the file, the line or byte, and the way out.
-"""
+"""Reading a corpus file as text to tokenize: plain UTF-8 text (the whole file one document) or JSON lines (each
+line an object whose ``text`` field, or another named one, is a document). Every bad input raises ValueError naming
+the file, the line or byte, and the way out."""
 
 from __future__ import annotations
 
@@ -21,12 +16,11 @@ from typing import Literal
 __all__ = ["FileIdentity", "file_kind", "check_source", "unread_text_field", "file_identity", "file_sha256",
            "read_pieces", "DEFAULT_TEXT_FIELD", "JSON_SUFFIXES", "PIECE_BYTES"]
 
-DEFAULT_TEXT_FIELD = "text"
-"""The JSON field holding a document's text when none is named."""
-JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-"""Files with these suffixes are read as JSON lines; any other as plain text."""
+DEFAULT_TEXT_FIELD = "text"  # the JSON field of a document's text when none is named
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")  # read as JSON lines; any other file as plain text
 PIECE_BYTES = 1 << 18
-"""Plain text is tokenized in pieces of about this many bytes."""
+"""Plain text is tokenized in pieces of about this many bytes, cut before a line that starts with a non-space:
+byte-level BPE pre-tokenizers (GPT-2's, Llama 3's) split there anyway (SentencePiece may add a word-start mark)."""
 _BATCH_BYTES = 1 << 22  # text handed to the tokenizer per call (it tokenizes a batch's items in parallel)
 _BATCH_ITEMS = 1024
 _HEAD_BYTES = 1 << 20
@@ -35,13 +29,11 @@ Kind = Literal["text", "jsonl"]
 
 
 def file_kind(path: str | os.PathLike) -> Kind:
-    """"jsonl" for a name ending in one of :data:`JSON_SUFFIXES`, else "text"."""
     return "jsonl" if Path(path).suffix.lower() in JSON_SUFFIXES else "text"
 
 
 def check_source(path: str | os.PathLike) -> Path:
-    """``path`` as an absolute Path; ValueError unless it is a non-empty readable regular file. Call before
-    tokenizing, so that nothing is written for a bad path."""
+    """``path`` as an absolute Path; ValueError unless it is a non-empty readable regular file."""
     given = str(path)
     try:
         p = Path(path).expanduser().resolve()
@@ -81,23 +73,20 @@ def unread_text_field(paths: list[Path], text_field: str) -> str | None:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What says a file is unchanged without reading all of it: its size, its mtime and a hash of its head."""
+    """What says a file is unchanged without reading all of it."""
 
     size: int
     mtime_ns: int
-    head_sha256: str
-    """sha256 of the first MiB."""
+    head_sha256: str  # of the first MiB
 
 
 def file_identity(path: Path) -> FileIdentity:
-    """The :class:`FileIdentity` of ``path`` now."""
     status = path.stat()
     with open(path, "rb") as f:
         return FileIdentity(status.st_size, status.st_mtime_ns, hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest())
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of the whole file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -108,9 +97,8 @@ def file_sha256(path: Path) -> str:
 def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Hash,
                 progress: Callable[[int], object]) -> Iterator[tuple[list[str], list[bool]]]:
     """Batches of ``(texts, ends)`` to tokenize in order: ``ends[i]`` says text ``i`` closes a document (an EOS
-    follows it). Every byte read goes into ``digest`` and its count to ``progress``. ValueError: a NUL byte (a
-    binary file), bytes that are not UTF-8, a JSON line that is not an object with a string ``text_field``, or a
-    JSON-lines file without a single object."""
+    follows). Every byte read goes into ``digest`` and its count to ``progress``. ValueError: a binary or non-UTF-8
+    file, a JSON line that is not an object with a string ``text_field``, or a JSON-lines file without one."""
     pieces = _json_documents(path, text_field, digest) if kind == "jsonl" else _text_pieces(path, digest)
     texts, ends, size = [], [], 0
     for text, end, raw in pieces:
@@ -126,7 +114,6 @@ def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Has
 
 
 def _decode(path: Path, raw: bytes, offset: int) -> str:
-    """``raw`` (read at byte ``offset`` of ``path``) as text; ValueError naming the byte otherwise."""
     nul = raw.find(b"\0")
     if nul >= 0:
         raise ValueError(f"data file {str(path)!r} looks binary (a NUL byte at byte {offset + nul:,}): pass UTF-8 "
@@ -140,8 +127,6 @@ def _decode(path: Path, raw: bytes, offset: int) -> str:
 
 
 def _text_pieces(path: Path, digest: hashlib._Hash) -> Iterator[tuple[str, bool, int]]:
-    """The file in pieces of about :data:`PIECE_BYTES`, cut before a line that starts with a non-space byte; the
-    last piece closes the file's one document."""
     buffer: list[bytes] = []
     size = start = 0
     with open(path, "rb") as f:
@@ -159,7 +144,6 @@ def _text_pieces(path: Path, digest: hashlib._Hash) -> Iterator[tuple[str, bool,
 
 
 def _json_documents(path: Path, field: str, digest: hashlib._Hash) -> Iterator[tuple[str, bool, int]]:
-    """Each non-blank line's ``field``, a whole document."""
     offset = documents = 0
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):

@@ -1,8 +1,6 @@
-"""The tokenizer of a real-text corpus: a Hugging Face *fast* tokenizer read from a directory written by
-``save_pretrained`` (local files only: nothing is ever fetched from the Hub), its fingerprint for the token cache,
-the check that it fits the model's embedding, and a small byte-level BPE trainer for corpora that have no
-tokenizer yet (``benchmarks/real_text/prepare.py``, the tests).
-"""
+"""The tokenizer of a real-text corpus: a Hugging Face fast tokenizer from a ``save_pretrained`` directory (local files
+only), its fingerprint for the token cache, the check that it fits the model's embedding, and a byte-level BPE
+trainer for corpora that have no tokenizer yet."""
 
 from __future__ import annotations
 
@@ -17,17 +15,12 @@ __all__ = ["load_tokenizer", "tokenizer_fingerprint", "check_vocab_fits", "train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
-"""The files one of which a directory written by a tokenizer's ``save_pretrained`` holds."""
+"""A directory a tokenizer's ``save_pretrained`` wrote holds one of these."""
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Any:
-    """The ``transformers`` fast tokenizer, with an EOS token, saved in ``directory`` (by a tokenizer's or a
-    model's ``save_pretrained``), read from local files only.
-
-    Raises:
-        ValueError: ``directory`` is not a directory, holds no tokenizer files, cannot be read as a fast tokenizer,
-            or its tokenizer has no EOS token (documents are joined with it).
-    """
+    """The fast tokenizer saved in ``directory``, read from local files only. ValueError: not a directory, no
+    tokenizer files, not readable as a fast tokenizer, or no EOS token (documents are joined with it)."""
     from transformers import AutoTokenizer
 
     path = Path(directory)
@@ -56,9 +49,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A sha256 of what tokenization depends on: the fast tokenizer's full serialization (normalizer,
-    pre-tokenizer, model, added tokens) and its EOS id. A re-saved identical tokenizer keeps its fingerprint;
-    other files in its directory (a model's weights) are never read."""
+    """A sha256 of what tokenization depends on: the fast tokenizer's full serialization and its EOS id (a re-saved
+    identical tokenizer keeps it; other files in its directory are not read)."""
     digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
     digest.update(json.dumps({"eos_token_id": tokenizer.eos_token_id}).encode())
     return digest.hexdigest()
@@ -66,9 +58,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def check_vocab_fits(tokenizer_size: int, embedding_size: int, *, tokenizer: str = "the tokenizer",
                      model: str = "the model") -> None:
-    """Raise ValueError unless every token id of a tokenizer of ``tokenizer_size`` ids (``len(tokenizer)``,
-    added tokens included) has a row in an embedding of ``embedding_size`` rows (the model's ``vocab_size``).
-    Call before training: an id past the embedding fails later, deep in an indexing kernel."""
+    """ValueError unless each of ``tokenizer_size`` ids (``len(tokenizer)``) has a row in an embedding of
+    ``embedding_size``; call before training: an id past the embedding fails later, deep in an indexing kernel."""
     if tokenizer_size > embedding_size:
         raise ValueError(f"{tokenizer} has {tokenizer_size:,} token ids and {model}'s embedding has "
                          f"{embedding_size:,} rows, so ids {embedding_size:,}..{tokenizer_size - 1:,} have no "
@@ -78,9 +69,8 @@ def check_vocab_fits(tokenizer_size: int, embedding_size: int, *, tokenizer: str
 
 def train_tokenizer(texts: Iterable[str], directory: str | os.PathLike, *, vocab_size: int = 8192,
                     eos_token: str = "<|endoftext|>") -> Any:
-    """Train a byte-level BPE (GPT-2's scheme: any UTF-8 text round-trips, nothing is unknown) of ``vocab_size``
-    ids on ``texts``, with ``eos_token`` as its one special token, save it as a fast tokenizer in ``directory``
-    (what :func:`load_tokenizer` reads) and return it: for a corpus with no tokenizer (none is downloaded)."""
+    """Train a byte-level BPE (GPT-2's scheme: any UTF-8 text round-trips) of ``vocab_size`` ids on ``texts``, with
+    ``eos_token`` its one special token, save it as a fast tokenizer in ``directory`` and return it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

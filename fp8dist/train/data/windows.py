@@ -1,22 +1,6 @@
-"""Training and held-out batches from a :class:`~fp8dist.train.data.corpus.TokenCorpus`.
-
-The token stream is cut into consecutive windows of ``seq_len + 1`` tokens (the last, partial one is dropped): a
-window's first ``seq_len`` tokens are the input and its last ``seq_len`` the targets, so every token of a window is
-predicted once (torchtitan's packing; documents are already joined with the EOS id, and attention is not masked at
-document borders).
-
-Held-out split, by windows: a fixed permutation of the windows (:data:`SPLIT_SEED`, not the run's seed) puts
-``eval_fraction`` of them aside. Chosen over a split by documents because it works for any corpus (a single
-plain-text file is one document), gives an exact held-out size, and shares no token between the two sets; the
-price: a held-out window's neighbours in its document may be trained on (hold out whole files, as separate data,
-for unseen documents).
-
-Training order: epoch ``e`` visits the training windows in a permutation seeded by ``(seed, e)``. A global batch of
-``batch_size`` windows starts at the position ``(epoch, index)`` (it may run into the next epoch), and each rank
-reads its contiguous slice: the global batches are the same for every world size. :meth:`TextBatches.state_dict`
-saves the position (for a checkpoint's ``extra``); after :meth:`TextBatches.load_state_dict` the batches equal
-those of an uninterrupted run.
-"""
+"""Training and held-out batches from a :class:`~fp8dist.train.data.corpus.TokenCorpus`, cut into consecutive windows
+of ``seq_len + 1`` tokens (torchtitan's packing: documents joined with the EOS id, attention not masked at their
+borders; the last partial window dropped)."""
 
 from __future__ import annotations
 
@@ -33,25 +17,16 @@ from .corpus import TokenCorpus
 
 __all__ = ["TextBatches", "DEFAULT_EVAL_FRACTION", "SPLIT_SEED"]
 
-DEFAULT_EVAL_FRACTION = 0.05
-"""Share of the windows held out for validation (Hugging Face's run_clm example holds out 5% too)."""
-SPLIT_SEED = 0
-"""Seed of the held-out split: fixed, so every run on a corpus (any ``seed``) evaluates the same windows."""
+DEFAULT_EVAL_FRACTION = 0.05  # share of the windows held out, as Hugging Face's run_clm example
+SPLIT_SEED = 0  # fixed: every run on a corpus (any seed) evaluates the same windows
 
 
 class TextBatches:
-    """This rank's slices of shuffled global batches of ``seq_len + 1``-token windows, and of held-out batches.
-
-    Args:
-        corpus: the tokenized files (:func:`~fp8dist.train.data.load_text_corpus`).
-        batch_size: global batch in windows (over all ranks); must split evenly over ``world_size``.
-        seed: the training order's seed (a non-negative int).
-        eval_fraction: share of the windows held out (0: none), in [0, 1).
-
-    Raises:
-        ValueError: a bad argument, a corpus shorter than one window, or fewer training windows than a global
-            batch (with the tokens the corpus has and needs).
-    """
+    """This rank's slices of shuffled global batches of windows (``batch_size`` over all ranks: the same for every
+    world size), and of held-out batches. A fixed permutation puts ``eval_fraction`` of the windows aside: unlike a
+    split by documents it works for one plain-text file, is exact and shares no token (a held-out window's
+    neighbours may be trained on). Epoch ``e`` visits the training windows in a permutation seeded by ``(seed, e)``.
+    ValueError: a bad argument, a corpus shorter than a window, or fewer training windows than a global batch."""
 
     def __init__(self, corpus: TokenCorpus, *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
@@ -71,8 +46,7 @@ class TextBatches:
                              f"{self.window:,}: add text or lower seq_len to {corpus.num_tokens - 1:,} or less.")
         split = np.random.default_rng(SPLIT_SEED).permutation(count)
         held = math.ceil(self.eval_fraction * count) if self.eval_fraction else 0
-        self.eval_windows = split[:held]
-        """Held-out window numbers, in the order the held-out batches take them."""
+        self.eval_windows = split[:held]  # in the order the held-out batches take them
         self.train_windows = np.sort(split[held:])
         if len(self.train_windows) < batch_size:
             need = (batch_size + held) * self.window
@@ -91,8 +65,7 @@ class TextBatches:
         return self.epoch, self.index
 
     def next_batch(self) -> torch.Tensor:
-        """This rank's ``[batch_size / world_size, seq_len + 1]`` token ids (int64) of the next global batch
-        (inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``); the position moves on by ``batch_size`` windows."""
+        """This rank's ``[batch_size / world_size, seq_len + 1]`` int64 token ids of the next global batch."""
         done = self.epoch * len(self.train_windows) + self.index
         start = done + self.rank * self.per_rank
         windows = [self._train_window(g) for g in range(start, start + self.per_rank)]
@@ -101,7 +74,7 @@ class TextBatches:
 
     def eval_batches(self, num_batches: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's slices of the first ``num_batches`` held-out global batches (default: every full one), the
-        same on every call; the training position does not move. ValueError: too few held-out windows."""
+        same on every call. ValueError: too few held-out windows."""
         full = len(self.eval_windows) // self.batch_size
         if num_batches is not None and num_batches < 1:
             raise ValueError(f"num_batches={num_batches} must be at least 1 (None: every full held-out batch).")
@@ -117,14 +90,13 @@ class TextBatches:
             yield self._stack(self.eval_windows[start:start + self.per_rank].tolist())
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and what it is a position in (corpus, seq_len, split, seed): JSON-serializable, for a
-        checkpoint's ``extra``. Save it after the step whose batch was taken last."""
+        """The position and the stream it is in (JSON-serializable, for a checkpoint's ``extra``); after
+        :meth:`load_state_dict` the batches equal an uninterrupted run's."""
         return {"epoch": self.epoch, "index": self.index, **self._stream()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at the position ``state`` (from :meth:`state_dict`) saved; the batch and world sizes may differ
-        from the saved run's. ValueError naming what changed when ``state`` is of another stream (the files,
-        tokenizer, seq_len, eval_fraction or seed)."""
+        """Continue at the position ``state`` saved (batch and world sizes may differ). ValueError naming what
+        changed when ``state`` is of another stream (files, tokenizer, seq_len, eval_fraction or seed)."""
         mine = self._stream()
         changed = [k for k in mine if state.get(k) != mine[k]]
         if changed:
@@ -139,7 +111,6 @@ class TextBatches:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
     def describe(self) -> str:
-        """One line: windows, split, order."""
         return (f"{len(self.train_windows) + len(self.eval_windows):,} windows of {self.window:,} tokens: "
                 f"{len(self.train_windows):,} for training (shuffled per epoch, seed {self.seed}), "
                 f"{len(self.eval_windows):,} held out ({100 * self.eval_fraction:g}%)")
