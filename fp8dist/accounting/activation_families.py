@@ -1,7 +1,6 @@
-"""What autograd saves for backward in one decoder layer, per Hugging Face ``model_type`` (:data:`FAMILIES`); a
-model_type not in the table gets no activation figure. Notation: T tokens, hidden h, intermediate i, a query heads
-and kv key/value heads of head dim d; c, r, n bytes as :class:`Saves` says. Not modelled: eager attention's scores,
-a router's jitter, ``output_router_logits``, rotary cos/sin and the input ids (a few KiB)."""
+"""What autograd saves for backward in one decoder layer, per Hugging Face ``model_type`` (:data:`FAMILIES`; others
+get no figure). T tokens, hidden h, intermediate i, a query and kv key/value heads of dim d, c/r/n bytes (``Saves``).
+Not modelled: eager attention's scores, a router's jitter, ``output_router_logits``, rotary cos/sin, the input ids."""
 
 from __future__ import annotations
 

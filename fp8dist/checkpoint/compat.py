@@ -89,22 +89,19 @@ def _strategies_of(fmt: str) -> str:
     return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 
 
-def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:
-    """How a checkpoint was saved and the way out of its format, as the format's owner says them."""
+def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
+    """Formats differ: what was saved and what is loading, each as its format's owner says it, and the way out."""
     saver = STRATEGIES.get(meta["strategy"])
     own = saver.checkpoint if saver is not None else None
     if own is not None:
-        return f", {own.saved_as}", own.way_out(meta, path)
-    if meta["engine"] != DCP:  # a strategy not registered here
-        return f" (its own format {meta['engine']!r})", f"load it into strategy={meta['strategy']!r}"
-    return " (torch.distributed.checkpoint)", (
-        f"load it into strategy {_strategies_of(DCP)}, or turn it into one file with torch's converter (python -m "
-        f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into the "
-        "model before wrap_model and start a new optimizer; or save from the strategy you load into")
-
-
-def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
-    saved, way_out = _saved_side(meta, path)
+        saved, way_out = f", {own.saved_as}", own.way_out(meta, path)
+    elif meta["engine"] != DCP:  # a strategy not registered here
+        saved, way_out = f" (its own format {meta['engine']!r})", f"load it into strategy={meta['strategy']!r}"
+    else:
+        saved, way_out = " (torch.distributed.checkpoint)", (
+            f"load it into strategy {_strategies_of(DCP)}, or turn it into one file with torch's converter (python -m "
+            f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into "
+            "the model before wrap_model and start a new optimizer; or save from the strategy you load into")
     own = get_strategy(now["strategy"]).checkpoint
     loading = own.loads_only if own is not None else \
         f"this model uses strategy {now['strategy']!r} (torch.distributed.checkpoint)"

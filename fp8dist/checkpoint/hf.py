@@ -18,9 +18,9 @@ from torch import nn
 
 from ..pipeline.files import atomic_write, atomic_write_text, check_output_path
 from ..config.dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
-from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE
+from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, _persistent_buffers
 from ..strategies import unwrap_model
-from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
+from ..strategies.local_shards import gather_full, local_params, original_class
 from ..pipeline.agree import on_all_ranks, rank_world
 
 __all__ = ["save_pretrained", "export_dtype"]
@@ -72,12 +72,6 @@ def check_out_dir(out: Path, what: str) -> None:
     on_all_ranks(what, check, error=ValueError, passthrough=(ValueError,))
 
 
-def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(plain_name(f"{prefix}.{name}" if prefix else name), buf)
-            for prefix, module in inner.named_modules() for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set]
-
-
 def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
     """Names grouped into files of at most ``limit`` bytes (a tensor larger than that gets a file of its own)."""
     files: list[list[str]] = [[]]
@@ -89,10 +83,6 @@ def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
         files[-1].append(name)
         size += nbytes
     return files
-
-
-def _file_names(count: int) -> list[str]:
-    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
@@ -142,13 +132,14 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     rank = rank_world()[0]
     check_out_dir(out, f"fp8dist.save_pretrained: checking {out}")
     inner = unwrap_model(model)
-    buffers = _persistent_buffers(inner)
+    buffers = _persistent_buffers(inner).items()
     size = torch.tensor([], dtype=dtype).element_size()
     entries = [(p.names[0], math.prod(p.shape) * size) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))
                 for name, buf in buffers]
     files = _plan_files(entries, limit)
-    names = _file_names(len(files))
+    names = [SINGLE_FILE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                   for i in range(len(files))]
     file_of = {name: names[i] for i, group in enumerate(files) for name in group}
     closes = {group[-1]: names[i] for i, group in enumerate(files)}  # the tensor that completes each file
     writer = _Writer(out, rank)

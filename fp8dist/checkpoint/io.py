@@ -77,6 +77,7 @@ def check_supported(info) -> None:
                               "trains its own copy and would write the same checkpoint. Use one process, or "
                               "strategy='ddp'.")
 
+
 def rng_state() -> dict[str, Any]:
     """Plain tensors and numbers only, so that they load with ``weights_only=True``."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -104,6 +105,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
 
+
 def _options(trainable_only: bool) -> Any:
     """DCP's state-dict options: ``trainable_only`` saves and loads without the frozen parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -113,25 +115,22 @@ def _options(trainable_only: bool) -> Any:
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                trainable_only: bool = False) -> dict[str, Any]:
-    """The model's (and optimizer's) state dicts by plain names; the optimizer's matrices of a parameter held
-    transposed (a Conv1D run by Transformer Engine) transposed back, so a checkpoint loads with or without it."""
+    """The model's (and optimizer's) state dicts by plain names, in the layout checkpoints hold."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=_options(trainable_only))}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
-    _transpose_states(optim_sd, _transposed_names(model))
+    _transpose_states(optim_sd, model)
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _transposed_names(model: nn.Module) -> set[str]:
+def _transpose_states(optim_sd: dict[str, Any], model: nn.Module) -> None:
+    """Transposed views of the 2-D optimizer states of parameters held transposed (a Conv1D run by Transformer
+    Engine), so a checkpoint loads with or without it; a new dict each (the optimizer shares the old)."""
     from ..strategies.local_shards import local_params
 
-    return {n for p in local_params(model) if p.transposed for n in p.names}
-
-
-def _transpose_states(optim_sd: dict[str, Any], names: set[str]) -> None:
-    """Transposed views of the 2-D optimizer states of ``names`` (a new dict each: the optimizer shares the old)."""
+    names = {n for p in local_params(model) if p.transposed for n in p.names}
     for name in names & set(optim_sd.get("state", {})):
         optim_sd["state"][name] = {key: _transposed(value) if isinstance(value, torch.Tensor) and value.dim() == 2
                                    else value for key, value in optim_sd["state"][name].items()}
@@ -159,12 +158,6 @@ def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
     return {k: model_sd.pop(k) for k in [k for k in model_sd if k.split(".")[-1] == "_extra_state"]}
 
 
-def _as_tensors(extra: dict[str, Any]) -> dict[str, Any]:
-    """Extra states as tensors (older TE versions return a BytesIO), so that they load with weights_only=True."""
-    return {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
-            for k, v in extra.items() if v is not None}
-
-
 def model_layout(model: nn.Module, strategy: Strategy,
                  trainable_only: bool = False) -> tuple[dict[str, list[int]], list[str]]:
     """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries."""
@@ -184,7 +177,9 @@ def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
     import torch.distributed.checkpoint as dcp
 
     state = _dcp_state(model, optimizer, trainable_only)
-    extra_state = _as_tensors(_pop_extra_state(state["model"]))
+    # as tensors (older TE versions give a BytesIO), so that they load with weights_only=True
+    extra_state = {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
+                   for k, v in _pop_extra_state(state["model"]).items() if v is not None}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=no_dist())
     if extra_state:  # after DCP's collectives: a failure here is this rank's alone, shared by the caller
         torch.save(extra_state, tmp / f"fp8_state_rank{rank_world()[0]}.pt")
@@ -275,7 +270,7 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_options(trainable_only))
         return
-    _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
+    _transpose_states(state["optim"], model)  # back to the parameters' own layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(trainable_only))
 

@@ -42,34 +42,23 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def _other_kind(path: Path) -> str | None:
-    own = [s.checkpoint.written_by_hand for s in STRATEGIES.values() if s.checkpoint is not None]
-    for marks, what, way_out in (*_OTHER_KINDS, *own):
-        found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
-        if found is not None:
-            return f"is {what} ({found}), not an fp8dist checkpoint directory: {way_out}"
-    return None
-
-
-def _enclosing_checkpoint(path: Path) -> Path | None:
-    """The checkpoint (a folder holding meta.json) that ``path`` is, or is inside."""
-    return next((p for p in (path, *path.parents) if _one_checkpoint(p)), None)
-
-
 def _refuse_foreign(given: str | os.PathLike) -> Path:
     """``given`` as a Path; CheckpointError for a file, a folder inside a checkpoint, or one of another kind."""
     path = Path(given)
     mismatch = wrong_kind(path, name="path", directory=True)
     if mismatch is not None:
         raise CheckpointError(mismatch)
-    checkpoint = _enclosing_checkpoint(path)
+    checkpoint = next((p for p in (path, *path.parents) if _one_checkpoint(p)), None)  # path is it, or inside it
     if checkpoint is not None and checkpoint != path:
         raise CheckpointError(f"'{path}' is inside the checkpoint '{checkpoint}': pass that checkpoint, or the "
                               f"checkpoint directory above it ('{checkpoint.parent}').")
     if checkpoint is None and path.is_dir() and not step_dirs(path):  # DeepSpeed's folders have a `latest` too
-        other = _other_kind(path)
-        if other is not None:
-            raise CheckpointError(f"'{path}' {other}; checkpoints go to a directory of their own.")
+        own = [s.checkpoint.written_by_hand for s in STRATEGIES.values() if s.checkpoint is not None]
+        for marks, what, way_out in (*_OTHER_KINDS, *own):
+            found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
+            if found is not None:
+                raise CheckpointError(f"'{path}' is {what} ({found}), not an fp8dist checkpoint directory: {way_out}; "
+                                      "checkpoints go to a directory of their own.")
     return path
 
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from ..pipeline.agree import rank_world
-from ..pipeline.files import atomic_write
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
-from .hf import _dtype, _persistent_buffers, _Writer, check_out_dir
+from ..pipeline.pretrained import _persistent_buffers
+from .hf import _dtype, _write_file, _Writer, check_out_dir
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
 
@@ -47,25 +47,22 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
         save_adapters(model, "out")                       # after training, on every rank
         PeftModel.from_pretrained(base, "out")            # anywhere
     """
-    from safetensors.torch import save_file
-
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     # by name, as PEFT picks them: FSDP1's flat parameters hide which of their parameters train
     full = _gathered(model, out, lambda name: "lora_" in name)
-    writer = _Writer(out, rank_world()[0])
 
     def write() -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
         # PEFT's names drop the adapter's (as get_peft_model_state_dict, which misses FSDP1-wrapped adapters)
         tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v.to(dtype).contiguous() for k, v in full.items()}
-        atomic_write(out / ADAPTER_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        _write_file(out / ADAPTER_FILE, tensors)
         config = inner.peft_config["default"]
         if base_model is not None:
             config.base_model_name_or_path = str(base_model)
         config.save_pretrained(str(out))
         return [ADAPTER_FILE, "adapter_config.json"]
 
-    writer.run(f"writing {ADAPTER_FILE} into {out}", write)
+    _Writer(out, rank_world()[0]).run(f"writing {ADAPTER_FILE} into {out}", write)
     return out
 
 
@@ -91,7 +88,7 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner)})  # every rank holds them whole
+    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner).items()})  # every rank holds them whole
 
     def write() -> list[str]:
         merged = _merged(inner, full)

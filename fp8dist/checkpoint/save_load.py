@@ -80,6 +80,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
                                   "damaged. Load an older checkpoint (its step_* folders).")
     return meta
 
+
 def _discard(path: Path) -> None:
     """Remove a directory so that a crash half-way never leaves something that looks like a checkpoint."""
     trash = path.with_name(f".trash-{path.name}")
