@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from ..pipeline.files import wrong_kind
+from ..pipeline.files import check_output_path, wrong_kind
 from ..strategies import STRATEGIES
 from .io import CheckpointError
 
@@ -92,6 +92,10 @@ def save_root(path: str | os.PathLike) -> Path:
     if _one_checkpoint(root):
         raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: saving into it would put "
                               f"checkpoints inside a checkpoint. Save into the directory above it ('{root.parent}').")
+    try:
+        check_output_path(root, name="path", directory=True)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     return root
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config.args import require_bool
-from ..pipeline.files import atomic_write_text, check_output_path, fsync_dir
+from ..pipeline.files import atomic_write_text, fsync_dir
 from ..pipeline.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
@@ -127,14 +127,6 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
     return extra
 
 
-def _check_target(root: Path) -> Path:
-    try:
-        check_output_path(root, name="path", directory=True)
-    except ValueError as err:
-        raise CheckpointError(str(err)) from None
-    return root
-
-
 def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
@@ -196,7 +188,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     require_bool("trainable_only", trainable_only)
     (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
-    root = on_all_ranks("save_checkpoint", lambda: _check_target(save_root(path)), error=CheckpointError,
+    root = on_all_ranks("save_checkpoint", lambda: save_root(path), error=CheckpointError,
                         passthrough=refusals)  # every rank writes there: checked on each
     name = step_name(step)
     tmp, final = root / f".tmp-{name}", root / name
