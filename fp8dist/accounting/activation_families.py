@@ -1,43 +1,6 @@
-"""What autograd saves for backward in one decoder layer, family by family (the private half of the activation
-estimate in :mod:`fp8dist.accounting.estimate_activations`).
-
-:data:`FAMILIES` maps a Hugging Face ``model_type`` to a :class:`Family`: its layer formula, its final norm and
-the module types whose weights autocast casts (a copy kept until backward under ddp/none). A model_type not in
-the table gets no activation figure, never another family's.
-
-Notation: T tokens of a micro-batch, hidden h, intermediate i, a query heads and kv key/value heads of head dim d;
-c bytes of the compute dtype (param_dtype); r of the residual stream (c under FSDP/DeepSpeed, which cast the
-weights; the model's own dtype under ddp/none, whose autocast casts only GEMM inputs); n bytes of a norm's
-output (r, or 4 where autocast runs LayerNorm in fp32). Shared by every family:
-
-- a GEMM's input is saved once in c when the GEMMs reading it share it, once per GEMM where autocast casts it
-  (its dtype differs from c); an FP8 Linear of Transformer Engine or MS-AMP saves its own FP8 copy (1 byte per
-  element) instead, torchao saves the high-precision input (as a plain Linear)
-- RMSNorm (llama, mixtral): its fp32 upcast (4Th), the normalized input (rTh), the rsqrt (4T); a TE RMSNorm
-  saves only its input and rsigma. LayerNorm (gpt2, gpt_neox): its input (nTh) and fp32 mean and rstd (8T)
-- attention through SDPA's flash or memory-efficient kernel: q, k, v as the tensors handed to it (a view keeps
-  its whole storage), the output, the fp32 log-sum-exp (4Ta); no seq x seq scores
-- dropout with p > 0 (gpt2 by default): a 1-byte mask per element (CUDA's ``native_dropout``; a CPU run saves
-  its noise in the input's dtype instead); attention dropout happens inside the kernel (nothing more saved)
-
-Per family, beyond that (with the KV cache of ``use_cache=True``, which Hugging Face builds in training too):
-
-- llama: q, k after RoPE and v in c; gate and up outputs and silu(gate) (3cTi), down's input (cTi)
-- mixtral: llama's attention; the router's input, its fp32 softmax (4TE), top-k ids (int64) and weights (fp32);
-  the experts through transformers' grouped_mm path in the weights' dtype (r) for S = T x top_k token-expert
-  pairs on average: the gathered input (rSh), the gate_up output (2rSi), silu(gate) and the product (2rSi), the
-  expert output (rSh), the routing weights (4S), three int64 index vectors (24S) and the offsets
-- gpt2 (Conv1D, fused c_attn, learned positions): q a view of c_attn's output (3cTh kept whole), k and v the
-  cache's copies (2cTh; views of the same storage without a cache); the activation's own saves (gelu_new: 4 of
-  cTi) and c_proj's input (cTi)
-- gpt_neox (fused query_key_value, RoPE on part of each head, parallel residual): q and k from the rotary
-  concatenation (2cTh), v the cache's copy (cTh; a view of the fused output, 3cTh, without a cache), the output
-  and the dense layer's contiguous copy of it (2cTh); under the parallel residual both LayerNorms read the same
-  saved input; the activation's saves and dense_4h_to_h's input
-
-Not modelled: activation checkpointing, eager attention (seq x seq scores), a router's jitter noise, the
-load-balancing loss of ``output_router_logits``, rotary cos/sin and the input ids (a few KiB).
-"""
+"""What autograd saves for backward in one decoder layer, per Hugging Face ``model_type`` (:data:`FAMILIES`; others
+get no figure). T tokens, hidden h, intermediate i, a query and kv key/value heads of dim d, c/r/n bytes (``Saves``).
+Not modelled: eager attention's scores, a router's jitter, ``output_router_logits``, rotary cos/sin, the input ids."""
 
 from __future__ import annotations
 
@@ -49,8 +12,8 @@ __all__ = ["Saves", "Family", "FAMILIES", "ACTIVATION_SAVES", "dims", "activatio
 
 ACTIVATION_SAVES = {"silu": 1, "swish": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "gelu_new": 4, "gelu_fast": 7,
                     "gelu_python": 3, "gelu_accurate": 4, "quick_gelu": 2, "relu": 0, "relu2": 1, "mish": 1}
-"""Tensors of the activation's input size that transformers' ``ACT2FN[name]`` saves besides its output (which
-the next GEMM saves anyway): relu keeps only its output; gelu_new, written out in Python, keeps four."""
+"""Tensors of the input's size that transformers' ``ACT2FN[name]`` saves besides its output (which the next GEMM
+saves anyway)."""
 
 _INDEX = 8  # bytes of an int64 index
 _FP32 = 4
@@ -58,10 +21,11 @@ _FP32 = 4
 
 @dataclass(frozen=True)
 class Saves:
-    """One micro-batch as the formulas need it: T tokens; c, r, n bytes (module docstring); per module name
-    its plan precision; whether FP8 Linears save an FP8 copy (TE, MS-AMP), whether the FP8 backend swapped the
-    norms for its own (TE's), and whether the forward builds a KV cache (the config's ``use_cache``, which
-    wrap_model turns off under compile)."""
+    """One micro-batch: T tokens; c bytes of the compute dtype; r of the residual stream (c under FSDP/DeepSpeed,
+    the model's own dtype under an autocast forward); n of a norm's output (r, or 4 where autocast runs LayerNorm
+    in fp32); each module's plan precision; whether FP8 Linears save a 1-byte copy (TE, MS-AMP; torchao saves the
+    high-precision input), whether the FP8 backend swapped the norms for its own (TE's keep only input and
+    rsigma), and whether the forward builds a KV cache (``use_cache``, off under compile)."""
 
     T: int
     c: int
@@ -73,7 +37,8 @@ class Saves:
     kv_cache: bool
 
     def inputs(self, names: Sequence[str], elements: int, in_bytes: int) -> int:
-        """Bytes the GEMMs ``names`` save of the one tensor they read (``elements`` per copy, ``in_bytes`` each)."""
+        """Bytes the GEMMs ``names`` save of the one tensor they read: once in c when shared, once per GEMM where
+        autocast casts it (``in_bytes`` != c), an FP8 copy per FP8 GEMM."""
         present = [m for m in names if m in self.decisions] or list(names)
         fp8 = sum(1 for m in present if self.fp8_saves and self.decisions.get(m) == "fp8")
         rest = len(present) - fp8
@@ -85,13 +50,15 @@ class Saves:
         return elements * sum(1 for m in names if self.fp8_saves and self.decisions.get(m) == "fp8")
 
     def rms_norm(self, h: int) -> int:
+        # fp32 upcast, the normalized input, the rsqrt
         return (self.r * self.T * h if self.swapped_norms else (_FP32 + self.r) * self.T * h) + _FP32 * self.T
 
     def layer_norm(self, h: int, *, input_saved: bool = True) -> int:
+        # the input, fp32 mean and rstd
         return (self.n * self.T * h if input_saved else 0) + 2 * _FP32 * self.T
 
     def dropout(self, p: Any, elements: int) -> int:
-        """A 1-byte mask when ``p`` > 0 (in training)."""
+        """CUDA's ``native_dropout`` keeps a 1-byte mask when ``p`` > 0 (a CPU run saves its noise instead)."""
         return elements if p else 0
 
 
@@ -113,8 +80,7 @@ def _names(prefix: str, *names: str) -> list[str]:
 
 
 def _rope_attention(s: Saves, d: dict[str, int], prefix: str) -> int:
-    """Llama-style attention: q/k/v projections of the norm's output, q and k after RoPE, v, the output (which
-    o_proj reads), the log-sum-exp."""
+    """q/k/v's input, q and k after RoPE and v as handed to SDPA, the output, the fp32 log-sum-exp (4Ta)."""
     T, h, a, kv, hd = s.T, d["h"], d["a"], d["kv"], d["d"]
     total = s.inputs(_names(prefix, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), T * h, s.r)
     total += s.c * T * (2 * a * hd + 2 * kv * hd) + _FP32 * T * a
@@ -130,6 +96,7 @@ def _llama_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
 
 
 def _mixtral_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
+    """Experts through transformers' grouped_mm path, in the weights' dtype (r), for T x top_k token-expert pairs."""
     T, h, i = s.T, d["h"], d["i"]
     experts, top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
     pairs = T * top_k  # token-expert pairs, tokens / expert = pairs / experts on average
@@ -148,6 +115,7 @@ def _activation(config: Any, key: str) -> tuple[int, str | None]:
 
 
 def _gpt2_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
+    """Fused c_attn: q a view of its output (kept whole), k and v the KV cache's copies (views without a cache)."""
     T, h, i, a = s.T, d["h"], d["i"], d["a"]
     total = s.layer_norm(h) + s.inputs(_names(prefix, "attn.c_attn"), T * h, s.n)
     total += s.c * T * h * (3 + (2 if s.kv_cache else 0) + 1) + _FP32 * T * a  # q's storage, k, v, output
@@ -159,6 +127,8 @@ def _gpt2_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
 
 
 def _gpt_neox_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
+    """Fused query_key_value, partial RoPE (q, k from its concatenation), v the cache's copy (else a view of the
+    fused output), dense's contiguous copy of the output; the parallel residual's norms share one saved input."""
     T, h, i, a = s.T, d["h"], d["i"], d["a"]
     shared = config.use_parallel_residual and s.n == s.r  # both norms read the layer's input, saved once
     total = s.layer_norm(h) + s.layer_norm(h, input_saved=not shared)
@@ -193,8 +163,7 @@ FAMILIES: dict[str, Family] = {
                    embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"])),
     "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act"),
 }
-"""Hugging Face ``model_type`` -> its activation formulas; each checked against the tensors autograd saves on a
-small real model (tests/test_estimate.py)."""
+"""Each checked against the tensors autograd saves on a small real model (tests/test_estimate.py)."""
 
 
 def activation_note(family: Family, config: Any) -> str | None:

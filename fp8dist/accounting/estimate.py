@@ -1,30 +1,6 @@
-"""Pre-flight memory estimate: model-state bytes per rank (and activations for one micro-batch) for a strategy and
-FP8 backend, before anything is allocated.
-
-Works on a model built on the meta device, so a 70B config is estimated on a laptop in a second::
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    est = fp8dist.estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=8, seq_len=4096)
-    print(est)                 # a table in GiB/MiB, per category, with the dtypes
-    est.model_state_bytes      # parameters + master weights + gradients + optimizer states + FP8 buffers
-
-The categories are those :func:`fp8dist.report` measures on a live run (after ``optimizer.step()``, before
-``zero_grad``), and for fsdp, fsdp1, ddp, none and DeepSpeed ZeRO-1/2/3 the model-state figures are tested against
-it on real CPU runs (to the byte). Transformer Engine and MS-AMP rows are *derived* from their documented
-behaviour (TE's FP8 scaling buffers; MS-AMP's precision chart), not measured: neither runs here. FSDP2's padding
-(every rank allocates the first dim-0 chunk: Mixtral's 8 fused experts on 64 ranks cost 8x) is in the bytes, and
-a note says when it is large and the way out (:mod:`fp8dist.strategies.padding`). Activations are transparent
-formulas per model family -- llama, mixtral, gpt2, gpt_neox, chosen by the config's ``model_type`` (see
-``fp8dist/accounting/activation_families.py``) -- an estimate only; another family gets none
-(``activations_modelled`` False). Transient buffers (FSDP all-gathers, DeepSpeed reduce buckets, DDP's buckets
-when not gradient views) are listed as notes, not counted.
-
-Frozen parameters (``requires_grad=False``: a PEFT LoRA base) hold their weights in the dtype given and nothing else
-(no gradient, master, optimizer state), under every strategy, measured likewise (``tests/test_lora_estimate.py``);
-the estimate then shows the frozen and the trained parameters apart, with their bytes per parameter
-(``groups``). ``fp8dist estimate --lora-rank R`` estimates such a run of the CLI's model.
-"""
+"""Pre-flight memory estimate: model-state bytes per rank (and activations of one micro-batch) for a strategy, FP8
+backend and memory level, on a meta-device model. Model states match :func:`fp8dist.report` to the byte on CPU runs
+(TE and MS-AMP rows are derived from their documentation); transient buffers are notes, not counted."""
 
 from __future__ import annotations
 
@@ -40,7 +16,7 @@ from torch import nn
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
 from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
-                              element_bytes, fp8_buffer_bytes, param_groups, worst_rank)
+                              element_bytes, fp8_buffer_bytes, param_groups)
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import ParamGroup, StateBytes
@@ -55,7 +31,7 @@ from ..memory_levels import STANDARD, get_level
 from ..fp8 import get_backend
 from ..strategies import get_strategy
 
-__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "unread_arguments", "OPTIMIZER_STATES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the config dtypes, by torch dtype
 
@@ -66,41 +42,33 @@ class MemoryEstimate(StateBytes):
 
     strategy: str
     zero_stage: int | None
-    """DeepSpeed's ZeRO stage (from the config, or your ds_config); None for other strategies."""
+    """DeepSpeed's ZeRO stage; None for other strategies."""
     fp8: str
     world_size: int
     rank: int
     """The rank described: the one holding the most model state unless one was asked for."""
     total_params: int
-    """Elements of all parameters of the full model."""
     bytes: Mapping[str, int]
-    """Bytes on this rank per category: parameters, master_weights, gradients, optimizer_states, fp8_buffers."""
+    """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
-    """The dtypes each category holds."""
     micro_batch_size: int
     seq_len: int
     activations: tuple[tuple[str, int], ...]
-    """(item, bytes) of the activations saved for backward for one micro-batch (an estimate)."""
+    """(item, bytes) saved for backward for one micro-batch."""
     activations_modelled: bool
-    """False when no activation formula covers the model (its family) or the setting (activation checkpointing):
-    ``activations`` is empty, a note says why, and only the model-state figures hold."""
+    """False (``activations`` empty, a note says why) where no formula covers the model or setting."""
     derived: bool
-    """True where TE / MS-AMP figures come from their documentation, not from a measured run."""
+    """TE / MS-AMP figures come from their documentation, not from a measured run."""
     offloaded: tuple[str, ...]
-    """Categories DeepSpeed keeps in host memory (offload_optimizer / offload_param); included in ``bytes``."""
+    """Categories DeepSpeed keeps in host memory; included in ``bytes``."""
     notes: tuple[str, ...]
     memory: str = STANDARD.name
-    """The model-state memory level (``memory=``): standard or lean."""
     speed: Any = None
-    """The plan's FP8 selection and predicted GEMM time (:class:`fp8dist.plan.selection.Selection`) on the GPU
-    ``target=`` named; None without a target, or where nothing runs in FP8."""
+    """The plan's :class:`~fp8dist.plan.selection.Selection` on the GPU ``target=`` named; None without one."""
     fit: Fit | None = None
-    """Whether a rank fits the memory of the GPU ``target=`` named, and the ways out when not (:class:`~fp8dist.
-    accounting.fit.Fit`); None without a target, or for a target whose memory is unknown (a bare ``sm_90``)."""
+    """Whether a rank fits the ``target=`` GPU and the ways out; None without a target or its memory."""
     groups: tuple[ParamGroup, ...] = ()
-    """Where some parameters are frozen (a LoRA base): the frozen and the trained ones apart, each with its bytes
-    on this rank, FP8 buffers aside (:func:`~fp8dist.accounting.estimate_states.param_groups`); () where all
-    train."""
+    """The frozen (a LoRA base) and the trained parameters apart; () where all train."""
 
     @property
     def activation_bytes(self) -> int:
@@ -143,8 +111,7 @@ class MemoryEstimate(StateBytes):
 
 
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, cfg: Config) -> None:
-    """The counts are positive integers, and ``cfg`` runs on ``world_size`` ranks (the combination table's rules
-    that read the world size: one process for a strategy without a process group)."""
+    """ValueError unless the counts are positive integers and ``cfg`` runs on ``world_size`` ranks."""
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):
@@ -155,7 +122,6 @@ def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, cfg: Conf
 
 def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], optimizer: str, engine: Any) -> \
         list[ParamInfo]:
-    """Each parameter with its FSDP unit (innermost block holding it, "" for the root) and bytes per element."""
     unit_of: dict[str, str] = {}
     for block in blocks:  # innermost first
         for name, _ in model.get_submodule(block).named_parameters():
@@ -168,45 +134,32 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
             for name, p in model.named_parameters()]
 
 
-def unread_arguments(cfg: Config, optimizer: str) -> list[str]:
-    """A note for each thing the estimate was given that the chosen axes do not read, in the combination table's
-    words (:func:`fp8dist.config.rules.unread_options`): the config's options (``offload_param`` under fsdp) and
-    ``optimizer`` where the memory level builds its own; each said once as a warning, as ``wrap_model`` does."""
-    notes = cfg.unused_options()
-    level = get_level(cfg.parallel.memory)
-    if level.builds_optimizer and optimizer != level.estimate_optimizer:
-        notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
-                     f"{level.summary}).")
-    return notes
-
-
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
                     fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
-    """Predict per-rank model-state bytes (and activations for one micro-batch) of ``wrap_model(model, ...)``.
-
-    Call it on a model built on the meta device (nothing is allocated) or on a real one (nothing is changed).
+    """Predict per-rank model-state bytes (and activations of one micro-batch) of ``wrap_model(model, ...)``, on
+    a meta-device model (nothing is allocated) or a real one (nothing is changed).
 
     Args:
-        model: the unwrapped model (a Hugging Face causal LM of a modelled family for the activation estimate:
-            llama, mixtral, gpt2, gpt_neox).
-        config, **overrides: as for :func:`fp8dist.wrap_model` (strategy, fp8, param_dtype, zero_stage, ...).
-        world_size: data-parallel ranks.
-        micro_batch_size: sequences per rank per forward; default: the config's ``micro_batch_size``.
-        seq_len: tokens per sequence; default: the config's ``seq_len``, else ``DEFAULT_SEQ_LEN`` (2048).
+        model: the unwrapped model (activations: a Hugging Face llama, mixtral, gpt2 or gpt_neox).
+        config, **overrides: as for :func:`fp8dist.wrap_model`.
+        micro_batch_size, seq_len: default: the config's (seq_len: else ``DEFAULT_SEQ_LEN``, 2048).
         optimizer: "adamw" / "adam" (2 states), "sgd_momentum" (1) or "sgd" (none).
-        rank: the rank to describe; default: the one holding the most model state (ranks differ when shards are
-            uneven).
-        fp8_filter: ``(module, fqn) -> bool``, as for ``wrap_model``.
-        target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for it
-            (``fp8_select``, MoE experts) and its predicted GEMM time is given (``speed``); None: planned as
-            if FP8 ran here, no GEMM time.
+        rank: default: the one holding the most model state (shards may be uneven).
+        target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for
+            it, with its GEMM time (``speed``) and whether a rank fits (``fit``).
 
     Returns:
-        A :class:`MemoryEstimate`.
+        A :class:`MemoryEstimate`; ``print`` it for a table.
 
     Raises:
         ValueError: a bad option, named with its choices and the way out.
+
+    Example::
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        print(fp8dist.estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=8, seq_len=4096))
     """
     cfg = resolve_config(config, **overrides)
     micro = cfg.parallel.micro_batch_size if micro_batch_size is None else micro_batch_size
@@ -217,7 +170,12 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
-    for note in unread_arguments(cfg, optimizer):
+    level = get_level(cfg.parallel.memory)
+    notes = cfg.unused_options()  # each said once as a warning, as wrap_model does
+    if level.builds_optimizer and optimizer != level.estimate_optimizer:
+        notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
+                     f"{level.summary}).")
+    for note in notes:
         warnings.warn(note, UserWarning, stacklevel=2)
     hardware = parse_target(target) if isinstance(target, str) else target
     # what the ways out of a fit keep: all but the config and the rank count
@@ -240,7 +198,6 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
 
 def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, *, micro: int, seq_len: int,
               optimizer: str, fp8_filter: Any, hardware: Hardware | None) -> MemoryEstimate:
-    """The estimate of ``model`` under ``cfg`` on ``world_size`` ranks (the worst rank when ``rank`` is None)."""
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
@@ -264,7 +221,8 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
                      step=STEP_BYTES.get(optimizer, 0), level_states=level.local_state_bytes,
                      backend_optimizer=backend.owns_optimizer)
     per_rank = layout(params)
-    chosen = worst_rank(per_rank) if rank is None else rank
+    # the rank holding the most model state (the lowest such)
+    chosen = max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values())) if rank is None else rank
     on_rank = lambda group: layout(group)[chosen]  # noqa: E731  (the layout of any group of parameters, this rank)
     fp8_bytes, kept_fp8 = fp8_buffer_bytes(backend, cfg, plan, params, on_rank)
     c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]

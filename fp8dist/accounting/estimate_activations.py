@@ -1,18 +1,6 @@
-"""Activation memory for one micro-batch on one rank (the private half of :mod:`fp8dist.estimate`).
-
-An estimate, not a measurement: the tensors autograd saves for backward in a Hugging Face decoder's forward,
-without activation checkpointing, for the families in
-:data:`fp8dist.accounting.activation_families.FAMILIES` (llama, mixtral, gpt2, gpt_neox), chosen by the config's
-``model_type``; each layer formula is written out in that module. Around the layers, for every family: the final
-norm, the output layer's input, the logits in the compute dtype (kept by the model output) and the fp32
-log-softmax the loss saves (4TV); under an autocast forward (ddp/none) the copy of each cast weight; the FP8
-backend's own copy of each FP8 weight (TE: with its transpose); what the strategy keeps gathered from forward to
-backward (FSDP where it does not reshard).
-
-Checked against the tensors autograd saves (a ``saved_tensors_hooks`` count of unique storages) on small real
-models of each family on CPU, with bf16 weights and no autocast (as under FSDP) and with fp32 weights under bf16
-autocast (as under DDP): tests/test_estimate.py.
-"""
+"""Activation memory of one micro-batch on one rank, an estimate: the family's layer formulas
+(:mod:`fp8dist.accounting.activation_families`), then the final norm, the logits, autocast's weight casts, the FP8
+backend's weight copies and what the strategy keeps gathered; checked against autograd's saves (test_estimate.py)."""
 
 from __future__ import annotations
 
@@ -29,19 +17,17 @@ from ..fp8 import get_backend
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
-"""Under full activation checkpointing: the transient of backward's recompute (not held after the forward)."""
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"  # full checkpointing's transient
 
 
 @dataclass(frozen=True)
 class Activations:
-    """What the activation estimate found: ``(item, bytes)`` rows, notes, and whether a formula applied."""
+    """``(item, bytes)`` rows and notes; ``modelled`` False (``items`` empty) where no formula covers the model
+    or the setting (selective checkpointing)."""
 
     items: list[tuple[str, int]]
     notes: list[str]
     modelled: bool
-    """False: no formula covers this model (another family, no Hugging Face config) or this setting (activation
-    checkpointing); ``items`` is empty."""
 
 
 def _unmodelled(config: Any) -> Activations:
@@ -57,8 +43,6 @@ def _unmodelled(config: Any) -> Activations:
 
 def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *, micro_batch_size: int,
                      seq_len: int, stored_bytes: int, c: int) -> Activations:
-    """The activations of one micro-batch on one rank: per-layer formulas of the model's family, then the
-    output layer, the logits and what the strategy or FP8 backend keeps."""
     config = getattr(model, "config", None)
     family = FAMILIES.get(getattr(config, "model_type", None))
     d = dims(config) if config is not None else None
@@ -86,8 +70,8 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
                  (RECOMPUTE_ITEM, max(layers))]
     else:
         items = [(f"{len(prefixes)} decoder layers", sum(layers))]
-    if family.embeddings is not None and family.embeddings(s, d, config):
-        items.append(("embedding dropout mask", family.embeddings(s, d, config)))
+    if family.embeddings is not None and (mask := family.embeddings(s, d, config)):
+        items.append(("embedding dropout mask", mask))
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     norm = s.rms_norm(d["h"]) if family.final_norm == "rms" else s.layer_norm(d["h"])
@@ -99,7 +83,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
               "recomputes it; " if checkpointing == "full" else "activations assume no activation checkpointing, ")
              + "flash-style attention (no seq x seq scores); "
              "dropout masks at 1 byte per element, as CUDA keeps them",
-             f"the forward's peak also holds an fp32 copy of the logits ({_mib(4 * T * d['V'])}) while the "
+             f"the forward's peak also holds an fp32 copy of the logits ({4 * T * d['V'] / 2**20:,.1f} MiB) while the "
              "loss is computed"]
     if cfg.parallel.compile:
         notes.append("compile=True: counted as the eager forward without the KV cache wrap_model turns off; "
@@ -113,8 +97,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
 
 def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, ...], blocks: list[str], r: int,
                   c: int) -> list[tuple[str, int]]:
-    """Weights held from forward to backward: autocast's casts, the FP8 backend's copies, the strategy's gathered
-    ones."""
+    """Weights held from forward to backward: autocast's casts, the FP8 backend's copies, the strategy's gathered."""
     items, backend = [], get_backend(cfg.precision.fp8)
     if r != c:
         copies = sum(e.params for e in plan if e.module_type in cast_types and e.precision != "fp8")
@@ -124,7 +107,3 @@ def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, 
                       sum(e.params for e in plan.fp8) * backend.saved_weight_bytes))
     kept = get_strategy(cfg.parallel.strategy).kept_for_backward(model, cfg, blocks)
     return items + [(item, elements * c) for item, elements in kept]
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"

@@ -1,13 +1,6 @@
-"""Model-state bytes on every rank, from parameter shapes alone (the private half of :mod:`fp8dist.estimate`).
-
-Each axis answers for itself: the strategy says what its engine holds beside the parameters
-(:meth:`~fp8dist.strategies.base.Strategy.estimate_engine`: DeepSpeed's module dtype and fp32 masters) and lays
-the bytes out over the ranks (:meth:`~fp8dist.strategies.base.Strategy.rank_state_bytes`, written out in
-:mod:`fp8dist.strategies.state_bytes`); the memory level changes what each element costs and adds its own
-optimizer states per local tensor (lean's 8-bit AdamW); the FP8 backend changes the bytes of the weights it
-converts (MS-AMP's chart) and adds its FP8 scaling state (TE's ``fp8_meta``, MS-AMP's scaling metas, torchao's
-precomputed scales). TE and MS-AMP figures are derived from their documentation, not measured (neither runs here).
-"""
+"""Model-state bytes on every rank from parameter shapes alone: the strategy lays the bytes out over the ranks
+(:meth:`~fp8dist.strategies.base.Strategy.rank_state_bytes`), the memory level and the FP8 backend change what an
+element costs and add their own state."""
 
 from __future__ import annotations
 
@@ -19,13 +12,11 @@ from ..strategies.base import EngineMemory
 from .tensors import CATEGORIES, ParamGroup, holds_words
 
 __all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes", "worst_rank"]
+           "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-"""States per parameter element: Adam/AdamW exp_avg and exp_avg_sq, SGD's momentum buffer, plain SGD none."""
-STEP_BYTES = {"adamw": 4, "adam": 4}
-"""torch's Adam/AdamW keep one fp32 ``step`` tensor per parameter (DeepSpeed's FusedAdam: in the group)."""
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}  # states per parameter element
+STEP_BYTES = {"adamw": 4, "adam": 4}  # torch's Adam keeps an fp32 ``step`` per parameter (FusedAdam: per group)
 
 
 @dataclass(frozen=True)
@@ -41,25 +32,21 @@ class ElementBytes:
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """One parameter of the model as the layouts need it."""
+    """One parameter as the layouts need it; ``unit``: its FSDP unit (block), "" for the root."""
 
     name: str
     numel: int
     shape: tuple[int, ...]
     unit: str
-    """The FSDP unit (block) that owns it; "" for the root."""
     bytes: ElementBytes
     trains: bool = True
-    """``requires_grad``: a frozen parameter has no gradient, optimizer state nor step of its own."""
 
 
 def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, optimizer: str, stored_dtype: str,
                   converted: bool, trains: bool = True) -> ElementBytes:
-    """Bytes per element of one parameter: as the strategy's ``engine`` holds it (its module dtype, else the
-    model's own ``stored_dtype``; its master dtype, else none and the states in the weights' dtype), then as the
-    memory ``level`` and the FP8 ``backend`` change it (``converted``: the plan converts its module). A frozen
-    parameter (``trains`` False) keeps only its weight: every engine here keeps masters, gradients and optimizer
-    states for what trains alone (FSDP1's flat gradient, which spans frozen pieces too, is its layout's matter)."""
+    """Bytes per element of one parameter as the strategy's ``engine`` holds it (its dtypes, else the model's
+    ``stored_dtype``; states in the master dtype, else the weight's), then the memory ``level`` and the FP8
+    ``backend`` (``converted``: the plan converts its module). A frozen one keeps only its weight."""
     n_states = OPTIMIZER_STATES[optimizer]
     weight = engine.dtype or stored_dtype
     states = engine.master or weight
@@ -67,16 +54,13 @@ def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, opti
                         DTYPE_BYTES[states] * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
     held = backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
-    return held if trains else _frozen(held)  # whatever the backend keeps, it keeps no training state of a frozen one
-
-
-def _frozen(held: ElementBytes) -> ElementBytes:
-    return replace(held, master=0, grad=0, states=0, dtypes=(held.dtypes[0], "none", "none", "none"))
+    return held if trains else replace(held, master=0, grad=0, states=0,
+                                       dtypes=(held.dtypes[0], "none", "none", "none"))
 
 
 def category_dtypes(params: list[ParamInfo], fp8_bytes: int, kept_fp8: bool = False) -> dict[str, str]:
-    """The dtypes each category holds, as ``"bf16/fp32"``; ``kept_fp8``: the FP8 buffers include frozen weights'
-    kept FP8 copies (:meth:`~fp8dist.fp8.FP8Backend.frozen_weights`), e4m3 as the report names them."""
+    """The dtypes each category holds, as ``"bf16/fp32"``; ``kept_fp8``: the FP8 buffers hold frozen weights'
+    FP8 copies too (e4m3, as the report names them)."""
     found: dict[str, set[str]] = {c: set() for c in CATEGORIES}
     for p in params:
         for category, name in zip(CATEGORIES[:4], p.bytes.dtypes):
@@ -87,17 +71,11 @@ def category_dtypes(params: list[ParamInfo], fp8_bytes: int, kept_fp8: bool = Fa
     return {c: "/".join(sorted(names)) or "none" for c, names in found.items()}
 
 
-def worst_rank(per_rank: list[dict[str, int]]) -> int:
-    """The rank holding the most model-state bytes (the lowest such rank)."""
-    return max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
-
-
 def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]], dict[str, int]],
                  model_state: int) -> tuple[ParamGroup, ...]:
-    """The frozen and the trained parameters apart, on the rank described: the frozen ones as ``rank_bytes`` lays
-    them out alone, the trained ones the rest of the ``model_state`` bytes (FP8 buffers aside) -- the same as laid
-    out alone where each parameter is held on its own, and, under FSDP1, with the flat gradient a unit holds for its
-    frozen pieces too, which it holds only because some piece trains; () where every parameter trains."""
+    """The frozen and the trained parameters apart on the rank described: the frozen as ``rank_bytes`` lays them
+    out alone, the trained as the rest of ``model_state`` (so FSDP1's flat gradient over frozen pieces counts as
+    trained); () where every parameter trains."""
     if all(p.trains for p in params):
         return ()
     frozen = [p for p in params if not p.trains]
@@ -112,11 +90,9 @@ def param_groups(params: list[ParamInfo], rank_bytes: Callable[[list[ParamInfo]]
 
 def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
                      rank_bytes: Callable[[list[ParamInfo]], dict[str, int]]) -> tuple[int, bool]:
-    """The FP8 backend's own state on the rank described: its scaling state for ``plan``'s FP8 modules, where a
-    frozen converted weight (a LoRA base) costs what a trained one does; where the backend keeps the FP8 cast of a
-    frozen weight instead (its ``frozen_weights`` answer), that copy -- its bytes per element on each element the
-    rank holds, laid out by ``rank_bytes`` as the weight -- and its scale, and no scaling state of its own. Returns
-    the bytes and whether such kept copies are among them."""
+    """(bytes, whether kept FP8 copies are among them) of the FP8 backend's state on the rank described: its
+    scaling state for ``plan``'s FP8 modules, except that a frozen weight whose cast the backend keeps
+    (``frozen_weights``) costs that copy, laid out by ``rank_bytes`` as the weight, and its scale instead."""
     from ..plan.precision import PrecisionPlan
 
     entries = {f"{e.name}.weight": e for e in plan.fp8}

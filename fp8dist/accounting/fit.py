@@ -1,18 +1,6 @@
-"""Does one rank fit the target GPU's memory, and if not, what would make it fit: the estimate re-run with each way
-out (more ranks, activation checkpointing, the lean level, ZeRO-3 offload), each with the figure it computes.
-
-A rank's GPU bytes are its model states not kept in host memory plus, where modelled, the activations of one
-micro-batch. They fit when they are within :data:`MEMORY_FRACTION` of the GPU's memory (the GPU record's,
-:data:`fp8dist.plan.gpus.GPUS`): the rest is for what the estimate leaves out (the transient buffers it lists as notes,
-the CUDA context, the allocator's fragmentation). ``fp8dist bench`` plans its cells on the same share.
-
-Example::
-
-    est = estimate_memory(model, strategy="fsdp", world_size=8, seq_len=4096, target="h100")
-    est.fit.fits               # False: 257.9 GiB per rank, a rank of an H100 may plan on 72
-    est.fit.ways_out           # WayOut(change={'activation_checkpointing': 'full', 'memory': 'lean'}, ...), each
-                               # with the per-rank bytes the estimate computes for that run
-"""
+"""Does one rank fit the target GPU's memory, and if not, what would: the estimate re-run with each way out (more
+ranks, activation checkpointing, the lean level, ZeRO-3 offload). A rank's GPU bytes are its model states not in
+host memory plus the modelled activations; they fit within :data:`MEMORY_FRACTION` of the GPU's memory."""
 
 from __future__ import annotations
 
@@ -27,19 +15,16 @@ from ..strategies import STRATEGIES
 __all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "ways_out", "levers", "MAX_RANKS", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.9
-"""Share of a GPU's memory a rank may plan on: the estimate leaves out the transient buffers (FSDP's all-gathered
-blocks, DDP's buckets), the CUDA context and the allocator's fragmentation."""
-
-MAX_RANKS = 16384
-"""The most ranks the search for a rank count that fits tries."""
+"""Share of a GPU's memory a rank may plan on (``fp8dist bench`` too): the rest is for what the estimate leaves out,
+transient buffers, the CUDA context and the allocator's fragmentation."""
+MAX_RANKS = 16384  # the most ranks the search for a rank count that fits tries
 
 CHECKPOINTING = ("activation checkpointing", {"activation_checkpointing": "full"})
 
 
 def levers() -> tuple[tuple[str, Mapping[str, Any]], ...]:
-    """The ways out the estimate tries beside more ranks, each a change of options: activation checkpointing, then
-    each memory level's and each strategy's own (``fit_way_out``: lean, ZeRO-3 with offload). A change the
-    combination table refuses with the rest of the config is no way out and is left out."""
+    """The ways out tried beside more ranks, each a change of options: activation checkpointing, then each memory
+    level's and strategy's ``fit_way_out``."""
     axes = (*LEVELS.values(), *STRATEGIES.values())
     return (CHECKPOINTING, *(axis.fit_way_out for axis in axes if axis.fit_way_out is not None))
 
@@ -49,9 +34,8 @@ class WayOut:
     """One change of the run and the per-rank GPU bytes the estimate computes with it."""
 
     change: Mapping[str, Any]
-    """The options changed (``world_size`` among them for a rank count)."""
+    """The options changed (``world_size`` for a rank count)."""
     what: str
-    """The change in words ("activation checkpointing")."""
     device_bytes: int
     fits: bool
 
@@ -61,21 +45,17 @@ class Fit:
     """Whether one rank of the estimate fits the target GPU, and the ways out when not."""
 
     gpu: str
-    """The GPU's name ("H100")."""
     capacity_bytes: int
-    """The GPU's memory."""
     device_bytes: int
     """The estimate's per-rank GPU bytes (:func:`device_bytes`)."""
     activations_counted: bool
-    """False when the estimate has no activation formula for the model: judged on model states alone."""
+    """False where no activation formula covers the model: judged on model states alone."""
     ways_out: tuple[WayOut, ...] = ()
-    """When it does not fit: each way out tried, with its figure; empty when it fits."""
     no_rank_count: str = ""
-    """Why no rank count (up to :data:`MAX_RANKS`) fits with the rest as given; empty when one does or it fits."""
+    """Why no rank count (up to :data:`MAX_RANKS`) fits; empty when one does or it fits."""
 
     @property
     def budget_bytes(self) -> int:
-        """What a rank may plan on: :data:`MEMORY_FRACTION` of the GPU's memory."""
         return budget(self.capacity_bytes)
 
     @property
@@ -87,7 +67,7 @@ class Fit:
         return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
     def lines(self, size: Callable[[int], str]) -> list[str]:
-        """What the estimate prints: one line saying whether a rank fits, then one per way out."""
+        """One line saying whether a rank fits, then one per way out."""
         counted = "" if self.activations_counted else " (model states only: activations not estimated)"
         plan = (f"a rank may plan on {size(self.budget_bytes)}, {MEMORY_FRACTION:.0%} of its "
                 f"{self.capacity_bytes / 2**30:g} GiB (the rest: transient buffers, the CUDA context, fragmentation)")
@@ -105,26 +85,22 @@ class Fit:
 
 
 def budget(capacity_bytes: int) -> int:
-    """What a rank may plan on of a GPU of ``capacity_bytes``."""
+    """Bytes a rank may plan on of a GPU of ``capacity_bytes``."""
     return int(MEMORY_FRACTION * capacity_bytes)
 
 
 def device_bytes(est: Any) -> int:
-    """Per-rank GPU bytes of a :class:`~fp8dist.accounting.estimate.MemoryEstimate`: model states not offloaded to
-    the host, plus the activations where modelled."""
+    """Per-rank GPU bytes of a MemoryEstimate: model states not offloaded, plus the activations where modelled."""
     states = sum(b for category, b in est.bytes.items() if category not in est.offloaded)
     return states + (est.activation_bytes if est.activations_modelled else 0)
 
 
-Rerun = Callable[..., Any]
-"""``rerun(world_size, **changes) -> MemoryEstimate`` (without a fit); ValueError when the config the changes make
-is refused (the combination table, a rank count the strategy cannot run)."""
+Rerun = Callable[..., Any]  # rerun(world_size, **changes) -> MemoryEstimate; ValueError where refused
 
 
 def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_step: int = 1) -> Fit:
-    """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``; when it does not fit, the ways out, each run
-    through ``rerun`` and judged against the same share of the memory. ``rank_step``: rank counts must be
-    multiples of it (HSDP's replicas)."""
+    """The :class:`Fit` of ``est`` on a GPU of ``capacity_bytes``, with the ways out (through ``rerun``) when it
+    does not fit; ``rank_step``: rank counts must be multiples of it (HSDP's replicas)."""
     fit = Fit(gpu, capacity_bytes, device_bytes(est), est.activations_modelled)
     if fit.fits:
         return fit
@@ -134,10 +110,8 @@ def check_fit(est: Any, gpu: str, capacity_bytes: int, rerun: Rerun, *, rank_ste
 
 def ways_out(est: Any, allowed: int, rerun: Rerun, *, rank_step: int = 1,
              extra: tuple[tuple[str, Mapping[str, Any]], ...] = ()) -> tuple[list[WayOut], str]:
-    """Every way out of a run (``est``) whose rank needs more than ``allowed`` bytes, each computed through
-    ``rerun``: more ranks, then each of :func:`levers` and of ``extra`` (more changes the caller can make: the
-    bench's smaller batch), then checkpointing with each of them when none fits alone. Also why no rank count fits
-    ("" when one does)."""
+    """(every way out of ``est`` needing more than ``allowed`` bytes, why no rank count fits or ""): more ranks,
+    :func:`levers` and ``extra`` (the caller's own changes), then checkpointing with each when none fits alone."""
     need, world, ways = device_bytes(est), est.world_size, []
     if est.activations_modelled and est.activation_bytes >= allowed:  # ranks shard states, not activations
         found, no_ranks = None, "the activations of one micro-batch alone exceed it, whatever the rank count"
@@ -170,14 +144,12 @@ def _with_checkpointing(rerun: Rerun, world: int, step: int, allowed: int, check
 
 def _lever(rerun: Rerun, world: int, what: str, change: Mapping[str, Any], need: int,
            allowed: int) -> list[WayOut]:
-    """The way out ``change`` makes, as a one-item list; empty when it is refused or saves nothing (the run does
-    it already)."""
+    """The way out ``change`` makes, as a one-item list; empty when refused or it saves nothing."""
     bytes_ = _bytes_with(rerun, world, change)
     return [WayOut(dict(change), what, bytes_, bytes_ <= allowed)] if bytes_ is not None and bytes_ < need else []
 
 
 def _bytes_with(rerun: Rerun, world: int, change: Mapping[str, Any]) -> int | None:
-    """The per-rank GPU bytes with ``change`` on ``world`` ranks; None when that run is refused."""
     try:
         return device_bytes(rerun(world, **change))
     except ValueError:
@@ -186,8 +158,8 @@ def _bytes_with(rerun: Rerun, world: int, change: Mapping[str, Any]) -> int | No
 
 def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int,
                     change: Mapping[str, Any]) -> tuple[tuple[int, int] | None, str]:
-    """((the fewest ranks, a multiple of ``step`` above ``world``, that fit with ``change``, their bytes), "") or
-    (None, why not): doubling until one fits (or the bytes stop shrinking: replicated states), then bisecting."""
+    """((the fewest ranks above ``world``, a multiple of ``step``, that fit with ``change``, their bytes), "") or
+    (None, why not): doubling until one fits (or the bytes stop shrinking), then bisecting."""
     bytes_at = partial(_bytes_with, rerun, change=change)
     low, n, last = world, _multiple(world + 1, step), need
     try:
@@ -206,7 +178,7 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
 
 def _narrow(bytes_at: Callable[[int], int | None], low: int, high: int, high_bytes: int, step: int,
             allowed: int) -> tuple[int, int]:
-    """Bisect between ``low`` (does not fit) and ``high`` (fits) on multiples of ``step``."""
+    """Bisect between ``low`` (does not fit) and ``high`` (fits)."""
     while high - low > step:
         mid = _multiple((low + high) // 2, step)
         if mid in (low, high):

@@ -1,13 +1,6 @@
-"""The precision and memory report of a live wrapped model: the row of the MS-AMP/Accelerate precision chart for
-the run as configured (GEMM, communication, weight, master weight, weight gradient and optimizer-state dtypes),
-per part of the model, and the bytes per parameter each category of model state takes on this rank.
-
-Everything is read from the modules, the engines' policy objects, the optimizer and the tensors themselves; the
-config is only used to name the run. The parts are what a module computes: an FP8 GEMM where the precision plan
-converted it; a high-precision GEMM where it holds a matrix operand (a parameter of 2 or more dimensions: nn.Linear,
-GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table; nothing else runs a GEMM
-(embeddings, norms, 1-D parameters).
-"""
+"""The precision and memory report of a live wrapped model: per part of the model (FP8 GEMM, high-precision GEMM,
+other), the dtypes of the MS-AMP/Accelerate precision chart, and the bytes per parameter of each category of model
+state on this rank; all read from the modules, engines, optimizer and tensors, not from the config."""
 
 from __future__ import annotations
 
@@ -41,22 +34,16 @@ class PrecisionReport(StateBytes):
     world_size: int
     rows: tuple[PrecisionRow, ...]
     bytes: Mapping[str, int]
-    """Bytes on this rank per category: parameters, master_weights, gradients, optimizer_states, fp8_buffers."""
+    """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
-    """The dtypes found in each category."""
     total_params: int
-    """Elements of all parameters of the full model."""
     memory: str = STANDARD.name
-    """The model-state memory level (``memory=``): standard or lean."""
     frozen_params: int = 0
-    """Elements of the full model that do not train (``requires_grad=False``: a LoRA base); they hold no gradient
-    nor optimizer state."""
+    """Elements that do not train (``requires_grad=False``: a LoRA base)."""
     groups: tuple[ParamGroup, ...] = ()
-    """Where some parameters are frozen: the frozen ones as measured from the tensors that hold them alone, the
-    trained ones as all else the engine holds, FP8 buffers aside -- the estimate's ``groups``, measured; () where
-    every parameter trains or the split is not measured (``groups_unmeasured`` says why)."""
+    """The estimate's ``groups``, measured; () where all train or the split is not measured."""
     groups_unmeasured: str = ""
-    """Why the frozen / trained split is not measured (an engine that keeps both in one tensor); "" otherwise."""
+    """Why the frozen / trained split is not measured (an engine keeps both in one tensor); "" otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -83,17 +70,14 @@ class PrecisionReport(StateBytes):
 
 
 def _part(module: nn.Module, name: str, held: list[Held], fp8: dict[str, bool]) -> Part:
-    """The plan's record says which modules run FP8 GEMMs, grouped or not (``name`` as the plan has it); the
-    parameters' shapes say which run any GEMM."""
     if name in fp8:
         return Part.FP8_GROUPED_GEMM if fp8[name] else Part.FP8_GEMM
     return Part.GEMM if runs_gemm(module, [h.shape for h in held]) else Part.OTHER
 
 
 def _group_by_part(model: nn.Module, strategy: Any, fp8: dict[str, bool]) -> dict[Part, Members]:
-    """The modules and parameters of each part of a wrapped ``model``, parts without modules left out, each
-    parameter with its full shape as ``strategy`` reads it from its engine; ``fp8``: the plan's FP8 modules, name ->
-    grouped (``{e.name: e.grouped for e in get_plan(model).fp8}``)."""
+    """The modules and parameters (full shapes) of each part of a wrapped ``model`` that has modules; ``fp8``: the
+    plan's FP8 module names -> grouped."""
     full = strategy.full_shapes(model)
     members = {p: Members() for p in Part}
     owner: dict[int, tuple[Part, Held]] = {}
@@ -123,10 +107,8 @@ def _group_by_part(model: nn.Module, strategy: Any, fp8: dict[str, bool]) -> dic
 
 def _groups(strategy: Any, held: dict[str, list[Any]], optimizer: Any, frozen: list[Held],
             trained: int) -> tuple[ParamGroup, ...] | None:
-    """The ``frozen`` parameters measured from the tensors that hold them alone (their parts, gradients and optimizer
-    states, none expected), the ``trained`` elements as every other storage the engine ``held`` (its masters and
-    flat partitions too), FP8 buffers aside: the estimate's split. None where the strategy cannot tell the frozen
-    parameters' storage apart."""
+    """The ``frozen`` parameters measured from the tensors holding them alone, the trained as every other storage
+    the engine ``held``, FP8 buffers aside; None where the strategy cannot tell the frozen storage apart."""
     parts = strategy.group_parts([h.param for h in frozen])
     if parts is None:
         return None
@@ -144,12 +126,10 @@ def _groups(strategy: Any, held: dict[str, list[Any]], optimizer: Any, frozen: l
 
 
 def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
-    """What precision each part of ``model`` (returned by :func:`fp8dist.wrap_model`) really trains in, and the
-    bytes of model state per parameter on this rank. Local to this rank: no collectives.
-
-    Call it after ``optimizer.step()`` and before ``zero_grad`` (DeepSpeed: after ``engine.backward(loss)``,
-    before ``engine.step()``): the gradients counted are those held at the moment of the call, and optimizer
-    states exist only after the first step.
+    """What precision each part of ``model`` really trains in, and the bytes of model state per parameter on this
+    rank (no collectives). Call it after ``optimizer.step()`` and before ``zero_grad`` (DeepSpeed: after
+    ``engine.backward(loss)``, before ``engine.step()``): gradients are counted as held now, optimizer states exist
+    after the first step.
 
     Args:
         model: the model ``wrap_model`` returned (the DeepSpeed engine for strategy "deepspeed").

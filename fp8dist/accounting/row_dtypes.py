@@ -19,8 +19,8 @@ __all__ = ["engine_of", "row_for"]
 
 
 def engine_of(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
-    """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category (what
-    :func:`row_for` reads), from the engine's own objects."""
+    """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category: what :func:`row_for`
+    reads."""
     from ..pipeline.api import get_wrap_info
 
     info = get_wrap_info(model)
@@ -33,11 +33,6 @@ def _stored(strategy: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
     """What holds this rank's part of ``params``: the engine's own parts (ZeRO-3), else their non-empty leaves."""
     return strategy.stored_parts(params) or [leaf for p in params for leaf in leaves(p) if leaf.numel() > 0] or \
         list(params)
-
-
-def _fp8_gemm(module: nn.Module, info: Any) -> str:
-    """The FP8 formats of an FP8 Linear, as its backend reads them from the module or from its wiring."""
-    return get_backend(info.plan.backend).gemm_words(module, info.fp8) or f"fp8 ({info.plan.backend})"
 
 
 def _fp8_grouped_gemm(modules: list[nn.Module]) -> str:
@@ -107,14 +102,14 @@ def _master(info: Any, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
 
 def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer: Any, part: Part,
             members: Members) -> PrecisionRow:
-    """The chart row for ``part`` of the model ``run`` (:func:`engine_of`) describes: its modules, and the
-    parameters counted in it."""
+    """The chart row of ``part`` of the model ``run`` (:func:`engine_of`) describes."""
     info, strategy, engine, held = run
     params = [h.param for h in members.params]
     stored = _stored(strategy, params)
     weight = _names({t.dtype for t in stored})
     if part is Part.FP8_GEMM:
-        gemm = " / ".join(dict.fromkeys(_fp8_gemm(m, info) for m in members.modules))  # a recipe per layer: each
+        words = get_backend(info.plan.backend).gemm_words  # the FP8 formats, from the module or its wiring
+        gemm = " / ".join(dict.fromkeys(words(m, info.fp8) or f"fp8 ({info.plan.backend})" for m in members.modules))
     elif part is Part.FP8_GROUPED_GEMM:
         gemm = _fp8_grouped_gemm(members.modules)
     elif part is Part.GEMM:

@@ -13,8 +13,7 @@ __all__ = ["Part", "PrecisionRow", "Held", "Members", "text_table"]
 
 
 class Part(str, Enum):
-    """What a part of the model computes: the key of a report row (``rows`` come in this order). ``label`` is
-    only its printed name."""
+    """What a part of the model computes: the key of a report row (rows come in this order)."""
 
     FP8_GEMM = "fp8_gemm"
     """Modules the precision plan converted to FP8 GEMMs (torchao Float8Linear, te.Linear, MS-AMP's Linear)."""
@@ -42,15 +41,13 @@ class PrecisionRow:
     modules: int
     """Modules of this kind that hold parameters."""
     params: int
-    """Elements of the full model in this part (all ranks together), each parameter once: a weight tied between
-    an embedding and the output head is a GEMM operand, counted in the GEMM part."""
+    """Elements of the full model in this part, each parameter once (a tied embedding counts as a GEMM's)."""
     gemm: str
     all_gather: str
-    """What the weights travel in when they are gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
+    """The weights' dtype when gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
     reduce: str
-    """What gradients travel in when they are reduced."""
     weight: str
-    """What the weights are stored in on this rank."""
+    """The weights' dtype as stored on this rank."""
     master_weight: str
     weight_grad: str
     optimizer_states: str
@@ -58,7 +55,7 @@ class PrecisionRow:
 
 @dataclass(frozen=True)
 class Held:
-    """A parameter of ``module`` (attribute ``name``) with its full shape, all ranks together."""
+    """A parameter of ``module`` (attribute ``name``) with its full shape."""
 
     module: nn.Module
     name: str
@@ -72,7 +69,7 @@ class Held:
 
 @dataclass
 class Members:
-    """The modules of one part, and the parameters counted in it (each parameter in one part only)."""
+    """The modules of one part, and the parameters counted in it (each in one part only)."""
 
     modules: list[nn.Module] = field(default_factory=list)
     params: list[Held] = field(default_factory=list)

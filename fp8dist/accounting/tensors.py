@@ -1,11 +1,6 @@
-"""Bytes of model state on this rank, by walking the real tensors.
-
-Each storage is counted once, whole (padding and the unused tail of a flat buffer are memory too), in the first
-category that reaches it: parameters, master weights, gradients, optimizer states, FP8 buffers. Tensor
-subclasses (DTensor, torchao's FP8 weight wrapper) are opened down to the plain tensors that own storage.
-Communication buckets (DDP's, unless gradients are views of them, and DeepSpeed's IPG buffers) are not model
-state and are not counted. Where each engine keeps them, its strategy says.
-"""
+"""Bytes of model state on this rank, by walking the real tensors: each storage counted once, whole (padding too), in
+the first category that reaches it; tensor subclasses (DTensor, torchao's FP8 weight) opened down to the tensors
+that own storage. Communication buckets are not model state; where each engine keeps its state, its strategy says."""
 
 from __future__ import annotations
 
@@ -21,16 +16,14 @@ from .rows import text_table
 __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
-# scales an FP8 weight wrapper carries (torchao's, precomputed for the FP8 all-gather): FP8 buffers, not weights
-_FP8_SCALES = ("_precomputed_scale",)
-# what an FP8 weight keeps of a frozen weight's cast, cast once (fp8/frozen.py): on the weight's shard (FSDP2) and on
-# the module (a weight held whole): FP8 buffers too
+_FP8_SCALES = ("_precomputed_scale",)  # torchao's FP8 all-gather scales: FP8 buffers, not weights
+# a frozen weight's FP8 cast, kept (fp8/frozen.py) on the weight's shard (FSDP2) or on the module: FP8 buffers too
 _FP8_KEPT = {"weight": ("_fp8_shard",), "module": ("fp8_meta", "_fp8_weight")}
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The plain tensors inside ``obj``: a tensor (subclasses opened), or lists/tuples/dicts of them, or an
-    object that keeps tensors in its attributes (MS-AMP's ScalingTensor, TE's FP8 meta)."""
+    """The plain tensors inside ``obj``: a tensor (subclasses opened), containers of them, or an object keeping
+    tensors in its attributes (MS-AMP's ScalingTensor, TE's FP8 meta)."""
     if depth > 4 or obj is None:
         return
     if isinstance(obj, torch.Tensor):
@@ -60,30 +53,25 @@ class ParamGroup:
     label: str
     """"frozen" or "trained"."""
     params: int
-    """Elements of the full model in this group."""
     bytes: int
-    """Model-state bytes of the group on this rank (all categories but FP8 buffers)."""
+    """Model-state bytes on this rank, FP8 buffers aside."""
     holds: str
-    """What each element costs, in dtypes: "bf16 weight" for a frozen base, "fp32 weight, fp32 grad, ..."."""
+    """What each element holds: "bf16 weight" for a frozen base, "fp32 weight, fp32 grad, ..."."""
 
 
 def holds_words(names: Iterable[Collection[str]]) -> str:
-    """What a group holds, from the dtype names found in each category but FP8 buffers (parameters, master weights,
-    gradients, optimizer states; "none" or nothing where it holds none): "fp32 weight, fp32 grad, fp32 optimizer
-    states"."""
+    """"fp32 weight, fp32 grad, fp32 optimizer states" from the dtype names of each category but FP8 buffers."""
     return ", ".join(f"{'/'.join(sorted(set(n) - {'none'}))} {what}" for n, what in
                      zip(names, ("weight", "master", "grad", "optimizer states")) if set(n) - {"none"})
 
 
 class StateBytes:
-    """Totals shared by the measured report and the estimate: both hold ``bytes`` and ``dtypes`` per category and
-    ``total_params``."""
+    """What the measured report and the estimate share: ``bytes`` and ``dtypes`` per category, ``total_params``."""
 
     bytes: Any
     dtypes: Any
     total_params: int
     groups: tuple[ParamGroup, ...] = ()
-    """The frozen and the trained parameters apart, where some are frozen; () where every parameter trains."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -96,16 +84,15 @@ class StateBytes:
         return {**{k: v / n for k, v in self.bytes.items()}, "total": self.model_state_bytes / n}
 
     def state_rows(self, size: Callable[[int], str], host: Collection[str] = ()) -> list[list[str]]:
-        """The model-state table: per category (those in ``host`` marked so) its bytes per parameter, ``size`` of
-        its bytes and its dtypes, then the total."""
+        """Per category (those in ``host`` marked so): bytes per parameter, ``size`` of its bytes, dtypes; then
+        the total."""
         per_param = self.bytes_per_param
         rows = [[c.replace("_", " ") + (" (host)" if c in host else ""), f"{per_param[c]:.3f}", size(self.bytes[c]),
                  self.dtypes[c]] for c in CATEGORIES]
         return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
 
     def group_table(self, size: Callable[[int], str]) -> list[str]:
-        """The frozen and the trained parameters, each with its bytes per parameter on this rank: a table and a
-        blank line, or nothing where every parameter trains."""
+        """The frozen and the trained parameters' table and a blank line; nothing where every parameter trains."""
         rows = [[g.label, f"{g.params:,}", f"{g.bytes / max(g.params, 1):.3f}", size(g.bytes), g.holds]
                 for g in self.groups]
         return [text_table(["parameters (this rank)", "count", "bytes/param", "size", "holds"], rows), ""] \
@@ -113,8 +100,7 @@ class StateBytes:
 
 
 class StateTally:
-    """Bytes and dtypes per category, each storage counted once; ``counted``: a tally whose storages this one
-    leaves out (the frozen parameters', to measure the trained ones as the rest)."""
+    """Bytes and dtypes per category, each storage counted once; ``counted``: a tally whose storages it skips."""
 
     def __init__(self, counted: StateTally | None = None) -> None:
         self._seen: set[tuple[str, int]] = set(counted._seen) if counted is not None else set()
@@ -136,8 +122,8 @@ class StateTally:
 
 
 def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
-    """The tensors of each category, for any wrapped model: what its strategy's engine holds (``held``:
-    :meth:`~fp8dist.strategies.base.Strategy.state_tensors`) and the FP8 modules' scaling state."""
+    """The tensors of each category: what the engine holds (``held``: ``Strategy.state_tensors``) and the FP8
+    modules' scaling state."""
     fp8 = [getattr(m, name, None) for m in fp8_modules for name in _FP8_KEPT["module"]]
     fp8 += [b for m in fp8_modules for b in m.buffers(recurse=False)]
     fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale

@@ -1,14 +1,6 @@
-"""What loads into what (the rules :func:`~fp8dist.checkpoint.load_checkpoint` lists): the engine data a
-checkpoint's meta.json records, checked against the model it is loaded into, before anything is read.
-
-Why those rules hold: the strategies without a checkpoint format of their own save through
-torch.distributed.checkpoint (DCP) under the same names (DCP's ``get_state_dict`` strips FSDP1's
-``_fsdp_wrapped_module.`` and DDP's ``module.``; the optimizer state is keyed by those names too). torchao keeps no
-FP8 state and its Float8Linear keeps ``weight`` / ``bias`` (the FP8 all-gather scales FSDP2 precomputes are
-recomputed after loading); Transformer Engine modules added start their scaling afresh, as at step 0. A strategy's
-own format (:attr:`~fp8dist.strategies.base.Strategy.checkpoint`) decides what loads into it; across formats the
-refusal names the converters to use instead.
-"""
+"""What loads into what: the engine data a checkpoint's meta.json records, checked against the model it is loaded
+into before anything is read. DCP saves every strategy without a format of its own under the same plain names, so
+those load into each other; a strategy's own format decides what loads into it."""
 
 from __future__ import annotations
 
@@ -29,19 +21,17 @@ from .io import DCP, CheckpointError, checkpoint_format, model_layout
 
 @dataclass(frozen=True)
 class LoadDecision:
-    """What :func:`check_loadable` allows."""
+    """What :func:`check_loadable` allows: the ``_extra_state`` entries to load, how this model differs from the
+    saved one, and whether the checkpoint holds the trainable parameters only."""
 
     fp8_state: tuple[str, ...]
-    """The ``_extra_state`` entries to load from the checkpoint (the rest of the model's keep their own)."""
     differences: tuple[str, ...]
-    """How this model differs from the saved one, all of it allowed (e.g. ``"strategy 'fsdp' -> 'ddp'"``)."""
     trainable_only: bool = False
-    """The checkpoint holds the trainable parameters only: loaded without the frozen ones."""
 
 
 def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
-    """The engine data meta.json records, and that loading decides on (``trainable_only``: of a checkpoint without
-    the frozen parameters). Call it on every rank (FSDP1's state dict hooks run on all of them)."""
+    """The engine data meta.json records and loading decides on. Call it on every rank (FSDP1's state dict hooks
+    run on all)."""
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)
@@ -57,8 +47,8 @@ def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
 
 
 def trainable_only_refusal(strategy: Any, facts: Any) -> str | None:
-    """Why checkpoints without the frozen parameters (``trainable_only``) cannot be saved under ``strategy`` with
-    ``facts``, ending with the strategies that can (the caller adds its own way out); None: they can."""
+    """Why ``trainable_only`` checkpoints cannot be saved under ``strategy``, ending with the strategies that can
+    (the caller ends the sentence); None: they can."""
     fits = [repr(n) for n, s in STRATEGIES.items() if s.checkpoint is None and not s.facts(None).flat_params]
     way_out = f"Train the adapters with strategy {', '.join(fits)}"  # the caller ends the sentence
     if strategy.checkpoint is not None:
@@ -71,7 +61,7 @@ def trainable_only_refusal(strategy: Any, facts: Any) -> str | None:
 
 
 def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
-    """meta.json's ``fp8_state``; checkpoints from before it was recorded hold it in their rank-0 file."""
+    """meta.json's ``fp8_state``; older checkpoints hold it in their rank-0 file only."""
     if "fp8_state" in meta:
         return list(meta["fp8_state"])
     file = path / "fp8_state_rank0.pt"
@@ -94,28 +84,24 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
 
 
 def _strategies_of(fmt: str) -> str:
-    """The strategies a checkpoint of format ``fmt`` loads into: "'fsdp', 'fsdp1', 'ddp' or 'none'"."""
+    """"'fsdp', 'fsdp1', 'ddp' or 'none'": the strategies a checkpoint of format ``fmt`` loads into."""
     names = [repr(name) for name, s in STRATEGIES.items() if checkpoint_format(s) == fmt]
     return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 
 
-def _saved_side(meta: dict[str, Any], path: Path) -> tuple[str, str]:
-    """How a checkpoint was saved and the way out of its format, as the format's owner says them."""
+def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
+    """Formats differ: what was saved and what is loading, each as its format's owner says it, and the way out."""
     saver = STRATEGIES.get(meta["strategy"])
     own = saver.checkpoint if saver is not None else None
     if own is not None:
-        return f", {own.saved_as}", own.way_out(meta, path)
-    if meta["engine"] != DCP:  # a strategy not registered here
-        return f" (its own format {meta['engine']!r})", f"load it into strategy={meta['strategy']!r}"
-    return " (torch.distributed.checkpoint)", (
-        f"load it into strategy {_strategies_of(DCP)}, or turn it into one file with torch's converter (python -m "
-        f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into the "
-        "model before wrap_model and start a new optimizer; or save from the strategy you load into")
-
-
-def _engine_refusal(meta: dict[str, Any], now: dict[str, Any], path: Path) -> str:
-    """Formats differ: what was saved and what is loading, each said by its format's owner, and the way out."""
-    saved, way_out = _saved_side(meta, path)
+        saved, way_out = f", {own.saved_as}", own.way_out(meta, path)
+    elif meta["engine"] != DCP:  # a strategy not registered here
+        saved, way_out = f" (its own format {meta['engine']!r})", f"load it into strategy={meta['strategy']!r}"
+    else:
+        saved, way_out = " (torch.distributed.checkpoint)", (
+            f"load it into strategy {_strategies_of(DCP)}, or turn it into one file with torch's converter (python -m "
+            f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} OUT.pt), load its 'model' entries into "
+            "the model before wrap_model and start a new optimizer; or save from the strategy you load into")
     own = get_strategy(now["strategy"]).checkpoint
     loading = own.loads_only if own is not None else \
         f"this model uses strategy {now['strategy']!r} (torch.distributed.checkpoint)"
@@ -137,8 +123,8 @@ def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str
 
 
 def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_fp8_state: bool) -> LoadDecision:
-    """Raise :class:`CheckpointError` when the checkpoint cannot load soundly into ``model`` (saying what was saved,
-    what is loading and the way out); otherwise say which FP8 state to load and what differs."""
+    """CheckpointError (what was saved, what is loading, the way out) when the checkpoint cannot load soundly into
+    ``model``; else which FP8 state to load and what differs."""
     trainable_only = bool(meta.get("trainable_only"))
     now = describe(model, trainable_only)
     saved_engine = meta.get("engine") or checkpoint_format(get_strategy(meta["strategy"]))  # not recorded before
@@ -188,9 +174,8 @@ def optimizer_name(optimizer: Any) -> str | None:
 
 
 def check_optimizer(meta: dict[str, Any], optimizer: Any, path: Path) -> str | None:
-    """Raise :class:`CheckpointError` when ``optimizer`` cannot take the checkpoint's optimizer state (another
-    class, or none saved); returns the difference to report when ``optimizer`` is None and state was saved.
-    Checkpoints from before the class was recorded are not checked."""
+    """CheckpointError when ``optimizer`` cannot take the saved optimizer state (another class, or none saved);
+    the difference to report when ``optimizer`` is None and state was saved."""
     if "optimizer" not in meta:
         return None
     saved, now = meta["optimizer"], optimizer_name(optimizer)

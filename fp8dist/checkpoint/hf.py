@@ -1,12 +1,6 @@
-"""Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors (``model.safetensors``, or
-shards + ``model.safetensors.index.json``) with ``config.json``, under the user's module names, FP8 modules as the
-high-precision weights they train, in the dtype asked; ``AutoModelForCausalLM.from_pretrained(dir)`` reloads it.
-
-Parameters are gathered one at a time (FSDP2 ``full_tensor``, ZeRO-3 ``safe_get_full_fp32_param``) or one unit
-at a time (FSDP1 ``summon_full_params``); rank 0 keeps at most one shard file's tensors (``max_shard_size``) and
-writes each file atomically (:func:`fp8dist.pipeline.files.atomic_write`). Reading it back is
-:mod:`fp8dist.pipeline.pretrained` (``wrap_model(..., pretrained=dir)``).
-"""
+"""Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json`` under
+the user's module names, FP8 modules as their high-precision weights, gathered one parameter (FSDP1: one unit) at a
+time; ``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
 
 from __future__ import annotations
 
@@ -24,9 +18,9 @@ from torch import nn
 
 from ..pipeline.files import atomic_write, atomic_write_text, check_output_path
 from ..config.dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
-from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE
+from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, _persistent_buffers
 from ..strategies import unwrap_model
-from ..strategies.local_shards import gather_full, local_params, original_class, plain_name
+from ..strategies.local_shards import gather_full, local_params, original_class
 from ..pipeline.agree import on_all_ranks, rank_world
 
 __all__ = ["save_pretrained", "export_dtype"]
@@ -47,7 +41,7 @@ def _shard_bytes(size: int | str) -> int:
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """The export dtype: a torch dtype or a name of one ("bf16", "float32", ...: :mod:`fp8dist.config.dtypes`)."""
+    """The export dtype, from a torch dtype or a name of one ("bf16", "float32", ...)."""
     name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if isinstance(dtype, str) else None
     if dtype in DTYPES.values() or name in DTYPES:
         return dtype if isinstance(dtype, torch.dtype) else torch_dtype(name)
@@ -56,10 +50,9 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
-    """The dtype name that ``save_dtype`` (``fp8dist train --save-dtype``: "as-loaded" or a dtype name) writes:
-    itself, or for "as-loaded" the floating dtype holding most of the ``pretrained`` directory's weight elements (a
-    fine-tune is saved as it was given: a bf16 checkpoint stays bf16, an fp32 one fp32), bf16 for a model trained
-    from scratch (how models are shared)."""
+    """The dtype name ``--save-dtype`` writes: itself, or for "as-loaded" the floating dtype of most of the
+    ``pretrained`` directory's weight elements (a fine-tune is saved as given), bf16 from scratch (how models are
+    shared)."""
     if save_dtype != "as-loaded":
         return save_dtype
     if pretrained is None:
@@ -74,16 +67,9 @@ def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
 
 
 def check_out_dir(out: Path, what: str) -> None:
-    """Rank 0 checks that ``out`` can be written as an output directory before anything is gathered; every rank
-    raises its ValueError (``what``: the step, as the error says it)."""
+    """Rank 0 checks that ``out`` can be written before anything is gathered; every rank raises its ValueError."""
     check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank_world()[0] == 0 else None
     on_all_ranks(what, check, error=ValueError, passthrough=(ValueError,))
-
-
-def _persistent_buffers(inner: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(plain_name(f"{prefix}.{name}" if prefix else name), buf)
-            for prefix, module in inner.named_modules() for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set]
 
 
 def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
@@ -97,10 +83,6 @@ def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
         files[-1].append(name)
         size += nbytes
     return files
-
-
-def _file_names(count: int) -> list[str]:
-    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
@@ -126,18 +108,16 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
 
-    Call it on every rank (the parameters are gathered collectively); rank 0 writes. Files are written one at a
-    time, each atomically (never half-written): a failure removes the files this call wrote and raises on every
-    rank. Weight files of an earlier export into ``out_dir`` that this one did not replace are removed; other
-    files stay (a tokenizer).
+    Call it on every rank (the parameters are gathered collectively); rank 0 writes each file atomically. A
+    failure removes this call's files and raises on every rank. Weight files of an earlier export that this one
+    did not replace are removed; other files stay (a tokenizer).
 
     Args:
         model: the trained model; FP8 layers are written as their high-precision weights.
         out_dir: the directory (created if needed).
-        dtype: the dtype of the written weights: torch.bfloat16 (default), torch.float32 or torch.float16.
-        max_shard_size: largest file, in bytes or as text ("2GB"); larger models are split into
-            ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``. Rank 0 holds at most one
-            file's tensors in CPU memory.
+        dtype: torch.bfloat16 (default), torch.float32 or torch.float16.
+        max_shard_size: largest file, in bytes or as text ("2GB"); larger models are split into shards and
+            ``model.safetensors.index.json``. Rank 0 holds at most one file's tensors in CPU memory.
 
     Returns:
         The directory.
@@ -152,13 +132,14 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     rank = rank_world()[0]
     check_out_dir(out, f"fp8dist.save_pretrained: checking {out}")
     inner = unwrap_model(model)
-    buffers = _persistent_buffers(inner)
+    buffers = _persistent_buffers(inner).items()
     size = torch.tensor([], dtype=dtype).element_size()
     entries = [(p.names[0], math.prod(p.shape) * size) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))
                 for name, buf in buffers]
     files = _plan_files(entries, limit)
-    names = _file_names(len(files))
+    names = [SINGLE_FILE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                   for i in range(len(files))]
     file_of = {name: names[i] for i, group in enumerate(files) for name in group}
     closes = {group[-1]: names[i] for i, group in enumerate(files)}  # the tensor that completes each file
     writer = _Writer(out, rank)
@@ -187,8 +168,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
 
 
 class _Writer:
-    """Rank 0 writes; after each write every rank learns whether it worked (the others would wait in the next
-    gather otherwise). A failure removes this export's files and raises on every rank."""
+    """Rank 0 writes; every rank learns whether it worked (else the others would wait in the next gather). A failure
+    removes this export's files and raises on every rank."""
 
     def __init__(self, out: Path, rank: int):
         self.out, self.rank = out, rank

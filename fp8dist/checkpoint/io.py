@@ -1,15 +1,6 @@
-"""What each engine writes into a checkpoint and reads back, and nothing unsafe on the way in (the layout,
-meta.json and atomicity live in :mod:`fp8dist.checkpoint.save_load`).
-
-- every strategy without a checkpoint format of its own (:attr:`~fp8dist.strategies.base.Strategy.checkpoint`
-  None: fsdp, fsdp1, ddp, none): torch.distributed.checkpoint (DCP) of ``get_state_dict(model, optimizer)``; each
-  rank writes its part. DCP's ``.metadata`` pickle is read through an allow-list and its non-tensor entries with
-  ``weights_only=True``. Modules' ``_extra_state`` (Transformer Engine's FP8 scales and amax history) is saved per
-  rank beside it.
-- a strategy with its own format (DeepSpeed: the engine's ``save_checkpoint`` / ``load_checkpoint``): what it
-  says to write and read; its files are checked for classes outside the few it declares before it unpickles them.
-- every rank's RNG states as plain tensors and numbers.
-"""
+"""What each engine writes into a checkpoint and reads back, unpickling nothing unsafe: torch.distributed.checkpoint
+(DCP) of ``get_state_dict`` with modules' ``_extra_state`` per rank beside it, or a strategy's own format (DeepSpeed's
+files checked for foreign classes first); and every rank's RNG states as plain tensors and numbers."""
 
 from __future__ import annotations
 
@@ -27,8 +18,7 @@ from ..fp8 import FP8Backend, get_backend
 from ..pipeline.agree import RankFailure, rank_world
 from ..strategies import Strategy, get_strategy
 
-DCP = "dcp"
-"""The format meta.json records (``engine``) for a strategy without one of its own."""
+DCP = "dcp"  # meta.json's ``engine`` for a strategy without a checkpoint format of its own
 
 
 class CheckpointError(ValueError):
@@ -41,9 +31,8 @@ def no_dist() -> bool:
 
 
 def dcp_failure(err: BaseException, then: str = "") -> RankFailure:
-    """torch.distributed.checkpoint's ``CheckpointException`` (a ``BaseException``, which ``except Exception``
-    misses; DCP raises it on every rank) as its first failing rank's own error, in one line: e.g.
-    ``OSError: [Errno 28] No space left on device``; ``then`` is appended."""
+    """DCP's ``CheckpointException`` (a ``BaseException``, raised on every rank) as its first failing rank's own
+    error in one line (``OSError: [Errno 28] No space left on device``), ``then`` appended."""
     failures = getattr(err, "failures", None) or {}
     rank = min(failures) if failures else rank_world()[0]
     exc = failures[rank][0] if failures else err
@@ -75,8 +64,7 @@ def checkpoint_format(strategy: Strategy) -> str:
 
 def axes_of(info) -> tuple[Strategy, FP8Backend]:
     """The strategy and the FP8 backend of a wrapped model's :class:`~fp8dist.pipeline.api.WrapInfo`."""
-    cfg = info.config
-    return get_strategy(cfg.parallel.strategy), get_backend(cfg.precision.fp8)
+    return get_strategy(info.config.parallel.strategy), get_backend(info.config.precision.fp8)
 
 
 def check_supported(info) -> None:
@@ -90,9 +78,8 @@ def check_supported(info) -> None:
                               "strategy='ddp'.")
 
 
-# ---- RNG states: per rank, plain tensors and numbers only, so they load with weights_only=True
-
 def rng_state() -> dict[str, Any]:
+    """Plain tensors and numbers only, so that they load with ``weights_only=True``."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -119,11 +106,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
 
 
-# ---- the model and optimizer: torch.distributed.checkpoint, or DeepSpeed's engine checkpoint
-
 def _options(trainable_only: bool) -> Any:
-    """DCP's state-dict options: ``trainable_only`` leaves the frozen parameters out (a LoRA base: the checkpoint
-    holds what trains, the model rebuilds the rest), and loads without them."""
+    """DCP's state-dict options: ``trainable_only`` saves and loads without the frozen parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
@@ -131,37 +115,30 @@ def _options(trainable_only: bool) -> Any:
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                trainable_only: bool = False) -> dict[str, Any]:
-    """The model's and optimizer's state dicts by plain names, in the layout checkpoints hold: the optimizer's
-    matrices of a parameter held transposed (a Conv1D run by Transformer Engine, whose state dict already gives
-    the Conv1D's layout) are transposed views too, so a checkpoint loads into the model with or without it.
-    Without an optimizer, the model's alone; ``trainable_only``: without the frozen parameters."""
+    """The model's (and optimizer's) state dicts by plain names, in the layout checkpoints hold."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=_options(trainable_only))}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
-    _transpose_states(optim_sd, _transposed_names(model))
+    _transpose_states(optim_sd, model)
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _transposed_names(model: nn.Module) -> set[str]:
+def _transpose_states(optim_sd: dict[str, Any], model: nn.Module) -> None:
+    """Transposed views of the 2-D optimizer states of parameters held transposed (a Conv1D run by Transformer
+    Engine), so a checkpoint loads with or without it; a new dict each (the optimizer shares the old)."""
     from ..strategies.local_shards import local_params
 
-    return {n for p in local_params(model) if p.transposed for n in p.names}
-
-
-def _transpose_states(optim_sd: dict[str, Any], names: set[str]) -> None:
-    """Put transposed views of the 2-D optimizer states of the parameters ``names`` in ``optim_sd`` (a new dict
-    per parameter: the optimizer's state dict shares the optimizer's own)."""
+    names = {n for p in local_params(model) if p.transposed for n in p.names}
     for name in names & set(optim_sd.get("state", {})):
         optim_sd["state"][name] = {key: _transposed(value) if isinstance(value, torch.Tensor) and value.dim() == 2
                                    else value for key, value in optim_sd["state"][name].items()}
 
 
 def _transposed(value: torch.Tensor) -> torch.Tensor:
-    """``value.t()``; a ShardedTensor (FSDP1's sharded optimizer state), which has no ``t``, as the ShardedTensor
-    of the transposed shards (rows of the parameter become columns), built from this rank's shards without a
-    collective, as FSDP1 builds its own."""
+    """``value.t()``; a ShardedTensor (FSDP1's optimizer state, no ``t``) rebuilt from this rank's transposed
+    shards without a collective, as FSDP1 builds its own."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
@@ -175,28 +152,15 @@ def _transposed(value: torch.Tensor) -> torch.Tensor:
                                       meta.tensor_properties), process_group=value._process_group)
 
 
-def _is_extra_state(key: str) -> bool:
-    return key == "_extra_state" or key.endswith("._extra_state")
-
-
 def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
-    """Take the modules' ``_extra_state`` (Transformer Engine: FP8 scales and amax history) out of a model state
-    dict. It is saved per rank beside the DCP shards: its size changes once FP8 has run, which DCP's in-place
-    loading into a fresh model's (smaller) state cannot follow."""
-    return {k: model_sd.pop(k) for k in [k for k in model_sd if _is_extra_state(k)]}
-
-
-def _as_tensors(extra: dict[str, Any]) -> dict[str, Any]:
-    """Extra states as tensors (older TE versions return a BytesIO), so that they load with weights_only=True."""
-    return {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
-            for k, v in extra.items() if v is not None}
+    """Take the modules' ``_extra_state`` (TE's FP8 scales) out of a model state dict: its size changes once FP8
+    has run, which DCP's in-place loading into a fresh model cannot follow, so it is saved per rank beside."""
+    return {k: model_sd.pop(k) for k in [k for k in model_sd if k.split(".")[-1] == "_extra_state"]}
 
 
 def model_layout(model: nn.Module, strategy: Strategy,
                  trainable_only: bool = False) -> tuple[dict[str, list[int]], list[str]]:
-    """Global shape of every tensor of the model's state dict by its plain name (a format of the strategy's own:
-    what it says; ``trainable_only``: without the frozen parameters), and the names of its ``_extra_state``
-    entries (FP8 state)."""
+    """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries."""
     if strategy.checkpoint is not None:
         return strategy.checkpoint.layout(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -213,14 +177,16 @@ def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
     import torch.distributed.checkpoint as dcp
 
     state = _dcp_state(model, optimizer, trainable_only)
-    extra_state = _as_tensors(_pop_extra_state(state["model"]))
+    # as tensors (older TE versions give a BytesIO), so that they load with weights_only=True
+    extra_state = {k: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8) if isinstance(v, io.BytesIO) else v
+                   for k, v in _pop_extra_state(state["model"]).items() if v is not None}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=no_dist())
     if extra_state:  # after DCP's collectives: a failure here is this rank's alone, shared by the caller
         torch.save(extra_state, tmp / f"fp8_state_rank{rank_world()[0]}.pt")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: read it with only DCP's metadata classes, torch sizes and dtypes allowed."""
+    """DCP's ``.metadata`` is a pickle: read with only DCP's metadata classes, torch sizes and dtypes allowed."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
     _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -236,7 +202,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_reader(path: Path):
-    """DCP's file reader, reading ``.metadata`` through :class:`_MetadataUnpickler` (checked before DCP starts)."""
+    """DCP's file reader, its ``.metadata`` read through :class:`_MetadataUnpickler` before DCP starts."""
     import torch.distributed.checkpoint as dcp
 
     with open(path / ".metadata", "rb") as f:
@@ -269,8 +235,7 @@ def _safe_planner():
 
 
 def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
-    """A checkpoint in the strategy's own format, whose files the engine loads with plain pickle: each is checked
-    first for classes beyond those the format declares."""
+    """The strategy's own format, whose files the engine unpickles: each checked first for undeclared classes."""
     for file in own.files(path):
         unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - own.pickled
         if unsafe:
@@ -284,8 +249,7 @@ def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
 def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...],
                trainable_only: bool = False) -> None:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; of the modules' ``_extra_state`` only the
-    ``fp8_state`` entries (the others keep their own); ``trainable_only``: a checkpoint without the frozen
-    parameters (those keep the model's values)."""
+    ``fp8_state`` entries (the others keep their own)."""
     if strategy.checkpoint is not None:
         _read_own(path, model, optimizer, strategy.checkpoint)
         return
@@ -306,7 +270,7 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_options(trainable_only))
         return
-    _transpose_states(state["optim"], _transposed_names(model))  # back to the parameters' own layout
+    _transpose_states(state["optim"], model)  # back to the parameters' own layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(trainable_only))
 

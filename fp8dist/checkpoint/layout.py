@@ -1,11 +1,6 @@
-"""What a path given as a checkpoint directory is, decided once for every entry that takes one
-(:func:`~fp8dist.checkpoint.save_checkpoint`, :func:`~fp8dist.checkpoint.load_checkpoint`,
-:func:`latest_checkpoint`, the training job's ``checkpoint_dir``), so that each treats a file, one checkpoint (a
-``step_*`` folder), a folder of another kind (a Hugging Face model) and a checkpoint directory alike.
-
-A checkpoint directory holds ``step_*`` folders and ``latest`` (see :mod:`fp8dist.checkpoint.save_load`); a folder
-with none of them and no mark of another kind is a checkpoint directory not written to yet.
-"""
+"""What a path given as a checkpoint directory is, decided once for every entry that takes one: a file, one
+checkpoint (a ``step_*`` folder holding meta.json), a folder of another kind (a Hugging Face model) or a checkpoint
+directory (``step_*`` folders and ``latest``; or nothing yet)."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from ..pipeline.files import wrong_kind
+from ..pipeline.files import check_output_path, wrong_kind
 from ..strategies import STRATEGIES
 from .io import CheckpointError
 
@@ -23,8 +18,7 @@ __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_che
 META = "meta.json"
 _STEP = re.compile(r"step_(\d+)")
 
-# Folders a checkpoint directory is not: (names or globs that mark one, what it is, what to do with it instead);
-# those of a strategy's own checkpoint format follow, as the format says them.
+# (globs that mark a folder of another kind, what it is, the way out); a strategy's own format adds its own
 _OTHER_KINDS = (
     (("config.json", "*.safetensors", "pytorch_model.bin"), "a Hugging Face model folder",
      "load it as pretrained weights (fp8dist train --pretrained, from_pretrained)"),
@@ -48,36 +42,23 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def _other_kind(path: Path) -> str | None:
-    """'is <what it is> (<the mark found>), not an fp8dist checkpoint directory: <way out>', or None."""
-    own = [s.checkpoint.written_by_hand for s in STRATEGIES.values() if s.checkpoint is not None]
-    for marks, what, way_out in (*_OTHER_KINDS, *own):
-        found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
-        if found is not None:
-            return f"is {what} ({found}), not an fp8dist checkpoint directory: {way_out}"
-    return None
-
-
-def _enclosing_checkpoint(path: Path) -> Path | None:
-    """The checkpoint (a folder holding meta.json) that ``path`` is, or is inside."""
-    return next((p for p in (path, *path.parents) if _one_checkpoint(p)), None)
-
-
 def _refuse_foreign(given: str | os.PathLike) -> Path:
-    """Refuse a file, a folder inside a checkpoint, and a folder of another kind; ``given`` that is one checkpoint
-    (a step folder) or a checkpoint directory passes, as a Path."""
+    """``given`` as a Path; CheckpointError for a file, a folder inside a checkpoint, or one of another kind."""
     path = Path(given)
     mismatch = wrong_kind(path, name="path", directory=True)
     if mismatch is not None:
         raise CheckpointError(mismatch)
-    checkpoint = _enclosing_checkpoint(path)
+    checkpoint = next((p for p in (path, *path.parents) if _one_checkpoint(p)), None)  # path is it, or inside it
     if checkpoint is not None and checkpoint != path:
         raise CheckpointError(f"'{path}' is inside the checkpoint '{checkpoint}': pass that checkpoint, or the "
                               f"checkpoint directory above it ('{checkpoint.parent}').")
     if checkpoint is None and path.is_dir() and not step_dirs(path):  # DeepSpeed's folders have a `latest` too
-        other = _other_kind(path)
-        if other is not None:
-            raise CheckpointError(f"'{path}' {other}; checkpoints go to a directory of their own.")
+        own = [s.checkpoint.written_by_hand for s in STRATEGIES.values() if s.checkpoint is not None]
+        for marks, what, way_out in (*_OTHER_KINDS, *own):
+            found = next((hit.name for mark in marks for hit in sorted(path.glob(mark))), None)
+            if found is not None:
+                raise CheckpointError(f"'{path}' is {what} ({found}), not an fp8dist checkpoint directory: {way_out}; "
+                                      "checkpoints go to a directory of their own.")
     return path
 
 
@@ -86,8 +67,7 @@ def _one_checkpoint(path: Path) -> bool:
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in checkpoint directory ``path`` (what its ``latest`` names); None when there
-    is none yet (``path`` missing or empty).
+    """The newest complete checkpoint (what ``path/latest`` names); None when there is none yet.
 
     Raises:
         CheckpointError: ``path`` is a file, one checkpoint (a ``step_*`` folder: pass the directory above it), a
@@ -107,18 +87,20 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
 
 
 def save_root(path: str | os.PathLike) -> Path:
-    """``path`` as the checkpoint directory to save into (it may not exist yet); CheckpointError for a file, one
-    checkpoint (save into the directory above it) or a folder of another kind."""
+    """``path`` as the checkpoint directory to save into (it may not exist yet), else CheckpointError."""
     root = _refuse_foreign(path)
     if _one_checkpoint(root):
         raise CheckpointError(f"'{root}' is one checkpoint, not a checkpoint directory: saving into it would put "
                               f"checkpoints inside a checkpoint. Save into the directory above it ('{root.parent}').")
+    try:
+        check_output_path(root, name="path", directory=True)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     return root
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint to load: ``path`` itself when it is one (a ``step_*`` folder), else what the checkpoint
-    directory ``path``'s ``latest`` names."""
+    """The checkpoint to load: ``path`` when it is one, else what ``path/latest`` names."""
     root = _refuse_foreign(path)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint '{root}' does not exist.")
@@ -132,21 +114,15 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def job_root(path: str | os.PathLike) -> Path:
-    """The checkpoint directory a training job given ``path`` saves into: the one above it when ``path`` is one
-    checkpoint (``dir/step_N``), else ``path``."""
+    """The checkpoint directory a training job given ``path`` saves into: ``dir`` for ``dir/step_N``."""
     given = Path(path)
     return given.parent if _one_checkpoint(given) else given
 
 
 def job_checkpoints(path: str | os.PathLike) -> tuple[Path, Path | None]:
-    """A training job's ``checkpoint_dir``: (the checkpoint directory it saves into, the checkpoint it resumes from:
-    None when there is none yet).
-
-    A checkpoint directory resumes from its newest checkpoint. One checkpoint (``dir/step_N``) resumes from itself
-    and saves into ``dir``, so ``dir/latest`` names that run's newest step; it must be the newest of ``dir`` (a run
-    from an older step would replace the newer ones of the run it left, and once this run has saved, the same
-    command would start again from step N).
-    """
+    """A training job's ``checkpoint_dir`` as (the directory it saves into, the checkpoint it resumes from or None).
+    ``dir/step_N`` resumes from itself and saves into ``dir``; it must be the newest there (a run from an older step
+    would replace the newer ones, and the same command would later restart from step N)."""
     given = _refuse_foreign(path)
     if not _one_checkpoint(given):
         return given, latest_checkpoint(given)

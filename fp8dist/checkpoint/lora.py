@@ -1,8 +1,6 @@
-"""Export of a PEFT LoRA model trained under :func:`fp8dist.wrap_model` (``fp8dist train --lora-rank``):
-:func:`save_adapters` writes the adapters in PEFT's format (``PeftModel.from_pretrained(base, dir)`` loads them),
-:func:`save_merged` the base model with the adapters merged into its weights, through transformers'
-``save_pretrained`` (``AutoModelForCausalLM.from_pretrained(dir)`` loads it). Every rank gathers the full tensors
-(:func:`~fp8dist.strategies.local_shards.gather_full`: FSDP2, FSDP1, ZeRO-3 shards alike); rank 0 writes."""
+"""Export of a PEFT LoRA model trained under :func:`fp8dist.wrap_model`: the adapters in PEFT's format
+(:func:`save_adapters`) or the base with the adapters merged (:func:`save_merged`). Every rank gathers the full
+tensors (FSDP2, FSDP1, ZeRO-3 alike); rank 0 writes."""
 
 from __future__ import annotations
 
@@ -15,15 +13,14 @@ import torch
 from torch import nn
 
 from ..pipeline.agree import rank_world
-from ..pipeline.files import atomic_write
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
-from .hf import _dtype, _persistent_buffers, _Writer, check_out_dir
+from ..pipeline.pretrained import _persistent_buffers
+from .hf import _dtype, _write_file, _Writer, check_out_dir
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
 
-ADAPTER_FILE = "adapter_model.safetensors"
-"""PEFT's adapter weights file (beside its adapter_config.json)."""
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's, beside its adapter_config.json
 
 
 def _peft_model(model: nn.Module) -> Any:
@@ -42,35 +39,30 @@ def _gathered(model: nn.Module, out: Path, keep: Any) -> dict[str, torch.Tensor]
 
 def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                   base_model: str | None = None) -> Path:
-    """Write the LoRA adapters of ``model`` (a PEFT model as :func:`fp8dist.wrap_model` returned it) into
-    ``out_dir`` as PEFT does: ``adapter_model.safetensors`` and ``adapter_config.json`` (``base_model``: the base's
-    directory it names). Call it on every rank (a collective); rank 0 writes.
+    """Write the LoRA adapters of ``model`` (a wrapped PEFT model) into ``out_dir`` as PEFT does (``base_model``: the
+    base's directory the config names). Call it on every rank; rank 0 writes.
 
     Example::
 
         save_adapters(model, "out")                       # after training, on every rank
         PeftModel.from_pretrained(base, "out")            # anywhere
     """
-    from safetensors.torch import save_file
-
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     # by name, as PEFT picks them: FSDP1's flat parameters hide which of their parameters train
     full = _gathered(model, out, lambda name: "lora_" in name)
-    writer = _Writer(out, rank_world()[0])
 
     def write() -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
-        # PEFT's file names a tensor without the adapter's name (get_peft_model_state_dict, which finds the
-        # adapters by the module names of the model, and misses them under FSDP1's wrappers)
+        # PEFT's names drop the adapter's (as get_peft_model_state_dict, which misses FSDP1-wrapped adapters)
         tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v.to(dtype).contiguous() for k, v in full.items()}
-        atomic_write(out / ADAPTER_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        _write_file(out / ADAPTER_FILE, tensors)
         config = inner.peft_config["default"]
         if base_model is not None:
             config.base_model_name_or_path = str(base_model)
         config.save_pretrained(str(out))
         return [ADAPTER_FILE, "adapter_config.json"]
 
-    writer.run(f"writing {ADAPTER_FILE} into {out}", write)
+    _Writer(out, rank_world()[0]).run(f"writing {ADAPTER_FILE} into {out}", write)
     return out
 
 
@@ -90,14 +82,13 @@ def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16) -> Path:
-    """Write ``model`` (a PEFT LoRA model as :func:`fp8dist.wrap_model` returned it) with its adapters merged into
-    the base weights, as a transformers model (``save_pretrained``) in ``dtype``. Call it on every rank; rank 0
-    holds the whole model in CPU memory while it writes."""
+    """Write ``model`` (a wrapped PEFT LoRA model) with its adapters merged into the base weights, as a transformers
+    model in ``dtype``. Call it on every rank; rank 0 holds the whole model in CPU memory while it writes."""
     from transformers import AutoModelForCausalLM
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner)})  # every rank holds them whole
+    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner).items()})  # every rank holds them whole
 
     def write() -> list[str]:
         merged = _merged(inner, full)

@@ -1,13 +1,6 @@
-"""Every file of a checkpoint, its size and its checksum, recorded in meta.json at save and checked at load, for
-every engine alike (DCP shards, DeepSpeed's own files, RNG and FP8 state): a byte changed on disk or in a copy is
-found before anything is loaded.
-
-The checksum is CRC-32 (zlib): it finds every change of up to 32 consecutive bits and any other with odds of
-2**-32, which is what damage on disk or in a copy needs (a forged checkpoint is refused by what it may unpickle,
-not by its checksum). On this project's CPU host it runs 1.8-2.6x faster than sha256 and 2.0-2.8x faster than
-blake2b, and costs about 0.5-1.9 CPU seconds per GB at save and at load (benchmarks/checkpoint/results.md). The
-work is split over the ranks, each reading about an equal share of the bytes.
-"""
+"""Every file of a checkpoint with its size and CRC-32, recorded in meta.json at save and checked at load, the ranks
+sharing the reading. CRC-32 finds damage (a forged file is refused by what it may unpickle); here it ran 1.8-2.8x
+faster than sha256 and blake2b, 0.5-1.9 CPU s/GB (benchmarks/checkpoint/results.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +13,7 @@ from .io import CheckpointError, all_ranks_values
 
 __all__ = ["CHECKSUM", "file_checksum", "record_files", "verify_files"]
 
-CHECKSUM = "crc32"
-"""The algorithm meta.json's ``checksums`` are of (its ``checksum`` field)."""
+CHECKSUM = "crc32"  # meta.json's ``checksum``
 _CHUNK = 16 * 2**20
 
 
@@ -36,8 +28,7 @@ def file_checksum(path: Path) -> str:
 
 
 def _share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
-    """This rank's files: the largest first, each to the rank with the fewest bytes so far (the same split on every
-    rank, which all list the same files)."""
+    """This rank's files: the largest first, each to the rank with the fewest bytes so far (the same on every rank)."""
     loads, mine = [0] * world, []
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         least = loads.index(min(loads))
@@ -53,8 +44,8 @@ def _files(directory: Path) -> dict[str, int]:
 
 
 def record_files(directory: Path, rank: int, world: int) -> tuple[dict[str, int], dict[str, str]]:
-    """Every file under ``directory``: (its size, its checksum), this rank syncing to disk and summing its share.
-    Call it on every rank once all have written; each gets the whole record."""
+    """(sizes, checksums) of every file under ``directory``, this rank syncing and summing its share. Call it on
+    every rank once all have written."""
     sizes = _files(directory)
     mine = {}
     for name in _share(sizes, rank, world):
@@ -66,8 +57,8 @@ def record_files(directory: Path, rank: int, world: int) -> tuple[dict[str, int]
 
 
 def verify_files(path: Path, meta: dict[str, Any], rank: int, world: int) -> None:
-    """Check this rank's share of the checkpoint's files against meta.json's checksums (none recorded, as before
-    fp8dist recorded them: nothing to check). CheckpointError naming the first file that differs."""
+    """Check this rank's share of the files against meta.json's checksums (if any); CheckpointError naming the
+    first that differs."""
     checksums = meta.get("checksums")
     if not checksums:
         return

@@ -1,23 +1,6 @@
-"""Checkpoints for every strategy: model, optimizer, step, RNG states and FP8 state, written atomically.
-
-A checkpoint directory ``D`` (on a filesystem every rank sees) holds::
-
-    D/step_00000040/        one complete checkpoint; it only ever appears by a rename
-        meta.json           engine, strategy, FP8 backend, FP8 state entries, ZeRO stage, world size, every
-                            tensor's name and shape, step, extra, every file's size and CRC-32 (checked at load:
-                            see manifest; the rest: compat.describe)
-        .metadata __R_0.distcp   torch.distributed.checkpoint (fsdp, fsdp1, ddp, none): each rank writes its part
-        deepspeed/          DeepSpeed's own engine checkpoint (strategy="deepspeed")
-        rng_rank{R}.pt      rank R's RNG states: torch CPU and CUDA, python, numpy
-        fp8_state_rank{R}.pt   rank R's modules' ``_extra_state`` (Transformer Engine's FP8 scales, amax history)
-    D/latest                name of the newest complete checkpoint, replaced atomically after the rename
-    D/.tmp-step_00000040/   a save in progress, or one that crashed: never loaded, removed by the next save
-
-FP8 state: Transformer Engine's is in ``fp8_state_rank{R}.pt`` (DeepSpeed: inside the engine's module state);
-torchao keeps none; MS-AMP is not supported yet. What each engine writes, and how loading avoids unpickling
-anything but tensors and plain values, is in :mod:`fp8dist.checkpoint.io`; what loads into what (across
-strategies, world sizes and FP8 on/off) in :mod:`fp8dist.checkpoint.compat`.
-"""
+"""Checkpoints for every strategy, written atomically: ``D/step_00000040/`` (meta.json, the engine's shards,
+``rng_rank{R}.pt``, Transformer Engine's ``fp8_state_rank{R}.pt``) appears only by a rename from ``D/.tmp-step_*``,
+then ``D/latest`` is replaced to name it; a crash at any moment leaves the previous checkpoint intact."""
 
 from __future__ import annotations
 
@@ -33,24 +16,15 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config.args import require_bool
-from ..pipeline.files import atomic_write_text, check_output_path, fsync_dir
+from ..pipeline.files import atomic_write_text, fsync_dir
 from ..pipeline.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
 from .manifest import CHECKSUM, record_files, verify_files
-from .io import (
-    CheckpointError,
-    axes_of,
-    check_supported,
-    dcp_failure,
-    from_rank0,
-    read_state,
-    rng_state,
-    set_rng_state,
-    write_state,
-)
+from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_rank0, read_state, rng_state,
+                 set_rng_state, write_state)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
@@ -64,19 +38,14 @@ class CheckpointState:
     """What :func:`load_checkpoint` restored besides the model and optimizer."""
 
     step: int
-    """Optimizer steps done when saved; the data position (batch ``step`` is the next one to train on)."""
+    """Optimizer steps done when saved: batch ``step`` is the next one to train on."""
     extra: dict[str, Any]
-    """The ``extra`` dict given to :func:`save_checkpoint`."""
     path: Path
-    """The checkpoint directory loaded."""
     world_size: int
     """World size the checkpoint was saved with."""
     differences: tuple[str, ...] = ()
-    """How the model it was loaded into differs from the saved one, all of it allowed: e.g. ``"strategy 'fsdp' ->
-    'ddp'"``, ``"fp8 'torchao' -> None"``, ``"world_size 2 -> 1"``."""
+    """How the model loaded into differs from the saved one, all allowed: e.g. ``"strategy 'fsdp' -> 'ddp'"``."""
 
-
-# ---- meta.json: what was saved, checked against the model before anything is loaded
 
 def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any],
                 files: tuple[dict[str, int], dict[str, str]]) -> None:
@@ -112,8 +81,6 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-# ---- the directory (what a path is: see layout): latest pointer, publish by rename, retention
-
 def _discard(path: Path) -> None:
     """Remove a directory so that a crash half-way never leaves something that looks like a checkpoint."""
     trash = path.with_name(f".trash-{path.name}")
@@ -124,7 +91,7 @@ def _discard(path: Path) -> None:
 
 
 def _publish(tmp: Path, root: Path, name: str, keep_last: int | None) -> None:
-    """Rename the finished save into place, then point ``latest`` at it, then prune (rank 0 only)."""
+    """Rename the finished save into place, then point ``latest`` at it, then prune."""
     final = root / name
     if final.exists():  # saving a step again after resuming from an older checkpoint
         _discard(final)
@@ -160,16 +127,6 @@ def _check_save_args(step: Any, extra: Any, keep_last: Any, overwrite: Any) -> d
     return extra
 
 
-def _check_target(root: Path) -> Path:
-    """``root`` can hold checkpoints (:func:`fp8dist.pipeline.files.check_output_path`), else CheckpointError
-    naming it."""
-    try:
-        check_output_path(root, name="path", directory=True)
-    except ValueError as err:
-        raise CheckpointError(str(err)) from None
-    return root
-
-
 def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
@@ -178,8 +135,7 @@ def _prepare(root: Path, tmp: Path) -> None:
 
 def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, rank: int,
                 trainable_only: bool) -> None:
-    """This rank's part: the engine's shards (DCP shares a failure of any rank with all: raised as that rank's),
-    then its own files."""
+    """This rank's part (DCP raises a failure of any rank on all: raised as that rank's), then its RNG state."""
     try:
         write_state(tmp, model, optimizer, strategy, trainable_only)
     except CheckpointException as err:
@@ -188,7 +144,7 @@ def _write_rank(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
 
 
 def _kept(root: Path) -> str:
-    """What a failed save leaves: the checkpoint ``latest`` names, as the way-out sentence says it."""
+    """What a failed save leaves, as the way-out sentence says it."""
     try:
         previous = latest_checkpoint(root)
     except (OSError, CheckpointError):
@@ -200,34 +156,27 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
                     extra: dict[str, Any] | None = None, keep_last: int | None = None,
                     overwrite: bool = False, trainable_only: bool = False) -> Path:
     """Save ``model`` (from :func:`fp8dist.wrap_model`), ``optimizer``, ``step``, every rank's RNG states and the
-    FP8 state into ``path/step_{step:08d}``, atomically. Call it on every rank, after ``optimizer.step()``.
-
-    Each rank writes its own shard (torch.distributed.checkpoint; DeepSpeed: the engine's own checkpoint) into a
-    temporary directory; once every rank has finished, rank 0 renames it into place, then points ``path/latest``
-    at it, then removes the oldest beyond ``keep_last``. A crash at any moment leaves the previous checkpoint
-    intact and ``latest`` naming it. A failure on any rank (a read-only directory, a full disk) raises
-    :class:`CheckpointError` on every rank, with the same message, and removes the temporary directory.
+    FP8 state into ``path/step_{step:08d}``, atomically (a crash leaves the previous checkpoint and ``latest``
+    intact). Call it on every rank, after ``optimizer.step()``.
 
     Args:
-        path: the checkpoint directory (created if needed), on a filesystem every rank sees; not a file, one
-            checkpoint (a ``step_*`` folder: save into the directory above it) or a folder of another kind (a
-            Hugging Face model): those are refused before anything is written.
+        path: the checkpoint directory (created if needed) on a filesystem every rank sees; a file, one checkpoint
+            or a folder of another kind (a Hugging Face model) is refused before anything is written.
         model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
         optimizer: its optimizer (DeepSpeed: ``engine.optimizer``; the engine saves it).
         step: optimizer steps done; also the data position to resume from.
         extra: JSON values to keep with the checkpoint (returned by :func:`load_checkpoint`).
         keep_last: keep only this many newest checkpoints; None keeps all.
-        overwrite: replace a checkpoint of the same step already in ``path`` (e.g. after resuming from an older
-            one); without it that is an error naming it.
-        trainable_only: leave the frozen parameters out (a LoRA fine-tune: the adapters and their optimizer state
-            only; the base is rebuilt from where it came from); meta.json says so and loading follows it. Not with
-            a strategy that has its own checkpoint format (DeepSpeed).
+        overwrite: replace a checkpoint of the same step (e.g. after resuming from an older one).
+        trainable_only: leave the frozen parameters out (a LoRA fine-tune's base); not with a strategy that has
+            its own checkpoint format (DeepSpeed).
 
     Returns:
         The checkpoint's directory.
 
     Raises:
-        CheckpointError: on every rank, when the save failed on any (nothing of it is kept), or the step exists.
+        CheckpointError: on every rank, with the same message, when the save failed on any (nothing of it is
+            kept: a read-only directory, a full disk), or the step exists.
 
     Example::
 
@@ -239,7 +188,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     require_bool("trainable_only", trainable_only)
     (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
-    root = on_all_ranks("save_checkpoint", lambda: _check_target(save_root(path)), error=CheckpointError,
+    root = on_all_ranks("save_checkpoint", lambda: save_root(path), error=CheckpointError,
                         passthrough=refusals)  # every rank writes there: checked on each
     name = step_name(step)
     tmp, final = root / f".tmp-{name}", root / name
@@ -271,32 +220,20 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in place, and restore
     this rank's RNG states. Call it on every rank, after ``wrap_model`` and building the optimizer.
 
-    ``path`` is the checkpoint directory (its ``latest`` is followed) or one ``step_*`` folder. The checkpoint is
-    checked before anything is loaded (every file complete and of the checksum recorded at save, every tensor's
-    name and shape equal), and what may differ is decided from meta.json (see :mod:`fp8dist.checkpoint.compat`):
-
-    - fsdp, fsdp1, ddp and none load into each other, on any world size (DCP reshards); ranks the checkpoint had
-      no RNG state for keep theirs. torchao may be turned on or off (it keeps no FP8 state).
-    - Transformer Engine's FP8 state loads only into modules that hold it (TE modules, any of those strategies);
-      ``drop_fp8_state=True`` loads the rest without it.
-    - DeepSpeed loads DeepSpeed checkpoints of the same ZeRO stage, world size and FP8 backend only.
-    - The optimizer must be of the class saved (AdamW's state does not fill SGD's); ``optimizer=None`` loads the
-      model's weights only (``differences`` says the optimizer state was left).
-
-    Anything else raises :class:`CheckpointError` naming what was saved, what is loading and the way out; a
-    failure on one rank (a file it cannot read) raises the same error on every rank. Nothing is unpickled beyond
-    tensors and plain values (DCP metadata through an allow-list, ``weights_only=True``; DeepSpeed's files are
-    checked for foreign classes first).
+    Every file's size and checksum and every tensor's name and shape are checked before anything loads; what may
+    differ is decided from meta.json (:mod:`fp8dist.checkpoint.compat`): fsdp, fsdp1, ddp and none load into each
+    other on any world size, torchao on or off; Transformer Engine's FP8 state only into modules that hold it;
+    DeepSpeed only the same ZeRO stage, world size and FP8 backend; the optimizer must be of the class saved.
+    Anything else raises :class:`CheckpointError` on every rank, naming what was saved, what is loading and the
+    way out. Nothing is unpickled beyond tensors and plain values.
 
     Args:
-        path: a checkpoint directory, or one of its ``step_*`` folders.
+        path: a checkpoint directory (its ``latest`` is followed), or one of its ``step_*`` folders.
         model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
-        optimizer: its optimizer, built after ``wrap_model`` (DeepSpeed: ``engine.optimizer``); None loads the
-            model's weights only.
-        drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``); the model's FP8 modules, if
-            any, start their scaling afresh. Needed to load a Transformer Engine checkpoint into a model without TE.
-        verify: check every file's CRC-32 against meta.json before loading (the ranks split the reading); False
-            loads without it (e.g. a damaged checkpoint, knowingly).
+        optimizer: its optimizer (DeepSpeed: ``engine.optimizer``); None loads the model's weights only.
+        drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``; e.g. a Transformer Engine
+            checkpoint into a model without TE): FP8 scaling starts afresh.
+        verify: check every file's CRC-32 before loading; False loads a damaged checkpoint knowingly.
 
     Returns:
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
@@ -340,8 +277,7 @@ _DAMAGED = ". Its files may be damaged; load an older checkpoint (its step_* fol
 
 def _read(checkpoint: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...],
           trainable_only: bool) -> None:
-    """Read the checkpoint's state into the model and optimizer; what goes wrong past the checks made before
-    (every file's size, every tensor's name and shape, the optimizer's class) is damage."""
+    """Read the checkpoint into the model and optimizer; what goes wrong past the checks made before is damage."""
     try:
         read_state(checkpoint, model, optimizer, strategy, fp8_state, trainable_only)
     except CheckpointError:
