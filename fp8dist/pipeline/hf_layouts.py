@@ -1,16 +1,6 @@
-"""Hugging Face checkpoints written before the model classes that read them: MoE families whose checkpoints on the
-Hub hold one module per expert, while transformers 5 holds each layer's experts as two fused 3-D parameters.
-
-- Mixtral: ``model.layers.L.block_sparse_moe.experts.E.w1/w3/w2.weight`` (and the router under
-  ``block_sparse_moe.gate``) -> ``model.layers.L.mlp.experts.gate_up_proj`` (E, 2I, H) = each expert's w1 (gate)
-  then w3 (up), and ``down_proj`` (E, H, I) = each expert's w2.
-- Qwen2-MoE / Qwen3-MoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight`` -> the same two fused parameters.
-
-The table mirrors what transformers' own ``from_pretrained`` does for these families (its ``conversion_mapping``:
-a rename, then ``MergeModulelist(dim=0)`` and ``Concatenate(dim=1)``); tests check a checkpoint in the old layout
-loads to the same weights both ways. fp8dist assembles only the part of a fused tensor a rank holds, reading the
-matching rows of each expert's tensor (:meth:`fp8dist.pipeline.pretrained.SafetensorsDir.read`).
-"""
+"""MoE checkpoints on the Hub with one module per expert (Mixtral's ``block_sparse_moe.experts.E.w1``, Qwen-MoE's
+``mlp.experts.E.gate_proj``), read into transformers 5's two fused 3-D parameters per layer (``gate_up_proj``,
+``down_proj``) as its own ``conversion_mapping`` does; a rank reads only the rows of each expert it holds."""
 
 from __future__ import annotations
 

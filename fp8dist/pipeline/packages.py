@@ -1,5 +1,5 @@
-"""Installed versions of fp8dist's dependencies and the ranges fp8dist supports, read from package metadata
-without importing the packages (a leaf: the FP8 backends and ``fp8dist env`` both read it)."""
+"""Installed versions of fp8dist's dependencies and the ranges fp8dist supports, read from package metadata without
+importing the packages."""
 
 from __future__ import annotations
 
