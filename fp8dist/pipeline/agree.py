@@ -101,8 +101,7 @@ def _digest(value: Any) -> str:
 
 
 def _fingerprint(model: nn.Module, cfg: Any, plan: Any, *, weights: bool) -> dict[str, Any]:
-    """What must be equal on every rank: the config (as a dict: a difference is named by its key), the plan's
-    decisions, the model's structure (names, shapes, dtypes) and, with ``weights``, a checksum of each parameter."""
+    """What must be equal on every rank: config (by key), plan, structure and, with ``weights``, parameter sums."""
     out: dict[str, Any] = {
         "config": cfg.to_dict(),
         "plan": _digest([(e.name, e.precision, e.converted_to) for e in plan]),

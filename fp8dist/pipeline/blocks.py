@@ -54,8 +54,7 @@ class BlockWiring:
 
 def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why. ``refusal``: why the combination table refuses compile for this config,
-    which turns auto off."""
+    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
     if compile is not None:
         return compile, "asked for" if compile else "turned off"
     if refusal is not None:
@@ -95,8 +94,7 @@ def _no_cache(model: nn.Module) -> str | None:
 
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
-    """Checkpoint (``mode``) and/or compile each ``(name, block)`` of ``found`` in place in ``model``; returns the
-    blocks to shard (the wrappers where there are some) and what was done."""
+    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place; returns the blocks to shard and what."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:

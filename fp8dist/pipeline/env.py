@@ -105,9 +105,8 @@ def local_world_size(environ: Mapping[str, str], default: int) -> int:
 
 
 def current_launch() -> LaunchEnv:
-    """The launcher's environment (:func:`detect_launch_env`), or the view of a process group already initialized
-    (by the user, with any ``init_method``): its rank and world size, the local rank from ``LOCAL_RANK`` or
-    ``SLURM_LOCALID``, else ``rank %`` the CUDA devices (or ``LOCAL_WORLD_SIZE``) of this node."""
+    """The launcher's environment (:func:`detect_launch_env`), or an initialized process group's rank and world size,
+    the local rank from ``LOCAL_RANK``/``SLURM_LOCALID``, else ``rank %`` the CUDA devices (or ranks) per node."""
     if not (dist.is_available() and dist.is_initialized()):
         return detect_launch_env()
     environ, rank, world = os.environ, dist.get_rank(), dist.get_world_size()

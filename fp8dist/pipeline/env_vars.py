@@ -105,7 +105,6 @@ def read(environ: Mapping[str, str], name: str, default: Any = None) -> Any:
 
 
 def check_variables(environ: Mapping[str, str]) -> None:
-    """LaunchError for the first variable of :data:`VARIABLES` set to a bad value, whether or not this launch reads
-    it: a mistake even where it happens not to matter."""
+    """LaunchError for the first variable of :data:`VARIABLES` set to a bad value, read by this launch or not."""
     for name in VARIABLES:
         read(environ, name)

@@ -46,7 +46,6 @@ class FusedExperts:
 
 
 def _candidates(name: str, layout: ExpertsLayout) -> list[str]:
-    """``name`` and its spellings under the layout's renames."""
     out = [name]
     for ours, theirs in layout.renames:
         out += [n.replace(ours, theirs, 1) for n in out if ours in n]
@@ -76,9 +75,8 @@ def _fused(name: str, layout: ExpertsLayout, shapes: Mapping[str, tuple[int, ...
 
 def resolve(wanted: Iterable[str], shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
             model_type: str | None) -> dict[str, str | FusedExperts]:
-    """For each name in ``wanted`` the checkpoint (``shapes``/``dtypes`` by name) lacks: the checkpoint name it
-    has under the family's older layout, or the per-expert tensors a fused parameter is made of. Names found in
-    neither way are left out (the caller reports them missing)."""
+    """For each name of ``wanted`` the checkpoint (``shapes``/``dtypes``) lacks: its name there under the family's older
+    layout, or the per-expert tensors a fused parameter is made of; names found neither way are left out."""
     layout = LAYOUTS.get(model_type or "")
     if layout is None:
         return {}

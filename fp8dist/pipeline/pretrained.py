@@ -118,8 +118,7 @@ class SafetensorsDir:
         return list(self.shapes)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
-        """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
-        that cover it)."""
+        """The ``region`` of tensor ``name``: a box, or a flat range (reading only the rows that cover it)."""
         found = self._aliases.get(name, name)
         if isinstance(found, str):
             return self._read_file(found, region, self.shapes[name])
@@ -305,8 +304,8 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
                 meta: bool, fp32_master: bool | None = None) -> LoadReport | None:
-    """Fill the sharded (or whole) ``model`` from ``pretrained`` or (a meta model without it) by its own
-    initialization; a meta model's buffers are set by its initialization either way."""
+    """Fill the sharded (or whole) ``model`` from ``pretrained``, or a meta model by its own initialization (its
+    buffers either way)."""
     require_bool("meta", meta)
     params = local_params(model)
     if meta:

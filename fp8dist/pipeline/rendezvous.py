@@ -58,8 +58,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
 
 
 def _connect(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
-    """Rank 0's store (its client connected through ``addr`` as every rank's is), or a client of it within
-    ``timeout_s``; else LaunchError saying what is there."""
+    """Rank 0's store, or a client of it within ``timeout_s``; else LaunchError saying what is there."""
     store, err, unanswered = _make_store(addr, port, rank, world, timeout_s)
     if store is not None:
         return store
