@@ -68,9 +68,12 @@ def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
     cls = classes[name.lower()]
     hints, defaults = _signature(cls)
     extra = dict(engine_keys or {})
+    known = [*hints, *extra]
     for key, value in kwargs.items():
-        if key not in hints and key not in extra:
-            _unknown_key(who, cls, key, [*hints, *extra])
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
+                             f"{', '.join(known)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
         hint = hints.get(key, extra.get(key))
         if not _matches(value, hint):
             shown = f", e.g. {key}={defaults[key]!r} (torch's default)" if defaults.get(key) is not None else ""
@@ -106,12 +109,6 @@ def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     return ({p.name: hints.get(p.name, Any) for p in parameters},
             {p.name: None if p.default is p.empty else p.default for p in parameters})
-
-
-def _unknown_key(who: str, cls: type, key: str, keys: list[str]) -> None:
-    close = difflib.get_close_matches(str(key), keys, n=1)
-    raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
-                     f"{', '.join(keys)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
 
 
 # an optimizer signature's types: as the error says them, and the check (an int is a float, a bool is neither)
