@@ -94,7 +94,7 @@ def _no_cache(model: nn.Module) -> str | None:
 
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
-    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place; returns the blocks to shard and what."""
+    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place: (the blocks to shard, what was done)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:

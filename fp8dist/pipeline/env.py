@@ -125,7 +125,8 @@ def aten_cpu_fp8_gemms() -> str | None:
     """On a CPU with AMX, turn oneDNN off for this process and return the line that says so (None: nothing changed).
 
     There torch sends ``torch._scaled_mm`` to oneDNN's reference FP8 kernel: a 256x128x384 GEMM took 592 ms against
-    0.96 ms through ATen's, bit-identical (torch 2.13, a Xeon with AMX, 2026-11-26). For a process running FP8 on CPU.
+    0.96 ms through ATen's, bit-identical (torch 2.13, a Xeon with AMX, 2026-11-26). For a process running FP8 on CPU;
+    its bf16 GEMMs then run ATen's kernels too.
     """
     try:
         with open("/proc/cpuinfo") as info:

@@ -1,5 +1,6 @@
 """Optimizer specs (for engines that own the optimizer, and one-call users), and :data:`STEP_HOOKS`, the one registry
-of what fp8dist does around an optimizer's step (stopping an optimizer built before ``wrap_model``, torchao's)."""
+of what fp8dist does around an optimizer's step (stop an optimizer built before ``wrap_model``, torchao's precompute
+of scales)."""
 
 from __future__ import annotations
 
