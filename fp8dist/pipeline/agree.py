@@ -1,11 +1,6 @@
-"""Collective agreement: what every rank of a job must agree on (:func:`check_ranks_agree`), and failures no rank
-may hide (:func:`on_all_ranks`).
-
-A rank given other settings (``fp8=`` on one rank only) hangs the job in its first step, in a collective the others
-never enter; ranks holding different weights under an engine that does not copy rank 0's (FSDP shards each rank's
-own copy) train a silent mixture. A rank that fails alone (its disk, its file, its part of a tensor) leaves the
-others waiting forever in the next collective.
-"""
+"""What every rank of a job must agree on (:func:`check_ranks_agree`: other settings on one rank hang the first
+step, other weights train a silent mixture), and failures no rank may hide (:func:`on_all_ranks`: a rank failing
+alone leaves the others waiting forever in the next collective)."""
 
 from __future__ import annotations
 
@@ -20,19 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_ranks_agree", "fingerprint", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure",
-           "alone"]
+__all__ = ["check_ranks_agree", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure", "alone"]
 
 T = TypeVar("T")
-
-
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8dist_alone", default=False)
 
 
 @contextlib.contextmanager
 def alone() -> Iterator[None]:
-    """Inside, this process works on its own even within a job (the numerics probe on one rank): :func:`on_all_ranks`
-    shares nothing with the other ranks, which are not taking part."""
+    """Inside, this process works on its own even within a job (the numerics probe on one rank)."""
     token = _ALONE.set(True)
     try:
         yield
@@ -68,29 +59,12 @@ def _report(err: Exception, rank: int, error: type[Exception],
 
 def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Exception],
                  passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> T | None:
-    """Run ``action`` on this rank (None: this rank has nothing to do), then learn from every rank whether its
-    action worked; if any failed, raise on every rank the same error, naming ``what`` and the first rank that
-    failed (the failing rank chains its own exception). Call it on every rank, in the same order; it costs one
-    ``all_gather_object`` of a few bytes: call it per file or per phase, never per tensor.
-
-    Args:
-        what: the operation, as the message names it ("saving ckpt/step_00000002 (writing ...)").
-        action: this rank's part; an ``Exception`` it raises is the failure (``KeyboardInterrupt`` is not caught).
-        error: the class every rank raises (it takes one message).
-        passthrough: classes of errors whose message is complete in itself (a refusal naming the way out): such
-            a failure keeps its class on every rank, and its message too when every rank raised the same.
-        way_out: a sentence the message ends with (what to do about it).
-
-    Returns:
-        ``action()``'s result on this rank (None where ``action`` is None).
-
-    Raises:
-        error: on every rank, when ``action`` raised on any rank (or the ``passthrough`` class raised).
-
-    Example::
-
-        on_all_ranks(f"creating {tmp}", (lambda: tmp.mkdir()) if rank == 0 else None, error=CheckpointError)
-    """
+    """Run ``action`` on this rank (None: nothing to do here) and return its result; if it raised an ``Exception``
+    on any rank, raise ``error`` on every rank, naming ``what`` and the first rank that failed, ending with
+    ``way_out``. A ``passthrough`` error (a refusal complete in itself) keeps its class, and its message when every
+    rank raised the same. Call it on every rank in the same order; one small ``all_gather_object``: per file or
+    phase, never per tensor. Example: ``on_all_ranks(f"creating {tmp}", tmp.mkdir if rank == 0 else None,
+    error=CheckpointError)``."""
     failure: Exception | None = None
     result = None
     if action is not None:
@@ -126,9 +100,8 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def fingerprint(model: nn.Module, cfg: Any, plan: Any, *, weights: bool) -> dict[str, Any]:
-    """What must be equal on every rank: the config (as a dict: a difference is named by its key), the plan's
-    decisions, the model's structure (names, shapes, dtypes) and, with ``weights``, a checksum of each parameter."""
+def _fingerprint(model: nn.Module, cfg: Any, plan: Any, *, weights: bool) -> dict[str, Any]:
+    """What must be equal on every rank: config (by key), plan, structure and, with ``weights``, parameter sums."""
     out: dict[str, Any] = {
         "config": cfg.to_dict(),
         "plan": _digest([(e.name, e.precision, e.converted_to) for e in plan]),
@@ -157,15 +130,13 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
 
 def check_ranks_agree(model: nn.Module, cfg: Any, plan: Any, env: Any) -> None:
     """Raise :class:`RanksDisagreeError` on every rank when the ranks' fingerprints differ (one all-gather), before
-    ``wrap_model`` converts or shards anything.
-    ``check_ranks="settings"`` leaves the weights out (ranks that differ on purpose), ``"off"`` checks nothing;
-    weights are not compared where the strategy copies rank 0's weights anyway, or where they come later (a meta
-    model, ``pretrained=``)."""
+    ``wrap_model`` converts or shards anything. Weights are compared only with ``check_ranks="all"``, where the
+    strategy does not copy rank 0's and they do not come later (a meta model, ``pretrained=``)."""
     level = cfg.parallel.check_ranks
     if level == "off" or env.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return
     weights = level == "all" and cfg.parallel.pretrained is None and not plan.facts.broadcasts_weights
-    mine = fingerprint(model, cfg, plan, weights=weights)
+    mine = _fingerprint(model, cfg, plan, weights=weights)
     prints: list[Any] = [None] * env.world_size
     dist.all_gather_object(prints, mine)
     differ = _differences(prints)

@@ -44,9 +44,8 @@ class WrapInfo:
     fp8: FP8Wiring = FP8Wiring()
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
     blocks: BlockWiring = BlockWiring("none", False, "")
-    """Activation checkpointing and compile of the blocks, and why compile is on or off."""
     pretrained: LoadReport | None = None
-    """What loading ``pretrained=`` read on this rank (bytes read of the checkpoint's bytes); None: not loaded."""
+    """What loading ``pretrained=`` read on this rank; None: not loaded."""
     materialized: str = ""
     """How a meta-device model was materialized ("" for a model with real weights)."""
     guard: StepGuard | None = None
@@ -72,9 +71,7 @@ def get_plan(model: nn.Module) -> PrecisionPlan:
 
 
 def _check_model(model: Any) -> None:
-    """A model an engine (or wrap_model) already wrapped, sharded or FP8-converted, anywhere in its tree, is refused
-    before anything changes: a second engine over the same parameters trains wrong or fails inside torch, and the
-    plan cannot account for layers converted before it. So is a model with nothing to train."""
+    """Refuse a model already wrapped, sharded or FP8-converted anywhere in its tree, or with nothing to train."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model expects a torch.nn.Module, got {type(model).__name__}.")
     found = find_wrapping(model)
@@ -106,9 +103,7 @@ def _check_model(model: Any) -> None:
 
 def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, facts: Any,
                           memory: MemoryLevel) -> None:
-    """Trainable bf16/fp16 parameters are refused where the optimizer steps them as they are (your optimizer under
-    the standard level, every strategy but DeepSpeed): there is no fp32 master copy, so small updates are lost.
-    Frozen ones are fine: nothing steps them."""
+    """Refuse trainable bf16/fp16 parameters where no fp32 master copy is kept: small updates would be lost."""
     if facts.engine_builds_optimizer or backend.owns_optimizer or memory.builds_optimizer:
         return  # DeepSpeed keeps fp32 masters, MS-AMP its own; memory="lean" stores bf16 weights on purpose
     half = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in _HALF]
@@ -128,7 +123,6 @@ def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, fa
 
 
 def _check_meta(model: nn.Module, cfg: Config) -> bool:
-    """Whether ``model`` is on the meta device, and refused where it cannot be materialized."""
     meta = is_meta_model(model)
     real = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta]
     if meta and real:
@@ -142,7 +136,6 @@ def _check_meta(model: nn.Module, cfg: Config) -> bool:
 
 def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, memory: MemoryLevel,
                      engine: Any) -> None:
-    """Who builds the optimizer decides what ``optimizer=`` must be, checked before anything changes."""
     memory.check_optimizer(optimizer)
     if optimizer is not None:  # an engine that builds it may take keys of its own (DeepSpeed's torch_adam)
         check_optimizer_spec(optimizer, engine_keys=getattr(engine, "optimizer_keys", {})
@@ -175,35 +168,29 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
 
     Args:
-        model: the model, identical on every rank: on the CPU (or any device), or built on the meta device
-            (``with torch.device("meta"):``), which is materialized after sharding: each rank allocates only
-            what it holds (fsdp, fsdp1; the others allocate the whole model) and fills it from ``pretrained=``
-            or with the model's own initialization. As built: a model (or any part of one) already wrapped,
-            sharded or FP8-converted, by an engine or by ``wrap_model``, is refused; so are trainable bf16/fp16
-            parameters where nothing keeps fp32 masters of them (every strategy but "deepspeed", unless
-            ``memory="lean"`` or fp8="msamp" owns them): build the model in fp32, fp8dist computes in bf16 anyway.
-        strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed" (returns the DeepSpeed engine);
-            None takes it from ``config``.
+        model: the model, identical on every rank, on any device or on the meta device (materialized after
+            sharding, each rank allocating only what it holds under fsdp/fsdp1, and filled from ``pretrained=`` or
+            by the model's own initialization). Refused: a model (or part) already wrapped, sharded or
+            FP8-converted, and trainable bf16/fp16 parameters where nothing keeps fp32 masters of them (every
+            strategy but "deepspeed", unless ``memory="lean"`` or fp8="msamp"): build it in fp32.
+        strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
         config: a :class:`Config`, a flat dict or a YAML/JSON path; keyword options override it.
         fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
             files and the CLI use the ``fp8_exclude`` patterns).
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
-        numerics: a :class:`fp8dist.NumericsReport` of this model (``fp8dist.measure_fp8_numerics``): a layer it
-            flags stays out of FP8, and each row of the plan says whether the probe found it safe.
-        optimizer: an optimizer spec (see :func:`fp8dist.pipeline.optim.build_optimizer`); required where something else
-            than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an optimizer
-            block) and ``memory="lean"`` (an AdamW mapping, see :mod:`fp8dist.memory_levels.lean`). When given,
-            ``(model, optimizer)`` is returned, built after sharding.
-        **options: any config key, e.g. ``param_dtype="bf16"``, ``torchao_recipe="rowwise"``,
-            ``block_classes=[...]``, ``pretrained="hf_dir"`` (each rank loads its part of the safetensors there).
+        numerics: a :class:`fp8dist.NumericsReport` of this model: a layer it flags stays out of FP8.
+        optimizer: an optimizer spec (:func:`fp8dist.pipeline.optim.build_optimizer`), required where something
+            else than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an
+            optimizer block) and ``memory="lean"`` (an AdamW mapping).
+        **options: any config key, e.g. ``param_dtype="bf16"``, ``block_classes=[...]``, ``pretrained="hf_dir"``
+            (each rank loads its part of the safetensors there).
 
     Returns:
-        One contract for every strategy, backend and memory level: the model to train -- the module itself
-        (fsdp, none: sharded or moved in place) or the engine's wrapper (ddp, fsdp1, the DeepSpeed engine), an
-        ``nn.Module`` either way --, and with ``optimizer=`` the pair ``(model, optimizer)``, the optimizer built
-        after sharding by whoever builds it (the engine, the FP8 backend or the memory level, else from your
-        spec). Without ``optimizer=`` you build it from the returned model's parameters.
+        The model to train, an ``nn.Module`` for every strategy: the module itself (fsdp, none) or the engine's
+        wrapper (ddp, fsdp1, the DeepSpeed engine); with ``optimizer=``, the pair ``(model, optimizer)``, the
+        optimizer built after sharding by whoever builds it (the engine, the FP8 backend, the memory level or
+        your spec).
 
     Example::
 
@@ -248,8 +235,6 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
 
 
 def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv) -> Any:
-    """The model to train; with ``optimizer=`` the pair (model, optimizer), the optimizer built after sharding by
-    whoever builds it: the engine or the FP8 backend (in the strategy's sharding), else the memory level."""
     if optimizer is None:
         return sharded.model
     if sharded.optimizer is not None:
@@ -259,7 +244,6 @@ def _result(sharded: Sharded, optimizer: Any, memory: MemoryLevel, env: DistEnv)
 
 
 def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuard | None:
-    """Keep a non-finite step off the weights (``nonfinite_step``), watched the way the strategy steps."""
     if cfg.parallel.nonfinite_step == "off":
         return None
     guard = StepGuard.for_model(unwrap_model(model), cfg, env.device)  # the user's names
@@ -268,8 +252,7 @@ def _guard(engine: Any, model: nn.Module, cfg: Config, env: DistEnv) -> StepGuar
 
 
 def _filler(cfg: Config, env: DistEnv, meta: bool, plan: PrecisionPlan) -> Any:
-    """What fills the model once the strategy has allocated it: its part of ``pretrained=`` or (a meta model) its
-    own initialization; None when there is nothing to fill."""
+    """What fills the model once the strategy has allocated it; None when there is nothing to fill."""
     if not meta and cfg.parallel.pretrained is None:
         return None
     master = plan.facts.engine_builds_optimizer  # DeepSpeed's optimizer keeps fp32 masters of bf16 parameters
@@ -277,8 +260,7 @@ def _filler(cfg: Config, env: DistEnv, meta: bool, plan: PrecisionPlan) -> Any:
 
 
 def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[Any, BlockWiring]:
-    """Checkpoint and compile the blocks FSDP will shard (as the plan decided compile); returns the blocks to shard
-    (None: let the strategy find them) and what was done."""
+    """The blocks to shard (None: the strategy finds them), checkpointed and compiled as the plan decided."""
     compiled, why = plan.compile, plan.compile_reason
     if cfg.parallel.activation_checkpointing == "none" and not compiled:
         return None, BlockWiring("none", False, why)
@@ -291,8 +273,7 @@ def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[An
 
 
 def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:
-    """One warning for each thing the user asked for that will not happen as asked: options and arguments the
-    configured backend does not read are said once each, never silently dropped."""
+    """One warning for each thing asked for that will not happen as asked (an option the backend does not read)."""
     notes, backend = cfg.unused_options(), get_backend(cfg.precision.fp8)
     if fp8_filter is not None and backend is NO_FP8:
         notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")

@@ -1,16 +1,5 @@
-"""Per-block activation checkpointing and torch.compile: the step of :func:`fp8dist.wrap_model` between FP8
-conversion and sharding, in torchtitan's order (convert -> checkpoint -> compile -> shard), on the same blocks
-FSDP shards.
-
-- Activation checkpointing wraps each block in torch's ``checkpoint_wrapper`` (non-reentrant): ``state_dict()``
-  keys do not change (the wrapper strips its prefix) and DCP's ``get_state_dict`` sees the same names.
-  ``selective`` keeps the outputs of matrix multiplies and attention (torchtitan's "op" mode) and recomputes the
-  rest.
-- Compile is ``block.compile()`` in place, so names and state-dict keys do not change either (``torch.compile``
-  would add ``_orig_mod``); FSDP's hooks then run outside the compiled graph. Blocks with a biased GEMM get one
-  inductor option that works around a torch bug on CPU (:data:`COMPILE_OPTIONS`).
-
-What was decided, and why, is returned as :class:`BlockWiring` data.
+"""Per-block activation checkpointing (torch's non-reentrant ``checkpoint_wrapper``) and ``block.compile()`` in place,
+between FP8 conversion and sharding (torchtitan's order), on the blocks FSDP shards: state-dict keys do not change.
 """
 
 from __future__ import annotations
@@ -26,24 +15,19 @@ from ..config.text import plural
 from ..plan.hardware import Hardware
 
 __all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "compile_decision", "wrap_blocks", "describe_blocks",
-           "graph_breaks", "SAVED_BY_SELECTIVE"]
+           "SAVED_BY_SELECTIVE"]
 
 SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                       "_scaled_dot_product_flash_attention_for_cpu")
-"""aten ops whose outputs selective checkpointing keeps (everything else in a block is recomputed)."""
+"""aten ops whose outputs selective checkpointing keeps (torchtitan's "op" mode); the rest is recomputed."""
 
 
 COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
-"""Inductor options of a compiled block that holds a biased GEMM. On CPU (inductor's C++ backend; ``cpp.*``
-options do nothing for CUDA kernels), torch 2.13's vectorized code declares the same variable twice when one bf16
-reduction is stored into two outputs -- the two bias gradients of GPT-NeoX's parallel residual (two biased Linears
-whose outputs are summed) -- and the kernel fails to compile (``conflicting declaration 'auto
-at_BFloat16_tmp_acc0_vec'``; pytorch/pytorch#194706, open; tests/test_blocks.py keeps the reproduction as an expected
-failure). Without horizontal fusion the two outputs come from two loops, each stored once; every other fusion, and
-vectorization, stays (GPT-NeoX fsdp bf16 on CPU: a step 8% faster than eager, measured on a busy 2-core machine).
-Blocks without a biased GEMM (Llama's) compile with torch's defaults: their numbers stay those of a plain
-``torch.compile``."""
+"""Inductor options of a compiled block that holds a biased GEMM: on CPU, torch 2.13 declares one variable twice when
+a bf16 reduction is stored into two outputs (GPT-NeoX's two bias gradients) and the kernel fails to compile
+(pytorch/pytorch#194706, reproduced in tests/test_blocks.py); without horizontal fusion each is stored once, and
+GPT-NeoX fsdp bf16 on CPU still steps 8% faster than eager. Other blocks compile with torch's defaults."""
 
 
 def has_biased_gemm(block: nn.Module) -> bool:
@@ -70,9 +54,7 @@ class BlockWiring:
 
 def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why. ``refusal`` is why the combination table refuses compile for this
-    config (an FP8 backend's or the strategy's rule), which turns auto off; asking for compile there is an error
-    when the config is built (:mod:`fp8dist.config.rules`)."""
+    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
     if compile is not None:
         return compile, "asked for" if compile else "turned off"
     if refusal is not None:
@@ -101,8 +83,7 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
 
 
 def _no_cache(model: nn.Module) -> str | None:
-    """Hugging Face models build a KV cache in forward unless told not to; a cache filled inside a checkpointed or
-    compiled block breaks both (as ``gradient_checkpointing_enable`` does, training turns it off)."""
+    """Turn Hugging Face's KV cache off (as ``gradient_checkpointing_enable`` does): it breaks wrapped blocks."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
@@ -113,34 +94,28 @@ def _no_cache(model: nn.Module) -> str | None:
 
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
-    """Checkpoint (``mode``) and/or compile each block of ``found`` (``(name, module)`` pairs), in place in
-    ``model``; returns the blocks to shard (the wrappers where there are some) and what was done. Called only
-    where there is something to do (``wrap_model`` skips it otherwise)."""
+    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place: (the blocks to shard, what was done)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:
         if mode != "none":
             block = _checkpointed(block, mode)
             model.set_submodule(name, block)
-        if compiled and has_biased_gemm(block):
-            block.compile(options=COMPILE_OPTIONS)
-            options.append(name)
-        elif compiled:
-            block.compile()
+        if compiled:
+            biased = has_biased_gemm(block)
+            block.compile(options=COMPILE_OPTIONS if biased else None)
+            options += [name] if biased else []
         out.append((name, block))
     return out, BlockWiring(mode, compiled, reason, tuple(n for n, _ in found), (note,) if note else (),
                             tuple(options))
 
 
-def graph_breaks() -> int:
-    """Graph breaks torch.compile has met in this process so far (``torch._dynamo``'s counters)."""
-    import torch._dynamo
-
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-
 def describe_blocks(wiring: BlockWiring) -> str:
     """One line: activation checkpointing, compile and why, and the graph breaks met so far when compiled."""
-    compiled = (f"compile on ({wiring.compile_reason}), {plural(graph_breaks(), 'graph break')}" if wiring.compiled
-                else f"compile off ({wiring.compile_reason})")
+    compiled = f"compile off ({wiring.compile_reason})"
+    if wiring.compiled:
+        import torch._dynamo
+
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        compiled = f"compile on ({wiring.compile_reason}), {plural(breaks, 'graph break')}"
     return f"activation checkpointing {wiring.activation_checkpointing}, {compiled}"

@@ -1,12 +1,5 @@
-"""Process group and device: found from the launcher's environment, initialized once.
-
-Launchers recognised, in this order:
-- torchrun / ``deepspeed`` / any launcher that exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR``, ``MASTER_PORT``;
-- SLURM ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``), the head node taken from
-  ``MASTER_ADDR`` or ``scontrol show hostnames $SLURM_JOB_NODELIST``;
-- nothing: one process, world size 1.
-"""
+"""Process group and device, from the launcher's environment: ``RANK``/``WORLD_SIZE`` (torchrun, deepspeed, ...),
+else SLURM's ``SLURM_PROCID``/``SLURM_NTASKS`` (head node from ``MASTER_ADDR`` or ``scontrol``), else one process."""
 
 from __future__ import annotations
 
@@ -27,9 +20,8 @@ from .packages import package_version, supported_range
 from .env_vars import LaunchError, check_variables, read
 from .rendezvous import rendezvous_store, rendezvous_timeout
 
-__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "launch_from_group", "current_launch",
-           "init_distributed", "shutdown", "resolve_device", "local_world_size", "share_cpu_threads", "rank_imports",
-           "peak_memory_mib"]
+__all__ = ["LaunchError", "LaunchEnv", "DistEnv", "detect_launch_env", "current_launch", "init_distributed", "shutdown",
+           "resolve_device", "local_world_size", "share_cpu_threads", "rank_imports", "peak_memory_mib"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +62,7 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read rank, world size and rendezvous address from a launcher's environment variables (``environ``,
-    default ``os.environ``)."""
+    """Rank, world size and rendezvous address from a launcher's environment variables (default ``os.environ``)."""
     environ = os.environ if environ is None else environ
     check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
@@ -107,32 +98,22 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return next((read(environ, n) for n in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if n in environ), 0)
 
 
-# processes per node, as torchrun, the deepspeed launcher and srun export it
-_LOCAL_WORLD = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
 def local_world_size(environ: Mapping[str, str], default: int) -> int:
-    """The number of processes on this node, as the launcher exports it; ``default`` when it does not."""
-    return next((read(environ, n) for n in _LOCAL_WORLD if n in environ), default)
+    """The number of processes on this node, as torchrun, the deepspeed launcher or srun export it; else ``default``."""
+    return next((read(environ, n) for n in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE") if n in environ),
+                default)
 
 
-def launch_from_group(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """This process's place in a job whose default process group is already initialized (by the user, with any
-    ``init_method``: ``env://``, ``tcp://``, ``file://``). The group is the truth for rank and world size; the
-    local rank comes from ``LOCAL_RANK`` (or ``SLURM_LOCALID``), else ``rank % ranks per node`` (CUDA devices
-    on this node, or ``LOCAL_WORLD_SIZE``). No rendezvous address is needed: the group has rendezvoused."""
-    environ = os.environ if environ is None else environ
-    rank, world = dist.get_rank(), dist.get_world_size()
+def current_launch() -> LaunchEnv:
+    """The launcher's environment (:func:`detect_launch_env`), or an initialized process group's rank and world size,
+    the local rank from ``LOCAL_RANK``/``SLURM_LOCALID``, else ``rank %`` the CUDA devices (or ranks) per node."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return detect_launch_env()
+    environ, rank, world = os.environ, dist.get_rank(), dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
     per_node = torch.cuda.device_count() if torch.cuda.is_available() else local_world_size(environ, world)
     local = read(environ, name) if name else rank % max(1, per_node)
     return LaunchEnv("initialized", rank, world, local, environ.get("MASTER_ADDR"), None, _node_rank(environ))
-
-
-def current_launch() -> LaunchEnv:
-    """The initialized process group's view (:func:`launch_from_group`) if there is one, else the launcher's
-    environment (:func:`detect_launch_env`)."""
-    return launch_from_group() if dist.is_available() and dist.is_initialized() else detect_launch_env()
 
 
 def runs_on_cpu(device: str) -> bool:
@@ -141,13 +122,11 @@ def runs_on_cpu(device: str) -> bool:
 
 
 def aten_cpu_fp8_gemms() -> str | None:
-    """Make torchao's FP8 GEMMs on this CPU run ATen's own kernel, when oneDNN's would be its reference one.
+    """On a CPU with AMX, turn oneDNN off for this process and return the line that says so (None: nothing changed).
 
-    On a CPU with AMX (amx_int8 / amx_fp16 in /proc/cpuinfo), torch sends ``torch._scaled_mm`` to oneDNN, which
-    has only its reference FP8 kernel there: a 256x128x384 GEMM took 592 ms against 0.96 ms through ATen's kernel,
-    bit-identical (torch 2.13, a Xeon with AMX, 2026-11-26). This turns oneDNN off for the process
-    (``torch.backends.mkldnn.enabled = False``; bf16 GEMMs then also run ATen's kernels) and returns the line that
-    says so; None where nothing changes. For a process that runs FP8 on the CPU (``fp8dist train`` calls it).
+    There torch sends ``torch._scaled_mm`` to oneDNN's reference FP8 kernel: a 256x128x384 GEMM took 592 ms against
+    0.96 ms through ATen's, bit-identical (torch 2.13, a Xeon with AMX, 2026-11-26). For a process running FP8 on CPU;
+    its bf16 GEMMs then run ATen's kernels too.
     """
     try:
         with open("/proc/cpuinfo") as info:
@@ -181,15 +160,18 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
                      timeout: datetime.timedelta | None = None) -> DistEnv:
     """Initialize the default process group from the launcher's environment, unless it already is.
 
-    nccl on CUDA, gloo on CPU. With no launcher (world size 1) a single-process group is created in memory,
-    so DDP and FSDP run the same code path as in a multi-process job.
+    With no launcher (world size 1) a single-process group is created in memory, so DDP and FSDP run the same code
+    path as in a multi-process job.
 
     Args:
         device: "auto", "cpu" or "cuda".
         backend: process-group backend; None picks nccl for CUDA and gloo for CPU.
         timeout: collective timeout; None keeps torch's default. The ranks wait for each other to start for
-            :data:`fp8dist.pipeline.rendezvous.RENDEZVOUS_TIMEOUT_S` (``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds when
-            set), then raise LaunchError saying how many joined; under torchrun its own rendezvous decides.
+            ``FP8DIST_RENDEZVOUS_TIMEOUT`` seconds (default 600), then raise LaunchError saying how many joined;
+            under torchrun its own rendezvous decides.
+
+    Returns:
+        The :class:`DistEnv` of this rank.
     """
     launch = current_launch()  # an initialized group (the user's): its rank and world size are the truth
     dev = resolve_device(device, launch.local_rank)
@@ -203,13 +185,11 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
     if launch.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     elif agent and launch.launcher == "env" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        # torch 2.13's torchrun keeps one store for every attempt of the worker group, so the keys a dead attempt
-        # wrote (gloo's peer addresses) are still there and a restarted rank may wait on its old peer forever
-        # (1 restart in 3 hung): each attempt gets its own key prefix
-        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        # torchrun (torch 2.13) keeps one store for every attempt: a dead attempt's keys hung 1 restart in 3
         store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"fp8dist/attempt_{attempt}", store),
-                                rank=launch.rank, world_size=launch.world_size, **kwargs)
+        prefix = f"fp8dist/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=launch.rank,
+                                world_size=launch.world_size, **kwargs)
     elif agent:
         dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
                                 **kwargs)
@@ -223,19 +203,13 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
 
 
 def shutdown() -> None:
-    """End a distributed run cleanly: every rank meets at a barrier, the process group is destroyed, and the
-    backend's worker threads get the GIL for a moment to release their last collectives before the interpreter
-    exits. Call it at the end of a successful run on every rank (after the last checkpoint or export), as
-    ``torch.distributed.destroy_process_group()`` is meant to be called; not on the way out of an exception (a
-    peer may still be inside a collective, and the barrier would wait for it).
+    """End a distributed run cleanly: a barrier, ``destroy_process_group``, then a moment for the backend's worker
+    threads to release their last collectives. Call it on every rank at the end of a successful run, not on the way
+    out of an exception (the barrier would wait for a peer inside a collective). A no-op without a process group.
 
-    Why more than ``destroy_process_group``: a gloo worker thread releases a finished collective (its tensors kept
-    alive for Python) just after the main thread was woken by its completion; if the interpreter is finalizing by
-    then, taking the GIL ends that thread and ``std::terminate`` aborts the rank ("terminate called without an
-    active exception") after all its work. ``destroy_process_group`` does not join those threads while FSDP's state
-    still holds the group. Measured on 2 gloo ranks (examples/fsdp.py under torchrun, torch 2.13 CPU): aborts in
-    1 of 12, 1 of 24 (with ``destroy_process_group``) and 1 of 40 runs (with a barrier before it); 0 of 60 with
-    this wait. A no-op without a process group.
+    Why the wait: a gloo worker releasing a finished collective while the interpreter finalizes aborts the rank
+    ("terminate called without an active exception"); on 2 gloo ranks (examples/fsdp.py, torch 2.13 CPU) 1 run in
+    24 aborted with ``destroy_process_group`` alone, 1 in 40 with a barrier before it, 0 of 60 with this wait.
     """
     if not dist.is_initialized():
         return
@@ -254,18 +228,10 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
-    """Give each CPU rank of this node ``cores // ranks-per-node`` intra-op threads.
-
-    torch gives every process all the cores, so N ranks on a node oversubscribe them N times, and OpenMP's
-    spin-waiting makes that several times slower than sharing. torchrun guards against it with
-    OMP_NUM_THREADS=1; the deepspeed launcher and a bare spawn do not. An OMP_NUM_THREADS set by the user or the
-    launcher wins. Called by :func:`init_distributed` for CPU jobs. Returns the thread count set, or None.
-    """
+    """Give each CPU rank of this node ``cores // ranks-per-node`` intra-op threads (torch gives each all the cores:
+    N ranks oversubscribe them N times); returns the count set, or None (one rank, or ``OMP_NUM_THREADS`` set)."""
     environ = os.environ if environ is None else environ
-    if "OMP_NUM_THREADS" in environ:
-        return None
-    local = local_world_size(environ, 1)
-    if local <= 1:
+    if "OMP_NUM_THREADS" in environ or (local := local_world_size(environ, 1)) <= 1:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // local)
@@ -274,10 +240,8 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def rank_imports(axes: Iterable[Any], model_module: str = "transformers.models.llama.modeling_llama") -> list[str]:
-    """The heavy modules a training rank imports anyway, for a parent to import once before its ranks fork from it
-    (a rank spends 5-10 s of CPU importing torch, transformers, torchao and DeepSpeed by itself): the model family's
-    ``modeling_*`` module, the pipeline, and the ``rank_imports`` of each strategy and FP8 backend in ``axes``.
-    Importing them starts no thread, process group or CUDA context."""
+    """The heavy modules a training rank imports anyway (5-10 s of CPU per rank), for a parent to import once before
+    its ranks fork: the model's ``modeling_*`` module, the pipeline, and each axis's ``rank_imports``."""
     return list(dict.fromkeys([model_module, "fp8dist.pipeline.api", *(m for a in axes for m in a.rank_imports)]))
 
 
@@ -297,9 +261,8 @@ def _version_line(name: str) -> str:
 
 
 def describe_environment(packages: Sequence[str] = ("torch", "transformers")) -> str:
-    """Versions of ``packages`` (each checked against the range fp8dist supports; ``fp8dist env`` adds every
-    strategy's and FP8 backend's library), devices, FP8 capability and the launcher seen: what ``fp8dist env``
-    prints."""
+    """What ``fp8dist env`` prints: versions of ``packages`` against the ranges fp8dist supports, devices, FP8
+    capability and the launcher seen."""
     from ..fp8 import fp8_hardware_reason
     from ..plan.hardware import find_gpu, hardware_of
 

@@ -1,7 +1,5 @@
-"""The launcher's environment variables fp8dist reads: one table of what each may hold and the way out when it
-holds something else, and one reader. A bad value is one line naming the variable, its value, what is allowed and
-what to do, raised before anything starts, instead of an error from deep inside torch (``MASTER_PORT=70000``) or
-a rendezvous that cannot succeed (``WORLD_SIZE=0``, ``MASTER_PORT=0``)."""
+"""The launcher's environment variables fp8dist reads: what each may hold, and one reader that refuses a bad value
+in one line before anything starts (not deep inside torch, nor in a rendezvous that cannot succeed)."""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ class Variable:
     allowed: str
     """What is allowed, as the error says it: "an integer from 1 to 65535"."""
     way_out: str
-    """What to do about a bad value."""
 
 
 def _number(cast: Callable[[str], Any], allowed: Callable[[Any], bool]) -> Callable[[str], Any]:
@@ -43,29 +40,23 @@ def _text(text: str) -> str | None:
     return text if text.strip() else None
 
 
+def _set(what: str, who: str, otherwise: str = "or unset it") -> str:
+    return f"set it to {what} ({who}), {otherwise}"
+
+
+RENDEZVOUS_TIMEOUT_S = 600.0
+"""Seconds the ranks wait for each other to start by default: torchrun's ``join_timeout`` (SLURM nodes start apart)."""
+TIMEOUT_VARIABLE = "FP8DIST_RENDEZVOUS_TIMEOUT"
+"""The environment variable that changes it (torch has none for its ``env://`` rendezvous)."""
+
 _EACH = "torchrun, deepspeed and srun set it for each process"
 _PORT = ("set it to a free port on rank 0's machine, the same for every rank (torchrun --master-port sets it; 0 would "
          "let rank 0's system pick one the other ranks cannot know)")
 _SLURM = "srun sets it for each task; start the job with srun or sbatch, or unset it to run without SLURM"
 _TORCHRUN = "torchrun sets it; unset it outside torchrun"
-
-
-RENDEZVOUS_TIMEOUT_S = 600.0
-"""How long the ranks wait for each other to start, by default: torchrun's own rendezvous default
-(``join_timeout``, 600 s), long enough for the nodes of a SLURM job that start minutes apart."""
-
-TIMEOUT_VARIABLE = "FP8DIST_RENDEZVOUS_TIMEOUT"
-"""The environment variable that changes it (seconds): torch has none for its ``env://`` rendezvous, and the
-launcher's environment is where the rest of the rendezvous (``MASTER_ADDR``, ``WORLD_SIZE``) is set."""
-
-
-def _set(what: str, who: str, otherwise: str = "or unset it") -> str:
-    return f"set it to {what} ({who}), {otherwise}"
-
-
+_NODELIST = "run inside a SLURM job, or set MASTER_ADDR to the head node's address"
 _INDEX, _INDEX_TEXT = _number(int, lambda v: v >= 0), "an integer, 0 or more"
 _COUNT, _COUNT_TEXT = _number(int, lambda v: v >= 1), "an integer, 1 or more"
-_NODELIST = "run inside a SLURM job, or set MASTER_ADDR to the head node's address"
 
 VARIABLES: dict[str, Variable] = {
     "RANK": Variable(_INDEX, _INDEX_TEXT, _set("this process's index in the job, below WORLD_SIZE", _EACH,
@@ -114,7 +105,6 @@ def read(environ: Mapping[str, str], name: str, default: Any = None) -> Any:
 
 
 def check_variables(environ: Mapping[str, str]) -> None:
-    """Every variable of :data:`VARIABLES` set in ``environ`` holds an allowed value (LaunchError for the first that
-    does not), whether or not this launch reads it: a bad value is a mistake even where it happens not to matter."""
+    """LaunchError for the first variable of :data:`VARIABLES` set to a bad value, read by this launch or not."""
     for name in VARIABLES:
         read(environ, name)

@@ -23,11 +23,8 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 
 def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """``write(tmp_path)`` beside ``target``, sync it to disk, rename it over ``target``, sync the directory.
-
-    Readers see the old file or the whole new one, never a half-written one, even after a power loss; a
-    failed ``write`` (or sync, or rename) removes the temporary file and leaves ``target`` as it was.
-    """
+    """``write(tmp_path)`` beside ``target``, sync it, rename it over ``target``, sync the directory: readers see the
+    old file or the whole new one, even after a power loss; a failure removes the temporary file."""
     target = Path(target)
     prefix = f".{target.name}."
     tmp = None
@@ -52,7 +49,6 @@ def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Non
 
 
 def _is_temporary(name: object, target: Path, prefix: str) -> bool:
-    """Whether ``name`` (an OSError's file) is :func:`atomic_write`'s temporary file for ``target``."""
     return isinstance(name, (str, os.PathLike)) and Path(name).parent == target.parent and \
         Path(name).name.startswith(prefix)
 
@@ -80,26 +76,12 @@ def wrong_kind(path: str | os.PathLike, *, name: str, directory: bool) -> str | 
 
 
 def check_output_path(path: str | os.PathLike, *, name: str, directory: bool = False) -> Path:
-    """Check, before any work, that ``path`` can be written as a file (or, with ``directory``, as a directory): it
-    is not a directory where a file is meant nor a file where a directory is meant, the folders above it exist or
-    can be created, and the nearest existing one takes a new file (tried for real: permission bits do not stop
-    root, a read-only mount or /proc does). Creates nothing it leaves behind.
-
-    Args:
-        path: the path the user gave.
-        name: how the user gave it, for the message: a flag (``--json``) or a keyword (``metrics_file``).
-        directory: whether a directory is meant.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        ValueError: naming ``name``, ``path``, the problem and the way out.
-    """
-    out = Path(path)
-    given = _given(name, path)
-    mismatch = wrong_kind(path, name=name, directory=directory)
-    if mismatch is not None:
+    """Check, before any work, that ``path`` can be written as a file (or, with ``directory``, as a directory): not
+    of the other kind, its folders exist or can be created, and the nearest existing one takes a new file (tried for
+    real: permission bits do not stop root, a read-only mount does). Returns ``path`` as a Path; ValueError naming
+    ``name`` (a flag like ``--json`` or a keyword like ``metrics_file``), ``path``, the problem and the way out."""
+    out, given = Path(path), _given(name, path)
+    if (mismatch := wrong_kind(path, name=name, directory=directory)) is not None:
         raise ValueError(mismatch)
     if out.is_file() and not os.access(out, os.W_OK):
         raise ValueError(f"{given} is a read-only file: make it writable, or pass another path.")

@@ -1,14 +1,5 @@
-"""Gradient accumulation and clipping, one call each for every strategy (each engine does them its own way).
-
-    for i, batch in enumerate(micro_batches):            # accumulate N micro-batches, reduce once
-        with fp8dist.no_sync(model, last=i == len(micro_batches) - 1):
-            (model(**batch).loss / len(micro_batches)).backward()
-    norm = fp8dist.clip_grad_norm_(model, max_norm=1.0)    # the global norm, before clipping
-    optimizer.step()
-
-DeepSpeed accumulates and clips inside its engine (``grad_accum`` and ``gradient_clipping`` in the config): there
-both calls are errors naming that way.
-"""
+"""Gradient accumulation and clipping, one call each for every strategy (each engine does them its own way; DeepSpeed
+does both inside its engine, from its config, and refuses these calls naming that way)."""
 
 from __future__ import annotations
 
@@ -32,13 +23,12 @@ def _strategy(model: nn.Module) -> Strategy:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
-    """Backward passes inside skip the gradient reduction; gradients accumulate locally (unsharded under FSDP1
-    and DDP, as each engine does). ``last=True`` does reduce (the micro-batch that completes the step), so a loop
-    can wrap every micro-batch the same way.
+    """Backward passes inside skip the gradient reduction, gradients accumulating locally, each strategy its own way;
+    ``last=True`` (the micro-batch that completes the step; a bool, else TypeError) does reduce. Example::
 
-    Each strategy skips its own way (:meth:`~fp8dist.strategies.base.Strategy.no_sync`: FSDP2's
-    ``set_requires_gradient_sync(False)``, FSDP1's and DDP's ``no_sync()``; one process: nothing to skip).
-    ``last`` must be True or False (TypeError otherwise: ``'no'`` would be truthy).
+        for i, batch in enumerate(micro_batches):
+            with fp8dist.no_sync(model, last=i == len(micro_batches) - 1):
+                (model(**batch).loss / len(micro_batches)).backward()
     """
     require_bool("last", last)
     skip = _strategy(model).no_sync(model)  # an engine that accumulates itself refuses here, last or not
@@ -47,9 +37,11 @@ def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale every gradient so that their global norm (over all ranks' shards) is at most ``max_norm``; returns
-    that norm as computed before clipping (a plain tensor, the same on every rank). Call after backward (and after
-    the last accumulated micro-batch), before ``optimizer.step()``."""
+    """Scale every gradient so that their global norm (over all ranks' shards) is at most ``max_norm``; returns the
+    norm before clipping (a plain tensor, the same on every rank). Example::
+
+        norm = fp8dist.clip_grad_norm_(model, max_norm=1.0)  # after the last backward, before optimizer.step()
+    """
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0
             and math.isfinite(max_norm)):
         raise ValueError(f"max_norm={max_norm!r} must be a positive number (the largest global gradient norm kept).")

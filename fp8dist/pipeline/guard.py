@@ -1,16 +1,6 @@
-"""A non-finite step never reaches the weights.
-
-One inf in a forward (an FP8 overflow after a loss spike, a bad batch) makes the gradients non-finite, and one
-optimizer step with them turns every weight NaN: the run goes on printing NaN losses. ``wrap_model`` installs a
-:class:`StepGuard` (``nonfinite_step``, default "skip"): before each step of an optimizer holding the model's
-parameters, it checks every gradient this rank holds (one fused norm per dtype), and all ranks agree with one
-reduction of a per-parameter flag vector. A non-finite step is skipped on every rank alike -- every gradient set to
-None, so the optimizer leaves weights and its state exactly as they were, as if the batch had not been seen --, a
-warning names the step and the modules, ``get_wrap_info(model).skipped_steps`` counts it, and ``max_skipped_steps``
-consecutive skips raise :class:`NonFiniteStepsError` with the way out. An engine that checks inside its own step
-(DeepSpeed: bf16 ``check_grad_overflow``, fp16's loss scaler) keeps doing so; the guard reads its verdict, counts,
-warns and stops the same way (the strategy decides how it watches its steps).
-"""
+"""A non-finite step never reaches the weights (one would turn every weight NaN): :class:`StepGuard` skips it on every
+rank alike, warns naming the modules, and raises :class:`NonFiniteStepsError` after ``max_skipped_steps`` in a row.
+An engine that checks inside its own step (DeepSpeed) reports its verdict to the guard instead."""
 
 from __future__ import annotations
 
@@ -45,7 +35,6 @@ class StepGuard:
     names: dict[int, str] = field(default_factory=dict)
     """Parameter id -> its module's name (the user's names, wrappers' prefixes dropped)."""
     steps: int = 0
-    """Optimizer steps seen."""
     skipped_steps: int = 0
     consecutive: int = 0
 
@@ -58,8 +47,8 @@ class StepGuard:
         return cls(cfg.parallel.nonfinite_step, cfg.parallel.max_skipped_steps, device, names)
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Check the gradients of ``optimizer``'s parameters before it steps; skip (set them to None) or raise
-        on every rank alike. Registered with :data:`fp8dist.pipeline.optim.STEP_HOOKS` by the strategy."""
+        """Before ``optimizer`` steps: if any rank's gradients are non-finite, skip (every gradient set to None: the
+        optimizer leaves weights and state as they were) or raise, on every rank alike."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         bad = _nonfinite(params, self.device).tolist()
         if any(bad):
@@ -69,8 +58,8 @@ class StepGuard:
                                                              for p, b in zip(params, bad) if b)))
 
     def after_engine_step(self, skipped: bool, modules: tuple[str, ...] = ()) -> None:
-        """Count a step and whether it was skipped (``modules``: where the gradients were non-finite); an engine
-        that checks and skips inside its own step reports its verdict here. Warn of a skip, stop after too many."""
+        """Count a step and whether it was skipped (``modules``: where gradients were non-finite; an engine that
+        skips inside its own step reports here); warn of a skip, raise after too many."""
         self.steps += 1
         if not skipped:
             self.consecutive = 0
@@ -91,8 +80,7 @@ class StepGuard:
 
 
 def _caller_level() -> int:
-    """The stack level of the first frame outside fp8dist and torch: the user's ``optimizer.step()`` line, where
-    the warning belongs (hooks run it from inside torch)."""
+    """The stack level of the first frame outside fp8dist and torch: the user's ``optimizer.step()`` line."""
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
     frame, level = inspect.currentframe(), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
@@ -105,8 +93,7 @@ _WAY_OUT = ("Lower the learning rate, keep the layers named out of FP8 (fp8_excl
 
 
 def _nonfinite(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Per parameter, whether its gradient (this rank's part) holds an inf or NaN, agreed over every rank: one
-    fused norm per dtype here, one MAX all-reduce of the flags."""
+    """Per parameter, whether its gradient holds an inf or NaN on any rank: one fused norm per dtype, one all-reduce."""
     params = list(params)
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
     by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}

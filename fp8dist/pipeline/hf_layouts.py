@@ -1,16 +1,6 @@
-"""Hugging Face checkpoints written before the model classes that read them: MoE families whose checkpoints on the
-Hub hold one module per expert, while transformers 5 holds each layer's experts as two fused 3-D parameters.
-
-- Mixtral: ``model.layers.L.block_sparse_moe.experts.E.w1/w3/w2.weight`` (and the router under
-  ``block_sparse_moe.gate``) -> ``model.layers.L.mlp.experts.gate_up_proj`` (E, 2I, H) = each expert's w1 (gate)
-  then w3 (up), and ``down_proj`` (E, H, I) = each expert's w2.
-- Qwen2-MoE / Qwen3-MoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight`` -> the same two fused parameters.
-
-The table mirrors what transformers' own ``from_pretrained`` does for these families (its ``conversion_mapping``:
-a rename, then ``MergeModulelist(dim=0)`` and ``Concatenate(dim=1)``); tests check a checkpoint in the old layout
-loads to the same weights both ways. fp8dist assembles only the part of a fused tensor a rank holds, reading the
-matching rows of each expert's tensor (:meth:`fp8dist.pipeline.pretrained.SafetensorsDir.read`).
-"""
+"""MoE checkpoints on the Hub with one module per expert (Mixtral's ``block_sparse_moe.experts.E.w1``, Qwen-MoE's
+``mlp.experts.E.gate_proj``), read into transformers 5's two fused 3-D parameters per layer (``gate_up_proj``,
+``down_proj``) as its own ``conversion_mapping`` does; a rank reads only the rows of each expert it holds."""
 
 from __future__ import annotations
 
@@ -56,7 +46,6 @@ class FusedExperts:
 
 
 def _candidates(name: str, layout: ExpertsLayout) -> list[str]:
-    """``name`` and its spellings under the layout's renames."""
     out = [name]
     for ours, theirs in layout.renames:
         out += [n.replace(ours, theirs, 1) for n in out if ours in n]
@@ -86,9 +75,8 @@ def _fused(name: str, layout: ExpertsLayout, shapes: Mapping[str, tuple[int, ...
 
 def resolve(wanted: Iterable[str], shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
             model_type: str | None) -> dict[str, str | FusedExperts]:
-    """For each name in ``wanted`` the checkpoint (``shapes``/``dtypes`` by name) lacks: the checkpoint name it
-    has under the family's older layout, or the per-expert tensors a fused parameter is made of. Names found in
-    neither way are left out (the caller reports them missing)."""
+    """For each name of ``wanted`` the checkpoint (``shapes``/``dtypes``) lacks: its name there under the family's older
+    layout, or the per-expert tensors a fused parameter is made of; names found neither way are left out."""
     layout = LAYOUTS.get(model_type or "")
     if layout is None:
         return {}

@@ -1,11 +1,6 @@
-"""A model built on the meta device, before and after sharding: whether a strategy that keeps the whole model on
-every rank can hold it (:func:`check_fits`), and the model's own initialization (:func:`init_weights`).
-
-Without ``pretrained=``, each module is initialized at full size, one module at a time, by the model's own
-``_init_weights`` (Hugging Face) or ``reset_parameters``, and each rank keeps its part: the same weights for any
-strategy and world size under the same seed (not those of an eager construction with that seed, whose module
-constructors draw random numbers a meta construction does not).
-"""
+"""A meta-device model after sharding: its own initialization (``_init_weights`` or ``reset_parameters``), run at full
+size one module at a time, each rank keeping its part: the same weights for any strategy and world size under one
+seed (not those of an eager construction, whose constructors draw random numbers)."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ def is_meta_model(model: nn.Module) -> bool:
 
 def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, tuple[int, ...]],
                     param_device: torch.device | str) -> nn.Module:
-    """A childless copy of ``module`` with its own buffers at full size on ``device``, its parameters on
-    ``param_device`` (the meta device when only the buffers are wanted)."""
+    """A childless copy of ``module`` at full size: buffers on ``device``, parameters on ``param_device``."""
     shadow = object.__new__(original_class(module))
     shadow.__dict__ = dict(module.__dict__)
     shadow._modules = {}
@@ -51,9 +45,8 @@ def _post_order(module: nn.Module, prefix: str = ""):
 
 def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalParam] | None = None,
                  buffers_only: bool = False) -> None:
-    """Run the model's own initialization one module at a time at full size on ``device``, and keep this rank's
-    part of each parameter; buffers (Llama's rotary frequencies) are set whole. ``buffers_only``: parameters
-    come from elsewhere (a checkpoint)."""
+    """Run the model's own initialization one module at a time at full size on ``device`` and keep this rank's part
+    of each parameter; buffers are set whole. ``buffers_only``: the parameters come from a checkpoint."""
     require_bool("buffers_only", buffers_only)
     inner = unwrap_model(model)
     params = local_params(model) if params is None else params
@@ -83,11 +76,9 @@ def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalPa
 
 
 def _check_initializable(inner: nn.Module, by_name: dict[str, LocalParam]) -> None:
-    """Without Hugging Face's ``_init_weights``, a module whose parameters no ``reset_parameters`` sets would keep
-    uninitialized memory: refused, naming them."""
-    bare = [plain_name(f"{prefix}.{n}" if prefix else n) for prefix, module in _post_order(inner)
-            if not hasattr(module, "reset_parameters") for n in module._parameters
-            if plain_name(f"{prefix}.{n}" if prefix else n) in by_name]
+    """Refuse parameters no ``reset_parameters`` sets (without ``_init_weights``): they would stay uninitialized."""
+    bare = [name for prefix, module in _post_order(inner) if not hasattr(module, "reset_parameters")
+            for n in module._parameters if (name := plain_name(f"{prefix}.{n}" if prefix else n)) in by_name]
     if bare:
         raise ValueError(f"{type(inner).__name__} was built on the meta device and {plural(len(bare), 'parameter')} "
                          f"{'has' if len(bare) == 1 else 'have'} no initialization to run (their module has no "

@@ -1,6 +1,6 @@
-"""Optimizers: specs for engines that own the optimizer (MS-AMP, DeepSpeed) and for users who like one call, and
-the one registry of what fp8dist does around an optimizer's step (:data:`STEP_HOOKS`: an optimizer built before
-``wrap_model`` is stopped; torchao's scale precompute after each step)."""
+"""Optimizer specs (for engines that own the optimizer, and one-call users), and :data:`STEP_HOOKS`, the one registry
+of what fp8dist does around an optimizer's step (stop an optimizer built before ``wrap_model``, torchao's precompute
+of scales)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,8 @@ OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] 
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Build an optimizer from ``spec``: a callable ``params -> Optimizer`` (e.g. ``functools.partial(
-    torch.optim.AdamW, lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a class of
-    ``torch.optim`` (checked by :func:`check_optimizer_spec`).
-    """
+    """Build an optimizer from ``spec``: a callable ``params -> Optimizer`` (``functools.partial(torch.optim.AdamW,
+    lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a class of ``torch.optim``."""
     if callable(spec):
         optimizer = spec(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -42,26 +40,17 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
             if isinstance(value, type) and issubclass(value, base) and value is not base}
 
 
+# keys that pick an implementation for the parameters' device: left out of the trial on a meta parameter
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-"""Keys that pick an implementation for the parameters' device: their types are checked, but the trial
-construction leaves them out, its stand-in parameter being on no real device."""
 
 
 def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
                          engine_keys: Mapping[str, Any] | None = None) -> type[torch.optim.Optimizer] | None:
-    """Refuse, before anything changes, a mapping spec that would fail later inside torch or an engine: an unknown
-    ``type``, a key its class does not take, a value of another type than the class's signature says (``lr`` as
-    the string ``"1e-3"``), a value the class itself refuses (torch's own range checks, run on a stand-in
-    parameter). Every torch.optim class and every key of its signature are covered, from the signature itself.
-
-    Args:
-        who: what builds it, first in the message (``"memory='lean': "``).
-        engine_keys: the keys an engine that builds the optimizer itself takes beside torch's (DeepSpeed's
-            ``torch_adam``), each with its type; a ``type`` torch.optim lacks is then the engine's own and left to it.
-
-    Returns:
-        The torch.optim class; None for an engine's own type or a callable (checked when it is called).
-    """
+    """Refuse, before anything changes, a mapping spec that would fail later: an unknown ``type``, a key or a value
+    type its class's signature does not take (``lr="1e-3"``), a value torch refuses (tried on a stand-in parameter).
+    ``who`` starts the message (``"memory='lean': "``); ``engine_keys``: the typed keys an engine that builds the
+    optimizer takes beside torch's (DeepSpeed's ``torch_adam``), a ``type`` torch lacks then left to the engine.
+    Returns the torch.optim class; None for an engine's own type or a callable (checked when called)."""
     if callable(spec):
         return None
     if not isinstance(spec, Mapping):
@@ -80,9 +69,12 @@ def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
     cls = classes[name.lower()]
     hints, defaults = _signature(cls)
     extra = dict(engine_keys or {})
+    known = [*hints, *extra]
     for key, value in kwargs.items():
-        if key not in hints and key not in extra:
-            _unknown_key(who, cls, key, [*hints, *extra])
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
+                             f"{', '.join(known)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
         hint = hints.get(key, extra.get(key))
         if not _matches(value, hint):
             shown = f", e.g. {key}={defaults[key]!r} (torch's default)" if defaults.get(key) is not None else ""
@@ -95,8 +87,7 @@ def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
 
 
 def _trial(cls: type, kwargs: dict[str, Any], who: str) -> None:
-    """Build ``cls`` over a stand-in meta parameter (nothing allocated): torch's own range checks, before anything
-    changes. The key at fault is the first refused alone; a combination refused as a whole is named whole."""
+    """Build ``cls`` over a meta parameter to run torch's range checks; names the first key refused alone, else all."""
     def refusal(options: dict[str, Any]) -> Exception | None:
         try:
             cls([nn.Parameter(torch.zeros(1, 1, device="meta"))], **options)
@@ -114,7 +105,6 @@ def _trial(cls: type, kwargs: dict[str, Any], who: str) -> None:
 
 
 def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The keyword options of an optimizer class: {key: type hint}, {key: default}."""
     hints = typing.get_type_hints(cls.__init__)
     parameters = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "params")
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -122,26 +112,22 @@ def _signature(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
             {p.name: None if p.default is p.empty else p.default for p in parameters})
 
 
-def _unknown_key(who: str, cls: type, key: str, keys: list[str]) -> None:
-    close = difflib.get_close_matches(str(key), keys, n=1)
-    raise ValueError(f"{who}optimizer key {key!r} is not an option of torch.optim.{cls.__name__}; it takes "
-                     f"{', '.join(keys)}." + (f" Did you mean {close[0]!r}?" if close else " Remove it."))
+# an optimizer signature's types: as the error says them, and the check (an int is a float, a bool is neither)
+_TYPES = {type(None): ("None", lambda v: v is None), bool: ("True or False", lambda v: isinstance(v, bool)),
+          int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+          float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+          str: ("a string", lambda v: isinstance(v, str)),
+          torch.Tensor: ("a tensor", lambda v: isinstance(v, torch.Tensor))}
 
 
 def _matches(value: Any, hint: Any) -> bool:
-    """Whether ``value`` is of the type ``hint`` (an optimizer signature's: numbers, booleans, strings, tensors,
-    None, unions and fixed-length tuples); an int is a float, a bool is neither."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)
     if origin is tuple:
         return isinstance(value, (tuple, list)) and len(value) == len(args) and \
             all(_matches(v, a) for v, a in zip(value, args))
-    checks = {type(None): lambda v: v is None, bool: lambda v: isinstance(v, bool),
-              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              str: lambda v: isinstance(v, str), torch.Tensor: lambda v: isinstance(v, torch.Tensor)}
-    return checks.get(hint, lambda v: True)(value)  # a hint not listed here: torch checks it
+    return _TYPES[hint][1](value) if hint in _TYPES else True  # a hint not listed here: torch checks it
 
 
 def _describe(hint: Any) -> str:
@@ -150,8 +136,7 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in args)
     if origin is tuple:
         return f"a list of {len(args)} ({', '.join(_describe(a) for a in args)})"
-    return {type(None): "None", bool: "True or False", int: "an integer", float: "a number", str: "a string",
-            torch.Tensor: "a tensor"}.get(hint, str(hint))
+    return _TYPES[hint][0] if hint in _TYPES else str(hint)
 
 
 def param_count(optimizer: torch.optim.Optimizer) -> int:
@@ -160,22 +145,12 @@ def param_count(optimizer: torch.optim.Optimizer) -> int:
 
 
 StepAction = Callable[[nn.Module, torch.optim.Optimizer], None]
-"""``(model, optimizer) -> None``: what fp8dist does around a step of an optimizer that holds the model's
-parameters."""
 
 
 class _StepHooks:
-    """fp8dist's optimizer-step hooks: one process-wide pre-step and one post-step hook (torch's
-    ``register_optimizer_step_pre_hook`` / ``_post_hook``), registered on first use and never removed, dispatching
-    to the actions registered for each model, for the optimizers that hold that model's parameters.
-
-    Why process-wide rather than on one optimizer: the README's loop builds its own optimizer after ``wrap_model``
-    (``torch.optim.AdamW(model.parameters())``), which fp8dist never sees, and fp8dist must still act on its steps
-    (torchao's scale precompute, the check for an optimizer built too early): "nothing to call". Why never removed:
-    torch iterates its global hook dict while calling the hooks, so a hook that removes itself there raises
-    "OrderedDict mutated during iteration" in the next model's first step. Everything here is held weakly: a model or
-    an optimizer dropped in any order takes its entries with it.
-    """
+    """One process-wide pre- and post-step hook of torch's, dispatching to each model's actions for the optimizers
+    holding its parameters: process-wide as fp8dist never sees the user's optimizer; never removed as torch iterates
+    its hook dict while calling them. Held weakly: a dropped model or optimizer takes its entries with it."""
 
     def __init__(self) -> None:
         self._actions: "weakref.WeakKeyDictionary[nn.Module, dict[str, list[StepAction]]]" = \
@@ -186,8 +161,7 @@ class _StepHooks:
         self._handles: list[Any] = []
 
     def add(self, model: nn.Module, *, pre: StepAction | None = None, post: StepAction | None = None) -> None:
-        """Run ``pre`` before / ``post`` after every step of an optimizer holding ``model``'s parameters, while
-        ``model`` lives."""
+        """Run ``pre`` before / ``post`` after every step of an optimizer holding ``model``'s parameters."""
         actions = self._actions.setdefault(model, {"pre": [], "post": []})
         for when, action in (("pre", pre), ("post", post)):
             if action is not None:
@@ -219,7 +193,6 @@ class _StepHooks:
 
 
 STEP_HOOKS = _StepHooks()
-"""The one registry of fp8dist's optimizer-step actions (see :class:`_StepHooks`)."""
 
 
 class StaleOptimizerError(RuntimeError):
@@ -246,14 +219,11 @@ def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
     _CHECKED[optimizer] = count
 
 
-def watch_replaced_parameters(before: Iterable[nn.Parameter], after: Iterable[nn.Parameter], model: nn.Module) -> int:
-    """Remember the parameters of ``before`` that are not in ``after`` (the model's parameters before and after
-    ``wrap_model``): any optimizer that steps over one of them raises :class:`StaleOptimizerError` at its first
-    step. Returns how many were replaced."""
+def watch_replaced_parameters(before: Iterable[nn.Parameter], after: Iterable[nn.Parameter], model: nn.Module) -> None:
+    """Make any optimizer stepping over a parameter of ``before`` not in ``after`` (the model's, before and after
+    ``wrap_model``) raise :class:`StaleOptimizerError`."""
     kept = {id(p) for p in after}
-    replaced = [p for p in before if id(p) not in kept]
-    for p in replaced:
-        _REPLACED[id(p)] = p
+    replaced = {id(p): p for p in before if id(p) not in kept}
+    _REPLACED.update(replaced)
     if replaced:
         STEP_HOOKS.add(model)  # installs the process-wide hooks, which check every optimizer before its step
-    return len(replaced)

@@ -1,5 +1,5 @@
-"""Installed versions of fp8dist's dependencies and the ranges fp8dist supports, read from package metadata
-without importing the packages (a leaf: the FP8 backends and ``fp8dist env`` both read it)."""
+"""Installed versions of fp8dist's dependencies and the ranges fp8dist supports, read from package metadata without
+importing the packages."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ __version__ = "0.1.0"
 
 
 def package_version(name: str) -> str | None:
-    """Installed version of a distribution, without importing it; None when absent."""
+    """Installed version of a distribution (``_`` or ``-`` alike), without importing it; None when absent."""
     from importlib import metadata
 
-    for dist_name in (name, name.replace("_", "-")):
-        try:
-            return metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    try:
+        return metadata.version(name)  # Python >= 3.10 matches the normalized name
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def supported_range(name: str) -> str | None:

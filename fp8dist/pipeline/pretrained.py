@@ -1,14 +1,6 @@
-"""Step 5b of :func:`fp8dist.wrap_model`: a model built on the meta device is materialized after sharding, each rank
-allocating only what it holds, and filled from a Hugging Face safetensors directory (``pretrained=``) or by the
-model's own initialization (:mod:`fp8dist.pipeline.meta_init`); ``pretrained=`` also loads into a model that has real
-weights (one code path).
-
-- Each rank reads only its part of every tensor (safetensors' lazy ``get_slice``): FSDP2's rows (a box of the
-  DTensor), FSDP1's and ZeRO-3's flat ranges. :class:`SafetensorsDir` counts the bytes it read.
-- Names go through the wrappers (FP8 conversion keeps ``.weight``; activation checkpointing and compile prefixes
-  are dropped: :func:`fp8dist.strategies.local_shards.plain_name`); tied parameters load from whichever of their
-  names the checkpoint holds.
-"""
+"""Filling a sharded model from a Hugging Face safetensors directory (``pretrained=``), or a meta model by its own
+initialization: each rank reads only its part of every tensor (safetensors' ``get_slice``), by the names the model
+had before wrapping (:func:`fp8dist.strategies.local_shards.plain_name`; tied parameters by any of theirs)."""
 
 from __future__ import annotations
 
@@ -50,8 +42,7 @@ class SafetensorsDir:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.bytes_read = 0
-        """Bytes of tensor data read so far (what this rank materialized from the files)."""
+        self.bytes_read = 0  # tensor bytes read so far
         if not self.path.is_dir():
             raise PretrainedError(f"pretrained={str(path)!r} is not a directory. Pass a Hugging Face model "
                                   "directory (model.safetensors, or model-0000x-of-0000y.safetensors + "
@@ -64,14 +55,11 @@ class SafetensorsDir:
         for name, file in self._files.items():
             piece = self._open(file).get_slice(name)
             self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
-        self._aliases: dict[str, Any] = {}
-        """Names the model has that the files hold under an older layout: the file's name, or the per-expert
-        tensors of a fused experts parameter (:mod:`fp8dist.pipeline.hf_layouts`)."""
+        self._aliases: dict[str, Any] = {}  # a model's name -> the files' older name, or a hf_layouts.FusedExperts
 
     def adopt_layout(self, wanted: list[str], model_type: str | None) -> None:
-        """Answer for the names in ``wanted`` that the files hold in ``model_type``'s older layout (Mixtral's
-        per-expert ``block_sparse_moe.experts.N.w1``, ...): they are then found, shaped and read as the model
-        names them, and the files' own names for them are no longer listed."""
+        """Let the names of ``wanted`` that the files hold in ``model_type``'s older layout (:mod:`.hf_layouts`) be
+        found, shaped and read as the model names them, in place of the files' own names."""
         from .hf_layouts import resolve
 
         for name, found in resolve(wanted, self.shapes, self.dtypes, model_type).items():
@@ -130,16 +118,14 @@ class SafetensorsDir:
         return list(self.shapes)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
-        """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows
-        that cover it)."""
+        """The ``region`` of tensor ``name``: a box, or a flat range (reading only the rows that cover it)."""
         found = self._aliases.get(name, name)
         if isinstance(found, str):
             return self._read_file(found, region, self.shapes[name])
         return self._read_fused(found, region)
 
     def _read_fused(self, fused: Any, region: Region) -> torch.Tensor:
-        """A region of a fused experts tensor from the per-expert tensors: of each expert in it, the rows of
-        each of its tensors that fall in the region (a flat range reads the experts that cover it)."""
+        """A region of a fused experts tensor, read from the rows of each expert's tensors that fall in it."""
         if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
             if region.numel == 0:
                 return torch.empty(0)
@@ -165,7 +151,6 @@ class SafetensorsDir:
         return torch.stack(stacked)
 
     def _read_file(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
-        """``region`` of the tensor the files hold as ``name`` (of ``shape``)."""
         piece = self._open(self._files[name]).get_slice(name)
         if region.flat is None:
             out = piece[tuple(slice(start, start + length) for start, length in region.box)] if shape else piece[:]
@@ -229,17 +214,10 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, *, params: list[LocalParam] | None = None,
                     fp32_master: bool | None = None) -> LoadReport:
-    """Fill every parameter's part on this rank (and the persistent buffers) from the safetensors in ``path``,
-    casting to each parameter's dtype. ``model`` is the wrapped model (or the user's module); ``params`` defaults
-    to :func:`~fp8dist.strategies.local_shards.local_params` of it. Call it on every rank: a failure on any rank
-    (its part of a tensor non-finite, a file it cannot read) raises on every rank. ``fp32_master``: whether the
-    engine keeps fp32 master weights of bf16 parameters (None: not known); it decides the warning about bf16
-    parameters.
-
-    Raises:
-        PretrainedError: no safetensors in ``path``, a file truncated or damaged, names or shapes that differ (the
-            first ones listed), or non-finite values (naming the file and the tensor).
-    """
+    """Fill this rank's part of every parameter (default :func:`~fp8dist.strategies.local_shards.local_params` of
+    the wrapped ``model``) and the persistent buffers from the safetensors in ``path``, cast to their dtypes. Call it
+    on every rank: PretrainedError on every rank for no safetensors, a damaged file, names or shapes that differ, or
+    non-finite values. ``fp32_master``: whether the engine keeps fp32 masters of bf16 parameters (None: unknown)."""
     params = local_params(model) if params is None else params
     return on_all_ranks(f"loading pretrained={str(path)!r}", lambda: _load(model, path, params, fp32_master),
                         error=PretrainedError, passthrough=(PretrainedError,))
@@ -275,8 +253,7 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
 
 
 def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tensor:
-    """``part`` (of tensor ``name``, as read), refused when it holds NaN or inf: a damaged file, or a model saved
-    after it diverged, would otherwise train on without a word."""
+    """``part`` of tensor ``name``, refused when it holds NaN or inf (a damaged file, a model saved diverged)."""
     if part.is_floating_point():
         bad = part.numel() - int(torch.isfinite(part).sum())
         if bad:
@@ -287,9 +264,7 @@ def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tens
 
 
 def _warn_precision(source: SafetensorsDir, params: list[LocalParam], master: bool | None) -> None:
-    """One warning when the parameters loaded into are bf16/fp16: without DeepSpeed they train so, with no fp32
-    master (usually a model built without ``dtype=torch.float32``); under DeepSpeed an fp32 checkpoint is rounded
-    to them (its fp32 master weights start from the rounded values)."""
+    """Warn once of bf16/fp16 parameters: without fp32 masters they train so, with them an fp32 checkpoint rounds."""
     low = {p.local.dtype for p in params if p.local.dtype in (torch.bfloat16, torch.float16)}
     if not low:
         return
@@ -309,9 +284,8 @@ def _warn_precision(source: SafetensorsDir, params: list[LocalParam], master: bo
 
 
 def _read_local(source: SafetensorsDir, name: str, p: LocalParam) -> torch.Tensor:
-    """This rank's part of ``p`` from the checkpoint's tensor ``name``, shaped as ``p.local``. A transposed
-    parameter (out, in) reads the transposed box of the (in, out) tensor; for a flat range, the columns of the
-    out-rows that cover it."""
+    """This rank's part of ``p`` from the checkpoint's tensor ``name``, shaped as ``p.local``; a transposed (out, in)
+    parameter reads the transposed box of the (in, out) tensor, or for a flat range the columns that cover it."""
     if not p.transposed:
         return source.read(name, p.region).view(p.local.shape)
     if p.region.flat is None:
@@ -330,9 +304,8 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
                 meta: bool, fp32_master: bool | None = None) -> LoadReport | None:
-    """Fill the sharded (or whole) ``model``: its part of the pretrained weights, or (a meta model without
-    ``pretrained``) its own initialization. Buffers of a meta model are set by its initialization either way.
-    ``fp32_master``: see :func:`load_pretrained`."""
+    """Fill the sharded (or whole) ``model`` from ``pretrained``, or a meta model by its own initialization (its
+    buffers either way)."""
     require_bool("meta", meta)
     params = local_params(model)
     if meta:

@@ -1,16 +1,6 @@
-"""The rendezvous of a job launched without torchrun's agent (``RANK``/``WORLD_SIZE`` set by hand or by a script,
-SLURM ``srun``): rank 0 hosts a TCP store at ``MASTER_ADDR:MASTER_PORT``, every rank checks in, and a rank that
-waits too long stops with an error naming what is missing instead of hanging silently.
-
-torch's own ``env://`` rendezvous waits for the default collective timeout (30 minutes on gloo) without a word
-and then reports a store timeout. torchrun's agent has its own rendezvous (``--rdzv-conf join_timeout=``); jobs
-under it keep ``env://``.
-
-One timeout (``FP8DIST_RENDEZVOUS_TIMEOUT``) bounds the whole wait, including a rank's connection to rank 0: torch's
-store client, once a TCP connection is accepted, waits for the store's first answer with no timeout
-(``TCPStore::ping``, torch 2.13), so a port held by another program that accepts and never answers held a rank
-forever. The client is made in a thread; at the timeout its connection is shut down, which ends its wait.
-"""
+"""The rendezvous of a job launched without torchrun's agent (``RANK``/``WORLD_SIZE`` by hand, SLURM): rank 0 hosts a
+TCP store at ``MASTER_ADDR:MASTER_PORT`` and a rank that waits longer than ``FP8DIST_RENDEZVOUS_TIMEOUT`` (connection
+included) stops with an error naming what is missing, where torch's ``env://`` waits 30 minutes without a word."""
 
 from __future__ import annotations
 
@@ -39,19 +29,16 @@ _FREE_PORT = "choose a free MASTER_PORT, the same for every rank"
 
 
 def rendezvous_timeout(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds to wait for every rank: ``FP8DIST_RENDEZVOUS_TIMEOUT`` when set (a positive number), else
-    :data:`RENDEZVOUS_TIMEOUT_S`."""
+    """Seconds to wait for every rank: ``FP8DIST_RENDEZVOUS_TIMEOUT`` when set, else :data:`RENDEZVOUS_TIMEOUT_S`."""
     return read(os.environ if environ is None else environ, TIMEOUT_VARIABLE, RENDEZVOUS_TIMEOUT_S)
 
 
 def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
-    """A store every one of the ``world`` ranks has checked into, for ``init_process_group(store=...)``; LaunchError
-    (naming the address, the rank, how many ranks joined and the way out) when that takes longer than ``timeout_s``,
-    counted from the call: the connection to rank 0 and the wait for the others share the one timeout."""
+    """A store all ``world`` ranks have checked into, for ``init_process_group(store=...)``; LaunchError naming how
+    many joined and the way out when that takes longer than ``timeout_s`` (the connection to rank 0 included)."""
     start = time.monotonic()
     where = f"{addr}:{port}"
     store = _connect(addr, port, rank, world, timeout_s)
-    longer = f"{TIMEOUT_VARIABLE}=SECONDS waits longer (now {timeout_s:g} s)"
     joined, noticed = _count(store, 1, rank, where), False
     while joined < world:
         waited = time.monotonic() - start
@@ -59,7 +46,8 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
             raise LaunchError(f"rank {rank}: only {joined} of WORLD_SIZE={world} processes joined the rendezvous at "
                               f"{where} in {timeout_s:g} s: {world - joined} never started or cannot reach it. Start "
                               f"all {world} (torchrun --nproc-per-node N sets RANK and WORLD_SIZE for each), or set "
-                              f"WORLD_SIZE to the number you start; {longer}.")
+                              f"WORLD_SIZE to the number you start; {TIMEOUT_VARIABLE}=SECONDS waits longer (now "
+                              f"{timeout_s:g} s).")
         if not noticed and rank == 0 and waited > _NOTICE_S:
             print(f"fp8dist: rank 0 waiting for {world - joined} more of {world} processes at {where} (gives up "
                   f"after {timeout_s:g} s; {TIMEOUT_VARIABLE})", file=sys.stderr, flush=True)
@@ -70,9 +58,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: flo
 
 
 def _connect(addr: str, port: int, rank: int, world: int, timeout_s: float) -> dist.Store:
-    """Rank 0's store, listening on ``port`` (on every interface: torch's store does), its own client connected
-    through ``addr`` as every rank's is; on the other ranks a client connected to it within ``timeout_s``. Else
-    LaunchError saying what is there."""
+    """Rank 0's store, or a client of it within ``timeout_s``; else LaunchError saying what is there."""
     store, err, unanswered = _make_store(addr, port, rank, world, timeout_s)
     if store is not None:
         return store
@@ -99,8 +85,7 @@ def _connect(addr: str, port: int, rank: int, world: int, timeout_s: float) -> d
 
 
 def _in_use(port: int) -> bool:
-    """Whether another socket holds ``port`` on this machine: a bind as torch's store binds (every interface, a
-    port in TIME_WAIT reusable) fails with EADDRINUSE."""
+    """Whether another socket holds ``port`` here: a bind as torch's store binds fails with EADDRINUSE."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -112,10 +97,9 @@ def _in_use(port: int) -> bool:
 
 def _make_store(addr: str, port: int, rank: int, world: int,
                 timeout_s: float) -> tuple[dist.Store | None, Exception | None, bool]:
-    """torch's store (rank 0 hosts it), made in a thread and given up on after ``timeout_s``: (the store or None,
-    torch's error, whether a connection to ``addr:port`` was open and unanswered then). Giving up shuts that
-    connection down, so the thread ends before this returns (a thread still inside torch when the interpreter
-    finalizes aborts the process)."""
+    """(torch's store or None, its error, whether a connection to ``addr:port`` was left unanswered). torch's client
+    waits for the store's first answer with no timeout (torch 2.13), so it is made in a thread, and at ``timeout_s``
+    its connection is shut down: the thread ends before this returns (one inside torch at exit aborts the process)."""
     try:
         peers = {_endpoint(info[4]) for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)}
     except socket.gaierror:
@@ -143,7 +127,6 @@ def _make_store(addr: str, port: int, rank: int, world: int,
 
 
 def _socket_fds() -> list[int]:
-    """This process's open sockets (Linux: /proc/self/fd)."""
     fds = []
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
@@ -153,15 +136,13 @@ def _socket_fds() -> list[int]:
 
 
 def _endpoint(address: tuple) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """(IP, port) of a socket address, an IPv4 address the same whether or not written as IPv6 (torch's client
-    connects through an IPv6 socket: ``::ffff:127.0.0.1``)."""
+    """(IP, port) of a socket address, IPv4 the same when IPv6-mapped (torch's client: ``::ffff:127.0.0.1``)."""
     ip = ipaddress.ip_address(address[0].split("%")[0])
     return (ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else ip, address[1]
 
 
 def _close_connections(fds: set[int], peers: set) -> bool:
-    """Shut down those of ``fds`` connected to one of ``peers``, so that a read waiting on them returns; whether
-    there was one."""
+    """Shut down those of ``fds`` connected to one of ``peers`` (a read waiting on them returns); whether any was."""
     closed = False
     for fd in fds:
         # OSError: not connected (yet), or closed meanwhile
@@ -173,7 +154,6 @@ def _close_connections(fds: set[int], peers: set) -> bool:
 
 
 def _count(store: dist.Store, add: int, rank: int, where: str) -> int:
-    """The number of ranks checked in (after adding ``add``); LaunchError when rank 0's store has gone."""
     try:
         return store.add(_JOINED, add)
     except RuntimeError:  # DistNetworkError: the connection to rank 0 closed

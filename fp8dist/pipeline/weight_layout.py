@@ -1,11 +1,5 @@
-"""Which modules hold a weight transposed relative to their checkpoints: the one record every tool that reads or
-writes parameters by name consults (``pretrained=``, ``save_pretrained``, the optimizer's moments in checkpoints),
-shared by the FP8 backends that make such modules and the strategies' shard introspection.
-
-GPT-2's Conv1D stores its weight (in, out); Transformer Engine's te.Linear must hold (out, in). The TE backend's
-``TEConv1D`` (:mod:`fp8dist.fp8.conv1d`) holds the transpose and registers its class here; its state dict already
-gives the Conv1D's layout (hooks), so only tools that read the parameters themselves transpose.
-"""
+"""Which module classes hold ``weight`` transposed relative to their checkpoints (the TE backend's ``TEConv1D`` holds
+GPT-2's Conv1D weight as (out, in)): the one record every tool that reads or writes parameters by name consults."""
 
 from __future__ import annotations
 
