@@ -18,7 +18,7 @@ from torch import nn
 
 from ..pipeline.files import atomic_write, atomic_write_text, check_output_path
 from ..config.dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
-from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, _persistent_buffers
+from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, persistent_buffers
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class
 from ..pipeline.agree import on_all_ranks, rank_world
@@ -132,7 +132,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     rank = rank_world()[0]
     check_out_dir(out, f"fp8dist.save_pretrained: checking {out}")
     inner = unwrap_model(model)
-    buffers = _persistent_buffers(inner).items()
+    buffers = persistent_buffers(inner).items()
     size = torch.tensor([], dtype=dtype).element_size()
     entries = [(p.names[0], math.prod(p.shape) * size) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))

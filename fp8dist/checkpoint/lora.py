@@ -15,7 +15,7 @@ from torch import nn
 from ..pipeline.agree import rank_world
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
-from ..pipeline.pretrained import _persistent_buffers
+from ..pipeline.pretrained import persistent_buffers
 from .hf import _dtype, _write_file, _Writer, check_out_dir
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
@@ -88,7 +88,7 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
-    full.update({n: b.detach().cpu() for n, b in _persistent_buffers(inner).items()})  # every rank holds them whole
+    full.update({n: b.detach().cpu() for n, b in persistent_buffers(inner).items()})  # every rank holds them whole
 
     def write() -> list[str]:
         merged = _merged(inner, full)

@@ -24,7 +24,7 @@ from .meta_init import init_weights
 from ..strategies import unwrap_model
 from ..strategies.local_shards import LocalParam, Region, local_params, plain_name
 
-__all__ = ["SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize", "INDEX_FILE",
+__all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize", "INDEX_FILE",
            "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -180,7 +180,8 @@ class LoadReport:
     """Tensor bytes of the whole checkpoint."""
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds, by their plain (unwrapped) names."""
     return {plain_name(f"{prefix}.{name}" if prefix else name): buf
             for prefix, module in model.named_modules() for name, buf in module._buffers.items()
             if buf is not None and name not in module._non_persistent_buffers_set}
@@ -227,7 +228,7 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
           fp32_master: bool | None) -> LoadReport:
     source = SafetensorsDir(path)
     inner = unwrap_model(model)
-    buffers = _persistent_buffers(inner)
+    buffers = persistent_buffers(inner)
     source.adopt_layout([n for p in params for n in p.names] + list(buffers),
                         getattr(getattr(inner, "config", None), "model_type", None))
     ignored = getattr(inner, "_keys_to_ignore_on_load_unexpected", None) or ()  # Hugging Face's: keys to ignore
