@@ -24,8 +24,8 @@ from .meta_init import init_weights
 from ..strategies import unwrap_model
 from ..strategies.local_shards import LocalParam, Region, local_params, plain_name
 
-__all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize", "INDEX_FILE",
-           "SINGLE_FILE"]
+__all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize",
+           "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
