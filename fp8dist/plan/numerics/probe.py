@@ -27,27 +27,25 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                          target: str | Hardware | None = None, loss_fn: LossFn | None = None,
                          thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
                          **options: Any) -> NumericsReport:
-    """Measure each planned FP8 layer's numerics on ``batches``, before training in FP8 (or on a checkpoint, to
-    decide which layers to keep out of FP8 from there on).
+    """Measure what FP8 casts do to each layer the plan would run in FP8, on ``batches``: before training in FP8, or
+    on a checkpoint to choose the layers to keep out of FP8 from there on.
 
-    The model runs once per batch, forward and backward, in its own (high) precision, in this process, with
-    nothing sharded and nothing changed: no gradient is accumulated into ``.grad``. Each GEMM the plan
-    (:func:`fp8dist.plan_precision` with these options) runs in FP8 has its input, weight and output gradient
-    cast as the recipe casts them (torchao's own cast functions; Transformer Engine's recipes emulated with
-    them) and compared with the original: SQNR, share of non-zero values flushed to zero, share saturated,
-    amax; and its forward output with FP8 operands against high precision.
+    The model runs forward and backward once per batch in its own (high) precision, in this process, unsharded and
+    unchanged (no ``.grad`` accumulates). Each GEMM the plan (:func:`fp8dist.plan_precision` with these options)
+    runs in FP8 has its input, weight and output gradient cast as the recipe casts them (torchao's cast functions;
+    Transformer Engine's recipes emulated with them): SQNR, share flushed to zero, share saturated, amax; and its
+    forward and backward GEMMs with FP8 operands against high precision.
 
     Args:
-        model: the unwrapped model, with real weights or on the meta device (then it is materialized in a copy:
-            from ``pretrained=`` when given, else by its own initialization; the model passed stays as it was).
-        batches: what the model trains on: token id tensors (run as ``model(input_ids=b, labels=b)``) or
-            mappings of keyword arguments (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn``.
+        model: the unwrapped model, with real weights or on the meta device (then materialized in a copy, from
+            ``pretrained=`` when given, else by its own initialization).
+        batches: token id tensors (run as ``model(input_ids=b, labels=b)``) or mappings of keyword arguments
+            (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn(output, batch)``.
         fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
-        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`): on a CPU, MoE
-            experts are FP8 candidates only for a GPU target. None: this machine, as if it had FP8.
-        loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
-        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict of
-            the ones to change (``{"max_flushed_share": 0.02}``); default: the calibrated ones.
+        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`); None: this
+            one, as if it had FP8. On a CPU, MoE experts are FP8 candidates only for a GPU target.
+        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict
+            of the ones to change (``{"max_flushed_share": 0.02}``).
         **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,
             ``fp8_exclude=[...]``, ``te_recipe="delayed"``, ``pretrained=DIR``, ``strategy``, ``device``).
 
@@ -56,11 +54,10 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
     Raises:
         ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
-            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate,
-            a model already wrapped, sharded or FP8-converted (pass it as built), or no layer the plan would
-            run in FP8 (nothing to measure).
+            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate, a
+            model already wrapped, sharded or FP8-converted (pass it as built), or no layer in FP8 to measure.
         TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
-        NotImplementedError: a backend whose casts are not modeled (MS-AMP's: its ``numerics_casts``).
+        NotImplementedError: a backend whose casts are not modeled (MS-AMP's).
         FP8UnavailableError: ``target`` has no FP8.
     """
     from ...config.resolve import resolve_config
@@ -110,8 +107,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
 
 def _check_as_built(model: nn.Module) -> None:
-    """The probe measures the high-precision model as built: a model already wrapped, sharded or FP8-converted
-    (anywhere in it) is refused, naming where, since its layers are not the plan's candidates any more."""
+    """Refuse a model wrapped, sharded or FP8-converted anywhere, naming where: its layers are not the candidates."""
     from ...fp8 import converted_by_hand
     from ...strategies.introspect import find_wrapping
 
@@ -127,8 +123,7 @@ def _check_as_built(model: nn.Module) -> None:
 
 
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
-    """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` loaded
-    into a copy too: measuring leaves the user's model as it was)."""
+    """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` too)."""
     from ...pipeline.agree import alone
     from ...pipeline.meta_init import is_meta_model, to_empty
     from ...pipeline.pretrained import materialize
@@ -168,7 +163,6 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
 
 
 def _tail_note(cfg, plan, backend) -> list[str]:
-    """Under a share of last blocks kept out of low precision (NVFP4's default), that they go unmeasured."""
     from ..tail import tail_share
 
     share, why = tail_share(cfg, plan.hardware, backend)
