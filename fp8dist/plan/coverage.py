@@ -11,7 +11,6 @@ from torch import nn
 
 __all__ = ["FP8Coverage", "MIN_FP8_SHARE", "coverage", "gemm_flops", "runs_gemm", "LOOKUPS"]
 
-
 MIN_FP8_SHARE = 0.5
 """``wrap_model`` warns where an FP8 backend runs less than this share of the GEMM parameters in FP8."""
 
@@ -38,11 +37,6 @@ class FP8Coverage:
     @property
     def flop_share(self) -> float:
         return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
-
-    @property
-    def low(self) -> bool:
-        """Less than :data:`MIN_FP8_SHARE` of the GEMM parameters in FP8 (or none at all)."""
-        return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
 
     def summary(self) -> str:
         share = f"{self.fp8_params:,} of {self.gemm_params:,} params ({100 * self.param_share:.1f}%)"

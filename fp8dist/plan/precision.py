@@ -52,13 +52,11 @@ class PlanEntry:
     """A MoE experts module (fused 3-D weights): in FP8 it runs grouped GEMMs, whose weights keep no scale between
     steps and are all-gathered in the strategy's dtype."""
     predicted: tuple[LinearPrediction, ...] = ()
-    """The speed model's figures on the plan's GPU at its tokens, one per GEMM weight; empty: not an FP8 candidate,
-    or no GPU to predict for."""
+    """Speed-model figures on the plan's GPU and tokens, one per GEMM weight; empty: not a candidate, or no GPU."""
     numerics: tuple[str, ...] | None = None
     """The probe's verdict: () within its thresholds, else those crossed (kept out of FP8); None: not measured."""
     recipe: str | None = None
-    """The recipe picked for this layer (predicted fastest) where the backend mixes several
-    (:meth:`~fp8dist.fp8.FP8Backend.mixed_recipes`); None: the backend's one recipe."""
+    """The recipe picked for this layer (predicted fastest) where the backend mixes several; None: its one recipe."""
 
     @property
     def speedup(self) -> float | None:
@@ -100,7 +98,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """``wrap_model``'s warning where a backend runs and converts less than :data:`MIN_FP8_SHARE` of the GEMM
         parameters, or nothing; None otherwise."""
         c = self.coverage
-        if c is None or self.unavailable or not c.low or not c.gemm_params:
+        if c is None or self.unavailable or not c.gemm_params or c.fp8_modules and c.param_share >= MIN_FP8_SHARE:
             return None
         kept = "; ".join(f"{plural(n, 'module')} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
         more = f"; and {len(c.kept) - 4} more reasons" if len(c.kept) > 4 else ""
@@ -132,10 +130,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def counts(self) -> str:
         """One line: FP8 and fallback layers and parameters."""
-        fp8 = self.fp8
-        rest = [e for e in self._entries if e.precision != "fp8"]
-        total = sum(e.params for e in self._entries) or 1
-        fp8_params = sum(e.params for e in fp8)
+        fp8, rest = self.fp8, [e for e in self._entries if e.precision != "fp8"]
+        fp8_params, total = sum(e.params for e in fp8), sum(e.params for e in self._entries) or 1
         return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
                 f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params")
 

@@ -305,15 +305,15 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
     threshold, its problems, or None where its batches never ran it; and the report in words (saying so where it
     measured another backend than the plan's). TypeError: neither form; ValueError: it names modules ``names``
     lacks (another model's)."""
-    mapping = isinstance(report, Mapping)
-    layers = report.get("layers") if mapping else getattr(report, "layers", None)
+    if not isinstance(report, Mapping) and callable(getattr(report, "to_dict", None)):
+        report = report.to_dict()
+    layers = report.get("layers") if isinstance(report, Mapping) else None
     if layers is None:
         raise TypeError(f"numerics={type(report).__name__}: pass the NumericsReport fp8dist.measure_fp8_numerics "
                         "returns, or the JSON fp8dist probe --json writes (as a dict).")
-    read = (lambda layer, key: layer[key]) if mapping else getattr
     gemms: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}  # a MoE experts module has one per fused weight
     for layer in layers:
-        gemms.setdefault(read(layer, "name"), []).append((read(layer, "calls") > 0, tuple(read(layer, "problems"))))
+        gemms.setdefault(layer["name"], []).append((layer["calls"] > 0, tuple(layer["problems"])))
     verdicts: dict[str, tuple[str, ...] | None] = {}
     for name, found in gemms.items():
         problems = tuple(dict.fromkeys(p for ran, ps in found if ran for p in ps))
@@ -324,7 +324,7 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
         raise ValueError(f"the numerics report names {plural(len(foreign), 'module')} this model does not have "
                          f"({shown}): it was measured on another model. Probe this model "
                          "(fp8dist.measure_fp8_numerics, or fp8dist probe --json FILE) and pass that report.")
-    measured = report["backend"] if mapping else report.backend
+    measured = report["backend"]
     said = f"probe report of {plural(len(verdicts), 'module')} ({measured}'s casts)"
     if backend is not None and measured != backend:
         said += f", not fp8={backend!r}'s: its verdicts may not hold for this backend's casts"
@@ -338,12 +338,9 @@ def with_read_options(cfg: Any, **values: Any) -> Any:
     from ..config.rules import unread_options
 
     def changed(options: Mapping[str, Any]) -> Any:
-        sections = {}
-        for name in ("parallel", "precision"):
-            section = getattr(cfg, name)
-            mine = {k: v for k, v in options.items() if hasattr(section, k)}
-            sections[name] = dataclasses.replace(section, **mine)
-        return dataclasses.replace(cfg, **sections)
+        return dataclasses.replace(cfg, **{
+            name: dataclasses.replace(section, **{k: v for k, v in options.items() if hasattr(section, k)})
+            for name, section in (("parallel", cfg.parallel), ("precision", cfg.precision))})
 
     unread = unread_options(changed(values))
     return changed({k: v for k, v in values.items() if k not in unread})

@@ -115,9 +115,8 @@ class _GroupedGemms(TorchFunctionMode):
 
     @staticmethod
     def _record(site: GemmSite, a: torch.Tensor, b: torch.Tensor, ends: list[int], out: torch.Tensor) -> None:
-        groups = list(zip([0, *ends[:-1]], ends))
         backwards = [(start, end, site.forward(a[start:end], b[expert], weight_key=expert))
-                     for expert, (start, end) in enumerate(groups)]
+                     for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
 
         def grad(g: torch.Tensor) -> None:
             for start, end, backward in backwards:

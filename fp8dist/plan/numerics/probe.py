@@ -27,14 +27,10 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                          target: str | Hardware | None = None, loss_fn: LossFn | None = None,
                          thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
                          **options: Any) -> NumericsReport:
-    """Measure what FP8 casts do to each layer the plan would run in FP8, on ``batches``: before training in FP8, or
-    on a checkpoint to choose the layers to keep out of FP8 from there on.
-
-    The model runs forward and backward once per batch in its own (high) precision, in this process, unsharded and
-    unchanged (no ``.grad`` accumulates). Each GEMM the plan (:func:`fp8dist.plan_precision` with these options)
-    runs in FP8 has its input, weight and output gradient cast as the recipe casts them (torchao's cast functions;
-    Transformer Engine's recipes emulated with them): SQNR, share flushed to zero, share saturated, amax; and its
-    forward and backward GEMMs with FP8 operands against high precision.
+    """Measure what FP8 casts do to each layer the plan (:func:`fp8dist.plan_precision` with these options) would
+    run in FP8, on ``batches``: before training in FP8, or on a checkpoint. The model runs forward and backward once
+    per batch in its own precision, in this process, unchanged (no ``.grad`` accumulates); each planned GEMM's input,
+    weight and output gradient are cast as the recipe casts them (torchao's functions; TE's recipes emulated).
 
     Args:
         model: the unwrapped model, with real weights or on the meta device (then materialized in a copy, from
@@ -171,15 +167,13 @@ def _tail_note(cfg, plan, backend) -> list[str]:
 
 
 def _notes(plan, modes, hardware: Hardware | None) -> list[str]:
-    notes = []
     left_out: dict[str, list[str]] = {}
     for entry in plan:
         if entry.grouped and entry.precision != "fp8":
             left_out.setdefault(entry.reason, []).append(entry.name)
-    for reason, names in left_out.items():
-        how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an "
-                                               "H100 runs them")
-        notes.append(f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this "
-                     f"plan, {reason}{how}")
-    return notes + [f"MoE experts {name}: no grouped GEMM on its weights was seen (another experts_implementation?): "
-                     "not measured" for name, mode in modes if mode.seen == 0]
+    how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an H100 "
+                                           "runs them")
+    unseen = [f"MoE experts {name}: no grouped GEMM on its weights was seen (another experts_implementation?): not "
+              "measured" for name, mode in modes if mode.seen == 0]
+    return [f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this plan, "
+            f"{reason}{how}" for reason, names in left_out.items()] + unseen

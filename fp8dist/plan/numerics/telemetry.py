@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config.schema import normalize_value
+from ...pipeline.agree import on_all_ranks, rank_world
 from ...fp8.casts import CastSpec, float8_linear_casts
 from .casts import CONTRACTION_DIM
 from .stats import json_number
@@ -89,7 +90,6 @@ class FP8Telemetry:
         from torchao.float8.float8_linear import Float8Linear
 
         from ...pipeline.files import check_output_path
-        from ...pipeline.agree import on_all_ranks
         from ...pipeline.optim import STEP_HOOKS
         from ...strategies import unwrap_model
         from ...strategies.local_shards import plain_name
@@ -105,7 +105,7 @@ class FP8Telemetry:
             raise TypeError(f"log={log!r} is not callable: pass a function of one line of text (e.g. print), or "
                             "leave it out.")
         # rank 0 writes jsonl; every rank takes part (a job may pass jsonl to rank 0 alone) and raises alike
-        check = (lambda: check_output_path(jsonl, name="jsonl")) if _rank() == 0 and jsonl is not None else None
+        check = (lambda: check_output_path(jsonl, name="jsonl")) if rank_world()[0] == 0 and jsonl is not None else None
         on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
         self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
         self.jsonl = Path(jsonl) if jsonl is not None else None
@@ -173,7 +173,7 @@ class FP8Telemetry:
             layer.acc = {}
         self.records.append(record)
         self._warn(record)
-        if _rank() == 0:
+        if rank_world()[0] == 0:
             if self.jsonl is not None:
                 with open(self.jsonl, "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -254,12 +254,8 @@ def _steps(name: str, value: Any, least: int, what: str) -> int:
     return value
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _all_reduce(t: torch.Tensor, op: Any) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_world()[1] > 1:
         dist.all_reduce(t, op=op)
 
 
