@@ -38,6 +38,11 @@ class FP8Coverage:
     def flop_share(self) -> float:
         return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
 
+    @property
+    def low(self) -> bool:
+        """Less than :data:`MIN_FP8_SHARE` of the GEMM parameters in FP8 (or none at all)."""
+        return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
+
     def summary(self) -> str:
         share = f"{self.fp8_params:,} of {self.gemm_params:,} params ({100 * self.param_share:.1f}%)"
         return (f"FP8 share of GEMMs: {share}, {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params "

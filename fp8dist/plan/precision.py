@@ -98,7 +98,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """``wrap_model``'s warning where a backend runs and converts less than :data:`MIN_FP8_SHARE` of the GEMM
         parameters, or nothing; None otherwise."""
         c = self.coverage
-        if c is None or self.unavailable or not c.gemm_params or c.fp8_modules and c.param_share >= MIN_FP8_SHARE:
+        if c is None or self.unavailable or not c.low or not c.gemm_params:
             return None
         kept = "; ".join(f"{plural(n, 'module')} / {params:,} params: {reason}" for reason, n, params in c.kept[:4])
         more = f"; and {len(c.kept) - 4} more reasons" if len(c.kept) > 4 else ""

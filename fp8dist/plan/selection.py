@@ -18,8 +18,7 @@ from .tail import kept_tail
 from ..config.options import DEFAULT_SEQ_LEN
 from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
-__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options",
-           "describe_prediction", "speedup_of"]
+__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
 
 Verdicts = Mapping[str, tuple[str, ...] | None]
 
@@ -112,14 +111,6 @@ def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> s
     basis = "" if all(p.calibrated for p in predicted) else ", uncalibrated"
     return (f"predicted {speedup_of(predicted):.2f}x on {first.gpu_label} at {tokens:,} tokens ({first.recipe}, "
             f"{first.groups} experts, {first.m:,} routed rows{basis})")
-
-
-def _tokens(cfg: Any) -> tuple[int, str]:
-    micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
-    if seq is None:
-        return micro * DEFAULT_SEQ_LEN, (f"micro_batch_size {micro} x seq_len {DEFAULT_SEQ_LEN}, assumed: pass "
-                                         "seq_len= (--seq-len) for this run's")
-    return micro * seq, f"micro_batch_size {micro} x seq_len {seq}"
 
 
 @dataclass(frozen=True)
@@ -219,7 +210,10 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     backend = get_backend(cfg.precision.fp8)
     choices = backend.mixed_recipes(cfg, hardware, facts)
     mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware, backend, choices)
-    tokens, tokens_from = _tokens(cfg)
+    micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len or DEFAULT_SEQ_LEN
+    tokens, tokens_from = micro * seq, f"micro_batch_size {micro} x seq_len {seq}"
+    if cfg.parallel.seq_len is None:
+        tokens_from += ", assumed: pass seq_len= (--seq-len) for this run's"
     margin = cfg.precision.fp8_select_margin
     verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
                                                                            cfg.precision.fp8)

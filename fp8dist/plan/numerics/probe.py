@@ -60,6 +60,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     from ...fp8 import get_backend
     from ...pipeline.env import resolve_device
     from ..precision import plan_precision
+    from ..tail import tail_share
 
     _check_as_built(model)
     # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
@@ -95,8 +96,10 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     finally:
         for remove in handles:
             remove()
-    emulated = backend.numerics_note(cfg)
-    notes = ([emulated] if emulated else []) + _tail_note(cfg, plan, backend) + _notes(plan, modes, hardware)
+    emulated, (share, why) = backend.numerics_note(cfg), tail_share(cfg, plan.hardware, backend)
+    tail = [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "
+            "keep_last_blocks_share=0 measures them"] if share else []
+    notes = ([emulated] if emulated else []) + tail + _notes(plan, modes, hardware)
     return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
                           batches=len(batches), tokens=tokens, layers=tuple(s.layer for s in sites),
                           thresholds=thresholds, notes=tuple(notes))
@@ -144,8 +147,7 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
         output, tokens = model(input_ids=batch, labels=batch), batch.numel()
     else:  # a mapping (checked_batches let nothing else through)
         batch = {k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        ids = batch.get("input_ids")
-        output = model(**batch)
+        output, ids = model(**batch), batch.get("input_ids")
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else 1
     loss = loss_fn(output, batch) if loss_fn is not None else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -156,14 +158,6 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
     if params and loss.requires_grad:
         torch.autograd.grad(loss, params, allow_unused=True)  # runs every hook; .grad stays untouched
     return tokens
-
-
-def _tail_note(cfg, plan, backend) -> list[str]:
-    from ..tail import tail_share
-
-    share, why = tail_share(cfg, plan.hardware, backend)
-    return [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "
-            "keep_last_blocks_share=0 measures them"] if share else []
 
 
 def _notes(plan, modes, hardware: Hardware | None) -> list[str]:

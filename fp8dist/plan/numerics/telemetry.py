@@ -128,9 +128,8 @@ class FP8Telemetry:
     def sampling(self) -> bool:
         return self.steps % self.every == 0
 
-    def _arm(self) -> None:
-        for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(layer.hook))
+    def _arm(self) -> None:  # only while no hook is attached
+        self._handles = [layer.module.register_forward_hook(layer.hook) for layer in self.layers]
 
     def _disarm(self) -> None:
         for handle in self._handles:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ...config.schema import normalize_fields, route_keys
@@ -69,8 +69,7 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         normalize_fields(self)  # a number each ("0.02" from a file or flag too); a bool or a word is refused
-        for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share", "fp4_max_flushed_share",
-                     "fp4_max_grad_flushed_share", "fp4_max_floored_share"):
+        for name in (f.name for f in fields(self) if f.name.endswith("_share")):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ValueError(f"{name}={value} must be a share between 0 and 1 (0.01 is 1%).")
