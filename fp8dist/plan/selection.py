@@ -226,8 +226,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
                                reason=tail[e.name]) for e in entries]
     step = _step(model, out, gpu, recipe, compile, margin)
     if verdicts is not None:
-        unsafe = sum(1 for e in out if e.numerics)
-        said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+        said += f"; {sum(1 for e in out if e.numerics)} of the plan's FP8 candidates measured unsafe, kept out of FP8"
     recipes = _mix_words(backend, choices, gpu) if choices else ""
     if choices and gpu is None:  # the one-recipe answer, not what a GPU plan would pick: said as a note too
         notes.append(recipes)

@@ -71,16 +71,12 @@ class _Layer:
 class FP8Telemetry:
     """Sampled FP8 health of a wrapped model's torchao FP8 layers (``Float8Linear``, GPT-2's ``Float8Conv1D``).
 
-    Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"). It ends each step
-    itself, after every step of any optimizer holding the model's parameters, or only ``optimizer``'s when given.
-    Steps 0, every, 2 x every, ... are sampled: all their micro-batches' forwards and backwards, and the weights as
-    the step updated them; the record is written (``jsonl``, rank 0) and ``log``ged when the step ends. ``step``: the
-    number of the step about to run (a resumed run's: its checkpoint's). :meth:`step` reduces over the world group:
-    every rank runs it.
-
-    Raises:
-        ValueError: ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad threshold, or no torchao FP8 layer.
-        TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
+    Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"); it ends each step
+    itself after any optimizer holding the model steps (only ``optimizer`` when given), reducing over the world
+    group on every rank. Steps 0, every, 2 x every, ... are sampled (all their micro-batches, and the weights as
+    updated); the record goes to ``jsonl`` and ``log`` on rank 0. ``step``: the number of the step about to run (a
+    resumed run's: its checkpoint's). ValueError: ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad
+    threshold, or no torchao FP8 layer; TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
     """
 
     def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,
