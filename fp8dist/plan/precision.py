@@ -65,8 +65,7 @@ class PlanEntry:
 
 
 def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
-    """What a non-FP8 layer computes in: param_dtype where the engine casts parameters, and for GEMMs under autocast
-    (which casts matmuls); else fp32."""
+    """A non-FP8 layer's dtype: param_dtype where the engine casts parameters or autocast its matmul; else fp32."""
     return cfg.parallel.param_dtype if not facts.autocast_forward or runs_gemm(module) else "fp32"
 
 

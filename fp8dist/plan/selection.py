@@ -128,8 +128,7 @@ class _Context:
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """The module's predicted GEMMs (MoE experts: one per fused weight), or ((), why none: e.g. a recipe the GPU
-    lacks, planned with the hardware check off)."""
+    """The module's predicted GEMMs (MoE experts: one per fused weight), or ((), why none)."""
     from ..fp8.conv1d import conv1d_dims, is_conv1d
     from ..fp8.moe import is_experts
 
@@ -153,8 +152,7 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
 
 def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[LinearPrediction, ...], str, str | None,
                                                                         str]:
-    """The module's predictions, why none, and where recipes are picked per layer the fastest (the first where
-    nothing is predicted) with the others' speedups in words."""
+    """Predictions, why none, and where recipes are picked per layer the fastest with the others' speedups."""
     if not ctx.choices or grouped:  # MoE experts keep their own recipe (torchao_moe_recipe)
         predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
         return predicted, why_not, None, ""
@@ -170,8 +168,7 @@ def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[Line
 
 def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: float, verdicts: Verdicts | None,
              fallback: Callable[[nn.Module], str]) -> Any:
-    """FP8 ``entry`` with its predictions, verdict and recipe; kept out of FP8 where predicted slower (auto) under
-    every recipe it may pick, or measured unsafe."""
+    """FP8 ``entry`` decided: kept out where predicted slower (auto) under every recipe, or measured unsafe."""
     predicted, why_not, recipe, others = _picked(module, ctx, entry.grouped)
     problems = verdicts.get(entry.name) if verdicts is not None else None
     speedup = speedup_of(predicted)
@@ -236,8 +233,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
 
 def _resolve(cfg: Any, hardware: Hardware, backend: Any,
              choices: tuple[str, ...]) -> tuple[str, str, list[str], Any, str | None, str]:
-    """(mode, why, notes, GPU record or None, the Linear recipe or None ("auto" with ``choices``), why nothing can
-    be predicted), from fp8_select and the plan's hardware."""
+    """(mode, why, notes, GPU record, Linear recipe ("auto" with ``choices``), why nothing can be predicted)."""
     asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
     if asked == "all":
         mode, why = "all", "fp8_select='all', asked for"

@@ -145,8 +145,8 @@ def _attach_experts(module: nn.Module, sites: dict[int, GemmSite]) -> tuple[list
 
 def attach(model: nn.Module, layers: dict[str, tuple[str, str, dict]]
            ) -> tuple[list[GemmSite], list[Handle], list[tuple[str, _GroupedGemms]]]:
-    """Hook each ``{name: (module type, "linear" or "experts", casts per use)}``: returns the sites (one per GEMM,
-    in model order), the hooks' removers and each experts module's mode (it counts the grouped GEMMs seen)."""
+    """Hook each ``{name: (module type, "linear" or "experts", casts per use)}``: the sites (one per GEMM, in model
+    order), the hooks' removers and each experts module's mode (it counts the grouped GEMMs seen)."""
     sites, handles, modes = [], [], []
     for name, (module_type, kind, specs) in layers.items():
         module = model.get_submodule(name)

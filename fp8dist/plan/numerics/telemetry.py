@@ -177,8 +177,7 @@ class FP8Telemetry:
         return record
 
     def _reduced(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Over every rank, two all-reduces: ``amax [layers, roles]``, ``counts [layers, roles, (nonzero,
-        flushed)]``, ``seen [layers, roles]`` (ranks that measured the role)."""
+        """Over every rank: amax, (nonzero, flushed) and ranks that saw it, per layer and role; two all-reduces."""
         device = next(self.model.parameters()).device
         shape = (len(self.layers), len(ROLES))
         amax = torch.full(shape, -1.0, dtype=torch.float64, device=device)  # -1: not seen on this rank
