@@ -142,9 +142,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        compiled = "on" if self.compile else "off"
-        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
-                  f"({self.compile_reason})")
+        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile "
+                  f"{'on' if self.compile else 'off'} ({self.compile_reason})")
         lines = [head] + ([self.coverage.summary()] if self.coverage else [])
         lines += (self.selection.lines() if self.selection else []) + [blocks]
         lines += [f"note: {note}" for note in self.notes]

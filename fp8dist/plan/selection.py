@@ -292,11 +292,12 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
     threshold, its problems, or None where its batches never ran it; and the report in words (saying so where it
     measured another backend than the plan's). TypeError: neither form; ValueError: it names modules ``names``
     lacks (another model's)."""
+    given = type(report).__name__
     if not isinstance(report, Mapping) and callable(getattr(report, "to_dict", None)):
         report = report.to_dict()
     layers = report.get("layers") if isinstance(report, Mapping) else None
     if layers is None:
-        raise TypeError(f"numerics={type(report).__name__}: pass the NumericsReport fp8dist.measure_fp8_numerics "
+        raise TypeError(f"numerics={given}: pass the NumericsReport fp8dist.measure_fp8_numerics "
                         "returns, or the JSON fp8dist probe --json writes (as a dict).")
     gemms: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}  # a MoE experts module has one per fused weight
     for layer in layers:

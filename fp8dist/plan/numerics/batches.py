@@ -31,11 +31,9 @@ def checked_batches(model: nn.Module, batches: Iterable[Any]) -> list[Any]:
         if not isinstance(batch, (torch.Tensor, Mapping)):
             raise TypeError(f"batch {i} is a {type(batch).__name__}: pass token id tensors or dicts of model inputs, "
                             f"{_EXAMPLE}.")
-        if vocab is None:
-            continue
-        if isinstance(batch, torch.Tensor):
+        if vocab is not None and isinstance(batch, torch.Tensor):
             _check_ids(f"batch {i}", batch, vocab, positions, labels=False)
-        else:
+        elif vocab is not None:
             _check_mapping(i, batch, vocab, positions)
     return taken
 

@@ -1,6 +1,6 @@
-"""The probe's and the telemetry's limits on a layer's FP8 numerics. Figures: benchmarks/numerics/results.md (Llama,
-GPT-2, Mixtral, Qwen3 at init and after 200 steps, torchao and TE recipes, 2026-11-24; the fp4_* ones TE NVFP4 on
-Llama and GPT-2, 2026-11-26); "the planted outlier" is a 1e5 input channel."""
+"""The probe's and the telemetry's limits on a layer's FP8 numerics: outside every healthy layer measured in
+benchmarks/numerics/results.md (Llama, GPT-2, Mixtral, Qwen3; init and 200 steps; torchao and TE recipes; fp4_*: TE
+NVFP4), with a margin, and inside what "the planted outlier" (1e5 in one input channel) does."""
 
 from __future__ import annotations
 
