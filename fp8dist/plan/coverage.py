@@ -1,5 +1,5 @@
 """How much of a model's GEMM work a precision plan runs in FP8: which modules run a GEMM, their estimated FLOPs
-per token, and the share in FP8 (the plan's share line and ``wrap_model``'s low-coverage warning)."""
+per token, and the share in FP8."""
 
 from __future__ import annotations
 
@@ -11,16 +11,13 @@ from torch import nn
 
 __all__ = ["FP8Coverage", "MIN_FP8_SHARE", "coverage", "gemm_flops", "runs_gemm", "LOOKUPS"]
 
-
 MIN_FP8_SHARE = 0.5
-"""``wrap_model`` warns when an FP8 backend was asked for and covers less than this share of the model's GEMM
-parameters (nothing converted included)."""
+"""``wrap_model`` warns where an FP8 backend runs less than this share of the GEMM parameters in FP8."""
 
 
 @dataclass(frozen=True)
 class FP8Coverage:
-    """How much of the model's GEMM work the plan runs in FP8: the numbers behind the plan's share line and
-    ``wrap_model``'s low-coverage warning."""
+    """The numbers behind the plan's share line and ``wrap_model``'s low-coverage warning."""
 
     gemm_modules: int
     """Modules that run a GEMM with their own parameters (:func:`runs_gemm`)."""
@@ -28,7 +25,7 @@ class FP8Coverage:
     gemm_params: int
     fp8_params: int
     gemm_flops: int
-    """Estimated forward GEMM FLOPs per token (see :attr:`fp8dist.plan.precision.PlanEntry.gemm_flops`)."""
+    """Estimated forward GEMM FLOPs per token (:attr:`fp8dist.plan.precision.PlanEntry.gemm_flops`)."""
     fp8_flops: int
     kept: tuple[tuple[str, int, int], ...]
     """The GEMM modules not in FP8, grouped by reason: ``(reason, modules, params)``, most parameters first."""
@@ -53,8 +50,7 @@ class FP8Coverage:
 
 
 def _kept_as(entry: Any) -> str:
-    """What a module kept out of FP8 is counted under: its reason, or, where the selection kept it (each with its
-    own figure), what kept it."""
+    """What a module kept out of FP8 is counted under: its reason, or what in the selection kept it."""
     if entry.numerics:
         return "FP8 measured unsafe by the numerics probe"
     if entry.predicted:
@@ -76,8 +72,7 @@ def coverage(entries: Sequence[Any]) -> FP8Coverage:
 
 
 def gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
-    """2 x params per token, scaled by top_k / experts for an experts module (``grouped``: transformers'
-    num_experts and its config's num_experts_per_tok)."""
+    """2 x params per token, x top_k / experts for a ``grouped`` experts module (its config's num_experts_per_tok)."""
     if not runs_gemm(module):
         return 0
     top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
@@ -86,14 +81,12 @@ def gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
     return 2 * params
 
 
-LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
-"""Modules whose 2-D parameter is a table read by index: no GEMM."""
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D parameter read by index: no GEMM
 
 
 def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:
-    """Whether ``module`` multiplies by its own parameters: it holds a matrix operand (a parameter of 2 or more
-    dims: nn.Linear, GPT-2's Conv1D, a MoE router, fused expert weights) and is not a lookup table. ``shapes``:
-    its parameters' full shapes where the module holds flat shards (FSDP1); default, the parameters' own."""
+    """Whether ``module`` multiplies by its own parameters: one of 2 or more dims (Linear, Conv1D, a MoE router, fused
+    experts), not a lookup table. ``shapes``: the full shapes where it holds flat shards (FSDP1)."""
     if shapes is None:
         shapes = [p.shape for p in module.parameters(recurse=False)]
     return not isinstance(module, LOOKUPS) and any(len(shape) >= 2 for shape in shapes)

@@ -1,8 +1,5 @@
-"""The precision plan: per module, FP8 (by which backend) or the strategy's mixed precision, and why.
-
-Decided before any conversion; attached to the wrapped model (``fp8dist.get_plan(model)``) and printable as a
-table. Nothing is converted that the plan does not list as FP8, and every fallback has its reason.
-"""
+"""The precision plan: per module, FP8 (by which backend) or the strategy's mixed precision, and why. Decided before
+any conversion, nothing converted that it does not list as FP8; ``fp8dist.get_plan(model)`` returns it."""
 
 from __future__ import annotations
 
@@ -40,33 +37,26 @@ class PlanEntry:
     """One module's decision."""
 
     name: str
-    """Fully qualified module name."""
     module_type: str
     """Class name before conversion."""
     precision: str
-    """What the layer computes in: "fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
+    """"fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
     reason: str
-    """Why: the backend converts it, or why it falls back."""
     converted_to: str | None
     """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
     params: int
     """Parameters the module holds itself."""
     gemm_flops: int = 0
-    """Estimated forward GEMM FLOPs per token: 2 x the module's parameters where it runs a GEMM (x top_k / experts
-    for a MoE experts module, whose tokens each visit top_k experts), 0 where it runs none."""
+    """Estimated forward GEMM FLOPs per token: 2 x params (x top_k / experts for MoE experts), 0 without a GEMM."""
     grouped: bool = False
-    """A MoE experts module (fused 3-D weights, one GEMM per expert): in FP8 it runs grouped GEMMs, whose weights
-    keep no scale between steps and are all-gathered in the strategy's dtype."""
+    """A MoE experts module (fused 3-D weights): in FP8 it runs grouped GEMMs, whose weights keep no scale between
+    steps and are all-gathered in the strategy's dtype."""
     predicted: tuple[LinearPrediction, ...] = ()
-    """The speed model's figures for this module on the plan's GPU at the plan's tokens (:mod:`fp8dist.plan.selection`):
-    one per GEMM weight (a MoE experts module: its grouped GEMMs). Empty where none was made: not an FP8
-    candidate, or no GPU to predict for (a CPU)."""
+    """Speed-model figures on the plan's GPU and tokens, one per GEMM weight; empty: not a candidate, or no GPU."""
     numerics: tuple[str, ...] | None = None
-    """The numerics probe's verdict where a report was given: () within its thresholds, else the thresholds it
-    crossed (kept out of FP8); None: no report, or the report did not measure it."""
+    """The probe's verdict: () within its thresholds, else those crossed (kept out of FP8); None: not measured."""
     recipe: str | None = None
-    """The recipe this layer runs in where the backend picks one per layer (``torchao_recipe='auto'``,
-    :meth:`~fp8dist.fp8.FP8Backend.mixed_recipes`): the one predicted fastest; None: the backend's one recipe."""
+    """The recipe picked for this layer (predicted fastest) where the backend mixes several; None: its one recipe."""
 
     @property
     def speedup(self) -> float | None:
@@ -75,9 +65,7 @@ class PlanEntry:
 
 
 def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
-    """What a non-FP8 layer computes in under the strategy: an engine that casts parameters (FSDP, DeepSpeed) runs
-    every layer in param_dtype; under autocast (ddp, none) the GEMMs run in param_dtype (autocast casts matmuls),
-    the rest stays fp32."""
+    """A non-FP8 layer's dtype: param_dtype where the engine casts parameters or autocast its matmul; else fp32."""
     return cfg.parallel.param_dtype if not facts.autocast_forward or runs_gemm(module) else "fp32"
 
 
@@ -91,30 +79,23 @@ class PrecisionPlan(Sequence[PlanEntry]):
                  selection: Selection | None = None) -> None:
         self._entries = entries
         self.selection = selection
-        """How the FP8 candidates were chosen (all, or by predicted speed; the probe's verdicts) and their predicted
-        GEMM time; None without an FP8 backend that runs."""
+        """How the FP8 candidates were chosen and their predicted GEMM time; None without an FP8 backend that runs."""
         self.hardware = hardware
-        """The machine the plan was made for: the device the model trains on, or a named target."""
+        """The machine planned for: the training device, or a named target."""
         self.facts = facts
-        """What the strategy does to parameters (on the world size planned for): the backends' conversion and
-        wiring read these, never the strategy's name."""
-        self.backend = backend
-        self.strategy = strategy
-        self.memory = memory
-        """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
-        self.detail = detail
+        """What the strategy does to parameters: the backends read these, never the strategy's name."""
+        self.backend, self.strategy, self.memory, self.detail = backend, strategy, memory, detail
         self.unavailable = unavailable
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
         self.notes = tuple(notes)
-        """Things the user should know about the plan (an fp8_exclude pattern that matched nothing, ...)."""
         self.activation_checkpointing, self.compile, self.compile_reason = blocks
-        """Per block: activation checkpointing mode, whether compiled, and why (see :mod:`fp8dist.pipeline.blocks`)."""
+        """Per block: activation checkpointing mode, whether compiled, and why (:mod:`fp8dist.pipeline.blocks`)."""
         self.coverage = coverage(entries) if backend else None
         """The share of GEMM parameters and FLOPs in FP8 (None without an FP8 backend)."""
 
     def low_coverage_warning(self) -> str | None:
-        """The warning ``wrap_model`` gives when a backend runs (it is not :attr:`unavailable`) and converts
-        nothing, or less than :data:`MIN_FP8_SHARE` of the GEMM parameters; None otherwise."""
+        """``wrap_model``'s warning where a backend runs and converts less than :data:`MIN_FP8_SHARE` of the GEMM
+        parameters, or nothing; None otherwise."""
         c = self.coverage
         if c is None or self.unavailable or not c.low or not c.gemm_params:
             return None
@@ -132,7 +113,6 @@ class PrecisionPlan(Sequence[PlanEntry]):
         return len(self._entries)
 
     def by_name(self, name: str) -> PlanEntry:
-        """The entry of module ``name``."""
         for entry in self._entries:
             if entry.name == name:
                 return entry
@@ -145,15 +125,12 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     @property
     def fp8(self) -> list[PlanEntry]:
-        """Entries that compute in FP8."""
         return [e for e in self._entries if e.precision == "fp8"]
 
     def counts(self) -> str:
         """One line: FP8 and fallback layers and parameters."""
-        fp8 = self.fp8
-        rest = [e for e in self._entries if e.precision != "fp8"]
-        total = sum(e.params for e in self._entries) or 1
-        fp8_params = sum(e.params for e in fp8)
+        fp8, rest = self.fp8, [e for e in self._entries if e.precision != "fp8"]
+        fp8_params, total = sum(e.params for e in fp8), sum(e.params for e in self._entries) or 1
         return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
                 f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params")
 
@@ -165,9 +142,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         rows = [("module", "type", "precision", "converted to", "reason")]
         rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        compiled = "on" if self.compile else "off"
-        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile {compiled} "
-                  f"({self.compile_reason})")
+        blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile "
+                  f"{'on' if self.compile else 'off'} ({self.compile_reason})")
         lines = [head] + ([self.coverage.summary()] if self.coverage else [])
         lines += (self.selection.lines() if self.selection else []) + [blocks]
         lines += [f"note: {note}" for note in self.notes]
@@ -182,12 +158,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
 
 def check_fp8_available(cfg: Config, device: torch.device | Hardware, *, check_installed: bool = True) -> str | None:
-    """Why the configured FP8 backend cannot run on ``device`` (None when it can, or when there is no FP8).
-    ``check_installed=False`` asks only about the hardware (planning for another machine).
-
-    Raises:
-        FP8UnavailableError: it cannot, and ``on_unsupported`` is "error" (the default).
-    """
+    """Why the configured FP8 backend cannot run on ``device`` (None when it can, or without FP8).
+    ``check_installed=False`` asks only about the hardware (planning for another machine). Raises
+    FP8UnavailableError where it cannot and ``on_unsupported`` is "error" (the default)."""
     fp8 = cfg.precision.fp8
     gate = _backend(cfg).unavailable_reason(cfg, device, check_installed=check_installed) if fp8 else None
     if gate and cfg.precision.on_unsupported == "error":
@@ -207,19 +180,16 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
 
     Args:
         model: the unwrapped model.
-        cfg: the resolved config (backend, its knobs, the strategy's mixed precision, ``fp8_select`` and the
-            tokens per rank the speed prediction is made at).
-        device: where the model will run (for the hardware gate, the MoE experts' recipe and the FP8 speed
-            prediction), or a :class:`~fp8dist.plan.hardware.Hardware` to plan for another machine (``fp8dist plan
-            --target h100``).
+        cfg: the resolved config (backend and knobs, mixed precision, ``fp8_select``, tokens per rank).
+        device: where the model will run, or a :class:`~fp8dist.plan.hardware.Hardware` to plan for another machine
+            (``fp8dist plan --target h100``): the hardware gate, the MoE experts' recipe and the speed prediction.
         world_size: the ranks the model will be sharded over (how evenly each FP8 weight shards).
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
         check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
         check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
-        numerics: a numerics probe's report of this model (the :class:`~fp8dist.plan.numerics.NumericsReport`
-            :func:`fp8dist.measure_fp8_numerics` returns, or the JSON ``fp8dist probe --json`` writes, as a dict):
-            layers past its thresholds stay out of FP8. Read by :func:`fp8dist.plan.selection.numerics_verdicts` from
-            either form; not typed as the class, whose package imports this module (the probe plans its layers).
+        numerics: a probe's report of this model (:func:`fp8dist.measure_fp8_numerics`'s, or the dict of
+            ``fp8dist probe --json``): layers past its thresholds stay out of FP8. Typed Any: the numerics
+            package imports this module.
 
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
@@ -257,8 +227,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
 
 
 def _backend(cfg: Config) -> Any:
-    """The configured backend; None where it is :data:`~fp8dist.fp8.NO_FP8` (no FP8: every layer keeps the
-    strategy's precision)."""
+    """The configured backend; None for :data:`~fp8dist.fp8.NO_FP8`."""
     from ..fp8 import NO_FP8, get_backend
 
     backend = get_backend(cfg.precision.fp8)
@@ -296,7 +265,6 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
-    """``torchao_moe_recipe`` set on a model without MoE experts does nothing: say so."""
     default = type(cfg.precision)().torchao_moe_recipe
     if cfg.precision.torchao_moe_recipe == default or any(e.grouped for e in entries):
         return []
@@ -305,8 +273,6 @@ def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
-    """A pattern that matches no module holding parameters excludes nothing: say so (a typo, or a container's
-    name where its layers' names were meant)."""
     notes = []
     for pattern in cfg.precision.fp8_exclude:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
@@ -317,15 +283,6 @@ def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
                     "; patterns are fnmatch patterns on full module names, e.g. 'lm_head' or '*.mlp.*'")
             notes.append(f"fp8_exclude pattern {pattern!r} matches no module that holds parameters{hint}")
     return notes
-
-
-def _filter_says(fp8_filter: FP8Filter, module: nn.Module, name: str) -> bool:
-    keep = fp8_filter(module, name)
-    if not isinstance(keep, bool):
-        raise TypeError(f"fp8_filter returned {keep!r} ({type(keep).__name__}) for {name!r}: it must return True "
-                        "(convert to FP8) or False (keep the strategy's precision), e.g. lambda module, fqn: "
-                        "fqn != 'lm_head'.")
-    return keep
 
 
 def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardware, facts: StrategyFacts,
@@ -341,7 +298,12 @@ def _decide(backend, module: nn.Module, name: str, cfg: Config, hardware: Hardwa
     for pattern in cfg.precision.fp8_exclude:
         if fnmatch.fnmatchcase(name, pattern):
             return f"matches fp8_exclude {pattern!r}"
-    if fp8_filter is not None and not _filter_says(fp8_filter, module, name):
+    keep = True if fp8_filter is None else fp8_filter(module, name)
+    if not isinstance(keep, bool):
+        raise TypeError(f"fp8_filter returned {keep!r} ({type(keep).__name__}) for {name!r}: it must return True "
+                        "(convert to FP8) or False (keep the strategy's precision), e.g. lambda module, fqn: "
+                        "fqn != 'lm_head'.")
+    if not keep:
         return "excluded by fp8_filter"
     if name in reserved:
         return reserved[name]

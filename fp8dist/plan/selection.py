@@ -1,10 +1,6 @@
-"""Which of the layers an FP8 backend would convert run in FP8: every one ("all"), or ("auto") those the speed model
-(:mod:`fp8dist.plan.speed`) predicts faster than bf16 on the plan's GPU at this run's tokens per rank; and, given a
-numerics probe's report (:func:`fp8dist.measure_fp8_numerics`), only those it measured safe. The decision is data:
-each :class:`~fp8dist.plan.precision.PlanEntry` holds its predictions and its numerics verdict, and the plan a
-:class:`Selection` its header renders. :func:`fp8dist.plan_precision` calls :func:`select` after eligibility,
-``fp8_exclude``, ``fp8_filter`` and the first/last Linear have had their say. Under an FP4 recipe (NVFP4) it first keeps
-the model's last blocks and its output head out of low precision (:mod:`fp8dist.plan.tail`)."""
+"""Which of the layers an FP8 backend would convert run in FP8: all, or ("auto") those the speed model predicts faster
+than bf16 on the plan's GPU at this run's tokens per rank; given a numerics probe's report, only those it measured
+safe; under an FP4 recipe, not the model's tail (:mod:`.tail`). Called last by :func:`fp8dist.plan_precision`."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from .tail import kept_tail
 from ..config.options import DEFAULT_SEQ_LEN
 from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
-__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options",
-           "describe_prediction", "speedup_of"]
+__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
 
 Verdicts = Mapping[str, tuple[str, ...] | None]
 
@@ -35,26 +30,22 @@ class Selection:
     mode: str
     """What applied: "auto" (by predicted speed) or "all"."""
     why: str
-    """Why that mode: asked for, or the default for the plan's hardware, and why auto could not apply."""
+    """Asked for, or the hardware's default, and why auto could not apply."""
     tokens: int
     """Tokens per rank per micro-batch the predictions are made at (micro_batch_size x seq_len)."""
     tokens_from: str
-    """Where ``tokens`` comes from, with the default assumed where seq_len was not given."""
     margin: float
     """The speedup a layer must reach under auto (fp8_select_margin)."""
     step: StepPrediction | None
-    """The predicted layers, each as planned (``fp8`` True where it runs in FP8): the step's GEMM totals and FLOP
-    share. None where nothing was predicted."""
+    """The predicted layers as planned, with the step's GEMM totals; None where nothing was predicted."""
     unpredicted: str = ""
-    """Why no figure was predicted (a CPU, a GPU missing from the table, a backend without a speed model); empty
-    where figures were."""
+    """Why no figure was predicted (a CPU, a GPU missing from the table, a backend without a speed model)."""
     asked: str | None = None
     """fp8_select as given (None: the hardware's default)."""
     numerics: str = ""
     """The probe report applied, in words; empty: none given."""
     recipes: str = ""
-    """How each layer's recipe was picked where the backend mixes several in one model, in words; empty: one
-    recipe for the model."""
+    """How each layer's recipe was picked where the backend mixes several, in words; empty: one recipe."""
 
     def lines(self) -> list[str]:
         """The plan header's lines about the selection."""
@@ -75,8 +66,7 @@ class Selection:
         return lines
 
     def gemm_summary(self) -> str:
-        """One line: the predicted GEMM time of the eligible layers in bf16, as planned and all in FP8 (empty
-        where nothing was predicted)."""
+        """One line: the eligible layers' predicted GEMM time in bf16, as planned and all in FP8 (empty: none)."""
         s = self.step
         if s is None:
             return ""
@@ -88,7 +78,7 @@ class Selection:
                 f"{100 * s.fp8_flop_share:.1f}% of their FLOPs in FP8")
 
     def to_dict(self) -> dict[str, Any]:
-        """The selection and its predicted figures, JSON-ready (the bench records it per cell)."""
+        """The selection and its predicted figures, JSON-ready."""
         out: dict[str, Any] = {"mode": self.mode, "why": self.why, "tokens": self.tokens,
                                "tokens_from": self.tokens_from, "margin": self.margin,
                                "unpredicted": self.unpredicted or None, "numerics": self.numerics or None,
@@ -114,8 +104,7 @@ def speedup_of(predicted: Sequence[LinearPrediction]) -> float | None:
 
 
 def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> str:
-    """``predicted 1.21x on H100 at 8,192 tokens (rowwise)``; for a MoE experts module's grouped GEMMs the
-    speedup of both, with the experts named."""
+    """``predicted 1.21x on H100 at 8,192 tokens (rowwise)``; for a MoE experts module, its GEMMs together."""
     if len(predicted) == 1 and predicted[0].groups == 1:
         return predicted[0].describe()
     first = predicted[0]
@@ -124,33 +113,20 @@ def describe_prediction(predicted: Sequence[LinearPrediction], tokens: int) -> s
             f"{first.groups} experts, {first.m:,} routed rows{basis})")
 
 
-def _tokens(cfg: Any) -> tuple[int, str]:
-    micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len
-    if seq is None:
-        return micro * DEFAULT_SEQ_LEN, (f"micro_batch_size {micro} x seq_len {DEFAULT_SEQ_LEN}, assumed: pass "
-                                         "seq_len= (--seq-len) for this run's")
-    return micro * seq, f"micro_batch_size {micro} x seq_len {seq}"
-
-
 @dataclass(frozen=True)
 class _Context:
-    """What predicting a module needs, found once per plan: the GPU record and the Linear layers' speed-model
-    recipe (each None where there is none), and the FP8 backend, which names the MoE experts' recipe."""
+    """What predicting a module needs, found once per plan (``gpu``, ``recipe``: None where there is none)."""
 
     gpu: Any
     recipe: str | None
+    moe: tuple[str | None, str]  # the MoE experts' recipe, or (None, why none)
     tokens: int
     compile: bool
-    cfg: Any
-    hardware: Hardware
-    backend: Any
-    choices: tuple[str, ...] = ()
-    """The recipes picked among per layer (:meth:`~fp8dist.fp8.FP8Backend.mixed_recipes`); empty: one recipe."""
+    choices: tuple[str, ...] = ()  # the recipes picked among per layer; empty: one recipe
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
-    """The module's predicted GEMMs (a MoE experts module: one per fused weight), or ((), why none; e.g. a recipe
-    the GPU lacks: te_mxfp8 on an H100 planned with the hardware check off)."""
+    """The module's predicted GEMMs (MoE experts: one per fused weight), or ((), why none)."""
     from ..fp8.conv1d import conv1d_dims, is_conv1d
     from ..fp8.moe import is_experts
 
@@ -158,7 +134,7 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
         top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
         if not isinstance(top_k, int):
             return (), "the experts' top_k (config.num_experts_per_tok) is not known"
-        recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
+        recipe, why_not = ctx.moe
         if recipe is None:
             return (), why_not
         shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
@@ -174,8 +150,7 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
 
 def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[LinearPrediction, ...], str, str | None,
                                                                         str]:
-    """The module's predictions, why none, and where the backend picks a recipe per layer the one predicted
-    fastest (the first choice where nothing is predicted: a CPU) with the others' speedups in words."""
+    """Predictions, why none, and where recipes are picked per layer the fastest with the others' speedups."""
     if not ctx.choices or grouped:  # MoE experts keep their own recipe (torchao_moe_recipe)
         predicted, why_not = _predict(module, ctx) if ctx.gpu is not None and ctx.recipe else ((), "")
         return predicted, why_not, None, ""
@@ -191,8 +166,7 @@ def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[Line
 
 def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: float, verdicts: Verdicts | None,
              fallback: Callable[[nn.Module], str]) -> Any:
-    """``entry`` (an FP8 layer) with its predictions, verdict and recipe (where one is picked per layer), kept out
-    of FP8 where it is predicted slower (auto; under every recipe it may pick) or measured unsafe."""
+    """FP8 ``entry`` decided: kept out where predicted slower (auto) under every recipe, or measured unsafe."""
     predicted, why_not, recipe, others = _picked(module, ctx, entry.grouped)
     problems = verdicts.get(entry.name) if verdicts is not None else None
     speedup = speedup_of(predicted)
@@ -221,28 +195,24 @@ def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: fl
 
 def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
            numerics: Any = None, fallback: Callable[[nn.Module], str],
-           facts: Any = None) -> tuple[list[Any], Selection, list[str]]:
-    """Decide which of the plan's FP8 entries (precision "fp8") stay in FP8, by ``cfg``'s fp8_select and the
-    ``numerics`` report (:func:`numerics_verdicts`). Call from :func:`fp8dist.plan_precision` once every other rule
-    has been applied (the backend present, its hardware gate passed). ``compile``: whether the blocks compile when
-    FP8 runs (torchao's casts fuse under compile); ``fallback``: the strategy's precision of a module kept out.
-
-    Returns:
-        The entries as decided, the :class:`Selection`, and notes for the user.
-
-    Raises:
-        ValueError: a numerics report naming modules this model does not have.
-    """
+           facts: StrategyFacts) -> tuple[list[Any], Selection, list[str]]:
+    """The entries with the FP8 ones decided by fp8_select and the ``numerics`` report, the :class:`Selection`, and
+    notes. Call once every other rule has been applied and the hardware gate passed. ``compile``: whether the
+    blocks compile with FP8 (torchao's casts fuse); ``fallback``: the precision of a module kept out. ValueError: a
+    numerics report of another model."""
     from ..fp8 import get_backend
 
     backend = get_backend(cfg.precision.fp8)
-    choices = backend.mixed_recipes(cfg, hardware, facts if facts is not None else StrategyFacts())
+    choices = backend.mixed_recipes(cfg, hardware, facts)
     mode, why, notes, gpu, recipe, unpredicted = _resolve(cfg, hardware, backend, choices)
-    tokens, tokens_from = _tokens(cfg)
+    micro, seq = cfg.parallel.micro_batch_size, cfg.parallel.seq_len or DEFAULT_SEQ_LEN
+    tokens, tokens_from = micro * seq, f"micro_batch_size {micro} x seq_len {seq}"
+    if cfg.parallel.seq_len is None:
+        tokens_from += ", assumed: pass seq_len= (--seq-len) for this run's"
     margin = cfg.precision.fp8_select_margin
     verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
                                                                            cfg.precision.fp8)
-    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend, choices)
+    ctx = _Context(gpu, recipe, backend.speed_recipe(cfg, hardware, grouped=True), tokens, compile, choices)
     tail, said_tail = kept_tail(model, cfg, backend, hardware)
     notes += said_tail
     out = [e if e.precision != "fp8" else
@@ -251,8 +221,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
                                reason=tail[e.name]) for e in entries]
     step = _step(model, out, gpu, recipe, compile, margin)
     if verdicts is not None:
-        unsafe = sum(1 for e in out if e.numerics)
-        said = f"{said}; {unsafe} of the plan's FP8 candidates measured unsafe, kept out of FP8"
+        said += f"; {sum(1 for e in out if e.numerics)} of the plan's FP8 candidates measured unsafe, kept out of FP8"
     recipes = _mix_words(backend, choices, gpu) if choices else ""
     if choices and gpu is None:  # the one-recipe answer, not what a GPU plan would pick: said as a note too
         notes.append(recipes)
@@ -262,9 +231,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
 
 def _resolve(cfg: Any, hardware: Hardware, backend: Any,
              choices: tuple[str, ...]) -> tuple[str, str, list[str], Any, str | None, str]:
-    """(mode, why, notes, GPU record or None, the Linear recipe or None, why nothing can be predicted), from
-    fp8_select and the plan's hardware; ``choices``: the recipes picked among per layer (the Linear recipe is then
-    "auto")."""
+    """(mode, why, notes, GPU record, Linear recipe ("auto" with ``choices``), why nothing can be predicted)."""
     asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
     if asked == "all":
         mode, why = "all", "fp8_select='all', asked for"
@@ -297,7 +264,6 @@ def _resolve(cfg: Any, hardware: Hardware, backend: Any,
 
 
 def _mix_words(backend: Any, choices: tuple[str, ...], gpu: Any) -> str:
-    """How each layer's recipe was picked among ``choices``, in words (:attr:`Selection.recipes`)."""
     option = f"{backend.variant_option}='auto'"
     if gpu is None:
         return (f"{option}: no GPU to predict for, so every eligible layer runs {choices[0]} (the first of "
@@ -308,7 +274,7 @@ def _mix_words(backend: Any, choices: tuple[str, ...], gpu: Any) -> str:
 
 def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, compile: bool,
           margin: float) -> StepPrediction | None:
-    """The predicted GEMMs of the plan as decided (a MoE experts module: one per grouped GEMM, named by weight)."""
+    """The plan's predicted GEMMs as decided (MoE experts: one per grouped GEMM, named by weight)."""
     layers = []
     for e in entries:
         if len(e.predicted) == 1:
@@ -322,24 +288,20 @@ def _step(model: nn.Module, entries: list[Any], gpu: Any, recipe: str | None, co
 
 
 def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = None) -> tuple[Verdicts, str]:
-    """Per module, what the probe's ``report`` (a :class:`~fp8dist.plan.numerics.NumericsReport`, or its
-    ``to_dict()``: ``fp8dist probe --json``) found: ``()`` within every threshold, the problems where it crossed
-    one, None where its batches never ran the module; and the report in words (noting where it measured the casts
-    of another backend than ``backend``, the plan's).
-
-    Raises:
-        TypeError: ``report`` is neither.
-        ValueError: the report names modules that ``names`` (the plan's) lacks: a report of another model.
-    """
-    mapping = isinstance(report, Mapping)
-    layers = report.get("layers") if mapping else getattr(report, "layers", None)
+    """Per module, what the probe's ``report`` (a NumericsReport or its ``to_dict()``) found: ``()`` within every
+    threshold, its problems, or None where its batches never ran it; and the report in words (saying so where it
+    measured another backend than the plan's). TypeError: neither form; ValueError: it names modules ``names``
+    lacks (another model's)."""
+    given = type(report).__name__
+    if not isinstance(report, Mapping) and callable(getattr(report, "to_dict", None)):
+        report = report.to_dict()
+    layers = report.get("layers") if isinstance(report, Mapping) else None
     if layers is None:
-        raise TypeError(f"numerics={type(report).__name__}: pass the NumericsReport fp8dist.measure_fp8_numerics "
+        raise TypeError(f"numerics={given}: pass the NumericsReport fp8dist.measure_fp8_numerics "
                         "returns, or the JSON fp8dist probe --json writes (as a dict).")
-    read = (lambda layer, key: layer[key]) if mapping else getattr
     gemms: dict[str, list[tuple[bool, tuple[str, ...]]]] = {}  # a MoE experts module has one per fused weight
     for layer in layers:
-        gemms.setdefault(read(layer, "name"), []).append((read(layer, "calls") > 0, tuple(read(layer, "problems"))))
+        gemms.setdefault(layer["name"], []).append((layer["calls"] > 0, tuple(layer["problems"])))
     verdicts: dict[str, tuple[str, ...] | None] = {}
     for name, found in gemms.items():
         problems = tuple(dict.fromkeys(p for ran, ps in found if ran for p in ps))
@@ -350,7 +312,7 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
         raise ValueError(f"the numerics report names {plural(len(foreign), 'module')} this model does not have "
                          f"({shown}): it was measured on another model. Probe this model "
                          "(fp8dist.measure_fp8_numerics, or fp8dist probe --json FILE) and pass that report.")
-    measured = report["backend"] if mapping else report.backend
+    measured = report["backend"]
     said = f"probe report of {plural(len(verdicts), 'module')} ({measured}'s casts)"
     if backend is not None and measured != backend:
         said += f", not fp8={backend!r}'s: its verdicts may not hold for this backend's casts"
@@ -358,19 +320,15 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
 
 
 def with_read_options(cfg: Any, **values: Any) -> Any:
-    """``cfg`` with option ``values`` that a job knows (its ``micro_batch_size`` and ``seq_len``; the bench's
-    ``fp8_select``), each set only where something reads it under ``cfg``, so that a run which does not read one
-    is not told it has no effect. Call it where the job builds its config, before ``wrap_model``. ValueError: a
-    value the option does not take."""
+    """``cfg`` with the option ``values`` a job knows (``micro_batch_size``, ``seq_len``, ``fp8_select``), each set
+    only where ``cfg`` reads it, so no run is told it has no effect. Call before ``wrap_model``. ValueError: a value
+    the option does not take."""
     from ..config.rules import unread_options
 
     def changed(options: Mapping[str, Any]) -> Any:
-        sections = {}
-        for name in ("parallel", "precision"):
-            section = getattr(cfg, name)
-            mine = {k: v for k, v in options.items() if hasattr(section, k)}
-            sections[name] = dataclasses.replace(section, **mine)
-        return dataclasses.replace(cfg, **sections)
+        return dataclasses.replace(cfg, **{
+            name: dataclasses.replace(section, **{k: v for k, v in options.items() if hasattr(section, k)})
+            for name, section in (("parallel", cfg.parallel), ("precision", cfg.precision))})
 
     unread = unread_options(changed(values))
     return changed({k: v for k, v in values.items() if k not in unread})

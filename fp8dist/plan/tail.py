@@ -1,5 +1,5 @@
-"""The model's tail kept out of low precision: under an FP4 recipe (NVFP4), the last blocks and the output head stay
-in the strategy's precision (``keep_last_blocks_share``), as NVFP4 training is done in practice."""
+"""Under an FP4 recipe (NVFP4) the last blocks and the output head stay in the strategy's precision
+(``keep_last_blocks_share``), as NVFP4 training is done in practice."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from .speed import RECIPES
 __all__ = ["tail_share", "kept_tail"]
 
 
-
 def tail_share(cfg: Any, hardware: Hardware, backend: Any) -> tuple[float, str]:
-    """The share of the last blocks kept out of low precision (``keep_last_blocks_share``; None: FP4_TAIL_SHARE
-    where the backend's recipe runs FP4 GEMMs, by its speed-model recipe, else 0), and why, in words."""
+    """The share of the last blocks kept out of low precision, and why: ``keep_last_blocks_share``, or where None
+    FP4_TAIL_SHARE under a recipe of FP4 GEMMs (by its speed-model recipe), else 0."""
     share = cfg.precision.keep_last_blocks_share
     if share is not None:
         return share, f"keep_last_blocks_share={share:g}"
@@ -31,8 +30,8 @@ def tail_share(cfg: Any, hardware: Hardware, backend: Any) -> tuple[float, str]:
 
 
 def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> tuple[dict[str, str], list[str]]:
-    """``{module: reason}`` for the modules in the model's last blocks (``tail_share``, rounded up to whole blocks)
-    and its output head (the last GEMM module to run), and a note saying which; nothing where the share is 0."""
+    """``{module: reason}`` for the modules in the last blocks (rounded up) and the output head (the last GEMM to
+    run), and a note saying which; nothing where the share is 0."""
     from ..fp8.order import gemm_order
     from .adapters import without_adapters
     from ..strategies.common import find_blocks

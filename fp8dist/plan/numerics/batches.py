@@ -11,24 +11,15 @@ from torch import nn
 
 __all__ = ["checked_batches", "IGNORE_INDEX"]
 
-IGNORE_INDEX = -100
-"""The label a Hugging Face loss skips (padding, prompt tokens)."""
-
-_TOKEN_KEYS = ("input_ids", "labels", "shift_labels")
-"""The tensors of a mapping batch that hold token ids (labels may also hold :data:`IGNORE_INDEX`)."""
+IGNORE_INDEX = -100  # the label a Hugging Face loss skips (padding, prompt tokens)
+_TOKEN_KEYS = ("input_ids", "labels", "shift_labels")  # a mapping batch's token ids (labels may hold IGNORE_INDEX)
 
 _EXAMPLE = "e.g. [ids] with ids a torch.long tensor of shape (batch, sequence), or [{'input_ids': ids, 'labels': ids}]"
 
 
 def checked_batches(model: nn.Module, batches: Iterable[Any]) -> list[Any]:
-    """``batches`` as a list, each checked against ``model``'s vocabulary and positions (a model that reads token
-    ids through an input embedding; another model's inputs are its own business).
-
-    Raises:
-        TypeError: ``batches`` is not a collection of batches, or a batch is neither a tensor nor a mapping.
-        ValueError: no batch, or a batch the model cannot read (float or out-of-vocabulary ids, a wrong shape,
-            no tokens, more tokens per sequence than the model has positions).
-    """
+    """``batches`` as a list, each checked against the vocabulary and positions of a model with an input
+    embedding. TypeError: not a collection of tensors or mappings; ValueError: none, or one the model cannot read."""
     if isinstance(batches, (torch.Tensor, Mapping, str, bytes)) or not isinstance(batches, Iterable):
         what = "one tensor" if isinstance(batches, torch.Tensor) else f"a {type(batches).__name__}"
         raise TypeError(f"batches is {what}: pass a list (or any iterable) of batches, {_EXAMPLE}.")
@@ -40,11 +31,9 @@ def checked_batches(model: nn.Module, batches: Iterable[Any]) -> list[Any]:
         if not isinstance(batch, (torch.Tensor, Mapping)):
             raise TypeError(f"batch {i} is a {type(batch).__name__}: pass token id tensors or dicts of model inputs, "
                             f"{_EXAMPLE}.")
-        if vocab is None:
-            continue
-        if isinstance(batch, torch.Tensor):
+        if vocab is not None and isinstance(batch, torch.Tensor):
             _check_ids(f"batch {i}", batch, vocab, positions, labels=False)
-        else:
+        elif vocab is not None:
             _check_mapping(i, batch, vocab, positions)
     return taken
 
@@ -66,8 +55,7 @@ def _check_mapping(i: int, batch: Mapping, vocab: int, positions: int | None) ->
 
 
 def _is_token_labels(value: Any, ids: Any) -> bool:
-    """Labels of one token each (a 2-D integer tensor beside 2-D ids), not a classifier's one label per sequence
-    or a regression target."""
+    """Labels of one token each (2-D integers beside 2-D ids), not a classifier's or a regression's target."""
     return (isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
             and isinstance(ids, torch.Tensor) and ids.dim() == 2)
 

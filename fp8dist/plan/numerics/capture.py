@@ -1,14 +1,6 @@
-"""The probe's hooks: each FP8 GEMM of the plan sees its operands as the model runs in high precision, casts
-them as its recipe would, and pools the statistics.
-
-- a Linear (or GPT-2's Conv1D): a forward hook takes the input and the weight; a hook on the output tensor takes
-  its gradient in backward, where the two backward GEMMs (input and weight gradient) are measured as the forward
-  one is, each with the operands cast as the recipe casts them for that GEMM;
-- a MoE experts module (fused 3-D weights): while its forward runs, a ``TorchFunctionMode`` sees each
-  ``torch._grouped_mm`` it calls (input rows grouped by expert, the expert weights, the group offsets); each
-  expert's group is measured as one GEMM, pooled per weight (gate_up_proj, down_proj), and a hook on the grouped
-  GEMM's output takes its gradient.
-"""
+"""The probe's hooks: each planned FP8 GEMM casts its operands as its recipe would while the model runs in high
+precision, forward and (through a hook on the output) backward: a Linear or Conv1D by a forward hook, a MoE experts
+module by a ``TorchFunctionMode`` that sees each ``torch._grouped_mm`` (one GEMM per expert, pooled per weight)."""
 
 from __future__ import annotations
 
@@ -25,13 +17,11 @@ from .stats import CastStats, LayerNumerics
 
 __all__ = ["GemmSite", "attach"]
 
-Backward = Callable[[torch.Tensor], None]
-"""Measures one forward GEMM's two backward GEMMs, given its output gradient."""
+Backward = Callable[[torch.Tensor], None]  # measures a forward GEMM's two backward GEMMs from its output gradient
 
 
 class GemmSite:
-    """One FP8 GEMM under measurement: its casts (uses sharing a dim-independent cast are measured once) and
-    what they measured."""
+    """One FP8 GEMM under measurement: its casts (two uses of one dim-independent cast are measured once)."""
 
     def __init__(self, layer: LayerNumerics, specs: dict[tuple[str, str], CastSpec | None]) -> None:
         self.layer = layer
@@ -47,8 +37,7 @@ class GemmSite:
         self._weights_seen: set[object] = set()
 
     def _measure(self, role: str, x: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:
-        """Cast ``x`` for each GEMM its role feeds; returns its round trip per GEMM (``x`` itself where that GEMM
-        takes it in high precision)."""
+        """``x``'s round trip per GEMM its role feeds (``x`` itself where that GEMM takes it in high precision)."""
         out = {gemm: x for r, gemm in USES if r == role}
         for r, gemms, cast, stats in self.casts:
             if r != role:
@@ -62,8 +51,8 @@ class GemmSite:
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, w_t: torch.Tensor, weight_key: object = None) -> Backward | None:
-        """One forward GEMM ``x (M, K) @ w_t (K, N)``; the weight's casts are counted once per ``weight_key``.
-        Returns what measures its two backward GEMMs, to be called with its output gradient (None: no GEMM)."""
+        """Measure ``x (M, K) @ w_t (K, N)``, the weight's casts counted once per ``weight_key``; returns what
+        measures its backward GEMMs from its output gradient (None: no GEMM)."""
         if x.numel() == 0:
             return None
         x, w_t = x.detach().float(), w_t.detach().float()
@@ -108,8 +97,7 @@ class _GroupedGemms(TorchFunctionMode):
 
     def __init__(self, sites: dict[int, GemmSite]) -> None:
         super().__init__()
-        self.sites = sites
-        """Storage address of each experts weight -> its site (the GEMM gets a transposed view of it)."""
+        self.sites = sites  # by the weight's storage address: the GEMM gets a transposed view of it
         self.funcs = {torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", None)} - {None}
         self.seen = 0
 
@@ -127,9 +115,8 @@ class _GroupedGemms(TorchFunctionMode):
 
     @staticmethod
     def _record(site: GemmSite, a: torch.Tensor, b: torch.Tensor, ends: list[int], out: torch.Tensor) -> None:
-        groups = list(zip([0, *ends[:-1]], ends))
         backwards = [(start, end, site.forward(a[start:end], b[expert], weight_key=expert))
-                     for expert, (start, end) in enumerate(groups)]
+                     for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
 
         def grad(g: torch.Tensor) -> None:
             for start, end, backward in backwards:
@@ -158,9 +145,8 @@ def _attach_experts(module: nn.Module, sites: dict[int, GemmSite]) -> tuple[list
 
 def attach(model: nn.Module, layers: dict[str, tuple[str, str, dict]]
            ) -> tuple[list[GemmSite], list[Handle], list[tuple[str, _GroupedGemms]]]:
-    """Hook every planned FP8 module: ``layers`` maps a module name to ``(module type, "linear" or "experts",
-    casts per use)``. Returns the sites (one per GEMM, in model order), the hooks' removers and, per experts
-    module, its mode (which counts the grouped GEMMs it saw)."""
+    """Hook each ``{name: (module type, "linear" or "experts", casts per use)}``: the sites (one per GEMM, in model
+    order), the hooks' removers and each experts module's mode (it counts the grouped GEMMs seen)."""
     sites, handles, modes = [], [], []
     for name, (module_type, kind, specs) in layers.items():
         module = model.get_submodule(name)

@@ -1,12 +1,6 @@
-"""The probe's cast: an operand's FP8 round trip as a backend's :class:`~fp8dist.fp8.casts.CastSpec` says (each
-backend answers its specs: :meth:`~fp8dist.fp8.FP8Backend.numerics_casts`).
-
-The casts call torchao's own functions where they run here: ``tensor_to_scale`` and
-``hp_tensor_and_scale_to_float8`` (what ``Float8Linear`` calls) and ``to_mx`` (MXFP8, what torchao's MoE training
-and Transformer Engine's MXFP8 compute: e8m0 block scales rounded up, RCEIL). Transformer Engine cannot run here:
-its delayed scaling (a scale from the amax history) and current scaling are emulated with the same torchao cast,
-fed TE's scale.
-"""
+"""The probe's cast: an operand's FP8 round trip as a backend's :class:`~fp8dist.fp8.casts.CastSpec` says, with
+torchao's own functions (``tensor_to_scale``, ``hp_tensor_and_scale_to_float8``, MX's ``to_mx`` with RCEIL, as TE's
+MXFP8 too); Transformer Engine's delayed and current scaling are that torchao cast fed TE's scale."""
 
 from __future__ import annotations
 
@@ -20,21 +14,18 @@ __all__ = ["Cast", "CONTRACTION_DIM"]
 
 CONTRACTION_DIM = {("input", "output"): -1, ("weight", "output"): 0, ("grad_output", "grad_input"): -1,
                    ("input", "grad_weight"): 0, ("weight", "grad_input"): -1, ("grad_output", "grad_weight"): 0}
-"""The dim of the 2-D operand (x (M, K), W_t (K, N), g (M, N)) that the GEMM sums over: rowwise scales and MX
-blocks run along it (torchao's ``axiswise_dim`` for the same use)."""
+"""The dim of the 2-D operand (x (M, K), W_t (K, N), g (M, N)) its GEMM sums over: rowwise scales and MX blocks run
+along it (torchao's ``axiswise_dim``)."""
 
 
 class Cast:
-    """Casts tensors as ``spec`` says: each call returns the FP8 round trip (dequantized, fp32) and the mask of
-    the values the cast clamped to the format's largest (saturated); an NVFP4 cast keeps the mask of the values whose
-    block scale sat at e4m3's floor in :attr:`floored`. Delayed scaling keeps its amax
-    history across calls, as TE keeps it across steps."""
+    """Casts as ``spec`` says: a call returns the round trip (fp32) and the mask of values clamped to the format's
+    max. Delayed scaling keeps its amax history across calls, as TE does across steps."""
 
     def __init__(self, spec: CastSpec) -> None:
         self.spec = spec
         self.history: list[torch.Tensor] = []
-        self.floored: torch.Tensor | None = None
-        """NVFP4: the last call's values whose block scale sat at e4m3's floor; None for the other casts."""
+        self.floored: torch.Tensor | None = None  # NVFP4: the last call's values whose block scale sat at its floor
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,15 +53,13 @@ class Cast:
 
 
 def _rounds_to_max(dtype: torch.dtype) -> float:
-    """Beyond this magnitude a scaled value would round past the format's max: the clamp changed it (a value
-    within half a step of the max rounds to the max anyway)."""
+    """Past this a scaled value was changed by the clamp (within half a step of the max it rounds to it anyway)."""
     info = torch.finfo(dtype)
     return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
 
 
 def _scaled_round_trip(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao's cast with a given scale (saturating), back to fp32; and where ``x`` x scale exceeded the
-    format's max (what torchao's ``to_fp8_saturated`` clamps)."""
+    """torchao's saturating cast with ``scale``, back to fp32, and the mask of what ``to_fp8_saturated`` clamped."""
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
     fp8 = hp_tensor_and_scale_to_float8(x, scale, dtype)
@@ -84,8 +73,7 @@ def _mx_round_trip(x: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch
 
     rows = x.float().movedim(dim, -1)
     length = rows.shape[-1]
-    pad = -length % MX_BLOCK
-    rows = torch.nn.functional.pad(rows, (0, pad)).contiguous()
+    rows = torch.nn.functional.pad(rows, (0, -length % MX_BLOCK)).contiguous()
     scale, data = to_mx(rows, dtype, MX_BLOCK, ScaleCalculationMode.RCEIL)
     back = to_dtype(data, scale, dtype, MX_BLOCK, torch.float32)
     block_scale = get_fp_scale(scale).reshape(-1, 1).expand(-1, MX_BLOCK).reshape(rows.shape)
@@ -93,16 +81,13 @@ def _mx_round_trip(x: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch
     return back[..., :length].movedim(-1, dim), saturated[..., :length].movedim(-1, dim)
 
 
-_E2M1_MAX, _E2M1_ROUNDS_TO_MAX = 6.0, 7.0
-"""e2m1's largest value, and beyond what a value rounds to it (its neighbours below are 4 and 6: half a step of 2)."""
+_E2M1_MAX, _E2M1_ROUNDS_TO_MAX = 6.0, 7.0  # e2m1's max, and past what rounds to it (half its step of 2 above 4)
 
 
 def _nvfp4_round_trip(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4's cast along ``dim`` in blocks of ``tile`` x 16 (zero-padded to whole blocks), back to fp32: the fp32
-    tensor scale amax / (448 x 6) lets the block of the tensor's amax use e4m3's whole range; each block's scale
-    (its amax / 6, over the tensor scale) rounds to e4m3, its values to e2m1 (nearest, ties to even). A block whose
-    scale falls under e4m3's smallest normal gets that floor (torchao's clamp): too coarse for its values, which
-    happens where an outlier elsewhere set the tensor scale; those values are the third mask."""
+    """NVFP4's cast along ``dim`` in ``tile`` x 16 blocks (zero-padded), back to fp32: tensor scale amax / (448 x 6),
+    each block's (its amax / 6 over it) in e4m3, values in e2m1 (nearest, ties to even). The third mask: values of
+    blocks whose scale fell under e4m3's smallest normal and got that floor (torchao's clamp), as an outlier causes."""
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
     from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 

@@ -27,27 +27,21 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                          target: str | Hardware | None = None, loss_fn: LossFn | None = None,
                          thresholds: Thresholds | Mapping[str, float] = DEFAULT_THRESHOLDS,
                          **options: Any) -> NumericsReport:
-    """Measure each planned FP8 layer's numerics on ``batches``, before training in FP8 (or on a checkpoint, to
-    decide which layers to keep out of FP8 from there on).
-
-    The model runs once per batch, forward and backward, in its own (high) precision, in this process, with
-    nothing sharded and nothing changed: no gradient is accumulated into ``.grad``. Each GEMM the plan
-    (:func:`fp8dist.plan_precision` with these options) runs in FP8 has its input, weight and output gradient
-    cast as the recipe casts them (torchao's own cast functions; Transformer Engine's recipes emulated with
-    them) and compared with the original: SQNR, share of non-zero values flushed to zero, share saturated,
-    amax; and its forward output with FP8 operands against high precision.
+    """Measure what FP8 casts do to each layer the plan (:func:`fp8dist.plan_precision` with these options) would
+    run in FP8, on ``batches``: before training in FP8, or on a checkpoint. The model runs forward and backward once
+    per batch in its own precision, in this process, unchanged (no ``.grad`` accumulates); each planned GEMM's input,
+    weight and output gradient are cast as the recipe casts them (torchao's functions; TE's recipes emulated).
 
     Args:
-        model: the unwrapped model, with real weights or on the meta device (then it is materialized in a copy:
-            from ``pretrained=`` when given, else by its own initialization; the model passed stays as it was).
-        batches: what the model trains on: token id tensors (run as ``model(input_ids=b, labels=b)``) or
-            mappings of keyword arguments (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn``.
+        model: the unwrapped model, with real weights or on the meta device (then materialized in a copy, from
+            ``pretrained=`` when given, else by its own initialization).
+        batches: token id tensors (run as ``model(input_ids=b, labels=b)``) or mappings of keyword arguments
+            (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn(output, batch)``.
         fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
-        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`): on a CPU, MoE
-            experts are FP8 candidates only for a GPU target. None: this machine, as if it had FP8.
-        loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
-        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict of
-            the ones to change (``{"max_flushed_share": 0.02}``); default: the calibrated ones.
+        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`); None: this
+            one, as if it had FP8. On a CPU, MoE experts are FP8 candidates only for a GPU target.
+        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict
+            of the ones to change (``{"max_flushed_share": 0.02}``).
         **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,
             ``fp8_exclude=[...]``, ``te_recipe="delayed"``, ``pretrained=DIR``, ``strategy``, ``device``).
 
@@ -56,17 +50,17 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
     Raises:
         ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
-            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate,
-            a model already wrapped, sharded or FP8-converted (pass it as built), or no layer the plan would
-            run in FP8 (nothing to measure).
+            vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate, a
+            model already wrapped, sharded or FP8-converted (pass it as built), or no layer in FP8 to measure.
         TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
-        NotImplementedError: a backend whose casts are not modeled (MS-AMP's: its ``numerics_casts``).
+        NotImplementedError: a backend whose casts are not modeled (MS-AMP's).
         FP8UnavailableError: ``target`` has no FP8.
     """
     from ...config.resolve import resolve_config
     from ...fp8 import get_backend
     from ...pipeline.env import resolve_device
     from ..precision import plan_precision
+    from ..tail import tail_share
 
     _check_as_built(model)
     # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
@@ -102,16 +96,17 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     finally:
         for remove in handles:
             remove()
-    emulated = backend.numerics_note(cfg)
-    notes = ([emulated] if emulated else []) + _tail_note(cfg, plan, backend) + _notes(plan, modes, hardware)
+    emulated, (share, why) = backend.numerics_note(cfg), tail_share(cfg, plan.hardware, backend)
+    tail = [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "
+            "keep_last_blocks_share=0 measures them"] if share else []
+    notes = ([emulated] if emulated else []) + tail + _notes(plan, modes, hardware)
     return NumericsReport(backend=cfg.precision.fp8, recipe=plan.detail, hardware=str(plan.hardware),
                           batches=len(batches), tokens=tokens, layers=tuple(s.layer for s in sites),
                           thresholds=thresholds, notes=tuple(notes))
 
 
 def _check_as_built(model: nn.Module) -> None:
-    """The probe measures the high-precision model as built: a model already wrapped, sharded or FP8-converted
-    (anywhere in it) is refused, naming where, since its layers are not the plan's candidates any more."""
+    """Refuse a model wrapped, sharded or FP8-converted anywhere, naming where: its layers are not the candidates."""
     from ...fp8 import converted_by_hand
     from ...strategies.introspect import find_wrapping
 
@@ -127,8 +122,7 @@ def _check_as_built(model: nn.Module) -> None:
 
 
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
-    """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` loaded
-    into a copy too: measuring leaves the user's model as it was)."""
+    """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` too)."""
     from ...pipeline.agree import alone
     from ...pipeline.meta_init import is_meta_model, to_empty
     from ...pipeline.pretrained import materialize
@@ -153,8 +147,7 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
         output, tokens = model(input_ids=batch, labels=batch), batch.numel()
     else:  # a mapping (checked_batches let nothing else through)
         batch = {k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        ids = batch.get("input_ids")
-        output = model(**batch)
+        output, ids = model(**batch), batch.get("input_ids")
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else 1
     loss = loss_fn(output, batch) if loss_fn is not None else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -167,25 +160,14 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
     return tokens
 
 
-def _tail_note(cfg, plan, backend) -> list[str]:
-    """Under a share of last blocks kept out of low precision (NVFP4's default), that they go unmeasured."""
-    from ..tail import tail_share
-
-    share, why = tail_share(cfg, plan.hardware, backend)
-    return [f"the last blocks and the output head not measured: the plan keeps them out of low precision ({why}); "
-            "keep_last_blocks_share=0 measures them"] if share else []
-
-
 def _notes(plan, modes, hardware: Hardware | None) -> list[str]:
-    notes = []
     left_out: dict[str, list[str]] = {}
     for entry in plan:
         if entry.grouped and entry.precision != "fp8":
             left_out.setdefault(entry.reason, []).append(entry.name)
-    for reason, names in left_out.items():
-        how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an "
-                                               "H100 runs them")
-        notes.append(f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this "
-                     f"plan, {reason}{how}")
-    return notes + [f"MoE experts {name}: no grouped GEMM on its weights was seen (another experts_implementation?): "
-                     "not measured" for name, mode in modes if mode.seen == 0]
+    how = "" if hardware is not None else ("; target='h100' (fp8dist probe --target h100) measures them as an H100 "
+                                           "runs them")
+    unseen = [f"MoE experts {name}: no grouped GEMM on its weights was seen (another experts_implementation?): not "
+              "measured" for name, mode in modes if mode.seen == 0]
+    return [f"MoE experts not measured ({plural(len(names), 'module')}, e.g. {names[0]}): not FP8 in this plan, "
+            f"{reason}{how}" for reason, names in left_out.items()] + unseen

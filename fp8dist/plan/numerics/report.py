@@ -1,10 +1,10 @@
-"""The probe's answer: per FP8 GEMM of the plan, what its casts do to its operands and its output, the layers
-past the thresholds, as data (:class:`NumericsReport`), printable as a table and writable as JSON."""
+"""The probe's answer (:class:`NumericsReport`): per FP8 GEMM of the plan, what its casts do to its operands and
+output, and the layers past the thresholds; a table and JSON."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...config.text import plural
@@ -39,7 +39,7 @@ class NumericsReport:
     layers: tuple[LayerNumerics, ...]
     """One per FP8 GEMM of the plan, in model order (a MoE experts module has one per fused weight)."""
     thresholds: Thresholds = DEFAULT_THRESHOLDS
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = ()
     """What the user should know: emulated casts, planned layers that never ran, experts left out and why."""
 
     def __post_init__(self) -> None:
@@ -102,9 +102,8 @@ def _row(layer: LayerNumerics) -> list[str]:
     rest = min((c.rest_sqnr_db for c in layer.casts if c.rest_signal), default=math.nan)
     cells += [_db(rest), _share(saturated), _db(layer.output.sqnr_db) if layer.calls else "-",
               _db(layer.grad_input.sqnr_db), _db(layer.grad_weight.sqnr_db),
-              "ok" if not layer.problems else "EXCLUDE: " + "; ".join(layer.problems)]
-    if not layer.calls:
-        cells[-1] = "not run by these batches"
+              "not run by these batches" if not layer.calls else
+              "EXCLUDE: " + "; ".join(layer.problems) if layer.problems else "ok"]
     return cells
 
 

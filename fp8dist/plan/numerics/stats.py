@@ -1,6 +1,5 @@
-"""What the probe measures, pooled over batches: per operand cast (:class:`CastStats`) and per GEMM's output
-(:class:`OutputStats`), gathered per layer (:class:`LayerNumerics`). Sums of squares pool as if every batch's
-tensor were one: SQNR = 10 log10(sum x^2 / sum (x - fp8(x))^2), torchao's ``compute_error`` over the whole."""
+"""What the probe measures per operand cast and per GEMM output, gathered per layer, pooled over batches as one
+tensor: SQNR = 10 log10(sum x^2 / sum (x - fp8(x))^2), torchao's ``compute_error`` over the whole."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ class CastStats:
     gemms: str
     """The GEMMs it is cast for: output, grad_input, grad_weight, or two joined by '+'."""
     cast: str
-    """How it is cast (e.g. "e4m3 tensorwise", "e5m2 delayed (history 1024, max)")."""
+    """E.g. "e4m3 tensorwise", "e5m2 delayed (history 1024, max)"."""
     fp4: bool = False
     """An FP4 cast (NVFP4): judged by the thresholds' ``fp4_*`` limits."""
     elements: int = 0
@@ -44,24 +43,21 @@ class CastStats:
     flushed: int = 0
     """Non-zero values that the cast turns to zero."""
     saturated: int = 0
-    """Values beyond the largest magnitude the cast represents (clamped to it)."""
+    """Values clamped to the largest magnitude the cast represents."""
     nonfinite: int = 0
     floored: int = 0
-    """NVFP4: non-zero values in blocks whose e4m3 scale sat at its floor, coarser than the block needed (a tensor
-    scale set by an outlier elsewhere in the tensor)."""
+    """NVFP4: non-zero values in blocks whose e4m3 scale sat at its floor (an outlier elsewhere set the tensor's)."""
     signal: float = 0.0
     noise: float = 0.0
-    rest_signal: float = 0.0
-    """Sum of squares of the values beside each dot product's largest (see :attr:`rest_sqnr_db`)."""
+    rest_signal: float = 0.0  # over the values beside each dot product's largest (rest_sqnr_db)
     rest_noise: float = 0.0
     amax: float = 0.0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor, back: torch.Tensor, saturated: torch.Tensor, dim: int = -1,
             floored: torch.Tensor | None = None) -> None:
-        """Count one tensor ``x``, its round trip ``back`` and the mask of its values the cast clamped; ``dim``: the
-        dim its GEMM sums over (each slice along it is one dot product's operand); ``floored``: NVFP4's mask of
-        values whose block scale sat at its floor."""
+        """Count ``x``, its round trip ``back`` and the masks the cast returned; ``dim``: the one its GEMM sums over
+        (each slice along it is one dot product's operand)."""
         x, back = x.detach().float(), back.float()
         finite = torch.isfinite(x)
         if not bool(finite.all()):
@@ -79,16 +75,14 @@ class CastStats:
         self.noise += float(diff.square().sum())
         if x.numel():
             self.amax = max(self.amax, float(x.abs().max()))
-            # each dot product's largest operand left out (a mask, not a difference of sums: an outlier's square
-            # would swamp the rest's in the subtraction)
+            # each dot product's largest left out by a mask: in a difference of sums the outlier's square swamps
             rest = torch.ones_like(nonzero).scatter_(dim, x.abs().argmax(dim, keepdim=True), False)
             self.rest_signal += float(exact[rest].square().sum())
             self.rest_noise += float(diff[rest].square().sum())
 
     @property
     def rest_sqnr_db(self) -> float:
-        """SQNR of the values beside each dot product's largest: what an outlier that sets a row's scale swamps
-        while the plain SQNR stays high (see :attr:`~.thresholds.Thresholds.min_rest_sqnr_db`)."""
+        """SQNR of the values beside each dot product's largest (:attr:`~.thresholds.Thresholds.min_rest_sqnr_db`)."""
         return sqnr_db(self.rest_signal, self.rest_noise)
 
     @property
@@ -120,8 +114,7 @@ class CastStats:
 
 @dataclass
 class OutputStats:
-    """A GEMM's output with FP8 operands against the same GEMM in high precision (the forward GEMM's, the input
-    gradient's, the weight gradient's)."""
+    """A GEMM's output (forward, input or weight gradient) with FP8 operands against high precision."""
 
     signal: float = 0.0
     noise: float = 0.0
@@ -148,9 +141,9 @@ class LayerNumerics:
     casts: list[CastStats] = field(default_factory=list)
     output: OutputStats = field(default_factory=OutputStats)
     grad_input: OutputStats = field(default_factory=OutputStats)
-    """The input gradient's GEMM ``g @ W``, from the output gradient and the weight as cast for it."""
+    """``g @ W``, from the operands as cast for it."""
     grad_weight: OutputStats = field(default_factory=OutputStats)
-    """The weight gradient's GEMM ``g.T @ x``, from the output gradient and the input as cast for it."""
+    """``g.T @ x``, from the operands as cast for it."""
     calls: int = 0
     """Forward GEMM calls measured (batches, or expert groups x batches)."""
     problems: tuple[str, ...] = ()

@@ -1,13 +1,6 @@
-"""FP8 health while training: every ``every`` optimizer steps, per FP8 layer of a wrapped model (torchao's
-``Float8Linear``, GPT-2's ``Float8Conv1D``), the amax, the scale and the share of non-zero values flushed to zero
-of its input, weight and output gradient, as torchao casts them; one JSON line per sampled step, and a warning,
-once per layer, when a layer crosses the probe's thresholds.
-
-Cheap by construction: between sampled steps no hook is attached (nothing runs); on a sampled step each FP8
-layer's forward hook casts its input (and a hook on its output casts the output gradient) once more, keeping the
-counts on the device, and :meth:`FP8Telemetry.step` reads the weights' local shards and reduces everything with
-two small all-reduces (one MAX of the amaxes, one SUM of the counts).
-"""
+"""FP8 health while training: every ``every`` steps, per torchao FP8 layer, the amax, scale and share flushed to zero
+of its input, weight and output gradient as torchao casts them; one JSON line per sampled step, and a warning once
+per layer past the probe's thresholds. Between sampled steps no hook is attached."""
 
 from __future__ import annotations
 
@@ -24,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config.schema import normalize_value
+from ...pipeline.agree import on_all_ranks, rank_world
 from ...fp8.casts import CastSpec, float8_linear_casts
 from .casts import CONTRACTION_DIM
 from .stats import json_number
@@ -32,8 +26,8 @@ from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 __all__ = ["FP8Telemetry", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
+# each role is sampled under the cast of the GEMM that consumes it first
 _USE = {"input": ("input", "output"), "weight": ("weight", "output"), "grad_output": ("grad_output", "grad_input")}
-"""The cast each role is sampled under: the one for the GEMM that consumes it first."""
 
 
 class _Layer:
@@ -48,7 +42,6 @@ class _Layer:
 
     @torch.no_grad()
     def sample(self, role: str, x: torch.Tensor) -> None:
-        """Cast ``x`` as torchao does (its amax, scale and cast functions) and count what flushes to zero."""
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
@@ -62,11 +55,9 @@ class _Layer:
         nonzero = x != 0
         now = torch.stack([amax.max().double(), nonzero.sum().double(), (nonzero & (bits == 0)).sum().double()])
         old = self.acc.get(role)
-        self.acc[role] = now if old is None else torch.stack([old[0].maximum(now[0]), old[1] + now[1],
-                                                               old[2] + now[2]])
+        self.acc[role] = now if old is None else torch.cat([old[:1].maximum(now[:1]), old[1:] + now[1:]])
 
     def hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        """The forward hook of a sampled step: samples the input, and the output gradient in backward."""
         if not module.training:  # an evaluation inside a sampled step is not what training casts
             return
         x = args[0]
@@ -78,29 +69,14 @@ class _Layer:
 
 
 class FP8Telemetry:
-    """Sampled FP8 health of a wrapped model's torchao FP8 layers.
+    """Sampled FP8 health of a wrapped model's torchao FP8 layers (``Float8Linear``, GPT-2's ``Float8Conv1D``).
 
-    Create it after ``wrap_model``; it ends each step itself, after every step of any optimizer that holds the
-    model's parameters (fp8dist's step registry, so your own optimizer needs nothing), or only ``optimizer``'s
-    when you pass one. Steps 0, every, 2 x every, ... are sampled: their forwards and backwards (all of a step's
-    micro-batches) are measured, and the step's record is written when that step ends; the weights are read then,
-    as updated by the step (what the next forward casts). Call :meth:`step` on every rank: it reduces over the world
-    group.
-
-    Args:
-        model: what :func:`fp8dist.wrap_model` returned (fsdp, fsdp1, ddp or none with fp8="torchao").
-        every: sample one step in this many (>= 1).
-        jsonl: append one JSON line per sampled step here (rank 0); None: no file.
-        thresholds: the limits a layer is warned about (once per layer and problem): a
-            :class:`~fp8dist.plan.numerics.Thresholds` or a dict of the ones to change.
-        optimizer: end steps after this optimizer's steps only; None: after any optimizer holding the model.
-        log: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
-        step: the number of the step about to run (a resumed run's: the checkpoint's step).
-
-    Raises:
-        ValueError: ``every`` < 1 or ``step`` < 0 (or either not a whole number: a bool is not one), a bad
-            threshold, or the model has no torchao FP8 layer.
-        TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
+    Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"); it ends each step
+    itself after any optimizer holding the model steps (only ``optimizer`` when given), reducing over the world
+    group on every rank. Steps 0, every, 2 x every, ... are sampled (all their micro-batches, and the weights as
+    updated); the record goes to ``jsonl`` and ``log`` on rank 0. ``step``: the number of the step about to run (a
+    resumed run's: its checkpoint's). ValueError: ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad
+    threshold, or no torchao FP8 layer; TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
     """
 
     def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,
@@ -110,7 +86,7 @@ class FP8Telemetry:
         from torchao.float8.float8_linear import Float8Linear
 
         from ...pipeline.files import check_output_path
-        from ...pipeline.agree import on_all_ranks
+        from ...pipeline.optim import STEP_HOOKS
         from ...strategies import unwrap_model
         from ...strategies.local_shards import plain_name
 
@@ -124,9 +100,8 @@ class FP8Telemetry:
         if log is not None and not callable(log):
             raise TypeError(f"log={log!r} is not callable: pass a function of one line of text (e.g. print), or "
                             "leave it out.")
-        # rank 0 writes jsonl: checked there before any step, and every rank raises alike (each takes part, given
-        # jsonl or not: a job may pass it to rank 0 alone)
-        check = (lambda: check_output_path(jsonl, name="jsonl")) if _rank() == 0 and jsonl is not None else None
+        # rank 0 writes jsonl; every rank takes part (a job may pass jsonl to rank 0 alone) and raises alike
+        check = (lambda: check_output_path(jsonl, name="jsonl")) if rank_world()[0] == 0 and jsonl is not None else None
         on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
         self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
         self.jsonl = Path(jsonl) if jsonl is not None else None
@@ -135,28 +110,22 @@ class FP8Telemetry:
         if not self.layers:
             raise ValueError("FP8Telemetry found no torchao FP8 layer (Float8Linear) in the model: wrap it with "
                              "fp8='torchao' first, and check fp8dist.get_plan(model) lists FP8 layers.")
-        self.steps = step
-        """Optimizer steps done (the number of the step under way)."""
-        self.records: list[dict[str, Any]] = []
-        """One record per sampled step (the same as the JSON lines)."""
+        self.steps = step  # the number of the step under way
+        self.records: list[dict[str, Any]] = []  # one per sampled step, as the JSON lines
         self.warned: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
         self._step_hook = optimizer.register_step_post_hook(lambda *args: self.step()) if optimizer else None
         if optimizer is None:  # any optimizer of the model, the user's own included; held while the model lives
-            from ...pipeline.optim import STEP_HOOKS
-
             STEP_HOOKS.add(model, post=lambda model, optimizer: self.step())
         if self.sampling:
             self._arm()
 
     @property
     def sampling(self) -> bool:
-        """Whether the step under way is sampled."""
         return self.steps % self.every == 0
 
-    def _arm(self) -> None:
-        for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(layer.hook))
+    def _arm(self) -> None:  # only while no hook is attached
+        self._handles = [layer.module.register_forward_hook(layer.hook) for layer in self.layers]
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -164,8 +133,8 @@ class FP8Telemetry:
         self._handles = []
 
     def step(self) -> dict[str, Any] | None:
-        """End a step (call after ``optimizer.step()``): a sampled step's record is reduced, written, checked
-        against the thresholds and returned; the hooks are attached only for the steps to be sampled."""
+        """End a step (the optimizer's step hook calls it): a sampled step's record, written and checked against
+        the thresholds; None for the others."""
         record = self._finish() if self.sampling else None
         self.steps += 1
         if self.sampling and not self._handles:
@@ -199,7 +168,7 @@ class FP8Telemetry:
             layer.acc = {}
         self.records.append(record)
         self._warn(record)
-        if _rank() == 0:
+        if rank_world()[0] == 0:
             if self.jsonl is not None:
                 with open(self.jsonl, "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -208,8 +177,7 @@ class FP8Telemetry:
         return record
 
     def _reduced(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Over every rank: ``amax [layers, roles]``, ``counts [layers, roles, (nonzero, flushed)]`` and ``seen
-        [layers, roles]`` (ranks that measured the role). Two all-reduces."""
+        """Over every rank: amax, (nonzero, flushed) and ranks that saw it, per layer and role; two all-reduces."""
         device = next(self.model.parameters()).device
         shape = (len(self.layers), len(ROLES))
         amax = torch.full(shape, -1.0, dtype=torch.float64, device=device)  # -1: not seen on this rank
@@ -230,7 +198,6 @@ class FP8Telemetry:
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
     def _weight_shards(self) -> list[torch.Tensor]:
-        """Each layer's weight as this rank holds it (its shard), in high precision."""
         from ...strategies.local_shards import local_params
 
         pieces = {name: p.local for p in local_params(self.model) for name in p.names}
@@ -242,12 +209,10 @@ class FP8Telemetry:
         for name, entry in record["layers"].items():
             for role, stats in entry.items():
                 limit = t.max_grad_flushed_share if role == "grad_output" else t.max_flushed_share
-                problem = None
-                if not stats["finite"]:
-                    problem = "non-finite values (amax inf or nan)"
-                elif stats["flushed_share"] is not None and stats["flushed_share"] > limit:
-                    problem = (f"{100 * stats['flushed_share']:.2f}% of non-zero values flush to zero in FP8 "
-                               f"(threshold {100 * limit:g}%)")
+                share = stats["flushed_share"]
+                problem = ("non-finite values (amax inf or nan)" if not stats["finite"] else
+                           f"{100 * share:.2f}% of non-zero values flush to zero in FP8 (threshold {100 * limit:g}%)"
+                           if share is not None and share > limit else None)
                 if problem and (name, role) not in self.warned:
                     self.warned.add((name, role))
                     warnings.warn(
@@ -273,8 +238,7 @@ def summary(record: dict[str, Any]) -> str:
 
 
 def _steps(name: str, value: Any, least: int, what: str) -> int:
-    """A count of steps (``every``, ``step``): a whole number (a bool is refused: True would read as 1) >= ``least``;
-    else ValueError saying it must be ``what``."""
+    """A whole number >= ``least`` (a bool is refused: True would read as 1); else ValueError: it must be ``what``."""
     try:
         value = normalize_value(name, value, int)
     except ValueError:
@@ -284,12 +248,8 @@ def _steps(name: str, value: Any, least: int, what: str) -> int:
     return value
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _all_reduce(t: torch.Tensor, op: Any) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_world()[1] > 1:
         dist.all_reduce(t, op=op)
 
 
@@ -304,14 +264,12 @@ def _scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:
 
 @torch.no_grad()
 def _weight_counts(w: torch.Tensor, amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
-    """``[nonzero, flushed]`` of this rank's weight shard under the tensorwise scale of the whole weight's
-    ``amax`` (what torchao's precompute and its cast compute); nan under rowwise scaling, whose rows a shard may
-    split."""
+    """``[nonzero, flushed]`` of this rank's weight shard under the whole weight's tensorwise scale (as torchao's
+    precompute casts it); nan under rowwise scaling, whose rows a shard may split."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
     if spec.scaling != "tensorwise" or w.numel() == 0:
-        value = math.nan if spec.scaling != "tensorwise" else 0.0
-        return torch.tensor([value, value], dtype=torch.float64, device=w.device)
+        return torch.full((2,), math.nan if spec.scaling != "tensorwise" else 0.0, dtype=torch.float64, device=w.device)
     w = w.float()
     scale = amax_to_scale(amax.float().clamp(min=0), spec.dtype, round_scales_to_power_of_2=spec.pow2)
     nonzero = w != 0

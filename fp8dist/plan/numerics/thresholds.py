@@ -1,23 +1,12 @@
-"""Where a layer's FP8 numerics stop being healthy: the one place the probe's and the telemetry's limits are
-written, with the measurements they come from.
-
-Source: benchmarks/numerics/results.md (``python benchmarks/numerics/calibrate.py``, 2026-11-24): every
-FP8-eligible GEMM of Llama, GPT-2, Mixtral and Qwen3 (3-4 M parameter configs, no download) measured by
-:func:`fp8dist.measure_fp8_numerics` at initialization and after 200 steps on the built-in corpus, under torchao
-tensorwise and rowwise and Transformer Engine's delayed, current and MXFP8 recipes (emulated). The limits sit
-outside everything those healthy layers showed, with a margin, and inside what a planted outlier channel does (1e5
-in one input channel: tensorwise e4m3 then flushes most of the layer's ordinary values). Small models trained
-briefly: outliers that grow over billions of tokens (Fishman et al., arXiv 2409.12517) are stood in for by the
-planted one. The ``fp4_*`` limits: the Llama of that script under Transformer Engine's NVFP4 (emulated; its
-``build``, ``train`` (200 steps) and ``plant_outlier`` with te_recipe='nvfp4', keep_last_blocks_share=0, on 2 of its
-probe batches, 2026-11-26; GPT-2 the same way: within every limit at initialization and after training).
-"""
+"""The probe's and the telemetry's limits on a layer's FP8 numerics: outside every healthy layer measured in
+benchmarks/numerics/results.md (Llama, GPT-2, Mixtral, Qwen3; init and 200 steps; torchao and TE recipes; fp4_*: TE
+NVFP4), with a margin, and inside what "the planted outlier" (1e5 in one input channel) does."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ...config.schema import normalize_fields, route_keys
@@ -31,83 +20,56 @@ class Thresholds:
     """Limits past which a layer is recommended to stay out of FP8."""
 
     min_output_sqnr_db: float = 20.0
-    """The forward GEMM's output with FP8 operands against high precision: below this, excluded. Healthy layers
-    measured >= 27.6 dB (an e4m3 x e4m3 GEMM of well-scaled operands gives about 28 dB); 20 dB is an error a tenth
-    of the output's amplitude. It misses an outlier channel (the outlier dominates input and output alike: the
-    planted one measured 32 dB); the flushed share below catches it."""
+    """The forward GEMM's output SQNR with FP8 operands against high precision. Healthy layers >= 27.6 dB; 20 dB is
+    an error a tenth of the output's amplitude. An outlier channel passes it (32 dB: it is the signal); the flushed
+    share catches it."""
 
     min_grad_sqnr_db: float = 10.0
-    """The same for the backward GEMMs' outputs, the input gradient (``g @ W``) and the weight gradient
-    (``g.T @ x``), each from the operands as the recipe casts them for that GEMM: what reaches the weights. Healthy
-    layers measured >= 16.0 dB (Qwen3's first attention projection after training, TE delayed: its amax history
-    warmed on one batch clamps a few values; every other recipe >= 22.9 dB), measured on the calibration's four
-    models, batches and recipes after 200 steps (benchmarks/numerics/calibrate.py records it now); 10 dB is an
-    error a third of the gradient's amplitude. It catches a gradient spike that delayed scaling clamps
-    (0 dB: the spike is lost) while fewer values saturate than the saturation limit sees."""
+    """The same for the backward GEMMs (``g @ W``, ``g.T @ x``), each from its operands as the recipe casts them for
+    it. Healthy layers >= 16.0 dB (TE delayed, whose history warmed on one batch clamps a few of Qwen3's first
+    attention gradients; other recipes >= 22.9 dB); a gradient spike delayed scaling clamps measures 0 dB."""
 
     min_rest_sqnr_db: float = 15.0
-    """Each operand's SQNR over the values beside the largest of each dot product it enters (a row along the
-    GEMM's contraction dim). An outlier that sets a row's scale flushes that row's ordinary values: this falls
-    (an outlier in 8% of the output gradient's rows: 10.6 dB, about -10 log10 of the share of rows swamped) while
-    the plain SQNR stays high and the flushed share (8%) stays far under the gradient limit. Values flushed because
-    they are tiny beside their row's ordinary ones (a gradient's long tail) cost it nothing: healthy layers measured
-    >= 18.4 dB (TE delayed's clamped gradients, Qwen3 after training; every other recipe >= 23.4 dB, e4m3 operands
-    >= 31.0 dB), rowwise gradients that flush 25% (Mixtral) and 35% (GPT-2's output layer) included (>= 31.0 dB)."""
+    """An operand's SQNR over the values beside each dot product's largest (a row along the contraction dim): an
+    outlier that sets a row's scale swamps the rest (8% of a gradient's rows: 10.6 dB) while the plain SQNR and the
+    flushed share stay fine. Healthy layers >= 18.4 dB (TE delayed; others >= 23.4 dB), rowwise gradients that flush
+    25-35% included: a tail too small for its row costs nothing here."""
 
     max_flushed_share: float = 0.01
-    """Share of an input's or a weight's non-zero values flushed to zero by the cast. Healthy layers measured
-    <= 0.15% (inputs: SwiGLU down projections after training) and <= 0.01% (weights); the planted outlier channel
-    (1e5) flushed 52% of a trained layer's input, 99.7% of an initialized one's."""
+    """Share of an input's or a weight's non-zero values flushed to zero. Healthy layers <= 0.15% (inputs: SwiGLU
+    down projections after training), <= 0.01% (weights); the planted outlier 52% (trained) to 99.7% (at init)."""
 
     max_grad_flushed_share: float = 0.5
-    """The same for the output gradient. Gradients flush a lot in healthy layers: up to 12.8% (Mixtral experts,
-    e4m3 rowwise), 25% (a Mixtral attention projection under torchao rowwise) and 35% (the output layer under
-    torchao rowwise, e4m3 gradients: its softmax gradient spans more than e4m3's range); small gradient values carry
-    little of the update, so only a gradient that loses most of its values is flagged here. A share cannot tell
-    those tails from ordinary values an outlier swamps (8% of a gradient flushed either way): ``min_rest_sqnr_db``
-    does."""
+    """The same for the output gradient, whose healthy tails flush up to 35% (the output layer, torchao rowwise)
+    and carry little of the update: only a gradient that loses most of its values is flagged."""
 
     fp4_min_output_sqnr_db: float = 10.0
-    """``min_output_sqnr_db`` for a GEMM with FP4 operands (NVFP4): e2m1 keeps one mantissa bit to e4m3's three,
-    about 12 dB less SQNR for any operand. Healthy layers measured >= 15.8 dB under TE's NVFP4 (emulated; Llama at
-    initialization, MXFP8 on the same layers 27.8 dB; after training >= 23.8 dB); 10 dB is an error a third of the
-    output's amplitude: a gross error only (the planted outlier measured 18.8-20.3 dB)."""
+    """``min_output_sqnr_db`` for FP4 operands (NVFP4; e2m1's fewer mantissa bits cost about 12 dB): healthy layers
+    >= 15.8 dB (Llama at init), the planted outlier 18.8-20.3 dB, so a gross error only."""
 
     fp4_min_rest_sqnr_db: float = 6.0
-    """``min_rest_sqnr_db`` for an FP4 cast. Healthy layers measured >= 11.9 dB at initialization (MXFP8: 25.4),
-    >= 18.8 dB after training; the planted outlier channel (1e5) 1.7 dB at initialization but 14.9 dB after training:
-    between the two, so a gross error only; ``fp4_max_floored_share`` catches the outlier."""
+    """``min_rest_sqnr_db`` for an FP4 cast: healthy layers >= 11.9 dB, the planted outlier 1.7 dB at init but
+    14.9 dB after training, so a gross error only (``fp4_max_floored_share`` catches the outlier)."""
 
     fp4_max_flushed_share: float = 0.6
-    """``max_flushed_share`` for an FP4 cast of an input or a weight: e2m1's smallest non-zero value is a twelfth of
-    its largest, so a 16-value block flushes what is under 1/24 of its amax. Healthy layers measured <= 23.3% at
-    initialization, <= 41.1% after training (SwiGLU down projections' inputs; weights <= 11.1%); the planted outlier
-    channel 97.5% at initialization, 50.8% after training."""
+    """``max_flushed_share`` for an FP4 cast (a 16-value block flushes what is under 1/24 of its amax): healthy
+    layers <= 41.1% (trained SwiGLU down projections' inputs), the planted outlier 50.8-97.5%."""
 
     fp4_max_grad_flushed_share: float = 0.95
-    """``max_grad_flushed_share`` for an FP4 cast of the output gradient. Healthy layers measured up to 66.7% (blocks
-    0-2 of the trained Llama), 76.4% in its last block and 86.2% in its output head: what nearest rounding flushes,
-    which TE's stochastic rounding of gradients (not emulated) keeps in expectation; only a gradient that loses
-    nearly every value is flagged."""
+    """``max_grad_flushed_share`` for an FP4 cast: healthy layers up to 86.2% (the output head), what nearest
+    rounding flushes and TE's stochastic rounding of gradients (not emulated) keeps in expectation."""
 
     fp4_max_floored_share: float = 0.01
     """For an FP4 cast of an input or a weight: share of its non-zero values in blocks whose e4m3 scale sat at its
-    floor (e4m3's smallest normal), coarser than they needed: the tensor scale an outlier sets (its amax / 2,688)
-    leaves the ordinary blocks' scales below e4m3's range. This, not the flushed share, tells an outlier under NVFP4,
-    whose own resolution flushes much. Healthy layers measured 0% (inputs and weights, Llama at initialization and
-    after training; GPT-2 <= 0.02%); the planted outlier channel 99.9% of its layer's input at
-    initialization, 63.6% after training (the layers after it <= 0.26%). Output gradients are not judged by it: their
-    long tails floor blocks in healthy layers (after training up to 32% in blocks 0-2, 45% in the last, 83% in the
-    head)."""
+    floor, as an outlier's tensor scale (its amax / 2,688) leaves the ordinary blocks. Healthy layers <= 0.02%, the
+    planted outlier 63.6-99.9%; output gradients are not judged (healthy tails floor up to 83% of blocks)."""
 
     max_saturated_share: float = 0.001
-    """Share of values the cast clamped (beyond what rounds to the format's max): only delayed scaling clamps (a
-    value larger than the amax history's). Healthy layers measured <= 0.01% (TE delayed, after training)."""
+    """Share of values the cast clamped (only delayed scaling clamps): healthy layers <= 0.01% (TE delayed)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)  # a number each ("0.02" from a file or flag too); a bool or a word is refused
-        for name in ("max_flushed_share", "max_grad_flushed_share", "max_saturated_share", "fp4_max_flushed_share",
-                     "fp4_max_grad_flushed_share", "fp4_max_floored_share"):
+        for name in (f.name for f in fields(self) if f.name.endswith("_share")):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ValueError(f"{name}={value} must be a share between 0 and 1 (0.01 is 1%).")
@@ -148,7 +110,6 @@ class Thresholds:
 
 
 DEFAULT_THRESHOLDS = Thresholds()
-"""The calibrated limits (see the module docstring for their source)."""
 
 
 def as_thresholds(value: Any) -> Thresholds:
@@ -158,6 +119,6 @@ def as_thresholds(value: Any) -> Thresholds:
         return value
     if isinstance(value, Mapping):
         return Thresholds(**route_keys(value, [Thresholds], source="the thresholds dict")[Thresholds])
-    raise TypeError(f"thresholds={value!r} is a {type(value).__name__}: pass fp8dist.plan.numerics.Thresholds(...) or a "
-                    "dict of the limits to change (e.g. {'max_flushed_share': 0.02}); leave it out for the "
+    raise TypeError(f"thresholds={value!r} is a {type(value).__name__}: pass fp8dist.plan.numerics.Thresholds(...) or "
+                    "a dict of the limits to change (e.g. {'max_flushed_share': 0.02}); leave it out for the "
                     "calibrated ones.")
