@@ -119,9 +119,11 @@ class _Context:
 
     gpu: Any
     recipe: str | None
-    moe: tuple[str | None, str]  # the MoE experts' recipe, or (None, why none)
     tokens: int
     compile: bool
+    cfg: Any
+    hardware: Hardware
+    backend: Any
     choices: tuple[str, ...] = ()  # the recipes picked among per layer; empty: one recipe
 
 
@@ -134,7 +136,7 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
         top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
         if not isinstance(top_k, int):
             return (), "the experts' top_k (config.num_experts_per_tok) is not known"
-        recipe, why_not = ctx.moe
+        recipe, why_not = ctx.backend.speed_recipe(ctx.cfg, ctx.hardware, grouped=True)
         if recipe is None:
             return (), why_not
         shapes = [(ctx.tokens * top_k, p.shape[2], p.shape[1], p.shape[0]) for p in module.parameters(recurse=False)]
@@ -212,7 +214,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     margin = cfg.precision.fp8_select_margin
     verdicts, said = (None, "") if numerics is None else numerics_verdicts(numerics, [e.name for e in entries],
                                                                            cfg.precision.fp8)
-    ctx = _Context(gpu, recipe, backend.speed_recipe(cfg, hardware, grouped=True), tokens, compile, choices)
+    ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend, choices)
     tail, said_tail = kept_tail(model, cfg, backend, hardware)
     notes += said_tail
     out = [e if e.precision != "fp8" else
