@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
-from .estimate_states import (DTYPE_BYTES, OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
+from .estimate_states import (OPTIMIZER_STATES, STEP_BYTES, ParamInfo, category_dtypes,
                               element_bytes, fp8_buffer_bytes, param_groups)
 from .fit import Fit, check_fit
 from .rows import text_table
@@ -23,7 +23,7 @@ from .tensors import ParamGroup, StateBytes
 from ..config.schema import choice_error
 from ..config.rules import check, unread_options
 from ..config.resolve import Config, resolve_config
-from ..config.dtypes import DTYPES
+from ..config.dtypes import DTYPES, dtype_bytes
 from ..pipeline.env import runs_on_cpu
 from ..plan.hardware import Hardware, find_gpu, parse_target
 from ..config.options import DEFAULT_SEQ_LEN
@@ -225,8 +225,8 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     chosen = max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values())) if rank is None else rank
     on_rank = lambda group: layout(group)[chosen]  # noqa: E731  (the layout of any group of parameters, this rank)
     fp8_bytes, kept_fp8 = fp8_buffer_bytes(backend, cfg, plan, params, on_rank)
-    c = DTYPE_BYTES[engine.dtype or cfg.parallel.param_dtype]
-    stored = DTYPE_BYTES.get(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"), 4)
+    c = dtype_bytes(engine.dtype or cfg.parallel.param_dtype)
+    stored = dtype_bytes(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"))
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
                                          stored_bytes=stored, c=c)
     derived = [f"fp8={backend.name}: figures derived from its documented behaviour, not measured here"]

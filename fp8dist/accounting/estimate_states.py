@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import Any
 
+from ..config.dtypes import dtype_bytes
 from ..strategies.base import EngineMemory
 from .tensors import CATEGORIES, ParamGroup, holds_words
 
-__all__ = ["CATEGORIES", "OPTIMIZER_STATES", "DTYPE_BYTES", "ParamInfo", "ElementBytes", "element_bytes",
+__all__ = ["CATEGORIES", "OPTIMIZER_STATES", "ParamInfo", "ElementBytes", "element_bytes",
            "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes"]
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}  # states per parameter element
 STEP_BYTES = {"adamw": 4, "adam": 4}  # torch's Adam keeps an fp32 ``step`` per parameter (FusedAdam: per group)
 
@@ -50,8 +50,8 @@ def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, opti
     n_states = OPTIMIZER_STATES[optimizer]
     weight = engine.dtype or stored_dtype
     states = engine.master or weight
-    base = ElementBytes(DTYPE_BYTES[weight], DTYPE_BYTES[engine.master] if engine.master else 0, DTYPE_BYTES[weight],
-                        DTYPE_BYTES[states] * n_states,
+    base = ElementBytes(dtype_bytes(weight), dtype_bytes(engine.master) if engine.master else 0, dtype_bytes(weight),
+                        dtype_bytes(states) * n_states,
                         (weight, engine.master or "none", weight, states if n_states else "none"))
     held = backend.element_bytes(cfg, level.element_bytes(base), converted, n_states)
     return held if trains else replace(held, master=0, grad=0, states=0,

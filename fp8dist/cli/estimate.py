@@ -11,11 +11,12 @@ from typing import Any
 
 from ..config.schema import add_arguments
 from ..config.rules import facts_of
+from ..config.dtypes import DTYPES
 from ..config.resolve import FP8Config, StrategyConfig, torch_dtype
 from ..plan.hardware import parse_target
 from ..config.options import DEFAULT_SEQ_LEN
 from ..accounting.estimate import check_counts, estimate_memory
-from ..accounting.estimate_states import DTYPE_BYTES, OPTIMIZER_STATES
+from ..accounting.estimate_states import OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 from .plan import fastest_line, predicted_steps, step_text, steps_json
 from ..train.config import TrainConfig
@@ -39,7 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
                    help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
-    p.add_argument("--model-dtype", choices=list(DTYPE_BYTES)[:3], default=_MODEL_DTYPE,
+    p.add_argument("--model-dtype", choices=list(DTYPES), default=_MODEL_DTYPE,
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
                         "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
