@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.text import plural
+from ..config.text import listing, plural
 from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import STANDARD
 from ..pipeline.api import get_wrap_info
@@ -68,10 +68,6 @@ def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
     return sorted(torch.load(file, map_location="cpu", weights_only=True)) if file.is_file() else []
 
 
-def _names(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> list[str]:
     shapes = [f"{n}: shape {tuple(saved[n])} in the checkpoint, {tuple(ours[n])} in this model"
               for n in saved if n in ours and list(saved[n]) != list(ours[n])]
@@ -79,7 +75,7 @@ def _layout_diffs(saved: dict[str, list[int]], ours: dict[str, list[int]]) -> li
     for names, where in (([n for n in saved if n not in ours], "the checkpoint"),
                          ([n for n in ours if n not in saved], "this model")):
         if names:
-            diffs.append(f"{plural(len(names), 'tensor')} only in {where}: {_names(names)}")
+            diffs.append(f"{plural(len(names), 'tensor')} only in {where}: {listing(names)}")
     return diffs
 
 
@@ -117,7 +113,7 @@ def _fp8_state_refusal(meta: dict[str, Any], now: dict[str, Any], lost: list[str
     model = f"strategy {now['strategy']!r}, fp8 {now['fp8']!r}"
     into = (f"a model with fp8={backend.name!r} (strategy {_strategies_of(DCP)}, any world size)" if owned
             else "a model with those modules")
-    return (f"{path} holds {what} of {plural(len(lost), 'module')} ({_names(modules)}) that this model ({model}) "
+    return (f"{path} holds {what} of {plural(len(lost), 'module')} ({listing(modules)}) that this model ({model}) "
             f"has no place for: loading would drop it silently. Way out: load it into {into}, or pass "
             "drop_fp8_state=True to load the weights and optimizer without it (FP8 scaling then starts afresh).")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["plural", "byte_size"]
+__all__ = ["plural", "byte_size", "listing"]
 
 _SIBILANT = ("s", "x", "z", "ch", "sh")  # plural in "es": processes, batches
 
@@ -20,3 +20,8 @@ def byte_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n} B"
+
+
+def listing(items: list[str], shown: int = 3) -> str:
+    """The first ``shown`` items joined by commas, then "and N more": "a, b, c and 2 more"."""
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")

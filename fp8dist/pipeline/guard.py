@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.text import listing
+
 __all__ = ["StepGuard", "NonFiniteStepsError"]
 
 
@@ -66,8 +68,7 @@ class StepGuard:
             return
         self.skipped_steps += 1
         self.consecutive += 1
-        where = f" in {', '.join(modules[:8])}" + (f" and {len(modules) - 8} more" if len(modules) > 8 else "") \
-            if modules else ""
+        where = f" in {listing(modules, 8)}" if modules else ""
         if self.mode == "error":
             raise NonFiniteStepsError(f"step {self.steps}: non-finite gradients{where}; nothing was updated. "
                                       f"{_WAY_OUT} (nonfinite_step='skip' skips such steps instead).")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.text import plural
+from ..config.text import listing, plural
 from ..config.args import require_bool
 from .agree import on_all_ranks
 from ..config.dtypes import dtype_name
@@ -190,8 +190,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[str, torch.Tensor],
                 ignore: list[str]) -> list[str]:
     def listed(kind: str, items: list[str]) -> list[str]:
-        more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
-        return [f"{plural(len(items), *kind)}: {', '.join(items[:_SHOWN])}{more}"] if items else []
+        return [f"{plural(len(items), *kind)}: {listing(items, _SHOWN)}"] if items else []
 
     missing, shapes, known = [], [], set()
     for p in params:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..config.axis import StrategyFacts
-from ..config.text import plural
+from ..config.text import listing, plural
 from .hardware import Hardware, find_gpu
 from .tail import kept_tail
 from ..config.options import DEFAULT_SEQ_LEN
@@ -310,7 +310,7 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
         verdicts[name] = problems if problems or all(ran for ran, _ in found) else None
     foreign = [n for n in verdicts if n not in set(names)]
     if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = listing([repr(n) for n in foreign])
         raise ValueError(f"the numerics report names {plural(len(foreign), 'module')} this model does not have "
                          f"({shown}): it was measured on another model. Probe this model "
                          "(fp8dist.measure_fp8_numerics, or fp8dist probe --json FILE) and pass that report.")

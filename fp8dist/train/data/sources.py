@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ...config.text import listing
+
 __all__ = ["FileIdentity", "file_kind", "check_source", "unread_text_field", "file_identity", "file_sha256",
            "read_pieces", "DEFAULT_TEXT_FIELD", "JSON_SUFFIXES", "PIECE_BYTES"]
 
@@ -66,7 +68,7 @@ def unread_text_field(paths: list[Path], text_field: str) -> str | None:
     """The note for a ``text_field`` set away from its default when no file is JSON lines (no file reads it)."""
     if text_field == DEFAULT_TEXT_FIELD or any(file_kind(p) == "jsonl" for p in paths):
         return None
-    names = ", ".join(p.name for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    names = listing([p.name for p in paths])
     return (f"text_field={text_field!r} has no effect here (read only from JSON-lines files, "
             f"{', '.join(JSON_SUFFIXES)}; the data is plain text: {names}).")
 
