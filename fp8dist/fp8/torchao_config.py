@@ -21,7 +21,8 @@ class TorchaoConfig:
     """How torchao converts a dense Linear: module_swap (nn.Linear -> Float8Linear; FP8 all-gather under FSDP2) or
     weight_wrapper (``quantize_``: the weight becomes a tensor subclass whose F.linear runs FP8; bf16 all-gather; not
     under FSDP1 or DeepSpeed). auto: weight_wrapper for MXFP8, else module_swap where the installed torchao ships
-    it. A layer the wrapper does not reach (Falcon's ``x @ W.T``) is swapped instead, and the plan says so."""
+    it. Every FP8 layer is checked to run an FP8 GEMM; one the wrapper does not reach (Falcon's ``x @ W.T``) is
+    swapped instead, and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated",
                             "nvfp4", "auto"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
