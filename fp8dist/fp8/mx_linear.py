@@ -30,7 +30,6 @@ MXFP8_CAPABILITY = (10, 0)
 
 
 def is_mx(recipe: str) -> bool:
-    """Whether the torchao recipe ``recipe`` is MXFP8 (real or emulated)."""
     return recipe in MX_RECIPES
 
 

@@ -205,8 +205,6 @@ class TEBackend(FP8Backend):
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """A module whose weight is tied to another's (a head tied to the embedding) stays: TE's module would hold
-        its own weight and untie them. MoE routers stay in high precision."""
         owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
             for p in module.parameters(recurse=False):
@@ -251,8 +249,6 @@ class TEBackend(FP8Backend):
             model.set_submodule(name, _te_module(te, model.get_submodule(name), quantized))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
-        """FP8 autocast around ``inner``'s forward; under flat parameters (FSDP1) TE's preparation of ``model``
-        first."""
         if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
