@@ -1,14 +1,6 @@
-"""FP8 backends, one module each, each a subclass of :class:`FP8Backend` (every hook it does not need is the
-Protocol's no-op). ``wrap_model`` calls the hooks in one fixed order, the same for every backend:
-
-    rules (the combination table) -> unavailable_reason (missing_reason, hardware_reason)
-    -> (plan: supports, model_exclusions, ineligible_reason, converted_class, computes_in_fp8)
-    -> check_plan -> convert -> engine_hooks -> (the strategy shards) -> after_shard
-
-A backend knows no sharding engine: it learns what the strategy does to parameters as data (``plan.facts``), hands
-the strategy its own steps as data (:class:`EngineHooks`), and imports its library only inside methods, so
-configs validate where it is not installed.
-"""
+"""FP8 backends, one module each, each an :class:`FP8Backend` subclass. ``wrap_model`` calls the hooks in one order:
+rules, unavailable_reason, the plan's hooks, check_plan, convert, engine_hooks, (the strategy shards), after_shard.
+A backend knows no sharding engine (it reads ``plan.facts``) and imports its library only inside methods."""
 
 from __future__ import annotations
 

@@ -15,14 +15,15 @@ from torch import nn
 from ..config.axis import Rule, StrategyFacts, When
 from ..plan.hardware import Hardware, hardware_of
 from .casts import Casts
+from .conv1d import conv1d_dims, is_conv1d
+from .linear import plain_linear_reason
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "FrozenWeights", "NO_FP8", "SELECTION_OPTIONS",
            "dims_reason", "linear_reason", "fp8_hardware_reason"]
 
 SELECTION_OPTIONS: Mapping[str, When] = {"fp8_select": When(), "micro_batch_size": When(), "seq_len": When(),
                                          "fp8_select_margin": When({"fp8_select": (None, "auto")})}
-"""What the plan's choice of FP8 layers by predicted speed (:mod:`fp8dist.plan.selection`) reads, in the ``options``
-of every backend the speed model covers; the margin only where "auto" may apply (None: auto on a GPU)."""
+"""The ``options`` the plan's choice of FP8 layers by predicted speed reads, in every backend the speed model covers."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ class EngineHooks:
     prepare: Callable[[nn.Module], tuple[nn.Module, Any]] | None = None
     """On the filled, unwrapped model before the engine wraps it; returns the model and the optimizer it built."""
     entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
-    """``(extra engine config, initialize function)``: the backend's own entry into an engine that builds the
-    optimizer (MS-AMP's ``msamp.deepspeed.initialize``)."""
+    """``(extra engine config, initialize)``: the backend's entry into an engine that builds the optimizer (MS-AMP)."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,10 @@ class HandConverted:
 
 @dataclass(frozen=True)
 class FrozenWeights:
-    """What a converted Linear whose weight is frozen (``requires_grad=False``: a LoRA base) costs under a backend
-    (:meth:`FP8Backend.frozen_weights`); the default: what a trainable weight costs."""
+    """What a converted Linear's frozen weight (a LoRA base) costs under a backend; default: as a trainable one."""
 
     cached_bytes: int = 0
-    """Bytes, per element a rank holds of such a weight (its shard where sharded), of its FP8 copy cast once and
-    kept between steps; 0: none kept."""
+    """Bytes per element a rank holds (its shard where sharded) of the FP8 copy cast once and kept; 0: none kept."""
     scale_bytes: int = 0
     """Bytes per such weight of the scale kept with that copy."""
     grad_weight_gemm: bool = True
@@ -87,8 +85,7 @@ class FP8Backend(Protocol):
     owns_optimizer: ClassVar[bool] = False
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec)."""
     options: ClassVar[Mapping[str, When]] = {}
-    """Options it reads beyond its ``Config`` (shared ones, another backend's), each with the
-    :class:`~fp8dist.config.axis.When` it is read under: one set but not read is reported."""
+    """Options it reads beyond its ``Config``, each with the ``When`` it is read under (set but unread: reported)."""
     rules: ClassVar[tuple[Rule, ...]] = ()
     """What this backend refuses to combine with (its rows of the combination table)."""
     takes_amax_group: ClassVar[bool] = False
@@ -105,13 +102,13 @@ class FP8Backend(Protocol):
         return None
 
     def hardware_reason(self, cfg: Any, hardware: Hardware) -> str | None:
-        """Why the backend cannot compute FP8 on ``hardware`` (no FP8 tensor cores); None when it can."""
+        """Why the backend cannot compute FP8 on ``hardware``; None when it can."""
         return fp8_hardware_reason(hardware)
 
     def unavailable_reason(self, cfg: Any, device: torch.device | Hardware, *, check_installed: bool = True) -> \
             str | None:
-        """Why the backend cannot run on ``device``: :meth:`missing_reason` (skipped when ``check_installed`` is
-        False: planning for another machine), then :meth:`hardware_reason`; None when it can. Override those two."""
+        """:meth:`missing_reason` (unless ``check_installed`` is False: planning for another machine), then
+        :meth:`hardware_reason`; None when the backend can run on ``device``. Override those two."""
         return (check_installed and self.missing_reason(cfg)) or self.hardware_reason(cfg, hardware_of(device))
 
     def supports(self, module: nn.Module) -> bool:
@@ -119,7 +116,7 @@ class FP8Backend(Protocol):
         return isinstance(module, nn.Linear)
 
     def converted_class(self, module: nn.Module, cfg: Any, hardware: Hardware) -> str:
-        """What the plan records as the module's replacement (under ``cfg`` on ``hardware``: a recipe may name it)."""
+        """What the plan records as the module's replacement."""
         return type(module).__name__
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
@@ -152,22 +149,16 @@ class FP8Backend(Protocol):
 
     # plan (speed model, numerics probe): what the plan's advisors ask of a backend, never testing its name
     speed_recipes: ClassVar[tuple[str, ...]] = ()
-    """The speed model's recipe ids (:data:`fp8dist.plan.speed.RECIPES`) this backend's Linear layers can run, the
-    ones ``fp8dist plan --compare-recipes`` compares; empty: the speed model does not cover the backend."""
+    """The speed model's recipe ids this backend's Linears can run (``plan --compare-recipes``); empty: not covered."""
 
     def speed_recipe(self, cfg: Any, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        """``(recipe id, "")``: the speed model's recipe the backend's Linear layers (``grouped``: its MoE experts)
-        run under ``cfg`` on ``hardware``; ``(None, why not)``: no prediction, they convert as under
-        ``fp8_select='all'``."""
+        """``(recipe id, "")``: the speed model's recipe the Linears (``grouped``: the MoE experts) run on
+        ``hardware``; ``(None, why not)``: no prediction, they convert as under ``fp8_select='all'``."""
         return None, f"fp8={self.name!r} has no speed model"
 
     def numerics_casts(self, cfg: Any, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
-        """How the backend casts each operand of a layer's GEMMs (``grouped``: its MoE experts') under ``cfg``, on
-        ``hardware``, under a strategy with ``facts``: what the numerics probe emulates on a CPU.
-
-        Raises:
-            NotImplementedError: the casts are not modelled (implement this method to probe the backend).
-        """
+        """How the backend casts each operand of a layer's GEMMs (``grouped``: its MoE experts'): what the numerics
+        probe emulates on a CPU. Raises NotImplementedError where the casts are not modelled."""
         raise NotImplementedError(f"fp8={self.name!r}: the numerics probe has no model of this backend's FP8 casts "
                                   f"({type(self).__name__}.numerics_casts is not implemented). Probe with "
                                   "fp8='torchao' or fp8='te'.")
@@ -176,23 +167,17 @@ class FP8Backend(Protocol):
         """What the probe's report says about how it emulated the backend's casts; empty: nothing to say."""
         return ""
 
-    # issue 42 item 6 (recipe auto): a recipe per layer, picked by the plan
     def mixed_recipes(self, cfg: Any, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
-        """The speed model's recipes the plan picks among per layer (the fastest predicted; the strategy's
-        precision where none pays) when ``cfg`` asks for a choice per layer: those the backend can run side by
-        side in one model on ``hardware`` under ``facts``; the first is every eligible layer's where nothing can be
-        predicted (a CPU). Each FP8 entry records its pick (``PlanEntry.recipe``). Empty: one recipe for the whole
-        model (:meth:`speed_recipe`)."""
+        """The speed model's recipes the plan picks among per layer when ``cfg`` asks for it; the first is every
+        eligible layer's where nothing is predicted (a CPU). Empty: one recipe for the model (:meth:`speed_recipe`)."""
         return ()
 
     def layer_config(self, cfg: Any, recipe: str | None) -> Any:
-        """``cfg`` with a layer's own recipe (its plan entry's ``recipe``) in :attr:`variant_option`: what converting
-        or probing that layer reads; ``cfg`` itself where the layer has none (one recipe for the model)."""
+        """``cfg`` with a layer's own recipe (``PlanEntry.recipe``) in :attr:`variant_option`; None: ``cfg`` itself."""
         if recipe is None:
             return cfg
         return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, **{self.variant_option: recipe}))
 
-    # accelerate: how a file written by ``accelerate config`` selects this backend (fp8dist.config.accelerate)
     accelerate_backend: ClassVar[str | None] = None
     """The value of Accelerate's ``fp8_config.backend`` that selects this backend ("TE"); None: none does."""
 
@@ -201,8 +186,7 @@ class FP8Backend(Protocol):
     """An option whose every value the bench runs as a cell of its own (``torchao_recipe``); None: one cell."""
     convert_by_hand: ClassVar[Callable[..., HandConverted] | None] = None
     """``convert_by_hand(model, facts) -> HandConverted``: the default variant's conversion as the library's
-    documentation wires it under a strategy with ``facts``, the bench's reference for fp8dist's overhead. None:
-    no hand-wired cell."""
+    documentation wires it, the bench's reference for fp8dist's overhead. None: no hand-wired cell."""
 
     # checkpoint: what save_checkpoint / load_checkpoint ask of the backend
     checkpoint_refusal: ClassVar[str | None] = None
@@ -211,14 +195,13 @@ class FP8Backend(Protocol):
     """What the backend keeps in modules' ``_extra_state``, as a refusal to drop it names it; None: nothing."""
 
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
-        """After a checkpoint loaded into the sharded ``model`` (``wiring``): recompute what derives from weights."""
+        """After a checkpoint loaded into the sharded ``model``: recompute what derives from weights."""
 
     # pipeline, cli, train: what the commands and the reference job ask of a backend
     rank_imports: ClassVar[tuple[str, ...]] = ()
     """Modules a rank imports anyway under this backend (``torchao.float8``), for a parent to import before forking."""
     commands_default: ClassVar[bool] = False
-    """The commands (``fp8dist train``, ``plan``, ``estimate``, ``probe``) use this backend when ``--fp8`` is not
-    given, where it can run (:func:`fp8dist.train.job.default_fp8`); the library's own default stays no FP8."""
+    """The commands use this backend when ``--fp8`` is not given, where it can run (the library's default: no FP8)."""
     health_telemetry: ClassVar[bool] = False
     """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample its FP8 layers (``--fp8-health-every``)."""
 
@@ -229,15 +212,12 @@ class FP8Backend(Protocol):
     """Bytes per element of each converted weight's FP8 copies kept for backward (TE: the weight and its transpose)."""
 
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
-        """Bytes per element of one parameter in each model-state category under this backend; ``base``: as the
-        strategy and the memory level hold it (a frozen dataclass of ``weight``, ``master``, ``grad``, ``states``,
-        ``dtypes``), ``converted``: it is the weight of a module the plan converts, ``n_states``: the optimizer's
-        states per element. Default: unchanged."""
+        """Bytes per element of one parameter in each model-state category: ``base`` (a frozen dataclass of ``weight``,
+        ``master``, ``grad``, ``states``, ``dtypes``) changed where the backend holds it otherwise."""
         return base
 
     def frozen_weights(self, cfg: Any, facts: StrategyFacts) -> FrozenWeights:
-        """What a converted Linear's frozen weight costs per step and in bytes under ``cfg`` and a strategy with
-        ``facts``. Default: as a trainable weight (cast every step, no copy kept)."""
+        """What a converted Linear's frozen weight costs per step and in bytes. Default: as a trainable weight."""
         return FrozenWeights()
 
     def fp8_state_bytes(self, cfg: Any, plan: Any) -> int:
@@ -245,30 +225,22 @@ class FP8Backend(Protocol):
         return 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
-        """What an all-gather of these local shards carries where the backend's weights gather in their own format
-        (torchao's FP8 all-gather); None: the strategy's compute dtype."""
+        """What an all-gather of these local shards carries in the backend's own format; None: the compute dtype."""
         return None
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
-        """The FP8 formats ``module``, converted by this backend, computes its GEMMs in, read from the module or
-        the ``wiring``, for the precision report; None: not known (the report says "fp8")."""
+        """The FP8 formats ``module``'s GEMMs compute in, for the precision report; None: not known ("fp8")."""
         return None
 
-    # knobs: the backend's own options, in its own module (torchtitan's converters' nested Config)
     Config: ClassVar[type | None] = None
     """A frozen kw-only dataclass of the knobs this backend owns (typed, defaulted, a docstring under each): flat keys
     of ``wrap_model``, files, flags and ``cfg.precision``, read as ``cfg.precision.knobs(name)``. Field metadata:
     ``when`` (:class:`~fp8dist.config.axis.When` it is read under), ``min``, ``refused``, ``aliases``. None: none."""
-
-    # bench: further matrix dimensions of this backend's cells (issue 42: torchao_api beside torchao_recipe)
     more_variant_options: ClassVar[tuple[str, ...]] = ()
-    """Options beside :attr:`variant_option` whose every value the bench can run as a cell of its own (its flag
-    lists them; not given: the config's default), e.g. ``torchao_api``; empty: none."""
+    """Options beside :attr:`variant_option` whose every value the bench can run as a cell (``torchao_api``)."""
 
 
 class _NoFP8(FP8Backend):
-    """No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
-
     name = "none"
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
@@ -276,20 +248,17 @@ class _NoFP8(FP8Backend):
 
 
 NO_FP8 = _NoFP8()
+"""No FP8 (none asked for, or none possible here): every hook is the Protocol's no-op."""
 
 
 def linear_reason(module: nn.Linear) -> str | None:
     """Why an ``nn.Linear`` (of any class) cannot run as an FP8 Linear (its math, its dims); None when it can."""
-    from .linear import plain_linear_reason
-
     return plain_linear_reason(module) or dims_reason(module)
 
 
 def dims_reason(module: nn.Module, multiple: int = 16, why: str = "FP8 GEMM tiles") -> str | None:
-    """FP8 GEMMs need both dims of a Linear (or of GPT-2's Conv1D) divisible by 16 (a block-scaled recipe: by
-    ``multiple``, for the reason ``why``); the reason when they are not."""
-    from .conv1d import conv1d_dims, is_conv1d
-
+    """Why a Linear's (or GPT-2 Conv1D's) dims do not suit an FP8 GEMM (both divisible by ``multiple``); None: they
+    do."""
     dims = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
     bad = [f"{n}={d}" for n, d in zip(("in_features", "out_features"), dims) if d % multiple]
     return f"{' and '.join(bad)} not divisible by {multiple} ({why})" if bad else None

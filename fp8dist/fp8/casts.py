@@ -1,11 +1,6 @@
-"""How an FP8 recipe casts each operand of a layer's GEMMs, as data (:class:`CastSpec`): what each backend answers
-when the numerics probe asks how to emulate its FP8 GEMMs (:meth:`FP8Backend.numerics_casts`), and what the probe
-(:mod:`fp8dist.plan.numerics.casts`) then runs on a CPU.
-
-A Linear ``y = x @ W_t`` runs three GEMMs: output (``x @ W_t``), input gradient (``g @ W_t.T``) and weight
-gradient (``x.T @ g``); each operand (input ``x`` (M, K), weight ``W_t`` (K, N), output gradient ``g`` (M, N)) is
-cast in two of them, scaled along that GEMM's contraction dim where the recipe scales per row or per block.
-"""
+"""How an FP8 recipe casts each operand of a Linear's three GEMMs (output, input gradient, weight gradient), as
+data (:class:`CastSpec`): what a backend's ``numerics_casts`` answers and the numerics probe emulates on a CPU. A
+per-row or per-block scale runs along that GEMM's contraction dim."""
 
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ class CastSpec:
     dtype: torch.dtype
     """torch.float8_e4m3fn or torch.float8_e5m2; torch.float4_e2m1fn_x2 for NVFP4."""
     scaling: Literal["tensorwise", "rowwise", "mx", "delayed", "nvfp4"]
-    """One scale per tensor from its amax; one per row along the contraction dim; one e8m0 scale per
-    :data:`MX_BLOCK` elements; one per tensor from the amax history of earlier steps (TE delayed scaling); or NVFP4's
-    two levels: an e4m3 scale per :data:`NVFP4_BLOCK` elements (``tile`` rows of them) under an fp32 tensor scale."""
+    """One scale per tensor (its amax), per row, per :data:`MX_BLOCK` elements (e8m0), per tensor from the amax
+    history (TE delayed scaling), or NVFP4's e4m3 scale per :data:`NVFP4_BLOCK` elements under an fp32 tensor scale."""
     pow2: bool = False
     """Scales rounded down to a power of 2 (torchao's rowwise recipes)."""
     margin: int = 0
@@ -76,21 +70,18 @@ Casts = dict[tuple[str, str], CastSpec | None]
 
 
 NVFP4_WEIGHT_TILE = 16
-"""Transformer Engine's NVFP4BlockScaling (2-D quantization, its default) and torchao's NVFP4Linear
-(``triton_weight_quantize_2d``) both quantize weights in 16x16 blocks: one cast for the forward and the input-gradient
-GEMM."""
+"""TE's NVFP4BlockScaling and torchao's NVFP4Linear both quantize weights in 16x16 blocks (one cast for both GEMMs)."""
 
 
 NVFP4_NOT_EMULATED = ("NVFP4 emulated without its random Hadamard transform of the weight-gradient GEMM's "
                       "operands (it spreads an outlier over 16 values: the probe is pessimistic there) or its "
                       "stochastic rounding of gradients (unbiased, but a larger error per value than the nearest "
                       "rounding the probe does: optimistic there)")
-"""What the probe's NVFP4 casts leave out of Transformer Engine's and torchao's NVFP4 training, said in its report."""
+"""What the probe's NVFP4 casts leave out of TE's and torchao's NVFP4 training, said in its report."""
 
 
 def nvfp4_casts() -> Casts:
-    """NVFP4 on every operand of every GEMM (e2m1 in 1x16 blocks along the contraction dim, e4m3 block scales, an
-    fp32 tensor scale), the weight in :data:`NVFP4_WEIGHT_TILE` x 16 blocks."""
+    """NVFP4 on every operand of every GEMM, the weight in :data:`NVFP4_WEIGHT_TILE` x 16 blocks."""
     return {(role, gemm): CastSpec(torch.float4_e2m1fn_x2, "nvfp4", tile=NVFP4_WEIGHT_TILE if role == "weight" else 1)
             for role, gemm in USES}
 

@@ -1,10 +1,6 @@
-"""GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed: (in, out),
-y = x @ W + b) in FP8: torchao (``Float8Conv1D``) and Transformer Engine (``TEConv1D``).
-
-``Float8Conv1D`` runs the GEMM of torchao's ``Float8Linear`` (``matmul_with_hp_or_float8_args``, which a converted
-``nn.Linear`` feeds ``weight.t()``) on the Conv1D's own (in, out) parameter, kept untransposed: state dicts,
-checkpoints, ``pretrained=`` and ``save_pretrained`` see exactly the GPT-2 tensor, and FSDP2 shards its dim 0.
-"""
+"""GPT-2's ``Conv1D`` (a Linear whose weight is stored (in, out): y = x @ W + b) in FP8: torchao's ``Float8Conv1D``
+runs ``Float8Linear``'s GEMM on the Conv1D's own untransposed parameter, Transformer Engine's ``TEConv1D`` holds the
+transpose; either way state dicts and checkpoints hold exactly the GPT-2 tensor."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ __all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d_class"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (by class, without importing transformers)."""
+    """Whether ``module`` is transformers' ``Conv1D`` (without importing transformers)."""
     cls = type(module)
     return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils" and \
         getattr(module, "weight", None) is not None and module.weight.dim() == 2
@@ -35,8 +31,6 @@ def _float8_conv1d_class() -> type:
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     class Float8Conv1D(Float8Linear):
-        """torchao ``Float8Linear`` over a Conv1D's (in, out) weight: ``weight`` is the Conv1D's parameter."""
-
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if torch.is_autocast_enabled():  # as Float8Linear.forward does
                 input = input.to(torch.get_autocast_gpu_dtype())
@@ -66,8 +60,7 @@ def to_float8_conv1d(module: nn.Module, config) -> nn.Module:
 # ---- Transformer Engine: te.Linear holds its weight (out, in); checkpoints keep the Conv1D's (in, out)
 
 def _weight_out(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """The state dict's weight as (in, out): a contiguous copy (FSDP1 chunks it after this hook, and only a
-    contiguous tensor can be chunked); loading writes through :func:`_weight_in`, never into this copy."""
+    """A contiguous copy: FSDP1 chunks it after this hook; loading writes through :func:`_weight_in`, not into it."""
     if prefix + "weight" in state_dict:
         state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t().contiguous()
 
@@ -80,9 +73,7 @@ def _weight_in(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
 @functools.cache
 def te_conv1d_class(linear: type) -> type:
     class TEConv1D(linear):
-        """Transformer Engine's ``Linear`` in place of a GPT-2 ``Conv1D``: it computes with the weight as (out, in),
-        as te.Linear must; its state dict (checkpoints, DCP, ``load_state_dict``) holds and takes the Conv1D's
-        (in, out), so keys and values are a GPT-2's."""
+        """te.Linear (weight (out, in)) in place of a GPT-2 ``Conv1D``; its state dict holds and takes (in, out)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

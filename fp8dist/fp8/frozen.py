@@ -1,28 +1,6 @@
-"""A frozen weight (``requires_grad=False``: a LoRA base) pays no per-step FP8 weight work under torchao's module swap.
-
-What torchao 0.18 does to every ``Float8Linear``, frozen or not (float8_linear.py, fsdp_utils.py):
-- it casts the weight to FP8 in each forward, and again in each backward for the input-gradient GEMM (under FSDP2
-  with FP8 all-gather: the shard, in ``fsdp_pre_all_gather``, at each all-gather, the backward's re-gather too);
-- ``precompute_float8_dynamic_scale_for_fsdp`` reads every FP8 weight after each optimizer step;
-- its autograd Function's backward computes the weight-gradient GEMM (and casts its two operands) without asking
-  ``needs_input_grad``: autograd then drops the gradient of a weight that does not require one.
-
-A frozen weight's cast cannot change between steps, so here (``FrozenFloat8Linear``, what a converted Linear whose
-weight is frozen becomes):
-- its backward computes the input gradient only (every recipe, every strategy);
-- with the tensorwise recipe one FP8 weight serves the forward and the input-gradient GEMM, so it is cast once
-  and kept: the FP8 shard each all-gather sends (FSDP2, FP8 all-gather; 1 byte per element of the shard), or the
-  FP8 weight itself (a weight every rank holds whole: DDP, one process; 1 byte per element), recomputed only when
-  the weight changes (its version counter: a checkpoint load, an in-place edit);
-- it is left out of the scale precompute after each step.
-The cached cast is the one torchao computes each step, bit for bit: the shard's dynamic scale (max-abs, all-reduced)
-equals the precomputed one, and the cast is the same function of the same tensor. Not cached (recast each step,
-the weight-gradient GEMM still skipped): rowwise recipes (two casts of different layouts per step: forward rows,
-input-gradient columns), and a weight gathered whole in high precision (FSDP2 without FP8 all-gather, DeepSpeed),
-whose cached cast would be a whole unsharded FP8 copy on every rank. Under flat parameters (FSDP1) a frozen weight
-is a view of a flat parameter that requires a gradient, so it stays torchao's (``FP8Backend.frozen_weights`` says
-so). A weight edited through ``.data`` bypasses the version counter: reload it, or unfreeze it, to recast.
-"""
+"""A frozen weight (``requires_grad=False``: a LoRA base) under torchao's module swap: its backward skips the
+weight-gradient GEMM (torchao 0.18 computes it and lets autograd drop it), its tensorwise FP8 cast is made once and
+kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left out of the scale precompute."""
 
 from __future__ import annotations
 
@@ -39,8 +17,7 @@ __all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards",
 
 
 class _InputGradOnly(matmul_with_hp_or_float8_args):
-    """torchao's FP8 matmul (its forward, unchanged) whose backward skips the weight-gradient GEMM and its casts
-    where the weight needs no gradient; the input gradient is torchao's own computation, step for step."""
+    """torchao's FP8 matmul whose backward skips the weight-gradient GEMM where the weight needs no gradient."""
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -59,7 +36,6 @@ class _InputGradOnly(matmul_with_hp_or_float8_args):
 
 
 def _cast(t: torch.Tensor, cast_config, mm_config, role, dim: int, config) -> torch.Tensor:
-    """``t`` as torchao's matmul casts it for one GEMM operand (left as is when already FP8 or the cast is off)."""
     from torchao.float8.config import ScalingType
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
 
@@ -73,11 +49,13 @@ def _cast(t: torch.Tensor, cast_config, mm_config, role, dim: int, config) -> to
 
 
 class FrozenFloat8Linear(Float8Linear):
-    """A ``Float8Linear`` whose weight is frozen (see the module docstring). While its weight requires a gradient
-    (unfrozen later) or under torch.compile, it is torchao's ``Float8Linear`` exactly."""
+    """A ``Float8Linear`` whose weight is frozen; torchao's exactly while the weight requires a gradient or under
+    torch.compile. The kept cast is torchao's own, bit for bit, recomputed when the weight's version changes (a load,
+    an in-place edit; an edit through ``.data`` bypasses it: reload or unfreeze to recast). Rowwise recipes (two
+    layouts) and a weight gathered whole in high precision (a whole FP8 copy on every rank) recast every step."""
 
     cache_weight: bool = False
-    """Keep the FP8 cast of a weight held whole (tensorwise, not sharded): set by :func:`freeze_float8_linears`."""
+    """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.weight.requires_grad or torch.compiler.is_compiling():
@@ -89,7 +67,6 @@ class FrozenFloat8Linear(Float8Linear):
         return output if self.bias is None else output + self.bias.to(output.dtype)
 
     def _fp8_weight_t(self) -> torch.Tensor:
-        """The weight's transpose cast as torchao's forward casts it, computed again only when the weight changed."""
         weight = self.weight
         key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
         cached = self.__dict__.get("_fp8_weight")
@@ -103,8 +80,7 @@ class FrozenFloat8Linear(Float8Linear):
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:
     """Make each ``Float8Linear`` among ``names`` whose weight is frozen a :class:`FrozenFloat8Linear` (same
-    parameters, same state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held
-    whole). Call after conversion, before sharding. Returns the names made frozen, sorted."""
+    parameters and state dict). Call after conversion, before sharding. Returns the names made frozen, sorted."""
     frozen = []
     for name in sorted(names):
         module = model.get_submodule(name)
@@ -116,8 +92,7 @@ def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bo
 
 
 def cache_frozen_shards(model: nn.Module) -> int:
-    """Under FSDP2 with FP8 all-gather, make each frozen weight's shard cast to FP8 once: its
-    ``fsdp_pre_all_gather`` returns what torchao's computed the last time, until the sharded parameter changes.
+    """Under FSDP2 with FP8 all-gather, cast each frozen weight's shard to FP8 once (until the parameter changes).
     Idempotent: call after sharding and again after a load (FSDP may replace a local tensor). Returns the shards
     cached."""
     count = 0
@@ -132,8 +107,8 @@ def cache_frozen_shards(model: nn.Module) -> int:
 
 
 def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor, param: torch.Tensor):
-    """torchao's ``fsdp_pre_all_gather`` of ``shard``, its result kept while the sharded parameter ``param`` keeps
-    its version: an in-place change (a load's ``copy_``) counts on the DTensor ``param``, not on its local tensor."""
+    """torchao's ``fsdp_pre_all_gather``, kept while ``param`` keeps its version (a load's ``copy_`` counts on the
+    DTensor, not on its local tensor)."""
     shard_ref, param_ref = weakref.ref(shard), weakref.ref(param)  # the shard holds this function: no cycle
 
     def fsdp_pre_all_gather(mesh):
@@ -149,8 +124,7 @@ def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor, param: torc
 
 
 def precompute_trainable(model: nn.Module) -> None:
-    """``precompute_float8_dynamic_scale_for_fsdp`` on the FP8 Linears whose weight trains (one all-reduce for
-    them all, as torchao's); a frozen weight's FP8 shard is cast once instead (:func:`cache_frozen_shards`)."""
+    """``precompute_float8_dynamic_scale_for_fsdp`` on the FP8 Linears whose weight trains (one all-reduce)."""
     trainable = [m for m in model.modules() if isinstance(m, Float8Linear) and m.weight.requires_grad]
     if trainable:
         precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(trainable))

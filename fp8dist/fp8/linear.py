@@ -1,13 +1,6 @@
-"""Which modules are a plain Linear, ``y = x @ weight.T + bias`` of their own weight and bias: every backend swaps
-such a module for its FP8 Linear, whose forward is its own, so anything else would change the model's math.
-
-The rule judges what a module computes, not its class. An ``nn.Linear`` subclass that keeps ``nn.Linear.forward``
-is plain. One that overrides it (Falcon's ``FalconLinear``) is plain when it holds nothing but ``weight`` and
-``bias`` (a LoRA's extra term may be zero at check time) and its forward returns ``F.linear(x, weight, bias)``:
-checked by running its own forward on a copy holding small random weight and bias of its dtype, on its device (the
-CPU for a meta module), so neither the weights' values nor their size matter. ``fp8_filter`` can keep any module
-out, never put in one that computes something else.
-"""
+"""Which modules compute a plain Linear, ``F.linear(x, weight, bias)`` of their own weight and bias: the only ones an
+FP8 Linear may replace. An ``nn.Linear`` subclass that overrides ``forward`` (Falcon's) is judged by running its
+forward on a small random copy (on the CPU for a meta module) holding nothing but ``weight`` and ``bias``."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ _DIMS = (24, 40)  # (in, out) of the small copy
 
 
 def plain_linear_reason(module: nn.Module) -> str | None:
-    """None when ``module`` computes a plain Linear of its own weight and bias (see above); else why not, in a line."""
+    """None when ``module`` computes a plain Linear of its own weight and bias; else why not, in a line."""
     cls = type(module)
     if not isinstance(module, nn.Linear):
         return f"{cls.__name__} is not an nn.Linear"
@@ -44,7 +37,6 @@ def plain_linear_reason(module: nn.Module) -> str | None:
 
 
 def _forward_differs(module: nn.Linear) -> str | None:
-    """How the module's forward differs from ``F.linear`` on a fixed input, or None where it does not."""
     subject = _small_copy(module)
     weight = subject.weight
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -67,7 +59,7 @@ def _forward_differs(module: nn.Linear) -> str | None:
 
 def _small_copy(module: nn.Linear, dims: tuple[int, int] = _DIMS) -> nn.Linear:
     """A shallow copy of ``module`` (attributes, forward) holding small random weight and bias of ``dims`` (in,
-    out), on the CPU for a meta module (module untouched)."""
+    out)."""
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
     device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device
@@ -87,9 +79,8 @@ def plain_linear_like(module: nn.Module) -> bool:
 
 
 def own_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """A forward hook for a swapped Linear without bias: torchao's Float8Linear returns a view made inside its
-    autograd Function, which autograd forbids modifying in place; nn.Linear's output is a tensor of its own, and
-    models add to it in place (Falcon's ``mlp_output += attention_output``). ``_unsafe_view`` (what aten's matmul
-    returns) gives the same memory as a tensor of its own, without a copy; the Function's backward reads its inputs,
-    never its output. No test of ``_is_view()``: torch.compile would break its graph there."""
+    """A forward hook for a swapped Linear without bias: Float8Linear returns a view made inside its autograd
+    Function, which models then modify in place (Falcon's ``mlp_output += attention_output``) and autograd forbids.
+    ``_unsafe_view`` (what aten's matmul returns) makes it a tensor of its own without a copy; no ``_is_view()``
+    test, where torch.compile would break its graph."""
     return torch.ops.aten._unsafe_view(output, output.shape)

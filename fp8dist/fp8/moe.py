@@ -1,13 +1,10 @@
-"""MoE experts in FP8 through torchao's MoE training conversion (``torchao.prototype.moe_training``).
-
-transformers 5 holds a MoE layer's experts as fused 3-D parameters in one module (Mixtral's ``gate_up_proj``
-(E, 2I, H), ``down_proj`` (E, H, I)) and runs them as ``torch._grouped_mm`` calls (``experts_implementation=
-"grouped_mm"``). torchao's ``quantize_`` wraps those parameters in a tensor subclass that turns each call into an
-FP8 rowwise or MXFP8 grouped GEMM; FSDP2 shards them on their expert dim like any parameter. The router is not a
-Linear and stays in high precision, as torchtitan keeps it.
-"""
+"""MoE experts in FP8 through torchao's MoE training conversion: ``quantize_`` wraps transformers' fused 3-D expert
+parameters (Mixtral's ``gate_up_proj``) so each ``torch._grouped_mm`` runs an FP8 rowwise or MXFP8 grouped GEMM;
+FSDP2 shards them on their expert dim. The router stays in high precision, as torchtitan keeps it."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -18,10 +15,8 @@ from .casts import USES, Casts, CastSpec
 from .mx_linear import mx_gemm_words, mx_linear_casts, mx_op_config
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats", "torchao_installed", "op_config", "ROUTER_REASON", "experts_speed_recipe",
+           "experts_gemm_formats", "torchao_installed", "op_config", "experts_speed_recipe",
            "experts_casts"]
-
-ROUTER_REASON = "MoE router, kept in high precision (as torchtitan keeps it)"
 
 
 def torchao_installed() -> bool:
@@ -35,17 +30,6 @@ RECIPES = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GE
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
 
-def _engine_reason(facts: StrategyFacts) -> str | None:
-    """Engines tried with torchao's MoE conversion on 2 gloo ranks that failed, and what happened."""
-    if facts.flat_params:
-        return ("flat parameters (FSDP1) drop torchao's MoE weight wrapper (the grouped GEMM then fails on a shape "
-                "mismatch)")
-    if facts.engine_owns_params:
-        return ("DeepSpeed's parameter handling cannot swap torchao's MoE weight wrapper (_apply(): Couldn't swap "
-                "MixtralExperts.gate_up_proj, ZeRO 2 and 3)")
-    return None
-
-
 def is_experts(module: nn.Module) -> bool:
     """transformers' fused experts module (``@use_experts_implementation``): 3-D parameters, one row per expert."""
     experts = getattr(module, "num_experts", None)
@@ -54,8 +38,9 @@ def is_experts(module: nn.Module) -> bool:
         all(p.dim() == 3 and p.shape[0] == experts for p in params)
 
 
-def moe_routers(model: nn.Module) -> list[str]:
-    """The routers beside experts modules: a sibling holding a 2-D weight (Mixtral's ``mlp.gate``)."""
+def moe_routers(model: nn.Module) -> dict[str, str]:
+    """``{fqn: why kept in high precision}`` of the routers beside experts modules: a sibling holding a 2-D weight
+    (Mixtral's ``mlp.gate``)."""
     names = []
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())
@@ -64,18 +49,7 @@ def moe_routers(model: nn.Module) -> list[str]:
                 weight = getattr(child, "weight", None)
                 if not is_experts(child) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
                     names.append(f"{parent_name}.{child_name}" if parent_name else child_name)
-    return names
-
-
-def _uneven_shards(module: nn.Module, facts: StrategyFacts) -> str | None:
-    """FSDP2 pads an expert dim that the shard group does not divide, and torchao's MoE wrapper does not (its
-    fsdp_pre_all_gather returns the unpadded shard: FSDP2 asserts on 3 ranks and 4 experts)."""
-    shards = facts.shard_degree
-    if facts.dtensor_shards and shards and module.num_experts % shards:
-        return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
-                "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
-                "the experts")
-    return None
+    return dict.fromkeys(names, "MoE router, kept in high precision (as torchtitan keeps it)")
 
 
 def experts_recipe(cfg, hardware: Hardware) -> tuple[str | None, str | None]:
@@ -103,9 +77,18 @@ def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFa
         return (f"experts_implementation={implementation!r} runs per-expert slices that torchao's grouped-GEMM "
                 "conversion does not reach; call model.set_experts_implementation('grouped_mm') (transformers' "
                 "default) before wrap_model")
-    why = _engine_reason(facts) or _uneven_shards(module, facts)
-    if why:
-        return why
+    # engines tried on 2 gloo ranks, and how they failed
+    if facts.flat_params:
+        return ("flat parameters (FSDP1) drop torchao's MoE weight wrapper (the grouped GEMM then fails on a shape "
+                "mismatch)")
+    if facts.engine_owns_params:
+        return ("DeepSpeed's parameter handling cannot swap torchao's MoE weight wrapper (_apply(): Couldn't swap "
+                "MixtralExperts.gate_up_proj, ZeRO 2 and 3)")
+    shards = facts.shard_degree
+    if facts.dtensor_shards and shards and module.num_experts % shards:  # FSDP2 asserts on 3 ranks, 4 experts
+        return (f"{module.num_experts} experts do not split evenly over {shards} FSDP2 shards, and torchao's MoE "
+                "weight wrapper all-gathers only even shards (it does not pad); use a shard group size that divides "
+                "the experts")
     if getattr(module, "is_transposed", False):
         return "experts stored transposed (in, out): torchao's MoE conversion is wired for (E, out, in) weights"
     recipe, why = experts_recipe(cfg, hardware)
@@ -125,7 +108,6 @@ def experts_target(cfg, hardware: Hardware) -> str:
 
 
 def op_config(recipe: str):
-    """torchao's MoE training op config for ``recipe`` (what the experts are converted with)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
     return Float8TrainingOpConfig() if recipe == "fp8_rowwise" else mx_op_config(recipe)
@@ -145,8 +127,10 @@ def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) 
         model.get_submodule(name).register_state_dict_post_hook(_plain_state)
 
 
-def _wrapper(t: torch.Tensor):
-    """torchao's MoE training wrapper holding ``t`` (itself, or a DTensor's local shard), or None."""
+def _wrapper(t: torch.Tensor | None):
+    """torchao's training weight wrapper holding ``t`` (itself, or a DTensor's local shard), or None."""
+    if "torchao.prototype.moe_training" not in sys.modules:  # nothing can have been wrapped
+        return None
     from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
 
     local = getattr(t, "_local_tensor", t)
@@ -154,19 +138,16 @@ def _wrapper(t: torch.Tensor):
 
 
 def experts_gemm_formats(module: nn.Module) -> str | None:
-    """What a converted experts module's grouped GEMMs quantize to, read from torchao's op config on its weights
-    (None when they are not wrapped). Both recipes quantize inputs, weights and output gradients alike."""
-    import sys
-
-    from ..config.dtypes import dtype_name
-
-    if "torchao.prototype.moe_training" not in sys.modules:  # nothing can have been converted
-        return None
+    """What a converted experts module's grouped GEMMs quantize to, from torchao's op config on its weights (None:
+    not wrapped)."""
     wrapped = [w for w in map(_wrapper, module.parameters(recurse=False)) if w is not None]
     if not wrapped:
         return None
-    config = wrapped[0].config
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+    from ..config.dtypes import dtype_name
+
+    config = wrapped[0].config
 
     if isinstance(config, Float8TrainingOpConfig):
         return f"{dtype_name(config.float8_dtype)} fwd+grads (rowwise scales)"
@@ -174,7 +155,6 @@ def experts_gemm_formats(module: nn.Module) -> str | None:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The high-precision tensor inside torchao's MoE training wrapper (itself, or a DTensor's local shard)."""
     from torch.distributed.tensor import DTensor
 
     wrapped = _wrapper(t)
@@ -187,9 +167,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State dicts (checkpoints, exports) hold the experts' plain tensors, sharing the parameters' storage, so
-    they save and load like any weight (torchao's wrapper would be pickled as its class, which a weights-only
-    load refuses) and loading into them writes the parameters."""
+    """State dicts hold the plain tensors, sharing the parameters' storage: a weights-only load refuses torchao's
+    wrapper class."""
     for name, _ in module.named_parameters(recurse=False):
         if prefix + name in state_dict:
             state_dict[prefix + name] = _plain(state_dict[prefix + name])

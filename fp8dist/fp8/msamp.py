@@ -1,10 +1,6 @@
-"""MS-AMP: ``msamp.initialize(model, optimizer, opt_level)`` converts every nn.Linear to FP8 and the Adam/AdamW
-optimizer to MS-AMP's (O1: FP8 weights and gradients; O2: also FP8/FP16 optimizer states), so wrap_model takes an
-optimizer spec and returns the optimizer MS-AMP built; under DeepSpeed, ``msamp.deepspeed.initialize`` (O3: ZeRO).
-
-Written against MS-AMP's documented API; it is not on the package index and needs CUDA, so on CPU the wiring is
-tested through a stand-in, never counted as proof that MS-AMP works.
-"""
+"""MS-AMP: ``msamp.initialize(model, optimizer, opt_level)`` converts every nn.Linear and the Adam/AdamW optimizer
+(under DeepSpeed ``msamp.deepspeed.initialize``), so wrap_model takes an optimizer spec and returns MS-AMP's. Written
+against its documented API; it needs CUDA, so here only a stand-in tests the wiring, never proof that MS-AMP works."""
 
 from __future__ import annotations
 
@@ -24,8 +20,6 @@ from .base import EngineHooks, FP8Backend
 
 @dataclass(kw_only=True, frozen=True)
 class MSAMPConfig:
-    """MS-AMP's knobs (:attr:`FP8Backend.Config`)."""
-
     opt_level: Literal["O1", "O2", "O3"] = "O2"
     """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
 
@@ -46,8 +40,6 @@ _RULES = (
 
 
 class MSAMPBackend(FP8Backend):
-    """MS-AMP owns the optimizer: ``wrap_model`` needs an optimizer spec, from which MS-AMP builds it."""
-
     name = "msamp"
     package = "msamp"
     owns_optimizer = True
@@ -67,7 +59,6 @@ class MSAMPBackend(FP8Backend):
         return "msamp FP8 Linear"
 
     def check_plan(self, plan) -> None:
-        """``msamp.initialize`` converts every nn.Linear, with no layer filter."""
         kept = [e.name for e in plan if e.module_type == "Linear" and e.converted_to is None]
         if kept:
             raise ValueError(
@@ -76,9 +67,8 @@ class MSAMPBackend(FP8Backend):
                 "exclusion / make the dims multiples of 16.")
 
     def engine_hooks(self, optimizer, cfg, facts: StrategyFacts) -> EngineHooks:
-        """``msamp.initialize`` on the unwrapped model and its Adam/AdamW optimizer before the engine wraps it; an
-        engine that builds the optimizer itself goes through MS-AMP's own entry into it instead: the config's
-        "msamp" block and ``msamp.deepspeed.initialize`` (O3 is MS-AMP's FP8 ZeRO optimizer)."""
+        """``msamp.initialize`` before the engine wraps the model; an engine that builds the optimizer goes through
+        the config's "msamp" block and ``msamp.deepspeed.initialize`` instead (O3: MS-AMP's FP8 ZeRO)."""
         if facts.engine_builds_optimizer:
             from msamp import deepspeed as msamp_deepspeed
 
@@ -91,13 +81,12 @@ class MSAMPBackend(FP8Backend):
     checkpoint_refusal = ("MS-AMP's optimizer keeps ScalingTensor state that fp8dist cannot yet save safely. Use "
                           "fp8='te' or 'torchao', or MS-AMP's own checkpointing")
 
-    # accounting: MS-AMP's precision chart (derived: it cannot run here)
     derived_bytes = True
     saved_weight_bytes = 1
 
     def element_bytes(self, cfg, base, converted: bool, n_states: int):
-        """Converted Linear weights FP16 (O3: FP8 with an FP16 master), FP8 gradients; O2/O3 Adam states FP8 + FP16
-        for every parameter."""
+        """MS-AMP's precision chart: converted weights FP16 (O3: FP8 with an FP16 master), FP8 gradients; O2/O3 Adam
+        states FP8 + FP16 for every parameter."""
         level = cfg.precision.opt_level
         states, state_name = (base.states, base.dtypes[3]) if level == "O1" or n_states != 2 else (3, "fp8/fp16")
         if not converted:

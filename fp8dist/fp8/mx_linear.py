@@ -1,18 +1,6 @@
-"""MXFP8 for dense Linears through torchao's weight wrapper (``quantize_`` with ``MXFP8TrainingOpConfig``).
-
-The wrapped weight turns ``F.linear`` / ``mm`` / ``matmul`` / ``addmm`` called on it into torchao's ``mx_mm``:
-input, weight and output gradient quantized to e4m3 in 1x32 blocks with e8m0 scales, then an MXFP8 GEMM (cuBLAS /
-CUTLASS on sm_100+), or, with ``KernelPreference.EMULATED``, the same quantization and ``aten.mm`` on ``MXTensor``
-operands computed in high precision (any device: numerics and tests, no speed). fp8dist offers MXFP8 through the
-weight wrapper only: torchao's module swap (``Float8Linear``) has no MXFP8 recipe.
-
-NVFP4 (``torchao_recipe="nvfp4"``) is torchao 0.18's ``NVFP4TrainingConfig``
-(torchao/prototype/moe_training/nvfp4_training/nvfp4_training.py): ``quantize_`` swaps each nn.Linear for
-``NVFP4Linear``, whose three GEMMs run FP4 (``F.scaled_mm`` on ``float4_e2m1fn_x2``) after Triton quantize kernels
-(random Hadamard transform, stochastic rounding of gradients, 16x16 weight blocks). Triton only: no CPU or emulated
-form, so it is planned for a GPU target and refused elsewhere; its numerics are probed on a CPU with the emulated
-NVFP4 casts (:func:`fp8dist.fp8.casts.nvfp4_casts`).
-"""
+"""torchao's block-scaled recipes for dense Linears: MXFP8 through the weight wrapper (``quantize_`` with
+``MXFP8TrainingOpConfig``: e4m3 in 1x32 blocks, e8m0 scales; emulated GEMMs on any device), and NVFP4 through
+``NVFP4TrainingConfig``'s swap to ``NVFP4Linear`` (Triton only: planned for a GPU, probed with emulated casts)."""
 
 from __future__ import annotations
 
@@ -24,6 +12,8 @@ from torch.overrides import TorchFunctionMode
 
 from .base import dims_reason, fp8_hardware_reason
 from .casts import MX_BLOCK, USES, Casts, CastSpec
+from .conv1d import is_conv1d
+from .linear import plain_linear_reason
 
 __all__ = ["MX_RECIPES", "MX_WRAPPED", "MX_BYPASSED", "MXFP8_CAPABILITY", "is_mx", "mx_hardware_reason",
            "mx_op_config", "probe_config", "mx_linear_reason", "mx_linear_casts", "mx_gemm_words", "NVFP4_SWAPPED",
@@ -40,24 +30,26 @@ MXFP8_CAPABILITY = (10, 0)
 
 
 def is_mx(recipe: str) -> bool:
-    """Whether the torchao recipe ``recipe`` is MXFP8 (real or emulated)."""
     return recipe in MX_RECIPES
 
 
 def mx_hardware_reason(hardware) -> str | None:
-    """Why ``torchao_recipe='mxfp8'`` cannot run on ``hardware`` (MXFP8 GEMMs exist on sm_100+ only), with the ways
-    out; None where it can."""
+    """Why ``torchao_recipe='mxfp8'`` cannot run on ``hardware`` (sm_100+ only), with the ways out; None: it can."""
+    where = _not_sm100(hardware)
+    return where and (f"torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not {where}; "
+                      "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
+                      "(numerics and tests, no FP8 speed), or plan for it with --target b200")
+
+
+def _not_sm100(hardware) -> str | None:
+    """None on sm_100+; else the hardware as a refusal names it."""
     if fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY) is None:
         return None
-    where = hardware if hardware.type == "cuda" else f"device {hardware.type}"
-    return (f"torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not {where}; "
-            "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
-            "(numerics and tests, no FP8 speed), or plan for it with --target b200")
+    return str(hardware) if hardware.type == "cuda" else f"device {hardware.type}"
 
 
 def mx_op_config(recipe: str):
-    """torchao's ``MXFP8TrainingOpConfig`` for ``recipe``: its MXFP8_RCEIL recipe, or MXFP8_EMULATED_RCEIL (dense
-    Linears and MoE experts alike)."""
+    """torchao's ``MXFP8TrainingOpConfig`` for ``recipe`` (dense Linears and MoE experts alike)."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
 
     name = "MXFP8_EMULATED_RCEIL" if recipe == "mxfp8_emulated" else "MXFP8_RCEIL"
@@ -66,7 +58,7 @@ def mx_op_config(recipe: str):
 
 def probe_config(config):
     """``config`` as the CPU probe runs it: an MXFP8 op config with its GEMMs emulated (the same quantization and
-    the same wrapper dispatch, so whether a forward reaches the wrapper is answered alike); others unchanged."""
+    wrapper dispatch); others unchanged."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
     from torchao.quantization.quantize_.common import KernelPreference
 
@@ -82,11 +74,8 @@ MX_BYPASSED = ("its forward bypasses torchao's weight wrapper (e.g. x @ self.wei
 
 
 def mx_linear_reason(module: nn.Module) -> str | None:
-    """Why ``module``'s kind or dims keep it from MXFP8 through the weight wrapper; None when they do not (whether
-    its forward reaches the wrapper is asked apart: :data:`MX_BYPASSED`)."""
-    from .conv1d import is_conv1d
-    from .linear import plain_linear_reason
-
+    """Why ``module``'s kind or dims keep it from MXFP8 through the weight wrapper (whether its forward reaches the
+    wrapper is asked apart: :data:`MX_BYPASSED`); None when they do not."""
     if is_conv1d(module):
         return ("a Conv1D's addmm(bias, x, W) is not a call torchao's weight wrapper overrides, and MXFP8 runs "
                 "through the wrapper only; use a tensorwise / rowwise recipe to run it FP8")
@@ -94,8 +83,7 @@ def mx_linear_reason(module: nn.Module) -> str | None:
 
 
 def mx_linear_casts(config) -> Casts:
-    """The casts of torchao's ``MXFP8TrainingOpConfig`` ``config`` (a Linear's or MoE experts'): every operand e4m3
-    in 1x32 blocks (e8m0 scales), the weight-gradient GEMM in high precision with ``wgrad_with_hp``."""
+    """The casts of torchao's ``MXFP8TrainingOpConfig`` ``config`` (a Linear's or MoE experts')."""
     hp_wgrad = bool(config.wgrad_with_hp)
     return {use: None if hp_wgrad and use[1] == "grad_weight" else CastSpec(torch.float8_e4m3fn, "mx")
             for use in USES}
@@ -121,22 +109,16 @@ NVFP4_DIM = 128
 
 
 def nvfp4_hardware_reason(hardware) -> str | None:
-    """Why ``torchao_recipe='nvfp4'`` cannot run on ``hardware`` (FP4 GEMMs and Triton: CUDA sm_100+), with the
-    ways out; None where it can."""
-    if fp8_hardware_reason(hardware, min_capability=MXFP8_CAPABILITY) is None:
-        return None
-    where = hardware if hardware.type == "cuda" else f"device {hardware.type}"
-    return (f"torchao_recipe='nvfp4' needs FP4 tensor cores (CUDA sm_100+), not {where}: torchao's NVFP4 training "
-            "(NVFP4TrainingConfig) quantizes with Triton kernels only, with no CPU or emulated form. Plan for it with "
-            "--target b200, measure its numerics here with fp8dist probe --target b200 (emulated NVFP4 casts), or "
-            "train with torchao_recipe='mxfp8_emulated' on this device")
+    """Why ``torchao_recipe='nvfp4'`` cannot run on ``hardware`` (sm_100+ only), with the ways out; None: it can."""
+    where = _not_sm100(hardware)
+    return where and (f"torchao_recipe='nvfp4' needs FP4 tensor cores (CUDA sm_100+), not {where}: torchao's NVFP4 "
+                      "training (NVFP4TrainingConfig) quantizes with Triton kernels only, with no CPU or emulated "
+                      "form. Plan for it with --target b200, measure its numerics here with fp8dist probe --target "
+                      "b200 (emulated NVFP4 casts), or train with torchao_recipe='mxfp8_emulated' on this device")
 
 
 def nvfp4_linear_reason(module: nn.Module) -> str | None:
     """Why ``module``'s kind or dims keep it from torchao's NVFP4Linear; None when they do not."""
-    from .conv1d import is_conv1d
-    from .linear import plain_linear_reason
-
     if is_conv1d(module):
         return "a Conv1D: torchao's NVFP4 training swaps nn.Linear only; use a tensorwise / rowwise recipe"
     return plain_linear_reason(module) or dims_reason(
@@ -145,11 +127,11 @@ def nvfp4_linear_reason(module: nn.Module) -> str | None:
 
 def convert_nvfp4(model: nn.Module, names: set[str]) -> None:
     """Swap exactly the Linears ``names`` for torchao's ``NVFP4Linear`` (weights kept), then prove that an
-    NVFP4Linear runs FP4 GEMMs here. One Hadamard sign vector for all, the same on every rank (torchao draws one per
-    layer at random: replicas would then hold different buffers). Call before sharding, on a CUDA sm_100+ device."""
+    NVFP4Linear runs FP4 GEMMs here. Call before sharding, on a CUDA sm_100+ device."""
     from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear, NVFP4TrainingConfig
     from torchao.quantization import quantize_
 
+    # one Hadamard sign vector, the same on every rank (torchao draws one per layer: replicas would differ)
     signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(0)) * 2 - 1
     quantize_(model, NVFP4TrainingConfig(rht_sign_vector=signs), filter_fn=lambda m, fqn: fqn in names)
     missed = [n for n in sorted(names) if not isinstance(model.get_submodule(n), NVFP4Linear)]
@@ -161,8 +143,8 @@ def convert_nvfp4(model: nn.Module, names: set[str]) -> None:
 
 
 class FP4Gemms(TorchFunctionMode):
-    """Counts the scaled-mm calls on FP4 operands (``F.scaled_mm``, which NVFP4Linear calls, runs as
-    ``torch._scaled_mm_v2``: the mode sees that, not ``F.scaled_mm`` itself)."""
+    """Counts the scaled-mm calls on FP4 operands (NVFP4Linear's ``F.scaled_mm`` reaches the mode as
+    ``torch._scaled_mm_v2``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,8 +158,7 @@ class FP4Gemms(TorchFunctionMode):
 
 
 def _fp4_gemms() -> int:
-    """FP4 GEMMs in one forward of a bf16 128x128 ``NVFP4Linear`` on this CUDA device: every converted Linear runs
-    that class's forward, so one proves them all."""
+    """FP4 GEMMs in one forward of a bf16 128x128 ``NVFP4Linear`` here (every converted Linear runs that forward)."""
     from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
     module = NVFP4Linear(NVFP4_DIM, NVFP4_DIM, device="cuda", dtype=torch.bfloat16)

@@ -1,11 +1,6 @@
-"""The first and last GEMM a model runs, for ``keep_first_last_linear``: in execution order, which is not always
-the order modules are registered in (Phi-3 registers ``o_proj`` before ``qkv_proj``, which runs first).
-
-A Hugging Face causal LM is traced: a copy whose parameters and buffers are bf16 meta tensors (nothing allocated;
-bf16 because torch's grouped GEMMs of MoE experts take nothing else) runs one forward of a few tokens while hooks
-record the order its GEMM modules are called in (0.1-0.2 s). Any other model, or a failed trace, falls back to the
-declared order and says so. Deterministic on any machine: the plan stays a pure function of model and config.
-"""
+"""The first and last GEMM a model runs (``keep_first_last_linear``), in execution order, not registration order
+(Phi-3 registers ``o_proj`` before ``qkv_proj``): a Hugging Face causal LM's forward is traced on a bf16 meta copy
+(0.1-0.2 s, nothing allocated); any other model, or a failed trace, falls back to the declared order and says so."""
 
 from __future__ import annotations
 
@@ -39,7 +34,8 @@ class GemmOrder:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    """``model``'s modules with every tensor a bf16 (if floating) meta tensor of its shape; ties stay tied."""
+    """``model``'s modules with every tensor a meta tensor, bf16 if floating (torch's grouped GEMMs of MoE experts
+    take nothing else); ties stay tied."""
     memo: dict[int, object] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo:
@@ -52,7 +48,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
 
 
 def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
-    """The GEMM modules' names, once per call, in the order a meta-device forward calls them."""
     shadow = _meta_copy(model)
     calls: list[str] = []
     for name, module in shadow.named_modules():
@@ -65,22 +60,14 @@ def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
     return calls
 
 
-def _is_causal_lm(model: nn.Module) -> bool:
-    return getattr(model, "config", None) is not None and getattr(model, "main_input_name", None) == "input_ids"
-
-
 def gemm_order(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> GemmOrder:
-    """The modules of ``model`` for which ``is_gemm`` holds, in execution order (see the module's docstring).
-
-    Args:
-        model: the unwrapped model (real or on the meta device: it is neither changed nor run).
-        is_gemm: which modules count (e.g. ``nn.Linear`` and GPT-2's ``Conv1D``).
-    """
+    """The modules of ``model`` (real or meta; neither changed nor run) for which ``is_gemm`` holds, in execution
+    order."""
     declared = [name for name, module in model.named_modules() if is_gemm(module)]
     if not declared:
         return GemmOrder((), None, traced=False, why_declared="no GEMM module")
     calls, why = [], "not a Hugging Face causal LM: no input to trace it with"
-    if _is_causal_lm(model):
+    if getattr(model, "config", None) is not None and getattr(model, "main_input_name", None) == "input_ids":
         try:
             calls, why = _calls(model, is_gemm), "the traced forward ran none of them"
         except Exception as err:  # any model code may refuse the meta device; the declared order then stands

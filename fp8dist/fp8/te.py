@@ -1,11 +1,6 @@
-"""Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D (its state dict keeps the Conv1D's
-(in, out) layout), nn.LayerNorm -> te.LayerNorm, RMSNorm -> te.RMSNorm (weights copied); fused MoE experts through
-torchao's MoE grouped GEMMs (TE's GroupedLinear holds one weight per expert: no drop-in, as torchtitan found); the
-forward under TE's FP8 autocast with the configured recipe and amax reduction group.
-
-Written against TE 2.20's sources (``te.autocast``; before 2.9 ``te.fp8_autocast``, the new name used where it
-exists; recipes are pydantic dataclasses that drop unknown keywords). TE needs CUDA: on CPU the wiring is tested
-through a stand-in of that API, never counted as proof that TE itself works."""
+"""Transformer Engine: nn.Linear -> te.Linear, GPT-2's Conv1D -> TEConv1D, LayerNorm / RMSNorm -> TE's (weights
+copied), fused MoE experts through torchao's grouped GEMMs; the forward under TE's FP8 autocast. Written against TE
+2.20's sources; it needs CUDA, so here only a stand-in of that API tests the wiring, never proof that TE works."""
 
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims
                    linear_reason)
 from .casts import NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
-from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
-                  experts_target, is_experts, moe_routers, torchao_installed)
+from .moe import (convert_experts, experts_casts, experts_reason, experts_speed_recipe, experts_target, is_experts,
+                  moe_routers, torchao_installed)
 from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
 
 
@@ -45,8 +40,8 @@ def _rmsnorm_eps(module: nn.Module) -> float:
 
 
 def _te_module(te: Any, module: nn.Module, quantized: Any = None) -> nn.Module:
-    """The TE counterpart of ``module``, weights copied; a Linear created under ``te.quantized_model_init`` with the
-    recipe ``quantized`` where that is given (its weight then held only quantized)."""
+    """The TE counterpart of ``module``, weights copied; a Linear created under ``te.quantized_model_init(recipe=
+    quantized)`` where that is given."""
     if quantized is not None and (isinstance(module, nn.Linear) or is_conv1d(module)):
         with te.quantized_model_init(enabled=True, recipe=quantized):
             return _te_module(te, module)
@@ -73,45 +68,36 @@ _FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")
 
 @dataclass(kw_only=True, frozen=True)
 class TEConfig:
-    """Transformer Engine's knobs (:attr:`FP8Backend.Config`)."""
-
     te_recipe: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling), mxfp8
-    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 blocks for activations and
-    gradients, 128x128 for weights; sm_90+ and CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks
-    with e4m3 scales and a per-tensor scale, 16x16 weight blocks; sm_100+)."""
+    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 and 128x128 blocks; sm_90+ and
+    CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks with e4m3 scales; sm_100+)."""
     fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"when": _FP8_FORMATTED, "refused": {
         "E5M2": ("E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 "
                  "forward, E5M2 gradients) or 'E4M3'.")}})
-    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere. NVFP4 has its own (e2m1 values,
-    e4m3 block scales) and reads none."""
+    """TE FP8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 everywhere (NVFP4's format is fixed)."""
     margin: int = field(default=0, metadata={"when": _DELAYED, "min": 0})
     """TE delayed scaling: scale = (fp8 max / amax) / 2^margin."""
     interval: int = field(default=1, metadata={"when": _DELAYED, "min": 1})
-    """TE delayed scaling: steps between scale updates (TE 1.x). TE 2.x has no interval: 1 (the default) is
-    accepted for Accelerate compatibility, another value is an error naming the installed TE version."""
+    """TE delayed scaling: steps between scale updates (TE 1.x; TE 2.x has none: only 1, the default, is accepted)."""
     amax_history_len: int = field(default=1024, metadata={"when": _DELAYED, "min": 1})
     """TE delayed scaling: length of the amax history window."""
     amax_compute_algo: Literal["max", "most_recent"] = field(default="max", metadata={"when": _DELAYED})
     """TE delayed scaling: amax from the history's max or its most recent value (TE's default is max)."""
     override_linear_precision: tuple[bool, bool, bool] = field(default=(False, False, False),
                                                                metadata={"when": _DELAYED})
-    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision instead of FP8 (TE 1.x; TE 2.x's
-    DelayedScaling dropped it: a non-default value is an error there, naming the installed TE version)."""
+    """TE delayed scaling: run (fprop, dgrad, wgrad) GEMMs in higher precision (TE 1.x; TE 2.x: defaults only)."""
     use_autocast_during_eval: bool = False
     """TE: keep FP8 autocast in eval mode (off by default: evaluate in the strategy's precision)."""
     fp8_weights: bool = False
-    """TE: each converted te.Linear holds its weight only in the recipe's format, created under
-    ``te.quantized_model_init`` (TE >= 2.10, whose FSDP2 fix it needs; FSDP2 only): FSDP2 then shards and
-    all-gathers the quantized weight, and no bf16 copy of it is kept. The optimizer must keep fp32 master weights
-    (TE's ``te.optimizers.FusedAdam(..., master_weights=True)``, as TE's FSDP2 example does): a plain AdamW on
-    quantized weights loses every update smaller than their resolution. fp8dist does not build that optimizer."""
+    """TE: each converted te.Linear holds its weight only quantized (``te.quantized_model_init``; TE >= 2.10, FSDP2
+    only), sharded and all-gathered so, with no bf16 copy. The optimizer must keep fp32 master weights (TE's
+    ``FusedAdam(..., master_weights=True)``), which fp8dist does not build."""
 
 
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
-    """Run ``module``'s forward under TE's FP8 autocast with ``fp8_recipe``, amax reduced over ``group``, while
-    training (and in eval if ``during_eval``). The instance ``forward`` is replaced after sharding, so FSDP2's
-    pre/post-forward hooks, which ``__call__`` runs around ``forward``, stay in place."""
+    """Run ``module``'s forward under TE's FP8 autocast while training (and in eval if ``during_eval``). Replaces the
+    instance ``forward`` after sharding, so FSDP2's hooks, which ``__call__`` runs around it, stay in place."""
     import transformer_engine.pytorch as te
 
     forward = module.forward
@@ -185,8 +171,8 @@ class TEBackend(FP8Backend):
         return None
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
-        """sm_89+ (FP8 tensor cores) for delayed and current scaling; the capability :data:`GATES` names for the
-        block-scaled recipes, refused with the recipes the device does run."""
+        """sm_89+ for delayed and current scaling; :data:`GATES` for the block-scaled recipes, refused with those the
+        device runs."""
         recipe = cfg.precision.te_recipe
         if recipe not in GATES:
             return fp8_hardware_reason(hardware)
@@ -219,14 +205,11 @@ class TEBackend(FP8Backend):
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """A module whose weight is tied to another module's (an output head tied to the embedding) keeps it:
-        TE's modules allocate their own weight, which would untie them silently. MoE routers stay in high
-        precision, as under torchao."""
         owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
             for p in module.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(name)
-        out = dict.fromkeys(moe_routers(model), ROUTER_REASON)
+        out = moe_routers(model)
         for name, module in model.named_modules():
             tied = [n for n in owners.get(id(getattr(module, "weight", None)), ()) if n != name]
             if tied and self.supports(module):
@@ -254,7 +237,6 @@ class TEBackend(FP8Backend):
         return None
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Swap every module the plan converts for its TE counterpart, weights and biases copied exactly."""
         import transformer_engine.pytorch as te
 
         recipe = build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
@@ -267,8 +249,6 @@ class TEBackend(FP8Backend):
             model.set_submodule(name, _te_module(te, model.get_submodule(name), quantized))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
-        """FP8 autocast around the user's model's forward (``inner``), amax reduced over ``group`` (default: the
-        world group); under flat parameters (FSDP1), TE's own preparation of the root (``model``) first."""
         if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
@@ -279,12 +259,9 @@ class TEBackend(FP8Backend):
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
-    # plan: the speed model's recipes, and TE's casts as the numerics probe emulates them (TE needs a GPU)
     speed_recipes = ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        """``te_<recipe>`` where the speed model has that recipe; else (None, why): the layers convert as under
-        ``fp8_select='all'``, unpredicted."""
         from ..plan.speed.recipes import RECIPES
 
         if grouped:
@@ -296,7 +273,6 @@ class TEBackend(FP8Backend):
                       f"te_recipe={cfg.precision.te_recipe!r}")
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
-        """TE's recipe: HYBRID casts gradients to e5m2, E4M3 everything to e4m3; MoE experts as torchao casts them."""
         if grouped:
             return experts_casts(cfg, hardware)
         p = cfg.precision
@@ -319,9 +295,8 @@ class TEBackend(FP8Backend):
     accelerate_backend = "TE"
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
-        """Transformer Engine as its documentation wires a Hugging Face Llama: every nn.Linear -> te.Linear and
-        every LlamaRMSNorm -> te.RMSNorm, weights copied; the forward under ``te.autocast`` with TE's default
-        DelayedScaling, amax reduced over the world group."""
+        """TE as its documentation wires a Hugging Face Llama: nn.Linear -> te.Linear, LlamaRMSNorm -> te.RMSNorm,
+        the forward under ``te.autocast`` with the default DelayedScaling over the world group."""
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import DelayedScaling
 
@@ -335,27 +310,24 @@ class TEBackend(FP8Backend):
 
     extra_state = "Transformer Engine FP8 state (scales and amax history, in `_extra_state`)"
 
-    # accounting: derived from TE's documentation (it cannot run here)
     derived_bytes = True
     saved_weight_bytes = 2
 
     def element_bytes(self, cfg, base, converted: bool, n_states: int):
-        """``fp8_weights``: a converted weight held in 1 byte (FP8; NVFP4's 4 bits and scales counted as 1) and an
-        fp32 master copy the optimizer must keep (TE's FusedAdam(master_weights=True)); otherwise unchanged."""
+        """``fp8_weights``: a converted weight in 1 byte (NVFP4's 4 bits and scales counted as 1) and an fp32 master
+        copy the optimizer must keep; otherwise unchanged."""
         if not (converted and cfg.precision.fp8_weights):
             return base
         return dataclasses.replace(base, weight=1, master=base.master or 4,
                                    dtypes=("fp8", base.dtypes[1] if base.master else "fp32", *base.dtypes[2:]))
 
     def fp8_state_bytes(self, cfg, plan) -> int:
-        """DelayedScaling keeps, per FP8 ``te.Linear``, a scale and an ``amax_history_len`` amax history (fp32) for
-        each of its 5 FP8 tensors: input, weight, output forward; output and input gradients backward (TE 2.x keeps
-        no separate scale_inv there). Current scaling keeps none."""
+        """DelayedScaling keeps, per FP8 ``te.Linear``, an fp32 scale and amax history for each of its 5 FP8 tensors
+        (input, weight, output; output and input gradients; TE 2.x keeps no separate scale_inv). Current: none."""
         history = cfg.precision.amax_history_len if cfg.precision.te_recipe == "delayed" else 0
         return sum(not e.grouped for e in plan.fp8) * 5 * 4 * (1 + history) if history else 0
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
-        """From the recipe the forward runs under: HYBRID is E4M3 forward, E5M2 gradients."""
         recipe = wiring.autocast_recipe
         if recipe is None:
             return None

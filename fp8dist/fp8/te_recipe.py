@@ -1,7 +1,6 @@
-"""Transformer Engine's recipes as fp8dist builds them: the recipe object for a config (:func:`build_recipe`), what
-each block-scaled recipe needs of the GPU (:data:`GATES`), the DelayedScaling knobs TE 2.x dropped, and the recipes
-whose casts the numerics probe does not model. Read from TE 2.20.2's sources (transformer_engine/common/recipe,
-transformer_engine/pytorch/quantization.py)."""
+"""Transformer Engine's recipes as fp8dist builds them (:func:`build_recipe`), what each block-scaled one needs of the
+GPU (:data:`GATES`), the DelayedScaling knobs TE 2.x dropped, the recipes the numerics probe does not model. Read from
+TE 2.20.2's sources (transformer_engine/common/recipe, transformer_engine/pytorch/quantization.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from typing import Any
 GATES = {"mxfp8": ((10, 0), "MXFP8BlockScaling", "Blackwell"),
          "blockwise": ((9, 0), "Float8BlockScaling", "Hopper"),
          "nvfp4": ((10, 0), "NVFP4BlockScaling", "Blackwell")}
-"""The recipes that need more than FP8 tensor cores (sm_89+): the capability TE 2.20 checks before it runs them
-(transformer_engine/pytorch/quantization.py: ``_compute_{mxfp8,fp8_block_scaling,nvfp4}_support``), the class."""
+"""Recipes that need more than sm_89: the capability TE 2.20 checks (``_compute_*_support``), class, architecture."""
 
 BLOCKWISE_CUDA = (12, 9)
 """Float8BlockScaling's block-scaled GEMMs need a CUDA build >= 12.9 as well as sm_90 (TE 2.20's check)."""
@@ -23,8 +21,13 @@ _RETIRED_KNOBS = {
                                   "backward GEMMs from high-precision operands, which fp8dist does not offer yet"),
     "interval": "TE 2.x updates the scales after every step; nothing replaced it",
 }
-"""DelayedScaling knobs that Transformer Engine 2.x dropped (its recipes silently ignore them), and what, if
-anything, took their place (read from TE 2.20's transformer_engine/common/recipe)."""
+"""DelayedScaling knobs that TE 2.x dropped (its recipes silently ignore them), and what, if anything, replaced them."""
+
+
+def _te_version(unknown: str = "unknown") -> str:
+    import transformer_engine
+
+    return getattr(transformer_engine, "__version__", unknown)
 
 
 def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
@@ -38,23 +41,15 @@ def _delayed_knobs(recipe_cls: type, precision: Any) -> dict[str, Any]:
         if name in have:
             out[name] = value
         elif value != defaults[name]:
-            import transformer_engine
-
-            version = getattr(transformer_engine, "__version__", "unknown")
-            raise ValueError(f"{name}={value!r}: Transformer Engine {version}'s DelayedScaling has no {name} and "
+            raise ValueError(f"{name}={value!r}: Transformer Engine {_te_version()}'s DelayedScaling has no {name} and "
                              f"would drop it without a word ({replaced}). Leave {name} at its default "
                              f"{defaults[name]!r}, or install a Transformer Engine whose DelayedScaling takes it.")
     return out
 
 
 def build_recipe(cfg) -> Any:
-    """The TE recipe object for the config (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
-    Float8BlockScaling or NVFP4BlockScaling: TE's defaults but the format), with the knobs the installed TE has; a
-    knob it lacks set to a non-default value is an error (:func:`_delayed_knobs`).
-
-    Raises:
-        ValueError: such a knob, or a recipe the installed TE does not have.
-    """
+    """The TE recipe object for the config (TE's defaults but the format and DelayedScaling's knobs). Raises
+    ValueError for a recipe the installed TE lacks, or a knob it lacks set to a non-default value."""
     from transformer_engine.common import recipe
 
     p = cfg.precision.knobs("te")  # TEConfig: its defaults tell a retired knob's non-default value
@@ -66,11 +61,8 @@ def build_recipe(cfg) -> Any:
     if p.te_recipe in ("blockwise", "nvfp4"):
         name = GATES[p.te_recipe][1]
         if not hasattr(recipe, name):
-            import transformer_engine
-
-            version = getattr(transformer_engine, "__version__", "unknown")
-            raise ValueError(f"te_recipe={p.te_recipe!r}: Transformer Engine {version} has no recipe.{name}. Install "
-                             "a newer Transformer Engine (2.20 has it), or choose te_recipe='current'.")
+            raise ValueError(f"te_recipe={p.te_recipe!r}: Transformer Engine {_te_version()} has no recipe.{name}. "
+                             "Install a newer Transformer Engine (2.20 has it), or choose te_recipe='current'.")
         # NVFP4's fp8_format is its block scales' (E4M3, the only one TE accepts): fp8_format is not passed
         return getattr(recipe, name)() if p.te_recipe == "nvfp4" else getattr(recipe, name)(fp8_format=fmt)
     return recipe.DelayedScaling(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
@@ -84,11 +76,11 @@ NO_CASTS = {
                   "scale per tensor: coarser blocks, so usually larger errors than blockwise's), or run without a "
                   "probe."),
 }
-"""Why the probe refuses the recipes whose casts :mod:`fp8dist.fp8.casts` does not model, and what to do."""
+"""Why the probe refuses the recipes whose casts it does not model, and what to do."""
 
 
 QUANTIZED_INIT_TE = (2, 10)
-"""TE's first release whose quantized weights (``quantized_model_init``) work under FSDP2 (TE issue #1688)."""
+"""TE's first release whose ``quantized_model_init`` works under FSDP2 (TE issue #1688)."""
 
 
 QUANTIZED_OPTIMIZER_NOTE = (
@@ -96,14 +88,12 @@ QUANTIZED_OPTIMIZER_NOTE = (
     "master weights: build it as te.optimizers.FusedAdam(model.parameters(), master_weights=True, "
     "master_weight_dtype=torch.float32) (TE's FSDP2 example). A plain torch optimizer would step the quantized "
     "weights themselves and lose every update smaller than their resolution; fp8dist does not build it for you yet.")
-"""Said once per ``wrap_model`` with ``fp8_weights``: the optimizer it needs, which fp8dist does not build yet."""
+"""Warned once per ``wrap_model`` with ``fp8_weights``."""
 
 
 def quantized_init_recipe(te: Any, recipe: Any) -> Any:
     """``recipe``, once the installed TE is one whose quantized weights work under FSDP2 (>= 2.10)."""
-    import transformer_engine
-
-    version = getattr(transformer_engine, "__version__", "0")
+    version = _te_version("0")
     release = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
     if release < QUANTIZED_INIT_TE or not hasattr(te, "quantized_model_init"):
         raise ValueError(f"fp8_weights=True: Transformer Engine {version} is older than 2.10, whose "

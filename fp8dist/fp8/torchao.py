@@ -1,7 +1,5 @@
-"""torchao float8 training on the plan's Linear layers, by either of torchao's APIs: the module swap
-(``convert_to_float8_training``; FP8 all-gather under FSDP2 with the scale precompute wired to every optimizer step
-of the model's optimizer) or the weight wrapper (``quantize_`` with ``Float8TrainingOpConfig``; see
-:mod:`fp8dist.fp8.weight_wrapper`)."""
+"""torchao float8 training on the plan's layers, by the module swap (``convert_to_float8_training``; FP8 all-gather
+under FSDP2, its scales precomputed after every optimizer step) or the weight wrapper (:mod:`.weight_wrapper`)."""
 
 from __future__ import annotations
 
@@ -28,17 +26,18 @@ from .weight_wrapper import (BYPASSED, WRAPPED, check_fp8_ran as _check_fp8_ran,
                              wrap_linears, wrapped_weight_config, wrapper_reaches)
 from .torchao_config import (MIXED, TorchaoConfig, float8_config, fp8_all_gather, gathers_fp8 as _gathers_fp8,
                              torchao_api)
-from .moe import (ROUTER_REASON, convert_experts, experts_casts, experts_reason, experts_speed_recipe,
-                  experts_target, is_experts, moe_routers, torchao_installed)
+from .moe import (convert_experts, experts_casts, experts_reason, experts_speed_recipe, experts_target, is_experts,
+                  moe_routers, torchao_installed)
 
 
 _WRAPPER = "torchao's weight wrapper"
 
 
 def _autocast_low(cfg, facts: StrategyFacts) -> bool:
-    """Autocast runs the forward in a low dtype (strategy none or DDP with bf16/fp16): what MXFP8's Linear and
-    rowwise_with_gw_hp's high-precision weight-gradient GEMM fail under."""
+    """Autocast runs the forward in a low dtype: MXFP8 and rowwise_with_gw_hp's weight-gradient GEMM fail there."""
     return facts.autocast_forward and cfg.parallel.param_dtype != "fp32"
+
+
 _RULES = (
     Rule(("torchao_api", "torchao_recipe"),
          lambda cfg, facts: torchao_api(cfg) == "module_swap" and is_mx(cfg.precision.torchao_recipe),
@@ -141,8 +140,7 @@ class TorchaoBackend(FP8Backend):
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
-        """The first and last Linear (or GPT-2 Conv1D) to run stay in high precision if ``keep_first_last_linear``."""
-        routers = dict.fromkeys(moe_routers(model), ROUTER_REASON)
+        routers = moe_routers(model)
         if not cfg.precision.keep_first_last_linear:
             return routers
         order = gemm_order(model, without_adapters(model, plain_linear_like))  # lora: base layers only
@@ -153,11 +151,8 @@ class TorchaoBackend(FP8Backend):
                               for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Convert exactly the plan's FP8 layers: Linears swapped for ``Float8Linear`` or their weights wrapped
-        (``torchao_api``; the plan's target says which), Conv1Ds swapped for ``Float8Conv1D``, MoE experts into
-        torchao's MoE training form, each layer by its own recipe where the plan picked one per layer
-        (torchao_recipe='auto': one conversion per recipe); then check that every converted Linear runs an FP8
-        GEMM."""
+        """Convert exactly the plan's FP8 layers, each by its own recipe where the plan picked one per layer, then
+        check that every converted Linear runs an FP8 GEMM."""
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, {e.name for e in plan.fp8 if _gathers_fp8(e)}, cfg, plan.facts)
@@ -183,8 +178,7 @@ class TorchaoBackend(FP8Backend):
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
 
     def _convert_dense(self, model: nn.Module, entries: list, layer, facts: StrategyFacts) -> tuple[set[str], set[str]]:
-        """The plan's FP8 Linears and Conv1Ds ``entries``, all of one recipe (``layer``: the config with their
-        recipe, :meth:`layer_config`); returns the Linears swapped and those wrapped."""
+        """Convert ``entries``, all of the recipe in ``layer``; returns the Linears swapped and those wrapped."""
         from torchao.float8 import convert_to_float8_training
 
         names = {e.name for e in entries}
@@ -202,8 +196,7 @@ class TorchaoBackend(FP8Backend):
         return linears, wrapped
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
-        """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer that holds this
-        model's parameters (one all-reduce, as ``precompute_float8_dynamic_scale_for_fsdp`` documents)."""
+        """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer over this model."""
         from .frozen import cache_frozen_shards
 
         precompute = any(_gathers_fp8(e) for e in plan.fp8) and fp8_all_gather(cfg, plan.facts)
@@ -212,11 +205,9 @@ class TorchaoBackend(FP8Backend):
             STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
 
-    # plan: the speed model's recipes and the casts the numerics probe runs (torchao's own functions)
     speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4")
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        """The speed model names each torchao Linear recipe as torchao does; emulated MXFP8 has no speed."""
         if grouped:
             return experts_speed_recipe(cfg, hardware)
         if cfg.precision.torchao_recipe == "mxfp8_emulated":
@@ -226,15 +217,12 @@ class TorchaoBackend(FP8Backend):
         return cfg.precision.torchao_recipe, ""
 
     def mixed_recipes(self, cfg, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
-        """Under torchao_recipe='auto', the module swap's recipes (:data:`MIXED`) but rowwise_with_gw_hp where
-        autocast runs the forward in a low dtype (its weight-gradient GEMM fails there: a rule of one recipe)."""
+        """Under torchao_recipe='auto', :data:`MIXED` but rowwise_with_gw_hp where :func:`_autocast_low`."""
         if cfg.precision.torchao_recipe != "auto":
             return ()
         return tuple(r for r in MIXED if not (_autocast_low(cfg, facts) and r == "rowwise_with_gw_hp"))
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
-        """One source: the casts of the ``Float8LinearConfig`` fp8dist converts with (MXFP8: torchao's
-        ``MXFP8TrainingOpConfig``, 1x32 blocks)."""
         if grouped:
             return experts_casts(cfg, hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
@@ -251,9 +239,8 @@ class TorchaoBackend(FP8Backend):
     variant_option = "torchao_recipe"
 
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
-        """``convert_to_float8_training`` as torchao documents it: every nn.Linear but the first and the last, dims
-        multiples of 16, tensorwise; under per-parameter DTensor shards FP8 all-gather, the scales precomputed
-        after each optimizer step."""
+        """``convert_to_float8_training`` as torchao documents it: tensorwise, every nn.Linear but the first and the
+        last, dims multiples of 16; under DTensor shards FP8 all-gather, its scales precomputed after each step."""
         from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
                                     precompute_float8_dynamic_scale_for_fsdp as precompute)
 
@@ -266,7 +253,6 @@ class TorchaoBackend(FP8Backend):
         after_step = (lambda: precompute(model)) if facts.dtensor_shards else (lambda: None)
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
 
-    # checkpoint: the precomputed FP8 all-gather scales belong to the weights before loading
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
         if wiring.scale_precompute:
             _precompute(model, None)
@@ -276,8 +262,6 @@ class TorchaoBackend(FP8Backend):
     health_telemetry = True
 
     def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
-        """A frozen Float8Linear's weight (:mod:`fp8dist.fp8.frozen`): no weight-gradient GEMM; with tensorwise
-        scaling its FP8 shard (FP8 all-gather) or whole weight (held whole) is cast once and kept."""
         p, skip = cfg.precision, "; no weight-gradient GEMM"
         if torchao_api(cfg) != "module_swap" or is_mx(p.torchao_recipe):
             return FrozenWeights(how=f"{_WRAPPER} casts a frozen weight every step, as a trainable one")
@@ -296,8 +280,7 @@ class TorchaoBackend(FP8Backend):
         return FrozenWeights(1, 4, False, f"FP8 weight cast once, for the forward and input-gradient GEMMs{skip}")
 
     def fp8_state_bytes(self, cfg, plan) -> int:
-        """Dynamic scaling keeps only the fp32 weight scale FP8 all-gather precomputes after each step, per FP8
-        Linear; MoE experts in FP8 grouped GEMMs keep none (their scales are computed inside each GEMM)."""
+        """The fp32 weight scale FP8 all-gather precomputes, per FP8 Linear (MoE experts' scales live in the GEMM)."""
         return 4 * sum(_gathers_fp8(e) for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
@@ -312,8 +295,6 @@ class TorchaoBackend(FP8Backend):
         return f"fp8 e4m3 (FP8 all-gather{some})"  # some: torchao_recipe='auto', its tensorwise layers
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
-        """From the module's ``Float8LinearConfig`` (the weight wrapper's, for a wrapped weight): forward and
-        gradient formats and the scaling granularity."""
         wrapper = wrapped_weight_config(module)
         if wrapper is not None and not hasattr(wrapper, "_float8_linear_config"):  # MXFP8's op config
             return mx_gemm_words(wrapper)
@@ -326,7 +307,6 @@ class TorchaoBackend(FP8Backend):
         return f"{fwd} fwd, {bwd.removeprefix('fp8 ')} grads ({how})"
 
     Config = TorchaoConfig
-    # bench: module_swap and weight_wrapper side by side (issue 42)
     more_variant_options = ("torchao_api",)
 
 
@@ -334,16 +314,15 @@ BACKEND = TorchaoBackend()
 
 
 def _reaches(module: nn.Module, cfg) -> bool:
-    """Whether torchao's weight wrapper reaches ``module``'s GEMM with the configured recipe; planned where torchao
-    is not installed (for another machine), only nn.Linear's own F.linear is sure to."""
+    """Whether torchao's weight wrapper reaches ``module``'s GEMM; without torchao (planning for another machine)
+    only nn.Linear's own forward is sure to."""
     if not torchao_installed():
         return type(module).forward is nn.Linear.forward
     return wrapper_reaches(module, cfg.precision.torchao_recipe)
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:
-    """torchao's FP8 all-gather fails on uneven FSDP2 shards (gloo: "Received data size doesn't match";
-    pytorch/ao#3982): refuse before converting, with the ways out."""
+    """Refuse uneven FSDP2 shards before converting: torchao's FP8 all-gather fails on them (pytorch/ao#3982)."""
     shards = facts.shard_degree
     if not fp8_all_gather(cfg, facts) or not shards or shards == 1:
         return
@@ -359,7 +338,6 @@ def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFa
 
 
 def _precompute(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """After each step (and a load): the scales of the weights that train; a frozen shard's cast is kept instead."""
     from .frozen import cache_frozen_shards, precompute_trainable
 
     cache_frozen_shards(model)

@@ -1,14 +1,6 @@
-"""torchao's weight-wrapper training API on dense Linears, and the proof that a layer's FP8 GEMM runs.
-
-torchao 0.18 ships, beside the module swap (``convert_to_float8_training``), a tensor subclass for weights:
-``quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=...))`` wraps each weight, and the wrapped weight
-turns ``F.linear`` / ``mm`` / ``matmul`` / ``addmm`` *called on it* into torchao's FP8 GEMM. The module keeps its
-class and its forward. The catch: a forward that transforms the weight first (Falcon's ``x @ self.weight.T``)
-unwraps it, and its GEMM runs in high precision without an error. So fp8dist never takes the wrapper on trust: it
-runs each layer's own forward on a small copy holding a wrapped weight and counts torchao's FP8 GEMMs
-(:class:`FP8Gemms`); a layer the wrapper does not reach is swapped for ``Float8Linear`` instead (the plan says so),
-and after conversion every planned FP8 Linear is checked the same way.
-"""
+"""torchao's weight wrapper (``quantize_`` with ``Float8TrainingOpConfig``): F.linear / mm / matmul / addmm called on
+the wrapped weight run FP8, but a forward that transforms it first (Falcon's ``x @ self.weight.T``) silently runs in
+high precision: each layer's own forward is run on a small wrapped copy and its FP8 GEMMs counted, before and after."""
 
 from __future__ import annotations
 
@@ -26,12 +18,9 @@ _PROBE_ROWS = (2, 16)  # (batch, sequence) of the probe input
 
 
 class FP8Gemms(TorchDispatchMode):
-    """Counts torchao's FP8 GEMMs: ``aten.mm`` on two ``Float8TrainingTensor`` operands, which torchao runs as
-    ``torch._scaled_mm`` (the mode sees the mm; the ``_scaled_mm`` inside torchao's dispatch runs below it). The
-    module swap (``Float8Linear``) and the weight wrapper both end there (torchao.float8's
-    ``matmul_with_hp_or_float8_args``). MXFP8 GEMMs count too: ``aten.mm`` on two ``MXTensor`` operands (torchao's
-    ``mx_mm``, whose MXTensor dispatch runs the MXFP8 GEMM or, emulated, its high-precision equivalent); ``mx``
-    counts those alone."""
+    """Counts torchao's FP8 GEMMs (module swap and weight wrapper alike): ``aten.mm`` on two ``Float8TrainingTensor``
+    operands (the ``_scaled_mm`` inside torchao's dispatch runs below the mode) or two ``MXTensor`` ones (MXFP8,
+    real or emulated; ``mx`` counts those alone)."""
 
     def __init__(self):
         super().__init__()
@@ -48,8 +37,7 @@ class FP8Gemms(TorchDispatchMode):
 
 
 def op_config(recipe: str):
-    """torchao's op config for the dense Linear ``recipe``: ``Float8TrainingOpConfig`` (tensorwise, rowwise,
-    rowwise_with_gw_hp) or ``MXFP8TrainingOpConfig`` (mxfp8, mxfp8_emulated)."""
+    """torchao's op config for the dense Linear ``recipe`` (``Float8TrainingOpConfig`` or MXFP8's)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
     from .mx_linear import is_mx, mx_op_config
@@ -70,24 +58,16 @@ def _wrapped(t: torch.Tensor, config) -> nn.Parameter:
 
 
 def wrapped_weight_config(module: nn.Module):
-    """The op config of torchao's weight wrapper on ``module.weight`` (itself or a DTensor's local shard), or
-    None when the weight is not wrapped (or torchao was never imported: nothing can be wrapped)."""
-    import sys
+    """The op config of torchao's weight wrapper on ``module.weight``, or None when it is not wrapped."""
+    from .moe import _wrapper
 
-    if "torchao.prototype.moe_training" not in sys.modules:
-        return None
-    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
-
-    weight = getattr(module, "weight", None)
-    local = getattr(weight, "_local_tensor", weight)
-    return local.config if isinstance(local, TrainingWeightWrapperBaseTensor) else None
+    wrapper = _wrapper(getattr(module, "weight", None))
+    return None if wrapper is None else wrapper.config
 
 
 def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
-    """torchao FP8 GEMMs that ``module``'s own forward runs on a small random input, on a small copy of it (its
-    weight wrapped with ``wrap_config`` when given; otherwise as converted); MXFP8 GEMMs only, for an MXFP8 op
-    config. Works on meta modules (the copy is
-    on the CPU); the module itself is untouched. Returns the count (0: no FP8 GEMM ran)."""
+    """torchao FP8 GEMMs (MX ones only, for an MXFP8 op config) that ``module``'s own forward runs on a small copy
+    of it (its weight wrapped with ``wrap_config`` when given; otherwise as converted), meta modules too."""
     from .linear import _small_copy
     from .mx_linear import probe_config
 
@@ -106,24 +86,17 @@ def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
             subject.forward(x)
         except Exception:  # a forward that refuses the wrapped weight runs no FP8 GEMM either
             return 0
-    return gemms.mx if _is_mx_config(wrap_config) else gemms.count  # an MXFP8 layer counts MX GEMMs only
-
-
-def _is_mx_config(config) -> bool:
-    return type(config).__name__ == "MXFP8TrainingOpConfig"
+    return gemms.mx if type(wrap_config).__name__ == "MXFP8TrainingOpConfig" else gemms.count
 
 
 def wrapper_reaches(module: nn.Module, recipe: str) -> bool:
-    """Whether torchao's weight wrapper turns ``module``'s GEMM into FP8: its own forward, run on a small copy with
-    a wrapped weight, ran an FP8 GEMM. False for Falcon's ``x @ self.weight.T`` (the transpose unwraps it)."""
+    """Whether torchao's weight wrapper turns ``module``'s GEMM into FP8 (False for Falcon's ``x @ self.weight.T``)."""
     return fp8_gemms_in_forward(module, op_config(recipe)) > 0
 
 
 def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
-    """``quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=recipe))`` on exactly the Linears ``names``
-    (their weight and bias wrapped: torchao's own conversion). A parameter shared with another module (a tied
-    output head and embedding) stays shared: the wrapped one replaces it everywhere. Call before sharding. State
-    dicts keep holding plain tensors (as for MoE experts), so checkpoints and exports load anywhere."""
+    """torchao's ``quantize_`` on exactly the Linears ``names``; a tied parameter stays tied and state dicts hold
+    plain tensors. Call before sharding."""
     from torchao.quantization import quantize_
 
     from .moe import _plain_state
@@ -145,7 +118,7 @@ def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
 
 
 def unproven_fp8(model: nn.Module, names: list[str]) -> list[str]:
-    """The converted Linears among ``names`` whose forward, run on a small copy as converted, ran no FP8 GEMM."""
+    """The converted Linears among ``names`` whose forward ran no FP8 GEMM."""
     return [name for name in names if fp8_gemms_in_forward(model.get_submodule(name)) == 0]
 
 
@@ -167,7 +140,7 @@ def say_bypassed(plan) -> None:
 
 
 def check_fp8_ran(model: nn.Module, names: list[str]) -> None:
-    """Every converted Linear runs an FP8 GEMM (its forward, on a small copy as converted): no FP8 promise unproven."""
+    """Raise unless every converted Linear among ``names`` runs an FP8 GEMM."""
     unproven = unproven_fp8(model, names)
     if unproven:
         raise RuntimeError(
