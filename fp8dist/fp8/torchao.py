@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import dtype_name
+from ..config.text import listing
 from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
@@ -329,10 +330,9 @@ def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFa
     uneven = [f"{n} ({m.weight.shape[0]} rows)" for n, m in model.named_modules()  # Conv1D: (in, out)
               if n in names and m.weight.shape[0] % shards]
     if uneven:
-        more = f" and {len(uneven) - 3} more" if len(uneven) > 3 else ""
         raise ValueError(
             f"FP8 all-gather (torchao under FSDP2) needs every FP8 weight's rows divisible by the {shards} ranks; "
-            f"{', '.join(uneven[:3])}{more} are not, and torchao's FP8 all-gather of uneven shards fails "
+            f"{listing(uneven)} are not, and torchao's FP8 all-gather of uneven shards fails "
             "(pytorch/ao#3982). Pass fp8_all_gather=False (bf16 all-gather, FP8 GEMMs kept), keep these layers "
             "out of FP8 with fp8_exclude, or use a shard group size that divides their rows.")
 

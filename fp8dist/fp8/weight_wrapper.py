@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config.text import listing
+
 __all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "fp8_gemms_in_forward", "wrapper_reaches",
            "wrap_linears", "unproven_fp8", "WRAPPED", "BYPASSED", "say_bypassed", "check_fp8_ran"]
 
@@ -132,8 +134,7 @@ def say_bypassed(plan) -> None:
     """A warning naming the Linears swapped because torchao's weight wrapper would not have reached their GEMM."""
     bypassed = [f"{e.name} ({e.module_type})" for e in plan.fp8 if e.converted_to == BYPASSED]
     if bypassed:
-        more = f" and {len(bypassed) - 3} more" if len(bypassed) > 3 else ""
-        warnings.warn(f"torchao_api='weight_wrapper': the forward of {', '.join(bypassed[:3])}{more} unwraps "
+        warnings.warn(f"torchao_api='weight_wrapper': the forward of {listing(bypassed)} unwraps "
                       "torchao's weight wrapper (e.g. x @ self.weight.T), so its GEMM would run in high precision; "
                       "fp8dist swaps these for Float8Linear (torchao's module swap, same recipe) instead, as the "
                       "plan says", stacklevel=3)
