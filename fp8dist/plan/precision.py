@@ -84,7 +84,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """The machine planned for: the training device, or a named target."""
         self.facts = facts
         """What the strategy does to parameters: the backends read these, never the strategy's name."""
-        self.backend, self.strategy, self.memory, self.detail = backend, strategy, memory, detail
+        self.backend, self.strategy, self.detail = backend, strategy, detail
+        self.memory = memory
+        """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
         self.unavailable = unavailable
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
         self.notes = tuple(notes)

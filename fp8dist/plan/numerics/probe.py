@@ -34,12 +34,13 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
     Args:
         model: the unwrapped model, with real weights or on the meta device (then materialized in a copy, from
-            ``pretrained=`` when given, else by its own initialization).
+            ``pretrained=`` when given, else by its own initialization; the model passed stays as it was).
         batches: token id tensors (run as ``model(input_ids=b, labels=b)``) or mappings of keyword arguments
             (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn(output, batch)``.
         fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
         target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`); None: this
             one, as if it had FP8. On a CPU, MoE experts are FP8 candidates only for a GPU target.
+        loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
         thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict
             of the ones to change (``{"max_flushed_share": 0.02}``).
         **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,

@@ -74,9 +74,13 @@ class FP8Telemetry:
     Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"); it ends each step
     itself after any optimizer holding the model steps (only ``optimizer`` when given), reducing over the world
     group on every rank. Steps 0, every, 2 x every, ... are sampled (all their micro-batches, and the weights as
-    updated); the record goes to ``jsonl`` and ``log`` on rank 0. ``step``: the number of the step about to run (a
-    resumed run's: its checkpoint's). ValueError: ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad
-    threshold, or no torchao FP8 layer; TypeError: ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
+    updated). ``step``: the number of the step about to run (a resumed run's: its checkpoint's). ValueError:
+    ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad threshold, or no torchao FP8 layer; TypeError:
+    ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
+
+    ``jsonl``: append one JSON line per sampled step here (rank 0); None: no file.
+    ``log``: called with a one-line summary of each sampled step (rank 0), e.g. ``print``.
+    ``thresholds``: the limits a layer is warned about (once per layer and problem).
     """
 
     def __init__(self, model: nn.Module, *, every: int, jsonl: str | os.PathLike | None = None,

@@ -20,14 +20,15 @@ class Thresholds:
     """Limits past which a layer is recommended to stay out of FP8."""
 
     min_output_sqnr_db: float = 20.0
-    """The forward GEMM's output SQNR with FP8 operands against high precision. Healthy layers >= 27.6 dB; 20 dB is
-    an error a tenth of the output's amplitude. An outlier channel passes it (32 dB: it is the signal); the flushed
-    share catches it."""
+    """The forward GEMM's output SQNR with FP8 operands against high precision: below this, excluded. Healthy
+    layers >= 27.6 dB; 20 dB is an error a tenth of the output's amplitude. An outlier channel passes it (32 dB: it
+    is the signal); the flushed share catches it."""
 
     min_grad_sqnr_db: float = 10.0
     """The same for the backward GEMMs (``g @ W``, ``g.T @ x``), each from its operands as the recipe casts them for
     it. Healthy layers >= 16.0 dB (TE delayed, whose history warmed on one batch clamps a few of Qwen3's first
-    attention gradients; other recipes >= 22.9 dB); a gradient spike delayed scaling clamps measures 0 dB."""
+    attention gradients; other recipes >= 22.9 dB); 10 dB is an error a third of the gradient's amplitude. A
+    gradient spike delayed scaling clamps measures 0 dB."""
 
     min_rest_sqnr_db: float = 15.0
     """An operand's SQNR over the values beside each dot product's largest (a row along the contraction dim): an
@@ -41,11 +42,13 @@ class Thresholds:
 
     max_grad_flushed_share: float = 0.5
     """The same for the output gradient, whose healthy tails flush up to 35% (the output layer, torchao rowwise)
-    and carry little of the update: only a gradient that loses most of its values is flagged."""
+    and carry little of the update: only a gradient that loses most of its values is flagged. A share cannot tell
+    those tails from ordinary values an outlier swamps: ``min_rest_sqnr_db`` does."""
 
     fp4_min_output_sqnr_db: float = 10.0
     """``min_output_sqnr_db`` for FP4 operands (NVFP4; e2m1's fewer mantissa bits cost about 12 dB): healthy layers
-    >= 15.8 dB (Llama at init), the planted outlier 18.8-20.3 dB, so a gross error only."""
+    >= 15.8 dB (Llama at init; after training >= 23.8 dB), the planted outlier 18.8-20.3 dB; 10 dB is an error a
+    third of the output's amplitude: a gross error only."""
 
     fp4_min_rest_sqnr_db: float = 6.0
     """``min_rest_sqnr_db`` for an FP4 cast: healthy layers >= 11.9 dB, the planted outlier 1.7 dB at init but

@@ -49,6 +49,7 @@ class LinearPrediction:
 
     @property
     def saved_s(self) -> float:
+        """Negative where FP8 is slower."""
         return self.bf16_s - self.fp8_s
 
     @property
@@ -155,7 +156,8 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
         m: input rows: tokens per micro-batch per rank (``moe_*`` recipes: rows routed to all the experts).
         k: in_features. n: out_features.
         target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
-        recipe: one of :data:`fp8dist.plan.speed.RECIPES`.
+        recipe: one of :data:`fp8dist.plan.speed.RECIPES` (torchao tensorwise, rowwise, rowwise_with_gw_hp;
+            te_delayed, te_current, te_blockwise, te_mxfp8, te_nvfp4; mxfp8, nvfp4; moe_fp8_rowwise, moe_mxfp8).
         compile: under ``torch.compile`` torchao's casts fuse with the previous op; TE's kernels are the same.
         groups: experts of a grouped GEMM (``moe_*`` recipes only).
 

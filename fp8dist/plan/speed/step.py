@@ -123,7 +123,9 @@ def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ..
 def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,
                     recipes: Sequence[str] | None = None, backend: str = TorchaoBackend.name, compile: bool = True,
                     margin: float = DEFAULT_MARGIN) -> tuple[StepPrediction, ...]:
-    """The same step under several recipes, to pick one before renting the GPU. ``recipes`` None: every Linear
-    recipe of ``backend`` the target runs; the other arguments as :func:`predict_gemms`."""
+    """The same step under several recipes, to pick one before renting the GPU: each result's ``bf16_s`` is the
+    all-bf16 step (the same in each), ``chosen_s`` the step with FP8 where it pays (``saved_s`` against all-bf16),
+    ``all_fp8_s`` with every layer converted. ``recipes`` None: every Linear recipe of ``backend`` the target runs;
+    the other arguments as :func:`predict_gemms`."""
     names = tuple(recipes) if recipes is not None else recipes_for(backend, target)
     return tuple(predict_gemms(gemms, target=target, recipe=r, compile=compile, margin=margin) for r in names)

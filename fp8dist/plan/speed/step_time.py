@@ -117,7 +117,8 @@ class StepTime:
 
     @property
     def mfu(self) -> float:
-        """The FP8 run's MFU as torchtitan reports it: every FLOP against the dense bf16 peak."""
+        """The FP8 run's MFU as torchtitan reports it: every FLOP against the dense bf16 peak (with FP8 it
+        overstates what is left to gain)."""
         return self.tokens_per_s * self.flops_per_token / self._peak
 
     @property
