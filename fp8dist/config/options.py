@@ -65,9 +65,10 @@ class StrategyConfig:
     (ZeRO-2 style: more memory, less communication). FSDP2's final norm and output unit always keeps them."""
 
     replicate_degree: int = field(default=1, metadata={"min": 1})
-    """FSDP2 HSDP: groups of ranks that each hold a whole copy of the model, sharded within the group
-    (torchtitan's data_parallel_replicate_degree). The number of nodes shards within a node and replicates across
-    nodes; 1: shard over every rank."""
+    """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
+    the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
+    reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
+    a node and replicate across nodes; 1: shard over every rank."""
 
     device: Device = "auto"
     """Where the model runs: auto is cuda:LOCAL_RANK when CUDA is available, else cpu."""
@@ -102,21 +103,23 @@ class StrategyConfig:
 
     memory: MemoryLevelName = "standard"
     """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, ~6 bytes per
-    parameter): bf16 weights updated with stochastic rounding, 8-bit AdamW states, bf16 gradients; wrap_model
-    builds the optimizer (optimizer={"type": "AdamW", "lr": ...}). Strategies fsdp, ddp and none."""
+    parameter): bf16 weights with no master, updated with stochastic rounding; 8-bit AdamW states (torchao
+    AdamWFp8 on FP8 GPUs, AdamW8bit elsewhere); bf16 gradients, reduced in bf16. wrap_model builds the optimizer
+    (optimizer={"type": "AdamW", "lr": ...}). Strategies fsdp, ddp and none."""
 
     nonfinite_step: Literal["skip", "error", "off"] = "skip"
-    """A step whose gradients hold an inf or NaN on any rank: skip (no update on any rank; a warning names the step
-    and modules; get_wrap_info(model).skipped_steps counts them), error (raise, nothing updated), off (no check:
-    the weights turn NaN). Under DeepSpeed, skip and off set its own check."""
+    """A step whose gradients hold an inf or NaN on any rank: skip (no update on any rank, weights and optimizer
+    state as before; a warning names the step and modules; get_wrap_info(model).skipped_steps counts them), error
+    (raise, nothing updated), off (no check: the weights turn NaN). Under DeepSpeed, skip and off set its own check;
+    fp8dist counts, warns and stops the same way."""
 
     max_skipped_steps: int = 5
     """Consecutive skipped steps after which the run raises, naming the modules and the way out; 0: never."""
 
     check_ranks: Literal["all", "settings", "off"] = "all"
     """What wrap_model compares across ranks (one all-gather), failing on every rank naming what differs: all
-    (settings, plan, model structure and weights, unless the strategy copies rank 0's or they are not loaded yet);
-    settings (weights may differ on purpose); off."""
+    (settings, plan, model structure and weights, unless the strategy copies rank 0's, ddp and deepspeed, or they
+    are not loaded yet: meta models, pretrained=); settings (weights may differ on purpose); off."""
 
     pretrained: str | None = None
     """A Hugging Face model directory (model.safetensors, or shards + index) loaded into the wrapped model, each rank
@@ -167,7 +170,9 @@ class FP8Config:
     keep_last_blocks_share: float | None = field(
         default=None, metadata={"none": f"{FP4_TAIL_SHARE:g} under FP4 recipes, else 0"})
     """Share of the last transformer blocks kept, with the output head, in the strategy's mixed precision (rounded
-    up to whole blocks). None: 0.15 where the recipe runs FP4 GEMMs (te/torchao_recipe='nvfp4'), else 0."""
+    up to whole blocks), as torchtitan's NVFP4 Llama3-8B run does. None: 0.15 where the recipe runs FP4 GEMMs
+    (te/torchao_recipe='nvfp4'), else 0: FP8 recipes train well with the first and last Linear kept alone
+    (keep_first_last_linear)."""
 
     backend_knobs: tuple[Any, ...] = field(default=(), metadata={"nested": lambda: knob_configs().values()})
     """One instance of each registered backend's ``Config``, in the registry's order."""

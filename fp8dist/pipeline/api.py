@@ -44,6 +44,7 @@ class WrapInfo:
     fp8: FP8Wiring = FP8Wiring()
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
     blocks: BlockWiring = BlockWiring("none", False, "")
+    """Activation checkpointing and compile of the blocks, and why compile is on or off."""
     pretrained: LoadReport | None = None
     """What loading ``pretrained=`` read on this rank; None: not loaded."""
     materialized: str = ""
@@ -179,7 +180,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         fp8_filter: ``(module, fqn) -> bool``; False keeps that module in the strategy's precision (Python only;
             files and the CLI use the ``fp8_exclude`` patterns).
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
-        numerics: a :class:`fp8dist.NumericsReport` of this model: a layer it flags stays out of FP8.
+        numerics: a :class:`fp8dist.NumericsReport` of this model (``fp8dist.measure_fp8_numerics``): a layer it
+            flags stays out of FP8, and each row of the plan says whether the probe found it safe.
         optimizer: an optimizer spec (:func:`fp8dist.pipeline.optim.build_optimizer`), required where something
             else than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an
             optimizer block) and ``memory="lean"`` (an AdamW mapping).

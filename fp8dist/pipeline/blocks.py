@@ -24,9 +24,10 @@ SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_do
 
 
 COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
-"""Inductor options of a compiled block that holds a biased GEMM: on CPU, torch 2.13 declares one variable twice when
-a bf16 reduction is stored into two outputs (GPT-NeoX's two bias gradients) and the kernel fails to compile
-(pytorch/pytorch#194706, reproduced in tests/test_blocks.py); without horizontal fusion each is stored once, and
+"""Inductor options of a compiled block that holds a biased GEMM: on CPU (``cpp.*`` options do nothing for CUDA
+kernels), torch 2.13 declares one variable twice when a bf16 reduction is stored into two outputs (GPT-NeoX's two bias
+gradients) and the kernel fails to compile (``conflicting declaration 'auto at_BFloat16_tmp_acc0_vec'``;
+pytorch/pytorch#194706, reproduced in tests/test_blocks.py); without horizontal fusion each is stored once, and
 GPT-NeoX fsdp bf16 on CPU still steps 8% faster than eager. Other blocks compile with torch's defaults."""
 
 

@@ -204,12 +204,15 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
 
 def shutdown() -> None:
     """End a distributed run cleanly: a barrier, ``destroy_process_group``, then a moment for the backend's worker
-    threads to release their last collectives. Call it on every rank at the end of a successful run, not on the way
-    out of an exception (the barrier would wait for a peer inside a collective). A no-op without a process group.
+    threads to release their last collectives. Call it on every rank at the end of a successful run (after the last
+    checkpoint or export), not on the way out of an exception (the barrier would wait for a peer inside a
+    collective). A no-op without a process group.
 
     Why the wait: a gloo worker releasing a finished collective while the interpreter finalizes aborts the rank
-    ("terminate called without an active exception"); on 2 gloo ranks (examples/fsdp.py, torch 2.13 CPU) 1 run in
-    24 aborted with ``destroy_process_group`` alone, 1 in 40 with a barrier before it, 0 of 60 with this wait.
+    ("terminate called without an active exception"), and ``destroy_process_group`` does not join those threads
+    while FSDP's state still holds the group. On 2 gloo ranks (examples/fsdp.py, torch 2.13 CPU) 1 run in 12
+    aborted with no cleanup, 1 in 24 with ``destroy_process_group`` alone, 1 in 40 with a barrier before it, 0 of 60
+    with this wait.
     """
     if not dist.is_initialized():
         return
@@ -241,7 +244,8 @@ def share_cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
 
 def rank_imports(axes: Iterable[Any], model_module: str = "transformers.models.llama.modeling_llama") -> list[str]:
     """The heavy modules a training rank imports anyway (5-10 s of CPU per rank), for a parent to import once before
-    its ranks fork: the model's ``modeling_*`` module, the pipeline, and each axis's ``rank_imports``."""
+    its ranks fork: the model's ``modeling_*`` module, the pipeline, and each axis's ``rank_imports``. Importing
+    them starts no thread, process group or CUDA context."""
     return list(dict.fromkeys([model_module, "fp8dist.pipeline.api", *(m for a in axes for m in a.rank_imports)]))
 
 

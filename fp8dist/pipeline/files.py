@@ -78,8 +78,9 @@ def wrong_kind(path: str | os.PathLike, *, name: str, directory: bool) -> str | 
 def check_output_path(path: str | os.PathLike, *, name: str, directory: bool = False) -> Path:
     """Check, before any work, that ``path`` can be written as a file (or, with ``directory``, as a directory): not
     of the other kind, its folders exist or can be created, and the nearest existing one takes a new file (tried for
-    real: permission bits do not stop root, a read-only mount does). Returns ``path`` as a Path; ValueError naming
-    ``name`` (a flag like ``--json`` or a keyword like ``metrics_file``), ``path``, the problem and the way out."""
+    real: permission bits do not stop root, a read-only mount does); creates nothing it leaves behind. Returns
+    ``path`` as a Path; ValueError naming ``name`` (a flag like ``--json`` or a keyword like ``metrics_file``),
+    ``path``, the problem and the way out."""
     out, given = Path(path), _given(name, path)
     if (mismatch := wrong_kind(path, name=name, directory=directory)) is not None:
         raise ValueError(mismatch)

@@ -23,8 +23,10 @@ def _strategy(model: nn.Module) -> Strategy:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
-    """Backward passes inside skip the gradient reduction, gradients accumulating locally, each strategy its own way;
-    ``last=True`` (the micro-batch that completes the step; a bool, else TypeError) does reduce. Example::
+    """Backward passes inside skip the gradient reduction; gradients accumulate locally (unsharded under FSDP1 and
+    DDP, as each engine does): FSDP2 ``set_requires_gradient_sync(False)``, FSDP1's and DDP's ``no_sync()``, one
+    process nothing. ``last=True`` (the micro-batch that completes the step; a bool, else TypeError) does reduce.
+    Example::
 
         for i, batch in enumerate(micro_batches):
             with fp8dist.no_sync(model, last=i == len(micro_batches) - 1):

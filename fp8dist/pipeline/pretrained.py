@@ -118,7 +118,8 @@ class SafetensorsDir:
         return list(self.shapes)
 
     def read(self, name: str, region: Region) -> torch.Tensor:
-        """The ``region`` of tensor ``name``: a box, or a flat range (reading only the rows that cover it)."""
+        """The ``region`` of tensor ``name``: a box (as its shape), or a flat range (1-D, reading only the rows that
+        cover it)."""
         found = self._aliases.get(name, name)
         if isinstance(found, str):
             return self._read_file(found, region, self.shapes[name])
