@@ -168,8 +168,10 @@ class FP8Backend(Protocol):
         return ""
 
     def mixed_recipes(self, cfg: Any, hardware: Hardware, facts: StrategyFacts) -> tuple[str, ...]:
-        """The speed model's recipes the plan picks among per layer when ``cfg`` asks for it; the first is every
-        eligible layer's where nothing is predicted (a CPU). Empty: one recipe for the model (:meth:`speed_recipe`)."""
+        """The speed model's recipes the plan picks among per layer (the fastest predicted; the strategy's precision
+        where none pays) when ``cfg`` asks for it: those the backend can run side by side in one model on
+        ``hardware`` under ``facts``; the first is every eligible layer's where nothing is predicted (a CPU). Empty:
+        one recipe for the model (:meth:`speed_recipe`)."""
         return ()
 
     def layer_config(self, cfg: Any, recipe: str | None) -> Any:
@@ -213,7 +215,9 @@ class FP8Backend(Protocol):
 
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
         """Bytes per element of one parameter in each model-state category: ``base`` (a frozen dataclass of ``weight``,
-        ``master``, ``grad``, ``states``, ``dtypes``) changed where the backend holds it otherwise."""
+        ``master``, ``grad``, ``states``, ``dtypes``) changed where the backend holds it otherwise; ``converted``: it
+        is the weight of a module the plan converts; ``n_states``: the optimizer's states per element. Default:
+        unchanged."""
         return base
 
     def frozen_weights(self, cfg: Any, facts: StrategyFacts) -> FrozenWeights:

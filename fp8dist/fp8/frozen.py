@@ -80,7 +80,8 @@ class FrozenFloat8Linear(Float8Linear):
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:
     """Make each ``Float8Linear`` among ``names`` whose weight is frozen a :class:`FrozenFloat8Linear` (same
-    parameters and state dict). Call after conversion, before sharding. Returns the names made frozen, sorted."""
+    parameters and state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held whole).
+    Call after conversion, before sharding. Returns the names made frozen, sorted."""
     frozen = []
     for name in sorted(names):
         module = model.get_submodule(name)

@@ -70,8 +70,9 @@ _FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")
 class TEConfig:
     te_recipe: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling), mxfp8
-    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 and 128x128 blocks; sm_90+ and
-    CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks with e4m3 scales; sm_100+)."""
+    (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 blocks for activations and
+    gradients, 128x128 for weights; sm_90+ and CUDA >= 12.9) or nvfp4 (NVFP4BlockScaling: FP4 e2m1 in 1x16 blocks
+    with e4m3 scales and a per-tensor scale, 16x16 weight blocks; sm_100+)."""
     fp8_format: Literal["E4M3", "HYBRID"] = field(default="HYBRID", metadata={"when": _FP8_FORMATTED, "refused": {
         "E5M2": ("E5M2 alone lacks the precision forward activations and weights need. Choose 'HYBRID' (E4M3 "
                  "forward, E5M2 gradients) or 'E4M3'.")}})
@@ -96,8 +97,9 @@ class TEConfig:
 
 
 def apply_fp8_autocast(module: nn.Module, *, fp8_recipe: Any, group: Any, during_eval: bool) -> None:
-    """Run ``module``'s forward under TE's FP8 autocast while training (and in eval if ``during_eval``). Replaces the
-    instance ``forward`` after sharding, so FSDP2's hooks, which ``__call__`` runs around it, stay in place."""
+    """Run ``module``'s forward under TE's FP8 autocast with ``fp8_recipe``, amax reduced over ``group``, while
+    training (and in eval if ``during_eval``). Replaces the instance ``forward`` after sharding, so FSDP2's hooks,
+    which ``__call__`` runs around it, stay in place."""
     import transformer_engine.pytorch as te
 
     forward = module.forward

@@ -22,7 +22,7 @@ class TorchaoConfig:
     weight_wrapper (``quantize_``: the weight becomes a tensor subclass whose F.linear runs FP8; bf16 all-gather; not
     under FSDP1 or DeepSpeed). auto: weight_wrapper for MXFP8, else module_swap where the installed torchao ships
     it. Every FP8 layer is checked to run an FP8 GEMM; one the wrapper does not reach (Falcon's ``x @ W.T``) is
-    swapped instead, and the plan says so."""
+    swapped instead (kept out of MXFP8, which has no module swap), and the plan says so."""
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_emulated",
                             "nvfp4", "auto"] = "tensorwise"
     """torchao scaling recipe: tensorwise (fastest; FP8 all-gather under FSDP2), rowwise (more accurate),
@@ -30,7 +30,8 @@ class TorchaoConfig:
     wrapper only; CUDA sm_100+; dims multiples of 32), mxfp8_emulated (MXFP8 with emulated GEMMs on any device: no
     FP8 speed), nvfp4 (nn.Linear -> NVFP4Linear, FP4 GEMMs; CUDA sm_100+ and Triton; dims multiples of 128). auto:
     per layer, whichever of the first three is predicted fastest on the plan's GPU (the strategy's precision where
-    none pays; tensorwise where nothing is predicted, a CPU)."""
+    none pays; tensorwise where nothing is predicted, a CPU), each converted by the module swap with a filter per
+    recipe. The MXFP8 and NVFP4 recipes run whole-model only (fp8dist plan --compare-recipes)."""
     torchao_moe_recipe: Literal["auto", "fp8_rowwise", "mxfp8", "mxfp8_emulated"] = "auto"
     """MoE experts (transformers' fused 3-D experts) in torchao's grouped GEMMs, under fp8='torchao' and 'te' alike.
     auto: fp8_rowwise on CUDA sm_90, mxfp8 on sm_100+, none on CPU; mxfp8_emulated runs anywhere (no FP8 speed)."""

@@ -141,7 +141,7 @@ def say_bypassed(plan) -> None:
 
 
 def check_fp8_ran(model: nn.Module, names: list[str]) -> None:
-    """Raise unless every converted Linear among ``names`` runs an FP8 GEMM."""
+    """Raise ``RuntimeError`` unless every converted Linear among ``names`` runs an FP8 GEMM."""
     unproven = unproven_fp8(model, names)
     if unproven:
         raise RuntimeError(

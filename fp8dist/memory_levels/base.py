@@ -28,7 +28,8 @@ class MemoryLevel(Protocol):
     builds_optimizer: ClassVar[bool] = False
     """The level builds the optimizer itself: ``wrap_model`` needs an optimizer spec."""
     estimate_optimizer: ClassVar[str] = "adamw"
-    """The optimizer the level builds, by the memory estimate's ``optimizer=`` name."""
+    """The optimizer the level builds, by the memory estimate's ``optimizer=`` name (adamw, adam, sgd_momentum, sgd:
+    the keys of ``OPTIMIZER_STATES``)."""
 
     def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
         """``cfg`` as this level runs it (the level may fix a dtype the strategy's engine uses)."""

@@ -164,13 +164,16 @@ class Strategy(Protocol):
 
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
-        """What the engine holds beside the model's parameters, for the memory estimate."""
+        """What the engine holds beside the model's parameters, for the memory estimate (``blocks``: the units found;
+        ``optimizer``: the estimate's optimizer name; ``on_cpu``: the run is on a CPU). Default: the model's dtypes, no
+        master copy, nothing on the host, no notes."""
         return EngineMemory()
 
     def rank_state_bytes(self, params: list[Any], cfg: Any, world_size: int, engine: EngineMemory, *, step: int,
                          level_states: Callable[[int], int], backend_optimizer: bool) -> list[dict[str, int]]:
-        """Bytes of each model-state category on each rank (the arguments: :mod:`~fp8dist.strategies.state_bytes`;
-        ``backend_optimizer``: the FP8 backend builds the optimizer)."""
+        """Bytes of each model-state category on each rank (``params``: :mod:`~fp8dist.strategies.state_bytes`;
+        ``step``: the optimizer's step bytes per tensor; ``level_states``: a memory level's own state bytes for n
+        elements; ``backend_optimizer``: the FP8 backend builds the optimizer). Default: every rank holds everything."""
         return replicated_state_bytes(params, world_size, step, level_states)
 
     def kept_for_backward(self, model: nn.Module, cfg: Any, blocks: list[str]) -> list[tuple[str, int]]:

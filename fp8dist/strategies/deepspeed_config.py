@@ -47,6 +47,8 @@ def zero_config(stage: int = 2, *, model: nn.Module | None = None, hidden_size: 
             neither: DeepSpeed's fixed defaults, written out.
         world_size: given, ``train_batch_size`` = micro x accum x world is written; None: DeepSpeed derives it.
         param_dtype: "bf16" (fp32 masters in the optimizer), "fp16" (dynamic loss scaling) or "fp32".
+        reduce_dtype: dtype of the gradient communication (``communication_data_type``).
+        offload_optimizer: optimizer states on CPU (stages 1-3); offload_param: parameters on CPU (stage 3 only).
         optimizer, scheduler: DeepSpeed blocks (``{"type": "AdamW", "params": {...}}``); None leaves them out.
         check_grad_overflow: bf16: the engine skips a step with non-finite gradients (fp16's scaler always does).
         validate: run DeepSpeed's own config parser on the result.
