@@ -48,6 +48,7 @@ class MemoryEstimate(StateBytes):
     rank: int
     """The rank described: the one holding the most model state unless one was asked for."""
     total_params: int
+    """Elements of all parameters of the full model (all ranks)."""
     bytes: Mapping[str, int]
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
@@ -64,7 +65,8 @@ class MemoryEstimate(StateBytes):
     notes: tuple[str, ...]
     memory: str = STANDARD.name
     speed: Any = None
-    """The plan's :class:`~fp8dist.plan.selection.Selection` on the GPU ``target=`` named; None without one."""
+    """The plan's :class:`~fp8dist.plan.selection.Selection` on the GPU ``target=`` named; None without one, or
+    where nothing runs in FP8."""
     fit: Fit | None = None
     """Whether a rank fits the ``target=`` GPU and the ways out; None without a target or its memory."""
     groups: tuple[ParamGroup, ...] = ()
@@ -143,11 +145,15 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     Args:
         model: the unwrapped model (activations: a Hugging Face llama, mixtral, gpt2 or gpt_neox).
         config, **overrides: as for :func:`fp8dist.wrap_model`.
-        micro_batch_size, seq_len: default: the config's (seq_len: else ``DEFAULT_SEQ_LEN``, 2048).
+        world_size: data-parallel ranks.
+        micro_batch_size: sequences per rank per forward; default: the config's.
+        seq_len: tokens per sequence; default: the config's, else ``DEFAULT_SEQ_LEN`` (2048).
         optimizer: "adamw" / "adam" (2 states), "sgd_momentum" (1) or "sgd" (none).
         rank: default: the one holding the most model state (shards may be uneven).
+        fp8_filter: ``(module, fqn) -> bool``, as for ``wrap_model``.
         target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for
-            it, with its GEMM time (``speed``) and whether a rank fits (``fit``).
+            it, with its GEMM time (``speed``) and whether a rank fits (``fit``); None: planned as if FP8 ran here,
+            no GEMM time.
 
     Returns:
         A :class:`MemoryEstimate`; ``print`` it for a table.

@@ -37,9 +37,10 @@ class PrecisionReport(StateBytes):
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
     total_params: int
+    """Elements of all parameters of the full model (all ranks)."""
     memory: str = STANDARD.name
     frozen_params: int = 0
-    """Elements that do not train (``requires_grad=False``: a LoRA base)."""
+    """Elements of the full model (all ranks) that do not train (``requires_grad=False``: a LoRA base)."""
     groups: tuple[ParamGroup, ...] = ()
     """The estimate's ``groups``, measured; () where all train or the split is not measured."""
     groups_unmeasured: str = ""

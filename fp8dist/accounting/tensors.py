@@ -53,6 +53,7 @@ class ParamGroup:
     label: str
     """"frozen" or "trained"."""
     params: int
+    """Elements of the full model (all ranks) in this group."""
     bytes: int
     """Model-state bytes on this rank, FP8 buffers aside."""
     holds: str

@@ -67,7 +67,8 @@ def _one_checkpoint(path: Path) -> bool:
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (what ``path/latest`` names); None when there is none yet.
+    """The newest complete checkpoint (what ``path/latest`` names); None when there is none yet (``path`` missing
+    or empty).
 
     Raises:
         CheckpointError: ``path`` is a file, one checkpoint (a ``step_*`` folder: pass the directory above it), a

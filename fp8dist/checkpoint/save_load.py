@@ -222,15 +222,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
 
     Every file's size and checksum and every tensor's name and shape are checked before anything loads; what may
     differ is decided from meta.json (:mod:`fp8dist.checkpoint.compat`): fsdp, fsdp1, ddp and none load into each
-    other on any world size, torchao on or off; Transformer Engine's FP8 state only into modules that hold it;
-    DeepSpeed only the same ZeRO stage, world size and FP8 backend; the optimizer must be of the class saved.
-    Anything else raises :class:`CheckpointError` on every rank, naming what was saved, what is loading and the
-    way out. Nothing is unpickled beyond tensors and plain values.
+    other on any world size, torchao on or off (ranks the checkpoint had no RNG state for keep theirs); Transformer
+    Engine's FP8 state only into modules that hold it; DeepSpeed only the same ZeRO stage, world size and FP8
+    backend; the optimizer must be of the class saved. Anything else raises :class:`CheckpointError` on every rank,
+    naming what was saved, what is loading and the way out. Nothing is unpickled beyond tensors and plain values.
 
     Args:
         path: a checkpoint directory (its ``latest`` is followed), or one of its ``step_*`` folders.
         model: the model (DeepSpeed: the engine) returned by ``wrap_model``.
-        optimizer: its optimizer (DeepSpeed: ``engine.optimizer``); None loads the model's weights only.
+        optimizer: its optimizer (DeepSpeed: ``engine.optimizer``); None loads the model's weights only
+            (``differences`` says the optimizer state was left).
         drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``; e.g. a Transformer Engine
             checkpoint into a model without TE): FP8 scaling starts afresh.
         verify: check every file's CRC-32 before loading; False loads a damaged checkpoint knowingly.

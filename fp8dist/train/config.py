@@ -46,8 +46,8 @@ class TrainConfig:
     """Held-out global batches each evaluation reads (the same every time); none: every full one, at most 10."""
 
     steps: int = 30
-    """Training steps, one global batch each; a step the non-finite guard skips counts, but the learning-rate
-    schedule does not advance on it (as DeepSpeed's)."""
+    """Training steps, one global batch each; a step the guard skips (non-finite gradients, nonfinite_step) counts,
+    but the learning-rate schedule does not advance on it (as DeepSpeed's)."""
 
     batch_size: int = 8
     """Global batch in sequences per step; split evenly over the processes."""
@@ -102,22 +102,25 @@ class TrainConfig:
     """Dropout on the adapters' input, in [0, 1)."""
 
     merge_lora: bool = False
-    """With --lora-rank and --save-pretrained: write the base model with the adapters merged (W + alpha/rank * B A)
-    instead of the adapters alone in PEFT's format."""
+    """With --lora-rank and --save-pretrained: write the base model with the adapters merged (W + alpha/rank * B A,
+    a model AutoModelForCausalLM.from_pretrained loads) instead of the adapters alone (PEFT's
+    adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained)."""
 
     metrics_file: str | None = None
     """JSON-lines file of every step's figures (loss, grad_norm, lr, tokens_per_s, mfu, ...; val_loss on evaluation
     steps), written by rank 0; a resumed run keeps the lines up to its checkpoint. None: not written."""
 
     tensorboard: str | None = None
-    """TensorBoard directory for the same figures, scalars train/<key> (pip install 'fp8dist[tensorboard]')."""
+    """TensorBoard directory for the same figures, scalars train/<key> (pip install 'fp8dist[tensorboard]'); none:
+    not written."""
 
     fp8_health_every: int = 50
     """FP8 health every N steps with fp8=torchao: per FP8 layer the amax, scale and share flushed to zero of input,
     weight and output gradient, one line in the log, a warning past the probe's thresholds; 0: off."""
 
     fp8_health_file: str | None = None
-    """JSON-lines file of the FP8 health records; none: beside --metrics-file (.fp8_health.jsonl), else none."""
+    """JSON-lines file of the FP8 health records; none: beside --metrics-file (its name with .fp8_health.jsonl),
+    else not written."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)

@@ -1,6 +1,10 @@
 """The reference training job behind ``fp8dist train``: a small Llama on the built-in corpus, or any causal LM
 (``--model-config``, ``--pretrained``) on text files (``--data``). ``fp8dist train`` spawns its processes (one per
-GPU, or 2 on CPU); under ``torchrun --nproc-per-node 2 -m fp8dist.cli train`` it runs in the launched ones."""
+GPU, or 2 on CPU); under torchrun it runs in the launched ones:
+
+    torchrun --nproc-per-node 2 -m fp8dist.cli train                 # one node
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
+"""
 
 from __future__ import annotations
 

@@ -90,8 +90,8 @@ class TextBatches:
             yield self._stack(self.eval_windows[start:start + self.per_rank].tolist())
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and the stream it is in (JSON-serializable, for a checkpoint's ``extra``); after
-        :meth:`load_state_dict` the batches equal an uninterrupted run's."""
+        """The position and the stream it is in (JSON-serializable, for a checkpoint's ``extra``); save it after the
+        step whose batch was taken last. After :meth:`load_state_dict` the batches equal an uninterrupted run's."""
         return {"epoch": self.epoch, "index": self.index, **self._stream()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
