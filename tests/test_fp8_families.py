@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8dist
-from fp8dist.plan.precision import MIN_FP8_SHARE
+from fp8dist.plan.coverage import MIN_FP8_SHARE
 from helpers import conv1d_as_linears
 
 pytest.importorskip("torchao", reason="torchao is not installed")

@@ -17,7 +17,7 @@ from ..config.dtypes import dtype_name, dtype_names as _names
 from ..config.text import byte_size
 from ..fp8 import get_backend
 from ..memory_levels import STANDARD
-from ..plan.precision import runs_gemm
+from ..plan.coverage import runs_gemm
 from ..strategies import unwrap_model
 from ..strategies.local_shards import plain_name as _plan_name
 

@@ -10,10 +10,9 @@ from torch import nn
 from ..config.text import plural
 from ..config.args import require_bool
 from ..strategies import unwrap_model
-from ..strategies.common import available_bytes, check_fits, to_empty
 from ..strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
 
-__all__ = ["is_meta_model", "to_empty", "available_bytes", "check_fits", "init_weights"]
+__all__ = ["is_meta_model", "init_weights"]
 
 
 def is_meta_model(model: nn.Module) -> bool:

@@ -15,15 +15,14 @@ from torch import nn
 from ..config.text import plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
-from .coverage import MIN_FP8_SHARE, FP8Coverage, coverage, gemm_flops, runs_gemm
+from .coverage import MIN_FP8_SHARE, coverage, gemm_flops, runs_gemm
 from .adapters import adapter_reasons
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
 from .speed import LinearPrediction
 
-__all__ = ["PlanEntry", "PrecisionPlan", "FP8Coverage", "plan_precision", "check_fp8_available", "FP8UnavailableError",
-           "runs_gemm", "MIN_FP8_SHARE"]  # FP8Coverage, runs_gemm, MIN_FP8_SHARE: defined in fp8dist.plan.coverage
+__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
 

@@ -94,7 +94,7 @@ def check_positions(model_config: Any, name: str, config: Any, train: Any, world
 def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> None:
     """MemoryError when the estimate exceeds this rank's share: its GPU's free memory, or on CPU the node's available
     memory over its ``ranks_here`` ranks (clearer than hours of swapping or an OOM kill)."""
-    from ..pipeline.meta_init import available_bytes
+    from ..strategies.common import available_bytes
 
     free = available_bytes(device)
     if free is None:

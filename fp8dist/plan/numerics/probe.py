@@ -125,7 +125,8 @@ def _check_as_built(model: nn.Module) -> None:
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` too)."""
     from ...pipeline.agree import alone
-    from ...pipeline.meta_init import is_meta_model, to_empty
+    from ...pipeline.meta_init import is_meta_model
+    from ...strategies.common import to_empty
     from ...pipeline.pretrained import materialize
 
     meta, pretrained = is_meta_model(model), cfg.parallel.pretrained
