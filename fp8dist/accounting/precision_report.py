@@ -149,7 +149,7 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
     parts = _group_by_part(model, strategy, {e.name: e.grouped for e in info.plan.fp8})
     fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]
     tally = StateTally()
-    for category, tensors in model_state_tensors(held, fp8_modules).items():
+    for category, tensors in model_state_tensors(held, fp8_modules, get_backend(info.plan.backend)).items():
         tally.add(category, tensors)
     rows = tuple(row_for(run, optimizer, part, members) for part, members in parts.items())
     params = [h for m in parts.values() for h in m.params]

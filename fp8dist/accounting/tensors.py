@@ -16,9 +16,6 @@ from .rows import text_table
 __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
-_FP8_SCALES = ("_precomputed_scale",)  # torchao's FP8 all-gather scales: FP8 buffers, not weights
-# a frozen weight's FP8 cast, kept (fp8/frozen.py) on the weight's shard (FSDP2) or on the module: FP8 buffers too
-_FP8_KEPT = {"weight": ("_fp8_shard",), "module": ("fp8_meta", "_fp8_weight")}
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -33,7 +30,7 @@ def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             names, _ = obj.__tensor_flatten__()
             for name in names:  # DTensor also names its device mesh here: only tensors hold the data
                 inner = getattr(obj, name)
-                if isinstance(inner, torch.Tensor) and name not in _FP8_SCALES:
+                if isinstance(inner, torch.Tensor) and name not in _scale_names():
                     yield from leaves(inner, depth + 1)
         else:
             yield obj
@@ -122,11 +119,15 @@ class StateTally:
                 self.dtypes[category].add(leaf.dtype)
 
 
-def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module]) -> dict[str, list[Any]]:
+def model_state_tensors(held: dict[str, list[Any]], fp8_modules: list[nn.Module], backend: Any) -> \
+        dict[str, list[Any]]:
     """The tensors of each category: what the engine holds (``held``: ``Strategy.state_tensors``) and the FP8
-    modules' scaling state."""
-    fp8 = [getattr(m, name, None) for m in fp8_modules for name in _FP8_KEPT["module"]]
-    fp8 += [b for m in fp8_modules for b in m.buffers(recurse=False)]
-    fp8 += [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's own local tensor holds the scale
-            for m in fp8_modules for p in m.parameters(recurse=False) for name in _FP8_SCALES + _FP8_KEPT["weight"]]
-    return {**held, "fp8_buffers": fp8}
+    state ``backend`` says its converted modules keep."""
+    return {**held, "fp8_buffers": [t for m in fp8_modules for t in backend.state_tensors(m)]}
+
+
+def _scale_names() -> set[str]:
+    """Every registered backend's :attr:`FP8Backend.weight_scale_names`: FP8 buffers, not weight data."""
+    from ..fp8 import BACKENDS
+
+    return {name for backend in BACKENDS.values() for name in backend.weight_scale_names}

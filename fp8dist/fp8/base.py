@@ -224,6 +224,15 @@ class FP8Backend(Protocol):
         """What a converted Linear's frozen weight costs per step and in bytes. Default: as a trainable weight."""
         return FrozenWeights()
 
+    weight_scale_names: ClassVar[tuple[str, ...]] = ()
+    """Inner tensors of the backend's weight subclass that hold FP8 scales, not weight data: the report counts them
+    as FP8 buffers, not in the weight."""
+
+    def state_tensors(self, module: nn.Module) -> list[Any]:
+        """The FP8 state a converted ``module`` keeps beside its weights (scales, amax history, kept FP8 casts; None
+        entries skipped), which the report counts as FP8 buffers. Default: its own buffers."""
+        return list(module.buffers(recurse=False))
+
     def fp8_state_bytes(self, cfg: Any, plan: Any) -> int:
         """Bytes of FP8 scaling state on every rank (replicated) for ``plan``."""
         return 0

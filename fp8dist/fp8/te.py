@@ -315,6 +315,9 @@ class TEBackend(FP8Backend):
     derived_bytes = True
     saved_weight_bytes = 2
 
+    def state_tensors(self, module: nn.Module) -> list[Any]:
+        return super().state_tensors(module) + [getattr(module, "fp8_meta", None)]  # scales and amax history
+
     def element_bytes(self, cfg, base, converted: bool, n_states: int):
         """``fp8_weights``: a converted weight in 1 byte (NVFP4's 4 bits and scales counted as 1) and an fp32 master
         copy the optimizer must keep; otherwise unchanged."""

@@ -4,6 +4,7 @@ under FSDP2, its scales precomputed after every optimizer step) or the weight wr
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -261,6 +262,15 @@ class TorchaoBackend(FP8Backend):
     rank_imports = ("torchao.float8",)
     commands_default = True
     health_telemetry = True
+    weight_scale_names = ("_precomputed_scale",)  # the FP8 all-gather's scale, on the weight's local tensor
+
+    def state_tensors(self, module: nn.Module) -> list[Any]:
+        # a frozen weight's kept FP8 cast (fp8/frozen.py): on the module, or on the weight's FSDP2 shard
+        kept = [module.__dict__.get("_fp8_weight")]
+        for p in module.parameters(recurse=False):
+            local = getattr(p, "_local_tensor", p)  # a DTensor's own local tensor holds the scale and the cast
+            kept += [getattr(local, "_precomputed_scale", None), local.__dict__.get("_fp8_shard")]
+        return super().state_tensors(module) + kept
 
     def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
         p, skip = cfg.precision, "; no weight-gradient GEMM"
