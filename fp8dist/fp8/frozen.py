@@ -5,6 +5,7 @@ kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left o
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +14,9 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tenso
 from torchao.float8.float8_training_tensor import GemmInputRole
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
 
-__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable"]
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
+
+_WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
 
 
 class _InputGradOnly(matmul_with_hp_or_float8_args):
@@ -69,12 +72,12 @@ class FrozenFloat8Linear(Float8Linear):
     def _fp8_weight_t(self) -> torch.Tensor:
         weight = self.weight
         key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
-        cached = self.__dict__.get("_fp8_weight")
+        cached = self.__dict__.get(_WHOLE)
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 cast = _cast(weight.t(), self.config.cast_config_weight, self.linear_mm_config,
                              GemmInputRole.WEIGHT, 0, self.config)
-            cached = self.__dict__["_fp8_weight"] = (key, cast)
+            cached = self.__dict__[_WHOLE] = (key, cast)
         return cached[1]
 
 
@@ -115,13 +118,19 @@ def _cached_pre_all_gather(shard: WeightWithDynamicFloat8CastTensor, param: torc
     def fsdp_pre_all_gather(mesh):
         me, owner = shard_ref(), param_ref()
         version = None if owner is None else owner._version
-        cached = me.__dict__.get("_fp8_shard")
+        cached = me.__dict__.get(_SHARD)
         if version is None or cached is None or cached[0] != version:
             cast = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather(me, mesh)
-            cached = me.__dict__["_fp8_shard"] = (version, cast)
+            cached = me.__dict__[_SHARD] = (version, cast)
         return cached[1]
 
     return fsdp_pre_all_gather
+
+
+def kept_casts(module: nn.Module) -> list[Any]:
+    """The FP8 casts of a frozen weight kept on ``module`` or on its weights' local shards (None where none)."""
+    return [module.__dict__.get(_WHOLE)] + [getattr(p, "_local_tensor", p).__dict__.get(_SHARD)
+                                            for p in module.parameters(recurse=False)]
 
 
 def precompute_trainable(model: nn.Module) -> None:

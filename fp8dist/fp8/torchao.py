@@ -265,12 +265,11 @@ class TorchaoBackend(FP8Backend):
     weight_scale_names = ("_precomputed_scale",)  # the FP8 all-gather's scale, on the weight's local tensor
 
     def state_tensors(self, module: nn.Module) -> list[Any]:
-        # a frozen weight's kept FP8 cast (fp8/frozen.py): on the module, or on the weight's FSDP2 shard
-        kept = [module.__dict__.get("_fp8_weight")]
-        for p in module.parameters(recurse=False):
-            local = getattr(p, "_local_tensor", p)  # a DTensor's own local tensor holds the scale and the cast
-            kept += [getattr(local, "_precomputed_scale", None), local.__dict__.get("_fp8_shard")]
-        return super().state_tensors(module) + kept
+        from .frozen import kept_casts
+
+        scales = [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's local tensor holds the scale
+                  for p in module.parameters(recurse=False) for name in self.weight_scale_names]
+        return super().state_tensors(module) + scales + kept_casts(module)
 
     def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
         p, skip = cfg.precision, "; no weight-gradient GEMM"
