@@ -132,6 +132,11 @@ class FP8Backend(Protocol):
         """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under ``facts``, or None."""
         return linear_reason(module)
 
+    def read_weight_gather(self, reader: str, cfg: Any, facts: StrategyFacts) -> str | None:
+        """How an FP8 layer whose weight ``reader`` reads outside its GEMM (PEFT's DoRA weight norm) is all-gathered
+        instead of the backend's FP8 all-gather, and why (``PlanEntry.high_precision_gather``); None: as any other."""
+        return None
+
     def check_plan(self, plan: Any) -> None:
         """Refuse, before anything changes, a plan the backend cannot follow."""
 

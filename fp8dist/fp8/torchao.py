@@ -4,6 +4,7 @@ under FSDP2, its scales precomputed after every optimizer step) or the weight wr
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -164,10 +165,12 @@ class TorchaoBackend(FP8Backend):
         _say_bypassed(plan)
         dense = [e for e in plan.fp8 if not e.grouped]
         swaps, wrapped = [], set()
-        for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
-            layer = self.layer_config(cfg, recipe)  # these layers as their own recipe configures them
-            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], layer,
-                                                       plan.facts)
+        for recipe, hp in dict.fromkeys((e.recipe, e.high_precision_gather is not None) for e in dense):
+            layer = self.layer_config(cfg, recipe)  # these layers as their own recipe configures them (None: cfg's)
+            if hp:  # gathered in the param dtype: torchao's config without FP8 all-gather for these layers
+                layer = replace(layer, precision=replace(layer.precision, fp8_all_gather=False))
+            group = [e for e in dense if (e.recipe, e.high_precision_gather is not None) == (recipe, hp)]
+            swapped, wrapped_now = self._convert_dense(model, group, layer, plan.facts)
             swaps.append((layer, swapped))
             wrapped |= wrapped_now
         _check_fp8_ran(model, sorted(set().union(*(linears for _, linears in swaps)) | wrapped))
@@ -206,6 +209,15 @@ class TorchaoBackend(FP8Backend):
             cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept
             STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
+
+    def read_weight_gather(self, reader: str, cfg, facts: StrategyFacts) -> str | None:
+        """Under FP8 all-gather, a layer whose weight ``reader`` reads is all-gathered in the param dtype: FP8
+        all-gather hands the forward a Float8TrainingTensor, which PEFT's DoRA fails to dequantize (peft 0.21,
+        torchao 0.18: "attempting to run aten.dequantize.self"); its GEMMs stay FP8."""
+        if not fp8_all_gather(cfg, facts):
+            return None
+        return (f"all-gathered in {cfg.parallel.param_dtype}, not FP8: {reader} reads the gathered weight and cannot "
+                "dequantize torchao's FP8 all-gather tensor")
 
     speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4")
 
