@@ -179,8 +179,10 @@ class FP8Backend(Protocol):
         one recipe for the model (:meth:`speed_recipe`)."""
         return ()
 
-    def layer_config(self, cfg: Any, recipe: str | None) -> Any:
-        """``cfg`` with a layer's own recipe (``PlanEntry.recipe``) in :attr:`variant_option`; None: ``cfg`` itself."""
+    def layer_config(self, cfg: Any, entry: Any) -> Any:
+        """``cfg`` as the plan ``entry``'s layer runs: its own recipe (``PlanEntry.recipe``) in :attr:`variant_option`
+        (``cfg`` itself where it has none); call it for each FP8 entry before converting, costing or probing it."""
+        recipe = entry.recipe
         if recipe is None:
             return cfg
         return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, **{self.variant_option: recipe}))
