@@ -134,7 +134,8 @@ class FP8Backend(Protocol):
 
     def read_weight_gather(self, reader: str, cfg: Any, facts: StrategyFacts) -> str | None:
         """How an FP8 layer whose weight ``reader`` reads outside its GEMM (PEFT's DoRA weight norm) is all-gathered
-        instead of the backend's FP8 all-gather, and why (``PlanEntry.high_precision_gather``); None: as any other."""
+        instead of the backend's FP8 all-gather, and why; None: as any other. The plan calls it per such layer under
+        ``cfg`` and ``facts`` and records the answer as ``PlanEntry.high_precision_gather``."""
         return None
 
     def check_plan(self, plan: Any) -> None:

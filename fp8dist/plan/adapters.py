@@ -1,6 +1,7 @@
 """Which modules of a PEFT model are adapters (any tuner's ``adapter_layer_names``: LoRA's A/B, DoRA's magnitude, ...)
-and their rank, so the plan keeps them in the strategy's precision. Duck-typed on PEFT's ``BaseTunerLayer`` (it holds
-``base_layer``, which is planned like any Linear): fp8dist imports no ``peft``."""
+and their rank, so the plan keeps them in the strategy's precision, and which base layers' weights an adapter reads
+(DoRA). Duck-typed on PEFT's ``BaseTunerLayer`` (it holds ``base_layer``, which is planned like any Linear): fp8dist
+imports no ``peft``."""
 
 from __future__ import annotations
 
