@@ -60,6 +60,14 @@ def test_the_plan_gathers_dora_bases_in_bf16_under_fp8_all_gather_only():
                                world_size=2)
         assert not any(e.high_precision_gather for e in other), options
         assert other.by_name(f"{V}.base_layer").reason == "converted by torchao; frozen weight", options
+    assert plan.notes == (), "FP8 all-gather left to its default: the rows say it, no warning"
+    asked = plan_precision(model, resolve_config(strategy="fsdp", fp8="torchao", fp8_all_gather=True),
+                           device=torch.device("cpu"), world_size=2)
+    assert asked.notes == (f"fp8_all_gather=True is not followed by 5 FP8 layers (base_model.model.model.layers.0"
+                           ".self_attn.v_proj.base_layer, base_model.model.model.layers.0.mlp.gate_proj.base_layer, "
+                           "base_model.model.model.layers.1.self_attn.q_proj.base_layer and 2 more): "
+                           f"{DORA_GATHER}; the other FP8 layers gather in FP8 (leave fp8_all_gather unset for the "
+                           "same without this note)",)
     h100 = plan_precision(model, resolve_config(strategy="fsdp", fp8="torchao"), device=parse_target("h100"),
                           world_size=2, check_installed=False)  # the tiny layers are predicted slower in FP8 there
     kept = h100.by_name(f"{V}.base_layer")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.text import plural
+from ..config.text import listing, plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
 from .coverage import MIN_FP8_SHARE, coverage, gemm_flops, runs_gemm
@@ -224,7 +224,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
     compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:
-        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
+        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries),
+                 *_gathers_in_high_precision(cfg, entries), *notes]
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
                          notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
                          memory=cfg.parallel.memory, hardware=hardware, facts=facts, selection=selection)
@@ -276,6 +277,17 @@ def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
         return []
     return [f"torchao_moe_recipe={cfg.precision.torchao_moe_recipe!r} has no effect: the model has no MoE experts "
             "module (fused 3-D expert weights) for it to convert"]
+
+
+def _gathers_in_high_precision(cfg: Config, entries: list[PlanEntry]) -> list[str]:
+    """Where fp8_all_gather=True was asked for and FP8 layers gather in high precision all the same (DoRA bases)."""
+    kept = [e for e in entries if e.precision == "fp8" and e.high_precision_gather]
+    if not kept or cfg.precision.fp8_all_gather is not True:
+        return []
+    names = listing([e.name for e in kept])
+    return [f"fp8_all_gather=True is not followed by {plural(len(kept), 'FP8 layer')} ({names}): "
+            f"{kept[0].high_precision_gather}; the other FP8 layers gather in FP8 (leave fp8_all_gather unset for the "
+            "same without this note)"]
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:
