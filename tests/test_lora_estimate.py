@@ -26,14 +26,15 @@ ADAPTERS = 2 * (8 * 32 + 32 * 8 + 8 * 32 + 16 * 8)
 STEP = 4  # torch AdamW's fp32 step tensor, one per trained parameter
 
 
-def _lora_llama(*, meta: bool = True, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A bf16 Llama base under PEFT LoRA: PEFT keeps the adapters in fp32 (autocast_adapter_dtype), the base frozen."""
+def _lora_llama(*, meta: bool = True, dtype: torch.dtype = torch.bfloat16, dora: bool = False) -> torch.nn.Module:
+    """A bf16 Llama base under PEFT LoRA (DoRA: ``dora``): PEFT keeps the adapters in fp32 (autocast_adapter_dtype),
+    the base frozen."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         model = LlamaForCausalLM(LlamaConfig(**DIMS)).to(dtype)
-        return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+        return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], use_dora=dora))
 
 
 def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, dict]]:
@@ -45,8 +46,8 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
     out = []
     for kw in cases:
         kw = dict(kw)
-        dtype = kw.pop("base", torch.bfloat16)
-        base = _lora_llama(meta=False, dtype=dtype)
+        dtype, dora = kw.pop("base", torch.bfloat16), kw.pop("dora", False)
+        base = _lora_llama(meta=False, dtype=dtype, dora=dora)
         if kw["strategy"] == "deepspeed":
             measured = deepspeed_report(base, ids, **kw)
         else:
@@ -57,7 +58,8 @@ def _measure_lora(rank: int, world: int, cases: list[dict]) -> list[tuple[dict, 
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             measured = fp8dist.report(model, optimizer)
-        estimated = estimate_memory(_lora_llama(dtype=dtype), world_size=world, rank=rank, micro_batch_size=2, **kw)
+        estimated = estimate_memory(_lora_llama(dtype=dtype, dora=dora), world_size=world, rank=rank,
+                                    micro_batch_size=2, **kw)
         assert measured.frozen_params == estimated.groups[0].params == 27_360, kw  # all but the adapters
         assert measured.dtypes["fp8_buffers"] == estimated.dtypes["fp8_buffers"], kw  # kept FP8 copies named alike
         fp8 = [(r.modules, r.params) for r in measured.rows if r.part.value == "fp8_gemm"]

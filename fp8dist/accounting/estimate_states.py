@@ -96,8 +96,8 @@ def fp8_buffer_bytes(backend: Any, cfg: Any, plan: Any, params: list[ParamInfo],
     from ..plan.precision import PrecisionPlan
 
     entries = {f"{e.name}.weight": e for e in plan.fp8}
-    kept = {p.name: backend.frozen_weights(backend.layer_config(cfg, entries[p.name].recipe), plan.facts)
-            for p in params if not p.trains and p.name in entries}  # each layer as its own recipe answers
+    kept = {p.name: backend.frozen_weights(backend.layer_config(cfg, entries[p.name]), plan.facts)
+            for p in params if not p.trains and p.name in entries}  # each layer as its own entry configures it
     frozen = [p for p in params if kept.get(p.name) and kept[p.name].cached_bytes]
     if not frozen:
         return backend.fp8_state_bytes(cfg, plan), False

@@ -132,6 +132,12 @@ class FP8Backend(Protocol):
         """Per-layer rules: why this supported module cannot run FP8 on ``hardware`` under ``facts``, or None."""
         return linear_reason(module)
 
+    def read_weight_gather(self, reader: str, cfg: Any, facts: StrategyFacts) -> str | None:
+        """How an FP8 layer whose weight ``reader`` reads outside its GEMM (PEFT's DoRA weight norm) is all-gathered
+        instead of the backend's FP8 all-gather, and why; None: as any other. The plan calls it per such layer under
+        ``cfg`` and ``facts`` and records the answer as ``PlanEntry.high_precision_gather``."""
+        return None
+
     def check_plan(self, plan: Any) -> None:
         """Refuse, before anything changes, a plan the backend cannot follow."""
 
@@ -174,8 +180,10 @@ class FP8Backend(Protocol):
         one recipe for the model (:meth:`speed_recipe`)."""
         return ()
 
-    def layer_config(self, cfg: Any, recipe: str | None) -> Any:
-        """``cfg`` with a layer's own recipe (``PlanEntry.recipe``) in :attr:`variant_option`; None: ``cfg`` itself."""
+    def layer_config(self, cfg: Any, entry: Any) -> Any:
+        """``cfg`` as the plan ``entry``'s layer runs: its own recipe (``PlanEntry.recipe``) in :attr:`variant_option`
+        (``cfg`` itself where it has none); call it for each FP8 entry before converting, costing or probing it."""
+        recipe = entry.recipe
         if recipe is None:
             return cfg
         return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, **{self.variant_option: recipe}))

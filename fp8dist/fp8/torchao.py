@@ -4,6 +4,7 @@ under FSDP2, its scales precomputed after every optimizer step) or the weight wr
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -164,17 +165,19 @@ class TorchaoBackend(FP8Backend):
         _say_bypassed(plan)
         dense = [e for e in plan.fp8 if not e.grouped]
         swaps, wrapped = [], set()
-        for recipe in dict.fromkeys(e.recipe for e in dense):  # None: the model's one recipe
-            layer = self.layer_config(cfg, recipe)  # these layers as their own recipe configures them
-            swapped, wrapped_now = self._convert_dense(model, [e for e in dense if e.recipe == recipe], layer,
-                                                       plan.facts)
+        groups: dict[tuple, list] = {}  # one conversion per recipe, and per all-gather (a DoRA base's own)
+        for e in dense:
+            groups.setdefault((e.recipe, e.high_precision_gather is not None), []).append(e)
+        for group in groups.values():
+            layer = self.layer_config(cfg, group[0])  # these layers as their entries configure them
+            swapped, wrapped_now = self._convert_dense(model, group, layer, plan.facts)
             swaps.append((layer, swapped))
             wrapped |= wrapped_now
         _check_fp8_ran(model, sorted(set().union(*(linears for _, linears in swaps)) | wrapped))
         for layer, linears in swaps:  # frozen weights (a LoRA base): cast once where they can be
             from .frozen import freeze_float8_linears
 
-            frozen = self.frozen_weights(layer, plan.facts)  # per recipe, as the estimate asks it
+            frozen = self.frozen_weights(layer, plan.facts)  # per entry config, as the estimate asks it
             if linears and not frozen.grad_weight_gemm:  # FP8 all-gather keeps the shard's cast, not the weight's
                 cached = frozen.cached_bytes and not fp8_all_gather(layer, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
@@ -206,6 +209,22 @@ class TorchaoBackend(FP8Backend):
             cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept
             STEP_HOOKS.add(inner, post=_precompute)
         return FP8Wiring(scale_precompute=precompute)
+
+    def layer_config(self, cfg, entry):
+        """As any backend's, and without FP8 all-gather for an entry planned to gather in high precision."""
+        layer = super().layer_config(cfg, entry)
+        if entry.high_precision_gather is None:
+            return layer
+        return replace(layer, precision=replace(layer.precision, fp8_all_gather=False))
+
+    def read_weight_gather(self, reader: str, cfg, facts: StrategyFacts) -> str | None:
+        """Under FP8 all-gather, a layer whose weight ``reader`` reads is all-gathered in the param dtype: FP8
+        all-gather hands the forward a Float8TrainingTensor, which PEFT's DoRA fails to dequantize (peft 0.21,
+        torchao 0.18: "attempting to run aten.dequantize.self"); its GEMMs stay FP8."""
+        if not fp8_all_gather(cfg, facts):
+            return None
+        return (f"all-gathered in {cfg.parallel.param_dtype}, not FP8: {reader} reads the gathered weight and cannot "
+                "dequantize torchao's FP8 all-gather tensor")
 
     speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4")
 

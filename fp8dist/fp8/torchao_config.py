@@ -68,8 +68,9 @@ def fp8_all_gather(cfg, facts: StrategyFacts) -> bool:
 
 
 def gathers_fp8(entry) -> bool:
-    """Whether a plan's FP8 entry gathers in FP8 where FP8 all-gather is on: a Linear on tensorwise, never experts."""
-    return not entry.grouped and entry.recipe in (None, "tensorwise")
+    """Whether a plan's FP8 entry gathers in FP8 where FP8 all-gather is on: a Linear on tensorwise, never experts,
+    nor a layer planned to gather in high precision (``high_precision_gather``: a DoRA base)."""
+    return not entry.grouped and entry.recipe in (None, "tensorwise") and entry.high_precision_gather is None
 
 
 def float8_config(cfg, facts: StrategyFacts) -> Any:

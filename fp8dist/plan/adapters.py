@@ -1,6 +1,7 @@
 """Which modules of a PEFT model are adapters (any tuner's ``adapter_layer_names``: LoRA's A/B, DoRA's magnitude, ...)
-and their rank, so the plan keeps them in the strategy's precision. Duck-typed on PEFT's ``BaseTunerLayer`` (it holds
-``base_layer``, which is planned like any Linear): fp8dist imports no ``peft``."""
+and their rank, so the plan keeps them in the strategy's precision, and which base layers' weights an adapter reads
+(DoRA). Duck-typed on PEFT's ``BaseTunerLayer`` (it holds ``base_layer``, which is planned like any Linear): fp8dist
+imports no ``peft``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["adapter_reasons", "is_peft_model", "without_adapters"]
+__all__ = ["adapter_reasons", "is_peft_model", "weight_readers", "without_adapters"]
+
+_NO_GEMM = {"lora_magnitude_vector": "DoRA's magnitude, one scale per output feature: it runs no GEMM"}
+"""Adapter containers that hold no GEMM weight, and what they hold instead (the others' reason: a rank-r GEMM)."""
 
 
 def _tuner_layers(model: nn.Module):
@@ -39,11 +43,27 @@ def adapter_reasons(model: nn.Module) -> dict[str, str]:
 
 
 def _reason(attr: str, ranks: object, adapter: str | None = None) -> str:
-    """An adapter's rank-r GEMMs are too thin for FP8's casts of input and output (as large as the base's) to pay."""
+    """An adapter's rank-r GEMMs are too thin for FP8's casts of input and output (as large as the base's) to pay;
+    DoRA's magnitudes run no GEMM at all."""
+    if attr in _NO_GEMM:
+        return f"PEFT adapter ({attr}): {_NO_GEMM[attr]}"
     ranks = ranks if isinstance(ranks, dict) else {}
     rank = ranks.get(adapter) if adapter is not None else next(iter(ranks.values())) if len(ranks) == 1 else None
     rank = f", rank {rank}" if isinstance(rank, int) else ""
     return f"PEFT adapter ({attr}{rank}): a rank-r GEMM is too small to pay for FP8 casts"
+
+
+def weight_readers(model: nn.Module) -> dict[str, str]:
+    """``{fqn: reader}`` of every base layer whose weight an adapter reads outside the base layer's own GEMM (DoRA's
+    magnitude: the norm of each output row of the base weight plus the LoRA delta, every forward)."""
+    fqns = {id(module): name for name, module in model.named_modules()}
+    readers = {}
+    for _, layer in _tuner_layers(model):
+        magnitudes = getattr(layer, "lora_magnitude_vector", None)
+        if isinstance(magnitudes, nn.Module) and len(list(magnitudes.children())):
+            base = layer.get_base_layer() if callable(getattr(layer, "get_base_layer", None)) else layer.base_layer
+            readers[fqns[id(base)]] = "PEFT's DoRA weight norm (lora_magnitude_vector)"
+    return readers
 
 
 def without_adapters(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.text import plural
+from ..config.text import listing, plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
 from .coverage import MIN_FP8_SHARE, coverage, gemm_flops, runs_gemm
-from .adapters import adapter_reasons
+from .adapters import adapter_reasons, weight_readers
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
@@ -56,6 +56,9 @@ class PlanEntry:
     """The probe's verdict: () within its thresholds, else those crossed (kept out of FP8); None: not measured."""
     recipe: str | None = None
     """The recipe picked for this layer (predicted fastest) where the backend mixes several; None: its one recipe."""
+    high_precision_gather: str | None = None
+    """Why this FP8 layer's weight is all-gathered in the strategy's dtype where the backend gathers FP8 weights in FP8
+    (a PEFT DoRA base: DoRA's weight norm reads the gathered weight); None: gathered as the backend's other layers."""
 
     @property
     def speedup(self) -> float | None:
@@ -221,7 +224,8 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
     compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:
-        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries), *notes]
+        notes = [*_unmatched_excludes(cfg, [e.name for e in entries]), *_unread_moe_recipe(cfg, entries),
+                 *_gathers_in_high_precision(cfg, entries), *notes]
     return PrecisionPlan(entries, backend=fp8, strategy=cfg.parallel.strategy, detail=detail, unavailable=gate,
                          notes=notes, blocks=(cfg.parallel.activation_checkpointing, compiled, why),
                          memory=cfg.parallel.memory, hardware=hardware, facts=facts, selection=selection)
@@ -245,23 +249,25 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
     reserved = {**(backend.model_exclusions(model, cfg) if backend else {}), **adapter_reasons(model)}
-    entries = []
+    readers, entries = weight_readers(model), []
     for name, module in model.named_modules():
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params == 0:
             continue
         reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
-        precision, target = _fallback_precision(module, cfg, facts), None
+        precision, target, gather = _fallback_precision(module, cfg, facts), None, None
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
             if backend.computes_in_fp8(module):
                 frozen = not any(p.requires_grad for p in module.parameters(recurse=False))
                 precision, reason = "fp8", f"converted by {fp8}" + ("; frozen weight" if frozen else "")
+                gather = backend.read_weight_gather(readers[name], cfg, facts) if name in readers else None
+                reason += f"; {gather}" if gather else ""
             else:
                 reason = f"swapped for {target}; norms do not compute in FP8"
         grouped = is_experts(module)
         entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params,
-                                 gemm_flops(module, params, grouped), grouped))
+                                 gemm_flops(module, params, grouped), grouped, high_precision_gather=gather))
     return entries
 
 
@@ -271,6 +277,17 @@ def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
         return []
     return [f"torchao_moe_recipe={cfg.precision.torchao_moe_recipe!r} has no effect: the model has no MoE experts "
             "module (fused 3-D expert weights) for it to convert"]
+
+
+def _gathers_in_high_precision(cfg: Config, entries: list[PlanEntry]) -> list[str]:
+    """Where fp8_all_gather=True was asked for and FP8 layers gather in high precision all the same (DoRA bases)."""
+    kept = [e for e in entries if e.precision == "fp8" and e.high_precision_gather]
+    if not kept or cfg.precision.fp8_all_gather is not True:
+        return []
+    names = listing([e.name for e in kept])
+    return [f"fp8_all_gather=True is not followed by {plural(len(kept), 'FP8 layer')} ({names}): "
+            f"{kept[0].high_precision_gather}; the other FP8 layers gather in FP8 (leave fp8_all_gather unset for the "
+            "same without this note)"]
 
 
 def _unmatched_excludes(cfg: Config, names: list[str]) -> list[str]:

@@ -180,7 +180,7 @@ def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: fl
         kept.append(f"FP8 unsafe: {'; '.join(problems)} (probe)")
     if kept:
         return dataclasses.replace(entry, precision=fallback(module), converted_to=None, reason="; ".join(kept),
-                                   predicted=predicted, numerics=problems)
+                                   predicted=predicted, numerics=problems, high_precision_gather=None)
     reason = entry.reason
     if recipe is not None:  # the row names the recipe it runs and why that one
         reason += f"; recipe {recipe}" + (f", the fastest predicted (else {others})" if others else

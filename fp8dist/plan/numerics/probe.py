@@ -74,7 +74,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                           check_installed=False)
     backend = get_backend(cfg.precision.fp8)
     layers = {e.name: (e.module_type, "experts" if e.grouped else "linear",
-                       backend.numerics_casts(backend.layer_config(cfg, e.recipe), plan.facts, plan.hardware,
+                       backend.numerics_casts(backend.layer_config(cfg, e), plan.facts, plan.hardware,
                                               grouped=e.grouped)) for e in plan.fp8}  # its own recipe (auto)
     thresholds = as_thresholds(thresholds)  # every input checked before the model is copied or run
     if loss_fn is not None and not callable(loss_fn):
