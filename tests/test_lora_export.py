@@ -56,8 +56,9 @@ def test_two_adapters_are_exported_as_peft_exports_them_and_peft_loads_both(tmp_
     save_adapters(model, tmp_path / "ours")
     unwrap_model(model).save_pretrained(str(tmp_path / "peft"))  # PEFT's own export, the reference
     weights = ["adapter_model.safetensors", "second/adapter_model.safetensors"]
-    assert [f for f in _files(tmp_path / "ours")] == ["adapter_config.json", *weights[:1], "second/adapter_config.json",
-                                                      weights[1]]
+    peft_files = [n for n in _files(tmp_path / "peft") if not n.endswith("README.md")]  # PEFT's model card too
+    assert _files(tmp_path / "ours") == peft_files == ["adapter_config.json", weights[0], "second/adapter_config.json",
+                                                       weights[1]]
     for name in weights:
         ours, theirs = load_file(tmp_path / "ours" / name), load_file(tmp_path / "peft" / name)
         assert sorted(ours) == sorted(theirs), name
@@ -99,8 +100,8 @@ def test_merge_lora_into_a_folder_holding_an_earlier_runs_adapters_leaves_only_t
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
-    # measured: 4.8e-7 apart (W + s*B@A summed once vs. the adapter path's two GEMMs); run 1's adapters: 0.3
-    print("MEASURED", (merged - expected).abs().max().item())
+    # measured: 3.6e-7 apart (W + s*B@A summed once vs. the adapter path's two GEMMs); before, with run 1's
+    # adapter_config.json left beside, transformers loaded the base with run 1's adapters: 0.063 apart
     assert (merged - expected).abs().max() < 5e-6
 
     save_adapters(second, out, base_model=str(base))  # and back: the merged weights go, their config.json stays
