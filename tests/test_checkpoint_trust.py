@@ -215,3 +215,18 @@ def test_a_lora_checkpoints_adapter_file_truncated_or_flipped_is_named_and_check
     with pytest.raises(CheckpointError) as refused:
         load_checkpoint(tmp_path, model, opt)
     assert str(refused.value) == _unchecked_message(step, "records no checksums")
+
+
+def test_deepspeeds_engine_files_are_checked_by_the_same_rule_before_they_are_unpickled(saved):
+    """A DeepSpeed checkpoint's engine file that meta.json does not list (loaded with verify=False) but that leads
+    outside: refused before DeepSpeed's own loader or the pickle scan opens it (no engine needed to get there)."""
+    from fp8dist.checkpoint.io import _read_own
+    from fp8dist.strategies.deepspeed_checkpoint import ZeROCheckpoint
+
+    own, step = ZeROCheckpoint(), saved / STEP
+    (step / own.tag).mkdir()
+    (step / own.tag / "mp_rank_00_model_states.pt").symlink_to(saved.parent / "secret")
+    with pytest.raises(CheckpointError) as refused:
+        _read_own(step, None, None, own)
+    assert str(refused.value).startswith(f"{step}: the engine's file '{own.tag}/mp_rank_00_model_states.pt' leads "
+                                         "out of the folder through a symbolic link. ")

@@ -107,8 +107,9 @@ removes those it did not write."""
 def _adapter_folders(out: Path) -> list[Path]:
     """Subfolders holding one PEFT adapter and nothing else (PEFT's place for an adapter other than "default"; a
     trainer's checkpoint folder holds more and is left alone)."""
+    alone = (*ADAPTER_FILES, "README.md")  # PEFT writes a model card beside each adapter
     return [sub for sub in sorted(out.iterdir()) if sub.is_dir() and not sub.is_symlink()
-            and (sub / ADAPTER_CONFIG).is_file() and all(f.name in (*ADAPTER_FILES, "README.md") for f in sub.iterdir())]
+            and (sub / ADAPTER_CONFIG).is_file() and all(f.name in alone for f in sub.iterdir())]
 
 
 def remove_stale(out: Path, written: set[str]) -> None:

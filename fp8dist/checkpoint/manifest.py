@@ -107,8 +107,8 @@ def verify_files(path: Path, meta: dict[str, Any], rank: int, world: int) -> Non
     if unchecked is not None:
         raise CheckpointError(
             f"{path / 'meta.json'} {unchecked}: the checkpoint cannot be checked for damage, and fp8dist loads none "
-            "unchecked unless told. It was saved by an fp8dist that recorded none, or edited by hand. Load another checkpoint (its step_* folders), or load_checkpoint(..., verify=False) to load it "
-            "unchecked knowingly.")
+            "unchecked unless told. It was saved by an fp8dist that recorded none, or edited by hand. Load another "
+            "checkpoint (its step_* folders), or load_checkpoint(..., verify=False) to load it unchecked knowingly.")
     checksums = meta["checksums"]
     if meta.get("checksum") != CHECKSUM:
         raise CheckpointError(f"{path / 'meta.json'} records {meta.get('checksum')!r} checksums; this fp8dist "
