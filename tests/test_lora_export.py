@@ -130,3 +130,34 @@ def test_adapters_are_not_written_over_the_base_they_name(tmp_path):
         f"save_adapters: out_dir {str(tmp_path)!r} is the base model's folder (base_model): the export removes the "
         "model weights it finds there. Write the adapters into a folder of their own.")
     assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "adapter_config.json").exists()
+
+
+def test_a_module_to_save_is_merged_as_trained_and_what_a_plain_merge_cannot_reproduce_is_refused(tmp_path):
+    """lm_head trained whole (modules_to_save) lands under its own name (before: the strict load found no lm_head
+    and raised); two adapters or a DoRA one are refused before anything is gathered (before: 'default' alone was
+    merged, the rest dropped; DoRA's magnitudes ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model = _randomized(wrap_model(peft.get_peft_model(build_llama("tiny", seed=0), config), strategy="none"), 3)
+    save_merged(model, tmp_path / "merged", dtype=torch.float32)
+    reference = peft.get_peft_model(build_llama("tiny", seed=0), config)
+    reference.load_state_dict(unwrap_model(model).state_dict())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    expected = reference.merge_and_unload().state_dict()  # PEFT's own merge
+    assert sorted(merged) == sorted(expected)
+    assert all(torch.equal(merged[k], expected[k]) for k in merged)  # measured: bit for bit, lm_head the trained copy
+
+    with pytest.raises(ValueError) as refused:
+        save_merged(_two_adapters(), tmp_path / "two")
+    assert str(refused.value) == (
+        "save_merged: the model holds the adapters 'default', 'second'; fp8dist merges one, 'default'. Export them "
+        "with save_adapters (one folder each, as PEFT does), or delete the others (model.delete_adapter) before "
+        "wrap_model.")
+    dora = wrap_model(peft.get_peft_model(build_llama("tiny", seed=0), peft.LoraConfig(
+        r=2, target_modules=["v_proj"], use_dora=True)), strategy="none")
+    with pytest.raises(ValueError, match=r"save_merged: the adapter 'default' is DoRA \(use_dora=True\), whose "
+                                         "magnitudes this merge does not apply. Export it with save_adapters"):
+        save_merged(dora, tmp_path / "dora")
+    assert not (tmp_path / "two").exists() and not (tmp_path / "dora").exists()

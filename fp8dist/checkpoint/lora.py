@@ -111,8 +111,22 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
     return out
 
 
+def _check_mergeable(inner: Any) -> None:
+    """ValueError before anything is gathered unless the model holds one adapter, "default", that a plain merge
+    reproduces (W + scaling * B A): DoRA rescales each row by its magnitude, which this merge does not apply."""
+    configs = inner.peft_config
+    if list(configs) != ["default"]:
+        raise ValueError(f"save_merged: the model holds the adapters {', '.join(map(repr, configs))}; fp8dist merges "
+                         "one, 'default'. Export them with save_adapters (one folder each, as PEFT does), or delete "
+                         "the others (model.delete_adapter) before wrap_model.")
+    if getattr(configs["default"], "use_dora", False):
+        raise ValueError("save_merged: the adapter 'default' is DoRA (use_dora=True), whose magnitudes this merge does "
+                         "not apply. Export it with save_adapters and merge with PEFT (merge_and_unload).")
+
+
 def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's state dict under its own names, each adapted weight W + scaling * B A (PEFT's merge)."""
+    """The base model's state dict under its own names: each adapted weight W + scaling * B A (PEFT's merge), each
+    module to save as trained (its frozen original left out)."""
     for name, module in inner.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "scaling", {}):
             continue
@@ -123,17 +137,24 @@ def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         full[f"{name}.base_layer.weight"] = (weight.float() + (delta.t() if module.fan_in_fan_out else delta)
                                              ).to(weight.dtype)
     prefix = "base_model.model."
-    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in full.items()}
+    return {k.removeprefix(prefix).replace(".base_layer.", ".").replace(".modules_to_save.default.", "."): v
+            for k, v in full.items() if ".original_module." not in k}
 
 
 def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16) -> Path:
     """Write ``model`` (a wrapped PEFT LoRA model) with its adapters merged into the base weights, as a transformers
     model in ``dtype``; model files of an earlier export there (an adapter a loader would apply again) are removed
     (:func:`~fp8dist.checkpoint.hf.remove_stale`). Call it on every rank; rank 0 holds the whole model in CPU memory
-    while it writes."""
+    while it writes.
+
+    Raises:
+        ValueError: before anything is gathered: not a PEFT model, adapters other than one "default", a DoRA adapter
+            (export those with :func:`save_adapters`), or ``out_dir`` not writable.
+    """
     from transformers import AutoModelForCausalLM
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
+    _check_mergeable(inner)
     full = _gathered(model, out, lambda name: True)
     full.update({n: b.detach().cpu() for n, b in persistent_buffers(inner).items()})  # every rank holds them whole
     writer = _Writer(out, rank_world()[0])
@@ -147,6 +168,8 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
         target.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()
                                 if k in keys}, assign=True, strict=True)
         out.mkdir(parents=True, exist_ok=True)
+        for leftover in out.glob(".tmp-merged-*"):  # of an export killed while writing
+            shutil.rmtree(leftover, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=".tmp-merged-", dir=out))  # what transformers writes, by name
         try:
             target.save_pretrained(str(staging), safe_serialization=True)

@@ -7,7 +7,6 @@ list, is refused, so editing a checkpoint cannot switch the check off."""
 from __future__ import annotations
 
 import os
-import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -77,8 +76,15 @@ def check_names(path: Path, meta: dict[str, Any]) -> None:
 def _on_disk(directory: Path) -> list[str]:
     """Every name under ``directory`` but its folders, symbolic links not followed (nothing they lead to is
     stat'ed)."""
-    return [p.relative_to(directory).as_posix() for p in sorted(directory.rglob("*"))
-            if not stat.S_ISDIR(p.lstat().st_mode)]
+    names, folders = [], [directory]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                else:
+                    names.append(Path(entry.path).relative_to(directory).as_posix())
+    return sorted(names)
 
 
 def _unchecked(path: Path, meta: dict[str, Any]) -> str | None:
