@@ -161,3 +161,23 @@ def test_a_module_to_save_is_merged_as_trained_and_what_a_plain_merge_cannot_rep
                                          "magnitudes this merge does not apply. Export it with save_adapters"):
         save_merged(dora, tmp_path / "dora")
     assert not (tmp_path / "two").exists() and not (tmp_path / "dora").exists()
+
+
+def test_adapters_whose_biases_train_are_refused_before_anything_is_gathered(tmp_path):
+    """PEFT's file of a bias="lora_only" adapter holds the biases of its layers (Qwen2's q, k, v); the export wrote
+    the adapters without them. A model without biases (Llama) exports as before."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_num_threads(1)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], bias="lora_only")
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    model = wrap_model(peft.get_peft_model(qwen2, config), strategy="none")
+    with pytest.raises(ValueError) as refused:
+        save_adapters(model, tmp_path / "out")
+    assert str(refused.value) == (
+        "save_adapters: adapter 'default' has bias='lora_only'; fp8dist exports LoRA adapters that train no bias. "
+        "Export the whole model instead (save_merged, or fp8dist.save_pretrained).")
+    assert not (tmp_path / "out").exists()
+    llama = wrap_model(peft.get_peft_model(build_llama("tiny", seed=0), config), strategy="none")
+    assert _files(save_adapters(llama, tmp_path / "llama")) == ["adapter_config.json", "adapter_model.safetensors"]

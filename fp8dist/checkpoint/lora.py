@@ -44,12 +44,13 @@ def _gathered(model: nn.Module, out: Path, keep: Any) -> dict[str, torch.Tensor]
 def _check_exportable(inner: Any, out: Path, base_model: str | None) -> None:
     """ValueError before anything is gathered for an adapter this export cannot write as PEFT does, or an ``out``
     that is the base's own folder (its weights would be removed as an earlier export's)."""
+    biases = any(n.endswith("bias") for n, _ in inner.named_parameters())  # what bias="all"/"lora_only" would add
     for name, config in inner.peft_config.items():
         kind = getattr(config.peft_type, "value", config.peft_type)
-        if kind != "LORA" or getattr(config, "bias", "none") != "none":
+        if kind != "LORA" or (biases and getattr(config, "bias", "none") != "none"):
             what = f"peft_type {kind!r}" if kind != "LORA" else f"bias={config.bias!r}"
-            raise ValueError(f"save_adapters: adapter {name!r} has {what}; fp8dist exports LoRA adapters with "
-                             "bias='none'. Export the whole model instead (save_merged, or fp8dist.save_pretrained).")
+            raise ValueError(f"save_adapters: adapter {name!r} has {what}; fp8dist exports LoRA adapters that train no "
+                             "bias. Export the whole model instead (save_merged, or fp8dist.save_pretrained).")
     if base_model is not None and Path(base_model).resolve() == out.resolve():
         raise ValueError(f"save_adapters: out_dir {str(out)!r} is the base model's folder (base_model): the export "
                          "removes the model weights it finds there. Write the adapters into a folder of their own.")
@@ -79,7 +80,8 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
     writes.
 
     Raises:
-        ValueError: before anything is gathered: not a PEFT model, an adapter that is not LoRA or trains biases,
+        ValueError: before anything is gathered: not a PEFT model, an adapter that is not LoRA or trains biases of
+            the model,
             ``out_dir`` the ``base_model`` folder or not writable.
 
     Example::
