@@ -81,8 +81,7 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
 
     Raises:
         ValueError: before anything is gathered: not a PEFT model, an adapter that is not LoRA or trains biases of
-            the model,
-            ``out_dir`` the ``base_model`` folder or not writable.
+            the model, ``out_dir`` the ``base_model`` folder or not writable.
 
     Example::
 
@@ -96,16 +95,16 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
 
     def write() -> list[str]:
         for adapter, config in inner.peft_config.items():
-            folder = out if adapter == "default" else out / adapter  # PEFT's layout
-            folder.mkdir(parents=True, exist_ok=True)
+            where = Path(".") if adapter == "default" else Path(adapter)  # PEFT's layout
+            (out / where).mkdir(parents=True, exist_ok=True)
             tensors = {k: v.to(dtype).contiguous() for k, v in _adapter_tensors(full, adapter).items()}
-            writer.written += [(folder / n).relative_to(out).as_posix() for n in _write_file(folder / ADAPTER_FILE,
-                                                                                            tensors)]
-            config = copy.copy(config)
+            _write_file(out / where / ADAPTER_FILE, tensors)
+            writer.written.append((where / ADAPTER_FILE).as_posix())  # recorded as written: a failure removes it
+            config = copy.copy(config)  # the model's own keeps its base name
             if base_model is not None:
                 config.base_model_name_or_path = str(base_model)
-            config.save_pretrained(str(folder))
-            writer.written.append((folder / ADAPTER_CONFIG).relative_to(out).as_posix())
+            config.save_pretrained(str(out / where))
+            writer.written.append((where / ADAPTER_CONFIG).as_posix())
         remove_stale(out, set(writer.written))
         return []
 

@@ -14,10 +14,10 @@ from typing import Any
 from ..config.text import listing
 from .io import CheckpointError, all_ranks_values, inside
 
-__all__ = ["CHECKSUM", "MAPS", "file_checksum", "record_files", "check_names", "verify_files"]
+__all__ = ["CHECKSUM", "file_checksum", "record_files", "check_names", "verify_files"]
 
 CHECKSUM = "crc32"  # meta.json's ``checksum``
-MAPS = ("files", "checksums")  # meta.json's maps by file name: sizes, checksums
+_MAPS = ("files", "checksums")  # meta.json's maps by file name: sizes, checksums
 _CHUNK = 16 * 2**20
 
 
@@ -67,7 +67,7 @@ def check_names(path: Path, meta: dict[str, Any]) -> None:
     if not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{path / 'meta.json'} has no 'files' map (each file's size), which every fp8dist "
                               "checkpoint records: it is damaged or was edited by hand. Load another checkpoint.")
-    for key in MAPS:
+    for key in _MAPS:
         names = meta.get(key)
         for name in names if isinstance(names, dict) else ():
             inside(path, name, f"meta.json's {key!r} entry")
@@ -94,11 +94,9 @@ def _unchecked(path: Path, meta: dict[str, Any]) -> str | None:
         return "records no checksums"
     missing, extra = [n for n in files if n not in checksums], [n for n in checksums if n not in files]
     unlisted = [n for n in _on_disk(path) if n not in files and n != "meta.json"]
-    for names, what in ((missing, "records no checksum for {}"), (extra, "records checksums of {}, which it does not "
-                         "list"), (unlisted, "does not list {}, which the folder holds")):
-        if names:
-            return what.format(listing([repr(n) for n in names]))
-    return None
+    reasons = ((missing, "records no checksum for {}"), (extra, "records checksums of {}, which it does not list"),
+               (unlisted, "does not list {}, which the folder holds"))
+    return next((what.format(listing([repr(n) for n in names])) for names, what in reasons if names), None)
 
 
 def verify_files(path: Path, meta: dict[str, Any], rank: int, world: int) -> None:
