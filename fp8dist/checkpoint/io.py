@@ -38,20 +38,27 @@ def inside(folder: Path, name: Any, entry: str) -> Path:
         CheckpointError: naming the entry and ``folder`` when the name is not a relative path, is absolute, climbs
             out with ``..`` or leads outside ``folder`` through a symbolic link (only the links are read).
     """
-    relative = PurePosixPath(name) if isinstance(name, str) else None
+    relative = PurePosixPath(name) if isinstance(name, str) and "\0" not in name else None
     if relative is None or relative.parts in ((), (".",)):
         why = "is not the name of a file"
     elif relative.is_absolute():
         why = "is an absolute path"
     elif ".." in relative.parts:
         why = "climbs out of the folder ('..')"
-    elif not (folder / relative).resolve().is_relative_to(folder.resolve()):
+    elif not _resolves_inside(folder, relative):
         why = "leads out of the folder through a symbolic link"
     else:
         return folder / relative
     raise CheckpointError(f"{folder}: {entry} {name!r} {why}. A checkpoint names only files inside its own folder, "
                           "so none was read. It was edited by hand or not written by fp8dist: load another "
                           "checkpoint.")
+
+
+def _resolves_inside(folder: Path, relative: PurePosixPath) -> bool:
+    try:
+        return (folder / relative).resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13)
+        return False
 
 
 def no_dist() -> bool:
