@@ -16,7 +16,7 @@ from ..fp8 import BACKENDS, get_backend
 from ..memory_levels import STANDARD
 from ..pipeline.api import get_wrap_info
 from ..strategies import STRATEGIES, get_strategy
-from .io import DCP, CheckpointError, checkpoint_format, model_layout
+from .io import DCP, CheckpointError, checkpoint_format, inside, model_layout
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _saved_fp8_state(meta: dict[str, Any], path: Path) -> list[str]:
     """meta.json's ``fp8_state``; older checkpoints hold it in their rank-0 file only."""
     if "fp8_state" in meta:
         return list(meta["fp8_state"])
-    file = path / "fp8_state_rank0.pt"
+    file = inside(path, "fp8_state_rank0.pt", "the file")
     return sorted(torch.load(file, map_location="cpu", weights_only=True)) if file.is_file() else []
 
 

@@ -23,7 +23,7 @@ from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class
 from ..pipeline.agree import on_all_ranks, rank_world
 
-__all__ = ["save_pretrained", "export_dtype"]
+__all__ = ["save_pretrained", "export_dtype", "remove_stale", "MODEL_FILES", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 _SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32"}
@@ -97,11 +97,33 @@ def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list
             written.append(name)
 
 
-def _remove_stale(out: Path, written: set[str]) -> None:
-    """Weight files of an earlier export into ``out`` that this one did not write (other shard counts)."""
-    for path in out.glob("model*.safetensors*"):
-        if path.name not in written and (path.name == INDEX_FILE or path.suffix == ".safetensors"):
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's, for each adapter
+ADAPTER_FILES = (ADAPTER_FILE, ADAPTER_CONFIG, "adapter_model.bin")
+MODEL_FILES = ("model*.safetensors", INDEX_FILE, *ADAPTER_FILES)
+"""The files that make a folder a model to loaders (a Hugging Face model's weights, PEFT's adapters): an export
+removes those it did not write."""
+
+
+def _adapter_folders(out: Path) -> list[Path]:
+    """Subfolders holding one PEFT adapter and nothing else (PEFT's place for an adapter other than "default"; a
+    trainer's checkpoint folder holds more and is left alone)."""
+    alone = (*ADAPTER_FILES, "README.md")  # PEFT writes a model card beside each adapter
+    return [sub for sub in sorted(out.iterdir()) if sub.is_dir() and not sub.is_symlink()
+            and (sub / ADAPTER_CONFIG).is_file() and all(f.name in alone for f in sub.iterdir())]
+
+
+def remove_stale(out: Path, written: set[str]) -> None:
+    """Remove the model files (:data:`MODEL_FILES`) of an earlier export into ``out`` that this one did not write
+    (``written``: names relative to ``out``), and the adapter files of its adapter subfolders: a loader would read
+    them with the new ones (transformers applies an ``adapter_config.json`` it finds to the weights beside it). Other
+    files stay (a tokenizer). Call it on rank 0, once the export's own files are written."""
+    found = [p for pattern in MODEL_FILES for p in out.glob(pattern)]
+    found += [sub / name for sub in _adapter_folders(out) for name in ADAPTER_FILES]
+    for path in found:
+        if path.is_file() and path.relative_to(out).as_posix() not in written:
             path.unlink()
+            if path.parent != out and not any(path.parent.iterdir()):
+                path.parent.rmdir()
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16,
@@ -109,8 +131,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
 
     Call it on every rank (the parameters are gathered collectively); rank 0 writes each file atomically. A
-    failure removes this call's files and raises on every rank. Weight files of an earlier export that this one
-    did not replace are removed; other files stay (a tokenizer).
+    failure removes this call's files and raises on every rank. Model files of an earlier export (weights, PEFT
+    adapters: :func:`remove_stale`) that this one did not replace are removed; other files stay (a tokenizer).
 
     Args:
         model: the trained model; FP8 layers are written as their high-precision weights.
@@ -160,7 +182,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
             atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
             writer.written.append(INDEX_FILE)
         _write_config(inner, out, dtype, writer.written)
-        _remove_stale(out, set(writer.written))
+        remove_stale(out, set(writer.written))
         return []
 
     writer.run(f"writing {INDEX_FILE} and config.json into {out}", finish)  # every rank returns once it is complete

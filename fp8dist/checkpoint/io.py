@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -23,6 +23,42 @@ DCP = "dcp"  # meta.json's ``engine`` for a strategy without a checkpoint format
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, damaged or does not match the model it is loaded into (says what differs)."""
+
+
+def inside(folder: Path, name: Any, entry: str) -> Path:
+    """``folder / name`` for a file name a checkpoint gives (meta.json's maps, DCP's ``.metadata``, ``latest``, the
+    fixed names fp8dist reads): every reader passes each name through here before it opens or stats the file.
+
+    Args:
+        folder: the checkpoint's folder (``latest``: the checkpoint directory).
+        name: the name as the checkpoint gives it: a relative path, ``/``-separated.
+        entry: what gives the name, for the message: "meta.json's 'files' entry", "the file".
+
+    Raises:
+        CheckpointError: naming the entry and ``folder`` when the name is not a relative path, is absolute, climbs
+            out with ``..`` or leads outside ``folder`` through a symbolic link (only the links are read).
+    """
+    relative = PurePosixPath(name) if isinstance(name, str) and "\0" not in name else None
+    if relative is None or relative.parts in ((), (".",)):
+        why = "is not the name of a file"
+    elif relative.is_absolute():
+        why = "is an absolute path"
+    elif ".." in relative.parts:
+        why = "climbs out of the folder ('..')"
+    elif not _resolves_inside(folder, relative):
+        why = "leads out of the folder through a symbolic link"
+    else:
+        return folder / relative
+    raise CheckpointError(f"{folder}: {entry} {name!r} {why}. A checkpoint names only files inside its own folder, "
+                          "so none was read. It was edited by hand or not written by fp8dist: load another "
+                          "checkpoint.")
+
+
+def _resolves_inside(folder: Path, relative: PurePosixPath) -> bool:
+    try:
+        return (folder / relative).resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13)
+        return False
 
 
 def no_dist() -> bool:
@@ -205,8 +241,10 @@ def _safe_reader(path: Path):
     """DCP's file reader, its ``.metadata`` read through :class:`_MetadataUnpickler` before DCP starts."""
     import torch.distributed.checkpoint as dcp
 
-    with open(path / ".metadata", "rb") as f:
+    with open(inside(path, ".metadata", "the file"), "rb") as f:
         metadata = _MetadataUnpickler(f).load()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():  # the files DCP reads next
+        inside(path, getattr(info, "relative_path", None), "the .metadata entry")
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
@@ -237,6 +275,7 @@ def _safe_planner():
 def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
     """The strategy's own format, whose files the engine unpickles: each checked first for undeclared classes."""
     for file in own.files(path):
+        inside(path, file.relative_to(path).as_posix(), "the engine's file")
         unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - own.pickled
         if unsafe:
             raise CheckpointError(f"{file} refers to {sorted(unsafe)}, which a checkpoint {own.saved_as} never "
@@ -258,9 +297,10 @@ def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy,
 
     saved: dict[str, Any] = {}
     if fp8_state:  # this rank's FP8 state, or rank 0's when the checkpoint had fewer ranks; read before DCP's
-        mine = path / f"fp8_state_rank{rank_world()[0]}.pt"  # collectives, so that a failure here hangs no peer
-        saved = torch.load(mine if mine.is_file() else path / "fp8_state_rank0.pt", map_location="cpu",
-                           weights_only=True)
+        # collectives, so that a failure here hangs no peer
+        mine = inside(path, f"fp8_state_rank{rank_world()[0]}.pt", "the file")
+        first = inside(path, "fp8_state_rank0.pt", "the file")
+        saved = torch.load(mine if mine.is_file() else first, map_location="cpu", weights_only=True)
     reader = _safe_reader(path)
     state = _dcp_state(model, optimizer, trainable_only)
     own = _pop_extra_state(state["model"])

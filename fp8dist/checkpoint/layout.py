@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..pipeline.files import check_output_path, wrong_kind
 from ..strategies import STRATEGIES
-from .io import CheckpointError
+from .io import CheckpointError, inside
 
 __all__ = ["step_name", "step_dirs", "latest_checkpoint", "save_root", "find_checkpoint", "job_root",
            "job_checkpoints"]
@@ -82,7 +82,7 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
-    if not (root / name).is_dir():
+    if not inside(root, name, "the 'latest' entry").is_dir():
         raise CheckpointError(f"{pointer} names {name!r}, which is not in {root}: the directory was changed by hand.")
     return root / name
 

@@ -1,11 +1,15 @@
 """Export of a PEFT LoRA model trained under :func:`fp8dist.wrap_model`: the adapters in PEFT's format
 (:func:`save_adapters`) or the base with the adapters merged (:func:`save_merged`). Every rank gathers the full
-tensors (FSDP2, FSDP1, ZeRO-3 alike); rank 0 writes."""
+tensors (FSDP2, FSDP1, ZeRO-3 alike); rank 0 writes. Either export removes the model files of an earlier one it did
+not write (:func:`~fp8dist.checkpoint.hf.remove_stale`)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +20,11 @@ from ..pipeline.agree import rank_world
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
 from ..pipeline.pretrained import persistent_buffers
-from .hf import _dtype, _write_file, _Writer, check_out_dir
+from .hf import ADAPTER_CONFIG, ADAPTER_FILE, _dtype, _write_file, _Writer, check_out_dir, remove_stale
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
 
-ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's, beside its adapter_config.json
+_SAVED = ("lora_", ".modules_to_save.")  # what an adapter's file holds, by name: FSDP1 hides what trains
 
 
 def _peft_model(model: nn.Module) -> Any:
@@ -37,37 +41,93 @@ def _gathered(model: nn.Module, out: Path, keep: Any) -> dict[str, torch.Tensor]
     return {names[0]: full for names, full in gather_full(model) if full is not None and keep(names[0])}
 
 
+def _check_exportable(inner: Any, out: Path, base_model: str | None) -> None:
+    """ValueError before anything is gathered for an adapter this export cannot write as PEFT does, or an ``out``
+    that is the base's own folder (its weights would be removed as an earlier export's)."""
+    biases = any(n.endswith("bias") for n, _ in inner.named_parameters())  # what bias="all"/"lora_only" would add
+    for name, config in inner.peft_config.items():
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        if kind != "LORA" or (biases and getattr(config, "bias", "none") != "none"):
+            what = f"peft_type {kind!r}" if kind != "LORA" else f"bias={config.bias!r}"
+            raise ValueError(f"save_adapters: adapter {name!r} has {what}; fp8dist exports LoRA adapters that train no "
+                             "bias. Export the whole model instead (save_merged, or fp8dist.save_pretrained).")
+    if base_model is not None and Path(base_model).resolve() == out.resolve():
+        raise ValueError(f"save_adapters: out_dir {str(out)!r} is the base model's folder (base_model): the export "
+                         "removes the model weights it finds there. Write the adapters into a folder of their own.")
+
+
+def _adapter_tensors(full: dict[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
+    """One adapter's tensors under PEFT's names (get_peft_model_state_dict's, which misses FSDP1-wrapped adapters):
+    the adapter's name dropped, a DoRA magnitude without its ``.weight``, a module to save under the module's name."""
+    lora = re.compile(rf"\.(lora_\w+)\.{re.escape(adapter)}(?=\.|$)")
+    to_save = f".modules_to_save.{adapter}."
+    tensors = {}
+    for key, value in full.items():
+        if to_save in key:
+            tensors[key.replace(to_save, ".")] = value
+        elif lora.search(key):
+            name = lora.sub(r".\1", key)
+            tensors[name.removesuffix(".weight") if name.endswith(".lora_magnitude_vector.weight") else name] = value
+    return tensors
+
+
 def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
                   base_model: str | None = None) -> Path:
-    """Write the LoRA adapters of ``model`` (a wrapped PEFT model) into ``out_dir`` as PEFT does (``base_model``: the
-    base's directory the config names). Call it on every rank; rank 0 writes.
+    """Write the LoRA adapters of ``model`` (a wrapped PEFT model) into ``out_dir`` as PEFT's ``save_pretrained``
+    does: the adapter "default" in ``out_dir`` itself, each other one in a subfolder of its name, each with its own
+    ``adapter_config.json`` (``base_model``: the base's directory it names) and its modules to save. Model files of
+    an earlier export there are removed (:func:`~fp8dist.checkpoint.hf.remove_stale`). Call it on every rank; rank 0
+    writes.
+
+    Raises:
+        ValueError: before anything is gathered: not a PEFT model, an adapter that is not LoRA or trains biases of
+            the model, ``out_dir`` the ``base_model`` folder or not writable.
 
     Example::
 
         save_adapters(model, "out")                       # after training, on every rank
-        PeftModel.from_pretrained(base, "out")            # anywhere
+        PeftModel.from_pretrained(base, "out")            # anywhere; model.load_adapter("out/NAME", "NAME")
     """
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
-    # by name, as PEFT picks them: FSDP1's flat parameters hide which of their parameters train
-    full = _gathered(model, out, lambda name: "lora_" in name)
+    _check_exportable(inner, out, base_model)
+    full = _gathered(model, out, lambda name: any(mark in name for mark in _SAVED))
+    writer = _Writer(out, rank_world()[0])
 
     def write() -> list[str]:
-        out.mkdir(parents=True, exist_ok=True)
-        # PEFT's names drop the adapter's (as get_peft_model_state_dict, which misses FSDP1-wrapped adapters)
-        tensors = {re.sub(r"\.(lora_[AB])\.default\.", r".\1.", k): v.to(dtype).contiguous() for k, v in full.items()}
-        _write_file(out / ADAPTER_FILE, tensors)
-        config = inner.peft_config["default"]
-        if base_model is not None:
-            config.base_model_name_or_path = str(base_model)
-        config.save_pretrained(str(out))
-        return [ADAPTER_FILE, "adapter_config.json"]
+        for adapter, config in inner.peft_config.items():
+            where = Path(".") if adapter == "default" else Path(adapter)  # PEFT's layout
+            (out / where).mkdir(parents=True, exist_ok=True)
+            tensors = {k: v.to(dtype).contiguous() for k, v in _adapter_tensors(full, adapter).items()}
+            _write_file(out / where / ADAPTER_FILE, tensors)
+            writer.written.append((where / ADAPTER_FILE).as_posix())  # recorded as written: a failure removes it
+            config = copy.copy(config)  # the model's own keeps its base name
+            if base_model is not None:
+                config.base_model_name_or_path = str(base_model)
+            config.save_pretrained(str(out / where))
+            writer.written.append((where / ADAPTER_CONFIG).as_posix())
+        remove_stale(out, set(writer.written))
+        return []
 
-    _Writer(out, rank_world()[0]).run(f"writing {ADAPTER_FILE} into {out}", write)
+    writer.run(f"writing {ADAPTER_FILE} into {out}", write)
     return out
 
 
+def _check_mergeable(inner: Any) -> None:
+    """ValueError before anything is gathered unless the model holds one adapter, "default", that a plain merge
+    reproduces (W + scaling * B A): DoRA rescales each row by its magnitude, which this merge does not apply."""
+    configs = inner.peft_config
+    if list(configs) != ["default"]:
+        raise ValueError(f"save_merged: the model holds the adapters {', '.join(map(repr, configs))}; fp8dist merges "
+                         "one, 'default'. Export them with save_adapters (one folder each, as PEFT does), or delete "
+                         "the others (model.delete_adapter) before wrap_model.")
+    if getattr(configs["default"], "use_dora", False):
+        raise ValueError("save_merged: the adapter 'default' is DoRA (use_dora=True), whose magnitudes this merge does "
+                         "not apply. Export it with save_adapters and merge with PEFT (merge_and_unload).")
+
+
 def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's state dict under its own names, each adapted weight W + scaling * B A (PEFT's merge)."""
+    """The base model's state dict under its own names: each adapted weight W + scaling * B A (PEFT's merge), each
+    module to save as trained (its frozen original left out)."""
     for name, module in inner.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "scaling", {}):
             continue
@@ -78,17 +138,27 @@ def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         full[f"{name}.base_layer.weight"] = (weight.float() + (delta.t() if module.fan_in_fan_out else delta)
                                              ).to(weight.dtype)
     prefix = "base_model.model."
-    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in full.items()}
+    return {k.removeprefix(prefix).replace(".base_layer.", ".").replace(".modules_to_save.default.", "."): v
+            for k, v in full.items() if ".original_module." not in k}
 
 
 def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16) -> Path:
     """Write ``model`` (a wrapped PEFT LoRA model) with its adapters merged into the base weights, as a transformers
-    model in ``dtype``. Call it on every rank; rank 0 holds the whole model in CPU memory while it writes."""
+    model in ``dtype``; model files of an earlier export there (an adapter a loader would apply again) are removed
+    (:func:`~fp8dist.checkpoint.hf.remove_stale`). Call it on every rank; rank 0 holds the whole model in CPU memory
+    while it writes.
+
+    Raises:
+        ValueError: before anything is gathered: not a PEFT model, adapters other than one "default", a DoRA adapter
+            (export those with :func:`save_adapters`), or ``out_dir`` not writable.
+    """
     from transformers import AutoModelForCausalLM
 
     inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
+    _check_mergeable(inner)
     full = _gathered(model, out, lambda name: True)
     full.update({n: b.detach().cpu() for n, b in persistent_buffers(inner).items()})  # every rank holds them whole
+    writer = _Writer(out, rank_world()[0])
 
     def write() -> list[str]:
         merged = _merged(inner, full)
@@ -98,8 +168,19 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
         keys = target.state_dict().keys()  # a tied weight is saved once, under the name the model keeps
         target.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()
                                 if k in keys}, assign=True, strict=True)
-        target.save_pretrained(str(out), safe_serialization=True)
-        return [p.name for p in out.iterdir()]
+        out.mkdir(parents=True, exist_ok=True)
+        for leftover in out.glob(".tmp-merged-*"):  # of an export killed while writing
+            shutil.rmtree(leftover, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-merged-", dir=out))  # what transformers writes, by name
+        try:
+            target.save_pretrained(str(staging), safe_serialization=True)
+            for file in sorted(staging.iterdir()):
+                os.replace(file, out / file.name)
+                writer.written.append(file.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        remove_stale(out, set(writer.written))
+        return []
 
-    _Writer(out, rank_world()[0]).run(f"writing the merged model into {out}", write)
+    writer.run(f"writing the merged model into {out}", write)
     return out

@@ -22,8 +22,8 @@ from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
-from .manifest import CHECKSUM, record_files, verify_files
-from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_rank0, read_state, rng_state,
+from .manifest import CHECKSUM, check_names, record_files, verify_files
+from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_rank0, inside, read_state, rng_state,
                  set_rng_state, write_state)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
@@ -59,7 +59,7 @@ def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
-    file = path / "meta.json"
+    file = inside(path, "meta.json", "the file")
     if not file.is_file():
         raise CheckpointError(f"{path} has no meta.json: it is not a complete fp8dist checkpoint. Load the "
                               f"checkpoint directory (its 'latest' is followed) or one of its step_* folders.")
@@ -72,6 +72,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path} was written by fp8dist {meta.get('fp8dist_version')} in checkpoint format "
                               f"{meta['format_version']}; this fp8dist reads format {FORMAT_VERSION}. Upgrade fp8dist.")
+    check_names(path, meta)
     for rel, size in meta["files"].items():
         actual = (path / rel).stat().st_size if (path / rel).is_file() else None
         if actual != size:
@@ -220,7 +221,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in place, and restore
     this rank's RNG states. Call it on every rank, after ``wrap_model`` and building the optimizer.
 
-    Every file's size and checksum and every tensor's name and shape are checked before anything loads; what may
+    Every file the checkpoint names must lie inside its folder (no absolute path, ``..`` or symbolic link leading
+    out), checked before any is opened. Every file's size and checksum and every tensor's name and shape are checked
+    before anything loads; what may
     differ is decided from meta.json (:mod:`fp8dist.checkpoint.compat`): fsdp, fsdp1, ddp and none load into each
     other on any world size, torchao on or off (ranks the checkpoint had no RNG state for keep theirs); Transformer
     Engine's FP8 state only into modules that hold it; DeepSpeed only the same ZeRO stage, world size and FP8
@@ -234,7 +237,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
             (``differences`` says the optimizer state was left).
         drop_fp8_state: load without the checkpoint's FP8 state (``_extra_state``; e.g. a Transformer Engine
             checkpoint into a model without TE): FP8 scaling starts afresh.
-        verify: check every file's CRC-32 before loading; False loads a damaged checkpoint knowingly.
+        verify: check every file's CRC-32 before loading; a meta.json that records no checksum for a file, or a
+            file it does not list, is refused. False loads a damaged or unchecked checkpoint knowingly.
 
     Returns:
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
@@ -260,7 +264,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state,
                                                         decision.trainable_only), error=CheckpointError)
     backend.after_load(model, info.fp8)
-    rng = checkpoint / f"rng_rank{rank}.pt"
+    rng = inside(checkpoint, f"rng_rank{rank}.pt", "the file")
     on_all_ranks(f"loading {rng}", lambda: set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
                  if rng.is_file() else None, error=CheckpointError)
     return CheckpointState(step=int(meta["step"]), extra=meta["extra"], path=checkpoint,
