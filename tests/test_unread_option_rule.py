@@ -71,3 +71,37 @@ def test_wrap_model_warns_once_and_runs_for_the_knob_from_keywords_and_both_file
             wrap_model(build_llama("tiny", seed=0), config=config, **options)
         said = [str(w.message) for w in caught if note in str(w.message)]
         assert said == [note], (config, [str(w.message) for w in caught])
+
+
+def test_every_option_has_its_readers_or_is_read_by_every_run():
+    """An option no axis declares used to count as read by every run: fp8_exclude, on_unsupported and
+    keep_last_blocks_share under fp8=None changed nothing and said nothing. Now each option is declared."""
+    from fp8dist.config.options import SECTIONS
+    from fp8dist.config.rules import EVERY_RUN, _readers
+    from fp8dist.config.schema import flat_fields
+
+    options = {f.name for section in SECTIONS.values() for _, f in flat_fields(section)}
+    assert options - set(_readers()) - set(EVERY_RUN) == set()  # declare who reads a new option
+    assert set(_readers()) & set(EVERY_RUN) == set()
+
+
+BACKENDS_NOTE = "has no effect here (read only when fp8 in ['te', 'torchao', 'msamp']; fp8=None)."
+
+
+@pytest.mark.parametrize("option, value", [("fp8_exclude", ["lm_head"]), ("on_unsupported", "fallback"),
+                                           ("keep_last_blocks_share", 0.25), ("torchao_api", "weight_wrapper"),
+                                           ("fp8_select", "all")])
+def test_an_fp8_option_without_a_backend_is_a_note_in_the_plan_and_in_wrap_model(capsys, option, value):
+    flag = f"--{option.replace('_', '-')}"
+    argv = ["plan", "--strategy", "none", "--fp8", "none", flag, ",".join(value) if isinstance(value, list) else
+            str(value)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"fp8dist plan: note: {option}={value!r} has no effect here (read only when fp8 in " in err, err
+    if option in ("fp8_exclude", "on_unsupported", "keep_last_blocks_share"):
+        assert f"{option}={value!r} {BACKENDS_NOTE}" in err, err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrap_model(build_llama("tiny", seed=0), strategy="none", fp8=None, **{option: value})
+    said = [str(w.message) for w in caught if str(w.message).startswith(f"{option}=")]
+    assert len(said) == 1 and "has no effect here" in said[0], [str(w.message) for w in caught]
