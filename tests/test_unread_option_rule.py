@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import yaml
+from cli_helpers import run
 
 from fp8dist import cli, resolve_config, wrap_model
 from fp8dist.train.models import build_llama
@@ -105,3 +106,38 @@ def test_an_fp8_option_without_a_backend_is_a_note_in_the_plan_and_in_wrap_model
         wrap_model(build_llama("tiny", seed=0), strategy="none", fp8=None, **{option: value})
     said = [str(w.message) for w in caught if str(w.message).startswith(f"{option}=")]
     assert len(said) == 1 and "has no effect here" in said[0], [str(w.message) for w in caught]
+
+
+def _bench_settings(*flags: str):
+    import argparse
+
+    from fp8dist.bench.runner import resolve_settings
+    from fp8dist.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_settings(parser.parse_args(["bench", "--sizes", "tiny", *flags]), "cpu")
+    return [str(w.message) for w in caught if w.category is UserWarning]
+
+
+def test_bench_says_a_matrix_flag_no_cell_reads(tmp_path):
+    """``fp8dist bench --fp8 none --torchao-api weight_wrapper`` ran its bf16 cells and said nothing of the API."""
+    assert _bench_settings("--fp8", "none,te", "--torchao-api", "weight_wrapper", "--torchao-recipe", "rowwise") == [
+        "--torchao-recipe rowwise has no effect here: only the fp8 torchao cells read it, and --fp8 none,te has "
+        "none; add torchao to --fp8.",
+        "--torchao-api weight_wrapper has no effect here: only the fp8 torchao cells read it, and --fp8 none,te has "
+        "none; add torchao to --fp8."]
+    assert _bench_settings("--strategies", "ddp,fsdp", "--zero-stage", "3") == [
+        "--zero-stage 3 has no effect here: only the deepspeed cells read it, and --strategies ddp,fsdp has none; "
+        "add deepspeed to --strategies."]
+    assert _bench_settings("--fp8", "none,torchao", "--torchao-api", "weight_wrapper", "--strategies", "deepspeed",
+                           "--zero-stage", "3") == []
+    assert _bench_settings("--fp8", "none", "--torchao-api", "auto") == []  # its default
+    done = run(["python", "-m", "fp8dist", "bench", "--fp8", "none", "--torchao-api", "weight_wrapper", "--strategies",
+                "none", "--sizes", "tiny", "--steps", "4", "--batch-size", "1", "--seq-len", "16", "--no-plot",
+                "--no-raw", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("fp8dist bench: warning: --torchao-api weight_wrapper has no effect here: only the fp8 torchao cells "
+            "read it, and --fp8 none has none; add torchao to --fp8.") in done.stderr
