@@ -141,3 +141,22 @@ def test_bench_says_a_matrix_flag_no_cell_reads(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("fp8dist bench: warning: --torchao-api weight_wrapper has no effect here: only the fp8 torchao cells "
             "read it, and --fp8 none has none; add torchao to --fp8.") in done.stderr
+
+
+def test_the_numerics_probe_says_an_option_no_chosen_axis_reads(tmp_path):
+    """measure_fp8_numerics resolved its options and said nothing of one no axis reads (the CLI alone said it)."""
+    import torch
+
+    from fp8dist import measure_fp8_numerics
+
+    note = "te_recipe='current' has no effect here (read only when fp8 in ['te']; fp8='torchao')."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measure_fp8_numerics(build_llama("tiny", seed=0), [torch.randint(0, 256, (1, 16))], fp8="torchao",
+                             te_recipe="current")
+    assert [str(w.message) for w in caught if "no effect" in str(w.message)] == [note]
+    done = run(["python", "-m", "fp8dist", "probe", "--fp8", "torchao", "--te-recipe", "current", "--model-size",
+                "tiny", "--batches", "1", "--seq-len", "16"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("te_recipe='current' has no effect here") == 1, done.stderr
+    assert f"fp8dist probe: warning: {note}" in done.stderr
