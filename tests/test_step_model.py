@@ -176,13 +176,17 @@ def test_te_predicts_with_its_own_defaults_and_a_refused_compile_names_the_way_o
                                                    seq_len=8192)][:2] == ["te_delayed", "te_current"]
 
 
-@pytest.mark.parametrize("fp8", [None, "none", "msamp", "fp9"])
+@pytest.mark.parametrize("fp8", [None, "none", "msamp"])
 def test_a_backend_without_a_speed_model_names_those_with_one(fp8):
     from transformers import LlamaConfig
 
     with pytest.raises(ValueError, match=re.escape(f"fp8={fp8!r} has no speed model: predict_step compares bf16 "
                                                    "with the FP8 step of 'te' or 'torchao'; pass one of those.")):
         predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8, fp8=fp8)
+    with pytest.raises(ValueError, match=r"fp8='fp9' is not valid; choose one of: .*'te', 'torchao'"):
+        predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8, fp8="fp9")
+    assert predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8,
+                        fp8="TE").recipe == "te_delayed"
 
 
 def test_a_config_transformers_builds_no_causal_lm_from_names_it_and_the_way_out():

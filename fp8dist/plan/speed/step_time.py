@@ -254,12 +254,13 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         >>> step.speedup > 1
         True
     """
-    from ...config.resolve import resolve_config
+    from ...config.resolve import FP8Config, resolve_config
     from ...config.rules import facts_of, refusing_rule
     from ...fp8 import get_backend
 
     _check(world_size, micro_batch_size, seq_len)
-    check_modelled(fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")  # before the table's refusals
+    # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
+    check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
                          **{k: v for k, v in (("strategy", strategy),
                                               ("activation_checkpointing", activation_checkpointing)) if v})
