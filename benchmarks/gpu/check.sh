@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     --wheels) needs_value "$1" "${2:-}" DIR; wheels="$2"; shift ;;
     --out) needs_value "$1" "${2:-}" DIR; out="$2"; shift ;;
     --budget-s) needs_value "$1" "${2:-}" S; args+=("$1" "$2"); shift ;;
-    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
     *) echo "check.sh: unknown argument '$1'; $usage" >&2; exit 2 ;;
   esac
   shift
