@@ -180,3 +180,19 @@ def test_wrap_model_with_real_mxfp8_on_this_cpu_is_refused_with_the_way_out():
     said = str(caught.value)
     assert "torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not device cpu" in said
     assert "torchao_recipe='mxfp8_emulated'" in said and "--target b200" in said
+
+
+def test_real_mxfp8_under_autocast_on_this_cpu_says_it_needs_blackwell_and_the_emulated_way():
+    """The dtype refusal (autocast under strategy none / ddp) comes before the hardware gate: for the real recipe it
+    said only how to fix the dtypes, and a CPU user fixed them to be refused again on hardware. It says both."""
+    with pytest.raises(ValueError) as caught:
+        wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao", torchao_recipe="mxfp8")
+    said = str(caught.value)
+    assert said.startswith("torchao_recipe='mxfp8' with strategy='none' and the default param_dtype='bf16': "
+                           "torchao's MXFP8 Linear (mx_mm) does not follow autocast"), said
+    assert "measured on CPU with the emulated GEMMs" in said  # where the failure was seen: not the real GEMMs
+    assert "needs MXFP8 tensor cores, a CUDA sm_100+ GPU (Blackwell, e.g. B200)" in said
+    assert "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs" in said
+    why = get_backend("torchao").hardware_reason(_cfg(torchao_recipe="mxfp8"), parse_target("cpu"))
+    assert why.startswith("torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not device cpu: a "
+                          "Blackwell GPU (e.g. B200) has them; "), why

@@ -132,3 +132,29 @@ def test_the_gpu_run_times_30_shapes_the_presets_and_the_gpu_tests_among_them():
     assert set(SPEED_SHAPES) <= set(shapes)
     path, name = check.SPEED_TEST.split("::")
     assert f"def {name}(" in (REPO / path).read_text()
+
+
+@pytest.mark.parametrize("flag", ["--out", "--wheels", "--budget-s"])
+def test_a_flag_without_its_value_is_a_usage_error(tmp_path, flag):
+    for argv in ([flag], [flag, "--dry-run"]):
+        done = _sh(*argv, env={"OUT": str(tmp_path)})
+        assert done.returncode == 2, (argv, done.stderr)
+        assert f"check.sh: {flag} needs a value ({flag} " in done.stderr and "unbound variable" not in done.stderr
+        assert "--dry-run, --out DIR" in done.stderr
+
+
+def test_a_dry_run_without_out_writes_a_temporary_folder_not_the_work_tree(tmp_path):
+    """Without --out or $OUT a dry run used to write benchmarks/gpu/results/<date>_cpu-dry-run/ into the work tree;
+    it writes a new temporary folder and says where. --budget-s 0: every part skipped, the plumbing of the folder
+    alone."""
+    results = REPO / "benchmarks" / "gpu" / "results"
+    before = sorted(results.rglob("*")) if results.exists() else None
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(["bash", str(CHECK), "--dry-run", "--budget-s", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**env, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (written,) = tmp_path.glob("fp8dist-gpu-check-*")
+    assert f"results in {written}/" in done.stdout
+    doc = json.loads((written / "check.json").read_text())
+    assert doc["dry_run"] is True and all(p["status"].startswith("skipped") for p in doc["parts"].values())
+    assert (sorted(results.rglob("*")) if results.exists() else None) == before

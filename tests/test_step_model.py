@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,46 @@ def test_estimate_prints_the_predicted_step_per_recipe_beside_the_memory(tmp_pat
     assert "predicted fastest for this run: tensorwise" in capsys.readouterr().out
     assert main(["estimate", *argv, "--json"]) == 0
     assert "steps" not in json.loads(capsys.readouterr().out), "no GPU given: no step predicted"
+
+
+def test_te_predicts_with_its_own_defaults_and_a_refused_compile_names_the_way_out():
+    """fp8='te' used to fail on predict_step's own compile=True and recipe='tensorwise' defaults: now compile is
+    auto (off where the table refuses it, as wrap_model decides) and the recipe the backend's default config runs."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**runs.LLAMA3_8B)
+    step = predict_step(config, target="h100", world_size=8, micro_batch_size=1, seq_len=8192, fp8="te")
+    assert (step.recipe, step.compile) == ("te_delayed", False)
+    assert step == predict_step(config, target="h100", world_size=8, micro_batch_size=1, seq_len=8192, fp8="te",
+                                recipe="te_delayed", compile=False)
+    torchao = predict_step(config, target="h100", world_size=8, micro_batch_size=1, seq_len=8192)
+    assert (torchao.recipe, torchao.compile) == ("tensorwise", True)  # the defaults as before
+    with pytest.raises(ValueError, match=r"compile=True with fp8='te': .* Use compile=False \(or None: auto "):
+        predict_step(config, target="h100", world_size=8, micro_batch_size=1, seq_len=8192, fp8="te", compile=True)
+    assert [s.recipe for s in compare_step_recipes(config, target="h100", fp8="te", world_size=8, micro_batch_size=1,
+                                                   seq_len=8192)][:2] == ["te_delayed", "te_current"]
+
+
+@pytest.mark.parametrize("fp8", [None, "none", "msamp"])
+def test_a_backend_without_a_speed_model_names_those_with_one(fp8):
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match=re.escape(f"fp8={fp8!r} has no speed model: predict_step compares bf16 "
+                                                   "with the FP8 step of 'te' or 'torchao'; pass one of those.")):
+        predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8, fp8=fp8)
+    with pytest.raises(ValueError, match=r"fp8='fp9' is not valid; choose one of: .*'te', 'torchao'"):
+        predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8, fp8="fp9")
+    assert predict_step(LlamaConfig(), target="h100", world_size=8, micro_batch_size=1, seq_len=8,
+                        fp8="TE").recipe == "te_delayed"
+
+
+def test_a_config_transformers_builds_no_causal_lm_from_names_it_and_the_way_out():
+    from transformers import T5Config
+
+    with pytest.raises(ValueError) as caught:
+        predict_step(T5Config(), target="h100", world_size=8, micro_batch_size=1, seq_len=8)
+    assert str(caught.value) == (
+        "predict_step builds a causal language model (AutoModelForCausalLM) from a config, and T5Config "
+        "(model_type='t5') is not one transformers builds that way (a causal LM config is, e.g. LlamaConfig, "
+        "Qwen2Config, MistralConfig). Build the model on the meta device yourself and pass the nn.Module: "
+        "with torch.device('meta'): model = YourModel(config).")

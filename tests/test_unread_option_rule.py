@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import yaml
+from cli_helpers import run
 
 from fp8dist import cli, resolve_config, wrap_model
 from fp8dist.train.models import build_llama
@@ -71,3 +72,91 @@ def test_wrap_model_warns_once_and_runs_for_the_knob_from_keywords_and_both_file
             wrap_model(build_llama("tiny", seed=0), config=config, **options)
         said = [str(w.message) for w in caught if note in str(w.message)]
         assert said == [note], (config, [str(w.message) for w in caught])
+
+
+def test_every_option_has_its_readers_or_is_read_by_every_run():
+    """An option no axis declares used to count as read by every run: fp8_exclude, on_unsupported and
+    keep_last_blocks_share under fp8=None changed nothing and said nothing. Now each option is declared."""
+    from fp8dist.config.options import SECTIONS
+    from fp8dist.config.rules import EVERY_RUN, _readers
+    from fp8dist.config.schema import flat_fields
+
+    options = {f.name for section in SECTIONS.values() for _, f in flat_fields(section)}
+    assert options - set(_readers()) - set(EVERY_RUN) == set()  # declare who reads a new option
+    assert set(_readers()) & set(EVERY_RUN) == set()
+
+
+BACKENDS_NOTE = "has no effect here (read only when fp8 in ['te', 'torchao', 'msamp']; fp8=None)."
+
+
+@pytest.mark.parametrize("option, value", [("fp8_exclude", ["lm_head"]), ("on_unsupported", "fallback"),
+                                           ("keep_last_blocks_share", 0.25), ("torchao_api", "weight_wrapper"),
+                                           ("fp8_select", "all")])
+def test_an_fp8_option_without_a_backend_is_a_note_in_the_plan_and_in_wrap_model(capsys, option, value):
+    flag = f"--{option.replace('_', '-')}"
+    argv = ["plan", "--strategy", "none", "--fp8", "none", flag, ",".join(value) if isinstance(value, list) else
+            str(value)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"fp8dist plan: note: {option}={value!r} has no effect here (read only when fp8 in " in err, err
+    if option in ("fp8_exclude", "on_unsupported", "keep_last_blocks_share"):
+        assert f"{option}={value!r} {BACKENDS_NOTE}" in err, err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrap_model(build_llama("tiny", seed=0), strategy="none", fp8=None, **{option: value})
+    said = [str(w.message) for w in caught if str(w.message).startswith(f"{option}=")]
+    assert len(said) == 1 and "has no effect here" in said[0], [str(w.message) for w in caught]
+
+
+def _bench_settings(*flags: str):
+    import argparse
+
+    from fp8dist.bench.runner import resolve_settings
+    from fp8dist.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_settings(parser.parse_args(["bench", "--sizes", "tiny", *flags]), "cpu")
+    return [str(w.message) for w in caught if w.category is UserWarning]
+
+
+def test_bench_says_a_matrix_flag_no_cell_reads(tmp_path):
+    """``fp8dist bench --fp8 none --torchao-api weight_wrapper`` ran its bf16 cells and said nothing of the API."""
+    assert _bench_settings("--fp8", "none,te", "--torchao-api", "weight_wrapper", "--torchao-recipe", "rowwise") == [
+        "--torchao-recipe rowwise has no effect here: only the fp8 torchao cells read it, and --fp8 none,te has "
+        "none; add torchao to --fp8.",
+        "--torchao-api weight_wrapper has no effect here: only the fp8 torchao cells read it, and --fp8 none,te has "
+        "none; add torchao to --fp8."]
+    assert _bench_settings("--strategies", "ddp,fsdp", "--zero-stage", "3") == [
+        "--zero-stage 3 has no effect here: only the deepspeed cells read it, and --strategies ddp,fsdp has none; "
+        "add deepspeed to --strategies."]
+    assert _bench_settings("--fp8", "none,torchao", "--torchao-api", "weight_wrapper", "--strategies", "deepspeed",
+                           "--zero-stage", "3") == []
+    assert _bench_settings("--fp8", "none", "--torchao-api", "auto") == []  # its default
+    done = run(["python", "-m", "fp8dist", "bench", "--fp8", "none", "--torchao-api", "weight_wrapper", "--strategies",
+                "none", "--sizes", "tiny", "--steps", "4", "--batch-size", "1", "--seq-len", "16", "--no-plot",
+                "--no-raw", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("fp8dist bench: warning: --torchao-api weight_wrapper has no effect here: only the fp8 torchao cells "
+            "read it, and --fp8 none has none; add torchao to --fp8.") in done.stderr
+
+
+def test_the_numerics_probe_says_an_option_no_chosen_axis_reads(tmp_path):
+    """measure_fp8_numerics resolved its options and said nothing of one no axis reads (the CLI alone said it)."""
+    import torch
+
+    from fp8dist import measure_fp8_numerics
+
+    note = "te_recipe='current' has no effect here (read only when fp8 in ['te']; fp8='torchao')."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measure_fp8_numerics(build_llama("tiny", seed=0), [torch.randint(0, 256, (1, 16))], fp8="torchao",
+                             te_recipe="current")
+    assert [str(w.message) for w in caught if "no effect" in str(w.message)] == [note]
+    done = run(["python", "-m", "fp8dist", "probe", "--fp8", "torchao", "--te-recipe", "current", "--model-size",
+                "tiny", "--batches", "1", "--seq-len", "16"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("te_recipe='current' has no effect here") == 1, done.stderr
+    assert f"fp8dist probe: warning: {note}" in done.stderr

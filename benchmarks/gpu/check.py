@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -277,11 +278,14 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
 
 
 def _out_dir(given: str | None, device_name: str, dry_run: bool) -> Path:
+    """``--out``; else a GPU run's folder to commit, benchmarks/gpu/results/<date>_<device>/; else (a dry run: nulls,
+    nothing to keep) a new temporary folder, so a dry run never writes into the work tree."""
     if given:
         return Path(given)
+    if dry_run:
+        return Path(tempfile.mkdtemp(prefix="fp8dist-gpu-check-"))
     day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    slug = "cpu-dry-run" if dry_run else "-".join(device_name.lower().split())
-    return linear.REPO / "benchmarks" / "gpu" / "results" / f"{day}_{slug}"
+    return linear.REPO / "benchmarks" / "gpu" / "results" / f"{day}_{'-'.join(device_name.lower().split())}"
 
 
 def _target(device: torch.device, dry_run: bool) -> tuple[GpuSpec | None, str]:
@@ -295,7 +299,8 @@ def _target(device: torch.device, dry_run: bool) -> tuple[GpuSpec | None, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="plumbing on a CPU, nothing timed")
-    parser.add_argument("--out", help="results folder (default: benchmarks/gpu/results/<date>_<device>/)")
+    parser.add_argument("--out", help="results folder (default: benchmarks/gpu/results/<date>_<device>/; with "
+                                      "--dry-run a new temporary folder)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"seconds in all (default {BUDGET_S})")
     parser.add_argument("--started-at", type=float, help="check.sh's start (epoch seconds): its set-up counts")
     args = parser.parse_args(argv)
@@ -306,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     out = _out_dir(args.out, name, args.dry_run)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"results in {out}/", flush=True)
     started = args.started_at or time.time()
     # a dry run on a loaded CI machine runs every part: only the plumbing is checked, not the GPU plan
     budget = Budget(started, args.budget_s * (10 if args.dry_run else 1))

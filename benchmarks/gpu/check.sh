@@ -5,21 +5,30 @@
 #   --dry-run   on a CPU: every part's plumbing on tiny shapes, nothing timed (CI: tests/test_gpu_check.py)
 #   --wheels    a folder of wheels the node lacks (torchao: its PyPI wheel), installed with --no-index into a
 #               temporary site first (default: .whl/ at the repository root, where present)
-# Results: JSON + PNG under --out, else $OUT when set, else benchmarks/gpu/results/<date>_<device>/.
+#   --budget-s  seconds in all (default: check.py's BUDGET_S, 8 minutes)
+# Results: JSON + PNG under --out DIR, else $OUT when set, else (a GPU run) benchmarks/gpu/results/<date>_<device>/
+# to commit; a dry run without --out or $OUT writes a new temporary folder (its path printed), never the work tree.
 set -euo pipefail
 started=$(date +%s)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 PYTHON=${PYTHON:-python3}
+usage="use --dry-run, --out DIR, --budget-s S or --wheels DIR"
 dry=0; wheels="$repo/.whl"; out=${OUT:-}; args=()
+needs_value() {  # $1: the flag, $2: what follows it (absent: empty)
+  if [ -z "$2" ] || [ "${2#--}" != "$2" ]; then
+    echo "check.sh: $1 needs a value ($1 ${3}); $usage" >&2
+    exit 2
+  fi
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1; args+=("$1") ;;
-    --wheels) wheels="$2"; shift ;;
-    --out) out="$2"; shift ;;
-    --budget-s) args+=("$1" "$2"); shift ;;
-    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
-    *) echo "check.sh: unknown argument '$1'; use --dry-run, --out DIR, --budget-s S or --wheels DIR" >&2; exit 2 ;;
+    --wheels) needs_value "$1" "${2:-}" DIR; wheels="$2"; shift ;;
+    --out) needs_value "$1" "${2:-}" DIR; out="$2"; shift ;;
+    --budget-s) needs_value "$1" "${2:-}" S; args+=("$1" "$2"); shift ;;
+    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    *) echo "check.sh: unknown argument '$1'; $usage" >&2; exit 2 ;;
   esac
   shift
 done

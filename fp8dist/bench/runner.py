@@ -11,6 +11,7 @@ import sys
 import tempfile
 import typing
 import uuid
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,29 @@ def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSetting
                          f"use at most {corpus - 1}.")
     if settings.lr <= 0:
         raise ValueError(f"--lr {settings.lr}: must be positive.")
+    for note in _unread_flags(settings):  # the one rule: an option no cell reads is said
+        warnings.warn(note, UserWarning, stacklevel=2)
     return settings
+
+
+def _unread_flags(settings: BenchSettings) -> list[str]:
+    """A note for each matrix option given away from its default that no cell reads: a backend's variant without
+    that backend in ``--fp8`` (``--torchao-api weight_wrapper --fp8 none``), ``--zero-stage`` without a strategy
+    that reads it."""
+    notes, matrix = [], ",".join(f or NO_FP8.name for f in settings.fp8)
+    for name in (n for n in variant_backends() if n not in settings.fp8):
+        for option in variant_options(name):
+            values = settings.variants.get(option, ())
+            if values and values != variants_of(name, option)[:1]:
+                notes.append(f"{cli_flag(option)} {','.join(values)} has no effect here: only the fp8 {name} cells "
+                             f"read it, and --fp8 {matrix} has none; add {name} to --fp8.")
+    readers = [s for s in STRATEGIES if "zero_stage" in get_strategy(s).options]
+    if settings.zero_stage != BenchSettings.__dataclass_fields__["zero_stage"].default and \
+            not set(readers) & set(settings.strategies):
+        notes.append(f"--zero-stage {settings.zero_stage} has no effect here: only the {', '.join(readers)} cells "
+                     f"read it, and --strategies {','.join(settings.strategies)} has none; add "
+                     f"{readers[0] if len(readers) == 1 else 'one of them'} to --strategies.")
+    return notes
 
 
 def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:

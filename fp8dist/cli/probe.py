@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
@@ -99,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:  # before the data is tokenized and the model measured
         check_output_path(args.json, name="--json")
     probe, thresholds = ProbeConfig(**routed[ProbeConfig]), Thresholds(**routed[Thresholds])
-    for note in config.unused_options():
-        print(f"fp8dist probe: note: {note}", file=sys.stderr)
     data = TrainConfig(**{k: getattr(args, k) for k in DATA_OPTIONS if hasattr(args, k)})
     corpus = load_job_corpus(data, config.parallel.pretrained)  # None: the built-in corpus
     model = _probe_model(args, config, probe, corpus)

@@ -19,13 +19,20 @@ from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES
 
 __all__ = ["table", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
-           "choices"]
+           "choices", "EVERY_RUN", "EVERY_FP8_BACKEND"]
 
 PIPELINE_STEPS = {
     "block_classes": (When({"activation_checkpointing": ("full", "selective")}), When({"compile": (True,)})),
     "max_skipped_steps": (When({"nonfinite_step": ("skip",)}),),
 }
 """Options a step of the pipeline reads, and when: the block step, the guard of non-finite steps."""
+EVERY_FP8_BACKEND = ("on_unsupported", "fp8_exclude", "keep_last_blocks_share")
+"""The FP8 options every FP8 backend reads (its hardware gate, the layers kept out, the tail kept out) and no run
+without one does."""
+EVERY_RUN = ("strategy", "fp8", "memory", "param_dtype", "buffer_dtype", "activation_checkpointing", "compile",
+             "device", "check_ranks", "nonfinite_step", "pretrained")
+"""The options every run reads, whatever its axes. Every other option has its readers above, in an axis's
+``options`` or in a backend's ``Config``: none is taken as read for want of a reader."""
 _AXES = (("strategy", STRATEGIES), ("fp8", BACKENDS), ("memory", LEVELS))
 
 
@@ -129,6 +136,7 @@ def _readers() -> dict[str, list[tuple[str, str, When]]]:
     found += [(option, key, name, when) for key, values in _AXES for name, axis in values.items()
               for option, when in axis.options.items()]
     found += [(option, "", "", when) for option, whens in PIPELINE_STEPS.items() for when in whens]
+    found += [(option, "fp8", name, ALWAYS) for option in EVERY_FP8_BACKEND for name in BACKENDS]
     readers: dict[str, list[tuple[str, str, When]]] = {}
     for option, key, name, when in found:
         readers.setdefault(option, []).append((key, name, when))

@@ -36,7 +36,8 @@ def is_mx(recipe: str) -> bool:
 def mx_hardware_reason(hardware) -> str | None:
     """Why ``torchao_recipe='mxfp8'`` cannot run on ``hardware`` (sm_100+ only), with the ways out; None: it can."""
     where = _not_sm100(hardware)
-    return where and (f"torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not {where}; "
+    return where and (f"torchao_recipe='mxfp8' needs MXFP8 tensor cores (CUDA sm_100+), not {where}: a Blackwell "
+                      "GPU (e.g. B200) has them; "
                       "torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs on any device "
                       "(numerics and tests, no FP8 speed), or plan for it with --target b200")
 

@@ -75,8 +75,12 @@ _RULES = (
     Rule(("torchao_recipe", "strategy", "param_dtype"),
          lambda cfg, facts: is_mx(cfg.precision.torchao_recipe) and _autocast_low(cfg, facts),
          "torchao's MXFP8 Linear (mx_mm) does not follow autocast: it meets the autocast dtype's input with the fp32 "
-         "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU)",
-         "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'."),
+         "weight and fails (\"expected m1 and m2 to have the same dtype\", torchao 0.18, measured on CPU with the "
+         "emulated GEMMs)",
+         "Use strategy='fsdp' (FSDP2 casts the weights to param_dtype), or param_dtype='fp32'. Real MXFP8 "
+         "(torchao_recipe='mxfp8') also needs MXFP8 tensor cores, a CUDA sm_100+ GPU (Blackwell, e.g. B200); "
+         "elsewhere (a CPU, an H100) torchao_recipe='mxfp8_emulated' runs MXFP8's quantization with emulated GEMMs "
+         "(no FP8 speed)."),
     Rule(("torchao_api", "torchao_recipe"),  # issue 42 item 6: auto mixes by the module swap only
          lambda cfg, facts: cfg.precision.torchao_recipe == "auto" and torchao_api(cfg) == "weight_wrapper",
          "torchao_recipe='auto' mixes recipes through torchao's module swap (convert_to_float8_training once per "

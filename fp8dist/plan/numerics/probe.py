@@ -4,6 +4,7 @@ the plan would run in FP8, what the recipe's casts would do to its operands and 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -48,6 +49,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
     Returns:
         A :class:`~fp8dist.plan.numerics.NumericsReport`: ``print`` it, ``.to_dict()``, ``.recommended_exclude``.
+        An option set away from its default that no chosen axis reads is said in a UserWarning, as wrap_model says it.
 
     Raises:
         ValueError: a bad option or threshold, no batches, a batch the model cannot read (float ids, ids past its
@@ -68,6 +70,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
     if cfg.precision.fp8 is None:
         raise ValueError("fp8=None: there is no FP8 cast to measure. Pass fp8='torchao' or fp8='te'.")
+    for note in cfg.unused_options():  # an option no chosen axis reads, said as wrap_model says it
+        warnings.warn(note, UserWarning, stacklevel=2)
     device = resolve_device(cfg.parallel.device, 0)
     hardware = parse_target(target) if isinstance(target, str) else target
     plan = plan_precision(model, cfg, device=hardware or device, check_hardware=hardware is not None,

@@ -13,7 +13,7 @@ from .model import LinearPrediction, predict_linear, resolve_gpu
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_MARGIN", "Gemm", "LayerChoice", "StepPrediction", "predict_gemms", "compare_recipes",
-           "recipes_for"]
+           "recipes_for", "check_modelled"]
 
 DEFAULT_MARGIN = 1.0
 """Convert where the predicted speedup is at least this. 1.0: on the published H100 table the model errs low near
@@ -107,15 +107,23 @@ def predict_gemms(gemms: Iterable[Gemm | tuple], *, target: str | Hardware | Gpu
     return StepPrediction(recipe, spec.key, spec.label, compile, margin, tuple(layers))
 
 
+def check_modelled(backend: str | None, said: str, wanted: str) -> None:
+    """ValueError unless the speed model covers ``backend`` (it has ``speed_recipes``): ``{said} has no speed model:
+    {wanted} of`` the backends it covers (``said``: the value as the caller names it, ``fp8=None``)."""
+    from ...fp8 import BACKENDS, get_backend
+
+    modelled = [repr(b) for b in BACKENDS if get_backend(b).speed_recipes]
+    if repr(backend) not in modelled:
+        shown = ", ".join(modelled[:-1]) + (" or " if len(modelled) > 1 else "") + modelled[-1]
+        raise ValueError(f"{said} has no speed model: {wanted} of {shown}; pass one of those.")
+
+
 def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ...]:
     """The Linear recipes of ``backend`` (its :attr:`~fp8dist.fp8.FP8Backend.speed_recipes`) that ``target`` runs;
     ValueError for a backend the speed model does not cover, naming those it does."""
-    from ...fp8 import BACKENDS, get_backend
+    from ...fp8 import get_backend
 
-    modelled = [repr(name) for name in BACKENDS if get_backend(name).speed_recipes]
-    if repr(backend) not in modelled:
-        shown = ", ".join(modelled[:-1]) + (" or " if len(modelled) > 1 else "") + modelled[-1]
-        raise ValueError(f"backend {backend!r} has no speed model: compare recipes of {shown}.")
+    check_modelled(backend, f"backend {backend!r}", "compare recipes")
     capability = resolve_gpu(target).capability
     return tuple(r for r in get_backend(backend).speed_recipes if capability >= RECIPES[r].min_capability)
 

@@ -15,7 +15,7 @@ from ..gpus import GpuSpec, gpu_by_key
 from ..hardware import Hardware
 from .model import predict_linear, resolve_gpu
 from .recipes import recipe_named
-from .step import recipes_for
+from .step import check_modelled, recipes_for
 
 __all__ = ["StepConstants", "STEP_CONSTANTS", "StepParts", "StepTime", "predict_step", "compare_step_recipes",
            "fastest", "linear_shapes"]
@@ -160,8 +160,17 @@ def _meta_model(model_or_config: Any) -> nn.Module:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):  # shapes only: nothing allocated
-        return AutoModelForCausalLM.from_config(model_or_config)
+    try:
+        with torch.device("meta"):  # shapes only: nothing allocated
+            return AutoModelForCausalLM.from_config(model_or_config)
+    except ValueError as error:
+        if "Unrecognized configuration class" not in str(error):  # transformers' words for a config it cannot build
+            raise
+        raise ValueError(f"predict_step builds a causal language model (AutoModelForCausalLM) from a config, and "
+                         f"{type(model_or_config).__name__} (model_type={model_or_config.model_type!r}) is not one "
+                         "transformers builds that way (a causal LM config is, e.g. LlamaConfig, Qwen2Config, "
+                         "MistralConfig). Build the model on the meta device yourself and pass the nn.Module: "
+                         "with torch.device('meta'): model = YourModel(config).") from None
 
 
 def _check(world_size: int, micro_batch_size: int, seq_len: int) -> None:
@@ -215,7 +224,7 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
 
 
 def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, world_size: int, micro_batch_size: int,
-                 seq_len: int, fp8: str = TorchaoBackend.name, recipe: str = "tensorwise", compile: bool = True,
+                 seq_len: int, fp8: str = TorchaoBackend.name, recipe: str | None = None, compile: bool | None = None,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
                  fp8_layers: Collection[str] | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
@@ -225,13 +234,19 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         model_or_config: an ``nn.Module`` (the meta device is enough) or a Hugging Face config, built on meta here.
         target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
-        fp8, strategy, activation_checkpointing, compile: as :func:`fp8dist.wrap_model` takes them (None: default).
-        recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``).
+        fp8: a backend the speed model covers ('torchao', 'te').
+        strategy, activation_checkpointing: as :func:`fp8dist.wrap_model` takes them (None: its default).
+        compile: True or False; None: as wrap_model decides on a CUDA GPU with FP8 layers, on unless the combination
+            table refuses it for ``fp8`` (Transformer Engine: off).
+        recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``); None: the one of the
+            backend's default config (torchao: tensorwise; te: te_delayed).
         fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
 
     Raises:
-        ValueError: naming the bad value and the choices.
+        ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
+            not run, a combination the table refuses (``compile=True`` with ``fp8='te'``), a config transformers
+            builds no causal language model from.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -239,19 +254,25 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         >>> step.speedup > 1
         True
     """
-    from ...config.resolve import resolve_config
-    from ...config.rules import facts_of
+    from ...config.resolve import FP8Config, resolve_config
+    from ...config.rules import facts_of, refusing_rule
     from ...fp8 import get_backend
 
     _check(world_size, micro_batch_size, seq_len)
+    # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
+    check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
                          **{k: v for k, v in (("strategy", strategy),
                                               ("activation_checkpointing", activation_checkpointing)) if v})
-    recipes = get_backend(cfg.precision.fp8).speed_recipes
-    if recipe not in recipes:
-        raise ValueError(f"recipe={recipe!r}: backend {cfg.precision.fp8!r} runs {', '.join(recipes) or 'none'}; "
-                         "pass one of those (or another fp8= backend).")
+    backend = get_backend(cfg.precision.fp8)
     spec = resolve_gpu(target)
+    if recipe is None:
+        recipe, _ = backend.speed_recipe(cfg, Hardware("cuda", spec.capability, spec.label))
+    if recipe not in backend.speed_recipes:
+        raise ValueError(f"recipe={recipe!r}: backend {cfg.precision.fp8!r} runs {', '.join(backend.speed_recipes)}; "
+                         "pass one of those (or another fp8= backend).")
+    if compile is None:  # auto, as wrap_model decides on a CUDA GPU with FP8 layers
+        compile = refusing_rule(cfg, compile=True) is None
     model = _meta_model(model_or_config)
     config = getattr(model, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     return _predict(model, config, recipe, fp8_layers, spec, cfg, facts_of(cfg, world_size), world_size,
