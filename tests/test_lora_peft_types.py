@@ -173,8 +173,9 @@ def _order_case(rank: int, world: int) -> dict:
             except UnplannedParametersError as err:
                 out[f"{strategy} late"] = str(err)
             torch.manual_seed(0)
-            model, opt = wrap_model(get_peft_model(build_llama("tiny", seed=0), LoraConfig(r=8, target_modules=TARGETS)),
-                                    strategy=strategy, fp8="torchao", optimizer={"type": "AdamW", "lr": 1e-2})
+            peft_model = get_peft_model(build_llama("tiny", seed=0), LoraConfig(r=8, target_modules=TARGETS))
+            model, opt = wrap_model(peft_model, strategy=strategy, fp8="torchao",
+                                    optimizer={"type": "AdamW", "lr": 1e-2})
             hooks = len(model._forward_pre_hooks)
             out[f"{strategy} first"] = optimizer_losses(model, opt, rank, world, 2, seq_len=SEQ)
             out[f"{strategy} hooks"] = (hooks, len(model._forward_pre_hooks))

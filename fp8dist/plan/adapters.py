@@ -129,7 +129,7 @@ def unsupported_peft(model: nn.Module) -> str | None:
         return None
     supported = "; ".join(f"{kind!r} ({words})" for kind, words in SUPPORTED_PEFT_TYPES.items())
     return (f"{type(model).__name__} holds PEFT adapters {', '.join(found)}; wrap_model plans and trains only "
-            f"peft_type {supported}, each tested equal to the engines wired by hand. Other types are not planned as what they compute "
-            "(IA3's scaling vectors and LoHa's or LoKr's full-size delta weights are no rank-r GEMMs; AdaLoRA "
-            "reallocates ranks from the gradients in your loop, update_and_allocate). Use peft.LoraConfig "
-            "(use_dora=True for DoRA), or train this model without wrap_model")
+            f"peft_type {supported}, each tested equal to the engines wired by hand. Other types are not planned as "
+            "what they compute (IA3's scaling vectors and LoHa's or LoKr's full-size delta weights are no rank-r "
+            "GEMMs; AdaLoRA reallocates ranks from the gradients in your loop, update_and_allocate). Use "
+            "peft.LoraConfig (use_dora=True for DoRA), or train this model without wrap_model")
