@@ -133,9 +133,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     def counts(self) -> str:
         """One line: FP8 and fallback layers and parameters of the modules that run, and those that do not."""
-        running = [e for e in self._entries if e.runs]
-        fp8, rest, idle = self.fp8, [e for e in running if e.precision != "fp8"], [e for e in self._entries
-                                                                                     if not e.runs]
+        running, idle = [e for e in self._entries if e.runs], [e for e in self._entries if not e.runs]
+        fp8, rest = self.fp8, [e for e in running if e.precision != "fp8"]
         fp8_params, total = sum(e.params for e in fp8), sum(e.params for e in running) or 1
         idle_words = f", not run {plural(len(idle), 'layer')} / {sum(e.params for e in idle):,} params" if idle else ""
         return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
