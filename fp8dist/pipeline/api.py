@@ -20,9 +20,10 @@ from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from ..memory_levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
-from ..plan.adapters import is_peft_model
+from ..plan.adapters import is_peft_model, unsupported_peft
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
+from .planned_tree import refuse_later_parameters
 from .pretrained import LoadReport, materialize
 from ..strategies import Sharded, ShardingInfo, ShardJob, find_blocks, get_strategy, unwrap_model
 from ..strategies.introspect import find_wrapping, mark_wrapped
@@ -93,6 +94,9 @@ def _check_model(model: Any) -> None:
                          "by hand): fp8dist converts the layers itself and its plan, which records each layer's "
                          "precision, cannot account for one converted before it. Pass the model before conversion, "
                          f"with fp8={backend!r} (fp8_exclude / fp8_filter keep layers out of FP8).")
+    peft = unsupported_peft(model)
+    if peft:
+        raise ValueError(f"wrap_model: {peft}.")
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train. Check that "
@@ -173,7 +177,10 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
             sharding, each rank allocating only what it holds under fsdp/fsdp1, and filled from ``pretrained=`` or
             by the model's own initialization). Refused: a model (or part) already wrapped, sharded or
             FP8-converted, and trainable bf16/fp16 parameters where nothing keeps fp32 masters of them (every
-            strategy but "deepspeed", unless ``memory="lean"`` or fp8="msamp"): build it in fp32.
+            strategy but "deepspeed", unless ``memory="lean"`` or fp8="msamp"): build it in fp32. A PEFT model
+            is wrapped after ``get_peft_model`` (its type one of :data:`fp8dist.plan.adapters.SUPPORTED_PEFT_TYPES`,
+            else refused); parameters added to the returned model make its first forward raise
+            :class:`~fp8dist.pipeline.planned_tree.UnplannedParametersError`.
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
         fp8: "te", "torchao", "msamp" or None/"none"; None takes it from ``config``.
         config: a :class:`Config`, a flat dict or a YAML/JSON path; keyword options override it.
@@ -233,6 +240,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
                                                 sharded.loaded, sharded.materialized, guard))
     mark_wrapped(sharded.model, cfg.parallel.strategy)
     watch_replaced_parameters(before, sharded.model.parameters(), sharded.model)
+    refuse_later_parameters(sharded.model)  # PEFT after wrap_model: said in the first forward
     return _result(sharded, optimizer, memory, env)                                      # and the optimizer
 
 

@@ -20,7 +20,8 @@ class FP8Coverage:
     """The numbers behind the plan's share line and ``wrap_model``'s low-coverage warning."""
 
     gemm_modules: int
-    """Modules that run a GEMM with their own parameters (:func:`runs_gemm`)."""
+    """Modules that run a GEMM with their own parameters (:func:`runs_gemm`); a module that never runs (a PEFT
+    ``modules_to_save`` original) is not counted."""
     fp8_modules: int
     gemm_params: int
     fp8_params: int
@@ -59,8 +60,8 @@ def _kept_as(entry: Any) -> str:
 
 
 def coverage(entries: Sequence[Any]) -> FP8Coverage:
-    """The FP8 share of ``entries`` (:class:`~fp8dist.plan.precision.PlanEntry`)."""
-    gemm = [e for e in entries if e.gemm_flops]
+    """The FP8 share of ``entries`` (:class:`~fp8dist.plan.precision.PlanEntry`) that run (``runs``)."""
+    gemm = [e for e in entries if e.gemm_flops and e.runs]
     fp8 = [e for e in gemm if e.precision == "fp8"]
     kept: dict[str, list[int]] = {}  # reason -> the params of each module it keeps
     for e in gemm:

@@ -16,7 +16,7 @@ from ..config.text import listing, plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
 from .coverage import MIN_FP8_SHARE, coverage, gemm_flops, runs_gemm
-from .adapters import adapter_reasons, weight_readers
+from .adapters import adapter_reasons, idle_copies, weight_readers
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
@@ -59,6 +59,9 @@ class PlanEntry:
     high_precision_gather: str | None = None
     """Why this FP8 layer's weight is all-gathered in the strategy's dtype where the backend gathers FP8 weights in FP8
     (a PEFT DoRA base: DoRA's weight norm reads the gathered weight); None: gathered as the backend's other layers."""
+    runs: bool = True
+    """False: a module PEFT holds that does not run with its adapters as set (a ``modules_to_save`` original, an
+    inactive adapter: :func:`~fp8dist.plan.adapters.idle_copies`): not converted, not counted in the FP8 share."""
 
     @property
     def speedup(self) -> float | None:
@@ -132,11 +135,13 @@ class PrecisionPlan(Sequence[PlanEntry]):
         return [e for e in self._entries if e.precision == "fp8"]
 
     def counts(self) -> str:
-        """One line: FP8 and fallback layers and parameters."""
-        fp8, rest = self.fp8, [e for e in self._entries if e.precision != "fp8"]
-        fp8_params, total = sum(e.params for e in fp8), sum(e.params for e in self._entries) or 1
+        """One line: FP8 and fallback layers and parameters of the modules that run, and those that do not."""
+        running, idle = [e for e in self._entries if e.runs], [e for e in self._entries if not e.runs]
+        fp8, rest = self.fp8, [e for e in running if e.precision != "fp8"]
+        fp8_params, total = sum(e.params for e in fp8), sum(e.params for e in running) or 1
+        idle_words = f", not run {plural(len(idle), 'layer')} / {sum(e.params for e in idle):,} params" if idle else ""
         return (f"FP8 {plural(len(fp8), 'layer')} / {fp8_params:,} params ({100 * fp8_params / total:.1f}%), "
-                f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params")
+                f"fallback {plural(len(rest), 'layer')} / {sum(e.params for e in rest):,} params{idle_words}")
 
     def __str__(self) -> str:
         summary = get_level(self.memory).summary
@@ -249,12 +254,14 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
     reserved = {**(backend.model_exclusions(model, cfg) if backend else {}), **adapter_reasons(model)}
+    idle = idle_copies(model)  # never run: no rule of the backend's applies
     readers, entries = weight_readers(model), []
     for name, module in model.named_modules():
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params == 0:
             continue
-        reason = _decide(backend, module, name, cfg, hardware, facts, gate, reserved, fp8_filter, others)
+        reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
+                                           fp8_filter, others)
         precision, target, gather = _fallback_precision(module, cfg, facts), None, None
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
@@ -267,7 +274,8 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
                 reason = f"swapped for {target}; norms do not compute in FP8"
         grouped = is_experts(module)
         entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params,
-                                 gemm_flops(module, params, grouped), grouped, high_precision_gather=gather))
+                                 gemm_flops(module, params, grouped), grouped, high_precision_gather=gather,
+                                 runs=name not in idle))
     return entries
 
 
