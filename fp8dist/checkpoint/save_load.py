@@ -208,7 +208,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         on_all_ranks(f"saving {final}", (lambda: (_write_meta(tmp, described, step, extra, files),
                                                   _publish(tmp, root, name, keep_last))) if lead else None,
                      error=CheckpointError, way_out=f"{_kept(root).capitalize()}.")
-    except CheckpointError:
+    except BaseException:  # a failure, a rank gone, Ctrl-C: nothing half-written is left
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
