@@ -41,6 +41,7 @@ class LockHolder:
     started: str
 
     def describe(self) -> str:
+        """``PID 123 on host node7 (since 2026-12-01 22:00:00 UTC)``."""
         return f"PID {self.pid} on host {self.host} (since {self.started})"
 
     def running(self) -> bool:
