@@ -34,7 +34,7 @@ class CheckpointDirLocked(CheckpointError):
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who wrote a lock file: its process, host and start time (UTC, ISO 8601)."""
+    """Who wrote a lock file: its process, host and start time (UTC)."""
 
     pid: int
     host: str
