@@ -243,9 +243,10 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
     """Train the job's model with ``config``'s strategy; call it in every process of the job. ``log`` receives rank
-    0's progress lines (default: print); ``progress`` the steps done, at the start and after each step's line
-    (before that step's checkpoint is saved). With a ``checkpoint_dir``, global rank 0 holds its lock
-    (:mod:`fp8dist.checkpoint.lock`) from before the first step until the job ends.
+    0's progress lines (default: print); ``progress`` the steps done, at the start and after each step and its
+    checkpoint when due (a step whose save fails or is interrupted: before the error passes on). With a
+    ``checkpoint_dir``, global rank 0 holds its lock (:mod:`fp8dist.checkpoint.lock`) from before the first step
+    until the job ends.
 
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
@@ -390,7 +391,12 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
             log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
                 f"eta {eta:.1f}s")
         watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
-        if progress is not None:  # done once its line is printed; its checkpoint, if due, is saved next
+        try:
+            _save(train, wrapped, optimizer, step + 1, applied, batches, log)
+        except BaseException:  # Ctrl-C, a rank gone: the step is done, only its checkpoint was cut short
+            if progress is not None:
+                progress(step + 1)
+            raise
+        if progress is not None:
             progress(step + 1)
-        _save(train, wrapped, optimizer, step + 1, applied, batches, log)
     return losses, step_times, evals
