@@ -1,5 +1,5 @@
-"""Crashes at the worst moments: a failing file write, a save that fails or is killed before its rename, a rank
-killed mid-run under torchrun. The faults are injected from the tests (tests/checkpoint_faults.py wraps the
+"""Crashes at the worst moments: a failing file write, a save that fails, is killed or is interrupted (Ctrl-C)
+before its rename, a rank killed mid-run under torchrun (full training, and LoRA mid-step and mid-save). The faults are injected from the tests (tests/checkpoint_faults.py wraps the
 library's functions); the library ships no test hooks."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -122,13 +121,14 @@ def test_train_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
     proc = subprocess.Popen([sys.executable, FAULTS, "pause-before-rename", "4", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     paused = ckpt / ".tmp-step_00000004" / "meta.json"  # written last, just before the rename
-    deadline = time.monotonic() + 180
-    while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    printed = []
+    for line in proc.stdout:  # the event: the save says it pauses (an exit ends the loop too)
+        printed.append(line)
+        if line.startswith("checkpoint_faults: pausing before renaming"):
+            break
     if proc.poll() is None:
-        time.sleep(0.5)  # past the write of meta.json, into the pause
         os.killpg(proc.pid, signal.SIGKILL)
-    first = proc.communicate()[0]
+    first = "".join(printed) + proc.communicate()[0]
     assert paused.exists() and "checkpoint_faults: pausing before renaming" in first, first[-3000:]
     assert latest_checkpoint(ckpt) == ckpt / "step_00000002", "the previous checkpoint is still the latest"
     assert [s for s, _ in _step_losses(first)] == [1, 2, 3, 4]
@@ -162,3 +162,65 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_ch
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [4, 5, 6]
     assert "(resumed at step 3)" in out and latest_checkpoint(ckpt) == ckpt / "step_00000006"
     assert second[4] == first[4] and second[5] == first[5], "after the restart: the uninterrupted curve"
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_save_removes_it_and_names_the_last_step_done(tmp_path):
+    """`fp8dist train` with 2 spawned ranks, Ctrl-C (SIGINT to the process group, as a terminal sends it) while
+    rank 0 is about to rename step 4's save into place: the partial save is removed, the job's lock released, and
+    the line names step 4 (its line was printed) and the last complete checkpoint, step 2."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, FAULTS, "pause-before-rename", "4", *_train_args(ckpt, "--steps", "6")],
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    printed = []
+    try:
+        for line in proc.stdout:  # in a spawned rank: the fork server imported the fault
+            printed.append(line)
+            if line.startswith("checkpoint_faults: pausing before renaming"):
+                break
+        assert (ckpt / ".tmp-step_00000004" / "meta.json").is_file(), "".join(printed)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert [s for s, _ in _step_losses("".join(printed))] == [1, 2, 3, 4]
+    assert "fp8dist train: starting 2 processes\n" in printed
+    assert proc.returncode == 130 and err == ("fp8dist train: interrupted after step 4, during its save; last "
+                                              "checkpoint step 2\n"), err[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002"], "no partial save, no lock left"
+    assert latest_checkpoint(ckpt) == ckpt / "step_00000002"
+
+
+def _lora_args(ckpt: Path) -> list[str]:
+    return _train_args(ckpt, "--strategy", "fsdp", "--lora-rank", "8", "--steps", "6")
+
+
+@pytest.mark.slow
+def test_a_lora_rank_killed_mid_save_and_mid_step_resumes_on_the_uninterrupted_curve(tmp_path):
+    """LoRA's adapter-only checkpoint under torchrun --max-restarts 2 on 2 ranks, checkpoints every 2 steps: rank 1
+    SIGKILLs itself while saving step 4 (its shards written, nothing renamed), then, on the restart, during step 6
+    (after its backward, before the optimizer step). Each restart resumes from the newest complete checkpoint (step
+    2: the save that was killed left it as it was; then step 4) and every loss printed equals an uninterrupted
+    run's: the adapters, their AdamW moments and the data position came back exactly."""
+    straight = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fp8dist.cli",
+                    *_lora_args(tmp_path / "straight")], timeout=300)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    uninterrupted = dict(_step_losses(straight.stdout))
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    ckpt = tmp_path / "ckpt"
+    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", FAULTS,
+                "kill-rank-mid-save", "1:4", "kill-rank-mid-step", "1:6@1", *_lora_args(ckpt)], timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "checkpoint_faults: rank 1 kills itself while saving step 4, its shards written" in out
+    assert "checkpoint_faults: rank 1 kills itself during step 6, after its backward" in out
+    attempts = out.split("resume: loaded ")
+    assert [a.split(" ", 1)[0] for a in attempts[1:]] == [str(ckpt / "step_00000002"), str(ckpt / "step_00000004")]
+    assert [sorted(dict(_step_losses(a))) for a in attempts] == [[1, 2, 3, 4], [3, 4, 5], [5, 6]]
+    for attempt in attempts:
+        assert dict(_step_losses(attempt)).items() <= uninterrupted.items(), "each attempt on the uninterrupted curve"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
+    assert latest_checkpoint(ckpt) == ckpt / "step_00000006"

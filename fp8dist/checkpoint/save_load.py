@@ -209,11 +209,22 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
         on_all_ranks(f"saving {final}", (lambda: (_write_meta(tmp, described, step, extra, files),
                                                   _publish(tmp, root, name, keep_last))) if lead else None,
                      error=CheckpointError, way_out=f"{_kept(root).capitalize()}.")
-    except CheckpointError:
+    except BaseException:  # a failure, a rank gone, Ctrl-C: nothing half-written is left
         if lead:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_partial(tmp)
         raise
     return final
+
+
+def _remove_partial(tmp: Path) -> None:
+    """Remove a save that did not finish; a second Ctrl-C (a terminal's reaches every rank, then the launcher passes
+    its own on) does not cut the removal short."""
+    while True:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *,

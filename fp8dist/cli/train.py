@@ -30,7 +30,7 @@ from ..train.checks import check_checkpoint_dir, check_positions
 from ..train.config import TrainConfig
 from ..train.data import check_batch_split
 from ..train.data.job import JobBatches, load_job_corpus
-from ..train.job import default_nproc, run_training
+from ..train.job import default_nproc, run_training, save_due
 from ..train.log import check_outputs
 from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
@@ -79,7 +79,10 @@ class _Progress:
 
 
 def _interrupted(train: TrainConfig, step: int | None) -> int:
-    """Say where an interrupted job stood, once; returns the exit code."""
+    """Say where an interrupted job stood, once: the last step done (its line printed) and the last checkpoint
+    complete, and when the interrupt came during that step's save (whose partial folder the save removes); returns
+    the exit code."""
+    saved_at = None
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
     else:
@@ -87,10 +90,12 @@ def _interrupted(train: TrainConfig, step: int | None) -> int:
             newest = latest_checkpoint(job_root(train.checkpoint_dir))
         except (OSError, ValueError):
             newest = None
-        saved = f"last checkpoint step {int(newest.name[5:])}" if newest else "no checkpoint saved yet"
-        if newest is not None:  # a step's checkpoint is published before the step is counted, so it was done too
-            step = max(step or 0, int(newest.name[5:]))
-    done = "before the first step" if step is None else f"at step {step}"
+        saved_at = int(newest.name[5:]) if newest else None
+        saved = f"last checkpoint step {saved_at}" if newest else "no checkpoint saved yet"
+        if saved_at is not None:  # a job resumed from it and interrupted before its first step: done too
+            step = max(step or 0, saved_at)
+    in_save = step is not None and (saved_at or 0) < step and save_due(train, step)
+    done = "before the first step" if step is None else f"after step {step}" + (", during its save" if in_save else "")
     print(f"fp8dist train: interrupted {done}; {saved}", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT
 
@@ -158,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
             model_config, name = job_model_config(config, train)
             check_positions(model_config, name, config, train, launch.world_size)
         _run_launched(config, train, launch.rank)
+    if train.checkpoint_dir is not None:  # the job's rank 0 locks it; a job holding it is said before any work
+        from ..checkpoint.lock import check_unlocked
+
+        check_unlocked(job_root(train.checkpoint_dir))
     check(config, world_size=nproc, world_name="nproc")  # the rules on how many processes a strategy runs in
     check_batch_split(train.batch_size, nproc, config.parallel.grad_accum)  # before any process starts
     # the text tokenized here, once, before any process starts: a bad file is one line, the ranks read the cache

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ..accounting import report
 from ..accounting.sharding import sharding_summary
 from ..checkpoint.hf import export_dtype, save_pretrained
-from ..checkpoint.io import all_ranks_values
+from ..checkpoint.io import CheckpointError, all_ranks_values, from_rank0
+from ..checkpoint.lock import CheckpointDirLock, CheckpointDirLocked, lock_checkpoint_dir
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
@@ -44,7 +45,7 @@ from .lora import export_lora, lora_job_model
 from .models import build_job_model, job_model_config
 from .schedule import describe_schedule, lr_schedule, set_lr
 
-__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8"]
+__all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8", "save_due"]
 
 
 def default_fp8() -> str | None:
@@ -122,11 +123,17 @@ def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer:
 APPLIED_KEY = "optimizer_steps"  # checkpoint extra: the steps the guard did not skip, the lr schedule's position
 
 
+def save_due(train: TrainConfig, done: int) -> bool:
+    """Whether the job saves a checkpoint after ``done`` steps: with a ``checkpoint_dir``, every ``save_every`` steps
+    and after the last."""
+    return train.checkpoint_dir is not None and (done == train.steps or (train.save_every is not None
+                                                                         and done % train.save_every == 0))
+
+
 def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: int, batches: JobBatches,
           log: Callable[[str], Any] | None) -> None:
-    """Save a checkpoint after ``done`` steps when ``save_every`` says so and after the last, with the data position."""
-    if train.checkpoint_dir is None or (done != train.steps and (train.save_every is None
-                                                                 or done % train.save_every)):
+    """Save a checkpoint after ``done`` steps when :func:`save_due`, with the data position."""
+    if not save_due(train, done):
         return
     t0 = time.perf_counter()
     job = {k: _as_saved(v) for k, v in asdict(train).items() if k not in ("nproc", "resume")}
@@ -236,17 +243,56 @@ def _load_corpus(config: Config, train: TrainConfig) -> Any:
 def run_training(config: Config, train: TrainConfig, *, log: Callable[[str], Any] | None = None,
                  progress: Callable[[int], Any] | None = None) -> TrainResult:
     """Train the job's model with ``config``'s strategy; call it in every process of the job. ``log`` receives rank
-    0's progress lines (default: print); ``progress`` the steps done, at the start and after each step.
+    0's progress lines (default: print); ``progress`` the steps done, at the start and after each step and its
+    checkpoint when due (a step whose save fails or is interrupted: before the error passes on). With a
+    ``checkpoint_dir``, global rank 0 holds its lock (:mod:`fp8dist.checkpoint.lock`) from before the first step
+    until the job ends.
 
     Raises:
         TrainingDiverged: the loss was not finite for MAX_NONFINITE_STEPS consecutive steps.
         MemoryError: the estimate of what a rank needs exceeds its memory (before the first step).
         ValueError: bad data, a tokenizer the model cannot read, a checkpoint of another data stream.
+        CheckpointDirLocked: another job holds ``checkpoint_dir``'s lock (this job holds it until it ends).
     """
     log = log or (lambda line: print(line, flush=True))
     start = time.perf_counter()
-    save_to, resume_from = check_checkpoint_dir(train)  # a step folder named: resumed from, saved beside
-    train = replace(train, checkpoint_dir=None if save_to is None else str(save_to))
+    save_to, _ = check_checkpoint_dir(train)  # a step folder named: resumed from, saved beside
+    lock = _lock(config, save_to, log)
+    try:
+        _, resume_from = check_checkpoint_dir(train)  # read under the lock: no other job moves `latest` now
+        return _run_training(config, replace(train, checkpoint_dir=None if save_to is None else str(save_to)),
+                             resume_from, log, progress, start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock(config: Config, save_to: Path | None, log: Callable[[str], Any]) -> CheckpointDirLock | None:
+    """The checkpoint directory's lock, held by global rank 0 for the job (it publishes every checkpoint); every
+    rank raises CheckpointDirLocked when another job holds it."""
+    if save_to is None:
+        return None
+    if current_launch().world_size > 1:  # every rank learns rank 0's answer
+        init_distributed(device=config.parallel.device)
+
+    def take() -> CheckpointDirLock | str:
+        try:
+            return lock_checkpoint_dir(save_to)
+        except CheckpointDirLocked as err:  # said by every rank as it is
+            return str(err)
+
+    held = on_all_ranks(f"locking {save_to}", take if current_launch().rank == 0 else None, error=CheckpointError)
+    refusal = from_rank0(held if isinstance(held, str) else None)
+    if refusal is not None:
+        raise CheckpointDirLocked(refusal)
+    if held is not None and held.note():
+        log(held.note())
+    return held
+
+
+def _run_training(config: Config, train: TrainConfig, resume_from: Path | None, log: Callable[[str], Any],
+                  progress: Callable[[int], Any] | None, start: float) -> TrainResult:
+    """:func:`run_training` past its checkpoint directory's lock: ``train.checkpoint_dir`` the one it saves into."""
     check_outputs(train)
     kernels = aten_cpu_fp8_gemms() if config.precision.fp8 and runs_on_cpu(config.parallel.device) else None
     corpus = _load_corpus(config, train)
@@ -345,7 +391,12 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
             log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
                 f"eta {eta:.1f}s")
         watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
-        _save(train, wrapped, optimizer, step + 1, applied, batches, log)
+        try:
+            _save(train, wrapped, optimizer, step + 1, applied, batches, log)
+        except BaseException:  # Ctrl-C, a rank gone: the step is done, only its checkpoint was cut short
+            if progress is not None:
+                progress(step + 1)
+            raise
         if progress is not None:
             progress(step + 1)
     return losses, step_times, evals
