@@ -1,5 +1,5 @@
-"""LoRA inputs follow one rule in ``fp8dist train`` and in ``wrap_model`` on a PEFT model (fp8dist/plan/adapter_rules.py):
-a rank past what a target's weight can use (the smaller of its dims) is refused before PEFT allocates an adapter,
+"""LoRA inputs follow one rule in ``fp8dist train`` and in ``wrap_model`` on a PEFT model
+(fp8dist/plan/adapter_rules.py): a rank past what a target's weight can use (the smaller of its dims) is refused before PEFT allocates an adapter,
 naming the value, the largest allowed and the way out (past int64 too: no torch overflow); an empty target name is
 refused, not read as PEFT's defaults; an Embedding takes an adapter in both, and it trains under FSDP2 + torchao
 equal to PEFT wired by hand, on 2 real gloo ranks."""
@@ -7,6 +7,7 @@ equal to PEFT wired by hand, on 2 real gloo ranks."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -120,3 +121,16 @@ def test_an_embedding_adapter_trains_under_fsdp2_and_torchao_equal_to_the_hand_w
     for rank, r in enumerate(run_ranks(_embedding_case)):
         assert r["ours"] == r["ref"], f"rank {rank}: {r['ours']} != {r['ref']}"
         assert r["moved"] and r["fp8"] == 13, r
+
+
+def test_an_alpha_whose_gradient_norm_overflows_skips_every_step_and_counts_it(capsys):
+    """``--lora-alpha 1e30``: lora_B's gradients are finite (~1e27) and their norm inf; clipping by it zeroed them
+    and AdamW stepped on zeros, printing ``grad norm inf`` with ``skipped 0``. Now every such step is skipped, said
+    and counted, and the 5th in a row stops the run with one line."""
+    code = main(["train", "--strategy", "none", "--nproc", "1", "--fp8", "none", "--lora-rank", "8", "--lora-alpha",
+                 "1e30", "--steps", "6", "--batch-size", "2", "--seq-len", "32"])
+    out, err = capsys.readouterr()
+    steps = re.findall(r"^step +\d+/6 .* grad norm (\S+) \|.* skipped (\d+) \|", out, flags=re.M)
+    assert code == 1 and steps == [("inf", "1"), ("inf", "2"), ("inf", "3"), ("inf", "4")], (out, err)
+    assert ("fp8dist train: error: 5 consecutive steps had non-finite gradients (the last of norm inf, values past "
+            "float32's range when squared), each skipped; the run is not recovering.") in err, err
