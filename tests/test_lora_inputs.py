@@ -61,6 +61,25 @@ def test_wrap_model_refuses_the_same_rank_on_a_peft_model_built_by_hand():
         "Build the PEFT model with LoraConfig(r=64) or less (or rank_pattern={'v_proj': ...} for this layer).")
 
 
+def test_wrap_model_refuses_an_adapter_on_a_layer_kind_the_command_line_refuses_too():
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from fp8dist import wrap_model
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.proj = nn.Conv2d(4, 4, 1), nn.Linear(16, 16)
+
+    model = get_peft_model(Net(), LoraConfig(r=2, target_modules=["conv", "proj"]))
+    with pytest.raises(ValueError) as err:
+        wrap_model(model, strategy="none")
+    assert str(err.value) == ("wrap_model: base_model.model.conv holds a PEFT adapter on a Conv2d; fp8dist trains "
+                              "adapters on Linear, Conv1D, Embedding layers only. Leave 'conv' out of the "
+                              "LoraConfig's target_modules.")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--lora-rank", "100000"], "fp8dist train: error: lora_rank=100000: rank 100,000 is larger than "
                                 "model.layers.0.self_attn.v_proj's weight (64x128) can use"),

@@ -63,8 +63,9 @@ def rank_refusal(rank: int, name: str, module: nn.Module) -> str | None:
 
 def check_peft_adapters(model: nn.Module) -> None:
     """ValueError, before anything changes, naming the first PEFT adapter of ``model`` on a layer kind outside
-    :data:`ADAPTABLE_KINDS` or of a rank past its weight's (:func:`rank_refusal`), with the way out. Call it on the
-    model given to ``wrap_model``; a model without adapters passes."""
+    :data:`ADAPTABLE_KINDS` or, for LoRA's kind (an update ``B @ A``: LoRA, DoRA, AdaLoRA), of a rank past its
+    weight's (:func:`rank_refusal`), with the way out. Call it on the model given to ``wrap_model``; a model without
+    adapters passes."""
     for name, layer in _tuner_layers(model):
         base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
         kind = adaptable_kind(base)
@@ -72,7 +73,7 @@ def check_peft_adapters(model: nn.Module) -> None:
             raise ValueError(f"wrap_model: {name} holds a PEFT adapter on a {type(base).__name__}; fp8dist trains "
                              f"adapters on {listing(ADAPTABLE_KINDS)} layers only. Leave {name.rsplit('.', 1)[-1]!r} "
                              "out of the LoraConfig's target_modules.")
-        ranks = getattr(layer, "r", {})
+        ranks = getattr(layer, "r", {}) if "lora_A" in layer.adapter_layer_names else {}  # B @ A: LoRA's kind
         for adapter, rank in (ranks.items() if isinstance(ranks, dict) else ()):
             refusal = rank_refusal(rank, name, base) if isinstance(rank, int) else None
             if refusal:
