@@ -57,7 +57,7 @@ def test_wrap_model_refuses_the_same_rank_on_a_peft_model_built_by_hand():
     assert str(err.value) == (
         "wrap_model: PEFT adapter 'default': rank 65 is larger than base_model.model.model.layers.0.self_attn.v_proj's "
         "weight (64x128) can use: an adapter's update B @ A has rank at most 64, the smaller of its dims, so the 1 "
-        "ranks above it would add 192 parameters there and nothing they can learn. The largest rank allowed is 64. "
+        "rank above it would add 192 parameters there and nothing they can learn. The largest rank allowed is 64. "
         "Build the PEFT model with LoraConfig(r=64) or less (or rank_pattern={'v_proj': ...} for this layer).")
 
 

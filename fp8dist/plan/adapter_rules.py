@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..config.text import listing
+from ..config.text import listing, plural
 from ..fp8.conv1d import is_conv1d
 from .adapters import _tuner_layers
 
@@ -57,8 +57,8 @@ def rank_refusal(rank: int, name: str, module: nn.Module) -> str | None:
     shape = "x".join(str(d) for d in module.weight.shape)
     extra = (rank - limit) * (module.weight.shape[0] + module.weight[0].numel())
     return (f"rank {rank:,} is larger than {name}'s weight ({shape}) can use: an adapter's update B @ A has rank at "
-            f"most {limit:,}, the smaller of its dims, so the {rank - limit:,} ranks above it would add "
-            f"{extra:,} parameters there and nothing they can learn. The largest rank allowed is {limit:,}")
+            f"most {limit:,}, the smaller of its dims, so the {plural(rank - limit, 'rank')} above it would add "
+            f"{plural(extra, 'parameter')} there and nothing they can learn. The largest rank allowed is {limit:,}")
 
 
 def check_peft_adapters(model: nn.Module) -> None:
