@@ -1,8 +1,9 @@
 """LoRA inputs follow one rule in ``fp8dist train`` and in ``wrap_model`` on a PEFT model
-(fp8dist/plan/adapter_rules.py): a rank past what a target's weight can use (the smaller of its dims) is refused before PEFT allocates an adapter,
-naming the value, the largest allowed and the way out (past int64 too: no torch overflow); an empty target name is
-refused, not read as PEFT's defaults; an Embedding takes an adapter in both, and it trains under FSDP2 + torchao
-equal to PEFT wired by hand, on 2 real gloo ranks."""
+(fp8dist/plan/adapter_rules.py): a rank past what a target's weight can use (the smaller of its dims) is refused
+before PEFT allocates an adapter, naming the value, the largest allowed and the way out (past int64 too: no torch
+overflow); an empty target name is refused, not read as PEFT's defaults; an Embedding takes an adapter in both, and
+it trains under FSDP2 + torchao equal to PEFT wired by hand, on 2 real gloo ranks; an alpha whose gradient norm
+overflows skips every step, said and counted."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_wrap_model_refuses_an_adapter_on_a_layer_kind_the_command_line_refuses_
     with pytest.raises(ValueError) as err:
         wrap_model(model, strategy="none")
     assert str(err.value) == ("wrap_model: base_model.model.conv holds a PEFT adapter on a Conv2d; fp8dist trains "
-                              "adapters on Linear, Conv1D, Embedding layers only. Leave 'conv' out of the "
+                              "adapters on Linear, Conv1D or Embedding layers only. Leave 'conv' out of the "
                               "LoraConfig's target_modules.")
 
 
@@ -84,7 +85,8 @@ def test_wrap_model_refuses_an_adapter_on_a_layer_kind_the_command_line_refuses_
     (["--lora-rank", "100000"], "fp8dist train: error: lora_rank=100000: rank 100,000 is larger than "
                                 "model.layers.0.self_attn.v_proj's weight (64x128) can use"),
     (["--lora-rank", "99999999999999999999"], "The largest rank allowed is 64 (the smallest over the default "
-                                              "targets of the model's family of LlamaForCausalLM)"),
+                                              "targets of the model's family of LlamaForCausalLM). Pass --lora-rank "
+                                              "64 or less (8-64 is usual), or name --lora-targets without v_proj."),
     (["--lora-rank", "8", "--lora-targets", ""], "fp8dist train: error: lora_targets='' holds an empty name: pass "
                                                  "--lora-targets NAME,... (layer names, e.g. q_proj,v_proj), or "
                                                  "leave it out for PEFT's default of the model's family."),

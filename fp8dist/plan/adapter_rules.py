@@ -7,16 +7,20 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..config.text import listing, plural
+from ..config.text import plural
 from ..fp8.conv1d import is_conv1d
 from .adapters import _tuner_layers
 
-__all__ = ["ADAPTABLE_KINDS", "adaptable_kind", "rank_limit", "lowest_rank_limit", "rank_refusal",
+__all__ = ["ADAPTABLE_KINDS", "KINDS_TEXT", "adaptable_kind", "rank_limit", "lowest_rank_limit", "rank_refusal",
            "check_peft_adapters"]
 
 ADAPTABLE_KINDS = ("Linear", "Conv1D", "Embedding")
 """Layer kinds an adapter may sit on: each trains under fsdp, fsdp1, ddp, none and deepspeed (an Embedding's adapter,
 out of FP8 with the embedding itself: under fsdp + torchao equal to PEFT wired by hand, tests/test_lora_inputs.py)."""
+
+
+KINDS_TEXT = f"{', '.join(ADAPTABLE_KINDS[:-1])} or {ADAPTABLE_KINDS[-1]}"
+""":data:`ADAPTABLE_KINDS` as the messages say them."""
 
 
 def adaptable_kind(module: nn.Module) -> str | None:
@@ -71,7 +75,7 @@ def check_peft_adapters(model: nn.Module) -> None:
         kind = adaptable_kind(base)
         if kind is None:
             raise ValueError(f"wrap_model: {name} holds a PEFT adapter on a {type(base).__name__}; fp8dist trains "
-                             f"adapters on {listing(ADAPTABLE_KINDS)} layers only. Leave {name.rsplit('.', 1)[-1]!r} "
+                             f"adapters on {KINDS_TEXT} layers only. Leave {name.rsplit('.', 1)[-1]!r} "
                              "out of the LoraConfig's target_modules.")
         ranks = getattr(layer, "r", {}) if "lora_A" in layer.adapter_layer_names else {}  # B @ A: LoRA's kind
         for adapter, rank in (ranks.items() if isinstance(ranks, dict) else ()):

@@ -35,7 +35,7 @@ def _targets(model: nn.Module, train: Any) -> tuple[list[str] | None, list[tuple
     """(``lora_targets`` for PEFT, or None: PEFT's default of the model's family; the layers they name), each target
     checked to end the name of a layer an adapter may sit on (:data:`~fp8dist.plan.adapter_rules.ADAPTABLE_KINDS`):
     ValueError naming the target, the model's such names and the way out."""
-    from ..plan.adapter_rules import ADAPTABLE_KINDS, adaptable_kind
+    from ..plan.adapter_rules import KINDS_TEXT, adaptable_kind
 
     peft = import_peft()
     layers = [(name, m) for name, m in model.named_modules() if name and adaptable_kind(m) is not None]
@@ -49,12 +49,11 @@ def _targets(model: nn.Module, train: Any) -> tuple[list[str] | None, list[tuple
             raise ValueError(f"lora_targets: PEFT has no default target modules for model_type {family!r}; pass "
                              f"--lora-targets NAME,... naming some of the model's layers: {choices}.")
         targets = list(defaults[family])
-    kinds = f"{', '.join(ADAPTABLE_KINDS[:-1])} or {ADAPTABLE_KINDS[-1]}"
     for target in train.lora_targets:
         if not any(n == target or n.endswith("." + target) for n, _ in layers):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"lora_targets: {target!r} names no {kinds} layer of {type(model).__name__}; choose "
+            raise ValueError(f"lora_targets: {target!r} names no {KINDS_TEXT} layer of {type(model).__name__}; choose "
                              f"among its names: {choices}.{hint} Fix --lora-targets, or leave it out for PEFT's "
                              "default of the model's family.")
     matched = [(n, m) for n, m in layers if any(n == t or n.endswith("." + t) for t in targets)]
@@ -69,11 +68,13 @@ def _check_rank(model: nn.Module, train: Any, layers: list[tuple[str, nn.Module]
     lowest = lowest_rank_limit(layers)
     refusal = rank_refusal(train.lora_rank, *lowest[:2]) if lowest is not None else None
     if refusal:
-        which = f"--lora-targets {','.join(train.lora_targets)}" if train.lora_targets else \
-            "the default targets of the model's family"
+        short = lowest[0].rsplit(".", 1)[-1]
+        which, other = (f"--lora-targets {','.join(train.lora_targets)}", f"leave {short} out of --lora-targets") \
+            if train.lora_targets else ("the default targets of the model's family", f"name --lora-targets "
+                                        f"without {short}")
         raise ValueError(f"lora_rank={train.lora_rank}: {refusal} (the smallest over {which} of "
-                         f"{type(model).__name__}). Pass --lora-rank {lowest[2]} or less (8-64 is usual), or leave "
-                         f"{lowest[0].rsplit('.', 1)[-1]} out of --lora-targets.")
+                         f"{type(model).__name__}). Pass --lora-rank {lowest[2]} or less (8-64 is usual), or "
+                         f"{other}.")
 
 
 def apply_lora(model: nn.Module, train: Any) -> nn.Module:
