@@ -46,6 +46,7 @@ def _steps(model, optimizer, batches, rank: int, bad_at: int | None = None, engi
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` as a plain tensor (a DTensor's shard, torchao's FP8 weight wrapper unwrapped)."""
     t = t.to_local() if hasattr(t, "to_local") else t
+    t = t.dequantize() if type(t).__name__.startswith("OptimState") else t  # memory="lean": 8-bit AdamW states
     return getattr(t, "_tensor", t).detach().clone()
 
 
@@ -209,11 +210,13 @@ def _norm_cases(rank: int, world: int) -> dict:
 
     data = Batches(batch_size=2 * world, seq_len=32, rank=rank, world_size=world, seed=0)
     out = {}
-    for strategy, fp8 in (("fsdp", "torchao"), ("fsdp1", None), ("ddp", None), ("none", None)):
+    for case, strategy, fp8, memory in (("fsdp", "fsdp", "torchao", "standard"), ("fsdp1", "fsdp1", None, "standard"),
+                                        ("ddp", "ddp", None, "standard"), ("none", "none", None, "standard"),
+                                        ("lean", "fsdp", "torchao", "lean")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8=fp8)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, opt = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8=fp8, memory=memory,
+                                            optimizer={"type": "AdamW", "lr": 1e-2})
             for step in range(3):
                 if step == 2:
                     before, hook = _state(model, opt), _blow_up(model, rank)
@@ -224,7 +227,7 @@ def _norm_cases(rank: int, world: int) -> dict:
                 opt.zero_grad(set_to_none=True)
             if hook is not None:
                 hook.remove()
-        out[strategy] = dict(finite=finite, norm=norm, same=_equal(before, _state(model, opt)),
+        out[case] = dict(finite=finite, norm=norm, same=_equal(before, _state(model, opt)),
                              skipped=fp8dist.get_wrap_info(model).skipped_steps,
                              said=[str(w.message) for w in caught if " skipped: " in str(w.message)])
     engine, _ = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="deepspeed", micro_batch_size=2,
@@ -249,11 +252,11 @@ def norm_results():
     return run_ranks(_norm_cases, world_size=2, timeout=600)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "none"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "none", "lean"])
 def test_a_finite_gradient_whose_norm_is_inf_is_a_skipped_step_on_every_rank(norm_results, strategy):
     """Clipping by an inf norm zeroes every gradient, and AdamW would still move the weights by its momentum: the
     guard hears the norm from fp8dist.clip_grad_norm_ and skips the step on every rank (under "none" rank 1's own
-    norm was finite), said and counted."""
+    norm was finite), said and counted; "lean": memory="lean" under fsdp + torchao, its 8-bit AdamW."""
     for rank, out in enumerate(norm_results):
         case = out[strategy]
         assert case["finite"], f"rank {rank}: every gradient value was finite, only their norm was not"
