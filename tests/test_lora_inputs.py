@@ -84,9 +84,9 @@ def test_wrap_model_refuses_an_adapter_on_a_layer_kind_the_command_line_refuses_
 @pytest.mark.parametrize("argv, message", [
     (["--lora-rank", "100000"], "fp8dist train: error: lora_rank=100000: rank 100,000 is larger than "
                                 "model.layers.0.self_attn.v_proj's weight (64x128) can use"),
-    (["--lora-rank", "99999999999999999999"], "The largest rank allowed is 64 (the smallest over the default "
-                                              "targets of the model's family of LlamaForCausalLM). Pass --lora-rank "
-                                              "64 or less (8-64 is usual), or name --lora-targets without v_proj."),
+    (["--lora-rank", "99999999999999999999"], "The largest rank allowed is 64 (the smallest over PEFT's default "
+                                              "targets q_proj,v_proj of LlamaForCausalLM). Pass --lora-rank 64 or "
+                                              "less (8-64 is usual), or name --lora-targets without v_proj."),
     (["--lora-rank", "8", "--lora-targets", ""], "fp8dist train: error: lora_targets='' holds an empty name: pass "
                                                  "--lora-targets NAME,... (layer names, e.g. q_proj,v_proj), or "
                                                  "leave it out for PEFT's default of the model's family."),

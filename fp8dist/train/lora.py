@@ -67,14 +67,16 @@ def _check_rank(model: nn.Module, train: Any, layers: list[tuple[str, nn.Module]
 
     lowest = lowest_rank_limit(layers)
     refusal = rank_refusal(train.lora_rank, *lowest[:2]) if lowest is not None else None
-    if refusal:
-        short = lowest[0].rsplit(".", 1)[-1]
-        which, other = (f"--lora-targets {','.join(train.lora_targets)}", f"leave {short} out of --lora-targets") \
-            if train.lora_targets else ("the default targets of the model's family", f"name --lora-targets "
-                                        f"without {short}")
-        raise ValueError(f"lora_rank={train.lora_rank}: {refusal} (the smallest over {which} of "
-                         f"{type(model).__name__}). Pass --lora-rank {lowest[2]} or less (8-64 is usual), or "
-                         f"{other}.")
+    if not refusal:
+        return
+    short = lowest[0].rsplit(".", 1)[-1]
+    if train.lora_targets:
+        which, other = f"--lora-targets {','.join(train.lora_targets)}", f"leave {short} out of --lora-targets"
+    else:
+        defaults = ",".join(sorted({name.rsplit(".", 1)[-1] for name, _ in layers}))
+        which, other = f"PEFT's default targets {defaults}", f"name --lora-targets without {short}"
+    raise ValueError(f"lora_rank={train.lora_rank}: {refusal} (the smallest over {which} of {type(model).__name__}). "
+                     f"Pass --lora-rank {lowest[2]} or less (8-64 is usual), or {other}.")
 
 
 def apply_lora(model: nn.Module, train: Any) -> nn.Module:
