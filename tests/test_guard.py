@@ -272,3 +272,25 @@ def test_deepspeed_skips_a_step_whose_gradient_norm_is_inf_and_fp8dist_counts_it
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     for out in norm_results:
         assert out["deepspeed"] == dict(same=True, skipped=1, norm=float("inf")), out["deepspeed"]
+
+
+def test_a_second_clip_of_the_zeroed_gradients_does_not_undo_an_inf_norm():
+    """Clipping twice (say, once to log): the first norm is inf and zeroes the gradients, the second reads 0. The step
+    is still skipped: weights and optimizer state as before, counted."""
+    import fp8dist
+    from fp8dist.train.models import build_llama
+
+    model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before, hook = _state(model, opt), _blow_up(model, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    hook.remove()
+    norms = [float(fp8dist.clip_grad_norm_(model, 1.0)), float(fp8dist.clip_grad_norm_(model, 1.0))]
+    with pytest.warns(RuntimeWarning, match=r"^step 2 skipped: non-finite gradients of norm inf"):
+        opt.step()
+    assert norms == [float("inf"), 0.0] and _equal(before, _state(model, opt))
+    assert fp8dist.get_wrap_info(model).skipped_steps == 1

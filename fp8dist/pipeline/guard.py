@@ -56,9 +56,11 @@ class StepGuard:
     def saw_norm(self, norm: torch.Tensor | float) -> None:
         """Call with the gradient norm measured for clipping (:func:`fp8dist.clip_grad_norm_` does), before the
         optimizer steps: a non-finite one makes that step non-finite, on every rank (its clipping zeroed or NaN'd every
-        gradient, which the optimizer would step with)."""
+        gradient, which the optimizer would step with); a finite norm measured after it (of the zeroed gradients)
+        does not undo that."""
         value = float(norm)
-        self.clipped_norm = None if math.isfinite(value) else value
+        if not math.isfinite(value):
+            self.clipped_norm = value
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer`` steps: if any rank's gradients are non-finite, or their norm (this rank's, or the one
