@@ -46,6 +46,7 @@ def _steps(model, optimizer, batches, rank: int, bad_at: int | None = None, engi
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` as a plain tensor (a DTensor's shard, torchao's FP8 weight wrapper unwrapped)."""
     t = t.to_local() if hasattr(t, "to_local") else t
+    t = t.dequantize() if type(t).__name__.startswith("OptimState") else t  # memory="lean": 8-bit AdamW states
     return getattr(t, "_tensor", t).detach().clone()
 
 
@@ -179,3 +180,117 @@ def test_fp8_health_is_sampled_after_the_steps_of_the_users_own_optimizer(tmp_pa
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in telemetry.records] == [r["step"] for r in lines] == [0, 2]
     assert len(lines[0]["layers"]) == len(fp8dist.get_plan(model).fp8)
+
+
+HUGE = 1e24
+"""A factor on one layer's output gradient: every gradient stays finite (at most ~1e24), their norm does not (the
+squares pass float32's 3.4e38), and clipping by it zeroes every gradient: the step is non-finite all the same."""
+
+
+def _blow_up(model, rank: int):
+    """A forward hook on the last down_proj scaling its output gradient by :data:`HUGE`, on rank 0."""
+    from fp8dist import unwrap_model
+
+    def hook(module, args, out):
+        out.register_hook(lambda g: g * HUGE)
+
+    return unwrap_model(model).model.layers[1].mlp.down_proj.register_forward_hook(hook) if rank == 0 else None
+
+
+def _finite_grads(model) -> bool:
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+    return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+
+def _norm_cases(rank: int, world: int) -> dict:
+    """Per strategy: 2 clipped steps, then one whose gradients are finite and their norm inf (rank 0's)."""
+    import fp8dist
+    from fp8dist.train.data import Batches
+    from fp8dist.train.models import build_llama
+
+    data = Batches(batch_size=2 * world, seq_len=32, rank=rank, world_size=world, seed=0)
+    out = {}
+    for case, strategy, fp8, memory in (("fsdp", "fsdp", "torchao", "standard"), ("fsdp1", "fsdp1", None, "standard"),
+                                        ("ddp", "ddp", None, "standard"), ("none", "none", None, "standard"),
+                                        ("lean", "fsdp", "torchao", "lean")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8=fp8, memory=memory,
+                                            optimizer={"type": "AdamW", "lr": 1e-2})
+            for step in range(3):
+                if step == 2:
+                    before, hook = _state(model, opt), _blow_up(model, rank)
+                model(input_ids=data[step], labels=data[step]).loss.backward()
+                finite = _finite_grads(model)
+                norm = float(fp8dist.clip_grad_norm_(model, 1.0))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if hook is not None:
+                hook.remove()
+        out[case] = dict(finite=finite, norm=norm, same=_equal(before, _state(model, opt)),
+                             skipped=fp8dist.get_wrap_info(model).skipped_steps,
+                             said=[str(w.message) for w in caught if " skipped: " in str(w.message)])
+    engine, _ = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="deepspeed", micro_batch_size=2,
+                                   gradient_clipping=1.0, optimizer={"type": "AdamW", "lr": 1e-2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            if step == 2:
+                before, hook = [p.detach().clone() for p in engine.parameters()], _blow_up(engine, rank)
+            engine.backward(engine(input_ids=data[step], labels=data[step]).loss)
+            engine.step()
+        hook is not None and hook.remove()
+    out["deepspeed"] = dict(same=_equal(before, [p.detach() for p in engine.parameters()]),
+                            skipped=fp8dist.get_wrap_info(engine).skipped_steps,
+                            norm=float(engine.get_global_grad_norm()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def norm_results():
+    pytest.importorskip("torchao", reason="torchao is not installed")
+    return run_ranks(_norm_cases, world_size=2, timeout=600)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp", "none", "lean"])
+def test_a_finite_gradient_whose_norm_is_inf_is_a_skipped_step_on_every_rank(norm_results, strategy):
+    """Clipping by an inf norm zeroes every gradient, and AdamW would still move the weights by its momentum: the
+    guard hears the norm from fp8dist.clip_grad_norm_ and skips the step on every rank (under "none" rank 1's own
+    norm was finite), said and counted; "lean": memory="lean" under fsdp + torchao, its 8-bit AdamW."""
+    for rank, out in enumerate(norm_results):
+        case = out[strategy]
+        assert case["finite"], f"rank {rank}: every gradient value was finite, only their norm was not"
+        assert case["norm"] == float("inf") or (strategy == "none" and rank == 1), case["norm"]
+        assert case["same"], f"rank {rank}: weights or optimizer state changed in the skipped step"
+        assert case["skipped"] == 1
+        assert case["said"] == ["step 3 skipped: non-finite gradients of norm inf, values past float32's range when "
+                                "squared, on some rank; weights and optimizer state are as before the step (1 "
+                                "skipped so far)."], case["said"]
+
+
+def test_deepspeed_skips_a_step_whose_gradient_norm_is_inf_and_fp8dist_counts_it(norm_results):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    for out in norm_results:
+        assert out["deepspeed"] == dict(same=True, skipped=1, norm=float("inf")), out["deepspeed"]
+
+
+def test_a_second_clip_of_the_zeroed_gradients_does_not_undo_an_inf_norm():
+    """Clipping twice (say, once to log): the first norm is inf and zeroes the gradients, the second reads 0. The step
+    is still skipped: weights and optimizer state as before, counted."""
+    import fp8dist
+    from fp8dist.train.models import build_llama
+
+    model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before, hook = _state(model, opt), _blow_up(model, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    hook.remove()
+    norms = [float(fp8dist.clip_grad_norm_(model, 1.0)), float(fp8dist.clip_grad_norm_(model, 1.0))]
+    with pytest.warns(RuntimeWarning, match=r"^step 2 skipped: non-finite gradients of norm inf"):
+        opt.step()
+    assert norms == [float("inf"), 0.0] and _equal(before, _state(model, opt))
+    assert fp8dist.get_wrap_info(model).skipped_steps == 1

@@ -207,7 +207,7 @@ def test_cli_estimates_a_lora_run_as_the_api_does(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--lora-rank", "-1"], "lora_rank=-1 must be 0 (off) or more"),
     (["--lora-targets", "q_proj"], "with lora_rank=0 (LoRA off) has no effect: pass --lora-rank R"),
-    (["--lora-rank", "8", "--lora-targets", "qproj"], "choose among its Linear names: down_proj, gate_proj, k_proj"),
+    (["--lora-rank", "8", "--lora-targets", "qproj"], "choose among its names: down_proj, embed_tokens, gate_proj"),
 ])
 def test_cli_bad_lora_flags_are_clear_errors(argv, message, capsys):
     from fp8dist import cli

@@ -196,9 +196,9 @@ def test_a_target_matching_no_linear_names_the_models_linears_and_a_close_match(
 
     with pytest.raises(ValueError) as err:
         apply_lora(build_llama("tiny"), TrainConfig(lora_rank=8, lora_targets=("q_prj",)))
-    assert ("lora_targets: 'q_prj' names no Linear layer of LlamaForCausalLM; choose among its Linear names: "
-            "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj. Did you mean 'q_proj'?"
-            ) in str(err.value)
+    assert ("lora_targets: 'q_prj' names no Linear, Conv1D or Embedding layer of LlamaForCausalLM; choose among "
+            "its names: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj. Did you "
+            "mean 'q_proj'?") in str(err.value)
     model = apply_lora(build_llama("tiny"), TrainConfig(lora_rank=8))  # PEFT's Llama default: q_proj, v_proj
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == 8 and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.", n) for n in trainable)

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.text import listing
 
-__all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "fp8_gemms_in_forward", "wrapper_reaches",
+__all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "float8_gemm_config", "weight_data",
+           "fp8_gemms_in_forward", "wrapper_reaches",
            "wrap_linears", "unproven_fp8", "WRAPPED", "BYPASSED", "say_bypassed", "check_fp8_ran"]
 
 _PROBE_DIMS = (32, 48)  # (in, out) of the small copy: FP8 GEMM tiles need multiples of 16
@@ -65,6 +66,29 @@ def wrapped_weight_config(module: nn.Module):
 
     wrapper = _wrapper(getattr(module, "weight", None))
     return None if wrapper is None else wrapper.config
+
+
+def float8_gemm_config(module: nn.Module):
+    """The torchao ``Float8LinearConfig`` that casts ``module``'s GEMMs: a ``Float8Linear``'s own, or the one torchao's
+    Float8 weight wrapper builds from its op config's recipe; None for any other module (an MXFP8 wrapper included)."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from .moe import _wrapper
+
+    if isinstance(module, Float8Linear):
+        return module.config
+    wrapper = _wrapper(module._parameters.get("weight"))  # its own: a PEFT LoRA layer's .weight is its base layer's
+    recipe = getattr(getattr(wrapper, "config", None), "float8_linear_recipe", None)  # MXFP8's op config has none
+    return Float8LinearConfig.from_recipe_name(recipe) if recipe is not None else None
+
+
+def weight_data(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a torchao weight wrapper (the training wrapper or the FP8 all-gather one); else ``t``."""
+    from .moe import _wrapper
+
+    wrapper = _wrapper(t)
+    return wrapper._data if wrapper is not None else getattr(t, "_tensor", t)
 
 
 def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:

@@ -20,6 +20,7 @@ from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from ..memory_levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
+from ..plan.adapter_rules import check_peft_adapters
 from ..plan.adapters import is_peft_model, unsupported_peft
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
@@ -104,6 +105,7 @@ def _check_model(model: Any) -> None:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"{type(model).__name__}: all {len(params)} parameters have requires_grad=False, so there is "
                          "nothing to train. Unfreeze the ones to train (p.requires_grad_(True)) before wrap_model.")
+    check_peft_adapters(model)  # the rule fp8dist train's --lora-rank and --lora-targets follow
 
 
 def _check_master_weights(model: nn.Module, cfg: Config, backend: FP8Backend, facts: Any,

@@ -40,11 +40,16 @@ def no_sync(model: nn.Module, last: bool = False) -> Iterator[None]:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient so that their global norm (over all ranks' shards) is at most ``max_norm``; returns the
-    norm before clipping (a plain tensor, the same on every rank). Example::
+    norm before clipping (a plain tensor, the same on every rank). A non-finite norm makes the optimizer step that
+    follows a non-finite one for the guard (``nonfinite_step``: skipped on every rank, said, counted). Example::
 
         norm = fp8dist.clip_grad_norm_(model, max_norm=1.0)  # after the last backward, before optimizer.step()
     """
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0
             and math.isfinite(max_norm)):
         raise ValueError(f"max_norm={max_norm!r} must be a positive number (the largest global gradient norm kept).")
-    return _strategy(model).clip_grad_norm_(model, max_norm, norm_type)
+    norm = _strategy(model).clip_grad_norm_(model, max_norm, norm_type)
+    guard = get_wrap_info(model).guard
+    if guard is not None:  # clipping by an inf norm zeroed every gradient: the guard alone can no longer see it
+        guard.saw_norm(norm)
+    return norm

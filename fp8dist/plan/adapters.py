@@ -9,14 +9,16 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["adapter_reasons", "is_peft_model", "weight_readers", "without_adapters", "idle_copies",
+__all__ = ["adapter_reasons", "is_peft_model", "tuner_layers", "weight_readers", "without_adapters", "idle_copies",
            "SUPPORTED_PEFT_TYPES", "unsupported_peft"]
 
 _NO_GEMM = {"lora_magnitude_vector": "DoRA's magnitude, one scale per output feature: it runs no GEMM"}
 """Adapter containers that hold no GEMM weight, and what they hold instead (the others' reason: a rank-r GEMM)."""
 
 
-def _tuner_layers(model: nn.Module):
+def tuner_layers(model: nn.Module):
+    """``(fqn, layer)`` of every PEFT tuner layer in ``model`` (it holds a ``base_layer`` and names its adapter
+    containers in ``adapter_layer_names``), in ``named_modules`` order; none for a model without PEFT."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "base_layer", None), nn.Module) and \
                 isinstance(getattr(module, "adapter_layer_names", None), tuple):
@@ -24,13 +26,13 @@ def _tuner_layers(model: nn.Module):
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    return next(_tuner_layers(model), None) is not None
+    return next(tuner_layers(model), None) is not None
 
 
 def adapter_reasons(model: nn.Module) -> dict[str, str]:
     """``{fqn: reason}`` of every adapter container and each adapter's module in it, naming the rank where known."""
     reasons = {}
-    for name, layer in _tuner_layers(model):
+    for name, layer in tuner_layers(model):
         ranks = getattr(layer, "r", {})
         for attr in layer.adapter_layer_names:
             container = getattr(layer, attr, None)
@@ -59,7 +61,7 @@ def weight_readers(model: nn.Module) -> dict[str, str]:
     magnitude: the norm of each output row of the base weight plus the LoRA delta, every forward)."""
     fqns = {id(module): name for name, module in model.named_modules()}
     readers = {}
-    for _, layer in _tuner_layers(model):
+    for _, layer in tuner_layers(model):
         magnitudes = getattr(layer, "lora_magnitude_vector", None)
         if isinstance(magnitudes, nn.Module) and len(list(magnitudes.children())):
             base = layer.get_base_layer() if callable(getattr(layer, "get_base_layer", None)) else layer.base_layer
@@ -110,7 +112,7 @@ def idle_copies(model: nn.Module) -> dict[str, str]:
                 idle.update(_with_submodules(model, f"{where}.{adapter}", (
                     f"PEFT's copy of {name} for adapter {adapter!r}, which is not active: it does not run; not "
                     "converted, not counted in the FP8 share")))
-    for name, layer in _tuner_layers(model):
+    for name, layer in tuner_layers(model):
         off = getattr(layer, "disable_adapters", False) is True
         active = set() if off else set(getattr(layer, "active_adapters", ()))
         for attr in layer.adapter_layer_names:

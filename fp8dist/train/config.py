@@ -87,16 +87,17 @@ class TrainConfig:
     comes out as it went in), bf16 for a model trained from scratch; fp32 writes the master weights exactly."""
 
     lora_rank: int = 0
-    """LoRA fine-tuning: the rank of the PEFT adapters (pip install peft) on the --lora-targets Linears; the base is
-    frozen (FP8 where the plan says), only the adapters train and are checkpointed. 0: off, every weight trains."""
+    """LoRA fine-tuning: the rank of the PEFT adapters (pip install peft) on the --lora-targets layers, at most the
+    smaller dim of each target's weight; the base is frozen (FP8 where the plan says), only the adapters train and
+    are checkpointed. 0: off, every weight trains."""
 
     lora_alpha: float | None = field(default=None, metadata={"none": "twice --lora-rank"})
     """LoRA alpha: the adapters' update is scaled by alpha / rank. None: twice the rank (a scale of 2 at any rank, as
     torchtune's recipes; PEFT's default 8 would scale a rank-64 adapter by 1/8)."""
 
     lora_targets: tuple[str, ...] = ()
-    """Linear layers that get adapters, by the end of their names (e.g. q_proj,v_proj or self_attn.o_proj); none:
-    PEFT's default of the model's family (Llama: q_proj, v_proj)."""
+    """Layers that get adapters (Linear, Conv1D or Embedding), by the end of their names (e.g. q_proj,v_proj or
+    self_attn.o_proj); none: PEFT's default of the model's family (Llama: q_proj, v_proj)."""
 
     lora_dropout: float = 0.0
     """Dropout on the adapters' input, in [0, 1)."""
@@ -152,8 +153,12 @@ class TrainConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        object.__setattr__(self, "lora_targets", tuple(t.strip() for item in self.lora_targets
-                                                       for t in item.split(",") if t.strip()))
+        names = tuple(t.strip() for item in self.lora_targets for t in item.split(","))
+        if "" in names:  # else --lora-targets '' would silently mean PEFT's defaults
+            raise ValueError(f"lora_targets={','.join(self.lora_targets)!r} holds an empty name: pass --lora-targets "
+                             "NAME,... (layer names, e.g. q_proj,v_proj), or leave it out for PEFT's default of the "
+                             "model's family.")
+        object.__setattr__(self, "lora_targets", names)
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank} must be 0 (off) or more (the adapters' rank, e.g. 8-64).")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):

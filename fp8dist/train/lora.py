@@ -31,37 +31,62 @@ def lora_alpha(train: Any) -> float:
     return train.lora_alpha if train.lora_alpha is not None else 2.0 * train.lora_rank
 
 
-def _targets(model: nn.Module, train: Any) -> list[str] | None:
-    """``lora_targets`` checked to end a Linear's (or Conv1D's) name, or None: PEFT's default of the model's family;
-    ValueError naming the target, the model's Linear names and the way out."""
-    from ..fp8.conv1d import is_conv1d
+def _targets(model: nn.Module, train: Any) -> tuple[list[str] | None, list[tuple[str, nn.Module]]]:
+    """(``lora_targets`` for PEFT, or None: PEFT's default of the model's family; the layers they name), each target
+    checked to end the name of a layer an adapter may sit on (:data:`~fp8dist.plan.adapter_rules.ADAPTABLE_KINDS`):
+    ValueError naming the target, the model's such names and the way out."""
+    from ..plan.adapter_rules import KINDS_TEXT, adaptable_kind
 
     peft = import_peft()
-    linears = [name for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))]
-    names = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    layers = [(name, m) for name, m in model.named_modules() if name and adaptable_kind(m) is not None]
+    names = sorted({name.rsplit(".", 1)[-1] for name, _ in layers})
     choices = ", ".join(names)
-    if not train.lora_targets:
+    targets = list(train.lora_targets)
+    if not targets:
         family = getattr(getattr(model, "config", None), "model_type", None)
-        if family not in peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
+        defaults = peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+        if family not in defaults:
             raise ValueError(f"lora_targets: PEFT has no default target modules for model_type {family!r}; pass "
-                             f"--lora-targets NAME,... naming some of the model's Linear layers: {choices}.")
-        return None
+                             f"--lora-targets NAME,... naming some of the model's layers: {choices}.")
+        targets = list(defaults[family])
     for target in train.lora_targets:
-        if not any(n == target or n.endswith("." + target) for n in linears):
+        if not any(n == target or n.endswith("." + target) for n, _ in layers):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], names, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"lora_targets: {target!r} names no Linear layer of {type(model).__name__}; choose "
-                             f"among its Linear names: {choices}.{hint} Fix --lora-targets, or leave it out for "
-                             "PEFT's default of the model's family.")
-    return list(train.lora_targets)
+            raise ValueError(f"lora_targets: {target!r} names no {KINDS_TEXT} layer of {type(model).__name__}; choose "
+                             f"among its names: {choices}.{hint} Fix --lora-targets, or leave it out for PEFT's "
+                             "default of the model's family.")
+    matched = [(n, m) for n, m in layers if any(n == t or n.endswith("." + t) for t in targets)]
+    return (list(train.lora_targets) or None), matched
+
+
+def _check_rank(model: nn.Module, train: Any, layers: list[tuple[str, nn.Module]]) -> None:
+    """ValueError, before PEFT allocates anything, when ``lora_rank`` exceeds the rank a target's weight can use
+    (:func:`~fp8dist.plan.adapter_rules.rank_refusal`: the rule ``wrap_model`` applies to a PEFT model)."""
+    from ..plan.adapter_rules import lowest_rank_limit, rank_refusal
+
+    lowest = lowest_rank_limit(layers)
+    refusal = rank_refusal(train.lora_rank, *lowest[:2]) if lowest is not None else None
+    if not refusal:
+        return
+    short = lowest[0].rsplit(".", 1)[-1]
+    if train.lora_targets:
+        which, other = f"--lora-targets {','.join(train.lora_targets)}", f"leave {short} out of --lora-targets"
+    else:
+        defaults = ",".join(sorted({name.rsplit(".", 1)[-1] for name, _ in layers}))
+        which, other = f"PEFT's default targets {defaults}", f"name --lora-targets without {short}"
+    raise ValueError(f"lora_rank={train.lora_rank}: {refusal} (the smallest over {which} of {type(model).__name__}). "
+                     f"Pass --lora-rank {lowest[2]} or less (8-64 is usual), or {other}.")
 
 
 def apply_lora(model: nn.Module, train: Any) -> nn.Module:
     """``model`` as a PEFT LoRA model with ``train``'s options (lora_B zero: the first step has the base's loss),
     seeded from ``train.seed`` so that every rank builds the same adapters. Call it before wrap_model."""
     peft = import_peft()
+    targets, layers = _targets(model, train)
+    _check_rank(model, train, layers)
     config = peft.LoraConfig(r=train.lora_rank, lora_alpha=lora_alpha(train), lora_dropout=train.lora_dropout,
-                             target_modules=_targets(model, train), task_type="CAUSAL_LM")
+                             target_modules=targets, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft's own call of a transformers API being renamed: nothing the user can change
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)

@@ -33,11 +33,14 @@ _USE = {"input": ("input", "output"), "weight": ("weight", "output"), "grad_outp
 class _Layer:
     """One FP8 layer's casts and, on a sampled step, its running ``[amax, nonzero, flushed]`` per role."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, name: str, module: nn.Module, config: Any) -> None:
+        from torchao.float8.float8_linear import Float8Linear
+
         self.name, self.module = name, module
-        specs = float8_linear_casts(module.config)
+        specs = float8_linear_casts(config)
         self.specs: dict[str, CastSpec] = {role: specs[_USE[role]] for role in ROLES}
-        self.pow2 = bool(module.config.round_scales_to_power_of_2)
+        self.pow2 = bool(config.round_scales_to_power_of_2)
+        self.autocasts = isinstance(module, Float8Linear)  # the weight wrapper casts its input as it comes
         self.acc: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -61,7 +64,7 @@ class _Layer:
         if not module.training:  # an evaluation inside a sampled step is not what training casts
             return
         x = args[0]
-        if torch.is_autocast_enabled():  # as Float8Linear.forward casts it
+        if self.autocasts and torch.is_autocast_enabled():  # as Float8Linear.forward casts it
             x = x.to(torch.get_autocast_gpu_dtype())
         self.sample("input", x)
         if out.requires_grad:
@@ -69,7 +72,8 @@ class _Layer:
 
 
 class FP8Telemetry:
-    """Sampled FP8 health of a wrapped model's torchao FP8 layers (``Float8Linear``, GPT-2's ``Float8Conv1D``).
+    """Sampled FP8 health of a wrapped model's torchao FP8 layers (``Float8Linear``, GPT-2's ``Float8Conv1D``, a Linear
+    under torchao's Float8 weight wrapper: ``torchao_api="weight_wrapper"``).
 
     Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"); it ends each step
     itself after any optimizer holding the model steps (only ``optimizer`` when given), reducing over the world
@@ -87,8 +91,7 @@ class FP8Telemetry:
                  thresholds: Thresholds | dict[str, float] = DEFAULT_THRESHOLDS,
                  optimizer: torch.optim.Optimizer | None = None,
                  log: Callable[[str], Any] | None = None, step: int = 0) -> None:
-        from torchao.float8.float8_linear import Float8Linear
-
+        from ...fp8.weight_wrapper import float8_gemm_config
         from ...pipeline.files import check_output_path
         from ...pipeline.optim import STEP_HOOKS
         from ...strategies import unwrap_model
@@ -109,11 +112,12 @@ class FP8Telemetry:
         on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
         self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
         self.jsonl = Path(jsonl) if jsonl is not None else None
-        self.layers = [_Layer(plain_name(n), m) for n, m in unwrap_model(model).named_modules()
-                       if isinstance(m, Float8Linear)]
+        configs = ((plain_name(n), m, float8_gemm_config(m)) for n, m in unwrap_model(model).named_modules())
+        self.layers = [_Layer(name, m, config) for name, m, config in configs if config is not None]
         if not self.layers:
-            raise ValueError("FP8Telemetry found no torchao FP8 layer (Float8Linear) in the model: wrap it with "
-                             "fp8='torchao' first, and check fp8dist.get_plan(model) lists FP8 layers.")
+            raise ValueError("FP8Telemetry found no torchao FP8 layer (a Float8Linear, or a Linear under torchao's "
+                             "Float8 weight wrapper) in the model: wrap it with fp8='torchao' first, and check "
+                             "fp8dist.get_plan(model) lists FP8 layers.")
         self.steps = step  # the number of the step under way
         self.records: list[dict[str, Any]] = []  # one per sampled step, as the JSON lines
         self.warned: set[tuple[str, str]] = set()
@@ -202,11 +206,12 @@ class FP8Telemetry:
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
     def _weight_shards(self) -> list[torch.Tensor]:
+        from ...fp8.weight_wrapper import weight_data
         from ...strategies.local_shards import local_params
 
         pieces = {name: p.local for p in local_params(self.model) for name in p.names}
         weights = [pieces[f"{layer.name}.weight"] for layer in self.layers]
-        return [getattr(w, "_tensor", w).detach() for w in weights]  # torchao's FP8 all-gather wrapper
+        return [weight_data(w).detach() for w in weights]  # torchao's FP8 all-gather or weight wrapper unwrapped
 
     def _warn(self, record: dict[str, Any]) -> None:
         t = self.thresholds
