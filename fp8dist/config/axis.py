@@ -76,11 +76,13 @@ ALWAYS = When()  # read whenever its axis is chosen
 
 class Registry(Mapping[str, Any]):
     """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list every tool reads and
-    a new value registers in. A built-in may be registered as its module, imported when first asked for."""
+    a new value registers in. A built-in may be registered as its module, imported when first asked for: its name
+    (the option's choices) is known before its engine is imported."""
 
     def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = ()) -> None:
         self.option, self.kind, self.reserved = option, kind, reserved
-        self._values: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
+        self._known: dict[str, dict[str, Any]] = {}
 
     def register(self, value: Any, base: type) -> Any:
         """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
@@ -102,15 +104,29 @@ class Registry(Mapping[str, Any]):
         self._values[name] = value
         return value
 
-    def register_module(self, name: str, module: str) -> None:
-        """A built-in value: ``module``'s ``BACKEND``, imported when ``name`` is first asked for."""
-        self._values.setdefault(name, module)
+    def register_module(self, name: str, module: str, attribute: str = "BACKEND", **known: Any) -> None:
+        """A built-in value: ``module``'s ``attribute``, imported when ``name`` is first asked for. ``known``: its
+        attributes :meth:`attribute` answers without importing it (a backend's ``Config``), checked on import."""
+        if name not in self._values:
+            self._values[name] = (module, attribute)
+            self._known[name] = known
 
     def __getitem__(self, name: str) -> Any:
         value = self._values[name]
-        if isinstance(value, str):
-            value = self._values[name] = importlib.import_module(value).BACKEND
+        if isinstance(value, tuple):
+            module, attribute = value
+            value = getattr(importlib.import_module(module), attribute)
+            wrong = [key for key, known in self._known.pop(name, {}).items() if getattr(value, key, None) is not known]
+            if value.name != name or wrong:
+                raise TypeError(f"{module}.{attribute}: registered as {self.option}={name!r} with "
+                                f"{', '.join(wrong) or 'its name'} other than its own; register it with its own.")
+            self._values[name] = value
         return value
+
+    def attribute(self, name: str, key: str) -> Any:
+        """``self[name].<key>``; a built-in not imported yet answers what it registered, without being imported."""
+        known = self._known.get(name, {})
+        return known[key] if key in known else getattr(self[name], key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
