@@ -52,7 +52,7 @@ def _said(stderr: str) -> str:
                                           "valid; choose one of: 'delayed', 'current', 'mxfp8', 'blockwise', 'nvfp4'."),
     (["estimate", "--optimizer", "adam8bit"], "argument --optimizer: invalid choice: 'adam8bit' (choose from "
                                               "'adamw', 'adam', 'sgd_momentum', 'sgd')"),
-], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "error")
 def test_a_bad_flag_is_refused_before_any_engine_is_imported(argv, message):
     done = _command(*argv)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -66,7 +66,7 @@ def test_a_bad_flag_is_refused_before_any_engine_is_imported(argv, message):
     (["train"], ("--strategy {none,ddp,fsdp,fsdp1,deepspeed}", "--te-recipe", "--torchao-recipe", "--opt-level",
                  "--lora-rank", "--memory {standard,lean}")),
     (["probe"], ("--batches N", "--min-output-sqnr-db X")),
-], ids=lambda value: " ".join(value) or "fp8dist" if isinstance(value, list) else "")
+], ids=lambda value: " ".join(value) or "fp8dist" if isinstance(value, list) else "help")
 def test_help_answers_without_importing_an_engine(argv, shown):
     done = _command(*argv, "--help")
     assert done.returncode == 0, done.stderr[-2000:]
