@@ -10,9 +10,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..train.config import LLAMA_SIZES
 

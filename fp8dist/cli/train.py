@@ -30,7 +30,6 @@ from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_r
 
 __all__ = ["HELP", "add_parser", "run"]
 
-
 HELP = "train a small Llama on the built-in corpus, or fine-tune a model on your text files (the reference job)"
 """The command's line in ``fp8dist --help``."""
 
