@@ -110,3 +110,14 @@ def test_a_built_in_registered_by_module_is_checked_against_what_it_registered()
     right = Registry("fp8", "FP8 backend")
     right.register_module("torchao", "fp8dist.fp8.torchao", "BACKEND", Config=TorchaoConfig)
     assert right["torchao"].Config is TorchaoConfig and right.attribute("torchao", "Config") is TorchaoConfig
+
+
+def test_the_options_know_the_built_in_values_without_importing_an_engine():
+    """The config's choices are the registries' names, the built-ins registered when a registry is first read:
+    whoever imports only the options sees them, without torch."""
+    code = ("import sys; from fp8dist.config.options import FP8Config, StrategyConfig; "
+            "s = StrategyConfig(strategy='fsdp1', memory='lean'); p = FP8Config(fp8='msamp', opt_level='O1'); "
+            "print(s.strategy, s.memory, p.fp8, p.knobs('msamp').opt_level, 'torch' in sys.modules)")
+    done = run([sys.executable, "-c", code], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["fsdp1", "lean", "msamp", "O1", "False"]
