@@ -59,9 +59,13 @@ __all__ = [
 ]
 
 
+_loaded = False  # the names below imported
+
+
 def __getattr__(name: str) -> Any:
     """``fp8dist.NAME``: the public names (and the sub-packages they load), imported together on the first read."""
-    if name.startswith("__") and name not in __all__:  # Python's and tools' probes (__wrapped__, ...) import nothing
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
     from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -79,8 +83,10 @@ def __getattr__(name: str) -> Any:
     from .strategies import Strategy, register_strategy, unwrap_model
     from .fp8 import FP8Backend, register_backend
     from .memory_levels import MemoryLevel, register_level
-    public = {key: value for key, value in locals().items() if key in __all__}
-    globals().update(public)
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
     if name not in globals():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return globals()[name]

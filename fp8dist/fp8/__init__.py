@@ -24,16 +24,24 @@ for _name, _knobs in (("te", TEConfig), ("torchao", TorchaoConfig), ("msamp", MS
     BACKENDS.register_module(_name, f"{__name__}.{_name}", "BACKEND", Config=_knobs)  # imported when first chosen
 
 
+_loaded = False  # the names below imported
+
+
 def __getattr__(name: str) -> Any:
     """The names of :mod:`.base` (it imports torch), imported when first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
                        linear_reason)
 
-    public = {key: value for key, value in locals().items() if key in __all__}
-    if name not in public:
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals().update(public)
-    return public[name]
+    return globals()[name]
 
 
 def register_backend(backend: FP8Backend) -> FP8Backend:

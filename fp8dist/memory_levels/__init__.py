@@ -17,16 +17,24 @@ for _name in ("standard", "lean"):  # each module's LEVEL, imported when first c
     LEVELS.register_module(_name, f"{__name__}.{_name}", "LEVEL")
 
 
+_loaded = False  # the names below imported
+
+
 def __getattr__(name: str) -> Any:
     """``MemoryLevel`` and ``STANDARD`` (they import torch), imported when first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import MemoryLevel
     from .standard import LEVEL as STANDARD
 
-    public = {key: value for key, value in locals().items() if key in __all__}
-    if name not in public:
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals().update(public)
-    return public[name]
+    return globals()[name]
 
 
 def register_level(level: MemoryLevel) -> MemoryLevel:

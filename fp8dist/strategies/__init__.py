@@ -23,8 +23,14 @@ for _name, _module in (("none", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"), ("f
     STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY")
 
 
+_loaded = False  # the names below imported
+
+
 def __getattr__(name: str) -> Any:
     """The engines' names (they import torch), imported when first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import Sharded, ShardingInfo, ShardJob, Strategy
     from .common import cast_buffers, find_blocks
     from .ddp import apply_ddp
@@ -33,11 +39,13 @@ def __getattr__(name: str) -> Any:
     from .fsdp1 import apply_fsdp1, build_fsdp1_policy
     from .single import apply_single
 
-    public = {key: value for key, value in locals().items() if key in __all__}
-    if name not in public:
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals().update(public)
-    return public[name]
+    return globals()[name]
 
 
 def register_strategy(strategy: Strategy) -> Strategy:
