@@ -2,26 +2,16 @@
 
     model = fp8dist.wrap_model(model, strategy="fsdp")
     optimizer = torch.optim.AdamW(model.parameters())
+
+The public names load with their engines (torch, transformers) when first read, not by ``import fp8dist``: the
+``fp8dist`` command answers a bad flag or ``--help`` without importing torch (5-11 s on a loaded CPU).
 """
 
-from .pipeline.packages import __version__
-from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
-from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .checkpoint.hf import save_pretrained
-from .config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from .pipeline.env import DistEnv, init_distributed, shutdown
-from .pipeline.grads import clip_grad_norm_, no_sync
-from .plan.precision import PlanEntry, PrecisionPlan, plan_precision
-from .accounting import MemoryEstimate, PrecisionReport, estimate_memory, report
-from .train.metrics import MetricsWriter, TrainingFigures
-from .plan.numerics import NumericsReport, measure_fp8_numerics
-from .accounting.sharding import sharding_summary
-from .plan.speed import predict_fp8_speedup
-from .plan.speed.step_time import predict_step
-from .strategies import Strategy, register_strategy, unwrap_model
-from .fp8 import FP8Backend, register_backend
-from .memory_levels import MemoryLevel, register_level
+from __future__ import annotations
 
+from typing import Any
+
+from .pipeline.packages import __version__
 
 __all__ = [
     "wrap_model",
@@ -67,3 +57,40 @@ __all__ = [
     "__version__",
     "predict_step",
 ]
+
+
+_loaded = False  # the names below imported
+
+
+def __getattr__(name: str) -> Any:
+    """``fp8dist.NAME``: the public names (and the sub-packages they load), imported together on the first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
+    from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
+    from .checkpoint.hf import save_pretrained
+    from .config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
+    from .pipeline.env import DistEnv, init_distributed, shutdown
+    from .pipeline.grads import clip_grad_norm_, no_sync
+    from .plan.precision import PlanEntry, PrecisionPlan, plan_precision
+    from .accounting import MemoryEstimate, PrecisionReport, estimate_memory, report
+    from .train.metrics import MetricsWriter, TrainingFigures
+    from .plan.numerics import NumericsReport, measure_fp8_numerics
+    from .accounting.sharding import sharding_summary
+    from .plan.speed import predict_fp8_speedup
+    from .plan.speed.step_time import predict_step
+    from .strategies import Strategy, register_strategy, unwrap_model
+    from .fp8 import FP8Backend, register_backend
+    from .memory_levels import MemoryLevel, register_level
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

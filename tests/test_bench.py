@@ -351,7 +351,7 @@ def _llama_params(size: str) -> int:
     """Parameters of a preset from its widths: untied embedding and output over the byte vocabulary, the final norm,
     and per layer two norms, q/o (hidden^2), k/v (hidden x kv_heads x head_dim) and the gated MLP (3 matrices)."""
     from fp8dist.train.data import VOCAB_SIZE
-    from fp8dist.train.models import LLAMA_SIZES
+    from fp8dist.train.config import LLAMA_SIZES
 
     hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
     per_layer = 2 * hidden + 2 * hidden * hidden + 2 * hidden * kv * (hidden // heads) + 3 * hidden * inter
@@ -359,7 +359,7 @@ def _llama_params(size: str) -> int:
 
 
 def test_3b_preset_is_llama_3_2_3b_widths_over_the_byte_vocabulary():
-    from fp8dist.train.models import LLAMA_SIZES
+    from fp8dist.train.config import LLAMA_SIZES
 
     assert LLAMA_SIZES["3b"] == (3072, 8192, 28, 24, 8)  # Llama 3.2 3B's hidden, MLP, layers, heads, kv heads
     n = sum(p.numel() for p in _meta_llama("3b").parameters())

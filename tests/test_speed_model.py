@@ -18,7 +18,7 @@ import pytest
 import fp8dist
 from fp8dist.plan.gpus import GPUS, gpu_by_device_name, gpu_by_key
 from fp8dist.plan.hardware import TARGETS, Hardware, find_gpu, parse_target
-from fp8dist.train.models import LLAMA_SIZES
+from fp8dist.train.config import LLAMA_SIZES
 from fp8dist.fp8 import BACKENDS, get_backend
 from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_gemms,
                                 recipes_for)

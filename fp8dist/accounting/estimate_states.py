@@ -10,13 +10,12 @@ from typing import Any
 
 from ..config.dtypes import dtype_bytes
 from ..strategies.base import EngineMemory
+from .optimizers import OPTIMIZER_STATES
 from .tensors import CATEGORIES, ParamGroup, holds_words
 
-__all__ = ["CATEGORIES", "OPTIMIZER_STATES", "ParamInfo", "ElementBytes", "element_bytes",
-           "STEP_BYTES", "category_dtypes", "param_groups", "fp8_buffer_bytes"]
+__all__ = ["CATEGORIES", "ParamInfo", "ElementBytes", "element_bytes", "category_dtypes", "param_groups",
+           "fp8_buffer_bytes"]
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}  # states per parameter element
-STEP_BYTES = {"adamw": 4, "adam": 4}  # torch's Adam keeps an fp32 ``step`` per parameter (FusedAdam: per group)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ..fp8 import BACKENDS, NO_FP8, get_backend
 from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES, get_strategy
 from ..train.job import default_fp8, default_nproc
-from ..train.models import LLAMA_SIZES
+from ..train.config import LLAMA_SIZES
 from ..train.schedule import LR_SCHEDULES
 from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
 

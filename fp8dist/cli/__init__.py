@@ -1,6 +1,7 @@
 """The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)``. Flags
 are config dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never
-imports the CLI."""
+imports the CLI. Parsing a command's flags imports no engine (torch, transformers, ...): a bad flag and ``--help``
+answer at once, the engines load once the flags parse (but for ``bench``, whose defaults are the engines' facts)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..pipeline.env import LaunchError, detect_launch_env
 from . import bench, ds_config, env, estimate, launch, plan, probe, train
-from .common import one_line_warnings, quiet_cpu_noise
-from .errors import error_line, exit_code
 from .launch import LAUNCH_DIR
 
 __all__ = ["main", "LAUNCH_DIR"]
@@ -21,12 +19,21 @@ COMMANDS = {"train": train, "plan": plan, "probe": probe, "estimate": estimate, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``fp8dist`` command; returns the exit code."""
+    """Run the ``fp8dist`` command; returns the exit code. Only the command named has its flags built (``bench``'s
+    defaults ask the engines); the others are a line of ``fp8dist --help``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((word for word in argv if not word.startswith("-")), None)  # the top level takes no other word
     parser = argparse.ArgumentParser(prog="fp8dist", description="FP8 training on sharded data parallelism.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS.values():
-        module.add_parser(sub)
+    for name, module in COMMANDS.items():
+        if name == named:
+            module.add_parser(sub)
+        else:
+            sub.add_parser(name, help=module.HELP)
     args = parser.parse_args(argv)
+    from .common import one_line_warnings, quiet_cpu_noise
+    from .errors import error_line, exit_code
+
     quiet_cpu_noise()
     try:
         with one_line_warnings(args.command):
@@ -42,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _leads() -> bool:
     """Every rank of a launched job checks the same flags: rank 0 says the error."""
+    from ..pipeline.env import LaunchError, detect_launch_env
+
     try:
         return detect_launch_env().rank == 0
     except LaunchError:  # the launcher's environment is what is wrong: said by every process

@@ -13,20 +13,25 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..bench.cell import TextJob, variants_of
-from ..bench.runner import (BenchSettings, check_cells, check_text, device_type, plan_cells, resolve_settings,
-                            run_cells, variant_backends, variant_options)
 from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
 from ..config.text import plural
 from ..pipeline.files import check_output_path
 from ..train.config import TrainConfig
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+
+HELP = ("benchmark strategy x FP8 backend x model size: throughput, memory, communication, loss vs bf16, overhead "
+        "vs the raw engine")
+"""The command's line in ``fp8dist --help``."""
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmark strategy x FP8 backend x model size: throughput, memory, "
-                                     "communication, loss vs bf16, overhead vs the raw engine",
+    # the flags' defaults are the engines' facts (the strategies a device runs, the GPUs, each backend's variants)
+    from ..bench.cell import TextJob, variants_of
+    from ..bench.runner import variant_backends, variant_options
+
+    p = sub.add_parser("bench", help=HELP,
                        description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
                                    "steps in fresh processes; record throughput, peak memory, model-state bytes per "
                                    "parameter, bytes communicated per step by collective type, the loss curve "
@@ -55,6 +60,8 @@ def add_parser(sub: Any) -> None:
 def _settings_flags(p: argparse.ArgumentParser) -> None:
     """A flag per field of :class:`BenchSettings`, help from the field: a list is comma-separated, a boolean (on by
     default) is ``--no-NAME``, a device-dependent default is None until ``resolve_settings`` fills it."""
+    from ..bench.runner import BenchSettings
+
     docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
     for f in fields(BenchSettings):
         meta, name, hint, doc = f.metadata, f.metadata.get("flag", f.name), hints[f.name], docs[f.name].rstrip(".")
@@ -88,6 +95,7 @@ def _text(value: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
     from ..bench.results import cell_line, markdown_table, results_document, write_results
+    from ..bench.runner import check_cells, check_text, device_type, plan_cells, resolve_settings, run_cells
 
     device = device_type()
     settings = resolve_settings(args, device)

@@ -1,5 +1,6 @@
 """What several subcommands share: the model built on the meta device, the Config of the flags and ``--config`` file,
-and quieter logs and warnings."""
+and quieter logs and warnings. The engines (torch, transformers) are imported by the functions that use them, after
+the flags parse."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from ..train.config import LLAMA_SIZES
 
-from ..config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-from ..config.schema import flat_fields, route_keys
-from ..fp8 import BACKENDS, get_backend
-from ..strategies import STRATEGIES
-from ..train.job import default_fp8
-from ..train.models import LLAMA_SIZES, build_llama, causal_lm, pretrained_config, read_model_config
+if TYPE_CHECKING:
+    from ..config.resolve import Config
 
 __all__ = ["add_model_source", "meta_model", "config_from_args", "FP8_DEFAULT_HELP", "quiet_cpu_noise",
            "one_line_warnings"]
@@ -31,6 +28,10 @@ def config_from_args(args: argparse.Namespace,
                      extra: tuple[type, ...] = ()) -> tuple[Config, dict[type, dict[str, Any]]]:
     """The Config of the flags given over the ``--config FILE`` keys, with the commands' default ``fp8``, and the
     kwargs of each ``extra`` dataclass (``TrainConfig``) from the same file and flags, by class."""
+    from ..config.resolve import FP8Config, StrategyConfig, load_config_file, resolve_config
+    from ..config.schema import flat_fields, route_keys
+    from ..train.job import default_fp8
+
     own = {f.name for cls in extra for f in dataclasses.fields(cls)}
     flat = load_config_file(args.config) if args.config else {}
     keys = {f.name for section in (StrategyConfig, FP8Config) for _, f in flat_fields(section)}
@@ -54,6 +55,10 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
 def meta_model(args: argparse.Namespace):
     """The model on the meta device: ``--model-config``, else the config.json of ``--pretrained DIR``, else the
     built-in ``--model-size``."""
+    import torch
+
+    from ..train.models import build_llama, causal_lm, pretrained_config, read_model_config
+
     pretrained = getattr(args, "pretrained", None)
     with torch.device("meta"):
         if args.model_config is None and pretrained is None:
@@ -67,6 +72,11 @@ def meta_model(args: argparse.Namespace):
 def quiet_cpu_noise() -> None:
     """On a CPU-only torch, silence the FP8 libraries' and torch's notes about CUDA kernels and enums (true, and
     irrelevant to the user); a strategy's ``noisy_loggers`` show WARNING up."""
+    import torch
+
+    from ..fp8 import BACKENDS, get_backend
+    from ..strategies import STRATEGIES
+
     if not torch.cuda.is_available():
         libraries = [get_backend(backend).package for backend in BACKENDS]
         for name in ("torch.utils._pytree", *filter(None, libraries)):  # None would be the root logger

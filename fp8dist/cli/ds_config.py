@@ -10,15 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline.files import atomic_write_text, check_output_path
-from ..strategies.deepspeed import model_hidden_size, zero_config
-from ..train.models import LLAMA_SIZES
+from ..train.config import LLAMA_SIZES
 from .common import meta_model
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+
+HELP = "write a complete DeepSpeed ZeRO config (json for the deepspeed launcher)"
+"""The command's line in ``fp8dist --help``."""
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("ds-config", help="write a complete DeepSpeed ZeRO config (json for the deepspeed launcher)",
+    p = sub.add_parser("ds-config", help=HELP,
                        description="Build a DeepSpeed ZeRO-1/2/3 config with every value concrete (bucket sizes from "
                                    "the model's hidden size), checked by DeepSpeed's own parser.")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage (default: 2)")
@@ -45,6 +48,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..strategies.deepspeed import model_hidden_size, zero_config
+
     if args.output:
         check_output_path(args.output, name="-o/--output")
     hidden = args.hidden_size

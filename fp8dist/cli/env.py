@@ -6,15 +6,20 @@ import argparse
 from typing import Any
 
 from ..config.axis import engine_packages
-from ..pipeline.env import describe_environment
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+
+HELP = "versions, devices, installed FP8 backends and the launcher seen"
+"""The command's line in ``fp8dist --help``."""
 
 
 def add_parser(sub: Any) -> None:
-    sub.add_parser("env", help="versions, devices, installed FP8 backends and the launcher seen")
+    sub.add_parser("env", help=HELP)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..pipeline.env import describe_environment
+
     print(describe_environment(engine_packages()))
     return 0

@@ -8,30 +8,32 @@ import json
 import os
 from pathlib import Path
 
-from ..pipeline.env import LaunchError
 from ..pipeline.files import atomic_write_text
-from ..pipeline.guard import NonFiniteStepsError
-from ..plan.precision import FP8UnavailableError
-from ..train.checks import TrainingDiverged
 
-__all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "EXPLAINED", "exit_code", "error_line", "report_error",
-           "read_report"]
+__all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "explained", "exit_code", "error_line",
+           "report_error", "read_report"]
 
 USAGE_EXIT = 2  # bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors
 FAILED_EXIT = 1  # the run started as asked and failed (its loss diverged, or its gradients stayed non-finite)
 INTERRUPTED_EXIT = 130  # interrupted (Ctrl-C): 128 + SIGINT, as shells report it
 
-EXPLAINED: dict[type[BaseException], int] = {
-    ValueError: USAGE_EXIT, TypeError: USAGE_EXIT, NotImplementedError: USAGE_EXIT, OSError: USAGE_EXIT,
-    MemoryError: USAGE_EXIT, LaunchError: USAGE_EXIT, FP8UnavailableError: USAGE_EXIT,
-    TrainingDiverged: FAILED_EXIT, NonFiniteStepsError: FAILED_EXIT,
-}
-"""Errors whose message is the whole story, and the exit code of each (subclasses included)."""
+
+def explained() -> dict[type[BaseException], int]:
+    """Errors whose message is the whole story, and the exit code of each (subclasses included). Some are the
+    engines' (imported here, once a command runs: parsing its flags imports no engine)."""
+    from ..pipeline.env import LaunchError
+    from ..pipeline.guard import NonFiniteStepsError
+    from ..plan.precision import FP8UnavailableError
+    from ..train.checks import TrainingDiverged
+
+    return {ValueError: USAGE_EXIT, TypeError: USAGE_EXIT, NotImplementedError: USAGE_EXIT, OSError: USAGE_EXIT,
+            MemoryError: USAGE_EXIT, LaunchError: USAGE_EXIT, FP8UnavailableError: USAGE_EXIT,
+            TrainingDiverged: FAILED_EXIT, NonFiniteStepsError: FAILED_EXIT}
 
 
 def exit_code(err: BaseException) -> int | None:
     """The exit code of an error explained in one line; None for anything else (a bug: traceback)."""
-    return next((code for cls, code in EXPLAINED.items() if isinstance(err, cls)), None)
+    return next((code for cls, code in explained().items() if isinstance(err, cls)), None)
 
 
 def error_line(command: str, message: str) -> str:

@@ -1,4 +1,5 @@
-"""``fp8dist estimate``: per-rank memory of a model built on the meta device, before anything is allocated."""
+"""``fp8dist estimate``: per-rank memory of a model built on the meta device, before anything is allocated. The engines
+are imported once the flags parse."""
 
 from __future__ import annotations
 
@@ -11,24 +12,25 @@ from typing import Any
 
 from ..config.schema import add_arguments
 from ..config.rules import facts_of
-from ..config.dtypes import DTYPES
+from ..config.dtypes import DTYPE_NAMES
 from ..config.resolve import FP8Config, StrategyConfig, torch_dtype
-from ..plan.hardware import parse_target
 from ..config.options import DEFAULT_SEQ_LEN
-from ..accounting.estimate import check_counts, estimate_memory
-from ..accounting.estimate_states import OPTIMIZER_STATES
+from ..accounting.optimizers import OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 from .plan import fastest_line, predicted_steps, step_text, steps_json
 from ..train.config import TrainConfig
-from ..train.lora import apply_lora
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
 
 _MODEL_DTYPE = "fp32"  # weights built in fp32, which FSDP/DDP keep as the master
 
 
+HELP = "predict per-rank memory (model states, activations) before allocating"
+"""The command's line in ``fp8dist --help``."""
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("estimate", help="predict per-rank memory (model states, activations) before allocating",
+    p = sub.add_parser("estimate", help=HELP,
                        description="Build the model on the meta device (nothing allocated) and predict the bytes "
                                    "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
                                    "one rank, and the activations of one micro-batch.")
@@ -40,7 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw",
                    help="adamw/adam: 2 states per parameter, sgd_momentum: 1, sgd: none (default: adamw)")
     p.add_argument("--rank", type=int, metavar="R", help="describe this rank (default: the one with the most)")
-    p.add_argument("--model-dtype", choices=list(DTYPES), default=_MODEL_DTYPE,
+    p.add_argument("--model-dtype", choices=list(DTYPE_NAMES), default=_MODEL_DTYPE,
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
                         "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
@@ -55,6 +57,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..accounting.estimate import check_counts, estimate_memory
+    from ..plan.hardware import parse_target
+
     config, _ = config_from_args(args)
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN
     check_counts(args.world_size, config.parallel.micro_batch_size, seq_len, config)
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_lora(model: Any, args: argparse.Namespace) -> Any:
     """``model`` as ``fp8dist train`` trains it under the LoRA flags given (PEFT adapters over its frozen base)."""
+    from ..train.lora import apply_lora
+
     given = {name: getattr(args, name) for name in vars(args) if name.startswith("lora_")}
     train = TrainConfig(**given)  # the job's checks: ranges, and no LoRA option without --lora-rank
     return apply_lora(model, train) if train.lora_rank else model

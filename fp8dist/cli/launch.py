@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAUNCH_DIR", "add_parser", "run"]
+__all__ = ["LAUNCH_DIR", "HELP", "add_parser", "run"]
 
 LAUNCH_DIR = Path(__file__).resolve().parent.parent / "launch"
 """The launch scripts, shipped inside the package (the repository's launch/ links here)."""
@@ -18,9 +18,13 @@ _SCRIPTS = {path.stem: path.name for path in sorted(LAUNCH_DIR.glob("[!_]*.sh"))
 """Each launcher's script by its name (``_common.sh`` is their shared part)."""
 
 
+HELP = "run the launch scripts that ship with fp8dist (torchrun, deepspeed, SLURM sbatch)"
+"""The command's line in ``fp8dist --help``."""
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "launch", help="run the launch scripts that ship with fp8dist (torchrun, deepspeed, SLURM sbatch)",
+        "launch", help=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The scripts of the repository's launch/ folder, installed with the package:\n"
                     "  fp8dist launch torchrun [--dry-run] [fp8dist train flags | script.py ARGS | -m module ARGS]\n"

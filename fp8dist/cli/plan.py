@@ -8,25 +8,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..accounting.rows import text_table
 from ..config.options import DEFAULT_SEQ_LEN
 from ..config.resolve import FP8Config, StrategyConfig
 from ..config.schema import add_arguments
 from ..config.text import plural
-from ..pipeline.env import resolve_device
-from ..plan.hardware import parse_target
-from ..plan.precision import plan_precision
-from ..plan.speed import Gemm, compare_recipes
-from ..plan.speed.step_time import fastest, predict_step
 from ..strategies import get_strategy
-from ..strategies.common import find_blocks
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+
+HELP = "print the per-layer FP8 precision plan without training"
+"""The command's line in ``fp8dist --help``."""
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="print the per-layer FP8 precision plan without training",
+    p = sub.add_parser("plan", help=HELP,
                        description="Build the model on the meta device (nothing allocated) and print which layers "
                                    "run in FP8 and why the others fall back.")
     add_model_source(p)
@@ -54,6 +51,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..pipeline.env import resolve_device
+    from ..plan.hardware import parse_target
+    from ..plan.precision import plan_precision
+    from ..strategies.common import find_blocks
+
     config, _ = config_from_args(args)
     for note in config.unused_options():
         print(f"fp8dist plan: note: {note}", file=sys.stderr)
@@ -91,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
     """Per recipe the plan's GPU runs, the predicted step (:func:`~fp8dist.plan.speed.step_time.predict_step`) with
     every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step."""
+    from ..plan.speed.step_time import predict_step
+
     p, backend = config.parallel, config.precision.fp8
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
@@ -103,6 +107,8 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) ->
 
 def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, ...]]:
     """The plan's Linear GEMMs (MoE experts left out) and their prediction under each recipe the plan's GPU runs."""
+    from ..plan.speed import Gemm, compare_recipes
+
     step = selection.step
     gemms = [Gemm(c.name, c.prediction.m, c.prediction.k, c.prediction.n) for c in step.layers
              if c.prediction.groups == 1]
@@ -112,6 +118,8 @@ def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, .
 
 def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
     """The fastest predicted step and its conversion; None: bf16."""
+    from ..plan.speed.step_time import fastest
+
     best = fastest(tuple(step for pair in steps for step in pair))
     if best is None:
         return None
@@ -133,6 +141,8 @@ def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
 
 def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
     """Each recipe's predicted step, both conversions, as a table."""
+    from ..accounting.rows import text_table
+
     first = steps[0][0]
     rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", "-", "-", f"{first.bf16_mfu:.1%}",
              f"{first.bf16.exposed_s * 1e3:,.2f}", "-"]]
@@ -175,6 +185,8 @@ def _read_report(path: str) -> dict[str, Any]:
 def compare_text(plan: Any) -> str:
     """The predicted GEMM time per micro-batch of the plan's eligible Linears under bf16 and each recipe, as a table;
     ValueError where nothing was predicted (no GPU planned for, a backend without a speed model)."""
+    from ..accounting.rows import text_table
+
     selection = plan.selection
     if selection is None or selection.step is None:
         why = selection.unpredicted if selection is not None else "no FP8 backend runs in this plan"

@@ -1,4 +1,5 @@
-"""``fp8dist probe``: each planned FP8 layer's numerics on the built-in corpus or ``--data`` text, as a table."""
+"""``fp8dist probe``: each planned FP8 layer's numerics on the built-in corpus or ``--data`` text, as a table. The
+engines are imported once the flags parse."""
 
 from __future__ import annotations
 
@@ -8,19 +9,14 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from ..config.resolve import FP8Config, StrategyConfig
 from ..config.schema import add_arguments, normalize_fields
 from ..pipeline.files import atomic_write_text, check_output_path
-from ..plan.numerics import Thresholds, measure_fp8_numerics
+from ..plan.numerics.thresholds import Thresholds
 from ..train.config import TrainConfig
-from ..train.data import Batches, TextBatches, check_fits_corpus
-from ..train.data.job import load_job_corpus
-from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
-__all__ = ["add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
+__all__ = ["HELP", "add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
 DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")  # fp8dist train's options for reading the same text
 
@@ -42,8 +38,12 @@ class ProbeConfig:
         normalize_fields(self)
 
 
+HELP = "measure each FP8 layer's numerics and name the layers to keep out of FP8"
+"""The command's line in ``fp8dist --help``."""
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("probe", help="measure each FP8 layer's numerics and name the layers to keep out of FP8",
+    p = sub.add_parser("probe", help=HELP,
                        description="Run the model in high precision on the built-in corpus (or on --data, as fp8dist "
                                    "train reads it) and, for every layer the "
                                    "plan runs in FP8, cast its input, weight and output gradient as the recipe does: "
@@ -65,6 +65,8 @@ def add_parser(sub: Any) -> None:
 def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
     """The first batches ``fp8dist train`` reads under ``seed`` (one rank): of the built-in corpus, or of ``corpus``
     (a :class:`fp8dist.train.data.TokenCorpus`), whose windows of ``seq_len + 1`` tokens are read as the job does."""
+    from ..train.data import Batches, TextBatches
+
     if corpus is None:
         grammar = Batches(batch_size=probe.batch_size, seq_len=probe.seq_len, seed=probe.seed)
         return [grammar[step] for step in range(probe.batches)]
@@ -76,6 +78,11 @@ def probe_batches(probe: ProbeConfig, corpus: Any = None) -> list:
 def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corpus: Any) -> Any:
     """The model on the meta device, with the tokenizer's vocabulary under --data (as ``fp8dist train``); it must
     hold the corpus's ids and ``seq_len`` positions."""
+    import torch
+
+    from ..train.data import check_fits_corpus
+    from ..train.models import job_model_config
+
     if corpus is None:
         model = meta_model(args)
         source = args.model_config or getattr(args, "pretrained", None)
@@ -94,6 +101,11 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..plan.numerics import measure_fp8_numerics
+    from ..train.data.job import load_job_corpus
+
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))
     if args.json is not None:  # before the data is tokenized and the model measured
         check_output_path(args.json, name="--json")

@@ -1,4 +1,5 @@
-"""``fp8dist train``: the reference job, in this process or in ``--nproc`` processes it starts."""
+"""``fp8dist train``: the reference job, in this process or in ``--nproc`` processes it starts. The engines are
+imported once the flags parse (a bad flag answers without importing torch)."""
 
 from __future__ import annotations
 
@@ -17,31 +18,24 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from ..checkpoint.layout import job_root, latest_checkpoint
 from ..config.resolve import Config, FP8Config, StrategyConfig
 from ..config.rules import check
 from ..config.schema import add_arguments
 from ..fp8 import get_backend
-from ..pipeline.env import detect_launch_env, rank_imports, resolve_device, shutdown
 from ..pipeline.env_vars import read
-from ..plan.precision import check_fp8_available
 from ..strategies import get_strategy
-from ..train.checks import check_checkpoint_dir, check_positions
 from ..train.config import TrainConfig
-from ..train.data import check_batch_split
-from ..train.data.job import JobBatches, load_job_corpus
-from ..train.job import default_nproc, run_training, save_due
-from ..train.log import check_outputs
-from ..train.models import job_model_config
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
 from .errors import FAILED_EXIT, INTERRUPTED_EXIT, error_line, exit_code, read_report, report_error
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "train a small Llama on the built-in corpus, or fine-tune a model on your text files (the reference job)"
+"""The command's line in ``fp8dist --help``."""
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a small Llama on the built-in corpus, or fine-tune a model on your text "
-                                     "files (the reference job)",
+    p = sub.add_parser("train", help=HELP,
                        description="Train a small Llama (built from a config, no download) on a deterministic "
                                    "built-in corpus, or any causal LM (--model-config, --pretrained) on text files "
                                    "(--data, --tokenizer): step lines with loss, grad norm, lr, tokens/s, MFU, peak "
@@ -82,6 +76,9 @@ def _interrupted(train: TrainConfig, step: int | None) -> int:
     """Say where an interrupted job stood, once: the last step done (its line printed) and the last checkpoint
     complete, and when the interrupt came during that step's save (whose partial folder the save removes); returns
     the exit code."""
+    from ..checkpoint.layout import job_root, latest_checkpoint
+    from ..train.job import save_due
+
     saved_at = None
     if train.checkpoint_dir is None:
         saved = "no checkpoint (no --checkpoint-dir)"
@@ -101,6 +98,9 @@ def _interrupted(train: TrainConfig, step: int | None) -> int:
 
 
 def _train_this_rank(config: Config, train: TrainConfig, progress: _Progress) -> None:
+    from ..pipeline.env import shutdown
+    from ..train.job import run_training
+
     run_training(config, train, progress=progress)
     shutdown()
 
@@ -151,6 +151,15 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..pipeline.env import detect_launch_env, resolve_device
+    from ..plan.precision import check_fp8_available
+    from ..train.checks import check_checkpoint_dir, check_positions
+    from ..train.data import check_batch_split
+    from ..train.data.job import JobBatches, load_job_corpus
+    from ..train.job import default_nproc
+    from ..train.log import check_outputs
+    from ..train.models import job_model_config
+
     config, train = _config_and_job(args)
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
@@ -164,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             check_positions(model_config, name, config, train, launch.world_size)
         _run_launched(config, train, launch.rank)
     if train.checkpoint_dir is not None:  # the job's rank 0 locks it; a job holding it is said before any work
+        from ..checkpoint.layout import job_root
         from ..checkpoint.lock import check_unlocked
 
         check_unlocked(job_root(train.checkpoint_dir))
@@ -203,6 +213,8 @@ def _spawn(nproc: int, config: Config, train: TrainConfig, model_module: str) ->
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..pipeline.env import rank_imports
 
     backend = get_backend(config.precision.fp8)
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)

@@ -76,11 +76,20 @@ ALWAYS = When()  # read whenever its axis is chosen
 
 class Registry(Mapping[str, Any]):
     """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list every tool reads and
-    a new value registers in. A built-in may be registered as its module, imported when first asked for."""
+    a new value registers in. A built-in may be registered as its module, imported when first asked for: its name
+    (the option's choices) is known before its engine is imported."""
 
-    def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = ()) -> None:
-        self.option, self.kind, self.reserved = option, kind, reserved
-        self._values: dict[str, Any] = {}
+    def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = (), home: str | None = None) -> None:
+        """``home``: the package that registers the built-ins, imported when the registry is first read (it imports no
+        engine), so that whoever reads it sees them."""
+        self.option, self.kind, self.reserved, self.home = option, kind, reserved, home
+        self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
+        self._known: dict[str, dict[str, Any]] = {}
+
+    def _with_builtins(self) -> dict[str, Any]:
+        if self.home is not None:
+            importlib.import_module(self.home)  # registers them once (then a look-up in sys.modules)
+        return self._values
 
     def register(self, value: Any, base: type) -> Any:
         """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
@@ -96,36 +105,50 @@ class Registry(Mapping[str, Any]):
             reserved = f", not {' or '.join(map(repr, self.reserved))}" if self.reserved else ""
             raise ValueError(f"register: {type(value).__qualname__}.name={name!r}: a {self.kind} needs a name, the "
                              f"value {self.option}= takes (a non-empty word without spaces around it{reserved}).")
-        if name in self._values and self._values[name] is not value:
+        if name in self._with_builtins() and self._values[name] is not value:
             raise ValueError(f"register: {self.option}={name!r} is already a {self.kind} "
                              f"({type(self[name]).__qualname__}); give {type(value).__qualname__} another name.")
         self._values[name] = value
         return value
 
-    def register_module(self, name: str, module: str) -> None:
-        """A built-in value: ``module``'s ``BACKEND``, imported when ``name`` is first asked for."""
-        self._values.setdefault(name, module)
+    def register_module(self, name: str, module: str, attribute: str = "BACKEND", **known: Any) -> None:
+        """A built-in value: ``module``'s ``attribute``, imported when ``name`` is first asked for. ``known``: its
+        attributes :meth:`attribute` answers without importing it (a backend's ``Config``), checked on import."""
+        if name not in self._values:
+            self._values[name] = (module, attribute)
+            self._known[name] = known
 
     def __getitem__(self, name: str) -> Any:
-        value = self._values[name]
-        if isinstance(value, str):
-            value = self._values[name] = importlib.import_module(value).BACKEND
+        value = self._with_builtins()[name]
+        if isinstance(value, tuple):
+            module, attribute = value
+            value = getattr(importlib.import_module(module), attribute)
+            wrong = [key for key, known in self._known.pop(name, {}).items() if getattr(value, key, None) is not known]
+            if value.name != name or wrong:
+                raise TypeError(f"{module}.{attribute}: registered as {self.option}={name!r} with "
+                                f"{', '.join(wrong) or 'its name'} other than its own; register it with its own.")
+            self._values[name] = value
         return value
 
+    def attribute(self, name: str, key: str) -> Any:
+        """``self[name].<key>``; a built-in not imported yet answers what it registered, without being imported."""
+        known = self._known.get(name, {}) if name in self._with_builtins() else {}
+        return known[key] if key in known else getattr(self[name], key)
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
+        return iter(self._with_builtins())
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._with_builtins())
 
     def names(self) -> tuple[str, ...]:
         """In registration order (the built-ins first)."""
-        return tuple(self._values)
+        return tuple(self._with_builtins())
 
 
-STRATEGIES = Registry("strategy", "sharding strategy")  # built-ins: fp8dist.strategies
-BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",))  # built-ins: fp8dist.fp8
-LEVELS = Registry("memory", "memory level")  # built-ins: fp8dist.memory_levels
+STRATEGIES = Registry("strategy", "sharding strategy", home="fp8dist.strategies")
+BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",), home="fp8dist.fp8")
+LEVELS = Registry("memory", "memory level", home="fp8dist.memory_levels")
 
 
 def engine_packages() -> tuple[str, ...]:

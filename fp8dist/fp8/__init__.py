@@ -1,30 +1,61 @@
 """FP8 backends, one module each, each an :class:`FP8Backend` subclass. ``wrap_model`` calls the hooks in one order:
 rules, unavailable_reason, the plan's hooks, check_plan, convert, engine_hooks, (the strategy shards), after_shard.
-A backend knows no sharding engine (it reads ``plan.facts``) and imports its library only inside methods."""
+A backend knows no sharding engine (it reads ``plan.facts``) and imports its library only inside methods. Importing
+this package imports no engine: the built-ins' names and knobs (``Config``) are known before torch is imported."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..config.axis import BACKENDS
-from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
-                   linear_reason)
+from .msamp_config import MSAMPConfig
+from .te_config import TEConfig
+from .torchao_config import TorchaoConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .base import FP8Backend
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "register_backend", "BACKENDS",
            "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
 
-for _name in ("te", "torchao", "msamp"):  # each module's BACKEND, imported when first chosen
-    BACKENDS.register_module(_name, f"{__name__}.{_name}")
+for _name, _knobs in (("te", TEConfig), ("torchao", TorchaoConfig), ("msamp", MSAMPConfig)):
+    BACKENDS.register_module(_name, f"{__name__}.{_name}", "BACKEND", Config=_knobs)  # imported when first chosen
+
+
+_loaded = False  # the names below imported
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :mod:`.base` (it imports torch), imported when first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
+                       linear_reason)
+
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return globals()[name]
 
 
 def register_backend(backend: FP8Backend) -> FP8Backend:
     """Make ``backend`` (an instance of an :class:`FP8Backend` subclass) what ``fp8=<its name>`` selects
     everywhere (``wrap_model``, config files, the CLI, the plan, the estimate, the bench); returns it."""
+    from .base import FP8Backend
+
     return BACKENDS.register(backend, FP8Backend)
 
 
 def get_backend(name: str | None) -> FP8Backend:
     """The backend ``fp8=name`` selects (names are validated by the config); None or "none": :data:`NO_FP8`."""
+    from .base import NO_FP8
+
     return NO_FP8 if name in (None, NO_FP8.name) else BACKENDS[name]
 
 
@@ -41,5 +72,3 @@ def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
             if library in packages:
                 return f"{fqn}.{pname}" if fqn else pname, packages[library], type(param).__name__
     return None
-
-

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,12 +15,7 @@ from ..config.axis import Rule, StrategyFacts
 from ..plan.hardware import Hardware
 from ..pipeline.optim import build_optimizer
 from .base import EngineHooks, FP8Backend
-
-
-@dataclass(kw_only=True, frozen=True)
-class MSAMPConfig:
-    opt_level: Literal["O1", "O2", "O3"] = "O2"
-    """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""
+from .msamp_config import MSAMPConfig
 
 
 _RULES = (

@@ -1,5 +1,6 @@
 """torchao's knobs (:class:`TorchaoConfig`, the torchao backend's ``Config``) and what they resolve to: the API dense
-Linears convert by, whether FP8 all-gather runs, the ``Float8LinearConfig`` of a recipe, the recipes that mix."""
+Linears convert by, whether FP8 all-gather runs, the ``Float8LinearConfig`` of a recipe, the recipes that mix. The
+knobs are known without importing torch (the CLI's flags): the engine is imported by the functions that need it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..config.axis import StrategyFacts, When
-from .moe import torchao_installed
-from .mx_linear import is_mx
 
 __all__ = ["TorchaoConfig", "torchao_api", "fp8_all_gather", "gathers_fp8", "float8_config", "MIXED"]
 
@@ -44,6 +43,9 @@ class TorchaoConfig:
 def torchao_api(cfg) -> str:
     """The torchao API dense Linears convert by: as configured; "auto": the weight wrapper for MXFP8, else the module
     swap while the installed torchao has it (every measured path rests on it), else the weight wrapper."""
+    from .moe import torchao_installed
+    from .mx_linear import is_mx
+
     api = cfg.precision.torchao_api
     if api != "auto":
         return api
@@ -77,6 +79,8 @@ def float8_config(cfg, facts: StrategyFacts) -> Any:
     """The ``Float8LinearConfig`` of ``cfg``'s recipe (a layer's own: ``layer_config``), FP8 all-gather on where it
     applies; None for a recipe it does not configure."""
     from torchao.float8 import Float8LinearConfig
+
+    from .mx_linear import is_mx
 
     recipe = cfg.precision.torchao_recipe
     if is_mx(recipe) or recipe in ("nvfp4", "auto"):  # MX wrapped, NVFP4 its own, auto: per layer

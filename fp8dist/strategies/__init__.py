@@ -1,34 +1,59 @@
 """Sharding strategies, one module each implementing :class:`~fp8dist.strategies.base.Strategy`. Their ``apply_*``
-functions take explicit dtypes and devices, not the whole config, so they can be used on their own."""
+functions take explicit dtypes and devices, not the whole config, so they can be used on their own. Importing this
+package imports no engine: the built-ins' names are known before torch is imported."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..config.axis import STRATEGIES
-from .base import Sharded, ShardingInfo, ShardJob, Strategy
-from .common import cast_buffers, find_blocks
-from .ddp import STRATEGY as _DDP, apply_ddp
-from .deepspeed import STRATEGY as _DEEPSPEED, build_deepspeed_config, is_deepspeed_engine, zero_config
-from .fsdp import STRATEGY as _FSDP2, apply_fsdp, build_fsdp_policy, fsdp_mesh
-from .fsdp1 import STRATEGY as _FSDP1, apply_fsdp1, build_fsdp1_policy
-from .introspect import engine_of
-from .single import STRATEGY as _SINGLE, apply_single
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .base import Strategy
 
 __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo",
            "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config",
            "build_deepspeed_config", "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single",
            "fsdp_mesh", "cast_buffers"]
 
+for _name, _module in (("none", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"), ("fsdp1", "fsdp1"),
+                       ("deepspeed", "deepspeed")):  # the order choices are listed in; each imported when first chosen
+    STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY")
+
+
+_loaded = False  # the names below imported
+
+
+def __getattr__(name: str) -> Any:
+    """The engines' names (they import torch), imported when first read."""
+    global _loaded
+    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .base import Sharded, ShardingInfo, ShardJob, Strategy
+    from .common import cast_buffers, find_blocks
+    from .ddp import apply_ddp
+    from .deepspeed import build_deepspeed_config, is_deepspeed_engine, zero_config
+    from .fsdp import apply_fsdp, build_fsdp_policy, fsdp_mesh
+    from .fsdp1 import apply_fsdp1, build_fsdp1_policy
+    from .single import apply_single
+
+    _loaded = True
+    for key, value in locals().items():
+        if key in __all__:
+            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
+    if name not in globals():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return globals()[name]
+
 
 def register_strategy(strategy: Strategy) -> Strategy:
     """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in
     ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    from .base import Strategy
+
     return STRATEGIES.register(strategy, Strategy)
-
-
-for _builtin in (_SINGLE, _DDP, _FSDP2, _FSDP1, _DEEPSPEED):  # the order choices are listed in
-    register_strategy(_builtin)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -39,7 +64,8 @@ def get_strategy(name: str) -> Strategy:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside what :func:`fp8dist.wrap_model` returned: the ``.module`` of DDP, FSDP1 and the
     DeepSpeed engine; the model itself under FSDP2 (sharded in place) and strategy "none"."""
+    from .introspect import engine_of
+
     if engine_of(model) in ("ddp", "fsdp1", "deepspeed"):  # the wrappers (fully_shard shards in place)
         return model.module
     return model
-

@@ -7,10 +7,22 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ..config.schema import cli_flag, normalize_fields
-from .data.sources import DEFAULT_TEXT_FIELD
-from .models import ModelSize
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "LLAMA_SIZES", "ModelSize", "DEFAULT_TEXT_FIELD"]
+
+ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
+
+# name: (hidden, intermediate, layers, heads, kv_heads)
+LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (128, 384, 2, 4, 2),
+    "small": (256, 768, 4, 8, 4),
+    "medium": (512, 1536, 8, 8, 4),
+    "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
+    "3b": (3072, 8192, 28, 24, 8),  # 2.82B (Llama 3.2 3B's widths, byte vocab): one 80 GB GPU with full AC
+}
+"""The Llama presets of ``model_size`` (built by :func:`fp8dist.train.models.build_llama`)."""
+
+DEFAULT_TEXT_FIELD = "text"  # the JSON field of a document's text when none is named
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -11,27 +11,16 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..config.files import no_duplicate_keys
+from .config import LLAMA_SIZES
 from .data import VOCAB_SIZE, check_fits_corpus, check_vocab_fits
 
-__all__ = ["LLAMA_SIZES", "JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
+__all__ = ["JOB_POSITIONS", "llama_config", "build_llama", "read_model_config", "pretrained_config",
            "causal_lm", "job_model_config", "build_job_model"]
-
-ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
-
-# name: (hidden, intermediate, layers, heads, kv_heads)
-LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny": (128, 384, 2, 4, 2),
-    "small": (256, 768, 4, 8, 4),
-    "medium": (512, 1536, 8, 8, 4),
-    "1b": (2048, 5632, 24, 16, 4),  # 1.08B parameters (TinyLlama's widths): fp8dist bench's GPU preset
-    "3b": (3072, 8192, 28, 24, 8),  # 2.82B (Llama 3.2 3B's widths, byte vocab): one 80 GB GPU with full AC
-}
-
 
 JOB_POSITIONS = 8192
 """Positions of the presets in ``fp8dist train`` (Llama 3's pretraining context): rotary positions take any length,

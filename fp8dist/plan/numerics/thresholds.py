@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config.schema import normalize_fields, route_keys
-from .stats import LayerNumerics
+
+if TYPE_CHECKING:
+    from .stats import LayerNumerics
 
 __all__ = ["Thresholds", "DEFAULT_THRESHOLDS", "as_thresholds"]
 

@@ -4,7 +4,8 @@ datasheets; ``benchmarks/speed_model/README.md`` gives the model, its sources an
 
 from .model import LinearPrediction, predict_fp8_speedup, predict_linear, resolve_gpu
 from .recipes import RECIPES, Recipe
-from .step import DEFAULT_MARGIN, Gemm, LayerChoice, StepPrediction, compare_recipes, predict_gemms, recipes_for
+from ...config.options import DEFAULT_MARGIN
+from .step import Gemm, LayerChoice, StepPrediction, compare_recipes, predict_gemms, recipes_for
 
 __all__ = ["predict_fp8_speedup", "predict_linear", "LinearPrediction", "predict_gemms", "compare_recipes",
            "recipes_for", "StepPrediction", "LayerChoice", "Gemm", "DEFAULT_MARGIN", "RECIPES", "Recipe", "resolve_gpu"]

@@ -6,18 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ...config.options import DEFAULT_MARGIN
 from ...fp8.torchao import TorchaoBackend
 from ..gpus import GpuSpec
 from ..hardware import Hardware
 from .model import LinearPrediction, predict_linear, resolve_gpu
 from .recipes import RECIPES
 
-__all__ = ["DEFAULT_MARGIN", "Gemm", "LayerChoice", "StepPrediction", "predict_gemms", "compare_recipes",
-           "recipes_for", "check_modelled"]
-
-DEFAULT_MARGIN = 1.0
-"""Convert where the predicted speedup is at least this. 1.0: on the published H100 table the model errs low near
-1 (it misses gains of 1-8%, it converts nothing measured slower), so a higher margin only drops real gains."""
+__all__ = ["Gemm", "LayerChoice", "StepPrediction", "predict_gemms", "compare_recipes", "recipes_for",
+           "check_modelled"]
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import numpy as np
 
 from ...config.text import plural
 from ...pipeline.files import atomic_write, atomic_write_text
-from .sources import (DEFAULT_TEXT_FIELD, FileIdentity, check_source, file_identity, file_kind, file_sha256,
-                      read_pieces)
+from ..config import DEFAULT_TEXT_FIELD
+from .sources import FileIdentity, check_source, file_identity, file_kind, file_sha256, read_pieces
 
 __all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "check_cache_dir", "cache_directory", "CACHE_FORMAT"]
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from ...config.text import plural
 from .cache import TokenFile, tokenize_file
-from .sources import DEFAULT_TEXT_FIELD, check_source, unread_text_field
+from ..config import DEFAULT_TEXT_FIELD
+from .sources import check_source, unread_text_field
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["TokenCorpus", "load_text_corpus"]

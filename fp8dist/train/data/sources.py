@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 from ...config.text import listing
+from ..config import DEFAULT_TEXT_FIELD
 
 __all__ = ["FileIdentity", "file_kind", "check_source", "unread_text_field", "file_identity", "file_sha256",
-           "read_pieces", "DEFAULT_TEXT_FIELD", "JSON_SUFFIXES", "PIECE_BYTES"]
+           "read_pieces", "JSON_SUFFIXES", "PIECE_BYTES"]
 
-DEFAULT_TEXT_FIELD = "text"  # the JSON field of a document's text when none is named
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")  # read as JSON lines; any other file as plain text
 PIECE_BYTES = 1 << 18
 """Plain text is tokenized in pieces of about this many bytes, cut before a line that starts with a non-space:
