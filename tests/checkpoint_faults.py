@@ -24,7 +24,7 @@ import time
 import torch.distributed as dist
 
 import fp8dist.checkpoint.save_load as save_load
-import fp8dist.cli.train as cli_train
+import fp8dist.pipeline.env as launch_env
 import fp8dist.train.data.job as job_data
 import fp8dist.train.job as train
 from fp8dist.cli import main
@@ -120,8 +120,8 @@ def _into_spawned_ranks(faults: list[tuple[str, str]]) -> None:
     os.environ[ENV] = " ".join(f"{fault} {value}" for fault, value in faults)
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    rank_imports = cli_train.rank_imports
-    cli_train.rank_imports = lambda *args: [*rank_imports(*args), "checkpoint_faults"]
+    rank_imports = launch_env.rank_imports  # fp8dist train reads it from pipeline.env when it spawns
+    launch_env.rank_imports = lambda *args: [*rank_imports(*args), "checkpoint_faults"]
 
 
 if __name__ == "__main__":

@@ -119,8 +119,10 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_for_converted_weights(fsdp_
     assert converted_fp8 == gathers * n_fp8  # exactly 1 byte per element per gather
     # blocks holding FP8 weights travel as bytes (FSDP2 packs mixed dtypes as uint8), the root group in bf16
     assert fp8["comm"]["all_gather"]["dtypes"] == ["bfloat16", "uint8"]
-    guard = 4 * len(list(tiny.parameters()))  # the non-finite step guard: a MAX all-reduce of one fp32 flag per
-    assert bf16["comm"]["all_reduce"]["bytes"] == guard  # parameter each step, with FP8 or without
+    # the non-finite step guard: a MAX all-reduce of one fp32 flag per parameter and one for the gradient norm, each
+    # step, with FP8 or without
+    guard = 4 * (len(list(tiny.parameters())) + 1)
+    assert bf16["comm"]["all_reduce"]["bytes"] == guard
     scales = fp8["comm"]["all_reduce"]["bytes"] - guard
     assert scales == 4 * layers
     ratio = (converted_fp8 + scales) / converted_bf16
