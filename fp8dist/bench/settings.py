@@ -1,6 +1,6 @@
-"""``fp8dist bench``'s settings, known before any engine is imported (a bad flag and ``--help`` answer without
-torch): :class:`BenchSettings`, a flag per field; the defaults per device type; the strategies each device runs and
-each backend's variant options, from what the registries know of a value (a built-in's registered facts, a
+"""``fp8dist bench``'s settings, known before any engine is imported (a bad flag, a bad value and ``--help`` answer
+without torch): :class:`BenchSettings`, a flag per field; the defaults per device type; the strategies each device
+runs and each backend's variant options, from what the registries know of a value (a built-in's registered facts, a
 registered object's attributes); a variant's values from the config's options."""
 
 from __future__ import annotations

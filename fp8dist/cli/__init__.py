@@ -1,8 +1,8 @@
-"""The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)``. Flags
-are config dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never
-imports the CLI. Parsing a command's flags imports no engine (torch, transformers, ...): a bad flag and ``--help``
-answer at once, the engines load once the flags parse (and ``check(args)``, where a command has one, accepts their
-values)."""
+"""The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)`` (and
+``check_flags(args)`` where some values are checked outside argparse, still without an engine). Flags are config
+dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never imports the
+CLI. Parsing a command's flags imports no engine (torch, transformers, ...): a bad flag, a bad value and ``--help``
+answer at once, the engines load once the flags parse."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import USAGE_EXIT, error_line, exit_code
 
     try:  # a command's checks of its values that need no engine (bench's lists) answer before any engine loads
-        getattr(COMMANDS[args.command], "check", lambda args: None)(args)
+        getattr(COMMANDS[args.command], "check_flags", lambda args: None)(args)
     except ValueError as err:
         print(error_line(args.command, str(err)), file=sys.stderr)
         return USAGE_EXIT

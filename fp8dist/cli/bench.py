@@ -18,7 +18,7 @@ from ..config.text import plural
 from ..pipeline.files import check_output_path
 from ..train.config import TrainConfig
 
-__all__ = ["HELP", "add_parser", "check", "run"]
+__all__ = ["HELP", "add_parser", "check_flags", "run"]
 
 
 HELP = ("benchmark strategy x FP8 backend x model size: throughput, memory, communication, loss vs bf16, overhead "
@@ -96,7 +96,7 @@ def _text(value: Any) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def check(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     """The flags' values that need no engine to check (each list item against its choices, the least values);
     ValueError names the flag, the value and the choices. ``fp8dist``'s main calls it before any engine loads."""
     from ..bench.settings import read_flags
