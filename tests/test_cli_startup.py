@@ -7,8 +7,9 @@ Measured on the 2-core development machine shared by 7 engineers (2026-12-01), `
 ``-X importtime``: 18.3 s of imports), 2.7-2.9 s before at load 2; after, 0.44-0.79 s at load 7-8 and 0.12-0.14 s at
 load 2 (193 modules, 0.43 s of imports under load). In a warm process (torch imported, as the in-process CLI tests
 run) ``main(["train", "--bad-flag"])`` went from 230 ms to 73 ms: only the named command's parser is built. Each
-subprocess below is one such start. ``fp8dist bench`` still imports torch to build its flags: their defaults are the
-engines' facts (the strategies each device runs, the GPU count, each backend's variant options)."""
+subprocess below is one such start. ``fp8dist bench``, whose flags read the engines' facts (the strategies each
+device runs, each backend's variant options: registered beside each built-in now) and whose lists are checked outside
+argparse (``check_flags``), went from 5.7-6.6 s to 0.24-0.38 s at load 6 (1,983 modules to 196; 2026-12-02)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def _said(stderr: str) -> str:
                                           "valid; choose one of: 'delayed', 'current', 'mxfp8', 'blockwise', 'nvfp4'."),
     (["estimate", "--optimizer", "adam8bit"], "argument --optimizer: invalid choice: 'adam8bit' (choose from "
                                               "'adamw', 'adam', 'sgd_momentum', 'sgd')"),
+    (["bench", "--bad-flag"], "fp8dist: error: unrecognized arguments: --bad-flag"),
+    # a list item checked against the registry's names; the example is the strategies it registered for a GPU
+    (["bench", "--strategies", "fsdp,fsdp3"], "fp8dist bench: error: --strategies: 'fsdp3' is not one of none, ddp, "
+                                              "fsdp, fsdp1, deepspeed (comma-separated, e.g. --strategies ddp,fsdp)."),
+    # torchao's variant options as registered, their values from its Config
+    (["bench", "--torchao-recipe", "tensorwise,fast"],
+     "fp8dist bench: error: --torchao-recipe: 'fast' is not one of tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, "
+     "mxfp8_emulated, nvfp4, auto (comma-separated, e.g. --torchao-recipe tensorwise,rowwise)."),
+    (["bench", "--zero-stage", "4"], "fp8dist bench: error: --zero-stage 4 is not one of 1, 2, 3 (one value, e.g. "
+                                     "--zero-stage 3)."),
+    (["bench", "--steps", "3"], "fp8dist bench: error: --steps 3: needs at least 4 (2 warm-up steps, at least 1 "
+                                "timed step and 1 counted step)."),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "error")
 def test_a_bad_flag_is_refused_before_any_engine_is_imported(argv, message):
     done = _command(*argv)
@@ -68,11 +81,17 @@ def test_a_bad_flag_is_refused_before_any_engine_is_imported(argv, message):
     (["train"], ("--strategy {none,ddp,fsdp,fsdp1,deepspeed}", "--te-recipe", "--torchao-recipe", "--opt-level",
                  "--lora-rank", "--memory {standard,lean}")),
     (["probe"], ("--batches N", "--min-output-sqnr-db X")),
+    # the defaults per device from each strategy's registered bench_devices, torchao's variants from its Config
+    (["bench"], ("--strategies LIST", "from none, ddp, fsdp, fsdp1, deepspeed; default: ddp,fsdp,fsdp1,deepspeed on "
+                 "CPU, ddp,fsdp on GPU", "--torchao-recipe LIST", "from tensorwise, rowwise, rowwise_with_gw_hp, "
+                 "mxfp8, mxfp8_emulated, nvfp4, auto; default: tensorwise", "--torchao-api LIST",
+                 "--memory LIST", "default: standard", "--lr-schedule {constant,cosine}", "--eval-every N")),
 ], ids=lambda value: " ".join(value) or "fp8dist" if isinstance(value, list) else "help")
 def test_help_answers_without_importing_an_engine(argv, shown):
     done = _command(*argv, "--help")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert all(text in done.stdout for text in shown), done.stdout
+    flat = " ".join(done.stdout.split())  # argparse wraps the help at the terminal's width
+    assert all(text in flat for text in shown), done.stdout
     assert _engines_imported(done.stderr) == []
 
 
@@ -112,6 +131,29 @@ def test_a_built_in_registered_by_module_is_checked_against_what_it_registered()
     right = Registry("fp8", "FP8 backend")
     right.register_module("torchao", "fp8dist.fp8.torchao", "BACKEND", Config=TorchaoConfig)
     assert right["torchao"].Config is TorchaoConfig and right.attribute("torchao", "Config") is TorchaoConfig
+    # a fact the bench's flags read: equal to the value's own (not the same object) passes, another is refused
+    strategies = Registry("strategy", "sharding strategy")
+    strategies.register_module("fsdp", "fp8dist.strategies.fsdp", "STRATEGY", bench_devices=tuple(["cpu", "cuda"]))
+    strategies.register_module("ddp", "fp8dist.strategies.ddp", "STRATEGY", bench_devices=("cpu",))
+    assert strategies.attribute("ddp", "bench_devices") == ("cpu",)  # what it registered, not imported yet
+    assert strategies["fsdp"].bench_devices == ("cpu", "cuda")
+    with pytest.raises(TypeError, match=r"fp8dist\.strategies\.ddp\.STRATEGY: registered as strategy='ddp' with "
+                                        "bench_devices other than its own"):
+        strategies["ddp"]
+
+
+def test_the_built_ins_registered_facts_are_their_own():
+    """What the registries answer of a built-in before importing it (the bench's flags: each strategy's
+    ``bench_devices``, each backend's ``Config`` and variant options) is what the value says once imported."""
+    code = ("import sys; from fp8dist.config.axis import BACKENDS, STRATEGIES; "
+            "keys = ((STRATEGIES, ('bench_devices',)), (BACKENDS, ('Config', 'variant_option', "
+            "'more_variant_options'))); "
+            "known = [(r, n, k, r.attribute(n, k)) for r, ks in keys for n in r for k in ks]; "
+            "light = 'torch' not in sys.modules; "
+            "print(light, [(r.option, n, k) for r, n, k, v in known if getattr(r[n], k) != v])")
+    done = run([sys.executable, "-c", code], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "[]"]
 
 
 def test_the_options_know_the_built_in_values_without_importing_an_engine():

@@ -4,7 +4,6 @@ same wiring by hand), train a few steps, and measure step time, memory, model-st
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import statistics
 import time
@@ -24,25 +23,10 @@ from ..strategies import get_strategy
 from ..train.data.job import lm_loss
 from ..pipeline.agree import rank_world
 from ..pipeline.env import peak_memory_mib, share_cpu_threads
+from .settings import TIMING_WARMUP, TextJob, variants_of
 
 __all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world",
            "variants_of", "predicted_figures", "versions_line", "TIMING_WARMUP"]
-
-TIMING_WARMUP = 2
-"""Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TextJob:
-    """Real text a cell trains on and evaluates (named as :class:`fp8dist.train.job.TrainConfig`'s fields)."""
-
-    data: tuple[str, ...]
-    tokenizer: str
-    text_field: str = "text"
-    data_cache: str | None = None
-    eval_every: int = 0
-    """Held-out loss after every N steps and after the last (0: after the last only)."""
-    eval_batches: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,20 +71,6 @@ class Cell:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self), "more_variants": dict(self.more_variants)}
-
-
-@functools.cache
-def variants_of(fp8: str | None, option: str | None = None) -> tuple[str, ...]:
-    """The config's choices of the backend's ``option`` (default: its ``variant_option``), the default first; ()
-    for a backend without one."""
-    from ..config.resolve import resolve_config
-    from ..config.rules import choices
-
-    option = option or get_backend(fp8).variant_option
-    if option is None:
-        return ()
-    default = resolve_config().to_dict()[option]
-    return (default, *(c for c in choices(option) if c != default))
 
 
 def non_default_variants(fp8: str | None, variant: str | None, more: dict[str, str]) -> list[str]:

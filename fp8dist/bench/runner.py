@@ -1,5 +1,6 @@
-"""``fp8dist bench``'s matrix: the flags read into :class:`BenchSettings`, the cells planned and checked before any
-process starts (on a GPU against the memory estimate, :mod:`.fits`), then each cell run in fresh processes."""
+"""``fp8dist bench``'s matrix: the flags read into :class:`~.settings.BenchSettings`, the cells planned and checked
+before any process starts (on a GPU against the memory estimate, :mod:`.fits`), then each cell run in fresh
+processes."""
 
 from __future__ import annotations
 
@@ -9,106 +10,24 @@ import itertools
 import logging
 import sys
 import tempfile
-import typing
 import uuid
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import cli_flag, type_hints
+from ..config.schema import cli_flag
 from ..config.text import plural
-from ..config.rules import choices as config_choices, refusal_of
+from ..config.rules import refusal_of
 from ..fp8 import BACKENDS, NO_FP8, get_backend
 from ..memory_levels import STANDARD
 from ..strategies import STRATEGIES, get_strategy
-from ..train.job import default_fp8, default_nproc
-from ..train.config import LLAMA_SIZES
-from ..train.schedule import LR_SCHEDULES
-from .cell import TIMING_WARMUP, Cell, TextJob, cell_options, cell_world, variants_of
+from .cell import Cell, cell_options, cell_world
+from .settings import (DEFAULTS, BenchSettings, TextJob, default_strategies, read_flags, variant_backends,
+                       variant_options, variants_of)
 
 __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "check_text", "run_cells", "device_type",
            "variant_backends", "variant_options", "default_strategies", "DEFAULTS"]
-
-# defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
-# default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
-DEFAULTS = {"cpu": ("tiny,small", 10, 4, 128), "cuda": ("1b", 20, 4, 2048)}
-
-
-def default_strategies(device_type: str, *, installed: bool = True) -> tuple[str, ...]:
-    """The strategies whose ``bench_devices`` name ``device_type`` (``installed``: only those installed)."""
-    return tuple(name for name, s in STRATEGIES.items()
-                 if device_type in s.bench_devices and not (installed and s.missing_reason()))
-
-
-def variant_backends() -> list[str]:
-    """The backends whose variants are cells of their own (flags ``--torchao-recipe``, ``--torchao-api``)."""
-    return [name for name in BACKENDS if variants_of(name)]
-
-
-def variant_options(fp8: str | None) -> tuple[str, ...]:
-    """Backend ``fp8``'s options that are matrix dimensions: its variant option, then its further ones."""
-    backend = get_backend(fp8)
-    return (backend.variant_option, *backend.more_variant_options) if backend.variant_option else ()
-
-
-def _seeds(text: str) -> tuple[int, ...]:
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items or not all(t.isdigit() for t in items):
-        raise ValueError(f"--seed {text!r}: give a non-negative integer or a comma-separated list, e.g. --seed 0,1,2.")
-    return tuple(dict.fromkeys(int(t) for t in items))
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchSettings:
-    """The matrix and every cell's job; each field a flag of ``fp8dist bench``, its docstring the help. Metadata:
-    ``choices`` and ``device`` (callables: the choices; the default on a device type), ``shown`` (that default in
-    words), ``min`` (least value, why), ``parse`` (flag to field), ``flag`` (its name; None: flags of its own)."""
-
-    strategies: tuple[str, ...] = field(metadata={"choices": lambda: tuple(STRATEGIES), "device": lambda d: ",".join(
-        default_strategies(d, installed=False))})
-    """Sharding strategies, each where installed."""
-    fp8: tuple[str | None, ...] = field(metadata={
-        "choices": lambda: (NO_FP8.name, *BACKENDS),
-        "parse": lambda items: tuple(None if f == NO_FP8.name else f for f in items),
-        "device": lambda d: ",".join(dict.fromkeys((NO_FP8.name, default_fp8() or NO_FP8.name))),
-        "shown": "none and fp8dist train's default backend where it runs"})
-    """FP8 backends; each FP8 cell also runs its bf16 (none) counterpart."""
-    sizes: tuple[str, ...] = field(metadata={"choices": lambda: tuple(LLAMA_SIZES), "device": lambda d: DEFAULTS[d][0]})
-    """Llama presets."""
-    steps: int = field(metadata={"device": lambda d: DEFAULTS[d][1], "min": (
-        TIMING_WARMUP + 2, f"{TIMING_WARMUP} warm-up steps, at least 1 timed step and 1 counted step")})
-    """Steps per cell: warm-up steps, timed ones, then one counted (communication, model state) and not timed."""
-    batch_size: int = field(metadata={"device": lambda d: DEFAULTS[d][2], "min": (1, "sequences per process")})
-    """Sequences per process per step."""
-    seq_len: int = field(metadata={"device": lambda d: DEFAULTS[d][3], "min": (2, "tokens per sequence")})
-    """Tokens per sequence."""
-    nproc: int = field(metadata={"device": lambda d: default_nproc(), "min": (1, "processes"),
-                                 "shown": "one per GPU, or 2 on CPU; a strategy without a process group always runs 1"})
-    """Processes per cell."""
-    zero_stage: int = field(default=2, metadata={"choices": lambda: config_choices("zero_stage")})
-    """ZeRO stage of the cells whose strategy reads zero_stage."""
-    compile: tuple[bool, ...] = field(default=(False,), metadata={
-        "choices": lambda: ("off", "on"), "parse": lambda items: tuple(c == "on" for c in items)})
-    """torch.compile each block: a matrix dimension."""
-    activation_checkpointing: tuple[str, ...] = field(default=("none",), metadata={
-        "choices": lambda: config_choices("activation_checkpointing")})
-    """Activation checkpointing of each block: a matrix dimension."""
-    memory: tuple[str, ...] = field(default=(STANDARD.name,), metadata={"choices": lambda: config_choices("memory")})
-    """The model-state memory level: a matrix dimension (a level's cells only where its strategy allows it)."""
-    lr: float = 1e-3
-    """AdamW's (peak) learning rate."""
-    lr_schedule: str = field(default="constant", metadata={"choices": lambda: LR_SCHEDULES})
-    """constant: --lr at every step; cosine: fp8dist train's schedule (fp8dist.train.schedule.lr_schedule), a
-    linear warm-up over the first 10% of --steps, then a cosine decay toward 10% of --lr."""
-    seeds: tuple[int, ...] = field(default=(0,), metadata={"flag": "seed", "parse": _seeds})
-    """Model initialization and batch order seed, or comma-separated seeds: a matrix dimension."""
-    raw: bool = True
-    """The fp8dist-vs-hand-wired FSDP2 cells (the overhead ratio)."""
-    variants: dict[str, tuple[str, ...]] = field(default_factory=dict, metadata={"flag": None})
-    """Per backend variant option (torchao_recipe, torchao_api), its values (not given: its default)."""
-    text: TextJob | None = field(default=None, metadata={"flag": None})
-    """Real text every cell trains on and evaluates; None: the built-in grammar corpus."""
 
 
 def device_type() -> str:
@@ -117,52 +36,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _split(flag: str, value: str, choices: tuple[str, ...], example: str) -> tuple[str, ...]:
-    """A comma-separated flag value, every item checked against ``choices``; duplicates dropped."""
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"{flag} {value!r} is empty; give a comma-separated list, e.g. {flag} {example}.")
-    for item in items:
-        if item not in choices:
-            raise ValueError(f"{flag}: {item!r} is not one of {', '.join(choices)} (comma-separated, e.g. "
-                             f"{flag} {example}).")
-    return tuple(dict.fromkeys(items))
-
-
-def _one_of(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
-    if value not in choices:
-        raise ValueError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))} (one value, e.g. {flag} "
-                         f"{choices[-1]}).")
-    return value
-
-
-def _given(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    """Each flag's value as given, else its device default, checked against its choices (a list item by item) or
-    its ``min``, then read by its ``parse``; a field's own default is left to it."""
-    values, hints = {}, type_hints(BenchSettings)
-    for f in fields(BenchSettings):
-        meta, name = f.metadata, f.metadata.get("flag", f.name)
-        value = getattr(args, f.name, None)
-        if name is None or value is None and "device" not in meta:
-            continue
-        value, flag = meta["device"](device_type) if value is None else value, cli_flag(name)
-        choices = meta["choices"]() if "choices" in meta else None
-        if choices and typing.get_origin(hints[f.name]) is tuple:
-            example = meta["device"]("cuda") if "device" in meta else ",".join(choices[:2])
-            value = _split(flag, value, choices, example)
-        elif choices:
-            value = _one_of(flag, value, choices)
-        if "min" in meta and value < meta["min"][0]:
-            raise ValueError(f"{flag} {value}: needs at least {meta['min'][0]} ({meta['min'][1]}).")
-        values[f.name] = meta["parse"](value) if "parse" in meta else value
-    return values
-
-
 def resolve_settings(args: argparse.Namespace, device_type: str) -> BenchSettings:
     """The command line's settings with the device's defaults filled in; ValueError names a bad value."""
     from ..train.data import make_corpus
 
-    settings = BenchSettings(**_given(args, device_type), variants=_variant_settings(args), text=_text_job(args))
+    settings = BenchSettings(**read_flags(args, device_type), text=_text_job(args))
     corpus = len(make_corpus())
     if settings.text is None and settings.seq_len >= corpus:
         raise ValueError(f"--seq-len {settings.seq_len} is longer than the built-in corpus ({corpus} bytes); "
@@ -192,15 +70,6 @@ def _unread_flags(settings: BenchSettings) -> list[str]:
                      f"read it, and --strategies {','.join(settings.strategies)} has none; add "
                      f"{readers[0] if len(readers) == 1 else 'one of them'} to --strategies.")
     return notes
-
-
-def _variant_settings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
-    out = {}
-    for name in variant_backends():
-        for option in variant_options(name):
-            values = variants_of(name, option)
-            out[option] = _split(cli_flag(option), getattr(args, option), values, ",".join(values[:2]))
-    return out
 
 
 def _text_job(args: argparse.Namespace) -> TextJob | None:

@@ -1,7 +1,8 @@
-"""The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)``. Flags
-are config dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never
-imports the CLI. Parsing a command's flags imports no engine (torch, transformers, ...): a bad flag and ``--help``
-answer at once, the engines load once the flags parse (but for ``bench``, whose defaults are the engines' facts)."""
+"""The ``fp8dist`` command line: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)`` (and
+``check_flags(args)`` where some values are checked outside argparse, still without an engine). Flags are config
+dataclass fields (default and help from there), over the keys of a ``--config FILE``. The library never imports the
+CLI. Parsing a command's flags imports no engine (torch, transformers, ...): a bad flag, a bad value and ``--help``
+answer at once, the engines load once the flags parse."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ COMMANDS = {"train": train, "plan": plan, "probe": probe, "estimate": estimate, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``fp8dist`` command; returns the exit code. Only the command named has its flags built (``bench``'s
-    defaults ask the engines); the others are a line of ``fp8dist --help``."""
+    """Run the ``fp8dist`` command; returns the exit code. Only the command named has its flags built; the others
+    are a line of ``fp8dist --help``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     named = next((word for word in argv if not word.startswith("-")), None)  # the top level takes no other word
     parser = argparse.ArgumentParser(prog="fp8dist", description="FP8 training on sharded data parallelism.")
@@ -32,8 +33,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.add_parser(name, help=module.HELP)
     args = parser.parse_args(argv)
     from .common import one_line_warnings, quiet_cpu_noise
-    from .errors import error_line, exit_code
+    from .errors import USAGE_EXIT, error_line, exit_code
 
+    try:  # a command's checks of its values that need no engine (bench's lists) answer before any engine loads
+        getattr(COMMANDS[args.command], "check_flags", lambda args: None)(args)
+    except ValueError as err:
+        print(error_line(args.command, str(err)), file=sys.stderr)
+        return USAGE_EXIT
     quiet_cpu_noise()
     try:
         with one_line_warnings(args.command):

@@ -18,7 +18,7 @@ from ..config.text import plural
 from ..pipeline.files import check_output_path
 from ..train.config import TrainConfig
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["HELP", "add_parser", "check_flags", "run"]
 
 
 HELP = ("benchmark strategy x FP8 backend x model size: throughput, memory, communication, loss vs bf16, overhead "
@@ -27,9 +27,8 @@ HELP = ("benchmark strategy x FP8 backend x model size: throughput, memory, comm
 
 
 def add_parser(sub: Any) -> None:
-    # the flags' defaults are the engines' facts (the strategies a device runs, the GPUs, each backend's variants)
-    from ..bench.cell import TextJob, variants_of
-    from ..bench.runner import variant_backends, variant_options
+    # the flags' defaults are the engines' facts as the registries know them, without importing an engine
+    from ..bench.settings import TextJob, variant_backends, variant_options, variants_of
 
     p = sub.add_parser("bench", help=HELP,
                        description="Train each cell of a strategy x FP8 backend x model size matrix for a few "
@@ -59,8 +58,9 @@ def add_parser(sub: Any) -> None:
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:
     """A flag per field of :class:`BenchSettings`, help from the field: a list is comma-separated, a boolean (on by
-    default) is ``--no-NAME``, a device-dependent default is None until ``resolve_settings`` fills it."""
-    from ..bench.runner import BenchSettings
+    default) is ``--no-NAME``, a device-dependent default is None until ``resolve_settings`` fills it (shown as its
+    ``shown`` words, else as asked of each device type)."""
+    from ..bench.settings import BenchSettings
 
     docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
     for f in fields(BenchSettings):
@@ -73,8 +73,7 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
             continue
         listed, choices = typing.get_origin(hint) is tuple, [_text(c) for c in meta.get("choices", tuple)()]
         if "device" in meta:
-            default, (cpu, gpu) = None, (_text(meta["device"](d)) for d in ("cpu", "cuda"))
-            shown = meta.get("shown") or (cpu if cpu == gpu else f"{cpu} on CPU, {gpu} on GPU")
+            default, shown = None, meta.get("shown") or _per_device(meta["device"])
         else:
             default = shown = _text(f.default) if listed else f.default
         if listed:
@@ -86,10 +85,23 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
                        help=f"{doc} ({listing}default: {shown})".replace("%", "%%"))
 
 
+def _per_device(default: Any) -> str:
+    cpu, gpu = (_text(default(d)) for d in ("cpu", "cuda"))
+    return cpu if cpu == gpu else f"{cpu} on CPU, {gpu} on GPU"
+
+
 def _text(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(map(_text, value))
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' values that need no engine to check (each list item against its choices, the least values);
+    ValueError names the flag, the value and the choices. ``fp8dist``'s main calls it before any engine loads."""
+    from ..bench.settings import read_flags
+
+    read_flags(args, None)
 
 
 def run(args: argparse.Namespace) -> int:

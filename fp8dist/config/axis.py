@@ -113,7 +113,8 @@ class Registry(Mapping[str, Any]):
 
     def register_module(self, name: str, module: str, attribute: str = "BACKEND", **known: Any) -> None:
         """A built-in value: ``module``'s ``attribute``, imported when ``name`` is first asked for. ``known``: its
-        attributes :meth:`attribute` answers without importing it (a backend's ``Config``), checked on import."""
+        attributes :meth:`attribute` answers without importing it (a backend's ``Config``, the facts ``fp8dist
+        bench``'s flags read), checked on import: each must equal the value's own."""
         if name not in self._values:
             self._values[name] = (module, attribute)
             self._known[name] = known
@@ -123,7 +124,7 @@ class Registry(Mapping[str, Any]):
         if isinstance(value, tuple):
             module, attribute = value
             value = getattr(importlib.import_module(module), attribute)
-            wrong = [key for key, known in self._known.pop(name, {}).items() if getattr(value, key, None) is not known]
+            wrong = [key for key, known in self._known.pop(name, {}).items() if getattr(value, key, None) != known]
             if value.name != name or wrong:
                 raise TypeError(f"{module}.{attribute}: registered as {self.option}={name!r} with "
                                 f"{', '.join(wrong) or 'its name'} other than its own; register it with its own.")

@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "register_backend", "BACKENDS",
            "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
 
-for _name, _knobs in (("te", TEConfig), ("torchao", TorchaoConfig), ("msamp", MSAMPConfig)):
-    BACKENDS.register_module(_name, f"{__name__}.{_name}", "BACKEND", Config=_knobs)  # imported when first chosen
+# each imported when first chosen; its knobs and the bench's variant options (variant_option, then
+# more_variant_options) known before, checked against its own on import
+for _name, _knobs, _variants in (("te", TEConfig, ()), ("torchao", TorchaoConfig, ("torchao_recipe", "torchao_api")),
+                                 ("msamp", MSAMPConfig, ())):
+    BACKENDS.register_module(_name, f"{__name__}.{_name}", "BACKEND", Config=_knobs,
+                             variant_option=next(iter(_variants), None), more_variant_options=_variants[1:])
 
 
 _loaded = False  # the names below imported

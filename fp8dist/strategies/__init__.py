@@ -18,9 +18,12 @@ __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "Shard
            "build_deepspeed_config", "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single",
            "fsdp_mesh", "cast_buffers"]
 
-for _name, _module in (("none", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"), ("fsdp1", "fsdp1"),
-                       ("deepspeed", "deepspeed")):  # the order choices are listed in; each imported when first chosen
-    STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY")
+# in the order choices are listed in; each imported when first chosen, its bench_devices known before (the bench's
+# flags), checked against its own on import
+for _name, _module, _devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", "cuda")),
+                                 ("fsdp", "fsdp", ("cpu", "cuda")), ("fsdp1", "fsdp1", ("cpu",)),
+                                 ("deepspeed", "deepspeed", ("cpu",))):
+    STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY", bench_devices=_devices)
 
 
 _loaded = False  # the names below imported

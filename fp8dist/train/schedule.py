@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import torch
-
 from ..config.text import plural
 
 __all__ = ["LR_SCHEDULES", "MAX_WARMUP_STEPS", "lr_schedule", "warmup_steps", "describe_schedule", "set_lr"]
@@ -54,6 +52,8 @@ def lr_schedule(name: str, steps: int) -> Callable[[int], float]:
 def set_lr(optimizer: Any, lr: float) -> None:
     """Set every param group's learning rate; call it before each optimizer step. In place where the group holds a
     tensor (torchao's low-bit AdamW, memory="lean", compiles its step for a tensor lr)."""
+    import torch  # here: LR_SCHEDULES is read by fp8dist bench's flags, before any engine is imported
+
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
