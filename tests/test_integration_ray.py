@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,26 @@ def test_a_restarted_ray_worker_group_resumes_exactly(ray_cluster, reference_los
     with result.checkpoint.as_directory() as folder:
         saved = sorted(p.name for p in Path(folder).iterdir())
     assert saved == ["latest", "step_00000004"], "the last checkpoint Ray kept is fp8dist's, complete"
+
+
+@pytest.mark.parametrize("call", ["report", "resume"])
+def test_without_ray_installed_the_error_names_the_extra(call, monkeypatch):
+    """Ray absent (None in sys.modules makes its import fail, as when it is not installed): one ImportError naming
+    the install command, before anything is written."""
+    from fp8dist.integrations import ray as ray_integration
+
+    for name in ("ray", "ray.train"):
+        monkeypatch.setitem(sys.modules, name, None)
+    args = {"report": ({"loss": 1.0}, torch.nn.Linear(2, 2), None), "resume": (torch.nn.Linear(2, 2), None)}[call]
+    with pytest.raises(ImportError, match=r"fp8dist.integrations.ray needs Ray Train, which is not installed here "
+                                          r".*: pip install 'fp8dist\[ray\]'\.$"):
+        getattr(ray_integration, call)(*args, **({"step": 1} if call == "report" else {}))
+
+
+def test_report_and_resume_outside_a_ray_worker_say_where_they_run():
+    pytest.importorskip("ray.train", reason="Ray Train is not installed: pip install 'fp8dist[ray]'")
+    from fp8dist.integrations.ray import resume
+
+    with pytest.raises(RuntimeError, match=r"run inside the training function of a ray.train.torch.TorchTrainer, on "
+                                           r"every worker; .* or use fp8dist.save_checkpoint / load_checkpoint"):
+        resume(torch.nn.Linear(2, 2), None)

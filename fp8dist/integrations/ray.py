@@ -25,6 +25,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
 from ..checkpoint.io import from_rank0
 from ..pipeline.agree import on_all_ranks, rank_world
+from ..pipeline.api import get_wrap_info
 
 __all__ = ["INSTALL", "require_ray_train", "report", "resume"]
 
@@ -44,7 +45,7 @@ def require_ray_train() -> Any:
                           f"{INSTALL}.") from None
     try:
         ray.train.get_context().get_world_rank()
-    except Exception as err:  # Ray raises its own error types outside a worker, which vary between versions
+    except RuntimeError as err:  # Ray 2.60: "`get_context` cannot be used outside of a Ray Train training function"
         raise RuntimeError("fp8dist.integrations.ray's report and resume run inside the training function of a "
                            "ray.train.torch.TorchTrainer, on every worker; called elsewhere "
                            f"({type(err).__name__}: {err}). Train with TorchTrainer(train_func, ...).fit(), or use "
@@ -105,6 +106,7 @@ def report(metrics: dict[str, Any], model: Any, optimizer: Any, *, step: int, ex
         CheckpointError: on every worker, when the save failed on any, or a worker does not see ``staging``.
     """
     train = require_ray_train()
+    get_wrap_info(model)  # a model wrap_model did not return is refused before anything is written
     folder, lead = _staging_dir(staging), rank_world()[0] == 0
     try:
         save_checkpoint(folder, model, optimizer, step=step, extra=extra)
@@ -130,6 +132,7 @@ def resume(model: Any, optimizer: Any) -> CheckpointState | None:
         CheckpointError: the checkpoint does not load into this model (:func:`fp8dist.load_checkpoint` says why).
     """
     checkpoint = require_ray_train().get_checkpoint()
+    get_wrap_info(model)
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as folder:  # storage on this machine: the folder itself; else a download
