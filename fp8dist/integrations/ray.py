@@ -27,7 +27,7 @@ from ..checkpoint.io import from_rank0
 from ..pipeline.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 
-__all__ = ["INSTALL", "require_ray_train", "report", "resume"]
+__all__ = ["INSTALL", "import_ray_train", "require_ray_train", "report", "resume"]
 
 INSTALL = "pip install 'fp8dist[ray]'"
 """The command that installs the Ray Train version fp8dist is tested with."""
@@ -35,22 +35,29 @@ INSTALL = "pip install 'fp8dist[ray]'"
 _SEEN = ".fp8dist-staging"  # rank 0 writes it into the staging folder; every worker must see it
 
 
-def require_ray_train() -> Any:
-    """The ``ray.train`` module, inside a Ray Train worker; raises ImportError naming :data:`INSTALL` when Ray is not
-    installed, RuntimeError when called outside a ``TorchTrainer``'s training function."""
+def import_ray_train() -> Any:
+    """The ``ray.train`` module; ImportError naming :data:`INSTALL` when Ray Train is not installed."""
     try:
         import ray.train
+        import ray.train.torch  # noqa: F401  (the TorchTrainer half, which ray[train] brings)
     except ImportError as err:
         raise ImportError(f"fp8dist.integrations.ray needs Ray Train, which is not installed here ({err}): "
                           f"{INSTALL}.") from None
+    return ray.train
+
+
+def require_ray_train() -> Any:
+    """The ``ray.train`` module, inside a Ray Train worker; raises ImportError naming :data:`INSTALL` when Ray is not
+    installed, RuntimeError when called outside a ``TorchTrainer``'s training function."""
+    train = import_ray_train()
     try:
-        ray.train.get_context().get_world_rank()
+        train.get_context().get_world_rank()
     except RuntimeError as err:  # Ray 2.60: "`get_context` cannot be used outside of a Ray Train training function"
         raise RuntimeError("fp8dist.integrations.ray's report and resume run inside the training function of a "
                            "ray.train.torch.TorchTrainer, on every worker; called elsewhere "
                            f"({type(err).__name__}: {err}). Train with TorchTrainer(train_func, ...).fit(), or use "
                            "fp8dist.save_checkpoint / load_checkpoint directly.") from None
-    return ray.train
+    return train
 
 
 def _staging_dir(staging: str | os.PathLike | None) -> Path:

@@ -18,8 +18,8 @@ from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name, dtype_names
 from .state_bytes import replicated_state_bytes
 
-__all__ = ["Strategy", "ShardJob", "require_1d_mesh", "Sharded", "ShardingInfo", "fill_whole", "fill_shards", "prepared", "FP16_RULE",
-           "EngineMemory", "EngineDtypes", "ParamLayout"]
+__all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "fill_whole", "fill_shards", "prepared", "FP16_RULE",
+           "EngineMemory", "EngineDtypes", "ParamLayout", "require_1d_mesh"]
 
 
 @dataclass(frozen=True)
