@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run
 from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
 from fp8dist import wrap_model
-from fp8dist.cli import main
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 
@@ -154,39 +152,3 @@ def test_report_and_resume_outside_a_ray_worker_say_where_they_run():
                                            r"every worker; .* or use fp8dist.save_checkpoint / load_checkpoint"):
         resume(torch.nn.Linear(2, 2), None)
 
-
-@pytest.mark.slow
-def test_fp8dist_train_on_ray_workers_matches_the_local_launch(tmp_path):
-    """``fp8dist train --launcher ray``: the reference job's 2 ranks as Ray Train workers (on a Ray cluster the
-    command starts and stops), every step's loss == the same command's own local launch (one thread per rank in
-    both)."""
-    pytest.importorskip("ray.train.torch", reason=NO_RAY)
-    job = ["fp8dist", "train", "--steps", "3", "--nproc", "2", "--strategy", "fsdp", "--fp8", "torchao"]
-    env = {"OMP_NUM_THREADS": "1"}
-    figures = {}
-    for name, flags in (("local", []), ("ray", ["--launcher", "ray"])):
-        proc = run([*job, *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl")], env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        figures[name] = [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-    assert "starting 2 Ray Train workers" in proc.stdout
-    assert len(figures["ray"]) == 3 and figures["ray"] == figures["local"]
-
-
-def test_fp8dist_train_launcher_ray_without_ray_names_the_extra(monkeypatch, capsys):
-    for name in ("ray", "ray.train", "ray.train.torch"):
-        monkeypatch.setitem(sys.modules, name, None)
-    assert main(["train", "--launcher", "ray", "--steps", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("fp8dist train: error: launcher='ray' needs Ray Train, which cannot be imported here (")
-    assert err.rstrip().endswith("pip install 'fp8dist[ray]' (or leave --launcher out: the local launch needs "
-                                 "nothing).")
-
-
-def test_fp8dist_train_launcher_ray_inside_a_launched_rank_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    assert main(["train", "--launcher", "ray", "--steps", "1"]) == 2
-    assert ("fp8dist train: error: launcher='ray' starts the ranks as Ray Train workers, but this process is already "
-            "one rank of a job ('env' launch") in capsys.readouterr().err
