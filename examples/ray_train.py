@@ -54,7 +54,7 @@ parser.add_argument("--storage", default=os.path.join(tempfile.gettempdir(), "fp
 args = parser.parse_args()
 
 if not ray.is_initialized():
-    ray.init(include_dashboard=False)  # RAY_ADDRESS names a running cluster; else a local one
+    ray.init(include_dashboard=False)  # RAY_ADDRESS's cluster, or one `ray start` started here; else a new one
 loop_config = {"fp8": args.fp8, "steps": args.steps, "save_every": args.save_every}
 trainer = TorchTrainer(train_func, train_loop_config=loop_config,
                        scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.gpu),

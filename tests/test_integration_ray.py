@@ -81,7 +81,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray", reason=NO_RAY)
     pytest.importorskip("ray.train.torch", reason=NO_RAY)
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # never a `ray start` one
              runtime_env={"env_vars": {"PYTHONPATH": path, "GLOO_SOCKET_IFNAME": "lo"}})
     yield ray
     ray.shutdown()

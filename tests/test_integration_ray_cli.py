@@ -14,6 +14,8 @@ from cli_helpers import ROOT, run
 from fp8dist.cli import main
 
 NO_RAY = "Ray Train is not installed: pip install 'fp8dist[ray]'"
+RAY_ENV = {"OMP_NUM_THREADS": "1", "RAY_ADDRESS": "local"}
+"""One thread per rank under either launch; a Ray cluster of the command's own, never one `ray start` left here."""
 
 
 @pytest.mark.slow
@@ -23,7 +25,7 @@ def test_fp8dist_train_on_ray_workers_matches_the_local_launch(tmp_path):
     both)."""
     pytest.importorskip("ray.train.torch", reason=NO_RAY)
     job = ["fp8dist", "train", "--steps", "3", "--nproc", "2", "--strategy", "fsdp", "--fp8", "torchao"]
-    env = {"OMP_NUM_THREADS": "1"}
+    env = RAY_ENV
     figures = {}
     for name, flags in (("local", []), ("ray", ["--launcher", "ray"])):
         proc = run([*job, *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl")], env=env, timeout=600)
@@ -70,7 +72,7 @@ def test_the_ray_example_trains_and_a_second_run_resumes_where_the_first_stopped
     steps = []
     for total in (4, 6):
         proc = run(["python", str(script), "--num-workers", "2", "--steps", str(total), "--save-every", "2",
-                    "--storage", str(tmp_path / "storage")], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+                    "--storage", str(tmp_path / "storage")], env=RAY_ENV, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         steps.append(sorted({int(s) for s in re.findall(r"step +(\d+) loss \d+\.\d+$", proc.stdout, flags=re.M)}))
         assert f"(step {total}, loss " in proc.stdout

@@ -1,7 +1,7 @@
 """``fp8dist train --launcher ray``: the reference job's ranks as Ray Train workers (one ``TorchTrainer`` run), on
-the Ray cluster ``RAY_ADDRESS`` names, else on one this command starts on this machine and stops at the end. Ray
-starts the process group; each worker runs the same job as a torchrun rank (its own checkpoints, on a filesystem
-every worker sees)."""
+the Ray cluster ``RAY_ADDRESS`` names (or ``ray start`` started here), else on one this command starts and stops.
+Ray starts the process group; each worker runs the same job as a torchrun rank (its own checkpoints, on a
+filesystem every worker sees)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ class TrainConfig:
 
     launcher: Literal["local", "ray"] = "local"
     """How the --nproc processes start when not started by a launcher: local (torch's elastic launch on this machine)
-    or ray (Ray Train workers on the Ray cluster RAY_ADDRESS names, else a local one; pip install 'fp8dist[ray]')."""
+    or ray (Ray Train workers on the Ray cluster RAY_ADDRESS names or `ray start` started here, else a local one;
+    pip install 'fp8dist[ray]')."""
 
     checkpoint_dir: str | None = None
     """Directory for checkpoints, on a filesystem every rank sees; with resume, also its newest step_* folder
