@@ -164,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
     check_fp8_available(config, resolve_device(config.parallel.device, 0))  # before any process starts
     check_checkpoint_dir(train)
     launch = detect_launch_env()
+    if train.launcher == "ray":
+        from .train_ray import check_ray_launch
+
+        check_ray_launch(launch.launcher)
     # a strategy without a process group runs in one process
     nproc = train.nproc or (default_nproc() if get_strategy(config.parallel.strategy).process_group else 1)
     check_outputs(train)
@@ -188,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
     if corpus is not None:  # enough windows for a global batch and the held-out batches
         JobBatches(corpus, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed, world_size=nproc,
                    eval_batches=train.eval_batches)
+    if train.launcher == "ray":
+        from .train_ray import run_on_ray
+
+        return run_on_ray(nproc, config, train, use_gpu=resolve_device(config.parallel.device, 0).type == "cuda")
     if nproc == 1:
         progress = _Progress()
         try:

@@ -24,6 +24,7 @@ from ..plan.adapter_rules import check_peft_adapters
 from ..plan.adapters import is_peft_model, unsupported_peft
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
 from .meta_init import is_meta_model
+from .mesh import check_mesh
 from .planned_tree import refuse_later_parameters
 from .pretrained import LoadReport, materialize
 from ..strategies import Sharded, ShardingInfo, ShardJob, find_blocks, get_strategy, unwrap_model
@@ -155,21 +156,21 @@ def _check_optimizer(optimizer: Any, backend: FP8Backend, plan: PrecisionPlan, m
 @overload
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, optimizer: None = None, numerics: Any = None,
+               fp8_group: Any = None, optimizer: None = None, numerics: Any = None, mesh: Any = None,
                **options: Any) -> nn.Module: ...
 
 
 @overload
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
-               fp8_group: Any = None, optimizer: OptimizerSpec, numerics: Any = None,
+               fp8_group: Any = None, optimizer: OptimizerSpec, numerics: Any = None, mesh: Any = None,
                **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = None, *,
                config: Config | Mapping[str, Any] | str | Path | None = None, fp8_filter: FP8Filter | None = None,
                fp8_group: Any = None, optimizer: OptimizerSpec | None = None, numerics: Any = None,
-               **options: Any) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+               mesh: Any = None, **options: Any) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard or replicate ``model`` for training with bf16 mixed precision (FP8 layered on top).
 
     Build the optimizer *after* this call, from the returned model's parameters: sharding replaces them.
@@ -194,6 +195,11 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         optimizer: an optimizer spec (:func:`fp8dist.pipeline.optim.build_optimizer`), required where something
             else than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an
             optimizer block) and ``memory="lean"`` (an AdamW mapping).
+        mesh: a ``DeviceMesh`` over every rank of the job (or a ``ProcessGroup``, taken as a 1-D mesh) to shard
+            over instead of fp8dist's own, e.g. one your trainer (Ray Train) or your other code already uses: 1-D
+            for fsdp, fsdp1 and ddp, or 2-D ``(replicate, shard)`` for fsdp's HSDP with ``replicate_degree`` its
+            first size. Refused: a mesh over some ranks only, of another device type, or with a strategy that
+            takes none ("none", "deepspeed"). None: fp8dist builds the mesh over every rank.
         **options: any config key, e.g. ``param_dtype="bf16"``, ``block_classes=[...]``, ``pretrained="hf_dir"``
             (each rank loads its part of the safetensors there).
 
@@ -217,6 +223,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     device = resolve_device(cfg.parallel.device, launch.local_rank)
     engine.check_launch(cfg, launch.world_size)
     engine.check_model(model, cfg)
+    mesh = check_mesh(mesh, engine, cfg, launch, device)
     plan = plan_precision(model, cfg, device=device, world_size=launch.world_size,        # 3. plan
                           fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
@@ -233,7 +240,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     blocks, block_wiring = _wrap_blocks(model, cfg, plan)                                 # 7. blocks
     hooks = backend.engine_hooks(optimizer, cfg, plan.facts)
     sharded = engine.shard(model, ShardJob(cfg, env, blocks, meta, _filler(cfg, env, meta, plan),   # 8. shard
-                                           optimizer, hooks.prepare, hooks.entry))
+                                           optimizer, hooks.prepare, hooks.entry, mesh))
     for note in (*block_wiring.notes, *sharded.info.notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(sharded.model, unwrap_model(sharded.model), plan, cfg, fp8_group)  # 9. FP8 wiring

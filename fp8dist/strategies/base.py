@@ -19,7 +19,7 @@ from ..config.dtypes import dtype_name, dtype_names
 from .state_bytes import replicated_state_bytes
 
 __all__ = ["Strategy", "ShardJob", "Sharded", "ShardingInfo", "fill_whole", "fill_shards", "prepared", "FP16_RULE",
-           "EngineMemory", "EngineDtypes", "ParamLayout"]
+           "EngineMemory", "EngineDtypes", "ParamLayout", "require_1d_mesh"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class ShardJob:
     it built (MS-AMP's ``initialize``)."""
     engine_entry: tuple[Mapping[str, Any], Callable[..., Any]] | None = None
     """``(extra engine config, initialize function)`` of an FP8 backend with its own entry into the engine."""
+    mesh: Any = None
+    """The user's DeviceMesh over every rank (``wrap_model(mesh=...)``, passed by :meth:`Strategy.check_mesh`);
+    None: the strategy builds its own."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,14 @@ class Sharded:
     materialized: str = ""  # how a meta-device model was materialized ("" for a model with real weights)
     optimizer: torch.optim.Optimizer | None = None
     """The optimizer the engine (DeepSpeed) or the backend's :attr:`ShardJob.prepare` built, or None."""
+
+
+def require_1d_mesh(mesh: Any, strategy: str) -> None:
+    """ValueError unless ``mesh`` is 1-D: DDP and FSDP1 (as fp8dist wires it) take one group."""
+    if mesh.ndim != 1:
+        raise ValueError(f"wrap_model: strategy={strategy!r} replicates or shards over one group, and mesh "
+                         f"{tuple(mesh.shape)} has {mesh.ndim} dimensions: pass a 1-D mesh over every rank, or "
+                         "strategy='fsdp' with a 2-D (replicate, shard) mesh for HSDP.")
 
 
 FP16_RULE = Rule(
@@ -98,6 +109,14 @@ class Strategy(Protocol):
 
     def check_model(self, model: nn.Module, cfg: Any) -> None:
         """Refuse, before anything changes, a model this strategy cannot shard as it is."""
+
+    def check_mesh(self, mesh: Any, cfg: Any) -> None:
+        """Refuse, before anything changes, the user's DeviceMesh (``wrap_model(mesh=...)``, already checked to span
+        every rank) where this strategy cannot shard over it; the default takes none. One that takes a mesh finds it
+        in :attr:`ShardJob.mesh`."""
+        raise ValueError(f"wrap_model: mesh= with strategy={self.name!r}, which shards over no DeviceMesh of yours "
+                         "(it makes its own process groups, or none). Leave mesh out, or use a strategy that takes "
+                         "one: 'fsdp' (a 1-D mesh, or 2-D for HSDP), 'fsdp1' or 'ddp' (1-D).")
 
     def environment(self, cfg: Any, launch: LaunchEnv, device: torch.device) -> DistEnv:
         return init_distributed(device=cfg.parallel.device)  # the process group, initialized if needed

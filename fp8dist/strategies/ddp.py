@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
-                   reduce_words)
+                   reduce_words, require_1d_mesh)
 from .common import cast_buffers
 from .single import apply_single
 
@@ -26,16 +27,17 @@ def _compression_hooks() -> dict:
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
-              reduce_dtype: torch.dtype) -> DistributedDataParallel:
-    """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``.
-    Returns the DDP wrapper; ``wrapper.module`` is the model."""
+              reduce_dtype: torch.dtype, mesh: DeviceMesh | None = None) -> DistributedDataParallel:
+    """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``,
+    over the 1-D ``mesh`` (None: the default process group). Returns the DDP wrapper; ``wrapper.module`` is the
+    model."""
     hook = _compression_hooks().get(reduce_dtype)
     apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True)
+                                  gradient_as_bucket_view=True, device_mesh=mesh)
     if hook is not None:
-        ddp.register_comm_hook(dist.group.WORLD, hook)
+        ddp.register_comm_hook(mesh.get_group() if mesh is not None else dist.group.WORLD, hook)
     return ddp
 
 
@@ -58,9 +60,13 @@ class DDP(Strategy):
         model, built = prepared(model, job)
         param = torch_dtype(p.param_dtype)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
-        wrapped = apply_ddp(model, device=device, compute_dtype=param, reduce_dtype=torch_dtype(p.reduce_dtype))
+        wrapped = apply_ddp(model, device=device, compute_dtype=param, reduce_dtype=torch_dtype(p.reduce_dtype),
+                            mesh=job.mesh)
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
+
+    def check_mesh(self, mesh, cfg) -> None:
+        require_1d_mesh(mesh, self.name)
 
     def check_launch(self, cfg, world_size: int) -> None:
         """A bf16/fp16 reduce (a compression hook, which needs NCCL) is refused on the CPU: a launch check, as the

@@ -149,6 +149,19 @@ class FSDP2(Strategy):
     def check_launch(self, cfg, world_size: int) -> None:
         check_replicate_degree(cfg.parallel.replicate_degree, world_size)
 
+    def check_mesh(self, mesh, cfg) -> None:
+        """A 1-D mesh shards over its ranks; a 2-D one is HSDP, ``(replicate, shard)``, whose replica count must be
+        the ``replicate_degree`` the plan and the memory figures read."""
+        replicas = mesh.shape[0] if mesh.ndim == 2 else 1
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"wrap_model: strategy={self.name!r} shards over a 1-D mesh, or a 2-D (replicate, "
+                             f"shard) one for HSDP; mesh {tuple(mesh.shape)} has {mesh.ndim} dimensions.")
+        if replicas != cfg.parallel.replicate_degree:
+            what = f"a 2-D mesh {tuple(mesh.shape)}: {replicas} replicas" if mesh.ndim == 2 else "a 1-D mesh: 1 replica"
+            raise ValueError(f"wrap_model: mesh is {what}, but replicate_degree={cfg.parallel.replicate_degree}: "
+                             f"pass replicate_degree={replicas} with this mesh (the plan and the memory figures read "
+                             "it), or a mesh of that many replicas.")
+
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
         p, env = job.cfg.parallel, job.env
         found, how, notes = shard_blocks(model, job)
@@ -156,7 +169,8 @@ class FSDP2(Strategy):
         model, built = prepared(model, job)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
         policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype))
-        apply_fsdp(model, [m for _, m in found], mesh=fsdp_mesh(env.device, env.world_size, p.replicate_degree),
+        mesh = job.mesh if job.mesh is not None else fsdp_mesh(env.device, env.world_size, p.replicate_degree)
+        apply_fsdp(model, [m for _, m in found], mesh=mesh,
                    device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
                    block_names=names)
         notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)

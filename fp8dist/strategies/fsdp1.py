@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from ..config.axis import ALWAYS, StrategyFacts
 from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
-                   prepared, reduce_words)
+                   prepared, reduce_words, require_1d_mesh)
 from .common import find_blocks, shard_blocks, to_empty
 from .local_shards import flat_params
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
@@ -29,15 +30,17 @@ def build_fsdp1_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
 
 def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], *, device: torch.device,
                 mixed_precision: MixedPrecision, reshard_after_forward: bool,
-                param_init_fn: Callable[[nn.Module], None] | None = None) -> FullyShardedDataParallel:
-    """Wrap each block, then the root, in ``FullyShardedDataParallel``; returns the root wrapper.
+                param_init_fn: Callable[[nn.Module], None] | None = None,
+                mesh: DeviceMesh | None = None) -> FullyShardedDataParallel:
+    """Wrap each block, then the root, in ``FullyShardedDataParallel`` over the 1-D ``mesh`` (None: the default
+    process group); returns the root wrapper.
     ``use_orig_params=True`` keeps the parameter names and lets FP8 backends see real tensors; ``device_id`` is set
     for CPU too, which FSDP1 needs there. ``param_init_fn`` materializes a meta module one unit at a time."""
     block_ids = {id(b) for b in blocks}
     return FullyShardedDataParallel(
         model, auto_wrap_policy=CustomPolicy(lambda module: id(module) in block_ids), mixed_precision=mixed_precision,
         sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        device_id=device, use_orig_params=True, param_init_fn=param_init_fn)
+        device_id=device, use_orig_params=True, param_init_fn=param_init_fn, device_mesh=mesh)
 
 
 class FSDP1(Strategy):
@@ -51,6 +54,9 @@ class FSDP1(Strategy):
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
+
+    def check_mesh(self, mesh, cfg) -> None:
+        require_1d_mesh(mesh, self.name)
 
     def check_model(self, model: nn.Module, cfg) -> None:
         """A unit mixing dtypes (a frozen bf16 embedding beside fp32 layers) would fail inside FSDP1's constructor,
@@ -79,7 +85,7 @@ class FSDP1(Strategy):
         policy = build_fsdp1_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype),
                                     buffer_dtype=torch_dtype(p.buffer_dtype))
         wrapped = apply_fsdp1(model, [m for _, m in found], device=device, mixed_precision=policy,
-                              reshard_after_forward=p.reshard_after_forward, param_init_fn=init)
+                              reshard_after_forward=p.reshard_after_forward, param_init_fn=init, mesh=job.mesh)
         loaded, how_made = fill_shards(wrapped, job)
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 

@@ -76,6 +76,11 @@ class TrainConfig:
     nproc: int | None = None
     """Processes to spawn when not started by a launcher: default one per GPU, or 2 on CPU."""
 
+    launcher: Literal["local", "ray"] = "local"
+    """How the --nproc processes start when not started by a launcher: local (torch's elastic launch on this machine)
+    or ray (Ray Train workers on the Ray cluster RAY_ADDRESS names or `ray start` started here, else a local one;
+    pip install 'fp8dist[ray]')."""
+
     checkpoint_dir: str | None = None
     """Directory for checkpoints, on a filesystem every rank sees; with resume, also its newest step_* folder
     (resumed from it, saving into the directory above); none: no checkpoints."""
