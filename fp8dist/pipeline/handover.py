@@ -1,0 +1,96 @@
+"""What other people's trainers read of a model to take it as already distributed, set on what ``wrap_model``
+returns: Accelerate's ``prepare`` (and so the Hugging Face ``Trainer``) passes it through untouched where it would
+wrap it in DDP again, and ``Trainer`` keeps the dataset columns the model's own forward takes.
+
+Accelerate reads its marker once, in ``prepare``, before it would wrap the model: the marker checks there that the
+Accelerate run can drive this model, and refuses it in fp8dist's words where it cannot."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from torch import nn
+
+from ..config.axis import StrategyFacts
+from ..strategies import unwrap_model
+
+__all__ = ["ACCELERATE_PREPARED", "HandOver", "HandOverError", "mark_distributed"]
+
+ACCELERATE_PREPARED = "_is_accelerate_prepared"
+"""Accelerate's own guard against wrapping a model twice: ``prepare`` returns a model whose marker is true as it
+is (Accelerate 1.x, ``Accelerator.prepare_model``)."""
+
+_OWN_LOOP = "train it in your own loop (README: \"Hugging Face Trainer and Accelerate\")"
+
+
+class HandOverError(ValueError):
+    """A model returned by ``wrap_model`` was handed to Accelerate (or ``Trainer``) in a way it cannot train."""
+
+
+class HandOver:
+    """The value of the Accelerate marker on a wrapped model: true where Accelerate may take the model as it is;
+    reading it (``bool``) raises :class:`HandOverError` naming the way out where the model or the Accelerate run
+    cannot (an engine that steps itself, FSDP1's flat shards, Accelerate set to shard, cast or convert again)."""
+
+    def __init__(self, strategy: str, facts: StrategyFacts):
+        self.strategy, self.facts = strategy, facts
+
+    def __bool__(self) -> bool:
+        refusal = self.refusal()
+        if refusal:
+            raise HandOverError(refusal)
+        return True
+
+    def refusal(self) -> str | None:
+        """Why Accelerate cannot take this model now; None: it can."""
+        return _model_refusal(self.strategy, self.facts) or _accelerate_refusal(_what(self.strategy))
+
+
+def _what(strategy: str) -> str:
+    return f"a model wrapped by fp8dist.wrap_model (strategy={strategy!r})"
+
+
+def _model_refusal(strategy: str, facts: StrategyFacts) -> str | None:
+    """Why no Accelerate run can drive a model of a strategy with ``facts``; None: one can."""
+    if facts.engine_builds_optimizer:
+        return (f"{_what(strategy)} cannot be handed to Accelerate or the Hugging Face Trainer: its engine steps, "
+                "scales and clips the optimizer itself, and they would step their own optimizer over it; use "
+                f"strategy='fsdp' or 'ddp', or {_OWN_LOOP}.")
+    if facts.flat_params:
+        return (f"{_what(strategy)} cannot be handed to Accelerate or the Hugging Face Trainer: they would clip "
+                "gradients over each rank's flat FSDP1 shards one rank at a time (a different norm on every rank); "
+                f"use strategy='fsdp' (FSDP2), or {_OWN_LOOP} with fp8dist.clip_grad_norm_.")
+    return None
+
+
+def _accelerate_refusal(what: str) -> str | None:
+    """Why the current Accelerate run would change a model fp8dist already sharded and cast; None: it would not."""
+    from accelerate.state import AcceleratorState  # only Accelerate reads the marker
+
+    state = AcceleratorState()
+    kind = str(getattr(state, "distributed_type", "NO")).rsplit(".", 1)[-1]
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        return (f"{what} is already distributed, and Accelerate is set to distribute it again "
+                f"(distributed_type={kind}): launch without --use_fsdp/--use_deepspeed or an accelerate config "
+                "that shards, and without fsdp=/deepspeed= in TrainingArguments; fp8dist's strategy shards it.")
+    precision = str(getattr(state, "mixed_precision", "no"))
+    if precision != "no":
+        return (f"{what} trains in the precision fp8dist planned (fp8dist.get_plan(model)), and Accelerate is set "
+                f"to mixed_precision={precision!r}, which it would not apply to a model it passes through: "
+                "drop bf16=/fp16= from TrainingArguments and --mixed_precision (Accelerator(mixed_precision='no')); "
+                "choose precision with wrap_model's param_dtype= and fp8=.")
+    return None
+
+
+def mark_distributed(model: nn.Module, strategy: str, facts: StrategyFacts) -> None:
+    """Set Accelerate's marker on ``model`` (what ``wrap_model`` returns, of ``strategy`` with ``facts``) to a
+    :class:`HandOver`, and give a wrapper's forward (DDP, FSDP1) the signature of the model's own forward, which
+    ``Trainer`` reads to decide which dataset columns to keep. Call once, last in ``wrap_model``."""
+    setattr(model, ACCELERATE_PREPARED, HandOver(strategy, facts))
+    inner = unwrap_model(model)
+    if inner is not model and _model_refusal(strategy, facts) is None:
+        forward: Any = functools.partial(type(model).forward, model)
+        forward.__signature__ = inspect.signature(inner.forward)
+        model.forward = forward
