@@ -16,11 +16,14 @@ from torch import nn
 from ..config.axis import StrategyFacts
 from ..strategies import unwrap_model
 
-__all__ = ["ACCELERATE_PREPARED", "HandOver", "HandOverError", "mark_distributed"]
+__all__ = ["ACCELERATE_PREPARED", "SEEN_THROUGH", "HandOver", "HandOverError", "mark_distributed"]
 
 ACCELERATE_PREPARED = "_is_accelerate_prepared"
 """Accelerate's own guard against wrapping a model twice: ``prepare`` returns a model whose marker is true as it
 is (Accelerate 1.x, ``Accelerator.prepare_model``)."""
+SEEN_THROUGH = ("config", "loss_type", "main_input_name")
+"""The model's own attributes ``Trainer`` reads of the model it is given (its loss arithmetic, ``num_items_in_batch``
+counting shifted labels, the input it logs tokens of), shown on a wrapper (DDP) by reference."""
 
 _OWN_LOOP = "train it in your own loop (README: \"Hugging Face Trainer and Accelerate\")"
 
@@ -86,11 +89,15 @@ def _accelerate_refusal(what: str) -> str | None:
 
 def mark_distributed(model: nn.Module, strategy: str, facts: StrategyFacts) -> None:
     """Set Accelerate's marker on ``model`` (what ``wrap_model`` returns, of ``strategy`` with ``facts``) to a
-    :class:`HandOver`, and give a wrapper's forward (DDP, FSDP1) the signature of the model's own forward, which
-    ``Trainer`` reads to decide which dataset columns to keep. Call once, last in ``wrap_model``."""
+    :class:`HandOver`; on a wrapper (DDP) another trainer can drive, give its forward the signature of the model's
+    own forward (``Trainer`` keeps the dataset columns it names) and show the model's :data:`SEEN_THROUGH`
+    attributes. Call once, last in ``wrap_model``."""
     setattr(model, ACCELERATE_PREPARED, HandOver(strategy, facts))
     inner = unwrap_model(model)
     if inner is not model and _model_refusal(strategy, facts) is None:
         forward: Any = functools.partial(type(model).forward, model)
         forward.__signature__ = inspect.signature(inner.forward)
         model.forward = forward
+        for name in SEEN_THROUGH:
+            if hasattr(inner, name) and not hasattr(model, name):
+                setattr(model, name, getattr(inner, name))

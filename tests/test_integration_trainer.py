@@ -1,0 +1,76 @@
+"""The Hugging Face Trainer on models from ``fp8dist.wrap_model``, on 2 gloo ranks: Trainer (through Accelerate)
+passes the model through as already distributed, the FP8 plan holds, and its losses == the same steps in
+fp8dist's own loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from dist_harness import run_ranks
+from integration_helpers import LR, ByteRows, accelerate_env, own_loop_losses
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("accelerate", reason="accelerate is not installed")
+pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+
+STEPS = 3
+
+
+def _trainer(model, out: str, steps: int, **args):
+    """A Trainer on ``model`` recording each rank's per-step loss (what ``training_step`` returns), with a fixed
+    AdamW and a constant learning rate; every other argument Trainer's default unless given."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    class Recording(Trainer):
+        losses: list[float] = []
+
+        def training_step(self, *a, **k):
+            loss = super().training_step(*a, **k)
+            self.losses.append(loss.item())
+            return loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, use_cpu=True,
+                             report_to="none", save_strategy="no", disable_tqdm=True,
+                             train_sampling_strategy="sequential", **args)
+    trainer = Recording(model=model, args=args, train_dataset=ByteRows(steps),
+                        optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)))
+    trainer.losses = []
+    return trainer
+
+
+def _trainer_case(rank: int, world: int, strategy: str, out: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fp8dist import get_plan, unwrap_model, wrap_model
+    from fp8dist.fp8.weight_wrapper import FP8Gemms
+    from fp8dist.train.models import build_llama
+
+    accelerate_env(rank, world)
+    base = build_llama("tiny", seed=0)
+    ours = wrap_model(copy.deepcopy(base), strategy=strategy, fp8="torchao")
+    trainer = _trainer(ours, out, STEPS)
+    with FP8Gemms() as gemms:
+        trainer.train()
+    ref = wrap_model(copy.deepcopy(base), strategy=strategy, fp8="torchao")
+    with FP8Gemms() as ref_gemms:
+        ref_losses = own_loop_losses(ref, rank, world, STEPS, tokens_over_ranks=True)
+    ddp_layers = sum(isinstance(m, DistributedDataParallel) for m in trainer.model_wrapped.modules())
+    return dict(losses=trainer.losses, ref=ref_losses, gemms=gemms.count, ref_gemms=ref_gemms.count,
+                trained_ours=trainer.model_wrapped is ours and unwrap_model(trainer.model) is unwrap_model(ours),
+                ddp_layers=ddp_layers, fp8_planned=len(get_plan(ours).fp8))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_trainer_trains_wrapped_model_equal_to_own_loop(strategy, tmp_path):
+    """Trainer's default arguments (remove_unused_columns=True: the dataset's ``idx`` column is dropped by the
+    signature of the model's own forward, not all columns by DDP's ``forward(*inputs, **kwargs)``)."""
+    for rank, r in enumerate(run_ranks(_trainer_case, strategy, str(tmp_path))):
+        assert r["trained_ours"], "Trainer trains the model wrap_model returned, not a new wrapper around it"
+        assert r["ddp_layers"] == (1 if strategy == "ddp" else 0), "no second DDP around the model"
+        assert r["losses"] == r["ref"], f"rank {rank}"
+        assert len(r["losses"]) == STEPS
+        # the plan holds: each planned FP8 Linear ran its 3 GEMMs (forward, 2 backward) in FP8 at every step
+        assert r["gemms"] == r["ref_gemms"] == 3 * r["fp8_planned"] * STEPS and r["fp8_planned"] == 13
