@@ -17,13 +17,14 @@ pytest.importorskip("torchao", reason="torchao is not installed (pip install tor
 STEPS = 3
 
 
-def _trainer(model, out: str, steps: int, **args):
-    """A Trainer on ``model`` recording each rank's per-step loss (what ``training_step`` returns), with a fixed
-    AdamW and a constant learning rate; every other argument Trainer's default unless given."""
+def _trainer(model, out: str, steps: int, base: type | None = None, **args):
+    """A Trainer (``base``, default transformers') on ``model`` recording each rank's per-step loss (what
+    ``training_step`` returns), with a fixed AdamW and a constant learning rate; every other argument Trainer's
+    default unless given."""
     import torch
     from transformers import Trainer, TrainingArguments
 
-    class Recording(Trainer):
+    class Recording(base or Trainer):
         losses: list[float] = []
 
         def training_step(self, *a, **k):
@@ -32,9 +33,9 @@ def _trainer(model, out: str, steps: int, **args):
             return loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, use_cpu=True,
-                             report_to="none", save_strategy="no", disable_tqdm=True,
-                             train_sampling_strategy="sequential", **args)
+    args = TrainingArguments(**{**dict(output_dir=out, max_steps=steps, per_device_train_batch_size=2, use_cpu=True,
+                                       report_to="none", save_strategy="no", disable_tqdm=True,
+                                       train_sampling_strategy="sequential"), **args})
     trainer = Recording(model=model, args=args, train_dataset=ByteRows(steps),
                         optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)))
     trainer.losses = []
@@ -74,3 +75,73 @@ def test_trainer_trains_wrapped_model_equal_to_own_loop(strategy, tmp_path):
         assert len(r["losses"]) == STEPS
         # the plan holds: each planned FP8 Linear ran its 3 GEMMs (forward, 2 backward) in FP8 at every step
         assert r["gemms"] == r["ref_gemms"] == 3 * r["fp8_planned"] * STEPS and r["fp8_planned"] == 13
+
+
+def _example_case(rank: int, world: int, script: str, out: str) -> str:
+    """The example as torchrun would run it, in a rank of the harness: its printed lines."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    accelerate_env(rank, world)
+    sys.argv = [script, "--steps", "4", "--output-dir", out]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(script, run_name="__main__")
+    return printed.getvalue()
+
+
+def test_example_and_readme_script_train_with_trainer(tmp_path):
+    from cli_helpers import ROOT
+
+    script = ROOT / "examples" / "hf_trainer.py"
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Hugging Face Trainer and Accelerate"):]
+    assert f"```python\n{script.read_text()}```" in section, "the README shows examples/hf_trainer.py as it is"
+    out = run_ranks(_example_case, str(script), str(tmp_path))[0]
+    assert "Trainer trained the model wrap_model returned: True; 13 Linear layers in FP8" in out
+
+
+def _save_resume_case(rank: int, world: int, strategy: str, out: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    import fp8dist
+    from fp8dist import wrap_model
+    from fp8dist.integrations.transformers import FP8DistTrainer
+    from fp8dist.train.models import build_llama
+
+    accelerate_env(rank, world)
+    run = dict(base=FP8DistTrainer, save_strategy="steps", save_steps=2)
+    whole = _trainer(wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="torchao"), out, 4, **run)
+    whole.train()
+    final = Path(out) / "final"
+    whole.save_model(str(final))
+    # other weights, then the checkpoint of step 2: the model and optimizer come from the checkpoint
+    resumed = _trainer(wrap_model(build_llama("tiny", seed=1), strategy=strategy, fp8="torchao"), out, 4, **run)
+    resumed.train(resume_from_checkpoint=str(Path(out) / "checkpoint-2"))
+    # fp8dist's Hugging Face loading reads the export back, and writes the same tensors again
+    again = wrap_model(build_llama("tiny", seed=2), strategy=strategy, fp8="torchao", pretrained=str(final))
+    fp8dist.save_pretrained(again, Path(out) / "again")
+    result = dict(whole=whole.losses, resumed=resumed.losses)
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf, info = AutoModelForCausalLM.from_pretrained(str(final), output_loading_info=True)
+        saved, rewritten = load_file(final / "model.safetensors"), load_file(Path(out) / "again" / "model.safetensors")
+        result.update(missing=info["missing_keys"], unexpected=info["unexpected_keys"],
+                      hf_equal=all(hf.state_dict()[k].to(v.dtype).equal(v) for k, v in saved.items()),
+                      rewritten_equal=saved.keys() == rewritten.keys() and all(
+                          saved[k].equal(rewritten[k]) for k in saved), tensors=len(saved))
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_fp8dist_trainer_saves_for_from_pretrained_and_resumes_exactly(strategy, tmp_path):
+    for rank, r in enumerate(run_ranks(_save_resume_case, strategy, str(tmp_path))):
+        assert r["resumed"] == r["whole"][2:], f"rank {rank}: steps 3-4 after resuming at step 2 == uninterrupted"
+        if rank == 0:
+            assert not r["missing"] and not r["unexpected"], "from_pretrained finds every weight by its name"
+            assert r["hf_equal"] and r["rewritten_equal"] and r["tensors"] > 0
