@@ -9,9 +9,10 @@ Launch (from the repository root):
 import argparse
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 import fp8dist
+from fp8dist.integrations.transformers import FP8DistTrainer
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 
@@ -38,10 +39,12 @@ class Rows(torch.utils.data.Dataset):
 # wrap_model joins the process group torchrun started; Trainer (through Accelerate) takes the model as it is
 model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy=args.strategy, fp8="torchao")
 training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4,
-                             learning_rate=3e-3, logging_steps=5, save_strategy="no", report_to="none",
+                             learning_rate=3e-3, logging_steps=5, save_steps=10, report_to="none",
                              use_cpu=not torch.cuda.is_available())
-trainer = Trainer(model=model, args=training, train_dataset=Rows(args.steps))
-result = trainer.train()
+# FP8DistTrainer is transformers.Trainer whose save_model and checkpoints go through fp8dist, on every rank
+trainer = FP8DistTrainer(model=model, args=training, train_dataset=Rows(args.steps))
+result = trainer.train()  # train(resume_from_checkpoint=True) continues from the last checkpoint-N exactly
+trainer.save_model(f"{args.output_dir}/final")  # every rank; AutoModelForCausalLM.from_pretrained reads it
 if trainer.is_world_process_zero():
     print(f"Trainer trained the model wrap_model returned: {trainer.model_wrapped is model}; "
           f"{len(fp8dist.get_plan(model).fp8)} Linear layers in FP8; mean loss {result.training_loss:.4f}")

@@ -102,3 +102,27 @@ def test_models_and_runs_accelerate_cannot_take_are_refused_in_fp8dist_words():
     assert "strategy='deepspeed') cannot be handed" in r["deepspeed"] and "steps, scales and clips" in r["deepspeed"]
     assert "use strategy='fsdp' or 'ddp'" in r["deepspeed"]
     assert "mixed_precision='bf16'" in r["bf16"] and "drop bf16=/fp16= from TrainingArguments" in r["bf16"]
+
+
+def _readme_case(rank: int, world: int, block: str) -> str:
+    import contextlib
+    import io
+
+    accelerate_env(rank, world)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "README.md", "exec"), {"__name__": "__main__"})
+    return printed.getvalue()
+
+
+def test_readme_accelerate_script_trains():
+    import re
+
+    from cli_helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Hugging Face Trainer and Accelerate"):]
+    block = next(b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "Accelerator()" in b)
+    out = run_ranks(_readme_case, block)[0]
+    losses = [float(x) for x in re.findall(r"^step \d loss (\d+\.\d+)$", out, flags=re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0]

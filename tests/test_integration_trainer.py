@@ -145,3 +145,30 @@ def test_fp8dist_trainer_saves_for_from_pretrained_and_resumes_exactly(strategy,
         if rank == 0:
             assert not r["missing"] and not r["unexpected"], "from_pretrained finds every weight by its name"
             assert r["hf_equal"] and r["rewritten_equal"] and r["tensors"] > 0
+
+
+def _trainer_refusal_case(rank: int, world: int, out: str) -> dict:
+    from accelerate.state import AcceleratorState
+
+    from fp8dist import wrap_model
+    from fp8dist.pipeline.handover import HandOverError
+    from fp8dist.train.models import build_llama
+
+    accelerate_env(rank, world)
+    refused = {}
+    for name, strategy, args in (("fsdp1", "fsdp1", {}), ("bf16", "fsdp", {"bf16": True})):
+        AcceleratorState._reset_state(True)  # each Trainer its own Accelerate run (its state is process-wide)
+        trainer = _trainer(wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="torchao"), out, 1, **args)
+        try:
+            trainer.train()
+            refused[name] = "not refused"
+        except HandOverError as e:
+            refused[name] = str(e)
+    return refused
+
+
+def test_trainer_refuses_what_it_cannot_train_in_fp8dist_words(tmp_path):
+    r = run_ranks(_trainer_refusal_case, str(tmp_path))[0]
+    assert "(strategy='fsdp1') cannot be handed to Accelerate or the Hugging Face Trainer" in r["fsdp1"]
+    assert "use strategy='fsdp' (FSDP2)" in r["fsdp1"]
+    assert "mixed_precision='bf16'" in r["bf16"] and "drop bf16=/fp16= from TrainingArguments" in r["bf16"]
