@@ -172,3 +172,91 @@ def test_trainer_refuses_what_it_cannot_train_in_fp8dist_words(tmp_path):
     assert "(strategy='fsdp1') cannot be handed to Accelerate or the Hugging Face Trainer" in r["fsdp1"]
     assert "use strategy='fsdp' (FSDP2)" in r["fsdp1"]
     assert "mixed_precision='bf16'" in r["bf16"] and "drop bf16=/fp16= from TrainingArguments" in r["bf16"]
+
+
+BAD = 2  # the step whose forward makes an inf, on rank 0 only
+
+
+def _poison_at(model, rank: int, step: int):
+    """A forward hook on one Linear turning its output to inf at forward number ``step`` (from 0), on rank 0."""
+    from fp8dist import unwrap_model
+
+    seen = [0]
+
+    def hook(module, args, out):
+        seen[0] += 1
+        return out * float("inf") if seen[0] == step + 1 and rank == 0 else out
+
+    return unwrap_model(model).model.layers[1].mlp.down_proj.register_forward_hook(hook)
+
+
+def _own_accumulating_losses(model, rows, rank: int, world: int, steps: int, accum: int) -> list[float]:
+    """fp8dist's loop on the rows Trainer gives rank ``rank`` with ``accum`` micro-batches of one row per step,
+    its loss arithmetic (label tokens of every micro-batch on every rank as the divisor, times the world size)."""
+    import torch
+    import torch.distributed as dist
+
+    import fp8dist
+    from integration_helpers import MAX_NORM
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        micro = [rows[((step * accum + j) * world + rank)]["input_ids"][None] for j in range(accum)]
+        tokens = sum((ids[:, 1:] != -100).sum() for ids in micro)
+        dist.all_reduce(tokens)
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=tokens / 1).loss * world
+            loss.backward()
+            losses.append(loss.item())
+        fp8dist.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def _meaning_case(rank: int, world: int, out: str) -> dict:
+    import warnings
+
+    from fp8dist import get_wrap_info, wrap_model
+    from fp8dist.train.models import build_llama
+
+    accelerate_env(rank, world)
+    result = {}
+    # the non-finite guard: the poisoned step is skipped inside Trainer as in fp8dist's loop, said and counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao")
+        hook = _poison_at(ours, rank, BAD)
+        trainer = _trainer(ours, out, 4)
+        trainer.train()
+        hook.remove()
+        ref = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao")
+        hook = _poison_at(ref, rank, BAD)
+        ref_losses = own_loop_losses(ref, rank, world, 4, tokens_over_ranks=True)
+        hook.remove()
+    result["guard"] = dict(losses=trainer.losses, ref=ref_losses, skipped=get_wrap_info(ours).skipped_steps,
+                           ref_skipped=get_wrap_info(ref).skipped_steps,
+                           said=sum("skipped: non-finite gradients" in str(w.message) for w in caught))
+    # gradient accumulation: 2 micro-batches of one row per step, Trainer's == fp8dist's loop doing the same
+    ours = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao")
+    trainer = _trainer(ours, out, 2, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    trainer.train()
+    ref = wrap_model(build_llama("tiny", seed=0), strategy="fsdp", fp8="torchao")
+    result["accumulation"] = dict(losses=trainer.losses,
+                                  ref=_own_accumulating_losses(ref, trainer.train_dataset, rank, world, 2, 2))
+    return result
+
+
+def test_guard_and_gradient_accumulation_keep_their_meaning_inside_trainer(tmp_path):
+    import math
+
+    for rank, r in enumerate(run_ranks(_meaning_case, str(tmp_path))):
+        guard = r["guard"]
+        assert guard["skipped"] == guard["ref_skipped"] == 1, "the poisoned step skipped on every rank alike, counted"
+        assert guard["said"] == 2, "said once by Trainer's run and once by fp8dist's loop"
+        if rank == 0:
+            assert not math.isfinite(guard["losses"][BAD]), "the planted step really was non-finite (rank 0)"
+        finite = [i for i in range(4) if i != BAD or rank == 1]
+        assert [guard["losses"][i] for i in finite] == [guard["ref"][i] for i in finite], f"rank {rank}"
+        assert r["accumulation"]["losses"] == r["accumulation"]["ref"] and len(r["accumulation"]["losses"]) == 4
