@@ -45,7 +45,7 @@ def _prepare_case(rank: int, world: int) -> dict:
     from fp8dist.train.models import build_llama
 
     accelerate_env(rank, world)
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=True)  # 2 CPU processes: Accelerate's MULTI_CPU, where it wraps in DDP
     base = build_llama("tiny", seed=0)
     out = {}
     for strategy in ("fsdp", "ddp"):
@@ -86,11 +86,11 @@ def _refusal_case(rank: int, world: int) -> dict:
     base = build_llama("tiny", seed=0)
     fsdp1 = wrap_model(copy.deepcopy(base), strategy="fsdp1", fp8="torchao")
     engine, _ = wrap_model(copy.deepcopy(base), strategy="deepspeed", micro_batch_size=2, optimizer={"type": "AdamW"})
-    out = {name: _refused(lambda m=model: Accelerator().prepare(m, torch.optim.AdamW(m.parameters())))
+    out = {name: _refused(lambda m=model: Accelerator(cpu=True).prepare(m, torch.optim.AdamW(m.parameters())))
            for name, model in (("fsdp1", fsdp1), ("deepspeed", engine))}
     AcceleratorState._reset_state(True)  # a fresh Accelerate run in this process (its state is process-wide)
     fsdp = wrap_model(copy.deepcopy(base), strategy="fsdp", fp8="torchao")
-    bf16 = Accelerator(mixed_precision="bf16")
+    bf16 = Accelerator(cpu=True, mixed_precision="bf16")
     out["bf16"] = _refused(lambda: bf16.prepare(fsdp, torch.optim.AdamW(fsdp.parameters())))
     return out
 
@@ -122,7 +122,8 @@ def test_readme_accelerate_script_trains():
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Hugging Face Trainer and Accelerate"):]
-    block = next(b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "Accelerator()" in b)
+    block = next(b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "Accelerator(" in b)
     out = run_ranks(_readme_case, block)[0]
     losses = [float(x) for x in re.findall(r"^step \d loss (\d+\.\d+)$", out, flags=re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "prepare returned the model itself: True" in out
