@@ -156,11 +156,15 @@ def _trainer_refusal_case(rank: int, world: int, out: str) -> dict:
 
     accelerate_env(rank, world)
     refused = {}
-    for name, strategy, args in (("fsdp1", "fsdp1", {}), ("bf16", "fsdp", {"bf16": True})):
+    cases = (("fsdp1", "fsdp1", {}, "train"), ("bf16", "fsdp", {"bf16": True}, "train"),
+             ("save fsdp", "fsdp", {}, "save"), ("save ddp", "ddp", {}, "save"))
+    for name, strategy, args, what in cases:
         AcceleratorState._reset_state(True)  # each Trainer its own Accelerate run (its state is process-wide)
         trainer = _trainer(wrap_model(build_llama("tiny", seed=0), strategy=strategy, fp8="torchao"), out, 1, **args)
         try:
             trainer.train()
+            if what == "save":
+                trainer.save_model(f"{out}/{name}")  # Trainer's own: rank 0 alone calls save_pretrained
             refused[name] = "not refused"
         except HandOverError as e:
             refused[name] = str(e)
@@ -172,6 +176,9 @@ def test_trainer_refuses_what_it_cannot_train_in_fp8dist_words(tmp_path):
     assert "(strategy='fsdp1') cannot be handed to Accelerate or the Hugging Face Trainer" in r["fsdp1"]
     assert "use strategy='fsdp' (FSDP2)" in r["fsdp1"]
     assert "mixed_precision='bf16'" in r["bf16"] and "drop bf16=/fp16= from TrainingArguments" in r["bf16"]
+    assert "save_pretrained cannot write a model wrapped by fp8dist.wrap_model (strategy='fsdp')" in r["save fsdp"]
+    assert "given the state dict of the wrapper" in r["save ddp"]
+    assert all("fp8dist.integrations.transformers.FP8DistTrainer" in r[k] for k in ("save fsdp", "save ddp"))
 
 
 BAD = 2  # the step whose forward makes an inf, on rank 0 only

@@ -91,9 +91,12 @@ def mark_distributed(model: nn.Module, strategy: str, facts: StrategyFacts) -> N
     """Set Accelerate's marker on ``model`` (what ``wrap_model`` returns, of ``strategy`` with ``facts``) to a
     :class:`HandOver`; on a wrapper (DDP) another trainer can drive, give its forward the signature of the model's
     own forward (``Trainer`` keeps the dataset columns it names) and show the model's :data:`SEEN_THROUGH`
-    attributes. Call once, last in ``wrap_model``."""
+    attributes; make the model's ``save_pretrained`` refuse what Trainer's rank-0 ``save_model`` would write wrong.
+    Call once, last in ``wrap_model``."""
     setattr(model, ACCELERATE_PREPARED, HandOver(strategy, facts))
     inner = unwrap_model(model)
+    if callable(getattr(type(inner), "save_pretrained", None)):
+        inner.save_pretrained = functools.partial(_checked_save, inner, strategy, facts)
     if inner is not model and _model_refusal(strategy, facts) is None:
         forward: Any = functools.partial(type(model).forward, model)
         forward.__signature__ = inspect.signature(inner.forward)
@@ -101,3 +104,22 @@ def mark_distributed(model: nn.Module, strategy: str, facts: StrategyFacts) -> N
         for name in SEEN_THROUGH:
             if hasattr(inner, name) and not hasattr(model, name):
                 setattr(model, name, getattr(inner, name))
+
+
+_SAVE_WAY = ("call fp8dist.save_pretrained(model, dir) on every rank, or train with "
+             "fp8dist.integrations.transformers.FP8DistTrainer (its save_model and checkpoints do)")
+
+
+def _checked_save(module: nn.Module, strategy: str, facts: StrategyFacts, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class ``save_pretrained``, refusing the two calls that would write it wrong: any call on FSDP2's
+    shards (one rank cannot gather them; transformers fails on their storage), and a wrapper's state dict (every
+    key ``module.*``: ``from_pretrained`` would find no weight) — both what ``Trainer.save_model`` does on rank 0.
+    Bound with ``functools.partial``, so that a deep copy of the model saves the copy."""
+    if facts.dtensor_shards:
+        raise HandOverError(f"save_pretrained cannot write {_what(strategy)}: its weights are shards spread over "
+                            f"the ranks; {_SAVE_WAY}.")
+    state = kwargs.get("state_dict")
+    if state and all(key.startswith("module.") for key in state):
+        raise HandOverError(f"save_pretrained was given the state dict of the wrapper of {_what(strategy)} (every "
+                            f"name module.*, which from_pretrained would not find); {_SAVE_WAY}.")
+    return type(module).save_pretrained(module, *args, **kwargs)
