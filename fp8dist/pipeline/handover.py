@@ -71,14 +71,16 @@ def _model_refusal(strategy: str, facts: StrategyFacts) -> str | None:
 def _accelerate_refusal(what: str) -> str | None:
     """Why the current Accelerate run would change a model fp8dist already sharded and cast; None: it would not."""
     from accelerate.state import AcceleratorState  # only Accelerate reads the marker
+    from accelerate.utils import DistributedType
 
     state = AcceleratorState()
-    kind = str(getattr(state, "distributed_type", "NO")).rsplit(".", 1)[-1]
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+    sharding = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    if state.distributed_type in sharding:
         return (f"{what} is already distributed, and Accelerate is set to distribute it again "
-                f"(distributed_type={kind}): launch without --use_fsdp/--use_deepspeed or an accelerate config "
-                "that shards, and without fsdp=/deepspeed= in TrainingArguments; fp8dist's strategy shards it.")
-    precision = str(getattr(state, "mixed_precision", "no"))
+                f"(distributed_type={state.distributed_type.value}): launch without --use_fsdp/--use_deepspeed or "
+                "an accelerate config that shards, and without fsdp=/deepspeed= in TrainingArguments; fp8dist's "
+                "strategy shards it.")
+    precision = str(state.mixed_precision)
     if precision != "no":
         return (f"{what} trains in the precision fp8dist planned (fp8dist.get_plan(model)), and Accelerate is set "
                 f"to mixed_precision={precision!r}, which it would not apply to a model it passes through: "
