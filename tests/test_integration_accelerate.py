@@ -57,6 +57,7 @@ def _prepare_case(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_accelerator_prepare_passes_wrapped_model_through_equal_to_own_loop():
     for rank, r in enumerate(run_ranks(_prepare_case)):
         for strategy, got in r.items():

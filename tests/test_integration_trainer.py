@@ -8,6 +8,7 @@ import copy
 
 import pytest
 from dist_harness import run_ranks
+from helpers import BATCH
 from integration_helpers import LR, ByteRows, accelerate_env, own_loop_losses
 
 pytest.importorskip("transformers", reason="transformers is not installed")
@@ -52,7 +53,7 @@ def _trainer_case(rank: int, world: int, strategy: str, out: str) -> dict:
     accelerate_env(rank, world)
     base = build_llama("tiny", seed=0)
     ours = wrap_model(copy.deepcopy(base), strategy=strategy, fp8="torchao")
-    trainer = _trainer(ours, out, STEPS)
+    trainer = _trainer(ours, out, STEPS, per_device_train_batch_size=BATCH // world)
     with FP8Gemms() as gemms:
         trainer.train()
     ref = wrap_model(copy.deepcopy(base), strategy=strategy, fp8="torchao")
@@ -64,11 +65,12 @@ def _trainer_case(rank: int, world: int, strategy: str, out: str) -> dict:
                 ddp_layers=ddp_layers, fp8_planned=len(get_plan(ours).fp8))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_trainer_trains_wrapped_model_equal_to_own_loop(strategy, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,world", [("fsdp", 2), ("ddp", 2), ("none", 1)])
+def test_trainer_trains_wrapped_model_equal_to_own_loop(strategy, world, tmp_path):
     """Trainer's default arguments (remove_unused_columns=True: the dataset's ``idx`` column is dropped by the
     signature of the model's own forward, not all columns by DDP's ``forward(*inputs, **kwargs)``)."""
-    for rank, r in enumerate(run_ranks(_trainer_case, strategy, str(tmp_path))):
+    for rank, r in enumerate(run_ranks(_trainer_case, strategy, str(tmp_path), world_size=world)):
         assert r["trained_ours"], "Trainer trains the model wrap_model returned, not a new wrapper around it"
         assert r["ddp_layers"] == (1 if strategy == "ddp" else 0), "no second DDP around the model"
         assert r["losses"] == r["ref"], f"rank {rank}"
@@ -92,6 +94,7 @@ def _example_case(rank: int, world: int, script: str, out: str) -> str:
     return printed.getvalue()
 
 
+@pytest.mark.slow
 def test_example_and_readme_script_train_with_trainer(tmp_path):
     from cli_helpers import ROOT
 
@@ -138,6 +141,7 @@ def _save_resume_case(rank: int, world: int, strategy: str, out: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_fp8dist_trainer_saves_for_from_pretrained_and_resumes_exactly(strategy, tmp_path):
     for rank, r in enumerate(run_ranks(_save_resume_case, strategy, str(tmp_path))):
@@ -171,6 +175,7 @@ def _trainer_refusal_case(rank: int, world: int, out: str) -> dict:
     return refused
 
 
+@pytest.mark.slow
 def test_trainer_refuses_what_it_cannot_train_in_fp8dist_words(tmp_path):
     r = run_ranks(_trainer_refusal_case, str(tmp_path))[0]
     assert "(strategy='fsdp1') cannot be handed to Accelerate or the Hugging Face Trainer" in r["fsdp1"]
@@ -255,6 +260,7 @@ def _meaning_case(rank: int, world: int, out: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_guard_and_gradient_accumulation_keep_their_meaning_inside_trainer(tmp_path):
     import math
 
