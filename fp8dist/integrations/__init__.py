@@ -1,1 +1,1 @@
-"""Hand-overs to other people's trainers (Hugging Face Trainer, Accelerate, Ray Train): one module each."""
+"""Hand-overs to other people's trainers (Hugging Face Trainer, Accelerate, Ray Train); each imports its own library."""

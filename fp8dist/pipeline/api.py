@@ -18,6 +18,7 @@ from ..config.text import plural
 from ..config.dtypes import dtype_name
 from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
+from .handover import mark_distributed
 from ..memory_levels import MemoryLevel, get_level
 from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
 from ..plan.adapter_rules import check_peft_adapters
@@ -248,6 +249,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     setattr(sharded.model, _INFO_ATTR, WrapInfo(cfg, env, plan, sharded.info, wiring, block_wiring,
                                                 sharded.loaded, sharded.materialized, guard))
     mark_wrapped(sharded.model, cfg.parallel.strategy)
+    mark_distributed(sharded.model, cfg.parallel.strategy, plan.facts)  # Accelerate and Trainer: pass it through
     watch_replaced_parameters(before, sharded.model.parameters(), sharded.model)
     refuse_later_parameters(sharded.model)  # PEFT after wrap_model: said in the first forward
     return _result(sharded, optimizer, memory, env)                                      # and the optimizer
