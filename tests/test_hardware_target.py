@@ -14,6 +14,7 @@ import fp8dist
 from fp8dist.cli import main
 from fp8dist.plan.hardware import TARGETS, Hardware, hardware_of, parse_target
 from fp8dist.plan.precision import FP8UnavailableError
+from fp8dist.train.models import build_llama
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
@@ -94,7 +95,7 @@ def test_transformer_engine_planned_for_a_gpu_without_it_installed_here(name, re
     hardware gate still applies; planning for here says it is missing."""
     target = TARGETS[name]
     cfg = fp8dist.resolve_config(strategy="fsdp", fp8="te", te_recipe=recipe, fp8_select="all")  # eligibility only
-    model = fp8dist.train.models.build_llama("tiny")
+    model = build_llama("tiny")
     with pytest.raises(FP8UnavailableError, match="cannot run here: Transformer Engine is not installed"):
         fp8dist.plan_precision(model, cfg, device=target)
     if not runs:
