@@ -186,6 +186,47 @@ def test_trainer_refuses_what_it_cannot_train_in_fp8dist_words(tmp_path):
     assert all("fp8dist.integrations.transformers.FP8DistTrainer" in r[k] for k in ("save fsdp", "save ddp"))
 
 
+def _deepspeed_refusal_case(rank: int, world: int, out: str) -> dict:
+    from pathlib import Path
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from fp8dist import wrap_model
+    from fp8dist.pipeline.handover import HandOverError
+    from fp8dist.train.models import build_llama
+
+    accelerate_env(rank, world)
+    engine, _ = wrap_model(build_llama("tiny", seed=0), strategy="deepspeed", zero_stage=2, fp8="torchao",
+                           micro_batch_size=2, optimizer={"type": "AdamW", "lr": LR})
+    config = dict(engine.config)
+    args = TrainingArguments(output_dir=out, max_steps=1, use_cpu=True, report_to="none")
+    try:  # the natural code; anything but fp8dist's refusal (transformers' AttributeError before) fails the test
+        Trainer(model=engine, args=args, train_dataset=ByteRows(1))
+        said, chained = "not refused", None
+    except HandOverError as e:
+        said, chained = str(e), e.__context__
+    # DeepSpeed's own use of its config is untouched: a step, and a checkpoint holding the config as it was
+    ids = ByteRows(1)[0]["input_ids"][None]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(f"{out}/ds", tag="one")
+    saved = torch.load(Path(out) / "ds" / "one" / "mp_rank_00_model_states.pt", weights_only=True)["ds_config"]
+    return dict(said=said, chained=repr(chained), config_kept=saved == config and engine.config == config,
+                steps=engine.global_steps)
+
+
+@pytest.mark.slow
+def test_trainer_refuses_a_deepspeed_engine_in_its_constructor_in_fp8dist_words(tmp_path):
+    r = run_ranks(_deepspeed_refusal_case, str(tmp_path), world_size=1)[0]
+    assert r["said"].startswith("a model wrapped by fp8dist.wrap_model (strategy='deepspeed') cannot be handed to "
+                                "Accelerate or the Hugging Face Trainer: its engine steps"), r["said"]
+    assert "use strategy='fsdp' or 'ddp', or train it in your own loop" in r["said"]
+    assert "config.use_cache was set on it as on a model's config" in r["said"]
+    assert r["chained"] == "None", "raised by fp8dist itself, not over an error of transformers"
+    assert r["config_kept"] and r["steps"] == 1
+
+
 BAD = 2  # the step whose forward makes an inf, on rank 0 only
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections import OrderedDict
 from typing import Any
 
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from ..config.axis import StrategyFacts
 from ..strategies import unwrap_model
 
-__all__ = ["ACCELERATE_PREPARED", "SEEN_THROUGH", "HandOver", "HandOverError", "mark_distributed"]
+__all__ = ["ACCELERATE_PREPARED", "SEEN_THROUGH", "EngineConfig", "HandOver", "HandOverError", "mark_distributed"]
 
 ACCELERATE_PREPARED = "_is_accelerate_prepared"
 """Accelerate's own guard against wrapping a model twice: ``prepare`` returns a model whose marker is true as it
@@ -49,6 +50,26 @@ class HandOver:
     def refusal(self) -> str | None:
         """Why Accelerate cannot take this model now; None: it can."""
         return _model_refusal(self.strategy, self.facts) or _accelerate_refusal(_what(self.strategy))
+
+
+class EngineConfig(dict):
+    """An engine's own config dict (DeepSpeed's ``engine.config``, written into its checkpoints) on an engine
+    ``Trainer`` cannot take: ``Trainer``'s constructor sets ``use_cache`` on its model's ``config``, taking the dict
+    for a model config, which a plain dict refuses with an ``AttributeError`` from inside transformers. Setting any
+    attribute on this one raises :class:`HandOverError` with the refusal instead; as a dict it is the engine's
+    config as it was, and it pickles and copies as an ``OrderedDict`` (a checkpoint holding it still loads with
+    ``torch.load(weights_only=True)``, which refuses a dict subclass and rebuilding a plain dict alike)."""
+
+    def __init__(self, config: dict, refusal: str):
+        super().__init__(config)
+        object.__setattr__(self, "refusal", refusal)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise HandOverError(f"{self.refusal} (config.{name} was set on it as on a model's config, as the Hugging "
+                            "Face Trainer does: its config is DeepSpeed's dict.)")
+
+    def __reduce__(self) -> tuple:
+        return OrderedDict, (list(self.items()),)
 
 
 def _what(strategy: str) -> str:
@@ -93,13 +114,17 @@ def mark_distributed(model: nn.Module, strategy: str, facts: StrategyFacts) -> N
     """Set Accelerate's marker on ``model`` (what ``wrap_model`` returns, of ``strategy`` with ``facts``) to a
     :class:`HandOver`; on a wrapper (DDP) another trainer can drive, give its forward the signature of the model's
     own forward (``Trainer`` keeps the dataset columns it names) and show the model's :data:`SEEN_THROUGH`
-    attributes; make the model's ``save_pretrained`` refuse what Trainer's rank-0 ``save_model`` would write wrong.
+    attributes; make the model's ``save_pretrained`` refuse what Trainer's rank-0 ``save_model`` would write wrong,
+    and the own config dict of an engine no trainer can drive refuse being set as a model's (:class:`EngineConfig`).
     Call once, last in ``wrap_model``."""
     setattr(model, ACCELERATE_PREPARED, HandOver(strategy, facts))
+    refusal = _model_refusal(strategy, facts)
+    if refusal and type(model.__dict__.get("config")) is dict:  # DeepSpeed's engine: its own config, no model's
+        model.config = EngineConfig(model.config, refusal)
     inner = unwrap_model(model)
     if callable(getattr(type(inner), "save_pretrained", None)):
         inner.save_pretrained = functools.partial(_checked_save, inner, strategy, facts)
-    if inner is not model and _model_refusal(strategy, facts) is None:
+    if inner is not model and refusal is None:
         forward: Any = functools.partial(type(model).forward, model)
         forward.__signature__ = inspect.signature(inner.forward)
         model.forward = forward
