@@ -39,9 +39,6 @@ class StepConstants:
     """Passes over the Linear activations eager makes where compile fuses into one (assumed)."""
     collective_fraction: float = 0.8
     """Fraction of one direction's link bandwidth an NCCL all-gather / reduce-scatter reaches (assumed)."""
-    network_gbps: float = 50.0
-    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s (DGX H100 / B200 datasheets; torchtitan's Grand Teton hosts)."""
-    gpus_per_node: int = 8
     optimizer_bytes: float = 32.0
     """Bytes per parameter shard of an fp32 AdamW step (param, grad, two moments read; three written; the norm)."""
     fitted_gpu: str = "h100-hbm2e"
@@ -51,7 +48,7 @@ class StepConstants:
                       "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
 
 
-STEP_CONSTANTS = StepConstants(gemm_efficiency=1.161, memory_traffic=5.96)
+STEP_CONSTANTS = StepConstants(gemm_efficiency=1.097, memory_traffic=6.4)
 """Fitted by ``benchmarks/step_model/fit.py`` (its ``fit.json`` holds the same numbers)."""
 
 
@@ -91,6 +88,12 @@ class StepTime:
     compile: bool
     activation_checkpointing: str
     fp8_layers: int
+    nvlink_domain: int
+    """GPUs whose collectives run at the GPU's NVLink (or PCIe) bandwidth; beyond them, at ``network_gbps``."""
+    network_gbps: float
+    """Bandwidth between NVLink domains per GPU and direction, GB/s (gigabytes)."""
+    topology_source: str
+    """Where the two come from: the GPU record's sources, or the values passed to :func:`predict_step`."""
     flops_per_token: float
     """Training FLOPs per token, PaLM's 6N + 12LHQT (what torchtitan's MFU divides)."""
     bf16: StepParts
@@ -134,10 +137,17 @@ class StepTime:
                     bf16_tokens_per_s=self.bf16_tokens_per_s, bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s,
                     mfu=self.mfu, bf16_mfu=self.bf16_mfu, prediction=True)
 
+    @property
+    def setting(self) -> str:
+        """The run the prediction is for, in words: batch, activation checkpointing, compile and topology."""
+        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank, activation checkpointing "
+                f"{self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, NVLink domain "
+                f"{self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
+
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
         return (f"predicted step {self.speedup:.2f}x on {self.world_size}x {self.gpu_label} ({self.recipe}{basis}): "
-                f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU")
+                f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU ({self.setting})")
 
 
 def linear_shapes(model: nn.Module) -> tuple[list[tuple[str, int, int]], str | None]:
@@ -191,17 +201,38 @@ def _attention(config: Any, spec: GpuSpec, tokens: int, seq_len: int, c: StepCon
     return flops / (spec.bf16_tflops * 1e12 * c.attention_fraction), 12 * config.num_hidden_layers * width * seq_len
 
 
+def _check_topology(nvlink_domain: Any, network_gbps: Any) -> None:
+    if nvlink_domain is not None and (isinstance(nvlink_domain, bool) or not isinstance(nvlink_domain, int)
+                                      or nvlink_domain < 1):
+        raise ValueError(f"nvlink_domain={nvlink_domain!r}: a positive integer, the GPUs one NVLink domain joins "
+                         "(8 for an HGX / DGX node, 72 for an NVL72 rack); None: the GPU record's.")
+    if network_gbps is not None and (isinstance(network_gbps, bool) or not isinstance(network_gbps, (int, float))
+                                     or not network_gbps > 0):
+        raise ValueError(f"network_gbps={network_gbps!r}: a positive number, GB/s per GPU between NVLink domains "
+                         "(gigabytes: a 400 Gb/s NIC is 50); None: the GPU record's.")
+
+
+def _topology(spec: GpuSpec, nvlink_domain: int | None, network_gbps: float | None) -> tuple[int, float, str]:
+    """(NVLink domain, network GB/s, their source): the GPU record's unless given."""
+    domain = spec.nvlink_domain if nvlink_domain is None else nvlink_domain
+    network = spec.network_gbps if network_gbps is None else float(network_gbps)
+    given = [f"{name}={value!r}" for name, value in (("nvlink_domain", nvlink_domain), ("network_gbps", network_gbps))
+             if value is not None]
+    record = f"{spec.key} record: {spec.nvlink_domain}-GPU NVLink domain; network {spec.network_source}"
+    return domain, network, (f"given: {', '.join(given)}; otherwise the {record}" if given else f"the {record}")
+
+
 def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_params: int, reduce_bytes: int,
-                 c: StepConstants) -> float:
+                 domain: int, network_gbps: float, c: StepConstants) -> float:
     """Seconds of a step's collectives: FSDP gathers parameters twice and reduce-scatters gradients; a replicating
-    strategy all-reduces gradients (twice the bytes of one pass)."""
+    strategy all-reduces gradients (twice the bytes of one pass). Inside one NVLink domain a ring runs at the
+    GPU's NVLink (or PCIe) bandwidth; a ring spanning domains, at the slower of that and the network's."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
         raise ValueError(f"{spec.label}: the GPU table gives no GPU-to-GPU bandwidth, so collectives cannot be "
                          "predicted: predict world_size=1 or a GPU whose record has it.")
-    link = spec.interconnect_gbps / 2 if world_size <= c.gpus_per_node else min(spec.interconnect_gbps / 2,
-                                                                               c.network_gbps)
+    link = spec.interconnect_gbps / 2 if world_size <= domain else min(spec.interconnect_gbps / 2, network_gbps)
     bandwidth = link * 1e9 * c.collective_fraction
     share = (world_size - 1) / world_size  # a ring moves (W-1)/W of the bytes through each rank
     gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
@@ -226,7 +257,8 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
 def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, world_size: int, micro_batch_size: int,
                  seq_len: int, fp8: str = TorchaoBackend.name, recipe: str | None = None, compile: bool | None = None,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
-                 fp8_layers: Collection[str] | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 fp8_layers: Collection[str] | None = None, nvlink_domain: int | None = None,
+                 network_gbps: float | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
@@ -241,12 +273,14 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``); None: the one of the
             backend's default config (torchao: tensorwise; te: te_delayed).
         fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's).
+        nvlink_domain: GPUs one NVLink domain joins (collectives within it run at NVLink bandwidth); network_gbps:
+            GB/s per GPU between domains; None: the GPU record's (``GpuSpec.nvlink_domain``, ``network_gbps``).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
 
     Raises:
         ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
             not run, a combination the table refuses (``compile=True`` with ``fp8='te'``), a config transformers
-            builds no causal language model from.
+            builds no causal language model from, a non-positive ``nvlink_domain`` or ``network_gbps``.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -259,6 +293,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     from ...fp8 import get_backend
 
     _check(world_size, micro_batch_size, seq_len)
+    _check_topology(nvlink_domain, network_gbps)
     # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
@@ -276,11 +311,13 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     model = _meta_model(model_or_config)
     config = getattr(model, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     return _predict(model, config, recipe, fp8_layers, spec, cfg, facts_of(cfg, world_size), world_size,
-                    micro_batch_size * seq_len, seq_len, compile, constants)
+                    micro_batch_size * seq_len, seq_len, compile, _topology(spec, nvlink_domain, network_gbps),
+                    constants)
 
 
 def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None, spec: GpuSpec, cfg: Any,
-             facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool, c: StepConstants) -> StepTime:
+             facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool,
+             topology: tuple[int, float, str], c: StepConstants) -> StepTime:
     from ...config.resolve import torch_dtype
 
     shapes, head = linear_shapes(model)
@@ -307,14 +344,14 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     bf16_gemm = sum(p.bf16_s for p in preds.values())
     fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
     sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                    _collectives(spec, facts, world_size, params, fp8, reduce_bytes, c),
+                    _collectives(spec, facts, world_size, params, fp8, reduce_bytes, *topology[:2], c),
                     mode, blocks, shards, c)
              for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
                                       (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
-                    compile, mode, len(fp8_names), flops, sides[0], sides[1], calibrated)
+                    compile, mode, len(fp8_names), *topology, flops, sides[0], sides[1], calibrated)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
