@@ -37,6 +37,9 @@ class StepConstants:
     """Backward FLOPs over forward: five matmuls against two (FlashAttention-2, Dao 2023, arXiv:2307.08691)."""
     eager_traffic: float = 3.0
     """Passes over the Linear activations eager makes where compile fuses into one (assumed)."""
+    adapter_traffic: float = 3.0
+    """Passes over a trainable Linear's bf16 input and output beside a frozen base (a LoRA adapter: dropout writes
+    its input, lora_A reads it, lora_B's output is read and added to the base output), counted from PEFT's ops."""
     collective_fraction: float = 0.8
     """Fraction of one direction's link bandwidth an NCCL all-gather / reduce-scatter reaches (assumed)."""
     optimizer_bytes: float = 32.0
@@ -88,6 +91,10 @@ class StepTime:
     compile: bool
     activation_checkpointing: str
     fp8_layers: int
+    params: int
+    trainable_params: int
+    """Parameters with ``requires_grad`` (a LoRA run's adapters): only these have a gradient, an optimizer step and a
+    gradient collective; a frozen Linear's backward has no grad_weight GEMM."""
     nvlink_domain: int
     """GPUs whose collectives run at the GPU's NVLink (or PCIe) bandwidth; beyond them, at ``network_gbps``."""
     network_gbps: float
@@ -140,7 +147,9 @@ class StepTime:
     @property
     def setting(self) -> str:
         """The run the prediction is for, in words: batch, activation checkpointing, compile and topology."""
-        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank, activation checkpointing "
+        frozen = (f", base frozen ({self.trainable_params:,} of {self.params:,} parameters trainable)"
+                  if self.trainable_params < self.params else "")
+        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank{frozen}, activation checkpointing "
                 f"{self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, NVLink domain "
                 f"{self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
 
@@ -222,11 +231,12 @@ def _topology(spec: GpuSpec, nvlink_domain: int | None, network_gbps: float | No
     return domain, network, (f"given: {', '.join(given)}; otherwise the {record}" if given else f"the {record}")
 
 
-def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_params: int, reduce_bytes: int,
-                 domain: int, network_gbps: float, c: StepConstants) -> float:
-    """Seconds of a step's collectives: FSDP gathers parameters twice and reduce-scatters gradients; a replicating
-    strategy all-reduces gradients (twice the bytes of one pass). Inside one NVLink domain a ring runs at the
-    GPU's NVLink (or PCIe) bandwidth; a ring spanning domains, at the slower of that and the network's."""
+def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: tuple[int, int], fp8_params: int,
+                 reduce_bytes: int, domain: int, network_gbps: float, c: StepConstants) -> float:
+    """Seconds of a step's collectives: of ``params`` (all, trainable), FSDP gathers all twice and reduce-scatters
+    the trainable ones' gradients; a replicating strategy all-reduces those gradients (twice the bytes of one pass).
+    Inside one NVLink domain a ring runs at the GPU's NVLink (or PCIe) bandwidth; a ring spanning domains, at the
+    slower of that and the network's."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
@@ -235,8 +245,9 @@ def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_pa
     link = spec.interconnect_gbps / 2 if world_size <= domain else min(spec.interconnect_gbps / 2, network_gbps)
     bandwidth = link * 1e9 * c.collective_fraction
     share = (world_size - 1) / world_size  # a ring moves (W-1)/W of the bytes through each rank
+    params, trainable = params
     gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
-    moved = 2 * gathered + reduce_bytes * params if facts.shards_params else 2 * reduce_bytes * params
+    moved = 2 * gathered + reduce_bytes * trainable if facts.shards_params else 2 * reduce_bytes * trainable
     return moved * share / bandwidth
 
 
@@ -264,6 +275,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
 
     Args:
         model_or_config: an ``nn.Module`` (the meta device is enough) or a Hugging Face config, built on meta here.
+            A module's parameters with ``requires_grad=False`` are frozen (a LoRA base, e.g. a PEFT model): no
+            grad_weight GEMM, optimizer step or gradient collective for them.
         target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
         fp8: a backend the speed model covers ('torchao', 'te').
@@ -272,7 +285,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
             table refuses it for ``fp8`` (Transformer Engine: off).
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``); None: the one of the
             backend's default config (torchao: tensorwise; te: te_delayed).
-        fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's).
+        fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's);
+            with a frozen base (Linears whose weight has ``requires_grad=False``, as under LoRA), the frozen ones.
         nvlink_domain: GPUs one NVLink domain joins (collectives within it run at NVLink bandwidth); network_gbps:
             GB/s per GPU between domains; None: the GPU record's (``GpuSpec.nvlink_domain``, ``network_gbps``).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
@@ -321,37 +335,45 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     from ...config.resolve import torch_dtype
 
     shapes, head = linear_shapes(model)
-    preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile) for n, k, o in shapes}
+    frozen = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+    preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile, weight_grad=n not in frozen)
+             for n, k, o in shapes}
+    # default: every Linear but the head; with a frozen base (LoRA), its Linears only (the adapters stay bf16)
     fp8_names = [n for n, k, o in shapes
-                 if ((n != head and k % 16 == 0 and o % 16 == 0) if chosen is None else n in chosen)]
+                 if ((n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)) if chosen is None
+                     else n in chosen)]
     if chosen is not None and len(fp8_names) != len(set(chosen)):
         unknown = sorted(set(chosen) - set(fp8_names))
         raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
                          "model.named_modules() (or None for every Linear but the output head).")
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gathered_fp8 = recipe_named(recipe).fp8_all_gather and facts.dtensor_shards
     fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
     reduce_bytes = torch_dtype(cfg.parallel.reduce_dtype).itemsize
     attention_s, attention_flops = _attention(config, spec, tokens, seq_len, c)
     bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
-    activation = 2 * sum(k + o for _, k, o in shapes) * tokens  # bf16 bytes of every Linear's input and output
+    # bf16 bytes of every Linear's input and output (memory_traffic is per byte of a transformer's Linears: with a
+    # frozen base, its Linears'; the adapters beside them at adapter_traffic)
+    activation = 2 * sum(k + o for n, k, o in shapes if not frozen or n in frozen) * tokens
+    adapters = 2 * sum(k + o for n, k, o in shapes if frozen and n not in frozen) * tokens
     # eager runs unfused what compile fuses: (eager_traffic - 1) more passes over the ideal (once-each) traffic
     traffic = c.memory_traffic + (0 if compile else c.eager_traffic - 1)
-    memory_s = 3 * traffic * activation / bandwidth
-    optimizer_s = params / (facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
+    memory_s = 3 * (traffic * activation + c.adapter_traffic * adapters) / bandwidth
+    optimizer_s = trainable / (facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
     blocks = getattr(config, "num_hidden_layers", 1) or 1
     mode, shards = cfg.parallel.activation_checkpointing, facts.shards_params
     bf16_gemm = sum(p.bf16_s for p in preds.values())
     fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
     sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                    _collectives(spec, facts, world_size, params, fp8, reduce_bytes, *topology[:2], c),
+                    _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c),
                     mode, blocks, shards, c)
              for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
                                       (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
-                    compile, mode, len(fp8_names), *topology, flops, sides[0], sides[1], calibrated)
+                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
