@@ -240,6 +240,9 @@ def test_every_gpu_record_has_its_topology():
     for spec in GPUS:
         assert spec.network_gbps > 0 and "Gb/s" in spec.network_source and "GB/s" in spec.network_source
     assert (gpu_by_key("h100").network_gbps, gpu_by_key("gb300").network_gbps) == (50.0, 100.0)  # 400 / 800 Gb/s
+    assert gpu_by_key("gb300").describe().endswith(
+        "NVLink domain 72 GPUs, network 100 GB/s per GPU between domains (GB300 NVL72 specifications: one ConnectX-8 "
+        "SuperNIC, 800 Gb/s, per GPU between racks: 100 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s))")
 
 
 def test_70b_on_64_gb300_keeps_its_collectives_on_nvlink_and_meets_megatron_bridge(llama_70b):

@@ -157,7 +157,8 @@ class GpuSpec:
                   f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)")
         return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
                 f"TB/s ({self.source.document}, {self.source.url}: {self.source.note}); speed model constants "
-                f"{fitted}")
+                f"{fitted}; NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU "
+                f"between domains ({self.network_source})")
 
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
