@@ -32,10 +32,11 @@ from agreement import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, FIT_ROWS, GROUPED_FIT_
 TABLE = read_measurements(ROOT / "tests" / "data" / "torchao_fp8_rowwise_h100.csv")
 DIMS = (1024, 2048, 4096, 8192, 16384, 32768)
 H100 = gpu_by_key("h100")
+TORCHAO_H100 = gpu_by_key("h100-hbm2e")  # the 2.4 TB/s part torchao's table was measured on: the fit's record
 
 
 def _model(row) -> float:
-    return rig_speedup(row.m, row.k, row.n, H100)
+    return rig_speedup(row.m, row.k, row.n, TORCHAO_H100)
 
 
 def test_the_table_holds_the_published_figures():
@@ -56,9 +57,9 @@ def test_the_model_meets_the_goal_on_the_published_table():
     every = agreement(TABLE, _model)
     assert every.right >= 207 and every.converted_slower == 0  # measured: 207/216, 0
     assert every.geomean_chosen >= 1.068  # measured 1.0681 (perfect 1.0695)
-    assert every.median_relative_error <= 0.045  # measured 0.043
+    assert every.median_relative_error <= 0.049  # measured 0.048 (0.043 fitted on the 3.35 TB/s record)
     assert held.right >= 102 and held.converted_slower == 0  # measured: 102/108, 0
-    assert held.median_relative_error <= 0.05  # measured 0.046
+    assert held.median_relative_error <= 0.05  # measured 0.0497 (0.046 fitted on the 3.35 TB/s record)
 
 
 def test_torchao_rules_score_as_the_issue_says():
@@ -96,13 +97,14 @@ def _1b_gemms(tokens: int) -> list[tuple[str, int, int, int]]:
 
 def test_the_1b_preset_under_rowwise_on_h100_stays_bf16_where_the_table_says_slower():
     """At 4 x 2048 tokens the table measures q_proj 0.64x and k/v below its smallest N (<= 0.59x at this M):
-    each is kept in bf16 with its figure; the step's GEMM time is then the bf16 one."""
-    step = predict_gemms(_1b_gemms(4 * 2048), target="h100", recipe="rowwise")
+    each is kept in bf16 with its figure; the step's GEMM time is then the bf16 one. On the part the table was
+    measured on (h100-hbm2e): there the prediction is calibrated."""
+    step = predict_gemms(_1b_gemms(4 * 2048), target="h100-hbm2e", recipe="rowwise")
     by_name = {c.name: c for c in step.layers}
     assert by_name["k_proj"].prediction.n == 512
     for name in ("q_proj", "k_proj", "v_proj"):
         assert not by_name[name].fp8 and by_name[name].prediction.speedup < 0.8
-    assert by_name["q_proj"].prediction.describe() == "predicted 0.60x on H100 at 8,192 tokens (rowwise)"
+    assert by_name["q_proj"].prediction.describe() == "predicted 0.57x on H100 96GB HBM2e at 8,192 tokens (rowwise)"
     assert step.chosen_s <= step.bf16_s < step.all_fp8_s
     assert step.calibrated
 
@@ -166,7 +168,7 @@ def test_targets_and_the_gpu_table_are_one_source():
         assert find_gpu(target).spec is spec
         assert spec.source.url.startswith("https://") and spec.source.document
         assert spec.bf16_tflops > 0 and spec.memory_tbps > 0
-        assert spec.calibrated == (spec.key in ("h100", "b200"))
+        assert spec.calibrated == (spec.key in ("h100-hbm2e", "b200"))  # the parts torchao measured on
         assert spec.has_fp8 == (spec.capability >= (8, 9))
     assert fp8dist.predict_fp8_speedup is predict_fp8_speedup
 

@@ -38,7 +38,7 @@ def calibration(values: tuple[float, ...]):
 def loss(values: tuple[float, ...], rows) -> float:
     if values[0] > 1:
         return math.inf
-    gpu = dataclasses.replace(gpu_by_key("h100"), calibration=calibration(values))
+    gpu = dataclasses.replace(gpu_by_key(H100_CALIBRATION.measured_on), calibration=calibration(values))
     return sum(math.log(rig_speedup(r.m, r.k, r.n, gpu) / r.speedup) ** 2 for r in rows)
 
 
@@ -91,7 +91,7 @@ def main() -> None:
     measured = read_measurements(TABLE)
     fit_rows = [r for r in measured if r.m in FIT_ROWS]
     values, value = fit(fit_rows)
-    gpu = dataclasses.replace(gpu_by_key("h100"), calibration=calibration(values))
+    gpu = dataclasses.replace(gpu_by_key(H100_CALIBRATION.measured_on), calibration=calibration(values))
     predict = lambda r: rig_speedup(r.m, r.k, r.n, gpu)  # noqa: E731
     scores = {name: dataclasses.asdict(agreement([r for r in measured if r.m in ms], predict))
               for name, ms in (("fit rows", FIT_ROWS), ("held-out rows", HELD_OUT_ROWS),

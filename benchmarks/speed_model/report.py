@@ -25,7 +25,7 @@ import torchao
 from agreement import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 import fp8dist
-from fp8dist.plan.gpus import gpu_by_key
+from fp8dist.plan.gpus import H100_CALIBRATION, gpu_by_key
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"
@@ -56,7 +56,7 @@ def torchao_roofline(fusion: bool):
 
 def main() -> None:
     measured = read_measurements(TABLE)
-    h100 = gpu_by_key("h100")
+    h100 = gpu_by_key(H100_CALIBRATION.measured_on)
     model = lambda r: rig_speedup(r.m, r.k, r.n, h100)  # noqa: E731
     rules = {f"fp8dist speed model, margin {m}": (model, m, True) for m in MARGINS}
     rules |= {"torchao static rule (_auto_filter_for_rowwise)": (torchao_rule(), 0.5, False),

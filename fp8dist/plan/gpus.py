@@ -64,17 +64,19 @@ class Calibration:
 
 H100_CALIBRATION = Calibration(
     bf16_gemm_fraction=0.78,
-    fp8_gemm_fraction=0.903,
+    fp8_gemm_fraction=0.978,
     memory_fraction=0.92,
-    cast_slowdown=(11.7, 8.21, 5.71),
+    cast_slowdown=(9.15, 5.85, 4.39),
     kernel_floor_s=2e-6,
-    measured_on="h100",
+    measured_on="h100-hbm2e",
     source=Source(
         "torchao float8 rowwise vs bfloat16 speedup table, H100 (LayerNorm -> Linear -> Sigmoid, fwd + bwd, "
         "compiled), 216 shapes",
         "https://github.com/pytorch/ao/blob/fdddb2cfa2a4ea930dfce9ef23429013b466b22d/docs/static/fp8-rowwise-perf.png",
         "fp8_gemm_fraction and cast_slowdown fitted by benchmarks/speed_model/fit.py on the rows M in {1024, "
-        "4096, 16384} of tests/data/torchao_fp8_rowwise_h100.csv (2026-11-24); bf16_gemm_fraction, "
+        "4096, 16384} of tests/data/torchao_fp8_rowwise_h100.csv against the record of the part that measured "
+        "them, h100-hbm2e (Meta's 2.4 TB/s H100: roofline_utils.py's H100 figures are that part's); a cast's "
+        "seconds scale with the target's own bandwidth; bf16_gemm_fraction, "
         "memory_fraction and kernel_floor_s are torchao's H100 figures (torchao/testing/training/"
         "roofline_utils.py: pct_achievable_gemm_tops, pct_achievable_mem_bw, KERNEL_LAUNCH_OVERHEAD_SEC)"),
 )
@@ -127,8 +129,16 @@ class GpuSpec:
     fp4_tflops: float | None = None
     """Dense FP4 (NVFP4) peak, TFLOP/s; None where the GPU (or its datasheet) has none."""
     interconnect_gbps: float | None = None
-    """GPU-to-GPU bandwidth in a node, GB/s, both directions as datasheets print it; the step model uses half per
-    direction. None: not in the datasheet (the step model refuses sharded runs on it)."""
+    """GPU-to-GPU bandwidth inside the NVLink domain, GB/s, both directions as datasheets print it; the step model
+    uses half per direction. None: not in the datasheet (the step model refuses sharded runs on it)."""
+    nvlink_domain: int = 8
+    """GPUs that reach each other at ``interconnect_gbps``: an HGX / DGX node's 8 (NVLink, or PCIe where it has
+    none), an NVL72 rack's 72; beyond it collectives cross the network."""
+    network_gbps: float = 50.0
+    """Bandwidth between NVLink domains per GPU and direction, in GB/s (gigabytes: a 400 Gb/s NIC is 50 GB/s)."""
+    network_source: str = ("one 400 Gb/s NIC per GPU (ConnectX-7 InfiniBand / RoCE, as DGX H100, DGX B200 and "
+                           "torchtitan's Grand Teton hosts have): 50 GB/s")
+    """Where ``network_gbps`` comes from (or that it is assumed)."""
 
     @property
     def calibrated(self) -> bool:
@@ -147,7 +157,8 @@ class GpuSpec:
                   f"borrowed from {self.calibration.measured_on} (its predictions uncalibrated)")
         return (f"{self.label} ({self.key}): dense bf16 {self.bf16_tflops:g} TFLOP/s, {fp8}, {self.memory_tbps:g} "
                 f"TB/s ({self.source.document}, {self.source.url}: {self.source.note}); speed model constants "
-                f"{fitted}")
+                f"{fitted}; NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU "
+                f"between domains ({self.network_source})")
 
 
 _HOPPER = Source("NVIDIA H100 Tensor Core GPU datasheet", "https://www.nvidia.com/en-us/data-center/h100/",
@@ -212,14 +223,20 @@ GPUS: tuple[GpuSpec, ...] = (
         "NVIDIA GB200 NVL72 specifications", "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
         "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
         "twice; 372 GB HBM3e, halved; NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
-            fp4_tflops=10000.0, interconnect_gbps=1800.0),
+            fp4_tflops=10000.0, interconnect_gbps=1800.0, nvlink_domain=72,
+            network_source="GB200 NVL72 specifications: one ConnectX-7 400 Gb/s InfiniBand NIC per GPU (72 per "
+            "rack) between racks: 50 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
     GpuSpec("b300", "B300", (10, 3), r"(?<!G)B300", 2250.0, 4500.0, 7.7, 270.0, _BLACKWELL_BRIEF_HGX,
-            calibration=B200_CALIBRATION, fp4_tflops=14000.0, interconnect_gbps=1800.0),
+            calibration=B200_CALIBRATION, fp4_tflops=14000.0, interconnect_gbps=1800.0, network_gbps=100.0,
+            network_source="HGX B300: one ConnectX-8 SuperNIC, 800 Gb/s, per GPU: 100 GB/s"),
     GpuSpec("gb300", "GB300", (10, 3), r"GB300", 2500.0, 5000.0, 8.0, 279.0, Source(
         _BLACKWELL_BRIEF_HGX.document, _BLACKWELL_BRIEF_HGX.url,
         "Table 2, GB300 NVL72 (72 GPUs): FP4 1,080, FP8/FP6 360 and FP16/BF16 180 PFLOPS dense, 576 TB/s, divided by "
         "72; 279 GB HBM3e per GPU (p. 17); NVLink 1.8 TB/s per GPU; read as _BLACKWELL_BRIEF_HGX says"),
-            calibration=B200_CALIBRATION, fp4_tflops=15000.0, interconnect_gbps=1800.0),
+            calibration=B200_CALIBRATION, fp4_tflops=15000.0, interconnect_gbps=1800.0, nvlink_domain=72,
+            network_gbps=100.0,
+            network_source="GB300 NVL72 specifications: one ConnectX-8 SuperNIC, 800 Gb/s, per GPU between racks: "
+            "100 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
     GpuSpec("mi300x", "MI300X", (9, 4), r"MI300X", 1307.4, 2614.9, 5.3, 192.0, Source(
         "AMD Instinct MI300X accelerator data sheet",
         "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"

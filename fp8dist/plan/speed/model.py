@@ -108,10 +108,11 @@ def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: flo
     return max(compute, memory, cal.kernel_floor_s)
 
 
-def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool) -> float:
+def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool,
+             weight_grad: bool = True) -> float:
     x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
-    # output, grad_input, grad_weight: (operand elements read, elements written)
-    gemms = ((x + w, g), (g + w, x), (x + g, w))
+    # output, grad_input, grad_weight: (operand elements read, elements written); a frozen weight has no grad_weight
+    gemms = ((x + w, g), (g + w, x), (x + g, w))[:3 if weight_grad else 2]
     low = recipe.fp8_gemms if recipe else (False, False, False)
     return sum(gemm_seconds(gpu, m, k, n, reads * (recipe.operand_bytes + recipe.scale_bytes), _BF16 * writes,
                             recipe.gemm, grouped) if f else
@@ -140,15 +141,17 @@ def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, 
 
 
 def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool,
-                   groups: int = 1) -> tuple[float, float, float]:
-    """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds: the model unchecked, as the fits call it with trial constants."""
-    bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped)
-    fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped)
+                   groups: int = 1, weight_grad: bool = True) -> tuple[float, float, float]:
+    """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds: the model unchecked, as the fits call it with trial constants.
+    ``weight_grad`` False: a frozen weight (a LoRA base), whose backward runs no grad_weight GEMM; its casts are
+    counted as a trainable weight's (an overestimate: the operands' grad_weight layouts are not subtracted)."""
+    bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped, weight_grad)
+    fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped, weight_grad)
     return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
 
 
 def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
-                   compile: bool = True, groups: int = 1) -> LinearPrediction:
+                   compile: bool = True, groups: int = 1, weight_grad: bool = True) -> LinearPrediction:
     """One Linear's predicted forward + backward time in bf16 and in FP8, with its breakdown
     (:func:`predict_fp8_speedup` returns the ratio only).
 
@@ -160,13 +163,14 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
             te_delayed, te_current, te_blockwise, te_mxfp8, te_nvfp4; mxfp8, nvfp4; moe_fp8_rowwise, moe_mxfp8).
         compile: under ``torch.compile`` torchao's casts fuse with the previous op; TE's kernels are the same.
         groups: experts of a grouped GEMM (``moe_*`` recipes only).
+        weight_grad: False for a frozen weight (``requires_grad=False``, a LoRA base): no grad_weight GEMM.
 
     Raises:
         ValueError: an unknown target or recipe, a GPU without FP8 or without the recipe's GEMMs, bad dimensions.
     """
     spec, chosen = resolve_gpu(target), recipe_named(recipe)
     _check(m, k, n, groups, chosen, spec)
-    bf16, fp8, casts = linear_seconds(m, k, n, spec, chosen, compile, groups)
+    bf16, fp8, casts = linear_seconds(m, k, n, spec, chosen, compile, groups, weight_grad)
     calibrated = spec.calibrated and recipe in spec.calibration.recipes and compile
     return LinearPrediction(m, k, n, groups, recipe, spec.key, spec.label, compile, bf16, fp8, casts, calibrated)
 

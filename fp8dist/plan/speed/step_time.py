@@ -37,11 +37,11 @@ class StepConstants:
     """Backward FLOPs over forward: five matmuls against two (FlashAttention-2, Dao 2023, arXiv:2307.08691)."""
     eager_traffic: float = 3.0
     """Passes over the Linear activations eager makes where compile fuses into one (assumed)."""
+    adapter_traffic: float = 3.0
+    """Passes over a trainable Linear's bf16 input and output beside a frozen base (a LoRA adapter: dropout writes
+    its input, lora_A reads it, lora_B's output is read and added to the base output), counted from PEFT's ops."""
     collective_fraction: float = 0.8
     """Fraction of one direction's link bandwidth an NCCL all-gather / reduce-scatter reaches (assumed)."""
-    network_gbps: float = 50.0
-    """Bandwidth between nodes per GPU, GB/s: 400 Gb/s (DGX H100 / B200 datasheets; torchtitan's Grand Teton hosts)."""
-    gpus_per_node: int = 8
     optimizer_bytes: float = 32.0
     """Bytes per parameter shard of an fp32 AdamW step (param, grad, two moments read; three written; the norm)."""
     fitted_gpu: str = "h100-hbm2e"
@@ -51,7 +51,7 @@ class StepConstants:
                       "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
 
 
-STEP_CONSTANTS = StepConstants(gemm_efficiency=1.161, memory_traffic=5.96)
+STEP_CONSTANTS = StepConstants(gemm_efficiency=1.097, memory_traffic=6.4)
 """Fitted by ``benchmarks/step_model/fit.py`` (its ``fit.json`` holds the same numbers)."""
 
 
@@ -91,6 +91,16 @@ class StepTime:
     compile: bool
     activation_checkpointing: str
     fp8_layers: int
+    params: int
+    trainable_params: int
+    """Parameters with ``requires_grad`` (a LoRA run's adapters): only these have a gradient, an optimizer step and a
+    gradient collective; a frozen Linear's backward has no grad_weight GEMM."""
+    nvlink_domain: int
+    """GPUs whose collectives run at the GPU's NVLink (or PCIe) bandwidth; beyond them, at ``network_gbps``."""
+    network_gbps: float
+    """Bandwidth between NVLink domains per GPU and direction, GB/s (gigabytes)."""
+    topology_source: str
+    """Where the two come from: the GPU record's sources, or the values passed to :func:`predict_step`."""
     flops_per_token: float
     """Training FLOPs per token, PaLM's 6N + 12LHQT (what torchtitan's MFU divides)."""
     bf16: StepParts
@@ -134,10 +144,19 @@ class StepTime:
                     bf16_tokens_per_s=self.bf16_tokens_per_s, bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s,
                     mfu=self.mfu, bf16_mfu=self.bf16_mfu, prediction=True)
 
+    @property
+    def setting(self) -> str:
+        """The run the prediction is for, in words: batch, activation checkpointing, compile and topology."""
+        frozen = (f", base frozen ({self.trainable_params:,} of {self.params:,} parameters trainable)"
+                  if self.trainable_params < self.params else "")
+        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank{frozen}, activation checkpointing "
+                f"{self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, NVLink domain "
+                f"{self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
+
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
         return (f"predicted step {self.speedup:.2f}x on {self.world_size}x {self.gpu_label} ({self.recipe}{basis}): "
-                f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU")
+                f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU ({self.setting})")
 
 
 def linear_shapes(model: nn.Module) -> tuple[list[tuple[str, int, int]], str | None]:
@@ -191,21 +210,44 @@ def _attention(config: Any, spec: GpuSpec, tokens: int, seq_len: int, c: StepCon
     return flops / (spec.bf16_tflops * 1e12 * c.attention_fraction), 12 * config.num_hidden_layers * width * seq_len
 
 
-def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: int, fp8_params: int, reduce_bytes: int,
-                 c: StepConstants) -> float:
-    """Seconds of a step's collectives: FSDP gathers parameters twice and reduce-scatters gradients; a replicating
-    strategy all-reduces gradients (twice the bytes of one pass)."""
+def _check_topology(nvlink_domain: Any, network_gbps: Any) -> None:
+    if nvlink_domain is not None and (isinstance(nvlink_domain, bool) or not isinstance(nvlink_domain, int)
+                                      or nvlink_domain < 1):
+        raise ValueError(f"nvlink_domain={nvlink_domain!r}: a positive integer, the GPUs one NVLink domain joins "
+                         "(8 for an HGX / DGX node, 72 for an NVL72 rack); None: the GPU record's.")
+    if network_gbps is not None and (isinstance(network_gbps, bool) or not isinstance(network_gbps, (int, float))
+                                     or not network_gbps > 0):
+        raise ValueError(f"network_gbps={network_gbps!r}: a positive number, GB/s per GPU between NVLink domains "
+                         "(gigabytes: a 400 Gb/s NIC is 50); None: the GPU record's.")
+
+
+def _topology(spec: GpuSpec, nvlink_domain: int | None, network_gbps: float | None) -> tuple[int, float, str]:
+    """(NVLink domain, network GB/s, their source): the GPU record's unless given."""
+    domain = spec.nvlink_domain if nvlink_domain is None else nvlink_domain
+    network = spec.network_gbps if network_gbps is None else float(network_gbps)
+    given = [f"{name}={value!r}" for name, value in (("nvlink_domain", nvlink_domain), ("network_gbps", network_gbps))
+             if value is not None]
+    record = f"{spec.key} record: {spec.nvlink_domain}-GPU NVLink domain; network {spec.network_source}"
+    return domain, network, (f"given: {', '.join(given)}; otherwise the {record}" if given else f"the {record}")
+
+
+def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: tuple[int, int], fp8_params: int,
+                 reduce_bytes: int, domain: int, network_gbps: float, c: StepConstants) -> float:
+    """Seconds of a step's collectives: of ``params`` (all, trainable), FSDP gathers all twice and reduce-scatters
+    the trainable ones' gradients; a replicating strategy all-reduces those gradients (twice the bytes of one pass).
+    Inside one NVLink domain a ring runs at the GPU's NVLink (or PCIe) bandwidth; a ring spanning domains, at the
+    slower of that and the network's."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
         raise ValueError(f"{spec.label}: the GPU table gives no GPU-to-GPU bandwidth, so collectives cannot be "
                          "predicted: predict world_size=1 or a GPU whose record has it.")
-    link = spec.interconnect_gbps / 2 if world_size <= c.gpus_per_node else min(spec.interconnect_gbps / 2,
-                                                                               c.network_gbps)
+    link = spec.interconnect_gbps / 2 if world_size <= domain else min(spec.interconnect_gbps / 2, network_gbps)
     bandwidth = link * 1e9 * c.collective_fraction
     share = (world_size - 1) / world_size  # a ring moves (W-1)/W of the bytes through each rank
+    params, trainable = params
     gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
-    moved = 2 * gathered + reduce_bytes * params if facts.shards_params else 2 * reduce_bytes * params
+    moved = 2 * gathered + reduce_bytes * trainable if facts.shards_params else 2 * reduce_bytes * trainable
     return moved * share / bandwidth
 
 
@@ -226,12 +268,15 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
 def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, world_size: int, micro_batch_size: int,
                  seq_len: int, fp8: str = TorchaoBackend.name, recipe: str | None = None, compile: bool | None = None,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
-                 fp8_layers: Collection[str] | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 fp8_layers: Collection[str] | None = None, nvlink_domain: int | None = None,
+                 network_gbps: float | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
     Args:
         model_or_config: an ``nn.Module`` (the meta device is enough) or a Hugging Face config, built on meta here.
+            A module's parameters with ``requires_grad=False`` are frozen (a LoRA base, e.g. a PEFT model): no
+            grad_weight GEMM, optimizer step or gradient collective for them.
         target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
         fp8: a backend the speed model covers ('torchao', 'te').
@@ -240,13 +285,16 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
             table refuses it for ``fp8`` (Transformer Engine: off).
         recipe: one of the backend's speed recipes (``get_backend(fp8).speed_recipes``); None: the one of the
             backend's default config (torchao: tensorwise; te: te_delayed).
-        fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's).
+        fp8_layers: module names of the Linears run in FP8; None: every Linear but the output head (torchtitan's);
+            with a frozen base (Linears whose weight has ``requires_grad=False``, as under LoRA), the frozen ones.
+        nvlink_domain: GPUs one NVLink domain joins (collectives within it run at NVLink bandwidth); network_gbps:
+            GB/s per GPU between domains; None: the GPU record's (``GpuSpec.nvlink_domain``, ``network_gbps``).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
 
     Raises:
         ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
             not run, a combination the table refuses (``compile=True`` with ``fp8='te'``), a config transformers
-            builds no causal language model from.
+            builds no causal language model from, a non-positive ``nvlink_domain`` or ``network_gbps``.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -259,6 +307,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     from ...fp8 import get_backend
 
     _check(world_size, micro_batch_size, seq_len)
+    _check_topology(nvlink_domain, network_gbps)
     # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
@@ -276,45 +325,55 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     model = _meta_model(model_or_config)
     config = getattr(model, "config", None) if isinstance(model_or_config, nn.Module) else model_or_config
     return _predict(model, config, recipe, fp8_layers, spec, cfg, facts_of(cfg, world_size), world_size,
-                    micro_batch_size * seq_len, seq_len, compile, constants)
+                    micro_batch_size * seq_len, seq_len, compile, _topology(spec, nvlink_domain, network_gbps),
+                    constants)
 
 
 def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None, spec: GpuSpec, cfg: Any,
-             facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool, c: StepConstants) -> StepTime:
+             facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool,
+             topology: tuple[int, float, str], c: StepConstants) -> StepTime:
     from ...config.resolve import torch_dtype
 
     shapes, head = linear_shapes(model)
-    preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile) for n, k, o in shapes}
+    frozen = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+    preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile, weight_grad=n not in frozen)
+             for n, k, o in shapes}
+    # default: every Linear but the head; with a frozen base (LoRA), its Linears only (the adapters stay bf16)
     fp8_names = [n for n, k, o in shapes
-                 if ((n != head and k % 16 == 0 and o % 16 == 0) if chosen is None else n in chosen)]
+                 if ((n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)) if chosen is None
+                     else n in chosen)]
     if chosen is not None and len(fp8_names) != len(set(chosen)):
         unknown = sorted(set(chosen) - set(fp8_names))
         raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
                          "model.named_modules() (or None for every Linear but the output head).")
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gathered_fp8 = recipe_named(recipe).fp8_all_gather and facts.dtensor_shards
     fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
     reduce_bytes = torch_dtype(cfg.parallel.reduce_dtype).itemsize
     attention_s, attention_flops = _attention(config, spec, tokens, seq_len, c)
     bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
-    activation = 2 * sum(k + o for _, k, o in shapes) * tokens  # bf16 bytes of every Linear's input and output
+    # bf16 bytes of every Linear's input and output (memory_traffic is per byte of a transformer's Linears: with a
+    # frozen base, its Linears'; the adapters beside them at adapter_traffic)
+    activation = 2 * sum(k + o for n, k, o in shapes if not frozen or n in frozen) * tokens
+    adapters = 2 * sum(k + o for n, k, o in shapes if frozen and n not in frozen) * tokens
     # eager runs unfused what compile fuses: (eager_traffic - 1) more passes over the ideal (once-each) traffic
     traffic = c.memory_traffic + (0 if compile else c.eager_traffic - 1)
-    memory_s = 3 * traffic * activation / bandwidth
-    optimizer_s = params / (facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
+    memory_s = 3 * (traffic * activation + c.adapter_traffic * adapters) / bandwidth
+    optimizer_s = trainable / (facts.shard_degree or 1) * c.optimizer_bytes / bandwidth
     blocks = getattr(config, "num_hidden_layers", 1) or 1
     mode, shards = cfg.parallel.activation_checkpointing, facts.shards_params
     bf16_gemm = sum(p.bf16_s for p in preds.values())
     fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
     sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                    _collectives(spec, facts, world_size, params, fp8, reduce_bytes, c),
+                    _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c),
                     mode, blocks, shards, c)
              for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
                                       (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
-                    compile, mode, len(fp8_names), flops, sides[0], sides[1], calibrated)
+                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
