@@ -198,7 +198,7 @@ def step_text(steps: tuple[tuple[Any, Any], ...], checkpointing: Any = None) -> 
             "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
             "benchmarks/step_model/README.md): every "
             "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)"
-            + (f"\nactivation checkpointing assumed: {checkpointing.why}" if checkpointing is not None else ""))
+            + (f"; activation checkpointing assumed: {checkpointing.why}" if checkpointing is not None else ""))
     return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
                                       "MFU", "exposed comm (ms)", "calibrated"], rows)
 
