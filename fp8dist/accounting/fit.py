@@ -12,7 +12,8 @@ from typing import Any
 from ..memory_levels import LEVELS
 from ..strategies import STRATEGIES
 
-__all__ = ["Fit", "WayOut", "budget", "device_bytes", "check_fit", "ways_out", "levers", "MAX_RANKS", "MEMORY_FRACTION"]
+__all__ = ["Fit", "WayOut", "StepCheckpointing", "budget", "device_bytes", "check_fit", "ways_out", "levers",
+           "step_checkpointing", "MAX_RANKS", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a rank may plan on (``fp8dist bench`` too): the rest is for what the estimate leaves out,
@@ -82,6 +83,44 @@ class Fit:
             verdict = "fits" if way.fits else "does not fit"
             lines.append(f"  {way.what} ({change}): {size(way.device_bytes)} per rank, {verdict}")
         return lines
+
+
+@dataclass(frozen=True)
+class StepCheckpointing:
+    """The activation checkpointing a predicted step assumes, and why; ``mode`` None where no checkpointing makes a
+    rank fit (then predict no step: ``fit`` says so and lists the ways out)."""
+
+    mode: str | None
+    configured: str
+    """The run's own ``activation_checkpointing``."""
+    why: str
+    fit: Fit | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "configured": self.configured, "why": self.why,
+                "fits": self.fit.fits if self.fit else None}
+
+
+def step_checkpointing(fit: Fit | None, configured: str, size: Callable[[int], str]) -> StepCheckpointing:
+    """What a step prediction of the run judged by ``fit`` assumes: the ``configured`` checkpointing where a rank fits
+    with it (or the fit is unknown: ``fit`` None), else this estimate's activation checkpointing way out where it
+    alone fits at the same rank count, else none (mode None). ``size`` formats bytes."""
+    if fit is None:
+        return StepCheckpointing(configured, configured, "as configured; whether a rank fits is not judged (no GPU "
+                                                         "memory to judge it by)")
+    if fit.fits:
+        return StepCheckpointing(configured, configured, f"as configured: a rank fits the {fit.gpu} with it "
+                                                         f"({size(fit.device_bytes)} of {size(fit.budget_bytes)})")
+    what, change = CHECKPOINTING
+    for way in fit.ways_out:
+        if way.fits and dict(way.change) == dict(change):
+            mode = change["activation_checkpointing"]
+            return StepCheckpointing(mode, configured, (
+                f"{mode}, not the configured {configured}: a rank does not fit the {fit.gpu} without it "
+                f"({size(fit.device_bytes)} per rank; {size(way.device_bytes)} with {what}; a rank may plan on "
+                f"{size(fit.budget_bytes)})"), fit)
+    return StepCheckpointing(None, configured, f"no step predicted: a rank does not fit the {fit.gpu} at this rank "
+                                               f"count, with or without {what}", fit)
 
 
 def budget(capacity_bytes: int) -> int:

@@ -17,7 +17,7 @@ from ..config.resolve import FP8Config, StrategyConfig, torch_dtype
 from ..config.options import DEFAULT_SEQ_LEN
 from ..accounting.optimizers import OPTIMIZER_STATES
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
-from .plan import fastest_line, predicted_steps, step_text, steps_json
+from .plan import checkpointing_json, fastest_line, fitted_steps, step_text, steps_json
 from ..train.config import TrainConfig
 
 __all__ = ["HELP", "add_parser", "run"]
@@ -76,13 +76,16 @@ def run(args: argparse.Namespace) -> int:
     for note in dict.fromkeys(notes):
         print(f"fp8dist estimate: note: {note}", file=sys.stderr)
     predicted = est.speed is not None and est.speed.step is not None  # a --target GPU, a speed model for the backend
-    steps = predicted_steps(model, config, est.speed, args.world_size) if predicted else ()
+    steps, checkpointing = fitted_steps(model, config, est.speed, args.world_size, est.fit) if predicted else ((), None)
     if args.json:
-        print(json.dumps({**est.to_dict(), **(steps_json(steps) if steps else {})}, indent=2))
+        print(json.dumps({**est.to_dict(), **(steps_json(steps) if steps else {}),
+                          **{k: v for k, v in checkpointing_json(checkpointing).items() if k != "fit"}}, indent=2))
     else:
         print(est)
         if steps:
-            print(f"{fastest_line(steps)}\n{step_text(steps)}")
+            print(f"{fastest_line(steps)}\n{step_text(steps, checkpointing)}")
+        elif checkpointing is not None:
+            print(checkpointing.why)  # the estimate's lines above say that it does not fit and the ways out
     return 0
 
 

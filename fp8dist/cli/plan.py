@@ -72,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
     # a bad --world-size is an error here
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
     gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
-    steps = predicted_steps(model, config, plan.selection, args.world_size) if args.compare_recipes else ()
+    steps, checkpointing = fitted_steps(model, config, plan.selection, args.world_size,
+                                        _fit(model, config, plan.hardware, args.world_size)) \
+        if args.compare_recipes else ((), None)
     if args.json:
-        print(json.dumps(_plan_json(plan, steps), indent=1))
+        print(json.dumps({**_plan_json(plan, steps), **checkpointing_json(checkpointing)}, indent=1))
         return 0
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
@@ -85,21 +87,62 @@ def run(args: argparse.Namespace) -> int:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
     for note in notes:
         print(f"note: {note}")
-    if steps:
-        print(f"{step_text(steps)}\n{gemms}")
+    if checkpointing is not None:
+        print(f"{step_text(steps, checkpointing) if steps else unfit_text(checkpointing)}\n{gemms}")
     return 0
 
 
-def predicted_steps(model: Any, config: Any, selection: Any, world_size: int) -> tuple[tuple[Any, Any], ...]:
+def _fit(model: Any, config: Any, hardware: Any, world_size: int) -> Any:
+    """Whether a rank of this run fits the GPU planned for, as ``fp8dist estimate --target`` judges it (its notes are
+    estimate's to say); None where the GPU's memory is unknown."""
+    import warnings
+
+    from ..accounting.estimate import estimate_memory
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return estimate_memory(model, config, world_size=world_size, target=hardware).fit
+
+
+def fitted_steps(model: Any, config: Any, selection: Any, world_size: int, fit: Any) -> tuple[tuple[Any, ...], Any]:
+    """(the predicted steps, the :class:`~fp8dist.accounting.fit.StepCheckpointing` they assume): with the activation
+    checkpointing a rank needs to fit (``fit``: the estimate's), and no steps where nothing makes it fit."""
+    from ..accounting.fit import step_checkpointing
+    from ..config.text import byte_size
+
+    checkpointing = step_checkpointing(fit, config.parallel.activation_checkpointing, byte_size)
+    if checkpointing.mode is None:
+        return (), checkpointing
+    return predicted_steps(model, config, selection, world_size, checkpointing.mode), checkpointing
+
+
+def unfit_text(checkpointing: Any) -> str:
+    """Why no step is predicted, then the estimate's own 'does NOT fit' line and its ways out."""
+    from ..config.text import byte_size
+
+    return "\n".join([checkpointing.why, *checkpointing.fit.lines(byte_size)])
+
+
+def checkpointing_json(checkpointing: Any) -> dict[str, Any]:
+    """The checkpointing the predicted steps assume, as ``--json`` gives it (with the fit where none fits)."""
+    if checkpointing is None:
+        return {}
+    unfit = checkpointing.mode is None
+    return {"step_checkpointing": checkpointing.to_dict(), **({"fit": checkpointing.fit.to_dict()} if unfit else {})}
+
+
+def predicted_steps(model: Any, config: Any, selection: Any, world_size: int,
+                    activation_checkpointing: str | None = None) -> tuple[tuple[Any, Any], ...]:
     """Per recipe the plan's GPU runs, the predicted step (:func:`~fp8dist.plan.speed.step_time.predict_step`) with
-    every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step."""
+    every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step;
+    ``activation_checkpointing``: None, the config's (:func:`fitted_steps` passes the one a rank needs)."""
     from ..plan.speed.step_time import predict_step
 
     p, backend = config.parallel, config.precision.fp8
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
                    compile=selection.step.compile, strategy=p.strategy,
-                   activation_checkpointing=p.activation_checkpointing)
+                   activation_checkpointing=activation_checkpointing or p.activation_checkpointing)
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
                  for g in _recipe_gemms(selection, backend)[1])
@@ -139,8 +182,9 @@ def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
             "prediction)")
 
 
-def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
-    """Each recipe's predicted step, both conversions, as a table."""
+def step_text(steps: tuple[tuple[Any, Any], ...], checkpointing: Any = None) -> str:
+    """Each recipe's predicted step, both conversions, as a table; with the activation checkpointing it assumes and
+    why (a :class:`~fp8dist.accounting.fit.StepCheckpointing`) where given."""
     from ..accounting.rows import text_table
 
     first = steps[0][0]
@@ -153,7 +197,8 @@ def step_text(steps: tuple[tuple[Any, Any], ...]) -> str:
             f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, "
             "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
             "benchmarks/step_model/README.md): every "
-            "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)")
+            "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)"
+            + (f"; activation checkpointing assumed: {checkpointing.why}" if checkpointing is not None else ""))
     return f"{head}\n" + text_table(["recipe", "tokens/s per GPU", "vs bf16", "as planned: tokens/s", "vs bf16",
                                       "MFU", "exposed comm (ms)", "calibrated"], rows)
 

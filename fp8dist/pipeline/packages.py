@@ -3,14 +3,18 @@ importing the packages."""
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["__version__", "package_version", "supported_range"]
 
 __version__ = "0.1.0"
 """fp8dist's own version: the one place it is written (pyproject.toml and checkpoints' meta.json read it here)."""
 
 
+@functools.cache
 def package_version(name: str) -> str | None:
-    """Installed version of a distribution (``_`` or ``-`` alike), without importing it; None when absent."""
+    """Installed version of a distribution (``_`` or ``-`` alike), without importing it; None when absent. Read once
+    per process: the planner asks per layer, and each read parses the package's metadata file."""
     from importlib import metadata
 
     try:

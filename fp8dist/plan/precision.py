@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -253,7 +254,7 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
-    reserved = {**(backend.model_exclusions(model, cfg) if backend else {}), **adapter_reasons(model)}
+    reserved = {**(_model_exclusions(backend, model, cfg) if backend else {}), **adapter_reasons(model)}
     idle = idle_copies(model)  # never run: no rule of the backend's applies
     readers, entries = weight_readers(model), []
     for name, module in model.named_modules():
@@ -277,6 +278,25 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
                                  gemm_flops(module, params, grouped), grouped, high_precision_gather=gather,
                                  runs=name not in idle))
     return entries
+
+
+_EXCLUSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {(its structure, backend, precision knobs): the backend's model_exclusions}: a planner re-plans one model
+per way out and rank count (fp8dist estimate --target), and torchao's first/last Linear rule runs a meta forward."""
+
+
+def _model_exclusions(backend: Any, model: nn.Module, cfg: Config) -> dict[str, str]:
+    """``backend.model_exclusions(model, cfg)``, computed once per structure of ``model`` (its modules, their types and
+    parameters by identity, shape and requires_grad) and precision config: a changed model is planned afresh."""
+    structure = tuple((name, type(module), tuple((n, id(p), tuple(p.shape), p.requires_grad)
+                                                  for n, p in module._parameters.items() if p is not None))
+                      for name, module in model.named_modules())
+    memo = _EXCLUSIONS.setdefault(model, {})
+    key = (structure, backend.name, repr(cfg.precision))
+    if key not in memo:
+        memo.clear()  # one structure kept per model: a converted model drops the old one
+        memo[key] = backend.model_exclusions(model, cfg)
+    return dict(memo[key])
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:

@@ -125,6 +125,8 @@ class _Context:
     hardware: Hardware
     backend: Any
     choices: tuple[str, ...] = ()  # the recipes picked among per layer; empty: one recipe
+    predicted: dict = dataclasses.field(default_factory=dict, compare=False)
+    """(recipe, GEMM shapes) -> _predict's answer: a model repeats a few shapes over all its layers."""
 
 
 def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, ...], str]:
@@ -143,11 +145,14 @@ def _predict(module: nn.Module, ctx: _Context) -> tuple[tuple[LinearPrediction, 
     else:
         k, n = conv1d_dims(module) if is_conv1d(module) else (module.in_features, module.out_features)
         recipe, shapes = ctx.recipe or "", [(ctx.tokens, k, n, 1)]
-    try:
-        return tuple(predict_linear(m, k, n, target=ctx.gpu, recipe=recipe, compile=ctx.compile, groups=groups)
-                     for m, k, n, groups in shapes), ""
-    except ValueError as error:
-        return (), str(error)
+    key = (recipe, tuple(shapes))
+    if key not in ctx.predicted:
+        try:
+            ctx.predicted[key] = tuple(predict_linear(m, k, n, target=ctx.gpu, recipe=recipe, compile=ctx.compile,
+                                                      groups=groups) for m, k, n, groups in shapes), ""
+        except ValueError as error:
+            ctx.predicted[key] = (), str(error)
+    return ctx.predicted[key]
 
 
 def _picked(module: nn.Module, ctx: _Context, grouped: bool) -> tuple[tuple[LinearPrediction, ...], str, str | None,
