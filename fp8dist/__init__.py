@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config.lazy import lazy_names
 from .pipeline.packages import __version__
 
 __all__ = [
@@ -59,14 +60,8 @@ __all__ = [
 ]
 
 
-_loaded = False  # the names below imported
-
-
-def __getattr__(name: str) -> Any:
+def _load() -> dict[str, Any]:
     """``fp8dist.NAME``: the public names (and the sub-packages they load), imported together on the first read."""
-    global _loaded
-    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .pipeline.api import WrapInfo, get_plan, get_wrap_info, wrap_model
     from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
     from .checkpoint.hf import save_pretrained
@@ -83,14 +78,12 @@ def __getattr__(name: str) -> Any:
     from .strategies import Strategy, register_strategy, unwrap_model
     from .fp8 import FP8Backend, register_backend
     from .memory_levels import MemoryLevel, register_level
-    _loaded = True
-    for key, value in locals().items():
-        if key in __all__:
-            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
-    if name not in globals():
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return globals()[name]
+
+    return locals()
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+__getattr__ = lazy_names(globals(), _load)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..config.axis import BACKENDS
+from ..config.lazy import lazy_names
 from .msamp_config import MSAMPConfig
 from .te_config import TEConfig
 from .torchao_config import TorchaoConfig
@@ -28,24 +29,12 @@ for _name, _knobs, _variants in (("te", TEConfig, ()), ("torchao", TorchaoConfig
                              variant_option=next(iter(_variants), None), more_variant_options=_variants[1:])
 
 
-_loaded = False  # the names below imported
-
-
-def __getattr__(name: str) -> Any:
+def _load() -> dict[str, Any]:
     """The names of :mod:`.base` (it imports torch), imported when first read."""
-    global _loaded
-    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
                        linear_reason)
 
-    _loaded = True
-    for key, value in locals().items():
-        if key in __all__:
-            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
-    if name not in globals():
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return globals()[name]
+    return locals()
 
 
 def register_backend(backend: FP8Backend) -> FP8Backend:
@@ -76,3 +65,6 @@ def converted_by_hand(model: nn.Module) -> tuple[str, str, str] | None:
             if library in packages:
                 return f"{fqn}.{pname}" if fqn else pname, packages[library], type(param).__name__
     return None
+
+
+__getattr__ = lazy_names(globals(), _load)

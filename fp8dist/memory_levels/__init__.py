@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..config.axis import LEVELS
+from ..config.lazy import lazy_names
 
 if TYPE_CHECKING:
     from .base import MemoryLevel
@@ -17,24 +18,12 @@ for _name in ("standard", "lean"):  # each module's LEVEL, imported when first c
     LEVELS.register_module(_name, f"{__name__}.{_name}", "LEVEL")
 
 
-_loaded = False  # the names below imported
-
-
-def __getattr__(name: str) -> Any:
+def _load() -> dict[str, Any]:
     """``MemoryLevel`` and ``STANDARD`` (they import torch), imported when first read."""
-    global _loaded
-    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import MemoryLevel
     from .standard import LEVEL as STANDARD
 
-    _loaded = True
-    for key, value in locals().items():
-        if key in __all__:
-            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
-    if name not in globals():
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return globals()[name]
+    return locals()
 
 
 def register_level(level: MemoryLevel) -> MemoryLevel:
@@ -48,3 +37,6 @@ def register_level(level: MemoryLevel) -> MemoryLevel:
 def get_level(name: str) -> MemoryLevel:
     """The level ``memory=name`` selects (names are validated by the config)."""
     return LEVELS[name]
+
+
+__getattr__ = lazy_names(globals(), _load)

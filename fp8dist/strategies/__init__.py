@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..config.axis import STRATEGIES
+from ..config.lazy import lazy_names
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,14 +27,8 @@ for _name, _module, _devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", 
     STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY", bench_devices=_devices)
 
 
-_loaded = False  # the names below imported
-
-
-def __getattr__(name: str) -> Any:
+def _load() -> dict[str, Any]:
     """The engines' names (they import torch), imported when first read."""
-    global _loaded
-    if name.startswith("__") or _loaded:  # Python's probes (__wrapped__, ...); a name deleted since stays deleted
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .base import Sharded, ShardingInfo, ShardJob, Strategy
     from .common import cast_buffers, find_blocks
     from .ddp import apply_ddp
@@ -42,13 +37,7 @@ def __getattr__(name: str) -> Any:
     from .fsdp1 import apply_fsdp1, build_fsdp1_policy
     from .single import apply_single
 
-    _loaded = True
-    for key, value in locals().items():
-        if key in __all__:
-            globals().setdefault(key, value)  # a name set before it loaded (a test's monkeypatch) is kept
-    if name not in globals():
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return globals()[name]
+    return locals()
 
 
 def register_strategy(strategy: Strategy) -> Strategy:
@@ -72,3 +61,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     if engine_of(model) in ("ddp", "fsdp1", "deepspeed"):  # the wrappers (fully_shard shards in place)
         return model.module
     return model
+
+
+__getattr__ = lazy_names(globals(), _load)
