@@ -60,7 +60,8 @@ def test_8b_on_h100s_names_the_checkpointing_its_step_assumes(tmp_path, capsys):
     assert main(["plan", *argv]) == 0
     out = capsys.readouterr().out.splitlines()
     head = next(i for i, line in enumerate(out) if line.startswith("predicted training step on 8x H100"))
-    assert "(activation checkpointing none, compiled;" in out[head]
+    assert ("(batch 1 x 8,192 tokens per rank, activation checkpointing none, compiled, NVLink domain 8 GPUs, "
+            "network 50 GB/s per GPU between domains;") in out[head]  # the H100 record's topology
     # the estimate's verdict: it fits, by 0.9 GiB
     assert out[head].endswith("; activation checkpointing assumed: as configured: a rank fits the H100 with it "
                               "(71.09 GiB of 72.00 GiB)")
@@ -72,7 +73,7 @@ def test_a_run_that_fits_only_with_checkpointing_is_predicted_with_it_and_says_s
     assert main(["plan", *argv]) == 0
     out = capsys.readouterr().out.splitlines()
     head = next(i for i, line in enumerate(out) if line.startswith("predicted training step on 8x H100"))
-    assert "(activation checkpointing full, compiled;" in out[head]
+    assert "activation checkpointing full, compiled, NVLink domain 8 GPUs" in out[head]
     assert out[head].endswith(
         "; activation checkpointing assumed: full, not the configured none: a rank does not fit the H100 without it "
         "(126.24 GiB per rank; 35.24 GiB with activation checkpointing; a rank may plan on 72.00 GiB)")
@@ -105,3 +106,24 @@ def test_the_planner_runs_the_model_wide_first_last_rule_once_per_model(monkeypa
         model.lm_head = torch.nn.Linear(8192, 128256, bias=False, device="meta")  # a changed model: planned afresh
         estimate_memory(model, strategy="fsdp", fp8="torchao", world_size=1, seq_len=8192, target="h100")
     assert len(calls) == 2
+
+
+def test_the_topology_of_the_predicted_step_is_the_users_where_given_and_said(tmp_path, capsys):
+    """``--nvlink-domain`` / ``--network-gbps`` reach the step model and its header; a bad one is one line naming
+    it; without ``--compare-recipes`` (nothing reads them) they are a note."""
+    argv = ["--model-config", _config(tmp_path, LLAMA3_8B), *RUN, "--compare-recipes"]
+    assert main(["plan", *argv, "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)["steps"]
+    assert main(["plan", *argv, "--nvlink-domain", "2", "--network-gbps", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = next(line for line in out if line.startswith("predicted training step on 8x H100"))
+    assert "NVLink domain 2 GPUs, network 5 GB/s per GPU between domains;" in head
+    assert main(["plan", *argv, "--nvlink-domain", "2", "--network-gbps", "5", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)["steps"]
+    assert slow != own  # 8 ranks over 4 domains at 5 GB/s: the collectives cost more than on one 8-GPU NVLink node
+    assert main(["plan", *argv, "--nvlink-domain", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "nvlink_domain=0" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["plan", "--model-config", _config(tmp_path, LLAMA3_8B), *RUN, "--network-gbps", "5"]) == 0
+    assert ("fp8dist plan: note: --network-gbps has no effect without --compare-recipes"
+            in capsys.readouterr().err)

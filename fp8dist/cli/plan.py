@@ -41,6 +41,12 @@ def add_parser(sub: Any) -> None:
                    help="also print, for this model, batch and --world-size on the GPU planned for, each FP8 recipe "
                         "of the backend's predicted step speedup and tokens/s per GPU (the header names the fastest) "
                         "and its GEMM time per micro-batch (predictions)")
+    p.add_argument("--nvlink-domain", type=int, metavar="N",
+                   help="with --compare-recipes: GPUs one NVLink domain joins, whose collectives run at NVLink "
+                        "bandwidth (default: the GPU record's, e.g. 72 for GB200/GB300 NVL72, 8 for an H100 node)")
+    p.add_argument("--network-gbps", type=float, metavar="GB/S",
+                   help="with --compare-recipes: network bandwidth between NVLink domains, GB/s per GPU per "
+                        "direction (a 400 Gb/s NIC is 50; default: the GPU record's)")
     p.add_argument("--json", action="store_true",
                    help="print the plan (and with --compare-recipes the predicted steps) as JSON")
     p.add_argument("--numerics", metavar="FILE",
@@ -59,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     config, _ = config_from_args(args)
     for note in config.unused_options():
         print(f"fp8dist plan: note: {note}", file=sys.stderr)
+    topology = {key: value for key, value in (("nvlink_domain", args.nvlink_domain),
+                                              ("network_gbps", args.network_gbps)) if value is not None}
+    if topology and not args.compare_recipes:
+        print(f"fp8dist plan: note: {', '.join('--' + k.replace('_', '-') for k in topology)} has no effect without "
+              "--compare-recipes (only the predicted step reads the topology)", file=sys.stderr)
     if args.target is not None and config.parallel.device != "auto":
         raise ValueError(f"--target {args.target} and --device {config.parallel.device} both name the machine to plan "
                          "for: give --target alone to plan for another machine, --device alone for this one.")
@@ -73,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     notes = get_strategy(config.parallel.strategy).layout_notes(model, config, args.world_size)
     gemms = compare_text(plan) if args.compare_recipes else None  # raises first where nothing can be predicted
     steps, checkpointing = fitted_steps(model, config, plan.selection, args.world_size,
-                                        _fit(model, config, plan.hardware, args.world_size)) \
+                                        _fit(model, config, plan.hardware, args.world_size), topology) \
         if args.compare_recipes else ((), None)
     if args.json:
         print(json.dumps({**_plan_json(plan, steps), **checkpointing_json(checkpointing)}, indent=1))
@@ -104,16 +115,18 @@ def _fit(model: Any, config: Any, hardware: Any, world_size: int) -> Any:
         return estimate_memory(model, config, world_size=world_size, target=hardware).fit
 
 
-def fitted_steps(model: Any, config: Any, selection: Any, world_size: int, fit: Any) -> tuple[tuple[Any, ...], Any]:
+def fitted_steps(model: Any, config: Any, selection: Any, world_size: int, fit: Any,
+                 topology: dict[str, Any] | None = None) -> tuple[tuple[Any, ...], Any]:
     """(the predicted steps, the :class:`~fp8dist.accounting.fit.StepCheckpointing` they assume): with the activation
-    checkpointing a rank needs to fit (``fit``: the estimate's), and no steps where nothing makes it fit."""
+    checkpointing a rank needs to fit (``fit``: the estimate's), and no steps where nothing makes it fit.
+    ``topology``: ``nvlink_domain`` / ``network_gbps`` overrides for :func:`predict_step` (None: the GPU record's)."""
     from ..accounting.fit import step_checkpointing
     from ..config.text import byte_size
 
     checkpointing = step_checkpointing(fit, config.parallel.activation_checkpointing, byte_size)
     if checkpointing.mode is None:
         return (), checkpointing
-    return predicted_steps(model, config, selection, world_size, checkpointing.mode), checkpointing
+    return predicted_steps(model, config, selection, world_size, checkpointing.mode, topology), checkpointing
 
 
 def unfit_text(checkpointing: Any) -> str:
@@ -132,17 +145,19 @@ def checkpointing_json(checkpointing: Any) -> dict[str, Any]:
 
 
 def predicted_steps(model: Any, config: Any, selection: Any, world_size: int,
-                    activation_checkpointing: str | None = None) -> tuple[tuple[Any, Any], ...]:
+                    activation_checkpointing: str | None = None,
+                    topology: dict[str, Any] | None = None) -> tuple[tuple[Any, Any], ...]:
     """Per recipe the plan's GPU runs, the predicted step (:func:`~fp8dist.plan.speed.step_time.predict_step`) with
     every Linear but the head in FP8 and with FP8 where the plan says it pays. ``selection`` has a predicted step;
-    ``activation_checkpointing``: None, the config's (:func:`fitted_steps` passes the one a rank needs)."""
+    ``activation_checkpointing``: None, the config's (:func:`fitted_steps` passes the one a rank needs);
+    ``topology``: ``nvlink_domain`` / ``network_gbps`` overrides (None: the GPU record's)."""
     from ..plan.speed.step_time import predict_step
 
     p, backend = config.parallel, config.precision.fp8
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
                    compile=selection.step.compile, strategy=p.strategy,
-                   activation_checkpointing=activation_checkpointing or p.activation_checkpointing)
+                   activation_checkpointing=activation_checkpointing or p.activation_checkpointing, **(topology or {}))
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
                  for g in _recipe_gemms(selection, backend)[1])
@@ -193,8 +208,7 @@ def step_text(steps: tuple[tuple[Any, Any], ...], checkpointing: Any = None) -> 
     rows += [[every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
               f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
               "yes" if every.calibrated else "no"] for every, paid in steps]
-    head = (f"predicted training step on {first.world_size}x {first.gpu_label} (activation checkpointing "
-            f"{first.activation_checkpointing}, {'compiled' if first.compile else 'eager'}; GEMMs, attention, "
+    head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.setting}; GEMMs, attention, "
             "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
             "benchmarks/step_model/README.md): every "
             "Linear but the head in FP8 (as published runs convert), and FP8 where it pays (as planned)"
