@@ -72,11 +72,14 @@ class _Progress:
             return None
 
 
-def _interrupted(train: TrainConfig, step: int | None) -> int:
+def _interrupted(train: TrainConfig, step: int | None, writers_gone: bool = True) -> int:
     """Say where an interrupted job stood, once: the last step done (its line printed) and the last checkpoint
     complete, and when the interrupt came during that step's save (whose partial folder the save removes); returns
-    the exit code."""
-    from ..checkpoint.layout import job_root, latest_checkpoint
+    the exit code.
+    ``writers_gone``: every rank has ended (the spawning command, one process), so a cut save's folder that a rank
+    made again after rank 0 removed it (its shard still being written when the signal reached it) is removed here;
+    False for rank 0 of a job another launcher started, whose other ranks may still write."""
+    from ..checkpoint.layout import job_root, latest_checkpoint, step_name
     from ..train.job import save_due
 
     saved_at = None
@@ -92,6 +95,8 @@ def _interrupted(train: TrainConfig, step: int | None) -> int:
         if saved_at is not None:  # a job resumed from it and interrupted before its first step: done too
             step = max(step or 0, saved_at)
     in_save = step is not None and (saved_at or 0) < step and save_due(train, step)
+    if in_save and writers_gone and train.checkpoint_dir is not None:
+        shutil.rmtree(job_root(train.checkpoint_dir) / f".tmp-{step_name(step)}", ignore_errors=True)
     done = "before the first step" if step is None else f"after step {step}" + (", during its save" if in_save else "")
     print(f"fp8dist train: interrupted {done}; {saved}", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT
@@ -121,7 +126,7 @@ def _run_launched(config: Config, train: TrainConfig, rank: int) -> NoReturn:
     try:
         _train_this_rank(config, train, progress)
     except KeyboardInterrupt:
-        _exit_now(_interrupted(train, progress.step) if rank == 0 else INTERRUPTED_EXIT)
+        _exit_now(_interrupted(train, progress.step, writers_gone=False) if rank == 0 else INTERRUPTED_EXIT)
     except Exception as err:
         code = exit_code(err)
         if code is None:
