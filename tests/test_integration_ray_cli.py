@@ -63,17 +63,17 @@ def test_the_readme_shows_the_ray_example_as_it_is():
 
 
 @pytest.mark.slow
-def test_the_ray_example_trains_and_a_second_run_resumes_where_the_first_stopped(tmp_path):
-    """examples/ray_train.py as its docstring runs it: 4 steps with a checkpoint every 2, then the same run name
-    with 6 steps trains steps 4 and 5 only, from Ray's last checkpoint."""
+def test_the_ray_example_trains_and_reports_ray_checkpoints(tmp_path):
+    """examples/ray_train.py as its docstring runs it: 4 steps with a checkpoint every 2, each reported to Ray (a
+    restarted worker group resuming from Ray's checkpoint is test_integration_ray.py's; one Ray start here, not two:
+    the second run cost ~50 s of CI)."""
     pytest.importorskip("ray.train.torch", reason=NO_RAY)
     script = ROOT / "examples" / "ray_train.py"
     assert "python examples/ray_train.py --num-workers 2 --fp8 torchao" in script.read_text()
-    steps = []
-    for total in (4, 6):
-        proc = run(["python", str(script), "--num-workers", "2", "--steps", str(total), "--save-every", "2",
-                    "--storage", str(tmp_path / "storage")], env=RAY_ENV, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        steps.append(sorted({int(s) for s in re.findall(r"step +(\d+) loss \d+\.\d+$", proc.stdout, flags=re.M)}))
-        assert f"(step {total}, loss " in proc.stdout
-    assert steps == [[0, 1, 2, 3], [4, 5]]
+    proc = run(["python", str(script), "--num-workers", "2", "--steps", "4", "--save-every", "2",
+                "--storage", str(tmp_path / "storage")], env=RAY_ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = sorted({int(s) for s in re.findall(r"step +(\d+) loss \d+\.\d+$", proc.stdout, flags=re.M)})
+    assert steps == [0, 1, 2, 3] and "(step 4, loss " in proc.stdout
+    reported = [p for p in (tmp_path / "storage").rglob("checkpoint_*") if p.is_dir()]
+    assert len(reported) == 2, reported  # steps 2 and 4, each an fp8dist checkpoint Ray keeps
