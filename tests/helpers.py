@@ -79,14 +79,16 @@ def first_last_filter(model: nn.Module):
     return lambda module, fqn: fqn not in (names[0], names[-1])
 
 
-def hand_wired_fsdp2(model: nn.Module, world: int, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The reference FSDP2 wiring, by hand: fully_shard each Llama decoder layer, then the root, bf16 params."""
+def hand_wired_fsdp2(model: nn.Module, world: int, reduce_dtype: torch.dtype = torch.float32,
+                     layers: nn.ModuleList | None = None) -> nn.Module:
+    """The reference FSDP2 wiring, by hand: fully_shard each Llama decoder layer (``layers``, default
+    ``model.model.layers``; a PEFT model's are ``model.base_model.model.model.layers``), then the root, bf16 params."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

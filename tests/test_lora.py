@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, gemms_per_module, one_thread, optimizer_losses  # noqa: F401  (one_thread: a fixture)
+from helpers import BATCH, gemms_per_module, hand_wired_fsdp2, one_thread, optimizer_losses  # noqa: F401  (a fixture)
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
@@ -75,8 +75,6 @@ def test_dora_magnitudes_and_embedding_adapters_are_adapters_too():
 
 
 def _parity_case(rank: int, world: int, recipe: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute
 
@@ -90,11 +88,7 @@ def _parity_case(rank: int, world: int, recipe: str) -> dict:
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True) if tensorwise else \
         Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(ref, config=config, module_filter_fn=lambda module, fqn: fqn in fp8_names)
-    policy, mesh = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), \
-        init_device_mesh("cpu", (world,))
-    for layer in ref.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world, layers=ref.base_model.model.model.layers)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
 
     trainable = {n for n, p in ours.named_parameters() if p.requires_grad}

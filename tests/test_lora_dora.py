@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, gemms_per_module, optimizer_losses
+from helpers import BATCH, gemms_per_module, hand_wired_fsdp2, optimizer_losses
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
@@ -89,19 +89,13 @@ def test_dora_magnitudes_are_not_called_gemms():
 def _hand_wired(base, world: int, gathered: set[str], bf16_gathered: set[str]):
     """PEFT, torchao's ``convert_to_float8_training`` once with FP8 all-gather (``gathered``) and once without
     (``bf16_gathered``), ``fully_shard`` per decoder layer and root, AdamW over the adapters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     ref = copy.deepcopy(base)
     for names, fp8_gather in ((gathered, True), (bf16_gathered, False)):
         convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather),
                                    module_filter_fn=lambda module, fqn, names=names: fqn in names)
-    policy, mesh = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), \
-        init_device_mesh("cpu", (world,))
-    for layer in ref.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world, layers=ref.base_model.model.model.layers)
     return ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
 
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import optimizer_losses
+from helpers import hand_wired_fsdp2, optimizer_losses
 
 from fp8dist.cli import main
 from fp8dist.train.config import TrainConfig
@@ -110,8 +110,6 @@ def test_an_embedding_takes_an_adapter_from_the_command_line_as_from_peft():
 
 
 def _embedding_case(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute
 
@@ -124,11 +122,7 @@ def _embedding_case(rank: int, world: int) -> dict:
     ref = copy.deepcopy(base)  # by hand: torchao on the plan's layers, fully_shard per block and root
     convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                module_filter_fn=lambda module, fqn: fqn in fp8_names)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in ref.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world, layers=ref.base_model.model.model.layers)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     embedding_b = ours.base_model.model.model.embed_tokens.lora_embedding_B.default
     before = embedding_b.full_tensor().clone()

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
-from helpers import BATCH, linear_dtypes, one_thread, optimizer_losses  # noqa: F401  (a fixture)
+from helpers import BATCH, hand_wired_fsdp2, linear_dtypes, one_thread, optimizer_losses  # noqa: F401  (a fixture)
 from torch import nn
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
@@ -87,8 +87,6 @@ def test_an_inactive_adapter_is_planned_as_not_running():
 
 
 def _head_case(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
@@ -101,11 +99,7 @@ def _head_case(rank: int, world: int) -> dict:
     convert_to_float8_training(ref, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                module_filter_fn=lambda m, fqn: ".lora_" not in fqn and "lm_head" not in fqn
                                and fqn != first)
-    policy, mesh = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), \
-        init_device_mesh("cpu", (world,))
-    for layer in ref.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    hand_wired_fsdp2(ref, world, layers=ref.base_model.model.model.layers)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     head = ours.base_model.model.lm_head
     out = dict(fp8=len(get_plan(ours).fp8),
