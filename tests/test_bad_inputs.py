@@ -143,6 +143,8 @@ WRAP = [
         ("fp8_select_margin='fast' must be a number",)),
     Bad("fp8_select unknown", _wrap(fp8="torchao", fp8_select="fastest"), ValueError,
         ("fp8_select='fastest' is not valid; choose one of: 'auto', 'all'", "or none (auto on a GPU, all on a CPU)")),
+    Bad("fp8 typo: None among the choices, then the close match", _wrap(fp8="tea"), ValueError,
+        ("fp8='tea' is not valid; choose one of: 'te', 'torchao', 'msamp', or none. Did you mean 'te'?",)),
     Bad("seq_len zero", _wrap(fp8="torchao", seq_len=0), ValueError,
         ("seq_len=0 must be a positive integer (tokens per sequence), or none (2048 assumed)",)),
     Bad("compile auto", _wrap(compile="auto"), ValueError,

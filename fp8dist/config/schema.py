@@ -55,10 +55,13 @@ def flat_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
     return out
 
 
-def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "") -> ValueError:
-    """A ValueError naming the field, the bad value, the valid choices and a close match."""
+def choice_error(name: str, value: Any, choices: Iterable[Any], way_out: str = "",
+                 or_none: str | None = None) -> ValueError:
+    """A ValueError naming the field, the bad value, the valid choices and a close match. ``or_none``: None is a
+    choice too (the text says what it means; "" says nothing more)."""
     choices = list(choices)
-    msg = f"{name}={value!r} is not valid; choose one of: {', '.join(repr(c) for c in choices)}."
+    none = "" if or_none is None else f", or none{f' ({or_none})' if or_none else ''}"
+    msg = f"{name}={value!r} is not valid; choose one of: {', '.join(repr(c) for c in choices)}{none}."
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
     if close and close[0] != str(value):
         msg += f" Did you mean {close[0]!r}?"
@@ -112,7 +115,7 @@ def _normalize_scalar(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
+def _normalize_choice(name: str, value: Any, choices: tuple, or_none: str | None = None) -> Any:
     if isinstance(value, str):  # case-insensitive; "3" for the integer choice 3, as the command line gives it
         for choice in choices:
             if isinstance(choice, str) and choice.lower() == value.strip().lower() or (
@@ -120,7 +123,7 @@ def _normalize_choice(name: str, value: Any, choices: tuple) -> Any:
                 return choice
     elif value in choices and not isinstance(value, bool):
         return value
-    raise choice_error(name, value, choices)
+    raise choice_error(name, value, choices, or_none=or_none)
 
 
 def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str] | None = None,
@@ -136,6 +139,8 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
         options = [a for a in args if a is not type(None)]
         if type(None) in args and (value is None or isinstance(value, str) and value.strip().lower() == "none"):
             return None
+        if type(None) in args and len(options) == 1 and choices_of(options[0]) is not None:
+            return _normalize_choice(name, value, choices_of(options[0]), or_none=none or "")
         errors = []
         for option in options:
             try:
