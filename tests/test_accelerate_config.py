@@ -420,6 +420,16 @@ def test_no_suggestion_points_at_a_key_of_another_meaning():
     assert "Set distributed_type: FSDP" in messages[0]
 
 
+def test_unquoted_no_read_by_yaml_as_false_is_the_word_the_file_had(tmp_path):
+    """YAML 1.1 reads ``distributed_type: NO`` (unquoted, as people write it by hand) as False: it is 'NO'."""
+    path = tmp_path / "default_config.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nmixed_precision: bf16\n")
+    assert yaml.safe_load(path.read_text())["distributed_type"] is False  # what the reader meets
+    by_word, _ = _resolve({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "bf16"})
+    from_file, _ = _resolve(str(path))
+    assert from_file.to_dict() == by_word.to_dict()
+
+
 @pytest.mark.parametrize("name, text, expected", [
     ("broken.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n bad: [1,\n",
      "broken.yaml' is not valid YAML: line 4, column 2: "),

@@ -17,6 +17,10 @@ from .accelerate_keys import (_DS_FILE_DECIDES, _FP8, _FSDP, _HYBRID, _SECTIONS,
 __all__ = ["translate_accelerate_config", "NO_ACCELERATE_KEY", "targets"]
 
 
+_YAML_BOOL_WORDS = {False: ("no", "off", "false", "n"), True: ("yes", "on", "true", "y")}
+"""The words YAML 1.1 (PyYAML's safe_load, as Accelerate reads its files) turns into each boolean."""
+
+
 @dataclass
 class _State:
     flat: dict[str, Any]
@@ -43,6 +47,10 @@ def _lookup(values: Mapping[Any, Any], value: Any) -> tuple[Any, Any]:
     for key, result in values.items():
         if (value is key or BOOL_WORDS.get(text) is key) if isinstance(key, bool) else text == str(key).lower():
             return key, result
+    if isinstance(value, bool):  # YAML 1.1 reads an unquoted NO/off/yes/on as a boolean: the word the file had
+        for key, result in values.items():
+            if not isinstance(key, bool) and str(key).lower() in _YAML_BOOL_WORDS[value]:
+                return key, result
     raise KeyError(value)
 
 
