@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 import copy
 import warnings
 
@@ -62,6 +64,8 @@ def test_the_fp8_share_counts_only_the_layers_that_run(one_thread):
     assert original.reason.startswith(f"PEFT's frozen original of {HEAD} (modules_to_save): adapter 'default' runs "
                                       f"its copy {HEAD}.modules_to_save.default"), original.reason
     assert (saved.runs, saved.precision) == (True, "bf16") and saved.reason.startswith("last Linear, kept"), saved
+    as_json = json.loads(json.dumps(original.to_dict()))  # what `fp8dist plan --json` prints per layer
+    assert (as_json["runs"], as_json["precision"], as_json["reason"]) == (False, "bf16", original.reason)
     ran = _ran(model)
     assert {e.name for e in plan if e.runs} == ran, "the plan's running modules are those a forward runs"
     gemm = [e for e in plan if e.gemm_flops and e.name in ran]

@@ -79,6 +79,9 @@ def test_a_run_that_fits_only_with_checkpointing_is_predicted_with_it_and_says_s
         "(126.24 GiB per rank; 35.24 GiB with activation checkpointing; a rank may plan on 72.00 GiB)")
     assert main(["plan", *argv, "--json"]) == 0
     assumed = json.loads(capsys.readouterr().out)
+    fp8 = [layer for layer in assumed["layers"] if layer["precision"] == "fp8"]
+    assert fp8 and all(layer["converted_to"] == "Float8Linear" and layer["runs"] for layer in fp8)
+    assert all(layer["speedup"] > 1 for layer in fp8), "each FP8 layer's predicted speedup on the H100, as the table"
     assert main(["plan", *argv, "--activation-checkpointing", "full", "--json"]) == 0
     asked = json.loads(capsys.readouterr().out)
     assert assumed["steps"] == asked["steps"] and assumed["steps"]  # the same prediction as asking for it

@@ -218,7 +218,7 @@ def step_text(steps: tuple[tuple[Any, Any], ...], checkpointing: Any = None) -> 
 
 
 def _plan_json(plan: Any, steps: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
-    return {"layers": [{"name": e.name, "precision": e.precision, "reason": e.reason} for e in plan],
+    return {"layers": [entry.to_dict() for entry in plan],
             "selection": plan.selection.to_dict() if plan.selection is not None else None, **steps_json(steps)}
 
 

@@ -7,7 +7,7 @@ import difflib
 import fnmatch
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -68,6 +68,13 @@ class PlanEntry:
     def speedup(self) -> float | None:
         """Predicted FP8 speedup over bf16 of the module's GEMMs together (None: not predicted)."""
         return speedup_of(self.predicted)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The decision as JSON data (``fp8dist plan --json``): every field but the per-GEMM ``predicted`` figures,
+        which become ``speedup`` (their product's ratio, None where not predicted)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "predicted"}
+        out["numerics"] = list(self.numerics) if self.numerics is not None else None
+        return {**out, "speedup": self.speedup}
 
 
 def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
