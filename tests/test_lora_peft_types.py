@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
-import json
-
 import copy
+import json
 import warnings
 
 import pytest
