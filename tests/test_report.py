@@ -67,9 +67,10 @@ def _report_case(rank: int, world: int) -> dict:
             plan_fp8=sum(e.params for e in fp8dist.get_plan(model) if e.precision == "fp8"))
     for strategy, fp8 in (("fsdp", None), ("fsdp", "torchao"), ("ddp", None)):
         torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "no blocks found: all parameters are gathered at once", as meant
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")  # "no blocks found: all parameters are gathered at once", as meant
             model = fp8dist.wrap_model(Stack(), strategy=strategy, fp8=fp8)
+        out[("stack notes", strategy, fp8)] = [str(w.message) for w in said if "no blocks found" in str(w.message)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(8, HIDDEN)).sum().backward()
         opt.step()
@@ -124,6 +125,7 @@ def test_report_on_live_models_reads_the_engines_and_counts_bytes_exactly():
     _fsdp1_ddp_read_their_policies_and_hooks(reports)
     _bytes_per_param_exact_for_a_hand_counted_model(reports)
     _report_prints_both_tables(reports)
+    _notes_are_said_by_rank_0_only(reports)
     _mixtral_experts_and_router_are_bf16_gemms(reports)
     _gpt2_conv1d_and_tied_head_are_gemms(reports)
 
@@ -309,3 +311,10 @@ def test_report_shows_frozen_and_trained_parameters_as_the_estimate_does():
     full = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none")
     plain = fp8dist.report(full)
     assert plain.groups == () and "parameters (this rank)" not in str(plain)
+
+
+def _notes_are_said_by_rank_0_only(reports) -> None:
+    """wrap_model's notes (here: the stack has no blocks) come once per job, not once per process."""
+    notes = [{key[2]: said for key, said in rank.items() if key[:2] == ("stack notes", "fsdp")} for rank in reports]
+    assert [len(said) for said in notes[0].values()] == [1, 1], notes[0]  # fp8 None and torchao; DDP has no blocks
+    assert list(notes[1].values()) == [[], []], notes[1]

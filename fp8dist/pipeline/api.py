@@ -231,7 +231,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     backend.check_plan(plan)
     _check_optimizer(optimizer, backend, plan, memory, engine)
     _check_master_weights(model, cfg, backend, plan.facts, memory)
-    _announce(cfg, plan, fp8_filter, fp8_group)
+    _announce(cfg, plan, fp8_filter, fp8_group, launch.rank)
     env = engine.environment(cfg, launch, device)                                         # 4. environment
     check_ranks_agree(model, cfg, plan, env)
     before = list(model.parameters())  # an optimizer built over these before now would train nothing
@@ -242,7 +242,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     hooks = backend.engine_hooks(optimizer, cfg, plan.facts)
     sharded = engine.shard(model, ShardJob(cfg, env, blocks, meta, _filler(cfg, env, meta, plan),   # 8. shard
                                            optimizer, hooks.prepare, hooks.entry, mesh))
-    for note in (*block_wiring.notes, *sharded.info.notes):
+    for note in (*block_wiring.notes, *sharded.info.notes) if launch.rank == 0 else ():  # as _announce: once
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(sharded.model, unwrap_model(sharded.model), plan, cfg, fp8_group)  # 9. FP8 wiring
     guard = _guard(engine, sharded.model, cfg, env)                                       # 10. guard, record
@@ -293,8 +293,12 @@ def _wrap_blocks(model: nn.Module, cfg: Config, plan: PrecisionPlan) -> tuple[An
     return (wrapped, how), wiring
 
 
-def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any) -> None:
-    """One warning for each thing asked for that will not happen as asked (an option the backend does not read)."""
+def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any, rank: int) -> None:
+    """One warning for each thing asked for that will not happen as asked (an option the backend does not read),
+    said by rank 0 only: each rank decides the same from the same settings (step 4 checks that they agree), and a
+    job of N processes printed each note N times."""
+    if rank != 0:
+        return
     notes, backend = cfg.unused_options(), get_backend(cfg.precision.fp8)
     if fp8_filter is not None and backend is NO_FP8:
         notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
