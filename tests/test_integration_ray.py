@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import ROOT, run
 from dist_harness import run_ranks
 from helpers import BATCH, SEQ
 
@@ -146,3 +148,38 @@ def test_report_and_resume_outside_a_ray_worker_say_where_they_run():
                                            r"every worker; .* or use fp8dist.save_checkpoint / load_checkpoint"):
         resume(torch.nn.Linear(2, 2), None)
 
+
+def _on_this_cluster(ray) -> dict[str, str]:
+    """A command's environment that joins this module's Ray cluster (one start for every test here, ~10 s each
+    saved) with one thread per rank."""
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_fp8dist_train_on_ray_workers_matches_the_local_launch(ray_cluster, tmp_path):
+    """``fp8dist train --launcher ray``: the reference job's 2 ranks as Ray Train workers, every step's loss == the
+    same command's own local launch (one thread per rank in both)."""
+    job = ["fp8dist", "train", "--steps", "3", "--nproc", "2", "--strategy", "fsdp", "--fp8", "torchao"]
+    figures = {}
+    for name, flags in (("local", []), ("ray", ["--launcher", "ray"])):
+        proc = run([*job, *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl")], env=_on_this_cluster(ray_cluster),
+                   timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        figures[name] = [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    assert "starting 2 Ray Train workers" in proc.stdout
+    assert len(figures["ray"]) == 3 and figures["ray"] == figures["local"]
+
+
+@pytest.mark.slow
+def test_the_ray_example_trains_and_reports_ray_checkpoints(ray_cluster, tmp_path):
+    """examples/ray_train.py as its docstring runs it: 4 steps with a checkpoint every 2, each reported to Ray (a
+    restarted worker group resuming from Ray's checkpoint is the test above)."""
+    script = ROOT / "examples" / "ray_train.py"
+    assert "python examples/ray_train.py --num-workers 2 --fp8 torchao" in script.read_text()
+    proc = run(["python", str(script), "--num-workers", "2", "--steps", "4", "--save-every", "2",
+                "--storage", str(tmp_path / "storage")], env=_on_this_cluster(ray_cluster), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = sorted({int(s) for s in re.findall(r"step +(\d+) loss \d+\.\d+$", proc.stdout, flags=re.M)})
+    assert steps == [0, 1, 2, 3] and "(step 4, loss " in proc.stdout
+    reported = [p for p in (tmp_path / "storage").rglob("checkpoint_*") if p.is_dir()]
+    assert len(reported) == 2, reported  # steps 2 and 4, each an fp8dist checkpoint Ray keeps
