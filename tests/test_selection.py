@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import fp8dist
-from fp8dist.config import rules as combine
 from fp8dist.cli import main
 from fp8dist.plan.hardware import TARGETS, Hardware
 from fp8dist.train.models import build_llama
@@ -153,7 +152,7 @@ def test_the_margin_and_the_tokens_move_the_decision():
 
 def test_options_no_axis_reads_are_reported():
     def unread(**options):
-        return combine.unused_options(fp8dist.resolve_config(**options))
+        return fp8dist.resolve_config(**options).unread_notes()
 
     assert unread(fp8_select="auto") == ["fp8_select='auto' has no effect here (read only when fp8 in ['te', "
                                          "'torchao']; fp8=None)."]
@@ -169,7 +168,7 @@ def test_options_no_axis_reads_are_reported():
     from fp8dist.plan.selection import with_read_options
 
     bf16 = with_read_options(fp8dist.resolve_config(strategy="fsdp"), micro_batch_size=4, seq_len=512)
-    assert (bf16.parallel.micro_batch_size, bf16.parallel.seq_len, bf16.unused_options()) == (1, None, [])
+    assert (bf16.parallel.micro_batch_size, bf16.parallel.seq_len, bf16.unread_notes()) == (1, None, [])
     fp8 = with_read_options(fp8dist.resolve_config(fp8="torchao"), micro_batch_size=4, seq_len=512)
     assert (fp8.parallel.micro_batch_size, fp8.parallel.seq_len) == (4, 512)
 
@@ -208,7 +207,7 @@ def test_each_bench_cell_records_its_layers_predicted_speedup():
     assert figures["mode"] == "all" and figures["gemm_s"]["all_fp8"] == pytest.approx(figures["gemm_s"]["planned"])
     assert predicted_figures(fp8dist.plan_precision(model, cell_config(cell), device=torch.device("cpu"))) is None
     bf16 = cell_config(Cell(strategy="fsdp", fp8=None, size="small"))
-    assert bf16.unused_options() == [] and bf16.precision.fp8_select is None
+    assert bf16.unread_notes() == [] and bf16.precision.fp8_select is None
 
 
 def test_a_numerics_report_keeps_the_unsafe_layer_out_of_fp8():

@@ -133,10 +133,10 @@ def test_the_numerics_probe_refuses_casts_it_does_not_model_with_the_way_out():
 
 
 def test_fp8_format_is_said_to_have_no_effect_under_nvfp4():
-    notes = fp8dist.resolve_config(fp8="te", te_recipe="nvfp4", fp8_format="E4M3").unused_options()
+    notes = fp8dist.resolve_config(fp8="te", te_recipe="nvfp4", fp8_format="E4M3").unread_notes()
     assert any(n.startswith("fp8_format='E4M3' has no effect here (read only when fp8 in ['te'] and te_recipe in "
                             "['delayed', 'current', 'mxfp8', 'blockwise']") for n in notes), notes
-    assert not fp8dist.resolve_config(fp8="te", te_recipe="blockwise", fp8_format="E4M3").unused_options()
+    assert not fp8dist.resolve_config(fp8="te", te_recipe="blockwise", fp8_format="E4M3").unread_notes()
 
 
 # ---- TE's quantized weights under FSDP2 (fp8_weights: quantized_model_init, TE >= 2.10)
@@ -179,7 +179,7 @@ def test_fp8_weights_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match=re.escape("fp8_weights=True with memory='lean': quantized weights need an "
                                                    "optimizer that keeps fp32 master weights") + ".*memory='standard'"):
         fp8dist.resolve_config(strategy="fsdp", fp8="te", fp8_weights=True, memory="lean")
-    notes = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", fp8_weights=True).unused_options()
+    notes = fp8dist.resolve_config(strategy="fsdp", fp8="torchao", fp8_weights=True).unread_notes()
     assert notes == ["fp8_weights=True has no effect here (read only when fp8 in ['te']; fp8='torchao')."]
 
 

@@ -50,8 +50,8 @@ def _files(tmp_path, ours: dict, accelerate: dict) -> dict[str, str]:
 def test_the_same_unread_knob_is_the_same_note_from_flags_files_and_keywords(tmp_path, capsys, name, ours, accelerate,
                                                                             flags, note):
     files = _files(tmp_path, ours, accelerate)
-    notes = {"keywords": resolve_config(**ours).unused_options()}
-    notes.update({source: resolve_config(path).unused_options() for source, path in files.items()})
+    notes = {"keywords": resolve_config(**ours).unread_notes()}
+    notes.update({source: resolve_config(path).unread_notes() for source, path in files.items()})
     assert all(any(note in n for n in found) for found in notes.values()), notes
     assert len({tuple(found) for found in notes.values()}) == 1, notes  # word for word the same everywhere
     for argv in ([*flags], *(["--config", path] for path in files.values())):

@@ -177,7 +177,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
     level = get_level(cfg.parallel.memory)
-    notes = cfg.unused_options()  # each said once as a warning, as wrap_model does
+    notes = cfg.unread_notes()  # each said once as a warning, as wrap_model does
     if level.builds_optimizer and optimizer != level.estimate_optimizer:
         notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
                      f"{level.summary}).")

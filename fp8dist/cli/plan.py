@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from ..strategies.common import find_blocks
 
     config, _ = config_from_args(args)
-    for note in config.unused_options():
+    for note in config.unread_notes():
         print(f"fp8dist plan: note: {note}", file=sys.stderr)
     topology = {key: value for key, value in (("nvlink_domain", args.nvlink_domain),
                                               ("network_gbps", args.network_gbps)) if value is not None}

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from .rules import check as check_combination, unused_options as options_unused
+from .rules import check as check_combination, unread_options
 from .schema import flat_fields, route_keys
 from .accelerate import translate_accelerate_config
 from .files import read_config_text
@@ -35,9 +35,10 @@ class Config:
         return {f.name: list(v) if isinstance(v := getattr(getattr(self, name), f.name), tuple) else v
                 for name, cls in SECTIONS.items() for _, f in flat_fields(cls)}
 
-    def unused_options(self) -> list[str]:
-        """A note for each option changed from its default that no chosen axis reads."""
-        return options_unused(self)
+    def unread_notes(self) -> list[str]:
+        """A note for each option changed from its default that no chosen axis reads (wrap_model, the planner, the
+        estimate and the probe each say them once as warnings; :func:`.rules.unread_options` keys them by option)."""
+        return list(unread_options(self).values())
 
     @classmethod
     def from_dict(cls, flat: Mapping[str, Any], *, source: str = "config",

@@ -18,7 +18,7 @@ from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
 from ..strategies import STRATEGIES
 
-__all__ = ["table", "refusal_of", "check", "refusing_rule", "unused_options", "unread_options", "facts_of",
+__all__ = ["table", "refusal_of", "check", "refusing_rule", "unread_options", "facts_of",
            "choices", "EVERY_RUN", "EVERY_FP8_BACKEND"]
 
 PIPELINE_STEPS = {
@@ -153,11 +153,6 @@ def _conditions(readers: list[tuple[str, str, When]]) -> list[list[tuple[str, li
             + ([("strategy", [name for name, strategy in STRATEGIES.items()
                               if all(getattr(strategy.facts(None), f) for f in when.facts)])] if when.facts else [])
             for (key, _), (names, when) in grouped.items()]
-
-
-def unused_options(cfg: Any) -> list[str]:
-    """A note for each option set away from its default that no chosen axis reads under ``cfg``."""
-    return list(unread_options(cfg).values())
 
 
 def unread_options(cfg: Any) -> dict[str, str]:

@@ -299,7 +299,7 @@ def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any,
     job of N processes printed each note N times."""
     if rank != 0:
         return
-    notes, backend = cfg.unused_options(), get_backend(cfg.precision.fp8)
+    notes, backend = cfg.unread_notes(), get_backend(cfg.precision.fp8)
     if fp8_filter is not None and backend is NO_FP8:
         notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
     if fp8_group is not None and not backend.takes_amax_group:

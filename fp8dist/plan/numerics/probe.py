@@ -70,7 +70,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
     if cfg.precision.fp8 is None:
         raise ValueError("fp8=None: there is no FP8 cast to measure. Pass fp8='torchao' or fp8='te'.")
-    for note in cfg.unused_options():  # an option no chosen axis reads, said as wrap_model says it
+    for note in cfg.unread_notes():  # an option no chosen axis reads, said as wrap_model says it
         warnings.warn(note, UserWarning, stacklevel=2)
     device = resolve_device(cfg.parallel.device, 0)
     hardware = parse_target(target) if isinstance(target, str) else target
