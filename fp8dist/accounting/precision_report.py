@@ -142,9 +142,9 @@ def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:
         print(fp8dist.report(model, optimizer))
         optimizer.zero_grad()
     """
-    from .row_dtypes import engine_of, row_for
+    from .row_dtypes import wrapped_run, row_for
 
-    run = engine_of(model, optimizer)
+    run = wrapped_run(model, optimizer)
     info, strategy, _, held = run
     parts = _group_by_part(model, strategy, {e.name: e.grouped for e in info.plan.fp8})
     fp8_modules = [m for part in (Part.FP8_GEMM, Part.FP8_GROUPED_GEMM) if part in parts for m in parts[part].modules]

@@ -15,10 +15,10 @@ from ..strategies.base import EngineDtypes
 from ..fp8 import get_backend
 from .rows import Members, Part, PrecisionRow
 
-__all__ = ["engine_of", "row_for"]
+__all__ = ["wrapped_run", "row_for"]
 
 
-def engine_of(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
+def wrapped_run(model: nn.Module, optimizer: Any) -> tuple[Any, Any, EngineDtypes, dict[str, list[Any]]]:
     """The wrap info, the strategy, its engine's dtypes and the tensors it holds per category: what :func:`row_for`
     reads."""
     from ..pipeline.api import get_wrap_info
@@ -102,7 +102,7 @@ def _master(info: Any, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
 
 def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer: Any, part: Part,
             members: Members) -> PrecisionRow:
-    """The chart row of ``part`` of the model ``run`` (:func:`engine_of`) describes."""
+    """The chart row of ``part`` of the model ``run`` (:func:`wrapped_run`) describes."""
     info, strategy, engine, held = run
     params = [h.param for h in members.params]
     stored = _stored(strategy, params)
