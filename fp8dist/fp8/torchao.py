@@ -158,8 +158,16 @@ class TorchaoBackend(FP8Backend):
                               for which, name in (("first", order.first), ("last", order.last))}}
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
-        """Convert exactly the plan's FP8 layers, each by its own recipe where the plan picked one per layer, then
-        check that every converted Linear runs an FP8 GEMM."""
+        """Convert exactly the plan's FP8 layers in place, each by its own recipe where the plan picked one per
+        layer, then check that every converted Linear runs an FP8 GEMM.
+
+        What changes: each planned ``nn.Linear`` (and GPT-2 ``Conv1D``) becomes torchao's ``Float8Linear`` (the
+        tensorwise and rowwise recipes; NVFP4 swaps in its own module), or keeps its class with its weight wrapped
+        (MXFP8, ``torchao_api="weight_wrapper"``); MoE experts get torchao's grouped-GEMM weight wrapper. Call it
+        before sharding (wrap_model's step 6): FSDP must shard the converted modules' weights, and FP8 all-gather
+        needs torchao's weight subclass in place when ``fully_shard`` runs. ``plan``: the model's
+        :class:`~fp8dist.plan.precision.PrecisionPlan`; ``cfg``: the resolved Config. Raises ValueError where a
+        layer's weight cannot shard evenly for FP8 all-gather, RuntimeError where a converted layer ran no FP8 GEMM."""
         experts = {e.name for e in plan.fp8 if e.grouped}
         names = {e.name for e in plan.fp8} - experts
         _check_even_shards(model, {e.name for e in plan.fp8 if _gathers_fp8(e)}, cfg, plan.facts)

@@ -203,10 +203,21 @@ def _decided(entry: Any, module: nn.Module, ctx: _Context, mode: str, margin: fl
 def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *, compile: bool,
            numerics: Any = None, fallback: Callable[[nn.Module], str],
            facts: StrategyFacts) -> tuple[list[Any], Selection, list[str]]:
-    """The entries with the FP8 ones decided by fp8_select and the ``numerics`` report, the :class:`Selection`, and
-    notes. Call once every other rule has been applied and the hardware gate passed. ``compile``: whether the
-    blocks compile with FP8 (torchao's casts fuse); ``fallback``: the precision of a module kept out. ValueError: a
-    numerics report of another model."""
+    """Decide which candidate layers run FP8 by ``cfg.precision.fp8_select`` and the ``numerics`` report.
+
+    Call once every other rule of the plan has been applied and the hardware gate passed.
+
+    Arguments: ``model`` the model being planned (read for shapes only); ``entries`` its
+    :class:`~fp8dist.plan.precision.PlanEntry` list, FP8 candidates marked ``precision="fp8"``; ``cfg`` the resolved
+    Config (``fp8_select``, ``fp8_select_margin``, the tokens per step); ``hardware`` the GPU the speed model
+    predicts for; ``compile`` whether the blocks compile with FP8 (torchao's casts fuse, so they cost less);
+    ``numerics`` a probe report (:func:`~fp8dist.plan.numerics.measure_fp8_numerics`) whose flagged layers stay out,
+    or None; ``fallback`` the precision of a module kept out; ``facts`` the strategy's facts (whether it gathers FP8
+    weights).
+
+    Returns ``(entries, selection, notes)``: the entries with each kept-out layer's precision and reason set (and
+    its ``recipe`` where the backend mixes recipes), the :class:`Selection` with the per-layer figures, and the
+    notes to say. Raises ValueError for a numerics report of another model."""
     from ..fp8 import get_backend
 
     backend = get_backend(cfg.precision.fp8)

@@ -122,7 +122,14 @@ class Strategy(Protocol):
         return init_distributed(device=cfg.parallel.device)  # the process group, initialized if needed
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
-        """Shard or replicate the converted ``model``, materializing a meta model where the strategy allocates it."""
+        """Shard or replicate ``model`` and return it as the user trains it (:class:`Sharded`).
+
+        Precondition (wrap_model's step 8): the process group of :meth:`environment` is up (``job.env``), the FP8
+        backend has converted the planned layers (torchao swaps its modules in before sharding, so that FSDP shards
+        the FP8 modules' weights) and the block step has wrapped the blocks for checkpointing and compile
+        (``job.blocks``); the model is not sharded yet. A meta model (``job.meta``) is allocated here (whole, per unit
+        or this rank's shards) and filled by ``job.fill``; an engine that builds the optimizer (DeepSpeed) builds it
+        from ``job.optimizer``. Raises ValueError for a model or setting the engine refuses, naming the way out."""
         raise NotImplementedError
 
     def watch_steps(self, model: nn.Module, guard: Any) -> None:
