@@ -46,7 +46,9 @@ class Calibration:
     """Fraction of the dense FP8 / FP4 peak an MXFP8 / NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     fp4_gemm_fraction: float | None = None
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
-    """(MXFP8, NVFP4): a block-scaling quantize kernel over its ideal traffic (fitted on the B200; 1: not measured)."""
+    """(torchao, Transformer Engine): a block-scaling (MXFP8, NVFP4) quantize kernel of that backend over its ideal
+    traffic, fitted on published training steps and TE's training GEMM speedups (benchmarks/step_model/fit.py);
+    1: not measured."""
     grouped_gemm_efficiency: float = 1.0
     """The fraction of a dense GEMM's rate a grouped GEMM of MoE experts (``torch._grouped_mm``) reaches (fitted on
     the B200's MXFP8 grouped table; 1: not measured)."""
@@ -88,7 +90,7 @@ B200_CALIBRATION = dataclasses.replace(
     recipes=("moe_mxfp8",),
     mx_gemm_fraction=0.765,
     fp4_gemm_fraction=0.865,
-    block_cast_slowdown=(2.66, 6.92),
+    block_cast_slowdown=(1.45, 4.19),
     grouped_gemm_efficiency=0.463,
     grouped_block_cast_slowdown=3.01,
     source=Source(
@@ -96,10 +98,12 @@ B200_CALIBRATION = dataclasses.replace(
         "dynamic global scaling vs bfloat16, M = K = N from 1,024 to 16,384)",
         "https://github.com/pytorch/ao/blob/a4ee1fb6ad603cc321281c089a2004ece8e857bc/docs/source/workflows/"
         "inference.md",
-        "mx_gemm_fraction, fp4_gemm_fraction and block_cast_slowdown fitted by benchmarks/speed_model/fit_b200.py "
+        "mx_gemm_fraction and fp4_gemm_fraction fitted by benchmarks/speed_model/fit_b200.py "
         "on the rows M in {1024, 4096, 16384} of benchmarks/speed_model/torchao_b200_forward.csv (2026-11-26); "
+        "block_cast_slowdown (torchao's, TE's block-scaling casts) fitted on training steps and TE's training GEMM "
+        "speedups by benchmarks/step_model/fit.py (the forward table's quantize kernels are inference ones); "
         "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too); "
-        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by the same script on the rows G in {1, 8} of "
+        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by fit_b200.py on the rows G in {1, 8} of "
         "benchmarks/speed_model/torchao_b200_moe_mxfp8.csv, torchao's MXFP8 grouped-GEMM forward + backward table "
         "(https://github.com/pytorch/ao/blob/5e79e5ed3434aa04281931039da1bab338c415b3/torchao/prototype/"
         "moe_training/README.md)"),

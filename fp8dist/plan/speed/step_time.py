@@ -47,11 +47,13 @@ class StepConstants:
     fitted_gpu: str = "h100-hbm2e"
     """The GPU record the constants were fitted on: its predictions of ``fitted_recipes`` are the calibrated ones."""
     fitted_recipes: tuple[str, ...] = ("tensorwise",)
-    fitted_on: str = ("torchao docs, 8x H100 (96GB HBM2e, 2.4 TB/s), Llama3-8B, FSDP2, compile, per-op SAC: bf16 "
-                      "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
+    fitted_on: str = ("every modelled row of benchmarks/step_model/runs.csv: torchao's H100 / B200 / MI300X Llama3-8B "
+                      "tables, torchtitan's H100 runs and #3914 (4x GB200), Megatron-Bridge's performance summary, "
+                      "TE's training GEMM speedups, torchtune #2833 (benchmarks/step_model/fit.py; each source's "
+                      "agreement when left out of the fit: agree.py)")
 
 
-STEP_CONSTANTS = StepConstants(gemm_efficiency=1.097, memory_traffic=6.4)
+STEP_CONSTANTS = StepConstants(gemm_efficiency=0.925, memory_traffic=6.19)
 """Fitted by ``benchmarks/step_model/fit.py`` (its ``fit.json`` holds the same numbers)."""
 
 
