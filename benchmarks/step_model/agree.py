@@ -81,8 +81,8 @@ def render(agree: dict[str, Any], misses: dict[tuple[str, str], str]) -> str:
              "speedup published / predicted | miss |", "|---|---|---|---|---|---|---|---|"]
     for source, fold in agree["folds"].items():
         for r in fold["rows"]:
-            tokens = (f"{r['predicted_tokens_per_s']:,.0f} ({_pct(r['predicted_tokens_per_s'], r['published_tokens_per_s'])})"
-                      if r["predicted_tokens_per_s"] is not None else "-")
+            predicted, published = r["predicted_tokens_per_s"], r["published_tokens_per_s"]
+            tokens = f"{predicted:,.0f} ({_pct(predicted, published)})" if predicted is not None else "-"
             speedup = "-"
             if r["predicted_speedup"] is not None:
                 published = f"{r['published_speedup']:.3f}" if r["published_speedup"] else "n/a"

@@ -5,9 +5,9 @@ out) and ``tests/test_step_model.py``.
 The fitted constants, ``THETA``: the step's ``gemm_efficiency`` and ``memory_traffic``
 (:class:`~fp8dist.plan.speed.step_time.StepConstants`) and the Blackwell records' block-scaling (MXFP8, NVFP4) cast
 slowdowns of torchao's kernels and of Transformer Engine's (``Calibration.block_cast_slowdown``). Every part of a
-predicted step but its exposed communication is affine in them (the casts' 2 us floor aside, which no row here reaches), so each row is predicted five times (at the
-shipped constants and one step along each) and any trial constants recombine those parts at once: a fit evaluates
-thousands of trials in the time of one prediction."""
+predicted step but its exposed communication is affine in them (the casts' 2 us floor aside, which no row here
+reaches), so each row is predicted five times (at the shipped constants and one step along each) and any trial
+constants recombine those parts at once: a fit evaluates thousands of trials in the time of one prediction."""
 
 from __future__ import annotations
 

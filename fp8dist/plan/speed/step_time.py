@@ -156,8 +156,8 @@ class StepTime:
         hsdp = (f", HSDP {self.replicate_degree} replicas x {self.world_size // self.replicate_degree} ranks"
                 if self.replicate_degree > 1 else "")
         return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank{frozen}{hsdp}, activation "
-                f"checkpointing {self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, NVLink domain "
-                f"{self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
+                f"checkpointing {self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, "
+                f"NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
 
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
