@@ -265,8 +265,13 @@ def test_every_gpu_record_has_its_topology():
         assert spec.network_gbps > 0 and "Gb/s" in spec.network_source and "GB/s" in spec.network_source
     assert (gpu_by_key("h100").network_gbps, gpu_by_key("gb300").network_gbps) == (50.0, 100.0)  # 400 / 800 Gb/s
     assert gpu_by_key("gb300").describe().endswith(
-        "NVLink domain 72 GPUs, network 100 GB/s per GPU between domains (GB300 NVL72 specifications: one ConnectX-8 "
-        "SuperNIC, 800 Gb/s, per GPU between racks: 100 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s))")
+        "NVLink domain 72 GPUs, network 100 GB/s per GPU between domains (NVIDIA GB300 NVL72 Enterprise RA (https://"
+        "docs.nvidia.com/enterprise-reference-architectures/nvl72-ai-factory/latest/components.html): 4 ConnectX-8 "
+        "HCAs per 4-GPU compute tray, one 800 Gb/s per GPU between racks: 100 GB/s; the 72 GPUs share one NVLink 5 "
+        "domain (130 TB/s))")
+    for key in ("gb200", "b300", "gb300"):  # the Blackwell NICs, each with the published page read
+        assert "https://docs.nvidia.com/" in gpu_by_key(key).network_source or "https://www.nvidia.com/" in (
+            gpu_by_key(key).network_source)
 
 
 def test_70b_on_64_gb300_keeps_its_collectives_on_nvlink_and_meets_megatron_bridge(llama_70b):
