@@ -6,7 +6,6 @@ them is listed in misses.csv with what was measured about it, so a change that f
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import re

@@ -21,7 +21,7 @@ from typing import Any
 from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
 from fp8dist.plan.speed.model import linear_seconds
 from fp8dist.plan.speed.recipes import recipe_named
-from fp8dist.plan.speed.step_time import STEP_CONSTANTS, StepParts, exposed_collectives, predict_step
+from fp8dist.plan.speed.step_time import STEP_CONSTANTS, exposed_collectives, predict_step
 
 RUNS = Path(__file__).with_name("runs.csv")
 MISSES = Path(__file__).with_name("misses.csv")
@@ -193,21 +193,28 @@ def loss(theta: tuple[float, ...], models: list[RowModel]) -> float:
 
 
 def fit(models: list[RowModel]) -> tuple[float, ...]:
-    """The constants minimising :func:`loss` over ``models`` (Nelder-Mead over their logs from three starts,
+    """The constants minimising :func:`loss` over ``models`` (Nelder-Mead over their logs from three fixed starts,
     benchmarks/speed_model/fit.py's ``best_of``), to 3 significant digits."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "speed_model" / "fit.py"
-    spec = importlib.util.spec_from_file_location("speed_model_fit", path)
-    module = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    starts = ((1.0, 6.0, 2.0, 4.0), (0.8, 3.0, 1.0, 2.0), (1.2, 9.0, 4.0, 8.0))  # fixed: no fit leaks in
-    theta, _ = module.best_of(lambda logs: loss(tuple(math.exp(v) for v in logs), models), starts)
+    theta, _ = _best_of()(lambda logs: loss(tuple(math.exp(v) for v in logs), models),
+                          ((1.0, 6.0, 2.0, 4.0), (0.8, 3.0, 1.0, 2.0), (1.2, 9.0, 4.0, 8.0)))  # no fit leaks in
     return theta
 
 
+@functools.cache
+def _best_of() -> Any:
+    """benchmarks/speed_model/fit.py's ``best_of`` (that folder's modules import each other by name)."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parents[1] / "speed_model"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location("speed_model_fit", folder / "fit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.best_of
+
+
 def modelled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows the model represents (``excluded`` empty)."""
     return [r for r in rows if not r["excluded"]]
