@@ -335,7 +335,7 @@ def test_a_lora_step_has_no_weight_gradients_optimizer_or_gradient_collective_fo
     assert abs(step.tokens_per_s / 1409.8 - 1) <= 0.03  # measured 1,398: -0.9% (held out: -0.9%)
 
 
-def test_hsdp_gathers_inside_each_shard_group_and_all_reduces_the_gradient_shards_across_replicas():
+def test_hsdp_gathers_inside_each_shard_group_and_all_reduces_the_gradient_shards_across_replicas(capsys):
     """Llama3-8B on 128 H100 (16 nodes of 8): HSDP with 16 replicas gathers the weights twice and reduce-scatters the
     fp32 gradients inside each node at NVLink (450 GB/s a direction x 0.8), then all-reduces each rank's eighth of the
     gradients across the 16 nodes over the network (50 GB/s x 0.8); plain FSDP runs every ring over the network."""
@@ -353,3 +353,8 @@ def test_hsdp_gathers_inside_each_shard_group_and_all_reduces_the_gradient_shard
         predict_step(model, **options, replicate_degree=2, strategy="ddp")
     with pytest.raises(ValueError, match=r"replicate_degree=3 does not split world size 128 into equal shard groups"):
         predict_step(model, **options, replicate_degree=3)
+    from fp8dist.cli import main
+
+    argv = ["plan", "--model-size", "1b", "--target", "h100", "--world-size", "16", "--compare-recipes"]
+    assert main([*argv, "--replicate-degree", "2"]) == 0  # plan's step table predicts the HSDP run it plans
+    assert "HSDP 2 replicas x 8 ranks" in capsys.readouterr().out
