@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,17 @@ def _pct(predicted: float | None, published: float | None) -> str:
 
 
 def render(agree: dict[str, Any], misses: dict[tuple[str, str], str]) -> str:
-    """The README's agreement section (between the markers) from agree.json's content and misses.csv."""
+    """The README's agreement section (between the markers) from agree.json's content and misses.csv: the tables
+    name each miss's reason by number, and the reasons follow them, wrapped."""
+    reasons: list[str] = []
+
+    def cite(key: tuple[str, str]) -> str:
+        if key not in misses:
+            return "**unexplained**"
+        if misses[key] not in reasons:
+            reasons.append(misses[key])
+        return f"[{reasons.index(misses[key]) + 1}]"
+
     lines = [BEGIN, "", "| held out | run | GPUs | recipe | published tok/s | predicted tok/s | "
              "speedup published / predicted | miss |", "|---|---|---|---|---|---|---|---|"]
     for source, fold in agree["folds"].items():
@@ -85,22 +96,22 @@ def render(agree: dict[str, Any], misses: dict[tuple[str, str], str]) -> str:
             tokens = f"{predicted:,.0f} ({_pct(predicted, published)})" if predicted is not None else "-"
             speedup = "-"
             if r["predicted_speedup"] is not None:
-                published = f"{r['published_speedup']:.3f}" if r["published_speedup"] else "n/a"
+                shown = f"{r['published_speedup']:.3f}" if r["published_speedup"] else "n/a"
                 delta = (f" ({100 * (r['predicted_speedup'] - r['published_speedup']):+.1f} pp)"
                          if r["published_speedup"] else "")
-                speedup = f"{published} / {r['predicted_speedup']:.3f}{delta}"
+                speedup = f"{shown} / {r['predicted_speedup']:.3f}{delta}"
             missed = classify(r)
-            reason = misses.get((r["table"], r["recipe"]), "**unexplained**") if missed else ""
-            miss = f"{', '.join(missed)}: {reason}" if missed else ""
-            published_tokens = f"{r['published_tokens_per_s']:,.0f}" if r["published_tokens_per_s"] else "-"
-            lines.append(f"| {source} | {r['table']} | {r['world_size']} | {r['recipe']} | {published_tokens} | "
-                         f"{tokens} | {speedup} | {miss} |")
+            miss = f"{', '.join(missed)} {cite((r['table'], r['recipe']))}" if missed else ""
+            lines.append(f"| {source} | {r['table']} | {r['world_size']} | {r['recipe']} | "
+                         f"{f'{published:,.0f}' if published else '-'} | {tokens} | {speedup} | {miss} |")
     lines += ["", "Recipe order per run group (fastest first; held out as above):", "",
-              "| run | published | predicted | right | miss |", "|---|---|---|---|---|"]
+              "| run | published | predicted | right |", "|---|---|---|---|"]
     for o in agree["orders"]:
-        reason = "" if o["right"] else misses.get((o["table"], "order"), "**unexplained**")
-        lines.append(f"| {o['table']} | {' > '.join(o['published'])} | {' > '.join(o['predicted'])} | "
-                     f"{'yes' if o['right'] else 'no'} | {reason} |")
+        right = "yes" if o["right"] else f"no {cite((o['table'], 'order'))}"
+        lines.append(f"| {o['table']} | {' > '.join(o['published'])} | {' > '.join(o['predicted'])} | {right} |")
+    lines += ["", "What was measured about each miss (misses.csv):", ""]
+    lines += [textwrap.fill(reason, 116, initial_indent=f"{i}. ", subsequent_indent="   ")
+              for i, reason in enumerate(reasons, 1)]
     lines += ["", "Constants fitted without each source (all sources: fit.json, what fp8dist ships):", "",
               "| held out | " + " | ".join(THETA) + " |", "|---|" + "---|" * len(THETA)]
     for source, fold in agree["folds"].items():
