@@ -38,8 +38,8 @@ GROUPED_HELD_OUT_GROUPS = (2, 4)
 # get_inference_tensor_memory_traffic_ovhd_s, fusion modelled: the ReLU rides in it): MXFP8 one kernel (read bf16,
 # write FP8 + E8M0 scales); NVFP4 with a dynamic global scale an amax pass, its tiny second stage, then the cast.
 _FORWARD_CASTS = {
-    "mxfp8": (Kernel(2 + 1 + 1 / 32, block="mx"),),
-    "nvfp4": (Kernel(2), Kernel(0), Kernel(2 + 0.5 + 1 / 16, block="nvfp4")),
+    "mxfp8": (Kernel(2 + 1 + 1 / 32, block="torchao"),),
+    "nvfp4": (Kernel(2), Kernel(0), Kernel(2 + 0.5 + 1 / 16, block="torchao")),
 }
 
 

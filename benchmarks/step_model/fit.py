@@ -1,10 +1,12 @@
-"""Fit the step model's two constants (StepConstants.gemm_efficiency, memory_traffic) on the runs of runs.csv
-marked ``fit`` (torchao's H100 bf16 and tensorwise rows), score every run, write fit.json.
+"""Fit the step model's four constants (runs.THETA: StepConstants.gemm_efficiency and memory_traffic, the Blackwell
+records' MXFP8 and NVFP4 block-cast slowdowns) on every modelled row of every source in runs.csv, write fit.json
+with the constants and every row's prediction under them.
 
     PYTHONPATH=. python benchmarks/step_model/fit.py     # ~1 min on one CPU core
 
-The step time is affine in both constants: bf16 = k*G_b + mu*M + rest_b, FP8 = k*G_f + mu*M + rest_f, two
-equations, two unknowns."""
+The shipped constants (fp8dist/plan/speed/step_time.py's STEP_CONSTANTS, fp8dist/plan/gpus.py's
+B200_CALIBRATION.block_cast_slowdown) are this fit's, to 3 significant digits; the script says when they differ.
+How well the constants carry to a source they were not fitted on: agree.py (leave one source out)."""
 
 from __future__ import annotations
 
@@ -13,42 +15,35 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs import compare, predict, read_runs, with_constants  # noqa: E402
+from runs import SHIPPED, THETA, fit, modelled, read_runs, row_model  # noqa: E402
+
+OUT = Path(__file__).with_name("fit.json")
 
 
-def _fit(bf16_row: dict, fp8_row: dict) -> tuple[float, float]:
-    """Solve step(k, mu) = published for both rows; the step is affine in k and mu (exposed communication aside,
-    which is one block's worth at these sizes), so three evaluations per row give its coefficients."""
-    def step_s(k: float, mu: float) -> tuple[float, float]:
-        step = predict(fp8_row, with_constants(gemm_efficiency=k, memory_traffic=mu))
-        return step.bf16.step_s, step.fp8.step_s
-
-    base, unit_k, unit_mu = step_s(0, 0), step_s(1, 0), step_s(0, 1)
-    published = [row["micro_batch_size"] * row["seq_len"] / row["tokens_per_s"] for row in (bf16_row, fp8_row)]
-    (a1, a2), (b1, b2) = ([u - b for u, b in zip(unit, base)] for unit in (unit_k, unit_mu))
-    t1, t2 = (t - b for t, b in zip(published, base))
-    det = a1 * b2 - a2 * b1
-    return (t1 * b2 - t2 * b1) / det, (a1 * t2 - a2 * t1) / det
+def predictions(models, theta) -> list[dict]:
+    """Each row's published and predicted tokens/s and speedup under ``theta``."""
+    out = []
+    for model in models:
+        tokens, speedup = model.predicted(theta)
+        row = model.row
+        out.append(dict(source=row["source"], table=row["table"], gpu=row["gpu"], recipe=row["recipe"] or "bf16",
+                        published_tokens_per_s=row["tokens_per_s"],
+                        predicted_tokens_per_s=None if tokens is None else round(tokens, 1),
+                        published_speedup=None if row["speedup"] is None else round(row["speedup"], 4),
+                        predicted_speedup=None if speedup is None else round(speedup, 4), url=row["url"]))
+    return out
 
 
 def main() -> None:
-    rows = read_runs()
-    fit_rows = [r for r in rows if r["role"] == "fit"]
-    bf16_row = next(r for r in fit_rows if r["recipe"] is None)
-    fp8_row = next(r for r in fit_rows if r["recipe"] is not None)
-    k, mu = _fit(bf16_row, fp8_row)
-    constants = with_constants(gemm_efficiency=round(k, 3), memory_traffic=round(mu, 2))
-    result = {"gemm_efficiency": constants.gemm_efficiency, "memory_traffic": constants.memory_traffic,
-              "fitted_on": constants.fitted_on, "rows": compare(rows, constants),
+    models = [row_model(r) for r in modelled(read_runs())]
+    theta = fit(models)
+    result = {"constants": dict(zip(THETA, theta)), "rows": predictions(models, theta),
               "prediction": "every figure here is a prediction of the step model, beside the published one"}
-    out = Path(__file__).with_name("fit.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"gemm_efficiency={constants.gemm_efficiency} memory_traffic={constants.memory_traffic} -> {out}")
-    for r in result["rows"]:
-        miss = f"  speedup {r.get('predicted_speedup_pct')}% vs {r.get('published_speedup_pct')}%" \
-            if "speedup_miss_pp" in r else ""
-        print(f"{r['role']:8} {r['table']:15} {r['recipe']:18} compile={r['compile']!s:5} {r['published']:>8} "
-              f"{r['predicted']:>9} ({r['error_pct']:+.1f}%){miss}")
+    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{dict(zip(THETA, theta))} -> {OUT}")
+    if theta != SHIPPED:
+        print(f"the shipped constants {dict(zip(THETA, SHIPPED))} differ: set step_time.STEP_CONSTANTS and "
+              "gpus.B200_CALIBRATION.block_cast_slowdown to the fit's")
 
 
 if __name__ == "__main__":

@@ -152,11 +152,13 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int,
     ``activation_checkpointing``: None, the config's (:func:`fitted_steps` passes the one a rank needs);
     ``topology``: ``nvlink_domain`` / ``network_gbps`` overrides (None: the GPU record's)."""
     from ..plan.speed.step_time import predict_step
+    from ..strategies import STRATEGIES
 
     p, backend = config.parallel, config.precision.fp8
+    hsdp = p.replicate_degree if "replicate_degree" in STRATEGIES[p.strategy].options else 1  # else: noted unread
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
-                   compile=selection.step.compile, strategy=p.strategy,
+                   compile=selection.step.compile, strategy=p.strategy, replicate_degree=hsdp,
                    activation_checkpointing=activation_checkpointing or p.activation_checkpointing, **(topology or {}))
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))

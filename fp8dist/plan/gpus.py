@@ -46,7 +46,9 @@ class Calibration:
     """Fraction of the dense FP8 / FP4 peak an MXFP8 / NVFP4 GEMM reaches; None: ``fp8_gemm_fraction``."""
     fp4_gemm_fraction: float | None = None
     block_cast_slowdown: tuple[float, float] = (1.0, 1.0)
-    """(MXFP8, NVFP4): a block-scaling quantize kernel over its ideal traffic (fitted on the B200; 1: not measured)."""
+    """(torchao, Transformer Engine): a block-scaling (MXFP8, NVFP4) quantize kernel of that backend over its ideal
+    traffic, fitted on published training steps and TE's training GEMM speedups (benchmarks/step_model/fit.py);
+    1: not measured."""
     grouped_gemm_efficiency: float = 1.0
     """The fraction of a dense GEMM's rate a grouped GEMM of MoE experts (``torch._grouped_mm``) reaches (fitted on
     the B200's MXFP8 grouped table; 1: not measured)."""
@@ -88,7 +90,7 @@ B200_CALIBRATION = dataclasses.replace(
     recipes=("moe_mxfp8",),
     mx_gemm_fraction=0.765,
     fp4_gemm_fraction=0.865,
-    block_cast_slowdown=(2.66, 6.92),
+    block_cast_slowdown=(1.45, 4.19),
     grouped_gemm_efficiency=0.463,
     grouped_block_cast_slowdown=3.01,
     source=Source(
@@ -96,10 +98,12 @@ B200_CALIBRATION = dataclasses.replace(
         "dynamic global scaling vs bfloat16, M = K = N from 1,024 to 16,384)",
         "https://github.com/pytorch/ao/blob/a4ee1fb6ad603cc321281c089a2004ece8e857bc/docs/source/workflows/"
         "inference.md",
-        "mx_gemm_fraction, fp4_gemm_fraction and block_cast_slowdown fitted by benchmarks/speed_model/fit_b200.py "
+        "mx_gemm_fraction and fp4_gemm_fraction fitted by benchmarks/speed_model/fit_b200.py "
         "on the rows M in {1024, 4096, 16384} of benchmarks/speed_model/torchao_b200_forward.csv (2026-11-26); "
+        "block_cast_slowdown (torchao's, TE's block-scaling casts) fitted on training steps and TE's training GEMM "
+        "speedups by benchmarks/step_model/fit.py (the forward table's quantize kernels are inference ones); "
         "the other constants are the H100's (torchao's roofline_utils.py copies the H100 fractions to the B200 too); "
-        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by the same script on the rows G in {1, 8} of "
+        "grouped_gemm_efficiency and grouped_block_cast_slowdown fitted by fit_b200.py on the rows G in {1, 8} of "
         "benchmarks/speed_model/torchao_b200_moe_mxfp8.csv, torchao's MXFP8 grouped-GEMM forward + backward table "
         "(https://github.com/pytorch/ao/blob/5e79e5ed3434aa04281931039da1bab338c415b3/torchao/prototype/"
         "moe_training/README.md)"),
@@ -224,19 +228,23 @@ GPUS: tuple[GpuSpec, ...] = (
         "per GB200 superchip (two GPUs): FP4 40, FP8 20 and BF16 10 PFLOPS with sparsity, 16 TB/s; halved "
         "twice; 372 GB HBM3e, halved; NVLink 1.8 TB/s per GPU"), calibration=B200_CALIBRATION,
             fp4_tflops=10000.0, interconnect_gbps=1800.0, nvlink_domain=72,
-            network_source="GB200 NVL72 specifications: one ConnectX-7 400 Gb/s InfiniBand NIC per GPU (72 per "
-            "rack) between racks: 50 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
+            network_source="ConnectX-7 400 Gb/s NICs on each 4-GPU compute tray (NVIDIA multi-node NVLink tuning "
+            "guide, https://docs.nvidia.com/multi-node-nvlink-systems/multi-node-tuning-guide/system.html), one per "
+            "GPU as on the GB300 tray: 50 GB/s between racks; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
     GpuSpec("b300", "B300", (10, 3), r"(?<!G)B300", 2250.0, 4500.0, 7.7, 270.0, _BLACKWELL_BRIEF_HGX,
             calibration=B200_CALIBRATION, fp4_tflops=14000.0, interconnect_gbps=1800.0, network_gbps=100.0,
-            network_source="HGX B300: one ConnectX-8 SuperNIC, 800 Gb/s, per GPU: 100 GB/s"),
+            network_source="NVIDIA HGX specifications (https://www.nvidia.com/en-us/data-center/hgx/): networking "
+            "1.6 TB/s for HGX B300 (0.8 TB/s for HGX B200), both directions over 8 GPUs: one 800 Gb/s ConnectX-8 "
+            "SuperNIC per GPU, 100 GB/s"),
     GpuSpec("gb300", "GB300", (10, 3), r"GB300", 2500.0, 5000.0, 8.0, 279.0, Source(
         _BLACKWELL_BRIEF_HGX.document, _BLACKWELL_BRIEF_HGX.url,
         "Table 2, GB300 NVL72 (72 GPUs): FP4 1,080, FP8/FP6 360 and FP16/BF16 180 PFLOPS dense, 576 TB/s, divided by "
         "72; 279 GB HBM3e per GPU (p. 17); NVLink 1.8 TB/s per GPU; read as _BLACKWELL_BRIEF_HGX says"),
             calibration=B200_CALIBRATION, fp4_tflops=15000.0, interconnect_gbps=1800.0, nvlink_domain=72,
             network_gbps=100.0,
-            network_source="GB300 NVL72 specifications: one ConnectX-8 SuperNIC, 800 Gb/s, per GPU between racks: "
-            "100 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
+            network_source="NVIDIA GB300 NVL72 Enterprise RA (https://docs.nvidia.com/enterprise-reference-"
+            "architectures/nvl72-ai-factory/latest/components.html): 4 ConnectX-8 HCAs per 4-GPU compute tray, one "
+            "800 Gb/s per GPU between racks: 100 GB/s; the 72 GPUs share one NVLink 5 domain (130 TB/s)"),
     GpuSpec("mi300x", "MI300X", (9, 4), r"MI300X", 1307.4, 2614.9, 5.3, 192.0, Source(
         "AMD Instinct MI300X accelerator data sheet",
         "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"

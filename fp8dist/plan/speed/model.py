@@ -126,9 +126,9 @@ def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowd
     slowdown, no shorter than the floor unless fused into the producer."""
     cal = gpu.calibration
     slowdown = columnwise_slowdown if kernel.columnwise else 1.0
-    block = dict(zip(("mx", "nvfp4"), cal.block_cast_slowdown))
+    block = dict(zip(("torchao", "te"), cal.block_cast_slowdown))
     if grouped and cal.grouped_block_cast_slowdown is not None:
-        block["mx"] = cal.grouped_block_cast_slowdown
+        block["torchao"] = cal.grouped_block_cast_slowdown
     slowdown *= block.get(kernel.block, 1.0)
     seconds = kernel.bytes_per_element * elements * slowdown / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
     return seconds if kernel.fused else max(seconds, cal.kernel_floor_s)

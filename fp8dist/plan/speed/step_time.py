@@ -18,7 +18,7 @@ from .recipes import recipe_named
 from .step import check_modelled, recipes_for
 
 __all__ = ["StepConstants", "STEP_CONSTANTS", "StepParts", "StepTime", "predict_step", "compare_step_recipes",
-           "fastest", "linear_shapes"]
+           "fastest", "linear_shapes", "exposed_collectives"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,13 @@ class StepConstants:
     fitted_gpu: str = "h100-hbm2e"
     """The GPU record the constants were fitted on: its predictions of ``fitted_recipes`` are the calibrated ones."""
     fitted_recipes: tuple[str, ...] = ("tensorwise",)
-    fitted_on: str = ("torchao docs, 8x H100 (96GB HBM2e, 2.4 TB/s), Llama3-8B, FSDP2, compile, per-op SAC: bf16 "
-                      "6,150 and tensorwise + FP8 all-gather 7,689.5 tokens/s (benchmarks/step_model/fit.py)")
+    fitted_on: str = ("every modelled row of benchmarks/step_model/runs.csv: torchao's H100 / B200 / MI300X Llama3-8B "
+                      "tables, torchtitan's H100 runs and #3914 (4x GB200), Megatron-Bridge's performance summary, "
+                      "TE's training GEMM speedups, torchtune #2833 (benchmarks/step_model/fit.py; each source's "
+                      "agreement when left out of the fit: agree.py)")
 
 
-STEP_CONSTANTS = StepConstants(gemm_efficiency=1.097, memory_traffic=6.4)
+STEP_CONSTANTS = StepConstants(gemm_efficiency=0.925, memory_traffic=6.19)
 """Fitted by ``benchmarks/step_model/fit.py`` (its ``fit.json`` holds the same numbers)."""
 
 
@@ -107,6 +109,8 @@ class StepTime:
     fp8: StepParts
     calibrated: bool
     """True only on the GPU and recipes the constants were fitted on."""
+    replicate_degree: int = 1
+    """HSDP replicas (FSDP2's ``replicate_degree``); 1: one shard group over every rank."""
 
     @property
     def tokens(self) -> int:
@@ -149,9 +153,11 @@ class StepTime:
         """The run the prediction is for, in words: batch, activation checkpointing, compile and topology."""
         frozen = (f", base frozen ({self.trainable_params:,} of {self.params:,} parameters trainable)"
                   if self.trainable_params < self.params else "")
-        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank{frozen}, activation checkpointing "
-                f"{self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, NVLink domain "
-                f"{self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
+        hsdp = (f", HSDP {self.replicate_degree} replicas x {self.world_size // self.replicate_degree} ranks"
+                if self.replicate_degree > 1 else "")
+        return (f"batch {self.micro_batch_size} x {self.seq_len:,} tokens per rank{frozen}{hsdp}, activation "
+                f"checkpointing {self.activation_checkpointing}, {'compiled' if self.compile else 'eager'}, "
+                f"NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
 
     def describe(self) -> str:
         basis = "" if self.calibrated else ", uncalibrated"
@@ -231,24 +237,47 @@ def _topology(spec: GpuSpec, nvlink_domain: int | None, network_gbps: float | No
     return domain, network, (f"given: {', '.join(given)}; otherwise the {record}" if given else f"the {record}")
 
 
+def _ring_s(moved: float, ranks: int, within_domain: bool, spec: GpuSpec, network_gbps: float,
+            c: StepConstants) -> float:
+    """Seconds of a ring collective over ``ranks`` ranks of ``moved`` bytes per rank (each rank sends (n-1)/n of
+    them): at the GPU's NVLink (or PCIe) bandwidth inside one NVLink domain, at the slower of that and the network's
+    across domains."""
+    if ranks <= 1:
+        return 0.0
+    link = spec.interconnect_gbps / 2 if within_domain else min(spec.interconnect_gbps / 2, network_gbps)
+    return moved * (ranks - 1) / ranks / (link * 1e9 * c.collective_fraction)
+
+
 def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: tuple[int, int], fp8_params: int,
                  reduce_bytes: int, domain: int, network_gbps: float, c: StepConstants) -> float:
-    """Seconds of a step's collectives: of ``params`` (all, trainable), FSDP gathers all twice and reduce-scatters
-    the trainable ones' gradients; a replicating strategy all-reduces those gradients (twice the bytes of one pass).
-    Inside one NVLink domain a ring runs at the GPU's NVLink (or PCIe) bandwidth; a ring spanning domains, at the
-    slower of that and the network's."""
+    """Seconds of a step's collectives: of ``params`` (all, trainable), FSDP gathers all twice within its shard
+    group and reduce-scatters the trainable ones' gradients there; HSDP (a shard group smaller than the world, its
+    ranks contiguous) then all-reduces each rank's gradient shard across the replicas (twice the bytes of one pass,
+    over the network once the world spans NVLink domains). A replicating strategy all-reduces the gradients over
+    every rank."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
         raise ValueError(f"{spec.label}: the GPU table gives no GPU-to-GPU bandwidth, so collectives cannot be "
                          "predicted: predict world_size=1 or a GPU whose record has it.")
-    link = spec.interconnect_gbps / 2 if world_size <= domain else min(spec.interconnect_gbps / 2, network_gbps)
-    bandwidth = link * 1e9 * c.collective_fraction
-    share = (world_size - 1) / world_size  # a ring moves (W-1)/W of the bytes through each rank
     params, trainable = params
+    one_domain = world_size <= domain
+    if not facts.shards_params:
+        return _ring_s(2 * reduce_bytes * trainable, world_size, one_domain, spec, network_gbps, c)
+    shard = facts.shard_degree or world_size
     gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
-    moved = 2 * gathered + reduce_bytes * trainable if facts.shards_params else 2 * reduce_bytes * trainable
-    return moved * share / bandwidth
+    inside = _ring_s(2 * gathered + reduce_bytes * trainable, shard, shard <= domain, spec, network_gbps, c)
+    return inside + _ring_s(2 * reduce_bytes * trainable / shard, world_size // shard, one_domain, spec, network_gbps,
+                            c)
+
+
+def exposed_collectives(collective_s: float, compute_s: float, optimizer_s: float, blocks: int,
+                        shards: bool) -> float:
+    """What of ``collective_s`` a step's compute does not hide: one block's worth, and whatever exceeds the compute
+    it overlaps (FSDP: all of it; a replicating strategy's all-reduce: the backward, two thirds of the rest).
+    The fits (``benchmarks/step_model/``) call it on parts they recombine with trial constants."""
+    hiding = compute_s if shards else (compute_s - optimizer_s) * 2 / 3
+    return collective_s / blocks + max(0.0, collective_s - hiding)
 
 
 def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, optimizer_s: float,
@@ -260,8 +289,7 @@ def _parts(gemm_s: float, cast_s: float, attention_s: float, memory_s: float, op
                "full": (gemm_s + cast_s + memory_s) / 3 + attention_s / (1 + c.attention_backward)}[checkpointing]
     memory_s += cast_s
     compute = gemm_s + attention_s + memory_s + forward + optimizer_s
-    hiding = compute if shards else (compute - optimizer_s) * 2 / 3
-    exposed = collective_s / blocks + max(0.0, collective_s - hiding)
+    exposed = exposed_collectives(collective_s, compute, optimizer_s, blocks, shards)
     return StepParts(gemm_s, attention_s, memory_s, forward, optimizer_s, collective_s, exposed)
 
 
@@ -269,7 +297,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
                  seq_len: int, fp8: str = TorchaoBackend.name, recipe: str | None = None, compile: bool | None = None,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
                  fp8_layers: Collection[str] | None = None, nvlink_domain: int | None = None,
-                 network_gbps: float | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 network_gbps: float | None = None, replicate_degree: int = 1,
+                 constants: StepConstants = STEP_CONSTANTS) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
@@ -289,12 +318,16 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
             with a frozen base (Linears whose weight has ``requires_grad=False``, as under LoRA), the frozen ones.
         nvlink_domain: GPUs one NVLink domain joins (collectives within it run at NVLink bandwidth); network_gbps:
             GB/s per GPU between domains; None: the GPU record's (``GpuSpec.nvlink_domain``, ``network_gbps``).
+        replicate_degree: FSDP2's HSDP replicas, as wrap_model takes it (1: plain FSDP): each shard group of
+            ``world_size // replicate_degree`` contiguous ranks gathers and reduce-scatters inside itself, then the
+            gradient shards are all-reduced across the replicas.
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
 
     Raises:
         ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
             not run, a combination the table refuses (``compile=True`` with ``fp8='te'``), a config transformers
-            builds no causal language model from, a non-positive ``nvlink_domain`` or ``network_gbps``.
+            builds no causal language model from, a non-positive ``nvlink_domain`` or ``network_gbps``, a
+            ``replicate_degree`` the strategy does not take or that does not divide ``world_size``.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -305,14 +338,21 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     from ...config.resolve import FP8Config, resolve_config
     from ...config.rules import facts_of, refusing_rule
     from ...fp8 import get_backend
+    from ...strategies import STRATEGIES
 
     _check(world_size, micro_batch_size, seq_len)
     _check_topology(nvlink_domain, network_gbps)
     # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
-                         **{k: v for k, v in (("strategy", strategy),
-                                              ("activation_checkpointing", activation_checkpointing)) if v})
+                         **{k: v for k, v in (("strategy", strategy), ("replicate_degree", replicate_degree),
+                                              ("activation_checkpointing", activation_checkpointing))
+                            if (v != 1 if k == "replicate_degree" else v)})
+    if replicate_degree != 1:
+        if "replicate_degree" not in STRATEGIES[cfg.parallel.strategy].options:
+            raise ValueError(f"replicate_degree={replicate_degree!r} with strategy {cfg.parallel.strategy!r}: only "
+                             "strategy='fsdp' (FSDP2) runs HSDP; pass replicate_degree=1 or strategy='fsdp'.")
+        STRATEGIES[cfg.parallel.strategy].check_launch(cfg, world_size)
     backend = get_backend(cfg.precision.fp8)
     spec = resolve_gpu(target)
     if recipe is None:
@@ -373,7 +413,8 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
-                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated)
+                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated,
+                    world_size // (facts.shard_degree or world_size) if facts.shards_params else 1)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
