@@ -16,7 +16,7 @@ from torch import nn
 from ..fp8.hf_format import FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
     scale_name
 
-__all__ = ["FP8Layer", "FP8Export", "plan_fp8_export", "check_fp8_format", "RECORD_FILE"]
+__all__ = ["FP8Layer", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
 
 RECORD_FILE = "fp8_export.json"
 """The export's record: per FP8 layer its cast and whether it is training's, and (LoRA) the merge's error."""
@@ -86,16 +86,6 @@ class FP8Export:
         """config.json's ``quantization_config`` of this export."""
         return quantization_config(self.fmt, {n: layer.granularity for n, layer in self.layers.items()}, self.kept)
 
-    def describe(self) -> str:
-        """One phrase for a log: the layout, how many layers in FP8 and in which casts."""
-        if not self.layers:
-            return "bf16 (no layer ran in FP8)"
-        casts: dict[str, int] = {}
-        for layer in self.layers.values():
-            casts[layer.cast] = casts.get(layer.cast, 0) + 1
-        how = ", ".join(f"{n} {c}" for c, n in casts.items())
-        return f"fp8 {self.fmt}: {len(self.layers)} Linears e4m3 ({how}), {len(self.kept)} kept bf16"
-
     def record(self) -> str:
         """The text of :data:`RECORD_FILE`."""
         return json.dumps({"format": self.fmt, "loaders": FORMAT_LOADERS[self.fmt],
@@ -156,3 +146,19 @@ def write_record(out: Path, export: FP8Export) -> None:
     from ..pipeline.files import atomic_write_text
 
     atomic_write_text(out / RECORD_FILE, export.record())
+
+
+def fp8_summary(out: Path) -> str:
+    """What the FP8 export in ``out`` holds, for a log line: its layout, layers and casts (from its record), or that
+    it is bf16 (no record: no layer ran in FP8)."""
+    path = Path(out) / RECORD_FILE
+    if not path.is_file():
+        return "bf16: no layer ran in FP8"
+    record = json.loads(path.read_text())
+    casts: dict[str, int] = {}
+    for layer in record["layers"].values():
+        casts[layer["cast"]] = casts.get(layer["cast"], 0) + 1
+    errors = [layer["merge_error"] for layer in record["layers"].values() if layer["merge_error"] is not None]
+    merged = f"; LoRA merged, then quantized: relative error per layer up to {max(errors):.2e}" if errors else ""
+    return (f"fp8 {record['format']}: {len(record['layers'])} Linears e4m3 ("
+            + ", ".join(f"{n} {c}" for c, n in casts.items()) + f"), {len(record['kept_bf16'])} kept bf16{merged}")

@@ -29,7 +29,10 @@ from .fp8_export import RECORD_FILE, write_record
 __all__ = ["save_pretrained", "export_dtype", "remove_stale", "MODEL_FILES", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-_SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32"}
+FP8 = "fp8"
+"""The export dtype that writes the Linears the plan ran in FP8 as e4m3 weights with scales
+(:mod:`fp8dist.checkpoint.fp8_export`), the rest in bf16."""
+_SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32", "F8_E4M3": FP8}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -54,8 +57,8 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
     """The dtype name ``--save-dtype`` writes: itself, or for "as-loaded" the floating dtype of most of the
-    ``pretrained`` directory's weight elements (a fine-tune is saved as given), bf16 from scratch (how models are
-    shared)."""
+    ``pretrained`` directory's weight elements (a fine-tune is saved as given; "fp8" for an FP8 checkpoint's e4m3
+    weights), bf16 from scratch (how models are shared)."""
     if save_dtype != "as-loaded":
         return save_dtype
     if pretrained is None:
@@ -86,11 +89,6 @@ def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
         files[-1].append(name)
         size += nbytes
     return files
-
-
-FP8 = "fp8"
-"""The export dtype that writes the Linears the plan ran in FP8 as e4m3 weights with scales
-(:mod:`fp8dist.checkpoint.fp8_export`), the rest in bf16."""
 
 
 def is_fp8(dtype: Any) -> bool:

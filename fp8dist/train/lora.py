@@ -122,8 +122,12 @@ def _check_checkpoints(config: Any, train: Any) -> None:
 def export_lora(train: Any, model: nn.Module, pretrained: str | None, dtype: str) -> tuple[Path, str]:
     """``--save-pretrained`` of a LoRA job: the adapters (fp32, what trained, unless --save-dtype names one) or with
     ``merge_lora`` the merged model in ``dtype``; (the directory, what it holds)."""
+    from ..checkpoint.fp8_export import fp8_summary
     from ..checkpoint.lora import save_adapters, save_merged
 
+    if train.merge_lora and dtype == "fp8":
+        path = save_merged(model, train.save_pretrained, dtype=dtype, fp8_format=train.save_fp8_format)
+        return path, fp8_summary(path)
     if train.merge_lora:
         return save_merged(model, train.save_pretrained, dtype=dtype), f"{dtype}, LoRA merged"
     dtype = "fp32" if train.save_dtype == "as-loaded" else dtype
