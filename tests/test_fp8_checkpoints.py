@@ -1,0 +1,193 @@
+"""FP8 checkpoints out and in (issue 55): ``save_pretrained(dtype="fp8")`` writes the Linears the plan ran in FP8 as
+e4m3 weights with scales that transformers loads on a CPU (logits as the bf16 export's, at ~0.6x the bytes, the
+quantization_config accepted by compressed-tensors' and transformers' own config classes, the bits those training
+multiplied with), and ``pretrained=`` reads such checkpoints, refusing the quantized kinds it cannot read. One
+process, strategy "none" (the gather under FSDP2 runs in test_fp8_checkpoint_job)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8dist
+from fp8dist.train.models import build_llama
+
+pytest.importorskip("torchao", reason="FP8 exports need a model trained in FP8 (torchao)")
+
+IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+FIRST, LAST = "model.layers.0.self_attn.q_proj", "lm_head"  # what keep_first_last_linear keeps out of FP8
+
+
+def _wrapped(**options):
+    torch.set_num_threads(1)
+    return fp8dist.wrap_model(build_llama("tiny", seed=1), strategy="none", fp8="torchao", **options)
+
+
+def _logits(path: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers: "FP8 needs a GPU, dequantizing to bf16"
+        model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        return model(IDS).logits.float().flatten()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _torchao_bits(model, name: str) -> torch.Tensor:
+    """The e4m3 bits torchao's Float8Linear multiplies with for layer ``name``: its own weight cast, as its forward
+    makes it (the transposed weight, scaled along dim 0)."""
+    from torchao.float8.float8_linear import LinearMMConfig
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    layer = fp8dist.strategies.unwrap_model(model).get_submodule(name)
+    cast = layer.config.cast_config_weight
+    fp8 = hp_tensor_to_float8_dynamic(layer.weight.detach().t(), cast.target_dtype, LinearMMConfig(),
+                                      gemm_input_role=GemmInputRole.WEIGHT,
+                                      scaling_granularity=cast.scaling_granularity,
+                                      axiswise_dim=get_maybe_axiswise_dim(0, cast.scaling_granularity),
+                                      round_scales_to_power_of_2=layer.config.round_scales_to_power_of_2)
+    return fp8._data.t()
+
+
+def test_fp8_exports_load_in_transformers_on_a_cpu_like_the_bf16_export_at_under_065x_the_bytes(tmp_path):
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+    from transformers import FineGrainedFP8Config
+
+    tensorwise, rowwise = _wrapped(), _wrapped(torchao_recipe="rowwise")
+    exports = {"bf16": (tensorwise, {}), "ct": (tensorwise, {"dtype": "fp8"}),
+               "blocks": (tensorwise, {"dtype": "fp8", "fp8_format": "fine-grained"}),
+               "ct rowwise": (rowwise, {"dtype": "fp8"}), "bf16 rowwise": (rowwise, {})}
+    for key, (model, options) in exports.items():
+        fp8dist.save_pretrained(model, tmp_path / key, **options)
+    for key, reference in (("ct", "bf16"), ("blocks", "bf16"), ("ct rowwise", "bf16 rowwise")):
+        # measured 2026-12-02: 0.9983 (per tensor), 0.9987 (128x128 blocks), 0.9986 (per channel)
+        assert _cosine(_logits(tmp_path / key), _logits(tmp_path / reference)) >= 0.995, key
+        assert _bytes(tmp_path / key) <= 0.65 * _bytes(tmp_path / reference), key  # measured 0.592
+        config = json.loads((tmp_path / key / "config.json").read_text())["quantization_config"]
+        record = json.loads((tmp_path / key / "fp8_export.json").read_text())
+        assert record["kept_bf16"] == [LAST, FIRST], "the Linears the plan kept, listed and written in bf16"
+        assert len(record["layers"]) == 13
+        if key == "blocks":
+            assert FineGrainedFP8Config(**config).weight_block_size == [128, 128]
+            assert config["modules_to_not_convert"] == [LAST, FIRST]
+            continue
+        parsed = QuantizationConfig.model_validate(config)  # compressed-tensors' own validation
+        assert parsed.ignore == [LAST, FIRST] and parsed.format == "float-quantized"
+        strategy, cast = ("channel", "training's rowwise cast (power-of-2 scales)") if "rowwise" in key else \
+            ("tensor", "training's tensorwise cast")
+        assert [g.weights.strategy for g in parsed.config_groups.values()] == [strategy]
+        assert {layer["cast"] for layer in record["layers"].values()} == {cast}
+        tensors = load_file(tmp_path / key / "model.safetensors")
+        model = rowwise if "rowwise" in key else tensorwise
+        for name in record["layers"]:  # the served weights are the bits training multiplied with
+            assert torch.equal(tensors[f"{name}.weight"].view(torch.uint8), _torchao_bits(model, name).view(
+                torch.uint8)), name
+        assert tensors[f"{FIRST}.weight"].dtype == tensors["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_an_fp8_export_of_a_lora_model_merges_then_quantizes_recording_each_layers_error(tmp_path):
+    peft = pytest.importorskip("peft")
+    from fp8dist.checkpoint.lora import save_merged
+
+    torch.set_num_threads(1)
+    model = peft.get_peft_model(build_llama("tiny", seed=1), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(2))
+    wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao")
+    save_merged(wrapped, tmp_path / "bf16")
+    save_merged(wrapped, tmp_path / "fp8", dtype="fp8")
+    assert _cosine(_logits(tmp_path / "fp8"), _logits(tmp_path / "bf16")) >= 0.995  # measured 0.9983
+    layers = json.loads((tmp_path / "fp8" / "fp8_export.json").read_text())["layers"]
+    errors = {name: layer["merge_error"] for name, layer in layers.items() if layer["merge_error"] is not None}
+    # q_proj of layer 0 is the first Linear, kept in bf16; the other adapted layers are merged, then quantized
+    assert sorted(errors) == ["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.q_proj",
+                              "model.layers.1.self_attn.v_proj"]
+    assert all(0.01 < e < 0.05 for e in errors.values()), errors  # e4m3's ~2^-4 relative step; measured 0.026-0.027
+
+
+def test_an_fp8_export_without_fp8_layers_writes_bf16_and_says_so_and_bad_arguments_are_refused(tmp_path):
+    model = fp8dist.wrap_model(build_llama("tiny", seed=1), strategy="none")
+    with pytest.warns(UserWarning, match="the plan ran no layer in FP8 .*written in bf16 with no quantization_config"):
+        fp8dist.save_pretrained(model, tmp_path / "out", dtype="fp8")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not (tmp_path / "out" / "fp8_export.json").exists()
+    with pytest.raises(ValueError, match="fp8_format='mxfp8' is not an FP8 checkpoint layout; choose one of "
+                                         "'compressed-tensors' .*'fine-grained'"):
+        fp8dist.save_pretrained(_wrapped(), tmp_path / "x", dtype="fp8", fp8_format="mxfp8")
+    with pytest.raises(ValueError, match="LlamaForCausalLM was not returned by fp8dist.wrap_model .*dtype='bf16'"):
+        fp8dist.save_pretrained(build_llama("tiny"), tmp_path / "x", dtype="fp8")
+    assert not (tmp_path / "x").exists()
+
+
+def _quantized_dir(tmp_path: Path, name: str, quantization: dict | None, tensors: dict | None = None) -> Path:
+    """A model directory whose config.json holds ``quantization`` (None: no quantization_config)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / name
+    fp8dist.save_pretrained(build_llama("tiny", seed=1), path)
+    config = json.loads((path / "config.json").read_text())
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (path / "config.json").write_text(json.dumps(config))
+    if tensors is not None:
+        save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def _dequantized_by_transformers(path: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """The fp32 state dict transformers loads from an FP8 checkpoint with its quantizer's dequantize=True."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    config = CompressedTensorsConfig(dequantize=True) if fmt == "compressed-tensors" else \
+        FineGrainedFP8Config(dequantize=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32).state_dict()
+
+
+def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_cannot_read(tmp_path):
+    from fp8dist.pipeline.pretrained import PretrainedError, load_pretrained
+
+    trained = _wrapped()
+    for fmt in ("compressed-tensors", "fine-grained"):
+        fp8dist.save_pretrained(trained, tmp_path / fmt, dtype="fp8", fp8_format=fmt)
+        model = build_llama("tiny", seed=7)
+        with pytest.warns(UserWarning, match=f"13 FP8 weights of the {fmt} checkpoint dequantized once .*into the "
+                                             "fp32 parameters"):
+            report = load_pretrained(model, tmp_path / fmt)
+        assert report.dequantized.startswith("13 FP8 weights")
+        theirs = _dequantized_by_transformers(tmp_path / fmt, fmt)
+        assert all(torch.equal(p, theirs[n]) for n, p in model.state_dict().items()), fmt
+    reads = "it reads: fp8 \\(transformers' FineGrainedFP8"
+    for quantization, said in (
+            ({"quant_method": "gptq", "bits": 4}, "quantized as quant_method 'gptq'"),
+            ({"quant_method": "awq", "bits": 4}, "quantized as quant_method 'awq'"),
+            ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized as quant_method 'bitsandbytes'"),
+            ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+             "quantized as compressed-tensors format 'pack-quantized'"),
+            ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+                "type": "int", "num_bits": 8, "strategy": "channel"}}}}, "weights of type 'int', 8 bits"),
+            ({"quant_method": "mystery"}, "quantized as quant_method 'mystery'")):
+        path = _quantized_dir(tmp_path, quantization["quant_method"] + str(len(said)), quantization)
+        with pytest.raises(PretrainedError, match=f"{said}.*{reads}.*Pass the model's bf16 or fp32 checkpoint"):
+            load_pretrained(build_llama("tiny"), path)
+    bare = _quantized_dir(tmp_path, "bare", None, {"lm_head.weight": torch.zeros(256, 128, dtype=torch.float8_e4m3fn)})
+    with pytest.raises(PretrainedError, match="holds FP8 tensors \\(lm_head.weight\\) but its config.json has no "
+                                              "quantization_config"):
+        load_pretrained(build_llama("tiny"), bare)
