@@ -107,9 +107,9 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
     try:
         info = get_wrap_info(model)
     except ValueError:
-        raise ValueError(f"dtype='fp8' writes the Linears fp8dist's plan ran in FP8, and {type(model).__name__} was not "
-                         "returned by fp8dist.wrap_model (it has no plan). Wrap and train it with fp8dist, or export it "
-                         "with dtype='bf16'.") from None
+        raise ValueError(f"dtype='fp8' writes the Linears fp8dist's plan ran in FP8, and {type(model).__name__} was "
+                         "not returned by fp8dist.wrap_model (it has no plan). Wrap and train it with fp8dist, or "
+                         "export it with dtype='bf16'.") from None
     plan, backend = info.plan, get_backend(info.plan.backend)
     linears = {plain_name(n) for n, m in unwrap_model(model).named_modules() if _is_linear(m)}
 

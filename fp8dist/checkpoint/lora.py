@@ -128,9 +128,25 @@ def _check_mergeable(inner: Any) -> None:
                          "not apply. Export it with save_adapters and merge with PEFT (merge_and_unload).")
 
 
+def _dequantize_held(inner: Any, full: dict[str, torch.Tensor]) -> None:
+    """Replace in ``full`` the weights of a base held in FP8 (:mod:`fp8dist.pipeline.fp8_base`) by their fp32 values
+    (bits times scale): what a merge adds to and an export writes."""
+    from ..fp8.frozen import SCALE_ATTR
+    from ..fp8.hf_format import dequantize, granularity_of_scale
+
+    for name, param in inner.named_parameters():
+        scale = getattr(param, SCALE_ATTR, None)
+        name = plain_name(name)
+        if scale is not None and name in full:
+            full[name] = dequantize(full[name], scale.cpu(), granularity_of_scale(tuple(param.shape),
+                                                                                  tuple(scale.shape)))
+
+
 def _merged(inner: Any, full: dict[str, torch.Tensor], adapted: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict under its own names: each adapted weight W + scaling * B A (PEFT's merge), each
-    module to save as trained (its frozen original left out); ``adapted`` collects the merged weights' names."""
+    module to save as trained (its frozen original left out); ``adapted`` collects the merged weights' names. A base
+    held in FP8 is merged from its values (bits times scale)."""
+    _dequantize_held(inner, full)
     for name, module in inner.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "scaling", {}):
             continue

@@ -14,8 +14,11 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tenso
 from torchao.float8.float8_training_tensor import GemmInputRole
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
 
-__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts",
+           "holds_fp8", "SCALE_ATTR"]
 
+SCALE_ATTR = "fp8_scale"
+"""On a weight held as a checkpoint's e4m3 bits: their fp32 scale (dequantizing factor), as the checkpoint shapes it."""
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
 
 
@@ -61,11 +64,15 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.requires_grad or torch.compiler.is_compiling():
+        held = holds_fp8(self)
+        if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)
         if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
             input = input.to(torch.get_autocast_gpu_dtype())
-        weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
+        if held:
+            weight_t = self._held_weight_t(input.dtype)
+        else:
+            weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
         output = _InputGradOnly.apply(input, weight_t, self.linear_mm_config, self.config)
         return output if self.bias is None else output + self.bias.to(output.dtype)
 
@@ -79,6 +86,42 @@ class FrozenFloat8Linear(Float8Linear):
                              GemmInputRole.WEIGHT, 0, self.config)
             cached = self.__dict__[_WHOLE] = (key, cast)
         return cached[1]
+
+
+    def _held_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 operand of a weight held as a checkpoint's e4m3 bits with their scale (``weight.fp8_scale``; a LoRA
+        base loaded in FP8: :mod:`fp8dist.pipeline.fp8_base`): those bits where their scale is the layer's own cast
+        (per tensor for tensorwise, per channel for rowwise); else the layer's cast of their values, made once and
+        kept in their place (one layer in fp32 meanwhile)."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        from .hf_format import dequantize, granularity_of_scale, quantize_weight
+
+        weight = self.weight
+        scale = getattr(weight, SCALE_ATTR).to(weight.device)
+        granularity = granularity_of_scale(tuple(weight.shape), tuple(scale.shape))
+        cast = self.config.cast_config_weight
+        own = "tensor" if cast.scaling_granularity is ScalingGranularity.TENSORWISE else "channel"
+        if granularity != own:
+            with torch.no_grad():
+                values = dequantize(weight, scale, granularity)
+                bits, scale = quantize_weight(values, own, pow2=self.config.round_scales_to_power_of_2)
+            weight.data, scale = bits.to(weight.device), scale.to(weight.device)
+            setattr(weight, SCALE_ATTR, scale)
+        inverse = 1.0 / scale.float()  # torchao's scale multiplies; a checkpoint's divides
+        if own == "tensor":
+            return Float8TrainingTensor(weight.t(), inverse.reshape(()), dtype, self.linear_mm_config,
+                                        GemmInputRole.WEIGHT)
+        return Float8TrainingTensor(weight.t(), inverse.reshape(1, -1), dtype, self.linear_mm_config,
+                                    GemmInputRole.WEIGHT, axiswise_dim=0)
+
+
+def holds_fp8(module: nn.Module) -> bool:
+    """Whether ``module``'s own weight is held as e4m3 bits with their scale (a base loaded in FP8; PEFT's layer that
+    wraps it does not hold it)."""
+    weight = module._parameters.get("weight")
+    return isinstance(weight, torch.Tensor) and weight.element_size() == 1 and hasattr(weight, SCALE_ATTR)
 
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:

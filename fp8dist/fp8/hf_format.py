@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = ["FP8_FORMATS", "FORMAT_LOADERS", "BLOCK", "Granularity", "QuantizedLayout", "read_layout", "READ_KINDS",
-           "quantize_weight", "dequantize", "scale_name", "quantization_config"]
+           "quantize_weight", "dequantize", "scale_name", "quantization_config", "granularity_of_scale"]
 
 FP8_FORMATS = ("compressed-tensors", "fine-grained")
 """The FP8 checkpoint layouts fp8dist writes (``save_pretrained(..., fp8_format=)``, ``--save-fp8-format``)."""
@@ -123,22 +123,20 @@ class QuantizedLayout:
 
     fmt: str
     """One of :data:`FP8_FORMATS`."""
-    granularity: Granularity | None
-    """The scales' granularity where one holds for every layer (fine-grained); None: read from each scale's shape."""
 
     def scale_of(self, weight: str) -> str:
         """The scale tensor's name beside ``weight``."""
         return scale_name(weight, self.fmt)
 
-    def granularity_of(self, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Granularity:
-        """The granularity of one weight's scale, from the shapes (a scale of one element is per tensor)."""
-        if self.granularity is not None and math.prod(scale_shape) != 1:
-            return self.granularity
-        if math.prod(scale_shape) == 1:
-            return "tensor"
-        if tuple(scale_shape) == (weight_shape[0], 1):
-            return "channel"
-        return "block"
+
+def granularity_of_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Granularity:
+    """The granularity of a 2-D weight's scale, from the shapes: one element per tensor (also one block covering the
+    whole weight), (out, 1) per channel, else :data:`BLOCK` x :data:`BLOCK` blocks."""
+    if math.prod(scale_shape) == 1:
+        return "tensor"
+    if tuple(scale_shape) == (weight_shape[0], 1):
+        return "channel"
+    return "block"
 
 
 def read_layout(config: dict[str, Any] | None) -> QuantizedLayout | str | None:
@@ -156,7 +154,7 @@ def read_layout(config: dict[str, Any] | None) -> QuantizedLayout | str | None:
         block = quant.get("weight_block_size")
         if block is not None and list(block) != [BLOCK, BLOCK]:
             return f"quant_method 'fp8' with weight_block_size={list(block)} (fp8dist reads {BLOCK}x{BLOCK} blocks)"
-        return QuantizedLayout("fine-grained", "block" if block is not None else "tensor")
+        return QuantizedLayout("fine-grained")
     if method == "compressed-tensors":
         return _compressed_tensors_layout(quant)
     return f"quant_method {method!r}" if method is not None else "a quantization_config with no quant_method"
@@ -174,4 +172,4 @@ def _compressed_tensors_layout(quant: dict[str, Any]) -> QuantizedLayout | str:
                     f"strategy {kind[2]!r}")
         if kind[2] == "block" and list(weights.get("block_structure") or []) != [BLOCK, BLOCK]:
             return f"compressed-tensors group {name!r} with block_structure {weights.get('block_structure')}"
-    return QuantizedLayout("compressed-tensors", None)
+    return QuantizedLayout("compressed-tensors")

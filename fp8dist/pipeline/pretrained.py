@@ -81,7 +81,7 @@ class SafetensorsDir:
         """Read config.json's ``quantization_config``: FP8 weights with their scales are read dequantized (the scales
         and any activation scales are no tensors of the model); PretrainedError for a kind fp8dist cannot read, or
         FP8 tensors that nothing says how to scale."""
-        from ..fp8.hf_format import READ_KINDS, read_layout
+        from ..fp8.hf_format import READ_KINDS, granularity_of_scale, read_layout
 
         layout = read_layout(self._config())
         reads = "; ".join(READ_KINDS)
@@ -104,7 +104,7 @@ class SafetensorsDir:
                 raise PretrainedError(f"pretrained={str(self.path)!r}: the FP8 tensor {name} cannot be dequantized "
                                       f"({what}; fp8dist reads 2-D FP8 weights, each with its {scale.rsplit('.')[-1]})."
                                       " Pass the model's bf16 or fp32 checkpoint.")
-            self.quantized[name] = (scale, layout.granularity_of(self.shapes[name], self.shapes[scale]))
+            self.quantized[name] = (scale, granularity_of_scale(self.shapes[name], self.shapes[scale]))
         for name in [n for n in self.shapes if n.endswith(_SCALES)]:  # no tensors of the model
             self._scale_shapes[name] = self.shapes.pop(name)
             self.dtypes.pop(name)
@@ -199,6 +199,16 @@ class SafetensorsDir:
             stacked.append(torch.cat(pieces))
         return torch.stack(stacked)
 
+    def read_stored(self, name: str, region: Region) -> torch.Tensor:
+        """The ``region`` (a box) of FP8 weight ``name`` as the file stores it: its e4m3 bits, not dequantized."""
+        return self._read_raw(name, region, self.shapes[name])
+
+    def scale_of(self, name: str) -> torch.Tensor:
+        """The whole fp32 scale of FP8 weight ``name`` (what dequantizes its bits)."""
+        scale = self.quantized[name][0]
+        shape = self._scale_shapes[scale]
+        return self._read_raw(scale, Region(box=tuple((0, s) for s in shape)), shape).float()
+
     def _read_dequantized(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
         """A region of FP8 weight ``name``, as fp32 values: its e4m3 bits times its scales (a flat range: the rows
         that cover it)."""
@@ -253,6 +263,8 @@ class LoadReport:
     """Tensor bytes of the whole checkpoint."""
     dequantized: str = ""
     """What of an FP8 checkpoint was dequantized into the parameters ("" for none), as said in a warning."""
+    held_fp8: int = 0
+    """FP8 weights kept as the checkpoint's e4m3 bits (a LoRA base loaded in FP8: :mod:`.fp8_base`)."""
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -313,27 +325,32 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
                               "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
                               "checkpoint.")
     _warn_precision(source, params, fp32_master)
+    held = []
     with torch.no_grad():
         for p in params:
             name = next(n for n in p.names if n in source)
-            if p.region.numel:
+            if p.local.element_size() == 1 and p.local.is_floating_point() and name in source.quantized:
+                held.append(name)  # the bits as stored (a LoRA base held in FP8)
+                p.local.copy_(_finite(source, name, source.read_stored(name, p.region)))
+            elif p.region.numel:
                 p.local.copy_(_finite(source, name, _read_local(source, name, p)))
         for name, buf in buffers.items():
             if name in source:
                 buf.copy_(_finite(source, name, source.read(name, Region(box=tuple((0, s) for s in buf.shape)))))
     total = sum(math.prod(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
-    report = LoadReport(str(path), source.bytes_read, total, _say_dequantized(source, params))
+    report = LoadReport(str(path), source.bytes_read, total, _say_dequantized(source, params, held), len(held))
     source.close()
     return report
 
 
-def _say_dequantized(source: SafetensorsDir, params: list[LocalParam]) -> str:
-    """Warn, and return the phrase, that an FP8 checkpoint's weights were dequantized once into the parameters."""
-    if not source.quantized:
+def _say_dequantized(source: SafetensorsDir, params: list[LocalParam], held: list[str]) -> str:
+    """Warn, and return the phrase, that an FP8 checkpoint's weights (but ``held``) were dequantized once into the
+    parameters."""
+    dequantized = [n for n in source.quantized if n not in held]
+    if not dequantized:
         return ""
-    dtypes = sorted({dtype_name(p.local.dtype) for p in params
-                     if any(n in source.quantized for n in p.names)})
-    said = (f"{plural(len(source.quantized), 'FP8 weight')} of the {source.quantization} checkpoint dequantized "
+    dtypes = sorted({dtype_name(p.local.dtype) for p in params if any(n in dequantized for n in p.names)})
+    said = (f"{plural(len(dequantized), 'FP8 weight')} of the {source.quantization} checkpoint dequantized "
             f"once (e4m3 x scale) into the {'/'.join(dtypes)} parameters")
     warnings.warn(f"pretrained={str(source.path)!r}: {said}; they train from there in high precision, and an export "
                   "writes them again as --save-dtype says (fp8 re-quantizes the layers that ran FP8).", UserWarning,
@@ -344,7 +361,7 @@ def _say_dequantized(source: SafetensorsDir, params: list[LocalParam]) -> str:
 def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tensor:
     """``part`` of tensor ``name``, refused when it holds NaN or inf (a damaged file, a model saved diverged)."""
     if part.is_floating_point():
-        bad = part.numel() - int(torch.isfinite(part).sum())
+        bad = part.numel() - int(torch.isfinite(part.float() if part.element_size() == 1 else part).sum())
         if bad:
             raise PretrainedError(f"{source.file_of(name)} holds non-finite values (NaN or inf) in {name}: {bad:,} "
                                   f"of the {part.numel():,} values read: the file is damaged, or the model had "
