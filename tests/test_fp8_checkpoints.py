@@ -191,3 +191,36 @@ def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_c
     with pytest.raises(PretrainedError, match="holds FP8 tensors \\(lm_head.weight\\) but its config.json has no "
                                               "quantization_config"):
         load_pretrained(build_llama("tiny"), bare)
+
+
+def _job(rank: int, world: int, root: str) -> dict:
+    """Two fp8dist train jobs in one spawn: FSDP2 + torchao writes --save-dtype fp8 (each rank gathers its shards);
+    a DDP LoRA job trains on that checkpoint with its base held in FP8, and writes it merged in FP8."""
+    from fp8dist.config.resolve import Config
+    from fp8dist.train.job import TrainConfig, run_training
+
+    warnings.simplefilter("ignore")
+    lines: list[str] = []
+    first = TrainConfig(steps=2, batch_size=4, seq_len=32, save_pretrained=f"{root}/fp8", save_dtype="fp8")
+    run_training(Config.from_dict({"strategy": "fsdp", "fp8": "torchao"}), first, log=lines.append)
+    lora = TrainConfig(steps=2, batch_size=4, seq_len=32, lora_rank=4, save_pretrained=f"{root}/merged",
+                       merge_lora=True, save_dtype="fp8")
+    result = run_training(Config.from_dict({"strategy": "ddp", "fp8": "torchao", "pretrained": f"{root}/fp8"}), lora,
+                          log=lines.append)
+    return {"log": "\n".join(lines), "losses": result.losses}
+
+
+@pytest.mark.slow
+def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_ddp_lora_job_trains_on_it_with_the_base_in_fp8(tmp_path):
+    """~40 s on 2 cores (measured 2026-12-02)."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_job, str(tmp_path))
+    log = results[0]["log"]
+    assert "save_pretrained: wrote" in log and "fp8 compressed-tensors: 13 Linears e4m3 (13 training's tensorwise " \
+                                                 "cast), 2 kept bf16" in log, log
+    assert "note: the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights) hold its e4m3" in log
+    assert "LoRA merged, then quantized: relative error per layer up to" in log
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
+    for name in ("fp8", "merged"):  # both load in transformers on a CPU
+        assert _logits(tmp_path / name).isfinite().all()

@@ -18,7 +18,8 @@ __all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards",
            "holds_fp8", "SCALE_ATTR"]
 
 SCALE_ATTR = "fp8_scale"
-"""On a weight held as a checkpoint's e4m3 bits: their fp32 scale (dequantizing factor), as the checkpoint shapes it."""
+"""On a weight held as a checkpoint's e4m3 bits (uint8 bytes): their fp32 scale (the factor that dequantizes), as the
+checkpoint shapes it."""
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
 
 
@@ -107,21 +108,21 @@ class FrozenFloat8Linear(Float8Linear):
             with torch.no_grad():
                 values = dequantize(weight, scale, granularity)
                 bits, scale = quantize_weight(values, own, pow2=self.config.round_scales_to_power_of_2)
-            weight.data, scale = bits.to(weight.device), scale.to(weight.device)
+            weight.data, scale = bits.view(torch.uint8).to(weight.device), scale.to(weight.device)
             setattr(weight, SCALE_ATTR, scale)
         inverse = 1.0 / scale.float()  # torchao's scale multiplies; a checkpoint's divides
+        bits_t = weight.detach().view(torch.float8_e4m3fn).t()
         if own == "tensor":
-            return Float8TrainingTensor(weight.t(), inverse.reshape(()), dtype, self.linear_mm_config,
-                                        GemmInputRole.WEIGHT)
-        return Float8TrainingTensor(weight.t(), inverse.reshape(1, -1), dtype, self.linear_mm_config,
-                                    GemmInputRole.WEIGHT, axiswise_dim=0)
+            return Float8TrainingTensor(bits_t, inverse.reshape(()), dtype, self.linear_mm_config, GemmInputRole.WEIGHT)
+        return Float8TrainingTensor(bits_t, inverse.reshape(1, -1), dtype, self.linear_mm_config, GemmInputRole.WEIGHT,
+                                    axiswise_dim=0)
 
 
 def holds_fp8(module: nn.Module) -> bool:
-    """Whether ``module``'s own weight is held as e4m3 bits with their scale (a base loaded in FP8; PEFT's layer that
-    wraps it does not hold it)."""
+    """Whether ``module``'s own weight is held as e4m3 bits (their bytes, uint8: every engine broadcasts those) with
+    their scale (a base loaded in FP8; PEFT's layer that wraps it does not hold it)."""
     weight = module._parameters.get("weight")
-    return isinstance(weight, torch.Tensor) and weight.element_size() == 1 and hasattr(weight, SCALE_ATTR)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8 and hasattr(weight, SCALE_ATTR)
 
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:

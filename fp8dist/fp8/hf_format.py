@@ -90,8 +90,9 @@ def _expand(scale: torch.Tensor, shape: torch.Size | tuple[int, int], granularit
 
 def dequantize(bits: torch.Tensor, scale: torch.Tensor, granularity: Granularity,
                start: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """fp32 values of a (rows, cols) box of an FP8 weight beginning at ``start`` (``bits``), from the whole
-    ``scale`` tensor of its ``granularity``."""
+    """fp32 values of a (rows, cols) box of an FP8 weight beginning at ``start`` (``bits``: e4m3, or their bytes as
+    uint8, how a base held in FP8 keeps them), from the whole ``scale`` tensor of its ``granularity``."""
+    bits = bits.view(_E4M3) if bits.dtype == torch.uint8 else bits
     if granularity == "channel":
         scale = scale.reshape(-1)[start[0]:start[0] + bits.shape[0]]
     return bits.float() * _expand(scale.float(), bits.shape, granularity, start)

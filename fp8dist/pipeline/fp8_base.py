@@ -41,7 +41,7 @@ def fp8_base_refusal(cfg: Any, facts: Any) -> str | None:
 
 def load_fp8_base(model: nn.Module, path: str | os.PathLike) -> LoadReport:
     """Fill ``model``, built on the meta device (before PEFT), from the FP8 checkpoint ``path``: each nn.Linear whose
-    weight the checkpoint holds in FP8 gets those bits as a frozen e4m3 parameter, its scale on the parameter
+    weight the checkpoint holds in e4m3 gets those bits as a frozen parameter (their bytes, uint8), its scale on it
     (``weight.fp8_scale``: it stays with the weight when torchao swaps the module) and ``compute_dtype`` (the dtype
     PEFT builds its adapters in); every other parameter is allocated in its dtype and read (dequantized where FP8),
     the buffers from the model's own initialization. Returns the load's report (``held_fp8``: the weights kept in
@@ -53,8 +53,9 @@ def load_fp8_base(model: nn.Module, path: str | os.PathLike) -> LoadReport:
                 if p is None or not p.is_meta:
                     continue
                 full = f"{prefix}.{name}" if prefix else name
-                if isinstance(module, nn.Linear) and name == "weight" and full in source.quantized:
-                    param = nn.Parameter(torch.empty(p.shape, dtype=source_dtype(source, full)), requires_grad=False)
+                if isinstance(module, nn.Linear) and name == "weight" and source.dtypes.get(full) == "F8_E4M3" \
+                        and full in source.quantized:  # the e4m3 bytes (uint8: what every engine broadcasts)
+                    param = nn.Parameter(torch.empty(p.shape, dtype=torch.uint8), requires_grad=False)
                     setattr(param, SCALE_ATTR, source.scale_of(full))
                     module.compute_dtype = p.dtype  # PEFT reads it for the adapters' dtype
                 else:
@@ -66,11 +67,6 @@ def load_fp8_base(model: nn.Module, path: str | os.PathLike) -> LoadReport:
     source.close()
     init_weights(model, torch.device("cpu"), buffers_only=True)
     return load_pretrained(model, path)
-
-
-def source_dtype(source: SafetensorsDir, name: str) -> torch.dtype:
-    """The torch dtype of FP8 tensor ``name`` as the files store it."""
-    return torch.float8_e5m2 if source.dtypes[name] == "F8_E5M2" else torch.float8_e4m3fn
 
 
 def release_unplanned(model: nn.Module, plan: Any) -> list[str]:

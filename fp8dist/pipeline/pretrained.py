@@ -329,9 +329,9 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
     with torch.no_grad():
         for p in params:
             name = next(n for n in p.names if n in source)
-            if p.local.element_size() == 1 and p.local.is_floating_point() and name in source.quantized:
-                held.append(name)  # the bits as stored (a LoRA base held in FP8)
-                p.local.copy_(_finite(source, name, source.read_stored(name, p.region)))
+            if p.local.dtype == torch.uint8 and name in source.quantized:
+                held.append(name)  # the bits as stored, their bytes (a LoRA base held in FP8: pipeline.fp8_base)
+                p.local.copy_(_finite(source, name, source.read_stored(name, p.region)).view(torch.uint8))
             elif p.region.numel:
                 p.local.copy_(_finite(source, name, _read_local(source, name, p)))
         for name, buf in buffers.items():
