@@ -224,3 +224,45 @@ def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_ddp_lora_job_trains_on_it_w
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
     for name in ("fp8", "merged"):  # both load in transformers on a CPU
         assert _logits(tmp_path / name).isfinite().all()
+
+
+def _lora_on(path: Path, held: bool):
+    """A tiny Llama LoRA model (rank 4, PEFT's default targets) on the FP8 checkpoint ``path``, its base held in FP8
+    (built on the meta device, :func:`load_fp8_base`) or dequantized into fp32 (the base loaded whole), wrapped."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp8dist.pipeline.fp8_base import load_fp8_base
+    from fp8dist.pipeline.pretrained import load_pretrained
+    from fp8dist.train.config import TrainConfig
+    from fp8dist.train.lora import apply_lora
+
+    torch.set_num_threads(1)
+    with torch.device("meta" if held else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (load_fp8_base if held else load_pretrained)(model, path)
+    return model, apply_lora(model, TrainConfig(lora_rank=4))
+
+
+def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_quarter_of_its_bytes(tmp_path):
+    from helpers import train_losses
+
+    fp8dist.save_pretrained(_wrapped(), tmp_path / "fp8", dtype="fp8")
+    losses, base_bytes = {}, {}
+    for held in (True, False):
+        base, model = _lora_on(tmp_path / "fp8", held)
+        quantized = [m.weight for m in base.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() > 0
+                     and m.weight.dtype == torch.uint8]
+        assert len(quantized) == (13 if held else 0), "each FP8 Linear holds its e4m3 bytes, never an fp32 copy"
+        base_bytes[held] = sum(w.numel() * w.element_size() + w.fp8_scale.numel() * 4 for w in quantized) \
+            if held else 4 * 376_832
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao")
+        assert any("the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights)" in str(w.message)
+                   for w in said) == held
+        losses[held] = train_losses(wrapped, 0, 1, steps=3)
+    # the kept bits are the bits torchao casts the dequantized weight to (tensorwise): the same GEMMs
+    assert losses[True] == losses[False]
+    assert base_bytes[True] == 376_832 + 13 * 4  # 1 byte per weight and one fp32 scale per layer; fp32: 4 bytes

@@ -88,31 +88,43 @@ class FrozenFloat8Linear(Float8Linear):
             cached = self.__dict__[_WHOLE] = (key, cast)
         return cached[1]
 
-
     def _held_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 operand of a weight held as a checkpoint's e4m3 bits with their scale (``weight.fp8_scale``; a LoRA
-        base loaded in FP8: :mod:`fp8dist.pipeline.fp8_base`): those bits where their scale is the layer's own cast
-        (per tensor for tensorwise, per channel for rowwise); else the layer's cast of their values, made once and
-        kept in their place (one layer in fp32 meanwhile)."""
+        base loaded in FP8: :mod:`fp8dist.pipeline.fp8_base`), made once and kept: those bits where their scale has
+        the layer's granularity (per tensor for tensorwise, per channel for rowwise), multiplied by the scale torchao
+        computes from their values (the dequantized weight's cast, bit for bit); else the layer's cast of their
+        values, kept in their place (one layer in fp32 meanwhile)."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), dtype, weight.device)
+        cached = self.__dict__.get(_WHOLE)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.__dict__[_WHOLE] = (key, self._held_cast(dtype))
+        return cached[1]
+
+    def _held_cast(self, dtype: torch.dtype) -> torch.Tensor:
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_training_tensor import Float8TrainingTensor
+        from torchao.float8.float8_utils import amax_to_scale
 
         from .hf_format import dequantize, granularity_of_scale, quantize_weight
 
-        weight = self.weight
+        weight, pow2 = self.weight, self.config.round_scales_to_power_of_2
         scale = getattr(weight, SCALE_ATTR).to(weight.device)
         granularity = granularity_of_scale(tuple(weight.shape), tuple(scale.shape))
-        cast = self.config.cast_config_weight
-        own = "tensor" if cast.scaling_granularity is ScalingGranularity.TENSORWISE else "channel"
+        tensorwise = self.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+        own = "tensor" if tensorwise else "channel"
+        values = dequantize(weight, scale, granularity)
         if granularity != own:
-            with torch.no_grad():
-                values = dequantize(weight, scale, granularity)
-                bits, scale = quantize_weight(values, own, pow2=self.config.round_scales_to_power_of_2)
-            weight.data, scale = bits.view(torch.uint8).to(weight.device), scale.to(weight.device)
-            setattr(weight, SCALE_ATTR, scale)
-        inverse = 1.0 / scale.float()  # torchao's scale multiplies; a checkpoint's divides
+            bits, scale = quantize_weight(values, own, pow2=pow2)
+            weight.data = bits.view(torch.uint8).to(weight.device)
+            setattr(weight, SCALE_ATTR, scale.to(weight.device))
+            values = dequantize(weight, scale, own)
+        amax = values.abs().amax() if tensorwise else values.abs().amax(dim=1, keepdim=True)
+        # torchao's scale of the dequantized weight: a pow2 rowwise recipe would round it, and the bits are the file's
+        inverse = (1.0 / scale.float()) if pow2 else amax_to_scale(amax, torch.float8_e4m3fn)
         bits_t = weight.detach().view(torch.float8_e4m3fn).t()
-        if own == "tensor":
+        if tensorwise:
             return Float8TrainingTensor(bits_t, inverse.reshape(()), dtype, self.linear_mm_config, GemmInputRole.WEIGHT)
         return Float8TrainingTensor(bits_t, inverse.reshape(1, -1), dtype, self.linear_mm_config, GemmInputRole.WEIGHT,
                                     axiswise_dim=0)
