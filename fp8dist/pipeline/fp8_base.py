@@ -29,10 +29,11 @@ def fp8_base_refusal(cfg: Any, facts: Any) -> str | None:
     """Why a LoRA base cannot be held in FP8 under ``cfg`` whose strategy has ``facts`` (it is dequantized instead),
     or None where it can: torchao's module swap (the frozen Float8Linear multiplies with given bits) on a strategy
     that holds whole parameters (a sharding engine would cast or flatten the e4m3 bits)."""
-    from ..fp8.torchao_config import torchao_api
+    from ..fp8 import get_backend
 
-    if cfg.precision.fp8 != "torchao" or torchao_api(cfg) != "module_swap":
-        return f"fp8={cfg.precision.fp8!r} (the base is held in FP8 under fp8='torchao', whose module swap runs it)"
+    if not get_backend(cfg.precision.fp8).runs_held_fp8(cfg):
+        return (f"fp8={cfg.precision.fp8!r} as configured does not multiply with given FP8 bits (the base is held in "
+                "FP8 under fp8='torchao' with its module swap and a tensorwise or rowwise recipe)")
     if facts.dtensor_shards or facts.flat_params or facts.engine_owns_params:
         return (f"strategy={cfg.parallel.strategy!r} shards the parameters (the base is held in FP8 where each rank "
                 "holds it whole: strategy 'none' or 'ddp')")
