@@ -200,8 +200,8 @@ class TrainConfig:
                                  "model is written), or leave --merge-lora out.")
             if self.save_dtype == "fp8" and not self.merge_lora:
                 raise ValueError("save_dtype='fp8' with lora_rank and no merge_lora: the adapters are written as they "
-                                 "trained (fp32) and the FP8 base is not exported. Pass --merge-lora (the base with the "
-                                 "adapters merged, then quantized), or another --save-dtype.")
+                                 "trained (fp32) and the FP8 base is not exported. Pass --merge-lora (the base with "
+                                 "the adapters merged, then quantized), or another --save-dtype.")
             return
         defaults = {f.name: f.default for f in fields(self)}
         unread = [name for name in ("lora_alpha", "lora_targets", "lora_dropout", "merge_lora")

@@ -120,8 +120,8 @@ def holds_fp8_base(config: Any, *, say: bool = False) -> bool:
         return False
     refusal = fp8_base_refusal(config, facts_of(config))
     if refusal is not None and say:
-        warnings.warn(f"pretrained={path!r} is an FP8 checkpoint, and its LoRA base is dequantized into high precision: "
-                      f"{refusal}.", UserWarning, stacklevel=3)
+        warnings.warn(f"pretrained={path!r} is an FP8 checkpoint, and its LoRA base is dequantized into high "
+                      f"precision: {refusal}.", UserWarning, stacklevel=3)
     return refusal is None
 
 
