@@ -300,3 +300,22 @@ def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_qua
     # the kept bits are the bits torchao casts the dequantized weight to (tensorwise): the same GEMMs
     assert losses[True] == losses[False]
     assert base_bytes[True] == 376_832 + 13 * 4  # 1 byte per weight and one fp32 scale per layer; fp32: 4 bytes
+
+
+def test_the_cli_flags_of_an_fp8_export_and_their_refusals():
+    import argparse
+
+    from fp8dist.cli import train as train_cli
+    from fp8dist.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--save-pretrained", "out", "--save-dtype", "fp8", "--save-fp8-format",
+                              "fine-grained"])
+    _, job = train_cli._config_and_job(args)
+    assert (job.save_dtype, job.save_fp8_format) == ("fp8", "fine-grained")
+    with pytest.raises(ValueError, match="save_fp8_format='fine-grained' with save_dtype='bf16': it is the layout of "
+                                         "an FP8 export; pass --save-dtype fp8"):
+        TrainConfig(save_pretrained="out", save_dtype="bf16", save_fp8_format="fine-grained")
+    with pytest.raises(ValueError, match="save_dtype='fp8' with lora_rank and no merge_lora: .*Pass --merge-lora"):
+        TrainConfig(save_pretrained="out", save_dtype="fp8", lora_rank=4)
