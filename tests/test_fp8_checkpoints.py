@@ -177,6 +177,15 @@ def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_c
         assert report.dequantized.startswith("13 FP8 weights")
         theirs = _dequantized_by_transformers(tmp_path / fmt, fmt)
         assert all(torch.equal(p, theirs[n]) for n, p in model.state_dict().items()), fmt
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / fmt))  # its quantization_config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_pretrained(model, tmp_path / fmt)
+    fp8dist.save_pretrained(model, tmp_path / "again")  # bf16 weights: no quantization_config a loader would apply
+    assert "quantization_config" not in json.loads((tmp_path / "again" / "config.json").read_text())
+    assert _cosine(_logits(tmp_path / "again"), _logits(tmp_path / fmt)) > 0.999
     reads = "it reads: fp8 \\(transformers' FineGrainedFP8"
     for quantization, said in (
             ({"quant_method": "gptq", "bits": 4}, "quantized as quant_method 'gptq'"),
