@@ -177,6 +177,13 @@ def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_c
         assert report.dequantized.startswith("13 FP8 weights")
         theirs = _dequantized_by_transformers(tmp_path / fmt, fmt)
         assert all(torch.equal(p, theirs[n]) for n, p in model.state_dict().items()), fmt
+    from fp8dist.pipeline.pretrained import SafetensorsDir
+    from fp8dist.strategies.local_shards import Region
+
+    source, name = SafetensorsDir(tmp_path / "fine-grained"), "model.layers.1.mlp.down_proj.weight"  # (128, 384)
+    whole = source.read(name, Region(box=((0, 128), (0, 384))))  # what a rank of FSDP2 / FSDP1 / ZeRO-3 reads:
+    assert torch.equal(source.read(name, Region(box=((64, 64), (0, 384)))), whole[64:])  # rows (dim-0 shard)
+    assert torch.equal(source.read(name, Region(flat=(1000, 30000))), whole.reshape(-1)[1000:30000])  # a flat range
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / fmt))  # its quantization_config
