@@ -136,6 +136,15 @@ def test_an_fp8_export_without_fp8_layers_writes_bf16_and_says_so_and_bad_argume
     with pytest.raises(ValueError, match="LlamaForCausalLM was not returned by fp8dist.wrap_model .*dtype='bf16'"):
         fp8dist.save_pretrained(build_llama("tiny"), tmp_path / "x", dtype="fp8")
     assert not (tmp_path / "x").exists()
+    from transformers import LlamaForCausalLM
+
+    odd = LlamaForCausalLM(build_llama("tiny").config.__class__(vocab_size=256, hidden_size=128, intermediate_size=192,
+                                                                 num_hidden_layers=2, num_attention_heads=4))
+    with pytest.warns(UserWarning, match="model.layers.0.mlp.gate_proj, .* and 3 more have a dim over 128 that is no "
+                                         "multiple of 128: transformers' dequantization on a CPU .* reads its blocks "
+                                         "wrong .*Use fp8_format='compressed-tensors'"):
+        fp8dist.save_pretrained(fp8dist.wrap_model(odd, strategy="none", fp8="torchao"), tmp_path / "odd", dtype="fp8",
+                                fp8_format="fine-grained")
 
 
 def _quantized_dir(tmp_path: Path, name: str, quantization: dict | None, tensors: dict | None = None) -> Path:

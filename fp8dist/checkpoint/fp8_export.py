@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.hf_format import FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
+from ..config.text import listing
+from ..fp8.hf_format import BLOCK, FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
     scale_name
 
 __all__ = ["FP8Layer", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
@@ -111,12 +112,13 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
                          "not returned by fp8dist.wrap_model (it has no plan). Wrap and train it with fp8dist, or "
                          "export it with dtype='bf16'.") from None
     plan, backend = info.plan, get_backend(info.plan.backend)
-    linears = {plain_name(n) for n, m in unwrap_model(model).named_modules() if _is_linear(m)}
+    shapes = {plain_name(n): tuple(m.weight.shape) for n, m in unwrap_model(model).named_modules() if _is_linear(m)}
+    linears = set(shapes)
 
     def short(name: str) -> str:
         return plain_name(name).removeprefix(prefix).removesuffix(".base_layer")
 
-    layers = {}
+    layers, shape_of = {}, {}
     for entry in plan:
         name = plain_name(entry.name)
         if entry.precision != "fp8" or not entry.runs or entry.grouped or name not in linears:
@@ -126,9 +128,16 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
                                           plan.hardware)[("weight", "output")]
         except NotImplementedError:
             spec = None
-        layers[short(name)] = _layer(spec, fmt)
+        layers[short(name)], shape_of[short(name)] = _layer(spec, fmt), shapes[name]
     kept = sorted(short(n) for n in linears if short(n) not in layers and ".lora_" not in n
                   and ".modules_to_save." not in n and ".original_module" not in n)
+    odd = [n for n in layers if any(d > BLOCK and d % BLOCK for d in shape_of[n])]
+    if fmt == "fine-grained" and odd:  # transformers' CPU dequantization takes each block's size from the scale grid
+        warnings.warn(f"save_pretrained(dtype='fp8', fp8_format='fine-grained'): {listing(odd, 3)} "
+                      f"{'has' if len(odd) == 1 else 'have'} a dim over {BLOCK} that is no multiple of {BLOCK}: "
+                      "transformers' dequantization on a CPU (no FP8 GPU) reads its blocks wrong (it derives their "
+                      "size from the scale grid); its FP8 GPU kernels and fp8dist read them right. Use "
+                      "fp8_format='compressed-tensors' for such a model on a CPU.", UserWarning, stacklevel=3)
     if not layers:
         warnings.warn(f"save_pretrained(dtype='fp8'): the plan ran no layer in FP8 (backend {plan.backend!r}), so the "
                       "export is written in bf16 with no quantization_config. Train with an FP8 backend "
