@@ -1,6 +1,7 @@
 """Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json`` under
-the user's module names, FP8 modules as their high-precision weights, gathered one parameter (FSDP1: one unit) at a
-time; ``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
+the user's module names, FP8 modules as their high-precision weights (or, ``dtype="fp8"``, as e4m3 weights with
+scales: :mod:`.fp8_export`), gathered one parameter (FSDP1: one unit) at a time;
+``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
 
 from __future__ import annotations
 
