@@ -327,6 +327,28 @@ def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_qua
     assert base_bytes[True] == 376_832 + 13 * 4  # 1 byte per weight and one fp32 scale per layer; fp32: 4 bytes
 
 
+def test_which_lora_jobs_hold_an_fp8_base_and_why_the_others_dequantize_it(tmp_path):
+    from fp8dist.config.resolve import Config
+    from fp8dist.train.lora import holds_fp8_base
+
+    trained = _wrapped()
+    fp8dist.save_pretrained(trained, tmp_path / "fp8", dtype="fp8")
+    fp8dist.save_pretrained(trained, tmp_path / "bf16")
+
+    def config(path, **options):
+        return Config.from_dict({"fp8": "torchao", "pretrained": str(path), **options})
+
+    assert holds_fp8_base(config(tmp_path / "fp8", strategy="ddp")) and holds_fp8_base(config(tmp_path / "fp8",
+                                                                                              strategy="none"))
+    assert not holds_fp8_base(config(tmp_path / "bf16", strategy="none"))
+    for options, why in (({"strategy": "fsdp"}, "strategy='fsdp' shards the parameters .*strategy 'none' or 'ddp'"),
+                         ({"strategy": "ddp", "torchao_api": "weight_wrapper"},
+                          "fp8='torchao' as configured does not multiply with given FP8 bits")):
+        with pytest.warns(UserWarning, match=f"is an FP8 checkpoint, and its LoRA base is dequantized into high "
+                                             f"precision: {why}"):
+            assert not holds_fp8_base(config(tmp_path / "fp8", **options), say=True)
+
+
 def test_the_cli_flags_of_an_fp8_export_and_their_refusals():
     import argparse
 
