@@ -74,9 +74,9 @@ def test_fp8_exports_load_in_transformers_on_a_cpu_like_the_bf16_export_at_under
     for key, (model, options) in exports.items():
         fp8dist.save_pretrained(model, tmp_path / key, **options)
     for key, reference in (("ct", "bf16"), ("blocks", "bf16"), ("ct rowwise", "bf16 rowwise")):
-        # measured 2026-12-02: 0.9983 (per tensor), 0.9987 (128x128 blocks), 0.9986 (per channel)
+        # measured 2026-12-02: 0.9985 (per tensor), 0.9990 (128x128 blocks), 0.9984 (per channel)
         assert _cosine(_logits(tmp_path / key), _logits(tmp_path / reference)) >= 0.995, key
-        assert _bytes(tmp_path / key) <= 0.65 * _bytes(tmp_path / reference), key  # measured 0.592
+        assert _bytes(tmp_path / key) <= 0.65 * _bytes(tmp_path / reference), key  # measured 0.592, 0.592, 0.603
         config = json.loads((tmp_path / key / "config.json").read_text())["quantization_config"]
         record = json.loads((tmp_path / key / "fp8_export.json").read_text())
         assert record["kept_bf16"] == [LAST, FIRST], "the Linears the plan kept, listed and written in bf16"
