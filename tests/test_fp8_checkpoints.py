@@ -115,7 +115,7 @@ def test_an_fp8_export_of_a_lora_model_merges_then_quantizes_recording_each_laye
     wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao")
     save_merged(wrapped, tmp_path / "bf16")
     save_merged(wrapped, tmp_path / "fp8", dtype="fp8")
-    assert _cosine(_logits(tmp_path / "fp8"), _logits(tmp_path / "bf16")) >= 0.995  # measured 0.9983
+    assert _cosine(_logits(tmp_path / "fp8"), _logits(tmp_path / "bf16")) >= 0.995  # measured 0.9979
     layers = json.loads((tmp_path / "fp8" / "fp8_export.json").read_text())["layers"]
     errors = {name: layer["merge_error"] for name, layer in layers.items() if layer["merge_error"] is not None}
     # q_proj of layer 0 is the first Linear, kept in bf16; the other adapted layers are merged, then quantized
