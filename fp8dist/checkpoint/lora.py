@@ -131,8 +131,7 @@ def _check_mergeable(inner: Any) -> None:
 def _dequantize_held(inner: Any, full: dict[str, torch.Tensor]) -> None:
     """Replace in ``full`` the weights of a base held in FP8 (:mod:`fp8dist.pipeline.fp8_base`) by their fp32 values
     (bits times scale): what a merge adds to and an export writes."""
-    from ..fp8.frozen import SCALE_ATTR
-    from ..fp8.hf_format import dequantize, granularity_of_scale
+    from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
 
     for name, param in inner.named_parameters():
         scale = getattr(param, SCALE_ATTR, None)

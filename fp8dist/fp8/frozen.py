@@ -14,12 +14,10 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tenso
 from torchao.float8.float8_training_tensor import GemmInputRole
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
 
-__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts",
-           "holds_fp8", "SCALE_ATTR"]
+from .hf_format import SCALE_ATTR, holds_fp8
 
-SCALE_ATTR = "fp8_scale"
-"""On a weight held as a checkpoint's e4m3 bits (uint8 bytes): their fp32 scale (the factor that dequantizes), as the
-checkpoint shapes it."""
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
+
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
 
 
@@ -128,13 +126,6 @@ class FrozenFloat8Linear(Float8Linear):
             return Float8TrainingTensor(bits_t, inverse.reshape(()), dtype, self.linear_mm_config, GemmInputRole.WEIGHT)
         return Float8TrainingTensor(bits_t, inverse.reshape(1, -1), dtype, self.linear_mm_config, GemmInputRole.WEIGHT,
                                     axiswise_dim=0)
-
-
-def holds_fp8(module: nn.Module) -> bool:
-    """Whether ``module``'s own weight is held as e4m3 bits (their bytes, uint8: every engine broadcasts those) with
-    their scale (a base loaded in FP8; PEFT's layer that wraps it does not hold it)."""
-    weight = module._parameters.get("weight")
-    return isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8 and hasattr(weight, SCALE_ATTR)
 
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:

@@ -20,7 +20,8 @@ from typing import Any, Literal
 import torch
 
 __all__ = ["FP8_FORMATS", "FORMAT_LOADERS", "BLOCK", "Granularity", "QuantizedLayout", "read_layout", "READ_KINDS",
-           "quantize_weight", "dequantize", "scale_name", "quantization_config", "granularity_of_scale"]
+           "quantize_weight", "dequantize", "scale_name", "quantization_config", "granularity_of_scale", "SCALE_ATTR",
+           "holds_fp8"]
 
 FP8_FORMATS = ("compressed-tensors", "fine-grained")
 """The FP8 checkpoint layouts fp8dist writes (``save_pretrained(..., fp8_format=)``, ``--save-fp8-format``)."""
@@ -46,6 +47,18 @@ READ_KINDS = ("fp8 (transformers' FineGrainedFP8: e4m3 weights, weight_scale_inv
               "compressed-tensors float-quantized (8-bit float weights, weight_scale per tensor, channel or block)",
               "fp8dist's own FP8 export (either of those)")
 """The quantized checkpoints ``pretrained=`` reads, said when it refuses another kind."""
+
+
+SCALE_ATTR = "fp8_scale"
+"""On a weight held as a checkpoint's e4m3 bits (their bytes, uint8: a LoRA base loaded in FP8,
+:mod:`fp8dist.pipeline.fp8_base`): their fp32 scale (the factor that dequantizes), as the checkpoint shapes it."""
+
+
+def holds_fp8(module: Any) -> bool:
+    """Whether ``module``'s own weight is held as e4m3 bits (their bytes, uint8: every engine broadcasts those) with
+    their scale (a base loaded in FP8; PEFT's layer that wraps it does not hold it)."""
+    weight = module._parameters.get("weight")
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8 and hasattr(weight, SCALE_ATTR)
 
 
 def scale_name(weight: str, fmt: str) -> str:

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.frozen import SCALE_ATTR, holds_fp8
-from ..fp8.hf_format import dequantize, granularity_of_scale
+from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale, holds_fp8
 from .meta_init import init_weights
 from .pretrained import LoadReport, SafetensorsDir, load_pretrained
 

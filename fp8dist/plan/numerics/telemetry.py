@@ -206,14 +206,10 @@ class FP8Telemetry:
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
     def _weight_shards(self) -> list[torch.Tensor]:
+        from ...fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
         from ...fp8.weight_wrapper import weight_data
-        from ...strategies.local_shards import local_params
-
-        from ...fp8.frozen import SCALE_ATTR
-        from ...fp8.hf_format import dequantize, granularity_of_scale
-
         from ...strategies import unwrap_model
-        from ...strategies.local_shards import plain_name
+        from ...strategies.local_shards import local_params, plain_name
 
         scales = {plain_name(n): getattr(p, SCALE_ATTR) for n, p in unwrap_model(self.model).named_parameters()
                   if hasattr(p, SCALE_ATTR)}  # a base held in FP8 (whole on each rank): its bits times its scale
