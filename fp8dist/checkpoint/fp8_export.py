@@ -115,8 +115,8 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
     shapes = {plain_name(n): tuple(m.weight.shape) for n, m in unwrap_model(model).named_modules() if _is_linear(m)}
     linears = set(shapes)
 
-    def short(name: str) -> str:
-        return plain_name(name).removeprefix(prefix).removesuffix(".base_layer")
+    def short(name: str) -> str:  # the name the export writes it under (PEFT's wrappers dropped)
+        return plain_name(name).removeprefix(prefix).removesuffix(".base_layer").replace(".modules_to_save.default", "")
 
     layers, shape_of = {}, {}
     for entry in plan:
@@ -129,8 +129,8 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
         except NotImplementedError:
             spec = None
         layers[short(name)], shape_of[short(name)] = _layer(spec, fmt), shapes[name]
-    kept = sorted(short(n) for n in linears if short(n) not in layers and ".lora_" not in n
-                  and ".modules_to_save." not in n and ".original_module" not in n)
+    kept = sorted({short(n) for n in linears if short(n) not in layers and ".lora_" not in n
+                   and ".original_module" not in n})
     odd = [n for n in layers if any(d > BLOCK and d % BLOCK for d in shape_of[n])]
     if fmt == "fine-grained" and odd:  # transformers' CPU dequantization takes each block's size from the scale grid
         warnings.warn(f"save_pretrained(dtype='fp8', fp8_format='fine-grained'): {listing(odd, 3)} "
