@@ -1,6 +1,7 @@
 """Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json`` under
-the user's module names, FP8 modules as their high-precision weights, gathered one parameter (FSDP1: one unit) at a
-time; ``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
+the user's module names, FP8 modules as their high-precision weights (or, ``dtype="fp8"``, as e4m3 weights with
+scales: :mod:`.fp8_export`), gathered one parameter (FSDP1: one unit) at a time;
+``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,11 +24,16 @@ from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, persistent_buffers
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class
 from ..pipeline.agree import on_all_ranks, rank_world
+from ..fp8.hf_format import scale_name
+from .fp8_export import RECORD_FILE, write_record
 
 __all__ = ["save_pretrained", "export_dtype", "remove_stale", "MODEL_FILES", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-_SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32"}
+FP8 = "fp8"
+"""The export dtype that writes the Linears the plan ran in FP8 as e4m3 weights with scales
+(:mod:`fp8dist.checkpoint.fp8_export`), the rest in bf16."""
+_SAFETENSORS_DTYPES = {"BF16": "bf16", "F32": "fp32", "F16": "fp16", "F64": "fp32", "F8_E4M3": FP8}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -51,8 +58,8 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
     """The dtype name ``--save-dtype`` writes: itself, or for "as-loaded" the floating dtype of most of the
-    ``pretrained`` directory's weight elements (a fine-tune is saved as given), bf16 from scratch (how models are
-    shared)."""
+    ``pretrained`` directory's weight elements (a fine-tune is saved as given; "fp8" for an FP8 checkpoint's e4m3
+    weights), bf16 from scratch (how models are shared)."""
     if save_dtype != "as-loaded":
         return save_dtype
     if pretrained is None:
@@ -85,12 +92,24 @@ def _plan_files(entries: list[tuple[str, int]], limit: int) -> list[list[str]]:
     return files
 
 
-def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str]) -> None:
+def is_fp8(dtype: Any) -> bool:
+    """Whether an export's ``dtype`` is :data:`FP8`."""
+    return isinstance(dtype, str) and dtype.lower() == FP8
+
+
+def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list[str],
+                  quantization: dict[str, Any] | None = None) -> None:
+    """config.json (with ``quantization``, the FP8 export's ``quantization_config``; none otherwise, also where the
+    model was loaded from a quantized checkpoint) and generation_config.json."""
     config, generation = getattr(inner, "config", None), getattr(inner, "generation_config", None)
     if hasattr(config, "to_json_string"):
         config = copy.deepcopy(config)
         config.architectures = [original_class(inner).__name__]
         config.dtype = dtype
+        if quantization is not None:
+            config.quantization_config = quantization
+        elif hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights written are not quantized
     for name, obj in (("config.json", config), ("generation_config.json", generation)):
         if hasattr(obj, "to_json_string"):
             atomic_write_text(out / name, obj.to_json_string())
@@ -99,7 +118,7 @@ def _write_config(inner: nn.Module, out: Path, dtype: torch.dtype, written: list
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's, for each adapter
 ADAPTER_FILES = (ADAPTER_FILE, ADAPTER_CONFIG, "adapter_model.bin")
-MODEL_FILES = ("model*.safetensors", INDEX_FILE, *ADAPTER_FILES)
+MODEL_FILES = ("model*.safetensors", INDEX_FILE, RECORD_FILE, *ADAPTER_FILES)
 """The files that make a folder a model to loaders (a Hugging Face model's weights, PEFT's adapters): an export
 removes those it did not write."""
 
@@ -127,7 +146,7 @@ def remove_stale(out: Path, written: set[str]) -> None:
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16,
-                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, fp8_format: str = "compressed-tensors") -> Path:
     """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
 
     Call it on every rank (the parameters are gathered collectively); rank 0 writes each file atomically. A
@@ -137,18 +156,36 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     Args:
         model: the trained model; FP8 layers are written as their high-precision weights.
         out_dir: the directory (created if needed).
-        dtype: torch.bfloat16 (default), torch.float32 or torch.float16.
+        dtype: torch.bfloat16 (default), torch.float32 or torch.float16; or "fp8": the Linears the plan ran in FP8
+            as e4m3 weights with their scales in the layout ``fp8_format``, listed in config.json's
+            ``quantization_config``, every other tensor (embeddings, norms, the Linears kept in high precision) in
+            bf16; ``fp8_export.json`` records each FP8 layer's cast (training's own where the layout holds it). A
+            model with no FP8 layer is written in bf16, with a warning.
+        fp8_format: with dtype="fp8": "compressed-tensors" (float-quantized; per-tensor scales for tensorwise
+            layers, per-channel for rowwise: training's cast; served by vLLM, loaded by transformers with the
+            compressed-tensors package) or "fine-grained" (transformers' FineGrainedFP8, 128x128 block scales;
+            transformers dequantizes it on a CPU).
         max_shard_size: largest file, in bytes or as text ("2GB"); larger models are split into shards and
             ``model.safetensors.index.json``. Rank 0 holds at most one file's tensors in CPU memory.
 
     Returns:
         The directory.
 
+    Raises:
+        ValueError: a dtype or fp8_format not among the choices, dtype="fp8" for a model wrap_model did not return,
+            ``out_dir`` not writable (before anything is gathered).
+
     Example::
 
         fp8dist.save_pretrained(model, "out", dtype=torch.bfloat16)     # after training, on every rank
         AutoModelForCausalLM.from_pretrained("out")                       # anywhere, no fp8dist needed
     """
+    fp8 = None
+    if is_fp8(dtype):
+        from .fp8_export import plan_fp8_export
+
+        fp8, dtype = plan_fp8_export(model, fp8_format), torch.bfloat16
+        fp8 = fp8 if fp8.layers else None
     dtype, limit = _dtype(dtype), _shard_bytes(max_shard_size)
     out = Path(out_dir)
     rank = rank_world()[0]
@@ -156,7 +193,8 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     inner = unwrap_model(model)
     buffers = persistent_buffers(inner).items()
     size = torch.tensor([], dtype=dtype).element_size()
-    entries = [(p.names[0], math.prod(p.shape) * size) for p in local_params(model)]
+    entries = [(p.names[0], math.prod(p.shape) * (1 if fp8 and p.names[0].removesuffix(".weight") in fp8.layers
+                                                   else size)) for p in local_params(model)]
     entries += [(name, buf.numel() * (size if buf.is_floating_point() else buf.element_size()))
                 for name, buf in buffers]
     files = _plan_files(entries, limit)
@@ -170,7 +208,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     tensors = ((names[0], full) for names, full in gather_full(model))
     held = ((n, buf.detach().cpu() if rank == 0 else None) for n, buf in buffers)
     for name, full in itertools.chain(tensors, held):
-        if rank == 0:
+        if rank == 0 and fp8 is not None:
+            pending.update(fp8.quantize(name, full))
+        elif rank == 0:
             pending[name] = (full.to(dtype) if full.is_floating_point() else full).contiguous()
         if name in closes:
             writer.run(f"writing {out / closes[name]}", lambda: _write_file(out / closes[name], pending))
@@ -178,10 +218,17 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
 
     def finish() -> list[str]:  # what it writes is recorded as it goes: a failure removes it too
         if len(names) > 1:
-            index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": file_of}
+            weight_map = dict(file_of)
+            for name in list(file_of) if fp8 is not None else ():  # each scale in its weight's file
+                if name.removesuffix(".weight") in fp8.layers and name.endswith(".weight"):
+                    weight_map[scale_name(name, fp8.fmt)] = file_of[name]
+            index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": weight_map}
             atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
             writer.written.append(INDEX_FILE)
-        _write_config(inner, out, dtype, writer.written)
+        if fp8 is not None:
+            write_record(out, fp8)
+            writer.written.append(RECORD_FILE)
+        _write_config(inner, out, dtype, writer.written, fp8.quantization_config() if fp8 is not None else None)
         remove_stale(out, set(writer.written))
         return []
 

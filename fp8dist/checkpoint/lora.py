@@ -20,7 +20,10 @@ from ..pipeline.agree import rank_world
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
 from ..pipeline.pretrained import persistent_buffers
-from .hf import ADAPTER_CONFIG, ADAPTER_FILE, _dtype, _write_file, _Writer, check_out_dir, remove_stale
+from ..pipeline.pretrained import SINGLE_FILE
+from .fp8_export import RECORD_FILE, plan_fp8_export, write_record
+from .hf import ADAPTER_CONFIG, ADAPTER_FILE, _dtype, _write_config, _write_file, _Writer, check_out_dir, is_fp8, \
+    remove_stale
 
 __all__ = ["save_adapters", "save_merged", "ADAPTER_FILE"]
 
@@ -125,9 +128,24 @@ def _check_mergeable(inner: Any) -> None:
                          "not apply. Export it with save_adapters and merge with PEFT (merge_and_unload).")
 
 
-def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dequantize_held(inner: Any, full: dict[str, torch.Tensor]) -> None:
+    """Replace in ``full`` the weights of a base held in FP8 (:mod:`fp8dist.pipeline.fp8_base`) by their fp32 values
+    (bits times scale): what a merge adds to and an export writes."""
+    from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
+
+    for name, param in inner.named_parameters():
+        scale = getattr(param, SCALE_ATTR, None)
+        name = plain_name(name)
+        if scale is not None and name in full:
+            full[name] = dequantize(full[name], scale.cpu(), granularity_of_scale(tuple(param.shape),
+                                                                                  tuple(scale.shape)))
+
+
+def _merged(inner: Any, full: dict[str, torch.Tensor], adapted: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict under its own names: each adapted weight W + scaling * B A (PEFT's merge), each
-    module to save as trained (its frozen original left out)."""
+    module to save as trained (its frozen original left out); ``adapted`` collects the merged weights' names. A base
+    held in FP8 is merged from its values (bits times scale)."""
+    _dequantize_held(inner, full)
     for name, module in inner.named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "scaling", {}):
             continue
@@ -137,25 +155,34 @@ def _merged(inner: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         delta = module.scaling["default"] * (b.float() @ a.float())
         full[f"{name}.base_layer.weight"] = (weight.float() + (delta.t() if module.fan_in_fan_out else delta)
                                              ).to(weight.dtype)
+        if adapted is not None:
+            adapted.add(f"{name.removeprefix('base_model.model.')}.weight")
     prefix = "base_model.model."
     return {k.removeprefix(prefix).replace(".base_layer.", ".").replace(".modules_to_save.default.", "."): v
             for k, v in full.items() if ".original_module." not in k}
 
 
-def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16) -> Path:
+def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16,
+                fp8_format: str = "compressed-tensors") -> Path:
     """Write ``model`` (a wrapped PEFT LoRA model) with its adapters merged into the base weights, as a transformers
     model in ``dtype``; model files of an earlier export there (an adapter a loader would apply again) are removed
     (:func:`~fp8dist.checkpoint.hf.remove_stale`). Call it on every rank; rank 0 holds the whole model in CPU memory
-    while it writes.
+    while it writes. ``dtype="fp8"``: merged in fp32, then the layers the plan ran in FP8 quantized as
+    :func:`fp8dist.save_pretrained` writes them (``fp8_format``), each merged layer's relative quantization error in
+    ``fp8_export.json``.
 
     Raises:
         ValueError: before anything is gathered: not a PEFT model, adapters other than one "default", a DoRA adapter
-            (export those with :func:`save_adapters`), or ``out_dir`` not writable.
+            (export those with :func:`save_adapters`), a dtype or fp8_format not among the choices, or ``out_dir``
+            not writable.
     """
+    inner, out = _peft_model(model), Path(out_dir)
+    _check_mergeable(inner)
+    if is_fp8(dtype):
+        return _save_merged_fp8(model, inner, out, fp8_format)
     from transformers import AutoModelForCausalLM
 
-    inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
-    _check_mergeable(inner)
+    dtype = _dtype(dtype)
     full = _gathered(model, out, lambda name: True)
     full.update({n: b.detach().cpu() for n, b in persistent_buffers(inner).items()})  # every rank holds them whole
     writer = _Writer(out, rank_world()[0])
@@ -183,4 +210,39 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dt
         return []
 
     writer.run(f"writing the merged model into {out}", write)
+    return out
+
+
+def _save_merged_fp8(model: nn.Module, inner: Any, out: Path, fp8_format: str) -> Path:
+    """:func:`save_merged` with ``dtype="fp8"``: one ``model.safetensors``, config.json with its
+    ``quantization_config``, and the export's record."""
+    from transformers import AutoModelForCausalLM
+
+    export = plan_fp8_export(model, fp8_format, prefix="base_model.model.")
+    full = _gathered(model, out, lambda name: True)
+    full.update({n: b.detach().cpu() for n, b in persistent_buffers(inner).items()})
+    writer = _Writer(out, rank_world()[0])
+    base = inner.get_base_model()
+
+    def write() -> list[str]:
+        adapted: set[str] = set()
+        merged = _merged(inner, full, adapted)
+        with torch.device("meta"):
+            keys = AutoModelForCausalLM.from_config(base.config).state_dict().keys()  # a tied weight once
+        tensors: dict[str, torch.Tensor] = {}
+        for name in keys:
+            if name in merged:
+                value = merged[name]
+                tensors.update(export.quantize(name, value, value if name in adapted else None))
+        out.mkdir(parents=True, exist_ok=True)
+        writer.written += _write_file(out / SINGLE_FILE, tensors)
+        if export.layers:
+            write_record(out, export)
+            writer.written.append(RECORD_FILE)
+        _write_config(base, out, torch.bfloat16, writer.written,
+                      export.quantization_config() if export.layers else None)
+        remove_stale(out, set(writer.written))
+        return []
+
+    writer.run(f"writing the merged FP8 model into {out}", write)
     return out

@@ -232,6 +232,12 @@ class FP8Backend(Protocol):
         """What a converted Linear's frozen weight costs per step and in bytes. Default: as a trainable weight."""
         return FrozenWeights()
 
+    def runs_held_fp8(self, cfg: Any) -> bool:
+        """Whether the frozen Linears it converts under ``cfg`` multiply with e4m3 bits given to them (a LoRA base
+        loaded in FP8: :mod:`fp8dist.pipeline.fp8_base`, the bits on the weight, their scale beside). Default: False
+        (such a base is dequantized into high precision)."""
+        return False
+
     weight_scale_names: ClassVar[tuple[str, ...]] = ()
     """Inner tensors of the backend's weight subclass that hold FP8 scales, not weight data: the report counts them
     as FP8 buffers, not in the weight."""

@@ -14,6 +14,8 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tenso
 from torchao.float8.float8_training_tensor import GemmInputRole
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
 
+from .hf_format import SCALE_ATTR, holds_fp8
+
 __all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
 
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
@@ -61,11 +63,15 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.requires_grad or torch.compiler.is_compiling():
+        held = holds_fp8(self)
+        if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)
         if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
             input = input.to(torch.get_autocast_gpu_dtype())
-        weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
+        if held:
+            weight_t = self._held_weight_t(input.dtype)
+        else:
+            weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
         output = _InputGradOnly.apply(input, weight_t, self.linear_mm_config, self.config)
         return output if self.bias is None else output + self.bias.to(output.dtype)
 
@@ -79,6 +85,47 @@ class FrozenFloat8Linear(Float8Linear):
                              GemmInputRole.WEIGHT, 0, self.config)
             cached = self.__dict__[_WHOLE] = (key, cast)
         return cached[1]
+
+    def _held_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 operand of a weight held as a checkpoint's e4m3 bits with their scale (``weight.fp8_scale``; a LoRA
+        base loaded in FP8: :mod:`fp8dist.pipeline.fp8_base`), made once and kept: those bits where their scale has
+        the layer's granularity (per tensor for tensorwise, per channel for rowwise), multiplied by the scale torchao
+        computes from their values (the dequantized weight's cast, bit for bit); else the layer's cast of their
+        values, kept in their place (one layer in fp32 meanwhile)."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), dtype, weight.device)
+        cached = self.__dict__.get(_WHOLE)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.__dict__[_WHOLE] = (key, self._held_cast(dtype))
+        return cached[1]
+
+    def _held_cast(self, dtype: torch.dtype) -> torch.Tensor:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+        from torchao.float8.float8_utils import amax_to_scale
+
+        from .hf_format import dequantize, granularity_of_scale, quantize_weight
+
+        weight, pow2 = self.weight, self.config.round_scales_to_power_of_2
+        scale = getattr(weight, SCALE_ATTR).to(weight.device)
+        granularity = granularity_of_scale(tuple(weight.shape), tuple(scale.shape))
+        tensorwise = self.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+        own = "tensor" if tensorwise else "channel"
+        values = dequantize(weight, scale, granularity)
+        if granularity != own:
+            bits, scale = quantize_weight(values, own, pow2=pow2)
+            weight.data = bits.view(torch.uint8).to(weight.device)
+            setattr(weight, SCALE_ATTR, scale.to(weight.device))
+            values = dequantize(weight, scale, own)
+        amax = values.abs().amax() if tensorwise else values.abs().amax(dim=1, keepdim=True)
+        # torchao's scale of the dequantized weight: a pow2 rowwise recipe would round it, and the bits are the file's
+        inverse = (1.0 / scale.float()) if pow2 else amax_to_scale(amax, torch.float8_e4m3fn)
+        bits_t = weight.detach().view(torch.float8_e4m3fn).t()
+        if tensorwise:
+            return Float8TrainingTensor(bits_t, inverse.reshape(()), dtype, self.linear_mm_config, GemmInputRole.WEIGHT)
+        return Float8TrainingTensor(bits_t, inverse.reshape(1, -1), dtype, self.linear_mm_config, GemmInputRole.WEIGHT,
+                                    axiswise_dim=0)
 
 
 def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:

@@ -63,7 +63,8 @@ def _small_copy(module: nn.Linear, dims: tuple[int, int] = _DIMS) -> nn.Linear:
     stand_in = copy.copy(module)
     stand_in._parameters = dict(module._parameters)  # the copy's own dict: the module keeps its parameters
     device = torch.device("cpu") if module.weight.device.type == "meta" else module.weight.device
-    dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
+    held = module.weight.element_size() == 1  # FP8 bits (a LoRA base held in FP8): the class is probed in fp32
+    dtype = module.weight.dtype if module.weight.is_floating_point() and not held else torch.float32
     generator = torch.Generator(device="cpu").manual_seed(1)
     n_in, n_out = dims
     stand_in.in_features, stand_in.out_features = n_in, n_out

@@ -302,6 +302,12 @@ class TorchaoBackend(FP8Backend):
                   for p in module.parameters(recurse=False) for name in self.weight_scale_names]
         return super().state_tensors(module) + scales + kept_casts(module)
 
+    def runs_held_fp8(self, cfg) -> bool:
+        """The module swap's frozen Float8Linear (:class:`~fp8dist.fp8.frozen.FrozenFloat8Linear`) does; the weight
+        wrapper, MXFP8 and NVFP4 do not."""
+        recipe = cfg.precision.torchao_recipe
+        return torchao_api(cfg) == "module_swap" and not is_mx(recipe) and recipe != "nvfp4"
+
     def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
         p, skip = cfg.precision, "; no weight-gradient GEMM"
         if torchao_api(cfg) != "module_swap" or is_mx(p.torchao_recipe):

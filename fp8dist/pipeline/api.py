@@ -24,6 +24,7 @@ from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameter
 from ..plan.adapter_rules import check_peft_adapters
 from ..plan.adapters import is_peft_model, unsupported_peft
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
+from .fp8_base import held_note, release_unplanned
 from .meta_init import is_meta_model
 from .mesh import check_mesh
 from .planned_tree import refuse_later_parameters
@@ -229,6 +230,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
                           fp8_filter=fp8_filter, numerics=numerics)
     backend = get_backend(cfg.precision.fp8) if plan.converted else NO_FP8
     backend.check_plan(plan)
+    plan.notes += tuple(filter(None, [held_note(model, release_unplanned(model, plan))]))  # a LoRA base held in FP8
     _check_optimizer(optimizer, backend, plan, memory, engine)
     _check_master_weights(model, cfg, backend, plan.facts, memory)
     _announce(cfg, plan, fp8_filter, fp8_group, launch.rank)

@@ -28,6 +28,7 @@ __all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadRepor
            "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
+_SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".activation_scale")  # inference's, beside FP8 weights
 SINGLE_FILE = "model.safetensors"
 _SHOWN = 5  # mismatches listed in an error
 
@@ -56,6 +57,12 @@ class SafetensorsDir:
             piece = self._open(file).get_slice(name)
             self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
         self._aliases: dict[str, Any] = {}  # a model's name -> the files' older name, or a hf_layouts.FusedExperts
+        self._scale_shapes: dict[str, tuple[int, ...]] = {}
+        self.quantized: dict[str, tuple[str, str]] = {}
+        """An FP8 weight's name -> (its scale's name, the scale's granularity): read dequantized."""
+        self.quantization: str | None = None
+        """The checkpoint's FP8 layout (:data:`fp8dist.fp8.hf_format.FP8_FORMATS`); None: not quantized."""
+        self._adopt_quantization()
 
     def adopt_layout(self, wanted: list[str], model_type: str | None) -> None:
         """Let the names of ``wanted`` that the files hold in ``model_type``'s older layout (:mod:`.hf_layouts`) be
@@ -69,6 +76,47 @@ class SafetensorsDir:
             self.dtypes[name] = self.dtypes[found] if isinstance(found, str) else found.dtype
             for source in sources:
                 self.shapes.pop(source, None), self.dtypes.pop(source, None)
+
+    def _adopt_quantization(self) -> None:
+        """Read config.json's ``quantization_config``: FP8 weights with their scales are read dequantized (the scales
+        and any activation scales are no tensors of the model); PretrainedError for a kind fp8dist cannot read, or
+        FP8 tensors that nothing says how to scale."""
+        from ..fp8.hf_format import READ_KINDS, granularity_of_scale, read_layout
+
+        layout = read_layout(self._config())
+        reads = "; ".join(READ_KINDS)
+        if isinstance(layout, str):
+            raise PretrainedError(f"pretrained={str(self.path)!r} is quantized as {layout} (config.json's "
+                                  f"quantization_config), which fp8dist cannot read; it reads: {reads}. Pass the "
+                                  "model's bf16 or fp32 checkpoint.")
+        fp8 = [n for n, d in self.dtypes.items() if d.startswith("F8_")]
+        if layout is None:
+            if fp8:
+                raise PretrainedError(f"pretrained={str(self.path)!r} holds FP8 tensors ({listing(fp8, _SHOWN)}) but "
+                                      "its config.json has no quantization_config saying how they are scaled; "
+                                      f"fp8dist reads: {reads}. Add the quantization_config the checkpoint was "
+                                      "written with, or pass its bf16 or fp32 checkpoint.")
+            return
+        for name in fp8:
+            scale = layout.scale_of(name)
+            if scale not in self.shapes or len(self.shapes[name]) != 2:
+                what = f"{scale} is missing" if scale not in self.shapes else f"it has {len(self.shapes[name])} dims"
+                raise PretrainedError(f"pretrained={str(self.path)!r}: the FP8 tensor {name} cannot be dequantized "
+                                      f"({what}; fp8dist reads 2-D FP8 weights, each with its {scale.rsplit('.')[-1]})."
+                                      " Pass the model's bf16 or fp32 checkpoint.")
+            self.quantized[name] = (scale, granularity_of_scale(self.shapes[name], self.shapes[scale]))
+        for name in [n for n in self.shapes if n.endswith(_SCALES)]:  # no tensors of the model
+            self._scale_shapes[name] = self.shapes.pop(name)
+            self.dtypes.pop(name)
+        self.quantization = layout.fmt
+
+    def _config(self) -> dict[str, Any] | None:
+        path = self.path / "config.json"
+        try:
+            return json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, json.JSONDecodeError) as err:
+            raise PretrainedError(f"{path} is not readable JSON ({err}): fix it, or write the directory again with "
+                                  "save_pretrained.") from None
 
     def _weight_files(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -151,7 +199,41 @@ class SafetensorsDir:
             stacked.append(torch.cat(pieces))
         return torch.stack(stacked)
 
+    def read_stored(self, name: str, region: Region) -> torch.Tensor:
+        """The ``region`` (a box) of FP8 weight ``name`` as the file stores it: its e4m3 bits, not dequantized."""
+        return self._read_raw(name, region, self.shapes[name])
+
+    def scale_of(self, name: str) -> torch.Tensor:
+        """The whole fp32 scale of FP8 weight ``name`` (what dequantizes its bits)."""
+        scale = self.quantized[name][0]
+        shape = self._scale_shapes[scale]
+        return self._read_raw(scale, Region(box=tuple((0, s) for s in shape)), shape).float()
+
+    def _read_dequantized(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
+        """A region of FP8 weight ``name``, as fp32 values: its e4m3 bits times its scales (a flat range: the rows
+        that cover it)."""
+        from ..fp8.hf_format import dequantize
+
+        if region.flat is not None:
+            if region.numel == 0:
+                return torch.empty(0)
+            cols = shape[1]
+            start, stop = region.flat
+            first, last = start // cols, (stop - 1) // cols + 1
+            rows = self._read_dequantized(name, Region(box=((first, last - first), (0, cols))), shape)
+            return rows.reshape(-1)[start - first * cols: stop - first * cols]
+        scale_name, granularity = self.quantized[name]
+        scale_shape = self._scale_shapes[scale_name]
+        scale = self._read_raw(scale_name, Region(box=tuple((0, s) for s in scale_shape)), scale_shape)
+        bits = self._read_raw(name, region, shape)
+        return dequantize(bits, scale, granularity, (region.box[0][0], region.box[1][0]))
+
     def _read_file(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
+        if name in self.quantized:
+            return self._read_dequantized(name, region, shape)
+        return self._read_raw(name, region, shape)
+
+    def _read_raw(self, name: str, region: Region, shape: tuple[int, ...]) -> torch.Tensor:
         piece = self._open(self._files[name]).get_slice(name)
         if region.flat is None:
             out = piece[tuple(slice(start, start + length) for start, length in region.box)] if shape else piece[:]
@@ -179,6 +261,10 @@ class LoadReport:
     """Tensor bytes this rank read from the files."""
     checkpoint_bytes: int
     """Tensor bytes of the whole checkpoint."""
+    dequantized: str = ""
+    """What of an FP8 checkpoint was dequantized into the parameters ("" for none), as said in a warning."""
+    held_fp8: int = 0
+    """FP8 weights kept as the checkpoint's e4m3 bits (a LoRA base loaded in FP8: :mod:`.fp8_base`)."""
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -239,28 +325,52 @@ def _load(model: nn.Module, path: str | os.PathLike, params: list[LocalParam],
                               "with (AutoConfig.from_pretrained(dir)), or pass the directory of this model's "
                               "checkpoint.")
     _warn_precision(source, params, fp32_master)
+    held = []
     with torch.no_grad():
         for p in params:
             name = next(n for n in p.names if n in source)
-            if p.region.numel:
+            if p.local.dtype == torch.uint8 and name in source.quantized:
+                held.append(name)  # the bits as stored, their bytes (a LoRA base held in FP8: pipeline.fp8_base)
+                p.local.copy_(_finite(source, name, source.read_stored(name, p.region)).view(torch.uint8))
+            elif p.region.numel:
                 p.local.copy_(_finite(source, name, _read_local(source, name, p)))
         for name, buf in buffers.items():
             if name in source:
                 buf.copy_(_finite(source, name, source.read(name, Region(box=tuple((0, s) for s in buf.shape)))))
     total = sum(math.prod(source.shapes[n]) * _itemsize(source.dtypes[n]) for n in source.names())
-    report = LoadReport(str(path), source.bytes_read, total)
+    report = LoadReport(str(path), source.bytes_read, total, _say_dequantized(source, params, held), len(held))
     source.close()
     return report
 
 
+def _say_dequantized(source: SafetensorsDir, params: list[LocalParam], held: list[str]) -> str:
+    """Warn, and return the phrase, that an FP8 checkpoint's weights (but ``held``) were dequantized once into the
+    parameters."""
+    dequantized = [n for n in source.quantized if n not in held]
+    if not dequantized:
+        return ""
+    dtypes = sorted({dtype_name(p.local.dtype) for p in params if any(n in dequantized for n in p.names)})
+    said = (f"{plural(len(dequantized), 'FP8 weight')} of the {source.quantization} checkpoint dequantized "
+            f"once (e4m3 x scale) into the {'/'.join(dtypes)} parameters")
+    warnings.warn(f"pretrained={str(source.path)!r}: {said}; they train from there in high precision, and an export "
+                  "writes them again as --save-dtype says (fp8 re-quantizes the layers that ran FP8).", UserWarning,
+                  stacklevel=4)
+    return said
+
+
 def _finite(source: SafetensorsDir, name: str, part: torch.Tensor) -> torch.Tensor:
     """``part`` of tensor ``name``, refused when it holds NaN or inf (a damaged file, a model saved diverged)."""
-    if part.is_floating_point():
+    if not part.is_floating_point():
+        return part
+    if part.element_size() == 1:  # FP8 bits, checked as bytes (no copy in fp32): their NaN (e5m2: and inf) patterns
+        mask = 0x7F if part.dtype == torch.float8_e4m3fn else 0x7C
+        bad = int(((part.view(torch.uint8) & mask) == mask).sum())
+    else:
         bad = part.numel() - int(torch.isfinite(part).sum())
-        if bad:
-            raise PretrainedError(f"{source.file_of(name)} holds non-finite values (NaN or inf) in {name}: {bad:,} "
-                                  f"of the {part.numel():,} values read: the file is damaged, or the model had "
-                                  "diverged when it was saved. Load a copy saved before that, or copy the file again.")
+    if bad:
+        raise PretrainedError(f"{source.file_of(name)} holds non-finite values (NaN or inf) in {name}: {bad:,} "
+                              f"of the {part.numel():,} values read: the file is damaged, or the model had "
+                              "diverged when it was saved. Load a copy saved before that, or copy the file again.")
     return part
 
 

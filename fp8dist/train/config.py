@@ -99,9 +99,16 @@ class TrainConfig:
     """Directory the trained model is written to after the last step, as Hugging Face safetensors in --save-dtype,
     with the --data tokenizer; none: not written."""
 
-    save_dtype: Literal["as-loaded", "bf16", "fp32", "fp16"] = "as-loaded"
+    save_dtype: Literal["as-loaded", "bf16", "fp32", "fp16", "fp8"] = "as-loaded"
     """dtype of the --save-pretrained weights: as-loaded writes the dtype of the --pretrained checkpoint (a fine-tune
-    comes out as it went in), bf16 for a model trained from scratch; fp32 writes the master weights exactly."""
+    comes out as it went in), bf16 for a model trained from scratch; fp32 writes the master weights exactly; fp8
+    writes the Linears the plan ran in FP8 as e4m3 weights with scales (--save-fp8-format), the rest bf16 (LoRA:
+    with --merge-lora, merged then quantized)."""
+
+    save_fp8_format: Literal["compressed-tensors", "fine-grained"] = "compressed-tensors"
+    """Layout of a --save-dtype fp8 export: compressed-tensors (float-quantized, training's tensorwise/rowwise weight
+    cast; vLLM serves it, transformers loads it with the compressed-tensors package) or fine-grained (transformers'
+    FineGrainedFP8, 128x128 block scales; dequantized to bf16 when loaded on a CPU)."""
 
     lora_rank: int = 0
     """LoRA fine-tuning: the rank of the PEFT adapters (pip install peft) on the --lora-targets layers, at most the
@@ -164,6 +171,10 @@ class TrainConfig:
         if self.save_dtype != default_dtype and self.save_pretrained is None:
             raise ValueError(f"save_dtype={self.save_dtype!r} with no save_pretrained: pass --save-pretrained DIR "
                              "(the export it sets the dtype of), or leave --save-dtype out.")
+        default_format = next(f.default for f in fields(self) if f.name == "save_fp8_format")
+        if self.save_fp8_format != default_format and self.save_dtype != "fp8":
+            raise ValueError(f"save_fp8_format={self.save_fp8_format!r} with save_dtype={self.save_dtype!r}: it is the "
+                             "layout of an FP8 export; pass --save-dtype fp8, or leave --save-fp8-format out.")
         if self.fp8_health_file is not None and not self.fp8_health_every:
             raise ValueError(f"fp8_health_file={self.fp8_health_file!r} with fp8_health_every=0 (off): pass "
                              "--fp8-health-every N, or leave the file out.")
@@ -187,6 +198,10 @@ class TrainConfig:
             if self.merge_lora and self.save_pretrained is None:
                 raise ValueError("merge_lora with no save_pretrained: pass --save-pretrained DIR (where the merged "
                                  "model is written), or leave --merge-lora out.")
+            if self.save_dtype == "fp8" and not self.merge_lora:
+                raise ValueError("save_dtype='fp8' with lora_rank and no merge_lora: the adapters are written as they "
+                                 "trained (fp32) and the FP8 base is not exported. Pass --merge-lora (the base with "
+                                 "the adapters merged, then quantized), or another --save-dtype.")
             return
         defaults = {f.name: f.default for f in fields(self)}
         unread = [name for name in ("lora_alpha", "lora_targets", "lora_dropout", "merge_lora")

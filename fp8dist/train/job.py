@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ..accounting import report
 from ..accounting.sharding import sharding_summary
-from ..checkpoint.hf import export_dtype, save_pretrained
+from ..checkpoint.fp8_export import fp8_summary
+from ..checkpoint.hf import export_dtype, is_fp8, save_pretrained
 from ..checkpoint.io import CheckpointError, all_ranks_values, from_rank0
 from ..checkpoint.lock import CheckpointDirLock, CheckpointDirLocked, lock_checkpoint_dir
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
@@ -158,6 +159,9 @@ def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[
     dtype = export_dtype(train.save_dtype, pretrained)
     if train.lora_rank:
         path, what = export_lora(train, model, pretrained, dtype)
+    elif is_fp8(dtype):
+        path = save_pretrained(model, train.save_pretrained, dtype=dtype, fp8_format=train.save_fp8_format)
+        what = fp8_summary(path)
     else:
         path, what = save_pretrained(model, train.save_pretrained, dtype=dtype), dtype
     if log is None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["apply_lora", "lora_alpha", "import_peft", "lora_job_model", "export_lora"]
+__all__ = ["apply_lora", "lora_alpha", "import_peft", "lora_job_model", "export_lora", "holds_fp8_base"]
 
 
 def import_peft() -> Any:
@@ -97,14 +97,32 @@ def apply_lora(model: nn.Module, train: Any) -> nn.Module:
 def lora_job_model(config: Any, train: Any, model: nn.Module) -> tuple[Any, nn.Module]:
     """(The config to wrap with, the LoRA job's model): ``model`` (real, not meta) loaded from ``pretrained`` here,
     before PEFT renames its parameters, so the config no longer names it; then :func:`apply_lora`."""
+    from ..pipeline.fp8_base import load_fp8_base
     from ..pipeline.pretrained import load_pretrained
 
     import_peft()  # before any loading: the missing package is the first thing said
     _check_checkpoints(config, train)
     if config.parallel.pretrained is not None:
-        load_pretrained(model, config.parallel.pretrained)
+        fp8 = holds_fp8_base(config, say=True)  # the model was built on the meta device: its FP8 weights stay FP8
+        (load_fp8_base if fp8 else load_pretrained)(model, config.parallel.pretrained)
         config = replace(config, parallel=replace(config.parallel, pretrained=None))
     return config, apply_lora(model, train)
+
+
+def holds_fp8_base(config: Any, *, say: bool = False) -> bool:
+    """Whether the LoRA job's base is loaded in FP8 (:mod:`fp8dist.pipeline.fp8_base`): ``pretrained`` an FP8
+    checkpoint, on a strategy and backend that run it (else it is dequantized; ``say``: a warning says why)."""
+    from ..config.rules import facts_of
+    from ..pipeline.fp8_base import fp8_base_refusal, fp8_checkpoint
+
+    path = config.parallel.pretrained
+    if path is None or not fp8_checkpoint(path):
+        return False
+    refusal = fp8_base_refusal(config, facts_of(config))
+    if refusal is not None and say:
+        warnings.warn(f"pretrained={path!r} is an FP8 checkpoint, and its LoRA base is dequantized into high "
+                      f"precision: {refusal}.", UserWarning, stacklevel=3)
+    return refusal is None
 
 
 def _check_checkpoints(config: Any, train: Any) -> None:
@@ -122,8 +140,12 @@ def _check_checkpoints(config: Any, train: Any) -> None:
 def export_lora(train: Any, model: nn.Module, pretrained: str | None, dtype: str) -> tuple[Path, str]:
     """``--save-pretrained`` of a LoRA job: the adapters (fp32, what trained, unless --save-dtype names one) or with
     ``merge_lora`` the merged model in ``dtype``; (the directory, what it holds)."""
+    from ..checkpoint.fp8_export import fp8_summary
     from ..checkpoint.lora import save_adapters, save_merged
 
+    if train.merge_lora and dtype == "fp8":
+        path = save_merged(model, train.save_pretrained, dtype=dtype, fp8_format=train.save_fp8_format)
+        return path, fp8_summary(path)
     if train.merge_lora:
         return save_merged(model, train.save_pretrained, dtype=dtype), f"{dtype}, LoRA merged"
     dtype = "fp32" if train.save_dtype == "as-loaded" else dtype

@@ -194,8 +194,12 @@ def build_job_model(config: Any, train: Any, model_config: Any) -> Any:
     if config.parallel.pretrained is None and train.model_config is None:
         return build_llama(train.model_size, seed=train.seed, max_seq_len=train.seq_len,
                            vocab_size=model_config.vocab_size)
-    # LoRA (lora_rank): a real model, loaded whole before PEFT adds its adapters (fp8dist.train.lora)
-    device = "cpu" if config.parallel.pretrained is None or train.lora_rank else "meta"
+    # LoRA (lora_rank): a real model, loaded whole before PEFT adds its adapters (fp8dist.train.lora), but for a base
+    # held in FP8, allocated as it is read
+    from .lora import holds_fp8_base
+
+    whole = train.lora_rank and not holds_fp8_base(config)
+    device = "cpu" if config.parallel.pretrained is None or whole else "meta"
     with torch.random.fork_rng(devices=[]):  # a fresh model: its own initialization, the same on every rank
         torch.manual_seed(train.seed)
         with torch.device(device):

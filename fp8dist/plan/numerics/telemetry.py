@@ -206,12 +206,22 @@ class FP8Telemetry:
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
     def _weight_shards(self) -> list[torch.Tensor]:
+        from ...fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
         from ...fp8.weight_wrapper import weight_data
-        from ...strategies.local_shards import local_params
+        from ...strategies import unwrap_model
+        from ...strategies.local_shards import local_params, plain_name
+
+        scales = {plain_name(n): getattr(p, SCALE_ATTR) for n, p in unwrap_model(self.model).named_parameters()
+                  if hasattr(p, SCALE_ATTR)}  # a base held in FP8 (whole on each rank): its bits times its scale
+
+        def values(name: str, w: torch.Tensor) -> torch.Tensor:
+            if name not in scales:
+                return weight_data(w).detach()  # torchao's FP8 all-gather or weight wrapper unwrapped
+            scale = scales[name].to(w.device)
+            return dequantize(w.detach(), scale, granularity_of_scale(tuple(w.shape), tuple(scale.shape)))
 
         pieces = {name: p.local for p in local_params(self.model) for name in p.names}
-        weights = [pieces[f"{layer.name}.weight"] for layer in self.layers]
-        return [weight_data(w).detach() for w in weights]  # torchao's FP8 all-gather or weight wrapper unwrapped
+        return [values(f"{layer.name}.weight", pieces[f"{layer.name}.weight"]) for layer in self.layers]
 
     def _warn(self, record: dict[str, Any]) -> None:
         t = self.thresholds
