@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fp8dist.plan.gpus import GpuSpec
 from fp8dist.plan.speed.model import gemm_seconds, kernel_seconds, linear_seconds
-from fp8dist.plan.speed.recipes import Kernel, recipe_named
+from fp8dist.plan.speed.recipes import AO_KERNELS, Kernel, recipe_named
 
 __all__ = ["Measurement", "GroupedMeasurement", "Agreement", "FIT_ROWS", "HELD_OUT_ROWS", "B200_FIT_ROWS",
            "B200_HELD_OUT_ROWS", "GROUPED_FIT_GROUPS", "GROUPED_HELD_OUT_GROUPS", "read_measurements",
@@ -38,8 +38,8 @@ GROUPED_HELD_OUT_GROUPS = (2, 4)
 # get_inference_tensor_memory_traffic_ovhd_s, fusion modelled: the ReLU rides in it): MXFP8 one kernel (read bf16,
 # write FP8 + E8M0 scales); NVFP4 with a dynamic global scale an amax pass, its tiny second stage, then the cast.
 _FORWARD_CASTS = {
-    "mxfp8": (Kernel(2 + 1 + 1 / 32, block="torchao"),),
-    "nvfp4": (Kernel(2), Kernel(0), Kernel(2 + 0.5 + 1 / 16, block="torchao")),
+    "mxfp8": (Kernel(2 + 1 + 1 / 32, block=AO_KERNELS),),
+    "nvfp4": (Kernel(2), Kernel(0), Kernel(2 + 0.5 + 1 / 16, block=AO_KERNELS)),
 }
 
 

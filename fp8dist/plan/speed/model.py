@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..gpus import GpuSpec
 from ..hardware import Hardware, find_gpu, parse_target
-from .recipes import Kernel, Recipe, recipe_named
+from .recipes import AO_KERNELS, BLOCK_KERNELS, Kernel, Recipe, recipe_named
 
 __all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds",
            "gemm_seconds", "kernel_seconds"]
@@ -126,9 +126,9 @@ def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowd
     slowdown, no shorter than the floor unless fused into the producer."""
     cal = gpu.calibration
     slowdown = columnwise_slowdown if kernel.columnwise else 1.0
-    block = dict(zip(("torchao", "te"), cal.block_cast_slowdown))
+    block = dict(zip(BLOCK_KERNELS, cal.block_cast_slowdown))
     if grouped and cal.grouped_block_cast_slowdown is not None:
-        block["torchao"] = cal.grouped_block_cast_slowdown
+        block[AO_KERNELS] = cal.grouped_block_cast_slowdown
     slowdown *= block.get(kernel.block, 1.0)
     seconds = kernel.bytes_per_element * elements * slowdown / (gpu.memory_tbps * 1e12 * cal.memory_fraction)
     return seconds if kernel.fused else max(seconds, cal.kernel_floor_s)

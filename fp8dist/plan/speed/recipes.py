@@ -13,6 +13,13 @@ _NV = 1 / 16  # one E4M3 scale byte per 16 elements (NVFP4)
 _FP4 = 0.5 + _NV  # an NVFP4 element and its share of the block scale
 
 
+AO_KERNELS, TE_KERNELS = "ao_kernels", "te_kernels"
+"""The block-scaling cast kernels' families (:attr:`Kernel.block`): torchao's own Triton / CUDA casts and Transformer
+Engine's; :attr:`Calibration.block_cast_slowdown` holds their fitted slowdowns in the order of
+:data:`BLOCK_KERNELS`."""
+BLOCK_KERNELS = (AO_KERNELS, TE_KERNELS)
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One pass over an operand that an FP8 recipe adds."""
@@ -25,7 +32,8 @@ class Kernel:
     """Scales along the operand's first dimension (a rowwise recipe's transposed operand): the pass the H100 fit finds
     slow (:attr:`Calibration.cast_slowdown`)."""
     block: str = ""
-    """"torchao" or "te": a block-scaling (MXFP8, NVFP4) quantize kernel of that backend, run at its fitted slowdown
+    """:data:`AO_KERNELS` or :data:`TE_KERNELS`: a block-scaling (MXFP8, NVFP4) quantize kernel of that family, run at
+    its fitted slowdown
     (:attr:`Calibration.block_cast_slowdown`; the backends' kernels differ: TE's NVFP4 adds a Hadamard transform and
     stochastic rounding, torchao's are its own Triton / CUDA casts)."""
 
@@ -101,7 +109,7 @@ _TE_DELAYED = Recipe("te_delayed", "Transformer Engine DelayedScaling (amax hist
 _TE_CURRENT = Recipe("te_current", "Transformer Engine Float8CurrentScaling", (True, True, True),
                      compiled=(_k(2, 0, 4),) * 3, eager=(_k(2, 0, 4),) * 3)
 _TE_MXFP8 = Recipe("te_mxfp8", "Transformer Engine MXFP8BlockScaling (1x32 blocks)", (True, True, True),
-                   compiled=(_k(4 + 2 * _MX, block="te"),) * 3, eager=(_k(4 + 2 * _MX, block="te"),) * 3,
+                   compiled=(_k(4 + 2 * _MX, block=TE_KERNELS),) * 3, eager=(_k(4 + 2 * _MX, block=TE_KERNELS),) * 3,
                    min_capability=(10, 0), scale_bytes=_MX, gemm="mx")
 # TE Float8BlockScaling (sm_90, CUDA 12.9+): 1x128 tiles for activations and gradients, 128x128 for weights, FP32
 # scales (4 bytes per 128 elements); one fused cast + transpose per operand, the GEMM at the FP8 rate.
@@ -111,26 +119,26 @@ _TE_BLOCKWISE = Recipe("te_blockwise", "Transformer Engine Float8BlockScaling (1
 # TE NVFP4BlockScaling (sm_100): a per-tensor amax pass (the global scale), then one fused kernel writing both
 # layouts in FP4 with their 1x16 E4M3 scales.
 _TE_NVFP4 = Recipe("te_nvfp4", "Transformer Engine NVFP4BlockScaling (1x16 blocks, FP4 GEMMs)", (True, True, True),
-                   compiled=(_k(2, 0, 2 + 2 * _FP4, block="te"),) * 3,
-                   eager=(_k(2, 0, 2 + 2 * _FP4, block="te"),) * 3,
+                   compiled=(_k(2, 0, 2 + 2 * _FP4, block=TE_KERNELS),) * 3,
+                   eager=(_k(2, 0, 2 + 2 * _FP4, block=TE_KERNELS),) * 3,
                    min_capability=(10, 0), scale_bytes=_NV, gemm="fp4", operand_bytes=0.5)
 
 # torchao dense MXFP8 training (MXLinear / MXFP8TrainingOpConfig, sm_100): each operand cast along dim0 and along
 # dim1 (1x32 blocks either way), two kernels; under compile the dim0 cast fuses with the producer (its FP8 write
 # alone is added), as roofline_utils.py counts mxfp8_cublas.
 _MXFP8 = Recipe("mxfp8", "torchao MXFP8 (1x32 blocks, E8M0 scales)", (True, True, True),
-                compiled=(_k(1 + _MX, 3 + _MX, fused_first=True, block="torchao"),
-                          _k(3 + _MX, 3 + _MX, block="torchao"),
-                          _k(1 + _MX, 3 + _MX, fused_first=True, block="torchao")),
-                eager=(_k(3 + _MX, 3 + _MX, block="torchao"),) * 3,
+                compiled=(_k(1 + _MX, 3 + _MX, fused_first=True, block=AO_KERNELS),
+                          _k(3 + _MX, 3 + _MX, block=AO_KERNELS),
+                          _k(1 + _MX, 3 + _MX, fused_first=True, block=AO_KERNELS)),
+                eager=(_k(3 + _MX, 3 + _MX, block=AO_KERNELS),) * 3,
                 min_capability=(10, 0), scale_bytes=_MX, gemm="mx")
 # torchao NVFP4 (dynamic per-tensor global scale, 1x16 E4M3 block scales, FP4 GEMMs, sm_100): an amax pass (fused
 # into the producer under compile) and its tiny second stage, then one cast per layout.
 _NVFP4 = Recipe("nvfp4", "torchao NVFP4 (1x16 blocks, FP4 GEMMs)", (True, True, True),
-                compiled=(_k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block="torchao"),
-                          _k(2, 0, 2 + _FP4, 2 + _FP4, block="torchao"),
-                          _k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block="torchao")),
-                eager=(_k(2, 0, 2 + _FP4, 2 + _FP4, block="torchao"),) * 3,
+                compiled=(_k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block=AO_KERNELS),
+                          _k(2, 0, 2 + _FP4, 2 + _FP4, block=AO_KERNELS),
+                          _k(0, 0, 2 + _FP4, 2 + _FP4, fused_first=True, block=AO_KERNELS)),
+                eager=(_k(2, 0, 2 + _FP4, 2 + _FP4, block=AO_KERNELS),) * 3,
                 min_capability=(10, 0), scale_bytes=_NV, gemm="fp4", operand_bytes=0.5)
 
 # torchao MoE training (grouped GEMMs over ``groups`` experts): its own kernels, one per layout; FP8 rowwise scales
@@ -139,8 +147,8 @@ _MOE_ROWWISE = Recipe("moe_fp8_rowwise", "torchao MoE grouped GEMMs, FP8 rowwise
                       compiled=(_k(3, 3, columnwise_from=1),) * 3, eager=(_k(3, 3, columnwise_from=1),) * 3,
                       min_capability=(9, 0), grouped=True)
 _MOE_MXFP8 = Recipe("moe_mxfp8", "torchao MoE grouped GEMMs, MXFP8", (True, True, True),
-                    compiled=(_k(3 + _MX, 3 + _MX, block="torchao"),) * 3,
-                    eager=(_k(3 + _MX, 3 + _MX, block="torchao"),) * 3,
+                    compiled=(_k(3 + _MX, 3 + _MX, block=AO_KERNELS),) * 3,
+                    eager=(_k(3 + _MX, 3 + _MX, block=AO_KERNELS),) * 3,
                     min_capability=(10, 0), grouped=True, scale_bytes=_MX, gemm="mx")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (_TENSORWISE, _ROWWISE, _GW_HP, _TE_DELAYED, _TE_CURRENT,
