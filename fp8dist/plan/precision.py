@@ -248,19 +248,18 @@ def _backend(cfg: Config) -> Any:
 def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyFacts, world_size: int,
              gate: str | None, fp8_filter: FP8Filter | None) -> list[PlanEntry]:
     """Every module that holds parameters, FP8 where the backend converts it (before the selection)."""
-    from ..fp8.moe import is_experts
     from ..strategies import STRATEGIES
 
     backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
+    static = _static_facts(model)
+    # which adapters are active may change between plans of one structure: asked afresh of a PEFT model
+    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if static.peft \
+        else ({}, {}, {})
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
-    reserved = {**(_model_exclusions(backend, model, cfg) if backend else {}), **adapter_reasons(model)}
-    idle = idle_copies(model)  # never run: no rule of the backend's applies
-    readers, entries = weight_readers(model), []
-    for name, module in model.named_modules():
-        params = sum(p.numel() for p in module.parameters(recurse=False))
-        if params == 0:
-            continue
+    reserved = {**(_model_exclusions(backend, model, cfg, static) if backend else {}), **adapters}
+    entries = []  # idle copies never run: no rule of the backend's applies
+    for name, module, params, grouped, flops in static.modules:
         reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
                                            fp8_filter, others)
         precision, target, gather = _fallback_precision(module, cfg, facts), None, None
@@ -273,30 +272,60 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
                 reason += f"; {gather}" if gather else ""
             else:
                 reason = f"swapped for {target}; norms do not compute in FP8"
-        grouped = is_experts(module)
-        entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params,
-                                 gemm_flops(module, params, grouped), grouped, high_precision_gather=gather,
-                                 runs=name not in idle))
+        entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params, flops, grouped,
+                                 high_precision_gather=gather, runs=name not in idle))
     return entries
 
 
-_EXCLUSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {(its structure, backend, precision knobs): the backend's model_exclusions}: a planner re-plans one model
-per way out and rank count (fp8dist estimate --target), and torchao's first/last Linear rule runs a meta forward."""
+@dataclass(frozen=True)
+class _Static:
+    """What a plan reads of a model's structure alone, whatever the config: one walk per structure."""
+
+    structure: tuple
+    """Every module's name and type, and its parameters by identity, shape and requires_grad."""
+    modules: tuple[tuple[str, nn.Module, int, bool, int], ...]
+    """(name, module, parameters, fused experts, GEMM FLOPs per token) of each module that holds parameters."""
+    peft: bool
+    """It holds PEFT tuner layers or ``modules_to_save`` wrappers."""
+    exclusions: dict[tuple[str, str], dict[str, str]]
+    """(backend, precision knobs) -> the backend's model_exclusions, filled as planned."""
 
 
-def _model_exclusions(backend: Any, model: nn.Module, cfg: Config) -> dict[str, str]:
-    """``backend.model_exclusions(model, cfg)``, computed once per structure of ``model`` (its modules, their types and
-    parameters by identity, shape and requires_grad) and precision config: a changed model is planned afresh."""
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> its :class:`_Static`: a planner re-plans one model per way out and rank count (fp8dist estimate
+--target), and torchao's first/last Linear rule runs a meta forward."""
+
+
+def _static_facts(model: nn.Module) -> _Static:
+    """The structure-only facts of ``model``, computed afresh where its structure changed (a converted model)."""
+    walked = list(model.named_modules())
     structure = tuple((name, type(module), tuple((n, id(p), tuple(p.shape), p.requires_grad)
                                                   for n, p in module._parameters.items() if p is not None))
-                      for name, module in model.named_modules())
-    memo = _EXCLUSIONS.setdefault(model, {})
-    key = (structure, backend.name, repr(cfg.precision))
-    if key not in memo:
-        memo.clear()  # one structure kept per model: a converted model drops the old one
-        memo[key] = backend.model_exclusions(model, cfg)
-    return dict(memo[key])
+                      for name, module in walked)
+    found = _STATIC.get(model)
+    if found is not None and found.structure == structure:
+        return found
+    from ..fp8.moe import is_experts
+
+    modules = []
+    for name, module in walked:
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if params:
+            grouped = is_experts(module)
+            modules.append((name, module, params, grouped, gemm_flops(module, params, grouped)))
+    peft = any(isinstance(getattr(module, "base_layer", None), nn.Module)
+               or isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) for _, module in walked)
+    found = _Static(structure, tuple(modules), peft, {})
+    _STATIC[model] = found
+    return found
+
+
+def _model_exclusions(backend: Any, model: nn.Module, cfg: Config, static: _Static) -> dict[str, str]:
+    """``backend.model_exclusions(model, cfg)``, computed once per structure of ``model`` and precision config."""
+    key = (backend.name, repr(cfg.precision))
+    if key not in static.exclusions:
+        static.exclusions[key] = backend.model_exclusions(model, cfg)
+    return dict(static.exclusions[key])
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
