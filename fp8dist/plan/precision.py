@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from .adapters import adapter_reasons, idle_copies, weight_readers
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
+from .structure import per_structure, structure_of
 from .speed import LinearPrediction
 
 __all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
@@ -252,14 +252,14 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
 
     backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
-    static = _static_facts(model)
+    structure, modules, peft = _static_facts(model)
     # which adapters are active may change between plans of one structure: asked afresh of a PEFT model
-    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if static.peft \
+    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if peft \
         else ({}, {}, {})
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
-    reserved = {**(_model_exclusions(backend, model, cfg, static) if backend else {}), **adapters}
+    reserved = {**(_model_exclusions(backend, model, cfg, structure) if backend else {}), **adapters}
     entries = []  # idle copies never run: no rule of the backend's applies
-    for name, module, params, grouped, flops in static.modules:
+    for name, module, params, grouped, flops in modules:
         reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
                                            fp8_filter, others)
         precision, target, gather = _fallback_precision(module, cfg, facts), None, None
@@ -277,55 +277,33 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     return entries
 
 
-@dataclass(frozen=True)
-class _Static:
-    """What a plan reads of a model's structure alone, whatever the config: one walk per structure."""
-
-    structure: tuple
-    """Every module's name and type, and its parameters by identity, shape and requires_grad."""
-    modules: tuple[tuple[str, nn.Module, int, bool, int], ...]
-    """(name, module, parameters, fused experts, GEMM FLOPs per token) of each module that holds parameters."""
-    peft: bool
-    """It holds PEFT tuner layers or ``modules_to_save`` wrappers."""
-    exclusions: dict[tuple[str, str], dict[str, str]]
-    """(backend, precision knobs) -> the backend's model_exclusions, filled as planned."""
+def _static_facts(model: nn.Module) -> tuple[tuple, list[tuple[str, nn.Module, int, bool, int]], bool]:
+    """(the structure of ``model``, (name, module, parameters, fused experts, GEMM FLOPs per token) of each module
+    that holds parameters, whether it holds PEFT tuner layers or ``modules_to_save`` wrappers): walked once per
+    structure of the model (a planner re-plans one model per way out and rank count)."""
+    structure = structure_of(model)
+    return (structure, *per_structure(model, "modules", lambda: _walk(model), structure))
 
 
-_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> its :class:`_Static`: a planner re-plans one model per way out and rank count (fp8dist estimate
---target), and torchao's first/last Linear rule runs a meta forward."""
-
-
-def _static_facts(model: nn.Module) -> _Static:
-    """The structure-only facts of ``model``, computed afresh where its structure changed (a converted model)."""
-    walked = list(model.named_modules())
-    structure = tuple((name, type(module), tuple((n, id(p), tuple(p.shape), p.requires_grad)
-                                                  for n, p in module._parameters.items() if p is not None))
-                      for name, module in walked)
-    found = _STATIC.get(model)
-    if found is not None and found.structure == structure:
-        return found
+def _walk(model: nn.Module) -> tuple[list[tuple[str, nn.Module, int, bool, int]], bool]:
     from ..fp8.moe import is_experts
 
-    modules = []
-    for name, module in walked:
+    modules, peft = [], False
+    for name, module in model.named_modules():
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params:
             grouped = is_experts(module)
             modules.append((name, module, params, grouped, gemm_flops(module, params, grouped)))
-    peft = any(isinstance(getattr(module, "base_layer", None), nn.Module)
-               or isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) for _, module in walked)
-    found = _Static(structure, tuple(modules), peft, {})
-    _STATIC[model] = found
-    return found
+        peft = peft or isinstance(getattr(module, "base_layer", None), nn.Module) \
+            or isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+    return modules, peft
 
 
-def _model_exclusions(backend: Any, model: nn.Module, cfg: Config, static: _Static) -> dict[str, str]:
-    """``backend.model_exclusions(model, cfg)``, computed once per structure of ``model`` and precision config."""
-    key = (backend.name, repr(cfg.precision))
-    if key not in static.exclusions:
-        static.exclusions[key] = backend.model_exclusions(model, cfg)
-    return dict(static.exclusions[key])
+def _model_exclusions(backend: Any, model: nn.Module, cfg: Config, structure: tuple) -> dict[str, str]:
+    """``backend.model_exclusions(model, cfg)`` (torchao's first/last Linear rule runs a meta forward), computed once
+    per structure of ``model`` and precision config."""
+    return dict(per_structure(model, ("exclusions", backend.name, repr(cfg.precision)),
+                              lambda: backend.model_exclusions(model, cfg), structure))
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:
