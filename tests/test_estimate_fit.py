@@ -126,3 +126,30 @@ def test_estimate_memory_warns_as_wrap_model_does():
                                          r"\['deepspeed'\]; strategy='fsdp'\)"):
         est = estimate_memory(model, strategy="fsdp", offload_optimizer=True)
     assert est.offloaded == ()  # and nothing was offloaded
+
+
+def test_the_rank_search_guesses_from_two_estimates_and_keeps_searching_where_the_guess_is_wrong():
+    """bytes = A + S / ranks: the fewest ranks in 3 estimates (two points, the guess, one fewer); a layout whose
+    bytes jump (states padded to 8-rank multiples) is searched as before, to the same answer as trying every count."""
+    from types import SimpleNamespace
+
+    from fp8dist.accounting.fit import _ranks_that_fit
+
+    def search(bytes_of, world, allowed):
+        asked = []
+
+        def rerun(n, **change):
+            asked.append(n)
+            return SimpleNamespace(bytes={"states": bytes_of(n)}, offloaded=(), activations_modelled=False,
+                                   activation_bytes=0)
+
+        found, why = _ranks_that_fit(rerun, world, 1, allowed, bytes_of(world), {})
+        fewest = next(n for n in range(world + 1, 10_000) if bytes_of(n) <= allowed)
+        assert why == "" and found == (fewest, bytes_of(fewest))
+        return asked
+
+    smooth = lambda n: 10_000 + 800_000 // n  # noqa: E731
+    assert search(smooth, 8, 40_000) == [9, 27, 26]  # 800000 / 30000 = 26.7: 27 fits, 26 does not
+    padded = lambda n: 10_000 + 800_000 // (-(-n // 8) * 8) + (500 if n % 8 else 0)  # noqa: E731
+    asked = search(padded, 8, 40_000)
+    assert len(asked) > 3  # the guess was not confirmed: doubling and bisecting found it

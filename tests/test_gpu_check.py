@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "benchmarks" / "gpu" / "check.sh"
 
 
-def _check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu" / "check.py")
+def _check_module(name: str = "check"):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", REPO / "benchmarks" / "gpu" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,7 +30,7 @@ def _sh(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           timeout=600)
 
 
-@pytest.mark.slow  # 49-71 s on the shared 2-core machine at load ~11 (2026-11-26): the bench part starts 2 processes
+@pytest.mark.slow  # 49-71 s on the shared 2-core machine at load ~11 (2026-11-26); the step part's process since
 def test_dry_run_runs_every_part_and_claims_no_timing(tmp_path):
     done = _sh("--dry-run", env={"OUT": str(tmp_path)})  # $OUT is where the results go, as on the GPU machine
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -46,10 +46,16 @@ def test_dry_run_runs_every_part_and_claims_no_timing(tmp_path):
     assert all(r["measured"] is None and r["bf16_s"] is None for r in rows)  # nothing timed on a CPU
     assert all(0 < r["predicted_rig"] < 3 and 0 < r["predicted_linear"] < 3 for r in rows)
     step = parts["step_1b"]
-    assert len(step["rows"]) == 2 and all(r["tokens_per_s"] is None for r in step["rows"])
-    assert (tmp_path / step["bench_json"]).exists()
+    assert [r["cell"] for r in step["rows"]] == ["bf16", "torchao tensorwise"], step
+    for row in step["rows"]:  # every predict_step part beside a measured one (null: a CPU's is no GPU's)
+        assert list(row["parts"]) == ["gemm", "cast", "attention", "collective", "optimizer", "memory"]
+        assert row["tokens_per_s"] is None and all(p["measured_s"] is None for p in row["parts"].values())
+        assert row["predicted_step_s"] > 0 and row["parts"]["gemm"]["predicted_s"] > 0
+    assert (tmp_path / step["step_json"]).exists()
+    assert len(doc["commit"]["commit"]) == 40 and "clocks" in doc  # no nvidia-smi here: its error, said
+    assert "preflight: torch" in done.stdout and "in range" in done.stdout
     assert (tmp_path / "check.png").stat().st_size > 10_000 and (tmp_path / "check.log").exists()
-    assert "part step_1b: planned 150 s" in done.stdout
+    assert "part step_1b: planned 170 s" in done.stdout
 
 
 def test_without_a_gpu_and_without_dry_run_it_says_so_and_stops(tmp_path):
@@ -80,7 +86,7 @@ def test_a_part_that_would_not_fit_is_skipped_and_one_that_fails_is_recorded(tmp
     check.run_part("step_1b", budget, doc, broken, tmp_path)
     assert doc["parts"]["step_1b"]["status"] == "failed: RuntimeError: out of memory"
     assert json.loads((tmp_path / "check.json").read_text())["parts"]["step_1b"]["status"].startswith("failed")
-    assert "part linear_shapes: planned 180 s" in capsys.readouterr().out
+    assert "part linear_shapes: planned 75 s" in capsys.readouterr().out
 
 
 def test_the_agreement_summary_scores_predictions_against_measurements():
@@ -92,69 +98,87 @@ def test_the_agreement_summary_scores_predictions_against_measurements():
     assert (found["rowwise"]["right"], found["rowwise"]["converted_slower"]) == (2, 1)
 
 
-def test_the_step_prediction_is_read_from_fp8dist_predict_step_where_it_exists(monkeypatch):
-    import fp8dist
-    from fp8dist.plan.gpus import gpu_by_key
-
-    check = _check_module()
-    h100, fp8, single = gpu_by_key("h100"), check.default_fp8(), check._single_strategy()
-    monkeypatch.delattr(fp8dist, "predict_step", raising=False)
-    assert check.predicted_step("1b", 4, 2048, h100, fp8, "tensorwise", True) is None
-    seen = {}
-
-    class Record:
-        speedup, tokens_per_s, bf16_tokens_per_s, mfu = 1.2, 12_000.0, 10_000.0, 0.4
-
-    def predict(config, **kwargs):
-        seen.update(kwargs, hidden=config.hidden_size)
-        return Record()
-
-    monkeypatch.setattr(fp8dist, "predict_step", predict, raising=False)
-    figures = check.predicted_step("1b", 4, 2048, h100, fp8, "tensorwise", True)
-    assert figures == {"speedup": 1.2, "tokens_per_s": 12_000.0, "bf16_tokens_per_s": 10_000.0, "mfu": 0.4}
-    assert seen == dict(target="h100", world_size=1, micro_batch_size=4, seq_len=2048, fp8=fp8,
-                        recipe="tensorwise", compile=True, activation_checkpointing="none", strategy=single,
-                        hidden=2048)
-    monkeypatch.setattr(fp8dist, "predict_step", lambda config, **kw: 1 / 0, raising=False)
-    assert check.predicted_step("1b", 4, 2048, h100, fp8, None, True) == {
-        "error": "ZeroDivisionError: division by zero"}
+def test_kernel_names_are_sorted_into_the_parts_the_step_model_predicts():
+    classify = _check_module("split").classify
+    names = {  # CUDA kernels of bf16 and torchao FP8 steps on an H100 (names as torch.profiler gives them)
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "gemm",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN": "gemm",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cluster1x2x1": "gemm",  # FP8, not a cast
+        "triton_tem_fused_mm_0": "gemm",
+        "triton_red_fused_abs_max_0": "cast", "triton_poi_fused__to_copy_clamp_div_mul_reciprocal_1": "cast",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>(Flash_fwd_params)": "attention",
+        "cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnBwdSm90>>": "attention",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)": "collective",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "collective",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_2": "memory",  # RMSNorm
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "memory",
+        "aten::mm": "gemm", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::amax": "cast",
+    }
+    assert {name: classify(name) for name in names} == names
 
 
-def test_the_gpu_run_times_30_shapes_the_presets_and_the_gpu_tests_among_them():
-    """The shapes a GPU run times: the 1b and 3b presets' Linears at the bench's tokens, the published table's rows
-    and every shape of the GPU speed test, which the pytest part deselects (by a node id that must exist)."""
-    from test_fp8_gpu import SPEED_SHAPES
+def test_a_profiled_step_is_written_beside_predict_step_s_parts():
+    """A tiny CPU profile (a GEMM, attention, an FP8 amax, an AdamW step) through the same split and writer as a
+    GPU step: each kind's measured seconds beside the predicted part it is compared with."""
+    from fp8dist import predict_step
+    from fp8dist.train.models import llama_config
 
-    check = _check_module()
-    shapes = [shape for shape, _ in check.linear.shapes(dry_run=False)]
-    assert len(shapes) == len(set(shapes)) == 30
-    assert {(8192, 2048, 5632), (8192, 5632, 2048), (8192, 3072, 8192), (8192, 8192, 3072)} <= set(shapes)
-    assert set(SPEED_SHAPES) <= set(shapes)
-    path, name = check.SPEED_TEST.split("::")
-    assert f"def {name}(" in (REPO / path).read_text()
+    split, step = _check_module("split"), _check_module("step")
+    x, weight = torch.randn(64, 64, requires_grad=True), torch.nn.Parameter(torch.randn(64, 64))
+    optimizer = torch.optim.AdamW([weight])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            q = (x @ weight).view(1, 1, 64, 64)
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            out.sum().backward()
+            optimizer.step()
+            x.detach().abs().amax()
+    measured = split.split(prof, steps=2, device="cpu")
+    assert all(measured[kind] > 0 for kind in ("gemm", "attention", "cast", "optimizer")), measured
+    predicted, why = step.predicted_parts(step.GPU_JOB, "h100", "torchao", "tensorwise", True)
+    parts = predict_step(llama_config("1b", max_seq_len=2048), target="h100", world_size=1, micro_batch_size=4,
+                         seq_len=2048, fp8="torchao", recipe="tensorwise", compile=True,
+                         activation_checkpointing="none", strategy="none").fp8
+    assert why == "" and predicted == {f: getattr(parts, f) for f in predicted}
+    row = split.step_row("torchao tensorwise", 0.5, measured, predicted)
+    assert row["parts"]["gemm"] == {"measured_s": round(measured["gemm"], 6), "predicted_s": round(parts.gemm_s, 6),
+                                    "predicted_from": ["gemm_s"]}
+    assert row["parts"]["memory"]["predicted_s"] == round(parts.memory_s + parts.recompute_s, 6)
+    assert row["parts"]["cast"]["predicted_s"] is None  # the model counts casts in memory_s
+    assert row["predicted_step_s"] == round(parts.step_s, 6)
+    assert row["unsplit_s"] == round(0.5 - sum(measured.values()), 6)
+    with pytest.raises(ValueError, match="steps=0 must be at least 1"):
+        split.split(prof, steps=0, device="cpu")
 
 
-@pytest.mark.parametrize("flag", ["--out", "--wheels", "--budget-s"])
-def test_a_flag_without_its_value_is_a_usage_error(tmp_path, flag):
-    for argv in ([flag], [flag, "--dry-run"]):
-        done = _sh(*argv, env={"OUT": str(tmp_path)})
-        assert done.returncode == 2, (argv, done.stderr)
-        assert f"check.sh: {flag} needs a value ({flag} " in done.stderr and "unbound variable" not in done.stderr
-        assert "--dry-run, --out DIR" in done.stderr
+def test_the_preflight_stops_on_a_version_out_of_range_and_names_the_way_out():
+    preflight = _check_module("preflight")
+    ranges = preflight.allowed_ranges()
+    assert set(ranges) == {"torch", "transformers", "torchao"}
+    found = {"torch": "2.10.0+cu128", "transformers": "5.23.0", "torchao": None}
+    problems, notes = preflight.version_problems(ranges, found.get, pins={"transformers": "5.22.0"})
+    assert problems == [
+        "torch 2.10.0+cu128 is outside the range fp8dist allows (torch>=2.11, pyproject.toml): its figures would not "
+        "be fp8dist's; use a torch in range (PYTHON=..., or a wheel in .whl/ for torchao)",
+        "torchao is not installed; fp8dist needs torchao>=0.18: put its wheel in .whl/ (benchmarks/gpu/README.md "
+        "says how to fetch it on a connected machine)"]
+    assert notes == ["transformers 5.23.0: in range, not constraints.txt's tested 5.22.0"]
+    assert preflight.version_problems(ranges, {"torch": "2.13.0+cu130", "transformers": "5.0.0",
+                                               "torchao": "0.18.0"}.get) == ([], [])
+    assert preflight.constraint_pins()["torch"] == torch.__version__.split("+")[0]
 
 
-def test_a_dry_run_without_out_writes_a_temporary_folder_not_the_work_tree(tmp_path):
-    """Without --out or $OUT a dry run used to write benchmarks/gpu/results/<date>_cpu-dry-run/ into the work tree;
-    it writes a new temporary folder and says where. --budget-s 0: every part skipped, the plumbing of the folder
-    alone."""
-    results = REPO / "benchmarks" / "gpu" / "results"
-    before = sorted(results.rglob("*")) if results.exists() else None
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    done = subprocess.run(["bash", str(CHECK), "--dry-run", "--budget-s", "0"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**env, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (written,) = tmp_path.glob("fp8dist-gpu-check-*")
-    assert f"results in {written}/" in done.stdout
-    doc = json.loads((written / "check.json").read_text())
-    assert doc["dry_run"] is True and all(p["status"].startswith("skipped") for p in doc["parts"].values())
-    assert (sorted(results.rglob("*")) if results.exists() else None) == before
+def test_the_device_s_clocks_and_power_limit_are_read_from_nvidia_smi():
+    preflight = _check_module("preflight")
+    line = "NVIDIA H100 80GB HBM3, 1980, 1980, 2619, 2619, 700.00, 700.00, 700.00, 700.00, 34, 570.86.15"
+    assert preflight.parse_smi(line) == {
+        "name": "NVIDIA H100 80GB HBM3", "clocks.sm": 1980.0, "clocks.max.sm": 1980.0, "clocks.mem": 2619.0,
+        "clocks.max.mem": 2619.0, "power.limit": 700.0, "power.default_limit": 700.0, "power.max_limit": 700.0,
+        "enforced.power.limit": 700.0, "temperature.gpu": 34.0, "driver_version": "570.86.15"}
+    assert preflight.parse_smi(line.replace("34", "[N/A]"))["temperature.gpu"] is None
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert preflight.device_clocks(missing) == {"error": "nvidia-smi: FileNotFoundError: nvidia-smi"}

@@ -1,7 +1,8 @@
-"""The prepared GPU check (issue 44), run by check.sh: each part within its share of an 8-minute budget, every
-figure written to one folder as check.json + check.png (the step part's `fp8dist bench` JSON and PNG in step/).
-benchmarks/gpu/README.md gives the parts and their planned seconds. ``--dry-run``: the plumbing on a CPU, tiny
-shapes, no figure timed (the JSON's dry_run is true and its measured figures are null)."""
+"""The prepared GPU check (issues 44, 52), run by check.sh: each part within its share of a 6-minute budget, every
+figure written to one folder as check.json + check.png (the step part's own JSON in step.json), with the device's
+clocks and power limit and the commit. benchmarks/gpu/README.md gives the parts and their planned seconds.
+``--dry-run``: the plumbing on a CPU, tiny shapes, no figure timed (the JSON's dry_run is true and its measured
+figures are null)."""
 
 from __future__ import annotations
 
@@ -23,25 +24,23 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "speed_model")]  # linear.py beside this file, agreement.py
 import linear  # noqa: E402
 from agreement import Measurement, agreement  # noqa: E402
+from preflight import commit, device_clocks  # noqa: E402
 
-import fp8dist  # noqa: E402
 from fp8dist.bench.cell import variants_of  # noqa: E402
 from fp8dist.bench.results import device_record, versions as package_versions  # noqa: E402
-from fp8dist.fp8 import NO_FP8, get_backend  # noqa: E402
 from fp8dist.plan.gpus import GpuSpec, gpu_by_key  # noqa: E402
 from fp8dist.plan.hardware import find_gpu, hardware_of  # noqa: E402
-from fp8dist.strategies import STRATEGIES  # noqa: E402
 from fp8dist.train.job import default_fp8  # noqa: E402
 
-BUDGET_S = 480
-"""8 minutes on one GPU, check.sh's set-up included."""
-PLANNED_S = {"pytest_gpu": 120, "linear_shapes": 180, "step_1b": 150}
+BUDGET_S = 360
+"""6 minutes on one GPU, check.sh's set-up included: rerun within a 15-minute device budget."""
+PLANNED_S = {"pytest_gpu": 90, "linear_shapes": 75, "step_1b": 170}
 """Each part's planned seconds on one H100 (README.md says why). An overrun of the set-up comes out of the first."""
 SETUP_S = 25
-"""check.sh's set-up (torch probe, wheels, editable install) and the versions."""
-STEP_CELL_S = 60
-"""A guess at one bench cell of the 1b preset, compiled (fresh process, build, per-block compile, 20 steps): the
-rowwise cell runs only where the part's allotment holds a third."""
+"""check.sh's set-up (torch probe, wheels, preflight, editable install) and the versions."""
+STEP_CELL_S = 55
+"""A guess at one step cell of the 1b preset, compiled (build, per-block compile, 3 + 10 + 2 steps): the rowwise
+cell runs only where the part's allotment holds a third."""
 DRY_TARGET = "h100"
 """The GPU whose predictions the dry run computes (its plumbing; nothing is compared)."""
 SPEED_TEST = "tests/test_fp8_gpu.py::test_speed_model_predicts_the_measured_linear_speedup_on_this_gpu"
@@ -168,73 +167,36 @@ def agreement_by_recipe(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def _single_strategy() -> str:
-    """One GPU, one process: the strategy without a process group."""
-    return next(name for name, strategy in STRATEGIES.items() if not strategy.process_group)
-
-
-def predicted_step(size: str, batch: int, seq: int, spec: GpuSpec | None, fp8: str, recipe: str | None,
-                   compiled: bool) -> dict[str, Any] | None:
-    """fp8dist.predict_step's figures for the step part's run, where this fp8dist has it (issue 44 item 1)."""
-    from fp8dist.train.models import llama_config
-
-    predict = getattr(fp8dist, "predict_step", None)
-    if predict is None or spec is None:
-        return None
-    try:
-        record = predict(llama_config(size), target=spec.key, world_size=1, micro_batch_size=batch, seq_len=seq,
-                         fp8=fp8, recipe=recipe, compile=compiled, activation_checkpointing="none",
-                         strategy=_single_strategy())
-    except Exception as error:  # noqa: BLE001 (a predictor's failure must not cost the measurement beside it)
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {f: getattr(record, f, None) for f in ("speedup", "tokens_per_s", "bf16_tokens_per_s", "mfu")}
-
-
-def _bench_command(out: Path, fp8: str, recipes: list[str], dry_run: bool) -> list[str]:
-    job = (["--sizes", "tiny", "--steps", "4", "--batch-size", "1", "--seq-len", "16", "--compile", "off"]
-           if dry_run else ["--sizes", "1b", "--compile", "on"])  # 1b: the bench's GPU batch, sequence, steps
-    cmd = [sys.executable, "-m", "fp8dist", "bench", "--strategies", _single_strategy(),
-           "--fp8", f"{NO_FP8.name},{fp8}", "--no-raw", "--out", str(out / "step"), *job]
-    option = get_backend(fp8).variant_option
-    return cmd + ([f"--{option.replace('_', '-')}", ",".join(recipes)] if option and recipes else [])
-
-
 def step_part(allotted: float, out: Path, spec: GpuSpec | None, dry_run: bool) -> dict[str, Any]:
-    """`fp8dist bench` of the 1b preset on one GPU, bf16 and FP8 (tensorwise; rowwise where the allotment holds a
-    third cell), each cell beside fp8dist.predict_step's figure."""
+    """step.py in a process of its own: the 1b preset on one GPU, bf16 and FP8 (tensorwise; rowwise where the
+    allotment holds a third cell), each cell's median step and profiler split beside fp8dist.predict_step's parts."""
     fp8 = default_fp8()
     if fp8 is None:
         return {"status": "skipped: no FP8 backend runs here (fp8dist train's default needs its package and an "
                           "sm_89+ GPU; carry torchao's wheel in .whl/, see README.md)"}
     recipes = [r for r in linear.RECIPES if r in variants_of(fp8)]
     recipes = recipes[:1] if dry_run or allotted < 3 * STEP_CELL_S else recipes
-    cmd = _bench_command(out, fp8, recipes, dry_run)
+    found = out / "step.json"
+    cmd = [sys.executable, str(HERE / "step.py"), "--out", str(found), "--fp8", fp8, "--recipes", ",".join(recipes),
+           *(["--target", spec.key] if spec else []), *(["--dry-run"] if dry_run else [])]
     code = run_group(cmd, allotted)
+    record: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "step_json": found.name}
+    rows = json.loads(found.read_text())["rows"] if found.exists() else []
+    if dry_run:  # a CPU's timing is never a GPU's: the plumbing only
+        rows = [{**row, "measured_step_s": None, "tokens_per_s": None, "times": None, "kernels_s": None,
+                 "unsplit_s": None, "parts": {k: {**v, "measured_s": None} for k, v in row["parts"].items()}}
+                for row in rows]
+    record["rows"] = rows
     if code is None:
-        return {"command": " ".join(cmd[1:]), "status": f"stopped at its allotment ({allotted:.0f} s)"}
-    found = sorted((out / "step").glob("bench_*.json"))
-    if code != 0 or not found:
-        return {"command": " ".join(cmd[1:]), "returncode": code, "status": "failed: fp8dist bench (output above)"}
-    bench = json.loads(found[-1].read_text())
-    cells, settings = bench["cells"], bench["settings"]
-    bf16 = next(c for c in cells if c["fp8"] is None)
-    rows = [{"cell": c["name"], "recipe": c.get("variant"),
-             "tokens_per_s": None if dry_run else c["tokens_per_s"],
-             "measured_speedup": None if dry_run else round(c["tokens_per_s"] / bf16["tokens_per_s"], 4),
-             "predicted": None if c["fp8"] is None else predicted_step(
-                 c["size"], settings["batch_size"], settings["seq_len"], spec, c["fp8"], c.get("variant"),
-                 c["compile"])} for c in cells]
-    return {"command": " ".join(cmd[1:]), "bench_json": str(found[-1].relative_to(out)), "rows": rows,
-            # like quantities: the bench converts every eligible layer (its cell_config), and its JSON holds the
-            # plan's per-layer predictions (cells' "predicted")
-            "converted": "every eligible Linear (fp8_select='all')"}
+        record["status"] = f"stopped at its allotment ({allotted:.0f} s) after {len(rows)} cells"
+    elif code != 0:
+        record["status"] = f"failed: step.py exited {code} after {len(rows)} cells (output above)"
+    return record
 
 
-def _predicted_tokens(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
-    """The predicted tokens/s of a step row: its own, or for the bf16 row an FP8 row's bf16 figure."""
-    if row["predicted"] is not None:
-        return row["predicted"].get("tokens_per_s")
-    return next((r["predicted"].get("bf16_tokens_per_s") for r in rows if r["predicted"]), None)
+def _predicted_tokens(row: dict[str, Any], tokens: int) -> float | None:
+    """The predicted tokens/s of a step row (``tokens`` per step)."""
+    return tokens / row["predicted_step_s"] if row.get("predicted_step_s") else None
 
 
 def plot(doc: dict[str, Any], path: Path) -> str | None:
@@ -262,7 +224,8 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     shapes_ax.legend(fontsize=7, loc="upper left")
     steps = doc["parts"].get("step_1b", {}).get("rows", [])
     step_ax.bar([r["cell"] for r in steps], [r["tokens_per_s"] or 0 for r in steps], label="measured")
-    predicted = [(r["cell"], _predicted_tokens(r, steps)) for r in steps]
+    tokens = doc.get("step_tokens") or 0
+    predicted = [(r["cell"], _predicted_tokens(r, tokens)) for r in steps]
     if any(p for _, p in predicted):
         step_ax.scatter(*zip(*[(c, p) for c, p in predicted if p]), color="k", marker="_", s=400,
                         label="fp8dist.predict_step")
@@ -275,6 +238,11 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def json_or_none(path: Path) -> Any:
+    """``path``'s JSON, or None where it is absent."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _out_dir(given: str | None, device_name: str, dry_run: bool) -> Path:
@@ -319,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "fp8dist_gpu_check": 1, "dry_run": args.dry_run, "device": name, "target": spec.key if spec else None,
         "target_note": target_note, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "budget_s": args.budget_s, **versions(device), "setup_s": round(time.time() - started, 1), "parts": {}}
+        "budget_s": args.budget_s, **versions(device), "clocks": device_clocks(), "commit": commit(),
+        "step_tokens": None, "setup_s": round(time.time() - started, 1), "parts": {}}
     print(f"set-up and versions: planned {SETUP_S} s, took {doc['setup_s']:.0f} s", flush=True)
     run_part("pytest_gpu", budget, doc, lambda s: pytest_part(s, out, args.dry_run), out)
     run_part("linear_shapes", budget, doc, lambda s: linear_part(s, device, spec, args.dry_run), out)
     run_part("step_1b", budget, doc, lambda s: step_part(s, out, spec, args.dry_run), out)
+    if (step := json_or_none(out / "step.json")) is not None:
+        doc["step_tokens"] = step["job"]["batch"] * step["job"]["seq"]
     doc["total_s"] = round(time.time() - started, 1)
     try:
         doc["plot"] = plot(doc, out / "check.png") or "check.png"

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 44): versions and device, `pytest -m gpu`, bf16 vs FP8 Linear timings beside the
-# speed model, and the 1b preset's training step, in about 8 minutes on one H100/H200 with nothing downloaded.
+# The prepared GPU check (issues 44, 52): a preflight of the versions (stops in seconds when out of range), the
+# device's clocks and power limit and the commit, `pytest -m gpu`, bf16 vs FP8 Linear timings beside the speed
+# model, and the 1b preset's training step split by a profiler beside predict_step's parts, in 6 minutes on one
+# H100/H200, with nothing downloaded (pip runs --no-index only).
 # Usage: bash benchmarks/gpu/check.sh [--dry-run] [--out DIR] [--budget-s S] [--wheels DIR]
 #   --dry-run   on a CPU: every part's plumbing on tiny shapes, nothing timed (CI: tests/test_gpu_check.py)
 #   --wheels    a folder of wheels the node lacks (torchao: its PyPI wheel), installed with --no-index into a
 #               temporary site first (default: .whl/ at the repository root, where present)
-#   --budget-s  seconds in all (default: check.py's BUDGET_S, 8 minutes)
+#   --budget-s  seconds in all (default: check.py's BUDGET_S, 6 minutes)
 # Results: JSON + PNG under --out DIR, else $OUT when set, else (a GPU run) benchmarks/gpu/results/<date>_<device>/
 # to commit; a dry run without --out or $OUT writes a new temporary folder (its path printed), never the work tree.
 set -euo pipefail
@@ -27,7 +29,7 @@ while [ $# -gt 0 ]; do
     --wheels) needs_value "$1" "${2:-}" DIR; wheels="$2"; shift ;;
     --out) needs_value "$1" "${2:-}" DIR; out="$2"; shift ;;
     --budget-s) needs_value "$1" "${2:-}" S; args+=("$1" "$2"); shift ;;
-    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
     *) echo "check.sh: unknown argument '$1'; $usage" >&2; exit 2 ;;
   esac
   shift
@@ -49,14 +51,21 @@ if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d)
   if "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" "$wheels"/*.whl; then
     export PYTHONPATH="$PYTHONPATH:$site"
-    echo "check.sh: installed $(ls "$wheels" | tr '\n' ' ')into $site"
+    names=""
+    for wheel in "$wheels"/*.whl; do names+="${wheel##*/} "; done
+    echo "check.sh: installed ${names}into $site"
   else  # the parts that need them say so and are skipped; the others still run
     echo "check.sh: the wheels in $wheels did not install (above); going on without them"
   fi
 fi
+# torch, transformers and torchao in the ranges pyproject.toml allows, before any GPU time is spent (exit 4)
+if ! "$PYTHON" benchmarks/gpu/preflight.py; then
+  echo "check.sh: the preflight failed (above): nothing was run." >&2
+  exit 4
+fi
 if [ "$dry" = 0 ]; then
   # the entry point and metadata as a user has them; PYTHONPATH above already runs it where pip cannot write
-  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
     || echo "check.sh: pip install -e . failed (above); running from the repository through PYTHONPATH"
 fi
 if [ -z "$out" ]; then

@@ -23,31 +23,34 @@ _FP32 = 4
 class Saves:
     """One micro-batch: T tokens; c bytes of the compute dtype; r of the residual stream (c under FSDP/DeepSpeed,
     the model's own dtype under an autocast forward); n of a norm's output (r, or 4 where autocast runs LayerNorm
-    in fp32); each module's plan precision; whether FP8 Linears save a 1-byte copy (TE, MS-AMP; torchao saves the
-    high-precision input), whether the FP8 backend swapped the norms for its own (TE's keep only input and
-    rsigma), and whether the forward builds a KV cache (``use_cache``, off under compile)."""
+    in fp32); each module's plan precision; the bytes per element of the quantized input copy an FP8 Linear saves
+    instead of the high-precision input (``fp8_input``: TE and MS-AMP 1, NVFP4 0.5625; 0 where it saves the
+    high-precision input: torchao's float8 and MXFP8 recipes), whether the FP8 backend swapped the norms for its own
+    (TE's keep only input and rsigma), and whether the forward builds a KV cache (``use_cache``, off under
+    compile)."""
 
     T: int
     c: int
     r: int
     n: int
     decisions: Mapping[str, str]
-    fp8_saves: bool
+    fp8_input: float
     swapped_norms: bool
     kv_cache: bool
 
     def inputs(self, names: Sequence[str], elements: int, in_bytes: int) -> int:
         """Bytes the GEMMs ``names`` save of the one tensor they read: once in c when shared, once per GEMM where
-        autocast casts it (``in_bytes`` != c), an FP8 copy per FP8 GEMM."""
+        autocast casts it (``in_bytes`` != c), a quantized copy per FP8 GEMM that saves one."""
         present = [m for m in names if m in self.decisions] or list(names)
-        fp8 = sum(1 for m in present if self.fp8_saves and self.decisions.get(m) == "fp8")
+        fp8 = sum(1 for m in present if self.fp8_input and self.decisions.get(m) == "fp8")
         rest = len(present) - fp8
         high = (self.c if rest else 0) if in_bytes == self.c else rest * self.c
-        return elements * (high + fp8)
+        return round(elements * (high + fp8 * self.fp8_input))
 
     def fp8_copies(self, names: Sequence[str], elements: int) -> int:
-        """Extra bytes of the GEMMs ``names`` reading a tensor already saved in c: only an FP8 copy is new."""
-        return elements * sum(1 for m in names if self.fp8_saves and self.decisions.get(m) == "fp8")
+        """Extra bytes of the GEMMs ``names`` reading a tensor already saved in c: only a quantized copy is new."""
+        return round(elements * self.fp8_input * sum(1 for m in names if self.fp8_input and
+                                                      self.decisions.get(m) == "fp8"))
 
     def rms_norm(self, h: int) -> int:
         # fp32 upcast, the normalized input, the rsqrt

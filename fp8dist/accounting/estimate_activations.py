@@ -58,12 +58,13 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     autocast = plan.facts.autocast_forward and c != 4
     decisions = {e.name: e.precision for e in plan}
     s = Saves(T=T, c=c, r=r, n=4 if autocast and family.final_norm == "layer" else r, decisions=decisions,
-              fp8_saves=backend.saved_weight_bytes > 0,
+              fp8_input=backend.saved_input_bytes(cfg),
               swapped_norms=any(e.converted_to and e.precision != "fp8" for e in plan),  # swapped, not FP8: norms
               kv_cache=bool(getattr(config, "use_cache", False)) and cfg.parallel.compile is not True
               and checkpointing == "none")
     prefixes = [f"{b}." for b in blocks] or [""] * d["layers"]  # summed, or the largest: any order
-    layers = [family.layer(s, d, p, config) for p in prefixes]
+    weights = _autograd_weights(plan, backend.autograd_weight_bytes(cfg), blocks, d["layers"])
+    layers = [family.layer(s, d, p, config) + weights(p) for p in prefixes]
     if checkpointing == "full":  # a block keeps only its input; backward recomputes one block at a time
         items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
                   len(prefixes) * r * T * d["h"]),
@@ -91,8 +92,36 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     elif cfg.parallel.compile is None:
         notes.append("compile auto turns on with FP8 on CUDA: then wrap_model turns the KV cache off and inductor "
                      "may save fewer tensors than this eager count")
+    if plan.fp8:
+        notes.append(_saves_note(backend, cfg, s.fp8_input, backend.autograd_weight_bytes(cfg)))
     extra = activation_note(family, config)
     return Activations(items, notes + ([extra] if extra else []), modelled=True)
+
+
+def _saves_note(backend: Any, cfg: Any, input_bytes: float, weight_bytes: float) -> str:
+    """What the FP8 layers keep for backward under this backend and recipe, as the figures count it."""
+    variant = getattr(cfg.precision, backend.variant_option, None) if backend.variant_option else None
+    recipe = f"{backend.name}{f' {variant}' if variant else ''}"
+    if not input_bytes:
+        return (f"{recipe}: each FP8 Linear keeps its high-precision input for backward (shared with the tensor's "
+                "other readers) and quantizes it again there")
+    weights = f" and of its weight's transpose ({_bytes(weight_bytes)} per element)" if weight_bytes else ""
+    return f"{recipe}: each FP8 Linear keeps a quantized copy of its input ({_bytes(input_bytes)} per element){weights}"
+
+
+def _bytes(n: float) -> str:
+    return f"{n:g} byte{'' if n == 1 else 's'}"
+
+
+def _autograd_weights(plan: Any, per_element: float, blocks: list[str], layers: int) -> Any:
+    """``prefix -> bytes`` of the quantized weight copies autograd saves in the block ``prefix`` (NVFP4's); without
+    named blocks, an even share of every FP8 layer's per decoder layer."""
+    if not per_element:
+        return lambda prefix: 0
+    fp8 = [(e.name, e.params) for e in plan.fp8]
+    if not blocks:
+        return lambda prefix: round(per_element * sum(params for _, params in fp8) / layers)
+    return lambda prefix: round(per_element * sum(params for name, params in fp8 if name.startswith(prefix)))
 
 
 def _kept_weights(model: nn.Module, plan: Any, cfg: Any, cast_types: tuple[str, ...], blocks: list[str], r: int,

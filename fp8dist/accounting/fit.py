@@ -4,6 +4,7 @@ host memory plus the modelled activations; they fit within :data:`MEMORY_FRACTIO
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -205,6 +206,8 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
         got = device_bytes(rerun(n, **change))
     except ValueError as err:
         return None, f"not with this strategy ({err})"
+    if (guessed := _guess(bytes_at, (world, need), (n, got), step, allowed)) is not None:
+        return guessed, ""
     while got is not None and got < last:
         if got <= allowed:
             return _narrow(bytes_at, low, n, got, step, allowed), ""
@@ -213,6 +216,28 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
             return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
         got = bytes_at(n)
     return None, "more ranks do not shrink a rank's bytes here (each rank holds the whole model state)"
+
+
+def _guess(bytes_at: Callable[[int], int | None], at: tuple[int, int], then: tuple[int, int], step: int,
+           allowed: int) -> tuple[int, int] | None:
+    """The fewest ranks that fit, found in two more estimates where bytes go as ``A + S / ranks`` (states shard,
+    activations do not) through the two points ``at`` and ``then``: the guess fits and one step fewer does not.
+    None where the guess is not confirmed (uneven shards, padding): the caller searches step by step."""
+    (n0, b0), (n1, b1) = at, then
+    sharded = (b0 - b1) / (1 / n0 - 1 / n1)
+    if sharded <= 0 or allowed <= (kept := b0 - sharded / n0):
+        return None
+    guess = _multiple(max(n1, math.ceil(sharded / (allowed - kept))), step)
+    if guess > MAX_RANKS:
+        return None
+    got = b1 if guess == n1 else bytes_at(guess)
+    if got is None or got > allowed:
+        return None
+    below = guess - step
+    if below <= n0:
+        return guess, got
+    fewer = b1 if below == n1 else bytes_at(below)
+    return (guess, got) if fewer is not None and fewer > allowed else None
 
 
 def _narrow(bytes_at: Callable[[int], int | None], low: int, high: int, high_bytes: int, step: int,

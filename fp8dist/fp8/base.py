@@ -221,6 +221,18 @@ class FP8Backend(Protocol):
     saved_weight_bytes: ClassVar[int] = 0
     """Bytes per element of each converted weight's FP8 copies kept for backward (TE: the weight and its transpose)."""
 
+    def saved_input_bytes(self, cfg: Any) -> float:
+        """Bytes per element of the quantized copy of its input each converted Linear saves for backward in place of
+        the high-precision input, under ``cfg``'s recipe; 0: it saves the high-precision input (shared with the
+        other readers of that tensor) and quantizes it again in backward. Default: 1 (an FP8 copy) where the
+        backend keeps FP8 weight copies (:attr:`saved_weight_bytes`), else 0."""
+        return 1.0 if self.saved_weight_bytes else 0.0
+
+    def autograd_weight_bytes(self, cfg: Any) -> float:
+        """Bytes per element of each converted weight's quantized copy that autograd saves for backward (freed with
+        the layer's other saves, recomputed under activation checkpointing); 0: none. Default: 0."""
+        return 0.0
+
     def element_bytes(self, cfg: Any, base: Any, converted: bool, n_states: int) -> Any:
         """Bytes per element of one parameter in each model-state category: ``base`` (a frozen dataclass of ``weight``,
         ``master``, ``grad``, ``states``, ``dtypes``) changed where the backend holds it otherwise; ``converted``: it

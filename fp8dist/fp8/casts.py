@@ -11,7 +11,8 @@ import torch
 
 from ..config.dtypes import dtype_name
 
-__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_WEIGHT_TILE", "NVFP4_NOT_EMULATED",
+__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_BYTES", "MXFP8_BYTES", "NVFP4_WEIGHT_TILE",
+           "NVFP4_NOT_EMULATED",
            "nvfp4_casts", "float8_linear_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
@@ -22,6 +23,11 @@ MX_BLOCK = 32
 """MXFP8: one e8m0 scale per 32 consecutive elements along the contraction dim (OCP MX v1.0)."""
 
 NVFP4_BLOCK = 16
+NVFP4_BYTES = 0.5 + 1 / NVFP4_BLOCK
+"""Bytes per element of an NVFP4 tensor: two e2m1 values a byte, one e4m3 scale per block (the fp32 tensor scale
+aside)."""
+MXFP8_BYTES = 1 + 1 / MX_BLOCK
+"""Bytes per element of an MXFP8 tensor: e4m3 values, one e8m0 scale per block."""
 """NVFP4: one e4m3 scale per 16 consecutive elements (NVIDIA's NVFP4: e2m1 values, e4m3 block scales under one fp32
 scale per tensor)."""
 

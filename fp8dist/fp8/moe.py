@@ -33,9 +33,10 @@ RECIPES = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GE
 def is_experts(module: nn.Module) -> bool:
     """transformers' fused experts module (``@use_experts_implementation``): 3-D parameters, one row per expert."""
     experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int) or not hasattr(module, "is_transposed"):  # cheap first: planners ask per module
+        return False
     params = list(module.parameters(recurse=False))
-    return isinstance(experts, int) and hasattr(module, "is_transposed") and bool(params) and \
-        all(p.dim() == 3 and p.shape[0] == experts for p in params)
+    return bool(params) and all(p.dim() == 3 and p.shape[0] == experts for p in params)
 
 
 def moe_routers(model: nn.Module) -> dict[str, str]:

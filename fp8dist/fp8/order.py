@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["GemmOrder", "gemm_order"]
+__all__ = ["GemmOrder", "gemm_order", "model_structure"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,45 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def model_structure(model: nn.Module) -> tuple:
+    """Every module's name and type, and its parameters by identity, shape and requires_grad: what the planner's
+    caches of one model are keyed by."""
+    return tuple((name, type(module), tuple((n, id(p), tuple(p.shape), p.requires_grad)
+                                            for n, p in module._parameters.items() if p is not None))
+                 for name, module in model.named_modules())
+
+
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> (its structure, every module's name in the order its forward starts, or the trace's exception)."""
+
+
 def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
+    """The names of ``model``'s modules for which ``is_gemm`` holds, each time one runs."""
+    gemms = {name for name, module in model.named_modules() if is_gemm(module)}
+    return [name for name in _traced(model) if name in gemms]
+
+
+def _traced(model: nn.Module) -> list[str]:
+    """Every module's forward, by name, as a meta copy of ``model`` runs: one trace per structure of the model (a
+    planner asks several rules of one model, and re-plans it per way out and rank count)."""
+    structure = model_structure(model)
+    found = _TRACES.get(model)
+    if found is None or found[0] != structure:
+        try:
+            found = (structure, _trace(model))
+        except Exception as error:  # any model code may refuse the meta device: said by each caller alike
+            found = (structure, error)
+        _TRACES[model] = found
+    if isinstance(found[1], Exception):
+        raise found[1]
+    return found[1]
+
+
+def _trace(model: nn.Module) -> list[str]:
     shadow = _meta_copy(model)
     calls: list[str] = []
     for name, module in shadow.named_modules():
-        if is_gemm(module):
-            module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
+        module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")  # any number of tokens runs every layer once
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -18,7 +18,7 @@ from ..config.axis import ALWAYS, LEVELS, Rule, StrategyFacts
 from ..plan.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
-from .casts import NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
+from .casts import MXFP8_BYTES, NVFP4_BYTES, NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
 from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (convert_experts, experts_casts, experts_reason, experts_speed_recipe, experts_target, is_experts,
                   moe_routers, torchao_installed)
@@ -280,6 +280,11 @@ class TEBackend(FP8Backend):
 
     derived_bytes = True
     saved_weight_bytes = 2
+
+    def saved_input_bytes(self, cfg) -> float:
+        """The input's quantized copy TE saves: NVFP4 (4-bit values and block scales), MXFP8 (1 byte and block
+        scales) or FP8 (1 byte)."""
+        return {"nvfp4": NVFP4_BYTES, "mxfp8": MXFP8_BYTES}.get(cfg.precision.te_recipe, 1.0)
 
     def state_tensors(self, module: nn.Module) -> list[Any]:
         return super().state_tensors(module) + [getattr(module, "fp8_meta", None)]  # scales and amax history

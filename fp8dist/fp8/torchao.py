@@ -3,6 +3,7 @@ under FSDP2, its scales precomputed after every optimizer step) or the weight wr
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import replace
 from typing import Any
@@ -17,7 +18,7 @@ from ..plan.hardware import Hardware
 from ..pipeline.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
                    fp8_hardware_reason, linear_reason)
-from .casts import NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
+from .casts import NVFP4_BYTES, NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import own_output as _own_output, plain_linear_like
 from .order import gemm_order
@@ -271,6 +272,17 @@ class TorchaoBackend(FP8Backend):
 
     variant_option = "torchao_recipe"
 
+    def saved_input_bytes(self, cfg) -> float:
+        """NVFP4Linear saves its input quantized (columnwise NVFP4 codes and scales for the weight-gradient GEMM:
+        torchao's ``nvfp4_mm_triton``); the float8 and MXFP8 recipes save the bf16 input (``mx_mm`` saves
+        ``input_hp``) and quantize it again in backward."""
+        return NVFP4_BYTES if cfg.precision.torchao_recipe == "nvfp4" else 0.0
+
+    def autograd_weight_bytes(self, cfg) -> float:
+        """NVFP4Linear saves its weight's transpose quantized for the input-gradient GEMM; the other recipes save the
+        weight as gathered (under FSDP2 its storage is freed after forward all the same)."""
+        return NVFP4_BYTES if cfg.precision.torchao_recipe == "nvfp4" else 0.0
+
     def convert_by_hand(self, model: nn.Module, facts: StrategyFacts) -> HandConverted:
         """``convert_to_float8_training`` as torchao documents it: tensorwise, every nn.Linear but the first and the
         last, dims multiples of 16; under DTensor shards FP8 all-gather, its scales precomputed after each step."""
@@ -363,9 +375,17 @@ BACKEND = TorchaoBackend()
 def _reaches(module: nn.Module, cfg) -> bool:
     """Whether torchao's weight wrapper reaches ``module``'s GEMM; without torchao (planning for another machine)
     only nn.Linear's own forward is sure to."""
+    plain = type(module).forward is nn.Linear.forward and "forward" not in vars(module)
     if not torchao_installed():
-        return type(module).forward is nn.Linear.forward
+        return plain
+    if plain:  # nn.Linear's own forward: one probe per bias, dtype and recipe, not one per layer (a 70B has 560)
+        return _plain_linear_reaches(module.bias is not None, module.weight.dtype, cfg.precision.torchao_recipe)
     return wrapper_reaches(module, cfg.precision.torchao_recipe)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_linear_reaches(bias: bool, dtype: torch.dtype, recipe: str) -> bool:
+    return wrapper_reaches(nn.Linear(64, 64, bias=bias, dtype=dtype), recipe)
 
 
 def _check_even_shards(model: nn.Module, names: set[str], cfg, facts: StrategyFacts) -> None:

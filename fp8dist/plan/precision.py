@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -21,6 +20,7 @@ from .adapters import adapter_reasons, idle_copies, weight_readers
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
+from .structure import per_structure, structure_of
 from .speed import LinearPrediction
 
 __all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
@@ -255,19 +255,18 @@ def _backend(cfg: Config) -> Any:
 def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyFacts, world_size: int,
              gate: str | None, fp8_filter: FP8Filter | None) -> list[PlanEntry]:
     """Every module that holds parameters, FP8 where the backend converts it (before the selection)."""
-    from ..fp8.moe import is_experts
     from ..strategies import STRATEGIES
 
     backend, fp8 = _backend(cfg), cfg.precision.fp8
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
+    structure, modules, peft = _static_facts(model)
+    # which adapters are active may change between plans of one structure: asked afresh of a PEFT model
+    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if peft \
+        else ({}, {}, {})
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
-    reserved = {**(_model_exclusions(backend, model, cfg) if backend else {}), **adapter_reasons(model)}
-    idle = idle_copies(model)  # never run: no rule of the backend's applies
-    readers, entries = weight_readers(model), []
-    for name, module in model.named_modules():
-        params = sum(p.numel() for p in module.parameters(recurse=False))
-        if params == 0:
-            continue
+    reserved = {**(_model_exclusions(backend, model, cfg, structure) if backend else {}), **adapters}
+    entries = []  # idle copies never run: no rule of the backend's applies
+    for name, module, params, grouped, flops in modules:
         reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
                                            fp8_filter, others)
         precision, target, gather = _fallback_precision(module, cfg, facts), None, None
@@ -280,30 +279,38 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
                 reason += f"; {gather}" if gather else ""
             else:
                 reason = f"swapped for {target}; norms do not compute in FP8"
-        grouped = is_experts(module)
-        entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params,
-                                 gemm_flops(module, params, grouped), grouped, high_precision_gather=gather,
-                                 runs=name not in idle))
+        entries.append(PlanEntry(name, type(module).__name__, precision, reason, target, params, flops, grouped,
+                                 high_precision_gather=gather, runs=name not in idle))
     return entries
 
 
-_EXCLUSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {(its structure, backend, precision knobs): the backend's model_exclusions}: a planner re-plans one model
-per way out and rank count (fp8dist estimate --target), and torchao's first/last Linear rule runs a meta forward."""
+def _static_facts(model: nn.Module) -> tuple[tuple, list[tuple[str, nn.Module, int, bool, int]], bool]:
+    """(the structure of ``model``, (name, module, parameters, fused experts, GEMM FLOPs per token) of each module
+    that holds parameters, whether it holds PEFT tuner layers or ``modules_to_save`` wrappers): walked once per
+    structure of the model (a planner re-plans one model per way out and rank count)."""
+    structure = structure_of(model)
+    return (structure, *per_structure(model, "modules", lambda: _walk(model), structure))
 
 
-def _model_exclusions(backend: Any, model: nn.Module, cfg: Config) -> dict[str, str]:
-    """``backend.model_exclusions(model, cfg)``, computed once per structure of ``model`` (its modules, their types and
-    parameters by identity, shape and requires_grad) and precision config: a changed model is planned afresh."""
-    structure = tuple((name, type(module), tuple((n, id(p), tuple(p.shape), p.requires_grad)
-                                                  for n, p in module._parameters.items() if p is not None))
-                      for name, module in model.named_modules())
-    memo = _EXCLUSIONS.setdefault(model, {})
-    key = (structure, backend.name, repr(cfg.precision))
-    if key not in memo:
-        memo.clear()  # one structure kept per model: a converted model drops the old one
-        memo[key] = backend.model_exclusions(model, cfg)
-    return dict(memo[key])
+def _walk(model: nn.Module) -> tuple[list[tuple[str, nn.Module, int, bool, int]], bool]:
+    from ..fp8.moe import is_experts
+
+    modules, peft = [], False
+    for name, module in model.named_modules():
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if params:
+            grouped = is_experts(module)
+            modules.append((name, module, params, grouped, gemm_flops(module, params, grouped)))
+        peft = peft or isinstance(getattr(module, "base_layer", None), nn.Module) \
+            or isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+    return modules, peft
+
+
+def _model_exclusions(backend: Any, model: nn.Module, cfg: Config, structure: tuple) -> dict[str, str]:
+    """``backend.model_exclusions(model, cfg)`` (torchao's first/last Linear rule runs a meta forward), computed once
+    per structure of ``model`` and precision config."""
+    return dict(per_structure(model, ("exclusions", backend.name, repr(cfg.precision)),
+                              lambda: backend.model_exclusions(model, cfg), structure))
 
 
 def _unread_moe_recipe(cfg: Config, entries: list[PlanEntry]) -> list[str]:

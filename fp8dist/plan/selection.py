@@ -233,9 +233,10 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     ctx = _Context(gpu, recipe, tokens, compile, cfg, hardware, backend, choices)
     tail, said_tail = kept_tail(model, cfg, backend, hardware)
     notes += said_tail
+    modules = dict(model.named_modules())  # one walk, not one get_submodule per entry
     out = [e if e.precision != "fp8" else
-           _decided(e, model.get_submodule(e.name), ctx, mode, margin, verdicts, fallback) if e.name not in tail else
-           dataclasses.replace(e, precision=fallback(model.get_submodule(e.name)), converted_to=None,
+           _decided(e, modules[e.name], ctx, mode, margin, verdicts, fallback) if e.name not in tail else
+           dataclasses.replace(e, precision=fallback(modules[e.name]), converted_to=None,
                                reason=tail[e.name]) for e in entries]
     step = _step(model, out, gpu, recipe, compile, margin)
     if verdicts is not None:

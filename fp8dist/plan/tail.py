@@ -12,6 +12,7 @@ from ..config.options import FP4_TAIL_SHARE
 from ..config.text import plural
 from .hardware import Hardware
 from .speed import RECIPES
+from .structure import per_structure
 
 __all__ = ["tail_share", "kept_tail"]
 
@@ -43,7 +44,9 @@ def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> t
     blocks = [name for name, _ in found[::-1]]  # declared order, outermost blocks only
     blocks = [b for b in blocks if not any(b.startswith(f"{outer}.") for outer in blocks)]
     kept = blocks[len(blocks) - math.ceil(share * len(blocks)):] if blocks else []
-    head = gemm_order(model, without_adapters(model, lambda m: backend.supports(m) and backend.computes_in_fp8(m))).last
+    # a meta forward of the whole model: once per structure and precision config (a planner re-plans one model)
+    head = per_structure(model, ("tail head", backend.name, repr(cfg.precision)), lambda: gemm_order(
+        model, without_adapters(model, lambda m: backend.supports(m) and backend.computes_in_fp8(m))).last)
     reasons = {}
     for name, _ in model.named_modules():
         block = next((b for b in kept if name == b or name.startswith(f"{b}.")), None)

@@ -1,0 +1,120 @@
+"""Activation memory per FP8 recipe (issue 52 item 4): what each recipe keeps for backward, as torchao's code saves
+it — MXFP8 and float8 the bf16 input (``mx_mm`` saves ``input_hp``), NVFP4 a quantized copy of each FP4 Linear's
+input and of its weight's transpose (``nvfp4_mm_triton`` saves ``x_col_codes``, ``x_col_sf``, ``Wt_fp4_x2``,
+``Wt_sf``) — and the estimate beside torchtitan #3914's measured peaks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import fp8dist
+from fp8dist import estimate_memory
+from fp8dist.accounting.fit import device_bytes
+from fp8dist.cli import main
+from fp8dist.accounting.estimate_activations import ROOT_WEIGHTS_ITEM
+
+# every decoder Linear converted (the first one and the tail too), the head kept out: each layer alike
+ALL_DECODER_LINEARS = dict(keep_first_last_linear=False, fp8_exclude=["lm_head"], fp8_select="all",
+                           keep_last_blocks_share=0.0)
+NVFP4_BYTES = 0.5 + 1 / 16  # two e2m1 values a byte, one e4m3 scale per 16
+
+
+def _meta_llama(**shape):
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**shape))
+
+
+def test_nvfp4_keeps_each_fp4_linear_s_input_and_weight_quantized_and_mxfp8_its_bf16_input():
+    model = _meta_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512)
+    run = dict(strategy="fsdp", world_size=2, micro_batch_size=1, seq_len=256, target="b200")
+    recipes = {"bf16": dict(fp8=None), "mxfp8": dict(fp8="torchao", torchao_recipe="mxfp8", **ALL_DECODER_LINEARS),
+               "nvfp4": dict(fp8="torchao", torchao_recipe="nvfp4", **ALL_DECODER_LINEARS)}
+    layers = {name: dict(estimate_memory(model, **run, **recipe).activations)["2 decoder layers"]
+              for name, recipe in recipes.items()}
+    assert layers["mxfp8"] == layers["bf16"]
+    T, h, i = 256, 256, 512
+    weights = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512  # q, o; k, v; gate, up, down
+    # bf16: q/k/v's input and gate/up's input once each (shared), down's input; NVFP4: a copy per GEMM (o_proj's
+    # too: its bf16 input is SDPA's saved output anyway) and each weight's transpose
+    bf16 = 2 * (T * h + T * h + T * i)
+    nvfp4 = NVFP4_BYTES * (3 * T * h + T * h + 2 * T * h + T * i + weights)
+    assert layers["bf16"] - layers["nvfp4"] == 2 * (bf16 - nvfp4) == -204_800  # small layers: the weights dominate
+    notes = estimate_memory(model, **run, **recipes["nvfp4"]).notes
+    assert ("torchao nvfp4: each FP8 Linear keeps a quantized copy of its input (0.5625 bytes per element) and of its "
+            "weight's transpose (0.5625 bytes per element)") in notes
+
+
+def test_mxfp8_s_estimate_is_what_autograd_saves_on_a_real_converted_model():
+    """torchao's MXFP8 with emulated GEMMs on a CPU (fp32 weights: its mx_mm does not follow autocast)."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    recipe = dict(strategy="none", param_dtype="fp32", fp8="torchao", torchao_recipe="mxfp8_emulated",
+                  **ALL_DECODER_LINEARS)
+    est = estimate_memory(model, micro_batch_size=2, seq_len=128, **recipe)
+    assert any("keeps its high-precision input" in note for note in est.notes)
+    wrapped = fp8dist.wrap_model(copy.deepcopy(model), **recipe)
+    assert len(fp8dist.get_plan(wrapped).fp8) == 14
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # plain tensors only: no MX copy saved
+        return t
+
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = wrapped(input_ids=ids, labels=ids).logits
+    seen[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+    weights = {t.untyped_storage().data_ptr() for p in wrapped.parameters()
+               for t in ([getattr(p, n) for n in p.__tensor_flatten__()[0]] if type(p) is not torch.nn.Parameter
+                         else [p])}
+    saved = sum(n for ptr, n in seen.items() if ptr not in weights)
+    estimated = sum(b for item, b in est.activations if item != ROOT_WEIGHTS_ITEM)
+    assert estimated / saved == pytest.approx(1, abs=0.01)  # 0.9942 measured (the ids, rotary cos/sin: not modelled)
+
+
+# torchtitan #3914: Llama3-8B on 4 GB200s, FSDP, seq 2,048, local batch 32; peak memory per GPU, GiB
+TORCHTITAN_3914 = {"bf16": 174.5, "mxfp8": 179.9, "nvfp4": 103.0}
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def test_torchtitan_3914_s_peaks_beside_the_estimate_of_the_nearest_run_fp8dist_represents(tmp_path, capsys):
+    """A miss, recorded: torchtitan's llama3_8b config checkpoints selectively (its "op" mode: every other matmul's
+    output and attention saved, the rest recomputed; NVFP4's scaled_mm outputs are not matmuls it saves), which
+    the estimate does not model ('selective' is not estimated); no checkpointing needs 392 GiB of activations, so
+    the nearest run that fits a GB200 is full checkpointing, where one bf16 tail layer's recompute sets every
+    recipe's peak alike. The ratios below are that gap, measured; NVFP4 agrees (+5%) only by coincidence."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    run = ["estimate", "--model-config", str(path), "--target", "gb200", "--world-size", "4", "--strategy", "fsdp",
+           "--seq-len", "2048", "--micro-batch-size", "32", "--json"]
+    recipes = {"bf16": ["--fp8", "none"], "mxfp8": ["--fp8", "torchao", "--torchao-recipe", "mxfp8"],
+               "nvfp4": ["--fp8", "torchao", "--torchao-recipe", "nvfp4"]}
+    gib = {}
+    for name, flags in recipes.items():  # as a user asks: the run as torchtitan's, full checkpointing
+        assert main([*run, *flags, "--activation-checkpointing", "full"]) == 0
+        out = capsys.readouterr().out  # from its "{": DeepSpeed's first import may log a line to stdout
+        fit = json.loads(out[out.index("{"):])["fit"]
+        assert fit["fits"] is True
+        gib[name] = round(fit["device_bytes"] / 2**30, 1)
+    assert gib == {"bf16": 108.1, "mxfp8": 108.1, "nvfp4": 108.1}
+    # without checkpointing (no rank fits a GB200; planned without a target: no fit search): NVFP4 saves 35 GiB of
+    # bf16's 392 GiB of activations
+    model = _meta_llama(**LLAMA3_8B)
+    none = {name: round(device_bytes(estimate_memory(model, strategy="fsdp", world_size=4, micro_batch_size=32,
+                                                     seq_len=2048, **recipe)) / 2**30, 1)
+            for name, recipe in (("bf16", {}), ("mxfp8", dict(fp8="torchao", torchao_recipe="mxfp8")),
+                                 ("nvfp4", dict(fp8="torchao", torchao_recipe="nvfp4")))}
+    assert none == {"bf16": 472.1, "mxfp8": 472.1, "nvfp4": 437.4}
+    ratios = {name: round(gib[name] / measured, 2) for name, measured in TORCHTITAN_3914.items()}
+    assert ratios == {"bf16": 0.62, "mxfp8": 0.60, "nvfp4": 1.05}  # the goal is within 15%: two of three miss
+
