@@ -330,6 +330,18 @@ def test_cli_prints_the_table_for_a_hugging_face_config(tmp_path, capsys):
     assert data["bytes"]["parameters"] == 459392 * 4 // 2 and data["model_state_bytes"] > 0
 
 
+def test_the_batch_shape_is_read_by_the_estimate_whatever_the_axes(capsys):
+    """fp8 none under fsdp reads neither micro_batch_size nor seq_len in wrap_model, but the activations do: no "has
+    no effect" note for them (an option nothing reads still gets one)."""
+    argv = ["estimate", "--model-size", "tiny", "--fp8", "none", "--micro-batch-size", "4", "--seq-len", "512"]
+    assert cli.main([*argv, "--torchao-api", "weight_wrapper"]) == 0
+    out, err = capsys.readouterr()
+    assert "activations (micro-batch 4 x seq 512)" in out
+    assert [line for line in err.splitlines() if "no effect" in line] == [
+        "fp8dist estimate: note: torchao_api='weight_wrapper' has no effect here (read only when fp8 in ['torchao']; "
+        "fp8=None)."]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--world-size", "0"], "world_size=0 must be a positive integer (the number of data-parallel ranks"),
     (["--strategy", "none", "--world-size", "4"], "world_size=4 with strategy='none': 'none' trains in one process"),

@@ -136,6 +136,10 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
             for name, p in model.named_parameters()]
 
 
+_READ_BY_THE_ESTIMATE = ("micro_batch_size", "seq_len")
+"""Options the estimate reads itself (the activations' batch shape) whether or not an axis of the run does."""
+
+
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
                     fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
@@ -177,7 +181,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
     level = get_level(cfg.parallel.memory)
-    notes = cfg.unread_notes()  # each said once as a warning, as wrap_model does
+    # each said once as a warning, as wrap_model does; but the activations read the batch shape whatever the axes
+    notes = [note for option, note in unread_options(cfg).items() if option not in _READ_BY_THE_ESTIMATE]
     if level.builds_optimizer and optimizer != level.estimate_optimizer:
         notes.append(f"optimizer={optimizer!r} has no effect here (memory={level.name!r} builds its own optimizer: "
                      f"{level.summary}).")
