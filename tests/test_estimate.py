@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -340,6 +342,16 @@ def test_the_batch_shape_is_read_by_the_estimate_whatever_the_axes(capsys):
     assert [line for line in err.splitlines() if "no effect" in line] == [
         "fp8dist estimate: note: torchao_api='weight_wrapper' has no effect here (read only when fp8 in ['torchao']; "
         "fp8=None)."]
+
+
+def test_json_on_stdout_is_only_the_json_when_deepspeed_logs_at_its_import():
+    """DeepSpeed's logger writes its first-import line ("Setting accelerator to CPU") to stdout: in a fresh process,
+    as a user pipes ``--json`` into jq, stdout must parse as JSON; the line goes to stderr."""
+    argv = ["estimate", "--model-size", "tiny", "--strategy", "deepspeed", "--world-size", "2", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "fp8dist", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["strategy"] == "deepspeed"
+    assert "Setting accelerator to CPU" in proc.stderr  # said, where logs go
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -7,6 +7,7 @@ answer at once, the engines load once the flags parse."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Sequence
 
@@ -41,8 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error_line(args.command, str(err)), file=sys.stderr)
         return USAGE_EXIT
     quiet_cpu_noise()
+    args.data_out = sys.stdout  # where a command's --json data goes
     try:
-        with one_line_warnings(args.command):
+        with one_line_warnings(args.command), _only_data_on_stdout(args.json is True if "json" in args else False):
             return COMMANDS[args.command].run(args)
     except Exception as err:  # one line for what fp8dist explains (fp8dist.cli.errors), a traceback for the rest
         code = exit_code(err)
@@ -51,6 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _leads():
             print(error_line(args.command, str(err)), file=sys.stderr)
         return code
+
+
+def _only_data_on_stdout(data: bool) -> contextlib.AbstractContextManager:
+    """With ``--json`` (the JSON printed to ``args.data_out``), whatever else reaches stdout goes to stderr: a
+    library's log lines (DeepSpeed's handler writes to the stdout of its import) never mix with the data."""
+    return contextlib.redirect_stdout(sys.stderr) if data else contextlib.nullcontext()
 
 
 def _leads() -> bool:

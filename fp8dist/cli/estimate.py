@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     predicted = est.speed is not None and est.speed.step is not None  # a --target GPU, a speed model for the backend
     steps, checkpointing = fitted_steps(model, config, est.speed, args.world_size, est.fit) if predicted else ((), None)
     if args.json:
-        print(json.dumps({**est.to_dict(), **(steps_json(steps) if steps else {}),
-                          **{k: v for k, v in checkpointing_json(checkpointing).items() if k != "fit"}}, indent=2))
+        data = {**est.to_dict(), **(steps_json(steps) if steps else {}),
+                **{k: v for k, v in checkpointing_json(checkpointing).items() if k != "fit"}}
+        print(json.dumps(data, indent=2), file=args.data_out)
     else:
         print(est)
         if steps:

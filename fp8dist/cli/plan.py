@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                                         _fit(model, config, plan.hardware, args.world_size), topology) \
         if args.compare_recipes else ((), None)
     if args.json:
-        print(json.dumps({**_plan_json(plan, steps), **checkpointing_json(checkpointing)}, indent=1))
+        data = {**_plan_json(plan, steps), **checkpointing_json(checkpointing)}
+        print(json.dumps(data, indent=1), file=args.data_out)
         return 0
     if args.target is not None:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
