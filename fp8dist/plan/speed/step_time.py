@@ -332,7 +332,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
 def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None, spec: GpuSpec, cfg: Any,
              facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool,
              topology: tuple[int, float, str], c: StepConstants) -> StepTime:
-    from ...config.resolve import torch_dtype
+    from ...strategies.grad_fp8 import reduce_wire_bytes
 
     shapes, head = linear_shapes(model)
     frozen = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad}
@@ -350,7 +350,7 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gathered_fp8 = recipe_named(recipe).fp8_all_gather and facts.dtensor_shards
     fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
-    reduce_bytes = torch_dtype(cfg.parallel.reduce_dtype).itemsize
+    reduce_bytes = reduce_wire_bytes(cfg.parallel)  # fp8: one byte and the block's share of its fp32 scale
     attention_s, attention_flops = _attention(config, spec, tokens, seq_len, c)
     bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
     # bf16 bytes of every Linear's input and output (memory_traffic is per byte of a transformer's Linears: with a
