@@ -14,7 +14,8 @@ from ..pipeline.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
                    reduce_words, require_1d_mesh)
 from .common import cast_buffers
-from .grad_fp8 import FP8HookState, GradWire, fp8_all_reduce_hook, fp8_wire_words, model_grad_wire
+from .grad_fp8 import (FP8HookState, GradWire, fp8_all_reduce_hook, fp8_wire_words, model_grad_wire,
+                        predict_all_reduce)
 from .single import apply_single
 
 __all__ = ["DDP", "apply_ddp", "STRATEGY"]
@@ -91,6 +92,13 @@ class DDP(Strategy):
                         on_cpu: bool) -> EngineMemory:
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
                                    "second copy",))
+
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+        """The FP8 all-reduce of every trained gradient element (as one bucket: DDP's buckets each pad a little)."""
+        if cfg.parallel.reduce_dtype != "fp8":
+            return None
+        elements = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        return predict_all_reduce(elements, world_size, cfg.parallel.reduce_fp8_block)
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         """Gradients reduce in the dtype of DDP's compression hook, else their own; a hook of the user's is named."""

@@ -19,7 +19,7 @@ from ..config.text import plural
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    prepared, reduce_words)
 from .common import cast_buffers, shard_blocks, to_empty
-from .grad_fp8 import GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire
+from .grad_fp8 import GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter
 from .padding import padding_note, shard_padding
 from .state_bytes import ROOT_WEIGHTS_ITEM, UNSHARDED_ITEM, fsdp2_state_bytes, gathered_blocks_note
 from .ties import untie_blocks
@@ -236,6 +236,24 @@ class FSDP2(Strategy):
             f"{name}." for unit in root_units(model, blocks) if unit.reshard_after_forward for name in unit.names)
         root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
         return [(ROOT_WEIGHTS_ITEM, sum(root.values()))]
+
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+        """One FP8 reduce-scatter per unit (the blocks, :func:`root_units`, the root), of its trained parameters
+        with dim 0 padded to the shard group as FSDP2 pads it."""
+        p = cfg.parallel
+        if p.reduce_dtype != "fp8":
+            return None
+        shard = world_size // p.replicate_degree
+        units = [[b] for b in blocks] + [list(u.names) for u in root_units(model, blocks)] + [[""]]
+        seen: set[int] = set()
+        sizes = []
+        for names in units:
+            params = [q for name in names for q in model.get_submodule(name).parameters()]
+            fresh = [q for q in dict.fromkeys(params) if id(q) not in seen]  # a tied parameter counts once
+            seen.update(id(q) for q in fresh)
+            sizes.append(sum(math.ceil(q.shape[0] / shard) * shard * (q.numel() // q.shape[0]) if q.dim() else 1
+                             for q in fresh if q.requires_grad))
+        return predict_reduce_scatter(sizes, shard, p.reduce_fp8_block)
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         policy, wire = model._get_fsdp_state()._mp_policy, model_grad_wire(model)

@@ -19,7 +19,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 __all__ = ["WIRE_DTYPE", "GradWire", "WireTally", "FP8ReduceScatter", "FP8HookState", "fp8_all_reduce_hook",
            "quantize_blocks", "dequantize_blocks", "fp8_reduce_scatter", "fp8_all_reduce", "apply_fp8_reduce_scatter",
-           "model_grad_wire", "fp8_wire_words", "wire_ratio", "reduce_wire_bytes", "BF16_BYTES"]
+           "model_grad_wire", "fp8_wire_words", "wire_ratio", "reduce_wire_bytes", "BF16_BYTES",
+           "predict_reduce_scatter", "predict_all_reduce", "describe_tally"]
 
 WIRE_DTYPE = torch.float8_e4m3fn
 """The FP8 format on the wire: e4m3. Per-block scales already cover the range e5m2's extra exponent bit would buy,
@@ -39,9 +40,17 @@ class WireTally:
     bf16: int = 0
     elements: int = 0
 
+    def __add__(self, other: WireTally) -> WireTally:
+        return WireTally(self.sent + other.sent, self.scales + other.scales, self.bf16 + other.bf16,
+                         self.elements + other.elements)
+
     def __sub__(self, other: WireTally) -> WireTally:
         return WireTally(self.sent - other.sent, self.scales - other.scales, self.bf16 - other.bf16,
                          self.elements - other.elements)
+
+    def per_step(self, steps: int) -> WireTally:
+        """This tally of ``steps`` steps as the mean step's (whole bytes)."""
+        return WireTally(*(v // max(1, steps) for v in (self.sent, self.scales, self.bf16, self.elements)))
 
     @property
     def ratio(self) -> float | None:
@@ -60,8 +69,7 @@ class GradWire:
         self.total = WireTally()
 
     def add(self, *, sent: int, scales: int, bf16: int, elements: int) -> None:
-        t = self.total
-        self.total = WireTally(t.sent + sent, t.scales + scales, t.bf16 + bf16, t.elements + elements)
+        self.total += WireTally(sent, scales, bf16, elements)
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +194,38 @@ def model_grad_wire(model: nn.Module) -> GradWire | None:
 def fp8_wire_words(wire: GradWire) -> str:
     """How the gradients cross the wire, as the report says it."""
     return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32"
+
+
+def _row_bytes(elements: int, block: int) -> tuple[int, int]:
+    """(FP8 payload + scale bytes, scale bytes) of ``elements`` quantized in whole blocks."""
+    blocks = math.ceil(elements / block)
+    return blocks * block + blocks * _SCALE_BYTES, blocks * _SCALE_BYTES
+
+
+def predict_reduce_scatter(unit_elements: list[int], world: int, block: int) -> WireTally:
+    """What :class:`FP8ReduceScatter` sends per step: one reduce-scatter per FSDP2 unit of ``unit_elements``
+    gradient elements each (dim 0 already padded to ``world``, as FSDP2 pads it)."""
+    tallies = [WireTally(*((world - 1) * b for b in _row_bytes(n // world, block)), (world - 1) * n * BF16_BYTES
+                         // world, n) for n in unit_elements if n]
+    return sum(tallies, WireTally()) if world > 1 else WireTally()
+
+
+def predict_all_reduce(elements: int, world: int, block: int) -> WireTally:
+    """What :func:`fp8_all_reduce_hook` sends per step for ``elements`` gradient elements, as if in one bucket
+    (each of DDP's buckets pads to ``world x block`` elements: at most that many more per bucket)."""
+    if world < 2 or not elements:
+        return WireTally()
+    sent, scales = _row_bytes(math.ceil(elements / (world * block)) * block, block)
+    others = world - 1
+    return WireTally(2 * others * sent, 2 * others * scales, 2 * others * elements * BF16_BYTES // world, elements)
+
+
+def describe_tally(tally: WireTally, words: str) -> str:
+    """One line: the bytes of a step's gradient reduction on this rank and its ratio to a bf16 reduction's."""
+    from ..config.text import byte_size
+
+    return (f"{byte_size(tally.sent)} sent per step by this rank ({words}; {byte_size(tally.scales)} of it "
+            f"scales), {tally.ratio:.3f}x a bf16 reduction's {byte_size(tally.bf16)}")
 
 
 def reduce_wire_bytes(parallel) -> float:
