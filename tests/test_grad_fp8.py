@@ -112,3 +112,24 @@ def test_a_non_finite_block_dequantizes_to_nan_and_a_zero_block_to_zero():
     finite = back[0]
     sqnr = 10 * torch.log10(x[0].pow(2).sum() / (x[0] - finite).pow(2).sum())
     assert sqnr > 28  # measured 31 dB on Gaussian rows (e4m3: 3 mantissa bits)
+
+
+def test_the_step_model_sends_fp8_gradients_at_one_byte_and_a_scale_share_and_says_where_they_pay():
+    from transformers import LlamaConfig
+
+    from fp8dist.cli.plan import grad_wire_line
+    from fp8dist.config.resolve import resolve_config
+    from fp8dist.plan.speed.step_time import predict_step
+
+    model = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16)
+    steps = {r: predict_step(model, target="h100", world_size=64, micro_batch_size=1, seq_len=2048, reduce_dtype=r)
+             for r in ("fp32", "bf16", "fp8")}
+    assert steps["fp8"].reduce_dtype == "fp8"
+    collective = {r: s.fp8.collective_s for r, s in steps.items()}
+    # only the gradients' bytes change: fp32 4, bf16 2, fp8 1 + 4/128 an element
+    saved = (collective["bf16"] - collective["fp8"]) / (collective["fp32"] - collective["bf16"])
+    assert saved == pytest.approx((2 - (1 + 4 / 128)) / 2)
+    line = grad_wire_line(model, steps["fp8"], resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
+    assert "with reduce_dtype='fp8'" in line and "FP8 gradients pay: the collectives are exposed" in line
+    within = predict_step(model, target="h100", world_size=8, micro_batch_size=1, seq_len=2048, reduce_dtype="fp8")
+    assert "do not pay here" in grad_wire_line(model, within, resolve_config(None, fp8="torchao", reduce_dtype="fp8"))

@@ -107,6 +107,8 @@ class StepTime:
     fp8: StepParts
     calibrated: bool
     """True only on the GPU and recipes the constants were fitted on."""
+    reduce_dtype: str = "fp32"
+    """The gradient reduction's dtype the collectives were predicted with (fp8: 1 + 4 / block bytes an element)."""
 
     @property
     def tokens(self) -> int:
@@ -269,7 +271,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
                  seq_len: int, fp8: str = TorchaoBackend.name, recipe: str | None = None, compile: bool | None = None,
                  activation_checkpointing: str | None = None, strategy: str | None = None,
                  fp8_layers: Collection[str] | None = None, nvlink_domain: int | None = None,
-                 network_gbps: float | None = None, constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 network_gbps: float | None = None, constants: StepConstants = STEP_CONSTANTS,
+                 reduce_dtype: str | None = None) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
@@ -290,6 +293,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         nvlink_domain: GPUs one NVLink domain joins (collectives within it run at NVLink bandwidth); network_gbps:
             GB/s per GPU between domains; None: the GPU record's (``GpuSpec.nvlink_domain``, ``network_gbps``).
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
+        reduce_dtype: the gradient reduction's dtype, as wrap_model takes it (None: its default, fp32); 'fp8' sends
+            one byte an element and its block's share of an fp32 scale, in the collectives of both steps.
 
     Raises:
         ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
@@ -312,7 +317,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
                          **{k: v for k, v in (("strategy", strategy),
-                                              ("activation_checkpointing", activation_checkpointing)) if v})
+                                              ("activation_checkpointing", activation_checkpointing),
+                                              ("reduce_dtype", reduce_dtype)) if v})
     backend = get_backend(cfg.precision.fp8)
     spec = resolve_gpu(target)
     if recipe is None:
@@ -373,7 +379,8 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
-                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated)
+                    compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated,
+                    cfg.parallel.reduce_dtype)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
