@@ -76,7 +76,8 @@ def test_fp8_reduction_keeps_the_loss_with_half_the_bytes_the_estimate_predicts(
 
 @pytest.mark.parametrize("options, words", [
     ({"strategy": "fsdp1"}, ["reduce_dtype='fp8' with strategy='fsdp1'", "FlatParameter", "Use strategy='fsdp'"]),
-    ({"strategy": "deepspeed"}, ["reduce_dtype='fp8' with strategy='deepspeed'", "int4", "Use strategy='fsdp' or 'ddp'"]),
+    ({"strategy": "deepspeed"},
+     ["reduce_dtype='fp8' with strategy='deepspeed'", "int4", "Use strategy='fsdp' or 'ddp'"]),
     ({"strategy": "fsdp", "memory": "lean"}, ["memory='lean' with reduce_dtype='fp8'", "reduced in bf16"]),
 ])
 def test_fp8_reduction_is_refused_where_no_engine_sends_fp8_gradients(options, words):
@@ -90,12 +91,13 @@ def test_fsdp_and_ddp_take_the_fp8_reduction_and_its_block_knob():
     from fp8dist.config.resolve import resolve_config
     from fp8dist.config.rules import refusal_of
 
-    assert refusal_of(reduce_dtype="fp8", strategy="fsdp") is None and refusal_of(reduce_dtype="fp8", strategy="ddp") is None
+    assert all(refusal_of(reduce_dtype="fp8", strategy=s) is None for s in ("fsdp", "ddp"))
     cfg = resolve_config(None, reduce_dtype="fp8", reduce_fp8_block=256)
     assert (cfg.parallel.reduce_dtype, cfg.parallel.reduce_fp8_block) == ("fp8", 256)
     with pytest.raises(ValueError, match="reduce_fp8_block"):
         resolve_config(None, reduce_dtype="fp8", reduce_fp8_block=0)
-    assert any("reduce_fp8_block=256 has no effect" in n for n in resolve_config(None, reduce_fp8_block=256).unused_options())
+    notes = resolve_config(None, reduce_fp8_block=256).unused_options()
+    assert any("reduce_fp8_block=256 has no effect" in n for n in notes), notes
 
 
 def test_a_non_finite_block_dequantizes_to_nan_and_a_zero_block_to_zero():

@@ -22,7 +22,8 @@ so a higher margin only drops real gains."""
 # keep_last_blocks_share under FP4 (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040 tok/s)
 FP4_TAIL_SHARE = 0.15
 
-__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName", "MemoryLevelName",
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName",
+           "MemoryLevelName",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "DEFAULT_MARGIN", "knob_configs"]
 
 Strategy = Annotated[str, Choices(STRATEGIES)]
