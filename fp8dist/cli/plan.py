@@ -192,8 +192,9 @@ def grad_wire_line(model: Any, step: Any, config: Any) -> str:
     from ..plan.speed.step_time import predict_step
 
     p = config.parallel
-    if step.world_size == 1 or p.strategy not in ("fsdp", "ddp"):
-        return f"gradient reduction: {p.reduce_dtype} (FP8 gradients on the wire: fsdp and ddp across ranks only)"
+    if step.world_size == 1 or "reduce_fp8_block" not in get_strategy(p.strategy).options:  # no FP8 reduction
+        return f"gradient reduction: {p.reduce_dtype} (strategy {p.strategy} on {step.world_size} ranks sends no FP8 " \
+               "gradients)"
     same = dict(target=step.gpu, fp8=config.precision.fp8, world_size=step.world_size, recipe=step.recipe,
                 micro_batch_size=step.micro_batch_size, seq_len=step.seq_len, compile=step.compile,
                 strategy=p.strategy, activation_checkpointing=step.activation_checkpointing,
