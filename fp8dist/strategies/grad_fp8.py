@@ -19,7 +19,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 __all__ = ["WIRE_DTYPE", "GradWire", "WireTally", "FP8ReduceScatter", "FP8HookState", "fp8_all_reduce_hook",
            "quantize_blocks", "dequantize_blocks", "fp8_reduce_scatter", "fp8_all_reduce", "apply_fp8_reduce_scatter",
-           "model_grad_wire", "fp8_wire_words", "wire_ratio", "reduce_wire_bytes", "BF16_BYTES",
+           "model_grad_wire", "fp8_wire_words", "reduce_wire_bytes", "BF16_BYTES",
            "predict_reduce_scatter", "predict_all_reduce", "describe_tally"]
 
 WIRE_DTYPE = torch.float8_e4m3fn
@@ -236,8 +236,3 @@ def reduce_wire_bytes(parallel) -> float:
 
     return 1 + _SCALE_BYTES / parallel.reduce_fp8_block if parallel.reduce_dtype == "fp8" \
         else dtype_bytes(parallel.reduce_dtype)
-
-
-def wire_ratio(block: int) -> float:
-    """Bytes of the FP8 reduction per byte of a bf16 one (whole blocks): (1 + 4 / block) / 2."""
-    return (1 + _SCALE_BYTES / block) / BF16_BYTES
