@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                               "gap": b["val_loss"][last] - a["val_loss"][last],
                               "train_gap": b["final_train_loss"] - a["final_train_loss"]}
     doc = {"what": __doc__.splitlines()[0], "date": time.strftime("%Y-%m-%d"), "host": platform.processor() or
-           platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(), "steps_asked": args.steps,
+           platform.machine(), "cpus": os.cpu_count(), "steps_asked": args.steps,
            "commands": commands, "runs": runs, "held_out_gap_by_seed": gaps,
-           "max_abs_gap": max((abs(g["gap"]) for g in gaps.values()), default=None),
-           "wall_s": time.time() - started}
+           "max_abs_gap": max((abs(g["gap"]) for g in gaps.values()), default=None)}
+    if not args.summarize:  # what a summary of earlier runs cannot know
+        doc.update(load_average=os.getloadavg(), wall_s=time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for seed, g in gaps.items():
