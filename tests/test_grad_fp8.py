@@ -57,7 +57,7 @@ def results():
     return run_ranks(_run, world_size=2, timeout=600)
 
 
-@pytest.mark.slow  # 95 s on the 2-core machine under a load of ~9 (four 30-step runs of the tiny Llama, 2 ranks)
+@pytest.mark.slow  # 13 s on the idle 2-core machine, 95 s under a load of ~9 (four 30-step runs, 2 ranks)
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_fp8_reduction_keeps_the_loss_with_half_the_bytes_the_estimate_predicts(results, strategy):
     for rank, r in enumerate(results):
