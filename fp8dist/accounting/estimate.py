@@ -30,6 +30,7 @@ from ..config.options import DEFAULT_SEQ_LEN
 from ..memory_levels import STANDARD, get_level
 from ..fp8 import get_backend
 from ..strategies import get_strategy
+from ..strategies.grad_fp8 import describe_tally
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
@@ -71,6 +72,9 @@ class MemoryEstimate(StateBytes):
     """Whether a rank fits the ``target=`` GPU and the ways out; None without a target or its memory."""
     groups: tuple[ParamGroup, ...] = ()
     """The frozen (a LoRA base) and the trained parameters apart; () where all train."""
+    grad_wire: Any = None
+    """reduce_dtype='fp8': the gradient bytes this rank sends per optimizer step (a
+    :class:`~fp8dist.strategies.grad_fp8.WireTally`, what ``fp8dist train`` counts at the collectives); else None."""
 
     @property
     def activation_bytes(self) -> int:
@@ -108,6 +112,8 @@ class MemoryEstimate(StateBytes):
             lines += self.fit.lines(_size)
         if self.speed is not None and self.speed.step is not None:
             lines.append(self.speed.gemm_summary())
+        if self.grad_wire is not None:
+            lines.append(f"gradient wire: {describe_tally(self.grad_wire, 'fp8 e4m3 blocks, fp32 scales')}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -248,4 +254,5 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
         groups=param_groups(params, on_rank, sum(per_rank[chosen].values())),
+        grad_wire=strategy.grad_wire(model, cfg, world_size, blocks),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
     if steps:
         print(fastest_line(steps))
+        print(grad_wire_line(model, steps[0][0], config))
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
@@ -160,6 +161,7 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int,
     options = dict(target=selection.step.gpu, fp8=backend, world_size=world_size,
                    micro_batch_size=p.micro_batch_size, seq_len=p.seq_len or DEFAULT_SEQ_LEN,
                    compile=selection.step.compile, strategy=p.strategy, replicate_degree=hsdp,
+                   reduce_dtype=p.reduce_dtype,
                    activation_checkpointing=activation_checkpointing or p.activation_checkpointing, **(topology or {}))
     return tuple((predict_step(model, recipe=g.recipe, **options),
                   predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
@@ -186,6 +188,29 @@ def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
         return None
     return best, ("every Linear but the head in FP8" if any(best is pair[0] for pair in steps) else
                   "FP8 where it pays, as planned")
+
+
+def grad_wire_line(model: Any, step: Any, config: Any) -> str:
+    """Whether FP8 gradients on the wire pay for this run: the predicted step's collectives with the gradients
+    reduced in bf16 and in fp8 (``step``'s settings otherwise), and what of them the compute leaves exposed."""
+    from ..plan.speed.step_time import predict_step
+
+    p = config.parallel
+    if step.world_size == 1 or "reduce_fp8_block" not in get_strategy(p.strategy).options:  # no FP8 reduction
+        return f"gradient reduction: {p.reduce_dtype} (strategy {p.strategy} on {step.world_size} ranks sends no FP8 " \
+               "gradients)"
+    same = dict(target=step.gpu, fp8=config.precision.fp8, world_size=step.world_size, recipe=step.recipe,
+                micro_batch_size=step.micro_batch_size, seq_len=step.seq_len, compile=step.compile,
+                strategy=p.strategy, activation_checkpointing=step.activation_checkpointing,
+                nvlink_domain=step.nvlink_domain, network_gbps=step.network_gbps)
+    bf16, fp8 = (predict_step(model, reduce_dtype=r, **same).fp8 for r in ("bf16", "fp8"))
+    gain = (bf16.step_s - fp8.step_s) / bf16.step_s
+    where = (f"pay: the collectives are exposed (bandwidth-bound), step {gain:.1%} shorter" if gain >= 0.01 else
+             f"do not pay here: the compute hides the collectives (step {gain:.1%} shorter)")
+    return (f"gradient reduction: {p.reduce_dtype}; predicted collectives per step with bf16 gradients "
+            f"{bf16.collective_s * 1e3:,.1f} ms ({bf16.exposed_s * 1e3:,.1f} exposed), with reduce_dtype='fp8' "
+            f"{fp8.collective_s * 1e3:,.1f} ms ({fp8.exposed_s * 1e3:,.1f} exposed): FP8 gradients {where} "
+            "(a prediction)")
 
 
 def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:

@@ -253,6 +253,7 @@ _SECTIONS: dict[str, _Section] = {
 
 NO_ACCELERATE_KEY = {
     "reduce_dtype": "Accelerate's FSDP plugin takes its mixed-precision policy in code, not from the config file",
+    "reduce_fp8_block": "Accelerate reduces gradients in bf16 or fp32 only: its config file has no FP8 reduction",
     "buffer_dtype": "Accelerate's FSDP plugin takes its mixed-precision policy in code, not from the config file",
     "micro_batch_size": "Accelerate takes the batch size from the script's DataLoader, not from the config file",
     "seq_len": "Accelerate takes the sequence length from the script's data, not from the config file",

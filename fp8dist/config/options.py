@@ -22,11 +22,13 @@ so a higher margin only drops real gains."""
 # keep_last_blocks_share under FP4 (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040 tok/s)
 FP4_TAIL_SHARE = 0.15
 
-__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "FP8BackendName", "MemoryLevelName",
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName",
+           "MemoryLevelName",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "DEFAULT_MARGIN", "knob_configs"]
 
 Strategy = Annotated[str, Choices(STRATEGIES)]
 DtypeName = Literal["fp32", "bf16", "fp16"]
+ReduceDtypeName = Literal["fp32", "bf16", "fp16", "fp8"]
 FP8BackendName = Annotated[str, Choices(BACKENDS)]
 MemoryLevelName = Annotated[str, Choices(LEVELS)]
 Device = Literal["auto", "cpu", "cuda"]
@@ -46,8 +48,14 @@ class StrategyConfig:
     """Dtype of forward/backward compute: FSDP casts the gathered parameters to it, ddp and none autocast to it.
     fp16 needs loss scaling: strategy deepspeed only."""
 
-    reduce_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
-    """Dtype gradients are reduced in; under ddp, bf16/fp16 use DDP's compression hooks (NCCL only)."""
+    reduce_dtype: ReduceDtypeName = field(default="fp32", metadata=_DTYPE)
+    """Dtype gradients are reduced in; under ddp, bf16/fp16 use DDP's compression hooks (NCCL only). fp8 (fsdp,
+    ddp): each rank sends its gradients once as e4m3 blocks with fp32 scales (all-to-all), the owner sums them in
+    fp32 (about half a bf16 reduction's bytes); HSDP's all-reduce across replicas stays fp32."""
+
+    reduce_fp8_block: int = field(default=128, metadata={"min": 1})
+    """reduce_dtype='fp8': gradient elements per fp32 scale. 128: the wire carries 0.516x a bf16 reduction's bytes;
+    the small Llama's gradients keep 31.4 dB SQNR (256: 0.508x, 31.3 dB; 32: 0.563x, 31.7 dB)."""
 
     buffer_dtype: DtypeName = field(default="fp32", metadata=_DTYPE)
     """Dtype of floating-point buffers (rotary inv_freq): fp32 keeps Llama-style models accurate."""

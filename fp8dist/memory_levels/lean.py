@@ -47,7 +47,7 @@ class LeanLevel(MemoryLevel):
         Rule(("memory", "param_dtype"), lambda cfg, facts: cfg.parallel.param_dtype != "bf16",
              "the lean level stores and computes in bf16 (no fp32 master)",
              f"Use param_dtype='bf16', or {_WAY_OUT}."),
-        Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp16",
+        Rule(("memory", "reduce_dtype"), lambda cfg, facts: cfg.parallel.reduce_dtype in ("fp16", "fp8"),
              "lean gradients are bf16 and reduced in bf16", "Leave reduce_dtype at its default."),
     )
     builds_optimizer = True

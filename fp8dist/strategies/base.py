@@ -206,6 +206,12 @@ class Strategy(Protocol):
         """``(item, elements)`` of weights kept gathered from forward to backward beyond what the engine holds."""
         return []
 
+    def grad_wire(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str]) -> Any:
+        """The gradient bytes one rank sends per optimizer step (a
+        :class:`~fp8dist.strategies.grad_fp8.WireTally`) predicted for ``model`` (unwrapped, meta works) with
+        ``blocks`` as the block step finds them, where the strategy reduces in fp8; None elsewhere."""
+        return None
+
     def engine_dtypes(self, model: nn.Module, autocast: torch.dtype | None) -> EngineDtypes:
         """What the wrapped ``model``'s engine computes, gathers and reduces in, read from its own objects."""
         return EngineDtypes(autocast, reduce_words(None, model), "none (replicated)")

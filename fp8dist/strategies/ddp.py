@@ -8,12 +8,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.axis import ALWAYS, StrategyFacts
+from ..config.axis import ALWAYS, StrategyFacts, When
 from ..config.dtypes import torch_dtype
 from ..pipeline.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
                    reduce_words, require_1d_mesh)
 from .common import cast_buffers
+from .grad_fp8 import (FP8HookState, GradWire, fp8_all_reduce_hook, fp8_wire_words, model_grad_wire,
+                        predict_all_reduce)
 from .single import apply_single
 
 __all__ = ["DDP", "apply_ddp", "STRATEGY"]
@@ -27,17 +29,20 @@ def _compression_hooks() -> dict:
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
-              reduce_dtype: torch.dtype, mesh: DeviceMesh | None = None) -> DistributedDataParallel:
+              reduce_dtype: torch.dtype, mesh: DeviceMesh | None = None,
+              fp8_wire: GradWire | None = None) -> DistributedDataParallel:
     """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``,
-    over the 1-D ``mesh`` (None: the default process group). Returns the DDP wrapper; ``wrapper.module`` is the
-    model."""
-    hook = _compression_hooks().get(reduce_dtype)
+    over the 1-D ``mesh`` (None: the default process group); ``fp8_wire``: all-reduce them as FP8 blocks
+    (:func:`~fp8dist.strategies.grad_fp8.fp8_all_reduce_hook`) counting in it, else in ``reduce_dtype``. Returns
+    the DDP wrapper; ``wrapper.module`` is the model."""
+    hook = fp8_all_reduce_hook if fp8_wire is not None else _compression_hooks().get(reduce_dtype)
     apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True, device_mesh=mesh)
+    group = mesh.get_group() if mesh is not None else dist.group.WORLD
     if hook is not None:
-        ddp.register_comm_hook(mesh.get_group() if mesh is not None else dist.group.WORLD, hook)
+        ddp.register_comm_hook(FP8HookState(group, fp8_wire) if fp8_wire is not None else group, hook)
     return ddp
 
 
@@ -48,7 +53,7 @@ class DDP(Strategy):
     name = "ddp"
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
     bench_devices = ("cpu", "cuda")
-    options = {"reduce_dtype": ALWAYS}
+    options = {"reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
@@ -60,8 +65,10 @@ class DDP(Strategy):
         model, built = prepared(model, job)
         param = torch_dtype(p.param_dtype)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
-        wrapped = apply_ddp(model, device=device, compute_dtype=param, reduce_dtype=torch_dtype(p.reduce_dtype),
-                            mesh=job.mesh)
+        fp8 = p.reduce_dtype == "fp8"
+        wrapped = apply_ddp(model, device=device, compute_dtype=param,
+                            reduce_dtype=torch.float32 if fp8 else torch_dtype(p.reduce_dtype), mesh=job.mesh,
+                            fp8_wire=GradWire(p.reduce_fp8_block) if fp8 else None)
         autocast = param if param != torch.float32 else None
         return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
 
@@ -72,11 +79,11 @@ class DDP(Strategy):
         """A bf16/fp16 reduce (a compression hook, which needs NCCL) is refused on the CPU: a launch check, as the
         table also plans for other machines and device='auto' is the CPU only where CUDA is missing."""
         name = cfg.parallel.reduce_dtype
-        if torch_dtype(name) != torch.float32 and runs_on_cpu(cfg.parallel.device):
+        if name in ("bf16", "fp16") and runs_on_cpu(cfg.parallel.device):
             raise ValueError(
                 f"reduce_dtype={name!r} with strategy={self.name!r} on cpu: DDP reduces in {name} through its "
-                f"{name}_compress_hook, which needs NCCL (CUDA). Use reduce_dtype='fp32' here, or strategy='fsdp', "
-                "whose reduce_dtype works on every backend.")
+                f"{name}_compress_hook, which needs NCCL (CUDA). Use reduce_dtype='fp32' or 'fp8' (fp8dist's FP8 "
+                "hook, which runs on gloo) here, or strategy='fsdp', whose reduce_dtype works on every backend.")
 
     def no_sync(self, model: nn.Module):
         return model.no_sync()
@@ -86,11 +93,20 @@ class DDP(Strategy):
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
                                    "second copy",))
 
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+        """The FP8 all-reduce of every trained gradient element (as one bucket: DDP's buckets each pad a little)."""
+        if cfg.parallel.reduce_dtype != "fp8":
+            return None
+        elements = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        return predict_all_reduce(elements, world_size, cfg.parallel.reduce_fp8_block)
+
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         """Gradients reduce in the dtype of DDP's compression hook, else their own; a hook of the user's is named."""
         hooks = [hook for hook, _state in getattr(model, "_comm_hooks", ())]  # DDP.register_comm_hook keeps them
         compress = {hook: dtype for dtype, hook in _compression_hooks().items()}
-        if hooks and hooks[-1] not in compress:
+        if hooks and hooks[-1] is fp8_all_reduce_hook:
+            words = fp8_wire_words(model_grad_wire(model))
+        elif hooks and hooks[-1] not in compress:
             words = f"set by the comm hook {getattr(hooks[-1], '__qualname__', repr(hooks[-1]))}"
         else:
             words = reduce_words(compress[hooks[-1]] if hooks else None, model)

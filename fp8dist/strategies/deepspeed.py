@@ -121,6 +121,12 @@ class DeepSpeed(Strategy):
              "DeepSpeed's engine checks the gradients inside its own step (bf16 check_grad_overflow, fp16 loss "
              "scaling) and skips a non-finite step rather than raising", "Use nonfinite_step='skip' (the engine's "
              "check, counted and stopped after max_skipped_steps by fp8dist) or 'off'."),
+        Rule(("reduce_dtype", "strategy"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp8",
+             "DeepSpeed's only quantized gradient reduction, ZeRO++'s zero_quantized_gradients, sends int4 blocks "
+             "(not FP8), under ZeRO-3 only, through a CUDA kernel (its QuantizerBuilder op); its "
+             "communication_data_type takes fp32, bf16 or fp16",
+             "Use strategy='fsdp' or 'ddp' for FP8 gradients on the wire, or reduce_dtype='bf16' with "
+             "strategy='deepspeed' (set zero_quantized_gradients in your ds_config for ZeRO++'s int4 on a GPU)."),
     )
 
     def check_launch(self, cfg, world_size: int) -> None:

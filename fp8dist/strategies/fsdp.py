@@ -13,18 +13,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..config.axis import ALWAYS, StrategyFacts
+from ..config.axis import ALWAYS, StrategyFacts, When
 from ..config.dtypes import dtype_bytes, torch_dtype
 from ..config.text import plural
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    prepared, reduce_words)
 from .common import cast_buffers, shard_blocks, to_empty
+from .grad_fp8 import GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter
 from .padding import padding_note, shard_padding
 from .state_bytes import ROOT_WEIGHTS_ITEM, UNSHARDED_ITEM, fsdp2_state_bytes, gathered_blocks_note
 from .ties import untie_blocks
 
 __all__ = ["FSDP2", "build_fsdp_policy", "apply_fsdp", "fsdp_padding_notes", "fsdp_mesh", "check_replicate_degree",
            "root_units", "RootUnit", "STRATEGY"]
+
+
+def reduce_buffer_dtype(parallel) -> torch.dtype:
+    """The dtype FSDP2's reduction buffers hold: ``reduce_dtype``'s, fp32 for fp8 (the FP8 reduce-scatter's
+    input and its fp32 sum)."""
+    return torch.float32 if parallel.reduce_dtype == "fp8" else torch_dtype(parallel.reduce_dtype)
 
 
 def build_fsdp_policy(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -140,7 +147,7 @@ class FSDP2(Strategy):
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
     bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
-               "reduce_dtype": ALWAYS}
+               "reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         shards = None if world_size is None else world_size // max(1, cfg.parallel.replicate_degree)
@@ -168,12 +175,17 @@ class FSDP2(Strategy):
         names = tuple(n for n, _ in found)
         model, built = prepared(model, job)
         cast_buffers(model, torch_dtype(p.buffer_dtype))
-        policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype))
+        policy = build_fsdp_policy(param_dtype=torch_dtype(p.param_dtype), reduce_dtype=reduce_buffer_dtype(p))
         mesh = job.mesh if job.mesh is not None else fsdp_mesh(env.device, env.world_size, p.replicate_degree)
         apply_fsdp(model, [m for _, m in found], mesh=mesh,
                    device=env.device, mp_policy=policy, reshard_after_forward=p.reshard_after_forward,
                    block_names=names)
         notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
+        if p.reduce_dtype == "fp8":
+            apply_fp8_reduce_scatter(model, GradWire(p.reduce_fp8_block))
+            if p.replicate_degree > 1:
+                notes += ("reduce_dtype='fp8': the reduce-scatter within each shard group sends FP8, the all-reduce "
+                          "across replicas stays fp32",)
         if job.meta:
             to_empty(model, env.device)  # this rank's shards only
         loaded, how_made = fill_shards(model, job)
@@ -225,9 +237,28 @@ class FSDP2(Strategy):
         root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
         return [(ROOT_WEIGHTS_ITEM, sum(root.values()))]
 
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+        """One FP8 reduce-scatter per unit (the blocks, :func:`root_units`, the root), of its trained parameters
+        with dim 0 padded to the shard group as FSDP2 pads it."""
+        p = cfg.parallel
+        if p.reduce_dtype != "fp8":
+            return None
+        shard = world_size // p.replicate_degree
+        units = [[b] for b in blocks] + [list(u.names) for u in root_units(model, blocks)] + [[""]]
+        seen: set[int] = set()
+        sizes = []
+        for names in units:
+            params = [q for name in names for q in model.get_submodule(name).parameters()]
+            fresh = [q for q in dict.fromkeys(params) if id(q) not in seen]  # a tied parameter counts once
+            seen.update(id(q) for q in fresh)
+            sizes.append(sum(math.ceil(q.shape[0] / shard) * shard * (q.numel() // q.shape[0]) if q.dim() else 1
+                             for q in fresh if q.requires_grad))
+        return predict_reduce_scatter(sizes, shard, p.reduce_fp8_block)
+
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
-        policy = model._get_fsdp_state()._mp_policy
-        return EngineDtypes(policy.param_dtype, reduce_words(policy.reduce_dtype or policy.param_dtype, model))
+        policy, wire = model._get_fsdp_state()._mp_policy, model_grad_wire(model)
+        reduce = fp8_wire_words(wire) if wire else reduce_words(policy.reduce_dtype or policy.param_dtype, model)
+        return EngineDtypes(policy.param_dtype, reduce)
 
     def param_layout(self, model: nn.Module) -> ParamLayout:
         params = list(model.parameters())

@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from ..config.axis import ALWAYS, StrategyFacts
+from ..config.axis import ALWAYS, Rule, StrategyFacts
 from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
-from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
-                   prepared, reduce_words, require_1d_mesh)
+from .base import (FP16_RULE, EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
+                   fill_shards, prepared, reduce_words, require_1d_mesh)
 from .common import find_blocks, shard_blocks, to_empty
 from .local_shards import flat_params
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
@@ -51,6 +51,12 @@ class FSDP1(Strategy):
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
     bench_devices = ("cpu",)
     options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
+    rules = (FP16_RULE, Rule(
+        ("reduce_dtype", "strategy"), lambda cfg, facts: cfg.parallel.reduce_dtype == "fp8",
+        "FSDP1 reduce-scatters each unit's FlatParameter gradient in the MixedPrecision reduce_dtype (fp32, bf16 or "
+        "fp16) and fp8dist has no FP8 comm hook for its flat gradients",
+        "Use strategy='fsdp' (FSDP2, whose FP8 reduce-scatter fp8dist wires), or reduce_dtype='bf16' with "
+        "strategy='fsdp1'."),)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)

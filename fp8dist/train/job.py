@@ -37,6 +37,7 @@ from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed
                             runs_on_cpu)
 from ..pipeline.grads import clip_grad_norm_, no_sync
 from ..plan.selection import with_read_options
+from ..strategies.grad_fp8 import describe_tally, fp8_wire_words, model_grad_wire
 from .checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
 from .config import TrainConfig
 from .data import check_batch_split, load_tokenizer
@@ -81,6 +82,7 @@ class TrainResult:
     blocks: str = ""  # activation checkpointing, compile and its graph breaks (rank 0)
     skipped_steps: int = 0  # optimizer steps the non-finite guard skipped, this run's and before
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), text data only
+    grad_wire: str = ""  # reduce_dtype='fp8': rank 0's gradient bytes per step, counted at the collectives
 
 
 def _bar(done: int, total: int) -> str:
@@ -345,10 +347,16 @@ def _run_training(config: Config, train: TrainConfig, resume_from: Path | None, 
     result = TrainResult(losses=losses, tokens_per_s=tokens_per_s, peak_memory_mib=[g[0] for g in gathered],
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
-                         blocks=describe_blocks(info.blocks), skipped_steps=info.skipped_steps, eval_losses=evals)
+                         blocks=describe_blocks(info.blocks), skipped_steps=info.skipped_steps, eval_losses=evals,
+                         grad_wire=_wire_line(wrapped, len(losses)))
     if say:
         say(format_summary(result, config, train))
     return result
+
+
+def _wire_line(wrapped: Any, steps: int) -> str:
+    wire = model_grad_wire(wrapped)
+    return describe_tally(wire.total.per_step(steps), fp8_wire_words(wire)) if wire is not None and steps else ""
 
 
 def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
@@ -363,6 +371,7 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
     accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
     evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
+    wire = model_grad_wire(wrapped)  # reduce_dtype='fp8': the bytes counted at the collectives
     losses, step_times, evals = [], [], []  # each step's loss and seconds; (step, held-out loss) of each evaluation
     if progress is not None:
         progress(first)
@@ -371,7 +380,7 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
         micro = list(batches.take(step).to(env.device).chunk(accum))
         lr = train.lr * lr_factor(applied)
         set_lr(optimizer, lr)
-        skipped = info.skipped_steps
+        skipped, sent = info.skipped_steps, wire.total if wire is not None else None
         # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
         show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
         mean_loss, norm = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip,
@@ -387,6 +396,9 @@ def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: An
             val = batches.evaluate(wrapped, env.device)
             evals.append((step + 1, val))
             extra = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+        if wire is not None:
+            tally = wire.total - sent
+            extra.update(grad_wire_bytes=tally.sent, grad_wire_ratio=tally.ratio)
         record = job_log.step(step=step + 1, loss=losses[-1], tokens=train.batch_size * train.seq_len,
                               step_time_s=step_times[-1], grad_norm=norm, lr=lr, skipped_steps=info.skipped_steps,
                               extra=extra)

@@ -119,6 +119,7 @@ def format_summary(result: Any, config: Any, train: Any) -> str:
                      f"step {step})")
     lines += [
         f"skipped steps   {result.skipped_steps} (non-finite gradients; weights and optimizer state kept)",
+        *([f"gradient wire   {result.grad_wire}"] if result.grad_wire else []),
         f"throughput      {result.tokens_per_s:,.0f} tokens/s (global, steps {result.start_step + 2}-{train.steps})",
         "peak memory     " + ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(result.peak_memory_mib))
         + (" (CUDA allocated)" if result.device == "cuda" else " (peak RSS)"),

@@ -180,6 +180,9 @@ class StepRecord:
         if self.peak_memory_bytes is not None:
             parts.append(f"peak mem {self.peak_memory_bytes / 2**30:.2f} GiB")
         parts.append(f"skipped {self.skipped_steps}")
+        wire, ratio = self.extra.get("grad_wire_bytes"), _number(self.extra.get("grad_wire_ratio"))
+        if wire is not None:  # reduce_dtype='fp8': this rank's gradient bytes, counted at the collectives
+            parts.append(f"grad wire {wire / 2**20:.2f} MiB" + (f" ({ratio:.3f}x bf16)" if ratio is not None else ""))
         val = _number(self.extra.get("val_loss"))
         if val is not None:
             ppl = _number(self.extra.get("val_perplexity"))

@@ -111,6 +111,8 @@ class StepTime:
     """True only on the GPU and recipes the constants were fitted on."""
     replicate_degree: int = 1
     """HSDP replicas (FSDP2's ``replicate_degree``); 1: one shard group over every rank."""
+    reduce_dtype: str = "fp32"
+    """The gradient reduction's dtype the collectives were predicted with (fp8: 1 + 4 / block bytes an element)."""
 
     @property
     def tokens(self) -> int:
@@ -249,25 +251,27 @@ def _ring_s(moved: float, ranks: int, within_domain: bool, spec: GpuSpec, networ
 
 
 def _collectives(spec: GpuSpec, facts: Any, world_size: int, params: tuple[int, int], fp8_params: int,
-                 reduce_bytes: int, domain: int, network_gbps: float, c: StepConstants) -> float:
+                 reduce_bytes: tuple[float, float], domain: int, network_gbps: float, c: StepConstants) -> float:
     """Seconds of a step's collectives: of ``params`` (all, trainable), FSDP gathers all twice within its shard
     group and reduce-scatters the trainable ones' gradients there; HSDP (a shard group smaller than the world, its
     ranks contiguous) then all-reduces each rank's gradient shard across the replicas (twice the bytes of one pass,
     over the network once the world spans NVLink domains). A replicating strategy all-reduces the gradients over
-    every rank."""
+    every rank. ``reduce_bytes``: per gradient element, (in the shard group or the replicating all-reduce, in HSDP's
+    all-reduce across replicas)."""
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:
         raise ValueError(f"{spec.label}: the GPU table gives no GPU-to-GPU bandwidth, so collectives cannot be "
                          "predicted: predict world_size=1 or a GPU whose record has it.")
     params, trainable = params
+    reduce_bytes, replica_bytes = reduce_bytes
     one_domain = world_size <= domain
     if not facts.shards_params:
         return _ring_s(2 * reduce_bytes * trainable, world_size, one_domain, spec, network_gbps, c)
     shard = facts.shard_degree or world_size
     gathered = 2 * (params - fp8_params) + fp8_params  # bf16 weights 2 bytes, FP8-gathered ones 1
     inside = _ring_s(2 * gathered + reduce_bytes * trainable, shard, shard <= domain, spec, network_gbps, c)
-    return inside + _ring_s(2 * reduce_bytes * trainable / shard, world_size // shard, one_domain, spec, network_gbps,
+    return inside + _ring_s(2 * replica_bytes * trainable / shard, world_size // shard, one_domain, spec, network_gbps,
                             c)
 
 
@@ -298,7 +302,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
                  activation_checkpointing: str | None = None, strategy: str | None = None,
                  fp8_layers: Collection[str] | None = None, nvlink_domain: int | None = None,
                  network_gbps: float | None = None, replicate_degree: int = 1,
-                 constants: StepConstants = STEP_CONSTANTS) -> StepTime:
+                 constants: StepConstants = STEP_CONSTANTS, reduce_dtype: str | None = None) -> StepTime:
     """Predict one training step in bf16 and with FP8, per GPU: the speedup, tokens/s each way, MFU and the parts.
     Call it before renting the GPU; ``benchmarks/step_model/README.md`` gives its agreement with published runs.
 
@@ -322,6 +326,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
             ``world_size // replicate_degree`` contiguous ranks gathers and reduce-scatters inside itself, then the
             gradient shards are all-reduced across the replicas.
         constants: the fitted and assumed constants (:data:`STEP_CONSTANTS`).
+        reduce_dtype: the gradient reduction's dtype, as wrap_model takes it (None: its default, fp32); 'fp8' sends
+            one byte an element and its block's share of an fp32 scale, in the collectives of both steps.
 
     Raises:
         ValueError: naming the bad value and the choices: a backend without a speed model, a recipe the backend does
@@ -346,7 +352,8 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
     cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
                          **{k: v for k, v in (("strategy", strategy), ("replicate_degree", replicate_degree),
-                                              ("activation_checkpointing", activation_checkpointing))
+                                              ("activation_checkpointing", activation_checkpointing),
+                                              ("reduce_dtype", reduce_dtype))
                             if (v != 1 if k == "replicate_degree" else v)})
     if replicate_degree != 1:
         if "replicate_degree" not in STRATEGIES[cfg.parallel.strategy].options:
@@ -372,7 +379,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
 def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str] | None, spec: GpuSpec, cfg: Any,
              facts: Any, world_size: int, tokens: int, seq_len: int, compile: bool,
              topology: tuple[int, float, str], c: StepConstants) -> StepTime:
-    from ...config.resolve import torch_dtype
+    from ...strategies.grad_fp8 import reduce_wire_bytes, replica_reduce_bytes
 
     shapes, head = linear_shapes(model)
     frozen = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad}
@@ -390,7 +397,8 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gathered_fp8 = recipe_named(recipe).fp8_all_gather and facts.dtensor_shards
     fp8_params = sum(k * o for n, k, o in shapes if n in fp8_names) if gathered_fp8 else 0
-    reduce_bytes = torch_dtype(cfg.parallel.reduce_dtype).itemsize
+    # fp8: one byte and the block's share of its fp32 scale (HSDP's all-reduce across replicas stays fp32)
+    reduce_bytes = reduce_wire_bytes(cfg.parallel), replica_reduce_bytes(cfg.parallel)
     attention_s, attention_flops = _attention(config, spec, tokens, seq_len, c)
     bandwidth = spec.memory_tbps * 1e12 * spec.calibration.memory_fraction
     # bf16 bytes of every Linear's input and output (memory_traffic is per byte of a transformer's Linears: with a
@@ -414,7 +422,8 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
                     compile, mode, len(fp8_names), params, trainable, *topology, flops, sides[0], sides[1], calibrated,
-                    world_size // (facts.shard_degree or world_size) if facts.shards_params else 1)
+                    world_size // (facts.shard_degree or world_size) if facts.shards_params else 1,
+                    cfg.parallel.reduce_dtype)
 
 
 def compare_step_recipes(model_or_config: Any, *, target: str | Hardware | GpuSpec,
