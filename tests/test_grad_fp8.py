@@ -96,7 +96,7 @@ def test_fsdp_and_ddp_take_the_fp8_reduction_and_its_block_knob():
     assert (cfg.parallel.reduce_dtype, cfg.parallel.reduce_fp8_block) == ("fp8", 256)
     with pytest.raises(ValueError, match="reduce_fp8_block"):
         resolve_config(None, reduce_dtype="fp8", reduce_fp8_block=0)
-    notes = resolve_config(None, reduce_fp8_block=256).unused_options()
+    notes = resolve_config(None, reduce_fp8_block=256).unread_notes()
     assert any("reduce_fp8_block=256 has no effect" in n for n in notes), notes
 
 
