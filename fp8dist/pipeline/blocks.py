@@ -16,14 +16,16 @@ from ..plan.hardware import Hardware
 __all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "compile_decision", "wrap_blocks", "describe_blocks",
            "SAVED_BY_SELECTIVE", "SELECTIVE_GEMMS"]
 
-SELECTIVE_GEMMS = ("aten.mm.default", "aten.addmm.default", "aten._scaled_mm.default")
+SELECTIVE_GEMMS = ("aten.mm.default", "aten.addmm.default", "aten._scaled_mm.default", "aten._scaled_mm_v2.default")
 """The GEMMs selective checkpointing counts, in forward order within one checkpointed block call: it keeps the
 output of the 1st, 3rd, 5th... and recomputes the 2nd, 4th... (torchtitan's op mode). torchtitan counts only
-``aten.mm`` (its bias-free bf16 Linears lower to it) and recomputes every ``_scaled_mm`` (FP8 GEMMs are not on its
-list); fp8dist counts the three ops a Linear lowers to (``addmm`` for Hugging Face's biased Linears, ``_scaled_mm``
-for torchao's FP8 ones) as one sequence, so that every Linear recipe keeps every other GEMM output, as the step
-model (fp8dist/plan/speed/step_time.py) and the memory estimate assume. Batched products (eager attention's
-``bmm``, MoE's ``_grouped_mm``) are not counted: they are recomputed."""
+``aten.mm``: its bias-free bf16 Linears lower to it, and so does the matmul of an FP8 tensor subclass (torchao's
+float8 and MXFP8), which the checkpoint's dispatch mode sees before the subclass turns it into ``_scaled_mm``; a
+scaled GEMM a Linear's own autograd function calls on plain tensors (torchao's NVFP4 training Linear:
+``F.scaled_mm`` -> ``_scaled_mm_v2``) is not on its list and is recomputed. fp8dist also counts ``addmm``
+(Hugging Face's biased Linears) and the scaled GEMMs, as one sequence, so that every recipe keeps every other
+GEMM output, as the step model (fp8dist/plan/speed/step_time.py) and the memory estimate assume. Batched products
+(eager attention's ``bmm``, MoE's ``_grouped_mm``) are not counted: they are recomputed."""
 
 SAVED_BY_SELECTIVE = ("aten._scaled_dot_product_flash_attention.default",
                       "aten._scaled_dot_product_efficient_attention.default",
