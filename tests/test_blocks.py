@@ -119,22 +119,25 @@ def test_the_estimate_counts_what_checkpointing_keeps():
     from fp8dist import estimate_memory
     from fp8dist.accounting.estimate_activations import RECOMPUTE_ITEM
 
+    by_mode = {}
     for mode in ("none", "full", "selective"):
         tracker, out, blocks = _forward(mode)
         with torch.device("meta"):
             model = build_llama("tiny", seed=0)
         est = estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, activation_checkpointing=mode,
                               micro_batch_size=BATCH, seq_len=SEQ)
-        items = dict(est.activations)
+        items = by_mode[mode] = dict(est.activations)
         kept = sum(n for item, n in items.items() if item != RECOMPUTE_ITEM)
         # measured: 0.997 (none), 0.984 (full), 0.993 (selective); unmodelled: input ids, rotary cos/sin, the
         # loss's targets
         assert 0.98 <= kept / tracker.alive() <= 1.0, (mode, kept, tracker.alive())
         assert (RECOMPUTE_ITEM in items) == (mode != "none")
-    # one recomputed layer is what a layer keeps without checkpointing
-    plain = dict(estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, micro_batch_size=BATCH,
-                                 seq_len=SEQ).activations)
-    assert items[RECOMPUTE_ITEM] * len(blocks) == plain[f"{len(blocks)} decoder layers"]
+    # one recomputed layer is what a layer keeps without checkpointing, less what selective kept of it
+    layers = by_mode["none"][f"{len(blocks)} decoder layers"]
+    assert by_mode["full"][RECOMPUTE_ITEM] * len(blocks) == layers
+    selective = by_mode["selective"]
+    kept = next(n for item, n in selective.items() if item.endswith("every other GEMM output (selective)"))
+    assert (selective[RECOMPUTE_ITEM] * len(blocks) + kept) == layers
 
 
 # ---- 2 gloo ranks: against the hand-wired engine, and AC on vs off in the engines that keep parameters ----------
