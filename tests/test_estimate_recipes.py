@@ -113,11 +113,18 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 
 
 def test_torchtitan_3914_s_peaks_beside_the_estimate_of_the_nearest_run_fp8dist_represents(tmp_path, capsys):
-    """A miss, recorded: torchtitan's llama3_8b config checkpoints selectively (its "op" mode: every other matmul's
-    output and attention saved, the rest recomputed; NVFP4's scaled_mm outputs are not matmuls it saves), which
-    the estimate does not model ('selective' is not estimated); no checkpointing needs 392 GiB of activations, so
-    the nearest run that fits a GB200 is full checkpointing, where one bf16 tail layer's recompute sets every
-    recipe's peak alike. The ratios below are that gap, measured; NVFP4 agrees (+5%) only by coincidence."""
+    """Misses, recorded with their measured reasons. torchtitan's llama3_8b config checkpoints selectively (its
+    "op" mode: every other ``aten.mm`` output and attention saved, the rest recomputed). fp8dist's selective is
+    that policy, estimated: 213.0 GiB for every recipe (the FP8 copies are recomputed, the GEMM outputs are bf16
+    whatever the recipe), +22% / +18% / +107% over the measured peaks: it does not fit the GB200, so the run a
+    user gets is full checkpointing (108.1 GiB, where one bf16 layer's recompute sets every recipe's peak alike;
+    NVFP4's +5% there is a coincidence). Two gaps explain the selective misses, each computed below from the
+    estimate's items: (1) the 31.3 GiB fp32 log-softmax of Hugging Face's loss, which a fused or compiled loss
+    need not keep (without it bf16 and MXFP8 land at +4% and +1%, in the goal; whether #3914's loss kept it is
+    not known, and fp8dist's run keeps it, so it stays counted); (2) NVFP4: torchao's NVFP4 Linear calls ``F.scaled_mm`` (``_scaled_mm_v2``) from its own autograd
+    function, which torchtitan's list does not hold, so torchtitan recomputes every GEMM output where fp8dist
+    keeps every other (92 GiB here): with torchtitan's choice NVFP4 lands at +17%, -13% without the log-softmax
+    too."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     run = ["estimate", "--model-config", str(path), "--target", "gb200", "--world-size", "4", "--strategy", "fsdp",
@@ -141,4 +148,26 @@ def test_torchtitan_3914_s_peaks_beside_the_estimate_of_the_nearest_run_fp8dist_
     assert none == {"bf16": 472.1, "mxfp8": 472.1, "nvfp4": 437.4}
     ratios = {name: round(gib[name] / measured, 2) for name, measured in TORCHTITAN_3914.items()}
     assert ratios == {"bf16": 0.62, "mxfp8": 0.60, "nvfp4": 1.05}  # the goal is within 15%: two of three miss
+    # selective, torchtitan's policy (fp8dist's 'selective'): the same run, and the two gaps named above
+    selective = estimate_memory(model, strategy="fsdp", world_size=4, micro_batch_size=32, seq_len=2048,
+                                activation_checkpointing="selective")  # every recipe alike: checked below
+    total = device_bytes(selective)
+    for recipe in (dict(fp8="torchao", torchao_recipe="mxfp8"), dict(fp8="torchao", torchao_recipe="nvfp4")):
+        assert device_bytes(estimate_memory(model, strategy="fsdp", world_size=4, micro_batch_size=32, seq_len=2048,
+                                            activation_checkpointing="selective", **recipe)) == total
+    items = dict(selective.activations)
+    kept = next(n for item, n in items.items() if item.endswith("every other GEMM output (selective)"))
+    T, h, heads = 32 * 2048, LLAMA3_8B["hidden_size"], LLAMA3_8B["num_attention_heads"]
+    attention = LLAMA3_8B["num_hidden_layers"] * T * (2 * h + 4 * heads)  # bf16 output, fp32 log-sum-exp
+    log_softmax = 4 * T * LLAMA3_8B["vocab_size"]
+    assert round(total / 2**30, 1) == 213.0 and round((kept - attention) / 2**30, 1) == 92.0
+    assert round(log_softmax / 2**30, 1) == 31.3
+
+    def against_3914(minus: int) -> dict[str, float]:
+        return {name: round((total - minus) / 2**30 / measured, 2) for name, measured in TORCHTITAN_3914.items()}
+
+    assert against_3914(0) == {"bf16": 1.22, "mxfp8": 1.18, "nvfp4": 2.07}  # all three miss
+    assert against_3914(log_softmax) == {"bf16": 1.04, "mxfp8": 1.01, "nvfp4": 1.76}  # a fused loss
+    assert against_3914(kept - attention)["nvfp4"] == 1.17  # torchtitan's NVFP4: no GEMM output kept
+    assert against_3914(kept - attention + log_softmax)["nvfp4"] == 0.87  # and a fused loss
 
