@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fp8dist
-from fp8dist.pipeline.blocks import SAVED_BY_SELECTIVE
+from fp8dist.pipeline.blocks import SAVED_BY_SELECTIVE, SELECTIVE_GEMMS
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 
@@ -41,29 +41,37 @@ def _scalar_cpu_kernels() -> None:
 
 
 class _Storages(TorchDispatchMode):
-    """Every storage an op creates during the forward, by which block created it (None: outside the blocks),
-    and whether the op is one selective checkpointing keeps."""
+    """Every storage an op creates during the forward, by which block created it (None: outside the blocks), and
+    what made it: "gemm" with its place among the block's GEMMs (0, 1, ...), "saved" (an op selective
+    checkpointing always keeps) or "other"."""
 
     def __init__(self, model):
         super().__init__()
-        self.made: dict[int, tuple[StorageWeakRef, int, object, bool]] = {}
+        self.made: dict[int, tuple[StorageWeakRef, int, object, str, int]] = {}
         self.block = None
-        # views of parameters and buffers (a weight's transpose) are not activations
-        self.weights = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        self.gemms = 0  # GEMMs met so far in the current block
+        # views of parameters and buffers (a weight's transpose) are not activations; a tensor-subclass weight's
+        # (torchao MXFP8's) storages are its inner tensors'
+        self.weights = {t.untyped_storage()._cdata for p in (*model.parameters(), *model.buffers())
+                        for t in (p, *(getattr(p, n) for n in getattr(p, "__tensor_flatten__", lambda: ((),))()[0]))}
+
+    def enter(self, block) -> None:
+        self.block, self.gemms = block, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        kept = func._opname in SAVED_BY_SELECTIVE
+        kind = "gemm" if str(func) in SELECTIVE_GEMMS else "saved" if str(func) in SAVED_BY_SELECTIVE else "other"
         for t in tree_leaves(out):
             if type(t) is torch.Tensor:
                 s = t.untyped_storage()
                 if s._cdata in self.weights:
                     continue
-                self.made.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes(), self.block, kept))
+                self.made.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes(), self.block, kind, self.gemms))
+        self.gemms += kind == "gemm"
         return out
 
     def alive(self, where=...) -> int:
-        return sum(n for ref, n, block, _ in self.made.values() if not ref.expired() and where in (..., block))
+        return sum(n for ref, n, block, *_ in self.made.values() if not ref.expired() and where in (..., block))
 
 
 def _forward(mode: str):
@@ -76,7 +84,7 @@ def _forward(mode: str):
     blocks = list(model.model.layers)
     tracker = _Storages(model)
     for block in blocks:
-        block.register_forward_pre_hook(lambda m, a: setattr(tracker, "block", m))
+        block.register_forward_pre_hook(lambda m, a: tracker.enter(m))
         block.register_forward_hook(lambda m, a, o: setattr(tracker, "block", None))
     with tracker:
         out = model(input_ids=x, labels=x)
@@ -90,13 +98,18 @@ def test_checkpointing_keeps_what_each_mode_promises():
     block_out = len(blocks) * BATCH * SEQ * blocks[0].self_attn.config.hidden_size * torch.float32.itemsize
     full, out_full, _ = _forward("full")  # the outputs stay referenced: they hold the graph and what it keeps
     selective, out_selective, _ = _forward("selective")
-    kept_ops = sum(n for _, n, block, kept in plain.made.values() if block is not None and kept)
+    inside = [(n, kind, k) for _, n, block, kind, k in plain.made.values() if block is not None]
+    gemms = [k for _, kind, k in inside if kind == "gemm"]
+    kept_ops = sum(n for n, kind, k in inside if kind == "saved" or (kind == "gemm" and k % 2 == 0))
     print(f"retained after forward: none {plain.alive()}, selective {selective.alive()}, full {full.alive()}; "
           f"inside blocks without checkpointing {inner}, block outputs {block_out}, selective's ops {kept_ops}")
     # full: a block keeps only its input, which is the previous block's fp32 output (+ one 1 KiB tensor of
     # checkpointing's own, measured)
     assert 0 <= full.alive() - (plain.alive() - inner + block_out) <= 1024
-    # selective: full, plus every output of the ops it keeps
+    # a Llama block runs 7 GEMMs (q k v o gate up down): selective keeps q, v, gate and down, recomputes k, o, up
+    assert len(gemms) == 7 * len(blocks) and sum(k % 2 == 0 for k in gemms) == 4 * len(blocks)
+    assert any(kind == "saved" for _, kind, _ in inside)  # the CPU flash attention's output and log-sum-exp
+    # selective: full, plus the attention outputs and the 1st, 3rd, ... GEMM output of each block, nothing else
     assert selective.alive() == full.alive() + kept_ops
 
 
@@ -106,21 +119,25 @@ def test_the_estimate_counts_what_checkpointing_keeps():
     from fp8dist import estimate_memory
     from fp8dist.accounting.estimate_activations import RECOMPUTE_ITEM
 
-    for mode in ("none", "full"):
+    by_mode = {}
+    for mode in ("none", "full", "selective"):
         tracker, out, blocks = _forward(mode)
         with torch.device("meta"):
             model = build_llama("tiny", seed=0)
         est = estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, activation_checkpointing=mode,
                               micro_batch_size=BATCH, seq_len=SEQ)
-        items = dict(est.activations)
+        items = by_mode[mode] = dict(est.activations)
         kept = sum(n for item, n in items.items() if item != RECOMPUTE_ITEM)
-        # measured: 0.997 (none), 0.984 (full); unmodelled: input ids, rotary cos/sin, the loss's targets
+        # measured: 0.997 (none), 0.984 (full), 0.993 (selective); unmodelled: input ids, rotary cos/sin, the
+        # loss's targets
         assert 0.98 <= kept / tracker.alive() <= 1.0, (mode, kept, tracker.alive())
-        assert (RECOMPUTE_ITEM in items) == (mode == "full")
-    # one recomputed layer is what a layer keeps without checkpointing
-    plain = dict(estimate_memory(model, strategy="none", fp8=FP8, param_dtype=DTYPE, micro_batch_size=BATCH,
-                                 seq_len=SEQ).activations)
-    assert items[RECOMPUTE_ITEM] * len(blocks) == plain[f"{len(blocks)} decoder layers"]
+        assert (RECOMPUTE_ITEM in items) == (mode != "none")
+    # one recomputed layer is what a layer keeps without checkpointing, less what selective kept of it
+    layers = by_mode["none"][f"{len(blocks)} decoder layers"]
+    assert by_mode["full"][RECOMPUTE_ITEM] * len(blocks) == layers
+    selective = by_mode["selective"]
+    kept = next(n for item, n in selective.items() if item.endswith("every other GEMM output (selective)"))
+    assert (selective[RECOMPUTE_ITEM] * len(blocks) + kept) == layers
 
 
 # ---- 2 gloo ranks: against the hand-wired engine, and AC on vs off in the engines that keep parameters ----------

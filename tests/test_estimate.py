@@ -246,6 +246,32 @@ def test_family_variants_are_what_autograd_saves(model_type, extra):
     assert abs(ratio - 1) <= _FORMULA_ERROR, f"{model_type} {extra}: estimate / saved = {ratio:.4f}"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox"])
+def test_selective_checkpointing_keeps_what_the_estimate_counts(model_type):
+    """What a selectively checkpointed forward leaves alive (block inputs, attention outputs, every other GEMM
+    output, the head's saves) against the estimate without its recompute transient."""
+    import warnings
+
+    import fp8dist
+    from fp8dist.accounting.estimate_activations import RECOMPUTE_ITEM
+    from test_blocks import _Storages
+
+    model = _family_model(model_type)
+    est = estimate_memory(model, strategy="none", fp8="none", param_dtype="fp32", micro_batch_size=2, seq_len=128,
+                          activation_checkpointing="selective")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # use_cache turned off
+        model = fp8dist.wrap_model(model, strategy="none", fp8="none", param_dtype="fp32",
+                                   activation_checkpointing="selective")
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    with _Storages(model) as storages:
+        out = model(input_ids=ids, labels=ids)  # holds the graph and what it keeps
+    kept = sum(n for item, n in est.activations if item != RECOMPUTE_ITEM)
+    # measured: llama 0.9885, gpt2 0.9972, gpt_neox 0.9961
+    ratio = kept / storages.alive()
+    assert out.loss.isfinite() and 0.985 <= ratio <= 1.0, f"{model_type}: estimate / kept = {ratio:.4f}"
+
+
 def test_compiled_blocks_are_counted_without_the_kv_cache_wrap_model_turns_off():
     kw = dict(strategy="fsdp", world_size=2, micro_batch_size=2, seq_len=128)
     compiled = estimate_memory(_family_model("gpt2"), compile=True, **kw)
@@ -295,8 +321,9 @@ def test_a_family_without_a_formula_gets_model_states_and_a_flag_not_another_fam
     assert "activations not estimated: model_type 'gptj' has no formula (families modelled: llama, mixtral, " \
            "gpt2, gpt_neox)" in est.notes[-1]
     assert "activations not estimated" in str(est) and est.to_dict()["activations_modelled"] is False
-    selective = estimate_memory(_llama(40), strategy="fsdp", activation_checkpointing="selective")
-    assert not selective.activations_modelled and "activation_checkpointing='selective'" in selective.notes[-1]
+    selective = estimate_memory(_family_model("mixtral"), strategy="fsdp", activation_checkpointing="selective")
+    assert not selective.activations_modelled and "activation_checkpointing='selective' for model_type 'mixtral'" \
+        in selective.notes[-1]
 
 
 # --- DeepSpeed: the config wrap_model builds ------------------------------------------------------------------

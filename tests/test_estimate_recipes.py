@@ -81,6 +81,31 @@ def test_mxfp8_s_estimate_is_what_autograd_saves_on_a_real_converted_model():
     assert estimated / saved == pytest.approx(1, abs=0.01)  # 0.9942 measured (the ids, rotary cos/sin: not modelled)
 
 
+@pytest.mark.parametrize("torchao_recipe", ["mxfp8_emulated", "tensorwise"])
+def test_selective_estimate_is_what_a_converted_model_keeps(torchao_recipe):
+    """Selective checkpointing on FP8-converted Linears (emulated on a CPU): what stays alive after the forward
+    (block inputs, attention outputs, every other GEMM output; the FP8 input copies are recomputed) against the
+    estimate without its recompute transient."""
+    from fp8dist.accounting.estimate_activations import RECOMPUTE_ITEM
+    from test_blocks import _Storages
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    recipe = dict(strategy="none", param_dtype="fp32", fp8="torchao", torchao_recipe=torchao_recipe,
+                  activation_checkpointing="selective", **ALL_DECODER_LINEARS)
+    est = estimate_memory(model, micro_batch_size=2, seq_len=128, **recipe)
+    wrapped = fp8dist.wrap_model(copy.deepcopy(model), **recipe)
+    assert len(fp8dist.get_plan(wrapped).fp8) == 14
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    with _Storages(wrapped) as storages:
+        out = wrapped(input_ids=ids, labels=ids)  # holds the graph and what it keeps
+    kept = sum(b for item, b in est.activations if item not in (RECOMPUTE_ITEM, ROOT_WEIGHTS_ITEM))
+    # 0.9888 measured for both (the ids, rotary cos/sin, the amax scalars: not modelled)
+    assert out.loss.isfinite() and kept / storages.alive() == pytest.approx(0.9888, abs=0.005)
+
+
 # torchtitan #3914: Llama3-8B on 4 GB200s, FSDP, seq 2,048, local batch 32; peak memory per GPU, GiB
 TORCHTITAN_3914 = {"bf16": 174.5, "mxfp8": 179.9, "nvfp4": 103.0}
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -88,11 +113,18 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 
 
 def test_torchtitan_3914_s_peaks_beside_the_estimate_of_the_nearest_run_fp8dist_represents(tmp_path, capsys):
-    """A miss, recorded: torchtitan's llama3_8b config checkpoints selectively (its "op" mode: every other matmul's
-    output and attention saved, the rest recomputed; NVFP4's scaled_mm outputs are not matmuls it saves), which
-    the estimate does not model ('selective' is not estimated); no checkpointing needs 392 GiB of activations, so
-    the nearest run that fits a GB200 is full checkpointing, where one bf16 tail layer's recompute sets every
-    recipe's peak alike. The ratios below are that gap, measured; NVFP4 agrees (+5%) only by coincidence."""
+    """Misses, recorded with their measured reasons. torchtitan's llama3_8b config checkpoints selectively (its
+    "op" mode: every other ``aten.mm`` output and attention saved, the rest recomputed). fp8dist's selective is
+    that policy, estimated: 213.0 GiB for every recipe (the FP8 copies are recomputed, the GEMM outputs are bf16
+    whatever the recipe), +22% / +18% / +107% over the measured peaks: it does not fit the GB200, so the run a
+    user gets is full checkpointing (108.1 GiB, where one bf16 layer's recompute sets every recipe's peak alike;
+    NVFP4's +5% there is a coincidence). Two gaps explain the selective misses, each computed below from the
+    estimate's items: (1) the 31.3 GiB fp32 log-softmax of Hugging Face's loss, which a fused or compiled loss
+    need not keep (without it bf16 and MXFP8 land at +4% and +1%, in the goal; whether #3914's loss kept it is
+    not known, and fp8dist's run keeps it, so it stays counted); (2) NVFP4: torchao's NVFP4 Linear calls ``F.scaled_mm`` (``_scaled_mm_v2``) from its own autograd
+    function, which torchtitan's list does not hold, so torchtitan recomputes every GEMM output where fp8dist
+    keeps every other (92 GiB here): with torchtitan's choice NVFP4 lands at +17%, -13% without the log-softmax
+    too."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     run = ["estimate", "--model-config", str(path), "--target", "gb200", "--world-size", "4", "--strategy", "fsdp",
@@ -116,4 +148,26 @@ def test_torchtitan_3914_s_peaks_beside_the_estimate_of_the_nearest_run_fp8dist_
     assert none == {"bf16": 472.1, "mxfp8": 472.1, "nvfp4": 437.4}
     ratios = {name: round(gib[name] / measured, 2) for name, measured in TORCHTITAN_3914.items()}
     assert ratios == {"bf16": 0.62, "mxfp8": 0.60, "nvfp4": 1.05}  # the goal is within 15%: two of three miss
+    # selective, torchtitan's policy (fp8dist's 'selective'): the same run, and the two gaps named above
+    selective = estimate_memory(model, strategy="fsdp", world_size=4, micro_batch_size=32, seq_len=2048,
+                                activation_checkpointing="selective")  # every recipe alike: checked below
+    total = device_bytes(selective)
+    for recipe in (dict(fp8="torchao", torchao_recipe="mxfp8"), dict(fp8="torchao", torchao_recipe="nvfp4")):
+        assert device_bytes(estimate_memory(model, strategy="fsdp", world_size=4, micro_batch_size=32, seq_len=2048,
+                                            activation_checkpointing="selective", **recipe)) == total
+    items = dict(selective.activations)
+    kept = next(n for item, n in items.items() if item.endswith("every other GEMM output (selective)"))
+    T, h, heads = 32 * 2048, LLAMA3_8B["hidden_size"], LLAMA3_8B["num_attention_heads"]
+    attention = LLAMA3_8B["num_hidden_layers"] * T * (2 * h + 4 * heads)  # bf16 output, fp32 log-sum-exp
+    log_softmax = 4 * T * LLAMA3_8B["vocab_size"]
+    assert round(total / 2**30, 1) == 213.0 and round((kept - attention) / 2**30, 1) == 92.0
+    assert round(log_softmax / 2**30, 1) == 31.3
+
+    def against_3914(minus: int) -> dict[str, float]:
+        return {name: round((total - minus) / 2**30 / measured, 2) for name, measured in TORCHTITAN_3914.items()}
+
+    assert against_3914(0) == {"bf16": 1.22, "mxfp8": 1.18, "nvfp4": 2.07}  # all three miss
+    assert against_3914(log_softmax) == {"bf16": 1.04, "mxfp8": 1.01, "nvfp4": 1.76}  # a fused loss
+    assert against_3914(kept - attention)["nvfp4"] == 1.17  # torchtitan's NVFP4: no GEMM output kept
+    assert against_3914(kept - attention + log_softmax)["nvfp4"] == 0.87  # and a fused loss
 

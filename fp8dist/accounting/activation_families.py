@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Saves", "Family", "FAMILIES", "ACTIVATION_SAVES", "dims", "activation_note"]
+__all__ = ["Saves", "Family", "FAMILIES", "ACTIVATION_SAVES", "dims", "activation_note", "kept_by_selective"]
 
 ACTIVATION_SAVES = {"silu": 1, "swish": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "gelu_new": 4, "gelu_fast": 7,
                     "gelu_python": 3, "gelu_accurate": 4, "quick_gelu": 2, "relu": 0, "relu2": 1, "mish": 1}
@@ -157,14 +157,25 @@ class Family:
     """Bytes saved around the embeddings (GPT-2's embedding dropout)."""
     activation_key: str | None = None
     """The config key naming the MLP activation, when the family reads it from ACTIVATION_SAVES."""
+    gemms: Callable[[dict[str, int], Any], list[int]] | None = None
+    """Output width (elements per token) of each GEMM a decoder layer runs, in forward order (what selective
+    checkpointing counts, fp8dist.pipeline.blocks.SELECTIVE_GEMMS); None: selective is not modelled."""
+
+
+def _llama_gemms(d: dict[str, int], config: Any) -> list[int]:
+    return [d["a"] * d["d"], d["kv"] * d["d"], d["kv"] * d["d"], d["h"], d["i"], d["i"], d["h"]]  # q k v o gate up down
+
+
+def _fused_qkv_gemms(d: dict[str, int], config: Any) -> list[int]:
+    return [3 * d["h"], d["h"], d["i"], d["h"]]  # fused q/k/v, attention out, MLP in, MLP out
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_llama_layer, "rms", ("Linear",)),
+    "llama": Family(_llama_layer, "rms", ("Linear",), gemms=_llama_gemms),
     "mixtral": Family(_mixtral_layer, "rms", ("Linear", "MixtralTopKRouter")),
     "gpt2": Family(_gpt2_layer, "layer", ("Linear", "Conv1D"), activation_key="activation_function",
-                   embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"])),
-    "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act"),
+                   embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"]), gemms=_fused_qkv_gemms),
+    "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act", gemms=_fused_qkv_gemms),
 }
 """Each checked against the tensors autograd saves on a small real model (tests/test_estimate.py)."""
 
@@ -172,3 +183,12 @@ FAMILIES: dict[str, Family] = {
 def activation_note(family: Family, config: Any) -> str | None:
     """The note when the family's MLP activation is not in the table."""
     return _activation(config, family.activation_key)[1] if family.activation_key else None
+
+
+def kept_by_selective(family: Family, s: Saves, d: dict[str, int], config: Any) -> int:
+    """Bytes one decoder layer keeps under selective checkpointing besides its input: the fused attention's output
+    (c) and fp32 log-sum-exp, and its 1st, 3rd, 5th... GEMM output (c, the GEMM's output dtype under autocast and
+    FP8 alike); every other tensor, FP8 copies included, is recomputed in backward. Call only where
+    ``family.gemms`` is set."""
+    widths = family.gemms(d, config)
+    return s.T * (s.c * d["a"] * d["d"] + _FP32 * d["a"] + s.c * sum(widths[::2]))

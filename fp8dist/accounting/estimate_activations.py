@@ -11,19 +11,28 @@ from torch import nn
 
 from ..strategies import get_strategy
 from ..strategies.state_bytes import ROOT_WEIGHTS_ITEM
-from .activation_families import FAMILIES, Saves, activation_note, dims
+from .activation_families import FAMILIES, Saves, activation_note, dims, kept_by_selective
 from ..fp8 import get_backend
 
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"  # full checkpointing's transient
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"  # full/selective checkpointing's transient
+
+
+_CHECKPOINTING_NOTES = {
+    "none": "activations assume no activation checkpointing, ",
+    "full": "activations with full checkpointing: each layer's input, and one layer's saves while backward "
+            "recomputes it; ",
+    "selective": "activations with selective checkpointing (torchtitan's op mode): each layer's input, attention "
+                 "outputs and every other GEMM output, and the rest of one layer's saves while backward recomputes "
+                 "it; "}
 
 
 @dataclass(frozen=True)
 class Activations:
     """``(item, bytes)`` rows and notes; ``modelled`` False (``items`` empty) where no formula covers the model
-    or the setting (selective checkpointing)."""
+    or the setting (selective checkpointing of a family without its GEMM list)."""
 
     items: list[tuple[str, int]]
     notes: list[str]
@@ -49,10 +58,11 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     if family is None or d is None:
         return _unmodelled(config)
     checkpointing = cfg.parallel.activation_checkpointing
-    if checkpointing == "selective":  # the formulas do not split a layer's saves into matmul outputs and the rest
-        return Activations([], ["activations not estimated with activation_checkpointing='selective': between "
-                                "'full' and 'none', whose figures are the bounds (selective keeps every matmul and "
-                                "attention output)"], modelled=False)
+    if checkpointing == "selective" and family.gemms is None:
+        return Activations([], [f"activations not estimated with activation_checkpointing='selective' for "
+                                f"model_type {config.model_type!r} (its GEMM list is not modelled: the experts' GEMMs "
+                                "depend on the routing): between 'full' and 'none', whose figures are the bounds"],
+                           modelled=False)
     T, backend = micro_batch_size * seq_len, get_backend(cfg.precision.fp8)
     r = stored_bytes if plan.facts.autocast_forward else c  # autocast keeps the weights as stored
     autocast = plan.facts.autocast_forward and c != 4
@@ -69,6 +79,13 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: full)",
                   len(prefixes) * r * T * d["h"]),
                  (RECOMPUTE_ITEM, max(layers))]
+    elif checkpointing == "selective":  # and what the policy keeps; backward recomputes the rest, a block at a time
+        kept = kept_by_selective(family, s, d, config)
+        items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: selective)",
+                  len(prefixes) * r * T * d["h"]),
+                 (f"{len(prefixes)} decoder layers' attention outputs and every other GEMM output (selective)",
+                  len(prefixes) * kept),
+                 (RECOMPUTE_ITEM, max(0, max(layers) - kept))]
     else:
         items = [(f"{len(prefixes)} decoder layers", sum(layers))]
     if family.embeddings is not None and (mask := family.embeddings(s, d, config)):
@@ -80,8 +97,7 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
     items += _kept_weights(model, plan, cfg, family.cast_types, blocks, r, c)
     notes = [f"activations: the {config.model_type} formula (fp8dist/accounting/activation_families.py)",
-             ("activations with full checkpointing: each layer's input, and one layer's saves while backward "
-              "recomputes it; " if checkpointing == "full" else "activations assume no activation checkpointing, ")
+             _CHECKPOINTING_NOTES[checkpointing]
              + "flash-style attention (no seq x seq scores); "
              "dropout masks at 1 byte per element, as CUDA keeps them",
              f"the forward's peak also holds an fp32 copy of the logits ({4 * T * d['V'] / 2**20:,.1f} MiB) while the "

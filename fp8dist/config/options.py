@@ -65,8 +65,9 @@ class StrategyConfig:
     Hugging Face _no_split_modules, else the children of the largest nn.ModuleList."""
 
     activation_checkpointing: CheckpointingMode = "none"
-    """Recompute activations in backward, per block: none; full (a block keeps only its input); selective (keeps
-    its matmul and attention outputs, torchtitan's "op" mode)."""
+    """Recompute activations in backward, per block: none; full (a block keeps only its input); selective
+    (torchtitan's "op" mode: a block keeps its input, its attention outputs and every other GEMM output, in forward
+    order; fp8dist.pipeline.blocks.SELECTIVE_GEMMS)."""
 
     compile: bool | None = field(default=None, metadata={"none": "auto, the default"})
     """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU,

@@ -4,7 +4,6 @@ between FP8 conversion and sharding (torchtitan's order), on the blocks FSDP sha
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +14,28 @@ from ..config.text import plural
 from ..plan.hardware import Hardware
 
 __all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "compile_decision", "wrap_blocks", "describe_blocks",
-           "SAVED_BY_SELECTIVE"]
+           "SAVED_BY_SELECTIVE", "SELECTIVE_GEMMS"]
 
-SAVED_BY_SELECTIVE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu")
-"""aten ops whose outputs selective checkpointing keeps (torchtitan's "op" mode); the rest is recomputed."""
+SELECTIVE_GEMMS = ("aten.mm.default", "aten.addmm.default", "aten._scaled_mm.default", "aten._scaled_mm_v2.default")
+"""The GEMMs selective checkpointing counts, in forward order within one checkpointed block call: it keeps the
+output of the 1st, 3rd, 5th... and recomputes the 2nd, 4th... (torchtitan's op mode). torchtitan counts only
+``aten.mm``: its bias-free bf16 Linears lower to it, and so does the matmul of an FP8 tensor subclass (torchao's
+float8 and MXFP8), which the checkpoint's dispatch mode sees before the subclass turns it into ``_scaled_mm``; a
+scaled GEMM a Linear's own autograd function calls on plain tensors (torchao's NVFP4 training Linear:
+``F.scaled_mm`` -> ``_scaled_mm_v2``) is not on its list and is recomputed. fp8dist also counts ``addmm``
+(Hugging Face's biased Linears) and the scaled GEMMs, as one sequence, so that every recipe keeps every other
+GEMM output, as the step model (fp8dist/plan/speed/step_time.py) and the memory estimate assume. Batched products
+(eager attention's ``bmm``, MoE's ``_grouped_mm``) are not counted: they are recomputed."""
+
+SAVED_BY_SELECTIVE = ("aten._scaled_dot_product_flash_attention.default",
+                      "aten._scaled_dot_product_efficient_attention.default",
+                      "aten._scaled_dot_product_cudnn_attention.default",
+                      "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                      "_c10d_functional.reduce_scatter_tensor.default", "aten.max.default")
+"""Ops (besides every other GEMM of :data:`SELECTIVE_GEMMS`) whose outputs selective checkpointing keeps, as
+torchtitan's op mode does: fused attention (output and log-sum-exp), a tensor-parallel reduce-scatter, and the
+whole-tensor ``max`` FP8 recipes take amax with (a scalar: the scale is not recomputed). Every other op is
+recomputed in backward."""
 
 
 COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
@@ -67,19 +82,30 @@ def compile_decision(compile: bool | None, fp8: str | None, converted: bool, dev
     return True, f"auto: on ({fp8} FP8 on CUDA: compiled blocks fuse the casts and scaling)"
 
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
+def _selective_contexts() -> Any:
+    """The forward and recompute contexts of one checkpointed block call, with a GEMM counter of their own (torch
+    calls ``context_fn`` once per call): each pass counts its own GEMMs from 1, so the recompute keeps and
+    recomputes exactly the GEMMs the forward did."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    name = getattr(op, "_opname", None) or str(op).split(".")[1]
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    gemms = {False: 0, True: 0}  # per pass: ctx.is_recompute
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        name = str(op)
+        if name in SELECTIVE_GEMMS:
+            gemms[ctx.is_recompute] += 1
+            keep = gemms[ctx.is_recompute] % 2 == 1
+        else:
+            keep = name in SAVED_BY_SELECTIVE
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
-        if mode == "selective" else {}
+    kwargs = {"context_fn": _selective_contexts} if mode == "selective" else {}
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
 
 
