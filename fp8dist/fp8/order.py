@@ -75,11 +75,18 @@ def _traced(model: nn.Module) -> list[str]:
         try:
             found = (structure, _trace(model))
         except Exception as error:  # any model code may refuse the meta device: said by each caller alike
-            found = (structure, error)
+            found = (structure, _without_frames(error))
         _TRACES[model] = found
     if isinstance(found[1], Exception):
-        raise found[1]
+        raise copy.copy(found[1])  # raising the kept one would attach this call's frames (and the model) to it
     return found[1]
+
+
+def _without_frames(error: Exception) -> Exception:
+    """``error`` with no traceback, cause or context: kept in :data:`_TRACES`, a traceback's frames would hold the
+    model (the cache's weak key) alive for ever."""
+    error.__traceback__, error.__cause__, error.__context__ = None, None, None
+    return error
 
 
 def _trace(model: nn.Module) -> list[str]:

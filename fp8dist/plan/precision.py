@@ -289,10 +289,13 @@ def _static_facts(model: nn.Module) -> tuple[tuple, list[tuple[str, nn.Module, i
     that holds parameters, whether it holds PEFT tuner layers or ``modules_to_save`` wrappers): walked once per
     structure of the model (a planner re-plans one model per way out and rank count)."""
     structure = structure_of(model)
-    return (structure, *per_structure(model, "modules", lambda: _walk(model), structure))
+    facts, peft = per_structure(model, "modules", lambda: _walk(model), structure)
+    return structure, [(name, model.get_submodule(name), *rest) for name, *rest in facts], peft
 
 
-def _walk(model: nn.Module) -> tuple[list[tuple[str, nn.Module, int, bool, int]], bool]:
+def _walk(model: nn.Module) -> tuple[list[tuple[str, int, bool, int]], bool]:
+    """By name, not module: the cache's value must not hold the model (its weak key) through a module (an FSDP2
+    unit's state reaches the root's)."""
     from ..fp8.moe import is_experts
 
     modules, peft = [], False
@@ -300,7 +303,7 @@ def _walk(model: nn.Module) -> tuple[list[tuple[str, nn.Module, int, bool, int]]
         params = sum(p.numel() for p in module.parameters(recurse=False))
         if params:
             grouped = is_experts(module)
-            modules.append((name, module, params, grouped, gemm_flops(module, params, grouped)))
+            modules.append((name, params, grouped, gemm_flops(module, params, grouped)))
         peft = peft or isinstance(getattr(module, "base_layer", None), nn.Module) \
             or isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
     return modules, peft
