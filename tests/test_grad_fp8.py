@@ -135,3 +135,44 @@ def test_the_step_model_sends_fp8_gradients_at_one_byte_and_a_scale_share_and_sa
     assert "with reduce_dtype='fp8'" in line and "FP8 gradients pay: the collectives are exposed" in line
     within = predict_step(model, target="h100", world_size=8, micro_batch_size=1, seq_len=2048, reduce_dtype="fp8")
     assert "do not pay here" in grad_wire_line(model, within, resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
+
+
+def _hostile_llama():
+    """The tiny Llama with one channel of layer 1's MLP norm weight scaled 1e8: every row of its gate and up
+    projections' weight gradients holds one huge value, which sets each FP8 block's scale."""
+    from fp8dist.train.models import build_llama
+
+    model = build_llama("tiny", seed=0)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[0] *= 1e8
+    return model
+
+
+HOSTILE = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")
+
+
+def test_the_probe_measures_each_weight_gradient_under_the_fp8_reduction_and_flags_the_ones_it_hurts():
+    import fp8dist
+    from fp8dist.train.data import Batches
+    from fp8dist.train.models import build_llama
+
+    batch = [Batches(batch_size=4, seq_len=64, rank=0, world_size=1, seed=1)[0]]
+    healthy = fp8dist.measure_fp8_numerics(build_llama("tiny", seed=0), batch, fp8="torchao", reduce_dtype="fp8")
+    assert healthy.reduce_block == 128 and healthy.reduce_fallback == {}
+    figures = [(layer.reduce.sqnr_db, layer.reduce.small_sqnr_db) for layer in healthy.layers]
+    assert all(31 < f < 33 for pair in figures for f in pair), figures  # measured 31.3-32.4 dB
+    report = fp8dist.measure_fp8_numerics(_hostile_llama(), batch, fp8="torchao", reduce_dtype="fp8")
+    assert list(report.reduce_fallback) == list(HOSTILE)
+    hurt = {layer.name: layer for layer in report.layers if layer.name in HOSTILE}
+    for layer in hurt.values():  # the outliers keep the plain SQNR high (~115 dB); the small values flush
+        assert layer.reduce.sqnr_db > 60 and layer.reduce.small_sqnr_db < 1  # measured 0.2 dB
+        assert layer.reduce_problems == (f"weight gradient SQNR of the values under 1/16 of their block's largest "
+                                         f"{layer.reduce.small_sqnr_db:.1f} dB < 20 dB in FP8 blocks of 128",)
+    data = report.to_dict()
+    assert data["reduce_fallback"] == report.reduce_fallback and data["reduce_block"] == 128
+    assert all(d["reduce_small_sqnr_db"] is not None for d in data["layers"])
+    text = str(report)
+    assert "gradients reduced in fp32, not FP8 (2): " + ", ".join(HOSTILE) in text
+    assert "REDUCE IN FP32: weight gradient SQNR of the values under 1/16" in text
+    plain = fp8dist.measure_fp8_numerics(build_llama("tiny", seed=0), batch, fp8="torchao")
+    assert plain.reduce_block is None and "reduce SQNR" not in str(plain)
