@@ -238,6 +238,11 @@ def test_the_plan_records_each_flagged_layer_and_ddp_refuses_per_layer_fallback(
     for words in ("reduce_dtype='fp8' with strategy='ddp'", "flags 2 layers", HOSTILE[0],
                   "Use strategy='fsdp'", "reduce_dtype='fp32'", "min_reduce_small_sqnr_db"):
         assert words in str(refused.value)
+    foreign = {**hostile_report.to_dict(), "reduce_fallback": {"model.nope": "x"}}
+    with pytest.raises(ValueError, match=r"flags 1 module for an fp32 gradient reduction that this model does not "
+                                         r"have \('model.nope'\): it was measured on another model"):
+        plan_precision(model, resolve_config(None, strategy="fsdp", reduce_dtype="fp8"), device=torch.device("cpu"),
+                       numerics=foreign)
     unmeasured = fp8dist.measure_fp8_numerics(model, [torch.randint(0, 100, (2, 16))], fp8="torchao")
     notes = plan_precision(model, resolve_config(None, strategy="fsdp", reduce_dtype="fp8"),
                            device=torch.device("cpu"), numerics=unmeasured).notes

@@ -342,8 +342,9 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
 def reduce_fallbacks(entries: list[Any], report: Any, cfg: Any) -> tuple[list[Any], list[str]]:
     """Under ``reduce_dtype="fp8"``: ``entries`` with ``reduce_fallback`` set on each module whose weight gradient
     the probe's ``report`` (a NumericsReport or its ``to_dict()``) found hurt by the FP8 blocks, and the notes to
-    say (a report that did not measure the reduction, or measured another block size). ValueError: the strategy
-    cannot reduce one layer's gradients apart from the others (its :attr:`reduce_fallback_unit` is None)."""
+    say (a report that did not measure the reduction, or measured another block size). ValueError: the report
+    flags modules ``entries`` lack (another model's), or the strategy cannot reduce one layer's gradients apart from
+    the others (its ``reduce_fallback_unit`` is None)."""
     from ..strategies import STRATEGIES
 
     data = report.to_dict() if not isinstance(report, Mapping) and callable(getattr(report, "to_dict", None)) \
@@ -356,6 +357,12 @@ def reduce_fallbacks(entries: list[Any], report: Any, cfg: Any) -> tuple[list[An
         f"reduce_dtype='fp8': the numerics report measured FP8 gradient blocks of {block}, this run sends blocks of "
         f"{block_now}: its verdicts may not hold; probe with reduce_fp8_block={block_now}"]
     flagged = dict(data.get("reduce_fallback") or {})
+    foreign = [name for name in flagged if name not in {e.name for e in entries}]
+    if foreign:
+        raise ValueError(f"the numerics report flags {plural(len(foreign), 'module')} for an fp32 gradient reduction "
+                         f"that this model does not have ({listing([repr(n) for n in foreign])}): it was measured "
+                         "on another model. Probe this model (fp8dist.measure_fp8_numerics, or fp8dist probe --json "
+                         "FILE) and pass that report.")
     if not flagged:
         return entries, notes
     strategy = STRATEGIES[cfg.parallel.strategy]
