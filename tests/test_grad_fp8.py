@@ -94,7 +94,7 @@ def test_fp8_reduction_keeps_the_loss_with_half_the_bytes_the_estimate_predicts(
         assert r[strategy, "skip"] == dict(skipped=1, same=True), "an inf before quantizing is a skipped step"
 
 
-@pytest.mark.slow  # shares the run above: two more steps under fsdp
+@pytest.mark.slow  # shares the run above, two more steps under fsdp: the whole run 34 s here under a shared load
 def test_a_unit_holding_a_layer_the_probe_flags_reduces_in_fp32_as_counted_and_estimated(results):
     for r in results:
         fallback = r["fallback"]
