@@ -56,6 +56,7 @@ def _run(rank: int, world: int, hostile: dict) -> dict:
              for name, m in fp8dist.unwrap_model(model).named_modules() if hasattr(m, "_get_fsdp_state")
              for group in m._get_fsdp_state()._fsdp_param_groups}
     out["fallback"] = dict(wire=model_grad_wire(model).total.per_step(2), units=units, losses=losses,
+                           reduce=fp8dist.sharding_summary(model).reduce_dtype,
                            notes=[n for n in fp8dist.get_wrap_info(model).sharding.notes if "fp32, not FP8" in n],
                            estimate=fp8dist.estimate_memory(base, strategy="fsdp", reduce_dtype="fp8", world_size=world,
                                                             numerics=hostile).grad_wire)
@@ -99,6 +100,8 @@ def test_a_unit_holding_a_layer_the_probe_flags_reduces_in_fp32_as_counted_and_e
     for r in results:
         fallback = r["fallback"]
         assert fallback["units"]["model.layers.1"] == "FP32ReduceScatter"
+        assert fallback["reduce"] == ("fp8 e4m3 blocks of 128 (fp32 scales), summed in fp32; in fp32: FSDP2 unit "
+                                      "model.layers.1 (the numerics probe's verdict)")
         assert {u for name, u in fallback["units"].items() if name != "model.layers.1"} == {"FP8ReduceScatter"}
         assert fallback["notes"] == ["reduce_dtype='fp8': FSDP2 unit model.layers.1 reduce-scatters in fp32, not FP8: "
                                      f"it holds {', '.join(HOSTILE)}, whose weight gradients the FP8 blocks hurt (the "

@@ -69,6 +69,8 @@ class GradWire:
             raise ValueError(f"reduce_fp8_block={block} must be a positive number of elements per fp32 scale.")
         self.block = block
         self.total = WireTally()
+        self.fp32_units: tuple[str, ...] = ()
+        """FSDP2 units whose gradients cross in fp32 instead (a layer the numerics probe flagged), by first name."""
 
     def add(self, *, sent: int, scales: int, bf16: int, elements: int) -> None:
         self.total += WireTally(sent, scales, bf16, elements)
@@ -217,6 +219,7 @@ def apply_fp8_reduce_scatter(model: nn.Module, wire: GradWire, fallback: tuple[s
     fp32_states = {list(states)[i] for i in held}
     for _, module in named:
         module.set_custom_reduce_scatter(fp32 if id(module._get_fsdp_state()) in fp32_states else fp8)
+    wire.fp32_units = tuple(units[i][0] or "root" for i in held)
     return tuple(f"reduce_dtype='fp8': FSDP2 unit {', '.join(units[i]) or 'root'} reduce-scatters in fp32, not FP8: it "
                  f"holds {', '.join(layers)}, whose weight gradients the FP8 blocks hurt (the numerics probe's verdict)"
                  for i, layers in held.items())
@@ -236,7 +239,9 @@ def model_grad_wire(model: nn.Module) -> GradWire | None:
 
 def fp8_wire_words(wire: GradWire) -> str:
     """How the gradients cross the wire, as the report says it."""
-    return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32"
+    fp32 = f"; in fp32: FSDP2 unit{'s' * (len(wire.fp32_units) > 1)} {', '.join(wire.fp32_units)} (the numerics " \
+        "probe's verdict)" if wire.fp32_units else ""
+    return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32{fp32}"
 
 
 def _row_bytes(elements: int, block: int) -> tuple[int, int]:
