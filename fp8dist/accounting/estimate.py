@@ -148,7 +148,8 @@ _READ_BY_THE_ESTIMATE = ("micro_batch_size", "seq_len")
 
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
-                    fp8_filter: Any = None, target: str | Hardware | None = None, **overrides: Any) -> MemoryEstimate:
+                    fp8_filter: Any = None, target: str | Hardware | None = None, numerics: Any = None,
+                    **overrides: Any) -> MemoryEstimate:
     """Predict per-rank model-state bytes (and activations of one micro-batch) of ``wrap_model(model, ...)``, on
     a meta-device model (nothing is allocated) or a real one (nothing is changed).
 
@@ -164,6 +165,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for
             it, with its GEMM time (``speed``) and whether a rank fits (``fit``); None: planned as if FP8 ran here,
             no GEMM time.
+        numerics: a probe's report, as for ``wrap_model``: the layers it keeps out of FP8, and under
+            ``reduce_dtype="fp8"`` the gradients it reduces in fp32 (``grad_wire``).
 
     Returns:
         A :class:`MemoryEstimate`; ``print`` it for a table.
@@ -197,7 +200,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     hardware = parse_target(target) if isinstance(target, str) else target
     # what the ways out of a fit keep: all but the config and the rank count
     job = partial(_estimate, model, micro=micro, seq_len=seq_len, optimizer=optimizer, fp8_filter=fp8_filter,
-                  hardware=hardware)
+                  hardware=hardware, numerics=numerics)
     est = job(cfg, world_size, rank)
     if hardware is None:
         return est
@@ -214,7 +217,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
 
 
 def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, *, micro: int, seq_len: int,
-              optimizer: str, fp8_filter: Any, hardware: Hardware | None) -> MemoryEstimate:
+              optimizer: str, fp8_filter: Any, hardware: Hardware | None, numerics: Any = None) -> MemoryEstimate:
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
@@ -226,7 +229,7 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     # the plan predicts FP8 speed at the tokens estimated here
     shaped = replace(cfg, parallel=replace(cfg.parallel, micro_batch_size=micro, seq_len=seq_len))
     plan = plan_precision(model, shaped, device=hardware or torch.device("cpu"), world_size=world_size,
-                          fp8_filter=fp8_filter, check_hardware=False)
+                          fp8_filter=fp8_filter, check_hardware=False, numerics=numerics)
     backend.check_plan(plan)  # what wrap_model would refuse, refused here too
     blocks = [n for n, _ in find_blocks(model, cfg.parallel.block_classes)[0]]
     on_cpu = hardware is None and runs_on_cpu(cfg.parallel.device)
@@ -254,5 +257,6 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
         activations=tuple(acts.items), activations_modelled=acts.modelled, derived=backend.derived_bytes,
         offloaded=engine.offloaded, memory=level.name, speed=plan.selection if hardware is not None else None,
         groups=param_groups(params, on_rank, sum(per_rank[chosen].values())),
-        grad_wire=strategy.grad_wire(model, cfg, world_size, blocks),
+        grad_wire=strategy.grad_wire(model, cfg, world_size, blocks,
+                                     tuple(e.name for e in plan if e.reduce_fallback)),
         notes=tuple(derived * backend.derived_bytes) + engine.notes + tuple(acts.notes))

@@ -243,7 +243,8 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     blocks, block_wiring = _wrap_blocks(model, cfg, plan)                                 # 7. blocks
     hooks = backend.engine_hooks(optimizer, cfg, plan.facts)
     sharded = engine.shard(model, ShardJob(cfg, env, blocks, meta, _filler(cfg, env, meta, plan),   # 8. shard
-                                           optimizer, hooks.prepare, hooks.entry, mesh))
+                                           optimizer, hooks.prepare, hooks.entry, mesh,
+                                           tuple(e.name for e in plan if e.reduce_fallback)))
     for note in (*block_wiring.notes, *sharded.info.notes) if launch.rank == 0 else ():  # as _announce: once
         warnings.warn(note, UserWarning, stacklevel=2)
     wiring = backend.after_shard(sharded.model, unwrap_model(sharded.model), plan, cfg, fp8_group)  # 9. FP8 wiring

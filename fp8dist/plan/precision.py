@@ -63,6 +63,10 @@ class PlanEntry:
     runs: bool = True
     """False: a module PEFT holds that does not run with its adapters as set (a ``modules_to_save`` original, an
     inactive adapter: :func:`~fp8dist.plan.adapters.idle_copies`): not converted, not counted in the FP8 share."""
+    reduce_fallback: str | None = None
+    """Under ``reduce_dtype="fp8"``: why this module's weight gradient is reduced in fp32, not FP8 (the numerics
+    probe's verdict: the FP8 blocks hurt it; FSDP2 reduces the whole unit holding it in fp32); None: as the
+    strategy's other gradients."""
 
     @property
     def speedup(self) -> float | None:
@@ -157,7 +161,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
         head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
                 f"strategy={self.strategy}{level} -- {self.counts()}")
         rows = [("module", "type", "precision", "converted to", "reason")]
-        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-", e.reason) for e in self._entries]
+        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-",
+                  e.reason + (f"; {e.reduce_fallback}" if e.reduce_fallback else ""))
+                 for e in self._entries]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile "
                   f"{'on' if self.compile else 'off'} ({self.compile_reason})")
@@ -205,15 +211,18 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         check_hardware: False plans as if the backend and FP8 hardware were present (``--ignore-hardware``).
         check_installed: False plans as if the backend were installed, the hardware still checked (``--target``).
         numerics: a probe's report of this model (:func:`fp8dist.measure_fp8_numerics`'s, or the dict of
-            ``fp8dist probe --json``): layers past its thresholds stay out of FP8. Typed Any: the numerics
-            package imports this module.
+            ``fp8dist probe --json``): layers past its thresholds stay out of FP8; under ``reduce_dtype="fp8"``,
+            layers whose weight gradients its FP8 blocks hurt reduce in fp32 (``PlanEntry.reduce_fallback``).
+            Typed Any: the numerics package imports this module.
 
     Raises:
         FP8UnavailableError: backend missing / no FP8 hardware, unless ``on_unsupported="fallback"``.
-        ValueError: a bad world size, or a numerics report of another model.
+        ValueError: a bad world size, a numerics report of another model, or one that flags layers for an fp32
+            reduction under a strategy that reduces every gradient alike (DDP's FP8 comm hook).
     """
     from ..pipeline.blocks import compile_decision
     from ..config.rules import facts_of, refusing_rule
+    from .selection import reduce_fallbacks
     from ..strategies import STRATEGIES
 
     if fp8_filter is not None and not callable(fp8_filter):
@@ -234,6 +243,9 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         entries, selection, notes = select(model, entries, cfg, hardware, compile=compiles_with_fp8,
                                            numerics=numerics, facts=facts,
                                            fallback=lambda m: _fallback_precision(m, cfg, facts))
+    if numerics is not None and cfg.parallel.reduce_dtype == "fp8":  # the probe's verdict on the FP8 reduction
+        entries, said = reduce_fallbacks(entries, numerics, cfg)
+        notes = [*notes, *said]
     detail = f"fallback: {gate}" if gate else _backend(cfg).describe(cfg, facts) if fp8 else ""
     compiled, why = compile_decision(cfg.parallel.compile, fp8, any(e.converted_to for e in entries), hardware, refused)
     if fp8:

@@ -18,7 +18,8 @@ from .tail import kept_tail
 from ..config.options import DEFAULT_SEQ_LEN
 from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
 
-__all__ = ["Selection", "select", "numerics_verdicts", "with_read_options", "describe_prediction", "speedup_of"]
+__all__ = ["Selection", "select", "numerics_verdicts", "reduce_fallbacks", "with_read_options", "describe_prediction",
+           "speedup_of"]
 
 Verdicts = Mapping[str, tuple[str, ...] | None]
 
@@ -336,6 +337,48 @@ def numerics_verdicts(report: Any, names: Sequence[str], backend: str | None = N
     if backend is not None and measured != backend:
         said += f", not fp8={backend!r}'s: its verdicts may not hold for this backend's casts"
     return verdicts, said
+
+
+def reduce_fallbacks(entries: list[Any], report: Any, cfg: Any) -> tuple[list[Any], list[str]]:
+    """Under ``reduce_dtype="fp8"``: ``entries`` with ``reduce_fallback`` set on each module whose weight gradient
+    the probe's ``report`` (a NumericsReport or its ``to_dict()``) found hurt by the FP8 blocks, and the notes to
+    say (a report that did not measure the reduction, or measured another block size). ValueError: the report
+    flags modules ``entries`` lack (another model's), or the strategy cannot reduce one layer's gradients apart from
+    the others (its ``reduce_fallback_unit`` is None)."""
+    from ..strategies import STRATEGIES
+
+    data = report.to_dict() if not isinstance(report, Mapping) and callable(getattr(report, "to_dict", None)) \
+        else report
+    block, block_now = data.get("reduce_block"), cfg.parallel.reduce_fp8_block
+    if block is None:
+        return entries, ["reduce_dtype='fp8': the numerics report did not measure the FP8 gradient reduction, so "
+                         "every gradient reduces in FP8; probe with reduce_dtype='fp8' for a verdict per layer"]
+    notes = [] if block == block_now else [
+        f"reduce_dtype='fp8': the numerics report measured FP8 gradient blocks of {block}, this run sends blocks of "
+        f"{block_now}: its verdicts may not hold; probe with reduce_fp8_block={block_now}"]
+    flagged = dict(data.get("reduce_fallback") or {})
+    foreign = [name for name in flagged if name not in {e.name for e in entries}]
+    if foreign:
+        raise ValueError(f"the numerics report flags {plural(len(foreign), 'module')} for an fp32 gradient reduction "
+                         f"that this model does not have ({listing([repr(n) for n in foreign])}): it was measured "
+                         "on another model. Probe this model (fp8dist.measure_fp8_numerics, or fp8dist probe --json "
+                         "FILE) and pass that report.")
+    if not flagged:
+        return entries, notes
+    strategy = STRATEGIES[cfg.parallel.strategy]
+    shown = "; ".join(f"{name}: {why}" for name, why in list(flagged.items())[:3])
+    more = f"; and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+    if strategy.reduce_fallback_unit is None:
+        raise ValueError(
+            f"reduce_dtype='fp8' with strategy={strategy.name!r}: the numerics report flags "
+            f"{plural(len(flagged), 'layer')} whose weight gradients the FP8 blocks hurt ({shown}{more}), and "
+            f"{strategy.name}'s FP8 comm hook reduces whole buckets of gradients, not one layer's in fp32. Use "
+            "strategy='fsdp' (the units holding them reduce in fp32), or reduce_dtype='fp32', or probe with "
+            "thresholds={'min_reduce_small_sqnr_db': ...} lower to send them in FP8 anyway.")
+    reason = f"weight gradient reduced in fp32 with its {strategy.reduce_fallback_unit}: the FP8 blocks hurt it " \
+             "({}; probe)"
+    return [dataclasses.replace(e, reduce_fallback=reason.format(flagged[e.name])) if e.name in flagged else e
+            for e in entries], notes
 
 
 def with_read_options(cfg: Any, **values: Any) -> Any:

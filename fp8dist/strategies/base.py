@@ -56,6 +56,9 @@ class ShardJob:
     mesh: Any = None
     """The user's DeviceMesh over every rank (``wrap_model(mesh=...)``, passed by :meth:`Strategy.check_mesh`);
     None: the strategy builds its own."""
+    reduce_fallback: tuple[str, ...] = ()
+    """Modules whose weight gradients reduce in fp32 under ``reduce_dtype="fp8"`` (the plan's
+    ``PlanEntry.reduce_fallback``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class Strategy(Protocol):
     """What this strategy refuses to combine with (its rows of the combination table)."""
     process_group: ClassVar[bool] = True
     """The strategy needs a process group (``"none"`` does not)."""
+    reduce_fallback_unit: ClassVar[str | None] = None
+    """Under ``reduce_dtype="fp8"``: what reduces in fp32 around a layer the numerics probe flags (FSDP2: "FSDP2
+    unit", its reduce-scatter); None: the strategy cannot reduce one layer's gradients apart (refused)."""
 
     def facts(self, cfg: Any, world_size: int | None = None) -> StrategyFacts:
         """What the strategy does to parameters under ``cfg`` on ``world_size`` ranks (None: not known yet)."""
@@ -206,10 +212,12 @@ class Strategy(Protocol):
         """``(item, elements)`` of weights kept gathered from forward to backward beyond what the engine holds."""
         return []
 
-    def grad_wire(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str]) -> Any:
+    def grad_wire(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str],
+                  fallback: tuple[str, ...] = ()) -> Any:
         """The gradient bytes one rank sends per optimizer step (a
         :class:`~fp8dist.strategies.grad_fp8.WireTally`) predicted for ``model`` (unwrapped, meta works) with
-        ``blocks`` as the block step finds them, where the strategy reduces in fp8; None elsewhere."""
+        ``blocks`` as the block step finds them, where the strategy reduces in fp8 (``fallback``: the modules whose
+        gradients reduce in fp32, :attr:`reduce_fallback_unit`); None elsewhere."""
         return None
 
     def engine_dtypes(self, model: nn.Module, autocast: torch.dtype | None) -> EngineDtypes:

@@ -93,7 +93,7 @@ class DDP(Strategy):
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
                                    "second copy",))
 
-    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str], fallback: tuple[str, ...] = ()):
         """The FP8 all-reduce of every trained gradient element (as one bucket: DDP's buckets each pad a little)."""
         if cfg.parallel.reduce_dtype != "fp8":
             return None

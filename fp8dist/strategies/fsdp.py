@@ -19,7 +19,8 @@ from ..config.text import plural
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    prepared, reduce_words)
 from .common import cast_buffers, shard_blocks, to_empty
-from .grad_fp8 import GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter
+from .grad_fp8 import (GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter,
+                       unit_owning)
 from .padding import padding_note, shard_padding
 from .state_bytes import ROOT_WEIGHTS_ITEM, UNSHARDED_ITEM, fsdp2_state_bytes, gathered_blocks_note
 from .ties import untie_blocks
@@ -144,6 +145,7 @@ class FSDP2(Strategy):
     materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    reduce_fallback_unit = "FSDP2 unit"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
     bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
@@ -182,7 +184,7 @@ class FSDP2(Strategy):
                    block_names=names)
         notes += fsdp_padding_notes(model, env.world_size // p.replicate_degree)
         if p.reduce_dtype == "fp8":
-            apply_fp8_reduce_scatter(model, GradWire(p.reduce_fp8_block))
+            notes += apply_fp8_reduce_scatter(model, GradWire(p.reduce_fp8_block), job.reduce_fallback)
             if p.replicate_degree > 1:
                 notes += ("reduce_dtype='fp8': the reduce-scatter within each shard group sends FP8, the all-reduce "
                           "across replicas stays fp32",)
@@ -237,9 +239,9 @@ class FSDP2(Strategy):
         root = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith(freed)}
         return [(ROOT_WEIGHTS_ITEM, sum(root.values()))]
 
-    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str]):
+    def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str], fallback: tuple[str, ...] = ()):
         """One FP8 reduce-scatter per unit (the blocks, :func:`root_units`, the root), of its trained parameters
-        with dim 0 padded to the shard group as FSDP2 pads it."""
+        with dim 0 padded to the shard group as FSDP2 pads it; in fp32 for a unit holding one of ``fallback``."""
         p = cfg.parallel
         if p.reduce_dtype != "fp8":
             return None
@@ -253,7 +255,8 @@ class FSDP2(Strategy):
             seen.update(id(q) for q in fresh)
             sizes.append(sum(math.ceil(q.shape[0] / shard) * shard * (q.numel() // q.shape[0]) if q.dim() else 1
                              for q in fresh if q.requires_grad))
-        return predict_reduce_scatter(sizes, shard, p.reduce_fp8_block)
+        fp32 = frozenset(unit_owning(name, units) for name in fallback)
+        return predict_reduce_scatter(sizes, shard, p.reduce_fp8_block, fp32)
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         policy, wire = model._get_fsdp_state()._mp_policy, model_grad_wire(model)

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-__all__ = ["WIRE_DTYPE", "GradWire", "WireTally", "FP8ReduceScatter", "FP8HookState", "fp8_all_reduce_hook",
+__all__ = ["WIRE_DTYPE", "GradWire", "WireTally", "FP8ReduceScatter", "FP32ReduceScatter", "unit_owning",
+           "FP8HookState", "fp8_all_reduce_hook",
            "quantize_blocks", "dequantize_blocks", "fp8_reduce_scatter", "fp8_all_reduce", "apply_fp8_reduce_scatter",
            "model_grad_wire", "fp8_wire_words", "reduce_wire_bytes", "BF16_BYTES",
            "predict_reduce_scatter", "predict_all_reduce", "describe_tally"]
@@ -68,6 +69,8 @@ class GradWire:
             raise ValueError(f"reduce_fp8_block={block} must be a positive number of elements per fp32 scale.")
         self.block = block
         self.total = WireTally()
+        self.fp32_units: tuple[str, ...] = ()
+        """FSDP2 units whose gradients cross in fp32 instead (a layer the numerics probe flagged), by first name."""
 
     def add(self, *, sent: int, scales: int, bf16: int, elements: int) -> None:
         self.total += WireTally(sent, scales, bf16, elements)
@@ -155,6 +158,24 @@ class FP8ReduceScatter(ReduceScatter):
         fp8_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, wire=self.wire)
 
 
+class FP32ReduceScatter(FP8ReduceScatter):
+    """FSDP2's own fp32 reduce-scatter, for a unit holding a layer whose gradient the FP8 blocks hurt (the probe's
+    verdict), its bytes counted in the same :class:`GradWire`: the whole gradient in fp32, no scales."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"reduce_dtype='fp8': FSDP2 asked for reduce op {op}; its fp32 fallback sums or averages "
+                             "only: leave gradient_divide_factor unset, or use reduce_dtype='fp32'.")
+        world, n = group.size(), output_tensor.numel()
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)  # gloo: no AVG
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
+        others = world - 1
+        self.wire.add(sent=others * n * output_tensor.element_size(), scales=0,
+                      bf16=others * input_tensor.numel() * BF16_BYTES // world, elements=input_tensor.numel())
+
+
 @dataclass(frozen=True)
 class FP8HookState:
     """The state of :func:`fp8_all_reduce_hook`: the group it averages over and the wire it counts in."""
@@ -172,12 +193,36 @@ def fp8_all_reduce_hook(state, bucket):
     return done
 
 
-def apply_fp8_reduce_scatter(model: nn.Module, wire: GradWire) -> None:
-    """Give every FSDP2 unit of ``model`` (after ``fully_shard``) the FP8 reduce-scatter, all counting in ``wire``."""
-    comm = FP8ReduceScatter(wire)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
+def unit_owning(name: str, units: list[list[str]]) -> int:
+    """The index in ``units`` (each the module names one FSDP2 unit shards together; "" the root) of the unit whose
+    reduce-scatter carries module ``name``'s gradients: the deepest that holds it."""
+    def depth(unit: list[str]) -> int:
+        held = [u for u in unit if u == "" or name == u or name.startswith(u + ".")]
+        return max((len(u) + 1 for u in held), default=0)
+
+    return max(range(len(units)), key=lambda i: depth(units[i]))
+
+
+def apply_fp8_reduce_scatter(model: nn.Module, wire: GradWire, fallback: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Give every FSDP2 unit of ``model`` (after ``fully_shard``) the FP8 reduce-scatter, all counting in ``wire``;
+    a unit holding one of the ``fallback`` modules (the probe flagged their gradients) gets the counted fp32
+    reduce-scatter instead. Returns a note per such unit."""
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    states: dict[int, list[str]] = {}  # one state per fully_shard call (several modules for a list)
+    for name, module in named:
+        states.setdefault(id(module._get_fsdp_state()), []).append(name)
+    units = list(states.values())
+    held: dict[int, list[str]] = {}
+    for layer in fallback:
+        held.setdefault(unit_owning(layer, units), []).append(layer)
+    fp8, fp32 = FP8ReduceScatter(wire), FP32ReduceScatter(wire)
+    fp32_states = {list(states)[i] for i in held}
+    for _, module in named:
+        module.set_custom_reduce_scatter(fp32 if id(module._get_fsdp_state()) in fp32_states else fp8)
+    wire.fp32_units = tuple(units[i][0] or "root" for i in held)
+    return tuple(f"reduce_dtype='fp8': FSDP2 unit {', '.join(units[i]) or 'root'} reduce-scatters in fp32, not FP8: it "
+                 f"holds {', '.join(layers)}, whose weight gradients the FP8 blocks hurt (the numerics probe's verdict)"
+                 for i, layers in held.items())
 
 
 def model_grad_wire(model: nn.Module) -> GradWire | None:
@@ -194,7 +239,9 @@ def model_grad_wire(model: nn.Module) -> GradWire | None:
 
 def fp8_wire_words(wire: GradWire) -> str:
     """How the gradients cross the wire, as the report says it."""
-    return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32"
+    fp32 = f"; in fp32: FSDP2 unit{'s' * (len(wire.fp32_units) > 1)} {', '.join(wire.fp32_units)} (the numerics " \
+        "probe's verdict)" if wire.fp32_units else ""
+    return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32{fp32}"
 
 
 def _row_bytes(elements: int, block: int) -> tuple[int, int]:
@@ -203,11 +250,14 @@ def _row_bytes(elements: int, block: int) -> tuple[int, int]:
     return blocks * block + blocks * _SCALE_BYTES, blocks * _SCALE_BYTES
 
 
-def predict_reduce_scatter(unit_elements: list[int], world: int, block: int) -> WireTally:
+def predict_reduce_scatter(unit_elements: list[int], world: int, block: int,
+                           fp32: frozenset[int] = frozenset()) -> WireTally:
     """What :class:`FP8ReduceScatter` sends per step: one reduce-scatter per FSDP2 unit of ``unit_elements``
-    gradient elements each (dim 0 already padded to ``world``, as FSDP2 pads it)."""
-    tallies = [WireTally(*((world - 1) * b for b in _row_bytes(n // world, block)), (world - 1) * n * BF16_BYTES
-                         // world, n) for n in unit_elements if n]
+    gradient elements each (dim 0 already padded to ``world``, as FSDP2 pads it); the units at the indices in
+    ``fp32`` send :class:`FP32ReduceScatter`'s fp32 instead."""
+    tallies = [WireTally(*((world - 1) * b for b in ((n // world * 4, 0) if i in fp32 else
+                                                     _row_bytes(n // world, block))),
+                         (world - 1) * n * BF16_BYTES // world, n) for i, n in enumerate(unit_elements) if n]
     return sum(tallies, WireTally()) if world > 1 else WireTally()
 
 

@@ -17,6 +17,7 @@ from ..hardware import Hardware, parse_target
 from .batches import checked_batches
 from .capture import attach
 from .report import NumericsReport
+from .stats import LayerNumerics, ReduceStats
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 
 __all__ = ["measure_fp8_numerics"]
@@ -94,10 +95,11 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
                          "or fewer fp8_exclude patterns.")
     runnable = _model_to_run(model, cfg, device)
     sites, handles, modes = attach(runnable, layers)
+    weights = _reduced_weights(runnable, [s.layer for s in sites], cfg.parallel)
     tokens = 0
     try:
         for batch in batches:
-            tokens += _run_batch(runnable, batch, device, loss_fn)
+            tokens += _run_batch(runnable, batch, device, loss_fn, weights)
     finally:
         for remove in handles:
             remove()
@@ -144,8 +146,24 @@ def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     return copied
 
 
-def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: LossFn | None) -> int:
-    """Forward and backward on one batch (gradients computed, not accumulated); returns its token count."""
+def _reduced_weights(model: nn.Module, layers: list[LayerNumerics], parallel) -> dict[int, LayerNumerics]:
+    """Under ``reduce_dtype="fp8"``: each trained GEMM weight's layer (by the parameter's id), given a
+    :class:`ReduceStats` of the configured block; else nothing."""
+    if parallel.reduce_dtype != "fp8":
+        return {}
+    out = {}
+    for layer in layers:
+        param = getattr(model.get_submodule(layer.name), layer.gemm or "weight", None)
+        if isinstance(param, nn.Parameter) and param.requires_grad:
+            layer.reduce = ReduceStats(parallel.reduce_fp8_block)
+            out[id(param)] = layer
+    return out
+
+
+def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: LossFn | None,
+               weights: dict[int, LayerNumerics]) -> int:
+    """Forward and backward on one batch (gradients computed, not accumulated), each of ``weights``' gradients
+    counted as the FP8 reduction would send it; returns its token count."""
     param = next(model.parameters(), None)
     where = param.device if param is not None else device
     if isinstance(batch, torch.Tensor):
@@ -162,7 +180,10 @@ def _run_batch(model: nn.Module, batch: Any, device: torch.device, loss_fn: Loss
                          "that make the model compute its loss (labels).")
     params = [p for p in model.parameters() if p.requires_grad]
     if params and loss.requires_grad:
-        torch.autograd.grad(loss, params, allow_unused=True)  # runs every hook; .grad stays untouched
+        grads = torch.autograd.grad(loss, params, allow_unused=True)  # runs every hook; .grad stays untouched
+        for param, grad in zip(params, grads):
+            if grad is not None and id(param) in weights:
+                weights[id(param)].reduce.add(grad)
     return tokens
 
 

@@ -45,6 +45,24 @@ class NumericsReport:
     def __post_init__(self) -> None:
         for layer in self.layers:
             layer.problems = self.thresholds.problems(layer)
+            layer.reduce_problems = self.thresholds.reduce_problems(layer)
+
+    @property
+    def reduce_block(self) -> int | None:
+        """The FP8 gradient reduction's block size measured (``reduce_fp8_block``); None: not measured (the probe's
+        options did not set ``reduce_dtype="fp8"``)."""
+        return next((layer.reduce.block for layer in self.layers if layer.reduce), None)
+
+    @property
+    def reduce_fallback(self) -> dict[str, str]:
+        """Under ``reduce_dtype="fp8"``: module name -> why its weight gradient is to be reduced in fp32, not FP8
+        (the plan reads it: :attr:`~fp8dist.plan.precision.PlanEntry.reduce_fallback`), in model order."""
+        out: dict[str, list[str]] = {}
+        for layer in self.layers:
+            if layer.reduce_problems:
+                out.setdefault(layer.name, []).extend(f"{layer.gemm}: {p}" if layer.gemm else p
+                                                      for p in layer.reduce_problems)
+        return {name: "; ".join(problems) for name, problems in out.items()}
 
     @property
     def recommended_exclude(self) -> list[str]:
@@ -55,7 +73,8 @@ class NumericsReport:
         """Everything, JSON-ready (an SQNR of None: an exact round trip, or nothing measured)."""
         return {"backend": self.backend, "recipe": self.recipe, "hardware": self.hardware, "batches": self.batches,
                 "tokens": self.tokens, "thresholds": asdict(self.thresholds), "notes": list(self.notes),
-                "recommended_exclude": self.recommended_exclude, "layers": [layer.to_dict() for layer in self.layers]}
+                "recommended_exclude": self.recommended_exclude, "reduce_block": self.reduce_block,
+                "reduce_fallback": self.reduce_fallback, "layers": [layer.to_dict() for layer in self.layers]}
 
     def __str__(self) -> str:
         t = self.thresholds
@@ -72,10 +91,16 @@ class NumericsReport:
                          f"{100 * t.fp4_max_flushed_share:g}%, grad out {100 * t.fp4_max_grad_flushed_share:g}%, "
                          "input and weight in blocks whose scale sat at its floor <= "
                          f"{100 * t.fp4_max_floored_share:g}% (e2m1 has two mantissa bits fewer than e4m3)")
+        block = self.reduce_block
+        if block:
+            lines.append(f"reduce_dtype='fp8' (e4m3 blocks of {block}): a weight gradient's SQNR after the blocks >= "
+                         f"{t.min_reduce_sqnr_db:g} dB, of its values under 1/16 of their block's largest "
+                         f">= {t.min_reduce_small_sqnr_db:g} dB, else it is reduced in fp32 (column 'reduce SQNR': all "
+                         "/ small values)")
         lines += [f"note: {note}" for note in self.notes]
         rows = [["module", *(f"{short} {what}" for _, short in _ROLES for what in ("SQNR", "flush")), "rest SQNR",
-                 "sat", "out SQNR", "dgrad SQNR", "wgrad SQNR", "verdict"]]
-        rows += [_row(layer) for layer in self.layers]
+                 "sat", "out SQNR", "dgrad SQNR", "wgrad SQNR", *(["reduce SQNR"] if block else []), "verdict"]]
+        rows += [_row(layer, bool(block)) for layer in self.layers]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for i, row in enumerate(rows):
             cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:-1], widths[1:])]
@@ -85,6 +110,10 @@ class NumericsReport:
         exclude = self.recommended_exclude
         lines.append(f"recommended_exclude ({len(exclude)} of {plural(len({l.name for l in self.layers}), 'module')}): "
                      + (", ".join(exclude) if exclude else "none"))
+        if block:
+            fallback = self.reduce_fallback
+            lines.append(f"gradients reduced in fp32, not FP8 ({len(fallback)}): "
+                         + (", ".join(fallback) if fallback else "none"))
         return "\n".join(lines)
 
 
@@ -92,7 +121,7 @@ def _db(value: float) -> str:
     return "exact" if value == math.inf else "-" if math.isnan(value) else f"{value:.1f}"
 
 
-def _row(layer: LayerNumerics) -> list[str]:
+def _row(layer: LayerNumerics, reduced: bool) -> list[str]:
     cells = [layer.label]
     for role, _ in _ROLES:
         worst = layer.worst(role)
@@ -101,9 +130,12 @@ def _row(layer: LayerNumerics) -> list[str]:
     saturated = max((c.saturated_share for c in layer.casts), default=0.0)
     rest = min((c.rest_sqnr_db for c in layer.casts if c.rest_signal), default=math.nan)
     cells += [_db(rest), _share(saturated), _db(layer.output.sqnr_db) if layer.calls else "-",
-              _db(layer.grad_input.sqnr_db), _db(layer.grad_weight.sqnr_db),
-              "not run by these batches" if not layer.calls else
-              "EXCLUDE: " + "; ".join(layer.problems) if layer.problems else "ok"]
+              _db(layer.grad_input.sqnr_db), _db(layer.grad_weight.sqnr_db)]
+    if reduced:
+        cells.append(f"{_db(layer.reduce.sqnr_db)} / {_db(layer.reduce.small_sqnr_db)}" if layer.reduce else "-")
+    verdicts = ["EXCLUDE: " + "; ".join(layer.problems)] if layer.problems else []
+    verdicts += ["REDUCE IN FP32: " + "; ".join(layer.reduce_problems)] if layer.reduce_problems else []
+    cells.append("not run by these batches" if not layer.calls else " | ".join(verdicts) or "ok")
     return cells
 
 

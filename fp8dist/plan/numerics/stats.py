@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CastStats", "OutputStats", "LayerNumerics", "sqnr_db", "json_number"]
+__all__ = ["CastStats", "OutputStats", "ReduceStats", "LayerNumerics", "sqnr_db", "json_number"]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -129,6 +129,50 @@ class OutputStats:
         return sqnr_db(self.signal, self.noise)
 
 
+_SMALL = 16
+"""ReduceStats' small values: under 1/16 of their block's largest."""
+
+
+@dataclass
+class ReduceStats:
+    """A weight gradient after ``reduce_dtype="fp8"``'s block round trip (:func:`~fp8dist.strategies.grad_fp8.
+    quantize_blocks` then ``dequantize_blocks``, blocks along the flattened gradient) against the gradient itself:
+    over every value, and over the small ones, under 1/16 of their block's largest (an outlier that sets a block's
+    scale pushes the others into e4m3's subnormals, where few values are left; the plain SQNR, which the outlier
+    dominates, stays high)."""
+
+    block: int
+    """Elements per fp32 scale (``reduce_fp8_block``)."""
+    signal: float = 0.0
+    noise: float = 0.0
+    small_signal: float = 0.0
+    small_noise: float = 0.0
+
+    @torch.no_grad()
+    def add(self, grad: torch.Tensor) -> None:
+        """Round-trip ``grad`` (a weight's gradient of one batch) as the FP8 reduction quantizes it, and count."""
+        from ...strategies.grad_fp8 import dequantize_blocks, quantize_blocks
+
+        x = grad.detach().float().reshape(1, -1)
+        back = dequantize_blocks(*quantize_blocks(x, self.block), x.shape[1])
+        pad = -x.shape[1] % self.block
+        x, back = (torch.nn.functional.pad(t.double(), (0, pad)).reshape(-1, self.block) for t in (x, back))
+        x2, d2 = x.square(), (x - back).square()
+        small = x.abs() < x.abs().amax(-1, keepdim=True) / _SMALL
+        self.signal += float(x2.sum())
+        self.noise += float(d2.sum())
+        self.small_signal += float(x2[small].sum())
+        self.small_noise += float(d2[small].sum())
+
+    @property
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+    @property
+    def small_sqnr_db(self) -> float:
+        return sqnr_db(self.small_signal, self.small_noise)
+
+
 @dataclass
 class LayerNumerics:
     """One FP8 GEMM of the plan: a Linear, or one of a MoE experts module's grouped GEMMs."""
@@ -146,6 +190,11 @@ class LayerNumerics:
     """``g.T @ x``, from the operands as cast for it."""
     calls: int = 0
     """Forward GEMM calls measured (batches, or expert groups x batches)."""
+    reduce: ReduceStats | None = None
+    """Its weight gradient under ``reduce_dtype="fp8"``'s FP8 blocks; None: the probe's config reduces otherwise."""
+    reduce_problems: tuple[str, ...] = ()
+    """Thresholds its weight gradient crosses under the FP8 reduction (the plan then reduces it in fp32, not FP8),
+    set by the report."""
     problems: tuple[str, ...] = ()
     """Thresholds this layer crosses (empty: within every threshold), set by the report."""
 
@@ -164,4 +213,7 @@ class LayerNumerics:
                 "output_sqnr_db": json_number(self.output.sqnr_db),
                 "grad_input_sqnr_db": json_number(self.grad_input.sqnr_db),
                 "grad_weight_sqnr_db": json_number(self.grad_weight.sqnr_db),
-                "casts": [c.to_dict() for c in self.casts], "problems": list(self.problems)}
+                "reduce_sqnr_db": json_number(self.reduce.sqnr_db) if self.reduce else None,
+                "reduce_small_sqnr_db": json_number(self.reduce.small_sqnr_db) if self.reduce else None,
+                "casts": [c.to_dict() for c in self.casts], "problems": list(self.problems),
+                "reduce_problems": list(self.reduce_problems)}

@@ -72,6 +72,19 @@ class Thresholds:
     max_saturated_share: float = 0.001
     """Share of values the cast clamped (only delayed scaling clamps): healthy layers <= 0.01% (TE delayed)."""
 
+    min_reduce_sqnr_db: float = 20.0
+    """Under ``reduce_dtype="fp8"``: a weight gradient's SQNR after the reduction's FP8 blocks (e4m3, one fp32
+    scale per ``reduce_fp8_block`` values) against itself; below this, the layer's gradient is reduced in fp32.
+    The tiny Llama's layers at block 128 measure 31.7-32.4 dB (e4m3's three mantissa bits); an outlier
+    dominates this figure (98.6 dB with a norm weight scaled 1e7), so it flags only a gross error."""
+
+    min_reduce_small_sqnr_db: float = 20.0
+    """The same over the small values, under 1/16 of their block's largest: a few huge values per block (an input
+    channel far larger than the others puts one in every row of the weight gradient) set the scale and leave the
+    rest in e4m3's subnormals while the plain SQNR, which the outliers dominate, stays high.
+    The tiny Llama's layers at block 128: 31.4-32.0 dB; its MLP gate and up projections after a norm weight's
+    channel scaled 1e6: 20.5-22.4 dB, 1e7: 3.3-4.2 dB, 1e8: 0.2 dB."""
+
     def __post_init__(self) -> None:
         normalize_fields(self)  # a number each ("0.02" from a file or flag too); a bool or a word is refused
         for name in (f.name for f in fields(self) if f.name.endswith("_share")):
@@ -112,6 +125,21 @@ class Thresholds:
                 out.append(f"{cast.role} ({cast.gemms}): {100 * cast.saturated_share:.2f}% saturated "
                            f"> {100 * self.max_saturated_share:g}%")
         return tuple(dict.fromkeys(out))
+
+
+    def reduce_problems(self, layer: LayerNumerics) -> tuple[str, ...]:
+        """What the FP8 gradient reduction does to ``layer``'s weight gradient past these limits, one phrase each
+        (empty when within them, or not measured: no FP8 reduction, a non-finite gradient)."""
+        stats = layer.reduce
+        if stats is None:
+            return ()
+        out = []
+        small = " of the values under 1/16 of their block's largest"
+        for sqnr, limit, what in ((stats.sqnr_db, self.min_reduce_sqnr_db, ""),
+                                  (stats.small_sqnr_db, self.min_reduce_small_sqnr_db, small)):
+            if sqnr < limit:  # nan (no signal, a non-finite gradient: a skipped step) is not judged
+                out.append(f"weight gradient SQNR{what} {sqnr:.1f} dB < {limit:g} dB in FP8 blocks of {stats.block}")
+        return tuple(out)
 
 
 DEFAULT_THRESHOLDS = Thresholds()
