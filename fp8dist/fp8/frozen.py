@@ -16,9 +16,11 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precomp
 
 from .hf_format import SCALE_ATTR, holds_fp8
 
-__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts",
+           "rescale_held_shards"]
 
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
+_INVERSE, _SCALE = "fp8_inverse_scale", "_held_scale"  # a held weight FSDP2 shards: torchao's scale (a buffer), its own
 
 
 class _InputGradOnly(matmul_with_hp_or_float8_args):
@@ -63,12 +65,14 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        held = holds_fp8(self)
+        held = holds_fp8(self) or _INVERSE in self._buffers
         if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)
         if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
             input = input.to(torch.get_autocast_gpu_dtype())
-        if held:
+        if _INVERSE in self._buffers:  # held in FP8 and sharded by FSDP2: the all-gathered bits, the scale kept whole
+            weight_t = self._gathered_weight_t(input.dtype)
+        elif held:
             weight_t = self._held_weight_t(input.dtype)
         else:
             weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
@@ -100,6 +104,29 @@ class FrozenFloat8Linear(Float8Linear):
                 cached = self.__dict__[_WHOLE] = (key, self._held_cast(dtype))
         return cached[1]
 
+    def hold_for_sharding(self) -> None:
+        """Before FSDP2 shards a weight held in FP8: its bits recast once where the file's granularity is not the
+        layer's, torchao's scale of them kept as a buffer (FSDP2 all-gathers the bits and leaves buffers whole; an
+        attribute on the weight does not survive sharding), the file's scale kept on the module
+        (:func:`rescale_held_shards` puts it back on the sharded weight)."""
+        weight = self.weight
+        if isinstance(weight, WeightWithDynamicFloat8CastTensor):  # torchao wrapped it for FP8 all-gather: unwrap
+            weight = self.weight = weight._tensor  # the held Parameter itself, its scale on it
+        with torch.no_grad():
+            cast = self._held_cast(torch.float32)
+        self.__dict__[_SCALE] = getattr(self.weight, SCALE_ATTR)
+        self.register_buffer(_INVERSE, cast._scale, persistent=False)
+
+    def _gathered_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 operand of a held weight FSDP2 all-gathered (uint8 bits, whole) with the scale kept beside it:
+        no copy, nothing kept (the bits are freed again after the forward)."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        bits_t = self.weight.detach().view(torch.float8_e4m3fn).t()
+        inverse = getattr(self, _INVERSE)
+        axiswise = {} if inverse.dim() == 0 else {"axiswise_dim": 0}
+        return Float8TrainingTensor(bits_t, inverse, dtype, self.linear_mm_config, GemmInputRole.WEIGHT, **axiswise)
+
     def _held_cast(self, dtype: torch.dtype) -> torch.Tensor:
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_training_tensor import Float8TrainingTensor
@@ -128,9 +155,10 @@ class FrozenFloat8Linear(Float8Linear):
                                     axiswise_dim=0)
 
 
-def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:
+def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool, sharded: bool = False) -> list[str]:
     """Make each ``Float8Linear`` among ``names`` whose weight is frozen a :class:`FrozenFloat8Linear` (same
-    parameters and state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held whole).
+    parameters and state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held whole);
+    ``sharded``: FSDP2 shards the weights (those held in FP8 are readied: :meth:`FrozenFloat8Linear.hold_for_sharding`).
     Call after conversion, before sharding. Returns the names made frozen, sorted."""
     frozen = []
     for name in sorted(names):
@@ -138,8 +166,22 @@ def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bo
         if type(module) is Float8Linear and not module.weight.requires_grad:
             module.__class__ = FrozenFloat8Linear  # same layout: only forward changes
             module.cache_weight = cache_weight
+            if sharded and hasattr(getattr(module.weight, "_tensor", module.weight), SCALE_ATTR):
+                module.hold_for_sharding()
             frozen.append(name)
     return frozen
+
+
+def rescale_held_shards(model: nn.Module) -> int:
+    """After FSDP2 sharded the weights held in FP8 (:meth:`FrozenFloat8Linear.hold_for_sharding`), set each file's
+    scale on its sharded weight again (what exports and telemetry read). Returns the weights."""
+    count = 0
+    for module in model.modules():
+        scale = module.__dict__.get(_SCALE)
+        if scale is not None:
+            setattr(module.weight, SCALE_ATTR, scale)
+            count += 1
+    return count
 
 
 def cache_frozen_shards(model: nn.Module) -> int:
