@@ -1,6 +1,8 @@
 """A frozen weight (``requires_grad=False``: a LoRA base) under torchao's module swap: its backward skips the
 weight-gradient GEMM (torchao 0.18 computes it and lets autograd drop it), its tensorwise FP8 cast is made once and
-kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left out of the scale precompute."""
+kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left out of the scale precompute. A weight
+held in FP8 (a LoRA base read from an FP8 checkpoint) is multiplied as its e4m3 bits, held whole or all-gathered by
+FSDP2 (its scale kept whole on the module)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precomp
 from .hf_format import SCALE_ATTR, holds_fp8
 
 __all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts",
-           "rescale_held_shards"]
+           "hold_for_sharding", "rescale_held_shards"]
 
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
-_INVERSE, _SCALE = "fp8_inverse_scale", "_held_scale"  # a held weight FSDP2 shards: torchao's scale (a buffer), its own
+_INVERSE, _SCALE = "_fp8_inverse_scale", "_held_scale"  # a held weight FSDP2 shards: torchao's scale, the file's
 
 
 class _InputGradOnly(matmul_with_hp_or_float8_args):
@@ -65,12 +67,12 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        held = holds_fp8(self) or _INVERSE in self._buffers
+        held = holds_fp8(self) or _INVERSE in self.__dict__
         if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)
         if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
             input = input.to(torch.get_autocast_gpu_dtype())
-        if _INVERSE in self._buffers:  # held in FP8 and sharded by FSDP2: the all-gathered bits, the scale kept whole
+        if _INVERSE in self.__dict__:  # held in FP8 and sharded by FSDP2: the all-gathered bits, the scale kept whole
             weight_t = self._gathered_weight_t(input.dtype)
         elif held:
             weight_t = self._held_weight_t(input.dtype)
@@ -106,16 +108,16 @@ class FrozenFloat8Linear(Float8Linear):
 
     def hold_for_sharding(self) -> None:
         """Before FSDP2 shards a weight held in FP8: its bits recast once where the file's granularity is not the
-        layer's, torchao's scale of them kept as a buffer (FSDP2 all-gathers the bits and leaves buffers whole; an
-        attribute on the weight does not survive sharding), the file's scale kept on the module
-        (:func:`rescale_held_shards` puts it back on the sharded weight)."""
+        layer's; torchao's scale of them and the file's kept on the module, whole (FSDP2 all-gathers the bits; an
+        attribute on the weight does not survive sharding; not a buffer: a buffer_dtype would cast it), the file's
+        set back on the sharded weight by :func:`rescale_held_shards`."""
         weight = self.weight
         if isinstance(weight, WeightWithDynamicFloat8CastTensor):  # torchao wrapped it for FP8 all-gather: unwrap
             weight = self.weight = weight._tensor  # the held Parameter itself, its scale on it
         with torch.no_grad():
             cast = self._held_cast(torch.float32)
         self.__dict__[_SCALE] = getattr(self.weight, SCALE_ATTR)
-        self.register_buffer(_INVERSE, cast._scale, persistent=False)
+        self.__dict__[_INVERSE] = {cast._scale.device: cast._scale}  # per device: moved once, at the first forward
 
     def _gathered_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 operand of a held weight FSDP2 all-gathered (uint8 bits, whole) with the scale kept beside it:
@@ -123,7 +125,10 @@ class FrozenFloat8Linear(Float8Linear):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
         bits_t = self.weight.detach().view(torch.float8_e4m3fn).t()
-        inverse = getattr(self, _INVERSE)
+        kept = self.__dict__[_INVERSE]
+        inverse = kept.get(bits_t.device)
+        if inverse is None:
+            inverse = kept[bits_t.device] = next(iter(kept.values())).to(bits_t.device)
         axiswise = {} if inverse.dim() == 0 else {"axiswise_dim": 0}
         return Float8TrainingTensor(bits_t, inverse, dtype, self.linear_mm_config, GemmInputRole.WEIGHT, **axiswise)
 
@@ -155,10 +160,9 @@ class FrozenFloat8Linear(Float8Linear):
                                     axiswise_dim=0)
 
 
-def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool, sharded: bool = False) -> list[str]:
+def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bool) -> list[str]:
     """Make each ``Float8Linear`` among ``names`` whose weight is frozen a :class:`FrozenFloat8Linear` (same
-    parameters and state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held whole);
-    ``sharded``: FSDP2 shards the weights (those held in FP8 are readied: :meth:`FrozenFloat8Linear.hold_for_sharding`).
+    parameters and state dict); ``cache_weight``: keep its FP8 weight (a tensorwise recipe on a weight held whole).
     Call after conversion, before sharding. Returns the names made frozen, sorted."""
     frozen = []
     for name in sorted(names):
@@ -166,10 +170,21 @@ def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bo
         if type(module) is Float8Linear and not module.weight.requires_grad:
             module.__class__ = FrozenFloat8Linear  # same layout: only forward changes
             module.cache_weight = cache_weight
-            if sharded and hasattr(getattr(module.weight, "_tensor", module.weight), SCALE_ATTR):
-                module.hold_for_sharding()
             frozen.append(name)
     return frozen
+
+
+def hold_for_sharding(model: nn.Module) -> list[str]:
+    """Ready for FSDP2 every :class:`FrozenFloat8Linear` of ``model`` whose weight is held in FP8
+    (:meth:`FrozenFloat8Linear.hold_for_sharding`). Call after :func:`freeze_float8_linears`, before sharding.
+    Returns their names."""
+    held = []
+    for name, module in model.named_modules():
+        if isinstance(module, FrozenFloat8Linear) and hasattr(getattr(module.weight, "_tensor", module.weight),
+                                                              SCALE_ATTR):
+            module.hold_for_sharding()
+            held.append(name)
+    return held
 
 
 def rescale_held_shards(model: nn.Module) -> int:

@@ -193,7 +193,11 @@ class TorchaoBackend(FP8Backend):
             frozen = self.frozen_weights(layer, plan.facts)  # per entry config, as the estimate asks it
             if linears and not frozen.grad_weight_gemm:  # FP8 all-gather keeps the shard's cast, not the weight's
                 cached = frozen.cached_bytes and not fp8_all_gather(layer, plan.facts)
-                freeze_float8_linears(model, linears, cache_weight=bool(cached), sharded=plan.facts.dtensor_shards)
+                freeze_float8_linears(model, linears, cache_weight=bool(cached))
+        if plan.facts.dtensor_shards:  # a base held in FP8: FSDP2 all-gathers its bits, its scales stay whole
+            from .frozen import hold_for_sharding
+
+            hold_for_sharding(model)
 
     def _convert_dense(self, model: nn.Module, entries: list, layer, facts: StrategyFacts) -> tuple[set[str], set[str]]:
         """Convert ``entries``, all of the recipe in ``layer``; returns the Linears swapped and those wrapped."""
