@@ -36,6 +36,8 @@ class _InputGradOnly(matmul_with_hp_or_float8_args):
             return None, None, None, None
         _, weight_t = ctx.saved_tensors
         c, mm_config = ctx.config, ctx.linear_mm_config
+        if getattr(weight_t, "_axiswise_dim", None) is not None:  # a held rowwise weight: scaled for the forward only
+            weight_t = weight_t.to_original_precision()  # its values, recast along the other axis below
         shape = grad_output.shape
         grad = grad_output.reshape(-1, shape[-1])
         grad = _cast(grad, c.cast_config_grad_output, mm_config, GemmInputRole.GRAD_OUTPUT, -1, c)
