@@ -221,9 +221,24 @@ def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_c
         load_pretrained(build_llama("tiny"), bare)
 
 
+def _base_bytes(model, names: set | None = None) -> tuple[set, set, int]:
+    """(The names, the local dtypes, the bytes on this rank) of the weights held in FP8 (those with their scale), or
+    of the weights ``names``: their FSDP2 shards, plus each whole scale."""
+    from fp8dist.fp8.hf_format import SCALE_ATTR
+
+    base = {n: p for n, p in model.named_parameters() if (hasattr(p, SCALE_ATTR) if names is None else n in names)}
+    local = [getattr(p, "_local_tensor", p) for p in base.values()]
+    return set(base), {str(t.dtype) for t in local}, sum(
+        t.numel() * t.element_size() + getattr(p, SCALE_ATTR, t[:0]).numel() * 4 for t, p in zip(local, base.values()))
+
+
 def _job(rank: int, world: int, root: str) -> dict:
-    """Two fp8dist train jobs in one spawn: FSDP2 + torchao writes --save-dtype fp8 (each rank gathers its shards);
-    a DDP LoRA job trains on that checkpoint with its base held in FP8, and writes it merged in FP8."""
+    """fp8dist train jobs in one spawn: FSDP2 + torchao writes --save-dtype fp8 (each rank gathers its shards); a LoRA
+    job on that checkpoint under FSDP2 (train's default) holds its base in FP8 and writes it merged in FP8; the same
+    LoRA job with the base dequantized (as FSDP1 and DeepSpeed still do) gives the losses to match; a rowwise LoRA job
+    recasts the held base per channel."""
+    import fp8dist.train.job as job
+    import fp8dist.train.lora as lora_module
     from fp8dist.config.resolve import Config
     from fp8dist.train.job import TrainConfig, run_training
 
@@ -231,16 +246,31 @@ def _job(rank: int, world: int, root: str) -> dict:
     lines: list[str] = []
     first = TrainConfig(steps=2, batch_size=4, seq_len=32, save_pretrained=f"{root}/fp8", save_dtype="fp8")
     run_training(Config.from_dict({"strategy": "fsdp", "fp8": "torchao"}), first, log=lines.append)
+    models, wrap = [], job.wrap_model
+
+    def keep(*args, **kwargs):
+        models.append(wrap(*args, **kwargs))  # (model, optimizer)
+        return models[-1]
+
+    job.wrap_model = keep  # the job's wrapped model, to count its shards
     lora = TrainConfig(steps=2, batch_size=4, seq_len=32, lora_rank=4, save_pretrained=f"{root}/merged",
                        merge_lora=True, save_dtype="fp8")
-    result = run_training(Config.from_dict({"strategy": "ddp", "fp8": "torchao", "pretrained": f"{root}/fp8"}), lora,
-                          log=lines.append)
-    return {"log": "\n".join(lines), "losses": result.losses}
+    result = run_training(Config.from_dict({"fp8": "torchao", "pretrained": f"{root}/fp8"}), lora, log=lines.append)
+    held = _base_bytes(models[-1][0])
+    by_rows = Config.from_dict({"fp8": "torchao", "torchao_recipe": "rowwise", "pretrained": f"{root}/fp8"})
+    rowwise = run_training(by_rows, TrainConfig(steps=2, batch_size=4, seq_len=32, lora_rank=4), log=lines.append)
+    rows = _base_bytes(models[-1][0])[1:]  # the file's tensorwise bits recast per channel once, before sharding
+    lora_module.holds_fp8_base = lambda config, say=False: False  # the base dequantized into fp32 masters
+    plain = run_training(Config.from_dict({"fp8": "torchao", "pretrained": f"{root}/fp8"}),
+                         TrainConfig(steps=2, batch_size=4, seq_len=32, lora_rank=4), log=lines.append)
+    return {"log": "\n".join(lines), "losses": result.losses, "dequantized": plain.losses,
+            "plain": _base_bytes(models[-1][0], held[0])[1:], "held": held[1:], "names": len(held[0]),
+            "rowwise": (rowwise.losses, rows)}
 
 
 @pytest.mark.slow
-def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_ddp_lora_job_trains_on_it_with_the_base_in_fp8(tmp_path):
-    """26-33 s on the 2-core machine (measured 2026-12-02): two jobs of 2 steps, 2 ranks, in one spawn."""
+def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_fsdp2_lora_job_trains_on_it_with_the_base_in_fp8(tmp_path):
+    """28-40 s on the 2-core machine (measured 2026-12-02): four jobs of 2 steps, 2 ranks, in one spawn."""
     from dist_harness import run_ranks
 
     results = run_ranks(_job, str(tmp_path))
@@ -250,6 +280,17 @@ def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_ddp_lora_job_trains_on_it_w
     assert "note: the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights) hold its e4m3" in log
     assert "LoRA merged, then quantized: relative error per layer up to" in log
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
+    # FSDP2 shards the e4m3 bytes: half the base's 376,832 weights per rank (1 byte each), plus 13 fp32 scales whole;
+    # the dequantized base: fp32 masters, 4 bytes a weight
+    assert [r["held"] for r in results] == [({"torch.uint8"}, 376_832 // 2 + 13 * 4)] * 2
+    assert [r["plain"] for r in results] == [({"torch.float32"}, 376_832 // 2 * 4)] * 2 and results[0]["names"] == 13
+    # the all-gathered bits are the bits FSDP2's FP8 all-gather casts the dequantized shards to: the same GEMMs
+    assert results[0]["losses"] == results[0]["dequantized"]
+    # rowwise: each rank holds its rows' bytes and every row's scale (2,432 fp32); its own recipe, the losses near
+    # tensorwise's (measured 2026-12-02: 6.1e-4 and 2.3e-4 apart)
+    losses, rows = results[0]["rowwise"]
+    assert rows == ({"torch.uint8"}, 376_832 // 2 + 2_432 * 4)
+    assert losses == pytest.approx(results[0]["losses"], abs=2e-3)
     for name in ("fp8", "merged"):  # both load in transformers on a CPU
         assert _logits(tmp_path / name).isfinite().all()
 
@@ -298,14 +339,16 @@ def _lora_on(path: Path, held: bool):
     return model, apply_lora(model, TrainConfig(lora_rank=4)), made.shapes
 
 
-def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_quarter_of_its_bytes(tmp_path):
+@pytest.mark.parametrize("recipe, scales", [("tensorwise", 13), ("rowwise", 2_432)])  # rowwise: one per output row
+def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_quarter_of_its_bytes(tmp_path, recipe,
+                                                                                                  scales):
     """The base held in FP8 is 1 byte per weight plus a scale per layer, never in high precision while it loads (one
     layer is, once, at its first forward). Measured once beside this test (2026-12-02, CPU, llama "medium", 25.4M
     parameters, compressed-tensors per tensor, VmHWM reset before the load): peak RSS +36 MB held in FP8, +93 MB
     dequantized into fp32."""
     from helpers import train_losses
 
-    fp8dist.save_pretrained(_wrapped(), tmp_path / "fp8", dtype="fp8")
+    fp8dist.save_pretrained(_wrapped(torchao_recipe=recipe), tmp_path / "fp8", dtype="fp8")
     losses, base_bytes = {}, {}
     for held in (True, False):
         base, model, made = _lora_on(tmp_path / "fp8", held)
@@ -318,13 +361,14 @@ def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_qua
             if held else 4 * 376_832
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao")
+            wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao", torchao_recipe=recipe)
         assert any("the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights)" in str(w.message)
                    for w in said) == held
         losses[held] = train_losses(wrapped, 0, 1, steps=3)
-    # the kept bits are the bits torchao casts the dequantized weight to (tensorwise): the same GEMMs
+    # the kept bits are the bits torchao casts the dequantized weight to: the same GEMMs (rowwise: the backward's
+    # weight recast along the other axis from the bits' values, as from the dequantized weight)
     assert losses[True] == losses[False]
-    assert base_bytes[True] == 376_832 + 13 * 4  # 1 byte per weight and one fp32 scale per layer; fp32: 4 bytes
+    assert base_bytes[True] == 376_832 + scales * 4  # 1 byte per weight and fp32 scales; fp32: 4 bytes a weight
 
 
 def test_which_lora_jobs_hold_an_fp8_base_and_why_the_others_dequantize_it(tmp_path):
@@ -338,10 +382,12 @@ def test_which_lora_jobs_hold_an_fp8_base_and_why_the_others_dequantize_it(tmp_p
     def config(path, **options):
         return Config.from_dict({"fp8": "torchao", "pretrained": str(path), **options})
 
-    assert holds_fp8_base(config(tmp_path / "fp8", strategy="ddp")) and holds_fp8_base(config(tmp_path / "fp8",
-                                                                                              strategy="none"))
+    assert all(holds_fp8_base(config(tmp_path / "fp8", strategy=strategy)) for strategy in ("none", "ddp", "fsdp"))
     assert not holds_fp8_base(config(tmp_path / "bf16", strategy="none"))
-    for options, why in (({"strategy": "fsdp"}, "strategy='fsdp' shards the parameters .*strategy 'none' or 'ddp'"),
+    for options, why in (({"strategy": "fsdp1"}, "strategy='fsdp1' flattens each unit's parameters into one flat "
+                                                 r"parameter of one dtype \(the base is held in FP8 under strategy "
+                                                 "'none', 'ddp' or 'fsdp'\\)"),
+                         ({"strategy": "deepspeed"}, "strategy='deepspeed' casts every parameter to its own dtype"),
                          ({"strategy": "ddp", "torchao_api": "weight_wrapper"},
                           "fp8='torchao' as configured does not multiply with given FP8 bits")):
         with pytest.warns(UserWarning, match=f"is an FP8 checkpoint, and its LoRA base is dequantized into high "

@@ -1,6 +1,8 @@
 """A frozen weight (``requires_grad=False``: a LoRA base) under torchao's module swap: its backward skips the
 weight-gradient GEMM (torchao 0.18 computes it and lets autograd drop it), its tensorwise FP8 cast is made once and
-kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left out of the scale precompute."""
+kept (the FP8 shard FSDP2 all-gathers, or a weight held whole), and it is left out of the scale precompute. A weight
+held in FP8 (a LoRA base read from an FP8 checkpoint) is multiplied as its e4m3 bits, held whole or all-gathered by
+FSDP2 (its scale kept whole on the module)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precomp
 
 from .hf_format import SCALE_ATTR, holds_fp8
 
-__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts"]
+__all__ = ["FrozenFloat8Linear", "freeze_float8_linears", "cache_frozen_shards", "precompute_trainable", "kept_casts",
+           "hold_for_sharding", "rescale_held_shards"]
 
 _WHOLE, _SHARD = "_fp8_weight", "_fp8_shard"  # where a kept cast lives: on the module, on the FSDP2 local shard
+_INVERSE, _SCALE = "_fp8_inverse_scale", "_held_scale"  # a held weight FSDP2 shards: torchao's scale, the file's
 
 
 class _InputGradOnly(matmul_with_hp_or_float8_args):
@@ -32,6 +36,8 @@ class _InputGradOnly(matmul_with_hp_or_float8_args):
             return None, None, None, None
         _, weight_t = ctx.saved_tensors
         c, mm_config = ctx.config, ctx.linear_mm_config
+        if getattr(weight_t, "_axiswise_dim", None) is not None:  # a held rowwise weight: scaled for the forward only
+            weight_t = weight_t.to_original_precision()  # its values, recast along the other axis below
         shape = grad_output.shape
         grad = grad_output.reshape(-1, shape[-1])
         grad = _cast(grad, c.cast_config_grad_output, mm_config, GemmInputRole.GRAD_OUTPUT, -1, c)
@@ -63,12 +69,14 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        held = holds_fp8(self)
+        held = holds_fp8(self) or _INVERSE in self.__dict__
         if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)
         if torch.is_autocast_enabled():  # as Float8Linear.forward: the input in the autocast dtype
             input = input.to(torch.get_autocast_gpu_dtype())
-        if held:
+        if _INVERSE in self.__dict__:  # held in FP8 and sharded by FSDP2: the all-gathered bits, the scale kept whole
+            weight_t = self._gathered_weight_t(input.dtype)
+        elif held:
             weight_t = self._held_weight_t(input.dtype)
         else:
             weight_t = self._fp8_weight_t() if self.cache_weight else self.weight.t()
@@ -99,6 +107,32 @@ class FrozenFloat8Linear(Float8Linear):
             with torch.no_grad():
                 cached = self.__dict__[_WHOLE] = (key, self._held_cast(dtype))
         return cached[1]
+
+    def hold_for_sharding(self) -> None:
+        """Before FSDP2 shards a weight held in FP8: its bits recast once where the file's granularity is not the
+        layer's; torchao's scale of them and the file's kept on the module, whole (FSDP2 all-gathers the bits; an
+        attribute on the weight does not survive sharding; not a buffer: a buffer_dtype would cast it), the file's
+        set back on the sharded weight by :func:`rescale_held_shards`."""
+        weight = self.weight
+        if isinstance(weight, WeightWithDynamicFloat8CastTensor):  # torchao wrapped it for FP8 all-gather: unwrap
+            weight = self.weight = weight._tensor  # the held Parameter itself, its scale on it
+        with torch.no_grad():
+            cast = self._held_cast(torch.float32)
+        self.__dict__[_SCALE] = getattr(self.weight, SCALE_ATTR)
+        self.__dict__[_INVERSE] = {cast._scale.device: cast._scale}  # per device: moved once, at the first forward
+
+    def _gathered_weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 operand of a held weight FSDP2 all-gathered (uint8 bits, whole) with the scale kept beside it:
+        no copy, nothing kept (the bits are freed again after the forward)."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        bits_t = self.weight.detach().view(torch.float8_e4m3fn).t()
+        kept = self.__dict__[_INVERSE]
+        inverse = kept.get(bits_t.device)
+        if inverse is None:
+            inverse = kept[bits_t.device] = next(iter(kept.values())).to(bits_t.device)
+        axiswise = {} if inverse.dim() == 0 else {"axiswise_dim": 0}
+        return Float8TrainingTensor(bits_t, inverse, dtype, self.linear_mm_config, GemmInputRole.WEIGHT, **axiswise)
 
     def _held_cast(self, dtype: torch.dtype) -> torch.Tensor:
         from torchao.float8.config import ScalingGranularity
@@ -140,6 +174,31 @@ def freeze_float8_linears(model: nn.Module, names: set[str], *, cache_weight: bo
             module.cache_weight = cache_weight
             frozen.append(name)
     return frozen
+
+
+def hold_for_sharding(model: nn.Module) -> list[str]:
+    """Ready for FSDP2 every :class:`FrozenFloat8Linear` of ``model`` whose weight is held in FP8
+    (:meth:`FrozenFloat8Linear.hold_for_sharding`). Call after :func:`freeze_float8_linears`, before sharding.
+    Returns their names."""
+    held = []
+    for name, module in model.named_modules():
+        if isinstance(module, FrozenFloat8Linear) and hasattr(getattr(module.weight, "_tensor", module.weight),
+                                                              SCALE_ATTR):
+            module.hold_for_sharding()
+            held.append(name)
+    return held
+
+
+def rescale_held_shards(model: nn.Module) -> int:
+    """After FSDP2 sharded the weights held in FP8 (:meth:`FrozenFloat8Linear.hold_for_sharding`), set each file's
+    scale on its sharded weight again (what exports and telemetry read). Returns the weights."""
+    count = 0
+    for module in model.modules():
+        scale = module.__dict__.get(_SCALE)
+        if scale is not None:
+            setattr(module.weight, SCALE_ATTR, scale)
+            count += 1
+    return count
 
 
 def cache_frozen_shards(model: nn.Module) -> int:

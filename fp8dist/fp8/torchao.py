@@ -194,6 +194,10 @@ class TorchaoBackend(FP8Backend):
             if linears and not frozen.grad_weight_gemm:  # FP8 all-gather keeps the shard's cast, not the weight's
                 cached = frozen.cached_bytes and not fp8_all_gather(layer, plan.facts)
                 freeze_float8_linears(model, linears, cache_weight=bool(cached))
+        if plan.facts.dtensor_shards:  # a base held in FP8: FSDP2 all-gathers its bits, its scales stay whole
+            from .frozen import hold_for_sharding
+
+            hold_for_sharding(model)
 
     def _convert_dense(self, model: nn.Module, entries: list, layer, facts: StrategyFacts) -> tuple[set[str], set[str]]:
         """Convert ``entries``, all of the recipe in ``layer``; returns the Linears swapped and those wrapped."""
@@ -215,8 +219,9 @@ class TorchaoBackend(FP8Backend):
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
         """With FP8 all-gather, recompute the FP8 weight scales after each step of any optimizer over this model."""
-        from .frozen import cache_frozen_shards
+        from .frozen import cache_frozen_shards, rescale_held_shards
 
+        rescale_held_shards(inner)  # a base held in FP8 under FSDP2: each sharded weight's scale, whole
         precompute = any(_gathers_fp8(e) for e in plan.fp8) and fp8_all_gather(cfg, plan.facts)
         if precompute:  # for as long as ``inner`` lives: the user never has to call it
             cache_frozen_shards(inner)  # a frozen weight's FP8 shard: cast at the first all-gather, then kept

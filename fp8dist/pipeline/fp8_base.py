@@ -1,8 +1,9 @@
 """A LoRA base loaded in FP8: ``pretrained=`` an FP8 checkpoint (:mod:`fp8dist.fp8.hf_format`) under ``--lora-rank``
 fills each frozen Linear whose weight the checkpoint holds in e4m3 with those bits (1 byte per weight) and their
 scale, never a high-precision copy of it; torchao's frozen Float8Linear multiplies with them
-(:class:`~fp8dist.fp8.frozen.FrozenFloat8Linear`). It runs where the strategy holds whole parameters (none, ddp)
-and torchao's module swap converts; a layer the plan keeps out of FP8 gets its weight dequantized once."""
+(:class:`~fp8dist.fp8.frozen.FrozenFloat8Linear`). It runs where the strategy keeps each parameter's own dtype
+(none, ddp, and fsdp: FSDP2 all-gathers the e4m3 bytes, the scale kept whole beside) and torchao's module swap
+converts; a layer the plan keeps out of FP8 gets its weight dequantized once."""
 
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ def fp8_checkpoint(path: str | os.PathLike) -> bool:
 def fp8_base_refusal(cfg: Any, facts: Any) -> str | None:
     """Why a LoRA base cannot be held in FP8 under ``cfg`` whose strategy has ``facts`` (it is dequantized instead),
     or None where it can: torchao's module swap (the frozen Float8Linear multiplies with given bits) on a strategy
-    that holds whole parameters (a sharding engine would cast or flatten the e4m3 bits)."""
+    that keeps each parameter's dtype (FSDP1 flattens, DeepSpeed casts the e4m3 bits)."""
     from ..fp8 import get_backend
 
     if not get_backend(cfg.precision.fp8).runs_held_fp8(cfg):
         return (f"fp8={cfg.precision.fp8!r} as configured does not multiply with given FP8 bits (the base is held in "
                 "FP8 under fp8='torchao' with its module swap and a tensorwise or rowwise recipe)")
-    if facts.dtensor_shards or facts.flat_params or facts.engine_owns_params:
-        return (f"strategy={cfg.parallel.strategy!r} shards the parameters (the base is held in FP8 where each rank "
-                "holds it whole: strategy 'none' or 'ddp')")
+    # FSDP2 all-gathers the e4m3 bytes as they are: it casts floating parameters only (FSDPParam.init_dtype_attrs)
+    how = ("flattens each unit's parameters into one flat parameter of one dtype" if facts.flat_params else
+           "casts every parameter to its own dtype" if facts.engine_owns_params else None)
+    if how:
+        return (f"strategy={cfg.parallel.strategy!r} {how} (the base is held in FP8 under strategy 'none', 'ddp' or "
+                "'fsdp')")
     return None
 
 

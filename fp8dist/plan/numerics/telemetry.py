@@ -212,15 +212,19 @@ class FP8Telemetry:
         from ...strategies.local_shards import local_params, plain_name
 
         scales = {plain_name(n): getattr(p, SCALE_ATTR) for n, p in unwrap_model(self.model).named_parameters()
-                  if hasattr(p, SCALE_ATTR)}  # a base held in FP8 (whole on each rank): its bits times its scale
+                  if hasattr(p, SCALE_ATTR)}  # a base held in FP8: its bits times its scale (whole on each rank)
 
-        def values(name: str, w: torch.Tensor) -> torch.Tensor:
+        def values(name: str, piece) -> torch.Tensor:
+            w = piece.local
             if name not in scales:
                 return weight_data(w).detach()  # torchao's FP8 all-gather or weight wrapper unwrapped
             scale = scales[name].to(w.device)
+            if scale.numel() > 1 and piece.region.box:  # per channel, the weight sharded by rows (FSDP2): its rows
+                start, length = piece.region.box[0]
+                scale = scale[start:start + length]
             return dequantize(w.detach(), scale, granularity_of_scale(tuple(w.shape), tuple(scale.shape)))
 
-        pieces = {name: p.local for p in local_params(self.model) for name in p.names}
+        pieces = {name: p for p in local_params(self.model) for name in p.names}
         return [values(f"{layer.name}.weight", pieces[f"{layer.name}.weight"]) for layer in self.layers]
 
     def _warn(self, record: dict[str, Any]) -> None:
