@@ -27,6 +27,8 @@ HELP = ("benchmark strategy x FP8 backend x model size: throughput, memory, comm
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist bench`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names bench (the other commands are a line of ``fp8dist --help``)."""
     # the flags' defaults are the engines' facts as the registries know them, without importing an engine
     from ..bench.settings import TextJob, variant_backends, variant_options, variants_of
 

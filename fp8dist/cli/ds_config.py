@@ -21,6 +21,8 @@ HELP = "write a complete DeepSpeed ZeRO config (json for the deepspeed launcher)
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist ds-config`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names ds-config (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser("ds-config", help=HELP,
                        description="Build a DeepSpeed ZeRO-1/2/3 config with every value concrete (bucket sizes from "
                                    "the model's hidden size), checked by DeepSpeed's own parser.")
@@ -48,6 +50,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist ds-config`` with its parsed flags; returns the exit code (0: done). Raises what the library raises
+    for bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     from ..strategies.deepspeed import model_hidden_size, zero_config
 
     if args.output:

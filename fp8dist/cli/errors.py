@@ -37,6 +37,7 @@ def exit_code(err: BaseException) -> int | None:
 
 
 def error_line(command: str, message: str) -> str:
+    """The one line a command prints on stderr for an error fp8dist explains: ``fp8dist COMMAND: error: MESSAGE``."""
     return f"fp8dist {command}: error: {message}"
 
 

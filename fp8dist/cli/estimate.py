@@ -30,6 +30,8 @@ HELP = "predict per-rank memory (model states, activations) before allocating"
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist estimate`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names estimate (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser("estimate", help=HELP,
                        description="Build the model on the meta device (nothing allocated) and predict the bytes "
                                    "of parameters, master weights, gradients, optimizer states and FP8 buffers on "
@@ -57,6 +59,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist estimate`` with its parsed flags; returns the exit code (0: done). Raises what the library raises
+    for bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     from ..accounting.estimate import check_counts, estimate_memory
     from ..plan.hardware import parse_target
 

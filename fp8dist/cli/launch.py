@@ -23,6 +23,8 @@ HELP = "run the launch scripts that ship with fp8dist (torchrun, deepspeed, SLUR
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist launch`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names launch (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser(
         "launch", help=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -51,6 +53,8 @@ def _sbatch_command(args: list[str]) -> tuple[list[str], bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist launch`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
+    bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     if args.target == "path":
         print(LAUNCH_DIR)
         return 0

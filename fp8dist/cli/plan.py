@@ -23,6 +23,8 @@ HELP = "print the per-layer FP8 precision plan without training"
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist plan`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names plan (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser("plan", help=HELP,
                        description="Build the model on the meta device (nothing allocated) and print which layers "
                                    "run in FP8 and why the others fall back.")
@@ -57,6 +59,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist plan`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
+    bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     from ..pipeline.env import resolve_device
     from ..plan.hardware import parse_target
     from ..plan.precision import plan_precision

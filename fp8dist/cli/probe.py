@@ -43,6 +43,8 @@ HELP = "measure each FP8 layer's numerics and name the layers to keep out of FP8
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist probe`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names probe (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser("probe", help=HELP,
                        description="Run the model in high precision on the built-in corpus (or on --data, as fp8dist "
                                    "train reads it) and, for every layer the "
@@ -101,6 +103,8 @@ def _probe_model(args: argparse.Namespace, config: Any, probe: ProbeConfig, corp
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist probe`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
+    bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     import torch
 
     from ..plan.numerics import measure_fp8_numerics

@@ -35,6 +35,8 @@ HELP = "train a small Llama on the built-in corpus, or fine-tune a model on your
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``fp8dist train`` and its flags to ``sub`` (the top-level parser's subparsers); called only when the
+    command line names train (the other commands are a line of ``fp8dist --help``)."""
     p = sub.add_parser("train", help=HELP,
                        description="Train a small Llama (built from a config, no download) on a deterministic "
                                    "built-in corpus, or any causal LM (--model-config, --pretrained) on text files "
@@ -156,6 +158,8 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``fp8dist train`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
+    bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     from ..pipeline.env import detect_launch_env, resolve_device
     from ..plan.precision import check_fp8_available
     from ..train.checks import check_checkpoint_dir, check_positions
