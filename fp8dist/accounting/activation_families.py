@@ -53,10 +53,14 @@ class Saves:
                                                       self.decisions.get(m) == "fp8"))
 
     def rms_norm(self, h: int) -> int:
+        """Bytes an RMSNorm of width ``h`` saves over the micro-batch's tokens: its fp32 upcast and normalized input
+        (only the latter where the backend swaps the norm for its own), and its fp32 rsqrt."""
         # fp32 upcast, the normalized input, the rsqrt
         return (self.r * self.T * h if self.swapped_norms else (_FP32 + self.r) * self.T * h) + _FP32 * self.T
 
     def layer_norm(self, h: int, *, input_saved: bool = True) -> int:
+        """Bytes a LayerNorm of width ``h`` saves over the micro-batch's tokens: its input (unless ``input_saved`` is
+        False: the producer saved it already) and its fp32 mean and rstd."""
         # the input, fp32 mean and rstd
         return (self.n * self.T * h if input_saved else 0) + 2 * _FP32 * self.T
 

@@ -78,9 +78,12 @@ class MemoryEstimate(StateBytes):
 
     @property
     def activation_bytes(self) -> int:
+        """The activations' bytes on this rank: the sum of :attr:`activations`."""
         return sum(b for _, b in self.activations)
 
     def to_dict(self) -> dict[str, Any]:
+        """The estimate as JSON data (``fp8dist estimate --json``): every field, with the totals, the step prediction
+        and the fit."""
         out = asdict(self)
         out.update(bytes=dict(self.bytes), dtypes=dict(self.dtypes), activations=[list(a) for a in self.activations],
                    offloaded=list(self.offloaded), notes=list(self.notes), model_state_bytes=self.model_state_bytes,

@@ -58,13 +58,17 @@ class Fit:
 
     @property
     def budget_bytes(self) -> int:
+        """The bytes a rank may plan on: the planned fraction of the device's capacity (:func:`budget`)."""
         return budget(self.capacity_bytes)
 
     @property
     def fits(self) -> bool:
+        """Whether the rank's predicted bytes are within :attr:`budget_bytes`."""
         return self.device_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
+        """The fit as JSON data: every field, whether it fits, the budget and each way out with the options it
+        changes."""
         ways_out = [{**asdict(w), "change": dict(w.change)} for w in self.ways_out]
         return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
@@ -98,6 +102,8 @@ class StepCheckpointing:
     fit: Fit | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The checkpointing a predicted step assumes, as JSON data: the mode, the configured one, why, and whether
+        it fits (None: no fit was asked)."""
         return {"mode": self.mode, "configured": self.configured, "why": self.why,
                 "fits": self.fit.fits if self.fit else None}
 

@@ -47,6 +47,8 @@ class PrecisionReport(StateBytes):
     """Why the frozen / trained split is not measured (an engine keeps both in one tensor); "" otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON data: every row (its part by name), the bytes and dtypes per category, the totals and
+        bytes per parameter."""
         out = asdict(self)
         for row in out["rows"]:
             row["part"] = row["part"].value

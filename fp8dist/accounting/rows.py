@@ -26,6 +26,7 @@ class Part(str, Enum):
 
     @property
     def label(self) -> str:
+        """The part's row label in the printed chart."""
         return _LABELS[self]
 
 
@@ -64,6 +65,7 @@ class Held:
 
     @property
     def numel(self) -> int:
+        """Elements of the held tensor (the product of its shape)."""
         return math.prod(self.shape)
 
 
@@ -76,6 +78,8 @@ class Members:
 
 
 def text_table(cols: list[str], rows: list[list[str]]) -> str:
+    """A plain text table: the header ``cols``, a rule, then ``rows`` (each a list of cells), columns padded to their
+    widest cell, trailing spaces stripped."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])

@@ -73,6 +73,7 @@ class StateBytes:
 
     @property
     def model_state_bytes(self) -> int:
+        """Bytes of every model-state category together."""
         return sum(self.bytes.values())
 
     @property
@@ -106,6 +107,8 @@ class StateTally:
         self.dtypes: dict[str, set[torch.dtype]] = {c: set() for c in CATEGORIES}
 
     def add(self, category: str, tensors: Iterable[Any]) -> None:
+        """Count the storages of ``tensors`` (and of their subclass leaves) under ``category``, each storage once
+        across all categories; meta and empty storages count nothing."""
         for obj in tensors:
             for leaf in leaves(obj):
                 if leaf.device.type == "meta":
