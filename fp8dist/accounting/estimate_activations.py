@@ -55,7 +55,8 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     """The activations one rank keeps for ``micro_batch_size`` sequences of ``seq_len`` tokens under ``cfg``'s
     checkpointing, item by item, from the model family's formula (:data:`~.activation_families.FAMILIES`) and the
     plan's precisions; ``blocks``: the checkpointed blocks, ``stored_bytes``: the bytes of an element of the
-    parameters as built (read where autocast computes from them), ``c``: of one in the compute dtype. A family without a formula gets no items and a note saying so."""
+    parameters as built (read where autocast computes from them), ``c``: of one in the compute dtype. A family
+    without a formula gets no items and a note saying so."""
     config = getattr(model, "config", None)
     family = FAMILIES.get(getattr(config, "model_type", None))
     d = dims(config) if config is not None else None
