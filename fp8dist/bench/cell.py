@@ -62,6 +62,8 @@ class Cell:
 
     @property
     def name(self) -> str:
+        """The cell's name in the results: strategy/backend and recipe variant/size, then +compile, +ac-MODE,
+        +MEMORY, /vs-raw and /seedN where they apply."""
         blocks = ("+compile" if self.compile else "") + \
             (f"+ac-{self.activation_checkpointing}" if self.activation_checkpointing != "none" else "") + \
             (f"+{self.memory}" if self.memory != STANDARD.name else "")
@@ -70,6 +72,7 @@ class Cell:
             ("/vs-raw" if self.wiring == "vs-raw" else "") + (f"/seed{self.seed}" if self.label_seed else "")
 
     def to_dict(self) -> dict[str, Any]:
+        """The cell as JSON data: its name and every field."""
         return {"name": self.name, **asdict(self), "more_variants": dict(self.more_variants)}
 
 

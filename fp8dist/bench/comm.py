@@ -45,6 +45,7 @@ class CommCounts:
     dtypes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # FSDP2 moves FP8/bf16 as uint8
 
     def add(self, kind: str, nbytes: int, dtypes: set[str]) -> None:
+        """Count one collective of ``kind`` sending ``nbytes``, with the dtypes it carried."""
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
         self.dtypes[kind] |= dtypes

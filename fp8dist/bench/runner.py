@@ -31,6 +31,7 @@ __all__ = ["BenchSettings", "resolve_settings", "plan_cells", "check_cells", "ch
 
 
 def device_type() -> str:
+    """"cuda" where torch sees a CUDA device, else "cpu": where the bench's cells run."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

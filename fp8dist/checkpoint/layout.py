@@ -28,6 +28,7 @@ _OTHER_KINDS = (
 
 
 def step_name(step: int) -> str:
+    """The folder name of the checkpoint saved after ``step`` steps (``step_00000042``: names sort by step)."""
     return f"step_{step:08d}"
 
 

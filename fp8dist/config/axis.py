@@ -67,6 +67,8 @@ class When:
     facts: tuple[str, ...] = ()
 
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
+        """Whether this condition holds for ``cfg``: every option it names has one of its values and every strategy
+        fact it names is true in ``facts``."""
         values = {**vars(cfg.parallel), **vars(cfg.precision)}
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 

@@ -48,6 +48,7 @@ def _names() -> dict[torch.dtype, str]:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name of :data:`DTYPES` ("bf16" -> torch.bfloat16); KeyError for another name."""
     return _dtypes()[name]
 
 

@@ -37,6 +37,8 @@ _AXES = (("strategy", STRATEGIES), ("fp8", BACKENDS), ("memory", LEVELS))
 
 
 def facts_of(cfg: Any, world_size: int | None = None) -> StrategyFacts:
+    """The strategy facts of ``cfg``'s strategy under ``cfg`` (``world_size``: the ranks it runs on, None: unknown),
+    as the combination table's conditions read them."""
     return STRATEGIES[cfg.parallel.strategy].facts(cfg, world_size)
 
 

@@ -63,6 +63,8 @@ class CastSpec:
         return self.scaling == "nvfp4"
 
     def describe(self) -> str:
+        """One line naming the cast: the element format and the scaling (tensorwise, rowwise, MX or NVFP4 blocks,
+        delayed with its history), ``pow2`` where scales are powers of 2."""
         name = "e2m1" if self.fp4 else dtype_name(self.dtype).removeprefix("fp8 ")
         how = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": f"MX 1x{MX_BLOCK} e8m0",
                "nvfp4": f"NVFP4 {self.tile}x{NVFP4_BLOCK} e4m3 + fp32 tensor scale",

@@ -20,6 +20,7 @@ __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "exp
 
 
 def torchao_installed() -> bool:
+    """Whether torchao is installed (its version read from the package metadata, nothing imported)."""
     from ..pipeline.packages import package_version
 
     return package_version("torchao") is not None
@@ -109,6 +110,8 @@ def experts_target(cfg, hardware: Hardware) -> str:
 
 
 def op_config(recipe: str):
+    """torchao's MoE training op config of ``recipe`` ("fp8_rowwise", else an MXFP8 recipe): what its grouped-GEMM
+    weight wrapper runs with."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
     return Float8TrainingOpConfig() if recipe == "fp8_rowwise" else mx_op_config(recipe)

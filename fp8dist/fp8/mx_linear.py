@@ -30,6 +30,7 @@ MXFP8_CAPABILITY = (10, 0)
 
 
 def is_mx(recipe: str) -> bool:
+    """Whether ``recipe`` is one of torchao's MX block-scaled recipes (:data:`MX_RECIPES`)."""
     return recipe in MX_RECIPES
 
 

@@ -31,6 +31,7 @@ class GemmOrder:
 
     @property
     def first(self) -> str | None:
+        """The first GEMM module to run, by name (None: the model has none)."""
         return self.names[0] if self.names else None
 
 

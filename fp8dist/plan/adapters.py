@@ -26,6 +26,7 @@ def tuner_layers(model: nn.Module):
 
 
 def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` holds PEFT tuner layers (LoRA, DoRA, ...), injected or wrapped by a PeftModel."""
     return next(tuner_layers(model), None) is not None
 
 

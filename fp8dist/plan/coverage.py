@@ -33,10 +33,12 @@ class FP8Coverage:
 
     @property
     def param_share(self) -> float:
+        """Share of the GEMM modules' parameters that run in FP8 (0.0 without GEMMs)."""
         return self.fp8_params / self.gemm_params if self.gemm_params else 0.0
 
     @property
     def flop_share(self) -> float:
+        """Share of the estimated GEMM FLOPs per token that run in FP8 (0.0 without GEMMs)."""
         return self.fp8_flops / self.gemm_flops if self.gemm_flops else 0.0
 
     @property
@@ -45,6 +47,7 @@ class FP8Coverage:
         return self.fp8_modules == 0 or self.param_share < MIN_FP8_SHARE
 
     def summary(self) -> str:
+        """One line: the FP8 share of the GEMMs' parameters and of their estimated FLOPs, with how FLOPs are counted."""
         share = f"{self.fp8_params:,} of {self.gemm_params:,} params ({100 * self.param_share:.1f}%)"
         return (f"FP8 share of GEMMs: {share}, {100 * self.flop_share:.1f}% of est. GEMM FLOPs (per token: 2 x params "
                 "of each GEMM module, MoE experts x top_k/experts)")

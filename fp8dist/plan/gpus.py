@@ -146,10 +146,12 @@ class GpuSpec:
 
     @property
     def calibrated(self) -> bool:
+        """Whether this GPU's calibration was measured on it (else borrowed from another record's)."""
         return self.calibration.measured_on == self.key
 
     @property
     def has_fp8(self) -> bool:
+        """Whether the GPU has FP8 tensor cores (a dense FP8 peak in its record)."""
         return self.fp8_tflops is not None
 
     def describe(self) -> str:
