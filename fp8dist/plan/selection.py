@@ -372,8 +372,8 @@ def reduce_fallbacks(entries: list[Any], report: Any, cfg: Any) -> tuple[list[An
         raise ValueError(
             f"reduce_dtype='fp8' with strategy={strategy.name!r}: the numerics report flags "
             f"{plural(len(flagged), 'layer')} whose weight gradients the FP8 blocks hurt ({shown}{more}), and "
-            f"{strategy.name}'s FP8 comm hook reduces whole buckets of gradients, not one layer's in fp32. Use "
-            "strategy='fsdp' (the units holding them reduce in fp32), or reduce_dtype='fp32', or probe with "
+            f"{strategy.name} cannot reduce one layer's gradients in fp32 apart from the others. Use "
+            "strategy='fsdp' or 'ddp' (they reduce those in fp32), or reduce_dtype='fp32', or probe with "
             "thresholds={'min_reduce_small_sqnr_db': ...} lower to send them in FP8 anyway.")
     reason = f"weight gradient reduced in fp32 with its {strategy.reduce_fallback_unit}: the FP8 blocks hurt it " \
              "({}; probe)"

@@ -30,19 +30,24 @@ def _compression_hooks() -> dict:
 
 def apply_ddp(model: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
               reduce_dtype: torch.dtype, mesh: DeviceMesh | None = None,
-              fp8_wire: GradWire | None = None) -> DistributedDataParallel:
+              fp8_wire: GradWire | None = None, fp32_layers: tuple[str, ...] = ()) -> DistributedDataParallel:
     """Replicate ``model`` with DDP: fp32 parameters and gradients, forward under autocast to ``compute_dtype``,
     over the 1-D ``mesh`` (None: the default process group); ``fp8_wire``: all-reduce them as FP8 blocks
-    (:func:`~fp8dist.strategies.grad_fp8.fp8_all_reduce_hook`) counting in it, else in ``reduce_dtype``. Returns
-    the DDP wrapper; ``wrapper.module`` is the model."""
+    (:func:`~fp8dist.strategies.grad_fp8.fp8_all_reduce_hook`) counting in it, but the gradients of the modules
+    ``fp32_layers`` names in fp32; else in ``reduce_dtype``. Returns the DDP wrapper; ``wrapper.module`` is the
+    model."""
     hook = fp8_all_reduce_hook if fp8_wire is not None else _compression_hooks().get(reduce_dtype)
     apply_single(model, device=device, compute_dtype=compute_dtype)
     # gradients as views of DDP's buckets: one copy of the gradients, not two (torchtitan does the same)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True, device_mesh=mesh)
     group = mesh.get_group() if mesh is not None else dist.group.WORLD
-    if hook is not None:
-        ddp.register_comm_hook(FP8HookState(group, fp8_wire) if fp8_wire is not None else group, hook)
+    if fp8_wire is not None:
+        fallback = frozenset(id(q) for name in fp32_layers for q in model.get_submodule(name).parameters())
+        fp8_wire.fp32_units = tuple(f"{name} (split out of DDP's bucket)" for name in fp32_layers)
+        ddp.register_comm_hook(FP8HookState(group, fp8_wire, fallback), hook)
+    elif hook is not None:
+        ddp.register_comm_hook(group, hook)
     return ddp
 
 
@@ -54,6 +59,7 @@ class DDP(Strategy):
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
     bench_devices = ("cpu", "cuda")
     options = {"reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
+    reduce_fallback_unit = "layer (its gradients split out of DDP's bucket)"
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
@@ -68,9 +74,13 @@ class DDP(Strategy):
         fp8 = p.reduce_dtype == "fp8"
         wrapped = apply_ddp(model, device=device, compute_dtype=param,
                             reduce_dtype=torch.float32 if fp8 else torch_dtype(p.reduce_dtype), mesh=job.mesh,
-                            fp8_wire=GradWire(p.reduce_fp8_block) if fp8 else None)
+                            fp8_wire=GradWire(p.reduce_fp8_block) if fp8 else None, fp32_layers=job.reduce_fallback)
         autocast = param if param != torch.float32 else None
-        return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast), loaded, how, built)
+        notes = tuple(f"reduce_dtype='fp8': {name}'s gradients are all-reduced in fp32, split out of DDP's bucket, "
+                      "not FP8: the FP8 blocks hurt its weight gradient (the numerics probe's verdict)"
+                      for name in job.reduce_fallback) if fp8 else ()
+        return Sharded(wrapped, ShardingInfo(self.name, (), "replicated (DDP)", autocast=autocast, notes=notes), loaded,
+                       how, built)
 
     def check_mesh(self, mesh, cfg) -> None:
         require_1d_mesh(mesh, self.name)
@@ -94,11 +104,14 @@ class DDP(Strategy):
                                    "second copy",))
 
     def grad_wire(self, model: nn.Module, cfg, world_size: int, blocks: list[str], fallback: tuple[str, ...] = ()):
-        """The FP8 all-reduce of every trained gradient element (as one bucket: DDP's buckets each pad a little)."""
+        """The FP8 all-reduce of every trained gradient element (as one bucket: DDP's buckets each pad a little), the
+        parameters of the ``fallback`` modules in fp32."""
         if cfg.parallel.reduce_dtype != "fp8":
             return None
-        elements = sum(q.numel() for q in model.parameters() if q.requires_grad)
-        return predict_all_reduce(elements, world_size, cfg.parallel.reduce_fp8_block)
+        fp32 = {id(q) for name in fallback for q in model.get_submodule(name).parameters()}
+        trained = [q for q in model.parameters() if q.requires_grad]
+        return predict_all_reduce(sum(q.numel() for q in trained if id(q) not in fp32), world_size,
+                                  cfg.parallel.reduce_fp8_block, sum(q.numel() for q in trained if id(q) in fp32))
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
         """Gradients reduce in the dtype of DDP's compression hook, else their own; a hook of the user's is named."""

@@ -70,7 +70,8 @@ class GradWire:
         self.block = block
         self.total = WireTally()
         self.fp32_units: tuple[str, ...] = ()
-        """FSDP2 units whose gradients cross in fp32 instead (a layer the numerics probe flagged), by first name."""
+        """What crosses in fp32 instead (a layer the numerics probe flagged), as the report names it: FSDP2 units
+        by first name, DDP's split-out layers."""
 
     def add(self, *, sent: int, scales: int, bf16: int, elements: int) -> None:
         self.total += WireTally(sent, scales, bf16, elements)
@@ -176,20 +177,48 @@ class FP32ReduceScatter(FP8ReduceScatter):
                       bf16=others * input_tensor.numel() * BF16_BYTES // world, elements=input_tensor.numel())
 
 
+def fp32_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, wire: GradWire) -> torch.Tensor:
+    """The mean over ``group`` of the 1-D ``flat`` reduced in fp32, as a new tensor of its dtype, its bytes counted
+    in ``wire`` as a ring all-reduce sends them (a reduce-scatter and an all-gather of 4-byte elements)."""
+    world, n = group.size(), flat.numel()
+    total = flat.float().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)  # gloo: no AVG
+    others = world - 1
+    wire.add(sent=2 * (others * n * _SCALE_BYTES // world), scales=0, bf16=2 * (others * n * BF16_BYTES // world),
+             elements=n)
+    return total.div_(world).to(flat.dtype)
+
+
 @dataclass(frozen=True)
 class FP8HookState:
     """The state of :func:`fp8_all_reduce_hook`: the group it averages over and the wire it counts in."""
 
     group: dist.ProcessGroup
     wire: GradWire
+    fallback: frozenset[int] = frozenset()
+    """``id`` of each parameter whose gradient crosses in fp32 (a layer the numerics probe flagged): split out of
+    its bucket, the rest of the bucket in FP8."""
 
 
 def fp8_all_reduce_hook(state, bucket):
     """A DDP comm hook (``ddp.register_comm_hook(FP8HookState(group, wire), fp8_all_reduce_hook)``): the bucket
-    (a ``dist.GradBucket``) averaged by :func:`fp8_all_reduce`, as DDP's own all-reduce averages it; returns a
-    completed future of the result. No annotations: DDP checks them against the real classes."""
-    done = torch.futures.Future()
-    done.set_result(fp8_all_reduce(bucket.buffer(), state.group, state.wire))
+    (a ``dist.GradBucket``) averaged by :func:`fp8_all_reduce`, as DDP's own all-reduce averages it, the gradients
+    of ``state.fallback``'s parameters by :func:`fp32_all_reduce`; returns a completed future of the result. No
+    annotations: DDP checks them against the real classes."""
+    flat, done = bucket.buffer(), torch.futures.Future()
+    fp32 = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    offset = 0
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):  # laid out one after another, in this order
+        fp32[offset:offset + grad.numel()] = id(param) in state.fallback
+        offset += grad.numel()
+    if not fp32.any():
+        done.set_result(fp8_all_reduce(flat, state.group, state.wire))
+        return done
+    result = torch.empty_like(flat)
+    if not fp32.all():
+        result[~fp32] = fp8_all_reduce(flat[~fp32], state.group, state.wire)
+    result[fp32] = fp32_all_reduce(flat[fp32], state.group, state.wire)
+    done.set_result(result)
     return done
 
 
@@ -219,7 +248,7 @@ def apply_fp8_reduce_scatter(model: nn.Module, wire: GradWire, fallback: tuple[s
     fp32_states = {list(states)[i] for i in held}
     for _, module in named:
         module.set_custom_reduce_scatter(fp32 if id(module._get_fsdp_state()) in fp32_states else fp8)
-    wire.fp32_units = tuple(units[i][0] or "root" for i in held)
+    wire.fp32_units = tuple(f"FSDP2 unit {units[i][0] or 'root'}" for i in held)
     return tuple(f"reduce_dtype='fp8': FSDP2 unit {', '.join(units[i]) or 'root'} reduce-scatters in fp32, not FP8: it "
                  f"holds {', '.join(layers)}, whose weight gradients the FP8 blocks hurt (the numerics probe's verdict)"
                  for i, layers in held.items())
@@ -239,8 +268,7 @@ def model_grad_wire(model: nn.Module) -> GradWire | None:
 
 def fp8_wire_words(wire: GradWire) -> str:
     """How the gradients cross the wire, as the report says it."""
-    fp32 = f"; in fp32: FSDP2 unit{'s' * (len(wire.fp32_units) > 1)} {', '.join(wire.fp32_units)} (the numerics " \
-        "probe's verdict)" if wire.fp32_units else ""
+    fp32 = f"; in fp32: {', '.join(wire.fp32_units)} (the numerics probe's verdict)" if wire.fp32_units else ""
     return f"fp8 e4m3 blocks of {wire.block} (fp32 scales), summed in fp32{fp32}"
 
 
@@ -261,14 +289,20 @@ def predict_reduce_scatter(unit_elements: list[int], world: int, block: int,
     return sum(tallies, WireTally()) if world > 1 else WireTally()
 
 
-def predict_all_reduce(elements: int, world: int, block: int) -> WireTally:
-    """What :func:`fp8_all_reduce_hook` sends per step for ``elements`` gradient elements, as if in one bucket
-    (each of DDP's buckets pads to ``world x block`` elements: at most that many more per bucket)."""
-    if world < 2 or not elements:
+def predict_all_reduce(elements: int, world: int, block: int, fp32_elements: int = 0) -> WireTally:
+    """What :func:`fp8_all_reduce_hook` sends per step for ``elements`` gradient elements in FP8 and
+    ``fp32_elements`` split out in fp32 (:func:`fp32_all_reduce`), as if in one bucket (each of DDP's buckets pads
+    to ``world x block`` elements: at most that many more per bucket)."""
+    if world < 2:
         return WireTally()
-    sent, scales = _row_bytes(math.ceil(elements / (world * block)) * block, block)
     others = world - 1
-    return WireTally(2 * others * sent, 2 * others * scales, 2 * others * elements * BF16_BYTES // world, elements)
+    fp32 = WireTally(2 * (others * fp32_elements * _SCALE_BYTES // world), 0,
+                     2 * (others * fp32_elements * BF16_BYTES // world), fp32_elements)
+    if not elements:
+        return fp32
+    sent, scales = _row_bytes(math.ceil(elements / (world * block)) * block, block)
+    return fp32 + WireTally(2 * others * sent, 2 * others * scales, 2 * others * elements * BF16_BYTES // world,
+                            elements)
 
 
 def describe_tally(tally: WireTally, words: str) -> str:
