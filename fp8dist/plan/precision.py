@@ -132,6 +132,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         return len(self._entries)
 
     def by_name(self, name: str) -> PlanEntry:
+        """The entry of the module named ``name`` (as ``named_modules`` names it on the model planned); KeyError
+        naming it where the plan has none."""
         for entry in self._entries:
             if entry.name == name:
                 return entry
@@ -144,6 +146,7 @@ class PrecisionPlan(Sequence[PlanEntry]):
 
     @property
     def fp8(self) -> list[PlanEntry]:
+        """The entries planned in FP8, in the model's module order."""
         return [e for e in self._entries if e.precision == "fp8"]
 
     def counts(self) -> str:

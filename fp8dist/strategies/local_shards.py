@@ -42,6 +42,7 @@ class Region:
 
     @property
     def numel(self) -> int:
+        """Elements of the region: the range's length, or the product of the box's lengths."""
         return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(n for _, n in self.box or ())
 
 

@@ -23,14 +23,17 @@ class PaddedParam:
 
     @property
     def numel(self) -> int:
+        """Elements of the parameter (the product of its shape)."""
         return math.prod(self.shape)
 
     @property
     def dim0(self) -> int:
+        """Rows FSDP2 shards along (dim 0; a 0-d parameter counts as one row)."""
         return self.shape[0] if self.shape else 1  # a 0-d parameter counts as one row
 
     @property
     def row_numel(self) -> int:
+        """Elements of one row (dim 0 slice); 0 for a parameter with no rows."""
         return self.numel // self.dim0 if self.dim0 else 0
 
     @property

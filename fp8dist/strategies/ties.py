@@ -21,6 +21,7 @@ class TiedBlock:
 
     @property
     def note(self) -> str:
+        """The note wrap_model says for this tie: the block is sharded with its enclosing unit, and why."""
         return (f"{self.block} is not sharded as a block of its own: {self.parameter} is tied to {self.tied_to} "
                 "outside it, and a tied parameter must live in one FSDP unit; it is sharded with the enclosing unit")
 

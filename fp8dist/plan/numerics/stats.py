@@ -87,6 +87,7 @@ class CastStats:
 
     @property
     def sqnr_db(self) -> float:
+        """SQNR in dB of the operand after the FP8 cast against the operand itself, over every value counted."""
         return sqnr_db(self.signal, self.noise)
 
     @property
@@ -101,9 +102,11 @@ class CastStats:
 
     @property
     def saturated_share(self) -> float:
+        """Share of the cast elements that saturated (clamped to the format's largest value); 0.0 before any."""
         return self.saturated / self.elements if self.elements else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The cast's figures as JSON data (non-finite SQNRs as strings, :func:`json_number`)."""
         return {"role": self.role, "gemms": self.gemms, "cast": self.cast, "fp4": self.fp4,
                 "sqnr_db": json_number(self.sqnr_db),
                 "rest_sqnr_db": json_number(self.rest_sqnr_db),
@@ -121,11 +124,14 @@ class OutputStats:
 
     @torch.no_grad()
     def add(self, exact: torch.Tensor, fp8: torch.Tensor) -> None:
+        """Count one call: ``exact``, the GEMM's high-precision output, against ``fp8``, the same GEMM with FP8
+        operands."""
         self.signal += float(exact.double().square().sum())
         self.noise += float((exact.double() - fp8.double()).square().sum())
 
     @property
     def sqnr_db(self) -> float:
+        """SQNR in dB of the FP8 GEMM's outputs against the high-precision ones, over every call counted."""
         return sqnr_db(self.signal, self.noise)
 
 
@@ -166,10 +172,13 @@ class ReduceStats:
 
     @property
     def sqnr_db(self) -> float:
+        """SQNR in dB of the gradients after the FP8 block round trip, over every value."""
         return sqnr_db(self.signal, self.noise)
 
     @property
     def small_sqnr_db(self) -> float:
+        """SQNR in dB over the small values only (under 1/16 of their block's largest): the probe's verdict on the
+        FP8 reduction."""
         return sqnr_db(self.small_signal, self.small_noise)
 
 
@@ -200,6 +209,7 @@ class LayerNumerics:
 
     @property
     def label(self) -> str:
+        """The layer's name, with its GEMM in brackets where the module runs several (MoE experts)."""
         return f"{self.name}[{self.gemm}]" if self.gemm else self.name
 
     def worst(self, role: str) -> CastStats | None:
@@ -209,6 +219,8 @@ class LayerNumerics:
                    default=None)
 
     def to_dict(self) -> dict[str, Any]:
+        """The layer's figures as JSON data (``fp8dist probe --json``): its GEMM outputs' and reduction's SQNRs,
+        every cast, the problems and the verdict."""
         return {"name": self.name, "gemm": self.gemm, "module_type": self.module_type, "calls": self.calls,
                 "output_sqnr_db": json_number(self.output.sqnr_db),
                 "grad_input_sqnr_db": json_number(self.grad_input.sqnr_db),

@@ -34,10 +34,12 @@ class TokenCorpus:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of every file of the corpus together."""
         return int(sum(len(f.tokens) for f in self.files))
 
     @property
     def num_documents(self) -> int:
+        """Documents of every file of the corpus together."""
         return sum(f.documents for f in self.files)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:

@@ -31,6 +31,7 @@ Kind = Literal["text", "jsonl"]
 
 
 def file_kind(path: str | os.PathLike) -> Kind:
+    """"jsonl" for a JSON-lines file (by its suffix, :data:`JSON_SUFFIXES`), else "text"."""
     return "jsonl" if Path(path).suffix.lower() in JSON_SUFFIXES else "text"
 
 
@@ -83,12 +84,15 @@ class FileIdentity:
 
 
 def file_identity(path: Path) -> FileIdentity:
+    """What identifies ``path``'s contents cheaply: its size, modification time and the SHA-256 of its first MiB
+    (the token cache of a prepared corpus is reused while the size and that hash match)."""
     status = path.stat()
     with open(path, "rb") as f:
         return FileIdentity(status.st_size, status.st_mtime_ns, hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest())
 
 
 def file_sha256(path: Path) -> str:
+    """The SHA-256 of the whole file at ``path``, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
