@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_harness import run_ranks
 
 import fp8dist

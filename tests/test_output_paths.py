@@ -9,7 +9,6 @@ no root, and these tests run as root in CI), so the check is a real write that f
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass

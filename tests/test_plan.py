@@ -3,7 +3,6 @@ clear errors or an announced fallback, and every knob is reachable the same way 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest

@@ -181,7 +181,7 @@ def test_a_deepspeed_engine_and_its_inner_module_are_refused_and_a_bf16_model_is
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')")
     [out] = run_ranks(_deepspeed_case, world_size=1, timeout=300)
     assert out["engine"].startswith("wrap_model: the model given (DeepSpeedEngine) is already a DeepSpeed engine "
-                                    f"(deepspeed.initialize); fp8dist applies the strategy itself"), out["engine"]
+                                    "(deepspeed.initialize); fp8dist applies the strategy itself"), out["engine"]
     assert out["inner"].startswith("wrap_model: parameter 'model.embed_tokens.weight' of LlamaForCausalLM is already "
                                    "held by DeepSpeed"), out["inner"]
     assert WAY_OUT in out["engine"] and WAY_OUT in out["inner"]

@@ -104,6 +104,9 @@ def axes_of(info) -> tuple[Strategy, FP8Backend]:
 
 
 def check_supported(info) -> None:
+    """Raise where the wrapped model's axes cannot checkpoint: NotImplementedError for an FP8 backend that refuses
+    (its ``checkpoint_refusal``), CheckpointError for a strategy without a process group launched on several
+    processes (each would write the same checkpoint)."""
     strategy, backend = axes_of(info)
     if backend.checkpoint_refusal:
         raise NotImplementedError(f"checkpointing fp8={backend.name!r} is not supported yet: "
@@ -130,6 +133,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the random number generators from ``state`` (as :func:`get_rng_state` took them): torch's, Python's,
+    and CUDA's and NumPy's where saved and present."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -207,6 +212,9 @@ def model_layout(model: nn.Module, strategy: Strategy,
 
 
 def write_state(tmp: Path, model: nn.Module, optimizer: Any, strategy: Strategy, trainable_only: bool = False) -> None:
+    """Write the model's and optimizer's state into the folder ``tmp`` on every rank: the strategy's own checkpoint
+    engine where it has one (DeepSpeed), else torch DCP (``trainable_only``: only the trained parameters and their
+    optimizer state, as a LoRA checkpoint keeps)."""
     if strategy.checkpoint is not None:
         strategy.checkpoint.save(model, tmp)
         return

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "DTYPE_NAMES", "torch_dtype", "dtype_name", "dtype_names", "dtype_bytes"]
+# DTYPES is built by the module's __getattr__ when first read
+__all__ = ["DTYPES", "DTYPE_ALIASES", "DTYPE_NAMES", "torch_dtype", "dtype_name", "dtype_names",  # noqa: F822
+           "dtype_bytes"]
 
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # each short name's torch attribute
 

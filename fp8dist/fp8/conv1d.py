@@ -72,6 +72,8 @@ def _weight_in(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
 
 @functools.cache
 def te_conv1d_class(linear: type) -> type:
+    """Transformer Engine's Linear class ``linear`` made to stand in for a GPT-2 ``Conv1D`` (its state dict keeps
+    Conv1D's (in, out) weight layout); one class per ``linear``."""
     class TEConv1D(linear):
         """te.Linear (weight (out, in)) in place of a GPT-2 ``Conv1D``; its state dict holds and takes (in, out)."""
 

@@ -34,6 +34,8 @@ _RULES = (
 
 
 class MSAMPBackend(FP8Backend):
+    """MS-AMP (``fp8='msamp'``): its ``initialize`` converts the model and builds the optimizer (O1-O3); it cannot be
+    installed on any current stack, so its wiring is tested through a stand-in only."""
     name = "msamp"
     package = "msamp"
     owns_optimizer = True
@@ -42,6 +44,8 @@ class MSAMPBackend(FP8Backend):
                           "loads it there), or use fp8='torchao' / 'te'")
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
+        """MS-AMP (``fp8='msamp'``): its ``initialize`` converts the model and builds the optimizer (O1-O3); it
+        cannot be installed on any current stack, so its wiring is tested through a stand-in only."""
         return f"opt_level {cfg.precision.opt_level}"
 
     def missing_reason(self, cfg) -> str | None:

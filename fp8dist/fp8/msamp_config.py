@@ -11,5 +11,6 @@ __all__ = ["MSAMPConfig"]
 
 @dataclass(kw_only=True, frozen=True)
 class MSAMPConfig:
+    """MS-AMP's own knobs (flat keys of the config; read only when ``fp8='msamp'``)."""
     opt_level: Literal["O1", "O2", "O3"] = "O2"
     """MS-AMP: O1 (FP8 weights and gradients), O2 (plus FP8/FP16 optimizer states), O3 (ZeRO, DeepSpeed only)."""

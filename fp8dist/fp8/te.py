@@ -104,6 +104,9 @@ _RULES = (
 
 
 class TEBackend(FP8Backend):
+    """Transformer Engine (``fp8='te'``): each planned Linear swapped for ``te.Linear`` (and norms for TE's), run
+    under ``te.fp8_autocast`` with the configured recipe, its amax reduced over the process group wrap_model is given
+    (the world by default)."""
     name = "te"
     package = "transformer_engine"
     options = {"torchao_moe_recipe": ALWAYS, **SELECTION_OPTIONS}  # its MoE experts run torchao's grouped GEMMs

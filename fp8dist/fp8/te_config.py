@@ -16,6 +16,7 @@ _FP8_FORMATTED = When({"te_recipe": ("delayed", "current", "mxfp8", "blockwise")
 
 @dataclass(kw_only=True, frozen=True)
 class TEConfig:
+    """Transformer Engine's own knobs (flat keys of the config; read only when ``fp8='te'``)."""
     te_recipe: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = "delayed"
     """Transformer Engine recipe: delayed (DelayedScaling, amax history), current (Float8CurrentScaling), mxfp8
     (MXFP8BlockScaling, 1x32 blocks, sm_100+), blockwise (Float8BlockScaling: 1x128 blocks for activations and

@@ -95,6 +95,9 @@ _RULES = (
 
 
 class TorchaoBackend(FP8Backend):
+    """torchao float8 (``fp8='torchao'``): planned Linears converted by module swap (``Float8Linear``) or weight
+    wrapper, in the configured recipe (tensorwise, rowwise, MXFP8, NVFP4), FP8 all-gather under FSDP2 where the
+    recipe allows, MoE experts through its grouped GEMMs."""
     name = "torchao"
     package = "torchao"
     options = SELECTION_OPTIONS

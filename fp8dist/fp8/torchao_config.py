@@ -14,6 +14,7 @@ __all__ = ["TorchaoConfig", "torchao_api", "fp8_all_gather", "gathers_fp8", "flo
 
 @dataclass(kw_only=True, frozen=True)
 class TorchaoConfig:
+    """torchao's own knobs (flat keys of the config; read only when ``fp8='torchao'``)."""
     keep_first_last_linear: bool = True
     """torchao: keep the first and the last nn.Linear in high precision (they are the most sensitive)."""
     torchao_api: Literal["auto", "module_swap", "weight_wrapper"] = "auto"

@@ -108,6 +108,8 @@ class JobLog:
 
 
 def format_summary(result: Any, config: Any, train: Any) -> str:
+    """The summary ``fp8dist train`` prints at the end of a run: the loss from first to last step (and the held-out
+    loss), skipped steps, throughput, peak memory per rank and the gradient traffic."""
     tail = result.losses[-5:]
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
     loss = (f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} (mean of last {plural(len(tail), 'step')} "

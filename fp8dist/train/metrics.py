@@ -114,6 +114,8 @@ class Utilization:
 
 def utilization(flops: FlopsPerToken, tokens_per_s_per_device: float, peaks: DevicePeaks | None,
                 device: str = "this device") -> Utilization:
+    """MFU and FP8-aware MFU (:class:`Utilization`) of ``tokens_per_s_per_device`` at ``flops`` per token against the
+    device's dense ``peaks``; None with the reason where a peak is unknown (``device`` names it)."""
     bf16 = (getattr(peaks, "bf16_tflops", None) or 0) * 1e12
     if not bf16:
         return Utilization(None, None, f"no dense bf16 peak is known for {device}")

@@ -26,6 +26,8 @@ def warmup_steps(steps: int) -> int:
 
 
 def describe_schedule(name: str, steps: int) -> str:
+    """The learning-rate schedule ``name`` ("constant", or "cosine": linear warm-up then cosine decay to 10%) of a
+    ``steps``-step run, in words."""
     if name == "constant":
         return "constant"
     return f"linear warm-up over {plural(warmup_steps(steps), 'step')}, then cosine decay to 10% at step {steps:,}"
