@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["GemmOrder", "gemm_order", "model_structure"]
+__all__ = ["GemmOrder", "gemm_order", "model_structure", "per_structure"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,23 @@ def model_structure(model: nn.Module) -> tuple:
                  for name, module in model.named_modules())
 
 
-_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> (its structure, every module's name in the order its forward starts, or the trace's exception)."""
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> (its structure, {key: value}): one structure kept per model; a changed (converted) one drops the rest.
+A value must not hold the model (its weak key): a module of it, an exception's frames."""
+
+
+def per_structure(model: nn.Module, key: Hashable, compute: Callable[[], Any], structure: tuple | None = None) -> Any:
+    """``compute()``, remembered for ``model`` under ``key`` while its structure (:func:`model_structure`, or the
+    one given) stays the same: a planner asks several rules of one model, and re-plans it per way out and rank
+    count."""
+    structure = model_structure(model) if structure is None else structure
+    found = _MEMO.get(model)
+    if found is None or found[0] != structure:
+        found = (structure, {})
+        _MEMO[model] = found
+    if key not in found[1]:
+        found[1][key] = compute()
+    return found[1][key]
 
 
 def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
@@ -68,26 +84,21 @@ def _calls(model: nn.Module, is_gemm: Callable[[nn.Module], bool]) -> list[str]:
 
 
 def _traced(model: nn.Module) -> list[str]:
-    """Every module's forward, by name, as a meta copy of ``model`` runs: one trace per structure of the model (a
-    planner asks several rules of one model, and re-plans it per way out and rank count)."""
-    structure = model_structure(model)
-    found = _TRACES.get(model)
-    if found is None or found[0] != structure:
-        try:
-            found = (structure, _trace(model))
-        except Exception as error:  # any model code may refuse the meta device: said by each caller alike
-            found = (structure, _without_frames(error))
-        _TRACES[model] = found
-    if isinstance(found[1], Exception):
-        raise copy.copy(found[1])  # raising the kept one would attach this call's frames (and the model) to it
-    return found[1]
+    """Every module's forward, by name, as a meta copy of ``model`` runs: one trace per structure of the model."""
+    found = per_structure(model, "trace", lambda: _trace_or_error(model))
+    if isinstance(found, Exception):
+        raise copy.copy(found)  # raising the kept one would attach this call's frames (and the model) to it
+    return found
 
 
-def _without_frames(error: Exception) -> Exception:
-    """``error`` with no traceback, cause or context: kept in :data:`_TRACES`, a traceback's frames would hold the
-    model (the cache's weak key) alive for ever."""
-    error.__traceback__, error.__cause__, error.__context__ = None, None, None
-    return error
+def _trace_or_error(model: nn.Module) -> list[str] | Exception:
+    """:func:`_trace`, or the exception it raised without its frames (they would hold the model alive in the memo):
+    any model code may refuse the meta device, said by each caller alike."""
+    try:
+        return _trace(model)
+    except Exception as error:
+        error.__traceback__, error.__cause__, error.__context__ = None, None, None
+        return error
 
 
 def _trace(model: nn.Module) -> list[str]:

@@ -20,7 +20,7 @@ from .adapters import adapter_reasons, idle_copies, weight_readers
 from .hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
-from .structure import per_structure, structure_of
+from ..fp8.order import model_structure, per_structure
 from .speed import LinearPrediction
 
 __all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
@@ -303,7 +303,7 @@ def _static_facts(model: nn.Module) -> tuple[tuple, list[tuple[str, nn.Module, i
     """(the structure of ``model``, (name, module, parameters, fused experts, GEMM FLOPs per token) of each module
     that holds parameters, whether it holds PEFT tuner layers or ``modules_to_save`` wrappers): walked once per
     structure of the model (a planner re-plans one model per way out and rank count)."""
-    structure = structure_of(model)
+    structure = model_structure(model)
     facts, peft = per_structure(model, "modules", lambda: _walk(model), structure)
     return structure, [(name, model.get_submodule(name), *rest) for name, *rest in facts], peft
 

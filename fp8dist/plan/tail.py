@@ -12,7 +12,7 @@ from ..config.options import FP4_TAIL_SHARE
 from ..config.text import plural
 from .hardware import Hardware
 from .speed import RECIPES
-from .structure import per_structure
+from ..fp8.order import per_structure
 
 __all__ = ["tail_share", "kept_tail"]
 
