@@ -62,6 +62,11 @@ def _train(rank: int, world: int, out: Path | None, *, checkpoints: bool = False
         if checkpoints:
             report({"loss": losses[step]}, model, optimizer, step=step + 1)
             if fail_after == step + 1 and start == 0:
+                import ray.train
+
+                # Ray's controller registers a reported checkpoint after report returns; a worker failing at once
+                # can race it (CI: the restart resumed from step 1). Fail once this step's checkpoint is committed.
+                ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
                 raise RuntimeError(f"planned failure after step {step + 1}")
     return losses
 

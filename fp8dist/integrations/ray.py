@@ -107,6 +107,11 @@ def report(metrics: dict[str, Any], model: Any, optimizer: Any, *, step: int, ex
         staging: a folder every worker sees, where the checkpoint is written before Ray copies it; None: this
             machine's temp folder, which serves a cluster on one machine. The written copy is removed after Ray's.
 
+    Ray's controller registers the checkpoint shortly after this returns: a worker group that fails at once may be
+    restarted from the checkpoint before (the same losses follow, from an earlier step). Where that matters, call
+    ``ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)``
+    after it, which waits until Ray holds this one.
+
     Raises:
         ImportError: Ray is not installed (the message names ``pip install 'fp8dist[ray]'``).
         RuntimeError: not inside a Ray Train worker.
