@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config.lazy import lazy_names
-from .pipeline.packages import __version__
+from .runtime.packages import __version__
 
 __all__ = [
     "wrap_model",
@@ -66,12 +66,12 @@ def _load() -> dict[str, Any]:
     from .checkpoint import CheckpointError, CheckpointState, latest_checkpoint, load_checkpoint, save_checkpoint
     from .checkpoint.hf import save_pretrained
     from .config.resolve import Config, FP8Config, StrategyConfig, load_config_file, resolve_config
-    from .pipeline.env import DistEnv, init_distributed, shutdown
+    from .runtime.env import DistEnv, init_distributed, shutdown
     from .pipeline.grads import clip_grad_norm_, no_sync
     from .plan.precision import PlanEntry, PrecisionPlan, plan_precision
     from .accounting import MemoryEstimate, PrecisionReport, estimate_memory, report
     from .train.metrics import MetricsWriter, TrainingFigures
-    from .plan.numerics import NumericsReport, measure_fp8_numerics
+    from .numerics import NumericsReport, measure_fp8_numerics
     from .accounting.sharding import sharding_summary
     from .plan.speed import predict_fp8_speedup
     from .plan.speed.step_time import predict_step

@@ -24,7 +24,7 @@ import time
 import torch.distributed as dist
 
 import fp8dist.checkpoint.save_load as save_load
-import fp8dist.pipeline.env as launch_env
+import fp8dist.runtime.env as launch_env
 import fp8dist.train.data.job as job_data
 import fp8dist.train.job as train
 from fp8dist.cli import main

@@ -1,4 +1,4 @@
-"""Every rank must wrap the same model the same way (fp8dist/pipeline/agree.py: check_ranks): ranks given another FP8 backend,
+"""Every rank must wrap the same model the same way (fp8dist/runtime/agree.py: check_ranks): ranks given another FP8 backend,
 another model or other weights fail on every rank, naming what differs, before anything is converted (they used to
 hang in the first step or train a silent mixture); check_ranks="settings" lets weights differ on purpose, and a
 strategy that copies rank 0's weights (DDP) does not compare them."""
@@ -16,7 +16,7 @@ def _cases(rank: int, world: int) -> dict:
     import torch
 
     import fp8dist
-    from fp8dist.pipeline.agree import RanksDisagreeError
+    from fp8dist.runtime.agree import RanksDisagreeError
     from fp8dist.train.models import build_llama
 
     warnings.simplefilter("ignore")

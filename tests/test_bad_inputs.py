@@ -23,11 +23,11 @@ from fp8dist import (estimate_memory, get_plan, load_checkpoint, no_sync, report
                      save_pretrained, wrap_model)
 from fp8dist.cli import main
 from fp8dist.train.data import Batches
-from fp8dist.pipeline.env import LaunchError, detect_launch_env, resolve_device
+from fp8dist.runtime.env import LaunchError, detect_launch_env, resolve_device
 from fp8dist.train.models import build_llama, pretrained_config
 from fp8dist.pipeline.pretrained import PretrainedError, SafetensorsDir
-from fp8dist.pipeline.rendezvous import rendezvous_timeout
-from fp8dist.pipeline.optim import build_optimizer
+from fp8dist.runtime.rendezvous import rendezvous_timeout
+from fp8dist.runtime.optim import build_optimizer
 from fp8dist.plan.precision import FP8UnavailableError
 from fp8dist.train.job import TrainConfig
 

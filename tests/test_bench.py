@@ -459,7 +459,7 @@ def test_bench_on_text_records_held_out_loss_and_its_spread_over_seeds(text, tmp
     assert cell_config(cells[1]).precision.torchao_recipe == "rowwise"
     assert "data: 1 file, 120 documents" in check_text(settings)  # tokenized here, once
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.pipeline.env.share_cpu_threads)
+    torch.set_num_threads(1)  # as a bench rank on a shared CPU runs (fp8dist.runtime.env.share_cpu_threads)
     try:
         with warnings.catch_warnings():
             results = [run_cell(cell) for cell in cells]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cli_helpers import ROOT, run
 
-import fp8dist.pipeline.files as files
+import fp8dist.runtime.files as files
 from fp8dist import CheckpointError, load_checkpoint, save_checkpoint, wrap_model
 from fp8dist.checkpoint import latest_checkpoint
 from fp8dist.train.data import Batches

@@ -123,7 +123,7 @@ def test_backends_never_read_the_strategys_name():
     strategy's facts (plan.facts) alone."""
     from types import SimpleNamespace
 
-    from fp8dist.plan.hardware import Hardware
+    from fp8dist.runtime.hardware import Hardware
 
     class Guarded(SimpleNamespace):
         def __getattribute__(self, name):

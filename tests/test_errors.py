@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from fp8dist.pipeline.env import LaunchError, detect_launch_env
+from fp8dist.runtime.env import LaunchError, detect_launch_env
 from fp8dist.train.models import build_llama
 from fp8dist.strategies import find_blocks
 
@@ -54,7 +54,7 @@ def test_cpu_ranks_share_the_cores_instead_of_oversubscribing(environ, expected)
 
     import torch
 
-    from fp8dist.pipeline.env import share_cpu_threads
+    from fp8dist.runtime.env import share_cpu_threads
 
     before = torch.get_num_threads()
     try:

@@ -1,4 +1,4 @@
-"""fp8dist estimate with a target GPU says whether a rank fits its memory (the capacity from fp8dist.plan.gpus), and
+"""fp8dist estimate with a target GPU says whether a rank fits its memory (the capacity from fp8dist.runtime.gpus), and
 when it does not, the ways out -- more ranks, activation checkpointing, the lean level, ZeRO-3 offload, and
 activation checkpointing with each -- each with the figure the estimate itself computes for it. And the estimate
 says each thing it was given that the chosen strategy / backend / level does not read (issue 40, items 11, 13)."""
@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8dist import cli, estimate_memory
-from fp8dist.plan.gpus import gpu_by_key
+from fp8dist.runtime.gpus import gpu_by_key
 from fp8dist.accounting.fit import device_bytes
 
 H100 = 80 * 2**30

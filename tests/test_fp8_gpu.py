@@ -192,7 +192,7 @@ def test_a_plan_for_this_gpus_target_equals_the_plan_made_on_it():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     import fp8dist
-    from fp8dist.plan.hardware import find_gpu, hardware_of, parse_target
+    from fp8dist.runtime.hardware import find_gpu, hardware_of, parse_target
 
     config = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -232,7 +232,7 @@ def test_speed_model_predicts_the_measured_linear_speedup_on_this_gpu(recipe, mo
     SPEED_TOLERANCE per shape, and on the same side of 1 wherever the prediction is outside 0.9-1.1."""
     from pathlib import Path
 
-    from fp8dist.plan.hardware import find_gpu, hardware_of
+    from fp8dist.runtime.hardware import find_gpu, hardware_of
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed_model"))
     from agreement import rig_speedup

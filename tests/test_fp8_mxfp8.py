@@ -24,7 +24,7 @@ from torchao.quantization import quantize_  # noqa: E402
 from fp8dist import get_plan, wrap_model  # noqa: E402
 from fp8dist.config.rules import refusal_of  # noqa: E402
 from fp8dist.fp8 import get_backend  # noqa: E402
-from fp8dist.plan.hardware import parse_target  # noqa: E402
+from fp8dist.runtime.hardware import parse_target  # noqa: E402
 from fp8dist.plan.precision import plan_precision  # noqa: E402
 from fp8dist.train.models import build_llama  # noqa: E402
 
@@ -106,7 +106,7 @@ def test_mxfp8_is_planned_for_b200_with_the_speed_models_mxfp8_recipe():
                           device=parse_target("b200"), world_size=2, check_installed=False)
     assert {e.converted_to for e in plan.fp8} == {"MXFP8 weight wrapper"}
     backend = get_backend("torchao")
-    assert "mxfp8" in backend.speed_recipes
+    assert "mxfp8" in [recipe.name for recipe in backend.speed_recipes]
     assert backend.speed_recipe(_cfg(torchao_recipe="mxfp8"), parse_target("b200")) == ("mxfp8", "")
     assert backend.speed_recipe(_cfg(torchao_recipe="mxfp8_emulated"), parse_target("cpu")) == (
         None, "emulated: no speed model")

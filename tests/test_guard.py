@@ -166,7 +166,7 @@ def test_fp8_health_is_sampled_after_the_steps_of_the_users_own_optimizer(tmp_pa
 
     import fp8dist
     from fp8dist.train.models import build_llama
-    from fp8dist.plan.numerics import FP8Telemetry
+    from fp8dist.numerics import FP8Telemetry
 
     path = tmp_path / "health.jsonl"
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", fp8="torchao")

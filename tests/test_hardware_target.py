@@ -12,7 +12,7 @@ import torch
 
 import fp8dist
 from fp8dist.cli import main
-from fp8dist.plan.hardware import TARGETS, Hardware, hardware_of, parse_target
+from fp8dist.runtime.hardware import TARGETS, Hardware, hardware_of, parse_target
 from fp8dist.plan.precision import FP8UnavailableError
 from fp8dist.train.models import build_llama
 

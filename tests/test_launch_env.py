@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from cli_helpers import BIN
-from fp8dist.pipeline.env import LaunchError, detect_launch_env
-from fp8dist.pipeline.env_vars import VARIABLES
+from fp8dist.runtime.env import LaunchError, detect_launch_env
+from fp8dist.runtime.env_vars import VARIABLES
 
 _INDEX = ("an integer, 0 or more", ["-1", "one", "1.5", ""])
 _COUNT = ("an integer, 1 or more", ["0", "-2", "two", ""])
@@ -88,7 +88,7 @@ def held_port():
 
 
 _RENDEZVOUS = """
-from fp8dist.pipeline.env import LaunchError, init_distributed
+from fp8dist.runtime.env import LaunchError, init_distributed
 try:
     init_distributed(device="cpu")
 except LaunchError as err:

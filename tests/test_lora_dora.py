@@ -21,7 +21,7 @@ pytest.importorskip("torchao", reason="torchao is not installed (pip install tor
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
 from fp8dist import get_plan, plan_precision, resolve_config, wrap_model  # noqa: E402
-from fp8dist.plan.hardware import parse_target  # noqa: E402
+from fp8dist.runtime.hardware import parse_target  # noqa: E402
 from fp8dist.train.data import Batches  # noqa: E402
 from fp8dist.train.models import build_llama  # noqa: E402
 

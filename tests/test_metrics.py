@@ -56,7 +56,7 @@ def test_mfu_and_fp8_aware_mfu_by_hand_and_null_without_a_peak():
     assert use.mfu == pytest.approx(0.5 * 2000 / 1000)
     assert use.fp8_aware_mfu == pytest.approx(0.5 * (800 / 1000 + 1200 / 2000))
     assert utilization(FlopsPerToken(600, 0, 200), 0.5, peaks).fp8_aware_mfu == pytest.approx(0.4)
-    from fp8dist.plan.hardware import TARGETS, find_gpu
+    from fp8dist.runtime.hardware import TARGETS, find_gpu
 
     h100 = find_gpu(TARGETS["h100"]).spec  # the GPU table's record is the peaks (one source with the speed model)
     on_h100 = utilization(flops, 1e9, h100)

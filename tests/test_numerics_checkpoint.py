@@ -92,7 +92,7 @@ def _cast_counts(x: torch.Tensor, amax: float, dtype: torch.dtype) -> tuple[int,
 
 
 def _ranks(rank: int, world: int, tmp: str) -> dict:
-    from fp8dist.plan.numerics.telemetry import FP8Telemetry
+    from fp8dist.numerics.telemetry import FP8Telemetry
 
     torch.set_num_threads(1)
     out = {}

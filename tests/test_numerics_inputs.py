@@ -9,7 +9,7 @@ import torch
 
 import fp8dist
 from fp8dist.train.models import build_llama
-from fp8dist.plan.numerics import FP8Telemetry, Thresholds
+from fp8dist.numerics import FP8Telemetry, Thresholds
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 

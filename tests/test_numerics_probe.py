@@ -15,7 +15,7 @@ import fp8dist
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 from fp8dist.fp8.casts import CastSpec
-from fp8dist.plan.numerics.casts import Cast
+from fp8dist.numerics.casts import Cast
 from helpers import one_thread  # noqa: F401  (the fixture, for pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +52,7 @@ def _flushed(x: torch.Tensor, back: torch.Tensor) -> float:
 def test_each_cast_equals_a_hand_computation_on_a_known_tensor():
     torch.manual_seed(0)
     x = torch.randn(64, 96) * torch.logspace(-6, 1, 96)  # columns from 1e-6 to 10: some flush
-    stats = fp8dist.plan.numerics.CastStats("input", "output", "")
+    stats = fp8dist.numerics.CastStats("input", "output", "")
     back, saturated = Cast(CastSpec(E4M3, "tensorwise"))(x, -1)
     stats.add(x, back, saturated)
     hand = _hand_tensorwise(x, E4M3)
@@ -187,7 +187,7 @@ def test_probe_command_for_the_built_in_model_writes_the_json(tmp_path, capsys):
 
 
 def test_telemetry_warns_once_per_layer_and_writes_one_line_per_sampled_step(tmp_path):
-    from fp8dist.plan.numerics.telemetry import FP8Telemetry
+    from fp8dist.numerics.telemetry import FP8Telemetry
 
     model = fp8dist.wrap_model(build_llama("tiny"), strategy="none", fp8="torchao")
     _plant_outlier(fp8dist.unwrap_model(model))

@@ -11,9 +11,9 @@ import torch
 
 import fp8dist
 from fp8dist.fp8.casts import CastSpec, nvfp4_casts
-from fp8dist.plan.hardware import TARGETS
-from fp8dist.plan.numerics import Thresholds
-from fp8dist.plan.numerics.casts import Cast
+from fp8dist.runtime.hardware import TARGETS
+from fp8dist.numerics import Thresholds
+from fp8dist.numerics.casts import Cast
 from fp8dist.plan.precision import FP8UnavailableError
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama

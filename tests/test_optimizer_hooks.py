@@ -11,7 +11,7 @@ import torch
 
 from fp8dist import wrap_model
 from fp8dist.train.models import build_llama
-from fp8dist.pipeline.optim import StaleOptimizerError
+from fp8dist.runtime.optim import StaleOptimizerError
 
 pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
 
@@ -85,7 +85,7 @@ def test_engines_that_keep_the_parameters_accept_an_earlier_optimizer(one_rank_g
 
 
 def test_models_and_optimizers_created_and_dropped_in_any_order(one_rank_group):
-    """The one registry of step actions (fp8dist.pipeline.optim.STEP_HOOKS) follows models and optimizers as they come and
+    """The one registry of step actions (fp8dist.runtime.optim.STEP_HOOKS) follows models and optimizers as they come and
     go: each optimizer precomputes the scales of the models it holds, and only those; an optimizer may outlive its
     model or die before it; a model may gain an optimizer late (add_param_group); nothing is left behind."""
     import weakref

@@ -1,5 +1,5 @@
 """An optimizer spec (``optimizer={"type": "AdamW", "lr": ...}``) is checked once, by one function
-(fp8dist.pipeline.optim.check_optimizer_spec), before anything changes: every key of every torch.optim type, on every path
+(fp8dist.runtime.optim.check_optimizer_spec), before anything changes: every key of every torch.optim type, on every path
 that builds one (the standard and lean levels, DeepSpeed's engine, MS-AMP's build_optimizer)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from fp8dist import wrap_model
 from fp8dist.train.models import build_llama
-from fp8dist.pipeline.optim import build_optimizer, check_optimizer_spec, optimizer_classes
+from fp8dist.runtime.optim import build_optimizer, check_optimizer_spec, optimizer_classes
 
 CLASSES = sorted(optimizer_classes().values(), key=lambda c: c.__name__)
 

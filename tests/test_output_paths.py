@@ -67,7 +67,7 @@ def _texts_that_count() -> Any:
 
 
 def _telemetry(path: Path) -> Any:
-    from fp8dist.plan.numerics import FP8Telemetry
+    from fp8dist.numerics import FP8Telemetry
 
     model, optimizer = _wrapped()
     return FP8Telemetry(model, every=1, jsonl=path, optimizer=optimizer).close()
@@ -160,7 +160,7 @@ def test_an_output_path_is_checked_before_any_work(entry: Entry, case: str, tmp_
 
 
 def test_atomic_write_names_the_target_not_its_temporary_file(tmp_path: Path) -> None:
-    from fp8dist.pipeline.files import atomic_write
+    from fp8dist.runtime.files import atomic_write
 
     def disk_full(tmp: str) -> None:
         raise OSError(28, "No space left on device", tmp)

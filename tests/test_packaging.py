@@ -51,7 +51,7 @@ def test_fp8dist_env_checks_installed_versions_against_the_ranges(capsys, monkey
     torch_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("torch "))
     torch_range = str(next(r.specifier for r in _requirements() if r.name == "torch"))
     assert f"(in range {torch_range})" in torch_line
-    monkeypatch.setattr("fp8dist.pipeline.env.package_version", lambda name: "2.9.0" if name == "torch" else None)
+    monkeypatch.setattr("fp8dist.runtime.packages.package_version", lambda name: "2.9.0" if name == "torch" else None)
     assert main(["env"]) == 0
     torch_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("torch "))
     assert f"2.9.0 (OUTSIDE the range fp8dist supports: install a version in range {torch_range})" in torch_line

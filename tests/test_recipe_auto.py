@@ -18,7 +18,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 
 from fp8dist import get_plan, plan_precision, wrap_model  # noqa: E402
 from fp8dist.config.resolve import resolve_config  # noqa: E402
-from fp8dist.plan.hardware import Hardware, parse_target  # noqa: E402
+from fp8dist.runtime.hardware import Hardware, parse_target  # noqa: E402
 from fp8dist.plan.speed import predict_linear  # noqa: E402
 from fp8dist.train.models import llama_config  # noqa: E402
 
@@ -112,7 +112,7 @@ def _mixed_llama():
 
 def _mixed_case(rank: int, world: int) -> dict:
     import fp8dist.plan.selection as selection
-    from fp8dist.plan.hardware import find_gpu
+    from fp8dist.runtime.hardware import find_gpu
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     # wrap_model plans for the device it runs on (a CPU here, where auto is tensorwise everywhere): predict as for

@@ -14,7 +14,7 @@ from torch import nn
 
 import fp8dist
 from fp8dist.cli import main
-from fp8dist.plan.hardware import TARGETS, Hardware
+from fp8dist.runtime.hardware import TARGETS, Hardware
 from fp8dist.train.models import build_llama
 from fp8dist.plan.speed import compare_recipes, predict_linear
 
@@ -244,9 +244,9 @@ def test_a_numerics_report_keeps_the_unsafe_layer_out_of_fp8():
 
 
 def test_fp8dist_env_prints_the_gpus_record(monkeypatch):
-    """On a machine with an H100 (stood in: this one has none), env prints its record from fp8dist.plan.gpus."""
-    from fp8dist.pipeline.env import describe_environment
-    from fp8dist.plan.gpus import gpu_by_key
+    """On a machine with an H100 (stood in: this one has none), env prints its record from fp8dist.runtime.gpus."""
+    from fp8dist.cli.env import describe_environment
+    from fp8dist.runtime.gpus import gpu_by_key
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

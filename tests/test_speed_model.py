@@ -1,4 +1,4 @@
-"""The FP8 speed model (fp8dist.plan.speed) and the GPU table (fp8dist.plan.gpus) it reads.
+"""The FP8 speed model (fp8dist.plan.speed) and the GPU table (fp8dist.runtime.gpus) it reads.
 
 The published H100 table (tests/data/torchao_fp8_rowwise_h100.csv, torchao's rowwise measurements) is the ground
 truth: the model's agreement with it is recomputed here, so a change that makes it worse fails. The figures the
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import fp8dist
-from fp8dist.plan.gpus import GPUS, gpu_by_device_name, gpu_by_key
-from fp8dist.plan.hardware import TARGETS, Hardware, find_gpu, parse_target
+from fp8dist.runtime.gpus import GPUS, gpu_by_device_name, gpu_by_key
+from fp8dist.runtime.hardware import TARGETS, Hardware, find_gpu, parse_target
 from fp8dist.train.config import LLAMA_SIZES
 from fp8dist.fp8 import BACKENDS, get_backend
 from fp8dist.plan.speed import (RECIPES, compare_recipes, predict_fp8_speedup, predict_linear, predict_gemms,
@@ -75,7 +75,7 @@ def test_torchao_rules_score_as_the_issue_says():
 
 
 def test_the_shipped_constants_are_the_fit():
-    """fp8dist/plan/gpus.py holds what benchmarks/speed_model/fit.py wrote, fitted on the rows M in {1024, 4096, 16384}."""
+    """fp8dist/runtime/gpus.py holds what benchmarks/speed_model/fit.py wrote, fitted on the rows M in {1024, 4096, 16384}."""
     fit = json.loads((ROOT / "benchmarks" / "speed_model" / "fit_h100_rowwise.json").read_text())
     cal = H100.calibration
     assert fit["fit_rows_m"] == list(FIT_ROWS)
@@ -203,8 +203,8 @@ def test_no_record_for_a_cpu_a_bare_capability_or_an_unknown_gpu():
     (lambda: predict_fp8_speedup(8192, 2048, 2048, target="a100"), r"A100 \(sm_80\): it has no FP8 tensor cores "
                                                                    r"\(FP8 needs sm_89\+\); keep bf16 there"),
     (lambda: predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="delayed"),
-     r"recipe 'delayed' is not one the speed model knows: choose one of tensorwise, rowwise, rowwise_with_gw_hp, "
-     r"te_delayed"),
+     r"recipe 'delayed' is not one the speed model knows: choose one of te_delayed \(te\), .* tensorwise \(torchao\), "
+     r"rowwise \(torchao\), .*each FP8 backend declares its own in speed_recipes"),
     (lambda: predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="te_mxfp8"),
      r"recipe 'te_mxfp8' needs sm_100\+: H100 is sm_90. Choose a recipe it runs"),
     (lambda: predict_fp8_speedup(8192, 2048, 2048, target="h100", recipe="nvfp4"),
@@ -247,7 +247,7 @@ def test_every_option_maps_to_a_recipe_and_grouped_gemms_take_groups():
     assert named("te", grouped=True, torchao_moe_recipe="mxfp8_emulated") == (
         None, "no speed model for torchao_moe_recipe 'mxfp8_emulated'")
     assert named("msamp", strategy="ddp") == (None, "fp8='msamp' has no speed model")
-    assert all(r in RECIPES for name in BACKENDS for r in get_backend(name).speed_recipes)
+    assert all(RECIPES[r.name] is r for name in BACKENDS for r in get_backend(name).speed_recipes)
     one = predict_linear(16384, 4096, 14336, target="h100", recipe="moe_fp8_rowwise", groups=1)
     eight = predict_linear(16384, 4096, 14336, target="h100", recipe="moe_fp8_rowwise", groups=8)
     # the same FLOPs; eight experts' weights to cast (and read): a smaller gain
@@ -363,16 +363,15 @@ def test_block_scaled_recipes_on_the_b200():
     assert predict_fp8_speedup(32768, 8192, 8192, target="h100", recipe="te_blockwise") > 1
 
 
-def test_compare_recipes_lists_the_block_scaled_recipes_where_the_gpu_runs_them(monkeypatch, capsys):
-    """Once a backend's speed_recipes name them (torchao: mxfp8, nvfp4; TE: te_blockwise, te_nvfp4 — each backend's
-    own module lists its recipes), `fp8dist plan --target b200 --compare-recipes` shows them beside the FP8 ones;
-    on an H100 the sm_100 ones drop out and te_blockwise (sm_90) stays."""
+def test_compare_recipes_lists_the_block_scaled_recipes_where_the_gpu_runs_them(capsys):
+    """A backend's speed_recipes (torchao: mxfp8, nvfp4; TE: te_blockwise, te_nvfp4 — each backend declares its own):
+    `fp8dist plan --target b200 --compare-recipes` shows its Linear recipes beside bf16; on an H100 the sm_100 ones
+    drop out and te_blockwise (sm_90) stays."""
     from fp8dist.cli import main
 
     lists = {"torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4"),
              "te": ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")}
     for backend, recipes in lists.items():
-        monkeypatch.setattr(type(get_backend(backend)), "speed_recipes", recipes)
         assert recipes_for(backend, "b200") == recipes
         assert recipes_for(backend, "h100") == tuple(r for r in recipes if r not in ("mxfp8", "nvfp4", "te_mxfp8",
                                                                                      "te_nvfp4"))

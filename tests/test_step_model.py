@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import fp8dist
-from fp8dist.plan.gpus import B200_CALIBRATION
+from fp8dist.runtime.gpus import B200_CALIBRATION
 from fp8dist.plan.speed.step_time import STEP_CONSTANTS, compare_step_recipes, fastest, predict_step
 
 _DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model"
@@ -168,7 +168,7 @@ def test_plan_compare_recipes_names_the_fastest_recipe_and_prints_each_step(tmp_
 
 
 def test_every_gpu_record_has_its_interconnect_from_its_datasheet():
-    from fp8dist.plan.gpus import GPUS
+    from fp8dist.runtime.gpus import GPUS
 
     for spec in GPUS:
         assert spec.interconnect_gbps and any(word in spec.source.note for word in ("NVLink", "PCIe",
@@ -256,7 +256,7 @@ def llama_70b():
 
 def test_every_gpu_record_has_its_topology():
     """The NVLink domain and the network between domains are data of the GPU record, with their source."""
-    from fp8dist.plan.gpus import GPUS, gpu_by_key
+    from fp8dist.runtime.gpus import GPUS, gpu_by_key
 
     assert {spec.key for spec in GPUS if spec.nvlink_domain == 72} == {"gb200", "gb300"}  # NVL72 racks
     assert {gpu_by_key(k).nvlink_domain for k in ("h100", "h200", "b200", "b300")} == {8}

@@ -16,7 +16,7 @@ import fp8dist
 from fp8dist import wrap_model
 from fp8dist.cli import main
 from fp8dist.fp8 import get_backend
-from fp8dist.plan.hardware import TARGETS
+from fp8dist.runtime.hardware import TARGETS
 from fp8dist.plan.precision import FP8UnavailableError
 from fp8dist.train.models import build_llama
 

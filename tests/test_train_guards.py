@@ -168,7 +168,7 @@ def launcher_env(monkeypatch):
 @pytest.mark.timeout(300)  # the only clock: torch's own rendezvous would wait 30 minutes
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_missing(rank, launcher_env):
-    from fp8dist.pipeline.env import LaunchError, init_distributed
+    from fp8dist.runtime.env import LaunchError, init_distributed
 
     launcher_env.setenv("RANK", rank)
     launcher_env.setenv("WORLD_SIZE", "2")
@@ -191,7 +191,7 @@ def test_a_rendezvous_missing_a_process_stops_after_its_timeout_naming_what_is_m
 def test_the_rendezvous_default_is_torchruns_join_timeout():
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-    from fp8dist.pipeline.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_timeout
+    from fp8dist.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_timeout
 
     assert rendezvous_timeout({}) == RENDEZVOUS_TIMEOUT_S == RendezvousTimeout().join.total_seconds()
     assert rendezvous_timeout({"FP8DIST_RENDEZVOUS_TIMEOUT": "2.5"}) == 2.5

@@ -19,7 +19,7 @@ pytest.importorskip("torchao", reason="torchao is not installed")
 
 def _records(api: str, strategy: str = "none", rank: int = 0, world: int = 1) -> tuple[list[dict], list[float]]:
     import fp8dist
-    from fp8dist.plan.numerics import FP8Telemetry
+    from fp8dist.numerics import FP8Telemetry
     from fp8dist.train.data import Batches
     from fp8dist.train.models import build_llama
 

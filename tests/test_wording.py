@@ -99,7 +99,7 @@ def test_the_package_metadata_names_its_license_as_an_spdx_expression(tmp_path: 
 def test_fp8_on_an_amx_cpu_runs_atens_gemm_and_says_so() -> None:
     """fp8dist train turns oneDNN off where its FP8 GEMM is the reference kernel (an AMX CPU) and says so in one
     line; elsewhere nothing changes. Run in a process without the suite's own switch (tests/site)."""
-    code = ("import torch, json; from fp8dist.pipeline.env import aten_cpu_fp8_gemms; "
+    code = ("import torch, json; from fp8dist.runtime.env import aten_cpu_fp8_gemms; "
             "line = aten_cpu_fp8_gemms(); print(json.dumps([line, torch.backends.mkldnn.enabled]))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

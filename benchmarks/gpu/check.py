@@ -28,8 +28,8 @@ from preflight import commit, device_clocks  # noqa: E402
 
 from fp8dist.bench.cell import variants_of  # noqa: E402
 from fp8dist.bench.results import device_record, versions as package_versions  # noqa: E402
-from fp8dist.plan.gpus import GpuSpec, gpu_by_key  # noqa: E402
-from fp8dist.plan.hardware import find_gpu, hardware_of  # noqa: E402
+from fp8dist.runtime.gpus import GpuSpec, gpu_by_key  # noqa: E402
+from fp8dist.runtime.hardware import find_gpu, hardware_of  # noqa: E402
 from fp8dist.train.job import default_fp8  # noqa: E402
 
 BUDGET_S = 360

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed_model"))  # 
 from agreement import read_measurements, rig_speedup  # noqa: E402
 
 from fp8dist.bench.runner import DEFAULTS  # noqa: E402
-from fp8dist.plan.gpus import GpuSpec  # noqa: E402
+from fp8dist.runtime.gpus import GpuSpec  # noqa: E402
 from fp8dist.plan.speed import predict_linear  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

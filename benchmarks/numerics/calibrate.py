@@ -1,4 +1,4 @@
-"""Calibrate the numerics probe's thresholds (fp8dist/plan/numerics/thresholds.py) on healthy models.
+"""Calibrate the numerics probe's thresholds (fp8dist/numerics/thresholds.py) on healthy models.
 
 Every FP8-eligible GEMM (first and last Linear included) of Llama, GPT-2, Mixtral and Qwen3 (small configs over the
 byte vocabulary, no download) is measured by ``fp8dist.measure_fp8_numerics`` under torchao tensorwise and rowwise
@@ -27,7 +27,7 @@ import torch
 
 import fp8dist
 from fp8dist.train.data import Batches
-from fp8dist.pipeline.env import package_version
+from fp8dist.runtime.packages import package_version
 from fp8dist.train.models import llama_config
 from fp8dist.train.schedule import lr_schedule, set_lr
 
@@ -168,7 +168,7 @@ def markdown(results: dict, meta: dict) -> str:
 def _summary(results: dict) -> list[str]:
     """The worst healthy value of each statistic over every model, stage and recipe, where it was, and the
     thresholds in use beside it."""
-    from fp8dist.plan.numerics import DEFAULT_THRESHOLDS as t
+    from fp8dist.numerics import DEFAULT_THRESHOLDS as t
 
     healthy = [(f"{family} {stage} {recipe}", report) for (family, stage), v in results.items()
                if "planted" not in family for recipe, report in v["reports"].items()]

@@ -29,7 +29,7 @@ def _steps(rank: int, world: int, size: str, every: int | None, steps: int) -> l
     import fp8dist
     from fp8dist.train.data import Batches
     from fp8dist.train.models import build_llama
-    from fp8dist.plan.numerics.telemetry import FP8Telemetry
+    from fp8dist.numerics.telemetry import FP8Telemetry
 
     model = fp8dist.wrap_model(build_llama(size, seed=0), strategy="fsdp", fp8="torchao")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"combine: error: {err}", file=sys.stderr)
         return 2
-    from fp8dist.pipeline.files import atomic_write
+    from fp8dist.runtime.files import atomic_write
     from fp8dist.bench.plot import plot_results
 
     args.out.mkdir(parents=True, exist_ok=True)

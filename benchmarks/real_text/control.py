@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"control: error: {err}", file=sys.stderr)
         return 2
-    from fp8dist.pipeline.files import atomic_write
+    from fp8dist.runtime.files import atomic_write
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))

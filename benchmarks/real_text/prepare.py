@@ -27,7 +27,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from fp8dist.pipeline.files import atomic_write_text
+from fp8dist.runtime.files import atomic_write_text
 from fp8dist.train.data import train_tokenizer
 
 LICENCE = ("PSF License Agreement (the Python documentation; code examples also Zero-Clause BSD): "

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8dist.plan.gpus import GpuSpec
+from fp8dist.runtime.gpus import GpuSpec
 from fp8dist.plan.speed.model import gemm_seconds, kernel_seconds, linear_seconds
 from fp8dist.plan.speed.recipes import AO_KERNELS, Kernel, recipe_named
 

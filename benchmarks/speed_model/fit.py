@@ -2,13 +2,13 @@
 
     PYTHONPATH=. python benchmarks/speed_model/fit.py            # writes fit_h100_rowwise.json beside this file
 
-Free constants (fp8dist.plan.gpus.Calibration): the FP8 GEMM fraction and the three operands' column-wise cast
+Free constants (fp8dist.runtime.gpus.Calibration): the FP8 GEMM fraction and the three operands' column-wise cast
 slowdowns. Fixed from torchao's roofline_utils.py (H100, measured there): bf16 GEMMs reach 0.78 of the peak,
 elementwise kernels 0.92 of the bandwidth, no kernel takes less than 2 us (a free floor fits the same loss, 0.503
 vs 0.504, with no better agreement); speedup data fix only the ratio of the two GEMM fractions.
 The loss is the sum of squared log(predicted / measured) over the fit rows (the quantity measured: LayerNorm ->
 Linear -> Sigmoid, agreement.rig_speedup). Minimised by Nelder-Mead over the constants' logs from
-several starts; the result is rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds."""
+several starts; the result is rounded to 3 significant digits, which is what fp8dist/runtime/gpus.py holds."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agreement import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
-from fp8dist.plan.gpus import H100_CALIBRATION, gpu_by_key
+from fp8dist.runtime.gpus import H100_CALIBRATION, gpu_by_key
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"

@@ -5,12 +5,12 @@ the held-out rows G in {2, 4}.
 
     PYTHONPATH=. python benchmarks/speed_model/fit_b200.py       # writes fit_b200.json beside this file
 
-Free constants (fp8dist.plan.gpus.Calibration), two per recipe, fitted apart: MXFP8's GEMM fraction of the dense
+Free constants (fp8dist.runtime.gpus.Calibration), two per recipe, fitted apart: MXFP8's GEMM fraction of the dense
 FP8 peak and its quantize kernel's slowdown; NVFP4's GEMM fraction of the dense FP4 peak and its cast kernel's
 slowdown. Fixed: the H100's bf16 GEMM fraction (0.78), bandwidth fraction (0.92) and 2 us kernel floor (torchao's
 roofline_utils.py copies the same H100 figures to the B200). The loss is the sum of squared log(predicted /
 measured) of agreement.forward_rig_speedup; Nelder-Mead over the constants' logs (fit.py's),
-rounded to 3 significant digits, which is what fp8dist/plan/gpus.py holds.
+rounded to 3 significant digits, which is what fp8dist/runtime/gpus.py holds.
 
 Grouped GEMMs (MoE experts, recipe moe_mxfp8), two constants on top of the forward fit's: the grouped GEMM
 efficiency (the fraction of a dense GEMM's rate a grouped one reaches, bf16 and MXFP8 alike) and the grouped
@@ -30,7 +30,7 @@ from agreement import (B200_FIT_ROWS, B200_HELD_OUT_ROWS, GROUPED_FIT_GROUPS, GR
                        forward_rig_speedup, grouped_seconds, grouped_speedup, read_forward_table, read_grouped_table)
 from fit import best_of
 
-from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
+from fp8dist.runtime.gpus import B200_CALIBRATION, gpu_by_key
 
 HERE = Path(__file__).parent
 FORWARD = HERE / "torchao_b200_forward.csv"

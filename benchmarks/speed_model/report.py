@@ -25,7 +25,7 @@ import torchao
 from agreement import FIT_ROWS, HELD_OUT_ROWS, agreement, read_measurements, rig_speedup
 
 import fp8dist
-from fp8dist.plan.gpus import H100_CALIBRATION, gpu_by_key
+from fp8dist.runtime.gpus import H100_CALIBRATION, gpu_by_key
 
 HERE = Path(__file__).parent
 TABLE = HERE.parent.parent / "tests" / "data" / "torchao_fp8_rowwise_h100.csv"

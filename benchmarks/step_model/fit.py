@@ -4,7 +4,7 @@ with the constants and every row's prediction under them.
 
     PYTHONPATH=. python benchmarks/step_model/fit.py     # ~1 min on one CPU core
 
-The shipped constants (fp8dist/plan/speed/step_time.py's STEP_CONSTANTS, fp8dist/plan/gpus.py's
+The shipped constants (fp8dist/plan/speed/step_time.py's STEP_CONSTANTS, fp8dist/runtime/gpus.py's
 B200_CALIBRATION.block_cast_slowdown) are this fit's, to 3 significant digits; the script says when they differ.
 How well the constants carry to a source they were not fitted on: agree.py (leave one source out)."""
 

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fp8dist.plan.gpus import B200_CALIBRATION, gpu_by_key
+from fp8dist.runtime.gpus import B200_CALIBRATION, gpu_by_key
 from fp8dist.plan.speed.model import linear_seconds
 from fp8dist.plan.speed.recipes import recipe_named
 from fp8dist.plan.speed.step_time import STEP_CONSTANTS, exposed_collectives, predict_step

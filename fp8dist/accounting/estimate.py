@@ -24,8 +24,8 @@ from ..config.schema import choice_error
 from ..config.rules import check, unread_options
 from ..config.resolve import Config, resolve_config
 from ..config.dtypes import DTYPES, dtype_bytes
-from ..pipeline.env import runs_on_cpu
-from ..plan.hardware import Hardware, find_gpu, parse_target
+from ..runtime.env import runs_on_cpu
+from ..runtime.hardware import Hardware, find_gpu, parse_target
 from ..config.options import DEFAULT_SEQ_LEN
 from ..memory_levels import STANDARD, get_level
 from ..fp8 import get_backend
@@ -165,7 +165,7 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
         optimizer: "adamw" / "adam" (2 states), "sgd_momentum" (1) or "sgd" (none).
         rank: default: the one holding the most model state (shards may be uneven).
         fp8_filter: ``(module, fqn) -> bool``, as for ``wrap_model``.
-        target: the GPU the run is for ("h100", a :class:`~fp8dist.plan.hardware.Hardware`): the plan is made for
+        target: the GPU the run is for ("h100", a :class:`~fp8dist.runtime.hardware.Hardware`): the plan is made for
             it, with its GEMM time (``speed``) and whether a rank fits (``fit``); None: planned as if FP8 ran here,
             no GEMM time.
         numerics: a probe's report, as for ``wrap_model``: the layers it keeps out of FP8, and under

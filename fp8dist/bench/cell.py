@@ -21,8 +21,8 @@ from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..strategies import get_strategy
 from ..train.data.job import lm_loss
-from ..pipeline.agree import rank_world
-from ..pipeline.env import peak_memory_mib, share_cpu_threads
+from ..runtime.agree import rank_world
+from ..runtime.env import peak_memory_mib, share_cpu_threads
 from .settings import TIMING_WARMUP, TextJob, variants_of
 
 __all__ = ["Cell", "TextJob", "run_cell", "describe_job", "cell_config", "cell_options", "cell_world",
@@ -184,7 +184,7 @@ def _hand_wired(cell: Cell, model: nn.Module, device: torch.device) -> _Wired:
 
 def _init_process_group(cell: Cell) -> torch.device:
     """The process group from the launcher's environment (outside any timed step); this rank's device."""
-    from ..pipeline.env import init_distributed
+    from ..runtime.env import init_distributed
 
     if get_strategy(cell.strategy).process_group:
         return init_distributed().device

@@ -16,7 +16,7 @@ from typing import Any
 from ..config.axis import engine_packages
 from ..config.text import byte_size, plural
 from ..memory_levels import STANDARD
-from ..pipeline.files import atomic_write
+from ..runtime.files import atomic_write
 from .cell import describe_job, versions_line
 from .comm import SHOWN_TYPES as COMM_TYPES
 
@@ -52,8 +52,8 @@ def _cpu_name() -> str:
 
 def versions() -> dict[str, str | None]:
     """Python, fp8dist and every engine package's version (None: not installed)."""
-    from ..pipeline.packages import __version__
-    from ..pipeline.env import package_version
+    from ..runtime.packages import __version__
+    from ..runtime.packages import package_version
 
     return {"python": platform.python_version(), "fp8dist": __version__,
             **{n: package_version(n) for n in engine_packages()}}

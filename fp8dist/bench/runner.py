@@ -200,7 +200,7 @@ def _start_method(cells: list[Cell]) -> str:
     spawn, as a CUDA context does not survive a fork."""
     import torch
 
-    from ..pipeline.env import rank_imports
+    from ..runtime.env import rank_imports
 
     if torch.cuda.is_available():
         return "spawn"

@@ -152,7 +152,7 @@ def _is_linear(module: nn.Module) -> bool:
 
 def write_record(out: Path, export: FP8Export) -> None:
     """Write :data:`RECORD_FILE` into ``out`` atomically."""
-    from ..pipeline.files import atomic_write_text
+    from ..runtime.files import atomic_write_text
 
     atomic_write_text(out / RECORD_FILE, export.record())
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline.files import atomic_write, atomic_write_text, check_output_path
+from ..runtime.files import atomic_write, atomic_write_text, check_output_path
 from ..config.dtypes import DTYPE_ALIASES, DTYPES, torch_dtype
 from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, persistent_buffers
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class
-from ..pipeline.agree import on_all_ranks, rank_world
+from ..runtime.agree import on_all_ranks, rank_world
 from ..fp8.hf_format import scale_name
 from .fp8_export import RECORD_FILE, write_record
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..fp8 import FP8Backend, get_backend
-from ..pipeline.agree import RankFailure, rank_world
+from ..runtime.agree import RankFailure, rank_world
 from ..strategies import Strategy, get_strategy
 
 DCP = "dcp"  # meta.json's ``engine`` for a strategy without a checkpoint format of its own

@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from ..pipeline.files import check_output_path, wrong_kind
+from ..runtime.files import check_output_path, wrong_kind
 from ..strategies import STRATEGIES
 from .io import CheckpointError, inside
 

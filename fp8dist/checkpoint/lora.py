@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline.agree import rank_world
+from ..runtime.agree import rank_world
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, plain_name
 from ..pipeline.pretrained import persistent_buffers

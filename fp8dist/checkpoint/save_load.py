@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config.args import require_bool
-from ..pipeline.files import atomic_write_text, fsync_dir
-from ..pipeline.agree import on_all_ranks, rank_world
+from ..runtime.files import atomic_write_text, fsync_dir
+from ..runtime.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
 from .compat import check_loadable, check_optimizer, describe, optimizer_name
@@ -49,7 +49,7 @@ class CheckpointState:
 
 def _write_meta(tmp: Path, described: dict[str, Any], step: int, extra: dict[str, Any],
                 files: tuple[dict[str, int], dict[str, str]]) -> None:
-    from ..pipeline.packages import __version__
+    from ..runtime.packages import __version__
 
     sizes, checksums = files
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fp8dist_version": __version__,

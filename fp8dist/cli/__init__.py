@@ -63,7 +63,7 @@ def _only_data_on_stdout(data: bool) -> contextlib.AbstractContextManager:
 
 def _leads() -> bool:
     """Every rank of a launched job checks the same flags: rank 0 says the error."""
-    from ..pipeline.env import LaunchError, detect_launch_env
+    from ..runtime.env import LaunchError, detect_launch_env
 
     try:
         return detect_launch_env().rank == 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config.schema import add_arguments, cli_flag, field_docs, type_hints
 from ..config.text import plural
-from ..pipeline.files import check_output_path
+from ..runtime.files import check_output_path
 from ..train.config import TrainConfig
 
 __all__ = ["HELP", "add_parser", "check_flags", "run"]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..pipeline.files import atomic_write_text, check_output_path
+from ..runtime.files import atomic_write_text, check_output_path
 from ..train.config import LLAMA_SIZES
 from .common import meta_model
 

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from ..pipeline.files import atomic_write_text
+from ..runtime.files import atomic_write_text
 
 __all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "explained", "exit_code", "error_line",
            "report_error", "read_report"]
@@ -21,7 +21,7 @@ INTERRUPTED_EXIT = 130  # interrupted (Ctrl-C): 128 + SIGINT, as shells report i
 def explained() -> dict[type[BaseException], int]:
     """Errors whose message is the whole story, and the exit code of each (subclasses included). Some are the
     engines' (imported here, once a command runs: parsing its flags imports no engine)."""
-    from ..pipeline.env import LaunchError
+    from ..runtime.env import LaunchError
     from ..pipeline.guard import NonFiniteStepsError
     from ..plan.precision import FP8UnavailableError
     from ..train.checks import TrainingDiverged

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``fp8dist estimate`` with its parsed flags; returns the exit code (0: done). Raises what the library raises
     for bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     from ..accounting.estimate import check_counts, estimate_memory
-    from ..plan.hardware import parse_target
+    from ..runtime.hardware import parse_target
 
     config, _ = config_from_args(args)
     seq_len = config.parallel.seq_len or DEFAULT_SEQ_LEN

@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``fp8dist plan`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
     bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
-    from ..pipeline.env import resolve_device
-    from ..plan.hardware import parse_target
+    from ..runtime.env import resolve_device
+    from ..runtime.hardware import parse_target
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 

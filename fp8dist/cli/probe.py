@@ -11,8 +11,8 @@ from typing import Any
 
 from ..config.resolve import FP8Config, StrategyConfig
 from ..config.schema import add_arguments, normalize_fields
-from ..pipeline.files import atomic_write_text, check_output_path
-from ..plan.numerics.thresholds import Thresholds
+from ..runtime.files import atomic_write_text, check_output_path
+from ..numerics.thresholds import Thresholds
 from ..train.config import TrainConfig
 from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_model
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
     import torch
 
-    from ..plan.numerics import measure_fp8_numerics
+    from ..numerics import measure_fp8_numerics
     from ..train.data.job import load_job_corpus
 
     config, routed = config_from_args(args, extra=(ProbeConfig, Thresholds))

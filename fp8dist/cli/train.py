@@ -22,7 +22,7 @@ from ..config.resolve import Config, FP8Config, StrategyConfig
 from ..config.rules import check
 from ..config.schema import add_arguments
 from ..fp8 import get_backend
-from ..pipeline.env_vars import read
+from ..runtime.env_vars import read
 from ..strategies import get_strategy
 from ..train.config import TrainConfig
 from .common import FP8_DEFAULT_HELP, config_from_args, one_line_warnings, quiet_cpu_noise
@@ -105,7 +105,7 @@ def _interrupted(train: TrainConfig, step: int | None, writers_gone: bool = True
 
 
 def _train_this_rank(config: Config, train: TrainConfig, progress: _Progress) -> None:
-    from ..pipeline.env import shutdown
+    from ..runtime.env import shutdown
     from ..train.job import run_training
 
     run_training(config, train, progress=progress)
@@ -160,7 +160,7 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
 def run(args: argparse.Namespace) -> int:
     """Run ``fp8dist train`` with its parsed flags; returns the exit code (0: done). Raises what the library raises for
     bad values: :func:`fp8dist.cli.main` turns the errors fp8dist explains into one line and exit code 2."""
-    from ..pipeline.env import detect_launch_env, resolve_device
+    from ..runtime.env import detect_launch_env, resolve_device
     from ..plan.precision import check_fp8_available
     from ..train.checks import check_checkpoint_dir, check_positions
     from ..train.data import check_batch_split
@@ -231,7 +231,7 @@ def _spawn(nproc: int, config: Config, train: TrainConfig, model_module: str) ->
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ..pipeline.env import rank_imports
+    from ..runtime.env import rank_imports
 
     backend = get_backend(config.precision.fp8)
     preload = rank_imports([get_strategy(config.parallel.strategy), backend], model_module)

@@ -78,7 +78,7 @@ def run_on_ray(nproc: int, config: Any, train: Any, *, use_gpu: bool) -> int:
 
 def check_ray_launch(launcher: str) -> None:
     """ValueError, before anything starts, for ``--launcher ray`` where it cannot run: Ray Train not importable, or
-    this process is already one rank of a job (``launcher``: :attr:`~fp8dist.pipeline.env.LaunchEnv.launcher`)."""
+    this process is already one rank of a job (``launcher``: :attr:`~fp8dist.runtime.env.LaunchEnv.launcher`)."""
     from ..integrations.ray import INSTALL
 
     if launcher != "none":

@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..fp8 import BACKENDS
+from .axis import BACKENDS, STRATEGIES
 from .options import FP8Config, StrategyConfig
 from .schema import flat_fields
-from ..strategies import STRATEGIES
 
 __all__ = ["NO_ACCELERATE_KEY", "targets"]
 

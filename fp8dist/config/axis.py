@@ -4,6 +4,7 @@ table, when an option is read, and each axis's registry."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,19 +80,44 @@ ALWAYS = When()  # read whenever its axis is chosen
 class Registry(Mapping[str, Any]):
     """The values of one axis by the name its option takes (``strategy="fsdp"``): the one list every tool reads and
     a new value registers in. A built-in may be registered as its module, imported when first asked for: its name
-    (the option's choices) is known before its engine is imported."""
+    (the option's choices) is known before its engine is imported.
 
-    def __init__(self, option: str, kind: str, reserved: tuple[str, ...] = (), home: str | None = None) -> None:
-        """``home``: the package that registers the built-ins, imported when the registry is first read (it imports no
-        engine), so that whoever reads it sees them."""
-        self.option, self.kind, self.reserved, self.home = option, kind, reserved, home
+    The installed values come through the entry-point group :attr:`group` (``fp8dist.strategies``,
+    ``fp8dist.fp8_backends``, ``fp8dist.memory_levels``), loaded when the registry is first read: each entry point
+    names a function, called with no arguments, that registers its package's values (fp8dist's built-ins:
+    ``fp8dist.fp8:register_builtins``; another package's calls ``fp8dist.fp8.register_backend(MyBackend())``). A
+    package adds its own with one line in its ``pyproject.toml``:
+    ``[project.entry-points."fp8dist.fp8_backends"] my_pkg = "my_pkg.fp8:register"``.
+    """
+
+    def __init__(self, option: str, kind: str, group: str, reserved: tuple[str, ...] = ()) -> None:
+        """``option``: the option whose values these are; ``kind``: what a value is called in messages; ``group``: the
+        entry-point group the installed values come through; ``reserved``: names no value may take (``"none"``)."""
+        self.option, self.kind, self.group, self.reserved = option, kind, group, reserved
         self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
         self._known: dict[str, dict[str, Any]] = {}
+        self._loaded = False
 
     def _with_builtins(self) -> dict[str, Any]:
-        if self.home is not None:
-            importlib.import_module(self.home)  # registers them once (then a look-up in sys.modules)
+        if not self._loaded:
+            self._loaded = True  # before loading: the built-ins' registration reads the registry
+            self._load_entry_points()
         return self._values
+
+    def _load_entry_points(self) -> None:
+        points = importlib.metadata.entry_points(group=self.group)
+        if not any(point.value.partition(":")[0].partition(".")[0] == "fp8dist" for point in points):
+            self._loaded = False
+            raise RuntimeError(f"fp8dist's built-in {self.kind}s are registered through its package metadata (entry "
+                               f"point group {self.group!r}), which this Python does not see: fp8dist is imported "
+                               "from a folder that is not installed. Install it: pip install -e <the fp8dist "
+                               "checkout> (or pip install fp8dist).")
+        for point in sorted(points, key=lambda p: not p.value.startswith("fp8dist")):  # the built-ins first
+            register = point.load()
+            if not callable(register) or isinstance(register, type):
+                raise TypeError(f"entry point {point.name} = {point.value!r} (group {self.group!r}): name a function "
+                                f"that registers its {self.kind}s, e.g. one calling fp8dist's register_* function.")
+            register()
 
     def register(self, value: Any, base: type) -> Any:
         """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
@@ -149,9 +175,9 @@ class Registry(Mapping[str, Any]):
         return tuple(self._with_builtins())
 
 
-STRATEGIES = Registry("strategy", "sharding strategy", home="fp8dist.strategies")
-BACKENDS = Registry("fp8", "FP8 backend", reserved=("none",), home="fp8dist.fp8")
-LEVELS = Registry("memory", "memory level", home="fp8dist.memory_levels")
+STRATEGIES = Registry("strategy", "sharding strategy", "fp8dist.strategies")
+BACKENDS = Registry("fp8", "FP8 backend", "fp8dist.fp8_backends", reserved=("none",))
+LEVELS = Registry("memory", "memory level", "fp8dist.memory_levels")
 
 
 def engine_packages() -> tuple[str, ...]:

@@ -11,12 +11,9 @@ from collections.abc import Collection, Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from .axis import ALWAYS, Rule, StrategyFacts, When
+from .axis import ALWAYS, BACKENDS, LEVELS, STRATEGIES, Rule, StrategyFacts, When
 from .schema import choices_of, flat_fields, route_keys, type_hints
-from ..fp8 import BACKENDS  # importing the axes' packages registers the built-in values
-from ..memory_levels import LEVELS
 from .options import SECTIONS, knob_configs
-from ..strategies import STRATEGIES
 
 __all__ = ["table", "refusal_of", "check", "refusing_rule", "unread_options", "facts_of",
            "choices", "EVERY_RUN", "EVERY_FP8_BACKEND"]

@@ -19,14 +19,18 @@ if TYPE_CHECKING:
     from .base import FP8Backend
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "register_backend", "BACKENDS",
-           "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand"]
+           "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand",
+           "register_builtins"]
 
-# each imported when first chosen; its knobs and the bench's variant options (variant_option, then
-# more_variant_options) known before, checked against its own on import
-for _name, _knobs, _variants in (("te", TEConfig, ()), ("torchao", TorchaoConfig, ("torchao_recipe", "torchao_api")),
-                                 ("msamp", MSAMPConfig, ())):
-    BACKENDS.register_module(_name, f"{__name__}.{_name}", "BACKEND", Config=_knobs,
-                             variant_option=next(iter(_variants), None), more_variant_options=_variants[1:])
+
+def register_builtins() -> None:
+    """Register fp8dist's backends (te, torchao, msamp), each imported when first chosen; its knobs and the bench's
+    variant options (variant_option, then more_variant_options) known before, checked against its own on import.
+    :data:`BACKENDS` calls it through the ``fp8dist.fp8_backends`` entry point when first read."""
+    for name, knobs, variants in (("te", TEConfig, ()), ("torchao", TorchaoConfig, ("torchao_recipe", "torchao_api")),
+                                  ("msamp", MSAMPConfig, ())):
+        BACKENDS.register_module(name, f"{__name__}.{name}", "BACKEND", Config=knobs,
+                                 variant_option=next(iter(variants), None), more_variant_options=variants[1:])
 
 
 def _load() -> dict[str, Any]:

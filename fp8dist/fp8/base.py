@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from ..config.axis import Rule, StrategyFacts, When
-from ..plan.hardware import Hardware, hardware_of
+from ..runtime.hardware import Hardware, hardware_of
 from .casts import Casts
 from .conv1d import conv1d_dims, is_conv1d
 from .linear import plain_linear_reason
+from .speed_recipe import Recipe
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "FrozenWeights", "NO_FP8", "SELECTION_OPTIONS",
            "dims_reason", "linear_reason", "fp8_hardware_reason"]
@@ -154,8 +155,10 @@ class FP8Backend(Protocol):
         return FP8Wiring()
 
     # plan (speed model, numerics probe): what the plan's advisors ask of a backend, never testing its name
-    speed_recipes: ClassVar[tuple[str, ...]] = ()
-    """The speed model's recipe ids this backend's Linears can run (``plan --compare-recipes``); empty: not covered."""
+    speed_recipes: ClassVar[tuple[Recipe, ...]] = ()
+    """The recipes this backend runs, as the speed model sees them (:class:`~fp8dist.fp8.speed_recipe.Recipe`: which
+    GEMMs run in FP8, the cast kernels of each operand): its Linears' (``plan --compare-recipes`` compares them) and,
+    ``grouped=True``, its MoE experts'. :meth:`speed_recipe` names the one a config runs. Empty: no speed model."""
 
     def speed_recipe(self, cfg: Any, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
         """``(recipe id, "")``: the speed model's recipe the Linears (``grouped``: the MoE experts) run on
@@ -213,7 +216,7 @@ class FP8Backend(Protocol):
     commands_default: ClassVar[bool] = False
     """The commands use this backend when ``--fp8`` is not given, where it can run (the library's default: no FP8)."""
     health_telemetry: ClassVar[bool] = False
-    """:class:`fp8dist.plan.numerics.FP8Telemetry` can sample its FP8 layers (``--fp8-health-every``)."""
+    """:class:`fp8dist.numerics.FP8Telemetry` can sample its FP8 layers (``--fp8-health-every``)."""
 
     # accounting: what the memory estimate and the precision report ask (defaults: no FP8 state of its own)
     derived_bytes: ClassVar[bool] = False

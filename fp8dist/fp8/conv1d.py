@@ -9,7 +9,7 @@ import functools
 import torch
 from torch import nn
 
-from ..pipeline.weight_layout import register_transposed
+from ..runtime.weight_layout import register_transposed
 
 __all__ = ["is_conv1d", "conv1d_dims", "to_float8_conv1d", "te_conv1d_class"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config.axis import StrategyFacts
-from ..plan.hardware import Hardware
+from ..runtime.hardware import Hardware
 from .casts import USES, Casts, CastSpec
 from .mx_linear import mx_gemm_words, mx_linear_casts, mx_op_config
 
@@ -21,7 +21,7 @@ __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "exp
 
 def torchao_installed() -> bool:
     """Whether torchao is installed (its version read from the package metadata, nothing imported)."""
-    from ..pipeline.packages import package_version
+    from ..runtime.packages import package_version
 
     return package_version("torchao") is not None
 

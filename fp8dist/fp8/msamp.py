@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..config.axis import Rule, StrategyFacts
-from ..plan.hardware import Hardware
-from ..pipeline.optim import build_optimizer
+from ..runtime.hardware import Hardware
+from ..runtime.optim import build_optimizer
 from .base import EngineHooks, FP8Backend
 from .msamp_config import MSAMPConfig
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.axis import ALWAYS, LEVELS, Rule, StrategyFacts
-from ..plan.hardware import Hardware
+from ..runtime.hardware import Hardware
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, HandConverted, dims_reason, fp8_hardware_reason,
                    linear_reason)
 from .casts import MXFP8_BYTES, NVFP4_BYTES, NVFP4_NOT_EMULATED, USES, Casts, CastSpec, nvfp4_casts
@@ -23,6 +23,7 @@ from .conv1d import conv1d_dims, is_conv1d, te_conv1d_class
 from .moe import (convert_experts, experts_casts, experts_reason, experts_speed_recipe, experts_target, is_experts,
                   moe_routers, torchao_installed)
 from .te_config import TEConfig
+from .te_speed import TE_RECIPES
 from .te_recipe import BLOCKWISE_CUDA, GATES, NO_CASTS, QUANTIZED_OPTIMIZER_NOTE, build_recipe, quantized_init_recipe
 
 
@@ -230,17 +231,15 @@ class TEBackend(FP8Backend):
         apply_fp8_autocast(inner, fp8_recipe=recipe, group=group, during_eval=cfg.precision.use_autocast_during_eval)
         return FP8Wiring(autocast_recipe=recipe, amax_group=group)
 
-    speed_recipes = ("te_delayed", "te_current", "te_blockwise", "te_mxfp8", "te_nvfp4")
+    speed_recipes = TE_RECIPES
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
-        from ..plan.speed.recipes import RECIPES
-
         if grouped:
             return experts_speed_recipe(cfg, hardware)
         name = f"te_{cfg.precision.te_recipe}"
-        if name in RECIPES:
+        if any(recipe.name == name for recipe in self.speed_recipes):
             return name, ""
-        return None, (f"the speed model has no recipe {name!r} yet (fp8dist.plan.speed.RECIPES): no prediction for "
+        return None, (f"the speed model has no recipe {name!r} yet (TEBackend.speed_recipes): no prediction for "
                       f"te_recipe={cfg.precision.te_recipe!r}")
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:

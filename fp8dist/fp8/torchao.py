@@ -14,20 +14,21 @@ from torch import nn
 from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import dtype_name
 from ..config.text import listing
-from ..plan.hardware import Hardware
-from ..pipeline.optim import STEP_HOOKS
+from ..runtime.hardware import Hardware
+from ..runtime.optim import STEP_HOOKS
 from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
                    fp8_hardware_reason, linear_reason)
 from .casts import NVFP4_BYTES, NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import own_output as _own_output, plain_linear_like
 from .order import gemm_order
-from ..plan.adapters import without_adapters
+from ..runtime.adapters import without_adapters
 from .mx_linear import (MX_BYPASSED, MX_WRAPPED, NVFP4_SWAPPED, convert_nvfp4, is_mx, mx_hardware_reason,
                         mx_gemm_words, mx_linear_casts, mx_linear_reason, mx_op_config, nvfp4_hardware_reason,
                         nvfp4_linear_reason)
 from .weight_wrapper import (BYPASSED, WRAPPED, check_fp8_ran as _check_fp8_ran, say_bypassed as _say_bypassed,
                              wrap_linears, wrapped_weight_config, wrapper_reaches)
+from .torchao_speed import TORCHAO_RECIPES
 from .torchao_config import (MIXED, TorchaoConfig, float8_config, fp8_all_gather, gathers_fp8 as _gathers_fp8,
                              torchao_api)
 from .moe import (convert_experts, experts_casts, experts_reason, experts_speed_recipe, experts_target, is_experts,
@@ -111,7 +112,7 @@ class TorchaoBackend(FP8Backend):
 
     def missing_reason(self, cfg) -> str | None:
         if not torchao_installed():
-            from ..pipeline.packages import supported_range
+            from ..runtime.packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
 
@@ -247,7 +248,7 @@ class TorchaoBackend(FP8Backend):
         return (f"all-gathered in {cfg.parallel.param_dtype}, not FP8: {reader} reads the gathered weight and cannot "
                 "dequantize torchao's FP8 all-gather tensor")
 
-    speed_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "nvfp4")
+    speed_recipes = TORCHAO_RECIPES
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
         if grouped:

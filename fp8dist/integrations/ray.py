@@ -24,7 +24,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
 from ..checkpoint.io import from_rank0
-from ..pipeline.agree import on_all_ranks, rank_world
+from ..runtime.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 
 __all__ = ["INSTALL", "import_ray_train", "require_ray_train", "report", "resume"]

@@ -12,10 +12,14 @@ from ..config.lazy import lazy_names
 if TYPE_CHECKING:
     from .base import MemoryLevel
 
-__all__ = ["MemoryLevel", "LEVELS", "get_level", "register_level", "STANDARD"]
+__all__ = ["MemoryLevel", "LEVELS", "get_level", "register_level", "STANDARD", "register_builtins"]
 
-for _name in ("standard", "lean"):  # each module's LEVEL, imported when first chosen
-    LEVELS.register_module(_name, f"{__name__}.{_name}", "LEVEL")
+
+def register_builtins() -> None:
+    """Register fp8dist's memory levels (standard, lean), each module's LEVEL imported when first chosen.
+    :data:`LEVELS` calls it through the ``fp8dist.memory_levels`` entry point when first read."""
+    for name in ("standard", "lean"):
+        LEVELS.register_module(name, f"{__name__}.{name}", "LEVEL")
 
 
 def _load() -> dict[str, Any]:

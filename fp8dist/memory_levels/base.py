@@ -46,7 +46,7 @@ class MemoryLevel(Protocol):
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
         """The optimizer from ``spec`` over the sharded model's parameters."""
-        from ..pipeline.optim import build_optimizer
+        from ..runtime.optim import build_optimizer
 
         return build_optimizer(spec, params)
 

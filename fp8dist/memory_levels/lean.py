@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config.axis import Rule, StrategyFacts
-from ..pipeline.optim import check_optimizer_spec
+from ..runtime.optim import check_optimizer_spec
 from .base import MemoryLevel
 
 __all__ = ["LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class", "cast_params_bf16",

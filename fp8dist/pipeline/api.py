@@ -10,19 +10,19 @@ from typing import Any, Mapping, overload
 import torch
 from torch import nn
 
-from .agree import check_ranks_agree
+from ..runtime.agree import check_ranks_agree
 from .blocks import BlockWiring, wrap_blocks
 from ..config.resolve import Config, resolve_config
-from .env import DistEnv, current_launch, resolve_device
+from ..runtime.env import DistEnv, current_launch, resolve_device
 from ..config.text import plural
 from ..config.dtypes import dtype_name
 from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from .handover import mark_distributed
 from ..memory_levels import MemoryLevel, get_level
-from .optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
+from ..runtime.optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
 from ..plan.adapter_rules import check_peft_adapters
-from ..plan.adapters import is_peft_model, unsupported_peft
+from ..runtime.adapters import is_peft_model, unsupported_peft
 from ..plan.precision import FP8Filter, PrecisionPlan, plan_precision
 from .fp8_base import held_note, release_unplanned
 from .meta_init import is_meta_model
@@ -183,7 +183,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
             by the model's own initialization). Refused: a model (or part) already wrapped, sharded or
             FP8-converted, and trainable bf16/fp16 parameters where nothing keeps fp32 masters of them (every
             strategy but "deepspeed", unless ``memory="lean"`` or fp8="msamp"): build it in fp32. A PEFT model
-            is wrapped after ``get_peft_model`` (its type one of :data:`fp8dist.plan.adapters.SUPPORTED_PEFT_TYPES`,
+            is wrapped after ``get_peft_model`` (its type one of :data:`fp8dist.runtime.adapters.SUPPORTED_PEFT_TYPES`,
             else refused); parameters added to the returned model make its first forward raise
             :class:`~fp8dist.pipeline.planned_tree.UnplannedParametersError`.
         strategy: "fsdp" (FSDP2, default), "fsdp1", "ddp", "none" or "deepspeed"; None takes it from ``config``.
@@ -194,7 +194,7 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
         fp8_group: process group for FP8 amax reduction (TE); default the world group.
         numerics: a :class:`fp8dist.NumericsReport` of this model (``fp8dist.measure_fp8_numerics``): a layer it
             flags stays out of FP8, and each row of the plan says whether the probe found it safe.
-        optimizer: an optimizer spec (:func:`fp8dist.pipeline.optim.build_optimizer`), required where something
+        optimizer: an optimizer spec (:func:`fp8dist.runtime.optim.build_optimizer`), required where something
             else than you builds the optimizer: fp8="msamp", strategy="deepspeed" (unless its json has an
             optimizer block) and ``memory="lean"`` (an AdamW mapping).
         mesh: a ``DeviceMesh`` over every rank of the job (or a ``ProcessGroup``, taken as a 1-D mesh) to shard

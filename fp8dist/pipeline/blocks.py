@@ -7,13 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..config.text import plural
-from ..plan.hardware import Hardware
 
-__all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "compile_decision", "wrap_blocks", "describe_blocks",
+__all__ = ["BlockWiring", "COMPILE_OPTIONS", "has_biased_gemm", "wrap_blocks", "describe_blocks",
            "SAVED_BY_SELECTIVE", "SELECTIVE_GEMMS"]
 
 SELECTIVE_GEMMS = ("aten.mm.default", "aten.addmm.default", "aten._scaled_mm.default", "aten._scaled_mm_v2.default")
@@ -66,20 +64,6 @@ class BlockWiring:
     notes: tuple[str, ...] = ()
     compiled_with_options: tuple[str, ...] = ()
     """The blocks compiled with :data:`COMPILE_OPTIONS` (they hold a biased GEMM)."""
-
-
-def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
-                     refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
-    if compile is not None:
-        return compile, "asked for" if compile else "turned off"
-    if refusal is not None:
-        return False, f"auto: off ({refusal})"
-    if device.type != "cuda":
-        return False, f"auto: off on {device.type} (compiling costs more than it saves there)"
-    if not converted:
-        return False, "auto: off without FP8 layers (compile=True turns it on)"
-    return True, f"auto: on ({fp8} FP8 on CUDA: compiled blocks fuse the casts and scaling)"
 
 
 def _selective_contexts() -> Any:

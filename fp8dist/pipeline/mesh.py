@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.text import plural
-from .env import LaunchEnv
+from ..runtime.env import LaunchEnv
 
 __all__ = ["check_mesh"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..config.text import listing, plural
-from ..plan.adapters import is_peft_model
+from ..runtime.adapters import is_peft_model
 
 __all__ = ["UnplannedParametersError", "refuse_later_parameters"]
 

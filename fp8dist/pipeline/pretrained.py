@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config.text import listing, plural
 from ..config.args import require_bool
-from .agree import on_all_ranks
+from ..runtime.agree import on_all_ranks
 from ..config.dtypes import dtype_name
 from .meta_init import init_weights
 from ..strategies import unwrap_model

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config.text import plural
 from ..fp8.conv1d import is_conv1d
-from .adapters import tuner_layers
+from ..runtime.adapters import tuner_layers
 
 __all__ = ["ADAPTABLE_KINDS", "KINDS_TEXT", "adaptable_kind", "rank_limit", "lowest_rank_limit", "rank_refusal",
            "check_peft_adapters"]

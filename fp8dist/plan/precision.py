@@ -16,14 +16,15 @@ from ..config.text import listing, plural
 from ..config.axis import StrategyFacts
 from ..config.resolve import Config
 from .coverage import MIN_FP8_SHARE, coverage, gemm_flops, runs_gemm
-from .adapters import adapter_reasons, idle_copies, weight_readers
-from .hardware import Hardware, hardware_of
+from ..runtime.adapters import adapter_reasons, idle_copies, weight_readers
+from ..runtime.hardware import Hardware, hardware_of
 from ..memory_levels import get_level
 from .selection import Selection, select, speedup_of
 from ..fp8.order import model_structure, per_structure
 from .speed import LinearPrediction
 
-__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError"]
+__all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available", "FP8UnavailableError",
+           "compile_decision"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
 
@@ -62,7 +63,7 @@ class PlanEntry:
     (a PEFT DoRA base: DoRA's weight norm reads the gathered weight); None: gathered as the backend's other layers."""
     runs: bool = True
     """False: a module PEFT holds that does not run with its adapters as set (a ``modules_to_save`` original, an
-    inactive adapter: :func:`~fp8dist.plan.adapters.idle_copies`): not converted, not counted in the FP8 share."""
+    inactive adapter: :func:`~fp8dist.runtime.adapters.idle_copies`): not converted, not counted in the FP8 share."""
     reduce_fallback: str | None = None
     """Under ``reduce_dtype="fp8"``: why this module's weight gradient is reduced in fp32, not FP8 (the numerics
     probe's verdict: the FP8 blocks hurt it; FSDP2 reduces the whole unit holding it in fp32); None: as the
@@ -79,6 +80,20 @@ class PlanEntry:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "predicted"}
         out["numerics"] = list(self.numerics) if self.numerics is not None else None
         return {**out, "speedup": self.speedup}
+
+
+def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
+                     refusal: str | None) -> tuple[bool, str]:
+    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
+    if compile is not None:
+        return compile, "asked for" if compile else "turned off"
+    if refusal is not None:
+        return False, f"auto: off ({refusal})"
+    if device.type != "cuda":
+        return False, f"auto: off on {device.type} (compiling costs more than it saves there)"
+    if not converted:
+        return False, "auto: off without FP8 layers (compile=True turns it on)"
+    return True, f"auto: on ({fp8} FP8 on CUDA: compiled blocks fuse the casts and scaling)"
 
 
 def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) -> str:
@@ -207,7 +222,7 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
     Args:
         model: the unwrapped model.
         cfg: the resolved config (backend and knobs, mixed precision, ``fp8_select``, tokens per rank).
-        device: where the model will run, or a :class:`~fp8dist.plan.hardware.Hardware` to plan for another machine
+        device: where the model will run, or a :class:`~fp8dist.runtime.hardware.Hardware` to plan for another machine
             (``fp8dist plan --target h100``): the hardware gate, the MoE experts' recipe and the speed prediction.
         world_size: the ranks the model will be sharded over (how evenly each FP8 weight shards).
         fp8_filter: ``(module, fqn) -> bool``; False keeps the module out of FP8.
@@ -223,7 +238,6 @@ def plan_precision(model: nn.Module, cfg: Config, *, device: torch.device | Hard
         ValueError: a bad world size, a numerics report of another model, or one that flags layers for an fp32
             reduction under a strategy that reduces every gradient alike (DDP's FP8 comm hook).
     """
-    from ..pipeline.blocks import compile_decision
     from ..config.rules import facts_of, refusing_rule
     from .selection import reduce_fallbacks
     from ..strategies import STRATEGIES

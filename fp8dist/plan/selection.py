@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config.axis import StrategyFacts
 from ..config.text import listing, plural
-from .hardware import Hardware, find_gpu
+from ..runtime.hardware import Hardware, find_gpu
 from .tail import kept_tail
 from ..config.options import DEFAULT_SEQ_LEN
 from .speed import LayerChoice, LinearPrediction, StepPrediction, predict_linear
@@ -212,7 +212,7 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     :class:`~fp8dist.plan.precision.PlanEntry` list, FP8 candidates marked ``precision="fp8"``; ``cfg`` the resolved
     Config (``fp8_select``, ``fp8_select_margin``, the tokens per step); ``hardware`` the GPU the speed model
     predicts for; ``compile`` whether the blocks compile with FP8 (torchao's casts fuse, so they cost less);
-    ``numerics`` a probe report (:func:`~fp8dist.plan.numerics.measure_fp8_numerics`) whose flagged layers stay out,
+    ``numerics`` a probe report (:func:`~fp8dist.numerics.measure_fp8_numerics`) whose flagged layers stay out,
     or None; ``fallback`` the precision of a module kept out; ``facts`` the strategy's facts (whether it gathers FP8
     weights).
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config.options import FP4_TAIL_SHARE
 from ..config.text import plural
-from .hardware import Hardware
+from ..runtime.hardware import Hardware
 from .speed import RECIPES
 from ..fp8.order import per_structure
 
@@ -34,7 +34,7 @@ def kept_tail(model: nn.Module, cfg: Any, backend: Any, hardware: Hardware) -> t
     """``{module: reason}`` for the modules in the last blocks (rounded up) and the output head (the last GEMM to
     run), and a note saying which; nothing where the share is 0."""
     from ..fp8.order import gemm_order
-    from .adapters import without_adapters
+    from ..runtime.adapters import without_adapters
     from ..strategies.common import find_blocks
 
     share, why = tail_share(cfg, hardware, backend)

@@ -17,14 +17,17 @@ if TYPE_CHECKING:
 __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "ShardJob", "Sharded", "ShardingInfo",
            "unwrap_model", "build_fsdp_policy", "build_fsdp1_policy", "find_blocks", "zero_config",
            "build_deepspeed_config", "is_deepspeed_engine", "apply_fsdp", "apply_fsdp1", "apply_ddp", "apply_single",
-           "fsdp_mesh", "cast_buffers"]
+           "fsdp_mesh", "cast_buffers", "register_builtins"]
 
-# in the order choices are listed in; each imported when first chosen, its bench_devices known before (the bench's
-# flags), checked against its own on import
-for _name, _module, _devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", "cuda")),
-                                 ("fsdp", "fsdp", ("cpu", "cuda")), ("fsdp1", "fsdp1", ("cpu",)),
-                                 ("deepspeed", "deepspeed", ("cpu",))):
-    STRATEGIES.register_module(_name, f"{__name__}.{_module}", "STRATEGY", bench_devices=_devices)
+
+def register_builtins() -> None:
+    """Register fp8dist's strategies in the order choices are listed in, each imported when first chosen, its
+    bench_devices known before (the bench's flags) and checked against its own on import. :data:`STRATEGIES` calls it
+    through the ``fp8dist.strategies`` entry point when first read."""
+    for name, module, devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", "cuda")),
+                                  ("fsdp", "fsdp", ("cpu", "cuda")), ("fsdp1", "fsdp1", ("cpu",)),
+                                  ("deepspeed", "deepspeed", ("cpu",))):
+        STRATEGIES.register_module(name, f"{__name__}.{module}", "STRATEGY", bench_devices=devices)
 
 
 def _load() -> dict[str, Any]:

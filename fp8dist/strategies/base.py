@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from ..pipeline.env import DistEnv, LaunchEnv, init_distributed, package_version
+from ..runtime.env import DistEnv, LaunchEnv, init_distributed
+from ..runtime.packages import package_version
 from ..config.axis import Rule, StrategyFacts, When
 from ..config.dtypes import dtype_name, dtype_names
 from .state_bytes import replicated_state_bytes
@@ -140,7 +141,7 @@ class Strategy(Protocol):
 
     def watch_steps(self, model: nn.Module, guard: Any) -> None:
         """Put ``guard`` (a :class:`~fp8dist.pipeline.guard.StepGuard`) before every optimizer step on ``model``."""
-        from ..pipeline.optim import STEP_HOOKS
+        from ..runtime.optim import STEP_HOOKS
 
         STEP_HOOKS.add(model, pre=guard.before_step)
 

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config.axis import ALWAYS, StrategyFacts, When
 from ..config.dtypes import torch_dtype
-from ..pipeline.env import runs_on_cpu
+from ..runtime.env import runs_on_cpu
 from .base import (EngineDtypes, EngineMemory, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole, prepared,
                    reduce_words, require_1d_mesh)
 from .common import cast_buffers

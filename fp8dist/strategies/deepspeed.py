@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..config.axis import ALWAYS, Rule, StrategyFacts, When
-from ..pipeline.optim import check_optimizer_spec
+from ..runtime.optim import check_optimizer_spec
 from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
-from ..pipeline.env import DistEnv
+from ..runtime.env import DistEnv
 from ..config.text import byte_size
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    fill_whole)

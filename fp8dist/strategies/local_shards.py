@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .deepspeed import is_deepspeed_engine
-from ..pipeline.weight_layout import checkpoint_transposed, transposed_params
+from ..runtime.weight_layout import checkpoint_transposed, transposed_params
 
 __all__ = ["WRAPPER_ATTRS", "plain_name", "flat_params", "Region", "LocalParam", "local_params",
            "gather_full", "original_class"]

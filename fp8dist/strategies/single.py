@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config.axis import Rule, StrategyFacts
 from ..config.dtypes import torch_dtype
-from ..pipeline.env import DistEnv, LaunchEnv
+from ..runtime.env import DistEnv, LaunchEnv
 from .base import (FP16_RULE, EngineDtypes, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_whole,
                    prepared)
 from .common import apply_autocast, cast_buffers

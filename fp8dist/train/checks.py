@@ -112,7 +112,7 @@ def check_memory(need: MemoryNeed, device: torch.device, ranks_here: int) -> Non
 def check_checkpoint_dir(train: Any) -> tuple[Path | None, Path | None]:
     """(The directory the job saves into, the checkpoint it resumes from or None). ValueError naming the newest when
     the directory holds checkpoints (or is one) without ``--resume``: a new run would replace them one by one."""
-    from ..pipeline.files import wrong_kind
+    from ..runtime.files import wrong_kind
     from ..checkpoint.io import CheckpointError
     from ..checkpoint.layout import job_checkpoints
 

@@ -30,10 +30,10 @@ from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
 from ..config.text import plural
-from ..pipeline.agree import on_all_ranks
+from ..runtime.agree import on_all_ranks
 from ..pipeline.api import get_plan, get_wrap_info, wrap_model
 from ..pipeline.blocks import describe_blocks
-from ..pipeline.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
+from ..runtime.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
                             runs_on_cpu)
 from ..pipeline.grads import clip_grad_norm_, no_sync
 from ..plan.selection import with_read_options

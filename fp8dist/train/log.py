@@ -1,5 +1,5 @@
 """What ``fp8dist train`` shows and writes each step (the step line, the metrics file, TensorBoard, the FP8 health of
-:class:`fp8dist.plan.numerics.FP8Telemetry`) and the summary at the end of the run."""
+:class:`fp8dist.numerics.FP8Telemetry`) and the summary at the end of the run."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ __all__ = ["JobLog", "health_file", "check_outputs", "format_summary"]
 def check_outputs(train: Any) -> None:
     """Before the job starts: every path it will write can be written (the checkpoint directory on every rank, the
     rest on rank 0, which alone writes them), and ``--tensorboard``'s package imports. ValueError with the way out."""
-    from ..pipeline.files import check_output_path
-    from ..pipeline.env import current_launch
+    from ..runtime.files import check_output_path
+    from ..runtime.env import current_launch
 
     if train.checkpoint_dir is not None:
         check_output_path(train.checkpoint_dir, name="checkpoint_dir", directory=True)
@@ -77,7 +77,7 @@ class JobLog:
                           "partitions, and FP8Telemetry follows steps of the model's own parameters)")
         if not plan.fp8:
             return None, "fp8 health: off (the plan runs no layer in FP8)"
-        from ..plan.numerics import FP8Telemetry
+        from ..numerics import FP8Telemetry
 
         path = health_file(train)
         if self.log is not None and path is not None:

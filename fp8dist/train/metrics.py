@@ -22,7 +22,7 @@ METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s",
 
 
 class DevicePeaks(Protocol):
-    """A device's dense tensor-core peaks in TFLOP/s (a :class:`fp8dist.plan.gpus.GpuSpec` is one); None: unknown."""
+    """A device's dense tensor-core peaks in TFLOP/s (a :class:`fp8dist.runtime.gpus.GpuSpec` is one); None: unknown."""
 
     label: str
     bf16_tflops: float | None
@@ -31,7 +31,7 @@ class DevicePeaks(Protocol):
 
 def device_peaks(device: torch.device) -> tuple[DevicePeaks | None, str]:
     """The dense peaks of ``device`` from fp8dist's GPU table, or None and why (a CPU, a GPU the table lacks)."""
-    from ..plan.hardware import find_gpu, hardware_of
+    from ..runtime.hardware import find_gpu, hardware_of
 
     if device.type != "cuda":
         return None, f"MFU is a fraction of a GPU's dense tensor-core peak, and {device.type} is not a GPU"
@@ -81,7 +81,7 @@ def flops_per_token(model: nn.Module, *, seq_len: int, attention: AttentionShape
     discount nor recomputation. ``attention`` defaults to the model's Hugging Face ``config`` (else ValueError)."""
     from ..pipeline.api import get_plan
     from ..config.resolve import Config
-    from ..plan.hardware import Hardware
+    from ..runtime.hardware import Hardware
     from ..plan.precision import plan_precision
     from ..strategies import unwrap_model
 
@@ -217,7 +217,8 @@ class TrainingFigures:
         why = None
         if isinstance(peaks, str):
             if peaks != "auto":
-                raise ValueError(f"peaks={peaks!r}: pass a DevicePeaks (an fp8dist.plan.gpus.GpuSpec), 'auto' or None.")
+                raise ValueError(f"peaks={peaks!r}: pass a DevicePeaks (an fp8dist.runtime.gpus.GpuSpec), 'auto' or "
+                                 "None.")
             peaks, why = device_peaks(self.device)
         self.peaks = peaks
         self.device_name = getattr(peaks, "label", None) or str(self.device)
@@ -232,7 +233,7 @@ class TrainingFigures:
             fp8 = getattr(self.peaks, "fp8_tflops", None)
             lines.append(f"MFU: achieved FLOP/s per device / {self.device_name}'s dense bf16 peak {bf16:,.0f} "
                          f"TFLOP/s; FP8-aware MFU counts the FP8 layers' GEMMs at the dense FP8 peak "
-                         f"({f'{fp8:,.0f} TFLOP/s' if fp8 else 'unknown'}); peaks from fp8dist.plan.gpus")
+                         f"({f'{fp8:,.0f} TFLOP/s' if fp8 else 'unknown'}); peaks from fp8dist.runtime.gpus")
         if self.null_reason:
             lines.append(f"MFU: null ({self.null_reason})")
         return "\n".join(lines)
@@ -244,7 +245,7 @@ class TrainingFigures:
         ``peak_memory_bytes`` defaults to this process's peak so far."""
         if step_time_s <= 0:
             raise ValueError(f"step_time_s={step_time_s!r} must be positive (the step's wall time in seconds).")
-        from ..pipeline.env import peak_memory_mib
+        from ..runtime.env import peak_memory_mib
 
         tokens_per_s = tokens / step_time_s
         use = utilization(self.flops, tokens_per_s / self.world_size, self.peaks, self.device_name)
@@ -268,7 +269,7 @@ class MetricsWriter:
 
     def __init__(self, path: str | os.PathLike | None = None, *, tensorboard_dir: str | os.PathLike | None = None,
                  append: bool = False, purge_step: int | None = None) -> None:
-        from ..pipeline.files import check_output_path
+        from ..runtime.files import check_output_path
 
         if path is not None:  # both checked before either is opened: nothing half-made on a bad path
             check_output_path(path, name="path")
@@ -310,7 +311,7 @@ class MetricsWriter:
 def truncate_jsonl(path: str | os.PathLike, *, before_step: int) -> None:
     """Keep the lines of JSON-lines file ``path`` whose ``step`` is below ``before_step`` (a resumed run logs the later
     ones again); replaced atomically; a missing file stays missing."""
-    from ..pipeline.files import atomic_write_text
+    from ..runtime.files import atomic_write_text
 
     try:
         lines = open(path).read().splitlines()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..gpus import GpuSpec
+from ...runtime.gpus import GpuSpec
 
 if TYPE_CHECKING:
     from .step_time import StepConstants

@@ -1,13 +1,13 @@
 """One Linear's forward + backward time in bf16 and under an FP8 recipe on a named GPU: three GEMMs, each the longest
 of compute, memory and the kernel floor, plus the recipe's casts (:mod:`.recipes`), with the GPU's fitted
-:class:`~fp8dist.plan.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
+:class:`~fp8dist.runtime.gpus.Calibration`. Pure: it reads no environment and imports no GPU library."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gpus import GpuSpec
-from ..hardware import Hardware, find_gpu, parse_target
+from ...runtime.gpus import GpuSpec
+from ...runtime.hardware import Hardware, find_gpu, parse_target
 from .recipes import AO_KERNELS, BLOCK_KERNELS, Kernel, Recipe, recipe_named
 
 __all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds",
@@ -63,7 +63,7 @@ class LinearPrediction:
 
 
 def resolve_gpu(target: str | Hardware | GpuSpec) -> GpuSpec:
-    """The GPU record of a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GpuSpec (as is).
+    """The GPU record of a ``--target`` name, a :class:`~fp8dist.runtime.hardware.Hardware` or a GpuSpec (as is).
     ValueError naming the way out: an unknown name, a CPU, a bare capability, an unlisted GPU, one without FP8."""
     spec = target
     if not isinstance(target, GpuSpec):
@@ -158,7 +158,7 @@ def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, 
     Args:
         m: input rows: tokens per micro-batch per rank (``moe_*`` recipes: rows routed to all the experts).
         k: in_features. n: out_features.
-        target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
+        target: a ``--target`` name, a :class:`~fp8dist.runtime.hardware.Hardware` or a GPU record.
         recipe: one of :data:`fp8dist.plan.speed.RECIPES` (torchao tensorwise, rowwise, rowwise_with_gw_hp;
             te_delayed, te_current, te_blockwise, te_mxfp8, te_nvfp4; mxfp8, nvfp4; moe_fp8_rowwise, moe_mxfp8).
         compile: under ``torch.compile`` torchao's casts fuse with the previous op; TE's kernels are the same.

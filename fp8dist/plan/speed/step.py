@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from ...config.options import DEFAULT_MARGIN
 from ...fp8.torchao import TorchaoBackend
-from ..gpus import GpuSpec
-from ..hardware import Hardware
+from ...runtime.gpus import GpuSpec
+from ...runtime.hardware import Hardware
 from .model import LinearPrediction, predict_linear, resolve_gpu
-from .recipes import RECIPES
 
 __all__ = ["Gemm", "LayerChoice", "StepPrediction", "predict_gemms", "compare_recipes", "recipes_for",
            "check_modelled"]
@@ -122,7 +121,7 @@ def recipes_for(backend: str, target: str | Hardware | GpuSpec) -> tuple[str, ..
 
     check_modelled(backend, f"backend {backend!r}", "compare recipes")
     capability = resolve_gpu(target).capability
-    return tuple(r for r in get_backend(backend).speed_recipes if capability >= RECIPES[r].min_capability)
+    return tuple(r.name for r in get_backend(backend).speed_recipes if not r.grouped and capability >= r.min_capability)
 
 
 def compare_recipes(gemms: Sequence[Gemm | tuple], *, target: str | Hardware | GpuSpec,

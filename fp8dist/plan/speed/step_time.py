@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 
 from ...fp8.torchao import TorchaoBackend
-from ..gpus import GpuSpec, gpu_by_key
-from ..hardware import Hardware
+from ...runtime.gpus import GpuSpec, gpu_by_key
+from ...runtime.hardware import Hardware
 from .model import predict_linear, resolve_gpu
 from .recipes import recipe_named
 from .comm import check_topology as _check_topology, collectives as _collectives, exposed_collectives, \
@@ -246,7 +246,7 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
         model_or_config: an ``nn.Module`` (the meta device is enough) or a Hugging Face config, built on meta here.
             A module's parameters with ``requires_grad=False`` are frozen (a LoRA base, e.g. a PEFT model): no
             grad_weight GEMM, optimizer step or gradient collective for them.
-        target: a ``--target`` name, a :class:`~fp8dist.plan.hardware.Hardware` or a GPU record.
+        target: a ``--target`` name, a :class:`~fp8dist.runtime.hardware.Hardware` or a GPU record.
         world_size: ranks; micro_batch_size: sequences per rank per step; seq_len: tokens per sequence.
         fp8: a backend the speed model covers ('torchao', 'te').
         strategy, activation_checkpointing: as :func:`fp8dist.wrap_model` takes them (None: its default).
@@ -300,8 +300,9 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     spec = resolve_gpu(target)
     if recipe is None:
         recipe, _ = backend.speed_recipe(cfg, Hardware("cuda", spec.capability, spec.label))
-    if recipe not in backend.speed_recipes:
-        raise ValueError(f"recipe={recipe!r}: backend {cfg.precision.fp8!r} runs {', '.join(backend.speed_recipes)}; "
+    linear_recipes = [r.name for r in backend.speed_recipes if not r.grouped]
+    if recipe not in linear_recipes:
+        raise ValueError(f"recipe={recipe!r}: backend {cfg.precision.fp8!r} runs {', '.join(linear_recipes)}; "
                          "pass one of those (or another fp8= backend).")
     if compile is None:  # auto, as wrap_model decides on a CUDA GPU with FP8 layers
         compile = refusing_rule(cfg, compile=True) is None

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...config.text import plural
-from ...pipeline.files import atomic_write, atomic_write_text
+from ...runtime.files import atomic_write, atomic_write_text
 from ..config import DEFAULT_TEXT_FIELD
 from .sources import FileIdentity, check_source, file_identity, file_kind, file_sha256, read_pieces
 

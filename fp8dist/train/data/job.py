@@ -56,7 +56,7 @@ def load_job_corpus(train: Any, pretrained: str | None, *, progress: bool | None
 def load_on_each_node(load: Callable[[], T], local_rank: int) -> T:
     """``load()`` on local rank 0 of each node first, then, once every rank knows it worked, on the others (which
     read what it cached); a failure on any rank raises on every rank. Call on every rank, or alone."""
-    from ...pipeline.agree import on_all_ranks
+    from ...runtime.agree import on_all_ranks
 
     first = on_all_ranks("tokenizing the data", load if local_rank == 0 else None, error=ValueError,
                          passthrough=(ValueError,))

@@ -74,7 +74,7 @@ def train_tokenizer(texts: Iterable[str], directory: str | os.PathLike, *, vocab
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ...pipeline.files import check_output_path
+    from ...runtime.files import check_output_path
 
     if vocab_size < 257:
         raise ValueError(f"vocab_size={vocab_size} must be at least 257: the 256 bytes and the EOS token.")

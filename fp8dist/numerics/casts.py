@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ...fp8.casts import MX_BLOCK, NVFP4_BLOCK, CastSpec
+from ..fp8.casts import MX_BLOCK, NVFP4_BLOCK, CastSpec
 
 __all__ = ["Cast", "CONTRACTION_DIM"]
 

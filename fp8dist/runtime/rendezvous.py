@@ -23,7 +23,7 @@ from .env_vars import RENDEZVOUS_TIMEOUT_S, TIMEOUT_VARIABLE, LaunchError, read
 __all__ = ["LaunchError", "RENDEZVOUS_TIMEOUT_S", "TIMEOUT_VARIABLE", "rendezvous_timeout", "rendezvous_store"]
 
 _NOTICE_S = 30.0  # a job still waiting after this long says so, once
-_JOINED = "fp8dist/pipeline/rendezvous/joined"
+_JOINED = "fp8dist/runtime/rendezvous/joined"
 _POLL_S = 0.1  # after the timeout, how often a rank given up on rank 0 looks for the connection to close
 _FREE_PORT = "choose a free MASTER_PORT, the same for every rank"
 

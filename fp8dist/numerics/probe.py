@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...config.text import plural
-from ...fp8.torchao import TorchaoBackend
-from ..hardware import Hardware, parse_target
+from ..config.text import plural
+from ..fp8.torchao import TorchaoBackend
+from ..runtime.hardware import Hardware, parse_target
 from .batches import checked_batches
 from .capture import attach
 from .report import NumericsReport
@@ -40,16 +40,16 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         batches: token id tensors (run as ``model(input_ids=b, labels=b)``) or mappings of keyword arguments
             (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn(output, batch)``.
         fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
-        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.plan.hardware.Hardware`); None: this
+        target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.runtime.hardware.Hardware`); None: this
             one, as if it had FP8. On a CPU, MoE experts are FP8 candidates only for a GPU target.
         loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
-        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.plan.numerics.Thresholds`, or a dict
+        thresholds: the limits behind ``recommended_exclude``: :class:`~fp8dist.numerics.Thresholds`, or a dict
             of the ones to change (``{"max_flushed_share": 0.02}``).
         **options: any ``wrap_model`` option that shapes the plan (``torchao_recipe="rowwise"``,
             ``fp8_exclude=[...]``, ``te_recipe="delayed"``, ``pretrained=DIR``, ``strategy``, ``device``).
 
     Returns:
-        A :class:`~fp8dist.plan.numerics.NumericsReport`: ``print`` it, ``.to_dict()``, ``.recommended_exclude``.
+        A :class:`~fp8dist.numerics.NumericsReport`: ``print`` it, ``.to_dict()``, ``.recommended_exclude``.
         An option set away from its default that no chosen axis reads is said in a UserWarning, as wrap_model says it.
 
     Raises:
@@ -60,11 +60,11 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
         NotImplementedError: a backend whose casts are not modeled (MS-AMP's).
         FP8UnavailableError: ``target`` has no FP8.
     """
-    from ...config.resolve import resolve_config
-    from ...fp8 import get_backend
-    from ...pipeline.env import resolve_device
-    from ..precision import plan_precision
-    from ..tail import tail_share
+    from ..config.resolve import resolve_config
+    from ..fp8 import get_backend
+    from ..runtime.env import resolve_device
+    from ..plan.precision import plan_precision
+    from ..plan.tail import tail_share
 
     _check_as_built(model)
     # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
@@ -114,8 +114,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
 
 def _check_as_built(model: nn.Module) -> None:
     """Refuse a model wrapped, sharded or FP8-converted anywhere, naming where: its layers are not the candidates."""
-    from ...fp8 import converted_by_hand
-    from ...strategies.introspect import find_wrapping
+    from ..fp8 import converted_by_hand
+    from ..strategies.introspect import find_wrapping
 
     found = find_wrapping(model) if isinstance(model, nn.Module) else None
     converted = converted_by_hand(model) if isinstance(model, nn.Module) and found is None else None
@@ -130,10 +130,10 @@ def _check_as_built(model: nn.Module) -> None:
 
 def _model_to_run(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     """The model itself when it has its weights; else a copy materialized on ``device`` (``pretrained=`` too)."""
-    from ...pipeline.agree import alone
-    from ...pipeline.meta_init import is_meta_model
-    from ...strategies.common import to_empty
-    from ...pipeline.pretrained import materialize
+    from ..runtime.agree import alone
+    from ..pipeline.meta_init import is_meta_model
+    from ..strategies.common import to_empty
+    from ..pipeline.pretrained import materialize
 
     meta, pretrained = is_meta_model(model), cfg.parallel.pretrained
     if not meta and pretrained is None:

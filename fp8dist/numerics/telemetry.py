@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config.schema import normalize_value
-from ...pipeline.agree import on_all_ranks, rank_world
-from ...fp8.casts import CastSpec, float8_linear_casts
+from ..config.schema import normalize_value
+from ..runtime.agree import on_all_ranks, rank_world
+from ..fp8.casts import CastSpec, float8_linear_casts
 from .casts import CONTRACTION_DIM
 from .stats import json_number
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
@@ -91,11 +91,11 @@ class FP8Telemetry:
                  thresholds: Thresholds | dict[str, float] = DEFAULT_THRESHOLDS,
                  optimizer: torch.optim.Optimizer | None = None,
                  log: Callable[[str], Any] | None = None, step: int = 0) -> None:
-        from ...fp8.weight_wrapper import float8_gemm_config
-        from ...pipeline.files import check_output_path
-        from ...pipeline.optim import STEP_HOOKS
-        from ...strategies import unwrap_model
-        from ...strategies.local_shards import plain_name
+        from ..fp8.weight_wrapper import float8_gemm_config
+        from ..runtime.files import check_output_path
+        from ..runtime.optim import STEP_HOOKS
+        from ..strategies import unwrap_model
+        from ..strategies.local_shards import plain_name
 
         every = _steps("every", every, 1, "a whole number of steps >= 1 (1 samples every step)")
         step = _steps("step", step, 0, "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's "
@@ -206,10 +206,10 @@ class FP8Telemetry:
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
     def _weight_shards(self) -> list[torch.Tensor]:
-        from ...fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
-        from ...fp8.weight_wrapper import weight_data
-        from ...strategies import unwrap_model
-        from ...strategies.local_shards import local_params, plain_name
+        from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
+        from ..fp8.weight_wrapper import weight_data
+        from ..strategies import unwrap_model
+        from ..strategies.local_shards import local_params, plain_name
 
         scales = {plain_name(n): getattr(p, SCALE_ATTR) for n, p in unwrap_model(self.model).named_parameters()
                   if hasattr(p, SCALE_ATTR)}  # a base held in FP8: its bits times its scale (whole on each rank)

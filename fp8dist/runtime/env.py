@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..config.text import plural
-from .packages import package_version, supported_range
 from .env_vars import LaunchError, check_variables, read
 from .rendezvous import rendezvous_store, rendezvous_timeout
 
@@ -247,39 +246,3 @@ def rank_imports(axes: Iterable[Any], model_module: str = "transformers.models.l
     its ranks fork: the model's ``modeling_*`` module, the pipeline, and each axis's ``rank_imports``. Importing
     them starts no thread, process group or CUDA context."""
     return list(dict.fromkeys([model_module, "fp8dist.pipeline.api", *(m for a in axes for m in a.rank_imports)]))
-
-
-def _version_line(name: str) -> str:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    version, wanted = package_version(name), supported_range(name)
-    if version is None or not wanted:
-        return f"{name:<20} {version or 'not installed'}"
-    try:
-        inside = SpecifierSet(wanted).contains(Version(version), prereleases=True)
-    except InvalidVersion:
-        inside = False
-    verdict = "in range" if inside else "OUTSIDE the range fp8dist supports: install a version in range"
-    return f"{name:<20} {version} ({verdict} {wanted})"
-
-
-def describe_environment(packages: Sequence[str] = ("torch", "transformers")) -> str:
-    """What ``fp8dist env`` prints: versions of ``packages`` against the ranges fp8dist supports, devices, FP8
-    capability and the launcher seen."""
-    from ..fp8 import fp8_hardware_reason
-    from ..plan.hardware import find_gpu, hardware_of
-
-    lines = [_version_line(name) for name in packages]
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            hardware = hardware_of(torch.device("cuda", i))
-            fp8 = "no FP8 tensor cores (sm < 8.9)" if fp8_hardware_reason(hardware) else "FP8 tensor cores"
-            lines.append(f"cuda:{i:<15} {hardware.name} ({hardware.sm}, {fp8})")
-            lookup = find_gpu(hardware)  # the figures the FP8 speed prediction reads
-            lines.append(f"{'':<20} {lookup.spec.describe() if lookup.spec else lookup.reason}")
-    else:
-        lines.append(f"{'device':<20} cpu only (gloo); torchao float8 runs here, TE and MS-AMP need CUDA sm >= 8.9")
-    launch = current_launch()
-    lines.append(f"{'launcher':<20} {launch.launcher} (rank {launch.rank} of {launch.world_size})")
-    return "\n".join(lines)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.lazy import lazy_names
+from ..config.lazy import lazy_names
 
 __all__ = ["measure_fp8_numerics", "NumericsReport", "LayerNumerics", "CastStats", "Thresholds",
            "DEFAULT_THRESHOLDS", "FP8Telemetry"]

@@ -157,7 +157,7 @@ class ReduceStats:
     @torch.no_grad()
     def add(self, grad: torch.Tensor) -> None:
         """Round-trip ``grad`` (a weight's gradient of one batch) as the FP8 reduction quantizes it, and count."""
-        from ...strategies.grad_fp8 import dequantize_blocks, quantize_blocks
+        from ..strategies.grad_fp8 import dequantize_blocks, quantize_blocks
 
         x = grad.detach().float().reshape(1, -1)
         back = dequantize_blocks(*quantize_blocks(x, self.block), x.shape[1])

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...config.text import plural
+from ..config.text import plural
 from .stats import LayerNumerics
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds
 

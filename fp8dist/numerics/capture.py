@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...fp8.casts import USES, CastSpec
-from ...fp8.conv1d import is_conv1d
+from ..fp8.casts import USES, CastSpec
+from ..fp8.conv1d import is_conv1d
 from .casts import CONTRACTION_DIM, Cast
 from .stats import CastStats, LayerNumerics
 

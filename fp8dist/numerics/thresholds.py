@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ...config.schema import normalize_fields, route_keys
+from ..config.schema import normalize_fields, route_keys
 
 if TYPE_CHECKING:
     from .stats import LayerNumerics
@@ -152,6 +152,6 @@ def as_thresholds(value: Any) -> Thresholds:
         return value
     if isinstance(value, Mapping):
         return Thresholds(**route_keys(value, [Thresholds], source="the thresholds dict")[Thresholds])
-    raise TypeError(f"thresholds={value!r} is a {type(value).__name__}: pass fp8dist.plan.numerics.Thresholds(...) or "
+    raise TypeError(f"thresholds={value!r} is a {type(value).__name__}: pass fp8dist.numerics.Thresholds(...) or "
                     "a dict of the limits to change (e.g. {'max_flushed_share': 0.02}); leave it out for the "
                     "calibrated ones.")
