@@ -121,10 +121,20 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A rank's SIGINT handler: the first interrupt raises KeyboardInterrupt, later ones are ignored, so that the
+    cleanup it starts (a partial save removed, the checkpoint lock released) runs to its end. Ctrl-C reaches a rank
+    twice: from the terminal (its process group) and forwarded by the launcher; the launcher's grace period
+    (:data:`SHUTDOWN_GRACE_S`) still ends a rank that does not exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _run_launched(config: Config, train: TrainConfig, rank: int) -> NoReturn:
     """One rank of a job torchrun, deepspeed or srun started: an explained error or an interrupt is one line from
     rank 0, anything else a traceback."""
     progress = _Progress()
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         _train_this_rank(config, train, progress)
     except KeyboardInterrupt:
@@ -143,6 +153,7 @@ def _train_worker(flat_config: dict[str, Any], flat_train: dict[str, Any], state
     """Each spawned rank: an explained error is reported to the launching process, an interrupt ends it quietly."""
     quiet_cpu_noise()
     rank = int(os.environ["RANK"])
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         with one_line_warnings("train"):  # a rank's warnings read as the command's own
             _train_this_rank(Config.from_dict(flat_config), TrainConfig(**flat_train),

@@ -90,16 +90,17 @@ class Registry(Mapping[str, Any]):
     ``[project.entry-points."fp8dist.fp8_backends"] my_pkg = "my_pkg.fp8:register"``.
     """
 
-    def __init__(self, option: str, kind: str, group: str, reserved: tuple[str, ...] = ()) -> None:
+    def __init__(self, option: str, kind: str, group: str | None = None, reserved: tuple[str, ...] = ()) -> None:
         """``option``: the option whose values these are; ``kind``: what a value is called in messages; ``group``: the
-        entry-point group the installed values come through; ``reserved``: names no value may take (``"none"``)."""
+        entry-point group the installed values come through (None: only what is registered on it);
+        ``reserved``: names no value may take (``"none"``)."""
         self.option, self.kind, self.group, self.reserved = option, kind, group, reserved
         self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
         self._known: dict[str, dict[str, Any]] = {}
         self._loaded = False
 
     def _with_builtins(self) -> dict[str, Any]:
-        if not self._loaded:
+        if not self._loaded and self.group is not None:
             self._loaded = True  # before loading: the built-ins' registration reads the registry
             self._load_entry_points()
         return self._values
