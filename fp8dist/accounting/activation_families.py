@@ -164,6 +164,8 @@ class Family:
     gemms: Callable[[dict[str, int], Any], list[int]] | None = None
     """Output width (elements per token) of each GEMM a decoder layer runs, in forward order (what selective
     checkpointing counts, fp8dist.pipeline.blocks.SELECTIVE_GEMMS); None: selective is not modelled."""
+    gemm_names: tuple[str, ...] = ()
+    """The module running each GEMM of ``gemms``, relative to its decoder layer (the plan says its recipe)."""
 
 
 def _llama_gemms(d: dict[str, int], config: Any) -> list[int]:
@@ -175,11 +177,16 @@ def _fused_qkv_gemms(d: dict[str, int], config: Any) -> list[int]:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_llama_layer, "rms", ("Linear",), gemms=_llama_gemms),
+    "llama": Family(_llama_layer, "rms", ("Linear",), gemms=_llama_gemms,
+                    gemm_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
     "mixtral": Family(_mixtral_layer, "rms", ("Linear", "MixtralTopKRouter")),
     "gpt2": Family(_gpt2_layer, "layer", ("Linear", "Conv1D"), activation_key="activation_function",
-                   embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"]), gemms=_fused_qkv_gemms),
-    "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act", gemms=_fused_qkv_gemms),
+                   embeddings=lambda s, d, config: s.dropout(config.embd_pdrop, s.T * d["h"]), gemms=_fused_qkv_gemms,
+                   gemm_names=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")),
+    "gpt_neox": Family(_gpt_neox_layer, "layer", ("Linear",), activation_key="hidden_act", gemms=_fused_qkv_gemms,
+                       gemm_names=("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h",
+                                   "mlp.dense_4h_to_h")),
 }
 """Each checked against the tensors autograd saves on a small real model (tests/test_estimate.py)."""
 
@@ -189,10 +196,14 @@ def activation_note(family: Family, config: Any) -> str | None:
     return _activation(config, family.activation_key)[1] if family.activation_key else None
 
 
-def kept_by_selective(family: Family, s: Saves, d: dict[str, int], config: Any) -> int:
+def kept_by_selective(family: Family, s: Saves, d: dict[str, int], config: Any, counted: Sequence[bool]) -> int:
     """Bytes one decoder layer keeps under selective checkpointing besides its input: the fused attention's output
-    (c) and fp32 log-sum-exp, and its 1st, 3rd, 5th... GEMM output (c, the GEMM's output dtype under autocast and
-    FP8 alike); every other tensor, FP8 copies included, is recomputed in backward. Call only where
-    ``family.gemms`` is set."""
-    widths = family.gemms(d, config)
-    return s.T * (s.c * d["a"] * d["d"] + _FP32 * d["a"] + s.c * sum(widths[::2]))
+    (c) and fp32 log-sum-exp, and the 1st, 3rd, 5th... output of the GEMMs the policy counts (c, the GEMM's output
+    dtype under autocast and FP8 alike); ``counted``: per GEMM of ``family.gemms``, whether the policy counts its op
+    (a GEMM it does not count is recomputed). Every other tensor, FP8 copies included, is recomputed in backward.
+    Call only where ``family.gemms`` is set."""
+    kept, seen = 0, 0
+    for width, counts in zip(family.gemms(d, config), counted, strict=True):
+        seen += counts
+        kept += width if counts and seen % 2 else 0
+    return s.T * (s.c * d["a"] * d["d"] + _FP32 * d["a"] + s.c * kept)

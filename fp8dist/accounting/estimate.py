@@ -5,7 +5,7 @@ backend and memory level, on a meta-device model. Model states match :func:`fp8d
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
@@ -31,6 +31,7 @@ from ..memory_levels import STANDARD, get_level
 from ..fp8 import get_backend
 from ..strategies import get_strategy
 from ..strategies.grad_fp8 import describe_tally
+from ..pipeline.blocks import SELECTIVE_GEMMS
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_counts", "OPTIMIZER_STATES"]
 
@@ -152,6 +153,7 @@ _READ_BY_THE_ESTIMATE = ("micro_batch_size", "seq_len")
 def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1, micro_batch_size: int | None = None,
                     seq_len: int | None = None, optimizer: str = "adamw", rank: int | None = None,
                     fp8_filter: Any = None, target: str | Hardware | None = None, numerics: Any = None,
+                    loss_chunks: int = 1, selective_gemms: Sequence[str] | None = None,
                     **overrides: Any) -> MemoryEstimate:
     """Predict per-rank model-state bytes (and activations of one micro-batch) of ``wrap_model(model, ...)``, on
     a meta-device model (nothing is allocated) or a real one (nothing is changed).
@@ -170,6 +172,13 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
             no GEMM time.
         numerics: a probe's report, as for ``wrap_model``: the layers it keeps out of FP8, and under
             ``reduce_dtype="fp8"`` the gradients it reduces in fp32 (``grad_wire``).
+        loss_chunks: the training loop computes the output head and the loss this many chunks of the sequence at a
+            time (torchtitan's ``ChunkedLossWrapper``: 8); 1 (default): the whole micro-batch's logits at once, as a
+            Hugging Face model's loss does (its logits and their fp32 log-softmax held together).
+        selective_gemms: under ``activation_checkpointing="selective"``, the ops whose every other output the policy
+            keeps (each converted Linear's op: its recipe's ``checkpoint_gemm``); None (default): fp8dist's own policy,
+            :data:`fp8dist.pipeline.blocks.SELECTIVE_GEMMS`. torchtitan's counts ``("aten.mm.default",
+            "aten.linear.default")``.
 
     Returns:
         A :class:`MemoryEstimate`; ``print`` it for a table.
@@ -192,6 +201,12 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
                            "Its states per parameter decide the optimizer_states bytes.")
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size}).")
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or not 1 <= loss_chunks <= seq_len:
+        raise ValueError(f"loss_chunks={loss_chunks!r} must be an integer from 1 (the whole sequence's logits at "
+                         f"once) to seq_len={seq_len} (the chunks the loss splits the sequence into).")
+    if isinstance(selective_gemms, str):
+        raise ValueError(f"selective_gemms={selective_gemms!r} must be a sequence of op names, e.g. "
+                         "('aten.mm.default',); None: fp8dist's own policy.")
     level = get_level(cfg.parallel.memory)
     # each said once as a warning, as wrap_model does; but the activations read the batch shape whatever the axes
     notes = [note for option, note in unread_options(cfg).items() if option not in _READ_BY_THE_ESTIMATE]
@@ -203,7 +218,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
     hardware = parse_target(target) if isinstance(target, str) else target
     # what the ways out of a fit keep: all but the config and the rank count
     job = partial(_estimate, model, micro=micro, seq_len=seq_len, optimizer=optimizer, fp8_filter=fp8_filter,
-                  hardware=hardware, numerics=numerics)
+                  hardware=hardware, numerics=numerics, loss_chunks=loss_chunks,
+                  selective_gemms=SELECTIVE_GEMMS if selective_gemms is None else tuple(selective_gemms))
     est = job(cfg, world_size, rank)
     if hardware is None:
         return est
@@ -220,7 +236,8 @@ def estimate_memory(model: nn.Module, config: Any = None, *, world_size: int = 1
 
 
 def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, *, micro: int, seq_len: int,
-              optimizer: str, fp8_filter: Any, hardware: Hardware | None, numerics: Any = None) -> MemoryEstimate:
+              optimizer: str, fp8_filter: Any, hardware: Hardware | None, numerics: Any = None, loss_chunks: int = 1,
+              selective_gemms: Sequence[str] = ()) -> MemoryEstimate:
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
@@ -251,7 +268,8 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     c = dtype_bytes(engine.dtype or cfg.parallel.param_dtype)
     stored = dtype_bytes(_DTYPE_NAMES.get(next(model.parameters()).dtype, "fp32"))
     acts: Activations = activation_items(model, plan, cfg, blocks, micro_batch_size=micro, seq_len=seq_len,
-                                         stored_bytes=stored, c=c)
+                                         stored_bytes=stored, c=c, selective_gemms=selective_gemms,
+                                         loss_chunks=loss_chunks, hardware=hardware)
     derived = [f"fp8={backend.name}: figures derived from its documented behaviour, not measured here"]
     return MemoryEstimate(
         strategy=strategy.name, zero_stage=engine.stage, fp8=backend.name, world_size=world_size, rank=chosen,

@@ -4,15 +4,17 @@ backend's weight copies and what the strategy keeps gathered; checked against au
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
 
 from ..strategies import get_strategy
 from ..strategies.state_bytes import ROOT_WEIGHTS_ITEM
-from .activation_families import FAMILIES, Saves, activation_note, dims, kept_by_selective
+from .activation_families import FAMILIES, Family, Saves, activation_note, dims, kept_by_selective
 from ..fp8 import get_backend
+from ..fp8.speed_recipe import Recipe
 
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
@@ -51,12 +53,16 @@ def _unmodelled(config: Any) -> Activations:
 
 
 def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *, micro_batch_size: int,
-                     seq_len: int, stored_bytes: int, c: int) -> Activations:
+                     seq_len: int, stored_bytes: int, c: int, selective_gemms: Sequence[str], loss_chunks: int = 1,
+                     hardware: Any = None) -> Activations:
     """The activations one rank keeps for ``micro_batch_size`` sequences of ``seq_len`` tokens under ``cfg``'s
     checkpointing, item by item, from the model family's formula (:data:`~.activation_families.FAMILIES`) and the
     plan's precisions; ``blocks``: the checkpointed blocks, ``stored_bytes``: the bytes of an element of the
-    parameters as built (read where autocast computes from them), ``c``: of one in the compute dtype. A family
-    without a formula gets no items and a note saying so."""
+    parameters as built (read where autocast computes from them), ``c``: of one in the compute dtype;
+    ``selective_gemms``: the ops a selective policy counts (every other one's output kept), each converted GEMM's
+    op from its recipe (:attr:`~fp8dist.fp8.speed_recipe.Recipe.checkpoint_gemm`); ``loss_chunks``: the loss
+    computes the logits that many chunks of the sequence at a time (1: all at once, as Hugging Face's); ``hardware``:
+    the target the plan was made for (None: none). A family without a formula gets no items and a note saying so."""
     config = getattr(model, "config", None)
     family = FAMILIES.get(getattr(config, "model_type", None))
     d = dims(config) if config is not None else None
@@ -85,12 +91,15 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
                   len(prefixes) * r * T * d["h"]),
                  (RECOMPUTE_ITEM, max(layers))]
     elif checkpointing == "selective":  # and what the policy keeps; backward recomputes the rest, a block at a time
-        kept = kept_by_selective(family, s, d, config)
+        ops = [_gemm_ops(model, plan, cfg, family, p, hardware) for p in prefixes]
+        kept = [kept_by_selective(family, s, d, config, [op in selective_gemms for op in layer]) for layer in ops]
         items = [(f"{len(prefixes)} decoder layers' inputs (activation checkpointing: selective)",
                   len(prefixes) * r * T * d["h"]),
                  (f"{len(prefixes)} decoder layers' attention outputs and every other GEMM output (selective)",
-                  len(prefixes) * kept),
-                 (RECOMPUTE_ITEM, max(0, max(layers) - kept))]
+                  sum(kept)),
+                 (RECOMPUTE_ITEM, max(0, *(total - k for total, k in zip(layers, kept))))]
+        uncounted = sorted({op or "outside PyTorch's dispatcher" for layer in ops for op in layer
+                            if op not in selective_gemms})
     else:
         items = [(f"{len(prefixes)} decoder layers", sum(layers))]
     if family.embeddings is not None and (mask := family.embeddings(s, d, config)):
@@ -99,14 +108,20 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
     head = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     norm = s.rms_norm(d["h"]) if family.final_norm == "rms" else s.layer_norm(d["h"])
     items.append(("final norm + lm_head input", norm + s.inputs([head or "lm_head"], T * d["h"], s.n)))
-    items.append(("logits (compute dtype) + fp32 log-softmax", (c + 4) * T * d["V"]))
+    chunk = micro_batch_size * -(-seq_len // loss_chunks)  # tokens whose logits the loss holds at once
+    items.append(("logits (compute dtype) + fp32 log-softmax" if loss_chunks == 1 else
+                  f"logits of one loss chunk of {chunk:,} tokens (compute dtype) + fp32 log-softmax "
+                  f"(loss_chunks={loss_chunks})", (c + 4) * chunk * d["V"]))
     items += _kept_weights(model, plan, cfg, family.cast_types, blocks, r, c)
     notes = [f"activations: the {config.model_type} formula (fp8dist/accounting/activation_families.py)",
              _CHECKPOINTING_NOTES[checkpointing]
              + "flash-style attention (no seq x seq scores); "
              "dropout masks at 1 byte per element, as CUDA keeps them",
-             f"the forward's peak also holds an fp32 copy of the logits ({4 * T * d['V'] / 2**20:,.1f} MiB) while the "
-             "loss is computed"]
+             f"the forward's peak also holds an fp32 copy of the logits ({4 * chunk * d['V'] / 2**20:,.1f} MiB) while "
+             "the loss is computed"]
+    if checkpointing == "selective" and uncounted:
+        notes.append(f"selective checkpointing counts {', '.join(selective_gemms)}: GEMMs running "
+                     f"{', '.join(uncounted)} are not counted, their outputs recomputed in backward")
     if cfg.parallel.compile:
         notes.append("compile=True: counted as the eager forward without the KV cache wrap_model turns off; "
                      "inductor may save fewer tensors")
@@ -117,6 +132,28 @@ def activation_items(model: nn.Module, plan: Any, cfg: Any, blocks: list[str], *
         notes.append(_saves_note(backend, cfg, s.fp8_input, backend.autograd_weight_bytes(cfg)))
     extra = activation_note(family, config)
     return Activations(items, notes + ([extra] if extra else []), modelled=True)
+
+
+_SUBCLASS_GEMM = next(f.default for f in fields(Recipe) if f.name == "checkpoint_gemm")
+
+
+def _gemm_ops(model: nn.Module, plan: Any, cfg: Any, family: Family, prefix: str, hardware: Any) -> list[str]:
+    """The op each GEMM of the decoder layer ``prefix`` shows a checkpoint's dispatch mode: a converted one's from
+    its recipe (:attr:`~fp8dist.fp8.speed_recipe.Recipe.checkpoint_gemm`; a recipe the speed model lacks counts as
+    a tensor subclass's ``aten.mm``), another one ``aten.addmm`` with a bias, else ``aten.mm``."""
+    backend, entries = get_backend(cfg.precision.fp8), {e.name: e for e in plan}
+    recipes = {recipe.name: recipe for recipe in backend.speed_recipes if not recipe.grouped}
+    default = backend.speed_recipe(cfg, hardware)[0] if plan.fp8 else None
+    ops = []
+    for name in family.gemm_names:
+        entry = entries.get(prefix + name)
+        if entry is not None and entry.precision == "fp8":
+            recipe = recipes.get(entry.recipe or default)
+            ops.append(recipe.checkpoint_gemm if recipe is not None else _SUBCLASS_GEMM)
+        else:
+            module = model.get_submodule(prefix + name) if entry is not None else None
+            ops.append("aten.addmm.default" if getattr(module, "bias", None) is not None else "aten.mm.default")
+    return ops
 
 
 def _saves_note(backend: Any, cfg: Any, input_bytes: float, weight_bytes: float) -> str:

@@ -69,6 +69,14 @@ class Recipe:
     fp8_all_gather: bool = False
     """The backend all-gathers converted weights in FP8 under DTensor shards (torchao tensorwise on FSDP2): 1 byte
     each instead of 2 in the step model."""
+    checkpoint_gemm: str = "aten.mm.default"
+    """The op a converted Linear's forward GEMM shows activation checkpointing's dispatch mode, which a selective
+    policy counts by name (:data:`fp8dist.pipeline.blocks.SELECTIVE_GEMMS`; torchtitan's counts only ``aten.mm``):
+    ``aten.mm`` for a tensor subclass's matmul (torchao's float8 and MXFP8, seen before the subclass turns it into
+    ``_scaled_mm``); the scaled GEMM an autograd function calls on plain tensors (torchao's NVFP4 training Linear:
+    ``F.scaled_mm`` -> ``aten._scaled_mm_v2``); "" for a GEMM outside PyTorch's dispatcher (Transformer Engine's
+    extension): never counted, its output recomputed. What the memory estimate keeps of a selectively checkpointed
+    block reads it."""
 
     def casts(self, compile: bool) -> CastKernels:
         return self.compiled if compile else self.eager

@@ -3,6 +3,8 @@ by the TE backend (``TEBackend.speed_recipes``): its casts are fused CUDA kernel
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .speed_recipe import FP4_ELEMENT, MX_SCALE, NV_SCALE, TE_KERNELS, Recipe, kernels
 
 __all__ = ["TE_RECIPES"]
@@ -29,5 +31,7 @@ _TE_NVFP4 = Recipe("te_nvfp4", "Transformer Engine NVFP4BlockScaling (1x16 block
                    eager=(kernels(2, 0, 2 + 2 * FP4_ELEMENT, block=TE_KERNELS),) * 3,
                    min_capability=(10, 0), scale_bytes=NV_SCALE, gemm="fp4", operand_bytes=0.5)
 
-TE_RECIPES = (_TE_DELAYED, _TE_CURRENT, _TE_BLOCKWISE, _TE_MXFP8, _TE_NVFP4)
-"""One per ``te_recipe`` (``te_<te_recipe>``)."""
+# every TE GEMM runs in its own extension (tex.generic_gemm), unseen by a checkpoint's dispatch mode
+TE_RECIPES = tuple(replace(recipe, checkpoint_gemm="") for recipe in
+                   (_TE_DELAYED, _TE_CURRENT, _TE_BLOCKWISE, _TE_MXFP8, _TE_NVFP4))
+"""One per ``te_<te_recipe>``; each GEMM outside PyTorch's dispatcher (``checkpoint_gemm=""``)."""

@@ -47,7 +47,8 @@ _NVFP4 = Recipe("nvfp4", "torchao NVFP4 (1x16 blocks, FP4 GEMMs)", (True, True, 
                           kernels(2, 0, 2 + FP4_ELEMENT, 2 + FP4_ELEMENT, block=AO_KERNELS),
                           kernels(0, 0, 2 + FP4_ELEMENT, 2 + FP4_ELEMENT, fused_first=True, block=AO_KERNELS)),
                 eager=(kernels(2, 0, 2 + FP4_ELEMENT, 2 + FP4_ELEMENT, block=AO_KERNELS),) * 3,
-                min_capability=(10, 0), scale_bytes=NV_SCALE, gemm="fp4", operand_bytes=0.5)
+                min_capability=(10, 0), scale_bytes=NV_SCALE, gemm="fp4", operand_bytes=0.5,
+                checkpoint_gemm="aten._scaled_mm_v2.default")  # nvfp4_mm_triton calls F.scaled_mm itself
 
 # torchao MoE training (grouped GEMMs over ``groups`` experts): its own kernels, one per layout; FP8 rowwise scales
 # the second layout per column (per expert's rows), MXFP8 casts 1x32 blocks along either dimension alike.
