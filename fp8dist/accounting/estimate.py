@@ -139,10 +139,12 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
             unit_of.setdefault(f"{block}.{name}", block)
     converted = {f"{e.name}.weight" for e in plan.fp8}
     level, backend = get_level(cfg.parallel.memory), get_backend(cfg.precision.fp8)
-    return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
-                      element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
-                                    name in converted, p.requires_grad), p.requires_grad)
-            for name, p in model.named_parameters()]
+    infos = []
+    for name, p in model.named_parameters():
+        dtype = _DTYPE_NAMES.get(p.dtype, "fp32")
+        per_element = element_bytes(engine, level, backend, cfg, optimizer, dtype, name in converted, p.requires_grad)
+        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""), per_element, p.requires_grad))
+    return infos
 
 
 _READ_BY_THE_ESTIMATE = ("micro_batch_size", "seq_len")
@@ -224,8 +226,9 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
-    strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
-        get_backend(cfg.precision.fp8)
+    strategy = get_strategy(cfg.parallel.strategy)
+    level = get_level(cfg.parallel.memory)
+    backend = get_backend(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg)
     strategy.check_launch(cfg, world_size)
     optimizer = level.estimate_optimizer if level.builds_optimizer else optimizer  # the level's own

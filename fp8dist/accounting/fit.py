@@ -158,7 +158,9 @@ def ways_out(est: Any, allowed: int, rerun: Rerun, *, rank_step: int = 1,
              extra: tuple[tuple[str, Mapping[str, Any]], ...] = ()) -> tuple[list[WayOut], str]:
     """(every way out of ``est`` needing more than ``allowed`` bytes, why no rank count fits or ""): more ranks,
     :func:`levers` and ``extra`` (the caller's own changes), then checkpointing with each when none fits alone."""
-    need, world, ways = device_bytes(est), est.world_size, []
+    need = device_bytes(est)
+    world = est.world_size
+    ways = []
     if est.activations_modelled and est.activation_bytes >= allowed:  # ranks shard states, not activations
         found, no_ranks = None, "the activations of one micro-batch alone exceed it, whatever the rank count"
     else:
@@ -207,7 +209,9 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
     """((the fewest ranks above ``world``, a multiple of ``step``, that fit with ``change``, their bytes), "") or
     (None, why not): doubling until one fits (or the bytes stop shrinking), then bisecting."""
     bytes_at = partial(_bytes_with, rerun, change=change)
-    low, n, last = world, _multiple(world + 1, step), need
+    low = world
+    n = _multiple(world + 1, step)
+    last = need
     try:
         got = device_bytes(rerun(n, **change))
     except ValueError as err:
@@ -217,7 +221,9 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
     while got is not None and got < last:
         if got <= allowed:
             return _narrow(bytes_at, low, n, got, step, allowed), ""
-        low, last, n = n, got, _multiple(2 * n, step)
+        low = n
+        last = got
+        n = _multiple(2 * n, step)
         if n > MAX_RANKS:
             return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
         got = bytes_at(n)

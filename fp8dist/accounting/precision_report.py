@@ -123,9 +123,15 @@ def _groups(strategy: Any, held: dict[str, list[Any]], optimizer: Any, frozen: l
     rest = StateTally(counted=alone)
     for category, tensors in held.items():  # the total's order: a storage lands in the same category
         rest.add(category, tensors)
-    return tuple(ParamGroup(label, count, sum(t.bytes[c] for c in CATEGORIES[:4]),
-                            holds_words([{dtype_name(d) for d in t.dtypes[c]} for c in CATEGORIES[:4]]))
-                 for label, count, t in (("frozen", sum(h.numel for h in frozen), alone), ("trained", trained, rest)))
+    frozen_count = sum(h.numel for h in frozen)
+    return (_param_group("frozen", frozen_count, alone), _param_group("trained", trained, rest))
+
+
+def _param_group(label: str, count: int, tally: StateTally) -> ParamGroup:
+    """The group ``label`` of ``count`` elements from the bytes and dtypes ``tally`` holds, FP8 buffers aside."""
+    categories = CATEGORIES[:4]
+    dtype_names = [{dtype_name(d) for d in tally.dtypes[c]} for c in categories]
+    return ParamGroup(label, count, sum(tally.bytes[c] for c in categories), holds_words(dtype_names))
 
 
 def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:

@@ -95,7 +95,10 @@ class CheckpointDirLock:
     whose leftover file it replaced (it had ended without releasing it), else None."""
 
     def __init__(self, file: Path, fd: int, created_dir: bool, taken_over: LockHolder | None):
-        self.file, self._fd, self._created_dir, self.taken_over = file, fd, created_dir, taken_over
+        self.file = file
+        self._fd = fd
+        self._created_dir = created_dir
+        self.taken_over = taken_over
 
     def note(self) -> str | None:
         """The one line to say when the lock was taken over from an ended job, else None."""

@@ -66,7 +66,10 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
 
     docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
     for f in fields(BenchSettings):
-        meta, name, hint, doc = f.metadata, f.metadata.get("flag", f.name), hints[f.name], docs[f.name].rstrip(".")
+        meta = f.metadata
+        name = meta.get("flag", f.name)
+        hint = hints[f.name]
+        doc = docs[f.name].rstrip(".")
         if name is None:
             continue
         if hint is bool:

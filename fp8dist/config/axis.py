@@ -93,7 +93,10 @@ class Registry(Mapping[str, Any]):
     def __init__(self, option: str, kind: str, group: str, reserved: tuple[str, ...] = ()) -> None:
         """``option``: the option whose values these are; ``kind``: what a value is called in messages; ``group``: the
         entry-point group the installed values come through; ``reserved``: names no value may take (``"none"``)."""
-        self.option, self.kind, self.group, self.reserved = option, kind, group, reserved
+        self.option = option
+        self.kind = kind
+        self.group = group
+        self.reserved = reserved
         self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
         self._known: dict[str, dict[str, Any]] = {}
         self._loaded = False

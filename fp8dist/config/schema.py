@@ -165,7 +165,9 @@ def normalize_fields(obj: Any) -> None:
     ``nested`` field holds. Metadata: ``aliases``, ``refused`` (``{"E5M2": why}``), ``min`` (the least number)."""
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
+        value = getattr(obj, f.name)
+        refused = f.metadata.get("refused", {})
+        low = f.metadata.get("min")
         if f.metadata.get("nested"):
             for sub in value:
                 normalize_fields(sub)
@@ -186,9 +188,13 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    return {stmt.target.id: " ".join(nxt.value.value.split()) for stmt, nxt in zip(body, body[1:])
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:

@@ -218,7 +218,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                                   # 1. resolve
-    launch, engine, memory = current_launch(), get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory)
+    launch = current_launch()
+    engine = get_strategy(cfg.parallel.strategy)
+    memory = get_level(cfg.parallel.memory)
     cfg = memory.resolve(cfg, engine.facts(cfg, launch.world_size))
     _check_model(model)                                                                   # 2. check
     meta = _check_meta(model, cfg)

@@ -26,9 +26,14 @@ def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, t
     shadow = object.__new__(original_class(module))
     shadow.__dict__ = dict(module.__dict__)
     shadow._modules = {}
-    shadow._parameters = {n: None if p is None else nn.Parameter(
-        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device), requires_grad=p.requires_grad)
-        for n, p in module._parameters.items()}
+    params: dict[str, nn.Parameter | None] = {}
+    for n, p in module._parameters.items():
+        if p is None:
+            params[n] = None
+            continue
+        empty = torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device)
+        params[n] = nn.Parameter(empty, requires_grad=p.requires_grad)
+    shadow._parameters = params
     shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
                        for n, b in module._buffers.items()}
     return shadow

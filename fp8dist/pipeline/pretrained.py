@@ -42,9 +42,12 @@ class LoadReport:
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers a state dict holds, by their plain (unwrapped) names."""
-    return {plain_name(f"{prefix}.{name}" if prefix else name): buf
-            for prefix, module in model.named_modules() for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set}
+    buffers = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                buffers[plain_name(f"{prefix}.{name}" if prefix else name)] = buf
+    return buffers
 
 
 def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[str, torch.Tensor],
@@ -52,7 +55,9 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
     def listed(kind: str, items: list[str]) -> list[str]:
         return [f"{plural(len(items), *kind)}: {listing(items, SHOWN)}"] if items else []
 
-    missing, shapes, known = [], [], set()
+    missing = []
+    shapes = []
+    known = set()
     for p in params:
         known.update(p.names)
         found = [n for n in p.names if n in source]

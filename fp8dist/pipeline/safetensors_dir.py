@@ -168,7 +168,9 @@ class SafetensorsDir:
         if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
             if region.numel == 0:
                 return torch.empty(0)
-            rows, rest, row = fused.shape[1], tuple((0, s) for s in fused.shape[2:]), math.prod(fused.shape[2:])
+            rows = fused.shape[1]
+            rest = tuple((0, s) for s in fused.shape[2:])
+            row = math.prod(fused.shape[2:])
             start, stop = region.flat
             first, last = start // row, (stop - 1) // row + 1
             pieces = []

@@ -116,7 +116,13 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """The machine planned for: the training device, or a named target."""
         self.facts = facts
         """What the strategy does to parameters: the backends read these, never the strategy's name."""
-        self.backend, self.strategy, self.detail = backend, strategy, detail
+        self.backend = backend
+        """The FP8 backend asked for (``fp8=``), or None: no FP8."""
+        self.strategy = strategy
+        """The strategy's name (``strategy=``)."""
+        self.detail = detail
+        """What the backend runs (its recipe, from ``FP8Backend.describe``), or ``"fallback: <why>"`` where it
+        cannot run here; "" without FP8."""
         self.memory = memory
         """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
         self.unavailable = unavailable
@@ -179,9 +185,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
         head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
                 f"strategy={self.strategy}{level} -- {self.counts()}")
         rows = [("module", "type", "precision", "converted to", "reason")]
-        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-",
-                  e.reason + (f"; {e.reduce_fallback}" if e.reduce_fallback else ""))
-                 for e in self._entries]
+        for e in self._entries:
+            reason = e.reason + (f"; {e.reduce_fallback}" if e.reduce_fallback else "")
+            rows.append((e.name, e.module_type, e.precision, e.converted_to or "-", reason))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile "
                   f"{'on' if self.compile else 'off'} ({self.compile_reason})")
@@ -298,7 +304,9 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     for name, module, params, grouped, flops in modules:
         reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
                                            fp8_filter, others)
-        precision, target, gather = _fallback_precision(module, cfg, facts), None, None
+        precision = _fallback_precision(module, cfg, facts)
+        target = None
+        gather = None
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
             if backend.computes_in_fp8(module):

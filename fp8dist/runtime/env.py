@@ -70,7 +70,9 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                           "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
                           f"{missing} too, or unset {given} to run as one process.")
     if "RANK" in environ:  # and WORLD_SIZE: checked above
-        launcher, names, local_name = "env", ("RANK", "WORLD_SIZE"), "LOCAL_RANK"
+        launcher = "env"
+        names = ("RANK", "WORLD_SIZE")
+        local_name = "LOCAL_RANK"
     elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
         launcher, local_name = "slurm", "SLURM_LOCALID"
         names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
@@ -108,7 +110,9 @@ def current_launch() -> LaunchEnv:
     the local rank from ``LOCAL_RANK``/``SLURM_LOCALID``, else ``rank %`` the CUDA devices (or ranks) per node."""
     if not (dist.is_available() and dist.is_initialized()):
         return detect_launch_env()
-    environ, rank, world = os.environ, dist.get_rank(), dist.get_world_size()
+    environ = os.environ
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
     per_node = torch.cuda.device_count() if torch.cuda.is_available() else local_world_size(environ, world)
     local = read(environ, name) if name else rank % max(1, per_node)

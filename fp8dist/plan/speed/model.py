@@ -110,14 +110,20 @@ def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: flo
 
 def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool,
              weight_grad: bool = True) -> float:
-    x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
+    x = m * k  # input elements
+    w = groups * n * k  # weight elements, every expert's
+    g = m * n  # grad_output elements
     # output, grad_input, grad_weight: (operand elements read, elements written); a frozen weight has no grad_weight
     gemms = ((x + w, g), (g + w, x), (x + g, w))[:3 if weight_grad else 2]
     low = recipe.fp8_gemms if recipe else (False, False, False)
-    return sum(gemm_seconds(gpu, m, k, n, reads * (recipe.operand_bytes + recipe.scale_bytes), _BF16 * writes,
-                            recipe.gemm, grouped) if f else
-               gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16", grouped)
-               for (reads, writes), f in zip(gemms, low))
+    total = 0.0
+    for (reads, writes), in_fp8 in zip(gemms, low):
+        if in_fp8:
+            read_bytes = reads * (recipe.operand_bytes + recipe.scale_bytes)
+            total += gemm_seconds(gpu, m, k, n, read_bytes, _BF16 * writes, recipe.gemm, grouped)
+        else:
+            total += gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16", grouped)
+    return total
 
 
 def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0,

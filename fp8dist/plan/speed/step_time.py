@@ -286,11 +286,10 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     _check_topology(nvlink_domain, network_gbps)
     # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
-    cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
-                         **{k: v for k, v in (("strategy", strategy), ("replicate_degree", replicate_degree),
-                                              ("activation_checkpointing", activation_checkpointing),
-                                              ("reduce_dtype", reduce_dtype))
-                            if (v != 1 if k == "replicate_degree" else v)})
+    given = {"strategy": strategy, "replicate_degree": replicate_degree,
+             "activation_checkpointing": activation_checkpointing, "reduce_dtype": reduce_dtype}
+    given = {k: v for k, v in given.items() if (v != 1 if k == "replicate_degree" else v)}  # the defaults left out
+    cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile, **given)
     if replicate_degree != 1:
         if "replicate_degree" not in STRATEGIES[cfg.parallel.strategy].options:
             raise ValueError(f"replicate_degree={replicate_degree!r} with strategy {cfg.parallel.strategy!r}: only "
@@ -323,9 +322,11 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile, weight_grad=n not in frozen)
              for n, k, o in shapes}
     # default: every Linear but the head; with a frozen base (LoRA), its Linears only (the adapters stay bf16)
-    fp8_names = [n for n, k, o in shapes
-                 if ((n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)) if chosen is None
-                     else n in chosen)]
+    if chosen is None:
+        fp8_names = [n for n, k, o in shapes
+                     if n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)]
+    else:
+        fp8_names = [n for n, _, _ in shapes if n in chosen]
     if chosen is not None and len(fp8_names) != len(set(chosen)):
         unknown = sorted(set(chosen) - set(fp8_names))
         raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
@@ -350,11 +351,11 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     mode, shards = cfg.parallel.activation_checkpointing, facts.shards_params
     bf16_gemm = sum(p.bf16_s for p in preds.values())
     fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
-    sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                    _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c),
-                    mode, blocks, shards, c)
-             for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
-                                      (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
+    fp8_casts = sum(preds[n].cast_s for n in fp8_names)
+    sides = []
+    for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0), (fp8_gemm, fp8_casts, fp8_params)):
+        collectives = _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c)
+        sides.append(_parts(gemm, casts, attention_s, memory_s, optimizer_s, collectives, mode, blocks, shards, c))
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
