@@ -12,7 +12,7 @@ from torch import nn
 from fp8dist import FP8Config, get_plan, plan_precision, resolve_config, wrap_model
 from fp8dist.cli import main
 from fp8dist.config.schema import flat_fields
-from fp8dist.runtime.env import supported_range
+from fp8dist.runtime.packages import supported_range
 from fp8dist.train.models import build_llama
 from fp8dist.plan.precision import FP8UnavailableError
 

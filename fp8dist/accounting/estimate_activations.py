@@ -17,7 +17,10 @@ from ..fp8 import get_backend
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"  # full/selective checkpointing's transient
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
+"""The label of the transient item in :attr:`MemoryEstimate.activations` under full or selective activation
+checkpointing (one layer's activations alive while its backward recomputes them); compare an item's label with it to
+tell the transient from what is kept between forward and backward."""
 
 
 _CHECKPOINTING_NOTES = {

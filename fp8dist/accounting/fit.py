@@ -19,7 +19,8 @@ __all__ = ["Fit", "WayOut", "StepCheckpointing", "budget", "device_bytes", "chec
 MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a rank may plan on (``fp8dist bench`` too): the rest is for what the estimate leaves out,
 transient buffers, the CUDA context and the allocator's fragmentation."""
-MAX_RANKS = 16384  # the most ranks the search for a rank count that fits tries
+MAX_RANKS = 16384
+"""The most ranks the search for a rank count that fits tries; above it the way out "more ranks" is given up."""
 
 CHECKPOINTING = ("activation checkpointing", {"activation_checkpointing": "full"})
 

@@ -16,6 +16,8 @@ from .rows import text_table
 __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
+"""The model-state categories every byte count is split into, in the order a storage is claimed (a tensor reached
+from two categories is counted in the first); the first four are what ``ParamGroup.bytes`` sums."""
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:

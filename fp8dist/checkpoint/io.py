@@ -18,7 +18,9 @@ from ..fp8 import FP8Backend, get_backend
 from ..runtime.agree import RankFailure, rank_world
 from ..strategies import Strategy, get_strategy
 
-DCP = "dcp"  # meta.json's ``engine`` for a strategy without a checkpoint format of its own
+DCP = "dcp"
+"""meta.json's ``engine`` for a checkpoint in torch.distributed.checkpoint's format, which every strategy without a
+format of its own writes (and any of them reads back, at any world size)."""
 
 
 class CheckpointError(ValueError):

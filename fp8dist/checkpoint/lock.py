@@ -25,6 +25,7 @@ __all__ = ["LOCK_FILE", "CheckpointDirLocked", "LockHolder", "CheckpointDirLock"
            "check_unlocked"]
 
 LOCK_FILE = ".fp8dist.lock"
+"""The lock file's name inside a locked checkpoint directory (it holds the holder's PID, host and start time)."""
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # the filesystem cannot flock
 
 

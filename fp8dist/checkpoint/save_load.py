@@ -29,8 +29,11 @@ from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_ra
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
 FORMAT = "fp8dist-checkpoint"
-FORMAT_VERSION = 1  # later fields are additions: an older fp8dist still reads what it knows
-refusals = (CheckpointError, FileNotFoundError)  # complete in themselves: every rank raises them as they are
+"""meta.json's ``format``: a directory whose meta.json says otherwise is not an fp8dist checkpoint."""
+FORMAT_VERSION = 1
+"""meta.json's ``format_version``; later fields are additions, so an older fp8dist still reads what it knows and
+refuses only a higher version."""
+_REFUSALS = (CheckpointError, FileNotFoundError)  # complete in themselves: every rank raises them as they are
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
     root = on_all_ranks("save_checkpoint", lambda: save_root(path), error=CheckpointError,
-                        passthrough=refusals)  # every rank writes there: checked on each
+                        passthrough=_REFUSALS)  # every rank writes there: checked on each
     name = step_name(step)
     tmp, final = root / f".tmp-{name}", root / name
     if not overwrite and from_rank0(final.is_dir() if lead else None):
@@ -264,14 +267,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     require_bool("verify", verify)
     (rank, world), (strategy, backend) = rank_world(), axes_of(info)
     checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
-                                    passthrough=refusals)
+                                    passthrough=_REFUSALS)
     decision, optimizer_note = on_all_ranks(
         f"loading {checkpoint}", lambda: (check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state),
                                           check_optimizer(meta, optimizer, checkpoint)), error=CheckpointError,
-        passthrough=refusals)
+        passthrough=_REFUSALS)
     if verify:  # after the checks on meta.json alone: reading every file is the costly one
         on_all_ranks(f"loading {checkpoint}", lambda: verify_files(checkpoint, meta, rank, world),
-                     error=CheckpointError, passthrough=refusals)
+                     error=CheckpointError, passthrough=_REFUSALS)
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state,
                                                         decision.trainable_only), error=CheckpointError)
     backend.after_load(model, info.fp8)

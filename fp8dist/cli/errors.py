@@ -13,9 +13,13 @@ from ..runtime.files import atomic_write_text
 __all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "explained", "exit_code", "error_line",
            "report_error", "read_report"]
 
-USAGE_EXIT = 2  # bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors
-FAILED_EXIT = 1  # the run started as asked and failed (its loss diverged, or its gradients stayed non-finite)
-INTERRUPTED_EXIT = 130  # interrupted (Ctrl-C): 128 + SIGINT, as shells report it
+USAGE_EXIT = 2
+"""Exit code for bad input (a value, a combination, the environment, missing memory): argparse's code for usage
+errors. Nothing ran; fix the input and run again."""
+FAILED_EXIT = 1
+"""Exit code for a run that started as asked and failed (its loss diverged, or its gradients stayed non-finite)."""
+INTERRUPTED_EXIT = 130
+"""Exit code for an interrupted run (Ctrl-C): 128 + SIGINT, as shells report it."""
 
 
 def explained() -> dict[type[BaseException], int]:

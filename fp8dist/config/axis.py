@@ -74,7 +74,8 @@ class When:
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
-ALWAYS = When()  # read whenever its axis is chosen
+ALWAYS = When()
+"""The condition of an option read whenever its axis value is chosen (no option or strategy fact narrows it)."""
 
 
 class Registry(Mapping[str, Any]):
@@ -179,8 +180,14 @@ class Registry(Mapping[str, Any]):
 
 
 STRATEGIES = Registry("strategy", "sharding strategy", "fp8dist.strategies")
+"""Every sharding strategy by its ``strategy=`` name (read it through ``fp8dist.strategies.get_strategy``; add one
+with ``register_strategy``)."""
 BACKENDS = Registry("fp8", "FP8 backend", "fp8dist.fp8_backends", reserved=("none",))
+"""Every FP8 backend by its ``fp8=`` name; "none" is reserved for no FP8, which is not in it (read a backend through
+``fp8dist.fp8.get_backend``, which maps None and "none" to no FP8; add one with ``register_backend``)."""
 LEVELS = Registry("memory", "memory level", "fp8dist.memory_levels")
+"""Every memory level by its ``memory=`` name (read through ``fp8dist.memory_levels.get_level``; add one with
+``register_level``)."""
 
 
 def engine_packages() -> tuple[str, ...]:

@@ -18,9 +18,12 @@ from ..strategies.local_shards import Region
 __all__ = ["SafetensorsDir", "PretrainedError", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
+"""The index file of a sharded safetensors directory (tensor name -> shard file)."""
 _SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".activation_scale")  # inference's, beside FP8 weights
 SINGLE_FILE = "model.safetensors"
-SHOWN = 5  # names listed in an error (mismatches, missing files)
+"""The weights file of an unsharded directory."""
+SHOWN = 5
+"""How many names an error lists (mismatched or missing tensors, missing files) before "and N more"."""
 
 
 class PretrainedError(ValueError):
@@ -241,4 +244,6 @@ class SafetensorsDir:
         return out
 
     def close(self) -> None:
+        """Drop the open safetensors files (their memory maps). Call it when the model is filled; a later
+        :meth:`read` opens its file again."""
         self._handles.clear()

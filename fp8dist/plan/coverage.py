@@ -85,7 +85,8 @@ def gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
     return 2 * params
 
 
-LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D parameter read by index: no GEMM
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+"""Module types whose 2-D parameter is read by index, not multiplied: :func:`runs_gemm` is False for them."""
 
 
 def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:

@@ -27,6 +27,9 @@ __all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available"
            "compile_decision"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
+"""``wrap_model``'s and :func:`plan_precision`'s ``fp8_filter``: called as ``fp8_filter(module, fqn)`` for each layer
+the backend supports and ``fp8_exclude`` leaves in; True lets it convert, False keeps it in the strategy's precision
+(anything but a bool raises TypeError)."""
 
 
 class FP8UnavailableError(RuntimeError):

@@ -17,7 +17,7 @@ from torch import nn
 
 __all__ = ["check_ranks_agree", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure", "alone"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8dist_alone", default=False)
 
 
@@ -57,8 +57,8 @@ def _report(err: Exception, rank: int, error: type[Exception],
     return rank, f"{type(err).__name__}: {err}", error, False
 
 
-def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Exception],
-                 passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> T | None:
+def on_all_ranks(what: str, action: Callable[[], _T] | None, *, error: type[Exception],
+                 passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> _T | None:
     """Run ``action`` on this rank (None: nothing to do here) and return its result; if it raised an ``Exception``
     on any rank, raise ``error`` on every rank, naming ``what`` and the first rank that failed, ending with
     ``way_out``. A ``passthrough`` error (a refusal complete in itself) keeps its class, and its message when every

@@ -255,6 +255,9 @@ GPUS: tuple[GpuSpec, ...] = (
         "Infinity Fabric 7 links x 128 GB/s = 896 GB/s to the other 7 GPUs; capability (9, 4) is what ROCm's torch "
         "reports for gfx942"), interconnect_gbps=896.0),
 )
+"""Every GPU the speed model and the memory fit know, each with its datasheet figures and their source: the
+``--target`` choices (by ``key``), and what a CUDA device's name is matched against (``device_pattern``). Look one up
+with :func:`gpu_by_key` or :func:`gpu_by_device_name`."""
 
 
 def gpu_by_key(key: str) -> GpuSpec | None:

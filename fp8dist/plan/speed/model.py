@@ -40,6 +40,8 @@ class LinearPrediction:
 
     @property
     def fp8_s(self) -> float:
+        """Predicted seconds of the FP8 way, forward + backward: its GEMMs (``fp8_gemm_s``) plus its casts and scale
+        kernels (``cast_s``); compare with ``bf16_s``."""
         return self.fp8_gemm_s + self.cast_s
 
     @property
@@ -54,6 +56,8 @@ class LinearPrediction:
 
     @property
     def flops(self) -> int:
+        """FLOPs of the layer's forward + backward GEMMs (output, grad_input, grad_weight: ``6 * m * k * n``); the
+        weight of a layer's share when a step's FLOPs are split between FP8 and bf16."""
         return 6 * self.m * self.k * self.n
 
     def describe(self) -> str:

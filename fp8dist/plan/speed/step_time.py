@@ -75,16 +75,22 @@ class StepParts:
 
     @property
     def compute_s(self) -> float:
+        """Seconds of the step's own work: GEMMs, attention, memory-bound kernels, recompute and the optimizer step
+        (the collectives aside)."""
         return self.gemm_s + self.attention_s + self.memory_s + self.recompute_s + self.optimizer_s
 
     @property
     def step_s(self) -> float:
+        """The predicted step: ``compute_s`` plus the collective time compute does not hide (``exposed_s``)."""
         return self.compute_s + self.exposed_s
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step, bf16 and FP8 side by side (a prediction, not a measurement)."""
+    """A whole training step predicted by :func:`predict_step`, bf16 and FP8 side by side (a prediction, not a
+    measurement): GEMMs, attention, memory-bound work, recompute, the optimizer and the exposed collectives of one
+    micro-batch on one rank. :class:`~fp8dist.plan.speed.step.StepPrediction` is the narrower answer the plan's layer
+    selection reads: the GEMMs alone, layer by layer."""
 
     gpu: str
     gpu_label: str
@@ -118,10 +124,12 @@ class StepTime:
 
     @property
     def tokens(self) -> int:
+        """Tokens one rank runs per step (``micro_batch_size * seq_len``)."""
         return self.micro_batch_size * self.seq_len
 
     @property
     def speedup(self) -> float:
+        """bf16 step time over FP8 step time: above 1 where the FP8 step is predicted faster."""
         return self.bf16.step_s / self.fp8.step_s
 
     @property
@@ -131,6 +139,7 @@ class StepTime:
 
     @property
     def bf16_tokens_per_s(self) -> float:
+        """The bf16 step's tokens per second, per GPU."""
         return self.tokens / self.bf16.step_s
 
     @property
@@ -141,6 +150,7 @@ class StepTime:
 
     @property
     def bf16_mfu(self) -> float:
+        """The bf16 run's MFU: its FLOPs per second over the GPU's dense bf16 peak."""
         return self.bf16_tokens_per_s * self.flops_per_token / self._peak
 
     @property
@@ -148,6 +158,8 @@ class StepTime:
         return gpu_by_key(self.gpu).bf16_tflops * 1e12
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field (``bf16`` and ``fp8`` as dicts of their parts) and the derived figures (speedup, tokens per
+        second, step seconds, MFU), with ``prediction: True``: JSON-ready, what ``--json`` outputs write."""
         return dict(asdict(self), speedup=self.speedup, tokens_per_s=self.tokens_per_s,
                     bf16_tokens_per_s=self.bf16_tokens_per_s, bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s,
                     mfu=self.mfu, bf16_mfu=self.bf16_mfu, prediction=True)
@@ -164,6 +176,8 @@ class StepTime:
                 f"NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
 
     def describe(self) -> str:
+        """One line for logs and the CLI: ``predicted step 1.32x on 8x H100 (rowwise): 9,800 -> 12,900 tokens/s per
+        GPU (<setting>)``, with "uncalibrated" where the constants were not fitted on this GPU and recipe."""
         basis = "" if self.calibrated else ", uncalibrated"
         return (f"predicted step {self.speedup:.2f}x on {self.world_size}x {self.gpu_label} ({self.recipe}{basis}): "
                 f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU ({self.setting})")
