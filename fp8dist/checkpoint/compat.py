@@ -30,8 +30,15 @@ class LoadDecision:
 
 
 def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
-    """The engine data meta.json records and loading decides on. Call it on every rank (FSDP1's state dict hooks
-    run on all)."""
+    """The engine data meta.json records and loading decides on: strategy, checkpoint format, FP8 backend, world
+    size, the FP8 state keys and every saved parameter's shape, the memory level (and ``trainable_only``). ``model``:
+    what ``wrap_model`` returned. Call it on every rank while saving (FSDP1's state dict hooks run on all).
+
+    Raises:
+        CheckpointError: ``trainable_only`` under a strategy that cannot save the trainable parameters alone (the
+            message names those that can).
+        ValueError: ``model`` was not returned by ``wrap_model`` (:func:`fp8dist.get_wrap_info`).
+    """
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)

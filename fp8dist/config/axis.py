@@ -124,8 +124,14 @@ class Registry(Mapping[str, Any]):
             register()
 
     def register(self, value: Any, base: type) -> Any:
-        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
-        reserved (``fp8="none"``) is refused."""
+        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. Call it at import
+        time of the package defining the value, before any config names it (the public ``register_*`` functions
+        call it).
+
+        Raises:
+            TypeError: ``value`` is a class, or not an instance of a ``base`` subclass.
+            ValueError: its ``name`` is empty, padded with spaces, reserved (``fp8="none"``), or another value's.
+        """
         if isinstance(value, type) and base in value.__mro__:
             raise TypeError(f"register: pass an instance of {value.__qualname__} (its object: "
                             f"{value.__qualname__}()), not the class.")

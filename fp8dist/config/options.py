@@ -241,7 +241,13 @@ class FP8Config:
 
 
 def knob_configs() -> dict[str, type]:
-    """Each registered FP8 backend's ``Config``, by backend name; a knob whose flat key is taken is refused."""
+    """Each registered FP8 backend's nested ``Config`` dataclass, by backend name (backends without knobs left
+    out); the config schema reads it to route flat keys (``te_recipe=...``) to their backend.
+
+    Raises:
+        ValueError: a backend's knob has the name of another option (a strategy or FP8 option, or another backend's
+            knob): every knob is also a flat key.
+    """
     owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
     out = {name: BACKENDS.attribute(name, "Config") for name in BACKENDS}
     out = {name: cls for name, cls in out.items() if cls is not None}

@@ -130,8 +130,9 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
                     none: str | None = None) -> Any:
     """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices;
     one for Python, files and flags. Choices match case-insensitively, ``aliases`` map other spellings
-    ("bfloat16"), text parses as the type, "none" is None where allowed, a list is a tuple. ``none``: what None
-    means, for the error."""
+    ("bfloat16"), text parses as the type, "none" is None where allowed, a list is a tuple. ``hint``: the field's
+    type annotation (a ``Literal``, an ``Annotated`` with :class:`Choices`, a union with None, a tuple, a scalar);
+    ``none``: what None means, for the error."""
     if aliases is not None and value is not None and not isinstance(value, (bool, int, float, tuple, list)):
         value = aliases.get(str(value).lower(), value)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -161,8 +162,13 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 
 def normalize_fields(obj: Any) -> None:
-    """Normalize (:func:`normalize_value`) every field of ``obj`` in place, frozen or not, and of the dataclasses a
-    ``nested`` field holds. Metadata: ``aliases``, ``refused`` (``{"E5M2": why}``), ``min`` (the least number)."""
+    """Normalize (:func:`normalize_value`) every field of the dataclass ``obj`` in place, frozen or not, and of the
+    dataclasses a ``nested`` field holds; a config's ``__post_init__`` calls it. Metadata: ``aliases``, ``refused``
+    (``{"E5M2": why}``), ``min`` (the least number).
+
+    Raises:
+        ValueError: a refused value (with why), a value :func:`normalize_value` refuses, or one below ``min``.
+    """
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)

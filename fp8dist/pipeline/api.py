@@ -64,7 +64,12 @@ class WrapInfo:
 
 
 def get_wrap_info(model: nn.Module) -> WrapInfo:
-    """The :class:`WrapInfo` of a model returned by :func:`wrap_model`."""
+    """The :class:`WrapInfo` (config, plan, environment, sharding, wiring) ``wrap_model`` attached to ``model``, the
+    object it returned (DeepSpeed: the engine). Callable any time after ``wrap_model``, on any rank.
+
+    Raises:
+        ValueError: ``model`` was not returned by :func:`wrap_model` (e.g. the model passed in, not the one returned).
+    """
     info = getattr(model, _INFO_ATTR, None)
     if info is None:
         raise ValueError(f"{type(model).__name__} was not returned by fp8dist.wrap_model.")
@@ -72,7 +77,8 @@ def get_wrap_info(model: nn.Module) -> WrapInfo:
 
 
 def get_plan(model: nn.Module) -> PrecisionPlan:
-    """The per-module precision plan of a model returned by :func:`wrap_model`; ``print`` it for a table."""
+    """The per-module :class:`~fp8dist.plan.precision.PrecisionPlan` (each module's precision and why) of a model
+    returned by :func:`wrap_model`; ``print`` it for a table. ValueError as :func:`get_wrap_info`."""
     return get_wrap_info(model).plan
 
 

@@ -61,7 +61,15 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Rank, world size and rendezvous address from a launcher's environment variables (default ``os.environ``)."""
+    """Rank, world size and rendezvous address from a launcher's environment variables (``environ``; default
+    ``os.environ``): torchrun / the deepspeed launcher (``RANK``, ``WORLD_SIZE``, ``MASTER_*``), else SLURM's
+    ``SLURM_*`` (the head node from ``scontrol`` and a port from the job id where not set), else one process
+    (launcher "none"). Call it before the process group starts; :func:`current_launch` once it has.
+
+    Raises:
+        LaunchError: a variable fp8dist reads has a bad value, ``RANK`` without ``WORLD_SIZE`` (or the reverse), a
+            rank outside the world size, or several ranks without a rendezvous address.
+    """
     environ = os.environ if environ is None else environ
     check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
@@ -144,7 +152,13 @@ def aten_cpu_fp8_gemms() -> str | None:
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
-    """``"auto"`` -> cuda:LOCAL_RANK when CUDA is available, else cpu; ``"cuda"`` without CUDA is an error."""
+    """The torch device of the ``device`` option for the rank with ``local_rank`` on its node: ``"auto"`` ->
+    cuda:``local_rank`` when CUDA is available, else cpu; ``"cpu"`` -> cpu; ``"cuda"`` -> cuda:``local_rank``.
+
+    Raises:
+        LaunchError: ``"cuda"`` without a CUDA device, or ``local_rank`` beyond the devices this node sees (more
+            ranks per node than GPUs).
+    """
     if device == "cuda" and not torch.cuda.is_available():
         raise LaunchError("device='cuda' but torch sees no CUDA device: use device='auto' or 'cpu'.")
     if runs_on_cpu(device):

@@ -60,7 +60,13 @@ def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
     type its class's signature does not take (``lr="1e-3"``), a value torch refuses (tried on a stand-in parameter).
     ``who`` starts the message (``"memory='lean': "``); ``engine_keys``: the typed keys an engine that builds the
     optimizer takes beside torch's (DeepSpeed's ``torch_adam``), a ``type`` torch lacks then left to the engine.
-    Returns the torch.optim class; None for an engine's own type or a callable (checked when called)."""
+    Returns the torch.optim class; None for an engine's own type or a callable (checked when called).
+
+    Raises:
+        TypeError: ``spec`` is neither a callable nor a mapping.
+        ValueError: an unknown ``type`` (naming the choices), a key its class does not take (with the closest
+            one), a value of the wrong type, or one torch refuses.
+    """
     if callable(spec):
         return None
     if not isinstance(spec, Mapping):
