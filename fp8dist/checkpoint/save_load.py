@@ -257,6 +257,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     Returns:
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
 
+    Raises:
+        CheckpointError: on every rank alike: the checkpoint does not load into this model or optimizer, a file is
+            missing, damaged or outside the folder (the message names what was saved, what is loading and the way
+            out).
+        FileNotFoundError: ``path`` does not exist or holds no checkpoint.
+        TypeError: ``drop_fp8_state`` or ``verify`` is not a bool.
+
     Example::
 
         state = load_checkpoint("ckpt", model, optimizer)   # e.g. saved by fsdp on 8 ranks, loaded by ddp on 2

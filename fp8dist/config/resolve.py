@@ -93,7 +93,12 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         **overrides: flat keys (``strategy="fsdp1"``); they win over ``config``.
 
     Returns:
-        The Config; a bad key, value or combination raises ValueError.
+        The Config.
+
+    Raises:
+        ValueError: a bad key (with the closest known one), value or combination (naming the rule and the way out).
+        TypeError: ``config`` is none of the kinds above.
+        FileNotFoundError: ``config`` names a file that does not exist.
 
     Example::
 

@@ -175,7 +175,9 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 def init_distributed(*, device: str = "auto", backend: str | None = None,
                      timeout: datetime.timedelta | None = None) -> DistEnv:
-    """Initialize the default process group from the launcher's environment, unless it already is.
+    """Initialize the default process group from the launcher's environment, unless it already is (then the
+    existing group's rank and world size are used as they are). ``wrap_model`` calls it; call it yourself only to
+    have the group before ``wrap_model`` (e.g. to build a ``DeviceMesh``). Sets this rank's CUDA device.
 
     With no launcher (world size 1) a single-process group is created in memory, so DDP and FSDP run the same code
     path as in a multi-process job.
@@ -189,6 +191,10 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
 
     Returns:
         The :class:`DistEnv` of this rank.
+
+    Raises:
+        LaunchError: the launcher's variables are inconsistent (:func:`detect_launch_env`), the device cannot be had
+            (:func:`resolve_device`), or the other ranks did not join within the rendezvous timeout.
     """
     launch = current_launch()  # an initialized group (the user's): its rank and world size are the truth
     dev = resolve_device(device, launch.local_rank)
