@@ -48,7 +48,8 @@ class Saves:
         return round(elements * (high + fp8 * self.fp8_input))
 
     def fp8_copies(self, names: Sequence[str], elements: int) -> int:
-        """Extra bytes of the GEMMs ``names`` reading a tensor already saved in c: only a quantized copy is new."""
+        """Extra bytes of the GEMMs ``names`` reading a tensor of ``elements`` already saved in c: only the quantized
+        copy each FP8 one saves is new (0 where none of them is planned FP8)."""
         return round(elements * self.fp8_input * sum(1 for m in names if self.fp8_input and
                                                       self.decisions.get(m) == "fp8"))
 
@@ -65,7 +66,8 @@ class Saves:
         return (self.n * self.T * h if input_saved else 0) + 2 * _FP32 * self.T
 
     def dropout(self, p: Any, elements: int) -> int:
-        """CUDA's ``native_dropout`` keeps a 1-byte mask when ``p`` > 0 (a CPU run saves its noise instead)."""
+        """Bytes dropout saves over ``elements``: CUDA's ``native_dropout`` keeps a 1-byte mask when ``p`` > 0 (a
+        CPU run saves its noise instead); 0 when ``p`` is 0."""
         return elements if p else 0
 
 
@@ -199,7 +201,8 @@ FAMILIES: dict[str, Family] = {
 
 
 def activation_note(family: Family, config: Any) -> str | None:
-    """The note when the family's MLP activation is not in the table."""
+    """The note to show when the MLP activation ``config`` (the model's Hugging Face config) names is not in the
+    activation table (counted as saving its input once); None when it is, or the family has no such key."""
     return _activation(config, family.activation_key)[1] if family.activation_key else None
 
 

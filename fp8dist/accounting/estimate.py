@@ -122,7 +122,9 @@ class MemoryEstimate(StateBytes):
 
 
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, cfg: Config) -> None:
-    """ValueError unless the counts are positive integers and ``cfg`` runs on ``world_size`` ranks."""
+    """Check an estimate's counts before anything is built: ``world_size`` (ranks), ``micro_batch_size`` (sequences
+    per rank per forward) and ``seq_len`` (tokens per sequence) must be positive integers, and ``cfg`` must run on
+    ``world_size`` ranks. ValueError naming the value otherwise (or the combination rule refusing it)."""
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):

@@ -74,7 +74,8 @@ class Fit:
         return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
     def lines(self, size: Callable[[int], str]) -> list[str]:
-        """One line saying whether a rank fits, then one per way out."""
+        """One line saying whether a rank fits, then (when it does not) one per way out; ``size`` formats a byte
+        count ("1.2 GiB"), as the caller's table does."""
         counted = "" if self.activations_counted else " (model states only: activations not estimated)"
         plan = (f"a rank may plan on {size(self.budget_bytes)}, {MEMORY_FRACTION:.0%} of its "
                 f"{self.capacity_bytes / 2**30:g} GiB (the rest: transient buffers, the CUDA context, fragmentation)")
@@ -137,7 +138,8 @@ def budget(capacity_bytes: int) -> int:
 
 
 def device_bytes(est: Any) -> int:
-    """Per-rank GPU bytes of a MemoryEstimate: model states not offloaded, plus the activations where modelled."""
+    """Per-rank GPU bytes of the :class:`~fp8dist.accounting.estimate.MemoryEstimate` ``est``: model states not
+    offloaded, plus the activations where modelled."""
     states = sum(b for category, b in est.bytes.items() if category not in est.offloaded)
     return states + (est.activation_bytes if est.activations_modelled else 0)
 

@@ -93,7 +93,8 @@ class StateBytes:
         return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
 
     def group_table(self, size: Callable[[int], str]) -> list[str]:
-        """The frozen and the trained parameters' table and a blank line; nothing where every parameter trains."""
+        """The frozen and the trained parameters' table and a blank line; nothing where every parameter trains.
+        ``size`` formats a byte count, as the rest of the report does."""
         rows = [[g.label, f"{g.params:,}", f"{g.bytes / max(g.params, 1):.3f}", size(g.bytes), g.holds]
                 for g in self.groups]
         return [text_table(["parameters (this rank)", "count", "bytes/param", "size", "holds"], rows), ""] \

@@ -151,7 +151,8 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def write_record(out: Path, export: FP8Export) -> None:
-    """Write :data:`RECORD_FILE` into ``out`` atomically."""
+    """Write :data:`RECORD_FILE` (``export``'s per-layer record, :meth:`FP8Export.record`) into the directory ``out``
+    atomically; on rank 0 only, after the weights. OSError where it cannot be written."""
     from ..runtime.files import atomic_write_text
 
     atomic_write_text(out / RECORD_FILE, export.record())

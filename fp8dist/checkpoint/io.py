@@ -203,7 +203,9 @@ def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
 
 def model_layout(model: nn.Module, strategy: Strategy,
                  trainable_only: bool = False) -> tuple[dict[str, list[int]], list[str]]:
-    """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries."""
+    """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries, as
+    ``strategy`` saves them (its own format's layout where it has one); ``trainable_only``: the trainable
+    parameters' only. Collective under FSDP1: call it on every rank."""
     if strategy.checkpoint is not None:
         return strategy.checkpoint.layout(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

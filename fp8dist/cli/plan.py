@@ -136,7 +136,8 @@ def fitted_steps(model: Any, config: Any, selection: Any, world_size: int, fit: 
 
 
 def unfit_text(checkpointing: Any) -> str:
-    """Why no step is predicted, then the estimate's own 'does NOT fit' line and its ways out."""
+    """Why no step is predicted, then the estimate's own 'does NOT fit' line and its ways out, from
+    ``checkpointing`` (the step-checkpointing answer whose ``fit`` does not fit)."""
     from ..config.text import byte_size
 
     return "\n".join([checkpointing.why, *checkpointing.fit.lines(byte_size)])
@@ -221,7 +222,8 @@ def grad_wire_line(model: Any, step: Any, config: Any) -> str:
 
 
 def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
-    """Which recipe is predicted fastest for this run, or that none beats bf16."""
+    """Which recipe is predicted fastest for this run, or that none beats bf16, from ``steps``: per recipe, the
+    predicted step with every Linear in FP8 and with FP8 where the plan says it pays."""
     first, best = steps[0][0], _best(steps)
     run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
     if best is None:

@@ -68,7 +68,9 @@ def read_config_text(path: Path, *, what: str = "config file") -> Any:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON: line {err.lineno}, column {err.colno}: "
                          f"{err.msg}.") from None
     except yaml.YAMLError as err:
-        mark, context, start = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
+        mark = getattr(err, "problem_mark", None)
+        context = getattr(err, "context", None)
+        start = getattr(err, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line
         if context and start is not None:  # where the unfinished construct began ("while scanning a quoted scalar")

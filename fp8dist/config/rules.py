@@ -77,7 +77,9 @@ def _with(cfg: Any, **changes: Any) -> Any:
 
 
 def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
-    """For each option of ``rule``, the values that combine with the rest as given (by the whole table)."""
+    """The way out of ``rule``'s refusal of ``cfg``, as a sentence: for each option of the rule, the values that
+    combine with the rest as given (by the whole table); "" where none does. ``defaulted``: options the user did not
+    set, said as "the default ..."."""
     given = _values(cfg)
     parts = []
     for key in rule.keys:

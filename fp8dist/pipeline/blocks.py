@@ -105,7 +105,10 @@ def _no_cache(model: nn.Module) -> str | None:
 
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
-    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place: (the blocks to shard, what was done)."""
+    """Checkpoint and/or compile each ``(name, block)`` of ``found`` (the model's transformer blocks, innermost
+    first) in place in ``model``: activation checkpointing as ``mode`` says ("none", "full", "selective"), then
+    ``torch.compile`` when ``compiled`` (``reason``: why, recorded). Call it after FP8 conversion and before sharding
+    (torchtitan's order). Returns (the blocks to shard, as replaced; the :class:`BlockWiring` recorded)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:
@@ -122,7 +125,8 @@ def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str,
 
 
 def describe_blocks(wiring: BlockWiring) -> str:
-    """One line: activation checkpointing, compile and why, and the graph breaks met so far when compiled."""
+    """One line of ``wiring``: activation checkpointing, compile and why, and the graph breaks met so far when
+    compiled (read from dynamo's counters at the call: after the first steps, they are the run's)."""
     compiled = f"compile off ({wiring.compile_reason})"
     if wiring.compiled:
         import torch._dynamo

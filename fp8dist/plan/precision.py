@@ -87,7 +87,9 @@ class PlanEntry:
 
 def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
+    """Whether blocks are compiled, and why: ``compile`` as asked (True / False) wins; auto (None) compiles only on
+    CUDA with FP8 layers (``converted``) of backend ``fp8``; ``refusal`` (the combination table's, for this config)
+    turns auto off. ``device``: the plan's device or hardware."""
     if compile is not None:
         return compile, "asked for" if compile else "turned off"
     if refusal is not None:
@@ -299,8 +301,9 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     structure, modules, peft = _static_facts(model)
     # which adapters are active may change between plans of one structure: asked afresh of a PEFT model
-    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if peft \
-        else ({}, {}, {})
+    adapters = adapter_reasons(model) if peft else {}
+    idle = idle_copies(model) if peft else {}
+    readers = weight_readers(model) if peft else {}
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
     reserved = {**(_model_exclusions(backend, model, cfg, structure) if backend else {}), **adapters}
     entries = []  # idle copies never run: no rule of the backend's applies

@@ -261,7 +261,8 @@ with :func:`gpu_by_key` or :func:`gpu_by_device_name`."""
 
 
 def gpu_by_key(key: str) -> GpuSpec | None:
-    """The GPU a ``--target`` name names (case-insensitive), or None."""
+    """The GPU record whose ``key`` is ``key`` (a ``--target`` name, case-insensitive, spaces around ignored), or
+    None for a name not in :data:`GPUS`."""
     return next((spec for spec in GPUS if spec.key == key.strip().lower()), None)
 
 
