@@ -43,9 +43,13 @@ class WrapInfo:
     """What ``wrap_model`` did, attached to the model it returns (see :func:`get_wrap_info`)."""
 
     config: Config
+    """The resolved config the model was wrapped with (every option, defaults included)."""
     env: DistEnv
+    """This rank's place in the job: rank, world size, device, process-group backend."""
     plan: PrecisionPlan
+    """Each module's precision and why (:func:`get_plan`)."""
     sharding: ShardingInfo
+    """What the strategy did: its name, the blocks it sharded (and how they were found), the forward's autocast."""
     fp8: FP8Wiring = FP8Wiring()
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
     blocks: BlockWiring = BlockWiring("none", False, "")

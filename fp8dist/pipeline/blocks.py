@@ -52,16 +52,19 @@ def has_biased_gemm(block: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class BlockWiring:
-    """What the block step did."""
+    """What the block step did (:func:`wrap_blocks`; :attr:`fp8dist.pipeline.api.WrapInfo.blocks`)."""
 
     activation_checkpointing: str
     """none, full or selective."""
     compiled: bool
+    """Whether each block was compiled with ``torch.compile``."""
     compile_reason: str
     """Why compile is on or off (auto's decision, or "asked for")."""
     blocks: tuple[str, ...] = ()
     """The blocks checkpointed and/or compiled, by their names before wrapping."""
     notes: tuple[str, ...] = ()
+    """What the user should know of this step (a Hugging Face model's KV cache turned off: it breaks wrapped
+    blocks)."""
     compiled_with_options: tuple[str, ...] = ()
     """The blocks compiled with :data:`COMPILE_OPTIONS` (they hold a biased GEMM)."""
 

@@ -131,7 +131,10 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
 def check_ranks_agree(model: nn.Module, cfg: Any, plan: Any, env: Any) -> None:
     """Raise :class:`RanksDisagreeError` on every rank when the ranks' fingerprints differ (one all-gather), before
     ``wrap_model`` converts or shards anything. Weights are compared only with ``check_ranks="all"``, where the
-    strategy does not copy rank 0's and they do not come later (a meta model, ``pretrained=``)."""
+    strategy does not copy rank 0's and they do not come later (a meta model, ``pretrained=``). ``model``: the
+    unwrapped model; ``cfg``: its resolved config (``check_ranks``: "off", "settings" or "all"); ``plan``: its
+    precision plan; ``env``: this rank's :class:`~fp8dist.runtime.env.DistEnv`. Collective: call it on every rank;
+    it returns at once for one process or ``check_ranks="off"``."""
     level = cfg.parallel.check_ranks
     if level == "off" or env.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return

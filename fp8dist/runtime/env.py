@@ -30,24 +30,35 @@ class LaunchEnv:
     launcher: str
     """"env" (torchrun, deepspeed, ...), "slurm", "none", or "initialized" (a process group the user set up)."""
     rank: int
+    """This process's global rank (0 without a launcher)."""
     world_size: int
+    """Processes in the job (1 without a launcher)."""
     local_rank: int
+    """This process's index on its node: its CUDA device."""
     master_addr: str | None
+    """The rendezvous host (``MASTER_ADDR``, or SLURM's head node); None for one process."""
     master_port: int | None
+    """The rendezvous port (``MASTER_PORT``, or one derived from the SLURM job id); None for one process."""
     node_rank: int = 0
     """Index of this node in the job: torchrun's GROUP_RANK, deepspeed's CROSS_RANK or SLURM_NODEID; 0 alone."""
 
 
 @dataclass(frozen=True)
 class DistEnv:
-    """The initialized job as fp8dist uses it."""
+    """The initialized job as fp8dist uses it (:func:`init_distributed` returns it; ``WrapInfo.env`` keeps it)."""
 
     rank: int
+    """This process's rank in the default process group."""
     world_size: int
+    """Ranks in the default process group."""
     local_rank: int
+    """This process's index on its node."""
     device: torch.device
+    """Where this rank's model runs: cuda:``local_rank`` or cpu."""
     backend: str | None
+    """The process group's backend ("nccl", "gloo")."""
     launcher: str
+    """What started the job: as :attr:`LaunchEnv.launcher`."""
 
 
 def _slurm_head_node(environ: Mapping[str, str]) -> str:
