@@ -42,10 +42,13 @@ class MemoryEstimate(StateBytes):
     """Predicted bytes on one rank, per category of model state, plus activations; ``print`` it for a table."""
 
     strategy: str
+    """The strategy estimated (``strategy=``)."""
     zero_stage: int | None
     """DeepSpeed's ZeRO stage; None for other strategies."""
     fp8: str
+    """The FP8 backend estimated ("none" without FP8)."""
     world_size: int
+    """Data-parallel ranks the model is spread over."""
     rank: int
     """The rank described: the one holding the most model state unless one was asked for."""
     total_params: int
@@ -53,8 +56,11 @@ class MemoryEstimate(StateBytes):
     bytes: Mapping[str, int]
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
+    """The dtypes each category holds, as ``"bf16/fp32"``."""
     micro_batch_size: int
+    """Sequences per rank per forward the activations are estimated for."""
     seq_len: int
+    """Tokens per sequence the activations are estimated for."""
     activations: tuple[tuple[str, int], ...]
     """(item, bytes) saved for backward for one micro-batch."""
     activations_modelled: bool
@@ -64,7 +70,9 @@ class MemoryEstimate(StateBytes):
     offloaded: tuple[str, ...]
     """Categories DeepSpeed keeps in host memory; included in ``bytes``."""
     notes: tuple[str, ...]
+    """What the user should know of the estimate (assumptions, options it does not read, unmodelled parts)."""
     memory: str = STANDARD.name
+    """The memory level estimated (``memory=``)."""
     speed: Any = None
     """The plan's :class:`~fp8dist.plan.selection.Selection` on the GPU ``target=`` named; None without one, or
     where nothing runs in FP8."""

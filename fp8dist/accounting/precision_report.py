@@ -26,19 +26,26 @@ __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
 @dataclass(frozen=True)
 class PrecisionReport(StateBytes):
-    """Returned by :func:`report`; ``print`` it for the two tables."""
+    """Returned by :func:`report`; ``print`` it for the two tables (the precision chart, the model-state bytes)."""
 
     strategy: str
+    """The strategy the model was wrapped with."""
     fp8: str
+    """The FP8 backend ("none" without FP8)."""
     rank: int
+    """The rank measured (this process's)."""
     world_size: int
+    """Ranks in the job."""
     rows: tuple[PrecisionRow, ...]
+    """The precision chart, one row per part of the model (:class:`~fp8dist.accounting.rows.Part`)."""
     bytes: Mapping[str, int]
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
+    """The dtypes each category holds on this rank, as ``"bf16/fp32"``."""
     total_params: int
     """Elements of all parameters of the full model (all ranks)."""
     memory: str = STANDARD.name
+    """The memory level (``memory=``)."""
     frozen_params: int = 0
     """Elements of the full model (all ranks) that do not train (``requires_grad=False``: a LoRA base)."""
     groups: tuple[ParamGroup, ...] = ()

@@ -39,19 +39,25 @@ class PrecisionRow:
     """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
 
     part: Part
+    """Which part of the model the row is."""
     modules: int
     """Modules of this kind that hold parameters."""
     params: int
     """Elements of the full model in this part, each parameter once (a tied embedding counts as a GEMM's)."""
     gemm: str
+    """What its GEMMs compute in ("fp8 e4m3 ...", "bf16"), or "no GEMM"."""
     all_gather: str
     """The weights' dtype when gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
     reduce: str
+    """What its gradients are reduced in ("none" for one process)."""
     weight: str
     """The weights' dtype as stored on this rank."""
     master_weight: str
+    """The master weights' dtype the engine (a ZeRO partition) or the memory level keeps, or "none"."""
     weight_grad: str
+    """The weight gradients' dtype as held on this rank ("none held now" before a backward)."""
     optimizer_states: str
+    """The optimizer states' dtype as held on this rank ("none yet" before the first step)."""
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,13 @@ class StateBytes:
     """What the measured report and the estimate share: ``bytes`` and ``dtypes`` per category, ``total_params``."""
 
     bytes: Any
+    """Bytes on this rank per category (:data:`CATEGORIES`)."""
     dtypes: Any
+    """The dtypes each category holds, as ``"bf16/fp32"``."""
     total_params: int
+    """Elements of all parameters of the full model (all ranks)."""
     groups: tuple[ParamGroup, ...] = ()
+    """The frozen and the trained parameters apart; () where all train."""
 
     @property
     def model_state_bytes(self) -> int:

@@ -43,7 +43,9 @@ class CheckpointState:
     step: int
     """Optimizer steps done when saved: batch ``step`` is the next one to train on."""
     extra: dict[str, Any]
+    """The JSON values given to :func:`save_checkpoint` as ``extra`` ({} where none)."""
     path: Path
+    """The checkpoint loaded (a ``step_*`` folder: what ``latest`` named where a directory was given)."""
     world_size: int
     """World size the checkpoint was saved with."""
     differences: tuple[str, ...] = ()

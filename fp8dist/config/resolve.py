@@ -24,8 +24,9 @@ class Config:
     """Everything ``wrap_model`` needs, by concern. Keys are flat: each a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
-
+    """The strategy and its mixed precision, the batch shape, blocks, guards: every option but FP8's."""
     precision: FP8Config = field(default_factory=FP8Config)
+    """The FP8 backend, what every backend shares, and each backend's knobs."""
 
     def __post_init__(self) -> None:
         check_combination(self)  # the one table of what combines (.rules), before anything uses the config

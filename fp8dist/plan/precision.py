@@ -38,14 +38,16 @@ class FP8UnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One module's decision."""
+    """One module's decision: whether it runs in FP8 and why (a row of the printed plan)."""
 
     name: str
+    """The module's name, as ``named_modules`` gives it on the model planned."""
     module_type: str
     """Class name before conversion."""
     precision: str
     """"fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
     reason: str
+    """Why, in words: the backend converts it (with the figure that decided), or the rule that kept it out."""
     converted_to: str | None
     """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
     params: int
@@ -107,7 +109,9 @@ def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) ->
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
-    """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
+    """The list of :class:`PlanEntry` for every module that holds parameters, in model order, with what was planned
+    around them; :func:`plan_precision` makes it, :func:`fp8dist.get_plan` reads it off a wrapped model, ``print``
+    shows it as a table."""
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
@@ -133,6 +137,8 @@ class PrecisionPlan(Sequence[PlanEntry]):
         self.unavailable = unavailable
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
         self.notes = tuple(notes)
+        """What the user should know of the plan (unmatched ``fp8_exclude`` patterns, layers gathered in high
+        precision, a numerics report's effects); ``wrap_model`` warns of each once, on rank 0."""
         self.activation_checkpointing, self.compile, self.compile_reason = blocks
         """Per block: activation checkpointing mode, whether compiled, and why (:mod:`fp8dist.pipeline.blocks`)."""
         self.coverage = coverage(entries) if backend else None

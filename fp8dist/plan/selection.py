@@ -35,6 +35,7 @@ class Selection:
     tokens: int
     """Tokens per rank per micro-batch the predictions are made at (micro_batch_size x seq_len)."""
     tokens_from: str
+    """Where ``tokens`` comes from, in words (the config's micro_batch_size and seq_len, or the default assumed)."""
     margin: float
     """The speedup a layer must reach under auto (fp8_select_margin)."""
     step: StepPrediction | None
