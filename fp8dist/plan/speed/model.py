@@ -23,18 +23,25 @@ class LinearPrediction:
     m: int
     """Rows of the input: tokens per micro-batch per rank (for grouped GEMMs: rows routed to all experts)."""
     k: int
+    """in_features."""
     n: int
+    """out_features."""
     groups: int
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
     recipe: str
+    """The speed recipe predicted (:data:`~fp8dist.plan.speed.recipes.RECIPES`)."""
     gpu: str
-    """The GPU's ``--target`` key; ``gpu_label`` its name in messages."""
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     compile: bool
+    """Whether predicted under ``torch.compile`` (the casts fused)."""
     bf16_s: float
+    """Seconds of the bf16 way's three GEMMs (output, grad_input, grad_weight), forward + backward."""
     fp8_gemm_s: float
-    """The FP8 way's three GEMMs (some bf16, as the recipe says); ``cast_s`` its casts and scale kernels."""
+    """The FP8 way's three GEMMs (some bf16, as the recipe says)."""
     cast_s: float
+    """The FP8 way's casts and scale kernels."""
     calibrated: bool
     """True only where the constants were fitted on this GPU's own measurements of this recipe under compile."""
 

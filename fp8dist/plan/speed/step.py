@@ -21,10 +21,13 @@ class Gemm:
     """One Linear (or grouped expert GEMM) of a step: its module's name and forward shape."""
 
     name: str
+    """The module's name in the model."""
     m: int
     """Input rows: tokens per micro-batch per rank (grouped: rows routed to all the experts)."""
     k: int
+    """in_features."""
     n: int
+    """out_features."""
     groups: int = 1
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
 
@@ -34,8 +37,11 @@ class LayerChoice:
     """A layer's prediction and the margin's choice (``fp8``: the speedup is at least the margin)."""
 
     name: str
+    """The module's name in the model."""
     prediction: LinearPrediction
+    """Its bf16 and FP8 figures."""
     fp8: bool
+    """Whether it runs in FP8: its speedup is at least the margin."""
 
     @property
     def seconds(self) -> float:
@@ -51,11 +57,17 @@ class StepPrediction:
     it; the plan's :class:`~fp8dist.plan.selection.Selection` holds the one its layer choice came from."""
 
     recipe: str
+    """The speed recipe predicted."""
     gpu: str
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     compile: bool
+    """Whether predicted under ``torch.compile``."""
     margin: float
+    """The speedup a layer must reach to be chosen FP8."""
     layers: tuple[LayerChoice, ...]
+    """Each layer's prediction and choice, in the order given."""
 
     @property
     def bf16_s(self) -> float:

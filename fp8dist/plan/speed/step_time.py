@@ -64,10 +64,15 @@ class StepParts:
     """One precision's step, seconds per micro-batch on one rank."""
 
     gemm_s: float
+    """The Linears' GEMMs, forward + backward (on the FP8 side, the FP8 layers' in FP8)."""
     attention_s: float
+    """Causal attention's QK^T and PV (bf16 under every recipe), forward + backward."""
     memory_s: float
+    """Memory-bound work (norms, activations, residuals) and, on the FP8 side, the casts and scale kernels."""
     recompute_s: float
+    """The forward recomputed in backward under activation checkpointing (0 without)."""
     optimizer_s: float
+    """The optimizer step over this rank's trainable elements."""
     collective_s: float
     """All-gather + reduce-scatter (or all-reduce) time, overlapped or not."""
     exposed_s: float
@@ -93,15 +98,25 @@ class StepTime:
     selection reads: the GEMMs alone, layer by layer."""
 
     gpu: str
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     recipe: str | None
+    """The speed recipe the FP8 side runs."""
     world_size: int
+    """Ranks (GPUs) the step runs on."""
     micro_batch_size: int
+    """Sequences per rank per step."""
     seq_len: int
+    """Tokens per sequence."""
     compile: bool
+    """Whether predicted under ``torch.compile``."""
     activation_checkpointing: str
+    """none, full or selective."""
     fp8_layers: int
+    """Linears the FP8 side runs in FP8."""
     params: int
+    """Parameters of the model."""
     trainable_params: int
     """Parameters with ``requires_grad`` (a LoRA run's adapters): only these have a gradient, an optimizer step and a
     gradient collective; a frozen Linear's backward has no grad_weight GEMM."""
@@ -114,7 +129,9 @@ class StepTime:
     flops_per_token: float
     """Training FLOPs per token, PaLM's 6N + 12LHQT (what torchtitan's MFU divides)."""
     bf16: StepParts
+    """The bf16 step, part by part."""
     fp8: StepParts
+    """The FP8 step, part by part."""
     calibrated: bool
     """True only on the GPU and recipes the constants were fitted on."""
     replicate_degree: int = 1
