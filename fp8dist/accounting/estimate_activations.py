@@ -38,8 +38,11 @@ class Activations:
     or the setting (selective checkpointing of a family without its GEMM list)."""
 
     items: list[tuple[str, int]]
+    """(what is kept, bytes) for one micro-batch on one rank."""
     notes: list[str]
+    """What the formula assumes or leaves out, said with the estimate."""
     modelled: bool
+    """Whether a formula covers the model and setting."""
 
 
 def _unmodelled(config: Any) -> Activations:

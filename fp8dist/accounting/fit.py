@@ -39,8 +39,11 @@ class WayOut:
     change: Mapping[str, Any]
     """The options changed (``world_size`` for a rank count)."""
     what: str
+    """The way out in words ("more ranks", "activation checkpointing", a memory level's or strategy's own)."""
     device_bytes: int
+    """Per-rank GPU bytes with the change (:func:`device_bytes`)."""
     fits: bool
+    """Whether those bytes are within the budget."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,15 @@ class Fit:
     """Whether one rank of the estimate fits the target GPU, and the ways out when not."""
 
     gpu: str
+    """The target GPU's name ("H100")."""
     capacity_bytes: int
+    """Its memory in bytes."""
     device_bytes: int
     """The estimate's per-rank GPU bytes (:func:`device_bytes`)."""
     activations_counted: bool
     """False where no activation formula covers the model: judged on model states alone."""
     ways_out: tuple[WayOut, ...] = ()
+    """Where it does not fit: each change tried, its bytes and whether it fits; () where it fits."""
     no_rank_count: str = ""
     """Why no rank count (up to :data:`MAX_RANKS`) fits; empty when one does or it fits."""
 
@@ -98,10 +104,13 @@ class StepCheckpointing:
     rank fit (then predict no step: ``fit`` says so and lists the ways out)."""
 
     mode: str | None
+    """The checkpointing the step is predicted with ("none", "full", "selective"); None: none fits."""
     configured: str
     """The run's own ``activation_checkpointing``."""
     why: str
+    """Why this mode, in words."""
     fit: Fit | None = None
+    """The fit at that mode (None: no fit was asked, no target GPU or memory)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpointing a predicted step assumes, as JSON data: the mode, the configured one, why, and whether

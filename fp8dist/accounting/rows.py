@@ -65,9 +65,13 @@ class Held:
     """A parameter of ``module`` (attribute ``name``) with its full shape."""
 
     module: nn.Module
+    """The module holding it."""
     name: str
+    """Its attribute name on ``module`` ("weight")."""
     param: nn.Parameter
+    """The parameter as the engine holds it (a shard, or part of a flat parameter's view)."""
     shape: tuple[int, ...]
+    """Its full (unsharded) shape."""
 
     @property
     def numel(self) -> int:
@@ -80,7 +84,9 @@ class Members:
     """The modules of one part, and the parameters counted in it (each in one part only)."""
 
     modules: list[nn.Module] = field(default_factory=list)
+    """The modules of the part, in model order."""
     params: list[Held] = field(default_factory=list)
+    """The parameters counted in it."""
 
 
 def text_table(cols: list[str], rows: list[list[str]]) -> str:

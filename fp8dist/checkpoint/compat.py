@@ -25,8 +25,11 @@ class LoadDecision:
     saved one, and whether the checkpoint holds the trainable parameters only."""
 
     fp8_state: tuple[str, ...]
+    """The saved ``_extra_state`` keys to load (none with ``drop_fp8_state``)."""
     differences: tuple[str, ...]
+    """How this model differs from the saved one, all allowed (``CheckpointState.differences``)."""
     trainable_only: bool = False
+    """Whether the checkpoint holds the trainable parameters only (a LoRA fine-tune's adapters)."""
 
 
 def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:

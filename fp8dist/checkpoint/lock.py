@@ -38,8 +38,11 @@ class LockHolder:
     """Who wrote a lock file: its process, host and start time (UTC)."""
 
     pid: int
+    """The holder's process id on ``host``."""
     host: str
+    """The machine it runs on (``socket.gethostname()``)."""
     started: str
+    """When it took the lock, "YYYY-MM-DD HH:MM:SS UTC"."""
 
     def describe(self) -> str:
         """``PID 123 on host node7 (since 2026-12-01 22:00:00 UTC)``."""

@@ -65,7 +65,9 @@ class When:
     :class:`StrategyFacts` field is true (TE reads ``margin`` only with ``te_recipe='delayed'``)."""
 
     options: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Option name -> the values under which it is read (``{"te_recipe": ("delayed",)}``)."""
     facts: tuple[str, ...] = ()
+    """:class:`StrategyFacts` fields that must be true."""
 
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
         """Whether this condition holds for ``cfg``: every option it names has one of its values and every strategy

@@ -40,8 +40,11 @@ class StepGuard:
     names: dict[int, str] = field(default_factory=dict)
     """Parameter id -> its module's name (the user's names, wrappers' prefixes dropped)."""
     steps: int = 0
+    """Optimizer steps seen so far, skipped ones included."""
     skipped_steps: int = 0
+    """Steps skipped so far because their gradients were non-finite."""
     consecutive: int = 0
+    """Steps skipped in a row up to now (0 after a finite one)."""
     clipped_norm: float | None = None
     """The non-finite gradient norm :meth:`saw_norm` was given since the last step; None: none."""
 

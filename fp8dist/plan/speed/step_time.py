@@ -49,10 +49,12 @@ class StepConstants:
     fitted_gpu: str = "h100-hbm2e"
     """The GPU record the constants were fitted on: its predictions of ``fitted_recipes`` are the calibrated ones."""
     fitted_recipes: tuple[str, ...] = ("tensorwise",)
+    """The recipes the constants were fitted with (on ``fitted_gpu``)."""
     fitted_on: str = ("every modelled row of benchmarks/step_model/runs.csv: torchao's H100 / B200 / MI300X Llama3-8B "
                       "tables, torchtitan's H100 runs and #3914 (4x GB200), Megatron-Bridge's performance summary, "
                       "TE's training GEMM speedups, torchtune #2833 (benchmarks/step_model/fit.py; each source's "
                       "agreement when left out of the fit: agree.py)")
+    """The measurements the constants were fitted on, in words."""
 
 
 STEP_CONSTANTS = StepConstants(gemm_efficiency=0.925, memory_traffic=6.19)
