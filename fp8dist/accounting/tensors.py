@@ -111,7 +111,9 @@ class StateTally:
     def __init__(self, counted: StateTally | None = None) -> None:
         self._seen: set[tuple[str, int]] = set(counted._seen) if counted is not None else set()
         self.bytes: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        """Bytes counted so far per category."""
         self.dtypes: dict[str, set[torch.dtype]] = {c: set() for c in CATEGORIES}
+        """The dtypes met so far per category."""
 
     def add(self, category: str, tensors: Iterable[Any]) -> None:
         """Count the storages of ``tensors`` (and of their subclass leaves) under ``category``, each storage once

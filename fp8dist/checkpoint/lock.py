@@ -100,9 +100,11 @@ class CheckpointDirLock:
 
     def __init__(self, file: Path, fd: int, created_dir: bool, taken_over: LockHolder | None):
         self.file = file
+        """The lock file (:data:`LOCK_FILE` in the directory)."""
         self._fd = fd
         self._created_dir = created_dir
         self.taken_over = taken_over
+        """The ended job whose leftover lock file this one replaced, else None."""
 
     def note(self) -> str | None:
         """The one line to say when the lock was taken over from an ended job, else None."""

@@ -32,7 +32,11 @@ class PretrainedError(ValueError):
 
 class SafetensorsDir:
     """A Hugging Face model directory's safetensors weights (one ``model.safetensors``, or shards named by
-    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for."""
+    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for.
+
+    Opening ``SafetensorsDir(path)`` reads the index and every file's header (names, shapes, dtypes), no tensor;
+    it raises :class:`PretrainedError` where ``path`` is not a directory, holds no safetensors, its index is
+    unreadable or names missing files, or a file is damaged. :meth:`close` when done."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
