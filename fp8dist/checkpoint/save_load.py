@@ -20,7 +20,7 @@ from ..runtime.files import atomic_write_text, fsync_dir
 from ..runtime.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
-from .compat import check_loadable, check_optimizer, describe, optimizer_name
+from .compat import check_loadable, check_optimizer, engine_record, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
 from .manifest import CHECKSUM, check_names, record_files, verify_files
 from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_rank0, inside, read_state, rng_state,
@@ -201,7 +201,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
-    described = {**describe(model, trainable_only), "optimizer": optimizer_name(optimizer)}  # same on every rank
+    described = {**engine_record(model, trainable_only), "optimizer": optimizer_name(optimizer)}  # same on every rank
     on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
                  error=CheckpointError)
     try:
