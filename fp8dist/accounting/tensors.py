@@ -16,8 +16,8 @@ from .rows import text_table
 __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
-"""The model-state categories every byte count is split into, in the order a storage is claimed (a tensor reached
-from two categories is counted in the first); the first four are what ``ParamGroup.bytes`` sums."""
+"""The model-state categories every byte count is split into; a storage reached from two is counted once, in the
+first category that reaches it. ``ParamGroup.bytes`` sums the first four (all but the FP8 buffers)."""
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
