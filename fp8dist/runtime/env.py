@@ -79,7 +79,8 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
     Raises:
         LaunchError: a variable fp8dist reads has a bad value, ``RANK`` without ``WORLD_SIZE`` (or the reverse), a
-            rank outside the world size, or several ranks without a rendezvous address.
+            rank outside the world size, several ranks without a rendezvous address, or a SLURM job whose head node
+            cannot be found (no ``SLURM_JOB_NODELIST``, no ``scontrol``).
     """
     environ = os.environ if environ is None else environ
     check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
