@@ -18,7 +18,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import fp8dist
-from fp8dist.integrations.ray import report, resume
+from fp8dist.integrations.ray import report_checkpoint, resume
 from fp8dist.train.data import Batches
 from fp8dist.train.models import build_llama
 
@@ -39,7 +39,7 @@ def train_func(config: dict) -> None:
         if env.rank == 0:
             print(f"step {step:3d} loss {loss.item():.4f}", flush=True)
         if (step + 1) % config["save_every"] == 0 or step + 1 == config["steps"]:  # on every worker
-            report({"loss": loss.item(), "step": step + 1}, model, optimizer, step=step + 1)
+            report_checkpoint({"loss": loss.item(), "step": step + 1}, model, optimizer, step=step + 1)
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -43,7 +43,7 @@ def _train(rank: int, world: int, out: Path | None, *, checkpoints: bool = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = 0
     if checkpoints:
-        from fp8dist.integrations.ray import report, resume
+        from fp8dist.integrations.ray import report_checkpoint, resume
 
         state = resume(model, optimizer)
         start = state.step if state is not None else 0
@@ -60,12 +60,13 @@ def _train(rank: int, world: int, out: Path | None, *, checkpoints: bool = False
             with open(out / f"rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": losses[step], "start": start}) + "\n")
         if checkpoints:
-            report({"loss": losses[step]}, model, optimizer, step=step + 1)
+            report_checkpoint({"loss": losses[step]}, model, optimizer, step=step + 1)
             if fail_after == step + 1 and start == 0:
                 import ray.train
 
-                # Ray's controller registers a reported checkpoint after report returns; a worker failing at once
-                # can race it (CI: the restart resumed from step 1). Fail once this step's checkpoint is committed.
+                # Ray's controller registers a reported checkpoint after report_checkpoint returns; a worker failing
+                # at once can race it (CI: the restart resumed from step 1). Fail once this step's checkpoint is
+                # committed.
                 ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
                 raise RuntimeError(f"planned failure after step {step + 1}")
     return losses
@@ -131,7 +132,7 @@ def test_a_restarted_ray_worker_group_resumes_exactly(ray_cluster, reference_los
     assert saved == ["latest", "step_00000004"], "the last checkpoint Ray kept is fp8dist's, complete"
 
 
-@pytest.mark.parametrize("call", ["report", "resume"])
+@pytest.mark.parametrize("call", ["report_checkpoint", "resume"])
 def test_without_ray_installed_the_error_names_the_extra(call, monkeypatch):
     """Ray absent (None in sys.modules makes its import fail, as when it is not installed): one ImportError naming
     the install command, before anything is written."""
@@ -139,13 +140,14 @@ def test_without_ray_installed_the_error_names_the_extra(call, monkeypatch):
 
     for name in ("ray", "ray.train"):
         monkeypatch.setitem(sys.modules, name, None)
-    args = {"report": ({"loss": 1.0}, torch.nn.Linear(2, 2), None), "resume": (torch.nn.Linear(2, 2), None)}[call]
+    args = {"report_checkpoint": ({"loss": 1.0}, torch.nn.Linear(2, 2), None),
+            "resume": (torch.nn.Linear(2, 2), None)}[call]
     with pytest.raises(ImportError, match=r"fp8dist.integrations.ray needs Ray Train, which is not installed here "
                                           r".*: pip install 'fp8dist\[ray\]'\.$"):
-        getattr(ray_integration, call)(*args, **({"step": 1} if call == "report" else {}))
+        getattr(ray_integration, call)(*args, **({"step": 1} if call == "report_checkpoint" else {}))
 
 
-def test_report_and_resume_outside_a_ray_worker_say_where_they_run():
+def test_report_checkpoint_and_resume_outside_a_ray_worker_say_where_they_run():
     pytest.importorskip("ray.train", reason=NO_RAY)
     from fp8dist.integrations.ray import resume
 

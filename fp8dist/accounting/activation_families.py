@@ -48,7 +48,8 @@ class Saves:
         return round(elements * (high + fp8 * self.fp8_input))
 
     def fp8_copies(self, names: Sequence[str], elements: int) -> int:
-        """Extra bytes of the GEMMs ``names`` reading a tensor already saved in c: only a quantized copy is new."""
+        """Extra bytes of the GEMMs ``names`` reading a tensor of ``elements`` already saved in c: only the quantized
+        copy each FP8 one saves is new (0 where none of them is planned FP8)."""
         return round(elements * self.fp8_input * sum(1 for m in names if self.fp8_input and
                                                       self.decisions.get(m) == "fp8"))
 
@@ -65,7 +66,8 @@ class Saves:
         return (self.n * self.T * h if input_saved else 0) + 2 * _FP32 * self.T
 
     def dropout(self, p: Any, elements: int) -> int:
-        """CUDA's ``native_dropout`` keeps a 1-byte mask when ``p`` > 0 (a CPU run saves its noise instead)."""
+        """Bytes dropout saves over ``elements``: CUDA's ``native_dropout`` keeps a 1-byte mask when ``p`` > 0 (a
+        CPU run saves its noise instead); 0 when ``p`` is 0."""
         return elements if p else 0
 
 
@@ -88,14 +90,20 @@ def _names(prefix: str, *names: str) -> list[str]:
 
 def _rope_attention(s: Saves, d: dict[str, int], prefix: str) -> int:
     """q/k/v's input, q and k after RoPE and v as handed to SDPA, the output, the fp32 log-sum-exp (4Ta)."""
-    T, h, a, kv, hd = s.T, d["h"], d["a"], d["kv"], d["d"]
+    T = s.T
+    h = d["h"]
+    a = d["a"]
+    kv = d["kv"]
+    hd = d["d"]
     total = s.inputs(_names(prefix, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), T * h, s.r)
     total += s.c * T * (2 * a * hd + 2 * kv * hd) + _FP32 * T * a
     return total + s.fp8_copies(_names(prefix, "self_attn.o_proj"), T * a * hd)
 
 
 def _llama_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
-    T, h, i = s.T, d["h"], d["i"]
+    T = s.T
+    h = d["h"]
+    i = d["i"]
     total = 2 * s.rms_norm(h) + _rope_attention(s, d, prefix)
     total += s.inputs(_names(prefix, "mlp.gate_proj", "mlp.up_proj"), T * h, s.r)
     total += 3 * s.c * T * i  # gate, up, silu(gate)
@@ -104,7 +112,9 @@ def _llama_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
 
 def _mixtral_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
     """Experts through transformers' grouped_mm path, in the weights' dtype (r), for T x top_k token-expert pairs."""
-    T, h, i = s.T, d["h"], d["i"]
+    T = s.T
+    h = d["h"]
+    i = d["i"]
     experts, top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
     pairs = T * top_k  # token-expert pairs, tokens / expert = pairs / experts on average
     total = 2 * s.rms_norm(h) + _rope_attention(s, d, prefix)
@@ -123,7 +133,10 @@ def _activation(config: Any, key: str) -> tuple[int, str | None]:
 
 def _gpt2_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
     """Fused c_attn: q a view of its output (kept whole), k and v the KV cache's copies (views without a cache)."""
-    T, h, i, a = s.T, d["h"], d["i"], d["a"]
+    T = s.T
+    h = d["h"]
+    i = d["i"]
+    a = d["a"]
     total = s.layer_norm(h) + s.inputs(_names(prefix, "attn.c_attn"), T * h, s.n)
     total += s.c * T * h * (3 + (2 if s.kv_cache else 0) + 1) + _FP32 * T * a  # q's storage, k, v, output
     total += s.fp8_copies(_names(prefix, "attn.c_proj"), T * h)
@@ -136,7 +149,10 @@ def _gpt2_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
 def _gpt_neox_layer(s: Saves, d: dict[str, int], prefix: str, config: Any) -> int:
     """Fused query_key_value, partial RoPE (q, k from its concatenation), v the cache's copy (else a view of the
     fused output), dense's contiguous copy of the output; the parallel residual's norms share one saved input."""
-    T, h, i, a = s.T, d["h"], d["i"], d["a"]
+    T = s.T
+    h = d["h"]
+    i = d["i"]
+    a = d["a"]
     shared = config.use_parallel_residual and s.n == s.r  # both norms read the layer's input, saved once
     total = s.layer_norm(h) + s.layer_norm(h, input_saved=not shared)
     total += s.inputs(_names(prefix, "attention.query_key_value"), T * h, s.n)
@@ -192,7 +208,8 @@ FAMILIES: dict[str, Family] = {
 
 
 def activation_note(family: Family, config: Any) -> str | None:
-    """The note when the family's MLP activation is not in the table."""
+    """The note to show when the MLP activation ``config`` (the model's Hugging Face config) names is not in the
+    activation table (counted as saving its input once); None when it is, or the family has no such key."""
     return _activation(config, family.activation_key)[1] if family.activation_key else None
 
 

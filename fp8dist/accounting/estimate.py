@@ -43,10 +43,13 @@ class MemoryEstimate(StateBytes):
     """Predicted bytes on one rank, per category of model state, plus activations; ``print`` it for a table."""
 
     strategy: str
+    """The strategy estimated (``strategy=``)."""
     zero_stage: int | None
     """DeepSpeed's ZeRO stage; None for other strategies."""
     fp8: str
+    """The FP8 backend estimated ("none" without FP8)."""
     world_size: int
+    """Data-parallel ranks the model is spread over."""
     rank: int
     """The rank described: the one holding the most model state unless one was asked for."""
     total_params: int
@@ -54,8 +57,11 @@ class MemoryEstimate(StateBytes):
     bytes: Mapping[str, int]
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
+    """The dtypes each category holds, as ``"bf16/fp32"``."""
     micro_batch_size: int
+    """Sequences per rank per forward the activations are estimated for."""
     seq_len: int
+    """Tokens per sequence the activations are estimated for."""
     activations: tuple[tuple[str, int], ...]
     """(item, bytes) saved for backward for one micro-batch."""
     activations_modelled: bool
@@ -65,7 +71,9 @@ class MemoryEstimate(StateBytes):
     offloaded: tuple[str, ...]
     """Categories DeepSpeed keeps in host memory; included in ``bytes``."""
     notes: tuple[str, ...]
+    """What the user should know of the estimate (assumptions, options it does not read, unmodelled parts)."""
     memory: str = STANDARD.name
+    """The memory level estimated (``memory=``)."""
     speed: Any = None
     """The plan's :class:`~fp8dist.plan.selection.Selection` on the GPU ``target=`` named; None without one, or
     where nothing runs in FP8."""
@@ -123,7 +131,9 @@ class MemoryEstimate(StateBytes):
 
 
 def check_counts(world_size: Any, micro_batch_size: Any, seq_len: Any, cfg: Config) -> None:
-    """ValueError unless the counts are positive integers and ``cfg`` runs on ``world_size`` ranks."""
+    """Check an estimate's counts before anything is built: ``world_size`` (ranks), ``micro_batch_size`` (sequences
+    per rank per forward) and ``seq_len`` (tokens per sequence) must be positive integers, and ``cfg`` must run on
+    ``world_size`` ranks. ValueError naming the value otherwise (or the combination rule refusing it)."""
     for name, value, what in (("world_size", world_size, "the number of data-parallel ranks (GPUs)"),
                               ("micro_batch_size", micro_batch_size, "sequences per rank per forward"),
                               ("seq_len", seq_len, "tokens per sequence")):
@@ -140,10 +150,12 @@ def _param_infos(model: nn.Module, cfg: Config, plan: Any, blocks: list[str], op
             unit_of.setdefault(f"{block}.{name}", block)
     converted = {f"{e.name}.weight" for e in plan.fp8}
     level, backend = get_level(cfg.parallel.memory), get_backend(cfg.precision.fp8)
-    return [ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""),
-                      element_bytes(engine, level, backend, cfg, optimizer, _DTYPE_NAMES.get(p.dtype, "fp32"),
-                                    name in converted, p.requires_grad), p.requires_grad)
-            for name, p in model.named_parameters()]
+    infos = []
+    for name, p in model.named_parameters():
+        dtype = _DTYPE_NAMES.get(p.dtype, "fp32")
+        per_element = element_bytes(engine, level, backend, cfg, optimizer, dtype, name in converted, p.requires_grad)
+        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), unit_of.get(name, ""), per_element, p.requires_grad))
+    return infos
 
 
 _READ_BY_THE_ESTIMATE = ("micro_batch_size", "seq_len")
@@ -241,8 +253,9 @@ def _estimate(model: nn.Module, cfg: Config, world_size: int, rank: int | None, 
     from ..plan.precision import plan_precision
     from ..strategies.common import find_blocks
 
-    strategy, level, backend = get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory), \
-        get_backend(cfg.precision.fp8)
+    strategy = get_strategy(cfg.parallel.strategy)
+    level = get_level(cfg.parallel.memory)
+    backend = get_backend(cfg.precision.fp8)
     check_counts(world_size, micro, seq_len, cfg)
     strategy.check_launch(cfg, world_size)
     optimizer = level.estimate_optimizer if level.builds_optimizer else optimizer  # the level's own

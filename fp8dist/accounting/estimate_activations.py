@@ -19,7 +19,10 @@ from ..fp8.speed_recipe import Recipe
 __all__ = ["Activations", "activation_items", "ROOT_WEIGHTS_ITEM", "RECOMPUTE_ITEM"]
 
 _NAMES = {2: "16-bit", 4: "fp32"}  # bytes per converted weight element held from forward to backward
-RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"  # full/selective checkpointing's transient
+RECOMPUTE_ITEM = "one decoder layer's activations, recomputed in backward"
+"""The label of the transient item in :attr:`MemoryEstimate.activations` under full or selective activation
+checkpointing (one layer's activations alive while its backward recomputes them); compare an item's label with it to
+tell the transient from what is kept between forward and backward."""
 
 
 _CHECKPOINTING_NOTES = {
@@ -37,8 +40,11 @@ class Activations:
     or the setting (selective checkpointing of a family without its GEMM list)."""
 
     items: list[tuple[str, int]]
+    """(what is kept, bytes) for one micro-batch on one rank."""
     notes: list[str]
+    """What the formula assumes or leaves out, said with the estimate."""
     modelled: bool
+    """Whether a formula covers the model and setting."""
 
 
 def _unmodelled(config: Any) -> Activations:

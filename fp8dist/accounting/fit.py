@@ -19,7 +19,8 @@ __all__ = ["Fit", "WayOut", "StepCheckpointing", "budget", "device_bytes", "chec
 MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a rank may plan on (``fp8dist bench`` too): the rest is for what the estimate leaves out,
 transient buffers, the CUDA context and the allocator's fragmentation."""
-MAX_RANKS = 16384  # the most ranks the search for a rank count that fits tries
+MAX_RANKS = 16384
+"""The most ranks the search for a rank count that fits tries; above it the way out "more ranks" is given up."""
 
 CHECKPOINTING = ("activation checkpointing", {"activation_checkpointing": "full"})
 
@@ -38,8 +39,11 @@ class WayOut:
     change: Mapping[str, Any]
     """The options changed (``world_size`` for a rank count)."""
     what: str
+    """The way out in words ("more ranks", "activation checkpointing", a memory level's or strategy's own)."""
     device_bytes: int
+    """Per-rank GPU bytes with the change (:func:`device_bytes`)."""
     fits: bool
+    """Whether those bytes are within the budget."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,15 @@ class Fit:
     """Whether one rank of the estimate fits the target GPU, and the ways out when not."""
 
     gpu: str
+    """The target GPU's name ("H100")."""
     capacity_bytes: int
+    """Its memory in bytes."""
     device_bytes: int
     """The estimate's per-rank GPU bytes (:func:`device_bytes`)."""
     activations_counted: bool
     """False where no activation formula covers the model: judged on model states alone."""
     ways_out: tuple[WayOut, ...] = ()
+    """Where it does not fit: each change tried, its bytes and whether it fits; () where it fits."""
     no_rank_count: str = ""
     """Why no rank count (up to :data:`MAX_RANKS`) fits; empty when one does or it fits."""
 
@@ -73,7 +80,8 @@ class Fit:
         return {**asdict(self), "fits": self.fits, "budget_bytes": self.budget_bytes, "ways_out": ways_out}
 
     def lines(self, size: Callable[[int], str]) -> list[str]:
-        """One line saying whether a rank fits, then one per way out."""
+        """One line saying whether a rank fits, then (when it does not) one per way out; ``size`` formats a byte
+        count ("1.2 GiB"), as the caller's table does."""
         counted = "" if self.activations_counted else " (model states only: activations not estimated)"
         plan = (f"a rank may plan on {size(self.budget_bytes)}, {MEMORY_FRACTION:.0%} of its "
                 f"{self.capacity_bytes / 2**30:g} GiB (the rest: transient buffers, the CUDA context, fragmentation)")
@@ -96,10 +104,13 @@ class StepCheckpointing:
     rank fit (then predict no step: ``fit`` says so and lists the ways out)."""
 
     mode: str | None
+    """The checkpointing the step is predicted with ("none", "full", "selective"); None: none fits."""
     configured: str
     """The run's own ``activation_checkpointing``."""
     why: str
+    """Why this mode, in words."""
     fit: Fit | None = None
+    """The fit at that mode (None: no fit was asked, no target GPU or memory)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpointing a predicted step assumes, as JSON data: the mode, the configured one, why, and whether
@@ -136,7 +147,8 @@ def budget(capacity_bytes: int) -> int:
 
 
 def device_bytes(est: Any) -> int:
-    """Per-rank GPU bytes of a MemoryEstimate: model states not offloaded, plus the activations where modelled."""
+    """Per-rank GPU bytes of the :class:`~fp8dist.accounting.estimate.MemoryEstimate` ``est``: model states not
+    offloaded, plus the activations where modelled."""
     states = sum(b for category, b in est.bytes.items() if category not in est.offloaded)
     return states + (est.activation_bytes if est.activations_modelled else 0)
 
@@ -158,7 +170,9 @@ def ways_out(est: Any, allowed: int, rerun: Rerun, *, rank_step: int = 1,
              extra: tuple[tuple[str, Mapping[str, Any]], ...] = ()) -> tuple[list[WayOut], str]:
     """(every way out of ``est`` needing more than ``allowed`` bytes, why no rank count fits or ""): more ranks,
     :func:`levers` and ``extra`` (the caller's own changes), then checkpointing with each when none fits alone."""
-    need, world, ways = device_bytes(est), est.world_size, []
+    need = device_bytes(est)
+    world = est.world_size
+    ways = []
     if est.activations_modelled and est.activation_bytes >= allowed:  # ranks shard states, not activations
         found, no_ranks = None, "the activations of one micro-batch alone exceed it, whatever the rank count"
     else:
@@ -207,7 +221,9 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
     """((the fewest ranks above ``world``, a multiple of ``step``, that fit with ``change``, their bytes), "") or
     (None, why not): doubling until one fits (or the bytes stop shrinking), then bisecting."""
     bytes_at = partial(_bytes_with, rerun, change=change)
-    low, n, last = world, _multiple(world + 1, step), need
+    low = world
+    n = _multiple(world + 1, step)
+    last = need
     try:
         got = device_bytes(rerun(n, **change))
     except ValueError as err:
@@ -217,7 +233,9 @@ def _ranks_that_fit(rerun: Rerun, world: int, step: int, allowed: int, need: int
     while got is not None and got < last:
         if got <= allowed:
             return _narrow(bytes_at, low, n, got, step, allowed), ""
-        low, last, n = n, got, _multiple(2 * n, step)
+        low = n
+        last = got
+        n = _multiple(2 * n, step)
         if n > MAX_RANKS:
             return None, f"none up to {MAX_RANKS} ranks fits with the rest as given"
         got = bytes_at(n)

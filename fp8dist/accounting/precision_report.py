@@ -26,19 +26,26 @@ __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 
 @dataclass(frozen=True)
 class PrecisionReport(StateBytes):
-    """Returned by :func:`report`; ``print`` it for the two tables."""
+    """Returned by :func:`report`; ``print`` it for the two tables (the precision chart, the model-state bytes)."""
 
     strategy: str
+    """The strategy the model was wrapped with."""
     fp8: str
+    """The FP8 backend ("none" without FP8)."""
     rank: int
+    """The rank measured (this process's)."""
     world_size: int
+    """Ranks in the job."""
     rows: tuple[PrecisionRow, ...]
+    """The precision chart, one row per part of the model (:class:`~fp8dist.accounting.rows.Part`)."""
     bytes: Mapping[str, int]
     """Bytes on this rank per category (:data:`~fp8dist.accounting.tensors.CATEGORIES`)."""
     dtypes: Mapping[str, str]
+    """The dtypes each category holds on this rank, as ``"bf16/fp32"``."""
     total_params: int
     """Elements of all parameters of the full model (all ranks)."""
     memory: str = STANDARD.name
+    """The memory level (``memory=``)."""
     frozen_params: int = 0
     """Elements of the full model (all ranks) that do not train (``requires_grad=False``: a LoRA base)."""
     groups: tuple[ParamGroup, ...] = ()
@@ -123,9 +130,15 @@ def _groups(strategy: Any, held: dict[str, list[Any]], optimizer: Any, frozen: l
     rest = StateTally(counted=alone)
     for category, tensors in held.items():  # the total's order: a storage lands in the same category
         rest.add(category, tensors)
-    return tuple(ParamGroup(label, count, sum(t.bytes[c] for c in CATEGORIES[:4]),
-                            holds_words([{dtype_name(d) for d in t.dtypes[c]} for c in CATEGORIES[:4]]))
-                 for label, count, t in (("frozen", sum(h.numel for h in frozen), alone), ("trained", trained, rest)))
+    frozen_count = sum(h.numel for h in frozen)
+    return (_param_group("frozen", frozen_count, alone), _param_group("trained", trained, rest))
+
+
+def _param_group(label: str, count: int, tally: StateTally) -> ParamGroup:
+    """The group ``label`` of ``count`` elements from the bytes and dtypes ``tally`` holds, FP8 buffers aside."""
+    categories = CATEGORIES[:4]
+    dtype_names = [{dtype_name(d) for d in tally.dtypes[c]} for c in categories]
+    return ParamGroup(label, count, sum(tally.bytes[c] for c in categories), holds_words(dtype_names))
 
 
 def report(model: nn.Module, optimizer: Any = None) -> PrecisionReport:

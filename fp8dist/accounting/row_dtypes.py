@@ -102,7 +102,9 @@ def _master(info: Any, engine: EngineDtypes, held: dict[str, list[Any]]) -> str:
 
 def row_for(run: tuple[Any, Any, EngineDtypes, dict[str, list[Any]]], optimizer: Any, part: Part,
             members: Members) -> PrecisionRow:
-    """The chart row of ``part`` of the model ``run`` (:func:`wrapped_run`) describes."""
+    """The report's row for ``part`` (:class:`~fp8dist.accounting.rows.Part`) of the model ``run``
+    (:func:`wrapped_run`) describes: its ``members`` (modules and parameters) and, from the engine's tensors and
+    ``optimizer`` (None: no optimizer state), what each holds and computes in."""
     info, strategy, engine, held = run
     params = [h.param for h in members.params]
     stored = _stored(strategy, params)

@@ -39,19 +39,25 @@ class PrecisionRow:
     """One part of the model (FP8 GEMMs, high-precision GEMMs, everything else) as the chart shows it."""
 
     part: Part
+    """Which part of the model the row is."""
     modules: int
     """Modules of this kind that hold parameters."""
     params: int
     """Elements of the full model in this part, each parameter once (a tied embedding counts as a GEMM's)."""
     gemm: str
+    """What its GEMMs compute in ("fp8 e4m3 ...", "bf16"), or "no GEMM"."""
     all_gather: str
     """The weights' dtype when gathered (FSDP, ZeRO-3; ZeRO-1/2 after the step)."""
     reduce: str
+    """What its gradients are reduced in ("none" for one process)."""
     weight: str
     """The weights' dtype as stored on this rank."""
     master_weight: str
+    """The master weights' dtype the engine (a ZeRO partition) or the memory level keeps, or "none"."""
     weight_grad: str
+    """The weight gradients' dtype as held on this rank ("none held now" before a backward)."""
     optimizer_states: str
+    """The optimizer states' dtype as held on this rank ("none yet" before the first step)."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,13 @@ class Held:
     """A parameter of ``module`` (attribute ``name``) with its full shape."""
 
     module: nn.Module
+    """The module holding it."""
     name: str
+    """Its attribute name on ``module`` ("weight")."""
     param: nn.Parameter
+    """The parameter as the engine holds it (a shard, or part of a flat parameter's view)."""
     shape: tuple[int, ...]
+    """Its full (unsharded) shape."""
 
     @property
     def numel(self) -> int:
@@ -74,7 +84,9 @@ class Members:
     """The modules of one part, and the parameters counted in it (each in one part only)."""
 
     modules: list[nn.Module] = field(default_factory=list)
+    """The modules of the part, in model order."""
     params: list[Held] = field(default_factory=list)
+    """The parameters counted in it."""
 
 
 def text_table(cols: list[str], rows: list[list[str]]) -> str:

@@ -28,10 +28,15 @@ class ShardingSummary:
     local_numel: int
     """Elements this rank stores."""
     sharded_tensors: int
+    """Parameter tensors split over the ranks (of ``tensors``)."""
     tensors: int
+    """Parameter tensors the engine holds on this rank (under FSDP1, its FlatParameters)."""
     storage_dtypes: tuple[str, ...]
+    """The dtypes the parameters are stored in on this rank ("fp32", "bf16"), sorted."""
     compute_dtype: str
+    """The dtype forward and backward compute in: the engine's mixed-precision policy, else the storage's."""
     reduce_dtype: str
+    """What gradients are reduced in, in words ("fp32"); "n/a (no reduction)" for a single process."""
     replicas: int = 1
     """Whole copies of the model over the ranks: HSDP's replicate degree (1: sharded over every rank)."""
 
@@ -46,7 +51,13 @@ class ShardingSummary:
 
 
 def sharding_summary(model: nn.Module) -> ShardingSummary:
-    """Summarize the parameters of a model returned by ``wrap_model`` (any strategy) on this rank."""
+    """How the parameters of ``model``, as ``wrap_model`` returned it (any strategy), are held on this rank: the
+    layout, elements stored against the whole, dtypes stored, computed and reduced in, read from the engine's tensors
+    and policy objects. No collectives: call it on any rank, any time after ``wrap_model``; ``print`` it for a line.
+
+    Raises:
+        ValueError: ``model`` was not returned by ``wrap_model``.
+    """
     from ..pipeline.api import get_wrap_info
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -16,6 +16,8 @@ from .rows import text_table
 __all__ = ["CATEGORIES", "StateBytes", "StateTally", "ParamGroup", "leaves", "model_state_tensors", "holds_words"]
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "fp8_buffers")
+"""The model-state categories every byte count is split into; a storage reached from two is counted once, in the
+first category that reaches it. ``ParamGroup.bytes`` sums the first four (all but the FP8 buffers)."""
 
 
 def leaves(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -67,9 +69,13 @@ class StateBytes:
     """What the measured report and the estimate share: ``bytes`` and ``dtypes`` per category, ``total_params``."""
 
     bytes: Any
+    """Bytes on this rank per category (:data:`CATEGORIES`)."""
     dtypes: Any
+    """The dtypes each category holds, as ``"bf16/fp32"``."""
     total_params: int
+    """Elements of all parameters of the full model (all ranks)."""
     groups: tuple[ParamGroup, ...] = ()
+    """The frozen and the trained parameters apart; () where all train."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -91,7 +97,8 @@ class StateBytes:
         return rows + [["total model states", f"{per_param['total']:.3f}", size(self.model_state_bytes), ""]]
 
     def group_table(self, size: Callable[[int], str]) -> list[str]:
-        """The frozen and the trained parameters' table and a blank line; nothing where every parameter trains."""
+        """The frozen and the trained parameters' table and a blank line; nothing where every parameter trains.
+        ``size`` formats a byte count, as the rest of the report does."""
         rows = [[g.label, f"{g.params:,}", f"{g.bytes / max(g.params, 1):.3f}", size(g.bytes), g.holds]
                 for g in self.groups]
         return [text_table(["parameters (this rank)", "count", "bytes/param", "size", "holds"], rows), ""] \
@@ -104,7 +111,9 @@ class StateTally:
     def __init__(self, counted: StateTally | None = None) -> None:
         self._seen: set[tuple[str, int]] = set(counted._seen) if counted is not None else set()
         self.bytes: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        """Bytes counted so far per category."""
         self.dtypes: dict[str, set[torch.dtype]] = {c: set() for c in CATEGORIES}
+        """The dtypes met so far per category."""
 
     def add(self, category: str, tensors: Iterable[Any]) -> None:
         """Count the storages of ``tensors`` (and of their subclass leaves) under ``category``, each storage once

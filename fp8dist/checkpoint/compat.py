@@ -25,13 +25,23 @@ class LoadDecision:
     saved one, and whether the checkpoint holds the trainable parameters only."""
 
     fp8_state: tuple[str, ...]
+    """The saved ``_extra_state`` keys to load (none with ``drop_fp8_state``)."""
     differences: tuple[str, ...]
+    """How this model differs from the saved one, all allowed (``CheckpointState.differences``)."""
     trainable_only: bool = False
+    """Whether the checkpoint holds the trainable parameters only (a LoRA fine-tune's adapters)."""
 
 
-def describe(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
-    """The engine data meta.json records and loading decides on. Call it on every rank (FSDP1's state dict hooks
-    run on all)."""
+def engine_record(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The engine data meta.json records and loading decides on: strategy, checkpoint format, FP8 backend, world
+    size, the FP8 state keys and every saved parameter's shape, the memory level (and ``trainable_only``). ``model``:
+    what ``wrap_model`` returned. Call it on every rank while saving (FSDP1's state dict hooks run on all).
+
+    Raises:
+        CheckpointError: ``trainable_only`` under a strategy that cannot save the trainable parameters alone (the
+            message names those that can).
+        ValueError: ``model`` was not returned by ``wrap_model`` (:func:`fp8dist.get_wrap_info`).
+    """
     info = get_wrap_info(model)
     cfg = info.config
     strategy = get_strategy(cfg.parallel.strategy)
@@ -122,7 +132,7 @@ def check_loadable(meta: dict[str, Any], model: nn.Module, path: Path, *, drop_f
     """CheckpointError (what was saved, what is loading, the way out) when the checkpoint cannot load soundly into
     ``model``; else which FP8 state to load and what differs."""
     trainable_only = bool(meta.get("trainable_only"))
-    now = describe(model, trainable_only)
+    now = engine_record(model, trainable_only)
     saved_engine = meta.get("engine") or checkpoint_format(get_strategy(meta["strategy"]))  # not recorded before
     if saved_engine != now["engine"]:
         raise CheckpointError(_engine_refusal({**meta, "engine": saved_engine}, now, path))

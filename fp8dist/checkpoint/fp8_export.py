@@ -30,6 +30,7 @@ class FP8Layer:
     """How one Linear's weight is written in FP8."""
 
     granularity: Granularity
+    """What one scale covers: the tensor, an output channel (a row), or a 128x128 block."""
     pow2: bool
     """Scales rounded down to a power of 2 (torchao's rowwise recipes)."""
     cast: str
@@ -62,7 +63,9 @@ class FP8Export:
     """The plan of an FP8 export: which module names are written in FP8 and how, which Linears stay bf16."""
 
     fmt: str
+    """The layout written (:data:`FP8_FORMATS`: "compressed-tensors" or "fine-grained")."""
     layers: dict[str, FP8Layer]
+    """The Linears written in FP8, by module name (as the exported model names them), with how."""
     kept: list[str]
     """Linears written in bf16 (the plan kept them in high precision, or FP8 in a form the layout cannot hold)."""
 
@@ -151,7 +154,8 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def write_record(out: Path, export: FP8Export) -> None:
-    """Write :data:`RECORD_FILE` into ``out`` atomically."""
+    """Write :data:`RECORD_FILE` (``export``'s per-layer record, :meth:`FP8Export.record`) into the directory ``out``
+    atomically; on rank 0 only, after the weights. OSError where it cannot be written."""
     from ..runtime.files import atomic_write_text
 
     atomic_write_text(out / RECORD_FILE, export.record())

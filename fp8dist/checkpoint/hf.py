@@ -74,7 +74,8 @@ def export_dtype(save_dtype: str, pretrained: str | os.PathLike | None) -> str:
 
 
 def check_out_dir(out: Path, what: str) -> None:
-    """Rank 0 checks that ``out`` can be written before anything is gathered; every rank raises its ValueError."""
+    """Rank 0 checks that the directory ``out`` can be written before anything is gathered; every rank raises its
+    ValueError. Collective: call it on every rank; ``what`` names the step in a rank failure's message."""
     check = (lambda: check_output_path(out, name="out_dir", directory=True)) if rank_world()[0] == 0 else None
     on_all_ranks(what, check, error=ValueError, passthrough=(ValueError,))
 

@@ -18,7 +18,9 @@ from ..fp8 import FP8Backend, get_backend
 from ..runtime.agree import RankFailure, rank_world
 from ..strategies import Strategy, get_strategy
 
-DCP = "dcp"  # meta.json's ``engine`` for a strategy without a checkpoint format of its own
+DCP = "dcp"
+"""meta.json's ``engine`` for a checkpoint in torch.distributed.checkpoint's format, which every strategy without a
+format of its own writes (and any of them reads back, at any world size)."""
 
 
 class CheckpointError(ValueError):
@@ -76,7 +78,8 @@ def dcp_failure(err: BaseException, then: str = "") -> RankFailure:
 
 
 def from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
+    """Rank 0's ``value`` on every rank (picklable; the other ranks' are ignored). Collective: call it on every
+    rank in the same order; the value as it is for one process."""
     if rank_world()[1] == 1:
         return value
     box = [value]
@@ -85,7 +88,8 @@ def from_rank0(value: Any) -> Any:
 
 
 def all_ranks_values(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
+    """Every rank's ``value`` (picklable), in rank order, on every rank. Collective: call it on every rank in the
+    same order."""
     if rank_world()[1] == 1:
         return [value]
     values: list[Any] = [None] * rank_world()[1]
@@ -118,7 +122,9 @@ def check_supported(info) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Plain tensors and numbers only, so that they load with ``weights_only=True``."""
+    """This process's random number generator states: torch's and Python's, and CUDA's and NumPy's where present,
+    as plain tensors and numbers only, so that they load with ``weights_only=True``; :func:`set_rng_state` restores
+    them."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -133,7 +139,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the random number generators from ``state`` (as :func:`get_rng_state` took them): torch's, Python's,
+    """Restore the random number generators from ``state`` (as :func:`rng_state` took them): torch's, Python's,
     and CUDA's and NumPy's where saved and present."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
@@ -201,7 +207,9 @@ def _pop_extra_state(model_sd: dict[str, Any]) -> dict[str, Any]:
 
 def model_layout(model: nn.Module, strategy: Strategy,
                  trainable_only: bool = False) -> tuple[dict[str, list[int]], list[str]]:
-    """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries."""
+    """Global shape of every tensor of the model's state dict by plain name, and its ``_extra_state`` entries, as
+    ``strategy`` saves them (its own format's layout where it has one); ``trainable_only``: the trainable
+    parameters' only. Collective under FSDP1: call it on every rank."""
     if strategy.checkpoint is not None:
         return strategy.checkpoint.layout(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -295,8 +303,10 @@ def _read_own(path: Path, model: nn.Module, optimizer: Any, own: Any) -> None:
 
 def read_state(path: Path, model: nn.Module, optimizer: Any, strategy: Strategy, fp8_state: tuple[str, ...],
                trainable_only: bool = False) -> None:
-    """Load the checkpoint at ``path`` into ``model`` and ``optimizer``; of the modules' ``_extra_state`` only the
-    ``fp8_state`` entries (the others keep their own)."""
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (None: the model only) as ``strategy``
+    reads it (its own engine, else DCP); of the modules' ``_extra_state`` only the ``fp8_state`` entries (the others
+    keep their own); ``trainable_only``: the checkpoint holds the trainable parameters only. Collective: call it on
+    every rank, once :func:`~fp8dist.checkpoint.compat.check_loadable` has allowed the load."""
     if strategy.checkpoint is not None:
         _read_own(path, model, optimizer, strategy.checkpoint)
         return

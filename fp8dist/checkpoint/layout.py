@@ -102,7 +102,13 @@ def save_root(path: str | os.PathLike) -> Path:
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint to load: ``path`` when it is one, else what ``path/latest`` names."""
+    """The checkpoint to load: ``path`` when it is one, else what ``path/latest`` names (the newest complete one).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or holds no checkpoint.
+        CheckpointError: ``path`` is a file, a folder inside a checkpoint, or a directory of another kind (a
+            DeepSpeed or Hugging Face directory written by hand).
+    """
     root = _refuse_foreign(path)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint '{root}' does not exist.")
@@ -124,7 +130,13 @@ def job_root(path: str | os.PathLike) -> Path:
 def job_checkpoints(path: str | os.PathLike) -> tuple[Path, Path | None]:
     """A training job's ``checkpoint_dir`` as (the directory it saves into, the checkpoint it resumes from or None).
     ``dir/step_N`` resumes from itself and saves into ``dir``; it must be the newest there (a run from an older step
-    would replace the newer ones, and the same command would later restart from step N)."""
+    would replace the newer ones, and the same command would later restart from step N). Call it once, before the
+    job's first step.
+
+    Raises:
+        CheckpointError: ``dir/step_N`` is not the newest checkpoint of ``dir``, or a checkpoint not named
+            ``step_NNNNNNNN``; ``path`` is a file, inside a checkpoint, or a directory of another kind.
+    """
     given = _refuse_foreign(path)
     if not _one_checkpoint(given):
         return given, latest_checkpoint(given)

@@ -25,6 +25,7 @@ __all__ = ["LOCK_FILE", "CheckpointDirLocked", "LockHolder", "CheckpointDirLock"
            "check_unlocked"]
 
 LOCK_FILE = ".fp8dist.lock"
+"""The lock file's name inside a locked checkpoint directory (it holds the holder's PID, host and start time)."""
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # the filesystem cannot flock
 
 
@@ -37,8 +38,11 @@ class LockHolder:
     """Who wrote a lock file: its process, host and start time (UTC)."""
 
     pid: int
+    """The holder's process id on ``host``."""
     host: str
+    """The machine it runs on (``socket.gethostname()``)."""
     started: str
+    """When it took the lock, "YYYY-MM-DD HH:MM:SS UTC"."""
 
     def describe(self) -> str:
         """``PID 123 on host node7 (since 2026-12-01 22:00:00 UTC)``."""
@@ -95,7 +99,12 @@ class CheckpointDirLock:
     whose leftover file it replaced (it had ended without releasing it), else None."""
 
     def __init__(self, file: Path, fd: int, created_dir: bool, taken_over: LockHolder | None):
-        self.file, self._fd, self._created_dir, self.taken_over = file, fd, created_dir, taken_over
+        self.file = file
+        """The lock file (:data:`LOCK_FILE` in the directory)."""
+        self._fd = fd
+        self._created_dir = created_dir
+        self.taken_over = taken_over
+        """The ended job whose leftover lock file this one replaced, else None."""
 
     def note(self) -> str | None:
         """The one line to say when the lock was taken over from an ended job, else None."""

@@ -91,7 +91,9 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.
         save_adapters(model, "out")                       # after training, on every rank
         PeftModel.from_pretrained(base, "out")            # anywhere; model.load_adapter("out/NAME", "NAME")
     """
-    inner, out, dtype = _peft_model(model), Path(out_dir), _dtype(dtype)
+    inner = _peft_model(model)
+    out = Path(out_dir)
+    dtype = _dtype(dtype)
     _check_exportable(inner, out, base_model)
     full = _gathered(model, out, lambda name: any(mark in name for mark in _SAVED))
     writer = _Writer(out, rank_world()[0])

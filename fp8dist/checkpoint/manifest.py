@@ -16,7 +16,8 @@ from .io import CheckpointError, all_ranks_values, inside
 
 __all__ = ["CHECKSUM", "file_checksum", "record_files", "check_names", "verify_files"]
 
-CHECKSUM = "crc32"  # meta.json's ``checksum``
+CHECKSUM = "crc32"
+"""meta.json's ``checksum``: the algorithm of the per-file checksums :func:`verify_files` checks."""
 _MAPS = ("files", "checksums")  # meta.json's maps by file name: sizes, checksums
 _CHUNK = 16 * 2**20
 

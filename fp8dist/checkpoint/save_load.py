@@ -20,7 +20,7 @@ from ..runtime.files import atomic_write_text, fsync_dir
 from ..runtime.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 from ..strategies import Strategy
-from .compat import check_loadable, check_optimizer, describe, optimizer_name
+from .compat import check_loadable, check_optimizer, engine_record, optimizer_name
 from .layout import find_checkpoint, latest_checkpoint, save_root, step_dirs, step_name
 from .manifest import CHECKSUM, check_names, record_files, verify_files
 from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_rank0, inside, read_state, rng_state,
@@ -29,8 +29,11 @@ from .io import (CheckpointError, axes_of, check_supported, dcp_failure, from_ra
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointState", "CheckpointError"]
 
 FORMAT = "fp8dist-checkpoint"
-FORMAT_VERSION = 1  # later fields are additions: an older fp8dist still reads what it knows
-refusals = (CheckpointError, FileNotFoundError)  # complete in themselves: every rank raises them as they are
+"""meta.json's ``format``: a directory whose meta.json says otherwise is not an fp8dist checkpoint."""
+FORMAT_VERSION = 1
+"""meta.json's ``format_version``; later fields are additions, so an older fp8dist still reads what it knows and
+refuses only a higher version."""
+_REFUSALS = (CheckpointError, FileNotFoundError)  # complete in themselves: every rank raises them as they are
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class CheckpointState:
     step: int
     """Optimizer steps done when saved: batch ``step`` is the next one to train on."""
     extra: dict[str, Any]
+    """The JSON values given to :func:`save_checkpoint` as ``extra`` ({} where none)."""
     path: Path
+    """The checkpoint loaded (a ``step_*`` folder: what ``latest`` named where a directory was given)."""
     world_size: int
     """World size the checkpoint was saved with."""
     differences: tuple[str, ...] = ()
@@ -190,13 +195,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     (strategy, _), (rank, world) = axes_of(info), rank_world()
     lead = rank == 0
     root = on_all_ranks("save_checkpoint", lambda: save_root(path), error=CheckpointError,
-                        passthrough=refusals)  # every rank writes there: checked on each
+                        passthrough=_REFUSALS)  # every rank writes there: checked on each
     name = step_name(step)
     tmp, final = root / f".tmp-{name}", root / name
     if not overwrite and from_rank0(final.is_dir() if lead else None):
         raise CheckpointError(f"{final} exists already: save_checkpoint(..., overwrite=True) replaces it (e.g. "
                               "after resuming from an older checkpoint), or save a step not saved yet.")
-    described = {**describe(model, trainable_only), "optimizer": optimizer_name(optimizer)}  # same on every rank
+    described = {**engine_record(model, trainable_only), "optimizer": optimizer_name(optimizer)}  # same on every rank
     on_all_ranks(f"saving {final} (creating {tmp})", (lambda: _prepare(root, tmp)) if lead else None,
                  error=CheckpointError)
     try:
@@ -254,6 +259,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     Returns:
         The :class:`CheckpointState`: ``step`` (resume the data at batch ``step``), ``extra`` and ``differences``.
 
+    Raises:
+        CheckpointError: on every rank alike: the checkpoint does not load into this model or optimizer, a file is
+            missing, damaged or outside the folder (the message names what was saved, what is loading and the way
+            out).
+        FileNotFoundError: ``path`` does not exist or holds no checkpoint.
+        TypeError: ``drop_fp8_state`` or ``verify`` is not a bool.
+
     Example::
 
         state = load_checkpoint("ckpt", model, optimizer)   # e.g. saved by fsdp on 8 ranks, loaded by ddp on 2
@@ -264,14 +276,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any, *
     require_bool("verify", verify)
     (rank, world), (strategy, backend) = rank_world(), axes_of(info)
     checkpoint, meta = on_all_ranks("load_checkpoint", lambda: _found(path), error=CheckpointError,
-                                    passthrough=refusals)
+                                    passthrough=_REFUSALS)
     decision, optimizer_note = on_all_ranks(
         f"loading {checkpoint}", lambda: (check_loadable(meta, model, checkpoint, drop_fp8_state=drop_fp8_state),
                                           check_optimizer(meta, optimizer, checkpoint)), error=CheckpointError,
-        passthrough=refusals)
+        passthrough=_REFUSALS)
     if verify:  # after the checks on meta.json alone: reading every file is the costly one
         on_all_ranks(f"loading {checkpoint}", lambda: verify_files(checkpoint, meta, rank, world),
-                     error=CheckpointError, passthrough=refusals)
+                     error=CheckpointError, passthrough=_REFUSALS)
     on_all_ranks(f"loading {checkpoint}", lambda: _read(checkpoint, model, optimizer, strategy, decision.fp8_state,
                                                         decision.trainable_only), error=CheckpointError)
     backend.after_load(model, info.fp8)

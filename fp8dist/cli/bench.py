@@ -66,7 +66,10 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
 
     docs, hints = field_docs(BenchSettings), type_hints(BenchSettings)
     for f in fields(BenchSettings):
-        meta, name, hint, doc = f.metadata, f.metadata.get("flag", f.name), hints[f.name], docs[f.name].rstrip(".")
+        meta = f.metadata
+        name = meta.get("flag", f.name)
+        hint = hints[f.name]
+        doc = docs[f.name].rstrip(".")
         if name is None:
             continue
         if hint is bool:
@@ -107,7 +110,14 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark matrix and write its JSON and PNG; returns the exit code (1 if a cell failed)."""
+    """``fp8dist bench``: run the benchmark matrix ``args`` (this subcommand's parsed flags) asks for, print a line per
+    cell and the table, and write the JSON and PNG into ``--out``. Returns the exit code: 0, or 1 if a cell failed
+    (its error is in the JSON).
+
+    Raises:
+        ValueError: a flag's value, a cell the settings refuse, an unusable ``--out``, or ``--plot`` without
+            matplotlib, each before any cell runs (``fp8dist``'s main prints it and exits with ``USAGE_EXIT``).
+    """
     from ..bench.results import cell_line, markdown_table, results_document, write_results
     from ..bench.runner import check_cells, check_text, device_type, plan_cells, resolve_settings, run_cells
 

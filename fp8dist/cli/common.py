@@ -44,7 +44,8 @@ def config_from_args(args: argparse.Namespace,
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and the model :func:`meta_model` builds: ``--model-size`` or ``--model-config``."""
+    """Add to the subcommand parser ``p`` ``--config FILE`` and the flags choosing the model :func:`meta_model`
+    builds: ``--model-size`` or ``--model-config`` (one of them)."""
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with strategy/fp8 keys; flags override it")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model-size", choices=list(LLAMA_SIZES), default="tiny",

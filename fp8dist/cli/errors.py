@@ -13,9 +13,13 @@ from ..runtime.files import atomic_write_text
 __all__ = ["USAGE_EXIT", "FAILED_EXIT", "INTERRUPTED_EXIT", "explained", "exit_code", "error_line",
            "report_error", "read_report"]
 
-USAGE_EXIT = 2  # bad input (a value, a combination, the environment, missing memory): argparse's code for usage errors
-FAILED_EXIT = 1  # the run started as asked and failed (its loss diverged, or its gradients stayed non-finite)
-INTERRUPTED_EXIT = 130  # interrupted (Ctrl-C): 128 + SIGINT, as shells report it
+USAGE_EXIT = 2
+"""Exit code for bad input (a value, a combination, the environment, missing memory): argparse's code for usage
+errors. Nothing ran; fix the input and run again."""
+FAILED_EXIT = 1
+"""Exit code for a run that started as asked and failed (its loss diverged, or its gradients stayed non-finite)."""
+INTERRUPTED_EXIT = 130
+"""Exit code for an interrupted run (Ctrl-C): 128 + SIGINT, as shells report it."""
 
 
 def explained() -> dict[type[BaseException], int]:
@@ -42,12 +46,15 @@ def error_line(command: str, message: str) -> str:
 
 
 def report_error(directory: str | os.PathLike, rank: int, err: BaseException, code: int) -> None:
-    """A spawned rank's explained error, for the launching process to print once."""
+    """Record a spawned rank's explained error ``err`` and its exit ``code`` as ``error_rank{rank}.json`` in
+    ``directory`` (shared with the launching process), which prints it once (:func:`read_report`). Call it in the
+    rank's error handler, before exiting with ``code``."""
     atomic_write_text(Path(directory) / f"error_rank{rank}.json",
                       json.dumps({"rank": rank, "type": type(err).__name__, "message": str(err), "code": code}))
 
 
 def read_report(directory: str | os.PathLike) -> dict | None:
-    """The lowest rank's reported error, or None."""
+    """The lowest rank's error :func:`report_error` wrote into ``directory`` (``{"rank", "type", "message",
+    "code"}``), or None when no rank reported one. The launching process calls it after the ranks exit."""
     reports = sorted(Path(directory).glob("error_rank*.json"), key=lambda p: int(p.stem.removeprefix("error_rank")))
     return json.loads(reports[0].read_text()) if reports else None

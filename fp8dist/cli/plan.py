@@ -136,7 +136,8 @@ def fitted_steps(model: Any, config: Any, selection: Any, world_size: int, fit: 
 
 
 def unfit_text(checkpointing: Any) -> str:
-    """Why no step is predicted, then the estimate's own 'does NOT fit' line and its ways out."""
+    """Why no step is predicted, then the estimate's own 'does NOT fit' line and its ways out, from
+    ``checkpointing`` (the step-checkpointing answer whose ``fit`` does not fit)."""
     from ..config.text import byte_size
 
     return "\n".join([checkpointing.why, *checkpointing.fit.lines(byte_size)])
@@ -167,9 +168,12 @@ def predicted_steps(model: Any, config: Any, selection: Any, world_size: int,
                    compile=selection.step.compile, strategy=p.strategy, replicate_degree=hsdp,
                    reduce_dtype=p.reduce_dtype,
                    activation_checkpointing=activation_checkpointing or p.activation_checkpointing, **(topology or {}))
-    return tuple((predict_step(model, recipe=g.recipe, **options),
-                  predict_step(model, recipe=g.recipe, fp8_layers=[c.name for c in g.layers if c.fp8], **options))
-                 for g in _recipe_gemms(selection, backend)[1])
+    steps = []
+    for gemms in _recipe_gemms(selection, backend)[1]:
+        paid = [c.name for c in gemms.layers if c.fp8]
+        every_fp8 = predict_step(model, recipe=gemms.recipe, **options)
+        steps.append((every_fp8, predict_step(model, recipe=gemms.recipe, fp8_layers=paid, **options)))
+    return tuple(steps)
 
 
 def _recipe_gemms(selection: Any, backend: str) -> tuple[list[Any], tuple[Any, ...]]:
@@ -218,7 +222,8 @@ def grad_wire_line(model: Any, step: Any, config: Any) -> str:
 
 
 def fastest_line(steps: tuple[tuple[Any, Any], ...]) -> str:
-    """Which recipe is predicted fastest for this run, or that none beats bf16."""
+    """Which recipe is predicted fastest for this run, or that none beats bf16, from ``steps``: per recipe, the
+    predicted step with every Linear in FP8 and with FP8 where the plan says it pays."""
     first, best = steps[0][0], _best(steps)
     run = f"{first.world_size}x {first.gpu_label}, {first.micro_batch_size} x {first.seq_len:,} tokens per rank"
     if best is None:
@@ -237,9 +242,10 @@ def step_text(steps: tuple[tuple[Any, Any], ...], checkpointing: Any = None) -> 
     first = steps[0][0]
     rows = [["bf16", f"{first.bf16_tokens_per_s:,.0f}", "1.00x", "-", "-", f"{first.bf16_mfu:.1%}",
              f"{first.bf16.exposed_s * 1e3:,.2f}", "-"]]
-    rows += [[every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
-              f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
-              "yes" if every.calibrated else "no"] for every, paid in steps]
+    for every, paid in steps:
+        rows.append([every.recipe, f"{every.tokens_per_s:,.0f}", f"{every.speedup:.2f}x", f"{paid.tokens_per_s:,.0f}",
+                     f"{paid.speedup:.2f}x", f"{every.mfu:.1%}", f"{every.fp8.exposed_s * 1e3:,.2f}",
+                     "yes" if every.calibrated else "no"])
     head = (f"predicted training step on {first.world_size}x {first.gpu_label} ({first.setting}; GEMMs, attention, "
             "memory-bound work, recompute, optimizer and exposed collectives; a prediction, "
             "benchmarks/step_model/README.md): every "
@@ -289,9 +295,10 @@ def compare_text(plan: Any) -> str:
         steps = (*steps, step)  # issue 42 item 6: the plan's own mix beside the one-recipe answers
     ms = lambda seconds: f"{seconds * 1e3:.3f}"  # noqa: E731
     bf16 = steps[0].bf16_s
-    rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]] + [
-        [s.recipe, ms(s.chosen_s), f"{bf16 / s.chosen_s:.2f}x", ms(s.all_fp8_s), f"{bf16 / s.all_fp8_s:.2f}x",
-         "yes" if s.calibrated else "no"] for s in steps]
+    rows = [["bf16", ms(bf16), "1.00x", ms(bf16), "1.00x", "-"]]
+    for s in steps:
+        rows.append([s.recipe, ms(s.chosen_s), f"{bf16 / s.chosen_s:.2f}x", ms(s.all_fp8_s),
+                     f"{bf16 / s.all_fp8_s:.2f}x", "yes" if s.calibrated else "no"])
     experts = len(step.layers) - len(gemms)
     head = (f"recipes compared on {step.gpu_label}: predicted GEMM time per micro-batch of the {len(gemms)} eligible "
             f"Linear layers at {selection.tokens:,} tokens per rank ({'compiled' if step.compile else 'eager'}; "

@@ -18,7 +18,8 @@ from .common import FP8_DEFAULT_HELP, add_model_source, config_from_args, meta_m
 
 __all__ = ["HELP", "add_parser", "run", "ProbeConfig", "probe_batches", "DATA_OPTIONS"]
 
-DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")  # fp8dist train's options for reading the same text
+DATA_OPTIONS = ("data", "tokenizer", "text_field", "data_cache")
+"""The ``fp8dist train`` options ``fp8dist probe`` takes too, so the probe measures the text the run trains on."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -225,9 +225,8 @@ _DYNAMO: dict[str, _Rule] = {
 _PARALLELISM: dict[str, _Rule] = {
     "parallelism_config_dp_replicate_size": _to("replicate_degree"),
     "parallelism_config_dp_shard_size": _Rule(values=None),  # derived from the world size and replicate_degree
-    **{f"parallelism_config_{name}": _only(why, 1) for name, why in (
-        ("tp_size", "fp8dist has no tensor parallelism"), ("cp_size", "fp8dist has no context parallelism"),
-        ("sp_size", "fp8dist has no sequence parallelism"))}}
+    **{f"parallelism_config_{kind}_size": _only(f"fp8dist has no {what} parallelism", 1)
+       for kind, what in (("tp", "tensor"), ("cp", "context"), ("sp", "sequence"))}}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,9 @@ class When:
     :class:`StrategyFacts` field is true (TE reads ``margin`` only with ``te_recipe='delayed'``)."""
 
     options: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Option name -> the values under which it is read (``{"te_recipe": ("delayed",)}``)."""
     facts: tuple[str, ...] = ()
+    """:class:`StrategyFacts` fields that must be true."""
 
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
         """Whether this condition holds for ``cfg``: every option it names has one of its values and every strategy
@@ -74,7 +76,8 @@ class When:
         return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
-ALWAYS = When()  # read whenever its axis is chosen
+ALWAYS = When()
+"""The condition of an option read whenever its axis value is chosen (no option or strategy fact narrows it)."""
 
 
 class Registry(Mapping[str, Any]):
@@ -94,7 +97,10 @@ class Registry(Mapping[str, Any]):
         """``option``: the option whose values these are; ``kind``: what a value is called in messages; ``group``: the
         entry-point group the installed values come through (None: only what is registered on it);
         ``reserved``: names no value may take (``"none"``)."""
-        self.option, self.kind, self.group, self.reserved = option, kind, group, reserved
+        self.option = option
+        self.kind = kind
+        self.group = group
+        self.reserved = reserved
         self._values: dict[str, Any] = {}  # a value, or (module, attribute) of a built-in not imported yet
         self._known: dict[str, dict[str, Any]] = {}
         self._loaded = False
@@ -121,8 +127,14 @@ class Registry(Mapping[str, Any]):
             register()
 
     def register(self, value: Any, base: type) -> Any:
-        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. A name taken or
-        reserved (``fp8="none"``) is refused."""
+        """Add ``value``, an instance of a subclass of ``base``, under its ``name``; returns it. Call it at import
+        time of the package defining the value, before any config names it (the public ``register_*`` functions
+        call it).
+
+        Raises:
+            TypeError: ``value`` is a class, or not an instance of a ``base`` subclass.
+            ValueError: its ``name`` is empty, padded with spaces, reserved (``fp8="none"``), or another value's.
+        """
         if isinstance(value, type) and base in value.__mro__:
             raise TypeError(f"register: pass an instance of {value.__qualname__} (its object: "
                             f"{value.__qualname__}()), not the class.")
@@ -177,8 +189,14 @@ class Registry(Mapping[str, Any]):
 
 
 STRATEGIES = Registry("strategy", "sharding strategy", "fp8dist.strategies")
+"""Every sharding strategy by its ``strategy=`` name (read it through ``fp8dist.strategies.get_strategy``; add one
+with ``register_strategy``)."""
 BACKENDS = Registry("fp8", "FP8 backend", "fp8dist.fp8_backends", reserved=("none",))
+"""Every FP8 backend by its ``fp8=`` name; "none" is reserved for no FP8, which is not in it (read a backend through
+``fp8dist.fp8.get_backend``, which maps None and "none" to no FP8; add one with ``register_backend``)."""
 LEVELS = Registry("memory", "memory level", "fp8dist.memory_levels")
+"""Every memory level by its ``memory=`` name (read through ``fp8dist.memory_levels.get_level``; add one with
+``register_level``)."""
 
 
 def engine_packages() -> tuple[str, ...]:

@@ -60,7 +60,7 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def dtype_names(dtypes: set[torch.dtype], empty: str = "none") -> str:
-    """Several dtypes as one sorted "bf16/fp32" string."""
+    """Several dtypes as one sorted "bf16/fp32" string; ``empty`` for none."""
     return "/".join(sorted(dtype_name(d) for d in dtypes)) or empty
 
 

@@ -13,7 +13,8 @@ __all__ = ["read_config_text", "no_duplicate_keys"]
 
 
 def no_duplicate_keys(what: str, path: Path):
-    """``json.loads``'s ``object_pairs_hook`` refusing a key given twice."""
+    """A ``json.loads`` ``object_pairs_hook`` refusing a key given twice in one object: the hook raises ValueError
+    naming ``what`` (``"config file"``), ``path``, the key and both values."""
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for key, value in pairs:
@@ -46,7 +47,13 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def read_config_text(path: Path, *, what: str = "config file") -> Any:
-    """The file parsed as JSON (``.json``) or YAML; None when empty."""
+    """The file at ``path`` parsed as JSON (``.json``) or YAML (any other suffix); None when empty. ``what`` names
+    the file in messages (``"config file"``, ``"DeepSpeed config"``).
+
+    Raises:
+        ValueError: not UTF-8, bad syntax (with line and column), or a key given twice in one mapping.
+        OSError: the file cannot be read.
+    """
     try:
         text = path.read_text()
     except UnicodeDecodeError as err:
@@ -61,7 +68,9 @@ def read_config_text(path: Path, *, what: str = "config file") -> Any:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON: line {err.lineno}, column {err.colno}: "
                          f"{err.msg}.") from None
     except yaml.YAMLError as err:
-        mark, context, start = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
+        mark = getattr(err, "problem_mark", None)
+        context = getattr(err, "context", None)
+        start = getattr(err, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line
         if context and start is not None:  # where the unfinished construct began ("while scanning a quoted scalar")

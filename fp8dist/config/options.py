@@ -12,27 +12,40 @@ from .axis import BACKENDS, LEVELS, STRATEGIES
 from .schema import Choices, normalize_fields
 from .dtypes import DTYPE_ALIASES
 
-DEFAULT_SEQ_LEN = 2048  # tokens per sequence assumed where seq_len is not given
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence the plan and the estimate assume where ``seq_len`` is not given (and say so)."""
 
 DEFAULT_MARGIN = 1.0
 """fp8_select_margin's default, and the speed model's: convert where the predicted speedup is at least this. 1.0: on
 the published H100 table the model errs low near 1 (it misses gains of 1-8%, it converts nothing measured slower),
 so a higher margin only drops real gains."""
 
-# keep_last_blocks_share under FP4 (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040 tok/s)
 FP4_TAIL_SHARE = 0.15
+"""``keep_last_blocks_share``'s value where it is None and the recipe runs FP4 GEMMs: the last 15% of the blocks and
+the output head stay in the strategy's precision (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040
+tok/s)."""
 
 __all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName",
            "MemoryLevelName",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "DEFAULT_MARGIN", "knob_configs"]
 
 Strategy = Annotated[str, Choices(STRATEGIES)]
+"""The type of a ``strategy=`` option: a registered strategy's name (the schema checks it against
+:data:`~fp8dist.config.axis.STRATEGIES`); not the :class:`fp8dist.Strategy` interface."""
 DtypeName = Literal["fp32", "bf16", "fp16"]
+"""A dtype option's values (``param_dtype``, ``buffer_dtype``); other spellings are aliases (``bfloat16``,
+``torch.bfloat16``: :data:`~fp8dist.config.dtypes.DTYPE_ALIASES`)."""
 ReduceDtypeName = Literal["fp32", "bf16", "fp16", "fp8"]
+"""``reduce_dtype``'s values: a :data:`DtypeName`, or fp8 (block-scaled e4m3 gradient reduction)."""
 FP8BackendName = Annotated[str, Choices(BACKENDS)]
+"""The type of ``fp8=``: a registered FP8 backend's name (checked against :data:`~fp8dist.config.axis.BACKENDS`)."""
 MemoryLevelName = Annotated[str, Choices(LEVELS)]
+"""The type of ``memory=``: a registered memory level's name (checked against :data:`~fp8dist.config.axis.LEVELS`)."""
 Device = Literal["auto", "cpu", "cuda"]
+"""``device=``'s values: auto (cuda:LOCAL_RANK where CUDA is available, else cpu), cpu or cuda."""
 CheckpointingMode = Literal["none", "full", "selective"]
+"""``activation_checkpointing``'s values: none, full (a block keeps only its input) or selective (it keeps its
+attention and GEMM outputs too); recomputed in backward, per block."""
 _DTYPE = {"aliases": DTYPE_ALIASES}
 
 
@@ -228,7 +241,13 @@ class FP8Config:
 
 
 def knob_configs() -> dict[str, type]:
-    """Each registered FP8 backend's ``Config``, by backend name; a knob whose flat key is taken is refused."""
+    """Each registered FP8 backend's nested ``Config`` dataclass, by backend name (backends without knobs left
+    out); the config schema reads it to route flat keys (``te_recipe=...``) to their backend.
+
+    Raises:
+        ValueError: a backend's knob has the name of another option (a strategy or FP8 option, or another backend's
+            knob): every knob is also a flat key.
+    """
     owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
     out = {name: BACKENDS.attribute(name, "Config") for name in BACKENDS}
     out = {name: cls for name, cls in out.items() if cls is not None}
@@ -239,4 +258,6 @@ def knob_configs() -> dict[str, type]:
     return out
 
 
-SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}  # a Config's sections, by attribute
+SECTIONS = {"parallel": StrategyConfig, "precision": FP8Config}
+"""A :class:`~fp8dist.config.resolve.Config`'s sections by attribute (``cfg.parallel``, ``cfg.precision``): the
+classes a flat option is routed to."""

@@ -24,8 +24,9 @@ class Config:
     """Everything ``wrap_model`` needs, by concern. Keys are flat: each a field of one section or a backend's knob."""
 
     parallel: StrategyConfig = field(default_factory=StrategyConfig)
-
+    """The strategy and its mixed precision, the batch shape, blocks, guards: every option but FP8's."""
     precision: FP8Config = field(default_factory=FP8Config)
+    """The FP8 backend, what every backend shares, and each backend's knobs."""
 
     def __post_init__(self) -> None:
         check_combination(self)  # the one table of what combines (.rules), before anything uses the config
@@ -93,7 +94,12 @@ def resolve_config(config: "Config | Mapping[str, Any] | str | Path | None" = No
         **overrides: flat keys (``strategy="fsdp1"``); they win over ``config``.
 
     Returns:
-        The Config; a bad key, value or combination raises ValueError.
+        The Config.
+
+    Raises:
+        ValueError: a bad key (with the closest known one), value or combination (naming the rule and the way out).
+        TypeError: ``config`` is none of the kinds above.
+        FileNotFoundError: ``config`` names a file that does not exist.
 
     Example::
 

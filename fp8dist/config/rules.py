@@ -77,7 +77,9 @@ def _with(cfg: Any, **changes: Any) -> Any:
 
 
 def alternatives(cfg: Any, rule: Rule, defaulted: Collection[str] = ()) -> str:
-    """For each option of ``rule``, the values that combine with the rest as given (by the whole table)."""
+    """The way out of ``rule``'s refusal of ``cfg``, as a sentence: for each option of the rule, the values that
+    combine with the rest as given (by the whole table); "" where none does. ``defaulted``: options the user did not
+    set, said as "the default ..."."""
     given = _values(cfg)
     parts = []
     for key in rule.keys:
@@ -148,15 +150,26 @@ def _conditions(readers: list[tuple[str, str, When]]) -> list[list[tuple[str, li
     grouped: dict[tuple[str, str], tuple[list[str], When]] = {}
     for key, name, when in readers:
         grouped.setdefault((key, repr(when)), ([], when))[0].append(name)
-    return [([(key, names)] if key else []) + [(k, list(v)) for k, v in when.options.items()]
-            + ([("strategy", [name for name, strategy in STRATEGIES.items()
-                              if all(getattr(strategy.facts(None), f) for f in when.facts)])] if when.facts else [])
-            for (key, _), (names, when) in grouped.items()]
+    conditions = []
+    for (key, _), (names, when) in grouped.items():
+        condition = [(key, names)] if key else []
+        condition += [(k, list(v)) for k, v in when.options.items()]
+        if when.facts:
+            condition.append(("strategy", _strategies_with(when.facts)))
+        conditions.append(condition)
+    return conditions
+
+
+def _strategies_with(facts: tuple[str, ...]) -> list[str]:
+    """The registered strategies whose :class:`StrategyFacts` has every field in ``facts`` true."""
+    return [name for name, strategy in STRATEGIES.items() if all(getattr(strategy.facts(None), f) for f in facts)]
 
 
 def unread_options(cfg: Any) -> dict[str, str]:
     """``{option: note}`` for each option set away from its default that no chosen axis reads under ``cfg``."""
-    values, facts, flat = _values(cfg), facts_of(cfg), _with(cfg)
+    values = _values(cfg)
+    facts = facts_of(cfg)
+    flat = _with(cfg)
     defaults = _values(SimpleNamespace(**{name: section() for name, section in SECTIONS.items()}))
     chosen = {(key, values[key]) for key, _ in _axes(cfg)} | {("", "")}
     notes = {}

@@ -130,8 +130,9 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
                     none: str | None = None) -> Any:
     """``value`` of field ``name`` in its canonical form, or ValueError naming the field, the value and the choices;
     one for Python, files and flags. Choices match case-insensitively, ``aliases`` map other spellings
-    ("bfloat16"), text parses as the type, "none" is None where allowed, a list is a tuple. ``none``: what None
-    means, for the error."""
+    ("bfloat16"), text parses as the type, "none" is None where allowed, a list is a tuple. ``hint``: the field's
+    type annotation (a ``Literal``, an ``Annotated`` with :class:`Choices`, a union with None, a tuple, a scalar);
+    ``none``: what None means, for the error."""
     if aliases is not None and value is not None and not isinstance(value, (bool, int, float, tuple, list)):
         value = aliases.get(str(value).lower(), value)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -161,11 +162,18 @@ def normalize_value(name: str, value: Any, hint: Any, aliases: Mapping[str, str]
 
 
 def normalize_fields(obj: Any) -> None:
-    """Normalize (:func:`normalize_value`) every field of ``obj`` in place, frozen or not, and of the dataclasses a
-    ``nested`` field holds. Metadata: ``aliases``, ``refused`` (``{"E5M2": why}``), ``min`` (the least number)."""
+    """Normalize (:func:`normalize_value`) every field of the dataclass ``obj`` in place, frozen or not, and of the
+    dataclasses a ``nested`` field holds; a config's ``__post_init__`` calls it. Metadata: ``aliases``, ``refused``
+    (``{"E5M2": why}``), ``min`` (the least number).
+
+    Raises:
+        ValueError: a refused value (with why), a value :func:`normalize_value` refuses, or one below ``min``.
+    """
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, refused, low = getattr(obj, f.name), f.metadata.get("refused", {}), f.metadata.get("min")
+        value = getattr(obj, f.name)
+        refused = f.metadata.get("refused", {})
+        low = f.metadata.get("min")
         if f.metadata.get("nested"):
             for sub in value:
                 normalize_fields(sub)
@@ -186,9 +194,13 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    return {stmt.target.id: " ".join(nxt.value.value.split()) for stmt, nxt in zip(body, body[1:])
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
 
 def route_keys(flat: Mapping[str, Any], classes: Iterable[type], *, source: str) -> dict[type, dict[str, Any]]:

@@ -1,5 +1,5 @@
-"""Ray Train: fp8dist's checkpoints go through ``ray.train.report`` and a restarted worker group resumes from
-``ray.train.get_checkpoint()``.
+"""Ray Train: fp8dist's checkpoints go through ``ray.train.report`` (:func:`report_checkpoint`) and a restarted
+worker group resumes from ``ray.train.get_checkpoint()`` (:func:`resume`).
 
 Ray Train's ``TorchTrainer`` starts torch's default process group on every worker before the training function
 runs; ``wrap_model`` called inside that function shards over it (or over ``mesh=``) as under torchrun. These two
@@ -11,7 +11,7 @@ functions are called inside the training function, on every worker::
         state = resume(model, optimizer)                  # None on a first start
         for step in range(state.step if state else 0, steps):
             ...                                           # forward, backward, optimizer.step()
-            report({"loss": loss.item()}, model, optimizer, step=step + 1)
+            report_checkpoint({"loss": loss.item()}, model, optimizer, step=step + 1)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..checkpoint.io import from_rank0
 from ..runtime.agree import on_all_ranks, rank_world
 from ..pipeline.api import get_wrap_info
 
-__all__ = ["INSTALL", "import_ray_train", "require_ray_train", "report", "resume"]
+__all__ = ["INSTALL", "import_ray_train", "require_ray_train", "report_checkpoint", "resume"]
 
 INSTALL = "pip install 'fp8dist[ray]'"
 """The command that installs the Ray Train version fp8dist is tested with."""
@@ -53,8 +53,8 @@ def require_ray_train() -> Any:
     try:
         train.get_context().get_world_rank()
     except RuntimeError as err:  # Ray 2.60: "`get_context` cannot be used outside of a Ray Train training function"
-        raise RuntimeError("fp8dist.integrations.ray's report and resume run inside the training function of a "
-                           "ray.train.torch.TorchTrainer, on every worker; called elsewhere "
+        raise RuntimeError("fp8dist.integrations.ray's report_checkpoint and resume run inside the training function "
+                           "of a ray.train.torch.TorchTrainer, on every worker; called elsewhere "
                            f"({type(err).__name__}: {err}). Train with TorchTrainer(train_func, ...).fit(), or use "
                            "fp8dist.save_checkpoint / load_checkpoint directly.") from None
     return train
@@ -71,18 +71,20 @@ def _staging_dir(staging: str | os.PathLike | None) -> Path:
         (folder / _SEEN).touch()
         return str(folder)
 
-    made = on_all_ranks("ray report (making a staging folder)", make if rank == 0 else None, error=CheckpointError)
+    made = on_all_ranks("ray report_checkpoint (making a staging folder)", make if rank == 0 else None,
+                        error=CheckpointError)
     folder = Path(from_rank0(made))
     where = "staging=" + (repr(str(staging)) if staging is not None else "None (this machine's temp folder)")
 
     def check() -> None:
         if not (folder / _SEEN).is_file():
             raise CheckpointError(f"worker {rank} does not see {folder}, which worker 0 made ({where}): the workers "
-                                  "run on different machines. Pass report(..., staging=...) a folder on a "
+                                  "run on different machines. Pass report_checkpoint(..., staging=...) a folder on a "
                                   "filesystem every worker sees (NFS, a shared volume).")
 
     try:
-        on_all_ranks("ray report (staging folder)", check, error=CheckpointError, passthrough=(CheckpointError,))
+        on_all_ranks("ray report_checkpoint (staging folder)", check, error=CheckpointError,
+                     passthrough=(CheckpointError,))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
@@ -92,8 +94,8 @@ def _staging_dir(staging: str | os.PathLike | None) -> Path:
     return folder
 
 
-def report(metrics: dict[str, Any], model: Any, optimizer: Any, *, step: int, extra: dict[str, Any] | None = None,
-           staging: str | os.PathLike | None = None) -> None:
+def report_checkpoint(metrics: dict[str, Any], model: Any, optimizer: Any, *, step: int,
+                      extra: dict[str, Any] | None = None, staging: str | os.PathLike | None = None) -> None:
     """Save an fp8dist checkpoint of ``model`` and ``optimizer`` at ``step`` and report it with ``metrics`` to Ray
     Train (``ray.train.report(metrics, checkpoint=...)``), which copies it into the run's storage. Call it on every
     worker, in the same steps, after ``optimizer.step()``: it is collective, like :func:`fp8dist.save_checkpoint`.

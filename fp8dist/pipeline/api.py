@@ -43,9 +43,13 @@ class WrapInfo:
     """What ``wrap_model`` did, attached to the model it returns (see :func:`get_wrap_info`)."""
 
     config: Config
+    """The resolved config the model was wrapped with (every option, defaults included)."""
     env: DistEnv
+    """This rank's place in the job: rank, world size, device, process-group backend."""
     plan: PrecisionPlan
+    """Each module's precision and why (:func:`get_plan`)."""
     sharding: ShardingInfo
+    """What the strategy did: its name, the blocks it sharded (and how they were found), the forward's autocast."""
     fp8: FP8Wiring = FP8Wiring()
     """What the FP8 backend wired after sharding (TE's autocast recipe, torchao's scale precompute)."""
     blocks: BlockWiring = BlockWiring("none", False, "")
@@ -64,7 +68,12 @@ class WrapInfo:
 
 
 def get_wrap_info(model: nn.Module) -> WrapInfo:
-    """The :class:`WrapInfo` of a model returned by :func:`wrap_model`."""
+    """The :class:`WrapInfo` (config, plan, environment, sharding, wiring) ``wrap_model`` attached to ``model``, the
+    object it returned (DeepSpeed: the engine). Callable any time after ``wrap_model``, on any rank.
+
+    Raises:
+        ValueError: ``model`` was not returned by :func:`wrap_model` (e.g. the model passed in, not the one returned).
+    """
     info = getattr(model, _INFO_ATTR, None)
     if info is None:
         raise ValueError(f"{type(model).__name__} was not returned by fp8dist.wrap_model.")
@@ -72,7 +81,8 @@ def get_wrap_info(model: nn.Module) -> WrapInfo:
 
 
 def get_plan(model: nn.Module) -> PrecisionPlan:
-    """The per-module precision plan of a model returned by :func:`wrap_model`; ``print`` it for a table."""
+    """The per-module :class:`~fp8dist.plan.precision.PrecisionPlan` (each module's precision and why) of a model
+    returned by :func:`wrap_model`; ``print`` it for a table. ValueError as :func:`get_wrap_info`."""
     return get_wrap_info(model).plan
 
 
@@ -218,7 +228,9 @@ def wrap_model(model: nn.Module, strategy: str | None = None, fp8: str | None = 
     """
     explicit = {k: v for k, v in (("strategy", strategy), ("fp8", fp8)) if v is not None}
     cfg = resolve_config(config, **explicit, **options)                                   # 1. resolve
-    launch, engine, memory = current_launch(), get_strategy(cfg.parallel.strategy), get_level(cfg.parallel.memory)
+    launch = current_launch()
+    engine = get_strategy(cfg.parallel.strategy)
+    memory = get_level(cfg.parallel.memory)
     cfg = memory.resolve(cfg, engine.facts(cfg, launch.world_size))
     _check_model(model)                                                                   # 2. check
     meta = _check_meta(model, cfg)

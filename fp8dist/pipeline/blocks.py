@@ -52,16 +52,19 @@ def has_biased_gemm(block: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class BlockWiring:
-    """What the block step did."""
+    """What the block step did (:func:`wrap_blocks`; :attr:`fp8dist.pipeline.api.WrapInfo.blocks`)."""
 
     activation_checkpointing: str
     """none, full or selective."""
     compiled: bool
+    """Whether each block was compiled with ``torch.compile``."""
     compile_reason: str
     """Why compile is on or off (auto's decision, or "asked for")."""
     blocks: tuple[str, ...] = ()
     """The blocks checkpointed and/or compiled, by their names before wrapping."""
     notes: tuple[str, ...] = ()
+    """What the user should know of this step (a Hugging Face model's KV cache turned off: it breaks wrapped
+    blocks)."""
     compiled_with_options: tuple[str, ...] = ()
     """The blocks compiled with :data:`COMPILE_OPTIONS` (they hold a biased GEMM)."""
 
@@ -105,7 +108,10 @@ def _no_cache(model: nn.Module) -> str | None:
 
 def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str, compiled: bool,
                 reason: str) -> tuple[list[tuple[str, nn.Module]], BlockWiring]:
-    """Checkpoint and/or compile each ``(name, block)`` of ``found`` in place: (the blocks to shard, what was done)."""
+    """Checkpoint and/or compile each ``(name, block)`` of ``found`` (the model's transformer blocks, innermost
+    first) in place in ``model``: activation checkpointing as ``mode`` says ("none", "full", "selective"), then
+    ``torch.compile`` when ``compiled`` (``reason``: why, recorded). Call it after FP8 conversion and before sharding
+    (torchtitan's order). Returns (the blocks to shard, as replaced; the :class:`BlockWiring` recorded)."""
     note = _no_cache(model)
     out, options = [], []
     for name, block in found:
@@ -122,7 +128,8 @@ def wrap_blocks(model: nn.Module, found: list[tuple[str, nn.Module]], mode: str,
 
 
 def describe_blocks(wiring: BlockWiring) -> str:
-    """One line: activation checkpointing, compile and why, and the graph breaks met so far when compiled."""
+    """One line of ``wiring``: activation checkpointing, compile and why, and the graph breaks met so far when
+    compiled (read from dynamo's counters at the call: after the first steps, they are the run's)."""
     compiled = f"compile off ({wiring.compile_reason})"
     if wiring.compiled:
         import torch._dynamo

@@ -91,7 +91,9 @@ def release_unplanned(model: nn.Module, plan: Any) -> list[str]:
 
 
 def held_note(model: nn.Module, released: list[str]) -> str | None:
-    """The plan's note of a base held in FP8; None when no weight is."""
+    """The plan's note of a frozen base loaded in FP8 into ``model``: how many Linears hold e4m3 weights, and
+    ``released`` (the names the plan keeps out of FP8, dequantized once); None when no weight is held in FP8 and
+    none was released."""
     held = [name for name, module in model.named_modules() if holds_fp8(module)]
     if not held and not released:
         return None

@@ -40,14 +40,18 @@ class StepGuard:
     names: dict[int, str] = field(default_factory=dict)
     """Parameter id -> its module's name (the user's names, wrappers' prefixes dropped)."""
     steps: int = 0
+    """Optimizer steps seen so far, skipped ones included."""
     skipped_steps: int = 0
+    """Steps skipped so far because their gradients were non-finite."""
     consecutive: int = 0
+    """Steps skipped in a row up to now (0 after a finite one)."""
     clipped_norm: float | None = None
     """The non-finite gradient norm :meth:`saw_norm` was given since the last step; None: none."""
 
     @classmethod
     def for_model(cls, model: nn.Module, cfg: Any, device: torch.device) -> "StepGuard":
-        """The guard ``cfg`` asks for (``nonfinite_step``, ``max_skipped_steps``) over ``model``'s parameters."""
+        """The guard ``cfg`` asks for (``nonfinite_step``, ``max_skipped_steps``) over ``model``'s parameters, its
+        flags on ``device`` (the rank's: the all-reduce of the verdict runs there)."""
         from ..strategies.local_shards import plain_name
 
         names = {id(p): plain_name(n).rpartition(".")[0] or plain_name(n) for n, p in model.named_parameters()}

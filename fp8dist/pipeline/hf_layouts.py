@@ -38,11 +38,13 @@ class FusedExperts:
     """A fused experts tensor as the checkpoint holds it: per expert, the names of its tensors in order."""
 
     parts: tuple[tuple[str, ...], ...]
+    """Per expert, the checkpoint names of the tensors stacked along dim 1, in order."""
     rows: tuple[int, ...]
     """Dim 0 of each of an expert's tensors."""
     shape: tuple[int, ...]
     """The fused tensor's shape: (experts, sum of rows, *the tensors' other dims)."""
     dtype: str
+    """The tensors' safetensors dtype ("BF16")."""
 
 
 def _candidates(name: str, layout: ExpertsLayout) -> list[str]:

@@ -26,9 +26,14 @@ def _full_size_copy(module: nn.Module, device: torch.device, shapes: dict[str, t
     shadow = object.__new__(original_class(module))
     shadow.__dict__ = dict(module.__dict__)
     shadow._modules = {}
-    shadow._parameters = {n: None if p is None else nn.Parameter(
-        torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device), requires_grad=p.requires_grad)
-        for n, p in module._parameters.items()}
+    params: dict[str, nn.Parameter | None] = {}
+    for n, p in module._parameters.items():
+        if p is None:
+            params[n] = None
+            continue
+        empty = torch.empty(shapes.get(n, p.shape), dtype=p.dtype, device=param_device)
+        params[n] = nn.Parameter(empty, requires_grad=p.requires_grad)
+    shadow._parameters = params
     shadow._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
                        for n, b in module._buffers.items()}
     return shadow
@@ -45,7 +50,16 @@ def _post_order(module: nn.Module, prefix: str = ""):
 def init_weights(model: nn.Module, device: torch.device, *, params: list[LocalParam] | None = None,
                  buffers_only: bool = False) -> None:
     """Run the model's own initialization one module at a time at full size on ``device`` and keep this rank's part
-    of each parameter; buffers are set whole. ``buffers_only``: the parameters come from a checkpoint."""
+    of each parameter; buffers are set whole. ``model``: the wrapped model whose shards the strategy allocated;
+    ``params``: this rank's parts (default :func:`~fp8dist.strategies.local_shards.local_params`);
+    ``buffers_only``: the parameters come from a checkpoint. Call it on every rank after sharding, before filling
+    from a checkpoint.
+
+    Raises:
+        ValueError: without ``buffers_only``, a parameter whose module has no ``reset_parameters`` (and the model no
+            ``_init_weights``): it would hold uninitialized memory.
+        TypeError: ``buffers_only`` is not a bool.
+    """
     require_bool("buffers_only", buffers_only)
     inner = unwrap_model(model)
     params = local_params(model) if params is None else params

@@ -27,9 +27,10 @@ __all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadRepor
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What loading a pretrained directory read on this rank."""
+    """What loading a pretrained directory read on this rank (:attr:`fp8dist.pipeline.api.WrapInfo.pretrained`)."""
 
     path: str
+    """The directory loaded."""
     bytes_read: int
     """Tensor bytes this rank read from the files."""
     checkpoint_bytes: int
@@ -41,10 +42,14 @@ class LoadReport:
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers a state dict holds, by their plain (unwrapped) names."""
-    return {plain_name(f"{prefix}.{name}" if prefix else name): buf
-            for prefix, module in model.named_modules() for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set}
+    """The buffers of ``model`` a state dict holds (persistent ones), by their plain names (the engine's wrapper
+    prefixes removed): what :func:`load_pretrained` fills and :func:`fp8dist.save_pretrained` writes."""
+    buffers = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                buffers[plain_name(f"{prefix}.{name}" if prefix else name)] = buf
+    return buffers
 
 
 def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[str, torch.Tensor],
@@ -52,7 +57,9 @@ def _mismatches(source: SafetensorsDir, params: list[LocalParam], buffers: dict[
     def listed(kind: str, items: list[str]) -> list[str]:
         return [f"{plural(len(items), *kind)}: {listing(items, SHOWN)}"] if items else []
 
-    missing, shapes, known = [], [], set()
+    missing = []
+    shapes = []
+    known = set()
     for p in params:
         known.update(p.names)
         found = [n for n in p.names if n in source]
@@ -189,7 +196,27 @@ def _itemsize(safetensors_dtype: str) -> int:
 def materialize(model: nn.Module, device: torch.device, pretrained: str | os.PathLike | None, *,
                 meta: bool, fp32_master: bool | None = None) -> LoadReport | None:
     """Fill the sharded (or whole) ``model`` from ``pretrained``, or a meta model by its own initialization (its
-    buffers either way)."""
+    buffers either way). Call it on every rank, after the strategy has allocated its shards (the strategy's filler
+    step in ``wrap_model``), before the optimizer is built.
+
+    Args:
+        model: the wrapped model, each rank holding its part (:func:`~fp8dist.strategies.local_shards.local_params`).
+        device: where the model's own initialization runs at full size, one module at a time.
+        pretrained: a Hugging Face safetensors directory; None: the model's own initialization only.
+        meta: whether the model was built on the meta device: True runs its initialization (only the buffers with
+            ``pretrained``); False with ``pretrained`` only loads.
+        fp32_master: whether the engine keeps fp32 masters of bf16/fp16 parameters (DeepSpeed's optimizer): False
+            warns that bf16 parameters train without them, True that an fp32 checkpoint rounds to bf16 once; None:
+            unknown, no warning.
+
+    Returns:
+        The :class:`LoadReport` of ``pretrained``; None without one.
+
+    Raises:
+        PretrainedError: on every rank, as :func:`load_pretrained` says.
+        ValueError: a meta model without ``pretrained`` holding parameters no initialization sets.
+        TypeError: ``meta`` is not a bool.
+    """
     require_bool("meta", meta)
     params = local_params(model)
     if meta:

@@ -18,9 +18,12 @@ from ..strategies.local_shards import Region
 __all__ = ["SafetensorsDir", "PretrainedError", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
+"""The index file of a sharded safetensors directory (tensor name -> shard file)."""
 _SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".activation_scale")  # inference's, beside FP8 weights
 SINGLE_FILE = "model.safetensors"
-SHOWN = 5  # names listed in an error (mismatches, missing files)
+"""The weights file of an unsharded directory."""
+SHOWN = 5
+"""How many names an error lists (mismatched or missing tensors, missing files) before "and N more"."""
 
 
 class PretrainedError(ValueError):
@@ -29,7 +32,11 @@ class PretrainedError(ValueError):
 
 class SafetensorsDir:
     """A Hugging Face model directory's safetensors weights (one ``model.safetensors``, or shards named by
-    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for."""
+    ``model.safetensors.index.json``), read lazily: :meth:`read` returns only the part asked for.
+
+    Opening ``SafetensorsDir(path)`` reads the index and every file's header (names, shapes, dtypes), no tensor;
+    it raises :class:`PretrainedError` where ``path`` is not a directory, holds no safetensors, its index is
+    unreadable or names missing files, or a file is damaged. :meth:`close` when done."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -168,7 +175,9 @@ class SafetensorsDir:
         if region.flat is not None:  # the rows (dim 1) that cover the range, expert by expert
             if region.numel == 0:
                 return torch.empty(0)
-            rows, rest, row = fused.shape[1], tuple((0, s) for s in fused.shape[2:]), math.prod(fused.shape[2:])
+            rows = fused.shape[1]
+            rest = tuple((0, s) for s in fused.shape[2:])
+            row = math.prod(fused.shape[2:])
             start, stop = region.flat
             first, last = start // row, (stop - 1) // row + 1
             pieces = []
@@ -239,4 +248,6 @@ class SafetensorsDir:
         return out
 
     def close(self) -> None:
+        """Drop the open safetensors files (their memory maps). Call it when the model is filled; a later
+        :meth:`read` opens its file again."""
         self._handles.clear()

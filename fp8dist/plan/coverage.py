@@ -23,11 +23,15 @@ class FP8Coverage:
     """Modules that run a GEMM with their own parameters (:func:`runs_gemm`); a module that never runs (a PEFT
     ``modules_to_save`` original) is not counted."""
     fp8_modules: int
+    """Of those, the modules planned in FP8."""
     gemm_params: int
+    """Parameters the GEMM modules hold."""
     fp8_params: int
+    """Of those, the parameters of the FP8 modules."""
     gemm_flops: int
     """Estimated forward GEMM FLOPs per token (:attr:`fp8dist.plan.precision.PlanEntry.gemm_flops`)."""
     fp8_flops: int
+    """Of those, the FP8 modules' FLOPs per token."""
     kept: tuple[tuple[str, int, int], ...]
     """The GEMM modules not in FP8, grouped by reason: ``(reason, modules, params)``, most parameters first."""
 
@@ -85,7 +89,8 @@ def gemm_flops(module: nn.Module, params: int, grouped: bool) -> int:
     return 2 * params
 
 
-LOOKUPS = (nn.Embedding, nn.EmbeddingBag)  # a 2-D parameter read by index: no GEMM
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+"""Module types whose 2-D parameter is read by index, not multiplied: :func:`runs_gemm` is False for them."""
 
 
 def runs_gemm(module: nn.Module, shapes: Iterable[Sequence[int]] | None = None) -> bool:

@@ -27,6 +27,9 @@ __all__ = ["PlanEntry", "PrecisionPlan", "plan_precision", "check_fp8_available"
            "compile_decision"]
 
 FP8Filter = Callable[[nn.Module, str], bool]
+"""``wrap_model``'s and :func:`plan_precision`'s ``fp8_filter``: called as ``fp8_filter(module, fqn)`` for each layer
+the backend supports and ``fp8_exclude`` leaves in; True lets it convert, False keeps it in the strategy's precision
+(anything but a bool raises TypeError)."""
 
 
 class FP8UnavailableError(RuntimeError):
@@ -35,14 +38,16 @@ class FP8UnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One module's decision."""
+    """One module's decision: whether it runs in FP8 and why (a row of the printed plan)."""
 
     name: str
+    """The module's name, as ``named_modules`` gives it on the model planned."""
     module_type: str
     """Class name before conversion."""
     precision: str
     """"fp8", or the fallback's "bf16" / "fp16" / "fp32"."""
     reason: str
+    """Why, in words: the backend converts it (with the figure that decided), or the rule that kept it out."""
     converted_to: str | None
     """The backend's class that replaces it (a TE norm is swapped without computing in FP8), or None."""
     params: int
@@ -84,7 +89,9 @@ class PlanEntry:
 
 def compile_decision(compile: bool | None, fp8: str | None, converted: bool, device: torch.device | Hardware,
                      refusal: str | None) -> tuple[bool, str]:
-    """Whether blocks are compiled, and why; ``refusal`` (the combination table's, for this config) turns auto off."""
+    """Whether blocks are compiled, and why: ``compile`` as asked (True / False) wins; auto (None) compiles only on
+    CUDA with FP8 layers (``converted``) of backend ``fp8``; ``refusal`` (the combination table's, for this config)
+    turns auto off. ``device``: the plan's device or hardware."""
     if compile is not None:
         return compile, "asked for" if compile else "turned off"
     if refusal is not None:
@@ -102,7 +109,9 @@ def _fallback_precision(module: nn.Module, cfg: Config, facts: StrategyFacts) ->
 
 
 class PrecisionPlan(Sequence[PlanEntry]):
-    """The list of :class:`PlanEntry` for every module that holds parameters, in model order."""
+    """The list of :class:`PlanEntry` for every module that holds parameters, in model order, with what was planned
+    around them; :func:`plan_precision` makes it, :func:`fp8dist.get_plan` reads it off a wrapped model, ``print``
+    shows it as a table."""
 
     def __init__(self, entries: list[PlanEntry], *, backend: str | None, strategy: str, detail: str = "",
                  unavailable: str | None = None, notes: Sequence[str] = (),
@@ -116,12 +125,20 @@ class PrecisionPlan(Sequence[PlanEntry]):
         """The machine planned for: the training device, or a named target."""
         self.facts = facts
         """What the strategy does to parameters: the backends read these, never the strategy's name."""
-        self.backend, self.strategy, self.detail = backend, strategy, detail
+        self.backend = backend
+        """The FP8 backend asked for (``fp8=``), or None: no FP8."""
+        self.strategy = strategy
+        """The strategy's name (``strategy=``)."""
+        self.detail = detail
+        """What the backend runs (its recipe, from ``FP8Backend.describe``), or ``"fallback: <why>"`` where it
+        cannot run here; "" without FP8."""
         self.memory = memory
         """The model-state memory level (``memory=``): standard, or lean (bf16 weights, 8-bit AdamW states)."""
         self.unavailable = unavailable
         """Why the backend cannot run here, when the plan fell back to the strategy's precision (None: it runs)."""
         self.notes = tuple(notes)
+        """What the user should know of the plan (unmatched ``fp8_exclude`` patterns, layers gathered in high
+        precision, a numerics report's effects); ``wrap_model`` warns of each once, on rank 0."""
         self.activation_checkpointing, self.compile, self.compile_reason = blocks
         """Per block: activation checkpointing mode, whether compiled, and why (:mod:`fp8dist.pipeline.blocks`)."""
         self.coverage = coverage(entries) if backend else None
@@ -179,9 +196,9 @@ class PrecisionPlan(Sequence[PlanEntry]):
         head = (f"precision plan: fp8={self.backend or 'none'}{' (' + self.detail + ')' if self.detail else ''}, "
                 f"strategy={self.strategy}{level} -- {self.counts()}")
         rows = [("module", "type", "precision", "converted to", "reason")]
-        rows += [(e.name, e.module_type, e.precision, e.converted_to or "-",
-                  e.reason + (f"; {e.reduce_fallback}" if e.reduce_fallback else ""))
-                 for e in self._entries]
+        for e in self._entries:
+            reason = e.reason + (f"; {e.reduce_fallback}" if e.reduce_fallback else "")
+            rows.append((e.name, e.module_type, e.precision, e.converted_to or "-", reason))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         blocks = (f"blocks: activation checkpointing {self.activation_checkpointing}, compile "
                   f"{'on' if self.compile else 'off'} ({self.compile_reason})")
@@ -290,15 +307,18 @@ def _entries(model: nn.Module, cfg: Config, hardware: Hardware, facts: StrategyF
     others = {n: s.facts(cfg, world_size) for n, s in STRATEGIES.items() if n != cfg.parallel.strategy}
     structure, modules, peft = _static_facts(model)
     # which adapters are active may change between plans of one structure: asked afresh of a PEFT model
-    adapters, idle, readers = (adapter_reasons(model), idle_copies(model), weight_readers(model)) if peft \
-        else ({}, {}, {})
+    adapters = adapter_reasons(model) if peft else {}
+    idle = idle_copies(model) if peft else {}
+    readers = weight_readers(model) if peft else {}
     # a PEFT adapter's own reason wins over a backend's model rule (a LoRA B is often the last Linear to run)
     reserved = {**(_model_exclusions(backend, model, cfg, structure) if backend else {}), **adapters}
     entries = []  # idle copies never run: no rule of the backend's applies
     for name, module, params, grouped, flops in modules:
         reason = idle.get(name) or _decide(backend, module, name, cfg, hardware, facts, gate, reserved,
                                            fp8_filter, others)
-        precision, target, gather = _fallback_precision(module, cfg, facts), None, None
+        precision = _fallback_precision(module, cfg, facts)
+        target = None
+        gather = None
         if reason is None:
             target = backend.converted_class(module, cfg, hardware)
             if backend.computes_in_fp8(module):

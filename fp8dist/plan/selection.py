@@ -35,6 +35,7 @@ class Selection:
     tokens: int
     """Tokens per rank per micro-batch the predictions are made at (micro_batch_size x seq_len)."""
     tokens_from: str
+    """Where ``tokens`` comes from, in words (the config's micro_batch_size and seq_len, or the default assumed)."""
     margin: float
     """The speedup a layer must reach under auto (fp8_select_margin)."""
     step: StepPrediction | None
@@ -89,10 +90,15 @@ class Selection:
             out.update(gpu=s.gpu, recipe=s.recipe, compile=s.compile, calibrated=s.calibrated,
                        gemm_s={"bf16": s.bf16_s, "planned": s.chosen_s, "all_fp8": s.all_fp8_s, "saved": s.saved_s},
                        fp8_flop_share=s.fp8_flop_share,
-                       layers=[{"name": c.name, "speedup": c.prediction.speedup, "fp8": c.fp8,
-                                "calibrated": c.prediction.calibrated, "recipe": c.prediction.recipe}
-                               for c in s.layers])
+                       layers=[_layer_dict(c) for c in s.layers])
         return out
+
+
+def _layer_dict(choice: Any) -> dict[str, Any]:
+    """One :class:`~fp8dist.plan.speed.step.LayerChoice` as :meth:`Selection.to_dict` writes it."""
+    prediction = choice.prediction
+    return {"name": choice.name, "speedup": prediction.speedup, "fp8": choice.fp8,
+            "calibrated": prediction.calibrated, "recipe": prediction.recipe}
 
 
 def _ms(seconds: float) -> str:
@@ -235,10 +241,15 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
     tail, said_tail = kept_tail(model, cfg, backend, hardware)
     notes += said_tail
     modules = dict(model.named_modules())  # one walk, not one get_submodule per entry
-    out = [e if e.precision != "fp8" else
-           _decided(e, modules[e.name], ctx, mode, margin, verdicts, fallback) if e.name not in tail else
-           dataclasses.replace(e, precision=fallback(modules[e.name]), converted_to=None,
-                               reason=tail[e.name]) for e in entries]
+    out = []
+    for e in entries:
+        if e.precision != "fp8":
+            out.append(e)
+        elif e.name in tail:
+            out.append(dataclasses.replace(e, precision=fallback(modules[e.name]), converted_to=None,
+                                           reason=tail[e.name]))
+        else:
+            out.append(_decided(e, modules[e.name], ctx, mode, margin, verdicts, fallback))
     step = _step(model, out, gpu, recipe, compile, margin)
     if verdicts is not None:
         said += f"; {sum(1 for e in out if e.numerics)} of the plan's FP8 candidates measured unsafe, kept out of FP8"
@@ -252,7 +263,9 @@ def select(model: nn.Module, entries: list[Any], cfg: Any, hardware: Hardware, *
 def _resolve(cfg: Any, hardware: Hardware, backend: Any,
              choices: tuple[str, ...]) -> tuple[str, str, list[str], Any, str | None, str]:
     """(mode, why, notes, GPU record, Linear recipe ("auto" with ``choices``), why nothing can be predicted)."""
-    asked, on_gpu, notes = cfg.precision.fp8_select, hardware.type == "cuda", []
+    asked = cfg.precision.fp8_select
+    on_gpu = hardware.type == "cuda"
+    notes = []
     if asked == "all":
         mode, why = "all", "fp8_select='all', asked for"
     elif asked == "auto" and not on_gpu:
@@ -388,9 +401,11 @@ def with_read_options(cfg: Any, **values: Any) -> Any:
     from ..config.rules import unread_options
 
     def changed(options: Mapping[str, Any]) -> Any:
-        return dataclasses.replace(cfg, **{
-            name: dataclasses.replace(section, **{k: v for k, v in options.items() if hasattr(section, k)})
-            for name, section in (("parallel", cfg.parallel), ("precision", cfg.precision))})
+        sections = {}
+        for name in ("parallel", "precision"):
+            section = getattr(cfg, name)
+            sections[name] = dataclasses.replace(section, **{k: v for k, v in options.items() if hasattr(section, k)})
+        return dataclasses.replace(cfg, **sections)
 
     unread = unread_options(changed(values))
     return changed({k: v for k, v in values.items() if k not in unread})

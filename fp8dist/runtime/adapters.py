@@ -31,7 +31,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def adapter_reasons(model: nn.Module) -> dict[str, str]:
-    """``{fqn: reason}`` of every adapter container and each adapter's module in it, naming the rank where known."""
+    """``{fqn: reason}`` of every PEFT adapter container in ``model`` and each adapter's module in it, naming the
+    rank where known: the reasons the plan gives for keeping them out of FP8."""
     reasons = {}
     for name, layer in tuner_layers(model):
         ranks = getattr(layer, "r", {})

@@ -17,7 +17,7 @@ from torch import nn
 
 __all__ = ["check_ranks_agree", "RanksDisagreeError", "rank_world", "on_all_ranks", "RankFailure", "alone"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8dist_alone", default=False)
 
 
@@ -57,8 +57,8 @@ def _report(err: Exception, rank: int, error: type[Exception],
     return rank, f"{type(err).__name__}: {err}", error, False
 
 
-def on_all_ranks(what: str, action: Callable[[], T] | None, *, error: type[Exception],
-                 passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> T | None:
+def on_all_ranks(what: str, action: Callable[[], _T] | None, *, error: type[Exception],
+                 passthrough: tuple[type[Exception], ...] = (), way_out: str = "") -> _T | None:
     """Run ``action`` on this rank (None: nothing to do here) and return its result; if it raised an ``Exception``
     on any rank, raise ``error`` on every rank, naming ``what`` and the first rank that failed, ending with
     ``way_out``. A ``passthrough`` error (a refusal complete in itself) keeps its class, and its message when every
@@ -131,7 +131,10 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
 def check_ranks_agree(model: nn.Module, cfg: Any, plan: Any, env: Any) -> None:
     """Raise :class:`RanksDisagreeError` on every rank when the ranks' fingerprints differ (one all-gather), before
     ``wrap_model`` converts or shards anything. Weights are compared only with ``check_ranks="all"``, where the
-    strategy does not copy rank 0's and they do not come later (a meta model, ``pretrained=``)."""
+    strategy does not copy rank 0's and they do not come later (a meta model, ``pretrained=``). ``model``: the
+    unwrapped model; ``cfg``: its resolved config (``check_ranks``: "off", "settings" or "all"); ``plan``: its
+    precision plan; ``env``: this rank's :class:`~fp8dist.runtime.env.DistEnv`. Collective: call it on every rank;
+    it returns at once for one process or ``check_ranks="off"``."""
     level = cfg.parallel.check_ranks
     if level == "off" or env.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return

@@ -30,24 +30,35 @@ class LaunchEnv:
     launcher: str
     """"env" (torchrun, deepspeed, ...), "slurm", "none", or "initialized" (a process group the user set up)."""
     rank: int
+    """This process's global rank (0 without a launcher)."""
     world_size: int
+    """Processes in the job (1 without a launcher)."""
     local_rank: int
+    """This process's index on its node: its CUDA device."""
     master_addr: str | None
+    """The rendezvous host (``MASTER_ADDR``, or SLURM's head node); None for one process."""
     master_port: int | None
+    """The rendezvous port (``MASTER_PORT``, or one derived from the SLURM job id); None for one process."""
     node_rank: int = 0
     """Index of this node in the job: torchrun's GROUP_RANK, deepspeed's CROSS_RANK or SLURM_NODEID; 0 alone."""
 
 
 @dataclass(frozen=True)
 class DistEnv:
-    """The initialized job as fp8dist uses it."""
+    """The initialized job as fp8dist uses it (:func:`init_distributed` returns it; ``WrapInfo.env`` keeps it)."""
 
     rank: int
+    """This process's rank in the default process group."""
     world_size: int
+    """Ranks in the default process group."""
     local_rank: int
+    """This process's index on its node."""
     device: torch.device
+    """Where this rank's model runs: cuda:``local_rank`` or cpu."""
     backend: str | None
+    """The process group's backend ("nccl", "gloo")."""
     launcher: str
+    """What started the job: as :attr:`LaunchEnv.launcher`."""
 
 
 def _slurm_head_node(environ: Mapping[str, str]) -> str:
@@ -61,7 +72,16 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Rank, world size and rendezvous address from a launcher's environment variables (default ``os.environ``)."""
+    """Rank, world size and rendezvous address from a launcher's environment variables (``environ``; default
+    ``os.environ``): torchrun / the deepspeed launcher (``RANK``, ``WORLD_SIZE``, ``MASTER_*``), else SLURM's
+    ``SLURM_*`` (the head node from ``scontrol`` and a port from the job id where not set), else one process
+    (launcher "none"). Call it before the process group starts; :func:`current_launch` once it has.
+
+    Raises:
+        LaunchError: a variable fp8dist reads has a bad value, ``RANK`` without ``WORLD_SIZE`` (or the reverse), a
+            rank outside the world size, several ranks without a rendezvous address, or a SLURM job whose head node
+            cannot be found (no ``SLURM_JOB_NODELIST``, no ``scontrol``).
+    """
     environ = os.environ if environ is None else environ
     check_variables(environ)  # every variable read below, and the rest fp8dist reads later, before anything starts
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
@@ -70,7 +90,9 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                           "MASTER_ADDR, MASTER_PORT) for every process, e.g. torchrun --nproc-per-node N. Set "
                           f"{missing} too, or unset {given} to run as one process.")
     if "RANK" in environ:  # and WORLD_SIZE: checked above
-        launcher, names, local_name = "env", ("RANK", "WORLD_SIZE"), "LOCAL_RANK"
+        launcher = "env"
+        names = ("RANK", "WORLD_SIZE")
+        local_name = "LOCAL_RANK"
     elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
         launcher, local_name = "slurm", "SLURM_LOCALID"
         names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
@@ -108,7 +130,9 @@ def current_launch() -> LaunchEnv:
     the local rank from ``LOCAL_RANK``/``SLURM_LOCALID``, else ``rank %`` the CUDA devices (or ranks) per node."""
     if not (dist.is_available() and dist.is_initialized()):
         return detect_launch_env()
-    environ, rank, world = os.environ, dist.get_rank(), dist.get_world_size()
+    environ = os.environ
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     name = next((n for n in ("LOCAL_RANK", "SLURM_LOCALID") if n in environ), None)
     per_node = torch.cuda.device_count() if torch.cuda.is_available() else local_world_size(environ, world)
     local = read(environ, name) if name else rank % max(1, per_node)
@@ -140,7 +164,13 @@ def aten_cpu_fp8_gemms() -> str | None:
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
-    """``"auto"`` -> cuda:LOCAL_RANK when CUDA is available, else cpu; ``"cuda"`` without CUDA is an error."""
+    """The torch device of the ``device`` option for the rank with ``local_rank`` on its node: ``"auto"`` ->
+    cuda:``local_rank`` when CUDA is available, else cpu; ``"cpu"`` -> cpu; ``"cuda"`` -> cuda:``local_rank``.
+
+    Raises:
+        LaunchError: ``"cuda"`` without a CUDA device, or ``local_rank`` beyond the devices this node sees (more
+            ranks per node than GPUs).
+    """
     if device == "cuda" and not torch.cuda.is_available():
         raise LaunchError("device='cuda' but torch sees no CUDA device: use device='auto' or 'cpu'.")
     if runs_on_cpu(device):
@@ -157,7 +187,9 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 def init_distributed(*, device: str = "auto", backend: str | None = None,
                      timeout: datetime.timedelta | None = None) -> DistEnv:
-    """Initialize the default process group from the launcher's environment, unless it already is.
+    """Initialize the default process group from the launcher's environment, unless it already is (then the
+    existing group's rank and world size are used as they are). ``wrap_model`` calls it; call it yourself only to
+    have the group before ``wrap_model`` (e.g. to build a ``DeviceMesh``). Sets this rank's CUDA device.
 
     With no launcher (world size 1) a single-process group is created in memory, so DDP and FSDP run the same code
     path as in a multi-process job.
@@ -171,6 +203,10 @@ def init_distributed(*, device: str = "auto", backend: str | None = None,
 
     Returns:
         The :class:`DistEnv` of this rank.
+
+    Raises:
+        LaunchError: the launcher's variables are inconsistent (:func:`detect_launch_env`), the device cannot be had
+            (:func:`resolve_device`), or the other ranks did not join within the rendezvous timeout.
     """
     launch = current_launch()  # an initialized group (the user's): its rank and world size are the truth
     dev = resolve_device(device, launch.local_rank)

@@ -24,6 +24,7 @@ class Variable:
     allowed: str
     """What is allowed, as the error says it: "an integer from 1 to 65535"."""
     way_out: str
+    """What to do instead: the end of the error's sentence."""
 
 
 def _number(cast: Callable[[str], Any], allowed: Callable[[Any], bool]) -> Callable[[str], Any]:

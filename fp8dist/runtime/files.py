@@ -24,7 +24,13 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> None:
     """``write(tmp_path)`` beside ``target``, sync it, rename it over ``target``, sync the directory: readers see the
-    old file or the whole new one, even after a power loss; a failure removes the temporary file."""
+    old file or the whole new one, even after a power loss; a failure removes the temporary file. ``write`` gets the
+    temporary file's path and writes the whole content there.
+
+    Raises:
+        OSError: the write, sync or rename failed (naming ``target``, not the temporary file); whatever ``write``
+            raises, as it is.
+    """
     target = Path(target)
     prefix = f".{target.name}."
     tmp = None
@@ -54,7 +60,7 @@ def _is_temporary(name: object, target: Path, prefix: str) -> bool:
 
 
 def atomic_write_text(target: str | os.PathLike, text: str) -> None:
-    """:func:`atomic_write` of ``text``."""
+    """Write ``text`` to ``target`` all or nothing (:func:`atomic_write`, which says what it raises)."""
     atomic_write(target, lambda tmp: Path(tmp).write_text(text))
 
 

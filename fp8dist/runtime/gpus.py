@@ -17,7 +17,9 @@ class Source:
     """Where a figure comes from: the document's title and address."""
 
     document: str
+    """The document's title."""
     url: str
+    """Where to read it."""
     note: str = ""
     """How the figure was read from it (e.g. the sparse figure halved)."""
 
@@ -117,19 +119,25 @@ class GpuSpec:
     """One GPU as fp8dist plans for it."""
 
     key: str
-    """The name ``--target`` takes (lower case); ``label`` what messages call it ("H100")."""
+    """The name ``--target`` takes (lower case)."""
     label: str
+    """What messages call it ("H100")."""
     capability: tuple[int, int]
+    """Its CUDA compute capability (major, minor): (9, 0) for Hopper."""
     device_pattern: str
     """A regular expression :func:`torch.cuda.get_device_name` of this GPU matches (case-insensitive)."""
     bf16_tflops: float
-    """Dense tensor-core peaks in TFLOP/s; FP8 None without FP8 tensor cores."""
+    """Dense bf16 tensor-core peak, TFLOP/s."""
     fp8_tflops: float | None
+    """Dense FP8 tensor-core peak, TFLOP/s; None without FP8 tensor cores."""
     memory_tbps: float
+    """Memory bandwidth, TB/s."""
     memory_gib: float
     """The datasheet's "80 GB" of HBM is binary (five 16 GiB stacks); CUDA reports a little less."""
     source: Source
+    """The datasheet the figures above come from."""
     calibration: Calibration = H100_CALIBRATION
+    """The speed model's fitted constants: this GPU's own where measured on it (:attr:`calibrated`), else borrowed."""
     fp4_tflops: float | None = None
     """Dense FP4 (NVFP4) peak, TFLOP/s; None where the GPU (or its datasheet) has none."""
     interconnect_gbps: float | None = None
@@ -255,10 +263,14 @@ GPUS: tuple[GpuSpec, ...] = (
         "Infinity Fabric 7 links x 128 GB/s = 896 GB/s to the other 7 GPUs; capability (9, 4) is what ROCm's torch "
         "reports for gfx942"), interconnect_gbps=896.0),
 )
+"""Every GPU the speed model and the memory fit know, each with its datasheet figures and their source: the
+``--target`` choices (by ``key``), and what a CUDA device's name is matched against (``device_pattern``). Look one up
+with :func:`gpu_by_key` or :func:`gpu_by_device_name`."""
 
 
 def gpu_by_key(key: str) -> GpuSpec | None:
-    """The GPU a ``--target`` name names (case-insensitive), or None."""
+    """The GPU record whose ``key`` is ``key`` (a ``--target`` name, case-insensitive, spaces around ignored), or
+    None for a name not in :data:`GPUS`."""
     return next((spec for spec in GPUS if spec.key == key.strip().lower()), None)
 
 

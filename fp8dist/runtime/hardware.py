@@ -19,6 +19,7 @@ class Hardware:
     """A device as FP8 decisions see it. ``type`` reads like :attr:`torch.device.type`."""
 
     type: str
+    """"cuda" or "cpu" (any other torch device type as it is)."""
     capability: tuple[int, int] | None = None
     """CUDA compute capability (major, minor); None off CUDA."""
     name: str = ""
@@ -70,7 +71,9 @@ class GpuLookup:
     """The GPU record of a :class:`Hardware`, or None with ``reason`` saying why and the way out."""
 
     spec: GpuSpec | None
+    """The record found; None where none is."""
     reason: str = ""
+    """Why none was found, with the way out (``--target h100``); "" where one was."""
 
 
 def find_gpu(hardware: Hardware) -> GpuLookup:

@@ -19,11 +19,21 @@ __all__ = ["OptimizerSpec", "build_optimizer", "check_optimizer_spec", "optimize
            "watch_replaced_parameters", "StaleOptimizerError", "param_count"]
 
 OptimizerSpec = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | Mapping[str, Any]
+"""What ``wrap_model(optimizer=...)`` takes where the engine owns the optimizer: a callable ``params -> Optimizer``
+(``functools.partial(torch.optim.AdamW, lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a
+``torch.optim`` class (or an engine's own type) and its keyword arguments."""
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Build an optimizer from ``spec``: a callable ``params -> Optimizer`` (``functools.partial(torch.optim.AdamW,
-    lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a class of ``torch.optim``."""
+    """Build an optimizer over ``params`` from ``spec``: a callable ``params -> Optimizer``
+    (``functools.partial(torch.optim.AdamW, lr=3e-4)``) or a mapping ``{"type": "AdamW", "lr": 3e-4, ...}`` naming a
+    class of ``torch.optim``. Call it after conversion and sharding, on the parameters the wrapped model holds.
+
+    Raises:
+        TypeError: the callable returned something other than a ``torch.optim.Optimizer``, or ``spec`` is neither a
+            callable nor a mapping.
+        ValueError: what :func:`check_optimizer_spec` refuses (an unknown type, key or value).
+    """
     if callable(spec):
         optimizer = spec(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -50,7 +60,13 @@ def check_optimizer_spec(spec: OptimizerSpec, *, who: str = "",
     type its class's signature does not take (``lr="1e-3"``), a value torch refuses (tried on a stand-in parameter).
     ``who`` starts the message (``"memory='lean': "``); ``engine_keys``: the typed keys an engine that builds the
     optimizer takes beside torch's (DeepSpeed's ``torch_adam``), a ``type`` torch lacks then left to the engine.
-    Returns the torch.optim class; None for an engine's own type or a callable (checked when called)."""
+    Returns the torch.optim class; None for an engine's own type or a callable (checked when called).
+
+    Raises:
+        TypeError: ``spec`` is neither a callable nor a mapping.
+        ValueError: an unknown ``type`` (naming the choices), a key its class does not take (with the closest
+            one), a value of the wrong type, or one torch refuses.
+    """
     if callable(spec):
         return None
     if not isinstance(spec, Mapping):
@@ -145,6 +161,7 @@ def param_count(optimizer: torch.optim.Optimizer) -> int:
 
 
 StepAction = Callable[[nn.Module, torch.optim.Optimizer], None]
+"""An action :data:`STEP_HOOKS` runs around an optimizer step, called as ``action(model, optimizer)``."""
 
 
 class _StepHooks:
@@ -193,6 +210,10 @@ class _StepHooks:
 
 
 STEP_HOOKS = _StepHooks()
+"""The process-wide optimizer-step hooks: ``STEP_HOOKS.add(model, pre=..., post=...)`` runs each
+:data:`StepAction` before / after every ``step()`` of any optimizer holding ``model``'s parameters (a backend's scale
+precompute, telemetry). Once a model is added, every optimizer step in the process first checks that the optimizer
+holds no parameter ``wrap_model`` replaced (:class:`StaleOptimizerError`). Entries live as long as the model."""
 
 
 class StaleOptimizerError(RuntimeError):

@@ -54,8 +54,14 @@ def collectives(spec: GpuSpec, facts: Any, world_size: int, params: tuple[int, i
     group and reduce-scatters the trainable ones' gradients there; HSDP (a shard group smaller than the world, its
     ranks contiguous) then all-reduces each rank's gradient shard across the replicas (twice the bytes of one pass,
     over the network once the world spans NVLink domains). A replicating strategy all-reduces the gradients over
-    every rank. ``reduce_bytes``: per gradient element, (in the shard group or the replicating all-reduce, in HSDP's
-    all-reduce across replicas)."""
+    every rank. ``spec``: the GPU; ``facts``: the strategy's (``shards_params``, ``shard_degree``); ``world_size``:
+    ranks; ``fp8_params``: elements gathered in FP8 (one byte each, bf16 two); ``reduce_bytes``: per gradient
+    element, (in the shard group or the replicating all-reduce, in HSDP's all-reduce across replicas); ``domain`` and
+    ``network_gbps``: the topology (:func:`topology`); ``c``: the step model's constants.
+
+    Raises:
+        ValueError: ``world_size`` > 1 on a GPU whose record gives no GPU-to-GPU bandwidth.
+    """
     if world_size == 1:
         return 0.0
     if spec.interconnect_gbps is None:

@@ -23,23 +23,32 @@ class LinearPrediction:
     m: int
     """Rows of the input: tokens per micro-batch per rank (for grouped GEMMs: rows routed to all experts)."""
     k: int
+    """in_features."""
     n: int
+    """out_features."""
     groups: int
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
     recipe: str
+    """The speed recipe predicted (:data:`~fp8dist.plan.speed.recipes.RECIPES`)."""
     gpu: str
-    """The GPU's ``--target`` key; ``gpu_label`` its name in messages."""
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     compile: bool
+    """Whether predicted under ``torch.compile`` (the casts fused)."""
     bf16_s: float
+    """Seconds of the bf16 way's three GEMMs (output, grad_input, grad_weight), forward + backward."""
     fp8_gemm_s: float
-    """The FP8 way's three GEMMs (some bf16, as the recipe says); ``cast_s`` its casts and scale kernels."""
+    """The FP8 way's three GEMMs (some bf16, as the recipe says)."""
     cast_s: float
+    """The FP8 way's casts and scale kernels."""
     calibrated: bool
     """True only where the constants were fitted on this GPU's own measurements of this recipe under compile."""
 
     @property
     def fp8_s(self) -> float:
+        """Predicted seconds of the FP8 way, forward + backward: its GEMMs (``fp8_gemm_s``) plus its casts and scale
+        kernels (``cast_s``); compare with ``bf16_s``."""
         return self.fp8_gemm_s + self.cast_s
 
     @property
@@ -49,11 +58,13 @@ class LinearPrediction:
 
     @property
     def saved_s(self) -> float:
-        """Negative where FP8 is slower."""
+        """Seconds FP8 saves over bf16 (``bf16_s - fp8_s``); negative where FP8 is predicted slower."""
         return self.bf16_s - self.fp8_s
 
     @property
     def flops(self) -> int:
+        """FLOPs of the layer's forward + backward GEMMs (output, grad_input, grad_weight: ``6 * m * k * n``); the
+        weight of a layer's share when a step's FLOPs are split between FP8 and bf16."""
         return 6 * self.m * self.k * self.n
 
     def describe(self) -> str:
@@ -110,14 +121,20 @@ def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: flo
 
 def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool,
              weight_grad: bool = True) -> float:
-    x, w, g = m * k, groups * n * k, m * n  # input, weight (every expert's), grad_output elements
+    x = m * k  # input elements
+    w = groups * n * k  # weight elements, every expert's
+    g = m * n  # grad_output elements
     # output, grad_input, grad_weight: (operand elements read, elements written); a frozen weight has no grad_weight
     gemms = ((x + w, g), (g + w, x), (x + g, w))[:3 if weight_grad else 2]
     low = recipe.fp8_gemms if recipe else (False, False, False)
-    return sum(gemm_seconds(gpu, m, k, n, reads * (recipe.operand_bytes + recipe.scale_bytes), _BF16 * writes,
-                            recipe.gemm, grouped) if f else
-               gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16", grouped)
-               for (reads, writes), f in zip(gemms, low))
+    total = 0.0
+    for (reads, writes), in_fp8 in zip(gemms, low):
+        if in_fp8:
+            read_bytes = reads * (recipe.operand_bytes + recipe.scale_bytes)
+            total += gemm_seconds(gpu, m, k, n, read_bytes, _BF16 * writes, recipe.gemm, grouped)
+        else:
+            total += gemm_seconds(gpu, m, k, n, reads * _BF16, _BF16 * writes, "bf16", grouped)
+    return total
 
 
 def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowdown: float = 1.0,

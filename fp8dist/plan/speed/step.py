@@ -21,10 +21,13 @@ class Gemm:
     """One Linear (or grouped expert GEMM) of a step: its module's name and forward shape."""
 
     name: str
+    """The module's name in the model."""
     m: int
     """Input rows: tokens per micro-batch per rank (grouped: rows routed to all the experts)."""
     k: int
+    """in_features."""
     n: int
+    """out_features."""
     groups: int = 1
     """Experts sharing the rows (grouped GEMMs); 1 for a Linear."""
 
@@ -34,40 +37,57 @@ class LayerChoice:
     """A layer's prediction and the margin's choice (``fp8``: the speedup is at least the margin)."""
 
     name: str
+    """The module's name in the model."""
     prediction: LinearPrediction
+    """Its bf16 and FP8 figures."""
     fp8: bool
+    """Whether it runs in FP8: its speedup is at least the margin."""
 
     @property
     def seconds(self) -> float:
+        """Predicted forward + backward seconds of the layer as chosen: FP8's (``fp8_s``) where ``fp8``, else bf16's."""
         return self.prediction.fp8_s if self.fp8 else self.prediction.bf16_s
 
 
 @dataclass(frozen=True)
 class StepPrediction:
     """A step's GEMMs under one recipe on one GPU: each layer's choice and the totals in seconds (forward +
-    backward, one micro-batch, one rank; attention, norms, communication and the optimizer are not in it)."""
+    backward, one micro-batch, one rank; attention, norms, communication and the optimizer are not in it: the whole
+    step is :class:`~fp8dist.plan.speed.step_time.StepTime`, from ``predict_step``). :func:`predict_gemms` returns
+    it; the plan's :class:`~fp8dist.plan.selection.Selection` holds the one its layer choice came from."""
 
     recipe: str
+    """The speed recipe predicted."""
     gpu: str
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     compile: bool
+    """Whether predicted under ``torch.compile``."""
     margin: float
+    """The speedup a layer must reach to be chosen FP8."""
     layers: tuple[LayerChoice, ...]
+    """Each layer's prediction and choice, in the order given."""
 
     @property
     def bf16_s(self) -> float:
+        """Predicted seconds of every layer's GEMMs in bf16 (the baseline)."""
         return sum(c.prediction.bf16_s for c in self.layers)
 
     @property
     def chosen_s(self) -> float:
+        """Predicted seconds with each layer as chosen (FP8 where its speedup clears ``margin``, else bf16)."""
         return sum(c.seconds for c in self.layers)
 
     @property
     def all_fp8_s(self) -> float:
+        """Predicted seconds with every layer in FP8, slower ones too (what ``fp8_select='all'`` runs)."""
         return sum(c.prediction.fp8_s for c in self.layers)
 
     @property
     def saved_s(self) -> float:
+        """Seconds the choice saves over bf16 (``bf16_s - chosen_s``); negative only under a ``margin`` below 1,
+        which converts layers predicted slower."""
         return self.bf16_s - self.chosen_s
 
     @property

@@ -49,10 +49,12 @@ class StepConstants:
     fitted_gpu: str = "h100-hbm2e"
     """The GPU record the constants were fitted on: its predictions of ``fitted_recipes`` are the calibrated ones."""
     fitted_recipes: tuple[str, ...] = ("tensorwise",)
+    """The recipes the constants were fitted with (on ``fitted_gpu``)."""
     fitted_on: str = ("every modelled row of benchmarks/step_model/runs.csv: torchao's H100 / B200 / MI300X Llama3-8B "
                       "tables, torchtitan's H100 runs and #3914 (4x GB200), Megatron-Bridge's performance summary, "
                       "TE's training GEMM speedups, torchtune #2833 (benchmarks/step_model/fit.py; each source's "
                       "agreement when left out of the fit: agree.py)")
+    """The measurements the constants were fitted on, in words."""
 
 
 STEP_CONSTANTS = StepConstants(gemm_efficiency=0.925, memory_traffic=6.19)
@@ -64,10 +66,15 @@ class StepParts:
     """One precision's step, seconds per micro-batch on one rank."""
 
     gemm_s: float
+    """The Linears' GEMMs, forward + backward (on the FP8 side, the FP8 layers' in FP8)."""
     attention_s: float
+    """Causal attention's QK^T and PV (bf16 under every recipe), forward + backward."""
     memory_s: float
+    """Memory-bound work (norms, activations, residuals) and, on the FP8 side, the casts and scale kernels."""
     recompute_s: float
+    """The forward recomputed in backward under activation checkpointing (0 without)."""
     optimizer_s: float
+    """The optimizer step over this rank's trainable elements."""
     collective_s: float
     """All-gather + reduce-scatter (or all-reduce) time, overlapped or not."""
     exposed_s: float
@@ -75,27 +82,43 @@ class StepParts:
 
     @property
     def compute_s(self) -> float:
+        """Seconds of the step's own work: GEMMs, attention, memory-bound kernels, recompute and the optimizer step
+        (the collectives aside)."""
         return self.gemm_s + self.attention_s + self.memory_s + self.recompute_s + self.optimizer_s
 
     @property
     def step_s(self) -> float:
+        """The predicted step: ``compute_s`` plus the collective time compute does not hide (``exposed_s``)."""
         return self.compute_s + self.exposed_s
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step, bf16 and FP8 side by side (a prediction, not a measurement)."""
+    """A whole training step predicted by :func:`predict_step`, bf16 and FP8 side by side (a prediction, not a
+    measurement): GEMMs, attention, memory-bound work, recompute, the optimizer and the exposed collectives of one
+    micro-batch on one rank. :class:`~fp8dist.plan.speed.step.StepPrediction` is the narrower answer the plan's layer
+    selection reads: the GEMMs alone, layer by layer."""
 
     gpu: str
+    """The GPU's ``--target`` key."""
     gpu_label: str
+    """The GPU's name in messages."""
     recipe: str | None
+    """The speed recipe the FP8 side runs."""
     world_size: int
+    """Ranks (GPUs) the step runs on."""
     micro_batch_size: int
+    """Sequences per rank per step."""
     seq_len: int
+    """Tokens per sequence."""
     compile: bool
+    """Whether predicted under ``torch.compile``."""
     activation_checkpointing: str
+    """none, full or selective."""
     fp8_layers: int
+    """Linears the FP8 side runs in FP8."""
     params: int
+    """Parameters of the model."""
     trainable_params: int
     """Parameters with ``requires_grad`` (a LoRA run's adapters): only these have a gradient, an optimizer step and a
     gradient collective; a frozen Linear's backward has no grad_weight GEMM."""
@@ -108,7 +131,9 @@ class StepTime:
     flops_per_token: float
     """Training FLOPs per token, PaLM's 6N + 12LHQT (what torchtitan's MFU divides)."""
     bf16: StepParts
+    """The bf16 step, part by part."""
     fp8: StepParts
+    """The FP8 step, part by part."""
     calibrated: bool
     """True only on the GPU and recipes the constants were fitted on."""
     replicate_degree: int = 1
@@ -118,10 +143,12 @@ class StepTime:
 
     @property
     def tokens(self) -> int:
+        """Tokens one rank runs per step (``micro_batch_size * seq_len``)."""
         return self.micro_batch_size * self.seq_len
 
     @property
     def speedup(self) -> float:
+        """bf16 step time over FP8 step time: above 1 where the FP8 step is predicted faster."""
         return self.bf16.step_s / self.fp8.step_s
 
     @property
@@ -131,6 +158,7 @@ class StepTime:
 
     @property
     def bf16_tokens_per_s(self) -> float:
+        """The bf16 step's tokens per second, per GPU."""
         return self.tokens / self.bf16.step_s
 
     @property
@@ -141,6 +169,7 @@ class StepTime:
 
     @property
     def bf16_mfu(self) -> float:
+        """The bf16 run's MFU: its FLOPs per second over the GPU's dense bf16 peak."""
         return self.bf16_tokens_per_s * self.flops_per_token / self._peak
 
     @property
@@ -148,6 +177,8 @@ class StepTime:
         return gpu_by_key(self.gpu).bf16_tflops * 1e12
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field (``bf16`` and ``fp8`` as dicts of their parts) and the derived figures (speedup, tokens per
+        second, step seconds, MFU), with ``prediction: True``: JSON-ready, what ``--json`` outputs write."""
         return dict(asdict(self), speedup=self.speedup, tokens_per_s=self.tokens_per_s,
                     bf16_tokens_per_s=self.bf16_tokens_per_s, bf16_step_s=self.bf16.step_s, fp8_step_s=self.fp8.step_s,
                     mfu=self.mfu, bf16_mfu=self.bf16_mfu, prediction=True)
@@ -164,6 +195,8 @@ class StepTime:
                 f"NVLink domain {self.nvlink_domain} GPUs, network {self.network_gbps:g} GB/s per GPU between domains")
 
     def describe(self) -> str:
+        """One line for logs and the CLI: ``predicted step 1.32x on 8x H100 (rowwise): 9,800 -> 12,900 tokens/s per
+        GPU (<setting>)``, with "uncalibrated" where the constants were not fitted on this GPU and recipe."""
         basis = "" if self.calibrated else ", uncalibrated"
         return (f"predicted step {self.speedup:.2f}x on {self.world_size}x {self.gpu_label} ({self.recipe}{basis}): "
                 f"{self.bf16_tokens_per_s:,.0f} -> {self.tokens_per_s:,.0f} tokens/s per GPU ({self.setting})")
@@ -286,11 +319,10 @@ def predict_step(model_or_config: Any, *, target: str | Hardware | GpuSpec, worl
     _check_topology(nvlink_domain, network_gbps)
     # the value alone first ('TE' -> 'te', an unknown name refused), modelled, before the table's refusals
     check_modelled(FP8Config(fp8=fp8).fp8, f"fp8={fp8!r}", "predict_step compares bf16 with the FP8 step")
-    cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile,
-                         **{k: v for k, v in (("strategy", strategy), ("replicate_degree", replicate_degree),
-                                              ("activation_checkpointing", activation_checkpointing),
-                                              ("reduce_dtype", reduce_dtype))
-                            if (v != 1 if k == "replicate_degree" else v)})
+    given = {"strategy": strategy, "replicate_degree": replicate_degree,
+             "activation_checkpointing": activation_checkpointing, "reduce_dtype": reduce_dtype}
+    given = {k: v for k, v in given.items() if (v != 1 if k == "replicate_degree" else v)}  # the defaults left out
+    cfg = resolve_config(fp8=fp8, source="predict_step", compile=compile, **given)
     if replicate_degree != 1:
         if "replicate_degree" not in STRATEGIES[cfg.parallel.strategy].options:
             raise ValueError(f"replicate_degree={replicate_degree!r} with strategy {cfg.parallel.strategy!r}: only "
@@ -323,9 +355,11 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     preds = {n: predict_linear(tokens, k, o, target=spec, recipe=recipe, compile=compile, weight_grad=n not in frozen)
              for n, k, o in shapes}
     # default: every Linear but the head; with a frozen base (LoRA), its Linears only (the adapters stay bf16)
-    fp8_names = [n for n, k, o in shapes
-                 if ((n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)) if chosen is None
-                     else n in chosen)]
+    if chosen is None:
+        fp8_names = [n for n, k, o in shapes
+                     if n != head and k % 16 == 0 and o % 16 == 0 and (not frozen or n in frozen)]
+    else:
+        fp8_names = [n for n, _, _ in shapes if n in chosen]
     if chosen is not None and len(fp8_names) != len(set(chosen)):
         unknown = sorted(set(chosen) - set(fp8_names))
         raise ValueError(f"fp8_layers names {unknown[:3]}, not Linear layers of this model: pass names from "
@@ -350,11 +384,11 @@ def _predict(model: nn.Module, config: Any, recipe: str, chosen: Collection[str]
     mode, shards = cfg.parallel.activation_checkpointing, facts.shards_params
     bf16_gemm = sum(p.bf16_s for p in preds.values())
     fp8_gemm = bf16_gemm - sum(preds[n].bf16_s - preds[n].fp8_gemm_s for n in fp8_names)
-    sides = [_parts(gemm, casts, attention_s, memory_s, optimizer_s,
-                    _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c),
-                    mode, blocks, shards, c)
-             for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0),
-                                      (fp8_gemm, sum(preds[n].cast_s for n in fp8_names), fp8_params))]
+    fp8_casts = sum(preds[n].cast_s for n in fp8_names)
+    sides = []
+    for gemm, casts, fp8 in ((bf16_gemm, 0.0, 0), (fp8_gemm, fp8_casts, fp8_params)):
+        collectives = _collectives(spec, facts, world_size, (params, trainable), fp8, reduce_bytes, *topology[:2], c)
+        sides.append(_parts(gemm, casts, attention_s, memory_s, optimizer_s, collectives, mode, blocks, shards, c))
     flops = 6 * sum(k * o for _, k, o in shapes) + attention_flops
     calibrated = spec.key == c.fitted_gpu and recipe in c.fitted_recipes and compile
     return StepTime(spec.key, spec.label, recipe, world_size, tokens // seq_len, seq_len,
