@@ -23,11 +23,16 @@ __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "Shard
 def register_builtins() -> None:
     """Register fp8dist's strategies in the order choices are listed in, each imported when first chosen, its
     bench_devices known before (the bench's flags) and checked against its own on import. :data:`STRATEGIES` calls it
-    through the ``fp8dist.strategies`` entry point when first read."""
-    for name, module, devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", "cuda")),
-                                  ("fsdp", "fsdp", ("cpu", "cuda")), ("fsdp1", "fsdp1", ("cpu",)),
-                                  ("deepspeed", "deepspeed", ("cpu",))):
-        STRATEGIES.register_module(name, f"{__name__}.{module}", "STRATEGY", bench_devices=devices)
+    through the ``fp8dist.strategies`` entry point when first read. Each one's knobs (``Config``) are known
+without importing it: the CLI's flags and the config's keys."""
+    from .deepspeed_knobs import DeepSpeedConfig
+    from .fsdp_knobs import FSDPConfig
+
+    for name, module, devices, knobs in (("none", "single", (), None), ("ddp", "ddp", ("cpu", "cuda"), None),
+                                         ("fsdp", "fsdp", ("cpu", "cuda"), FSDPConfig),
+                                         ("fsdp1", "fsdp1", ("cpu",), FSDPConfig),
+                                         ("deepspeed", "deepspeed", ("cpu",), DeepSpeedConfig)):
+        STRATEGIES.register_module(name, f"{__name__}.{module}", "STRATEGY", bench_devices=devices, Config=knobs)
 
 
 def _load() -> dict[str, Any]:

@@ -97,6 +97,10 @@ class Strategy(Protocol):
     """The interface of a sharding strategy; subclass it (the defaults suit a strategy that needs no such step)."""
 
     name: ClassVar[str]
+    Config: ClassVar[type | None] = None
+    """The dataclass of this strategy's own knobs (keyword-only, frozen, each field documented by the docstring under
+    it), flat keys of the config (``cfg.parallel.<knob>``, ``cfg.parallel.knobs(name)``), flags and file keys; name
+    each in :attr:`options` with when it is read. None: no knobs of its own. Strategies may share one class."""
     options: ClassVar[Mapping[str, When]] = {}
     """Options only this strategy reads, each with when it reads them (one set but not read is reported)."""
     rules: ClassVar[tuple[Rule, ...]] = (FP16_RULE,)

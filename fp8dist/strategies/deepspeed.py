@@ -21,6 +21,7 @@ from ..config.text import byte_size
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    fill_whole)
 from .common import cast_buffers, to_empty
+from .deepspeed_knobs import DeepSpeedConfig
 from .deepspeed_checkpoint import ZeROCheckpoint
 from .deepspeed_config import (build_deepspeed_config, merge_user_config, model_hidden_size, read_user_config,
                                torch_adam_on_cpu, validate_with_deepspeed, zero_config)
@@ -97,6 +98,7 @@ class DeepSpeed(Strategy):
     casts itself. A meta model is partitioned through ``zero.Init`` under ZeRO-3, allocated whole under ZeRO-1/2."""
 
     name = "deepspeed"
+    Config = DeepSpeedConfig
     accelerate = {"distributed_type": "DEEPSPEED"}
     package = "deepspeed"
     bench_devices = ("cpu",)

@@ -19,6 +19,7 @@ from ..config.text import plural
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    prepared, reduce_words)
 from .common import cast_buffers, shard_blocks, to_empty
+from .fsdp_knobs import FSDPConfig
 from .grad_fp8 import (GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter,
                        unit_owning)
 from .padding import padding_note, shard_padding
@@ -145,6 +146,7 @@ class FSDP2(Strategy):
     materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    Config = FSDPConfig
     reduce_fallback_unit = "FSDP2 unit"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
     bench_devices = ("cpu", "cuda")

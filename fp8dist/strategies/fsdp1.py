@@ -15,6 +15,7 @@ from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from .base import (FP16_RULE, EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
                    fill_shards, prepared, reduce_words, require_1d_mesh)
 from .common import find_blocks, shard_blocks, to_empty
+from .fsdp_knobs import FSDPConfig
 from .local_shards import flat_params
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
 
@@ -48,6 +49,7 @@ class FSDP1(Strategy):
     rank fills its shards."""
 
     name = "fsdp1"
+    Config = FSDPConfig  # FSDP's knobs: fsdp1 reads reshard_after_forward (its options), not FSDP2's HSDP
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
     bench_devices = ("cpu",)
     options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
