@@ -187,6 +187,40 @@ class Strategy(Protocol):
             norm = norm.full_tensor()
         return norm.detach()
 
+    # the step: what fp8dist train and bench call for each micro-batch and each optimizer step
+    def accumulating(self, model: nn.Module, *, last: bool) -> contextlib.AbstractContextManager:
+        """The context one micro-batch's forward and :meth:`backward` run in when an optimizer step accumulates over
+        several: ``last`` (the micro-batch that completes the step) reduces the gradients. Default: :meth:`no_sync`
+        unless ``last``; an engine that accumulates itself (DeepSpeed) returns a null context."""
+        return contextlib.nullcontext() if last else self.no_sync(model)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, *, micro_batches: int = 1, last: bool = True) -> None:
+        """Backpropagate ``loss``, the scalar loss of one micro-batch of ``micro_batches`` per optimizer step (``last``:
+        the one that completes the step), through the wrapped ``model``; call inside :meth:`accumulating`, then
+        :meth:`optimizer_step` after the last. Default: ``(loss / micro_batches).backward()``."""
+        (loss / micro_batches if micro_batches > 1 else loss).backward()
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                       while_held: Callable[[], object] | None = None) -> None:
+        """Update the weights from the gradients :meth:`backward` left (clipped before by the caller, or by the engine
+        where it clips itself), then zero the gradients. ``while_held`` is called once while the step's gradients and
+        the optimizer states are both held (the moment a memory report measures). Default: ``optimizer.step()``,
+        ``while_held()``, ``optimizer.zero_grad(set_to_none=True)``; the guard wrap_model put on the step
+        (:meth:`watch_steps`) runs inside. Raises ValueError without an optimizer, which a torch engine needs."""
+        if optimizer is None:
+            raise ValueError(f"strategy={self.name!r} steps the torch optimizer you built or wrap_model returned "
+                             "(wrap_model(optimizer={...})); optimizer_step got None.")
+        optimizer.step()
+        if while_held is not None:
+            while_held()
+        optimizer.zero_grad(set_to_none=True)
+
+    def global_grad_norm(self, model: nn.Module) -> torch.Tensor | float | None:
+        """The global gradient norm before clipping of the last :meth:`optimizer_step`, where the engine clips inside
+        it (``StrategyFacts.engine_builds_optimizer``); call after the step. Default None: a torch engine's norm is
+        what ``fp8dist.clip_grad_norm_`` returned before the step."""
+        return None
+
     # pipeline, cli, train
     rank_imports: ClassVar[tuple[str, ...]] = ()
     """Modules a training rank imports anyway (its engine's), for a parent to import before its ranks fork."""

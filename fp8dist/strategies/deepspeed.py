@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -193,6 +194,29 @@ class DeepSpeed(Strategy):
         raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
+
+    def accumulating(self, model: nn.Module, *, last: bool):
+        """None needed: the engine accumulates over ``grad_accum`` micro-batches, counted by its ``step()``."""
+        return contextlib.nullcontext()
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, *, micro_batches: int = 1, last: bool = True) -> None:
+        """``engine.backward(loss)`` (the engine scales by its gradient_accumulation_steps); a micro-batch that is
+        not the last is then counted by ``engine.step()``, which updates only at the accumulation boundary (the
+        last's :meth:`optimizer_step`)."""
+        model.backward(loss)
+        if not last:
+            model.step()
+
+    def optimizer_step(self, model: nn.Module, optimizer: Any, *, while_held=None) -> None:
+        """``engine.step()``: it clips, updates and zeroes the gradients itself (``optimizer`` is its own, unused);
+        ``while_held`` runs before it, while the gradient partitions it frees are still held."""
+        if while_held is not None:
+            while_held()
+        model.step()
+
+    def global_grad_norm(self, model: nn.Module) -> float | None:
+        """``engine.get_global_grad_norm()``: the norm the engine computed, before clipping, in its last step."""
+        return model.get_global_grad_norm()
 
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:

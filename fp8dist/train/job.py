@@ -35,8 +35,9 @@ from ..pipeline.api import get_plan, get_wrap_info, wrap_model
 from ..pipeline.blocks import describe_blocks
 from ..runtime.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
                             runs_on_cpu)
-from ..pipeline.grads import clip_grad_norm_, no_sync
+from ..pipeline.grads import clip_grad_norm_
 from ..plan.selection import with_read_options
+from ..strategies import get_strategy
 from ..strategies.grad_fp8 import describe_tally, fp8_wire_words, model_grad_wire
 from .checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
 from .config import TrainConfig
@@ -182,31 +183,22 @@ NORM_ONLY = float(torch.finfo(torch.float32).max)  # clip_grad_norm_ scales by e
 
 def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
                        windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the micro-batches (reduced at the last, clipped to ``clip``, 0: not); (mean loss, grad
-    norm before clipping). ``show_report`` gets the report while gradients and optimizer states are both held:
-    after a torch optimizer's step, before DeepSpeed's (which frees the gradient partitions)."""
+    """One optimizer step over the micro-batches (reduced at the last, clipped to ``clip``, 0: not; ``engine``: the
+    engine clips itself), through the strategy's step (:meth:`~fp8dist.strategies.base.Strategy.backward`,
+    ``optimizer_step``, ``global_grad_norm``); (mean loss, grad norm before clipping). ``show_report`` gets the
+    report while gradients and optimizer states are both held (the strategy's ``while_held``)."""
+    strategy = get_strategy(get_wrap_info(wrapped).sharding.strategy)
     total = torch.zeros((), device=micro[0].device)
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
-        if engine:
+        with strategy.accumulating(wrapped, last=last):
             loss = lm_loss(wrapped, ids, windows=windows)
-            wrapped.backward(loss)
-            if last and show_report is not None:
-                show_report(str(report(wrapped, optimizer)))
-            wrapped.step()
-        else:
-            with no_sync(wrapped, last=last):
-                loss = lm_loss(wrapped, ids, windows=windows)
-                (loss / len(micro)).backward()
+            strategy.backward(wrapped, loss, micro_batches=len(micro), last=last)
         total += loss.detach().float()
-    if engine:
-        return total / len(micro), wrapped.get_global_grad_norm()
-    norm = clip_grad_norm_(wrapped, clip if clip > 0 else NORM_ONLY)
-    optimizer.step()
-    if show_report is not None:
-        show_report(str(report(wrapped, optimizer)))
-    optimizer.zero_grad(set_to_none=True)
-    return total / len(micro), norm
+    norm = None if engine else clip_grad_norm_(wrapped, clip if clip > 0 else NORM_ONLY)
+    held = None if show_report is None else lambda: show_report(str(report(wrapped, optimizer)))
+    strategy.optimizer_step(wrapped, optimizer, while_held=held)
+    return total / len(micro), strategy.global_grad_norm(wrapped) if norm is None else norm
 
 
 def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
