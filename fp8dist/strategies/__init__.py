@@ -66,9 +66,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     DeepSpeed engine; the model itself under FSDP2 (sharded in place) and strategy "none"."""
     from .introspect import engine_of
 
-    if engine_of(model) in ("ddp", "fsdp1", "deepspeed"):  # the wrappers (fully_shard shards in place)
-        return model.module
-    return model
+    engine = engine_of(model)  # the wrappers' strategies answer their .module (fully_shard shards in place)
+    return model if engine is None else STRATEGIES[engine].unwrap(model)
 
 
 __getattr__ = lazy_names(globals(), _load)

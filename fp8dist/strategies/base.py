@@ -221,6 +221,28 @@ class Strategy(Protocol):
         what ``fp8dist.clip_grad_norm_`` returned before the step."""
         return None
 
+    # introspection: how this engine shows in a model (wrap_model refuses a model already wrapped; unwrap_model)
+    engine_words: ClassVar[str] = ""
+    """How a module :meth:`is_engine` finds is described after "already": "wrapped in DistributedDataParallel
+    (DDP)"."""
+
+    def is_engine(self, module: object) -> bool:
+        """Whether ``module`` is this strategy's engine's own object (its wrapper, or a module it sharded in place),
+        read without importing an engine that is not imported yet. wrap_model refuses such a model (a second engine
+        over the same parameters); :func:`~fp8dist.strategies.unwrap_model` unwraps it. Default: False (an engine
+        that leaves no trace of its own, like torch's composable ``replicate``)."""
+        return False
+
+    def holds_param(self, param: nn.Parameter) -> str | None:
+        """Where this engine holds ``param`` without its wrapper being in the model (``zero.Init`` by hand), in words
+        after "already" ("held by DeepSpeed (...)"); None: not one of its. wrap_model refuses such a model."""
+        return None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's model inside ``model``, which :meth:`is_engine` recognizes: the wrapper's ``.module``; by
+        default ``model`` itself (an engine that shards in place)."""
+        return model
+
     # pipeline, cli, train
     rank_imports: ClassVar[tuple[str, ...]] = ()
     """Modules a training rank imports anyway (its engine's), for a parent to import before its ranks fork."""

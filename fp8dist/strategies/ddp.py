@@ -56,10 +56,19 @@ class DDP(Strategy):
     hook."""
 
     name = "ddp"
+    engine_words = "wrapped in DistributedDataParallel (DDP)"
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
     bench_devices = ("cpu", "cuda")
     options = {"reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
     reduce_fallback_unit = "layer (its gradients split out of DDP's bucket)"
+
+    def is_engine(self, module: object) -> bool:
+        """A ``DistributedDataParallel`` wrapper."""
+        return isinstance(module, DistributedDataParallel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """DDP's ``.module``."""
+        return model.module
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(autocast_forward=True, broadcasts_weights=True,

@@ -99,6 +99,7 @@ class DeepSpeed(Strategy):
     casts itself. A meta model is partitioned through ``zero.Init`` under ZeRO-3, allocated whole under ZeRO-1/2."""
 
     name = "deepspeed"
+    engine_words = "a DeepSpeed engine (deepspeed.initialize)"
     Config = DeepSpeedConfig
     accelerate = {"distributed_type": "DEEPSPEED"}
     package = "deepspeed"
@@ -194,6 +195,20 @@ class DeepSpeed(Strategy):
         raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
+
+    def is_engine(self, module: object) -> bool:
+        """A ``DeepSpeedEngine`` (DeepSpeed not imported: none can exist)."""
+        return is_deepspeed_engine(module)
+
+    def holds_param(self, param: nn.Parameter) -> str | None:
+        """A parameter carrying ZeRO-3's partition id or ZeRO-1/2's link to its fp32 master (DeepSpeed 0.19)."""
+        if any(hasattr(param, attr) for attr in ("ds_id", "_hp_mapping")):
+            return "held by DeepSpeed (deepspeed.initialize or zero.Init by hand)"
+        return None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The engine's ``.module``."""
+        return model.module
 
     def accumulating(self, model: nn.Module, *, last: bool):
         """None needed: the engine accumulates over ``grad_accum`` micro-batches, counted by its ``step()``."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config.axis import ALWAYS, StrategyFacts, When
@@ -146,12 +146,17 @@ class FSDP2(Strategy):
     materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    engine_words = "sharded by fully_shard (FSDP2)"
     Config = FSDPConfig
     reduce_fallback_unit = "FSDP2 unit"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
     bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
                "reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
+
+    def is_engine(self, module: object) -> bool:
+        """A module ``fully_shard`` sharded in place (an ``FSDPModule``)."""
+        return isinstance(module, FSDPModule)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         shards = None if world_size is None else world_size // max(1, cfg.parallel.replicate_degree)

@@ -49,6 +49,7 @@ class FSDP1(Strategy):
     rank fills its shards."""
 
     name = "fsdp1"
+    engine_words = "wrapped in FullyShardedDataParallel (FSDP1)"
     Config = FSDPConfig  # FSDP's knobs: fsdp1 reads reshard_after_forward (its options), not FSDP2's HSDP
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
     bench_devices = ("cpu",)
@@ -59,6 +60,14 @@ class FSDP1(Strategy):
         "fp16) and fp8dist has no FP8 comm hook for its flat gradients",
         "Use strategy='fsdp' (FSDP2, whose FP8 reduce-scatter fp8dist wires), or reduce_dtype='bf16' with "
         "strategy='fsdp1'."),)
+
+    def is_engine(self, module: object) -> bool:
+        """A ``FullyShardedDataParallel`` wrapper (the root or a unit)."""
+        return isinstance(module, FullyShardedDataParallel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The root wrapper's ``.module``."""
+        return model.module
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
