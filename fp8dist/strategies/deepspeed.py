@@ -143,11 +143,15 @@ class DeepSpeed(Strategy):
                                  who=f"DeepSpeed config {cfg.parallel.ds_config!r}: ", engine_keys=self.optimizer_keys)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """The engine owns the parameters and builds, steps, accumulates and clips the optimizer; ZeRO-3
+        partitions parameters over every rank, ZeRO-1/2 keep them whole."""
         partitions = None if world_size is None else (world_size if cfg.parallel.zero_stage == 3 else 1)
         return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
                              broadcasts_weights=True, shard_degree=partitions)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """``deepspeed.initialize`` on the config fp8dist builds (the user's ``ds_config`` merged under it);
+        a meta model partitioned through ``zero.Init`` under ZeRO-3. ValueError without an optimizer spec or block."""
         p, env = job.cfg.parallel, job.env
         extra, initialize = job.engine_entry or ({}, None)
         config = {**build_deepspeed_config(model, p, world_size=env.world_size, optimizer=job.optimizer), **extra}
@@ -184,14 +188,17 @@ class DeepSpeed(Strategy):
         model.step = step_and_count
 
     def missing_reason(self) -> str | None:
+        """DeepSpeed not installed, with its pip extra."""
         return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
 
     def no_sync(self, model: nn.Module):
+        """Refused (ValueError): the engine accumulates over ``grad_accum`` micro-batches itself."""
         raise ValueError(_OWN_STEP.format(self.name, "accumulates gradients over grad_accum micro-batches",
                                           "pass grad_accum=N to wrap_model and call engine.backward(loss) and "
                                           "engine.step() for every micro-batch, without no_sync"))
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float):
+        """Refused (ValueError): the engine clips in its step (``gradient_clipping``)."""
         raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
@@ -257,6 +264,8 @@ class DeepSpeed(Strategy):
 
     def rank_state_bytes(self, params, cfg: Any, world_size: int, engine: EngineMemory, *, step: int, level_states,
                          backend_optimizer: bool) -> list[dict[str, int]]:
+        """ZeRO's partitions of the stage the estimate's config builds (persistent small parameters
+        whole under ZeRO-3)."""
         return zero_state_bytes(params, world_size, stage=engine.stage, persistence=engine.layout["persistence"],
                                 step=step if engine.layout["torch_adam"] else 0, backend_optimizer=backend_optimizer)
 
@@ -290,6 +299,7 @@ class DeepSpeed(Strategy):
             "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """ZeRO-3's ``ds_tensor`` partitions; None under ZeRO-1/2."""
         return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
 
     def group_parts(self, params: list[nn.Parameter]) -> list[Any]:
