@@ -4,7 +4,7 @@ a YAML key of every command, read by the strategy through ``cfg.parallel.knobs(n
 
 The strategy replicates the model like DDP and splits the optimizer states over ``state_shards`` ranks (ZeRO-1's
 layout): the plan names the split, the estimate's optimizer states shrink by it. The registration is undone after each
-test, so the suite's registries stay as they were."""
+test, so the suite's registries stay as they were. The three tests cost about 7 s together (in-process)."""
 
 from __future__ import annotations
 
@@ -109,3 +109,17 @@ def test_a_bad_value_of_the_knob_is_refused_and_under_another_strategy_it_is_sai
     with pytest.raises(SystemExit):  # not an integer: argparse's usage error, naming the flag
         cli.main([*plan, "--strategy", NAME, "--state-shards", "two"])
     assert "state_shards='two' must be an integer" in capsys.readouterr().err
+
+
+def test_a_knob_its_strategy_does_not_say_it_reads_is_refused_at_registration():
+    """Else the knob set under another strategy would change nothing and say nothing."""
+    class Forgetful(SplitStates):
+        name = "forgetful"
+        options = {}
+
+    names = STRATEGIES.names()
+    with pytest.raises(ValueError) as caught:
+        register_strategy(Forgetful())
+    assert "Forgetful.Config's knob 'state_shards' is in none of its options: add 'state_shards': ALWAYS" in \
+        str(caught.value)
+    assert STRATEGIES.names() == names

@@ -50,9 +50,26 @@ def _load() -> dict[str, Any]:
 
 def register_strategy(strategy: Strategy) -> Strategy:
     """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in
-    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it. Its knobs
+    (``Config``, a dataclass) become flat keys and flags; each must be named in its ``options`` (or in those of a
+    strategy sharing the class), so that a knob set under another strategy is reported: else ValueError, and nothing
+    is registered. Raises what the registry raises for a name taken or a value that is no Strategy."""
+    import dataclasses
+
     from .base import Strategy
 
+    knobs = getattr(strategy, "Config", None)
+    if knobs is not None:
+        if not (isinstance(knobs, type) and dataclasses.is_dataclass(knobs)):
+            raise TypeError(f"register: {type(strategy).__qualname__}.Config={knobs!r} must be a dataclass of the "
+                            "strategy's knobs (@dataclass(kw_only=True, frozen=True)), or None.")
+        sharing = [strategy] + [STRATEGIES[name] for name in STRATEGIES
+                                if name != strategy.name and STRATEGIES.attribute(name, "Config") is knobs]
+        unread = [f.name for f in dataclasses.fields(knobs) if not any(f.name in s.options for s in sharing)]
+        if unread:
+            raise ValueError(f"register: {type(strategy).__qualname__}.Config's knob {unread[0]!r} is in none of its "
+                             f"options: add {unread[0]!r}: ALWAYS (fp8dist.config.axis; or the When it is read "
+                             "under) to its options, so that the knob set under another strategy is reported.")
     return STRATEGIES.register(strategy, Strategy)
 
 
