@@ -88,10 +88,12 @@ def test_a_strategys_own_knob_is_a_flag_a_key_and_read_by_plan_and_estimate(spli
         states[shards] = found["bytes"]["optimizer_states"]
     assert states["1"] == 4 * states["4"] > 0  # the knob reached the strategy's memory figures
     config = tmp_path / "split.yaml"
-    config.write_text(f"strategy: {NAME}\nstate_shards: 4\n")
+    config.write_text(f"strategy: {NAME}\n{NAME}:\n  state_shards: 4\n")  # nested under its strategy, or flat
     code, out, _ = _run(capsys, "plan", "--model-size", "tiny", "--fp8", "none", "--world-size", "4", "--config",
                         str(config))
     assert code == 0 and "note: optimizer states split over 4 ranks" in out, out
+    assert resolve_config(config).to_dict()["state_shards"] == resolve_config({"state_shards": 4}).to_dict()[
+        "state_shards"] == 4
     cfg = resolve_config(strategy=NAME, state_shards=2)  # a keyword, read flat or as the strategy's Config
     assert cfg.parallel.state_shards == cfg.parallel.knobs(NAME).state_shards == 2
 

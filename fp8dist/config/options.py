@@ -75,11 +75,8 @@ class StrategyConfig:
     """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU,
     else off (on a CPU it costs more than it saves)."""
 
-
-
     device: Device = "auto"
     """Where the model runs: auto is cuda:LOCAL_RANK when CUDA is available, else cpu."""
-
 
     micro_batch_size: int = field(default=1, metadata={"min": 1})
     """Sequences per rank per forward (DeepSpeed's train_micro_batch_size_per_gpu); with seq_len, the tokens
