@@ -26,7 +26,7 @@ import torch.distributed as dist
 import fp8dist.checkpoint.save_load as save_load
 import fp8dist.runtime.env as launch_env
 import fp8dist.train.data.job as job_data
-import fp8dist.train.job as train
+import fp8dist.train.steps as train_steps
 from fp8dist.cli import main
 
 ENV = "CHECKPOINT_FAULTS"  # the faults, for the fork server of `fp8dist train`, which imports this module
@@ -50,7 +50,7 @@ def _kill(rank: int, what: str) -> None:
 
 
 def kill_rank(rank: int, step: int) -> None:
-    save = train._save
+    save = train_steps.save_step
 
     def save_then_kill(job, model, optimizer, done, *rest):  # rest: the data position and the log
         save(job, model, optimizer, done, *rest)
@@ -60,11 +60,11 @@ def kill_rank(rank: int, step: int) -> None:
         if dist.get_rank() == rank:
             _kill(rank, f"after step {done}")
 
-    train._save = save_then_kill
+    train_steps.save_step = save_then_kill
 
 
 def kill_rank_mid_step(rank: int, step: int) -> None:
-    take, clip = job_data.JobBatches.take, train.clip_grad_norm_
+    take, clip = job_data.JobBatches.take, train_steps.clip_grad_norm_
     current = {}
 
     def taking(self, index):  # the loop takes step `index`'s batch as the step starts
@@ -76,7 +76,7 @@ def kill_rank_mid_step(rank: int, step: int) -> None:
             _kill(rank, f"during step {step}, after its backward")
         return clip(model, max_norm)
 
-    job_data.JobBatches.take, train.clip_grad_norm_ = taking, clip_or_kill
+    job_data.JobBatches.take, train_steps.clip_grad_norm_ = taking, clip_or_kill
 
 
 def kill_rank_mid_save(rank: int, step: int) -> None:

@@ -144,9 +144,10 @@ def test_a_built_in_registered_by_module_is_checked_against_what_it_registered()
 
 def test_the_built_ins_registered_facts_are_their_own():
     """What the registries answer of a built-in before importing it (the bench's flags: each strategy's
-    ``bench_devices``, each backend's ``Config`` and variant options) is what the value says once imported."""
+    ``bench_devices`` and ``Config``, each backend's ``Config`` and variant options) is what the value says once
+    imported."""
     code = ("import sys; from fp8dist.config.axis import BACKENDS, STRATEGIES; "
-            "keys = ((STRATEGIES, ('bench_devices',)), (BACKENDS, ('Config', 'variant_option', "
+            "keys = ((STRATEGIES, ('bench_devices', 'Config')), (BACKENDS, ('Config', 'variant_option', "
             "'more_variant_options'))); "
             "known = [(r, n, k, r.attribute(n, k)) for r, ks in keys for n in r for k in ks]; "
             "light = 'torch' not in sys.modules; "

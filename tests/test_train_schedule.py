@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-import fp8dist.train.job as train_module
+import fp8dist.train.steps as train_module
 from fp8dist.config.resolve import resolve_config
 from fp8dist.train.data.job import JobBatches
 from fp8dist.train.job import TrainConfig, run_training

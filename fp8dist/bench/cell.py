@@ -204,7 +204,6 @@ class _Run:
     def __init__(self, cell: Cell, wiring: str, device: torch.device, batches: Any) -> None:
         from ..train.data import VOCAB_SIZE
         from ..train.models import build_llama
-        from ..strategies.deepspeed import is_deepspeed_engine
         from ..train.schedule import lr_schedule, set_lr
 
         vocab = batches.corpus.vocab_size if batches.corpus is not None else VOCAB_SIZE
@@ -217,7 +216,7 @@ class _Run:
         self.wiring, self.device, self.last = wiring, device, cell.steps - 1
         factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
         self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
-        self.engine = is_deepspeed_engine(self.model)
+        self.strategy = get_strategy(cell.strategy)  # its step: backward, optimizer step (DeepSpeed's engine's own)
         self.losses: list[float] = []
         self.lrs: list[float] = []
         self.times: list[float] = []
@@ -234,16 +233,13 @@ class _Run:
         with self.counter if counting else contextlib.nullcontext():
             with self.wired.forward_context():
                 loss = lm_loss(self.model, ids, windows=self.windows)
-            if self.engine:  # DeepSpeed: the engine steps and zeroes; gradients are held until its step
-                self.model.backward(loss)
-                self._record_state(counting)
-                self.model.step()
-            else:
-                loss.backward()
-                self.optimizer.step()
+            self.strategy.backward(self.model, loss)
+
+            def while_held() -> None:  # the step's gradients and optimizer states both held (DeepSpeed: before it)
                 self.wired.after_step()
                 self._record_state(counting)
-                self.optimizer.zero_grad(set_to_none=True)
+
+            self.strategy.optimizer_step(self.model, self.optimizer, while_held=while_held)
         _sync(self.device)
         self.times.append(time.perf_counter() - t0)
         self.losses.append(loss.detach().float().item())

@@ -72,8 +72,10 @@ class When:
     def holds(self, cfg: Any, facts: StrategyFacts) -> bool:
         """Whether this condition holds for ``cfg``: every option it names has one of its values and every strategy
         fact it names is true in ``facts``."""
-        values = {**vars(cfg.parallel), **vars(cfg.precision)}
-        return all(values[k] in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
+        def value(key: str) -> Any:  # a knob of a strategy or a backend too (each section reads them flat)
+            return getattr(cfg.parallel, key) if hasattr(cfg.parallel, key) else getattr(cfg.precision, key)
+
+        return all(value(k) in v for k, v in self.options.items()) and all(getattr(facts, f) for f in self.facts)
 
 
 ALWAYS = When()

@@ -26,7 +26,7 @@ the output head stay in the strategy's precision (torchtitan's NVFP4 Llama3-8B o
 tok/s)."""
 
 __all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName",
-           "MemoryLevelName",
+           "MemoryLevelName", "strategy_configs",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "DEFAULT_MARGIN", "knob_configs"]
 
 Strategy = Annotated[str, Choices(STRATEGIES)]
@@ -49,9 +49,11 @@ attention and GEMM outputs too); recomputed in backward, per block."""
 _DTYPE = {"aliases": DTYPE_ALIASES}
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(kw_only=True, frozen=True, init=False)
 class StrategyConfig:
-    """How the model is replicated or sharded, and the mixed precision of the strategy."""
+    """How the model is replicated or sharded, the mixed precision of the strategy, and each strategy's knobs (its
+    ``Config``), given and read flat (``zero_stage=3``, ``cfg.parallel.zero_stage``) or as
+    ``knobs("deepspeed").zero_stage``; a knob no chosen strategy reads is reported."""
 
     strategy: Strategy = "fsdp"
     """How the model is spread over ranks: none (one process), ddp, fsdp (FSDP2 fully_shard), fsdp1
@@ -86,21 +88,8 @@ class StrategyConfig:
     """torch.compile each block in place (state-dict keys unchanged). None (auto): on where FP8 runs on a CUDA GPU,
     else off (on a CPU it costs more than it saves)."""
 
-    reshard_after_forward: bool = True
-    """FSDP: free each block's gathered parameters after forward (ZeRO-3 style); false keeps them for backward
-    (ZeRO-2 style: more memory, less communication). FSDP2's final norm and output unit always keeps them."""
-
-    replicate_degree: int = field(default=1, metadata={"min": 1})
-    """FSDP2 HSDP: split the ranks into this many groups that each hold a whole copy of the model, sharded within
-    the group (world size / replicate_degree ranks; torchtitan's data_parallel_replicate_degree); gradients are
-    reduce-scattered within a group and all-reduced across groups. Set it to the number of nodes to shard within
-    a node and replicate across nodes; 1: shard over every rank."""
-
     device: Device = "auto"
     """Where the model runs: auto is cuda:LOCAL_RANK when CUDA is available, else cpu."""
-
-    zero_stage: Literal[1, 2, 3] = 2
-    """DeepSpeed ZeRO stage: 1 (optimizer states partitioned), 2 (+ gradients), 3 (+ parameters)."""
 
     micro_batch_size: int = field(default=1, metadata={"min": 1})
     """Sequences per rank per forward (DeepSpeed's train_micro_batch_size_per_gpu); with seq_len, the tokens
@@ -118,14 +107,9 @@ class StrategyConfig:
     """Largest global gradient norm (0: no clipping; DeepSpeed's gradient_clipping); fp8dist train clips under
     every strategy, your own loop with fp8dist.clip_grad_norm_."""
 
-    offload_optimizer: bool = False
-    """DeepSpeed: keep optimizer states on the CPU."""
-
-    offload_param: bool = False
-    """DeepSpeed ZeRO-3: keep parameters on the CPU."""
-
-    ds_config: str | None = None
-    """Path to your own DeepSpeed json: its values win; fp8dist fills only the keys it lacks."""
+    strategy_knobs: tuple[Any, ...] = field(default=(), metadata={"nested": lambda: strategy_configs().values()})
+    """One instance of each registered strategy's ``Config`` (each class once: fsdp and fsdp1 share FSDP's), in the
+    registry's order."""
 
     memory: MemoryLevelName = "standard"
     """Model-state memory level. standard: fp32 master weights, your optimizer. lean (MS-AMP O2 class, ~6 bytes per
@@ -151,14 +135,27 @@ class StrategyConfig:
     """A Hugging Face model directory (model.safetensors, or shards + index) loaded into the wrapped model, each rank
     reading only its part (a meta model allocates only that); none: the model keeps its weights."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, *, strategy_knobs: Iterable[Any] = (), **options: Any) -> None:
+        """Every option by its flat name (a strategy's knob too: ``zero_stage=3``); ``strategy_knobs``: Config
+        instances to start from (``dataclasses.replace`` passes them back). Raises TypeError for an unknown keyword,
+        ValueError for a bad value (naming it and the choices)."""
+        given = {type(knobs): knobs for knobs in strategy_knobs}
+        for f in (f for f in fields(StrategyConfig) if not f.metadata.get("nested")):
+            object.__setattr__(self, f.name, options.pop(f.name, f.default))
+        built = []
+        for cls in strategy_configs().values():  # each class once, its knobs taken by their flat names
+            mine = {f.name: options.pop(f.name) for f in fields(cls) if f.name in options}
+            built.append(replace(given[cls], **mine) if cls in given else cls(**mine))
+        if options:
+            raise TypeError(f"StrategyConfig got unexpected keyword arguments {sorted(options)}")
+        object.__setattr__(self, "strategy_knobs", tuple(built))
         blocks = (self.block_classes,) if isinstance(self.block_classes, type) else self.block_classes  # by name
         if isinstance(blocks, (list, tuple, set, frozenset)):
             object.__setattr__(self, "block_classes",
                                tuple(b.__name__ if isinstance(b, type) else b for b in blocks))
         if isinstance(self.pretrained, os.PathLike):
             object.__setattr__(self, "pretrained", os.fspath(self.pretrained))
-        normalize_fields(self)
+        normalize_fields(self)  # each strategy's knobs too, with their minimums
         if self.max_skipped_steps < 0:
             raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be 0 (never stop) or more.")
         if self.seq_len is not None and self.seq_len < 1:
@@ -167,6 +164,23 @@ class StrategyConfig:
         if not 0 <= self.gradient_clipping < float("inf"):  # nan fails this too
             raise ValueError(f"gradient_clipping={self.gradient_clipping} must be a finite number >= 0 (0 turns "
                              "clipping off).")
+
+    def knobs(self, strategy: str) -> Any:
+        """Strategy ``strategy``'s ``Config`` instance (the defaults if it registered after this config); None: the
+        strategy has no knobs of its own. Example: ``cfg.parallel.knobs("deepspeed").zero_stage``."""
+        cls = STRATEGIES.attribute(strategy, "Config")
+        return None if cls is None else next((k for k in self.strategy_knobs if type(k) is cls), None) or cls()
+
+    def __getattr__(self, name: str) -> Any:
+        """A strategy's knob by its flat name (``cfg.parallel.zero_stage``), read-only; AttributeError for a name
+        no strategy's Config has."""
+        for knobs in self.__dict__.get("strategy_knobs", ()):  # else a strategy registered since: its default
+            if name in knobs.__dataclass_fields__:
+                return getattr(knobs, name)
+        owner = next((s for s, cls in strategy_configs().items() if name in cls.__dataclass_fields__), None)
+        if owner is None or "strategy_knobs" not in self.__dict__:  # (not yet built: unpickling)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.knobs(owner), name)
 
 
 @dataclass(kw_only=True, frozen=True, init=False)
@@ -249,12 +263,31 @@ def knob_configs() -> dict[str, type]:
             knob): every knob is also a flat key.
     """
     owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
+    owners.update({f.name: f"strategy={name!r}'s Config" for name, cls in strategy_configs().items()
+                   for f in fields(cls) if f.name not in owners})
     out = {name: BACKENDS.attribute(name, "Config") for name in BACKENDS}
     out = {name: cls for name, cls in out.items() if cls is not None}
     for name, f in ((name, f) for name, cls in out.items() for f in fields(cls)):
         if owners.setdefault(f.name, f"fp8={name!r}'s Config") != f"fp8={name!r}'s Config":
             raise ValueError(f"fp8={name!r}: its knob {f.name!r} is already {owners[f.name]}'s option, and every "
                              "knob is a flat key: rename it (e.g. with the backend's name in front).")
+    return out
+
+
+def strategy_configs() -> dict[str, type]:
+    """Each registered strategy's ``Config``, by strategy name, a class shared by strategies listed once (under the
+    first); a knob whose flat key is another option or another class's knob is refused (ValueError)."""
+    owners = {f.name: cls.__name__ for cls in (StrategyConfig, FP8Config) for f in fields(cls)}
+    out: dict[str, type] = {}
+    for name in STRATEGIES:
+        cls = STRATEGIES.attribute(name, "Config")
+        if cls is None or cls in out.values():
+            continue
+        for f in fields(cls):
+            if owners.setdefault(f.name, f"strategy={name!r}'s Config") != f"strategy={name!r}'s Config":
+                raise ValueError(f"strategy={name!r}: its knob {f.name!r} is already {owners[f.name]}'s option, and "
+                                 "every knob is a flat key: rename it (e.g. with the strategy's name in front).")
+        out[name] = cls
     return out
 
 

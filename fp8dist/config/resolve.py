@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from .rules import check as check_combination, unread_options
+from .axis import STRATEGIES
 from .schema import flat_fields, route_keys
 from .accelerate import translate_accelerate_config
 from .files import read_config_text
@@ -76,8 +77,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _flat_knobs(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Each backend's knobs nested under its name (``te: {te_recipe: current}``) made flat."""
-    nested = [k for k, v in data.items() if k in knob_configs() and isinstance(v, Mapping)]
+    """Each backend's and strategy's knobs nested under its name (``te: {te_recipe: current}``, ``deepspeed:
+    {zero_stage: 3}``) made flat."""
+    owners = {*knob_configs(), *(name for name in STRATEGIES if STRATEGIES.attribute(name, "Config") is not None)}
+    nested = [k for k, v in data.items() if k in owners and isinstance(v, Mapping)]
     return {**{k: v for k, v in data.items() if k not in nested}, **{k: v for n in nested for k, v in data[n].items()}}
 
 

@@ -23,11 +23,16 @@ __all__ = ["STRATEGIES", "get_strategy", "register_strategy", "Strategy", "Shard
 def register_builtins() -> None:
     """Register fp8dist's strategies in the order choices are listed in, each imported when first chosen, its
     bench_devices known before (the bench's flags) and checked against its own on import. :data:`STRATEGIES` calls it
-    through the ``fp8dist.strategies`` entry point when first read."""
-    for name, module, devices in (("none", "single", ()), ("ddp", "ddp", ("cpu", "cuda")),
-                                  ("fsdp", "fsdp", ("cpu", "cuda")), ("fsdp1", "fsdp1", ("cpu",)),
-                                  ("deepspeed", "deepspeed", ("cpu",))):
-        STRATEGIES.register_module(name, f"{__name__}.{module}", "STRATEGY", bench_devices=devices)
+    through the ``fp8dist.strategies`` entry point when first read. Each one's knobs (``Config``) are known
+without importing it: the CLI's flags and the config's keys."""
+    from .deepspeed_knobs import DeepSpeedConfig
+    from .fsdp_knobs import FSDPConfig
+
+    for name, module, devices, knobs in (("none", "single", (), None), ("ddp", "ddp", ("cpu", "cuda"), None),
+                                         ("fsdp", "fsdp", ("cpu", "cuda"), FSDPConfig),
+                                         ("fsdp1", "fsdp1", ("cpu",), FSDPConfig),
+                                         ("deepspeed", "deepspeed", ("cpu",), DeepSpeedConfig)):
+        STRATEGIES.register_module(name, f"{__name__}.{module}", "STRATEGY", bench_devices=devices, Config=knobs)
 
 
 def _load() -> dict[str, Any]:
@@ -45,9 +50,26 @@ def _load() -> dict[str, Any]:
 
 def register_strategy(strategy: Strategy) -> Strategy:
     """Make ``strategy`` (an instance of a :class:`Strategy` subclass) what ``strategy=<its name>`` selects, in
-    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it."""
+    ``wrap_model``, config files, the CLI's choices, the plan, the estimate and the bench; returns it. Its knobs
+    (``Config``, a dataclass) become flat keys and flags; each must be named in its ``options`` (or in those of a
+    strategy sharing the class), so that a knob set under another strategy is reported: else ValueError, and nothing
+    is registered. Raises what the registry raises for a name taken or a value that is no Strategy."""
+    import dataclasses
+
     from .base import Strategy
 
+    knobs = getattr(strategy, "Config", None)
+    if knobs is not None:
+        if not (isinstance(knobs, type) and dataclasses.is_dataclass(knobs)):
+            raise TypeError(f"register: {type(strategy).__qualname__}.Config={knobs!r} must be a dataclass of the "
+                            "strategy's knobs (@dataclass(kw_only=True, frozen=True)), or None.")
+        sharing = [strategy] + [STRATEGIES[name] for name in STRATEGIES
+                                if name != strategy.name and STRATEGIES.attribute(name, "Config") is knobs]
+        unread = [f.name for f in dataclasses.fields(knobs) if not any(f.name in s.options for s in sharing)]
+        if unread:
+            raise ValueError(f"register: {type(strategy).__qualname__}.Config's knob {unread[0]!r} is in none of its "
+                             f"options: add {unread[0]!r}: ALWAYS (fp8dist.config.axis; or the When it is read "
+                             "under) to its options, so that the knob set under another strategy is reported.")
     return STRATEGIES.register(strategy, Strategy)
 
 
@@ -61,9 +83,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     DeepSpeed engine; the model itself under FSDP2 (sharded in place) and strategy "none"."""
     from .introspect import engine_of
 
-    if engine_of(model) in ("ddp", "fsdp1", "deepspeed"):  # the wrappers (fully_shard shards in place)
-        return model.module
-    return model
+    engine = engine_of(model)  # the wrappers' strategies answer their .module (fully_shard shards in place)
+    return model if engine is None else STRATEGIES[engine].unwrap(model)
 
 
 __getattr__ = lazy_names(globals(), _load)

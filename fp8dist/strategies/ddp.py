@@ -56,16 +56,28 @@ class DDP(Strategy):
     hook."""
 
     name = "ddp"
+    engine_words = "wrapped in DistributedDataParallel (DDP)"
     accelerate = {"distributed_type": ("MULTI_GPU", "MULTI_CPU")}
     bench_devices = ("cpu", "cuda")
     options = {"reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
     reduce_fallback_unit = "layer (its gradients split out of DDP's bucket)"
 
+    def is_engine(self, module: object) -> bool:
+        """A ``DistributedDataParallel`` wrapper."""
+        return isinstance(module, DistributedDataParallel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """DDP's ``.module``."""
+        return model.module
+
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """Parameters stay fp32 and whole on every rank, the forward under autocast; rank 0's weights are broadcast."""
         return StrategyFacts(autocast_forward=True, broadcasts_weights=True,
                              shard_degree=None if world_size is None else 1)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """Allocate a meta model whole, fill it, then wrap it in ``DistributedDataParallel`` (autocast to
+        ``param_dtype``; a compression or FP8 hook for a non-fp32 ``reduce_dtype``)."""
         p, device = job.cfg.parallel, job.env.device
         loaded, how = fill_whole(model, job, self.name)
         model, built = prepared(model, job)
@@ -83,6 +95,7 @@ class DDP(Strategy):
                        how, built)
 
     def check_mesh(self, mesh, cfg) -> None:
+        """A 1-D mesh only: DDP replicates over one group (ValueError otherwise)."""
         require_1d_mesh(mesh, self.name)
 
     def check_launch(self, cfg, world_size: int) -> None:
@@ -96,10 +109,12 @@ class DDP(Strategy):
                 "hook, which runs on gloo) here, or strategy='fsdp', whose reduce_dtype works on every backend.")
 
     def no_sync(self, model: nn.Module):
+        """DDP's own ``no_sync()``: gradients accumulate unreduced in each rank's buckets."""
         return model.no_sync()
 
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
+        """No master copy; gradients are bucket views, said in a note."""
         return EngineMemory(notes=("DDP's gradients are views of its buckets (gradient_as_bucket_view=True): no "
                                    "second copy",))
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -21,6 +22,7 @@ from ..config.text import byte_size
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    fill_whole)
 from .common import cast_buffers, to_empty
+from .deepspeed_knobs import DeepSpeedConfig
 from .deepspeed_checkpoint import ZeROCheckpoint
 from .deepspeed_config import (build_deepspeed_config, merge_user_config, model_hidden_size, read_user_config,
                                torch_adam_on_cpu, validate_with_deepspeed, zero_config)
@@ -97,6 +99,8 @@ class DeepSpeed(Strategy):
     casts itself. A meta model is partitioned through ``zero.Init`` under ZeRO-3, allocated whole under ZeRO-1/2."""
 
     name = "deepspeed"
+    engine_words = "a DeepSpeed engine (deepspeed.initialize)"
+    Config = DeepSpeedConfig
     accelerate = {"distributed_type": "DEEPSPEED"}
     package = "deepspeed"
     bench_devices = ("cpu",)
@@ -139,11 +143,15 @@ class DeepSpeed(Strategy):
                                  who=f"DeepSpeed config {cfg.parallel.ds_config!r}: ", engine_keys=self.optimizer_keys)
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """The engine owns the parameters and builds, steps, accumulates and clips the optimizer; ZeRO-3
+        partitions parameters over every rank, ZeRO-1/2 keep them whole."""
         partitions = None if world_size is None else (world_size if cfg.parallel.zero_stage == 3 else 1)
         return StrategyFacts(engine_owns_params=True, engine_builds_optimizer=True, casts_gradients=True,
                              broadcasts_weights=True, shard_degree=partitions)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """``deepspeed.initialize`` on the config fp8dist builds (the user's ``ds_config`` merged under it);
+        a meta model partitioned through ``zero.Init`` under ZeRO-3. ValueError without an optimizer spec or block."""
         p, env = job.cfg.parallel, job.env
         extra, initialize = job.engine_entry or ({}, None)
         config = {**build_deepspeed_config(model, p, world_size=env.world_size, optimizer=job.optimizer), **extra}
@@ -180,17 +188,57 @@ class DeepSpeed(Strategy):
         model.step = step_and_count
 
     def missing_reason(self) -> str | None:
+        """DeepSpeed not installed, with its pip extra."""
         return super().missing_reason() and "DeepSpeed is not installed (pip install 'fp8dist[deepspeed]')"
 
     def no_sync(self, model: nn.Module):
+        """Refused (ValueError): the engine accumulates over ``grad_accum`` micro-batches itself."""
         raise ValueError(_OWN_STEP.format(self.name, "accumulates gradients over grad_accum micro-batches",
                                           "pass grad_accum=N to wrap_model and call engine.backward(loss) and "
                                           "engine.step() for every micro-batch, without no_sync"))
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float):
+        """Refused (ValueError): the engine clips in its step (``gradient_clipping``)."""
         raise ValueError(_OWN_STEP.format(self.name, "clips gradients in engine.step()",
                                           "pass gradient_clipping=X to wrap_model; engine.get_global_grad_norm() "
                                           "gives the norm of the last step"))
+
+    def is_engine(self, module: object) -> bool:
+        """A ``DeepSpeedEngine`` (DeepSpeed not imported: none can exist)."""
+        return is_deepspeed_engine(module)
+
+    def holds_param(self, param: nn.Parameter) -> str | None:
+        """A parameter carrying ZeRO-3's partition id or ZeRO-1/2's link to its fp32 master (DeepSpeed 0.19)."""
+        if any(hasattr(param, attr) for attr in ("ds_id", "_hp_mapping")):
+            return "held by DeepSpeed (deepspeed.initialize or zero.Init by hand)"
+        return None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The engine's ``.module``."""
+        return model.module
+
+    def accumulating(self, model: nn.Module, *, last: bool):
+        """None needed: the engine accumulates over ``grad_accum`` micro-batches, counted by its ``step()``."""
+        return contextlib.nullcontext()
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, *, micro_batches: int = 1, last: bool = True) -> None:
+        """``engine.backward(loss)`` (the engine scales by its gradient_accumulation_steps); a micro-batch that is
+        not the last is then counted by ``engine.step()``, which updates only at the accumulation boundary (the
+        last's :meth:`optimizer_step`)."""
+        model.backward(loss)
+        if not last:
+            model.step()
+
+    def optimizer_step(self, model: nn.Module, optimizer: Any, *, while_held=None) -> None:
+        """``engine.step()``: it clips, updates and zeroes the gradients itself (``optimizer`` is its own, unused);
+        ``while_held`` runs before it, while the gradient partitions it frees are still held."""
+        if while_held is not None:
+            while_held()
+        model.step()
+
+    def global_grad_norm(self, model: nn.Module) -> float | None:
+        """``engine.get_global_grad_norm()``: the norm the engine computed, before clipping, in its last step."""
+        return model.get_global_grad_norm()
 
     def estimate_engine(self, model: nn.Module, cfg: Any, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
@@ -216,6 +264,8 @@ class DeepSpeed(Strategy):
 
     def rank_state_bytes(self, params, cfg: Any, world_size: int, engine: EngineMemory, *, step: int, level_states,
                          backend_optimizer: bool) -> list[dict[str, int]]:
+        """ZeRO's partitions of the stage the estimate's config builds (persistent small parameters
+        whole under ZeRO-3)."""
         return zero_state_bytes(params, world_size, stage=engine.stage, persistence=engine.layout["persistence"],
                                 step=step if engine.layout["torch_adam"] else 0, backend_optimizer=backend_optimizer)
 
@@ -249,6 +299,7 @@ class DeepSpeed(Strategy):
             "optimizer_states": [getattr(getattr(zero, "optimizer", zero), "state", {})]}
 
     def stored_parts(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """ZeRO-3's ``ds_tensor`` partitions; None under ZeRO-1/2."""
         return [p.ds_tensor for p in params] if all(hasattr(p, "ds_tensor") for p in params) else None
 
     def group_parts(self, params: list[nn.Parameter]) -> list[Any]:

@@ -47,6 +47,7 @@ class ZeROCheckpoint:
         return sorted((path / self.tag).glob("*.pt"))
 
     def save(self, model: nn.Module, path: Path) -> None:
+        """The engine's own ``save_checkpoint`` into ``path`` under fp8dist's tag (every rank calls it)."""
         model.save_checkpoint(str(path), tag=self.tag, save_latest=False)
 
     def load(self, model: nn.Module, path: Path, *, optimizer: bool) -> str | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config.axis import ALWAYS, StrategyFacts, When
@@ -19,6 +19,7 @@ from ..config.text import plural
 from .base import (EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy, fill_shards,
                    prepared, reduce_words)
 from .common import cast_buffers, shard_blocks, to_empty
+from .fsdp_knobs import FSDPConfig
 from .grad_fp8 import (GradWire, apply_fp8_reduce_scatter, fp8_wire_words, model_grad_wire, predict_reduce_scatter,
                        unit_owning)
 from .padding import padding_note, shard_padding
@@ -145,17 +146,26 @@ class FSDP2(Strategy):
     materialized after sharding, each rank allocating and filling only its shards."""
 
     name = "fsdp"
+    engine_words = "sharded by fully_shard (FSDP2)"
+    Config = FSDPConfig
     reduce_fallback_unit = "FSDP2 unit"
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 2}
     bench_devices = ("cpu", "cuda")
     options = {"reshard_after_forward": ALWAYS, "replicate_degree": ALWAYS, "block_classes": ALWAYS,
                "reduce_dtype": ALWAYS, "reduce_fp8_block": When({"reduce_dtype": ("fp8",)})}
 
+    def is_engine(self, module: object) -> bool:
+        """A module ``fully_shard`` sharded in place (an ``FSDPModule``)."""
+        return isinstance(module, FSDPModule)
+
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """Per-parameter DTensor shards over ``world_size / replicate_degree`` ranks (HSDP replicates
+        across the groups); FSDP2 casts gradients for the reduce-scatter."""
         shards = None if world_size is None else world_size // max(1, cfg.parallel.replicate_degree)
         return StrategyFacts(dtensor_shards=True, casts_gradients=True, shard_degree=shards)
 
     def check_launch(self, cfg, world_size: int) -> None:
+        """ValueError unless ``replicate_degree`` splits the ranks into equal shard groups."""
         check_replicate_degree(cfg.parallel.replicate_degree, world_size)
 
     def check_mesh(self, mesh, cfg) -> None:
@@ -172,6 +182,9 @@ class FSDP2(Strategy):
                              "it), or a mesh of that many replicas.")
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """``fully_shard`` each block, torchtitan's units outside them, then the root, in place, over the
+        user's mesh or a 1-D / HSDP 2-D one; the FP8 reduce-scatter wired for ``reduce_dtype='fp8'``; a meta model
+        allocates this rank's shards only."""
         p, env = job.cfg.parallel, job.env
         found, how, notes = shard_blocks(model, job)
         names = tuple(n for n, _ in found)
@@ -205,6 +218,7 @@ class FSDP2(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` on the root for the block, restored after it."""
         model.set_requires_gradient_sync(False)
         try:
             yield
@@ -212,10 +226,13 @@ class FSDP2(Strategy):
             model.set_requires_gradient_sync(True)
 
     def layout_notes(self, model: nn.Module, cfg, world_size: int) -> tuple[str, ...]:
+        """FSDP2's dim-0 padding where it is large on a shard group of ``world_size / replicate_degree``
+        ranks."""
         return fsdp_padding_notes(model, self.facts(cfg, world_size).shard_degree)
 
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
+        """No master copy; notes on gathered blocks, dim-0 padding and HSDP's replicas."""
         replicas = cfg.parallel.replicate_degree
         notes = [*gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype)),
                  *fsdp_padding_notes(model, world_size // replicas)]
@@ -225,11 +242,14 @@ class FSDP2(Strategy):
 
     def rank_state_bytes(self, params, cfg, world_size: int, engine: EngineMemory, *, step: int, level_states,
                          backend_optimizer: bool) -> list[dict[str, int]]:
+        """FSDP2's padded dim-0 shards within a shard group, the same on each replica."""
         replicas = cfg.parallel.replicate_degree
         group = fsdp2_state_bytes(params, world_size // replicas, step, level_states)
         return [dict(d) for _ in range(replicas) for d in group]
 
     def kept_for_backward(self, model: nn.Module, cfg, blocks: list[str]) -> list[tuple[str, int]]:
+        """Without resharding every weight stays gathered; with it, the root units FSDP2 keeps (the
+        final norm and output layer)."""
         if not cfg.parallel.reshard_after_forward:
             return [(UNSHARDED_ITEM, sum(p.numel() for p in model.parameters()))]
         if not blocks:
@@ -259,11 +279,13 @@ class FSDP2(Strategy):
         return predict_reduce_scatter(sizes, shard, p.reduce_fp8_block, fp32)
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        """The root's ``MixedPrecisionPolicy``; the FP8 wire where the reduce-scatter sends FP8."""
         policy, wire = model._get_fsdp_state()._mp_policy, model_grad_wire(model)
         reduce = fp8_wire_words(wire) if wire else reduce_words(policy.reduce_dtype or policy.param_dtype, model)
         return EngineDtypes(policy.param_dtype, reduce)
 
     def param_layout(self, model: nn.Module) -> ParamLayout:
+        """Counted on the DTensors: full and local elements, their placements, HSDP's replicas."""
         params = list(model.parameters())
         dtensors = [p for p in params if isinstance(p, DTensor)]
         placements = sorted({repr(pl) for p in dtensors for pl in p.placements})

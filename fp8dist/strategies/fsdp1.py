@@ -15,6 +15,7 @@ from ..config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from .base import (FP16_RULE, EngineDtypes, EngineMemory, ParamLayout, Sharded, ShardingInfo, ShardJob, Strategy,
                    fill_shards, prepared, reduce_words, require_1d_mesh)
 from .common import find_blocks, shard_blocks, to_empty
+from .fsdp_knobs import FSDPConfig
 from .local_shards import flat_params
 from .state_bytes import UNSHARDED_ITEM, fsdp1_state_bytes, gathered_blocks_note
 
@@ -48,6 +49,8 @@ class FSDP1(Strategy):
     rank fills its shards."""
 
     name = "fsdp1"
+    engine_words = "wrapped in FullyShardedDataParallel (FSDP1)"
+    Config = FSDPConfig  # FSDP's knobs: fsdp1 reads reshard_after_forward (its options), not FSDP2's HSDP
     accelerate = {"distributed_type": "FSDP", "fsdp_version": 1}
     bench_devices = ("cpu",)
     options = {"reshard_after_forward": ALWAYS, "block_classes": ALWAYS, "reduce_dtype": ALWAYS}
@@ -58,10 +61,20 @@ class FSDP1(Strategy):
         "Use strategy='fsdp' (FSDP2, whose FP8 reduce-scatter fp8dist wires), or reduce_dtype='bf16' with "
         "strategy='fsdp1'."),)
 
+    def is_engine(self, module: object) -> bool:
+        """A ``FullyShardedDataParallel`` wrapper (the root or a unit)."""
+        return isinstance(module, FullyShardedDataParallel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The root wrapper's ``.module``."""
+        return model.module
+
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """One FlatParameter per unit, sharded over every rank; FSDP1 casts gradients for their reduction."""
         return StrategyFacts(flat_params=True, casts_gradients=True, shard_degree=world_size)
 
     def check_mesh(self, mesh, cfg) -> None:
+        """A 1-D mesh only, as fp8dist wires FSDP1 (ValueError otherwise)."""
         require_1d_mesh(mesh, self.name)
 
     def check_model(self, model: nn.Module, cfg) -> None:
@@ -83,6 +96,8 @@ class FSDP1(Strategy):
                                  "bf16 anyway), or use strategy='fsdp', whose per-parameter shards take mixed dtypes.")
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """Wrap each block, then the root, in ``FullyShardedDataParallel`` (a meta model allocated unit by
+        unit, then this rank's shards filled)."""
         p, device = job.cfg.parallel, job.env.device
         found, how, notes = shard_blocks(model, job)
         names = tuple(n for n, _ in found)
@@ -96,29 +111,36 @@ class FSDP1(Strategy):
         return Sharded(wrapped, ShardingInfo(self.name, names, how, notes=notes), loaded, how_made, built)
 
     def no_sync(self, model: nn.Module):
+        """FSDP1's own ``no_sync()`` (gradients accumulate unsharded until the last micro-batch)."""
         return model.no_sync()
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """FSDP1's own ``clip_grad_norm_`` over the flat shards (the norm over every rank)."""
         return model.clip_grad_norm_(max_norm, norm_type).detach()
 
     def estimate_engine(self, model: nn.Module, cfg, world_size: int, blocks: list[str], *, optimizer: str,
                         on_cpu: bool) -> EngineMemory:
+        """No master copy; a note when a block is gathered whole at once."""
         return EngineMemory(notes=tuple(gathered_blocks_note(model, blocks, dtype_bytes(cfg.parallel.param_dtype))))
 
     def rank_state_bytes(self, params, cfg, world_size: int, engine: EngineMemory, *, step: int, level_states,
                          backend_optimizer: bool) -> list[dict[str, int]]:
+        """Each unit's FlatParameter padded to a multiple of the world size, split evenly."""
         return fsdp1_state_bytes(params, world_size, step, dtype_bytes(cfg.parallel.param_dtype))
 
     def kept_for_backward(self, model: nn.Module, cfg, blocks: list[str]) -> list[tuple[str, int]]:
+        """With ``reshard_after_forward=False`` every unit stays gathered until backward."""
         if cfg.parallel.reshard_after_forward:
             return []
         return [(UNSHARDED_ITEM, sum(p.numel() for p in model.parameters()))]
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        """The root's ``MixedPrecision``: compute in its param_dtype, reduce in its reduce_dtype."""
         mp = model.mixed_precision
         return EngineDtypes(mp.param_dtype, reduce_words(mp.reduce_dtype or mp.param_dtype, model))
 
     def param_layout(self, model: nn.Module) -> ParamLayout:
+        """Counted on the FlatParameters: their unpadded full size and this rank's shard."""
         flats = flat_params(model)
         return ParamLayout("FlatParameter shards", sum(f._unpadded_unsharded_size.numel() for f in flats),
                            sum(f.numel() for f in flats), len(flats),
@@ -143,6 +165,7 @@ class FSDP1(Strategy):
         return full
 
     def holds_own_params(self, module: nn.Module) -> bool:
+        """An FSDP1 wrapper holds the user's parameters only through its FlatParameter."""
         return not isinstance(module, FullyShardedDataParallel)
 
     def group_parts(self, params: list[nn.Parameter]) -> None:

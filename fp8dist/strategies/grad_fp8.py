@@ -74,6 +74,7 @@ class GradWire:
         by first name, DDP's split-out layers."""
 
     def add(self, *, sent: int, scales: int, bf16: int, elements: int) -> None:
+        """Count one collective's bytes (sent, of them scales, a bf16 reduction's, elements)."""
         self.total += WireTally(sent, scales, bf16, elements)
 
 
@@ -148,10 +149,13 @@ class FP8ReduceScatter(ReduceScatter):
         self.wire = wire
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2's buffer for the reduce-scatter: a plain tensor of ``size`` (the comm hook's contract)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` over ``group`` as FP8 blocks (sum or
+        average; another op is refused with ValueError)."""
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise ValueError(f"reduce_dtype='fp8': FSDP2 asked for reduce op {op}; the FP8 reduce-scatter sums or "
                              "averages only (a gradient_divide_factor set on the model asks for another): leave the "
@@ -165,6 +169,7 @@ class FP32ReduceScatter(FP8ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
+        """Reduce-scatter in fp32 (the fallback modules' gradients), counting their bytes on the wire."""
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise ValueError(f"reduce_dtype='fp8': FSDP2 asked for reduce op {op}; its fp32 fallback sums or averages "
                              "only: leave gradient_divide_factor unset, or use reduce_dtype='fp32'.")

@@ -1,37 +1,33 @@
-"""Which engine wrapped a model, read from the engine's own objects, and where a model was already wrapped."""
+"""Which engine wrapped a model, read from the engine's own objects, and where a model was already wrapped. Each
+strategy declares how its engine shows (:meth:`~fp8dist.strategies.base.Strategy.is_engine`, ``engine_words``,
+``holds_param``): a registered strategy's engine is recognized as the built-ins' are."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .deepspeed import is_deepspeed_engine
+from ..config.axis import STRATEGIES
+
+if TYPE_CHECKING:
+    from .base import Strategy
 
 __all__ = ["engine_of", "Wrapping", "find_wrapping", "mark_wrapped"]
 
 _WRAPPED_ATTR = "_fp8dist_wrapped_by"  # the strategy's name, on every module of what wrap_model returned
-_ENGINE_NAMES = {"ddp": "wrapped in DistributedDataParallel (DDP)",
-                 "fsdp1": "wrapped in FullyShardedDataParallel (FSDP1)",
-                 "fsdp": "sharded by fully_shard (FSDP2)",
-                 "deepspeed": "a DeepSpeed engine (deepspeed.initialize)"}
-# a parameter sharded or held by an engine whose wrapper is not in the model
-_PARAMETER_STATES = {"dtensor": "a DTensor (sharded by hand: fully_shard or tensor parallel)",
-                     "deepspeed_param": "held by DeepSpeed (deepspeed.initialize or zero.Init by hand)"}
-# set by DeepSpeed on the parameters it holds: ZeRO-3's partition id, ZeRO-1/2's link to its fp32 master (0.19)
-_DEEPSPEED_PARAM_ATTRS = ("ds_id", "_hp_mapping")
+_DTENSOR = "a DTensor (sharded by hand: fully_shard or tensor parallel)"  # torch's, not one strategy's
 
 
-def engine_of(module: Any) -> str | None:
-    """The engine that wrapped or sharded ``module`` itself: "deepspeed", "fsdp1", "fsdp", "ddp"; None: none."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
+def _strategies() -> list[tuple[str, Strategy]]:
+    return list(STRATEGIES.items())
 
-    if is_deepspeed_engine(module):
-        return "deepspeed"
-    engines = {"fsdp1": FullyShardedDataParallel, "fsdp": FSDPModule, "ddp": DistributedDataParallel}
-    return next((name for name, cls in engines.items() if isinstance(module, cls)), None)
+
+def engine_of(module: object) -> str | None:
+    """The strategy whose engine wrapped or sharded ``module`` itself (its :meth:`Strategy.is_engine`): "deepspeed",
+    "fsdp1", "fsdp", "ddp" or a registered strategy's name; None: none."""
+    return next((name for name, strategy in _strategies() if strategy.is_engine(module)), None)
 
 
 @dataclass(frozen=True)
@@ -40,19 +36,22 @@ class Wrapping:
 
     where: str  # the module's (or parameter's) name in the model given; "" for the model itself
     engine: str
-    """An :func:`engine_of` name, "dtensor" or "deepspeed_param" (a parameter sharded or held by hand), or
-    "fp8dist" (returned by wrap_model, with its ``strategy``)."""
+    """An :func:`engine_of` name, "dtensor" (a parameter sharded by hand), ``"<strategy>_param"`` (a parameter an
+    engine holds without its wrapper: "deepspeed_param"), or "fp8dist" (returned by wrap_model, with its
+    ``strategy``)."""
     strategy: str | None = None
+    held: str = ""
+    """How the parameter is held, in words (``"dtensor"`` and ``"*_param"``)."""
 
     def describe(self, model: nn.Module) -> str:
         """E.g. "model.layers.0 (FSDPLlamaDecoderLayer) of LlamaForCausalLM is already sharded by fully_shard"."""
-        if self.engine in _PARAMETER_STATES:
-            return f"parameter {self.where!r} of {type(model).__name__} is already {_PARAMETER_STATES[self.engine]}"
+        if self.held:
+            return f"parameter {self.where!r} of {type(model).__name__} is already {self.held}"
         what = (f"the model given ({type(model).__name__})" if not self.where else
                 f"{self.where} ({type(model.get_submodule(self.where)).__name__}) of {type(model).__name__}")
         if self.engine == "fp8dist":
             return f"{what} is already wrapped by fp8dist.wrap_model (strategy={self.strategy!r})"
-        return f"{what} is already {_ENGINE_NAMES[self.engine]}"
+        return f"{what} is already {STRATEGIES[self.engine].engine_words}"
 
 
 def mark_wrapped(model: nn.Module, strategy: str) -> None:
@@ -64,19 +63,21 @@ def mark_wrapped(model: nn.Module, strategy: str) -> None:
 
 def find_wrapping(model: nn.Module) -> Wrapping | None:
     """The first module of ``model`` (itself included) that an engine or ``wrap_model`` already wrapped or sharded,
-    else the first parameter sharded by hand; None: ``model`` is as built."""
+    else the first parameter sharded or held by hand; None: ``model`` is as built."""
+    strategies = _strategies()
     for name, module in model.named_modules():
         strategy = getattr(module, _WRAPPED_ATTR, None)
         if strategy is not None:
             return Wrapping(name, "fp8dist", strategy)
-        engine = engine_of(module)
+        engine = next((key for key, value in strategies if value.is_engine(module)), None)
         if engine is not None:
             return Wrapping(name, engine)
     from torch.distributed.tensor import DTensor
 
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
-            return Wrapping(name, "dtensor")
-        if any(hasattr(param, attr) for attr in _DEEPSPEED_PARAM_ATTRS):
-            return Wrapping(name, "deepspeed_param")
+            return Wrapping(name, "dtensor", held=_DTENSOR)
+        held = next(((key, words) for key, value in strategies if (words := value.holds_param(param))), None)
+        if held is not None:
+            return Wrapping(name, f"{held[0]}_param", held=held[1])
     return None

@@ -61,6 +61,7 @@ class LocalParam:
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
+        """The full shape as a checkpoint stores it (a transposed weight's reversed)."""
         return self.shape[::-1] if self.transposed else self.shape
 
 

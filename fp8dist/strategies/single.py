@@ -39,15 +39,20 @@ class Single(Strategy):
         "'deepspeed' to train on several ranks."))
 
     def facts(self, cfg, world_size=None) -> StrategyFacts:
+        """One process: fp32 parameters, the forward under autocast, nothing sharded."""
         return StrategyFacts(autocast_forward=True, shard_degree=1)
 
     def environment(self, cfg, launch: LaunchEnv, device: torch.device) -> DistEnv:
+        """No process group: a world of one; a launch of several processes gets a warning (each rank
+        trains its own copy)."""
         if launch.world_size > 1:
             warnings.warn(f"strategy='none' in a {launch.world_size}-process launch: every rank trains its own "
                           "copy with no gradient sync. Use strategy='ddp' or 'fsdp'.", UserWarning, stacklevel=3)
         return DistEnv(launch.rank, launch.world_size, launch.local_rank, device, None, launch.launcher)
 
     def shard(self, model: nn.Module, job: ShardJob) -> Sharded:
+        """Nothing to shard: the model allocated and filled whole, moved to the device, its forward
+        autocast to ``param_dtype``."""
         p, device = job.cfg.parallel, job.env.device
         loaded, how = fill_whole(model, job, self.name, warn=False)
         model, built = prepared(model, job)
@@ -58,9 +63,11 @@ class Single(Strategy):
                        ShardingInfo(self.name, (), "single process", autocast=autocast), loaded, how, built)
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:
+        """The autocast dtype; nothing is reduced or gathered."""
         return EngineDtypes(autocast, None, "none")
 
     def param_layout(self, model: nn.Module) -> ParamLayout:
+        """Every parameter whole in one process: "not distributed"."""
         return dataclasses.replace(super().param_layout(model), layout="not distributed")
 
 

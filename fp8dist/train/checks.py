@@ -52,6 +52,7 @@ class MemoryNeed:
     seq_len: int
 
     def describe(self) -> str:
+        """The estimate in words for the run's header (model states, activations per rank)."""
         states = f"model states {_gib(self.model_state_bytes)}"
         if self.activation_bytes is None:
             return f"{states} per rank (activations not modelled for this model)"

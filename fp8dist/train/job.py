@@ -4,48 +4,44 @@ GPU, or 2 on CPU); under torchrun it runs in the launched ones:
 
     torchrun --nproc-per-node 2 -m fp8dist.cli train                 # one node
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m fp8dist.cli train
+
+This module sets the job up (model, data, wrap_model, memory check, the checkpoint directory's lock) and reports it;
+the steps run in :mod:`fp8dist.train.steps`, checkpoints and the export in :mod:`fp8dist.train.saving`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from ..accounting import report
 from ..accounting.sharding import sharding_summary
-from ..checkpoint.fp8_export import fp8_summary
-from ..checkpoint.hf import export_dtype, is_fp8, save_pretrained
 from ..checkpoint.io import CheckpointError, all_ranks_values, from_rank0
 from ..checkpoint.lock import CheckpointDirLock, CheckpointDirLocked, lock_checkpoint_dir
-from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..config.resolve import Config
 from ..config.rules import facts_of
-from ..config.text import plural
 from ..runtime.agree import on_all_ranks
 from ..pipeline.api import get_plan, get_wrap_info, wrap_model
 from ..pipeline.blocks import describe_blocks
 from ..runtime.env import (aten_cpu_fp8_gemms, current_launch, init_distributed, local_world_size, peak_memory_mib,
                             runs_on_cpu)
-from ..pipeline.grads import clip_grad_norm_, no_sync
 from ..plan.selection import with_read_options
-from ..strategies.grad_fp8 import describe_tally, fp8_wire_words, model_grad_wire
-from .checks import LossWatch, MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
+from .checks import MemoryNeed, check_checkpoint_dir, check_memory, check_positions, job_memory_need
 from .config import TrainConfig
-from .data import check_batch_split, load_tokenizer
-from .data.job import JobBatches, eval_steps, lm_loss, load_job_corpus, load_on_each_node
+from .data import check_batch_split
+from .data.job import JobBatches, load_job_corpus, load_on_each_node
 from .log import JobLog, check_outputs, format_summary
-from .lora import export_lora, lora_job_model
+from .lora import lora_job_model
 from .models import build_job_model, job_model_config
-from .schedule import describe_schedule, lr_schedule, set_lr
+from .saving import export_model, resume_job, save_due
+from .schedule import describe_schedule
+from .steps import grad_wire_line, train_steps
 
 __all__ = ["TrainConfig", "TrainResult", "run_training", "default_nproc", "default_fp8", "save_due"]
 
@@ -83,130 +79,6 @@ class TrainResult:
     skipped_steps: int = 0  # optimizer steps the non-finite guard skipped, this run's and before
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), text data only
     grad_wire: str = ""  # reduce_dtype='fp8': rank 0's gradient bytes per step, counted at the collectives
-
-
-def _bar(done: int, total: int) -> str:
-    filled = int(20 * done / total)
-    return "[" + "#" * filled + "." * (20 - filled) + f"] {100 * done / total:3.0f}%"
-
-
-def _as_saved(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value  # JSON keeps a tuple as a list
-
-
-def _resume(train: TrainConfig, resume_from: Path | None, model: Any, optimizer: Any, batches: JobBatches,
-            log: Callable[[str], Any] | None) -> tuple[int, int]:
-    """(The step to start at, the optimizer steps applied before it): 0, 0, or with ``resume`` those of
-    ``resume_from``, loaded into the model and its data position into ``batches``."""
-    log = log or (lambda line: None)
-    if not train.resume:
-        return 0, 0
-    if resume_from is None:
-        log(f"resume: no checkpoint in {train.checkpoint_dir} yet, starting at step 0")
-        return 0, 0
-    t0 = time.perf_counter()
-    state = load_checkpoint(resume_from, model, optimizer)
-    log(f"resume: loaded {state.path} (step {state.step}, saved on {plural(state.world_size, 'rank')}) in "
-        f"{time.perf_counter() - t0:.2f}s")
-    if batches.text is not None:
-        if "data" not in state.extra:
-            raise ValueError(f"{state.path} holds no position in --data (its run trained on the built-in corpus), so "
-                             "the text cannot continue where a run stopped. Resume without --data, or start a new "
-                             "--checkpoint-dir (with --pretrained for weights saved by --save-pretrained).")
-        batches.text.load_state_dict(state.extra["data"])
-    saved = state.extra.get("train", {})
-    changed = [f"{k} {saved[k]} -> {_as_saved(getattr(train, k))}"
-               for k in ("seed", "batch_size", "seq_len", "lr", "steps", "data")
-               if k in saved and saved[k] != _as_saved(getattr(train, k))]
-    if changed:
-        log(f"resume: note, the job changed since the checkpoint: {', '.join(changed)}")
-    return state.step, state.extra.get(APPLIED_KEY, state.step)  # saved before the key: no step was skipped
-
-
-APPLIED_KEY = "optimizer_steps"  # checkpoint extra: the steps the guard did not skip, the lr schedule's position
-
-
-def save_due(train: TrainConfig, done: int) -> bool:
-    """Whether the job saves a checkpoint after ``done`` steps: with a ``checkpoint_dir``, every ``save_every`` steps
-    and after the last."""
-    return train.checkpoint_dir is not None and (done == train.steps or (train.save_every is not None
-                                                                         and done % train.save_every == 0))
-
-
-def _save(train: TrainConfig, model: Any, optimizer: Any, done: int, applied: int, batches: JobBatches,
-          log: Callable[[str], Any] | None) -> None:
-    """Save a checkpoint after ``done`` steps when :func:`save_due`, with the data position."""
-    if not save_due(train, done):
-        return
-    t0 = time.perf_counter()
-    job = {k: _as_saved(v) for k, v in asdict(train).items() if k not in ("nproc", "resume")}
-    position = batches.state_dict()
-    extra = {"train": job, APPLIED_KEY: applied, **({"data": position} if position is not None else {})}
-    # a resumed job replaces a step it saves again (one published after the checkpoint it resumed from)
-    path = save_checkpoint(train.checkpoint_dir, model, optimizer, step=done, extra=extra,
-                           keep_last=train.keep_last or None, overwrite=train.resume,
-                           trainable_only=bool(train.lora_rank))  # LoRA: the adapters, not the frozen base
-    if log is not None:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.2f}s")
-
-
-def _export(train: TrainConfig, model: Any, batches: JobBatches, log: Callable[[str], Any] | None,
-            pretrained: str | None) -> None:
-    """``save_pretrained``: the model as Hugging Face safetensors in ``save_dtype`` (every rank gathers, rank 0
-    writes), with the text's tokenizer beside it."""
-    if train.save_pretrained is None:
-        return
-    t0 = time.perf_counter()
-    dtype = export_dtype(train.save_dtype, pretrained)
-    if train.lora_rank:
-        path, what = export_lora(train, model, pretrained, dtype)
-    elif is_fp8(dtype):
-        path = save_pretrained(model, train.save_pretrained, dtype=dtype, fp8_format=train.save_fp8_format)
-        what = fp8_summary(path)
-    else:
-        path, what = save_pretrained(model, train.save_pretrained, dtype=dtype), dtype
-    if log is None:
-        return
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    tokenizer = ""
-    if batches.corpus is not None:
-        load_tokenizer(batches.corpus.tokenizer_dir).save_pretrained(str(path))
-        tokenizer = f" with the tokenizer of {batches.corpus.tokenizer_dir}"
-    log(f"save_pretrained: wrote {path} ({size / 2**20:.1f} MiB, {what}){tokenizer} in "
-        f"{time.perf_counter() - t0:.2f}s")
-
-
-NORM_ONLY = float(torch.finfo(torch.float32).max)  # clip_grad_norm_ scales by exactly 1.0: clipping off, norm shown
-
-
-def _backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,
-                       windows: bool, show_report: Callable[[str], Any] | None) -> tuple[torch.Tensor, Any]:
-    """One optimizer step over the micro-batches (reduced at the last, clipped to ``clip``, 0: not); (mean loss, grad
-    norm before clipping). ``show_report`` gets the report while gradients and optimizer states are both held:
-    after a torch optimizer's step, before DeepSpeed's (which frees the gradient partitions)."""
-    total = torch.zeros((), device=micro[0].device)
-    for i, ids in enumerate(micro):
-        last = i == len(micro) - 1
-        if engine:
-            loss = lm_loss(wrapped, ids, windows=windows)
-            wrapped.backward(loss)
-            if last and show_report is not None:
-                show_report(str(report(wrapped, optimizer)))
-            wrapped.step()
-        else:
-            with no_sync(wrapped, last=last):
-                loss = lm_loss(wrapped, ids, windows=windows)
-                (loss / len(micro)).backward()
-        total += loss.detach().float()
-    if engine:
-        return total / len(micro), wrapped.get_global_grad_norm()
-    norm = clip_grad_norm_(wrapped, clip if clip > 0 else NORM_ONLY)
-    optimizer.step()
-    if show_report is not None:
-        show_report(str(report(wrapped, optimizer)))
-    optimizer.zero_grad(set_to_none=True)
-    return total / len(micro), norm
 
 
 def _wrap(config: Config, train: TrainConfig, model: Any, world: int) -> tuple[Config, Any, Any]:
@@ -331,16 +203,16 @@ def _run_training(config: Config, train: TrainConfig, resume_from: Path | None, 
                                      batches.describe()])))
         if config.precision.fp8:
             say(str(info.plan))
-    first, applied = _resume(train, resume_from, wrapped, optimizer, batches, say)
+    first, applied = resume_job(train, resume_from, wrapped, optimizer, batches, say)
     job_log = JobLog(config, train, wrapped, first=first, log=say)
     if say:
         say(job_log.header())
     try:
-        losses, step_times, evals = _train_steps(asked, train, wrapped, optimizer, batches, (first, applied), job_log,
-                                                 say, progress)
+        losses, step_times, evals = train_steps(asked, train, wrapped, optimizer, batches, (first, applied), job_log,
+                                                say, progress)
     finally:
         job_log.close()
-    _export(train, wrapped, batches, say, pretrained)
+    export_model(train, wrapped, batches, say, pretrained)
     timed = step_times[1:] or step_times
     tokens_per_s = train.batch_size * train.seq_len * len(timed) / sum(timed) if timed else 0.0
     gathered = all_ranks_values([peak_memory_mib(env.device), str(sharding_summary(wrapped))])
@@ -348,71 +220,7 @@ def _run_training(config: Config, train: TrainConfig, resume_from: Path | None, 
                          sharding=[g[1] for g in gathered], plan_counts=get_plan(wrapped).counts(),
                          device=env.device.type, wall_s=time.perf_counter() - start, start_step=first,
                          blocks=describe_blocks(info.blocks), skipped_steps=info.skipped_steps, eval_losses=evals,
-                         grad_wire=_wire_line(wrapped, len(losses)))
+                         grad_wire=grad_wire_line(wrapped, len(losses)))
     if say:
         say(format_summary(result, config, train))
     return result
-
-
-def _wire_line(wrapped: Any, steps: int) -> str:
-    wire = model_grad_wire(wrapped)
-    return describe_tally(wire.total.per_step(steps), fp8_wire_words(wire)) if wire is not None and steps else ""
-
-
-def _train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any, batches: JobBatches,
-                 start: tuple[int, int], job_log: JobLog, log: Callable[[str], Any] | None,
-                 progress: Callable[[int], Any] | None) -> tuple[list, list, list]:
-    """Steps ``start[0]`` .. ``train.steps``: each one's loss (mean over ranks) and time, and each evaluation's
-    held-out loss. The lr follows the optimizer steps applied (``start[1]`` before): a step the guard skipped leaves
-    the schedule where it was, as DeepSpeed's engine does. ``config`` as asked (grad_accum, gradient_clipping)."""
-    (first, applied), info = start, get_wrap_info(wrapped)
-    env = info.env
-    lr_factor, engine = lr_schedule("cosine", train.steps), info.plan.facts.engine_builds_optimizer
-    accum, clip = config.parallel.grad_accum, config.parallel.gradient_clipping
-    watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
-    evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
-    wire = model_grad_wire(wrapped)  # reduce_dtype='fp8': the bytes counted at the collectives
-    losses, step_times, evals = [], [], []  # each step's loss and seconds; (step, held-out loss) of each evaluation
-    if progress is not None:
-        progress(first)
-    for step in range(first, train.steps):
-        t0 = time.perf_counter()
-        micro = list(batches.take(step).to(env.device).chunk(accum))
-        lr = train.lr * lr_factor(applied)
-        set_lr(optimizer, lr)
-        skipped, sent = info.skipped_steps, wire.total if wire is not None else None
-        # the precision/memory report once, after the first step (DeepSpeed: the second step's backward)
-        show = log if step == min(first + (1 if engine else 0), train.steps - 1) else None
-        mean_loss, norm = _backward_and_step(wrapped, optimizer, micro, engine=engine, clip=clip,
-                                             windows=batches.windows, show_report=show)
-        applied += info.skipped_steps == skipped  # the guard counts a skip inside the optimizer's (engine's) step
-        if env.world_size > 1:
-            dist.all_reduce(mean_loss)
-            mean_loss /= env.world_size
-        losses.append(mean_loss.item())
-        step_times.append(time.perf_counter() - t0)
-        extra = {}
-        if step + 1 in evaluate_after:
-            val = batches.evaluate(wrapped, env.device)
-            evals.append((step + 1, val))
-            extra = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
-        if wire is not None:
-            tally = wire.total - sent
-            extra.update(grad_wire_bytes=tally.sent, grad_wire_ratio=tally.ratio)
-        record = job_log.step(step=step + 1, loss=losses[-1], tokens=train.batch_size * train.seq_len,
-                              step_time_s=step_times[-1], grad_norm=norm, lr=lr, skipped_steps=info.skipped_steps,
-                              extra=extra)
-        if log is not None:
-            eta = sum(step_times) / len(step_times) * (train.steps - step - 1)
-            log(f"step {step + 1:>4}/{train.steps} {_bar(step + 1, train.steps)} | {record.figures()} | "
-                f"eta {eta:.1f}s")
-        watch.update(step, losses[-1])  # the same loss on every rank: every rank stops at the same step
-        try:
-            _save(train, wrapped, optimizer, step + 1, applied, batches, log)
-        except BaseException:  # Ctrl-C, a rank gone: the step is done, only its checkpoint was cut short
-            if progress is not None:
-                progress(step + 1)
-            raise
-        if progress is not None:
-            progress(step + 1)
-    return losses, step_times, evals

@@ -92,6 +92,7 @@ class JobLog:
                            f"flushed to zero of input, weight and output gradient{where}")
 
     def header(self) -> str:
+        """The figures' header line and the FP8 health note, printed before the first step."""
         return f"{self.figures.header()}\n{self.health_note}"
 
     def step(self, **figures: Any) -> StepRecord:
@@ -102,6 +103,7 @@ class JobLog:
         return record
 
     def close(self) -> None:
+        """Close the metrics files and the health monitor (rank 0's); call once after the run."""
         for part in (self.writer, self.health):
             if part is not None:
                 part.close()

@@ -67,9 +67,11 @@ class FlopsPerToken:
 
     @property
     def total(self) -> int:
+        """FLOPs per token: the GEMMs' in both precisions plus attention's."""
         return self.gemm_high + self.gemm_fp8 + self.attention
 
     def describe(self) -> str:
+        """The FLOPs per token in words, with the formula."""
         return (f"{self.total:.3e} FLOPs/token = 6 x {(self.gemm_high + self.gemm_fp8) // 6:,} multiplying params "
                 f"({self.gemm_fp8 // 6:,} in FP8) + attention {self.attention:.3e} (PaLM's 6N + 12LHQT)")
 
@@ -157,11 +159,13 @@ class StepRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as one JSON row (metrics.jsonl): every metric key and the extras, a non-finite float as null."""
         out = {k: getattr(self, k) for k in METRIC_KEYS}
         out.update(self.extra)
         return {k: _number(v) if isinstance(v, float) else v for k, v in out.items()}
 
     def line(self) -> str:
+        """The step's line as ``fp8dist train`` prints it."""
         return f"step {self.step} | {self.figures()}"
 
     def figures(self) -> str:
@@ -286,6 +290,7 @@ class MetricsWriter:
         self._file = open(path, "a" if append else "w") if path is not None else None
 
     def write(self, record: StepRecord) -> None:
+        """Append ``record`` to metrics.jsonl and TensorBoard (each where opened)."""
         row = record.as_dict()
         if self._file is not None:
             self._file.write(json.dumps(row, allow_nan=False) + "\n")
@@ -296,6 +301,7 @@ class MetricsWriter:
                     self._board.add_scalar(f"train/{key}", value, record.step)
 
     def close(self) -> None:
+        """Close the files; writing after it does nothing."""
         for out in (self._file, self._board):
             if out is not None:
                 out.close()

@@ -88,6 +88,7 @@ class JobBatches:
         return None if self.text is None else self.text.state_dict()
 
     def evaluate(self, model: Any, device: torch.device) -> float:
+        """The mean held-out loss of ``model`` over the run's held-out batches on ``device``."""
         return evaluate(model, self.text, self.eval_count, device)
 
     def describe(self) -> str:

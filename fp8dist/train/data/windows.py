@@ -111,6 +111,7 @@ class TextBatches:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
     def describe(self) -> str:
+        """How many windows train and how many are held out, in words."""
         return (f"{len(self.train_windows) + len(self.eval_windows):,} windows of {self.window:,} tokens: "
                 f"{len(self.train_windows):,} for training (shuffled per epoch, seed {self.seed}), "
                 f"{len(self.eval_windows):,} held out ({100 * self.eval_fraction:g}%)")
