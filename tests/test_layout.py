@@ -158,7 +158,7 @@ def _axis_names() -> dict[str, set[str]]:
 
 
 AXIS_OPTIONS = ("strategy", "fp8", "memory")
-"""The options that choose an axis value: their defaults (``strategy: Strategy = "fsdp"`` in config/options.py,
+"""The options that choose an axis value: their defaults (``strategy: StrategyName = "fsdp"`` in config/options.py,
 each written once) name a value by nature."""
 
 

@@ -25,13 +25,13 @@ FP4_TAIL_SHARE = 0.15
 the output head stay in the strategy's precision (torchtitan's NVFP4 Llama3-8B on 4 B200s: 21,919 -> 30,040
 tok/s)."""
 
-__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "Strategy", "DtypeName", "ReduceDtypeName", "FP8BackendName",
+__all__ = ["StrategyConfig", "FP8Config", "SECTIONS", "StrategyName", "DtypeName", "ReduceDtypeName", "FP8BackendName",
            "MemoryLevelName", "strategy_configs",
            "Device", "CheckpointingMode", "DEFAULT_SEQ_LEN", "FP4_TAIL_SHARE", "DEFAULT_MARGIN", "knob_configs"]
 
-Strategy = Annotated[str, Choices(STRATEGIES)]
+StrategyName = Annotated[str, Choices(STRATEGIES)]
 """The type of a ``strategy=`` option: a registered strategy's name (the schema checks it against
-:data:`~fp8dist.config.axis.STRATEGIES`); not the :class:`fp8dist.Strategy` interface."""
+:data:`~fp8dist.config.axis.STRATEGIES`)."""
 DtypeName = Literal["fp32", "bf16", "fp16"]
 """A dtype option's values (``param_dtype``, ``buffer_dtype``); other spellings are aliases (``bfloat16``,
 ``torch.bfloat16``: :data:`~fp8dist.config.dtypes.DTYPE_ALIASES`)."""
@@ -55,7 +55,7 @@ class StrategyConfig:
     ``Config``), given and read flat (``zero_stage=3``, ``cfg.parallel.zero_stage``) or as
     ``knobs("deepspeed").zero_stage``; a knob no chosen strategy reads is reported."""
 
-    strategy: Strategy = "fsdp"
+    strategy: StrategyName = "fsdp"
     """How the model is spread over ranks: none (one process), ddp, fsdp (FSDP2 fully_shard), fsdp1
     (FullyShardedDataParallel) or deepspeed (ZeRO)."""
 
