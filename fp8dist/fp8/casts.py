@@ -1,19 +1,20 @@
-"""How an FP8 recipe casts each operand of a Linear's three GEMMs (output, input gradient, weight gradient), as
-data (:class:`CastSpec`): what a backend's ``numerics_casts`` answers and the numerics probe emulates on a CPU. A
-per-row or per-block scale runs along that GEMM's contraction dim."""
+"""How an FP8 recipe casts each operand of a Linear's three GEMMs (output, input gradient, weight gradient): what a
+backend's ``numerics_casts`` answers and the numerics probe emulates on a CPU. Any object of the
+:class:`CastEmulation` protocol is one: the built-in :class:`CastSpec` (tensorwise, rowwise, MX, delayed, NVFP4, as
+data, emulated by :mod:`.cast_emulation`) or a backend's own scaling with its own emulator. A per-row or per-block
+scale runs along that GEMM's contraction dim."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from ..config.dtypes import dtype_name
 
-__all__ = ["CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_BYTES", "MXFP8_BYTES", "NVFP4_WEIGHT_TILE",
-           "NVFP4_NOT_EMULATED",
-           "nvfp4_casts", "float8_linear_casts"]
+__all__ = ["CastEmulation", "CastEmulator", "CastSpec", "Casts", "USES", "MX_BLOCK", "NVFP4_BLOCK", "NVFP4_BYTES",
+           "MXFP8_BYTES", "NVFP4_WEIGHT_TILE", "NVFP4_NOT_EMULATED", "nvfp4_casts", "float8_linear_casts"]
 
 USES = (("input", "output"), ("weight", "output"), ("grad_output", "grad_input"), ("input", "grad_weight"),
         ("weight", "grad_input"), ("grad_output", "grad_weight"))
@@ -23,13 +24,53 @@ MX_BLOCK = 32
 """MXFP8: one e8m0 scale per 32 consecutive elements along the contraction dim (OCP MX v1.0)."""
 
 NVFP4_BLOCK = 16
+"""NVFP4: one e4m3 scale per 16 consecutive elements (NVIDIA's NVFP4: e2m1 values, e4m3 block scales under one fp32
+scale per tensor)."""
 NVFP4_BYTES = 0.5 + 1 / NVFP4_BLOCK
 """Bytes per element of an NVFP4 tensor: two e2m1 values a byte, one e4m3 scale per block (the fp32 tensor scale
 aside)."""
 MXFP8_BYTES = 1 + 1 / MX_BLOCK
 """Bytes per element of an MXFP8 tensor: e4m3 values, one e8m0 scale per block."""
-"""NVFP4: one e4m3 scale per 16 consecutive elements (NVIDIA's NVFP4: e2m1 values, e4m3 block scales under one fp32
-scale per tensor)."""
+
+
+class CastEmulator(Protocol):
+    """One operand's cast at one GEMM site of the probe, called on every operand that site sees (it may keep state
+    across calls, as delayed scaling's amax history)."""
+
+    floored: torch.Tensor | None
+    """After a call: the mask of values whose block scale sat at its floor (NVFP4); None where the scaling has none."""
+
+    def __call__(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(round trip, saturated)``: ``x`` (2-D, fp32) cast as the backend casts it and back in fp32, and the bool
+        mask of values the cast clamped to the format's max; ``dim``: the dim the GEMM sums over (rowwise scales and
+        blocks run along it)."""
+        ...
+
+
+class CastEmulation(Protocol):
+    """How a backend casts one operand in one GEMM, as the numerics probe and the FP8 export read it: what
+    ``numerics_casts`` answers per use. :class:`CastSpec` is the built-in one; a backend with a scaling of its own
+    returns an object of its own with these members."""
+
+    @property
+    def per_dim(self) -> bool:
+        """The cast depends on the contraction dim: the probe measures its two uses of an operand apart (False: a
+        cast equal in both GEMMs is measured once)."""
+        ...
+
+    @property
+    def fp4(self) -> bool:
+        """An FP4 cast: the numerics thresholds allow for its coarser values."""
+        ...
+
+    def describe(self) -> str:
+        """One line naming the cast in the probe's report (element format and scaling)."""
+        ...
+
+    def emulator(self) -> CastEmulator:
+        """A fresh emulator of this cast, for one GEMM site; the probe calls it once per site, before the model
+        runs."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -72,9 +113,16 @@ class CastSpec:
                           f"{f', margin {self.margin}' if self.margin else ''})"}[self.scaling]
         return f"{name} {how}{' pow2' if self.pow2 else ''}"
 
+    def emulator(self) -> CastEmulator:
+        """The built-in emulation of this spec (:class:`~fp8dist.fp8.cast_emulation.Cast`; torchao's casts)."""
+        from .cast_emulation import Cast
 
-Casts = dict[tuple[str, str], CastSpec | None]
-"""``{(operand, gemm): CastSpec, or None where that GEMM runs in high precision}``, for every pair of :data:`USES`."""
+        return Cast(self)
+
+
+Casts = dict[tuple[str, str], CastEmulation | None]
+"""``{(operand, gemm): CastEmulation (a CastSpec, or a backend's own), or None where that GEMM runs in high
+precision}``, for every pair of :data:`USES`."""
 
 
 NVFP4_WEIGHT_TILE = 16
@@ -94,7 +142,7 @@ def nvfp4_casts() -> Casts:
             for role, gemm in USES}
 
 
-def float8_linear_casts(config) -> Casts:
+def float8_linear_casts(config: object) -> dict[tuple[str, str], CastSpec | None]:
     """The casts of torchao's ``Float8LinearConfig`` ``config`` (what a ``Float8Linear`` does), per use."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 

@@ -16,8 +16,8 @@ from ..config.dtypes import dtype_name
 from ..config.text import listing
 from ..runtime.hardware import Hardware
 from ..runtime.optim import STEP_HOOKS
-from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
-                   fp8_hardware_reason, linear_reason)
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, HealthCasts,
+                   dims_reason, fp8_hardware_reason, linear_reason)
 from .casts import NVFP4_BYTES, NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import own_output as _own_output, plain_linear_like
@@ -313,7 +313,22 @@ class TorchaoBackend(FP8Backend):
 
     rank_imports = ("torchao.float8",)
     commands_default = True
-    health_telemetry = True
+
+    def health_casts(self, module: nn.Module) -> HealthCasts | None:
+        """A ``Float8Linear`` (or ``Float8Conv1D``) or a Linear under torchao's Float8 weight wrapper: the casts of
+        its ``Float8LinearConfig`` (the wrapper's built from its recipe), the input cast after autocast where the
+        module swap's forward casts it so; None for any other module (an MXFP8 wrapper's included)."""
+        from torchao.float8.float8_linear import Float8Linear
+
+        from .weight_wrapper import float8_gemm_config
+
+        config = float8_gemm_config(module)
+        if config is None:
+            return None
+        casts = float8_linear_casts(config)
+        return HealthCasts(input=casts[("input", "output")], weight=casts[("weight", "output")],
+                           grad_output=casts[("grad_output", "grad_input")],
+                           autocast_input=isinstance(module, Float8Linear))  # the wrapper casts its input as it comes
     weight_scale_names = ("_precomputed_scale",)  # the FP8 all-gather's scale, on the weight's local tensor
 
     def state_tensors(self, module: nn.Module) -> list[Any]:
