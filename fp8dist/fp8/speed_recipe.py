@@ -71,6 +71,8 @@ class Recipe:
     each instead of 2 in the step model."""
 
     def casts(self, compile: bool) -> CastKernels:
+        """The cast kernels of each operand (input, weight, grad_output): :attr:`compiled` under ``torch.compile``,
+        else :attr:`eager`."""
         return self.compiled if compile else self.eager
 
 

@@ -62,12 +62,16 @@ class LeanLevel(MemoryLevel):
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reduce_dtype="bf16"))
 
     def check_optimizer(self, spec: Any) -> None:
+        """ValueError, with the way out, unless ``spec`` is an AdamW (or Adam without weight decay) mapping with only
+        the options torchao's 8-bit AdamW takes."""
         lean_optimizer_kwargs(spec)
 
     def before_convert(self, model: nn.Module) -> None:
+        """Cast the model's floating-point parameters to bf16 (no fp32 master is kept)."""
         cast_params_bf16(model)
 
     def after_convert(self, model: nn.Module) -> None:
+        """Cast the parameters the backend's new modules brought to bf16 too."""
         cast_params_bf16(model)  # the backend's new modules
 
     def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
@@ -76,6 +80,7 @@ class LeanLevel(MemoryLevel):
                                             **lean_optimizer_kwargs(spec))
 
     def element_bytes(self, base: Any) -> Any:
+        """bf16 weights and gradients, no master copy, 8-bit states (counted by :meth:`local_state_bytes`)."""
         return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,
                                    dtypes=("bf16", "none", "bf16", "8-bit/bf16"))
 
@@ -190,6 +195,8 @@ class LocalShardStep:
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """One AdamW step on each parameter's local shard (``closure`` re-evaluates the loss first, under grad);
+        returns its loss or None. Stochastic rounding seeded per parameter, step and shard; the RNG put back after."""
         from torchao.optim.adam import single_param_adam
 
         loss = None
