@@ -4,7 +4,7 @@ built-in emulation, :class:`Cast`, is re-exported here where it was."""
 
 from __future__ import annotations
 
-from ..fp8.cast_emulation import Cast
+from ..fp8.casts import Cast
 
 __all__ = ["Cast", "CONTRACTION_DIM"]
 
