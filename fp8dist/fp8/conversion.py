@@ -56,8 +56,8 @@ class Conversion(Protocol):
 
     name: ClassVar[str]
     package: ClassVar[str | None] = None
-    """The library whose modules the backend swaps in (found in a model given to ``wrap_model``: converted by hand,
-    refused; ``fp8dist env`` lists its version)."""
+    """The library whose modules the backend swaps in: a model given to ``wrap_model`` holding one of its modules was
+    converted by hand and is refused; the commands quiet its loggers on a CPU; the version records list it."""
     rules: ClassVar[tuple[Rule, ...]] = ()
     """What this backend refuses to combine with (its rows of the combination table), checked by ``wrap_model``'s
     step 2, the CLI, the estimate and the bench before anything changes."""
@@ -65,8 +65,8 @@ class Conversion(Protocol):
     """The backend builds the optimizer itself (in :attr:`EngineHooks.prepare`, from the optimizer spec):
     ``wrap_model`` then needs an optimizer spec and returns the optimizer the backend built."""
     takes_amax_group: ClassVar[bool] = False
-    """The backend reduces FP8 amax over a process group the user may choose (``fp8_group=``); False: a
-    ``fp8_group`` given is refused."""
+    """The backend reduces FP8 amax over a process group the user may choose (``fp8_group=``, handed to
+    :meth:`after_shard`); False: a ``fp8_group`` given has no effect, and ``wrap_model`` warns so."""
     meta_model_refusal: ClassVar[str | None] = None
     """Why the backend cannot convert a meta-device model (``wrap_model`` raises ValueError with it); None: it can."""
 

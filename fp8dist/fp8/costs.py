@@ -50,10 +50,9 @@ class Accounting(Protocol):
 
     def saved_input_bytes(self, cfg: Config) -> float:
         """Bytes per element of the quantized copy of its input each converted Linear saves for backward in place of
-        the high-precision input, under ``cfg``'s recipe (a layer's own: ``layer_config``); 0: it saves the
-        high-precision input (shared with the other readers of that tensor) and quantizes it again in backward.
-        Asked by the estimate's activations. Default: 1 (an FP8 copy) where the backend keeps FP8 weight copies
-        (:attr:`saved_weight_bytes`), else 0."""
+        the high-precision input, under ``cfg``'s recipe; 0: it saves the high-precision input (shared with the
+        other readers of that tensor) and quantizes it again in backward. Asked by the estimate's activations.
+        Default: 1 (an FP8 copy) where the backend keeps FP8 weight copies (:attr:`saved_weight_bytes`), else 0."""
         return 1.0 if self.saved_weight_bytes else 0.0
 
     def autograd_weight_bytes(self, cfg: Config) -> float:
@@ -71,8 +70,8 @@ class Accounting(Protocol):
 
     def frozen_weights(self, cfg: Config, facts: StrategyFacts) -> FrozenWeights:
         """What a converted Linear's frozen weight costs per step and in bytes under ``cfg`` and the strategy's
-        ``facts``; asked by the estimate and the plan (per layer config), and by a conversion deciding whether to
-        keep a cast. Default: as a trainable weight."""
+        ``facts``; asked by the estimate per FP8 layer (``cfg`` its ``layer_config``), and by a backend's own
+        ``convert`` deciding whether to keep a cast. Default: as a trainable weight."""
         return FrozenWeights()
 
     def state_tensors(self, module: nn.Module) -> list[torch.Tensor | object | None]:
