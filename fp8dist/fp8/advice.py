@@ -34,8 +34,8 @@ class PlanAdvice(Protocol):
     """The recipes this backend runs, as the speed model sees them (:class:`~fp8dist.fp8.speed_recipe.Recipe`: which
     GEMMs run in FP8, the cast kernels of each operand): its Linears' (``plan --compare-recipes`` compares them) and,
     ``grouped=True``, its MoE experts'. The speed model (``fp8dist.plan.speed.RECIPES``) reads every registered
-    backend's; a name must be unique among them. :meth:`speed_recipe` names the one a config runs. Empty: no speed
-    model."""
+    backend's; a name must be unique among them. :meth:`speed_recipe` names the one a config runs; a backend with
+    recipes reads :data:`SELECTION_OPTIONS` (put them in its ``options``). Empty: no speed model."""
     variant_option: ClassVar[str | None] = None
     """The option naming the recipe a layer runs (``torchao_recipe``): a layer's own recipe
     (``PlanEntry.recipe``) is set in it by :meth:`layer_config`, and the bench runs each of its values as a cell of
