@@ -368,8 +368,8 @@ def test_a_backend_s_own_speed_recipe_and_cast_emulation_drive_the_plan_the_prob
     """``fp8_select="auto"`` for an H100 decides each Linear by the backend's own recipe (its numbers, not a
     built-in's: fused casts pay on every Linear of the medium Llama at 65,536 tokens, the slow ones on none), the
     probe measures the backend's own casts (the SQNR its grid gives, 6 dB a bit), FP8Telemetry samples its layers
-    through its health_casts, and ``fp8dist plan`` / ``estimate`` run with it. In-process; 13.6 s measured here with
-    the machine's load at 18 on 2 cores."""
+    through its health_casts, and ``fp8dist plan`` / ``estimate`` run with it. In-process; 4.6 s measured here (2
+    shared cores at load 5; 13.6 s at load 18)."""
     import fp8dist
     from fp8dist.cli import main
     from fp8dist.plan.speed import predict_linear
