@@ -1,5 +1,6 @@
-"""FP8 backends, one module each, each an :class:`FP8Backend` subclass. ``wrap_model`` calls the hooks in one order:
-rules, unavailable_reason, the plan's hooks, check_plan, convert, engine_hooks, (the strategy shards), after_shard.
+"""FP8 backends, one module each, each an :class:`FP8Backend` subclass composing five roles (conversion, plan
+advice, accounting, checkpoint state, tooling: :mod:`.base`). ``wrap_model`` calls the hooks in one order: rules,
+unavailable_reason, the plan's hooks, check_plan, convert, engine_hooks, (the strategy shards), after_shard.
 A backend knows no sharding engine (it reads ``plan.facts``) and imports its library only inside methods. Importing
 this package imports no engine: the built-ins' names and knobs (``Config``) are known before torch is imported."""
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
 
     from .base import FP8Backend
 
-__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "NO_FP8", "get_backend", "register_backend", "BACKENDS",
-           "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand",
+__all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HealthCasts", "NO_FP8", "get_backend", "register_backend",
+           "BACKENDS", "SELECTION_OPTIONS", "dims_reason", "linear_reason", "fp8_hardware_reason", "converted_by_hand",
            "register_builtins"]
 
 
@@ -35,8 +36,8 @@ def register_builtins() -> None:
 
 def _load() -> dict[str, Any]:
     """The names of :mod:`.base` (it imports torch), imported when first read."""
-    from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, dims_reason, fp8_hardware_reason,
-                       linear_reason)
+    from .base import (NO_FP8, SELECTION_OPTIONS, EngineHooks, FP8Backend, FP8Wiring, HealthCasts, dims_reason,
+                       fp8_hardware_reason, linear_reason)
 
     return locals()
 

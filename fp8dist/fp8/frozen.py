@@ -69,6 +69,9 @@ class FrozenFloat8Linear(Float8Linear):
     """Keep the FP8 cast of a weight held whole (tensorwise, not sharded)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The FP8 forward of ``input``: torchao's own while the weight trains (or under torch.compile); a frozen
+        weight's FP8 cast kept (or held in FP8: its bits and scale) and reused otherwise, with no weight-gradient
+        GEMM."""
         held = holds_fp8(self) or _INVERSE in self.__dict__
         if not held and (self.weight.requires_grad or torch.compiler.is_compiling()):
             return super().forward(input)

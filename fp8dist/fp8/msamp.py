@@ -44,19 +44,22 @@ class MSAMPBackend(FP8Backend):
                           "loads it there), or use fp8='torchao' / 'te'")
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
-        """MS-AMP (``fp8='msamp'``): its ``initialize`` converts the model and builds the optimizer (O1-O3); it
-        cannot be installed on any current stack, so its wiring is tested through a stand-in only."""
+        """The opt_level (O1-O3), for the plan header."""
         return f"opt_level {cfg.precision.opt_level}"
 
     def missing_reason(self, cfg) -> str | None:
+        """Why MS-AMP cannot be used here: ``msamp`` not importable (it is built from its repository); None when it
+        is."""
         if importlib.util.find_spec("msamp") is None:
             return ("MS-AMP is not installed (not on the package index: build it from its repository on a CUDA "
                     "machine)")
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
+        """"msamp FP8 Linear": ``msamp.initialize`` swaps each nn.Linear for its own."""
         return "msamp FP8 Linear"
 
     def check_plan(self, plan) -> None:
+        """ValueError where the plan keeps an nn.Linear in high precision: ``msamp.initialize`` has no layer filter."""
         kept = [e.name for e in plan if e.module_type == "Linear" and e.converted_to is None]
         if kept:
             raise ValueError(

@@ -79,6 +79,8 @@ class Recipe:
     block reads it."""
 
     def casts(self, compile: bool) -> CastKernels:
+        """The cast kernels of each operand (input, weight, grad_output): :attr:`compiled` under ``torch.compile``,
+        else :attr:`eager`."""
         return self.compiled if compile else self.eager
 
 

@@ -115,6 +115,8 @@ class TEBackend(FP8Backend):
     takes_amax_group = True
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
+        """The recipe (DelayedScaling with its margin and history, current, blockwise, MXFP8, NVFP4) and whether
+        weights are held quantized, for the plan header."""
         weights = "; weights held quantized (quantized_model_init)" if cfg.precision.fp8_weights else ""
         return self._recipe_words(cfg) + weights
 
@@ -132,6 +134,8 @@ class TEBackend(FP8Backend):
         return f"{p.te_recipe} scaling {p.fp8_format}"
 
     def missing_reason(self, cfg) -> str | None:
+        """Why TE cannot be used here: not installed, or ``te_recipe='blockwise'`` with a torch built for CUDA < 12.9;
+        None when it can."""
         if importlib.util.find_spec("transformer_engine") is None:
             return "Transformer Engine is not installed (pip install 'fp8dist[te]' on a CUDA machine)"
         cuda = torch.version.cuda  # the installed build, not the target: a plan for another machine skips this
@@ -162,9 +166,12 @@ class TEBackend(FP8Backend):
                 f"for a GPU that has it (fp8dist plan --target {target})")
 
     def supports(self, module: nn.Module) -> bool:  # the FP8 GEMMs and the norms
+        """The modules TE swaps: Linears, GPT-2 Conv1Ds and MoE experts (FP8 GEMMs), LayerNorms and RMSNorms (TE's
+        norms, no FP8 compute)."""
         return self.computes_in_fp8(module) or type(module) is nn.LayerNorm or _is_rmsnorm(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
+        """te.Linear, TEConv1D, the experts' torchao grouped GEMM, or TE's LayerNorm / RMSNorm."""
         if isinstance(module, nn.Linear):
             return "te.Linear"
         if is_conv1d(module):
@@ -174,9 +181,11 @@ class TEBackend(FP8Backend):
         return "te.LayerNorm" if type(module) is nn.LayerNorm else "te.RMSNorm"
 
     def computes_in_fp8(self, module: nn.Module) -> bool:
+        """True for Linears, Conv1Ds and MoE experts; False for the norms TE swaps."""
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
+        """MoE routers, and every supported module whose weight is tied to another's (TE's module would untie them)."""
         owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
             for p in module.parameters(recurse=False):
@@ -191,6 +200,8 @@ class TEBackend(FP8Backend):
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
+        """Why ``module`` cannot run under TE: a Linear's or Conv1D's dims, MoE experts without torchao, a LayerNorm
+        over several dims or without affine weight and bias; None when it can."""
         if is_conv1d(module):
             return dims_reason(module)
         if is_experts(module):  # TE's GroupedLinear holds one weight per expert: no drop-in for fused experts
@@ -209,6 +220,9 @@ class TEBackend(FP8Backend):
         return None
 
     def convert(self, model: nn.Module, plan, cfg) -> None:
+        """Swap the plan's converted modules for TE's (weights copied; created under ``quantized_model_init`` with
+        ``fp8_weights``), MoE experts for torchao's grouped GEMMs; before sharding (step 6). Raises ValueError for a
+        knob the installed TE would drop (before anything changes), ImportError without TE."""
         import transformer_engine.pytorch as te
 
         recipe = build_recipe(cfg)  # a knob this TE would drop is refused before anything changes
@@ -221,6 +235,9 @@ class TEBackend(FP8Backend):
             model.set_submodule(name, _te_module(te, model.get_submodule(name), quantized))
 
     def after_shard(self, model: nn.Module, inner: nn.Module, plan, cfg, group) -> FP8Wiring:
+        """Run ``inner``'s forward under TE's FP8 autocast with the configured recipe, amax reduced over ``group``
+        (None: the world group); flat parameters (FSDP1) prepared with TE's ``prepare_te_modules_for_fsdp``. Returns
+        the recipe and the group."""
         if plan.facts.flat_params:
             import transformer_engine.pytorch as te
 
@@ -234,6 +251,8 @@ class TEBackend(FP8Backend):
     speed_recipes = TE_RECIPES
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
+        """``te_<te_recipe>`` where :attr:`speed_recipes` has it (the experts: torchao's MoE recipe); else no
+        prediction and why."""
         if grouped:
             return experts_speed_recipe(cfg, hardware)
         name = f"te_{cfg.precision.te_recipe}"
@@ -243,6 +262,8 @@ class TEBackend(FP8Backend):
                       f"te_recipe={cfg.precision.te_recipe!r}")
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
+        """TE's casts as CastSpecs: delayed (its margin and amax history), current (tensorwise), MXFP8 or NVFP4;
+        gradients e5m2 under HYBRID. NotImplementedError for a recipe not modelled (blockwise), with the way out."""
         if grouped:
             return experts_casts(cfg, hardware)
         p = cfg.precision
@@ -257,6 +278,8 @@ class TEBackend(FP8Backend):
                                        **(history if scaling == "delayed" else {})) for role, gemm in USES}
 
     def numerics_note(self, cfg) -> str:
+        """That TE's recipe was emulated with torchao's casts, and what the emulation of delayed scaling and NVFP4
+        leaves out."""
         return (f"Transformer Engine's {cfg.precision.te_recipe} recipe emulated with torchao's casts (TE needs a GPU)"
                 + ("; the amax history starts warmed up (the first batch's own amax; TE starts at scale 1)"
                    if cfg.precision.te_recipe == "delayed" else "")
@@ -289,6 +312,7 @@ class TEBackend(FP8Backend):
         return {"nvfp4": NVFP4_BYTES, "mxfp8": MXFP8_BYTES}.get(cfg.precision.te_recipe, 1.0)
 
     def state_tensors(self, module: nn.Module) -> list[Any]:
+        """The module's buffers and its ``fp8_meta`` (scales and amax history)."""
         return super().state_tensors(module) + [getattr(module, "fp8_meta", None)]  # scales and amax history
 
     def element_bytes(self, cfg, base, converted: bool, n_states: int):
@@ -306,6 +330,8 @@ class TEBackend(FP8Backend):
         return sum(not e.grouped for e in plan.fp8) * 5 * 4 * (1 + history) if history else 0
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """The formats of the autocast recipe (fp8 e4m3 / e5m2 grads, or fp4 e2m1 with e4m3 block scales) and its
+        class; None without one."""
         recipe = wiring.autocast_recipe
         if recipe is None:
             return None

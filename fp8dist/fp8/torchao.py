@@ -16,8 +16,8 @@ from ..config.dtypes import dtype_name
 from ..config.text import listing
 from ..runtime.hardware import Hardware
 from ..runtime.optim import STEP_HOOKS
-from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, dims_reason,
-                   fp8_hardware_reason, linear_reason)
+from .base import (SELECTION_OPTIONS, FP8Backend, FP8Wiring, FrozenWeights, HandConverted, HealthCasts,
+                   dims_reason, fp8_hardware_reason, linear_reason)
 from .casts import NVFP4_BYTES, NVFP4_NOT_EMULATED, Casts, float8_linear_casts, nvfp4_casts
 from .conv1d import is_conv1d, to_float8_conv1d
 from .linear import own_output as _own_output, plain_linear_like
@@ -105,18 +105,23 @@ class TorchaoBackend(FP8Backend):
     rules = _RULES
 
     def describe(self, cfg, facts: StrategyFacts) -> str:
+        """The recipe, the API (module swap or weight wrapper, "(auto)" where the installed torchao chose) and
+        whether FP8 all-gather is on, for the plan header."""
         on = "off" if not fp8_all_gather(cfg, facts) else "on" + (" (tensorwise layers)" if
                                                                     cfg.precision.torchao_recipe == "auto" else "")
         auto = " (auto)" if cfg.precision.torchao_api == "auto" else ""  # auto: chosen by the installed torchao
         return f"recipe {cfg.precision.torchao_recipe}, {torchao_api(cfg)}{auto}, FP8 all-gather {on}"
 
     def missing_reason(self, cfg) -> str | None:
+        """Why torchao cannot be used here (not installed, with the supported pip range); None when it can."""
         if not torchao_installed():
             from ..runtime.packages import supported_range
 
             return f"torchao is not installed (pip install 'torchao{supported_range('torchao') or ''}')"
 
     def hardware_reason(self, cfg, hardware: Hardware) -> str | None:
+        """MXFP8 and NVFP4 gated to their GPUs; the float8 recipes to sm_89+ on CUDA (a CPU runs torch's
+        ``_scaled_mm``; emulated MXFP8 runs anywhere). ``cfg`` None: the default recipe."""
         recipe = cfg.precision.torchao_recipe if cfg is not None else None  # None: asked of the backend's default
         if recipe == "mxfp8":
             return mx_hardware_reason(hardware)
@@ -126,9 +131,12 @@ class TorchaoBackend(FP8Backend):
         return fp8_hardware_reason(hardware) if hardware.type == "cuda" and recipe != "mxfp8_emulated" else None
 
     def supports(self, module: nn.Module) -> bool:
+        """Linears, GPT-2 Conv1Ds and MoE experts (fused 3-D weights)."""
         return isinstance(module, nn.Linear) or is_conv1d(module) or is_experts(module)
 
     def converted_class(self, module: nn.Module, cfg, hardware: Hardware) -> str:
+        """Float8Linear, Float8Conv1D, the weight wrapper (or "bypassed" where it would not reach the GEMM), MXFP8's
+        or NVFP4's module, or the experts' grouped GEMM."""
         if is_experts(module):
             return experts_target(cfg, hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
@@ -143,6 +151,8 @@ class TorchaoBackend(FP8Backend):
 
     def ineligible_reason(self, module: nn.Module, fqn: str, cfg, hardware: Hardware,
                           facts: StrategyFacts) -> str | None:
+        """Why ``module`` cannot run the configured recipe: dims, math, the weight wrapper not reaching its GEMM,
+        the experts' own checks; None when it can."""
         if is_experts(module):
             return experts_reason(module, cfg, hardware, facts)
         if cfg.precision.torchao_recipe == "nvfp4":
@@ -152,6 +162,8 @@ class TorchaoBackend(FP8Backend):
         return dims_reason(module) if is_conv1d(module) else linear_reason(module)
 
     def model_exclusions(self, model: nn.Module, cfg) -> dict[str, str]:
+        """MoE routers, and with ``keep_first_last_linear`` the first and the last Linear in execution order
+        (PEFT's adapters aside)."""
         routers = moe_routers(model)
         if not cfg.precision.keep_first_last_linear:
             return routers
@@ -251,6 +263,8 @@ class TorchaoBackend(FP8Backend):
     speed_recipes = TORCHAO_RECIPES
 
     def speed_recipe(self, cfg, hardware: Hardware, *, grouped: bool = False) -> tuple[str | None, str]:
+        """The configured ``torchao_recipe`` (the experts: their MoE recipe); no prediction for emulated MXFP8 or
+        under ``torchao_recipe='auto'`` (:meth:`mixed_recipes` then)."""
         if grouped:
             return experts_speed_recipe(cfg, hardware)
         if cfg.precision.torchao_recipe == "mxfp8_emulated":
@@ -266,6 +280,8 @@ class TorchaoBackend(FP8Backend):
         return tuple(r for r in MIXED if not (_autocast_low(cfg, facts) and r == "rowwise_with_gw_hp"))
 
     def numerics_casts(self, cfg, facts: StrategyFacts, hardware: Hardware, *, grouped: bool = False) -> Casts:
+        """The casts of the configured recipe: its ``Float8LinearConfig``'s (tensorwise, rowwise), MXFP8's op
+        config, NVFP4, or the experts' grouped GEMM casts."""
         if grouped:
             return experts_casts(cfg, hardware)
         if cfg.precision.torchao_recipe == "nvfp4":
@@ -275,6 +291,7 @@ class TorchaoBackend(FP8Backend):
         return float8_linear_casts(float8_config(cfg, facts))
 
     def numerics_note(self, cfg) -> str:
+        """What the NVFP4 emulation leaves out, under ``torchao_recipe='nvfp4'``; else empty."""
         return NVFP4_NOT_EMULATED if cfg.precision.torchao_recipe == "nvfp4" else ""
 
     accelerate_backend = "AO"
@@ -308,15 +325,33 @@ class TorchaoBackend(FP8Backend):
         return HandConverted(len(fp8), sum(m.weight.numel() for m in fp8), after_step)
 
     def after_load(self, model: nn.Module, wiring: FP8Wiring) -> None:
+        """Recompute the FP8 weight scales (and kept frozen casts) after a load, where ``after_shard`` set up their
+        precompute."""
         if wiring.scale_precompute:
             _precompute(model, None)
 
     rank_imports = ("torchao.float8",)
     commands_default = True
-    health_telemetry = True
+
+    def health_casts(self, module: nn.Module) -> HealthCasts | None:
+        """A ``Float8Linear`` (or ``Float8Conv1D``) or a Linear under torchao's Float8 weight wrapper: the casts of
+        its ``Float8LinearConfig`` (the wrapper's built from its recipe), the input cast after autocast where the
+        module swap's forward casts it so; None for any other module (an MXFP8 wrapper's included)."""
+        from torchao.float8.float8_linear import Float8Linear
+
+        from .weight_wrapper import float8_gemm_config
+
+        config = float8_gemm_config(module)
+        if config is None:
+            return None
+        casts = float8_linear_casts(config)
+        return HealthCasts(input=casts[("input", "output")], weight=casts[("weight", "output")],
+                           grad_output=casts[("grad_output", "grad_input")],
+                           autocast_input=isinstance(module, Float8Linear))  # the wrapper casts its input as it comes
     weight_scale_names = ("_precomputed_scale",)  # the FP8 all-gather's scale, on the weight's local tensor
 
     def state_tensors(self, module: nn.Module) -> list[Any]:
+        """The module's buffers, the FP8 all-gather's precomputed weight scales and the kept casts of frozen weights."""
         from .frozen import kept_casts
 
         scales = [getattr(getattr(p, "_local_tensor", p), name, None)  # a DTensor's local tensor holds the scale
@@ -330,6 +365,8 @@ class TorchaoBackend(FP8Backend):
         return torchao_api(cfg) == "module_swap" and not is_mx(recipe) and recipe != "nvfp4"
 
     def frozen_weights(self, cfg, facts: StrategyFacts) -> FrozenWeights:
+        """What a frozen weight costs: cast once and kept (tensorwise: the weight, or its FP8 shard under FP8
+        all-gather), or recast every step where the recipe, the API or the engine's parameters prevent keeping it."""
         p, skip = cfg.precision, "; no weight-gradient GEMM"
         if torchao_api(cfg) != "module_swap" or is_mx(p.torchao_recipe):
             return FrozenWeights(how=f"{_WRAPPER} casts a frozen weight every step, as a trainable one")
@@ -352,6 +389,8 @@ class TorchaoBackend(FP8Backend):
         return 4 * sum(_gathers_fp8(e) for e in plan.fp8) if fp8_all_gather(cfg, plan.facts) else 0
 
     def all_gather_words(self, shards: list[torch.Tensor]) -> str | None:
+        """"fp8 e4m3 (FP8 all-gather...)" where the shards are torchao's FP8 all-gather weights (and how many of
+        them); None otherwise."""
         if "torchao" not in sys.modules:  # no such weights exist before torchao is imported
             return None
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -363,6 +402,8 @@ class TorchaoBackend(FP8Backend):
         return f"fp8 e4m3 (FP8 all-gather{some})"  # some: torchao_recipe='auto', its tensorwise layers
 
     def gemm_words(self, module: nn.Module, wiring: FP8Wiring) -> str | None:
+        """The formats of the module's ``Float8LinearConfig`` (forward, gradients, granularity; the weight wrapper's
+        too) or MXFP8's; None for a module without one."""
         wrapper = wrapped_weight_config(module)
         if wrapper is not None and not hasattr(wrapper, "_float8_linear_config"):  # MXFP8's op config
             return mx_gemm_words(wrapper)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +15,11 @@ from ..config.axis import Rule, StrategyFacts
 from ..runtime.optim import check_optimizer_spec
 from .base import MemoryLevel
 
+if TYPE_CHECKING:
+    from ..accounting.estimate_states import ElementBytes
+    from ..config.resolve import Config
+    from ..runtime.optim import OptimizerSpec
+
 __all__ = ["LeanLevel", "LEVEL", "lean_optimizer_kwargs", "lean_optimizer_class", "cast_params_bf16",
            "LocalShardStep"]
 
@@ -22,7 +27,7 @@ _LEAN_MIN, _LEAN_BLOCK = 4096, 256  # torchao 8-bit AdamW: smallest quantized te
 _WAY_OUT = "memory='standard' keeps fp32 master weights and trains with any optimizer"
 
 
-def _backend_owns_optimizer(cfg: Any) -> bool:
+def _backend_owns_optimizer(cfg: Config) -> bool:
     from ..fp8 import get_backend
 
     return cfg.precision.fp8 is not None and get_backend(cfg.precision.fp8).owns_optimizer
@@ -54,28 +59,34 @@ class LeanLevel(MemoryLevel):
     fit_way_out = ("the lean memory level", {"memory": name})
     report_master = "none (stochastic rounding)"
 
-    def resolve(self, cfg: Any, facts: StrategyFacts) -> Any:
+    def resolve(self, cfg: Config, facts: StrategyFacts) -> Config:
         """An engine that casts gradients for their reduction (FSDP2) reduces these bf16 gradients in bf16; DDP
         all-reduces them in their own dtype (bf16) with no hook."""
         if not facts.casts_gradients:
             return cfg
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reduce_dtype="bf16"))
 
-    def check_optimizer(self, spec: Any) -> None:
+    def check_optimizer(self, spec: OptimizerSpec | None) -> None:
+        """ValueError, with the way out, unless ``spec`` is an AdamW (or Adam without weight decay) mapping with only
+        the options torchao's 8-bit AdamW takes."""
         lean_optimizer_kwargs(spec)
 
     def before_convert(self, model: nn.Module) -> None:
+        """Cast the model's floating-point parameters to bf16 (no fp32 master is kept)."""
         cast_params_bf16(model)
 
     def after_convert(self, model: nn.Module) -> None:
+        """Cast the parameters the backend's new modules brought to bf16 too."""
         cast_params_bf16(model)  # the backend's new modules
 
-    def build_optimizer(self, spec: Any, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    def build_optimizer(self, spec: OptimizerSpec, params: Iterable[nn.Parameter],
+                        device: torch.device) -> torch.optim.Optimizer:
         """Build it after sharding, on every rank: the rounding seed is rank 0's ``torch.initial_seed()``."""
         return lean_optimizer_class(device)(params, bf16_stochastic_round=True, rounding_seed=_agreed_seed(device),
                                             **lean_optimizer_kwargs(spec))
 
-    def element_bytes(self, base: Any) -> Any:
+    def element_bytes(self, base: ElementBytes) -> ElementBytes:
+        """bf16 weights and gradients, no master copy, 8-bit states (counted by :meth:`local_state_bytes`)."""
         return dataclasses.replace(base, weight=2, master=0, grad=2, states=0,
                                    dtypes=("bf16", "none", "bf16", "8-bit/bf16"))
 
@@ -100,7 +111,7 @@ def lean_optimizer_class(device: torch.device) -> type[torch.optim.Optimizer]:
     return _local_shard_class(AdamWFp8 if fp8_hardware_reason(device) is None else AdamW8bit)
 
 
-def lean_optimizer_kwargs(spec: Any) -> dict[str, Any]:
+def lean_optimizer_kwargs(spec: OptimizerSpec | None) -> dict[str, Any]:
     """The torchao AdamW keyword arguments of an AdamW spec (``lr``, ``betas``, ``eps``, ``weight_decay``), or of an
     Adam one without weight decay; ValueError naming the way out for anything else."""
     if not isinstance(spec, Mapping):
@@ -190,6 +201,8 @@ class LocalShardStep:
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """One AdamW step on each parameter's local shard (``closure`` re-evaluates the loss first, under grad);
+        returns its loss or None. Stochastic rounding seeded per parameter, step and shard; the RNG put back after."""
         from torchao.optim.adam import single_param_adam
 
         loss = None

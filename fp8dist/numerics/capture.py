@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..fp8.casts import USES, CastSpec
+from ..fp8.casts import USES, CastEmulation, CastEmulator
 from ..fp8.conv1d import is_conv1d
-from .casts import CONTRACTION_DIM, Cast
+from .casts import CONTRACTION_DIM
 from .stats import CastStats, LayerNumerics
 
 __all__ = ["GemmSite", "attach"]
@@ -21,11 +21,12 @@ Backward = Callable[[torch.Tensor], None]  # measures a forward GEMM's two backw
 
 
 class GemmSite:
-    """One FP8 GEMM under measurement: its casts (two uses of one dim-independent cast are measured once)."""
+    """One FP8 GEMM under measurement: its casts, each run by the emulator its backend's
+    :class:`~fp8dist.fp8.casts.CastEmulation` gives (two uses of one dim-independent cast are measured once)."""
 
-    def __init__(self, layer: LayerNumerics, specs: dict[tuple[str, str], CastSpec | None]) -> None:
+    def __init__(self, layer: LayerNumerics, specs: dict[tuple[str, str], CastEmulation | None]) -> None:
         self.layer = layer
-        self.casts: list[tuple[str, tuple[str, ...], Cast, CastStats]] = []
+        self.casts: list[tuple[str, tuple[str, ...], CastEmulator, CastStats]] = []
         for role in ("input", "weight", "grad_output"):
             uses = [(gemm, spec) for r, gemm in USES if r == role and (spec := specs[(r, gemm)]) is not None]
             if len(uses) == 2 and uses[0][1] == uses[1][1] and not uses[0][1].per_dim:
@@ -33,7 +34,7 @@ class GemmSite:
             for gemm, spec in uses:
                 stats = CastStats(role, gemm, spec.describe(), fp4=spec.fp4)
                 layer.casts.append(stats)
-                self.casts.append((role, tuple(gemm.split("+")), Cast(spec), stats))
+                self.casts.append((role, tuple(gemm.split("+")), spec.emulator(), stats))
         self._weights_seen: set[object] = set()
 
     def _measure(self, role: str, x: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:

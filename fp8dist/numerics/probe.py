@@ -39,7 +39,8 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
             ``pretrained=`` when given, else by its own initialization; the model passed stays as it was).
         batches: token id tensors (run as ``model(input_ids=b, labels=b)``) or mappings of keyword arguments
             (``model(**b)``); the loss is the output's ``.loss``, else ``loss_fn(output, batch)``.
-        fp8: the backend whose casts to measure: "torchao" or "te" (emulated: TE needs a GPU).
+        fp8: the backend whose casts to measure: any whose ``numerics_casts`` models them ("torchao"; "te",
+            emulated: TE needs a GPU; a registered backend's own cast emulation).
         target: plan for this machine ("h100", "sm_90", a :class:`~fp8dist.runtime.hardware.Hardware`); None: this
             one, as if it had FP8. On a CPU, MoE experts are FP8 candidates only for a GPU target.
         loss_fn: ``(output, batch) -> loss`` for a model whose output has no ``.loss``.
@@ -57,7 +58,7 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
             vocabulary, a wrong shape, no tokens, more tokens than its positions), no loss to differentiate, a
             model already wrapped, sharded or FP8-converted (pass it as built), or no layer in FP8 to measure.
         TypeError: ``batches``, a batch, ``thresholds`` or ``loss_fn`` of the wrong type.
-        NotImplementedError: a backend whose casts are not modeled (MS-AMP's).
+        NotImplementedError: a backend whose casts are not modeled (MS-AMP's), naming those that are.
         FP8UnavailableError: ``target`` has no FP8.
     """
     from ..config.resolve import resolve_config
@@ -70,7 +71,10 @@ def measure_fp8_numerics(model: nn.Module, batches: Iterable[Any], *, fp8: str =
     # every FP8 candidate is measured, predicted fast or not: the plan weighs speed when it reads the report
     cfg = resolve_config(fp8=fp8, **{**options, "fp8_select": options.get("fp8_select") or "all"})
     if cfg.precision.fp8 is None:
-        raise ValueError("fp8=None: there is no FP8 cast to measure. Pass fp8='torchao' or fp8='te'.")
+        from ..fp8.advice import backends_with_casts
+
+        raise ValueError("fp8=None: there is no FP8 cast to measure. Pass "
+                         f"{' or '.join(f'fp8={n!r}' for n in backends_with_casts())}.")
     for note in cfg.unread_notes():  # an option no chosen axis reads, said as wrap_model says it
         warnings.warn(note, UserWarning, stacklevel=2)
     device = resolve_device(cfg.parallel.device, 0)

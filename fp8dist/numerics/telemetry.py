@@ -1,6 +1,7 @@
-"""FP8 health while training: every ``every`` steps, per torchao FP8 layer, the amax, scale and share flushed to zero
-of its input, weight and output gradient as torchao casts them; one JSON line per sampled step, and a warning once
-per layer past the probe's thresholds. Between sampled steps no hook is attached."""
+"""FP8 health while training: every ``every`` steps, per FP8 layer of a backend with health telemetry (its
+``health_casts`` hook: torchao's), the amax, scale and share flushed to zero of its input, weight and output gradient
+as its casts scale them; one JSON line per sampled step, and a warning once per layer past the probe's thresholds.
+Between sampled steps no hook is attached."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from ..config.schema import normalize_value
 from ..runtime.agree import on_all_ranks, rank_world
-from ..fp8.casts import CastSpec, float8_linear_casts
+from ..fp8.base import FP8Backend, HealthCasts
+from ..fp8.casts import CastSpec
 from .casts import CONTRACTION_DIM
 from .stats import json_number
 from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
@@ -33,18 +35,15 @@ _USE = {"input": ("input", "output"), "weight": ("weight", "output"), "grad_outp
 class _Layer:
     """One FP8 layer's casts and, on a sampled step, its running ``[amax, nonzero, flushed]`` per role."""
 
-    def __init__(self, name: str, module: nn.Module, config: Any) -> None:
-        from torchao.float8.float8_linear import Float8Linear
-
+    def __init__(self, name: str, module: nn.Module, casts: HealthCasts) -> None:
         self.name, self.module = name, module
-        specs = float8_linear_casts(config)
-        self.specs: dict[str, CastSpec] = {role: specs[_USE[role]] for role in ROLES}
-        self.pow2 = bool(config.round_scales_to_power_of_2)
-        self.autocasts = isinstance(module, Float8Linear)  # the weight wrapper casts its input as it comes
+        self.specs: dict[str, CastSpec] = {role: _sampled(name, role, getattr(casts, role)) for role in ROLES}
+        self.autocasts = casts.autocast_input
         self.acc: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def sample(self, role: str, x: torch.Tensor) -> None:
+        """Add ``x``, what ``role`` carries in this step, to the role's running amax, non-zero and flushed counts."""
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
@@ -61,6 +60,7 @@ class _Layer:
         self.acc[role] = now if old is None else torch.cat([old[:1].maximum(now[:1]), old[1:] + now[1:]])
 
     def hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """The forward hook of a sampled step: samples the input, and the output gradient through a tensor hook."""
         if not module.training:  # an evaluation inside a sampled step is not what training casts
             return
         x = args[0]
@@ -72,14 +72,16 @@ class _Layer:
 
 
 class FP8Telemetry:
-    """Sampled FP8 health of a wrapped model's torchao FP8 layers (``Float8Linear``, GPT-2's ``Float8Conv1D``, a Linear
-    under torchao's Float8 weight wrapper: ``torchao_api="weight_wrapper"``).
+    """Sampled FP8 health of a wrapped model's FP8 layers: those a registered backend's ``health_casts`` answers
+    for (torchao's ``Float8Linear``, GPT-2's ``Float8Conv1D``, a Linear under torchao's Float8 weight wrapper:
+    ``torchao_api="weight_wrapper"``).
 
-    Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with fp8="torchao"); it ends each step
+    Create it after :func:`fp8dist.wrap_model` (fsdp, fsdp1, ddp or none with such a backend); it ends each step
     itself after any optimizer holding the model steps (only ``optimizer`` when given), reducing over the world
     group on every rank. Steps 0, every, 2 x every, ... are sampled (all their micro-batches, and the weights as
     updated). ``step``: the number of the step about to run (a resumed run's: its checkpoint's). ValueError:
-    ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad threshold, or no torchao FP8 layer; TypeError:
+    ``every`` < 1 or ``step`` < 0 (or not a whole number), a bad threshold, no FP8 layer to sample, or a layer whose
+    casts are neither tensorwise nor rowwise; TypeError:
     ``thresholds``, ``optimizer`` or ``log`` of the wrong type.
 
     ``jsonl``: append one JSON line per sampled step here (rank 0); None: no file.
@@ -91,7 +93,6 @@ class FP8Telemetry:
                  thresholds: Thresholds | dict[str, float] = DEFAULT_THRESHOLDS,
                  optimizer: torch.optim.Optimizer | None = None,
                  log: Callable[[str], Any] | None = None, step: int = 0) -> None:
-        from ..fp8.weight_wrapper import float8_gemm_config
         from ..runtime.files import check_output_path
         from ..runtime.optim import STEP_HOOKS
         from ..strategies import unwrap_model
@@ -112,12 +113,15 @@ class FP8Telemetry:
         on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
         self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
         self.jsonl = Path(jsonl) if jsonl is not None else None
-        configs = ((plain_name(n), m, float8_gemm_config(m)) for n, m in unwrap_model(model).named_modules())
-        self.layers = [_Layer(name, m, config) for name, m, config in configs if config is not None]
+        sampled = _backends_with_health()
+        self.layers = [_Layer(plain_name(n), m, casts) for n, m in unwrap_model(model).named_modules()
+                       if (casts := _health_casts(sampled, m)) is not None]
         if not self.layers:
-            raise ValueError("FP8Telemetry found no torchao FP8 layer (a Float8Linear, or a Linear under torchao's "
-                             "Float8 weight wrapper) in the model: wrap it with fp8='torchao' first, and check "
-                             "fp8dist.get_plan(model) lists FP8 layers.")
+            with_health = " or ".join(f"fp8={b.name!r}" for b in sampled) or "a backend with health telemetry"
+            raise ValueError("FP8Telemetry found no FP8 layer it can sample (one a backend's health_casts answers "
+                             "for: a Float8Linear, or a Linear under torchao's Float8 weight wrapper) in the model: "
+                             f"wrap it with {with_health} first, and check fp8dist.get_plan(model) lists FP8 "
+                             "layers.")
         self.steps = step  # the number of the step under way
         self.records: list[dict[str, Any]] = []  # one per sampled step, as the JSON lines
         self.warned: set[tuple[str, str]] = set()
@@ -130,6 +134,7 @@ class FP8Telemetry:
 
     @property
     def sampling(self) -> bool:
+        """Whether the step under way is sampled (its number a multiple of ``every``)."""
         return self.steps % self.every == 0
 
     def _arm(self) -> None:  # only while no hook is attached
@@ -168,7 +173,7 @@ class FP8Telemetry:
                     continue
                 nonzero, flushed = counts[i][r]
                 entry[role] = {"amax": json_number(amax[i][r]),
-                               "scale": json_number(_scale(amax[i][r], layer.specs[role].dtype, layer.pow2)),
+                               "scale": json_number(_scale(amax[i][r], layer.specs[role])),
                                # nan: a weight under rowwise scaling, amax and scale only
                                "flushed_share": None if math.isnan(nonzero) else flushed / nonzero if nonzero else 0.0,
                                "finite": math.isfinite(amax[i][r])}
@@ -276,13 +281,37 @@ def _all_reduce(t: torch.Tensor, op: Any) -> None:
         dist.all_reduce(t, op=op)
 
 
-def _scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:
+def _scale(amax: float, spec: CastSpec) -> float:
     """torchao's scale for ``amax`` (tensorwise; under rowwise, the scale of the row with the largest amax)."""
     from torchao.float8.float8_utils import amax_to_scale
 
     if not math.isfinite(amax) or amax < 0:
         return math.nan
-    return float(amax_to_scale(torch.tensor(amax), dtype, round_scales_to_power_of_2=pow2))
+    return float(amax_to_scale(torch.tensor(amax), spec.dtype, round_scales_to_power_of_2=spec.pow2))
+
+
+def _backends_with_health() -> list[FP8Backend]:
+    """The registered backends whose layers the telemetry can sample (their ``health_casts`` is their own)."""
+    from ..fp8 import BACKENDS, get_backend
+
+    return [backend for backend in map(get_backend, BACKENDS) if backend.health_telemetry]
+
+
+def _health_casts(backends: list[FP8Backend], module: nn.Module) -> HealthCasts | None:
+    """How the first of ``backends`` that knows ``module`` as its FP8 layer samples it; None: none does."""
+    return next((casts for b in backends if (casts := b.health_casts(module)) is not None), None)
+
+
+_SAMPLED = ("tensorwise", "rowwise")  # the scalings whose amax, scale and flushed share the telemetry computes
+
+
+def _sampled(name: str, role: str, spec: CastSpec) -> CastSpec:
+    """``spec`` when the telemetry can sample it; else ValueError naming the layer, the cast and what it samples."""
+    if not isinstance(spec, CastSpec) or spec.scaling not in _SAMPLED:
+        raise ValueError(f"FP8Telemetry: {name} {role}: its backend's health_casts gives {spec!r}; the telemetry "
+                         f"samples CastSpecs of scaling {' or '.join(map(repr, _SAMPLED))} only. Return None from "
+                         "health_casts for such a layer, or probe it with fp8dist.measure_fp8_numerics instead.")
+    return spec
 
 
 @torch.no_grad()
