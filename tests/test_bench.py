@@ -397,7 +397,7 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     full --no-raw; DDP without checkpointing and the side-by-side hand-wired cells (two models in one process) are
     refused before anything starts, with the flag that makes them fit."""
     from fp8dist.bench.cell import TIMING_WARMUP
-    from fp8dist.bench.fits import MEMORY_FRACTION, check_memory
+    from fp8dist.bench.fits import MEMORY_FRACTION, check_cells_fit
     from fp8dist.bench.runner import DEFAULTS, plan_cells, resolve_settings
     from fp8dist.train.data import make_corpus
 
@@ -411,12 +411,12 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     assert [c.name for c in cells] == [f"{s}/{f}+ac-full/3b" for s in default_strategies("cuda")
                                        for f in ("bf16", "torchao")]
     assert sorted(default_strategies("cuda")) == ["ddp", "fsdp"]
-    check_memory(cells, 1, budget)
+    check_cells_fit(cells, 1, budget)
     plain = resolve_settings(_bench_args("--sizes", "3b", "--nproc", "1", "--fp8", "torchao"), "cuda")
     cells = plan_cells(plain)
     ddp = [c for c in cells if c.strategy == "ddp"]
     with pytest.raises(ValueError) as err:
-        check_memory(ddp, 1, budget)
+        check_cells_fit(ddp, 1, budget)
     for text in ("cell ddp/bf16/3b will not fit", f"activations of {batch} x {seq} tokens",
                  "Pass --activation-checkpointing full (estimated", "--strategies fsdp",
                  f"fp8dist estimate --model-size 3b --strategy ddp --world-size 1 --seq-len {seq} "
@@ -425,8 +425,8 @@ def test_bench_gpu_defaults_run_3b_with_checkpointing_and_refuse_it_without():
     raw = [c for c in cells if c.wiring == "vs-raw"]
     assert len(raw) == 2
     with pytest.raises(ValueError, match=r"cell fsdp/bf16/3b/vs-raw will not fit.*pass --no-raw"):
-        check_memory(raw, 1, budget)
-    check_memory(raw, 8, budget)  # eight GPUs: FSDP2 shards both models' states
+        check_cells_fit(raw, 1, budget)
+    check_cells_fit(raw, 8, budget)  # eight GPUs: FSDP2 shards both models' states
 
 
 @pytest.fixture(scope="module")

@@ -169,7 +169,7 @@ def test_a_non_finite_block_dequantizes_to_nan_and_a_zero_block_to_zero():
 def test_the_step_model_sends_fp8_gradients_at_one_byte_and_a_scale_share_and_says_where_they_pay():
     from transformers import LlamaConfig
 
-    from fp8dist.cli.plan import grad_wire_line
+    from fp8dist.cli.plan import fp8_gradients_pay_line
     from fp8dist.config.resolve import resolve_config
     from fp8dist.plan.speed.step_time import predict_step
 
@@ -181,10 +181,10 @@ def test_the_step_model_sends_fp8_gradients_at_one_byte_and_a_scale_share_and_sa
     # only the gradients' bytes change: fp32 4, bf16 2, fp8 1 + 4/128 an element
     saved = (collective["bf16"] - collective["fp8"]) / (collective["fp32"] - collective["bf16"])
     assert saved == pytest.approx((2 - (1 + 4 / 128)) / 2)
-    line = grad_wire_line(model, steps["fp8"], resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
+    line = fp8_gradients_pay_line(model, steps["fp8"], resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
     assert "with reduce_dtype='fp8'" in line and "FP8 gradients pay: the collectives are exposed" in line
     within = predict_step(model, target="h100", world_size=8, micro_batch_size=1, seq_len=2048, reduce_dtype="fp8")
-    assert "do not pay here" in grad_wire_line(model, within, resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
+    assert "do not pay here" in fp8_gradients_pay_line(model, within, resolve_config(None, fp8="torchao", reduce_dtype="fp8"))
 
 
 def _hostile_llama():

@@ -63,3 +63,28 @@ def test_the_built_ins_register_through_entry_points():
                            ("fp8dist.memory_levels", "fp8dist.memory_levels")):
         points = [p for p in importlib.metadata.entry_points(group=group) if p.name == "fp8dist"]
         assert [p.value for p in points] == [f"{package}:register_builtins"], group
+
+
+ONE_PER_MODULE = {"BACKEND", "STRATEGY", "LEVEL", "HELP", "add_parser", "run", "register_builtins"}
+"""Names each module of a kind defines by convention: a backend's, strategy's or memory level's value, a command's
+help line, parser and runner, an axis package's registration function."""
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    """A public top-level name means one thing: two modules defining it (two ``engine_of``, two ``CheckpointState``)
+    leave a reader guessing which one an import brings."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for name in names:
+                if not name.startswith("_") and name not in ONE_PER_MODULE:
+                    where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(set(paths)) > 1} == {}

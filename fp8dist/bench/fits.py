@@ -12,7 +12,7 @@ from ..config.schema import cli_flag
 from ..config.text import byte_size
 from .cell import Cell, cell_options, cell_world
 
-__all__ = ["MEMORY_FRACTION", "cell_bytes", "check_memory", "gpu_budget"]
+__all__ = ["MEMORY_FRACTION", "cell_bytes", "check_cells_fit", "gpu_budget"]
 
 # the bench's flag for each option a way out changes (the bench has none for the others, e.g. the strategy)
 _FLAGS = {"world_size": "--nproc", "activation_checkpointing": "--activation-checkpointing",
@@ -52,7 +52,7 @@ def cell_bytes(cell: Cell, nproc: int, model: Any) -> tuple[int, str]:
     return states + twin + acts, f"{byte_size(states)} model states{held} + {activations}"
 
 
-def check_memory(cells: list[Cell], nproc: int, budget: int) -> None:
+def check_cells_fit(cells: list[Cell], nproc: int, budget: int) -> None:
     """ValueError naming the first cell whose estimate exceeds ``budget`` bytes per rank, and the way out."""
     import torch
 

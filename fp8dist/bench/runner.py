@@ -172,9 +172,9 @@ def check_cells(cells: list[Cell], settings: BenchSettings, device_type: str) ->
             raise ValueError(f"--fp8: {cell.fp8!r} cannot run here: {gate}. Leave it out of --fp8 (what runs here: "
                              f"{', '.join([NO_FP8.name, *here])}).")
     if device_type == "cuda":  # fp8dist's own estimate of every cell against the GPU's memory
-        from .fits import check_memory, gpu_budget
+        from .fits import check_cells_fit, gpu_budget
 
-        check_memory(cells, settings.nproc, gpu_budget(settings.nproc))
+        check_cells_fit(cells, settings.nproc, gpu_budget(settings.nproc))
 
 
 def run_cells(cells: list[Cell], settings: BenchSettings, describe: Any) -> list[dict[str, Any]]:

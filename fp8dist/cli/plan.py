@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"planned for {device} (--target; its FP8 library assumed installed)")
     if steps:
         print(fastest_line(steps))
-        print(grad_wire_line(model, steps[0][0], config))
+        print(fp8_gradients_pay_line(model, steps[0][0], config))
     print(plan)
     if blocks is not None:
         print(f"sharded per block: {plural(len(blocks[0]), 'block')} ({blocks[1]}), then the root")
@@ -198,7 +198,7 @@ def _best(steps: tuple[tuple[Any, Any], ...]) -> tuple[Any, str] | None:
                   "FP8 where it pays, as planned")
 
 
-def grad_wire_line(model: Any, step: Any, config: Any) -> str:
+def fp8_gradients_pay_line(model: Any, step: Any, config: Any) -> str:
     """Whether FP8 gradients on the wire pay for this run: the predicted step's collectives with the gradients
     reduced in bf16 and in fp8 (``step``'s settings otherwise), and what of them the compute leaves exposed."""
     from ..plan.speed.step_time import predict_step

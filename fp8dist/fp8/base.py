@@ -6,7 +6,7 @@ defaults of a backend without that step, each in its own module —
 - :class:`~.advice.PlanAdvice`: the plan header, speed recipes, per-layer recipes, the casts the numerics probe
   emulates;
 - :class:`~.costs.Accounting`: the bytes and formats the memory estimate and the precision report read;
-- :class:`~.state.CheckpointState`: what checkpoints can hold and what to recompute after a load;
+- :class:`~.state.CheckpointHooks`: what checkpoints can hold and what to recompute after a load;
 - :class:`~.tooling.Tooling`: what the commands, the bench, the Accelerate translator and the FP8 health telemetry
   ask.
 
@@ -24,15 +24,15 @@ from ..config.axis import StrategyFacts, When
 from .advice import SELECTION_OPTIONS, PlanAdvice
 from .conversion import Conversion, EngineHooks, FP8Wiring, dims_reason, fp8_hardware_reason, linear_reason
 from .costs import Accounting, FrozenWeights
-from .state import CheckpointState
+from .state import CheckpointHooks
 from .tooling import HandConverted, HealthCasts, Tooling
 
 __all__ = ["FP8Backend", "FP8Wiring", "EngineHooks", "HandConverted", "FrozenWeights", "HealthCasts", "NO_FP8",
-           "SELECTION_OPTIONS", "Conversion", "PlanAdvice", "Accounting", "CheckpointState", "Tooling",
+           "SELECTION_OPTIONS", "Conversion", "PlanAdvice", "Accounting", "CheckpointHooks", "Tooling",
            "dims_reason", "linear_reason", "fp8_hardware_reason"]
 
 
-class FP8Backend(Conversion, PlanAdvice, Accounting, CheckpointState, Tooling, Protocol):
+class FP8Backend(Conversion, PlanAdvice, Accounting, CheckpointHooks, Tooling, Protocol):
     """The interface of an FP8 backend: its name, its knobs and the five roles it composes. Subclass it (the
     registry checks the subclass): every hook defaults to the no-op of a backend without that step.
 

@@ -15,7 +15,7 @@ from .casts import USES, Casts, CastSpec
 from .mx_linear import mx_gemm_words, mx_linear_casts, mx_op_config
 
 __all__ = ["is_experts", "moe_routers", "experts_recipe", "experts_reason", "experts_target", "convert_experts",
-           "experts_gemm_formats", "torchao_installed", "op_config", "experts_speed_recipe",
+           "experts_gemm_formats", "torchao_installed", "experts_op_config", "experts_speed_recipe",
            "experts_casts"]
 
 
@@ -26,7 +26,7 @@ def torchao_installed() -> bool:
     return package_version("torchao") is not None
 
 
-RECIPES = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GEMM",
+MOE_RECIPE_LABELS = {"fp8_rowwise": "FP8 rowwise grouped GEMM", "mxfp8": "MXFP8 grouped GEMM",
            "mxfp8_emulated": "MXFP8 grouped GEMM, emulated"}
 """torchao_moe_recipe -> what the plan calls the converted experts."""
 
@@ -99,17 +99,17 @@ def experts_reason(module: nn.Module, cfg, hardware: Hardware, facts: StrategyFa
     tile = 32 if recipe.startswith("mxfp8") else 16
     bad = sorted({d for p in module.parameters(recurse=False) for d in p.shape[1:] if d % tile})
     if bad:
-        return f"expert dims {bad} not divisible by {tile} ({RECIPES[recipe]} tiles)"
+        return f"expert dims {bad} not divisible by {tile} ({MOE_RECIPE_LABELS[recipe]} tiles)"
     return None
 
 
 def experts_target(cfg, hardware: Hardware) -> str:
     """What the plan records as the converted experts' form."""
     recipe, _ = experts_recipe(cfg, hardware)
-    return f"torchao MoE: {RECIPES.get(recipe or '', 'grouped GEMM')}"
+    return f"torchao MoE: {MOE_RECIPE_LABELS.get(recipe or '', 'grouped GEMM')}"
 
 
-def op_config(recipe: str):
+def experts_op_config(recipe: str):
     """torchao's MoE training op config of ``recipe`` ("fp8_rowwise", else an MXFP8 recipe): what its grouped-GEMM
     weight wrapper runs with."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
@@ -126,7 +126,7 @@ def convert_experts(model: nn.Module, names: set[str], cfg, hardware: Hardware) 
     recipe, why = experts_recipe(cfg, hardware)
     if recipe is None:  # the plan never lists experts as FP8 where no recipe runs
         raise RuntimeError(f"MoE experts planned for FP8 but no recipe runs here: {why}")
-    quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
+    quantize_(model, experts_op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
     for name in names:
         model.get_submodule(name).register_state_dict_post_hook(_plain_state)
 
@@ -190,7 +190,7 @@ def experts_speed_recipe(cfg, hardware: Hardware) -> tuple[str | None, str]:
 def experts_casts(cfg, hardware: Hardware) -> Casts:
     """torchao's MoE grouped GEMMs: FP8 rowwise (e4m3, power-of-2 scales) or MXFP8, as its op config says."""
     recipe, _ = experts_recipe(cfg, hardware)
-    config = op_config(recipe)
+    config = experts_op_config(recipe)
     if recipe == "fp8_rowwise":
         return {use: CastSpec(config.float8_dtype, "rowwise", pow2=True) for use in USES}
     return mx_linear_casts(config)

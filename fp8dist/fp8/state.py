@@ -1,4 +1,4 @@
-"""The checkpoint-state role of an FP8 backend (:class:`CheckpointState`): what ``save_checkpoint`` and
+"""The checkpoint-state role of an FP8 backend (:class:`CheckpointHooks`): what ``save_checkpoint`` and
 ``load_checkpoint`` ask of it — whether fp8dist's checkpoints can hold its state, what it keeps in ``_extra_state``,
 and what to recompute after a load."""
 
@@ -10,10 +10,10 @@ from torch import nn
 
 from .conversion import FP8Wiring
 
-__all__ = ["CheckpointState"]
+__all__ = ["CheckpointHooks"]
 
 
-class CheckpointState(Protocol):
+class CheckpointHooks(Protocol):
     """The checkpoint-state role; the defaults: a backend whose state is its weights' (nothing refused, nothing to
     recompute). :class:`~fp8dist.fp8.base.FP8Backend` composes it."""
 

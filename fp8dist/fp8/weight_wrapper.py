@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.text import listing
 
-__all__ = ["FP8Gemms", "op_config", "wrapped_weight_config", "float8_gemm_config", "weight_data",
+__all__ = ["FP8Gemms", "linear_op_config", "wrapped_weight_config", "float8_gemm_config", "weight_data",
            "fp8_gemms_in_forward", "wrapper_reaches",
            "wrap_linears", "unproven_fp8", "WRAPPED", "BYPASSED", "say_bypassed", "check_fp8_ran"]
 
@@ -39,7 +39,7 @@ class FP8Gemms(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_config(recipe: str):
+def linear_op_config(recipe: str):
     """torchao's op config for the dense Linear ``recipe`` (``Float8TrainingOpConfig`` or MXFP8's)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
@@ -117,7 +117,7 @@ def fp8_gemms_in_forward(module: nn.Module, wrap_config=None) -> int:
 
 def wrapper_reaches(module: nn.Module, recipe: str) -> bool:
     """Whether torchao's weight wrapper turns ``module``'s GEMM into FP8 (False for Falcon's ``x @ self.weight.T``)."""
-    return fp8_gemms_in_forward(module, op_config(recipe)) > 0
+    return fp8_gemms_in_forward(module, linear_op_config(recipe)) > 0
 
 
 def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
@@ -134,7 +134,7 @@ def wrap_linears(model: nn.Module, names: set[str], recipe: str) -> None:
         for pname, param in module.named_parameters(recurse=False):
             holders.setdefault(id(param), []).append((module, pname))
     before = {name: dict(model.get_submodule(name).named_parameters(recurse=False)) for name in names}
-    quantize_(model, op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
+    quantize_(model, linear_op_config(recipe), filter_fn=lambda module, fqn: fqn in names)
     for name in names:
         module = model.get_submodule(name)
         for pname, old in before[name].items():  # quantize_ sets a new Parameter on this module only: re-tie
