@@ -251,7 +251,7 @@ WARN = [
     Bad("fp8_filter without an FP8 backend", _wrap(strategy="none", fp8_filter=lambda m, fqn: True), UserWarning,
         ("fp8_filter has no effect: no FP8 backend is chosen",)),
     Bad("fp8_group with torchao", _wrap(strategy="none", fp8="torchao", fp8_group=object()), UserWarning,
-        ("fp8_group has no effect with fp8='torchao'", "only Transformer Engine")),
+        ("fp8_group has no effect with fp8='torchao'", "it takes no amax group (fp8=te reduces its amax over a process group")),
     Bad("an option the strategy does not read", _wrap(strategy="ddp", block_classes=["LlamaDecoderLayer"]),
         UserWarning, ("block_classes=['LlamaDecoderLayer'] has no effect here", "strategy='ddp'")),
     Bad("a knob of another backend", _wrap(strategy="none", fp8="torchao", amax_history_len=16), UserWarning,

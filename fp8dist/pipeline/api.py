@@ -16,7 +16,7 @@ from ..config.resolve import Config, resolve_config
 from ..runtime.env import DistEnv, current_launch, resolve_device
 from ..config.text import plural
 from ..config.dtypes import dtype_name
-from ..fp8 import NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
+from ..fp8 import BACKENDS, NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
 from .guard import StepGuard
 from .handover import mark_distributed
 from ..memory_levels import MemoryLevel, get_level
@@ -316,10 +316,11 @@ def _announce(cfg: Config, plan: PrecisionPlan, fp8_filter: Any, fp8_group: Any,
         return
     notes, backend = cfg.unread_notes(), get_backend(cfg.precision.fp8)
     if fp8_filter is not None and backend is NO_FP8:
-        notes.append("fp8_filter has no effect: no FP8 backend is chosen (pass fp8='torchao' or 'te').")
+        notes.append(f"fp8_filter has no effect: no FP8 backend is chosen (pass fp8= one of {', '.join(BACKENDS)}).")
     if fp8_group is not None and not backend.takes_amax_group:
-        notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: only Transformer Engine reduces its "
-                     "amax over a process group you choose (torchao and MS-AMP take no group).")
+        takers = [name for name in BACKENDS if get_backend(name).takes_amax_group]
+        notes.append(f"fp8_group has no effect with fp8={cfg.precision.fp8!r}: it takes no amax group (fp8="
+                     f"{' or '.join(takers)} reduces its amax over a process group you choose).")
     notes += plan.notes
     if plan.unavailable:
         notes.append(f"fp8={cfg.precision.fp8!r}: fallback: {plan.unavailable}; every layer trains in the "

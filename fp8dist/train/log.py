@@ -63,15 +63,16 @@ class JobLog:
                                         purge_step=first + 1 if first else None)
 
     def _health(self, config: Any, train: Any, wrapped: Any, first: int) -> tuple[Any, str]:
-        from ..fp8 import get_backend
+        from ..fp8 import BACKENDS, get_backend
         from ..pipeline.api import get_plan
 
         every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
         if not every:
             return None, "fp8 health: off (--fp8-health-every 0)"
         if not get_backend(fp8).health_telemetry:
-            return None, (f"fp8 health: off (fp8={fp8 or 'none'}; --fp8-health-every samples torchao's FP8 layers "
-                          "only)")
+            sampled = " or ".join(name for name in BACKENDS if get_backend(name).health_telemetry)
+            return None, (f"fp8 health: off (fp8={fp8 or 'none'}; --fp8-health-every samples the FP8 layers of "
+                          f"fp8={sampled} only)")
         if plan.facts.engine_builds_optimizer:
             return None, (f"fp8 health: off (strategy {config.parallel.strategy}: its engine steps its own "
                           "partitions, and FP8Telemetry follows steps of the model's own parameters)")
