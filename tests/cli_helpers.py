@@ -40,3 +40,21 @@ def free_port() -> int:
 def train_losses_printed(stdout: str) -> list[float]:
     """The per-step losses ``fp8dist train`` printed (lines may carry ``srun --label``'s "N: " prefix)."""
     return [float(x) for x in re.findall(r"^(?:\d+: )?step +\d+/\d+ .* loss (\d+\.\d+) \|", stdout, flags=re.M)]
+
+
+def train_on_gloo_ranks(rank: int, world: int, argv: list[str]) -> list[str]:
+    """``fp8dist ARGV`` (``["train", ...]``) as each rank of its launch runs it (``run_training`` with the config
+    its flags give), on the dist harness's ranks: ``run_ranks(train_on_gloo_ranks, argv)``. They fork from a fork
+    server that has imported torch (one per test process, started by its first ``run_ranks``), where a launch starts
+    processes that each import it (~6 s of CPU apiece). Returns the lines the job printed (rank 0's)."""
+    import argparse
+
+    from fp8dist.cli import train as train_cli
+    from fp8dist.train.job import run_training
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    config, job = train_cli._config_and_job(parser.parse_args(argv))
+    lines: list[str] = []
+    run_training(config, job, log=lines.append)
+    return lines

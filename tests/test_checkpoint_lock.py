@@ -147,7 +147,9 @@ def _train(ckpt: Path, *more: str) -> list[str]:
 def test_a_second_train_on_the_same_checkpoint_dir_is_refused_before_it_trains_and_the_first_releases_it(tmp_path):
     """`fp8dist train` (2 spawned ranks: rank 0 holds the lock) is running; the same command again, and the same
     under torchrun (rank 0 of that job finds it held, every rank stops), are refused with rc 2 naming the holder;
-    Ctrl-C on the first leaves the directory without the lock and without a partial save."""
+    Ctrl-C on the first leaves the directory without the lock and without a partial save. The first job is stopped
+    (SIGSTOP) while the others are refused: a stopped process holds its lock as a running one does, and its two
+    ranks no longer take the cores the refused jobs start on (the test's CPU time: 43 s running, 26 s stopped)."""
     ckpt = tmp_path / "ckpt"
     first = subprocess.Popen([str(BIN / "fp8dist"), *_train(ckpt, "--steps", "500")], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT,
@@ -156,6 +158,7 @@ def test_a_second_train_on_the_same_checkpoint_dir_is_refused_before_it_trains_a
         for line in first.stdout:  # the lock is taken before the first step
             if re.match(r"step +1/500 ", line):
                 break
+        os.killpg(first.pid, signal.SIGSTOP)
         holder = int(re.search(r'"pid": (\d+)', (ckpt / LOCK_FILE).read_text()).group(1))
         assert os.getpgid(holder) == first.pid and holder != first.pid, "a rank of the first job: its rank 0"
         refused = _refusal(ckpt, holder, HOST, f"stop it (kill {holder})")
@@ -170,6 +173,10 @@ def test_a_second_train_on_the_same_checkpoint_dir_is_refused_before_it_trains_a
             third.stderr[-3000:]
         ranks = re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(\d+)", third.stderr)
         assert set(ranks) == {("0", "2"), ("1", "2")}, "every rank stopped as bad input: " + third.stderr[-3000:]
+        os.killpg(first.pid, signal.SIGCONT)
+        for line in first.stdout:  # its first checkpoint (step 2's) is saved before step 3 is said
+            if re.match(r"step +3/500 ", line):
+                break
         os.killpg(first.pid, signal.SIGINT)
         _, err = first.communicate(timeout=120)
     finally:
