@@ -88,12 +88,18 @@ def _read_meta(path: Path) -> dict[str, Any]:
 
 
 def _discard(path: Path) -> None:
-    """Remove a directory so that a crash half-way never leaves something that looks like a checkpoint."""
+    """Remove a directory so that a crash half-way never leaves something that looks like a checkpoint; an interrupt
+    (Ctrl-C while old checkpoints are pruned) lets the removal finish before it propagates, so no ``.trash-*`` folder
+    is left behind (a kill leaves one, which the next save removes)."""
     trash = path.with_name(f".trash-{path.name}")
     if trash.exists():
         shutil.rmtree(trash)
     os.rename(path, trash)
-    shutil.rmtree(trash)
+    try:
+        shutil.rmtree(trash)
+    except BaseException:
+        shutil.rmtree(trash, ignore_errors=True)
+        raise
 
 
 def _publish(tmp: Path, root: Path, name: str, keep_last: int | None) -> None:
