@@ -143,3 +143,25 @@ def test_train_resumes_from_a_step_folder_saves_beside_it_and_refuses_the_rest_i
     code, out, err = _train(capsys, ck / "step_00000003", 4, "--resume")
     assert code == 0 and f"resume: loaded {ck / 'step_00000003'} (step 3" in out, err
     assert latest_checkpoint(ck) == ck / "step_00000004"
+
+
+def test_ctrl_c_while_an_old_checkpoint_is_pruned_leaves_no_trash_folder(tmp_path, monkeypatch):
+    """The interrupt reaches the removal of a pruned checkpoint (keep_last) mid-way: the removal finishes, then the
+    interrupt goes on; nothing named ``.trash-*`` is left beside the checkpoints (before: the folder stayed)."""
+    from fp8dist.checkpoint import save_load
+
+    old = tmp_path / "step_00000001"
+    (old / "model").mkdir(parents=True)
+    (old / "model" / "shard.distcp").write_bytes(b"x" * 64)
+    real_rmtree, interrupted = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        if not interrupted:  # the first removal is cut, as by Ctrl-C
+            interrupted.append(path)
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_load.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        save_load._discard(old)
+    assert interrupted and list(tmp_path.iterdir()) == []
