@@ -22,9 +22,10 @@ from ..train.schedule import LR_SCHEDULES
 __all__ = ["BenchSettings", "TextJob", "read_flags", "DEFAULTS", "TIMING_WARMUP", "NO_FP8_NAME",
            "default_strategies", "variant_backends", "variant_options", "variants_of"]
 
-# defaults per device type: (sizes, steps, batch per rank, sequence length); the strategies are
-# default_strategies(device type), the FP8 backends none and fp8dist train's default one where it runs
 DEFAULTS = {"cpu": ("tiny,small", 10, 4, 128), "cuda": ("1b", 20, 4, 2048)}
+"""The bench's defaults per device type: (model sizes, steps, batch per rank, sequence length); the
+strategies are ``default_strategies(device type)``, the FP8 backends none and ``fp8dist train``'s default one where it
+runs."""
 
 TIMING_WARMUP = 2
 """Steps left out of the timing at the start (allocator, FSDP lazy init, DDP bucket rebuild at step 1)."""

@@ -117,3 +117,4 @@ def _initialize(model: nn.Module, optimizer: Any, opt_level: str) -> tuple[nn.Mo
 
 
 BACKEND = MSAMPBackend()
+"""The MS-AMP backend ``fp8='msamp'`` selects (registered by :func:`fp8dist.fp8.register_builtins`)."""

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 __all__ = ["Kernel", "Recipe", "CastKernels", "kernels", "AO_KERNELS", "TE_KERNELS", "BLOCK_KERNELS", "MX_SCALE",
            "NV_SCALE", "FP4_ELEMENT"]
 
-MX_SCALE = 1 / 32  # one E8M0 scale byte per 32 elements
-NV_SCALE = 1 / 16  # one E4M3 scale byte per 16 elements (NVFP4)
-FP4_ELEMENT = 0.5 + NV_SCALE  # an NVFP4 element and its share of the block scale
+MX_SCALE = 1 / 32
+"""Scale bytes per element of an MXFP8 operand: one E8M0 scale byte per 32 elements."""
+NV_SCALE = 1 / 16
+"""Scale bytes per element of an NVFP4 operand: one E4M3 scale byte per 16 elements."""
+FP4_ELEMENT = 0.5 + NV_SCALE
+"""Bytes of one NVFP4 element with its share of the block scale."""
 
 
 AO_KERNELS, TE_KERNELS = "ao_kernels", "te_kernels"
@@ -20,6 +23,7 @@ AO_KERNELS, TE_KERNELS = "ao_kernels", "te_kernels"
 Engine's; :attr:`Calibration.block_cast_slowdown` holds their fitted slowdowns in the order of
 :data:`BLOCK_KERNELS`."""
 BLOCK_KERNELS = (AO_KERNELS, TE_KERNELS)
+"""The block-scaling kernel families, in the order of ``Calibration.block_cast_slowdown``."""
 
 
 @dataclass(frozen=True)

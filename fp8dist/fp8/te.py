@@ -345,3 +345,4 @@ class TEBackend(FP8Backend):
 
 
 BACKEND = TEBackend()
+"""The Transformer Engine backend ``fp8='te'`` selects (registered by :func:`fp8dist.fp8.register_builtins`)."""

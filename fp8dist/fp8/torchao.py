@@ -420,6 +420,7 @@ class TorchaoBackend(FP8Backend):
 
 
 BACKEND = TorchaoBackend()
+"""The torchao backend ``fp8='torchao'`` selects (registered by :func:`fp8dist.fp8.register_builtins`)."""
 
 
 def _reaches(module: nn.Module, cfg) -> bool:

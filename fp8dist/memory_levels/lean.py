@@ -244,3 +244,4 @@ def _local_shard_class(base: type) -> type:
 
 
 LEVEL = LeanLevel()
+"""The level ``memory='lean'`` selects (registered by :func:`fp8dist.memory_levels.register_builtins`)."""

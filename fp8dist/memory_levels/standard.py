@@ -14,3 +14,5 @@ class _Standard(MemoryLevel):
 
 
 LEVEL = _Standard()
+"""The level ``memory='standard'`` selects, the default (registered by
+:func:`fp8dist.memory_levels.register_builtins`)."""

@@ -11,7 +11,8 @@ from torch import nn
 
 __all__ = ["checked_batches", "IGNORE_INDEX"]
 
-IGNORE_INDEX = -100  # the label a Hugging Face loss skips (padding, prompt tokens)
+IGNORE_INDEX = -100
+"""The label a Hugging Face loss skips (padding, prompt tokens)."""
 _TOKEN_KEYS = ("input_ids", "labels", "shift_labels")  # a mapping batch's token ids (labels may hold IGNORE_INDEX)
 
 _EXAMPLE = "e.g. [ids] with ids a torch.long tensor of shape (batch, sequence), or [{'input_ids': ids, 'labels': ids}]"

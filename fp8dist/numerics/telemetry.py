@@ -28,6 +28,7 @@ from .thresholds import DEFAULT_THRESHOLDS, Thresholds, as_thresholds
 __all__ = ["FP8Telemetry", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
+"""The operands of a Linear the telemetry samples, in the order its records list them."""
 # each role is sampled under the cast of the GEMM that consumes it first
 _USE = {"input": ("input", "output"), "weight": ("weight", "output"), "grad_output": ("grad_output", "grad_input")}
 

@@ -143,6 +143,7 @@ class Thresholds:
 
 
 DEFAULT_THRESHOLDS = Thresholds()
+"""The calibrated limits the probe and the telemetry judge a layer by (benchmarks/numerics/)."""
 
 
 def as_thresholds(value: Any) -> Thresholds:

@@ -142,3 +142,4 @@ class DDP(Strategy):
 
 
 STRATEGY = DDP()
+"""The strategy ``strategy='ddp'`` selects (registered by :func:`fp8dist.strategies.register_builtins`)."""

@@ -319,6 +319,8 @@ _OWN_STEP = "strategy={!r}: the DeepSpeed engine {} itself; {}"  # no_sync's and
 
 
 STRATEGY = DeepSpeed()
+"""The strategy ``strategy='deepspeed'`` selects (registered by
+:func:`fp8dist.strategies.register_builtins`)."""
 
 # where ZeRO's optimizer keeps this rank's fp32 master partitions and its reduced gradients (stage 1/2, stage 3)
 _MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")

@@ -296,6 +296,8 @@ class FSDP2(Strategy):
 
 
 STRATEGY = FSDP2()
+"""The strategy ``strategy='fsdp'`` (FSDP2) selects (registered by
+:func:`fp8dist.strategies.register_builtins`)."""
 
 
 def _replicas(p: DTensor) -> int:

@@ -174,3 +174,4 @@ class FSDP1(Strategy):
 
 
 STRATEGY = FSDP1()
+"""The strategy ``strategy='fsdp1'`` selects (registered by :func:`fp8dist.strategies.register_builtins`)."""

@@ -29,6 +29,7 @@ and e4m3's extra mantissa bit keeps 6 dB more signal: the small Llama's gradient
 e4m3, 25.1 dB in e5m2; both keep the tiny Llama's loss over 30 steps, e4m3 closer (mean gap 0.00029 against
 0.00036 nats). benchmarks/grad_comm/formats.py, benchmarks/results/grad_comm_formats.json."""
 BF16_BYTES = 2
+"""Bytes of a bf16 gradient element: the reduction FP8 gradients are compared with."""
 _SCALE_BYTES = 4
 
 

@@ -18,6 +18,8 @@ __all__ = ["WRAPPER_ATTRS", "plain_name", "flat_params", "Region", "LocalParam",
            "gather_full", "original_class"]
 
 WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+"""Attribute names under which FSDP1, activation checkpointing and torch.compile hold the module they
+wrap: parameter names are read with them left out."""
 
 
 def plain_name(name: str) -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 __all__ = ["PaddedParam", "shard_padding", "padding_note", "NOTE_ABOVE"]
 
-NOTE_ABOVE = 1.10  # the note appears when the padded total is at least this many times an even split
+NOTE_ABOVE = 1.10
+"""The padding note appears when the padded total is at least this many times an even split."""
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,5 @@ class Single(Strategy):
 
 
 STRATEGY = Single()
+"""The strategy ``strategy='none'`` (one process) selects (registered by
+:func:`fp8dist.strategies.register_builtins`)."""

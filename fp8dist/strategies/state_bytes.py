@@ -16,9 +16,11 @@ from .padding import shard_padding
 __all__ = ["replicated_state_bytes", "fsdp2_state_bytes", "fsdp1_state_bytes", "zero_state_bytes",
            "gathered_blocks_note", "UNSHARDED_ITEM", "ROOT_WEIGHTS_ITEM"]
 
-# the activation estimate's items for weights an FSDP engine keeps gathered after the forward
 UNSHARDED_ITEM = "unsharded weights kept (reshard_after_forward=False)"
+"""The activation estimate's item for the weights an FSDP engine keeps gathered after the forward
+(``reshard_after_forward=False``)."""
 ROOT_WEIGHTS_ITEM = "weights outside the blocks, kept gathered"
+"""The activation estimate's item for the weights outside the blocks, which FSDP keeps gathered."""
 
 
 def _trains(p: Any) -> bool:

@@ -11,6 +11,7 @@ from ..config.schema import cli_flag, normalize_fields
 __all__ = ["TrainConfig", "LLAMA_SIZES", "ModelSize", "DEFAULT_TEXT_FIELD"]
 
 ModelSize = Literal["tiny", "small", "medium", "1b", "3b"]
+"""The ``model_size`` values: the Llama presets of :data:`LLAMA_SIZES`."""
 
 # name: (hidden, intermediate, layers, heads, kv_heads)
 LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -22,7 +23,8 @@ LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
 }
 """The Llama presets of ``model_size`` (built by :func:`fp8dist.train.models.build_llama`)."""
 
-DEFAULT_TEXT_FIELD = "text"  # the JSON field of a document's text when none is named
+DEFAULT_TEXT_FIELD = "text"
+"""The JSON field of a document's text when none is named."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -54,7 +54,8 @@ def resume_job(train: TrainConfig, resume_from: Path | None, model: Any, optimiz
     return state.step, state.extra.get(APPLIED_KEY, state.step)  # saved before the key: no step was skipped
 
 
-APPLIED_KEY = "optimizer_steps"  # checkpoint extra: the steps the guard did not skip, the lr schedule's position
+APPLIED_KEY = "optimizer_steps"
+"""The checkpoint extra holding the optimizer steps the guard did not skip: the lr schedule's position."""
 
 
 def save_due(train: TrainConfig, done: int) -> bool:

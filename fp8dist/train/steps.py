@@ -27,7 +27,8 @@ from .schedule import lr_schedule, set_lr
 __all__ = ["backward_and_step", "train_steps", "grad_wire_line", "NORM_ONLY"]
 
 
-NORM_ONLY = float(torch.finfo(torch.float32).max)  # clip_grad_norm_ scales by exactly 1.0: clipping off, norm shown
+NORM_ONLY = float(torch.finfo(torch.float32).max)
+"""A max norm with which ``clip_grad_norm_`` scales by exactly 1.0: clipping off, the norm still shown."""
 
 
 def backward_and_step(wrapped: Any, optimizer: Any, micro: list[torch.Tensor], *, engine: bool, clip: float,

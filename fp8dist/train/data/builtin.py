@@ -11,7 +11,8 @@ import torch
 
 __all__ = ["VOCAB_SIZE", "make_corpus", "Batches", "check_batch_split", "check_fits_corpus"]
 
-VOCAB_SIZE = 256  # bytes
+VOCAB_SIZE = 256
+"""The built-in corpus's vocabulary: its tokens are bytes."""
 
 _SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the tiny robot", "a quiet student", "the baker",
              "our teacher", "the red fox", "a young pilot", "the king", "the gardener"]

@@ -24,7 +24,8 @@ from .sources import FileIdentity, check_source, file_identity, file_kind, file_
 
 __all__ = ["TokenFile", "tokenize_file", "default_cache_dir", "check_cache_dir", "cache_directory", "CACHE_FORMAT"]
 
-CACHE_FORMAT = 1  # an entry of another layout version is rebuilt
+CACHE_FORMAT = 1
+"""The token cache's layout version: an entry of another version is rebuilt."""
 
 
 def default_cache_dir() -> Path:

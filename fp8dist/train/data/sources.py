@@ -19,7 +19,8 @@ from ..config import DEFAULT_TEXT_FIELD
 __all__ = ["FileIdentity", "file_kind", "check_source", "unread_text_field", "file_identity", "file_sha256",
            "read_pieces", "JSON_SUFFIXES", "PIECE_BYTES"]
 
-JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")  # read as JSON lines; any other file as plain text
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+"""Files read as JSON lines; any other file is read as plain text."""
 PIECE_BYTES = 1 << 18
 """Plain text is tokenized in pieces of about this many bytes, cut before a line that starts with a non-space:
 byte-level BPE pre-tokenizers (GPT-2's, Llama 3's) split there anyway (SentencePiece may add a word-start mark)."""

@@ -17,8 +17,10 @@ from .corpus import TokenCorpus
 
 __all__ = ["TextBatches", "DEFAULT_EVAL_FRACTION", "SPLIT_SEED"]
 
-DEFAULT_EVAL_FRACTION = 0.05  # share of the windows held out, as Hugging Face's run_clm example
-SPLIT_SEED = 0  # fixed: every run on a corpus (any seed) evaluates the same windows
+DEFAULT_EVAL_FRACTION = 0.05
+"""Share of the windows held out, as Hugging Face's run_clm example."""
+SPLIT_SEED = 0
+"""The held-out split's seed, fixed: every run on a corpus (any seed) evaluates the same windows."""
 
 
 class TextBatches:
