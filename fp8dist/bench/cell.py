@@ -213,7 +213,9 @@ class _Run:
         torch.manual_seed(cell.seed)  # as a script seeds: memory="lean" takes its rounding seed from it
         self.wired = (_hand_wired if wiring == "raw" else _fp8dist_wiring)(cell, model, device)
         self.model, self.optimizer = self.wired.model, self.wired.optimizer
-        self.wiring, self.device, self.last = wiring, device, cell.steps - 1
+        self.wiring = wiring
+        self.device = device
+        self.last = cell.steps - 1
         factor = lr_schedule(cell.lr_schedule, cell.steps)  # fp8dist train's schedule and setter
         self.schedule_lr = lambda step: set_lr(self.optimizer, cell.lr * factor(step))
         self.strategy = get_strategy(cell.strategy)  # its step: backward, optimizer step (DeepSpeed's engine's own)

@@ -100,8 +100,12 @@ def _lean_panel(cells: list[dict[str, Any]], size: str) -> dict[str, Any]:
     curves, deltas = [], []
     mine = [c for c in cells if c["size"] == size and "vs_standard" in c]
     for i, c in enumerate(mine):
-        v, color, base = c["vs_standard"], _PAIR_COLORS[i % len(_PAIR_COLORS)], STANDARD.name
-        means, name, last = v["tail_mean_loss"], _label(c), f"last {v['tail_steps']}"
+        v = c["vs_standard"]
+        color = _PAIR_COLORS[i % len(_PAIR_COLORS)]
+        base = STANDARD.name
+        means = v["tail_mean_loss"]
+        name = _label(c)
+        last = f"last {v['tail_steps']}"
         curves.append(_curve(c["name"], v["standard_losses"], f"{name} {base} ({last}: {means[base]:.4f})", False,
                              color))
         curves.append(_curve(c["name"], c["losses"], f"{name} {c['memory']} ({last}: {means[c['memory']]:.4f}, "

@@ -97,7 +97,9 @@ def _trace_or_error(model: nn.Module) -> list[str] | Exception:
     try:
         return _trace(model)
     except Exception as error:
-        error.__traceback__, error.__cause__, error.__context__ = None, None, None
+        error.__traceback__ = None
+        error.__cause__ = None
+        error.__context__ = None
         return error
 
 

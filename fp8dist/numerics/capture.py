@@ -148,7 +148,9 @@ def attach(model: nn.Module, layers: dict[str, tuple[str, str, dict]]
            ) -> tuple[list[GemmSite], list[Handle], list[tuple[str, _GroupedGemms]]]:
     """Hook each ``{name: (module type, "linear" or "experts", casts per use)}``: the sites (one per GEMM, in model
     order), the hooks' removers and each experts module's mode (it counts the grouped GEMMs seen)."""
-    sites, handles, modes = [], [], []
+    sites = []
+    handles = []
+    modes = []
     for name, (module_type, kind, specs) in layers.items():
         module = model.get_submodule(name)
         if kind == "linear":

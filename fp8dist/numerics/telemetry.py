@@ -112,7 +112,10 @@ class FP8Telemetry:
         # rank 0 writes jsonl; every rank takes part (a job may pass jsonl to rank 0 alone) and raises alike
         check = (lambda: check_output_path(jsonl, name="jsonl")) if rank_world()[0] == 0 and jsonl is not None else None
         on_all_ranks("FP8Telemetry: checking jsonl", check, error=ValueError, passthrough=(ValueError,))
-        self.model, self.every, self.thresholds, self.log = model, every, thresholds, log
+        self.model = model
+        self.every = every
+        self.thresholds = thresholds
+        self.log = log
         self.jsonl = Path(jsonl) if jsonl is not None else None
         sampled = _backends_with_health()
         self.layers = [_Layer(plain_name(n), m, casts) for n, m in unwrap_model(model).named_modules()
@@ -201,7 +204,9 @@ class FP8Telemetry:
         for i, layer in enumerate(self.layers):
             for r, role in enumerate(ROLES):
                 if role in layer.acc:
-                    amax[i, r], counts[i, r], seen[i, r] = layer.acc[role][0], layer.acc[role][1:], 1.0
+                    amax[i, r] = layer.acc[role][0]
+                    counts[i, r] = layer.acc[role][1:]
+                    seen[i, r] = 1.0
             if weights[i].numel():
                 amax[i, 1] = weights[i].abs().max()
         _all_reduce(amax, dist.ReduceOp.MAX)

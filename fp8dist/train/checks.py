@@ -29,7 +29,9 @@ class LossWatch:
     """Counts consecutive steps whose loss (the same on every rank: the mean over ranks) is not finite."""
 
     def __init__(self, lr: float, resumable: bool):
-        self.lr, self.resumable, self.run = lr, resumable, 0
+        self.lr = lr
+        self.resumable = resumable
+        self.run = 0
 
     def update(self, step: int, loss: float) -> None:
         """Call after each step (0-based ``step``); raises :class:`TrainingDiverged` at the limit."""

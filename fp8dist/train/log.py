@@ -66,7 +66,9 @@ class JobLog:
         from ..fp8 import BACKENDS, get_backend
         from ..pipeline.api import get_plan
 
-        every, fp8, plan = train.fp8_health_every, config.precision.fp8, get_plan(wrapped)
+        every = train.fp8_health_every
+        fp8 = config.precision.fp8
+        plan = get_plan(wrapped)
         if not every:
             return None, "fp8 health: off (--fp8-health-every 0)"
         if not get_backend(fp8).health_telemetry:

@@ -76,7 +76,10 @@ def train_steps(config: Config, train: TrainConfig, wrapped: Any, optimizer: Any
     watch = LossWatch(train.lr, resumable=train.checkpoint_dir is not None)
     evaluate_after = set(eval_steps(train.steps, train.eval_every)) if batches.windows else set()
     wire = model_grad_wire(wrapped)  # reduce_dtype='fp8': the bytes counted at the collectives
-    losses, step_times, evals = [], [], []  # each step's loss and seconds; (step, held-out loss) of each evaluation
+    # each step's loss and seconds; (step, held-out loss) of each evaluation
+    losses = []
+    step_times = []
+    evals = []
     if progress is not None:
         progress(first)
     for step in range(first, train.steps):

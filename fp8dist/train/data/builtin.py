@@ -72,7 +72,9 @@ class Batches:
         self.data = torch.frombuffer(bytearray(make_corpus().encode("utf-8")), dtype=torch.uint8).to(torch.long)
         if seq_len + 1 > len(self.data):
             raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.data)} bytes).")
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
         self.per_rank = batch_size // world_size
         self.start = rank * self.per_rank
 

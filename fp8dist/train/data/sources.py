@@ -107,7 +107,9 @@ def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Has
     follows). Every byte read goes into ``digest`` and its count to ``progress``. ValueError: a binary or non-UTF-8
     file, a JSON line that is not an object with a string ``text_field``, or a JSON-lines file without one."""
     pieces = _json_documents(path, text_field, digest) if kind == "jsonl" else _text_pieces(path, digest)
-    texts, ends, size = [], [], 0
+    texts = []
+    ends = []
+    size = 0
     for text, end, raw in pieces:
         progress(raw)
         texts.append(text)
@@ -115,7 +117,9 @@ def read_pieces(path: Path, kind: Kind, text_field: str, *, digest: hashlib._Has
         size += len(text)
         if size >= _BATCH_BYTES or len(texts) >= _BATCH_ITEMS:
             yield texts, ends
-            texts, ends, size = [], [], 0
+            texts = []
+            ends = []
+            size = 0
     if texts:
         yield texts, ends
 

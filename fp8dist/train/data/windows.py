@@ -39,7 +39,10 @@ class TextBatches:
             raise ValueError(f"seed={seed!r} must be a non-negative integer.")
         if not (isinstance(eval_fraction, (int, float)) and 0 <= eval_fraction < 1):
             raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1): the share of windows held out.")
-        self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
+        self.corpus = corpus
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
         self.eval_fraction = float(eval_fraction)
         self.window = seq_len + 1
         count = corpus.num_tokens // self.window
