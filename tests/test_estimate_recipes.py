@@ -193,3 +193,24 @@ def test_a_policy_counting_only_aten_mm_keeps_what_the_estimate_says(model_type,
     ratio = kept / storages.alive()
     # measured: gpt2 0.9945, gpt_neox 0.9923 (the ids, the loss's targets: not modelled); fp8dist's count kept 1.98x
     assert out.loss.isfinite() and 0.988 <= ratio <= 1.0, f"{model_type}: estimate / kept = {ratio:.4f}"
+
+
+def test_fp8dist_estimate_takes_the_loss_chunks_and_the_selective_policy_as_flags(capsys):
+    """``fp8dist estimate --loss-chunks 8 --selective-gemms ...``: the same activations as estimate_memory with those
+    options, and a bad value is the library's one-line error (exit 2)."""
+    from fp8dist.cli import main
+
+    flags = ["estimate", "--model-size", "tiny", "--world-size", "2", "--micro-batch-size", "2", "--seq-len", "64",
+             "--activation-checkpointing", "selective", "--fp8", "none", "--json"]
+
+    def activations(*extra: str) -> dict:
+        assert main([*flags, *extra]) == 0
+        return dict(json.loads(capsys.readouterr().out)["activations"])
+
+    whole, chunked = activations(), activations("--loss-chunks", "8")
+    titan = activations("--selective-gemms", "aten.mm.default,aten.linear.default")
+    assert any("loss_chunks=8" in item for item in chunked) and not any("loss_chunks" in item for item in whole)
+    assert sum(chunked.values()) < sum(whole.values())
+    assert titan == whole  # fp8="none": every GEMM is aten.mm, counted by either policy
+    assert main([*flags, "--loss-chunks", "65"]) == 2
+    assert "loss_chunks=65 must be an integer from 1" in capsys.readouterr().err

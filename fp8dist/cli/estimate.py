@@ -48,6 +48,13 @@ def add_parser(sub: Any) -> None:
                    help="dtype the weights are stored in before wrapping, which FSDP/DDP keep (default: fp32, "
                         "whatever torch_dtype a config.json names: that is its checkpoint's dtype; with --lora-rank "
                         "the frozen base's: bf16 halves it, PEFT keeps the adapters in fp32)")
+    p.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                   help="your loop computes the output head and the loss N chunks of the sequence at a time "
+                        "(torchtitan's ChunkedLossWrapper: 8); default 1, a Hugging Face model's loss: the whole "
+                        "micro-batch's logits and their fp32 log-softmax at once")
+    p.add_argument("--selective-gemms", metavar="OP[,OP]", type=lambda text: tuple(text.split(",")),
+                   help="activation_checkpointing=selective: the ops whose every other output your policy keeps "
+                        "(torchtitan's: aten.mm.default,aten.linear.default); default: fp8dist's own policy")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_arguments(p, TrainConfig, title="LoRA (estimate a run of fp8dist train --lora-rank R: adapters over a frozen "
                   "base)", skip=[f.name for f in fields(TrainConfig) if not f.name.startswith("lora_")])  # train's
@@ -72,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:  # said as fp8dist plan says its notes
         warnings.simplefilter("always")
         est = estimate_memory(model, config, world_size=args.world_size, optimizer=args.optimizer, rank=args.rank,
-                              target=target)
+                              target=target, loss_chunks=args.loss_chunks, selective_gemms=args.selective_gemms)
     notes = [str(w.message) for w in caught]
     if args.model_dtype != _MODEL_DTYPE and facts_of(config).engine_owns_params:
         notes.append(f"model_dtype={args.model_dtype!r} has no effect here (strategy={config.parallel.strategy!r}: "
