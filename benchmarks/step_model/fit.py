@@ -4,7 +4,7 @@ with the constants and every row's prediction under them.
 
     PYTHONPATH=. python benchmarks/step_model/fit.py     # ~1 min on one CPU core
 
-The shipped constants (fp8dist/plan/speed/step_time.py's STEP_CONSTANTS, fp8dist/runtime/gpus.py's
+The shipped constants (fp8dist/plan/speed/constants.py's STEP_CONSTANTS, fp8dist/runtime/gpus.py's
 B200_CALIBRATION.block_cast_slowdown) are this fit's, to 3 significant digits; the script says when they differ.
 How well the constants carry to a source they were not fitted on: agree.py (leave one source out)."""
 
@@ -42,7 +42,7 @@ def main() -> None:
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{dict(zip(THETA, theta))} -> {OUT}")
     if theta != SHIPPED:
-        print(f"the shipped constants {dict(zip(THETA, SHIPPED))} differ: set step_time.STEP_CONSTANTS and "
+        print(f"the shipped constants {dict(zip(THETA, SHIPPED))} differ: set constants.STEP_CONSTANTS and "
               "gpus.B200_CALIBRATION.block_cast_slowdown to the fit's")
 
 

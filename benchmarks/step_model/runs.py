@@ -3,7 +3,7 @@ each, as a function of the four fitted constants: read by ``fit.py`` (all source
 out) and ``tests/test_step_model.py``.
 
 The fitted constants, ``THETA``: the step's ``gemm_efficiency`` and ``memory_traffic``
-(:class:`~fp8dist.plan.speed.step_time.StepConstants`) and the Blackwell records' block-scaling (MXFP8, NVFP4) cast
+(:class:`~fp8dist.plan.speed.constants.StepConstants`) and the Blackwell records' block-scaling (MXFP8, NVFP4) cast
 slowdowns of torchao's kernels and of Transformer Engine's (``Calibration.block_cast_slowdown``). Every part of a
 predicted step but its exposed communication is affine in them (the casts' 2 us floor aside, which no row here
 reaches), so each row is predicted five times (at the shipped constants and one step along each) and any trial
@@ -28,7 +28,7 @@ MISSES = Path(__file__).with_name("misses.csv")
 
 THETA = ("gemm_efficiency", "memory_traffic", "torchao_block_cast_slowdown", "te_block_cast_slowdown")
 SHIPPED = (STEP_CONSTANTS.gemm_efficiency, STEP_CONSTANTS.memory_traffic, *B200_CALIBRATION.block_cast_slowdown)
-"""The constants fp8dist ships (step_time.STEP_CONSTANTS, gpus.B200_CALIBRATION): fit.py's all-source fit."""
+"""The constants fp8dist ships (constants.STEP_CONSTANTS, gpus.B200_CALIBRATION): fit.py's all-source fit."""
 
 SPEEDUP_GOAL_PP = 8.0
 """A held-out FP8 speedup within 8 percentage points of the published one (the issue's goal)."""

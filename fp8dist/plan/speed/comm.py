@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ...runtime.gpus import GpuSpec
 
 if TYPE_CHECKING:
-    from .step_time import StepConstants
+    from .constants import StepConstants
 
 __all__ = ["check_topology", "topology", "collectives", "exposed_collectives"]
 
