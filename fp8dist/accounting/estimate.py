@@ -16,7 +16,8 @@ from torch import nn
 from ..config.text import byte_size as _size
 from .estimate_activations import Activations, activation_items
 from .optimizers import OPTIMIZER_STATES, STEP_BYTES
-from .estimate_states import ParamInfo, category_dtypes, element_bytes, fp8_buffer_bytes, param_groups
+from ..config.param_bytes import ParamInfo
+from .estimate_states import category_dtypes, element_bytes, fp8_buffer_bytes, param_groups
 from .fit import Fit, check_fit
 from .rows import text_table
 from .tensors import ParamGroup, StateBytes

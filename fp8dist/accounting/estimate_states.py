@@ -4,51 +4,19 @@ element costs and add their own state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
 from ..config.dtypes import dtype_bytes
+from ..config.param_bytes import ElementBytes, ParamInfo
 from ..strategies.base import EngineMemory
 from .optimizers import OPTIMIZER_STATES
 from .tensors import CATEGORIES, ParamGroup, holds_words
 
-__all__ = ["CATEGORIES", "ParamInfo", "ElementBytes", "element_bytes", "category_dtypes", "param_groups",
+__all__ = ["CATEGORIES", "element_bytes", "category_dtypes", "param_groups",
            "fp8_buffer_bytes"]
 
-
-
-@dataclass(frozen=True)
-class ElementBytes:
-    """Bytes per parameter element in each category, and the dtype names shown."""
-
-    weight: int
-    """Bytes of the weight as the engine stores it."""
-    master: int
-    """Bytes of its master copy (0: none kept)."""
-    grad: int
-    """Bytes of its gradient (0 for a frozen parameter)."""
-    states: int
-    """Bytes of its optimizer states, all of them."""
-    dtypes: tuple[str, str, str, str]
-    """The dtype names of the four, as the estimate's table shows them."""
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """One parameter as the layouts need it; ``unit``: its FSDP unit (block), "" for the root."""
-
-    name: str
-    """The parameter's name in the model."""
-    numel: int
-    """Its elements."""
-    shape: tuple[int, ...]
-    """Its full shape."""
-    unit: str
-    bytes: ElementBytes
-    """Its bytes per element in each category."""
-    trains: bool = True
-    """Whether it has ``requires_grad`` (a frozen one keeps only its weight)."""
 
 
 def element_bytes(engine: EngineMemory, level: Any, backend: Any, cfg: Any, optimizer: str, stored_dtype: str,

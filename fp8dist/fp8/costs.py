@@ -14,7 +14,7 @@ from ..config.axis import StrategyFacts
 from .conversion import FP8Wiring
 
 if TYPE_CHECKING:
-    from ..accounting.estimate_states import ElementBytes
+    from ..config.param_bytes import ElementBytes
     from ..config.resolve import Config
     from ..plan.precision import PrecisionPlan
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..config.axis import Rule, StrategyFacts, When
 
 if TYPE_CHECKING:
-    from ..accounting.estimate_states import ElementBytes
+    from ..config.param_bytes import ElementBytes
     from ..config.resolve import Config
     from ..runtime.optim import OptimizerSpec
 

@@ -16,7 +16,7 @@ from ..runtime.optim import check_optimizer_spec
 from .base import MemoryLevel
 
 if TYPE_CHECKING:
-    from ..accounting.estimate_states import ElementBytes
+    from ..config.param_bytes import ElementBytes
     from ..config.resolve import Config
     from ..runtime.optim import OptimizerSpec
 

@@ -22,7 +22,7 @@ from .state_bytes import replicated_state_bytes
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..accounting.estimate_states import ParamInfo
+    from ..config.param_bytes import ParamInfo
     from ..config.resolve import Config
     from ..pipeline.guard import StepGuard
     from ..pipeline.pretrained import LoadReport
