@@ -115,13 +115,14 @@ class Registry(Mapping[str, Any]):
 
     def _load_entry_points(self) -> None:
         points = importlib.metadata.entry_points(group=self.group)
-        if not any(point.value.partition(":")[0].partition(".")[0] == "fp8dist" for point in points):
+        ours = [point for point in points if point.module.partition(".")[0] == "fp8dist"]
+        if not ours:
             self._loaded = False
             raise RuntimeError(f"fp8dist's built-in {self.kind}s are registered through its package metadata (entry "
                                f"point group {self.group!r}), which this Python does not see: fp8dist is imported "
                                "from a folder that is not installed. Install it: pip install -e <the fp8dist "
                                "checkout> (or pip install fp8dist).")
-        for point in sorted(points, key=lambda p: not p.value.startswith("fp8dist")):  # the built-ins first
+        for point in [*ours, *(point for point in points if point not in ours)]:  # the built-ins first
             register = point.load()
             if not callable(register) or isinstance(register, type):
                 raise TypeError(f"entry point {point.name} = {point.value!r} (group {self.group!r}): name a function "
