@@ -58,3 +58,15 @@ def train_on_gloo_ranks(rank: int, world: int, argv: list[str]) -> list[str]:
     lines: list[str] = []
     run_training(config, job, log=lines.append)
     return lines
+
+
+def assigned_names(node: object) -> list[str]:
+    """The plain names a module-level statement binds by assignment (``X = ...``, ``X: T = ...``); [] for any other
+    statement (the source checks in test_layers.py and test_lint.py read module bodies with it)."""
+    import ast
+
+    if isinstance(node, ast.Assign):
+        return [target.id for target in node.targets if isinstance(target, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []

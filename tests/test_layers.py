@@ -8,7 +8,7 @@ import ast
 import importlib.metadata
 from pathlib import Path
 
-from cli_helpers import ROOT
+from cli_helpers import ROOT, assigned_names
 
 PACKAGE = ROOT / "fp8dist"
 STACK = ("config", "runtime", ("fp8", "strategies"), "memory_levels", "plan", "pipeline",
@@ -76,15 +76,8 @@ def test_no_public_name_is_defined_in_two_modules():
     where: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names = [node.name]
-            elif isinstance(node, ast.Assign):
-                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                names = [node.target.id]
-            else:
-                continue
-            for name in names:
+            defined = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for name in [node.name] if defined else assigned_names(node):
                 if not name.startswith("_") and name not in ONE_PER_MODULE:
                     where.setdefault(name, []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in where.items() if len(set(paths)) > 1} == {}

@@ -30,6 +30,8 @@ def test_every_exported_constant_has_a_docstring():
     ``BACKEND`` / ``STRATEGY`` / ``LEVEL``) carries the string literal under it that says what it holds."""
     import ast
 
+    from cli_helpers import assigned_names
+
     bare = []
     for path in sorted((ROOT / "fp8dist").rglob("*.py")):
         body = ast.parse(path.read_text()).body
@@ -38,12 +40,7 @@ def test_every_exported_constant_has_a_docstring():
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
                 exported |= set(ast.literal_eval(node.value))
         for node, after in zip(body, [*body[1:], None]):
-            if isinstance(node, ast.Assign):
-                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                names = [node.target.id]
-            else:
-                continue
+            names = assigned_names(node)
             documented = isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant) \
                 and isinstance(after.value.value, str)
             bare += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
