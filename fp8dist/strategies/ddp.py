@@ -125,7 +125,7 @@ class DDP(Strategy):
             return None
         fp32 = {id(q) for name in fallback for q in model.get_submodule(name).parameters()}
         trained = [q for q in model.parameters() if q.requires_grad]
-        return predict_all_reduce(sum(q.numel() for q in trained if id(q) not in fp32), world_size,
+        return predict_all_reduce([q.numel() for q in trained if id(q) not in fp32], world_size,
                                   cfg.parallel.reduce_fp8_block, sum(q.numel() for q in trained if id(q) in fp32))
 
     def engine_dtypes(self, model: nn.Module, autocast) -> EngineDtypes:

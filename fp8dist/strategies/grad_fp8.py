@@ -123,13 +123,16 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Pr
     output.copy_(total.div_(world) if average else total)
 
 
-def fp8_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, wire: GradWire) -> torch.Tensor:
+def fp8_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, wire: GradWire,
+                   elements: int | None = None) -> torch.Tensor:
     """The mean over ``group`` of the 1-D ``flat``, as a new fp32 tensor of its shape: an FP8 reduce-scatter, then the
-    summed chunks quantized once more and all-gathered, so every rank dequantizes the same bytes."""
+    summed chunks quantized once more and all-gathered, so every rank dequantizes the same bytes. ``elements``: the
+    gradient elements ``flat`` holds, counted as a bf16 reduction's (None: all; fewer where it holds padding)."""
     world, n = group.size(), flat.numel()
+    elements = n if elements is None else elements
     chunk = math.ceil(n / (world * wire.block)) * wire.block
     rows = nn.functional.pad(flat.float(), (0, world * chunk - n)).reshape(world, chunk)
-    mine = _exchange(rows, wire, group, n).div_(world)
+    mine = _exchange(rows, wire, group, elements).div_(world)
     q, s = quantize_blocks(mine.unsqueeze(0), wire.block)
     q_all = q.new_empty((world, q.shape[1]))
     s_all = s.new_empty((world, s.shape[1]))
@@ -137,7 +140,7 @@ def fp8_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, wire: GradWire)
     dist.all_gather_into_tensor(s_all, s, group=group)
     others = world - 1
     wire.add(sent=others * (q.numel() + s.numel() * _SCALE_BYTES), scales=others * s.numel() * _SCALE_BYTES,
-             bf16=others * n * BF16_BYTES // world, elements=0)
+             bf16=others * elements * BF16_BYTES // world, elements=0)
     return dequantize_blocks(q_all, s_all, chunk).reshape(-1)[:n].view_as(flat).to(flat.dtype)
 
 
@@ -206,24 +209,43 @@ class FP8HookState:
     its bucket, the rest of the bucket in FP8."""
 
 
+def _joined(flat: torch.Tensor, spans: list[tuple[int, int]], block: int) -> torch.Tensor:
+    """The ``(offset, numel)`` spans of ``flat`` one after another, each padded with zeros to whole ``block``s."""
+    return torch.cat([nn.functional.pad(flat[o:o + n], (0, -n % block)) for o, n in spans])
+
+
+def _split_into(result: torch.Tensor, joined: torch.Tensor, spans: list[tuple[int, int]], block: int) -> None:
+    """Write :func:`_joined`'s layout ``joined`` back into ``result``'s spans, leaving the padding out."""
+    start = 0
+    for offset, n in spans:
+        result[offset:offset + n] = joined[start:start + n]
+        start += n + -n % block
+
+
 def fp8_all_reduce_hook(state, bucket):
     """A DDP comm hook (``ddp.register_comm_hook(FP8HookState(group, wire), fp8_all_reduce_hook)``): the bucket
     (a ``dist.GradBucket``) averaged by :func:`fp8_all_reduce`, as DDP's own all-reduce averages it, the gradients
-    of ``state.fallback``'s parameters by :func:`fp32_all_reduce`; returns a completed future of the result. No
-    annotations: DDP checks them against the real classes."""
-    flat, done = bucket.buffer(), torch.futures.Future()
-    fp32 = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    of ``state.fallback``'s parameters by :func:`fp32_all_reduce`; returns a completed future of the result. Each
+    parameter's gradient starts a block (its last block padded): a block never mixes two parameters, so what
+    crosses the wire does not depend on how DDP lays its buckets out (it lays them out anew after the first step,
+    and a run resumed from a checkpoint must repeat the uninterrupted run's bits). No annotations: DDP checks them
+    against the real classes."""
+    flat, done, block = bucket.buffer(), torch.futures.Future(), state.wire.block
+    fp8: list[tuple[int, int]] = []  # (offset, numel) of each parameter's gradient in the bucket
+    fp32: list[tuple[int, int]] = []
     offset = 0
     for param, grad in zip(bucket.parameters(), bucket.gradients()):  # laid out one after another, in this order
-        fp32[offset:offset + grad.numel()] = id(param) in state.fallback
+        (fp32 if id(param) in state.fallback else fp8).append((offset, grad.numel()))
         offset += grad.numel()
-    if not fp32.any():
+    if not fp32 and all(n % block == 0 for _, n in fp8):  # already whole blocks, parameter by parameter
         done.set_result(fp8_all_reduce(flat, state.group, state.wire))
         return done
     result = torch.empty_like(flat)
-    if not fp32.all():
-        result[~fp32] = fp8_all_reduce(flat[~fp32], state.group, state.wire)
-    result[fp32] = fp32_all_reduce(flat[fp32], state.group, state.wire)
+    if fp8:
+        reduced = fp8_all_reduce(_joined(flat, fp8, block), state.group, state.wire, sum(n for _, n in fp8))
+        _split_into(result, reduced, fp8, block)
+    if fp32:
+        _split_into(result, fp32_all_reduce(_joined(flat, fp32, 1), state.group, state.wire), fp32, 1)
     done.set_result(result)
     return done
 
@@ -295,18 +317,21 @@ def predict_reduce_scatter(unit_elements: list[int], world: int, block: int,
     return sum(tallies, WireTally()) if world > 1 else WireTally()
 
 
-def predict_all_reduce(elements: int, world: int, block: int, fp32_elements: int = 0) -> WireTally:
-    """What :func:`fp8_all_reduce_hook` sends per step for ``elements`` gradient elements in FP8 and
-    ``fp32_elements`` split out in fp32 (:func:`fp32_all_reduce`), as if in one bucket (each of DDP's buckets pads
-    to ``world x block`` elements: at most that many more per bucket)."""
+def predict_all_reduce(sizes: list[int], world: int, block: int, fp32_elements: int = 0) -> WireTally:
+    """What :func:`fp8_all_reduce_hook` sends per step for parameters of ``sizes`` gradient elements each in FP8
+    (each padded to whole blocks, as the hook pads it) and ``fp32_elements`` split out in fp32
+    (:func:`fp32_all_reduce`), as if in one bucket (each of DDP's buckets pads to ``world x block`` elements: at most
+    that many more per bucket)."""
     if world < 2:
         return WireTally()
     others = world - 1
     fp32 = WireTally(2 * (others * fp32_elements * _SCALE_BYTES // world), 0,
                      2 * (others * fp32_elements * BF16_BYTES // world), fp32_elements)
+    elements = sum(sizes)
     if not elements:
         return fp32
-    sent, scales = _row_bytes(math.ceil(elements / (world * block)) * block, block)
+    padded = sum(math.ceil(n / block) * block for n in sizes)
+    sent, scales = _row_bytes(math.ceil(padded / (world * block)) * block, block)
     return fp32 + WireTally(2 * others * sent, 2 * others * scales, 2 * others * elements * BF16_BYTES // world,
                             elements)
 
