@@ -49,8 +49,8 @@ def _grad_norm(model) -> float:
 def _train(model, opt, steps: range, rank: int, world: int, *, accum: int = 1, max_norm: float | None = None,
            batch: int = BATCH) -> dict:
     """Each step's loss (the mean of its ``accum`` micro-batches, parts of this rank's share of a global ``batch``,
-    accumulated under ``fp8dist.no_sync``), the FP8 wire's bytes per step and, with ``max_norm``, the norms clipping returned and
-    the norms before and after it, by hand."""
+    accumulated under ``fp8dist.no_sync``), the FP8 wire's bytes per step and, with ``max_norm``, the norm clipping
+    returned and the norms before and after it, by hand."""
     import fp8dist
     from fp8dist.strategies.grad_fp8 import model_grad_wire
     from fp8dist.train.data import Batches
