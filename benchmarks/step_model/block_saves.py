@@ -24,6 +24,10 @@ from torch.utils.checkpoint import checkpoint
 BLOCK = dict(batch=1, seq=256, h=256, heads=2, kv_heads=1, head_dim=128, inter=896)
 """Llama3-8B's ratios (k/v width h/4, intermediate 3.5h, head dim 128), small enough to trace on a CPU; every GEMM
 dim a multiple of 128, as NVFP4's kernels require."""
+KINDS = ("block input", "attention", "GEMM outputs", "quantized copies", "amax scalars", "other")
+"""What :func:`block_saves` sorts a saved tensor into: a 3-D placeholder is the block's input, a 4-D tensor or the fp32
+log-sum-exp attention's (its q, k, v and output without checkpointing), a uint8 / e4m3 / e2m1 tensor NVFP4's codes and
+scales, a 0-d one an amax."""
 _SIGNS = (1, -1) * 8  # the Hadamard sign vector: any 16 signs trace alike
 _STANDIN = "fp8dist_step_model_nvfp4"
 
@@ -167,14 +171,12 @@ def _kind(node: Any, value: torch.Tensor) -> str | None:
 
 
 def block_saves(recipe: str, checkpointing: str) -> dict[str, int]:
-    """Bytes the compiled block keeps from forward to backward, by kind (block input, attention, GEMM outputs,
-    quantized copies, amax scalars, other), for ``recipe`` ("bf16", "nvfp4") under ``checkpointing`` ("none",
+    """Bytes the compiled block keeps from forward to backward, by kind (:data:`KINDS`), for ``recipe`` ("bf16", "nvfp4") under ``checkpointing`` ("none",
     "selective": torchtitan's policy); parameters and buffers left out. Compiles one block (~3 s on a CPU)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    saved: dict[str, int] = dict.fromkeys(("block input", "attention", "GEMM outputs", "quantized copies",
-                                           "amax scalars", "other"), 0)
+    saved: dict[str, int] = dict.fromkeys(KINDS, 0)
     captured: list[torch.fx.GraphModule] = []
 
     def forward_graph(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:

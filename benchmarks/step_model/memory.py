@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from block_saves import BLOCK, all_block_saves  # noqa: E402
+from block_saves import BLOCK, KINDS, all_block_saves  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / "memory.json"
@@ -88,14 +88,13 @@ def render(rows: list[dict[str, Any]], saves: dict[str, dict[str, dict[str, int]
     for r in rows:
         lines.append(f"| {r['recipe']} | {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error_pct']:+.1f}% "
                      f"| {'yes' if r['within_goal'] else 'no (miss)'} | {r['fp8dist_run_gib']:.1f} |")
-    kinds = list(next(iter(next(iter(saves.values())).values())))
     lines += ["", f"What a compiled block keeps for backward (block_saves.py: bytes, {BLOCK['batch'] * BLOCK['seq']} "
               f"tokens, h={BLOCK['h']}, intermediate {BLOCK['inter']}; weights left out):", "",
-              "| recipe | checkpointing | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+              "| recipe | checkpointing | " + " | ".join(KINDS) + " |", "|---|---|" + "---|" * len(KINDS)]
     for recipe, by_checkpointing in saves.items():
         for checkpointing, kept in by_checkpointing.items():
             policy = "torchtitan's selective" if checkpointing == "selective" else checkpointing
-            lines.append(f"| {recipe} | {policy} | " + " | ".join(f"{kept[k]:,}" for k in kinds) + " |")
+            lines.append(f"| {recipe} | {policy} | " + " | ".join(f"{kept[k]:,}" for k in KINDS) + " |")
     return "\n".join(lines + ["", END])
 
 
