@@ -171,8 +171,9 @@ def _kind(node: Any, value: torch.Tensor) -> str | None:
 
 
 def block_saves(recipe: str, checkpointing: str) -> dict[str, int]:
-    """Bytes the compiled block keeps from forward to backward, by kind (:data:`KINDS`), for ``recipe`` ("bf16", "nvfp4") under ``checkpointing`` ("none",
-    "selective": torchtitan's policy); parameters and buffers left out. Compiles one block (~3 s on a CPU)."""
+    """Bytes the compiled block keeps from forward to backward, by kind (:data:`KINDS`), for ``recipe`` ("bf16",
+    "nvfp4") under ``checkpointing`` ("none", "selective": torchtitan's policy); parameters and buffers left out.
+    Compiles one block (under a second on a CPU)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
