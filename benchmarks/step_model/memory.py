@@ -5,7 +5,7 @@ compiled; and beside the estimate of fp8dist's own run (its selective policy, Hu
 compiled block keeps for backward per recipe, read from torch's partitioner (block_saves.py). Writes memory.json and
 the tables in README.md between its markers; a row off by more than GOAL_PCT is a miss, its reason in README.md.
 
-    PYTHONPATH=. python benchmarks/step_model/memory.py     # ~30 s (the imports, the meta model, 4 compiles)"""
+    PYTHONPATH=. python benchmarks/step_model/memory.py     # ~15 s (the imports, the meta model, 4 compiles)"""
 
 from __future__ import annotations
 
