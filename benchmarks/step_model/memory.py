@@ -1,17 +1,22 @@
 """Peak memory per recipe: torchtitan #3914's measured peaks (Llama3-8B on 4 GB200s, FSDP, local batch 32 x 2,048)
 beside ``fp8dist.estimate_memory`` of that run, as torchtitan ran it: its selective checkpointing (which counts only
 ``aten.mm`` / ``aten.linear`` among the GEMMs: ``selective_gemms``), its chunked loss (8 chunks: ``loss_chunks``),
-compiled; and beside the estimate of fp8dist's own run (its selective policy, Hugging Face's loss). Writes memory.json
-and the table in README.md between its markers; a row off by more than GOAL_PCT is a miss, its reason in README.md.
+compiled; and beside the estimate of fp8dist's own run (its selective policy, Hugging Face's loss). Then what a
+compiled block keeps for backward per recipe, read from torch's partitioner (block_saves.py). Writes memory.json and
+the tables in README.md between its markers; a row off by more than GOAL_PCT is a miss, its reason in README.md.
 
-    PYTHONPATH=. python benchmarks/step_model/memory.py     # ~30 s (the imports and the meta model)"""
+    PYTHONPATH=. python benchmarks/step_model/memory.py     # ~15 s (the imports, the meta model, 4 compiles)"""
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from block_saves import BLOCK, KINDS, all_block_saves  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / "memory.json"
@@ -76,24 +81,32 @@ def table(predicted: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     return rows
 
 
-def render(rows: list[dict[str, Any]]) -> str:
-    """The README section."""
+def render(rows: list[dict[str, Any]], saves: dict[str, dict[str, dict[str, int]]]) -> str:
+    """The README section: the peaks, then what a compiled block keeps (bytes, one block of BLOCK's tokens)."""
     lines = [BEGIN, "", "| recipe | measured GiB | predicted GiB (torchtitan's run) | error | within 15% | "
              "fp8dist's own run GiB |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['recipe']} | {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error_pct']:+.1f}% "
                      f"| {'yes' if r['within_goal'] else 'no (miss)'} | {r['fp8dist_run_gib']:.1f} |")
+    lines += ["", f"What a compiled block keeps for backward (block_saves.py: bytes, {BLOCK['batch'] * BLOCK['seq']} "
+              f"tokens, h={BLOCK['h']}, intermediate {BLOCK['inter']}; weights left out):", "",
+              "| recipe | checkpointing | " + " | ".join(KINDS) + " |", "|---|---|" + "---|" * len(KINDS)]
+    for recipe, by_checkpointing in saves.items():
+        for checkpointing, kept in by_checkpointing.items():
+            policy = "torchtitan's selective" if checkpointing == "selective" else checkpointing
+            lines.append(f"| {recipe} | {policy} | " + " | ".join(f"{kept[k]:,}" for k in KINDS) + " |")
     return "\n".join(lines + ["", END])
 
 
 def main() -> None:
-    rows = table(predict(meta_llama3_8b()))
+    rows, saves = table(predict(meta_llama3_8b())), all_block_saves()
     OUT.write_text(json.dumps({"source": SOURCE, "run": {**RUN, **TORCHTITAN}, "goal_pct": GOAL_PCT, "rows": rows,
-                               "prediction": "fp8dist.estimate_memory, not fitted on these peaks"}, indent=1) + "\n")
+                               "prediction": "fp8dist.estimate_memory, not fitted on these peaks",
+                               "compiled_block": {"block": BLOCK, "saved_bytes": saves}}, indent=1) + "\n")
     text = README.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    README.write_text(text[:start] + render(rows) + text[end:])
-    print(render(rows))
+    README.write_text(text[:start] + render(rows, saves) + text[end:])
+    print(render(rows, saves))
 
 
 if __name__ == "__main__":
