@@ -14,12 +14,17 @@ import pytest
 import torch
 
 import fp8dist
+from fp8dist.checkpoint.fp8_export import fp8_summary
 from fp8dist.train.models import build_llama
 
 pytest.importorskip("torchao", reason="FP8 exports need a model trained in FP8 (torchao)")
 
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 FIRST, LAST = "model.layers.0.self_attn.q_proj", "lm_head"  # what keep_first_last_linear keeps out of FP8
+K0, V0 = "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"  # FIRST's fused group (vLLM's qkv_proj)
+KEPT = [LAST, K0, FIRST, V0]  # the Linears an export of a tiny Llama writes in bf16
+FUSED = [(f"model.layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj")) for i in (0, 1)] + \
+    [(f"model.layers.{i}.mlp.", ("gate_proj", "up_proj")) for i in (0, 1)]  # the Linears vLLM's Llama fuses
 
 
 def _wrapped(**options):
@@ -74,19 +79,23 @@ def test_fp8_exports_load_in_transformers_on_a_cpu_like_the_bf16_export_at_under
     for key, (model, options) in exports.items():
         fp8dist.save_pretrained(model, tmp_path / key, **options)
     for key, reference in (("ct", "bf16"), ("blocks", "bf16"), ("ct rowwise", "bf16 rowwise")):
-        # measured 2026-12-02: 0.9985 (per tensor), 0.9990 (128x128 blocks), 0.9984 (per channel)
+        # measured 2026-12-02: 0.9987 (per tensor), 0.9991 (128x128 blocks), 0.9987 (per channel)
         assert _cosine(_logits(tmp_path / key), _logits(tmp_path / reference)) >= 0.995, key
-        assert _bytes(tmp_path / key) <= 0.65 * _bytes(tmp_path / reference), key  # measured 0.592, 0.592, 0.603
+        assert _bytes(tmp_path / key) <= 0.65 * _bytes(tmp_path / reference), key  # measured 0.610, 0.610, 0.620
         config = json.loads((tmp_path / key / "config.json").read_text())["quantization_config"]
         record = json.loads((tmp_path / key / "fp8_export.json").read_text())
-        assert record["kept_bf16"] == [LAST, FIRST], "the Linears the plan kept, listed and written in bf16"
-        assert len(record["layers"]) == 13
+        # the plan kept FIRST (q_proj) and LAST; k_proj and v_proj ran FP8 and are written bf16 with it, as vLLM
+        # serves q/k/v as one layer in one scheme
+        assert record["kept_bf16"] == KEPT and len(record["layers"]) == 11
+        assert {n: (f["group"], f["kept_by_plan"]) for n, f in record["fused_bf16"].items()} == {
+            K0: ("model.layers.0.self_attn.qkv_proj", [FIRST]), V0: ("model.layers.0.self_attn.qkv_proj", [FIRST])}
+        _assert_one_scheme_per_fused_group(tmp_path / key, config.get("ignore", config.get("modules_to_not_convert")))
         if key == "blocks":
             assert FineGrainedFP8Config(**config).weight_block_size == [128, 128]
-            assert config["modules_to_not_convert"] == [LAST, FIRST]
+            assert config["modules_to_not_convert"] == KEPT
             continue
         parsed = QuantizationConfig.model_validate(config)  # compressed-tensors' own validation
-        assert parsed.ignore == [LAST, FIRST] and parsed.format == "float-quantized"
+        assert parsed.ignore == KEPT and parsed.format == "float-quantized"
         strategy, cast = ("channel", "training's rowwise cast (power-of-2 scales)") if "rowwise" in key else \
             ("tensor", "training's tensorwise cast")
         assert [g.weights.strategy for g in parsed.config_groups.values()] == [strategy]
@@ -97,6 +106,30 @@ def test_fp8_exports_load_in_transformers_on_a_cpu_like_the_bf16_export_at_under
             assert torch.equal(tensors[f"{name}.weight"].view(torch.uint8), _torchao_bits(model, name).view(
                 torch.uint8)), name
         assert tensors[f"{FIRST}.weight"].dtype == tensors["model.norm.weight"].dtype == torch.bfloat16
+    assert fp8_summary(tmp_path / "ct") == ("fp8 compressed-tensors: 11 Linears e4m3 (11 training's tensorwise cast), "
+                                            "4 kept bf16 (2 of them ran FP8, written bf16 as their fused group is: "
+                                            "vLLM serves one scheme per group)")
+
+
+def _assert_one_scheme_per_fused_group(path: Path, ignore: list[str]) -> None:
+    """Each group vLLM fuses is written in one scheme (all bf16, or all e4m3 with scales of one kind), and the config's
+    list of Linears not converted is exactly those written in bf16."""
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        shape = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtype = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+
+    def scheme(weight: str) -> tuple[str, str | None]:
+        scale = shape.get(weight + "_scale", shape.get(weight + "_scale_inv"))
+        kind = None if scale is None else "tensor" if scale == (1,) else "channel" if scale == (shape[weight][0], 1) \
+            else "block"
+        return dtype[weight], kind
+
+    linears = [k.removesuffix(".weight") for k in shape if k.endswith("_proj.weight") or k == f"{LAST}.weight"]
+    assert sorted(n for n in linears if scheme(f"{n}.weight") == ("BF16", None)) == sorted(ignore)
+    for parent, members in FUSED:
+        assert len({scheme(f"{parent}{m}.weight") for m in members}) == 1, parent
 
 
 def test_an_fp8_export_of_a_lora_model_merges_then_quantizes_recording_each_layers_error(tmp_path):
@@ -118,9 +151,9 @@ def test_an_fp8_export_of_a_lora_model_merges_then_quantizes_recording_each_laye
     assert _cosine(_logits(tmp_path / "fp8"), _logits(tmp_path / "bf16")) >= 0.995  # measured 0.9979
     layers = json.loads((tmp_path / "fp8" / "fp8_export.json").read_text())["layers"]
     errors = {name: layer["merge_error"] for name, layer in layers.items() if layer["merge_error"] is not None}
-    # q_proj of layer 0 is the first Linear, kept in bf16; the other adapted layers are merged, then quantized
-    assert sorted(errors) == ["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.q_proj",
-                              "model.layers.1.self_attn.v_proj"]
+    # q_proj of layer 0 is the first Linear, kept in bf16, and v_proj with it (their fused group); the other adapted
+    # layers are merged, then quantized
+    assert sorted(errors) == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
     assert all(0.01 < e < 0.05 for e in errors.values()), errors  # e4m3's ~2^-4 relative step; measured 0.026-0.027
 
 
@@ -180,10 +213,10 @@ def test_pretrained_reads_fp8_checkpoints_dequantized_and_refuses_the_kinds_it_c
     for fmt in ("compressed-tensors", "fine-grained"):
         fp8dist.save_pretrained(trained, tmp_path / fmt, dtype="fp8", fp8_format=fmt)
         model = build_llama("tiny", seed=7)
-        with pytest.warns(UserWarning, match=f"13 FP8 weights of the {fmt} checkpoint dequantized once .*into the "
+        with pytest.warns(UserWarning, match=f"11 FP8 weights of the {fmt} checkpoint dequantized once .*into the "
                                              "fp32 parameters"):
             report = load_pretrained(model, tmp_path / fmt)
-        assert report.dequantized.startswith("13 FP8 weights")
+        assert report.dequantized.startswith("11 FP8 weights")
         theirs = _dequantized_by_transformers(tmp_path / fmt, fmt)
         assert all(torch.equal(p, theirs[n]) for n, p in model.state_dict().items()), fmt
     from fp8dist.pipeline.pretrained import SafetensorsDir
@@ -275,21 +308,21 @@ def test_fp8dist_train_exports_fp8_under_fsdp2_and_a_fsdp2_lora_job_trains_on_it
 
     results = run_ranks(_job, str(tmp_path))
     log = results[0]["log"]
-    assert "save_pretrained: wrote" in log and "fp8 compressed-tensors: 13 Linears e4m3 (13 training's tensorwise " \
-                                                 "cast), 2 kept bf16" in log, log
-    assert "note: the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights) hold its e4m3" in log
+    assert "save_pretrained: wrote" in log and "fp8 compressed-tensors: 11 Linears e4m3 (11 training's tensorwise " \
+                                                 "cast), 4 kept bf16 (2 of them ran FP8" in log, log
+    assert "note: the frozen base came in FP8 from the checkpoint: 11 Linears (360,448 weights) hold its e4m3" in log
     assert "LoRA merged, then quantized: relative error per layer up to" in log
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 2
-    # FSDP2 shards the e4m3 bytes: half the base's 376,832 weights per rank (1 byte each), plus 13 fp32 scales whole;
+    # FSDP2 shards the e4m3 bytes: half the base's 360,448 weights per rank (1 byte each), plus 11 fp32 scales whole;
     # the dequantized base: fp32 masters, 4 bytes a weight
-    assert [r["held"] for r in results] == [({"torch.uint8"}, 376_832 // 2 + 13 * 4)] * 2
-    assert [r["plain"] for r in results] == [({"torch.float32"}, 376_832 // 2 * 4)] * 2 and results[0]["names"] == 13
+    assert [r["held"] for r in results] == [({"torch.uint8"}, 360_448 // 2 + 11 * 4)] * 2
+    assert [r["plain"] for r in results] == [({"torch.float32"}, 360_448 // 2 * 4)] * 2 and results[0]["names"] == 11
     # the all-gathered bits are the bits FSDP2's FP8 all-gather casts the dequantized shards to: the same GEMMs
     assert results[0]["losses"] == results[0]["dequantized"]
-    # rowwise: each rank holds its rows' bytes and every row's scale (2,432 fp32); its own recipe, the losses near
+    # rowwise: each rank holds its rows' bytes and every row's scale (2,304 fp32); its own recipe, the losses near
     # tensorwise's (measured 2026-12-02: 6.1e-4 and 2.3e-4 apart)
     losses, rows = results[0]["rowwise"]
-    assert rows == ({"torch.uint8"}, 376_832 // 2 + 2_432 * 4)
+    assert rows == ({"torch.uint8"}, 360_448 // 2 + 2_304 * 4)
     assert losses == pytest.approx(results[0]["losses"], abs=2e-3)
     for name in ("fp8", "merged"):  # both load in transformers on a CPU
         assert _logits(tmp_path / name).isfinite().all()
@@ -339,7 +372,7 @@ def _lora_on(path: Path, held: bool):
     return model, apply_lora(model, TrainConfig(lora_rank=4)), made.shapes
 
 
-@pytest.mark.parametrize("recipe, scales", [("tensorwise", 13), ("rowwise", 2_432)])  # rowwise: one per output row
+@pytest.mark.parametrize("recipe, scales", [("tensorwise", 11), ("rowwise", 2_304)])  # rowwise: one per output row
 def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_quarter_of_its_bytes(tmp_path, recipe,
                                                                                                   scales):
     """The base held in FP8 is 1 byte per weight plus a scale per layer, never in high precision while it loads (one
@@ -356,19 +389,19 @@ def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_qua
         assert ({(384, 128), (128, 384)} <= made) != held, made
         quantized = [m.weight for m in base.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() > 0
                      and m.weight.dtype == torch.uint8]
-        assert len(quantized) == (13 if held else 0), "each FP8 Linear holds its e4m3 bytes, never an fp32 copy"
+        assert len(quantized) == (11 if held else 0), "each FP8 Linear holds its e4m3 bytes, never an fp32 copy"
         base_bytes[held] = sum(w.numel() * w.element_size() + w.fp8_scale.numel() * 4 for w in quantized) \
-            if held else 4 * 376_832
+            if held else 4 * 360_448
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             wrapped = fp8dist.wrap_model(model, strategy="none", fp8="torchao", torchao_recipe=recipe)
-        assert any("the frozen base came in FP8 from the checkpoint: 13 Linears (376,832 weights)" in str(w.message)
+        assert any("the frozen base came in FP8 from the checkpoint: 11 Linears (360,448 weights)" in str(w.message)
                    for w in said) == held
         losses[held] = train_losses(wrapped, 0, 1, steps=3)
     # the kept bits are the bits torchao casts the dequantized weight to: the same GEMMs (rowwise: the backward's
     # weight recast along the other axis from the bits' values, as from the dequantized weight)
     assert losses[True] == losses[False]
-    assert base_bytes[True] == 376_832 + scales * 4  # 1 byte per weight and fp32 scales; fp32: 4 bytes a weight
+    assert base_bytes[True] == 360_448 + scales * 4  # 1 byte per weight and fp32 scales; fp32: 4 bytes a weight
 
 
 def test_which_lora_jobs_hold_an_fp8_base_and_why_the_others_dequantize_it(tmp_path):

@@ -1,12 +1,19 @@
 """What an FP8 export (``save_pretrained(..., dtype="fp8")``) writes for each Linear: the layers the plan ran in FP8
 as e4m3 weights with their scales (:mod:`fp8dist.fp8.hf_format`), in training's own weight cast where the layout
-can hold it, every other tensor in bf16; and the record of what it did (``fp8_export.json`` beside the weights)."""
+can hold it, every other tensor in bf16; and the record of what it did (``fp8_export.json`` beside the weights).
+
+A group of Linears a server fuses into one layer (:mod:`.fused_groups`: q/k/v, gate/up) is written in one scheme, as
+vLLM requires: where the plan kept one member in high precision, the whole group is written in bf16 (a layer training
+ran in bf16 is never quantized: the served FP8 bits are those training multiplied with), each such layer recorded
+with its group and the member kept; where the members' casts differ in granularity (per tensor and per channel under
+``torchao_recipe="auto"``), the group is written per channel, a per-tensor cast keeping its bits, its one scale
+repeated per row."""
 
 from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +23,13 @@ from torch import nn
 from ..config.text import listing
 from ..fp8.hf_format import BLOCK, FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
     scale_name
+from .fused_groups import fused_groups
 
-__all__ = ["FP8Layer", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
+__all__ = ["FP8Layer", "FusedBf16", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
 
 RECORD_FILE = "fp8_export.json"
-"""The export's record: per FP8 layer its cast and whether it is training's, and (LoRA) the merge's error."""
+"""The export's record: per FP8 layer its cast and whether it is training's, and (LoRA) the merge's error; the Linears
+written in bf16, and those of them written so for their fused group."""
 
 _GRANULARITY = {"tensorwise": "tensor", "rowwise": "channel"}  # a training weight cast a layout holds exactly
 
@@ -37,6 +46,22 @@ class FP8Layer:
     """What the bits are: "training's tensorwise cast", or a cast made for the export (and why)."""
     merge_error: float | None = None
     """LoRA merged: ||W_fp8 - W|| / ||W|| of the merged weight W; None: no adapter merged."""
+    cast_granularity: Granularity | None = None
+    """What the cast's one scale covers where it differs from ``granularity`` (the scale written): "tensor" for a
+    per-tensor cast written per channel (its fused group is); None: the same."""
+
+
+@dataclass(frozen=True)
+class FusedBf16:
+    """A Linear the plan ran in FP8, written in bf16 because the plan kept another member of its fused group in high
+    precision (a server runs the group as one layer in one scheme)."""
+
+    group: str
+    """The fused layer a server loads it into, e.g. "model.layers.0.self_attn.qkv_proj"."""
+    kept_by_plan: tuple[str, ...]
+    """The group's members the plan ran in high precision."""
+    trained: str
+    """Its FP8 cast in training (the cast it would have been written with)."""
 
 
 def check_fp8_format(fp8_format: str) -> None:
@@ -67,7 +92,9 @@ class FP8Export:
     layers: dict[str, FP8Layer]
     """The Linears written in FP8, by module name (as the exported model names them), with how."""
     kept: list[str]
-    """Linears written in bf16 (the plan kept them in high precision, or FP8 in a form the layout cannot hold)."""
+    """Linears written in bf16: the plan kept them in high precision, or their fused group (:attr:`fused_bf16`)."""
+    fused_bf16: dict[str, FusedBf16] = field(default_factory=dict)
+    """The Linears of :attr:`kept` the plan ran in FP8, written in bf16 for their fused group, by module name."""
 
     def quantize(self, name: str, tensor: torch.Tensor, reference: torch.Tensor | None = None) \
             -> dict[str, torch.Tensor]:
@@ -78,7 +105,9 @@ class FP8Export:
         layer = self.layers.get(module) if name.endswith(".weight") else None
         if layer is None:
             return {name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()}
-        bits, scale = quantize_weight(tensor, layer.granularity, pow2=layer.pow2)
+        bits, scale = quantize_weight(tensor, layer.cast_granularity or layer.granularity, pow2=layer.pow2)
+        if layer.cast_granularity == "tensor" and layer.granularity == "channel":
+            scale = scale.expand(bits.shape[0]).reshape(-1, 1)  # the tensor's one scale, once per output row
         if reference is not None:
             from ..fp8.hf_format import dequantize
 
@@ -94,7 +123,8 @@ class FP8Export:
         """The text of :data:`RECORD_FILE`."""
         return json.dumps({"format": self.fmt, "loaders": FORMAT_LOADERS[self.fmt],
                            "layers": {n: asdict(layer) for n, layer in sorted(self.layers.items())},
-                           "kept_bf16": sorted(self.kept)}, indent=2) + "\n"
+                           "kept_bf16": sorted(self.kept),
+                           "fused_bf16": {n: asdict(f) for n, f in sorted(self.fused_bf16.items())}}, indent=2) + "\n"
 
 
 def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Export:
@@ -134,6 +164,8 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
         layers[short(name)], shape_of[short(name)] = _layer(spec, fmt), shapes[name]
     kept = sorted({short(n) for n in linears if short(n) not in layers and ".lora_" not in n
                    and ".original_module" not in n})
+    model_type = getattr(getattr(unwrap_model(model), "config", None), "model_type", None)
+    layers, kept, fused = _one_scheme_per_group(layers, kept, fused_groups(model_type, [*layers, *kept]), fmt)
     odd = [n for n in layers if any(d > BLOCK and d % BLOCK for d in shape_of[n])]
     if fmt == "fine-grained" and odd:  # transformers' CPU dequantization takes each block's size from the scale grid
         warnings.warn(f"save_pretrained(dtype='fp8', fp8_format='fine-grained'): {listing(odd, 3)} "
@@ -145,7 +177,25 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
         warnings.warn(f"save_pretrained(dtype='fp8'): the plan ran no layer in FP8 (backend {plan.backend!r}), so the "
                       "export is written in bf16 with no quantization_config. Train with an FP8 backend "
                       "(fp8='torchao') to export FP8 weights.", UserWarning, stacklevel=3)
-    return FP8Export(fmt, layers, kept)
+    return FP8Export(fmt, layers, kept, fused)
+
+
+def _one_scheme_per_group(layers: dict[str, FP8Layer], kept: list[str], groups: dict[str, list[str]], fmt: str) \
+        -> tuple[dict[str, FP8Layer], list[str], dict[str, FusedBf16]]:
+    """(layers, kept, fused_bf16) with each fused group of ``groups`` (fused name -> member names) in one scheme: a
+    group with a member in ``kept`` wholly in bf16; in compressed-tensors, a group whose FP8 members' scales differ
+    per channel, a per-tensor member written with its scale repeated per row (the same bits)."""
+    layers, kept_now, fused = dict(layers), set(kept), {}
+    for group, members in groups.items():
+        by_plan = tuple(m for m in members if m in kept_now)
+        if by_plan and len(by_plan) < len(members):
+            fused.update({m: FusedBf16(group, by_plan, layers.pop(m).cast) for m in members if m in layers})
+            kept_now.update(members)
+        elif not by_plan and fmt == "compressed-tensors" and len({layers[m].granularity for m in members}) > 1:
+            for m in (m for m in members if layers[m].granularity == "tensor"):
+                layers[m] = FP8Layer("channel", layers[m].pow2, f"{layers[m].cast}, its scale written per channel "
+                                     f"as its fused group {group}'s are", cast_granularity="tensor")
+    return layers, sorted(kept_now), fused
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -173,5 +223,9 @@ def fp8_summary(out: Path) -> str:
         casts[layer["cast"]] = casts.get(layer["cast"], 0) + 1
     errors = [layer["merge_error"] for layer in record["layers"].values() if layer["merge_error"] is not None]
     merged = f"; LoRA merged, then quantized: relative error per layer up to {max(errors):.2e}" if errors else ""
+    fused = len(record.get("fused_bf16", {}))
+    grouped = f" ({fused} of them ran FP8, written bf16 as their fused group is: vLLM serves one scheme per group)" \
+        if fused else ""
     return (f"fp8 {record['format']}: {len(record['layers'])} Linears e4m3 ("
-            + ", ".join(f"{n} {c}" for c, n in casts.items()) + f"), {len(record['kept_bf16'])} kept bf16{merged}")
+            + ", ".join(f"{n} {c}" for c, n in casts.items()) + f"), {len(record['kept_bf16'])} kept bf16{grouped}"
+            + merged)
