@@ -132,6 +132,45 @@ def _assert_one_scheme_per_fused_group(path: Path, ignore: list[str]) -> None:
         assert len({scheme(f"{parent}{m}.weight") for m in members}) == 1, parent
 
 
+def test_a_fused_group_whose_casts_differ_per_tensor_and_per_channel_is_written_per_channel_with_trainings_bits(
+        tmp_path, monkeypatch):
+    """torchao_recipe="auto" planned for an H100 at 8,192 tokens picks tensorwise for q_proj (2048 x 2048) and
+    rowwise_with_gw_hp for k_proj and v_proj (512 x 2048): vLLM takes a fused layer's scheme from its first member,
+    so the group is written per channel, q_proj with training's tensorwise bits and its one scale on every row."""
+    import fp8dist.plan.selection as selection
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from fp8dist.runtime.hardware import find_gpu, parse_target
+    from fp8dist.train.models import llama_config
+
+    h100 = find_gpu(parse_target("h100"))
+    monkeypatch.setattr(selection, "find_gpu", lambda hardware: h100)  # plan as a GPU run would, here on a CPU
+    config = llama_config("tiny")
+    config.update(dict(hidden_size=2048, intermediate_size=256, num_hidden_layers=1, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=64))
+    torch.manual_seed(0)
+    model = fp8dist.wrap_model(LlamaForCausalLM(config), strategy="none", fp8="torchao", torchao_recipe="auto",
+                               param_dtype="fp32", micro_batch_size=1, seq_len=8192, keep_first_last_linear=False)
+    attn = "model.layers.0.self_attn."
+    assert {n: e.recipe for n in ("q_proj", "k_proj", "v_proj") for e in [fp8dist.get_plan(model).by_name(attn + n)]} \
+        == {"q_proj": "tensorwise", "k_proj": "rowwise_with_gw_hp", "v_proj": "rowwise_with_gw_hp"}
+    fp8dist.save_pretrained(model, tmp_path / "ct", dtype="fp8")
+    quantization = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    per_channel = [g["targets"] for g in quantization["config_groups"].values() if g["weights"]["strategy"] == "channel"]
+    assert {attn + n for n in ("q_proj", "k_proj", "v_proj")} <= set(per_channel[0])
+    layer = json.loads((tmp_path / "ct" / "fp8_export.json").read_text())["layers"][attn + "q_proj"]
+    assert (layer["granularity"], layer["cast_granularity"]) == ("channel", "tensor")
+    assert layer["cast"] == "training's tensorwise cast, its one scale written on every row (its fused group is " \
+                           "per channel)"
+    assert "1 training's tensorwise cast, its one scale written on every row" in fp8_summary(tmp_path / "ct")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    assert torch.equal(tensors[attn + "q_proj.weight"].view(torch.uint8),
+                       _torchao_bits(model, attn + "q_proj").view(torch.uint8)), "the bits training multiplied with"
+    scale = tensors[attn + "q_proj.weight_scale"]
+    assert scale.shape == (2048, 1) and torch.equal(scale, scale[:1].expand(2048, 1)), "its one scale on every row"
+
+
 def test_an_fp8_export_of_a_lora_model_merges_then_quantizes_recording_each_layers_error(tmp_path):
     peft = pytest.importorskip("peft")
     from fp8dist.checkpoint.lora import save_merged

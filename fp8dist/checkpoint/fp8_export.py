@@ -61,7 +61,7 @@ class FusedBf16:
     kept_by_plan: tuple[str, ...]
     """The group's members the plan ran in high precision."""
     trained: str
-    """Its FP8 cast in training (the cast it would have been written with)."""
+    """How it would have been written in FP8 (:attr:`FP8Layer.cast`, which names training's cast)."""
 
 
 def check_fp8_format(fp8_format: str) -> None:
@@ -193,8 +193,8 @@ def _one_scheme_per_group(layers: dict[str, FP8Layer], kept: list[str], groups: 
             kept_now.update(members)
         elif not by_plan and fmt == "compressed-tensors" and len({layers[m].granularity for m in members}) > 1:
             for m in (m for m in members if layers[m].granularity == "tensor"):
-                layers[m] = FP8Layer("channel", layers[m].pow2, f"{layers[m].cast}, its scale written per channel "
-                                     f"as its fused group {group}'s are", cast_granularity="tensor")
+                layers[m] = FP8Layer("channel", layers[m].pow2, f"{layers[m].cast}, its one scale written on every "
+                                     "row (its fused group is per channel)", cast_granularity="tensor")
     return layers, sorted(kept_now), fused
 
 
