@@ -157,7 +157,8 @@ def test_a_fused_group_whose_casts_differ_per_tensor_and_per_channel_is_written_
         == {"q_proj": "tensorwise", "k_proj": "rowwise_with_gw_hp", "v_proj": "rowwise_with_gw_hp"}
     fp8dist.save_pretrained(model, tmp_path / "ct", dtype="fp8")
     quantization = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
-    per_channel = [g["targets"] for g in quantization["config_groups"].values() if g["weights"]["strategy"] == "channel"]
+    per_channel = [g["targets"] for g in quantization["config_groups"].values()
+                   if g["weights"]["strategy"] == "channel"]
     assert {attn + n for n in ("q_proj", "k_proj", "v_proj")} <= set(per_channel[0])
     layer = json.loads((tmp_path / "ct" / "fp8_export.json").read_text())["layers"][attn + "q_proj"]
     assert (layer["granularity"], layer["cast_granularity"]) == ("channel", "tensor")
