@@ -138,6 +138,7 @@ def test_a_fused_group_whose_casts_differ_per_tensor_and_per_channel_is_written_
     rowwise_with_gw_hp for k_proj and v_proj (512 x 2048): vLLM takes a fused layer's scheme from its first member,
     so the group is written per channel, q_proj with training's tensorwise bits and its one scale on every row."""
     import fp8dist.plan.selection as selection
+    from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
@@ -157,6 +158,7 @@ def test_a_fused_group_whose_casts_differ_per_tensor_and_per_channel_is_written_
         == {"q_proj": "tensorwise", "k_proj": "rowwise_with_gw_hp", "v_proj": "rowwise_with_gw_hp"}
     fp8dist.save_pretrained(model, tmp_path / "ct", dtype="fp8")
     quantization = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    QuantizationConfig.model_validate(quantization)  # compressed-tensors' own validation
     per_channel = [g["targets"] for g in quantization["config_groups"].values()
                    if g["weights"]["strategy"] == "channel"]
     assert {attn + n for n in ("q_proj", "k_proj", "v_proj")} <= set(per_channel[0])
