@@ -27,19 +27,21 @@ def _benchmark():
 
 @pytest.mark.slow
 def test_a_lora_job_on_an_fp8_checkpoint_peaks_at_its_bytes_not_at_an_fp32_copy_of_the_base(tmp_path):
-    """XX s on the 2-core machine (measured 2026-12-02): two exports, three jobs of 2 steps at once."""
+    """13 s on the idle 2-core machine, up to 38 s beside other runs (measured 2026-12-02): two exports, three jobs
+    of 2 steps at once."""
     bench = _benchmark()
     paths = bench.export("medium", tmp_path)  # 25.4M parameters, 24.9M of them in the 55 FP8 Linears
     m = bench.measure(paths, bench.export(bench.BASELINE, tmp_path)["fp8"])
     assert "the frozen base came in FP8 from the checkpoint: 55 Linears (24,903,680 weights)" in m["log fp8"]
-    # expected 49.6 MiB: 23.8 MiB of e4m3 bits, 55 scales, 2.3 MiB of fp32 embeddings, norms and the two Linears kept
-    # out of FP8, 24.8 MiB of mapped file; measured 49.9-50.3 (2026-12-02). An fp32 copy of the FP8 weights would add
-    # 95 MiB: FP8 health telemetry dequantizing the whole base at once measured +142 MiB.
+    # expected 49.4 MiB: 23.7 MiB of e4m3 bits, 55 scales, 2.0 MiB of fp32 embeddings, norms and the two Linears kept
+    # out of FP8, 24.8 MiB of file mapped while it loads, less the tiny job's 1.2 MiB; measured 48.6-50.6
+    # (2026-12-02). An fp32 copy of the FP8 weights adds 95 MiB: with FP8 health telemetry dequantizing the whole
+    # base at once (its first step) the peak was +136-142 MiB.
     assert m["fp8"] == pytest.approx(m["fp8 expected"], abs=3), m
-    # expected 144.6 MiB: 4 bytes a parameter and 48.5 MiB of mapped bf16 file; measured 143.9-146.6
-    assert m["bf16"] == pytest.approx(m["bf16 expected"], abs=4), m
-    assert m["fp8"] < 0.4 * m["bf16"], m  # measured 0.347
-
+    # expected 144.4 MiB: 97.0 MiB of fp32 parameters (4 bytes each) and 48.5 MiB of mapped bf16 file, less the tiny
+    # job's; measured 139.1-146.6
+    assert m["bf16"] == pytest.approx(m["bf16 expected"], abs=8), m
+    assert m["fp8"] < 0.4 * m["bf16"], m  # measured 0.341-0.355
 
 
 def _plain_high_precision_shapes(run) -> set[tuple[int, ...]]:
