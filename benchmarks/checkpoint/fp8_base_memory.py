@@ -14,7 +14,7 @@ for the bf16 base, plus the file's bytes (:func:`expected_bytes`).
 ``--allocator fixed`` (the default, what tests/test_fp8_base_memory.py asserts) runs the jobs with
 ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then returns every freed block of 128 KiB or more at once, so the peak RSS
 is what the process held at its fullest moment. ``default`` leaves glibc's dynamic threshold, which keeps freed
-multi-MB temporaries (the CPU's emulated FP8 GEMM casts each weight to fp32 per call) in its heap: what a user of a
+multi-MB temporaries (torch's CPU ``_scaled_mm`` widens each weight to fp32 per call) in its heap: what a user of a
 CPU sees, tens of MB noisier from run to run. Results: fp8_base_memory.md beside this file.
 
     PYTHONPATH=. python benchmarks/checkpoint/fp8_base_memory.py --sizes small medium --repeats 3
