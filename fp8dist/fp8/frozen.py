@@ -149,13 +149,15 @@ class FrozenFloat8Linear(Float8Linear):
         granularity = granularity_of_scale(tuple(weight.shape), tuple(scale.shape))
         tensorwise = self.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
         own = "tensor" if tensorwise else "channel"
-        values = dequantize(weight, scale, granularity)
         if granularity != own:
-            bits, scale = quantize_weight(values, own, pow2=pow2)
+            bits, scale = quantize_weight(dequantize(weight, scale, granularity), own, pow2=pow2)
             weight.data = bits.view(torch.uint8).to(weight.device)
             setattr(weight, SCALE_ATTR, scale.to(weight.device))
-            values = dequantize(weight, scale, own)
-        amax = values.abs().amax() if tensorwise else values.abs().amax(dim=1, keepdim=True)
+        # the dequantized weight's amax from the bits, with no fp32 copy of the layer: an e4m3 magnitude orders as its
+        # low 7 bits, and multiplying by a positive scale keeps the order (the same fp32 product as dequantize's)
+        magnitude = weight.detach() & 0x7F
+        top = magnitude.amax() if tensorwise else magnitude.amax(dim=1, keepdim=True)
+        amax = top.view(torch.float8_e4m3fn).float() * scale.float().reshape(top.shape)
         # torchao's scale of the dequantized weight: a pow2 rowwise recipe would round it, and the bits are the file's
         inverse = (1.0 / scale.float()) if pow2 else amax_to_scale(amax, torch.float8_e4m3fn)
         bits_t = weight.detach().view(torch.float8_e4m3fn).t()

@@ -5,6 +5,7 @@ Between sampled steps no hook is attached."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -207,16 +208,20 @@ class FP8Telemetry:
                     amax[i, r] = layer.acc[role][0]
                     counts[i, r] = layer.acc[role][1:]
                     seen[i, r] = 1.0
-            if weights[i].numel():
-                amax[i, 1] = weights[i].abs().max()
+            weight = weights[i]()
+            if weight.numel():
+                amax[i, 1] = weight.abs().max()
+            del weight
         _all_reduce(amax, dist.ReduceOp.MAX)
         for i, layer in enumerate(self.layers):
-            counts[i, 1], seen[i, 1] = _weight_counts(weights[i], amax[i, 1], layer.specs["weight"]), 1.0
+            counts[i, 1], seen[i, 1] = _weight_counts(weights[i](), amax[i, 1], layer.specs["weight"]), 1.0
         packed = torch.cat([counts.flatten(), seen.flatten()])
         _all_reduce(packed, dist.ReduceOp.SUM)
         return amax, packed[:counts.numel()].view_as(counts), packed[counts.numel():].view_as(seen)
 
-    def _weight_shards(self) -> list[torch.Tensor]:
+    def _weight_shards(self) -> list[Callable[[], torch.Tensor]]:
+        """Per layer, what makes this rank's weight values when called: a view of the weight, or a base held in FP8
+        dequantized then (one layer in fp32 at a time, never the whole base)."""
         from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
         from ..fp8.weight_wrapper import weight_data
         from ..strategies import unwrap_model
@@ -236,7 +241,8 @@ class FP8Telemetry:
             return dequantize(w.detach(), scale, granularity_of_scale(tuple(w.shape), tuple(scale.shape)))
 
         pieces = {name: p for p in local_params(self.model) for name in p.names}
-        return [values(f"{layer.name}.weight", pieces[f"{layer.name}.weight"]) for layer in self.layers]
+        return [functools.partial(values, f"{layer.name}.weight", pieces[f"{layer.name}.weight"])
+                for layer in self.layers]
 
     def _warn(self, record: dict[str, Any]) -> None:
         t = self.thresholds
