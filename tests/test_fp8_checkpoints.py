@@ -420,7 +420,7 @@ def test_a_lora_base_held_in_fp8_trains_exactly_as_the_dequantized_base_at_a_qua
     """The base held in FP8 is 1 byte per weight plus a scale per layer, never in high precision while it loads (one
     layer is, once, at its first forward). Measured once beside this test (2026-12-02, CPU, llama "medium", 25.4M
     parameters, compressed-tensors per tensor, VmHWM reset before the load): peak RSS +36 MB held in FP8, +93 MB
-    dequantized into fp32."""
+    dequantized into fp32; tests/test_fp8_base_memory.py measures it in fresh processes."""
     from helpers import train_losses
 
     fp8dist.save_pretrained(_wrapped(torchao_recipe=recipe), tmp_path / "fp8", dtype="fp8")
