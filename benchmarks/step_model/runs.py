@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8dist.runtime.gpus import B200_CALIBRATION, gpu_by_key
-from fp8dist.plan.speed.model import linear_seconds
+from fp8dist.plan.speed.model import forward_seconds
 from fp8dist.plan.speed.recipes import recipe_named
 from fp8dist.plan.speed.step_time import STEP_CONSTANTS, exposed_collectives, predict_step
 
@@ -49,6 +49,14 @@ same Linears, fused)."""
 TE_5B = ((4096, 3 * 4096), (4096, 4096), (4096, 16384), (16384, 4096))
 """The four Linears of one layer of TE's 5B example (hidden 4,096, 32 heads, intermediate 16,384, no gate): QKV,
 projection, FC1, FC2, as (in, out); its 24 layers are alike, so one layer's ratio is the model's."""
+
+
+def te_benchmark_gemms(tokens: int) -> list[tuple[int, int, int]]:
+    """The 12 GEMMs (M, K, N) TE's ``benchmarks/gemm/benchmark_gemm.py`` times for one layer of :data:`TE_5B` in its
+    model-config mode: per Linear (in k, out n) Fprop ``(tokens, k, n)``, Dgrad ``(tokens, n, k)`` and Wgrad
+    ``(k, tokens, n)``, each timed alone as a ``te.Linear(K, N)`` forward on an ``(M, K)`` input under
+    ``te.autocast`` (its input and weight quantized on every call; bf16: ``torch.matmul``)."""
+    return [gemm for k, n in TE_5B for gemm in ((tokens, k, n), (tokens, n, k), (k, tokens, n))]
 
 
 def read_runs() -> list[dict[str, Any]]:
@@ -107,9 +115,10 @@ def predict(row: dict[str, Any], theta: tuple[float, ...] = SHIPPED) -> Any:
 
 
 def _gemm_seconds(row: dict[str, Any], theta: tuple[float, ...]) -> tuple[float, float]:
-    """(bf16, FP8) seconds of one TE 5B layer's Linears, forward and backward, casts included (TE's autocast)."""
+    """(bf16, FP8) seconds of TE's benchmark of one 5B layer: its 12 GEMMs (:func:`te_benchmark_gemms`), each a
+    Linear's forward with the recipe's casts of both its operands (TE's autocast mode)."""
     gpu, recipe, m = _gpu(row["gpu"], theta), recipe_named(row["recipe"]), row["micro_batch_size"] * row["seq_len"]
-    parts = [linear_seconds(m, k, n, gpu, recipe, row["compile"]) for k, n in TE_5B]
+    parts = [forward_seconds(*gemm, gpu, recipe, row["compile"]) for gemm in te_benchmark_gemms(m)]
     return sum(p[0] for p in parts), sum(p[1] + p[2] for p in parts)
 
 

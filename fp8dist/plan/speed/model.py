@@ -11,7 +11,7 @@ from ...runtime.hardware import Hardware, find_gpu, parse_target
 from .recipes import AO_KERNELS, BLOCK_KERNELS, Kernel, Recipe, recipe_named
 
 __all__ = ["LinearPrediction", "predict_linear", "predict_fp8_speedup", "resolve_gpu", "linear_seconds",
-           "gemm_seconds", "kernel_seconds"]
+           "forward_seconds", "gemm_seconds", "kernel_seconds"]
 
 _BF16 = 2
 
@@ -120,12 +120,12 @@ def gemm_seconds(gpu: GpuSpec, m: int, k: int, n: int, reads: float, writes: flo
 
 
 def _gemms_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe | None, grouped: bool,
-             weight_grad: bool = True) -> float:
+             count: int = 3) -> float:
     x = m * k  # input elements
     w = groups * n * k  # weight elements, every expert's
     g = m * n  # grad_output elements
-    # output, grad_input, grad_weight: (operand elements read, elements written); a frozen weight has no grad_weight
-    gemms = ((x + w, g), (g + w, x), (x + g, w))[:3 if weight_grad else 2]
+    # output, grad_input, grad_weight: (operand elements read, elements written), the first ``count``
+    gemms = ((x + w, g), (g + w, x), (x + g, w))[:count]
     low = recipe.fp8_gemms if recipe else (False, False, False)
     total = 0.0
     for (reads, writes), in_fp8 in zip(gemms, low):
@@ -151,8 +151,10 @@ def kernel_seconds(gpu: GpuSpec, kernel: Kernel, elements: int, columnwise_slowd
     return seconds if kernel.fused else max(seconds, cal.kernel_floor_s)
 
 
-def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool) -> float:
-    operands = zip((m * k, groups * n * k, m * n), gpu.calibration.cast_slowdown, recipe.casts(compile))
+def _casts_s(gpu: GpuSpec, m: int, k: int, n: int, groups: int, recipe: Recipe, compile: bool,
+             count: int = 3) -> float:
+    """The casts of the first ``count`` operands (input, weight, grad_output)."""
+    operands = zip((m * k, groups * n * k, m * n)[:count], gpu.calibration.cast_slowdown, recipe.casts(compile))
     return sum(kernel_seconds(gpu, kernel, elements, slowdown, recipe.grouped) for elements, slowdown, kernels in
                operands for kernel in kernels)
 
@@ -162,9 +164,20 @@ def linear_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile
     """(bf16 GEMMs, FP8 GEMMs, FP8 casts) in seconds: the model unchecked, as the fits call it with trial constants.
     ``weight_grad`` False: a frozen weight (a LoRA base), whose backward runs no grad_weight GEMM; its casts are
     counted as a trainable weight's (an overestimate: the operands' grad_weight layouts are not subtracted)."""
-    bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped, weight_grad)
-    fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped, weight_grad)
+    count = 3 if weight_grad else 2  # a frozen weight has no grad_weight GEMM
+    bf16 = _gemms_s(gpu, m, k, n, groups, None, recipe.grouped, count)
+    fp8 = _gemms_s(gpu, m, k, n, groups, recipe, recipe.grouped, count)
     return bf16, fp8, _casts_s(gpu, m, k, n, groups, recipe, compile)
+
+
+def forward_seconds(m: int, k: int, n: int, gpu: GpuSpec, recipe: Recipe, compile: bool) -> tuple[float, float, float]:
+    """(bf16 GEMM, FP8 GEMM, FP8 casts) in seconds of a Linear's forward alone, input ``(m, k)``, weight ``(n, k)``:
+    one GEMM, and the recipe's casts of its input and its weight (no grad_output): what a GEMM benchmark that times
+    each GEMM as a quantized Linear's forward measures (Transformer Engine's ``benchmarks/gemm/benchmark_gemm.py``
+    times Fprop, Dgrad and Wgrad shapes each so). Unchecked, as :func:`linear_seconds`."""
+    bf16 = _gemms_s(gpu, m, k, n, 1, None, recipe.grouped, 1)
+    fp8 = _gemms_s(gpu, m, k, n, 1, recipe, recipe.grouped, 1)
+    return bf16, fp8, _casts_s(gpu, m, k, n, 1, recipe, compile, 2)
 
 
 def predict_linear(m: int, k: int, n: int, *, target: str | Hardware | GpuSpec, recipe: str = "tensorwise",
