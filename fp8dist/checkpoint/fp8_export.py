@@ -7,7 +7,10 @@ vLLM requires: where the plan kept one member in high precision, the whole group
 ran in bf16 is never quantized: the served FP8 bits are those training multiplied with), each such layer recorded
 with its group and the member kept; where the members' casts differ in granularity (per tensor and per channel under
 ``torchao_recipe="auto"``), the group is written per channel, a per-tensor cast keeping its bits, its one scale
-repeated per row."""
+repeated per row.
+
+A module other than a Linear that a loader quantizes by its own rule (:mod:`.loader_quantized`: a model's experts) is
+written in bf16 and listed as not converted, under the name each loader matches, with the reason in the record."""
 
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ from ..config.text import listing
 from ..fp8.hf_format import BLOCK, FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
     scale_name
 from .fused_groups import fused_groups
+from .loader_quantized import ModuleBf16, listed_names, loader_quantized
 
 __all__ = ["FP8Layer", "FusedBf16", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
 
 RECORD_FILE = "fp8_export.json"
 """The export's record: per FP8 layer its cast and whether it is training's, and (LoRA) the merge's error; the Linears
-written in bf16, and those of them written so for their fused group."""
+written in bf16, and those of them written so for their fused group; the other modules listed as not converted
+(experts), with their names in the list and why they are bf16."""
 
 _GRANULARITY = {"tensorwise": "tensor", "rowwise": "channel"}  # a training weight cast a layout holds exactly
 
@@ -95,6 +100,9 @@ class FP8Export:
     """Linears written in bf16: the plan kept them in high precision, or their fused group (:attr:`fused_bf16`)."""
     fused_bf16: dict[str, FusedBf16] = field(default_factory=dict)
     """The Linears of :attr:`kept` the plan ran in FP8, written in bf16 for their fused group, by module name."""
+    modules_bf16: dict[str, ModuleBf16] = field(default_factory=dict)
+    """Modules other than Linears that loaders quantize by their own rule (experts), written in bf16 and listed as not
+    converted, by module name."""
 
     def quantize(self, name: str, tensor: torch.Tensor, reference: torch.Tensor | None = None) \
             -> dict[str, torch.Tensor]:
@@ -117,21 +125,27 @@ class FP8Export:
 
     def quantization_config(self) -> dict[str, Any]:
         """config.json's ``quantization_config`` of this export."""
-        return quantization_config(self.fmt, {n: layer.granularity for n, layer in self.layers.items()}, self.kept)
+        listed = [name for module in self.modules_bf16.values() for name in module.listed_as]
+        return quantization_config(self.fmt, {n: layer.granularity for n, layer in self.layers.items()},
+                                   [*self.kept, *listed])
 
     def record(self) -> str:
         """The text of :data:`RECORD_FILE`."""
         return json.dumps({"format": self.fmt, "loaders": FORMAT_LOADERS[self.fmt],
                            "layers": {n: asdict(layer) for n, layer in sorted(self.layers.items())},
                            "kept_bf16": sorted(self.kept),
-                           "fused_bf16": {n: asdict(f) for n, f in sorted(self.fused_bf16.items())}}, indent=2) + "\n"
+                           "fused_bf16": {n: asdict(f) for n, f in sorted(self.fused_bf16.items())},
+                           "modules_bf16": {n: asdict(m) for n, m in sorted(self.modules_bf16.items())}},
+                          indent=2) + "\n"
 
 
 def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Export:
     """The :class:`FP8Export` of ``model`` (as :func:`fp8dist.wrap_model` returned it): each nn.Linear its plan ran
     in FP8 (``PlanEntry.precision == "fp8"``), under its name less ``prefix`` and PEFT's ``.base_layer``, with the
     weight cast its recipe used where the layout holds it (tensorwise -> per tensor, rowwise -> per channel). Warns
-    when no layer ran in FP8 (the export is bf16). Raises ValueError for a model fp8dist did not wrap."""
+    when no layer ran in FP8 (the export is bf16). The modules other than Linears that loaders quantize by their own
+    rule (:func:`.loader_quantized.loader_quantized`: experts) are written in bf16 and listed as not converted under
+    each loader's name (:attr:`FP8Export.modules_bf16`). Raises ValueError for a model fp8dist did not wrap."""
     from ..fp8 import get_backend
     from ..pipeline.api import get_wrap_info
     from ..strategies import unwrap_model
@@ -177,7 +191,20 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
         warnings.warn(f"save_pretrained(dtype='fp8'): the plan ran no layer in FP8 (backend {plan.backend!r}), so the "
                       "export is written in bf16 with no quantization_config. Train with an FP8 backend "
                       "(fp8='torchao') to export FP8 weights.", UserWarning, stacklevel=3)
-    return FP8Export(fmt, layers, kept, fused)
+    entries = {short(e.name): e for e in plan}
+    held = {name: ModuleBf16(listed_names(name, model_type), _why_bf16(entries.get(name)))
+            for name in loader_quantized(((short(n), m) for n, m in unwrap_model(model).named_modules()), layers)}
+    return FP8Export(fmt, layers, kept, fused, held)
+
+
+def _why_bf16(entry: Any) -> str:
+    """Why a module the plan entry ``entry`` (None: none) is about is written in bf16."""
+    if entry is None:
+        return "not in the plan (not converted)"
+    if entry.precision == "fp8" and entry.runs:
+        return (f"ran FP8 in training ({entry.converted_to}); written bf16: fp8dist's FP8 layouts hold Linear weights "
+                "only")
+    return f"kept in {entry.precision} by the plan: {entry.reason}"
 
 
 def _one_scheme_per_group(layers: dict[str, FP8Layer], kept: list[str], groups: dict[str, list[str]], fmt: str) \
@@ -226,6 +253,9 @@ def fp8_summary(out: Path) -> str:
     fused = len(record.get("fused_bf16", {}))
     grouped = f" ({fused} of them ran FP8, written bf16 as their fused group is: vLLM serves one scheme per group)" \
         if fused else ""
+    held = record.get("modules_bf16", {})
+    kinds = "/".join(sorted({n.rpartition(".")[2] for n in held}))
+    others = f"; {len(held)} {kinds} modules bf16, listed as not converted (loaders quantize them)" if held else ""
     return (f"fp8 {record['format']}: {len(record['layers'])} Linears e4m3 ("
             + ", ".join(f"{n} {c}" for c, n in casts.items()) + f"), {len(record['kept_bf16'])} kept bf16{grouped}"
-            + merged)
+            + others + merged)
