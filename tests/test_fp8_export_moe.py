@@ -94,4 +94,4 @@ def test_a_mixtral_fp8_export_lists_its_bf16_experts_under_each_loaders_name_and
         else:
             assert FineGrainedFP8Config(**config).modules_to_not_convert == LISTED
     assert fp8_summary(tmp_path / "ct").endswith(
-        "; 2 experts modules bf16, listed as not converted (loaders quantize them)")
+        "; 2 experts modules bf16, listed as not converted (a loader would quantize them)")

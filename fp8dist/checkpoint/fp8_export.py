@@ -18,7 +18,7 @@ import json
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from ..fp8.hf_format import BLOCK, FORMAT_LOADERS, FP8_FORMATS, Granularity, qua
     scale_name
 from .fused_groups import fused_groups
 from .loader_quantized import ModuleBf16, listed_names, loader_quantized
+
+if TYPE_CHECKING:
+    from ..plan.precision import PlanEntry
 
 __all__ = ["FP8Layer", "FusedBf16", "FP8Export", "plan_fp8_export", "check_fp8_format", "fp8_summary", "RECORD_FILE"]
 
@@ -197,7 +200,7 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
     return FP8Export(fmt, layers, kept, fused, held)
 
 
-def _why_bf16(entry: Any) -> str:
+def _why_bf16(entry: PlanEntry | None) -> str:
     """Why a module the plan entry ``entry`` (None: none) is about is written in bf16."""
     if entry is None:
         return "not in the plan (not converted)"
@@ -255,7 +258,8 @@ def fp8_summary(out: Path) -> str:
         if fused else ""
     held = record.get("modules_bf16", {})
     kinds = "/".join(sorted({n.rpartition(".")[2] for n in held}))
-    others = f"; {len(held)} {kinds} modules bf16, listed as not converted (loaders quantize them)" if held else ""
+    others = f"; {len(held)} {kinds} modules bf16, listed as not converted (a loader would quantize them)" \
+        if held else ""
     return (f"fp8 {record['format']}: {len(record['layers'])} Linears e4m3 ("
             + ", ".join(f"{n} {c}" for c, n in casts.items()) + f"), {len(record['kept_bf16'])} kept bf16{grouped}"
             + others + merged)
