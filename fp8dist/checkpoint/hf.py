@@ -1,7 +1,8 @@
 """Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json`` under
 the user's module names, FP8 modules as their high-precision weights (or, ``dtype="fp8"``, as e4m3 weights with
-scales: :mod:`.fp8_export`), gathered one parameter (FSDP1: one unit) at a time;
-``AutoModelForCausalLM.from_pretrained(dir)`` reloads it."""
+scales: :mod:`.fp8_export`), gathered one parameter (FSDP1: one unit) at a time, under the names and in the layout transformers' own
+``save_pretrained`` writes (:func:`hub_layout`: a Mixtral's experts per expert, as its Hub checkpoints hold them);
+``AutoModelForCausalLM.from_pretrained(dir)`` and vLLM reload it."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from ..pipeline.pretrained import INDEX_FILE, SINGLE_FILE, persistent_buffers
 from ..strategies import unwrap_model
 from ..strategies.local_shards import gather_full, local_params, original_class
 from ..runtime.agree import on_all_ranks, rank_world
-from ..fp8.hf_format import scale_name
 from .fp8_export import RECORD_FILE, write_record
 
-__all__ = ["save_pretrained", "export_dtype", "remove_stale", "MODEL_FILES", "ADAPTER_FILE", "ADAPTER_CONFIG"]
+__all__ = ["save_pretrained", "export_dtype", "remove_stale", "hub_layout", "MODEL_FILES", "ADAPTER_FILE",
+           "ADAPTER_CONFIG"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 FP8 = "fp8"
@@ -148,7 +149,8 @@ def remove_stale(out: Path, written: set[str]) -> None:
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str = torch.bfloat16,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, fp8_format: str = "compressed-tensors") -> Path:
-    """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory.
+    """Write ``model`` (as :func:`fp8dist.wrap_model` returned it, or any module) as a Hugging Face directory, its
+    tensors under the names and in the layout transformers' own ``save_pretrained`` writes (:func:`hub_layout`).
 
     Call it on every rank (the parameters are gathered collectively); rank 0 writes each file atomically. A
     failure removes this call's files and raises on every rank. Model files of an earlier export (weights, PEFT
@@ -201,11 +203,11 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
     files = _plan_files(entries, limit)
     names = [SINGLE_FILE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                    for i in range(len(files))]
-    file_of = {name: names[i] for i, group in enumerate(files) for name in group}
     closes = {group[-1]: names[i] for i, group in enumerate(files)}  # the tensor that completes each file
     writer = _Writer(out, rank)
     writer.run(f"creating {out}", lambda: out.mkdir(parents=True, exist_ok=True) or [])
     pending: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}  # each name written (transformers' checkpoint names) -> its file
     tensors = ((names[0], full) for names, full in gather_full(model))
     held = ((n, buf.detach().cpu() if rank == 0 else None) for n, buf in buffers)
     for name, full in itertools.chain(tensors, held):
@@ -214,15 +216,12 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, dtype: torc
         elif rank == 0:
             pending[name] = (full.to(dtype) if full.is_floating_point() else full).contiguous()
         if name in closes:
-            writer.run(f"writing {out / closes[name]}", lambda: _write_file(out / closes[name], pending))
+            writer.run(f"writing {out / closes[name]}", lambda: _write_file(out / closes[name], pending, inner,
+                                                                              weight_map))
             pending = {}
 
     def finish() -> list[str]:  # what it writes is recorded as it goes: a failure removes it too
         if len(names) > 1:
-            weight_map = dict(file_of)
-            for name in list(file_of) if fp8 is not None else ():  # each scale in its weight's file
-                if name.removesuffix(".weight") in fp8.layers and name.endswith(".weight"):
-                    weight_map[scale_name(name, fp8.fmt)] = file_of[name]
             index = {"metadata": {"total_size": sum(n for _, n in entries)}, "weight_map": weight_map}
             atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
             writer.written.append(INDEX_FILE)
@@ -257,8 +256,33 @@ class _Writer:
             raise
 
 
-def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
+def hub_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (entries of ``model``'s state dict, under its names) under the names and in the layout
+    transformers' own ``save_pretrained`` writes them: transformers 5 holds some families' weights otherwise than
+    their checkpoints do (a Mixtral's experts stacked in 3-D ``mlp.experts.gate_up_proj``, the checkpoints'
+    ``block_sparse_moe.experts.E.w1.weight`` per expert) and reverts that on saving (its
+    ``revert_weight_conversion``, with the mapping the model was loaded with or its family's); vLLM's own model
+    classes read only the checkpoints' names. Each tensor must come with the others its reverted ones are made of
+    (transformers reverts its fused tensors one source each). Unchanged where ``model`` is no transformers model,
+    or its transformers has no such conversion (before 5)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return tensors
+    if not isinstance(model, PreTrainedModel):
+        return tensors
+    return {name: t.contiguous() for name, t in revert_weight_conversion(model, tensors).items()}
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], model: nn.Module | None = None,
+                weight_map: dict[str, str] | None = None) -> list[str]:
+    """Write ``tensors`` (in ``model``'s layout: :func:`hub_layout`; None: as named) into the safetensors file
+    ``path`` atomically, each name written added to ``weight_map`` with the file's name."""
     from safetensors.torch import save_file
 
+    tensors = hub_layout(model, tensors) if model is not None else tensors
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    if weight_map is not None:
+        weight_map.update(dict.fromkeys(tensors, path.name))
     return [path.name]

@@ -237,7 +237,7 @@ def _save_merged_fp8(model: nn.Module, inner: Any, out: Path, fp8_format: str) -
                 value = merged[name]
                 tensors.update(export.quantize(name, value, value if name in adapted else None))
         out.mkdir(parents=True, exist_ok=True)
-        writer.written += _write_file(out / SINGLE_FILE, tensors)
+        writer.written += _write_file(out / SINGLE_FILE, tensors, base)
         if export.layers:
             write_record(out, export)
             writer.written.append(RECORD_FILE)
