@@ -1,7 +1,7 @@
-"""Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json`` under
-the user's module names, FP8 modules as their high-precision weights (or, ``dtype="fp8"``, as e4m3 weights with
-scales: :mod:`.fp8_export`), gathered one parameter (FSDP1: one unit) at a time, under the names and in the layout transformers' own
-``save_pretrained`` writes (:func:`hub_layout`: a Mixtral's experts per expert, as its Hub checkpoints hold them);
+"""Export to Hugging Face: :func:`save_pretrained` writes a wrapped model as safetensors with ``config.json``, FP8
+modules as their high-precision weights (or, ``dtype="fp8"``, as e4m3 weights with scales: :mod:`.fp8_export`),
+gathered one parameter (FSDP1: one unit) at a time, under the names and in the layout transformers' own
+``save_pretrained`` writes (:func:`hub_layout`: a Mixtral's experts one by one, as its Hub checkpoints hold them);
 ``AutoModelForCausalLM.from_pretrained(dir)`` and vLLM reload it."""
 
 from __future__ import annotations
