@@ -15,6 +15,7 @@ import torch
 
 import fp8dist
 from fp8dist.checkpoint.fp8_export import fp8_summary
+from fp8dist.fp8.hf_format import scale_name
 
 pytest.importorskip("torchao", reason="FP8 exports need a model trained in FP8 (torchao)")
 
@@ -22,6 +23,11 @@ IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 EXPERTS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
 LISTED = sorted(["lm_head", *(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")),  # as Llama's
                  *EXPERTS, *(n.replace(".mlp.", ".block_sparse_moe.") for n in EXPERTS)])  # transformers', vLLM's
+HUB = sorted(["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight",
+              *(f"model.layers.{i}.{n}" for i in (0, 1) for n in (
+                  "input_layernorm.weight", "post_attention_layernorm.weight", "block_sparse_moe.gate.weight",
+                  *(f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                  *(f"block_sparse_moe.experts.{e}.w{w}.weight" for e in range(4) for w in (1, 2, 3))))])
 RAN = "ran FP8 in training (torchao MoE: MXFP8 grouped GEMM, emulated); written bf16: fp8dist's FP8 layouts hold " \
       "Linear weights only"
 
@@ -64,6 +70,7 @@ def _quantized_by_loader(path: Path, config: dict) -> set[str]:
 def test_a_mixtral_fp8_export_lists_its_bf16_experts_under_each_loaders_name_and_loads_like_the_bf16_export(
         tmp_path):
     from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
     from test_fp8_families import mixtral_tiny
     from transformers import FineGrainedFP8Config
 
@@ -82,6 +89,11 @@ def test_a_mixtral_fp8_export_lists_its_bf16_experts_under_each_loaders_name_and
         assert len(e4m3) == 5 and not any(".experts" in n for n in e4m3)
         assert {n: d for n, d in written.items() if ".experts." in n} == {n: d for n, d in bf16.items()
                                                                           if ".experts." in n}  # all BF16
+        # the names transformers' own save_pretrained writes (the Hub's, vLLM's Mixtral reads), experts one by one
+        scales = {scale_name(n, "compressed-tensors" if key == "ct" else "fine-grained") for n in written}
+        assert sorted(n for n in written if n not in scales) == HUB, key
+        ours, plain = load_file(tmp_path / key / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+        assert all(torch.equal(ours[n], plain[n]) for n in HUB if ".experts." in n), key
         assert _quantized_by_loader(tmp_path / key, config) == e4m3, key  # no bf16 module is quantized at load
         # measured 2026-12-02: 0.9985 (compressed-tensors, per tensor), 0.9989 (128x128 blocks)
         assert torch.nn.functional.cosine_similarity(_logits(tmp_path / key), _logits(tmp_path / "bf16"),
