@@ -7,7 +7,6 @@ for its FP8Experts on an FP8 GPU, and vLLM quantizes a FusedMoE layer its list d
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 import fp8dist
 from fp8dist.checkpoint.fp8_export import fp8_summary
 from fp8dist.fp8.hf_format import scale_name
+from test_fp8_checkpoints import _logits  # the tiny models' shared ids, loaded by transformers on a CPU
 
 pytest.importorskip("torchao", reason="FP8 exports need a model trained in FP8 (torchao)")
 
-IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 EXPERTS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
 LISTED = sorted(["lm_head", *(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")),  # as Llama's
                  *EXPERTS, *(n.replace(".mlp.", ".block_sparse_moe.") for n in EXPERTS)])  # transformers', vLLM's
@@ -30,16 +29,6 @@ HUB = sorted(["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"
                   *(f"block_sparse_moe.experts.{e}.w{w}.weight" for e in range(4) for w in (1, 2, 3))))])
 RAN = "ran FP8 in training (torchao MoE: MXFP8 grouped GEMM, emulated); written bf16: fp8dist's FP8 layouts hold " \
       "Linear weights only"
-
-
-def _logits(path: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers: "FP8 needs a GPU, dequantizing to bf16"
-        model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        return model(IDS).logits.float().flatten()
 
 
 def _written(path: Path) -> dict[str, str]:
