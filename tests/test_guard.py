@@ -1,4 +1,4 @@
-"""A non-finite step never reaches the weights (fp8dist/pipeline/guard.py): one batch whose forward makes an inf, on 2 gloo
+"""A non-finite step never reaches the weights (fp8dist/runtime/guard.py): one batch whose forward makes an inf, on 2 gloo
 ranks. Under fsdp + torchao, fsdp1, ddp and none the step is skipped on every rank (under "none" the other rank's
 gradients were finite: the ranks agree through one reduction), its weights and optimizer state are bit-identical to
 before it, and the losses after it equal those of a run that never saw that batch; the skip is warned about and
@@ -65,7 +65,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _cases(rank: int, world: int) -> dict:
     import fp8dist
     from fp8dist.train.data import Batches
-    from fp8dist.pipeline.guard import NonFiniteStepsError
+    from fp8dist.runtime.guard import NonFiniteStepsError
     from fp8dist.train.models import build_llama
 
     data = Batches(batch_size=2 * world, seq_len=32, rank=rank, world_size=world, seed=0)
@@ -142,7 +142,7 @@ def test_deepspeeds_own_check_skips_and_fp8dist_counts_it(results):
 
 def test_error_mode_raises_before_anything_changes():
     import fp8dist
-    from fp8dist.pipeline.guard import NonFiniteStepsError
+    from fp8dist.runtime.guard import NonFiniteStepsError
     from fp8dist.train.models import build_llama
 
     model = fp8dist.wrap_model(build_llama("tiny", seed=0), strategy="none", nonfinite_step="error")

@@ -1,4 +1,4 @@
-"""The cost of the non-finite step guard (fp8dist/pipeline/guard.py) per optimizer step, on this machine's CPU: the check
+"""The cost of the non-finite step guard (fp8dist/runtime/guard.py) per optimizer step, on this machine's CPU: the check
 itself (one fused norm per dtype over this rank's gradients, one MAX all-reduce of a flag per parameter) timed on
 its own, beside the step it guards. Two gloo ranks, FSDP2 + torchao, one thread per rank (CPU figures, not a GPU's).
 
@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, size: str, steps: int) -> dict:
 
     import fp8dist
     from fp8dist.train.data import Batches
-    from fp8dist.pipeline.guard import _nonfinite
+    from fp8dist.runtime.guard import _nonfinite
     from fp8dist.train.models import build_llama
 
     warnings.simplefilter("ignore")

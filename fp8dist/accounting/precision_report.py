@@ -19,7 +19,7 @@ from ..fp8 import get_backend
 from ..memory_levels import STANDARD
 from ..plan.coverage import runs_gemm
 from ..strategies import unwrap_model
-from ..strategies.local_shards import plain_name as _plan_name
+from ..runtime.names import plain_name as _plan_name
 
 __all__ = ["Part", "PrecisionRow", "PrecisionReport", "report"]
 

@@ -152,7 +152,7 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
     from ..fp8 import get_backend
     from ..pipeline.api import get_wrap_info
     from ..strategies import unwrap_model
-    from ..strategies.local_shards import plain_name
+    from ..runtime.names import plain_name
 
     check_fp8_format(fmt)
     try:

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..runtime.agree import rank_world
 from ..strategies import unwrap_model
-from ..strategies.local_shards import gather_full, plain_name
+from ..runtime.names import plain_name
+from ..strategies.local_shards import gather_full
 from ..pipeline.pretrained import persistent_buffers
 from ..pipeline.pretrained import SINGLE_FILE
 from .fp8_export import RECORD_FILE, plan_fp8_export, write_record

@@ -26,7 +26,7 @@ def explained() -> dict[type[BaseException], int]:
     """Errors whose message is the whole story, and the exit code of each (subclasses included). Some are the
     engines' (imported here, once a command runs: parsing its flags imports no engine)."""
     from ..runtime.env import LaunchError
-    from ..pipeline.guard import NonFiniteStepsError
+    from ..runtime.guard import NonFiniteStepsError
     from ..plan.precision import FP8UnavailableError
     from ..train.checks import TrainingDiverged
 

@@ -98,7 +98,7 @@ class FP8Telemetry:
         from ..runtime.files import check_output_path
         from ..runtime.optim import STEP_HOOKS
         from ..strategies import unwrap_model
-        from ..strategies.local_shards import plain_name
+        from ..runtime.names import plain_name
 
         every = _steps("every", every, 1, "a whole number of steps >= 1 (1 samples every step)")
         step = _steps("step", step, 0, "the number of the step about to run, >= 0 (a resumed run's: its checkpoint's "
@@ -225,7 +225,8 @@ class FP8Telemetry:
         from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale
         from ..fp8.weight_wrapper import weight_data
         from ..strategies import unwrap_model
-        from ..strategies.local_shards import local_params, plain_name
+        from ..runtime.names import plain_name
+        from ..strategies.local_shards import local_params
 
         scales = {plain_name(n): getattr(p, SCALE_ATTR) for n, p in unwrap_model(self.model).named_parameters()
                   if hasattr(p, SCALE_ATTR)}  # a base held in FP8: its bits times its scale (whole on each rank)

@@ -17,7 +17,7 @@ from ..runtime.env import DistEnv, current_launch, resolve_device
 from ..config.text import plural
 from ..config.dtypes import dtype_name
 from ..fp8 import BACKENDS, NO_FP8, FP8Backend, FP8Wiring, converted_by_hand, get_backend
-from .guard import StepGuard
+from ..runtime.guard import StepGuard
 from .handover import mark_distributed
 from ..memory_levels import MemoryLevel, get_level
 from ..runtime.optim import OptimizerSpec, check_optimizer_spec, watch_replaced_parameters
@@ -28,7 +28,8 @@ from .fp8_base import held_note, release_unplanned
 from .meta_init import is_meta_model
 from .mesh import check_mesh
 from .planned_tree import refuse_later_parameters
-from .pretrained import LoadReport, materialize
+from ..runtime.load_report import LoadReport
+from .pretrained import materialize
 from ..strategies import Sharded, ShardingInfo, ShardJob, find_blocks, get_strategy, unwrap_model
 from ..strategies.introspect import find_wrapping, mark_wrapped
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..fp8.hf_format import SCALE_ATTR, dequantize, granularity_of_scale, holds_fp8
 from .meta_init import init_weights
-from .pretrained import LoadReport, SafetensorsDir, load_pretrained
+from ..runtime.load_report import LoadReport
+from .pretrained import SafetensorsDir, load_pretrained
 
 __all__ = ["fp8_checkpoint", "fp8_base_refusal", "load_fp8_base", "release_unplanned"]
 

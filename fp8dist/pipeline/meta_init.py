@@ -10,7 +10,8 @@ from torch import nn
 from ..config.text import plural
 from ..config.args import require_bool
 from ..strategies import unwrap_model
-from ..strategies.local_shards import LocalParam, Region, local_params, original_class, plain_name
+from ..runtime.names import plain_name
+from ..strategies.local_shards import LocalParam, Region, local_params, original_class
 
 __all__ = ["is_meta_model", "init_weights"]
 

@@ -8,7 +8,6 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,30 +15,16 @@ from torch import nn
 from ..config.text import listing, plural
 from ..config.args import require_bool
 from ..runtime.agree import on_all_ranks
+from ..runtime.load_report import LoadReport
 from ..config.dtypes import dtype_name
 from .meta_init import init_weights
 from ..strategies import unwrap_model
-from ..strategies.local_shards import LocalParam, Region, local_params, plain_name
+from ..runtime.names import plain_name
+from ..strategies.local_shards import LocalParam, Region, local_params
 from .safetensors_dir import SHOWN, INDEX_FILE, SINGLE_FILE, PretrainedError, SafetensorsDir
 
-__all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "LoadReport", "load_pretrained", "materialize",
+__all__ = ["persistent_buffers", "SafetensorsDir", "PretrainedError", "load_pretrained", "materialize",
            "INDEX_FILE", "SINGLE_FILE"]
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What loading a pretrained directory read on this rank (:attr:`fp8dist.pipeline.api.WrapInfo.pretrained`)."""
-
-    path: str
-    """The directory loaded."""
-    bytes_read: int
-    """Tensor bytes this rank read from the files."""
-    checkpoint_bytes: int
-    """Tensor bytes of the whole checkpoint."""
-    dequantized: str = ""
-    """What of an FP8 checkpoint was dequantized into the parameters ("" for none), as said in a warning."""
-    held_fp8: int = 0
-    """FP8 weights kept as the checkpoint's e4m3 bits (a LoRA base loaded in FP8: :mod:`.fp8_base`)."""
-
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers of ``model`` a state dict holds (persistent ones), by their plain names (the engine's wrapper

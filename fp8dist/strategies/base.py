@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from ..config.param_bytes import ParamInfo
     from ..config.resolve import Config
-    from ..pipeline.guard import StepGuard
-    from ..pipeline.pretrained import LoadReport
+    from ..runtime.guard import StepGuard
+    from ..runtime.load_report import LoadReport
     from ..runtime.optim import OptimizerSpec
     from .deepspeed_checkpoint import ZeROCheckpoint
     from .grad_fp8 import WireTally

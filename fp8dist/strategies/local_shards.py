@@ -12,19 +12,11 @@ import torch
 from torch import nn
 
 from .deepspeed import is_deepspeed_engine
+from ..runtime.names import plain_name
 from ..runtime.weight_layout import checkpoint_transposed, transposed_params
 
-__all__ = ["WRAPPER_ATTRS", "plain_name", "flat_params", "Region", "LocalParam", "local_params",
+__all__ = ["flat_params", "Region", "LocalParam", "local_params",
            "gather_full", "original_class"]
-
-WRAPPER_ATTRS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-"""Attribute names under which FSDP1, activation checkpointing and torch.compile hold the module they
-wrap: parameter names are read with them left out."""
-
-
-def plain_name(name: str) -> str:
-    """A wrapped module's or parameter's name as it is on the unwrapped model (and in its checkpoints)."""
-    return ".".join(a for a in name.split(".") if a not in WRAPPER_ATTRS)
 
 
 def original_class(module: nn.Module) -> type:

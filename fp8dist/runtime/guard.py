@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.text import listing
+from .names import plain_name
 
 __all__ = ["StepGuard", "NonFiniteStepsError"]
 
@@ -52,8 +53,6 @@ class StepGuard:
     def for_model(cls, model: nn.Module, cfg: Any, device: torch.device) -> "StepGuard":
         """The guard ``cfg`` asks for (``nonfinite_step``, ``max_skipped_steps``) over ``model``'s parameters, its
         flags on ``device`` (the rank's: the all-reduce of the verdict runs there)."""
-        from ..strategies.local_shards import plain_name
-
         names = {id(p): plain_name(n).rpartition(".")[0] or plain_name(n) for n, p in model.named_parameters()}
         return cls(cfg.parallel.nonfinite_step, cfg.parallel.max_skipped_steps, device, names)
 
