@@ -27,7 +27,8 @@ from ..config.text import listing
 from ..fp8.hf_format import BLOCK, FORMAT_LOADERS, FP8_FORMATS, Granularity, quantization_config, quantize_weight, \
     scale_name
 from .fused_groups import fused_groups
-from .loader_quantized import ModuleBf16, listed_names, loader_quantized
+from ..pipeline.hf_layouts import checkpoint_names
+from .loader_quantized import ModuleBf16, loader_quantized
 
 if TYPE_CHECKING:
     from ..plan.precision import PlanEntry
@@ -195,7 +196,7 @@ def plan_fp8_export(model: nn.Module, fmt: str, *, prefix: str = "") -> FP8Expor
                       "export is written in bf16 with no quantization_config. Train with an FP8 backend "
                       "(fp8='torchao') to export FP8 weights.", UserWarning, stacklevel=3)
     entries = {short(e.name): e for e in plan}
-    held = {name: ModuleBf16(listed_names(name, model_type), _why_bf16(entries.get(name)))
+    held = {name: ModuleBf16(checkpoint_names(name, model_type), _why_bf16(entries.get(name)))
             for name in loader_quantized(((short(n), m) for n, m in unwrap_model(model).named_modules()), layers)}
     return FP8Export(fmt, layers, kept, fused, held)
 

@@ -4,7 +4,7 @@ transformers 5 one module holding the experts' stacked 3-D weights). transformer
 whose name ends in ``.experts`` for its FP8Experts when an FP8 GPU is present (bf16 weights would load into e4m3
 parameters with no scales), and vLLM runs each as a FusedMoE layer that its ``fp8`` method quantizes unless the list
 names it. Each is listed under the model's name (transformers; vLLM's Transformers backend) and under the family's
-checkpoint name (:data:`fp8dist.pipeline.hf_layouts.LAYOUTS`: vLLM's own Mixtral names the layer
+checkpoint name (:func:`fp8dist.pipeline.hf_layouts.checkpoint_names`: vLLM's own Mixtral names the layer
 ``block_sparse_moe.experts``). A router that is no Linear (Mixtral's) is quantized by no loader, so it is not listed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["LOADER_QUANTIZED", "ModuleBf16", "loader_quantized", "listed_names"]
+__all__ = ["LOADER_QUANTIZED", "ModuleBf16", "loader_quantized"]
 
 LOADER_QUANTIZED = ("experts",)
 """The last name component of the modules (other than Linears) that loaders quantize by their own rule."""
@@ -29,18 +29,6 @@ class ModuleBf16:
     reason: str
     """Why it is written in bf16: the plan kept it in high precision (its reason), or it ran FP8 in a cast that
     fp8dist does not write."""
-
-
-def listed_names(name: str, model_type: str | None) -> tuple[str, ...]:
-    """``name`` (a module's dotted name in the model) and its names under the renames of the family ``model_type``'s
-    checkpoint layout (:data:`fp8dist.pipeline.hf_layouts.LAYOUTS`), in that order, without repeats."""
-    from ..pipeline.hf_layouts import LAYOUTS
-
-    names = [name]
-    layout = LAYOUTS.get(model_type or "")
-    for ours, theirs in layout.renames if layout is not None else ():
-        names += [n.replace(ours, theirs, 1) for n in names if ours in n]
-    return tuple(dict.fromkeys(names))
 
 
 def loader_quantized(named_modules: Iterable[tuple[str, nn.Module]], written_fp8: Iterable[str]) -> list[str]:

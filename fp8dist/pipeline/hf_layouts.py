@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["ExpertsLayout", "FusedExperts", "LAYOUTS", "resolve"]
+__all__ = ["ExpertsLayout", "FusedExperts", "LAYOUTS", "resolve", "checkpoint_names"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,13 @@ def _candidates(name: str, layout: ExpertsLayout) -> list[str]:
     for ours, theirs in layout.renames:
         out += [n.replace(ours, theirs, 1) for n in out if ours in n]
     return out
+
+
+def checkpoint_names(name: str, model_type: str | None) -> tuple[str, ...]:
+    """``name`` (a dotted name in the model) and its names under the renames of the family ``model_type``'s
+    checkpoint layout (:data:`LAYOUTS`), in that order, without repeats; ``(name,)`` for a family with none."""
+    layout = LAYOUTS.get(model_type or "")
+    return tuple(dict.fromkeys(_candidates(name, layout))) if layout is not None else (name,)
 
 
 def _fused(name: str, layout: ExpertsLayout, shapes: Mapping[str, tuple[int, ...]],
